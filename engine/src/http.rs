@@ -1,0 +1,1 @@
+//! http (under construction)

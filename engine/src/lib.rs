@@ -1,0 +1,26 @@
+//! # iop-engine — the runtime shared by `edge-bin` and `node-bin`
+//!
+//! Pure cores (no IO, time passed in) sit next to the thin monoio shells that
+//! move bytes between sockets and those cores:
+//!
+//! | module | pure core | shell |
+//! |---|---|---|
+//! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
+//! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
+//! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2) | TLS accept/connect through monoio-rustls |
+//! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
+//! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
+//!
+//! ```text
+//! provider socket ─► Node ─► frame conn (TLS) ─► Edge ─► client socket
+//!                          control lane ahead of bulk body frames (T4)
+//! ```
+//!
+//! Unsafe code is confined to the buffer/IO modules, each block with a
+//! `// SAFETY:` note.
+
+pub mod clock;
+pub mod conn;
+pub mod http;
+pub mod rt;
+pub mod tls;

@@ -1,0 +1,1 @@
+//! tls (under construction)

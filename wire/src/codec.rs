@@ -1,0 +1,314 @@
+//! Length-delimited frame codec (T1).
+//!
+//! ## Format
+//!
+//! Every frame is a 4-byte **big-endian `u32` length** followed by exactly that
+//! many bytes of a protobuf-encoded [`Frame`]. The length counts the protobuf
+//! bytes only, not the prefix. A length above the decoder's maximum (default
+//! [`DEFAULT_MAX_FRAME_BYTES`], 16 MiB) is rejected as soon as the prefix is
+//! read, before any byte of the frame is buffered for it.
+//!
+//! ## Zero copy
+//!
+//! [`FrameDecoder`] keeps one `BytesMut`; an IO shell may read straight into it
+//! ([`FrameDecoder::buffer_mut`]). A complete frame is split off and frozen,
+//! and prost decodes it with every `bytes` field as a `Bytes` slice of that
+//! buffer — tunnel bodies are never copied by the decoder.
+//!
+//! On the sending side [`BodyFrameHead`] encodes everything of a tunnel `BODY`
+//! frame except the body itself, so the writer can send the head and then the
+//! provider's `Bytes` as they are.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use prost::Message;
+
+use crate::limits::{DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES};
+use crate::pb::{self, frame, Frame};
+
+/// A frame could not be decoded. The connection must be closed with
+/// [`DecodeError::close_reason`] (T1); the decoder stays failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The length prefix announced more bytes than the configured maximum.
+    #[error("frame of {len} bytes exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// Announced length.
+        len: usize,
+        /// Configured maximum.
+        max: usize,
+    },
+    /// The frame bytes are not a valid protobuf `Frame`.
+    #[error("frame does not decode: {0}")]
+    Malformed(String),
+    /// The frame decoded but carries no body (an empty `oneof`).
+    #[error("frame carries no message")]
+    Empty,
+    /// An earlier error already failed this decoder.
+    #[error("decoder already failed on an earlier frame")]
+    Failed,
+}
+
+impl DecodeError {
+    /// The reason to send in a `Close` frame before closing (T1).
+    pub fn close_reason(&self) -> &'static str {
+        match self {
+            DecodeError::FrameTooLarge { .. } => crate::limits::CLOSE_FRAME_TOO_LARGE,
+            _ => crate::limits::CLOSE_DECODE_ERROR,
+        }
+    }
+}
+
+/// A frame could not be encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// The encoded frame would exceed the maximum frame size.
+    #[error("encoded frame of {len} bytes exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// Encoded length.
+        len: usize,
+        /// Maximum.
+        max: usize,
+    },
+}
+
+/// Incremental, capped decoder of length-delimited frames. Sans-IO: feed
+/// bytes, take frames.
+///
+/// ```
+/// use iop_wire::{codec, pb, FrameDecoder};
+/// let frame = pb::Frame { body: Some(pb::frame::Body::Heartbeat(pb::Heartbeat { seq: 7 })) };
+/// let mut wire = bytes::BytesMut::new();
+/// codec::encode(&frame, &mut wire).unwrap();
+/// let mut decoder = FrameDecoder::new();
+/// decoder.feed(&wire[..3]);
+/// assert_eq!(decoder.decode(), Ok(None)); // incomplete
+/// decoder.feed(&wire[3..]);
+/// assert_eq!(decoder.decode(), Ok(Some(frame)));
+/// ```
+#[derive(Debug)]
+pub struct FrameDecoder {
+    buf: BytesMut,
+    max_frame_bytes: usize,
+    /// Length of the frame whose prefix was already consumed.
+    pending_len: Option<usize>,
+    failed: bool,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameDecoder {
+    /// A decoder with the default 16 MiB cap.
+    pub fn new() -> Self {
+        Self::with_max_frame_bytes(DEFAULT_MAX_FRAME_BYTES)
+    }
+
+    /// A decoder that rejects frames longer than `max_frame_bytes`.
+    pub fn with_max_frame_bytes(max_frame_bytes: usize) -> Self {
+        Self {
+            buf: BytesMut::new(),
+            max_frame_bytes,
+            pending_len: None,
+            failed: false,
+        }
+    }
+
+    /// The configured maximum frame size in bytes.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
+    /// Appends bytes received from the peer.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The internal buffer, for shells that read straight into it (append
+    /// only; do not remove bytes).
+    pub fn buffer_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    /// Bytes received but not yet returned as frames.
+    pub fn buffered_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// How many more bytes the decoder needs before it can make progress
+    /// (a hint for read sizing); 0 when a frame may already be decodable.
+    pub fn bytes_wanted(&self) -> usize {
+        match self.pending_len {
+            Some(len) => len.saturating_sub(self.buf.len()),
+            None => LENGTH_PREFIX_BYTES.saturating_sub(self.buf.len()),
+        }
+    }
+
+    /// Returns the next complete frame, `Ok(None)` when more bytes are needed,
+    /// or a typed error. After an error the decoder returns
+    /// [`DecodeError::Failed`] forever; close the connection.
+    pub fn decode(&mut self) -> Result<Option<Frame>, DecodeError> {
+        if self.failed {
+            return Err(DecodeError::Failed);
+        }
+        let result = self.decode_inner();
+        if result.is_err() {
+            self.failed = true;
+            self.buf = BytesMut::new();
+        }
+        result
+    }
+
+    fn decode_inner(&mut self) -> Result<Option<Frame>, DecodeError> {
+        let len = match self.pending_len {
+            Some(len) => len,
+            None => {
+                if self.buf.len() < LENGTH_PREFIX_BYTES {
+                    return Ok(None);
+                }
+                let len = self.buf.get_u32() as usize;
+                if len > self.max_frame_bytes {
+                    return Err(DecodeError::FrameTooLarge {
+                        len,
+                        max: self.max_frame_bytes,
+                    });
+                }
+                self.pending_len = Some(len);
+                len
+            }
+        };
+        if self.buf.len() < len {
+            // Only now, with the length validated, make room for the rest.
+            self.buf.reserve(len - self.buf.len());
+            return Ok(None);
+        }
+        self.pending_len = None;
+        let frame_bytes: Bytes = self.buf.split_to(len).freeze();
+        let frame = Frame::decode(frame_bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        if frame.body.is_none() {
+            return Err(DecodeError::Empty);
+        }
+        Ok(Some(frame))
+    }
+}
+
+/// Appends `frame` (length prefix + protobuf) to `dst`, refusing frames over
+/// the default maximum.
+pub fn encode(frame: &Frame, dst: &mut BytesMut) -> Result<(), EncodeError> {
+    encode_with_max(frame, dst, DEFAULT_MAX_FRAME_BYTES)
+}
+
+/// Appends `frame` to `dst`, refusing frames longer than `max_frame_bytes`.
+pub fn encode_with_max(
+    frame: &Frame,
+    dst: &mut BytesMut,
+    max_frame_bytes: usize,
+) -> Result<(), EncodeError> {
+    let len = frame.encoded_len();
+    if len > max_frame_bytes {
+        return Err(EncodeError::FrameTooLarge {
+            len,
+            max: max_frame_bytes,
+        });
+    }
+    dst.reserve(LENGTH_PREFIX_BYTES + len);
+    dst.put_u32(len as u32);
+    // The capacity was reserved above, so encoding cannot run out of room.
+    frame
+        .encode(dst)
+        .map_err(|_| EncodeError::FrameTooLarge { len, max: max_frame_bytes })
+}
+
+/// Convenience: a frame carrying `body`.
+pub fn frame(body: frame::Body) -> Frame {
+    Frame { body: Some(body) }
+}
+
+/// Protobuf field number of `Frame.provider_tunnel_frame`.
+const FRAME_FIELD_TUNNEL_FRAME: u32 = 10;
+/// Protobuf field number of `ProviderTunnelFrame.body`.
+const TUNNEL_FIELD_BODY: u32 = 6;
+
+/// The encoded head of a tunnel `BODY` frame: the length prefix, the envelope
+/// and every field of `frame` except its body, ending with the body field's
+/// key and length. Writing `head` followed by the body bytes produces exactly
+/// the frame [`encode`] would produce for `frame` with that body (up to field
+/// order, which protobuf ignores), without copying the body.
+#[derive(Debug)]
+pub struct BodyFrameHead;
+
+impl BodyFrameHead {
+    /// Appends the head of `tunnel_frame` carrying a body of `body_len` bytes
+    /// to `dst`. `tunnel_frame.body` must be empty (it is ignored).
+    pub fn encode(
+        tunnel_frame: &pb::ProviderTunnelFrame,
+        body_len: usize,
+        dst: &mut BytesMut,
+        max_frame_bytes: usize,
+    ) -> Result<(), EncodeError> {
+        let fields_len = encoded_len_without_body(tunnel_frame);
+        let body_field_len = if body_len == 0 {
+            0
+        } else {
+            prost::encoding::key_len(TUNNEL_FIELD_BODY)
+                + prost::encoding::encoded_len_varint(body_len as u64)
+                + body_len
+        };
+        let inner_len = fields_len + body_field_len;
+        let frame_len = prost::encoding::key_len(FRAME_FIELD_TUNNEL_FRAME)
+            + prost::encoding::encoded_len_varint(inner_len as u64)
+            + inner_len;
+        if frame_len > max_frame_bytes {
+            return Err(EncodeError::FrameTooLarge {
+                len: frame_len,
+                max: max_frame_bytes,
+            });
+        }
+        dst.reserve(LENGTH_PREFIX_BYTES + frame_len - body_len);
+        dst.put_u32(frame_len as u32);
+        prost::encoding::encode_key(
+            FRAME_FIELD_TUNNEL_FRAME,
+            prost::encoding::WireType::LengthDelimited,
+            dst,
+        );
+        prost::encoding::encode_varint(inner_len as u64, dst);
+        encode_without_body(tunnel_frame, dst);
+        if body_len > 0 {
+            prost::encoding::encode_key(
+                TUNNEL_FIELD_BODY,
+                prost::encoding::WireType::LengthDelimited,
+                dst,
+            );
+            prost::encoding::encode_varint(body_len as u64, dst);
+        }
+        Ok(())
+    }
+}
+
+fn without_body(tunnel_frame: &pb::ProviderTunnelFrame) -> pb::ProviderTunnelFrame {
+    // Cheap: every other field of a BODY frame is small, and `Bytes` clones
+    // are reference counts.
+    pb::ProviderTunnelFrame {
+        body: Bytes::new(),
+        ..tunnel_frame.clone()
+    }
+}
+
+fn encoded_len_without_body(tunnel_frame: &pb::ProviderTunnelFrame) -> usize {
+    if tunnel_frame.body.is_empty() {
+        tunnel_frame.encoded_len()
+    } else {
+        without_body(tunnel_frame).encoded_len()
+    }
+}
+
+fn encode_without_body(tunnel_frame: &pb::ProviderTunnelFrame, dst: &mut BytesMut) {
+    // `encode_raw` cannot fail; the caller reserved the room.
+    if tunnel_frame.body.is_empty() {
+        tunnel_frame.encode_raw(dst);
+    } else {
+        without_body(tunnel_frame).encode_raw(dst);
+    }
+}
