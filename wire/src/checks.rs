@@ -31,20 +31,24 @@ pub fn effective_stall_timeout(timeout_ms: i64) -> Result<Duration, StallTimeout
     effective_stall_timeout_with_default(timeout_ms, DEFAULT_RESPONSE_STALL_TIMEOUT_MS)
 }
 
-/// As [`effective_stall_timeout`], with a Node-configured default for 0.
+/// As [`effective_stall_timeout`], with a Node-configured default for 0
+/// (`NodeRuntimeConfig.default_response_stall_timeout_ms`). A default of 0
+/// itself means the contract default of 300000 ms (W1). An error carries the
+/// offending value: the request's, or the default's when the request is 0.
 pub fn effective_stall_timeout_with_default(
     timeout_ms: i64,
     default_ms: i64,
 ) -> Result<Duration, StallTimeoutError> {
-    let ms = match timeout_ms {
-        0 => default_ms,
-        v => v,
+    let ms = match (timeout_ms, default_ms) {
+        (0, 0) => DEFAULT_RESPONSE_STALL_TIMEOUT_MS,
+        (0, default_ms) => default_ms,
+        (v, _) => v,
     };
     if ms < 0 {
-        return Err(StallTimeoutError::Negative(timeout_ms));
+        return Err(StallTimeoutError::Negative(ms));
     }
     if ms > MAX_STALL_TIMEOUT_MS {
-        return Err(StallTimeoutError::Overflow(timeout_ms));
+        return Err(StallTimeoutError::Overflow(ms));
     }
     // `ms` is non-negative here, so the cast is exact.
     Ok(Duration::from_millis(ms as u64))

@@ -121,8 +121,12 @@ impl FrameDecoder {
         self.max_frame_bytes
     }
 
-    /// Appends bytes received from the peer.
+    /// Appends bytes received from the peer. Ignored once the decoder has
+    /// failed, so a shell that keeps reading cannot grow the buffer.
     pub fn feed(&mut self, bytes: &[u8]) {
+        if self.failed {
+            return;
+        }
         self.buf.extend_from_slice(bytes);
     }
 
@@ -186,7 +190,8 @@ impl FrameDecoder {
         }
         self.pending_len = None;
         let frame_bytes: Bytes = self.buf.split_to(len).freeze();
-        let frame = Frame::decode(frame_bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        let frame =
+            Frame::decode(frame_bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
         if frame.body.is_none() {
             return Err(DecodeError::Empty);
         }
@@ -200,12 +205,14 @@ pub fn encode(frame: &Frame, dst: &mut BytesMut) -> Result<(), EncodeError> {
     encode_with_max(frame, dst, DEFAULT_MAX_FRAME_BYTES)
 }
 
-/// Appends `frame` to `dst`, refusing frames longer than `max_frame_bytes`.
+/// Appends `frame` to `dst`, refusing frames longer than `max_frame_bytes`
+/// (or than the `u32` length prefix can announce, whichever is smaller).
 pub fn encode_with_max(
     frame: &Frame,
     dst: &mut BytesMut,
     max_frame_bytes: usize,
 ) -> Result<(), EncodeError> {
+    let max_frame_bytes = prefix_bounded_max(max_frame_bytes);
     let len = frame.encoded_len();
     if len > max_frame_bytes {
         return Err(EncodeError::FrameTooLarge {
@@ -216,14 +223,44 @@ pub fn encode_with_max(
     dst.reserve(LENGTH_PREFIX_BYTES + len);
     dst.put_u32(len as u32);
     // The capacity was reserved above, so encoding cannot run out of room.
-    frame
-        .encode(dst)
-        .map_err(|_| EncodeError::FrameTooLarge { len, max: max_frame_bytes })
+    frame.encode(dst).map_err(|_| EncodeError::FrameTooLarge {
+        len,
+        max: max_frame_bytes,
+    })
+}
+
+/// `max_frame_bytes` bounded by the largest length a `u32` prefix can carry,
+/// so a frame is never announced with a truncated length.
+fn prefix_bounded_max(max_frame_bytes: usize) -> usize {
+    max_frame_bytes.min(u32::MAX as usize)
 }
 
 /// Convenience: a frame carrying `body`.
 pub fn frame(body: frame::Body) -> Frame {
     Frame { body: Some(body) }
+}
+
+/// The message name of a frame body, for logs and errors.
+pub fn body_name(body: &frame::Body) -> &'static str {
+    use frame::Body;
+    match body {
+        Body::RegisterRequest(_) => "RegisterRequest",
+        Body::RegisterResponse(_) => "RegisterResponse",
+        Body::NodeReadyRequest(_) => "NodeReadyRequest",
+        Body::NodeReadyResponse(_) => "NodeReadyResponse",
+        Body::Heartbeat(_) => "Heartbeat",
+        Body::HeartbeatAck(_) => "HeartbeatAck",
+        Body::RunRequest(_) => "RunRequest",
+        Body::RunEvent(_) => "RunEvent",
+        Body::ProviderTunnelRequest(_) => "ProviderTunnelRequest",
+        Body::ProviderTunnelFrame(_) => "ProviderTunnelFrame",
+        Body::CancelRequest(_) => "CancelRequest",
+        Body::NodeCommandRequest(_) => "NodeCommandRequest",
+        Body::NodeCommandResponse(_) => "NodeCommandResponse",
+        Body::NodeConfigRefreshRequest(_) => "NodeConfigRefreshRequest",
+        Body::NodeConfigRefreshResponse(_) => "NodeConfigRefreshResponse",
+        Body::Close(_) => "Close",
+    }
 }
 
 /// Protobuf field number of `Frame.provider_tunnel_frame`.
@@ -248,6 +285,7 @@ impl BodyFrameHead {
         dst: &mut BytesMut,
         max_frame_bytes: usize,
     ) -> Result<(), EncodeError> {
+        let max_frame_bytes = prefix_bounded_max(max_frame_bytes);
         let fields_len = encoded_len_without_body(tunnel_frame);
         let body_field_len = if body_len == 0 {
             0
