@@ -9,6 +9,7 @@
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
 //! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2) | TLS accept/connect through monoio-rustls |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
+//! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
 //!
 //! ```text
@@ -19,8 +20,10 @@
 //! Unsafe code is confined to the buffer/IO modules, each block with a
 //! `// SAFETY:` note.
 
+pub mod certs;
 pub mod clock;
 pub mod conn;
 pub mod http;
+pub mod pool;
 pub mod rt;
 pub mod tls;

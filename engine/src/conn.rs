@@ -1,1 +1,0 @@
-//! conn (under construction)

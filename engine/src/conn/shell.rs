@@ -1,0 +1,547 @@
+//! The IO shell: one reader, one writer and one timer task per connection on
+//! the current monoio runtime, around a shared [`ConnCore`].
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::{AsRawFd, RawFd};
+use std::rc::Rc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use iop_wire::{pb, FrameDecoder};
+use local_sync::mpsc::bounded;
+use monoio::buf::IoBufMut;
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
+
+use super::core::{ConnCore, ConnStats, OutFrame, TrySendError};
+use super::notify::{Notify, WakeList};
+use super::segments::{write_all_segments, BatchBuilder, IoSegments};
+use super::{ConnConfig, SendError, REASON_ABORTED, REASON_HANDLE_DROPPED};
+use crate::clock;
+
+/// Each read offers the socket at least this much free buffer.
+const READ_CHUNK_BYTES: usize = 64 * 1024;
+/// Below this much free buffer, a fresh chunk is reserved before reading.
+const READ_MIN_SPARE_BYTES: usize = 4 * 1024;
+
+/// How a closing connection unblocks its reader: the reader task is never
+/// cancelled (a cancelled TLS read corrupts monoio-rustls), so the socket is
+/// shut down from outside and the pending read returns.
+///
+/// The action runs at most once, and never after both halves of the stream
+/// (and with them the file descriptor) are dropped, so a descriptor number
+/// reused by another socket is never shut down by mistake.
+pub struct SocketShutdown {
+    action: ShutdownAction,
+}
+
+enum ShutdownAction {
+    Fd(RawFd),
+    Custom(Box<dyn FnOnce()>),
+}
+
+impl std::fmt::Debug for SocketShutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.action {
+            ShutdownAction::Fd(fd) => f.debug_tuple("SocketShutdown::Fd").field(fd).finish(),
+            ShutdownAction::Custom(_) => f.write_str("SocketShutdown::Custom"),
+        }
+    }
+}
+
+impl SocketShutdown {
+    /// `shutdown(fd, SHUT_RDWR)` on `socket`'s descriptor. Take it from the
+    /// `TcpStream` *before* wrapping the stream in TLS, and pass that same
+    /// stream (split) to [`spawn_conn`].
+    pub fn for_socket(socket: &impl AsRawFd) -> Self {
+        Self {
+            action: ShutdownAction::Fd(socket.as_raw_fd()),
+        }
+    }
+
+    /// A custom action that makes the stream's pending read return (for
+    /// streams without a socket of their own).
+    pub fn custom(action: impl FnOnce() + 'static) -> Self {
+        Self {
+            action: ShutdownAction::Custom(Box::new(action)),
+        }
+    }
+
+    fn run(self) {
+        match self.action {
+            ShutdownAction::Fd(fd) => {
+                // Safe wrapper over shutdown(2); the caller guarantees the
+                // descriptor is still owned by the connection's stream.
+                if let Err(err) = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Both) {
+                    // ENOTCONN: the peer already reset the connection.
+                    tracing::debug!(fd, error = %err, "socket shutdown");
+                }
+            }
+            ShutdownAction::Custom(action) => action(),
+        }
+    }
+}
+
+/// What the connection delivers to the application.
+// `Closed` happens once per connection; boxing `Frame` to shrink the enum
+// would cost an allocation per received frame.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConnEvent {
+    /// A frame from the peer (heartbeats, acks and `Close` are consumed by
+    /// the connection). `bytes` fields are slices of the read buffer.
+    Frame(pb::Frame),
+    /// The connection closed; delivered exactly once, after every frame, and
+    /// followed by nothing.
+    Closed {
+        /// `peer_closed`, `peer:<reason>`, `heartbeat_timeout`,
+        /// `frame_too_large`, `decode_error`, `io_error`,
+        /// `control_lane_overflow`, `handle_dropped` or the reason given to
+        /// [`ConnHandle::close`].
+        reason: String,
+    },
+}
+
+/// State shared by the tasks and handles of one connection.
+struct Shared {
+    core: RefCell<ConnCore>,
+    /// Work for the writer (a frame to transmit, or the close).
+    writer_wake: Notify,
+    /// The timer must re-arm (an earlier deadline, or the close).
+    timer_wake: Notify,
+    /// The deadline the timer task sleeps until (`None`: no deadline).
+    timer_armed_at: Cell<Option<Instant>>,
+    /// Senders waiting for bulk lane room.
+    bulk_room: WakeList,
+    /// `None` once used or once the stream is gone.
+    shutdown: RefCell<Option<SocketShutdown>>,
+    /// Stream halves not yet dropped (reader's and writer's).
+    halves_alive: Cell<u8>,
+    /// Live [`ConnHandle`]s.
+    handles: Cell<usize>,
+}
+
+impl Shared {
+    /// Run after every input to the core: wakes the tasks that have work and
+    /// shuts the socket down once the core reports the close.
+    fn after_change(&self) {
+        let (closed_now, has_transmit, is_open, is_closed, timeout) = {
+            let mut core = self.core.borrow_mut();
+            (
+                core.poll_closed(),
+                core.has_transmit(),
+                core.is_open(),
+                core.is_closed(),
+                core.poll_timeout(),
+            )
+        };
+        if has_transmit || is_closed {
+            self.writer_wake.notify();
+        }
+        let timer_needs_rearm = match (timeout, self.timer_armed_at.get()) {
+            (None, _) => is_closed,
+            (Some(_), None) => true,
+            (Some(deadline), Some(armed)) => deadline < armed,
+        };
+        if timer_needs_rearm {
+            self.timer_wake.notify();
+        }
+        if !is_open {
+            self.bulk_room.wake_all();
+        }
+        if let Some(reason) = closed_now {
+            tracing::debug!(%reason, "frame connection closed");
+            self.shutdown_socket();
+        }
+    }
+
+    fn shutdown_socket(&self) {
+        if self.halves_alive.get() == 0 {
+            return;
+        }
+        let action = self.shutdown.borrow_mut().take();
+        if let Some(action) = action {
+            action.run();
+        }
+    }
+
+    fn close(&self, reason: &str) {
+        self.core.borrow_mut().close(reason, clock::now());
+        self.after_change();
+    }
+}
+
+/// One half of the stream, owned by a task. Dropping the last half discards
+/// the shutdown action before the stream (and its descriptor) goes away.
+struct HalfGuard<H> {
+    half: H,
+    shared: Rc<Shared>,
+}
+
+impl<H> Drop for HalfGuard<H> {
+    fn drop(&mut self) {
+        let alive = self.shared.halves_alive.get().saturating_sub(1);
+        self.shared.halves_alive.set(alive);
+        if alive == 0 {
+            self.shared.shutdown.borrow_mut().take();
+        }
+        // `self.half` is dropped after this body returns.
+    }
+}
+
+/// Starts a frame connection over a split stream (plain `TcpStream` or
+/// monoio-rustls stream, via `monoio::io::Splitable::into_split`) on the
+/// current monoio runtime, which must have its timer enabled.
+///
+/// Spawns exactly one reader task (never cancelled), one writer task and
+/// one heartbeat timer task. `shutdown` must make a pending read on
+/// `read_half` return; see [`SocketShutdown`].
+pub fn spawn_conn<R, W>(
+    read_half: R,
+    write_half: W,
+    shutdown: SocketShutdown,
+    config: ConnConfig,
+) -> (ConnHandle, ConnEvents)
+where
+    R: AsyncReadRent + 'static,
+    W: AsyncWriteRent + 'static,
+{
+    let (tx, rx) = bounded::channel(config.event_queue_max_frames.max(1));
+    let max_frame_bytes = config.max_frame_bytes;
+    let write_batch_max_bytes = config.write_batch_max_bytes;
+    let body_copy_max_bytes = config.body_copy_max_bytes;
+    let shared = Rc::new(Shared {
+        core: RefCell::new(ConnCore::new(config, clock::now())),
+        writer_wake: Notify::default(),
+        timer_wake: Notify::default(),
+        timer_armed_at: Cell::new(None),
+        bulk_room: WakeList::default(),
+        shutdown: RefCell::new(Some(shutdown)),
+        halves_alive: Cell::new(2),
+        handles: Cell::new(1),
+    });
+    let reader = HalfGuard {
+        half: read_half,
+        shared: shared.clone(),
+    };
+    let writer = HalfGuard {
+        half: write_half,
+        shared: shared.clone(),
+    };
+    monoio::spawn(reader_task(shared.clone(), reader, tx, max_frame_bytes));
+    monoio::spawn(writer_task(
+        shared.clone(),
+        writer,
+        write_batch_max_bytes,
+        body_copy_max_bytes,
+    ));
+    monoio::spawn(timer_task(shared.clone()));
+    let events = ConnEvents {
+        shared: shared.clone(),
+        rx,
+        closed_delivered: false,
+    };
+    (ConnHandle { shared }, events)
+}
+
+/// Sends frames on a connection and closes it. Cheap to clone; dropping the
+/// last handle closes the connection with reason `handle_dropped`.
+pub struct ConnHandle {
+    shared: Rc<Shared>,
+}
+
+impl std::fmt::Debug for ConnHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let core = self.shared.core.borrow();
+        f.debug_struct("ConnHandle")
+            .field("close_reason", &core.close_reason())
+            .field("stats", &core.stats())
+            .finish()
+    }
+}
+
+impl Clone for ConnHandle {
+    fn clone(&self) -> Self {
+        self.shared.handles.set(self.shared.handles.get() + 1);
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl Drop for ConnHandle {
+    fn drop(&mut self) {
+        let handles = self.shared.handles.get().saturating_sub(1);
+        self.shared.handles.set(handles);
+        if handles == 0 {
+            self.shared.close(REASON_HANDLE_DROPPED);
+        }
+    }
+}
+
+impl ConnHandle {
+    /// Queues `frame` on the control lane (registration, readiness, cancel,
+    /// commands): written ahead of every bulk frame. The control lane is
+    /// bounded; overflowing it closes the connection.
+    pub fn send_control(&self, frame: pb::Frame) -> Result<(), SendError> {
+        let result = {
+            let mut core = self.shared.core.borrow_mut();
+            core.encode_frame(&frame)
+                .and_then(|out| core.send_control(out, clock::now()))
+        };
+        self.shared.after_change();
+        result
+    }
+
+    /// Queues `frame` on the bulk lane (run events, tunnel frames), waiting
+    /// while the lane is full (backpressure).
+    pub async fn send_bulk(&self, frame: pb::Frame) -> Result<(), SendError> {
+        let out = self.shared.core.borrow_mut().encode_frame(&frame)?;
+        self.push_bulk(out).await
+    }
+
+    /// Queues a tunnel `BODY` frame on the bulk lane: `frame` without its body
+    /// (a body in it is ignored) and `body`, which the writer sends as it is,
+    /// without copying it (bodies up to `ConnConfig::body_copy_max_bytes` are
+    /// coalesced with other frames instead). Waits while the lane is full.
+    pub async fn send_body_frame(
+        &self,
+        frame: pb::ProviderTunnelFrame,
+        body: Bytes,
+    ) -> Result<(), SendError> {
+        let out = self
+            .shared
+            .core
+            .borrow_mut()
+            .encode_body_frame(&frame, body)?;
+        self.push_bulk(out).await
+    }
+
+    async fn push_bulk(&self, mut out: OutFrame) -> Result<(), SendError> {
+        loop {
+            let result = self.shared.core.borrow_mut().try_send_bulk(out);
+            match result {
+                Ok(()) => {
+                    self.shared.after_change();
+                    return Ok(());
+                }
+                Err(TrySendError::Closed) => return Err(SendError::Closed),
+                Err(TrySendError::Full(back)) => {
+                    out = back;
+                    self.shared.bulk_room.wait().await;
+                }
+            }
+        }
+    }
+
+    /// Closes the connection: frames already queued and then `Close{reason}`
+    /// are written (best effort, bounded by `ConnConfig::close_linger`), then
+    /// the socket is shut down. Does nothing once closing.
+    pub fn close(&self, reason: &str) {
+        self.shared.close(reason);
+    }
+
+    /// True from the moment the connection starts closing (sends fail).
+    pub fn is_closed(&self) -> bool {
+        !self.shared.core.borrow().is_open()
+    }
+
+    /// The close reason, once closing.
+    pub fn close_reason(&self) -> Option<String> {
+        self.shared.core.borrow().close_reason().map(str::to_owned)
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ConnStats {
+        self.shared.core.borrow().stats()
+    }
+}
+
+/// The frames received on a connection, then its close.
+pub struct ConnEvents {
+    shared: Rc<Shared>,
+    rx: bounded::Rx<pb::Frame>,
+    closed_delivered: bool,
+}
+
+impl std::fmt::Debug for ConnEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnEvents")
+            .field("closed_delivered", &self.closed_delivered)
+            .finish()
+    }
+}
+
+impl ConnEvents {
+    /// The next event: frames in the order received, then exactly one
+    /// [`ConnEvent::Closed`], then `None` forever. Consume events promptly:
+    /// while `ConnConfig::event_queue_max_frames` frames wait here the reader
+    /// stops reading, and heartbeats from the peer wait with them.
+    pub async fn recv(&mut self) -> Option<ConnEvent> {
+        if self.closed_delivered {
+            return None;
+        }
+        match self.rx.recv().await {
+            Some(frame) => Some(ConnEvent::Frame(frame)),
+            None => {
+                // The reader is done: every received frame was delivered.
+                self.closed_delivered = true;
+                let reason = self.shared.core.borrow().close_reason().map(str::to_owned);
+                Some(ConnEvent::Closed {
+                    reason: reason.unwrap_or_else(|| REASON_ABORTED.to_owned()),
+                })
+            }
+        }
+    }
+}
+
+/// Reads, decodes and dispatches frames until the stream ends. Never
+/// cancelled; a close ends it by shutting the socket down.
+async fn reader_task<R: AsyncReadRent>(
+    shared: Rc<Shared>,
+    mut reader: HalfGuard<R>,
+    tx: bounded::Tx<pb::Frame>,
+    max_frame_bytes: usize,
+) {
+    let mut decoder = FrameDecoder::with_max_frame_bytes(max_frame_bytes);
+    let mut decoding = true;
+    loop {
+        while decoding {
+            match decoder.decode() {
+                Ok(Some(frame)) => {
+                    let deliver = shared.core.borrow_mut().handle_frame(frame, clock::now());
+                    shared.after_change();
+                    if let Some(frame) = deliver {
+                        // An error means the application dropped its
+                        // `ConnEvents`: the frame is discarded.
+                        let _ = tx.send(frame).await;
+                    }
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    tracing::debug!(error = %err, "frame decode failed");
+                    decoding = false;
+                    shared
+                        .core
+                        .borrow_mut()
+                        .handle_decode_error(&err, clock::now());
+                    shared.after_change();
+                }
+            }
+        }
+
+        // Read straight into the decoder's buffer: decoded `bytes` fields
+        // are then slices of it (zero copy).
+        let mut buf = std::mem::take(decoder.buffer_mut());
+        if !decoding {
+            buf.clear(); // keep draining until the stream ends, but discard
+        }
+        reserve_read_room(&mut buf);
+        let len = buf.len();
+        let (result, slice) = reader.half.read(buf.slice_mut(len..)).await;
+        *decoder.buffer_mut() = slice.into_inner();
+        match result {
+            Ok(0) => {
+                shared.core.borrow_mut().handle_peer_eof();
+                shared.after_change();
+                break;
+            }
+            Ok(n) => shared.core.borrow_mut().record_bytes_received(n),
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(err) => {
+                shared.core.borrow_mut().handle_io_error(&err);
+                shared.after_change();
+                break;
+            }
+        }
+    }
+    // Dropping `tx` lets `ConnEvents` deliver `Closed`.
+}
+
+fn reserve_read_room(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < READ_MIN_SPARE_BYTES {
+        buf.reserve(READ_CHUNK_BYTES);
+    }
+}
+
+/// Drains the lanes: gathers every queued frame (control first) into one
+/// vectored write, until the connection is closed.
+async fn writer_task<W: AsyncWriteRent>(
+    shared: Rc<Shared>,
+    mut writer: HalfGuard<W>,
+    write_batch_max_bytes: usize,
+    body_copy_max_bytes: usize,
+) {
+    let mut batch = BatchBuilder::new(body_copy_max_bytes);
+    loop {
+        loop {
+            {
+                let core = shared.core.borrow();
+                if core.is_closed() {
+                    return;
+                }
+                if core.has_transmit() {
+                    break;
+                }
+            }
+            shared.writer_wake.notified().await;
+        }
+        let close_frame_in_flight = {
+            let mut core = shared.core.borrow_mut();
+            while batch.has_room(write_batch_max_bytes) {
+                let Some(frame) = core.poll_transmit() else {
+                    break;
+                };
+                batch.push(frame);
+            }
+            core.close_frame_in_flight()
+        };
+        if shared.bulk_room.has_waiters() {
+            shared.bulk_room.wake_all();
+        }
+        let segments = IoSegments::new(batch.take());
+        let (result, segments) = write_all_segments(&mut writer.half, segments).await;
+        batch.recycle(segments.into_segments());
+        let result = match result {
+            Ok(()) => writer.half.flush().await,
+            Err(err) => Err(err),
+        };
+        if let Err(err) = result {
+            shared.core.borrow_mut().handle_io_error(&err);
+            shared.after_change();
+            return;
+        }
+        if close_frame_in_flight {
+            // End our direction cleanly (TLS close_notify, then FIN) before
+            // the socket is shut down; bounded by the close linger.
+            let _ = writer.half.shutdown().await;
+        }
+        shared.core.borrow_mut().handle_transmitted();
+        shared.after_change();
+    }
+}
+
+/// Sleeps until the core's next deadline (heartbeat, heartbeat timeout,
+/// close linger) and hands it the time; re-arms when told of an earlier one.
+async fn timer_task(shared: Rc<Shared>) {
+    loop {
+        let deadline = {
+            let core = shared.core.borrow();
+            if core.is_closed() {
+                return;
+            }
+            core.poll_timeout()
+        };
+        shared.timer_armed_at.set(deadline);
+        let Some(deadline) = deadline else {
+            shared.timer_wake.notified().await;
+            continue;
+        };
+        let sleep = monoio::time::sleep_until(monoio::time::Instant::from_std(deadline));
+        monoio::select! {
+            _ = sleep => {}
+            _ = shared.timer_wake.notified() => continue,
+        }
+        shared.core.borrow_mut().handle_timeout(clock::now());
+        shared.after_change();
+    }
+}

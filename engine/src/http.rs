@@ -1,1 +1,0 @@
-//! http (under construction)

@@ -1,0 +1,231 @@
+//! Owned-buffer IO shared by the server and client shells: appending reads
+//! into a `BytesMut`, gathered writes of `Bytes` parts without copying them,
+//! and TCP helpers that set `TCP_NODELAY`.
+//!
+//! This is the only place in `http` with `unsafe`: the [`IoVecBuf`]
+//! implementation that hands the kernel an iovec array pointing into
+//! `Bytes` the same value owns.
+
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+
+use bytes::{Buf, Bytes, BytesMut};
+use monoio::buf::{IoBufMut, IoVecBuf};
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio::net::{TcpListener, TcpStream};
+
+use super::Url;
+
+/// Spare capacity guaranteed before each read.
+pub(crate) const READ_CHUNK_BYTES: usize = 16 * 1024;
+
+/// Reads once, appending to `buf` (monoio reads fill capacity, so the read
+/// goes into `buf[len..capacity]`). Returns the bytes read; 0 is EOF.
+///
+/// Not cancel-safe: if the future is dropped mid-read the buffer goes with
+/// it and `buf` is left empty. Never wrap it in a timeout or `select!`.
+pub(crate) async fn fill<S: AsyncReadRent>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    spare_bytes: usize,
+) -> io::Result<usize> {
+    buf.reserve(spare_bytes.max(1));
+    loop {
+        let owned = std::mem::take(buf);
+        let len = owned.len();
+        let (res, slice) = stream.read(owned.slice_mut(len..)).await;
+        *buf = slice.into_inner();
+        match res {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
+/// `Bytes` parts written together with `writev`. Owns both the parts and
+/// the iovec array that points into them, so a write in flight (or one
+/// whose future was dropped under io_uring) never points at freed memory.
+pub(crate) struct IoParts {
+    parts: Vec<Bytes>,
+    iovecs: Vec<libc::iovec>,
+}
+
+impl IoParts {
+    /// Parts in write order; empty parts are dropped.
+    pub(crate) fn new(parts: impl IntoIterator<Item = Bytes>) -> Self {
+        let mut io = IoParts {
+            parts: parts.into_iter().filter(|p| !p.is_empty()).collect(),
+            iovecs: Vec::new(),
+        };
+        io.rebuild();
+        io
+    }
+
+    fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Drops the first `written_bytes` bytes (after a partial write).
+    fn advance(&mut self, mut written_bytes: usize) {
+        while written_bytes > 0 {
+            let Some(first) = self.parts.first_mut() else {
+                break;
+            };
+            if written_bytes >= first.len() {
+                written_bytes -= first.len();
+                self.parts.remove(0);
+            } else {
+                first.advance(written_bytes);
+                written_bytes = 0;
+            }
+        }
+        self.rebuild();
+    }
+
+    fn rebuild(&mut self) {
+        self.iovecs.clear();
+        self.iovecs.extend(self.parts.iter().map(|p| libc::iovec {
+            iov_base: p.as_ptr().cast_mut().cast(),
+            iov_len: p.len(),
+        }));
+    }
+}
+
+// SAFETY: `iovecs` describes exactly the bytes of `parts`: each entry is
+// built in `rebuild` from a live `Bytes` in `parts` (pointer and length).
+// `Bytes` data lives on the heap or in static memory, so moving an
+// `IoParts` (or the `Bytes` inside it) never moves the bytes, and the bytes
+// are immutable and freed only when `parts` is dropped, together with the
+// iovecs. The iovec array is a heap `Vec` that is only mutated through
+// `&mut self` (`advance`/`rebuild`), which the runtime never calls while it
+// owns the value during a write, so the pointer and count stay valid for
+// the whole operation.
+unsafe impl IoVecBuf for IoParts {
+    fn read_iovec_ptr(&self) -> *const libc::iovec {
+        self.iovecs.as_ptr()
+    }
+
+    fn read_iovec_len(&self) -> usize {
+        self.iovecs.len()
+    }
+}
+
+/// Writes every part, looping over short writes (a TLS stream's `writev`
+/// takes only the first part per call), then flushes.
+pub(crate) async fn write_parts<S: AsyncWriteRent>(
+    stream: &mut S,
+    mut parts: IoParts,
+) -> io::Result<()> {
+    while !parts.is_empty() {
+        let (res, back) = stream.writev(parts).await;
+        parts = back;
+        match res {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "peer accepted no bytes",
+                ))
+            }
+            Ok(n) => parts.advance(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    stream.flush().await
+}
+
+/// Turns on `TCP_NODELAY` (every IOP socket sets it: small SSE chunks must
+/// not wait for Nagle).
+pub fn set_nodelay(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)
+}
+
+/// Accepts one connection and sets `TCP_NODELAY` on it.
+pub async fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr)> {
+    let (stream, peer) = listener.accept().await?;
+    set_nodelay(&stream)?;
+    Ok((stream, peer))
+}
+
+/// Connects to the first address of `addr` that answers and sets
+/// `TCP_NODELAY`. Name resolution blocks the thread (use IP literals on hot
+/// paths).
+pub async fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
+    let mut last_error = None;
+    for candidate in addr.to_socket_addrs()? {
+        match TcpStream::connect_addr(candidate).await {
+            Ok(stream) => {
+                set_nodelay(&stream)?;
+                return Ok(stream);
+            }
+            Err(e) => last_error = Some(e),
+        }
+    }
+    Err(last_error
+        .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing")))
+}
+
+/// Connects to a base URL's host and port; see [`connect`].
+pub async fn connect_url(url: &Url) -> io::Result<TcpStream> {
+    connect((url.host(), url.port())).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_advance_across_boundaries() {
+        let mut parts = IoParts::new([
+            Bytes::from_static(b"ab"),
+            Bytes::new(),
+            Bytes::from_static(b"cde"),
+            Bytes::from_static(b"f"),
+        ]);
+        assert_eq!(parts.parts.len(), 3);
+        assert_eq!(parts.iovecs.len(), 3);
+        parts.advance(3);
+        assert_eq!(
+            parts.parts,
+            vec![Bytes::from_static(b"de"), Bytes::from_static(b"f")]
+        );
+        assert_eq!(parts.iovecs[0].iov_len, 2);
+        assert_eq!(
+            parts.iovecs[0].iov_base as usize,
+            parts.parts[0].as_ptr() as usize
+        );
+        parts.advance(3);
+        assert!(parts.is_empty());
+        assert!(parts.iovecs.is_empty());
+    }
+
+    #[monoio::test_all]
+    async fn write_parts_gathers_every_part_in_order() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let writer = monoio::spawn(async move {
+            let mut stream = connect(addr).await.unwrap();
+            assert!(stream.nodelay().unwrap());
+            let big = Bytes::from(vec![7u8; 300_000]);
+            write_parts(
+                &mut stream,
+                IoParts::new([
+                    Bytes::from_static(b"head:"),
+                    big,
+                    Bytes::from_static(b":tail"),
+                ]),
+            )
+            .await
+            .unwrap();
+        });
+        let (mut server, _) = accept(&listener).await.unwrap();
+        assert!(server.nodelay().unwrap());
+        let mut buf = BytesMut::new();
+        while fill(&mut server, &mut buf, READ_CHUNK_BYTES).await.unwrap() > 0 {}
+        writer.await;
+        assert_eq!(buf.len(), 5 + 300_000 + 5);
+        assert_eq!(&buf[..5], b"head:");
+        assert!(buf[5..300_005].iter().all(|&b| b == 7));
+        assert_eq!(&buf[300_005..], b":tail");
+    }
+}

@@ -1,0 +1,774 @@
+//! Fixed-size pooled IO buffers for the zero-copy relay path.
+//!
+//! ```text
+//!                 acquire                read (owned IO)            freeze
+//! BufferPool ─────────────► PooledBuf ─────────────────► PooledBuf ────────► Bytes ─► slices, clones,
+//!  (one per core)               │ Drop (same core; also a late            │           mailbox to other cores
+//!      ▲   ▲                    │ drop after a cancelled io_uring read)   │
+//!      │   └────────────────────┘                                         │ last clone dropped
+//!      │                                                                  ▼ (on ANY thread)
+//!      └──── drained on acquire / counter read ◄──── return queue (Arc + Mutex)
+//! ```
+//!
+//! # Design
+//!
+//! * **Arena.** Each [`BufferPool`] owns a slab of at most
+//!   [`PoolConfig::buffer_count_max`] slots. A slot is allocated lazily the
+//!   first time it is needed and is never freed while the pool lives, so a
+//!   steady acquire/release cycle does not touch the allocator
+//!   ([`BufferPool::allocated`] stays constant). Free slots are reused LIFO so
+//!   the hottest buffer stays in cache.
+//! * **Ownership, not aliasing.** While a buffer is out on loan its memory (a
+//!   `Box<[u8]>`) is *moved* out of the slot into the [`PooledBuf`] (and later
+//!   into the frozen `Bytes` owner). Nothing else points at it, so no unsafe
+//!   aliasing is needed; the only `unsafe` here is the `IoBuf`/`IoBufMut`
+//!   contract monoio requires.
+//! * **Generation-checked handles.** Every loan carries a [`BufferId`] (slot
+//!   index + generation, bumped on each loan). A return whose id does not match
+//!   a slot that is currently on loan is *stale*: the memory is freed, counted
+//!   in [`BufferPool::stale_returns`], and never put into the free list twice.
+//! * **Two return paths.** A [`PooledBuf`] is `!Send` and returns straight
+//!   into its pool's slab through a `Weak` (a late drop after the pool is gone
+//!   just frees the memory). A frozen `Bytes` may travel to another core, so
+//!   its owner holds an `Arc` to the pool's return queue (a mutex-protected
+//!   vector) and pushes the memory there when the last clone is dropped, on
+//!   whatever thread that happens; the owning core drains the queue on its
+//!   next acquire or counter read. If the pool was dropped meanwhile, the
+//!   queue is closed and the memory is freed.
+//! * **Exhaustion.** [`BufferPool::try_acquire`] returns `None` when every
+//!   slot is on loan; [`BufferPool::acquire`] then allocates a fresh unpooled
+//!   buffer instead, counted in [`BufferPool::overflow_allocations`], which is
+//!   freed (not pooled) when dropped.
+//!
+//! The memory of a buffer is zero-filled when first allocated and always
+//! fully initialized after that, so setting the initialized length anywhere
+//! within the capacity is sound. A reused buffer still holds its previous
+//! contents beyond the current length.
+//!
+//! `freeze` costs one small heap allocation (the `Bytes` owner box that
+//! `Bytes::from_owner` creates); the body bytes are never copied.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::rc::{Rc, Weak};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use bytes::Bytes;
+use monoio::buf::{IoBuf, IoBufMut};
+use thiserror::Error;
+
+/// Largest accepted [`PoolConfig::buffer_size_bytes`] (16 MiB).
+pub const BUFFER_SIZE_BYTES_MAX: usize = 16 * 1024 * 1024;
+
+/// Largest accepted [`PoolConfig::buffer_count_max`] (2^20 buffers per pool).
+pub const BUFFER_COUNT_MAX: usize = 1 << 20;
+
+/// Default [`PoolConfig::buffer_size_bytes`]: 16 KiB, one maximal TLS record.
+pub const DEFAULT_BUFFER_SIZE_BYTES: usize = 16 * 1024;
+
+/// Default [`PoolConfig::buffer_count_max`]: 1024 buffers (16 MiB per core at
+/// the default buffer size, allocated lazily).
+pub const DEFAULT_BUFFER_COUNT_MAX: usize = 1024;
+
+/// Sizing of one [`BufferPool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Size of every pooled buffer, in bytes (`1..=BUFFER_SIZE_BYTES_MAX`).
+    pub buffer_size_bytes: usize,
+    /// Most pooled buffers that may exist at once (`1..=BUFFER_COUNT_MAX`).
+    pub buffer_count_max: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            buffer_size_bytes: DEFAULT_BUFFER_SIZE_BYTES,
+            buffer_count_max: DEFAULT_BUFFER_COUNT_MAX,
+        }
+    }
+}
+
+/// Why a [`PoolConfig`] was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum PoolConfigError {
+    /// `buffer_size_bytes` is zero.
+    #[error("buffer_size_bytes must be at least 1")]
+    BufferSizeZero,
+    /// `buffer_size_bytes` is above [`BUFFER_SIZE_BYTES_MAX`].
+    #[error("buffer_size_bytes {buffer_size_bytes} exceeds the maximum {max_bytes}")]
+    BufferSizeTooLarge {
+        /// The configured size.
+        buffer_size_bytes: usize,
+        /// The largest accepted size.
+        max_bytes: usize,
+    },
+    /// `buffer_count_max` is zero.
+    #[error("buffer_count_max must be at least 1")]
+    BufferCountZero,
+    /// `buffer_count_max` is above [`BUFFER_COUNT_MAX`].
+    #[error("buffer_count_max {buffer_count_max} exceeds the maximum {max_count}")]
+    BufferCountTooLarge {
+        /// The configured count.
+        buffer_count_max: usize,
+        /// The largest accepted count.
+        max_count: usize,
+    },
+}
+
+impl PoolConfig {
+    /// Checks both fields against their limits.
+    pub fn validate(&self) -> Result<(), PoolConfigError> {
+        if self.buffer_size_bytes == 0 {
+            return Err(PoolConfigError::BufferSizeZero);
+        }
+        if self.buffer_size_bytes > BUFFER_SIZE_BYTES_MAX {
+            return Err(PoolConfigError::BufferSizeTooLarge {
+                buffer_size_bytes: self.buffer_size_bytes,
+                max_bytes: BUFFER_SIZE_BYTES_MAX,
+            });
+        }
+        if self.buffer_count_max == 0 {
+            return Err(PoolConfigError::BufferCountZero);
+        }
+        if self.buffer_count_max > BUFFER_COUNT_MAX {
+            return Err(PoolConfigError::BufferCountTooLarge {
+                buffer_count_max: self.buffer_count_max,
+                max_count: BUFFER_COUNT_MAX,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Identity of one loan of a pooled buffer: slab index plus the slot's
+/// generation at the time of the loan. A reused slot gets a new generation,
+/// so an id from an earlier loan never matches it again (ABA guard).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BufferId {
+    index: u32,
+    generation: u32,
+}
+
+impl BufferId {
+    /// Slab index of the slot.
+    pub fn index(self) -> u32 {
+        self.index
+    }
+
+    /// Generation of the slot when this loan was made.
+    pub fn generation(self) -> u32 {
+        self.generation
+    }
+}
+
+/// A per-core pool of fixed-size IO buffers.
+///
+/// Cloning the handle is cheap (`Rc`); all clones share one pool. The pool is
+/// `!Send`: create one per core. Buffers and frozen `Bytes` may outlive every
+/// handle; their memory is then freed instead of pooled.
+#[derive(Clone)]
+pub struct BufferPool {
+    local: Rc<Local>,
+}
+
+/// The core-local part of a pool.
+struct Local {
+    config: PoolConfig,
+    state: RefCell<State>,
+    shared: Arc<Shared>,
+}
+
+/// Slab and counters, touched only on the owning core.
+struct State {
+    /// Every slot ever allocated; never shrinks while the pool lives.
+    slots: Vec<Slot>,
+    /// Indices of slots whose memory is at home, LIFO.
+    free: Vec<u32>,
+    /// Recycled vector swapped with the return queue when draining, so
+    /// draining does not allocate.
+    spare: Vec<Returned>,
+    /// Unpooled buffers allocated because the pool was exhausted.
+    overflow_allocations: u64,
+    /// Returns whose id matched no slot on loan.
+    stale_returns: u64,
+}
+
+/// One arena slot.
+struct Slot {
+    /// Bumped on every loan.
+    generation: u32,
+    /// `Some` while the buffer is at home, `None` while on loan.
+    memory: Option<Box<[u8]>>,
+}
+
+/// The thread-safe part of a pool: where frozen `Bytes` owners send memory
+/// back from any thread.
+struct Shared {
+    queue: Mutex<ReturnQueue>,
+}
+
+struct ReturnQueue {
+    /// Set when the pool is dropped; later returns just free their memory.
+    pool_dropped: bool,
+    returned: Vec<Returned>,
+}
+
+/// Memory on its way home.
+struct Returned {
+    id: BufferId,
+    memory: Box<[u8]>,
+}
+
+impl BufferPool {
+    /// Creates an empty pool; buffers are allocated lazily on first use.
+    pub fn new(config: PoolConfig) -> Result<Self, PoolConfigError> {
+        config.validate()?;
+        let local = Local {
+            config,
+            state: RefCell::new(State {
+                slots: Vec::new(),
+                free: Vec::new(),
+                spare: Vec::new(),
+                overflow_allocations: 0,
+                stale_returns: 0,
+            }),
+            shared: Arc::new(Shared {
+                queue: Mutex::new(ReturnQueue {
+                    pool_dropped: false,
+                    returned: Vec::new(),
+                }),
+            }),
+        };
+        Ok(Self {
+            local: Rc::new(local),
+        })
+    }
+
+    /// The configuration this pool was built with.
+    pub fn config(&self) -> PoolConfig {
+        self.local.config
+    }
+
+    /// Size of every pooled buffer, in bytes.
+    pub fn buffer_size_bytes(&self) -> usize {
+        self.local.config.buffer_size_bytes
+    }
+
+    /// Lends a pooled buffer (length 0, capacity
+    /// [`buffer_size_bytes`](Self::buffer_size_bytes)), or `None` when all
+    /// [`capacity_max`](Self::capacity_max) buffers are on loan.
+    pub fn try_acquire(&self) -> Option<PooledBuf> {
+        let (id, memory) = self.local.take()?;
+        Some(PooledBuf {
+            memory,
+            len_bytes: 0,
+            origin: Origin::Pooled {
+                id,
+                home: Rc::downgrade(&self.local),
+            },
+        })
+    }
+
+    /// Lends a pooled buffer, or — when the pool is exhausted — allocates a
+    /// fresh unpooled buffer of the same size, counted in
+    /// [`overflow_allocations`](Self::overflow_allocations) and freed rather
+    /// than pooled when dropped.
+    pub fn acquire(&self) -> PooledBuf {
+        if let Some(buf) = self.try_acquire() {
+            return buf;
+        }
+        let mut state = self.local.state.borrow_mut();
+        state.overflow_allocations = state.overflow_allocations.saturating_add(1);
+        drop(state);
+        PooledBuf {
+            memory: zeroed(self.local.config.buffer_size_bytes),
+            len_bytes: 0,
+            origin: Origin::Overflow,
+        }
+    }
+
+    /// Pooled buffers at home, ready to lend.
+    pub fn available(&self) -> usize {
+        let mut state = self.local.state.borrow_mut();
+        state.drain(&self.local);
+        state.free.len()
+    }
+
+    /// Pooled buffers on loan: held as [`PooledBuf`], as frozen `Bytes`, or
+    /// by the kernel for an in-flight or cancelled IO operation. Overflow
+    /// buffers are not counted.
+    pub fn in_use(&self) -> usize {
+        let mut state = self.local.state.borrow_mut();
+        state.drain(&self.local);
+        state.slots.len() - state.free.len()
+    }
+
+    /// Pooled buffers allocated so far (at home or on loan); at most
+    /// [`capacity_max`](Self::capacity_max). Never decreases.
+    pub fn allocated(&self) -> usize {
+        self.local.state.borrow().slots.len()
+    }
+
+    /// Most pooled buffers this pool will ever allocate
+    /// ([`PoolConfig::buffer_count_max`]).
+    pub fn capacity_max(&self) -> usize {
+        self.local.config.buffer_count_max
+    }
+
+    /// Unpooled buffers [`acquire`](Self::acquire) allocated because the pool
+    /// was exhausted, since the pool was created.
+    pub fn overflow_allocations(&self) -> u64 {
+        self.local.state.borrow().overflow_allocations
+    }
+
+    /// Returns rejected because their [`BufferId`] matched no slot on loan
+    /// (a stale handle). Always 0 unless an invariant was broken.
+    pub fn stale_returns(&self) -> u64 {
+        let mut state = self.local.state.borrow_mut();
+        state.drain(&self.local);
+        state.stale_returns
+    }
+}
+
+impl fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.local.state.borrow();
+        f.debug_struct("BufferPool")
+            .field("buffer_size_bytes", &self.local.config.buffer_size_bytes)
+            .field("capacity_max", &self.local.config.buffer_count_max)
+            .field("allocated", &state.slots.len())
+            .field("free", &state.free.len())
+            .field("overflow_allocations", &state.overflow_allocations)
+            .field("stale_returns", &state.stale_returns)
+            .finish()
+    }
+}
+
+impl Local {
+    /// Takes a buffer out of the slab, allocating a slot if none is free and
+    /// the cap allows.
+    fn take(&self) -> Option<(BufferId, Box<[u8]>)> {
+        let mut state = self.state.borrow_mut();
+        let index = match state.free.pop() {
+            Some(index) => index,
+            None => {
+                state.drain(self);
+                match state.free.pop() {
+                    Some(index) => index,
+                    None => return state.allocate_slot(&self.config),
+                }
+            }
+        };
+        let slot = state.slots.get_mut(index as usize)?;
+        let memory = slot.memory.take()?;
+        slot.generation = slot.generation.wrapping_add(1);
+        let id = BufferId {
+            index,
+            generation: slot.generation,
+        };
+        Some((id, memory))
+    }
+
+    /// Brings memory home from a [`PooledBuf`] dropped on this core.
+    fn give_back(&self, returned: Returned) {
+        match self.state.try_borrow_mut() {
+            Ok(mut state) => state.accept(returned, &self.config),
+            // Re-entered while the slab is borrowed: defer through the queue.
+            Err(_) => self.shared.push(returned),
+        }
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        let returned = {
+            let mut queue = self.shared.lock();
+            queue.pool_dropped = true;
+            std::mem::take(&mut queue.returned)
+        };
+        // Freed outside the lock.
+        drop(returned);
+    }
+}
+
+impl State {
+    /// Allocates a new slot and lends it at once, if the cap allows.
+    fn allocate_slot(&mut self, config: &PoolConfig) -> Option<(BufferId, Box<[u8]>)> {
+        if self.slots.len() >= config.buffer_count_max {
+            return None;
+        }
+        // buffer_count_max ≤ BUFFER_COUNT_MAX < u32::MAX, checked by validate().
+        let index = u32::try_from(self.slots.len()).ok()?;
+        self.slots.push(Slot {
+            generation: 0,
+            memory: None,
+        });
+        let id = BufferId {
+            index,
+            generation: 0,
+        };
+        Some((id, zeroed(config.buffer_size_bytes)))
+    }
+
+    /// Puts returned memory back into its slot, or counts it stale.
+    fn accept(&mut self, returned: Returned, config: &PoolConfig) {
+        let Returned { id, memory } = returned;
+        let slot = self
+            .slots
+            .get_mut(id.index as usize)
+            .filter(|slot| slot.memory.is_none() && slot.generation == id.generation)
+            .filter(|_| memory.len() == config.buffer_size_bytes);
+        match slot {
+            Some(slot) => {
+                slot.memory = Some(memory);
+                self.free.push(id.index);
+            }
+            None => self.stale_returns = self.stale_returns.saturating_add(1),
+        }
+    }
+
+    /// Moves everything in the cross-thread return queue into the slab.
+    fn drain(&mut self, local: &Local) {
+        let mut batch = std::mem::take(&mut self.spare);
+        {
+            let mut queue = local.shared.lock();
+            if queue.returned.is_empty() {
+                drop(queue);
+                self.spare = batch;
+                return;
+            }
+            std::mem::swap(&mut queue.returned, &mut batch);
+        }
+        for returned in batch.drain(..) {
+            self.accept(returned, &local.config);
+        }
+        self.spare = batch;
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReturnQueue> {
+        // The critical sections only push/swap vectors; a poisoned lock still
+        // holds a consistent queue.
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues memory for its pool, or frees it if the pool is gone.
+    fn push(&self, returned: Returned) {
+        let mut queue = self.lock();
+        if queue.pool_dropped {
+            drop(queue);
+            drop(returned);
+        } else {
+            queue.returned.push(returned);
+        }
+    }
+}
+
+fn zeroed(size_bytes: usize) -> Box<[u8]> {
+    vec![0u8; size_bytes].into_boxed_slice()
+}
+
+/// Where a buffer's memory goes when it is dropped.
+enum Origin {
+    /// Lent by a pool; goes back to it if it still exists.
+    Pooled {
+        /// The loan.
+        id: BufferId,
+        /// The lending pool.
+        home: Weak<Local>,
+    },
+    /// Allocated past the pool's cap; freed on drop.
+    Overflow,
+    /// Memory already handed on (after `freeze`); nothing to do.
+    Detached,
+}
+
+/// A fixed-capacity IO buffer lent by a [`BufferPool`].
+///
+/// Pass it by value to monoio reads (`stream.read(buf)`): the read fills the
+/// buffer from offset 0 up to its capacity and sets [`len`](Self::len) to
+/// the bytes read; use `buf.slice_mut(buf.len()..)` to append instead.
+/// [`freeze`](Self::freeze) turns the filled bytes into a `Bytes` without
+/// copying. Dropping the buffer returns it to its pool, whenever that
+/// happens — also late, after a cancelled io_uring read completes, and also
+/// after the pool itself is gone (the memory is then freed).
+///
+/// `!Send`: it belongs to the core that acquired it.
+pub struct PooledBuf {
+    /// Owned outright while on loan; `len() == buffer_size_bytes`.
+    memory: Box<[u8]>,
+    /// Initialized (filled) prefix; always `<= memory.len()`.
+    len_bytes: usize,
+    origin: Origin,
+}
+
+impl PooledBuf {
+    /// Bytes filled so far.
+    pub fn len(&self) -> usize {
+        self.len_bytes
+    }
+
+    /// Whether nothing has been filled.
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes == 0
+    }
+
+    /// Total size of the buffer, in bytes.
+    pub fn capacity_bytes(&self) -> usize {
+        self.memory.len()
+    }
+
+    /// Bytes still free after [`len`](Self::len).
+    pub fn remaining_bytes(&self) -> usize {
+        self.memory.len() - self.len_bytes
+    }
+
+    /// The loan's id, or `None` for an overflow buffer.
+    pub fn id(&self) -> Option<BufferId> {
+        match self.origin {
+            Origin::Pooled { id, .. } => Some(id),
+            Origin::Overflow | Origin::Detached => None,
+        }
+    }
+
+    /// Whether this buffer was allocated past the pool's cap.
+    pub fn is_overflow(&self) -> bool {
+        matches!(self.origin, Origin::Overflow)
+    }
+
+    /// Sets the length to 0.
+    pub fn clear(&mut self) {
+        self.len_bytes = 0;
+    }
+
+    /// Shortens the filled part to `len_bytes`; no effect if already shorter.
+    pub fn truncate(&mut self, len_bytes: usize) {
+        self.len_bytes = self.len_bytes.min(len_bytes);
+    }
+
+    /// Appends as much of `src` as fits; returns the number of bytes copied.
+    pub fn extend_from_slice(&mut self, src: &[u8]) -> usize {
+        let count = src.len().min(self.remaining_bytes());
+        let end = self.len_bytes + count;
+        self.memory[self.len_bytes..end].copy_from_slice(&src[..count]);
+        self.len_bytes = end;
+        count
+    }
+
+    /// Hands the filled bytes on as a `Bytes` that shares this memory
+    /// without copying. Clones and slices of it may go to any thread; the
+    /// memory returns to the pool when the last of them is dropped (or is
+    /// freed if the pool is gone by then). An empty buffer returns to the
+    /// pool at once and yields an empty `Bytes`.
+    pub fn freeze(mut self) -> Bytes {
+        if self.len_bytes == 0 {
+            return Bytes::new();
+        }
+        let memory = std::mem::take(&mut self.memory);
+        let len_bytes = self.len_bytes;
+        let return_path = match std::mem::replace(&mut self.origin, Origin::Detached) {
+            Origin::Pooled { id, home } => home.upgrade().map(|local| ReturnPath {
+                id,
+                shared: Arc::clone(&local.shared),
+            }),
+            Origin::Overflow | Origin::Detached => None,
+        };
+        Bytes::from_owner(FrozenBuf {
+            memory,
+            len_bytes,
+            return_path,
+        })
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Origin::Pooled { id, home } = std::mem::replace(&mut self.origin, Origin::Detached)
+        {
+            if let Some(local) = home.upgrade() {
+                let memory = std::mem::take(&mut self.memory);
+                local.give_back(Returned { id, memory });
+            }
+        }
+    }
+}
+
+impl Deref for PooledBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.memory[..self.len_bytes]
+    }
+}
+
+impl DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.memory[..self.len_bytes]
+    }
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl fmt::Debug for PooledBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PooledBuf")
+            .field("id", &self.id())
+            .field("overflow", &self.is_overflow())
+            .field("len_bytes", &self.len_bytes)
+            .field("capacity_bytes", &self.memory.len())
+            .finish()
+    }
+}
+
+// SAFETY: `read_ptr` points at the heap allocation owned by `memory`. Moving a
+// `PooledBuf` moves only the box pointer, never the allocation, and the box is
+// neither reallocated nor replaced while the value lives (only `freeze`/`Drop`
+// take it, consuming the buffer), so the address is stable as monoio requires.
+// `bytes_init` is `len_bytes`, which is always `<= memory.len()`, and every byte
+// of `memory` is initialized (zero-filled at allocation).
+unsafe impl IoBuf for PooledBuf {
+    fn read_ptr(&self) -> *const u8 {
+        self.memory.as_ptr()
+    }
+
+    fn bytes_init(&self) -> usize {
+        self.len_bytes
+    }
+}
+
+// SAFETY: `write_ptr` points at the same stable heap allocation as `read_ptr`
+// (see above) and is valid for writes of `bytes_total` = `memory.len()` bytes,
+// which this buffer owns exclusively.
+unsafe impl IoBufMut for PooledBuf {
+    fn write_ptr(&mut self) -> *mut u8 {
+        self.memory.as_mut_ptr()
+    }
+
+    fn bytes_total(&mut self) -> usize {
+        self.memory.len()
+    }
+
+    unsafe fn set_init(&mut self, pos: usize) {
+        // All of `memory` is initialized, so any length up to its size is
+        // valid; clamp to keep the `len_bytes <= memory.len()` invariant even
+        // if a caller breaks the contract.
+        self.len_bytes = pos.min(self.memory.len());
+    }
+}
+
+/// How a frozen buffer finds its way home from any thread.
+struct ReturnPath {
+    id: BufferId,
+    shared: Arc<Shared>,
+}
+
+/// The `Bytes` owner behind [`PooledBuf::freeze`]: `Send`, so the `Bytes`
+/// may cross cores.
+struct FrozenBuf {
+    memory: Box<[u8]>,
+    len_bytes: usize,
+    return_path: Option<ReturnPath>,
+}
+
+impl AsRef<[u8]> for FrozenBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.memory[..self.len_bytes]
+    }
+}
+
+impl Drop for FrozenBuf {
+    fn drop(&mut self) {
+        if let Some(ReturnPath { id, shared }) = self.return_path.take() {
+            let memory = std::mem::take(&mut self.memory);
+            shared.push(Returned { id, memory });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small_pool(count: usize) -> BufferPool {
+        match BufferPool::new(PoolConfig {
+            buffer_size_bytes: 64,
+            buffer_count_max: count,
+        }) {
+            Ok(pool) => pool,
+            Err(error) => panic!("valid config rejected: {error}"),
+        }
+    }
+
+    #[test]
+    fn stale_return_is_counted_and_never_pooled() {
+        let pool = small_pool(2);
+        let buf = pool.try_acquire();
+        let id = buf.as_ref().and_then(PooledBuf::id);
+        assert_eq!(
+            id,
+            Some(BufferId {
+                index: 0,
+                generation: 0
+            })
+        );
+        drop(buf);
+        assert_eq!(pool.available(), 1);
+
+        // Returns that name a slot at home, a wrong generation or an unknown
+        // index: each is detected and its memory dropped.
+        let forged = [
+            BufferId {
+                index: 0,
+                generation: 0,
+            },
+            BufferId {
+                index: 0,
+                generation: 7,
+            },
+            BufferId {
+                index: 9,
+                generation: 0,
+            },
+        ];
+        for id in forged {
+            pool.local.give_back(Returned {
+                id,
+                memory: zeroed(64),
+            });
+        }
+        assert_eq!(pool.stale_returns(), 3);
+        assert_eq!(pool.available(), 1);
+        assert_eq!(pool.allocated(), 1);
+
+        // A slot on loan, right generation, wrong size: still rejected.
+        let held = pool.try_acquire();
+        let held_id = held.as_ref().and_then(PooledBuf::id);
+        assert_eq!(
+            held_id,
+            Some(BufferId {
+                index: 0,
+                generation: 1
+            })
+        );
+        if let Some(id) = held_id {
+            pool.local.shared.push(Returned {
+                id,
+                memory: zeroed(32),
+            });
+        }
+        assert_eq!(pool.stale_returns(), 4);
+        assert_eq!(pool.in_use(), 1);
+
+        // The genuine return is still accepted exactly once.
+        drop(held);
+        assert_eq!(pool.available(), 1);
+        assert_eq!(pool.in_use(), 0);
+        assert_eq!(pool.stale_returns(), 4);
+    }
+}

@@ -1,1 +1,0 @@
-//! tls (under construction)

@@ -1,0 +1,272 @@
+//! Edge side: TLS server that requires a Node client certificate (T2).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio_rustls::ServerTlsStream;
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::crypto::CryptoProvider;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::{NoServerSessionStorage, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::SingleCertAndKey;
+use rustls::{
+    CertificateError, DigitallySignedStruct, DistinguishedName, ServerConfig, ServerConnection,
+    SignatureScheme,
+};
+use rustls_pki_types::{CertificateDer, UnixTime};
+
+use super::handshake;
+use super::identity::{check_domain_and_role, workload_id_from_cert};
+use super::{
+    checked_trust_domain, own_identity, provider, ClockTime, IdentityRejection, Role, TlsError,
+    TlsMaterial, Verdict, VerdictSlot, WorkloadId, TLS13_ONLY,
+};
+
+/// The node names the Edge accepts, shared by every acceptor clone and
+/// replaceable on config reload.
+///
+/// A replacement applies to handshakes that start after it; connections
+/// already accepted are the caller's to re-check.
+#[derive(Clone, Default)]
+pub struct NodeAllowList {
+    names: Arc<RwLock<Arc<BTreeSet<String>>>>,
+}
+
+impl NodeAllowList {
+    /// An allow list holding `names`.
+    pub fn new<I, S>(names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        NodeAllowList {
+            names: Arc::new(RwLock::new(Arc::new(
+                names.into_iter().map(Into::into).collect(),
+            ))),
+        }
+    }
+
+    /// Replaces the whole set (config reload).
+    pub fn replace<I, S>(&self, names: I)
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let names: BTreeSet<String> = names.into_iter().map(Into::into).collect();
+        let mut guard = self.names.write().unwrap_or_else(PoisonError::into_inner);
+        *guard = Arc::new(names);
+    }
+
+    /// Whether `name` is allowed.
+    pub fn contains(&self, name: &str) -> bool {
+        self.snapshot().contains(name)
+    }
+
+    /// The current set.
+    pub fn snapshot(&self) -> Arc<BTreeSet<String>> {
+        let guard = self.names.read().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(&guard)
+    }
+}
+
+impl fmt::Debug for NodeAllowList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.snapshot().iter()).finish()
+    }
+}
+
+/// Accepts TLS 1.3 connections from Nodes whose certificate chains to the CA
+/// and names `spiffe://<trust-domain>/node/<name>` with `name` in the
+/// [`NodeAllowList`]. Cheap to clone (one per core).
+#[derive(Clone)]
+pub struct EdgeTlsAcceptor {
+    provider: Arc<CryptoProvider>,
+    webpki: Arc<dyn ClientCertVerifier>,
+    cert_resolver: Arc<dyn ResolvesServerCert>,
+    trust_domain: Arc<str>,
+    allowed_nodes: NodeAllowList,
+    local_identity: WorkloadId,
+}
+
+impl fmt::Debug for EdgeTlsAcceptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EdgeTlsAcceptor")
+            .field("local_identity", &self.local_identity)
+            .field("allowed_nodes", &self.allowed_nodes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EdgeTlsAcceptor {
+    /// Builds an acceptor. Fails if `trust_domain` is invalid or if the
+    /// configured certificate is not an edge identity in `trust_domain`.
+    pub fn new(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        allowed_nodes: NodeAllowList,
+    ) -> Result<Self, TlsError> {
+        let trust_domain = checked_trust_domain(trust_domain)?;
+        let local_identity = own_identity(material, &trust_domain, Role::Edge)?;
+        let provider = provider();
+        let webpki =
+            WebPkiClientVerifier::builder_with_provider(material.roots.clone(), provider.clone())
+                .build()
+                .map_err(|e| TlsError::Config {
+                    file: material.ca_source.clone(),
+                    reason: super::ConfigProblem::BadCertificate {
+                        detail: e.to_string(),
+                    },
+                })?;
+        Ok(EdgeTlsAcceptor {
+            provider,
+            webpki,
+            cert_resolver: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
+            trust_domain,
+            allowed_nodes,
+            local_identity,
+        })
+    }
+
+    /// The Edge's own identity, read from its certificate.
+    pub fn local_identity(&self) -> &WorkloadId {
+        &self.local_identity
+    }
+
+    /// The allow list this acceptor consults (replace it to reload).
+    pub fn allowed_nodes(&self) -> &NodeAllowList {
+        &self.allowed_nodes
+    }
+
+    /// Runs the server handshake on `io` and returns the stream with the
+    /// Node's verified identity. On an identity rejection the Node has been
+    /// sent `access_denied` and the error is [`TlsError::IdentityRejected`].
+    pub async fn accept<IO>(&self, io: IO) -> Result<(ServerTlsStream<IO>, WorkloadId), TlsError>
+    where
+        IO: AsyncReadRent + AsyncWriteRent,
+    {
+        let verdict: VerdictSlot = Arc::new(OnceLock::new());
+        let config = self.server_config(verdict.clone())?;
+        let mut conn = ServerConnection::new(config).map_err(TlsError::Handshake)?;
+        let mut io = io;
+        let result = handshake::complete(&mut io, &mut conn).await;
+        match (result, verdict.get()) {
+            (Ok(()), Some(Verdict::Accepted(id))) => {
+                Ok((ServerTlsStream::new(io, conn), id.clone()))
+            }
+            (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
+                reason: reason.clone(),
+            }),
+            // Client auth is mandatory, so a finished handshake has always run
+            // the verifier; refuse rather than trust an unverified peer.
+            (Ok(()), None) => Err(TlsError::IdentityRejected {
+                reason: IdentityRejection::NotVerified,
+            }),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// A config for one connection: shared key and verifier pieces, a fresh
+    /// verdict slot, no session storage and no tickets.
+    fn server_config(&self, verdict: VerdictSlot) -> Result<Arc<ServerConfig>, TlsError> {
+        let verifier = Arc::new(NodeIdentityVerifier {
+            webpki: self.webpki.clone(),
+            trust_domain: self.trust_domain.clone(),
+            allowed_nodes: self.allowed_nodes.clone(),
+            verdict,
+        });
+        let mut config =
+            ServerConfig::builder_with_details(self.provider.clone(), Arc::new(ClockTime))
+                .with_protocol_versions(TLS13_ONLY)
+                .map_err(TlsError::Handshake)?
+                .with_client_cert_verifier(verifier)
+                .with_cert_resolver(self.cert_resolver.clone());
+        config.session_storage = Arc::new(NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
+        config.max_early_data_size = 0;
+        Ok(Arc::new(config))
+    }
+}
+
+/// Client-certificate verifier of one connection: webpki path validation, then
+/// the SPIFFE identity check, with the verdict written to the connection's slot.
+#[derive(Debug)]
+struct NodeIdentityVerifier {
+    webpki: Arc<dyn ClientCertVerifier>,
+    trust_domain: Arc<str>,
+    allowed_nodes: NodeAllowList,
+    verdict: VerdictSlot,
+}
+
+impl NodeIdentityVerifier {
+    fn check_identity(&self, end_entity: &CertificateDer<'_>) -> Result<WorkloadId, IdentityRejection> {
+        let id = workload_id_from_cert(end_entity)?;
+        check_domain_and_role(&id, &self.trust_domain, Role::Node)?;
+        if !self.allowed_nodes.contains(id.name()) {
+            return Err(IdentityRejection::NameNotAllowed {
+                name: id.name().to_owned(),
+            });
+        }
+        Ok(id)
+    }
+}
+
+impl ClientCertVerifier for NodeIdentityVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.webpki.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.webpki
+            .verify_client_cert(end_entity, intermediates, now)?;
+        let verdict = match self.check_identity(end_entity) {
+            Ok(id) => Verdict::Accepted(id),
+            Err(reason) => Verdict::Rejected(reason),
+        };
+        let accepted = matches!(verdict, Verdict::Accepted(_));
+        // A slot already filled means a second verification on one connection,
+        // which TLS 1.3 never does: refuse it.
+        if self.verdict.set(verdict).is_err() || !accepted {
+            return Err(rustls::Error::InvalidCertificate(
+                CertificateError::ApplicationVerificationFailure,
+            ));
+        }
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
+}

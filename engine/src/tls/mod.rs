@@ -1,0 +1,124 @@
+//! Mutual TLS 1.3 between Edge and Node with SPIFFE workload identity (T2, T3).
+//!
+//! Both peers present certificates signed by the configured CA; the identity
+//! is the certificate's single URI SAN `spiffe://<trust-domain>/<role>/<name>`.
+//!
+//! ```text
+//!  Node (TLS client)                                  Edge (TLS server)
+//!  NodeTlsConnector::connect                          EdgeTlsAcceptor::accept
+//!    EdgeIdentityVerifier                               NodeIdentityVerifier
+//!      chain → CA, validity, server EKU (webpki)          chain → CA, validity, client EKU
+//!      URI SAN == spiffe://<td>/edge/<edge name>          (WebPkiClientVerifier)
+//!                                                         URI SAN == spiffe://<td>/node/<n>,
+//!                                                         n in NodeAllowList
+//!                                                         ──► per-connection verdict slot
+//!  ClientTlsStream                                    (ServerTlsStream, WorkloadId)
+//! ```
+//!
+//! Design points:
+//!
+//! - **TLS 1.3 only**, ring provider, configs built with
+//!   `builder_with_details(ring provider, clock time)` so certificate validity
+//!   is judged by [`crate::clock`].
+//! - **Identity capture.** monoio-rustls does not expose the peer certificate
+//!   after the handshake, so the Edge builds a fresh `ServerConfig` per
+//!   accepted connection (cheap: the signing key, the webpki verifier and the
+//!   trust anchors are shared `Arc`s) whose verifier writes the verdict into a
+//!   per-connection `OnceLock`. `accept` returns the verified [`WorkloadId`];
+//!   registration then checks that its name equals the registered `node_id`
+//!   (T3).
+//! - **No resumption.** Session storage and TLS 1.3 tickets are off on the
+//!   Edge and resumption is off on the Node: a resumed session would skip the
+//!   verifiers.
+//! - **Rejections are alerts.** A verifier that rejects an identity returns
+//!   `ApplicationVerificationFailure`, so the peer receives `access_denied`.
+//!   Under TLS 1.3 the client's `connect` completes before the server has
+//!   judged the client certificate; a rejected Node sees the alert on its
+//!   first read (use [`rustls_cause`] to log it).
+//! - **Never cancel a read** on the returned streams (see
+//!   `RUNTIME_NOTES.md`): enforce deadlines by shutting the socket down.
+
+mod edge;
+mod error;
+mod handshake;
+mod identity;
+mod node;
+mod pem;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+use rustls::time_provider::TimeProvider;
+use rustls::SupportedProtocolVersion;
+use rustls_pki_types::UnixTime;
+
+pub use edge::{EdgeTlsAcceptor, NodeAllowList};
+pub use error::{rustls_cause, ConfigProblem, TlsError};
+pub use identity::{
+    workload_id_from_cert, IdentityRejection, Role, WorkloadId, WorkloadIdError,
+    MAX_TRUST_DOMAIN_BYTES, MAX_URI_BYTES, SPIFFE_SCHEME,
+};
+pub use node::{NodeTlsConnector, EDGE_SERVER_NAME};
+pub use pem::{TlsFiles, TlsMaterial};
+
+/// The only protocol version either side speaks (T1).
+pub(crate) static TLS13_ONLY: &[&SupportedProtocolVersion] = &[&rustls::version::TLS13];
+
+/// The ring crypto provider every config is built with.
+pub(crate) fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// rustls' view of wall time, read through [`crate::clock`] (the one module
+/// allowed to read the OS clock).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ClockTime;
+
+impl TimeProvider for ClockTime {
+    fn current_time(&self) -> Option<UnixTime> {
+        let unix_ms = u64::try_from(crate::clock::unix_ms()).ok()?;
+        Some(UnixTime::since_unix_epoch(Duration::from_millis(unix_ms)))
+    }
+}
+
+/// What a verifier concluded about the peer of one connection.
+#[derive(Debug, Clone)]
+pub(crate) enum Verdict {
+    /// The certificate verified and carries an acceptable identity.
+    Accepted(WorkloadId),
+    /// The certificate verified but its identity is rejected.
+    Rejected(IdentityRejection),
+}
+
+/// The per-connection slot a verifier writes its verdict into.
+pub(crate) type VerdictSlot = Arc<std::sync::OnceLock<Verdict>>;
+
+/// Checks that the configured certificate names this side: trust domain
+/// `trust_domain`, role `role`.
+pub(crate) fn own_identity(
+    material: &TlsMaterial,
+    trust_domain: &str,
+    role: Role,
+) -> Result<WorkloadId, TlsError> {
+    let own_error = |rejection| TlsError::Config {
+        file: material.cert_source.clone(),
+        reason: ConfigProblem::OwnIdentity { rejection },
+    };
+    let leaf = material.leaf_cert().ok_or(TlsError::Config {
+        file: material.cert_source.clone(),
+        reason: ConfigProblem::NoCertificate,
+    })?;
+    let id = workload_id_from_cert(leaf).map_err(own_error)?;
+    identity::check_domain_and_role(&id, trust_domain, role).map_err(own_error)?;
+    Ok(id)
+}
+
+/// Validates a trust-domain setting.
+pub(crate) fn checked_trust_domain(trust_domain: &str) -> Result<Arc<str>, TlsError> {
+    WorkloadId::validate_trust_domain(trust_domain).map_err(|error| TlsError::BadSetting {
+        setting: "trust_domain",
+        error,
+    })?;
+    Ok(Arc::from(trust_domain))
+}

@@ -1,0 +1,220 @@
+//! Node side: TLS client that presents the Node certificate and accepts only
+//! the configured Edge identity (T2).
+
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::sync::{Arc, OnceLock};
+
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio_rustls::ClientTlsStream;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::{verify_server_cert_signed_by_trust_anchor, ResolvesClientCert, Resumption};
+use rustls::crypto::{
+    verify_tls12_signature, verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms,
+};
+use rustls::server::ParsedCertificate;
+use rustls::sign::SingleCertAndKey;
+use rustls::{
+    CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore,
+    SignatureScheme,
+};
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+use super::handshake;
+use super::identity::{check_domain_and_role, workload_id_from_cert};
+use super::{
+    checked_trust_domain, own_identity, provider, ClockTime, IdentityRejection, Role, TlsError,
+    TlsMaterial, Verdict, VerdictSlot, WorkloadId, TLS13_ONLY,
+};
+
+/// The placeholder server name every Node handshake uses (`0.0.0.0`).
+///
+/// rustls requires a DNS name or IP address, but Edge identity is the URI SAN
+/// `spiffe://<td>/edge/<name>`, checked by the Node's own verifier; this
+/// address is never compared with the certificate and, with SNI disabled (and
+/// never sent for an IP anyway), never leaves the process. The unspecified
+/// address names no real host, and building it cannot fail.
+pub const EDGE_SERVER_NAME: Ipv4Addr = Ipv4Addr::UNSPECIFIED;
+
+/// Dials the Edge: presents the Node certificate, requires the Edge
+/// certificate to chain to the CA and name `spiffe://<td>/edge/<edge name>`.
+#[derive(Clone)]
+pub struct NodeTlsConnector {
+    provider: Arc<CryptoProvider>,
+    roots: Arc<RootCertStore>,
+    client_cert: Arc<dyn ResolvesClientCert>,
+    trust_domain: Arc<str>,
+    edge_name: Arc<str>,
+    local_identity: WorkloadId,
+}
+
+impl fmt::Debug for NodeTlsConnector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NodeTlsConnector")
+            .field("local_identity", &self.local_identity)
+            .field("edge_name", &self.edge_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeTlsConnector {
+    /// Builds a connector. Fails if `trust_domain` or `edge_name` is invalid
+    /// or if the configured certificate is not a node identity in
+    /// `trust_domain`.
+    pub fn new(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        edge_name: &str,
+    ) -> Result<Self, TlsError> {
+        let trust_domain = checked_trust_domain(trust_domain)?;
+        WorkloadId::validate_name(edge_name).map_err(|error| TlsError::BadSetting {
+            setting: "edge_name",
+            error,
+        })?;
+        let local_identity = own_identity(material, &trust_domain, Role::Node)?;
+        Ok(NodeTlsConnector {
+            provider: provider(),
+            roots: material.roots.clone(),
+            client_cert: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
+            trust_domain,
+            edge_name: Arc::from(edge_name),
+            local_identity,
+        })
+    }
+
+    /// The Node's own identity, read from its certificate. Its name is the
+    /// `node_id` the Node must register with (T3).
+    pub fn local_identity(&self) -> &WorkloadId {
+        &self.local_identity
+    }
+
+    /// Runs the client handshake on `io`.
+    ///
+    /// Success means the Edge proved its identity; it does not yet mean the
+    /// Edge accepted ours. Under TLS 1.3 the Edge judges the client
+    /// certificate after this returns, and a rejection arrives as an
+    /// `access_denied` alert on the first read.
+    pub async fn connect<IO>(&self, io: IO) -> Result<ClientTlsStream<IO>, TlsError>
+    where
+        IO: AsyncReadRent + AsyncWriteRent,
+    {
+        let verdict: VerdictSlot = Arc::new(OnceLock::new());
+        let config = self.client_config(verdict.clone())?;
+        let server_name = ServerName::IpAddress(EDGE_SERVER_NAME.into());
+        let mut conn = ClientConnection::new(config, server_name).map_err(TlsError::Handshake)?;
+        let mut io = io;
+        let result = handshake::complete(&mut io, &mut conn).await;
+        match (result, verdict.get()) {
+            (Ok(()), Some(Verdict::Accepted(_))) => Ok(ClientTlsStream::new(io, conn)),
+            (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
+                reason: reason.clone(),
+            }),
+            (Ok(()), None) => Err(TlsError::IdentityRejected {
+                reason: IdentityRejection::NotVerified,
+            }),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// A config for one connection: fresh verdict slot, TLS 1.3, no SNI, no
+    /// resumption.
+    fn client_config(&self, verdict: VerdictSlot) -> Result<Arc<ClientConfig>, TlsError> {
+        let verifier = Arc::new(EdgeIdentityVerifier {
+            roots: self.roots.clone(),
+            algorithms: self.provider.signature_verification_algorithms,
+            trust_domain: self.trust_domain.clone(),
+            edge_name: self.edge_name.clone(),
+            verdict,
+        });
+        let mut config =
+            ClientConfig::builder_with_details(self.provider.clone(), Arc::new(ClockTime))
+                .with_protocol_versions(TLS13_ONLY)
+                .map_err(TlsError::Handshake)?
+                .dangerous()
+                .with_custom_certificate_verifier(verifier)
+                .with_client_cert_resolver(self.client_cert.clone());
+        config.enable_sni = false;
+        config.resumption = Resumption::disabled();
+        Ok(Arc::new(config))
+    }
+}
+
+/// Server-certificate verifier of one connection: chain to the CA with
+/// signature and validity checks, then the Edge identity check.
+#[derive(Debug)]
+struct EdgeIdentityVerifier {
+    roots: Arc<RootCertStore>,
+    algorithms: WebPkiSupportedAlgorithms,
+    trust_domain: Arc<str>,
+    edge_name: Arc<str>,
+    verdict: VerdictSlot,
+}
+
+impl EdgeIdentityVerifier {
+    fn check_identity(&self, end_entity: &CertificateDer<'_>) -> Result<WorkloadId, IdentityRejection> {
+        let id = workload_id_from_cert(end_entity)?;
+        check_domain_and_role(&id, &self.trust_domain, Role::Edge)?;
+        if id.name() != &*self.edge_name {
+            return Err(IdentityRejection::WrongName {
+                expected: self.edge_name.to_string(),
+                found: id.name().to_owned(),
+            });
+        }
+        Ok(id)
+    }
+}
+
+impl ServerCertVerifier for EdgeIdentityVerifier {
+    /// `server_name` is the [`EDGE_SERVER_NAME`] placeholder and is ignored:
+    /// the identity is the URI SAN.
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let parsed = ParsedCertificate::try_from(end_entity)?;
+        verify_server_cert_signed_by_trust_anchor(
+            &parsed,
+            &self.roots,
+            intermediates,
+            now,
+            self.algorithms.all,
+        )?;
+        let verdict = match self.check_identity(end_entity) {
+            Ok(id) => Verdict::Accepted(id),
+            Err(reason) => Verdict::Rejected(reason),
+        };
+        let accepted = matches!(verdict, Verdict::Accepted(_));
+        if self.verdict.set(verdict).is_err() || !accepted {
+            return Err(rustls::Error::InvalidCertificate(
+                CertificateError::ApplicationVerificationFailure,
+            ));
+        }
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
