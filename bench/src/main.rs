@@ -1,1 +1,110 @@
-fn main() {}
+//! `bench` — IOP's load harness and mock providers (see the library docs).
+//!
+//! Subcommands:
+//!
+//! - `bench mock-provider --port P [--host H] [--ttft-ms N]
+//!   [--inter-token-ms N] [--tokens N] [--model-list m1,m2]`: the
+//!   OpenAI-compatible mock inference server. After binding it prints one
+//!   line, `IOP_READY mock-provider addr=HOST:PORT`, to stdout; it runs until
+//!   SIGTERM or SIGINT and then exits 0. Logs go to stderr (`RUST_LOG`).
+//!
+//! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
+//! server error, 2 on unparsable arguments (argh).
+
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::ExitCode;
+
+use argh::FromArgs;
+
+use bench::mock::{self, MockConfig};
+
+/// IOP load harness, mock providers and relay-vs-direct reports.
+#[derive(FromArgs, Debug)]
+struct Cli {
+    #[argh(subcommand)]
+    command: Command,
+}
+
+/// The subcommands.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+enum Command {
+    MockProvider(MockProviderArgs),
+}
+
+/// Run the OpenAI-compatible mock inference server.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "mock-provider")]
+struct MockProviderArgs {
+    /// TCP port to listen on (0 picks a free port)
+    #[argh(option)]
+    port: u16,
+    /// address to bind (default 127.0.0.1)
+    #[argh(option, default = "IpAddr::V4(Ipv4Addr::LOCALHOST)")]
+    host: IpAddr,
+    /// delay before the first content token, in milliseconds (default 0)
+    #[argh(option, default = "0")]
+    ttft_ms: u64,
+    /// delay between content tokens, in milliseconds (default 0)
+    #[argh(option, default = "0")]
+    inter_token_ms: u64,
+    /// tokens per completion before any max_tokens cap (default 16)
+    #[argh(option, default = "16")]
+    tokens: u32,
+    /// comma-separated model ids served by GET /v1/models (default
+    /// "mock-model")
+    #[argh(option, default = "String::from(\"mock-model\")")]
+    model_list: String,
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let cli: Cli = argh::from_env();
+    match cli.command {
+        Command::MockProvider(args) => mock_provider(args),
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+}
+
+fn mock_provider(args: MockProviderArgs) -> ExitCode {
+    let models: Vec<String> = args
+        .model_list
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(str::to_string)
+        .collect();
+    if models.is_empty() {
+        eprintln!("bench mock-provider: --model-list: needs at least one model id");
+        return ExitCode::from(1);
+    }
+    let config = MockConfig {
+        ttft_ms: args.ttft_ms,
+        inter_token_ms: args.inter_token_ms,
+        tokens: args.tokens,
+        models,
+    };
+    let addr = SocketAddr::new(args.host, args.port);
+    match iop_engine::rt::block_on(mock::run(addr, config)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(err)) => {
+            eprintln!("bench mock-provider: {err}");
+            ExitCode::from(1)
+        }
+        Err(err) => {
+            eprintln!("bench mock-provider: cannot start the runtime: {err}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,1005 @@
+//! The mock provider's pure core: routing, request parsing and every byte of
+//! the OpenAI-compatible responses. No IO and no clock: the shell passes in
+//! the send time (`sent_ns`, from `iop_engine::clock::monotonic_raw_ns`) and
+//! acts on the returned [`Reply`] / [`StreamStep`]s.
+//!
+//! # The deterministic content rule
+//!
+//! A completion of `n` tokens consists of the tokens `0..n`; token `i` is the
+//! text `tok{i} ` (the letters `tok`, the decimal index, one space), and the
+//! message content is their concatenation: `"tok0 tok1 tok2 "` for `n = 3`.
+//! `n` is the server's `--tokens`, capped by the request's `max_tokens` /
+//! `max_completion_tokens`; when the cap is below `--tokens` the finish reason
+//! is `"length"`, otherwise `"stop"`.
+//!
+//! `prompt_tokens` is the total number of whitespace-separated words in the
+//! text of all request messages (a string `content`, or the `text` of each
+//! content part of an array `content`; other contents count 0).
+//! `completion_tokens` is `n`; `total_tokens` is their sum.
+//!
+//! # Stream shape
+//!
+//! ```text
+//! data: {chunk: delta {"role":"assistant","content":""}}     (at once)
+//!                                                            (sleep --ttft-ms)
+//! data: {chunk: delta {"content":"tok0 "}}
+//!                                                            (sleep --inter-token-ms)
+//! data: {chunk: delta {"content":"tok1 "}}   ... one per token
+//! data: {chunk: delta {}, finish_reason "stop" | "length"}
+//! data: {chunk: "choices":[], usage}         (only with stream_options.include_usage)
+//! data: [DONE]
+//! ```
+//!
+//! Every chunk object has `id`, `object: "chat.completion.chunk"`, `created`,
+//! `model`, `choices`, (with `include_usage`, `usage`: `null` except on the
+//! usage chunk, as the real API does) and a last, non-OpenAI field
+//! `iop_mock_sent_ns`: the monotonic time the chunk was rendered for sending,
+//! so a load harness on the same machine can measure delivery latency. SDKs
+//! ignore unknown fields.
+
+use serde::{Deserialize, Serialize};
+
+/// The `created` timestamp (Unix seconds) of every object the mock returns,
+/// fixed so outputs are reproducible.
+pub const CREATED_UNIX_S: u64 = 1_700_000_000;
+
+/// The `owned_by` of every listed model.
+pub const OWNED_BY: &str = "mock";
+
+/// The prefix of completion ids; the full id is `chatcmpl-mock-<seq>`.
+pub const COMPLETION_ID_PREFIX: &str = "chatcmpl-mock-";
+
+/// The last event of every stream.
+pub const DONE_EVENT: &str = "data: [DONE]\n\n";
+
+/// The text of token `index`: `tok{index} `.
+pub fn token_text(index: u32) -> String {
+    format!("tok{index} ")
+}
+
+/// The full message content of a completion of `tokens` tokens.
+pub fn completion_text(tokens: u32) -> String {
+    (0..tokens).map(token_text).collect()
+}
+
+/// The number of whitespace-separated words in `text`.
+pub fn word_count(text: &str) -> u64 {
+    text.split_whitespace().count() as u64
+}
+
+/// What the mock serves; fixed for the life of the process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MockConfig {
+    /// Delay between the role chunk and the first content token.
+    pub ttft_ms: u64,
+    /// Delay between consecutive content tokens.
+    pub inter_token_ms: u64,
+    /// Tokens per completion before any `max_tokens` cap.
+    pub tokens: u32,
+    /// Model ids listed by `GET /v1/models`.
+    pub models: Vec<String>,
+}
+
+/// Why a chat request body was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The body is not JSON of the chat-completions request shape.
+    #[error("invalid chat completion request body: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Why a generation finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// All configured tokens were produced.
+    Stop,
+    /// The request's `max_tokens` cut the completion short.
+    Length,
+}
+
+/// Token counts of one completion, as the `usage` object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Words in the request messages (see the module docs).
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub completion_tokens: u64,
+    /// `prompt_tokens + completion_tokens`.
+    pub total_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct ChatRequestWire {
+    model: String,
+    messages: Vec<MessageWire>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptionsWire>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct MessageWire {
+    #[serde(default)]
+    content: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptionsWire {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+/// The parts of a chat-completions request the mock acts on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatRequest {
+    /// The requested model, echoed back.
+    pub model: String,
+    /// Words in the messages (see the module docs).
+    pub prompt_tokens: u64,
+    /// `"stream": true`.
+    pub stream: bool,
+    /// `"stream_options": {"include_usage": true}`.
+    pub include_usage: bool,
+    /// The smaller of `max_tokens` and `max_completion_tokens`, if any.
+    pub max_tokens: Option<u64>,
+}
+
+impl ChatRequest {
+    /// Parses a `POST /v1/chat/completions` body. Unknown fields are ignored;
+    /// `model` (a string) and `messages` (an array of objects) are required.
+    pub fn parse(body: &[u8]) -> Result<Self, RequestError> {
+        let wire: ChatRequestWire = serde_json::from_slice(body)?;
+        let prompt_tokens = wire
+            .messages
+            .iter()
+            .map(|m| m.content.as_ref().map_or(0, content_words))
+            .sum();
+        let max_tokens = match (wire.max_tokens, wire.max_completion_tokens) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Ok(Self {
+            model: wire.model,
+            prompt_tokens,
+            stream: wire.stream.unwrap_or(false),
+            include_usage: wire
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            max_tokens,
+        })
+    }
+}
+
+fn content_words(content: &serde_json::Value) -> u64 {
+    match content {
+        serde_json::Value::String(text) => word_count(text),
+        serde_json::Value::Array(parts) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(serde_json::Value::as_str))
+            .map(word_count)
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// One planned completion: everything needed to render its body or chunks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// `chatcmpl-mock-<seq>`.
+    pub id: String,
+    /// The request's model, echoed.
+    pub model: String,
+    /// Tokens to generate.
+    pub tokens: u32,
+    /// `stop`, or `length` when `max_tokens` capped the count.
+    pub finish_reason: FinishReason,
+    /// Words in the request messages.
+    pub prompt_tokens: u64,
+    /// Whether a streamed reply carries `usage` (null, then a usage chunk).
+    pub include_usage: bool,
+}
+
+impl Completion {
+    /// Plans the completion of `request` on a server configured for
+    /// `configured_tokens`; `seq` makes the id.
+    pub fn plan(request: &ChatRequest, configured_tokens: u32, seq: u64) -> Self {
+        let (tokens, finish_reason) = match request.max_tokens {
+            Some(cap) if cap < u64::from(configured_tokens) => {
+                // cap < configured_tokens <= u32::MAX, so it fits.
+                (u32::try_from(cap).unwrap_or(0), FinishReason::Length)
+            }
+            _ => (configured_tokens, FinishReason::Stop),
+        };
+        Self {
+            id: format!("{COMPLETION_ID_PREFIX}{seq}"),
+            model: request.model.clone(),
+            tokens,
+            finish_reason,
+            prompt_tokens: request.prompt_tokens,
+            include_usage: request.include_usage,
+        }
+    }
+
+    /// The `usage` object.
+    pub fn usage(&self) -> Usage {
+        let completion_tokens = u64::from(self.tokens);
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens.saturating_add(completion_tokens),
+        }
+    }
+
+    /// The non-streaming `chat.completion` JSON body.
+    pub fn json_body(&self, sent_ns: u64) -> String {
+        let content = completion_text(self.tokens);
+        let body = CompletionWire {
+            id: &self.id,
+            object: "chat.completion",
+            created: CREATED_UNIX_S,
+            model: &self.model,
+            choices: [CompletionChoiceWire {
+                index: 0,
+                message: MessageOutWire {
+                    role: "assistant",
+                    content: &content,
+                },
+                logprobs: None,
+                finish_reason: self.finish_reason,
+            }],
+            usage: self.usage(),
+            iop_mock_sent_ns: sent_ns,
+        };
+        to_json(&body)
+    }
+
+    /// The first stream event: delta `{"role":"assistant","content":""}`.
+    pub fn role_event(&self, sent_ns: u64) -> String {
+        self.choice_event(
+            DeltaWire {
+                role: Some("assistant"),
+                content: Some(""),
+            },
+            None,
+            sent_ns,
+        )
+    }
+
+    /// The stream event carrying token `index`.
+    pub fn token_event(&self, index: u32, sent_ns: u64) -> String {
+        let text = token_text(index);
+        self.choice_event(
+            DeltaWire {
+                role: None,
+                content: Some(&text),
+            },
+            None,
+            sent_ns,
+        )
+    }
+
+    /// The stream event with an empty delta and the finish reason.
+    pub fn finish_event(&self, sent_ns: u64) -> String {
+        self.choice_event(
+            DeltaWire {
+                role: None,
+                content: None,
+            },
+            Some(self.finish_reason),
+            sent_ns,
+        )
+    }
+
+    /// The usage event (`"choices":[]`), sent only with `include_usage`.
+    pub fn usage_event(&self, sent_ns: u64) -> String {
+        self.event(&[], Some(Some(self.usage())), sent_ns)
+    }
+
+    fn choice_event(
+        &self,
+        delta: DeltaWire<'_>,
+        finish_reason: Option<FinishReason>,
+        sent_ns: u64,
+    ) -> String {
+        let choices = [ChunkChoiceWire {
+            index: 0,
+            delta,
+            logprobs: None,
+            finish_reason,
+        }];
+        let usage = if self.include_usage { Some(None) } else { None };
+        self.event(&choices, usage, sent_ns)
+    }
+
+    fn event(
+        &self,
+        choices: &[ChunkChoiceWire<'_>],
+        usage: Option<Option<Usage>>,
+        sent_ns: u64,
+    ) -> String {
+        let chunk = ChunkWire {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: CREATED_UNIX_S,
+            model: &self.model,
+            choices,
+            usage,
+            iop_mock_sent_ns: sent_ns,
+        };
+        format!("data: {}\n\n", to_json(&chunk))
+    }
+}
+
+/// Serializes a value made only of strings, numbers and options, which
+/// cannot fail; an impossible failure renders as `null`.
+fn to_json<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| "null".to_string())
+}
+
+#[derive(Serialize)]
+struct CompletionWire<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [CompletionChoiceWire<'a>; 1],
+    usage: Usage,
+    iop_mock_sent_ns: u64,
+}
+
+#[derive(Serialize)]
+struct CompletionChoiceWire<'a> {
+    index: u32,
+    message: MessageOutWire<'a>,
+    logprobs: Option<()>,
+    finish_reason: FinishReason,
+}
+
+#[derive(Serialize)]
+struct MessageOutWire<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChunkWire<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: &'a [ChunkChoiceWire<'a>],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<Usage>>,
+    iop_mock_sent_ns: u64,
+}
+
+#[derive(Serialize)]
+struct ChunkChoiceWire<'a> {
+    index: u32,
+    delta: DeltaWire<'a>,
+    logprobs: Option<()>,
+    finish_reason: Option<FinishReason>,
+}
+
+#[derive(Serialize)]
+struct DeltaWire<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+/// One thing the stream shell does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamStep {
+    /// Sleep this long before asking for the next step.
+    Sleep {
+        /// How long.
+        duration_ms: u64,
+    },
+    /// Write this SSE event as one HTTP chunk and flush it.
+    Event(String),
+}
+
+/// Where a [`StreamPlan`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamPhase {
+    /// The role chunk is next.
+    Role,
+    /// The time-to-first-token pause is next.
+    FirstTokenDelay,
+    /// Token `next` is next (`next == tokens` means the finish chunk).
+    Token {
+        /// The index of the next token.
+        next: u32,
+    },
+    /// The pause before token `next` is next.
+    InterTokenDelay {
+        /// The index of the token after the pause.
+        next: u32,
+    },
+    /// The usage chunk is next (only with `include_usage`).
+    Usage,
+    /// `data: [DONE]` is next.
+    Done,
+    /// Nothing is left.
+    Finished,
+}
+
+/// The sans-IO plan of one streamed completion: call
+/// [`next_step`](Self::next_step) until it returns `None`, sleeping or
+/// writing as each step says.
+#[derive(Debug, Clone)]
+pub struct StreamPlan {
+    completion: Completion,
+    ttft_ms: u64,
+    inter_token_ms: u64,
+    phase: StreamPhase,
+}
+
+impl StreamPlan {
+    /// A plan for `completion` with the given pauses.
+    pub fn new(completion: Completion, ttft_ms: u64, inter_token_ms: u64) -> Self {
+        Self {
+            completion,
+            ttft_ms,
+            inter_token_ms,
+            phase: StreamPhase::Role,
+        }
+    }
+
+    /// The completion being streamed.
+    pub fn completion(&self) -> &Completion {
+        &self.completion
+    }
+
+    /// The next step; an event is stamped with `sent_ns`. Pauses of zero are
+    /// skipped. `None` once `data: [DONE]` has been handed out.
+    pub fn next_step(&mut self, sent_ns: u64) -> Option<StreamStep> {
+        loop {
+            match self.phase {
+                StreamPhase::Role => {
+                    self.phase = StreamPhase::FirstTokenDelay;
+                    return Some(StreamStep::Event(self.completion.role_event(sent_ns)));
+                }
+                StreamPhase::FirstTokenDelay => {
+                    self.phase = StreamPhase::Token { next: 0 };
+                    if self.ttft_ms > 0 {
+                        return Some(StreamStep::Sleep {
+                            duration_ms: self.ttft_ms,
+                        });
+                    }
+                }
+                StreamPhase::Token { next } if next >= self.completion.tokens => {
+                    self.phase = if self.completion.include_usage {
+                        StreamPhase::Usage
+                    } else {
+                        StreamPhase::Done
+                    };
+                    return Some(StreamStep::Event(self.completion.finish_event(sent_ns)));
+                }
+                StreamPhase::Token { next } => {
+                    let after = next.saturating_add(1);
+                    self.phase = if after < self.completion.tokens {
+                        StreamPhase::InterTokenDelay { next: after }
+                    } else {
+                        StreamPhase::Token { next: after }
+                    };
+                    return Some(StreamStep::Event(
+                        self.completion.token_event(next, sent_ns),
+                    ));
+                }
+                StreamPhase::InterTokenDelay { next } => {
+                    self.phase = StreamPhase::Token { next };
+                    if self.inter_token_ms > 0 {
+                        return Some(StreamStep::Sleep {
+                            duration_ms: self.inter_token_ms,
+                        });
+                    }
+                }
+                StreamPhase::Usage => {
+                    self.phase = StreamPhase::Done;
+                    return Some(StreamStep::Event(self.completion.usage_event(sent_ns)));
+                }
+                StreamPhase::Done => {
+                    self.phase = StreamPhase::Finished;
+                    return Some(StreamStep::Event(DONE_EVENT.to_string()));
+                }
+                StreamPhase::Finished => return None,
+            }
+        }
+    }
+}
+
+/// What the shell sends for one request.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// A complete JSON response.
+    Json {
+        /// HTTP status code.
+        status: u16,
+        /// The JSON body.
+        body: String,
+    },
+    /// A non-streaming completion: wait `delay_ms` (the time the tokens would
+    /// take), then send `200` with [`Completion::json_body`] stamped with the
+    /// send time.
+    Completion {
+        /// Simulated generation time: `ttft_ms + (tokens - 1) * inter_token_ms`.
+        delay_ms: u64,
+        /// The completion to render.
+        completion: Completion,
+    },
+    /// A `text/event-stream` response driven by the plan.
+    Stream(StreamPlan),
+}
+
+/// The OpenAI error body:
+/// `{"error":{"message":..,"type":"invalid_request_error","param":null,"code":null}}`.
+pub fn error_body(message: &str) -> String {
+    #[derive(Serialize)]
+    struct ErrorWire<'a> {
+        error: ErrorDetailWire<'a>,
+    }
+    #[derive(Serialize)]
+    struct ErrorDetailWire<'a> {
+        message: &'a str,
+        #[serde(rename = "type")]
+        kind: &'static str,
+        param: Option<()>,
+        code: Option<()>,
+    }
+    to_json(&ErrorWire {
+        error: ErrorDetailWire {
+            message,
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        },
+    })
+}
+
+/// The `GET /v1/models` body for `models`.
+pub fn models_body(models: &[String]) -> String {
+    #[derive(Serialize)]
+    struct ListWire<'a> {
+        object: &'static str,
+        data: Vec<ModelWire<'a>>,
+    }
+    #[derive(Serialize)]
+    struct ModelWire<'a> {
+        id: &'a str,
+        object: &'static str,
+        created: u64,
+        owned_by: &'static str,
+    }
+    to_json(&ListWire {
+        object: "list",
+        data: models
+            .iter()
+            .map(|id| ModelWire {
+                id,
+                object: "model",
+                created: CREATED_UNIX_S,
+                owned_by: OWNED_BY,
+            })
+            .collect(),
+    })
+}
+
+/// The mock's request handler: configuration, the precomputed models body
+/// and the completion counter. One per server thread.
+#[derive(Debug)]
+pub struct MockProvider {
+    config: MockConfig,
+    models_body: String,
+    completions_started: u64,
+}
+
+impl MockProvider {
+    /// A handler serving `config`.
+    pub fn new(config: MockConfig) -> Self {
+        let models_body = models_body(&config.models);
+        Self {
+            config,
+            models_body,
+            completions_started: 0,
+        }
+    }
+
+    /// The configuration served.
+    pub fn config(&self) -> &MockConfig {
+        &self.config
+    }
+
+    /// Decides the reply to one request. `path` may carry a query string,
+    /// which is ignored. Completion ids count up from `chatcmpl-mock-1`.
+    pub fn handle(&mut self, method: &str, path: &str, body: &[u8]) -> Reply {
+        let route = path.split_once('?').map_or(path, |(route, _query)| route);
+        match (method, route) {
+            ("GET", "/v1/models") => Reply::Json {
+                status: 200,
+                body: self.models_body.clone(),
+            },
+            ("POST", "/v1/chat/completions") => self.chat(body),
+            _ => Reply::Json {
+                status: 404,
+                body: error_body(&format!("Invalid URL ({method} {route})")),
+            },
+        }
+    }
+
+    fn chat(&mut self, body: &[u8]) -> Reply {
+        let request = match ChatRequest::parse(body) {
+            Ok(request) => request,
+            Err(err) => {
+                return Reply::Json {
+                    status: 400,
+                    body: error_body(&err.to_string()),
+                }
+            }
+        };
+        self.completions_started = self.completions_started.saturating_add(1);
+        let completion = Completion::plan(&request, self.config.tokens, self.completions_started);
+        if request.stream {
+            Reply::Stream(StreamPlan::new(
+                completion,
+                self.config.ttft_ms,
+                self.config.inter_token_ms,
+            ))
+        } else {
+            let gaps = u64::from(completion.tokens.saturating_sub(1));
+            let delay_ms = if completion.tokens == 0 {
+                0
+            } else {
+                self.config
+                    .ttft_ms
+                    .saturating_add(gaps.saturating_mul(self.config.inter_token_ms))
+            };
+            Reply::Completion {
+                delay_ms,
+                completion,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider(tokens: u32) -> MockProvider {
+        MockProvider::new(MockConfig {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens,
+            models: vec!["mock-model".to_string()],
+        })
+    }
+
+    fn stream_events(plan: &mut StreamPlan) -> Vec<StreamStep> {
+        let mut steps = Vec::new();
+        let mut sent_ns = 100;
+        while let Some(step) = plan.next_step(sent_ns) {
+            steps.push(step);
+            sent_ns += 1;
+        }
+        steps
+    }
+
+    fn plan_of(reply: Reply) -> StreamPlan {
+        match reply {
+            Reply::Stream(plan) => plan,
+            other => panic!("expected a stream, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn token_rule_is_tok_index_space() {
+        assert_eq!(token_text(0), "tok0 ");
+        assert_eq!(token_text(17), "tok17 ");
+        assert_eq!(completion_text(3), "tok0 tok1 tok2 ");
+        assert_eq!(completion_text(0), "");
+    }
+
+    #[test]
+    fn two_token_stream_without_usage_is_exact() {
+        let mut p = provider(2);
+        let body =
+            br#"{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi there"}]}"#;
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", body));
+        let steps = stream_events(&mut plan);
+        let ev = |s: &str| StreamStep::Event(s.to_string());
+        assert_eq!(
+            steps,
+            vec![
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"#,
+                    r#""iop_mock_sent_ns":100}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"content":"tok0 "},"logprobs":null,"finish_reason":null}],"#,
+                    r#""iop_mock_sent_ns":101}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"content":"tok1 "},"logprobs":null,"finish_reason":null}],"#,
+                    r#""iop_mock_sent_ns":102}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}],"#,
+                    r#""iop_mock_sent_ns":103}"#,
+                    "\n\n"
+                )),
+                ev("data: [DONE]\n\n"),
+            ]
+        );
+        assert_eq!(plan.next_step(0), None);
+    }
+
+    #[test]
+    fn two_token_stream_with_usage_is_exact() {
+        let mut p = provider(2);
+        let body = br#"{"model":"m1","stream":true,"stream_options":{"include_usage":true},
+            "messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi  there\nfriend"}]}"#;
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", body));
+        let steps = stream_events(&mut plan);
+        let ev = |s: &str| StreamStep::Event(s.to_string());
+        assert_eq!(
+            steps,
+            vec![
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"#,
+                    r#""usage":null,"iop_mock_sent_ns":100}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"content":"tok0 "},"logprobs":null,"finish_reason":null}],"#,
+                    r#""usage":null,"iop_mock_sent_ns":101}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"content":"tok1 "},"logprobs":null,"finish_reason":null}],"#,
+                    r#""usage":null,"iop_mock_sent_ns":102}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}],"#,
+                    r#""usage":null,"iop_mock_sent_ns":103}"#,
+                    "\n\n"
+                )),
+                ev(concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7},"#,
+                    r#""iop_mock_sent_ns":104}"#,
+                    "\n\n"
+                )),
+                ev("data: [DONE]\n\n"),
+            ]
+        );
+    }
+
+    #[test]
+    fn stream_sleeps_ttft_before_first_token_and_between_tokens() {
+        let request = ChatRequest {
+            model: "m".into(),
+            prompt_tokens: 0,
+            stream: true,
+            include_usage: false,
+            max_tokens: None,
+        };
+        let mut plan = StreamPlan::new(Completion::plan(&request, 3, 1), 50, 7);
+        let shape: Vec<String> = stream_events(&mut plan)
+            .into_iter()
+            .map(|step| match step {
+                StreamStep::Sleep { duration_ms } => format!("sleep {duration_ms}"),
+                StreamStep::Event(e) if e == DONE_EVENT => "done".to_string(),
+                StreamStep::Event(e) if e.contains(r#""role":"assistant""#) => "role".into(),
+                StreamStep::Event(e) if e.contains(r#""finish_reason":"stop""#) => "finish".into(),
+                StreamStep::Event(e) => {
+                    let start = e.find("tok").unwrap_or(0);
+                    e[start..start + 4].to_string()
+                }
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            ["role", "sleep 50", "tok0", "sleep 7", "tok1", "sleep 7", "tok2", "finish", "done"]
+        );
+    }
+
+    #[test]
+    fn non_streaming_body_is_exact() {
+        let mut p = provider(3);
+        let body = br#"{"model":"gpt-x","messages":[{"role":"user","content":[{"type":"text","text":"one two"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null}]}"#;
+        let reply = p.handle("POST", "/v1/chat/completions?api-version=1", body);
+        let Reply::Completion {
+            delay_ms,
+            completion,
+        } = reply
+        else {
+            panic!("expected a completion, got {reply:?}");
+        };
+        assert_eq!(delay_ms, 0);
+        assert_eq!(
+            completion.json_body(42),
+            concat!(
+                r#"{"id":"chatcmpl-mock-1","object":"chat.completion","created":1700000000,"model":"gpt-x","#,
+                r#""choices":[{"index":0,"message":{"role":"assistant","content":"tok0 tok1 tok2 "},"logprobs":null,"finish_reason":"stop"}],"#,
+                r#""usage":{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5},"iop_mock_sent_ns":42}"#
+            )
+        );
+    }
+
+    #[test]
+    fn non_streaming_delay_is_the_stream_duration() {
+        let mut p = MockProvider::new(MockConfig {
+            ttft_ms: 100,
+            inter_token_ms: 10,
+            tokens: 4,
+            models: vec![],
+        });
+        let body = br#"{"model":"m","messages":[]}"#;
+        match p.handle("POST", "/v1/chat/completions", body) {
+            Reply::Completion { delay_ms, .. } => assert_eq!(delay_ms, 130),
+            other => panic!("expected a completion, got {other:?}"),
+        }
+        let capped = br#"{"model":"m","messages":[],"max_tokens":0}"#;
+        match p.handle("POST", "/v1/chat/completions", capped) {
+            Reply::Completion { delay_ms, .. } => assert_eq!(delay_ms, 0),
+            other => panic!("expected a completion, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn usage_counts_words_of_every_message() {
+        let body = br#"{"model":"m","messages":[
+            {"role":"system","content":"  a b\tc  "},
+            {"role":"user","content":[{"type":"text","text":"d e"},{"type":"text","text":""}]},
+            {"role":"tool","content":7},
+            {"role":"assistant"}]}"#;
+        let request = ChatRequest::parse(body).unwrap();
+        assert_eq!(request.prompt_tokens, 5);
+        let completion = Completion::plan(&request, 16, 9);
+        assert_eq!(completion.id, "chatcmpl-mock-9");
+        assert_eq!(
+            completion.usage(),
+            Usage {
+                prompt_tokens: 5,
+                completion_tokens: 16,
+                total_tokens: 21
+            }
+        );
+    }
+
+    #[test]
+    fn max_tokens_caps_and_finishes_with_length() {
+        let mut p = provider(4);
+        let body = br#"{"model":"m","messages":[],"max_tokens":2}"#;
+        let Reply::Completion { completion, .. } = p.handle("POST", "/v1/chat/completions", body)
+        else {
+            panic!("expected a completion");
+        };
+        assert_eq!(completion.tokens, 2);
+        assert_eq!(completion.finish_reason, FinishReason::Length);
+        assert!(completion
+            .json_body(0)
+            .contains(r#""content":"tok0 tok1 "},"logprobs":null,"finish_reason":"length"}"#));
+
+        // The smaller of max_tokens and max_completion_tokens wins.
+        let both = br#"{"model":"m","messages":[],"max_tokens":3,"max_completion_tokens":1,"stream":true}"#;
+        let plan = plan_of(p.handle("POST", "/v1/chat/completions", both));
+        assert_eq!(plan.completion().tokens, 1);
+        assert_eq!(plan.completion().id, "chatcmpl-mock-2");
+
+        // A cap at or above --tokens changes nothing.
+        let loose = br#"{"model":"m","messages":[],"max_tokens":4}"#;
+        let Reply::Completion { completion, .. } = p.handle("POST", "/v1/chat/completions", loose)
+        else {
+            panic!("expected a completion");
+        };
+        assert_eq!(completion.tokens, 4);
+        assert_eq!(completion.finish_reason, FinishReason::Stop);
+
+        // A stream capped at zero: role, finish "length", done.
+        let zero = br#"{"model":"m","messages":[],"max_tokens":0,"stream":true}"#;
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", zero));
+        let steps = stream_events(&mut plan);
+        assert_eq!(steps.len(), 3);
+        assert!(
+            matches!(&steps[1], StreamStep::Event(e) if e.contains(r#""delta":{},"logprobs":null,"finish_reason":"length""#))
+        );
+    }
+
+    #[test]
+    fn models_list_is_exact() {
+        let mut p = MockProvider::new(MockConfig {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens: 1,
+            models: vec!["m1".into(), "m\"2".into()],
+        });
+        let Reply::Json { status, body } = p.handle("GET", "/v1/models", b"") else {
+            panic!("expected json");
+        };
+        assert_eq!(status, 200);
+        assert_eq!(
+            body,
+            concat!(
+                r#"{"object":"list","data":["#,
+                r#"{"id":"m1","object":"model","created":1700000000,"owned_by":"mock"},"#,
+                r#"{"id":"m\"2","object":"model","created":1700000000,"owned_by":"mock"}]}"#
+            )
+        );
+    }
+
+    #[test]
+    fn malformed_bodies_get_a_400_openai_error() {
+        let mut p = provider(2);
+        for body in [
+            &b"{not json"[..],
+            br#"{"messages":[]}"#,
+            br#"{"model":"m"}"#,
+            br#"{"model":"m","messages":[1]}"#,
+            br#"{"model":"m","messages":[],"max_tokens":-1}"#,
+            br#"{"model":"m","messages":[],"stream":"yes"}"#,
+        ] {
+            let Reply::Json { status, body } = p.handle("POST", "/v1/chat/completions", body)
+            else {
+                panic!("expected a json error");
+            };
+            assert_eq!(status, 400);
+            let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let error = &value["error"];
+            assert!(error["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("invalid chat completion request body: "));
+            assert_eq!(error["type"], "invalid_request_error");
+            assert_eq!(error["param"], serde_json::Value::Null);
+            assert_eq!(error["code"], serde_json::Value::Null);
+            assert_eq!(error.as_object().unwrap().len(), 4);
+        }
+        // Rejected requests do not consume completion ids.
+        let ok = br#"{"model":"m","messages":[]}"#;
+        let Reply::Completion { completion, .. } = p.handle("POST", "/v1/chat/completions", ok)
+        else {
+            panic!("expected a completion");
+        };
+        assert_eq!(completion.id, "chatcmpl-mock-1");
+    }
+
+    #[test]
+    fn unknown_routes_get_a_404_openai_error() {
+        let mut p = provider(2);
+        let Reply::Json { status, body } = p.handle("GET", "/v1/chat/completions", b"") else {
+            panic!("expected json");
+        };
+        assert_eq!(status, 404);
+        assert_eq!(
+            body,
+            r#"{"error":{"message":"Invalid URL (GET /v1/chat/completions)","type":"invalid_request_error","param":null,"code":null}}"#
+        );
+        let Reply::Json { status, .. } = p.handle("POST", "/v2/nothing?x=1", b"{}") else {
+            panic!("expected json");
+        };
+        assert_eq!(status, 404);
+    }
+}

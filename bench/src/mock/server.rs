@@ -1,0 +1,206 @@
+//! The monoio shell of the mock provider: bind, announce readiness, accept
+//! until SIGTERM/SIGINT, and per connection read requests with
+//! `iop_engine::http`, ask [`MockProvider`] for the reply and write it —
+//! streams event by event, each SSE event its own flushed HTTP chunk.
+
+use std::cell::RefCell;
+use std::convert::Infallible;
+use std::io::{self, Write};
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use monoio::net::{ListenerOpts, TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+
+use iop_engine::clock::monotonic_raw_ns;
+use iop_engine::http::{HttpError, Limits, ServerConn};
+use iop_engine::rt::{Signal, SignalPipe};
+
+use super::openai::{error_body, MockProvider, Reply, StreamPlan, StreamStep};
+use super::MockConfig;
+
+/// Pause after a failed `accept` (for example `EMFILE`) before trying again,
+/// so a persistent error does not spin the core.
+const ACCEPT_RETRY_MS: u64 = 10;
+
+/// Why the mock server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Installing the SIGTERM/SIGINT handlers failed.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(io::Error),
+    /// Binding the listening socket failed.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// Writing the readiness line to stdout failed.
+    #[error("cannot announce readiness on stdout: {0}")]
+    Announce(io::Error),
+    /// A signal pipe failed while waiting for shutdown.
+    #[error("signal pipe failed: {0}")]
+    SignalPipe(io::Error),
+}
+
+/// The readiness line printed to stdout once the socket listens.
+pub fn ready_line(addr: SocketAddr) -> String {
+    format!("IOP_READY mock-provider addr={addr}")
+}
+
+/// Serves `config` on `addr` until SIGTERM or SIGINT, then returns `Ok`.
+/// Open connections are dropped at shutdown, mid-stream or not. Prints
+/// [`ready_line`] to stdout (and flushes) once listening.
+pub async fn run(addr: SocketAddr, config: MockConfig) -> Result<(), ServeError> {
+    // Handlers first: a signal sent right after the ready line must not find
+    // the default action (termination with a non-zero status) still in place.
+    let mut term = SignalPipe::install(Signal::Term).map_err(ServeError::Signals)?;
+    let mut int = SignalPipe::install(Signal::Int).map_err(ServeError::Signals)?;
+    // No SO_REUSEPORT: a port already in use is an error, not a silent share.
+    let opts = ListenerOpts::new().reuse_port(false);
+    let listener = TcpListener::bind_with_config(addr, &opts)
+        .map_err(|source| ServeError::Bind { addr, source })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind { addr, source })?;
+    announce(local).map_err(ServeError::Announce)?;
+    info!(
+        addr = %local,
+        tokens = config.tokens,
+        ttft_ms = config.ttft_ms,
+        inter_token_ms = config.inter_token_ms,
+        models = ?config.models,
+        "mock provider listening"
+    );
+    let provider = Rc::new(RefCell::new(MockProvider::new(config)));
+    monoio::select! {
+        never = accept_loop(listener, provider) => match never {},
+        signal = term.recv() => shutdown(signal),
+        signal = int.recv() => shutdown(signal),
+    }
+}
+
+fn announce(addr: SocketAddr) -> io::Result<()> {
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "{}", ready_line(addr))?;
+    stdout.flush()
+}
+
+fn shutdown(signal: io::Result<Signal>) -> Result<(), ServeError> {
+    let signal = signal.map_err(ServeError::SignalPipe)?;
+    info!(?signal, "mock provider shutting down");
+    Ok(())
+}
+
+async fn accept_loop(listener: TcpListener, provider: Rc<RefCell<MockProvider>>) -> Infallible {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                if let Err(err) = iop_engine::http::set_nodelay(&stream) {
+                    warn!(%peer, %err, "cannot set TCP_NODELAY");
+                }
+                debug!(%peer, "connection accepted");
+                monoio::spawn(serve_connection(stream, peer, Rc::clone(&provider)));
+            }
+            Err(err) => {
+                warn!(%err, "accept failed");
+                monoio::time::sleep(Duration::from_millis(ACCEPT_RETRY_MS)).await;
+            }
+        }
+    }
+}
+
+/// Headers of every JSON response.
+const JSON_HEADERS: [(&str, &str); 1] = [("content-type", "application/json")];
+
+/// Headers of every streamed response.
+const SSE_HEADERS: [(&str, &str); 2] = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+];
+
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    provider: Rc<RefCell<MockProvider>>,
+) {
+    let mut conn = ServerConn::new(stream, Limits::default());
+    match serve_requests(&mut conn, &provider).await {
+        Ok(()) => debug!(%peer, "connection closed"),
+        Err(err) if err.is_answerable() => {
+            debug!(%peer, %err, "bad request; answering and closing");
+            let body = Bytes::from(error_body(&err.to_string()));
+            if let Err(err) = conn
+                .write_response(err.status_code(), JSON_HEADERS, body)
+                .await
+            {
+                debug!(%peer, %err, "cannot answer a bad request");
+            }
+        }
+        Err(err) => debug!(%peer, %err, "connection ended"),
+    }
+}
+
+/// Serves requests until the client closes, the connection may not be kept,
+/// or an error ends it.
+async fn serve_requests(
+    conn: &mut ServerConn<TcpStream>,
+    provider: &RefCell<MockProvider>,
+) -> Result<(), HttpError> {
+    while let Some(request) = conn.read_request().await? {
+        debug!(
+            method = %request.head.method,
+            target = %request.head.target,
+            body_bytes = request.body.len(),
+            "request"
+        );
+        let reply =
+            provider
+                .borrow_mut()
+                .handle(&request.head.method, &request.head.target, &request.body);
+        match reply {
+            Reply::Json { status, body } => {
+                conn.write_response(status, JSON_HEADERS, Bytes::from(body))
+                    .await?;
+            }
+            Reply::Completion {
+                delay_ms,
+                completion,
+            } => {
+                if delay_ms > 0 {
+                    monoio::time::sleep(Duration::from_millis(delay_ms)).await;
+                }
+                let body = completion.json_body(monotonic_raw_ns());
+                conn.write_response(200, JSON_HEADERS, Bytes::from(body))
+                    .await?;
+            }
+            Reply::Stream(plan) => stream_reply(conn, plan).await?,
+        }
+        if !conn.keep_alive() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a streamed reply: each event one chunk, written and flushed
+/// before the next step.
+async fn stream_reply(
+    conn: &mut ServerConn<TcpStream>,
+    mut plan: StreamPlan,
+) -> Result<(), HttpError> {
+    conn.start_chunked(200, SSE_HEADERS).await?;
+    while let Some(step) = plan.next_step(monotonic_raw_ns()) {
+        match step {
+            StreamStep::Sleep { duration_ms } => {
+                monoio::time::sleep(Duration::from_millis(duration_ms)).await;
+            }
+            StreamStep::Event(event) => conn.write_chunk(Bytes::from(event)).await?,
+        }
+    }
+    conn.finish().await
+}

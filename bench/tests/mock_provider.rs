@@ -1,0 +1,500 @@
+//! End-to-end tests of `bench mock-provider`: the real binary on 127.0.0.1
+//! port 0, driven with raw HTTP/1.1 over blocking std sockets.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+
+/// Safety net so a hung server fails a test instead of hanging it.
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The spawned mock; killed (SIGKILL) on drop if still running, so a failing
+/// test never leaks the process.
+struct MockProcess {
+    child: Child,
+    addr: SocketAddr,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl MockProcess {
+    fn spawn(extra_args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bench"))
+            .args(["mock-provider", "--port", "0"])
+            .args(extra_args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn bench");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut guard = MockProcess {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            stdout: BufReader::new(stdout),
+        };
+        let mut line = String::new();
+        guard.stdout.read_line(&mut line).expect("read ready line");
+        let addr = line
+            .strip_prefix("IOP_READY mock-provider addr=")
+            .and_then(|rest| rest.strip_suffix('\n'))
+            .unwrap_or_else(|| panic!("unexpected ready line {line:?}"));
+        guard.addr = addr.parse().expect("ready line address");
+        assert_eq!(guard.addr.ip().to_string(), "127.0.0.1");
+        assert_ne!(guard.addr.port(), 0);
+        guard
+    }
+
+    fn connect(&self) -> Client {
+        let stream = TcpStream::connect(self.addr).expect("connect");
+        stream.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
+        stream.set_nodelay(true).expect("nodelay");
+        Client {
+            reader: BufReader::new(stream),
+        }
+    }
+
+    /// Sends `signal` and waits (bounded) for the exit.
+    fn stop_with(&mut self, signal: Signal) -> ExitStatus {
+        let pid = Pid::from_raw(i32::try_from(self.child.id()).expect("pid"));
+        kill(pid, signal).expect("send signal");
+        for _ in 0..300 {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("mock provider did not exit within 30 s of {signal:?}");
+    }
+}
+
+impl Drop for MockProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One HTTP/1.1 client connection.
+struct Client {
+    reader: BufReader<TcpStream>,
+}
+
+/// A parsed response; `chunks` is set for `Transfer-Encoding: chunked`.
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    chunks: Option<Vec<Vec<u8>>>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("JSON body")
+    }
+}
+
+impl Client {
+    fn send(&mut self, raw: &[u8]) {
+        self.reader.get_mut().write_all(raw).expect("write request");
+    }
+
+    fn line(&mut self) -> String {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("read line");
+        line.strip_suffix("\r\n")
+            .unwrap_or_else(|| panic!("line without CRLF: {line:?}"))
+            .to_string()
+    }
+
+    fn read_head(&mut self) -> (u16, Vec<(String, String)>) {
+        let status_line = self.line();
+        let status = status_line
+            .strip_prefix("HTTP/1.1 ")
+            .and_then(|rest| rest.get(..3))
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            let line = self.line();
+            if line.is_empty() {
+                break;
+            }
+            let (name, value) = line.split_once(':').expect("header colon");
+            headers.push((name.to_ascii_lowercase(), value.trim().to_string()));
+        }
+        (status, headers)
+    }
+
+    /// Reads one chunk's data; `None` at the last (zero) chunk.
+    fn read_chunk(&mut self) -> Option<Vec<u8>> {
+        let size_line = self.line();
+        let size_hex = size_line.split(';').next().unwrap_or("");
+        let size = usize::from_str_radix(size_hex.trim(), 16).expect("chunk size");
+        if size == 0 {
+            while !self.line().is_empty() {}
+            return None;
+        }
+        let mut data = vec![0; size + 2];
+        self.reader.read_exact(&mut data).expect("chunk data");
+        assert_eq!(&data[size..], b"\r\n", "chunk not followed by CRLF");
+        data.truncate(size);
+        Some(data)
+    }
+
+    fn read_response(&mut self) -> Response {
+        let (status, headers) = self.read_head();
+        let mut response = Response {
+            status,
+            headers,
+            body: Vec::new(),
+            chunks: None,
+        };
+        if response.header("transfer-encoding") == Some("chunked") {
+            let mut chunks = Vec::new();
+            while let Some(chunk) = self.read_chunk() {
+                response.body.extend_from_slice(&chunk);
+                chunks.push(chunk);
+            }
+            response.chunks = Some(chunks);
+        } else {
+            let length: usize = response
+                .header("content-length")
+                .expect("content-length or chunked")
+                .parse()
+                .expect("numeric content-length");
+            response.body = vec![0; length];
+            self.reader
+                .read_exact(&mut response.body)
+                .expect("read body");
+        }
+        response
+    }
+
+    fn request(&mut self, raw: &[u8]) -> Response {
+        self.send(raw);
+        self.read_response()
+    }
+}
+
+fn post(path: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: mock\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn get(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: mock\r\n\r\n").into_bytes()
+}
+
+/// Removes the per-request fields (`id`, `iop_mock_sent_ns`) after checking
+/// their shape; returns them.
+fn strip_volatile(value: &mut Value) -> (String, u64) {
+    let object = value.as_object_mut().expect("JSON object");
+    let id = object
+        .remove("id")
+        .and_then(|id| id.as_str().map(str::to_string))
+        .expect("string id");
+    assert!(id.starts_with("chatcmpl-mock-"), "id {id}");
+    let sent_ns = object
+        .remove("iop_mock_sent_ns")
+        .and_then(|ns| ns.as_u64())
+        .expect("u64 iop_mock_sent_ns");
+    assert!(sent_ns > 0);
+    (id, sent_ns)
+}
+
+/// Splits a streamed response into its events, asserting each HTTP chunk is
+/// exactly one `data: …\n\n` event; returns the data payloads.
+fn sse_payloads(response: &Response) -> Vec<String> {
+    let chunks = response.chunks.as_ref().expect("chunked stream");
+    chunks
+        .iter()
+        .map(|chunk| {
+            let text = std::str::from_utf8(chunk).expect("utf-8 event");
+            let payload = text
+                .strip_prefix("data: ")
+                .and_then(|rest| rest.strip_suffix("\n\n"))
+                .unwrap_or_else(|| panic!("chunk is not one SSE event: {text:?}"));
+            assert!(!payload.contains('\n'), "one event per chunk: {text:?}");
+            payload.to_string()
+        })
+        .collect()
+}
+
+/// Parses every payload but the final `[DONE]`, checks the ids agree and the
+/// send stamps never go backwards, and returns the chunks without them.
+fn stream_chunks(payloads: &[String]) -> Vec<Value> {
+    let (done, events) = payloads.split_last().expect("non-empty stream");
+    assert_eq!(done, "[DONE]");
+    let mut first_id = None;
+    let mut last_ns = 0;
+    events
+        .iter()
+        .map(|payload| {
+            let mut value: Value = serde_json::from_str(payload).expect("JSON chunk");
+            let (id, sent_ns) = strip_volatile(&mut value);
+            assert_eq!(first_id.get_or_insert_with(|| id.clone()), &id);
+            assert!(sent_ns >= last_ns, "send stamps go backwards");
+            last_ns = sent_ns;
+            value
+        })
+        .collect()
+}
+
+fn chunk(model: &str, delta: Value, finish: Value, usage: Option<Value>) -> Value {
+    let mut value = json!({
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+    });
+    if let Some(usage) = usage {
+        value["usage"] = usage;
+    }
+    value
+}
+
+#[test]
+fn serves_models_stream_and_completion_on_one_keep_alive_connection() {
+    let mut mock = MockProcess::spawn(&["--tokens", "3", "--model-list", "a, b"]);
+    let mut client = mock.connect();
+
+    let models = client.request(&get("/v1/models"));
+    assert_eq!(models.status, 200);
+    assert_eq!(models.header("content-type"), Some("application/json"));
+    assert_eq!(
+        std::str::from_utf8(&models.body).expect("utf-8"),
+        concat!(
+            r#"{"object":"list","data":["#,
+            r#"{"id":"a","object":"model","created":1700000000,"owned_by":"mock"},"#,
+            r#"{"id":"b","object":"model","created":1700000000,"owned_by":"mock"}]}"#
+        )
+    );
+
+    let stream = client.request(&post(
+        "/v1/chat/completions",
+        r#"{"model":"m-stream","stream":true,"stream_options":{"include_usage":true},
+            "messages":[{"role":"user","content":"hello big world"}]}"#,
+    ));
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.header("content-type"), Some("text/event-stream"));
+    assert_eq!(stream.header("content-length"), None);
+    let payloads = sse_payloads(&stream);
+    let null = Value::Null;
+    assert_eq!(
+        stream_chunks(&payloads),
+        vec![
+            chunk(
+                "m-stream",
+                json!({"role": "assistant", "content": ""}),
+                null.clone(),
+                Some(null.clone())
+            ),
+            chunk(
+                "m-stream",
+                json!({"content": "tok0 "}),
+                null.clone(),
+                Some(null.clone())
+            ),
+            chunk(
+                "m-stream",
+                json!({"content": "tok1 "}),
+                null.clone(),
+                Some(null.clone())
+            ),
+            chunk(
+                "m-stream",
+                json!({"content": "tok2 "}),
+                null.clone(),
+                Some(null.clone())
+            ),
+            chunk("m-stream", json!({}), json!("stop"), Some(null.clone())),
+            json!({
+                "object": "chat.completion.chunk",
+                "created": 1_700_000_000,
+                "model": "m-stream",
+                "choices": [],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+            }),
+        ]
+    );
+
+    // The same connection serves the next request.
+    let completion = client.request(&post(
+        "/v1/chat/completions",
+        r#"{"model":"m-plain","messages":[{"role":"system","content":"one"},{"role":"user","content":"two three four"}]}"#,
+    ));
+    assert_eq!(completion.status, 200);
+    assert_eq!(completion.header("content-type"), Some("application/json"));
+    let mut body = completion.json();
+    strip_volatile(&mut body);
+    assert_eq!(
+        body,
+        json!({
+            "object": "chat.completion",
+            "created": 1_700_000_000,
+            "model": "m-plain",
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": "tok0 tok1 tok2 "},
+                "logprobs": null,
+                "finish_reason": "stop",
+            }],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+        })
+    );
+
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
+
+#[test]
+fn max_tokens_caps_a_stream_without_usage_and_ends_with_length() {
+    let mut mock = MockProcess::spawn(&["--tokens", "5"]);
+    let mut client = mock.connect();
+    let stream = client.request(&post(
+        "/v1/chat/completions",
+        r#"{"model":"capped","stream":true,"max_tokens":1,"messages":[]}"#,
+    ));
+    assert_eq!(stream.status, 200);
+    let payloads = sse_payloads(&stream);
+    assert_eq!(
+        stream_chunks(&payloads),
+        vec![
+            chunk(
+                "capped",
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                None
+            ),
+            chunk("capped", json!({"content": "tok0 "}), Value::Null, None),
+            chunk("capped", json!({}), json!("length"), None),
+        ]
+    );
+    let status = mock.stop_with(Signal::SIGINT);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_chunked_bodies_are_read() {
+    let mut mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+
+    let malformed = client.request(&post("/v1/chat/completions", "{not json"));
+    assert_eq!(malformed.status, 400);
+    assert_eq!(malformed.header("content-type"), Some("application/json"));
+    let error = malformed.json();
+    let message = error["error"]["message"].as_str().expect("message");
+    assert!(
+        message.starts_with("invalid chat completion request body: "),
+        "{message}"
+    );
+    assert_eq!(
+        error,
+        json!({"error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": null,
+            "code": null,
+        }})
+    );
+
+    // The connection survives a rejected body.
+    let unknown = client.request(&get("/v1/engines"));
+    assert_eq!(unknown.status, 404);
+    assert_eq!(
+        std::str::from_utf8(&unknown.body).expect("utf-8"),
+        r#"{"error":{"message":"Invalid URL (GET /v1/engines)","type":"invalid_request_error","param":null,"code":null}}"#
+    );
+
+    // A chunked request body, split mid-JSON, is reassembled.
+    let first = r#"{"model":"chunky","max_tokens":2,"#;
+    let second = r#""messages":[{"role":"user","content":"a b"}]}"#;
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: mock\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{first}\r\n{:x}\r\n{second}\r\n0\r\n\r\n",
+        first.len(),
+        second.len()
+    );
+    let completion = client.request(raw.as_bytes());
+    assert_eq!(completion.status, 200);
+    let body = completion.json();
+    assert_eq!(body["model"], "chunky");
+    assert_eq!(body["choices"][0]["message"]["content"], "tok0 tok1 ");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4})
+    );
+
+    // Broken HTTP framing is answered in the same error shape, and the
+    // connection is closed.
+    let mut broken = mock.connect();
+    let response = broken.request(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: mock\r\nContent-Length: ten\r\n\r\n",
+    );
+    assert_eq!(response.status, 400);
+    assert_eq!(response.header("connection"), Some("close"));
+    assert_eq!(
+        std::str::from_utf8(&response.body).expect("utf-8"),
+        r#"{"error":{"message":"invalid or conflicting Content-Length","type":"invalid_request_error","param":null,"code":null}}"#
+    );
+    let mut rest = Vec::new();
+    broken.reader.read_to_end(&mut rest).expect("read to EOF");
+    assert!(rest.is_empty(), "bytes after the error: {rest:?}");
+
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
+
+#[test]
+fn sigterm_during_a_paced_stream_exits_zero() {
+    // A one-hour pause after the first token: the stream cannot finish
+    // before the signal, so this proves shutdown does not wait for open
+    // streams, and reading `tok0` at all proves each event is flushed as it
+    // is produced (not held until the stream ends).
+    let mut mock = MockProcess::spawn(&["--ttft-ms", "1", "--inter-token-ms", "3600000"]);
+    let mut client = mock.connect();
+    client.send(&post(
+        "/v1/chat/completions",
+        r#"{"model":"slow","stream":true,"messages":[]}"#,
+    ));
+    let (status, _headers) = client.read_head();
+    assert_eq!(status, 200);
+    let role = client.read_chunk().expect("role chunk");
+    assert!(std::str::from_utf8(&role)
+        .expect("utf-8")
+        .contains(r#""delta":{"role":"assistant","content":""}"#));
+    let first = client.read_chunk().expect("first token chunk");
+    let payload = std::str::from_utf8(&first)
+        .expect("utf-8")
+        .strip_prefix("data: ")
+        .and_then(|rest| rest.strip_suffix("\n\n"))
+        .expect("one SSE event");
+    let mut value: Value = serde_json::from_str(payload).expect("JSON chunk");
+    strip_volatile(&mut value);
+    assert_eq!(
+        value,
+        chunk("slow", json!({"content": "tok0 "}), Value::Null, None)
+    );
+
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
