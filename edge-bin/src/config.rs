@@ -1,0 +1,1981 @@
+//! The Edge configuration file (`edge-bin --config edge.toml`).
+//!
+//! ```text
+//! edge.toml ──read──► text ──toml + serde (unknown keys rejected, key path kept)──► Raw*
+//!     Raw* ──validate (names, ranges, references, URLs)──► EdgeConfig
+//!     EdgeConfig::validate_files ──► the TLS files exist and are readable
+//!     NodeSpec::config_payload ──► pb::NodeConfigPayload for RegisterResponse (R2, U4)
+//! ```
+//!
+//! Parse, don't validate: the `Raw*` structs mirror the file and stay private;
+//! the public types hold only checked values (socket addresses, parsed base
+//! URLs, resolved references, numbers in range). [`EdgeConfig::parse`] is pure
+//! (no file system access), so tests and tools can check a file without its
+//! certificates; [`EdgeConfig::load`] reads the file, parses it and checks the
+//! TLS files.
+//!
+//! Every error is a [`ConfigError`] that displays as `<file>: <key>: <reason>`,
+//! with `key` the dotted path of the offending key (`nodes[0].providers[1].capacity`)
+//! or `-` when no key applies (a TOML syntax error, whose reason carries the
+//! line and column). The binary prints it and exits 1 (S3).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::net::{Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use iop_wire::checks::effective_stall_timeout;
+use iop_wire::limits::DEFAULT_MAX_FRAME_BYTES;
+use iop_wire::pb;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+/// Default `edge.max_request_body_bytes`: 8 MiB; a larger client body gets 413.
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Smallest accepted `edge.max_frame_bytes`.
+pub const MIN_FRAME_BYTES: usize = 2 * FRAME_HEADROOM_BYTES;
+/// Largest accepted `edge.max_frame_bytes` (1 GiB).
+pub const MAX_FRAME_BYTES_LIMIT: usize = 1024 * 1024 * 1024;
+/// Room a frame keeps for the fields of a tunnel request other than the
+/// client body (headers, metadata, credential lease): the body limit must be
+/// at most `max_frame_bytes - FRAME_HEADROOM_BYTES`.
+pub const FRAME_HEADROOM_BYTES: usize = 64 * 1024;
+/// Largest accepted capacity of an adapter or a provider.
+pub const MAX_CAPACITY: u32 = 65_536;
+/// Default `models[].max_queue`.
+pub const DEFAULT_MAX_QUEUE: u32 = 256;
+/// Largest accepted `models[].max_queue`.
+pub const MAX_QUEUE_LIMIT: u32 = 1_000_000;
+/// Default `models[].queue_timeout_ms`.
+pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 30_000;
+/// Largest accepted `models[].queue_timeout_ms` (one day).
+pub const MAX_QUEUE_TIMEOUT_MS: u64 = 86_400_000;
+/// Largest accepted `models[].long_context_threshold_tokens`.
+pub const MAX_LONG_CONTEXT_THRESHOLD_TOKENS: u64 = 100_000_000;
+/// Default `models[].owned_by`, shown in `/v1/models`.
+pub const DEFAULT_OWNED_BY: &str = "iop";
+/// Longest accepted identity name (edge name, node id, adapter name, provider id).
+pub const MAX_NAME_BYTES: usize = 128;
+/// Longest accepted trust domain.
+pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
+/// Longest accepted model name, `owned_by` or provider target.
+pub const MAX_TEXT_BYTES: usize = 512;
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+/// A configuration file that cannot be used: which file, which key, why.
+///
+/// Displays as `<file>: <key>: <reason>`; `key` is `-` when no key applies.
+/// Every `ConfigError` ends the binary with exit code 1 (S3).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}: {key}: {reason}")]
+pub struct ConfigError {
+    file: String,
+    key: String,
+    reason: String,
+}
+
+impl ConfigError {
+    fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            file: file.display().to_string(),
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The configuration file, as it was named to `load`/`parse`.
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The dotted key path at fault, or `-`.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// What is wrong.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The validated configuration
+// ---------------------------------------------------------------------------
+
+/// The validated Edge configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeConfig {
+    /// The file this was read from (for messages).
+    pub source: PathBuf,
+    /// The `[edge]` table.
+    pub edge: EdgeSettings,
+    /// The TLS files, resolved against the config file's directory; `None`
+    /// exactly when `edge.insecure_plaintext_nodes` is set (T5).
+    pub tls: Option<TlsFiles>,
+    /// The configured nodes, in file order; ids are unique.
+    pub nodes: Vec<NodeSpec>,
+    /// The external models, in file order; names are unique.
+    pub models: Vec<ModelSpec>,
+}
+
+/// The `[edge]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeSettings {
+    /// Our identity name: `spiffe://<trust_domain>/edge/<name>` (T2).
+    pub name: String,
+    /// SPIFFE trust domain shared by the Edge and its Nodes (T2).
+    pub trust_domain: String,
+    /// The OpenAI-compatible HTTP listener.
+    pub client_listen: SocketAddr,
+    /// The Node listener (mTLS, or plain TCP in insecure mode).
+    pub node_listen: SocketAddr,
+    /// Largest accepted client request body; larger gets 413.
+    pub max_request_body_bytes: usize,
+    /// Largest accepted frame on a Node connection (T1).
+    pub max_frame_bytes: usize,
+    /// Dev flag: Nodes connect over plain TCP and the credential plane is
+    /// disabled (T5).
+    pub insecure_plaintext_nodes: bool,
+}
+
+/// The PEM files of a TLS identity, resolved against the config file's
+/// directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The CA certificate(s) that sign every peer (T2).
+    pub ca: PathBuf,
+    /// Our certificate chain.
+    pub cert: PathBuf,
+    /// Our private key.
+    pub key: PathBuf,
+}
+
+/// One configured Node (`[[nodes]]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSpec {
+    /// The node id; must equal the Node's certificate name (T3).
+    pub id: String,
+    /// Adapter instances, in file order; names are unique on this node.
+    pub adapters: Vec<AdapterSpec>,
+    /// Provider resources, in file order; ids are unique on this node.
+    pub providers: Vec<ProviderSpec>,
+}
+
+/// One adapter instance of a Node (`[[nodes.adapters]]`, P4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterSpec {
+    /// Instance name, unique on its node; defaults to the kind's name (P4).
+    pub name: String,
+    /// Adapter type and its settings.
+    pub kind: AdapterKind,
+    /// Where the provider server listens.
+    pub base_url: BaseUrl,
+    /// Node-local capacity gate (P4); 0 = unlimited.
+    pub capacity: u32,
+}
+
+/// The type of an adapter instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdapterKind {
+    /// An OpenAI-compatible server speaking the given protocol profile.
+    OpenAiCompat {
+        /// Which server family, fixing the operation paths (U4).
+        profile: ProfileName,
+    },
+    /// Ollama's native API.
+    Ollama,
+}
+
+impl AdapterKind {
+    /// The kind's config spelling, also the default adapter name (P4).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::OpenAiCompat { .. } => "openai_compat",
+            Self::Ollama => "ollama",
+        }
+    }
+}
+
+/// A protocol profile of an OpenAI-compatible server (U4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProfileName {
+    /// OpenAI's API (health = `/v1/models`).
+    OpenAi,
+    /// vLLM.
+    Vllm,
+    /// llama.cpp's `llama-server`.
+    LlamaCpp,
+    /// SGLang.
+    Sglang,
+}
+
+impl ProfileName {
+    /// Every profile, in documentation order.
+    pub const ALL: [ProfileName; 4] = [Self::OpenAi, Self::Vllm, Self::LlamaCpp, Self::Sglang];
+
+    /// The config and wire spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::OpenAi => "openai",
+            Self::Vllm => "vllm",
+            Self::LlamaCpp => "llama_cpp",
+            Self::Sglang => "sglang",
+        }
+    }
+
+    /// The profile spelled `name`, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == name)
+    }
+}
+
+/// One provider resource of a Node (`[[nodes.providers]]`, P1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderSpec {
+    /// Provider id, unique on its node.
+    pub id: String,
+    /// Name of the adapter instance (on the same node) that serves it.
+    pub adapter: String,
+    /// Provider-side model name.
+    pub target: String,
+    /// Edge lease capacity (> 0).
+    pub capacity: u32,
+    /// Leases of it that long-context requests may hold (≤ `capacity`).
+    pub long_context_capacity: u32,
+    /// Copied into every pool dispatch to this provider (W2); 0 = Node default.
+    pub response_stall_timeout_ms: i64,
+    /// Resource category shown in snapshots (P1).
+    pub category: ProviderCategory,
+    /// Whether it takes traffic.
+    pub enabled: bool,
+}
+
+/// Category of a provider resource (P1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderCategory {
+    /// A remote API.
+    Api,
+    /// Inference on the Node's own hardware.
+    LocalInference,
+}
+
+impl ProviderCategory {
+    /// The config and snapshot spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::LocalInference => "local_inference",
+        }
+    }
+}
+
+/// One external model (`[[models]]`, E2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The OpenAI `model` clients ask for.
+    pub name: String,
+    /// Candidate providers; non-empty, unique, each resolving to a configured
+    /// provider.
+    pub providers: Vec<ProviderRef>,
+    /// Requests estimated at or above this many tokens are long-context;
+    /// `None` = no request is.
+    pub long_context_threshold_tokens: Option<u64>,
+    /// Most requests waiting for a lease.
+    pub max_queue: u32,
+    /// Longest wait for a lease.
+    pub queue_timeout_ms: u64,
+    /// `owned_by` shown in `/v1/models`.
+    pub owned_by: String,
+}
+
+/// A reference `"<node id>/<provider id>"` to a provider resource.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProviderRef {
+    /// The node id.
+    pub node_id: String,
+    /// The provider id on that node.
+    pub provider_id: String,
+}
+
+impl fmt::Display for ProviderRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.node_id, self.provider_id)
+    }
+}
+
+/// A provider base URL `http://host:port[/prefix]` (plain HTTP only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl {
+    host: String,
+    port: u16,
+    path_prefix: String,
+}
+
+impl BaseUrl {
+    /// Parses `http://host:port[/prefix]`. The host is a DNS name, an IPv4
+    /// address or a bracketed IPv6 address; the port is required; a trailing
+    /// `/` is dropped. The error is the reason, for a [`ConfigError`].
+    pub fn parse(text: &str) -> Result<Self, String> {
+        const FORM: &str = "expected http://host:port[/prefix]";
+        let rest = match text.get(..7) {
+            Some(scheme) if scheme.eq_ignore_ascii_case("http://") => &text[7..],
+            _ if text.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://")) => {
+                return Err(format!(
+                    "{text:?}: only http:// is supported (the provider runs beside the Node); {FORM}"
+                ))
+            }
+            _ => return Err(format!("{text:?}: {FORM}")),
+        };
+        if rest.contains(['?', '#']) {
+            return Err(format!(
+                "{text:?}: must not have a query or fragment; {FORM}"
+            ));
+        }
+        if rest.contains(|c: char| c.is_whitespace() || c.is_control()) {
+            return Err(format!("{text:?}: must not contain whitespace; {FORM}"));
+        }
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        if authority.contains('@') {
+            return Err(format!("{text:?}: must not contain user info; {FORM}"));
+        }
+        let (host, port) =
+            split_host_port(authority).map_err(|why| format!("{text:?}: {why}; {FORM}"))?;
+        let path_prefix = path.trim_end_matches('/');
+        if path_prefix.contains("//") {
+            return Err(format!("{text:?}: path has an empty segment; {FORM}"));
+        }
+        if path_prefix.ends_with("/v1") {
+            return Err(format!(
+                "{text:?}: drop the trailing /v1: operation paths already start with /v1"
+            ));
+        }
+        Ok(Self {
+            host,
+            port,
+            path_prefix: path_prefix.to_owned(),
+        })
+    }
+
+    /// The host: a DNS name, an IPv4 address, or an IPv6 address without brackets.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The path prefix: empty, or `/`-led without a trailing `/`.
+    pub fn path_prefix(&self) -> &str {
+        &self.path_prefix
+    }
+
+    /// `http://host:port`, without the path prefix.
+    pub fn origin(&self) -> String {
+        if self.host.contains(':') {
+            format!("http://[{}]:{}", self.host, self.port)
+        } else {
+            format!("http://{}:{}", self.host, self.port)
+        }
+    }
+
+    /// `path` (which starts with `/`) under the path prefix.
+    pub fn join(&self, path: &str) -> String {
+        format!("{}{}", self.path_prefix, path)
+    }
+}
+
+impl fmt::Display for BaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.origin(), self.path_prefix)
+    }
+}
+
+/// A resolved protocol profile (U3, U4): where each operation lives on the
+/// provider and how it authenticates. `base_url` is the origin; every path
+/// already includes the base URL's path prefix. It travels to the Node in
+/// `OpenAICompatAdapterConfig.protocol_profile`; tunnels carry only the
+/// operation name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProtocolProfileSpec {
+    /// The profile.
+    pub name: ProfileName,
+    /// `http://host:port`.
+    pub base_url: String,
+    /// Path of operation `models`.
+    pub models_path: String,
+    /// Path of operation `chat_completions`.
+    pub chat_completions_path: String,
+    /// Path of operation `messages`.
+    pub messages_path: String,
+    /// Path of operation `count_tokens`.
+    pub count_tokens_path: String,
+    /// Path of operation `responses`.
+    pub responses_path: String,
+    /// Path probed for health (W4, H6).
+    pub health_path: String,
+    /// Auth header name; the secret arrives only in a credential lease (C4).
+    pub auth_header_name: String,
+    /// Auth header value with a `{secret}` placeholder.
+    pub auth_header_format: String,
+}
+
+impl ProtocolProfileSpec {
+    /// The wire form (U4).
+    pub fn to_pb(&self) -> pb::ProtocolProfile {
+        pb::ProtocolProfile {
+            name: self.name.as_str().to_owned(),
+            base_url: self.base_url.clone(),
+            models_path: self.models_path.clone(),
+            chat_completions_path: self.chat_completions_path.clone(),
+            messages_path: self.messages_path.clone(),
+            count_tokens_path: self.count_tokens_path.clone(),
+            responses_path: self.responses_path.clone(),
+            health_path: self.health_path.clone(),
+            auth_header_name: self.auth_header_name.clone(),
+            auth_header_format: self.auth_header_format.clone(),
+        }
+    }
+}
+
+/// Resolves `profile` at `base_url` (U4). Every profile serves the same
+/// operation paths (`/v1/models`, `/v1/chat/completions`, `/v1/messages`,
+/// `/v1/messages/count_tokens`, `/v1/responses`) and authenticates with
+/// `Authorization: Bearer {secret}`; they differ in the health path:
+/// `/v1/models` for `openai`, `/health` for `vllm`, `llama_cpp` and `sglang`.
+pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolProfileSpec {
+    let health_path = match profile {
+        ProfileName::OpenAi => "/v1/models",
+        ProfileName::Vllm | ProfileName::LlamaCpp | ProfileName::Sglang => "/health",
+    };
+    ProtocolProfileSpec {
+        name: profile,
+        base_url: base_url.origin(),
+        models_path: base_url.join("/v1/models"),
+        chat_completions_path: base_url.join("/v1/chat/completions"),
+        messages_path: base_url.join("/v1/messages"),
+        count_tokens_path: base_url.join("/v1/messages/count_tokens"),
+        responses_path: base_url.join("/v1/responses"),
+        health_path: base_url.join(health_path),
+        auth_header_name: "Authorization".to_owned(),
+        auth_header_format: "Bearer {secret}".to_owned(),
+    }
+}
+
+impl NodeSpec {
+    /// The adapter instance named `name`.
+    pub fn adapter(&self, name: &str) -> Option<&AdapterSpec> {
+        self.adapters.iter().find(|a| a.name == name)
+    }
+
+    /// The provider with id `id`.
+    pub fn provider(&self, id: &str) -> Option<&ProviderSpec> {
+        self.providers.iter().find(|p| p.id == id)
+    }
+
+    /// The targets of the providers using adapter `name`, in file order,
+    /// without repeats.
+    pub fn adapter_targets(&self, name: &str) -> Vec<String> {
+        let mut targets: Vec<String> = Vec::new();
+        for provider in self.providers.iter().filter(|p| p.adapter == name) {
+            if !targets.contains(&provider.target) {
+                targets.push(provider.target.clone());
+            }
+        }
+        targets
+    }
+
+    /// The `NodeConfigPayload` sent to this node in `RegisterResponse` and
+    /// config refreshes (R2, K3): each adapter with its capacity (P4), the
+    /// targets of its providers and, for OpenAI-compatible adapters, the
+    /// resolved protocol profile (U4). Runtime settings are left at 0 (Node
+    /// defaults). Pass `credential_leases_required = false` when
+    /// `edge.insecure_plaintext_nodes` is set (T5). Carries no credential (C4).
+    pub fn config_payload(
+        &self,
+        revision: u64,
+        credential_leases_required: bool,
+    ) -> pb::NodeConfigPayload {
+        let adapters = self
+            .adapters
+            .iter()
+            .map(|adapter| {
+                let kind = match adapter.kind {
+                    AdapterKind::OpenAiCompat { profile } => {
+                        pb::adapter_config::Kind::OpenaiCompat(pb::OpenAiCompatAdapterConfig {
+                            protocol_profile: Some(
+                                protocol_profile(profile, &adapter.base_url).to_pb(),
+                            ),
+                        })
+                    }
+                    AdapterKind::Ollama => {
+                        pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                            base_url: adapter.base_url.to_string(),
+                        })
+                    }
+                };
+                pb::AdapterConfig {
+                    name: adapter.name.clone(),
+                    capacity: adapter.capacity,
+                    targets: self.adapter_targets(&adapter.name),
+                    kind: Some(kind),
+                }
+            })
+            .collect();
+        pb::NodeConfigPayload {
+            runtime: Some(pb::NodeRuntimeConfig::default()),
+            adapters,
+            revision,
+            credential_leases_required,
+        }
+    }
+}
+
+impl EdgeConfig {
+    /// Reads `path`, parses and validates it ([`EdgeConfig::parse`]), then
+    /// checks the TLS files ([`EdgeConfig::validate_files`]).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new(path, "-", format!("cannot read config file: {e}")))?;
+        let config = Self::parse(&text, path)?;
+        config.validate_files()?;
+        Ok(config)
+    }
+
+    /// Parses and validates `text`; `path` names the file in errors and
+    /// anchors relative TLS paths. Touches no file.
+    pub fn parse(text: &str, path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let raw: RawEdgeFile = parse_toml(text, path)?;
+        Validator { file: path }.edge_config(raw)
+    }
+
+    /// Checks that every TLS file exists, is a regular file and can be opened
+    /// for reading (nothing to check in insecure mode). The error names the
+    /// key (`tls.cert`) and the resolved path.
+    pub fn validate_files(&self) -> Result<(), ConfigError> {
+        match &self.tls {
+            Some(tls) => tls.validate_files(&self.source),
+            None => Ok(()),
+        }
+    }
+
+    /// The node with id `id`.
+    pub fn node(&self, id: &str) -> Option<&NodeSpec> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    /// The model named `name`.
+    pub fn model(&self, name: &str) -> Option<&ModelSpec> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}
+
+impl TlsFiles {
+    fn validate_files(&self, source: &Path) -> Result<(), ConfigError> {
+        for (key, path) in [
+            ("tls.ca", &self.ca),
+            ("tls.cert", &self.cert),
+            ("tls.key", &self.key),
+        ] {
+            check_readable_file(path).map_err(|why| ConfigError::new(source, key, why))?;
+        }
+        Ok(())
+    }
+}
+
+fn check_readable_file(path: &Path) -> Result<(), String> {
+    let file = File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let metadata = file
+        .metadata()
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !metadata.is_file() {
+        return Err(format!(
+            "cannot read {}: not a regular file",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The file as written
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdgeFile {
+    edge: RawEdge,
+    tls: Option<RawTls>,
+    #[serde(default)]
+    nodes: Vec<RawNode>,
+    #[serde(default)]
+    models: Vec<RawModel>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEdge {
+    name: String,
+    trust_domain: String,
+    client_listen: String,
+    node_listen: String,
+    max_request_body_bytes: Option<i64>,
+    max_frame_bytes: Option<i64>,
+    #[serde(default)]
+    insecure_plaintext_nodes: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    id: String,
+    #[serde(default)]
+    adapters: Vec<RawAdapter>,
+    #[serde(default)]
+    providers: Vec<RawProvider>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdapter {
+    name: Option<String>,
+    kind: String,
+    profile: Option<String>,
+    base_url: String,
+    capacity: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProvider {
+    id: String,
+    adapter: String,
+    target: String,
+    capacity: i64,
+    long_context_capacity: Option<i64>,
+    response_stall_timeout_ms: Option<i64>,
+    category: Option<String>,
+    enabled: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    name: String,
+    providers: Vec<String>,
+    long_context_threshold_tokens: Option<i64>,
+    max_queue: Option<i64>,
+    queue_timeout_ms: Option<i64>,
+    owned_by: Option<String>,
+}
+
+/// Deserializes `text`, turning a syntax or schema error into a
+/// [`ConfigError`] with the key path and the line and column.
+fn parse_toml<T: DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
+    let deserializer = toml::Deserializer::parse(text)
+        .map_err(|e| ConfigError::new(file, "-", with_location(e.message(), e.span(), text)))?;
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.inner();
+        let message = inner.message();
+        let (key, message) = match missing_field(message) {
+            Some(field) if path == "." => (field.to_owned(), "required key is missing"),
+            Some(field) => (format!("{path}.{field}"), "required key is missing"),
+            None if path == "." => ("-".to_owned(), message),
+            None => (path, message),
+        };
+        ConfigError::new(file, key, with_location(message, inner.span(), text))
+    })
+}
+
+/// The field of serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<&str> {
+    message.strip_prefix("missing field `")?.strip_suffix('`')
+}
+
+/// `message (line L, column C)`, 1-based, when the span is known.
+fn with_location(message: &str, span: Option<std::ops::Range<usize>>, text: &str) -> String {
+    let message = message.trim().replace('\n', "; ");
+    match span {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!("{message} (line {line}, column {column})")
+        }
+        None => message,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------
+
+struct Validator<'a> {
+    file: &'a Path,
+}
+
+impl Validator<'_> {
+    fn err(&self, key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+        ConfigError::new(self.file, key, reason)
+    }
+
+    fn edge_config(&self, raw: RawEdgeFile) -> Result<EdgeConfig, ConfigError> {
+        let edge = self.edge(raw.edge)?;
+        let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
+            (true, _) => None,
+            (false, Some(tls)) => Some(self.tls(tls)?),
+            (false, None) => {
+                return Err(self.err(
+                    "tls",
+                    "required unless edge.insecure_plaintext_nodes = true",
+                ))
+            }
+        };
+        let mut nodes: Vec<NodeSpec> = Vec::with_capacity(raw.nodes.len());
+        for (i, raw_node) in raw.nodes.into_iter().enumerate() {
+            let node = self.node(i, raw_node)?;
+            if let Some(first) = nodes.iter().position(|n| n.id == node.id) {
+                return Err(self.err(
+                    format!("nodes[{i}].id"),
+                    format!("duplicate node id {:?} (also nodes[{first}])", node.id),
+                ));
+            }
+            nodes.push(node);
+        }
+        let mut models: Vec<ModelSpec> = Vec::with_capacity(raw.models.len());
+        for (i, raw_model) in raw.models.into_iter().enumerate() {
+            let model = self.model(i, raw_model, &nodes)?;
+            if let Some(first) = models.iter().position(|m| m.name == model.name) {
+                return Err(self.err(
+                    format!("models[{i}].name"),
+                    format!(
+                        "duplicate model name {:?} (also models[{first}])",
+                        model.name
+                    ),
+                ));
+            }
+            models.push(model);
+        }
+        Ok(EdgeConfig {
+            source: self.file.to_path_buf(),
+            edge,
+            tls,
+            nodes,
+            models,
+        })
+    }
+
+    fn edge(&self, raw: RawEdge) -> Result<EdgeSettings, ConfigError> {
+        check_name(&raw.name).map_err(|why| self.err("edge.name", why))?;
+        check_trust_domain(&raw.trust_domain).map_err(|why| self.err("edge.trust_domain", why))?;
+        let client_listen = parse_socket_addr(&raw.client_listen)
+            .map_err(|why| self.err("edge.client_listen", why))?;
+        let node_listen =
+            parse_socket_addr(&raw.node_listen).map_err(|why| self.err("edge.node_listen", why))?;
+        if client_listen == node_listen && client_listen.port() != 0 {
+            return Err(self.err(
+                "edge.node_listen",
+                format!("{node_listen} is also edge.client_listen"),
+            ));
+        }
+        let max_frame_bytes = match raw.max_frame_bytes {
+            None => DEFAULT_MAX_FRAME_BYTES,
+            Some(v) => in_range(v, MIN_FRAME_BYTES as u64, MAX_FRAME_BYTES_LIMIT as u64)
+                .map(|v| v as usize)
+                .map_err(|why| self.err("edge.max_frame_bytes", why))?,
+        };
+        let body_limit = max_frame_bytes - FRAME_HEADROOM_BYTES;
+        let max_request_body_bytes = match raw.max_request_body_bytes {
+            None => DEFAULT_MAX_REQUEST_BODY_BYTES,
+            Some(v) => in_range(v, 1, body_limit as u64)
+                .map(|v| v as usize)
+                .map_err(|why| self.err("edge.max_request_body_bytes", why))?,
+        };
+        if max_request_body_bytes > body_limit {
+            // Only reachable with the default body limit and a small frame limit.
+            return Err(self.err(
+                "edge.max_request_body_bytes",
+                format!(
+                    "the default {max_request_body_bytes} does not fit edge.max_frame_bytes \
+                     {max_frame_bytes} minus {FRAME_HEADROOM_BYTES} bytes of headroom; set it to at most {body_limit}"
+                ),
+            ));
+        }
+        Ok(EdgeSettings {
+            name: raw.name,
+            trust_domain: raw.trust_domain,
+            client_listen,
+            node_listen,
+            max_request_body_bytes,
+            max_frame_bytes,
+            insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
+        })
+    }
+
+    fn tls(&self, raw: RawTls) -> Result<TlsFiles, ConfigError> {
+        let base = self.file.parent().unwrap_or(Path::new(""));
+        let resolve = |key: &str, value: &str| {
+            if value.is_empty() {
+                Err(self.err(key, "must not be empty"))
+            } else {
+                Ok(base.join(value))
+            }
+        };
+        Ok(TlsFiles {
+            ca: resolve("tls.ca", &raw.ca)?,
+            cert: resolve("tls.cert", &raw.cert)?,
+            key: resolve("tls.key", &raw.key)?,
+        })
+    }
+
+    fn node(&self, i: usize, raw: RawNode) -> Result<NodeSpec, ConfigError> {
+        check_name(&raw.id).map_err(|why| self.err(format!("nodes[{i}].id"), why))?;
+        let mut adapters: Vec<AdapterSpec> = Vec::with_capacity(raw.adapters.len());
+        for (j, raw_adapter) in raw.adapters.into_iter().enumerate() {
+            let adapter = self.adapter(&format!("nodes[{i}].adapters[{j}]"), raw_adapter)?;
+            if let Some(first) = adapters.iter().position(|a| a.name == adapter.name) {
+                return Err(self.err(
+                    format!("nodes[{i}].adapters[{j}].name"),
+                    format!(
+                        "duplicate adapter name {:?} on node {:?} (also nodes[{i}].adapters[{first}])",
+                        adapter.name, raw.id
+                    ),
+                ));
+            }
+            adapters.push(adapter);
+        }
+        let mut providers: Vec<ProviderSpec> = Vec::with_capacity(raw.providers.len());
+        for (j, raw_provider) in raw.providers.into_iter().enumerate() {
+            let key = format!("nodes[{i}].providers[{j}]");
+            let provider = self.provider(&key, raw_provider)?;
+            if let Some(first) = providers.iter().position(|p| p.id == provider.id) {
+                return Err(self.err(
+                    format!("{key}.id"),
+                    format!(
+                        "duplicate provider id {:?} on node {:?} (also nodes[{i}].providers[{first}])",
+                        provider.id, raw.id
+                    ),
+                ));
+            }
+            if !adapters.iter().any(|a| a.name == provider.adapter) {
+                return Err(self.err(
+                    format!("{key}.adapter"),
+                    format!(
+                        "node {:?} has no adapter named {:?}",
+                        raw.id, provider.adapter
+                    ),
+                ));
+            }
+            providers.push(provider);
+        }
+        Ok(NodeSpec {
+            id: raw.id,
+            adapters,
+            providers,
+        })
+    }
+
+    fn adapter(&self, key: &str, raw: RawAdapter) -> Result<AdapterSpec, ConfigError> {
+        let kind = match (raw.kind.as_str(), raw.profile) {
+            ("openai_compat", None) => AdapterKind::OpenAiCompat {
+                profile: ProfileName::OpenAi,
+            },
+            ("openai_compat", Some(profile)) => AdapterKind::OpenAiCompat {
+                profile: ProfileName::from_name(&profile).ok_or_else(|| {
+                    self.err(
+                        format!("{key}.profile"),
+                        format!(
+                            "unknown profile {profile:?}: expected \"openai\", \"vllm\", \"llama_cpp\" or \"sglang\""
+                        ),
+                    )
+                })?,
+            },
+            ("ollama", None) => AdapterKind::Ollama,
+            ("ollama", Some(_)) => {
+                return Err(self.err(
+                    format!("{key}.profile"),
+                    "only an openai_compat adapter has a profile",
+                ))
+            }
+            (other, _) => {
+                return Err(self.err(
+                    format!("{key}.kind"),
+                    format!("unknown adapter kind {other:?}: expected \"openai_compat\" or \"ollama\""),
+                ))
+            }
+        };
+        let name = match raw.name {
+            Some(name) => {
+                check_name(&name).map_err(|why| self.err(format!("{key}.name"), why))?;
+                name
+            }
+            None => kind.as_str().to_owned(),
+        };
+        let base_url = BaseUrl::parse(&raw.base_url)
+            .map_err(|why| self.err(format!("{key}.base_url"), why))?;
+        let capacity = match raw.capacity {
+            None => 0,
+            Some(v) => in_range(v, 0, u64::from(MAX_CAPACITY))
+                .map(|v| v as u32)
+                .map_err(|why| self.err(format!("{key}.capacity"), why))?,
+        };
+        Ok(AdapterSpec {
+            name,
+            kind,
+            base_url,
+            capacity,
+        })
+    }
+
+    fn provider(&self, key: &str, raw: RawProvider) -> Result<ProviderSpec, ConfigError> {
+        check_name(&raw.id).map_err(|why| self.err(format!("{key}.id"), why))?;
+        check_text(&raw.target).map_err(|why| self.err(format!("{key}.target"), why))?;
+        let capacity = in_range(raw.capacity, 1, u64::from(MAX_CAPACITY))
+            .map(|v| v as u32)
+            .map_err(|why| self.err(format!("{key}.capacity"), why))?;
+        let long_context_capacity = match raw.long_context_capacity {
+            None => 0,
+            Some(v) => in_range(v, 0, u64::from(capacity))
+                .map(|v| v as u32)
+                .map_err(|why| {
+                    self.err(
+                        format!("{key}.long_context_capacity"),
+                        format!("{why} (it may not exceed capacity)"),
+                    )
+                })?,
+        };
+        let response_stall_timeout_ms = raw.response_stall_timeout_ms.unwrap_or(0);
+        effective_stall_timeout(response_stall_timeout_ms).map_err(|e| {
+            // The wire error leads with the field name; the key already says it.
+            let reason = e.to_string();
+            let reason = reason
+                .strip_prefix("response_stall_timeout_ms")
+                .map_or(reason.as_str(), str::trim_start);
+            self.err(format!("{key}.response_stall_timeout_ms"), reason)
+        })?;
+        let category = match raw.category.as_deref() {
+            None | Some("local_inference") => ProviderCategory::LocalInference,
+            Some("api") => ProviderCategory::Api,
+            Some(other) => {
+                return Err(self.err(
+                    format!("{key}.category"),
+                    format!("unknown category {other:?}: expected \"api\" or \"local_inference\""),
+                ))
+            }
+        };
+        Ok(ProviderSpec {
+            id: raw.id,
+            adapter: raw.adapter,
+            target: raw.target,
+            capacity,
+            long_context_capacity,
+            response_stall_timeout_ms,
+            category,
+            enabled: raw.enabled.unwrap_or(true),
+        })
+    }
+
+    fn model(&self, i: usize, raw: RawModel, nodes: &[NodeSpec]) -> Result<ModelSpec, ConfigError> {
+        let key = format!("models[{i}]");
+        check_text(&raw.name).map_err(|why| self.err(format!("{key}.name"), why))?;
+        if raw.providers.is_empty() {
+            return Err(self.err(
+                format!("{key}.providers"),
+                "must list at least one provider",
+            ));
+        }
+        let mut providers: Vec<ProviderRef> = Vec::with_capacity(raw.providers.len());
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for (j, text) in raw.providers.iter().enumerate() {
+            let pkey = format!("{key}.providers[{j}]");
+            if let Some(first) = seen.insert(text.as_str(), j) {
+                return Err(self.err(
+                    pkey,
+                    format!("{text:?} is listed twice (also {key}.providers[{first}])"),
+                ));
+            }
+            let Some((node_id, provider_id)) = text.split_once('/') else {
+                return Err(self.err(
+                    pkey,
+                    format!("{text:?}: expected \"<node id>/<provider id>\""),
+                ));
+            };
+            let Some(node) = nodes.iter().find(|n| n.id == node_id) else {
+                return Err(self.err(pkey, format!("{text:?}: no node {node_id:?} is configured")));
+            };
+            if node.provider(provider_id).is_none() {
+                return Err(self.err(
+                    pkey,
+                    format!("{text:?}: node {node_id:?} has no provider {provider_id:?}"),
+                ));
+            }
+            providers.push(ProviderRef {
+                node_id: node_id.to_owned(),
+                provider_id: provider_id.to_owned(),
+            });
+        }
+        let long_context_threshold_tokens = match raw.long_context_threshold_tokens {
+            None => None,
+            Some(v) => Some(
+                in_range(v, 1, MAX_LONG_CONTEXT_THRESHOLD_TOKENS)
+                    .map_err(|why| self.err(format!("{key}.long_context_threshold_tokens"), why))?,
+            ),
+        };
+        let max_queue = match raw.max_queue {
+            None => DEFAULT_MAX_QUEUE,
+            Some(v) => in_range(v, 1, u64::from(MAX_QUEUE_LIMIT))
+                .map(|v| v as u32)
+                .map_err(|why| self.err(format!("{key}.max_queue"), why))?,
+        };
+        let queue_timeout_ms = match raw.queue_timeout_ms {
+            None => DEFAULT_QUEUE_TIMEOUT_MS,
+            Some(v) => in_range(v, 1, MAX_QUEUE_TIMEOUT_MS)
+                .map_err(|why| self.err(format!("{key}.queue_timeout_ms"), why))?,
+        };
+        let owned_by = match raw.owned_by {
+            None => DEFAULT_OWNED_BY.to_owned(),
+            Some(owned_by) => {
+                check_text(&owned_by).map_err(|why| self.err(format!("{key}.owned_by"), why))?;
+                owned_by
+            }
+        };
+        Ok(ModelSpec {
+            name: raw.name,
+            providers,
+            long_context_threshold_tokens,
+            max_queue,
+            queue_timeout_ms,
+            owned_by,
+        })
+    }
+}
+
+/// `value` as `u64` when `min <= value <= max`.
+fn in_range(value: i64, min: u64, max: u64) -> Result<u64, String> {
+    match u64::try_from(value) {
+        Ok(v) if (min..=max).contains(&v) => Ok(v),
+        _ => Err(format!("must be between {min} and {max} (got {value})")),
+    }
+}
+
+/// An identity name (edge name, node id, adapter name, provider id): it goes
+/// into a SPIFFE URI path segment or a `"<node id>/<provider id>"` reference.
+fn check_name(name: &str) -> Result<(), String> {
+    let valid_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if name.is_empty() || name.len() > MAX_NAME_BYTES || !valid_chars {
+        return Err(format!(
+            "{name:?} must be 1 to {MAX_NAME_BYTES} characters of A-Z a-z 0-9 . _ -"
+        ));
+    }
+    if name == "." || name == ".." {
+        return Err(format!("{name:?} is not a valid name"));
+    }
+    Ok(())
+}
+
+/// A SPIFFE trust domain: lowercase letters, digits, `.`, `_`, `-`.
+fn check_trust_domain(domain: &str) -> Result<(), String> {
+    let valid_chars = domain
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+    if domain.is_empty() || domain.len() > MAX_TRUST_DOMAIN_BYTES || !valid_chars {
+        return Err(format!(
+            "{domain:?} must be 1 to {MAX_TRUST_DOMAIN_BYTES} characters of a-z 0-9 . _ -"
+        ));
+    }
+    Ok(())
+}
+
+/// Free text such as a model name or target: non-empty, bounded, no control
+/// characters.
+fn check_text(text: &str) -> Result<(), String> {
+    if text.is_empty() {
+        return Err("must not be empty".to_owned());
+    }
+    if text.len() > MAX_TEXT_BYTES {
+        return Err(format!(
+            "must be at most {MAX_TEXT_BYTES} bytes (got {})",
+            text.len()
+        ));
+    }
+    if text.chars().any(char::is_control) {
+        return Err(format!("{text:?} must not contain control characters"));
+    }
+    Ok(())
+}
+
+fn parse_socket_addr(text: &str) -> Result<SocketAddr, String> {
+    text.parse()
+        .map_err(|_| format!("{text:?} is not an IP:port socket address (e.g. 127.0.0.1:8080)"))
+}
+
+/// Splits `host:port` / `[v6]:port`; the host is an IP or a DNS name.
+fn split_host_port(authority: &str) -> Result<(String, u16), String> {
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']').ok_or("unclosed [ in host")?;
+        v6.parse::<Ipv6Addr>()
+            .map_err(|_| format!("{v6:?} is not an IPv6 address"))?;
+        let port = after.strip_prefix(':').ok_or("missing :port")?;
+        (v6, port)
+    } else {
+        let (host, port) = authority.rsplit_once(':').ok_or("missing :port")?;
+        let valid_host = host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
+        if host.is_empty() || !valid_host {
+            return Err(format!("{host:?} is not a host name or IP address"));
+        }
+        (host, port)
+    };
+    match port.parse::<u16>() {
+        Ok(port) if port != 0 => Ok((host.to_owned(), port)),
+        _ => Err(format!("{port:?} is not a port (1-65535)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A valid file that exercises every table; variants are made by
+    /// replacing one snippet.
+    const BASE: &str = r#"
+[edge]
+name = "edge-1"
+trust_domain = "iop.local"
+client_listen = "127.0.0.1:8080"
+node_listen = "127.0.0.1:7443"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+
+[[nodes]]
+id = "node-a"
+
+[[nodes.adapters]]
+name = "vllm-main"
+kind = "openai_compat"
+profile = "vllm"
+base_url = "http://127.0.0.1:8000"
+capacity = 8
+
+[[nodes.adapters]]
+kind = "ollama"
+base_url = "http://127.0.0.1:11434"
+
+[[nodes.providers]]
+id = "a-llama"
+adapter = "vllm-main"
+target = "meta-llama/Llama-3.1-8B-Instruct"
+capacity = 8
+long_context_capacity = 2
+
+[[nodes.providers]]
+id = "a-qwen"
+adapter = "ollama"
+target = "qwen2.5:7b"
+capacity = 4
+
+[[models]]
+name = "llama-3.1-8b"
+providers = ["node-a/a-llama"]
+"#;
+
+    /// `BASE` with the one occurrence of `old` replaced by `new`.
+    fn variant(old: &str, new: &str) -> String {
+        assert_eq!(
+            BASE.matches(old).count(),
+            1,
+            "snippet {old:?} must occur once"
+        );
+        BASE.replacen(old, new, 1)
+    }
+
+    fn parse(text: &str) -> Result<EdgeConfig, ConfigError> {
+        EdgeConfig::parse(text, "conf/edge.toml")
+    }
+
+    /// The error text for `text`.
+    fn error(text: &str) -> String {
+        match parse(text) {
+            Ok(config) => panic!("expected an error, parsed {config:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn error_of(old: &str, new: &str) -> String {
+        error(&variant(old, new))
+    }
+
+    fn example_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/edge.toml")
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    fn base_url(text: &str) -> BaseUrl {
+        match BaseUrl::parse(text) {
+            Ok(url) => url,
+            Err(why) => panic!("{why}"),
+        }
+    }
+
+    #[test]
+    fn example_file_parses_into_the_documented_values() {
+        let path = example_path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let config = EdgeConfig::parse(&text, &path).unwrap();
+        let dir = path.parent().unwrap();
+        let expected = EdgeConfig {
+            source: path.clone(),
+            edge: EdgeSettings {
+                name: "edge-1".into(),
+                trust_domain: "iop.local".into(),
+                client_listen: "127.0.0.1:8080".parse().unwrap(),
+                node_listen: "127.0.0.1:7443".parse().unwrap(),
+                max_request_body_bytes: 8 * 1024 * 1024,
+                max_frame_bytes: 16 * 1024 * 1024,
+                insecure_plaintext_nodes: false,
+            },
+            tls: Some(TlsFiles {
+                ca: dir.join("certs/ca.pem"),
+                cert: dir.join("certs/edge.pem"),
+                key: dir.join("certs/edge-key.pem"),
+            }),
+            nodes: vec![NodeSpec {
+                id: "node-a".into(),
+                adapters: vec![
+                    AdapterSpec {
+                        name: "vllm-main".into(),
+                        kind: AdapterKind::OpenAiCompat {
+                            profile: ProfileName::Vllm,
+                        },
+                        base_url: base_url("http://127.0.0.1:8000"),
+                        capacity: 8,
+                    },
+                    AdapterSpec {
+                        name: "ollama".into(),
+                        kind: AdapterKind::Ollama,
+                        base_url: base_url("http://127.0.0.1:11434"),
+                        capacity: 4,
+                    },
+                ],
+                providers: vec![
+                    ProviderSpec {
+                        id: "a-llama".into(),
+                        adapter: "vllm-main".into(),
+                        target: "meta-llama/Llama-3.1-8B-Instruct".into(),
+                        capacity: 8,
+                        long_context_capacity: 2,
+                        response_stall_timeout_ms: 0,
+                        category: ProviderCategory::LocalInference,
+                        enabled: true,
+                    },
+                    ProviderSpec {
+                        id: "a-qwen".into(),
+                        adapter: "ollama".into(),
+                        target: "qwen2.5:7b".into(),
+                        capacity: 4,
+                        long_context_capacity: 0,
+                        response_stall_timeout_ms: 120_000,
+                        category: ProviderCategory::LocalInference,
+                        enabled: true,
+                    },
+                ],
+            }],
+            models: vec![
+                ModelSpec {
+                    name: "llama-3.1-8b".into(),
+                    providers: vec![ProviderRef {
+                        node_id: "node-a".into(),
+                        provider_id: "a-llama".into(),
+                    }],
+                    long_context_threshold_tokens: Some(32_000),
+                    max_queue: 256,
+                    queue_timeout_ms: 30_000,
+                    owned_by: "iop".into(),
+                },
+                ModelSpec {
+                    name: "qwen2.5-7b".into(),
+                    providers: vec![ProviderRef {
+                        node_id: "node-a".into(),
+                        provider_id: "a-qwen".into(),
+                    }],
+                    long_context_threshold_tokens: None,
+                    max_queue: 256,
+                    queue_timeout_ms: 30_000,
+                    owned_by: "iop".into(),
+                },
+            ],
+        };
+        assert_eq!(config, expected);
+    }
+
+    #[test]
+    fn omitted_keys_take_their_defaults() {
+        let config = parse(BASE).unwrap();
+        assert_eq!(config.edge.max_request_body_bytes, 8_388_608);
+        assert_eq!(config.edge.max_frame_bytes, 16_777_216);
+        assert!(!config.edge.insecure_plaintext_nodes);
+        let node = config.node("node-a").unwrap();
+        let ollama = node.adapter("ollama").unwrap();
+        assert_eq!((ollama.kind, ollama.capacity), (AdapterKind::Ollama, 0));
+        let qwen = node.provider("a-qwen").unwrap();
+        assert_eq!(qwen.long_context_capacity, 0);
+        assert_eq!(qwen.response_stall_timeout_ms, 0);
+        assert_eq!(qwen.category, ProviderCategory::LocalInference);
+        assert!(qwen.enabled);
+        let model = config.model("llama-3.1-8b").unwrap();
+        assert_eq!(model.long_context_threshold_tokens, None);
+        assert_eq!(model.max_queue, 256);
+        assert_eq!(model.queue_timeout_ms, 30_000);
+        assert_eq!(model.owned_by, "iop");
+        assert!(config.node("node-b").is_none());
+        assert!(config.model("gpt-4").is_none());
+    }
+
+    #[test]
+    fn openai_compat_profile_defaults_to_openai() {
+        let config = parse(&variant("profile = \"vllm\"\n", "")).unwrap();
+        let adapter = config.node("node-a").unwrap().adapter("vllm-main").unwrap();
+        assert_eq!(
+            adapter.kind,
+            AdapterKind::OpenAiCompat {
+                profile: ProfileName::OpenAi
+            }
+        );
+    }
+
+    #[test]
+    fn explicit_values_are_kept() {
+        let config = parse(&variant(
+            "capacity = 4\n",
+            "capacity = 4\nresponse_stall_timeout_ms = 5000\ncategory = \"api\"\nenabled = false\n",
+        ))
+        .unwrap();
+        let qwen = config.node("node-a").unwrap().provider("a-qwen").unwrap();
+        assert_eq!(qwen.response_stall_timeout_ms, 5000);
+        assert_eq!(qwen.category, ProviderCategory::Api);
+        assert!(!qwen.enabled);
+    }
+
+    #[test]
+    fn toml_syntax_error_has_no_key_and_a_location() {
+        assert_eq!(
+            error_of("id = \"node-a\"", "id = \"node-a"),
+            "conf/edge.toml: -: invalid basic string, expected `\"` (line 14, column 13)"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_path() {
+        assert_eq!(
+            error_of("[tls]", "colour = \"blue\"\n[tls]"),
+            "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
+             `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
+             `insecure_plaintext_nodes` (line 8, column 1)"
+        );
+        assert_eq!(
+            error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
+            "conf/edge.toml: nodes[0].providers[1].model: unknown field `model`, expected one of `id`, \
+             `adapter`, `target`, `capacity`, `long_context_capacity`, `response_stall_timeout_ms`, \
+             `category`, `enabled` (line 38, column 1)"
+        );
+        assert_eq!(
+            error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
+            "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, `nodes`, `models` \
+             (line 44, column 2)"
+        );
+    }
+
+    #[test]
+    fn missing_and_mistyped_keys_name_the_key() {
+        assert_eq!(
+            error(""),
+            "conf/edge.toml: edge: required key is missing (line 1, column 1)"
+        );
+        assert_eq!(
+            error_of("name = \"edge-1\"\n", ""),
+            "conf/edge.toml: edge.name: required key is missing (line 2, column 1)"
+        );
+        assert_eq!(
+            error_of("capacity = 4\n", ""),
+            "conf/edge.toml: nodes[0].providers[1].capacity: required key is missing (line 34, column 1)"
+        );
+        assert_eq!(
+            error_of("capacity = 4\n", "capacity = \"4\"\n"),
+            "conf/edge.toml: nodes[0].providers[1].capacity: invalid type: string \"4\", expected i64 \
+             (line 38, column 12)"
+        );
+    }
+
+    #[test]
+    fn identity_names_are_spiffe_path_segments() {
+        let rule = "must be 1 to 128 characters of A-Z a-z 0-9 . _ -";
+        assert_eq!(
+            error_of("name = \"edge-1\"", "name = \"edge/1\""),
+            format!("conf/edge.toml: edge.name: \"edge/1\" {rule}")
+        );
+        assert_eq!(
+            error_of("id = \"node-a\"", "id = \"\""),
+            format!("conf/edge.toml: nodes[0].id: \"\" {rule}")
+        );
+        let long = "n".repeat(129);
+        assert_eq!(
+            error_of("id = \"node-a\"", &format!("id = \"{long}\"")),
+            format!("conf/edge.toml: nodes[0].id: \"{long}\" {rule}")
+        );
+        assert_eq!(
+            error_of("id = \"node-a\"", "id = \"..\""),
+            "conf/edge.toml: nodes[0].id: \"..\" is not a valid name"
+        );
+        assert_eq!(
+            error_of("name = \"vllm-main\"", "name = \"vllm main\""),
+            format!("conf/edge.toml: nodes[0].adapters[0].name: \"vllm main\" {rule}")
+        );
+        assert_eq!(
+            error_of("id = \"a-qwen\"", "id = \"a:qwen\""),
+            format!("conf/edge.toml: nodes[0].providers[1].id: \"a:qwen\" {rule}")
+        );
+    }
+
+    #[test]
+    fn a_128_character_node_id_is_accepted() {
+        let long = "n".repeat(128);
+        let text = variant("id = \"node-a\"", &format!("id = \"{long}\"")).replacen(
+            "\"node-a/a-llama\"",
+            &format!("\"{long}/a-llama\""),
+            1,
+        );
+        let config = parse(&text).unwrap();
+        assert_eq!(config.nodes[0].id, long);
+        assert_eq!(config.models[0].providers[0].node_id, long);
+    }
+
+    #[test]
+    fn trust_domain_is_checked() {
+        assert_eq!(
+            error_of("trust_domain = \"iop.local\"", "trust_domain = \"IOP.local\""),
+            "conf/edge.toml: edge.trust_domain: \"IOP.local\" must be 1 to 255 characters of a-z 0-9 . _ -"
+        );
+    }
+
+    #[test]
+    fn listen_addresses_are_socket_addresses() {
+        assert_eq!(
+            error_of("client_listen = \"127.0.0.1:8080\"", "client_listen = \"localhost:8080\""),
+            "conf/edge.toml: edge.client_listen: \"localhost:8080\" is not an IP:port socket address \
+             (e.g. 127.0.0.1:8080)"
+        );
+        assert_eq!(
+            error_of(
+                "node_listen = \"127.0.0.1:7443\"",
+                "node_listen = \"127.0.0.1\""
+            ),
+            "conf/edge.toml: edge.node_listen: \"127.0.0.1\" is not an IP:port socket address \
+             (e.g. 127.0.0.1:8080)"
+        );
+        assert_eq!(
+            error_of(
+                "node_listen = \"127.0.0.1:7443\"",
+                "node_listen = \"127.0.0.1:8080\""
+            ),
+            "conf/edge.toml: edge.node_listen: 127.0.0.1:8080 is also edge.client_listen"
+        );
+        let both_ephemeral = variant(
+            "client_listen = \"127.0.0.1:8080\"",
+            "client_listen = \"127.0.0.1:0\"",
+        )
+        .replacen(
+            "node_listen = \"127.0.0.1:7443\"",
+            "node_listen = \"127.0.0.1:0\"",
+            1,
+        );
+        assert!(parse(&both_ephemeral).is_ok());
+    }
+
+    #[test]
+    fn frame_and_body_limits_are_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nmax_frame_bytes = 1000")),
+            "conf/edge.toml: edge.max_frame_bytes: must be between 131072 and 1073741824 (got 1000)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nmax_frame_bytes = 1048576\nmax_request_body_bytes = 1048576")),
+            "conf/edge.toml: edge.max_request_body_bytes: must be between 1 and 983040 (got 1048576)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nmax_request_body_bytes = 0")),
+            "conf/edge.toml: edge.max_request_body_bytes: must be between 1 and 16711680 (got 0)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nmax_frame_bytes = 1048576")),
+            "conf/edge.toml: edge.max_request_body_bytes: the default 8388608 does not fit \
+             edge.max_frame_bytes 1048576 minus 65536 bytes of headroom; set it to at most 983040"
+        );
+        let config = parse(&variant(
+            edge,
+            &format!("{edge}\nmax_frame_bytes = 1048576\nmax_request_body_bytes = 983040"),
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                config.edge.max_frame_bytes,
+                config.edge.max_request_body_bytes
+            ),
+            (1_048_576, 983_040)
+        );
+    }
+
+    #[test]
+    fn tls_is_required_unless_insecure() {
+        let tls = "[tls]\nca = \"certs/ca.pem\"\ncert = \"certs/edge.pem\"\nkey = \"certs/edge-key.pem\"\n";
+        assert_eq!(
+            error_of(tls, ""),
+            "conf/edge.toml: tls: required unless edge.insecure_plaintext_nodes = true"
+        );
+        assert_eq!(
+            error_of("cert = \"certs/edge.pem\"", "cert = \"\""),
+            "conf/edge.toml: tls.cert: must not be empty"
+        );
+        // CONTRACT: T5 — plain TCP only behind the explicit flag; no TLS files then.
+        let insecure = variant(tls, "").replacen(
+            "node_listen = \"127.0.0.1:7443\"",
+            "node_listen = \"127.0.0.1:7443\"\ninsecure_plaintext_nodes = true",
+            1,
+        );
+        let config = parse(&insecure).unwrap();
+        assert!(config.edge.insecure_plaintext_nodes);
+        assert_eq!(config.tls, None);
+        assert_eq!(config.validate_files(), Ok(()));
+    }
+
+    #[test]
+    fn tls_paths_resolve_against_the_config_directory() {
+        let config = parse(&variant(
+            "key = \"certs/edge-key.pem\"",
+            "key = \"/etc/iop/edge-key.pem\"",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.tls,
+            Some(TlsFiles {
+                ca: PathBuf::from("conf/certs/ca.pem"),
+                cert: PathBuf::from("conf/certs/edge.pem"),
+                key: PathBuf::from("/etc/iop/edge-key.pem"),
+            })
+        );
+        let bare = EdgeConfig::parse(BASE, "edge.toml").unwrap();
+        assert_eq!(bare.tls.map(|t| t.ca), Some(PathBuf::from("certs/ca.pem")));
+    }
+
+    #[test]
+    fn validate_files_accepts_readable_files() {
+        let config = EdgeConfig::parse(BASE, fixture("edge.toml")).unwrap();
+        assert_eq!(config.validate_files(), Ok(()));
+    }
+
+    #[test]
+    fn validate_files_names_the_key_and_path() {
+        let config = EdgeConfig::parse(BASE, "/nonexistent-iop/edge.toml").unwrap();
+        assert_eq!(
+            config.validate_files().unwrap_err().to_string(),
+            "/nonexistent-iop/edge.toml: tls.ca: cannot read /nonexistent-iop/certs/ca.pem: \
+             No such file or directory (os error 2)"
+        );
+        // A directory is not a readable file.
+        let dir = fixture("");
+        let text = variant("cert = \"certs/edge.pem\"", "cert = \"certs\"");
+        let config = EdgeConfig::parse(&text, fixture("edge.toml")).unwrap();
+        assert_eq!(
+            config.validate_files().unwrap_err().to_string(),
+            format!(
+                "{}: tls.cert: cannot read {}: not a regular file",
+                fixture("edge.toml").display(),
+                dir.join("certs").display()
+            )
+        );
+    }
+
+    #[test]
+    fn load_reads_parses_and_checks_files() {
+        assert_eq!(
+            EdgeConfig::load("/nonexistent-iop/edge.toml").unwrap_err().to_string(),
+            "/nonexistent-iop/edge.toml: -: cannot read config file: No such file or directory (os error 2)"
+        );
+        let config = EdgeConfig::load(fixture("edge.toml")).unwrap();
+        assert_eq!(config.source, fixture("edge.toml"));
+        assert_eq!(config.models[0].name, "qwen2.5-7b");
+    }
+
+    #[test]
+    fn duplicates_are_rejected() {
+        assert_eq!(
+            error(&format!("{BASE}\n[[nodes]]\nid = \"node-a\"\n")),
+            "conf/edge.toml: nodes[1].id: duplicate node id \"node-a\" (also nodes[0])"
+        );
+        assert_eq!(
+            error_of("name = \"vllm-main\"", "name = \"ollama\""),
+            "conf/edge.toml: nodes[0].adapters[1].name: duplicate adapter name \"ollama\" on node \"node-a\" \
+             (also nodes[0].adapters[0])"
+        );
+        assert_eq!(
+            error_of("id = \"a-qwen\"", "id = \"a-llama\""),
+            "conf/edge.toml: nodes[0].providers[1].id: duplicate provider id \"a-llama\" on node \"node-a\" \
+             (also nodes[0].providers[0])"
+        );
+        assert_eq!(
+            error(&format!("{BASE}\n[[models]]\nname = \"llama-3.1-8b\"\nproviders = [\"node-a/a-qwen\"]\n")),
+            "conf/edge.toml: models[1].name: duplicate model name \"llama-3.1-8b\" (also models[0])"
+        );
+        // The same provider id on two nodes is fine.
+        let second_node = format!(
+            "{BASE}\n[[nodes]]\nid = \"node-b\"\n[[nodes.adapters]]\nkind = \"ollama\"\n\
+             base_url = \"http://10.0.0.2:11434\"\n[[nodes.providers]]\nid = \"a-qwen\"\n\
+             adapter = \"ollama\"\ntarget = \"qwen2.5:7b\"\ncapacity = 1\n"
+        );
+        assert_eq!(parse(&second_node).unwrap().nodes.len(), 2);
+    }
+
+    #[test]
+    fn adapter_kind_and_profile_are_checked() {
+        assert_eq!(
+            error_of("kind = \"ollama\"", "kind = \"tgi\""),
+            "conf/edge.toml: nodes[0].adapters[1].kind: unknown adapter kind \"tgi\": \
+             expected \"openai_compat\" or \"ollama\""
+        );
+        assert_eq!(
+            error_of("profile = \"vllm\"", "profile = \"vLLM\""),
+            "conf/edge.toml: nodes[0].adapters[0].profile: unknown profile \"vLLM\": \
+             expected \"openai\", \"vllm\", \"llama_cpp\" or \"sglang\""
+        );
+        assert_eq!(
+            error_of("kind = \"ollama\"", "kind = \"ollama\"\nprofile = \"vllm\""),
+            "conf/edge.toml: nodes[0].adapters[1].profile: only an openai_compat adapter has a profile"
+        );
+        assert_eq!(
+            error_of("capacity = 8\n\n", "capacity = -1\n\n"),
+            "conf/edge.toml: nodes[0].adapters[0].capacity: must be between 0 and 65536 (got -1)"
+        );
+    }
+
+    #[test]
+    fn base_url_must_be_plain_http_host_port() {
+        let url = "base_url = \"http://127.0.0.1:8000\"";
+        let key = "conf/edge.toml: nodes[0].adapters[0].base_url:";
+        let cases = [
+            (
+                "https://api.openai.com:443",
+                "\"https://api.openai.com:443\": only http:// is supported (the provider runs beside the Node); \
+                 expected http://host:port[/prefix]",
+            ),
+            ("127.0.0.1:8000", "\"127.0.0.1:8000\": expected http://host:port[/prefix]"),
+            (
+                "http://127.0.0.1",
+                "\"http://127.0.0.1\": missing :port; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://127.0.0.1:0",
+                "\"http://127.0.0.1:0\": \"0\" is not a port (1-65535); expected http://host:port[/prefix]",
+            ),
+            (
+                "http://h:8000/x?y=1",
+                "\"http://h:8000/x?y=1\": must not have a query or fragment; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://u:p@h:8000",
+                "\"http://u:p@h:8000\": must not contain user info; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://h_1:8000",
+                "\"http://h_1:8000\": \"h_1\" is not a host name or IP address; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://[::1:8000",
+                "\"http://[::1:8000\": unclosed [ in host; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://h:8000//x",
+                "\"http://h:8000//x\": path has an empty segment; expected http://host:port[/prefix]",
+            ),
+            (
+                "http://h:8000/v1",
+                "\"http://h:8000/v1\": drop the trailing /v1: operation paths already start with /v1",
+            ),
+        ];
+        for (bad, reason) in cases {
+            assert_eq!(
+                error_of(url, &format!("base_url = \"{bad}\"")),
+                format!("{key} {reason}")
+            );
+        }
+    }
+
+    #[test]
+    fn base_url_parts() {
+        let url = base_url("HTTP://gpu-1.lan:8000/serving/");
+        assert_eq!(
+            (url.host(), url.port(), url.path_prefix()),
+            ("gpu-1.lan", 8000, "/serving")
+        );
+        assert_eq!(url.origin(), "http://gpu-1.lan:8000");
+        assert_eq!(url.to_string(), "http://gpu-1.lan:8000/serving");
+        assert_eq!(url.join("/health"), "/serving/health");
+        let v6 = base_url("http://[::1]:11434");
+        assert_eq!((v6.host(), v6.port(), v6.path_prefix()), ("::1", 11434, ""));
+        assert_eq!(v6.to_string(), "http://[::1]:11434");
+        assert_eq!(base_url("http://h:1/").to_string(), "http://h:1");
+        assert_eq!(
+            BaseUrl::parse("httpé://h:1"),
+            Err("\"httpé://h:1\": expected http://host:port[/prefix]".to_owned())
+        );
+    }
+
+    #[test]
+    fn provider_values_are_checked() {
+        let key = "conf/edge.toml: nodes[0].providers[1]";
+        assert_eq!(
+            error_of("capacity = 4\n", "capacity = 0\n"),
+            format!("{key}.capacity: must be between 1 and 65536 (got 0)")
+        );
+        assert_eq!(
+            error_of("capacity = 4\n", "capacity = 4\nlong_context_capacity = 5\n"),
+            format!("{key}.long_context_capacity: must be between 0 and 4 (got 5) (it may not exceed capacity)")
+        );
+        assert_eq!(
+            error_of(
+                "capacity = 4\n",
+                "capacity = 4\nresponse_stall_timeout_ms = -1\n"
+            ),
+            format!("{key}.response_stall_timeout_ms: must not be negative (got -1)")
+        );
+        assert_eq!(
+            error_of(
+                "capacity = 4\n",
+                "capacity = 4\nresponse_stall_timeout_ms = 9223372036855\n"
+            ),
+            format!(
+                "{key}.response_stall_timeout_ms: 9223372036855 overflows a nanosecond duration \
+                 (max 9223372036854)"
+            )
+        );
+        assert_eq!(
+            error_of("capacity = 4\n", "capacity = 4\ncategory = \"cloud\"\n"),
+            format!("{key}.category: unknown category \"cloud\": expected \"api\" or \"local_inference\"")
+        );
+        assert_eq!(
+            error_of("target = \"qwen2.5:7b\"", "target = \"\""),
+            format!("{key}.target: must not be empty")
+        );
+        assert_eq!(
+            error_of("adapter = \"ollama\"", "adapter = \"olama\""),
+            format!("{key}.adapter: node \"node-a\" has no adapter named \"olama\"")
+        );
+    }
+
+    #[test]
+    fn model_references_resolve() {
+        let refs = "providers = [\"node-a/a-llama\"]";
+        let key = "conf/edge.toml: models[0].providers";
+        assert_eq!(
+            error_of(refs, "providers = []"),
+            format!("{key}: must list at least one provider")
+        );
+        assert_eq!(
+            error_of(refs, "providers = [\"a-llama\"]"),
+            format!("{key}[0]: \"a-llama\": expected \"<node id>/<provider id>\"")
+        );
+        assert_eq!(
+            error_of(refs, "providers = [\"node-a/a-llama\", \"node-z/a-llama\"]"),
+            format!("{key}[1]: \"node-z/a-llama\": no node \"node-z\" is configured")
+        );
+        assert_eq!(
+            error_of(refs, "providers = [\"node-a/a-mistral\"]"),
+            format!(
+                "{key}[0]: \"node-a/a-mistral\": node \"node-a\" has no provider \"a-mistral\""
+            )
+        );
+        assert_eq!(
+            error_of(refs, "providers = [\"node-a/a-llama\", \"node-a/a-llama\"]"),
+            format!("{key}[1]: \"node-a/a-llama\" is listed twice (also models[0].providers[0])")
+        );
+        let config = parse(&variant(
+            refs,
+            "providers = [\"node-a/a-llama\", \"node-a/a-qwen\"]",
+        ))
+        .unwrap();
+        let listed: Vec<String> = config.models[0]
+            .providers
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(listed, ["node-a/a-llama", "node-a/a-qwen"]);
+    }
+
+    #[test]
+    fn model_values_are_checked() {
+        let refs = "providers = [\"node-a/a-llama\"]";
+        let key = "conf/edge.toml: models[0]";
+        assert_eq!(
+            error_of(refs, &format!("{refs}\nlong_context_threshold_tokens = 0")),
+            format!("{key}.long_context_threshold_tokens: must be between 1 and 100000000 (got 0)")
+        );
+        assert_eq!(
+            error_of(refs, &format!("{refs}\nmax_queue = 0")),
+            format!("{key}.max_queue: must be between 1 and 1000000 (got 0)")
+        );
+        assert_eq!(
+            error_of(refs, &format!("{refs}\nqueue_timeout_ms = -5")),
+            format!("{key}.queue_timeout_ms: must be between 1 and 86400000 (got -5)")
+        );
+        assert_eq!(
+            error_of(refs, &format!("{refs}\nowned_by = \"\"")),
+            format!("{key}.owned_by: must not be empty")
+        );
+        assert_eq!(
+            error_of("name = \"llama-3.1-8b\"", "name = \"llama\\u0007\""),
+            format!("{key}.name: \"llama\\u{{7}}\" must not contain control characters")
+        );
+        let long = "m".repeat(513);
+        assert_eq!(
+            error_of("name = \"llama-3.1-8b\"", &format!("name = \"{long}\"")),
+            format!("{key}.name: must be at most 512 bytes (got 513)")
+        );
+    }
+
+    #[test]
+    fn profile_table() {
+        let url = base_url("http://10.1.2.3:8000");
+        for profile in ProfileName::ALL {
+            let spec = protocol_profile(profile, &url);
+            let health = if profile == ProfileName::OpenAi {
+                "/v1/models"
+            } else {
+                "/health"
+            };
+            assert_eq!(
+                spec,
+                ProtocolProfileSpec {
+                    name: profile,
+                    base_url: "http://10.1.2.3:8000".into(),
+                    models_path: "/v1/models".into(),
+                    chat_completions_path: "/v1/chat/completions".into(),
+                    messages_path: "/v1/messages".into(),
+                    count_tokens_path: "/v1/messages/count_tokens".into(),
+                    responses_path: "/v1/responses".into(),
+                    health_path: health.into(),
+                    auth_header_name: "Authorization".into(),
+                    auth_header_format: "Bearer {secret}".into(),
+                }
+            );
+            assert_eq!(ProfileName::from_name(profile.as_str()), Some(profile));
+        }
+        let names: Vec<&str> = ProfileName::ALL.iter().map(ProfileName::as_str).collect();
+        assert_eq!(names, ["openai", "vllm", "llama_cpp", "sglang"]);
+        assert_eq!(ProfileName::from_name("tgi"), None);
+    }
+
+    #[test]
+    fn profile_paths_sit_under_the_base_url_prefix() {
+        let spec = protocol_profile(ProfileName::Sglang, &base_url("http://gw:80/sglang/a"));
+        assert_eq!(spec.base_url, "http://gw:80");
+        assert_eq!(spec.models_path, "/sglang/a/v1/models");
+        assert_eq!(spec.chat_completions_path, "/sglang/a/v1/chat/completions");
+        assert_eq!(spec.messages_path, "/sglang/a/v1/messages");
+        assert_eq!(spec.count_tokens_path, "/sglang/a/v1/messages/count_tokens");
+        assert_eq!(spec.responses_path, "/sglang/a/v1/responses");
+        assert_eq!(spec.health_path, "/sglang/a/health");
+    }
+
+    #[test]
+    fn node_config_payload_carries_adapters_targets_and_profiles() {
+        // CONTRACT: U4 — the resolved profile travels in
+        // OpenAICompatAdapterConfig.protocol_profile of NodeConfigPayload.
+        let text = variant(
+            "capacity = 4\n",
+            "capacity = 4\n\n[[nodes.providers]]\nid = \"a-llama-long\"\nadapter = \"vllm-main\"\n\
+             target = \"meta-llama/Llama-3.1-8B-Instruct\"\ncapacity = 1\n\n[[nodes.providers]]\n\
+             id = \"a-phi\"\nadapter = \"vllm-main\"\ntarget = \"phi-4\"\ncapacity = 1\n",
+        );
+        let config = parse(&text).unwrap();
+        let payload = config.node("node-a").unwrap().config_payload(7, true);
+        let expected = pb::NodeConfigPayload {
+            runtime: Some(pb::NodeRuntimeConfig::default()),
+            adapters: vec![
+                pb::AdapterConfig {
+                    name: "vllm-main".into(),
+                    capacity: 8,
+                    targets: vec!["meta-llama/Llama-3.1-8B-Instruct".into(), "phi-4".into()],
+                    kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+                        pb::OpenAiCompatAdapterConfig {
+                            protocol_profile: Some(pb::ProtocolProfile {
+                                name: "vllm".into(),
+                                base_url: "http://127.0.0.1:8000".into(),
+                                models_path: "/v1/models".into(),
+                                chat_completions_path: "/v1/chat/completions".into(),
+                                messages_path: "/v1/messages".into(),
+                                count_tokens_path: "/v1/messages/count_tokens".into(),
+                                responses_path: "/v1/responses".into(),
+                                health_path: "/health".into(),
+                                auth_header_name: "Authorization".into(),
+                                auth_header_format: "Bearer {secret}".into(),
+                            }),
+                        },
+                    )),
+                },
+                pb::AdapterConfig {
+                    name: "ollama".into(),
+                    capacity: 0,
+                    targets: vec!["qwen2.5:7b".into()],
+                    kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                        base_url: "http://127.0.0.1:11434".into(),
+                    })),
+                },
+            ],
+            revision: 7,
+            credential_leases_required: true,
+        };
+        assert_eq!(payload, expected);
+        assert!(
+            !config
+                .node("node-a")
+                .unwrap()
+                .config_payload(1, false)
+                .credential_leases_required
+        );
+    }
+
+    #[test]
+    fn error_accessors() {
+        let e = parse(&variant("capacity = 4\n", "capacity = 0\n")).unwrap_err();
+        assert_eq!(e.file(), "conf/edge.toml");
+        assert_eq!(e.key(), "nodes[0].providers[1].capacity");
+        assert_eq!(e.reason(), "must be between 1 and 65536 (got 0)");
+    }
+}

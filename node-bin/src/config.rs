@@ -1,0 +1,739 @@
+//! The Node configuration file (`node-bin --config node.toml`).
+//!
+//! ```text
+//! node.toml ──read──► text ──toml + serde (unknown keys rejected, key path kept)──► RawNodeFile
+//!     RawNodeFile ──validate (names, edge address, S2 reconnect policy)──► NodeConfig
+//!     NodeConfig::validate_files ──► the TLS files exist and are readable (S3)
+//! ```
+//!
+//! The Node's adapters are not configured here: the Edge sends them in
+//! `RegisterResponse.config` (R2, U4). This file only says who we are, where
+//! the Edge is, who it must be (T2), and how to reconnect (S2).
+//!
+//! [`NodeConfig::parse`] is pure (no file system access); [`NodeConfig::load`]
+//! reads the file, parses it and checks the TLS files. Every error is a
+//! [`ConfigError`] that displays as `<file>: <key>: <reason>` (`-` when no key
+//! applies); an unreadable certificate or key is one too. The binary prints
+//! it and exits 1 (S3).
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+
+use iop_wire::checks::ReconnectPolicy;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+/// Longest accepted identity name (node id, edge name).
+pub const MAX_NAME_BYTES: usize = 128;
+/// Longest accepted trust domain.
+pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+/// A configuration file that cannot be used: which file, which key, why.
+///
+/// Displays as `<file>: <key>: <reason>`; `key` is `-` when no key applies.
+/// Every `ConfigError` ends the binary with exit code 1 (S3).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}: {key}: {reason}")]
+pub struct ConfigError {
+    file: String,
+    key: String,
+    reason: String,
+}
+
+impl ConfigError {
+    fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            file: file.display().to_string(),
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The configuration file, as it was named to `load`/`parse`.
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The dotted key path at fault, or `-`.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// What is wrong.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The validated configuration
+// ---------------------------------------------------------------------------
+
+/// The validated Node configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// The file this was read from (for messages).
+    pub source: PathBuf,
+    /// Our node id; must equal our certificate name (T3).
+    pub node_id: String,
+    /// SPIFFE trust domain shared with the Edge (T2).
+    pub trust_domain: String,
+    /// Where the Edge's Node listener is.
+    pub edge_addr: EdgeAddr,
+    /// The Edge identity name we require: `spiffe://<trust_domain>/edge/<edge_name>` (T2).
+    pub edge_name: String,
+    /// Dev flag: dial the Edge over plain TCP, credential plane disabled (T5).
+    pub insecure_plaintext: bool,
+    /// The TLS files, resolved against the config file's directory; `None`
+    /// exactly when `insecure_plaintext` is set (T5).
+    pub tls: Option<TlsFiles>,
+    /// How the supervisor dials and redials the Edge (S2).
+    pub reconnect: ReconnectPolicy,
+}
+
+/// The PEM files of a TLS identity, resolved against the config file's
+/// directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The CA certificate(s) that sign the Edge and us (T2).
+    pub ca: PathBuf,
+    /// Our certificate chain.
+    pub cert: PathBuf,
+    /// Our private key.
+    pub key: PathBuf,
+}
+
+/// The Edge's address: `host:port`, the host an IP address or a DNS name
+/// (resolved at each dial). Usable wherever [`ToSocketAddrs`] is taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeAddr {
+    host: String,
+    port: u16,
+}
+
+impl EdgeAddr {
+    /// Parses `host:port` or `[ipv6]:port`. The error is the reason, for a
+    /// [`ConfigError`].
+    pub fn parse(text: &str) -> Result<Self, String> {
+        const FORM: &str = "expected host:port, e.g. 127.0.0.1:7443 or edge.example:7443";
+        let (host, port) = if let Some(rest) = text.strip_prefix('[') {
+            let Some((v6, after)) = rest.split_once(']') else {
+                return Err(format!("{text:?}: unclosed [ in host; {FORM}"));
+            };
+            if v6.parse::<Ipv6Addr>().is_err() {
+                return Err(format!("{text:?}: {v6:?} is not an IPv6 address; {FORM}"));
+            }
+            let Some(port) = after.strip_prefix(':') else {
+                return Err(format!("{text:?}: missing :port; {FORM}"));
+            };
+            (v6, port)
+        } else {
+            let Some((host, port)) = text.rsplit_once(':') else {
+                return Err(format!("{text:?}: missing :port; {FORM}"));
+            };
+            let valid_host = host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
+            if host.is_empty() || !valid_host {
+                return Err(format!(
+                    "{text:?}: {host:?} is not a host name or IP address; {FORM}"
+                ));
+            }
+            (host, port)
+        };
+        match port.parse::<u16>() {
+            Ok(port) if port != 0 => Ok(Self {
+                host: host.to_owned(),
+                port,
+            }),
+            _ => Err(format!(
+                "{text:?}: {port:?} is not a port (1-65535); {FORM}"
+            )),
+        }
+    }
+
+    /// The host: an IP address (IPv6 without brackets) or a DNS name.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The socket address when the host is an IP literal (no resolution).
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        let ip: IpAddr = self.host.parse().ok()?;
+        Some(SocketAddr::new(ip, self.port))
+    }
+}
+
+impl fmt::Display for EdgeAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl ToSocketAddrs for EdgeAddr {
+    type Iter = std::vec::IntoIter<SocketAddr>;
+
+    /// Resolves the host (blocking DNS for a name; none for an IP literal).
+    fn to_socket_addrs(&self) -> io::Result<Self::Iter> {
+        (self.host.as_str(), self.port).to_socket_addrs()
+    }
+}
+
+impl NodeConfig {
+    /// Reads `path`, parses and validates it ([`NodeConfig::parse`]), then
+    /// checks the TLS files ([`NodeConfig::validate_files`]).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new(path, "-", format!("cannot read config file: {e}")))?;
+        let config = Self::parse(&text, path)?;
+        config.validate_files()?;
+        Ok(config)
+    }
+
+    /// Parses and validates `text`; `path` names the file in errors and
+    /// anchors relative TLS paths. Touches no file.
+    pub fn parse(text: &str, path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let raw: RawNodeFile = parse_toml(text, path)?;
+        validate(raw, path)
+    }
+
+    /// Checks that every TLS file exists, is a regular file and can be opened
+    /// for reading (nothing to check in insecure mode). The error names the
+    /// key (`tls.key`) and the resolved path; like every config error it is
+    /// a local credential error that ends the process with exit 1 (S3).
+    pub fn validate_files(&self) -> Result<(), ConfigError> {
+        let Some(tls) = &self.tls else {
+            return Ok(());
+        };
+        for (key, path) in [
+            ("tls.ca", &tls.ca),
+            ("tls.cert", &tls.cert),
+            ("tls.key", &tls.key),
+        ] {
+            check_readable_file(path).map_err(|why| ConfigError::new(&self.source, key, why))?;
+        }
+        Ok(())
+    }
+}
+
+fn check_readable_file(path: &Path) -> Result<(), String> {
+    let file = File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let metadata = file
+        .metadata()
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if !metadata.is_file() {
+        return Err(format!(
+            "cannot read {}: not a regular file",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The file as written
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNodeFile {
+    node_id: String,
+    trust_domain: String,
+    edge_addr: String,
+    edge_name: String,
+    #[serde(default)]
+    insecure_plaintext: bool,
+    tls: Option<RawTls>,
+    #[serde(default)]
+    reconnect: RawReconnect,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReconnect {
+    interval_sec: Option<i64>,
+    max_attempts: Option<i64>,
+}
+
+/// Deserializes `text`, turning a syntax or schema error into a
+/// [`ConfigError`] with the key path and the line and column.
+fn parse_toml<T: DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
+    let deserializer = toml::Deserializer::parse(text)
+        .map_err(|e| ConfigError::new(file, "-", with_location(e.message(), e.span(), text)))?;
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.inner();
+        let message = inner.message();
+        let (key, message) = match missing_field(message) {
+            Some(field) if path == "." => (field.to_owned(), "required key is missing"),
+            Some(field) => (format!("{path}.{field}"), "required key is missing"),
+            None if path == "." => ("-".to_owned(), message),
+            None => (path, message),
+        };
+        ConfigError::new(file, key, with_location(message, inner.span(), text))
+    })
+}
+
+/// The field of serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<&str> {
+    message.strip_prefix("missing field `")?.strip_suffix('`')
+}
+
+/// `message (line L, column C)`, 1-based, when the span is known.
+fn with_location(message: &str, span: Option<std::ops::Range<usize>>, text: &str) -> String {
+    let message = message.trim().replace('\n', "; ");
+    match span {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!("{message} (line {line}, column {column})")
+        }
+        None => message,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------
+
+fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
+    let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
+    check_name(&raw.node_id).map_err(|why| err("node_id", why))?;
+    check_trust_domain(&raw.trust_domain).map_err(|why| err("trust_domain", why))?;
+    let edge_addr = EdgeAddr::parse(&raw.edge_addr).map_err(|why| err("edge_addr", why))?;
+    check_name(&raw.edge_name).map_err(|why| err("edge_name", why))?;
+    let tls = match (raw.insecure_plaintext, raw.tls) {
+        (true, _) => None,
+        (false, Some(tls)) => {
+            let base = file.parent().unwrap_or(Path::new(""));
+            let resolve = |key: &str, value: &str| {
+                if value.is_empty() {
+                    Err(err(key, "must not be empty".to_owned()))
+                } else {
+                    Ok(base.join(value))
+                }
+            };
+            Some(TlsFiles {
+                ca: resolve("tls.ca", &tls.ca)?,
+                cert: resolve("tls.cert", &tls.cert)?,
+                key: resolve("tls.key", &tls.key)?,
+            })
+        }
+        (false, None) => {
+            return Err(err(
+                "tls",
+                "required unless insecure_plaintext = true".to_owned(),
+            ))
+        }
+    };
+    let reconnect =
+        ReconnectPolicy::from_config(raw.reconnect.interval_sec, raw.reconnect.max_attempts)
+            .map_err(|e| {
+                let reason = e.to_string();
+                // The wire error repeats its key; the message already leads with it.
+                let reason = reason
+                    .strip_prefix(e.key())
+                    .map_or(reason.as_str(), str::trim_start);
+                err(e.key(), reason.to_owned())
+            })?;
+    Ok(NodeConfig {
+        source: file.to_path_buf(),
+        node_id: raw.node_id,
+        trust_domain: raw.trust_domain,
+        edge_addr,
+        edge_name: raw.edge_name,
+        insecure_plaintext: raw.insecure_plaintext,
+        tls,
+        reconnect,
+    })
+}
+
+/// An identity name (node id, edge name): it goes into a SPIFFE URI path
+/// segment.
+fn check_name(name: &str) -> Result<(), String> {
+    let valid_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if name.is_empty() || name.len() > MAX_NAME_BYTES || !valid_chars {
+        return Err(format!(
+            "{name:?} must be 1 to {MAX_NAME_BYTES} characters of A-Z a-z 0-9 . _ -"
+        ));
+    }
+    if name == "." || name == ".." {
+        return Err(format!("{name:?} is not a valid name"));
+    }
+    Ok(())
+}
+
+/// A SPIFFE trust domain: lowercase letters, digits, `.`, `_`, `-`.
+fn check_trust_domain(domain: &str) -> Result<(), String> {
+    let valid_chars = domain
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+    if domain.is_empty() || domain.len() > MAX_TRUST_DOMAIN_BYTES || !valid_chars {
+        return Err(format!(
+            "{domain:?} must be 1 to {MAX_TRUST_DOMAIN_BYTES} characters of a-z 0-9 . _ -"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use iop_wire::checks::Attempts;
+
+    use super::*;
+
+    /// A valid file; variants are made by replacing one snippet.
+    const BASE: &str = r#"node_id = "node-a"
+trust_domain = "iop.local"
+edge_addr = "127.0.0.1:7443"
+edge_name = "edge-1"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-a.pem"
+key = "certs/node-a-key.pem"
+"#;
+
+    const TLS: &str = "[tls]\nca = \"certs/ca.pem\"\ncert = \"certs/node-a.pem\"\nkey = \"certs/node-a-key.pem\"\n";
+
+    fn variant(old: &str, new: &str) -> String {
+        assert_eq!(
+            BASE.matches(old).count(),
+            1,
+            "snippet {old:?} must occur once"
+        );
+        BASE.replacen(old, new, 1)
+    }
+
+    fn parse(text: &str) -> Result<NodeConfig, ConfigError> {
+        NodeConfig::parse(text, "conf/node.toml")
+    }
+
+    fn error(text: &str) -> String {
+        match parse(text) {
+            Ok(config) => panic!("expected an error, parsed {config:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn error_of(old: &str, new: &str) -> String {
+        error(&variant(old, new))
+    }
+
+    /// `BASE` with a `[reconnect]` table of the given lines.
+    fn with_reconnect(lines: &str) -> String {
+        format!("{BASE}\n[reconnect]\n{lines}\n")
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    fn edge_addr(text: &str) -> EdgeAddr {
+        match EdgeAddr::parse(text) {
+            Ok(addr) => addr,
+            Err(why) => panic!("{why}"),
+        }
+    }
+
+    #[test]
+    fn example_file_parses_into_the_documented_values() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/node.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let config = NodeConfig::parse(&text, &path).unwrap();
+        let dir = path.parent().unwrap();
+        let expected = NodeConfig {
+            source: path.clone(),
+            node_id: "node-a".into(),
+            trust_domain: "iop.local".into(),
+            edge_addr: edge_addr("127.0.0.1:7443"),
+            edge_name: "edge-1".into(),
+            insecure_plaintext: false,
+            tls: Some(TlsFiles {
+                ca: dir.join("certs/ca.pem"),
+                cert: dir.join("certs/node-node-a.pem"),
+                key: dir.join("certs/node-node-a-key.pem"),
+            }),
+            reconnect: ReconnectPolicy {
+                interval: Duration::from_secs(10),
+                attempts: Attempts::Limited(10),
+            },
+        };
+        assert_eq!(config, expected);
+    }
+
+    #[test]
+    fn reconnect_omitted_means_ten_attempts_ten_seconds_apart() {
+        // CONTRACT: S2 — omitted interval = 10, omitted max_attempts = 10.
+        let expected = ReconnectPolicy {
+            interval: Duration::from_secs(10),
+            attempts: Attempts::Limited(10),
+        };
+        assert_eq!(parse(BASE).unwrap().reconnect, expected);
+        assert_eq!(parse(&with_reconnect("")).unwrap().reconnect, expected);
+    }
+
+    #[test]
+    fn reconnect_zero_attempts_is_unlimited() {
+        // CONTRACT: S2 — explicit 0 = unlimited until local shutdown.
+        let config = parse(&with_reconnect("max_attempts = 0")).unwrap();
+        assert_eq!(
+            config.reconnect,
+            ReconnectPolicy {
+                interval: Duration::from_secs(10),
+                attempts: Attempts::Unlimited,
+            }
+        );
+        let config = parse(&with_reconnect("max_attempts = 0\ninterval_sec = 3")).unwrap();
+        assert_eq!(config.reconnect.interval, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn reconnect_positive_attempts_are_exact() {
+        // CONTRACT: S2 — positive = exactly that many attempts.
+        let config = parse(&with_reconnect("max_attempts = 3\ninterval_sec = 0")).unwrap();
+        assert_eq!(
+            config.reconnect,
+            ReconnectPolicy {
+                interval: Duration::ZERO,
+                attempts: Attempts::Limited(3),
+            }
+        );
+    }
+
+    #[test]
+    fn reconnect_invalid_values_are_config_errors() {
+        // CONTRACT: S2 — negative = config validation error; unlimited needs
+        // interval_sec > 0.
+        assert_eq!(
+            error(&with_reconnect("max_attempts = -1")),
+            "conf/node.toml: reconnect.max_attempts: must be 0 (unlimited) or positive (got -1)"
+        );
+        assert_eq!(
+            error(&with_reconnect("interval_sec = -5")),
+            "conf/node.toml: reconnect.interval_sec: must not be negative (got -5)"
+        );
+        assert_eq!(
+            error(&with_reconnect("max_attempts = 0\ninterval_sec = 0")),
+            "conf/node.toml: reconnect.interval_sec: must be > 0 when reconnect.max_attempts = 0 (unlimited)"
+        );
+        assert_eq!(
+            error(&with_reconnect("max_attempts = 4294967296")),
+            "conf/node.toml: reconnect.max_attempts: is too large (got 4294967296)"
+        );
+        assert_eq!(
+            error(&with_reconnect("max_attempts = \"10\"")),
+            "conf/node.toml: reconnect.max_attempts: invalid type: string \"10\", expected i64 (line 12, column 16)"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_path() {
+        assert_eq!(
+            error(&with_reconnect("backoff = 2")),
+            "conf/node.toml: reconnect.backoff: unknown field `backoff`, expected `interval_sec` or \
+             `max_attempts` (line 12, column 1)"
+        );
+        assert_eq!(
+            error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
+            "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
+             `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect` (line 5, column 1)"
+        );
+        assert_eq!(
+            error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),
+            "conf/node.toml: tls.password: unknown field `password`, expected one of `ca`, `cert`, `key` \
+             (line 10, column 1)"
+        );
+    }
+
+    #[test]
+    fn syntax_and_missing_keys() {
+        assert_eq!(
+            error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1"),
+            "conf/node.toml: -: invalid basic string, expected `\"` (line 4, column 20)"
+        );
+        assert_eq!(
+            error_of("edge_name = \"edge-1\"\n", ""),
+            "conf/node.toml: edge_name: required key is missing (line 1, column 1)"
+        );
+        assert_eq!(
+            error_of("ca = \"certs/ca.pem\"\n", ""),
+            "conf/node.toml: tls.ca: required key is missing (line 6, column 1)"
+        );
+    }
+
+    #[test]
+    fn names_and_trust_domain_are_checked() {
+        let rule = "must be 1 to 128 characters of A-Z a-z 0-9 . _ -";
+        assert_eq!(
+            error_of("node_id = \"node-a\"", "node_id = \"node a\""),
+            format!("conf/node.toml: node_id: \"node a\" {rule}")
+        );
+        assert_eq!(
+            error_of("edge_name = \"edge-1\"", "edge_name = \"\""),
+            format!("conf/node.toml: edge_name: \"\" {rule}")
+        );
+        assert_eq!(
+            error_of("node_id = \"node-a\"", "node_id = \".\""),
+            "conf/node.toml: node_id: \".\" is not a valid name"
+        );
+        assert_eq!(
+            error_of("trust_domain = \"iop.local\"", "trust_domain = \"iop/local\""),
+            "conf/node.toml: trust_domain: \"iop/local\" must be 1 to 255 characters of a-z 0-9 . _ -"
+        );
+    }
+
+    #[test]
+    fn edge_addr_is_host_port() {
+        let form = "expected host:port, e.g. 127.0.0.1:7443 or edge.example:7443";
+        let cases = [
+            ("127.0.0.1", format!("\"127.0.0.1\": missing :port; {form}")),
+            ("127.0.0.1:0", format!("\"127.0.0.1:0\": \"0\" is not a port (1-65535); {form}")),
+            ("127.0.0.1:70000", format!("\"127.0.0.1:70000\": \"70000\" is not a port (1-65535); {form}")),
+            (":7443", format!("\":7443\": \"\" is not a host name or IP address; {form}")),
+            (
+                "https://edge:7443",
+                format!("\"https://edge:7443\": \"https://edge\" is not a host name or IP address; {form}"),
+            ),
+            ("[::1:7443", format!("\"[::1:7443\": unclosed [ in host; {form}")),
+            ("[edge]:7443", format!("\"[edge]:7443\": \"edge\" is not an IPv6 address; {form}")),
+            ("[::1]7443", format!("\"[::1]7443\": missing :port; {form}")),
+        ];
+        for (bad, reason) in cases {
+            assert_eq!(
+                error_of(
+                    "edge_addr = \"127.0.0.1:7443\"",
+                    &format!("edge_addr = \"{bad}\"")
+                ),
+                format!("conf/node.toml: edge_addr: {reason}")
+            );
+        }
+    }
+
+    #[test]
+    fn edge_addr_forms() {
+        let ip = edge_addr("127.0.0.1:7443");
+        assert_eq!(ip.socket_addr(), Some("127.0.0.1:7443".parse().unwrap()));
+        assert_eq!(
+            ip.to_socket_addrs().unwrap().collect::<Vec<_>>(),
+            ["127.0.0.1:7443".parse().unwrap()]
+        );
+        let v6 = edge_addr("[::1]:7443");
+        assert_eq!((v6.host(), v6.port()), ("::1", 7443));
+        assert_eq!(v6.to_string(), "[::1]:7443");
+        assert_eq!(v6.socket_addr(), Some("[::1]:7443".parse().unwrap()));
+        let name = edge_addr("edge-1.iop.example:7443");
+        assert_eq!((name.host(), name.port()), ("edge-1.iop.example", 7443));
+        assert_eq!(name.to_string(), "edge-1.iop.example:7443");
+        assert_eq!(name.socket_addr(), None);
+    }
+
+    #[test]
+    fn tls_is_required_unless_insecure() {
+        assert_eq!(
+            error_of(TLS, ""),
+            "conf/node.toml: tls: required unless insecure_plaintext = true"
+        );
+        assert_eq!(
+            error_of("key = \"certs/node-a-key.pem\"", "key = \"\""),
+            "conf/node.toml: tls.key: must not be empty"
+        );
+        // CONTRACT: T5 — plain TCP only behind the explicit flag; no TLS files then.
+        let config = parse(&variant(TLS, "insecure_plaintext = true\n")).unwrap();
+        assert!(config.insecure_plaintext);
+        assert_eq!(config.tls, None);
+        assert_eq!(config.validate_files(), Ok(()));
+    }
+
+    #[test]
+    fn tls_paths_resolve_against_the_config_directory() {
+        let config = parse(&variant(
+            "ca = \"certs/ca.pem\"",
+            "ca = \"/etc/iop/ca.pem\"",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.tls,
+            Some(TlsFiles {
+                ca: PathBuf::from("/etc/iop/ca.pem"),
+                cert: PathBuf::from("conf/certs/node-a.pem"),
+                key: PathBuf::from("conf/certs/node-a-key.pem"),
+            })
+        );
+    }
+
+    #[test]
+    fn unreadable_credentials_are_config_errors() {
+        // CONTRACT: S3 — an unreadable cert/key is a local credential error
+        // (a ConfigError, exit 1), reported with its key and path.
+        let config = NodeConfig::parse(BASE, "/nonexistent-iop/node.toml").unwrap();
+        assert_eq!(
+            config.validate_files().unwrap_err().to_string(),
+            "/nonexistent-iop/node.toml: tls.ca: cannot read /nonexistent-iop/certs/ca.pem: \
+             No such file or directory (os error 2)"
+        );
+        let text = variant("key = \"certs/node-a-key.pem\"", "key = \"certs\"");
+        let config = NodeConfig::parse(&text, fixture("node.toml")).unwrap();
+        assert_eq!(
+            config.validate_files().unwrap_err().to_string(),
+            format!(
+                "{}: tls.key: cannot read {}: not a regular file",
+                fixture("node.toml").display(),
+                fixture("certs").display()
+            )
+        );
+    }
+
+    #[test]
+    fn load_reads_parses_and_checks_files() {
+        assert_eq!(
+            NodeConfig::load("/nonexistent-iop/node.toml").unwrap_err().to_string(),
+            "/nonexistent-iop/node.toml: -: cannot read config file: No such file or directory (os error 2)"
+        );
+        let config = NodeConfig::load(fixture("node.toml")).unwrap();
+        assert_eq!(config.source, fixture("node.toml"));
+        assert_eq!(config.node_id, "node-a");
+        assert_eq!(config.validate_files(), Ok(()));
+    }
+
+    #[test]
+    fn error_accessors() {
+        let e = parse(&with_reconnect("max_attempts = -2")).unwrap_err();
+        assert_eq!(e.file(), "conf/node.toml");
+        assert_eq!(e.key(), "reconnect.max_attempts");
+        assert_eq!(e.reason(), "must be 0 (unlimited) or positive (got -2)");
+    }
+}
