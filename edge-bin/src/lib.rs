@@ -1,0 +1,24 @@
+//! # edge-bin — the IOP Edge gateway
+//!
+//! Faces clients with an OpenAI-compatible HTTP API and Nodes with one mTLS
+//! frame connection each. The authoritative state (registry, generations,
+//! leases) is the sans-IO [`control::Control`]; the shells around it only move
+//! bytes.
+//!
+//! ```text
+//!  clients ──HTTP──► surface ──select──► Control ◄──register/ready/close── nodes
+//!     ▲                 │                   │ lease                       ▲
+//!     └── chunks ◄── relay ◄── route ◄── tunnel frames (H1: by connection) ┘
+//! ```
+//!
+//! Modules: [`config`] (edge.toml), [`control`] (the state machine),
+//! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
+//! (node connection shell), [`state`] (shell tables), [`status`] (`/status`).
+
+pub mod config;
+pub mod control;
+pub mod nodes;
+pub mod openai;
+pub mod state;
+pub mod status;
+pub mod surface;

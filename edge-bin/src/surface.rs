@@ -1,0 +1,338 @@
+//! The client HTTP surface: OpenAI-compatible routes on keep-alive HTTP/1.1
+//! connections. Requests are translated to internal dispatches here (E2, U5,
+//! X4) and tunnel frames are relayed back unchanged (U1, U2).
+//!
+//! ```text
+//! client ─POST /v1/chat/completions─► parse ─► Control::select ─► tunnel request
+//!        ◄─ status+headers, body chunks ◄── RESPONSE_START, BODY* ◄── node conn
+//! ```
+
+use std::rc::Rc;
+
+use bytes::Bytes;
+use iop_engine::http::{HttpError, Limits, ServerConn};
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use local_sync::mpsc::bounded;
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio::net::TcpStream;
+
+use crate::control::{DispatchKind, SelectError};
+use crate::openai::{self, ApiError, ChatRequest};
+use crate::state::{Edge, Route, RouteEvent, ROUTE_QUEUE_FRAMES};
+use crate::status;
+
+/// Serves one client connection until it closes.
+pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
+    let _ = tcp.set_nodelay(true);
+    let limits = Limits {
+        max_body_bytes: edge.settings.max_request_body_bytes,
+        ..Limits::default()
+    };
+    let mut server = ServerConn::new(tcp, limits);
+    loop {
+        let request = match server.read_request().await {
+            Ok(Some(r)) => r,
+            Ok(None) => return,
+            Err(e) => {
+                if e.is_answerable() {
+                    let api = http_error(&e, edge.settings.max_request_body_bytes);
+                    let _ = write_api_error(&mut server, &api).await;
+                }
+                return;
+            }
+        };
+        let path = request
+            .head
+            .target
+            .split('?')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let method = request.head.method.as_str();
+        let result = match (method, path.as_str()) {
+            ("GET", "/v1/models") => {
+                let body =
+                    openai::models_list(&edge.settings.models, edge.settings.started_unix_sec);
+                write_json(&mut server, 200, body).await
+            }
+            ("POST", "/v1/chat/completions") => chat(&edge, &mut server, &request.body).await,
+            ("GET", "/status") => {
+                let snapshots = edge.control.borrow().snapshots();
+                let body = Bytes::from(status::status_json(&snapshots).to_string());
+                write_json(&mut server, 200, body).await
+            }
+            ("GET", "/livez") | ("GET", "/readyz") => {
+                server
+                    .write_response(
+                        200,
+                        [("content-type", "text/plain")],
+                        Bytes::from_static(b"ok\n"),
+                    )
+                    .await
+            }
+            (_, "/v1/models" | "/v1/chat/completions" | "/status" | "/livez" | "/readyz") => {
+                write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await
+            }
+            _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
+        };
+        if result.is_err() || !server.keep_alive() {
+            return;
+        }
+    }
+}
+
+fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
+    match e.status_code() {
+        413 => ApiError::body_too_large(max_body_bytes),
+        status => ApiError::from_http_status(status, e.to_string()),
+    }
+}
+
+async fn write_json<S>(
+    server: &mut ServerConn<S>,
+    status: u16,
+    body: Bytes,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    server
+        .write_response(status, [("content-type", "application/json")], body)
+        .await
+}
+
+async fn write_api_error<S>(server: &mut ServerConn<S>, e: &ApiError) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let retry_after = e.retry_after_sec.map(|s| s.to_string());
+    let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+    if let Some(r) = retry_after.as_deref() {
+        headers.push(("retry-after", r));
+    }
+    server
+        .write_response(e.status, headers, e.body_bytes())
+        .await
+}
+
+fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// `POST /v1/chat/completions` over a provider tunnel.
+async fn chat<S>(edge: &Rc<Edge>, server: &mut ServerConn<S>, body: &[u8]) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let chat = match ChatRequest::parse(body) {
+        Ok(c) => c,
+        Err(e) => return write_api_error(server, &e).await,
+    };
+    // E2: the external model selects a pool; the inner identifiers come from
+    // the winning provider.
+    let selected = edge.control.borrow_mut().select(&chat.model);
+    let dispatch = match selected {
+        Ok(d) => d,
+        Err(SelectError::UnknownModel) => {
+            return write_api_error(server, &ApiError::model_not_found(&chat.model)).await
+        }
+        Err(SelectError::NoProvider) => {
+            return write_api_error(server, &ApiError::no_provider(&chat.model)).await
+        }
+    };
+    let lease = dispatch.lease.clone();
+    let run_id = lease.run_id.clone();
+    let conn = edge.conns.borrow().get(&lease.conn).cloned();
+    let Some(conn) = conn.filter(|_| dispatch.kind == DispatchKind::Tunnel) else {
+        edge.control.borrow_mut().on_abandoned(&run_id);
+        let e = if dispatch.kind == DispatchKind::Run {
+            ApiError::upstream(
+                "normalized runs (Ollama providers) are not supported yet",
+                Some("unsupported_provider".into()),
+            )
+        } else {
+            ApiError::no_provider(&chat.model)
+        };
+        return write_api_error(server, &e).await;
+    };
+
+    let accept = if chat.stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    let request = pb::ProviderTunnelRequest {
+        run_id: run_id.clone(),
+        adapter: lease.adapter.clone(),
+        target: lease.target.clone(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![
+            pb::Header {
+                name: "content-type".into(),
+                value: Bytes::from_static(b"application/json"),
+            },
+            pb::Header {
+                name: "accept".into(),
+                value: Bytes::from_static(accept.as_bytes()),
+            },
+        ],
+        // U5: the body is built after selection, naming the served target.
+        body: chat.body_for_target(&lease.target),
+        stream: chat.stream,
+        // W2: the winning provider's effective stall timeout.
+        response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
+        operation: "chat_completions".into(),
+        ..Default::default()
+    };
+    let (tx, rx) = bounded::channel(ROUTE_QUEUE_FRAMES);
+    edge.routes.borrow_mut().insert(
+        run_id.clone(),
+        Route {
+            conn: lease.conn,
+            tx,
+        },
+    );
+    if conn
+        .send_bulk(frame(Body::ProviderTunnelRequest(request)))
+        .await
+        .is_err()
+    {
+        edge.routes.borrow_mut().remove(&run_id);
+        edge.control.borrow_mut().on_abandoned(&run_id);
+        let e = ApiError::upstream(
+            "the selected node disconnected",
+            Some("node_unavailable".into()),
+        );
+        return write_api_error(server, &e).await;
+    }
+    relay(server, rx, &run_id, &conn).await
+}
+
+/// Relays tunnel frames to the client until the terminal. A client that goes
+/// away makes the Edge cancel the run on the node (U6).
+async fn relay<S>(
+    server: &mut ServerConn<S>,
+    mut rx: bounded::Rx<RouteEvent>,
+    run_id: &str,
+    conn: &iop_engine::conn::ConnHandle,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let mut started = false;
+    let mut event_stream = false;
+    let result = loop {
+        let event = rx.recv().await;
+        let tf = match event {
+            Some(RouteEvent::Tunnel(tf)) => tf,
+            Some(RouteEvent::Lost(reason)) => {
+                break fail(server, started, event_stream, &reason, "node_disconnected").await
+            }
+            None => {
+                break fail(
+                    server,
+                    started,
+                    event_stream,
+                    "the node connection closed",
+                    "node_disconnected",
+                )
+                .await
+            }
+        };
+        match tf.kind() {
+            pb::TunnelFrameKind::ResponseStart => {
+                if started {
+                    continue;
+                }
+                let status = u16::try_from(tf.status).unwrap_or(502);
+                event_stream = tf.headers.iter().any(|h| {
+                    h.name.eq_ignore_ascii_case("content-type")
+                        && h.value.starts_with(b"text/event-stream")
+                });
+                let headers: Vec<(&str, &[u8])> = tf
+                    .headers
+                    .iter()
+                    .filter(|h| !openai::is_hop_by_hop(&h.name))
+                    .map(|h| (h.name.as_str(), &h.value[..]))
+                    .collect();
+                if let Err(e) = server.start_chunked(status, headers).await {
+                    break Err(e);
+                }
+                started = true;
+            }
+            pb::TunnelFrameKind::Body => {
+                if started {
+                    if let Err(e) = server.write_chunk(tf.body).await {
+                        break Err(e);
+                    }
+                }
+            }
+            pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {}
+            pb::TunnelFrameKind::End => {
+                break if started {
+                    server.finish().await
+                } else {
+                    let e = ApiError::upstream("the provider sent no response", None);
+                    write_api_error(server, &e).await
+                };
+            }
+            pb::TunnelFrameKind::Error => {
+                let code = if tf.failure_code.is_empty() {
+                    "provider_error"
+                } else {
+                    tf.failure_code.as_str()
+                };
+                break fail(server, started, event_stream, &tf.error, code).await;
+            }
+        }
+    };
+    if result.is_err() {
+        // U6: the client is gone; the node cancels the provider request and
+        // still ends the run with its terminal, which releases the lease.
+        let cancel = pb::CancelRequest {
+            run_id: run_id.to_string(),
+            reason: "client_disconnect".into(),
+        };
+        let _ = conn.send_control(frame(Body::CancelRequest(cancel)));
+    }
+    result
+}
+
+/// Ends a failed relay: an HTTP error before the response started, or an
+/// SSE error event (then `[DONE]`) inside a started event stream.
+async fn fail<S>(
+    server: &mut ServerConn<S>,
+    started: bool,
+    event_stream: bool,
+    message: &str,
+    code: &str,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    if !started {
+        let e = if code == "response_stalled" {
+            ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))
+        } else {
+            ApiError::upstream(message.to_string(), Some(code.to_string()))
+        };
+        return write_api_error(server, &e).await;
+    }
+    if event_stream {
+        server
+            .write_chunk(openai::sse_error_event(
+                message,
+                "upstream_error",
+                Some(code),
+            ))
+            .await?;
+        server.finish().await
+    } else {
+        // A plain body cannot carry an error after it started: cut it short
+        // so the client sees an incomplete response, not a complete one.
+        server.close().await?;
+        Err(HttpError::UnexpectedEof)
+    }
+}

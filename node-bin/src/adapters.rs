@@ -1,0 +1,342 @@
+//! Adapter instances applied from the Edge's `NodeConfigPayload` (R3, U4,
+//! P4), and operation → path resolution for tunnels (U3).
+//!
+//! Each instance owns one capacity gate shared by every request it serves
+//! (P4); `NodeRuntimeConfig.concurrency` is legacy metadata and gates nothing.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use iop_engine::http::Url;
+use iop_wire::pb;
+
+/// The adapter type of an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdapterKind {
+    /// OpenAI-compatible HTTP server (vLLM, llama.cpp, SGLang, OpenAI).
+    OpenAiCompat,
+    /// Ollama native API.
+    Ollama,
+}
+
+impl AdapterKind {
+    /// The type name, also the default instance name (P4).
+    pub fn type_name(self) -> &'static str {
+        match self {
+            AdapterKind::OpenAiCompat => "openai_compat",
+            AdapterKind::Ollama => "ollama",
+        }
+    }
+}
+
+/// A config the Node cannot apply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdapterConfigError {
+    /// An adapter entry has no kind.
+    #[error("adapter `{0}` has no kind (ollama or openai_compat)")]
+    MissingKind(String),
+    /// Two instances share a name.
+    #[error("adapter name `{0}` is used twice")]
+    DuplicateName(String),
+    /// The base URL is not usable.
+    #[error("adapter `{name}`: base URL {url:?}: {reason}")]
+    BadBaseUrl {
+        /// Instance name.
+        name: String,
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// An openai_compat instance without a protocol profile.
+    #[error("adapter `{0}` has no protocol profile")]
+    MissingProfile(String),
+}
+
+/// Occupancy of one instance's capacity gate (P4).
+#[derive(Debug)]
+pub struct CapacityGate {
+    capacity: u32,
+    in_flight: Cell<u32>,
+}
+
+impl CapacityGate {
+    /// A gate admitting `capacity` at once; 0 = unlimited.
+    pub fn new(capacity: u32) -> Rc<Self> {
+        Rc::new(Self {
+            capacity,
+            in_flight: Cell::new(0),
+        })
+    }
+
+    /// Takes a slot, or `None` when full. The slot is returned when the
+    /// permit drops.
+    pub fn try_acquire(self: &Rc<Self>) -> Option<Permit> {
+        let used = self.in_flight.get();
+        if self.capacity != 0 && used >= self.capacity {
+            return None;
+        }
+        self.in_flight.set(used + 1);
+        Some(Permit { gate: self.clone() })
+    }
+
+    /// Slots in use.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.get()
+    }
+
+    /// Configured capacity (0 = unlimited).
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+}
+
+/// A held slot of a [`CapacityGate`].
+#[derive(Debug)]
+pub struct Permit {
+    gate: Rc<CapacityGate>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let used = self.gate.in_flight.get();
+        self.gate.in_flight.set(used.saturating_sub(1));
+    }
+}
+
+/// One adapter instance.
+#[derive(Debug)]
+pub struct AdapterInstance {
+    /// Stable instance name (P4).
+    pub name: String,
+    /// Adapter type.
+    pub kind: AdapterKind,
+    /// Provider base URL.
+    pub base_url: Url,
+    /// The resolved protocol profile (openai_compat only, U4).
+    pub profile: Option<pb::ProtocolProfile>,
+    /// Targets this instance serves.
+    pub targets: Vec<String>,
+    /// Its capacity gate (P4).
+    pub gate: Rc<CapacityGate>,
+}
+
+/// Why a tunnel's path could not be resolved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    /// The operation is not one of the profile operations (U3).
+    #[error("unknown operation `{0}`")]
+    UnknownOperation(String),
+    /// The profile has no path for this operation.
+    #[error("the protocol profile has no path for operation `{0}`")]
+    NoPath(String),
+    /// Neither operation nor path given.
+    #[error("the request names neither an operation nor a path")]
+    Empty,
+}
+
+impl AdapterInstance {
+    /// The provider path for a tunnel (U3): the profile's path of
+    /// `operation`, or `fallback_path` when the operation is empty
+    /// (mixed-version fallback), joined under the base URL's prefix.
+    pub fn tunnel_path(&self, operation: &str, fallback_path: &str) -> Result<String, PathError> {
+        if operation.is_empty() {
+            if fallback_path.is_empty() {
+                return Err(PathError::Empty);
+            }
+            return Ok(self.base_url.join(fallback_path));
+        }
+        let profile_path = self.profile.as_ref().map(|p| match operation {
+            "models" => Ok(&p.models_path),
+            "chat_completions" => Ok(&p.chat_completions_path),
+            "messages" => Ok(&p.messages_path),
+            "count_tokens" => Ok(&p.count_tokens_path),
+            "responses" => Ok(&p.responses_path),
+            other => Err(PathError::UnknownOperation(other.to_string())),
+        });
+        match profile_path {
+            Some(Ok(path)) if !path.is_empty() => Ok(self.base_url.join(path)),
+            Some(Ok(_)) | None => Err(PathError::NoPath(operation.to_string())),
+            Some(Err(e)) => Err(e),
+        }
+    }
+}
+
+/// The applied adapter set of a session.
+#[derive(Debug, Default)]
+pub struct Adapters {
+    by_name: BTreeMap<String, Rc<AdapterInstance>>,
+}
+
+impl Adapters {
+    /// Applies `payload`'s adapters (R3).
+    pub fn from_payload(payload: &pb::NodeConfigPayload) -> Result<Self, AdapterConfigError> {
+        let mut by_name = BTreeMap::new();
+        for cfg in &payload.adapters {
+            let (kind, base, profile) = match &cfg.kind {
+                Some(pb::adapter_config::Kind::Ollama(o)) => {
+                    (AdapterKind::Ollama, o.base_url.clone(), None)
+                }
+                Some(pb::adapter_config::Kind::OpenaiCompat(o)) => {
+                    let profile = o
+                        .protocol_profile
+                        .clone()
+                        .ok_or_else(|| AdapterConfigError::MissingProfile(cfg.name.clone()))?;
+                    (
+                        AdapterKind::OpenAiCompat,
+                        profile.base_url.clone(),
+                        Some(profile),
+                    )
+                }
+                None => return Err(AdapterConfigError::MissingKind(cfg.name.clone())),
+            };
+            let name = if cfg.name.is_empty() {
+                kind.type_name().to_string()
+            } else {
+                cfg.name.clone()
+            };
+            let base_url = Url::parse(&base).map_err(|e| AdapterConfigError::BadBaseUrl {
+                name: name.clone(),
+                url: base.clone(),
+                reason: e.to_string(),
+            })?;
+            let instance = AdapterInstance {
+                name: name.clone(),
+                kind,
+                base_url,
+                profile,
+                targets: cfg.targets.clone(),
+                gate: CapacityGate::new(cfg.capacity),
+            };
+            if by_name.insert(name.clone(), Rc::new(instance)).is_some() {
+                return Err(AdapterConfigError::DuplicateName(name));
+            }
+        }
+        Ok(Self { by_name })
+    }
+
+    /// The instance named `name`.
+    pub fn get(&self, name: &str) -> Option<&Rc<AdapterInstance>> {
+        self.by_name.get(name)
+    }
+
+    /// All instances, by name.
+    pub fn iter(&self) -> impl Iterator<Item = &Rc<AdapterInstance>> {
+        self.by_name.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> pb::ProtocolProfile {
+        pb::ProtocolProfile {
+            name: "vllm".into(),
+            base_url: "http://127.0.0.1:8000/prefix".into(),
+            models_path: "/v1/models".into(),
+            chat_completions_path: "/v1/chat/completions".into(),
+            messages_path: "/v1/messages".into(),
+            count_tokens_path: "/v1/messages/count_tokens".into(),
+            responses_path: "/v1/responses".into(),
+            health_path: "/health".into(),
+            auth_header_name: "Authorization".into(),
+            auth_header_format: "Bearer {secret}".into(),
+        }
+    }
+
+    fn payload() -> pb::NodeConfigPayload {
+        pb::NodeConfigPayload {
+            adapters: vec![
+                pb::AdapterConfig {
+                    name: "vllm-main".into(),
+                    capacity: 2,
+                    targets: vec!["llama".into()],
+                    kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+                        pb::OpenAiCompatAdapterConfig {
+                            protocol_profile: Some(profile()),
+                        },
+                    )),
+                },
+                pb::AdapterConfig {
+                    name: String::new(),
+                    capacity: 0,
+                    targets: vec![],
+                    kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                        base_url: "http://127.0.0.1:11434".into(),
+                    })),
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    // CONTRACT: P4 — an empty adapter name means the type's name; each
+    // instance has its own gate.
+    #[test]
+    fn applies_payload_with_default_names() {
+        let adapters = Adapters::from_payload(&payload()).unwrap();
+        let names: Vec<&str> = adapters.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, ["ollama", "vllm-main"]);
+        assert_eq!(adapters.get("vllm-main").unwrap().gate.capacity(), 2);
+        assert_eq!(adapters.get("ollama").unwrap().kind, AdapterKind::Ollama);
+    }
+
+    #[test]
+    fn rejects_duplicates_and_missing_profiles() {
+        let mut p = payload();
+        p.adapters[1] = p.adapters[0].clone();
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err(),
+            AdapterConfigError::DuplicateName("vllm-main".into())
+        );
+        let mut p = payload();
+        p.adapters[0].kind = Some(pb::adapter_config::Kind::OpenaiCompat(
+            pb::OpenAiCompatAdapterConfig::default(),
+        ));
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err(),
+            AdapterConfigError::MissingProfile("vllm-main".into())
+        );
+    }
+
+    // CONTRACT: U3, U4 — the operation resolves through the pushed profile;
+    // an empty operation falls back to the request path.
+    #[test]
+    fn tunnel_paths_follow_the_profile() {
+        let adapters = Adapters::from_payload(&payload()).unwrap();
+        let a = adapters.get("vllm-main").unwrap();
+        assert_eq!(
+            a.tunnel_path("chat_completions", "/ignored").unwrap(),
+            "/prefix/v1/chat/completions"
+        );
+        assert_eq!(
+            a.tunnel_path("count_tokens", "").unwrap(),
+            "/prefix/v1/messages/count_tokens"
+        );
+        assert_eq!(
+            a.tunnel_path("", "/v1/custom").unwrap(),
+            "/prefix/v1/custom"
+        );
+        assert_eq!(
+            a.tunnel_path("embeddings", ""),
+            Err(PathError::UnknownOperation("embeddings".into()))
+        );
+        assert_eq!(a.tunnel_path("", ""), Err(PathError::Empty));
+    }
+
+    #[test]
+    fn capacity_gate_admits_up_to_capacity_and_frees_on_drop() {
+        let gate = CapacityGate::new(2);
+        let a = gate.try_acquire().unwrap();
+        let _b = gate.try_acquire().unwrap();
+        assert!(gate.try_acquire().is_none());
+        drop(a);
+        assert_eq!(gate.in_flight(), 1);
+        assert!(gate.try_acquire().is_some());
+        let unlimited = CapacityGate::new(0);
+        let permits: Vec<_> = (0..100).filter_map(|_| unlimited.try_acquire()).collect();
+        assert_eq!(permits.len(), 100);
+    }
+}

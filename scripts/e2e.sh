@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# End-to-end suite: real edge-bin, node-bin and bench mock-provider processes on
+# loopback, driven by the official Python SDKs and raw HTTP.
+#
+# Creates (or reuses) a virtualenv with the pinned SDKs, builds the binaries
+# and runs pytest over tests/e2e. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${IOP_VENV:-.venv}"
+req=tests/e2e/requirements.txt
+stamp="$venv/.requirements.sha"
+want=$(sha256sum "$req" | cut -d' ' -f1)
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "e2e: creating virtualenv $venv with $(tr '\n' ' ' < "$req" | sed 's/#[^ ]*//g')"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
+  echo "$want" > "$stamp"
+fi
+
+cargo build --workspace --bins --quiet
+export IOP_BIN_DIR="${IOP_BIN_DIR:-$PWD/target/debug}"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e "$@"

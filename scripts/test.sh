@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every check CI runs: formatting, lints, unit/integration/simulation
+# tests, and the end-to-end suite with real processes and the official SDKs.
+#
+#   scripts/test.sh            everything
+#   scripts/test.sh --no-e2e   skip the Python SDK end-to-end suite
+#
+# Exits non-zero on the first failing stage.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+run_e2e=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-e2e) run_e2e=0 ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+stage() { printf '\n==> %s\n' "$*"; }
+
+# The wire crate compiles its schema with protox: prove no system protoc is
+# needed by pointing PROTOC at nothing.
+export PROTOC=/nonexistent/protoc
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+stage "cargo fmt --check"
+cargo fmt --all -- --check
+
+stage "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets -- -D warnings
+
+stage "unit, integration and simulation tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+  stage "doc tests"
+  cargo test --workspace --doc
+else
+  cargo test --workspace
+fi
+
+if [ "$run_e2e" = 1 ]; then
+  stage "end-to-end (real processes, official SDKs)"
+  scripts/e2e.sh
+fi
+
+stage "contract coverage"
+if [ -x ../shared/tools/contract-coverage ]; then
+  ../shared/tools/contract-coverage . | tail -n 1
+else
+  echo "(contract-coverage tool not present beside this checkout; skipped)"
+fi
+
+echo
+echo "scripts/test.sh: all stages passed"
