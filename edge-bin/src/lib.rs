@@ -13,12 +13,14 @@
 //!
 //! Modules: [`config`] (edge.toml), [`control`] (the state machine),
 //! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
-//! (node connection shell), [`state`] (shell tables), [`status`] (`/status`).
+//! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
+//! [`server`] (wiring and listeners).
 
 pub mod config;
 pub mod control;
 pub mod nodes;
 pub mod openai;
+pub mod server;
 pub mod state;
 pub mod status;
 pub mod surface;

@@ -1,20 +1,15 @@
 //! `edge-bin` entry point: arguments, configuration, listeners. See the
 //! library crate (`edge_bin`) for the gateway itself.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
 
 use argh::FromArgs;
-use edge_bin::config::{self, EdgeConfig};
-use edge_bin::control::{self, Control, ControlSpec, DispatchKind};
-use edge_bin::openai::ModelEntry;
-use edge_bin::state::{Edge, Settings};
-use edge_bin::{nodes, surface};
+use edge_bin::config::EdgeConfig;
+use edge_bin::server;
 use iop_engine::rt::{self, CoreList, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
-use iop_wire::pb;
 
 /// IOP Edge: the OpenAI-compatible gateway Nodes dial into.
 #[derive(FromArgs, Debug)]
@@ -109,61 +104,6 @@ fn certs(args: CertsArgs) -> ExitCode {
     }
 }
 
-/// Maps the validated config to the control machine's static spec.
-fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
-    let credential_leases_required = false;
-    let nodes = cfg
-        .nodes
-        .iter()
-        .map(|n| control::NodeSpec {
-            id: n.id.clone(),
-            config: n.config_payload(1, credential_leases_required),
-            providers: n
-                .providers
-                .iter()
-                .map(|p| {
-                    let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
-                        Some(config::AdapterKind::Ollama) => DispatchKind::Run,
-                        _ => DispatchKind::Tunnel,
-                    };
-                    control::ProviderSpec {
-                        id: p.id.clone(),
-                        adapter: p.adapter.clone(),
-                        target: p.target.clone(),
-                        capacity: p.capacity,
-                        long_context_capacity: p.long_context_capacity,
-                        response_stall_timeout_ms: p.response_stall_timeout_ms,
-                        category: match p.category {
-                            config::ProviderCategory::Api => pb::ProviderCategory::Api,
-                            config::ProviderCategory::LocalInference => {
-                                pb::ProviderCategory::LocalInference
-                            }
-                        },
-                        kind,
-                        enabled: p.enabled,
-                    }
-                })
-                .collect(),
-        })
-        .collect();
-    let models = cfg
-        .models
-        .iter()
-        .map(|m| control::ModelSpec {
-            name: m.name.clone(),
-            providers: m
-                .providers
-                .iter()
-                .map(|r| control::ProviderKey {
-                    node_id: r.node_id.clone(),
-                    provider_id: r.provider_id.clone(),
-                })
-                .collect(),
-        })
-        .collect();
-    ControlSpec { nodes, models }
-}
-
 fn serve(path: &str, cores: &str) -> ExitCode {
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
@@ -214,25 +154,26 @@ fn serve(path: &str, cores: &str) -> ExitCode {
     if let Err(e) = rt::pin_current_thread(cores.control()) {
         return fail(format_args!("pin to core {}: {e}", cores.control()));
     }
-    let settings = Settings {
-        max_request_body_bytes: cfg.edge.max_request_body_bytes,
-        models: cfg
-            .models
-            .iter()
-            .map(|m| ModelEntry {
-                id: m.name.clone(),
-                owned_by: m.owned_by.clone(),
-            })
-            .collect(),
-        started_unix_sec: iop_engine::clock::unix_ms() / 1000,
-    };
-    let edge = Rc::new(Edge::new(Control::new(control_spec(&cfg)), settings));
+    let edge = server::edge_state(&cfg);
     tracing::info!(
         driver = %rt::detect_driver(),
         core = cores.control(),
         "edge-bin starting"
     );
-    let result = rt::block_on(run(edge, cfg, acceptor));
+    let result = rt::block_on(async move {
+        let mut term = SignalPipe::install(Signal::Term)?;
+        let mut int = SignalPipe::install(Signal::Int)?;
+        let listeners = server::Listeners::bind(&cfg)?;
+        listeners.announce()?;
+        let shutdown = async move {
+            monoio::select! {
+                _ = term.recv() => {},
+                _ = int.recv() => {},
+            }
+        };
+        server::serve(edge, listeners, acceptor, shutdown).await;
+        Ok::<(), std::io::Error>(())
+    });
     match result {
         Ok(Ok(())) => {
             tracing::info!("shut down");
@@ -240,67 +181,4 @@ fn serve(path: &str, cores: &str) -> ExitCode {
         }
         Ok(Err(e)) | Err(e) => fail(e),
     }
-}
-
-async fn run(
-    edge: Rc<Edge>,
-    cfg: EdgeConfig,
-    acceptor: Option<Rc<EdgeTlsAcceptor>>,
-) -> std::io::Result<()> {
-    let mut term = SignalPipe::install(Signal::Term)?;
-    let mut int = SignalPipe::install(Signal::Int)?;
-    let node_listener = monoio::net::TcpListener::bind(cfg.edge.node_listen).map_err(|e| {
-        std::io::Error::new(
-            e.kind(),
-            format!("bind edge.node_listen {}: {e}", cfg.edge.node_listen),
-        )
-    })?;
-    let client_listener = monoio::net::TcpListener::bind(cfg.edge.client_listen).map_err(|e| {
-        std::io::Error::new(
-            e.kind(),
-            format!("bind edge.client_listen {}: {e}", cfg.edge.client_listen),
-        )
-    })?;
-    let client_addr = client_listener.local_addr()?;
-    let node_addr = node_listener.local_addr()?;
-    tracing::info!(client = %client_addr, nodes = %node_addr, "listening");
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "IOP_READY edge client={client_addr} nodes={node_addr}")?;
-        out.flush()?;
-    }
-    {
-        let edge = edge.clone();
-        monoio::spawn(async move {
-            loop {
-                match iop_engine::http::accept(&node_listener).await {
-                    Ok((tcp, _)) => {
-                        monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone()));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "node accept failed");
-                        monoio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        });
-    }
-    monoio::spawn(async move {
-        loop {
-            match iop_engine::http::accept(&client_listener).await {
-                Ok((tcp, _)) => {
-                    monoio::spawn(surface::serve(edge.clone(), tcp));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "client accept failed");
-                    monoio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-            }
-        }
-    });
-    monoio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
-    }
-    Ok(())
 }

@@ -97,7 +97,11 @@ fn main() -> ExitCode {
         core = cores.control(),
         "node-bin starting"
     );
-    match rt::block_on(supervisor::run(cfg, connector)) {
+    let result = rt::block_on(async move {
+        let shutdown = supervisor::signal_shutdown()?;
+        Ok::<Exit, std::io::Error>(supervisor::run(cfg, connector, shutdown).await)
+    });
+    match result {
         Ok(Ok(Exit::Shutdown)) => {
             tracing::info!("shutting down");
             ExitCode::SUCCESS

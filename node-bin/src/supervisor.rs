@@ -3,6 +3,8 @@
 //!
 //! The policy decision is the pure [`next_step`]; [`run`] is the shell.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
@@ -77,16 +79,32 @@ async fn attempt(cfg: &NodeConfig, connector: Option<&NodeTlsConnector>) -> Atte
     }
 }
 
-/// Dials and redials until local shutdown or exhaustion (S1–S3).
-pub async fn run(cfg: NodeConfig, connector: Option<NodeTlsConnector>) -> std::io::Result<Exit> {
+/// Completes when the process should stop (SIGTERM/SIGINT in the binary).
+pub type Shutdown = Pin<Box<dyn Future<Output = ()>>>;
+
+/// A [`Shutdown`] that completes on SIGTERM or SIGINT.
+pub fn signal_shutdown() -> std::io::Result<Shutdown> {
     let mut term = SignalPipe::install(Signal::Term)?;
     let mut int = SignalPipe::install(Signal::Int)?;
+    Ok(Box::pin(async move {
+        monoio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
+    }))
+}
+
+/// Dials and redials until `shutdown` or exhaustion (S1–S3).
+pub async fn run(
+    cfg: NodeConfig,
+    connector: Option<NodeTlsConnector>,
+    mut shutdown: Shutdown,
+) -> Exit {
     let mut failed_attempts: u32 = 0;
     loop {
         let outcome = monoio::select! {
             a = attempt(&cfg, connector.as_ref()) => a,
-            _ = term.recv() => return Ok(Exit::Shutdown),
-            _ = int.recv() => return Ok(Exit::Shutdown),
+            _ = &mut shutdown => return Exit::Shutdown,
         };
         match outcome {
             Attempt::WasReady(reason) => {
@@ -105,13 +123,12 @@ pub async fn run(cfg: NodeConfig, connector: Option<NodeTlsConnector>) -> std::i
                     attempts = failed_attempts,
                     "reconnect attempts exhausted (reconnect.max_attempts); exiting"
                 );
-                return Ok(Exit::GaveUp);
+                return Exit::GaveUp;
             }
             Step::RetryAfter(wait) => {
                 monoio::select! {
                     _ = monoio::time::sleep(wait) => {},
-                    _ = term.recv() => return Ok(Exit::Shutdown),
-                    _ = int.recv() => return Ok(Exit::Shutdown),
+                    _ = &mut shutdown => return Exit::Shutdown,
                 }
             }
         }

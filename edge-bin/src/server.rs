@@ -1,0 +1,179 @@
+//! Wiring: config → [`Control`] spec, listeners, accept loops. Shared by the
+//! binary and the in-process integration tests.
+
+use std::future::Future;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use iop_engine::tls::EdgeTlsAcceptor;
+use iop_wire::pb;
+use monoio::net::TcpListener;
+
+use crate::config::{self, EdgeConfig};
+use crate::control::{self, Control, ControlSpec, DispatchKind};
+use crate::openai::ModelEntry;
+use crate::state::{Edge, Settings};
+use crate::{nodes, surface};
+
+/// Maps the validated config to the control machine's static spec.
+pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
+    let credential_leases_required = false;
+    let nodes = cfg
+        .nodes
+        .iter()
+        .map(|n| control::NodeSpec {
+            id: n.id.clone(),
+            config: n.config_payload(1, credential_leases_required),
+            providers: n
+                .providers
+                .iter()
+                .map(|p| {
+                    let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
+                        Some(config::AdapterKind::Ollama) => DispatchKind::Run,
+                        _ => DispatchKind::Tunnel,
+                    };
+                    control::ProviderSpec {
+                        id: p.id.clone(),
+                        adapter: p.adapter.clone(),
+                        target: p.target.clone(),
+                        capacity: p.capacity,
+                        long_context_capacity: p.long_context_capacity,
+                        response_stall_timeout_ms: p.response_stall_timeout_ms,
+                        category: match p.category {
+                            config::ProviderCategory::Api => pb::ProviderCategory::Api,
+                            config::ProviderCategory::LocalInference => {
+                                pb::ProviderCategory::LocalInference
+                            }
+                        },
+                        kind,
+                        enabled: p.enabled,
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    let models = cfg
+        .models
+        .iter()
+        .map(|m| control::ModelSpec {
+            name: m.name.clone(),
+            providers: m
+                .providers
+                .iter()
+                .map(|r| control::ProviderKey {
+                    node_id: r.node_id.clone(),
+                    provider_id: r.provider_id.clone(),
+                })
+                .collect(),
+        })
+        .collect();
+    ControlSpec { nodes, models }
+}
+
+/// The shard state for `cfg`.
+pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
+    let settings = Settings {
+        max_request_body_bytes: cfg.edge.max_request_body_bytes,
+        models: cfg
+            .models
+            .iter()
+            .map(|m| ModelEntry {
+                id: m.name.clone(),
+                owned_by: m.owned_by.clone(),
+            })
+            .collect(),
+        started_unix_sec: iop_engine::clock::unix_ms() / 1000,
+    };
+    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
+}
+
+/// Bound listeners, before serving.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The client HTTP listener.
+    pub client: TcpListener,
+    /// The node listener.
+    pub nodes: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both listeners of `cfg`. Errors name the config key.
+    pub fn bind(cfg: &EdgeConfig) -> std::io::Result<Self> {
+        let bind = |addr: SocketAddr, key: &str| {
+            TcpListener::bind(addr)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("bind {key} {addr}: {e}")))
+        };
+        Ok(Self {
+            client: bind(cfg.edge.client_listen, "edge.client_listen")?,
+            nodes: bind(cfg.edge.node_listen, "edge.node_listen")?,
+        })
+    }
+
+    /// The bound client address.
+    pub fn client_addr(&self) -> std::io::Result<SocketAddr> {
+        self.client.local_addr()
+    }
+
+    /// The bound node address.
+    pub fn node_addr(&self) -> std::io::Result<SocketAddr> {
+        self.nodes.local_addr()
+    }
+
+    /// Prints the `IOP_READY` line scripts and tests wait for.
+    pub fn announce(&self) -> std::io::Result<()> {
+        let (client, nodes) = (self.client_addr()?, self.node_addr()?);
+        tracing::info!(%client, %nodes, "listening");
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+        out.flush()
+    }
+}
+
+/// Serves both listeners until `shutdown` completes.
+pub async fn serve(
+    edge: Rc<Edge>,
+    listeners: Listeners,
+    acceptor: Option<Rc<EdgeTlsAcceptor>>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let Listeners {
+        client: client_listener,
+        nodes: node_listener,
+    } = listeners;
+    let node_loop = {
+        let edge = edge.clone();
+        async move {
+            loop {
+                match iop_engine::http::accept(&node_listener).await {
+                    Ok((tcp, _)) => {
+                        monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone()));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "node accept failed");
+                        monoio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+    };
+    let client_loop = async move {
+        loop {
+            match iop_engine::http::accept(&client_listener).await {
+                Ok((tcp, _)) => {
+                    monoio::spawn(surface::serve(edge.clone(), tcp));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "client accept failed");
+                    monoio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    };
+    monoio::select! {
+        _ = node_loop => {},
+        _ = client_loop => {},
+        _ = shutdown => {},
+    }
+}
