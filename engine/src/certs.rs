@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use rcgen::string::Ia5String;
 use rcgen::{
-    date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName,
-    DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+    date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
 };
 
 use crate::tls::{Role, TlsFiles, WorkloadId, WorkloadIdError};
@@ -101,7 +101,8 @@ impl Validity {
     fn apply(self, params: &mut CertificateParams) {
         // date_time_ymd(1970, 1, 1) is the epoch; the clamp keeps the sum
         // inside the range `time` (and X.509) can represent.
-        let at = |unix_s: u64| date_time_ymd(1970, 1, 1) + Duration::from_secs(unix_s.min(MAX_UNIX_S));
+        let at =
+            |unix_s: u64| date_time_ymd(1970, 1, 1) + Duration::from_secs(unix_s.min(MAX_UNIX_S));
         params.not_before = at(self.not_before_unix_s);
         params.not_after = at(self.not_after_unix_s);
     }
@@ -180,7 +181,12 @@ impl DevCa {
     }
 
     /// Issues `spiffe://<trust-domain>/<role>/<name>`.
-    pub fn issue(&self, role: Role, name: &str, validity: Validity) -> Result<IssuedCert, CertsError> {
+    pub fn issue(
+        &self,
+        role: Role,
+        name: &str,
+        validity: Validity,
+    ) -> Result<IssuedCert, CertsError> {
         let id = WorkloadId::new(&self.trust_domain, role, name)?;
         self.issue_with_uri_sans(&[&id.uri()], validity)
     }
@@ -194,7 +200,10 @@ impl DevCa {
     ) -> Result<IssuedCert, CertsError> {
         let mut params = CertificateParams::default();
         let mut name = DistinguishedName::new();
-        name.push(DnType::CommonName, uri_sans.first().copied().unwrap_or("no identity"));
+        name.push(
+            DnType::CommonName,
+            uri_sans.first().copied().unwrap_or("no identity"),
+        );
         params.distinguished_name = name;
         params.subject_alt_names = uri_sans
             .iter()
@@ -344,20 +353,22 @@ mod tests {
     #[test]
     fn issue_rejects_invalid_names() {
         let ca = DevCa::new("iop");
-        let issued = ca
-            .as_ref()
-            .map_err(|e| e.to_string())
-            .and_then(|ca| {
-                ca.issue(Role::Node, "../etc", Validity::days_from_now(1))
-                    .map_err(|e| e.to_string())
-            });
+        let issued = ca.as_ref().map_err(|e| e.to_string()).and_then(|ca| {
+            ca.issue(Role::Node, "../etc", Validity::days_from_now(1))
+                .map_err(|e| e.to_string())
+        });
         assert_eq!(
             issued,
             Err("invalid workload identity: SPIFFE ID path character '/' is not one of [A-Za-z0-9.-_]".to_owned())
         );
         assert_eq!(
-            DevCa::new("Bad Domain").map(|_| ()).map_err(|e| e.to_string()),
-            Err("invalid workload identity: trust domain character 'B' is not one of [a-z0-9.-_]".to_owned())
+            DevCa::new("Bad Domain")
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Err(
+                "invalid workload identity: trust domain character 'B' is not one of [a-z0-9.-_]"
+                    .to_owned()
+            )
         );
     }
 

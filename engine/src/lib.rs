@@ -10,7 +10,9 @@
 //! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2) | TLS accept/connect through monoio-rustls |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
+//! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
+//! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
 //!
 //! ```text
 //! provider socket ─► Node ─► frame conn (TLS) ─► Edge ─► client socket
@@ -26,4 +28,6 @@ pub mod conn;
 pub mod http;
 pub mod pool;
 pub mod rt;
+pub mod sync;
 pub mod tls;
+pub mod wheel;

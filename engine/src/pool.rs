@@ -585,8 +585,7 @@ impl PooledBuf {
 
 impl Drop for PooledBuf {
     fn drop(&mut self) {
-        if let Origin::Pooled { id, home } = std::mem::replace(&mut self.origin, Origin::Detached)
-        {
+        if let Origin::Pooled { id, home } = std::mem::replace(&mut self.origin, Origin::Detached) {
             if let Some(local) = home.upgrade() {
                 let memory = std::mem::take(&mut self.memory);
                 local.give_back(Returned { id, memory });

@@ -85,7 +85,7 @@ fn take(pool: &BufferPool) -> Option<PooledBuf> {
 }
 
 #[test]
-fn steady_acquire_release_does_not_allocate() {
+fn pool_steady_acquire_release_does_not_allocate() {
     let pool = pool(16 * 1024, 4);
     // Warm up: allocate every slot once.
     let warm: Vec<Option<PooledBuf>> = (0..4).map(|_| take(&pool)).collect();
@@ -110,7 +110,7 @@ fn steady_acquire_release_does_not_allocate() {
 }
 
 #[test]
-fn frozen_cycle_allocates_only_the_bytes_owner() {
+fn pool_frozen_cycle_allocates_only_the_bytes_owner() {
     let pool = pool(4096, 2);
     drop(take(&pool));
     // Let the return queue's vectors reach their steady capacity.
@@ -140,7 +140,7 @@ fn frozen_cycle_allocates_only_the_bytes_owner() {
 }
 
 #[test]
-fn memory_outliving_its_pool_is_freed() {
+fn pool_memory_outliving_its_pool_is_freed() {
     let baseline = live_bytes();
     let pool = pool(64 * 1024, 4);
     let mut plain = take(&pool);
@@ -173,4 +173,49 @@ fn pool_drop_with_buffers_at_home_frees_everything() {
     assert_eq!(pool.available(), 8);
     drop(pool);
     assert_eq!(live_bytes() - baseline, 0);
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn pool_late_return_after_the_pool_is_gone_frees_the_buffer() {
+    use std::time::Duration;
+
+    use monoio::io::AsyncReadRent;
+    use monoio::net::{TcpListener, TcpStream};
+
+    const BUFFER_SIZE_BYTES: usize = 1024 * 1024;
+
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let accept = monoio::spawn(async move { listener.accept().await.map(|(stream, _)| stream) });
+    let client = TcpStream::connect(addr).await.expect("connect");
+    let mut server = accept.await.expect("accept");
+
+    let pool = pool(BUFFER_SIZE_BYTES, 1);
+    let buf = take(&pool).expect("a free buffer");
+    let read = server.read(buf);
+    monoio::select! {
+        _ = read => panic!("a read on an idle socket completed"),
+        _ = monoio::time::sleep(Duration::from_millis(10)) => {}
+    }
+    let before_pool_drop = live_bytes();
+    drop(pool);
+    let freed_by_pool_drop = before_pool_drop - live_bytes();
+    let buffer_bytes = i64::try_from(BUFFER_SIZE_BYTES).unwrap_or(i64::MAX);
+    if monoio::utils::is_legacy() {
+        // The cancelled read dropped the buffer at once; it was at home.
+        assert!(freed_by_pool_drop >= buffer_bytes);
+    } else {
+        // io_uring still holds the buffer for the cancelled read.
+        assert!(freed_by_pool_drop < buffer_bytes / 2);
+        // Once the cancellation completes, the late drop frees the memory.
+        for _ in 0..1000 {
+            if before_pool_drop - live_bytes() >= buffer_bytes {
+                break;
+            }
+            monoio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(before_pool_drop - live_bytes() >= buffer_bytes / 2);
+    }
+    drop(client);
+    drop(server);
 }

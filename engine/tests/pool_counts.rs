@@ -29,7 +29,7 @@ fn counts(pool: &BufferPool) -> (usize, usize, usize) {
 }
 
 #[test]
-fn config_limits_are_enforced() {
+fn pool_config_limits_are_enforced() {
     let cases = [
         (0, 1, Err(PoolConfigError::BufferSizeZero)),
         (
@@ -67,7 +67,7 @@ fn config_limits_are_enforced() {
 }
 
 #[test]
-fn acquire_and_drop_move_counts() {
+fn pool_acquire_and_drop_move_counts() {
     let pool = pool(256, 3);
     assert_eq!(pool.capacity_max(), 3);
     assert_eq!(pool.buffer_size_bytes(), 256);
@@ -92,7 +92,7 @@ fn acquire_and_drop_move_counts() {
 }
 
 #[test]
-fn reused_slot_gets_a_new_generation() {
+fn pool_reused_slot_gets_a_new_generation() {
     let pool = pool(64, 1);
     let first = take(&pool).id();
     let second = take(&pool).id();
@@ -104,7 +104,7 @@ fn reused_slot_gets_a_new_generation() {
 }
 
 #[test]
-fn exhaustion_try_acquire_none_acquire_overflows() {
+fn pool_exhaustion_try_acquire_none_acquire_overflows() {
     let pool = pool(128, 2);
     let a = take(&pool);
     let b = take(&pool);
@@ -137,7 +137,7 @@ fn exhaustion_try_acquire_none_acquire_overflows() {
 }
 
 #[test]
-fn extend_truncate_clear() {
+fn pool_extend_truncate_clear() {
     let pool = pool(8, 1);
     let mut buf = take(&pool);
     assert_eq!(buf.extend_from_slice(b"hello"), 5);
@@ -160,7 +160,7 @@ fn extend_truncate_clear() {
 }
 
 #[test]
-fn frozen_slices_keep_memory_until_the_last_drops() {
+fn pool_frozen_slices_keep_memory_until_the_last_drops() {
     let pool = pool(64, 2);
     let mut buf = take(&pool);
     buf.extend_from_slice(b"data: {\"x\":1}\n\n");
@@ -195,7 +195,7 @@ fn frozen_slices_keep_memory_until_the_last_drops() {
 }
 
 #[test]
-fn empty_freeze_returns_at_once() {
+fn pool_empty_freeze_returns_at_once() {
     let pool = pool(64, 1);
     let bytes = take(&pool).freeze();
     assert_eq!(bytes, Bytes::new());
@@ -203,7 +203,7 @@ fn empty_freeze_returns_at_once() {
 }
 
 #[test]
-fn buffer_and_bytes_outlive_the_pool() {
+fn pool_buffer_and_bytes_outlive_the_pool() {
     let pool = pool(64, 2);
     let mut buf = take(&pool);
     buf.extend_from_slice(b"late");
@@ -226,7 +226,7 @@ fn buffer_and_bytes_outlive_the_pool() {
 }
 
 #[test]
-fn freeze_after_the_pool_is_gone_still_works() {
+fn pool_freeze_after_the_pool_is_gone_still_works() {
     let pool = pool(64, 1);
     let mut buf = take(&pool);
     buf.extend_from_slice(b"orphan");
@@ -238,7 +238,7 @@ fn freeze_after_the_pool_is_gone_still_works() {
 }
 
 #[test]
-fn bytes_dropped_on_another_thread_return_to_the_owner_pool() {
+fn pool_bytes_dropped_on_another_thread_return_to_the_owner_pool() {
     let pool = pool(64, 2);
     let mut buf = take(&pool);
     buf.extend_from_slice(b"cross-core body");
@@ -263,12 +263,15 @@ fn bytes_dropped_on_another_thread_return_to_the_owner_pool() {
 
     // Returned memory is lent again (drained by try_acquire), no new slot.
     let again = take(&pool);
-    assert_eq!(again.id().map(|id| (id.index(), id.generation())), Some((0, 1)));
+    assert_eq!(
+        again.id().map(|id| (id.index(), id.generation())),
+        Some((0, 1))
+    );
     assert_eq!(pool.allocated(), 1);
 }
 
 #[test]
-fn many_threads_return_all_buffers() {
+fn pool_many_threads_return_all_buffers() {
     let pool = pool(32, 16);
     let mut frozen = Vec::new();
     for i in 0..16u8 {
@@ -289,7 +292,7 @@ fn many_threads_return_all_buffers() {
 }
 
 #[test]
-fn repeated_acquire_release_reuses_the_same_buffers() {
+fn pool_repeated_acquire_release_reuses_the_same_buffers() {
     let pool = pool(1024, 4);
     let warm: Vec<PooledBuf> = (0..4).map(|_| take(&pool)).collect();
     drop(warm);

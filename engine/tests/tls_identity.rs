@@ -187,7 +187,9 @@ fn raw_client_config(
     let config = match client_cert {
         Some(issued) => {
             let (chain, key) = chain_and_key(issued);
-            builder.with_client_auth_cert(chain, key).expect("client cert")
+            builder
+                .with_client_auth_cert(chain, key)
+                .expect("client cert")
         }
         None => builder.with_no_client_auth(),
     };
@@ -315,6 +317,7 @@ async fn tls_edge_keeps_application_data_sent_with_client_finished() {
     // The client's Finished and its first application record leave in one
     // socket write, so the Edge's handshake read takes both; the record must
     // reach the stream the Edge is handed.
+    use monoio::io::AsyncWriteRent;
     use std::io::{Read, Write};
 
     let pki = pki();
@@ -329,10 +332,10 @@ async fn tls_edge_keeps_application_data_sent_with_client_finished() {
         feed_once(&mut tcp, &mut conn).await;
     }
     conn.writer().write_all(b"ping").expect("queue ping");
-    // close_notify too: an Edge that lost "ping" reads end-of-stream and
-    // fails instead of waiting forever.
-    conn.send_close_notify();
-    flush_once(&mut tcp, &mut conn).await; // Certificate..Finished + "ping" + close_notify
+    flush_once(&mut tcp, &mut conn).await; // Certificate..Finished + "ping"
+                                           // Half-close: an Edge that lost "ping" reads end-of-stream and fails,
+                                           // closing the socket, instead of waiting forever.
+    tcp.shutdown().await.expect("half-close");
 
     let mut plaintext = Vec::new();
     while plaintext.len() < b"welcomepong".len() {
@@ -372,11 +375,16 @@ async fn tls_edge_rejects_client_without_certificate() {
     let seen = raw_first_read(addr, &raw_client(None)).await;
     assert_eq!(
         seen,
-        Some(rustls::Error::AlertReceived(AlertDescription::CertificateRequired))
+        Some(rustls::Error::AlertReceived(
+            AlertDescription::CertificateRequired
+        ))
     );
     let outcome = edge.await;
     assert!(
-        matches!(outcome, Err(TlsError::Handshake(rustls::Error::NoCertificatesPresented))),
+        matches!(
+            outcome,
+            Err(TlsError::Handshake(rustls::Error::NoCertificatesPresented))
+        ),
         "{outcome:?}"
     );
 }
@@ -460,7 +468,9 @@ async fn tls_edge_rejects_expired_client_cert() {
     let node = connector(&pki.ca.cert_pem(), &expired);
     assert_eq!(
         node_first_read(addr, &node).await,
-        Some(rustls::Error::AlertReceived(AlertDescription::CertificateExpired))
+        Some(rustls::Error::AlertReceived(
+            AlertDescription::CertificateExpired
+        ))
     );
     let outcome = edge.await;
     assert!(
@@ -487,7 +497,9 @@ async fn tls_edge_rejects_not_yet_valid_client_cert() {
     let node = connector(&pki.ca.cert_pem(), &future);
     assert_eq!(
         node_first_read(addr, &node).await,
-        Some(rustls::Error::AlertReceived(AlertDescription::CertificateExpired))
+        Some(rustls::Error::AlertReceived(
+            AlertDescription::CertificateExpired
+        ))
     );
     let outcome = edge.await;
     assert!(
@@ -552,7 +564,10 @@ async fn tls_edge_rejects_client_with_two_spiffe_ids() {
     let edge = spawn_edge(acceptor(&pki, &["node-a", "node-b"]), listener);
     let seen = raw_first_read(addr, &raw_client(Some(&ambiguous))).await;
     assert_eq!(seen, access_denied());
-    assert_rejected(&edge.await, &IdentityRejection::MultipleUriSans { count: 2 });
+    assert_rejected(
+        &edge.await,
+        &IdentityRejection::MultipleUriSans { count: 2 },
+    );
 }
 
 #[monoio::test_all]
@@ -561,7 +576,10 @@ async fn tls_edge_rejects_malformed_spiffe_id() {
     let pki = pki();
     let malformed = pki
         .ca
-        .issue_with_uri_sans(&["spiffe://iop/node/node-a/extra"], Validity::days_from_now(1))
+        .issue_with_uri_sans(
+            &["spiffe://iop/node/node-a/extra"],
+            Validity::days_from_now(1),
+        )
         .expect("cert");
     let (listener, addr) = listen();
     let edge = spawn_edge(acceptor(&pki, &["node-a"]), listener);
@@ -682,7 +700,10 @@ async fn tls_node_rejects_server_with_node_role() {
         ),
         "{client:?}"
     );
-    assert!(is_alert(&server, AlertDescription::AccessDenied), "{server:?}");
+    assert!(
+        is_alert(&server, AlertDescription::AccessDenied),
+        "{server:?}"
+    );
 }
 
 #[monoio::test_all]
@@ -707,9 +728,15 @@ async fn tls_node_rejects_server_with_wrong_edge_name() {
     }
     assert_eq!(
         client.map_err(|e| e.to_string()),
-        Err("peer identity rejected: edge name \"edge-2\" is not the configured \"edge-1\"".to_owned())
+        Err(
+            "peer identity rejected: edge name \"edge-2\" is not the configured \"edge-1\""
+                .to_owned()
+        )
     );
-    assert!(is_alert(&server, AlertDescription::AccessDenied), "{server:?}");
+    assert!(
+        is_alert(&server, AlertDescription::AccessDenied),
+        "{server:?}"
+    );
 }
 
 #[monoio::test_all]
@@ -731,7 +758,10 @@ async fn tls_node_rejects_server_from_another_ca() {
         ),
         "{client:?}"
     );
-    assert!(is_alert(&server, AlertDescription::DecryptError), "{server:?}");
+    assert!(
+        is_alert(&server, AlertDescription::DecryptError),
+        "{server:?}"
+    );
 }
 
 #[monoio::test_all]
@@ -778,7 +808,10 @@ async fn tls_node_rejects_server_from_another_trust_domain() {
         ),
         "{client:?}"
     );
-    assert!(is_alert(&server, AlertDescription::AccessDenied), "{server:?}");
+    assert!(
+        is_alert(&server, AlertDescription::AccessDenied),
+        "{server:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -818,6 +851,9 @@ fn tls_sides_refuse_certificates_of_the_other_role() {
         .map_err(|e| e.to_string());
     assert_eq!(
         bad_setting,
-        Err("setting edge_name: SPIFFE ID path character '/' is not one of [A-Za-z0-9.-_]".to_owned())
+        Err(
+            "setting edge_name: SPIFFE ID path character '/' is not one of [A-Za-z0-9.-_]"
+                .to_owned()
+        )
     );
 }

@@ -44,7 +44,6 @@
 //! `seq`.
 
 mod core;
-mod notify;
 mod segments;
 mod shell;
 

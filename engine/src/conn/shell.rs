@@ -13,7 +13,7 @@ use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
 use super::core::{ConnCore, ConnStats, OutFrame, TrySendError};
-use super::notify::{Notify, WakeList};
+use crate::sync::{Notify, WakeList};
 use super::segments::{write_all_segments, BatchBuilder, IoSegments};
 use super::{ConnConfig, SendError, REASON_ABORTED, REASON_HANDLE_DROPPED};
 use crate::clock;

@@ -200,7 +200,10 @@ struct NodeIdentityVerifier {
 }
 
 impl NodeIdentityVerifier {
-    fn check_identity(&self, end_entity: &CertificateDer<'_>) -> Result<WorkloadId, IdentityRejection> {
+    fn check_identity(
+        &self,
+        end_entity: &CertificateDer<'_>,
+    ) -> Result<WorkloadId, IdentityRejection> {
         let id = workload_id_from_cert(end_entity)?;
         check_domain_and_role(&id, &self.trust_domain, Role::Node)?;
         if !self.allowed_nodes.contains(id.name()) {

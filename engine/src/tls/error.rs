@@ -33,7 +33,10 @@ pub enum ConfigProblem {
     /// The file holds no private key block.
     #[error("no private key found")]
     NoPrivateKey,
-    /// The key cannot be loaded or does not match the certificate.
+    /// The key is not the private key of the configured certificate.
+    #[error("private key does not match the certificate")]
+    KeyMismatch,
+    /// The key cannot be loaded by the crypto provider.
     #[error("bad private key: {detail}")]
     BadKey {
         /// The crypto provider's message.

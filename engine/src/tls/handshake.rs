@@ -60,16 +60,13 @@ where
         }
         let mut pending = &input[..read_bytes];
         while !pending.is_empty() {
-            let mut one = &pending[..pending.len().min(5 + usize::from(pending.get(3).copied().unwrap_or(0)) * 256 + usize::from(pending.get(4).copied().unwrap_or(0)))];
-            let consumed = conn.read_tls(&mut one).map_err(TlsError::Io)?;
+            let consumed = conn.read_tls(&mut pending).map_err(TlsError::Io)?;
             if let Err(e) = conn.process_new_packets() {
                 // Best effort: the handshake already failed; the alert is a
                 // courtesy to the peer's logs.
                 let _ = flush(io, conn, &mut out).await;
                 return Err(TlsError::Handshake(e));
             }
-            if !conn.is_handshaking() { break; }
-            pending = &pending[consumed..];
             if consumed == 0 {
                 return Err(TlsError::Io(io::Error::other(
                     "TLS handshake stalled: rustls accepted no input",

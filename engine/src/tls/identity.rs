@@ -77,7 +77,9 @@ pub enum WorkloadIdError {
     #[error("trust domain is empty")]
     EmptyTrustDomain,
     /// The trust domain is longer than [`MAX_TRUST_DOMAIN_BYTES`].
-    #[error("trust domain is {len_bytes} bytes, more than the {MAX_TRUST_DOMAIN_BYTES}-byte maximum")]
+    #[error(
+        "trust domain is {len_bytes} bytes, more than the {MAX_TRUST_DOMAIN_BYTES}-byte maximum"
+    )]
     TrustDomainTooLong {
         /// Length of the rejected trust domain.
         len_bytes: usize,
@@ -352,10 +354,14 @@ pub fn workload_id_from_cert(cert: &CertificateDer<'_>) -> Result<WorkloadId, Id
             detail: e.to_string(),
         })?
         .ok_or(IdentityRejection::NoUriSan)?;
-    let mut uris = san.value.general_names.iter().filter_map(|name| match name {
-        GeneralName::URI(uri) => Some(*uri),
-        _ => None,
-    });
+    let mut uris = san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|name| match name {
+            GeneralName::URI(uri) => Some(*uri),
+            _ => None,
+        });
     let uri = uris.next().ok_or(IdentityRejection::NoUriSan)?;
     let extra = uris.count();
     if extra > 0 {
@@ -432,7 +438,9 @@ mod tests {
     fn accessors_return_parts() {
         let parsed = WorkloadId::parse("spiffe://iop/node/node-a");
         assert_eq!(
-            parsed.as_ref().map(|id| (id.trust_domain(), id.role(), id.name())),
+            parsed
+                .as_ref()
+                .map(|id| (id.trust_domain(), id.role(), id.name())),
             Ok(("iop", Role::Node, "node-a"))
         );
     }
@@ -445,21 +453,48 @@ mod tests {
             ("SPIFFE://iop/node/a", WorkloadIdError::NotSpiffe),
             ("spiffe:/iop/node/a", WorkloadIdError::NotSpiffe),
             ("spiffe:///node/a", WorkloadIdError::EmptyTrustDomain),
-            ("spiffe://IOP/node/a", WorkloadIdError::BadTrustDomainChar { ch: 'I' }),
-            ("spiffe://iop:443/node/a", WorkloadIdError::BadTrustDomainChar { ch: ':' }),
-            ("spiffe://user@iop/node/a", WorkloadIdError::BadTrustDomainChar { ch: '@' }),
+            (
+                "spiffe://IOP/node/a",
+                WorkloadIdError::BadTrustDomainChar { ch: 'I' },
+            ),
+            (
+                "spiffe://iop:443/node/a",
+                WorkloadIdError::BadTrustDomainChar { ch: ':' },
+            ),
+            (
+                "spiffe://user@iop/node/a",
+                WorkloadIdError::BadTrustDomainChar { ch: '@' },
+            ),
             ("spiffe://iop", WorkloadIdError::MissingPath),
             ("spiffe://iop/", WorkloadIdError::EmptySegment),
-            ("spiffe://iop/node", WorkloadIdError::WrongSegmentCount { segments: 1 }),
-            ("spiffe://iop/node/a/b", WorkloadIdError::WrongSegmentCount { segments: 3 }),
+            (
+                "spiffe://iop/node",
+                WorkloadIdError::WrongSegmentCount { segments: 1 },
+            ),
+            (
+                "spiffe://iop/node/a/b",
+                WorkloadIdError::WrongSegmentCount { segments: 3 },
+            ),
             ("spiffe://iop/node/a/", WorkloadIdError::EmptySegment),
             ("spiffe://iop//node/a", WorkloadIdError::EmptySegment),
             ("spiffe://iop/node/..", WorkloadIdError::DotSegment),
             ("spiffe://iop/./a", WorkloadIdError::DotSegment),
-            ("spiffe://iop/node/a%20b", WorkloadIdError::BadPathChar { ch: '%' }),
-            ("spiffe://iop/node/a?x=1", WorkloadIdError::BadPathChar { ch: '?' }),
-            ("spiffe://iop/node/a#f", WorkloadIdError::BadPathChar { ch: '#' }),
-            ("spiffe://iop/node/ä", WorkloadIdError::BadPathChar { ch: 'ä' }),
+            (
+                "spiffe://iop/node/a%20b",
+                WorkloadIdError::BadPathChar { ch: '%' },
+            ),
+            (
+                "spiffe://iop/node/a?x=1",
+                WorkloadIdError::BadPathChar { ch: '?' },
+            ),
+            (
+                "spiffe://iop/node/a#f",
+                WorkloadIdError::BadPathChar { ch: '#' },
+            ),
+            (
+                "spiffe://iop/node/ä",
+                WorkloadIdError::BadPathChar { ch: 'ä' },
+            ),
             (
                 "spiffe://iop/client/a",
                 WorkloadIdError::UnknownRole {
@@ -474,7 +509,11 @@ mod tests {
             ),
         ];
         for (uri, expected) in cases {
-            assert_eq!(WorkloadId::parse(uri).as_ref(), Err(expected), "uri {uri:?}");
+            assert_eq!(
+                WorkloadId::parse(uri).as_ref(),
+                Err(expected),
+                "uri {uri:?}"
+            );
         }
     }
 

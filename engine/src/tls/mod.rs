@@ -35,6 +35,13 @@
 //!   Under TLS 1.3 the client's `connect` completes before the server has
 //!   judged the client certificate; a rejected Node sees the alert on its
 //!   first read (use [`rustls_cause`] to log it).
+//! - **Own handshake driver.** The private `handshake` module runs the
+//!   handshake over the socket and then hands the connection to a
+//!   monoio-rustls stream: monoio-rustls' driver writes only the first queued
+//!   TLS chunk when a handshake fails, so a Node's rejection alert could be
+//!   lost behind its `ChangeCipherSpec`. Ours flushes the alert every time.
+//!   Dropping an `accept`/`connect` future (a handshake deadline) is safe: the
+//!   socket goes with it.
 //! - **Never cancel a read** on the returned streams (see
 //!   `RUNTIME_NOTES.md`): enforce deadlines by shutting the socket down.
 

@@ -151,7 +151,10 @@ struct EdgeIdentityVerifier {
 }
 
 impl EdgeIdentityVerifier {
-    fn check_identity(&self, end_entity: &CertificateDer<'_>) -> Result<WorkloadId, IdentityRejection> {
+    fn check_identity(
+        &self,
+        end_entity: &CertificateDer<'_>,
+    ) -> Result<WorkloadId, IdentityRejection> {
         let id = workload_id_from_cert(end_entity)?;
         check_domain_and_role(&id, &self.trust_domain, Role::Edge)?;
         if id.name() != &*self.edge_name {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::sign::CertifiedKey;
-use rustls::RootCertStore;
+use rustls::{InconsistentKeys, RootCertStore};
 use rustls_pki_types::pem::{self, PemObject};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -83,8 +83,17 @@ impl TlsMaterial {
         let chain = parse_cert_chain(cert.0, cert.1)?;
         let key_der = parse_private_key(key.0, key.1)?;
         let provider = super::provider();
-        let certified_key = CertifiedKey::from_der(chain, key_der, &provider)
-            .map_err(|e| config_error(key.0, ConfigProblem::BadKey { detail: e.to_string() }))?;
+        let certified_key = CertifiedKey::from_der(chain, key_der, &provider).map_err(|e| {
+            let reason = match e {
+                rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
+                    ConfigProblem::KeyMismatch
+                }
+                other => ConfigProblem::BadKey {
+                    detail: other.to_string(),
+                },
+            };
+            config_error(key.0, reason)
+        })?;
         Ok(TlsMaterial {
             roots: Arc::new(roots),
             certified_key: Arc::new(certified_key),

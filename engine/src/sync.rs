@@ -1,4 +1,4 @@
-//! Single-threaded wake-ups between the connection's tasks (no atomics, no
+//! Single-threaded wake-ups between tasks of one core (no atomics, no
 //! allocation per wake).
 
 use std::cell::{Cell, RefCell};
@@ -8,14 +8,14 @@ use std::task::{Poll, Waker};
 /// Wakes one waiting task; a notification sent while nobody waits is kept
 /// for the next wait (like `tokio::sync::Notify::notify_one`).
 #[derive(Debug, Default)]
-pub(crate) struct Notify {
+pub struct Notify {
     notified: Cell<bool>,
     waker: RefCell<Option<Waker>>,
 }
 
 impl Notify {
     /// Wakes the waiter, or lets its next wait return at once.
-    pub(crate) fn notify(&self) {
+    pub fn notify(&self) {
         self.notified.set(true);
         let waker = self.waker.borrow_mut().take();
         if let Some(waker) = waker {
@@ -24,7 +24,7 @@ impl Notify {
     }
 
     /// Waits for a notification (consumes it).
-    pub(crate) async fn notified(&self) {
+    pub async fn notified(&self) {
         poll_fn(|cx| {
             if self.notified.replace(false) {
                 return Poll::Ready(());
@@ -43,18 +43,18 @@ impl Notify {
 /// Wakes every waiting task (senders waiting for bulk lane room). Waiters
 /// re-check their condition after waking.
 #[derive(Debug, Default)]
-pub(crate) struct WakeList {
+pub struct WakeList {
     wakers: RefCell<Vec<Waker>>,
 }
 
 impl WakeList {
     /// True when some task waits.
-    pub(crate) fn has_waiters(&self) -> bool {
+    pub fn has_waiters(&self) -> bool {
         !self.wakers.borrow().is_empty()
     }
 
     /// Wakes every waiter.
-    pub(crate) fn wake_all(&self) {
+    pub fn wake_all(&self) {
         let wakers = std::mem::take(&mut *self.wakers.borrow_mut());
         for waker in wakers {
             waker.wake();
@@ -64,7 +64,7 @@ impl WakeList {
     /// Waits until the next [`wake_all`](Self::wake_all). The caller checks
     /// its condition before waiting; with one thread nothing can change in
     /// between, so no wake-up is lost.
-    pub(crate) async fn wait(&self) {
+    pub async fn wait(&self) {
         let mut registered = false;
         poll_fn(|cx| {
             if registered {
