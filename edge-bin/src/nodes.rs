@@ -1,6 +1,7 @@
 //! The node-connection shell: accept mTLS (T2), run the frame connection, and
-//! feed registration, readiness, terminals and closes to [`Control`]
-//! (R1–R4, F1, F2, H1). It builds no HTTP response (X4).
+//! feed registration, readiness, terminals, command results and closes to
+//! [`Control`] through [`Edge::apply`] (R1–R4, F1, F2, H1). It builds no HTTP
+//! response (X4).
 //!
 //! [`Control`]: crate::control::Control
 
@@ -15,15 +16,11 @@ use iop_wire::pb::frame::Body;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
-use crate::control::{ConnId, TerminalOutcome};
+use crate::control::{ConnId, Input, StallEvidence, Terminal};
 use crate::state::{Edge, RouteEvent};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
-
-fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
-}
 
 /// Serves one accepted node connection to its end.
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAcceptor>>) {
@@ -75,24 +72,9 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAc
             None => break "connection ended".to_string(),
         }
     };
+    tracing::info!(conn = conn_id.0, %reason, "node connection closed");
     edge.conns.borrow_mut().remove(&conn_id);
-    let outcome = edge.control.borrow_mut().on_closed(conn_id);
-    if let Some(node_id) = &outcome.node_id {
-        if outcome.fenced {
-            tracing::warn!(
-                node_id,
-                %reason,
-                released = outcome.released.len(),
-                "node.disconnected: generation fenced"
-            );
-        } else {
-            tracing::info!(node_id, %reason, "pending node connection closed");
-        }
-    }
-    edge.fail_routes(
-        &outcome.released,
-        "the node serving this request disconnected",
-    );
+    edge.apply(Input::Closed { conn: conn_id });
 }
 
 async fn handle_frame(
@@ -107,47 +89,32 @@ async fn handle_frame(
         Body::RegisterRequest(req) => {
             // Without TLS (T5 dev mode) the claimed id stands in for the
             // identity name.
-            let name = tls_name.unwrap_or(&req.node_id).to_string();
-            let decision = edge
-                .control
-                .borrow_mut()
-                .on_register(conn_id, &name, &req.node_id);
-            let accepted = decision.response.accepted;
-            if accepted {
-                tracing::info!(node_id = %req.node_id, conn = conn_id.0, "node registered (pending)");
-            } else {
-                tracing::warn!(node_id = %req.node_id, reason = %decision.response.reason, "registration rejected");
-            }
-            let _ = conn.send_control(frame(Body::RegisterResponse(decision.response)));
-            if let Some(old) = decision.superseded {
-                let old_conn = edge.conns.borrow().get(&old).cloned();
-                if let Some(old_conn) = old_conn {
-                    old_conn.close("superseded");
-                }
-                edge.fail_routes(
-                    &decision.released,
-                    "the node reconnected; this request was lost",
-                );
-            }
-            if !accepted && edge.control.borrow().node_of(conn_id).is_none() {
-                conn.close("registration_rejected");
-            }
+            let tls_name = tls_name.unwrap_or(&req.node_id).to_string();
+            tracing::info!(node_id = %req.node_id, conn = conn_id.0, "register request");
+            edge.apply(Input::Register {
+                conn: conn_id,
+                tls_name,
+                node_id: req.node_id,
+            });
         }
-        Body::NodeReadyRequest(req) => {
-            let decision = edge.control.borrow_mut().on_ready(conn_id, &req.node_id);
-            if decision.became_ready {
-                tracing::info!(node_id = %req.node_id, conn = conn_id.0, "node.connected");
-            }
-            let _ = conn.send_control(frame(Body::NodeReadyResponse(decision.response)));
-            if decision.close {
-                conn.close("not_ready");
-            }
-        }
+        Body::NodeReadyRequest(req) => edge.apply(Input::Ready {
+            conn: conn_id,
+            node_id: req.node_id,
+        }),
         Body::ProviderTunnelFrame(tf) => {
-            // H1: the frame belongs to a route only if it arrived on the
+            let terminal = matches!(
+                tf.kind(),
+                pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
+            );
+            let evidence = terminal.then(|| Terminal {
+                conn: conn_id,
+                run_id: tf.run_id.clone(),
+                adapter: tf.adapter.clone(),
+                target: tf.target.clone(),
+                stall: tf.failure.as_ref().and_then(StallEvidence::from_failure),
+            });
+            // H1: a frame belongs to a route only if it arrived on the
             // connection the run was dispatched to.
-            let kind = tf.kind();
-            let terminal = matches!(kind, pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error);
             let tx = {
                 let routes = edge.routes.borrow();
                 routes
@@ -155,13 +122,11 @@ async fn handle_frame(
                     .filter(|r| r.conn == conn_id)
                     .map(|r| r.tx.clone())
             };
-            let run_id = tf.run_id.clone();
-            if terminal {
-                if let TerminalOutcome::Released(_) =
-                    edge.control.borrow_mut().on_terminal(conn_id, &run_id)
-                {
-                    edge.routes.borrow_mut().remove(&run_id);
+            if let Some(t) = evidence {
+                if tx.is_some() {
+                    edge.routes.borrow_mut().remove(&t.run_id);
                 }
+                edge.apply(Input::Terminal(t));
             }
             if let Some(tx) = tx {
                 // The client may be gone; then the frame has no reader.
@@ -174,14 +139,25 @@ async fn handle_frame(
                 pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
             );
             if terminal {
-                if let TerminalOutcome::Released(_) =
-                    edge.control.borrow_mut().on_terminal(conn_id, &ev.run_id)
-                {
-                    edge.routes.borrow_mut().remove(&ev.run_id);
+                let mut routes = edge.routes.borrow_mut();
+                if routes.get(&ev.run_id).is_some_and(|r| r.conn == conn_id) {
+                    routes.remove(&ev.run_id);
                 }
+                drop(routes);
+                edge.apply(Input::Terminal(Terminal {
+                    conn: conn_id,
+                    run_id: ev.run_id.clone(),
+                    adapter: ev.adapter.clone(),
+                    target: ev.target.clone(),
+                    stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
+                }));
             }
         }
-        Body::NodeCommandResponse(_) | Body::NodeConfigRefreshResponse(_) => {}
+        Body::NodeCommandResponse(response) => edge.apply(Input::CommandResult {
+            conn: conn_id,
+            response,
+        }),
+        Body::NodeConfigRefreshResponse(_) => {}
         other => {
             tracing::warn!(
                 frame = body_name(&other),

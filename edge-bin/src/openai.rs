@@ -71,6 +71,19 @@ impl ApiError {
         }
     }
 
+    /// 429: the model's queue is full.
+    pub fn queue_full(model: &str) -> Self {
+        Self {
+            code: Some("queue_full".into()),
+            retry_after_sec: Some(1),
+            ..Self::new(
+                429,
+                "rate_limit_error",
+                format!("Too many requests are waiting for model `{model}`; retry shortly."),
+            )
+        }
+    }
+
     /// 413: the request body exceeds the configured limit.
     pub fn body_too_large(limit_bytes: usize) -> Self {
         Self {
@@ -235,6 +248,30 @@ impl ChatRequest {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false)
+    }
+
+    /// A cheap prompt size estimate (characters of message text / 4), for the
+    /// long-context decision.
+    pub fn estimated_prompt_tokens(&self) -> u64 {
+        fn text_len(v: &Value) -> usize {
+            match v {
+                Value::String(s) => s.len(),
+                Value::Array(parts) => parts.iter().map(text_len).sum(),
+                Value::Object(o) => o.get("text").map(text_len).unwrap_or(0),
+                _ => 0,
+            }
+        }
+        let chars: usize = self
+            .body
+            .get("messages")
+            .and_then(Value::as_array)
+            .map(|msgs| {
+                msgs.iter()
+                    .map(|m| m.get("content").map(text_len).unwrap_or(0))
+                    .sum()
+            })
+            .unwrap_or(0);
+        (chars / 4) as u64
     }
 
     /// The body for the selected provider: identical to the client's except

@@ -59,6 +59,8 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
         .iter()
         .map(|m| control::ModelSpec {
             name: m.name.clone(),
+            max_queue: m.max_queue,
+            queue_timeout: Duration::from_millis(m.queue_timeout_ms),
             providers: m
                 .providers
                 .iter()
@@ -69,7 +71,11 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                 .collect(),
         })
         .collect();
-    ControlSpec { nodes, models }
+    ControlSpec {
+        nodes,
+        models,
+        tunables: control::Tunables::default(),
+    }
 }
 
 /// The shard state for `cfg`.
@@ -83,6 +89,11 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
                 id: m.name.clone(),
                 owned_by: m.owned_by.clone(),
             })
+            .collect(),
+        long_context_threshold_tokens: cfg
+            .models
+            .iter()
+            .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
             .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
     };
@@ -158,6 +169,10 @@ pub async fn serve(
             }
         }
     };
+    let timers = {
+        let edge = edge.clone();
+        async move { edge.run_timers().await }
+    };
     let client_loop = async move {
         loop {
             match iop_engine::http::accept(&client_listener).await {
@@ -172,6 +187,7 @@ pub async fn serve(
         }
     };
     monoio::select! {
+        _ = timers => {},
         _ = node_loop => {},
         _ = client_loop => {},
         _ = shutdown => {},

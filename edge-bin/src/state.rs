@@ -1,17 +1,26 @@
-//! The Edge's per-process shared state on its (single, for now) shard: the
-//! [`Control`] machine plus the shell-side tables that connect it to sockets.
+//! The Edge shard's state and the one place [`Control`] decisions are carried
+//! out.
 //!
-//! `Control` decides; this module only remembers which live connection handle
-//! and which waiting client stand behind the ids `Control` speaks in.
+//! `Control` decides; [`Edge::apply`] feeds it an input with the current time
+//! and executes the actions it returns: frames to node connections, admissions
+//! and rejections to waiting client requests, lost runs to their routes. A
+//! timer task ([`Edge::run_timers`]) does the same for `Control`'s deadlines.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::time::Duration;
 
+use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
+use iop_engine::sync::Notify;
 use iop_wire::pb;
+use iop_wire::pb::frame::Body;
 use local_sync::mpsc::bounded;
+use local_sync::oneshot;
 
-use crate::control::{ConnId, Control, Lease};
+use crate::control::{
+    Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
+};
 use crate::openai::ModelEntry;
 
 /// What the node side delivers to a waiting client request.
@@ -23,14 +32,16 @@ pub enum RouteEvent {
     Tunnel(pb::ProviderTunnelFrame),
     /// The lease was released without a terminal: the node's connection was
     /// fenced (F1) or superseded (R2).
-    Lost(String),
+    Lost,
 }
 
-/// A client request waiting for frames of its run.
+/// A client request's run, waiting for frames.
 pub struct Route {
     /// The connection the run was dispatched to; frames from any other
     /// connection are not for this route (H1).
     pub conn: ConnId,
+    /// The request it serves.
+    pub request: RequestId,
     /// Where its frames go.
     pub tx: bounded::Tx<RouteEvent>,
 }
@@ -39,6 +50,7 @@ impl std::fmt::Debug for Route {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Route")
             .field("conn", &self.conn)
+            .field("request", &self.request)
             .finish_non_exhaustive()
     }
 }
@@ -47,6 +59,33 @@ impl std::fmt::Debug for Route {
 /// waits for the client to catch up.
 pub const ROUTE_QUEUE_FRAMES: usize = 256;
 
+/// The answer to a submitted request.
+pub enum Admission {
+    /// It won a lease; its frames arrive on `frames`.
+    Dispatched {
+        /// The decision.
+        dispatch: Dispatch,
+        /// Its route's receiving end.
+        frames: bounded::Rx<RouteEvent>,
+    },
+    /// It was refused.
+    Rejected(Rejection),
+    /// It ended before dispatch some other way (cancelled).
+    Ended,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Admission::Dispatched { dispatch, .. } => {
+                f.debug_tuple("Dispatched").field(dispatch).finish()
+            }
+            Admission::Rejected(r) => f.debug_tuple("Rejected").field(r).finish(),
+            Admission::Ended => f.write_str("Ended"),
+        }
+    }
+}
+
 /// Static settings the shells need.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -54,6 +93,8 @@ pub struct Settings {
     pub max_request_body_bytes: usize,
     /// Models for `GET /v1/models`, in config order.
     pub models: Vec<ModelEntry>,
+    /// Long-context threshold per model, in estimated prompt tokens.
+    pub long_context_threshold_tokens: HashMap<String, u64>,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
 }
@@ -61,15 +102,24 @@ pub struct Settings {
 /// The shard's state.
 #[derive(Debug)]
 pub struct Edge {
-    /// The authoritative state machine.
+    /// The authoritative state machine. Borrow it only through [`Edge::apply`]
+    /// or for reads that do not cross an await.
     pub control: RefCell<Control>,
     /// Live node connections by id.
     pub conns: RefCell<HashMap<ConnId, ConnHandle>>,
-    /// Waiting client requests by run id.
+    /// Dispatched runs waiting for frames, by run id.
     pub routes: RefCell<HashMap<String, Route>>,
+    /// Submitted requests waiting for admission.
+    waiters: RefCell<HashMap<RequestId, oneshot::Sender<Admission>>>,
     /// Static settings.
     pub settings: Settings,
+    timer_wake: Notify,
     next_conn: Cell<u64>,
+    next_request: Cell<u64>,
+}
+
+fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
 }
 
 impl Edge {
@@ -79,8 +129,11 @@ impl Edge {
             control: RefCell::new(control),
             conns: RefCell::new(HashMap::new()),
             routes: RefCell::new(HashMap::new()),
+            waiters: RefCell::new(HashMap::new()),
             settings,
+            timer_wake: Notify::default(),
             next_conn: Cell::new(0),
+            next_request: Cell::new(0),
         }
     }
 
@@ -91,19 +144,170 @@ impl Edge {
         ConnId(id)
     }
 
-    /// Tells the clients of `released` leases that their run is lost.
-    pub fn fail_routes(&self, released: &[Lease], reason: &str) {
-        for lease in released {
-            let route = self.routes.borrow_mut().remove(&lease.run_id);
+    /// Submits a client request; the answer arrives on the returned channel.
+    pub fn submit(&self, model: &str, long: bool) -> (RequestId, oneshot::Receiver<Admission>) {
+        let id = self.next_request.get() + 1;
+        self.next_request.set(id);
+        let request = RequestId(id);
+        let (tx, rx) = oneshot::channel();
+        self.waiters.borrow_mut().insert(request, tx);
+        self.apply(Input::Submit {
+            request,
+            model: model.to_string(),
+            long,
+        });
+        (request, rx)
+    }
+
+    /// Feeds `input` to `Control` now and carries out its actions.
+    pub fn apply(&self, input: Input) {
+        let mut actions = Vec::new();
+        self.control
+            .borrow_mut()
+            .handle(clock::now(), input, &mut actions);
+        self.execute(actions);
+        // A new deadline may be earlier than the one the timer sleeps on.
+        self.timer_wake.notify();
+    }
+
+    /// Runs `Control`'s timers forever (spawn once per shard).
+    pub async fn run_timers(&self) {
+        loop {
+            let deadline = self.control.borrow().poll_timeout();
+            let wait = match deadline {
+                Some(at) => at.saturating_duration_since(clock::now()),
+                None => Duration::from_secs(3600),
+            };
+            monoio::select! {
+                _ = monoio::time::sleep(wait) => {},
+                _ = self.timer_wake.notified() => continue,
+            }
+            let mut actions = Vec::new();
+            self.control
+                .borrow_mut()
+                .handle_timeout(clock::now(), &mut actions);
+            self.execute(actions);
+        }
+    }
+
+    fn conn(&self, conn: ConnId) -> Option<ConnHandle> {
+        self.conns.borrow().get(&conn).cloned()
+    }
+
+    fn execute(&self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::RegisterResponse { conn, response } => {
+                    if let Some(c) = self.conn(conn) {
+                        let _ = c.send_control(frame(Body::RegisterResponse(response)));
+                    }
+                }
+                Action::ReadyResponse { conn, response } => {
+                    if let Some(c) = self.conn(conn) {
+                        let _ = c.send_control(frame(Body::NodeReadyResponse(response)));
+                    }
+                }
+                Action::Close { conn, reason } => {
+                    if let Some(c) = self.conn(conn) {
+                        c.close(reason);
+                    }
+                }
+                Action::Dispatch(dispatch) => self.admit(dispatch),
+                Action::SendCancel { conn, run_id } => {
+                    if let Some(c) = self.conn(conn) {
+                        let cancel = pb::CancelRequest {
+                            run_id,
+                            reason: "client_disconnect".into(),
+                        };
+                        let _ = c.send_control(frame(Body::CancelRequest(cancel)));
+                    }
+                }
+                Action::SendCommand { conn, command } => {
+                    if let Some(c) = self.conn(conn) {
+                        let _ = c.send_control(frame(Body::NodeCommandRequest(command)));
+                    }
+                }
+                Action::StallHandoff { request, handoff } => {
+                    // H3, O1: the handoff is an observation for operators; it
+                    // is not replay approval.
+                    tracing::info!(
+                        event = "edge_liveness_recovery_observation",
+                        request = request.0,
+                        provider_id = %handoff.provider_id,
+                        provider_health = handoff.provider_health.as_str_name(),
+                        recovery_handoff = handoff.recovery_handoff,
+                        "stalled request handed off"
+                    );
+                }
+                Action::Done { request, outcome } => self.finish(request, outcome),
+                Action::Event(event) => log_event(&event),
+            }
+        }
+    }
+
+    /// Hands a won lease to its waiting request, with a fresh route.
+    fn admit(&self, dispatch: Dispatch) {
+        let request = dispatch.request;
+        let waiter = self.waiters.borrow_mut().remove(&request);
+        let (tx, rx) = bounded::channel(ROUTE_QUEUE_FRAMES);
+        self.routes.borrow_mut().insert(
+            dispatch.lease.run_id.clone(),
+            Route {
+                conn: dispatch.lease.conn,
+                request,
+                tx,
+            },
+        );
+        let run_id = dispatch.lease.run_id.clone();
+        let delivered = match waiter {
+            Some(w) => w
+                .send(Admission::Dispatched {
+                    dispatch,
+                    frames: rx,
+                })
+                .is_ok(),
+            None => false,
+        };
+        if !delivered {
+            // The client left before its run was sent: settle at once.
+            self.routes.borrow_mut().remove(&run_id);
+            self.apply(Input::Undeliverable { request });
+        }
+    }
+
+    fn finish(&self, request: RequestId, outcome: Outcome) {
+        let waiter = self.waiters.borrow_mut().remove(&request);
+        if let Some(w) = waiter {
+            let _ = w.send(match outcome {
+                Outcome::Rejected(r) => Admission::Rejected(r),
+                _ => Admission::Ended,
+            });
+        }
+        if outcome == Outcome::Lost {
+            let route = self.routes.borrow_mut().remove(&request.run_id());
             if let Some(route) = route {
-                // Bounded queue: if it is full the client is far behind and
-                // will see the channel close instead.
-                let tx = route.tx;
-                let reason = reason.to_string();
                 monoio::spawn(async move {
-                    let _ = tx.send(RouteEvent::Lost(reason)).await;
+                    let _ = route.tx.send(RouteEvent::Lost).await;
                 });
             }
         }
+    }
+}
+
+fn log_event(event: &Event) {
+    match event {
+        Event::NodeConnected { node_id } => tracing::info!(%node_id, "node.connected"),
+        Event::NodeDisconnected { node_id } => {
+            tracing::warn!(%node_id, "node.disconnected: generation fenced")
+        }
+        Event::HealthTransition {
+            provider,
+            unavailable,
+        } => tracing::warn!(
+            event = "edge_provider_health_observation",
+            %provider,
+            unavailable,
+            "provider health overlay changed"
+        ),
     }
 }

@@ -17,9 +17,9 @@ use local_sync::mpsc::bounded;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::TcpStream;
 
-use crate::control::{DispatchKind, SelectError};
+use crate::control::{DispatchKind, Input, Rejection};
 use crate::openai::{self, ApiError, ChatRequest};
-use crate::state::{Edge, Route, RouteEvent, ROUTE_QUEUE_FRAMES};
+use crate::state::{Admission, Edge, RouteEvent};
 use crate::status;
 
 /// Serves one client connection until it closes.
@@ -120,7 +120,8 @@ fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
 }
 
-/// `POST /v1/chat/completions` over a provider tunnel.
+/// `POST /v1/chat/completions`: admit through `Control`, then relay the
+/// provider tunnel.
 async fn chat<S>(edge: &Rc<Edge>, server: &mut ServerConn<S>, body: &[u8]) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent,
@@ -129,41 +130,57 @@ where
         Ok(c) => c,
         Err(e) => return write_api_error(server, &e).await,
     };
+    let long = edge
+        .settings
+        .long_context_threshold_tokens
+        .get(&chat.model)
+        .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
-    let selected = edge.control.borrow_mut().select(&chat.model);
-    let dispatch = match selected {
-        Ok(d) => d,
-        Err(SelectError::UnknownModel) => {
+    let (request, admission) = edge.submit(&chat.model, long);
+    let (dispatch, frames) = match admission.await {
+        Ok(Admission::Dispatched { dispatch, frames }) => (dispatch, frames),
+        Ok(Admission::Rejected(Rejection::UnknownModel)) => {
             return write_api_error(server, &ApiError::model_not_found(&chat.model)).await
         }
-        Err(SelectError::NoProvider) => {
+        Ok(Admission::Rejected(Rejection::QueueFull)) => {
+            return write_api_error(server, &ApiError::queue_full(&chat.model)).await
+        }
+        Ok(Admission::Rejected(Rejection::QueueTimeout)) => {
+            return write_api_error(server, &ApiError::no_provider(&chat.model)).await
+        }
+        Ok(Admission::Ended) | Err(_) => {
             return write_api_error(server, &ApiError::no_provider(&chat.model)).await
         }
     };
-    let lease = dispatch.lease.clone();
-    let run_id = lease.run_id.clone();
+    let lease = &dispatch.lease;
     let conn = edge.conns.borrow().get(&lease.conn).cloned();
-    let Some(conn) = conn.filter(|_| dispatch.kind == DispatchKind::Tunnel) else {
-        edge.control.borrow_mut().on_abandoned(&run_id);
-        let e = if dispatch.kind == DispatchKind::Run {
-            ApiError::upstream(
-                "normalized runs (Ollama providers) are not supported yet",
-                Some("unsupported_provider".into()),
-            )
-        } else {
-            ApiError::no_provider(&chat.model)
-        };
-        return write_api_error(server, &e).await;
+    let conn = match conn {
+        Some(conn) if dispatch.kind == DispatchKind::Tunnel => conn,
+        _ => {
+            edge.routes.borrow_mut().remove(&lease.run_id);
+            edge.apply(Input::Undeliverable { request });
+            let e = if dispatch.kind == DispatchKind::Run {
+                ApiError::upstream(
+                    "normalized runs (Ollama providers) are not supported yet",
+                    Some("unsupported_provider".into()),
+                )
+            } else {
+                ApiError::upstream(
+                    "the selected node disconnected",
+                    Some("node_unavailable".into()),
+                )
+            };
+            return write_api_error(server, &e).await;
+        }
     };
-
     let accept = if chat.stream {
         "text/event-stream"
     } else {
         "application/json"
     };
-    let request = pb::ProviderTunnelRequest {
-        run_id: run_id.clone(),
+    let tunnel = pb::ProviderTunnelRequest {
+        run_id: lease.run_id.clone(),
         adapter: lease.adapter.clone(),
         target: lease.target.clone(),
         method: "POST".into(),
@@ -186,59 +203,44 @@ where
         operation: "chat_completions".into(),
         ..Default::default()
     };
-    let (tx, rx) = bounded::channel(ROUTE_QUEUE_FRAMES);
-    edge.routes.borrow_mut().insert(
-        run_id.clone(),
-        Route {
-            conn: lease.conn,
-            tx,
-        },
-    );
     if conn
-        .send_bulk(frame(Body::ProviderTunnelRequest(request)))
+        .send_bulk(frame(Body::ProviderTunnelRequest(tunnel)))
         .await
         .is_err()
     {
-        edge.routes.borrow_mut().remove(&run_id);
-        edge.control.borrow_mut().on_abandoned(&run_id);
+        edge.routes.borrow_mut().remove(&lease.run_id);
+        edge.apply(Input::Undeliverable { request });
         let e = ApiError::upstream(
             "the selected node disconnected",
             Some("node_unavailable".into()),
         );
         return write_api_error(server, &e).await;
     }
-    relay(server, rx, &run_id, &conn).await
+    let result = relay(server, frames).await;
+    if result.is_err() {
+        // U6: the client is gone (or the response broke off); Control sends
+        // the node a CancelRequest and settles the lease on its terminal.
+        edge.apply(Input::Cancel { request });
+    }
+    result
 }
 
-/// Relays tunnel frames to the client until the terminal. A client that goes
-/// away makes the Edge cancel the run on the node (U6).
+/// Relays tunnel frames to the client until the terminal.
 async fn relay<S>(
     server: &mut ServerConn<S>,
-    mut rx: bounded::Rx<RouteEvent>,
-    run_id: &str,
-    conn: &iop_engine::conn::ConnHandle,
+    mut frames: bounded::Rx<RouteEvent>,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent,
 {
     let mut started = false;
     let mut event_stream = false;
-    let result = loop {
-        let event = rx.recv().await;
-        let tf = match event {
+    loop {
+        let tf = match frames.recv().await {
             Some(RouteEvent::Tunnel(tf)) => tf,
-            Some(RouteEvent::Lost(reason)) => {
-                break fail(server, started, event_stream, &reason, "node_disconnected").await
-            }
-            None => {
-                break fail(
-                    server,
-                    started,
-                    event_stream,
-                    "the node connection closed",
-                    "node_disconnected",
-                )
-                .await
+            Some(RouteEvent::Lost) | None => {
+                let message = "the node serving this request disconnected";
+                return fail(server, started, event_stream, message, "node_disconnected").await;
             }
         };
         match tf.kind() {
@@ -257,21 +259,17 @@ where
                     .filter(|h| !openai::is_hop_by_hop(&h.name))
                     .map(|h| (h.name.as_str(), &h.value[..]))
                     .collect();
-                if let Err(e) = server.start_chunked(status, headers).await {
-                    break Err(e);
-                }
+                server.start_chunked(status, headers).await?;
                 started = true;
             }
             pb::TunnelFrameKind::Body => {
                 if started {
-                    if let Err(e) = server.write_chunk(tf.body).await {
-                        break Err(e);
-                    }
+                    server.write_chunk(tf.body).await?;
                 }
             }
             pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {}
             pb::TunnelFrameKind::End => {
-                break if started {
+                return if started {
                     server.finish().await
                 } else {
                     let e = ApiError::upstream("the provider sent no response", None);
@@ -284,20 +282,10 @@ where
                 } else {
                     tf.failure_code.as_str()
                 };
-                break fail(server, started, event_stream, &tf.error, code).await;
+                return fail(server, started, event_stream, &tf.error, code).await;
             }
         }
-    };
-    if result.is_err() {
-        // U6: the client is gone; the node cancels the provider request and
-        // still ends the run with its terminal, which releases the lease.
-        let cancel = pb::CancelRequest {
-            run_id: run_id.to_string(),
-            reason: "client_disconnect".into(),
-        };
-        let _ = conn.send_control(frame(Body::CancelRequest(cancel)));
     }
-    result
 }
 
 /// Ends a failed relay: an HTTP error before the response started, or an

@@ -192,6 +192,7 @@ class Cluster:
             "[[models]]",
             'name = "offline-model"',
             'providers = ["node-offline/mock-1"]',
+            "queue_timeout_ms = 300",
         ]
         return "\n".join(out) + "\n"
 
