@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod control;
+pub mod metrics;
 pub mod nodes;
 pub mod openai;
 pub mod server;

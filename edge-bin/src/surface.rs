@@ -20,7 +20,7 @@ use monoio::net::TcpStream;
 use crate::control::{DispatchKind, Input, Rejection};
 use crate::openai::{self, ApiError, ChatRequest};
 use crate::state::{Admission, Edge, RouteEvent};
-use crate::status;
+use crate::{metrics, status};
 
 /// Serves one client connection until it closes.
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
@@ -62,6 +62,19 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 let body = Bytes::from(status::status_json(&snapshots).to_string());
                 write_json(&mut server, 200, body).await
             }
+            ("GET", "/metrics") => {
+                let text = {
+                    let control = edge.control.borrow();
+                    metrics::render(control.counters(), &control.snapshots())
+                };
+                server
+                    .write_response(
+                        200,
+                        [("content-type", metrics::CONTENT_TYPE)],
+                        Bytes::from(text),
+                    )
+                    .await
+            }
             ("GET", "/livez") | ("GET", "/readyz") => {
                 server
                     .write_response(
@@ -71,9 +84,15 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     )
                     .await
             }
-            (_, "/v1/models" | "/v1/chat/completions" | "/status" | "/livez" | "/readyz") => {
-                write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await
-            }
+            (
+                _,
+                "/v1/models"
+                | "/v1/chat/completions"
+                | "/status"
+                | "/metrics"
+                | "/livez"
+                | "/readyz",
+            ) => write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await,
             _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
         };
         if result.is_err() || !server.keep_alive() {

@@ -1,0 +1,128 @@
+//! `GET /metrics`: Prometheus text exposition format 0.0.4 (O1). Base units,
+//! `_total` counters, and only bounded labels: never raw payloads,
+//! credentials, caller identities or unbounded ids.
+
+use std::fmt::Write;
+
+use iop_wire::pb;
+
+use crate::control::Counters;
+
+/// The content type of the exposition format.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+fn counter(out: &mut String, name: &str, help: &str, samples: &[(&str, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, value: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    let _ = writeln!(out, "{name} {value}");
+}
+
+/// Renders the Edge's metrics.
+pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot]) -> String {
+    let mut out = String::new();
+    counter(
+        &mut out,
+        "iop_edge_provider_health_evidence_total",
+        "Stall health evidence received on terminals, by validation result.",
+        &[
+            ("result=\"accepted\"", counters.health_evidence_accepted),
+            ("result=\"rejected\"", counters.health_evidence_rejected),
+        ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_provider_health_transitions_total",
+        "Runtime provider health overlay transitions.",
+        &[
+            (
+                "to=\"unavailable\"",
+                counters.health_transitions_unavailable,
+            ),
+            ("to=\"available\"", counters.health_transitions_available),
+        ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_liveness_recovery_eligibility_total",
+        "Stalled requests by recovery handoff eligibility.",
+        &[
+            ("eligible=\"true\"", counters.recovery_eligible),
+            ("eligible=\"false\"", counters.recovery_ineligible),
+        ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_liveness_recovery_results_total",
+        "CAPABILITIES recovery probe answers, by effect on the overlay.",
+        &[
+            ("result=\"recovered\"", counters.recovery_probe_recovered),
+            ("result=\"unchanged\"", counters.recovery_probe_unchanged),
+        ],
+    );
+    let sum = |f: fn(&pb::ProviderSnapshot) -> u32| -> u64 {
+        snapshots.iter().map(|s| u64::from(f(s))).sum()
+    };
+    gauge(
+        &mut out,
+        "iop_edge_providers_connected",
+        "Providers whose node is dispatch-ready.",
+        snapshots.iter().filter(|s| s.connected).count() as u64,
+    );
+    gauge(
+        &mut out,
+        "iop_edge_leases_in_flight",
+        "Provider leases currently held.",
+        sum(|s| s.in_flight),
+    );
+    gauge(
+        &mut out,
+        "iop_edge_effective_capacity",
+        "Sum of effective provider capacity.",
+        sum(|s| s.capacity),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // CONTRACT: O1 — the four contract counters are exposed with bounded
+    // labels only.
+    #[test]
+    fn renders_contract_counters() {
+        let counters = Counters {
+            health_evidence_accepted: 2,
+            health_evidence_rejected: 1,
+            health_transitions_unavailable: 1,
+            ..Default::default()
+        };
+        let text = render(&counters, &[]);
+        assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"accepted\"} 2\n"));
+        assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"rejected\"} 1\n"));
+        assert!(text.contains("iop_edge_provider_health_transitions_total{to=\"unavailable\"} 1\n"));
+        assert!(
+            text.contains("iop_edge_liveness_recovery_eligibility_total{eligible=\"true\"} 0\n")
+        );
+        assert!(text.contains("iop_edge_liveness_recovery_results_total{result=\"recovered\"} 0\n"));
+        assert!(text.contains("# TYPE iop_edge_provider_health_evidence_total counter\n"));
+        // Every sample line is `name{bounded labels} value` or `name value`.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (name, value) = line.rsplit_once(' ').unwrap();
+            assert!(value.parse::<u64>().is_ok(), "{line}");
+            assert!(name.starts_with("iop_edge_"), "{line}");
+        }
+    }
+}
