@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
+//! | [`keys`] | key file and public-key text formats (C1, C4) | lease key files (0600, refused if group/world-accessible), OS randomness for leases |
 //! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2) | TLS accept/connect through monoio-rustls |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
@@ -26,6 +27,7 @@ pub mod certs;
 pub mod clock;
 pub mod conn;
 pub mod http;
+pub mod keys;
 pub mod pool;
 pub mod rt;
 pub mod sync;

@@ -17,6 +17,9 @@
 //! - [`codec`]: the length-delimited frame codec (T1).
 //! - [`checks`]: pure value checks the contract fixes (W1 stall timeout, S2
 //!   reconnect policy).
+//! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
+//!   sealing/signing at the Edge, verifying/opening at the Node, replay cache;
+//!   time and randomness are inputs.
 //! - [`limits`]: transport constants (T4 heartbeat timers, frame size cap).
 //!
 //! Invariant: no function here panics on bytes from a peer; every decode error
@@ -26,6 +29,7 @@
 
 pub mod checks;
 pub mod codec;
+pub mod lease;
 pub mod limits;
 
 /// Generated protobuf types of package `iop.runtime` (X3: never edited).
