@@ -1,0 +1,705 @@
+//! Harness for the in-process walking-skeleton tests: dev certificates, an
+//! Edge served by `edge_bin::server`, the `bench` mock provider, raw node
+//! connections, and a small raw HTTP/1.1 client with an independent
+//! de-chunker.
+//!
+//! Everything binds `127.0.0.1:0` and runs on the test's monoio runtime;
+//! services stop through a oneshot, and whatever is still pending when the
+//! test body returns is dropped with the runtime.
+
+// Each test binary uses a different subset of the harness.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use edge_bin::config::EdgeConfig;
+use edge_bin::server::{self, Listeners};
+use edge_bin::state::Edge;
+use iop_engine::certs::{write_dev_certs, DevCertFiles};
+use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::tls::{
+    rustls_cause, EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles, TlsMaterial,
+};
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use local_sync::oneshot;
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
+use monoio::net::{TcpListener, TcpStream};
+use monoio::task::JoinHandle;
+use serde_json::Value;
+
+/// SPIFFE trust domain of every test certificate.
+pub const TRUST_DOMAIN: &str = "iop.local";
+/// The Edge's identity name.
+pub const EDGE_NAME: &str = "edge-1";
+/// The external model clients ask for (E2).
+pub const MODEL: &str = "chat-model";
+/// The external model served by node-b.
+pub const MODEL_B: &str = "chat-model-b";
+/// The provider-side target the Edge writes into the body (U5).
+pub const TARGET: &str = "mock-target-7b";
+/// The adapter instance name on every node.
+pub const ADAPTER: &str = "mock";
+/// The stall timeout configured on node-a's provider, copied into every
+/// pool dispatch (W2).
+pub const STALL_TIMEOUT_MS: i64 = 120_000;
+/// How long a request for [`MODEL`] waits for a lease before its 503.
+pub const QUEUE_TIMEOUT_MS: u64 = 200;
+/// A whole test must finish within this; a hang fails instead of blocking.
+pub const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Polling period while waiting for a state change the test cannot await.
+const POLL_PERIOD: Duration = Duration::from_millis(5);
+
+/// Runs `body` under [`TEST_TIMEOUT`]. Only the whole test is wrapped, never
+/// a single TLS read: when the timeout fires the test ends anyway.
+pub async fn guarded<F: Future>(body: F) -> F::Output {
+    match monoio::time::timeout(TEST_TIMEOUT, body).await {
+        Ok(out) => out,
+        Err(_) => panic!("the test did not finish within {TEST_TIMEOUT:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Certificates
+
+/// Dev certificates (CA, `edge-1`, nodes `node-a`, `node-b`, `node-c`) in a
+/// per-test directory under Cargo's target tmpdir, removed on drop.
+#[derive(Debug)]
+pub struct Pki {
+    /// The directory holding the PEM files (and nominally the configs).
+    pub dir: PathBuf,
+    /// The files written.
+    pub files: DevCertFiles,
+}
+
+impl Pki {
+    /// Mints a fresh set for test `name`, in a directory of its own (the
+    /// same test runs once per driver, concurrently).
+    pub fn mint(name: &str) -> Self {
+        static MINTED: AtomicUsize = AtomicUsize::new(0);
+        let n = MINTED.fetch_add(1, Ordering::Relaxed);
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("edge-skeleton-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let files = write_dev_certs(
+            &dir,
+            TRUST_DOMAIN,
+            EDGE_NAME,
+            ["node-a", "node-b", "node-c"],
+        )
+        .expect("mint dev certificates");
+        Self { dir, files }
+    }
+
+    /// The TLS files of node `name`.
+    pub fn node_files(&self, name: &str) -> TlsFiles {
+        self.files
+            .node_tls_files(name)
+            .unwrap_or_else(|| panic!("no certificate minted for {name}"))
+    }
+
+    /// A Node-side connector presenting node `name`'s certificate.
+    pub fn connector(&self, name: &str) -> NodeTlsConnector {
+        let material = TlsMaterial::from_files(&self.node_files(name)).expect("node material");
+        NodeTlsConnector::new(&material, TRUST_DOMAIN, EDGE_NAME).expect("node connector")
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Services
+
+/// A spawned service that runs until [`Service::stop`].
+pub struct Service {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service").finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// Spawns `run`, which is given a future that completes on stop.
+    pub fn spawn<F, R>(run: F) -> Self
+    where
+        F: FnOnce(std::pin::Pin<Box<dyn Future<Output = ()>>>) -> R,
+        R: Future<Output = ()> + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = monoio::spawn(run(Box::pin(async move {
+            let _ = stopped.await;
+        })));
+        Self { stop, task }
+    }
+
+    /// Stops the service and waits for it to return.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await;
+    }
+}
+
+/// The `bench` mock provider, in process.
+#[derive(Debug)]
+pub struct Mock {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    service: Service,
+}
+
+impl Mock {
+    /// Starts a mock streaming `tokens` tokens without pauses.
+    pub fn start(tokens: u32) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock provider");
+        let addr = listener.local_addr().expect("mock address");
+        let config = bench::mock::MockConfig {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens,
+            models: vec![TARGET.to_string()],
+        };
+        let service = Service::spawn(move |stopped| async move {
+            monoio::select! {
+                never = bench::mock::serve(listener, config) => match never {},
+                _ = stopped => {}
+            }
+        });
+        Self { addr, service }
+    }
+
+    /// Stops it.
+    pub async fn stop(self) {
+        self.service.stop().await;
+    }
+}
+
+/// Options of the Edge config the tests vary.
+#[derive(Debug, Clone)]
+pub struct EdgeOptions {
+    /// The provider base URL of every node's adapter.
+    pub provider_addr: SocketAddr,
+    /// `edge.max_request_body_bytes`, if set.
+    pub max_request_body_bytes: Option<usize>,
+}
+
+impl EdgeOptions {
+    /// Nodes whose adapters point at `provider_addr`.
+    pub fn new(provider_addr: SocketAddr) -> Self {
+        Self {
+            provider_addr,
+            max_request_body_bytes: None,
+        }
+    }
+
+    /// Adapters pointing at the discard port: for raw nodes that answer
+    /// tunnels by hand, so no provider is ever dialled.
+    pub fn without_provider() -> Self {
+        Self::new(SocketAddr::from(([127, 0, 0, 1], 9)))
+    }
+}
+
+/// The Edge config text: nodes `node-a` and `node-b` (`node-c` has a
+/// certificate but is not configured), each with one OpenAI-compatible
+/// adapter `mock` and one provider of target [`TARGET`]; model [`MODEL`] on
+/// node-a and [`MODEL_B`] on node-b.
+pub fn edge_toml(pki: &Pki, options: &EdgeOptions) -> String {
+    let edge = pki.files.edge_tls_files();
+    let body_limit = options
+        .max_request_body_bytes
+        .map(|n| format!("max_request_body_bytes = {n}\n"))
+        .unwrap_or_default();
+    let node = |id: &str, provider: &str, stall: i64| {
+        format!(
+            r#"
+[[nodes]]
+id = "{id}"
+
+[[nodes.adapters]]
+name = "{ADAPTER}"
+kind = "openai_compat"
+profile = "openai"
+base_url = "http://{provider_addr}"
+capacity = 4
+
+[[nodes.providers]]
+id = "{provider}"
+adapter = "{ADAPTER}"
+target = "{TARGET}"
+capacity = 2
+response_stall_timeout_ms = {stall}
+category = "api"
+"#,
+            provider_addr = options.provider_addr,
+        )
+    };
+    format!(
+        r#"
+[edge]
+name = "{EDGE_NAME}"
+trust_domain = "{TRUST_DOMAIN}"
+client_listen = "127.0.0.1:0"
+node_listen = "127.0.0.1:0"
+{body_limit}
+[tls]
+ca = "{ca}"
+cert = "{cert}"
+key = "{key}"
+{node_a}
+{node_b}
+[[models]]
+name = "{MODEL}"
+providers = ["node-a/a-mock"]
+queue_timeout_ms = {QUEUE_TIMEOUT_MS}
+
+[[models]]
+name = "{MODEL_B}"
+providers = ["node-b/b-mock"]
+"#,
+        ca = edge.ca_path.display(),
+        cert = edge.cert_path.display(),
+        key = edge.key_path.display(),
+        node_a = node("node-a", "a-mock", STALL_TIMEOUT_MS),
+        node_b = node("node-b", "b-mock", 0),
+    )
+}
+
+/// An Edge served in process by `edge_bin::server`, wired as `main` wires
+/// it: config parsed with `EdgeConfig::parse`, TLS material read from the
+/// config's files, allow list from the configured nodes.
+#[derive(Debug)]
+pub struct TestEdge {
+    /// The shard state (Control and the shell tables).
+    pub edge: Rc<Edge>,
+    /// The client HTTP listener.
+    pub client_addr: SocketAddr,
+    /// The node listener.
+    pub node_addr: SocketAddr,
+    service: Service,
+}
+
+impl TestEdge {
+    /// Parses `toml` and starts serving it.
+    pub fn start(pki: &Pki, toml: &str) -> Self {
+        let cfg = EdgeConfig::parse(toml, pki.dir.join("edge.toml")).expect("edge config");
+        cfg.validate_files().expect("edge TLS files");
+        let tls = cfg.tls.as_ref().expect("the test config has [tls]");
+        let material = TlsMaterial::from_files(&TlsFiles {
+            ca_path: tls.ca.clone(),
+            cert_path: tls.cert.clone(),
+            key_path: tls.key.clone(),
+        })
+        .expect("edge material");
+        let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
+        let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
+            .expect("edge acceptor");
+        let edge = server::edge_state(&cfg);
+        let listeners = Listeners::bind(&cfg).expect("bind edge listeners");
+        let client_addr = listeners.client_addr().expect("client address");
+        let node_addr = listeners.node_addr().expect("node address");
+        let served = edge.clone();
+        let service = Service::spawn(move |stopped| {
+            server::serve(served, listeners, Some(Rc::new(acceptor)), stopped)
+        });
+        Self {
+            edge,
+            client_addr,
+            node_addr,
+            service,
+        }
+    }
+
+    /// Stops accepting (connections already open are dropped with the test).
+    pub async fn stop(self) {
+        self.service.stop().await;
+    }
+}
+
+/// The Node config text for `node_id` dialling `edge_addr`, with unlimited
+/// reconnects one second apart.
+pub fn node_toml(pki: &Pki, node_id: &str, edge_addr: SocketAddr) -> String {
+    let files = pki.node_files(node_id);
+    format!(
+        r#"
+node_id = "{node_id}"
+trust_domain = "{TRUST_DOMAIN}"
+edge_addr = "{edge_addr}"
+edge_name = "{EDGE_NAME}"
+
+[tls]
+ca = "{ca}"
+cert = "{cert}"
+key = "{key}"
+
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+"#,
+        ca = files.ca_path.display(),
+        cert = files.cert_path.display(),
+        key = files.key_path.display(),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Raw HTTP/1.1 client
+
+/// A parsed HTTP response; `body` is de-chunked when the response was
+/// chunked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Headers in order, names lowercased.
+    pub headers: Vec<(String, String)>,
+    /// Whether the body was `transfer-encoding: chunked`.
+    pub chunked: bool,
+    /// The body bytes (de-chunked).
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    /// The value of header `name` (lowercase), if present once or more.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+}
+
+/// Sends `request` (raw bytes, which should ask for `connection: close`) and
+/// reads the response to EOF.
+pub async fn http_exchange(addr: SocketAddr, request: Vec<u8>) -> HttpResponse {
+    let mut tcp = TcpStream::connect(addr).await.expect("connect");
+    let (res, _) = tcp.write_all(request).await;
+    res.expect("write request");
+    let mut raw = Vec::new();
+    loop {
+        let (res, buf) = tcp.read(Vec::with_capacity(16 * 1024)).await;
+        match res.expect("read response") {
+            0 => break,
+            _ => raw.extend_from_slice(&buf),
+        }
+    }
+    parse_response(&raw)
+}
+
+/// `method path` with `body` as `application/json`, `connection: close`.
+pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    http_exchange(addr, request).await
+}
+
+/// `POST /v1/chat/completions` with `body`.
+pub async fn post_chat(addr: SocketAddr, body: &str) -> HttpResponse {
+    http_request(addr, "POST", "/v1/chat/completions", body.as_bytes()).await
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Parses a complete response: head, then a chunked body (de-chunked
+/// strictly: every size line, every CRLF, the last chunk, nothing after) or
+/// a `content-length` body.
+pub fn parse_response(raw: &[u8]) -> HttpResponse {
+    let head_end = find(raw, b"\r\n\r\n").expect("response head ends with CRLFCRLF");
+    let head = std::str::from_utf8(&raw[..head_end]).expect("head is UTF-8");
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let mut parts = status_line.splitn(3, ' ');
+    assert_eq!(
+        parts.next(),
+        Some("HTTP/1.1"),
+        "status line {status_line:?}"
+    );
+    let status: u16 = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("status line {status_line:?}"));
+    let headers: Vec<(String, String)> = lines
+        .map(|line| {
+            let (name, value) = line
+                .split_once(':')
+                .unwrap_or_else(|| panic!("header line {line:?}"));
+            (name.trim().to_ascii_lowercase(), value.trim().to_string())
+        })
+        .collect();
+    let rest = &raw[head_end + 4..];
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    let body = if chunked {
+        dechunk(rest)
+    } else {
+        let len: usize = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .map(|(_, v)| v.parse().expect("content-length is a number"))
+            .expect("a response without chunking has a content-length");
+        assert_eq!(rest.len(), len, "body length vs content-length");
+        rest.to_vec()
+    };
+    HttpResponse {
+        status,
+        headers,
+        chunked,
+        body,
+    }
+}
+
+/// De-chunks a complete chunked body, written independently of the engine's
+/// codec so the test does not check the Edge with its own parser.
+pub fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    loop {
+        let line_end = find(rest, b"\r\n").expect("chunk size line ends with CRLF");
+        let size_text = std::str::from_utf8(&rest[..line_end]).expect("chunk size is ASCII");
+        let size = usize::from_str_radix(size_text, 16)
+            .unwrap_or_else(|_| panic!("chunk size {size_text:?}"));
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            assert_eq!(rest, b"\r\n", "the last chunk ends the body (no trailers)");
+            return body;
+        }
+        assert!(rest.len() >= size + 2, "chunk of {size} bytes is complete");
+        body.extend_from_slice(&rest[..size]);
+        assert_eq!(&rest[size..size + 2], b"\r\n", "chunk data ends with CRLF");
+        rest = &rest[size + 2..];
+    }
+}
+
+/// `GET /status` as JSON.
+pub async fn status(addr: SocketAddr) -> Value {
+    let response = http_request(addr, "GET", "/status", b"").await;
+    assert_eq!(response.status, 200);
+    response.json()
+}
+
+/// The `/status` entry of `node_id`'s provider.
+pub fn provider_entry(status: &Value, node_id: &str) -> Value {
+    status["providers"]
+        .as_array()
+        .expect("providers array")
+        .iter()
+        .find(|p| p["node_id"] == node_id)
+        .cloned()
+        .unwrap_or_else(|| panic!("no provider of {node_id} in {status}"))
+}
+
+/// Polls `/status` until `node_id`'s provider shows `connected`.
+pub async fn wait_connected(addr: SocketAddr, node_id: &str, connected: bool) -> Value {
+    loop {
+        let entry = provider_entry(&status(addr).await, node_id);
+        if entry["connected"] == connected {
+            return entry;
+        }
+        monoio::time::sleep(POLL_PERIOD).await;
+    }
+}
+
+/// The `/status` entry of a configured provider that is not dispatch-ready
+/// (P3: every figure zero, unavailable/offline).
+pub fn offline_entry(node_id: &str, provider_id: &str) -> Value {
+    serde_json::json!({
+        "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
+        "target": TARGET, "category": "api", "status": "unavailable", "health": "offline",
+        "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
+        "queued": 0, "long_queued": 0, "connected": false
+    })
+}
+
+/// The `/status` entry of a dispatch-ready provider (capacity 2) with
+/// `in_flight` leases.
+pub fn ready_entry(node_id: &str, provider_id: &str, in_flight: u32) -> Value {
+    serde_json::json!({
+        "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
+        "target": TARGET, "category": "api", "status": "available", "health": "available",
+        "capacity": 2, "long_context_capacity": 0, "in_flight": in_flight,
+        "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true
+    })
+}
+
+/// The OpenAI error body `{"error":{"message","type","param","code"}}`.
+pub fn api_error(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    serde_json::json!({
+        "error": {"message": message, "type": kind, "param": param, "code": code}
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Raw nodes
+
+/// A frame with `body`.
+pub fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// A hand-driven node: the engine's frame connection over the node's mTLS
+/// stream, with registration, readiness and tunnel answers sent by the test.
+#[derive(Debug)]
+pub struct RawNode {
+    /// Sends frames.
+    pub conn: ConnHandle,
+    /// Received frames, then the close.
+    pub events: ConnEvents,
+}
+
+impl RawNode {
+    /// Dials `addr` and completes the TLS handshake with `connector`.
+    pub async fn connect(addr: SocketAddr, connector: &NodeTlsConnector) -> Self {
+        let tcp = TcpStream::connect(addr).await.expect("dial the edge");
+        let shutdown = SocketShutdown::for_socket(&tcp);
+        let tls = connector.connect(tcp).await.expect("TLS handshake");
+        let (r, w) = tls.into_split();
+        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        Self { conn, events }
+    }
+
+    /// The next application frame; panics if the connection closed.
+    pub async fn next_frame(&mut self) -> Body {
+        match self.events.recv().await {
+            Some(ConnEvent::Frame(pb::Frame { body: Some(body) })) => body,
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    /// Waits for the close; panics if a frame arrives first.
+    pub async fn closed_reason(&mut self) -> String {
+        match self.events.recv().await {
+            Some(ConnEvent::Closed { reason }) => reason,
+            other => panic!("expected the close, got {other:?}"),
+        }
+    }
+
+    /// Sends `RegisterRequest{node_id}` and returns the response.
+    pub async fn register(&mut self, node_id: &str) -> pb::RegisterResponse {
+        self.conn
+            .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
+                node_id: node_id.to_string(),
+                node_version: "test".to_string(),
+            })))
+            .expect("send register");
+        match self.next_frame().await {
+            Body::RegisterResponse(r) => r,
+            other => panic!("expected RegisterResponse, got {other:?}"),
+        }
+    }
+
+    /// Sends `NodeReadyRequest{node_id}` and returns the response.
+    pub async fn ready(&mut self, node_id: &str) -> pb::NodeReadyResponse {
+        self.conn
+            .send_control(frame(Body::NodeReadyRequest(pb::NodeReadyRequest {
+                node_id: node_id.to_string(),
+            })))
+            .expect("send ready");
+        match self.next_frame().await {
+            Body::NodeReadyResponse(r) => r,
+            other => panic!("expected NodeReadyResponse, got {other:?}"),
+        }
+    }
+}
+
+/// The rustls error a TLS stream's first read fails with (`None` when the
+/// read returned data or EOF instead).
+pub async fn first_read_error<S: AsyncReadRent>(stream: &mut S) -> Option<rustls::Error> {
+    let (res, _) = stream.read(vec![0u8; 64]).await;
+    match res {
+        Ok(_) => None,
+        Err(e) => rustls_cause(&e).cloned(),
+    }
+}
+
+/// A test-only TLS client verifier that accepts any server certificate (so
+/// only the Edge's judgement of the client is tested), still checking
+/// handshake signatures.
+#[derive(Debug)]
+pub struct AnyServerCert(pub rustls::crypto::WebPkiSupportedAlgorithms);
+
+impl rustls::client::danger::ServerCertVerifier for AnyServerCert {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_schemes()
+    }
+}
+
+/// A raw TLS 1.3 client presenting the certificate and key in these PEM
+/// files, whatever identity they carry.
+pub fn raw_tls_client(cert_path: &Path, key_path: &Path) -> monoio_rustls::TlsConnector {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let cert_pem = std::fs::read(cert_path).expect("read cert");
+    let key_pem = std::fs::read(key_path).expect("read key");
+    let chain = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .expect("cert PEM");
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).expect("key PEM");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let algorithms = provider.signature_verification_algorithms;
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("TLS 1.3")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServerCert(algorithms)))
+        .with_client_auth_cert(chain, key)
+        .expect("client cert");
+    Arc::new(config).into()
+}
