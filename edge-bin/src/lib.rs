@@ -16,6 +16,7 @@
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
 //! [`server`] (wiring and listeners).
 
+pub mod admin;
 pub mod config;
 pub mod control;
 pub mod metrics;
@@ -25,3 +26,4 @@ pub mod server;
 pub mod state;
 pub mod status;
 pub mod surface;
+pub mod translate;

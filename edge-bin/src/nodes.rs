@@ -138,20 +138,34 @@ async fn handle_frame(
                 ev.r#type(),
                 pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
             );
-            if terminal {
-                let mut routes = edge.routes.borrow_mut();
-                if routes.get(&ev.run_id).is_some_and(|r| r.conn == conn_id) {
-                    routes.remove(&ev.run_id);
+            let evidence = terminal.then(|| Terminal {
+                conn: conn_id,
+                run_id: ev.run_id.clone(),
+                adapter: ev.adapter.clone(),
+                target: ev.target.clone(),
+                stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
+            });
+            let tx = {
+                let routes = edge.routes.borrow();
+                routes
+                    .get(&ev.run_id)
+                    .filter(|r| r.conn == conn_id)
+                    .map(|r| r.tx.clone())
+            };
+            if let Some(t) = evidence {
+                if tx.is_some() {
+                    edge.routes.borrow_mut().remove(&t.run_id);
                 }
-                drop(routes);
-                edge.apply(Input::Terminal(Terminal {
-                    conn: conn_id,
-                    run_id: ev.run_id.clone(),
-                    adapter: ev.adapter.clone(),
-                    target: ev.target.clone(),
-                    stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
-                }));
+                edge.apply(Input::Terminal(t));
             }
+            if let Some(tx) = tx {
+                let _ = tx.send(RouteEvent::Run(ev)).await;
+            }
+        }
+        Body::NodeCommandResponse(response)
+            if crate::admin::is_admin_command(&response.command_id) =>
+        {
+            crate::admin::on_response(conn_id, response);
         }
         Body::NodeCommandResponse(response) => edge.apply(Input::CommandResult {
             conn: conn_id,

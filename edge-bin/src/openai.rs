@@ -5,6 +5,7 @@
 //! Surface translation lives here, never in transport handlers (X4).
 
 use bytes::Bytes;
+use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
 /// An error in the OpenAI error shape
@@ -274,6 +275,72 @@ impl ChatRequest {
         (chars / 4) as u64
     }
 
+    /// The normalized provider input of a run (E3): messages, tools and
+    /// sampling options; everything else in the request is not forwarded on
+    /// the normalized path.
+    pub fn run_input(&self) -> pb::RunInput {
+        fn content_text(v: Option<&Value>) -> String {
+            match v {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join(""),
+                _ => String::new(),
+            }
+        }
+        let str_field = |m: &Value, k: &str| {
+            m.get(k)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
+        let json_bytes = |v: Option<&Value>| match v {
+            None | Some(Value::Null) => Bytes::new(),
+            Some(v) => Bytes::from(v.to_string()),
+        };
+        let messages = self
+            .body
+            .get("messages")
+            .and_then(Value::as_array)
+            .map(|msgs| {
+                msgs.iter()
+                    .map(|m| pb::ChatMessage {
+                        role: str_field(m, "role"),
+                        content: content_text(m.get("content")),
+                        name: str_field(m, "name"),
+                        tool_call_id: str_field(m, "tool_call_id"),
+                        tool_calls_json: json_bytes(m.get("tool_calls")),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let stop = match self.body.get("stop") {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect(),
+            _ => Vec::new(),
+        };
+        pb::RunInput {
+            messages,
+            tools_json: json_bytes(self.body.get("tools")),
+            tool_choice_json: json_bytes(self.body.get("tool_choice")),
+            max_tokens: self
+                .body
+                .get("max_completion_tokens")
+                .or_else(|| self.body.get("max_tokens"))
+                .and_then(Value::as_i64),
+            temperature: self.body.get("temperature").and_then(Value::as_f64),
+            top_p: self.body.get("top_p").and_then(Value::as_f64),
+            stop,
+            seed: self.body.get("seed").and_then(Value::as_i64),
+        }
+    }
+
     /// The body for the selected provider: identical to the client's except
     /// that `model` names the served target (U5).
     pub fn body_for_target(&self, target: &str) -> Bytes {
@@ -385,6 +452,30 @@ mod tests {
             &req.body_for_target("meta-llama/Llama-3.1-8B")[..],
             br#"{"model":"meta-llama/Llama-3.1-8B","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"temperature":0.5}"#
         );
+    }
+
+    // CONTRACT: E3 — the normalized input carries messages, tools and
+    // sampling options; the external model is not part of it (E2).
+    #[test]
+    fn run_input_is_normalized() {
+        let req = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"tool","tool_call_id":"c1","content":"42"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":5,"temperature":0.5,"stop":"x","seed":3}"#,
+        )
+        .unwrap();
+        let input = req.run_input();
+        assert_eq!(input.messages.len(), 3);
+        assert_eq!(input.messages[0].role, "system");
+        assert_eq!(input.messages[1].content, "ab");
+        assert_eq!(input.messages[2].tool_call_id, "c1");
+        assert_eq!(
+            &input.tools_json[..],
+            br#"[{"type":"function","function":{"name":"f"}}]"#
+        );
+        assert_eq!(input.max_tokens, Some(5));
+        assert_eq!(input.temperature, Some(0.5));
+        assert_eq!(input.stop, vec!["x".to_string()]);
+        assert_eq!(input.seed, Some(3));
+        assert!(input.tool_choice_json.is_empty());
     }
 
     #[test]

@@ -30,6 +30,8 @@ use crate::openai::ModelEntry;
 pub enum RouteEvent {
     /// A tunnel frame from the connection that owns the lease (H1).
     Tunnel(pb::ProviderTunnelFrame),
+    /// A normalized run event from the connection that owns the lease (H1).
+    Run(pb::RunEvent),
     /// The lease was released without a terminal: the node's connection was
     /// fenced (F1) or superseded (R2).
     Lost,

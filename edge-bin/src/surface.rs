@@ -17,9 +17,10 @@ use local_sync::mpsc::bounded;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::TcpStream;
 
-use crate::control::{DispatchKind, Input, Rejection};
+use crate::control::{Dispatch, DispatchKind, Input, Rejection};
 use crate::openai::{self, ApiError, ChatRequest};
 use crate::state::{Admission, Edge, RouteEvent};
+use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{metrics, status};
 
 /// Serves one client connection until it closes.
@@ -74,6 +75,10 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                         Bytes::from(text),
                     )
                     .await
+            }
+            ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
+                let (status, body) = crate::admin::handle(&edge, p, &request.body).await;
+                write_json(&mut server, status, body).await
             }
             ("GET", "/livez") | ("GET", "/readyz") => {
                 server
@@ -173,26 +178,48 @@ where
         }
     };
     let lease = &dispatch.lease;
+    // U7: the provider's type alone picks the path; the client surface is
+    // the same either way.
+    let run = match dispatch.kind {
+        DispatchKind::Tunnel => tunnel_request(&chat, &dispatch),
+        DispatchKind::Run => run_request(&chat, &dispatch),
+    };
     let conn = edge.conns.borrow().get(&lease.conn).cloned();
-    let conn = match conn {
-        Some(conn) if dispatch.kind == DispatchKind::Tunnel => conn,
-        _ => {
-            edge.routes.borrow_mut().remove(&lease.run_id);
-            edge.apply(Input::Undeliverable { request });
-            let e = if dispatch.kind == DispatchKind::Run {
-                ApiError::upstream(
-                    "normalized runs (Ollama providers) are not supported yet",
-                    Some("unsupported_provider".into()),
-                )
-            } else {
-                ApiError::upstream(
-                    "the selected node disconnected",
-                    Some("node_unavailable".into()),
-                )
+    let sent = match conn {
+        Some(conn) => conn.send_bulk(run).await.is_ok(),
+        None => false,
+    };
+    if !sent {
+        edge.routes.borrow_mut().remove(&lease.run_id);
+        edge.apply(Input::Undeliverable { request });
+        let e = ApiError::upstream(
+            "the selected node disconnected",
+            Some("node_unavailable".into()),
+        );
+        return write_api_error(server, &e).await;
+    }
+    let result = match dispatch.kind {
+        DispatchKind::Tunnel => relay(server, frames).await,
+        DispatchKind::Run => {
+            let id = ResponseId {
+                id: format!("chatcmpl-{}", lease.run_id),
+                created: iop_engine::clock::unix_ms() / 1000,
+                model: lease.target.clone(),
             };
-            return write_api_error(server, &e).await;
+            relay_run(server, frames, id, &chat).await
         }
     };
+    if result.is_err() {
+        // U6: the client is gone (or the response broke off); Control sends
+        // the node a CancelRequest and settles the lease on its terminal.
+        edge.apply(Input::Cancel { request });
+    }
+    result
+}
+
+/// The tunnel request for an OpenAI-compatible provider (U1, U5, W2).
+fn tunnel_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
+    let lease = &dispatch.lease;
     let accept = if chat.stream {
         "text/event-stream"
     } else {
@@ -222,26 +249,97 @@ where
         operation: "chat_completions".into(),
         ..Default::default()
     };
-    if conn
-        .send_bulk(frame(Body::ProviderTunnelRequest(tunnel)))
-        .await
-        .is_err()
-    {
-        edge.routes.borrow_mut().remove(&lease.run_id);
-        edge.apply(Input::Undeliverable { request });
-        let e = ApiError::upstream(
-            "the selected node disconnected",
-            Some("node_unavailable".into()),
+    frame(Body::ProviderTunnelRequest(tunnel))
+}
+
+/// The normalized run for an Ollama/native provider (E1–E3, W2).
+fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
+    let lease = &dispatch.lease;
+    let run = pb::RunRequest {
+        run_id: lease.run_id.clone(),
+        adapter: lease.adapter.clone(),
+        target: lease.target.clone(),
+        input: Some(chat.run_input()),
+        response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
+        ..Default::default()
+    };
+    frame(Body::RunRequest(run))
+}
+
+/// Relays a normalized run as OpenAI chat completion chunks or one
+/// `chat.completion` (E1, E4, E5).
+async fn relay_run<S>(
+    server: &mut ServerConn<S>,
+    mut frames: bounded::Rx<RouteEvent>,
+    id: ResponseId,
+    chat: &ChatRequest,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let lost = "the node serving this request disconnected";
+    if !chat.stream {
+        let mut builder = CompletionBuilder::new(id);
+        loop {
+            match frames.recv().await {
+                Some(RouteEvent::Run(ev)) => match builder.on_event(&ev) {
+                    Some(Completion::Done(v)) => {
+                        return write_json(server, 200, Bytes::from(v.to_string())).await
+                    }
+                    Some(Completion::Failed { code, message }) => {
+                        return fail(server, false, false, &message, &code).await
+                    }
+                    None => {}
+                },
+                Some(RouteEvent::Tunnel(_)) => {}
+                Some(RouteEvent::Lost) | None => {
+                    return fail(server, false, false, lost, "node_disconnected").await
+                }
+            }
+        }
+    }
+    let mut stream = ChunkStream::new(id, chat.include_usage());
+    let mut started = false;
+    loop {
+        let ev = match frames.recv().await {
+            Some(RouteEvent::Run(ev)) => ev,
+            Some(RouteEvent::Tunnel(_)) => continue,
+            Some(RouteEvent::Lost) | None => {
+                return fail(server, started, true, lost, "node_disconnected").await
+            }
+        };
+        let is_error = matches!(
+            ev.r#type(),
+            pb::RunEventType::Error | pb::RunEventType::Cancelled
         );
-        return write_api_error(server, &e).await;
+        if !started && is_error {
+            // Nothing was sent yet: answer with an HTTP error instead.
+            let code = if ev.failure_code.is_empty() {
+                "provider_error"
+            } else {
+                ev.failure_code.as_str()
+            };
+            return fail(server, false, true, &ev.error, code).await;
+        }
+        if !started {
+            server
+                .start_chunked(
+                    200,
+                    [
+                        ("content-type", "text/event-stream"),
+                        ("cache-control", "no-cache"),
+                    ],
+                )
+                .await?;
+            started = true;
+        }
+        for chunk in stream.on_event(&ev) {
+            server.write_chunk(chunk).await?;
+        }
+        if stream.is_finished() {
+            return server.finish().await;
+        }
     }
-    let result = relay(server, frames).await;
-    if result.is_err() {
-        // U6: the client is gone (or the response broke off); Control sends
-        // the node a CancelRequest and settles the lease on its terminal.
-        edge.apply(Input::Cancel { request });
-    }
-    result
 }
 
 /// Relays tunnel frames to the client until the terminal.
@@ -257,6 +355,7 @@ where
     loop {
         let tf = match frames.recv().await {
             Some(RouteEvent::Tunnel(tf)) => tf,
+            Some(RouteEvent::Run(_)) => continue,
             Some(RouteEvent::Lost) | None => {
                 let message = "the node serving this request disconnected";
                 return fail(server, started, event_stream, message, "node_disconnected").await;
