@@ -1,0 +1,341 @@
+//! Operator commands to a Node (K2): `POST /admin/nodes/{node_id}/commands`
+//! with `{"type":"capabilities"|"transport_status"|"provider_status"|
+//! "ollama_query","adapter":"...","path":"..."}` sends a `NodeCommandRequest`
+//! to the node's dispatch-ready connection and answers with its
+//! `NodeCommandResponse` as JSON.
+//!
+//! ```text
+//! POST ─► parse ─► ready owner of node_id? ─no─► 404
+//!            │ yes: pending[command_id] = (conn, reply)
+//!            ▼
+//!   NodeCommandRequest ──► node ──► NodeCommandResponse ──► nodes.rs ─► on_response ─► reply
+//!            └── no answer within COMMAND_WAIT ─► 504
+//! ```
+//!
+//! Only dispatch-ready owners receive commands (X6). An answer counts only
+//! when it arrives on the connection the command went to. The pending table
+//! is per shard (the Edge's state is core-local), kept here so the shared
+//! state needs no new field.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use local_sync::oneshot;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::control::ConnId;
+use crate::state::Edge;
+
+/// Path prefix of the route.
+pub const COMMANDS_PREFIX: &str = "/admin/nodes/";
+/// Path suffix of the route.
+pub const COMMANDS_SUFFIX: &str = "/commands";
+/// How long to wait for the node's answer before 504.
+pub const COMMAND_WAIT: Duration = Duration::from_secs(15);
+/// Most commands waiting at once (a bound on the pending table).
+pub const MAX_PENDING: usize = 1024;
+
+struct Pending {
+    conn: ConnId,
+    reply: oneshot::Sender<pb::NodeCommandResponse>,
+}
+
+thread_local! {
+    static PENDING: RefCell<HashMap<String, Pending>> = RefCell::new(HashMap::new());
+    static NEXT_ID: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Whether `command_id` names an admin command (answers go to
+/// [`on_response`], not to the control machine).
+pub fn is_admin_command(command_id: &str) -> bool {
+    command_id.starts_with(COMMAND_ID_PREFIX)
+}
+
+/// Prefix of admin command ids.
+pub const COMMAND_ID_PREFIX: &str = "admin-";
+
+/// The node id of a command path, if `path` is one.
+pub fn command_node(path: &str) -> Option<&str> {
+    let id = path
+        .strip_prefix(COMMANDS_PREFIX)?
+        .strip_suffix(COMMANDS_SUFFIX)?;
+    (!id.is_empty() && !id.contains('/')).then_some(id)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommandBody {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    adapter: String,
+    #[serde(default)]
+    path: String,
+}
+
+fn command_type(kind: &str) -> Option<pb::CommandType> {
+    match kind {
+        "capabilities" => Some(pb::CommandType::Capabilities),
+        "transport_status" => Some(pb::CommandType::TransportStatus),
+        "provider_status" => Some(pb::CommandType::ProviderStatus),
+        "ollama_query" => Some(pb::CommandType::OllamaQuery),
+        _ => None,
+    }
+}
+
+fn error(status: u16, code: &str, message: &str) -> (u16, Bytes) {
+    let body = json!({"error": {"message": message, "type": "admin_error", "code": code}});
+    (status, Bytes::from(body.to_string()))
+}
+
+/// Handles `POST {path}` with `body`; returns the status and JSON body.
+pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
+    let Some(node_id) = command_node(path) else {
+        return error(404, "not_found", "expected /admin/nodes/{node_id}/commands");
+    };
+    let request: CommandBody = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                400,
+                "invalid_request",
+                &format!("invalid command body: {e}"),
+            )
+        }
+    };
+    let Some(kind) = command_type(&request.kind) else {
+        return error(
+            400,
+            "invalid_request",
+            "type must be capabilities, transport_status, provider_status or ollama_query",
+        );
+    };
+    // X6: only the dispatch-ready owner of the node gets commands.
+    let target = {
+        let control = edge.control.borrow();
+        let conns = edge.conns.borrow();
+        conns
+            .iter()
+            .find(|(id, _)| control.node_of(**id) == Some(node_id) && control.is_ready_owner(**id))
+            .map(|(id, conn)| (*id, conn.clone()))
+    };
+    let Some((conn_id, conn)) = target else {
+        return error(
+            404,
+            "node_not_ready",
+            &format!("node `{node_id}` is not connected and ready"),
+        );
+    };
+    if PENDING.with_borrow(|p| p.len()) >= MAX_PENDING {
+        return error(503, "busy", "too many commands are waiting for nodes");
+    }
+    let command_id = NEXT_ID.with(|n| {
+        let id = n.get() + 1;
+        n.set(id);
+        format!("{COMMAND_ID_PREFIX}{id}")
+    });
+    let (tx, rx) = oneshot::channel();
+    PENDING.with_borrow_mut(|p| {
+        p.insert(
+            command_id.clone(),
+            Pending {
+                conn: conn_id,
+                reply: tx,
+            },
+        )
+    });
+    let frame = pb::Frame {
+        body: Some(Body::NodeCommandRequest(pb::NodeCommandRequest {
+            command_id: command_id.clone(),
+            r#type: kind as i32,
+            adapter: request.adapter,
+            path: request.path,
+        })),
+    };
+    if conn.send_control(frame).is_err() {
+        PENDING.with_borrow_mut(|p| p.remove(&command_id));
+        return error(502, "node_unavailable", "the node connection closed");
+    }
+    let answer = monoio::select! {
+        r = rx => r.ok(),
+        _ = monoio::time::sleep(COMMAND_WAIT) => None,
+    };
+    PENDING.with_borrow_mut(|p| p.remove(&command_id));
+    match answer {
+        Some(resp) => (200, Bytes::from(response_json(&resp).to_string())),
+        None => error(
+            504,
+            "node_timeout",
+            "the node did not answer the command in time",
+        ),
+    }
+}
+
+/// A `NodeCommandResponse` from connection `conn` (called by the node
+/// connection shell). Answers to unknown commands or from another
+/// connection are ignored.
+pub fn on_response(conn: ConnId, resp: pb::NodeCommandResponse) {
+    let pending = PENDING.with_borrow_mut(|p| match p.get(&resp.command_id) {
+        Some(entry) if entry.conn == conn => p.remove(&resp.command_id),
+        _ => None,
+    });
+    match pending {
+        Some(entry) => {
+            let _ = entry.reply.send(resp);
+        }
+        None => {
+            tracing::debug!(command_id = %resp.command_id, "unsolicited command response ignored")
+        }
+    }
+}
+
+fn health_name(h: pb::ProviderHealth) -> &'static str {
+    match h {
+        pb::ProviderHealth::Available => "available",
+        pb::ProviderHealth::Unavailable => "unavailable",
+        pb::ProviderHealth::Unknown => "unknown",
+        pb::ProviderHealth::Offline => "offline",
+        pb::ProviderHealth::Unspecified => "unspecified",
+    }
+}
+
+/// The JSON form of a command answer. An Ollama body that is JSON is
+/// embedded as JSON, anything else as a string.
+pub fn response_json(resp: &pb::NodeCommandResponse) -> Value {
+    let capabilities: Vec<Value> = resp
+        .capabilities
+        .iter()
+        .map(|c| {
+            json!({
+                "adapter_key": c.adapter_key,
+                "target": c.target,
+                "provider_status": health_name(c.provider_status()),
+                "health_observation_seq": c.health_observation_seq,
+                "adapter": c.adapter,
+                "instance_key": c.instance_key,
+            })
+        })
+        .collect();
+    let providers: Vec<Value> = resp
+        .providers
+        .iter()
+        .map(|p| {
+            json!({
+                "adapter_key": p.adapter_key,
+                "adapter": p.adapter,
+                "state": p.state,
+                "capacity": p.capacity,
+                "in_flight": p.in_flight,
+                "targets": p.targets,
+            })
+        })
+        .collect();
+    let transport = resp.transport_status.as_ref().map(|t| {
+        json!({
+            "node_id": t.node_id,
+            "session_age_sec": t.session_age_sec,
+            "active_runs": t.active_runs,
+            "active_tunnels": t.active_tunnels,
+            "frames_sent": t.frames_sent,
+            "frames_received": t.frames_received,
+        })
+    });
+    let query_body = if resp.query_body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&resp.query_body)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&resp.query_body).into()))
+    };
+    json!({
+        "command_id": resp.command_id,
+        "ok": resp.ok,
+        "error": resp.error,
+        "capabilities": capabilities,
+        "transport_status": transport,
+        "providers": providers,
+        "query_status": resp.query_status,
+        "query_body": query_body,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_paths() {
+        assert_eq!(command_node("/admin/nodes/node-a/commands"), Some("node-a"));
+        assert_eq!(command_node("/admin/nodes//commands"), None);
+        assert_eq!(command_node("/admin/nodes/a/b/commands"), None);
+        assert_eq!(command_node("/admin/nodes/a"), None);
+        assert_eq!(
+            command_type("capabilities"),
+            Some(pb::CommandType::Capabilities)
+        );
+        assert_eq!(command_type("run"), None);
+    }
+
+    // CONTRACT: K2 — answers are correlated by command id and accepted only
+    // from the connection the command went to.
+    #[test]
+    fn responses_are_correlated_by_id_and_connection() {
+        let (tx, mut rx) = oneshot::channel();
+        PENDING.with_borrow_mut(|p| {
+            p.insert(
+                "admin-x".into(),
+                Pending {
+                    conn: ConnId(7),
+                    reply: tx,
+                },
+            )
+        });
+        let resp = pb::NodeCommandResponse {
+            command_id: "admin-x".into(),
+            ok: true,
+            ..Default::default()
+        };
+        on_response(ConnId(8), resp.clone());
+        assert!(
+            rx.try_recv().is_err(),
+            "another connection's answer is ignored"
+        );
+        on_response(ConnId(7), resp.clone());
+        assert_eq!(rx.try_recv(), Ok(resp));
+    }
+
+    #[test]
+    fn response_json_shape() {
+        let resp = pb::NodeCommandResponse {
+            command_id: "admin-1".into(),
+            ok: true,
+            capabilities: vec![pb::AdapterCapability {
+                adapter_key: "mock".into(),
+                target: "m".into(),
+                provider_status: pb::ProviderHealth::Available as i32,
+                health_observation_seq: Some(3),
+                adapter: "openai_compat".into(),
+                instance_key: "mock".into(),
+            }],
+            query_body: Bytes::from_static(b"{\"models\":[]}"),
+            query_status: 200,
+            ..Default::default()
+        };
+        assert_eq!(
+            response_json(&resp),
+            json!({
+                "command_id": "admin-1", "ok": true, "error": "",
+                "capabilities": [{"adapter_key": "mock", "target": "m",
+                    "provider_status": "available", "health_observation_seq": 3,
+                    "adapter": "openai_compat", "instance_key": "mock"}],
+                "transport_status": null, "providers": [],
+                "query_status": 200, "query_body": {"models": []},
+            })
+        );
+    }
+}
