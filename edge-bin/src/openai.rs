@@ -8,6 +8,15 @@ use bytes::Bytes;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
+/// Which client API a route speaks; decides the error shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    /// OpenAI: `{"error":{"message","type","param","code"}}`.
+    OpenAi,
+    /// Anthropic Messages: `{"type":"error","error":{"type","message"}}`.
+    Anthropic,
+}
+
 /// An error in the OpenAI error shape
 /// `{"error":{"message","type","param","code"}}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,10 +168,54 @@ impl ApiError {
         Bytes::from(self.body_json().to_string())
     }
 
+    /// The Anthropic error `type` for this error's status.
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.status {
+            400 | 405 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The JSON body in the shape of `surface`.
+    pub fn body_for(&self, surface: Surface) -> Bytes {
+        match surface {
+            Surface::OpenAi => self.body_bytes(),
+            Surface::Anthropic => Bytes::from(
+                json!({
+                    "type": "error",
+                    "error": {"type": self.anthropic_type(), "message": self.message},
+                })
+                .to_string(),
+            ),
+        }
+    }
+
     /// The SSE event that reports this error inside an already-started
     /// stream, followed by `data: [DONE]`.
     pub fn sse_event(&self) -> Bytes {
         sse_error_event(&self.message, self.kind, self.code.as_deref())
+    }
+}
+
+/// The SSE event that ends a started stream with an error, in the shape of
+/// `surface`: OpenAI `data: {"error":{...}}` then `data: [DONE]`; Anthropic
+/// `event: error` with `{"type":"error","error":{...}}`.
+pub fn sse_error_event_for(surface: Surface, message: &str, code: &str) -> Bytes {
+    match surface {
+        Surface::OpenAi => sse_error_event(message, "upstream_error", Some(code)),
+        Surface::Anthropic => {
+            let event = json!({
+                "type": "error",
+                "error": {"type": "api_error", "message": format!("{message} ({code})")},
+            });
+            Bytes::from(format!("event: error\ndata: {event}\n\n"))
+        }
     }
 }
 
@@ -350,6 +403,55 @@ impl ChatRequest {
     }
 }
 
+/// A request for a passthrough route (`/v1/responses`, `/v1/messages`,
+/// `/v1/messages/count_tokens`): only `model` and `stream` are read; the body
+/// is forwarded with `model` rewritten to the served target (U5).
+#[derive(Debug, Clone)]
+pub struct PassthroughRequest {
+    /// The external model (E2).
+    pub model: String,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    body: Map<String, Value>,
+}
+
+impl PassthroughRequest {
+    /// Parses a JSON object with a string `model`.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| {
+            ApiError::invalid_request(format!("The request body is not valid JSON: {e}"), None)
+        })?;
+        let Value::Object(body) = value else {
+            return Err(ApiError::invalid_request(
+                "The request body must be a JSON object.",
+                None,
+            ));
+        };
+        let model = match body.get("model") {
+            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+            _ => {
+                return Err(ApiError::invalid_request(
+                    "`model` must be a non-empty string.",
+                    Some("model"),
+                ))
+            }
+        };
+        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        Ok(Self {
+            model,
+            stream,
+            body,
+        })
+    }
+
+    /// The body for the selected provider, `model` naming its target (U5).
+    pub fn body_for_target(&self, target: &str) -> Bytes {
+        let mut body = self.body.clone();
+        body.insert("model".into(), Value::String(target.to_string()));
+        Bytes::from(Value::Object(body).to_string())
+    }
+}
+
 /// One entry of `GET /v1/models`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelEntry {
@@ -499,6 +601,36 @@ mod tests {
             &body[..],
             br#"{"object":"list","data":[{"id":"a","object":"model","created":7,"owned_by":"iop"}]}"#
         );
+    }
+
+    #[test]
+    fn anthropic_error_shape() {
+        let e = ApiError::model_not_found("claude-x");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&e.body_for(Surface::Anthropic)).unwrap(),
+            json!({"type": "error", "error": {"type": "not_found_error", "message": e.message}})
+        );
+        assert_eq!(
+            ApiError::queue_full("m").anthropic_type(),
+            "rate_limit_error"
+        );
+        assert_eq!(
+            &sse_error_event_for(Surface::Anthropic, "stalled", "response_stalled")[..],
+            b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"stalled (response_stalled)\"}}\n\n"
+        );
+    }
+
+    // CONTRACT: U5 — passthrough bodies keep every field but `model`.
+    #[test]
+    fn passthrough_rewrites_model_only() {
+        let r =
+            PassthroughRequest::parse(br#"{"model":"pub","input":"hi","stream":true}"#).unwrap();
+        assert!(r.stream);
+        assert_eq!(
+            &r.body_for_target("t")[..],
+            br#"{"model":"t","input":"hi","stream":true}"#
+        );
+        assert_eq!(PassthroughRequest::parse(b"{}").unwrap_err().status, 400);
     }
 
     #[test]

@@ -17,8 +17,8 @@ use local_sync::mpsc::bounded;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::TcpStream;
 
-use crate::control::{Dispatch, DispatchKind, Input, Rejection};
-use crate::openai::{self, ApiError, ChatRequest};
+use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{metrics, status};
@@ -57,7 +57,39 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     openai::models_list(&edge.settings.models, edge.settings.started_unix_sec);
                 write_json(&mut server, 200, body).await
             }
-            ("POST", "/v1/chat/completions") => chat(&edge, &mut server, &request.body).await,
+            ("POST", "/v1/chat/completions") => {
+                chat(&edge, &mut server, &request.head.headers, &request.body).await
+            }
+            ("POST", "/v1/responses") => {
+                passthrough(
+                    &edge,
+                    &mut server,
+                    RESPONSES,
+                    &request.head.headers,
+                    &request.body,
+                )
+                .await
+            }
+            ("POST", "/v1/messages") => {
+                passthrough(
+                    &edge,
+                    &mut server,
+                    MESSAGES,
+                    &request.head.headers,
+                    &request.body,
+                )
+                .await
+            }
+            ("POST", "/v1/messages/count_tokens") => {
+                passthrough(
+                    &edge,
+                    &mut server,
+                    COUNT_TOKENS,
+                    &request.head.headers,
+                    &request.body,
+                )
+                .await
+            }
             ("GET", "/status") => {
                 let snapshots = edge.control.borrow().snapshots();
                 let body = Bytes::from(status::status_json(&snapshots).to_string());
@@ -130,13 +162,24 @@ async fn write_api_error<S>(server: &mut ServerConn<S>, e: &ApiError) -> Result<
 where
     S: AsyncReadRent + AsyncWriteRent,
 {
+    write_error(server, Surface::OpenAi, e).await
+}
+
+async fn write_error<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    e: &ApiError,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
     let retry_after = e.retry_after_sec.map(|s| s.to_string());
     let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
     if let Some(r) = retry_after.as_deref() {
         headers.push(("retry-after", r));
     }
     server
-        .write_response(e.status, headers, e.body_bytes())
+        .write_response(e.status, headers, e.body_for(surface))
         .await
 }
 
@@ -146,7 +189,12 @@ fn frame(body: Body) -> pb::Frame {
 
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider tunnel.
-async fn chat<S>(edge: &Rc<Edge>, server: &mut ServerConn<S>, body: &[u8]) -> Result<(), HttpError>
+async fn chat<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    headers: &[iop_engine::http::Header],
+    body: &[u8],
+) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent,
 {
@@ -161,45 +209,29 @@ where
         .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
-    let (request, admission) = edge.submit(&chat.model, long);
-    let (dispatch, frames) = match admission.await {
-        Ok(Admission::Dispatched { dispatch, frames }) => (dispatch, frames),
-        Ok(Admission::Rejected(Rejection::UnknownModel)) => {
-            return write_api_error(server, &ApiError::model_not_found(&chat.model)).await
-        }
-        Ok(Admission::Rejected(Rejection::QueueFull)) => {
-            return write_api_error(server, &ApiError::queue_full(&chat.model)).await
-        }
-        Ok(Admission::Rejected(Rejection::QueueTimeout)) => {
-            return write_api_error(server, &ApiError::no_provider(&chat.model)).await
-        }
-        Ok(Admission::Ended) | Err(_) => {
-            return write_api_error(server, &ApiError::no_provider(&chat.model)).await
-        }
+    let Some((request, dispatch, frames)) =
+        admit(edge, server, Surface::OpenAi, &chat.model, long).await?
+    else {
+        return Ok(());
     };
     let lease = &dispatch.lease;
     // U7: the provider's type alone picks the path; the client surface is
     // the same either way.
     let run = match dispatch.kind {
-        DispatchKind::Tunnel => tunnel_request(&chat, &dispatch),
+        DispatchKind::Tunnel => tunnel_frame(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
+            chat.body_for_target(&lease.target),
+            chat.stream,
+        ),
         DispatchKind::Run => run_request(&chat, &dispatch),
     };
-    let conn = edge.conns.borrow().get(&lease.conn).cloned();
-    let sent = match conn {
-        Some(conn) => conn.send_bulk(run).await.is_ok(),
-        None => false,
-    };
-    if !sent {
-        edge.routes.borrow_mut().remove(&lease.run_id);
-        edge.apply(Input::Undeliverable { request });
-        let e = ApiError::upstream(
-            "the selected node disconnected",
-            Some("node_unavailable".into()),
-        );
-        return write_api_error(server, &e).await;
+    if !send_run(edge, server, Surface::OpenAi, request, &dispatch, run).await? {
+        return Ok(());
     }
     let result = match dispatch.kind {
-        DispatchKind::Tunnel => relay(server, frames).await,
+        DispatchKind::Tunnel => relay(server, Surface::OpenAi, frames).await,
         DispatchKind::Run => {
             let id = ResponseId {
                 id: format!("chatcmpl-{}", lease.run_id),
@@ -217,36 +249,207 @@ where
     result
 }
 
-/// The tunnel request for an OpenAI-compatible provider (U1, U5, W2).
-fn tunnel_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
-    let lease = &dispatch.lease;
-    let accept = if chat.stream {
-        "text/event-stream"
-    } else {
-        "application/json"
+/// Waits for `Control`'s answer to a submitted request.
+async fn admit<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    model: &str,
+    long: bool,
+) -> Result<Option<(RequestId, Dispatch, bounded::Rx<RouteEvent>)>, HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let (request, admission) = edge.submit(model, long);
+    let e = match admission.await {
+        Ok(Admission::Dispatched { dispatch, frames }) => {
+            return Ok(Some((request, dispatch, frames)))
+        }
+        Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
+        Ok(Admission::Rejected(Rejection::QueueFull)) => ApiError::queue_full(model),
+        Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
+            ApiError::no_provider(model)
+        }
     };
+    write_error(server, surface, &e).await?;
+    Ok(None)
+}
+
+/// Sends a run to the lease's node; on failure settles the request and
+/// answers the client. Returns whether it was sent.
+async fn send_run<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    request: RequestId,
+    dispatch: &Dispatch,
+    run: pb::Frame,
+) -> Result<bool, HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let lease = &dispatch.lease;
+    let conn = edge.conns.borrow().get(&lease.conn).cloned();
+    let sent = match conn {
+        Some(conn) => conn.send_bulk(run).await.is_ok(),
+        None => false,
+    };
+    if !sent {
+        edge.routes.borrow_mut().remove(&lease.run_id);
+        edge.apply(Input::Undeliverable { request });
+        let e = ApiError::upstream(
+            "the selected node disconnected",
+            Some("node_unavailable".into()),
+        );
+        write_error(server, surface, &e).await?;
+    }
+    Ok(sent)
+}
+
+/// `POST /v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`: raw
+/// passthrough over a provider tunnel (U1–U5).
+async fn passthrough<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    route: PassRoute,
+    headers: &[iop_engine::http::Header],
+    body: &[u8],
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent,
+{
+    let req = match PassthroughRequest::parse(body) {
+        Ok(r) => r,
+        Err(e) => return write_error(server, route.surface, &e).await,
+    };
+    let Some((request, dispatch, frames)) =
+        admit(edge, server, route.surface, &req.model, false).await?
+    else {
+        return Ok(());
+    };
+    if dispatch.kind != DispatchKind::Tunnel {
+        // Native (Ollama) providers speak only the normalized chat path.
+        edge.routes.borrow_mut().remove(&dispatch.lease.run_id);
+        edge.apply(Input::Undeliverable { request });
+        let e = ApiError::invalid_request(
+            format!(
+                "The provider serving `{}` does not support {}.",
+                req.model, route.path
+            ),
+            None,
+        );
+        return write_error(server, route.surface, &e).await;
+    }
+    let run = tunnel_frame(
+        route,
+        &dispatch,
+        tunnel_headers(route, req.stream, headers),
+        req.body_for_target(&dispatch.lease.target),
+        req.stream,
+    );
+    if !send_run(edge, server, route.surface, request, &dispatch, run).await? {
+        return Ok(());
+    }
+    let result = relay(server, route.surface, frames).await;
+    if result.is_err() {
+        edge.apply(Input::Cancel { request });
+    }
+    result
+}
+
+/// A passthrough route: which profile operation it is (U3) and which client
+/// API it speaks.
+#[derive(Debug, Clone, Copy)]
+struct PassRoute {
+    operation: &'static str,
+    path: &'static str,
+    surface: Surface,
+}
+
+const CHAT_COMPLETIONS: PassRoute = PassRoute {
+    operation: "chat_completions",
+    path: "/v1/chat/completions",
+    surface: Surface::OpenAi,
+};
+const RESPONSES: PassRoute = PassRoute {
+    operation: "responses",
+    path: "/v1/responses",
+    surface: Surface::OpenAi,
+};
+const MESSAGES: PassRoute = PassRoute {
+    operation: "messages",
+    path: "/v1/messages",
+    surface: Surface::Anthropic,
+};
+const COUNT_TOKENS: PassRoute = PassRoute {
+    operation: "count_tokens",
+    path: "/v1/messages/count_tokens",
+    surface: Surface::Anthropic,
+};
+
+/// The Anthropic API version sent upstream when the client gave none.
+pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// Request headers forwarded to the provider on a tunnel: content type,
+/// accept, and for Anthropic routes `anthropic-version` (defaulted) and
+/// `anthropic-beta`. Client credentials are never forwarded.
+fn tunnel_headers(
+    route: PassRoute,
+    stream: bool,
+    client: &[iop_engine::http::Header],
+) -> Vec<pb::Header> {
+    let header = |name: &str, value: Bytes| pb::Header {
+        name: name.to_string(),
+        value,
+    };
+    let accept: &'static [u8] = if stream {
+        b"text/event-stream"
+    } else {
+        b"application/json"
+    };
+    let mut headers = vec![
+        header("content-type", Bytes::from_static(b"application/json")),
+        header("accept", Bytes::from_static(accept)),
+    ];
+    if route.surface == Surface::Anthropic {
+        let find = |name: &str| {
+            client
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case(name))
+                .map(|h| h.value.clone())
+        };
+        let version = find("anthropic-version")
+            .unwrap_or_else(|| Bytes::from_static(DEFAULT_ANTHROPIC_VERSION.as_bytes()));
+        headers.push(header("anthropic-version", version));
+        if let Some(beta) = find("anthropic-beta") {
+            headers.push(header("anthropic-beta", beta));
+        }
+    }
+    headers
+}
+
+/// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2).
+fn tunnel_frame(
+    route: PassRoute,
+    dispatch: &Dispatch,
+    headers: Vec<pb::Header>,
+    body: Bytes,
+    stream: bool,
+) -> pb::Frame {
+    let lease = &dispatch.lease;
     let tunnel = pb::ProviderTunnelRequest {
         run_id: lease.run_id.clone(),
         adapter: lease.adapter.clone(),
         target: lease.target.clone(),
         method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        headers: vec![
-            pb::Header {
-                name: "content-type".into(),
-                value: Bytes::from_static(b"application/json"),
-            },
-            pb::Header {
-                name: "accept".into(),
-                value: Bytes::from_static(accept.as_bytes()),
-            },
-        ],
+        path: route.path.into(),
+        headers,
         // U5: the body is built after selection, naming the served target.
-        body: chat.body_for_target(&lease.target),
-        stream: chat.stream,
+        body,
+        stream,
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
-        operation: "chat_completions".into(),
+        operation: route.operation.into(),
         ..Default::default()
     };
     frame(Body::ProviderTunnelRequest(tunnel))
@@ -287,13 +490,21 @@ where
                         return write_json(server, 200, Bytes::from(v.to_string())).await
                     }
                     Some(Completion::Failed { code, message }) => {
-                        return fail(server, false, false, &message, &code).await
+                        return fail(server, Surface::OpenAi, false, false, &message, &code).await
                     }
                     None => {}
                 },
                 Some(RouteEvent::Tunnel(_)) => {}
                 Some(RouteEvent::Lost) | None => {
-                    return fail(server, false, false, lost, "node_disconnected").await
+                    return fail(
+                        server,
+                        Surface::OpenAi,
+                        false,
+                        false,
+                        lost,
+                        "node_disconnected",
+                    )
+                    .await
                 }
             }
         }
@@ -305,7 +516,15 @@ where
             Some(RouteEvent::Run(ev)) => ev,
             Some(RouteEvent::Tunnel(_)) => continue,
             Some(RouteEvent::Lost) | None => {
-                return fail(server, started, true, lost, "node_disconnected").await
+                return fail(
+                    server,
+                    Surface::OpenAi,
+                    started,
+                    true,
+                    lost,
+                    "node_disconnected",
+                )
+                .await
             }
         };
         let is_error = matches!(
@@ -319,7 +538,7 @@ where
             } else {
                 ev.failure_code.as_str()
             };
-            return fail(server, false, true, &ev.error, code).await;
+            return fail(server, Surface::OpenAi, false, true, &ev.error, code).await;
         }
         if !started {
             server
@@ -345,6 +564,7 @@ where
 /// Relays tunnel frames to the client until the terminal.
 async fn relay<S>(
     server: &mut ServerConn<S>,
+    surface: Surface,
     mut frames: bounded::Rx<RouteEvent>,
 ) -> Result<(), HttpError>
 where
@@ -358,7 +578,15 @@ where
             Some(RouteEvent::Run(_)) => continue,
             Some(RouteEvent::Lost) | None => {
                 let message = "the node serving this request disconnected";
-                return fail(server, started, event_stream, message, "node_disconnected").await;
+                return fail(
+                    server,
+                    surface,
+                    started,
+                    event_stream,
+                    message,
+                    "node_disconnected",
+                )
+                .await;
             }
         };
         match tf.kind() {
@@ -391,7 +619,7 @@ where
                     server.finish().await
                 } else {
                     let e = ApiError::upstream("the provider sent no response", None);
-                    write_api_error(server, &e).await
+                    write_error(server, surface, &e).await
                 };
             }
             pb::TunnelFrameKind::Error => {
@@ -400,7 +628,7 @@ where
                 } else {
                     tf.failure_code.as_str()
                 };
-                return fail(server, started, event_stream, &tf.error, code).await;
+                return fail(server, surface, started, event_stream, &tf.error, code).await;
             }
         }
     }
@@ -410,6 +638,7 @@ where
 /// SSE error event (then `[DONE]`) inside a started event stream.
 async fn fail<S>(
     server: &mut ServerConn<S>,
+    surface: Surface,
     started: bool,
     event_stream: bool,
     message: &str,
@@ -424,15 +653,11 @@ where
         } else {
             ApiError::upstream(message.to_string(), Some(code.to_string()))
         };
-        return write_api_error(server, &e).await;
+        return write_error(server, surface, &e).await;
     }
     if event_stream {
         server
-            .write_chunk(openai::sse_error_event(
-                message,
-                "upstream_error",
-                Some(code),
-            ))
+            .write_chunk(openai::sse_error_event_for(surface, message, code))
             .await?;
         server.finish().await
     } else {
