@@ -10,11 +10,11 @@
 use std::rc::Rc;
 
 use bytes::Bytes;
-use iop_engine::http::{HttpError, Limits, ServerConn};
+use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use local_sync::mpsc::bounded;
-use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
 use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
@@ -151,7 +151,7 @@ async fn write_json<S>(
     body: Bytes,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     server
         .write_response(status, [("content-type", "application/json")], body)
@@ -160,7 +160,7 @@ where
 
 async fn write_api_error<S>(server: &mut ServerConn<S>, e: &ApiError) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     write_error(server, Surface::OpenAi, e).await
 }
@@ -171,7 +171,7 @@ async fn write_error<S>(
     e: &ApiError,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let retry_after = e.retry_after_sec.map(|s| s.to_string());
     let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
@@ -196,7 +196,7 @@ async fn chat<S>(
     body: &[u8],
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let chat = match ChatRequest::parse(body) {
         Ok(c) => c,
@@ -258,10 +258,25 @@ async fn admit<S>(
     long: bool,
 ) -> Result<Option<(RequestId, Dispatch, bounded::Rx<RouteEvent>)>, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let (request, admission) = edge.submit(model, long);
-    let e = match admission.await {
+    let (request, mut admission) = edge.submit(model, long);
+    // U6: a client that leaves while queued is removed from the queue; one
+    // that leaves just as its lease was won settles the lease at once.
+    let answer = match server.watch_peer(&mut admission).await {
+        Watched::Done(answer) => answer,
+        Watched::PeerClosed => {
+            match admission.try_recv() {
+                Ok(Admission::Dispatched { dispatch, .. }) => {
+                    edge.routes.borrow_mut().remove(&dispatch.lease.run_id);
+                    edge.apply(Input::Undeliverable { request });
+                }
+                _ => edge.apply(Input::Cancel { request }),
+            }
+            return Ok(None);
+        }
+    };
+    let e = match answer {
         Ok(Admission::Dispatched { dispatch, frames }) => {
             return Ok(Some((request, dispatch, frames)))
         }
@@ -286,7 +301,7 @@ async fn send_run<S>(
     run: pb::Frame,
 ) -> Result<bool, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let lease = &dispatch.lease;
     let conn = edge.conns.borrow().get(&lease.conn).cloned();
@@ -316,7 +331,7 @@ async fn passthrough<S>(
     body: &[u8],
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let req = match PassthroughRequest::parse(body) {
         Ok(r) => r,
@@ -478,13 +493,17 @@ async fn relay_run<S>(
     chat: &ChatRequest,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let lost = "the node serving this request disconnected";
     if !chat.stream {
         let mut builder = CompletionBuilder::new(id);
         loop {
-            match frames.recv().await {
+            let next = match server.watch_peer(frames.recv()).await {
+                Watched::Done(next) => next,
+                Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+            };
+            match next {
                 Some(RouteEvent::Run(ev)) => match builder.on_event(&ev) {
                     Some(Completion::Done(v)) => {
                         return write_json(server, 200, Bytes::from(v.to_string())).await
@@ -512,7 +531,15 @@ where
     let mut stream = ChunkStream::new(id, chat.include_usage());
     let mut started = false;
     loop {
-        let ev = match frames.recv().await {
+        let next = if started {
+            frames.recv().await
+        } else {
+            match server.watch_peer(frames.recv()).await {
+                Watched::Done(next) => next,
+                Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+            }
+        };
+        let ev = match next {
             Some(RouteEvent::Run(ev)) => ev,
             Some(RouteEvent::Tunnel(_)) => continue,
             Some(RouteEvent::Lost) | None => {
@@ -568,12 +595,22 @@ async fn relay<S>(
     mut frames: bounded::Rx<RouteEvent>,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let mut started = false;
     let mut event_stream = false;
     loop {
-        let tf = match frames.recv().await {
+        let next = if started {
+            frames.recv().await
+        } else {
+            // Before the first byte goes out, a client that leaves is seen
+            // at once (U6), not at the first write.
+            match server.watch_peer(frames.recv()).await {
+                Watched::Done(next) => next,
+                Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+            }
+        };
+        let tf = match next {
             Some(RouteEvent::Tunnel(tf)) => tf,
             Some(RouteEvent::Run(_)) => continue,
             Some(RouteEvent::Lost) | None => {
@@ -645,7 +682,7 @@ async fn fail<S>(
     code: &str,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent,
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     if !started {
         let e = if code == "response_stalled" {

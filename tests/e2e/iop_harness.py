@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,12 +101,19 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05, wha
 class Cluster:
     """A mock provider, an Edge and N Nodes on loopback with fresh dev certs."""
 
-    def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None):
+    def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
+                 provider_extra=(), reconnect=(1, 0), provider_capacity=64):
+        # provider_extra: extra TOML lines for every node's [[nodes.providers]]
+        # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
+        # nodes' (interval_sec, max_attempts).
+        self.provider_extra = list(provider_extra)
+        self.reconnect = reconnect
         self.dir = Path(tempfile.mkdtemp(prefix="iop-e2e-"))
         self.node_ids = list(node_ids)
         self.mock_args = list(mock_args)
         self.edge_env = edge_env or {}
         self.node_env = node_env or {}
+        self.provider_capacity = provider_capacity
         self.procs: list[Proc] = []
         self.nodes: dict[str, Proc] = {}
 
@@ -169,8 +177,8 @@ class Cluster:
                 'id = "mock-1"',
                 'adapter = "mock"',
                 'target = "mock-model"',
-                "capacity = 64",
-            ]
+                f"capacity = {self.provider_capacity}",
+            ] + self.provider_extra
         # A configured node that never connects: its model has no ready provider.
         out += [
             "[[nodes]]",
@@ -207,8 +215,8 @@ class Cluster:
             f'cert = "certs/node-{node_id}.pem"',
             f'key = "certs/node-{node_id}-key.pem"',
             "[reconnect]",
-            "interval_sec = 1",
-            "max_attempts = 0",
+            f"interval_sec = {self.reconnect[0]}",
+            f"max_attempts = {self.reconnect[1]}",
         ]) + "\n"
 
     def start_node(self, node_id: str) -> Proc:
@@ -227,3 +235,34 @@ class Cluster:
         providers = self.status()["providers"]
         connected = {p["node_id"] for p in providers if p["connected"]} - {"node-offline"}
         return connected == set(self.node_ids)
+
+    def restart_edge(self) -> Proc:
+        """Stops the Edge and starts a new one on the same node port (the
+        client port changes; `base_url` follows it)."""
+        nodes_addr = self.edge.ready["nodes"]
+        self.edge.stop()
+        self.procs.remove(self.edge)
+        text = self.edge_config(self.mock.ready["addr"]).replace(
+            'node_listen = "127.0.0.1:0"', f'node_listen = "{nodes_addr}"')
+        edge_toml = self.dir / "edge.toml"
+        edge_toml.write_text(text)
+        self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml)], env=self.edge_env)
+        self.procs.append(self.edge)
+        self.base_url = f"http://{self.edge.ready['client']}"
+        return self.edge
+
+
+def post_raw(url: str, body: dict, timeout_s: float = 20.0) -> tuple[int, dict, bytes]:
+    """POSTs JSON; returns (status, headers, whole body) also for error statuses."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def sse_data(body: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]

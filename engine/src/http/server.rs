@@ -13,7 +13,7 @@
 use std::fmt;
 
 use bytes::{Bytes, BytesMut};
-use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent, Canceller};
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
@@ -34,6 +34,15 @@ pub struct Request {
     /// The de-chunked body (empty when there is none). A `Content-Length`
     /// body is one slice of the read buffer (no copy).
     pub body: Bytes,
+}
+
+/// What [`ServerConn::watch_peer`] saw first.
+#[derive(Debug)]
+pub enum Watched<T> {
+    /// The work finished; its output.
+    Done(T),
+    /// The client closed (or reset) its side first.
+    PeerClosed,
 }
 
 /// Where the response to the current request stands.
@@ -109,6 +118,64 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     /// Gives the stream back (buffered unread bytes are dropped).
     pub fn into_inner(self) -> S {
         self.stream
+    }
+
+    /// Runs `work` (e.g. waiting for a queue admission or the first
+    /// upstream byte) while watching the client: returns
+    /// [`Watched::PeerClosed`] as soon as the client closes its side, or
+    /// [`Watched::Done`] with `work`'s output.
+    ///
+    /// The watch is a cancelable read: when `work` finishes first the read
+    /// is cancelled and awaited, and any bytes it had already received (a
+    /// pipelined next request) are kept for [`ServerConn::read_request`], so
+    /// nothing is lost. After the client sent such bytes the watch stops
+    /// (their arrival says nothing about a close) and only `work` is awaited.
+    pub async fn watch_peer<F: std::future::Future>(&mut self, work: F) -> Watched<F::Output>
+    where
+        S: CancelableAsyncReadRent,
+    {
+        let mut work = std::pin::pin!(work);
+        let canceller = Canceller::new();
+        let probe = vec![0u8; 4096];
+        let read = self.stream.cancelable_read(probe, canceller.handle());
+        let mut read = std::pin::pin!(read);
+        let mut read_done = false;
+        let mut extra = Vec::new();
+        let output = monoio::select! {
+            out = &mut work => Some(out),
+            (res, buf) = &mut read => {
+                read_done = true;
+                match res {
+                    Ok(0) | Err(_) => None,
+                    Ok(n) => {
+                        extra.extend_from_slice(&buf[..n]);
+                        Some(work.await)
+                    }
+                }
+            }
+        };
+        if !read_done {
+            // Cancel and collect the read so its buffer (and any data the
+            // kernel already put there) is not lost.
+            let _ = canceller.cancel();
+            let (res, buf) = read.await;
+            match res {
+                Ok(0) => {
+                    // The client closed just as the work finished; the
+                    // next read sees EOF again.
+                }
+                Ok(n) => extra.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+        }
+        self.read_buf.extend_from_slice(&extra);
+        match output {
+            Some(out) => Watched::Done(out),
+            None => {
+                self.keep_alive = false;
+                Watched::PeerClosed
+            }
+        }
     }
 
     /// Reads the next request and its whole body.

@@ -1,0 +1,64 @@
+"""Clients that go away release what they held.
+
+CONTRACT: U6, K1 — a client that disconnects while queued leaves the queue; one
+that disconnects mid-stream makes the Edge cancel the run on the Node, which
+ends it with one terminal, and the lease is released.
+"""
+
+import json
+import socket
+import time
+
+import pytest
+
+from iop_harness import Cluster, wait_until
+
+MODEL = "iop-test-model"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(mock_args=["--inter-token-ms", "50", "--tokens", "400"], provider_capacity=1) as c:
+        yield c
+
+
+def _open_stream(cluster) -> socket.socket:
+    host, port = cluster.edge.ready["client"].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=20)
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return s
+
+
+def _provider(cluster):
+    return next(p for p in cluster.status()["providers"] if p["node_id"] == "node-a")
+
+
+def test_client_gone_mid_stream_releases_the_lease(cluster):
+    s = _open_stream(cluster)
+    got = b""
+    while b"tok1" not in got:
+        got += s.recv(65536)
+    assert _provider(cluster)["in_flight"] == 1
+    s.close()
+    # The next write to the closed client fails, the Edge cancels the run,
+    # the Node ends it with its terminal and the lease is released.
+    wait_until(lambda: _provider(cluster)["in_flight"] == 0, timeout_s=5, what="lease released")
+
+
+def test_client_gone_while_queued_leaves_the_queue(cluster):
+    holder = _open_stream(cluster)
+    got = b""
+    while b"tok0" not in got:
+        got += holder.recv(65536)
+    waiter = _open_stream(cluster)
+    wait_until(lambda: _provider(cluster)["queued"] == 1, timeout_s=5, what="second request queued")
+    waiter.close()
+    wait_until(lambda: _provider(cluster)["queued"] == 0, timeout_s=5, what="queue emptied")
+    assert _provider(cluster)["in_flight"] == 1
+    holder.close()
+    wait_until(lambda: _provider(cluster)["in_flight"] == 0, timeout_s=5, what="lease released")
