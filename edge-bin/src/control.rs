@@ -184,10 +184,8 @@ impl StallEvidence {
         Some(Self {
             health: pb::ProviderHealth::try_from(evidence.health)
                 .unwrap_or(pb::ProviderHealth::Unspecified),
-            classification: pb::LivenessClassification::try_from(
-                evidence.liveness_classification,
-            )
-            .unwrap_or(pb::LivenessClassification::Unspecified),
+            classification: pb::LivenessClassification::try_from(evidence.liveness_classification)
+                .unwrap_or(pb::LivenessClassification::Unspecified),
             seq: failure.health_observation_seq,
         })
     }
@@ -617,9 +615,7 @@ impl Control {
             Input::Cancel { request } => self.on_cancel(now, request, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
-            Input::CommandResult { conn, response } => {
-                self.on_command_result(conn, &response, out)
-            }
+            Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
         }
     }
 
@@ -1024,9 +1020,7 @@ impl Control {
             .pending
             .iter()
             .filter_map(|(id, p)| match p.state {
-                RequestState::Queued { deadline } => {
-                    Some((*id, p.model.clone(), p.long, deadline))
-                }
+                RequestState::Queued { deadline } => Some((*id, p.model.clone(), p.long, deadline)),
                 _ => None,
             })
             .collect();

@@ -314,7 +314,10 @@ mod tests {
         );
         assert_eq!(CoreList::parse("a"), Err(CoreListError::Syntax("a".into())));
         assert_eq!(CoreList::parse("1,"), Err(CoreListError::Syntax("".into())));
-        assert_eq!(CoreList::parse("3:2"), Err(CoreListError::Syntax("3:2".into())));
+        assert_eq!(
+            CoreList::parse("3:2"),
+            Err(CoreListError::Syntax("3:2".into()))
+        );
         assert_eq!(
             CoreList::parse("-1"),
             Err(CoreListError::Syntax("-1".into()))
@@ -328,7 +331,10 @@ mod tests {
     #[test]
     fn rejects_cores_outside_the_allowed_set() {
         let allowed: BTreeSet<usize> = [0, 1].into_iter().collect();
-        assert_eq!(CoreList::parse("0-1").unwrap().check_allowed(&allowed), Ok(()));
+        assert_eq!(
+            CoreList::parse("0-1").unwrap().check_allowed(&allowed),
+            Ok(())
+        );
         assert_eq!(
             CoreList::parse("0-2").unwrap().check_allowed(&allowed),
             Err(CoreListError::NotAllowed {

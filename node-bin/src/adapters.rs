@@ -57,7 +57,7 @@ pub enum AdapterConfigError {
 /// Occupancy of one instance's capacity gate (P4).
 #[derive(Debug)]
 pub struct CapacityGate {
-    capacity: u32,
+    capacity: Cell<u32>,
     in_flight: Cell<u32>,
 }
 
@@ -65,7 +65,7 @@ impl CapacityGate {
     /// A gate admitting `capacity` at once; 0 = unlimited.
     pub fn new(capacity: u32) -> Rc<Self> {
         Rc::new(Self {
-            capacity,
+            capacity: Cell::new(capacity),
             in_flight: Cell::new(0),
         })
     }
@@ -74,7 +74,8 @@ impl CapacityGate {
     /// permit drops.
     pub fn try_acquire(self: &Rc<Self>) -> Option<Permit> {
         let used = self.in_flight.get();
-        if self.capacity != 0 && used >= self.capacity {
+        let capacity = self.capacity.get();
+        if capacity != 0 && used >= capacity {
             return None;
         }
         self.in_flight.set(used + 1);
@@ -88,7 +89,13 @@ impl CapacityGate {
 
     /// Configured capacity (0 = unlimited).
     pub fn capacity(&self) -> u32 {
-        self.capacity
+        self.capacity.get()
+    }
+
+    /// Changes the capacity (config refresh, K3). Slots already held stay
+    /// held; new ones are admitted only below the new capacity.
+    pub fn set_capacity(&self, capacity: u32) {
+        self.capacity.set(capacity);
     }
 }
 
@@ -172,7 +179,20 @@ pub struct Adapters {
 impl Adapters {
     /// Applies `payload`'s adapters (R3).
     pub fn from_payload(payload: &pb::NodeConfigPayload) -> Result<Self, AdapterConfigError> {
+        Self::from_payload_reusing(payload, None)
+    }
+
+    /// Applies `payload`'s adapters for a config refresh (K3): an instance
+    /// that keeps its name, kind and base URL keeps its capacity gate (with
+    /// the new capacity), so requests in flight on the old instance still
+    /// count against the one gate of that adapter instance (P4).
+    pub fn from_payload_reusing(
+        payload: &pb::NodeConfigPayload,
+        previous: Option<&Adapters>,
+    ) -> Result<Self, AdapterConfigError> {
         let mut by_name = BTreeMap::new();
+        // Applied only once the whole payload is valid.
+        let mut capacity_updates = Vec::new();
         for cfg in &payload.adapters {
             let (kind, base, profile) = match &cfg.kind {
                 Some(pb::adapter_config::Kind::Ollama(o)) => {
@@ -201,17 +221,27 @@ impl Adapters {
                 url: base.clone(),
                 reason: e.to_string(),
             })?;
+            let reused = previous
+                .and_then(|p| p.get(&name))
+                .filter(|old| old.kind == kind && old.base_url == base_url)
+                .map(|old| {
+                    capacity_updates.push((old.gate.clone(), cfg.capacity));
+                    old.gate.clone()
+                });
             let instance = AdapterInstance {
                 name: name.clone(),
                 kind,
                 base_url,
                 profile,
                 targets: cfg.targets.clone(),
-                gate: CapacityGate::new(cfg.capacity),
+                gate: reused.unwrap_or_else(|| CapacityGate::new(cfg.capacity)),
             };
             if by_name.insert(name.clone(), Rc::new(instance)).is_some() {
                 return Err(AdapterConfigError::DuplicateName(name));
             }
+        }
+        for (gate, capacity) in capacity_updates {
+            gate.set_capacity(capacity);
         }
         Ok(Self { by_name })
     }
@@ -224,6 +254,16 @@ impl Adapters {
     /// All instances, by name.
     pub fn iter(&self) -> impl Iterator<Item = &Rc<AdapterInstance>> {
         self.by_name.values()
+    }
+
+    /// Number of instances.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Whether there is no instance.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
     }
 }
 

@@ -1,5 +1,5 @@
-//! Ordered, exactly-once-terminal emission of tunnel frames (U1) — a pure
-//! core the tunnel shell drives.
+//! Ordered, exactly-once-terminal emission of tunnel frames (U1) and run
+//! events (E1) — pure cores the shells drive.
 //!
 //! ```text
 //!            response_start        body*/usage*           end | error
@@ -10,9 +10,18 @@
 //! Every emitted frame gets the next `seq` (1, 2, 3, …). Anything offered
 //! after the terminal is dropped (late output, W10), and a second
 //! `RESPONSE_START` or a body before the start is refused rather than sent.
+//! [`RunEmitter`] does the same for `RunEvent`s (`start`, `delta*`, one of
+//! `complete | error | cancelled`).
+//!
+//! Both implement [`Emitter`], the interface the watchdog driver uses to turn
+//! provider output and watchdog decisions into outbound frames.
+
+use std::collections::HashMap;
 
 use bytes::Bytes;
 use iop_wire::pb;
+
+use crate::watchdog::{self, Activity, StopCause};
 
 /// Where a tunnel's emission stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +148,347 @@ impl TunnelEmitter {
     }
 }
 
+/// Builds the ordered events of one normalized run (E1).
+#[derive(Debug)]
+pub struct RunEmitter {
+    run_id: String,
+    adapter: String,
+    target: String,
+    session_id: String,
+    next_seq: u64,
+    state: EmitState,
+}
+
+impl RunEmitter {
+    /// An emitter for run `run_id` served by `adapter`/`target`, echoing
+    /// `session_id` (E3).
+    pub fn new(run_id: &str, adapter: &str, target: &str, session_id: &str) -> Self {
+        Self {
+            run_id: run_id.to_string(),
+            adapter: adapter.to_string(),
+            target: target.to_string(),
+            session_id: session_id.to_string(),
+            next_seq: 1,
+            state: EmitState::Fresh,
+        }
+    }
+
+    /// Current state.
+    pub fn state(&self) -> EmitState {
+        self.state
+    }
+
+    /// Whether the terminal was emitted.
+    pub fn is_terminated(&self) -> bool {
+        self.state == EmitState::Terminated
+    }
+
+    fn event(&mut self, kind: pb::RunEventType) -> pb::RunEvent {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        pb::RunEvent {
+            run_id: self.run_id.clone(),
+            seq,
+            r#type: kind as i32,
+            adapter: self.adapter.clone(),
+            target: self.target.clone(),
+            session_id: self.session_id.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// `start`; `None` unless this is the first event.
+    pub fn start(&mut self) -> Option<pb::RunEvent> {
+        if self.state != EmitState::Fresh {
+            return None;
+        }
+        self.state = EmitState::Started;
+        Some(self.event(pb::RunEventType::Start))
+    }
+
+    /// A `delta` with text and optional usage; `None` before `start` or
+    /// after the terminal.
+    pub fn delta(&mut self, text: &str, usage: Option<pb::Usage>) -> Option<pb::RunEvent> {
+        if self.state != EmitState::Started {
+            return None;
+        }
+        let mut e = self.event(pb::RunEventType::Delta);
+        e.delta = text.to_string();
+        e.usage = usage;
+        Some(e)
+    }
+
+    /// The `complete` terminal; `None` after a terminal.
+    pub fn complete(
+        &mut self,
+        finish_reason: &str,
+        usage: Option<pb::Usage>,
+        metadata: HashMap<String, String>,
+    ) -> Option<pb::RunEvent> {
+        if self.state == EmitState::Terminated {
+            return None;
+        }
+        self.state = EmitState::Terminated;
+        let mut e = self.event(pb::RunEventType::Complete);
+        e.finish_reason = finish_reason.to_string();
+        e.usage = usage;
+        e.metadata = metadata;
+        Some(e)
+    }
+
+    /// The `error` terminal with a failure code and the legacy error string
+    /// (W6) and, for stalls only, the structured failure (W4, field 13);
+    /// `None` after a terminal.
+    pub fn error(
+        &mut self,
+        failure_code: &str,
+        message: &str,
+        failure: Option<pb::ExecutionFailure>,
+    ) -> Option<pb::RunEvent> {
+        if self.state == EmitState::Terminated {
+            return None;
+        }
+        self.state = EmitState::Terminated;
+        let mut e = self.event(pb::RunEventType::Error);
+        e.failure_code = failure_code.to_string();
+        e.error = message.to_string();
+        e.failure = failure;
+        Some(e)
+    }
+
+    /// The `cancelled` terminal (K1); `None` after a terminal.
+    pub fn cancelled(&mut self, message: &str) -> Option<pb::RunEvent> {
+        if self.state == EmitState::Terminated {
+            return None;
+        }
+        self.state = EmitState::Terminated;
+        let mut e = self.event(pb::RunEventType::Cancelled);
+        e.failure_code = StopCause::Cancelled.failure_code().to_string();
+        e.error = message.to_string();
+        Some(e)
+    }
+}
+
+/// A frame ready for the connection.
+// Both variants hold a frame and move once, straight to the connection;
+// boxing would cost an allocation per frame.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outbound {
+    /// A whole frame (bulk lane).
+    Frame(pb::Frame),
+    /// A tunnel `BODY` frame whose body travels without a copy.
+    Body {
+        /// The frame without its body.
+        frame: pb::ProviderTunnelFrame,
+        /// The body bytes.
+        body: Bytes,
+    },
+}
+
+impl Outbound {
+    /// A tunnel frame.
+    pub fn tunnel(f: pb::ProviderTunnelFrame) -> Self {
+        Outbound::Frame(pb::Frame {
+            body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
+        })
+    }
+
+    /// A run event.
+    pub fn run(e: pb::RunEvent) -> Self {
+        Outbound::Frame(pb::Frame {
+            body: Some(pb::frame::Body::RunEvent(e)),
+        })
+    }
+}
+
+/// What the watchdog driver needs from an emitter: classify provider output
+/// (W3), turn it into frames, and build the terminals the watchdog decides.
+/// Every method returns `None` when the emitter refuses (after its terminal).
+pub trait Emitter {
+    /// What the provider side of the attempt produces.
+    type Output;
+
+    /// The output's meaning to the watchdog (W3).
+    fn activity(output: &Self::Output) -> Activity;
+
+    /// The frame for a forwarded output.
+    fn forward(&mut self, output: Self::Output) -> Option<Outbound>;
+
+    /// The stall terminal (W4): `failure_code=response_stalled`, the legacy
+    /// message and the `ExecutionFailure`.
+    fn stall(&mut self, message: &str, failure: pb::ExecutionFailure) -> Option<Outbound>;
+
+    /// The terminal of a stop cause (W9, K1, F5; no `ExecutionFailure`, W6).
+    fn stopped(&mut self, cause: StopCause) -> Option<Outbound>;
+
+    /// A non-stall failure terminal (W6).
+    fn failed(&mut self, code: &str, message: &str) -> Option<Outbound>;
+}
+
+/// Provider output of a tunnel attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TunnelOutput {
+    /// The response head.
+    Start {
+        /// HTTP status.
+        status: u16,
+        /// Headers, ordered.
+        headers: Vec<pb::Header>,
+    },
+    /// Raw body bytes (U2).
+    Body(Bytes),
+    /// Observation-only usage (U1).
+    Usage(pb::Usage),
+    /// The response ended normally.
+    End,
+    /// The provider call failed (W6).
+    Failed {
+        /// Failure code.
+        code: &'static str,
+        /// Legacy error string.
+        message: String,
+    },
+}
+
+impl Emitter for TunnelEmitter {
+    type Output = TunnelOutput;
+
+    fn activity(output: &TunnelOutput) -> Activity {
+        let (kind, body_bytes) = match output {
+            TunnelOutput::Start { .. } => (pb::TunnelFrameKind::ResponseStart, 0),
+            TunnelOutput::Body(b) => (pb::TunnelFrameKind::Body, b.len()),
+            TunnelOutput::Usage(_) => (pb::TunnelFrameKind::Usage, 0),
+            TunnelOutput::End => (pb::TunnelFrameKind::End, 0),
+            TunnelOutput::Failed { .. } => (pb::TunnelFrameKind::Error, 0),
+        };
+        watchdog::tunnel_activity(kind, body_bytes)
+    }
+
+    fn forward(&mut self, output: TunnelOutput) -> Option<Outbound> {
+        match output {
+            TunnelOutput::Start { status, headers } => {
+                self.response_start(status, headers).map(Outbound::tunnel)
+            }
+            TunnelOutput::Body(body) => self
+                .body(body)
+                .map(|(frame, body)| Outbound::Body { frame, body }),
+            TunnelOutput::Usage(usage) => self.usage(usage).map(Outbound::tunnel),
+            TunnelOutput::End => match self.end() {
+                Some(f) => Some(Outbound::tunnel(f)),
+                // END before RESPONSE_START cannot be relayed: still one terminal.
+                None => self
+                    .error(
+                        crate::tunnel::codes::PROVIDER_ERROR,
+                        "the provider response ended before it started",
+                        None,
+                    )
+                    .map(Outbound::tunnel),
+            },
+            TunnelOutput::Failed { code, message } => {
+                self.error(code, &message, None).map(Outbound::tunnel)
+            }
+        }
+    }
+
+    fn stall(&mut self, message: &str, failure: pb::ExecutionFailure) -> Option<Outbound> {
+        self.error(watchdog::FAILURE_RESPONSE_STALLED, message, Some(failure))
+            .map(Outbound::tunnel)
+    }
+
+    fn stopped(&mut self, cause: StopCause) -> Option<Outbound> {
+        self.error(cause.failure_code(), cause.message(), None)
+            .map(Outbound::tunnel)
+    }
+
+    fn failed(&mut self, code: &str, message: &str) -> Option<Outbound> {
+        self.error(code, message, None).map(Outbound::tunnel)
+    }
+}
+
+/// Provider output of a normalized run attempt (the adapters that produce
+/// it parse Ollama NDJSON / OpenAI SSE into these).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunOutput {
+    /// The provider accepted the run.
+    Start,
+    /// Content progress, optionally with usage.
+    Delta {
+        /// Text.
+        text: String,
+        /// Usage observed with it.
+        usage: Option<pb::Usage>,
+    },
+    /// Success.
+    Complete {
+        /// `stop`, `length`, `tool_calls`.
+        finish_reason: String,
+        /// Final usage.
+        usage: Option<pb::Usage>,
+        /// Event metadata (E4, E5).
+        metadata: HashMap<String, String>,
+    },
+    /// The provider call failed (W6).
+    Failed {
+        /// Failure code.
+        code: &'static str,
+        /// Legacy error string.
+        message: String,
+    },
+}
+
+impl Emitter for RunEmitter {
+    type Output = RunOutput;
+
+    fn activity(output: &RunOutput) -> Activity {
+        match output {
+            RunOutput::Start => watchdog::run_event_activity(pb::RunEventType::Start, 0, false),
+            RunOutput::Delta { text, usage } => {
+                watchdog::run_event_activity(pb::RunEventType::Delta, text.len(), usage.is_some())
+            }
+            RunOutput::Complete { usage, .. } => {
+                watchdog::run_event_activity(pb::RunEventType::Complete, 0, usage.is_some())
+            }
+            RunOutput::Failed { .. } => {
+                watchdog::run_event_activity(pb::RunEventType::Error, 0, false)
+            }
+        }
+    }
+
+    fn forward(&mut self, output: RunOutput) -> Option<Outbound> {
+        let event = match output {
+            RunOutput::Start => self.start(),
+            RunOutput::Delta { text, usage } => self.delta(&text, usage),
+            RunOutput::Complete {
+                finish_reason,
+                usage,
+                metadata,
+            } => self.complete(&finish_reason, usage, metadata),
+            RunOutput::Failed { code, message } => self.error(code, &message, None),
+        };
+        event.map(Outbound::run)
+    }
+
+    fn stall(&mut self, message: &str, failure: pb::ExecutionFailure) -> Option<Outbound> {
+        self.error(watchdog::FAILURE_RESPONSE_STALLED, message, Some(failure))
+            .map(Outbound::run)
+    }
+
+    fn stopped(&mut self, cause: StopCause) -> Option<Outbound> {
+        let event = match cause {
+            StopCause::Cancelled => self.cancelled(cause.message()),
+            StopCause::SessionEnded | StopCause::DeadlineExceeded => {
+                self.error(cause.failure_code(), cause.message(), None)
+            }
+        };
+        event.map(Outbound::run)
+    }
+
+    fn failed(&mut self, code: &str, message: &str) -> Option<Outbound> {
+        self.error(code, message, None).map(Outbound::run)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +547,72 @@ mod tests {
         assert!(f.failure.is_none());
         assert!(e.response_start(200, vec![]).is_none());
         assert!(e.is_terminated());
+    }
+
+    // CONTRACT: E1, W6 — start, deltas, exactly one terminal with strictly
+    // increasing seq; nothing after it; a non-stall error has no failure.
+    #[test]
+    fn run_events_are_ordered_and_terminal_is_final() {
+        let mut e = RunEmitter::new("run-9", "ollama", "llama3", "sess-1");
+        assert!(e.delta("early", None).is_none());
+        let start = e.start().unwrap();
+        assert!(e.start().is_none());
+        let delta = e.delta("hi", None).unwrap();
+        let err = e.error("provider_error", "reset", None).unwrap();
+        assert!(e.complete("stop", None, HashMap::new()).is_none());
+        assert!(e.cancelled("late").is_none());
+        assert!(e.delta("late", None).is_none());
+        let got: Vec<(u64, pb::RunEventType)> = [&start, &delta, &err]
+            .iter()
+            .map(|ev| (ev.seq, ev.r#type()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, pb::RunEventType::Start),
+                (2, pb::RunEventType::Delta),
+                (3, pb::RunEventType::Error)
+            ]
+        );
+        assert_eq!(delta.delta, "hi");
+        assert_eq!(err.failure_code, "provider_error");
+        assert_eq!(err.error, "reset");
+        assert!(err.failure.is_none());
+        assert!([&start, &delta, &err].iter().all(|ev| ev.run_id == "run-9"
+            && ev.adapter == "ollama"
+            && ev.target == "llama3"
+            && ev.session_id == "sess-1"));
+    }
+
+    // CONTRACT: K1 — a cancelled run ends with one `cancelled` terminal.
+    #[test]
+    fn run_cancel_is_a_cancelled_terminal() {
+        let mut e = RunEmitter::new("r", "a", "t", "");
+        let Some(Outbound::Frame(pb::Frame {
+            body: Some(pb::frame::Body::RunEvent(ev)),
+        })) = e.stopped(StopCause::Cancelled)
+        else {
+            panic!("expected a run event");
+        };
+        assert_eq!(ev.r#type(), pb::RunEventType::Cancelled);
+        assert_eq!(ev.failure_code, "cancelled");
+        assert_eq!(ev.seq, 1);
+        assert!(e.stopped(StopCause::SessionEnded).is_none());
+    }
+
+    // CONTRACT: U1 — an END before RESPONSE_START still yields exactly one
+    // terminal (an ERROR), never zero.
+    #[test]
+    fn tunnel_end_before_start_becomes_one_error() {
+        let mut e = TunnelEmitter::new("r", "a", "t");
+        let Some(Outbound::Frame(pb::Frame {
+            body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
+        })) = e.forward(TunnelOutput::End)
+        else {
+            panic!("expected a tunnel frame");
+        };
+        assert_eq!(f.kind(), pb::TunnelFrameKind::Error);
+        assert_eq!(f.seq, 1);
+        assert!(e.forward(TunnelOutput::End).is_none());
     }
 }

@@ -2,21 +2,44 @@
 //!
 //! Runs on a GPU host, dials *out* to the Edge over one mutually-authenticated
 //! TLS connection, registers, applies the config the Edge pushes, and serves
-//! provider tunnels against local inference servers.
+//! provider tunnels against local inference servers, each watched by the
+//! response-stall watchdog.
 //!
 //! ```text
-//! supervisor (dial, redial: S1–S3)
-//!   └─ session (register → apply config → ready: R2, R3; F5 on disconnect)
-//!        └─ tunnel per request (W1 check, capacity gate P4, provider HTTP,
-//!           ordered RESPONSE_START/BODY*/END|ERROR frames: U1, U2)
+//! supervisor (dial, redial: S1–S3; pure Supervisor policy)
+//!   └─ session (register → apply config → ready: R2, R3; F5 on disconnect;
+//!      │        owns the observation sequence, W7)
+//!      ├─ run manager: RunTable (K1 cancel one, F5 cancel all, W10 entry
+//!      │    kept until the provider call returns)
+//!      ├─ tunnel per request: W1 check, capacity gate (P4), provider task
+//!      │    └─ driver: Watchdog core (W3–W10) + TunnelEmitter/RunEmitter
+//!      │         ├─ timers: one hierarchical wheel per core (engine::wheel)
+//!      │         └─ probe: bounded fail-closed exact-target health probe
+//!      ├─ commands (K2, H6): CAPABILITIES, TRANSPORT_STATUS,
+//!      │    PROVIDER_STATUS, OLLAMA_QUERY
+//!      └─ refresh (K3): APPLIED / RESTART_REQUIRED / FAILED
 //! ```
+//!
+//! Pure cores (no IO, `now` passed in): [`watchdog`], [`emit`], [`runs`],
+//! [`refresh`], [`observation`], the policy half of [`supervisor`] and the
+//! classification half of [`probe`] and [`commands`]. Shells: [`session`],
+//! [`tunnel`], [`driver`], [`timers`].
 //!
 //! Exit codes: 0 after SIGTERM/SIGINT; 1 for bad configuration, unreadable
 //! credentials, or exhausted reconnect attempts (S3).
 
 pub mod adapters;
+pub mod commands;
 pub mod config;
+pub mod driver;
 pub mod emit;
+pub mod normalized;
+pub mod observation;
+pub mod probe;
+pub mod refresh;
+pub mod runs;
 pub mod session;
 pub mod supervisor;
+pub mod timers;
 pub mod tunnel;
+pub mod watchdog;

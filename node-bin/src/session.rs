@@ -1,20 +1,42 @@
 //! One session with the Edge over one connection:
 //! register → apply config → start adapters → ready (R2, R3), then serve
-//! tunnels and cancels until the connection ends, cancelling every active run
-//! when it does (F5).
+//! tunnels, runs, cancels, commands and refreshes until the connection ends,
+//! stopping every active run when it does (F5).
+//!
+//! ```text
+//! frames ─► ProviderTunnelRequest ─► RunTable::register ─► spawn tunnel::serve ─► finish
+//!         ─► RunRequest            ─► RunTable::register ─► spawn normalized::serve ─► finish
+//!         ─► CancelRequest         ─► RunTable::cancel (that run only, K1)
+//!         ─► NodeCommandRequest    ─► spawn commands::handle ─► NodeCommandResponse (K2)
+//!         ─► NodeConfigRefresh     ─► refresh::decide ─► swap adapters/settings (K3)
+//! closed ─► RunTable::cancel_all(SessionEnded)  (F5)
+//! ```
+//!
+//! The session owns the connection-scoped observation sequence (W7). The
+//! per-core [`NodeCore`] outlives sessions: the timer wheel and the adapter
+//! set whose capacity gates the next session keeps (P4), so attempts still
+//! finishing from an old session count against the same gates.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
+use std::time::Instant;
 
+use iop_engine::clock;
 use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle};
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::oneshot;
 
 use crate::adapters::Adapters;
-use crate::tunnel::{self, CancelCause};
+use crate::commands::{self, CommandContext};
+use crate::driver::AttemptEnv;
+use crate::normalized;
+use crate::observation::ObservationSeq;
+use crate::refresh::{self, RefreshDecision};
+use crate::runs::{RunKind, RunTable};
+use crate::timers::Timers;
+use crate::tunnel;
+use crate::watchdog::{RuntimeSettings, StopCause};
 
 /// How a session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,27 +48,44 @@ pub enum SessionEnd {
     Ended(String),
 }
 
-/// Active runs of the session, each with its cancel trigger (K1, F5).
-#[derive(Debug, Default)]
-struct Runs {
-    cancels: HashMap<String, oneshot::Sender<CancelCause>>,
+/// Per-core state that outlives sessions.
+#[derive(Debug)]
+pub struct NodeCore {
+    /// The core's timer wheel (watchdog deadlines).
+    pub timers: Rc<Timers>,
+    /// The adapters of the last session, whose gates the next one reuses.
+    last_adapters: RefCell<Option<Rc<Adapters>>>,
 }
 
-impl Runs {
-    fn cancel(&mut self, run_id: &str, cause: CancelCause) -> bool {
-        match self.cancels.remove(run_id) {
-            Some(tx) => tx.send(cause).is_ok(),
-            None => false,
-        }
+impl NodeCore {
+    /// Creates the core state and spawns its timer task on the current
+    /// runtime (which must have its timer enabled).
+    pub fn start() -> Rc<Self> {
+        let timers = Timers::new(clock::now());
+        monoio::spawn(timers.clone().run());
+        Rc::new(Self {
+            timers,
+            last_adapters: RefCell::new(None),
+        })
     }
+}
 
-    fn cancel_all(&mut self, cause: CancelCause) -> usize {
-        let n = self.cancels.len();
-        for (_, tx) in self.cancels.drain() {
-            let _ = tx.send(cause);
-        }
-        n
-    }
+/// The config in effect.
+#[derive(Debug)]
+struct Applied {
+    payload: pb::NodeConfigPayload,
+    adapters: Rc<Adapters>,
+    settings: RuntimeSettings,
+}
+
+/// A ready session's shared state.
+#[derive(Debug)]
+struct Session {
+    node_id: String,
+    env: AttemptEnv,
+    runs: RefCell<RunTable>,
+    applied: RefCell<Applied>,
+    ready_at: Instant,
 }
 
 fn frame(body: Body) -> pb::Frame {
@@ -64,7 +103,12 @@ async fn next_frame(events: &mut ConnEvents) -> Result<pb::Frame, String> {
 }
 
 /// Runs a session on an established connection until it ends.
-pub async fn run(node_id: &str, conn: ConnHandle, mut events: ConnEvents) -> SessionEnd {
+pub async fn run(
+    node_id: &str,
+    core: &Rc<NodeCore>,
+    conn: ConnHandle,
+    mut events: ConnEvents,
+) -> SessionEnd {
     // R2: claim our node id.
     let register = frame(Body::RegisterRequest(pb::RegisterRequest {
         node_id: node_id.to_string(),
@@ -96,16 +140,16 @@ pub async fn run(node_id: &str, conn: ConnHandle, mut events: ConnEvents) -> Ses
     };
 
     // R3: apply config and start adapters before saying ready.
-    let adapters = match Adapters::from_payload(&config) {
-        Ok(a) => Rc::new(a),
+    let applied = match apply(core, config) {
+        Ok(a) => a,
         Err(e) => {
             conn.close("config_invalid");
             return SessionEnd::NotReady(format!("config from the edge cannot be applied: {e}"));
         }
     };
     tracing::info!(
-        adapters = adapters.iter().count(),
-        revision = config.revision,
+        adapters = applied.adapters.len(),
+        revision = applied.payload.revision,
         "config applied"
     );
     let ready = frame(Body::NodeReadyRequest(pb::NodeReadyRequest {
@@ -135,71 +179,61 @@ pub async fn run(node_id: &str, conn: ConnHandle, mut events: ConnEvents) -> Ses
     }
     tracing::info!(node_id, "session ready");
 
-    let runs = Rc::new(RefCell::new(Runs::default()));
+    let session = Rc::new(Session {
+        node_id: node_id.to_string(),
+        env: AttemptEnv {
+            conn: conn.clone(),
+            timers: core.timers.clone(),
+            // W7: bound to this connection, starting at 1.
+            observations: Rc::new(ObservationSeq::bound()),
+        },
+        runs: RefCell::new(RunTable::new()),
+        applied: RefCell::new(applied),
+        ready_at: clock::now(),
+    });
     let end = loop {
-        let frame = match next_frame(&mut events).await {
-            Ok(f) => f,
+        match next_frame(&mut events).await {
+            Ok(f) => session.handle(f),
             Err(reason) => break reason,
-        };
-        match frame.body {
-            Some(Body::ProviderTunnelRequest(req)) => {
-                let (tx, rx) = oneshot::channel();
-                let run_id = req.run_id.clone();
-                if runs
-                    .borrow_mut()
-                    .cancels
-                    .insert(run_id.clone(), tx)
-                    .is_some()
-                {
-                    tracing::warn!(%run_id, "duplicate run id; the older run keeps running untracked");
-                }
-                let (adapters, conn, runs) = (adapters.clone(), conn.clone(), runs.clone());
-                monoio::spawn(async move {
-                    tunnel::serve(req, adapters, conn, rx).await;
-                    runs.borrow_mut().cancels.remove(&run_id);
-                });
-            }
+        }
+    };
+    // F5: the session's lifetime ends every active run and tunnel.
+    let cancelled = session
+        .runs
+        .borrow_mut()
+        .cancel_all(StopCause::SessionEnded);
+    *core.last_adapters.borrow_mut() = Some(session.applied.borrow().adapters.clone());
+    tracing::info!(reason = %end, cancelled, "session ended");
+    SessionEnd::Ended(end)
+}
+
+fn apply(core: &NodeCore, payload: pb::NodeConfigPayload) -> Result<Applied, String> {
+    let settings = RuntimeSettings::from_pb(payload.runtime.as_ref()).map_err(|e| e.to_string())?;
+    let previous = core.last_adapters.borrow().clone();
+    let adapters =
+        Adapters::from_payload_reusing(&payload, previous.as_deref()).map_err(|e| e.to_string())?;
+    Ok(Applied {
+        payload,
+        adapters: Rc::new(adapters),
+        settings,
+    })
+}
+
+impl Session {
+    fn handle(self: &Rc<Self>, f: pb::Frame) {
+        match f.body {
+            Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(req),
+            Some(Body::RunRequest(req)) => self.start_run(req),
             Some(Body::CancelRequest(req)) => {
                 // K1: only that run.
-                let found = runs
+                let found = self
+                    .runs
                     .borrow_mut()
-                    .cancel(&req.run_id, CancelCause::Requested);
-                tracing::debug!(run_id = %req.run_id, found, "cancel request");
+                    .cancel(&req.run_id, StopCause::Cancelled);
+                tracing::debug!(run_id = %req.run_id, reason = %req.reason, found, "cancel request");
             }
-            Some(Body::RunRequest(req)) => {
-                // Normalized runs are served by the adapters issue; answer
-                // with one error terminal so the Edge's lease is released.
-                let event = pb::RunEvent {
-                    run_id: req.run_id.clone(),
-                    seq: 1,
-                    r#type: pb::RunEventType::Error as i32,
-                    error: "normalized runs are not supported by this node".into(),
-                    failure_code: "unsupported".into(),
-                    adapter: req.adapter.clone(),
-                    target: req.target.clone(),
-                    session_id: req.session_id.clone(),
-                    ..Default::default()
-                };
-                let _ = conn.send_bulk(self::frame(Body::RunEvent(event))).await;
-            }
-            Some(Body::NodeCommandRequest(req)) => {
-                let resp = pb::NodeCommandResponse {
-                    command_id: req.command_id,
-                    ok: false,
-                    error: "command not supported by this node version".into(),
-                    ..Default::default()
-                };
-                let _ = conn.send_control(self::frame(Body::NodeCommandResponse(resp)));
-            }
-            Some(Body::NodeConfigRefreshRequest(req)) => {
-                let resp = pb::NodeConfigRefreshResponse {
-                    refresh_id: req.refresh_id,
-                    status: pb::RefreshStatus::RestartRequired as i32,
-                    reason: "live refresh not supported by this node version; reconnect to apply"
-                        .into(),
-                };
-                let _ = conn.send_control(self::frame(Body::NodeConfigRefreshResponse(resp)));
-            }
+            Some(Body::NodeCommandRequest(req)) => self.start_command(req),
+            Some(Body::NodeConfigRefreshRequest(req)) => self.refresh(req),
             Some(other) => {
                 tracing::warn!(
                     frame = body_name(&other),
@@ -208,9 +242,128 @@ pub async fn run(node_id: &str, conn: ConnHandle, mut events: ConnEvents) -> Ses
             }
             None => {}
         }
-    };
-    // F5: the session's lifetime ends every active run and tunnel.
-    let cancelled = runs.borrow_mut().cancel_all(CancelCause::SessionEnded);
-    tracing::info!(reason = %end, cancelled, "session ended");
-    SessionEnd::Ended(end)
+    }
+
+    fn start_tunnel(self: &Rc<Self>, req: pb::ProviderTunnelRequest) {
+        let registered = self
+            .runs
+            .borrow_mut()
+            .register(&req.run_id, RunKind::Tunnel);
+        let (ticket, stop) = match registered {
+            Ok(r) => r,
+            Err(e) => {
+                // Answering would interleave with the active run's frames.
+                tracing::warn!(error = %e, "duplicate tunnel request dropped");
+                return;
+            }
+        };
+        let (adapters, settings) = {
+            let applied = self.applied.borrow();
+            (applied.adapters.clone(), applied.settings)
+        };
+        let session = self.clone();
+        monoio::spawn(async move {
+            tunnel::serve(&session.env, req, &ticket, adapters, settings, stop).await;
+            session.runs.borrow_mut().finish(&ticket);
+        });
+    }
+
+    fn start_run(self: &Rc<Self>, req: pb::RunRequest) {
+        let registered = self
+            .runs
+            .borrow_mut()
+            .register(&req.run_id, RunKind::Normalized);
+        let (ticket, _stop) = match registered {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "duplicate run request dropped");
+                return;
+            }
+        };
+        let (adapters, settings) = {
+            let applied = self.applied.borrow();
+            (applied.adapters.clone(), applied.settings)
+        };
+        let session = self.clone();
+        monoio::spawn(async move {
+            normalized::serve(&session.env, req, &adapters, settings).await;
+            session.runs.borrow_mut().finish(&ticket);
+        });
+    }
+
+    fn start_command(self: &Rc<Self>, req: pb::NodeCommandRequest) {
+        let ctx = {
+            let applied = self.applied.borrow();
+            let runs = self.runs.borrow();
+            let stats = self.env.conn.stats();
+            CommandContext {
+                adapters: applied.adapters.clone(),
+                settings: applied.settings,
+                observations: self.env.observations.clone(),
+                // X5: no addresses, tokens or transport internals.
+                transport: pb::TransportStatus {
+                    node_id: self.node_id.clone(),
+                    session_age_sec: clock::now()
+                        .saturating_duration_since(self.ready_at)
+                        .as_secs(),
+                    active_runs: count_u32(runs.count(RunKind::Normalized)),
+                    active_tunnels: count_u32(runs.count(RunKind::Tunnel)),
+                    frames_sent: stats.frames_sent,
+                    frames_received: stats.frames_received,
+                },
+            }
+        };
+        let conn = self.env.conn.clone();
+        monoio::spawn(async move {
+            let resp = commands::handle(req, ctx).await;
+            if conn
+                .send_bulk(frame(Body::NodeCommandResponse(resp)))
+                .await
+                .is_err()
+            {
+                tracing::debug!("command response dropped: the connection is closed");
+            }
+        });
+    }
+
+    fn refresh(&self, req: pb::NodeConfigRefreshRequest) {
+        let decision = {
+            let applied = self.applied.borrow();
+            refresh::decide(&applied.payload, &applied.adapters, req.config.as_ref())
+        };
+        let resp = decision.response(&req.refresh_id);
+        match decision {
+            RefreshDecision::Apply {
+                adapters,
+                settings,
+                payload,
+            } => {
+                tracing::info!(
+                    revision = payload.revision,
+                    adapters = adapters.len(),
+                    "config refresh applied"
+                );
+                *self.applied.borrow_mut() = Applied {
+                    payload,
+                    adapters: Rc::new(adapters),
+                    settings,
+                };
+            }
+            RefreshDecision::RestartRequired(reason) | RefreshDecision::Failed(reason) => {
+                tracing::warn!(%reason, status = ?resp.status(), "config refresh not applied");
+            }
+        }
+        if self
+            .env
+            .conn
+            .send_control(frame(Body::NodeConfigRefreshResponse(resp)))
+            .is_err()
+        {
+            tracing::debug!("refresh response dropped: the connection is closed");
+        }
+    }
+}
+
+fn count_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }

@@ -1,10 +1,21 @@
 //! The connectivity supervisor (S1–S3): one task dials the Edge and redials
 //! after every disconnect, serially, under one policy.
 //!
-//! The policy decision is the pure [`next_step`]; [`run`] is the shell.
+//! ```text
+//!  start ─► dial ─► session ─► ended ─┐          S1: the first dial needs no Edge
+//!    ▲        │ failed before ready   │ was ready: budget resets
+//!    │        ▼                        ▼
+//!    └── RetryAfter(interval) ◄── Supervisor::on_attempt_end ──► GiveUp (exit 1, S3)
+//!  SIGTERM/SIGINT at any point ─► Shutdown (exit 0, S3)
+//! ```
+//!
+//! The policy decision is the pure [`Supervisor`] (and [`next_step`]);
+//! [`run`] is the shell. Local configuration and credential errors never
+//! reach the supervisor: the binary exits 1 before it starts (S3).
 
 use std::future::Future;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
@@ -15,7 +26,7 @@ use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
 
 use crate::config::NodeConfig;
-use crate::session::{self, SessionEnd};
+use crate::session::{self, NodeCore, SessionEnd};
 
 /// What the supervisor does after a connection attempt or session ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +48,54 @@ pub fn next_step(policy: &ReconnectPolicy, failed_attempts: u32) -> Step {
     }
 }
 
+/// How one connection attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The session reached ready, then ended (a retryable remote failure).
+    WasReady,
+    /// The attempt failed before ready: dial, TLS, registration or ready
+    /// refused (retryable remote failures).
+    Failed,
+}
+
+/// The reconnect accounting (S2, S3): consecutive failed attempts since the
+/// last ready session, against the policy's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Supervisor {
+    policy: ReconnectPolicy,
+    failed_attempts: u32,
+}
+
+impl Supervisor {
+    /// A supervisor with a fresh budget.
+    pub fn new(policy: ReconnectPolicy) -> Self {
+        Self {
+            policy,
+            failed_attempts: 0,
+        }
+    }
+
+    /// Consecutive failed attempts so far.
+    pub fn failed_attempts(&self) -> u32 {
+        self.failed_attempts
+    }
+
+    /// What to do after an attempt ended. A session that was ready resets
+    /// the budget: the reconnects after it get the full `max_attempts`.
+    pub fn on_attempt_end(&mut self, outcome: AttemptOutcome) -> Step {
+        match outcome {
+            AttemptOutcome::WasReady => {
+                self.failed_attempts = 0;
+                Step::RetryAfter(self.policy.interval)
+            }
+            AttemptOutcome::Failed => {
+                self.failed_attempts = self.failed_attempts.saturating_add(1);
+                next_step(&self.policy, self.failed_attempts)
+            }
+        }
+    }
+}
+
 /// How the process should exit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -53,7 +112,11 @@ enum Attempt {
     Failed(String),
 }
 
-async fn attempt(cfg: &NodeConfig, connector: Option<&NodeTlsConnector>) -> Attempt {
+async fn attempt(
+    cfg: &NodeConfig,
+    core: &Rc<NodeCore>,
+    connector: Option<&NodeTlsConnector>,
+) -> Attempt {
     let tcp = match http::connect(cfg.edge_addr.to_string()).await {
         Ok(tcp) => tcp,
         Err(e) => return Attempt::Failed(format!("dial {}: {e}", cfg.edge_addr)),
@@ -73,7 +136,7 @@ async fn attempt(cfg: &NodeConfig, connector: Option<&NodeTlsConnector>) -> Atte
             spawn_conn(r, w, shutdown, conn_config)
         }
     };
-    match session::run(&cfg.node_id, conn, events).await {
+    match session::run(&cfg.node_id, core, conn, events).await {
         SessionEnd::NotReady(reason) => Attempt::Failed(reason),
         SessionEnd::Ended(reason) => Attempt::WasReady(reason),
     }
@@ -100,27 +163,32 @@ pub async fn run(
     connector: Option<NodeTlsConnector>,
     mut shutdown: Shutdown,
 ) -> Exit {
-    let mut failed_attempts: u32 = 0;
+    let core = NodeCore::start();
+    let mut supervisor = Supervisor::new(cfg.reconnect);
     loop {
         let outcome = monoio::select! {
-            a = attempt(&cfg, connector.as_ref()) => a,
+            a = attempt(&cfg, &core, connector.as_ref()) => a,
             _ = &mut shutdown => return Exit::Shutdown,
         };
-        match outcome {
+        let step = match outcome {
             Attempt::WasReady(reason) => {
-                failed_attempts = 0;
                 tracing::warn!(%reason, "disconnected from the edge; reconnecting");
-                failed_attempts += 1;
+                supervisor.on_attempt_end(AttemptOutcome::WasReady)
             }
             Attempt::Failed(reason) => {
-                failed_attempts += 1;
-                tracing::warn!(attempt = failed_attempts, %reason, "connection attempt failed");
+                let step = supervisor.on_attempt_end(AttemptOutcome::Failed);
+                tracing::warn!(
+                    attempt = supervisor.failed_attempts(),
+                    %reason,
+                    "connection attempt failed"
+                );
+                step
             }
-        }
-        match next_step(&cfg.reconnect, failed_attempts) {
+        };
+        match step {
             Step::GiveUp => {
                 tracing::error!(
-                    attempts = failed_attempts,
+                    attempts = supervisor.failed_attempts(),
                     "reconnect attempts exhausted (reconnect.max_attempts); exiting"
                 );
                 return Exit::GaveUp;
@@ -157,5 +225,72 @@ mod tests {
             Step::RetryAfter(Duration::from_secs(10))
         );
         assert_eq!(next_step(&default, 10), Step::GiveUp);
+    }
+
+    // CONTRACT: S2 — `max_attempts = 2`: exactly two failed attempts, then
+    // give up; the wait between them is the interval.
+    #[test]
+    fn finite_budget_counts_consecutive_failures() {
+        let policy = ReconnectPolicy::from_config(Some(1), Some(2)).unwrap();
+        let mut s = Supervisor::new(policy);
+        assert_eq!(
+            s.on_attempt_end(AttemptOutcome::Failed),
+            Step::RetryAfter(Duration::from_secs(1))
+        );
+        assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
+        assert_eq!(s.failed_attempts(), 2);
+    }
+
+    // CONTRACT: S1, S2 — a ready session resets the budget: after an Edge
+    // restart the Node gets `max_attempts` fresh attempts.
+    #[test]
+    fn ready_session_resets_the_budget() {
+        let policy = ReconnectPolicy::from_config(Some(2), Some(2)).unwrap();
+        let mut s = Supervisor::new(policy);
+        assert_eq!(
+            s.on_attempt_end(AttemptOutcome::Failed),
+            Step::RetryAfter(Duration::from_secs(2))
+        );
+        assert_eq!(
+            s.on_attempt_end(AttemptOutcome::WasReady),
+            Step::RetryAfter(Duration::from_secs(2))
+        );
+        assert_eq!(s.failed_attempts(), 0);
+        assert_eq!(
+            s.on_attempt_end(AttemptOutcome::Failed),
+            Step::RetryAfter(Duration::from_secs(2))
+        );
+        assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
+    }
+
+    // CONTRACT: S1, S2 — unlimited (`max_attempts = 0`): an Edge that is
+    // down at start or forever never ends the process.
+    #[test]
+    fn unlimited_never_gives_up() {
+        let policy = ReconnectPolicy::from_config(Some(3), Some(0)).unwrap();
+        let mut s = Supervisor::new(policy);
+        for _ in 0..10_000 {
+            assert_eq!(
+                s.on_attempt_end(AttemptOutcome::Failed),
+                Step::RetryAfter(Duration::from_secs(3))
+            );
+        }
+        assert_eq!(s.failed_attempts(), 10_000);
+    }
+
+    // CONTRACT: S2 — omitted settings: 10 attempts, 10 s apart; one attempt
+    // budget gives up after the first failure.
+    #[test]
+    fn defaults_and_single_attempt() {
+        let mut s = Supervisor::new(ReconnectPolicy::from_config(None, None).unwrap());
+        for _ in 0..9 {
+            assert_eq!(
+                s.on_attempt_end(AttemptOutcome::Failed),
+                Step::RetryAfter(Duration::from_secs(10))
+            );
+        }
+        assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
+        let mut one = Supervisor::new(ReconnectPolicy::from_config(Some(1), Some(1)).unwrap());
+        assert_eq!(one.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
     }
 }

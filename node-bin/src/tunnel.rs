@@ -1,45 +1,33 @@
 //! The tunnel shell: one `ProviderTunnelRequest` → one provider HTTP request →
-//! ordered `ProviderTunnelFrame`s back to the Edge (U1, U2).
+//! ordered `ProviderTunnelFrame`s back to the Edge (U1, U2), watched by the
+//! stall watchdog (W3–W10).
 //!
 //! ```text
-//! Edge ──ProviderTunnelRequest──► check (W1) ─► gate (P4) ─► provider HTTP
-//!      ◄── RESPONSE_START, BODY*, END | ERROR ◄── response head, body pieces
+//! Edge ──ProviderTunnelRequest──► check (W1) ─► adapter, path (U3) ─► gate (P4)
+//!        ─► provider task: HTTP request, head, body pieces ──outputs──► drive (watchdog)
+//!      ◄── RESPONSE_START, BODY*, END | ERROR ◄─────────────────────────────┘
 //! ```
 //!
-//! Body pieces are slices of the provider read buffer, forwarded as they
-//! arrive without parsing or copying (U2). Ordering and the single terminal
-//! are enforced by [`TunnelEmitter`]. A cancel (K1, U6) or the session's end
-//! (F5) aborts the provider request and still ends with one `ERROR` terminal
-//! when the connection is alive to carry it.
+//! Every rejection before the provider call (bad stall timeout, unknown
+//! adapter, unresolvable operation, full gate) is one `ERROR` terminal and
+//! opens no provider connection. Body pieces are slices of the provider read
+//! buffer, forwarded as they arrive without parsing or copying (U2).
 
 use std::rc::Rc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use iop_engine::conn::ConnHandle;
+use iop_engine::clock;
 use iop_engine::http::{self, ClientConn, HttpError, Limits};
-use iop_wire::{checks, pb};
+use iop_wire::pb;
 use local_sync::oneshot;
 
-use crate::adapters::{AdapterInstance, Adapters};
-use crate::emit::TunnelEmitter;
-
-/// Why a run was cancelled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CancelCause {
-    /// The Edge sent `CancelRequest` (K1, U6).
-    Requested,
-    /// The session ended (F5).
-    SessionEnded,
-}
-
-impl CancelCause {
-    fn failure_code(self) -> &'static str {
-        match self {
-            CancelCause::Requested => "cancelled",
-            CancelCause::SessionEnded => "session_ended",
-        }
-    }
-}
+use crate::adapters::{AdapterInstance, Adapters, Permit};
+use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
+use crate::emit::{Emitter, TunnelEmitter, TunnelOutput};
+use crate::probe::ProbeTarget;
+use crate::runs::RunTicket;
+use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
 
 /// Failure codes on tunnel `ERROR` frames that are not stalls (W6).
 pub mod codes {
@@ -57,100 +45,138 @@ pub mod codes {
     pub const PROVIDER_ERROR: &str = "provider_error";
 }
 
-/// Serves one tunnel to its end. `cancel` fires on `CancelRequest` or session
-/// end.
+/// Serves one tunnel to its release: the terminal is sent and the provider
+/// call has returned. `stop` fires on `CancelRequest` or session end.
 pub async fn serve(
+    env: &AttemptEnv,
     req: pb::ProviderTunnelRequest,
+    ticket: &RunTicket,
     adapters: Rc<Adapters>,
-    conn: ConnHandle,
-    cancel: oneshot::Receiver<CancelCause>,
-) {
+    settings: RuntimeSettings,
+    stop: oneshot::Receiver<StopCause>,
+) -> Ended {
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
-    let outcome = run(&req, &adapters, &conn, &mut emit, cancel).await;
-    if let Err(failure) = outcome {
-        tracing::info!(
-            run_id = %req.run_id,
-            code = failure.code,
-            error = %failure.message,
-            "tunnel failed"
-        );
-        if let Some(frame) = emit.error(failure.code, &failure.message, None) {
-            // The connection may already be gone (F5); nothing else to do.
-            let _ = conn.send_bulk(frame_of(frame)).await;
+    let admitted = match admit(&req, &adapters, settings) {
+        Ok(a) => a,
+        Err((code, message)) => {
+            tracing::info!(run_id = %req.run_id, code, error = %message, "tunnel rejected");
+            if let Some(frame) = emit.failed(code, &message) {
+                driver::send(&env.conn, frame).await;
+            }
+            return Ended::Provider;
         }
-    }
+    };
+    let Admitted {
+        adapter,
+        path,
+        config,
+        permit,
+    } = admitted;
+    let now = clock::now();
+    let hard_deadline = u64::try_from(req.timeout_sec)
+        .ok()
+        .filter(|&s| s > 0)
+        .and_then(|s| now.checked_add(Duration::from_secs(s)));
+    let watchdog = Watchdog::new(config, now, hard_deadline);
+    let evidence = StallEvidence {
+        identity: AttemptIdentity {
+            node_run_id: ticket.node_run_id(),
+            attempt_id: ticket.attempt_id(),
+            adapter: adapter.name.clone(),
+            target: req.target.clone(),
+        },
+        probe: ProbeTarget::of(&adapter, &req.target),
+    };
+    let call = ProviderCall {
+        adapter,
+        method: if req.method.is_empty() {
+            "POST".to_string()
+        } else {
+            req.method.clone()
+        },
+        path,
+        headers: req.headers,
+        body: req.body,
+    };
+    let provider = driver::spawn_provider(Some(permit), move |out| call.run(out));
+    let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
+    tracing::debug!(run_id = %req.run_id, ?ended, "tunnel released");
+    ended
 }
 
-/// A non-stall tunnel failure (W6): a code and the legacy error string.
-#[derive(Debug)]
-struct Failure {
-    code: &'static str,
-    message: String,
+struct Admitted {
+    adapter: Rc<AdapterInstance>,
+    path: String,
+    config: WatchdogConfig,
+    permit: Permit,
 }
 
-impl Failure {
-    fn new(code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
-fn frame_of(f: pb::ProviderTunnelFrame) -> pb::Frame {
-    pb::Frame {
-        body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
-    }
-}
-
-async fn run(
+/// Every check before the provider call (W1, U3, P4).
+fn admit(
     req: &pb::ProviderTunnelRequest,
     adapters: &Adapters,
-    conn: &ConnHandle,
-    emit: &mut TunnelEmitter,
-    mut cancel: oneshot::Receiver<CancelCause>,
-) -> Result<(), Failure> {
+    settings: RuntimeSettings,
+) -> Result<Admitted, (&'static str, String)> {
     // W1: reject before any router or provider call.
-    checks::effective_stall_timeout(req.response_stall_timeout_ms)
-        .map_err(|e| Failure::new(codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
-    let adapter: &Rc<AdapterInstance> = adapters.get(&req.adapter).ok_or_else(|| {
-        Failure::new(
+    let config = settings
+        .watchdog_config(req.response_stall_timeout_ms)
+        .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
+    let adapter = adapters.get(&req.adapter).ok_or_else(|| {
+        (
             codes::UNKNOWN_ADAPTER,
             format!("no adapter instance named `{}` on this node", req.adapter),
         )
     })?;
     let path = adapter
         .tunnel_path(&req.operation, &req.path)
-        .map_err(|e| Failure::new(codes::BAD_OPERATION, e.to_string()))?;
+        .map_err(|e| (codes::BAD_OPERATION, e.to_string()))?;
     // P4: one gate per adapter instance, held until the provider call ends.
-    let _permit = adapter.gate.try_acquire().ok_or_else(|| {
-        Failure::new(
+    let permit = adapter.gate.try_acquire().ok_or_else(|| {
+        (
             codes::CAPACITY_EXHAUSTED,
             format!("adapter `{}` is at capacity", adapter.name),
         )
     })?;
+    Ok(Admitted {
+        adapter: adapter.clone(),
+        path,
+        config,
+        permit,
+    })
+}
 
-    let method = if req.method.is_empty() {
-        "POST"
-    } else {
-        req.method.as_str()
-    };
-    let provider = async {
-        let tcp = http::connect_url(&adapter.base_url).await.map_err(|e| {
-            Failure::new(
+/// The provider HTTP exchange of one tunnel, run in the provider task.
+struct ProviderCall {
+    adapter: Rc<AdapterInstance>,
+    method: String,
+    path: String,
+    headers: Vec<pb::Header>,
+    body: Bytes,
+}
+
+impl ProviderCall {
+    async fn run(self, out: OutputTx<TunnelOutput>) {
+        if let Err((code, message)) = self.exchange(&out).await {
+            out.send(TunnelOutput::Failed { code, message }).await;
+        }
+    }
+
+    async fn exchange(&self, out: &OutputTx<TunnelOutput>) -> Result<(), (&'static str, String)> {
+        let base = &self.adapter.base_url;
+        let tcp = http::connect_url(base).await.map_err(|e| {
+            (
                 codes::PROVIDER_UNREACHABLE,
-                format!("connect {}: {e}", adapter.base_url),
+                format!("connect {}: {e}", base.authority()),
             )
         })?;
-        let mut client =
-            ClientConn::new(tcp, Limits::default()).with_host(adapter.base_url.authority());
-        let headers = req
+        let mut client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
+        let headers = self
             .headers
             .iter()
             .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
             .map(|h| (h.name.as_str(), h.value.clone()));
         client
-            .send_request(method, &path, headers, req.body.clone())
+            .send_request(&self.method, &self.path, headers, self.body.clone())
             .await
             .map_err(provider_failure)?;
         let head = client
@@ -165,46 +191,23 @@ async fn run(
                 value: h.value.clone(),
             })
             .collect();
-        if let Some(frame) = emit.response_start(head.status, headers) {
-            send(conn, frame_of(frame)).await?;
+        let start = TunnelOutput::Start {
+            status: head.status,
+            headers,
+        };
+        if !out.send(start).await {
+            return Ok(());
         }
         while let Some(piece) = client.read_body_chunk().await.map_err(provider_failure)? {
-            if let Some((frame, body)) = emit.body(piece) {
-                send_body(conn, frame, body).await?;
+            if !out.send(TunnelOutput::Body(piece)).await {
+                return Ok(());
             }
         }
-        if let Some(frame) = emit.end() {
-            send(conn, frame_of(frame)).await?;
-        }
+        out.send(TunnelOutput::End).await;
         Ok(())
-    };
-    // Dropping the provider future aborts the provider request: its socket is
-    // plain TCP and is closed with it, so no TLS read is ever cancelled.
-    monoio::select! {
-        result = provider => result,
-        cause = &mut cancel => {
-            let cause = cause.unwrap_or(CancelCause::SessionEnded);
-            Err(Failure::new(cause.failure_code(), "the run was cancelled"))
-        }
     }
 }
 
-fn provider_failure(e: HttpError) -> Failure {
-    Failure::new(codes::PROVIDER_ERROR, format!("provider: {e}"))
-}
-
-async fn send(conn: &ConnHandle, frame: pb::Frame) -> Result<(), Failure> {
-    conn.send_bulk(frame)
-        .await
-        .map_err(|e| Failure::new("session_ended", e.to_string()))
-}
-
-async fn send_body(
-    conn: &ConnHandle,
-    frame: pb::ProviderTunnelFrame,
-    body: Bytes,
-) -> Result<(), Failure> {
-    conn.send_body_frame(frame, body)
-        .await
-        .map_err(|e| Failure::new("session_ended", e.to_string()))
+fn provider_failure(e: HttpError) -> (&'static str, String) {
+    (codes::PROVIDER_ERROR, format!("provider: {e}"))
 }

@@ -13,10 +13,10 @@ use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
 use super::core::{ConnCore, ConnStats, OutFrame, TrySendError};
-use crate::sync::{Notify, WakeList};
 use super::segments::{write_all_segments, BatchBuilder, IoSegments};
 use super::{ConnConfig, SendError, REASON_ABORTED, REASON_HANDLE_DROPPED};
 use crate::clock;
+use crate::sync::{Notify, WakeList};
 
 /// Each read offers the socket at least this much free buffer.
 const READ_CHUNK_BYTES: usize = 64 * 1024;

@@ -1,0 +1,280 @@
+//! The bounded, fail-closed exact-target health probe (W4, H6) and the
+//! read-only provider GET it shares with OLLAMA_QUERY (K2).
+//!
+//! ```text
+//! ProbeTarget::of(adapter, target)        pure: which URL, what proves the target
+//!    └─ get(base, path, timeout) ──► (status, body) | GetError    shell: one fresh TCP connection
+//!          └─ classify(status, body) / classify_error(err) ──► ProbeOutcome   pure
+//! ```
+//!
+//! What each adapter probes:
+//!
+//! | adapter | path | available when |
+//! |---|---|---|
+//! | openai_compat | `protocol_profile.health_path` | 2xx; and when the health path is the models path, `data[].id` lists the target |
+//! | ollama | `/api/version` | 2xx |
+//!
+//! Normalization (fail closed): 2xx with the target → available; 5xx, a
+//! models list without the target, or a refused connection (nothing
+//! listens) → unavailable; everything else — timeouts, other statuses,
+//! malformed or oversized bodies, other IO errors — → unknown.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::http::{self, ClientConn, HttpError, Limits, Url};
+
+use crate::adapters::{AdapterInstance, AdapterKind};
+use crate::watchdog::ProbeOutcome;
+
+/// Largest probe or query response body read.
+pub const MAX_GET_BODY_BYTES: usize = 1024 * 1024;
+
+/// The Ollama health path.
+pub const OLLAMA_HEALTH_PATH: &str = "/api/version";
+
+/// Why a provider GET failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GetError {
+    /// Nothing listens at the provider address.
+    #[error("connection refused")]
+    Refused,
+    /// Connecting failed otherwise.
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    /// The exchange failed (reset, malformed, oversized).
+    #[error("{0}")]
+    Http(HttpError),
+    /// No answer within the bound.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Where and how to probe one adapter instance for one target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTarget {
+    /// Provider base URL.
+    pub base_url: Url,
+    /// Request path (already under the base URL's prefix).
+    pub path: String,
+    /// The model id the answer must list (`None`: any 2xx will do).
+    pub expect_model: Option<String>,
+}
+
+impl ProbeTarget {
+    /// The probe of `adapter` for `target`.
+    pub fn of(adapter: &AdapterInstance, target: &str) -> Self {
+        let (path, expect_model) = match (adapter.kind, &adapter.profile) {
+            (AdapterKind::OpenAiCompat, Some(profile)) => {
+                let lists_models =
+                    !profile.models_path.is_empty() && profile.health_path == profile.models_path;
+                let path = if profile.health_path.is_empty() {
+                    "/health"
+                } else {
+                    profile.health_path.as_str()
+                };
+                (
+                    path.to_string(),
+                    (lists_models && !target.is_empty()).then(|| target.to_string()),
+                )
+            }
+            (AdapterKind::OpenAiCompat, None) => ("/health".to_string(), None),
+            (AdapterKind::Ollama, _) => (OLLAMA_HEALTH_PATH.to_string(), None),
+        };
+        Self {
+            base_url: adapter.base_url.clone(),
+            path: adapter.base_url.join(&path),
+            expect_model,
+        }
+    }
+}
+
+/// Normalizes an answer (pure).
+pub fn classify(status: u16, body: &[u8], expect_model: Option<&str>) -> ProbeOutcome {
+    match status {
+        200..=299 => match expect_model {
+            None => ProbeOutcome::Available,
+            Some(model) => match listed_models(body) {
+                Some(ids) if ids.iter().any(|id| id == model) => ProbeOutcome::Available,
+                Some(_) => ProbeOutcome::Unavailable,
+                None => ProbeOutcome::Unknown,
+            },
+        },
+        500..=599 => ProbeOutcome::Unavailable,
+        _ => ProbeOutcome::Unknown,
+    }
+}
+
+/// Normalizes a failed GET (pure): a refused connection means nothing
+/// listens; anything else is not trustworthy evidence.
+pub fn classify_error(err: &GetError) -> ProbeOutcome {
+    match err {
+        GetError::Refused => ProbeOutcome::Unavailable,
+        GetError::Connect(_) | GetError::Http(_) | GetError::Timeout(_) => ProbeOutcome::Unknown,
+    }
+}
+
+/// `data[].id` of an OpenAI models list; `None` when malformed.
+fn listed_models(body: &[u8]) -> Option<Vec<String>> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let data = value.get("data")?.as_array()?;
+    data.iter()
+        .map(|m| m.get("id").and_then(|id| id.as_str()).map(str::to_string))
+        .collect()
+}
+
+/// Runs the probe within `timeout` (fail closed).
+pub async fn probe(target: &ProbeTarget, timeout: Duration) -> ProbeOutcome {
+    match get(&target.base_url, &target.path, timeout).await {
+        Ok((status, body)) => classify(status, &body, target.expect_model.as_deref()),
+        Err(e) => {
+            tracing::debug!(path = %target.path, error = %e, "probe failed");
+            classify_error(&e)
+        }
+    }
+}
+
+/// Runs [`probe`] in its own task; the receiver yields the outcome (a task
+/// that vanished counts as [`ProbeOutcome::Unknown`] for the caller).
+pub fn spawn_probe(
+    target: ProbeTarget,
+    timeout: Duration,
+) -> local_sync::oneshot::Receiver<ProbeOutcome> {
+    let (tx, rx) = local_sync::oneshot::channel();
+    monoio::spawn(async move {
+        let _ = tx.send(probe(&target, timeout).await);
+    });
+    rx
+}
+
+/// One `GET path` on a fresh connection to `base_url`, bounded by `timeout`
+/// and [`MAX_GET_BODY_BYTES`]. Plain TCP: dropping the exchange on timeout
+/// closes the socket.
+pub async fn get(base_url: &Url, path: &str, timeout: Duration) -> Result<(u16, Bytes), GetError> {
+    let exchange = async {
+        let tcp = http::connect_url(base_url).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                GetError::Refused
+            } else {
+                GetError::Connect(e)
+            }
+        })?;
+        let mut client = ClientConn::new(tcp, Limits::default()).with_host(base_url.authority());
+        client
+            .send_request(
+                "GET",
+                path,
+                [("accept", "application/json"), ("connection", "close")],
+                Bytes::new(),
+            )
+            .await
+            .map_err(GetError::Http)?;
+        let head = client.read_response_head().await.map_err(GetError::Http)?;
+        let body = client
+            .read_body_to_end(MAX_GET_BODY_BYTES)
+            .await
+            .map_err(GetError::Http)?;
+        Ok((head.status, body))
+    };
+    monoio::select! {
+        result = exchange => result,
+        _ = monoio::time::sleep(timeout) => Err(GetError::Timeout(timeout)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_wire::pb;
+
+    use super::*;
+    use crate::adapters::Adapters;
+
+    fn adapters(health_path: &str) -> Adapters {
+        let profile = pb::ProtocolProfile {
+            name: "openai".into(),
+            base_url: "http://127.0.0.1:9".into(),
+            models_path: "/v1/models".into(),
+            chat_completions_path: "/v1/chat/completions".into(),
+            health_path: health_path.into(),
+            ..Default::default()
+        };
+        Adapters::from_payload(&pb::NodeConfigPayload {
+            adapters: vec![
+                pb::AdapterConfig {
+                    name: "oa".into(),
+                    capacity: 1,
+                    targets: vec!["m1".into()],
+                    kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+                        pb::OpenAiCompatAdapterConfig {
+                            protocol_profile: Some(profile),
+                        },
+                    )),
+                },
+                pb::AdapterConfig {
+                    name: "ol".into(),
+                    capacity: 1,
+                    targets: vec!["llama3".into()],
+                    kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                        base_url: "http://127.0.0.1:11434".into(),
+                    })),
+                },
+            ],
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    // CONTRACT: W4, H6 — the probe addresses the exact adapter instance: its
+    // profile's health path (proving the target when that is the models
+    // list), or Ollama's /api/version.
+    #[test]
+    fn probe_targets_follow_the_adapter() {
+        let a = adapters("/v1/models");
+        let oa = ProbeTarget::of(a.get("oa").unwrap(), "m1");
+        assert_eq!(oa.path, "/v1/models");
+        assert_eq!(oa.expect_model.as_deref(), Some("m1"));
+        let a = adapters("/health");
+        let oa = ProbeTarget::of(a.get("oa").unwrap(), "m1");
+        assert_eq!(oa.path, "/health");
+        assert_eq!(oa.expect_model, None);
+        let ol = ProbeTarget::of(a.get("ol").unwrap(), "llama3");
+        assert_eq!(ol.path, "/api/version");
+        assert_eq!(ol.expect_model, None);
+        assert_eq!(ol.base_url.authority(), "127.0.0.1:11434");
+    }
+
+    // CONTRACT: W5 — normalization fails closed to unknown.
+    #[test]
+    fn classification_fails_closed() {
+        let list = br#"{"object":"list","data":[{"id":"m0"},{"id":"m1"}]}"#;
+        assert_eq!(classify(200, b"ok", None), ProbeOutcome::Available);
+        assert_eq!(classify(204, b"", None), ProbeOutcome::Available);
+        assert_eq!(classify(200, list, Some("m1")), ProbeOutcome::Available);
+        assert_eq!(classify(200, list, Some("m9")), ProbeOutcome::Unavailable);
+        assert_eq!(
+            classify(200, b"not json", Some("m1")),
+            ProbeOutcome::Unknown
+        );
+        assert_eq!(
+            classify(200, br#"{"data":[{"name":"m1"}]}"#, Some("m1")),
+            ProbeOutcome::Unknown
+        );
+        assert_eq!(classify(503, b"", None), ProbeOutcome::Unavailable);
+        assert_eq!(classify(500, b"", Some("m1")), ProbeOutcome::Unavailable);
+        assert_eq!(classify(404, b"", None), ProbeOutcome::Unknown);
+        assert_eq!(classify(429, b"", None), ProbeOutcome::Unknown);
+        assert_eq!(classify(302, b"", None), ProbeOutcome::Unknown);
+        assert_eq!(
+            classify_error(&GetError::Refused),
+            ProbeOutcome::Unavailable
+        );
+        assert_eq!(
+            classify_error(&GetError::Timeout(Duration::from_millis(5))),
+            ProbeOutcome::Unknown
+        );
+        assert_eq!(
+            classify_error(&GetError::Http(HttpError::UnexpectedEof)),
+            ProbeOutcome::Unknown
+        );
+    }
+}

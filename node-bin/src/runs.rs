@@ -1,0 +1,212 @@
+//! The run manager's table: every active normalized run and tunnel of a
+//! session, with the trigger that stops it (K1, F5, W10).
+//!
+//! An entry lives from the request's arrival until its attempt is released
+//! — after the terminal *and* the provider call's return (W10) — so a
+//! cancelled or stalled attempt whose provider has not returned yet still
+//! counts as active. Entries carry a serial so a finished attempt never
+//! removes a newer entry that reused its run id.
+
+use std::collections::HashMap;
+
+use local_sync::oneshot;
+
+use crate::watchdog::StopCause;
+
+/// The kind of an active run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunKind {
+    /// `RunRequest` → `RunEvent`s.
+    Normalized,
+    /// `ProviderTunnelRequest` → `ProviderTunnelFrame`s.
+    Tunnel,
+}
+
+/// A second request with the run id of an active one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("run id `{0}` is already active")]
+pub struct DuplicateRun(pub String);
+
+/// Proof of registration; hand it back to [`RunTable::finish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunTicket {
+    run_id: String,
+    serial: u64,
+}
+
+impl RunTicket {
+    /// The Edge's run id.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// The Node-owned run id (W5): `nrun-<serial>`, unique per session.
+    pub fn node_run_id(&self) -> String {
+        format!("nrun-{}", self.serial)
+    }
+
+    /// The Node-owned id of the (only) provider attempt of this run; the
+    /// Node never retries (W8).
+    pub fn attempt_id(&self) -> String {
+        format!("nrun-{}-a1", self.serial)
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    kind: RunKind,
+    serial: u64,
+    stop: Option<oneshot::Sender<StopCause>>,
+}
+
+/// Active runs of one session.
+#[derive(Debug, Default)]
+pub struct RunTable {
+    entries: HashMap<String, Entry>,
+    last_serial: u64,
+}
+
+impl RunTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a run; the receiver yields its stop cause. A duplicate of
+    /// an active run id is refused and the active run is left alone.
+    pub fn register(
+        &mut self,
+        run_id: &str,
+        kind: RunKind,
+    ) -> Result<(RunTicket, oneshot::Receiver<StopCause>), DuplicateRun> {
+        if self.entries.contains_key(run_id) {
+            return Err(DuplicateRun(run_id.to_string()));
+        }
+        self.last_serial += 1;
+        let (tx, rx) = oneshot::channel();
+        self.entries.insert(
+            run_id.to_string(),
+            Entry {
+                kind,
+                serial: self.last_serial,
+                stop: Some(tx),
+            },
+        );
+        Ok((
+            RunTicket {
+                run_id: run_id.to_string(),
+                serial: self.last_serial,
+            },
+            rx,
+        ))
+    }
+
+    /// Stops that run only (K1). False when unknown or already stopped.
+    pub fn cancel(&mut self, run_id: &str, cause: StopCause) -> bool {
+        self.entries
+            .get_mut(run_id)
+            .and_then(|e| e.stop.take())
+            .is_some_and(|tx| tx.send(cause).is_ok())
+    }
+
+    /// Stops every active run (F5); returns how many were signalled.
+    pub fn cancel_all(&mut self, cause: StopCause) -> usize {
+        self.entries
+            .values_mut()
+            .filter_map(|e| e.stop.take())
+            .map(|tx| tx.send(cause).is_ok())
+            .filter(|&sent| sent)
+            .count()
+    }
+
+    /// Removes the run of `ticket` once its attempt is released.
+    pub fn finish(&mut self, ticket: &RunTicket) {
+        if self
+            .entries
+            .get(&ticket.run_id)
+            .is_some_and(|e| e.serial == ticket.serial)
+        {
+            self.entries.remove(&ticket.run_id);
+        }
+    }
+
+    /// Whether `run_id` is active.
+    pub fn contains(&self, run_id: &str) -> bool {
+        self.entries.contains_key(run_id)
+    }
+
+    /// Active runs of `kind`.
+    pub fn count(&self, kind: RunKind) -> usize {
+        self.entries.values().filter(|e| e.kind == kind).count()
+    }
+
+    /// All active runs.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no run is active.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // CONTRACT: K1 — a cancel reaches only its run; the entry stays until
+    // the attempt is released (W10).
+    #[test]
+    fn cancel_reaches_only_that_run() {
+        let mut t = RunTable::new();
+        let (a, mut rx_a) = t.register("a", RunKind::Tunnel).unwrap();
+        let (_b, mut rx_b) = t.register("b", RunKind::Normalized).unwrap();
+        assert!(t.cancel("a", StopCause::Cancelled));
+        assert!(!t.cancel("a", StopCause::Cancelled), "stopped once");
+        assert!(!t.cancel("zzz", StopCause::Cancelled));
+        assert_eq!(rx_a.try_recv(), Ok(StopCause::Cancelled));
+        assert!(rx_b.try_recv().is_err());
+        assert!(t.contains("a"));
+        assert_eq!(
+            (t.count(RunKind::Tunnel), t.count(RunKind::Normalized)),
+            (1, 1)
+        );
+        t.finish(&a);
+        assert!(!t.contains("a"));
+        assert_eq!(a.node_run_id(), "nrun-1");
+        assert_eq!(a.attempt_id(), "nrun-1-a1");
+    }
+
+    // CONTRACT: F5 — the session's end stops every active run.
+    #[test]
+    fn session_end_stops_every_run() {
+        let mut t = RunTable::new();
+        let mut receivers: Vec<_> = ["x", "y", "z"]
+            .iter()
+            .map(|id| t.register(id, RunKind::Tunnel).unwrap().1)
+            .collect();
+        assert_eq!(t.cancel_all(StopCause::SessionEnded), 3);
+        for rx in &mut receivers {
+            assert_eq!(rx.try_recv(), Ok(StopCause::SessionEnded));
+        }
+        assert_eq!(t.cancel_all(StopCause::SessionEnded), 0);
+        assert_eq!(t.len(), 3, "entries stay until released (W10)");
+    }
+
+    #[test]
+    fn duplicates_are_refused_and_stale_finishes_ignored() {
+        let mut t = RunTable::new();
+        let (first, _rx) = t.register("r", RunKind::Tunnel).unwrap();
+        assert_eq!(
+            t.register("r", RunKind::Tunnel).unwrap_err(),
+            DuplicateRun("r".into())
+        );
+        t.finish(&first);
+        let (second, _rx2) = t.register("r", RunKind::Tunnel).unwrap();
+        t.finish(&first);
+        assert!(t.contains("r"), "a stale ticket removes nothing");
+        t.finish(&second);
+        assert!(t.is_empty());
+    }
+}

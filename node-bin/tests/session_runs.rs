@@ -1,0 +1,695 @@
+//! In-process integration: a real Node session (`node_bin::session::run`)
+//! over a loopback TCP frame connection to a scripted Edge, against the
+//! `bench` mock provider with injected faults. Proves the watchdog, cancel,
+//! session-end, W1, command and refresh behaviour through real sockets.
+//!
+//! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
+//! assertion depends on how fast anything runs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::http::Url;
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use monoio::io::Splitable;
+use monoio::net::{TcpListener, TcpStream};
+use node_bin::session::{self, NodeCore, SessionEnd};
+
+const SAFETY: Duration = Duration::from_secs(20);
+const TARGET: &str = "mock-model";
+
+fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// The mock provider, in process.
+struct Mock {
+    addr: SocketAddr,
+}
+
+impl Mock {
+    fn start(tokens: u32, inter_token_ms: u64, faults: bench::mock::MockFaults) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
+        let addr = listener.local_addr().expect("mock addr");
+        let config = bench::mock::MockConfig {
+            ttft_ms: 0,
+            inter_token_ms,
+            tokens,
+            models: vec![TARGET.to_string()],
+        };
+        monoio::spawn(async move {
+            let never = bench::mock::serve_with(listener, config, faults).await;
+            match never {}
+        });
+        Self { addr }
+    }
+
+    fn url(&self) -> Url {
+        Url::parse(&format!("http://{}", self.addr)).expect("mock url")
+    }
+
+    async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let (status, body) = node_bin::probe::get(&self.url(), path, SAFETY)
+            .await
+            .expect("mock admin GET");
+        (status, serde_json::from_slice(&body).expect("mock JSON"))
+    }
+
+    async fn stats(&self) -> serde_json::Value {
+        self.get("/admin/stats").await.1
+    }
+
+    async fn set_health(&self, state: &str) {
+        let tcp = TcpStream::connect(self.addr).await.expect("connect mock");
+        let mut client = iop_engine::http::ClientConn::new(tcp, Default::default())
+            .with_host(self.addr.to_string());
+        client
+            .send_request(
+                "POST",
+                "/admin/health",
+                [("content-type", "application/json")],
+                Bytes::from(format!(r#"{{"state":"{state}"}}"#)),
+            )
+            .await
+            .expect("send");
+        let head = client.read_response_head().await.expect("head");
+        assert_eq!(head.status, 200);
+        client.read_body_to_end(1 << 16).await.expect("body");
+    }
+
+    /// Polls the mock's counters until `done` holds (bounded).
+    async fn wait_stats(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+        for _ in 0..400 {
+            if done(&self.stats().await) {
+                return;
+            }
+            monoio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("mock never reached: {what}; last {:?}", self.stats().await);
+    }
+}
+
+fn payload(mock: &Mock, health_path: &str, capacity: u32) -> pb::NodeConfigPayload {
+    pb::NodeConfigPayload {
+        runtime: Some(pb::NodeRuntimeConfig {
+            close_grace_ms: 300,
+            probe_timeout_ms: 300,
+            ..Default::default()
+        }),
+        adapters: vec![
+            pb::AdapterConfig {
+                name: "mock".into(),
+                capacity,
+                targets: vec![TARGET.into()],
+                kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+                    pb::OpenAiCompatAdapterConfig {
+                        protocol_profile: Some(pb::ProtocolProfile {
+                            name: "openai".into(),
+                            base_url: format!("http://{}", mock.addr),
+                            models_path: "/v1/models".into(),
+                            chat_completions_path: "/v1/chat/completions".into(),
+                            health_path: health_path.into(),
+                            ..Default::default()
+                        }),
+                    },
+                )),
+            },
+            pb::AdapterConfig {
+                name: "local-ollama".into(),
+                capacity: 1,
+                targets: vec![],
+                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                    base_url: format!("http://{}", mock.addr),
+                })),
+            },
+        ],
+        revision: 1,
+        credential_leases_required: false,
+    }
+}
+
+/// The Edge side of one Node session.
+struct Edge {
+    conn: ConnHandle,
+    events: ConnEvents,
+    node: monoio::task::JoinHandle<SessionEnd>,
+}
+
+impl Edge {
+    /// Starts a Node session against a scripted Edge and completes
+    /// registration and readiness.
+    async fn start(config: pb::NodeConfigPayload) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
+        let addr = listener.local_addr().expect("edge addr");
+        let core = NodeCore::start();
+        let node = monoio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.expect("node dials");
+            let shutdown = SocketShutdown::for_socket(&tcp);
+            let (r, w) = tcp.into_split();
+            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+            session::run("node-a", &core, conn, events).await
+        });
+        let (tcp, _) = listener.accept().await.expect("edge accepts");
+        let shutdown = SocketShutdown::for_socket(&tcp);
+        let (r, w) = tcp.into_split();
+        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        let mut edge = Self { conn, events, node };
+        match edge.recv().await.body {
+            Some(Body::RegisterRequest(r)) => assert_eq!(r.node_id, "node-a"),
+            other => panic!("expected RegisterRequest, got {other:?}"),
+        }
+        edge.send(Body::RegisterResponse(pb::RegisterResponse {
+            accepted: true,
+            reason: String::new(),
+            config: Some(config),
+        }));
+        match edge.recv().await.body {
+            Some(Body::NodeReadyRequest(_)) => {}
+            other => panic!("expected NodeReadyRequest, got {other:?}"),
+        }
+        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
+            ready: true,
+            reason: String::new(),
+        }));
+        edge
+    }
+
+    fn send(&self, body: Body) {
+        self.conn.send_control(frame(body)).expect("edge send");
+    }
+
+    async fn recv(&mut self) -> pb::Frame {
+        monoio::select! {
+            ev = self.events.recv() => match ev {
+                Some(ConnEvent::Frame(f)) => f,
+                other => panic!("edge connection ended: {other:?}"),
+            },
+            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
+        }
+    }
+
+    async fn recv_tunnel(&mut self) -> pb::ProviderTunnelFrame {
+        match self.recv().await.body {
+            Some(Body::ProviderTunnelFrame(f)) => f,
+            other => panic!("expected a tunnel frame, got {other:?}"),
+        }
+    }
+
+    /// Frames of `run_id` up to and including its terminal.
+    async fn tunnel_frames(&mut self, run_id: &str) -> Vec<pb::ProviderTunnelFrame> {
+        let mut out = Vec::new();
+        loop {
+            let f = self.recv_tunnel().await;
+            assert_eq!(f.run_id, run_id, "only one tunnel is open");
+            let terminal = matches!(
+                f.kind(),
+                pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
+            );
+            out.push(f);
+            if terminal {
+                return out;
+            }
+        }
+    }
+
+    async fn command(&mut self, command: pb::NodeCommandRequest) -> pb::NodeCommandResponse {
+        let id = command.command_id.clone();
+        self.send(Body::NodeCommandRequest(command));
+        match self.recv().await.body {
+            Some(Body::NodeCommandResponse(r)) => {
+                assert_eq!(r.command_id, id, "correlated by command id");
+                r
+            }
+            other => panic!("expected a command response, got {other:?}"),
+        }
+    }
+
+    async fn refresh(
+        &mut self,
+        id: &str,
+        config: pb::NodeConfigPayload,
+    ) -> pb::NodeConfigRefreshResponse {
+        self.send(Body::NodeConfigRefreshRequest(
+            pb::NodeConfigRefreshRequest {
+                refresh_id: id.into(),
+                config: Some(config),
+            },
+        ));
+        match self.recv().await.body {
+            Some(Body::NodeConfigRefreshResponse(r)) => r,
+            other => panic!("expected a refresh response, got {other:?}"),
+        }
+    }
+
+    async fn in_flight(&mut self) -> u32 {
+        let r = self
+            .command(pb::NodeCommandRequest {
+                command_id: "in-flight".into(),
+                r#type: pb::CommandType::ProviderStatus as i32,
+                adapter: "mock".into(),
+                path: String::new(),
+            })
+            .await;
+        r.providers[0].in_flight
+    }
+}
+
+fn tunnel(run_id: &str, stall_ms: i64, stream: bool) -> Body {
+    let body = format!(
+        r#"{{"model":"{TARGET}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
+    );
+    Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+        run_id: run_id.into(),
+        adapter: "mock".into(),
+        target: TARGET.into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![pb::Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from(body),
+        stream,
+        metadata: HashMap::from([("user".to_string(), "caller-secret".to_string())]),
+        response_stall_timeout_ms: stall_ms,
+        operation: "chat_completions".into(),
+        ..Default::default()
+    })
+}
+
+fn stall_after(tokens: u32) -> bench::mock::MockFaults {
+    bench::mock::MockFaults {
+        stall_after_tokens: Some(tokens),
+        ..Default::default()
+    }
+}
+
+fn kinds(frames: &[pb::ProviderTunnelFrame]) -> Vec<(u64, pb::TunnelFrameKind)> {
+    frames.iter().map(|f| (f.seq, f.kind())).collect()
+}
+
+fn assert_stall(
+    terminal: &pb::ProviderTunnelFrame,
+    stall_ms: i64,
+    health: pb::ProviderHealth,
+    class: pb::LivenessClassification,
+    seq: u64,
+) {
+    assert_eq!(terminal.kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(terminal.failure_code, "response_stalled");
+    let f = terminal
+        .failure
+        .clone()
+        .expect("ExecutionFailure on a stall");
+    assert_eq!(f.failure_code, "response_stalled");
+    assert_eq!(
+        f.provider_health,
+        Some(pb::ProviderHealthEvidence {
+            health: health as i32,
+            liveness_classification: class as i32,
+        })
+    );
+    // Never early: the attempt was idle for at least the stall timeout.
+    assert!(
+        f.idle_duration_ms >= stall_ms,
+        "idle {} ms",
+        f.idle_duration_ms
+    );
+    assert_eq!(
+        f.fence(),
+        pb::Fence::Confirmed,
+        "the aborted call returns at once"
+    );
+    assert_eq!(f.adapter, "mock");
+    assert_eq!(f.target, TARGET);
+    assert!(f.node_run_id.starts_with("nrun-"));
+    assert_eq!(f.attempt_id, format!("{}-a1", f.node_run_id));
+    assert_eq!(f.health_observation_seq, Some(seq));
+    assert!(terminal.metadata.is_empty());
+}
+
+// CONTRACT: W3, W4, W5, W7 — a provider that stalls after two tokens ends
+// the tunnel with one ERROR{response_stalled} carrying the allowlisted
+// ExecutionFailure (available/request_stalled: the exact-target models
+// probe lists the target); the next stall gets the next sequence; the slot
+// and the provider stream are freed.
+#[monoio::test(timer_enabled = true)]
+async fn stalled_tunnel_ends_with_response_stalled() {
+    let mock = Mock::start(8, 0, stall_after(2));
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    for (run, seq) in [("t-1", 1), ("t-2", 2)] {
+        edge.send(tunnel(run, 300, true));
+        let frames = edge.tunnel_frames(run).await;
+        let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
+        assert_eq!(seqs, (1..=frames.len() as u64).collect::<Vec<_>>());
+        assert_eq!(frames[0].kind(), pb::TunnelFrameKind::ResponseStart);
+        let body: Vec<u8> = frames
+            .iter()
+            .filter(|f| f.kind() == pb::TunnelFrameKind::Body)
+            .flat_map(|f| f.body.to_vec())
+            .collect();
+        let body = String::from_utf8(body).expect("utf-8 SSE");
+        assert!(body.contains("tok1 "), "two tokens relayed: {body}");
+        assert!(!body.contains("tok2 "), "nothing after the stall: {body}");
+        assert_stall(
+            frames.last().expect("terminal"),
+            300,
+            pb::ProviderHealth::Available,
+            pb::LivenessClassification::RequestStalled,
+            seq,
+        );
+    }
+    assert_eq!(edge.in_flight().await, 0);
+    mock.wait_stats("stalled streams closed", |s| s["active_streams"] == 0)
+        .await;
+}
+
+// CONTRACT: W4, W5 — the probe hits the adapter's health path: 503 →
+// unavailable/provider_unhealthy; a hanging health check → the bounded probe
+// fails closed to unknown/health_unknown.
+#[monoio::test(timer_enabled = true)]
+async fn stall_probe_evidence_follows_provider_health() {
+    let mock = Mock::start(8, 0, stall_after(1));
+    let mut edge = Edge::start(payload(&mock, "/health", 2)).await;
+    mock.set_health("unhealthy").await;
+    edge.send(tunnel("u-1", 200, true));
+    let frames = edge.tunnel_frames("u-1").await;
+    assert_stall(
+        frames.last().expect("terminal"),
+        200,
+        pb::ProviderHealth::Unavailable,
+        pb::LivenessClassification::ProviderUnhealthy,
+        1,
+    );
+    mock.set_health("hanging").await;
+    edge.send(tunnel("u-2", 200, true));
+    let frames = edge.tunnel_frames("u-2").await;
+    assert_stall(
+        frames.last().expect("terminal"),
+        200,
+        pb::ProviderHealth::Unknown,
+        pb::LivenessClassification::HealthUnknown,
+        2,
+    );
+}
+
+// CONTRACT: W4 — a non-streaming request that never answers ends with the
+// stall ERROR before any RESPONSE_START.
+#[monoio::test(timer_enabled = true)]
+async fn silent_provider_stalls_before_the_response_starts() {
+    let mock = Mock::start(8, 0, stall_after(2));
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    edge.send(tunnel("n-1", 200, false));
+    let frames = edge.tunnel_frames("n-1").await;
+    assert_eq!(kinds(&frames), vec![(1, pb::TunnelFrameKind::Error)]);
+    assert_stall(
+        &frames[0],
+        200,
+        pb::ProviderHealth::Available,
+        pb::LivenessClassification::RequestStalled,
+        1,
+    );
+}
+
+// CONTRACT: W6, P4 — a provider that drops the connection mid-stream is
+// not a stall: ERROR provider_error without ExecutionFailure; the slot is
+// free again.
+#[monoio::test(timer_enabled = true)]
+async fn dropped_provider_is_a_plain_error() {
+    let faults = bench::mock::MockFaults {
+        drop_after_tokens: Some(2),
+        ..Default::default()
+    };
+    let mock = Mock::start(8, 0, faults);
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 1)).await;
+    edge.send(tunnel("d-1", 0, true));
+    let frames = edge.tunnel_frames("d-1").await;
+    let last = frames.last().expect("terminal");
+    assert_eq!(last.kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(last.failure_code, "provider_error");
+    assert!(last.failure.is_none());
+    assert!(!last.error.is_empty());
+    assert_eq!(edge.in_flight().await, 0);
+    // The one slot admits the next request.
+    edge.send(tunnel("d-2", 0, true));
+    let frames = edge.tunnel_frames("d-2").await;
+    assert_eq!(
+        frames.last().map(|f| f.failure_code.as_str()),
+        Some("provider_error")
+    );
+}
+
+// CONTRACT: W1 — negative and overflowing stall timeouts are rejected at the
+// Node boundary before any provider call: no connection reaches the mock.
+#[monoio::test(timer_enabled = true)]
+async fn invalid_stall_timeout_is_rejected_before_the_provider() {
+    let mock = Mock::start(4, 0, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    for (run, ms) in [("w-neg", -1), ("w-big", i64::MAX)] {
+        edge.send(tunnel(run, ms, true));
+        let frames = edge.tunnel_frames(run).await;
+        assert_eq!(kinds(&frames), vec![(1, pb::TunnelFrameKind::Error)]);
+        assert_eq!(frames[0].failure_code, "invalid_stall_timeout");
+        assert!(frames[0].failure.is_none());
+    }
+    let stats = mock.stats().await;
+    // Only the stats request itself ever connected.
+    assert_eq!(stats["connections_accepted"], 1);
+    assert_eq!(stats["chat_requests"], 0);
+}
+
+// CONTRACT: K1, U6 — cancelling one of two concurrent tunnels ends only that
+// one, with exactly one ordered terminal; the other completes.
+#[monoio::test(timer_enabled = true)]
+async fn cancel_ends_only_that_tunnel() {
+    let mock = Mock::start(40, 25, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    edge.send(tunnel("k-a", 0, true));
+    edge.send(tunnel("k-b", 0, true));
+    let mut by_run: HashMap<String, Vec<pb::ProviderTunnelFrame>> = HashMap::new();
+    let mut cancelled = false;
+    let mut terminals = 0;
+    while terminals < 2 {
+        let f = edge.recv_tunnel().await;
+        let terminal = matches!(
+            f.kind(),
+            pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
+        );
+        let is_body = f.kind() == pb::TunnelFrameKind::Body;
+        let run = f.run_id.clone();
+        by_run.entry(run.clone()).or_default().push(f);
+        if terminal {
+            terminals += 1;
+        }
+        if !cancelled && run == "k-a" && is_body {
+            edge.send(Body::CancelRequest(pb::CancelRequest {
+                run_id: "k-a".into(),
+                reason: "client_disconnect".into(),
+            }));
+            cancelled = true;
+        }
+    }
+    let a = &by_run["k-a"];
+    let b = &by_run["k-b"];
+    for frames in [a, b] {
+        let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
+        assert_eq!(
+            seqs,
+            (1..=frames.len() as u64).collect::<Vec<_>>(),
+            "ordered"
+        );
+        let terminals = frames
+            .iter()
+            .filter(|f| {
+                matches!(
+                    f.kind(),
+                    pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
+                )
+            })
+            .count();
+        assert_eq!(terminals, 1, "exactly one terminal, last");
+    }
+    let a_end = a.last().expect("a terminal");
+    assert_eq!(a_end.kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(a_end.failure_code, "cancelled");
+    assert!(a_end.failure.is_none());
+    assert_eq!(b.last().map(|f| f.kind()), Some(pb::TunnelFrameKind::End));
+    assert_eq!(edge.in_flight().await, 0);
+}
+
+// CONTRACT: F5 — when the connection drops, the session cancels every
+// active tunnel: the provider streams are closed and the session ends.
+#[monoio::test(timer_enabled = true)]
+async fn session_end_cancels_every_run() {
+    let mock = Mock::start(8, 0, stall_after(1));
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 4)).await;
+    edge.send(tunnel("f-1", 0, true));
+    edge.send(tunnel("f-2", 0, true));
+    let mut started = 0;
+    while started < 2 {
+        if edge.recv_tunnel().await.kind() == pb::TunnelFrameKind::ResponseStart {
+            started += 1;
+        }
+    }
+    mock.wait_stats("two streams stalled", |s| s["active_streams"] == 2)
+        .await;
+    edge.conn.close("test_disconnect");
+    let end = edge.node.await;
+    assert!(matches!(end, SessionEnd::Ended(_)), "{end:?}");
+    mock.wait_stats("provider streams closed", |s| {
+        s["active_streams"] == 0 && s["connections_open"] == 1
+    })
+    .await;
+}
+
+// CONTRACT: K2, H6, W7, X5 — commands are answered by command id:
+// CAPABILITIES per adapter instance and target with the probe status and the
+// session's next sequence; PROVIDER_STATUS with the gate; TRANSPORT_STATUS
+// without addresses; OLLAMA_QUERY read-only.
+#[monoio::test(timer_enabled = true)]
+async fn commands_are_answered() {
+    let mock = Mock::start(4, 0, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 3)).await;
+    let cmd = |id: &str, t: pb::CommandType, adapter: &str, path: &str| pb::NodeCommandRequest {
+        command_id: id.into(),
+        r#type: t as i32,
+        adapter: adapter.into(),
+        path: path.into(),
+    };
+    let caps = edge
+        .command(cmd("c1", pb::CommandType::Capabilities, "mock", ""))
+        .await;
+    assert!(caps.ok, "{}", caps.error);
+    assert_eq!(
+        caps.capabilities,
+        vec![pb::AdapterCapability {
+            adapter_key: "mock".into(),
+            target: TARGET.into(),
+            provider_status: pb::ProviderHealth::Available as i32,
+            health_observation_seq: Some(1),
+            adapter: "openai_compat".into(),
+            instance_key: "mock".into(),
+        }]
+    );
+    let all = edge
+        .command(cmd("c2", pb::CommandType::Capabilities, "", ""))
+        .await;
+    let keys: Vec<(String, String, Option<u64>)> = all
+        .capabilities
+        .iter()
+        .map(|c| {
+            (
+                c.adapter_key.clone(),
+                c.target.clone(),
+                c.health_observation_seq,
+            )
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            ("local-ollama".to_string(), String::new(), Some(2)),
+            ("mock".to_string(), TARGET.to_string(), Some(3)),
+        ]
+    );
+    // The mock has no /api/version: Ollama's probe sees a 404 → unknown.
+    assert_eq!(
+        all.capabilities[0].provider_status(),
+        pb::ProviderHealth::Unknown
+    );
+
+    let status = edge
+        .command(cmd("c3", pb::CommandType::ProviderStatus, "", ""))
+        .await;
+    assert_eq!(
+        status.providers[1],
+        pb::ProviderLifecycle {
+            adapter_key: "mock".into(),
+            adapter: "openai_compat".into(),
+            state: "running".into(),
+            capacity: 3,
+            in_flight: 0,
+            targets: vec![TARGET.into()],
+        }
+    );
+    let transport = edge
+        .command(cmd("c4", pb::CommandType::TransportStatus, "", ""))
+        .await;
+    let t = transport.transport_status.expect("transport status");
+    assert_eq!(t.node_id, "node-a");
+    assert_eq!((t.active_runs, t.active_tunnels), (0, 0));
+    assert!(t.frames_received >= 4);
+
+    let refused = edge
+        .command(cmd("c5", pb::CommandType::OllamaQuery, "", "/api/pull"))
+        .await;
+    assert!(!refused.ok);
+    let not_ollama = edge
+        .command(cmd("c6", pb::CommandType::OllamaQuery, "mock", "/api/tags"))
+        .await;
+    assert_eq!(not_ollama.error, "adapter `mock` is not an ollama adapter");
+    let relayed = edge
+        .command(cmd("c7", pb::CommandType::OllamaQuery, "", "/api/tags"))
+        .await;
+    assert!(relayed.ok, "{}", relayed.error);
+    // The mock is no Ollama: its 404 is relayed as it is.
+    assert_eq!(relayed.query_status, 404);
+    let body: serde_json::Value = serde_json::from_slice(&relayed.query_body).expect("JSON body");
+    assert_eq!(body["error"]["message"], "Invalid URL (GET /api/tags)");
+}
+
+// CONTRACT: K3 — a refresh is APPLIED (new capacity for new requests),
+// RESTART_REQUIRED when the credential mode flips, FAILED (old config kept)
+// when invalid.
+#[monoio::test(timer_enabled = true)]
+async fn config_refresh_outcomes() {
+    let mock = Mock::start(4, 0, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    let mut bigger = payload(&mock, "/v1/models", 7);
+    bigger.revision = 2;
+    let r = edge.refresh("r1", bigger.clone()).await;
+    assert_eq!(
+        r,
+        pb::NodeConfigRefreshResponse {
+            refresh_id: "r1".into(),
+            status: pb::RefreshStatus::Applied as i32,
+            reason: String::new(),
+        }
+    );
+    let status = edge
+        .command(pb::NodeCommandRequest {
+            command_id: "s".into(),
+            r#type: pb::CommandType::ProviderStatus as i32,
+            adapter: "mock".into(),
+            path: String::new(),
+        })
+        .await;
+    assert_eq!(status.providers[0].capacity, 7);
+
+    let mut managed = bigger.clone();
+    managed.revision = 3;
+    managed.credential_leases_required = true;
+    let r = edge.refresh("r2", managed).await;
+    assert_eq!(r.status(), pb::RefreshStatus::RestartRequired);
+
+    let mut invalid = bigger.clone();
+    invalid.revision = 4;
+    invalid.adapters[0].kind = None;
+    let r = edge.refresh("r3", invalid).await;
+    assert_eq!(r.status(), pb::RefreshStatus::Failed);
+    assert_eq!(
+        r.reason,
+        "adapter `mock` has no kind (ollama or openai_compat)"
+    );
+    // The applied config still serves tunnels.
+    edge.send(tunnel("after-refresh", 0, true));
+    let frames = edge.tunnel_frames("after-refresh").await;
+    assert_eq!(
+        frames.last().map(|f| f.kind()),
+        Some(pb::TunnelFrameKind::End)
+    );
+}
