@@ -30,6 +30,9 @@ cargo fmt --all -- --check
 stage "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets -- -D warnings
 
+stage "build binaries (integration tests run them)"
+cargo build --workspace --bins
+
 stage "unit, integration and simulation tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

@@ -6,6 +6,14 @@
 //! - [`mock`]: `bench mock-provider`, an OpenAI-compatible mock inference
 //!   server with deterministic content and configurable pacing, used by the
 //!   demo, the end-to-end tests and the load harness.
+//! - [`load`]: `bench load`, the load generator (raw HTTP/1.1 over monoio,
+//!   SSE parsed as it arrives, HdrHistograms of TTFT, per-chunk latency,
+//!   inter-chunk gap and end to end).
+//! - [`compare`]: `bench compare`, relay-vs-direct measured side by side
+//!   (latency deltas and ratios, CPU per relayed token, memory per stream,
+//!   a concurrency ladder), with a JSON report.
+//! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
+//!   the pure pieces both use.
 //!
 //! ```text
 //! client ──HTTP/1.1──► mock::server (monoio shell, iop_engine::http)
@@ -16,4 +24,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod compare;
+pub mod load;
 pub mod mock;
+pub mod procstat;
+pub mod stats;

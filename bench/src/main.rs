@@ -7,6 +7,19 @@
 //!   OpenAI-compatible mock inference server. After binding it prints one
 //!   line, `IOP_READY mock-provider addr=HOST:PORT`, to stdout; it runs until
 //!   SIGTERM or SIGINT and then exits 0. Logs go to stderr (`RUST_LOG`).
+//!   Fault injection: `--stall-after-tokens N [--stall-ms D]` (D = 0:
+//!   forever), `--drop-after-tokens N`, `--fail-status CODE`; `GET /health`
+//!   flips with `POST /admin/health {"state":"healthy|unhealthy|hanging"}`.
+//! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
+//!   insert, cancel and expire at N timers; run it in release).
+//!
+//! - `bench load --url URL --model M (--concurrency N | --rate R/s)
+//!   [--duration-s D] [--tokens T] [--stream true]`: drive streaming chat
+//!   completions at a server; a live progress line on stderr, then a
+//!   latency table (TTFT, per-chunk, inter-chunk gap, end to end).
+//! - `bench compare [--quick] [--windows N] ...`: start the mock, an Edge
+//!   and a Node, and measure relayed against direct side by side; a table
+//!   on stdout and a JSON report in `bench/results/`.
 //!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
@@ -32,6 +45,9 @@ struct Cli {
 #[argh(subcommand)]
 enum Command {
     MockProvider(MockProviderArgs),
+    Wheel(WheelArgs),
+    Load(bench::load::cli::LoadArgs),
+    Compare(bench::compare::cli::CompareArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -57,6 +73,36 @@ struct MockProviderArgs {
     /// "mock-model")
     #[argh(option, default = "String::from(\"mock-model\")")]
     model_list: String,
+    /// fault: stall after this many content tokens
+    #[argh(option)]
+    stall_after_tokens: Option<u32>,
+    /// fault: stall length in milliseconds, 0 = forever (default 0)
+    #[argh(option, default = "0")]
+    stall_ms: u64,
+    /// fault: close the connection after this many content tokens
+    #[argh(option)]
+    drop_after_tokens: Option<u32>,
+    /// fault: answer every chat completion with this HTTP status
+    #[argh(option)]
+    fail_status: Option<u16>,
+}
+
+/// Measure the timing wheel: ns per insert, cancel and expire.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "wheel")]
+struct WheelArgs {
+    /// number of timers (default 1000000)
+    #[argh(option, default = "1_000_000")]
+    timers: usize,
+}
+
+fn wheel(args: WheelArgs) -> ExitCode {
+    let f = iop_engine::wheel::bench_report(args.timers);
+    println!(
+        "wheel timers={} span_ticks={} insert_ns={:.1} cancel_ns={:.1} expire_ns={:.1}",
+        f.timers, f.span_ticks, f.insert_ns, f.cancel_ns, f.expire_ns
+    );
+    ExitCode::SUCCESS
 }
 
 fn main() -> ExitCode {
@@ -64,6 +110,9 @@ fn main() -> ExitCode {
     let cli: Cli = argh::from_env();
     match cli.command {
         Command::MockProvider(args) => mock_provider(args),
+        Command::Wheel(args) => wheel(args),
+        Command::Load(args) => bench::load::cli::main(args),
+        Command::Compare(args) => bench::compare::cli::main(args),
     }
 }
 
@@ -95,8 +144,18 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
         tokens: args.tokens,
         models,
     };
+    if args.fail_status.is_some_and(|s| !(100..=999).contains(&s)) {
+        eprintln!("bench mock-provider: --fail-status: must be an HTTP status (100-999)");
+        return ExitCode::from(1);
+    }
+    let faults = mock::MockFaults {
+        stall_after_tokens: args.stall_after_tokens,
+        stall_ms: args.stall_ms,
+        drop_after_tokens: args.drop_after_tokens,
+        fail_status: args.fail_status,
+    };
     let addr = SocketAddr::new(args.host, args.port);
-    match iop_engine::rt::block_on(mock::run(addr, config)) {
+    match iop_engine::rt::block_on(mock::run_with(addr, config, faults)) {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(err)) => {
             eprintln!("bench mock-provider: {err}");

@@ -8,5 +8,5 @@
 pub mod openai;
 pub mod server;
 
-pub use openai::MockConfig;
-pub use server::{ready_line, run, ServeError};
+pub use openai::{HealthState, MockConfig, MockFaults, MockStats};
+pub use server::{ready_line, run, run_with, serve, serve_with, ServeError};

@@ -36,6 +36,25 @@
 //! `iop_mock_sent_ns`: the monotonic time the chunk was rendered for sending,
 //! so a load harness on the same machine can measure delivery latency. SDKs
 //! ignore unknown fields.
+//!
+//! # Fault injection and admin routes
+//!
+//! [`MockFaults`] (all off by default) makes chat completions misbehave, for
+//! the Node's watchdog tests:
+//!
+//! - `stall_after_tokens: N` with `stall_ms: D`: after the N-th content token
+//!   the stream pauses D ms (0 = forever) before going on; a non-streaming
+//!   reply with more than N tokens waits D ms more (0 = never answers).
+//! - `drop_after_tokens: N`: after the N-th content token the connection is
+//!   closed mid-stream (no finish chunk, no terminating chunk); a
+//!   non-streaming reply with more than N tokens closes without a response.
+//! - `fail_status: CODE`: every chat completion is answered `CODE` with an
+//!   OpenAI error body.
+//!
+//! `GET /health` answers by the runtime [`HealthState`]: `healthy` → 200
+//! `{"status":"ok"}`, `unhealthy` → 503, `hanging` → never answers.
+//! `POST /admin/health {"state":"healthy"|"unhealthy"|"hanging"}` flips it.
+//! `GET /admin/stats` returns the counters in [`MockStats`] as JSON.
 
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +97,46 @@ pub struct MockConfig {
     pub tokens: u32,
     /// Model ids listed by `GET /v1/models`.
     pub models: Vec<String>,
+}
+
+/// Injected faults (see the module docs); `Default` is no fault.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MockFaults {
+    /// Stall after this many content tokens.
+    pub stall_after_tokens: Option<u32>,
+    /// Length of that stall in milliseconds; 0 = forever.
+    pub stall_ms: u64,
+    /// Close the connection after this many content tokens.
+    pub drop_after_tokens: Option<u32>,
+    /// Answer every chat completion with this status.
+    pub fail_status: Option<u16>,
+}
+
+/// What `GET /health` answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HealthState {
+    /// 200 `{"status":"ok"}`.
+    #[default]
+    Healthy,
+    /// 503.
+    Unhealthy,
+    /// No answer at all.
+    Hanging,
+}
+
+/// Counters served by `GET /admin/stats`. The shell reports connection and
+/// stream lifetimes; the core counts requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct MockStats {
+    /// TCP connections accepted so far.
+    pub connections_accepted: u64,
+    /// TCP connections open now.
+    pub connections_open: u64,
+    /// Chat completion requests received so far.
+    pub chat_requests: u64,
+    /// Streamed replies being written now.
+    pub active_streams: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -406,6 +465,10 @@ pub enum StreamStep {
     },
     /// Write this SSE event as one HTTP chunk and flush it.
     Event(String),
+    /// Injected stall forever: write nothing more, keep the connection open.
+    Hang,
+    /// Injected drop: close the connection now, mid-stream.
+    Drop,
 }
 
 /// Where a [`StreamPlan`] is.
@@ -429,8 +492,40 @@ enum StreamPhase {
     Usage,
     /// `data: [DONE]` is next.
     Done,
+    /// The injected fault is next; then token `next` (a finite stall).
+    Fault {
+        /// The index of the token after the fault.
+        next: u32,
+    },
     /// Nothing is left.
     Finished,
+}
+
+/// A fault a [`StreamPlan`] injects after a number of content tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFault {
+    /// Pause this long (`None` = forever) after `after_tokens` tokens.
+    Stall {
+        /// Content tokens written first.
+        after_tokens: u32,
+        /// Pause length; `None` = forever.
+        duration_ms: Option<u64>,
+    },
+    /// Close the connection after `after_tokens` tokens.
+    Drop {
+        /// Content tokens written first.
+        after_tokens: u32,
+    },
+}
+
+impl StreamFault {
+    fn after_tokens(self) -> u32 {
+        match self {
+            StreamFault::Stall { after_tokens, .. } | StreamFault::Drop { after_tokens } => {
+                after_tokens
+            }
+        }
+    }
 }
 
 /// The sans-IO plan of one streamed completion: call
@@ -442,6 +537,7 @@ pub struct StreamPlan {
     ttft_ms: u64,
     inter_token_ms: u64,
     phase: StreamPhase,
+    fault: Option<StreamFault>,
 }
 
 impl StreamPlan {
@@ -452,7 +548,15 @@ impl StreamPlan {
             ttft_ms,
             inter_token_ms,
             phase: StreamPhase::Role,
+            fault: None,
         }
+    }
+
+    /// The same plan with `fault` injected; a fault after as many tokens as
+    /// the completion has (or more) never happens.
+    pub fn with_fault(mut self, fault: Option<StreamFault>) -> Self {
+        self.fault = fault.filter(|f| f.after_tokens() < self.completion.tokens);
+        self
     }
 
     /// The completion being streamed.
@@ -487,7 +591,9 @@ impl StreamPlan {
                 }
                 StreamPhase::Token { next } => {
                     let after = next.saturating_add(1);
-                    self.phase = if after < self.completion.tokens {
+                    self.phase = if self.fault.is_some_and(|f| f.after_tokens() == after) {
+                        StreamPhase::Fault { next: after }
+                    } else if after < self.completion.tokens {
                         StreamPhase::InterTokenDelay { next: after }
                     } else {
                         StreamPhase::Token { next: after }
@@ -511,6 +617,31 @@ impl StreamPlan {
                 StreamPhase::Done => {
                     self.phase = StreamPhase::Finished;
                     return Some(StreamStep::Event(DONE_EVENT.to_string()));
+                }
+                StreamPhase::Fault { next } => {
+                    let fault = self.fault.take();
+                    match fault {
+                        Some(StreamFault::Stall {
+                            duration_ms: Some(duration_ms),
+                            ..
+                        }) => {
+                            self.phase = StreamPhase::InterTokenDelay { next };
+                            if duration_ms > 0 {
+                                return Some(StreamStep::Sleep { duration_ms });
+                            }
+                        }
+                        Some(StreamFault::Stall {
+                            duration_ms: None, ..
+                        }) => {
+                            self.phase = StreamPhase::Finished;
+                            return Some(StreamStep::Hang);
+                        }
+                        Some(StreamFault::Drop { .. }) => {
+                            self.phase = StreamPhase::Finished;
+                            return Some(StreamStep::Drop);
+                        }
+                        None => self.phase = StreamPhase::InterTokenDelay { next },
+                    }
                 }
                 StreamPhase::Finished => return None,
             }
@@ -539,6 +670,11 @@ pub enum Reply {
     },
     /// A `text/event-stream` response driven by the plan.
     Stream(StreamPlan),
+    /// Never answer (a hanging health check or an injected stall forever);
+    /// keep the connection until the client closes it.
+    Hang,
+    /// Close the connection without answering (injected drop).
+    Drop,
 }
 
 /// The OpenAI error body:
@@ -599,6 +735,9 @@ pub fn models_body(models: &[String]) -> String {
 #[derive(Debug)]
 pub struct MockProvider {
     config: MockConfig,
+    faults: MockFaults,
+    health: HealthState,
+    stats: MockStats,
     models_body: String,
     completions_started: u64,
 }
@@ -606,12 +745,56 @@ pub struct MockProvider {
 impl MockProvider {
     /// A handler serving `config`.
     pub fn new(config: MockConfig) -> Self {
+        Self::with_faults(config, MockFaults::default())
+    }
+
+    /// A handler serving `config` with `faults` injected.
+    pub fn with_faults(config: MockConfig, faults: MockFaults) -> Self {
         let models_body = models_body(&config.models);
         Self {
             config,
+            faults,
+            health: HealthState::Healthy,
+            stats: MockStats::default(),
             models_body,
             completions_started: 0,
         }
+    }
+
+    /// The injected faults.
+    pub fn faults(&self) -> &MockFaults {
+        &self.faults
+    }
+
+    /// What `GET /health` answers now.
+    pub fn health(&self) -> HealthState {
+        self.health
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> MockStats {
+        self.stats
+    }
+
+    /// The shell accepted a connection.
+    pub fn connection_opened(&mut self) {
+        self.stats.connections_accepted += 1;
+        self.stats.connections_open += 1;
+    }
+
+    /// A connection closed.
+    pub fn connection_closed(&mut self) {
+        self.stats.connections_open = self.stats.connections_open.saturating_sub(1);
+    }
+
+    /// The shell started writing a stream.
+    pub fn stream_started(&mut self) {
+        self.stats.active_streams += 1;
+    }
+
+    /// A stream ended (finished, dropped, hung up on or failed).
+    pub fn stream_ended(&mut self) {
+        self.stats.active_streams = self.stats.active_streams.saturating_sub(1);
     }
 
     /// The configuration served.
@@ -629,6 +812,22 @@ impl MockProvider {
                 body: self.models_body.clone(),
             },
             ("POST", "/v1/chat/completions") => self.chat(body),
+            ("GET", "/health") => match self.health {
+                HealthState::Healthy => Reply::Json {
+                    status: 200,
+                    body: r#"{"status":"ok"}"#.to_string(),
+                },
+                HealthState::Unhealthy => Reply::Json {
+                    status: 503,
+                    body: r#"{"status":"unhealthy"}"#.to_string(),
+                },
+                HealthState::Hanging => Reply::Hang,
+            },
+            ("POST", "/admin/health") => self.set_health(body),
+            ("GET", "/admin/stats") => Reply::Json {
+                status: 200,
+                body: to_json(&self.stats),
+            },
             _ => Reply::Json {
                 status: 404,
                 body: error_body(&format!("Invalid URL ({method} {route})")),
@@ -636,7 +835,36 @@ impl MockProvider {
         }
     }
 
+    fn set_health(&mut self, body: &[u8]) -> Reply {
+        #[derive(Deserialize)]
+        struct SetHealthWire {
+            state: HealthState,
+        }
+        match serde_json::from_slice::<SetHealthWire>(body) {
+            Ok(wire) => {
+                self.health = wire.state;
+                Reply::Json {
+                    status: 200,
+                    body: format!(r#"{{"state":{}}}"#, to_json(&self.health)),
+                }
+            }
+            Err(err) => Reply::Json {
+                status: 400,
+                body: error_body(&format!(
+                    "expected {{\"state\":\"healthy\"|\"unhealthy\"|\"hanging\"}}: {err}"
+                )),
+            },
+        }
+    }
+
     fn chat(&mut self, body: &[u8]) -> Reply {
+        self.stats.chat_requests += 1;
+        if let Some(status) = self.faults.fail_status {
+            return Reply::Json {
+                status,
+                body: error_body(&format!("injected failure (status {status})")),
+            };
+        }
         let request = match ChatRequest::parse(body) {
             Ok(request) => request,
             Err(err) => {
@@ -648,12 +876,23 @@ impl MockProvider {
         };
         self.completions_started = self.completions_started.saturating_add(1);
         let completion = Completion::plan(&request, self.config.tokens, self.completions_started);
+        let fault = match (
+            self.faults.drop_after_tokens,
+            self.faults.stall_after_tokens,
+        ) {
+            (Some(after_tokens), _) => Some(StreamFault::Drop { after_tokens }),
+            (None, Some(after_tokens)) => Some(StreamFault::Stall {
+                after_tokens,
+                duration_ms: (self.faults.stall_ms > 0).then_some(self.faults.stall_ms),
+            }),
+            (None, None) => None,
+        }
+        .filter(|f| f.after_tokens() < completion.tokens);
         if request.stream {
-            Reply::Stream(StreamPlan::new(
-                completion,
-                self.config.ttft_ms,
-                self.config.inter_token_ms,
-            ))
+            Reply::Stream(
+                StreamPlan::new(completion, self.config.ttft_ms, self.config.inter_token_ms)
+                    .with_fault(fault),
+            )
         } else {
             let gaps = u64::from(completion.tokens.saturating_sub(1));
             let delay_ms = if completion.tokens == 0 {
@@ -663,9 +902,22 @@ impl MockProvider {
                     .ttft_ms
                     .saturating_add(gaps.saturating_mul(self.config.inter_token_ms))
             };
-            Reply::Completion {
-                delay_ms,
-                completion,
+            match fault {
+                Some(StreamFault::Drop { .. }) => Reply::Drop,
+                Some(StreamFault::Stall {
+                    duration_ms: None, ..
+                }) => Reply::Hang,
+                Some(StreamFault::Stall {
+                    duration_ms: Some(stall_ms),
+                    ..
+                }) => Reply::Completion {
+                    delay_ms: delay_ms.saturating_add(stall_ms),
+                    completion,
+                },
+                None => Reply::Completion {
+                    delay_ms,
+                    completion,
+                },
             }
         }
     }
@@ -817,6 +1069,7 @@ mod tests {
                     let start = e.find("tok").unwrap_or(0);
                     e[start..start + 4].to_string()
                 }
+                StreamStep::Hang | StreamStep::Drop => "fault".to_string(),
             })
             .collect();
         assert_eq!(
@@ -1001,5 +1254,168 @@ mod tests {
             panic!("expected json");
         };
         assert_eq!(status, 404);
+    }
+
+    fn faulty(tokens: u32, faults: MockFaults) -> MockProvider {
+        MockProvider::with_faults(
+            MockConfig {
+                ttft_ms: 0,
+                inter_token_ms: 0,
+                tokens,
+                models: vec!["mock-model".to_string()],
+            },
+            faults,
+        )
+    }
+
+    fn step_names(plan: &mut StreamPlan) -> Vec<String> {
+        stream_events(plan)
+            .into_iter()
+            .map(|step| match step {
+                StreamStep::Sleep { duration_ms } => format!("sleep {duration_ms}"),
+                StreamStep::Hang => "hang".into(),
+                StreamStep::Drop => "drop".into(),
+                StreamStep::Event(e) if e == DONE_EVENT => "done".into(),
+                StreamStep::Event(e) if e.contains(r#""role":"assistant""#) => "role".into(),
+                StreamStep::Event(e) if e.contains(r#""finish_reason":"stop""#) => "finish".into(),
+                StreamStep::Event(e) => {
+                    let at = e.find("tok").unwrap_or(0);
+                    e[at..].split(' ').next().unwrap_or("").to_string()
+                }
+            })
+            .collect()
+    }
+
+    const STREAM: &[u8] =
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    const PLAIN: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+
+    #[test]
+    fn stall_forever_after_n_tokens() {
+        let faults = MockFaults {
+            stall_after_tokens: Some(2),
+            ..MockFaults::default()
+        };
+        let mut p = faulty(4, faults);
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", STREAM));
+        assert_eq!(step_names(&mut plan), ["role", "tok0", "tok1", "hang"]);
+        assert!(matches!(
+            p.handle("POST", "/v1/chat/completions", PLAIN),
+            Reply::Hang
+        ));
+    }
+
+    #[test]
+    fn finite_stall_then_the_rest() {
+        let faults = MockFaults {
+            stall_after_tokens: Some(1),
+            stall_ms: 250,
+            ..MockFaults::default()
+        };
+        let mut p = faulty(3, faults);
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", STREAM));
+        assert_eq!(
+            step_names(&mut plan),
+            [
+                "role",
+                "tok0",
+                "sleep 250",
+                "tok1",
+                "tok2",
+                "finish",
+                "done"
+            ]
+        );
+        match p.handle("POST", "/v1/chat/completions", PLAIN) {
+            Reply::Completion { delay_ms, .. } => assert_eq!(delay_ms, 250),
+            other => panic!("expected a completion, got {other:?}"),
+        }
+        // A stall after as many tokens as the completion has never happens.
+        let mut short = faulty(1, faults);
+        let mut plan = plan_of(short.handle("POST", "/v1/chat/completions", STREAM));
+        assert_eq!(step_names(&mut plan), ["role", "tok0", "finish", "done"]);
+    }
+
+    #[test]
+    fn drop_after_n_tokens() {
+        let faults = MockFaults {
+            drop_after_tokens: Some(3),
+            ..MockFaults::default()
+        };
+        let mut p = faulty(5, faults);
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", STREAM));
+        assert_eq!(
+            step_names(&mut plan),
+            ["role", "tok0", "tok1", "tok2", "drop"]
+        );
+        assert!(matches!(
+            p.handle("POST", "/v1/chat/completions", PLAIN),
+            Reply::Drop
+        ));
+    }
+
+    #[test]
+    fn fail_status_answers_every_chat() {
+        let faults = MockFaults {
+            fail_status: Some(503),
+            ..MockFaults::default()
+        };
+        let mut p = faulty(5, faults);
+        let Reply::Json { status, body } = p.handle("POST", "/v1/chat/completions", STREAM) else {
+            panic!("expected JSON");
+        };
+        assert_eq!(status, 503);
+        assert_eq!(
+            body,
+            r#"{"error":{"message":"injected failure (status 503)","type":"invalid_request_error","param":null,"code":null}}"#
+        );
+        assert_eq!(p.stats().chat_requests, 1);
+    }
+
+    #[test]
+    fn health_flips_at_runtime() {
+        let mut p = provider(1);
+        let json = |r: Reply| match r {
+            Reply::Json { status, body } => (status, body),
+            other => panic!("expected JSON, got {other:?}"),
+        };
+        assert_eq!(
+            json(p.handle("GET", "/health", b"")),
+            (200, r#"{"status":"ok"}"#.to_string())
+        );
+        assert_eq!(
+            json(p.handle("POST", "/admin/health", br#"{"state":"unhealthy"}"#)),
+            (200, r#"{"state":"unhealthy"}"#.to_string())
+        );
+        assert_eq!(
+            json(p.handle("GET", "/health", b"")),
+            (503, r#"{"status":"unhealthy"}"#.to_string())
+        );
+        json(p.handle("POST", "/admin/health", br#"{"state":"hanging"}"#));
+        assert!(matches!(p.handle("GET", "/health", b""), Reply::Hang));
+        assert_eq!(p.health(), HealthState::Hanging);
+        let (status, _) = json(p.handle("POST", "/admin/health", br#"{"state":"sick"}"#));
+        assert_eq!(status, 400);
+        assert_eq!(p.health(), HealthState::Hanging);
+    }
+
+    #[test]
+    fn stats_count_connections_streams_and_chats() {
+        let mut p = provider(1);
+        p.connection_opened();
+        p.connection_opened();
+        p.connection_closed();
+        p.stream_started();
+        p.handle("POST", "/v1/chat/completions", PLAIN);
+        let Reply::Json { status, body } = p.handle("GET", "/admin/stats", b"") else {
+            panic!("expected JSON");
+        };
+        assert_eq!(status, 200);
+        assert_eq!(
+            body,
+            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1}"#
+        );
+        p.stream_ended();
+        assert_eq!(p.stats().active_streams, 0);
     }
 }

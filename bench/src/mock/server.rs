@@ -18,7 +18,7 @@ use iop_engine::clock::monotonic_raw_ns;
 use iop_engine::http::{HttpError, Limits, ServerConn};
 use iop_engine::rt::{Signal, SignalPipe};
 
-use super::openai::{error_body, MockProvider, Reply, StreamPlan, StreamStep};
+use super::openai::{error_body, MockFaults, MockProvider, Reply, StreamPlan, StreamStep};
 use super::MockConfig;
 
 /// Pause after a failed `accept` (for example `EMFILE`) before trying again,
@@ -56,6 +56,15 @@ pub fn ready_line(addr: SocketAddr) -> String {
 /// Open connections are dropped at shutdown, mid-stream or not. Prints
 /// [`ready_line`] to stdout (and flushes) once listening.
 pub async fn run(addr: SocketAddr, config: MockConfig) -> Result<(), ServeError> {
+    run_with(addr, config, MockFaults::default()).await
+}
+
+/// [`run`] with `faults` injected into chat completions.
+pub async fn run_with(
+    addr: SocketAddr,
+    config: MockConfig,
+    faults: MockFaults,
+) -> Result<(), ServeError> {
     // Handlers first: a signal sent right after the ready line must not find
     // the default action (termination with a non-zero status) still in place.
     let mut term = SignalPipe::install(Signal::Term).map_err(ServeError::Signals)?;
@@ -74,14 +83,32 @@ pub async fn run(addr: SocketAddr, config: MockConfig) -> Result<(), ServeError>
         ttft_ms = config.ttft_ms,
         inter_token_ms = config.inter_token_ms,
         models = ?config.models,
+        ?faults,
         "mock provider listening"
     );
-    let provider = Rc::new(RefCell::new(MockProvider::new(config)));
+    let provider = Rc::new(RefCell::new(MockProvider::with_faults(config, faults)));
     monoio::select! {
         never = accept_loop(listener, provider) => match never {},
         signal = term.recv() => shutdown(signal),
         signal = int.recv() => shutdown(signal),
     }
+}
+
+/// Serves `config` on an already bound `listener` until the future is
+/// dropped: no signal handlers, no readiness line. For in-process tests,
+/// which bind `127.0.0.1:0` and read the address from the listener.
+pub async fn serve(listener: TcpListener, config: MockConfig) -> Infallible {
+    serve_with(listener, config, MockFaults::default()).await
+}
+
+/// [`serve`] with `faults` injected into chat completions.
+pub async fn serve_with(
+    listener: TcpListener,
+    config: MockConfig,
+    faults: MockFaults,
+) -> Infallible {
+    let provider = MockProvider::with_faults(config, faults);
+    accept_loop(listener, Rc::new(RefCell::new(provider))).await
 }
 
 fn announce(addr: SocketAddr) -> io::Result<()> {
@@ -128,6 +155,8 @@ async fn serve_connection(
     peer: SocketAddr,
     provider: Rc<RefCell<MockProvider>>,
 ) {
+    provider.borrow_mut().connection_opened();
+    let _open = ConnectionGuard(&provider);
     let mut conn = ServerConn::new(stream, Limits::default());
     match serve_requests(&mut conn, &provider).await {
         Ok(()) => debug!(%peer, "connection closed"),
@@ -143,6 +172,40 @@ async fn serve_connection(
         }
         Err(err) => debug!(%peer, %err, "connection ended"),
     }
+}
+
+/// Counts a connection as open for its lifetime (also when its task is
+/// dropped at shutdown).
+struct ConnectionGuard<'a>(&'a RefCell<MockProvider>);
+
+impl Drop for ConnectionGuard<'_> {
+    fn drop(&mut self) {
+        self.0.borrow_mut().connection_closed();
+    }
+}
+
+/// Counts a stream as active for its lifetime.
+struct StreamGuard<'a>(&'a RefCell<MockProvider>);
+
+impl<'a> StreamGuard<'a> {
+    fn start(provider: &'a RefCell<MockProvider>) -> Self {
+        provider.borrow_mut().stream_started();
+        Self(provider)
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        self.0.borrow_mut().stream_ended();
+    }
+}
+
+/// What happens to the connection after a reply.
+enum After {
+    /// Serve the next request if the connection may be kept.
+    Continue,
+    /// Close it now (injected drop, or the client hung up on a hang).
+    Close,
 }
 
 /// Serves requests until the client closes, the connection may not be kept,
@@ -178,7 +241,17 @@ async fn serve_requests(
                 conn.write_response(200, JSON_HEADERS, Bytes::from(body))
                     .await?;
             }
-            Reply::Stream(plan) => stream_reply(conn, plan).await?,
+            Reply::Stream(plan) => {
+                let _active = StreamGuard::start(provider);
+                if let After::Close = stream_reply(conn, plan).await? {
+                    return Ok(());
+                }
+            }
+            Reply::Hang => {
+                hang(conn).await;
+                return Ok(());
+            }
+            Reply::Drop => return Ok(()),
         }
         if !conn.keep_alive() {
             break;
@@ -192,7 +265,7 @@ async fn serve_requests(
 async fn stream_reply(
     conn: &mut ServerConn<TcpStream>,
     mut plan: StreamPlan,
-) -> Result<(), HttpError> {
+) -> Result<After, HttpError> {
     conn.start_chunked(200, SSE_HEADERS).await?;
     while let Some(step) = plan.next_step(monotonic_raw_ns()) {
         match step {
@@ -200,7 +273,25 @@ async fn stream_reply(
                 monoio::time::sleep(Duration::from_millis(duration_ms)).await;
             }
             StreamStep::Event(event) => conn.write_chunk(Bytes::from(event)).await?,
+            StreamStep::Hang => {
+                hang(conn).await;
+                return Ok(After::Close);
+            }
+            StreamStep::Drop => {
+                debug!("injected drop: closing mid-stream");
+                return Ok(After::Close);
+            }
         }
     }
-    conn.finish().await
+    conn.finish().await?;
+    Ok(After::Continue)
+}
+
+/// Answers nothing until the client closes the connection (or sends more
+/// bytes, which also ends the connection).
+async fn hang(conn: &ServerConn<TcpStream>) {
+    debug!("injected hang: waiting for the client to close");
+    if let Err(err) = conn.stream().readable(false).await {
+        debug!(%err, "hang ended");
+    }
 }

@@ -1,0 +1,238 @@
+//! The Edge and Node configuration a comparison writes into its temporary
+//! directory: one Node, one OpenAI-compatible adapter pointing at the mock,
+//! one provider and one model, with capacities far above any load the
+//! harness offers (so the relay, not admission, is what is measured).
+
+/// Names shared by the certificates and both configurations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterNames {
+    /// SPIFFE trust domain.
+    pub trust_domain: String,
+    /// The Edge's identity name.
+    pub edge_name: String,
+    /// The Node's id.
+    pub node_id: String,
+    /// The external model clients ask the Edge for.
+    pub model: String,
+    /// The model name the mock serves (the provider target).
+    pub target: String,
+}
+
+impl ClusterNames {
+    /// The names a comparison uses, serving `target` as `model`.
+    pub fn bench(model: &str, target: &str) -> Self {
+        ClusterNames {
+            trust_domain: "iop.bench".into(),
+            edge_name: "edge-bench".into(),
+            node_id: "node-bench".into(),
+            model: model.into(),
+            target: target.into(),
+        }
+    }
+}
+
+/// Edge provider capacity (the config maximum).
+pub const PROVIDER_CAPACITY: u32 = 65_536;
+/// Edge model queue bound.
+pub const MAX_QUEUE: u32 = 1_000_000;
+
+/// A TOML basic string. JSON string escaping is a subset of TOML's.
+fn toml_str(value: &str) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// `edge.toml`, with certificate paths relative to the file (`certs/`).
+pub fn edge_toml(names: &ClusterNames, mock_base_url: &str) -> String {
+    let s = toml_str;
+    format!(
+        r#"[edge]
+name = {edge}
+trust_domain = {td}
+client_listen = "127.0.0.1:0"
+node_listen = "127.0.0.1:0"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+
+[[nodes]]
+id = {node}
+
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+profile = "openai"
+base_url = {base}
+capacity = 0
+
+[[nodes.providers]]
+id = "mock-1"
+adapter = "mock"
+target = {target}
+capacity = {PROVIDER_CAPACITY}
+
+[[models]]
+name = {model}
+providers = [{provider}]
+max_queue = {MAX_QUEUE}
+"#,
+        edge = s(&names.edge_name),
+        td = s(&names.trust_domain),
+        node = s(&names.node_id),
+        base = s(mock_base_url),
+        target = s(&names.target),
+        model = s(&names.model),
+        provider = s(&format!("{}/mock-1", names.node_id)),
+    )
+}
+
+/// `node.toml`, dialling the Edge's node listener `edge_nodes_addr`.
+pub fn node_toml(names: &ClusterNames, edge_nodes_addr: &str) -> String {
+    let s = toml_str;
+    format!(
+        r#"node_id = {node}
+trust_domain = {td}
+edge_addr = {edge_addr}
+edge_name = {edge}
+
+[tls]
+ca = "certs/ca.pem"
+cert = {cert}
+key = {key}
+
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+"#,
+        node = s(&names.node_id),
+        td = s(&names.trust_domain),
+        edge_addr = s(edge_nodes_addr),
+        edge = s(&names.edge_name),
+        cert = s(&format!("certs/node-{}.pem", names.node_id)),
+        key = s(&format!("certs/node-{}-key.pem", names.node_id)),
+    )
+}
+
+/// The `edge-bin certs` arguments that mint every certificate the two
+/// configurations name, into `out_dir`.
+pub fn certs_args(names: &ClusterNames, out_dir: &str) -> Vec<String> {
+    [
+        "certs",
+        "--out",
+        out_dir,
+        "--trust-domain",
+        &names.trust_domain,
+        "--edge-name",
+        &names.edge_name,
+        "--node",
+        &names.node_id,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Whether a `/status` document shows a connected provider.
+pub fn status_has_connected_provider(status: &serde_json::Value) -> bool {
+    status["providers"].as_array().is_some_and(|ps| {
+        ps.iter()
+            .any(|p| p["connected"] == serde_json::Value::Bool(true))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edge_config_is_exact() {
+        let names = ClusterNames::bench("bench-model", "mock-model");
+        assert_eq!(
+            edge_toml(&names, "http://127.0.0.1:4000"),
+            r#"[edge]
+name = "edge-bench"
+trust_domain = "iop.bench"
+client_listen = "127.0.0.1:0"
+node_listen = "127.0.0.1:0"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+
+[[nodes]]
+id = "node-bench"
+
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+profile = "openai"
+base_url = "http://127.0.0.1:4000"
+capacity = 0
+
+[[nodes.providers]]
+id = "mock-1"
+adapter = "mock"
+target = "mock-model"
+capacity = 65536
+
+[[models]]
+name = "bench-model"
+providers = ["node-bench/mock-1"]
+max_queue = 1000000
+"#
+        );
+    }
+
+    #[test]
+    fn node_config_is_exact_and_escapes_strings() {
+        let names = ClusterNames::bench("m", "t\"x");
+        assert_eq!(
+            node_toml(&names, "127.0.0.1:7443"),
+            r#"node_id = "node-bench"
+trust_domain = "iop.bench"
+edge_addr = "127.0.0.1:7443"
+edge_name = "edge-bench"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-node-bench.pem"
+key = "certs/node-node-bench-key.pem"
+
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+"#
+        );
+        assert!(edge_toml(&names, "http://x").contains(r#"target = "t\"x""#));
+    }
+
+    #[test]
+    fn certs_arguments_name_every_identity() {
+        let names = ClusterNames::bench("m", "t");
+        assert_eq!(
+            certs_args(&names, "/tmp/c"),
+            [
+                "certs",
+                "--out",
+                "/tmp/c",
+                "--trust-domain",
+                "iop.bench",
+                "--edge-name",
+                "edge-bench",
+                "--node",
+                "node-bench"
+            ]
+        );
+    }
+
+    #[test]
+    fn connected_status_is_recognised() {
+        let yes = serde_json::json!({"providers":[{"connected":false},{"connected":true}]});
+        let no = serde_json::json!({"providers":[{"connected":false}]});
+        assert!(status_has_connected_provider(&yes));
+        assert!(!status_has_connected_provider(&no));
+        assert!(!status_has_connected_provider(&serde_json::json!({})));
+    }
+}

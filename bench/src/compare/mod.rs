@@ -1,0 +1,182 @@
+//! `bench compare`: relay-vs-direct latency, concurrency and cost, measured
+//! side by side on one machine.
+//!
+//! ```text
+//!                 ┌──────────────── A: direct ────────────────┐
+//! bench (load) ───┤                                           ├──► bench mock-provider
+//!                 └─► edge-bin ══mTLS══► node-bin ── B ───────┘
+//!                 └─► --peer URL (e.g. nginx) ────── C ───────┘
+//! ```
+//!
+//! The harness starts the mock provider (this very binary), mints
+//! certificates with `edge-bin certs`, writes the Edge and Node
+//! configuration into a temporary directory, starts `edge-bin` and
+//! `node-bin`, waits until `/status` shows the provider connected, and then
+//! runs rounds of windows — A, B (and C) at the same offered load, the
+//! order alternating between rounds so drift does not favour one arm. It
+//! reports medians over rounds of the per-round differences (B − A) and
+//! ratios (B / A), the Edge + Node CPU time per relayed token
+//! (`/proc/<pid>/stat`), their memory per active stream (`VmRSS`), and a
+//! concurrency ladder for both paths.
+//!
+//! Every child is stopped by PID when the harness ends, also on error or
+//! panic ([`procs::ChildProc`] guards), and on SIGINT/SIGTERM (the harness
+//! stops at the next check and unwinds through the guards).
+
+pub mod cli;
+pub mod config;
+pub mod ladder;
+pub mod procs;
+pub mod report;
+mod run;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+pub use run::run;
+
+/// Why a comparison could not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum CompareError {
+    /// The options are inconsistent.
+    #[error("{0}")]
+    Options(String),
+    /// A binary the harness starts is not there.
+    #[error("{path} not found: {hint}")]
+    MissingBinary {
+        /// Where it was looked for.
+        path: String,
+        /// What to do about it.
+        hint: String,
+    },
+    /// A child could not be started.
+    #[error("cannot start {name} ({program}): {source}")]
+    Spawn {
+        /// Which child.
+        name: String,
+        /// The program path.
+        program: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A child did not announce readiness.
+    #[error("{name} did not become ready: {reason}\n--- {name} log (tail) ---\n{log_tail}")]
+    NotReady {
+        /// Which child.
+        name: String,
+        /// What happened.
+        reason: String,
+        /// The end of its log.
+        log_tail: String,
+    },
+    /// A child exited while it was needed.
+    #[error("{name} exited ({status})\n--- {name} log (tail) ---\n{log_tail}")]
+    Exited {
+        /// Which child.
+        name: String,
+        /// Its exit status.
+        status: String,
+        /// The end of its log.
+        log_tail: String,
+    },
+    /// A file or process operation failed.
+    #[error("cannot {what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A load run failed to run (not: a request failed).
+    #[error(transparent)]
+    Load(#[from] crate::load::LoadError),
+    /// A `/proc` figure or system call failed.
+    #[error(transparent)]
+    Proc(#[from] crate::procstat::ProcError),
+    /// The Node never showed up as connected in `/status`.
+    #[error("the node did not connect within {waited_ms} ms (last /status: {last_status})")]
+    NodeNotConnected {
+        /// How long the harness waited.
+        waited_ms: u64,
+        /// The last `/status` answer or error.
+        last_status: String,
+    },
+    /// An arm could not complete a single request in warm-up, so its
+    /// figures would mean nothing.
+    #[error("the {arm} path completed no request during warm-up: {first_error}")]
+    ArmBroken {
+        /// `direct`, `relayed` or `peer`.
+        arm: String,
+        /// The first failure seen.
+        first_error: String,
+    },
+    /// SIGINT or SIGTERM arrived.
+    #[error("interrupted")]
+    Interrupted,
+}
+
+/// Every option of a comparison, defaults resolved (recorded in the JSON).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompareOptions {
+    /// Quick mode (smaller defaults throughout).
+    pub quick: bool,
+    /// Rounds; each runs one window per arm.
+    pub windows: u32,
+    /// Length of each window.
+    pub window_ms: u64,
+    /// Unmeasured warm-up per arm before the first round.
+    pub warmup_ms: u64,
+    /// Concurrent streams in every window.
+    pub concurrency: u64,
+    /// Tokens per request.
+    pub tokens: u32,
+    /// Mock inter-token delay.
+    pub inter_token_ms: u64,
+    /// Mock time to first token.
+    pub ttft_ms: u64,
+    /// `--cores` of edge-bin.
+    pub edge_cores: String,
+    /// `--cores` of node-bin.
+    pub node_cores: String,
+    /// Load threads' cores (`None`: one unpinned thread).
+    pub load_cores: Option<String>,
+    /// Third arm's base URL.
+    pub peer: Option<String>,
+    /// Where edge-bin and node-bin are.
+    pub bin_dir: PathBuf,
+    /// This binary (started as the mock provider).
+    pub bench_exe: PathBuf,
+    /// Where the JSON report goes.
+    pub out_dir: PathBuf,
+    /// Use this mock instead of starting one.
+    pub attach_mock: Option<String>,
+    /// Use this Edge instead of starting Edge and Node.
+    pub attach_edge: Option<String>,
+    /// Port of the mock the harness starts (0: any).
+    pub mock_port: u16,
+    /// The model the mock serves (direct and peer requests name it).
+    pub mock_model: String,
+    /// The model relayed requests name.
+    pub edge_model: String,
+    /// Ladder levels (empty: no ladder).
+    pub ladder_levels: Vec<u64>,
+    /// Tokens per ladder stream.
+    pub ladder_tokens: u32,
+    /// Ladder stream starts are spread over this long.
+    pub ladder_ramp_ms: u64,
+    /// Keep the temporary directory (configs, certificates, logs).
+    pub keep_temp: bool,
+}
+
+/// Makes SIGINT and SIGTERM set `stop` (a second one terminates at once).
+/// Installation failures are ignored: the defaults then still end the
+/// process, only without the orderly child shutdown.
+pub fn install_stop_handlers(stop: &Arc<AtomicBool>) {
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(stop));
+        let _ = signal_hook::flag::register(signal, Arc::clone(stop));
+    }
+}

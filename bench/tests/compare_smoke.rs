@@ -1,0 +1,362 @@
+//! Smoke test of `bench compare`: the real binary starts the real mock
+//! provider, edge-bin and node-bin (from the same target directory), runs
+//! the shortest comparison and writes its JSON report. The test checks
+//! that the report is complete and consistent — every section present,
+//! counts above zero, no error on the direct path, per-round deltas and
+//! ratios equal to B − A and B / A of the reported window figures — and
+//! never judges the numbers themselves.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// Safety net so a hung harness fails the test instead of hanging it.
+const RUN_LIMIT: Duration = Duration::from_secs(180);
+
+const FIGURES: [&str; 5] = [
+    "ttft_p50_us",
+    "ttft_p99_us",
+    "chunk_latency_p50_us",
+    "chunk_latency_p99_us",
+    "inter_chunk_gap_p99_us",
+];
+const RATIOS: [&str; 5] = [
+    "ttft_p50",
+    "ttft_p99",
+    "chunk_latency_p50",
+    "chunk_latency_p99",
+    "inter_chunk_gap_p99",
+];
+
+/// The directory with `bench`, `edge-bin` and `node-bin`; fails with the
+/// fix when the other binaries were not built.
+fn bin_dir() -> PathBuf {
+    let bench = Path::new(env!("CARGO_BIN_EXE_bench"));
+    let dir = bench.parent().expect("bench has a directory").to_path_buf();
+    for name in ["edge-bin", "node-bin"] {
+        assert!(
+            dir.join(name).is_file(),
+            "{} is missing: run `cargo build --workspace --bins` first \
+             (scripts/test.sh does), then run the tests again",
+            dir.join(name).display()
+        );
+    }
+    dir
+}
+
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iop-bench-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+/// Runs `bench args…` to completion (bounded); stdout, stderr, success.
+fn run_bench(args: &[&str]) -> (String, String, bool) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bench"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn bench");
+    let mut waited = Duration::ZERO;
+    while child.try_wait().expect("try_wait").is_none() {
+        if waited >= RUN_LIMIT {
+            // SIGKILL skips the harness's own cleanup; SIGTERM lets it stop
+            // its children first.
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let out = child.wait_with_output().expect("collect output");
+            panic!(
+                "bench {args:?} still running after {RUN_LIMIT:?}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        waited += Duration::from_millis(50);
+    }
+    let out = child.wait_with_output().expect("collect output");
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.success(),
+    )
+}
+
+fn f64_at(v: &Value, key: &str) -> f64 {
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("`{key}` is not a number in {v}"))
+}
+
+fn u64_at(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("`{key}` is not a count in {v}"))
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+#[test]
+fn quick_compare_writes_a_complete_consistent_report() {
+    let bins = bin_dir();
+    let out_dir = scratch_dir("compare");
+    let (stdout, stderr, ok) = run_bench(&[
+        "compare",
+        "--quick",
+        "--windows",
+        "2",
+        "--window-s",
+        "1",
+        "--bin-dir",
+        bins.to_str().expect("utf-8 path"),
+        "--out",
+        out_dir.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        ok,
+        "bench compare failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    // The table went to stdout, the path of the JSON last.
+    assert!(stdout.contains("median of windows"), "{stdout}");
+    let path = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("JSON report: "))
+        .unwrap_or_else(|| panic!("no JSON path in\n{stdout}"));
+    let path = PathBuf::from(path);
+    assert_eq!(path.parent(), Some(out_dir.as_path()));
+    let name = path.file_name().unwrap().to_str().unwrap();
+    assert!(
+        name.starts_with("compare-") && name.ends_with(".json"),
+        "{name}"
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read report")).expect("JSON");
+
+    assert_eq!(report["schema"], "iop-bench-compare/1");
+    for section in [
+        "created_unix_ms",
+        "machine",
+        "nofile",
+        "commit",
+        "options",
+        "arms",
+        "windows",
+        "rounds",
+        "summary",
+        "cpu",
+        "rss",
+        "ladder",
+        "notes",
+    ] {
+        assert!(report.get(section).is_some(), "missing section {section}");
+    }
+    let machine = &report["machine"];
+    assert!(u64_at(machine, "nproc") > 0);
+    assert!(!machine["kernel"].as_str().unwrap().is_empty());
+    assert!(!machine["cpu_model"].as_str().unwrap().is_empty());
+    assert_eq!(report["options"]["windows"], 2);
+    assert_eq!(report["options"]["window_ms"], 1000);
+    assert_eq!(report["options"]["quick"], true);
+    let arms: Vec<&str> = report["arms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["arm"].as_str().unwrap())
+        .collect();
+    assert_eq!(arms, ["A", "B"]);
+
+    // Two rounds of one direct and one relayed window each.
+    let windows = report["windows"].as_array().unwrap();
+    assert_eq!(windows.len(), 4);
+    let window = |round: u64, arm: &str| -> &Value {
+        let found: Vec<&Value> = windows
+            .iter()
+            .filter(|w| w["round"] == round && w["arm"] == arm)
+            .collect();
+        assert_eq!(found.len(), 1, "round {round} arm {arm}");
+        found[0]
+    };
+    for w in windows {
+        let s = &w["summary"];
+        assert!(u64_at(s, "requests_ok") > 0, "{w}");
+        assert!(u64_at(s, "content_chunks") > 0, "{w}");
+        assert_eq!(u64_at(s, "unstamped_chunks"), 0, "{w}");
+        for dist in ["ttft", "chunk_latency", "inter_chunk_gap", "end_to_end"] {
+            assert!(u64_at(&s[dist], "count") > 0, "{dist} of {w}");
+        }
+        // Every stamped chunk has a latency; the headline is the summary's.
+        assert_eq!(s["chunk_latency"]["count"], s["content_chunks"]);
+        assert_eq!(w["headline"]["ttft_p50_us"], s["ttft"]["p50_us"]);
+        assert_eq!(
+            w["headline"]["chunk_latency_p99_us"],
+            s["chunk_latency"]["p99_us"]
+        );
+        assert_eq!(
+            w["headline"]["inter_chunk_gap_p99_us"],
+            s["inter_chunk_gap"]["p99_us"]
+        );
+        if w["arm"] == "A" {
+            assert_eq!(
+                u64_at(s, "errors_total"),
+                0,
+                "direct window had errors: {w}"
+            );
+            assert_eq!(u64_at(s, "truncated"), 0, "direct window truncated: {w}");
+        } else {
+            // Relayed windows: CPU of both relay processes and a memory
+            // sample were taken.
+            assert!(w["cpu"]["edge_us"].is_u64(), "{w}");
+            assert!(w["cpu"]["node_us"].is_u64(), "{w}");
+            assert!(w["rss"]["edge_kib"].as_u64().unwrap() > 0, "{w}");
+        }
+    }
+
+    // Per-round deltas and ratios are B − A and B / A of the windows.
+    let rounds = report["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 2);
+    let mut deltas: Vec<Vec<f64>> = vec![Vec::new(); 5];
+    for (r, round) in rounds.iter().enumerate() {
+        assert_eq!(round["round"], r as u64);
+        let order: Vec<&str> = round["order"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(order, if r == 0 { ["A", "B"] } else { ["B", "A"] });
+        let a = &window(r as u64, "A")["headline"];
+        let b = &window(r as u64, "B")["headline"];
+        for (i, (figure, ratio)) in FIGURES.iter().zip(RATIOS).enumerate() {
+            let (av, bv) = (f64_at(a, figure), f64_at(b, figure));
+            let delta = f64_at(&round["relayed_minus_direct"], figure);
+            assert!(
+                close(delta, bv - av),
+                "round {r} {figure}: {delta} != {bv} - {av}"
+            );
+            deltas[i].push(delta);
+            let reported = &round["relayed_over_direct"][ratio];
+            if av > 0.0 {
+                let q = reported.as_f64().unwrap();
+                assert!(close(q, bv / av), "round {r} {ratio}: {q} != {bv} / {av}");
+            } else {
+                assert!(reported.is_null());
+            }
+        }
+    }
+    // The summary's added latency is the median of the round deltas.
+    let summary = &report["summary"];
+    for (i, figure) in FIGURES.iter().enumerate() {
+        let added = f64_at(&summary["relayed_added"], figure);
+        assert!(close(added, median(deltas[i].clone())), "{figure}");
+    }
+    assert_eq!(summary["direct_totals"]["errors"], 0);
+    assert_eq!(summary["direct_totals"]["windows"], 2);
+    assert_eq!(summary["relayed_totals"]["windows"], 2);
+
+    // CPU per relayed token divides the relayed windows' CPU by their tokens.
+    let cpu = &report["cpu"];
+    let relayed_tokens: u64 = windows
+        .iter()
+        .filter(|w| w["arm"] == "B")
+        .map(|w| u64_at(&w["summary"], "content_chunks"))
+        .sum();
+    assert_eq!(u64_at(cpu, "tokens_relayed"), relayed_tokens);
+    assert!(u64_at(cpu, "clock_ticks_per_s") > 0);
+    let edge_us = u64_at(cpu, "edge_cpu_us") as f64;
+    let node_us = u64_at(cpu, "node_cpu_us") as f64;
+    let per_token = f64_at(cpu, "relay_us_per_token");
+    assert!(close(
+        per_token,
+        (edge_us + node_us) / relayed_tokens as f64
+    ));
+
+    // Memory: an idle sample and one per relayed window.
+    let rss = &report["rss"];
+    assert!(u64_at(&rss["idle"], "edge_kib") > 0);
+    assert!(u64_at(&rss["idle"], "node_kib") > 0);
+    assert_eq!(rss["window_samples"].as_array().unwrap().len(), 2);
+    assert!(rss["bytes_per_stream"].is_f64());
+
+    // The quick ladder: both arms list 64 and 128, and the highest passing
+    // level is the last pass before the first failure.
+    let ladder = &report["ladder"];
+    assert_eq!(ladder["inter_token_ms"], 20);
+    assert_eq!(ladder["gap_limit_ms"], 40);
+    for arm in ["direct", "relayed"] {
+        let levels = ladder[arm]["levels"].as_array().unwrap();
+        let streams: Vec<u64> = levels
+            .iter()
+            .map(|l| l["streams"].as_u64().unwrap())
+            .collect();
+        assert_eq!(streams, [64, 128], "{arm}");
+        let mut highest = Value::Null;
+        let mut stopped = false;
+        for level in levels {
+            let outcome = level["outcome"].as_str().unwrap();
+            if stopped {
+                assert_eq!(outcome, "skipped", "{arm}: {level}");
+                continue;
+            }
+            match outcome {
+                "pass" => {
+                    highest = level["streams"].clone();
+                    assert_eq!(level["summary"]["requests_ok"], level["streams"]);
+                }
+                "fail" | "impossible" => {
+                    stopped = true;
+                    assert!(!level["reasons"].as_array().unwrap().is_empty());
+                }
+                other => panic!("{arm}: unexpected outcome {other}"),
+            }
+        }
+        assert_eq!(ladder[arm]["highest_passing"], highest, "{arm}");
+    }
+
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+#[test]
+fn missing_relay_binaries_are_named_with_the_fix() {
+    let empty = scratch_dir("nobins");
+    let (_, stderr, ok) = run_bench(&[
+        "compare",
+        "--quick",
+        "--windows",
+        "2",
+        "--window-s",
+        "1",
+        "--bin-dir",
+        empty.to_str().unwrap(),
+        "--out",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(&format!("{}/edge-bin not found", empty.display())),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("cargo build --workspace --bins"),
+        "{stderr}"
+    );
+    // No report was written.
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+    let _ = std::fs::remove_dir_all(&empty);
+}

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Relay-vs-direct benchmark: builds release binaries, then runs `bench compare`,
+# which starts a mock provider, an Edge and a Node on loopback and measures the
+# relayed path against the direct one side by side (latency added, CPU per
+# relayed token, memory per stream, a concurrency ladder). Prints a table and
+# writes a JSON report to bench/results/compare-<unix-ts>.json.
+#
+#   scripts/bench.sh                 the standard suite (about 3 minutes on 2 cores)
+#   scripts/bench.sh --quick         a short run (well under a minute after the build)
+#   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
+#                                    of the mock (arm C), when nginx is installed
+#   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (see `bench compare --help`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+peer_nginx=0
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --peer-nginx) peer_nginx=1 ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+echo "==> building release binaries"
+cargo build --release --workspace --bins --quiet
+bin=$PWD/target/release
+
+args=(compare --bin-dir "$bin" --out bench/results)
+if [ "$quick" = 1 ]; then args+=(--quick); fi
+
+work=""
+nginx_pid=""
+cleanup() {
+  trap - EXIT
+  if [ -n "$nginx_pid" ]; then
+    kill -TERM "$nginx_pid" 2>/dev/null || true
+    wait "$nginx_pid" 2>/dev/null || true
+  fi
+  if [ -n "$work" ]; then rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Whether something accepts connections on 127.0.0.1:$1.
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# A loopback port nobody listens on (the mock and nginx bind it shortly after).
+free_port() {
+  local port
+  for _ in $(seq 1 100); do
+    port=$((20000 + RANDOM % 30000))
+    if ! listening "$port" && [ "$port" != "${1:-}" ]; then echo "$port"; return 0; fi
+  done
+  echo "no free port found" >&2
+  return 1
+}
+
+if [ "$peer_nginx" = 1 ]; then
+  if command -v nginx >/dev/null 2>&1; then
+    work=$(mktemp -d -t iop-bench-nginx.XXXXXX)
+    chmod 755 "$work"
+    mock_port=$(free_port)
+    nginx_port=$(free_port "$mock_port")
+    cat >"$work/nginx.conf" <<NGINX
+daemon off;
+master_process on;
+worker_processes 1;
+pid $work/nginx.pid;
+error_log $work/error.log warn;
+events { worker_connections 16384; }
+http {
+  access_log off;
+  client_body_temp_path $work/client_body;
+  proxy_temp_path $work/proxy;
+  fastcgi_temp_path $work/fastcgi;
+  uwsgi_temp_path $work/uwsgi;
+  scgi_temp_path $work/scgi;
+  upstream iop_mock {
+    server 127.0.0.1:$mock_port;
+    keepalive 256;
+  }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://iop_mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+NGINX
+    echo "==> starting nginx on 127.0.0.1:$nginx_port in front of the mock at 127.0.0.1:$mock_port"
+    nginx -p "$work" -c "$work/nginx.conf" -e "$work/error.log" &
+    nginx_pid=$!
+    for _ in $(seq 1 100); do
+      listening "$nginx_port" && break
+      kill -0 "$nginx_pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$work/error.log" >&2; exit 1; }
+      sleep 0.05
+    done
+    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port")
+  else
+    echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
+  fi
+fi
+
+echo "==> $bin/bench ${args[*]} ${extra[*]}"
+"$bin/bench" "${args[@]}" "${extra[@]}"
