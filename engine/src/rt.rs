@@ -59,6 +59,63 @@ pub fn block_on<F: Future>(fut: F) -> io::Result<F::Output> {
     Ok(runtime.block_on(fut))
 }
 
+/// Where a shard runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// Position in the core list (0 = the control shard).
+    pub index: usize,
+    /// The CPU it is pinned to.
+    pub core: usize,
+    /// How many shards run in all.
+    pub count: usize,
+}
+
+impl Shard {
+    /// Whether this is the control shard (the first listed core).
+    pub fn is_control(&self) -> bool {
+        self.index == 0
+    }
+}
+
+/// Runs one monoio runtime per listed core, each on its own thread pinned to
+/// that core, and returns every shard's output in core-list order. The
+/// control shard (index 0) runs on a new thread too, so the caller's thread
+/// only waits. A shard that fails to pin or build its runtime reports the
+/// error as its output.
+pub fn run_shards<T, F, Fut>(cores: &CoreList, shard_main: F) -> Vec<io::Result<T>>
+where
+    T: Send + 'static,
+    F: Fn(Shard) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = T>,
+{
+    let shard_main = std::sync::Arc::new(shard_main);
+    let count = cores.cores().len();
+    let handles: Vec<_> = cores
+        .cores()
+        .iter()
+        .enumerate()
+        .map(|(index, &core)| {
+            let shard_main = shard_main.clone();
+            let shard = Shard { index, core, count };
+            std::thread::Builder::new()
+                .name(format!("iop-shard-{index}-cpu{core}"))
+                .spawn(move || -> io::Result<T> {
+                    pin_current_thread(core)?;
+                    block_on(shard_main(shard))
+                })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| match h {
+            Ok(handle) => handle
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("shard thread panicked"))),
+            Err(e) => Err(e),
+        })
+        .collect()
+}
+
 /// A `--cores` value that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreListError {
@@ -350,6 +407,28 @@ mod tests {
             err.to_string(),
             "core 2 is not in this process's allowed CPU set (0,1)"
         );
+    }
+
+    #[test]
+    fn shards_run_pinned_one_per_core() {
+        let allowed = allowed_cpus().unwrap();
+        let list: Vec<String> = allowed.iter().take(2).map(|c| c.to_string()).collect();
+        let cores = CoreList::parse(&list.join(",")).unwrap();
+        let outputs = run_shards(&cores, |shard| async move {
+            let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+            let pinned: Vec<usize> = (0..nix::sched::CpuSet::count())
+                .filter(|&c| set.is_set(c).unwrap_or(false))
+                .collect();
+            (shard, pinned)
+        });
+        for (i, out) in outputs.into_iter().enumerate() {
+            let (shard, pinned) = out.unwrap();
+            assert_eq!(shard.index, i);
+            assert_eq!(shard.core, cores.cores()[i]);
+            assert_eq!(shard.count, cores.cores().len());
+            assert_eq!(shard.is_control(), i == 0);
+            assert_eq!(pinned, vec![shard.core]);
+        }
     }
 
     #[test]
