@@ -1,0 +1,419 @@
+//! Latency histograms and counters: recorded per core, merged on read,
+//! rendered as a wrk2-style percentile distribution (the `SIGUSR1` dump) and
+//! as Prometheus text 0.0.4 (`/metrics`).
+//!
+//! ```text
+//!  core 0 thread ─record─► Registry (its own, uncontended Mutex) ─┐
+//!  core 1 thread ─record─► Registry                               ├─ merged() ─► Registry ─► render_wrk2 (SIGUSR1 → stderr)
+//!  exited threads ────────► retired Registry (folded in on exit) ─┘                     └──► render_prometheus (/metrics)
+//! ```
+//!
+//! - [`Histogram`] wraps an HdrHistogram of microseconds: 3 significant
+//!   digits, bounded to [`MAX_TRACKABLE_US`] (one hour; longer values are
+//!   clamped), plus the exact sum for Prometheus `_sum`.
+//! - [`Registry`] holds the fixed set of histograms ([`Latency`]) and
+//!   counters ([`Count`]) of both binaries; each key belongs to one [`Side`]
+//!   and renderers show one side. The set is closed: no labels, no names
+//!   taken from requests.
+//! - Recording goes to the calling thread's registry ([`record`],
+//!   [`record_since`], [`add`]). Each thread registers its registry in a
+//!   process-wide list the first time it records; [`merged`] adds them all
+//!   up. A thread that exits folds its registry into a retired one, so no
+//!   sample is lost and memory stays bounded by the live threads.
+//! - [`render_wrk2`] matches wrk2's latency report: the summary percentiles,
+//!   then HdrHistogram's `outputPercentileDistribution` (5 ticks per half
+//!   distance, milliseconds) with the `#[Mean …]`, `#[Max …]`, `#[Buckets …]`
+//!   footer. [`render_prometheus`] writes summaries in base units
+//!   (`iop_<side>_<name>_seconds{quantile=…}`, `_sum`, `_count`) and
+//!   `_total` counters.
+//! - [`spawn_usr1_dumper`] writes [`render_wrk2`] of [`merged`] to stderr on
+//!   every `SIGUSR1`.
+//!
+//! Why a `Mutex` per core rather than an `Rc<RefCell<_>>`: the reader on one
+//! core must see other cores' samples without a round trip through their
+//! mailboxes. The recording core is the only other user of its lock, so a
+//! record is an uncontended lock (two atomic operations) plus the histogram
+//! increment; contention happens only while a reader merges.
+
+use std::fmt;
+use std::time::Duration;
+
+mod per_core;
+mod render;
+
+pub use per_core::{
+    add, dump_on_sigusr1, merged, record, record_between, record_since, spawn_usr1_dumper,
+};
+pub use render::{render_prometheus, render_wrk2, PROMETHEUS_QUANTILES, WRK2_PERCENTILES};
+
+/// Largest value a histogram tells apart: one hour, in microseconds. Larger
+/// values are recorded as this value.
+pub const MAX_TRACKABLE_US: u64 = 3_600_000_000;
+
+/// Significant decimal digits kept by every histogram (values below 2048 µs
+/// are exact; above, the error is under 0.1 %).
+pub const SIGNIFICANT_DIGITS: u8 = 3;
+
+/// Which binary a metric belongs to: its name prefix (`iop_edge_`,
+/// `iop_node_`) and which dump shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The Edge gateway.
+    Edge,
+    /// A Node daemon.
+    Node,
+}
+
+impl Side {
+    /// `edge` or `node`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::Edge => "edge",
+            Side::Node => "node",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A latency histogram of the fixed set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Latency {
+    /// Edge: a request's submit to `Control` until its admission answer
+    /// (lease won or rejected).
+    EdgeQueueWait,
+    /// Edge: admission until the first response body chunk is written to
+    /// the client.
+    EdgeTimeToFirstByte,
+    /// Edge: added relay latency per body chunk, from the node frame being
+    /// taken off the request's route queue until the client write completes.
+    EdgeRelayChunkLatency,
+    /// Edge: an inference request read until its response finished.
+    EdgeEndToEnd,
+    /// Node: provider call start (connect included) until its first output
+    /// (the response head).
+    NodeProviderTimeToFirstByte,
+    /// Node: added relay latency per chunk, from the provider read until the
+    /// frame is queued on the Edge connection.
+    NodeRelayChunkLatency,
+    /// Node: provider call start until the call returns or is aborted.
+    NodeProviderCallDuration,
+}
+
+impl Latency {
+    /// Every histogram, in rendering order.
+    pub const ALL: [Latency; 7] = [
+        Latency::EdgeQueueWait,
+        Latency::EdgeTimeToFirstByte,
+        Latency::EdgeRelayChunkLatency,
+        Latency::EdgeEndToEnd,
+        Latency::NodeProviderTimeToFirstByte,
+        Latency::NodeRelayChunkLatency,
+        Latency::NodeProviderCallDuration,
+    ];
+
+    /// The binary that records it.
+    pub fn side(self) -> Side {
+        match self {
+            Latency::EdgeQueueWait
+            | Latency::EdgeTimeToFirstByte
+            | Latency::EdgeRelayChunkLatency
+            | Latency::EdgeEndToEnd => Side::Edge,
+            Latency::NodeProviderTimeToFirstByte
+            | Latency::NodeRelayChunkLatency
+            | Latency::NodeProviderCallDuration => Side::Node,
+        }
+    }
+
+    /// The name within its side (`queue_wait`); the Prometheus name is
+    /// `iop_<side>_<name>_seconds`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Latency::EdgeQueueWait => "queue_wait",
+            Latency::EdgeTimeToFirstByte => "time_to_first_byte",
+            Latency::EdgeRelayChunkLatency | Latency::NodeRelayChunkLatency => {
+                "relay_chunk_latency"
+            }
+            Latency::EdgeEndToEnd => "end_to_end",
+            Latency::NodeProviderTimeToFirstByte => "provider_time_to_first_byte",
+            Latency::NodeProviderCallDuration => "provider_call_duration",
+        }
+    }
+
+    /// One line for Prometheus `# HELP`.
+    pub fn help(self) -> &'static str {
+        match self {
+            Latency::EdgeQueueWait => "Time from request submit to its admission answer.",
+            Latency::EdgeTimeToFirstByte => {
+                "Time from admission to the first response body chunk written to the client."
+            }
+            Latency::EdgeRelayChunkLatency => {
+                "Added relay latency per body chunk: route queue to client write completion."
+            }
+            Latency::EdgeEndToEnd => "Time from inference request read to response finished.",
+            Latency::NodeProviderTimeToFirstByte => {
+                "Time from provider call start to its first output."
+            }
+            Latency::NodeRelayChunkLatency => {
+                "Added relay latency per chunk: provider read to frame queued for the Edge."
+            }
+            Latency::NodeProviderCallDuration => {
+                "Time from provider call start to its return or abort."
+            }
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A counter of the fixed set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Count {
+    /// Edge: response body bytes relayed from tunnel frames to clients.
+    EdgeRelayBodyBytes,
+    /// Node: provider calls aborted before they returned (watchdog, cancel,
+    /// session end).
+    NodeProviderCallsAborted,
+}
+
+impl Count {
+    /// Every counter, in rendering order.
+    pub const ALL: [Count; 2] = [Count::EdgeRelayBodyBytes, Count::NodeProviderCallsAborted];
+
+    /// The binary that counts it.
+    pub fn side(self) -> Side {
+        match self {
+            Count::EdgeRelayBodyBytes => Side::Edge,
+            Count::NodeProviderCallsAborted => Side::Node,
+        }
+    }
+
+    /// The name within its side; the Prometheus name is
+    /// `iop_<side>_<name>_total`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Count::EdgeRelayBodyBytes => "relay_body_bytes",
+            Count::NodeProviderCallsAborted => "provider_calls_aborted",
+        }
+    }
+
+    /// One line for Prometheus `# HELP`.
+    pub fn help(self) -> &'static str {
+        match self {
+            Count::EdgeRelayBodyBytes => "Response body bytes relayed from tunnels to clients.",
+            Count::NodeProviderCallsAborted => "Provider calls aborted before they returned.",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A metrics operation that cannot be carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MetricsError {
+    /// The histograms have different bounds (never the case for histograms
+    /// built by [`Histogram::new`]).
+    #[error("cannot merge histograms with different bounds: {0:?}")]
+    Merge(hdrhistogram::AdditionError),
+}
+
+/// A latency histogram in microseconds with an exact sum.
+#[derive(Clone)]
+pub struct Histogram {
+    hdr: hdrhistogram::Histogram<u64>,
+    sum_us: u64,
+}
+
+impl Histogram {
+    /// An empty histogram: 1 µs to [`MAX_TRACKABLE_US`], [`SIGNIFICANT_DIGITS`].
+    pub fn new() -> Self {
+        // Constant bounds (checked by a test): this cannot fail.
+        let hdr = hdrhistogram::Histogram::new_with_bounds(1, MAX_TRACKABLE_US, SIGNIFICANT_DIGITS)
+            .expect("constant histogram bounds are valid");
+        Self { hdr, sum_us: 0 }
+    }
+
+    /// Records one value in microseconds (clamped to [`MAX_TRACKABLE_US`]).
+    pub fn record_us(&mut self, value_us: u64) {
+        let value_us = value_us.min(MAX_TRACKABLE_US);
+        self.hdr.saturating_record(value_us);
+        self.sum_us = self.sum_us.saturating_add(value_us);
+    }
+
+    /// Records one duration, truncated to whole microseconds.
+    pub fn record(&mut self, elapsed: Duration) {
+        self.record_us(u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX));
+    }
+
+    /// Adds every sample of `other` to this one.
+    pub fn merge(&mut self, other: &Histogram) -> Result<(), MetricsError> {
+        self.hdr.add(&other.hdr).map_err(MetricsError::Merge)?;
+        self.sum_us = self.sum_us.saturating_add(other.sum_us);
+        Ok(())
+    }
+
+    /// Number of samples.
+    pub fn count(&self) -> u64 {
+        self.hdr.len()
+    }
+
+    /// Exact sum of the samples, in microseconds.
+    pub fn sum_us(&self) -> u64 {
+        self.sum_us
+    }
+
+    /// Largest sample (its bucket's highest equivalent value), 0 when empty.
+    pub fn max_us(&self) -> u64 {
+        self.hdr.max()
+    }
+
+    /// The value at `quantile` (0.0–1.0), 0 when empty.
+    pub fn value_at_quantile_us(&self, quantile: f64) -> u64 {
+        self.hdr.value_at_quantile(quantile)
+    }
+
+    /// The HdrHistogram underneath, for renderers.
+    pub fn hdr(&self) -> &hdrhistogram::Histogram<u64> {
+        &self.hdr
+    }
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Histogram")
+            .field("count", &self.count())
+            .field("sum_us", &self.sum_us)
+            .field("max_us", &self.max_us())
+            .finish()
+    }
+}
+
+/// The fixed set of histograms and counters of one core (or of several,
+/// merged).
+#[derive(Debug, Clone)]
+pub struct Registry {
+    histograms: [Histogram; Latency::ALL.len()],
+    counters: [u64; Count::ALL.len()],
+}
+
+impl Registry {
+    /// Every histogram empty, every counter 0.
+    pub fn new() -> Self {
+        Self {
+            histograms: std::array::from_fn(|_| Histogram::new()),
+            counters: [0; Count::ALL.len()],
+        }
+    }
+
+    /// Records `elapsed` in `key`'s histogram.
+    pub fn record(&mut self, key: Latency, elapsed: Duration) {
+        self.histograms[key.index()].record(elapsed);
+    }
+
+    /// Records a value in microseconds in `key`'s histogram.
+    pub fn record_us(&mut self, key: Latency, value_us: u64) {
+        self.histograms[key.index()].record_us(value_us);
+    }
+
+    /// Adds `n` to `key`'s counter (saturating).
+    pub fn add(&mut self, key: Count, n: u64) {
+        let counter = &mut self.counters[key.index()];
+        *counter = counter.saturating_add(n);
+    }
+
+    /// `key`'s histogram.
+    pub fn histogram(&self, key: Latency) -> &Histogram {
+        &self.histograms[key.index()]
+    }
+
+    /// `key`'s counter.
+    pub fn counter(&self, key: Count) -> u64 {
+        self.counters[key.index()]
+    }
+
+    /// Adds every sample and count of `other` to this one.
+    pub fn merge(&mut self, other: &Registry) -> Result<(), MetricsError> {
+        for (mine, theirs) in self.histograms.iter_mut().zip(&other.histograms) {
+            mine.merge(theirs)?;
+        }
+        for (mine, theirs) in self.counters.iter_mut().zip(&other.counters) {
+            *mine = mine.saturating_add(*theirs);
+        }
+        Ok(())
+    }
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_indexed_in_order_and_named_per_side() {
+        for (i, key) in Latency::ALL.iter().enumerate() {
+            assert_eq!(key.index(), i);
+        }
+        for (i, key) in Count::ALL.iter().enumerate() {
+            assert_eq!(key.index(), i);
+        }
+        let edge: Vec<&str> = Latency::ALL
+            .iter()
+            .filter(|k| k.side() == Side::Edge)
+            .map(|k| k.name())
+            .collect();
+        assert_eq!(
+            edge,
+            [
+                "queue_wait",
+                "time_to_first_byte",
+                "relay_chunk_latency",
+                "end_to_end"
+            ]
+        );
+        let node: Vec<&str> = Latency::ALL
+            .iter()
+            .filter(|k| k.side() == Side::Node)
+            .map(|k| k.name())
+            .collect();
+        assert_eq!(
+            node,
+            [
+                "provider_time_to_first_byte",
+                "relay_chunk_latency",
+                "provider_call_duration"
+            ]
+        );
+    }
+
+    #[test]
+    fn histogram_bounds_are_valid_and_clamp_at_one_hour() {
+        let mut h = Histogram::new();
+        assert_eq!(h.hdr().buckets(), 22);
+        h.record(Duration::from_secs(7200));
+        assert_eq!(h.count(), 1);
+        assert_eq!(h.sum_us(), MAX_TRACKABLE_US);
+        assert!(h.hdr().equivalent(h.max_us(), MAX_TRACKABLE_US));
+        h.record(Duration::from_nanos(999));
+        assert_eq!(h.value_at_quantile_us(0.0), 0);
+        assert_eq!(h.sum_us(), MAX_TRACKABLE_US);
+    }
+}
