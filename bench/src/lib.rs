@@ -3,9 +3,10 @@
 //! The `bench` binary's subcommands live here as library modules so tests
 //! (and other crates' tests) can use them in-process:
 //!
-//! - [`mock`]: `bench mock-provider`, an OpenAI-compatible mock inference
-//!   server with deterministic content and configurable pacing, used by the
-//!   demo, the end-to-end tests and the load harness.
+//! - [`mock`]: `bench mock-provider`, a mock inference server (OpenAI chat
+//!   completions with tool-call modes, Responses, Anthropic Messages, Ollama
+//!   native) with deterministic content, configurable pacing and fault
+//!   injection, used by the demo, the end-to-end tests and the load harness.
 //! - [`load`]: `bench load`, the load generator (raw HTTP/1.1 over monoio,
 //!   SSE parsed as it arrives, HdrHistograms of TTFT, per-chunk latency,
 //!   inter-chunk gap and end to end).

@@ -10,6 +10,13 @@
 //!   Fault injection: `--stall-after-tokens N [--stall-ms D]` (D = 0:
 //!   forever), `--drop-after-tokens N`, `--fail-status CODE`; `GET /health`
 //!   flips with `POST /admin/health {"state":"healthy|unhealthy|hanging"}`.
+//!   Modes: `--tool-calls` (native tool calls when `tools` are sent),
+//!   `--reject-tools` (400 on `tools`, a text `<tool_call>` to the retry).
+//!   Besides OpenAI chat completions it serves Ollama (`/api/chat`,
+//!   `/api/tags`, `/api/version`), Anthropic Messages (`/v1/messages`,
+//!   `/v1/messages/count_tokens`) and Responses (`/v1/responses`).
+//!   `--require-api-key KEY`: 401 (OpenAI shape) for provider requests
+//!   without `Authorization: Bearer KEY` or `x-api-key: KEY`.
 //! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
 //!   insert, cancel and expire at N timers; run it in release).
 //!
@@ -85,6 +92,17 @@ struct MockProviderArgs {
     /// fault: answer every chat completion with this HTTP status
     #[argh(option)]
     fail_status: Option<u16>,
+    /// answer chat requests that carry `tools` with a native tool call
+    #[argh(switch)]
+    tool_calls: bool,
+    /// answer chat completions that carry `tools` with 400, and a retry
+    /// that lists them in a `<tools>` system block with a text tool call
+    #[argh(switch)]
+    reject_tools: bool,
+    /// answer provider requests without `Authorization: Bearer KEY` or
+    /// `x-api-key: KEY` with 401
+    #[argh(option)]
+    require_api_key: Option<String>,
 }
 
 /// Measure the timing wheel: ns per insert, cancel and expire.
@@ -154,8 +172,16 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
         drop_after_tokens: args.drop_after_tokens,
         fail_status: args.fail_status,
     };
+    let modes = mock::MockModes {
+        tool_calls: args.tool_calls,
+        reject_tools: args.reject_tools,
+    };
+    let mut provider = mock::MockProvider::with_faults(config, faults).with_modes(modes);
+    if let Some(key) = args.require_api_key {
+        provider = provider.with_required_api_key(mock::auth::ApiKey::new(key));
+    }
     let addr = SocketAddr::new(args.host, args.port);
-    match iop_engine::rt::block_on(mock::run_with(addr, config, faults)) {
+    match iop_engine::rt::block_on(mock::run_provider(addr, provider)) {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(err)) => {
             eprintln!("bench mock-provider: {err}");

@@ -18,6 +18,11 @@
 //! with `key` the dotted path of the offending key (`nodes[0].providers[1].capacity`)
 //! or `-` when no key applies (a TOML syntax error, whose reason carries the
 //! line and column). The binary prints it and exits 1 (S3).
+//!
+//! The credential plane (`[credentials]`, `[[credentials.slots]]`, per-node
+//! `recipient_key`, `[[client_keys]]`, C1–C5) is validated here too, but this
+//! module never reads a secret: a slot names where its secret lives
+//! (`secret_file` or `secret_env`); `crate::credentials` reads it at startup.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -25,11 +30,17 @@ use std::fs::File;
 use std::net::{Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
+use iop_engine::keys::decode_recipient_public_key;
 use iop_wire::checks::effective_stall_timeout;
+use iop_wire::lease::{
+    decode_hex, MAX_HEADER_FORMAT_BYTES, MAX_HEADER_NAME_BYTES, MAX_LEASE_LIFETIME_MS,
+    SECRET_PLACEHOLDER,
+};
 use iop_wire::limits::DEFAULT_MAX_FRAME_BYTES;
 use iop_wire::pb;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use x25519_dalek::{PublicKey, StaticSecret};
 
 /// Default `edge.max_request_body_bytes`: 8 MiB; a larger client body gets 413.
 pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -61,6 +72,19 @@ pub const MAX_NAME_BYTES: usize = 128;
 pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
 /// Longest accepted model name, `owned_by` or provider target.
 pub const MAX_TEXT_BYTES: usize = 512;
+/// Default `credentials.lease_ttl_ms`: a lease is valid for 30 s after issue.
+pub const DEFAULT_LEASE_TTL_MS: u64 = 30_000;
+/// Shortest accepted `credentials.lease_ttl_ms`.
+pub const MIN_LEASE_TTL_MS: u64 = 1_000;
+/// Longest accepted `credentials.lease_ttl_ms` (the Node's cap on a lease's
+/// lifetime).
+pub const MAX_LEASE_TTL_MS: u64 = MAX_LEASE_LIFETIME_MS as u64;
+/// Default `credentials.slots[].header`.
+pub const DEFAULT_SLOT_HEADER: &str = "Authorization";
+/// Default `credentials.slots[].format`.
+pub const DEFAULT_SLOT_FORMAT: &str = "Bearer {secret}";
+/// Longest accepted environment variable name (`secret_env`).
+pub const MAX_ENV_NAME_BYTES: usize = 128;
 
 // ---------------------------------------------------------------------------
 // Errors
@@ -79,7 +103,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
         Self {
             file: file.display().to_string(),
             key: key.into(),
@@ -121,6 +145,78 @@ pub struct EdgeConfig {
     pub nodes: Vec<NodeSpec>,
     /// The external models, in file order; names are unique.
     pub models: Vec<ModelSpec>,
+    /// The credential plane (`[credentials]`, C1–C5); `None` = disabled.
+    /// Never set together with `edge.insecure_plaintext_nodes` (T5).
+    pub credentials: Option<CredentialsSpec>,
+    /// Client API keys (`[[client_keys]]`), stored hashed. Empty = the
+    /// client surface is open; otherwise every request but `/livez`,
+    /// `/readyz` and `/metrics` needs one of them.
+    pub client_keys: Vec<ClientKeySpec>,
+}
+
+/// The `[credentials]` table: the Edge issuer key and the credential slots
+/// (C1). Holds no secret: only where each one lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialsSpec {
+    /// The Ed25519 issuer key file, resolved against the config file's
+    /// directory (`edge-bin keys issuer --out …` writes one).
+    pub issuer_key: PathBuf,
+    /// Lifetime of an issued lease: `expires_at = not_before + lease_ttl_ms`.
+    pub lease_ttl_ms: u64,
+    /// The credential slots, in file order; names are unique.
+    pub slots: Vec<SlotSpec>,
+}
+
+/// One credential slot (`[[credentials.slots]]`): a named provider secret,
+/// the header it is injected as, its revision and the providers it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotSpec {
+    /// Slot name, unique (it goes into every binding).
+    pub name: String,
+    /// Where the secret is read from at startup.
+    pub secret: SecretSource,
+    /// Header the Node injects, e.g. `Authorization` or `x-api-key`.
+    pub header_name: String,
+    /// Header value format containing `{secret}`, e.g. `Bearer {secret}`.
+    pub header_format: String,
+    /// Credential revision of the secret (bound into every lease, C5).
+    pub revision: u64,
+    /// Revisions that must never be used; if `revision` is among them the
+    /// slot issues no lease (C3).
+    pub revoked_revisions: Vec<u64>,
+    /// A disabled slot issues no lease (C3).
+    pub enabled: bool,
+    /// The providers (routes) it serves; a provider is served by at most one
+    /// slot.
+    pub providers: Vec<ProviderRef>,
+}
+
+impl SlotSpec {
+    /// True when the slot may issue leases: enabled and its revision not
+    /// revoked.
+    pub fn is_usable(&self) -> bool {
+        self.enabled && !self.revoked_revisions.contains(&self.revision)
+    }
+}
+
+/// Where a slot's secret lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretSource {
+    /// A file (resolved against the config file's directory) holding the
+    /// secret; one trailing newline is dropped.
+    File(PathBuf),
+    /// An environment variable of the Edge process.
+    Env(String),
+}
+
+/// One client API key (`[[client_keys]]`): the principal it authenticates
+/// and the blake3 hash of the key (`edge-bin keys hash-client-key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientKeySpec {
+    /// The principal bound into every lease issued for its requests.
+    pub principal: String,
+    /// blake3 of the key bytes.
+    pub key_hash: [u8; 32],
 }
 
 /// The `[edge]` table.
@@ -164,6 +260,11 @@ pub struct NodeSpec {
     pub adapters: Vec<AdapterSpec>,
     /// Provider resources, in file order; ids are unique on this node.
     pub providers: Vec<ProviderSpec>,
+    /// The Node's X25519 recipient public key (`recipient_key =
+    /// "x25519:…"`): leases for this node are sealed to it (C1). With an
+    /// issuer configured, a node with a key is managed: its tunnels must
+    /// carry a lease (C3).
+    pub recipient_key: Option<PublicKey>,
 }
 
 /// One adapter instance of a Node (`[[nodes.adapters]]`, P4).
@@ -576,6 +677,22 @@ impl EdgeConfig {
     pub fn model(&self, name: &str) -> Option<&ModelSpec> {
         self.models.iter().find(|m| m.name == name)
     }
+
+    /// True when the Edge tells node `node` to require a lease on every
+    /// tunnel (`NodeConfigPayload.credential_leases_required`, C3): the
+    /// issuer is configured and the node has a recipient key.
+    pub fn credential_leases_required(&self, node: &NodeSpec) -> bool {
+        self.credentials.is_some() && node.recipient_key.is_some()
+    }
+
+    /// The slot serving provider `provider`, if any.
+    pub fn slot_for(&self, provider: &ProviderRef) -> Option<&SlotSpec> {
+        self.credentials
+            .as_ref()?
+            .slots
+            .iter()
+            .find(|s| s.providers.contains(provider))
+    }
 }
 
 impl TlsFiles {
@@ -614,6 +731,9 @@ fn check_readable_file(path: &Path) -> Result<(), String> {
 struct RawEdgeFile {
     edge: RawEdge,
     tls: Option<RawTls>,
+    credentials: Option<RawCredentials>,
+    #[serde(default)]
+    client_keys: Vec<RawClientKey>,
     #[serde(default)]
     nodes: Vec<RawNode>,
     #[serde(default)]
@@ -645,10 +765,42 @@ struct RawTls {
 #[serde(deny_unknown_fields)]
 struct RawNode {
     id: String,
+    recipient_key: Option<String>,
     #[serde(default)]
     adapters: Vec<RawAdapter>,
     #[serde(default)]
     providers: Vec<RawProvider>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCredentials {
+    issuer_key: String,
+    lease_ttl_ms: Option<i64>,
+    #[serde(default)]
+    slots: Vec<RawSlot>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSlot {
+    name: String,
+    secret_file: Option<String>,
+    secret_env: Option<String>,
+    header: Option<String>,
+    format: Option<String>,
+    revision: Option<i64>,
+    #[serde(default)]
+    revoked_revisions: Vec<i64>,
+    enabled: Option<bool>,
+    providers: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientKey {
+    principal: String,
+    key_hash: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -773,12 +925,281 @@ impl Validator<'_> {
             }
             models.push(model);
         }
+        let credentials = match raw.credentials {
+            None => None,
+            Some(_) if edge.insecure_plaintext_nodes => {
+                // T5: plain TCP carries no lease; refuse instead of silently
+                // sending provider traffic without the credential plane.
+                return Err(self.err(
+                    "credentials",
+                    "the credential plane needs mTLS to the nodes: remove [credentials] or \
+                     edge.insecure_plaintext_nodes",
+                ));
+            }
+            Some(raw) => Some(self.credentials(raw, &nodes)?),
+        };
+        if let Some(credentials) = &credentials {
+            self.check_managed_nodes(credentials, &nodes)?;
+        }
+        let client_keys = self.client_keys(raw.client_keys)?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
             tls,
             nodes,
             models,
+            credentials,
+            client_keys,
+        })
+    }
+
+    fn credentials(
+        &self,
+        raw: RawCredentials,
+        nodes: &[NodeSpec],
+    ) -> Result<CredentialsSpec, ConfigError> {
+        let issuer_key = self.resolve_path("credentials.issuer_key", &raw.issuer_key)?;
+        let lease_ttl_ms = match raw.lease_ttl_ms {
+            None => DEFAULT_LEASE_TTL_MS,
+            Some(v) => in_range(v, MIN_LEASE_TTL_MS, MAX_LEASE_TTL_MS)
+                .map_err(|why| self.err("credentials.lease_ttl_ms", why))?,
+        };
+        let mut slots: Vec<SlotSpec> = Vec::with_capacity(raw.slots.len());
+        for (i, raw_slot) in raw.slots.into_iter().enumerate() {
+            let key = format!("credentials.slots[{i}]");
+            let slot = self.slot(&key, raw_slot, nodes)?;
+            if let Some(first) = slots.iter().position(|s| s.name == slot.name) {
+                return Err(self.err(
+                    format!("{key}.name"),
+                    format!(
+                        "duplicate slot name {:?} (also credentials.slots[{first}])",
+                        slot.name
+                    ),
+                ));
+            }
+            for (j, provider) in slot.providers.iter().enumerate() {
+                if let Some(other) = slots.iter().find(|s| s.providers.contains(provider)) {
+                    // C5: one slot per route, so there is never another slot
+                    // to fall back to.
+                    return Err(self.err(
+                        format!("{key}.providers[{j}]"),
+                        format!(
+                            "\"{provider}\" is already served by slot {:?}; a provider is served by \
+                             at most one slot",
+                            other.name
+                        ),
+                    ));
+                }
+            }
+            slots.push(slot);
+        }
+        Ok(CredentialsSpec {
+            issuer_key,
+            lease_ttl_ms,
+            slots,
+        })
+    }
+
+    fn slot(&self, key: &str, raw: RawSlot, nodes: &[NodeSpec]) -> Result<SlotSpec, ConfigError> {
+        check_name(&raw.name).map_err(|why| self.err(format!("{key}.name"), why))?;
+        let secret = match (raw.secret_file, raw.secret_env) {
+            (Some(file), None) => {
+                SecretSource::File(self.resolve_path(&format!("{key}.secret_file"), &file)?)
+            }
+            (None, Some(env)) => {
+                check_env_name(&env).map_err(|why| self.err(format!("{key}.secret_env"), why))?;
+                SecretSource::Env(env)
+            }
+            (Some(_), Some(_)) | (None, None) => {
+                return Err(self.err(key, "set exactly one of secret_file or secret_env"))
+            }
+        };
+        let header_name = raw.header.unwrap_or_else(|| DEFAULT_SLOT_HEADER.to_owned());
+        check_header_name(&header_name).map_err(|why| self.err(format!("{key}.header"), why))?;
+        let header_format = raw.format.unwrap_or_else(|| DEFAULT_SLOT_FORMAT.to_owned());
+        check_header_format(&header_format)
+            .map_err(|why| self.err(format!("{key}.format"), why))?;
+        let revision = match raw.revision {
+            None => 1,
+            Some(v) => in_range(v, 1, i64::MAX as u64)
+                .map_err(|why| self.err(format!("{key}.revision"), why))?,
+        };
+        let mut revoked_revisions: Vec<u64> = Vec::with_capacity(raw.revoked_revisions.len());
+        for (j, v) in raw.revoked_revisions.into_iter().enumerate() {
+            let rkey = format!("{key}.revoked_revisions[{j}]");
+            let v = in_range(v, 1, i64::MAX as u64).map_err(|why| self.err(&rkey, why))?;
+            if revoked_revisions.contains(&v) {
+                return Err(self.err(rkey, format!("revision {v} is listed twice")));
+            }
+            revoked_revisions.push(v);
+        }
+        if raw.providers.is_empty() {
+            return Err(self.err(
+                format!("{key}.providers"),
+                "must list at least one provider",
+            ));
+        }
+        let mut providers: Vec<ProviderRef> = Vec::with_capacity(raw.providers.len());
+        for (j, text) in raw.providers.iter().enumerate() {
+            let pkey = format!("{key}.providers[{j}]");
+            let provider = self.provider_ref(&pkey, text, nodes)?;
+            if let Some(first) = providers.iter().position(|p| *p == provider) {
+                return Err(self.err(
+                    pkey,
+                    format!("{text:?} is listed twice (also {key}.providers[{first}])"),
+                ));
+            }
+            let node = nodes.iter().find(|n| n.id == provider.node_id);
+            let kind = node
+                .and_then(|n| n.provider(&provider.provider_id))
+                .and_then(|p| node.and_then(|n| n.adapter(&p.adapter)))
+                .map(|a| a.kind);
+            if !matches!(kind, Some(AdapterKind::OpenAiCompat { .. })) {
+                return Err(self.err(
+                    pkey,
+                    format!(
+                        "{text:?} is not served by an openai_compat adapter; credential leases \
+                         travel only on provider tunnels"
+                    ),
+                ));
+            }
+            providers.push(provider);
+        }
+        Ok(SlotSpec {
+            name: raw.name,
+            secret,
+            header_name,
+            header_format,
+            revision,
+            revoked_revisions,
+            enabled: raw.enabled.unwrap_or(true),
+            providers,
+        })
+    }
+
+    /// With the issuer configured: every node a slot serves has a recipient
+    /// key, and every tunnel provider of a node with a key is served by a
+    /// slot (that node rejects tunnels without a lease, C3).
+    fn check_managed_nodes(
+        &self,
+        credentials: &CredentialsSpec,
+        nodes: &[NodeSpec],
+    ) -> Result<(), ConfigError> {
+        for (i, node) in nodes.iter().enumerate() {
+            let has_key = node.recipient_key.is_some();
+            let served = credentials.slots.iter().find_map(|slot| {
+                slot.providers
+                    .iter()
+                    .find(|p| p.node_id == node.id)
+                    .map(|p| (slot, p))
+            });
+            if let (false, Some((slot, provider))) = (has_key, served) {
+                return Err(self.err(
+                    format!("nodes[{i}].recipient_key"),
+                    format!(
+                        "required: provider \"{provider}\" is served by credential slot {:?} \
+                         (node-bin keys recipient --out … prints it)",
+                        slot.name
+                    ),
+                ));
+            }
+            if !has_key {
+                continue;
+            }
+            for (j, provider) in node.providers.iter().enumerate() {
+                let tunnel = matches!(
+                    node.adapter(&provider.adapter).map(|a| a.kind),
+                    Some(AdapterKind::OpenAiCompat { .. })
+                );
+                let reference = ProviderRef {
+                    node_id: node.id.clone(),
+                    provider_id: provider.id.clone(),
+                };
+                let has_slot = credentials
+                    .slots
+                    .iter()
+                    .any(|s| s.providers.contains(&reference));
+                if tunnel && !has_slot {
+                    return Err(self.err(
+                        format!("nodes[{i}].providers[{j}]"),
+                        format!(
+                            "node {:?} is managed (it has a recipient_key), so it rejects tunnels \
+                             without a credential lease: serve \"{reference}\" by a credential slot",
+                            node.id
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn client_keys(&self, raw: Vec<RawClientKey>) -> Result<Vec<ClientKeySpec>, ConfigError> {
+        let mut keys: Vec<ClientKeySpec> = Vec::with_capacity(raw.len());
+        for (i, raw_key) in raw.into_iter().enumerate() {
+            let key = format!("client_keys[{i}]");
+            check_name(&raw_key.principal)
+                .map_err(|why| self.err(format!("{key}.principal"), why))?;
+            let is_lower_hex = raw_key
+                .key_hash
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            let key_hash = decode_hex::<32>(&raw_key.key_hash)
+                .filter(|_| is_lower_hex)
+                .ok_or_else(|| {
+                    self.err(
+                        format!("{key}.key_hash"),
+                        "expected 64 lowercase hex digits (edge-bin keys hash-client-key prints it)",
+                    )
+                })?;
+            if let Some(first) = keys.iter().position(|k| k.key_hash == key_hash) {
+                return Err(self.err(
+                    format!("{key}.key_hash"),
+                    format!("the same key is also client_keys[{first}]"),
+                ));
+            }
+            keys.push(ClientKeySpec {
+                principal: raw_key.principal,
+                key_hash,
+            });
+        }
+        Ok(keys)
+    }
+
+    /// `value` resolved against the config file's directory; must not be
+    /// empty.
+    fn resolve_path(&self, key: &str, value: &str) -> Result<PathBuf, ConfigError> {
+        if value.is_empty() {
+            return Err(self.err(key, "must not be empty"));
+        }
+        Ok(self.file.parent().unwrap_or(Path::new("")).join(value))
+    }
+
+    /// Resolves `"<node id>/<provider id>"` against the configured nodes.
+    fn provider_ref(
+        &self,
+        key: &str,
+        text: &str,
+        nodes: &[NodeSpec],
+    ) -> Result<ProviderRef, ConfigError> {
+        let Some((node_id, provider_id)) = text.split_once('/') else {
+            return Err(self.err(
+                key,
+                format!("{text:?}: expected \"<node id>/<provider id>\""),
+            ));
+        };
+        let Some(node) = nodes.iter().find(|n| n.id == node_id) else {
+            return Err(self.err(key, format!("{text:?}: no node {node_id:?} is configured")));
+        };
+        if node.provider(provider_id).is_none() {
+            return Err(self.err(
+                key,
+                format!("{text:?}: node {node_id:?} has no provider {provider_id:?}"),
+            ));
+        }
+        Ok(ProviderRef {
+            node_id: node_id.to_owned(),
+            provider_id: provider_id.to_owned(),
         })
     }
 
@@ -885,10 +1306,18 @@ impl Validator<'_> {
             }
             providers.push(provider);
         }
+        let recipient_key = match raw.recipient_key {
+            None => None,
+            Some(text) => Some(
+                parse_recipient_key(&text)
+                    .map_err(|why| self.err(format!("nodes[{i}].recipient_key"), why))?,
+            ),
+        };
         Ok(NodeSpec {
             id: raw.id,
             adapters,
             providers,
+            recipient_key,
         })
     }
 
@@ -1011,25 +1440,7 @@ impl Validator<'_> {
                     format!("{text:?} is listed twice (also {key}.providers[{first}])"),
                 ));
             }
-            let Some((node_id, provider_id)) = text.split_once('/') else {
-                return Err(self.err(
-                    pkey,
-                    format!("{text:?}: expected \"<node id>/<provider id>\""),
-                ));
-            };
-            let Some(node) = nodes.iter().find(|n| n.id == node_id) else {
-                return Err(self.err(pkey, format!("{text:?}: no node {node_id:?} is configured")));
-            };
-            if node.provider(provider_id).is_none() {
-                return Err(self.err(
-                    pkey,
-                    format!("{text:?}: node {node_id:?} has no provider {provider_id:?}"),
-                ));
-            }
-            providers.push(ProviderRef {
-                node_id: node_id.to_owned(),
-                provider_id: provider_id.to_owned(),
-            });
+            providers.push(self.provider_ref(&pkey, text, nodes)?);
         }
         let long_context_threshold_tokens = match raw.long_context_threshold_tokens {
             None => None,
@@ -1119,6 +1530,79 @@ fn check_text(text: &str) -> Result<(), String> {
     }
     if text.chars().any(char::is_control) {
         return Err(format!("{text:?} must not contain control characters"));
+    }
+    Ok(())
+}
+
+/// An `x25519:<64 hex>` recipient public key that yields a shared secret
+/// (low-order points are refused: nothing sealed to them is secret).
+fn parse_recipient_key(text: &str) -> Result<PublicKey, String> {
+    let key = decode_recipient_public_key(text).map_err(|e| e.to_string())?;
+    // Any fixed scalar works: a low-order point gives a non-contributory
+    // result for every scalar.
+    if !StaticSecret::from([1u8; 32])
+        .diffie_hellman(&key)
+        .was_contributory()
+    {
+        return Err("invalid public key: a low-order X25519 point".to_owned());
+    }
+    Ok(key)
+}
+
+/// A POSIX environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, bounded.
+fn check_env_name(name: &str) -> Result<(), String> {
+    let mut bytes = name.bytes();
+    let first_ok = bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    let rest_ok = bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if !first_ok || !rest_ok || name.len() > MAX_ENV_NAME_BYTES {
+        return Err(format!(
+            "{name:?} must be an environment variable name ([A-Za-z_][A-Za-z0-9_]*, at most \
+             {MAX_ENV_NAME_BYTES} characters)"
+        ));
+    }
+    Ok(())
+}
+
+/// A header name the Node may inject: an HTTP token, and not a header that
+/// frames or routes the request.
+fn check_header_name(name: &str) -> Result<(), String> {
+    let token = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    if name.is_empty() || name.len() > MAX_HEADER_NAME_BYTES || !token {
+        return Err(format!(
+            "{name:?} must be an HTTP header name of 1 to {MAX_HEADER_NAME_BYTES} token characters"
+        ));
+    }
+    const RESERVED: [&str; 6] = [
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "content-type",
+        "accept",
+    ];
+    if RESERVED.iter().any(|r| name.eq_ignore_ascii_case(r)) {
+        return Err(format!("{name:?} cannot carry a credential"));
+    }
+    Ok(())
+}
+
+/// A header value format: visible ASCII, space and tab, with `{secret}`.
+fn check_header_format(format: &str) -> Result<(), String> {
+    let valid = format
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b));
+    if format.is_empty() || format.len() > MAX_HEADER_FORMAT_BYTES || !valid {
+        return Err(format!(
+            "{format:?} must be 1 to {MAX_HEADER_FORMAT_BYTES} characters of visible ASCII, space \
+             or tab"
+        ));
+    }
+    if !format.contains(SECRET_PLACEHOLDER) {
+        return Err(format!("{format:?} must contain {SECRET_PLACEHOLDER}"));
     }
     Ok(())
 }
@@ -1307,6 +1791,7 @@ providers = ["node-a/a-llama"]
                         enabled: true,
                     },
                 ],
+                recipient_key: None,
             }],
             models: vec![
                 ModelSpec {
@@ -1332,6 +1817,8 @@ providers = ["node-a/a-llama"]
                     owned_by: "iop".into(),
                 },
             ],
+            credentials: None,
+            client_keys: vec![],
         };
         assert_eq!(config, expected);
     }
@@ -1408,8 +1895,8 @@ providers = ["node-a/a-llama"]
         );
         assert_eq!(
             error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
-            "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, `nodes`, `models` \
-             (line 44, column 2)"
+            "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
+             `credentials`, `client_keys`, `nodes`, `models` (line 44, column 2)"
         );
     }
 
@@ -1968,6 +2455,362 @@ providers = ["node-a/a-llama"]
                 .unwrap()
                 .config_payload(1, false)
                 .credential_leases_required
+        );
+    }
+
+    // -----------------------------------------------------------------------
+    // Credential plane (C1–C5)
+
+    fn recipient_text(seed: u8) -> String {
+        let public = PublicKey::from(&StaticSecret::from([seed; 32]));
+        iop_engine::keys::encode_recipient_public_key(&public)
+    }
+
+    const CLIENT_KEY_HASH: &str =
+        "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    /// `BASE` with a recipient key on node-a, an issuer, one slot serving
+    /// node-a/a-llama (the only tunnel provider) and one client key;
+    /// `slot_extra` is added to the slot.
+    fn managed(slot_extra: &str) -> String {
+        format!(
+            "{}\n[credentials]\nissuer_key = \"keys/issuer.key\"\n\n[[credentials.slots]]\n\
+             name = \"openai-main\"\nsecret_file = \"secrets/openai\"\n\
+             providers = [\"node-a/a-llama\"]\n{slot_extra}\n\n[[client_keys]]\n\
+             principal = \"team-a\"\nkey_hash = \"{CLIENT_KEY_HASH}\"\n",
+            variant(
+                "id = \"node-a\"",
+                &format!("id = \"node-a\"\nrecipient_key = \"{}\"", recipient_text(9))
+            )
+        )
+    }
+
+    // CONTRACT: C1 — the credential plane parses into slots bound to
+    // providers, the node's recipient key and hashed client keys, with the
+    // documented defaults; the issuer key path resolves against the config.
+    #[test]
+    fn credentials_parse_with_defaults() {
+        let config = parse(&managed("")).unwrap();
+        let slot = SlotSpec {
+            name: "openai-main".into(),
+            secret: SecretSource::File(PathBuf::from("conf/secrets/openai")),
+            header_name: "Authorization".into(),
+            header_format: "Bearer {secret}".into(),
+            revision: 1,
+            revoked_revisions: vec![],
+            enabled: true,
+            providers: vec![ProviderRef {
+                node_id: "node-a".into(),
+                provider_id: "a-llama".into(),
+            }],
+        };
+        assert_eq!(
+            config.credentials,
+            Some(CredentialsSpec {
+                issuer_key: PathBuf::from("conf/keys/issuer.key"),
+                lease_ttl_ms: 30_000,
+                slots: vec![slot.clone()],
+            })
+        );
+        let node = config.node("node-a").unwrap();
+        assert_eq!(
+            node.recipient_key,
+            Some(PublicKey::from(&StaticSecret::from([9; 32])))
+        );
+        assert!(config.credential_leases_required(node));
+        assert_eq!(config.slot_for(&slot.providers[0]), Some(&slot));
+        let qwen = ProviderRef {
+            node_id: "node-a".into(),
+            provider_id: "a-qwen".into(),
+        };
+        assert_eq!(config.slot_for(&qwen), None);
+        assert!(slot.is_usable());
+        let mut key_hash = [0u8; 32];
+        for (i, b) in key_hash.iter_mut().enumerate() {
+            *b = ((i % 16) as u8) * 0x11;
+        }
+        assert_eq!(
+            config.client_keys,
+            vec![ClientKeySpec {
+                principal: "team-a".into(),
+                key_hash,
+            }]
+        );
+        // Without [credentials] a recipient key is inert: no lease required.
+        let unmanaged = variant(
+            "id = \"node-a\"",
+            &format!("id = \"node-a\"\nrecipient_key = \"{}\"", recipient_text(9)),
+        );
+        let config = parse(&unmanaged).unwrap();
+        assert!(!config.credential_leases_required(config.node("node-a").unwrap()));
+    }
+
+    // CONTRACT: C1 — a slot's header, format, revision and state are kept.
+    #[test]
+    fn slot_explicit_values_are_kept() {
+        let config = parse(&managed(
+            "header = \"x-api-key\"\nformat = \"{secret}\"\nrevision = 3\n\
+             revoked_revisions = [1, 2]\nenabled = false",
+        ))
+        .unwrap()
+        .credentials
+        .unwrap();
+        let slot = &config.slots[0];
+        assert_eq!(
+            (
+                slot.header_name.as_str(),
+                slot.header_format.as_str(),
+                slot.revision,
+                slot.revoked_revisions.as_slice(),
+                slot.enabled
+            ),
+            ("x-api-key", "{secret}", 3, &[1u64, 2][..], false)
+        );
+        assert!(!slot.is_usable());
+        let revoked = parse(&managed("revision = 2\nrevoked_revisions = [2]"))
+            .unwrap()
+            .credentials
+            .unwrap();
+        // CONTRACT: C3 — a slot whose current revision is revoked may not issue.
+        assert!(!revoked.slots[0].is_usable());
+        let env = managed("").replacen(
+            "secret_file = \"secrets/openai\"",
+            "secret_env = \"OPENAI_API_KEY\"",
+            1,
+        );
+        let config = parse(&env).unwrap().credentials.unwrap();
+        assert_eq!(
+            config.slots[0].secret,
+            SecretSource::Env("OPENAI_API_KEY".into())
+        );
+        let ttl = managed("").replacen(
+            "issuer_key = \"keys/issuer.key\"",
+            "issuer_key = \"keys/issuer.key\"\nlease_ttl_ms = 5000",
+            1,
+        );
+        assert_eq!(parse(&ttl).unwrap().credentials.unwrap().lease_ttl_ms, 5000);
+    }
+
+    // CONTRACT: C1 — every slot key is validated with file, key and reason.
+    #[test]
+    fn slot_values_are_checked() {
+        let key = "conf/edge.toml: credentials.slots[0]";
+        let cases = [
+            (
+                "secret_env = \"X\"",
+                format!("{key}: set exactly one of secret_file or secret_env"),
+            ),
+            (
+                "header = \"Bad Header\"",
+                format!(
+                    "{key}.header: \"Bad Header\" must be an HTTP header name of 1 to 128 token \
+                     characters"
+                ),
+            ),
+            (
+                "header = \"Host\"",
+                format!("{key}.header: \"Host\" cannot carry a credential"),
+            ),
+            (
+                "format = \"Bearer\"",
+                format!("{key}.format: \"Bearer\" must contain {{secret}}"),
+            ),
+            (
+                "format = \"Bearer {secret}\\n\"",
+                format!(
+                    "{key}.format: \"Bearer {{secret}}\\n\" must be 1 to 1024 characters of \
+                     visible ASCII, space or tab"
+                ),
+            ),
+            (
+                "revision = 0",
+                format!("{key}.revision: must be between 1 and 9223372036854775807 (got 0)"),
+            ),
+            (
+                "revoked_revisions = [1, 1]",
+                format!("{key}.revoked_revisions[1]: revision 1 is listed twice"),
+            ),
+        ];
+        for (extra, expected) in cases {
+            assert_eq!(error(&managed(extra)), expected, "{extra}");
+        }
+        let no_source = managed("").replacen("secret_file = \"secrets/openai\"\n", "", 1);
+        assert_eq!(
+            error(&no_source),
+            format!("{key}: set exactly one of secret_file or secret_env")
+        );
+        let bad_env = managed("").replacen(
+            "secret_file = \"secrets/openai\"",
+            "secret_env = \"1BAD\"",
+            1,
+        );
+        assert_eq!(
+            error(&bad_env),
+            format!(
+                "{key}.secret_env: \"1BAD\" must be an environment variable name \
+                 ([A-Za-z_][A-Za-z0-9_]*, at most 128 characters)"
+            )
+        );
+        let ttl = managed("").replacen(
+            "issuer_key = \"keys/issuer.key\"",
+            "issuer_key = \"keys/issuer.key\"\nlease_ttl_ms = 600001",
+            1,
+        );
+        assert_eq!(
+            error(&ttl),
+            "conf/edge.toml: credentials.lease_ttl_ms: must be between 1000 and 600000 (got 600001)"
+        );
+        let no_issuer =
+            managed("").replacen("issuer_key = \"keys/issuer.key\"", "issuer_key = \"\"", 1);
+        assert_eq!(
+            error(&no_issuer),
+            "conf/edge.toml: credentials.issuer_key: must not be empty"
+        );
+        assert_eq!(
+            error(&managed("colour = \"blue\"")),
+            "conf/edge.toml: credentials.slots[0].colour: unknown field `colour`, expected one of \
+             `name`, `secret_file`, `secret_env`, `header`, `format`, `revision`, \
+             `revoked_revisions`, `enabled`, `providers` (line 52, column 1)"
+        );
+    }
+
+    // CONTRACT: C1 — slots serve configured tunnel providers only.
+    #[test]
+    fn slot_providers_resolve_to_tunnel_providers() {
+        let with_providers = |list: &str| {
+            managed("").replacen(
+                "providers = [\"node-a/a-llama\"]\n\n\n[[client_keys]]",
+                &format!("providers = [{list}]\n\n\n[[client_keys]]"),
+                1,
+            )
+        };
+        let key = "conf/edge.toml: credentials.slots[0].providers";
+        assert_eq!(
+            error(&with_providers("")),
+            format!("{key}: must list at least one provider")
+        );
+        assert_eq!(
+            error(&with_providers("\"node-a/nope\"")),
+            format!("{key}[0]: \"node-a/nope\": node \"node-a\" has no provider \"nope\"")
+        );
+        assert_eq!(
+            error(&with_providers("\"node-a/a-llama\", \"node-a/a-llama\"")),
+            format!("{key}[1]: \"node-a/a-llama\" is listed twice (also credentials.slots[0].providers[0])")
+        );
+        assert_eq!(
+            error(&with_providers("\"node-a/a-llama\", \"node-a/a-qwen\"")),
+            format!(
+                "{key}[1]: \"node-a/a-qwen\" is not served by an openai_compat adapter; credential \
+                 leases travel only on provider tunnels"
+            )
+        );
+        // CONTRACT: C5 — a provider is served by at most one slot, so a
+        // bound route never has another slot to fall back to.
+        let second = format!(
+            "{}\n[[credentials.slots]]\nname = \"openai-backup\"\nsecret_env = \"B\"\n\
+             providers = [\"node-a/a-llama\"]\n",
+            managed("")
+        );
+        assert_eq!(
+            error(&second),
+            "conf/edge.toml: credentials.slots[1].providers[0]: \"node-a/a-llama\" is already served \
+             by slot \"openai-main\"; a provider is served by at most one slot"
+        );
+        let duplicate = second.replacen("name = \"openai-backup\"", "name = \"openai-main\"", 1);
+        assert_eq!(
+            error(&duplicate),
+            "conf/edge.toml: credentials.slots[1].name: duplicate slot name \"openai-main\" (also \
+             credentials.slots[0])"
+        );
+    }
+
+    // CONTRACT: C1, C3 — a node a slot serves needs a recipient key, and
+    // every tunnel provider of a managed node must be served by a slot
+    // (the node rejects tunnels without a lease).
+    #[test]
+    fn managed_nodes_are_consistent() {
+        let without_key = managed("").replacen(
+            &format!("recipient_key = \"{}\"\n", recipient_text(9)),
+            "",
+            1,
+        );
+        assert_eq!(
+            error(&without_key),
+            "conf/edge.toml: nodes[0].recipient_key: required: provider \"node-a/a-llama\" is served \
+             by credential slot \"openai-main\" (node-bin keys recipient --out … prints it)"
+        );
+        let unslotted = managed("").replacen(
+            "[[nodes.providers]]\nid = \"a-qwen\"",
+            "[[nodes.providers]]\nid = \"a-phi\"\nadapter = \"vllm-main\"\ntarget = \"phi\"\n\
+             capacity = 1\n\n[[nodes.providers]]\nid = \"a-qwen\"",
+            1,
+        );
+        assert_eq!(
+            error(&unslotted),
+            "conf/edge.toml: nodes[0].providers[1]: node \"node-a\" is managed (it has a \
+             recipient_key), so it rejects tunnels without a credential lease: serve \
+             \"node-a/a-phi\" by a credential slot"
+        );
+        let bad_key = variant(
+            "id = \"node-a\"",
+            "id = \"node-a\"\nrecipient_key = \"ed25519:00\"",
+        );
+        assert_eq!(
+            error(&bad_key),
+            "conf/edge.toml: nodes[0].recipient_key: invalid public key: expected x25519:<64 hex digits>"
+        );
+        let low_order = variant(
+            "id = \"node-a\"",
+            &format!(
+                "id = \"node-a\"\nrecipient_key = \"x25519:{}\"",
+                "0".repeat(64)
+            ),
+        );
+        assert_eq!(
+            error(&low_order),
+            "conf/edge.toml: nodes[0].recipient_key: invalid public key: a low-order X25519 point"
+        );
+    }
+
+    // CONTRACT: T5, C3 — insecure mode disables the credential plane: a
+    // config with both is refused.
+    #[test]
+    fn credentials_are_refused_in_insecure_mode() {
+        let tls = "[tls]\nca = \"certs/ca.pem\"\ncert = \"certs/edge.pem\"\nkey = \"certs/edge-key.pem\"\n";
+        let insecure = managed("").replacen(tls, "", 1).replacen(
+            "node_listen = \"127.0.0.1:7443\"",
+            "node_listen = \"127.0.0.1:7443\"\ninsecure_plaintext_nodes = true",
+            1,
+        );
+        assert_eq!(
+            error(&insecure),
+            "conf/edge.toml: credentials: the credential plane needs mTLS to the nodes: remove \
+             [credentials] or edge.insecure_plaintext_nodes"
+        );
+    }
+
+    // CONTRACT: C1 — client keys (the principals bound into leases) are
+    // stored hashed and validated.
+    #[test]
+    fn client_keys_are_checked() {
+        let key = "conf/edge.toml: client_keys[0]";
+        let upper = managed("").replacen(CLIENT_KEY_HASH, &CLIENT_KEY_HASH.to_uppercase(), 1);
+        let reason = "expected 64 lowercase hex digits (edge-bin keys hash-client-key prints it)";
+        assert_eq!(error(&upper), format!("{key}.key_hash: {reason}"));
+        let short = managed("").replacen(CLIENT_KEY_HASH, "abcd", 1);
+        assert_eq!(error(&short), format!("{key}.key_hash: {reason}"));
+        let principal = managed("").replacen("principal = \"team-a\"", "principal = \"team a\"", 1);
+        assert_eq!(
+            error(&principal),
+            format!("{key}.principal: \"team a\" must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
+        );
+        let twice = format!(
+            "{}\n[[client_keys]]\nprincipal = \"team-b\"\nkey_hash = \"{CLIENT_KEY_HASH}\"\n",
+            managed("")
+        );
+        assert_eq!(
+            error(&twice),
+            "conf/edge.toml: client_keys[1].key_hash: the same key is also client_keys[0]"
         );
     }
 

@@ -14,11 +14,13 @@
 //! Modules: [`config`] (edge.toml), [`control`] (the state machine),
 //! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
-//! [`server`] (wiring and listeners).
+//! [`server`] (wiring and listeners), [`credentials`] (client keys and
+//! credential leases, C1–C5).
 
 pub mod admin;
 pub mod config;
 pub mod control;
+pub mod credentials;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;

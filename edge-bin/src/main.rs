@@ -1,12 +1,19 @@
 //! `edge-bin` entry point: arguments, configuration, listeners. See the
 //! library crate (`edge_bin`) for the gateway itself.
+//!
+//! Subcommands: `certs` (development PKI), `keys issuer --out PATH` (a new
+//! Ed25519 issuer key; prints its public `ed25519:` form for node.toml) and
+//! `keys hash-client-key` (reads a client API key on stdin, prints the
+//! `key_hash` for `[[client_keys]]`).
 
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
 
 use argh::FromArgs;
 use edge_bin::config::EdgeConfig;
+use edge_bin::credentials::{client_key_hash_hex, CredentialPlane};
 use edge_bin::server;
 use iop_engine::rt::{self, CoreList, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
@@ -29,7 +36,39 @@ struct Args {
 #[argh(subcommand)]
 enum Command {
     Certs(CertsArgs),
+    Keys(KeysArgs),
 }
+
+/// Credential-plane keys: the issuer key and client API key hashes.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "keys")]
+struct KeysArgs {
+    #[argh(subcommand)]
+    command: KeysCommand,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+enum KeysCommand {
+    Issuer(IssuerArgs),
+    HashClientKey(HashClientKeyArgs),
+}
+
+/// Generate the Edge's Ed25519 issuer key (mode 0600, never overwritten) and
+/// print its public key for node.toml `[credentials] issuer_public_key`.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "issuer")]
+struct IssuerArgs {
+    /// the private key file to create
+    #[argh(option)]
+    out: PathBuf,
+}
+
+/// Read a client API key from stdin (one trailing newline dropped) and print
+/// its hash for edge.toml `[[client_keys]] key_hash`.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "hash-client-key")]
+struct HashClientKeyArgs {}
 
 /// Mint a development CA and Edge/Node certificates with SPIFFE identities.
 #[derive(FromArgs, Debug)]
@@ -69,9 +108,10 @@ fn main() -> ExitCode {
     init_logging();
     match args.command {
         Some(Command::Certs(c)) => certs(c),
+        Some(Command::Keys(k)) => keys(k),
         None => match args.config {
             Some(path) => serve(&path, &args.cores),
-            None => fail("--config is required (or a subcommand: certs)"),
+            None => fail("--config is required (or a subcommand: certs, keys)"),
         },
     }
 }
@@ -104,11 +144,62 @@ fn certs(args: CertsArgs) -> ExitCode {
     }
 }
 
+fn keys(args: KeysArgs) -> ExitCode {
+    match args.command {
+        KeysCommand::Issuer(a) => match iop_engine::keys::generate_issuer_key(&a.out) {
+            Ok(public) => {
+                println!("{}", iop_engine::keys::encode_issuer_public_key(&public));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(format_args!("keys issuer: {e}")),
+        },
+        KeysCommand::HashClientKey(HashClientKeyArgs {}) => {
+            const MAX_KEY_BYTES: usize = 4096;
+            // Allocated once at the cap so reading never reallocates (no
+            // stray copies of the key).
+            let mut key = zeroize::Zeroizing::new(Vec::with_capacity(MAX_KEY_BYTES + 1));
+            if let Err(e) = std::io::stdin()
+                .take(MAX_KEY_BYTES as u64 + 1)
+                .read_to_end(&mut key)
+            {
+                return fail(format_args!("keys hash-client-key: reading stdin: {e}"));
+            }
+            if key.ends_with(b"\n") {
+                key.pop();
+                if key.ends_with(b"\r") {
+                    key.pop();
+                }
+            }
+            if key.is_empty() || key.len() > MAX_KEY_BYTES {
+                return fail(format_args!(
+                    "keys hash-client-key: expected one key of 1 to {MAX_KEY_BYTES} bytes on stdin"
+                ));
+            }
+            println!("{}", client_key_hash_hex(&key));
+            ExitCode::SUCCESS
+        }
+    }
+}
+
 fn serve(path: &str, cores: &str) -> ExitCode {
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
         Err(e) => return fail(e),
     };
+    // C1, C4: the issuer key and every slot secret are read once, here;
+    // a bad one ends the process (S3) with the key and reason, never the
+    // contents.
+    let credentials = match CredentialPlane::load(&cfg, &|name| std::env::var_os(name)) {
+        Ok(plane) => plane,
+        Err(e) => return fail(e),
+    };
+    if let Some(plane) = &credentials {
+        tracing::info!(
+            issuer_key_id = %plane.issuer_key_id(),
+            lease_ttl_ms = plane.lease_ttl_ms(),
+            "credential plane enabled"
+        );
+    }
     let cores = match CoreList::parse_for_this_process(cores) {
         Ok(c) => c,
         Err(e) => return fail(format_args!("--cores {cores}: {e}")),
@@ -154,7 +245,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
     if let Err(e) = rt::pin_current_thread(cores.control()) {
         return fail(format_args!("pin to core {}: {e}", cores.control()));
     }
-    let edge = server::edge_state(&cfg);
+    let edge = server::edge_state_with(&cfg, credentials);
     tracing::info!(
         driver = %rt::detect_driver(),
         core = cores.control(),
@@ -163,6 +254,8 @@ fn serve(path: &str, cores: &str) -> ExitCode {
     let result = rt::block_on(async move {
         let mut term = SignalPipe::install(Signal::Term)?;
         let mut int = SignalPipe::install(Signal::Int)?;
+        // SIGUSR1 dumps the latency histograms to stderr (before the ready line).
+        iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
         let listeners = server::Listeners::bind(&cfg)?;
         listeners.announce()?;
         let shutdown = async move {

@@ -13,19 +13,23 @@ use monoio::net::TcpListener;
 
 use crate::config::{self, EdgeConfig};
 use crate::control::{self, Control, ControlSpec, DispatchKind};
+use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
 use crate::state::{Edge, Settings};
 use crate::{nodes, surface};
 
 /// Maps the validated config to the control machine's static spec.
+///
+/// A node with a recipient key is told to require a credential lease on
+/// every tunnel when the issuer is configured (C3); config validation keeps
+/// that out of insecure mode (T5).
 pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
-    let credential_leases_required = false;
     let nodes = cfg
         .nodes
         .iter()
         .map(|n| control::NodeSpec {
             id: n.id.clone(),
-            config: n.config_payload(1, credential_leases_required),
+            config: n.config_payload(1, cfg.credential_leases_required(n)),
             providers: n
                 .providers
                 .iter()
@@ -78,8 +82,16 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     }
 }
 
-/// The shard state for `cfg`.
+/// The shard state for `cfg` without a loaded credential plane: tunnels
+/// carry no lease (a managed node then rejects them with `lease_missing`,
+/// fail closed). The binary uses [`edge_state_with`].
 pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
+    edge_state_with(cfg, None)
+}
+
+/// The shard state for `cfg` with its loaded credential plane
+/// ([`CredentialPlane::load`]).
+pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
     let settings = Settings {
         max_request_body_bytes: cfg.edge.max_request_body_bytes,
         models: cfg
@@ -96,6 +108,8 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
             .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
             .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
+        client_keys: ClientKeys::from_config(&cfg.client_keys),
+        credentials: credentials.map(Rc::new),
     };
     Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
 }

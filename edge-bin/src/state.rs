@@ -8,6 +8,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::clock;
@@ -21,6 +22,7 @@ use local_sync::oneshot;
 use crate::control::{
     Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
 };
+use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
 
 /// What the node side delivers to a waiting client request.
@@ -99,6 +101,11 @@ pub struct Settings {
     pub long_context_threshold_tokens: HashMap<String, u64>,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
+    /// Client API keys (401 without one when configured).
+    pub client_keys: ClientKeys,
+    /// The loaded credential plane; `None` = disabled (tunnels carry no
+    /// lease).
+    pub credentials: Option<Rc<CredentialPlane>>,
 }
 
 /// The shard's state.

@@ -8,9 +8,12 @@
 //! ```
 
 use std::rc::Rc;
+use std::time::Instant;
 
 use bytes::Bytes;
+use iop_engine::clock;
 use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
+use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use local_sync::mpsc::bounded;
@@ -18,6 +21,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
 use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::credentials::{CredentialError, IssuedLease, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
@@ -51,6 +55,20 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             .unwrap_or_default()
             .to_string();
         let method = request.head.method.as_str();
+        // metrics: end to end starts when the request is read.
+        let read_at = clock::now();
+        // Client API keys: with keys configured, every route but the probes
+        // and the metrics scrape needs one (401 in the route's shape).
+        let principal = match authenticate(&edge, &path, &request.head.headers) {
+            Ok(principal) => principal,
+            Err((surface, e)) => {
+                let result = write_error(&mut server, surface, &e).await;
+                if result.is_err() || !server.keep_alive() {
+                    return;
+                }
+                continue;
+            }
+        };
         let result = match (method, path.as_str()) {
             ("GET", "/v1/models") => {
                 let body =
@@ -58,12 +76,20 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 write_json(&mut server, 200, body).await
             }
             ("POST", "/v1/chat/completions") => {
-                chat(&edge, &mut server, &request.head.headers, &request.body).await
+                chat(
+                    &edge,
+                    &mut server,
+                    principal,
+                    &request.head.headers,
+                    &request.body,
+                )
+                .await
             }
             ("POST", "/v1/responses") => {
                 passthrough(
                     &edge,
                     &mut server,
+                    principal,
                     RESPONSES,
                     &request.head.headers,
                     &request.body,
@@ -74,6 +100,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 passthrough(
                     &edge,
                     &mut server,
+                    principal,
                     MESSAGES,
                     &request.head.headers,
                     &request.body,
@@ -84,6 +111,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 passthrough(
                     &edge,
                     &mut server,
+                    principal,
                     COUNT_TOKENS,
                     &request.head.headers,
                     &request.body,
@@ -96,10 +124,13 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 write_json(&mut server, 200, body).await
             }
             ("GET", "/metrics") => {
-                let text = {
+                let mut text = {
                     let control = edge.control.borrow();
                     metrics::render(control.counters(), &control.snapshots())
                 };
+                // Latency summaries and relay counters, merged over cores.
+                let latency = engine_metrics::merged();
+                text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
                 server
                     .write_response(
                         200,
@@ -125,16 +156,65 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 _,
                 "/v1/models"
                 | "/v1/chat/completions"
+                | "/v1/responses"
                 | "/status"
                 | "/metrics"
                 | "/livez"
                 | "/readyz",
             ) => write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await,
+            (_, "/v1/messages" | "/v1/messages/count_tokens") => {
+                let e = ApiError::method_not_allowed(method, &path);
+                write_error(&mut server, Surface::Anthropic, &e).await
+            }
             _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
         };
+        if method == "POST" && is_inference_route(&path) {
+            // metrics: end to end (request read → response finished).
+            engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
+        }
         if result.is_err() || !server.keep_alive() {
             return;
         }
+    }
+}
+
+/// The principal of a request to `path`: open routes (`/livez`, `/readyz`,
+/// `/metrics`) need no key; the others need a configured client key when
+/// there are any. The error carries the shape to answer in (Anthropic on
+/// `/v1/messages*`, which also accept `x-api-key`).
+fn authenticate<'e>(
+    edge: &'e Edge,
+    path: &str,
+    headers: &[iop_engine::http::Header],
+) -> Result<&'e str, (Surface, ApiError)> {
+    if matches!(path, "/livez" | "/readyz" | "/metrics") {
+        return Ok(ANONYMOUS_PRINCIPAL);
+    }
+    let anthropic = path.starts_with(MESSAGES.path);
+    let surface = if anthropic {
+        Surface::Anthropic
+    } else {
+        Surface::OpenAi
+    };
+    edge.settings
+        .client_keys
+        .authenticate(headers, anthropic)
+        .map_err(|e| (surface, e.api_error(anthropic)))
+}
+
+/// The routes that go through admission and a node (metrics: end to end).
+fn is_inference_route(path: &str) -> bool {
+    [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS]
+        .iter()
+        .any(|route| route.path == path)
+}
+
+/// metrics: a relayed chunk taken off the route queue at `taken_at` was
+/// written to the client; the first one also ends time to first byte.
+fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
+    engine_metrics::record_since(Latency::EdgeRelayChunkLatency, taken_at);
+    if let Some(admitted_at) = first_byte_pending.take() {
+        engine_metrics::record_since(Latency::EdgeTimeToFirstByte, admitted_at);
     }
 }
 
@@ -192,6 +272,7 @@ fn frame(body: Body) -> pb::Frame {
 async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
+    principal: &str,
     headers: &[iop_engine::http::Header],
     body: &[u8],
 ) -> Result<(), HttpError>
@@ -214,31 +295,41 @@ where
     else {
         return Ok(());
     };
+    let admitted_at = clock::now(); // metrics: time to first byte
     let lease = &dispatch.lease;
     // U7: the provider's type alone picks the path; the client surface is
     // the same either way.
     let run = match dispatch.kind {
-        DispatchKind::Tunnel => tunnel_frame(
-            CHAT_COMPLETIONS,
-            &dispatch,
-            tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-            chat.body_for_target(&lease.target),
-            chat.stream,
-        ),
+        DispatchKind::Tunnel => {
+            let credential = match issue_lease(edge, principal, &chat.model, &dispatch) {
+                Ok(credential) => credential,
+                Err(e) => {
+                    return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
+                }
+            };
+            tunnel_frame(
+                CHAT_COMPLETIONS,
+                &dispatch,
+                tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
+                chat.body_for_target(&lease.target),
+                chat.stream,
+                credential,
+            )
+        }
         DispatchKind::Run => run_request(&chat, &dispatch),
     };
     if !send_run(edge, server, Surface::OpenAi, request, &dispatch, run).await? {
         return Ok(());
     }
     let result = match dispatch.kind {
-        DispatchKind::Tunnel => relay(server, Surface::OpenAi, frames).await,
+        DispatchKind::Tunnel => relay(server, Surface::OpenAi, frames, admitted_at).await,
         DispatchKind::Run => {
             let id = ResponseId {
                 id: format!("chatcmpl-{}", lease.run_id),
                 created: iop_engine::clock::unix_ms() / 1000,
                 model: lease.target.clone(),
             };
-            relay_run(server, frames, id, &chat).await
+            relay_run(server, frames, id, &chat, admitted_at).await
         }
     };
     if result.is_err() {
@@ -260,11 +351,15 @@ async fn admit<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    let submitted_at = clock::now(); // metrics: queue wait
     let (request, mut admission) = edge.submit(model, long);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
-        Watched::Done(answer) => answer,
+        Watched::Done(answer) => {
+            engine_metrics::record_since(Latency::EdgeQueueWait, submitted_at);
+            answer
+        }
         Watched::PeerClosed => {
             match admission.try_recv() {
                 Ok(Admission::Dispatched { dispatch, .. }) => {
@@ -326,6 +421,7 @@ where
 async fn passthrough<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
+    principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
     body: &[u8],
@@ -342,6 +438,7 @@ where
     else {
         return Ok(());
     };
+    let admitted_at = clock::now(); // metrics: time to first byte
     if dispatch.kind != DispatchKind::Tunnel {
         // Native (Ollama) providers speak only the normalized chat path.
         edge.routes.borrow_mut().remove(&dispatch.lease.run_id);
@@ -355,17 +452,22 @@ where
         );
         return write_error(server, route.surface, &e).await;
     }
+    let credential = match issue_lease(edge, principal, &req.model, &dispatch) {
+        Ok(credential) => credential,
+        Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
+    };
     let run = tunnel_frame(
         route,
         &dispatch,
         tunnel_headers(route, req.stream, headers),
         req.body_for_target(&dispatch.lease.target),
         req.stream,
+        credential,
     );
     if !send_run(edge, server, route.surface, request, &dispatch, run).await? {
         return Ok(());
     }
-    let result = relay(server, route.surface, frames).await;
+    let result = relay(server, route.surface, frames, admitted_at).await;
     if result.is_err() {
         edge.apply(Input::Cancel { request });
     }
@@ -443,14 +545,69 @@ fn tunnel_headers(
     headers
 }
 
-/// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2).
+/// The credential lease for a selected tunnel provider (C1): `None` when
+/// the credential plane is disabled or no slot serves the provider.
+fn issue_lease(
+    edge: &Edge,
+    principal: &str,
+    model: &str,
+    dispatch: &Dispatch,
+) -> Result<Option<IssuedLease>, CredentialError> {
+    let Some(plane) = &edge.settings.credentials else {
+        return Ok(None);
+    };
+    let lease = &dispatch.lease;
+    plane.issue_now(&LeaseRequest {
+        principal,
+        route: model,
+        node_id: &lease.provider.node_id,
+        provider_id: &lease.provider.provider_id,
+        adapter: &lease.adapter,
+        target: &lease.target,
+        generation: lease.generation.0,
+    })
+}
+
+/// Fails a dispatched request whose credential cannot be issued (C3, C5):
+/// the provider lease is settled at once, nothing is sent to the node, no
+/// other slot or provider is tried, and the client gets 503.
+async fn refuse<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    request: RequestId,
+    dispatch: &Dispatch,
+    e: &CredentialError,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let lease = &dispatch.lease;
+    tracing::warn!(
+        run_id = %lease.run_id,
+        provider = %lease.provider,
+        error = %e,
+        "no credential lease issued; request refused"
+    );
+    edge.routes.borrow_mut().remove(&lease.run_id);
+    edge.apply(Input::Undeliverable { request });
+    write_error(server, surface, &e.api_error()).await
+}
+
+/// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2),
+/// with its credential lease and binding when one was issued (C1).
 fn tunnel_frame(
     route: PassRoute,
     dispatch: &Dispatch,
     headers: Vec<pb::Header>,
     body: Bytes,
     stream: bool,
+    credential: Option<IssuedLease>,
 ) -> pb::Frame {
+    let (credential_lease, credential_binding) = match credential {
+        Some(issued) => (Some(issued.lease), Some(issued.binding)),
+        None => (None, None),
+    };
     let lease = &dispatch.lease;
     let tunnel = pb::ProviderTunnelRequest {
         run_id: lease.run_id.clone(),
@@ -465,6 +622,8 @@ fn tunnel_frame(
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
         operation: route.operation.into(),
+        credential_lease,
+        credential_binding,
         ..Default::default()
     };
     frame(Body::ProviderTunnelRequest(tunnel))
@@ -491,10 +650,12 @@ async fn relay_run<S>(
     mut frames: bounded::Rx<RouteEvent>,
     id: ResponseId,
     chat: &ChatRequest,
+    admitted_at: Instant,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    let mut first_byte_pending = Some(admitted_at);
     let lost = "the node serving this request disconnected";
     if !chat.stream {
         let mut builder = CompletionBuilder::new(id);
@@ -506,7 +667,10 @@ where
             match next {
                 Some(RouteEvent::Run(ev)) => match builder.on_event(&ev) {
                     Some(Completion::Done(v)) => {
-                        return write_json(server, 200, Bytes::from(v.to_string())).await
+                        let taken_at = clock::now();
+                        write_json(server, 200, Bytes::from(v.to_string())).await?;
+                        chunk_written(taken_at, &mut first_byte_pending);
+                        return Ok(());
                     }
                     Some(Completion::Failed { code, message }) => {
                         return fail(server, Surface::OpenAi, false, false, &message, &code).await
@@ -579,8 +743,10 @@ where
                 .await?;
             started = true;
         }
+        let taken_at = clock::now();
         for chunk in stream.on_event(&ev) {
             server.write_chunk(chunk).await?;
+            chunk_written(taken_at, &mut first_byte_pending);
         }
         if stream.is_finished() {
             return server.finish().await;
@@ -593,10 +759,12 @@ async fn relay<S>(
     server: &mut ServerConn<S>,
     surface: Surface,
     mut frames: bounded::Rx<RouteEvent>,
+    admitted_at: Instant,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    let mut first_byte_pending = Some(admitted_at);
     let mut started = false;
     let mut event_stream = false;
     loop {
@@ -647,7 +815,10 @@ where
             }
             pb::TunnelFrameKind::Body => {
                 if started {
+                    let (taken_at, len) = (clock::now(), tf.body.len() as u64);
                     server.write_chunk(tf.body).await?;
+                    chunk_written(taken_at, &mut first_byte_pending);
+                    engine_metrics::add(Count::EdgeRelayBodyBytes, len);
                 }
             }
             pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {}
@@ -702,5 +873,130 @@ where
         // so the client sees an incomplete response, not a complete one.
         server.close().await?;
         Err(HttpError::UnexpectedEof)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ed25519_dalek::SigningKey;
+    use iop_wire::lease::{LeaseEntropy, RecipientKey};
+    use prost::Message;
+    use x25519_dalek::StaticSecret;
+    use zeroize::Zeroizing;
+
+    use super::*;
+    use crate::config::EdgeConfig;
+    use crate::control::{ConnId, Generation, Lease, ProviderKey};
+    use crate::credentials::CredentialPlane;
+
+    const SECRET: &[u8] = b"sk-iop-surface-canary-1b2c";
+
+    fn dispatch() -> Dispatch {
+        Dispatch {
+            request: RequestId(4),
+            lease: Lease {
+                request: RequestId(4),
+                run_id: "run-4".into(),
+                provider: ProviderKey {
+                    node_id: "node-a".into(),
+                    provider_id: "gpt".into(),
+                },
+                conn: ConnId(1),
+                generation: Generation(2),
+                adapter: "openai".into(),
+                target: "gpt-4o".into(),
+                long: false,
+            },
+            kind: DispatchKind::Tunnel,
+            response_stall_timeout_ms: 0,
+        }
+    }
+
+    fn plane() -> CredentialPlane {
+        let recipient = RecipientKey::from_secret(StaticSecret::from([9; 32]));
+        let text = format!(
+            "[edge]\nname = \"e\"\ntrust_domain = \"t\"\nclient_listen = \"127.0.0.1:0\"\n\
+             node_listen = \"127.0.0.1:0\"\n[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n\
+             [credentials]\nissuer_key = \"i\"\n[[credentials.slots]]\nname = \"s\"\n\
+             secret_env = \"K\"\nproviders = [\"node-a/gpt\"]\n[[nodes]]\nid = \"node-a\"\n\
+             recipient_key = \"{}\"\n[[nodes.adapters]]\nname = \"openai\"\n\
+             kind = \"openai_compat\"\nbase_url = \"http://127.0.0.1:9\"\n[[nodes.providers]]\n\
+             id = \"gpt\"\nadapter = \"openai\"\ntarget = \"gpt-4o\"\ncapacity = 1\n",
+            iop_engine::keys::encode_recipient_public_key(&recipient.public_key())
+        );
+        let cfg = EdgeConfig::parse(&text, "edge.toml").unwrap_or_else(|e| panic!("{e}"));
+        CredentialPlane::from_parts(
+            &cfg,
+            SigningKey::from_bytes(&[7; 32]),
+            vec![Zeroizing::new(SECRET.to_vec())],
+        )
+    }
+
+    // CONTRACT: C1, C4 — the tunnel request carries the lease and binding
+    // in fields 14/15; the plaintext appears nowhere in the encoded frame
+    // (only sealed), and no credential goes into headers or metadata.
+    #[test]
+    fn tunnel_frame_carries_only_the_sealed_lease() {
+        let dispatch = dispatch();
+        let issued = plane()
+            .issue(
+                &LeaseRequest {
+                    principal: "anonymous",
+                    route: "gpt-x",
+                    node_id: "node-a",
+                    provider_id: "gpt",
+                    adapter: "openai",
+                    target: "gpt-4o",
+                    generation: dispatch.lease.generation.0,
+                },
+                1_700_000_000_000,
+                "lease-9",
+                LeaseEntropy::from_bytes([1; 32], [2; 12]),
+            )
+            .expect("issues")
+            .expect("a lease");
+        let binding = issued.binding.clone();
+        let client = [iop_engine::http::Header {
+            name: "authorization".into(),
+            value: Bytes::from_static(b"Bearer client-key"),
+        }];
+        let frame = tunnel_frame(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, true, &client),
+            Bytes::from_static(b"{}"),
+            true,
+            Some(issued),
+        );
+        let encoded = frame.encode_to_vec();
+        assert!(!encoded.windows(SECRET.len()).any(|w| w == SECRET));
+        let Some(Body::ProviderTunnelRequest(tunnel)) = frame.body else {
+            panic!("a tunnel request");
+        };
+        assert_eq!(tunnel.credential_binding, Some(binding));
+        assert_eq!(
+            tunnel.credential_lease.map(|l| l.lease_id),
+            Some("lease-9".to_string())
+        );
+        assert!(tunnel.metadata.is_empty());
+        let names: Vec<&str> = tunnel.headers.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["content-type", "accept"]);
+        // Without a lease both fields are absent (legacy tunnel).
+        let Some(Body::ProviderTunnelRequest(legacy)) = tunnel_frame(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            vec![],
+            Bytes::new(),
+            false,
+            None,
+        )
+        .body
+        else {
+            panic!("a tunnel request");
+        };
+        assert_eq!(
+            (legacy.credential_lease, legacy.credential_binding),
+            (None, None)
+        );
     }
 }

@@ -512,6 +512,54 @@ mod tests {
         assert!(out.contains(r#""name":"lookup""#));
     }
 
+    // CONTRACT: E5 — the events a Node sends for a text tool-call fallback
+    // run (flag on start and complete, the <tool_call> block split across
+    // deltas as a backend streams it) become one SDK tool call; no markup
+    // reaches the client.
+    #[test]
+    fn fallback_run_split_across_deltas_becomes_a_tool_call() {
+        let flagged = |t: pb::RunEventType| {
+            let mut e = ev(t);
+            e.metadata
+                .insert(META_TEXT_TOOL_FALLBACK.into(), "true".into());
+            e
+        };
+        let call_text =
+            r#"<tool_call>{"name":"get_weather","arguments":{"city":"tok0","days":1}}</tool_call>"#;
+        let pieces: Vec<String> = call_text
+            .as_bytes()
+            .chunks(8)
+            .map(|c| String::from_utf8(c.to_vec()).unwrap())
+            .collect();
+        let mut s = ChunkStream::new(id(), false);
+        let mut out = s.on_event(&flagged(pb::RunEventType::Start));
+        for p in &pieces {
+            out.extend(s.on_event(&delta(p)));
+        }
+        let mut done = flagged(pb::RunEventType::Complete);
+        done.finish_reason = "stop".into();
+        out.extend(s.on_event(&done));
+        let out = text(&out);
+        assert!(!out.contains("tool_call>"), "{out}");
+        assert!(out.contains(r#""delta":{"tool_calls":[{"id":"call_run-1_0","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"tok0\",\"days\":1}"},"index":0}]}"#), "{out}");
+        assert!(out.contains(r#""finish_reason":"tool_calls""#));
+        assert!(!out.contains(r#""content":"<"#));
+        let mut b = CompletionBuilder::new(id());
+        b.on_event(&flagged(pb::RunEventType::Start));
+        for p in &pieces {
+            b.on_event(&delta(p));
+        }
+        let Some(Completion::Done(v)) = b.on_event(&done) else {
+            panic!("no completion")
+        };
+        assert_eq!(v["choices"][0]["message"]["content"], Value::Null);
+        assert_eq!(
+            v["choices"][0]["message"]["tool_calls"][0]["function"],
+            json!({"name": "get_weather", "arguments": "{\"city\":\"tok0\",\"days\":1}"})
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    }
+
     #[test]
     fn error_ends_the_stream_with_an_error_event() {
         let mut s = ChunkStream::new(id(), false);

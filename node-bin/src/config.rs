@@ -8,7 +8,10 @@
 //!
 //! The Node's adapters are not configured here: the Edge sends them in
 //! `RegisterResponse.config` (R2, U4). This file only says who we are, where
-//! the Edge is, who it must be (T2), and how to reconnect (S2).
+//! the Edge is, who it must be (T2), how to reconnect (S2) and, optionally,
+//! the credential plane (`[credentials]`, C2): our recipient key file, the
+//! Edge issuer's public key and the allowed clock skew. With it the Node is
+//! *managed*: every tunnel must carry a valid credential lease (C3).
 //!
 //! [`NodeConfig::parse`] is pure (no file system access); [`NodeConfig::load`]
 //! reads the file, parses it and checks the TLS files. Every error is a
@@ -22,6 +25,8 @@ use std::io;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
+use ed25519_dalek::VerifyingKey;
+use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -30,6 +35,12 @@ use serde::Deserialize;
 pub const MAX_NAME_BYTES: usize = 128;
 /// Longest accepted trust domain.
 pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
+/// Default `credentials.clock_skew_ms`: a lease is accepted from 5 s before
+/// its `not_before` until 5 s after its expiry, tolerating that much clock
+/// difference between the Edge and this Node.
+pub const DEFAULT_CLOCK_SKEW_MS: u32 = 5_000;
+/// Largest accepted `credentials.clock_skew_ms` (one minute).
+pub const MAX_CLOCK_SKEW_MS: u32 = 60_000;
 
 // ---------------------------------------------------------------------------
 // Errors
@@ -48,7 +59,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
         Self {
             file: file.display().to_string(),
             key: key.into(),
@@ -96,6 +107,23 @@ pub struct NodeConfig {
     pub tls: Option<TlsFiles>,
     /// How the supervisor dials and redials the Edge (S2).
     pub reconnect: ReconnectPolicy,
+    /// The credential plane (`[credentials]`); `None` = unmanaged. Never set
+    /// together with `insecure_plaintext` (T5).
+    pub credentials: Option<CredentialsSpec>,
+}
+
+/// The `[credentials]` table (C2). Holds no secret: the recipient key is
+/// read from its file at startup (`node_bin::credentials`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialsSpec {
+    /// Our X25519 recipient key file, resolved against the config file's
+    /// directory (`node-bin keys recipient --out …` writes one).
+    pub recipient_key: PathBuf,
+    /// The Edge issuer's Ed25519 public key (`ed25519:<hex>`).
+    pub issuer_public_key: VerifyingKey,
+    /// Clock difference to the Edge tolerated at both edges of a lease's
+    /// validity window.
+    pub clock_skew_ms: u32,
 }
 
 /// The PEM files of a TLS identity, resolved against the config file's
@@ -264,6 +292,15 @@ struct RawNodeFile {
     tls: Option<RawTls>,
     #[serde(default)]
     reconnect: RawReconnect,
+    credentials: Option<RawCredentials>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCredentials {
+    recipient_key: String,
+    issuer_public_key: String,
+    clock_skew_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -363,6 +400,19 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
                     .map_or(reason.as_str(), str::trim_start);
                 err(e.key(), reason.to_owned())
             })?;
+    let credentials = match raw.credentials {
+        None => None,
+        Some(_) if raw.insecure_plaintext => {
+            // T5: plain TCP disables the credential plane; refuse the mix.
+            return Err(err(
+                "credentials",
+                "the credential plane needs mTLS to the edge: remove [credentials] or \
+                 insecure_plaintext"
+                    .to_owned(),
+            ));
+        }
+        Some(raw) => Some(credentials(raw, file)?),
+    };
     Ok(NodeConfig {
         source: file.to_path_buf(),
         node_id: raw.node_id,
@@ -372,6 +422,40 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         insecure_plaintext: raw.insecure_plaintext,
         tls,
         reconnect,
+        credentials,
+    })
+}
+
+fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, ConfigError> {
+    let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
+    if raw.recipient_key.is_empty() {
+        return Err(err(
+            "credentials.recipient_key",
+            "must not be empty".to_owned(),
+        ));
+    }
+    let recipient_key = file
+        .parent()
+        .unwrap_or(Path::new(""))
+        .join(&raw.recipient_key);
+    let issuer_public_key = decode_issuer_public_key(&raw.issuer_public_key)
+        .map_err(|e| err("credentials.issuer_public_key", e.to_string()))?;
+    let clock_skew_ms = match raw.clock_skew_ms {
+        None => DEFAULT_CLOCK_SKEW_MS,
+        Some(v) => match u32::try_from(v) {
+            Ok(v) if v <= MAX_CLOCK_SKEW_MS => v,
+            _ => {
+                return Err(err(
+                    "credentials.clock_skew_ms",
+                    format!("must be between 0 and {MAX_CLOCK_SKEW_MS} (got {v})"),
+                ))
+            }
+        },
+    };
+    Ok(CredentialsSpec {
+        recipient_key,
+        issuer_public_key,
+        clock_skew_ms,
     })
 }
 
@@ -491,8 +575,98 @@ key = "certs/node-a-key.pem"
                 interval: Duration::from_secs(10),
                 attempts: Attempts::Limited(10),
             },
+            credentials: None,
         };
         assert_eq!(config, expected);
+    }
+
+    /// An issuer public key in config form (a valid Ed25519 point).
+    fn issuer_key_text() -> String {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[5; 32]).verifying_key();
+        iop_engine::keys::encode_issuer_public_key(&key)
+    }
+
+    fn with_credentials(lines: &str) -> String {
+        format!("{BASE}\n[credentials]\n{lines}\n")
+    }
+
+    // CONTRACT: C2 — [credentials] names the recipient key file (resolved
+    // against the config directory), the issuer public key and the clock
+    // skew (default 5000 ms).
+    #[test]
+    fn credentials_table_parses() {
+        let issuer = issuer_key_text();
+        let config = parse(&with_credentials(&format!(
+            "recipient_key = \"keys/node-a.key\"\nissuer_public_key = \"{issuer}\""
+        )))
+        .unwrap();
+        assert_eq!(
+            config.credentials,
+            Some(CredentialsSpec {
+                recipient_key: PathBuf::from("conf/keys/node-a.key"),
+                issuer_public_key: decode_issuer_public_key(&issuer).unwrap(),
+                clock_skew_ms: 5_000,
+            })
+        );
+        let config = parse(&with_credentials(&format!(
+            "recipient_key = \"/k\"\nissuer_public_key = \"{issuer}\"\nclock_skew_ms = 0"
+        )))
+        .unwrap();
+        assert_eq!(config.credentials.map(|c| c.clock_skew_ms), Some(0));
+        assert_eq!(parse(BASE).unwrap().credentials, None);
+    }
+
+    // CONTRACT: C2 — the credential keys are validated with file, key and
+    // reason.
+    #[test]
+    fn credentials_values_are_checked() {
+        let issuer = issuer_key_text();
+        let key = format!("recipient_key = \"k\"\nissuer_public_key = \"{issuer}\"");
+        assert_eq!(
+            error(&with_credentials(&format!("{key}\nclock_skew_ms = 60001"))),
+            "conf/node.toml: credentials.clock_skew_ms: must be between 0 and 60000 (got 60001)"
+        );
+        assert_eq!(
+            error(&with_credentials(&format!("{key}\nclock_skew_ms = -1"))),
+            "conf/node.toml: credentials.clock_skew_ms: must be between 0 and 60000 (got -1)"
+        );
+        assert_eq!(
+            error(&with_credentials(&format!(
+                "recipient_key = \"\"\nissuer_public_key = \"{issuer}\""
+            ))),
+            "conf/node.toml: credentials.recipient_key: must not be empty"
+        );
+        assert_eq!(
+            error(&with_credentials(
+                "recipient_key = \"k\"\nissuer_public_key = \"x25519:00\""
+            )),
+            "conf/node.toml: credentials.issuer_public_key: invalid public key: expected \
+             ed25519:<64 hex digits>"
+        );
+        assert_eq!(
+            error(&with_credentials(&format!("{key}\nsecret = \"x\""))),
+            "conf/node.toml: credentials.secret: unknown field `secret`, expected one of \
+             `recipient_key`, `issuer_public_key`, `clock_skew_ms` (line 14, column 1)"
+        );
+        assert_eq!(
+            error(&with_credentials("issuer_public_key = \"x\"")),
+            "conf/node.toml: credentials.recipient_key: required key is missing (line 11, column 1)"
+        );
+    }
+
+    // CONTRACT: T5, C3 — plain TCP disables the credential plane: a file
+    // with both is refused.
+    #[test]
+    fn credentials_are_refused_in_insecure_mode() {
+        let issuer = issuer_key_text();
+        let text = variant(TLS, "insecure_plaintext = true\n");
+        assert_eq!(
+            error(&format!(
+                "{text}\n[credentials]\nrecipient_key = \"k\"\nissuer_public_key = \"{issuer}\"\n"
+            )),
+            "conf/node.toml: credentials: the credential plane needs mTLS to the edge: remove \
+             [credentials] or insecure_plaintext"
+        );
     }
 
     #[test]
@@ -570,7 +744,8 @@ key = "certs/node-a-key.pem"
         assert_eq!(
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
-             `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect` (line 5, column 1)"
+             `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials` \
+             (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),

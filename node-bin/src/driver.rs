@@ -21,9 +21,11 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::rc::Rc;
+use std::time::Instant;
 
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
+use iop_engine::metrics::{self, Count, Latency};
 use iop_engine::sync::Notify;
 use local_sync::mpsc::bounded;
 use local_sync::oneshot;
@@ -34,7 +36,7 @@ use crate::observation::ObservationSeq;
 use crate::probe::{self, ProbeTarget};
 use crate::timers::Timers;
 use crate::watchdog::{
-    Action, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
+    Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
 };
 
 /// Provider outputs buffered between the provider task and the driver.
@@ -78,9 +80,16 @@ impl AbortSignal {
     }
 }
 
+/// One provider output with the moment the provider task handed it over
+/// (right after its read), for the relay latency histograms.
+struct Stamped<O> {
+    read_at: Instant,
+    output: O,
+}
+
 /// The provider task's end of the output channel.
 pub struct OutputTx<O> {
-    tx: bounded::Tx<O>,
+    tx: bounded::Tx<Stamped<O>>,
 }
 
 impl<O> std::fmt::Debug for OutputTx<O> {
@@ -93,14 +102,17 @@ impl<O> OutputTx<O> {
     /// Hands one output to the driver, waiting while the queue is full.
     /// False once the driver is gone.
     pub async fn send(&self, output: O) -> bool {
-        self.tx.send(output).await.is_ok()
+        let read_at = clock::now();
+        self.tx.send(Stamped { read_at, output }).await.is_ok()
     }
 }
 
 /// The driver's end of a spawned provider task.
 pub struct ProviderSide<O> {
-    outputs: bounded::Rx<O>,
+    outputs: bounded::Rx<Stamped<O>>,
     abort: Rc<AbortSignal>,
+    /// When the provider call was spawned (metrics: provider TTFB).
+    started_at: Instant,
 }
 
 impl<O> std::fmt::Debug for ProviderSide<O> {
@@ -124,6 +136,7 @@ where
 {
     let (tx, rx) = bounded::channel(OUTPUT_QUEUE);
     let abort = Rc::new(AbortSignal::default());
+    let started_at = clock::now();
     let work = call(OutputTx { tx });
     let task_abort = abort.clone();
     monoio::spawn(async move {
@@ -132,11 +145,17 @@ where
         // runtime cancels the in-flight operation).
         monoio::select! {
             biased;
-            _ = task_abort.aborted() => {},
+            _ = task_abort.aborted() => metrics::add(Count::NodeProviderCallsAborted, 1),
             _ = work => {},
         }
+        // metrics: provider call duration (returned or aborted).
+        metrics::record_since(Latency::NodeProviderCallDuration, started_at);
     });
-    ProviderSide { outputs: rx, abort }
+    ProviderSide {
+        outputs: rx,
+        abort,
+        started_at,
+    }
 }
 
 /// How an attempt ended.
@@ -160,7 +179,7 @@ pub struct StallEvidence {
 }
 
 enum Event<O> {
-    Output(Option<O>),
+    Output(Option<Stamped<O>>),
     Stop(Option<StopCause>),
     Probe(ProbeOutcome),
     Timer,
@@ -180,6 +199,7 @@ pub async fn drive<E: Emitter>(
     let mut stop_open = true;
     let mut probe_rx: Option<oneshot::Receiver<ProbeOutcome>> = None;
     let mut ended = Ended::Provider;
+    let mut first_output_seen = false;
     loop {
         timer.arm(watchdog.poll_timeout());
         let probing = probe_rx.is_some();
@@ -193,10 +213,24 @@ pub async fn drive<E: Emitter>(
         };
         let now = clock::now();
         match event {
-            Event::Output(Some(output)) => {
-                if watchdog.on_output(now, E::activity(&output)) == Verdict::Forward {
+            Event::Output(Some(Stamped { read_at, output })) => {
+                if !first_output_seen {
+                    // metrics: provider time to first byte (its first output).
+                    first_output_seen = true;
+                    metrics::record_between(
+                        Latency::NodeProviderTimeToFirstByte,
+                        provider.started_at,
+                        read_at,
+                    );
+                }
+                let activity = E::activity(&output);
+                if watchdog.on_output(now, activity) == Verdict::Forward {
                     if let Some(frame) = emitter.forward(output) {
                         send(&env.conn, frame).await;
+                        if activity == Activity::Progress {
+                            // metrics: relay chunk latency (read → frame queued).
+                            metrics::record_since(Latency::NodeRelayChunkLatency, read_at);
+                        }
                     }
                 }
             }

@@ -199,11 +199,20 @@ impl RunEmitter {
 
     /// `start`; `None` unless this is the first event.
     pub fn start(&mut self) -> Option<pb::RunEvent> {
+        self.start_with(HashMap::new())
+    }
+
+    /// `start` carrying `metadata` (e.g. `openai_text_tool_fallback`, which
+    /// the Edge must know before the first delta, E5); `None` unless this is
+    /// the first event.
+    pub fn start_with(&mut self, metadata: HashMap<String, String>) -> Option<pb::RunEvent> {
         if self.state != EmitState::Fresh {
             return None;
         }
         self.state = EmitState::Started;
-        Some(self.event(pb::RunEventType::Start))
+        let mut e = self.event(pb::RunEventType::Start);
+        e.metadata = metadata;
+        Some(e)
     }
 
     /// A `delta` with text and optional usage; `None` before `start` or
@@ -411,7 +420,14 @@ impl Emitter for TunnelEmitter {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunOutput {
     /// The provider accepted the run.
-    Start,
+    Start {
+        /// Event metadata (E5: `openai_text_tool_fallback`).
+        metadata: HashMap<String, String>,
+    },
+    /// Provider progress that is no event of its own (tool-call argument
+    /// pieces, usage before the end): resets the watchdog (W3), sends
+    /// nothing.
+    Progress,
     /// Content progress, optionally with usage.
     Delta {
         /// Text.
@@ -442,7 +458,10 @@ impl Emitter for RunEmitter {
 
     fn activity(output: &RunOutput) -> Activity {
         match output {
-            RunOutput::Start => watchdog::run_event_activity(pb::RunEventType::Start, 0, false),
+            RunOutput::Start { .. } => {
+                watchdog::run_event_activity(pb::RunEventType::Start, 0, false)
+            }
+            RunOutput::Progress => Activity::Progress,
             RunOutput::Delta { text, usage } => {
                 watchdog::run_event_activity(pb::RunEventType::Delta, text.len(), usage.is_some())
             }
@@ -457,7 +476,8 @@ impl Emitter for RunEmitter {
 
     fn forward(&mut self, output: RunOutput) -> Option<Outbound> {
         let event = match output {
-            RunOutput::Start => self.start(),
+            RunOutput::Start { metadata } => self.start_with(metadata),
+            RunOutput::Progress => None,
             RunOutput::Delta { text, usage } => self.delta(&text, usage),
             RunOutput::Complete {
                 finish_reason,

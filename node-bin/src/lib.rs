@@ -3,7 +3,8 @@
 //! Runs on a GPU host, dials *out* to the Edge over one mutually-authenticated
 //! TLS connection, registers, applies the config the Edge pushes, and serves
 //! provider tunnels against local inference servers, each watched by the
-//! response-stall watchdog.
+//! response-stall watchdog, and normalized runs through its Ollama and
+//! OpenAI-compatible adapters ([`normalized`], [`ollama`], [`openai_run`]).
 //!
 //! ```text
 //! supervisor (dial, redial: S1–S3; pure Supervisor policy)
@@ -11,7 +12,10 @@
 //!      │        owns the observation sequence, W7)
 //!      ├─ run manager: RunTable (K1 cancel one, F5 cancel all, W10 entry
 //!      │    kept until the provider call returns)
-//!      ├─ tunnel per request: W1 check, capacity gate (P4), provider task
+//!      ├─ tunnel per request: W1 check, capacity gate (P4), credential lease
+//!      │    (C2, [`credentials`]), provider task
+//!      ├─ normalized run per request: W1 check, capacity gate (P4), provider
+//!      │    task by adapter (Ollama NDJSON; OpenAI SSE with E4/E5)
 //!      │    └─ driver: Watchdog core (W3–W10) + TunnelEmitter/RunEmitter
 //!      │         ├─ timers: one hierarchical wheel per core (engine::wheel)
 //!      │         └─ probe: bounded fail-closed exact-target health probe
@@ -31,10 +35,13 @@
 pub mod adapters;
 pub mod commands;
 pub mod config;
+pub mod credentials;
 pub mod driver;
 pub mod emit;
 pub mod normalized;
 pub mod observation;
+pub mod ollama;
+pub mod openai_run;
 pub mod probe;
 pub mod refresh;
 pub mod runs;

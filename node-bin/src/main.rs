@@ -1,5 +1,10 @@
 //! `node-bin` entry point: arguments, configuration, runtime. See the
 //! library crate (`node_bin`) for the daemon itself.
+//!
+//! Subcommand: `keys recipient --out PATH` writes a new X25519 recipient key
+//! (mode 0600) and prints its public `x25519:` form for the Edge's node entry
+//! (`recipient_key`).
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use argh::FromArgs;
@@ -7,19 +12,52 @@ use iop_engine::rt::{self, CoreList};
 use iop_engine::tls::{NodeTlsConnector, TlsFiles, TlsMaterial};
 
 use node_bin::config::NodeConfig;
+use node_bin::credentials::NodeCredentials;
 use node_bin::supervisor::{self, Exit};
 
 /// IOP Node: dials the Edge and serves its requests against local
 /// inference servers.
 #[derive(FromArgs, Debug)]
 struct Args {
-    /// path to node.toml
+    /// path to node.toml (required unless a subcommand is given)
     #[argh(option)]
-    config: String,
+    config: Option<String>,
     /// CPU cores to run on, taskset syntax (`0-3`, `0,2,5-7`, `0-31:2`); the
     /// first is the control shard. Default: 0.
     #[argh(option, default = "String::from(\"0\")")]
     cores: String,
+    #[argh(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+enum Command {
+    Keys(KeysArgs),
+}
+
+/// Credential-plane keys of this Node.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "keys")]
+struct KeysArgs {
+    #[argh(subcommand)]
+    command: KeysCommand,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+enum KeysCommand {
+    Recipient(RecipientArgs),
+}
+
+/// Generate this Node's X25519 recipient key (mode 0600, never overwritten)
+/// and print its public key for the Edge's `[[nodes]] recipient_key`.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "recipient")]
+struct RecipientArgs {
+    /// the private key file to create
+    #[argh(option)]
+    out: PathBuf,
 }
 
 fn init_logging() {
@@ -40,14 +78,43 @@ fn fail(message: impl std::fmt::Display) -> ExitCode {
 fn main() -> ExitCode {
     let args: Args = argh::from_env();
     init_logging();
+    match args.command {
+        Some(Command::Keys(KeysArgs {
+            command: KeysCommand::Recipient(a),
+        })) => match iop_engine::keys::generate_recipient_key(&a.out) {
+            Ok(public) => {
+                println!("{}", iop_engine::keys::encode_recipient_public_key(&public));
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(format_args!("keys recipient: {e}")),
+        },
+        None => match &args.config {
+            Some(path) => serve(path, &args.cores),
+            None => fail("--config is required (or a subcommand: keys)"),
+        },
+    }
+}
+
+fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
     // S3: every local configuration or credential problem exits 1.
-    let cfg = match NodeConfig::load(&args.config) {
+    let cfg = match NodeConfig::load(config_path) {
         Ok(cfg) => cfg,
         Err(e) => return fail(e),
     };
-    let cores = match CoreList::parse_for_this_process(&args.cores) {
+    // C2: the recipient key is read once, here (0600 checked).
+    let credentials = match NodeCredentials::load(&cfg) {
+        Ok(credentials) => credentials,
+        Err(e) => return fail(e),
+    };
+    if let Some(credentials) = &credentials {
+        tracing::info!(
+            recipient_key_id = %credentials.recipient_key_id(),
+            "credential plane enabled: tunnels must carry a credential lease"
+        );
+    }
+    let cores = match CoreList::parse_for_this_process(cores_arg) {
         Ok(c) => c,
-        Err(e) => return fail(format_args!("--cores {}: {e}", args.cores)),
+        Err(e) => return fail(format_args!("--cores {cores_arg}: {e}")),
     };
     let connector = match &cfg.tls {
         Some(files) => {
@@ -99,14 +166,18 @@ fn main() -> ExitCode {
     );
     let result = rt::block_on(async move {
         let shutdown = supervisor::signal_shutdown()?;
-        Ok::<Exit, std::io::Error>(supervisor::run(cfg, connector, shutdown).await)
+        // SIGUSR1 dumps the latency histograms to stderr.
+        iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Node)?;
+        Ok::<Exit, std::io::Error>(
+            supervisor::run_with_credentials(cfg, connector, credentials, shutdown).await,
+        )
     });
     match result {
         Ok(Ok(Exit::Shutdown)) => {
             tracing::info!("shutting down");
             ExitCode::SUCCESS
         }
-        Ok(Ok(Exit::GaveUp)) => ExitCode::from(1),
+        Ok(Ok(Exit::GaveUp | Exit::LocalError)) => ExitCode::from(1),
         Ok(Err(e)) | Err(e) => fail(format_args!("runtime: {e}")),
     }
 }

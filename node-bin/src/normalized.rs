@@ -1,88 +1,474 @@
-//! Normalized runs (`RunRequest` → `RunEvent`s, E1): the admission checks
-//! every run passes before any provider call. The provider adapters that
-//! produce [`RunOutput`](crate::emit::RunOutput)s (Ollama NDJSON, OpenAI
-//! SSE) are not part of this Node version: an admitted run ends with one
-//! `error` terminal (`unsupported`), so the Edge's lease is released. When
-//! they arrive, they plug into [`crate::driver::drive`] with a
-//! [`RunEmitter`], exactly as tunnels do with a `TunnelEmitter`.
+//! Normalized runs (`RunRequest` → `RunEvent`s, E1): admission, then one
+//! provider call by the adapter's protocol, watched by the stall watchdog
+//! exactly like a tunnel (W3–W10).
+//!
+//! ```text
+//! Edge ──RunRequest──► admit: W1 check, adapter, gate (P4)
+//!        ─► provider task: ollama::call (POST /api/chat, NDJSON)
+//!                        | openai_run::call (POST chat_completions, SSE; E4, E5)
+//!              ──RunOutput──► drive (watchdog) ──► RunEmitter
+//!      ◄── start, delta*, complete | error | cancelled ◄───────┘
+//! ```
+//!
+//! Every rejection before the provider call (bad stall timeout, unknown
+//! adapter, full gate) is one `error` terminal and opens no provider
+//! connection (W1, W6). The adapters turn the provider's stream into
+//! [`RunOutput`]s; their pure halves (request mapping, stream parsing) live
+//! in [`crate::ollama`] and [`crate::openai_run`], this module holds what
+//! they share.
 
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::clock;
+use iop_engine::http::{self, ClientConn, HttpError, Limits, ResponseHead};
 use iop_wire::pb;
+use local_sync::oneshot;
+use monoio::net::TcpStream;
+use serde_json::Value;
 
-use crate::adapters::Adapters;
-use crate::driver::{self, AttemptEnv};
-use crate::emit::{Emitter, RunEmitter};
+use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Permit};
+use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
+use crate::emit::{Emitter, RunEmitter, RunOutput};
+use crate::probe::ProbeTarget;
+use crate::runs::RunTicket;
 use crate::tunnel::codes;
-use crate::watchdog::RuntimeSettings;
+use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
+use crate::{ollama, openai_run};
 
-/// Failure code of an admitted run this Node cannot execute yet.
-pub const UNSUPPORTED: &str = "unsupported";
+/// Failure code of a run whose input the adapter cannot map to its
+/// provider's request.
+pub const INVALID_INPUT: &str = "invalid_input";
 
-/// Checks a run (W1 first, before any router or provider call) and returns
-/// the failure terminal's code and message.
-pub fn admit(
-    req: &pb::RunRequest,
-    adapters: &Adapters,
-    settings: RuntimeSettings,
-) -> (&'static str, String) {
-    if let Err(e) = settings.watchdog_config(req.response_stall_timeout_ms) {
-        return (codes::INVALID_STALL_TIMEOUT, e.to_string());
-    }
-    if adapters.get(&req.adapter).is_none() {
-        return (
-            codes::UNKNOWN_ADAPTER,
-            format!("no adapter instance named `{}` on this node", req.adapter),
-        );
-    }
-    (
-        UNSUPPORTED,
-        "normalized runs are not supported by this node version".to_string(),
-    )
+/// Metadata key of native tool calls on `complete` (E4): a JSON array of
+/// OpenAI tool calls, `arguments` as JSON strings.
+pub const META_TOOL_CALLS: &str = "openai_tool_calls";
+/// Metadata key set to `"true"` on `start` and `complete` when the adapter
+/// fell back to text tool calls (E5).
+pub const META_TEXT_TOOL_FALLBACK: &str = "openai_text_tool_fallback";
+/// Metadata key of Ollama's raw `done_reason` on `complete`.
+pub const META_DONE_REASON: &str = "done_reason";
+
+/// Largest provider error body read (the rest is not needed for a message).
+pub const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
+/// Largest non-streamed provider answer read.
+pub const MAX_JSON_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Longest NDJSON line or SSE event accepted from a provider.
+pub const MAX_EVENT_BYTES: usize = 1024 * 1024;
+
+/// Why a normalized input cannot become a provider request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    /// A JSON field of the input (`tools_json`, `tool_choice_json`,
+    /// `tool_calls_json`) is not valid JSON.
+    #[error("`{field}` is not valid JSON: {reason}")]
+    BadJson {
+        /// The input field.
+        field: &'static str,
+        /// Parser message.
+        reason: String,
+    },
+    /// `tools_json` is not a JSON array.
+    #[error("`tools_json` must be a JSON array")]
+    ToolsNotArray,
+    /// An assistant `tool_calls_json` entry is not an OpenAI tool call.
+    #[error("message {index}: tool call {call} has no function name")]
+    BadToolCall {
+        /// Message index.
+        index: usize,
+        /// Call index within the message.
+        call: usize,
+    },
+    /// A tool call's `arguments` is not a JSON object (Ollama needs one).
+    #[error("message {index}: tool call {call}: arguments must be a JSON object")]
+    ToolArguments {
+        /// Message index.
+        index: usize,
+        /// Call index within the message.
+        call: usize,
+    },
 }
 
-/// Serves one run: its single terminal.
+/// Parses an optional JSON input field (empty bytes: absent).
+pub fn json_field(field: &'static str, bytes: &Bytes) -> Result<Option<Value>, InputError> {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    serde_json::from_slice(bytes)
+        .map(Some)
+        .map_err(|e| InputError::BadJson {
+            field,
+            reason: e.to_string(),
+        })
+}
+
+/// The input's tools (a non-empty JSON array), if any.
+pub fn tools(input: &pb::RunInput) -> Result<Option<Vec<Value>>, InputError> {
+    match json_field("tools_json", &input.tools_json)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(tools)) if tools.is_empty() => Ok(None),
+        Some(Value::Array(tools)) => Ok(Some(tools)),
+        Some(_) => Err(InputError::ToolsNotArray),
+    }
+}
+
+/// A tool call normalized to the OpenAI shape of `openai_tool_calls` (E4):
+/// `{"id","type":"function","function":{"name","arguments":"<JSON string>"}}`.
+pub fn openai_tool_call(id: &str, name: &str, arguments: &str) -> Value {
+    serde_json::json!({
+        "id": id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
+}
+
+/// `complete` metadata carrying `calls` as `openai_tool_calls` (E4); no key
+/// when there are none.
+pub fn tool_calls_metadata(calls: Vec<Value>, metadata: &mut HashMap<String, String>) {
+    if !calls.is_empty() {
+        metadata.insert(META_TOOL_CALLS.to_string(), Value::Array(calls).to_string());
+    }
+}
+
+/// Maps a provider `Usage`-like triple; `total` 0 means "not reported".
+pub fn usage(prompt_tokens: u64, completion_tokens: u64, total_tokens: u64) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: if total_tokens == 0 {
+            prompt_tokens.saturating_add(completion_tokens)
+        } else {
+            total_tokens
+        },
+    }
+}
+
+/// The legacy error string of a provider's non-2xx answer: the status and
+/// the message of an OpenAI (`{"error":{"message"}}`), Ollama
+/// (`{"error":"..."}`) or plain-text body, bounded.
+pub fn status_message(provider: &str, status: u16, body: &[u8]) -> String {
+    let parsed: Option<Value> = serde_json::from_slice(body).ok();
+    let message = parsed.as_ref().and_then(|v| match v.get("error") {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(e) => e.get("message").and_then(Value::as_str).map(str::to_string),
+        None => v.get("message").and_then(Value::as_str).map(str::to_string),
+    });
+    let message = message.unwrap_or_else(|| {
+        let text = String::from_utf8_lossy(body);
+        text.chars().take(512).collect::<String>()
+    });
+    if message.is_empty() {
+        format!("{provider}: HTTP {status}")
+    } else {
+        format!("{provider}: HTTP {status}: {message}")
+    }
+}
+
+/// A failed provider exchange: the terminal's failure code and message (W6).
+pub type CallFailure = (&'static str, String);
+
+/// An open provider exchange: the connection with its response head read.
+pub struct Exchange {
+    /// The connection, positioned at the response body.
+    pub client: ClientConn<TcpStream>,
+    /// The response head.
+    pub head: ResponseHead,
+}
+
+impl std::fmt::Debug for Exchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exchange")
+            .field("status", &self.head.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Exchange {
+    /// Whether the response's `content-type` starts with `prefix`.
+    pub fn content_type_is(&self, prefix: &[u8]) -> bool {
+        self.head.header("content-type").is_some_and(|v| {
+            v.len() >= prefix.len() && v[..prefix.len()].eq_ignore_ascii_case(prefix)
+        })
+    }
+
+    /// Reads the rest of the body, at most `max_bytes`.
+    pub async fn body(&mut self, max_bytes: usize) -> Result<Bytes, CallFailure> {
+        self.client
+            .read_body_to_end(max_bytes)
+            .await
+            .map_err(provider_failure)
+    }
+}
+
+/// Opens `POST path` with a JSON `body` on a fresh connection to the
+/// adapter's provider and reads the response head. `extra` headers are
+/// added as given (the credential hook of C2 goes here).
+pub async fn post_json(
+    adapter: &AdapterInstance,
+    path: &str,
+    accept: &str,
+    extra: &[(String, String)],
+    body: Bytes,
+) -> Result<Exchange, CallFailure> {
+    let base = &adapter.base_url;
+    let tcp = http::connect_url(base).await.map_err(|e| {
+        (
+            codes::PROVIDER_UNREACHABLE,
+            format!("connect {}: {e}", base.authority()),
+        )
+    })?;
+    let mut client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
+    let headers = [("content-type", "application/json"), ("accept", accept)]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain(extra.iter().cloned());
+    client
+        .send_request("POST", path, headers, body)
+        .await
+        .map_err(provider_failure)?;
+    let head = client
+        .read_response_head()
+        .await
+        .map_err(provider_failure)?;
+    Ok(Exchange { client, head })
+}
+
+/// A provider HTTP failure as a terminal code and message (W6).
+pub fn provider_failure(e: HttpError) -> CallFailure {
+    (codes::PROVIDER_ERROR, format!("provider: {e}"))
+}
+
+/// Serves one run to its release: the terminal is sent and the provider
+/// call has returned (W10). `stop` fires on `CancelRequest` (K1) or session
+/// end (F5).
 pub async fn serve(
     env: &AttemptEnv,
     req: pb::RunRequest,
+    ticket: &RunTicket,
+    adapters: Rc<Adapters>,
+    settings: RuntimeSettings,
+    stop: oneshot::Receiver<StopCause>,
+) -> Ended {
+    let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
+    let Admitted {
+        adapter,
+        config,
+        permit,
+    } = match admit(&req, &adapters, settings) {
+        Ok(a) => a,
+        Err((code, message)) => {
+            tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
+            if let Some(frame) = emit.failed(code, &message) {
+                driver::send(&env.conn, frame).await;
+            }
+            return Ended::Provider;
+        }
+    };
+    let now = clock::now();
+    let hard_deadline = u64::try_from(req.timeout_sec)
+        .ok()
+        .filter(|&s| s > 0)
+        .and_then(|s| now.checked_add(Duration::from_secs(s)));
+    let watchdog = Watchdog::new(config, now, hard_deadline);
+    let evidence = StallEvidence {
+        identity: AttemptIdentity {
+            node_run_id: ticket.node_run_id(),
+            attempt_id: ticket.attempt_id(),
+            adapter: adapter.name.clone(),
+            target: req.target.clone(),
+        },
+        probe: ProbeTarget::of(&adapter, &req.target),
+    };
+    let target = req.target.clone();
+    let input = req.input.unwrap_or_default();
+    let provider =
+        driver::spawn_provider(Some(permit), move |out| call(adapter, target, input, out));
+    let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
+    tracing::debug!(run_id = %req.run_id, ?ended, "run released");
+    ended
+}
+
+/// The provider call of one run, by the adapter's protocol; any failure
+/// becomes the run's `error` terminal (W6).
+async fn call(
+    adapter: Rc<AdapterInstance>,
+    target: String,
+    input: pb::RunInput,
+    out: OutputTx<RunOutput>,
+) {
+    let result = match adapter.kind {
+        AdapterKind::Ollama => ollama::call(&adapter, &target, &input, &out).await,
+        AdapterKind::OpenAiCompat => {
+            // C2 hook: a credential lease opened after admission would add
+            // the profile's auth header here (`openai_run::auth_header`).
+            let auth: Option<(String, String)> = None;
+            openai_run::call(&adapter, &target, &input, auth, &out).await
+        }
+    };
+    if let Err((code, message)) = result {
+        out.send(RunOutput::Failed { code, message }).await;
+    }
+}
+
+struct Admitted {
+    adapter: Rc<AdapterInstance>,
+    config: WatchdogConfig,
+    permit: Permit,
+}
+
+/// Every check before the provider call (W1 first, then the adapter, then
+/// its capacity gate, P4).
+fn admit(
+    req: &pb::RunRequest,
     adapters: &Adapters,
     settings: RuntimeSettings,
-) {
-    let (code, message) = admit(&req, adapters, settings);
-    let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
-    if let Some(frame) = emit.failed(code, &message) {
-        driver::send(&env.conn, frame).await;
-    }
+) -> Result<Admitted, CallFailure> {
+    let config = settings
+        .watchdog_config(req.response_stall_timeout_ms)
+        .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
+    let adapter = adapters.get(&req.adapter).ok_or_else(|| {
+        (
+            codes::UNKNOWN_ADAPTER,
+            format!("no adapter instance named `{}` on this node", req.adapter),
+        )
+    })?;
+    // P4: the same gate as the adapter's tunnels, held until the call ends.
+    let permit = adapter.gate.try_acquire().ok_or_else(|| {
+        (
+            codes::CAPACITY_EXHAUSTED,
+            format!("adapter `{}` is at capacity", adapter.name),
+        )
+    })?;
+    Ok(Admitted {
+        adapter: adapter.clone(),
+        config,
+        permit,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn adapters(capacity: u32) -> Adapters {
+        Adapters::from_payload(&pb::NodeConfigPayload {
+            adapters: vec![pb::AdapterConfig {
+                name: "ol".into(),
+                capacity,
+                targets: vec!["llama3".into()],
+                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                    base_url: "http://127.0.0.1:9".into(),
+                })),
+            }],
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn req(adapter: &str, ms: i64) -> pb::RunRequest {
+        pb::RunRequest {
+            run_id: "r".into(),
+            adapter: adapter.into(),
+            response_stall_timeout_ms: ms,
+            ..Default::default()
+        }
+    }
+
+    fn code(r: Result<Admitted, CallFailure>) -> &'static str {
+        match r {
+            Ok(_) => "admitted",
+            Err((code, _)) => code,
+        }
+    }
+
     // CONTRACT: W1 — a normalized run with a negative or overflowing stall
     // timeout is rejected before anything else.
     #[test]
     fn stall_timeout_is_checked_first() {
-        let adapters = Adapters::default();
         let settings = RuntimeSettings::default();
-        let req = |ms| pb::RunRequest {
-            run_id: "r".into(),
-            adapter: "nope".into(),
-            response_stall_timeout_ms: ms,
-            ..Default::default()
+        let none = Adapters::default();
+        let Err((c, message)) = admit(&req("nope", -1), &none, settings) else {
+            panic!("admitted")
         };
         assert_eq!(
-            admit(&req(-1), &adapters, settings),
+            (c, message.as_str()),
             (
                 codes::INVALID_STALL_TIMEOUT,
-                "response_stall_timeout_ms must not be negative (got -1)".to_string()
+                "response_stall_timeout_ms must not be negative (got -1)"
             )
         );
         assert_eq!(
-            admit(&req(i64::MAX), &adapters, settings).0,
+            code(admit(&req("nope", i64::MAX), &none, settings)),
             codes::INVALID_STALL_TIMEOUT
         );
         assert_eq!(
-            admit(&req(0), &adapters, settings).0,
+            code(admit(&req("nope", 0), &none, settings)),
             codes::UNKNOWN_ADAPTER
         );
+    }
+
+    // CONTRACT: P4 — a run takes a slot of its adapter's one gate and holds
+    // it until the permit (owned by the provider task) drops.
+    #[test]
+    fn runs_share_the_adapter_gate() {
+        let adapters = adapters(1);
+        let settings = RuntimeSettings::default();
+        let first = admit(&req("ol", 0), &adapters, settings);
+        assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 1);
+        assert_eq!(
+            code(admit(&req("ol", 0), &adapters, settings)),
+            codes::CAPACITY_EXHAUSTED
+        );
+        drop(first);
+        assert_eq!(code(admit(&req("ol", 0), &adapters, settings)), "admitted");
+    }
+
+    #[test]
+    fn tools_and_json_fields() {
+        let mut input = pb::RunInput::default();
+        assert_eq!(tools(&input), Ok(None));
+        input.tools_json = Bytes::from_static(b"[]");
+        assert_eq!(tools(&input), Ok(None));
+        input.tools_json = Bytes::from_static(br#"[{"type":"function"}]"#);
+        assert_eq!(tools(&input).unwrap().unwrap().len(), 1);
+        input.tools_json = Bytes::from_static(b"{}");
+        assert_eq!(tools(&input), Err(InputError::ToolsNotArray));
+        input.tools_json = Bytes::from_static(b"[");
+        assert!(matches!(
+            tools(&input),
+            Err(InputError::BadJson {
+                field: "tools_json",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn status_messages_read_every_error_shape() {
+        assert_eq!(
+            status_message(
+                "vllm",
+                400,
+                br#"{"error":{"message":"bad tools","type":"invalid_request_error"}}"#
+            ),
+            "vllm: HTTP 400: bad tools"
+        );
+        assert_eq!(
+            status_message("ollama", 404, br#"{"error":"model \"x\" not found"}"#),
+            "ollama: HTTP 404: model \"x\" not found"
+        );
+        assert_eq!(
+            status_message("p", 502, b"Bad Gateway"),
+            "p: HTTP 502: Bad Gateway"
+        );
+        assert_eq!(status_message("p", 500, b""), "p: HTTP 500");
+    }
+
+    #[test]
+    fn usage_fills_a_missing_total() {
+        assert_eq!(usage(3, 4, 0).total_tokens, 7);
+        assert_eq!(usage(3, 4, 9).total_tokens, 9);
     }
 }

@@ -12,7 +12,7 @@
 //! | adapter | path | available when |
 //! |---|---|---|
 //! | openai_compat | `protocol_profile.health_path` | 2xx; and when the health path is the models path, `data[].id` lists the target |
-//! | ollama | `/api/version` | 2xx |
+//! | ollama | `/api/tags` | 2xx and `models[].name` (or `.model`) lists the target (`name` and `name:latest` are the same model) |
 //!
 //! Normalization (fail closed): 2xx with the target → available; 5xx, a
 //! models list without the target, or a refused connection (nothing
@@ -30,8 +30,8 @@ use crate::watchdog::ProbeOutcome;
 /// Largest probe or query response body read.
 pub const MAX_GET_BODY_BYTES: usize = 1024 * 1024;
 
-/// The Ollama health path.
-pub const OLLAMA_HEALTH_PATH: &str = "/api/version";
+/// The Ollama health path: the local model list, which proves the target.
+pub const OLLAMA_HEALTH_PATH: &str = "/api/tags";
 
 /// Why a provider GET failed.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,10 @@ impl ProbeTarget {
                 )
             }
             (AdapterKind::OpenAiCompat, None) => ("/health".to_string(), None),
-            (AdapterKind::Ollama, _) => (OLLAMA_HEALTH_PATH.to_string(), None),
+            (AdapterKind::Ollama, _) => (
+                OLLAMA_HEALTH_PATH.to_string(),
+                (!target.is_empty()).then(|| target.to_string()),
+            ),
         };
         Self {
             base_url: adapter.base_url.clone(),
@@ -95,7 +98,7 @@ pub fn classify(status: u16, body: &[u8], expect_model: Option<&str>) -> ProbeOu
         200..=299 => match expect_model {
             None => ProbeOutcome::Available,
             Some(model) => match listed_models(body) {
-                Some(ids) if ids.iter().any(|id| id == model) => ProbeOutcome::Available,
+                Some(ids) if ids.iter().any(|id| same_model(id, model)) => ProbeOutcome::Available,
                 Some(_) => ProbeOutcome::Unavailable,
                 None => ProbeOutcome::Unknown,
             },
@@ -114,13 +117,29 @@ pub fn classify_error(err: &GetError) -> ProbeOutcome {
     }
 }
 
-/// `data[].id` of an OpenAI models list; `None` when malformed.
+/// `data[].id` of an OpenAI models list, or `models[].name` (else
+/// `.model`) of an Ollama tag list; `None` when malformed.
 fn listed_models(body: &[u8]) -> Option<Vec<String>> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let data = value.get("data")?.as_array()?;
-    data.iter()
-        .map(|m| m.get("id").and_then(|id| id.as_str()).map(str::to_string))
+    let (list, keys): (_, &[&str]) = match (value.get("data"), value.get("models")) {
+        (Some(data), _) => (data.as_array()?, &["id"]),
+        (None, Some(models)) => (models.as_array()?, &["name", "model"]),
+        (None, None) => return None,
+    };
+    list.iter()
+        .map(|m| {
+            keys.iter()
+                .find_map(|k| m.get(*k).and_then(|v| v.as_str()))
+                .map(str::to_string)
+        })
         .collect()
+}
+
+/// Whether a listed model id is the expected one; Ollama lists an untagged
+/// model as `name:latest`.
+fn same_model(listed: &str, expected: &str) -> bool {
+    listed == expected
+        || (!expected.contains(':') && listed.strip_suffix(":latest") == Some(expected))
 }
 
 /// Runs the probe within `timeout` (fail closed).
@@ -238,8 +257,9 @@ mod tests {
         assert_eq!(oa.path, "/health");
         assert_eq!(oa.expect_model, None);
         let ol = ProbeTarget::of(a.get("ol").unwrap(), "llama3");
-        assert_eq!(ol.path, "/api/version");
-        assert_eq!(ol.expect_model, None);
+        assert_eq!(ol.path, "/api/tags");
+        assert_eq!(ol.expect_model.as_deref(), Some("llama3"));
+        assert_eq!(ProbeTarget::of(a.get("ol").unwrap(), "").expect_model, None);
         assert_eq!(ol.base_url.authority(), "127.0.0.1:11434");
     }
 
@@ -257,6 +277,25 @@ mod tests {
         );
         assert_eq!(
             classify(200, br#"{"data":[{"name":"m1"}]}"#, Some("m1")),
+            ProbeOutcome::Unknown
+        );
+        // Ollama's tag list proves the exact target (W4, H6).
+        let tags = br#"{"models":[{"name":"llama3:latest","model":"llama3:latest"},{"name":"qwen2.5:7b"}]}"#;
+        assert_eq!(classify(200, tags, Some("llama3")), ProbeOutcome::Available);
+        assert_eq!(
+            classify(200, tags, Some("llama3:latest")),
+            ProbeOutcome::Available
+        );
+        assert_eq!(
+            classify(200, tags, Some("qwen2.5:7b")),
+            ProbeOutcome::Available
+        );
+        assert_eq!(
+            classify(200, tags, Some("qwen2.5")),
+            ProbeOutcome::Unavailable
+        );
+        assert_eq!(
+            classify(200, br#"{"models":{}}"#, Some("x")),
             ProbeOutcome::Unknown
         );
         assert_eq!(classify(503, b"", None), ProbeOutcome::Unavailable);

@@ -29,6 +29,7 @@ use iop_wire::pb::frame::Body;
 
 use crate::adapters::Adapters;
 use crate::commands::{self, CommandContext};
+use crate::credentials::{LeaseGate, NodeCredentials};
 use crate::driver::AttemptEnv;
 use crate::normalized;
 use crate::observation::ObservationSeq;
@@ -55,17 +56,28 @@ pub struct NodeCore {
     pub timers: Rc<Timers>,
     /// The adapters of the last session, whose gates the next one reuses.
     last_adapters: RefCell<Option<Rc<Adapters>>>,
+    /// The credential plane (C2): recipient key, issuer key and the replay
+    /// cache, shared by every session so a replay over a new connection is
+    /// still caught. `None` = unmanaged.
+    credentials: Option<Rc<NodeCredentials>>,
 }
 
 impl NodeCore {
-    /// Creates the core state and spawns its timer task on the current
-    /// runtime (which must have its timer enabled).
+    /// Creates the core state of an unmanaged node and spawns its timer
+    /// task on the current runtime (which must have its timer enabled).
     pub fn start() -> Rc<Self> {
+        Self::start_with_credentials(None)
+    }
+
+    /// [`NodeCore::start`] for a node with the credential plane loaded
+    /// (`[credentials]`): its tunnels must carry a valid lease (C3).
+    pub fn start_with_credentials(credentials: Option<NodeCredentials>) -> Rc<Self> {
         let timers = Timers::new(clock::now());
         monoio::spawn(timers.clone().run());
         Rc::new(Self {
             timers,
             last_adapters: RefCell::new(None),
+            credentials: credentials.map(Rc::new),
         })
     }
 }
@@ -86,6 +98,7 @@ struct Session {
     runs: RefCell<RunTable>,
     applied: RefCell<Applied>,
     ready_at: Instant,
+    credentials: Option<Rc<NodeCredentials>>,
 }
 
 fn frame(body: Body) -> pb::Frame {
@@ -190,6 +203,7 @@ pub async fn run(
         runs: RefCell::new(RunTable::new()),
         applied: RefCell::new(applied),
         ready_at: clock::now(),
+        credentials: core.credentials.clone(),
     });
     let end = loop {
         match next_frame(&mut events).await {
@@ -257,13 +271,23 @@ impl Session {
                 return;
             }
         };
-        let (adapters, settings) = {
+        let (adapters, settings, leases_required) = {
             let applied = self.applied.borrow();
-            (applied.adapters.clone(), applied.settings)
+            (
+                applied.adapters.clone(),
+                applied.settings,
+                applied.payload.credential_leases_required,
+            )
         };
+        // C3: managed by our own [credentials] or by the Edge's payload.
+        let leases = LeaseGate::new(
+            self.credentials.clone(),
+            leases_required,
+            self.node_id.as_str(),
+        );
         let session = self.clone();
         monoio::spawn(async move {
-            tunnel::serve(&session.env, req, &ticket, adapters, settings, stop).await;
+            tunnel::serve(&session.env, req, &ticket, adapters, settings, leases, stop).await;
             session.runs.borrow_mut().finish(&ticket);
         });
     }
@@ -273,7 +297,7 @@ impl Session {
             .runs
             .borrow_mut()
             .register(&req.run_id, RunKind::Normalized);
-        let (ticket, _stop) = match registered {
+        let (ticket, stop) = match registered {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "duplicate run request dropped");
@@ -286,7 +310,7 @@ impl Session {
         };
         let session = self.clone();
         monoio::spawn(async move {
-            normalized::serve(&session.env, req, &adapters, settings).await;
+            normalized::serve(&session.env, req, &ticket, adapters, settings, stop).await;
             session.runs.borrow_mut().finish(&ticket);
         });
     }

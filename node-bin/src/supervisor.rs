@@ -26,6 +26,7 @@ use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
 
 use crate::config::NodeConfig;
+use crate::credentials::NodeCredentials;
 use crate::session::{self, NodeCore, SessionEnd};
 
 /// What the supervisor does after a connection attempt or session ends.
@@ -103,6 +104,9 @@ pub enum Exit {
     Shutdown,
     /// Finite reconnect attempts exhausted: exit 1.
     GaveUp,
+    /// A local credential error found by [`run`] (the recipient key file
+    /// of `[credentials]` is unusable): exit 1 (S3).
+    LocalError,
 }
 
 enum Attempt {
@@ -157,13 +161,29 @@ pub fn signal_shutdown() -> std::io::Result<Shutdown> {
     }))
 }
 
-/// Dials and redials until `shutdown` or exhaustion (S1–S3).
-pub async fn run(
+/// Dials and redials until `shutdown` or exhaustion (S1–S3). Loads the
+/// credential plane of `cfg` first; an unusable recipient key ends with
+/// [`Exit::LocalError`] (the binary loads it itself to report the file and
+/// reason, and calls [`run_with_credentials`]).
+pub async fn run(cfg: NodeConfig, connector: Option<NodeTlsConnector>, shutdown: Shutdown) -> Exit {
+    match NodeCredentials::load(&cfg) {
+        Ok(credentials) => run_with_credentials(cfg, connector, credentials, shutdown).await,
+        Err(e) => {
+            tracing::error!(error = %e, "credential plane cannot be loaded");
+            Exit::LocalError
+        }
+    }
+}
+
+/// [`run`] with the credential plane already loaded (`None` = unmanaged,
+/// C2, C3).
+pub async fn run_with_credentials(
     cfg: NodeConfig,
     connector: Option<NodeTlsConnector>,
+    credentials: Option<NodeCredentials>,
     mut shutdown: Shutdown,
 ) -> Exit {
-    let core = NodeCore::start();
+    let core = NodeCore::start_with_credentials(credentials);
     let mut supervisor = Supervisor::new(cfg.reconnect);
     loop {
         let outcome = monoio::select! {

@@ -9,8 +9,10 @@
 //! ```
 //!
 //! Every rejection before the provider call (bad stall timeout, unknown
-//! adapter, unresolvable operation, full gate) is one `ERROR` terminal and
-//! opens no provider connection. Body pieces are slices of the provider read
+//! adapter, unresolvable operation, full gate, credential lease) is one
+//! `ERROR` terminal and opens no provider connection. The credential lease
+//! is opened after the gate admitted the request, right before the provider
+//! call (C2); its header lives only until the request head is written. Body pieces are slices of the provider read
 //! buffer, forwarded as they arrive without parsing or copying (U2).
 
 use std::rc::Rc;
@@ -19,10 +21,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{self, ClientConn, HttpError, Limits};
+use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
 use local_sync::oneshot;
 
 use crate::adapters::{AdapterInstance, Adapters, Permit};
+use crate::credentials::LeaseGate;
 use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
 use crate::emit::{Emitter, TunnelEmitter, TunnelOutput};
 use crate::probe::ProbeTarget;
@@ -46,13 +50,15 @@ pub mod codes {
 }
 
 /// Serves one tunnel to its release: the terminal is sent and the provider
-/// call has returned. `stop` fires on `CancelRequest` or session end.
+/// call has returned. `stop` fires on `CancelRequest` or session end;
+/// `leases` opens the request's credential lease (C2, C3).
 pub async fn serve(
     env: &AttemptEnv,
     req: pb::ProviderTunnelRequest,
     ticket: &RunTicket,
     adapters: Rc<Adapters>,
     settings: RuntimeSettings,
+    leases: LeaseGate,
     stop: oneshot::Receiver<StopCause>,
 ) -> Ended {
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
@@ -72,6 +78,23 @@ pub async fn serve(
         config,
         permit,
     } = admitted;
+    // --- credential lease (C2, C3) ---------------------------------------
+    // Opened only now that the capacity gate admitted the request, right
+    // before the provider call; any failure drops the permit and sends one
+    // ERROR with the lease failure code, without touching the provider.
+    let profile = adapter.profile.as_ref().map(|p| p.name.as_str());
+    let credential = match leases.open(&req, profile, clock::unix_ms()) {
+        Ok(credential) => credential,
+        Err(e) => {
+            let code = e.failure_code();
+            tracing::warn!(run_id = %req.run_id, code, error = %e, "tunnel rejected: credential lease");
+            if let Some(frame) = emit.failed(code, &e.to_string()) {
+                driver::send(&env.conn, frame).await;
+            }
+            return Ended::Provider;
+        }
+    };
+    // ----------------------------------------------------------------------
     let now = clock::now();
     let hard_deadline = u64::try_from(req.timeout_sec)
         .ok()
@@ -97,6 +120,7 @@ pub async fn serve(
         path,
         headers: req.headers,
         body: req.body,
+        credential,
     };
     let provider = driver::spawn_provider(Some(permit), move |out| call.run(out));
     let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
@@ -152,16 +176,21 @@ struct ProviderCall {
     path: String,
     headers: Vec<pb::Header>,
     body: Bytes,
+    /// The opened credential (C2); taken when the request head is written.
+    credential: Option<OpenedSecret>,
 }
 
 impl ProviderCall {
-    async fn run(self, out: OutputTx<TunnelOutput>) {
+    async fn run(mut self, out: OutputTx<TunnelOutput>) {
         if let Err((code, message)) = self.exchange(&out).await {
             out.send(TunnelOutput::Failed { code, message }).await;
         }
     }
 
-    async fn exchange(&self, out: &OutputTx<TunnelOutput>) -> Result<(), (&'static str, String)> {
+    async fn exchange(
+        &mut self,
+        out: &OutputTx<TunnelOutput>,
+    ) -> Result<(), (&'static str, String)> {
         let base = &self.adapter.base_url;
         let tcp = http::connect_url(base).await.map_err(|e| {
             (
@@ -170,15 +199,31 @@ impl ProviderCall {
             )
         })?;
         let mut client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
+        // C2: the declared header, built in a zeroizing buffer, replaces any
+        // forwarded header of the same name; the plaintext is dropped as
+        // soon as the head is written.
+        let credential = self.credential.take();
+        let injected = credential
+            .as_ref()
+            .map(|c| (c.header_name(), c.declared_header_value()));
+        let injected_name = injected.as_ref().map(|(name, _)| *name);
         let headers = self
             .headers
             .iter()
             .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
-            .map(|h| (h.name.as_str(), h.value.clone()));
-        client
+            .filter(|h| injected_name.is_none_or(|name| !h.name.eq_ignore_ascii_case(name)))
+            .map(|h| (h.name.as_str(), &h.value[..]))
+            .chain(
+                injected
+                    .as_ref()
+                    .map(|(name, value)| (*name, value.as_bytes())),
+            );
+        let sent = client
             .send_request(&self.method, &self.path, headers, self.body.clone())
-            .await
-            .map_err(provider_failure)?;
+            .await;
+        drop(injected);
+        drop(credential);
+        sent.map_err(provider_failure)?;
         let head = client
             .read_response_head()
             .await

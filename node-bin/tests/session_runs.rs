@@ -596,10 +596,11 @@ async fn commands_are_answered() {
             ("mock".to_string(), TARGET.to_string(), Some(3)),
         ]
     );
-    // The mock has no /api/version: Ollama's probe sees a 404 → unknown.
+    // The mock serves the Ollama API: the probe's /api/tags answers 2xx
+    // (no target to prove for an instance without targets) → available.
     assert_eq!(
         all.capabilities[0].provider_status(),
-        pb::ProviderHealth::Unknown
+        pb::ProviderHealth::Available
     );
 
     let status = edge
@@ -636,10 +637,10 @@ async fn commands_are_answered() {
         .command(cmd("c7", pb::CommandType::OllamaQuery, "", "/api/tags"))
         .await;
     assert!(relayed.ok, "{}", relayed.error);
-    // The mock is no Ollama: its 404 is relayed as it is.
-    assert_eq!(relayed.query_status, 404);
+    // The mock's Ollama tag list is relayed as it is.
+    assert_eq!(relayed.query_status, 200);
     let body: serde_json::Value = serde_json::from_slice(&relayed.query_body).expect("JSON body");
-    assert_eq!(body["error"]["message"], "Invalid URL (GET /api/tags)");
+    assert_eq!(body["models"][0]["name"], TARGET);
 }
 
 // CONTRACT: K3 — a refresh is APPLIED (new capacity for new requests),

@@ -80,9 +80,17 @@ def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool 
     return proc
 
 
-def http_json(url: str, timeout_s: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def http_json(url: str, timeout_s: float = 5.0, headers: dict | None = None):
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
+
+
+def run_bin(argv: list[str], stdin: str | None = None) -> str:
+    """Runs one of the built binaries to completion; returns its stdout, stripped."""
+    done = subprocess.run([str(BIN_DIR / argv[0])] + argv[1:], input=stdin, check=True,
+                          capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05, what: str = "condition"):
@@ -98,14 +106,37 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05, wha
     raise TimeoutError(f"timed out waiting for {what} (last error: {last_error})")
 
 
+# Models a Cluster(ollama=True) adds: served by Ollama-kind providers only,
+# and by an OpenAI-compatible and an Ollama provider together (U7).
+OLLAMA_MODEL = "iop-ollama-model"
+MIXED_MODEL = "iop-mixed-model"
+
+
 class Cluster:
     """A mock provider, an Edge and N Nodes on loopback with fresh dev certs."""
 
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
-                 provider_extra=(), reconnect=(1, 0), provider_capacity=64):
+                 provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
+                 credentials=None, client_keys=None):
         # provider_extra: extra TOML lines for every node's [[nodes.providers]]
         # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
-        # nodes' (interval_sec, max_attempts).
+        # nodes' (interval_sec, max_attempts). ollama: every node also gets an
+        # Ollama-kind adapter "ollama" on the same mock (which speaks both
+        # protocols) with provider "ollama-1" serving the same target, and the
+        # Edge gets models OLLAMA_MODEL (only the Ollama providers) and
+        # MIXED_MODEL (the OpenAI-compatible and the Ollama provider of every
+        # node, in that order: U7).
+        self.ollama = ollama
+        # credentials: enable the credential plane (C1-C5): a dict with
+        # "secret" (the provider API key, written to a 0600 secret file) and
+        # optional "header", "format" and "slot_extra" (extra TOML lines of
+        # the slot). Every node gets a recipient key and its "mock-1"
+        # provider is served by slot "mock-key". client_keys: {principal:
+        # key}; requests then need `Authorization: Bearer <key>` (the
+        # harness's own /status calls send the first key).
+        self.credentials = credentials
+        self.client_keys = dict(client_keys or {})
+        self.recipient_key_path: dict[str, str] = {}
         self.provider_extra = list(provider_extra)
         self.reconnect = reconnect
         self.dir = Path(tempfile.mkdtemp(prefix="iop-e2e-"))
@@ -139,6 +170,8 @@ class Cluster:
              "--edge-name", "edge-1"] + sum((["--node", n] for n in self.node_ids), []),
             check=True, capture_output=True, text=True,
         )
+        if self.credentials is not None:
+            self._make_credentials()
         self.mock = start("mock", [str(BIN_DIR / "bench"), "mock-provider", "--port", "0"] + self.mock_args)
         self.procs.append(self.mock)
         mock_addr = self.mock.ready["addr"]
@@ -150,6 +183,51 @@ class Cluster:
         for node_id in self.node_ids:
             self.start_node(node_id)
         wait_until(self.all_nodes_connected, what="nodes connected")
+
+    def _make_credentials(self):
+        keys = self.dir / "keys"
+        keys.mkdir()
+        self.issuer_public_key = run_bin(["edge-bin", "keys", "issuer", "--out", str(keys / "issuer.key")])
+        self.recipient_public_key = {}
+        for node_id in self.node_ids:
+            self.new_recipient_key(node_id, f"node-{node_id}.key")
+        secrets = self.dir / "secrets"
+        secrets.mkdir()
+        secret = secrets / "provider"
+        secret.write_text(self.credentials["secret"] + "\n")
+        os.chmod(secret, 0o600)
+
+    def new_recipient_key(self, node_id: str, file_name: str) -> str:
+        """Generates a recipient key for `node_id` under keys/ and makes the
+        node's config use it; returns the public key (x25519:...)."""
+        public = run_bin(["node-bin", "keys", "recipient", "--out", str(self.dir / "keys" / file_name)])
+        self.recipient_key_path[node_id] = f"keys/{file_name}"
+        self.recipient_public_key.setdefault(node_id, public)
+        return public
+
+    def auth_headers(self) -> dict:
+        """The Authorization header of the first client key, if any."""
+        if not self.client_keys:
+            return {}
+        return {"authorization": f"Bearer {next(iter(self.client_keys.values()))}"}
+
+    def credentials_config(self) -> list[str]:
+        out = []
+        if self.credentials is not None:
+            out += [
+                "[credentials]",
+                'issuer_key = "keys/issuer.key"',
+                "[[credentials.slots]]",
+                'name = "mock-key"',
+                'secret_file = "secrets/provider"',
+                f'header = "{self.credentials.get("header", "Authorization")}"',
+                f'format = "{self.credentials.get("format", "Bearer {secret}")}"',
+                "providers = [" + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
+            ] + list(self.credentials.get("slot_extra", ()))
+        for principal, key in self.client_keys.items():
+            key_hash = run_bin(["edge-bin", "keys", "hash-client-key"], stdin=key + "\n")
+            out += ["[[client_keys]]", f'principal = "{principal}"', f'key_hash = "{key_hash}"']
+        return out
 
     def edge_config(self, mock_addr: str) -> str:
         out = [
@@ -164,9 +242,10 @@ class Cluster:
             'key = "certs/edge-key.pem"',
         ]
         for node_id in self.node_ids:
+            out += ["[[nodes]]", f'id = "{node_id}"']
+            if self.credentials is not None:
+                out.append(f'recipient_key = "{self.recipient_public_key[node_id]}"')
             out += [
-                "[[nodes]]",
-                f'id = "{node_id}"',
                 "[[nodes.adapters]]",
                 'name = "mock"',
                 'kind = "openai_compat"',
@@ -179,6 +258,19 @@ class Cluster:
                 'target = "mock-model"',
                 f"capacity = {self.provider_capacity}",
             ] + self.provider_extra
+            if self.ollama:
+                out += [
+                    "[[nodes.adapters]]",
+                    'name = "ollama"',
+                    'kind = "ollama"',
+                    f'base_url = "http://{mock_addr}"',
+                    "capacity = 64",
+                    "[[nodes.providers]]",
+                    'id = "ollama-1"',
+                    'adapter = "ollama"',
+                    'target = "mock-model"',
+                    f"capacity = {self.provider_capacity}",
+                ] + self.provider_extra
         # A configured node that never connects: its model has no ready provider.
         out += [
             "[[nodes]]",
@@ -202,10 +294,30 @@ class Cluster:
             'providers = ["node-offline/mock-1"]',
             "queue_timeout_ms = 300",
         ]
+        if self.ollama:
+            out += [
+                "[[models]]",
+                f'name = "{OLLAMA_MODEL}"',
+                "providers = [" + ", ".join(f'"{n}/ollama-1"' for n in self.node_ids) + "]",
+                "[[models]]",
+                f'name = "{MIXED_MODEL}"',
+                "providers = [" + ", ".join(f'"{n}/mock-1", "{n}/ollama-1"' for n in self.node_ids) + "]",
+            ]
+        out += self.credentials_config()
         return "\n".join(out) + "\n"
 
     def node_config(self, node_id: str) -> str:
-        return "\n".join([
+        lines = self.node_base_config(node_id)
+        if self.credentials is not None:
+            lines += [
+                "[credentials]",
+                f'recipient_key = "{self.recipient_key_path[node_id]}"',
+                f'issuer_public_key = "{self.issuer_public_key}"',
+            ]
+        return "\n".join(lines) + "\n"
+
+    def node_base_config(self, node_id: str) -> list[str]:
+        return [
             f'node_id = "{node_id}"',
             'trust_domain = "iop.test"',
             f'edge_addr = "{self.edge.ready["nodes"]}"',
@@ -217,7 +329,7 @@ class Cluster:
             "[reconnect]",
             f"interval_sec = {self.reconnect[0]}",
             f"max_attempts = {self.reconnect[1]}",
-        ]) + "\n"
+        ]
 
     def start_node(self, node_id: str) -> Proc:
         path = self.dir / f"node-{node_id}.toml"
@@ -229,12 +341,31 @@ class Cluster:
         return proc
 
     def status(self) -> dict:
-        return http_json(self.base_url + "/status")
+        return http_json(self.base_url + "/status", headers=self.auth_headers())
+
+    def mock_stats(self) -> dict:
+        """The mock provider's counters (GET /admin/stats)."""
+        return http_json(f"http://{self.mock.ready['addr']}/admin/stats")
+
+    def provider(self, node_id: str, provider_id: str) -> dict:
+        """One provider's entry in the Edge's /status."""
+        return next(p for p in self.status()["providers"]
+                    if p["node_id"] == node_id and p["provider_id"] == provider_id)
 
     def all_nodes_connected(self) -> bool:
         providers = self.status()["providers"]
         connected = {p["node_id"] for p in providers if p["connected"]} - {"node-offline"}
         return connected == set(self.node_ids)
+
+    def rotate_recipient_key(self, node_id: str) -> Proc:
+        """Restarts `node_id` with a new recipient key the Edge does not
+        know (the Edge keeps sealing to the old public key)."""
+        self.nodes[node_id].stop()
+        wait_until(lambda: not self.provider(node_id, "mock-1")["connected"], what=f"{node_id} gone")
+        self.new_recipient_key(node_id, f"node-{node_id}-rotated.key")
+        proc = self.start_node(node_id)
+        wait_until(self.all_nodes_connected, what=f"{node_id} reconnected")
+        return proc
 
     def restart_edge(self) -> Proc:
         """Stops the Edge and starts a new one on the same node port (the
@@ -252,10 +383,12 @@ class Cluster:
         return self.edge
 
 
-def post_raw(url: str, body: dict, timeout_s: float = 20.0) -> tuple[int, dict, bytes]:
-    """POSTs JSON; returns (status, headers, whole body) also for error statuses."""
+def post_raw(url: str, body: dict, timeout_s: float = 20.0,
+             headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """POSTs JSON (with extra `headers`); returns (status, headers, whole
+    body) also for error statuses."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, dict(resp.headers), resp.read()

@@ -2,7 +2,8 @@
 
 CONTRACT: U6, K1 — a client that disconnects while queued leaves the queue; one
 that disconnects mid-stream makes the Edge cancel the run on the Node, which
-ends it with one terminal, and the lease is released.
+ends it with one terminal, aborts the provider request (the mock sees its
+stream fail) and the lease is released — for tunnels and normalized runs.
 """
 
 import json
@@ -11,21 +12,21 @@ import time
 
 import pytest
 
-from iop_harness import Cluster, wait_until
+from iop_harness import OLLAMA_MODEL, Cluster, wait_until
 
 MODEL = "iop-test-model"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with Cluster(mock_args=["--inter-token-ms", "50", "--tokens", "400"], provider_capacity=1) as c:
+    with Cluster(mock_args=["--inter-token-ms", "50", "--tokens", "400"], provider_capacity=1, ollama=True) as c:
         yield c
 
 
-def _open_stream(cluster) -> socket.socket:
+def _open_stream(cluster, model: str = MODEL) -> socket.socket:
     host, port = cluster.edge.ready["client"].rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=20)
-    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
     s.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
         + f"content-length: {len(body)}\r\n\r\n".encode()
@@ -35,7 +36,7 @@ def _open_stream(cluster) -> socket.socket:
 
 
 def _provider(cluster):
-    return next(p for p in cluster.status()["providers"] if p["node_id"] == "node-a")
+    return cluster.provider("node-a", "mock-1")
 
 
 def test_client_gone_mid_stream_releases_the_lease(cluster):
@@ -62,3 +63,23 @@ def test_client_gone_while_queued_leaves_the_queue(cluster):
     assert _provider(cluster)["in_flight"] == 1
     holder.close()
     wait_until(lambda: _provider(cluster)["in_flight"] == 0, timeout_s=5, what="lease released")
+
+
+@pytest.mark.parametrize("model,provider_id", [(MODEL, "mock-1"), (OLLAMA_MODEL, "ollama-1")])
+def test_client_gone_mid_stream_aborts_the_provider_request(cluster, model, provider_id):
+    # CONTRACT: U6, K1 — tunnel (mock-1) and normalized run (ollama-1).
+    # Start from a quiet mock: every earlier stream has ended and been counted.
+    wait_until(lambda: cluster.mock_stats()["active_streams"] == 0, timeout_s=5, what="no stream open")
+    aborted_before = cluster.mock_stats()["streams_aborted"]
+    s = _open_stream(cluster, model)
+    got = b""
+    while b"tok1" not in got:
+        got += s.recv(65536)
+    assert cluster.provider("node-a", provider_id)["in_flight"] == 1
+    assert cluster.mock_stats()["active_streams"] == 1
+    s.close()
+    wait_until(lambda: cluster.provider("node-a", provider_id)["in_flight"] == 0, timeout_s=1.0,
+               what="in-flight back to zero within 1 s")
+    wait_until(lambda: cluster.mock_stats()["streams_aborted"] == aborted_before + 1, timeout_s=5,
+               what="the mock saw its stream aborted")
+    assert cluster.mock_stats()["active_streams"] == 0

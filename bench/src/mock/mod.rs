@@ -1,12 +1,39 @@
-//! `bench mock-provider`: an OpenAI-compatible mock inference server.
+//! `bench mock-provider`: a mock inference server with deterministic
+//! content, speaking every protocol IOP relays.
 //!
 //! [`openai`] is the pure core (routing, request parsing, every response
-//! byte, the stream plan); [`server`] is the monoio shell that accepts
-//! connections, reads requests with `iop_engine::http` and writes what the
-//! core decides, pacing streamed tokens with timers.
+//! byte of the OpenAI chat completions mode, the stream plan); [`server`] is
+//! the monoio shell that accepts connections, reads requests with
+//! `iop_engine::http` and writes what the core decides, pacing streamed
+//! tokens with timers. The other protocols are pure modules the router
+//! calls, each answering with a [`script::Script`]:
+//!
+//! | route | module |
+//! |---|---|
+//! | `POST /v1/chat/completions`, `GET /v1/models` | [`openai`] (+ [`tools`] modes) |
+//! | `POST /api/chat`, `GET /api/tags`, `GET /api/version` | [`ollama`] |
+//! | `POST /v1/messages`, `POST /v1/messages/count_tokens` | [`anthropic`] |
+//! | `POST /v1/responses` | [`responses`] |
+//! | `GET /health`, `POST /admin/health`, `GET /admin/stats` | [`openai`] |
+//!
+//! [`auth`] (`--require-api-key`) refuses provider requests without the
+//! configured key before any route runs.
+//!
+//! Every generation route produces the same text for the same token count
+//! (`tok0 tok1 …`), so a relayed answer can be compared byte for byte with
+//! what the mock sent, whatever protocol carried it.
 
+pub mod anthropic;
+pub mod auth;
+pub mod ollama;
 pub mod openai;
+pub mod responses;
+pub mod script;
 pub mod server;
+pub mod tools;
 
-pub use openai::{HealthState, MockConfig, MockFaults, MockStats};
-pub use server::{ready_line, run, run_with, serve, serve_with, ServeError};
+pub use openai::{HealthState, MockConfig, MockFaults, MockProvider, MockStats};
+pub use server::{
+    ready_line, run, run_provider, run_with, serve, serve_provider, serve_with, ServeError,
+};
+pub use tools::MockModes;

@@ -137,6 +137,17 @@ pub struct MockStats {
     pub chat_requests: u64,
     /// Streamed replies being written now.
     pub active_streams: u64,
+    /// Streamed replies whose writing failed because the client went away
+    /// (an aborted request, as a cancelled relay looks from here).
+    pub streams_aborted: u64,
+    /// Requests answered 400 by the `reject_tools` mode.
+    pub tools_rejected: u64,
+    /// Ollama `POST /api/chat` requests received so far.
+    pub ollama_chat_requests: u64,
+    /// Anthropic `POST /v1/messages` requests received so far.
+    pub messages_requests: u64,
+    /// `POST /v1/responses` requests received so far.
+    pub responses_requests: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -675,6 +686,8 @@ pub enum Reply {
     Hang,
     /// Close the connection without answering (injected drop).
     Drop,
+    /// A reply scripted in full (the other protocols and the tool modes).
+    Scripted(super::script::Script),
 }
 
 /// The OpenAI error body:
@@ -740,6 +753,8 @@ pub struct MockProvider {
     stats: MockStats,
     models_body: String,
     completions_started: u64,
+    modes: super::tools::MockModes,
+    required_api_key: Option<super::auth::ApiKey>,
 }
 
 impl MockProvider {
@@ -758,7 +773,32 @@ impl MockProvider {
             stats: MockStats::default(),
             models_body,
             completions_started: 0,
+            modes: super::tools::MockModes::default(),
+            required_api_key: None,
         }
+    }
+
+    /// The same handler requiring `key` on provider routes
+    /// (`--require-api-key`, see [`super::auth`]).
+    pub fn with_required_api_key(mut self, key: super::auth::ApiKey) -> Self {
+        self.required_api_key = Some(key);
+        self
+    }
+
+    /// The API key provider routes require, if any.
+    pub fn required_api_key(&self) -> Option<&super::auth::ApiKey> {
+        self.required_api_key.as_ref()
+    }
+
+    /// The same handler with the tool-calling `modes` on.
+    pub fn with_modes(mut self, modes: super::tools::MockModes) -> Self {
+        self.modes = modes;
+        self
+    }
+
+    /// The tool-calling modes.
+    pub fn modes(&self) -> super::tools::MockModes {
+        self.modes
     }
 
     /// The injected faults.
@@ -797,6 +837,11 @@ impl MockProvider {
         self.stats.active_streams = self.stats.active_streams.saturating_sub(1);
     }
 
+    /// Writing a stream failed: the client went away mid-reply.
+    pub fn stream_aborted(&mut self) {
+        self.stats.streams_aborted += 1;
+    }
+
     /// The configuration served.
     pub fn config(&self) -> &MockConfig {
         &self.config
@@ -812,6 +857,42 @@ impl MockProvider {
                 body: self.models_body.clone(),
             },
             ("POST", "/v1/chat/completions") => self.chat(body),
+            ("POST", "/api/chat") => {
+                self.stats.ollama_chat_requests += 1;
+                let script = super::ollama::chat(body, &self.config, &self.faults, self.modes);
+                Reply::Scripted(script)
+            }
+            ("GET", "/api/tags") => Reply::Json {
+                status: 200,
+                body: super::ollama::tags_body(&self.config.models),
+            },
+            ("GET", "/api/version") => Reply::Json {
+                status: 200,
+                body: super::ollama::version_body(),
+            },
+            ("POST", "/v1/messages") => {
+                self.stats.messages_requests += 1;
+                let seq = self.next_seq();
+                Reply::Scripted(super::anthropic::messages(
+                    body,
+                    &self.config,
+                    &self.faults,
+                    seq,
+                ))
+            }
+            ("POST", "/v1/messages/count_tokens") => {
+                Reply::Scripted(super::anthropic::count_tokens(body, &self.faults))
+            }
+            ("POST", "/v1/responses") => {
+                self.stats.responses_requests += 1;
+                let seq = self.next_seq();
+                Reply::Scripted(super::responses::create(
+                    body,
+                    &self.config,
+                    &self.faults,
+                    seq,
+                ))
+            }
             ("GET", "/health") => match self.health {
                 HealthState::Healthy => Reply::Json {
                     status: 200,
@@ -857,6 +938,41 @@ impl MockProvider {
         }
     }
 
+    fn next_seq(&mut self) -> u64 {
+        self.completions_started = self.completions_started.saturating_add(1);
+        self.completions_started
+    }
+
+    /// The tool modes' reply to a chat request, if they take it.
+    fn tool_reply(&mut self, request: &ChatRequest, body: &[u8]) -> Option<Reply> {
+        use super::tools::{self, ToolDecision};
+        if self.modes == tools::MockModes::default() {
+            return None;
+        }
+        let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let decision = tools::decide(self.modes, &value)?;
+        let seq = self.completions_started;
+        let ctx = tools::ChatReplyCtx {
+            id: format!("{COMPLETION_ID_PREFIX}{seq}"),
+            call_id: format!("call_mock_{seq}"),
+            model: &request.model,
+            prompt_tokens: request.prompt_tokens,
+            stream: request.stream,
+            include_usage: request.include_usage,
+        };
+        Some(match decision {
+            ToolDecision::Reject => {
+                self.stats.tools_rejected += 1;
+                Reply::Json {
+                    status: 400,
+                    body: tools::rejection_body(),
+                }
+            }
+            ToolDecision::Call(call) => Reply::Scripted(ctx.tool_call_reply(&call, &self.config)),
+            ToolDecision::Text(text) => Reply::Scripted(ctx.text_reply(&text, &self.config)),
+        })
+    }
+
     fn chat(&mut self, body: &[u8]) -> Reply {
         self.stats.chat_requests += 1;
         if let Some(status) = self.faults.fail_status {
@@ -875,6 +991,9 @@ impl MockProvider {
             }
         };
         self.completions_started = self.completions_started.saturating_add(1);
+        if let Some(reply) = self.tool_reply(&request, body) {
+            return reply;
+        }
         let completion = Completion::plan(&request, self.config.tokens, self.completions_started);
         let fault = match (
             self.faults.drop_after_tokens,
@@ -1413,7 +1532,7 @@ mod tests {
         assert_eq!(status, 200);
         assert_eq!(
             body,
-            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1}"#
+            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0}"#
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);

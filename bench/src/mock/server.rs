@@ -19,6 +19,7 @@ use iop_engine::http::{HttpError, Limits, ServerConn};
 use iop_engine::rt::{Signal, SignalPipe};
 
 use super::openai::{error_body, MockFaults, MockProvider, Reply, StreamPlan, StreamStep};
+use super::script::Script;
 use super::MockConfig;
 
 /// Pause after a failed `accept` (for example `EMFILE`) before trying again,
@@ -65,6 +66,11 @@ pub async fn run_with(
     config: MockConfig,
     faults: MockFaults,
 ) -> Result<(), ServeError> {
+    run_provider(addr, MockProvider::with_faults(config, faults)).await
+}
+
+/// [`run`] with a fully built handler (faults, tool modes).
+pub async fn run_provider(addr: SocketAddr, provider: MockProvider) -> Result<(), ServeError> {
     // Handlers first: a signal sent right after the ready line must not find
     // the default action (termination with a non-zero status) still in place.
     let mut term = SignalPipe::install(Signal::Term).map_err(ServeError::Signals)?;
@@ -77,16 +83,18 @@ pub async fn run_with(
         .local_addr()
         .map_err(|source| ServeError::Bind { addr, source })?;
     announce(local).map_err(ServeError::Announce)?;
+    let config = provider.config();
     info!(
         addr = %local,
         tokens = config.tokens,
         ttft_ms = config.ttft_ms,
         inter_token_ms = config.inter_token_ms,
         models = ?config.models,
-        ?faults,
+        faults = ?provider.faults(),
+        modes = ?provider.modes(),
         "mock provider listening"
     );
-    let provider = Rc::new(RefCell::new(MockProvider::with_faults(config, faults)));
+    let provider = Rc::new(RefCell::new(provider));
     monoio::select! {
         never = accept_loop(listener, provider) => match never {},
         signal = term.recv() => shutdown(signal),
@@ -107,7 +115,11 @@ pub async fn serve_with(
     config: MockConfig,
     faults: MockFaults,
 ) -> Infallible {
-    let provider = MockProvider::with_faults(config, faults);
+    serve_provider(listener, MockProvider::with_faults(config, faults)).await
+}
+
+/// [`serve`] with a fully built handler (faults, tool modes).
+pub async fn serve_provider(listener: TcpListener, provider: MockProvider) -> Infallible {
     accept_loop(listener, Rc::new(RefCell::new(provider))).await
 }
 
@@ -221,6 +233,17 @@ async fn serve_requests(
             body_bytes = request.body.len(),
             "request"
         );
+        let refused = provider.borrow().required_api_key().and_then(|key| {
+            super::auth::unauthorized(key, &request.head.target, &request.head.headers)
+        });
+        if let Some(body) = refused {
+            conn.write_response(401, JSON_HEADERS, Bytes::from(body))
+                .await?;
+            if !conn.keep_alive() {
+                break;
+            }
+            continue;
+        }
         let reply =
             provider
                 .borrow_mut()
@@ -243,7 +266,20 @@ async fn serve_requests(
             }
             Reply::Stream(plan) => {
                 let _active = StreamGuard::start(provider);
-                if let After::Close = stream_reply(conn, plan).await? {
+                let after = stream_reply(conn, plan).await;
+                if let After::Close = counted(provider, after)? {
+                    return Ok(());
+                }
+            }
+            Reply::Scripted(script) if script.chunked => {
+                let _active = StreamGuard::start(provider);
+                let after = scripted_stream(conn, script).await;
+                if let After::Close = counted(provider, after)? {
+                    return Ok(());
+                }
+            }
+            Reply::Scripted(script) => {
+                if let After::Close = scripted_body(conn, script).await? {
                     return Ok(());
                 }
             }
@@ -284,6 +320,80 @@ async fn stream_reply(
         }
     }
     conn.finish().await?;
+    Ok(After::Continue)
+}
+
+/// Counts a stream whose writing failed as aborted (U6 seen from the
+/// provider side).
+fn counted(
+    provider: &RefCell<MockProvider>,
+    after: Result<After, HttpError>,
+) -> Result<After, HttpError> {
+    if after.is_err() {
+        provider.borrow_mut().stream_aborted();
+    }
+    after
+}
+
+/// Writes a chunked scripted reply: each event one flushed chunk.
+async fn scripted_stream(
+    conn: &mut ServerConn<TcpStream>,
+    script: Script,
+) -> Result<After, HttpError> {
+    conn.start_chunked(
+        script.status,
+        [
+            ("content-type", script.content_type),
+            ("cache-control", "no-cache"),
+        ],
+    )
+    .await?;
+    for step in script.steps {
+        match step {
+            StreamStep::Sleep { duration_ms } => {
+                monoio::time::sleep(Duration::from_millis(duration_ms)).await;
+            }
+            StreamStep::Event(event) => conn.write_chunk(Bytes::from(event)).await?,
+            StreamStep::Hang => {
+                hang(conn).await;
+                return Ok(After::Close);
+            }
+            StreamStep::Drop => {
+                debug!("injected drop: closing mid-stream");
+                return Ok(After::Close);
+            }
+        }
+    }
+    conn.finish().await?;
+    Ok(After::Continue)
+}
+
+/// Writes a non-chunked scripted reply: waits out its sleeps, then sends
+/// its events as one body (or hangs/drops as scripted).
+async fn scripted_body(
+    conn: &mut ServerConn<TcpStream>,
+    script: Script,
+) -> Result<After, HttpError> {
+    let body = script.body();
+    for step in &script.steps {
+        match step {
+            StreamStep::Sleep { duration_ms } => {
+                monoio::time::sleep(Duration::from_millis(*duration_ms)).await;
+            }
+            StreamStep::Event(_) => {}
+            StreamStep::Hang => {
+                hang(conn).await;
+                return Ok(After::Close);
+            }
+            StreamStep::Drop => return Ok(After::Close),
+        }
+    }
+    conn.write_response(
+        script.status,
+        [("content-type", script.content_type)],
+        Bytes::from(body),
+    )
+    .await?;
     Ok(After::Continue)
 }
 

@@ -820,7 +820,14 @@ fn stalled_run_emits_one_error_event() {
     let session = ObservationSeq::bound();
     let mut wd = Watchdog::new(config(500, 300, 200), t0, None);
     let mut e = RunEmitter::new("edge-run-8", "ollama", "llama3", "s-1");
-    let start = run_event(feed(&mut wd, &mut e, t0 + ms(5), RunOutput::Start));
+    let start = run_event(feed(
+        &mut wd,
+        &mut e,
+        t0 + ms(5),
+        RunOutput::Start {
+            metadata: HashMap::new(),
+        },
+    ));
     let delta = run_event(feed(
         &mut wd,
         &mut e,

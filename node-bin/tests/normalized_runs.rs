@@ -1,0 +1,548 @@
+//! In-process integration of normalized runs: a real Node session
+//! (`node_bin::session::run`) over a loopback frame connection to a
+//! scripted Edge, against the `bench` mock provider speaking Ollama NDJSON
+//! and OpenAI SSE over real sockets. Proves E1 (event order, one
+//! terminal), E4 (native tool calls through both adapters), E5 (the text
+//! tool-call fallback after the backend rejects `tools`), K1/U6 (cancel
+//! aborts the provider request) and W3/W4 for runs.
+//!
+//! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
+//! assertion depends on how fast anything runs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::http::Url;
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use monoio::io::Splitable;
+use monoio::net::{TcpListener, TcpStream};
+use node_bin::session::{self, NodeCore};
+
+const SAFETY: Duration = Duration::from_secs(20);
+const TARGET: &str = "mock-model";
+
+fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// The mock provider, in process.
+struct Mock {
+    addr: SocketAddr,
+}
+
+impl Mock {
+    fn start(
+        tokens: u32,
+        inter_token_ms: u64,
+        faults: bench::mock::MockFaults,
+        modes: bench::mock::MockModes,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
+        let addr = listener.local_addr().expect("mock addr");
+        let config = bench::mock::MockConfig {
+            ttft_ms: 0,
+            inter_token_ms,
+            tokens,
+            models: vec![TARGET.to_string()],
+        };
+        let provider = bench::mock::MockProvider::with_faults(config, faults).with_modes(modes);
+        monoio::spawn(async move {
+            let never = bench::mock::serve_provider(listener, provider).await;
+            match never {}
+        });
+        Self { addr }
+    }
+
+    fn plain(tokens: u32) -> Self {
+        Self::start(tokens, 0, Default::default(), Default::default())
+    }
+
+    async fn stats(&self) -> serde_json::Value {
+        let url = Url::parse(&format!("http://{}", self.addr)).expect("mock url");
+        let (status, body) = node_bin::probe::get(&url, "/admin/stats", SAFETY)
+            .await
+            .expect("mock stats");
+        assert_eq!(status, 200);
+        serde_json::from_slice(&body).expect("mock JSON")
+    }
+
+    /// Polls the mock's counters until `done` holds (bounded).
+    async fn wait_stats(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+        for _ in 0..400 {
+            if done(&self.stats().await) {
+                return;
+            }
+            monoio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("mock never reached: {what}; last {:?}", self.stats().await);
+    }
+}
+
+/// An Ollama instance `ol` and an OpenAI-compatible instance `oa`, both on
+/// the mock, each with `capacity`.
+fn payload(mock: &Mock, capacity: u32) -> pb::NodeConfigPayload {
+    pb::NodeConfigPayload {
+        runtime: Some(pb::NodeRuntimeConfig {
+            close_grace_ms: 300,
+            probe_timeout_ms: 300,
+            ..Default::default()
+        }),
+        adapters: vec![
+            pb::AdapterConfig {
+                name: "ol".into(),
+                capacity,
+                targets: vec![TARGET.into()],
+                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                    base_url: format!("http://{}", mock.addr),
+                })),
+            },
+            pb::AdapterConfig {
+                name: "oa".into(),
+                capacity,
+                targets: vec![TARGET.into()],
+                kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+                    pb::OpenAiCompatAdapterConfig {
+                        protocol_profile: Some(pb::ProtocolProfile {
+                            name: "vllm".into(),
+                            base_url: format!("http://{}", mock.addr),
+                            models_path: "/v1/models".into(),
+                            chat_completions_path: "/v1/chat/completions".into(),
+                            health_path: "/health".into(),
+                            auth_header_name: "Authorization".into(),
+                            auth_header_format: "Bearer {secret}".into(),
+                            ..Default::default()
+                        }),
+                    },
+                )),
+            },
+        ],
+        revision: 1,
+        credential_leases_required: false,
+    }
+}
+
+/// The Edge side of one Node session.
+struct Edge {
+    conn: ConnHandle,
+    events: ConnEvents,
+}
+
+impl Edge {
+    async fn start(config: pb::NodeConfigPayload) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
+        let addr = listener.local_addr().expect("edge addr");
+        let core = NodeCore::start();
+        monoio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.expect("node dials");
+            let shutdown = SocketShutdown::for_socket(&tcp);
+            let (r, w) = tcp.into_split();
+            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+            session::run("node-a", &core, conn, events).await
+        });
+        let (tcp, _) = listener.accept().await.expect("edge accepts");
+        let shutdown = SocketShutdown::for_socket(&tcp);
+        let (r, w) = tcp.into_split();
+        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        let mut edge = Self { conn, events };
+        assert!(matches!(
+            edge.recv().await.body,
+            Some(Body::RegisterRequest(_))
+        ));
+        edge.send(Body::RegisterResponse(pb::RegisterResponse {
+            accepted: true,
+            reason: String::new(),
+            config: Some(config),
+        }));
+        assert!(matches!(
+            edge.recv().await.body,
+            Some(Body::NodeReadyRequest(_))
+        ));
+        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
+            ready: true,
+            reason: String::new(),
+        }));
+        edge
+    }
+
+    fn send(&self, body: Body) {
+        self.conn.send_control(frame(body)).expect("edge send");
+    }
+
+    async fn recv(&mut self) -> pb::Frame {
+        monoio::select! {
+            ev = self.events.recv() => match ev {
+                Some(ConnEvent::Frame(f)) => f,
+                other => panic!("edge connection ended: {other:?}"),
+            },
+            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
+        }
+    }
+
+    async fn recv_event(&mut self) -> pb::RunEvent {
+        match self.recv().await.body {
+            Some(Body::RunEvent(e)) => e,
+            other => panic!("expected a run event, got {other:?}"),
+        }
+    }
+
+    /// Events of `run_id` up to and including its terminal.
+    async fn run_events(&mut self, run_id: &str) -> Vec<pb::RunEvent> {
+        let mut out = Vec::new();
+        loop {
+            let e = self.recv_event().await;
+            assert_eq!(e.run_id, run_id, "only one run is open");
+            let terminal = matches!(
+                e.r#type(),
+                pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
+            );
+            out.push(e);
+            if terminal {
+                return out;
+            }
+        }
+    }
+
+    async fn in_flight(&mut self, adapter: &str) -> u32 {
+        self.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
+            command_id: "in-flight".into(),
+            r#type: pb::CommandType::ProviderStatus as i32,
+            adapter: adapter.into(),
+            path: String::new(),
+        }));
+        match self.recv().await.body {
+            Some(Body::NodeCommandResponse(r)) => r.providers[0].in_flight,
+            other => panic!("expected a command response, got {other:?}"),
+        }
+    }
+}
+
+fn user(text: &str) -> pb::ChatMessage {
+    pb::ChatMessage {
+        role: "user".into(),
+        content: text.into(),
+        ..Default::default()
+    }
+}
+
+const WEATHER_TOOLS: &str = r#"[{"type":"function","function":{"name":"get_weather","description":"Weather of a city","parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}},"required":["city"]}}}]"#;
+
+fn run(run_id: &str, adapter: &str, input: pb::RunInput) -> Body {
+    Body::RunRequest(pb::RunRequest {
+        run_id: run_id.into(),
+        adapter: adapter.into(),
+        target: TARGET.into(),
+        input: Some(input),
+        session_id: "sess-1".into(),
+        ..Default::default()
+    })
+}
+
+fn text_input() -> pb::RunInput {
+    pb::RunInput {
+        messages: vec![user("say something deterministic")],
+        ..Default::default()
+    }
+}
+
+fn tool_input() -> pb::RunInput {
+    pb::RunInput {
+        messages: vec![
+            pb::ChatMessage {
+                role: "system".into(),
+                content: "You are terse.".into(),
+                ..Default::default()
+            },
+            user("weather in Seoul?"),
+        ],
+        tools_json: Bytes::from_static(WEATHER_TOOLS.as_bytes()),
+        ..Default::default()
+    }
+}
+
+fn types(events: &[pb::RunEvent]) -> Vec<(u64, pb::RunEventType)> {
+    events.iter().map(|e| (e.seq, e.r#type())).collect()
+}
+
+fn text(events: &[pb::RunEvent]) -> String {
+    events.iter().map(|e| e.delta.as_str()).collect()
+}
+
+/// The expected sequence of a `tokens`-token text run: start, one delta
+/// per token, complete.
+fn text_run_types(tokens: u64) -> Vec<(u64, pb::RunEventType)> {
+    std::iter::once((1, pb::RunEventType::Start))
+        .chain((2..2 + tokens).map(|s| (s, pb::RunEventType::Delta)))
+        .chain(std::iter::once((2 + tokens, pb::RunEventType::Complete)))
+        .collect()
+}
+
+// CONTRACT: E1, E3 — an Ollama run is start, one delta per NDJSON content
+// line, one complete with usage (prompt_eval_count/eval_count) and
+// done_reason; the run and session ids are echoed; the gate slot is freed.
+#[monoio::test(timer_enabled = true)]
+async fn ollama_run_streams_deltas_and_completes() {
+    let mock = Mock::plain(3);
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    edge.send(run("ol-1", "ol", text_input()));
+    let events = edge.run_events("ol-1").await;
+    assert_eq!(types(&events), text_run_types(3));
+    assert_eq!(text(&events), "tok0 tok1 tok2 ");
+    let done = events.last().expect("terminal");
+    assert_eq!(done.finish_reason, "stop");
+    assert_eq!(
+        done.usage,
+        Some(pb::Usage {
+            prompt_tokens: 3,
+            completion_tokens: 3,
+            total_tokens: 6
+        })
+    );
+    assert_eq!(
+        done.metadata,
+        HashMap::from([("done_reason".to_string(), "stop".to_string())])
+    );
+    assert!(events
+        .iter()
+        .all(|e| e.session_id == "sess-1" && e.adapter == "ol" && e.target == TARGET));
+    assert_eq!(edge.in_flight("ol").await, 0);
+    // max_tokens → num_predict caps the answer: finish_reason length.
+    let capped = pb::RunInput {
+        max_tokens: Some(1),
+        ..text_input()
+    };
+    edge.send(run("ol-2", "ol", capped));
+    let events = edge.run_events("ol-2").await;
+    assert_eq!(text(&events), "tok0 ");
+    assert_eq!(
+        events.last().map(|e| e.finish_reason.as_str()),
+        Some("length")
+    );
+    let stats = mock.stats().await;
+    assert_eq!(stats["ollama_chat_requests"], 2);
+}
+
+// CONTRACT: E1 — an OpenAI-compatible normalized run is start, deltas, one
+// complete with the usage chunk's figures.
+#[monoio::test(timer_enabled = true)]
+async fn openai_run_streams_deltas_and_completes() {
+    let mock = Mock::plain(4);
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    edge.send(run("oa-1", "oa", text_input()));
+    let events = edge.run_events("oa-1").await;
+    assert_eq!(types(&events), text_run_types(4));
+    assert_eq!(text(&events), "tok0 tok1 tok2 tok3 ");
+    let done = events.last().expect("terminal");
+    assert_eq!(done.finish_reason, "stop");
+    assert_eq!(
+        done.usage,
+        Some(pb::Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            total_tokens: 7
+        })
+    );
+    assert!(done.metadata.is_empty());
+    assert_eq!(edge.in_flight("oa").await, 0);
+}
+
+const WEATHER_CALL: &str = r#"{"id":"call_0","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"tok0\",\"days\":1}"}}"#;
+
+// CONTRACT: E4 — native tool calls come back on complete as
+// metadata["openai_tool_calls"] (arguments as JSON strings) through both
+// adapters: Ollama's object arguments and OpenAI's streamed pieces.
+#[monoio::test(timer_enabled = true)]
+async fn native_tool_calls_through_both_adapters() {
+    let modes = bench::mock::MockModes {
+        tool_calls: true,
+        ..Default::default()
+    };
+    let mock = Mock::start(3, 0, Default::default(), modes);
+    let mut edge = Edge::start(payload(&mock, 2)).await;
+
+    edge.send(run("t-ol", "ol", tool_input()));
+    let events = edge.run_events("t-ol").await;
+    assert_eq!(
+        types(&events),
+        vec![
+            (1, pb::RunEventType::Start),
+            (2, pb::RunEventType::Complete)
+        ]
+    );
+    let done = &events[1];
+    assert_eq!(done.finish_reason, "tool_calls");
+    assert_eq!(
+        done.metadata["openai_tool_calls"],
+        format!("[{WEATHER_CALL}]")
+    );
+    assert!(!done.metadata.contains_key("openai_text_tool_fallback"));
+
+    edge.send(run("t-oa", "oa", tool_input()));
+    let events = edge.run_events("t-oa").await;
+    assert_eq!(
+        types(&events),
+        vec![
+            (1, pb::RunEventType::Start),
+            (2, pb::RunEventType::Complete)
+        ]
+    );
+    let done = &events[1];
+    assert_eq!(done.finish_reason, "tool_calls");
+    let calls: serde_json::Value =
+        serde_json::from_str(&done.metadata["openai_tool_calls"]).expect("JSON calls");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(
+        calls[0]["function"]["arguments"],
+        r#"{"city":"tok0","days":1}"#
+    );
+    assert!(calls[0]["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("call_mock_")));
+    assert!(!done.metadata.contains_key("openai_text_tool_fallback"));
+}
+
+// CONTRACT: E5 — the backend rejects `tools` with 400; the adapter retries
+// once without tools, the instruction merged into the leading system
+// message, and flags the run on start and complete; the text (with the
+// <tool_call> block the backend wrote) passes through unparsed.
+#[monoio::test(timer_enabled = true)]
+async fn rejected_tools_fall_back_to_text_tool_calls() {
+    let modes = bench::mock::MockModes {
+        reject_tools: true,
+        ..Default::default()
+    };
+    let mock = Mock::start(3, 0, Default::default(), modes);
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    edge.send(run("e5", "oa", tool_input()));
+    let events = edge.run_events("e5").await;
+    let flag = ("openai_text_tool_fallback".to_string(), "true".to_string());
+    assert_eq!(events[0].r#type(), pb::RunEventType::Start);
+    assert_eq!(events[0].metadata, HashMap::from([flag.clone()]));
+    let done = events.last().expect("terminal");
+    assert_eq!(done.r#type(), pb::RunEventType::Complete);
+    assert_eq!(done.metadata, HashMap::from([flag]));
+    assert_eq!(done.finish_reason, "stop");
+    assert_eq!(
+        text(&events),
+        r#"<tool_call>{"name":"get_weather","arguments":{"city":"tok0","days":1}}</tool_call>"#
+    );
+    let stats = mock.stats().await;
+    assert_eq!(stats["tools_rejected"], 1, "exactly one rejected attempt");
+    assert_eq!(stats["chat_requests"], 2, "one retry");
+    // Without tools the same backend answers plainly, no flag.
+    edge.send(run("e5-plain", "oa", text_input()));
+    let events = edge.run_events("e5-plain").await;
+    assert!(events.iter().all(|e| e.metadata.is_empty()));
+    assert_eq!(text(&events), "tok0 tok1 tok2 ");
+}
+
+// CONTRACT: W6 — a provider error status is one error terminal with the
+// provider's message and no ExecutionFailure.
+#[monoio::test(timer_enabled = true)]
+async fn provider_errors_are_plain_error_terminals() {
+    let faults = bench::mock::MockFaults {
+        fail_status: Some(503),
+        ..Default::default()
+    };
+    let mock = Mock::start(3, 0, faults, Default::default());
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    edge.send(run("f-ol", "ol", text_input()));
+    let events = edge.run_events("f-ol").await;
+    assert_eq!(types(&events), vec![(1, pb::RunEventType::Error)]);
+    assert_eq!(events[0].failure_code, "provider_error");
+    assert_eq!(
+        events[0].error,
+        "ollama: HTTP 503: injected failure (status 503)"
+    );
+    assert!(events[0].failure.is_none());
+    edge.send(run("f-oa", "oa", tool_input()));
+    let events = edge.run_events("f-oa").await;
+    assert_eq!(types(&events), vec![(1, pb::RunEventType::Error)]);
+    assert_eq!(
+        events[0].error,
+        "vllm: HTTP 503: injected failure (status 503)"
+    );
+    assert_eq!(edge.in_flight("ol").await, 0);
+}
+
+// CONTRACT: K1, U6 — a CancelRequest mid-stream ends the run with one
+// `cancelled` terminal; the provider request is aborted (the mock sees its
+// stream fail) and the gate slot is freed.
+#[monoio::test(timer_enabled = true)]
+async fn cancel_aborts_the_provider_request() {
+    let mock = Mock::start(400, 20, Default::default(), Default::default());
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    for (run_id, adapter) in [("c-ol", "ol"), ("c-oa", "oa")] {
+        let aborted_before = mock.stats().await["streams_aborted"].as_u64().unwrap_or(0);
+        edge.send(run(run_id, adapter, text_input()));
+        let start = edge.recv_event().await;
+        assert_eq!(start.r#type(), pb::RunEventType::Start);
+        let first = edge.recv_event().await;
+        assert_eq!(
+            (first.r#type(), first.delta.as_str()),
+            (pb::RunEventType::Delta, "tok0 ")
+        );
+        edge.send(Body::CancelRequest(pb::CancelRequest {
+            run_id: run_id.into(),
+            reason: "client_disconnected".into(),
+        }));
+        let rest = edge.run_events(run_id).await;
+        let last = rest.last().expect("terminal");
+        assert_eq!(last.r#type(), pb::RunEventType::Cancelled);
+        assert_eq!(last.failure_code, "cancelled");
+        assert!(rest[..rest.len() - 1]
+            .iter()
+            .all(|e| e.r#type() == pb::RunEventType::Delta));
+        let seqs: Vec<u64> = [start.seq, first.seq]
+            .into_iter()
+            .chain(rest.iter().map(|e| e.seq))
+            .collect();
+        assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+        mock.wait_stats("the provider stream aborted", |s| {
+            s["streams_aborted"].as_u64() == Some(aborted_before + 1) && s["active_streams"] == 0
+        })
+        .await;
+        assert_eq!(edge.in_flight(adapter).await, 0);
+    }
+}
+
+// CONTRACT: W3, W4 — a normalized run whose provider stalls after two
+// deltas ends with one error{response_stalled} carrying the ExecutionFailure
+// (the exact-target /api/tags probe lists the target: available).
+#[monoio::test(timer_enabled = true)]
+async fn stalled_ollama_run_ends_with_response_stalled() {
+    let faults = bench::mock::MockFaults {
+        stall_after_tokens: Some(2),
+        ..Default::default()
+    };
+    let mock = Mock::start(8, 0, faults, Default::default());
+    let mut edge = Edge::start(payload(&mock, 1)).await;
+    edge.send(Body::RunRequest(pb::RunRequest {
+        run_id: "s-1".into(),
+        adapter: "ol".into(),
+        target: TARGET.into(),
+        input: Some(text_input()),
+        response_stall_timeout_ms: 300,
+        ..Default::default()
+    }));
+    let events = edge.run_events("s-1").await;
+    assert_eq!(text(&events), "tok0 tok1 ");
+    let last = events.last().expect("terminal");
+    assert_eq!(last.r#type(), pb::RunEventType::Error);
+    assert_eq!(last.failure_code, "response_stalled");
+    let f = last.failure.clone().expect("ExecutionFailure on a stall");
+    assert_eq!(
+        f.provider_health,
+        Some(pb::ProviderHealthEvidence {
+            health: pb::ProviderHealth::Available as i32,
+            liveness_classification: pb::LivenessClassification::RequestStalled as i32,
+        })
+    );
+    assert!(f.idle_duration_ms >= 300, "idle {} ms", f.idle_duration_ms);
+    assert_eq!((f.adapter.as_str(), f.target.as_str()), ("ol", TARGET));
+    assert_eq!(f.health_observation_seq, Some(1));
+    assert_eq!(edge.in_flight("ol").await, 0);
+}

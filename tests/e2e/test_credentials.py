@@ -1,0 +1,140 @@
+"""Managed credential leases end to end: real edge-bin and node-bin with the
+credential plane on, and a mock provider that requires an API key
+(`bench mock-provider --require-api-key`). The key lives only in the Edge's
+secret file; each request carries it to the Node in a lease sealed to that
+Node (C1), which injects it right before the provider call (C2).
+
+CONTRACT: C1, C2, C3, C4, C5
+"""
+
+import json
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+
+from iop_harness import Cluster, http_json, post_raw
+
+CANARY = "sk-iop-leak-canary-7f3a"
+CLIENT_KEY = "iop-client-key-team-a-3c9d"
+MODEL = "iop-test-model"
+MESSAGES = [{"role": "user", "content": "say something deterministic"}]
+CHAT = {"model": MODEL, "messages": MESSAGES}
+
+
+def managed_cluster(credentials=None, **kwargs) -> Cluster:
+    return Cluster(mock_args=["--require-api-key", CANARY], credentials=credentials or {"secret": CANARY},
+                   **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Debug logs make the leak scan stricter.
+    with managed_cluster(client_keys={"team-a": CLIENT_KEY},
+                         edge_env={"RUST_LOG": "debug"}, node_env={"RUST_LOG": "debug"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=CLIENT_KEY, max_retries=0, timeout=20)
+
+
+def bearer(key: str) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_provider_key_reaches_the_provider_through_a_lease(cluster, client):
+    # CONTRACT: C1, C2 — the provider requires the key; only the Edge has it.
+    status, _, body = post_raw(f"http://{cluster.mock.ready['addr']}/v1/chat/completions",
+                               {"model": "mock-model", "messages": MESSAGES})
+    assert status == 401, body
+    before = cluster.mock_stats()["chat_requests"]
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert reply.choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        if c.choices
+    )
+    assert streamed == reply.choices[0].message.content
+    assert cluster.mock_stats()["chat_requests"] == before + 2
+
+
+def test_client_keys(cluster):
+    # CONTRACT: C1 — the principal of a lease comes from the client's key.
+    # 401 in the OpenAI shape without a key or with a wrong one.
+    status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+    assert status == 401
+    assert json.loads(body) == {"error": {
+        "message": "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+        "type": "invalid_request_error", "param": None, "code": None}}
+    status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT, headers=bearer("wrong"))
+    assert status == 401
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    # The Anthropic shape on /v1/messages, which also takes x-api-key.
+    messages = {"model": MODEL, "max_tokens": 16, "messages": MESSAGES}
+    status, _, body = post_raw(cluster.base_url + "/v1/messages", messages, headers={"x-api-key": "wrong"})
+    assert status == 401
+    assert json.loads(body) == {"type": "error", "error": {
+        "type": "authentication_error", "message": "Incorrect API key provided."}}
+    # 200 with the right key, both ways.
+    status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT, headers=bearer(CLIENT_KEY))
+    assert status == 200, body
+    reply = anthropic.Anthropic(base_url=cluster.base_url, api_key=CLIENT_KEY, max_retries=0,
+                                timeout=20).messages.create(**messages)
+    assert reply.content[0].text
+    # Probes and the metrics scrape stay open.
+    with urllib.request.urlopen(cluster.base_url + "/livez", timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_nothing_leaks(cluster, client):
+    # CONTRACT: C4 — after successful, streamed, refused and failed
+    # requests the secret is in no Edge or Node log line, nor in /metrics or
+    # /status (the mock, which must see it, is not scanned).
+    client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    post_raw(cluster.base_url + "/v1/chat/completions", CHAT, headers=bearer(CANARY))
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    status = json.dumps(http_json(cluster.base_url + "/status", headers=bearer(CLIENT_KEY)))
+    assert "iop_edge" in metrics and "node-a" in status
+    assert CANARY not in metrics
+    assert CANARY not in status
+    edge_log, node_log = cluster.edge.log(), cluster.nodes["node-a"].log()
+    # The scan saw the logs of the credential plane at work.
+    assert "credential plane enabled" in edge_log and "credential plane enabled" in node_log
+    for name, log in (("edge", edge_log), ("node", node_log)):
+        leaked = [line for line in log.splitlines() if CANARY in line]
+        assert leaked == [], f"{name} log leaks the secret: {leaked[:3]}"
+
+
+def test_rotated_recipient_key_fails_closed():
+    # CONTRACT: C2, C3, C5 — the Edge still seals to the node's old key; the
+    # restarted node cannot open it: lease_invalid, no provider call.
+    with managed_cluster() as cluster:
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 200, body
+        cluster.rotate_recipient_key("node-a")
+        before = cluster.mock_stats()["chat_requests"]
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 502, body
+        assert json.loads(body)["error"]["code"] == "lease_invalid"
+        assert cluster.mock_stats()["chat_requests"] == before
+        assert not any(CANARY in p.log() for p in (cluster.edge, *cluster.nodes.values()))
+
+
+def test_disabled_slot_is_refused_at_the_edge():
+    # CONTRACT: C3, C5 — a disabled slot issues no lease: 503, nothing sent
+    # to the node or the provider, no other credential tried.
+    with managed_cluster(credentials={"secret": CANARY, "slot_extra": ["enabled = false"]}) as cluster:
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 503, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "credential_unavailable"
+        assert "credential slot `mock-key` is disabled" in error["message"]
+        assert cluster.mock_stats()["chat_requests"] == 0
+        # The provider's lease was settled: nothing stays in flight.
+        assert cluster.provider("node-a", "mock-1")["in_flight"] == 0
