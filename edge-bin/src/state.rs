@@ -108,8 +108,12 @@ pub struct Settings {
     pub credentials: Option<Rc<CredentialPlane>>,
 }
 
+/// An observer of `Control` events (the droppable fan-out: event bus
+/// subscribers, audit sinks). Its failure is logged and never affects
+/// correctness or terminal delivery (F4, O2).
+pub type Observer = Box<dyn Fn(&Event) -> Result<(), String>>;
+
 /// The shard's state.
-#[derive(Debug)]
 pub struct Edge {
     /// The authoritative state machine. Borrow it only through [`Edge::apply`]
     /// or for reads that do not cross an await.
@@ -123,8 +127,20 @@ pub struct Edge {
     /// Static settings.
     pub settings: Settings,
     timer_wake: Notify,
+    observers: RefCell<Vec<Observer>>,
     next_conn: Cell<u64>,
     next_request: Cell<u64>,
+}
+
+impl std::fmt::Debug for Edge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Edge")
+            .field("conns", &self.conns.borrow().len())
+            .field("routes", &self.routes.borrow().len())
+            .field("waiters", &self.waiters.borrow().len())
+            .field("observers", &self.observers.borrow().len())
+            .finish_non_exhaustive()
+    }
 }
 
 fn frame(body: Body) -> pb::Frame {
@@ -141,8 +157,24 @@ impl Edge {
             waiters: RefCell::new(HashMap::new()),
             settings,
             timer_wake: Notify::default(),
+            observers: RefCell::new(Vec::new()),
             next_conn: Cell::new(0),
             next_request: Cell::new(0),
+        }
+    }
+
+    /// Adds an observer of `Control` events.
+    pub fn observe(&self, observer: Observer) {
+        self.observers.borrow_mut().push(observer);
+    }
+
+    fn notify_observers(&self, event: &Event) {
+        log_event(event);
+        for observer in self.observers.borrow().iter() {
+            if let Err(reason) = observer(event) {
+                // O2: a failing observer is reported and otherwise ignored.
+                tracing::warn!(%reason, "event observer failed; event dropped for it");
+            }
         }
     }
 
@@ -249,7 +281,7 @@ impl Edge {
                     );
                 }
                 Action::Done { request, outcome } => self.finish(request, outcome),
-                Action::Event(event) => log_event(&event),
+                Action::Event(event) => self.notify_observers(&event),
             }
         }
     }
@@ -318,5 +350,96 @@ fn log_event(event: &Event) {
             unavailable,
             "provider health overlay changed"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::control::{
+        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
+        Tunables,
+    };
+
+    fn edge() -> Edge {
+        let spec = ControlSpec {
+            nodes: vec![NodeSpec {
+                id: "n".into(),
+                config: pb::NodeConfigPayload::default(),
+                providers: vec![ProviderSpec {
+                    id: "p".into(),
+                    adapter: "a".into(),
+                    target: "t".into(),
+                    capacity: 1,
+                    long_context_capacity: 0,
+                    response_stall_timeout_ms: 0,
+                    category: pb::ProviderCategory::LocalInference,
+                    kind: DispatchKind::Tunnel,
+                    enabled: true,
+                }],
+            }],
+            models: vec![ModelSpec {
+                name: "m".into(),
+                providers: vec![ProviderKey {
+                    node_id: "n".into(),
+                    provider_id: "p".into(),
+                }],
+                max_queue: 4,
+                queue_timeout: Duration::from_secs(30),
+            }],
+            tunables: Tunables::default(),
+        };
+        let settings = Settings {
+            max_request_body_bytes: 1024,
+            models: Vec::new(),
+            long_context_threshold_tokens: HashMap::new(),
+            started_unix_sec: 0,
+            client_keys: ClientKeys::default(),
+            credentials: None,
+        };
+        Edge::new(Control::new(spec), settings)
+    }
+
+    // CONTRACT: O2, F4 — observers that fail on every event change nothing:
+    // readiness, admission, terminal handling and lease release still happen.
+    #[test]
+    fn failing_observers_never_suppress_terminals() {
+        let edge = edge();
+        let seen = std::rc::Rc::new(Cell::new(0u32));
+        let counter = seen.clone();
+        edge.observe(Box::new(move |_| {
+            counter.set(counter.get() + 1);
+            Err("observer is down".into())
+        }));
+        let conn = ConnId(1);
+        edge.apply(Input::Register {
+            conn,
+            tls_name: "n".into(),
+            node_id: "n".into(),
+        });
+        edge.apply(Input::Ready {
+            conn,
+            node_id: "n".into(),
+        });
+        assert_eq!(seen.get(), 1, "node.connected reached the observer");
+        let (request, mut rx) = edge.submit("m", false);
+        let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
+            panic!("request not dispatched")
+        };
+        assert_eq!(dispatch.lease.conn, conn);
+        edge.apply(Input::Terminal(Terminal {
+            conn,
+            run_id: request.run_id(),
+            adapter: "a".into(),
+            target: "t".into(),
+            stall: None,
+        }));
+        assert_eq!(edge.control.borrow().leases().count(), 0);
+        assert!(edge.control.borrow().pending_requests().next().is_none());
+        edge.apply(Input::Closed { conn });
+        assert_eq!(seen.get(), 2, "node.disconnected reached the observer");
+        assert!(!edge.control.borrow().is_ready_owner(conn));
     }
 }

@@ -999,4 +999,59 @@ mod tests {
             (None, None)
         );
     }
+
+    // CONTRACT: X2, E2 — the external `model` is never the inner execution
+    // identifier: the wire requests name the provider's adapter and target,
+    // the external name appears nowhere in the encoded frames, and neither
+    // message has a `model` field at all.
+    #[test]
+    fn the_external_model_never_reaches_the_wire() {
+        let chat = ChatRequest::parse(
+            br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
+        let dispatch = dispatch();
+        let tunnel = tunnel_frame(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
+            chat.body_for_target(&dispatch.lease.target),
+            chat.stream,
+            None,
+        );
+        let run = run_request(&chat, &dispatch);
+        for frame in [tunnel, run] {
+            let bytes = frame.encode_to_vec();
+            let found = bytes
+                .windows(b"public-model-name".len())
+                .any(|w| w == b"public-model-name");
+            assert!(!found, "external model on the wire: {frame:?}");
+            match frame.body {
+                Some(Body::ProviderTunnelRequest(t)) => {
+                    assert_eq!(
+                        (t.adapter.as_str(), t.target.as_str()),
+                        ("openai", "gpt-4o")
+                    );
+                }
+                Some(Body::RunRequest(r)) => {
+                    assert_eq!(
+                        (r.adapter.as_str(), r.target.as_str()),
+                        ("openai", "gpt-4o")
+                    );
+                }
+                other => panic!("unexpected frame {other:?}"),
+            }
+        }
+        let proto = include_str!("../../proto/iop/runtime.proto");
+        for message in ["RunRequest", "ProviderTunnelRequest"] {
+            let start = proto.find(&format!("message {message} {{")).unwrap();
+            let body = &proto[start..start + proto[start..].find("\n}").unwrap()];
+            assert!(
+                !body
+                    .lines()
+                    .any(|l| l.trim_start().starts_with("string model ")),
+                "{message} has a `model` field"
+            );
+        }
+    }
 }
