@@ -26,10 +26,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::fs::File;
-use std::net::{Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use iop_engine::config::{
+    check_name, check_trust_domain, parse_toml, read_config_file, resolve_path, split_host_port,
+    RawTls,
+};
 use iop_engine::keys::decode_recipient_public_key;
 use iop_wire::checks::effective_stall_timeout;
 use iop_wire::lease::{
@@ -38,9 +41,12 @@ use iop_wire::lease::{
 };
 use iop_wire::limits::DEFAULT_MAX_FRAME_BYTES;
 use iop_wire::pb;
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use x25519_dalek::{PublicKey, StaticSecret};
+
+// The config error (`<file>: <key>: <reason>`), the TLS file set and the
+// limits on identity names and the trust domain are shared with the Node.
+pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DOMAIN_BYTES};
 
 /// Default `edge.max_request_body_bytes`: 8 MiB; a larger client body gets 413.
 pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -66,10 +72,6 @@ pub const MAX_QUEUE_TIMEOUT_MS: u64 = 86_400_000;
 pub const MAX_LONG_CONTEXT_THRESHOLD_TOKENS: u64 = 100_000_000;
 /// Default `models[].owned_by`, shown in `/v1/models`.
 pub const DEFAULT_OWNED_BY: &str = "iop";
-/// Longest accepted identity name (edge name, node id, adapter name, provider id).
-pub const MAX_NAME_BYTES: usize = 128;
-/// Longest accepted trust domain.
-pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
 /// Longest accepted model name, `owned_by` or provider target.
 pub const MAX_TEXT_BYTES: usize = 512;
 /// Default `credentials.lease_ttl_ms`: a lease is valid for 30 s after issue.
@@ -85,47 +87,6 @@ pub const DEFAULT_SLOT_HEADER: &str = "Authorization";
 pub const DEFAULT_SLOT_FORMAT: &str = "Bearer {secret}";
 /// Longest accepted environment variable name (`secret_env`).
 pub const MAX_ENV_NAME_BYTES: usize = 128;
-
-// ---------------------------------------------------------------------------
-// Errors
-// ---------------------------------------------------------------------------
-
-/// A configuration file that cannot be used: which file, which key, why.
-///
-/// Displays as `<file>: <key>: <reason>`; `key` is `-` when no key applies.
-/// Every `ConfigError` ends the binary with exit code 1 (S3).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{file}: {key}: {reason}")]
-pub struct ConfigError {
-    file: String,
-    key: String,
-    reason: String,
-}
-
-impl ConfigError {
-    pub(crate) fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self {
-            file: file.display().to_string(),
-            key: key.into(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The configuration file, as it was named to `load`/`parse`.
-    pub fn file(&self) -> &str {
-        &self.file
-    }
-
-    /// The dotted key path at fault, or `-`.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    /// What is wrong.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The validated configuration
@@ -237,18 +198,6 @@ pub struct EdgeSettings {
     /// Dev flag: Nodes connect over plain TCP and the credential plane is
     /// disabled (T5).
     pub insecure_plaintext_nodes: bool,
-}
-
-/// The PEM files of a TLS identity, resolved against the config file's
-/// directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// The CA certificate(s) that sign every peer (T2).
-    pub ca: PathBuf,
-    /// Our certificate chain.
-    pub cert: PathBuf,
-    /// Our private key.
-    pub key: PathBuf,
 }
 
 /// One configured Node (`[[nodes]]`).
@@ -643,8 +592,7 @@ impl EdgeConfig {
     /// checks the TLS files ([`EdgeConfig::validate_files`]).
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new(path, "-", format!("cannot read config file: {e}")))?;
+        let text = read_config_file(path)?;
         let config = Self::parse(&text, path)?;
         config.validate_files()?;
         Ok(config)
@@ -695,33 +643,6 @@ impl EdgeConfig {
     }
 }
 
-impl TlsFiles {
-    fn validate_files(&self, source: &Path) -> Result<(), ConfigError> {
-        for (key, path) in [
-            ("tls.ca", &self.ca),
-            ("tls.cert", &self.cert),
-            ("tls.key", &self.key),
-        ] {
-            check_readable_file(path).map_err(|why| ConfigError::new(source, key, why))?;
-        }
-        Ok(())
-    }
-}
-
-fn check_readable_file(path: &Path) -> Result<(), String> {
-    let file = File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let metadata = file
-        .metadata()
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if !metadata.is_file() {
-        return Err(format!(
-            "cannot read {}: not a regular file",
-            path.display()
-        ));
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------------------
 // The file as written
 // ---------------------------------------------------------------------------
@@ -751,14 +672,6 @@ struct RawEdge {
     max_frame_bytes: Option<i64>,
     #[serde(default)]
     insecure_plaintext_nodes: bool,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTls {
-    ca: String,
-    cert: String,
-    key: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -837,44 +750,6 @@ struct RawModel {
     owned_by: Option<String>,
 }
 
-/// Deserializes `text`, turning a syntax or schema error into a
-/// [`ConfigError`] with the key path and the line and column.
-fn parse_toml<T: DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
-    let deserializer = toml::Deserializer::parse(text)
-        .map_err(|e| ConfigError::new(file, "-", with_location(e.message(), e.span(), text)))?;
-    serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.inner();
-        let message = inner.message();
-        let (key, message) = match missing_field(message) {
-            Some(field) if path == "." => (field.to_owned(), "required key is missing"),
-            Some(field) => (format!("{path}.{field}"), "required key is missing"),
-            None if path == "." => ("-".to_owned(), message),
-            None => (path, message),
-        };
-        ConfigError::new(file, key, with_location(message, inner.span(), text))
-    })
-}
-
-/// The field of serde's "missing field `x`" message.
-fn missing_field(message: &str) -> Option<&str> {
-    message.strip_prefix("missing field `")?.strip_suffix('`')
-}
-
-/// `message (line L, column C)`, 1-based, when the span is known.
-fn with_location(message: &str, span: Option<std::ops::Range<usize>>, text: &str) -> String {
-    let message = message.trim().replace('\n', "; ");
-    match span {
-        Some(span) => {
-            let before = text.get(..span.start).unwrap_or(text);
-            let line = before.matches('\n').count() + 1;
-            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-            format!("{message} (line {line}, column {column})")
-        }
-        None => message,
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Validation
 // ---------------------------------------------------------------------------
@@ -892,7 +767,7 @@ impl Validator<'_> {
         let edge = self.edge(raw.edge)?;
         let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
             (true, _) => None,
-            (false, Some(tls)) => Some(self.tls(tls)?),
+            (false, Some(tls)) => Some(tls.resolve(self.file)?),
             (false, None) => {
                 return Err(self.err(
                     "tls",
@@ -958,7 +833,7 @@ impl Validator<'_> {
         raw: RawCredentials,
         nodes: &[NodeSpec],
     ) -> Result<CredentialsSpec, ConfigError> {
-        let issuer_key = self.resolve_path("credentials.issuer_key", &raw.issuer_key)?;
+        let issuer_key = resolve_path(self.file, "credentials.issuer_key", &raw.issuer_key)?;
         let lease_ttl_ms = match raw.lease_ttl_ms {
             None => DEFAULT_LEASE_TTL_MS,
             Some(v) => in_range(v, MIN_LEASE_TTL_MS, MAX_LEASE_TTL_MS)
@@ -1003,9 +878,11 @@ impl Validator<'_> {
     fn slot(&self, key: &str, raw: RawSlot, nodes: &[NodeSpec]) -> Result<SlotSpec, ConfigError> {
         check_name(&raw.name).map_err(|why| self.err(format!("{key}.name"), why))?;
         let secret = match (raw.secret_file, raw.secret_env) {
-            (Some(file), None) => {
-                SecretSource::File(self.resolve_path(&format!("{key}.secret_file"), &file)?)
-            }
+            (Some(file), None) => SecretSource::File(resolve_path(
+                self.file,
+                &format!("{key}.secret_file"),
+                &file,
+            )?),
             (None, Some(env)) => {
                 check_env_name(&env).map_err(|why| self.err(format!("{key}.secret_env"), why))?;
                 SecretSource::Env(env)
@@ -1166,15 +1043,6 @@ impl Validator<'_> {
         Ok(keys)
     }
 
-    /// `value` resolved against the config file's directory; must not be
-    /// empty.
-    fn resolve_path(&self, key: &str, value: &str) -> Result<PathBuf, ConfigError> {
-        if value.is_empty() {
-            return Err(self.err(key, "must not be empty"));
-        }
-        Ok(self.file.parent().unwrap_or(Path::new("")).join(value))
-    }
-
     /// Resolves `"<node id>/<provider id>"` against the configured nodes.
     fn provider_ref(
         &self,
@@ -1247,22 +1115,6 @@ impl Validator<'_> {
             max_request_body_bytes,
             max_frame_bytes,
             insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
-        })
-    }
-
-    fn tls(&self, raw: RawTls) -> Result<TlsFiles, ConfigError> {
-        let base = self.file.parent().unwrap_or(Path::new(""));
-        let resolve = |key: &str, value: &str| {
-            if value.is_empty() {
-                Err(self.err(key, "must not be empty"))
-            } else {
-                Ok(base.join(value))
-            }
-        };
-        Ok(TlsFiles {
-            ca: resolve("tls.ca", &raw.ca)?,
-            cert: resolve("tls.cert", &raw.cert)?,
-            key: resolve("tls.key", &raw.key)?,
         })
     }
 
@@ -1486,36 +1338,6 @@ fn in_range(value: i64, min: u64, max: u64) -> Result<u64, String> {
     }
 }
 
-/// An identity name (edge name, node id, adapter name, provider id): it goes
-/// into a SPIFFE URI path segment or a `"<node id>/<provider id>"` reference.
-fn check_name(name: &str) -> Result<(), String> {
-    let valid_chars = name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if name.is_empty() || name.len() > MAX_NAME_BYTES || !valid_chars {
-        return Err(format!(
-            "{name:?} must be 1 to {MAX_NAME_BYTES} characters of A-Z a-z 0-9 . _ -"
-        ));
-    }
-    if name == "." || name == ".." {
-        return Err(format!("{name:?} is not a valid name"));
-    }
-    Ok(())
-}
-
-/// A SPIFFE trust domain: lowercase letters, digits, `.`, `_`, `-`.
-fn check_trust_domain(domain: &str) -> Result<(), String> {
-    let valid_chars = domain
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
-    if domain.is_empty() || domain.len() > MAX_TRUST_DOMAIN_BYTES || !valid_chars {
-        return Err(format!(
-            "{domain:?} must be 1 to {MAX_TRUST_DOMAIN_BYTES} characters of a-z 0-9 . _ -"
-        ));
-    }
-    Ok(())
-}
-
 /// Free text such as a model name or target: non-empty, bounded, no control
 /// characters.
 fn check_text(text: &str) -> Result<(), String> {
@@ -1610,30 +1432,6 @@ fn check_header_format(format: &str) -> Result<(), String> {
 fn parse_socket_addr(text: &str) -> Result<SocketAddr, String> {
     text.parse()
         .map_err(|_| format!("{text:?} is not an IP:port socket address (e.g. 127.0.0.1:8080)"))
-}
-
-/// Splits `host:port` / `[v6]:port`; the host is an IP or a DNS name.
-fn split_host_port(authority: &str) -> Result<(String, u16), String> {
-    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
-        let (v6, after) = rest.split_once(']').ok_or("unclosed [ in host")?;
-        v6.parse::<Ipv6Addr>()
-            .map_err(|_| format!("{v6:?} is not an IPv6 address"))?;
-        let port = after.strip_prefix(':').ok_or("missing :port")?;
-        (v6, port)
-    } else {
-        let (host, port) = authority.rsplit_once(':').ok_or("missing :port")?;
-        let valid_host = host
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
-        if host.is_empty() || !valid_host {
-            return Err(format!("{host:?} is not a host name or IP address"));
-        }
-        (host, port)
-    };
-    match port.parse::<u16>() {
-        Ok(port) if port != 0 => Ok((host.to_owned(), port)),
-        _ => Err(format!("{port:?} is not a port (1-65535)")),
-    }
 }
 
 #[cfg(test)]

@@ -37,13 +37,13 @@
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use ed25519_dalek::SigningKey;
+use iop_engine::config::open_regular_file;
 use iop_engine::http::Header;
 use iop_engine::keys;
 use iop_wire::lease::{self, IssueError, IssueParams, LeaseEntropy, MAX_SECRET_BYTES};
@@ -596,16 +596,7 @@ impl CredentialPlane {
 /// [`MAX_SECRET_BYTES`] after one trailing newline is dropped, visible
 /// ASCII, space and tab only. The reason never contains the contents.
 fn read_secret_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, String> {
-    let file = File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if !meta.is_file() {
-        return Err(format!(
-            "cannot read {}: not a regular file",
-            path.display()
-        ));
-    }
+    let (file, meta) = open_regular_file(path)?;
     let mode = meta.permissions().mode() & 0o7777;
     if mode & 0o077 != 0 {
         return Err(format!(

@@ -206,12 +206,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
     };
     let acceptor = match &cfg.tls {
         Some(files) => {
-            let files = TlsFiles {
-                ca_path: files.ca.clone(),
-                cert_path: files.cert.clone(),
-                key_path: files.key.clone(),
-            };
-            let material = match TlsMaterial::from_files(&files) {
+            let material = match TlsMaterial::from_files(&TlsFiles::from(files)) {
                 Ok(m) => m,
                 Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
             };

@@ -13,6 +13,7 @@ use iop_engine::tls::EdgeTlsAcceptor;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use local_sync::mpsc::bounded;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
@@ -113,22 +114,7 @@ async fn handle_frame(
                 target: tf.target.clone(),
                 stall: tf.failure.as_ref().and_then(StallEvidence::from_failure),
             });
-            // H1: a frame belongs to a route only if it arrived on the
-            // connection the run was dispatched to.
-            let tx = {
-                let routes = edge.routes.borrow();
-                routes
-                    .get(&tf.run_id)
-                    .filter(|r| r.conn == conn_id)
-                    .map(|r| r.tx.clone())
-            };
-            if let Some(t) = evidence {
-                if tx.is_some() {
-                    edge.routes.borrow_mut().remove(&t.run_id);
-                }
-                edge.apply(Input::Terminal(t));
-            }
-            if let Some(tx) = tx {
+            if let Some(tx) = route_of(edge, conn_id, &tf.run_id, evidence) {
                 // The client may be gone; then the frame has no reader.
                 let _ = tx.send(RouteEvent::Tunnel(tf)).await;
             }
@@ -145,20 +131,7 @@ async fn handle_frame(
                 target: ev.target.clone(),
                 stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
             });
-            let tx = {
-                let routes = edge.routes.borrow();
-                routes
-                    .get(&ev.run_id)
-                    .filter(|r| r.conn == conn_id)
-                    .map(|r| r.tx.clone())
-            };
-            if let Some(t) = evidence {
-                if tx.is_some() {
-                    edge.routes.borrow_mut().remove(&t.run_id);
-                }
-                edge.apply(Input::Terminal(t));
-            }
-            if let Some(tx) = tx {
+            if let Some(tx) = route_of(edge, conn_id, &ev.run_id, evidence) {
                 let _ = tx.send(RouteEvent::Run(ev)).await;
             }
         }
@@ -181,4 +154,29 @@ async fn handle_frame(
             conn.close("protocol_error");
         }
     }
+}
+
+/// The sender of the route that run `run_id` was dispatched on, if the frame
+/// arrived on that connection `conn_id` (H1: a frame belongs to a route only
+/// then). A terminal (`evidence`) retires the route and goes to Control.
+fn route_of(
+    edge: &Edge,
+    conn_id: ConnId,
+    run_id: &str,
+    evidence: Option<Terminal>,
+) -> Option<bounded::Tx<RouteEvent>> {
+    let tx = {
+        let routes = edge.routes.borrow();
+        routes
+            .get(run_id)
+            .filter(|r| r.conn == conn_id)
+            .map(|r| r.tx.clone())
+    };
+    if let Some(t) = evidence {
+        if tx.is_some() {
+            edge.routes.borrow_mut().remove(&t.run_id);
+        }
+        edge.apply(Input::Terminal(t));
+    }
+    tx
 }

@@ -248,15 +248,7 @@ impl ChatRequest {
     /// Parses a `/v1/chat/completions` body. Only what the Edge needs is
     /// checked; every other field passes through unchanged.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let value: Value = serde_json::from_slice(body).map_err(|e| {
-            ApiError::invalid_request(format!("The request body is not valid JSON: {e}"), None)
-        })?;
-        let Value::Object(body) = value else {
-            return Err(ApiError::invalid_request(
-                "The request body must be a JSON object.",
-                None,
-            ));
-        };
+        let body = parse_json_object(body)?;
         let model = match body.get("model") {
             Some(Value::String(m)) if !m.is_empty() => m.clone(),
             Some(_) => {
@@ -397,9 +389,7 @@ impl ChatRequest {
     /// The body for the selected provider: identical to the client's except
     /// that `model` names the served target (U5).
     pub fn body_for_target(&self, target: &str) -> Bytes {
-        let mut body = self.body.clone();
-        body.insert("model".into(), Value::String(target.to_string()));
-        Bytes::from(Value::Object(body).to_string())
+        with_model(&self.body, target)
     }
 }
 
@@ -418,15 +408,7 @@ pub struct PassthroughRequest {
 impl PassthroughRequest {
     /// Parses a JSON object with a string `model`.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let value: Value = serde_json::from_slice(body).map_err(|e| {
-            ApiError::invalid_request(format!("The request body is not valid JSON: {e}"), None)
-        })?;
-        let Value::Object(body) = value else {
-            return Err(ApiError::invalid_request(
-                "The request body must be a JSON object.",
-                None,
-            ));
-        };
+        let body = parse_json_object(body)?;
         let model = match body.get("model") {
             Some(Value::String(m)) if !m.is_empty() => m.clone(),
             _ => {
@@ -446,10 +428,29 @@ impl PassthroughRequest {
 
     /// The body for the selected provider, `model` naming its target (U5).
     pub fn body_for_target(&self, target: &str) -> Bytes {
-        let mut body = self.body.clone();
-        body.insert("model".into(), Value::String(target.to_string()));
-        Bytes::from(Value::Object(body).to_string())
+        with_model(&self.body, target)
     }
+}
+
+/// A request body that must be a JSON object.
+fn parse_json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid_request(format!("The request body is not valid JSON: {e}"), None)
+    })?;
+    let Value::Object(body) = value else {
+        return Err(ApiError::invalid_request(
+            "The request body must be a JSON object.",
+            None,
+        ));
+    };
+    Ok(body)
+}
+
+/// `body` with `model` set to `target` (U5), serialized.
+fn with_model(body: &Map<String, Value>, target: &str) -> Bytes {
+    let mut body = body.clone();
+    body.insert("model".into(), Value::String(target.to_string()));
+    Bytes::from(Value::Object(body).to_string())
 }
 
 /// One entry of `GET /v1/models`.

@@ -6,6 +6,7 @@
 //! | module | pure core | shell |
 //! |---|---|---|
 //! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
+//! | [`config`] | config errors (`<file>: <key>: <reason>`, S3), TOML with key paths, name/trust-domain/`host:port` checks | config file and TLS file reads |
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
 //! | [`metrics`] | per-core latency histograms and counters, merge, wrk2 and Prometheus text | `SIGUSR1` dump to stderr |
 //! | [`keys`] | key file and public-key text formats (C1, C4) | lease key files (0600, refused if group/world-accessible), OS randomness for leases |
@@ -27,6 +28,7 @@
 
 pub mod certs;
 pub mod clock;
+pub mod config;
 pub mod conn;
 pub mod http;
 pub mod keys;

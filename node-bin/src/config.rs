@@ -20,68 +20,29 @@
 //! it and exits 1 (S3).
 
 use std::fmt;
-use std::fs::File;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 use ed25519_dalek::VerifyingKey;
+use iop_engine::config::{
+    check_name, check_trust_domain, parse_toml, read_config_file, resolve_path, split_host_port,
+    RawTls,
+};
 use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
-/// Longest accepted identity name (node id, edge name).
-pub const MAX_NAME_BYTES: usize = 128;
-/// Longest accepted trust domain.
-pub const MAX_TRUST_DOMAIN_BYTES: usize = 255;
+// The config error (`<file>: <key>: <reason>`), the TLS file set and the
+// limits on identity names (node id, edge name) and the trust domain are
+// shared with the Edge.
+pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DOMAIN_BYTES};
 /// Default `credentials.clock_skew_ms`: a lease is accepted from 5 s before
 /// its `not_before` until 5 s after its expiry, tolerating that much clock
 /// difference between the Edge and this Node.
 pub const DEFAULT_CLOCK_SKEW_MS: u32 = 5_000;
 /// Largest accepted `credentials.clock_skew_ms` (one minute).
 pub const MAX_CLOCK_SKEW_MS: u32 = 60_000;
-
-// ---------------------------------------------------------------------------
-// Errors
-// ---------------------------------------------------------------------------
-
-/// A configuration file that cannot be used: which file, which key, why.
-///
-/// Displays as `<file>: <key>: <reason>`; `key` is `-` when no key applies.
-/// Every `ConfigError` ends the binary with exit code 1 (S3).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{file}: {key}: {reason}")]
-pub struct ConfigError {
-    file: String,
-    key: String,
-    reason: String,
-}
-
-impl ConfigError {
-    pub(crate) fn new(file: &Path, key: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self {
-            file: file.display().to_string(),
-            key: key.into(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The configuration file, as it was named to `load`/`parse`.
-    pub fn file(&self) -> &str {
-        &self.file
-    }
-
-    /// The dotted key path at fault, or `-`.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    /// What is wrong.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The validated configuration
@@ -126,18 +87,6 @@ pub struct CredentialsSpec {
     pub clock_skew_ms: u32,
 }
 
-/// The PEM files of a TLS identity, resolved against the config file's
-/// directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// The CA certificate(s) that sign the Edge and us (T2).
-    pub ca: PathBuf,
-    /// Our certificate chain.
-    pub cert: PathBuf,
-    /// Our private key.
-    pub key: PathBuf,
-}
-
 /// The Edge's address: `host:port`, the host an IP address or a DNS name
 /// (resolved at each dial). Usable wherever [`ToSocketAddrs`] is taken.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,40 +100,9 @@ impl EdgeAddr {
     /// [`ConfigError`].
     pub fn parse(text: &str) -> Result<Self, String> {
         const FORM: &str = "expected host:port, e.g. 127.0.0.1:7443 or edge.example:7443";
-        let (host, port) = if let Some(rest) = text.strip_prefix('[') {
-            let Some((v6, after)) = rest.split_once(']') else {
-                return Err(format!("{text:?}: unclosed [ in host; {FORM}"));
-            };
-            if v6.parse::<Ipv6Addr>().is_err() {
-                return Err(format!("{text:?}: {v6:?} is not an IPv6 address; {FORM}"));
-            }
-            let Some(port) = after.strip_prefix(':') else {
-                return Err(format!("{text:?}: missing :port; {FORM}"));
-            };
-            (v6, port)
-        } else {
-            let Some((host, port)) = text.rsplit_once(':') else {
-                return Err(format!("{text:?}: missing :port; {FORM}"));
-            };
-            let valid_host = host
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
-            if host.is_empty() || !valid_host {
-                return Err(format!(
-                    "{text:?}: {host:?} is not a host name or IP address; {FORM}"
-                ));
-            }
-            (host, port)
-        };
-        match port.parse::<u16>() {
-            Ok(port) if port != 0 => Ok(Self {
-                host: host.to_owned(),
-                port,
-            }),
-            _ => Err(format!(
-                "{text:?}: {port:?} is not a port (1-65535); {FORM}"
-            )),
-        }
+        let (host, port) =
+            split_host_port(text).map_err(|why| format!("{text:?}: {why}; {FORM}"))?;
+        Ok(Self { host, port })
     }
 
     /// The host: an IP address (IPv6 without brackets) or a DNS name.
@@ -228,8 +146,7 @@ impl NodeConfig {
     /// checks the TLS files ([`NodeConfig::validate_files`]).
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new(path, "-", format!("cannot read config file: {e}")))?;
+        let text = read_config_file(path)?;
         let config = Self::parse(&text, path)?;
         config.validate_files()?;
         Ok(config)
@@ -248,32 +165,11 @@ impl NodeConfig {
     /// key (`tls.key`) and the resolved path; like every config error it is
     /// a local credential error that ends the process with exit 1 (S3).
     pub fn validate_files(&self) -> Result<(), ConfigError> {
-        let Some(tls) = &self.tls else {
-            return Ok(());
-        };
-        for (key, path) in [
-            ("tls.ca", &tls.ca),
-            ("tls.cert", &tls.cert),
-            ("tls.key", &tls.key),
-        ] {
-            check_readable_file(path).map_err(|why| ConfigError::new(&self.source, key, why))?;
+        match &self.tls {
+            Some(tls) => tls.validate_files(&self.source),
+            None => Ok(()),
         }
-        Ok(())
     }
-}
-
-fn check_readable_file(path: &Path) -> Result<(), String> {
-    let file = File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let metadata = file
-        .metadata()
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    if !metadata.is_file() {
-        return Err(format!(
-            "cannot read {}: not a regular file",
-            path.display()
-        ));
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------
@@ -303,57 +199,11 @@ struct RawCredentials {
     clock_skew_ms: Option<i64>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTls {
-    ca: String,
-    cert: String,
-    key: String,
-}
-
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawReconnect {
     interval_sec: Option<i64>,
     max_attempts: Option<i64>,
-}
-
-/// Deserializes `text`, turning a syntax or schema error into a
-/// [`ConfigError`] with the key path and the line and column.
-fn parse_toml<T: DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
-    let deserializer = toml::Deserializer::parse(text)
-        .map_err(|e| ConfigError::new(file, "-", with_location(e.message(), e.span(), text)))?;
-    serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.inner();
-        let message = inner.message();
-        let (key, message) = match missing_field(message) {
-            Some(field) if path == "." => (field.to_owned(), "required key is missing"),
-            Some(field) => (format!("{path}.{field}"), "required key is missing"),
-            None if path == "." => ("-".to_owned(), message),
-            None => (path, message),
-        };
-        ConfigError::new(file, key, with_location(message, inner.span(), text))
-    })
-}
-
-/// The field of serde's "missing field `x`" message.
-fn missing_field(message: &str) -> Option<&str> {
-    message.strip_prefix("missing field `")?.strip_suffix('`')
-}
-
-/// `message (line L, column C)`, 1-based, when the span is known.
-fn with_location(message: &str, span: Option<std::ops::Range<usize>>, text: &str) -> String {
-    let message = message.trim().replace('\n', "; ");
-    match span {
-        Some(span) => {
-            let before = text.get(..span.start).unwrap_or(text);
-            let line = before.matches('\n').count() + 1;
-            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-            format!("{message} (line {line}, column {column})")
-        }
-        None => message,
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -368,21 +218,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
     check_name(&raw.edge_name).map_err(|why| err("edge_name", why))?;
     let tls = match (raw.insecure_plaintext, raw.tls) {
         (true, _) => None,
-        (false, Some(tls)) => {
-            let base = file.parent().unwrap_or(Path::new(""));
-            let resolve = |key: &str, value: &str| {
-                if value.is_empty() {
-                    Err(err(key, "must not be empty".to_owned()))
-                } else {
-                    Ok(base.join(value))
-                }
-            };
-            Some(TlsFiles {
-                ca: resolve("tls.ca", &tls.ca)?,
-                cert: resolve("tls.cert", &tls.cert)?,
-                key: resolve("tls.key", &tls.key)?,
-            })
-        }
+        (false, Some(tls)) => Some(tls.resolve(file)?),
         (false, None) => {
             return Err(err(
                 "tls",
@@ -428,16 +264,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
 
 fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, ConfigError> {
     let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
-    if raw.recipient_key.is_empty() {
-        return Err(err(
-            "credentials.recipient_key",
-            "must not be empty".to_owned(),
-        ));
-    }
-    let recipient_key = file
-        .parent()
-        .unwrap_or(Path::new(""))
-        .join(&raw.recipient_key);
+    let recipient_key = resolve_path(file, "credentials.recipient_key", &raw.recipient_key)?;
     let issuer_public_key = decode_issuer_public_key(&raw.issuer_public_key)
         .map_err(|e| err("credentials.issuer_public_key", e.to_string()))?;
     let clock_skew_ms = match raw.clock_skew_ms {
@@ -457,36 +284,6 @@ fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, Conf
         issuer_public_key,
         clock_skew_ms,
     })
-}
-
-/// An identity name (node id, edge name): it goes into a SPIFFE URI path
-/// segment.
-fn check_name(name: &str) -> Result<(), String> {
-    let valid_chars = name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if name.is_empty() || name.len() > MAX_NAME_BYTES || !valid_chars {
-        return Err(format!(
-            "{name:?} must be 1 to {MAX_NAME_BYTES} characters of A-Z a-z 0-9 . _ -"
-        ));
-    }
-    if name == "." || name == ".." {
-        return Err(format!("{name:?} is not a valid name"));
-    }
-    Ok(())
-}
-
-/// A SPIFFE trust domain: lowercase letters, digits, `.`, `_`, `-`.
-fn check_trust_domain(domain: &str) -> Result<(), String> {
-    let valid_chars = domain
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
-    if domain.is_empty() || domain.len() > MAX_TRUST_DOMAIN_BYTES || !valid_chars {
-        return Err(format!(
-            "{domain:?} must be 1 to {MAX_TRUST_DOMAIN_BYTES} characters of a-z 0-9 . _ -"
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -85,31 +85,12 @@ where
         return Err(HttpError::InvalidStatus { status });
     }
     let start = dst.len();
-    let result = write_response_head_inner(dst, status, headers, framing, connection_close);
-    if result.is_err() {
-        dst.truncate(start);
-    }
-    result
-}
-
-fn write_response_head_inner<I, K, V>(
-    dst: &mut BytesMut,
-    status: u16,
-    headers: I,
-    framing: BodyFraming,
-    connection_close: bool,
-) -> Result<(), HttpError>
-where
-    I: IntoIterator<Item = (K, V)>,
-    K: AsRef<str>,
-    V: AsRef<[u8]>,
-{
     dst.extend_from_slice(b"HTTP/1.1 ");
     push_decimal(dst, u64::from(status));
     dst.extend_from_slice(b" ");
     dst.extend_from_slice(canonical_reason(status).as_bytes());
     dst.extend_from_slice(b"\r\n");
-    write_fields(dst, headers, framing, connection_close)
+    write_fields(dst, start, headers, framing, connection_close)
 }
 
 /// Writes `<method> <target> HTTP/1.1\r\n`, the caller's headers, the
@@ -137,15 +118,15 @@ where
     dst.extend_from_slice(b" ");
     dst.extend_from_slice(target.as_bytes());
     dst.extend_from_slice(b" HTTP/1.1\r\n");
-    let result = write_fields(dst, headers, framing, connection_close);
-    if result.is_err() {
-        dst.truncate(start);
-    }
-    result
+    write_fields(dst, start, headers, framing, connection_close)
 }
 
+/// Writes the header fields and the blank line that follow a start line
+/// written from offset `start` of `dst`. On a refused header, `dst` is
+/// truncated back to `start`: nothing of the head stays written.
 fn write_fields<I, K, V>(
     dst: &mut BytesMut,
+    start: usize,
     headers: I,
     framing: BodyFraming,
     connection_close: bool,
@@ -160,6 +141,7 @@ where
         let name = name.as_ref();
         let value = value.as_ref();
         if !is_token(name.as_bytes()) || !is_field_value(value) {
+            dst.truncate(start);
             return Err(HttpError::InvalidOutgoingHeader {
                 name: name.to_owned(),
             });

@@ -12,16 +12,15 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{NoServerSessionStorage, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::SingleCertAndKey;
 use rustls::{
-    CertificateError, DigitallySignedStruct, DistinguishedName, ServerConfig, ServerConnection,
-    SignatureScheme,
+    DigitallySignedStruct, DistinguishedName, ServerConfig, ServerConnection, SignatureScheme,
 };
 use rustls_pki_types::{CertificateDer, UnixTime};
 
 use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
-    checked_trust_domain, own_identity, provider, ClockTime, IdentityRejection, Role, TlsError,
-    TlsMaterial, Verdict, VerdictSlot, WorkloadId, TLS13_ONLY,
+    checked_trust_domain, handshake_outcome, own_identity, provider, record_verdict, ClockTime,
+    IdentityRejection, Role, TlsError, TlsMaterial, VerdictSlot, WorkloadId, TLS13_ONLY,
 };
 
 /// The node names the Edge accepts, shared by every acceptor clone and
@@ -151,20 +150,8 @@ impl EdgeTlsAcceptor {
         let mut conn = ServerConnection::new(config).map_err(TlsError::Handshake)?;
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
-        match (result, verdict.get()) {
-            (Ok(()), Some(Verdict::Accepted(id))) => {
-                Ok((ServerTlsStream::new(io, conn), id.clone()))
-            }
-            (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
-                reason: reason.clone(),
-            }),
-            // Client auth is mandatory, so a finished handshake has always run
-            // the verifier; refuse rather than trust an unverified peer.
-            (Ok(()), None) => Err(TlsError::IdentityRejected {
-                reason: IdentityRejection::NotVerified,
-            }),
-            (Err(e), _) => Err(e),
-        }
+        let id = handshake_outcome(result, &verdict)?.clone();
+        Ok((ServerTlsStream::new(io, conn), id))
     }
 
     /// A config for one connection: shared key and verifier pieces, a fresh
@@ -236,18 +223,7 @@ impl ClientCertVerifier for NodeIdentityVerifier {
     ) -> Result<ClientCertVerified, rustls::Error> {
         self.webpki
             .verify_client_cert(end_entity, intermediates, now)?;
-        let verdict = match self.check_identity(end_entity) {
-            Ok(id) => Verdict::Accepted(id),
-            Err(reason) => Verdict::Rejected(reason),
-        };
-        let accepted = matches!(verdict, Verdict::Accepted(_));
-        // A slot already filled means a second verification on one connection,
-        // which TLS 1.3 never does: refuse it.
-        if self.verdict.set(verdict).is_err() || !accepted {
-            return Err(rustls::Error::InvalidCertificate(
-                CertificateError::ApplicationVerificationFailure,
-            ));
-        }
+        record_verdict(&self.verdict, self.check_identity(end_entity))?;
         Ok(ClientCertVerified::assertion())
     }
 

@@ -57,7 +57,7 @@ use std::time::Duration;
 
 use rustls::crypto::CryptoProvider;
 use rustls::time_provider::TimeProvider;
-use rustls::SupportedProtocolVersion;
+use rustls::{CertificateError, SupportedProtocolVersion};
 use rustls_pki_types::UnixTime;
 
 pub use edge::{EdgeTlsAcceptor, NodeAllowList};
@@ -100,6 +100,50 @@ pub(crate) enum Verdict {
 
 /// The per-connection slot a verifier writes its verdict into.
 pub(crate) type VerdictSlot = Arc<std::sync::OnceLock<Verdict>>;
+
+/// Records a verifier's identity check in the connection's slot and answers
+/// rustls: a rejected identity fails the handshake with
+/// `ApplicationVerificationFailure`, so the peer receives `access_denied`.
+pub(crate) fn record_verdict(
+    slot: &VerdictSlot,
+    checked: Result<WorkloadId, IdentityRejection>,
+) -> Result<(), rustls::Error> {
+    let verdict = match checked {
+        Ok(id) => Verdict::Accepted(id),
+        Err(reason) => Verdict::Rejected(reason),
+    };
+    let accepted = matches!(verdict, Verdict::Accepted(_));
+    // A slot already filled means a second verification on one connection,
+    // which TLS 1.3 never does: refuse it.
+    if slot.set(verdict).is_err() || !accepted {
+        return Err(rustls::Error::InvalidCertificate(
+            CertificateError::ApplicationVerificationFailure,
+        ));
+    }
+    Ok(())
+}
+
+/// The outcome of a handshake (`result`) judged with the verdict its
+/// verifier recorded: the peer's verified identity, or why the connection
+/// is refused. An identity rejection wins over the handshake error it caused.
+pub(crate) fn handshake_outcome(
+    result: Result<(), TlsError>,
+    verdict: &VerdictSlot,
+) -> Result<&WorkloadId, TlsError> {
+    match (result, verdict.get()) {
+        (Ok(()), Some(Verdict::Accepted(id))) => Ok(id),
+        (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
+            reason: reason.clone(),
+        }),
+        // Both sides require the peer's certificate, so a finished handshake
+        // has always run the verifier; refuse rather than trust an unverified
+        // peer.
+        (Ok(()), None) => Err(TlsError::IdentityRejected {
+            reason: IdentityRejection::NotVerified,
+        }),
+        (Err(e), _) => Err(e),
+    }
+}
 
 /// Checks that the configured certificate names this side: trust domain
 /// `trust_domain`, role `role`.

@@ -15,16 +15,15 @@ use rustls::crypto::{
 use rustls::server::ParsedCertificate;
 use rustls::sign::SingleCertAndKey;
 use rustls::{
-    CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore,
-    SignatureScheme,
+    ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 
 use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
-    checked_trust_domain, own_identity, provider, ClockTime, IdentityRejection, Role, TlsError,
-    TlsMaterial, Verdict, VerdictSlot, WorkloadId, TLS13_ONLY,
+    checked_trust_domain, handshake_outcome, own_identity, provider, record_verdict, ClockTime,
+    IdentityRejection, Role, TlsError, TlsMaterial, VerdictSlot, WorkloadId, TLS13_ONLY,
 };
 
 /// The placeholder server name every Node handshake uses (`0.0.0.0`).
@@ -104,16 +103,8 @@ impl NodeTlsConnector {
         let mut conn = ClientConnection::new(config, server_name).map_err(TlsError::Handshake)?;
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
-        match (result, verdict.get()) {
-            (Ok(()), Some(Verdict::Accepted(_))) => Ok(ClientTlsStream::new(io, conn)),
-            (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
-                reason: reason.clone(),
-            }),
-            (Ok(()), None) => Err(TlsError::IdentityRejected {
-                reason: IdentityRejection::NotVerified,
-            }),
-            (Err(e), _) => Err(e),
-        }
+        handshake_outcome(result, &verdict)?;
+        Ok(ClientTlsStream::new(io, conn))
     }
 
     /// A config for one connection: fresh verdict slot, TLS 1.3, no SNI, no
@@ -186,16 +177,7 @@ impl ServerCertVerifier for EdgeIdentityVerifier {
             now,
             self.algorithms.all,
         )?;
-        let verdict = match self.check_identity(end_entity) {
-            Ok(id) => Verdict::Accepted(id),
-            Err(reason) => Verdict::Rejected(reason),
-        };
-        let accepted = matches!(verdict, Verdict::Accepted(_));
-        if self.verdict.set(verdict).is_err() || !accepted {
-            return Err(rustls::Error::InvalidCertificate(
-                CertificateError::ApplicationVerificationFailure,
-            ));
-        }
+        record_verdict(&self.verdict, self.check_identity(end_entity))?;
         Ok(ServerCertVerified::assertion())
     }
 
