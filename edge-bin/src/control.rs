@@ -35,7 +35,7 @@
 //!   a run it does not carry) change nothing and emit nothing (F2).
 //! - The overlay changes only as H4 (set) and H6 (clear) allow.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use iop_wire::pb;
@@ -517,6 +517,7 @@ struct Pending {
 #[derive(Debug, Clone)]
 struct CommandRecord {
     node_id: String,
+    provider: ProviderKey,
     conn: ConnId,
     generation: Generation,
 }
@@ -530,6 +531,9 @@ pub struct Control {
     tunables: Tunables,
     /// Which node id each live connection registered (R1).
     bindings: HashMap<ConnId, String>,
+    /// Connections ordered closed whose close the shell has not reported
+    /// yet: a late register on one is refused (R3: it must reconnect).
+    closing: HashSet<ConnId>,
     /// Live leases by run id.
     leases: BTreeMap<String, Lease>,
     /// Requests not yet done, by id (arrival order).
@@ -586,6 +590,7 @@ impl Control {
             models,
             tunables: spec.tunables,
             bindings: HashMap::new(),
+            closing: HashSet::new(),
             leases: BTreeMap::new(),
             pending: BTreeMap::new(),
             queue_deadlines: BTreeSet::new(),
@@ -677,6 +682,20 @@ impl Control {
 
     // ---- registry ---------------------------------------------------------
 
+    /// Orders `conn` closed and treats it as closed from this step on: a
+    /// connection Control has let go of never becomes or stays an owner,
+    /// even if more of its frames arrive before the shell reports the close.
+    fn close_conn(&mut self, conn: ConnId, reason: &'static str, out: &mut Vec<Action>) {
+        out.push(Action::Close { conn, reason });
+        if self.generation_of(conn).is_some() {
+            // The current owner: released now, fenced if it was ready.
+            self.on_closed(conn, out);
+        }
+        // Otherwise it already owns nothing (rejected or superseded); its
+        // binding stays so late frames get an accurate reason.
+        self.closing.insert(conn);
+    }
+
     fn on_register(&mut self, conn: ConnId, tls_name: &str, node_id: &str, out: &mut Vec<Action>) {
         let reject = |reason: String, out: &mut Vec<Action>| {
             out.push(Action::RegisterResponse {
@@ -697,25 +716,27 @@ impl Control {
                 out,
             );
         }
+        if self.closing.contains(&conn) {
+            // Ordered closed (rejected, or let go of with its binding): a
+            // late register must not make it an owner again (R3).
+            return reject(
+                "connection is closing; reconnect to register".to_string(),
+                out,
+            );
+        }
         if node_id != tls_name {
             reject(
                 format!("node id `{node_id}` does not match the TLS identity name `{tls_name}`"),
                 out,
             );
-            return out.push(Action::Close {
-                conn,
-                reason: "registration_rejected",
-            });
+            return self.close_conn(conn, "registration_rejected", out);
         }
         let Some(node) = self.nodes.get_mut(node_id) else {
             reject(
                 format!("node `{node_id}` is not configured at this edge"),
                 out,
             );
-            return out.push(Action::Close {
-                conn,
-                reason: "registration_rejected",
-            });
+            return self.close_conn(conn, "registration_rejected", out);
         };
         self.next_generation += 1;
         let generation = Generation(self.next_generation);
@@ -736,18 +757,15 @@ impl Control {
         });
         if let Some(old) = previous {
             // R2: the older connection is fenced and closed.
-            out.push(Action::Close {
-                conn: old.conn,
-                reason: "superseded",
-            });
             if old.state == OwnerState::Ready {
                 self.fence(node_id, old, out);
             }
+            self.close_conn(old.conn, "superseded", out);
         }
     }
 
     fn on_ready(&mut self, conn: ConnId, node_id: &str, out: &mut Vec<Action>) {
-        let not_ready = |reason: &str, out: &mut Vec<Action>| {
+        let not_ready = |this: &mut Self, reason: &str, out: &mut Vec<Action>| {
             out.push(Action::ReadyResponse {
                 conn,
                 response: pb::NodeReadyResponse {
@@ -755,19 +773,20 @@ impl Control {
                     reason: reason.to_string(),
                 },
             });
-            out.push(Action::Close {
-                conn,
-                reason: "not_ready",
-            });
+            this.close_conn(conn, "not_ready", out);
         };
         if self.bindings.get(&conn).map(String::as_str) != Some(node_id) {
-            return not_ready("this connection did not register this node id", out);
+            return not_ready(self, "this connection did not register this node id", out);
         }
         let Some(node) = self.nodes.get_mut(node_id) else {
-            return not_ready("node is not configured", out);
+            return not_ready(self, "node is not configured", out);
         };
         let Some(owner) = node.owner.as_mut().filter(|o| o.conn == conn) else {
-            return not_ready("superseded by a newer registration of this node id", out);
+            return not_ready(
+                self,
+                "superseded by a newer registration of this node id",
+                out,
+            );
         };
         out.push(Action::ReadyResponse {
             conn,
@@ -795,6 +814,7 @@ impl Control {
     }
 
     fn on_closed(&mut self, conn: ConnId, out: &mut Vec<Action>) {
+        self.closing.remove(&conn);
         let Some(node_id) = self.bindings.remove(&conn) else {
             return;
         };
@@ -1148,10 +1168,14 @@ impl Control {
                 p.next_probe = Some(now + interval);
                 self.next_command += 1;
                 let command_id = format!("recovery-{}", self.next_command);
+                // At most one outstanding probe per provider: a node that
+                // never answers cannot grow this table.
+                self.commands.retain(|_, c| &c.provider != key);
                 self.commands.insert(
                     command_id.clone(),
                     CommandRecord {
                         node_id: key.node_id.clone(),
+                        provider: key.clone(),
                         conn: owner.conn,
                         generation: owner.generation,
                     },
@@ -1214,10 +1238,16 @@ impl Control {
                 let Some(p) = self.providers.get_mut(key) else {
                     continue;
                 };
-                if !p.is_fresh(record.generation, seq) || p.overlay != Some(record.generation) {
+                if !p.is_fresh(record.generation, seq) {
                     continue;
                 }
+                // A fresh available observation is recorded even when there is
+                // no overlay to clear, so an older unavailable one arriving
+                // later cannot set one (H4).
                 p.last_seq = Some((record.generation, seq));
+                if p.overlay != Some(record.generation) {
+                    continue;
+                }
                 p.overlay = None;
                 p.next_probe = None;
                 recovered = true;
