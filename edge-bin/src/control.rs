@@ -1280,6 +1280,23 @@ impl Control {
         self.models.contains_key(model)
     }
 
+    /// The config payload a node gets at registration (R2).
+    pub fn node_config(&self, node_id: &str) -> Option<&pb::NodeConfigPayload> {
+        self.nodes.get(node_id).map(|n| &n.spec.config)
+    }
+
+    /// Replaces the payload `node_id` gets at its next registration (config
+    /// reload, K3). Returns false for an unknown node.
+    pub fn set_node_config(&mut self, node_id: &str, config: pb::NodeConfigPayload) -> bool {
+        match self.nodes.get_mut(node_id) {
+            Some(n) => {
+                n.spec.config = config;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The node id `conn` registered, if any.
     pub fn node_of(&self, conn: ConnId) -> Option<&str> {
         self.bindings.get(&conn).map(String::as_str)

@@ -252,6 +252,40 @@ fn serve(path: &str, cores: &str) -> ExitCode {
         // SIGUSR1 dumps the latency histograms to stderr (before the ready line).
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
         let listeners = server::Listeners::bind(&cfg)?;
+        // SIGHUP reloads the configuration and pushes refreshes to ready
+        // nodes (K3); an invalid file keeps the running configuration.
+        let mut hup = SignalPipe::install(Signal::Hup)?;
+        {
+            let (edge, path) = (edge.clone(), std::path::PathBuf::from(path));
+            let mut current = cfg.clone();
+            monoio::spawn(async move {
+                let mut revision = 1u64;
+                while hup.recv().await.is_ok() {
+                    revision += 1;
+                    match server::reload(&edge, &current, &path, revision) {
+                        Ok((next, report)) => {
+                            tracing::info!(
+                                revision,
+                                refreshed = ?report.refreshed,
+                                deferred = ?report.deferred,
+                                "configuration reloaded"
+                            );
+                            if !report.restart_required.is_empty() {
+                                tracing::warn!(
+                                    sections = ?report.restart_required,
+                                    "these changes need a restart and were not applied"
+                                );
+                            }
+                            current = next;
+                        }
+                        Err(e) => tracing::error!(
+                            error = %e,
+                            "configuration reload failed; keeping the running configuration"
+                        ),
+                    }
+                }
+            });
+        }
         listeners.announce()?;
         let shutdown = async move {
             monoio::select! {

@@ -144,7 +144,19 @@ async fn handle_frame(
             conn: conn_id,
             response,
         }),
-        Body::NodeConfigRefreshResponse(_) => {}
+        Body::NodeConfigRefreshResponse(resp) => {
+            // K3: the outcome is the node's; the Edge reports it.
+            let status = pb::RefreshStatus::try_from(resp.status)
+                .map(|s| s.as_str_name())
+                .unwrap_or("REFRESH_STATUS_UNKNOWN");
+            tracing::info!(
+                conn = conn_id.0,
+                refresh_id = %resp.refresh_id,
+                status,
+                reason = %resp.reason,
+                "node config refresh answered"
+            );
+        }
         other => {
             tracing::warn!(
                 frame = body_name(&other),

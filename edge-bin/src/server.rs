@@ -82,6 +82,90 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     }
 }
 
+/// What a configuration reload did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Nodes whose new config was pushed as a refresh to their ready owner.
+    pub refreshed: Vec<String>,
+    /// Nodes whose config changed but that are not dispatch-ready: they get
+    /// it at their next registration (K3, X6).
+    pub deferred: Vec<String>,
+    /// Sections whose changes need a restart and were not applied.
+    pub restart_required: Vec<&'static str>,
+}
+
+/// Reloads the configuration file (SIGHUP). An invalid file changes nothing
+/// and returns its error. Otherwise each node's new adapter config replaces
+/// the one pushed at registration, and nodes whose config changed get a
+/// `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
+/// Changes to the listeners, TLS files, nodes, providers, models,
+/// credentials or client keys are reported as needing a restart and are not
+/// applied.
+pub fn reload(
+    edge: &Edge,
+    current: &EdgeConfig,
+    path: &std::path::Path,
+    revision: u64,
+) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
+    let next = EdgeConfig::load(path)?;
+    let mut report = ReloadReport::default();
+    let topology = |c: &EdgeConfig| {
+        let spec = control_spec(c);
+        let nodes: Vec<_> = spec
+            .nodes
+            .iter()
+            .map(|n| (n.id.clone(), format!("{:?}", n.providers)))
+            .collect();
+        format!("{nodes:?} {:?}", spec.models)
+    };
+    if topology(current) != topology(&next) {
+        report.restart_required.push("nodes, providers or models");
+    }
+    if current.edge != next.edge || current.tls != next.tls {
+        report.restart_required.push("[edge] or [tls]");
+    }
+    if current.credentials != next.credentials || current.client_keys != next.client_keys {
+        report
+            .restart_required
+            .push("[credentials] or [[client_keys]]");
+    }
+    for node in &next.nodes {
+        let payload = node.config_payload(revision, next.credential_leases_required(node));
+        let changed = {
+            let control = edge.control.borrow();
+            let Some(old) = control.node_config(&node.id) else {
+                continue;
+            };
+            let mut old = old.clone();
+            old.revision = revision;
+            old != payload
+        };
+        if !changed {
+            continue;
+        }
+        edge.control
+            .borrow_mut()
+            .set_node_config(&node.id, payload.clone());
+        let conn = edge.control.borrow().ready_conn(&node.id);
+        let handle = conn.and_then(|c| edge.conns.borrow().get(&c).cloned());
+        match handle {
+            Some(handle) => {
+                let refresh = pb::NodeConfigRefreshRequest {
+                    refresh_id: format!("reload-{revision}-{}", node.id),
+                    config: Some(payload),
+                };
+                let frame = pb::Frame {
+                    body: Some(pb::frame::Body::NodeConfigRefreshRequest(refresh)),
+                };
+                let _ = handle.send_control(frame);
+                report.refreshed.push(node.id.clone());
+            }
+            None => report.deferred.push(node.id.clone()),
+        }
+    }
+    Ok((next, report))
+}
+
 /// The shard state for `cfg` without a loaded credential plane: tunnels
 /// carry no lease (a managed node then rejects them with `lease_missing`,
 /// fail closed). The binary uses [`edge_state_with`].
