@@ -17,6 +17,8 @@
 //!   `/v1/messages/count_tokens`) and Responses (`/v1/responses`).
 //!   `--require-api-key KEY`: 401 (OpenAI shape) for provider requests
 //!   without `Authorization: Bearer KEY` or `x-api-key: KEY`.
+//!   `--close-after-requests N`: close each connection silently after N
+//!   requests (a server closing idle keep-alive connections).
 //! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
 //!   insert, cancel and expire at N timers; run it in release).
 //!
@@ -103,6 +105,10 @@ struct MockProviderArgs {
     /// `x-api-key: KEY` with 401
     #[argh(option)]
     require_api_key: Option<String>,
+    /// close each connection, without notice, after it served this many
+    /// requests (a server closing idle keep-alive connections)
+    #[argh(option)]
+    close_after_requests: Option<u32>,
 }
 
 /// Measure the timing wheel: ns per insert, cancel and expire.
@@ -179,6 +185,14 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
     let mut provider = mock::MockProvider::with_faults(config, faults).with_modes(modes);
     if let Some(key) = args.require_api_key {
         provider = provider.with_required_api_key(mock::auth::ApiKey::new(key));
+    }
+    match args.close_after_requests {
+        Some(0) => {
+            eprintln!("bench mock-provider: --close-after-requests: must be at least 1");
+            return ExitCode::from(1);
+        }
+        Some(requests) => provider = provider.with_close_after_requests(requests),
+        None => {}
     }
     let addr = SocketAddr::new(args.host, args.port);
     match iop_engine::rt::block_on(mock::run_provider(addr, provider)) {

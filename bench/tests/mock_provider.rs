@@ -498,3 +498,50 @@ fn sigterm_during_a_paced_stream_exits_zero() {
     let status = mock.stop_with(Signal::SIGTERM);
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
 }
+
+#[test]
+fn close_after_requests_closes_a_keep_alive_connection_without_notice() {
+    let mut mock = MockProcess::spawn(&["--tokens", "2", "--close-after-requests", "2"]);
+    let mut client = mock.connect();
+    for _ in 0..2 {
+        let response = client.request(&post(
+            "/v1/chat/completions",
+            r#"{"model":"m","stream":true,"messages":[]}"#,
+        ));
+        assert_eq!(response.status, 200);
+        // Nothing announces the close: the reply looks keep-alive.
+        assert_eq!(response.header("connection"), None);
+        assert_eq!(
+            sse_payloads(&response).last().map(String::as_str),
+            Some("[DONE]")
+        );
+    }
+    // After its second request the connection is closed: EOF, no bytes.
+    let mut rest = Vec::new();
+    client.reader.read_to_end(&mut rest).expect("read to EOF");
+    assert!(rest.is_empty(), "bytes after the close: {rest:?}");
+    // A new connection is served again.
+    let models = mock.connect().request(&get("/v1/models"));
+    assert_eq!(models.status, 200);
+
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+
+    let refused = Command::new(env!("CARGO_BIN_EXE_bench"))
+        .args([
+            "mock-provider",
+            "--port",
+            "0",
+            "--close-after-requests",
+            "0",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run bench");
+    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&refused.stderr).trim_end(),
+        "bench mock-provider: --close-after-requests: must be at least 1"
+    );
+}

@@ -34,6 +34,7 @@ use crate::adapters::Permit;
 use crate::emit::{Emitter, Outbound};
 use crate::observation::ObservationSeq;
 use crate::probe::{self, ProbeTarget};
+use crate::provider_pool::ProviderPool;
 use crate::timers::Timers;
 use crate::watchdog::{
     Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
@@ -51,6 +52,10 @@ pub struct AttemptEnv {
     pub timers: Rc<Timers>,
     /// The session's observation sequence (W7).
     pub observations: Rc<ObservationSeq>,
+    /// The core's keep-alive pool of provider connections (the provider
+    /// task checks a connection out and returns it only after a clean end;
+    /// an abort drops it).
+    pub pool: Rc<ProviderPool>,
 }
 
 /// Cancels a provider task from outside.

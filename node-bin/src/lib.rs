@@ -19,6 +19,8 @@
 //!      │    └─ driver: Watchdog core (W3–W10) + TunnelEmitter/RunEmitter
 //!      │         ├─ timers: one hierarchical wheel per core (engine::wheel)
 //!      │         └─ probe: bounded fail-closed exact-target health probe
+//!      ├─ provider_pool: per-core keep-alive pool of provider connections
+//!      │    (LIFO per host:port, bounded, idle timeout, one stale retry)
 //!      ├─ commands (K2, H6): CAPABILITIES, TRANSPORT_STATUS,
 //!      │    PROVIDER_STATUS, OLLAMA_QUERY
 //!      └─ refresh (K3): APPLIED / RESTART_REQUIRED / FAILED
@@ -26,8 +28,9 @@
 //!
 //! Pure cores (no IO, `now` passed in): [`watchdog`], [`emit`], [`runs`],
 //! [`refresh`], [`observation`], the policy half of [`supervisor`] and the
-//! classification half of [`probe`] and [`commands`]. Shells: [`session`],
-//! [`tunnel`], [`driver`], [`timers`].
+//! classification half of [`probe`] and [`commands`], and the idle-pool
+//! policy of [`provider_pool`]. Shells: [`session`], [`tunnel`], [`driver`],
+//! [`timers`].
 //!
 //! Exit codes: 0 after SIGTERM/SIGINT; 1 for bad configuration, unreadable
 //! credentials, or exhausted reconnect attempts (S3).
@@ -43,6 +46,7 @@ pub mod observation;
 pub mod ollama;
 pub mod openai_run;
 pub mod probe;
+pub mod provider_pool;
 pub mod refresh;
 pub mod runs;
 pub mod session;

@@ -23,16 +23,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{self, ClientConn, HttpError, Limits, ResponseHead};
+use iop_engine::http::{HttpError, ResponseHead};
 use iop_wire::pb;
 use local_sync::oneshot;
-use monoio::net::TcpStream;
 use serde_json::Value;
 
 use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Permit};
 use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
 use crate::emit::{Emitter, RunEmitter, RunOutput};
 use crate::probe::ProbeTarget;
+use crate::provider_pool::{PooledConn, ProviderPool, ProviderRequest};
 use crate::runs::RunTicket;
 use crate::tunnel::codes;
 use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
@@ -171,8 +171,10 @@ pub type CallFailure = (&'static str, String);
 
 /// An open provider exchange: the connection with its response head read.
 pub struct Exchange {
-    /// The connection, positioned at the response body.
-    pub client: ClientConn<TcpStream>,
+    /// The connection, positioned at the response body; back to the pool
+    /// with `release` (body read to its end) or `finish` (content ended,
+    /// rest of the body drained), closed when dropped.
+    pub client: PooledConn,
     /// The response head.
     pub head: ResponseHead,
 }
@@ -202,37 +204,38 @@ impl Exchange {
     }
 }
 
-/// Opens `POST path` with a JSON `body` on a fresh connection to the
-/// adapter's provider and reads the response head. `extra` headers are
+/// Opens `POST path` with a JSON `body` on a pooled (or new) connection to
+/// the adapter's provider and reads the response head. `extra` headers are
 /// added as given (the credential hook of C2 goes here).
 pub async fn post_json(
+    pool: &Rc<ProviderPool>,
     adapter: &AdapterInstance,
     path: &str,
     accept: &str,
     extra: &[(String, String)],
     body: Bytes,
 ) -> Result<Exchange, CallFailure> {
-    let base = &adapter.base_url;
-    let tcp = http::connect_url(base).await.map_err(|e| {
-        (
-            codes::PROVIDER_UNREACHABLE,
-            format!("connect {}: {e}", base.authority()),
-        )
-    })?;
-    let mut client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
-    let headers = [("content-type", "application/json"), ("accept", accept)]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .chain(extra.iter().cloned());
-    client
-        .send_request("POST", path, headers, body)
+    let headers: Vec<(&str, &[u8])> = [
+        ("content-type", &b"application/json"[..]),
+        ("accept", accept.as_bytes()),
+    ]
+    .into_iter()
+    .chain(extra.iter().map(|(k, v)| (k.as_str(), v.as_bytes())))
+    .collect();
+    let request = ProviderRequest {
+        method: "POST",
+        target: path,
+        headers: &headers,
+        body,
+    };
+    let response = pool
+        .send(&adapter.base_url, &request, None)
         .await
-        .map_err(provider_failure)?;
-    let head = client
-        .read_response_head()
-        .await
-        .map_err(provider_failure)?;
-    Ok(Exchange { client, head })
+        .map_err(|e| e.into_failure())?;
+    Ok(Exchange {
+        client: response.conn,
+        head: response.head,
+    })
 }
 
 /// A provider HTTP failure as a terminal code and message (W6).
@@ -283,8 +286,10 @@ pub async fn serve(
     };
     let target = req.target.clone();
     let input = req.input.unwrap_or_default();
-    let provider =
-        driver::spawn_provider(Some(permit), move |out| call(adapter, target, input, out));
+    let pool = env.pool.clone();
+    let provider = driver::spawn_provider(Some(permit), move |out| {
+        call(pool, adapter, target, input, out)
+    });
     let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "run released");
     ended
@@ -293,18 +298,19 @@ pub async fn serve(
 /// The provider call of one run, by the adapter's protocol; any failure
 /// becomes the run's `error` terminal (W6).
 async fn call(
+    pool: Rc<ProviderPool>,
     adapter: Rc<AdapterInstance>,
     target: String,
     input: pb::RunInput,
     out: OutputTx<RunOutput>,
 ) {
     let result = match adapter.kind {
-        AdapterKind::Ollama => ollama::call(&adapter, &target, &input, &out).await,
+        AdapterKind::Ollama => ollama::call(&pool, &adapter, &target, &input, &out).await,
         AdapterKind::OpenAiCompat => {
             // C2 hook: a credential lease opened after admission would add
             // the profile's auth header here (`openai_run::auth_header`).
             let auth: Option<(String, String)> = None;
-            openai_run::call(&adapter, &target, &input, auth, &out).await
+            openai_run::call(&pool, &adapter, &target, &input, auth, &out).await
         }
     };
     if let Err((code, message)) = result {

@@ -27,6 +27,7 @@
 //! `metadata["done_reason"]`.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use bytes::Bytes;
 use iop_engine::http::NdjsonSplitter;
@@ -39,6 +40,7 @@ use crate::emit::RunOutput;
 use crate::normalized::{
     self, CallFailure, InputError, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES, META_DONE_REASON,
 };
+use crate::provider_pool::ProviderPool;
 use crate::tunnel::codes;
 
 /// The chat path under the adapter's base URL.
@@ -242,9 +244,12 @@ impl ChatStream {
     }
 }
 
-/// Runs one chat against the adapter's Ollama server, sending the outputs
-/// as they are parsed. `Err` is the failure terminal.
+/// Runs one chat against the adapter's Ollama server on a connection of
+/// `pool`, sending the outputs as they are parsed. `Err` is the failure
+/// terminal. The connection goes back to the pool only after a clean end
+/// of the body.
 pub async fn call(
+    pool: &Rc<ProviderPool>,
     adapter: &AdapterInstance,
     target: &str,
     input: &pb::RunInput,
@@ -254,13 +259,15 @@ pub async fn call(
         .map_err(|e| (normalized::INVALID_INPUT, format!("ollama request: {e}")))?;
     let path = adapter.base_url.join(CHAT_PATH);
     let mut exchange =
-        normalized::post_json(adapter, &path, "application/x-ndjson", &[], body).await?;
+        normalized::post_json(pool, adapter, &path, "application/x-ndjson", &[], body).await?;
     let status = exchange.head.status;
     if !(200..300).contains(&status) {
         let body = exchange
             .body(MAX_ERROR_BODY_BYTES)
             .await
             .unwrap_or_default();
+        // provider pool: the error body was read to its end.
+        exchange.client.release();
         return Err((
             codes::PROVIDER_ERROR,
             normalized::status_message("ollama", status, &body),
@@ -293,10 +300,15 @@ pub async fn call(
                 }
             }
             if stream.is_ended() {
+                // provider pool: the terminal is out; drain what is left of
+                // the body (bounded) and return the connection.
+                exchange.client.finish().await;
                 return Ok(());
             }
         }
         if piece.is_none() {
+            // provider pool: the body ended.
+            exchange.client.release();
             for output in stream.on_end() {
                 out.send(output).await;
             }

@@ -36,6 +36,7 @@
 //! fallback flag: the text is never parsed).
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use bytes::Bytes;
 use iop_engine::http::SseSplitter;
@@ -49,6 +50,7 @@ use crate::normalized::{
     self, CallFailure, InputError, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES, MAX_JSON_BODY_BYTES,
     META_TEXT_TOOL_FALLBACK,
 };
+use crate::provider_pool::ProviderPool;
 use crate::tunnel::codes;
 
 /// How a request treats tools.
@@ -516,11 +518,14 @@ impl ChatStream {
     }
 }
 
-/// Runs one chat against the adapter's OpenAI-compatible server, with the
-/// E5 retry, sending outputs as they are parsed. `auth` is the header a
-/// credential lease provides (C2; `None` without the credential plane).
-/// `Err` is the failure terminal.
+/// Runs one chat against the adapter's OpenAI-compatible server on a
+/// connection of `pool`, with the E5 retry, sending outputs as they are
+/// parsed. `auth` is the header a credential lease provides (C2; `None`
+/// without the credential plane). `Err` is the failure terminal. The
+/// connection goes back to the pool only after a clean end of a body (the
+/// E5 retry reuses the rejected request's connection).
 pub async fn call(
+    pool: &Rc<ProviderPool>,
     adapter: &AdapterInstance,
     target: &str,
     input: &pb::RunInput,
@@ -542,7 +547,7 @@ pub async fn call(
     let tools_sent = normalized::tools(input).map_err(invalid)?.is_some();
     let body = chat_body(target, input, ToolMode::Native).map_err(invalid)?;
     let mut exchange =
-        normalized::post_json(adapter, &path, "text/event-stream", &extra, body).await?;
+        normalized::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
     let mut mode = ToolMode::Native;
     let mut status = exchange.head.status;
     if !(200..300).contains(&status) {
@@ -550,6 +555,8 @@ pub async fn call(
             .body(MAX_ERROR_BODY_BYTES)
             .await
             .unwrap_or_default();
+        // provider pool: the error body was read to its end.
+        exchange.client.release();
         if !is_tool_rejection(status, &error, tools_sent) {
             return Err((
                 codes::PROVIDER_ERROR,
@@ -565,13 +572,15 @@ pub async fn call(
             "backend rejected the tool API; retrying with text tool calls"
         );
         let body = chat_body(target, input, mode).map_err(invalid)?;
-        exchange = normalized::post_json(adapter, &path, "text/event-stream", &extra, body).await?;
+        exchange =
+            normalized::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
         status = exchange.head.status;
         if !(200..300).contains(&status) {
             let error = exchange
                 .body(MAX_ERROR_BODY_BYTES)
                 .await
                 .unwrap_or_default();
+            exchange.client.release();
             return Err((
                 codes::PROVIDER_ERROR,
                 normalized::status_message(&provider, status, &error),
@@ -584,6 +593,7 @@ pub async fn call(
     }
     if !exchange.content_type_is(b"text/event-stream") {
         let body = exchange.body(MAX_JSON_BODY_BYTES).await?;
+        exchange.client.release();
         for output in stream.on_json_body(&body) {
             out.send(output).await;
         }
@@ -608,10 +618,15 @@ pub async fn call(
                 }
             }
             if stream.is_ended() {
+                // provider pool: the terminal is out; drain what is left of
+                // the body (bounded) and return the connection.
+                exchange.client.finish().await;
                 return Ok(());
             }
         }
         if piece.is_none() {
+            // provider pool: the body ended.
+            exchange.client.release();
             for output in stream.on_end() {
                 out.send(output).await;
             }

@@ -18,6 +18,11 @@
 //! models list without the target, or a refused connection (nothing
 //! listens) → unavailable; everything else — timeouts, other statuses,
 //! malformed or oversized bodies, other IO errors — → unknown.
+//!
+//! Probes deliberately bypass the core's provider connection pool
+//! ([`crate::provider_pool`]): each one opens its own `connection: close`
+//! connection, so its evidence is about the provider now (never a stale
+//! pooled socket), and a busy pool can neither starve nor delay it.
 
 use std::time::Duration;
 

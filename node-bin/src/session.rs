@@ -33,6 +33,7 @@ use crate::credentials::{LeaseGate, NodeCredentials};
 use crate::driver::AttemptEnv;
 use crate::normalized;
 use crate::observation::ObservationSeq;
+use crate::provider_pool::{self, PoolConfig, ProviderPool};
 use crate::refresh::{self, RefreshDecision};
 use crate::runs::{RunKind, RunTable};
 use crate::timers::Timers;
@@ -54,6 +55,9 @@ pub enum SessionEnd {
 pub struct NodeCore {
     /// The core's timer wheel (watchdog deadlines).
     pub timers: Rc<Timers>,
+    /// The core's keep-alive pool of provider connections, shared by
+    /// every session's tunnels and normalized runs.
+    pub pool: Rc<ProviderPool>,
     /// The adapters of the last session, whose gates the next one reuses.
     last_adapters: RefCell<Option<Rc<Adapters>>>,
     /// The credential plane (C2): recipient key, issuer key and the replay
@@ -74,8 +78,11 @@ impl NodeCore {
     pub fn start_with_credentials(credentials: Option<NodeCredentials>) -> Rc<Self> {
         let timers = Timers::new(clock::now());
         monoio::spawn(timers.clone().run());
+        let pool = ProviderPool::new(PoolConfig::default());
+        provider_pool::spawn_sweeper(&pool, &timers);
         Rc::new(Self {
             timers,
+            pool,
             last_adapters: RefCell::new(None),
             credentials: credentials.map(Rc::new),
         })
@@ -199,6 +206,7 @@ pub async fn run(
             timers: core.timers.clone(),
             // W7: bound to this connection, starting at 1.
             observations: Rc::new(ObservationSeq::bound()),
+            pool: core.pool.clone(),
         },
         runs: RefCell::new(RunTable::new()),
         applied: RefCell::new(applied),

@@ -12,15 +12,20 @@
 //! adapter, unresolvable operation, full gate, credential lease) is one
 //! `ERROR` terminal and opens no provider connection. The credential lease
 //! is opened after the gate admitted the request, right before the provider
-//! call (C2); its header lives only until the request head is written. Body pieces are slices of the provider read
-//! buffer, forwarded as they arrive without parsing or copying (U2).
+//! call (C2); its header lives only until the request head is written (on a
+//! reused pooled connection: until the response head, so the one stale
+//! retry can resend it without opening the lease again). Body pieces are
+//! slices of the provider read buffer, forwarded as they arrive without
+//! parsing or copying (U2). The provider connection comes from the core's
+//! [`ProviderPool`] and goes back to it only when the body was read to its
+//! end; a cancelled or stalled tunnel drops it (U6, W4).
 
 use std::rc::Rc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{self, ClientConn, HttpError, Limits};
+use iop_engine::http::{self, HttpError};
 use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
 use local_sync::oneshot;
@@ -30,6 +35,7 @@ use crate::credentials::LeaseGate;
 use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
 use crate::emit::{Emitter, TunnelEmitter, TunnelOutput};
 use crate::probe::ProbeTarget;
+use crate::provider_pool::{ProviderPool, ProviderRequest, SecretHeader};
 use crate::runs::RunTicket;
 use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
 
@@ -111,6 +117,7 @@ pub async fn serve(
         probe: ProbeTarget::of(&adapter, &req.target),
     };
     let call = ProviderCall {
+        pool: env.pool.clone(),
         adapter,
         method: if req.method.is_empty() {
             "POST".to_string()
@@ -171,6 +178,8 @@ fn admit(
 
 /// The provider HTTP exchange of one tunnel, run in the provider task.
 struct ProviderCall {
+    /// The core's provider connection pool.
+    pool: Rc<ProviderPool>,
     adapter: Rc<AdapterInstance>,
     method: String,
     path: String,
@@ -191,43 +200,41 @@ impl ProviderCall {
         &mut self,
         out: &OutputTx<TunnelOutput>,
     ) -> Result<(), (&'static str, String)> {
-        let base = &self.adapter.base_url;
-        let tcp = http::connect_url(base).await.map_err(|e| {
-            (
-                codes::PROVIDER_UNREACHABLE,
-                format!("connect {}: {e}", base.authority()),
-            )
-        })?;
-        let mut client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
+        // --- provider pool: checkout, stale retry, credential header -------
         // C2: the declared header, built in a zeroizing buffer, replaces any
-        // forwarded header of the same name; the plaintext is dropped as
-        // soon as the head is written.
-        let credential = self.credential.take();
-        let injected = credential
-            .as_ref()
-            .map(|c| (c.header_name(), c.declared_header_value()));
-        let injected_name = injected.as_ref().map(|(name, _)| *name);
-        let headers = self
+        // forwarded header of the same name. The opened secret goes right
+        // here; the header value is owned by `send`, which drops it as soon
+        // as no retry can need it (a stale pooled connection is retried
+        // with this same value: the lease is never opened twice).
+        let secret = self
+            .credential
+            .take()
+            .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
+        let injected_name = secret.as_ref().map(|s| s.name().to_string());
+        let headers: Vec<(&str, &[u8])> = self
             .headers
             .iter()
             .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
-            .filter(|h| injected_name.is_none_or(|name| !h.name.eq_ignore_ascii_case(name)))
+            .filter(|h| {
+                injected_name
+                    .as_deref()
+                    .is_none_or(|name| !h.name.eq_ignore_ascii_case(name))
+            })
             .map(|h| (h.name.as_str(), &h.value[..]))
-            .chain(
-                injected
-                    .as_ref()
-                    .map(|(name, value)| (*name, value.as_bytes())),
-            );
-        let sent = client
-            .send_request(&self.method, &self.path, headers, self.body.clone())
-            .await;
-        drop(injected);
-        drop(credential);
-        sent.map_err(provider_failure)?;
-        let head = client
-            .read_response_head()
+            .collect();
+        let request = ProviderRequest {
+            method: &self.method,
+            target: &self.path,
+            headers: &headers,
+            body: self.body.clone(),
+        };
+        let response = self
+            .pool
+            .send(&self.adapter.base_url, &request, secret)
             .await
-            .map_err(provider_failure)?;
+            .map_err(|e| e.into_failure())?;
+        let (mut conn, head) = (response.conn, response.head);
+        // ----------------------------------------------------------------------
         let headers = head
             .headers
             .iter()
@@ -243,11 +250,14 @@ impl ProviderCall {
         if !out.send(start).await {
             return Ok(());
         }
-        while let Some(piece) = client.read_body_chunk().await.map_err(provider_failure)? {
+        while let Some(piece) = conn.read_body_chunk().await.map_err(provider_failure)? {
             if !out.send(TunnelOutput::Body(piece)).await {
                 return Ok(());
             }
         }
+        // The body ended: back to the pool before the terminal, so the
+        // request that follows it can reuse the connection.
+        conn.release();
         out.send(TunnelOutput::End).await;
         Ok(())
     }

@@ -34,6 +34,7 @@ pub mod tools;
 
 pub use openai::{HealthState, MockConfig, MockFaults, MockProvider, MockStats};
 pub use server::{
-    ready_line, run, run_provider, run_with, serve, serve_provider, serve_with, ServeError,
+    ready_line, run, run_provider, run_with, serve, serve_provider, serve_shared, serve_with,
+    ServeError,
 };
 pub use tools::MockModes;

@@ -755,6 +755,7 @@ pub struct MockProvider {
     completions_started: u64,
     modes: super::tools::MockModes,
     required_api_key: Option<super::auth::ApiKey>,
+    close_after_requests: Option<u32>,
 }
 
 impl MockProvider {
@@ -775,7 +776,23 @@ impl MockProvider {
             completions_started: 0,
             modes: super::tools::MockModes::default(),
             required_api_key: None,
+            close_after_requests: None,
         }
+    }
+
+    /// The same handler closing each connection, without notice, after it
+    /// served `requests` requests (`--close-after-requests`): the reply
+    /// still looks keep-alive, so a client pool keeps the connection and
+    /// finds it closed on its next request — a server's idle-connection
+    /// close as a test can trigger it.
+    pub fn with_close_after_requests(mut self, requests: u32) -> Self {
+        self.close_after_requests = Some(requests);
+        self
+    }
+
+    /// Requests a connection serves before the shell closes it, if limited.
+    pub fn close_after_requests(&self) -> Option<u32> {
+        self.close_after_requests
     }
 
     /// The same handler requiring `key` on provider routes

@@ -123,6 +123,16 @@ pub async fn serve_provider(listener: TcpListener, provider: MockProvider) -> In
     accept_loop(listener, Rc::new(RefCell::new(provider))).await
 }
 
+/// [`serve_provider`] with a handler the caller keeps a handle to, so an
+/// in-process test reads the counters ([`MockProvider::stats`]) without
+/// opening a connection of its own.
+pub async fn serve_shared(
+    listener: TcpListener,
+    provider: Rc<RefCell<MockProvider>>,
+) -> Infallible {
+    accept_loop(listener, provider).await
+}
+
 fn announce(addr: SocketAddr) -> io::Result<()> {
     let mut stdout = io::stdout().lock();
     writeln!(stdout, "{}", ready_line(addr))?;
@@ -221,12 +231,16 @@ enum After {
 }
 
 /// Serves requests until the client closes, the connection may not be kept,
-/// or an error ends it.
+/// an error ends it, or it served `--close-after-requests` requests (then
+/// it is closed silently after the last reply).
 async fn serve_requests(
     conn: &mut ServerConn<TcpStream>,
     provider: &RefCell<MockProvider>,
 ) -> Result<(), HttpError> {
+    let close_after = provider.borrow().close_after_requests();
+    let mut served: u32 = 0;
     while let Some(request) = conn.read_request().await? {
+        served = served.saturating_add(1);
         debug!(
             method = %request.head.method,
             target = %request.head.target,
@@ -239,7 +253,7 @@ async fn serve_requests(
         if let Some(body) = refused {
             conn.write_response(401, JSON_HEADERS, Bytes::from(body))
                 .await?;
-            if !conn.keep_alive() {
+            if !conn.keep_alive() || close_after.is_some_and(|limit| served >= limit) {
                 break;
             }
             continue;
@@ -289,7 +303,7 @@ async fn serve_requests(
             }
             Reply::Drop => return Ok(()),
         }
-        if !conn.keep_alive() {
+        if !conn.keep_alive() || close_after.is_some_and(|limit| served >= limit) {
             break;
         }
     }
