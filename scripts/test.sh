@@ -43,8 +43,10 @@ else
 fi
 
 if [ "$run_e2e" = 1 ]; then
-  stage "end-to-end (real processes, official SDKs)"
+  stage "end-to-end (real processes, official SDKs), io_uring driver"
   scripts/e2e.sh
+  stage "end-to-end again on the epoll fallback (MONOIO_FORCE_LEGACY_DRIVER=1)"
+  MONOIO_FORCE_LEGACY_DRIVER=1 scripts/e2e.sh
 fi
 
 stage "contract coverage"
