@@ -68,6 +68,11 @@ pub const MAX_QUEUE_LIMIT: u32 = 1_000_000;
 pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 30_000;
 /// Largest accepted `models[].queue_timeout_ms` (one day).
 pub const MAX_QUEUE_TIMEOUT_MS: u64 = 86_400_000;
+/// Default `edge.drain_grace_ms`: how long in-flight client requests may
+/// run on after SIGTERM/SIGINT before the Edge exits anyway.
+pub const DEFAULT_DRAIN_GRACE_MS: u64 = 30_000;
+/// Largest accepted `edge.drain_grace_ms` (one hour).
+pub const MAX_DRAIN_GRACE_MS: u64 = 3_600_000;
 /// Largest accepted `models[].long_context_threshold_tokens`.
 pub const MAX_LONG_CONTEXT_THRESHOLD_TOKENS: u64 = 100_000_000;
 /// Default `models[].owned_by`, shown in `/v1/models`.
@@ -198,6 +203,10 @@ pub struct EdgeSettings {
     /// Dev flag: Nodes connect over plain TCP and the credential plane is
     /// disabled (T5).
     pub insecure_plaintext_nodes: bool,
+    /// After SIGTERM/SIGINT, how long in-flight client requests may finish
+    /// before the Edge exits anyway (0 = exit as soon as the listeners are
+    /// closed).
+    pub drain_grace_ms: u64,
 }
 
 /// One configured Node (`[[nodes]]`).
@@ -672,6 +681,7 @@ struct RawEdge {
     max_frame_bytes: Option<i64>,
     #[serde(default)]
     insecure_plaintext_nodes: bool,
+    drain_grace_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1107,6 +1117,11 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let drain_grace_ms = match raw.drain_grace_ms {
+            None => DEFAULT_DRAIN_GRACE_MS,
+            Some(v) => in_range(v, 0, MAX_DRAIN_GRACE_MS)
+                .map_err(|why| self.err("edge.drain_grace_ms", why))?,
+        };
         Ok(EdgeSettings {
             name: raw.name,
             trust_domain: raw.trust_domain,
@@ -1115,6 +1130,7 @@ impl Validator<'_> {
             max_request_body_bytes,
             max_frame_bytes,
             insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
+            drain_grace_ms,
         })
     }
 
@@ -1543,6 +1559,7 @@ providers = ["node-a/a-llama"]
                 max_request_body_bytes: 8 * 1024 * 1024,
                 max_frame_bytes: 16 * 1024 * 1024,
                 insecure_plaintext_nodes: false,
+                drain_grace_ms: 30_000,
             },
             tls: Some(TlsFiles {
                 ca: dir.join("certs/ca.pem"),
@@ -1683,7 +1700,7 @@ providers = ["node-a/a-llama"]
             error_of("[tls]", "colour = \"blue\"\n[tls]"),
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
-             `insecure_plaintext_nodes` (line 8, column 1)"
+             `insecure_plaintext_nodes`, `drain_grace_ms` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -1836,6 +1853,30 @@ providers = ["node-a/a-llama"]
             ),
             (1_048_576, 983_040)
         );
+    }
+
+    #[test]
+    fn drain_grace_defaults_and_is_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(parse(BASE).unwrap().edge.drain_grace_ms, 30_000);
+        assert_eq!(
+            error_of(edge, &format!("{edge}\ndrain_grace_ms = -1")),
+            "conf/edge.toml: edge.drain_grace_ms: must be between 0 and 3600000 (got -1)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\ndrain_grace_ms = 3600001")),
+            "conf/edge.toml: edge.drain_grace_ms: must be between 0 and 3600000 (got 3600001)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\ndrain_grace_ms = \"5s\"")),
+            "conf/edge.toml: edge.drain_grace_ms: invalid type: string \"5s\", expected i64 \
+             (line 7, column 18)"
+        );
+        for (value, expected) in [("0", 0), ("3600000", 3_600_000), ("250", 250)] {
+            let config =
+                parse(&variant(edge, &format!("{edge}\ndrain_grace_ms = {value}"))).unwrap();
+            assert_eq!(config.edge.drain_grace_ms, expected);
+        }
     }
 
     #[test]

@@ -10,12 +10,14 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::time::Duration;
 
 use argh::FromArgs;
 use edge_bin::config::EdgeConfig;
 use edge_bin::credentials::{client_key_hash_hex, CredentialPlane};
 use edge_bin::server;
-use iop_engine::rt::{self, CoreList, Signal, SignalPipe};
+use edge_bin::server::DrainEnd;
+use iop_engine::rt::{self, notify, CoreList, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
 
 /// IOP Edge: the OpenAI-compatible gateway Nodes dial into.
@@ -181,6 +183,48 @@ fn keys(args: KeysArgs) -> ExitCode {
     }
 }
 
+/// The first SIGTERM/SIGINT (which also tells systemd `STOPPING=1`) and
+/// the second, as two futures. Call on the runtime thread.
+fn stop_signals() -> std::io::Result<(
+    impl std::future::Future<Output = ()>,
+    impl std::future::Future<Output = ()>,
+)> {
+    let mut term = SignalPipe::install(Signal::Term)?;
+    let mut int = SignalPipe::install(Signal::Int)?;
+    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+    monoio::spawn(async move {
+        for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
+            let signal = monoio::select! {
+                s = term.recv() => s,
+                s = int.recv() => s,
+            };
+            match signal {
+                Ok(signal) if nth == 0 => {
+                    tracing::info!(
+                        ?signal,
+                        "shutting down: draining (signal again to stop at once)"
+                    );
+                    notify::notify(notify::State::Stopping);
+                }
+                Ok(signal) => tracing::warn!(?signal, "second signal: stopping at once"),
+                Err(e) => {
+                    tracing::error!(error = %e, "signal pipe failed; signals are ignored");
+                    std::future::pending::<()>().await;
+                }
+            }
+            let _ = tx.send(());
+        }
+    });
+    // A sender dropped without sending never stops the process.
+    let wait = |rx: local_sync::oneshot::Receiver<()>| async move {
+        if rx.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    Ok((wait(first_rx), wait(second_rx)))
+}
+
 fn serve(path: &str, cores: &str) -> ExitCode {
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
@@ -246,9 +290,9 @@ fn serve(path: &str, cores: &str) -> ExitCode {
         core = cores.control(),
         "edge-bin starting"
     );
+    let drain_grace = Duration::from_millis(cfg.edge.drain_grace_ms);
     let result = rt::block_on(async move {
-        let mut term = SignalPipe::install(Signal::Term)?;
-        let mut int = SignalPipe::install(Signal::Int)?;
+        let (shutdown, force) = stop_signals()?;
         // SIGUSR1 dumps the latency histograms to stderr (before the ready line).
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
         let listeners = server::Listeners::bind(&cfg)?;
@@ -262,6 +306,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                 let mut revision = 1u64;
                 while hup.recv().await.is_ok() {
                     revision += 1;
+                    notify::notify(notify::State::reloading_now());
                     match server::reload(&edge, &current, &path, revision) {
                         Ok((next, report)) => {
                             tracing::info!(
@@ -283,22 +328,32 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                             "configuration reload failed; keeping the running configuration"
                         ),
                     }
+                    notify::notify(notify::State::Ready);
                 }
             });
         }
         listeners.announce()?;
-        let shutdown = async move {
-            monoio::select! {
-                _ = term.recv() => {},
-                _ = int.recv() => {},
-            }
+        notify::notify(notify::State::Ready);
+        let stop = server::Stop {
+            shutdown,
+            force,
+            drain_grace,
         };
-        server::serve(edge, listeners, acceptor, shutdown).await;
-        Ok::<(), std::io::Error>(())
+        Ok::<_, std::io::Error>(server::serve_with_drain(edge, listeners, acceptor, stop).await)
     });
     match result {
-        Ok(Ok(())) => {
-            tracing::info!("shut down");
+        Ok(Ok(end)) => {
+            match end {
+                DrainEnd::Finished => tracing::info!("drained; shut down"),
+                DrainEnd::GraceElapsed { in_flight } => tracing::warn!(
+                    in_flight,
+                    "edge.drain_grace_ms elapsed; shut down with requests in flight"
+                ),
+                DrainEnd::Forced { in_flight } => tracing::warn!(
+                    in_flight,
+                    "second signal; shut down with requests in flight"
+                ),
+            }
             ExitCode::SUCCESS
         }
         Ok(Err(e)) | Err(e) => fail(e),

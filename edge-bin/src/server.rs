@@ -240,13 +240,67 @@ impl Listeners {
     }
 }
 
-/// Serves both listeners until `shutdown` completes.
+/// Serves both listeners until `shutdown` completes, then stops at once
+/// (connections still open are left to the caller's runtime). The binary
+/// drains instead: [`serve_with_drain`].
 pub async fn serve(
     edge: Rc<Edge>,
     listeners: Listeners,
     acceptor: Option<Rc<EdgeTlsAcceptor>>,
     shutdown: impl Future<Output = ()>,
 ) {
+    let stop = Stop {
+        shutdown,
+        force: std::future::pending(),
+        drain_grace: Duration::ZERO,
+    };
+    serve_with_drain(edge, listeners, acceptor, stop).await;
+}
+
+/// When and how the Edge stops.
+#[derive(Debug)]
+pub struct Stop<S, F> {
+    /// Completes on the first SIGTERM/SIGINT: the drain begins.
+    pub shutdown: S,
+    /// Completes on the second: the drain ends at once.
+    pub force: F,
+    /// How long in-flight client requests may run on (`edge.drain_grace_ms`).
+    pub drain_grace: Duration,
+}
+
+/// How the shutdown drain ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainEnd {
+    /// Every in-flight client request finished.
+    Finished,
+    /// The grace elapsed with this many requests still in flight.
+    GraceElapsed {
+        /// Requests cut off.
+        in_flight: usize,
+    },
+    /// A second signal ended the drain with this many requests in flight.
+    Forced {
+        /// Requests cut off.
+        in_flight: usize,
+    },
+}
+
+/// Serves both listeners until `stop.shutdown` completes, then drains:
+/// both listeners are closed (new client and node connections are
+/// refused), [`Edge::begin_drain`] makes `/readyz` answer 503 and requests
+/// on open connections get 503 with `retry-after`, while node connections
+/// and the requests already in flight carry on until they finish, the
+/// grace elapses or `stop.force` completes.
+pub async fn serve_with_drain<S, F>(
+    edge: Rc<Edge>,
+    listeners: Listeners,
+    acceptor: Option<Rc<EdgeTlsAcceptor>>,
+    stop: Stop<S, F>,
+) -> DrainEnd
+where
+    S: Future<Output = ()>,
+    F: Future<Output = ()>,
+{
     let Listeners {
         client: client_listener,
         nodes: node_listener,
@@ -267,27 +321,51 @@ pub async fn serve(
             }
         }
     };
-    let timers = {
+    let client_loop = {
         let edge = edge.clone();
-        async move { edge.run_timers().await }
-    };
-    let client_loop = async move {
-        loop {
-            match iop_engine::http::accept(&client_listener).await {
-                Ok((tcp, _)) => {
-                    monoio::spawn(surface::serve(edge.clone(), tcp));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "client accept failed");
-                    monoio::time::sleep(Duration::from_millis(50)).await;
+        async move {
+            loop {
+                match iop_engine::http::accept(&client_listener).await {
+                    Ok((tcp, _)) => {
+                        monoio::spawn(surface::serve(edge.clone(), tcp));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "client accept failed");
+                        monoio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 }
             }
         }
     };
+    let timers = {
+        let edge = edge.clone();
+        async move { edge.run_timers().await }
+    };
+    let mut timers = std::pin::pin!(timers);
+    // The accept loops own the listeners: when this select ends they are
+    // dropped and the listening sockets close.
     monoio::select! {
-        _ = timers => {},
+        _ = &mut timers => {},
         _ = node_loop => {},
         _ = client_loop => {},
-        _ = shutdown => {},
+        _ = stop.shutdown => {},
+    }
+    edge.begin_drain();
+    tracing::info!(
+        in_flight = edge.in_flight_requests(),
+        drain_grace_ms = u64::try_from(stop.drain_grace.as_millis()).unwrap_or(u64::MAX),
+        "draining: listeners closed, /readyz answers 503"
+    );
+    // Control's timers keep running (queue timeouts, heartbeats); they
+    // never end on their own.
+    monoio::select! {
+        _ = &mut timers => DrainEnd::Finished,
+        _ = edge.requests_finished() => DrainEnd::Finished,
+        _ = monoio::time::sleep(stop.drain_grace) => DrainEnd::GraceElapsed {
+            in_flight: edge.in_flight_requests(),
+        },
+        _ = stop.force => DrainEnd::Forced {
+            in_flight: edge.in_flight_requests(),
+        },
     }
 }

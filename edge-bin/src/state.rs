@@ -130,6 +130,27 @@ pub struct Edge {
     observers: RefCell<Vec<Observer>>,
     next_conn: Cell<u64>,
     next_request: Cell<u64>,
+    /// Set once SIGTERM/SIGINT closed the listeners.
+    draining: Cell<bool>,
+    /// Client requests being answered (read, response not finished).
+    in_flight_requests: Cell<usize>,
+    /// Woken when a client request finishes (the drain waits on it).
+    request_finished: Notify,
+}
+
+/// A client request in flight ([`Edge::track_request`]); dropping it ends
+/// the count.
+#[derive(Debug)]
+pub struct InFlightRequest<'a> {
+    edge: &'a Edge,
+}
+
+impl Drop for InFlightRequest<'_> {
+    fn drop(&mut self) {
+        let count = &self.edge.in_flight_requests;
+        count.set(count.get().saturating_sub(1));
+        self.edge.request_finished.notify();
+    }
 }
 
 impl std::fmt::Debug for Edge {
@@ -160,6 +181,40 @@ impl Edge {
             observers: RefCell::new(Vec::new()),
             next_conn: Cell::new(0),
             next_request: Cell::new(0),
+            draining: Cell::new(false),
+            in_flight_requests: Cell::new(0),
+            request_finished: Notify::default(),
+        }
+    }
+
+    /// Starts the shutdown drain: from now on `/readyz` answers 503 and new
+    /// requests on open connections are refused. Never undone.
+    pub fn begin_drain(&self) {
+        self.draining.set(true);
+    }
+
+    /// Whether the shutdown drain has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.get()
+    }
+
+    /// Counts a client request as in flight until the guard drops.
+    pub fn track_request(&self) -> InFlightRequest<'_> {
+        self.in_flight_requests
+            .set(self.in_flight_requests.get() + 1);
+        InFlightRequest { edge: self }
+    }
+
+    /// Client requests being answered now.
+    pub fn in_flight_requests(&self) -> usize {
+        self.in_flight_requests.get()
+    }
+
+    /// Completes once no client request is in flight (at once when none
+    /// is). One task waits at a time (the drain).
+    pub async fn requests_finished(&self) {
+        while self.in_flight_requests.get() > 0 {
+            self.request_finished.notified().await;
         }
     }
 
@@ -441,5 +496,45 @@ mod tests {
         edge.apply(Input::Closed { conn });
         assert_eq!(seen.get(), 2, "node.disconnected reached the observer");
         assert!(!edge.control.borrow().is_ready_owner(conn));
+    }
+
+    #[test]
+    fn drain_flag_and_in_flight_count() {
+        let edge = edge();
+        assert!(!edge.is_draining());
+        let first = edge.track_request();
+        let second = edge.track_request();
+        assert_eq!(edge.in_flight_requests(), 2);
+        edge.begin_drain();
+        assert!(edge.is_draining());
+        drop(first);
+        assert_eq!(edge.in_flight_requests(), 1);
+        drop(second);
+        assert_eq!(edge.in_flight_requests(), 0);
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn requests_finished_waits_for_the_last_request() {
+        let edge = Rc::new(edge());
+        // Nothing in flight: completes at once.
+        edge.requests_finished().await;
+        let finished = Rc::new(Cell::new(false));
+        let waiter = {
+            let (edge, finished) = (edge.clone(), finished.clone());
+            monoio::spawn(async move {
+                edge.requests_finished().await;
+                finished.set(true);
+            })
+        };
+        let first = edge.track_request();
+        let second = edge.track_request();
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!finished.get());
+        drop(first);
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!finished.get(), "one request is still in flight");
+        drop(second);
+        waiter.await;
+        assert!(finished.get());
     }
 }

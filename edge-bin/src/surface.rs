@@ -57,6 +57,12 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         let method = request.head.method.as_str();
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
+        // The shutdown drain waits for this response to finish.
+        let _in_flight = edge.track_request();
+        if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
+            let _ = refuse_while_draining(&mut server, &path).await;
+            return;
+        }
         // Client API keys: with keys configured, every route but the probes
         // and the metrics scrape needs one (401 in the route's shape).
         let principal = match authenticate(&edge, &path, &request.head.headers) {
@@ -142,6 +148,15 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
                 let (status, body) = crate::admin::handle(&edge, p, &request.body).await;
                 write_json(&mut server, status, body).await
+            }
+            ("GET", "/readyz") if edge.is_draining() => {
+                server
+                    .write_response(
+                        503,
+                        [("content-type", "text/plain")],
+                        Bytes::from_static(b"draining\n"),
+                    )
+                    .await
             }
             ("GET", "/livez") | ("GET", "/readyz") => {
                 server
@@ -258,6 +273,43 @@ where
     if let Some(r) = retry_after.as_deref() {
         headers.push(("retry-after", r));
     }
+    server
+        .write_response(e.status, headers, e.body_for(surface))
+        .await
+}
+
+/// The answer to a request that arrives on an already-open connection
+/// during the shutdown drain.
+pub fn draining_error() -> ApiError {
+    ApiError {
+        status: 503,
+        message: "The gateway is shutting down; retry shortly.".into(),
+        kind: "service_unavailable_error",
+        param: None,
+        code: Some("shutting_down".into()),
+        retry_after_sec: Some(1),
+    }
+}
+
+/// Answers [`draining_error`] (in the route's error shape: Anthropic on
+/// `/v1/messages*`) with `connection: close`; the caller then drops the
+/// connection.
+async fn refuse_while_draining<S>(server: &mut ServerConn<S>, path: &str) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let surface = if path.starts_with(MESSAGES.path) {
+        Surface::Anthropic
+    } else {
+        Surface::OpenAi
+    };
+    let e = draining_error();
+    let retry_after = e.retry_after_sec.unwrap_or(1).to_string();
+    let headers = [
+        ("content-type", "application/json"),
+        ("retry-after", retry_after.as_str()),
+        ("connection", "close"),
+    ];
     server
         .write_response(e.status, headers, e.body_for(surface))
         .await
@@ -1053,5 +1105,113 @@ mod tests {
                 "{message} has a `model` field"
             );
         }
+    }
+
+    async fn exchange(
+        client: &mut iop_engine::http::ClientConn<TcpStream>,
+        method: &str,
+        path: &str,
+        body: &'static [u8],
+    ) -> (iop_engine::http::ResponseHead, Bytes) {
+        client
+            .send_request(
+                method,
+                path,
+                [("content-type", "application/json")],
+                Bytes::from_static(body),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("send {path}: {e}"));
+        let head = client
+            .read_response_head()
+            .await
+            .unwrap_or_else(|e| panic!("head of {path}: {e}"));
+        let body = client
+            .read_body_to_end(1 << 20)
+            .await
+            .unwrap_or_else(|e| panic!("body of {path}: {e}"));
+        (head, body)
+    }
+
+    fn header<'h>(head: &'h iop_engine::http::ResponseHead, name: &str) -> Option<&'h [u8]> {
+        head.header(name).map(|v| &v[..])
+    }
+
+    /// Serves the Edge's client surface on one accepted connection per
+    /// `connections`, and returns a connected client for each.
+    async fn connect_clients(
+        edge: &Rc<Edge>,
+        connections: usize,
+    ) -> (
+        Vec<iop_engine::http::ClientConn<TcpStream>>,
+        monoio::task::JoinHandle<()>,
+    ) {
+        let listener = monoio::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let served = edge.clone();
+        let server = monoio::spawn(async move {
+            let mut served_conns = Vec::new();
+            for _ in 0..connections {
+                let (tcp, _) = listener.accept().await.expect("accept");
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp)));
+            }
+            for conn in served_conns {
+                conn.await;
+            }
+        });
+        let mut clients = Vec::new();
+        for _ in 0..connections {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            clients
+                .push(iop_engine::http::ClientConn::new(tcp, Limits::default()).with_host("edge"));
+        }
+        (clients, server)
+    }
+
+    // The shutdown drain as an open keep-alive connection sees it: /readyz
+    // turns 503, /livez stays 200, and any other request gets 503 with
+    // retry-after and connection: close (OpenAI shape; Anthropic shape on
+    // /v1/messages), after which the Edge closes the connection.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_draining_edge_refuses_requests_on_open_connections() {
+        let cfg = EdgeConfig::parse(
+            "[edge]\nname = \"e\"\ntrust_domain = \"t\"\nclient_listen = \"127.0.0.1:0\"\n\
+             node_listen = \"127.0.0.1:0\"\ninsecure_plaintext_nodes = true\n",
+            "edge.toml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let edge = crate::server::edge_state(&cfg);
+        let (mut clients, server) = connect_clients(&edge, 2).await;
+        let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
+        assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));
+
+        edge.begin_drain();
+        let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
+        assert_eq!((head.status, &body[..]), (503, &b"draining\n"[..]));
+        assert_eq!(header(&head, "connection"), None);
+        let (head, body) = exchange(&mut clients[0], "GET", "/livez", b"").await;
+        assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));
+        let (head, body) = exchange(&mut clients[0], "POST", "/v1/chat/completions", b"{}").await;
+        assert_eq!(head.status, 503);
+        assert_eq!(header(&head, "retry-after"), Some(&b"1"[..]));
+        assert_eq!(header(&head, "connection"), Some(&b"close"[..]));
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            "{\"error\":{\"message\":\"The gateway is shutting down; retry shortly.\",\
+             \"type\":\"service_unavailable_error\",\"param\":null,\"code\":\"shutting_down\"}}"
+        );
+        assert!(!head.keep_alive);
+        let (head, body) = exchange(&mut clients[1], "POST", "/v1/messages", b"{}").await;
+        assert_eq!(head.status, 503);
+        assert_eq!(header(&head, "retry-after"), Some(&b"1"[..]));
+        assert_eq!(header(&head, "connection"), Some(&b"close"[..]));
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\
+             \"message\":\"The gateway is shutting down; retry shortly.\"}}"
+        );
+        // Both connections were closed by the Edge; nothing is in flight.
+        server.await;
+        assert_eq!(edge.in_flight_requests(), 0);
     }
 }

@@ -9,6 +9,8 @@
 //! - [`Signals`] turns SIGTERM/SIGINT/SIGHUP/SIGUSR1 into an async stream for
 //!   the shard that owns lifecycle, through signal-hook's self-pipe (no
 //!   unsafe, async-signal-safe).
+//! - [`notify`] tells systemd `READY=1`, `RELOADING=1` and `STOPPING=1`
+//!   when `NOTIFY_SOCKET` is set.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -17,6 +19,8 @@ use std::io;
 use std::os::unix::net::UnixStream as StdUnixStream;
 
 use monoio::io::AsyncReadRent;
+
+pub mod notify;
 
 /// Which monoio driver a runtime uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

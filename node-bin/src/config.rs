@@ -43,6 +43,11 @@ pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DO
 pub const DEFAULT_CLOCK_SKEW_MS: u32 = 5_000;
 /// Largest accepted `credentials.clock_skew_ms` (one minute).
 pub const MAX_CLOCK_SKEW_MS: u32 = 60_000;
+/// Default `drain_grace_ms`: how long active runs and tunnels may finish
+/// after SIGTERM/SIGINT before the Node closes its Edge connection anyway.
+pub const DEFAULT_DRAIN_GRACE_MS: u64 = 30_000;
+/// Largest accepted `drain_grace_ms` (one hour).
+pub const MAX_DRAIN_GRACE_MS: u64 = 3_600_000;
 
 // ---------------------------------------------------------------------------
 // The validated configuration
@@ -71,6 +76,9 @@ pub struct NodeConfig {
     /// The credential plane (`[credentials]`); `None` = unmanaged. Never set
     /// together with `insecure_plaintext` (T5).
     pub credentials: Option<CredentialsSpec>,
+    /// After SIGTERM/SIGINT, how long active runs and tunnels may finish
+    /// before the Node closes its Edge connection and exits anyway.
+    pub drain_grace_ms: u64,
 }
 
 /// The `[credentials]` table (C2). Holds no secret: the recipient key is
@@ -189,6 +197,7 @@ struct RawNodeFile {
     #[serde(default)]
     reconnect: RawReconnect,
     credentials: Option<RawCredentials>,
+    drain_grace_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -249,6 +258,18 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         }
         Some(raw) => Some(credentials(raw, file)?),
     };
+    let drain_grace_ms = match raw.drain_grace_ms {
+        None => DEFAULT_DRAIN_GRACE_MS,
+        Some(v) => match u64::try_from(v) {
+            Ok(v) if v <= MAX_DRAIN_GRACE_MS => v,
+            _ => {
+                return Err(err(
+                    "drain_grace_ms",
+                    format!("must be between 0 and {MAX_DRAIN_GRACE_MS} (got {v})"),
+                ))
+            }
+        },
+    };
     Ok(NodeConfig {
         source: file.to_path_buf(),
         node_id: raw.node_id,
@@ -259,6 +280,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         tls,
         reconnect,
         credentials,
+        drain_grace_ms,
     })
 }
 
@@ -373,8 +395,36 @@ key = "certs/node-a-key.pem"
                 attempts: Attempts::Limited(10),
             },
             credentials: None,
+            drain_grace_ms: 30_000,
         };
         assert_eq!(config, expected);
+    }
+
+    #[test]
+    fn drain_grace_defaults_and_is_in_range() {
+        assert_eq!(parse(BASE).unwrap().drain_grace_ms, 30_000);
+        let with_grace = |value: &str| {
+            variant(
+                "edge_name = \"edge-1\"",
+                &format!("edge_name = \"edge-1\"\ndrain_grace_ms = {value}"),
+            )
+        };
+        assert_eq!(
+            error(&with_grace("-1")),
+            "conf/node.toml: drain_grace_ms: must be between 0 and 3600000 (got -1)"
+        );
+        assert_eq!(
+            error(&with_grace("3600001")),
+            "conf/node.toml: drain_grace_ms: must be between 0 and 3600000 (got 3600001)"
+        );
+        assert_eq!(
+            error(&with_grace("\"30s\"")),
+            "conf/node.toml: drain_grace_ms: invalid type: string \"30s\", expected i64 \
+             (line 5, column 18)"
+        );
+        for (value, expected) in [("0", 0), ("3600000", 3_600_000), ("1500", 1_500)] {
+            assert_eq!(parse(&with_grace(value)).unwrap().drain_grace_ms, expected);
+        }
     }
 
     /// An issuer public key in config form (a valid Ed25519 point).
@@ -541,8 +591,8 @@ key = "certs/node-a-key.pem"
         assert_eq!(
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
-             `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials` \
-             (line 5, column 1)"
+             `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials`, \
+             `drain_grace_ms` (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),

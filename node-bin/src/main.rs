@@ -6,6 +6,7 @@
 //! (`recipient_key`).
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use argh::FromArgs;
 use iop_engine::rt::{self, CoreList};
@@ -160,12 +161,18 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
         "node-bin starting"
     );
     let result = rt::block_on(async move {
-        let shutdown = supervisor::signal_shutdown()?;
+        // SIGTERM/SIGINT drain (a second one stops at once); systemd hears
+        // READY=1 after the first ready session and STOPPING=1 at the first
+        // signal.
+        let (shutdown, force) = supervisor::signal_stops()?;
         // SIGUSR1 dumps the latency histograms to stderr.
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Node)?;
-        Ok::<Exit, std::io::Error>(
-            supervisor::run_with_credentials(cfg, connector, credentials, shutdown).await,
-        )
+        let stop = supervisor::Stop {
+            shutdown,
+            force,
+            drain_grace: Duration::from_millis(cfg.drain_grace_ms),
+        };
+        Ok::<Exit, std::io::Error>(supervisor::run_until(cfg, connector, credentials, stop).await)
     });
     match result {
         Ok(Ok(Exit::Shutdown)) => {

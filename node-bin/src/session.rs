@@ -17,12 +17,14 @@
 //! set whose capacity gates the next session keeps (P4), so attempts still
 //! finishing from an old session count against the same gates.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Instant;
 
 use iop_engine::clock;
 use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle};
+use iop_engine::rt::notify;
+use iop_engine::sync::Notify;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
@@ -64,6 +66,16 @@ pub struct NodeCore {
     /// cache, shared by every session so a replay over a new connection is
     /// still caught. `None` = unmanaged.
     credentials: Option<Rc<NodeCredentials>>,
+    /// Runs and tunnels of every session not yet released (W10): what the
+    /// shutdown drain waits for.
+    active_runs: Cell<usize>,
+    /// Woken when a run or tunnel is released.
+    run_released: Notify,
+    /// The ready session's connection (closed at the end of the drain).
+    ready_conn: RefCell<Option<ConnHandle>>,
+    /// Whether systemd has been told `READY=1` (after the first ready
+    /// session).
+    ready_notified: Cell<bool>,
 }
 
 impl NodeCore {
@@ -85,7 +97,69 @@ impl NodeCore {
             pool,
             last_adapters: RefCell::new(None),
             credentials: credentials.map(Rc::new),
+            active_runs: Cell::new(0),
+            run_released: Notify::default(),
+            ready_conn: RefCell::new(None),
+            ready_notified: Cell::new(false),
         })
+    }
+
+    /// Runs and tunnels not yet released, over every session (a cancelled
+    /// one counts until its provider call returns, W10).
+    pub fn active_runs(&self) -> usize {
+        self.active_runs.get()
+    }
+
+    /// Completes once no run or tunnel is active (at once when none is).
+    /// One task waits at a time (the shutdown drain).
+    pub async fn runs_released(&self) {
+        while self.active_runs.get() > 0 {
+            self.run_released.notified().await;
+        }
+    }
+
+    /// Closes the ready session's connection with `reason` (queued frames
+    /// go out first, then `Close`); its session then ends. False when no
+    /// session is ready.
+    pub fn close_ready_session(&self, reason: &str) -> bool {
+        let conn = self.ready_conn.borrow().clone();
+        match conn {
+            Some(conn) => {
+                conn.close(reason);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Counts a run or tunnel as active until the guard drops.
+    pub(crate) fn run_started(self: &Rc<Self>) -> ActiveRun {
+        self.active_runs.set(self.active_runs.get() + 1);
+        ActiveRun { core: self.clone() }
+    }
+
+    /// A session became ready on `conn`: remember it for the drain, and
+    /// tell systemd `READY=1` the first time.
+    fn session_ready(&self, conn: &ConnHandle) {
+        *self.ready_conn.borrow_mut() = Some(conn.clone());
+        if !self.ready_notified.replace(true) {
+            notify::notify(notify::State::Ready);
+        }
+    }
+}
+
+/// An active run or tunnel ([`NodeCore::run_started`]); dropping it
+/// releases the count.
+#[derive(Debug)]
+pub(crate) struct ActiveRun {
+    core: Rc<NodeCore>,
+}
+
+impl Drop for ActiveRun {
+    fn drop(&mut self) {
+        let count = &self.core.active_runs;
+        count.set(count.get().saturating_sub(1));
+        self.core.run_released.notify();
     }
 }
 
@@ -106,6 +180,7 @@ struct Session {
     applied: RefCell<Applied>,
     ready_at: Instant,
     credentials: Option<Rc<NodeCredentials>>,
+    core: Rc<NodeCore>,
 }
 
 fn frame(body: Body) -> pb::Frame {
@@ -198,6 +273,7 @@ pub async fn run(
         Err(reason) => return SessionEnd::NotReady(format!("closed before ready: {reason}")),
     }
     tracing::info!(node_id, "session ready");
+    core.session_ready(&conn);
 
     let session = Rc::new(Session {
         node_id: node_id.to_string(),
@@ -212,6 +288,7 @@ pub async fn run(
         applied: RefCell::new(applied),
         ready_at: clock::now(),
         credentials: core.credentials.clone(),
+        core: core.clone(),
     });
     let end = loop {
         match next_frame(&mut events).await {
@@ -225,6 +302,7 @@ pub async fn run(
         .borrow_mut()
         .cancel_all(StopCause::SessionEnded);
     *core.last_adapters.borrow_mut() = Some(session.applied.borrow().adapters.clone());
+    core.ready_conn.borrow_mut().take();
     tracing::info!(reason = %end, cancelled, "session ended");
     SessionEnd::Ended(end)
 }
@@ -294,9 +372,11 @@ impl Session {
             self.node_id.as_str(),
         );
         let session = self.clone();
+        let active = self.core.run_started();
         monoio::spawn(async move {
             tunnel::serve(&session.env, req, &ticket, adapters, settings, leases, stop).await;
             session.runs.borrow_mut().finish(&ticket);
+            drop(active);
         });
     }
 
@@ -317,9 +397,11 @@ impl Session {
             (applied.adapters.clone(), applied.settings)
         };
         let session = self.clone();
+        let active = self.core.run_started();
         monoio::spawn(async move {
             normalized::serve(&session.env, req, &ticket, adapters, settings, stop).await;
             session.runs.borrow_mut().finish(&ticket);
+            drop(active);
         });
     }
 

@@ -9,6 +9,12 @@
 //!  SIGTERM/SIGINT at any point ─► Shutdown (exit 0, S3)
 //! ```
 //!
+//! Shutdown drains ([`run_until`]): no more redials; a ready session keeps
+//! serving until its active runs and tunnels are released or
+//! `drain_grace_ms` elapses, then its connection is closed (`Close` with
+//! reason `shutdown`). A second signal ends the drain at once. Before a
+//! session is ready there is nothing to drain: the attempt is dropped.
+//!
 //! The policy decision is the pure [`Supervisor`] (and [`next_step`]);
 //! [`run`] is the shell. Local configuration and credential errors never
 //! reach the supervisor: the binary exits 1 before it starts (S3).
@@ -20,7 +26,7 @@ use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
 use iop_engine::http;
-use iop_engine::rt::{Signal, SignalPipe};
+use iop_engine::rt::{notify, Signal, SignalPipe};
 use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
@@ -149,6 +155,69 @@ async fn attempt(
 /// Completes when the process should stop (SIGTERM/SIGINT in the binary).
 pub type Shutdown = Pin<Box<dyn Future<Output = ()>>>;
 
+/// When and how the Node stops.
+pub struct Stop {
+    /// Completes on the first SIGTERM/SIGINT: the drain begins.
+    pub shutdown: Shutdown,
+    /// Completes on the second: the drain ends at once.
+    pub force: Shutdown,
+    /// How long active runs and tunnels may finish (`drain_grace_ms`).
+    pub drain_grace: Duration,
+}
+
+impl std::fmt::Debug for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stop")
+            .field("drain_grace", &self.drain_grace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long the end of a drain waits for the closed session to end (the
+/// connection's own close linger bounds it first).
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// The first SIGTERM/SIGINT (which also tells systemd `STOPPING=1`) and
+/// the second, as two [`Shutdown`]s. Call on the runtime thread.
+pub fn signal_stops() -> std::io::Result<(Shutdown, Shutdown)> {
+    let mut term = SignalPipe::install(Signal::Term)?;
+    let mut int = SignalPipe::install(Signal::Int)?;
+    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+    monoio::spawn(async move {
+        for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
+            let signal = monoio::select! {
+                s = term.recv() => s,
+                s = int.recv() => s,
+            };
+            match signal {
+                Ok(signal) if nth == 0 => {
+                    tracing::info!(
+                        ?signal,
+                        "shutting down: draining (signal again to stop at once)"
+                    );
+                    notify::notify(notify::State::Stopping);
+                }
+                Ok(signal) => tracing::warn!(?signal, "second signal: stopping at once"),
+                Err(e) => {
+                    tracing::error!(error = %e, "signal pipe failed; signals are ignored");
+                    std::future::pending::<()>().await;
+                }
+            }
+            let _ = tx.send(());
+        }
+    });
+    // A sender dropped without sending never stops the process.
+    let wait = |rx: local_sync::oneshot::Receiver<()>| -> Shutdown {
+        Box::pin(async move {
+            if rx.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    };
+    Ok((wait(first_rx), wait(second_rx)))
+}
+
 /// A [`Shutdown`] that completes on SIGTERM or SIGINT.
 pub fn signal_shutdown() -> std::io::Result<Shutdown> {
     let mut term = SignalPipe::install(Signal::Term)?;
@@ -176,19 +245,45 @@ pub async fn run(cfg: NodeConfig, connector: Option<NodeTlsConnector>, shutdown:
 }
 
 /// [`run`] with the credential plane already loaded (`None` = unmanaged,
-/// C2, C3).
+/// C2, C3). `shutdown` stops without a drain grace: a ready session is
+/// closed at once.
 pub async fn run_with_credentials(
     cfg: NodeConfig,
     connector: Option<NodeTlsConnector>,
     credentials: Option<NodeCredentials>,
-    mut shutdown: Shutdown,
+    shutdown: Shutdown,
 ) -> Exit {
+    let stop = Stop {
+        shutdown,
+        force: Box::pin(std::future::pending()),
+        drain_grace: Duration::ZERO,
+    };
+    run_until(cfg, connector, credentials, stop).await
+}
+
+/// Dials and redials until `stop.shutdown` or exhaustion (S1–S3), then
+/// drains (see the module docs) and returns [`Exit::Shutdown`].
+pub async fn run_until(
+    cfg: NodeConfig,
+    connector: Option<NodeTlsConnector>,
+    credentials: Option<NodeCredentials>,
+    stop: Stop,
+) -> Exit {
+    let Stop {
+        mut shutdown,
+        force,
+        drain_grace,
+    } = stop;
     let core = NodeCore::start_with_credentials(credentials);
     let mut supervisor = Supervisor::new(cfg.reconnect);
     loop {
+        let mut current = std::pin::pin!(attempt(&cfg, &core, connector.as_ref()));
         let outcome = monoio::select! {
-            a = attempt(&cfg, &core, connector.as_ref()) => a,
-            _ = &mut shutdown => return Exit::Shutdown,
+            a = &mut current => a,
+            _ = &mut shutdown => {
+                drain(&core, current, force, drain_grace).await;
+                return Exit::Shutdown;
+            }
         };
         let step = match outcome {
             Attempt::WasReady(reason) => {
@@ -222,6 +317,45 @@ pub async fn run_with_credentials(
         }
     }
 }
+
+/// The shutdown drain of `attempt` (not finished): wait for the active
+/// runs, the grace, a second signal or the session's end; then close a
+/// ready session and give it [`CLOSE_WAIT`] to end.
+async fn drain<A>(core: &NodeCore, mut attempt: Pin<&mut A>, mut force: Shutdown, grace: Duration)
+where
+    A: Future<Output = Attempt>,
+{
+    tracing::info!(
+        active_runs = core.active_runs(),
+        drain_grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+        "draining: no more redials; waiting for active runs"
+    );
+    monoio::select! {
+        _ = core.runs_released() => tracing::info!("drained: every run and tunnel released"),
+        _ = attempt.as_mut() => {
+            tracing::info!("the edge connection ended during the drain");
+            return;
+        }
+        _ = monoio::time::sleep(grace) => tracing::warn!(
+            active_runs = core.active_runs(),
+            "drain_grace_ms elapsed; closing with runs active"
+        ),
+        _ = &mut force => {
+            tracing::warn!(active_runs = core.active_runs(), "second signal; stopping at once");
+            return;
+        }
+    }
+    if core.close_ready_session(REASON_SHUTDOWN) {
+        monoio::select! {
+            _ = attempt.as_mut() => {},
+            _ = monoio::time::sleep(CLOSE_WAIT) => {},
+            _ = &mut force => {},
+        }
+    }
+}
+
+/// The `Close` reason a draining Node sends the Edge.
+pub const REASON_SHUTDOWN: &str = "shutdown";
 
 #[cfg(test)]
 mod tests {
@@ -312,5 +446,89 @@ mod tests {
         assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
         let mut one = Supervisor::new(ReconnectPolicy::from_config(Some(1), Some(1)).unwrap());
         assert_eq!(one.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
+    }
+
+    /// Spawns `drain` of an attempt that never ends on its own (no ready
+    /// session); the flag turns true when the drain returns.
+    fn spawn_drain(
+        core: &Rc<NodeCore>,
+        force: Shutdown,
+        grace: Duration,
+    ) -> (Rc<std::cell::Cell<bool>>, monoio::task::JoinHandle<()>) {
+        let done = Rc::new(std::cell::Cell::new(false));
+        let handle = {
+            let (core, done) = (core.clone(), done.clone());
+            monoio::spawn(async move {
+                let attempt = std::pin::pin!(std::future::pending::<Attempt>());
+                drain(&core, attempt, force, grace).await;
+                done.set(true);
+            })
+        };
+        (done, handle)
+    }
+
+    // CONTRACT: S3 — the shutdown drain waits for the active runs and
+    // tunnels to be released (then the session is closed and the process
+    // exits 0); with none active it ends at once.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn drain_waits_for_every_active_run() {
+        let core = NodeCore::start();
+        let (done, handle) = spawn_drain(
+            &core,
+            Box::pin(std::future::pending()),
+            Duration::from_secs(3600),
+        );
+        handle.await;
+        assert!(done.get(), "nothing active: the drain ends at once");
+
+        let first = core.run_started();
+        let second = core.run_started();
+        assert_eq!(core.active_runs(), 2);
+        let (done, handle) = spawn_drain(
+            &core,
+            Box::pin(std::future::pending()),
+            Duration::from_secs(3600),
+        );
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!done.get());
+        drop(first);
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!done.get(), "one run is still active");
+        drop(second);
+        handle.await;
+        assert!(done.get());
+        assert_eq!(core.active_runs(), 0);
+        assert!(
+            !core.close_ready_session(REASON_SHUTDOWN),
+            "no session was ready"
+        );
+    }
+
+    // CONTRACT: S3 — the grace bounds the drain, and a second signal ends it
+    // at once, with runs still active.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn drain_ends_at_the_grace_or_the_second_signal() {
+        let core = NodeCore::start();
+        let _active = core.run_started();
+        let (done, handle) = spawn_drain(
+            &core,
+            Box::pin(std::future::pending()),
+            Duration::from_millis(5),
+        );
+        handle.await;
+        assert!(done.get());
+        assert_eq!(core.active_runs(), 1);
+
+        let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+        let force: Shutdown = Box::pin(async move {
+            let _ = second_rx.await;
+        });
+        let (done, handle) = spawn_drain(&core, force, Duration::from_secs(3600));
+        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!done.get());
+        let _ = second_tx.send(());
+        handle.await;
+        assert!(done.get());
+        assert_eq!(core.active_runs(), 1);
     }
 }
