@@ -183,48 +183,6 @@ fn keys(args: KeysArgs) -> ExitCode {
     }
 }
 
-/// The first SIGTERM/SIGINT (which also tells systemd `STOPPING=1`) and
-/// the second, as two futures. Call on the runtime thread.
-fn stop_signals() -> std::io::Result<(
-    impl std::future::Future<Output = ()>,
-    impl std::future::Future<Output = ()>,
-)> {
-    let mut term = SignalPipe::install(Signal::Term)?;
-    let mut int = SignalPipe::install(Signal::Int)?;
-    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
-    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
-    monoio::spawn(async move {
-        for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
-            let signal = monoio::select! {
-                s = term.recv() => s,
-                s = int.recv() => s,
-            };
-            match signal {
-                Ok(signal) if nth == 0 => {
-                    tracing::info!(
-                        ?signal,
-                        "shutting down: draining (signal again to stop at once)"
-                    );
-                    notify::notify(notify::State::Stopping);
-                }
-                Ok(signal) => tracing::warn!(?signal, "second signal: stopping at once"),
-                Err(e) => {
-                    tracing::error!(error = %e, "signal pipe failed; signals are ignored");
-                    std::future::pending::<()>().await;
-                }
-            }
-            let _ = tx.send(());
-        }
-    });
-    // A sender dropped without sending never stops the process.
-    let wait = |rx: local_sync::oneshot::Receiver<()>| async move {
-        if rx.await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    Ok((wait(first_rx), wait(second_rx)))
-}
-
 fn serve(path: &str, cores: &str) -> ExitCode {
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
@@ -292,7 +250,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
     );
     let drain_grace = Duration::from_millis(cfg.edge.drain_grace_ms);
     let result = rt::block_on(async move {
-        let (shutdown, force) = stop_signals()?;
+        let (shutdown, force) = rt::stop_signals()?;
         // SIGUSR1 dumps the latency histograms to stderr (before the ready line).
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
         let listeners = server::Listeners::bind(&cfg)?;

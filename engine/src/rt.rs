@@ -6,7 +6,7 @@
 //! - [`block_on`] builds one monoio runtime on the current thread (io_uring,
 //!   or the legacy epoll driver when io_uring is unavailable or
 //!   `MONOIO_FORCE_LEGACY_DRIVER=1`) and logs which driver runs.
-//! - [`Signals`] turns SIGTERM/SIGINT/SIGHUP/SIGUSR1 into an async stream for
+//! - [`SignalPipe`] turns SIGTERM/SIGINT/SIGHUP/SIGUSR1 into an async stream for
 //!   the shard that owns lifecycle, through signal-hook's self-pipe (no
 //!   unsafe, async-signal-safe).
 //! - [`notify`] tells systemd `READY=1`, `RELOADING=1` and `STOPPING=1`
@@ -268,6 +268,52 @@ pub fn pin_current_thread(core: usize) -> io::Result<()> {
     let mut set = nix::sched::CpuSet::new();
     set.set(core).map_err(io::Error::other)?;
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(io::Error::other)
+}
+
+/// A future that completes once.
+pub type StopFuture = std::pin::Pin<Box<dyn Future<Output = ()>>>;
+
+/// The first SIGTERM/SIGINT (drain: also tells systemd `STOPPING=1`) and the
+/// second (stop at once), as two futures. Call on the runtime thread that
+/// awaits them. If the signal pipe fails, neither ever completes (and the
+/// failure is logged).
+pub fn stop_signals() -> io::Result<(StopFuture, StopFuture)> {
+    let mut term = SignalPipe::install(Signal::Term)?;
+    let mut int = SignalPipe::install(Signal::Int)?;
+    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+    monoio::spawn(async move {
+        for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
+            let signal = monoio::select! {
+                s = term.recv() => s,
+                s = int.recv() => s,
+            };
+            match signal {
+                Ok(signal) if nth == 0 => {
+                    tracing::info!(
+                        ?signal,
+                        "shutting down: draining (signal again to stop at once)"
+                    );
+                    notify::notify(notify::State::Stopping);
+                }
+                Ok(signal) => tracing::warn!(?signal, "second signal: stopping at once"),
+                Err(e) => {
+                    tracing::error!(error = %e, "signal pipe failed; signals are ignored");
+                    std::future::pending::<()>().await;
+                }
+            }
+            let _ = tx.send(());
+        }
+    });
+    // A sender dropped without sending never stops the process.
+    let wait = |rx: local_sync::oneshot::Receiver<()>| -> StopFuture {
+        Box::pin(async move {
+            if rx.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    };
+    Ok((wait(first_rx), wait(second_rx)))
 }
 
 /// A process signal IOP reacts to.

@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
 use iop_engine::http;
-use iop_engine::rt::{notify, Signal, SignalPipe};
 use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
@@ -153,7 +152,7 @@ async fn attempt(
 }
 
 /// Completes when the process should stop (SIGTERM/SIGINT in the binary).
-pub type Shutdown = Pin<Box<dyn Future<Output = ()>>>;
+pub type Shutdown = iop_engine::rt::StopFuture;
 
 /// When and how the Node stops.
 pub struct Stop {
@@ -177,57 +176,10 @@ impl std::fmt::Debug for Stop {
 /// connection's own close linger bounds it first).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
-/// The first SIGTERM/SIGINT (which also tells systemd `STOPPING=1`) and
-/// the second, as two [`Shutdown`]s. Call on the runtime thread.
+/// The first SIGTERM/SIGINT (drain) and the second (stop at once); see
+/// [`iop_engine::rt::stop_signals`].
 pub fn signal_stops() -> std::io::Result<(Shutdown, Shutdown)> {
-    let mut term = SignalPipe::install(Signal::Term)?;
-    let mut int = SignalPipe::install(Signal::Int)?;
-    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
-    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
-    monoio::spawn(async move {
-        for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
-            let signal = monoio::select! {
-                s = term.recv() => s,
-                s = int.recv() => s,
-            };
-            match signal {
-                Ok(signal) if nth == 0 => {
-                    tracing::info!(
-                        ?signal,
-                        "shutting down: draining (signal again to stop at once)"
-                    );
-                    notify::notify(notify::State::Stopping);
-                }
-                Ok(signal) => tracing::warn!(?signal, "second signal: stopping at once"),
-                Err(e) => {
-                    tracing::error!(error = %e, "signal pipe failed; signals are ignored");
-                    std::future::pending::<()>().await;
-                }
-            }
-            let _ = tx.send(());
-        }
-    });
-    // A sender dropped without sending never stops the process.
-    let wait = |rx: local_sync::oneshot::Receiver<()>| -> Shutdown {
-        Box::pin(async move {
-            if rx.await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        })
-    };
-    Ok((wait(first_rx), wait(second_rx)))
-}
-
-/// A [`Shutdown`] that completes on SIGTERM or SIGINT.
-pub fn signal_shutdown() -> std::io::Result<Shutdown> {
-    let mut term = SignalPipe::install(Signal::Term)?;
-    let mut int = SignalPipe::install(Signal::Int)?;
-    Ok(Box::pin(async move {
-        monoio::select! {
-            _ = term.recv() => {},
-            _ = int.recv() => {},
-        }
-    }))
+    iop_engine::rt::stop_signals()
 }
 
 /// Dials and redials until `shutdown` or exhaustion (S1–S3). Loads the
