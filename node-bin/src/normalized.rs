@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, ResponseHead};
+use iop_engine::http::{HttpError, NdjsonSplitter, ResponseHead, SseSplitter};
 use iop_wire::pb;
 use local_sync::oneshot;
 use serde_json::Value;
@@ -201,6 +201,102 @@ impl Exchange {
             .read_body_to_end(max_bytes)
             .await
             .map_err(provider_failure)
+    }
+}
+
+/// How a streamed provider body is split into items: NDJSON lines (Ollama)
+/// or the `data:` of SSE events (OpenAI-compatible servers).
+#[derive(Debug)]
+pub enum Framing {
+    /// One JSON document per line.
+    Ndjson(NdjsonSplitter),
+    /// Server-sent events; events without `data` are skipped.
+    Sse(SseSplitter),
+}
+
+impl Framing {
+    fn feed(&mut self, bytes: &[u8]) {
+        match self {
+            Framing::Ndjson(s) => s.feed(bytes),
+            Framing::Sse(s) => s.feed(bytes),
+        }
+    }
+
+    fn finish(&mut self) {
+        match self {
+            Framing::Ndjson(s) => s.finish(),
+            Framing::Sse(s) => s.finish(),
+        }
+    }
+
+    fn next_item(&mut self) -> Result<Option<Bytes>, HttpError> {
+        match self {
+            Framing::Ndjson(s) => s.next_line(),
+            Framing::Sse(s) => loop {
+                match s.next_event()? {
+                    None => return Ok(None),
+                    Some(event) => match event.data {
+                        Some(data) => return Ok(Some(Bytes::from(data))),
+                        None => continue,
+                    },
+                }
+            },
+        }
+    }
+}
+
+/// A provider stream parser fed one framed item at a time.
+pub trait ItemParser {
+    /// Outputs for one item (a line or an event's data).
+    fn on_item(&mut self, item: &[u8]) -> Vec<RunOutput>;
+    /// Whether the provider's stream reached its own end marker.
+    fn is_ended(&self) -> bool;
+    /// Outputs when the body ended without the end marker.
+    fn on_end(&mut self) -> Vec<RunOutput>;
+}
+
+impl Exchange {
+    /// Relays a streamed body through `framing` and `parser` to `out` until
+    /// the parser's end marker (then the rest of the body is drained, bounded,
+    /// and the connection returns to the pool) or the end of the body.
+    pub async fn relay_items(
+        mut self,
+        mut framing: Framing,
+        parser: &mut impl ItemParser,
+        out: &OutputTx<RunOutput>,
+    ) -> Result<(), CallFailure> {
+        loop {
+            let piece = self
+                .client
+                .read_body_chunk()
+                .await
+                .map_err(provider_failure)?;
+            match &piece {
+                Some(bytes) => framing.feed(bytes),
+                None => framing.finish(),
+            }
+            while let Some(item) = framing.next_item().map_err(provider_failure)? {
+                for output in parser.on_item(&item) {
+                    if !out.send(output).await {
+                        return Ok(());
+                    }
+                }
+                if parser.is_ended() {
+                    // provider pool: the terminal is out; drain what is left
+                    // of the body (bounded) and return the connection.
+                    self.client.finish().await;
+                    return Ok(());
+                }
+            }
+            if piece.is_none() {
+                // provider pool: the body ended.
+                self.client.release();
+                for output in parser.on_end() {
+                    out.send(output).await;
+                }
+                return Ok(());
+            }
+        }
     }
 }
 

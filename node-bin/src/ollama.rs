@@ -38,7 +38,8 @@ use crate::adapters::AdapterInstance;
 use crate::driver::OutputTx;
 use crate::emit::RunOutput;
 use crate::normalized::{
-    self, CallFailure, InputError, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES, META_DONE_REASON,
+    self, CallFailure, Framing, InputError, ItemParser, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES,
+    META_DONE_REASON,
 };
 use crate::provider_pool::ProviderPool;
 use crate::tunnel::codes;
@@ -281,39 +282,27 @@ pub async fn call(
     {
         return Ok(());
     }
-    let mut lines = NdjsonSplitter::new(MAX_EVENT_BYTES);
     let mut stream = ChatStream::new();
-    loop {
-        let piece = exchange
-            .client
-            .read_body_chunk()
-            .await
-            .map_err(normalized::provider_failure)?;
-        match &piece {
-            Some(bytes) => lines.feed(bytes),
-            None => lines.finish(),
-        }
-        while let Some(line) = lines.next_line().map_err(normalized::provider_failure)? {
-            for output in stream.on_line(&line) {
-                if !out.send(output).await {
-                    return Ok(());
-                }
-            }
-            if stream.is_ended() {
-                // provider pool: the terminal is out; drain what is left of
-                // the body (bounded) and return the connection.
-                exchange.client.finish().await;
-                return Ok(());
-            }
-        }
-        if piece.is_none() {
-            // provider pool: the body ended.
-            exchange.client.release();
-            for output in stream.on_end() {
-                out.send(output).await;
-            }
-            return Ok(());
-        }
+    exchange
+        .relay_items(
+            Framing::Ndjson(NdjsonSplitter::new(MAX_EVENT_BYTES)),
+            &mut stream,
+            out,
+        )
+        .await
+}
+
+impl ItemParser for ChatStream {
+    fn on_item(&mut self, item: &[u8]) -> Vec<RunOutput> {
+        self.on_line(item)
+    }
+
+    fn is_ended(&self) -> bool {
+        ChatStream::is_ended(self)
+    }
+
+    fn on_end(&mut self) -> Vec<RunOutput> {
+        ChatStream::on_end(self)
     }
 }
 

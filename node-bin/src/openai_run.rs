@@ -47,8 +47,8 @@ use crate::adapters::AdapterInstance;
 use crate::driver::OutputTx;
 use crate::emit::RunOutput;
 use crate::normalized::{
-    self, CallFailure, InputError, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES, MAX_JSON_BODY_BYTES,
-    META_TEXT_TOOL_FALLBACK,
+    self, CallFailure, Framing, InputError, ItemParser, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES,
+    MAX_JSON_BODY_BYTES, META_TEXT_TOOL_FALLBACK,
 };
 use crate::provider_pool::ProviderPool;
 use crate::tunnel::codes;
@@ -599,39 +599,30 @@ pub async fn call(
         }
         return Ok(());
     }
-    let mut events = SseSplitter::new(MAX_EVENT_BYTES);
-    loop {
-        let piece = exchange
-            .client
-            .read_body_chunk()
-            .await
-            .map_err(normalized::provider_failure)?;
-        match &piece {
-            Some(bytes) => events.feed(bytes),
-            None => events.finish(),
+    exchange
+        .relay_items(
+            Framing::Sse(SseSplitter::new(MAX_EVENT_BYTES)),
+            &mut stream,
+            out,
+        )
+        .await
+}
+
+impl ItemParser for ChatStream {
+    fn on_item(&mut self, item: &[u8]) -> Vec<RunOutput> {
+        match std::str::from_utf8(item) {
+            Ok(data) => self.on_data(data),
+            // Not UTF-8: let the parser report it as a malformed event.
+            Err(_) => self.on_data(&String::from_utf8_lossy(item)),
         }
-        while let Some(event) = events.next_event().map_err(normalized::provider_failure)? {
-            let Some(data) = event.data else { continue };
-            for output in stream.on_data(&data) {
-                if !out.send(output).await {
-                    return Ok(());
-                }
-            }
-            if stream.is_ended() {
-                // provider pool: the terminal is out; drain what is left of
-                // the body (bounded) and return the connection.
-                exchange.client.finish().await;
-                return Ok(());
-            }
-        }
-        if piece.is_none() {
-            // provider pool: the body ended.
-            exchange.client.release();
-            for output in stream.on_end() {
-                out.send(output).await;
-            }
-            return Ok(());
-        }
+    }
+
+    fn is_ended(&self) -> bool {
+        ChatStream::is_ended(self)
+    }
+
+    fn on_end(&mut self) -> Vec<RunOutput> {
+        ChatStream::on_end(self)
     }
 }
 
