@@ -78,7 +78,7 @@ async fn register_ready_and_one_tunnel_stream() {
         let mock = Mock::start(3);
         let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::new(mock.addr)));
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             offline_entry("node-a", "a-mock")
         );
 
@@ -136,7 +136,7 @@ async fn register_ready_and_one_tunnel_stream() {
         // The END terminal released the lease.
         assert_eq!(edge.edge.control.borrow().leases().count(), 0);
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
         );
 
@@ -153,7 +153,7 @@ async fn no_dispatch_before_ready() {
     // CONTRACT: R4
     let pki = Pki::mint("no-dispatch-before-ready");
     guarded(async {
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        let edge = TestEdge::without_provider(&pki);
         let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
         let registered = node.register("node-a").await;
         assert!(registered.accepted, "{registered:?}");
@@ -176,21 +176,15 @@ async fn no_dispatch_before_ready() {
         );
         assert_eq!(edge.edge.control.borrow().leases().count(), 0);
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             offline_entry("node-a", "a-mock")
         );
 
         // Ready: the next frame on the connection is the ready answer — no
         // tunnel request was sent while pending.
+        assert_eq!(node.ready("node-a").await, ready_accepted());
         assert_eq!(
-            node.ready("node-a").await,
-            pb::NodeReadyResponse {
-                ready: true,
-                reason: String::new()
-            }
-        );
-        assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
         );
 
@@ -227,7 +221,7 @@ async fn no_dispatch_before_ready() {
             }
         );
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 1)
         );
 
@@ -289,7 +283,7 @@ async fn register_with_a_name_other_than_the_certificate_is_rejected() {
     // CONTRACT: T3
     let pki = Pki::mint("register-other-name");
     guarded(async {
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        let edge = TestEdge::without_provider(&pki);
         let before = status(edge.client_addr).await;
         // The certificate says node-a; node-b is configured too.
         let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
@@ -314,7 +308,7 @@ async fn second_node_id_on_one_connection_is_rejected() {
     // CONTRACT: R1
     let pki = Pki::mint("second-node-id");
     guarded(async {
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        let edge = TestEdge::without_provider(&pki);
         let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
         assert!(node.register("node-a").await.accepted);
         assert_eq!(
@@ -333,13 +327,7 @@ async fn second_node_id_on_one_connection_is_rejected() {
             edge.edge.control.borrow().node_of(ConnId(1)),
             Some("node-a")
         );
-        assert_eq!(
-            node.ready("node-a").await,
-            pb::NodeReadyResponse {
-                ready: true,
-                reason: String::new()
-            }
-        );
+        assert_eq!(node.ready("node-a").await, ready_accepted());
         assert!(edge.edge.control.borrow().is_ready_owner(ConnId(1)));
         let status = status(edge.client_addr).await;
         assert_eq!(
@@ -360,13 +348,13 @@ async fn newer_registration_supersedes_older_connection() {
     // CONTRACT: R2
     let pki = Pki::mint("supersede");
     guarded(async {
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        let edge = TestEdge::without_provider(&pki);
         let connector = pki.connector("node-a");
         let mut first = RawNode::connect(edge.node_addr, &connector).await;
         assert!(first.register("node-a").await.accepted);
         assert!(first.ready("node-a").await.ready);
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
         );
 
@@ -378,7 +366,7 @@ async fn newer_registration_supersedes_older_connection() {
         assert_eq!(first.closed_reason().await, "peer:superseded");
         // The newer one is only pending: not connected yet (R4).
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             offline_entry("node-a", "a-mock")
         );
         assert_eq!(
@@ -387,16 +375,10 @@ async fn newer_registration_supersedes_older_connection() {
         );
         assert!(!edge.edge.control.borrow().is_ready_owner(ConnId(1)));
 
-        assert_eq!(
-            second.ready("node-a").await,
-            pb::NodeReadyResponse {
-                ready: true,
-                reason: String::new()
-            }
-        );
+        assert_eq!(second.ready("node-a").await, ready_accepted());
         assert!(edge.edge.control.borrow().is_ready_owner(ConnId(2)));
         assert_eq!(
-            provider_entry(&status(edge.client_addr).await, "node-a"),
+            node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
         );
         edge.stop().await;
@@ -409,7 +391,7 @@ async fn tls_rejections_happen_before_any_frame() {
     // CONTRACT: T2
     let pki = Pki::mint("tls-rejections");
     guarded(async {
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        let edge = TestEdge::without_provider(&pki);
         let before = status(edge.client_addr).await;
 
         // A node certificate from another CA (the node trusts the real CA,

@@ -6,203 +6,49 @@
 //! A valid lease makes the provider answer 200 (the mock answers 401 without
 //! the injected header); every rejection is one `ERROR` terminal with its
 //! exact failure code and no provider connection (the mock's counters).
-//! Waits are bounded by [`SAFETY`] only as a net against hangs.
+//! Waits are bounded by [`common::SAFETY`] only as a net against hangs.
 
-use std::net::SocketAddr;
-use std::time::Duration;
+mod common;
 
 use bytes::Bytes;
+use common::{
+    chat_tunnel, lease_binding, node_config, openai_adapter, openai_profile, recipient, Edge, Mock,
+    TARGET,
+};
 use ed25519_dalek::SigningKey;
-use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
-use iop_engine::http::Url;
-use iop_wire::lease::{self, IssueParams, LeaseEntropy, RecipientKey};
+use iop_wire::lease::{self, IssueParams, LeaseEntropy};
 use iop_wire::pb;
-use iop_wire::pb::frame::Body;
-use monoio::io::Splitable;
-use monoio::net::{TcpListener, TcpStream};
 use node_bin::credentials::NodeCredentials;
-use node_bin::session::{self, NodeCore};
-use x25519_dalek::StaticSecret;
 
-const SAFETY: Duration = Duration::from_secs(20);
-const TARGET: &str = "mock-model";
 const SECRET: &str = "sk-iop-node-test-5e1d";
 const RECIPIENT_SEED: [u8; 32] = [9; 32];
 const ROTATED_SEED: [u8; 32] = [10; 32];
 const ISSUER_SEED: [u8; 32] = [7; 32];
-
-fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
-}
-
-fn recipient(seed: [u8; 32]) -> RecipientKey {
-    RecipientKey::from_secret(StaticSecret::from(seed))
-}
 
 fn issuer() -> SigningKey {
     SigningKey::from_bytes(&ISSUER_SEED)
 }
 
 /// The mock provider, in process, requiring [`SECRET`].
-struct Mock {
-    addr: SocketAddr,
-}
-
-impl Mock {
-    fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
-        let addr = listener.local_addr().expect("mock addr");
-        let config = bench::mock::MockConfig {
-            ttft_ms: 0,
-            inter_token_ms: 0,
-            tokens: 3,
-            models: vec![TARGET.to_string()],
-        };
-        let provider = bench::mock::MockProvider::new(config)
-            .with_required_api_key(bench::mock::auth::ApiKey::new(SECRET));
-        monoio::spawn(async move {
-            let never = bench::mock::serve_provider(listener, provider).await;
-            match never {}
-        });
-        Self { addr }
-    }
-
-    async fn stats(&self) -> serde_json::Value {
-        let url = Url::parse(&format!("http://{}", self.addr)).expect("mock url");
-        let (status, body) = node_bin::probe::get(&url, "/admin/stats", SAFETY)
-            .await
-            .expect("mock admin GET");
-        assert_eq!(status, 200);
-        serde_json::from_slice(&body).expect("mock JSON")
-    }
+fn keyed_mock() -> Mock {
+    Mock::start(Mock::handler(3, 0).with_required_api_key(bench::mock::auth::ApiKey::new(SECRET)))
 }
 
 fn payload(mock: &Mock, leases_required: bool) -> pb::NodeConfigPayload {
+    let profile = pb::ProtocolProfile {
+        health_path: "/v1/models".into(),
+        auth_header_name: "Authorization".into(),
+        auth_header_format: "Bearer {secret}".into(),
+        ..openai_profile(mock)
+    };
     pb::NodeConfigPayload {
         runtime: Some(pb::NodeRuntimeConfig::default()),
-        adapters: vec![pb::AdapterConfig {
-            name: "mock".into(),
-            capacity: 4,
-            targets: vec![TARGET.into()],
-            kind: Some(pb::adapter_config::Kind::OpenaiCompat(
-                pb::OpenAiCompatAdapterConfig {
-                    protocol_profile: Some(pb::ProtocolProfile {
-                        name: "openai".into(),
-                        base_url: format!("http://{}", mock.addr),
-                        models_path: "/v1/models".into(),
-                        chat_completions_path: "/v1/chat/completions".into(),
-                        health_path: "/v1/models".into(),
-                        auth_header_name: "Authorization".into(),
-                        auth_header_format: "Bearer {secret}".into(),
-                        ..Default::default()
-                    }),
-                },
-            )),
-        }],
-        revision: 1,
-        credential_leases_required: leases_required,
-    }
-}
-
-/// The Edge side of one Node session.
-struct Edge {
-    conn: ConnHandle,
-    events: ConnEvents,
-}
-
-impl Edge {
-    /// Starts a Node session (with `credentials`) against a scripted Edge
-    /// and completes registration and readiness.
-    async fn start(config: pb::NodeConfigPayload, credentials: Option<NodeCredentials>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
-        let addr = listener.local_addr().expect("edge addr");
-        let core = NodeCore::start_with_credentials(credentials);
-        monoio::spawn(async move {
-            let tcp = TcpStream::connect(addr).await.expect("node dials");
-            let shutdown = SocketShutdown::for_socket(&tcp);
-            let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-            session::run("node-a", &core, conn, events).await
-        });
-        let (tcp, _) = listener.accept().await.expect("edge accepts");
-        let shutdown = SocketShutdown::for_socket(&tcp);
-        let (r, w) = tcp.into_split();
-        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-        let mut edge = Self { conn, events };
-        match edge.recv().await.body {
-            Some(Body::RegisterRequest(r)) => assert_eq!(r.node_id, "node-a"),
-            other => panic!("expected RegisterRequest, got {other:?}"),
-        }
-        edge.send(Body::RegisterResponse(pb::RegisterResponse {
-            accepted: true,
-            reason: String::new(),
-            config: Some(config),
-        }));
-        match edge.recv().await.body {
-            Some(Body::NodeReadyRequest(_)) => {}
-            other => panic!("expected NodeReadyRequest, got {other:?}"),
-        }
-        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
-            ready: true,
-            reason: String::new(),
-        }));
-        edge
-    }
-
-    fn send(&self, body: Body) {
-        self.conn.send_control(frame(body)).expect("edge send");
-    }
-
-    async fn recv(&mut self) -> pb::Frame {
-        monoio::select! {
-            ev = self.events.recv() => match ev {
-                Some(ConnEvent::Frame(f)) => f,
-                other => panic!("edge connection ended: {other:?}"),
-            },
-            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
-        }
-    }
-
-    /// Sends `req` and returns its frames up to and including the terminal.
-    async fn tunnel(&mut self, req: pb::ProviderTunnelRequest) -> Vec<pb::ProviderTunnelFrame> {
-        let run_id = req.run_id.clone();
-        self.send(Body::ProviderTunnelRequest(req));
-        let mut out = Vec::new();
-        loop {
-            let f = match self.recv().await.body {
-                Some(Body::ProviderTunnelFrame(f)) => f,
-                other => panic!("expected a tunnel frame, got {other:?}"),
-            };
-            assert_eq!(f.run_id, run_id, "only one tunnel is open");
-            let terminal = matches!(
-                f.kind(),
-                pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
-            );
-            out.push(f);
-            if terminal {
-                return out;
-            }
-        }
+        ..node_config(vec![openai_adapter("mock", 4, profile)], leases_required)
     }
 }
 
 fn node_credentials() -> NodeCredentials {
     NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), 5_000)
-}
-
-fn binding(recipient_id: &str) -> pb::CredentialLeaseBinding {
-    pb::CredentialLeaseBinding {
-        principal: "team-a".into(),
-        slot: "mock-key".into(),
-        route: "iop-test-model".into(),
-        profile: "openai".into(),
-        upstream_target: lease::upstream_target("mock", TARGET),
-        selected_node: "node-a".into(),
-        recipient: recipient_id.into(),
-        credential_revision: 1,
-        route_revision: 1,
-        projection_generation: 1,
-    }
 }
 
 /// What the scripted Edge varies per lease.
@@ -260,25 +106,14 @@ fn tunnel(
         None => (None, None),
     };
     pb::ProviderTunnelRequest {
-        run_id: run_id.into(),
-        adapter: "mock".into(),
-        target: TARGET.into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        headers: vec![pb::Header {
-            name: "content-type".into(),
-            value: Bytes::from_static(b"application/json"),
-        }],
-        body: Bytes::from(body),
-        operation: "chat_completions".into(),
         credential_lease,
         credential_binding,
-        ..Default::default()
+        ..chat_tunnel(run_id, body)
     }
 }
 
 fn leased(run_id: &str, spec: &LeaseSpec) -> pb::ProviderTunnelRequest {
-    let binding = binding(recipient(RECIPIENT_SEED).key_id());
+    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id());
     let lease = issue(spec, &binding);
     tunnel(run_id, Some((lease, binding)))
 }
@@ -309,8 +144,9 @@ fn assert_answered(frames: &[pb::ProviderTunnelFrame], status: u32) {
 // and an `x-api-key` slot work.
 #[monoio::test(timer_enabled = true)]
 async fn valid_lease_injects_the_declared_header() {
-    let mock = Mock::start();
-    let mut edge = Edge::start(payload(&mock, true), Some(node_credentials())).await;
+    let mock = keyed_mock();
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
     let mut req = leased("ok-1", &LeaseSpec::valid("lease-ok-1"));
     req.headers.push(pb::Header {
         name: "authorization".into(),
@@ -323,7 +159,7 @@ async fn valid_lease_injects_the_declared_header() {
         ..LeaseSpec::valid("lease-ok-2")
     };
     assert_answered(&edge.tunnel(leased("ok-2", &x_api_key)).await, 200);
-    let stats = mock.stats().await;
+    let stats = mock.admin_stats().await;
     assert_eq!(stats["chat_requests"], 2);
 }
 
@@ -332,8 +168,9 @@ async fn valid_lease_injects_the_declared_header() {
 // before any provider connection.
 #[monoio::test(timer_enabled = true)]
 async fn invalid_leases_fail_closed_without_a_provider_call() {
-    let mock = Mock::start();
-    let mut edge = Edge::start(payload(&mock, true), Some(node_credentials())).await;
+    let mock = keyed_mock();
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
     assert_rejected(&edge.tunnel(tunnel("m-1", None)).await, "lease_missing");
     let mut no_binding = leased("m-2", &LeaseSpec::valid("lease-m-2"));
     no_binding.credential_binding = None;
@@ -349,7 +186,7 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
     };
     assert_rejected(&edge.tunnel(leased("e-2", &early)).await, "lease_expired");
     // Issued for another node.
-    let mut other_node = binding(recipient(RECIPIENT_SEED).key_id());
+    let mut other_node = lease_binding(recipient(RECIPIENT_SEED).key_id());
     other_node.selected_node = "node-b".into();
     let lease = issue(&LeaseSpec::valid("lease-node-b"), &other_node);
     assert_rejected(
@@ -362,7 +199,7 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
     assert_rejected(&edge.tunnel(other_target).await, "lease_scope_mismatch");
     // Sealed to the key this node had before its key was rotated.
     let rotated = recipient(ROTATED_SEED);
-    let old_binding = binding(rotated.key_id());
+    let old_binding = lease_binding(rotated.key_id());
     let lease = issue(
         &LeaseSpec {
             sealed_to: ROTATED_SEED,
@@ -374,7 +211,7 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
         &edge.tunnel(tunnel("r-1", Some((lease, old_binding)))).await,
         "lease_invalid",
     );
-    let stats = mock.stats().await;
+    let stats = mock.admin_stats().await;
     // Only the stats request itself ever connected.
     assert_eq!(stats["connections_accepted"], 1);
     assert_eq!(stats["chat_requests"], 0);
@@ -384,14 +221,15 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
 // lease_replayed and makes no second provider call.
 #[monoio::test(timer_enabled = true)]
 async fn replayed_lease_is_rejected() {
-    let mock = Mock::start();
-    let mut edge = Edge::start(payload(&mock, true), Some(node_credentials())).await;
+    let mock = keyed_mock();
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
     let req = leased("p-1", &LeaseSpec::valid("lease-once"));
     let mut replay = req.clone();
     replay.run_id = "p-2".into();
     assert_answered(&edge.tunnel(req).await, 200);
     assert_rejected(&edge.tunnel(replay).await, "lease_replayed");
-    assert_eq!(mock.stats().await["chat_requests"], 1);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 1);
 }
 
 // CONTRACT: C3 — without its own credential plane a node told by the Edge
@@ -400,8 +238,8 @@ async fn replayed_lease_is_rejected() {
 // node passes a legacy tunnel through (the mock then answers 401: no key).
 #[monoio::test(timer_enabled = true)]
 async fn nodes_without_a_recipient_key() {
-    let mock = Mock::start();
-    let mut required = Edge::start(payload(&mock, true), None).await;
+    let mock = keyed_mock();
+    let mut required = Edge::start(payload(&mock, true)).await;
     assert_rejected(&required.tunnel(tunnel("n-1", None)).await, "lease_missing");
     assert_rejected(
         &required
@@ -409,13 +247,13 @@ async fn nodes_without_a_recipient_key() {
             .await,
         "lease_invalid",
     );
-    let mut legacy = Edge::start(payload(&mock, false), None).await;
+    let mut legacy = Edge::start(payload(&mock, false)).await;
     assert_rejected(
         &legacy
             .tunnel(leased("n-3", &LeaseSpec::valid("lease-n-3")))
             .await,
         "lease_invalid",
     );
-    assert_eq!(mock.stats().await["chat_requests"], 0);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 0);
     assert_answered(&legacy.tunnel(tunnel("n-4", None)).await, 401);
 }

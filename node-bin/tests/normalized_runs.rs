@@ -6,206 +6,54 @@
 //! tool-call fallback after the backend rejects `tools`), K1/U6 (cancel
 //! aborts the provider request) and W3/W4 for runs.
 //!
-//! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
-//! assertion depends on how fast anything runs.
+//! Waits are bounded by [`common::SAFETY`] only as a safety net against
+//! hangs; no assertion depends on how fast anything runs.
+
+mod common;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::time::Duration;
 
 use bytes::Bytes;
-use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
-use iop_engine::http::Url;
+use common::{node_config, ollama_adapter, openai_adapter, openai_profile, Edge, Mock, TARGET};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::Splitable;
-use monoio::net::{TcpListener, TcpStream};
-use node_bin::session::{self, NodeCore};
 
-const SAFETY: Duration = Duration::from_secs(20);
-const TARGET: &str = "mock-model";
-
-fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
+/// The mock with `faults` and tool `modes`.
+fn start_mock(
+    tokens: u32,
+    inter_token_ms: u64,
+    faults: bench::mock::MockFaults,
+    modes: bench::mock::MockModes,
+) -> Mock {
+    Mock::start(Mock::handler_with_faults(tokens, inter_token_ms, faults).with_modes(modes))
 }
 
-/// The mock provider, in process.
-struct Mock {
-    addr: SocketAddr,
-}
-
-impl Mock {
-    fn start(
-        tokens: u32,
-        inter_token_ms: u64,
-        faults: bench::mock::MockFaults,
-        modes: bench::mock::MockModes,
-    ) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
-        let addr = listener.local_addr().expect("mock addr");
-        let config = bench::mock::MockConfig {
-            ttft_ms: 0,
-            inter_token_ms,
-            tokens,
-            models: vec![TARGET.to_string()],
-        };
-        let provider = bench::mock::MockProvider::with_faults(config, faults).with_modes(modes);
-        monoio::spawn(async move {
-            let never = bench::mock::serve_provider(listener, provider).await;
-            match never {}
-        });
-        Self { addr }
-    }
-
-    fn plain(tokens: u32) -> Self {
-        Self::start(tokens, 0, Default::default(), Default::default())
-    }
-
-    async fn stats(&self) -> serde_json::Value {
-        let url = Url::parse(&format!("http://{}", self.addr)).expect("mock url");
-        let (status, body) = node_bin::probe::get(&url, "/admin/stats", SAFETY)
-            .await
-            .expect("mock stats");
-        assert_eq!(status, 200);
-        serde_json::from_slice(&body).expect("mock JSON")
-    }
-
-    /// Polls the mock's counters until `done` holds (bounded).
-    async fn wait_stats(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
-        for _ in 0..400 {
-            if done(&self.stats().await) {
-                return;
-            }
-            monoio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("mock never reached: {what}; last {:?}", self.stats().await);
-    }
+/// The mock without faults or tool modes.
+fn plain_mock(tokens: u32) -> Mock {
+    start_mock(tokens, 0, Default::default(), Default::default())
 }
 
 /// An Ollama instance `ol` and an OpenAI-compatible instance `oa`, both on
 /// the mock, each with `capacity`.
 fn payload(mock: &Mock, capacity: u32) -> pb::NodeConfigPayload {
-    pb::NodeConfigPayload {
-        runtime: Some(pb::NodeRuntimeConfig {
-            close_grace_ms: 300,
-            probe_timeout_ms: 300,
-            ..Default::default()
-        }),
-        adapters: vec![
-            pb::AdapterConfig {
-                name: "ol".into(),
-                capacity,
-                targets: vec![TARGET.into()],
-                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
-                    base_url: format!("http://{}", mock.addr),
-                })),
-            },
-            pb::AdapterConfig {
-                name: "oa".into(),
-                capacity,
-                targets: vec![TARGET.into()],
-                kind: Some(pb::adapter_config::Kind::OpenaiCompat(
-                    pb::OpenAiCompatAdapterConfig {
-                        protocol_profile: Some(pb::ProtocolProfile {
-                            name: "vllm".into(),
-                            base_url: format!("http://{}", mock.addr),
-                            models_path: "/v1/models".into(),
-                            chat_completions_path: "/v1/chat/completions".into(),
-                            health_path: "/health".into(),
-                            auth_header_name: "Authorization".into(),
-                            auth_header_format: "Bearer {secret}".into(),
-                            ..Default::default()
-                        }),
-                    },
-                )),
-            },
+    let profile = pb::ProtocolProfile {
+        name: "vllm".into(),
+        health_path: "/health".into(),
+        auth_header_name: "Authorization".into(),
+        auth_header_format: "Bearer {secret}".into(),
+        ..openai_profile(mock)
+    };
+    node_config(
+        vec![
+            ollama_adapter("ol", capacity, vec![TARGET.into()], mock),
+            openai_adapter("oa", capacity, profile),
         ],
-        revision: 1,
-        credential_leases_required: false,
-    }
+        false,
+    )
 }
 
-/// The Edge side of one Node session.
-struct Edge {
-    conn: ConnHandle,
-    events: ConnEvents,
-}
-
+/// This file's view of the gate: the in-flight count of `adapter`.
 impl Edge {
-    async fn start(config: pb::NodeConfigPayload) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
-        let addr = listener.local_addr().expect("edge addr");
-        let core = NodeCore::start();
-        monoio::spawn(async move {
-            let tcp = TcpStream::connect(addr).await.expect("node dials");
-            let shutdown = SocketShutdown::for_socket(&tcp);
-            let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-            session::run("node-a", &core, conn, events).await
-        });
-        let (tcp, _) = listener.accept().await.expect("edge accepts");
-        let shutdown = SocketShutdown::for_socket(&tcp);
-        let (r, w) = tcp.into_split();
-        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-        let mut edge = Self { conn, events };
-        assert!(matches!(
-            edge.recv().await.body,
-            Some(Body::RegisterRequest(_))
-        ));
-        edge.send(Body::RegisterResponse(pb::RegisterResponse {
-            accepted: true,
-            reason: String::new(),
-            config: Some(config),
-        }));
-        assert!(matches!(
-            edge.recv().await.body,
-            Some(Body::NodeReadyRequest(_))
-        ));
-        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
-            ready: true,
-            reason: String::new(),
-        }));
-        edge
-    }
-
-    fn send(&self, body: Body) {
-        self.conn.send_control(frame(body)).expect("edge send");
-    }
-
-    async fn recv(&mut self) -> pb::Frame {
-        monoio::select! {
-            ev = self.events.recv() => match ev {
-                Some(ConnEvent::Frame(f)) => f,
-                other => panic!("edge connection ended: {other:?}"),
-            },
-            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
-        }
-    }
-
-    async fn recv_event(&mut self) -> pb::RunEvent {
-        match self.recv().await.body {
-            Some(Body::RunEvent(e)) => e,
-            other => panic!("expected a run event, got {other:?}"),
-        }
-    }
-
-    /// Events of `run_id` up to and including its terminal.
-    async fn run_events(&mut self, run_id: &str) -> Vec<pb::RunEvent> {
-        let mut out = Vec::new();
-        loop {
-            let e = self.recv_event().await;
-            assert_eq!(e.run_id, run_id, "only one run is open");
-            let terminal = matches!(
-                e.r#type(),
-                pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
-            );
-            out.push(e);
-            if terminal {
-                return out;
-            }
-        }
-    }
-
     async fn in_flight(&mut self, adapter: &str) -> u32 {
         self.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
             command_id: "in-flight".into(),
@@ -285,7 +133,7 @@ fn text_run_types(tokens: u64) -> Vec<(u64, pb::RunEventType)> {
 // done_reason; the run and session ids are echoed; the gate slot is freed.
 #[monoio::test(timer_enabled = true)]
 async fn ollama_run_streams_deltas_and_completes() {
-    let mock = Mock::plain(3);
+    let mock = plain_mock(3);
     let mut edge = Edge::start(payload(&mock, 1)).await;
     edge.send(run("ol-1", "ol", text_input()));
     let events = edge.run_events("ol-1").await;
@@ -321,7 +169,7 @@ async fn ollama_run_streams_deltas_and_completes() {
         events.last().map(|e| e.finish_reason.as_str()),
         Some("length")
     );
-    let stats = mock.stats().await;
+    let stats = mock.admin_stats().await;
     assert_eq!(stats["ollama_chat_requests"], 2);
 }
 
@@ -329,7 +177,7 @@ async fn ollama_run_streams_deltas_and_completes() {
 // complete with the usage chunk's figures.
 #[monoio::test(timer_enabled = true)]
 async fn openai_run_streams_deltas_and_completes() {
-    let mock = Mock::plain(4);
+    let mock = plain_mock(4);
     let mut edge = Edge::start(payload(&mock, 1)).await;
     edge.send(run("oa-1", "oa", text_input()));
     let events = edge.run_events("oa-1").await;
@@ -360,7 +208,7 @@ async fn native_tool_calls_through_both_adapters() {
         tool_calls: true,
         ..Default::default()
     };
-    let mock = Mock::start(3, 0, Default::default(), modes);
+    let mock = start_mock(3, 0, Default::default(), modes);
     let mut edge = Edge::start(payload(&mock, 2)).await;
 
     edge.send(run("t-ol", "ol", tool_input()));
@@ -414,7 +262,7 @@ async fn rejected_tools_fall_back_to_text_tool_calls() {
         reject_tools: true,
         ..Default::default()
     };
-    let mock = Mock::start(3, 0, Default::default(), modes);
+    let mock = start_mock(3, 0, Default::default(), modes);
     let mut edge = Edge::start(payload(&mock, 1)).await;
     edge.send(run("e5", "oa", tool_input()));
     let events = edge.run_events("e5").await;
@@ -429,7 +277,7 @@ async fn rejected_tools_fall_back_to_text_tool_calls() {
         text(&events),
         r#"<tool_call>{"name":"get_weather","arguments":{"city":"tok0","days":1}}</tool_call>"#
     );
-    let stats = mock.stats().await;
+    let stats = mock.admin_stats().await;
     assert_eq!(stats["tools_rejected"], 1, "exactly one rejected attempt");
     assert_eq!(stats["chat_requests"], 2, "one retry");
     // Without tools the same backend answers plainly, no flag.
@@ -447,7 +295,7 @@ async fn provider_errors_are_plain_error_terminals() {
         fail_status: Some(503),
         ..Default::default()
     };
-    let mock = Mock::start(3, 0, faults, Default::default());
+    let mock = start_mock(3, 0, faults, Default::default());
     let mut edge = Edge::start(payload(&mock, 1)).await;
     edge.send(run("f-ol", "ol", text_input()));
     let events = edge.run_events("f-ol").await;
@@ -473,10 +321,12 @@ async fn provider_errors_are_plain_error_terminals() {
 // stream fail) and the gate slot is freed.
 #[monoio::test(timer_enabled = true)]
 async fn cancel_aborts_the_provider_request() {
-    let mock = Mock::start(400, 20, Default::default(), Default::default());
+    let mock = start_mock(400, 20, Default::default(), Default::default());
     let mut edge = Edge::start(payload(&mock, 1)).await;
     for (run_id, adapter) in [("c-ol", "ol"), ("c-oa", "oa")] {
-        let aborted_before = mock.stats().await["streams_aborted"].as_u64().unwrap_or(0);
+        let aborted_before = mock.admin_stats().await["streams_aborted"]
+            .as_u64()
+            .unwrap_or(0);
         edge.send(run(run_id, adapter, text_input()));
         let start = edge.recv_event().await;
         assert_eq!(start.r#type(), pb::RunEventType::Start);
@@ -518,7 +368,7 @@ async fn stalled_ollama_run_ends_with_response_stalled() {
         stall_after_tokens: Some(2),
         ..Default::default()
     };
-    let mock = Mock::start(8, 0, faults, Default::default());
+    let mock = start_mock(8, 0, faults, Default::default());
     let mut edge = Edge::start(payload(&mock, 1)).await;
     edge.send(Body::RunRequest(pb::RunRequest {
         run_id: "s-1".into(),

@@ -13,71 +13,25 @@
 //! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
 //! assertion depends on how fast anything runs.
 
-use std::cell::RefCell;
-use std::net::SocketAddr;
-use std::rc::Rc;
+mod common;
+
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::{
+    chat_tunnel, lease_binding, node_config, ollama_adapter, openai_adapter, openai_profile,
+    recipient, Edge, Mock, SAFETY, TARGET,
+};
 use ed25519_dalek::SigningKey;
-use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
-use iop_engine::http::Url;
-use iop_wire::lease::{self, IssueParams, LeaseEntropy, RecipientKey};
+use iop_wire::lease::{self, IssueParams, LeaseEntropy};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::Splitable;
-use monoio::net::{TcpListener, TcpStream};
 use node_bin::credentials::NodeCredentials;
 use node_bin::provider_pool::PoolStats;
-use node_bin::session::{self, NodeCore};
-use x25519_dalek::StaticSecret;
 
-const SAFETY: Duration = Duration::from_secs(20);
-const TARGET: &str = "mock-model";
 const SECRET: &str = "sk-iop-pool-test-77a0";
 const RECIPIENT_SEED: [u8; 32] = [21; 32];
 const ISSUER_SEED: [u8; 32] = [22; 32];
-
-fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
-}
-
-/// The mock provider, in process, with its handler shared with the test.
-struct Mock {
-    addr: SocketAddr,
-    provider: Rc<RefCell<bench::mock::MockProvider>>,
-}
-
-impl Mock {
-    fn start(provider: bench::mock::MockProvider) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
-        let addr = listener.local_addr().expect("mock addr");
-        let provider = Rc::new(RefCell::new(provider));
-        let shared = provider.clone();
-        monoio::spawn(async move {
-            let never = bench::mock::serve_shared(listener, shared).await;
-            match never {}
-        });
-        Self { addr, provider }
-    }
-
-    fn handler(tokens: u32, inter_token_ms: u64) -> bench::mock::MockProvider {
-        bench::mock::MockProvider::new(bench::mock::MockConfig {
-            ttft_ms: 0,
-            inter_token_ms,
-            tokens,
-            models: vec![TARGET.to_string()],
-        })
-    }
-
-    fn url(&self) -> Url {
-        Url::parse(&format!("http://{}", self.addr)).expect("mock url")
-    }
-
-    fn stats(&self) -> bench::mock::MockStats {
-        self.provider.borrow().stats()
-    }
-}
 
 /// Polls `done` until it holds (bounded by [`SAFETY`]).
 async fn eventually(what: &str, done: impl Fn() -> bool) {
@@ -98,161 +52,25 @@ fn payload(mock: &Mock, auth_header: bool, leases_required: bool) -> pb::NodeCon
     } else {
         (String::new(), String::new())
     };
-    pb::NodeConfigPayload {
-        runtime: Some(pb::NodeRuntimeConfig {
-            close_grace_ms: 300,
-            probe_timeout_ms: 300,
-            ..Default::default()
-        }),
-        adapters: vec![
-            pb::AdapterConfig {
-                name: "mock".into(),
-                capacity: 4,
-                targets: vec![TARGET.into()],
-                kind: Some(pb::adapter_config::Kind::OpenaiCompat(
-                    pb::OpenAiCompatAdapterConfig {
-                        protocol_profile: Some(pb::ProtocolProfile {
-                            name: "openai".into(),
-                            base_url: format!("http://{}", mock.addr),
-                            models_path: "/v1/models".into(),
-                            chat_completions_path: "/v1/chat/completions".into(),
-                            health_path: "/v1/models".into(),
-                            auth_header_name,
-                            auth_header_format,
-                            ..Default::default()
-                        }),
-                    },
-                )),
-            },
-            pb::AdapterConfig {
-                name: "ol".into(),
-                capacity: 4,
-                targets: vec![TARGET.into()],
-                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
-                    base_url: format!("http://{}", mock.addr),
-                })),
-            },
+    let profile = pb::ProtocolProfile {
+        health_path: "/v1/models".into(),
+        auth_header_name,
+        auth_header_format,
+        ..openai_profile(mock)
+    };
+    node_config(
+        vec![
+            openai_adapter("mock", 4, profile),
+            ollama_adapter("ol", 4, vec![TARGET.into()], mock),
         ],
-        revision: 1,
-        credential_leases_required: leases_required,
-    }
+        leases_required,
+    )
 }
 
-/// The Edge side of one Node session; `core` is the Node's per-core state
-/// (the pool lives there).
-struct Edge {
-    conn: ConnHandle,
-    events: ConnEvents,
-    core: Rc<NodeCore>,
-}
-
+/// The pool's counters (the pool lives in the Node's per-core state).
 impl Edge {
-    async fn start(config: pb::NodeConfigPayload, credentials: Option<NodeCredentials>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
-        let addr = listener.local_addr().expect("edge addr");
-        let core = NodeCore::start_with_credentials(credentials);
-        let node_core = core.clone();
-        monoio::spawn(async move {
-            let tcp = TcpStream::connect(addr).await.expect("node dials");
-            let shutdown = SocketShutdown::for_socket(&tcp);
-            let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-            session::run("node-a", &node_core, conn, events).await
-        });
-        let (tcp, _) = listener.accept().await.expect("edge accepts");
-        let shutdown = SocketShutdown::for_socket(&tcp);
-        let (r, w) = tcp.into_split();
-        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-        let mut edge = Self { conn, events, core };
-        assert!(matches!(
-            edge.recv().await.body,
-            Some(Body::RegisterRequest(_))
-        ));
-        edge.send(Body::RegisterResponse(pb::RegisterResponse {
-            accepted: true,
-            reason: String::new(),
-            config: Some(config),
-        }));
-        assert!(matches!(
-            edge.recv().await.body,
-            Some(Body::NodeReadyRequest(_))
-        ));
-        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
-            ready: true,
-            reason: String::new(),
-        }));
-        edge
-    }
-
     fn pool_stats(&self) -> PoolStats {
         self.core.pool.stats()
-    }
-
-    fn send(&self, body: Body) {
-        self.conn.send_control(frame(body)).expect("edge send");
-    }
-
-    async fn recv(&mut self) -> pb::Frame {
-        monoio::select! {
-            ev = self.events.recv() => match ev {
-                Some(ConnEvent::Frame(f)) => f,
-                other => panic!("edge connection ended: {other:?}"),
-            },
-            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
-        }
-    }
-
-    async fn recv_tunnel(&mut self) -> pb::ProviderTunnelFrame {
-        match self.recv().await.body {
-            Some(Body::ProviderTunnelFrame(f)) => f,
-            other => panic!("expected a tunnel frame, got {other:?}"),
-        }
-    }
-
-    /// Frames of `run_id` up to and including its terminal.
-    async fn tunnel_frames(&mut self, run_id: &str) -> Vec<pb::ProviderTunnelFrame> {
-        let mut out = Vec::new();
-        loop {
-            let f = self.recv_tunnel().await;
-            assert_eq!(f.run_id, run_id, "only one tunnel is open");
-            let terminal = matches!(
-                f.kind(),
-                pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
-            );
-            out.push(f);
-            if terminal {
-                return out;
-            }
-        }
-    }
-
-    /// Sends `req` and returns its frames up to and including the terminal.
-    async fn tunnel(&mut self, req: pb::ProviderTunnelRequest) -> Vec<pb::ProviderTunnelFrame> {
-        let run_id = req.run_id.clone();
-        self.send(Body::ProviderTunnelRequest(req));
-        self.tunnel_frames(&run_id).await
-    }
-
-    /// Sends a run and returns its events up to and including the terminal.
-    async fn run(&mut self, req: pb::RunRequest) -> Vec<pb::RunEvent> {
-        let run_id = req.run_id.clone();
-        self.send(Body::RunRequest(req));
-        let mut out = Vec::new();
-        loop {
-            let e = match self.recv().await.body {
-                Some(Body::RunEvent(e)) => e,
-                other => panic!("expected a run event, got {other:?}"),
-            };
-            assert_eq!(e.run_id, run_id, "only one run is open");
-            let terminal = matches!(
-                e.r#type(),
-                pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
-            );
-            out.push(e);
-            if terminal {
-                return out;
-            }
-        }
     }
 }
 
@@ -263,20 +81,9 @@ fn tunnel(run_id: &str, max_tokens: Option<u32>, stall_ms: i64) -> pb::ProviderT
         r#"{{"model":"{TARGET}","stream":true{cap},"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
     pb::ProviderTunnelRequest {
-        run_id: run_id.into(),
-        adapter: "mock".into(),
-        target: TARGET.into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        headers: vec![pb::Header {
-            name: "content-type".into(),
-            value: Bytes::from_static(b"application/json"),
-        }],
-        body: Bytes::from(body),
         stream: true,
         response_stall_timeout_ms: stall_ms,
-        operation: "chat_completions".into(),
-        ..Default::default()
+        ..chat_tunnel(run_id, body)
     }
 }
 
@@ -319,11 +126,11 @@ fn assert_streamed(frames: &[pb::ProviderTunnelFrame], tokens: u32) {
 #[monoio::test(timer_enabled = true)]
 async fn sequential_tunnels_reuse_one_provider_connection() {
     let mock = Mock::start(Mock::handler(3, 0));
-    let mut edge = Edge::start(payload(&mock, false, false), None).await;
+    let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("seq-1", None, 0)).await, 3);
     assert_eq!(edge.core.pool.idle_connections(&mock.url()), 1);
     assert_streamed(&edge.tunnel(tunnel("seq-2", None, 0)).await, 3);
-    let stats = mock.stats();
+    let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 1);
     assert_eq!(stats.chat_requests, 2);
     assert_eq!(
@@ -345,7 +152,7 @@ async fn cancelled_tunnel_connection_is_not_reused() {
     // 40 tokens 25 ms apart: a full stream outlives the cancel by far; the
     // quick requests ask for one token.
     let mock = Mock::start(Mock::handler(40, 25));
-    let mut edge = Edge::start(payload(&mock, false, false), None).await;
+    let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("c-1", Some(1), 0)).await, 1);
     // The long one takes the pooled connection and is cancelled mid-stream.
     edge.send(Body::ProviderTunnelRequest(tunnel("c-2", None, 0)));
@@ -369,13 +176,13 @@ async fn cancelled_tunnel_connection_is_not_reused() {
     assert_eq!(last.failure_code, "cancelled");
     // The provider saw its stream aborted: the socket was closed.
     eventually("the cancelled stream's connection closed", || {
-        let s = mock.stats();
+        let s = mock.counters();
         s.streams_aborted == 1 && s.connections_open == 0
     })
     .await;
     assert_eq!(edge.core.pool.idle_connections(&mock.url()), 0);
     assert_streamed(&edge.tunnel(tunnel("c-3", Some(1), 0)).await, 1);
-    let stats = mock.stats();
+    let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 2);
     assert_eq!(stats.chat_requests, 3);
     assert_eq!(
@@ -396,32 +203,28 @@ async fn cancelled_tunnel_connection_is_not_reused() {
 async fn stalled_tunnel_connection_is_not_reused() {
     // Streams stall forever after two tokens; a two-token request ends
     // before the stall.
-    let handler = bench::mock::MockProvider::with_faults(
-        bench::mock::MockConfig {
-            ttft_ms: 0,
-            inter_token_ms: 0,
-            tokens: 8,
-            models: vec![TARGET.to_string()],
-        },
+    let handler = Mock::handler_with_faults(
+        8,
+        0,
         bench::mock::MockFaults {
             stall_after_tokens: Some(2),
             ..Default::default()
         },
     );
     let mock = Mock::start(handler);
-    let mut edge = Edge::start(payload(&mock, false, false), None).await;
+    let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("s-1", Some(2), 0)).await, 2);
     let frames = edge.tunnel(tunnel("s-2", None, 200)).await;
     let last = frames.last().expect("terminal");
     assert_eq!(last.kind(), pb::TunnelFrameKind::Error);
     assert_eq!(last.failure_code, "response_stalled");
     eventually("the stalled stream's connection closed", || {
-        mock.stats().active_streams == 0
+        mock.counters().active_streams == 0
     })
     .await;
     assert_eq!(edge.core.pool.idle_connections(&mock.url()), 0);
     assert_streamed(&edge.tunnel(tunnel("s-3", Some(2), 0)).await, 2);
-    let stats = mock.stats();
+    let stats = mock.counters();
     // s-1's (reused by s-2, then closed), the probe's, s-3's.
     assert_eq!(stats.connections_accepted, 3);
     assert_eq!(stats.chat_requests, 3);
@@ -442,13 +245,13 @@ async fn stalled_tunnel_connection_is_not_reused() {
 #[monoio::test(timer_enabled = true)]
 async fn stale_pooled_connection_is_retried_once_on_a_fresh_one() {
     let mock = Mock::start(Mock::handler(3, 0).with_close_after_requests(1));
-    let mut edge = Edge::start(payload(&mock, false, false), None).await;
+    let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("r-1", None, 0)).await, 3);
     // The reply looked keep-alive, so the connection went back to the pool;
     // then the provider closed it.
     assert_eq!(edge.core.pool.idle_connections(&mock.url()), 1);
     eventually("the provider closed the idle connection", || {
-        mock.stats().connections_open == 0
+        mock.counters().connections_open == 0
     })
     .await;
     let frames = edge.tunnel(tunnel("r-2", None, 0)).await;
@@ -458,7 +261,7 @@ async fn stale_pooled_connection_is_retried_once_on_a_fresh_one() {
         vec![pb::TunnelFrameKind::ResponseStart],
         "one response, no trace of the failed attempt"
     );
-    let stats = mock.stats();
+    let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 2);
     assert_eq!(stats.chat_requests, 2);
     assert_eq!(
@@ -472,10 +275,6 @@ async fn stale_pooled_connection_is_retried_once_on_a_fresh_one() {
     );
 }
 
-fn recipient(seed: [u8; 32]) -> RecipientKey {
-    RecipientKey::from_secret(StaticSecret::from(seed))
-}
-
 fn issuer() -> SigningKey {
     SigningKey::from_bytes(&ISSUER_SEED)
 }
@@ -483,18 +282,7 @@ fn issuer() -> SigningKey {
 /// A tunnel carrying a fresh lease `lease_id` for [`SECRET`].
 fn leased(run_id: &str, lease_id: &str) -> pb::ProviderTunnelRequest {
     let to = recipient(RECIPIENT_SEED);
-    let binding = pb::CredentialLeaseBinding {
-        principal: "team-a".into(),
-        slot: "mock-key".into(),
-        route: "iop-test-model".into(),
-        profile: "openai".into(),
-        upstream_target: lease::upstream_target("mock", TARGET),
-        selected_node: "node-a".into(),
-        recipient: to.key_id().into(),
-        credential_revision: 1,
-        route_revision: 1,
-        projection_generation: 1,
-    };
+    let binding = lease_binding(to.key_id());
     let not_before = iop_engine::clock::unix_ms();
     let lease = lease::issue(
         &IssueParams {
@@ -529,10 +317,11 @@ async fn stale_retry_resends_the_credential_header_without_reopening_the_lease()
     let mock = Mock::start(handler);
     let credentials =
         NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), 5_000);
-    let mut edge = Edge::start(payload(&mock, true, true), Some(credentials)).await;
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true, true), Some(credentials)).await;
     assert_streamed(&edge.tunnel(leased("l-1", "lease-l-1")).await, 3);
     eventually("the provider closed the idle connection", || {
-        mock.stats().connections_open == 0
+        mock.counters().connections_open == 0
     })
     .await;
     let frames = edge.tunnel(leased("l-2", "lease-l-2")).await;
@@ -540,7 +329,7 @@ async fn stale_retry_resends_the_credential_header_without_reopening_the_lease()
     assert!(frames
         .iter()
         .all(|f| !f.body.windows(SECRET.len()).any(|w| w == SECRET.as_bytes())));
-    let stats = mock.stats();
+    let stats = mock.counters();
     // Both answered 200 by the key-checking mock: the retry had the header.
     assert_eq!(stats.chat_requests, 2);
     assert_eq!(stats.connections_accepted, 2);
@@ -584,7 +373,7 @@ async fn normalized_runs_reuse_the_provider_connection() {
         ..Default::default()
     };
     let mock = Mock::start(Mock::handler(2, 0).with_modes(modes));
-    let mut edge = Edge::start(payload(&mock, false, false), None).await;
+    let mut edge = Edge::start(payload(&mock, false, false)).await;
     let url = mock.url();
     for id in ["ol-1", "ol-2"] {
         let events = edge.run(run(id, "ol", say("hello"))).await;
@@ -618,7 +407,7 @@ async fn normalized_runs_reuse_the_provider_connection() {
         edge.core.pool.idle_connections(&url) == 1
     })
     .await;
-    let stats = mock.stats();
+    let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 1);
     assert_eq!(stats.ollama_chat_requests, 2);
     assert_eq!(stats.tools_rejected, 1);

@@ -3,219 +3,36 @@
 //! `bench` mock provider with injected faults. Proves the watchdog, cancel,
 //! session-end, W1, command and refresh behaviour through real sockets.
 //!
-//! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
+//! Waits are bounded by [`common::SAFETY`] only as a safety net against hangs; no
 //! assertion depends on how fast anything runs.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::time::Duration;
+mod common;
 
-use bytes::Bytes;
-use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
-use iop_engine::http::Url;
+use std::collections::HashMap;
+
+use common::{
+    chat_tunnel, node_config, ollama_adapter, openai_adapter, openai_profile, Edge, Mock, TARGET,
+};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::Splitable;
-use monoio::net::{TcpListener, TcpStream};
-use node_bin::session::{self, NodeCore, SessionEnd};
-
-const SAFETY: Duration = Duration::from_secs(20);
-const TARGET: &str = "mock-model";
-
-fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
-}
-
-/// The mock provider, in process.
-struct Mock {
-    addr: SocketAddr,
-}
-
-impl Mock {
-    fn start(tokens: u32, inter_token_ms: u64, faults: bench::mock::MockFaults) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
-        let addr = listener.local_addr().expect("mock addr");
-        let config = bench::mock::MockConfig {
-            ttft_ms: 0,
-            inter_token_ms,
-            tokens,
-            models: vec![TARGET.to_string()],
-        };
-        monoio::spawn(async move {
-            let never = bench::mock::serve_with(listener, config, faults).await;
-            match never {}
-        });
-        Self { addr }
-    }
-
-    fn url(&self) -> Url {
-        Url::parse(&format!("http://{}", self.addr)).expect("mock url")
-    }
-
-    async fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        let (status, body) = node_bin::probe::get(&self.url(), path, SAFETY)
-            .await
-            .expect("mock admin GET");
-        (status, serde_json::from_slice(&body).expect("mock JSON"))
-    }
-
-    async fn stats(&self) -> serde_json::Value {
-        self.get("/admin/stats").await.1
-    }
-
-    async fn set_health(&self, state: &str) {
-        let tcp = TcpStream::connect(self.addr).await.expect("connect mock");
-        let mut client = iop_engine::http::ClientConn::new(tcp, Default::default())
-            .with_host(self.addr.to_string());
-        client
-            .send_request(
-                "POST",
-                "/admin/health",
-                [("content-type", "application/json")],
-                Bytes::from(format!(r#"{{"state":"{state}"}}"#)),
-            )
-            .await
-            .expect("send");
-        let head = client.read_response_head().await.expect("head");
-        assert_eq!(head.status, 200);
-        client.read_body_to_end(1 << 16).await.expect("body");
-    }
-
-    /// Polls the mock's counters until `done` holds (bounded).
-    async fn wait_stats(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
-        for _ in 0..400 {
-            if done(&self.stats().await) {
-                return;
-            }
-            monoio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("mock never reached: {what}; last {:?}", self.stats().await);
-    }
-}
+use node_bin::session::SessionEnd;
 
 fn payload(mock: &Mock, health_path: &str, capacity: u32) -> pb::NodeConfigPayload {
-    pb::NodeConfigPayload {
-        runtime: Some(pb::NodeRuntimeConfig {
-            close_grace_ms: 300,
-            probe_timeout_ms: 300,
-            ..Default::default()
-        }),
-        adapters: vec![
-            pb::AdapterConfig {
-                name: "mock".into(),
-                capacity,
-                targets: vec![TARGET.into()],
-                kind: Some(pb::adapter_config::Kind::OpenaiCompat(
-                    pb::OpenAiCompatAdapterConfig {
-                        protocol_profile: Some(pb::ProtocolProfile {
-                            name: "openai".into(),
-                            base_url: format!("http://{}", mock.addr),
-                            models_path: "/v1/models".into(),
-                            chat_completions_path: "/v1/chat/completions".into(),
-                            health_path: health_path.into(),
-                            ..Default::default()
-                        }),
-                    },
-                )),
-            },
-            pb::AdapterConfig {
-                name: "local-ollama".into(),
-                capacity: 1,
-                targets: vec![],
-                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
-                    base_url: format!("http://{}", mock.addr),
-                })),
-            },
+    let profile = pb::ProtocolProfile {
+        health_path: health_path.into(),
+        ..openai_profile(mock)
+    };
+    node_config(
+        vec![
+            openai_adapter("mock", capacity, profile),
+            ollama_adapter("local-ollama", 1, vec![], mock),
         ],
-        revision: 1,
-        credential_leases_required: false,
-    }
+        false,
+    )
 }
 
-/// The Edge side of one Node session.
-struct Edge {
-    conn: ConnHandle,
-    events: ConnEvents,
-    node: monoio::task::JoinHandle<SessionEnd>,
-}
-
+/// This file's commands, refreshes and the gate's in-flight count.
 impl Edge {
-    /// Starts a Node session against a scripted Edge and completes
-    /// registration and readiness.
-    async fn start(config: pb::NodeConfigPayload) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
-        let addr = listener.local_addr().expect("edge addr");
-        let core = NodeCore::start();
-        let node = monoio::spawn(async move {
-            let tcp = TcpStream::connect(addr).await.expect("node dials");
-            let shutdown = SocketShutdown::for_socket(&tcp);
-            let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-            session::run("node-a", &core, conn, events).await
-        });
-        let (tcp, _) = listener.accept().await.expect("edge accepts");
-        let shutdown = SocketShutdown::for_socket(&tcp);
-        let (r, w) = tcp.into_split();
-        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
-        let mut edge = Self { conn, events, node };
-        match edge.recv().await.body {
-            Some(Body::RegisterRequest(r)) => assert_eq!(r.node_id, "node-a"),
-            other => panic!("expected RegisterRequest, got {other:?}"),
-        }
-        edge.send(Body::RegisterResponse(pb::RegisterResponse {
-            accepted: true,
-            reason: String::new(),
-            config: Some(config),
-        }));
-        match edge.recv().await.body {
-            Some(Body::NodeReadyRequest(_)) => {}
-            other => panic!("expected NodeReadyRequest, got {other:?}"),
-        }
-        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
-            ready: true,
-            reason: String::new(),
-        }));
-        edge
-    }
-
-    fn send(&self, body: Body) {
-        self.conn.send_control(frame(body)).expect("edge send");
-    }
-
-    async fn recv(&mut self) -> pb::Frame {
-        monoio::select! {
-            ev = self.events.recv() => match ev {
-                Some(ConnEvent::Frame(f)) => f,
-                other => panic!("edge connection ended: {other:?}"),
-            },
-            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
-        }
-    }
-
-    async fn recv_tunnel(&mut self) -> pb::ProviderTunnelFrame {
-        match self.recv().await.body {
-            Some(Body::ProviderTunnelFrame(f)) => f,
-            other => panic!("expected a tunnel frame, got {other:?}"),
-        }
-    }
-
-    /// Frames of `run_id` up to and including its terminal.
-    async fn tunnel_frames(&mut self, run_id: &str) -> Vec<pb::ProviderTunnelFrame> {
-        let mut out = Vec::new();
-        loop {
-            let f = self.recv_tunnel().await;
-            assert_eq!(f.run_id, run_id, "only one tunnel is open");
-            let terminal = matches!(
-                f.kind(),
-                pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
-            );
-            out.push(f);
-            if terminal {
-                return out;
-            }
-        }
-    }
-
     async fn command(&mut self, command: pb::NodeCommandRequest) -> pb::NodeCommandResponse {
         let id = command.command_id.clone();
         self.send(Body::NodeCommandRequest(command));
@@ -263,21 +80,10 @@ fn tunnel(run_id: &str, stall_ms: i64, stream: bool) -> Body {
         r#"{{"model":"{TARGET}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
     Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-        run_id: run_id.into(),
-        adapter: "mock".into(),
-        target: TARGET.into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        headers: vec![pb::Header {
-            name: "content-type".into(),
-            value: Bytes::from_static(b"application/json"),
-        }],
-        body: Bytes::from(body),
         stream,
         metadata: HashMap::from([("user".to_string(), "caller-secret".to_string())]),
         response_stall_timeout_ms: stall_ms,
-        operation: "chat_completions".into(),
-        ..Default::default()
+        ..chat_tunnel(run_id, body)
     })
 }
 
@@ -339,7 +145,7 @@ fn assert_stall(
 // and the provider stream are freed.
 #[monoio::test(timer_enabled = true)]
 async fn stalled_tunnel_ends_with_response_stalled() {
-    let mock = Mock::start(8, 0, stall_after(2));
+    let mock = Mock::with_faults(8, 0, stall_after(2));
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
     for (run, seq) in [("t-1", 1), ("t-2", 2)] {
         edge.send(tunnel(run, 300, true));
@@ -373,7 +179,7 @@ async fn stalled_tunnel_ends_with_response_stalled() {
 // fails closed to unknown/health_unknown.
 #[monoio::test(timer_enabled = true)]
 async fn stall_probe_evidence_follows_provider_health() {
-    let mock = Mock::start(8, 0, stall_after(1));
+    let mock = Mock::with_faults(8, 0, stall_after(1));
     let mut edge = Edge::start(payload(&mock, "/health", 2)).await;
     mock.set_health("unhealthy").await;
     edge.send(tunnel("u-1", 200, true));
@@ -401,7 +207,7 @@ async fn stall_probe_evidence_follows_provider_health() {
 // stall ERROR before any RESPONSE_START.
 #[monoio::test(timer_enabled = true)]
 async fn silent_provider_stalls_before_the_response_starts() {
-    let mock = Mock::start(8, 0, stall_after(2));
+    let mock = Mock::with_faults(8, 0, stall_after(2));
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
     edge.send(tunnel("n-1", 200, false));
     let frames = edge.tunnel_frames("n-1").await;
@@ -424,7 +230,7 @@ async fn dropped_provider_is_a_plain_error() {
         drop_after_tokens: Some(2),
         ..Default::default()
     };
-    let mock = Mock::start(8, 0, faults);
+    let mock = Mock::with_faults(8, 0, faults);
     let mut edge = Edge::start(payload(&mock, "/v1/models", 1)).await;
     edge.send(tunnel("d-1", 0, true));
     let frames = edge.tunnel_frames("d-1").await;
@@ -447,7 +253,7 @@ async fn dropped_provider_is_a_plain_error() {
 // Node boundary before any provider call: no connection reaches the mock.
 #[monoio::test(timer_enabled = true)]
 async fn invalid_stall_timeout_is_rejected_before_the_provider() {
-    let mock = Mock::start(4, 0, Default::default());
+    let mock = Mock::with_faults(4, 0, Default::default());
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
     for (run, ms) in [("w-neg", -1), ("w-big", i64::MAX)] {
         edge.send(tunnel(run, ms, true));
@@ -456,7 +262,7 @@ async fn invalid_stall_timeout_is_rejected_before_the_provider() {
         assert_eq!(frames[0].failure_code, "invalid_stall_timeout");
         assert!(frames[0].failure.is_none());
     }
-    let stats = mock.stats().await;
+    let stats = mock.admin_stats().await;
     // Only the stats request itself ever connected.
     assert_eq!(stats["connections_accepted"], 1);
     assert_eq!(stats["chat_requests"], 0);
@@ -466,7 +272,7 @@ async fn invalid_stall_timeout_is_rejected_before_the_provider() {
 // one, with exactly one ordered terminal; the other completes.
 #[monoio::test(timer_enabled = true)]
 async fn cancel_ends_only_that_tunnel() {
-    let mock = Mock::start(40, 25, Default::default());
+    let mock = Mock::with_faults(40, 25, Default::default());
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
     edge.send(tunnel("k-a", 0, true));
     edge.send(tunnel("k-b", 0, true));
@@ -525,7 +331,7 @@ async fn cancel_ends_only_that_tunnel() {
 // active tunnel: the provider streams are closed and the session ends.
 #[monoio::test(timer_enabled = true)]
 async fn session_end_cancels_every_run() {
-    let mock = Mock::start(8, 0, stall_after(1));
+    let mock = Mock::with_faults(8, 0, stall_after(1));
     let mut edge = Edge::start(payload(&mock, "/v1/models", 4)).await;
     edge.send(tunnel("f-1", 0, true));
     edge.send(tunnel("f-2", 0, true));
@@ -552,7 +358,7 @@ async fn session_end_cancels_every_run() {
 // without addresses; OLLAMA_QUERY read-only.
 #[monoio::test(timer_enabled = true)]
 async fn commands_are_answered() {
-    let mock = Mock::start(4, 0, Default::default());
+    let mock = Mock::with_faults(4, 0, Default::default());
     let mut edge = Edge::start(payload(&mock, "/v1/models", 3)).await;
     let cmd = |id: &str, t: pb::CommandType, adapter: &str, path: &str| pb::NodeCommandRequest {
         command_id: id.into(),
@@ -648,7 +454,7 @@ async fn commands_are_answered() {
 // when invalid.
 #[monoio::test(timer_enabled = true)]
 async fn config_refresh_outcomes() {
-    let mock = Mock::start(4, 0, Default::default());
+    let mock = Mock::with_faults(4, 0, Default::default());
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
     let mut bigger = payload(&mock, "/v1/models", 7);
     bigger.revision = 2;

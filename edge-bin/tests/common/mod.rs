@@ -322,6 +322,11 @@ impl TestEdge {
         }
     }
 
+    /// [`TestEdge::start`] with the config of [`EdgeOptions::without_provider`].
+    pub fn without_provider(pki: &Pki) -> Self {
+        Self::start(pki, &edge_toml(pki, &EdgeOptions::without_provider()))
+    }
+
     /// Stops accepting (connections already open are dropped with the test).
     pub async fn stop(self) {
         self.service.stop().await;
@@ -517,6 +522,11 @@ pub fn provider_entry(status: &Value, node_id: &str) -> Value {
         .unwrap_or_else(|| panic!("no provider of {node_id} in {status}"))
 }
 
+/// `node_id`'s provider entry in a fresh `GET /status`.
+pub async fn node_entry(addr: SocketAddr, node_id: &str) -> Value {
+    provider_entry(&status(addr).await, node_id)
+}
+
 /// Polls `/status` until `node_id`'s provider shows `connected`.
 pub async fn wait_connected(addr: SocketAddr, node_id: &str, connected: bool) -> Value {
     loop {
@@ -548,6 +558,14 @@ pub fn ready_entry(node_id: &str, provider_id: &str, in_flight: u32) -> Value {
         "capacity": 2, "long_context_capacity": 0, "in_flight": in_flight,
         "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true
     })
+}
+
+/// The answer to a `NodeReadyRequest` the Edge accepts.
+pub fn ready_accepted() -> pb::NodeReadyResponse {
+    pb::NodeReadyResponse {
+        ready: true,
+        reason: String::new(),
+    }
 }
 
 /// The OpenAI error body `{"error":{"message","type","param","code"}}`.

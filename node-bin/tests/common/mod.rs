@@ -1,0 +1,410 @@
+//! The harness shared by node-bin's integration tests: the in-process
+//! `bench` mock provider, the building blocks of the `NodeConfigPayload`
+//! the scripted Edge hands out, and the scripted Edge itself — the far end
+//! of a real Node session (`node_bin::session::run`) over a loopback TCP
+//! frame connection, which completes registration and readiness and then
+//! sends and receives frames.
+//!
+//! Waits are bounded by [`SAFETY`] only as a safety net against hangs; no
+//! assertion depends on how fast anything runs. Not every test file uses
+//! every item.
+#![allow(dead_code)]
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::http::Url;
+use iop_wire::lease::{self, RecipientKey};
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use monoio::io::Splitable;
+use monoio::net::{TcpListener, TcpStream};
+use node_bin::credentials::NodeCredentials;
+use node_bin::session::{self, NodeCore, SessionEnd};
+use x25519_dalek::StaticSecret;
+
+/// The bound on every wait (a net against hangs, never a timed assertion).
+pub const SAFETY: Duration = Duration::from_secs(20);
+/// The one model the mock serves and every adapter targets.
+pub const TARGET: &str = "mock-model";
+/// The node id the Node session registers with.
+pub const NODE_ID: &str = "node-a";
+
+/// `body` as a frame.
+pub fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// The mock provider, in process, with its handler shared with the test.
+pub struct Mock {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its handler, for in-process counters ([`Mock::counters`]).
+    pub provider: Rc<RefCell<bench::mock::MockProvider>>,
+}
+
+impl Mock {
+    /// Serves `provider` on a fresh loopback port.
+    pub fn start(provider: bench::mock::MockProvider) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock");
+        let addr = listener.local_addr().expect("mock addr");
+        let provider = Rc::new(RefCell::new(provider));
+        let shared = provider.clone();
+        monoio::spawn(async move {
+            let never = bench::mock::serve_shared(listener, shared).await;
+            match never {}
+        });
+        Self { addr, provider }
+    }
+
+    /// Serves [`Mock::handler_with_faults`].
+    pub fn with_faults(tokens: u32, inter_token_ms: u64, faults: bench::mock::MockFaults) -> Self {
+        Self::start(Self::handler_with_faults(tokens, inter_token_ms, faults))
+    }
+
+    /// The mock's config: `tokens` tokens `inter_token_ms` apart, serving
+    /// [`TARGET`].
+    pub fn config(tokens: u32, inter_token_ms: u64) -> bench::mock::MockConfig {
+        bench::mock::MockConfig {
+            ttft_ms: 0,
+            inter_token_ms,
+            tokens,
+            models: vec![TARGET.to_string()],
+        }
+    }
+
+    /// A fault-free handler for [`Mock::config`].
+    pub fn handler(tokens: u32, inter_token_ms: u64) -> bench::mock::MockProvider {
+        bench::mock::MockProvider::new(Self::config(tokens, inter_token_ms))
+    }
+
+    /// A handler for [`Mock::config`] with `faults` injected.
+    pub fn handler_with_faults(
+        tokens: u32,
+        inter_token_ms: u64,
+        faults: bench::mock::MockFaults,
+    ) -> bench::mock::MockProvider {
+        bench::mock::MockProvider::with_faults(Self::config(tokens, inter_token_ms), faults)
+    }
+
+    /// The mock's base URL.
+    pub fn url(&self) -> Url {
+        Url::parse(&format!("http://{}", self.addr)).expect("mock url")
+    }
+
+    /// The mock's base URL as a config string.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The handler's counters, read in process (no connection).
+    pub fn counters(&self) -> bench::mock::MockStats {
+        self.provider.borrow().stats()
+    }
+
+    /// The counters from `GET /admin/stats` — over a connection of its own,
+    /// which the counters include.
+    pub async fn admin_stats(&self) -> serde_json::Value {
+        let (status, body) = node_bin::probe::get(&self.url(), "/admin/stats", SAFETY)
+            .await
+            .expect("mock admin GET");
+        assert_eq!(status, 200);
+        serde_json::from_slice(&body).expect("mock JSON")
+    }
+
+    /// Polls [`Mock::admin_stats`] until `done` holds (bounded).
+    pub async fn wait_stats(&self, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+        for _ in 0..400 {
+            if done(&self.admin_stats().await) {
+                return;
+            }
+            monoio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "mock never reached: {what}; last {:?}",
+            self.admin_stats().await
+        );
+    }
+
+    /// Sets the mock's health state (`POST /admin/health`).
+    pub async fn set_health(&self, state: &str) {
+        let tcp = TcpStream::connect(self.addr).await.expect("connect mock");
+        let mut client = iop_engine::http::ClientConn::new(tcp, Default::default())
+            .with_host(self.addr.to_string());
+        client
+            .send_request(
+                "POST",
+                "/admin/health",
+                [("content-type", "application/json")],
+                Bytes::from(format!(r#"{{"state":"{state}"}}"#)),
+            )
+            .await
+            .expect("send");
+        let head = client.read_response_head().await.expect("head");
+        assert_eq!(head.status, 200);
+        client.read_body_to_end(1 << 16).await.expect("body");
+    }
+}
+
+/// The Node runtime config of the tests: short close grace and probe
+/// timeout.
+pub fn runtime() -> pb::NodeRuntimeConfig {
+    pb::NodeRuntimeConfig {
+        close_grace_ms: 300,
+        probe_timeout_ms: 300,
+        ..Default::default()
+    }
+}
+
+/// Revision 1 of a config with [`runtime`] and `adapters`.
+pub fn node_config(
+    adapters: Vec<pb::AdapterConfig>,
+    credential_leases_required: bool,
+) -> pb::NodeConfigPayload {
+    pb::NodeConfigPayload {
+        runtime: Some(runtime()),
+        adapters,
+        revision: 1,
+        credential_leases_required,
+    }
+}
+
+/// An OpenAI profile `openai` on the mock (models and chat completions
+/// paths set; no health path, no auth header).
+pub fn openai_profile(mock: &Mock) -> pb::ProtocolProfile {
+    pb::ProtocolProfile {
+        name: "openai".into(),
+        base_url: mock.base_url(),
+        models_path: "/v1/models".into(),
+        chat_completions_path: "/v1/chat/completions".into(),
+        ..Default::default()
+    }
+}
+
+/// An OpenAI-compatible adapter `name` targeting [`TARGET`].
+pub fn openai_adapter(
+    name: &str,
+    capacity: u32,
+    profile: pb::ProtocolProfile,
+) -> pb::AdapterConfig {
+    pb::AdapterConfig {
+        name: name.into(),
+        capacity,
+        targets: vec![TARGET.into()],
+        kind: Some(pb::adapter_config::Kind::OpenaiCompat(
+            pb::OpenAiCompatAdapterConfig {
+                protocol_profile: Some(profile),
+            },
+        )),
+    }
+}
+
+/// An Ollama adapter `name` on the mock.
+pub fn ollama_adapter(
+    name: &str,
+    capacity: u32,
+    targets: Vec<String>,
+    mock: &Mock,
+) -> pb::AdapterConfig {
+    pb::AdapterConfig {
+        name: name.into(),
+        capacity,
+        targets,
+        kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+            base_url: mock.base_url(),
+        })),
+    }
+}
+
+/// A non-streaming chat completion tunnel to adapter `mock` carrying
+/// `body` (JSON).
+pub fn chat_tunnel(run_id: &str, body: String) -> pb::ProviderTunnelRequest {
+    pb::ProviderTunnelRequest {
+        run_id: run_id.into(),
+        adapter: "mock".into(),
+        target: TARGET.into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: vec![pb::Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(b"application/json"),
+        }],
+        body: Bytes::from(body),
+        operation: "chat_completions".into(),
+        ..Default::default()
+    }
+}
+
+/// The Node's recipient key from `seed`.
+pub fn recipient(seed: [u8; 32]) -> RecipientKey {
+    RecipientKey::from_secret(StaticSecret::from(seed))
+}
+
+/// The binding of a lease for [`TARGET`] on adapter `mock` of
+/// [`NODE_ID`], sealed to `recipient_id`.
+pub fn lease_binding(recipient_id: &str) -> pb::CredentialLeaseBinding {
+    pb::CredentialLeaseBinding {
+        principal: "team-a".into(),
+        slot: "mock-key".into(),
+        route: "iop-test-model".into(),
+        profile: "openai".into(),
+        upstream_target: lease::upstream_target("mock", TARGET),
+        selected_node: NODE_ID.into(),
+        recipient: recipient_id.into(),
+        credential_revision: 1,
+        route_revision: 1,
+        projection_generation: 1,
+    }
+}
+
+/// Whether `kind` ends a tunnel.
+fn is_tunnel_terminal(kind: pb::TunnelFrameKind) -> bool {
+    matches!(kind, pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error)
+}
+
+/// The Edge side of one Node session.
+pub struct Edge {
+    /// The Edge's end of the frame connection.
+    pub conn: ConnHandle,
+    /// Events of that connection.
+    pub events: ConnEvents,
+    /// The Node's per-core state (the provider pool lives there).
+    pub core: Rc<NodeCore>,
+    /// The Node session task.
+    pub node: monoio::task::JoinHandle<SessionEnd>,
+}
+
+impl Edge {
+    /// Starts an unmanaged Node session against a scripted Edge and
+    /// completes registration (handing out `config`) and readiness.
+    pub async fn start(config: pb::NodeConfigPayload) -> Self {
+        Self::start_with_credentials(config, None).await
+    }
+
+    /// [`Edge::start`] for a Node with `credentials` (its credential plane).
+    pub async fn start_with_credentials(
+        config: pb::NodeConfigPayload,
+        credentials: Option<NodeCredentials>,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
+        let addr = listener.local_addr().expect("edge addr");
+        let core = NodeCore::start_with_credentials(credentials);
+        let node_core = core.clone();
+        let node = monoio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.expect("node dials");
+            let shutdown = SocketShutdown::for_socket(&tcp);
+            let (r, w) = tcp.into_split();
+            let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+            session::run(NODE_ID, &node_core, conn, events).await
+        });
+        let (tcp, _) = listener.accept().await.expect("edge accepts");
+        let shutdown = SocketShutdown::for_socket(&tcp);
+        let (r, w) = tcp.into_split();
+        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        let mut edge = Self {
+            conn,
+            events,
+            core,
+            node,
+        };
+        match edge.recv().await.body {
+            Some(Body::RegisterRequest(r)) => assert_eq!(r.node_id, NODE_ID),
+            other => panic!("expected RegisterRequest, got {other:?}"),
+        }
+        edge.send(Body::RegisterResponse(pb::RegisterResponse {
+            accepted: true,
+            reason: String::new(),
+            config: Some(config),
+        }));
+        match edge.recv().await.body {
+            Some(Body::NodeReadyRequest(_)) => {}
+            other => panic!("expected NodeReadyRequest, got {other:?}"),
+        }
+        edge.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
+            ready: true,
+            reason: String::new(),
+        }));
+        edge
+    }
+
+    /// Sends `body` on the control lane.
+    pub fn send(&self, body: Body) {
+        self.conn.send_control(frame(body)).expect("edge send");
+    }
+
+    /// The next frame from the Node (bounded by [`SAFETY`]).
+    pub async fn recv(&mut self) -> pb::Frame {
+        monoio::select! {
+            ev = self.events.recv() => match ev {
+                Some(ConnEvent::Frame(f)) => f,
+                other => panic!("edge connection ended: {other:?}"),
+            },
+            _ = monoio::time::sleep(SAFETY) => panic!("no frame from the node within {SAFETY:?}"),
+        }
+    }
+
+    /// The next frame, which must be a tunnel frame.
+    pub async fn recv_tunnel(&mut self) -> pb::ProviderTunnelFrame {
+        match self.recv().await.body {
+            Some(Body::ProviderTunnelFrame(f)) => f,
+            other => panic!("expected a tunnel frame, got {other:?}"),
+        }
+    }
+
+    /// Frames of `run_id` up to and including its terminal.
+    pub async fn tunnel_frames(&mut self, run_id: &str) -> Vec<pb::ProviderTunnelFrame> {
+        let mut out = Vec::new();
+        loop {
+            let f = self.recv_tunnel().await;
+            assert_eq!(f.run_id, run_id, "only one tunnel is open");
+            let terminal = is_tunnel_terminal(f.kind());
+            out.push(f);
+            if terminal {
+                return out;
+            }
+        }
+    }
+
+    /// Sends `req` and returns its frames up to and including the terminal.
+    pub async fn tunnel(&mut self, req: pb::ProviderTunnelRequest) -> Vec<pb::ProviderTunnelFrame> {
+        let run_id = req.run_id.clone();
+        self.send(Body::ProviderTunnelRequest(req));
+        self.tunnel_frames(&run_id).await
+    }
+
+    /// The next frame, which must be a run event.
+    pub async fn recv_event(&mut self) -> pb::RunEvent {
+        match self.recv().await.body {
+            Some(Body::RunEvent(e)) => e,
+            other => panic!("expected a run event, got {other:?}"),
+        }
+    }
+
+    /// Events of `run_id` up to and including its terminal.
+    pub async fn run_events(&mut self, run_id: &str) -> Vec<pb::RunEvent> {
+        let mut out = Vec::new();
+        loop {
+            let e = self.recv_event().await;
+            assert_eq!(e.run_id, run_id, "only one run is open");
+            let terminal = matches!(
+                e.r#type(),
+                pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
+            );
+            out.push(e);
+            if terminal {
+                return out;
+            }
+        }
+    }
+
+    /// Sends a run and returns its events up to and including the terminal.
+    pub async fn run(&mut self, req: pb::RunRequest) -> Vec<pb::RunEvent> {
+        let run_id = req.run_id.clone();
+        self.send(Body::RunRequest(req));
+        self.run_events(&run_id).await
+    }
+}
