@@ -13,6 +13,7 @@ use std::fmt;
 
 use bytes::{Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
+use zeroize::{Zeroize, Zeroizing};
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
@@ -146,7 +147,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
             .chain(headers.iter().map(|(k, v)| (k.as_ref(), v.as_ref())));
         let mut head = BytesMut::with_capacity(256);
         write_request_head(&mut head, method, target, fields, framing, false)?;
-        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head.freeze(), body])).await {
+        let head = zeroizing_head(head);
+        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body])).await {
             self.state = ClientState::Closed;
             return Err(e.into());
         }
@@ -330,5 +332,37 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
     pub async fn close(&mut self) -> Result<(), HttpError> {
         self.state = ClientState::Closed;
         self.stream.shutdown().await.map_err(HttpError::from)
+    }
+}
+
+/// Moves a request head into memory that is wiped when the write is done.
+/// Heads can carry an injected credential header (C2, C4); neither the
+/// scratch buffer nor the written copy outlives the write with the secret
+/// in it. The copy costs one small allocation per request.
+fn zeroizing_head(mut scratch: BytesMut) -> Bytes {
+    let owned = Zeroizing::new(scratch.to_vec());
+    scratch[..].zeroize();
+    Bytes::from_owner(owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // CONTRACT: C4 — a request head (which may carry an injected credential
+    // header) is written from a copy held in wiping memory; the bytes on the
+    // wire are unchanged.
+    #[test]
+    fn heads_are_written_from_wiping_memory() {
+        let wire = b"POST /v1 HTTP/1.1\r\nauthorization: Bearer sk-x\r\n\r\n";
+        let mut scratch = BytesMut::new();
+        scratch.extend_from_slice(wire);
+        let head = zeroizing_head(scratch);
+        assert_eq!(&head[..], wire);
+        // Slices share the wiping owner; the memory is wiped when the last
+        // one drops.
+        let tail = head.slice(20..);
+        drop(head);
+        assert_eq!(&tail[..], &wire[20..]);
     }
 }
