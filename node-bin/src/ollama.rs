@@ -137,11 +137,6 @@ impl ChatStream {
         Self::default()
     }
 
-    /// Whether a terminal was produced.
-    pub fn is_ended(&self) -> bool {
-        self.ended
-    }
-
     fn fail(&mut self, message: String) -> Vec<RunOutput> {
         self.ended = true;
         vec![RunOutput::Failed {
@@ -234,15 +229,6 @@ impl ChatStream {
         }
         out
     }
-
-    /// The output at the end of the body: an error when no `done` line
-    /// came.
-    pub fn on_end(&mut self) -> Vec<RunOutput> {
-        if self.ended {
-            return Vec::new();
-        }
-        self.fail("ollama: the stream ended before its done line".to_string())
-    }
 }
 
 /// Runs one chat against the adapter's Ollama server on a connection of
@@ -297,12 +283,18 @@ impl ItemParser for ChatStream {
         self.on_line(item)
     }
 
+    /// Whether a terminal was produced.
     fn is_ended(&self) -> bool {
-        ChatStream::is_ended(self)
+        self.ended
     }
 
+    /// The output at the end of the body: the terminal if the stream
+    /// ended without one.
     fn on_end(&mut self) -> Vec<RunOutput> {
-        ChatStream::on_end(self)
+        if self.ended {
+            return Vec::new();
+        }
+        self.fail("ollama: the stream ended before its done line".to_string())
     }
 }
 

@@ -301,11 +301,6 @@ impl ChatStream {
         }
     }
 
-    /// Whether a terminal was produced.
-    pub fn is_ended(&self) -> bool {
-        self.ended
-    }
-
     /// The `start` output.
     pub fn start(&self) -> RunOutput {
         let mut metadata = HashMap::new();
@@ -504,18 +499,6 @@ impl ChatStream {
         out.push(self.complete());
         out
     }
-
-    /// The output at the end of the body without `[DONE]`: complete when the
-    /// provider gave a finish reason, else an error (the stream broke off).
-    pub fn on_end(&mut self) -> Vec<RunOutput> {
-        if self.ended {
-            return Vec::new();
-        }
-        if self.finish_reason.is_some() {
-            return vec![self.complete()];
-        }
-        self.fail("provider: the stream ended before it finished".to_string())
-    }
 }
 
 /// Runs one chat against the adapter's OpenAI-compatible server on a
@@ -617,12 +600,21 @@ impl ItemParser for ChatStream {
         }
     }
 
+    /// Whether a terminal was produced.
     fn is_ended(&self) -> bool {
-        ChatStream::is_ended(self)
+        self.ended
     }
 
+    /// The output at the end of the body: the terminal if the stream
+    /// ended without one.
     fn on_end(&mut self) -> Vec<RunOutput> {
-        ChatStream::on_end(self)
+        if self.ended {
+            return Vec::new();
+        }
+        if self.finish_reason.is_some() {
+            return vec![self.complete()];
+        }
+        self.fail("provider: the stream ended before it finished".to_string())
     }
 }
 
