@@ -130,7 +130,7 @@ fn wheel(args: WheelArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    init_tracing();
+    iop_engine::rt::init_logging();
     let cli: Cli = argh::from_env();
     match cli.command {
         Command::MockProvider(args) => mock_provider(args),
@@ -138,16 +138,6 @@ fn main() -> ExitCode {
         Command::Load(args) => bench::load::cli::main(args),
         Command::Compare(args) => bench::compare::cli::main(args),
     }
-}
-
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
 }
 
 fn mock_provider(args: MockProviderArgs) -> ExitCode {

@@ -22,6 +22,18 @@ use monoio::io::AsyncReadRent;
 
 pub mod notify;
 
+/// Logs to stderr without colours, at the level `RUST_LOG` sets (default
+/// `info`). Every IOP binary calls this once at start.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+}
+
 /// Which monoio driver a runtime uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Driver {

@@ -61,16 +61,6 @@ struct RecipientArgs {
     out: PathBuf,
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
-}
-
 fn fail(message: impl std::fmt::Display) -> ExitCode {
     eprintln!("node-bin: error: {message}");
     ExitCode::from(1)
@@ -78,7 +68,7 @@ fn fail(message: impl std::fmt::Display) -> ExitCode {
 
 fn main() -> ExitCode {
     let args: Args = argh::from_env();
-    init_logging();
+    iop_engine::rt::init_logging();
     match args.command {
         Some(Command::Keys(KeysArgs {
             command: KeysCommand::Recipient(a),
