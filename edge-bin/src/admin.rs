@@ -14,8 +14,9 @@
 //!
 //! Only dispatch-ready owners receive commands (X6). An answer counts only
 //! when it arrives on the connection the command went to. The pending table
-//! is per shard (the Edge's state is core-local), kept here so the shared
-//! state needs no new field.
+//! is per shard (the Edge's state is core-local): the command id names the
+//! shard that waits, and the shard reading the node's answer forwards it
+//! there.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -57,8 +58,19 @@ pub fn is_admin_command(command_id: &str) -> bool {
     command_id.starts_with(COMMAND_ID_PREFIX)
 }
 
-/// Prefix of admin command ids.
+/// Prefix of admin command ids: `admin-{shard}-{n}`, naming the shard whose
+/// client waits for the answer.
 pub const COMMAND_ID_PREFIX: &str = "admin-";
+
+/// The shard waiting for the answer to admin command `command_id` (0 when
+/// the id does not name one).
+pub fn command_shard(command_id: &str) -> usize {
+    command_id
+        .strip_prefix(COMMAND_ID_PREFIX)
+        .and_then(|rest| rest.split_once('-'))
+        .and_then(|(shard, _)| shard.parse().ok())
+        .unwrap_or(0)
+}
 
 /// The node id of a command path, if `path` is one.
 pub fn command_node(path: &str) -> Option<&str> {
@@ -118,14 +130,12 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
     };
     // X6: only the dispatch-ready owner of the node gets commands.
     let target = {
-        let control = edge.control.borrow();
-        let conns = edge.conns.borrow();
-        conns
-            .iter()
-            .find(|(id, _)| control.node_of(**id) == Some(node_id) && control.is_ready_owner(**id))
-            .map(|(id, conn)| (*id, conn.clone()))
+        let node_id = node_id.to_string();
+        edge.with_control(move |control| control.ready_conn(&node_id))
+            .await
+            .flatten()
     };
-    let Some((conn_id, conn)) = target else {
+    let Some(conn_id) = target else {
         return error(
             404,
             "node_not_ready",
@@ -138,7 +148,7 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
     let command_id = NEXT_ID.with(|n| {
         let id = n.get() + 1;
         n.set(id);
-        format!("{COMMAND_ID_PREFIX}{id}")
+        format!("{COMMAND_ID_PREFIX}{}-{id}", edge.shard_index())
     });
     let (tx, rx) = oneshot::channel();
     PENDING.with_borrow_mut(|p| {
@@ -158,7 +168,7 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
             path: request.path,
         })),
     };
-    if conn.send_control(frame).is_err() {
+    if !edge.send_control_to(conn_id, frame) {
         PENDING.with_borrow_mut(|p| p.remove(&command_id));
         return error(502, "node_unavailable", "the node connection closed");
     }

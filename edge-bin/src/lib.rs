@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod openai;
 pub mod server;
+pub mod shards;
 pub mod state;
 pub mod status;
 pub mod surface;

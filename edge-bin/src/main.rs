@@ -10,6 +10,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use argh::FromArgs;
@@ -17,6 +18,7 @@ use edge_bin::config::EdgeConfig;
 use edge_bin::credentials::{client_key_hash_hex, CredentialPlane};
 use edge_bin::server;
 use edge_bin::server::DrainEnd;
+use edge_bin::shards::Lifecycle;
 use iop_engine::rt::{self, notify, CoreList, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
 
@@ -173,6 +175,58 @@ fn keys(args: KeysArgs) -> ExitCode {
     }
 }
 
+/// The control shard's process plumbing: SIGTERM/SIGINT, SIGHUP, the
+/// SIGUSR1 histogram dump, then the ready line and systemd `READY=1`.
+fn control_setup(
+    edge: &server::ShardedEdge,
+) -> std::io::Result<(rt::StopFuture, rt::StopFuture, SignalPipe)> {
+    let (shutdown, force) = rt::stop_signals()?;
+    let hup = SignalPipe::install(Signal::Hup)?;
+    iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
+    edge.announce()?;
+    notify::notify(notify::State::Ready);
+    Ok((shutdown, force, hup))
+}
+
+/// SIGHUP reloads the configuration and pushes refreshes to ready nodes
+/// (K3); an invalid file keeps the running configuration.
+fn spawn_reloader(
+    edge: Rc<edge_bin::state::Edge>,
+    mut current: EdgeConfig,
+    path: std::path::PathBuf,
+    mut hup: SignalPipe,
+) {
+    monoio::spawn(async move {
+        let mut revision = 1u64;
+        while hup.recv().await.is_ok() {
+            revision += 1;
+            notify::notify(notify::State::reloading_now());
+            match server::reload(&edge, &current, &path, revision) {
+                Ok((next, report)) => {
+                    tracing::info!(
+                        revision,
+                        refreshed = ?report.refreshed,
+                        deferred = ?report.deferred,
+                        "configuration reloaded"
+                    );
+                    if !report.restart_required.is_empty() {
+                        tracing::warn!(
+                            sections = ?report.restart_required,
+                            "these changes need a restart and were not applied"
+                        );
+                    }
+                    current = next;
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "configuration reload failed; keeping the running configuration"
+                ),
+            }
+            notify::notify(notify::State::Ready);
+        }
+    });
+}
+
 fn serve(path: &str, cores: &str) -> ExitCode {
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
@@ -213,7 +267,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                             a.local_identity().uri()
                         ));
                     }
-                    Some(Rc::new(a))
+                    Some(a)
                 }
                 Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
             }
@@ -223,72 +277,64 @@ fn serve(path: &str, cores: &str) -> ExitCode {
             None
         }
     };
-    if cores.cores().len() > 1 {
-        tracing::warn!(
-            cores = %cores,
-            "multi-core mode is not implemented yet; running every shard on the first core"
-        );
-    }
-    if let Err(e) = rt::pin_current_thread(cores.control()) {
-        return fail(format_args!("pin to core {}: {e}", cores.control()));
-    }
-    let edge = server::edge_state_with(&cfg, credentials);
+    let shards = cores.cores().len();
+    let edge = match server::ShardedEdge::bind(cfg.clone(), credentials, acceptor, shards) {
+        Ok(edge) => Arc::new(edge),
+        Err(e) => return fail(e),
+    };
     tracing::info!(
         driver = %rt::detect_driver(),
-        core = cores.control(),
-        "edge-bin starting"
+        cores = %cores,
+        control_core = cores.control(),
+        "edge-bin starting: Control on the first core, every core serves clients and nodes"
     );
     let drain_grace = Duration::from_millis(cfg.edge.drain_grace_ms);
-    let result = rt::block_on(async move {
-        let (shutdown, force) = rt::stop_signals()?;
-        // SIGUSR1 dumps the latency histograms to stderr (before the ready line).
-        iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Edge)?;
-        let listeners = server::Listeners::bind(&cfg)?;
-        // SIGHUP reloads the configuration and pushes refreshes to ready
-        // nodes (K3); an invalid file keeps the running configuration.
-        let mut hup = SignalPipe::install(Signal::Hup)?;
-        {
-            let (edge, path) = (edge.clone(), std::path::PathBuf::from(path));
-            let mut current = cfg.clone();
-            monoio::spawn(async move {
-                let mut revision = 1u64;
-                while hup.recv().await.is_ok() {
-                    revision += 1;
-                    notify::notify(notify::State::reloading_now());
-                    match server::reload(&edge, &current, &path, revision) {
-                        Ok((next, report)) => {
-                            tracing::info!(
-                                revision,
-                                refreshed = ?report.refreshed,
-                                deferred = ?report.deferred,
-                                "configuration reloaded"
-                            );
-                            if !report.restart_required.is_empty() {
-                                tracing::warn!(
-                                    sections = ?report.restart_required,
-                                    "these changes need a restart and were not applied"
-                                );
-                            }
-                            current = next;
-                        }
-                        Err(e) => tracing::error!(
-                            error = %e,
-                            "configuration reload failed; keeping the running configuration"
-                        ),
+    let config_path = std::path::PathBuf::from(path);
+    let shared = edge.clone();
+    let results = rt::run_shards(&cores, move |shard| {
+        let (edge, cfg, config_path) = (shared.clone(), cfg.clone(), config_path.clone());
+        async move {
+            if !shard.is_control() {
+                let stop = server::Stop {
+                    shutdown: std::future::pending(),
+                    force: std::future::pending(),
+                    drain_grace,
+                };
+                return edge.serve_shard(shard.index, stop).await;
+            }
+            let (state, listeners, acceptor) = edge.take(shard.index)?;
+            // Signals are installed before the ready line, so a SIGTERM
+            // right after it is never missed.
+            let (shutdown, force, hup) = match control_setup(&edge) {
+                Ok(s) => s,
+                Err(e) => {
+                    // Stop the worker shards too.
+                    for step in [Lifecycle::Shutdown, Lifecycle::Force, Lifecycle::Exit] {
+                        state.broadcast(step);
                     }
-                    notify::notify(notify::State::Ready);
+                    monoio::time::sleep(Duration::from_millis(10)).await;
+                    return Err(e);
                 }
-            });
+            };
+            spawn_reloader(state.clone(), cfg, config_path, hup);
+            let stop = server::Stop {
+                shutdown,
+                force,
+                drain_grace,
+            };
+            edge.serve_taken(state, listeners, acceptor, stop).await
         }
-        listeners.announce()?;
-        notify::notify(notify::State::Ready);
-        let stop = server::Stop {
-            shutdown,
-            force,
-            drain_grace,
-        };
-        Ok::<_, std::io::Error>(server::serve_with_drain(edge, listeners, acceptor, stop).await)
     });
+    let mut results = results.into_iter();
+    let result = match results.next() {
+        Some(first) => first.map(|r| r.map(|end| end.drain)),
+        None => Err(std::io::Error::other("no shard ran")),
+    };
+    for (index, other) in results.enumerate() {
+        if let Err(e) | Ok(Err(e)) = other.map(|r| r.map(|_| ())) {
+            tracing::error!(shard = index + 1, error = %e, "shard failed");
+        }
+    }
     match result {
         Ok(Ok(end)) => {
             match end {

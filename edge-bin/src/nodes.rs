@@ -9,11 +9,11 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnHandle, SocketShutdown};
+use iop_engine::mailbox::MailboxSender;
 use iop_engine::tls::EdgeTlsAcceptor;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::mpsc::bounded;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
@@ -57,7 +57,13 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAc
         let (edge, conn) = (edge.clone(), conn.clone());
         monoio::spawn(async move {
             monoio::time::sleep(REGISTER_DEADLINE).await;
-            if edge.control.borrow().node_of(conn_id).is_none() && !conn.is_closed() {
+            if conn.is_closed() {
+                return;
+            }
+            let registered = edge
+                .with_control(move |control| control.node_of(conn_id).is_some())
+                .await;
+            if registered == Some(false) {
                 conn.close("register_timeout");
             }
         });
@@ -75,6 +81,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAc
     };
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
     edge.conns.borrow_mut().remove(&conn_id);
+    edge.drop_routes_of(conn_id);
     edge.apply(Input::Closed { conn: conn_id });
 }
 
@@ -138,7 +145,8 @@ async fn handle_frame(
         Body::NodeCommandResponse(response)
             if crate::admin::is_admin_command(&response.command_id) =>
         {
-            crate::admin::on_response(conn_id, response);
+            let to = crate::admin::command_shard(&response.command_id);
+            edge.forward_command_answer(to, conn_id, response);
         }
         Body::NodeCommandResponse(response) => edge.apply(Input::CommandResult {
             conn: conn_id,
@@ -168,26 +176,17 @@ async fn handle_frame(
     }
 }
 
-/// The sender of the route that run `run_id` was dispatched on, if the frame
-/// arrived on that connection `conn_id` (H1: a frame belongs to a route only
-/// then). A terminal (`evidence`) retires the route and goes to Control.
+/// The route that run `run_id` was dispatched on, if the frame arrived on
+/// the connection `conn_id` it was dispatched to (H1). A terminal
+/// (`evidence`) retires the route and goes to Control.
 fn route_of(
     edge: &Edge,
     conn_id: ConnId,
     run_id: &str,
     evidence: Option<Terminal>,
-) -> Option<bounded::Tx<RouteEvent>> {
-    let tx = {
-        let routes = edge.routes.borrow();
-        routes
-            .get(run_id)
-            .filter(|r| r.conn == conn_id)
-            .map(|r| r.tx.clone())
-    };
+) -> Option<MailboxSender<RouteEvent>> {
+    let tx = edge.route_of(conn_id, run_id, evidence.is_some());
     if let Some(t) = evidence {
-        if tx.is_some() {
-            edge.routes.borrow_mut().remove(&t.run_id);
-        }
         edge.apply(Input::Terminal(t));
     }
     tx

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use iop_engine::tls::EdgeTlsAcceptor;
@@ -15,7 +16,8 @@ use crate::config::{self, EdgeConfig};
 use crate::control::{self, Control, ControlSpec, DispatchKind};
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
-use crate::state::{Edge, Settings};
+use crate::shards::{Lifecycle, MeshPort, Outbox};
+use crate::state::{Edge, Settings, CONTROL_SHARD};
 use crate::{nodes, surface};
 
 /// Maps the validated config to the control machine's static spec.
@@ -132,7 +134,7 @@ pub fn reload(
     for node in &next.nodes {
         let payload = node.config_payload(revision, next.credential_leases_required(node));
         let changed = {
-            let control = edge.control.borrow();
+            let control = edge.control();
             let Some(old) = control.node_config(&node.id) else {
                 continue;
             };
@@ -143,13 +145,10 @@ pub fn reload(
         if !changed {
             continue;
         }
-        edge.control
-            .borrow_mut()
-            .set_node_config(&node.id, payload.clone());
-        let conn = edge.control.borrow().ready_conn(&node.id);
-        let handle = conn.and_then(|c| edge.conns.borrow().get(&c).cloned());
-        match handle {
-            Some(handle) => {
+        edge.set_node_config(&node.id, payload.clone());
+        let conn = edge.control().ready_conn(&node.id);
+        match conn {
+            Some(conn) => {
                 let refresh = pb::NodeConfigRefreshRequest {
                     refresh_id: format!("reload-{revision}-{}", node.id),
                     config: Some(payload),
@@ -157,7 +156,7 @@ pub fn reload(
                 let frame = pb::Frame {
                     body: Some(pb::frame::Body::NodeConfigRefreshRequest(refresh)),
                 };
-                let _ = handle.send_control(frame);
+                let _ = edge.send_control_to(conn, frame);
                 report.refreshed.push(node.id.clone());
             }
             None => report.deferred.push(node.id.clone()),
@@ -176,7 +175,13 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
 /// The shard state for `cfg` with its loaded credential plane
 /// ([`CredentialPlane::load`]).
 pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
-    let settings = Settings {
+    let settings = settings(cfg, credentials.map(Arc::new));
+    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
+}
+
+/// The shells' static settings for `cfg`.
+pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
+    Settings {
         max_request_body_bytes: cfg.edge.max_request_body_bytes,
         models: cfg
             .models
@@ -193,9 +198,238 @@ pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -
             .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
         client_keys: ClientKeys::from_config(&cfg.client_keys),
-        credentials: credentials.map(Rc::new),
-    };
-    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
+        credentials,
+    }
+}
+
+/// Everything an Edge running on several cores needs, prepared on the
+/// main thread: each shard takes its part with [`ShardedEdge::take`].
+pub struct ShardedEdge {
+    cfg: EdgeConfig,
+    credentials: Option<Arc<CredentialPlane>>,
+    acceptor: Option<EdgeTlsAcceptor>,
+    parts: Mutex<Vec<Option<ShardPart>>>,
+    client_addr: SocketAddr,
+    node_addr: SocketAddr,
+}
+
+/// One shard's listeners and mailboxes.
+struct ShardPart {
+    client: std::net::TcpListener,
+    nodes: std::net::TcpListener,
+    port: MeshPort,
+}
+
+impl std::fmt::Debug for ShardedEdge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedEdge")
+            .field("client_addr", &self.client_addr)
+            .field("node_addr", &self.node_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one shard hands back when it stops.
+#[derive(Debug)]
+pub struct ShardEnd {
+    /// How the drain ended (the control shard's answer covers every shard).
+    pub drain: DrainEnd,
+}
+
+impl ShardedEdge {
+    /// Binds `shards` `SO_REUSEPORT` listeners on each configured address
+    /// and the mailboxes between the shards.
+    pub fn bind(
+        cfg: EdgeConfig,
+        credentials: Option<CredentialPlane>,
+        acceptor: Option<EdgeTlsAcceptor>,
+        shards: usize,
+    ) -> std::io::Result<Self> {
+        let shards = shards.max(1);
+        let clients =
+            crate::shards::bind_reuseport(cfg.edge.client_listen, shards, "edge.client_listen")?;
+        let nodes =
+            crate::shards::bind_reuseport(cfg.edge.node_listen, shards, "edge.node_listen")?;
+        Self::from_listeners(
+            cfg,
+            credentials,
+            acceptor,
+            clients.into_iter().zip(nodes).collect(),
+        )
+    }
+
+    /// One shard per `(client, node)` listener pair, in shard order; the
+    /// first pair's addresses are the ones announced. Tests give shards
+    /// listeners of their own to steer connections to a chosen shard.
+    pub fn from_listeners(
+        cfg: EdgeConfig,
+        credentials: Option<CredentialPlane>,
+        acceptor: Option<EdgeTlsAcceptor>,
+        listeners: Vec<(std::net::TcpListener, std::net::TcpListener)>,
+    ) -> std::io::Result<Self> {
+        let Some((first_client, first_node)) = listeners.first() else {
+            return Err(std::io::Error::other("an Edge needs at least one shard"));
+        };
+        let client_addr = first_client.local_addr()?;
+        let node_addr = first_node.local_addr()?;
+        let ports = crate::shards::mesh(listeners.len());
+        let parts = listeners
+            .into_iter()
+            .zip(ports)
+            .map(|((client, nodes), port)| {
+                Some(ShardPart {
+                    client,
+                    nodes,
+                    port,
+                })
+            })
+            .collect();
+        Ok(Self {
+            cfg,
+            credentials: credentials.map(Arc::new),
+            acceptor,
+            parts: Mutex::new(parts),
+            client_addr,
+            node_addr,
+        })
+    }
+
+    /// The bound client address.
+    pub fn client_addr(&self) -> SocketAddr {
+        self.client_addr
+    }
+
+    /// The bound node address.
+    pub fn node_addr(&self) -> SocketAddr {
+        self.node_addr
+    }
+
+    /// Prints the `IOP_READY` line scripts and tests wait for.
+    pub fn announce(&self) -> std::io::Result<()> {
+        announce(self.client_addr, self.node_addr)
+    }
+
+    /// Builds shard `index`'s state and listeners on the calling shard's
+    /// runtime and starts its mesh tasks. Each index once.
+    pub fn take(
+        &self,
+        index: usize,
+    ) -> std::io::Result<(Rc<Edge>, Listeners, Option<Rc<EdgeTlsAcceptor>>)> {
+        let part = self
+            .parts
+            .lock()
+            .map_err(|_| std::io::Error::other("shard setup lock poisoned"))?
+            .get_mut(index)
+            .and_then(Option::take)
+            .ok_or_else(|| std::io::Error::other(format!("shard {index} taken twice")))?;
+        let count = part.port.peers.len();
+        let control = (index == CONTROL_SHARD).then(|| Control::new(control_spec(&self.cfg)));
+        let outbox = (count > 1).then(|| Outbox::new(part.port.peers));
+        let settings = settings(&self.cfg, self.credentials.clone());
+        let edge = Rc::new(Edge::shard(index, control, outbox, settings));
+        monoio::spawn(edge.clone().run_mesh(part.port.inbox));
+        let listeners = Listeners {
+            client: TcpListener::from_std(part.client)?,
+            nodes: TcpListener::from_std(part.nodes)?,
+        };
+        Ok((edge, listeners, self.acceptor.clone().map(Rc::new)))
+    }
+
+    /// Serves shard `index` until the whole Edge has drained. The control
+    /// shard (index 0) takes the process signals from `stop` and passes
+    /// them on; worker shards follow the control shard and ignore `stop`'s
+    /// futures.
+    pub async fn serve_shard<S, F>(
+        &self,
+        index: usize,
+        stop: Stop<S, F>,
+    ) -> std::io::Result<ShardEnd>
+    where
+        S: Future<Output = ()>,
+        F: Future<Output = ()>,
+    {
+        let (edge, listeners, acceptor) = self.take(index)?;
+        self.serve_taken(edge, listeners, acceptor, stop).await
+    }
+
+    /// [`ShardedEdge::serve_shard`] for a shard already taken (the control
+    /// shard's caller may hook into its state first, e.g. SIGHUP reload).
+    pub async fn serve_taken<S, F>(
+        &self,
+        edge: Rc<Edge>,
+        listeners: Listeners,
+        acceptor: Option<Rc<EdgeTlsAcceptor>>,
+        stop: Stop<S, F>,
+    ) -> std::io::Result<ShardEnd>
+    where
+        S: Future<Output = ()>,
+        F: Future<Output = ()>,
+    {
+        let drain_grace = stop.drain_grace;
+        if edge.is_control_shard() {
+            let (shutdown, force) = (stop.shutdown, stop.force);
+            let stop = Stop {
+                shutdown: {
+                    let edge = edge.clone();
+                    async move {
+                        shutdown.await;
+                        edge.broadcast(Lifecycle::Shutdown);
+                    }
+                },
+                force: {
+                    let edge = edge.clone();
+                    async move {
+                        force.await;
+                        edge.broadcast(Lifecycle::Force);
+                    }
+                },
+                drain_grace,
+            };
+            let own = serve_with_drain(edge.clone(), listeners, acceptor, stop).await;
+            // Control keeps deciding (queue timeouts, terminals) for the
+            // workers' requests until they are done.
+            let cut_off = monoio::select! {
+                cut_off = edge.workers_drained() => cut_off,
+                _ = edge.run_timers() => 0,
+            };
+            edge.broadcast(Lifecycle::Exit);
+            // Let the flusher hand the exit to the workers.
+            monoio::time::sleep(Duration::from_millis(1)).await;
+            let drain = match own {
+                DrainEnd::Finished if cut_off == 0 => DrainEnd::Finished,
+                DrainEnd::Finished => DrainEnd::GraceElapsed { in_flight: cut_off },
+                DrainEnd::GraceElapsed { in_flight } => DrainEnd::GraceElapsed {
+                    in_flight: in_flight + cut_off,
+                },
+                DrainEnd::Forced { in_flight } => DrainEnd::Forced {
+                    in_flight: in_flight + cut_off,
+                },
+            };
+            return Ok(ShardEnd { drain });
+        }
+        let stop = Stop {
+            shutdown: edge.lifecycle_reached(Lifecycle::Shutdown),
+            force: edge.lifecycle_reached(Lifecycle::Force),
+            drain_grace,
+        };
+        let drain = serve_with_drain(edge.clone(), listeners, acceptor, stop).await;
+        let in_flight = match drain {
+            DrainEnd::Finished => 0,
+            DrainEnd::GraceElapsed { in_flight } | DrainEnd::Forced { in_flight } => in_flight,
+        };
+        edge.report_drained(in_flight);
+        // Node connections of this shard keep carrying other shards'
+        // streams until every shard is done.
+        edge.lifecycle_reached(Lifecycle::Exit).await;
+        Ok(ShardEnd { drain })
+    }
+}
+
+fn announce(client: SocketAddr, nodes: SocketAddr) -> std::io::Result<()> {
+    tracing::info!(%client, %nodes, "listening");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+    out.flush()
 }
 
 /// Bound listeners, before serving.
@@ -232,11 +466,7 @@ impl Listeners {
 
     /// Prints the `IOP_READY` line scripts and tests wait for.
     pub fn announce(&self) -> std::io::Result<()> {
-        let (client, nodes) = (self.client_addr()?, self.node_addr()?);
-        tracing::info!(%client, %nodes, "listening");
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
-        out.flush()
+        announce(self.client_addr()?, self.node_addr()?)
     }
 }
 

@@ -6,17 +6,18 @@
 //! and rejections to waiting client requests, lost runs to their routes. A
 //! timer task ([`Edge::run_timers`]) does the same for `Control`'s deadlines.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, Ref, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
-use iop_engine::sync::Notify;
+use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_engine::sync::{Notify, WakeList};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::mpsc::bounded;
 use local_sync::oneshot;
 
 use crate::control::{
@@ -24,6 +25,7 @@ use crate::control::{
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
+use crate::shards::{self, Lifecycle, Outbox, ShardMsg, StartRun};
 
 /// What the node side delivers to a waiting client request.
 // Frames move through the queue by value; boxing them would allocate per frame.
@@ -39,29 +41,26 @@ pub enum RouteEvent {
     Lost,
 }
 
-/// A client request's run, waiting for frames.
-pub struct Route {
+/// The receiving end of a client request's route: frames arrive here from
+/// whichever shard reads the node connection.
+pub type RouteRx = Mailbox<RouteEvent>;
+
+/// A dispatched run on a node connection of this shard: where its frames
+/// go.
+struct NodeRoute {
     /// The connection the run was dispatched to; frames from any other
     /// connection are not for this route (H1).
-    pub conn: ConnId,
-    /// The request it serves.
-    pub request: RequestId,
-    /// Where its frames go.
-    pub tx: bounded::Tx<RouteEvent>,
-}
-
-impl std::fmt::Debug for Route {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Route")
-            .field("conn", &self.conn)
-            .field("request", &self.request)
-            .finish_non_exhaustive()
-    }
+    conn: ConnId,
+    /// The client request's mailbox (on any shard).
+    tx: MailboxSender<RouteEvent>,
 }
 
 /// Frames buffered per waiting client before the node connection's reader
 /// waits for the client to catch up.
 pub const ROUTE_QUEUE_FRAMES: usize = 256;
+
+/// The index of the shard that runs `Control`.
+pub const CONTROL_SHARD: usize = 0;
 
 /// The answer to a submitted request.
 pub enum Admission {
@@ -70,7 +69,7 @@ pub enum Admission {
         /// The decision.
         dispatch: Dispatch,
         /// Its route's receiving end.
-        frames: bounded::Rx<RouteEvent>,
+        frames: RouteRx,
     },
     /// It was refused.
     Rejected(Rejection),
@@ -103,9 +102,9 @@ pub struct Settings {
     pub started_unix_sec: i64,
     /// Client API keys (401 without one when configured).
     pub client_keys: ClientKeys,
-    /// The loaded credential plane; `None` = disabled (tunnels carry no
-    /// lease).
-    pub credentials: Option<Rc<CredentialPlane>>,
+    /// The loaded credential plane, shared by every shard; `None` =
+    /// disabled (tunnels carry no lease).
+    pub credentials: Option<Arc<CredentialPlane>>,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -113,15 +112,21 @@ pub struct Settings {
 /// correctness or terminal delivery (F4, O2).
 pub type Observer = Box<dyn Fn(&Event) -> Result<(), String>>;
 
-/// The shard's state.
+/// One shard's state. The control shard's also holds `Control`.
 pub struct Edge {
-    /// The authoritative state machine. Borrow it only through [`Edge::apply`]
-    /// or for reads that do not cross an await.
-    pub control: RefCell<Control>,
-    /// Live node connections by id.
+    /// This shard's index (0 = the control shard).
+    shard: usize,
+    /// The authoritative state machine, on the control shard only.
+    control: Option<RefCell<Control>>,
+    /// Messages to the other shards (`None` with one shard).
+    outbox: Option<Outbox>,
+    /// Live node connections of this shard, by id.
     pub conns: RefCell<HashMap<ConnId, ConnHandle>>,
-    /// Dispatched runs waiting for frames, by run id.
-    pub routes: RefCell<HashMap<String, Route>>,
+    /// Dispatched runs on this shard's node connections, by run id.
+    node_routes: RefCell<HashMap<String, NodeRoute>>,
+    /// This shard's dispatched client requests: a sender into each one's
+    /// route, for `Lost`.
+    client_routes: RefCell<HashMap<RequestId, MailboxSender<RouteEvent>>>,
     /// Submitted requests waiting for admission.
     waiters: RefCell<HashMap<RequestId, oneshot::Sender<Admission>>>,
     /// Static settings.
@@ -136,6 +141,12 @@ pub struct Edge {
     in_flight_requests: Cell<usize>,
     /// Woken when a client request finishes (the drain waits on it).
     request_finished: Notify,
+    /// Lifecycle steps received from the control shard.
+    lifecycle: RefCell<Vec<Lifecycle>>,
+    lifecycle_changed: WakeList,
+    /// On the control shard: worker shards that finished draining, and
+    /// the requests they cut off.
+    drained: Cell<(usize, usize)>,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -156,8 +167,10 @@ impl Drop for InFlightRequest<'_> {
 impl std::fmt::Debug for Edge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Edge")
+            .field("shard", &self.shard)
             .field("conns", &self.conns.borrow().len())
-            .field("routes", &self.routes.borrow().len())
+            .field("node_routes", &self.node_routes.borrow().len())
+            .field("client_routes", &self.client_routes.borrow().len())
             .field("waiters", &self.waiters.borrow().len())
             .field("observers", &self.observers.borrow().len())
             .finish_non_exhaustive()
@@ -169,12 +182,26 @@ fn frame(body: Body) -> pb::Frame {
 }
 
 impl Edge {
-    /// A fresh shard state.
+    /// The state of a single-shard Edge (everything on one core).
     pub fn new(control: Control, settings: Settings) -> Self {
+        Self::shard(0, Some(control), None, settings)
+    }
+
+    /// The state of shard `index` of a multi-shard Edge: `control` is
+    /// `Some` on shard 0 only; `outbox` reaches every shard.
+    pub fn shard(
+        index: usize,
+        control: Option<Control>,
+        outbox: Option<Outbox>,
+        settings: Settings,
+    ) -> Self {
         Self {
-            control: RefCell::new(control),
+            shard: index,
+            control: control.map(RefCell::new),
+            outbox,
             conns: RefCell::new(HashMap::new()),
-            routes: RefCell::new(HashMap::new()),
+            node_routes: RefCell::new(HashMap::new()),
+            client_routes: RefCell::new(HashMap::new()),
             waiters: RefCell::new(HashMap::new()),
             settings,
             timer_wake: Notify::default(),
@@ -184,7 +211,71 @@ impl Edge {
             draining: Cell::new(false),
             in_flight_requests: Cell::new(0),
             request_finished: Notify::default(),
+            lifecycle: RefCell::new(Vec::new()),
+            lifecycle_changed: WakeList::default(),
+            drained: Cell::new((0, 0)),
         }
+    }
+
+    /// This shard's index (0 = the control shard).
+    pub fn shard_index(&self) -> usize {
+        self.shard
+    }
+
+    /// How many shards the Edge runs.
+    pub fn shard_count(&self) -> usize {
+        self.outbox.as_ref().map_or(1, Outbox::shards)
+    }
+
+    /// Whether `Control` lives on this shard.
+    pub fn is_control_shard(&self) -> bool {
+        self.control.is_some()
+    }
+
+    /// `Control`, on the control shard. Other shards read it with
+    /// [`Edge::with_control`].
+    ///
+    /// # Panics
+    ///
+    /// On a worker shard (a wiring bug, never input-driven).
+    pub fn control(&self) -> Ref<'_, Control> {
+        match &self.control {
+            Some(c) => c.borrow(),
+            None => panic!(
+                "Control read on worker shard {}: use Edge::with_control",
+                self.shard
+            ),
+        }
+    }
+
+    /// Replaces the config pushed to `node_id` at registration (SIGHUP
+    /// reload, control shard).
+    pub fn set_node_config(&self, node_id: &str, config: pb::NodeConfigPayload) {
+        if let Some(control) = &self.control {
+            control.borrow_mut().set_node_config(node_id, config);
+        }
+    }
+
+    /// Runs `read` on `Control` wherever it lives and returns its answer:
+    /// at once on the control shard, by mailbox round trip from the others.
+    /// `None` if the control shard is gone.
+    pub async fn with_control<R, F>(&self, read: F) -> Option<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Control) -> R + Send + 'static,
+    {
+        if let Some(control) = &self.control {
+            return Some(read(&control.borrow()));
+        }
+        let outbox = self.outbox.as_ref()?;
+        let (tx, mut rx) = mailbox::mailbox(1);
+        outbox.send(
+            CONTROL_SHARD,
+            ShardMsg::Query(Box::new(move |control: &Control| {
+                let _ = tx.try_send(read(control));
+            })),
+        );
+        rx.recv().await
     }
 
     /// Starts the shutdown drain: from now on `/readyz` answers 503 and new
@@ -218,7 +309,7 @@ impl Edge {
         }
     }
 
-    /// Adds an observer of `Control` events.
+    /// Adds an observer of `Control` events (control shard).
     pub fn observe(&self, observer: Observer) {
         self.observers.borrow_mut().push(observer);
     }
@@ -233,18 +324,18 @@ impl Edge {
         }
     }
 
-    /// A new connection id.
+    /// A new connection id (it names this shard).
     pub fn next_conn_id(&self) -> ConnId {
-        let id = self.next_conn.get() + 1;
-        self.next_conn.set(id);
-        ConnId(id)
+        let seq = self.next_conn.get() + 1;
+        self.next_conn.set(seq);
+        ConnId(shards::shard_id(self.shard, seq))
     }
 
     /// Submits a client request; the answer arrives on the returned channel.
     pub fn submit(&self, model: &str, long: bool) -> (RequestId, oneshot::Receiver<Admission>) {
-        let id = self.next_request.get() + 1;
-        self.next_request.set(id);
-        let request = RequestId(id);
+        let seq = self.next_request.get() + 1;
+        self.next_request.set(seq);
+        let request = RequestId(shards::shard_id(self.shard, seq));
         let (tx, rx) = oneshot::channel();
         self.waiters.borrow_mut().insert(request, tx);
         self.apply(Input::Submit {
@@ -255,21 +346,47 @@ impl Edge {
         (request, rx)
     }
 
-    /// Feeds `input` to `Control` now and carries out its actions.
+    /// Feeds `input` to `Control` and carries out its actions: now on the
+    /// control shard, through the control shard's inbox elsewhere.
     pub fn apply(&self, input: Input) {
+        self.apply_batch(std::iter::once(input));
+    }
+
+    /// Settles a dispatched request whose run was never sent (the client
+    /// left, or no credential could be issued): the lease is released now.
+    pub fn abandon(&self, request: RequestId) {
+        self.apply(Input::Undeliverable { request });
+    }
+
+    fn apply_batch(&self, inputs: impl IntoIterator<Item = Input>) {
+        let Some(control) = &self.control else {
+            if let Some(outbox) = &self.outbox {
+                for input in inputs {
+                    outbox.input(CONTROL_SHARD, input);
+                }
+            }
+            return;
+        };
         let mut actions = Vec::new();
-        self.control
-            .borrow_mut()
-            .handle(clock::now(), input, &mut actions);
+        {
+            let mut control = control.borrow_mut();
+            let now = clock::now();
+            for input in inputs {
+                control.handle(now, input, &mut actions);
+            }
+        }
         self.execute(actions);
         // A new deadline may be earlier than the one the timer sleeps on.
         self.timer_wake.notify();
     }
 
-    /// Runs `Control`'s timers forever (spawn once per shard).
+    /// Runs `Control`'s timers forever (control shard; spawn once).
     pub async fn run_timers(&self) {
+        let Some(control) = &self.control else {
+            return std::future::pending().await;
+        };
         loop {
-            let deadline = self.control.borrow().poll_timeout();
+            let deadline = control.borrow().poll_timeout();
             let wait = match deadline {
                 Some(at) => at.saturating_duration_since(clock::now()),
                 None => Duration::from_secs(3600),
@@ -279,7 +396,7 @@ impl Edge {
                 _ = self.timer_wake.notified() => continue,
             }
             let mut actions = Vec::new();
-            self.control
+            control
                 .borrow_mut()
                 .handle_timeout(clock::now(), &mut actions);
             self.execute(actions);
@@ -290,54 +407,76 @@ impl Edge {
         self.conns.borrow().get(&conn).cloned()
     }
 
+    /// The shard an action is for: the one owning its connection or request.
+    fn action_shard(action: &Action) -> usize {
+        match action {
+            Action::RegisterResponse { conn, .. }
+            | Action::ReadyResponse { conn, .. }
+            | Action::Close { conn, .. }
+            | Action::SendCancel { conn, .. }
+            | Action::SendCommand { conn, .. } => shards::shard_of(conn.0),
+            Action::Dispatch(d) => shards::shard_of(d.request.0),
+            Action::Done { request, .. } => shards::shard_of(request.0),
+            Action::StallHandoff { .. } | Action::Event(_) => CONTROL_SHARD,
+        }
+    }
+
     fn execute(&self, actions: Vec<Action>) {
         for action in actions {
-            match action {
-                Action::RegisterResponse { conn, response } => {
-                    if let Some(c) = self.conn(conn) {
-                        let _ = c.send_control(frame(Body::RegisterResponse(response)));
-                    }
-                }
-                Action::ReadyResponse { conn, response } => {
-                    if let Some(c) = self.conn(conn) {
-                        let _ = c.send_control(frame(Body::NodeReadyResponse(response)));
-                    }
-                }
-                Action::Close { conn, reason } => {
-                    if let Some(c) = self.conn(conn) {
-                        c.close(reason);
-                    }
-                }
-                Action::Dispatch(dispatch) => self.admit(dispatch),
-                Action::SendCancel { conn, run_id } => {
-                    if let Some(c) = self.conn(conn) {
-                        let cancel = pb::CancelRequest {
-                            run_id,
-                            reason: "client_disconnect".into(),
-                        };
-                        let _ = c.send_control(frame(Body::CancelRequest(cancel)));
-                    }
-                }
-                Action::SendCommand { conn, command } => {
-                    if let Some(c) = self.conn(conn) {
-                        let _ = c.send_control(frame(Body::NodeCommandRequest(command)));
-                    }
-                }
-                Action::StallHandoff { request, handoff } => {
-                    // H3, O1: the handoff is an observation for operators; it
-                    // is not replay approval.
-                    tracing::info!(
-                        event = "edge_liveness_recovery_observation",
-                        request = request.0,
-                        provider_id = %handoff.provider_id,
-                        provider_health = handoff.provider_health.as_str_name(),
-                        recovery_handoff = handoff.recovery_handoff,
-                        "stalled request handed off"
-                    );
-                }
-                Action::Done { request, outcome } => self.finish(request, outcome),
-                Action::Event(event) => self.notify_observers(&event),
+            let to = Self::action_shard(&action);
+            match &self.outbox {
+                Some(outbox) if to != self.shard => outbox.action(to, action),
+                _ => self.execute_here(action),
             }
+        }
+    }
+
+    fn execute_here(&self, action: Action) {
+        match action {
+            Action::RegisterResponse { conn, response } => {
+                if let Some(c) = self.conn(conn) {
+                    let _ = c.send_control(frame(Body::RegisterResponse(response)));
+                }
+            }
+            Action::ReadyResponse { conn, response } => {
+                if let Some(c) = self.conn(conn) {
+                    let _ = c.send_control(frame(Body::NodeReadyResponse(response)));
+                }
+            }
+            Action::Close { conn, reason } => {
+                if let Some(c) = self.conn(conn) {
+                    c.close(reason);
+                }
+            }
+            Action::Dispatch(dispatch) => self.admit(dispatch),
+            Action::SendCancel { conn, run_id } => {
+                if let Some(c) = self.conn(conn) {
+                    let cancel = pb::CancelRequest {
+                        run_id,
+                        reason: "client_disconnect".into(),
+                    };
+                    let _ = c.send_control(frame(Body::CancelRequest(cancel)));
+                }
+            }
+            Action::SendCommand { conn, command } => {
+                if let Some(c) = self.conn(conn) {
+                    let _ = c.send_control(frame(Body::NodeCommandRequest(command)));
+                }
+            }
+            Action::StallHandoff { request, handoff } => {
+                // H3, O1: the handoff is an observation for operators; it
+                // is not replay approval.
+                tracing::info!(
+                    event = "edge_liveness_recovery_observation",
+                    request = request.0,
+                    provider_id = %handoff.provider_id,
+                    provider_health = handoff.provider_health.as_str_name(),
+                    recovery_handoff = handoff.recovery_handoff,
+                    "stalled request handed off"
+                );
+            }
+            Action::Done { request, outcome } => self.finish(request, outcome),
+            Action::Event(event) => self.notify_observers(&event),
         }
     }
 
@@ -345,16 +484,7 @@ impl Edge {
     fn admit(&self, dispatch: Dispatch) {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
-        let (tx, rx) = bounded::channel(ROUTE_QUEUE_FRAMES);
-        self.routes.borrow_mut().insert(
-            dispatch.lease.run_id.clone(),
-            Route {
-                conn: dispatch.lease.conn,
-                request,
-                tx,
-            },
-        );
-        let run_id = dispatch.lease.run_id.clone();
+        let (tx, rx) = mailbox::mailbox(ROUTE_QUEUE_FRAMES);
         let delivered = match waiter {
             Some(w) => w
                 .send(Admission::Dispatched {
@@ -364,10 +494,11 @@ impl Edge {
                 .is_ok(),
             None => false,
         };
-        if !delivered {
+        if delivered {
+            self.client_routes.borrow_mut().insert(request, tx);
+        } else {
             // The client left before its run was sent: settle at once.
-            self.routes.borrow_mut().remove(&run_id);
-            self.apply(Input::Undeliverable { request });
+            self.abandon(request);
         }
     }
 
@@ -379,13 +510,212 @@ impl Edge {
                 _ => Admission::Ended,
             });
         }
-        if outcome == Outcome::Lost {
-            let route = self.routes.borrow_mut().remove(&request.run_id());
-            if let Some(route) = route {
+        let route = self.client_routes.borrow_mut().remove(&request);
+        if let (Some(route), Outcome::Lost) = (route, outcome) {
+            if let Err(mailbox::TrySendError::Full(lost)) = route.try_send(RouteEvent::Lost) {
                 monoio::spawn(async move {
-                    let _ = route.tx.send(RouteEvent::Lost).await;
+                    let _ = route.send(lost).await;
                 });
             }
+        }
+    }
+
+    /// Sends a dispatched request's run to its node connection, on
+    /// whichever shard owns it, with the route its frames take back.
+    /// False when the connection is gone (the caller settles the request
+    /// and answers the client); a run handed to another shard that cannot
+    /// send it ends its route with `Lost` there.
+    pub async fn start_run(&self, request: RequestId, dispatch: &Dispatch, run: pb::Frame) -> bool {
+        let lease = &dispatch.lease;
+        let Some(route) = self.client_routes.borrow().get(&request).cloned() else {
+            // Already settled (the node was fenced meanwhile).
+            return false;
+        };
+        let start = StartRun {
+            conn: lease.conn,
+            request,
+            run_id: lease.run_id.clone(),
+            frame: run,
+            route,
+        };
+        let to = shards::shard_of(lease.conn.0);
+        match &self.outbox {
+            Some(outbox) if to != self.shard => {
+                outbox.send(to, ShardMsg::StartRun(start));
+                true
+            }
+            _ => self.send_run_here(start).await,
+        }
+    }
+
+    async fn send_run_here(&self, start: StartRun) -> bool {
+        let StartRun {
+            conn,
+            request,
+            run_id,
+            frame,
+            route,
+        } = start;
+        let Some(handle) = self.conn(conn) else {
+            return false;
+        };
+        self.node_routes
+            .borrow_mut()
+            .insert(run_id.clone(), NodeRoute { conn, tx: route });
+        if handle.send_bulk(frame).await.is_ok() {
+            return true;
+        }
+        self.node_routes.borrow_mut().remove(&run_id);
+        tracing::debug!(request = request.0, %run_id, "run not sent: node connection closed");
+        false
+    }
+
+    /// The route of run `run_id` if the frame arrived on `conn`, the
+    /// connection it was dispatched to (H1: a frame belongs to a route only
+    /// then). A terminal (`terminal` = true) retires the route.
+    pub fn route_of(
+        &self,
+        conn: ConnId,
+        run_id: &str,
+        terminal: bool,
+    ) -> Option<MailboxSender<RouteEvent>> {
+        let mut routes = self.node_routes.borrow_mut();
+        let route = routes.get(run_id).filter(|r| r.conn == conn)?;
+        let tx = route.tx.clone();
+        if terminal {
+            routes.remove(run_id);
+        }
+        Some(tx)
+    }
+
+    /// Forgets every route of node connection `conn` (it closed): their
+    /// clients learn of the loss from `Control` (F1).
+    pub fn drop_routes_of(&self, conn: ConnId) {
+        self.node_routes.borrow_mut().retain(|_, r| r.conn != conn);
+    }
+
+    /// Sends a control frame on node connection `conn`, on whichever shard
+    /// owns it. False when it is known to be gone.
+    pub fn send_control_to(&self, conn: ConnId, frame: pb::Frame) -> bool {
+        let to = shards::shard_of(conn.0);
+        match &self.outbox {
+            Some(outbox) if to != self.shard => {
+                outbox.send(to, ShardMsg::SendControl { conn, frame });
+                true
+            }
+            _ => self
+                .conn(conn)
+                .is_some_and(|c| c.send_control(frame).is_ok()),
+        }
+    }
+
+    /// Hands an admin command's answer to the shard whose client asked.
+    pub fn forward_command_answer(
+        &self,
+        to: usize,
+        conn: ConnId,
+        response: pb::NodeCommandResponse,
+    ) {
+        match &self.outbox {
+            Some(outbox) if to != self.shard => {
+                outbox.send(to, ShardMsg::CommandAnswer { conn, response })
+            }
+            _ => crate::admin::on_response(conn, response),
+        }
+    }
+
+    /// Carries out one message from another shard.
+    pub fn on_message(self: &Rc<Self>, msg: ShardMsg) {
+        match msg {
+            ShardMsg::Inputs(inputs) => self.apply_batch(inputs),
+            ShardMsg::Actions(actions) => {
+                for action in actions {
+                    self.execute_here(action);
+                }
+            }
+            ShardMsg::StartRun(start) => {
+                let edge = self.clone();
+                monoio::spawn(async move {
+                    let (request, route) = (start.request, start.route.clone());
+                    if !edge.send_run_here(start).await {
+                        edge.abandon(request);
+                        let _ = route.send(RouteEvent::Lost).await;
+                    }
+                });
+            }
+            ShardMsg::SendControl { conn, frame } => {
+                if let Some(c) = self.conn(conn) {
+                    let _ = c.send_control(frame);
+                }
+            }
+            ShardMsg::CommandAnswer { conn, response } => crate::admin::on_response(conn, response),
+            ShardMsg::Query(read) => match &self.control {
+                Some(control) => read(&control.borrow()),
+                None => tracing::error!(shard = self.shard, "control query sent to a worker shard"),
+            },
+            ShardMsg::Lifecycle(step) => {
+                self.lifecycle.borrow_mut().push(step);
+                self.lifecycle_changed.wake_all();
+            }
+            ShardMsg::Drained { in_flight } => {
+                let (shards, cut_off) = self.drained.get();
+                self.drained.set((shards + 1, cut_off + in_flight));
+                self.lifecycle_changed.wake_all();
+            }
+        }
+    }
+
+    /// Runs this shard's mesh: the outbox flusher and the inbox (spawn once
+    /// per shard; never returns).
+    pub async fn run_mesh(self: Rc<Self>, inbox: Mailbox<ShardMsg>) {
+        let inbox_task = {
+            let edge = self.clone();
+            shards::run_inbox(inbox, move |msg| edge.on_message(msg))
+        };
+        match &self.outbox {
+            Some(outbox) => {
+                monoio::select! {
+                    _ = outbox.run() => {},
+                    _ = inbox_task => {},
+                }
+            }
+            None => inbox_task.await,
+        }
+    }
+
+    /// Sends a lifecycle step to every other shard (control shard).
+    pub fn broadcast(&self, step: Lifecycle) {
+        if let Some(outbox) = &self.outbox {
+            for to in (0..outbox.shards()).filter(|&to| to != self.shard) {
+                outbox.send(to, ShardMsg::Lifecycle(step));
+            }
+        }
+    }
+
+    /// Tells the control shard this worker finished draining.
+    pub fn report_drained(&self, in_flight: usize) {
+        if let Some(outbox) = &self.outbox {
+            outbox.send(CONTROL_SHARD, ShardMsg::Drained { in_flight });
+        }
+    }
+
+    /// Completes once the control shard sent `step` (worker shards).
+    pub async fn lifecycle_reached(&self, step: Lifecycle) {
+        while !self.lifecycle.borrow().contains(&step) {
+            self.lifecycle_changed.wait().await;
+        }
+    }
+
+    /// Completes once every worker shard reported its drain (control
+    /// shard); returns the requests they cut off.
+    pub async fn workers_drained(&self) -> usize {
+        let workers = self.shard_count().saturating_sub(1);
+        loop {
+            let (shards, cut_off) = self.drained.get();
+            if shards >= workers {
+                return cut_off;
+            }
+            self.lifecycle_changed.wait().await;
         }
     }
 }
@@ -491,11 +821,11 @@ mod tests {
             target: "t".into(),
             stall: None,
         }));
-        assert_eq!(edge.control.borrow().leases().count(), 0);
-        assert!(edge.control.borrow().pending_requests().next().is_none());
+        assert_eq!(edge.control().leases().count(), 0);
+        assert!(edge.control().pending_requests().next().is_none());
         edge.apply(Input::Closed { conn });
         assert_eq!(seen.get(), 2, "node.disconnected reached the observer");
-        assert!(!edge.control.borrow().is_ready_owner(conn));
+        assert!(!edge.control().is_ready_owner(conn));
     }
 
     #[test]

@@ -16,14 +16,13 @@ use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::mpsc::bounded;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
 use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::credentials::{CredentialError, IssuedLease, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
-use crate::state::{Admission, Edge, RouteEvent};
+use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{metrics, status};
 
@@ -124,16 +123,20 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 )
                 .await
             }
-            ("GET", "/status") => {
-                let snapshots = edge.control.borrow().snapshots();
-                let body = Bytes::from(status::status_json(&snapshots).to_string());
-                write_json(&mut server, 200, body).await
-            }
+            ("GET", "/status") => match edge.with_control(|control| control.snapshots()).await {
+                Some(snapshots) => {
+                    let body = Bytes::from(status::status_json(&snapshots).to_string());
+                    write_json(&mut server, 200, body).await
+                }
+                None => write_api_error(&mut server, &draining_error()).await,
+            },
             ("GET", "/metrics") => {
-                let mut text = {
-                    let control = edge.control.borrow();
-                    metrics::render(control.counters(), &control.snapshots())
-                };
+                let mut text = edge
+                    .with_control(|control| {
+                        metrics::render(control.counters(), &control.snapshots())
+                    })
+                    .await
+                    .unwrap_or_default();
                 // Latency summaries and relay counters, merged over cores.
                 let latency = engine_metrics::merged();
                 text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
@@ -399,7 +402,7 @@ async fn admit<S>(
     surface: Surface,
     model: &str,
     long: bool,
-) -> Result<Option<(RequestId, Dispatch, bounded::Rx<RouteEvent>)>, HttpError>
+) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -414,10 +417,7 @@ where
         }
         Watched::PeerClosed => {
             match admission.try_recv() {
-                Ok(Admission::Dispatched { dispatch, .. }) => {
-                    edge.routes.borrow_mut().remove(&dispatch.lease.run_id);
-                    edge.apply(Input::Undeliverable { request });
-                }
+                Ok(Admission::Dispatched { .. }) => edge.abandon(request),
                 _ => edge.apply(Input::Cancel { request }),
             }
             return Ok(None);
@@ -450,15 +450,9 @@ async fn send_run<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let lease = &dispatch.lease;
-    let conn = edge.conns.borrow().get(&lease.conn).cloned();
-    let sent = match conn {
-        Some(conn) => conn.send_bulk(run).await.is_ok(),
-        None => false,
-    };
+    let sent = edge.start_run(request, dispatch, run).await;
     if !sent {
-        edge.routes.borrow_mut().remove(&lease.run_id);
-        edge.apply(Input::Undeliverable { request });
+        edge.abandon(request);
         let e = ApiError::upstream(
             "the selected node disconnected",
             Some("node_unavailable".into()),
@@ -493,8 +487,7 @@ where
     let admitted_at = clock::now(); // metrics: time to first byte
     if dispatch.kind != DispatchKind::Tunnel {
         // Native (Ollama) providers speak only the normalized chat path.
-        edge.routes.borrow_mut().remove(&dispatch.lease.run_id);
-        edge.apply(Input::Undeliverable { request });
+        edge.abandon(request);
         let e = ApiError::invalid_request(
             format!(
                 "The provider serving `{}` does not support {}.",
@@ -641,8 +634,7 @@ where
         error = %e,
         "no credential lease issued; request refused"
     );
-    edge.routes.borrow_mut().remove(&lease.run_id);
-    edge.apply(Input::Undeliverable { request });
+    edge.abandon(request);
     write_error(server, surface, &e.api_error()).await
 }
 
@@ -699,7 +691,7 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
 /// `chat.completion` (E1, E4, E5).
 async fn relay_run<S>(
     server: &mut ServerConn<S>,
-    mut frames: bounded::Rx<RouteEvent>,
+    mut frames: RouteRx,
     id: ResponseId,
     chat: &ChatRequest,
     admitted_at: Instant,
@@ -810,7 +802,7 @@ where
 async fn relay<S>(
     server: &mut ServerConn<S>,
     surface: Surface,
-    mut frames: bounded::Rx<RouteEvent>,
+    mut frames: RouteRx,
     admitted_at: Instant,
 ) -> Result<(), HttpError>
 where

@@ -118,7 +118,7 @@ async fn heartbeat_timeout_fences_the_node() {
             Some(Body::ProviderTunnelRequest(r)) => assert_eq!(r.run_id, "run-1"),
             other => panic!("expected ProviderTunnelRequest, got {other:?}"),
         }
-        assert_eq!(edge.edge.control.borrow().leases().count(), 1);
+        assert_eq!(edge.edge.control().leases().count(), 1);
         assert_eq!(
             provider_entry(&status(edge.client_addr).await, "node-a"),
             ready_entry("node-a", "a-mock", 1)
@@ -144,7 +144,7 @@ async fn heartbeat_timeout_fences_the_node() {
                 Some("node_disconnected"),
             )
         );
-        assert_eq!(edge.edge.control.borrow().leases().count(), 0);
+        assert_eq!(edge.edge.control().leases().count(), 0);
         assert!(edge.edge.conns.borrow().is_empty());
         assert_eq!(
             provider_entry(&status(edge.client_addr).await, "node-a"),

@@ -134,7 +134,7 @@ async fn register_ready_and_one_tunnel_stream() {
         }
 
         // The END terminal released the lease.
-        assert_eq!(edge.edge.control.borrow().leases().count(), 0);
+        assert_eq!(edge.edge.control().leases().count(), 0);
         assert_eq!(
             node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
@@ -174,7 +174,7 @@ async fn no_dispatch_before_ready() {
                 Some("no_provider_available"),
             )
         );
-        assert_eq!(edge.edge.control.borrow().leases().count(), 0);
+        assert_eq!(edge.edge.control().leases().count(), 0);
         assert_eq!(
             node_entry(edge.client_addr, "node-a").await,
             offline_entry("node-a", "a-mock")
@@ -271,7 +271,7 @@ async fn no_dispatch_before_ready() {
         assert_eq!(response.header("content-type"), Some("text/event-stream"));
         assert_eq!(response.header("x-provider"), Some("by-hand"));
         assert_eq!(response.body, b"data: {\"n\":1}\n\ndata: [DONE]\n\n");
-        assert_eq!(edge.edge.control.borrow().leases().count(), 0);
+        assert_eq!(edge.edge.control().leases().count(), 0);
 
         edge.stop().await;
     })
@@ -296,7 +296,7 @@ async fn register_with_a_name_other_than_the_certificate_is_rejected() {
             }
         );
         assert_eq!(node.closed_reason().await, "peer:registration_rejected");
-        assert_eq!(edge.edge.control.borrow().node_of(ConnId(1)), None);
+        assert_eq!(edge.edge.control().node_of(ConnId(1)), None);
         assert_eq!(status(edge.client_addr).await, before);
         edge.stop().await;
     })
@@ -323,12 +323,9 @@ async fn second_node_id_on_one_connection_is_rejected() {
         );
         // The first binding stands: same connection, still the pending
         // owner, so its ready is accepted.
-        assert_eq!(
-            edge.edge.control.borrow().node_of(ConnId(1)),
-            Some("node-a")
-        );
+        assert_eq!(edge.edge.control().node_of(ConnId(1)), Some("node-a"));
         assert_eq!(node.ready("node-a").await, ready_accepted());
-        assert!(edge.edge.control.borrow().is_ready_owner(ConnId(1)));
+        assert!(edge.edge.control().is_ready_owner(ConnId(1)));
         let status = status(edge.client_addr).await;
         assert_eq!(
             provider_entry(&status, "node-a"),
@@ -369,14 +366,11 @@ async fn newer_registration_supersedes_older_connection() {
             node_entry(edge.client_addr, "node-a").await,
             offline_entry("node-a", "a-mock")
         );
-        assert_eq!(
-            edge.edge.control.borrow().node_of(ConnId(2)),
-            Some("node-a")
-        );
-        assert!(!edge.edge.control.borrow().is_ready_owner(ConnId(1)));
+        assert_eq!(edge.edge.control().node_of(ConnId(2)), Some("node-a"));
+        assert!(!edge.edge.control().is_ready_owner(ConnId(1)));
 
         assert_eq!(second.ready("node-a").await, ready_accepted());
-        assert!(edge.edge.control.borrow().is_ready_owner(ConnId(2)));
+        assert!(edge.edge.control().is_ready_owner(ConnId(2)));
         assert_eq!(
             node_entry(edge.client_addr, "node-a").await,
             ready_entry("node-a", "a-mock", 0)
@@ -460,10 +454,7 @@ async fn tls_rejections_happen_before_any_frame() {
         assert_eq!(status(edge.client_addr).await, before);
         let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
         assert!(node.register("node-a").await.accepted);
-        assert_eq!(
-            edge.edge.control.borrow().node_of(ConnId(1)),
-            Some("node-a")
-        );
+        assert_eq!(edge.edge.control().node_of(ConnId(1)), Some("node-a"));
         edge.stop().await;
     })
     .await;

@@ -1,0 +1,218 @@
+//! The Edge on two shards, each on its own thread and monoio runtime, as
+//! `edge-bin --cores 0-1` runs it: Control on shard 0, clients and nodes on
+//! both. Each shard gets listeners of its own here so the test decides
+//! which shard owns which socket: the node dials shard 1, clients call
+//! shard 0 (every body frame crosses cores, every control input crosses
+//! back) and shard 1 (the same-core path next to a remote Control).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use common::*;
+use edge_bin::config::EdgeConfig;
+use edge_bin::server::{DrainEnd, ShardedEdge, Stop};
+use edge_bin::shards::bind_reuseport;
+use iop_engine::mailbox;
+use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
+use node_bin::config::NodeConfig;
+use node_bin::supervisor;
+use serde_json::Value;
+
+fn chat_body(model: &str) -> String {
+    format!(
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"say three words"}}],"stream":true,"stream_options":{{"include_usage":true}}}}"#
+    )
+}
+
+/// The SSE events of a body without the per-response fields (`id`,
+/// `created`, the mock's send stamp); `[DONE]` as a string.
+fn events(body: &[u8]) -> Vec<Value> {
+    let text = std::str::from_utf8(body).expect("UTF-8 body");
+    text.strip_suffix("\n\n")
+        .unwrap_or_else(|| panic!("SSE body ends with a blank line: {text:?}"))
+        .split("\n\n")
+        .map(|event| {
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("SSE event {event:?}"));
+            if data == "[DONE]" {
+                return Value::String(data.into());
+            }
+            let mut json: Value = serde_json::from_str(data).expect("event JSON");
+            let object = json.as_object_mut().expect("event object");
+            for volatile in ["id", "created", "iop_mock_sent_ns"] {
+                object.remove(volatile);
+            }
+            json
+        })
+        .collect()
+}
+
+struct Shards {
+    client: [SocketAddr; 2],
+    node: [SocketAddr; 2],
+    stop: mailbox::MailboxSender<()>,
+    threads: Vec<std::thread::JoinHandle<std::io::Result<DrainEnd>>>,
+}
+
+fn start_two_shards(pki: &Pki, toml: &str) -> Shards {
+    let cfg = EdgeConfig::parse(toml, pki.dir.join("edge.toml")).expect("edge config");
+    let tls = cfg.tls.as_ref().expect("[tls]");
+    let material = TlsMaterial::from_files(&TlsFiles {
+        ca_path: tls.ca.clone(),
+        cert_path: tls.cert.clone(),
+        key_path: tls.key.clone(),
+    })
+    .expect("edge material");
+    let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
+    let acceptor =
+        EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed).expect("acceptor");
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("address");
+    let mut listeners = Vec::new();
+    for _ in 0..2 {
+        let client = bind_reuseport(any, 1, "client").expect("bind").remove(0);
+        let node = bind_reuseport(any, 1, "nodes").expect("bind").remove(0);
+        listeners.push((client, node));
+    }
+    let addr = |l: &std::net::TcpListener| l.local_addr().expect("address");
+    let client = [addr(&listeners[0].0), addr(&listeners[1].0)];
+    let node = [addr(&listeners[0].1), addr(&listeners[1].1)];
+    let edge = Arc::new(
+        ShardedEdge::from_listeners(cfg, None, Some(acceptor), listeners).expect("shards"),
+    );
+    let (stop, stop_rx) = mailbox::mailbox::<()>(1);
+    let stop_rx = Arc::new(std::sync::Mutex::new(Some(stop_rx)));
+    let threads = (0..2)
+        .map(|index| {
+            let (edge, stop_rx) = (edge.clone(), stop_rx.clone());
+            std::thread::spawn(move || {
+                iop_engine::rt::block_on(async move {
+                    let mut stop_rx = match index {
+                        0 => stop_rx.lock().ok().and_then(|mut s| s.take()),
+                        _ => None,
+                    };
+                    let stop = Stop {
+                        shutdown: async move {
+                            match stop_rx.as_mut() {
+                                Some(rx) => {
+                                    rx.recv().await;
+                                }
+                                None => std::future::pending().await,
+                            }
+                        },
+                        force: std::future::pending(),
+                        drain_grace: std::time::Duration::from_secs(5),
+                    };
+                    edge.serve_shard(index, stop).await.map(|end| end.drain)
+                })?
+            })
+        })
+        .collect();
+    Shards {
+        client,
+        node,
+        stop,
+        threads,
+    }
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn two_shards_relay_byte_exact_streams_across_cores() {
+    let pki = Pki::mint("two-shards");
+    guarded(async {
+        let mock = Mock::start(5);
+        let shards = start_two_shards(&pki, &edge_toml(&pki, &EdgeOptions::new(mock.addr)));
+
+        // The node dials shard 1.
+        let node_cfg = NodeConfig::parse(
+            &node_toml(&pki, "node-a", shards.node[1]),
+            pki.dir.join("node.toml"),
+        )
+        .expect("node config");
+        let (stop_node, node_stopped) = local_sync::oneshot::channel::<()>();
+        let node = monoio::spawn(supervisor::run(
+            node_cfg,
+            Some(pki.connector("node-a")),
+            Box::pin(async move {
+                let _ = node_stopped.await;
+            }),
+        ));
+
+        // Control (shard 0) saw it register and become ready on shard 1;
+        // shard 1 reads the same state by asking shard 0.
+        assert_eq!(
+            wait_connected(shards.client[0], "node-a", true).await,
+            ready_entry("node-a", "a-mock", 0)
+        );
+        assert_eq!(
+            node_entry(shards.client[1], "node-a").await,
+            ready_entry("node-a", "a-mock", 0)
+        );
+
+        let direct = post_chat(mock.addr, &chat_body(TARGET)).await;
+        assert_eq!(direct.status, 200);
+        let expected = events(&direct.body);
+        assert_eq!(
+            expected.len(),
+            1 + 5 + 3,
+            "role, 5 tokens, finish, usage, [DONE]"
+        );
+
+        // Cross-core (client on shard 0) and same-core (shard 1) streams,
+        // several at once on each.
+        let mut calls = Vec::new();
+        for round in 0..8 {
+            let addr = shards.client[round % 2];
+            calls.push(monoio::spawn(async move {
+                (addr, post_chat(addr, &chat_body(MODEL)).await)
+            }));
+        }
+        for call in calls {
+            let (addr, relayed) = call.await;
+            assert_eq!(relayed.status, 200, "via {addr}: {relayed:?}");
+            assert_eq!(relayed.header("content-type"), Some("text/event-stream"));
+            assert_eq!(events(&relayed.body), expected, "via {addr}");
+        }
+
+        // Every lease came back: the same state read from both shards.
+        for addr in shards.client {
+            assert_eq!(
+                node_entry(addr, "node-a").await,
+                ready_entry("node-a", "a-mock", 0)
+            );
+        }
+
+        // An operator command asked on shard 0 goes to the node's
+        // connection on shard 1 and its answer comes back to shard 0.
+        let answer = http_request(
+            shards.client[0],
+            "POST",
+            "/admin/nodes/node-a/commands",
+            br#"{"type":"capabilities"}"#,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        let answer = answer.json();
+        assert_eq!(answer["ok"], true, "{answer}");
+        assert!(
+            answer["command_id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("admin-0-")),
+            "the command id names the asking shard: {answer}"
+        );
+        assert_eq!(answer["capabilities"][0]["target"], TARGET, "{answer}");
+
+        // Shutdown: the control shard drains and takes shard 1 with it.
+        let _ = stop_node.send(());
+        assert_eq!(node.await, supervisor::Exit::Shutdown);
+        shards.stop.try_send(()).expect("stop signal");
+        for thread in shards.threads {
+            let end = thread.join().expect("shard thread").expect("shard runtime");
+            assert_eq!(end, DrainEnd::Finished);
+        }
+        mock.stop().await;
+    })
+    .await;
+}
