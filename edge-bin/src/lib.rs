@@ -14,8 +14,9 @@
 //! Modules: [`config`] (edge.toml), [`control`] (the state machine),
 //! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
-//! [`server`] (wiring and listeners), [`credentials`] (client keys and
-//! credential leases, C1–C5).
+//! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
+//! Control on shard 0, mailboxes between shards), [`credentials`] (client
+//! keys and credential leases, C1–C5).
 
 pub mod admin;
 pub mod config;

@@ -216,3 +216,78 @@ async fn two_shards_relay_byte_exact_streams_across_cores() {
     })
     .await;
 }
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_client_leaving_on_one_shard_cancels_the_run_on_the_other() {
+    // CONTRACT: U6
+    use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+    let pki = Pki::mint("two-shards-cancel");
+    guarded(async {
+        // 500 tokens 20 ms apart: the stream would run ten seconds.
+        let mock = Mock::start_paced(500, 20);
+        let shards = start_two_shards(&pki, &edge_toml(&pki, &EdgeOptions::new(mock.addr)));
+        let node_cfg = NodeConfig::parse(
+            &node_toml(&pki, "node-a", shards.node[1]),
+            pki.dir.join("node.toml"),
+        )
+        .expect("node config");
+        let (stop_node, node_stopped) = local_sync::oneshot::channel::<()>();
+        let node = monoio::spawn(supervisor::run(
+            node_cfg,
+            Some(pki.connector("node-a")),
+            Box::pin(async move {
+                let _ = node_stopped.await;
+            }),
+        ));
+        wait_connected(shards.client[0], "node-a", true).await;
+
+        // A stream from a client on shard 0 to the node on shard 1, read
+        // until the first token, then the client leaves.
+        let body = chat_body(MODEL);
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut tcp = monoio::net::TcpStream::connect(shards.client[0])
+            .await
+            .expect("connect");
+        let (res, _) = tcp.write_all(request.into_bytes()).await;
+        res.expect("send request");
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"tok0") {
+            let (res, buf) = tcp.read(Vec::with_capacity(4096)).await;
+            assert!(res.expect("read") > 0, "stream ended early: {seen:?}");
+            seen.extend_from_slice(&buf);
+        }
+        assert_eq!(
+            node_entry(shards.client[1], "node-a").await,
+            ready_entry("node-a", "a-mock", 1),
+            "the run holds its lease while streaming"
+        );
+        drop(tcp);
+
+        // U6 across cores: shard 0 tells Control, Control has shard 1 send
+        // the CancelRequest, the node's terminal comes back on shard 1 and
+        // the lease is released. Poll /status (no time bound asserted).
+        let mut entry = node_entry(shards.client[0], "node-a").await;
+        for _ in 0..500 {
+            if entry == ready_entry("node-a", "a-mock", 0) {
+                break;
+            }
+            monoio::time::sleep(std::time::Duration::from_millis(10)).await;
+            entry = node_entry(shards.client[0], "node-a").await;
+        }
+        assert_eq!(entry, ready_entry("node-a", "a-mock", 0));
+
+        let _ = stop_node.send(());
+        assert_eq!(node.await, supervisor::Exit::Shutdown);
+        shards.stop.try_send(()).expect("stop signal");
+        for thread in shards.threads {
+            let end = thread.join().expect("shard thread").expect("shard runtime");
+            assert_eq!(end, DrainEnd::Finished);
+        }
+        mock.stop().await;
+    })
+    .await;
+}

@@ -117,7 +117,7 @@ class Cluster:
 
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
-                 credentials=None, client_keys=None):
+                 credentials=None, client_keys=None, cores="0"):
         # provider_extra: extra TOML lines for every node's [[nodes.providers]]
         # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
         # nodes' (interval_sec, max_attempts). ollama: every node also gets an
@@ -127,6 +127,9 @@ class Cluster:
         # MIXED_MODEL (the OpenAI-compatible and the Ollama provider of every
         # node, in that order: U7).
         self.ollama = ollama
+        # cores: the --cores list of the Edge and every Node ("0-1": the
+        # multi-core layout, Control and the Node session on core 0).
+        self.cores = cores
         # credentials: enable the credential plane (C1-C5): a dict with
         # "secret" (the provider API key, written to a 0600 secret file) and
         # optional "header", "format" and "slot_extra" (extra TOML lines of
@@ -177,7 +180,8 @@ class Cluster:
         mock_addr = self.mock.ready["addr"]
         edge_toml = self.dir / "edge.toml"
         edge_toml.write_text(self.edge_config(mock_addr))
-        self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml)], env=self.edge_env)
+        self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml), "--cores", self.cores],
+                          env=self.edge_env)
         self.procs.append(self.edge)
         self.base_url = f"http://{self.edge.ready['client']}"
         for node_id in self.node_ids:
@@ -334,7 +338,7 @@ class Cluster:
     def start_node(self, node_id: str) -> Proc:
         path = self.dir / f"node-{node_id}.toml"
         path.write_text(self.node_config(node_id))
-        proc = start(f"node {node_id}", [str(BIN_DIR / "node-bin"), "--config", str(path), "--cores", "0"],
+        proc = start(f"node {node_id}", [str(BIN_DIR / "node-bin"), "--config", str(path), "--cores", self.cores],
                      env=self.node_env, wait_ready=False)
         self.procs.append(proc)
         self.nodes[node_id] = proc
@@ -377,7 +381,8 @@ class Cluster:
             'node_listen = "127.0.0.1:0"', f'node_listen = "{nodes_addr}"')
         edge_toml = self.dir / "edge.toml"
         edge_toml.write_text(text)
-        self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml)], env=self.edge_env)
+        self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml), "--cores", self.cores],
+                          env=self.edge_env)
         self.procs.append(self.edge)
         self.base_url = f"http://{self.edge.ready['client']}"
         return self.edge

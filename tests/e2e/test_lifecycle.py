@@ -115,8 +115,11 @@ def _exit_code(proc) -> int:
     return proc.popen.wait(timeout=EXIT_TIMEOUT_S)
 
 
-def test_edge_drains_in_flight_streams_then_exits_0():
-    with Cluster(mock_args=SLOW_MOCK) as cluster:
+# "0-1": Control and the Node session on core 0, the drain spans both
+# shards of each process.
+@pytest.mark.parametrize("cores", ["0", "0-1"])
+def test_edge_drains_in_flight_streams_then_exits_0(cores):
+    with Cluster(mock_args=SLOW_MOCK, cores=cores) as cluster:
         probe = _connect(cluster)
         assert _get(probe, "/readyz") == (200, b"ok\n")
         stream = Stream(cluster).started()
@@ -163,8 +166,9 @@ def test_edge_second_signal_stops_at_once_with_exit_0():
         assert "second signal; shut down with requests in flight" in cluster.edge.log()
 
 
-def test_node_drains_in_flight_streams_then_exits_0():
-    with Cluster(mock_args=SLOW_MOCK) as cluster:
+@pytest.mark.parametrize("cores", ["0", "0-1"])
+def test_node_drains_in_flight_streams_then_exits_0(cores):
+    with Cluster(mock_args=SLOW_MOCK, cores=cores) as cluster:
         node = cluster.nodes["node-a"]
         stream = Stream(cluster).started()
         node.popen.send_signal(signal.SIGTERM)

@@ -23,7 +23,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 PLAIN_REQUESTS = 3
 STREAM_REQUESTS = 2
 REQUESTS = PLAIN_REQUESTS + STREAM_REQUESTS
-# Chat requests made so far in this module (every one reaches the provider).
+# Chat requests made so far against the current cluster (every one reaches
+# the provider).
 made = {"requests": 0}
 
 EDGE_HISTOGRAMS = ["queue_wait", "time_to_first_byte", "relay_chunk_latency", "end_to_end"]
@@ -131,9 +132,11 @@ def chat(cluster, stream: bool) -> None:
         assert json.loads(raw)["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with Cluster(mock_args=["--tokens", "3"]) as c:
+# One core, and two: the histograms of both cores merge into one dump.
+@pytest.fixture(scope="module", params=["0", "0-1"])
+def cluster(request):
+    with Cluster(mock_args=["--tokens", "3"], cores=request.param) as c:
+        made["requests"] = 0
         for i in range(REQUESTS):
             chat(c, stream=i >= PLAIN_REQUESTS)
         yield c

@@ -164,11 +164,16 @@ pub struct Mock {
 impl Mock {
     /// Starts a mock streaming `tokens` tokens without pauses.
     pub fn start(tokens: u32) -> Self {
+        Self::start_paced(tokens, 0)
+    }
+
+    /// Starts a mock streaming `tokens` tokens `inter_token_ms` apart.
+    pub fn start_paced(tokens: u32, inter_token_ms: u64) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind mock provider");
         let addr = listener.local_addr().expect("mock address");
         let config = bench::mock::MockConfig {
             ttft_ms: 0,
-            inter_token_ms: 0,
+            inter_token_ms,
             tokens,
             models: vec![TARGET.to_string()],
         };
