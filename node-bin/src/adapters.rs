@@ -3,10 +3,17 @@
 //!
 //! Each instance owns one capacity gate shared by every request it serves
 //! (P4); `NodeRuntimeConfig.concurrency` is legacy metadata and gates nothing.
+//!
+//! An instance is split in two: its [`Endpoint`] (name, kind, base URL,
+//! profile: immutable, `Send`, shared by `Arc`) is what a provider call
+//! needs and may travel to a worker core ([`crate::workers`]); the capacity
+//! gate and its permits stay on the session core.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use iop_engine::http::Url;
 use iop_wire::pb;
@@ -112,9 +119,11 @@ impl Drop for Permit {
     }
 }
 
-/// One adapter instance.
-#[derive(Debug)]
-pub struct AdapterInstance {
+/// What a provider call needs of its adapter instance: immutable and
+/// `Send`, so a call can run on a worker core while the instance (and its
+/// gate) stays on the session core.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Endpoint {
     /// Stable instance name (P4).
     pub name: String,
     /// Adapter type.
@@ -123,10 +132,27 @@ pub struct AdapterInstance {
     pub base_url: Url,
     /// The resolved protocol profile (openai_compat only, U4).
     pub profile: Option<pb::ProtocolProfile>,
+}
+
+/// One adapter instance: its [`Endpoint`] (reachable through `Deref`:
+/// `instance.base_url`), its targets and its capacity gate.
+#[derive(Debug)]
+pub struct AdapterInstance {
+    /// Name, kind, base URL and profile, shared with provider calls on
+    /// any core.
+    pub endpoint: Arc<Endpoint>,
     /// Targets this instance serves.
     pub targets: Vec<String>,
     /// Its capacity gate (P4).
     pub gate: Rc<CapacityGate>,
+}
+
+impl Deref for AdapterInstance {
+    type Target = Endpoint;
+
+    fn deref(&self) -> &Endpoint {
+        &self.endpoint
+    }
 }
 
 /// Why a tunnel's path could not be resolved.
@@ -143,7 +169,7 @@ pub enum PathError {
     Empty,
 }
 
-impl AdapterInstance {
+impl Endpoint {
     /// The provider path for a tunnel (U3): the profile's path of
     /// `operation`, or `fallback_path` when the operation is empty
     /// (mixed-version fallback), joined under the base URL's prefix.
@@ -229,10 +255,12 @@ impl Adapters {
                     old.gate.clone()
                 });
             let instance = AdapterInstance {
-                name: name.clone(),
-                kind,
-                base_url,
-                profile,
+                endpoint: Arc::new(Endpoint {
+                    name: name.clone(),
+                    kind,
+                    base_url,
+                    profile,
+                }),
                 targets: cfg.targets.clone(),
                 gate: reused.unwrap_or_else(|| CapacityGate::new(cfg.capacity)),
             };

@@ -3,8 +3,9 @@
 //! [`Watchdog`] core and carries out its [`Action`]s.
 //!
 //! ```text
-//!  provider task (owns the capacity permit, the adapter Rc, the socket)
-//!     │ outputs (bounded channel; closes when the provider call returns)
+//!  provider task (owns the socket; on this core, or on a worker core)
+//!     │ outputs (bounded: a local channel, or a cross-core mailbox;
+//!     │          closes when the provider call returns)
 //!     ▼
 //!  drive ──on_output──► Watchdog ──actions──► Emitter ──frames──► Edge connection
 //!     ▲  timer (wheel) ──handle_timeout──┘   │ CancelProvider ──► abort the provider task
@@ -12,8 +13,10 @@
 //!     └──────────────────────────────────────────────────────────────────────────────┘
 //! ```
 //!
-//! The provider's capacity permit and adapter ownership live in the provider
-//! task and go when it returns; `drive` returns only after the watchdog's
+//! The provider's capacity permit is held until the provider call returns:
+//! by the provider task on a single core, by the [`ProviderSide`] (on the
+//! session core) for a call on a worker core, released when the worker's
+//! output mailbox ends. `drive` returns only after the watchdog's
 //! [`Action::Release`], i.e. after the terminal *and* that return (W10), so
 //! the caller removes the run-manager entry at the right moment. Output that
 //! arrives after the terminal is drained and dropped, never sent.
@@ -21,10 +24,12 @@
 use std::cell::Cell;
 use std::future::Future;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
+use iop_engine::mailbox::{Mailbox, MailboxSender};
 use iop_engine::metrics::{self, Count, Latency};
 use iop_engine::sync::Notify;
 use local_sync::mpsc::bounded;
@@ -39,6 +44,7 @@ use crate::timers::Timers;
 use crate::watchdog::{
     Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
 };
+use crate::workers::{CrossAbort, Workers};
 
 /// Provider outputs buffered between the provider task and the driver.
 pub const OUTPUT_QUEUE: usize = 8;
@@ -54,11 +60,36 @@ pub struct AttemptEnv {
     pub observations: Rc<ObservationSeq>,
     /// The core's keep-alive pool of provider connections (the provider
     /// task checks a connection out and returns it only after a clean end;
-    /// an abort drops it).
+    /// an abort drops it). Not used when `workers` is set.
     pub pool: Rc<ProviderPool>,
+    /// The worker cores provider calls run on (multi-core); `None`: every
+    /// call runs on this core against `pool`.
+    pub workers: Option<Rc<Workers>>,
 }
 
-/// Cancels a provider task from outside.
+/// A provider call: the HTTP exchange of one attempt, producing outputs
+/// through an [`OutputTx`]. Everything it carries is `Send` (endpoint,
+/// request bytes, the opened credential), so it can run on the session
+/// core or be handed to a worker core ([`crate::workers`]); the future it
+/// makes runs on the core it was started on, against that core's pool.
+pub trait ProviderCall: Send + 'static {
+    /// What the call produces (and the driver's emitter takes).
+    type Output: Send + 'static;
+
+    /// Runs the exchange against `pool` (the running core's keep-alive
+    /// pool), sending outputs to `out`, the last one a terminal.
+    fn run(
+        self,
+        pool: Rc<ProviderPool>,
+        out: OutputTx<Self::Output>,
+    ) -> impl Future<Output = ()> + 'static;
+
+    /// The failure terminal of a call that could not be started at all
+    /// (no worker core took it).
+    fn not_started(message: String) -> Self::Output;
+}
+
+/// Cancels a provider task on the same core from outside.
 #[derive(Debug, Default)]
 pub struct AbortSignal {
     aborted: Cell<bool>,
@@ -87,14 +118,21 @@ impl AbortSignal {
 
 /// One provider output with the moment the provider task handed it over
 /// (right after its read), for the relay latency histograms.
-struct Stamped<O> {
-    read_at: Instant,
-    output: O,
+pub(crate) struct Stamped<O> {
+    pub(crate) read_at: Instant,
+    pub(crate) output: O,
+}
+
+/// Where a provider call's outputs go: a core-local channel, or the
+/// cross-core mailbox of a call running on a worker core.
+enum Sender<O> {
+    Local(bounded::Tx<Stamped<O>>),
+    Remote(MailboxSender<Stamped<O>>),
 }
 
 /// The provider task's end of the output channel.
 pub struct OutputTx<O> {
-    tx: bounded::Tx<Stamped<O>>,
+    tx: Sender<O>,
 }
 
 impl<O> std::fmt::Debug for OutputTx<O> {
@@ -104,18 +142,71 @@ impl<O> std::fmt::Debug for OutputTx<O> {
 }
 
 impl<O> OutputTx<O> {
-    /// Hands one output to the driver, waiting while the queue is full.
-    /// False once the driver is gone.
+    /// The sending end of a cross-core output mailbox.
+    pub(crate) fn remote(tx: MailboxSender<Stamped<O>>) -> Self {
+        Self {
+            tx: Sender::Remote(tx),
+        }
+    }
+
+    /// Hands one output to the driver, waiting while the queue is full
+    /// (backpressure reaches the provider socket). False once the driver
+    /// is gone.
     pub async fn send(&self, output: O) -> bool {
         let read_at = clock::now();
-        self.tx.send(Stamped { read_at, output }).await.is_ok()
+        let stamped = Stamped { read_at, output };
+        match &self.tx {
+            Sender::Local(tx) => tx.send(stamped).await.is_ok(),
+            Sender::Remote(tx) => tx.send(stamped).await.is_ok(),
+        }
     }
+}
+
+/// The driver's end of the outputs.
+enum Receiver<O> {
+    Local(bounded::Rx<Stamped<O>>),
+    Remote {
+        mailbox: Mailbox<Stamped<O>>,
+        /// Outputs taken in one batch (one lock, at most one cross-core
+        /// wake per batch), in reverse order: the next one is last.
+        batch: Vec<Stamped<O>>,
+    },
+}
+
+impl<O> Receiver<O> {
+    /// The next output; `None` once the call returned (every sender is
+    /// gone). Cancel-safe: nothing is taken unless it is returned.
+    async fn recv(&mut self) -> Option<Stamped<O>> {
+        match self {
+            Receiver::Local(rx) => rx.recv().await,
+            Receiver::Remote { mailbox, batch } => {
+                if batch.is_empty() {
+                    if mailbox.recv_batch(batch, OUTPUT_QUEUE).await == 0 {
+                        return None;
+                    }
+                    batch.reverse();
+                }
+                batch.pop()
+            }
+        }
+    }
+}
+
+/// Aborts the provider call, on this core or on a worker core.
+#[derive(Debug)]
+enum Abort {
+    Local(Rc<AbortSignal>),
+    Remote(Arc<CrossAbort>),
 }
 
 /// The driver's end of a spawned provider task.
 pub struct ProviderSide<O> {
-    outputs: bounded::Rx<Stamped<O>>,
-    abort: Rc<AbortSignal>,
+    outputs: Receiver<O>,
+    abort: Abort,
+    /// The capacity permit of a call running on a worker core: it stays on
+    /// the session core and is dropped when the worker reports the call's
+    /// return (W10). `None` for a local call (its task holds the permit).
+    held: Option<Permit>,
     /// When the provider call was spawned (metrics: provider TTFB).
     started_at: Instant,
 }
@@ -124,25 +215,103 @@ impl<O> std::fmt::Debug for ProviderSide<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProviderSide")
             .field("abort", &self.abort)
+            .field("held", &self.held)
             .finish_non_exhaustive()
     }
 }
 
-/// Spawns the provider call: `call` produces outputs through the given
-/// sender. The task holds `permit` (and whatever `call` captures, such as
-/// the adapter instance) until the call returns or is aborted (W10).
-pub fn spawn_provider<O, F>(
+impl<O> ProviderSide<O> {
+    /// The session side of a call handed to a worker core: its output
+    /// mailbox, its cross-core abort, and the permit held here until the
+    /// mailbox ends (the call returned on the worker).
+    pub(crate) fn remote(
+        mailbox: Mailbox<Stamped<O>>,
+        abort: Arc<CrossAbort>,
+        permit: Option<Permit>,
+        started_at: Instant,
+    ) -> Self {
+        Self {
+            outputs: Receiver::Remote {
+                mailbox,
+                batch: Vec::with_capacity(OUTPUT_QUEUE),
+            },
+            abort: Abort::Remote(abort),
+            held: permit,
+            started_at,
+        }
+    }
+
+    /// Aborts the provider call (idempotent): it is dropped on its core,
+    /// closing its socket without a check-in.
+    pub fn abort(&self) {
+        match &self.abort {
+            Abort::Local(signal) => signal.abort(),
+            Abort::Remote(signal) => signal.abort(),
+        }
+    }
+
+    /// The call returned: a permit held for it here is released now.
+    fn returned(&mut self) {
+        self.held = None;
+    }
+
+    /// The next output without its stamp; `None` (and the held permit
+    /// released) once the call returned.
+    #[cfg(test)]
+    pub(crate) async fn next_output(&mut self) -> Option<O> {
+        match self.outputs.recv().await {
+            Some(stamped) => Some(stamped.output),
+            None => {
+                self.returned();
+                None
+            }
+        }
+    }
+}
+
+impl<O> Drop for ProviderSide<O> {
+    fn drop(&mut self) {
+        // A call whose driver is gone has nobody to report to. (`drive`
+        // only returns after the call's return, when this is a no-op.)
+        if let Abort::Remote(signal) = &self.abort {
+            signal.abort();
+        }
+    }
+}
+
+/// Starts the provider call of an attempt. With worker cores
+/// ([`AttemptEnv::workers`]) the call goes to one of them and runs against
+/// that core's pool, its outputs coming back over a bounded cross-core
+/// mailbox; `permit` stays here until the worker reports the call's
+/// return. Without, the call runs in a task on this core against
+/// [`AttemptEnv::pool`], and that task holds `permit` until the call
+/// returns or is aborted (W10).
+pub fn spawn_provider<C: ProviderCall>(
+    env: &AttemptEnv,
     permit: Option<Permit>,
-    call: impl FnOnce(OutputTx<O>) -> F,
-) -> ProviderSide<O>
-where
-    O: 'static,
-    F: Future<Output = ()> + 'static,
-{
+    call: C,
+) -> ProviderSide<C::Output> {
+    match &env.workers {
+        Some(workers) => workers.dispatch(permit, call),
+        None => spawn_local(env.pool.clone(), permit, call),
+    }
+}
+
+/// [`spawn_provider`] on this core.
+fn spawn_local<C: ProviderCall>(
+    pool: Rc<ProviderPool>,
+    permit: Option<Permit>,
+    call: C,
+) -> ProviderSide<C::Output> {
     let (tx, rx) = bounded::channel(OUTPUT_QUEUE);
     let abort = Rc::new(AbortSignal::default());
     let started_at = clock::now();
-    let work = call(OutputTx { tx });
+    let work = call.run(
+        pool,
+        OutputTx {
+            tx: Sender::Local(tx),
+        },
+    );
     let task_abort = abort.clone();
     monoio::spawn(async move {
         let _permit = permit;
@@ -157,8 +326,9 @@ where
         metrics::record_since(Latency::NodeProviderCallDuration, started_at);
     });
     ProviderSide {
-        outputs: rx,
-        abort,
+        outputs: Receiver::Local(rx),
+        abort: Abort::Local(abort),
+        held: None,
         started_at,
     }
 }
@@ -241,6 +411,7 @@ pub async fn drive<E: Emitter>(
             }
             Event::Output(None) => {
                 outputs_open = false;
+                provider.returned();
                 watchdog.handle_provider_returned(now);
             }
             Event::Stop(cause) => {
@@ -257,7 +428,7 @@ pub async fn drive<E: Emitter>(
         }
         while let Some(action) = watchdog.poll_action() {
             match action {
-                Action::CancelProvider => provider.abort.abort(),
+                Action::CancelProvider => provider.abort(),
                 Action::StartProbe => {
                     probe_rx = Some(probe::spawn_probe(
                         evidence.probe.clone(),

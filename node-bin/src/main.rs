@@ -1,6 +1,13 @@
 //! `node-bin` entry point: arguments, configuration, runtime. See the
 //! library crate (`node_bin`) for the daemon itself.
 //!
+//! Runtime layout from `--cores`: the first core is the control shard (this
+//! thread, pinned: supervisor, Edge session, run manager, watchdog wheel,
+//! signals, the SIGUSR1 dumper); every further core gets a pinned provider
+//! worker thread with its own monoio runtime and keep-alive pool
+//! (`node_bin::workers`). One core runs everything on this thread. Worker
+//! threads end with the process when the control shard returns.
+//!
 //! Subcommand: `keys recipient --out PATH` writes a new X25519 recipient key
 //! (mode 0600) and prints its public `x25519:` form for the Edge's node entry
 //! (`recipient_key`).
@@ -15,6 +22,7 @@ use iop_engine::tls::{NodeTlsConnector, TlsFiles, TlsMaterial};
 use node_bin::config::NodeConfig;
 use node_bin::credentials::NodeCredentials;
 use node_bin::supervisor::{self, Exit};
+use node_bin::workers;
 
 /// IOP Node: dials the Edge and serves its requests against local
 /// inference servers.
@@ -23,8 +31,10 @@ struct Args {
     /// path to node.toml (required unless a subcommand is given)
     #[argh(option)]
     config: Option<String>,
-    /// CPU cores to run on, taskset syntax (`0-3`, `0,2,5-7`, `0-31:2`); the
-    /// first is the control shard. Default: 0.
+    /// CPU cores to run on, taskset syntax (`0-3`, `0,2,5-7`, `0-31:2`).
+    /// The first is the control shard (Edge session, run manager,
+    /// watchdog); every other core is a provider worker with its own
+    /// keep-alive pool. One core runs everything on that thread. Default: 0.
     #[argh(option, default = "String::from(\"0\")")]
     cores: String,
     #[argh(subcommand)]
@@ -134,20 +144,37 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
             None
         }
     };
-    if cores.cores().len() > 1 {
-        tracing::warn!(
-            cores = %cores,
-            "multi-core mode is not implemented yet; running every shard on the first core"
-        );
-    }
+    // Worker cores first: each pins its thread and builds its runtime, and
+    // a failure is a local error (exit 1) before anything dials.
+    let worker_cores = &cores.cores()[1..];
+    let workers = if worker_cores.is_empty() {
+        None
+    } else {
+        let (workers, inboxes) = workers::channels(worker_cores.len());
+        for (&core, inbox) in worker_cores.iter().zip(inboxes) {
+            // The threads end with the process (their loops also end once
+            // the control shard's handles are gone).
+            if let Err(e) = workers::spawn_thread(inbox, Some(core)) {
+                return fail(format_args!("provider worker on core {core}: {e}"));
+            }
+        }
+        Some(workers)
+    };
     if let Err(e) = rt::pin_current_thread(cores.control()) {
         return fail(format_args!("pin to core {}: {e}", cores.control()));
     }
+    let worker_list: Vec<String> = worker_cores.iter().map(|c| c.to_string()).collect();
     tracing::info!(
         node_id = %cfg.node_id,
         edge = %cfg.edge_addr,
         driver = %rt::detect_driver(),
-        core = cores.control(),
+        cores = %cores,
+        control_core = cores.control(),
+        worker_cores = %if worker_list.is_empty() {
+            "none (provider calls on the control core)".to_string()
+        } else {
+            worker_list.join(",")
+        },
         "node-bin starting"
     );
     let result = rt::block_on(async move {
@@ -162,7 +189,9 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
             force,
             drain_grace: Duration::from_millis(cfg.drain_grace_ms),
         };
-        Ok::<Exit, std::io::Error>(supervisor::run_until(cfg, connector, credentials, stop).await)
+        Ok::<Exit, std::io::Error>(
+            supervisor::run_sharded(cfg, connector, credentials, stop, workers).await,
+        )
     });
     match result {
         Ok(Ok(Exit::Shutdown)) => {

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -28,8 +29,8 @@ use iop_wire::pb;
 use local_sync::oneshot;
 use serde_json::Value;
 
-use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Permit};
-use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
+use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Endpoint, Permit};
+use crate::driver::{self, AttemptEnv, Ended, OutputTx, ProviderCall, StallEvidence};
 use crate::emit::{Emitter, RunEmitter, RunOutput};
 use crate::probe::ProbeTarget;
 use crate::provider_pool::{PooledConn, ProviderPool, ProviderRequest};
@@ -305,7 +306,7 @@ impl Exchange {
 /// added as given (the credential hook of C2 goes here).
 pub async fn post_json(
     pool: &Rc<ProviderPool>,
-    adapter: &AdapterInstance,
+    adapter: &Endpoint,
     path: &str,
     accept: &str,
     extra: &[(String, String)],
@@ -380,12 +381,12 @@ pub async fn serve(
         },
         probe: ProbeTarget::of(&adapter, &req.target),
     };
-    let target = req.target.clone();
-    let input = req.input.unwrap_or_default();
-    let pool = env.pool.clone();
-    let provider = driver::spawn_provider(Some(permit), move |out| {
-        call(pool, adapter, target, input, out)
-    });
+    let call = RunCall {
+        endpoint: adapter.endpoint.clone(),
+        target: req.target.clone(),
+        input: req.input.unwrap_or_default(),
+    };
+    let provider = driver::spawn_provider(env, Some(permit), call);
     let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "run released");
     ended
@@ -393,24 +394,53 @@ pub async fn serve(
 
 /// The provider call of one run, by the adapter's protocol; any failure
 /// becomes the run's `error` terminal (W6).
-async fn call(
-    pool: Rc<ProviderPool>,
-    adapter: Rc<AdapterInstance>,
-    target: String,
-    input: pb::RunInput,
-    out: OutputTx<RunOutput>,
-) {
-    let result = match adapter.kind {
-        AdapterKind::Ollama => ollama::call(&pool, &adapter, &target, &input, &out).await,
-        AdapterKind::OpenAiCompat => {
-            // C2 hook: a credential lease opened after admission would add
-            // the profile's auth header here (`openai_run::auth_header`).
-            let auth: Option<(String, String)> = None;
-            openai_run::call(&pool, &adapter, &target, &input, auth, &out).await
+///
+/// The whole call — HTTP exchange, the E5 retry, stream framing and the
+/// adapter's parser — runs on the core that owns the provider socket (a
+/// worker core with `--cores` of two or more): the retry needs the
+/// exchange at hand, the parse work then spreads over the worker cores
+/// instead of loading the control shard, and what crosses to the session
+/// core is the small parsed [`RunOutput`]s, fewer and smaller than the
+/// raw NDJSON/SSE pieces.
+#[derive(Debug)]
+pub struct RunCall {
+    /// The adapter instance's endpoint.
+    pub endpoint: Arc<Endpoint>,
+    /// The target (model) of the run.
+    pub target: String,
+    /// The normalized input (E3).
+    pub input: pb::RunInput,
+}
+
+impl ProviderCall for RunCall {
+    type Output = RunOutput;
+
+    async fn run(self, pool: Rc<ProviderPool>, out: OutputTx<RunOutput>) {
+        let RunCall {
+            endpoint,
+            target,
+            input,
+        } = self;
+        let result = match endpoint.kind {
+            AdapterKind::Ollama => ollama::call(&pool, &endpoint, &target, &input, &out).await,
+            AdapterKind::OpenAiCompat => {
+                // C2 hook: a credential lease opened after admission would
+                // add the profile's auth header here
+                // (`openai_run::auth_header`).
+                let auth: Option<(String, String)> = None;
+                openai_run::call(&pool, &endpoint, &target, &input, auth, &out).await
+            }
+        };
+        if let Err((code, message)) = result {
+            out.send(RunOutput::Failed { code, message }).await;
         }
-    };
-    if let Err((code, message)) = result {
-        out.send(RunOutput::Failed { code, message }).await;
+    }
+
+    fn not_started(message: String) -> RunOutput {
+        RunOutput::Failed {
+            code: codes::PROVIDER_UNREACHABLE,
+            message,
+        }
     }
 }
 

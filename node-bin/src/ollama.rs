@@ -34,7 +34,7 @@ use iop_engine::http::NdjsonSplitter;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::adapters::AdapterInstance;
+use crate::adapters::Endpoint;
 use crate::driver::OutputTx;
 use crate::emit::RunOutput;
 use crate::normalized::{
@@ -237,7 +237,7 @@ impl ChatStream {
 /// of the body.
 pub async fn call(
     pool: &Rc<ProviderPool>,
-    adapter: &AdapterInstance,
+    adapter: &Endpoint,
     target: &str,
     input: &pb::RunInput,
     out: &OutputTx<RunOutput>,

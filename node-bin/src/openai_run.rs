@@ -43,7 +43,7 @@ use iop_engine::http::SseSplitter;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::adapters::AdapterInstance;
+use crate::adapters::Endpoint;
 use crate::driver::OutputTx;
 use crate::emit::RunOutput;
 use crate::normalized::{
@@ -509,7 +509,7 @@ impl ChatStream {
 /// E5 retry reuses the rejected request's connection).
 pub async fn call(
     pool: &Rc<ProviderPool>,
-    adapter: &AdapterInstance,
+    adapter: &Endpoint,
     target: &str,
     input: &pb::RunInput,
     auth: Option<(String, String)>,

@@ -1,6 +1,8 @@
-//! Keep-alive pool of provider HTTP connections, one per core (owned by the
-//! [`NodeCore`](crate::session::NodeCore)), so tunnels and normalized runs
-//! stop paying a TCP handshake per request and the provider an accept.
+//! Keep-alive pool of provider HTTP connections, one per core that owns
+//! provider sockets (the [`NodeCore`](crate::session::NodeCore)'s on a
+//! single core; each worker core's own with `--cores` of two or more,
+//! [`crate::workers`]), so tunnels and normalized runs stop paying a TCP
+//! handshake per request and the provider an accept.
 //!
 //! ```text
 //! ProviderPool::send(base, request, secret)
@@ -411,6 +413,11 @@ impl<C: Reusable> ProviderPool<C> {
     /// Idle connections kept for `base`'s authority.
     pub fn idle_connections(&self, base: &Url) -> usize {
         self.idle.borrow().idle(base)
+    }
+
+    /// Idle connections kept in all.
+    pub fn idle_total(&self) -> usize {
+        self.idle.borrow().idle_total()
     }
 
     /// Closes every idle connection past its timeout at `now`.

@@ -41,6 +41,7 @@ use crate::runs::{RunKind, RunTable};
 use crate::timers::Timers;
 use crate::tunnel;
 use crate::watchdog::{RuntimeSettings, StopCause};
+use crate::workers::Workers;
 
 /// How a session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,8 +59,12 @@ pub struct NodeCore {
     /// The core's timer wheel (watchdog deadlines).
     pub timers: Rc<Timers>,
     /// The core's keep-alive pool of provider connections, shared by
-    /// every session's tunnels and normalized runs.
+    /// every session's tunnels and normalized runs (unused when `workers`
+    /// is set: each worker core has its own).
     pub pool: Rc<ProviderPool>,
+    /// The provider worker cores (`--cores` of two or more); `None`:
+    /// provider calls run on this core.
+    pub workers: Option<Rc<Workers>>,
     /// The adapters of the last session, whose gates the next one reuses.
     last_adapters: RefCell<Option<Rc<Adapters>>>,
     /// The credential plane (C2): recipient key, issuer key and the replay
@@ -88,6 +93,15 @@ impl NodeCore {
     /// [`NodeCore::start`] for a node with the credential plane loaded
     /// (`[credentials]`): its tunnels must carry a valid lease (C3).
     pub fn start_with_credentials(credentials: Option<NodeCredentials>) -> Rc<Self> {
+        Self::start_with_workers(credentials, None)
+    }
+
+    /// [`NodeCore::start_with_credentials`] for the control shard of a
+    /// multi-core node: every provider call goes to one of `workers`.
+    pub fn start_with_workers(
+        credentials: Option<NodeCredentials>,
+        workers: Option<Workers>,
+    ) -> Rc<Self> {
         let timers = Timers::new(clock::now());
         monoio::spawn(timers.clone().run());
         let pool = ProviderPool::new(PoolConfig::default());
@@ -95,6 +109,7 @@ impl NodeCore {
         Rc::new(Self {
             timers,
             pool,
+            workers: workers.map(Rc::new),
             last_adapters: RefCell::new(None),
             credentials: credentials.map(Rc::new),
             active_runs: Cell::new(0),
@@ -283,6 +298,7 @@ pub async fn run(
             // W7: bound to this connection, starting at 1.
             observations: Rc::new(ObservationSeq::bound()),
             pool: core.pool.clone(),
+            workers: core.workers.clone(),
         },
         runs: RefCell::new(RunTable::new()),
         applied: RefCell::new(applied),

@@ -33,6 +33,7 @@ use monoio::io::Splitable;
 use crate::config::NodeConfig;
 use crate::credentials::NodeCredentials;
 use crate::session::{self, NodeCore, SessionEnd};
+use crate::workers::Workers;
 
 /// What the supervisor does after a connection attempt or session ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,12 +222,24 @@ pub async fn run_until(
     credentials: Option<NodeCredentials>,
     stop: Stop,
 ) -> Exit {
+    run_sharded(cfg, connector, credentials, stop, None).await
+}
+
+/// [`run_until`] on the control shard of a multi-core node: provider
+/// calls go to `workers` (`None`: they run on this core).
+pub async fn run_sharded(
+    cfg: NodeConfig,
+    connector: Option<NodeTlsConnector>,
+    credentials: Option<NodeCredentials>,
+    stop: Stop,
+    workers: Option<Workers>,
+) -> Exit {
     let Stop {
         mut shutdown,
         force,
         drain_grace,
     } = stop;
-    let core = NodeCore::start_with_credentials(credentials);
+    let core = NodeCore::start_with_workers(credentials, workers);
     let mut supervisor = Supervisor::new(cfg.reconnect);
     loop {
         let mut current = std::pin::pin!(attempt(&cfg, &core, connector.as_ref()));

@@ -16,11 +16,16 @@
 //! reused pooled connection: until the response head, so the one stale
 //! retry can resend it without opening the lease again). Body pieces are
 //! slices of the provider read buffer, forwarded as they arrive without
-//! parsing or copying (U2). The provider connection comes from the core's
-//! [`ProviderPool`] and goes back to it only when the body was read to its
-//! end; a cancelled or stalled tunnel drops it (U6, W4).
+//! parsing or copying (U2). The provider connection comes from the pool of
+//! the core the call runs on ([`ProviderPool`]; a worker core's with
+//! `--cores` of two or more, [`crate::workers`]) and goes back to it only
+//! when the body was read to its end; a cancelled or stalled tunnel drops
+//! it (U6, W4). On a worker core the body pieces reach the session core as
+//! the same `Bytes` (a reference count crosses, not the bytes), and the
+//! BODY frame carries them as they are.
 
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,9 +35,9 @@ use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
 use local_sync::oneshot;
 
-use crate::adapters::{AdapterInstance, Adapters, Permit};
+use crate::adapters::{AdapterInstance, Adapters, Endpoint, Permit};
 use crate::credentials::LeaseGate;
-use crate::driver::{self, AttemptEnv, Ended, OutputTx, StallEvidence};
+use crate::driver::{self, AttemptEnv, Ended, OutputTx, ProviderCall, StallEvidence};
 use crate::emit::{Emitter, TunnelEmitter, TunnelOutput};
 use crate::probe::ProbeTarget;
 use crate::provider_pool::{ProviderPool, ProviderRequest, SecretHeader};
@@ -116,9 +121,8 @@ pub async fn serve(
         },
         probe: ProbeTarget::of(&adapter, &req.target),
     };
-    let call = ProviderCall {
-        pool: env.pool.clone(),
-        adapter,
+    let call = TunnelCall {
+        endpoint: adapter.endpoint.clone(),
         method: if req.method.is_empty() {
             "POST".to_string()
         } else {
@@ -129,7 +133,7 @@ pub async fn serve(
         body: req.body,
         credential,
     };
-    let provider = driver::spawn_provider(Some(permit), move |out| call.run(out));
+    let provider = driver::spawn_provider(env, Some(permit), call);
     let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "tunnel released");
     ended
@@ -176,28 +180,46 @@ fn admit(
     })
 }
 
-/// The provider HTTP exchange of one tunnel, run in the provider task.
-struct ProviderCall {
-    /// The core's provider connection pool.
-    pool: Rc<ProviderPool>,
-    adapter: Rc<AdapterInstance>,
-    method: String,
-    path: String,
-    headers: Vec<pb::Header>,
-    body: Bytes,
+/// The provider HTTP exchange of one tunnel, run in the provider task (on
+/// this core or a worker core: everything here is `Send`; the opened
+/// credential stays in its zeroizing buffers on the way).
+#[derive(Debug)]
+pub struct TunnelCall {
+    /// The adapter instance's endpoint (base URL).
+    pub endpoint: Arc<Endpoint>,
+    /// Request method.
+    pub method: String,
+    /// Request target, under the base URL's prefix (U3).
+    pub path: String,
+    /// Forwarded request headers (hop-by-hop and `Host` are dropped).
+    pub headers: Vec<pb::Header>,
+    /// The request body, as built by the Edge (U5).
+    pub body: Bytes,
     /// The opened credential (C2); taken when the request head is written.
-    credential: Option<OpenedSecret>,
+    pub credential: Option<OpenedSecret>,
 }
 
-impl ProviderCall {
-    async fn run(mut self, out: OutputTx<TunnelOutput>) {
-        if let Err((code, message)) = self.exchange(&out).await {
+impl ProviderCall for TunnelCall {
+    type Output = TunnelOutput;
+
+    async fn run(mut self, pool: Rc<ProviderPool>, out: OutputTx<TunnelOutput>) {
+        if let Err((code, message)) = self.exchange(&pool, &out).await {
             out.send(TunnelOutput::Failed { code, message }).await;
         }
     }
 
+    fn not_started(message: String) -> TunnelOutput {
+        TunnelOutput::Failed {
+            code: codes::PROVIDER_UNREACHABLE,
+            message,
+        }
+    }
+}
+
+impl TunnelCall {
     async fn exchange(
         &mut self,
+        pool: &Rc<ProviderPool>,
         out: &OutputTx<TunnelOutput>,
     ) -> Result<(), (&'static str, String)> {
         // --- provider pool: checkout, stale retry, credential header -------
@@ -228,9 +250,8 @@ impl ProviderCall {
             headers: &headers,
             body: self.body.clone(),
         };
-        let response = self
-            .pool
-            .send(&self.adapter.base_url, &request, secret)
+        let response = pool
+            .send(&self.endpoint.base_url, &request, secret)
             .await
             .map_err(|e| e.into_failure())?;
         let (mut conn, head) = (response.conn, response.head);

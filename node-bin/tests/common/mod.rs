@@ -290,9 +290,14 @@ impl Edge {
         config: pb::NodeConfigPayload,
         credentials: Option<NodeCredentials>,
     ) -> Self {
+        Self::start_on(NodeCore::start_with_credentials(credentials), config).await
+    }
+
+    /// [`Edge::start`] for a Node session on `core` (e.g. a control shard
+    /// with provider worker cores).
+    pub async fn start_on(core: Rc<NodeCore>, config: pb::NodeConfigPayload) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
         let addr = listener.local_addr().expect("edge addr");
-        let core = NodeCore::start_with_credentials(credentials);
         let node_core = core.clone();
         let node = monoio::spawn(async move {
             let tcp = TcpStream::connect(addr).await.expect("node dials");
