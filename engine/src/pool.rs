@@ -141,6 +141,33 @@ impl PoolConfig {
     }
 }
 
+/// A snapshot of a pool's counters, read in one go by
+/// [`BufferPool::stats`] (for tests and `/metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    /// Pooled buffers on loan (see [`BufferPool::in_use`]).
+    pub in_use: usize,
+    /// Pooled buffers at home, ready to lend.
+    pub available: usize,
+    /// Pooled buffers allocated so far; never decreases.
+    pub allocated: usize,
+    /// Most pooled buffers the pool will ever allocate.
+    pub capacity_max: usize,
+    /// Unpooled buffers allocated because the pool was exhausted.
+    pub overflow_allocations: u64,
+    /// Returns rejected as stale (always 0 unless an invariant broke).
+    pub stale_returns: u64,
+}
+
+/// Where a pointer lies inside a pool's memory; see [`BufferPool::locate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferLocation {
+    /// Slab index of the pooled buffer that holds the address.
+    pub index: u32,
+    /// Offset of the address from the start of that buffer, in bytes.
+    pub offset_bytes: usize,
+}
+
 /// Identity of one loan of a pooled buffer: slab index plus the slot's
 /// generation at the time of the loan. A reused slot gets a new generation,
 /// so an id from an earlier loan never matches it again (ABA guard).
@@ -200,6 +227,10 @@ struct Slot {
     generation: u32,
     /// `Some` while the buffer is at home, `None` while on loan.
     memory: Option<Box<[u8]>>,
+    /// Address of the slot's heap memory. The allocation never moves (only
+    /// the box pointer travels with a loan), so this identifies the
+    /// buffer's bytes for [`BufferPool::locate`]; it is never dereferenced.
+    base_addr: usize,
 }
 
 /// The thread-safe part of a pool: where frozen `Bytes` owners send memory
@@ -224,6 +255,12 @@ impl BufferPool {
     /// Creates an empty pool; buffers are allocated lazily on first use.
     pub fn new(config: PoolConfig) -> Result<Self, PoolConfigError> {
         config.validate()?;
+        Ok(Self::with_valid_config(config))
+    }
+
+    /// Builds a pool from a config that already passed
+    /// [`PoolConfig::validate`].
+    fn with_valid_config(config: PoolConfig) -> Self {
         let local = Local {
             config,
             state: RefCell::new(State {
@@ -240,9 +277,9 @@ impl BufferPool {
                 }),
             }),
         };
-        Ok(Self {
+        Self {
             local: Rc::new(local),
-        })
+        }
     }
 
     /// The configuration this pool was built with.
@@ -329,6 +366,50 @@ impl BufferPool {
         state.drain(&self.local);
         state.stale_returns
     }
+
+    /// Every counter at once, after bringing home what other threads
+    /// returned (one drain, so the numbers are consistent with each other).
+    pub fn stats(&self) -> PoolStats {
+        let mut state = self.local.state.borrow_mut();
+        state.drain(&self.local);
+        PoolStats {
+            in_use: state.slots.len() - state.free.len(),
+            available: state.free.len(),
+            allocated: state.slots.len(),
+            capacity_max: self.local.config.buffer_count_max,
+            overflow_allocations: state.overflow_allocations,
+            stale_returns: state.stale_returns,
+        }
+    }
+
+    /// Which pooled buffer of this pool (at home or on loan) holds the byte
+    /// at `ptr`, and at what offset; `None` for memory the pool never
+    /// allocated (heap copies, overflow buffers, other pools). The pointer
+    /// is only compared, never dereferenced. Linear in
+    /// [`allocated`](Self::allocated): meant for tests that prove a `Bytes`
+    /// is a slice of pooled memory (no copy), not for hot paths.
+    pub fn locate(&self, ptr: *const u8) -> Option<BufferLocation> {
+        let addr = ptr as usize;
+        let size_bytes = self.local.config.buffer_size_bytes;
+        let state = self.local.state.borrow();
+        let (index, slot) = state
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(_, slot)| addr >= slot.base_addr && addr - slot.base_addr < size_bytes)?;
+        Some(BufferLocation {
+            index: u32::try_from(index).ok()?,
+            offset_bytes: addr - slot.base_addr,
+        })
+    }
+}
+
+impl Default for BufferPool {
+    /// A new, empty pool with [`PoolConfig::default`] sizing (16 KiB
+    /// buffers, at most 1024 pooled, allocated lazily).
+    fn default() -> Self {
+        Self::with_valid_config(PoolConfig::default())
+    }
 }
 
 impl fmt::Debug for BufferPool {
@@ -400,15 +481,17 @@ impl State {
         }
         // buffer_count_max ≤ BUFFER_COUNT_MAX < u32::MAX, checked by validate().
         let index = u32::try_from(self.slots.len()).ok()?;
+        let memory = zeroed(config.buffer_size_bytes);
         self.slots.push(Slot {
             generation: 0,
             memory: None,
+            base_addr: memory.as_ptr() as usize,
         });
         let id = BufferId {
             index,
             generation: 0,
         };
-        Some((id, zeroed(config.buffer_size_bytes)))
+        Some((id, memory))
     }
 
     /// Puts returned memory back into its slot, or counts it stale.
@@ -769,5 +852,83 @@ mod tests {
         assert_eq!(pool.available(), 1);
         assert_eq!(pool.in_use(), 0);
         assert_eq!(pool.stale_returns(), 4);
+    }
+
+    #[test]
+    fn stats_and_locate_follow_loans_and_frozen_slices() {
+        let pool = small_pool(2);
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                capacity_max: 2,
+                ..PoolStats::default()
+            }
+        );
+        let mut first = pool.acquire();
+        first.extend_from_slice(b"0123456789");
+        let frozen = first.freeze();
+        let second = pool.acquire();
+        let spill = pool.acquire();
+        assert!(spill.is_overflow());
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                in_use: 2,
+                available: 0,
+                allocated: 2,
+                capacity_max: 2,
+                overflow_allocations: 1,
+                stale_returns: 0,
+            }
+        );
+
+        // A slice of a frozen buffer is found at its offset; memory the
+        // pool never lent (overflow, heap) is not.
+        let tail = Bytes::slice(&frozen, 4..);
+        assert_eq!(
+            pool.locate(tail.as_ptr()),
+            Some(BufferLocation {
+                index: 0,
+                offset_bytes: 4
+            })
+        );
+        assert_eq!(
+            pool.locate(second.as_ptr()),
+            Some(BufferLocation {
+                index: 1,
+                offset_bytes: 0
+            })
+        );
+        assert_eq!(pool.locate(spill.as_ptr()), None);
+        let heap = Bytes::copy_from_slice(&tail);
+        assert_eq!(pool.locate(heap.as_ptr()), None);
+
+        // Dropped on another thread, the last slice still comes home.
+        drop(frozen);
+        let joined = std::thread::spawn(move || drop(tail)).join();
+        assert!(joined.is_ok());
+        drop(second);
+        drop(spill);
+        assert_eq!(
+            pool.stats(),
+            PoolStats {
+                in_use: 0,
+                available: 2,
+                allocated: 2,
+                capacity_max: 2,
+                overflow_allocations: 1,
+                stale_returns: 0,
+            }
+        );
+    }
+
+    #[test]
+    fn default_pool_uses_the_default_config() {
+        let pool = BufferPool::default();
+        assert_eq!(pool.config(), PoolConfig::default());
+        assert_eq!(PoolConfig::default().validate(), Ok(()));
+        assert_eq!(pool.buffer_size_bytes(), 16 * 1024);
+        assert_eq!(pool.capacity_max(), 1024);
+        assert_eq!(pool.allocated(), 0);
     }
 }

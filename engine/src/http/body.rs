@@ -2,10 +2,18 @@
 //! close-delimited. Yields data as slices of the read buffer and says when
 //! the body ends; bytes after the body stay in the buffer (pipelining,
 //! keep-alive).
+//!
+//! The read buffer is either a growable `BytesMut` (the server shell:
+//! [`BodyDecoder::decode`]) or a frozen read such as a pooled buffer (the
+//! client shell: [`BodyDecoder::decode_bytes`]). A call that returns
+//! `Ok(None)` (need more bytes) has consumed everything it was given: data
+//! is handed out as it arrives and framing goes into the decoder state, so
+//! nothing is carried into the next read and a frozen read is released as
+//! soon as the pieces cut from it are dropped.
 
 use bytes::{Bytes, BytesMut};
 
-use super::chunked::{ChunkedDecoder, ChunkedItem};
+use super::chunked::{ChunkedDecoder, ChunkedItem, ReadFront};
 use super::{BodyFraming, HttpError, Limits};
 
 /// One result of [`BodyDecoder::decode`] / [`BodyDecoder::decode_raw`].
@@ -84,10 +92,28 @@ impl BodyDecoder {
     /// `Ok(None)`: need more bytes (or, for a close-delimited body, the
     /// peer's close: then call [`BodyDecoder::on_eof`]).
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<BodyEvent>, HttpError> {
+        self.decode_front(buf)
+    }
+
+    /// Like [`BodyDecoder::decode`], from a frozen read (for example a
+    /// pooled buffer): data comes out as slices of `buf`'s memory, and
+    /// `buf` lets go of that memory once it is fully consumed. Only bytes
+    /// after the end of the body can be left in `buf` after a call.
+    pub fn decode_bytes(&mut self, buf: &mut Bytes) -> Result<Option<BodyEvent>, HttpError> {
+        self.decode_front(buf)
+    }
+
+    /// Like [`BodyDecoder::decode_raw`], from a frozen read; see
+    /// [`BodyDecoder::decode_bytes`].
+    pub fn decode_raw_bytes(&mut self, buf: &mut Bytes) -> Result<Option<BodyEvent>, HttpError> {
+        self.decode_raw_front(buf)
+    }
+
+    fn decode_front<B: ReadFront>(&mut self, buf: &mut B) -> Result<Option<BodyEvent>, HttpError> {
         match &mut self.kind {
             Kind::Done => Ok(Some(BodyEvent::End)),
             Kind::Length { .. } | Kind::UntilClose => self.decode_plain(buf),
-            Kind::Chunked(dec) => match dec.decode(buf)? {
+            Kind::Chunked(dec) => match dec.decode_front(buf)? {
                 Some(ChunkedItem::Data(data)) => {
                     self.count(data.len())?;
                     Ok(Some(BodyEvent::Data(data)))
@@ -107,8 +133,15 @@ impl BodyDecoder {
     /// framing so it knows where the body ends. Other framings come back as
     /// with `decode`.
     pub fn decode_raw(&mut self, buf: &mut BytesMut) -> Result<Option<BodyEvent>, HttpError> {
+        self.decode_raw_front(buf)
+    }
+
+    fn decode_raw_front<B: ReadFront>(
+        &mut self,
+        buf: &mut B,
+    ) -> Result<Option<BodyEvent>, HttpError> {
         let Kind::Chunked(dec) = &mut self.kind else {
-            return self.decode(buf);
+            return self.decode_front(buf);
         };
         let mut consumed_bytes = 0usize;
         let mut data_bytes = 0usize;
@@ -133,7 +166,7 @@ impl BodyDecoder {
         if consumed_bytes == 0 {
             return Ok(done.then_some(BodyEvent::End));
         }
-        Ok(Some(BodyEvent::Data(buf.split_to(consumed_bytes).freeze())))
+        Ok(Some(BodyEvent::Data(buf.take_front(consumed_bytes))))
     }
 
     /// The peer closed the connection: ends a close-delimited body, and is
@@ -148,7 +181,7 @@ impl BodyDecoder {
         }
     }
 
-    fn decode_plain(&mut self, buf: &mut BytesMut) -> Result<Option<BodyEvent>, HttpError> {
+    fn decode_plain<B: ReadFront>(&mut self, buf: &mut B) -> Result<Option<BodyEvent>, HttpError> {
         if buf.is_empty() {
             return Ok(None);
         }
@@ -165,7 +198,7 @@ impl BodyDecoder {
             _ => buf.len(),
         };
         self.count(take)?;
-        let data = buf.split_to(take).freeze();
+        let data = buf.take_front(take);
         Ok(Some(BodyEvent::Data(data)))
     }
 
@@ -183,6 +216,7 @@ impl BodyDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::{BufferLocation, BufferPool, PoolConfig};
 
     fn drain(
         dec: &mut BodyDecoder,
@@ -315,6 +349,123 @@ mod tests {
             assert_eq!(&buf[..], b"NEXT", "cut {cut}");
             assert_eq!(dec.received_bytes(), 5);
         }
+    }
+
+    /// Decodes `input` delivered as two frozen reads cut at `cut`, the way
+    /// the client shell does: whatever the decoder leaves of the first read
+    /// is carried (copied) in front of the second. Returns the pieces, the
+    /// bytes carried (if a second read was needed), and what follows the
+    /// end of the body.
+    fn decode_frozen_split(
+        framing: BodyFraming,
+        input: &[u8],
+        cut: usize,
+        raw: bool,
+    ) -> (Vec<u8>, usize, Vec<u8>) {
+        let mut dec = new(framing, None);
+        let mut out = Vec::new();
+        let mut buf = Bytes::copy_from_slice(&input[..cut]);
+        let mut carried_bytes = 0;
+        for second in [false, true] {
+            if second {
+                carried_bytes = buf.len();
+                let mut next = buf.to_vec();
+                next.extend_from_slice(&input[cut..]);
+                buf = Bytes::from(next);
+            }
+            loop {
+                let event = if raw {
+                    dec.decode_raw_bytes(&mut buf).unwrap()
+                } else {
+                    dec.decode_bytes(&mut buf).unwrap()
+                };
+                match event {
+                    Some(BodyEvent::Data(d)) => {
+                        assert!(!d.is_empty());
+                        out.extend_from_slice(&d);
+                    }
+                    Some(BodyEvent::End) => {
+                        // What follows the body, fed or not yet fed.
+                        let mut rest = buf.to_vec();
+                        if !second {
+                            rest.extend_from_slice(&input[cut..]);
+                        }
+                        return (out, carried_bytes, rest);
+                    }
+                    None => break,
+                }
+            }
+        }
+        panic!("body did not end");
+    }
+
+    #[test]
+    fn frozen_reads_split_at_every_byte_decode_exactly_and_carry_nothing() {
+        let chunked =
+            b"5;x=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nT: v\r\n\r\nNEXT";
+        let chunked_body_len = chunked.len() - 4;
+        let length = b"0123456789NEXT";
+        for cut in 0..=chunked.len() {
+            let (data, carried, rest) =
+                decode_frozen_split(BodyFraming::Chunked, chunked, cut, false);
+            assert_eq!(data, b"helloabcdefghijklmnopqrstuvwxyz", "cut {cut}");
+            assert_eq!(rest, b"NEXT", "cut {cut}");
+            // Framing is consumed into the decoder state, never left over.
+            assert_eq!(carried, 0, "cut {cut}");
+            let (wire, carried, rest) =
+                decode_frozen_split(BodyFraming::Chunked, chunked, cut, true);
+            assert_eq!(wire, &chunked[..chunked_body_len], "cut {cut}");
+            assert_eq!(rest, b"NEXT", "cut {cut}");
+            assert_eq!(carried, 0, "cut {cut}");
+        }
+        for cut in 0..=length.len() {
+            let framing = BodyFraming::ContentLength { len_bytes: 10 };
+            let (data, carried, rest) = decode_frozen_split(framing, length, cut, false);
+            assert_eq!(data, b"0123456789", "cut {cut}");
+            assert_eq!(rest, b"NEXT", "cut {cut}");
+            assert_eq!(carried, 0, "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn frozen_read_is_released_when_consumed_and_kept_for_bytes_after_the_body() {
+        let pool = BufferPool::new(PoolConfig {
+            buffer_size_bytes: 32,
+            buffer_count_max: 1,
+        })
+        .unwrap();
+        let mut read = pool.acquire();
+        read.extend_from_slice(b"hello");
+        let mut buf = read.freeze();
+        let mut dec = new(BodyFraming::ContentLength { len_bytes: 8 }, None);
+        let Some(BodyEvent::Data(hello)) = dec.decode_bytes(&mut buf).unwrap() else {
+            panic!("expected data");
+        };
+        assert_eq!(
+            pool.locate(hello.as_ptr()),
+            Some(BufferLocation {
+                index: 0,
+                offset_bytes: 0
+            })
+        );
+        assert!(buf.is_empty());
+        drop(hello);
+        // Fully consumed: only the piece held the buffer.
+        assert_eq!(pool.in_use(), 0);
+
+        let mut read = pool.acquire();
+        read.extend_from_slice(b"lo!NEXT");
+        let mut buf = read.freeze();
+        assert_eq!(
+            dec.decode_bytes(&mut buf).unwrap(),
+            Some(BodyEvent::Data(Bytes::from_static(b"lo!")))
+        );
+        assert_eq!(dec.decode_bytes(&mut buf).unwrap(), Some(BodyEvent::End));
+        // Bytes after the body stay, in the pooled buffer.
+        assert_eq!(&buf[..], b"NEXT");
+        assert_eq!(pool.in_use(), 1);
+        drop(buf);
+        assert_eq!(pool.in_use(), 0);
     }
 
     #[test]

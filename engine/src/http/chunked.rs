@@ -13,7 +13,7 @@
 //! included) is capped, the trailer section is capped. Extensions and
 //! trailer fields are consumed and dropped.
 
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -155,13 +155,31 @@ impl ChunkedDecoder {
 
     /// Decodes from the front of `buf`, removing what it consumes.
     /// `Ok(None)`: everything buffered was framing, read more.
+    ///
+    /// Framing is consumed byte by byte into the decoder's state, so after
+    /// `Ok(None)` the buffer is empty: a chunk-size line or trailer split
+    /// across reads never has to stay buffered.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<ChunkedItem>, HttpError> {
+        self.decode_front(buf)
+    }
+
+    /// Like [`ChunkedDecoder::decode`], from a frozen read (for example a
+    /// pooled buffer): data comes out as slices of `buf`'s memory, and
+    /// `buf` lets go of that memory once it is fully consumed.
+    pub fn decode_bytes(&mut self, buf: &mut Bytes) -> Result<Option<ChunkedItem>, HttpError> {
+        self.decode_front(buf)
+    }
+
+    pub(crate) fn decode_front<B: ReadFront>(
+        &mut self,
+        buf: &mut B,
+    ) -> Result<Option<ChunkedItem>, HttpError> {
         let step = self.step(buf)?;
         if let Some(data) = step.data {
-            buf.advance(data.start);
-            return Ok(Some(ChunkedItem::Data(buf.split_to(data.len()).freeze())));
+            buf.skip_front(data.start);
+            return Ok(Some(ChunkedItem::Data(buf.take_front(data.len()))));
         }
-        buf.advance(step.consumed_bytes);
+        buf.skip_front(step.consumed_bytes);
         Ok(step.done.then_some(ChunkedItem::End))
     }
 
@@ -307,6 +325,47 @@ impl ChunkedDecoder {
     }
 }
 
+/// A buffer the body decoders take bytes from the front of: the growable
+/// read buffer of the server shell (`BytesMut`) or a frozen read of the
+/// client shell (`Bytes`, a slice of a pooled buffer).
+pub(crate) trait ReadFront: Deref<Target = [u8]> {
+    /// Removes and returns the first `len_bytes` bytes (`<= len()`),
+    /// sharing the memory (no copy).
+    fn take_front(&mut self, len_bytes: usize) -> Bytes;
+
+    /// Drops the first `len_bytes` bytes (`<= len()`).
+    fn skip_front(&mut self, len_bytes: usize);
+}
+
+impl ReadFront for BytesMut {
+    fn take_front(&mut self, len_bytes: usize) -> Bytes {
+        self.split_to(len_bytes).freeze()
+    }
+
+    fn skip_front(&mut self, len_bytes: usize) {
+        // Keeps the capacity: the server shell reads into it again.
+        self.advance(len_bytes);
+    }
+}
+
+impl ReadFront for Bytes {
+    fn take_front(&mut self, len_bytes: usize) -> Bytes {
+        // Taking everything leaves a static empty `Bytes` behind, so the
+        // memory is released when the taken part is.
+        self.split_to(len_bytes)
+    }
+
+    fn skip_front(&mut self, len_bytes: usize) {
+        if len_bytes >= self.len() {
+            // `advance` would keep the (pooled) memory alive for an empty
+            // view; let go of it instead.
+            *self = Bytes::new();
+        } else {
+            self.advance(len_bytes);
+        }
+    }
+}
+
 fn hex_value(b: u8) -> Option<u64> {
     match b {
         b'0'..=b'9' => Some(u64::from(b - b'0')),
@@ -319,6 +378,7 @@ fn hex_value(b: u8) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::{BufferLocation, BufferPool, PoolConfig};
 
     fn decoder() -> ChunkedDecoder {
         ChunkedDecoder::new(64, 256)
@@ -404,6 +464,54 @@ mod tests {
         assert_eq!(dec.decode(&mut buf).unwrap(), Some(ChunkedItem::End));
         assert!(dec.is_done());
         assert_eq!(dec.decode(&mut buf).unwrap(), Some(ChunkedItem::End));
+    }
+
+    #[test]
+    fn frozen_input_yields_slices_and_lets_go_once_consumed() {
+        let pool = BufferPool::new(PoolConfig {
+            buffer_size_bytes: 64,
+            buffer_count_max: 1,
+        })
+        .unwrap();
+        let mut read = pool.acquire();
+        read.extend_from_slice(b"3\r\nabc\r\n4\r\nde");
+        let mut buf = read.freeze();
+        let mut dec = decoder();
+        let Some(ChunkedItem::Data(abc)) = dec.decode_bytes(&mut buf).unwrap() else {
+            panic!("expected data");
+        };
+        assert_eq!(&abc[..], b"abc");
+        assert_eq!(
+            pool.locate(abc.as_ptr()),
+            Some(BufferLocation {
+                index: 0,
+                offset_bytes: 3
+            })
+        );
+        let Some(ChunkedItem::Data(de)) = dec.decode_bytes(&mut buf).unwrap() else {
+            panic!("expected data");
+        };
+        assert_eq!(&de[..], b"de");
+        assert_eq!(pool.locate(de.as_ptr()).map(|at| at.offset_bytes), Some(11));
+        // Everything consumed: `buf` no longer holds the pooled buffer, only
+        // the pieces do.
+        assert_eq!(dec.decode_bytes(&mut buf).unwrap(), None);
+        assert!(buf.is_empty());
+        drop((abc, de));
+        assert_eq!(pool.in_use(), 0);
+
+        // Framing alone (the rest of a chunk, a partial size line) is
+        // consumed too, releasing its buffer.
+        let mut read = pool.acquire();
+        read.extend_from_slice(b"fg\r\n1");
+        let mut buf = read.freeze();
+        assert_eq!(
+            dec.decode_bytes(&mut buf).unwrap(),
+            Some(ChunkedItem::Data(Bytes::from_static(b"fg")))
+        );
+        assert_eq!(dec.decode_bytes(&mut buf).unwrap(), None);
+        assert!(buf.is_empty());
+        assert_eq!(pool.in_use(), 0);
     }
 
     #[test]

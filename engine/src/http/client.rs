@@ -8,6 +8,30 @@
 //!                                                               not keep-alive,
 //!                                                               error)──► Closed
 //! ```
+//!
+//! # Read path: pooled buffers, body pieces without a copy
+//!
+//! ```text
+//! socket ─read─► PooledBuf (this thread's provider read pool, 16 KiB)
+//!                   │ freeze
+//!                   ▼
+//!               pending: Bytes ─┬─ head phase: copied into a small heap
+//!                               │  buffer and parsed there (header values
+//!                               │  never pin pooled memory); the bytes after
+//!                               │  the head stay a slice of the pooled read
+//!                               └─ body phase: BodyDecoder hands out pieces
+//!                                  as slices of the pooled read (no copy)
+//! ```
+//!
+//! Every read goes into a fresh buffer from a [`BufferPool`]: by default the
+//! current thread's pool ([`provider_read_pool_stats`] reports its
+//! counters), or one given with [`ClientConn::with_read_pool`]. A buffer
+//! returns to its pool when the last body piece cut from it is dropped, on
+//! whatever thread that happens; when the pool is exhausted a read gets an
+//! unpooled overflow buffer instead of waiting. Bytes not yet consumed when
+//! the next read starts are copied to the front of the new buffer; the body
+//! decoders consume chunk framing byte by byte, so this carry is empty on
+//! the body path (see [`super::io`]'s `read_pooled`).
 
 use std::fmt;
 
@@ -17,9 +41,37 @@ use zeroize::{Zeroize, Zeroizing};
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
-use super::io::{fill, write_parts, IoParts, READ_CHUNK_BYTES};
+use super::io::{read_pooled, write_parts, IoParts};
 use super::write::write_request_head;
 use super::{parse_response_head, BodyFraming, HttpError, Limits, ResponseHead};
+use crate::pool::{BufferPool, PoolStats};
+
+thread_local! {
+    /// This thread's pool for response reads: [`crate::pool::PoolConfig`]
+    /// defaults (16 KiB buffers, at most 1024 pooled, allocated lazily,
+    /// overflow allocation past that).
+    static PROVIDER_READ_POOL: BufferPool = BufferPool::default();
+}
+
+/// The current thread's provider read pool (a cheap `Rc` handle); a fresh
+/// pool if the thread-local is already torn down (thread exit).
+fn provider_read_pool() -> BufferPool {
+    PROVIDER_READ_POOL
+        .try_with(BufferPool::clone)
+        .unwrap_or_default()
+}
+
+/// Counters of the current thread's provider read pool: the pool every
+/// [`ClientConn`] created on this thread reads responses into (unless it
+/// was given another with [`ClientConn::with_read_pool`]). `in_use` counts
+/// buffers held by a connection's pending bytes, by body pieces not yet
+/// dropped (on any thread), or by a cancelled read not yet completed.
+/// All zeros once the thread-local is torn down.
+pub fn provider_read_pool_stats() -> PoolStats {
+    PROVIDER_READ_POOL
+        .try_with(BufferPool::stats)
+        .unwrap_or_default()
+}
 
 /// Where the exchange on the connection stands.
 #[derive(Debug)]
@@ -48,7 +100,11 @@ enum ClientState {
 /// deadlines by shutting the socket from outside.
 pub struct ClientConn<S> {
     stream: S,
-    read_buf: BytesMut,
+    /// Where reads get their buffers.
+    read_pool: BufferPool,
+    /// Bytes read but not consumed yet: a slice of the last (pooled) read,
+    /// or empty (then holding no buffer).
+    pending: Bytes,
     limits: Limits,
     /// `Host` value added to requests that carry none.
     host: Option<String>,
@@ -59,7 +115,7 @@ impl<S> fmt::Debug for ClientConn<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientConn")
             .field("host", &self.host)
-            .field("buffered_bytes", &self.read_buf.len())
+            .field("buffered_bytes", &self.pending.len())
             .field("state", &self.state)
             .finish_non_exhaustive()
     }
@@ -69,14 +125,24 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
     /// Wraps a connected stream (use [`super::connect`] for TCP with
     /// `TCP_NODELAY`). `limits` caps response heads and chunk lines;
     /// streamed bodies are not capped (see [`ClientConn::read_body_to_end`]).
+    /// Responses are read into the current thread's provider read pool.
     pub fn new(stream: S, limits: Limits) -> Self {
         ClientConn {
             stream,
-            read_buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
+            read_pool: provider_read_pool(),
+            pending: Bytes::new(),
             limits,
             host: None,
             state: ClientState::Idle,
         }
+    }
+
+    /// Reads responses into buffers from `pool` instead of the current
+    /// thread's provider read pool (the pool must belong to this thread,
+    /// like the connection).
+    pub fn with_read_pool(mut self, pool: BufferPool) -> Self {
+        self.read_pool = pool;
+        self
     }
 
     /// Adds `host: <authority>` to every request that has no `Host` header
@@ -95,6 +161,13 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
     /// Gives the stream back.
     pub fn into_inner(self) -> S {
         self.stream
+    }
+
+    /// Marks the connection unusable and lets go of unconsumed bytes (and
+    /// so of the pooled buffer they live in).
+    fn mark_closed(&mut self) {
+        self.state = ClientState::Closed;
+        self.pending = Bytes::new();
     }
 
     /// Sends a request with `body`. A non-empty body (or any POST, PUT or
@@ -149,7 +222,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
         write_request_head(&mut head, method, target, fields, framing, false)?;
         let head = zeroizing_head(head);
         if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body])).await {
-            self.state = ClientState::Closed;
+            self.mark_closed();
             return Err(e.into());
         }
         self.state = ClientState::AwaitingHead {
@@ -186,26 +259,34 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
                     Ok(head)
                 }
                 Err(e) => {
-                    self.state = ClientState::Closed;
+                    self.mark_closed();
                     Err(e)
                 }
             },
             Err(e) => {
-                self.state = ClientState::Closed;
+                self.mark_closed();
                 Err(e)
             }
         }
     }
 
+    /// Reads pooled buffers until a final head parses. The head is parsed
+    /// from a heap copy of what was read (small: at most `max_head_bytes`
+    /// plus one read), so its header values do not pin a pooled buffer for
+    /// the life of the response; the bytes after the head stay in `pending`
+    /// as a slice of the last pooled read.
     async fn read_head(&mut self, head_request: bool) -> Result<ResponseHead, HttpError> {
-        let mut received_any = !self.read_buf.is_empty();
+        let mut head_buf = BytesMut::new();
+        head_buf.extend_from_slice(&self.pending);
+        let mut received_any = !head_buf.is_empty();
         let mut scanned_bytes = 0;
         loop {
-            if worth_parsing(&self.read_buf, scanned_bytes, &self.limits) {
-                if let Some(head) =
-                    parse_response_head(&mut self.read_buf, &self.limits, head_request)?
+            if worth_parsing(&head_buf, scanned_bytes, &self.limits) {
+                if let Some(head) = parse_response_head(&mut head_buf, &self.limits, head_request)?
                 {
                     if !head.is_interim() {
+                        let last_read = std::mem::take(&mut self.pending);
+                        self.pending = unparsed_tail(last_read, head_buf);
                         return Ok(head);
                     }
                     // An interim head was consumed; parse what follows it.
@@ -213,8 +294,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
                     continue;
                 }
             }
-            scanned_bytes = self.read_buf.len();
-            if fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await? == 0 {
+            scanned_bytes = head_buf.len();
+            let (read, read_bytes) =
+                read_pooled(&mut self.stream, &self.read_pool, Bytes::new()).await?;
+            if read_bytes == 0 {
                 return Err(if received_any {
                     HttpError::UnexpectedEof
                 } else {
@@ -222,12 +305,16 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
                 });
             }
             received_any = true;
+            head_buf.extend_from_slice(&read);
+            // `head_buf` now ends with exactly the bytes of `pending`.
+            self.pending = read;
         }
     }
 
     /// The next piece of the de-chunked body, as soon as it arrives (one
-    /// read's worth or one chunk's worth; a slice of the read buffer, no
-    /// copy). `Ok(None)`: the body ended.
+    /// read's worth or one chunk's worth; a slice of a pooled read buffer,
+    /// no copy: the buffer returns to its pool when the last piece cut from
+    /// it is dropped, on any thread). `Ok(None)`: the body ended.
     pub async fn read_body_chunk(&mut self) -> Result<Option<Bytes>, HttpError> {
         self.read_body_piece(false).await
     }
@@ -243,6 +330,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
 
     /// Reads the rest of the body into one `Bytes` (copying only when it
     /// came in more than one piece), refusing more than `max_body_bytes`.
+    /// A body that came in one piece is a slice of a pooled read buffer and
+    /// keeps that buffer on loan while it lives; copy it before keeping it
+    /// for long.
     pub async fn read_body_to_end(&mut self, max_body_bytes: usize) -> Result<Bytes, HttpError> {
         let mut first: Option<Bytes> = None;
         let mut joined = BytesMut::new();
@@ -250,7 +340,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
         while let Some(piece) = self.read_body_chunk().await? {
             total_bytes = total_bytes.saturating_add(piece.len());
             if total_bytes > max_body_bytes {
-                self.state = ClientState::Closed;
+                self.mark_closed();
                 return Err(HttpError::BodyTooLarge {
                     max_bytes: max_body_bytes,
                 });
@@ -287,40 +377,44 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
             };
             let reusable_after = *reusable_after;
             let event = if raw {
-                decoder.decode_raw(&mut self.read_buf)
+                decoder.decode_raw_bytes(&mut self.pending)
             } else {
-                decoder.decode(&mut self.read_buf)
+                decoder.decode_bytes(&mut self.pending)
             };
             match event {
                 Ok(Some(BodyEvent::Data(data))) => return Ok(Some(data)),
                 Ok(Some(BodyEvent::End)) => {
                     // Bytes after a complete response that nobody asked
                     // for mean the framing cannot be trusted: close.
-                    self.state = if reusable_after && self.read_buf.is_empty() {
-                        ClientState::Idle
+                    if reusable_after && self.pending.is_empty() {
+                        self.state = ClientState::Idle;
+                        self.pending = Bytes::new();
                     } else {
-                        ClientState::Closed
-                    };
+                        self.mark_closed();
+                    }
                     return Ok(None);
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    self.state = ClientState::Closed;
+                    self.mark_closed();
                     return Err(e);
                 }
             }
-            match fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await {
-                Ok(0) => {
+            // Whatever the decoder left (nothing, in practice) is carried
+            // into the next buffer.
+            let carry = std::mem::take(&mut self.pending);
+            match read_pooled(&mut self.stream, &self.read_pool, carry).await {
+                Ok((_, 0)) => {
                     let ended = match &mut self.state {
                         ClientState::Body { decoder, .. } => decoder.on_eof(),
                         _ => Ok(BodyEvent::End),
                     };
-                    self.state = ClientState::Closed;
+                    self.mark_closed();
                     return ended.map(|_| None);
                 }
-                Ok(_) => {}
+                Ok((read, _)) => self.pending = read,
                 Err(e) => {
-                    self.state = ClientState::Closed;
+                    self.mark_closed();
                     return Err(e.into());
                 }
             }
@@ -330,8 +424,26 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
     /// Shuts down the write side (the peer sees EOF); the connection is
     /// not reusable after this.
     pub async fn close(&mut self) -> Result<(), HttpError> {
-        self.state = ClientState::Closed;
+        self.mark_closed();
         self.stream.shutdown().await.map_err(HttpError::from)
+    }
+}
+
+/// The bytes after a parsed head. `head_buf` (what is left of the parse
+/// buffer) ends with the bytes of `last_read`, and the head was parsed as
+/// soon as its last byte arrived, so the tail lies within `last_read`:
+/// return it as a slice of that (pooled) read. The heap copy is only a
+/// fallback should that ever not hold.
+fn unparsed_tail(last_read: Bytes, mut head_buf: BytesMut) -> Bytes {
+    if head_buf.is_empty() {
+        return Bytes::new();
+    }
+    match last_read.len().checked_sub(head_buf.len()) {
+        Some(start) => {
+            debug_assert_eq!(&last_read[start..], &head_buf[..]);
+            last_read.slice(start..)
+        }
+        None => head_buf.split().freeze(),
     }
 }
 
@@ -347,7 +459,520 @@ fn zeroizing_head(mut scratch: BytesMut) -> Bytes {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use local_sync::oneshot;
+    use monoio::io::AsyncWriteRentExt;
+    use monoio::net::{TcpListener, TcpStream};
+
     use super::*;
+    use crate::http::connect;
+    use crate::pool::PoolConfig;
+
+    /// Guard against a hang: a test that has not finished by then fails.
+    const TEST_GUARD: Duration = Duration::from_secs(20);
+
+    async fn guarded<F: std::future::Future<Output = ()>>(test: F) {
+        if monoio::time::timeout(TEST_GUARD, test).await.is_err() {
+            panic!("test did not finish within {TEST_GUARD:?}");
+        }
+    }
+
+    fn pool(buffer_size_bytes: usize, buffer_count_max: usize) -> BufferPool {
+        BufferPool::new(PoolConfig {
+            buffer_size_bytes,
+            buffer_count_max,
+        })
+        .unwrap()
+    }
+
+    fn pattern(len_bytes: usize) -> Vec<u8> {
+        (0..len_bytes).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    /// What the stand-in provider does after its scripted responses.
+    enum After {
+        /// Close the connection.
+        Close,
+        /// Keep the connection open, sending nothing, until released.
+        Stall(oneshot::Receiver<()>),
+    }
+
+    /// Reads one request head (requests here have no body); false on EOF.
+    async fn read_request_head(stream: &mut TcpStream) -> bool {
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let (res, buf) = stream.read(Vec::with_capacity(1024)).await;
+            match res {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => seen.extend_from_slice(&buf),
+            }
+        }
+        true
+    }
+
+    /// A provider stand-in on 127.0.0.1 port 0 serving one connection: for
+    /// each of `responses` it reads a request head, then writes the
+    /// response in separate writes of `write_piece_bytes`.
+    fn provider(
+        responses: Vec<Vec<u8>>,
+        write_piece_bytes: usize,
+        after: After,
+    ) -> (SocketAddr, monoio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = monoio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            for response in responses {
+                if !read_request_head(&mut stream).await {
+                    return;
+                }
+                for piece in response.chunks(write_piece_bytes) {
+                    let (res, _) = stream.write_all(piece.to_vec()).await;
+                    res.unwrap();
+                }
+            }
+            match after {
+                After::Close => drop(stream),
+                After::Stall(release) => {
+                    let _ = release.await;
+                    drop(stream);
+                }
+            }
+        });
+        (addr, task)
+    }
+
+    async fn client(addr: SocketAddr) -> ClientConn<TcpStream> {
+        ClientConn::new(connect(addr).await.unwrap(), Limits::default()).with_host("provider")
+    }
+
+    async fn get(conn: &mut ClientConn<TcpStream>) -> ResponseHead {
+        conn.send_request("GET", "/v1/stream", [("accept", "*/*")], Bytes::new())
+            .await
+            .unwrap();
+        conn.read_response_head().await.unwrap()
+    }
+
+    /// Every body piece until the end, held (not dropped).
+    async fn pieces(conn: &mut ClientConn<TcpStream>, raw: bool) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        loop {
+            let piece = if raw {
+                conn.read_raw().await
+            } else {
+                conn.read_body_chunk().await
+            };
+            match piece.unwrap() {
+                Some(piece) => {
+                    assert!(!piece.is_empty());
+                    out.push(piece);
+                }
+                None => return out,
+            }
+        }
+    }
+
+    fn concat(pieces: &[Bytes]) -> Vec<u8> {
+        pieces.iter().flat_map(|p| p.iter().copied()).collect()
+    }
+
+    /// Distinct pooled buffers the pieces are slices of; panics if a piece
+    /// is not a slice of `pool`'s memory (a copy).
+    fn pooled_buffers(pool: &BufferPool, pieces: &[Bytes]) -> BTreeSet<u32> {
+        pieces
+            .iter()
+            .map(|p| match pool.locate(p.as_ptr()) {
+                Some(at) => {
+                    assert!(at.offset_bytes + p.len() <= pool.buffer_size_bytes());
+                    at.index
+                }
+                None => panic!("piece of {} bytes is not in pooled memory", p.len()),
+            })
+            .collect()
+    }
+
+    fn content_length_response(body: &[u8]) -> Vec<u8> {
+        let mut wire = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\nx-request-id: r-17\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        wire.extend_from_slice(body);
+        wire
+    }
+
+    /// A chunked body with extensions and a trailer: (wire bytes, data).
+    fn chunked_body() -> (Vec<u8>, Vec<u8>) {
+        let mut wire = Vec::new();
+        let mut data = Vec::new();
+        for (i, size) in [1usize, 5, 16, 33, 64, 7, 100, 2].into_iter().enumerate() {
+            let chunk = pattern(size + i);
+            let ext = if i % 3 == 0 { ";step=\"x\"" } else { "" };
+            wire.extend_from_slice(format!("{:X}{ext}\r\n", chunk.len()).as_bytes());
+            wire.extend_from_slice(&chunk);
+            wire.extend_from_slice(b"\r\n");
+            data.extend_from_slice(&chunk);
+        }
+        wire.extend_from_slice(b"0\r\nx-usage: 12\r\n\r\n");
+        (wire, data)
+    }
+
+    fn chunked_response(wire_body: &[u8]) -> Vec<u8> {
+        let mut wire =
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                .to_vec();
+        wire.extend_from_slice(wire_body);
+        wire
+    }
+
+    /// Sleeps in 1 ms steps until `done` holds (at most 1000 steps; the
+    /// caller asserts the outcome, so this is not a timed assertion).
+    async fn settle(done: impl Fn() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            monoio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn content_length_pieces_are_exact_across_buffer_boundaries() {
+        guarded(async {
+            let body = pattern(1000);
+            let responses = vec![
+                content_length_response(&body),
+                content_length_response(b"0123456789"),
+            ];
+            let (addr, provider) = provider(responses, 13, After::Close);
+            let read_pool = pool(32, 4);
+            let mut conn = client(addr).await.with_read_pool(read_pool.clone());
+
+            let head = get(&mut conn).await;
+            assert_eq!(head.framing, BodyFraming::ContentLength { len_bytes: 1000 });
+            let mut received = Vec::new();
+            let mut piece_count = 0usize;
+            while let Some(piece) = conn.read_body_chunk().await.unwrap() {
+                // One piece never spans two reads, so never two buffers.
+                assert!(piece.len() <= 32, "piece of {} bytes", piece.len());
+                received.extend_from_slice(&piece);
+                piece_count += 1;
+            }
+            assert_eq!(received, body);
+            assert!(piece_count >= 1000 / 32, "{piece_count} pieces");
+            assert!(conn.is_reusable());
+
+            // The same connection carries the next exchange.
+            get(&mut conn).await;
+            assert_eq!(
+                conn.read_body_to_end(64).await.unwrap(),
+                Bytes::from_static(b"0123456789")
+            );
+            assert!(conn.is_reusable());
+            drop(conn);
+            provider.await;
+
+            // Pieces were dropped as read, so the pool never needed more
+            // than the two buffers of a head spanning reads (the previous
+            // read is still pending while the next one is in flight).
+            assert_eq!(
+                read_pool.stats(),
+                PoolStats {
+                    in_use: 0,
+                    available: 2,
+                    allocated: 2,
+                    capacity_max: 4,
+                    overflow_allocations: 0,
+                    stale_returns: 0,
+                }
+            );
+        })
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn chunked_pieces_are_exact_decoded_and_raw_across_buffer_boundaries() {
+        guarded(async {
+            let (wire_body, data) = chunked_body();
+            let response = chunked_response(&wire_body);
+            let (addr, provider) = provider(vec![response.clone(), response], 5, After::Close);
+            // 7-byte buffers: chunk-size lines, CRLFs and the trailer are
+            // cut at every kind of place. Enough of them that the held
+            // pieces never exhaust the pool.
+            let read_pool = pool(7, 256);
+            let mut conn = client(addr).await.with_read_pool(read_pool.clone());
+
+            assert_eq!(get(&mut conn).await.framing, BodyFraming::Chunked);
+            let decoded = pieces(&mut conn, false).await;
+            assert_eq!(concat(&decoded), data);
+            pooled_buffers(&read_pool, &decoded);
+            assert!(conn.is_reusable());
+            drop(decoded);
+
+            assert_eq!(get(&mut conn).await.framing, BodyFraming::Chunked);
+            let raw = pieces(&mut conn, true).await;
+            assert_eq!(concat(&raw), wire_body);
+            pooled_buffers(&read_pool, &raw);
+            assert!(conn.is_reusable());
+            drop(raw);
+            drop(conn);
+            provider.await;
+            let stats = read_pool.stats();
+            assert_eq!(stats.in_use, 0);
+            assert_eq!(stats.overflow_allocations, 0);
+            assert_eq!(stats.stale_returns, 0);
+        })
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn close_delimited_pieces_are_exact_across_buffer_boundaries() {
+        guarded(async {
+            let body = pattern(700);
+            let mut response =
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n\r\n".to_vec();
+            response.extend_from_slice(&body);
+            let (addr, provider) = provider(vec![response], 50, After::Close);
+            let read_pool = pool(16, 4);
+            let mut conn = client(addr).await.with_read_pool(read_pool.clone());
+
+            let head = get(&mut conn).await;
+            assert_eq!(head.framing, BodyFraming::CloseDelimited);
+            let got = pieces(&mut conn, false).await;
+            assert_eq!(concat(&got), body);
+            assert!(got.iter().all(|p| p.len() <= 16));
+            assert!(!conn.is_reusable());
+            provider.await;
+            drop(got);
+            drop(conn);
+            assert_eq!(read_pool.stats().in_use, 0);
+        })
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn body_pieces_are_slices_of_pooled_buffers_and_heads_are_not() {
+        guarded(async {
+            let baseline = provider_read_pool_stats();
+            assert_eq!(baseline.in_use, 0);
+            let body = pattern(3000);
+            let (wire_body, data) = chunked_body();
+            let responses = vec![
+                content_length_response(&body),
+                chunked_response(&wire_body),
+                chunked_response(&wire_body),
+            ];
+            let (addr, provider) = provider(responses, 1000, After::Close);
+            let read_pool = provider_read_pool();
+            let mut conn = client(addr).await;
+
+            let head = get(&mut conn).await;
+            let length = pieces(&mut conn, false).await;
+            assert_eq!(concat(&length), body);
+            // Every piece is pooled memory (no copy); header values are a
+            // heap copy of the head, so they pin no pooled buffer.
+            let buffers = pooled_buffers(&read_pool, &length);
+            let request_id = head.header("x-request-id").unwrap();
+            assert_eq!(&request_id[..], b"r-17");
+            assert_eq!(read_pool.locate(request_id.as_ptr()), None);
+            // Only the held pieces keep buffers on loan: the connection
+            // let go of its last read when the body ended.
+            assert_eq!(provider_read_pool_stats().in_use, buffers.len());
+            drop(length);
+            assert_eq!(provider_read_pool_stats().in_use, 0);
+
+            get(&mut conn).await;
+            let decoded = pieces(&mut conn, false).await;
+            assert_eq!(concat(&decoded), data);
+            let buffers = pooled_buffers(&read_pool, &decoded);
+            assert_eq!(provider_read_pool_stats().in_use, buffers.len());
+            drop(decoded);
+
+            get(&mut conn).await;
+            let raw = pieces(&mut conn, true).await;
+            assert_eq!(concat(&raw), wire_body);
+            let buffers = pooled_buffers(&read_pool, &raw);
+            assert_eq!(provider_read_pool_stats().in_use, buffers.len());
+            drop(raw);
+            drop(head);
+            drop(conn);
+            provider.await;
+            let stats = provider_read_pool_stats();
+            assert_eq!(stats.in_use, 0);
+            assert_eq!(stats.overflow_allocations, 0);
+            assert_eq!(stats.stale_returns, 0);
+        })
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn body_larger_than_the_pool_overflows_and_stays_exact() {
+        guarded(async {
+            let body = pattern(2000);
+            let (addr, provider) =
+                provider(vec![content_length_response(&body)], 100, After::Close);
+            // 2 × 64 bytes of pooled memory for a 2000-byte body whose
+            // pieces are all held: later reads get overflow buffers.
+            let read_pool = pool(64, 2);
+            let mut conn = client(addr).await.with_read_pool(read_pool.clone());
+            get(&mut conn).await;
+            let held = pieces(&mut conn, false).await;
+            assert_eq!(concat(&held), body);
+
+            let stats = read_pool.stats();
+            assert_eq!(stats.allocated, 2);
+            assert!(stats.overflow_allocations >= 1);
+            // Each overflow read became exactly one piece outside the pool.
+            let unpooled = held
+                .iter()
+                .filter(|p| read_pool.locate(p.as_ptr()).is_none())
+                .count();
+            assert_eq!(unpooled as u64, stats.overflow_allocations);
+
+            drop(held);
+            drop(conn);
+            provider.await;
+            let stats = read_pool.stats();
+            assert_eq!(stats.in_use, 0);
+            assert_eq!(stats.available, 2);
+            assert_eq!(stats.stale_returns, 0);
+        })
+        .await;
+    }
+
+    /// How a stalled read is cancelled.
+    enum Cancel {
+        /// Drop the read future; the connection is dropped afterwards.
+        ReadFuture,
+        /// Drop a future that owns the connection: both go at once.
+        ReadFutureOwningConn,
+    }
+
+    /// Reads part of a streamed body from a provider that then stalls,
+    /// cancels the read in flight, drops every piece, and checks that the
+    /// provider read pool gets every buffer back (under io_uring the
+    /// cancelled read returns its buffer only when the kernel completes
+    /// it, so this waits for that, bounded by iterations).
+    async fn cancelled_stream_leaves_no_buffer_on_loan(cancel: Cancel) {
+        let baseline = provider_read_pool_stats();
+        assert_eq!(baseline.in_use, 0);
+        let mut response = b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n".to_vec();
+        response.extend_from_slice(&pattern(100));
+        let (release, stalled) = oneshot::channel();
+        let (addr, provider) = provider(vec![response], 30, After::Stall(stalled));
+        let read_pool = provider_read_pool();
+        let mut conn = client(addr).await;
+        get(&mut conn).await;
+        let mut held = Vec::new();
+        while concat(&held).len() < 100 {
+            held.push(conn.read_body_chunk().await.unwrap().unwrap());
+        }
+        assert_eq!(concat(&held), pattern(100));
+        let held_buffers = pooled_buffers(&read_pool, &held).len();
+
+        let mut read = match cancel {
+            Cancel::ReadFuture => {
+                let mut read = Box::pin(conn.read_body_chunk());
+                let woke = monoio::select! {
+                    _ = &mut read => true,
+                    _ = monoio::time::sleep(Duration::from_millis(10)) => false,
+                };
+                assert!(!woke, "a read on a stalled provider completed");
+                // The read in flight holds one more buffer.
+                assert_eq!(provider_read_pool_stats().in_use, held_buffers + 1);
+                drop(read);
+                assert!(!conn.is_reusable());
+                drop(conn);
+                None
+            }
+            Cancel::ReadFutureOwningConn => {
+                let mut read = Box::pin(async move {
+                    let _ = conn.read_body_chunk().await;
+                    conn
+                });
+                let woke = monoio::select! {
+                    _ = &mut read => true,
+                    _ = monoio::time::sleep(Duration::from_millis(10)) => false,
+                };
+                assert!(!woke, "a read on a stalled provider completed");
+                assert_eq!(provider_read_pool_stats().in_use, held_buffers + 1);
+                Some(read)
+            }
+        };
+        drop(read.take());
+        // Under io_uring the kernel still holds the cancelled read's
+        // buffer; the legacy driver dropped it with the future.
+        let held_by_kernel = usize::from(!monoio::utils::is_legacy());
+        assert_eq!(
+            provider_read_pool_stats().in_use,
+            held_buffers + held_by_kernel
+        );
+        drop(held);
+        assert_eq!(provider_read_pool_stats().in_use, held_by_kernel);
+
+        settle(|| provider_read_pool_stats().in_use == baseline.in_use).await;
+        let stats = provider_read_pool_stats();
+        assert_eq!(stats.in_use, baseline.in_use);
+        assert_eq!(stats.available, stats.allocated);
+        assert_eq!(stats.stale_returns, 0);
+        let _ = release.send(());
+        provider.await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn cancelled_read_future_returns_every_buffer() {
+        guarded(cancelled_stream_leaves_no_buffer_on_loan(
+            Cancel::ReadFuture,
+        ))
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn dropped_conn_with_read_in_flight_returns_every_buffer() {
+        guarded(cancelled_stream_leaves_no_buffer_on_loan(
+            Cancel::ReadFutureOwningConn,
+        ))
+        .await;
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn pieces_dropped_on_another_thread_come_back() {
+        guarded(async {
+            assert_eq!(provider_read_pool_stats().in_use, 0);
+            let body = pattern(40_000);
+            let (addr, provider) =
+                provider(vec![content_length_response(&body)], 4096, After::Close);
+            let read_pool = provider_read_pool();
+            let mut conn = client(addr).await;
+            get(&mut conn).await;
+            let held = pieces(&mut conn, false).await;
+            assert_eq!(concat(&held), body);
+            let held_buffers = pooled_buffers(&read_pool, &held).len();
+            assert_eq!(provider_read_pool_stats().in_use, held_buffers);
+
+            let dropped_bytes = std::thread::spawn(move || {
+                let len_bytes: usize = held.iter().map(Bytes::len).sum();
+                drop(held);
+                len_bytes
+            })
+            .join()
+            .unwrap();
+            assert_eq!(dropped_bytes, 40_000);
+
+            // The other thread queued the memory; reading the counters
+            // brings it home.
+            let stats = provider_read_pool_stats();
+            assert_eq!(stats.in_use, 0);
+            assert_eq!(stats.available, stats.allocated);
+            assert_eq!(stats.stale_returns, 0);
+            drop(conn);
+            provider.await;
+        })
+        .await;
+    }
 
     // CONTRACT: C4 — a request head (which may carry an injected credential
     // header) is written from a copy held in wiping memory; the bytes on the

@@ -1,6 +1,7 @@
 //! Owned-buffer IO shared by the server and client shells: appending reads
-//! into a `BytesMut`, gathered writes of `Bytes` parts without copying them,
-//! and TCP helpers that set `TCP_NODELAY`.
+//! into a `BytesMut` (server), reads into pooled buffers frozen as `Bytes`
+//! (client), gathered writes of `Bytes` parts without copying them, and TCP
+//! helpers that set `TCP_NODELAY`.
 //!
 //! This is the only place in `http` with `unsafe`: the [`IoVecBuf`]
 //! implementation that hands the kernel an iovec array pointing into
@@ -15,6 +16,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::{TcpListener, TcpStream};
 
 use super::Url;
+use crate::pool::BufferPool;
 
 /// Spare capacity guaranteed before each read.
 pub(crate) const READ_CHUNK_BYTES: usize = 16 * 1024;
@@ -38,6 +40,51 @@ pub(crate) async fn fill<S: AsyncReadRent>(
         match res {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             other => return other,
+        }
+    }
+}
+
+/// Reads once into a buffer from `pool` and freezes it: the result is
+/// `carry` followed by the bytes read, as one `Bytes` over the pooled
+/// memory (slices of it share that memory; it returns to the pool when the
+/// last slice drops, on any thread). Also returns the bytes read; 0 is EOF.
+///
+/// `carry` is what the caller has not consumed of its previous read. It is
+/// copied to the front of the new buffer so the decoders see contiguous
+/// bytes; the body decoders consume framing byte by byte, so `carry` is
+/// empty or a few bytes in practice. A `carry` that would leave no room in
+/// a pooled buffer goes into a heap buffer instead, with room for one more
+/// read (correct, just not pooled).
+///
+/// When the pool is exhausted, [`BufferPool::acquire`] allocates an
+/// overflow buffer, so a read never waits for a buffer to come back.
+///
+/// Cancelling (dropping the future) loses `carry` and the bytes of the read
+/// in flight; under io_uring the pooled buffer stays with the kernel until
+/// the cancelled read completes and then returns to the pool.
+pub(crate) async fn read_pooled<S: AsyncReadRent>(
+    stream: &mut S,
+    pool: &BufferPool,
+    carry: Bytes,
+) -> io::Result<(Bytes, usize)> {
+    if carry.len() >= pool.buffer_size_bytes() {
+        let mut heap = BytesMut::with_capacity(carry.len() + READ_CHUNK_BYTES);
+        heap.extend_from_slice(&carry);
+        drop(carry);
+        let read_bytes = fill(stream, &mut heap, READ_CHUNK_BYTES).await?;
+        return Ok((heap.freeze(), read_bytes));
+    }
+    let mut buf = pool.acquire();
+    buf.extend_from_slice(&carry);
+    drop(carry);
+    loop {
+        let start = buf.len();
+        let (res, slice) = stream.read(buf.slice_mut(start..)).await;
+        buf = slice.into_inner();
+        match res {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+            Ok(read_bytes) => return Ok((buf.freeze(), read_bytes)),
         }
     }
 }
@@ -197,6 +244,77 @@ mod tests {
         parts.advance(3);
         assert!(parts.is_empty());
         assert!(parts.iovecs.is_empty());
+    }
+
+    #[monoio::test_all]
+    async fn read_pooled_puts_the_carry_in_front_of_the_read() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let writer = monoio::spawn(async move {
+            let mut stream = connect(addr).await.unwrap();
+            write_parts(&mut stream, IoParts::new([Bytes::from_static(b"world")]))
+                .await
+                .unwrap();
+            stream
+        });
+        let (mut server, _) = accept(&listener).await.unwrap();
+        let client = writer.await;
+        let pool = BufferPool::new(crate::pool::PoolConfig {
+            buffer_size_bytes: 64,
+            buffer_count_max: 1,
+        })
+        .unwrap();
+
+        let (read, read_bytes) = read_pooled(&mut server, &pool, Bytes::from_static(b"hello "))
+            .await
+            .unwrap();
+        assert_eq!(read_bytes, 5);
+        assert_eq!(read, Bytes::from_static(b"hello world"));
+        // Carry and read share one pooled buffer, carry first.
+        assert_eq!(
+            pool.locate(read.as_ptr()),
+            Some(crate::pool::BufferLocation {
+                index: 0,
+                offset_bytes: 0
+            })
+        );
+        assert_eq!(pool.in_use(), 1);
+        drop(read);
+        assert_eq!(pool.in_use(), 0);
+
+        // EOF: nothing read, an empty result holds no buffer.
+        drop(client);
+        let (read, read_bytes) = read_pooled(&mut server, &pool, Bytes::new()).await.unwrap();
+        assert_eq!((read, read_bytes), (Bytes::new(), 0));
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    #[monoio::test_all]
+    async fn read_pooled_moves_a_carry_too_big_for_a_buffer_to_the_heap() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let writer = monoio::spawn(async move {
+            let mut stream = connect(addr).await.unwrap();
+            write_parts(&mut stream, IoParts::new([Bytes::from_static(b"!")]))
+                .await
+                .unwrap();
+            stream
+        });
+        let (mut server, _) = accept(&listener).await.unwrap();
+        let _client = writer.await;
+        let pool = BufferPool::new(crate::pool::PoolConfig {
+            buffer_size_bytes: 4,
+            buffer_count_max: 1,
+        })
+        .unwrap();
+
+        let (read, read_bytes) = read_pooled(&mut server, &pool, Bytes::from_static(b"hello"))
+            .await
+            .unwrap();
+        assert_eq!(read_bytes, 1);
+        assert_eq!(read, Bytes::from_static(b"hello!"));
+        assert_eq!(pool.locate(read.as_ptr()), None);
+        assert_eq!(pool.allocated(), 0);
     }
 
     #[monoio::test_all]

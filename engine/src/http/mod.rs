@@ -37,7 +37,7 @@ mod write;
 
 pub use body::{BodyDecoder, BodyEvent};
 pub use chunked::{ChunkedDecoder, ChunkedItem, ChunkedStep};
-pub use client::ClientConn;
+pub use client::{provider_read_pool_stats, ClientConn};
 pub use error::HttpError;
 pub use head::{
     parse_request_head, parse_response_head, BodyFraming, Header, RequestHead, ResponseHead,
