@@ -5,10 +5,12 @@
 #
 #   scripts/demo.sh                 # client API on 127.0.0.1:8080
 #   IOP_DEMO_PORT=9090 scripts/demo.sh
+#   IOP_DEMO_CORES=0-1 scripts/demo.sh   # both binaries on two cores (--cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 port=${IOP_DEMO_PORT:-8080}
+cores=${IOP_DEMO_CORES:-0}
 echo "==> building release binaries (first build takes a few minutes)"
 cargo build --release --bins --quiet
 bin=$PWD/target/release
@@ -76,7 +78,7 @@ providers = ["node-a/mock-1"]
 TOML
 
 echo "==> starting edge-bin"
-"$bin/edge-bin" --config "$work/edge.toml" >"$work/edge.log" 2>&1 &
+"$bin/edge-bin" --config "$work/edge.toml" --cores "$cores" >"$work/edge.log" 2>&1 &
 pids+=($!)
 client=$(ready_value "$work/edge.log" client $!)
 nodes=$(ready_value "$work/edge.log" nodes "${pids[-1]}")
@@ -96,7 +98,7 @@ max_attempts = 0
 TOML
 
 echo "==> starting node-bin"
-"$bin/node-bin" --config "$work/node.toml" --cores 0 >"$work/node.log" 2>&1 &
+"$bin/node-bin" --config "$work/node.toml" --cores "$cores" >"$work/node.log" 2>&1 &
 pids+=($!)
 
 for _ in $(seq 1 100); do

@@ -256,9 +256,9 @@ impl<O> ProviderSide<O> {
     }
 
     /// The next output without its stamp; `None` (and the held permit
-    /// released) once the call returned.
-    #[cfg(test)]
-    pub(crate) async fn next_output(&mut self) -> Option<O> {
+    /// released) once the call returned. For callers that read a call's
+    /// outputs without a watchdog (tests, probes); attempts use [`drive`].
+    pub async fn next_output(&mut self) -> Option<O> {
         match self.outputs.recv().await {
             Some(stamped) => Some(stamped.output),
             None => {

@@ -30,7 +30,9 @@ use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
+use node_bin::driver::{OutputTx, ProviderCall};
 use node_bin::provider_pool::PoolStats;
+use node_bin::provider_pool::ProviderPool;
 use node_bin::session::NodeCore;
 use node_bin::workers::{self, WorkerStats};
 
@@ -383,4 +385,58 @@ async fn cancel_crosses_cores_and_releases_after_the_return() {
         metrics::merged().counter(Count::NodeProviderCallsAborted),
         1
     );
+    // The worker read the provider's response into its pooled buffers,
+    // and after the cancel every one of them came home (the body pieces
+    // were dropped on this core, the in-flight read was cancelled on the
+    // worker): the pool is back to its baseline, nothing stale.
+    let mut stats = edge.worker_read_pool().await;
+    for _ in 0..(SAFETY.as_millis() / 5) {
+        if stats.in_use == 0 {
+            break;
+        }
+        monoio::time::sleep(Duration::from_millis(5)).await;
+        stats = edge.worker_read_pool().await;
+    }
+    assert!(
+        stats.allocated > 0,
+        "the response was read into pooled buffers: {stats:?}"
+    );
+    assert_eq!(
+        (stats.in_use, stats.available, stats.stale_returns),
+        (0, stats.allocated, 0),
+        "{stats:?}"
+    );
+}
+
+/// A "call" that reports the worker core's provider read pool.
+struct ReadPoolProbe;
+
+impl ProviderCall for ReadPoolProbe {
+    type Output = Option<iop_engine::pool::PoolStats>;
+
+    fn run(
+        self,
+        _pool: Rc<ProviderPool>,
+        out: OutputTx<Self::Output>,
+    ) -> impl std::future::Future<Output = ()> + 'static {
+        async move {
+            out.send(Some(iop_engine::http::provider_read_pool_stats()))
+                .await;
+        }
+    }
+
+    fn not_started(_message: String) -> Self::Output {
+        None
+    }
+}
+
+impl Edge {
+    /// The worker core's provider read pool, read on the worker.
+    async fn worker_read_pool(&self) -> iop_engine::pool::PoolStats {
+        let workers = self.core.workers.as_ref().expect("a multi-core node");
+        let mut side = workers.dispatch(None, ReadPoolProbe);
+        let stats = side.next_output().await.flatten();
+        while side.next_output().await.is_some() {}
+        stats.expect("the worker answered")
+    }
 }
