@@ -414,15 +414,9 @@ struct ReadPoolProbe;
 impl ProviderCall for ReadPoolProbe {
     type Output = Option<iop_engine::pool::PoolStats>;
 
-    fn run(
-        self,
-        _pool: Rc<ProviderPool>,
-        out: OutputTx<Self::Output>,
-    ) -> impl std::future::Future<Output = ()> + 'static {
-        async move {
-            out.send(Some(iop_engine::http::provider_read_pool_stats()))
-                .await;
-        }
+    async fn run(self, _pool: Rc<ProviderPool>, out: OutputTx<Self::Output>) {
+        out.send(Some(iop_engine::http::provider_read_pool_stats()))
+            .await;
     }
 
     fn not_started(_message: String) -> Self::Output {
