@@ -9,19 +9,29 @@
 #   scripts/bench.sh --quick         a short run (well under a minute after the build)
 #   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
 #                                    of the mock (arm C), when nginx is installed
-#   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (see `bench compare --help`)
+#   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
+#                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
+#                                    32 concurrent) with edge-bin and node-bin on --cores 0
+#                                    vs --cores 0-1, against a direct baseline, in alternating
+#                                    rounds; prints the ratio and writes
+#                                    bench/results/cores-<unix-ts>.json (about 2 minutes;
+#                                    --quick: about 30 s)
+#   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
+#                                    --cores-scaling; see `bench compare --help`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
 peer_nginx=0
+cores_scaling=0
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
     --peer-nginx) peer_nginx=1 ;;
+    --cores-scaling) cores_scaling=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -30,6 +40,17 @@ done
 echo "==> building release binaries"
 cargo build --release --workspace --bins --quiet
 bin=$PWD/target/release
+
+if [ "$cores_scaling" = 1 ]; then
+  if [ "$peer_nginx" = 1 ]; then
+    echo "--peer-nginx applies to the comparison, not to --cores-scaling" >&2
+    exit 2
+  fi
+  args=(cores --bin-dir "$bin" --out bench/results)
+  if [ "$quick" = 1 ]; then args+=(--quick); fi
+  echo "==> $bin/bench ${args[*]} ${extra[*]}"
+  exec "$bin/bench" "${args[@]}" "${extra[@]}"
+fi
 
 args=(compare --bin-dir "$bin" --out bench/results)
 if [ "$quick" = 1 ]; then args+=(--quick); fi

@@ -13,6 +13,9 @@
 //! - [`compare`]: `bench compare`, relay-vs-direct measured side by side
 //!   (latency deltas and ratios, CPU per relayed token, memory per stream,
 //!   a concurrency ladder), with a JSON report.
+//! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
+//!   `--cores` layout of edge-bin and node-bin against a direct baseline,
+//!   with the ratios between layouts, and a JSON report.
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -26,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod compare;
+pub mod cores;
 pub mod load;
 pub mod mock;
 pub mod procstat;

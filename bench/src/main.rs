@@ -19,6 +19,8 @@
 //!   without `Authorization: Bearer KEY` or `x-api-key: KEY`.
 //!   `--close-after-requests N`: close each connection silently after N
 //!   requests (a server closing idle keep-alive connections).
+//!   `--token-bytes N`: pad each chat completion content token to N bytes
+//!   (body-heavy streams for throughput runs).
 //! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
 //!   insert, cancel and expire at N timers; run it in release).
 //!
@@ -29,6 +31,9 @@
 //! - `bench compare [--quick] [--windows N] ...`: start the mock, an Edge
 //!   and a Node, and measure relayed against direct side by side; a table
 //!   on stdout and a JSON report in `bench/results/`.
+//! - `bench cores [--quick] [--layout L]...`: bulk relay throughput with
+//!   edge-bin and node-bin on each core layout (default `0` and `0-1`)
+//!   against a direct baseline; a table and `bench/results/cores-*.json`.
 //!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
@@ -57,6 +62,7 @@ enum Command {
     Wheel(WheelArgs),
     Load(bench::load::cli::LoadArgs),
     Compare(bench::compare::cli::CompareArgs),
+    Cores(bench::cores::cli::CoresArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -109,6 +115,10 @@ struct MockProviderArgs {
     /// requests (a server closing idle keep-alive connections)
     #[argh(option)]
     close_after_requests: Option<u32>,
+    /// pad every chat completion content token to this many bytes (`tok{i}`,
+    /// dots, a space) for body-heavy streams (default 0: unpadded)
+    #[argh(option, default = "0")]
+    token_bytes: u32,
 }
 
 /// Measure the timing wheel: ns per insert, cancel and expire.
@@ -137,6 +147,7 @@ fn main() -> ExitCode {
         Command::Wheel(args) => wheel(args),
         Command::Load(args) => bench::load::cli::main(args),
         Command::Compare(args) => bench::compare::cli::main(args),
+        Command::Cores(args) => bench::cores::cli::main(args),
     }
 }
 
@@ -172,7 +183,15 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
         tool_calls: args.tool_calls,
         reject_tools: args.reject_tools,
     };
-    let mut provider = mock::MockProvider::with_faults(config, faults).with_modes(modes);
+    // An SSE event must stay under the load generator's 1 MiB event cap.
+    const MAX_TOKEN_BYTES: u32 = bench::cores::cli::MAX_TOKEN_BYTES;
+    if args.token_bytes > MAX_TOKEN_BYTES {
+        eprintln!("bench mock-provider: --token-bytes: at most {MAX_TOKEN_BYTES}");
+        return ExitCode::from(1);
+    }
+    let mut provider = mock::MockProvider::with_faults(config, faults)
+        .with_modes(modes)
+        .with_token_bytes(args.token_bytes);
     if let Some(key) = args.require_api_key {
         provider = provider.with_required_api_key(mock::auth::ApiKey::new(key));
     }

@@ -28,7 +28,7 @@ pub mod config;
 pub mod ladder;
 pub mod procs;
 pub mod report;
-mod run;
+pub(crate) mod run;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;

@@ -114,7 +114,7 @@ fn spawn_rss_sampler(
     })
 }
 
-fn check_binary(path: &Path) -> Result<(), CompareError> {
+pub(crate) fn check_binary(path: &Path) -> Result<(), CompareError> {
     if path.is_file() {
         Ok(())
     } else {
@@ -127,14 +127,14 @@ fn check_binary(path: &Path) -> Result<(), CompareError> {
     }
 }
 
-fn write_file(path: &Path, text: &str) -> Result<(), CompareError> {
+pub(crate) fn write_file(path: &Path, text: &str) -> Result<(), CompareError> {
     std::fs::write(path, text).map_err(|source| CompareError::Io {
         what: format!("write {}", path.display()),
         source,
     })
 }
 
-fn interrupted(stop: &AtomicBool) -> Result<(), CompareError> {
+pub(crate) fn interrupted(stop: &AtomicBool) -> Result<(), CompareError> {
     if stop.load(Ordering::Relaxed) {
         Err(CompareError::Interrupted)
     } else {
@@ -313,7 +313,7 @@ fn describe(summary: &LoadSummary) -> String {
     )
 }
 
-fn commit() -> Option<String> {
+pub(crate) fn commit() -> Option<String> {
     let out = Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .output()

@@ -182,13 +182,14 @@ pub fn main(args: LoadArgs) -> ExitCode {
 pub fn render_summary(s: &LoadSummary) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "  {:.1} s: {} ok of {} started ({:.1} req/s, {:.0} tokens/s); errors {} \
+        "  {:.1} s: {} ok of {} started ({:.1} req/s, {:.0} tokens/s, {:.2} MB/s body); errors {} \
          (connect {}, http {}, io {}, timeout {}, error events {}, overload {}); truncated {}\n",
         s.elapsed_s,
         s.requests_ok,
         s.requests_started,
         s.requests_per_s,
         s.tokens_per_s,
+        s.body_bytes_per_s / 1e6,
         s.errors_total,
         s.errors.connect,
         s.errors.http_status,

@@ -377,6 +377,7 @@ async fn read_stream(
     let mut splitter = SseSplitter::new(MAX_EVENT_BYTES);
     while let Some(piece) = client.read_body_chunk().await? {
         let arrival_ns = monotonic_raw_ns();
+        ctx.recorder.borrow_mut().on_body_bytes(piece.len());
         splitter.feed(&piece);
         while let Some(event) = splitter.next_event()? {
             if let Some(data) = event.data {
@@ -403,6 +404,7 @@ async fn read_json(
 ) -> Result<StreamEnd, HttpError> {
     let body = client.read_body_to_end(MAX_BODY_BYTES).await?;
     let end_ns = monotonic_raw_ns();
+    ctx.recorder.borrow_mut().on_body_bytes(body.len());
     let text = String::from_utf8_lossy(&body);
     let chunk = classify(&text);
     let error = match chunk.kind {

@@ -96,6 +96,13 @@ pub struct LoadSummary {
     pub requests_per_s: f64,
     /// Content chunks per second of `elapsed_s`.
     pub tokens_per_s: f64,
+    /// Body bytes of 200 responses the client received (after chunked
+    /// decoding; complete or not).
+    #[serde(default)]
+    pub body_bytes: u64,
+    /// `body_bytes` per second of `elapsed_s`.
+    #[serde(default)]
+    pub body_bytes_per_s: f64,
     /// Request start → first content chunk.
     pub ttft: LatencySummary,
     /// Mock send → client receive, per content chunk.
@@ -136,6 +143,7 @@ pub struct Recorder {
     max_gap_ns: u64,
     gap_limit_ns: Option<u64>,
     streams_over_gap_limit: u64,
+    body_bytes: u64,
 }
 
 impl Recorder {
@@ -151,6 +159,11 @@ impl Recorder {
     /// A request was sent (or attempted).
     pub fn on_start(&mut self) {
         self.started += 1;
+    }
+
+    /// `bytes` more body bytes of a 200 response arrived.
+    pub fn on_body_bytes(&mut self, bytes: usize) {
+        self.body_bytes = self.body_bytes.saturating_add(bytes as u64);
     }
 
     /// Records what one payload added.
@@ -266,6 +279,7 @@ impl Recorder {
         self.unparsable += other.unparsable;
         self.max_gap_ns = self.max_gap_ns.max(other.max_gap_ns);
         self.streams_over_gap_limit += other.streams_over_gap_limit;
+        self.body_bytes = self.body_bytes.saturating_add(other.body_bytes);
     }
 
     /// The summary of a run that took `elapsed_ns`.
@@ -295,6 +309,8 @@ impl Recorder {
             streams_over_gap_limit: self.streams_over_gap_limit,
             requests_per_s: per_s(self.ok),
             tokens_per_s: per_s(self.content_chunks),
+            body_bytes: self.body_bytes,
+            body_bytes_per_s: per_s(self.body_bytes),
             ttft: self.ttft.summary(),
             chunk_latency: self.chunk_latency.summary(),
             inter_chunk_gap: self.inter_chunk_gap.summary(),
@@ -337,6 +353,8 @@ mod tests {
             gap_ns: Some(30),
         });
         r.on_observation(Observation::Done);
+        r.on_body_bytes(1_500);
+        r.on_body_bytes(500);
         assert_eq!(r.on_stream_end(&end(true, None, 30)), None);
         assert_eq!(
             r.on_stream_end(&end(false, None, 41)),
@@ -366,6 +384,8 @@ mod tests {
         assert_eq!(s.gap_limit_us, Some(0.04));
         assert_eq!(s.requests_per_s, 0.5);
         assert_eq!(s.tokens_per_s, 1.0);
+        assert_eq!(s.body_bytes, 2_000);
+        assert_eq!(s.body_bytes_per_s, 1_000.0);
         assert_eq!(s.ttft.count, 1);
         assert_eq!(s.chunk_latency.count, 1);
         assert_eq!(s.inter_chunk_gap.count, 1);
@@ -382,6 +402,8 @@ mod tests {
         b.on_failure(Failure::Overload, || "cap".into());
         b.on_failure(Failure::HttpStatus(429), || "429".into());
         assert_eq!(a.on_stream_end(&end(true, None, 7)), None);
+        a.on_body_bytes(10);
+        b.on_body_bytes(32);
         a.merge(&b);
         let s = a.summary(0);
         assert_eq!(s.requests_started, 2);
@@ -393,5 +415,6 @@ mod tests {
         assert_eq!(s.first_error.as_deref(), Some("refused"));
         assert_eq!(s.requests_per_s, 0.0);
         assert_eq!(s.max_gap_us, 0.007);
+        assert_eq!(s.body_bytes, 42);
     }
 }

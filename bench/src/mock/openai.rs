@@ -12,6 +12,11 @@
 //! `max_completion_tokens`; when the cap is below `--tokens` the finish reason
 //! is `"length"`, otherwise `"stop"`.
 //!
+//! With `--token-bytes N` ([`MockProvider::with_token_bytes`]) every chat
+//! completion token is padded to exactly `N` bytes for body-heavy streams:
+//! `tok{i}`, then `.` up to `N - 1` bytes, then the space
+//! ([`padded_token_text`]); still one word per token.
+//!
 //! `prompt_tokens` is the total number of whitespace-separated words in the
 //! text of all request messages (a string `content`, or the `text` of each
 //! content part of an array `content`; other contents count 0).
@@ -79,6 +84,25 @@ pub fn token_text(index: u32) -> String {
 /// The full message content of a completion of `tokens` tokens.
 pub fn completion_text(tokens: u32) -> String {
     (0..tokens).map(token_text).collect()
+}
+
+/// The filler byte of a padded token (plain ASCII: JSON needs no escape).
+pub const TOKEN_PAD_BYTE: u8 = b'.';
+
+/// The text of token `index` padded to `token_bytes` bytes
+/// (`--token-bytes`): `tok{index}`, then [`TOKEN_PAD_BYTE`]s, then one
+/// space, so a padded token is still one word. A `token_bytes` shorter
+/// than [`token_text`] leaves the token as it is (0 = no padding).
+pub fn padded_token_text(index: u32, token_bytes: u32) -> String {
+    let mut text = token_text(index);
+    let target = usize::try_from(token_bytes).unwrap_or(usize::MAX);
+    if target > text.len() {
+        text.pop();
+        let pad = target - text.len() - 1;
+        text.extend(std::iter::repeat_n(char::from(TOKEN_PAD_BYTE), pad));
+        text.push(' ');
+    }
+    text
 }
 
 /// The number of whitespace-separated words in `text`.
@@ -274,6 +298,9 @@ pub struct Completion {
     pub prompt_tokens: u64,
     /// Whether a streamed reply carries `usage` (null, then a usage chunk).
     pub include_usage: bool,
+    /// Each content token padded to this many bytes (`--token-bytes`; 0:
+    /// unpadded), see [`padded_token_text`].
+    pub token_bytes: u32,
 }
 
 impl Completion {
@@ -294,7 +321,22 @@ impl Completion {
             finish_reason,
             prompt_tokens: request.prompt_tokens,
             include_usage: request.include_usage,
+            token_bytes: 0,
         }
+    }
+
+    /// The same completion with every content token padded to
+    /// `token_bytes` bytes (0: unpadded).
+    pub fn with_token_bytes(mut self, token_bytes: u32) -> Self {
+        self.token_bytes = token_bytes;
+        self
+    }
+
+    /// The message content: the (padded) tokens concatenated.
+    pub fn content(&self) -> String {
+        (0..self.tokens)
+            .map(|i| padded_token_text(i, self.token_bytes))
+            .collect()
     }
 
     /// The `usage` object.
@@ -309,7 +351,7 @@ impl Completion {
 
     /// The non-streaming `chat.completion` JSON body.
     pub fn json_body(&self, sent_ns: u64) -> String {
-        let content = completion_text(self.tokens);
+        let content = self.content();
         let body = CompletionWire {
             id: &self.id,
             object: "chat.completion",
@@ -344,7 +386,7 @@ impl Completion {
 
     /// The stream event carrying token `index`.
     pub fn token_event(&self, index: u32, sent_ns: u64) -> String {
-        let text = token_text(index);
+        let text = padded_token_text(index, self.token_bytes);
         self.choice_event(
             DeltaWire {
                 role: None,
@@ -756,6 +798,7 @@ pub struct MockProvider {
     modes: super::tools::MockModes,
     required_api_key: Option<super::auth::ApiKey>,
     close_after_requests: Option<u32>,
+    token_bytes: u32,
 }
 
 impl MockProvider {
@@ -777,7 +820,21 @@ impl MockProvider {
             modes: super::tools::MockModes::default(),
             required_api_key: None,
             close_after_requests: None,
+            token_bytes: 0,
         }
+    }
+
+    /// The same handler padding every OpenAI chat completion token to
+    /// `token_bytes` bytes (`--token-bytes`, for body-heavy streams; 0:
+    /// unpadded). The other protocols keep unpadded tokens.
+    pub fn with_token_bytes(mut self, token_bytes: u32) -> Self {
+        self.token_bytes = token_bytes;
+        self
+    }
+
+    /// The padding of chat completion tokens (0: none).
+    pub fn token_bytes(&self) -> u32 {
+        self.token_bytes
     }
 
     /// The same handler closing each connection, without notice, after it
@@ -1011,7 +1068,8 @@ impl MockProvider {
         if let Some(reply) = self.tool_reply(&request, body) {
             return reply;
         }
-        let completion = Completion::plan(&request, self.config.tokens, self.completions_started);
+        let completion = Completion::plan(&request, self.config.tokens, self.completions_started)
+            .with_token_bytes(self.token_bytes);
         let fault = match (
             self.faults.drop_after_tokens,
             self.faults.stall_after_tokens,
@@ -1095,6 +1153,49 @@ mod tests {
         assert_eq!(token_text(17), "tok17 ");
         assert_eq!(completion_text(3), "tok0 tok1 tok2 ");
         assert_eq!(completion_text(0), "");
+    }
+
+    #[test]
+    fn padded_tokens_are_exactly_token_bytes_long() {
+        assert_eq!(padded_token_text(3, 12), "tok3....... ");
+        assert_eq!(padded_token_text(3, 12).len(), 12);
+        assert_eq!(padded_token_text(17, 7), "tok17. ");
+        // Shorter than the token, or 0: unpadded.
+        assert_eq!(padded_token_text(17, 6), "tok17 ");
+        assert_eq!(padded_token_text(17, 3), "tok17 ");
+        assert_eq!(padded_token_text(0, 0), "tok0 ");
+        assert_eq!(padded_token_text(255, 4096).len(), 4096);
+        assert_eq!(word_count(&padded_token_text(255, 4096)), 1);
+    }
+
+    #[test]
+    fn padded_stream_chunk_is_exact() {
+        let mut p = provider(2).with_token_bytes(16);
+        assert_eq!(p.token_bytes(), 16);
+        let body = br#"{"model":"m1","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        let mut plan = plan_of(p.handle("POST", "/v1/chat/completions", body));
+        let steps = stream_events(&mut plan);
+        assert_eq!(steps.len(), 5);
+        assert_eq!(
+            steps[2],
+            StreamStep::Event(
+                concat!(
+                    r#"data: {"id":"chatcmpl-mock-1","object":"chat.completion.chunk","created":1700000000,"model":"m1","#,
+                    r#""choices":[{"index":0,"delta":{"content":"tok1........... "},"logprobs":null,"finish_reason":null}],"#,
+                    r#""iop_mock_sent_ns":102}"#,
+                    "\n\n"
+                )
+                .to_string()
+            )
+        );
+        assert_eq!(steps[4], StreamStep::Event(DONE_EVENT.to_string()));
+        // A non-streamed reply carries the same padded content.
+        let plain = br#"{"model":"m1","messages":[{"role":"user","content":"hi"}]}"#;
+        let Reply::Completion { completion, .. } = p.handle("POST", "/v1/chat/completions", plain)
+        else {
+            panic!("expected a completion");
+        };
+        assert_eq!(completion.content(), "tok0........... tok1........... ");
     }
 
     #[test]
