@@ -102,7 +102,10 @@ pub struct Mailbox<T> {
 pub fn mailbox<T>(capacity: usize) -> (MailboxSender<T>, Mailbox<T>) {
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
-            queue: VecDeque::with_capacity(capacity.clamp(1, 1024)),
+            // Grown on demand: most mailboxes (one per relayed stream)
+            // hold a message or two at a time, and a ring allocated at full
+            // capacity gets touched all the way round as the stream runs.
+            queue: VecDeque::new(),
             receiver_waker: None,
             sender_wakers: Vec::new(),
             closed: false,
