@@ -300,7 +300,13 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                     force: std::future::pending(),
                     drain_grace,
                 };
-                return edge.serve_shard(shard.index, stop).await;
+                let served = edge.serve_shard(shard.index, stop).await;
+                if let Err(e) = &served {
+                    // Control would wait for this shard's drain forever.
+                    eprintln!("edge-bin: error: shard {}: {e}", shard.index);
+                    std::process::exit(1);
+                }
+                return served;
             }
             let (state, listeners, acceptor) = edge.take(shard.index)?;
             // Signals are installed before the ready line, so a SIGTERM

@@ -93,11 +93,28 @@ impl Shard {
     }
 }
 
+/// Ends the process if the thread holding it unwinds from a panic. Shards
+/// depend on each other (a dead shard's inbox fills, its connections and
+/// leases are never settled), so a crash the supervisor restarts is the
+/// honest outcome. `what` names the thread in the message.
+#[derive(Debug)]
+pub struct AbortOnPanic(pub &'static str);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{} panicked; aborting the process", self.0);
+            std::process::abort();
+        }
+    }
+}
+
 /// Runs one monoio runtime per listed core, each on its own thread pinned to
 /// that core, and returns every shard's output in core-list order. The
 /// control shard (index 0) runs on a new thread too, so the caller's thread
 /// only waits. A shard that fails to pin or build its runtime reports the
-/// error as its output.
+/// error as its output; a shard that panics aborts the process
+/// ([`AbortOnPanic`]).
 pub fn run_shards<T, F, Fut>(cores: &CoreList, shard_main: F) -> Vec<io::Result<T>>
 where
     T: Send + 'static,
@@ -116,6 +133,7 @@ where
             std::thread::Builder::new()
                 .name(format!("iop-shard-{index}-cpu{core}"))
                 .spawn(move || -> io::Result<T> {
+                    let _abort_on_panic = AbortOnPanic("a shard thread");
                     pin_current_thread(core)?;
                     block_on(shard_main(shard))
                 })

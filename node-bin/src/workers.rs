@@ -449,20 +449,6 @@ pub async fn run(inbox: WorkerInbox) {
     tracing::debug!(worker = shared.index, "provider worker stops");
 }
 
-/// Ends the process if a worker thread panics: the calls on it would hold
-/// their runs' permits and run-manager entries forever (W10), so a crash
-/// is the honest outcome.
-struct AbortOnPanic;
-
-impl Drop for AbortOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("node-bin: a provider worker thread panicked; aborting");
-            std::process::abort();
-        }
-    }
-}
-
 /// Starts a worker core: a thread (pinned to `core` when given) with its
 /// own monoio runtime running [`run`]. Returns once the runtime runs; a
 /// failure to pin or to build the runtime is the error.
@@ -477,7 +463,9 @@ pub fn spawn_thread(
     };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<io::Result<()>>();
     let handle = std::thread::Builder::new().name(name).spawn(move || {
-        let _abort_on_panic = AbortOnPanic;
+        // A panicking worker would leave the calls on it holding their runs'
+        // permits and run-manager entries forever (W10): crash instead.
+        let _abort_on_panic = rt::AbortOnPanic("node-bin: a provider worker thread");
         if let Some(core) = core {
             if let Err(e) = rt::pin_current_thread(core) {
                 let _ = ready_tx.send(Err(e));
