@@ -318,7 +318,7 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                     for step in [Lifecycle::Shutdown, Lifecycle::Force, Lifecycle::Exit] {
                         state.broadcast(step);
                     }
-                    monoio::time::sleep(Duration::from_millis(10)).await;
+                    state.outbox_flushed().await;
                     return Err(e);
                 }
             };

@@ -393,8 +393,9 @@ impl ShardedEdge {
                 _ = edge.run_timers() => 0,
             };
             edge.broadcast(Lifecycle::Exit);
-            // Let the flusher hand the exit to the workers.
-            monoio::time::sleep(Duration::from_millis(1)).await;
+            // The workers wait for this message; this runtime (and its
+            // flusher) ends when we return.
+            edge.outbox_flushed().await;
             let drain = match own {
                 DrainEnd::Finished if cut_off == 0 => DrainEnd::Finished,
                 DrainEnd::Finished => DrainEnd::GraceElapsed { in_flight: cut_off },

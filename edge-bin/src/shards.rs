@@ -20,7 +20,7 @@
 //! the shard reading a node connection pushes them into the route's own
 //! bounded mailbox, whose receiver is the client request on its shard.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 
@@ -172,6 +172,8 @@ pub struct Outbox {
     peers: Vec<MailboxSender<ShardMsg>>,
     queues: RefCell<Vec<VecDeque<ShardMsg>>>,
     wake: Notify,
+    /// The flusher holds a message it is handing to an inbox.
+    sending: Cell<bool>,
 }
 
 impl Outbox {
@@ -182,6 +184,7 @@ impl Outbox {
             peers,
             queues: RefCell::new(queues),
             wake: Notify::default(),
+            sending: Cell::new(false),
         }
     }
 
@@ -211,6 +214,19 @@ impl Outbox {
         self.with_queue(to, |q| q.push_back(msg));
     }
 
+    /// Whether every queued message reached its inbox.
+    pub fn is_flushed(&self) -> bool {
+        !self.sending.get() && self.queues.borrow().iter().all(VecDeque::is_empty)
+    }
+
+    /// Completes once every message queued so far reached its inbox (the
+    /// flusher must be running).
+    pub async fn flushed(&self) {
+        while !self.is_flushed() {
+            monoio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     fn with_queue(&self, to: usize, f: impl FnOnce(&mut VecDeque<ShardMsg>)) {
         let mut queues = self.queues.borrow_mut();
         if let Some(q) = queues.get_mut(to) {
@@ -235,9 +251,11 @@ impl Outbox {
         loop {
             self.wake.notified().await;
             while let Some((to, msg)) = self.next() {
+                self.sending.set(true);
                 if self.peers[to].send(msg).await.is_err() {
                     tracing::debug!(to, "shard inbox closed; message dropped");
                 }
+                self.sending.set(false);
             }
         }
     }
@@ -349,6 +367,12 @@ mod tests {
         }
         let shape: Vec<String> = got.iter().map(|m| format!("{m:?}")).collect();
         assert_eq!(shape, ["Inputs(2)", "Lifecycle(Shutdown)", "Inputs(1)"]);
+        outbox.flushed().await;
+        assert!(outbox.is_flushed());
+        outbox.send(1, ShardMsg::Lifecycle(Lifecycle::Exit));
+        assert!(!outbox.is_flushed(), "queued, not yet handed over");
+        outbox.flushed().await;
+        assert_eq!(inbox.len(), 1);
         drop(flusher);
     }
 }

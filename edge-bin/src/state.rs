@@ -692,6 +692,14 @@ impl Edge {
         }
     }
 
+    /// Completes once every message this shard sent so far reached its
+    /// inbox.
+    pub async fn outbox_flushed(&self) {
+        if let Some(outbox) = &self.outbox {
+            outbox.flushed().await;
+        }
+    }
+
     /// Tells the control shard this worker finished draining.
     pub fn report_drained(&self, in_flight: usize) {
         if let Some(outbox) = &self.outbox {
