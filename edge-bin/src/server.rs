@@ -345,8 +345,8 @@ impl ShardedEdge {
         stop: Stop<S, F>,
     ) -> std::io::Result<ShardEnd>
     where
-        S: Future<Output = ()>,
-        F: Future<Output = ()>,
+        S: Future<Output = ()> + 'static,
+        F: Future<Output = ()> + 'static,
     {
         let (edge, listeners, acceptor) = self.take(index)?;
         self.serve_taken(edge, listeners, acceptor, stop).await
@@ -362,32 +362,35 @@ impl ShardedEdge {
         stop: Stop<S, F>,
     ) -> std::io::Result<ShardEnd>
     where
-        S: Future<Output = ()>,
-        F: Future<Output = ()>,
+        S: Future<Output = ()> + 'static,
+        F: Future<Output = ()> + 'static,
     {
         let drain_grace = stop.drain_grace;
         if edge.is_control_shard() {
+            // The process signals become lifecycle steps of every shard,
+            // this one included, for as long as the runtime runs (a second
+            // signal must still cut the drain short while this shard waits
+            // for the others).
             let (shutdown, force) = (stop.shutdown, stop.force);
+            for (signal, step) in [
+                (Box::pin(shutdown) as std::pin::Pin<Box<dyn Future<Output = ()>>>, Lifecycle::Shutdown),
+                (Box::pin(force), Lifecycle::Force),
+            ] {
+                let edge = edge.clone();
+                monoio::spawn(async move {
+                    signal.await;
+                    edge.step(step);
+                });
+            }
             let stop = Stop {
-                shutdown: {
-                    let edge = edge.clone();
-                    async move {
-                        shutdown.await;
-                        edge.broadcast(Lifecycle::Shutdown);
-                    }
-                },
-                force: {
-                    let edge = edge.clone();
-                    async move {
-                        force.await;
-                        edge.broadcast(Lifecycle::Force);
-                    }
-                },
+                shutdown: edge.lifecycle_reached(Lifecycle::Shutdown),
+                force: edge.lifecycle_reached(Lifecycle::Force),
                 drain_grace,
             };
             let own = serve_with_drain(edge.clone(), listeners, acceptor, stop).await;
             // Control keeps deciding (queue timeouts, terminals) for the
-            // workers' requests until they are done.
+            // workers' requests until they are done; a second signal
+            // reaches them as Force and ends their drains at once.
             let cut_off = monoio::select! {
                 cut_off = edge.workers_drained() => cut_off,
                 _ = edge.run_timers() => 0,
@@ -396,13 +399,15 @@ impl ShardedEdge {
             // The workers wait for this message; this runtime (and its
             // flusher) ends when we return.
             edge.outbox_flushed().await;
+            let forced = edge.lifecycle_has(Lifecycle::Force);
             let drain = match own {
+                DrainEnd::Forced { in_flight } => DrainEnd::Forced {
+                    in_flight: in_flight + cut_off,
+                },
+                _ if forced => DrainEnd::Forced { in_flight: cut_off },
                 DrainEnd::Finished if cut_off == 0 => DrainEnd::Finished,
                 DrainEnd::Finished => DrainEnd::GraceElapsed { in_flight: cut_off },
                 DrainEnd::GraceElapsed { in_flight } => DrainEnd::GraceElapsed {
-                    in_flight: in_flight + cut_off,
-                },
-                DrainEnd::Forced { in_flight } => DrainEnd::Forced {
                     in_flight: in_flight + cut_off,
                 },
             };

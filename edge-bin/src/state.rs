@@ -683,6 +683,19 @@ impl Edge {
         }
     }
 
+    /// Takes a lifecycle step here and on every other shard (control
+    /// shard, on a process signal).
+    pub fn step(&self, step: Lifecycle) {
+        self.lifecycle.borrow_mut().push(step);
+        self.lifecycle_changed.wake_all();
+        self.broadcast(step);
+    }
+
+    /// Whether this shard has taken `step`.
+    pub fn lifecycle_has(&self, step: Lifecycle) -> bool {
+        self.lifecycle.borrow().contains(&step)
+    }
+
     /// Sends a lifecycle step to every other shard (control shard).
     pub fn broadcast(&self, step: Lifecycle) {
         if let Some(outbox) = &self.outbox {
@@ -709,7 +722,7 @@ impl Edge {
 
     /// Completes once the control shard sent `step` (worker shards).
     pub async fn lifecycle_reached(&self, step: Lifecycle) {
-        while !self.lifecycle.borrow().contains(&step) {
+        while !self.lifecycle_has(step) {
             self.lifecycle_changed.wait().await;
         }
     }

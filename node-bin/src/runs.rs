@@ -6,8 +6,16 @@
 //! cancelled or stalled attempt whose provider has not returned yet still
 //! counts as active. Entries carry a serial so a finished attempt never
 //! removes a newer entry that reused its run id.
+//!
+//! A cancel may arrive before its run: the Edge sends cancels on the
+//! connection's control lane, which overtakes a run request still queued on
+//! the bulk lane (or still crossing the Edge's cores). A cancel that names
+//! no active run is kept (the most recent [`EARLY_CANCELS`]) and stops the
+//! run the moment it registers, so the provider is never called for a
+//! client that already left (U6). Run ids are unique per Edge connection,
+//! so a kept cancel never hits an unrelated run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use local_sync::oneshot;
 
@@ -59,11 +67,16 @@ struct Entry {
     stop: Option<oneshot::Sender<StopCause>>,
 }
 
+/// Cancels of runs not (yet) active that a session remembers.
+pub const EARLY_CANCELS: usize = 1024;
+
 /// Active runs of one session.
 #[derive(Debug, Default)]
 pub struct RunTable {
     entries: HashMap<String, Entry>,
     last_serial: u64,
+    /// Cancels that named no active run, oldest first.
+    early_cancels: VecDeque<(String, StopCause)>,
 }
 
 impl RunTable {
@@ -84,12 +97,25 @@ impl RunTable {
         }
         self.last_serial += 1;
         let (tx, rx) = oneshot::channel();
+        let early = self
+            .early_cancels
+            .iter()
+            .position(|(id, _)| id == run_id)
+            .and_then(|i| self.early_cancels.remove(i));
+        let stop = match early {
+            // Its cancel came first: stopped from the start.
+            Some((_, cause)) => {
+                let _ = tx.send(cause);
+                None
+            }
+            None => Some(tx),
+        };
         self.entries.insert(
             run_id.to_string(),
             Entry {
                 kind,
                 serial: self.last_serial,
-                stop: Some(tx),
+                stop,
             },
         );
         Ok((
@@ -101,12 +127,19 @@ impl RunTable {
         ))
     }
 
-    /// Stops that run only (K1). False when unknown or already stopped.
+    /// Stops that run only (K1). False when unknown or already stopped; an
+    /// unknown run is stopped when it registers (see the module docs).
     pub fn cancel(&mut self, run_id: &str, cause: StopCause) -> bool {
-        self.entries
-            .get_mut(run_id)
-            .and_then(|e| e.stop.take())
-            .is_some_and(|tx| tx.send(cause).is_ok())
+        let Some(entry) = self.entries.get_mut(run_id) else {
+            if !self.early_cancels.iter().any(|(id, _)| id == run_id) {
+                if self.early_cancels.len() >= EARLY_CANCELS {
+                    self.early_cancels.pop_front();
+                }
+                self.early_cancels.push_back((run_id.to_string(), cause));
+            }
+            return false;
+        };
+        entry.stop.take().is_some_and(|tx| tx.send(cause).is_ok())
     }
 
     /// Stops every active run (F5); returns how many were signalled.
@@ -192,6 +225,34 @@ mod tests {
         }
         assert_eq!(t.cancel_all(StopCause::SessionEnded), 0);
         assert_eq!(t.len(), 3, "entries stay until released (W10)");
+    }
+
+    // CONTRACT: U6 — a cancel that overtook its run stops the run as soon
+    // as it arrives, before any provider call.
+    #[test]
+    fn a_cancel_that_arrives_first_stops_the_run_on_arrival() {
+        let mut t = RunTable::new();
+        assert!(!t.cancel("late", StopCause::Cancelled), "not active yet");
+        assert!(!t.cancel("late", StopCause::Cancelled), "kept once");
+        let (ticket, mut rx) = t.register("late", RunKind::Tunnel).unwrap();
+        assert_eq!(rx.try_recv(), Ok(StopCause::Cancelled));
+        assert!(t.contains("late"), "the entry lives until release (W10)");
+        assert!(!t.cancel("late", StopCause::Cancelled), "already stopped");
+        t.finish(&ticket);
+        // Used up: a later run with another id is not affected, and the
+        // kept cancels are bounded.
+        let (_other, mut rx_other) = t.register("other", RunKind::Tunnel).unwrap();
+        assert!(rx_other.try_recv().is_err());
+        for i in 0..=EARLY_CANCELS {
+            t.cancel(&format!("gone-{i}"), StopCause::Cancelled);
+        }
+        assert_eq!(t.early_cancels.len(), EARLY_CANCELS);
+        let (_first, mut rx_first) = t.register("gone-0", RunKind::Tunnel).unwrap();
+        assert!(rx_first.try_recv().is_err(), "the oldest was forgotten");
+        let (_last, mut rx_last) = t
+            .register(&format!("gone-{EARLY_CANCELS}"), RunKind::Tunnel)
+            .unwrap();
+        assert_eq!(rx_last.try_recv(), Ok(StopCause::Cancelled));
     }
 
     #[test]

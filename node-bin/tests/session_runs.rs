@@ -327,6 +327,37 @@ async fn cancel_ends_only_that_tunnel() {
     assert_eq!(edge.in_flight().await, 0);
 }
 
+// CONTRACT: U6 — a cancel that overtakes its run (the Edge sends cancels on
+// the control lane, runs on the bulk lane) still stops it: one `cancelled`
+// terminal, and the provider is never called.
+#[monoio::test(timer_enabled = true)]
+async fn a_cancel_before_its_run_stops_the_run_on_arrival() {
+    let mock = Mock::with_faults(40, 25, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "early".into(),
+        reason: "client_disconnect".into(),
+    }));
+    edge.send(tunnel("early", 0, true));
+    let f = edge.recv_tunnel().await;
+    assert_eq!(
+        (f.run_id.as_str(), f.seq, f.kind(), f.failure_code.as_str()),
+        ("early", 1, pb::TunnelFrameKind::Error, "cancelled"),
+        "one terminal and nothing before it"
+    );
+    assert!(f.failure.is_none());
+    assert_eq!(edge.in_flight().await, 0);
+    // A run sent afterwards under another id is served normally.
+    edge.send(tunnel("after", 0, true));
+    let frames = edge.tunnel_frames("after").await;
+    assert_eq!(
+        frames.last().map(|f| f.kind()),
+        Some(pb::TunnelFrameKind::End)
+    );
+    let stats = mock.admin_stats().await;
+    assert_eq!(stats["chat_requests"], 1, "only the second run reached the provider");
+}
+
 // CONTRACT: F5 — when the connection drops, the session cancels every
 // active tunnel: the provider streams are closed and the session ends.
 #[monoio::test(timer_enabled = true)]

@@ -151,8 +151,9 @@ def test_edge_drains_in_flight_streams_then_exits_0(cores):
         assert "drained; shut down" in cluster.edge.log()
 
 
-def test_edge_second_signal_stops_at_once_with_exit_0():
-    with Cluster(mock_args=SLOW_MOCK) as cluster:
+@pytest.mark.parametrize("cores", ["0", "0-1"])
+def test_edge_second_signal_stops_at_once_with_exit_0(cores):
+    with Cluster(mock_args=SLOW_MOCK, cores=cores) as cluster:
         probe = _connect(cluster)
         stream = Stream(cluster).started()
         cluster.edge.popen.send_signal(signal.SIGINT)
@@ -185,8 +186,9 @@ def test_node_drains_in_flight_streams_then_exits_0(cores):
                    what="node gone from the Edge")
 
 
-def test_node_second_signal_stops_at_once_with_exit_0():
-    with Cluster(mock_args=SLOW_MOCK) as cluster:
+@pytest.mark.parametrize("cores", ["0", "0-1"])
+def test_node_second_signal_stops_at_once_with_exit_0(cores):
+    with Cluster(mock_args=SLOW_MOCK, cores=cores) as cluster:
         node = cluster.nodes["node-a"]
         stream = Stream(cluster).started()
         node.popen.send_signal(signal.SIGTERM)
