@@ -373,7 +373,10 @@ impl ShardedEdge {
             // for the others).
             let (shutdown, force) = (stop.shutdown, stop.force);
             for (signal, step) in [
-                (Box::pin(shutdown) as std::pin::Pin<Box<dyn Future<Output = ()>>>, Lifecycle::Shutdown),
+                (
+                    Box::pin(shutdown) as std::pin::Pin<Box<dyn Future<Output = ()>>>,
+                    Lifecycle::Shutdown,
+                ),
                 (Box::pin(force), Lifecycle::Force),
             ] {
                 let edge = edge.clone();

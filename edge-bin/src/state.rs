@@ -43,7 +43,35 @@ pub enum RouteEvent {
 
 /// The receiving end of a client request's route: frames arrive here from
 /// whichever shard reads the node connection.
-pub type RouteRx = Mailbox<RouteEvent>;
+#[derive(Debug)]
+pub struct RouteRx {
+    rx: Mailbox<RouteEvent>,
+    /// Set when `Control` released the lease without a terminal.
+    lost: Rc<Cell<bool>>,
+}
+
+impl RouteRx {
+    /// The next event. Once the lease is known lost (F1, R2) that is all
+    /// the client gets: frames still queued behind the decision — read from
+    /// the fenced connection before its shard closed it — are never
+    /// relayed.
+    pub async fn recv(&mut self) -> Option<RouteEvent> {
+        if self.lost.get() {
+            return Some(RouteEvent::Lost);
+        }
+        let event = self.rx.recv().await;
+        if self.lost.get() {
+            return Some(RouteEvent::Lost);
+        }
+        event
+    }
+}
+
+/// This shard's handle on a dispatched client request's route.
+struct ClientRoute {
+    tx: MailboxSender<RouteEvent>,
+    lost: Rc<Cell<bool>>,
+}
 
 /// A dispatched run on a node connection of this shard: where its frames
 /// go.
@@ -126,7 +154,7 @@ pub struct Edge {
     node_routes: RefCell<HashMap<String, NodeRoute>>,
     /// This shard's dispatched client requests: a sender into each one's
     /// route, for `Lost`.
-    client_routes: RefCell<HashMap<RequestId, MailboxSender<RouteEvent>>>,
+    client_routes: RefCell<HashMap<RequestId, ClientRoute>>,
     /// Submitted requests waiting for admission.
     waiters: RefCell<HashMap<RequestId, oneshot::Sender<Admission>>>,
     /// Static settings.
@@ -444,6 +472,9 @@ impl Edge {
                 }
             }
             Action::Close { conn, reason } => {
+                // Fenced or refused: nothing it sends from now on reaches a
+                // client (H1, F2); its clients hear `Lost` from Control.
+                self.drop_routes_of(conn);
                 if let Some(c) = self.conn(conn) {
                     c.close(reason);
                 }
@@ -485,17 +516,19 @@ impl Edge {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
         let (tx, rx) = mailbox::mailbox(ROUTE_QUEUE_FRAMES);
+        let lost = Rc::new(Cell::new(false));
+        let frames = RouteRx {
+            rx,
+            lost: lost.clone(),
+        };
         let delivered = match waiter {
-            Some(w) => w
-                .send(Admission::Dispatched {
-                    dispatch,
-                    frames: rx,
-                })
-                .is_ok(),
+            Some(w) => w.send(Admission::Dispatched { dispatch, frames }).is_ok(),
             None => false,
         };
         if delivered {
-            self.client_routes.borrow_mut().insert(request, tx);
+            self.client_routes
+                .borrow_mut()
+                .insert(request, ClientRoute { tx, lost });
         } else {
             // The client left before its run was sent: settle at once.
             self.abandon(request);
@@ -512,9 +545,11 @@ impl Edge {
         }
         let route = self.client_routes.borrow_mut().remove(&request);
         if let (Some(route), Outcome::Lost) = (route, outcome) {
-            if let Err(mailbox::TrySendError::Full(lost)) = route.try_send(RouteEvent::Lost) {
+            route.lost.set(true);
+            // Wakes a relay waiting on an empty route.
+            if let Err(mailbox::TrySendError::Full(lost)) = route.tx.try_send(RouteEvent::Lost) {
                 monoio::spawn(async move {
-                    let _ = route.send(lost).await;
+                    let _ = route.tx.send(lost).await;
                 });
             }
         }
@@ -527,7 +562,12 @@ impl Edge {
     /// send it ends its route with `Lost` there.
     pub async fn start_run(&self, request: RequestId, dispatch: &Dispatch, run: pb::Frame) -> bool {
         let lease = &dispatch.lease;
-        let Some(route) = self.client_routes.borrow().get(&request).cloned() else {
+        let Some(route) = self
+            .client_routes
+            .borrow()
+            .get(&request)
+            .map(|r| r.tx.clone())
+        else {
             // Already settled (the node was fenced meanwhile).
             return false;
         };
@@ -847,6 +887,45 @@ mod tests {
         edge.apply(Input::Closed { conn });
         assert_eq!(seen.get(), 2, "node.disconnected reached the observer");
         assert!(!edge.control().is_ready_owner(conn));
+    }
+
+    // CONTRACT: F1 — once Control fenced the connection that owned a
+    // lease, its client gets `Lost` and nothing queued behind that
+    // decision, even frames read before the node's shard closed it.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_fenced_lease_ends_its_route_before_queued_frames() {
+        let edge = edge();
+        let conn = ConnId(1);
+        edge.apply(Input::Register {
+            conn,
+            tls_name: "n".into(),
+            node_id: "n".into(),
+        });
+        edge.apply(Input::Ready {
+            conn,
+            node_id: "n".into(),
+        });
+        let (request, mut rx) = edge.submit("m", false);
+        let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
+            panic!("request not dispatched")
+        };
+        let tx = edge.client_routes.borrow()[&request].tx.clone();
+        let frame = |seq| {
+            RouteEvent::Tunnel(pb::ProviderTunnelFrame {
+                run_id: request.run_id(),
+                seq,
+                ..Default::default()
+            })
+        };
+        assert!(tx.try_send(frame(1)).is_ok());
+        assert!(matches!(frames.recv().await, Some(RouteEvent::Tunnel(f)) if f.seq == 1));
+        // Frame 2 is queued, then the connection is fenced.
+        assert!(tx.try_send(frame(2)).is_ok());
+        edge.apply(Input::Closed { conn });
+        assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
+        assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
+        assert!(edge.client_routes.borrow().is_empty());
+        assert_eq!(edge.control().leases().count(), 0);
     }
 
     #[test]

@@ -232,11 +232,17 @@ impl<T> Mailbox<T> {
 
 impl<T> Drop for Mailbox<T> {
     fn drop(&mut self) {
-        let senders = {
+        // Messages nobody will read are dropped now, not when the last
+        // sender goes (they may hold pooled buffers or large frames).
+        let (senders, unread) = {
             let mut state = self.shared.lock();
             state.closed = true;
-            std::mem::take(&mut state.sender_wakers)
+            (
+                std::mem::take(&mut state.sender_wakers),
+                std::mem::take(&mut state.queue),
+            )
         };
+        drop(unread);
         for w in senders {
             w.wake();
         }
@@ -257,6 +263,22 @@ mod tests {
         drop(rx);
         assert!(tx.is_closed());
         assert_eq!(tx.try_send(4), Err(TrySendError::Closed(4)));
+    }
+
+    #[test]
+    fn unread_messages_are_dropped_with_the_receiver() {
+        let held = std::sync::Arc::new(());
+        let (tx, rx) = mailbox::<std::sync::Arc<()>>(4);
+        assert!(tx.try_send(held.clone()).is_ok());
+        assert!(tx.try_send(held.clone()).is_ok());
+        assert_eq!(std::sync::Arc::strong_count(&held), 3);
+        drop(rx);
+        assert_eq!(
+            std::sync::Arc::strong_count(&held),
+            1,
+            "queued messages went with the receiver while a sender lives"
+        );
+        drop(tx);
     }
 
     #[monoio::test_all(timer_enabled = true)]
