@@ -355,7 +355,10 @@ async fn a_cancel_before_its_run_stops_the_run_on_arrival() {
         Some(pb::TunnelFrameKind::End)
     );
     let stats = mock.admin_stats().await;
-    assert_eq!(stats["chat_requests"], 1, "only the second run reached the provider");
+    assert_eq!(
+        stats["chat_requests"], 1,
+        "only the second run reached the provider"
+    );
 }
 
 // CONTRACT: F5 — when the connection drops, the session cancels every
