@@ -291,3 +291,95 @@ async fn a_client_leaving_on_one_shard_cancels_the_run_on_the_other() {
     })
     .await;
 }
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_superseded_node_connection_on_another_shard_never_reaches_the_client_again() {
+    // CONTRACT: R2, F1
+    use bytes::Bytes;
+    use iop_wire::pb;
+    use iop_wire::pb::frame::Body;
+    let pki = Pki::mint("two-shards-superseded");
+    guarded(async {
+        let shards = start_two_shards(&pki, &edge_toml(&pki, &EdgeOptions::without_provider()));
+        // The first connection of node-a lands on shard 1.
+        let mut first = RawNode::connect(shards.node[1], &pki.connector("node-a")).await;
+        assert!(first.register("node-a").await.accepted);
+        assert_eq!(first.ready("node-a").await, ready_accepted());
+        wait_connected(shards.client[0], "node-a", true).await;
+
+        // A client on shard 0 is being served over it.
+        let client_addr = shards.client[0];
+        let client = monoio::spawn(async move { post_chat(client_addr, &chat_body(MODEL)).await });
+        let run_id = match first.next_frame().await {
+            Body::ProviderTunnelRequest(r) => r.run_id,
+            other => panic!("expected ProviderTunnelRequest, got {other:?}"),
+        };
+        let tunnel = |seq: u64, kind: pb::TunnelFrameKind, body: &'static [u8]| {
+            frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
+                run_id: run_id.clone(),
+                seq,
+                kind: kind as i32,
+                adapter: ADAPTER.into(),
+                target: TARGET.into(),
+                status: if seq == 1 { 200 } else { 0 },
+                headers: if seq == 1 {
+                    vec![pb::Header {
+                        name: "content-type".into(),
+                        value: Bytes::from_static(b"text/event-stream"),
+                    }]
+                } else {
+                    Vec::new()
+                },
+                body: Bytes::from_static(body),
+                ..Default::default()
+            }))
+        };
+        for f in [
+            tunnel(1, pb::TunnelFrameKind::ResponseStart, b""),
+            tunnel(2, pb::TunnelFrameKind::Body, b"data: {\"n\":1}\n\n"),
+        ] {
+            first.conn.send_bulk(f).await.expect("send tunnel frame");
+        }
+        // Wait until the first body chunk is in flight to the client: the
+        // lease is held.
+        assert_eq!(
+            node_entry(shards.client[0], "node-a").await,
+            ready_entry("node-a", "a-mock", 1)
+        );
+
+        // node-a connects again, to shard 0: Control fences the first
+        // connection (R2) on shard 1 and the client's lease is lost (F1).
+        let mut second = RawNode::connect(shards.node[0], &pki.connector("node-a")).await;
+        assert!(second.register("node-a").await.accepted);
+        assert_eq!(first.closed_reason().await, "peer:superseded");
+        // Whatever the old connection still manages to send is never
+        // relayed.
+        let _ = first
+            .conn
+            .send_bulk(tunnel(3, pb::TunnelFrameKind::Body, b"data: stale\n\n"))
+            .await;
+        let _ = first
+            .conn
+            .send_bulk(tunnel(4, pb::TunnelFrameKind::End, b""))
+            .await;
+
+        let response = client.await;
+        assert_eq!(response.status, 200);
+        let body = String::from_utf8(response.body).expect("UTF-8 body");
+        assert!(body.starts_with("data: {\"n\":1}\n\n"), "{body}");
+        assert!(body.contains("node_disconnected"), "{body}");
+        assert!(!body.contains("stale"), "{body}");
+        assert_eq!(
+            node_entry(shards.client[1], "node-a").await,
+            offline_entry("node-a", "a-mock")
+        );
+
+        shards.stop.try_send(()).expect("stop signal");
+        for thread in shards.threads {
+            let end = thread.join().expect("shard thread").expect("shard runtime");
+            assert_eq!(end, DrainEnd::Finished);
+        }
+        drop(second);
+    })
+    .await;
+}
