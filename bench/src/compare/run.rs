@@ -179,9 +179,6 @@ fn start_mock(
     Ok(url)
 }
 
-/// Mints certificates, writes the configs, starts Edge and Node (unless an
-/// Edge is attached) and waits for the Node to connect; returns the Edge's
-/// client base URL.
 fn start_relay(
     opts: &CompareOptions,
     cluster: &mut Cluster,
@@ -191,15 +188,60 @@ fn start_relay(
     if let Some(url) = &opts.attach_edge {
         return Ok(url.clone());
     }
-    let edge_bin = opts.bin_dir.join("edge-bin");
-    let node_bin = opts.bin_dir.join("node-bin");
-    check_binary(&edge_bin)?;
-    check_binary(&node_bin)?;
     let dir = cluster.tmp.path().to_path_buf();
     let names = ClusterNames::bench(&opts.edge_model, &opts.mock_model);
+    let mut mock = cluster.mock.take();
+    let pair = spawn_relay(
+        &opts.bin_dir,
+        &dir,
+        &names,
+        mock_url,
+        (&opts.edge_cores, &opts.node_cores),
+        stop,
+        &mut || mock.as_mut().map_or(Ok(()), ChildProc::check_running),
+    );
+    cluster.mock = mock;
+    let pair = pair?;
+    cluster.edge = Some(pair.edge);
+    cluster.node = Some(pair.node);
+    Ok(pair.url)
+}
+
+/// An Edge and a Node started by [`spawn_relay`].
+pub(crate) struct RelayPair {
+    /// The Edge process.
+    pub(crate) edge: ChildProc,
+    /// The Node process, connected to it.
+    pub(crate) node: ChildProc,
+    /// The Edge's client base URL.
+    pub(crate) url: String,
+}
+
+/// Mints development certificates into `dir`, writes `edge.toml` and
+/// `node.toml` for `names` against `mock_url`, starts edge-bin and
+/// node-bin from `bin_dir` with their `--cores` (`cores` = edge, node) and
+/// waits for the Node to connect. `others` checks the children already
+/// running, so a dead mock ends the wait with its log.
+pub(crate) fn spawn_relay(
+    bin_dir: &Path,
+    dir: &Path,
+    names: &ClusterNames,
+    mock_url: &str,
+    cores: (&str, &str),
+    stop: &AtomicBool,
+    others: &mut dyn FnMut() -> Result<(), CompareError>,
+) -> Result<RelayPair, CompareError> {
+    let edge_bin = bin_dir.join("edge-bin");
+    let node_bin = bin_dir.join("node-bin");
+    check_binary(&edge_bin)?;
+    check_binary(&node_bin)?;
+    std::fs::create_dir_all(dir).map_err(|source| CompareError::Io {
+        what: format!("create {}", dir.display()),
+        source,
+    })?;
     let certs_dir = dir.join("certs");
     let minted = Command::new(&edge_bin)
-        .args(certs_args(&names, &certs_dir.display().to_string()))
+        .args(certs_args(names, &certs_dir.display().to_string()))
         .env("RUST_LOG", "warn")
         .output()
         .map_err(|source| CompareError::Spawn {
@@ -214,44 +256,57 @@ fn start_relay(
             log_tail: String::from_utf8_lossy(&minted.stderr).into_owned(),
         });
     }
+    let args = |config: &Path, cores: &str| -> Vec<String> {
+        vec![
+            "--config".into(),
+            config.display().to_string(),
+            "--cores".into(),
+            cores.to_string(),
+        ]
+    };
     let edge_config = dir.join("edge.toml");
-    write_file(&edge_config, &edge_toml(&names, mock_url))?;
-    let edge_args: Vec<String> = vec![
-        "--config".into(),
-        edge_config.display().to_string(),
-        "--cores".into(),
-        opts.edge_cores.clone(),
-    ];
-    let edge = ChildProc::spawn("edge", &edge_bin, &edge_args, &dir, true, stop)?;
+    write_file(&edge_config, &edge_toml(names, mock_url))?;
+    let mut edge = ChildProc::spawn(
+        "edge",
+        &edge_bin,
+        &args(&edge_config, cores.0),
+        dir,
+        true,
+        stop,
+    )?;
     let client = edge.ready_value("client")?.to_string();
     let nodes = edge.ready_value("nodes")?.to_string();
-    cluster.edge = Some(edge);
     let node_config = dir.join("node.toml");
-    write_file(&node_config, &node_toml(&names, &nodes))?;
-    let node_args: Vec<String> = vec![
-        "--config".into(),
-        node_config.display().to_string(),
-        "--cores".into(),
-        opts.node_cores.clone(),
-    ];
-    cluster.node = Some(ChildProc::spawn(
-        "node", &node_bin, &node_args, &dir, false, stop,
-    )?);
+    write_file(&node_config, &node_toml(names, &nodes))?;
+    let mut node = ChildProc::spawn(
+        "node",
+        &node_bin,
+        &args(&node_config, cores.1),
+        dir,
+        false,
+        stop,
+    )?;
     let url = format!("http://{client}");
-    wait_connected(&Target::parse(&url)?, cluster, stop)?;
-    Ok(url)
+    wait_connected(&Target::parse(&url)?, stop, &mut || {
+        others()?;
+        edge.check_running()?;
+        node.check_running()
+    })?;
+    Ok(RelayPair { edge, node, url })
 }
 
+/// Polls the Edge's `/status` until a provider is connected, calling
+/// `check_running` between polls.
 fn wait_connected(
     edge: &Target,
-    cluster: &mut Cluster,
     stop: &AtomicBool,
+    check_running: &mut dyn FnMut() -> Result<(), CompareError>,
 ) -> Result<(), CompareError> {
     let mut waited_ms = 0;
     let mut last_status = String::from("none yet");
     while waited_ms < CONNECT_TIMEOUT_MS {
         interrupted(stop)?;
-        cluster.check_running()?;
+        check_running()?;
         match load::get_blocking(edge, "/status") {
             Ok((200, body)) => match serde_json::from_slice::<serde_json::Value>(&body) {
                 Ok(status) if status_has_connected_provider(&status) => return Ok(()),

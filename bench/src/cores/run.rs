@@ -2,26 +2,19 @@
 //! per layout, warm every arm up, run the rounds, assemble the report.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::report::{summarize, ArmResult, CoresArm, CoresReport, CoresWindow, CpuWindow, SCHEMA};
 use super::CoresOptions;
-use crate::compare::config::{
-    certs_args, edge_toml, node_toml, status_has_connected_provider, ClusterNames,
-};
+use crate::compare::config::ClusterNames;
 use crate::compare::procs::{ChildProc, TempDir};
-use crate::compare::run::{check_binary, commit, interrupted, write_file};
+use crate::compare::run::{check_binary, commit, interrupted, spawn_relay};
 use crate::compare::CompareError;
 use crate::load::{self, Live, LoadSpec, LoadSummary, Mode, Target};
 use crate::procstat::{self, CpuTicks};
 
-/// How long the harness waits for a Node to show up connected.
-const CONNECT_TIMEOUT_MS: u64 = 20_000;
-/// `/status` poll period while waiting.
-const STATUS_POLL_MS: u64 = 50;
 /// Pause between windows so closed connections are torn down on every
 /// side before the next window starts.
 const SETTLE_MS: u64 = 200;
@@ -130,9 +123,9 @@ fn start_mock(
     Ok(url)
 }
 
-/// Mints certificates into `dir`, writes the configs, starts an Edge and
-/// a Node both with `--cores cores` and waits for the Node to connect;
-/// returns the Edge's client base URL.
+/// Starts an Edge and a Node, both with `--cores cores`, in `dir` against
+/// `mock_url` and waits for the Node to connect; returns the Edge's client
+/// base URL.
 fn start_relay(
     opts: &CoresOptions,
     children: &mut Children,
@@ -141,93 +134,21 @@ fn start_relay(
     mock_url: &str,
     stop: &AtomicBool,
 ) -> Result<String, CompareError> {
-    let edge_bin = opts.bin_dir.join("edge-bin");
-    let node_bin = opts.bin_dir.join("node-bin");
-    check_binary(&edge_bin)?;
-    check_binary(&node_bin)?;
-    std::fs::create_dir_all(dir).map_err(|source| CompareError::Io {
-        what: format!("create {}", dir.display()),
-        source,
-    })?;
     let names = ClusterNames::bench(&opts.edge_model, &opts.mock_model);
-    let minted = Command::new(&edge_bin)
-        .args(certs_args(&names, &dir.join("certs").display().to_string()))
-        .env("RUST_LOG", "warn")
-        .output()
-        .map_err(|source| CompareError::Spawn {
-            name: "edge-bin certs".into(),
-            program: edge_bin.display().to_string(),
-            source,
-        })?;
-    if !minted.status.success() {
-        return Err(CompareError::Exited {
-            name: "edge-bin certs".into(),
-            status: minted.status.to_string(),
-            log_tail: String::from_utf8_lossy(&minted.stderr).into_owned(),
-        });
-    }
-    let edge_config = dir.join("edge.toml");
-    write_file(&edge_config, &edge_toml(&names, mock_url))?;
-    let config_args = |config: &Path| -> Vec<String> {
-        vec![
-            "--config".into(),
-            config.display().to_string(),
-            "--cores".into(),
-            cores.to_string(),
-        ]
-    };
-    let edge = ChildProc::spawn(
-        "edge",
-        &edge_bin,
-        &config_args(&edge_config),
+    let pair = spawn_relay(
+        &opts.bin_dir,
         dir,
-        true,
+        &names,
+        mock_url,
+        (cores, cores),
         stop,
+        &mut || children.check_running(),
     )?;
-    let client = edge.ready_value("client")?.to_string();
-    let nodes = edge.ready_value("nodes")?.to_string();
-    let node_config = dir.join("node.toml");
-    write_file(&node_config, &node_toml(&names, &nodes))?;
-    let node = ChildProc::spawn(
-        "node",
-        &node_bin,
-        &config_args(&node_config),
-        dir,
-        false,
-        stop,
-    )?;
-    children.relays.push(Relay { node, edge });
-    let url = format!("http://{client}");
-    wait_connected(&Target::parse(&url)?, children, stop)?;
-    Ok(url)
-}
-
-fn wait_connected(
-    edge: &Target,
-    children: &mut Children,
-    stop: &AtomicBool,
-) -> Result<(), CompareError> {
-    let mut waited_ms = 0;
-    let mut last_status = String::from("none yet");
-    while waited_ms < CONNECT_TIMEOUT_MS {
-        interrupted(stop)?;
-        children.check_running()?;
-        match load::get_blocking(edge, "/status") {
-            Ok((200, body)) => match serde_json::from_slice::<serde_json::Value>(&body) {
-                Ok(status) if status_has_connected_provider(&status) => return Ok(()),
-                Ok(status) => last_status = status.to_string(),
-                Err(e) => last_status = format!("not JSON: {e}"),
-            },
-            Ok((code, _)) => last_status = format!("HTTP {code}"),
-            Err(e) => last_status = e.to_string(),
-        }
-        std::thread::sleep(Duration::from_millis(STATUS_POLL_MS));
-        waited_ms += STATUS_POLL_MS;
-    }
-    Err(CompareError::NodeNotConnected {
-        waited_ms,
-        last_status,
-    })
+    children.relays.push(Relay {
+        node: pair.node,
+        edge: pair.edge,
+    });
+    Ok(pair.url)
 }
 
 /// The closed-loop load of one window.
