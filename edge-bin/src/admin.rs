@@ -9,6 +9,7 @@
 //!            │ yes: pending[command_id] = (conn, reply)
 //!            ▼
 //!   NodeCommandRequest ──► node ──► NodeCommandResponse ──► nodes.rs ─► on_response ─► reply
+//!            ├── the connection closed before the command went out ─► 502
 //!            └── no answer within COMMAND_WAIT ─► 504
 //! ```
 //!
@@ -172,19 +173,33 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
         PENDING.with_borrow_mut(|p| p.remove(&command_id));
         return error(502, "node_unavailable", "the node connection closed");
     }
+    // `Some(None)`: the command could not be sent after all (the
+    // connection closed on its shard).
     let answer = monoio::select! {
-        r = rx => r.ok(),
+        r = rx => Some(r.ok()),
         _ = monoio::time::sleep(COMMAND_WAIT) => None,
     };
     PENDING.with_borrow_mut(|p| p.remove(&command_id));
     match answer {
-        Some(resp) => (200, Bytes::from(response_json(&resp).to_string())),
+        Some(Some(resp)) => (200, Bytes::from(response_json(&resp).to_string())),
+        Some(None) => error(502, "node_unavailable", "the node connection closed"),
         None => error(
             504,
             "node_timeout",
             "the node did not answer the command in time",
         ),
     }
+}
+
+/// Admin command `command_id` could not be sent on `conn` (it closed before
+/// its shard got the frame): its request answers 502 at once.
+pub fn on_undeliverable(conn: ConnId, command_id: &str) {
+    PENDING.with_borrow_mut(|p| {
+        if p.get(command_id).is_some_and(|entry| entry.conn == conn) {
+            // Dropping the reply sender wakes the waiting request.
+            p.remove(command_id);
+        }
+    });
 }
 
 /// A `NodeCommandResponse` from connection `conn` (called by the node
@@ -317,6 +332,33 @@ mod tests {
         );
         on_response(ConnId(7), resp.clone());
         assert_eq!(rx.try_recv(), Ok(resp));
+    }
+
+    #[test]
+    fn an_undeliverable_command_ends_its_wait() {
+        let (tx, mut rx) = oneshot::channel::<pb::NodeCommandResponse>();
+        PENDING.with_borrow_mut(|p| {
+            p.insert(
+                "admin-0-9".into(),
+                Pending {
+                    conn: ConnId(7),
+                    reply: tx,
+                },
+            )
+        });
+        on_undeliverable(ConnId(8), "admin-0-9");
+        assert!(
+            PENDING.with_borrow(|p| p.contains_key("admin-0-9")),
+            "another connection"
+        );
+        on_undeliverable(ConnId(7), "admin-0-9");
+        assert!(PENDING.with_borrow(|p| p.is_empty()));
+        assert!(
+            rx.try_recv().is_err(),
+            "the sender is gone: the request answers 502"
+        );
+        assert_eq!(command_shard("admin-3-17"), 3);
+        assert_eq!(command_shard("admin-17"), 0);
     }
 
     #[test]

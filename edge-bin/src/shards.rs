@@ -110,6 +110,14 @@ pub enum ShardMsg {
         /// The answer.
         response: pb::NodeCommandResponse,
     },
+    /// An admin command could not be sent (its connection is gone), for
+    /// the shard whose client asked.
+    CommandUndeliverable {
+        /// The connection it was for.
+        conn: ConnId,
+        /// The command.
+        command_id: String,
+    },
     /// A read of `Control` (control shard only).
     Query(Query),
     /// A lifecycle step (from the control shard).
@@ -130,6 +138,9 @@ impl std::fmt::Debug for ShardMsg {
             ShardMsg::StartRun(s) => s.fmt(f),
             ShardMsg::SendControl { conn, .. } => write!(f, "SendControl({conn:?})"),
             ShardMsg::CommandAnswer { conn, .. } => write!(f, "CommandAnswer({conn:?})"),
+            ShardMsg::CommandUndeliverable { command_id, .. } => {
+                write!(f, "CommandUndeliverable({command_id})")
+            }
             ShardMsg::Query(_) => f.write_str("Query"),
             ShardMsg::Lifecycle(l) => write!(f, "Lifecycle({l:?})"),
             ShardMsg::Drained { in_flight } => write!(f, "Drained({in_flight})"),

@@ -684,9 +684,29 @@ impl Edge {
                 });
             }
             ShardMsg::SendControl { conn, frame } => {
-                if let Some(c) = self.conn(conn) {
-                    let _ = c.send_control(frame);
+                let command_id = match &frame.body {
+                    Some(Body::NodeCommandRequest(c))
+                        if crate::admin::is_admin_command(&c.command_id) =>
+                    {
+                        Some(c.command_id.clone())
+                    }
+                    _ => None,
+                };
+                let sent = self
+                    .conn(conn)
+                    .is_some_and(|c| c.send_control(frame).is_ok());
+                if let (false, Some(command_id)) = (sent, command_id) {
+                    let to = crate::admin::command_shard(&command_id);
+                    match &self.outbox {
+                        Some(outbox) if to != self.shard => {
+                            outbox.send(to, ShardMsg::CommandUndeliverable { conn, command_id })
+                        }
+                        _ => crate::admin::on_undeliverable(conn, &command_id),
+                    }
                 }
+            }
+            ShardMsg::CommandUndeliverable { conn, command_id } => {
+                crate::admin::on_undeliverable(conn, &command_id)
             }
             ShardMsg::CommandAnswer { conn, response } => crate::admin::on_response(conn, response),
             ShardMsg::Query(read) => match &self.control {
