@@ -104,8 +104,12 @@ impl NodeCore {
     ) -> Rc<Self> {
         let timers = Timers::new(clock::now());
         monoio::spawn(timers.clone().run());
+        // With worker cores every provider call runs there, against the
+        // worker's own pool; this one stays empty and needs no sweeper.
         let pool = ProviderPool::new(PoolConfig::default());
-        provider_pool::spawn_sweeper(&pool, &timers);
+        if workers.is_none() {
+            provider_pool::spawn_sweeper(&pool, &timers);
+        }
         Rc::new(Self {
             timers,
             pool,
