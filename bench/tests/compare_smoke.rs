@@ -6,14 +6,12 @@
 //! ratios equal to B − A and B / A of the reported window figures — and
 //! never judges the numbers themselves.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::Duration;
+mod common;
 
+use std::path::PathBuf;
+
+use common::*;
 use serde_json::Value;
-
-/// Safety net so a hung harness fails the test instead of hanging it.
-const RUN_LIMIT: Duration = Duration::from_secs(180);
 
 const FIGURES: [&str; 5] = [
     "ttft_p50_us",
@@ -29,88 +27,6 @@ const RATIOS: [&str; 5] = [
     "chunk_latency_p99",
     "inter_chunk_gap_p99",
 ];
-
-/// The directory with `bench`, `edge-bin` and `node-bin`; fails with the
-/// fix when the other binaries were not built.
-fn bin_dir() -> PathBuf {
-    let bench = Path::new(env!("CARGO_BIN_EXE_bench"));
-    let dir = bench.parent().expect("bench has a directory").to_path_buf();
-    for name in ["edge-bin", "node-bin"] {
-        assert!(
-            dir.join(name).is_file(),
-            "{} is missing: run `cargo build --workspace --bins` first \
-             (scripts/test.sh does), then run the tests again",
-            dir.join(name).display()
-        );
-    }
-    dir
-}
-
-fn scratch_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("iop-bench-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create scratch dir");
-    dir
-}
-
-/// Runs `bench args…` to completion (bounded); stdout, stderr, success.
-fn run_bench(args: &[&str]) -> (String, String, bool) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_bench"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn bench");
-    let mut waited = Duration::ZERO;
-    while child.try_wait().expect("try_wait").is_none() {
-        if waited >= RUN_LIMIT {
-            // SIGKILL skips the harness's own cleanup; SIGTERM lets it stop
-            // its children first.
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let out = child.wait_with_output().expect("collect output");
-            panic!(
-                "bench {args:?} still running after {RUN_LIMIT:?}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        waited += Duration::from_millis(50);
-    }
-    let out = child.wait_with_output().expect("collect output");
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        out.status.success(),
-    )
-}
-
-fn f64_at(v: &Value, key: &str) -> f64 {
-    v[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("`{key}` is not a number in {v}"))
-}
-
-fn u64_at(v: &Value, key: &str) -> u64 {
-    v[key]
-        .as_u64()
-        .unwrap_or_else(|| panic!("`{key}` is not a count in {v}"))
-}
-
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
-}
 
 #[test]
 fn quick_compare_writes_a_complete_consistent_report() {
