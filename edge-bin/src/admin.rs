@@ -25,9 +25,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use iop_engine::sync::oneshot;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::oneshot;
 use serde::Deserialize;
 use serde_json::{json, Value};
 

@@ -15,10 +15,10 @@ use std::time::Duration;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::oneshot;
 
 use crate::control::{
     Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,

@@ -131,7 +131,7 @@ async fn two_shards_relay_byte_exact_streams_across_cores() {
             pki.dir.join("node.toml"),
         )
         .expect("node config");
-        let (stop_node, node_stopped) = local_sync::oneshot::channel::<()>();
+        let (stop_node, node_stopped) = iop_engine::sync::oneshot::channel::<()>();
         let node = monoio::spawn(supervisor::run(
             node_cfg,
             Some(pki.connector("node-a")),
@@ -231,7 +231,7 @@ async fn a_client_leaving_on_one_shard_cancels_the_run_on_the_other() {
             pki.dir.join("node.toml"),
         )
         .expect("node config");
-        let (stop_node, node_stopped) = local_sync::oneshot::channel::<()>();
+        let (stop_node, node_stopped) = iop_engine::sync::oneshot::channel::<()>();
         let node = monoio::spawn(supervisor::run(
             node_cfg,
             Some(pki.connector("node-a")),

@@ -90,7 +90,7 @@ async fn register_ready_and_one_tunnel_stream() {
         node_cfg.validate_files().expect("node TLS files");
         let connector = pki.connector("node-a");
         assert_eq!(connector.local_identity().name(), node_cfg.node_id);
-        let (stop_node, node_stopped) = local_sync::oneshot::channel::<()>();
+        let (stop_node, node_stopped) = iop_engine::sync::oneshot::channel::<()>();
         let node = monoio::spawn(supervisor::run(
             node_cfg,
             Some(connector),

@@ -164,7 +164,9 @@ impl<T> MailboxSender<T> {
                         // Room appeared (or the receiver left) meanwhile.
                         drop(state);
                         cx.waker().wake_by_ref();
-                    } else {
+                    } else if !state.sender_wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                        // One waker per waiting task, however often a
+                        // parked send is polled again (inside `select!`).
                         state.sender_wakers.push(cx.waker().clone());
                     }
                     msg = Some(m);
@@ -194,7 +196,14 @@ impl<T> Mailbox<T> {
                     if self.shared.senders.load(Ordering::Acquire) == 0 {
                         return Poll::Ready(0);
                     }
-                    state.receiver_waker = Some(cx.waker().clone());
+                    let stale = match &state.receiver_waker {
+                        Some(w) if w.will_wake(cx.waker()) => None,
+                        _ => state.receiver_waker.replace(cx.waker().clone()),
+                    };
+                    drop(state);
+                    // A replaced waker is dropped outside the lock (its
+                    // drop may end a task whose future holds a sender).
+                    drop(stale);
                     return Poll::Pending;
                 }
                 let n = state.queue.len().min(max);

@@ -310,8 +310,8 @@ pub type StopFuture = std::pin::Pin<Box<dyn Future<Output = ()>>>;
 pub fn stop_signals() -> io::Result<(StopFuture, StopFuture)> {
     let mut term = SignalPipe::install(Signal::Term)?;
     let mut int = SignalPipe::install(Signal::Int)?;
-    let (first_tx, first_rx) = local_sync::oneshot::channel::<()>();
-    let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+    let (first_tx, first_rx) = crate::sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = crate::sync::oneshot::channel::<()>();
     monoio::spawn(async move {
         for (nth, tx) in [first_tx, second_tx].into_iter().enumerate() {
             let signal = monoio::select! {
@@ -336,7 +336,7 @@ pub fn stop_signals() -> io::Result<(StopFuture, StopFuture)> {
         }
     });
     // A sender dropped without sending never stops the process.
-    let wait = |rx: local_sync::oneshot::Receiver<()>| -> StopFuture {
+    let wait = |rx: crate::sync::oneshot::Receiver<()>| -> StopFuture {
         Box::pin(async move {
             if rx.await.is_err() {
                 std::future::pending::<()>().await;

@@ -204,7 +204,7 @@ mod http {
     #[monoio::test_all]
     async fn streamed_chunked_response_reaches_the_client_chunk_by_chunk() {
         let (listener, addr) = listen();
-        let (first_received_tx, first_received_rx) = local_sync::oneshot::channel::<()>();
+        let (first_received_tx, first_received_rx) = iop_engine::sync::oneshot::channel::<()>();
         let server = monoio::spawn(async move {
             let (stream, _) = accept(&listener).await.unwrap();
             let mut conn = ServerConn::new(stream, Limits::default());

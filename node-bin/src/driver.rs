@@ -31,9 +31,9 @@ use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{Mailbox, MailboxSender};
 use iop_engine::metrics::{self, Count, Latency};
+use iop_engine::sync::channel;
+use iop_engine::sync::oneshot;
 use iop_engine::sync::Notify;
-use local_sync::mpsc::bounded;
-use local_sync::oneshot;
 
 use crate::adapters::Permit;
 use crate::emit::{Emitter, Outbound};
@@ -126,7 +126,7 @@ pub(crate) struct Stamped<O> {
 /// Where a provider call's outputs go: a core-local channel, or the
 /// cross-core mailbox of a call running on a worker core.
 enum Sender<O> {
-    Local(bounded::Tx<Stamped<O>>),
+    Local(channel::Sender<Stamped<O>>),
     Remote(MailboxSender<Stamped<O>>),
 }
 
@@ -164,7 +164,7 @@ impl<O> OutputTx<O> {
 
 /// The driver's end of the outputs.
 enum Receiver<O> {
-    Local(bounded::Rx<Stamped<O>>),
+    Local(channel::Receiver<Stamped<O>>),
     Remote {
         mailbox: Mailbox<Stamped<O>>,
         /// Outputs taken in one batch (one lock, at most one cross-core
@@ -303,7 +303,7 @@ fn spawn_local<C: ProviderCall>(
     permit: Option<Permit>,
     call: C,
 ) -> ProviderSide<C::Output> {
-    let (tx, rx) = bounded::channel(OUTPUT_QUEUE);
+    let (tx, rx) = channel::channel(OUTPUT_QUEUE);
     let abort = Rc::new(AbortSignal::default());
     let started_at = clock::now();
     let work = call.run(

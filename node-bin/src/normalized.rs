@@ -25,8 +25,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, NdjsonSplitter, ResponseHead, SseSplitter};
+use iop_engine::sync::oneshot;
 use iop_wire::pb;
-use local_sync::oneshot;
 use serde_json::Value;
 
 use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Endpoint, Permit};

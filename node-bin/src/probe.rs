@@ -163,8 +163,8 @@ pub async fn probe(target: &ProbeTarget, timeout: Duration) -> ProbeOutcome {
 pub fn spawn_probe(
     target: ProbeTarget,
     timeout: Duration,
-) -> local_sync::oneshot::Receiver<ProbeOutcome> {
-    let (tx, rx) = local_sync::oneshot::channel();
+) -> iop_engine::sync::oneshot::Receiver<ProbeOutcome> {
+    let (tx, rx) = iop_engine::sync::oneshot::channel();
     monoio::spawn(async move {
         let _ = tx.send(probe(&target, timeout).await);
     });

@@ -950,7 +950,7 @@ mod tests {
         // even though the connection itself looks reusable.
         let (conn, _) = fake(2, true);
         let held = pool.adopt(&base, conn);
-        let (abort, aborted) = local_sync::oneshot::channel::<()>();
+        let (abort, aborted) = iop_engine::sync::oneshot::channel::<()>();
         let task = monoio::spawn(async move {
             let call = async move {
                 let _held = held;

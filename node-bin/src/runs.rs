@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use local_sync::oneshot;
+use iop_engine::sync::oneshot;
 
 use crate::watchdog::StopCause;
 

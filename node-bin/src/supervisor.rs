@@ -484,7 +484,7 @@ mod tests {
         assert!(done.get());
         assert_eq!(core.active_runs(), 1);
 
-        let (second_tx, second_rx) = local_sync::oneshot::channel::<()>();
+        let (second_tx, second_rx) = iop_engine::sync::oneshot::channel::<()>();
         let force: Shutdown = Box::pin(async move {
             let _ = second_rx.await;
         });

@@ -31,9 +31,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{self, HttpError};
+use iop_engine::sync::oneshot;
 use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
-use local_sync::oneshot;
 
 use crate::adapters::{AdapterInstance, Adapters, Endpoint, Permit};
 use crate::credentials::LeaseGate;

@@ -23,12 +23,12 @@ use edge_bin::server::{self, Listeners};
 use edge_bin::state::Edge;
 use iop_engine::certs::{write_dev_certs, DevCertFiles};
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::sync::oneshot;
 use iop_engine::tls::{
     rustls_cause, EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles, TlsMaterial,
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use local_sync::oneshot;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
 use monoio::task::JoinHandle;

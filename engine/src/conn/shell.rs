@@ -6,9 +6,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::time::Instant;
 
+use crate::sync::channel;
 use bytes::{Bytes, BytesMut};
 use iop_wire::{pb, FrameDecoder};
-use local_sync::mpsc::bounded;
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
@@ -205,7 +205,7 @@ where
     R: AsyncReadRent + 'static,
     W: AsyncWriteRent + 'static,
 {
-    let (tx, rx) = bounded::channel(config.event_queue_max_frames.max(1));
+    let (tx, rx) = channel::channel(config.event_queue_max_frames.max(1));
     let max_frame_bytes = config.max_frame_bytes;
     let write_batch_max_bytes = config.write_batch_max_bytes;
     let body_copy_max_bytes = config.body_copy_max_bytes;
@@ -359,7 +359,7 @@ impl ConnHandle {
 /// The frames received on a connection, then its close.
 pub struct ConnEvents {
     shared: Rc<Shared>,
-    rx: bounded::Rx<pb::Frame>,
+    rx: channel::Receiver<pb::Frame>,
     closed_delivered: bool,
 }
 
@@ -399,7 +399,7 @@ impl ConnEvents {
 async fn reader_task<R: AsyncReadRent>(
     shared: Rc<Shared>,
     mut reader: HalfGuard<R>,
-    tx: bounded::Tx<pb::Frame>,
+    tx: channel::Sender<pb::Frame>,
     max_frame_bytes: usize,
 ) {
     let mut decoder = FrameDecoder::with_max_frame_bytes(max_frame_bytes);

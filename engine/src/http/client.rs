@@ -463,7 +463,7 @@ mod tests {
     use std::net::SocketAddr;
     use std::time::Duration;
 
-    use local_sync::oneshot;
+    use crate::sync::oneshot;
     use monoio::io::AsyncWriteRentExt;
     use monoio::net::{TcpListener, TcpStream};
 

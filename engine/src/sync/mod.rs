@@ -1,5 +1,18 @@
-//! Single-threaded wake-ups between tasks of one core (no atomics, no
-//! allocation per wake).
+//! Single-threaded wake-ups and channels between tasks of one core (no
+//! atomics, no allocation per wake).
+//!
+//! - [`Notify`]: wake one waiting task.
+//! - [`WakeList`]: wake every waiting task.
+//! - [`channel`]: a bounded many-to-one queue; [`oneshot`]: one value.
+//!
+//! Every type here is drop-safe: no waker and no value is woken or dropped
+//! while a `RefCell` of ours is borrowed. Dropping a waker can drop the last
+//! reference to a task and with it a future that holds another handle on
+//! the same state; under a borrow that is a `RefCell already borrowed`
+//! panic inside a destructor, which aborts the process.
+
+pub mod channel;
+pub mod oneshot;
 
 use std::cell::{Cell, RefCell};
 use std::future::{poll_fn, Future};
@@ -30,11 +43,15 @@ impl Notify {
             if self.notified.replace(false) {
                 return Poll::Ready(());
             }
-            let mut slot = self.waker.borrow_mut();
-            match slot.as_ref() {
-                Some(waker) if waker.will_wake(cx.waker()) => {}
-                _ => *slot = Some(cx.waker().clone()),
-            }
+            let stale = {
+                let mut slot = self.waker.borrow_mut();
+                match slot.as_ref() {
+                    Some(waker) if waker.will_wake(cx.waker()) => None,
+                    _ => slot.replace(cx.waker().clone()),
+                }
+            };
+            // Dropped outside the borrow.
+            drop(stale);
             Poll::Pending
         })
         .await
@@ -117,18 +134,16 @@ impl Future for WakeListWait<'_> {
             self.slot = None;
             return Poll::Ready(());
         }
-        let slot = {
+        let (slot, stale) = {
             let mut waiters = self.list.waiters.borrow_mut();
             match self.slot.and_then(|slot| waiters.get_mut(slot)) {
-                Some(waker) => {
-                    if !waker.will_wake(cx.waker()) {
-                        *waker = cx.waker().clone();
-                    }
-                    None
-                }
-                None => Some(waiters.insert(cx.waker().clone())),
+                Some(waker) if waker.will_wake(cx.waker()) => (None, None),
+                Some(waker) => (None, Some(std::mem::replace(waker, cx.waker().clone()))),
+                None => (Some(waiters.insert(cx.waker().clone())), None),
             }
         };
+        // A replaced waker is dropped outside the borrow.
+        drop(stale);
         if slot.is_some() {
             self.slot = slot;
         }
@@ -141,10 +156,9 @@ impl Drop for WakeListWait<'_> {
         // Within a generation a slot is freed only by its own future, so it
         // is still ours unless `wake_all` ran since (which freed it).
         if let (Some(slot), false) = (self.slot, self.woken()) {
-            let mut waiters = self.list.waiters.borrow_mut();
-            if waiters.contains(slot) {
-                waiters.remove(slot);
-            }
+            let removed = self.list.waiters.borrow_mut().try_remove(slot);
+            // Dropped outside the borrow.
+            drop(removed);
         }
     }
 }
