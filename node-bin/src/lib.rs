@@ -2,74 +2,56 @@
 //!
 //! Runs on a GPU host, dials *out* to the Edge over one mutually-authenticated
 //! TLS connection, registers, applies the config the Edge pushes, and serves
-//! provider tunnels against local inference servers, each watched by the
-//! response-stall watchdog, and normalized runs through its Ollama and
-//! OpenAI-compatible adapters ([`normalized`], [`ollama`], [`openai_run`]).
+//! provider tunnels and normalized runs against local inference servers,
+//! each attempt watched by the response-stall watchdog.
+//!
+//! ## Parts, and the way a body travels
 //!
 //! ```text
-//! control shard (first --cores core)
-//! supervisor (dial, redial: S1–S3; pure Supervisor policy)
-//!   └─ session (register → apply config → ready: R2, R3; F5 on disconnect;
-//!      │        owns the observation sequence, W7)
-//!      ├─ run manager: RunTable (K1 cancel one, F5 cancel all, W10 entry
-//!      │    kept until the provider call returns)
-//!      ├─ tunnel per request: W1 check, capacity gate (P4), credential lease
-//!      │    (C2, [`credentials`]), provider call ([`tunnel::TunnelCall`])
-//!      ├─ normalized run per request: W1 check, capacity gate (P4), provider
-//!      │    call by adapter ([`normalized::RunCall`]: Ollama NDJSON; OpenAI
-//!      │    SSE with E4/E5)
-//!      │    └─ driver: Watchdog core (W3–W10) + TunnelEmitter/RunEmitter
-//!      │         ├─ timers: one hierarchical wheel per core (engine::wheel)
-//!      │         ├─ probe: bounded fail-closed exact-target health probe
-//!      │         └─ spawn_provider ─┬─ one core: a task on this core, this
-//!      │                            │    core's provider_pool
-//!      │                            └─ ≥ 2 cores: workers ──Job──► worker core
-//!      ├─ commands (K2, H6): CAPABILITIES, TRANSPORT_STATUS,
-//!      │    PROVIDER_STATUS, OLLAMA_QUERY
-//!      └─ refresh (K3): APPLIED / RESTART_REQUIRED / FAILED
+//!  supervisor ──► session ──► attempt ──► calls ──► provider socket
+//!  (dial, S1–S3)  (frames in)  (watched)   (IO on the core owning the socket)
 //!
-//! worker cores (every other --cores core; [`workers`])
-//!   job inbox ─► provider call task: HTTP exchange (+ stream parser of a
-//!   │            normalized run) on this core's provider_pool
-//!   │            (per-core keep-alive pool: LIFO per host:port, bounded,
-//!   │            idle timeout, one stale retry; sweeper on this core's wheel)
-//!   └─ outputs (bounded mailbox; body `Bytes` moved, never copied) ─► driver
+//!  provider socket ─read─► calls: pooled buffer ─Bytes─► OutputTx ══queue══►
+//!     attempt: ProviderSide ─► Watchdog + Emitter ─frame─► Edge connection
 //! ```
+//!
+//! The arrows only point one way: [`session`] starts attempts, an
+//! [`attempt`] reads the outputs of its call, [`calls`] know nothing of
+//! frames, watchdogs or sessions; [`adapters`] (instances, capacity gates,
+//! endpoints, probes) and the leaf modules ([`codes`], [`timers`],
+//! [`config`], [`credentials`]) are used from above and use nothing above.
+//!
+//! | folder | owns |
+//! |---|---|
+//! | [`session`] | one Edge session: register → apply config → ready (R2, R3); the run table (K1, F5, W10); tunnel and run admission (W1, P4, C2); commands (K2, H6); refresh (K3) |
+//! | [`attempt`] | one watched attempt: the [`attempt::watchdog`] core (W3–W10), the [`attempt::emit`] cores (U1, E1), the session's observation sequence (W7), and the `drive` shell |
+//! | [`calls`] | provider IO: the tunnel exchange, the normalized-run exchanges (Ollama NDJSON; OpenAI SSE with E4/E5), the per-core keep-alive pool, the worker cores |
+//! | [`adapters`] | adapter instances from the Edge's config (P4 gates, endpoints, profile paths) and the exact-target health probe (W4, H6) |
 //!
 //! With one core (`--cores 0`, the default) everything runs on that thread
 //! and provider calls take no mailbox hop. With more, the first core is the
-//! control shard — session, run manager, watchdog wheel, emitters, capacity
-//! gates, probes — and the others only run provider calls; a cancel or stall
-//! aborts across cores, and the capacity permit, held on the control shard,
-//! is released only when the worker reports the call's return (W10).
+//! control shard — session, run table, watchdog wheel, emitters, capacity
+//! gates, probes — and the others only run provider calls
+//! ([`calls::workers`]); a cancel or stall aborts across cores, and the
+//! capacity permit, held on the control shard, is released only when the
+//! worker reports the call's return (W10).
 //!
-//! Pure cores (no IO, `now` passed in): [`watchdog`], [`emit`], [`runs`],
-//! [`refresh`], [`observation`], the policy half of [`supervisor`] and the
-//! classification half of [`probe`] and [`commands`], and the idle-pool
-//! policy of [`provider_pool`]. Shells: [`session`], [`tunnel`], [`driver`],
-//! [`timers`], [`workers`].
+//! Pure cores (no IO, `now` passed in): [`attempt::watchdog`],
+//! [`attempt::emit`], [`session::runs`], [`session::refresh`],
+//! [`attempt::observation`], the policy half of [`supervisor`], the
+//! classification halves of [`adapters::probe`] and [`session::commands`],
+//! and the idle-pool policy of [`calls::pool`].
 //!
 //! Exit codes: 0 after SIGTERM/SIGINT; 1 for bad configuration, unreadable
 //! credentials, a worker core that cannot start, or exhausted reconnect
 //! attempts (S3).
 
 pub mod adapters;
-pub mod commands;
+pub mod attempt;
+pub mod calls;
+pub mod codes;
 pub mod config;
 pub mod credentials;
-pub mod driver;
-pub mod emit;
-pub mod normalized;
-pub mod observation;
-pub mod ollama;
-pub mod openai_run;
-pub mod probe;
-pub mod provider_pool;
-pub mod refresh;
-pub mod runs;
 pub mod session;
 pub mod supervisor;
 pub mod timers;
-pub mod tunnel;
-pub mod watchdog;
-pub mod workers;

@@ -19,10 +19,10 @@ use argh::FromArgs;
 use iop_engine::rt::{self, CoreList};
 use iop_engine::tls::{NodeTlsConnector, TlsFiles, TlsMaterial};
 
+use node_bin::calls::workers;
 use node_bin::config::NodeConfig;
 use node_bin::credentials::NodeCredentials;
 use node_bin::supervisor::{self, Exit};
-use node_bin::workers;
 
 /// IOP Node: dials the Edge and serves its requests against local
 /// inference servers.

@@ -30,10 +30,10 @@ use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
 
+use crate::calls::workers::Workers;
 use crate::config::NodeConfig;
 use crate::credentials::NodeCredentials;
 use crate::session::{self, NodeCore, SessionEnd};
-use crate::workers::Workers;
 
 /// What the supervisor does after a connection attempt or session ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

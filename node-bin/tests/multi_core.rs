@@ -30,11 +30,11 @@ use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
-use node_bin::driver::{OutputTx, ProviderCall};
-use node_bin::provider_pool::PoolStats;
-use node_bin::provider_pool::ProviderPool;
+use node_bin::calls::pool::PoolStats;
+use node_bin::calls::pool::ProviderPool;
+use node_bin::calls::workers::{self, WorkerStats};
+use node_bin::calls::{OutputTx, ProviderCall};
 use node_bin::session::NodeCore;
-use node_bin::workers::{self, WorkerStats};
 
 /// Polls `done` until it holds (bounded by [`SAFETY`]).
 async fn eventually(what: &str, done: impl Fn() -> bool) {
@@ -60,7 +60,7 @@ fn control_with_one_worker() -> Rc<NodeCore> {
 /// This file's view of the Node: its worker and its gates.
 impl Edge {
     fn worker(&self) -> WorkerStats {
-        let workers = self.core.workers.as_ref().expect("a multi-core node");
+        let workers = self.core.calls.workers().expect("a multi-core node");
         workers.stats().remove(0)
     }
 
@@ -86,15 +86,14 @@ impl Edge {
 }
 
 /// Asserts the call(s) ran on the worker thread, not this one, and the
-/// session core's own pool was never used.
+/// session core has no provider pool of its own.
 fn assert_ran_on_the_worker(edge: &Edge, calls: u64) {
     let worker = edge.worker();
     let thread = worker.thread.expect("the worker loop runs");
     assert_ne!(thread, std::thread::current().id());
     assert_eq!(worker.calls, calls);
     assert_eq!(worker.active_calls, 0);
-    assert_eq!(edge.core.pool.stats(), PoolStats::default());
-    assert_eq!(edge.core.pool.idle_total(), 0);
+    assert!(edge.core.calls.pool().is_none());
 }
 
 /// `len` bytes that repeat only after a long period (a 32-bit LCG).
@@ -427,7 +426,7 @@ impl ProviderCall for ReadPoolProbe {
 impl Edge {
     /// The worker core's provider read pool, read on the worker.
     async fn worker_read_pool(&self) -> iop_engine::pool::PoolStats {
-        let workers = self.core.workers.as_ref().expect("a multi-core node");
+        let workers = self.core.calls.workers().expect("a multi-core node");
         let mut side = workers.dispatch(None, ReadPoolProbe);
         let stats = side.next_output().await.flatten();
         while side.next_output().await.is_some() {}

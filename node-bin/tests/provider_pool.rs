@@ -26,8 +26,8 @@ use ed25519_dalek::SigningKey;
 use iop_wire::lease::{self, IssueParams, LeaseEntropy};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use node_bin::calls::pool::PoolStats;
 use node_bin::credentials::NodeCredentials;
-use node_bin::provider_pool::PoolStats;
 
 const SECRET: &str = "sk-iop-pool-test-77a0";
 const RECIPIENT_SEED: [u8; 32] = [21; 32];
@@ -70,7 +70,11 @@ fn payload(mock: &Mock, auth_header: bool, leases_required: bool) -> pb::NodeCon
 /// The pool's counters (the pool lives in the Node's per-core state).
 impl Edge {
     fn pool_stats(&self) -> PoolStats {
-        self.core.pool.stats()
+        self.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .stats()
     }
 }
 
@@ -128,7 +132,14 @@ async fn sequential_tunnels_reuse_one_provider_connection() {
     let mock = Mock::start(Mock::handler(3, 0));
     let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("seq-1", None, 0)).await, 3);
-    assert_eq!(edge.core.pool.idle_connections(&mock.url()), 1);
+    assert_eq!(
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&mock.url()),
+        1
+    );
     assert_streamed(&edge.tunnel(tunnel("seq-2", None, 0)).await, 3);
     let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 1);
@@ -142,7 +153,14 @@ async fn sequential_tunnels_reuse_one_provider_connection() {
             checkins: 2,
         }
     );
-    assert_eq!(edge.core.pool.idle_connections(&mock.url()), 1);
+    assert_eq!(
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&mock.url()),
+        1
+    );
 }
 
 // CONTRACT: U6, K1 — a cancelled tunnel's provider connection is closed,
@@ -180,7 +198,14 @@ async fn cancelled_tunnel_connection_is_not_reused() {
         s.streams_aborted == 1 && s.connections_open == 0
     })
     .await;
-    assert_eq!(edge.core.pool.idle_connections(&mock.url()), 0);
+    assert_eq!(
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&mock.url()),
+        0
+    );
     assert_streamed(&edge.tunnel(tunnel("c-3", Some(1), 0)).await, 1);
     let stats = mock.counters();
     assert_eq!(stats.connections_accepted, 2);
@@ -222,7 +247,14 @@ async fn stalled_tunnel_connection_is_not_reused() {
         mock.counters().active_streams == 0
     })
     .await;
-    assert_eq!(edge.core.pool.idle_connections(&mock.url()), 0);
+    assert_eq!(
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&mock.url()),
+        0
+    );
     assert_streamed(&edge.tunnel(tunnel("s-3", Some(2), 0)).await, 2);
     let stats = mock.counters();
     // s-1's (reused by s-2, then closed), the probe's, s-3's.
@@ -249,7 +281,14 @@ async fn stale_pooled_connection_is_retried_once_on_a_fresh_one() {
     assert_streamed(&edge.tunnel(tunnel("r-1", None, 0)).await, 3);
     // The reply looked keep-alive, so the connection went back to the pool;
     // then the provider closed it.
-    assert_eq!(edge.core.pool.idle_connections(&mock.url()), 1);
+    assert_eq!(
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&mock.url()),
+        1
+    );
     eventually("the provider closed the idle connection", || {
         mock.counters().connections_open == 0
     })
@@ -384,7 +423,12 @@ async fn normalized_runs_reuse_the_provider_connection() {
         assert_eq!(delta_text(&events), "tok0 tok1 ");
         // The call returns (and checks in) just after its terminal.
         eventually("the run's connection is back in the pool", || {
-            edge.core.pool.idle_connections(&url) == 1
+            edge.core
+                .calls
+                .pool()
+                .expect("calls run on this core")
+                .idle_connections(&url)
+                == 1
         })
         .await;
     }
@@ -404,7 +448,12 @@ async fn normalized_runs_reuse_the_provider_connection() {
         Some("true")
     );
     eventually("the E5 run's connection is back in the pool", || {
-        edge.core.pool.idle_connections(&url) == 1
+        edge.core
+            .calls
+            .pool()
+            .expect("calls run on this core")
+            .idle_connections(&url)
+            == 1
     })
     .await;
     let stats = mock.counters();

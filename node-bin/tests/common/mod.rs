@@ -109,7 +109,7 @@ impl Mock {
     /// The counters from `GET /admin/stats` — over a connection of its own,
     /// which the counters include.
     pub async fn admin_stats(&self) -> serde_json::Value {
-        let (status, body) = node_bin::probe::get(&self.url(), "/admin/stats", SAFETY)
+        let (status, body) = node_bin::adapters::probe::get(&self.url(), "/admin/stats", SAFETY)
             .await
             .expect("mock admin GET");
         assert_eq!(status, 200);

@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 
 use iop_engine::sync::oneshot;
 
-use crate::watchdog::StopCause;
+use crate::attempt::watchdog::StopCause;
 
 /// The kind of an active run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

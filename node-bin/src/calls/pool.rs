@@ -1,7 +1,7 @@
 //! Keep-alive pool of provider HTTP connections, one per core that owns
 //! provider sockets (the [`NodeCore`](crate::session::NodeCore)'s on a
 //! single core; each worker core's own with `--cores` of two or more,
-//! [`crate::workers`]), so tunnels and normalized runs stop paying a TCP
+//! [`crate::calls::workers`]), so tunnels and normalized runs stop paying a TCP
 //! handshake per request and the provider an accept.
 //!
 //! ```text
@@ -62,7 +62,7 @@
 //!
 //! # Probes do not use the pool
 //!
-//! Health probes ([`crate::probe`]) open their own short connection with
+//! Health probes ([`crate::adapters::probe`]) open their own short connection with
 //! `connection: close`: their answer is evidence about the provider
 //! *now* (a stale pooled socket would turn into a spurious failure or an
 //! extra round trip), they are rare (stalls, CAPABILITIES), and they can
@@ -83,8 +83,8 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::TcpStream;
 use zeroize::Zeroizing;
 
+use crate::codes;
 use crate::timers::Timers;
-use crate::tunnel::codes;
 
 /// Default [`PoolConfig::max_idle_per_authority`].
 pub const MAX_IDLE_PER_AUTHORITY: usize = 64;
@@ -946,7 +946,7 @@ mod tests {
         assert!(!again.release());
         assert_eq!(pool.idle_connections(&base), 0);
         // An aborted provider task drops its connection (as
-        // `driver::spawn_provider` drops its call on abort): no check-in,
+        // the call task drops its call on abort): no check-in,
         // even though the connection itself looks reusable.
         let (conn, _) = fake(2, true);
         let held = pool.adopt(&base, conn);

@@ -6,7 +6,7 @@
 //! ```text
 //!  control shard (session core)                      worker core k
 //!  ────────────────────────────                      ─────────────
-//!  spawn_provider ──Job (Send: endpoint, request,──► inbox ─► task: call.run(pool_k, out)
+//!  CallSite::spawn ─Job (Send: endpoint, request,──► inbox ─► task: call.run(pool_k, out)
 //!    │ permit stays here      body Bytes, secret)         │ provider socket ─read─► Bytes
 //!    │                                                     │
 //!  drive ◄──outputs (mailbox, OUTPUT_QUEUE; the same ◄─────┘ send waits while full:
@@ -29,7 +29,7 @@
 //! - **A call no worker takes** (its inbox closed) is answered with one
 //!   failure terminal ([`ProviderCall::not_started`]), never left hanging.
 //! - **One core** (`--cores 0`): no worker exists and
-//!   [`crate::driver::spawn_provider`] runs the call on the session core
+//!   [`super::CallSite::Here`] runs the call on the session core
 //!   as before, with no mailbox hop.
 //!
 //! Each worker core records the provider metrics (call duration, aborts)
@@ -38,12 +38,10 @@
 
 use std::cell::Cell;
 use std::fmt;
-use std::future::poll_fn;
 use std::io;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::task::{Poll, Waker};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::ThreadId;
 use std::time::Instant;
 
@@ -52,9 +50,9 @@ use iop_engine::mailbox::{self, Mailbox, MailboxSender, TrySendError};
 use iop_engine::metrics::{self, Count, Latency};
 use iop_engine::rt;
 
+use super::channel::{CrossAbort, OutputTx, ProviderCall, ProviderSide, Stamped, OUTPUT_QUEUE};
+use super::pool::{self, PoolConfig, PoolStats, ProviderPool};
 use crate::adapters::Permit;
-use crate::driver::{OutputTx, ProviderCall, ProviderSide, Stamped, OUTPUT_QUEUE};
-use crate::provider_pool::{self, PoolConfig, PoolStats, ProviderPool};
 use crate::timers::Timers;
 
 /// Jobs queued for one worker core at most (a full inbox makes the
@@ -65,61 +63,6 @@ pub const INBOX_CAPACITY: usize = 1024;
 const INBOX_BATCH: usize = 64;
 /// The failure message of a call no worker core took.
 const NOT_STARTED: &str = "no provider worker core took the call";
-
-/// Aborts a provider call running on another core: a flag and the waker of
-/// the task that waits for it.
-#[derive(Debug, Default)]
-pub struct CrossAbort {
-    aborted: AtomicBool,
-    waker: Mutex<Option<Waker>>,
-}
-
-impl CrossAbort {
-    fn waker_slot(&self) -> MutexGuard<'_, Option<Waker>> {
-        // The critical sections only swap an `Option<Waker>`: a poisoned
-        // lock still holds a consistent value.
-        self.waker.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Aborts the call (idempotent); wakes its task on whatever core.
-    pub fn abort(&self) {
-        if !self.aborted.swap(true, Ordering::AcqRel) {
-            let waker = self.waker_slot().take();
-            if let Some(waker) = waker {
-                waker.wake();
-            }
-        }
-    }
-
-    /// Whether [`abort`](Self::abort) was called.
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::Acquire)
-    }
-
-    /// Completes once the call is aborted.
-    pub async fn aborted(&self) {
-        poll_fn(|cx| {
-            if self.is_aborted() {
-                return Poll::Ready(());
-            }
-            {
-                let mut slot = self.waker_slot();
-                match slot.as_ref() {
-                    Some(waker) if waker.will_wake(cx.waker()) => {}
-                    _ => *slot = Some(cx.waker().clone()),
-                }
-            }
-            // An abort between the first check and the registration took
-            // no waker (or ours): look again.
-            if self.is_aborted() {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await
-    }
-}
 
 /// What one worker publishes for the control shard (and tests): counters
 /// written on the worker, read anywhere.
@@ -281,7 +224,7 @@ impl<C: ProviderCall> Drop for CallJob<C> {
 }
 
 /// The control shard's handle on the worker cores: dispatches provider
-/// calls to them ([`crate::driver::AttemptEnv::workers`]).
+/// calls to them ([`super::CallSite::Workers`]).
 pub struct Workers {
     links: Vec<WorkerLink>,
     /// Where the next tie-break starts (round-robin).
@@ -438,7 +381,7 @@ pub async fn run(inbox: WorkerInbox) {
     let timers = Timers::new(clock::now());
     monoio::spawn(timers.clone().run());
     let pool = ProviderPool::new(PoolConfig::default());
-    provider_pool::spawn_sweeper(&pool, &timers);
+    pool::spawn_sweeper(&pool, &timers);
     let worker = WorkerCore { pool };
     let mut jobs = Vec::with_capacity(INBOX_BATCH);
     while inbox.recv_batch(&mut jobs, INBOX_BATCH).await > 0 {

@@ -13,7 +13,7 @@
 //! [`RunEmitter`] does the same for `RunEvent`s (`start`, `delta*`, one of
 //! `complete | error | cancelled`).
 //!
-//! Both implement [`Emitter`], the interface the watchdog driver uses to turn
+//! Both implement [`Emitter`], the interface the attempt shell ([`super::drive`]) uses to turn
 //! provider output and watchdog decisions into outbound frames.
 
 use std::collections::HashMap;
@@ -21,7 +21,8 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use iop_wire::pb;
 
-use crate::watchdog::{self, Activity, StopCause};
+use super::watchdog::{self, Activity, StopCause};
+use crate::calls::output::{RunOutput, TunnelOutput};
 
 /// Where a tunnel's emission stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -335,31 +336,6 @@ pub trait Emitter {
     fn failed(&mut self, code: &str, message: &str) -> Option<Outbound>;
 }
 
-/// Provider output of a tunnel attempt.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TunnelOutput {
-    /// The response head.
-    Start {
-        /// HTTP status.
-        status: u16,
-        /// Headers, ordered.
-        headers: Vec<pb::Header>,
-    },
-    /// Raw body bytes (U2).
-    Body(Bytes),
-    /// Observation-only usage (U1).
-    Usage(pb::Usage),
-    /// The response ended normally.
-    End,
-    /// The provider call failed (W6).
-    Failed {
-        /// Failure code.
-        code: &'static str,
-        /// Legacy error string.
-        message: String,
-    },
-}
-
 impl Emitter for TunnelEmitter {
     type Output = TunnelOutput;
 
@@ -388,7 +364,7 @@ impl Emitter for TunnelEmitter {
                 // END before RESPONSE_START cannot be relayed: still one terminal.
                 None => self
                     .error(
-                        crate::tunnel::codes::PROVIDER_ERROR,
+                        crate::codes::PROVIDER_ERROR,
                         "the provider response ended before it started",
                         None,
                     )
@@ -413,44 +389,6 @@ impl Emitter for TunnelEmitter {
     fn failed(&mut self, code: &str, message: &str) -> Option<Outbound> {
         self.error(code, message, None).map(Outbound::tunnel)
     }
-}
-
-/// Provider output of a normalized run attempt (the adapters that produce
-/// it parse Ollama NDJSON / OpenAI SSE into these).
-#[derive(Debug, Clone, PartialEq)]
-pub enum RunOutput {
-    /// The provider accepted the run.
-    Start {
-        /// Event metadata (E5: `openai_text_tool_fallback`).
-        metadata: HashMap<String, String>,
-    },
-    /// Provider progress that is no event of its own (tool-call argument
-    /// pieces, usage before the end): resets the watchdog (W3), sends
-    /// nothing.
-    Progress,
-    /// Content progress, optionally with usage.
-    Delta {
-        /// Text.
-        text: String,
-        /// Usage observed with it.
-        usage: Option<pb::Usage>,
-    },
-    /// Success.
-    Complete {
-        /// `stop`, `length`, `tool_calls`.
-        finish_reason: String,
-        /// Final usage.
-        usage: Option<pb::Usage>,
-        /// Event metadata (E4, E5).
-        metadata: HashMap<String, String>,
-    },
-    /// The provider call failed (W6).
-    Failed {
-        /// Failure code.
-        code: &'static str,
-        /// Legacy error string.
-        message: String,
-    },
 }
 
 impl Emitter for RunEmitter {

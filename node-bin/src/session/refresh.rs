@@ -16,7 +16,7 @@
 use iop_wire::pb;
 
 use crate::adapters::Adapters;
-use crate::watchdog::RuntimeSettings;
+use crate::attempt::watchdog::RuntimeSettings;
 
 /// What to do with a refresh.
 #[derive(Debug)]

@@ -29,19 +29,24 @@ use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+pub mod commands;
+pub mod normalized;
+pub mod refresh;
+pub mod runs;
+pub mod tunnel;
+
+use self::commands::CommandContext;
+use self::refresh::RefreshDecision;
+use self::runs::{RunKind, RunTable};
 use crate::adapters::Adapters;
-use crate::commands::{self, CommandContext};
+use crate::attempt::observation::ObservationSeq;
+use crate::attempt::watchdog::{RuntimeSettings, StopCause};
+use crate::attempt::AttemptEnv;
+use crate::calls::pool::{self, PoolConfig, ProviderPool};
+use crate::calls::workers::Workers;
+use crate::calls::CallSite;
 use crate::credentials::{LeaseGate, NodeCredentials};
-use crate::driver::AttemptEnv;
-use crate::normalized;
-use crate::observation::ObservationSeq;
-use crate::provider_pool::{self, PoolConfig, ProviderPool};
-use crate::refresh::{self, RefreshDecision};
-use crate::runs::{RunKind, RunTable};
 use crate::timers::Timers;
-use crate::tunnel;
-use crate::watchdog::{RuntimeSettings, StopCause};
-use crate::workers::Workers;
 
 /// How a session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,13 +63,10 @@ pub enum SessionEnd {
 pub struct NodeCore {
     /// The core's timer wheel (watchdog deadlines).
     pub timers: Rc<Timers>,
-    /// The core's keep-alive pool of provider connections, shared by
-    /// every session's tunnels and normalized runs (unused when `workers`
-    /// is set: each worker core has its own).
-    pub pool: Rc<ProviderPool>,
-    /// The provider worker cores (`--cores` of two or more); `None`:
-    /// provider calls run on this core.
-    pub workers: Option<Rc<Workers>>,
+    /// Where every session's tunnels and normalized runs make their
+    /// provider calls: on this core against its keep-alive pool, or on the
+    /// provider worker cores (`--cores` of two or more), each with its own.
+    pub calls: CallSite,
     /// The adapters of the last session, whose gates the next one reuses.
     last_adapters: RefCell<Option<Rc<Adapters>>>,
     /// The credential plane (C2): recipient key, issuer key and the replay
@@ -105,15 +107,18 @@ impl NodeCore {
         let timers = Timers::new(clock::now());
         monoio::spawn(timers.clone().run());
         // With worker cores every provider call runs there, against the
-        // worker's own pool; this one stays empty and needs no sweeper.
-        let pool = ProviderPool::new(PoolConfig::default());
-        if workers.is_none() {
-            provider_pool::spawn_sweeper(&pool, &timers);
-        }
+        // worker's own pool; this core keeps none.
+        let calls = match workers {
+            Some(workers) => CallSite::Workers(Rc::new(workers)),
+            None => {
+                let pool = ProviderPool::new(PoolConfig::default());
+                pool::spawn_sweeper(&pool, &timers);
+                CallSite::Here(pool)
+            }
+        };
         Rc::new(Self {
             timers,
-            pool,
-            workers: workers.map(Rc::new),
+            calls,
             last_adapters: RefCell::new(None),
             credentials: credentials.map(Rc::new),
             active_runs: Cell::new(0),
@@ -301,8 +306,7 @@ pub async fn run(
             timers: core.timers.clone(),
             // W7: bound to this connection, starting at 1.
             observations: Rc::new(ObservationSeq::bound()),
-            pool: core.pool.clone(),
-            workers: core.workers.clone(),
+            calls: core.calls.clone(),
         },
         runs: RefCell::new(RunTable::new()),
         applied: RefCell::new(applied),

@@ -10,8 +10,9 @@ use iop_wire::pb;
 use prost::Message;
 
 use super::*;
-use crate::emit::{Emitter, Outbound, RunEmitter, RunOutput, TunnelEmitter, TunnelOutput};
-use crate::observation::ObservationSeq;
+use crate::attempt::emit::{Emitter, Outbound, RunEmitter, TunnelEmitter};
+use crate::attempt::observation::ObservationSeq;
+use crate::calls::output::{RunOutput, TunnelOutput};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)

@@ -15,10 +15,10 @@ use std::rc::Rc;
 
 use iop_wire::pb;
 
+use crate::adapters::probe::{self, ProbeTarget};
 use crate::adapters::{AdapterInstance, AdapterKind, Adapters};
-use crate::observation::ObservationSeq;
-use crate::probe::{self, ProbeTarget};
-use crate::watchdog::{ProbeOutcome, RuntimeSettings};
+use crate::attempt::observation::ObservationSeq;
+use crate::attempt::watchdog::{ProbeOutcome, RuntimeSettings};
 
 /// The read-only Ollama paths OLLAMA_QUERY relays (K2).
 pub const OLLAMA_QUERY_PATHS: [&str; 3] = ["/api/tags", "/api/ps", "/api/version"];

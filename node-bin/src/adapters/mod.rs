@@ -6,8 +6,10 @@
 //!
 //! An instance is split in two: its [`Endpoint`] (name, kind, base URL,
 //! profile: immutable, `Send`, shared by `Arc`) is what a provider call
-//! needs and may travel to a worker core ([`crate::workers`]); the capacity
+//! needs and may travel to a worker core ([`crate::calls::workers`]); the capacity
 //! gate and its permits stay on the session core.
+
+pub mod probe;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;

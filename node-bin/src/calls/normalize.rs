@@ -1,47 +1,21 @@
-//! Normalized runs (`RunRequest` → `RunEvent`s, E1): admission, then one
-//! provider call by the adapter's protocol, watched by the stall watchdog
-//! exactly like a tunnel (W3–W10).
-//!
-//! ```text
-//! Edge ──RunRequest──► admit: W1 check, adapter, gate (P4)
-//!        ─► provider task: ollama::call (POST /api/chat, NDJSON)
-//!                        | openai_run::call (POST chat_completions, SSE; E4, E5)
-//!              ──RunOutput──► drive (watchdog) ──► RunEmitter
-//!      ◄── start, delta*, complete | error | cancelled ◄───────┘
-//! ```
-//!
-//! Every rejection before the provider call (bad stall timeout, unknown
-//! adapter, full gate) is one `error` terminal and opens no provider
-//! connection (W1, W6). The adapters turn the provider's stream into
-//! [`RunOutput`]s; their pure halves (request mapping, stream parsing) live
-//! in [`crate::ollama`] and [`crate::openai_run`], this module holds what
-//! they share.
+//! What the normalized-run adapters share: mapping the normalized input
+//! (E3) into provider JSON, reading provider errors and usage, and relaying
+//! a streamed body through a framing (NDJSON lines or SSE events) and an
+//! adapter's [`ItemParser`] into [`RunOutput`]s.
 
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use iop_engine::clock;
 use iop_engine::http::{HttpError, NdjsonSplitter, ResponseHead, SseSplitter};
-use iop_engine::sync::oneshot;
 use iop_wire::pb;
 use serde_json::Value;
 
-use crate::adapters::{AdapterInstance, AdapterKind, Adapters, Endpoint, Permit};
-use crate::driver::{self, AttemptEnv, Ended, OutputTx, ProviderCall, StallEvidence};
-use crate::emit::{Emitter, RunEmitter, RunOutput};
-use crate::probe::ProbeTarget;
-use crate::provider_pool::{PooledConn, ProviderPool, ProviderRequest};
-use crate::runs::RunTicket;
-use crate::tunnel::codes;
-use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
-use crate::{ollama, openai_run};
-
-/// Failure code of a run whose input the adapter cannot map to its
-/// provider's request.
-pub const INVALID_INPUT: &str = "invalid_input";
+use super::channel::OutputTx;
+use super::output::RunOutput;
+use super::pool::{PooledConn, ProviderPool, ProviderRequest};
+use crate::adapters::Endpoint;
+use crate::codes;
 
 /// Metadata key of native tool calls on `complete` (E4): a JSON array of
 /// OpenAI tool calls, `arguments` as JSON strings.
@@ -339,223 +313,9 @@ pub async fn post_json(
 pub fn provider_failure(e: HttpError) -> CallFailure {
     (codes::PROVIDER_ERROR, format!("provider: {e}"))
 }
-
-/// Serves one run to its release: the terminal is sent and the provider
-/// call has returned (W10). `stop` fires on `CancelRequest` (K1) or session
-/// end (F5).
-pub async fn serve(
-    env: &AttemptEnv,
-    req: pb::RunRequest,
-    ticket: &RunTicket,
-    adapters: Rc<Adapters>,
-    settings: RuntimeSettings,
-    stop: oneshot::Receiver<StopCause>,
-) -> Ended {
-    let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
-    let Admitted {
-        adapter,
-        config,
-        permit,
-    } = match admit(&req, &adapters, settings) {
-        Ok(a) => a,
-        Err((code, message)) => {
-            tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
-            if let Some(frame) = emit.failed(code, &message) {
-                driver::send(&env.conn, frame).await;
-            }
-            return Ended::Provider;
-        }
-    };
-    let now = clock::now();
-    let hard_deadline = u64::try_from(req.timeout_sec)
-        .ok()
-        .filter(|&s| s > 0)
-        .and_then(|s| now.checked_add(Duration::from_secs(s)));
-    let watchdog = Watchdog::new(config, now, hard_deadline);
-    let evidence = StallEvidence {
-        identity: AttemptIdentity {
-            node_run_id: ticket.node_run_id(),
-            attempt_id: ticket.attempt_id(),
-            adapter: adapter.name.clone(),
-            target: req.target.clone(),
-        },
-        probe: ProbeTarget::of(&adapter, &req.target),
-    };
-    let call = RunCall {
-        endpoint: adapter.endpoint.clone(),
-        target: req.target.clone(),
-        input: req.input.unwrap_or_default(),
-    };
-    let provider = driver::spawn_provider(env, Some(permit), call);
-    let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
-    tracing::debug!(run_id = %req.run_id, ?ended, "run released");
-    ended
-}
-
-/// The provider call of one run, by the adapter's protocol; any failure
-/// becomes the run's `error` terminal (W6).
-///
-/// The whole call — HTTP exchange, the E5 retry, stream framing and the
-/// adapter's parser — runs on the core that owns the provider socket (a
-/// worker core with `--cores` of two or more): the retry needs the
-/// exchange at hand, the parse work then spreads over the worker cores
-/// instead of loading the control shard, and what crosses to the session
-/// core is the small parsed [`RunOutput`]s, fewer and smaller than the
-/// raw NDJSON/SSE pieces.
-#[derive(Debug)]
-pub struct RunCall {
-    /// The adapter instance's endpoint.
-    pub endpoint: Arc<Endpoint>,
-    /// The target (model) of the run.
-    pub target: String,
-    /// The normalized input (E3).
-    pub input: pb::RunInput,
-}
-
-impl ProviderCall for RunCall {
-    type Output = RunOutput;
-
-    async fn run(self, pool: Rc<ProviderPool>, out: OutputTx<RunOutput>) {
-        let RunCall {
-            endpoint,
-            target,
-            input,
-        } = self;
-        let result = match endpoint.kind {
-            AdapterKind::Ollama => ollama::call(&pool, &endpoint, &target, &input, &out).await,
-            AdapterKind::OpenAiCompat => {
-                // C2 hook: a credential lease opened after admission would
-                // add the profile's auth header here
-                // (`openai_run::auth_header`).
-                let auth: Option<(String, String)> = None;
-                openai_run::call(&pool, &endpoint, &target, &input, auth, &out).await
-            }
-        };
-        if let Err((code, message)) = result {
-            out.send(RunOutput::Failed { code, message }).await;
-        }
-    }
-
-    fn not_started(message: String) -> RunOutput {
-        RunOutput::Failed {
-            code: codes::PROVIDER_UNREACHABLE,
-            message,
-        }
-    }
-}
-
-struct Admitted {
-    adapter: Rc<AdapterInstance>,
-    config: WatchdogConfig,
-    permit: Permit,
-}
-
-/// Every check before the provider call (W1 first, then the adapter, then
-/// its capacity gate, P4).
-fn admit(
-    req: &pb::RunRequest,
-    adapters: &Adapters,
-    settings: RuntimeSettings,
-) -> Result<Admitted, CallFailure> {
-    let config = settings
-        .watchdog_config(req.response_stall_timeout_ms)
-        .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
-    let adapter = adapters.get(&req.adapter).ok_or_else(|| {
-        (
-            codes::UNKNOWN_ADAPTER,
-            format!("no adapter instance named `{}` on this node", req.adapter),
-        )
-    })?;
-    // P4: the same gate as the adapter's tunnels, held until the call ends.
-    let permit = adapter.gate.try_acquire().ok_or_else(|| {
-        (
-            codes::CAPACITY_EXHAUSTED,
-            format!("adapter `{}` is at capacity", adapter.name),
-        )
-    })?;
-    Ok(Admitted {
-        adapter: adapter.clone(),
-        config,
-        permit,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn adapters(capacity: u32) -> Adapters {
-        Adapters::from_payload(&pb::NodeConfigPayload {
-            adapters: vec![pb::AdapterConfig {
-                name: "ol".into(),
-                capacity,
-                targets: vec!["llama3".into()],
-                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
-                    base_url: "http://127.0.0.1:9".into(),
-                })),
-            }],
-            ..Default::default()
-        })
-        .unwrap()
-    }
-
-    fn req(adapter: &str, ms: i64) -> pb::RunRequest {
-        pb::RunRequest {
-            run_id: "r".into(),
-            adapter: adapter.into(),
-            response_stall_timeout_ms: ms,
-            ..Default::default()
-        }
-    }
-
-    fn code(r: Result<Admitted, CallFailure>) -> &'static str {
-        match r {
-            Ok(_) => "admitted",
-            Err((code, _)) => code,
-        }
-    }
-
-    // CONTRACT: W1 — a normalized run with a negative or overflowing stall
-    // timeout is rejected before anything else.
-    #[test]
-    fn stall_timeout_is_checked_first() {
-        let settings = RuntimeSettings::default();
-        let none = Adapters::default();
-        let Err((c, message)) = admit(&req("nope", -1), &none, settings) else {
-            panic!("admitted")
-        };
-        assert_eq!(
-            (c, message.as_str()),
-            (
-                codes::INVALID_STALL_TIMEOUT,
-                "response_stall_timeout_ms must not be negative (got -1)"
-            )
-        );
-        assert_eq!(
-            code(admit(&req("nope", i64::MAX), &none, settings)),
-            codes::INVALID_STALL_TIMEOUT
-        );
-        assert_eq!(
-            code(admit(&req("nope", 0), &none, settings)),
-            codes::UNKNOWN_ADAPTER
-        );
-    }
-
-    // CONTRACT: P4 — a run takes a slot of its adapter's one gate and holds
-    // it until the permit (owned by the provider task) drops.
-    #[test]
-    fn runs_share_the_adapter_gate() {
-        let adapters = adapters(1);
-        let settings = RuntimeSettings::default();
-        let first = admit(&req("ol", 0), &adapters, settings);
-        assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 1);
-        assert_eq!(
-            code(admit(&req("ol", 0), &adapters, settings)),
-            codes::CAPACITY_EXHAUSTED
-        );
-        drop(first);
-        assert_eq!(code(admit(&req("ol", 0), &adapters, settings)), "admitted");
-    }
 
     #[test]
     fn tools_and_json_fields() {

@@ -34,15 +34,15 @@ use iop_engine::http::NdjsonSplitter;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::adapters::Endpoint;
-use crate::driver::OutputTx;
-use crate::emit::RunOutput;
-use crate::normalized::{
+use super::channel::OutputTx;
+use super::normalize::{
     self, CallFailure, Framing, InputError, ItemParser, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES,
     META_DONE_REASON,
 };
-use crate::provider_pool::ProviderPool;
-use crate::tunnel::codes;
+use super::output::RunOutput;
+use super::pool::ProviderPool;
+use crate::adapters::Endpoint;
+use crate::codes;
 
 /// The chat path under the adapter's base URL.
 pub const CHAT_PATH: &str = "/api/chat";
@@ -56,7 +56,7 @@ pub fn chat_body(target: &str, input: &pb::RunInput) -> Result<Bytes, InputError
         let mut msg = Map::new();
         msg.insert("role".into(), json!(m.role));
         msg.insert("content".into(), json!(m.content));
-        if let Some(calls) = normalized::json_field("tool_calls_json", &m.tool_calls_json)? {
+        if let Some(calls) = normalize::json_field("tool_calls_json", &m.tool_calls_json)? {
             let calls = calls.as_array().cloned().unwrap_or_default();
             let mut mapped = Vec::with_capacity(calls.len());
             for (call, c) in calls.iter().enumerate() {
@@ -95,8 +95,8 @@ pub fn chat_body(target: &str, input: &pb::RunInput) -> Result<Bytes, InputError
     body.insert("model".into(), json!(target));
     body.insert("messages".into(), Value::Array(messages));
     body.insert("stream".into(), json!(true));
-    let choice = normalized::json_field("tool_choice_json", &input.tool_choice_json)?;
-    if let Some(tools) = normalized::tools(input)? {
+    let choice = normalize::json_field("tool_choice_json", &input.tool_choice_json)?;
+    if let Some(tools) = normalize::tools(input)? {
         if choice.as_ref().and_then(Value::as_str) != Some("none") {
             body.insert("tools".into(), Value::Array(tools));
         }
@@ -185,7 +185,7 @@ impl ChatStream {
                     .map(str::to_string)
                     .unwrap_or_else(|| format!("call_{}", self.calls.len()));
                 self.calls
-                    .push(normalized::openai_tool_call(&id, name, &arguments));
+                    .push(normalize::openai_tool_call(&id, name, &arguments));
                 progressed = true;
             }
         }
@@ -216,10 +216,10 @@ impl ChatStream {
             if let Some(r) = done_reason {
                 metadata.insert(META_DONE_REASON.to_string(), r.to_string());
             }
-            normalized::tool_calls_metadata(std::mem::take(&mut self.calls), &mut metadata);
+            normalize::tool_calls_metadata(std::mem::take(&mut self.calls), &mut metadata);
             out.push(RunOutput::Complete {
                 finish_reason: finish_reason.to_string(),
-                usage: Some(normalized::usage(
+                usage: Some(normalize::usage(
                     count("prompt_eval_count"),
                     count("eval_count"),
                     0,
@@ -243,10 +243,10 @@ pub async fn call(
     out: &OutputTx<RunOutput>,
 ) -> Result<(), CallFailure> {
     let body = chat_body(target, input)
-        .map_err(|e| (normalized::INVALID_INPUT, format!("ollama request: {e}")))?;
+        .map_err(|e| (codes::INVALID_INPUT, format!("ollama request: {e}")))?;
     let path = adapter.base_url.join(CHAT_PATH);
     let mut exchange =
-        normalized::post_json(pool, adapter, &path, "application/x-ndjson", &[], body).await?;
+        normalize::post_json(pool, adapter, &path, "application/x-ndjson", &[], body).await?;
     let status = exchange.head.status;
     if !(200..300).contains(&status) {
         let body = exchange
@@ -257,7 +257,7 @@ pub async fn call(
         exchange.client.release();
         return Err((
             codes::PROVIDER_ERROR,
-            normalized::status_message("ollama", status, &body),
+            normalize::status_message("ollama", status, &body),
         ));
     }
     if !out

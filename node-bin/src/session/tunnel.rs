@@ -18,47 +18,30 @@
 //! slices of the provider read buffer, forwarded as they arrive without
 //! parsing or copying (U2). The provider connection comes from the pool of
 //! the core the call runs on ([`ProviderPool`]; a worker core's with
-//! `--cores` of two or more, [`crate::workers`]) and goes back to it only
+//! `--cores` of two or more, [`crate::calls::workers`]) and goes back to it only
 //! when the body was read to its end; a cancelled or stalled tunnel drops
 //! it (U6, W4). On a worker core the body pieces reach the session core as
 //! the same `Bytes` (a reference count crosses, not the bytes), and the
 //! BODY frame carries them as they are.
 
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{self, HttpError};
 use iop_engine::sync::oneshot;
-use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
 
-use crate::adapters::{AdapterInstance, Adapters, Endpoint, Permit};
+use super::runs::RunTicket;
+use crate::adapters::probe::ProbeTarget;
+use crate::adapters::{AdapterInstance, Adapters, Permit};
+use crate::attempt::emit::{Emitter, TunnelEmitter};
+use crate::attempt::watchdog::{
+    AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig,
+};
+use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
+use crate::calls::tunnel::TunnelCall;
+use crate::codes;
 use crate::credentials::LeaseGate;
-use crate::driver::{self, AttemptEnv, Ended, OutputTx, ProviderCall, StallEvidence};
-use crate::emit::{Emitter, TunnelEmitter, TunnelOutput};
-use crate::probe::ProbeTarget;
-use crate::provider_pool::{ProviderPool, ProviderRequest, SecretHeader};
-use crate::runs::RunTicket;
-use crate::watchdog::{AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
-
-/// Failure codes on tunnel `ERROR` frames that are not stalls (W6).
-pub mod codes {
-    /// `response_stall_timeout_ms` out of range (W1).
-    pub const INVALID_STALL_TIMEOUT: &str = "invalid_stall_timeout";
-    /// The adapter named by the request does not exist here.
-    pub const UNKNOWN_ADAPTER: &str = "unknown_adapter";
-    /// The operation/path could not be resolved (U3).
-    pub const BAD_OPERATION: &str = "bad_operation";
-    /// The adapter's capacity gate is full (P4).
-    pub const CAPACITY_EXHAUSTED: &str = "capacity_exhausted";
-    /// The provider could not be reached.
-    pub const PROVIDER_UNREACHABLE: &str = "provider_unreachable";
-    /// The provider's response broke off or was malformed.
-    pub const PROVIDER_ERROR: &str = "provider_error";
-}
 
 /// Serves one tunnel to its release: the terminal is sent and the provider
 /// call has returned. `stop` fires on `CancelRequest` or session end;
@@ -78,7 +61,7 @@ pub async fn serve(
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "tunnel rejected");
             if let Some(frame) = emit.failed(code, &message) {
-                driver::send(&env.conn, frame).await;
+                attempt::send(&env.conn, frame).await;
             }
             return Ended::Provider;
         }
@@ -100,7 +83,7 @@ pub async fn serve(
             let code = e.failure_code();
             tracing::warn!(run_id = %req.run_id, code, error = %e, "tunnel rejected: credential lease");
             if let Some(frame) = emit.failed(code, &e.to_string()) {
-                driver::send(&env.conn, frame).await;
+                attempt::send(&env.conn, frame).await;
             }
             return Ended::Provider;
         }
@@ -133,8 +116,8 @@ pub async fn serve(
         body: req.body,
         credential,
     };
-    let provider = driver::spawn_provider(env, Some(permit), call);
-    let ended = driver::drive(env, emit, watchdog, evidence, provider, stop).await;
+    let provider = env.calls.spawn(Some(permit), call);
+    let ended = attempt::drive(env, emit, watchdog, evidence, provider, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "tunnel released");
     ended
 }
@@ -178,112 +161,4 @@ fn admit(
         config,
         permit,
     })
-}
-
-/// The provider HTTP exchange of one tunnel, run in the provider task (on
-/// this core or a worker core: everything here is `Send`; the opened
-/// credential stays in its zeroizing buffers on the way).
-#[derive(Debug)]
-pub struct TunnelCall {
-    /// The adapter instance's endpoint (base URL).
-    pub endpoint: Arc<Endpoint>,
-    /// Request method.
-    pub method: String,
-    /// Request target, under the base URL's prefix (U3).
-    pub path: String,
-    /// Forwarded request headers (hop-by-hop and `Host` are dropped).
-    pub headers: Vec<pb::Header>,
-    /// The request body, as built by the Edge (U5).
-    pub body: Bytes,
-    /// The opened credential (C2); taken when the request head is written.
-    pub credential: Option<OpenedSecret>,
-}
-
-impl ProviderCall for TunnelCall {
-    type Output = TunnelOutput;
-
-    async fn run(mut self, pool: Rc<ProviderPool>, out: OutputTx<TunnelOutput>) {
-        if let Err((code, message)) = self.exchange(&pool, &out).await {
-            out.send(TunnelOutput::Failed { code, message }).await;
-        }
-    }
-
-    fn not_started(message: String) -> TunnelOutput {
-        TunnelOutput::Failed {
-            code: codes::PROVIDER_UNREACHABLE,
-            message,
-        }
-    }
-}
-
-impl TunnelCall {
-    async fn exchange(
-        &mut self,
-        pool: &Rc<ProviderPool>,
-        out: &OutputTx<TunnelOutput>,
-    ) -> Result<(), (&'static str, String)> {
-        // --- provider pool: checkout, stale retry, credential header -------
-        // C2: the declared header, built in a zeroizing buffer, replaces any
-        // forwarded header of the same name. The opened secret goes right
-        // here; the header value is owned by `send`, which drops it as soon
-        // as no retry can need it (a stale pooled connection is retried
-        // with this same value: the lease is never opened twice).
-        let secret = self
-            .credential
-            .take()
-            .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
-        let injected_name = secret.as_ref().map(|s| s.name().to_string());
-        let headers: Vec<(&str, &[u8])> = self
-            .headers
-            .iter()
-            .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
-            .filter(|h| {
-                injected_name
-                    .as_deref()
-                    .is_none_or(|name| !h.name.eq_ignore_ascii_case(name))
-            })
-            .map(|h| (h.name.as_str(), &h.value[..]))
-            .collect();
-        let request = ProviderRequest {
-            method: &self.method,
-            target: &self.path,
-            headers: &headers,
-            body: self.body.clone(),
-        };
-        let response = pool
-            .send(&self.endpoint.base_url, &request, secret)
-            .await
-            .map_err(|e| e.into_failure())?;
-        let (mut conn, head) = (response.conn, response.head);
-        // ----------------------------------------------------------------------
-        let headers = head
-            .headers
-            .iter()
-            .map(|h| pb::Header {
-                name: h.name.clone(),
-                value: h.value.clone(),
-            })
-            .collect();
-        let start = TunnelOutput::Start {
-            status: head.status,
-            headers,
-        };
-        if !out.send(start).await {
-            return Ok(());
-        }
-        while let Some(piece) = conn.read_body_chunk().await.map_err(provider_failure)? {
-            if !out.send(TunnelOutput::Body(piece)).await {
-                return Ok(());
-            }
-        }
-        // The body ended: back to the pool before the terminal, so the
-        // request that follows it can reuse the connection.
-        conn.release();
-        out.send(TunnelOutput::End).await;
-        Ok(())
-    }
-}
-
-fn provider_failure(e: HttpError) -> (&'static str, String) {
-    (codes::PROVIDER_ERROR, format!("provider: {e}"))
 }

@@ -20,7 +20,7 @@
 //! malformed or oversized bodies, other IO errors — → unknown.
 //!
 //! Probes deliberately bypass the core's provider connection pool
-//! ([`crate::provider_pool`]): each one opens its own `connection: close`
+//! ([`crate::calls::pool`]): each one opens its own `connection: close`
 //! connection, so its evidence is about the provider now (never a stale
 //! pooled socket), and a busy pool can neither starve nor delay it.
 
@@ -28,9 +28,50 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use iop_engine::http::{self, ClientConn, HttpError, Limits, Url};
+use iop_wire::pb;
 
-use crate::adapters::{AdapterInstance, AdapterKind};
-use crate::watchdog::ProbeOutcome;
+use super::{AdapterInstance, AdapterKind};
+
+/// The result of an exact-target health probe, normalized (W5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// The provider answered healthy for the target.
+    Available,
+    /// The provider answered unhealthy, or nothing listens.
+    Unavailable,
+    /// No trustworthy answer: error, malformed, timeout (fail closed).
+    Unknown,
+}
+
+impl ProbeOutcome {
+    /// The wire health.
+    pub fn health(self) -> pb::ProviderHealth {
+        match self {
+            ProbeOutcome::Available => pb::ProviderHealth::Available,
+            ProbeOutcome::Unavailable => pb::ProviderHealth::Unavailable,
+            ProbeOutcome::Unknown => pb::ProviderHealth::Unknown,
+        }
+    }
+
+    /// The paired liveness classification (W5): exactly
+    /// available/request_stalled, unavailable/provider_unhealthy or
+    /// unknown/health_unknown.
+    pub fn classification(self) -> pb::LivenessClassification {
+        match self {
+            ProbeOutcome::Available => pb::LivenessClassification::RequestStalled,
+            ProbeOutcome::Unavailable => pb::LivenessClassification::ProviderUnhealthy,
+            ProbeOutcome::Unknown => pb::LivenessClassification::HealthUnknown,
+        }
+    }
+
+    /// The wire evidence pair.
+    pub fn evidence(self) -> pb::ProviderHealthEvidence {
+        pb::ProviderHealthEvidence {
+            health: self.health() as i32,
+            liveness_classification: self.classification() as i32,
+        }
+    }
+}
 
 /// Largest probe or query response body read.
 pub const MAX_GET_BODY_BYTES: usize = 1024 * 1024;

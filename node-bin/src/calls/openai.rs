@@ -43,15 +43,15 @@ use iop_engine::http::SseSplitter;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::adapters::Endpoint;
-use crate::driver::OutputTx;
-use crate::emit::RunOutput;
-use crate::normalized::{
+use super::channel::OutputTx;
+use super::normalize::{
     self, CallFailure, Framing, InputError, ItemParser, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES,
     MAX_JSON_BODY_BYTES, META_TEXT_TOOL_FALLBACK,
 };
-use crate::provider_pool::ProviderPool;
-use crate::tunnel::codes;
+use super::output::RunOutput;
+use super::pool::ProviderPool;
+use crate::adapters::Endpoint;
+use crate::codes;
 
 /// How a request treats tools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,11 +136,11 @@ fn text_tool_call(c: &Value) -> Option<String> {
 
 /// The chat completions body for `target` in `mode` (see the module docs).
 pub fn chat_body(target: &str, input: &pb::RunInput, mode: ToolMode) -> Result<Bytes, InputError> {
-    let tools = normalized::tools(input)?;
-    let choice = normalized::json_field("tool_choice_json", &input.tool_choice_json)?;
+    let tools = normalize::tools(input)?;
+    let choice = normalize::json_field("tool_choice_json", &input.tool_choice_json)?;
     let mut messages = Vec::with_capacity(input.messages.len() + 1);
     for m in &input.messages {
-        let calls = normalized::json_field("tool_calls_json", &m.tool_calls_json)?
+        let calls = normalize::json_field("tool_calls_json", &m.tool_calls_json)?
             .and_then(|c| c.as_array().cloned())
             .filter(|c| !c.is_empty());
         let mut msg = Map::new();
@@ -240,7 +240,7 @@ pub fn chat_body(target: &str, input: &pb::RunInput, mode: ToolMode) -> Result<B
 
 /// The mode of the one retry after a tool rejection.
 pub fn retry_mode(input: &pb::RunInput) -> ToolMode {
-    let none = normalized::json_field("tool_choice_json", &input.tool_choice_json)
+    let none = normalize::json_field("tool_choice_json", &input.tool_choice_json)
         .ok()
         .flatten()
         .is_some_and(|c| c.as_str() == Some("none"));
@@ -328,7 +328,7 @@ impl ChatStream {
                 } else {
                     c.id
                 };
-                normalized::openai_tool_call(&id, &c.name, &c.arguments)
+                normalize::openai_tool_call(&id, &c.name, &c.arguments)
             })
             .collect();
         let finish_reason = match self.finish_reason.as_deref() {
@@ -338,7 +338,7 @@ impl ChatStream {
             _ => "stop",
         };
         let mut metadata = HashMap::new();
-        normalized::tool_calls_metadata(calls, &mut metadata);
+        normalize::tool_calls_metadata(calls, &mut metadata);
         if self.fallback {
             metadata.insert(META_TEXT_TOOL_FALLBACK.to_string(), "true".to_string());
         }
@@ -385,7 +385,7 @@ impl ChatStream {
 
     fn absorb_usage(&mut self, u: &Value) {
         let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
-        self.usage = Some(normalized::usage(
+        self.usage = Some(normalize::usage(
             n("prompt_tokens"),
             n("completion_tokens"),
             n("total_tokens"),
@@ -515,7 +515,7 @@ pub async fn call(
     auth: Option<(String, String)>,
     out: &OutputTx<RunOutput>,
 ) -> Result<(), CallFailure> {
-    let invalid = |e: InputError| (normalized::INVALID_INPUT, format!("chat request: {e}"));
+    let invalid = |e: InputError| (codes::INVALID_INPUT, format!("chat request: {e}"));
     let path = adapter
         .tunnel_path("chat_completions", "/v1/chat/completions")
         .map_err(|e| (codes::BAD_OPERATION, e.to_string()))?;
@@ -527,10 +527,10 @@ pub async fn call(
         .unwrap_or("openai_compat")
         .to_string();
     let extra: Vec<(String, String)> = auth.into_iter().collect();
-    let tools_sent = normalized::tools(input).map_err(invalid)?.is_some();
+    let tools_sent = normalize::tools(input).map_err(invalid)?.is_some();
     let body = chat_body(target, input, ToolMode::Native).map_err(invalid)?;
     let mut exchange =
-        normalized::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
+        normalize::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
     let mut mode = ToolMode::Native;
     let mut status = exchange.head.status;
     if !(200..300).contains(&status) {
@@ -543,7 +543,7 @@ pub async fn call(
         if !is_tool_rejection(status, &error, tools_sent) {
             return Err((
                 codes::PROVIDER_ERROR,
-                normalized::status_message(&provider, status, &error),
+                normalize::status_message(&provider, status, &error),
             ));
         }
         // E5: once, without the tool API.
@@ -556,7 +556,7 @@ pub async fn call(
         );
         let body = chat_body(target, input, mode).map_err(invalid)?;
         exchange =
-            normalized::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
+            normalize::post_json(pool, adapter, &path, "text/event-stream", &extra, body).await?;
         status = exchange.head.status;
         if !(200..300).contains(&status) {
             let error = exchange
@@ -566,7 +566,7 @@ pub async fn call(
             exchange.client.release();
             return Err((
                 codes::PROVIDER_ERROR,
-                normalized::status_message(&provider, status, &error),
+                normalize::status_message(&provider, status, &error),
             ));
         }
     }

@@ -48,6 +48,8 @@ use std::time::{Duration, Instant};
 use iop_wire::checks::{self, StallTimeoutError};
 use iop_wire::pb;
 
+pub use crate::adapters::probe::ProbeOutcome;
+
 /// Failure code of a stall terminal (W4).
 pub const FAILURE_RESPONSE_STALLED: &str = "response_stalled";
 
@@ -227,47 +229,6 @@ impl StopCause {
             StopCause::Cancelled => "the run was cancelled",
             StopCause::SessionEnded => "the session with the edge ended",
             StopCause::DeadlineExceeded => "the run's deadline passed",
-        }
-    }
-}
-
-/// The result of an exact-target health probe, normalized (W5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeOutcome {
-    /// The provider answered healthy for the target.
-    Available,
-    /// The provider answered unhealthy, or nothing listens.
-    Unavailable,
-    /// No trustworthy answer: error, malformed, timeout (fail closed).
-    Unknown,
-}
-
-impl ProbeOutcome {
-    /// The wire health.
-    pub fn health(self) -> pb::ProviderHealth {
-        match self {
-            ProbeOutcome::Available => pb::ProviderHealth::Available,
-            ProbeOutcome::Unavailable => pb::ProviderHealth::Unavailable,
-            ProbeOutcome::Unknown => pb::ProviderHealth::Unknown,
-        }
-    }
-
-    /// The paired liveness classification (W5): exactly
-    /// available/request_stalled, unavailable/provider_unhealthy or
-    /// unknown/health_unknown.
-    pub fn classification(self) -> pb::LivenessClassification {
-        match self {
-            ProbeOutcome::Available => pb::LivenessClassification::RequestStalled,
-            ProbeOutcome::Unavailable => pb::LivenessClassification::ProviderUnhealthy,
-            ProbeOutcome::Unknown => pb::LivenessClassification::HealthUnknown,
-        }
-    }
-
-    /// The wire evidence pair.
-    pub fn evidence(self) -> pb::ProviderHealthEvidence {
-        pb::ProviderHealthEvidence {
-            health: self.health() as i32,
-            liveness_classification: self.classification() as i32,
         }
     }
 }

@@ -1,0 +1,212 @@
+//! One attempt, watched: the shell that moves a provider call's outputs,
+//! timer expiries, stop causes and probe results into the [`Watchdog`] core
+//! and carries out its [`Action`]s, turning outputs into frames through an
+//! [`Emitter`]. Shared by tunnels and normalized runs.
+//!
+//! ```text
+//!  calls (provider task; this core or a worker core)
+//!     │ ProviderSide: outputs (bounded; closes when the call returns)
+//!     ▼
+//!  drive ──on_output──► Watchdog ──actions──► Emitter ──frames──► Edge connection
+//!     ▲  timer (wheel) ──handle_timeout──┘   │ CancelProvider ──► abort the provider task
+//!     ▲  stop (K1, F5) ──stop──────────────── │ StartProbe ─────► probe task ──result──┐
+//!     └──────────────────────────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! The way is one-directional: `session` starts an attempt, the attempt
+//! reads `calls`, and neither `calls` nor the attempt ever reaches back up.
+//!
+//! The provider's capacity permit is held until the provider call returns:
+//! by the provider task on a single core, by the `ProviderSide` (on the
+//! session core) for a call on a worker core, released when the worker's
+//! output mailbox ends. `drive` returns only after the watchdog's
+//! [`Action::Release`], i.e. after the terminal *and* that return (W10), so
+//! the caller removes the run-manager entry at the right moment. Output that
+//! arrives after the terminal is drained and dropped, never sent.
+
+pub mod emit;
+pub mod observation;
+pub mod watchdog;
+
+use std::rc::Rc;
+
+use iop_engine::clock;
+use iop_engine::conn::ConnHandle;
+use iop_engine::metrics::{self, Latency};
+use iop_engine::sync::oneshot;
+
+use self::emit::{Emitter, Outbound};
+use self::observation::ObservationSeq;
+use self::watchdog::{
+    Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
+};
+use crate::adapters::probe::{self, ProbeTarget};
+use crate::calls::{CallSite, ProviderSide, Stamped};
+use crate::timers::Timers;
+
+/// What an attempt needs from its session.
+#[derive(Debug, Clone)]
+pub struct AttemptEnv {
+    /// The Edge connection the frames go to.
+    pub conn: ConnHandle,
+    /// The core's timer wheel.
+    pub timers: Rc<Timers>,
+    /// The session's observation sequence (W7).
+    pub observations: Rc<ObservationSeq>,
+    /// Where provider calls run (this core, or the worker cores).
+    pub calls: CallSite,
+}
+
+/// How an attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The provider's own terminal (or no terminal at all) was the end.
+    Provider,
+    /// The watchdog's stall terminal.
+    Stalled(StallReport),
+    /// A stop cause's terminal (W9).
+    Stopped(StopCause),
+}
+
+/// The stall-terminal inputs of an attempt.
+#[derive(Debug, Clone)]
+pub struct StallEvidence {
+    /// Node-owned identity (W5).
+    pub identity: AttemptIdentity,
+    /// What the probe asks (W4).
+    pub probe: ProbeTarget,
+}
+
+enum Event<O> {
+    Output(Option<Stamped<O>>),
+    Stop(Option<StopCause>),
+    Probe(ProbeOutcome),
+    Timer,
+}
+
+/// Runs one attempt to its release. See the module docs.
+pub async fn drive<E: Emitter>(
+    env: &AttemptEnv,
+    mut emitter: E,
+    mut watchdog: Watchdog,
+    evidence: StallEvidence,
+    mut provider: ProviderSide<E::Output>,
+    mut stop: oneshot::Receiver<StopCause>,
+) -> Ended {
+    let mut timer = env.timers.timer();
+    let mut outputs_open = true;
+    let mut stop_open = true;
+    let mut probe_rx: Option<oneshot::Receiver<ProbeOutcome>> = None;
+    let mut ended = Ended::Provider;
+    let mut first_output_seen = false;
+    loop {
+        timer.arm(watchdog.poll_timeout());
+        let probing = probe_rx.is_some();
+        let event = monoio::select! {
+            // Stops and timers first: a busy stream must not starve them.
+            biased;
+            cause = &mut stop, if stop_open => Event::Stop(cause.ok()),
+            _ = timer.fired() => Event::Timer,
+            outcome = wait_probe(&mut probe_rx), if probing => Event::Probe(outcome),
+            out = provider.recv(), if outputs_open => Event::Output(out),
+        };
+        let now = clock::now();
+        match event {
+            Event::Output(Some(Stamped { read_at, output })) => {
+                if !first_output_seen {
+                    // metrics: provider time to first byte (its first output).
+                    first_output_seen = true;
+                    metrics::record_between(
+                        Latency::NodeProviderTimeToFirstByte,
+                        provider.started_at(),
+                        read_at,
+                    );
+                }
+                let activity = E::activity(&output);
+                if watchdog.on_output(now, activity) == Verdict::Forward {
+                    if let Some(frame) = emitter.forward(output) {
+                        send(&env.conn, frame).await;
+                        if activity == Activity::Progress {
+                            // metrics: relay chunk latency (read → frame queued).
+                            metrics::record_since(Latency::NodeRelayChunkLatency, read_at);
+                        }
+                    }
+                }
+            }
+            Event::Output(None) => {
+                outputs_open = false;
+                watchdog.handle_provider_returned(now);
+            }
+            Event::Stop(cause) => {
+                stop_open = false;
+                if let Some(cause) = cause {
+                    watchdog.stop(now, cause);
+                }
+            }
+            Event::Probe(outcome) => {
+                probe_rx = None;
+                watchdog.handle_probe_result(now, outcome);
+            }
+            Event::Timer => watchdog.handle_timeout(now),
+        }
+        while let Some(action) = watchdog.poll_action() {
+            match action {
+                Action::CancelProvider => provider.abort(),
+                Action::StartProbe => {
+                    probe_rx = Some(probe::spawn_probe(
+                        evidence.probe.clone(),
+                        watchdog.config().probe_timeout,
+                    ));
+                }
+                Action::EmitStall(report) => {
+                    let seq = env.observations.next();
+                    let failure = report.execution_failure(&evidence.identity, seq);
+                    tracing::warn!(
+                        node_run_id = %evidence.identity.node_run_id,
+                        adapter = %evidence.identity.adapter,
+                        target = %evidence.identity.target,
+                        idle_ms = report.idle.as_millis() as u64,
+                        fence = ?report.fence,
+                        health = ?report.health,
+                        health_observation_seq = ?seq,
+                        "node_stall: response stalled"
+                    );
+                    ended = Ended::Stalled(report);
+                    if let Some(frame) = emitter.stall(&report.message(), failure) {
+                        send(&env.conn, frame).await;
+                    }
+                }
+                Action::EmitStopped(cause) => {
+                    ended = Ended::Stopped(cause);
+                    if let Some(frame) = emitter.stopped(cause) {
+                        send(&env.conn, frame).await;
+                    }
+                }
+                Action::Release => {}
+            }
+        }
+        if watchdog.is_released() {
+            return ended;
+        }
+    }
+}
+
+async fn wait_probe(rx: &mut Option<oneshot::Receiver<ProbeOutcome>>) -> ProbeOutcome {
+    match rx {
+        // A probe task that vanished is no evidence (fail closed).
+        Some(rx) => rx.await.unwrap_or(ProbeOutcome::Unknown),
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends one frame; a closed connection is ignored (the session's end stops
+/// every attempt, F5).
+pub async fn send(conn: &ConnHandle, frame: Outbound) {
+    let result = match frame {
+        Outbound::Frame(f) => conn.send_bulk(f).await,
+        Outbound::Body { frame, body } => conn.send_body_frame(frame, body).await,
+    };
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "frame dropped: the connection is closed");
+    }
+}

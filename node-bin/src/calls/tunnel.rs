@@ -1,0 +1,125 @@
+//! The provider HTTP exchange of a tunnel: request out, response head,
+//! body pieces as slices of the pooled read buffer (never parsed or copied,
+//! U2), then `End`. Runs on the core that owns the provider socket.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use iop_engine::http::{self, HttpError};
+use iop_wire::lease::OpenedSecret;
+use iop_wire::pb;
+
+use super::channel::{OutputTx, ProviderCall};
+use super::output::TunnelOutput;
+use super::pool::{ProviderPool, ProviderRequest, SecretHeader};
+use crate::adapters::Endpoint;
+use crate::codes;
+
+/// The provider HTTP exchange of one tunnel, run in the provider task (on
+/// this core or a worker core: everything here is `Send`; the opened
+/// credential stays in its zeroizing buffers on the way).
+#[derive(Debug)]
+pub struct TunnelCall {
+    /// The adapter instance's endpoint (base URL).
+    pub endpoint: Arc<Endpoint>,
+    /// Request method.
+    pub method: String,
+    /// Request target, under the base URL's prefix (U3).
+    pub path: String,
+    /// Forwarded request headers (hop-by-hop and `Host` are dropped).
+    pub headers: Vec<pb::Header>,
+    /// The request body, as built by the Edge (U5).
+    pub body: Bytes,
+    /// The opened credential (C2); taken when the request head is written.
+    pub credential: Option<OpenedSecret>,
+}
+
+impl ProviderCall for TunnelCall {
+    type Output = TunnelOutput;
+
+    async fn run(mut self, pool: Rc<ProviderPool>, out: OutputTx<TunnelOutput>) {
+        if let Err((code, message)) = self.exchange(&pool, &out).await {
+            out.send(TunnelOutput::Failed { code, message }).await;
+        }
+    }
+
+    fn not_started(message: String) -> TunnelOutput {
+        TunnelOutput::Failed {
+            code: codes::PROVIDER_UNREACHABLE,
+            message,
+        }
+    }
+}
+
+impl TunnelCall {
+    async fn exchange(
+        &mut self,
+        pool: &Rc<ProviderPool>,
+        out: &OutputTx<TunnelOutput>,
+    ) -> Result<(), (&'static str, String)> {
+        // --- provider pool: checkout, stale retry, credential header -------
+        // C2: the declared header, built in a zeroizing buffer, replaces any
+        // forwarded header of the same name. The opened secret goes right
+        // here; the header value is owned by `send`, which drops it as soon
+        // as no retry can need it (a stale pooled connection is retried
+        // with this same value: the lease is never opened twice).
+        let secret = self
+            .credential
+            .take()
+            .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
+        let injected_name = secret.as_ref().map(|s| s.name().to_string());
+        let headers: Vec<(&str, &[u8])> = self
+            .headers
+            .iter()
+            .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
+            .filter(|h| {
+                injected_name
+                    .as_deref()
+                    .is_none_or(|name| !h.name.eq_ignore_ascii_case(name))
+            })
+            .map(|h| (h.name.as_str(), &h.value[..]))
+            .collect();
+        let request = ProviderRequest {
+            method: &self.method,
+            target: &self.path,
+            headers: &headers,
+            body: self.body.clone(),
+        };
+        let response = pool
+            .send(&self.endpoint.base_url, &request, secret)
+            .await
+            .map_err(|e| e.into_failure())?;
+        let (mut conn, head) = (response.conn, response.head);
+        // ----------------------------------------------------------------------
+        let headers = head
+            .headers
+            .iter()
+            .map(|h| pb::Header {
+                name: h.name.clone(),
+                value: h.value.clone(),
+            })
+            .collect();
+        let start = TunnelOutput::Start {
+            status: head.status,
+            headers,
+        };
+        if !out.send(start).await {
+            return Ok(());
+        }
+        while let Some(piece) = conn.read_body_chunk().await.map_err(provider_failure)? {
+            if !out.send(TunnelOutput::Body(piece)).await {
+                return Ok(());
+            }
+        }
+        // The body ended: back to the pool before the terminal, so the
+        // request that follows it can reuse the connection.
+        conn.release();
+        out.send(TunnelOutput::End).await;
+        Ok(())
+    }
+}
+
+fn provider_failure(e: HttpError) -> (&'static str, String) {
+    (codes::PROVIDER_ERROR, format!("provider: {e}"))
+}

@@ -1,0 +1,19 @@
+//! Failure codes on `ERROR` terminals that are not stalls (W6): the
+//! `failure_code` of a tunnel frame or run event, next to the legacy error
+//! string. Stalls carry `response_stalled` and an `ExecutionFailure` (W4);
+//! credential lease failures their own codes (`credentials`).
+
+/// `response_stall_timeout_ms` out of range (W1).
+pub const INVALID_STALL_TIMEOUT: &str = "invalid_stall_timeout";
+/// The adapter named by the request does not exist here.
+pub const UNKNOWN_ADAPTER: &str = "unknown_adapter";
+/// The operation/path could not be resolved (U3).
+pub const BAD_OPERATION: &str = "bad_operation";
+/// The adapter's capacity gate is full (P4).
+pub const CAPACITY_EXHAUSTED: &str = "capacity_exhausted";
+/// The provider could not be reached.
+pub const PROVIDER_UNREACHABLE: &str = "provider_unreachable";
+/// The provider's response broke off or was malformed.
+pub const PROVIDER_ERROR: &str = "provider_error";
+/// The normalized input cannot be mapped to the adapter's provider request.
+pub const INVALID_INPUT: &str = "invalid_input";

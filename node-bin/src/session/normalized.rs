@@ -1,0 +1,199 @@
+//! Normalized runs (`RunRequest` → `RunEvent`s, E1): admission, then one
+//! provider call by the adapter's protocol, watched by the stall watchdog
+//! exactly like a tunnel (W3–W10).
+//!
+//! ```text
+//! Edge ──RunRequest──► admit: W1 check, adapter, gate (P4)
+//!        ─► provider call (calls::run: Ollama NDJSON | OpenAI SSE, E4, E5)
+//!              ──RunOutput──► attempt::drive (watchdog) ──► RunEmitter
+//!      ◄── start, delta*, complete | error | cancelled ◄───────┘
+//! ```
+//!
+//! Every rejection before the provider call (bad stall timeout, unknown
+//! adapter, full gate) is one `error` terminal and opens no provider
+//! connection (W1, W6).
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use iop_engine::clock;
+use iop_engine::sync::oneshot;
+use iop_wire::pb;
+
+use super::runs::RunTicket;
+use crate::adapters::probe::ProbeTarget;
+use crate::adapters::{AdapterInstance, Adapters, Permit};
+use crate::attempt::emit::{Emitter, RunEmitter};
+use crate::attempt::watchdog::{
+    AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig,
+};
+use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
+use crate::calls::normalize::CallFailure;
+use crate::calls::run::RunCall;
+use crate::codes;
+
+/// Serves one run to its release: the terminal is sent and the provider
+/// call has returned (W10). `stop` fires on `CancelRequest` (K1) or session
+/// end (F5).
+pub async fn serve(
+    env: &AttemptEnv,
+    req: pb::RunRequest,
+    ticket: &RunTicket,
+    adapters: Rc<Adapters>,
+    settings: RuntimeSettings,
+    stop: oneshot::Receiver<StopCause>,
+) -> Ended {
+    let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
+    let Admitted {
+        adapter,
+        config,
+        permit,
+    } = match admit(&req, &adapters, settings) {
+        Ok(a) => a,
+        Err((code, message)) => {
+            tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
+            if let Some(frame) = emit.failed(code, &message) {
+                attempt::send(&env.conn, frame).await;
+            }
+            return Ended::Provider;
+        }
+    };
+    let now = clock::now();
+    let hard_deadline = u64::try_from(req.timeout_sec)
+        .ok()
+        .filter(|&s| s > 0)
+        .and_then(|s| now.checked_add(Duration::from_secs(s)));
+    let watchdog = Watchdog::new(config, now, hard_deadline);
+    let evidence = StallEvidence {
+        identity: AttemptIdentity {
+            node_run_id: ticket.node_run_id(),
+            attempt_id: ticket.attempt_id(),
+            adapter: adapter.name.clone(),
+            target: req.target.clone(),
+        },
+        probe: ProbeTarget::of(&adapter, &req.target),
+    };
+    let call = RunCall {
+        endpoint: adapter.endpoint.clone(),
+        target: req.target.clone(),
+        input: req.input.unwrap_or_default(),
+    };
+    let provider = env.calls.spawn(Some(permit), call);
+    let ended = attempt::drive(env, emit, watchdog, evidence, provider, stop).await;
+    tracing::debug!(run_id = %req.run_id, ?ended, "run released");
+    ended
+}
+
+struct Admitted {
+    adapter: Rc<AdapterInstance>,
+    config: WatchdogConfig,
+    permit: Permit,
+}
+
+/// Every check before the provider call (W1 first, then the adapter, then
+/// its capacity gate, P4).
+fn admit(
+    req: &pb::RunRequest,
+    adapters: &Adapters,
+    settings: RuntimeSettings,
+) -> Result<Admitted, CallFailure> {
+    let config = settings
+        .watchdog_config(req.response_stall_timeout_ms)
+        .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
+    let adapter = adapters.get(&req.adapter).ok_or_else(|| {
+        (
+            codes::UNKNOWN_ADAPTER,
+            format!("no adapter instance named `{}` on this node", req.adapter),
+        )
+    })?;
+    // P4: the same gate as the adapter's tunnels, held until the call ends.
+    let permit = adapter.gate.try_acquire().ok_or_else(|| {
+        (
+            codes::CAPACITY_EXHAUSTED,
+            format!("adapter `{}` is at capacity", adapter.name),
+        )
+    })?;
+    Ok(Admitted {
+        adapter: adapter.clone(),
+        config,
+        permit,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adapters(capacity: u32) -> Adapters {
+        Adapters::from_payload(&pb::NodeConfigPayload {
+            adapters: vec![pb::AdapterConfig {
+                name: "ol".into(),
+                capacity,
+                targets: vec!["llama3".into()],
+                kind: Some(pb::adapter_config::Kind::Ollama(pb::OllamaAdapterConfig {
+                    base_url: "http://127.0.0.1:9".into(),
+                })),
+            }],
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn req(adapter: &str, ms: i64) -> pb::RunRequest {
+        pb::RunRequest {
+            run_id: "r".into(),
+            adapter: adapter.into(),
+            response_stall_timeout_ms: ms,
+            ..Default::default()
+        }
+    }
+
+    fn code(r: Result<Admitted, CallFailure>) -> &'static str {
+        match r {
+            Ok(_) => "admitted",
+            Err((code, _)) => code,
+        }
+    }
+
+    // CONTRACT: W1 — a normalized run with a negative or overflowing stall
+    // timeout is rejected before anything else.
+    #[test]
+    fn stall_timeout_is_checked_first() {
+        let settings = RuntimeSettings::default();
+        let none = Adapters::default();
+        let Err((c, message)) = admit(&req("nope", -1), &none, settings) else {
+            panic!("admitted")
+        };
+        assert_eq!(
+            (c, message.as_str()),
+            (
+                codes::INVALID_STALL_TIMEOUT,
+                "response_stall_timeout_ms must not be negative (got -1)"
+            )
+        );
+        assert_eq!(
+            code(admit(&req("nope", i64::MAX), &none, settings)),
+            codes::INVALID_STALL_TIMEOUT
+        );
+        assert_eq!(
+            code(admit(&req("nope", 0), &none, settings)),
+            codes::UNKNOWN_ADAPTER
+        );
+    }
+
+    // CONTRACT: P4 — a run takes a slot of its adapter's one gate and holds
+    // it until the permit (owned by the provider task) drops.
+    #[test]
+    fn runs_share_the_adapter_gate() {
+        let adapters = adapters(1);
+        let settings = RuntimeSettings::default();
+        let first = admit(&req("ol", 0), &adapters, settings);
+        assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 1);
+        assert_eq!(
+            code(admit(&req("ol", 0), &adapters, settings)),
+            codes::CAPACITY_EXHAUSTED
+        );
+        drop(first);
+        assert_eq!(code(admit(&req("ol", 0), &adapters, settings)), "admitted");
+    }
+}
