@@ -3577,6 +3577,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         session_id: _,
         timeout_sec: _,
         response_stall_timeout_ms: _,
+        flow_window_bytes: _,
     } = pb::RunRequest::default();
     let pb::ProviderTunnelRequest {
         run_id: _,
@@ -3594,7 +3595,13 @@ fn r5_the_generation_is_never_a_wire_field() {
         operation: _,
         credential_lease: _,
         credential_binding: _,
+        flow_window_bytes: _,
     } = pb::ProviderTunnelRequest::default();
+    let pb::FlowCredit { credits: _ } = pb::FlowCredit::default();
+    let pb::RunCredit {
+        run_id: _,
+        max_offset: _,
+    } = pb::RunCredit::default();
     let pb::NodeCommandRequest {
         command_id: _,
         r#type: _,

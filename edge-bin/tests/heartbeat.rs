@@ -46,6 +46,7 @@ impl HandNode {
         self.send(Body::RegisterRequest(pb::RegisterRequest {
             node_id: "node-a".into(),
             node_version: "test".into(),
+            ..Default::default()
         }))
         .await;
         match self.next_frame(true).await {

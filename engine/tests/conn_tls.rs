@@ -152,6 +152,7 @@ async fn conn_over_tls_carries_frames_bodies_and_heartbeats() {
         let request = codec::frame(Body::RegisterRequest(pb::RegisterRequest {
             node_id: NODE.to_owned(),
             node_version: "0.1.0".to_owned(),
+            ..Default::default()
         }));
         node.send_control(request.clone()).unwrap();
         assert_eq!(edge_events.recv().await, Some(ConnEvent::Frame(request)));

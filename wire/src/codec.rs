@@ -260,6 +260,7 @@ pub fn body_name(body: &frame::Body) -> &'static str {
         Body::NodeConfigRefreshRequest(_) => "NodeConfigRefreshRequest",
         Body::NodeConfigRefreshResponse(_) => "NodeConfigRefreshResponse",
         Body::Close(_) => "Close",
+        Body::FlowCredit(_) => "FlowCredit",
     }
 }
 

@@ -20,6 +20,7 @@
 //! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
 //!   sealing/signing at the Edge, verifying/opening at the Node, replay cache;
 //!   time and randomness are inputs.
+//! - [`flow`]: per-run flow control windows (charged bytes, absolute credit).
 //! - [`limits`]: transport constants (T4 heartbeat timers, frame size cap).
 //!
 //! Invariant: no function here panics on bytes from a peer; every decode error
@@ -29,6 +30,7 @@
 
 pub mod checks;
 pub mod codec;
+pub mod flow;
 pub mod lease;
 pub mod limits;
 

@@ -389,6 +389,7 @@ fn all_frames() -> Vec<pb::Frame> {
         Body::RegisterRequest(pb::RegisterRequest {
             node_id: "gpu-01".into(),
             node_version: "0.1.0".into(),
+            flow_control: 1,
         }),
         Body::RegisterResponse(pb::RegisterResponse {
             accepted: true,
@@ -413,6 +414,7 @@ fn all_frames() -> Vec<pb::Frame> {
             session_id: "sess-1".into(),
             timeout_sec: 600,
             response_stall_timeout_ms: -5,
+            flow_window_bytes: 256 * 1024,
         }),
         Body::RunEvent(pb::RunEvent {
             run_id: "run-1".into(),
@@ -445,6 +447,7 @@ fn all_frames() -> Vec<pb::Frame> {
             operation: "chat_completions".into(),
             credential_lease: Some(lease()),
             credential_binding: Some(binding()),
+            flow_window_bytes: u64::MAX,
         }),
         Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),
@@ -514,6 +517,18 @@ fn all_frames() -> Vec<pb::Frame> {
         Body::Close(pb::Close {
             reason: "shutdown".into(),
             detail: "SIGTERM".into(),
+        }),
+        Body::FlowCredit(pb::FlowCredit {
+            credits: vec![
+                pb::RunCredit {
+                    run_id: "run-1".into(),
+                    max_offset: 512 * 1024,
+                },
+                pb::RunCredit {
+                    run_id: "tun-1".into(),
+                    max_offset: u64::MAX,
+                },
+            ],
         }),
     ];
     bodies.into_iter().map(codec::frame).collect()
@@ -592,6 +607,12 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
         }
         Body::NodeConfigRefreshResponse(m) => audit.check("NodeConfigRefreshResponse", m),
         Body::Close(m) => audit.check("Close", m),
+        Body::FlowCredit(m) => {
+            audit.check("FlowCredit", m);
+            for credit in &m.credits {
+                audit.check("RunCredit", credit);
+            }
+        }
     }
 }
 
@@ -673,9 +694,9 @@ fn every_frame_body_round_trips_with_every_field_set() {
         let decoded = codec_roundtrip(frame);
         assert_eq!(&decoded, frame);
     }
-    // All 16 oneof variants, each exactly once.
-    assert_eq!(frames.len(), 16);
-    assert_eq!(frame_tags, (1..=16).collect::<BTreeSet<u32>>());
+    // All 17 oneof variants, each exactly once.
+    assert_eq!(frames.len(), 17);
+    assert_eq!(frame_tags, (1..=17).collect::<BTreeSet<u32>>());
     assert_eq!(audit.schema["Frame"].oneofs[0], frame_tags);
 
     // `ProviderSnapshot` is not a frame body; it still round-trips as a

@@ -631,6 +631,7 @@ impl RawNode {
             .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
                 node_id: node_id.to_string(),
                 node_version: "test".to_string(),
+                ..Default::default()
             })))
             .expect("send register");
         match self.next_frame().await {

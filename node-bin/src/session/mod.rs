@@ -232,6 +232,7 @@ pub async fn run(
     let register = frame(Body::RegisterRequest(pb::RegisterRequest {
         node_id: node_id.to_string(),
         node_version: env!("CARGO_PKG_VERSION").to_string(),
+        flow_control: 0,
     }));
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));
