@@ -5,6 +5,8 @@
 
 /// `response_stall_timeout_ms` out of range (W1).
 pub const INVALID_STALL_TIMEOUT: &str = "invalid_stall_timeout";
+/// The request granted a flow-control window too small to work.
+pub const INVALID_FLOW_WINDOW: &str = "invalid_flow_window";
 /// The adapter named by the request does not exist here.
 pub const UNKNOWN_ADAPTER: &str = "unknown_adapter";
 /// The operation/path could not be resolved (U3).

@@ -172,6 +172,10 @@ pub struct MockStats {
     pub messages_requests: u64,
     /// `POST /v1/responses` requests received so far.
     pub responses_requests: u64,
+    /// Event bytes of streamed replies written to sockets so far (chunk
+    /// framing not counted). With a client that stops reading, this stops
+    /// growing once the connection's buffers are full: back-pressure.
+    pub stream_bytes_written: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -911,6 +915,11 @@ impl MockProvider {
         self.stats.active_streams = self.stats.active_streams.saturating_sub(1);
     }
 
+    /// The shell wrote `len` event bytes of a streamed reply.
+    pub fn stream_wrote(&mut self, len: usize) {
+        self.stats.stream_bytes_written += len as u64;
+    }
+
     /// Writing a stream failed: the client went away mid-reply.
     pub fn stream_aborted(&mut self) {
         self.stats.streams_aborted += 1;
@@ -1643,6 +1652,8 @@ mod tests {
         p.connection_opened();
         p.connection_closed();
         p.stream_started();
+        p.stream_wrote(10);
+        p.stream_wrote(5);
         p.handle("POST", "/v1/chat/completions", PLAIN);
         let Reply::Json { status, body } = p.handle("GET", "/admin/stats", b"") else {
             panic!("expected JSON");
@@ -1650,7 +1661,7 @@ mod tests {
         assert_eq!(status, 200);
         assert_eq!(
             body,
-            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0}"#
+            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15}"#
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);

@@ -280,14 +280,14 @@ async fn serve_requests(
             }
             Reply::Stream(plan) => {
                 let _active = StreamGuard::start(provider);
-                let after = stream_reply(conn, plan).await;
+                let after = stream_reply(conn, provider, plan).await;
                 if let After::Close = counted(provider, after)? {
                     return Ok(());
                 }
             }
             Reply::Scripted(script) if script.chunked => {
                 let _active = StreamGuard::start(provider);
-                let after = scripted_stream(conn, script).await;
+                let after = scripted_stream(conn, provider, script).await;
                 if let After::Close = counted(provider, after)? {
                     return Ok(());
                 }
@@ -314,6 +314,7 @@ async fn serve_requests(
 /// before the next step.
 async fn stream_reply(
     conn: &mut ServerConn<TcpStream>,
+    provider: &RefCell<MockProvider>,
     mut plan: StreamPlan,
 ) -> Result<After, HttpError> {
     conn.start_chunked(200, SSE_HEADERS).await?;
@@ -322,7 +323,7 @@ async fn stream_reply(
             StreamStep::Sleep { duration_ms } => {
                 monoio::time::sleep(Duration::from_millis(duration_ms)).await;
             }
-            StreamStep::Event(event) => conn.write_chunk(Bytes::from(event)).await?,
+            StreamStep::Event(event) => write_event(conn, provider, event).await?,
             StreamStep::Hang => {
                 hang(conn).await;
                 return Ok(After::Close);
@@ -335,6 +336,19 @@ async fn stream_reply(
     }
     conn.finish().await?;
     Ok(After::Continue)
+}
+
+/// Writes one event as a chunk and counts its bytes once written.
+async fn write_event(
+    conn: &mut ServerConn<TcpStream>,
+    provider: &RefCell<MockProvider>,
+    event: impl Into<Bytes>,
+) -> Result<(), HttpError> {
+    let event: Bytes = event.into();
+    let len = event.len();
+    conn.write_chunk(event).await?;
+    provider.borrow_mut().stream_wrote(len);
+    Ok(())
 }
 
 /// Counts a stream whose writing failed as aborted (U6 seen from the
@@ -352,6 +366,7 @@ fn counted(
 /// Writes a chunked scripted reply: each event one flushed chunk.
 async fn scripted_stream(
     conn: &mut ServerConn<TcpStream>,
+    provider: &RefCell<MockProvider>,
     script: Script,
 ) -> Result<After, HttpError> {
     conn.start_chunked(
@@ -367,7 +382,7 @@ async fn scripted_stream(
             StreamStep::Sleep { duration_ms } => {
                 monoio::time::sleep(Duration::from_millis(duration_ms)).await;
             }
-            StreamStep::Event(event) => conn.write_chunk(Bytes::from(event)).await?,
+            StreamStep::Event(event) => write_event(conn, provider, event).await?,
             StreamStep::Hang => {
                 hang(conn).await;
                 return Ok(After::Close);

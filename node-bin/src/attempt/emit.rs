@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use iop_wire::pb;
+use iop_wire::{flow, pb};
 
 use super::watchdog::{self, Activity, StopCause};
 use crate::calls::output::{RunOutput, TunnelOutput};
@@ -322,6 +322,16 @@ pub trait Emitter {
     /// The output's meaning to the watchdog (W3).
     fn activity(output: &Self::Output) -> Activity;
 
+    /// The flow-control charge of the frame this output becomes
+    /// (`iop_wire::flow`): payload bytes plus the per-frame part for body,
+    /// usage and delta frames, 0 for everything else.
+    fn charge(output: &Self::Output) -> u64;
+
+    /// Splits off the head of `output` carrying at most `max_payload`
+    /// payload bytes, leaving the rest in `output`; `None` when it cannot
+    /// be split there (nothing fits, or it carries no payload).
+    fn split_off(output: &mut Self::Output, max_payload: u64) -> Option<Self::Output>;
+
     /// The frame for a forwarded output.
     fn forward(&mut self, output: Self::Output) -> Option<Outbound>;
 
@@ -348,6 +358,28 @@ impl Emitter for TunnelEmitter {
             TunnelOutput::Failed { .. } => (pb::TunnelFrameKind::Error, 0),
         };
         watchdog::tunnel_activity(kind, body_bytes)
+    }
+
+    fn charge(output: &TunnelOutput) -> u64 {
+        match output {
+            TunnelOutput::Body(b) => flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, b.len()),
+            TunnelOutput::Usage(_) => flow::tunnel_frame_charge(pb::TunnelFrameKind::Usage, 0),
+            _ => 0,
+        }
+    }
+
+    fn split_off(output: &mut TunnelOutput, max_payload: u64) -> Option<TunnelOutput> {
+        let TunnelOutput::Body(body) = output else {
+            return None;
+        };
+        let cut = usize::try_from(max_payload)
+            .unwrap_or(usize::MAX)
+            .min(body.len());
+        if cut == 0 || cut == body.len() {
+            return None;
+        }
+        // A slice of the same buffer: no copy.
+        Some(TunnelOutput::Body(body.split_to(cut)))
     }
 
     fn forward(&mut self, output: TunnelOutput) -> Option<Outbound> {
@@ -410,6 +442,37 @@ impl Emitter for RunEmitter {
                 watchdog::run_event_activity(pb::RunEventType::Error, 0, false)
             }
         }
+    }
+
+    fn charge(output: &RunOutput) -> u64 {
+        match output {
+            RunOutput::Delta { text, .. } => {
+                flow::run_event_charge(pb::RunEventType::Delta, text.len())
+            }
+            _ => 0,
+        }
+    }
+
+    fn split_off(output: &mut RunOutput, max_payload: u64) -> Option<RunOutput> {
+        let RunOutput::Delta { text, .. } = output else {
+            return None;
+        };
+        let mut cut = usize::try_from(max_payload)
+            .unwrap_or(usize::MAX)
+            .min(text.len());
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        if cut == 0 || cut == text.len() {
+            return None;
+        }
+        // The head carries no usage: usage stays with the delta's end.
+        let rest = text.split_off(cut);
+        let head = std::mem::replace(text, rest);
+        Some(RunOutput::Delta {
+            text: head,
+            usage: None,
+        })
     }
 
     fn forward(&mut self, output: RunOutput) -> Option<Outbound> {

@@ -25,6 +25,7 @@
 //! arrives after the terminal is drained and dropped, never sent.
 
 pub mod emit;
+pub mod flow;
 pub mod observation;
 pub mod watchdog;
 
@@ -36,6 +37,7 @@ use iop_engine::metrics::{self, Latency};
 use iop_engine::sync::oneshot;
 
 use self::emit::{Emitter, Outbound};
+use self::flow::FlowGate;
 use self::observation::ObservationSeq;
 use self::watchdog::{
     Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
@@ -79,18 +81,23 @@ pub struct StallEvidence {
 
 enum Event<O> {
     Output(Option<Stamped<O>>),
+    Credit,
     Stop(Option<StopCause>),
     Probe(ProbeOutcome),
     Timer,
 }
 
-/// Runs one attempt to its release. See the module docs.
+/// Runs one attempt to its release. See the module docs. `flow` is the
+/// run's window: an output that does not fit is split where it can be and
+/// otherwise held, and while one is held nothing more is read from the
+/// provider call (back-pressure to its socket) and the idle clock stops.
 pub async fn drive<E: Emitter>(
     env: &AttemptEnv,
     mut emitter: E,
     mut watchdog: Watchdog,
     evidence: StallEvidence,
     mut provider: ProviderSide<E::Output>,
+    flow: Rc<FlowGate>,
     mut stop: oneshot::Receiver<StopCause>,
 ) -> Ended {
     let mut timer = env.timers.timer();
@@ -99,43 +106,53 @@ pub async fn drive<E: Emitter>(
     let mut probe_rx: Option<oneshot::Receiver<ProbeOutcome>> = None;
     let mut ended = Ended::Provider;
     let mut first_output_seen = false;
+    // An output waiting for flow-control credit.
+    let mut held: Option<Stamped<E::Output>> = None;
     loop {
         timer.arm(watchdog.poll_timeout());
         let probing = probe_rx.is_some();
+        let blocked = held.is_some();
         let event = monoio::select! {
             // Stops and timers first: a busy stream must not starve them.
             biased;
             cause = &mut stop, if stop_open => Event::Stop(cause.ok()),
             _ = timer.fired() => Event::Timer,
             outcome = wait_probe(&mut probe_rx), if probing => Event::Probe(outcome),
-            out = provider.recv(), if outputs_open => Event::Output(out),
+            _ = flow.credited(), if blocked => Event::Credit,
+            out = provider.recv(), if outputs_open && !blocked => Event::Output(out),
         };
         let now = clock::now();
         match event {
-            Event::Output(Some(Stamped { read_at, output })) => {
+            Event::Output(Some(stamped)) => {
                 if !first_output_seen {
                     // metrics: provider time to first byte (its first output).
                     first_output_seen = true;
                     metrics::record_between(
                         Latency::NodeProviderTimeToFirstByte,
                         provider.started_at(),
-                        read_at,
+                        stamped.read_at,
                     );
                 }
-                let activity = E::activity(&output);
+                let activity = E::activity(&stamped.output);
                 if watchdog.on_output(now, activity) == Verdict::Forward {
-                    if let Some(frame) = emitter.forward(output) {
-                        send(&env.conn, frame).await;
-                        if activity == Activity::Progress {
-                            // metrics: relay chunk latency (read → frame queued).
-                            metrics::record_since(Latency::NodeRelayChunkLatency, read_at);
-                        }
+                    held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
+                    if held.is_some() {
+                        watchdog.flow_blocked(now);
                     }
                 }
             }
             Event::Output(None) => {
                 outputs_open = false;
                 watchdog.handle_provider_returned(now);
+            }
+            Event::Credit => {
+                if let Some(stamped) = held.take() {
+                    let activity = E::activity(&stamped.output);
+                    held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
+                    if held.is_none() {
+                        watchdog.flow_resumed(clock::now());
+                    }
+                }
             }
             Event::Stop(cause) => {
                 stop_open = false;
@@ -185,8 +202,48 @@ pub async fn drive<E: Emitter>(
                 Action::Release => {}
             }
         }
+        if held.is_some() && !watchdog.accepts_output() {
+            // The terminal is out (stop, deadline): what waited for credit
+            // is late output now (W10), and the provider's remaining
+            // outputs are drained until its call returns.
+            held = None;
+        }
         if watchdog.is_released() {
             return ended;
+        }
+    }
+}
+
+/// Forwards `stamped` as far as the window allows: whole when it fits,
+/// else the part that fits (split without copying) and then the rest, and
+/// what cannot go now is handed back to be held until credit arrives.
+async fn forward<E: Emitter>(
+    conn: &ConnHandle,
+    emitter: &mut E,
+    flow: &FlowGate,
+    mut stamped: Stamped<E::Output>,
+    activity: Activity,
+) -> Option<Stamped<E::Output>> {
+    loop {
+        let charge = E::charge(&stamped.output);
+        if charge == 0 || flow.fits(charge) {
+            if let Some(frame) = emitter.forward(stamped.output) {
+                flow.consume(charge);
+                send(conn, frame).await;
+                if activity == Activity::Progress {
+                    // metrics: relay chunk latency (read → frame queued).
+                    metrics::record_since(Latency::NodeRelayChunkLatency, stamped.read_at);
+                }
+            }
+            return None;
+        }
+        let Some(head) = E::split_off(&mut stamped.output, flow.payload_allowance()) else {
+            return Some(stamped);
+        };
+        let head_charge = E::charge(&head);
+        if let Some(frame) = emitter.forward(head) {
+            flow.consume(head_charge);
+            send(conn, frame).await;
         }
     }
 }

@@ -41,6 +41,11 @@
 //! - **W10** Output after the terminal (or after the claim) is dropped; the
 //!   capacity permit, run-manager entry and adapter ownership stay with the
 //!   attempt until the provider call returns ([`Action::Release`]).
+//! - **Flow control is not a stall.** While the attempt waits for credit
+//!   from the Edge ([`Watchdog::flow_blocked`] … [`Watchdog::flow_resumed`])
+//!   the provider is not idle, our client is: the idle clock stops, so that
+//!   time counts toward no stall and produces no probe or health evidence.
+//!   The hard deadline and stop causes still apply.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -367,6 +372,9 @@ pub enum Phase {
 pub struct Watchdog {
     config: WatchdogConfig,
     last_progress_at: Instant,
+    /// Since when the attempt waits for flow-control credit (the idle
+    /// clock is stopped meanwhile).
+    flow_blocked_since: Option<Instant>,
     hard_deadline: Option<Instant>,
     phase: Phase,
     actions: VecDeque<Action>,
@@ -379,6 +387,7 @@ impl Watchdog {
         Self {
             config,
             last_progress_at: now,
+            flow_blocked_since: None,
             hard_deadline,
             phase: Phase::Running,
             actions: VecDeque::new(),
@@ -459,6 +468,42 @@ impl Watchdog {
         Verdict::Forward
     }
 
+    /// The attempt could not forward its output at `now` for want of
+    /// flow-control credit: the idle clock stops until
+    /// [`flow_resumed`](Self::flow_resumed). Deadlines due before `now`
+    /// still apply first.
+    pub fn flow_blocked(&mut self, now: Instant) {
+        self.advance(now, Due::AtOrBefore);
+        if self.phase == Phase::Running && self.flow_blocked_since.is_none() {
+            self.flow_blocked_since = Some(now);
+        }
+    }
+
+    /// Credit arrived and the held output went out at `now`: the idle clock
+    /// runs again from where it stopped (the blocked time is not idle time).
+    pub fn flow_resumed(&mut self, now: Instant) {
+        if let Some(since) = self.flow_blocked_since.take() {
+            let blocked = now.saturating_duration_since(since);
+            self.last_progress_at = self
+                .last_progress_at
+                .checked_add(blocked)
+                .unwrap_or(self.last_progress_at)
+                .min(now);
+        }
+        self.advance(now, Due::AtOrBefore);
+    }
+
+    /// Whether the attempt waits for flow-control credit.
+    pub fn is_flow_blocked(&self) -> bool {
+        self.flow_blocked_since.is_some()
+    }
+
+    /// Whether provider output is still forwarded (no terminal emitted or
+    /// claimed yet).
+    pub fn accepts_output(&self) -> bool {
+        self.phase == Phase::Running
+    }
+
     /// Applies every deadline due at `now` (stall, hard deadline, close
     /// grace, probe bound). Call when the timer for
     /// [`poll_timeout`](Self::poll_timeout) fires; early calls are harmless.
@@ -523,6 +568,9 @@ impl Watchdog {
     }
 
     fn stall_deadline(&self) -> Option<Instant> {
+        if self.flow_blocked_since.is_some() {
+            return None;
+        }
         self.last_progress_at.checked_add(self.config.stall_timeout)
     }
 

@@ -37,8 +37,9 @@ pub mod tunnel;
 
 use self::commands::CommandContext;
 use self::refresh::RefreshDecision;
-use self::runs::{RunKind, RunTable};
+use self::runs::{RunKind, RunStart, RunTable};
 use crate::adapters::Adapters;
+use crate::attempt::flow::FlowGate;
 use crate::attempt::observation::ObservationSeq;
 use crate::attempt::watchdog::{RuntimeSettings, StopCause};
 use crate::attempt::AttemptEnv;
@@ -232,7 +233,7 @@ pub async fn run(
     let register = frame(Body::RegisterRequest(pb::RegisterRequest {
         node_id: node_id.to_string(),
         node_version: env!("CARGO_PKG_VERSION").to_string(),
-        flow_control: 0,
+        flow_control: iop_wire::flow::FLOW_CONTROL_V1,
     }));
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));
@@ -357,6 +358,12 @@ impl Session {
                     .cancel(&req.run_id, StopCause::Cancelled);
                 tracing::debug!(run_id = %req.run_id, reason = %req.reason, found, "cancel request");
             }
+            Some(Body::FlowCredit(credit)) => {
+                let runs = self.runs.borrow();
+                for c in &credit.credits {
+                    runs.credit(&c.run_id, c.max_offset);
+                }
+            }
             Some(Body::NodeCommandRequest(req)) => self.start_command(req),
             Some(Body::NodeConfigRefreshRequest(req)) => self.refresh(req),
             Some(other) => {
@@ -369,18 +376,27 @@ impl Session {
         }
     }
 
-    fn start_tunnel(self: &Rc<Self>, req: pb::ProviderTunnelRequest) {
+    /// Registers a run or tunnel with the window its request granted; `None`
+    /// for a duplicate of an active run id (answering would interleave with
+    /// the active run's frames, so it is dropped).
+    fn register(&self, run_id: &str, kind: RunKind, window_bytes: u64) -> Option<RunStart> {
+        let flow = FlowGate::new(window_bytes);
         let registered = self
             .runs
             .borrow_mut()
-            .register(&req.run_id, RunKind::Tunnel);
-        let (ticket, stop) = match registered {
-            Ok(r) => r,
+            .register(run_id, kind, flow.as_ref().ok().cloned());
+        match registered {
+            Ok((ticket, stop)) => Some(RunStart { ticket, stop, flow }),
             Err(e) => {
-                // Answering would interleave with the active run's frames.
-                tracing::warn!(error = %e, "duplicate tunnel request dropped");
-                return;
+                tracing::warn!(error = %e, ?kind, "duplicate request dropped");
+                None
             }
+        }
+    }
+
+    fn start_tunnel(self: &Rc<Self>, req: pb::ProviderTunnelRequest) {
+        let Some(run) = self.register(&req.run_id, RunKind::Tunnel, req.flow_window_bytes) else {
+            return;
         };
         let (adapters, settings, leases_required) = {
             let applied = self.applied.borrow();
@@ -399,23 +415,17 @@ impl Session {
         let session = self.clone();
         let active = self.core.run_started();
         monoio::spawn(async move {
-            tunnel::serve(&session.env, req, &ticket, adapters, settings, leases, stop).await;
+            let ticket = run.ticket.clone();
+            tunnel::serve(&session.env, req, run, adapters, settings, leases).await;
             session.runs.borrow_mut().finish(&ticket);
             drop(active);
         });
     }
 
     fn start_run(self: &Rc<Self>, req: pb::RunRequest) {
-        let registered = self
-            .runs
-            .borrow_mut()
-            .register(&req.run_id, RunKind::Normalized);
-        let (ticket, stop) = match registered {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(error = %e, "duplicate run request dropped");
-                return;
-            }
+        let Some(run) = self.register(&req.run_id, RunKind::Normalized, req.flow_window_bytes)
+        else {
+            return;
         };
         let (adapters, settings) = {
             let applied = self.applied.borrow();
@@ -424,7 +434,8 @@ impl Session {
         let session = self.clone();
         let active = self.core.run_started();
         monoio::spawn(async move {
-            normalized::serve(&session.env, req, &ticket, adapters, settings, stop).await;
+            let ticket = run.ticket.clone();
+            normalized::serve(&session.env, req, run, adapters, settings).await;
             session.runs.borrow_mut().finish(&ticket);
             drop(active);
         });

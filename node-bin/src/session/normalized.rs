@@ -17,16 +17,14 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::clock;
-use iop_engine::sync::oneshot;
 use iop_wire::pb;
 
-use super::runs::RunTicket;
+use super::runs::RunStart;
 use crate::adapters::probe::ProbeTarget;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
 use crate::attempt::emit::{Emitter, RunEmitter};
-use crate::attempt::watchdog::{
-    AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig,
-};
+use crate::attempt::flow::{FlowGate, WindowTooSmall};
+use crate::attempt::watchdog::{AttemptIdentity, RuntimeSettings, Watchdog, WatchdogConfig};
 use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
 use crate::calls::normalize::CallFailure;
 use crate::calls::run::RunCall;
@@ -38,17 +36,18 @@ use crate::codes;
 pub async fn serve(
     env: &AttemptEnv,
     req: pb::RunRequest,
-    ticket: &RunTicket,
+    run: RunStart,
     adapters: Rc<Adapters>,
     settings: RuntimeSettings,
-    stop: oneshot::Receiver<StopCause>,
 ) -> Ended {
+    let RunStart { ticket, stop, flow } = run;
     let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
     let Admitted {
         adapter,
         config,
         permit,
-    } = match admit(&req, &adapters, settings) {
+        flow,
+    } = match admit(&req, &adapters, settings, flow) {
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
@@ -79,7 +78,7 @@ pub async fn serve(
         input: req.input.unwrap_or_default(),
     };
     let provider = env.calls.spawn(Some(permit), call);
-    let ended = attempt::drive(env, emit, watchdog, evidence, provider, stop).await;
+    let ended = attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "run released");
     ended
 }
@@ -88,6 +87,7 @@ struct Admitted {
     adapter: Rc<AdapterInstance>,
     config: WatchdogConfig,
     permit: Permit,
+    flow: Rc<FlowGate>,
 }
 
 /// Every check before the provider call (W1 first, then the adapter, then
@@ -96,10 +96,12 @@ fn admit(
     req: &pb::RunRequest,
     adapters: &Adapters,
     settings: RuntimeSettings,
+    flow: Result<Rc<FlowGate>, WindowTooSmall>,
 ) -> Result<Admitted, CallFailure> {
     let config = settings
         .watchdog_config(req.response_stall_timeout_ms)
         .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
+    let flow = flow.map_err(|e| (codes::INVALID_FLOW_WINDOW, e.to_string()))?;
     let adapter = adapters.get(&req.adapter).ok_or_else(|| {
         (
             codes::UNKNOWN_ADAPTER,
@@ -117,6 +119,7 @@ fn admit(
         adapter: adapter.clone(),
         config,
         permit,
+        flow,
     })
 }
 
@@ -148,6 +151,10 @@ mod tests {
         }
     }
 
+    fn unlimited() -> Result<Rc<FlowGate>, WindowTooSmall> {
+        Ok(FlowGate::unlimited())
+    }
+
     fn code(r: Result<Admitted, CallFailure>) -> &'static str {
         match r {
             Ok(_) => "admitted",
@@ -161,7 +168,7 @@ mod tests {
     fn stall_timeout_is_checked_first() {
         let settings = RuntimeSettings::default();
         let none = Adapters::default();
-        let Err((c, message)) = admit(&req("nope", -1), &none, settings) else {
+        let Err((c, message)) = admit(&req("nope", -1), &none, settings, unlimited()) else {
             panic!("admitted")
         };
         assert_eq!(
@@ -172,11 +179,11 @@ mod tests {
             )
         );
         assert_eq!(
-            code(admit(&req("nope", i64::MAX), &none, settings)),
+            code(admit(&req("nope", i64::MAX), &none, settings, unlimited())),
             codes::INVALID_STALL_TIMEOUT
         );
         assert_eq!(
-            code(admit(&req("nope", 0), &none, settings)),
+            code(admit(&req("nope", 0), &none, settings, unlimited())),
             codes::UNKNOWN_ADAPTER
         );
     }
@@ -187,13 +194,45 @@ mod tests {
     fn runs_share_the_adapter_gate() {
         let adapters = adapters(1);
         let settings = RuntimeSettings::default();
-        let first = admit(&req("ol", 0), &adapters, settings);
+        let first = admit(&req("ol", 0), &adapters, settings, unlimited());
         assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 1);
         assert_eq!(
-            code(admit(&req("ol", 0), &adapters, settings)),
+            code(admit(&req("ol", 0), &adapters, settings, unlimited())),
             codes::CAPACITY_EXHAUSTED
         );
         drop(first);
-        assert_eq!(code(admit(&req("ol", 0), &adapters, settings)), "admitted");
+        assert_eq!(
+            code(admit(&req("ol", 0), &adapters, settings, unlimited())),
+            "admitted"
+        );
+    }
+
+    // A window too small to work is refused after W1, before the adapter
+    // or its gate are touched.
+    #[test]
+    fn an_unusable_flow_window_is_refused_before_the_gate() {
+        let adapters = adapters(1);
+        let settings = RuntimeSettings::default();
+        let tiny = FlowGate::new(10);
+        assert_eq!(
+            code(admit(
+                &req("ol", -1),
+                &adapters,
+                settings,
+                FlowGate::new(10)
+            )),
+            codes::INVALID_STALL_TIMEOUT
+        );
+        let Err((c, message)) = admit(&req("ol", 0), &adapters, settings, tiny) else {
+            panic!("admitted")
+        };
+        assert_eq!(
+            (c, message.as_str()),
+            (
+                codes::INVALID_FLOW_WINDOW,
+                "flow_window_bytes 10 is below the minimum of 256"
+            )
+        );
+        assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 0);
     }
 }

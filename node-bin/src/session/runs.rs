@@ -16,9 +16,11 @@
 //! so a kept cancel never hits an unrelated run.
 
 use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
 
 use iop_engine::sync::oneshot;
 
+use crate::attempt::flow::{FlowGate, WindowTooSmall};
 use crate::attempt::watchdog::StopCause;
 
 /// The kind of an active run.
@@ -65,6 +67,22 @@ struct Entry {
     kind: RunKind,
     serial: u64,
     stop: Option<oneshot::Sender<StopCause>>,
+    /// The run's flow-control window, credited by the Edge (`None` when
+    /// its request granted an unusable window and it is being refused).
+    flow: Option<Rc<FlowGate>>,
+}
+
+/// What a registered run takes to its attempt: its ticket, its stop
+/// trigger and its flow-control window (an error when the request granted
+/// an unusable one: the run is refused with one terminal).
+#[derive(Debug)]
+pub struct RunStart {
+    /// Proof of registration.
+    pub ticket: RunTicket,
+    /// Fires on cancel (K1) or session end (F5).
+    pub stop: oneshot::Receiver<StopCause>,
+    /// The run's window.
+    pub flow: Result<Rc<FlowGate>, WindowTooSmall>,
 }
 
 /// Cancels of runs not (yet) active that a session remembers.
@@ -85,12 +103,14 @@ impl RunTable {
         Self::default()
     }
 
-    /// Registers a run; the receiver yields its stop cause. A duplicate of
-    /// an active run id is refused and the active run is left alone.
+    /// Registers a run with its flow-control window; the receiver yields
+    /// its stop cause. A duplicate of an active run id is refused and the
+    /// active run is left alone.
     pub fn register(
         &mut self,
         run_id: &str,
         kind: RunKind,
+        flow: Option<Rc<FlowGate>>,
     ) -> Result<(RunTicket, oneshot::Receiver<StopCause>), DuplicateRun> {
         if self.entries.contains_key(run_id) {
             return Err(DuplicateRun(run_id.to_string()));
@@ -116,6 +136,7 @@ impl RunTable {
                 kind,
                 serial: self.last_serial,
                 stop,
+                flow,
             },
         );
         Ok((
@@ -125,6 +146,16 @@ impl RunTable {
             },
             rx,
         ))
+    }
+
+    /// Credit from the Edge for run `run_id` (absolute `max_offset`).
+    /// False when the run is unknown (finished: late credit is harmless)
+    /// or the credit did not grow its window.
+    pub fn credit(&self, run_id: &str, max_offset: u64) -> bool {
+        self.entries
+            .get(run_id)
+            .and_then(|entry| entry.flow.as_ref())
+            .is_some_and(|flow| flow.on_credit(max_offset))
     }
 
     /// Stops that run only (K1). False when unknown or already stopped; an
@@ -193,8 +224,8 @@ mod tests {
     #[test]
     fn cancel_reaches_only_that_run() {
         let mut t = RunTable::new();
-        let (a, mut rx_a) = t.register("a", RunKind::Tunnel).unwrap();
-        let (_b, mut rx_b) = t.register("b", RunKind::Normalized).unwrap();
+        let (a, mut rx_a) = t.register("a", RunKind::Tunnel, None).unwrap();
+        let (_b, mut rx_b) = t.register("b", RunKind::Normalized, None).unwrap();
         assert!(t.cancel("a", StopCause::Cancelled));
         assert!(!t.cancel("a", StopCause::Cancelled), "stopped once");
         assert!(!t.cancel("zzz", StopCause::Cancelled));
@@ -217,7 +248,7 @@ mod tests {
         let mut t = RunTable::new();
         let mut receivers: Vec<_> = ["x", "y", "z"]
             .iter()
-            .map(|id| t.register(id, RunKind::Tunnel).unwrap().1)
+            .map(|id| t.register(id, RunKind::Tunnel, None).unwrap().1)
             .collect();
         assert_eq!(t.cancel_all(StopCause::SessionEnded), 3);
         for rx in &mut receivers {
@@ -234,23 +265,23 @@ mod tests {
         let mut t = RunTable::new();
         assert!(!t.cancel("late", StopCause::Cancelled), "not active yet");
         assert!(!t.cancel("late", StopCause::Cancelled), "kept once");
-        let (ticket, mut rx) = t.register("late", RunKind::Tunnel).unwrap();
+        let (ticket, mut rx) = t.register("late", RunKind::Tunnel, None).unwrap();
         assert_eq!(rx.try_recv(), Ok(StopCause::Cancelled));
         assert!(t.contains("late"), "the entry lives until release (W10)");
         assert!(!t.cancel("late", StopCause::Cancelled), "already stopped");
         t.finish(&ticket);
         // Used up: a later run with another id is not affected, and the
         // kept cancels are bounded.
-        let (_other, mut rx_other) = t.register("other", RunKind::Tunnel).unwrap();
+        let (_other, mut rx_other) = t.register("other", RunKind::Tunnel, None).unwrap();
         assert!(rx_other.try_recv().is_err());
         for i in 0..=EARLY_CANCELS {
             t.cancel(&format!("gone-{i}"), StopCause::Cancelled);
         }
         assert_eq!(t.early_cancels.len(), EARLY_CANCELS);
-        let (_first, mut rx_first) = t.register("gone-0", RunKind::Tunnel).unwrap();
+        let (_first, mut rx_first) = t.register("gone-0", RunKind::Tunnel, None).unwrap();
         assert!(rx_first.try_recv().is_err(), "the oldest was forgotten");
         let (_last, mut rx_last) = t
-            .register(&format!("gone-{EARLY_CANCELS}"), RunKind::Tunnel)
+            .register(&format!("gone-{EARLY_CANCELS}"), RunKind::Tunnel, None)
             .unwrap();
         assert_eq!(rx_last.try_recv(), Ok(StopCause::Cancelled));
     }
@@ -258,13 +289,13 @@ mod tests {
     #[test]
     fn duplicates_are_refused_and_stale_finishes_ignored() {
         let mut t = RunTable::new();
-        let (first, _rx) = t.register("r", RunKind::Tunnel).unwrap();
+        let (first, _rx) = t.register("r", RunKind::Tunnel, None).unwrap();
         assert_eq!(
-            t.register("r", RunKind::Tunnel).unwrap_err(),
+            t.register("r", RunKind::Tunnel, None).unwrap_err(),
             DuplicateRun("r".into())
         );
         t.finish(&first);
-        let (second, _rx2) = t.register("r", RunKind::Tunnel).unwrap();
+        let (second, _rx2) = t.register("r", RunKind::Tunnel, None).unwrap();
         t.finish(&first);
         assert!(t.contains("r"), "a stale ticket removes nothing");
         t.finish(&second);

@@ -28,16 +28,14 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::clock;
-use iop_engine::sync::oneshot;
 use iop_wire::pb;
 
-use super::runs::RunTicket;
+use super::runs::RunStart;
 use crate::adapters::probe::ProbeTarget;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
 use crate::attempt::emit::{Emitter, TunnelEmitter};
-use crate::attempt::watchdog::{
-    AttemptIdentity, RuntimeSettings, StopCause, Watchdog, WatchdogConfig,
-};
+use crate::attempt::flow::{FlowGate, WindowTooSmall};
+use crate::attempt::watchdog::{AttemptIdentity, RuntimeSettings, Watchdog, WatchdogConfig};
 use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
 use crate::calls::tunnel::TunnelCall;
 use crate::codes;
@@ -49,14 +47,14 @@ use crate::credentials::LeaseGate;
 pub async fn serve(
     env: &AttemptEnv,
     req: pb::ProviderTunnelRequest,
-    ticket: &RunTicket,
+    run: RunStart,
     adapters: Rc<Adapters>,
     settings: RuntimeSettings,
     leases: LeaseGate,
-    stop: oneshot::Receiver<StopCause>,
 ) -> Ended {
+    let RunStart { ticket, stop, flow } = run;
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
-    let admitted = match admit(&req, &adapters, settings) {
+    let admitted = match admit(&req, &adapters, settings, flow) {
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "tunnel rejected");
@@ -71,6 +69,7 @@ pub async fn serve(
         path,
         config,
         permit,
+        flow,
     } = admitted;
     // --- credential lease (C2, C3) ---------------------------------------
     // Opened only now that the capacity gate admitted the request, right
@@ -117,7 +116,7 @@ pub async fn serve(
         credential,
     };
     let provider = env.calls.spawn(Some(permit), call);
-    let ended = attempt::drive(env, emit, watchdog, evidence, provider, stop).await;
+    let ended = attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await;
     tracing::debug!(run_id = %req.run_id, ?ended, "tunnel released");
     ended
 }
@@ -127,6 +126,7 @@ struct Admitted {
     path: String,
     config: WatchdogConfig,
     permit: Permit,
+    flow: Rc<FlowGate>,
 }
 
 /// Every check before the provider call (W1, U3, P4).
@@ -134,11 +134,13 @@ fn admit(
     req: &pb::ProviderTunnelRequest,
     adapters: &Adapters,
     settings: RuntimeSettings,
+    flow: Result<Rc<FlowGate>, WindowTooSmall>,
 ) -> Result<Admitted, (&'static str, String)> {
     // W1: reject before any router or provider call.
     let config = settings
         .watchdog_config(req.response_stall_timeout_ms)
         .map_err(|e| (codes::INVALID_STALL_TIMEOUT, e.to_string()))?;
+    let flow = flow.map_err(|e| (codes::INVALID_FLOW_WINDOW, e.to_string()))?;
     let adapter = adapters.get(&req.adapter).ok_or_else(|| {
         (
             codes::UNKNOWN_ADAPTER,
@@ -160,5 +162,6 @@ fn admit(
         path,
         config,
         permit,
+        flow,
     })
 }

@@ -261,6 +261,33 @@ pub fn lease_binding(recipient_id: &str) -> pb::CredentialLeaseBinding {
     }
 }
 
+/// Splits an SSE body into its `data:` payloads: JSON events without the
+/// mock's volatile fields (`id`, `created`, `iop_mock_sent_ns`), and
+/// `[DONE]` as a string. Every event must be exactly `data: <payload>\n\n`.
+pub fn normalized_events(body: &[u8]) -> Vec<serde_json::Value> {
+    let text = std::str::from_utf8(body).expect("SSE body is UTF-8");
+    let trimmed = text
+        .strip_suffix("\n\n")
+        .unwrap_or_else(|| panic!("SSE body ends with a blank line"));
+    trimmed
+        .split("\n\n")
+        .map(|event| {
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("SSE event {event:?}"));
+            if data == "[DONE]" {
+                return serde_json::Value::String(data.to_string());
+            }
+            let mut json: serde_json::Value = serde_json::from_str(data).expect("SSE event JSON");
+            let object = json.as_object_mut().expect("SSE event is an object");
+            for volatile in ["id", "created", "iop_mock_sent_ns"] {
+                object.remove(volatile);
+            }
+            json
+        })
+        .collect()
+}
+
 /// Whether `kind` ends a tunnel.
 fn is_tunnel_terminal(kind: pb::TunnelFrameKind) -> bool {
     matches!(kind, pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error)

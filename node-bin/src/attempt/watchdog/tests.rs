@@ -975,3 +975,78 @@ fn non_stall_terminals_have_no_failure() {
         assert!(ev.failure.is_none());
     }
 }
+
+// Flow control is not a stall: an attempt that waits for credit far longer
+// than its stall timeout neither stalls nor probes; once it resumes, the
+// idle time it had before blocking still counts, the blocked time does not.
+#[test]
+fn waiting_for_credit_is_not_idle_time() {
+    let t0 = t0();
+    let mut wd = Watchdog::new(config(1000, 300, 200), t0, None);
+    assert_eq!(
+        wd.on_output(t0 + ms(100), Activity::Progress),
+        Verdict::Forward
+    );
+    // 400 ms idle, then the output could not be forwarded.
+    wd.flow_blocked(t0 + ms(500));
+    assert!(wd.is_flow_blocked());
+    assert_eq!(wd.poll_timeout(), None, "no stall deadline while blocked");
+    wd.handle_timeout(t0 + ms(60_000));
+    assert_eq!(drain(&mut wd), vec![], "no stall, no probe");
+    assert_eq!(wd.phase(), Phase::Running);
+    // Resumed after a minute: 400 ms of idle time were used before.
+    wd.flow_resumed(t0 + ms(60_500));
+    assert!(!wd.is_flow_blocked());
+    assert_eq!(wd.poll_timeout(), Some(t0 + ms(61_100)));
+    wd.handle_timeout(t0 + ms(61_099));
+    assert_eq!(drain(&mut wd), vec![]);
+    stalled_at(&mut wd, t0 + ms(61_100));
+}
+
+// W9 still holds while blocked: the hard deadline and a cancel end the
+// attempt with their own terminal; nothing is forwarded after it.
+#[test]
+fn a_blocked_attempt_still_meets_its_hard_deadline_and_its_cancel() {
+    let t0 = t0();
+    let mut wd = Watchdog::new(config(1000, 300, 200), t0, Some(t0 + ms(5000)));
+    wd.flow_blocked(t0 + ms(10));
+    assert_eq!(wd.poll_timeout(), Some(t0 + ms(5000)));
+    wd.handle_timeout(t0 + ms(5000));
+    assert_eq!(
+        drain(&mut wd),
+        vec![
+            Action::CancelProvider,
+            Action::EmitStopped(StopCause::DeadlineExceeded)
+        ]
+    );
+    assert!(!wd.accepts_output());
+
+    let mut wd = Watchdog::new(config(1000, 300, 200), t0, None);
+    wd.flow_blocked(t0 + ms(10));
+    wd.stop(t0 + ms(3000), StopCause::Cancelled);
+    assert_eq!(
+        drain(&mut wd),
+        vec![
+            Action::CancelProvider,
+            Action::EmitStopped(StopCause::Cancelled)
+        ]
+    );
+    assert_eq!(
+        wd.on_output(t0 + ms(3001), Activity::Progress),
+        Verdict::Drop
+    );
+}
+
+// A stall already due when the attempt blocks is still a stall: blocking
+// never erases idle time that was over before it.
+#[test]
+fn blocking_after_the_stall_deadline_does_not_save_the_attempt() {
+    let t0 = t0();
+    let mut wd = Watchdog::new(config(1000, 300, 200), t0, None);
+    wd.flow_blocked(t0 + ms(1000));
+    assert_eq!(
+        drain(&mut wd),
+        vec![Action::CancelProvider, Action::StartProbe]
+    );
+    assert!(!wd.is_flow_blocked());
+}
