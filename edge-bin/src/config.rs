@@ -73,6 +73,19 @@ pub const MAX_QUEUE_TIMEOUT_MS: u64 = 86_400_000;
 pub const DEFAULT_DRAIN_GRACE_MS: u64 = 30_000;
 /// Largest accepted `edge.drain_grace_ms` (one hour).
 pub const MAX_DRAIN_GRACE_MS: u64 = 3_600_000;
+/// Default `edge.flow_window_bytes`: each run's flow-control window on
+/// its node connection (charged bytes, `iop_wire::flow`). 256 KiB covers one
+/// client's bandwidth-delay product at 100 MB/s and 2.5 ms.
+pub const DEFAULT_FLOW_WINDOW_BYTES: u64 = 256 * 1024;
+/// Largest accepted `edge.flow_window_bytes` (16 MiB).
+pub const MAX_FLOW_WINDOW_BYTES: u64 = 16 * 1024 * 1024;
+/// Default `edge.client_write_stall_timeout_ms`: a client socket that takes
+/// no bytes of a response for this long is cut off.
+pub const DEFAULT_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 30_000;
+/// Shortest accepted `edge.client_write_stall_timeout_ms`.
+pub const MIN_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 100;
+/// Longest accepted `edge.client_write_stall_timeout_ms` (one hour).
+pub const MAX_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 3_600_000;
 /// Largest accepted `models[].long_context_threshold_tokens`.
 pub const MAX_LONG_CONTEXT_THRESHOLD_TOKENS: u64 = 100_000_000;
 /// Default `models[].owned_by`, shown in `/v1/models`.
@@ -207,6 +220,13 @@ pub struct EdgeSettings {
     /// before the Edge exits anyway (0 = exit as soon as the listeners are
     /// closed).
     pub drain_grace_ms: u64,
+    /// Each run's flow-control window on its node connection, in charged
+    /// bytes: what the Edge buffers for one run at most while its client
+    /// does not read.
+    pub flow_window_bytes: u64,
+    /// A client socket that takes no bytes of a response for this long is
+    /// cut off: its run is cancelled on the Node, its lease released.
+    pub client_write_stall_timeout_ms: u64,
 }
 
 /// One configured Node (`[[nodes]]`).
@@ -682,6 +702,8 @@ struct RawEdge {
     #[serde(default)]
     insecure_plaintext_nodes: bool,
     drain_grace_ms: Option<i64>,
+    flow_window_bytes: Option<i64>,
+    client_write_stall_timeout_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1122,6 +1144,20 @@ impl Validator<'_> {
             Some(v) => in_range(v, 0, MAX_DRAIN_GRACE_MS)
                 .map_err(|why| self.err("edge.drain_grace_ms", why))?,
         };
+        let flow_window_bytes = match raw.flow_window_bytes {
+            None => DEFAULT_FLOW_WINDOW_BYTES,
+            Some(v) => in_range(v, iop_wire::flow::MIN_WINDOW_BYTES, MAX_FLOW_WINDOW_BYTES)
+                .map_err(|why| self.err("edge.flow_window_bytes", why))?,
+        };
+        let client_write_stall_timeout_ms = match raw.client_write_stall_timeout_ms {
+            None => DEFAULT_CLIENT_WRITE_STALL_TIMEOUT_MS,
+            Some(v) => in_range(
+                v,
+                MIN_CLIENT_WRITE_STALL_TIMEOUT_MS,
+                MAX_CLIENT_WRITE_STALL_TIMEOUT_MS,
+            )
+            .map_err(|why| self.err("edge.client_write_stall_timeout_ms", why))?,
+        };
         Ok(EdgeSettings {
             name: raw.name,
             trust_domain: raw.trust_domain,
@@ -1131,6 +1167,8 @@ impl Validator<'_> {
             max_frame_bytes,
             insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
             drain_grace_ms,
+            flow_window_bytes,
+            client_write_stall_timeout_ms,
         })
     }
 
@@ -1560,6 +1598,8 @@ providers = ["node-a/a-llama"]
                 max_frame_bytes: 16 * 1024 * 1024,
                 insecure_plaintext_nodes: false,
                 drain_grace_ms: 30_000,
+                flow_window_bytes: 256 * 1024,
+                client_write_stall_timeout_ms: 30_000,
             },
             tls: Some(TlsFiles {
                 ca: dir.join("certs/ca.pem"),
@@ -1700,7 +1740,8 @@ providers = ["node-a/a-llama"]
             error_of("[tls]", "colour = \"blue\"\n[tls]"),
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
-             `insecure_plaintext_nodes`, `drain_grace_ms` (line 8, column 1)"
+             `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
+             `client_write_stall_timeout_ms` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -1877,6 +1918,35 @@ providers = ["node-a/a-llama"]
                 parse(&variant(edge, &format!("{edge}\ndrain_grace_ms = {value}"))).unwrap();
             assert_eq!(config.edge.drain_grace_ms, expected);
         }
+    }
+
+    #[test]
+    fn flow_window_and_write_stall_timeout_default_and_are_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        let base = parse(BASE).unwrap();
+        assert_eq!(base.edge.flow_window_bytes, 262_144);
+        assert_eq!(base.edge.client_write_stall_timeout_ms, 30_000);
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nflow_window_bytes = 255")),
+            "conf/edge.toml: edge.flow_window_bytes: must be between 256 and 16777216 (got 255)"
+        );
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nclient_write_stall_timeout_ms = 99")),
+            "conf/edge.toml: edge.client_write_stall_timeout_ms: must be between 100 and 3600000 \
+             (got 99)"
+        );
+        let config = parse(&variant(
+            edge,
+            &format!("{edge}\nflow_window_bytes = 65536\nclient_write_stall_timeout_ms = 2500"),
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                config.edge.flow_window_bytes,
+                config.edge.client_write_stall_timeout_ms
+            ),
+            (65_536, 2_500)
+        );
     }
 
     #[test]

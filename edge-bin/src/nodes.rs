@@ -9,16 +9,16 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnHandle, SocketShutdown};
-use iop_engine::mailbox::MailboxSender;
 use iop_engine::tls::EdgeTlsAcceptor;
 use iop_wire::codec::body_name;
+use iop_wire::flow;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
-use crate::state::{Edge, RouteEvent};
+use crate::state::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
@@ -49,7 +49,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAc
         }
     };
     let conn_id = edge.next_conn_id();
-    edge.conns.borrow_mut().insert(conn_id, conn.clone());
+    edge.add_node_conn(conn_id, conn.clone());
     tracing::debug!(conn = conn_id.0, ?tls_name, "node connection open");
 
     // Close connections that never register.
@@ -69,23 +69,26 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAc
         });
     }
 
+    // The reader never waits on a client: each run's frames go to its own
+    // route, which its flow-control window bounds, so heartbeats and every
+    // other run keep flowing whatever one client does (T4).
     let mut events = events;
     let reason = loop {
         match events.recv().await {
             Some(ConnEvent::Frame(f)) => {
-                handle_frame(&edge, conn_id, &conn, tls_name.as_deref(), f).await;
+                handle_frame(&edge, conn_id, &conn, tls_name.as_deref(), f);
             }
             Some(ConnEvent::Closed { reason }) => break reason,
             None => break "connection ended".to_string(),
         }
     };
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
-    edge.conns.borrow_mut().remove(&conn_id);
+    edge.remove_node_conn(conn_id);
     edge.drop_routes_of(conn_id);
     edge.apply(Input::Closed { conn: conn_id });
 }
 
-async fn handle_frame(
+fn handle_frame(
     edge: &Rc<Edge>,
     conn_id: ConnId,
     conn: &ConnHandle,
@@ -98,7 +101,13 @@ async fn handle_frame(
             // Without TLS (T5 dev mode) the claimed id stands in for the
             // identity name.
             let tls_name = tls_name.unwrap_or(&req.node_id).to_string();
-            tracing::info!(node_id = %req.node_id, conn = conn_id.0, "register request");
+            tracing::info!(
+                node_id = %req.node_id,
+                conn = conn_id.0,
+                flow_control = req.flow_control,
+                "register request"
+            );
+            edge.set_flow_control(conn_id, req.flow_control);
             edge.apply(Input::Register {
                 conn: conn_id,
                 tls_name,
@@ -121,10 +130,16 @@ async fn handle_frame(
                 target: tf.target.clone(),
                 stall: tf.failure.as_ref().and_then(StallEvidence::from_failure),
             });
-            if let Some(tx) = route_of(edge, conn_id, &tf.run_id, evidence) {
-                // The client may be gone; then the frame has no reader.
-                let _ = tx.send(RouteEvent::Tunnel(tf)).await;
-            }
+            let (run_id, charge) = (tf.run_id.clone(), flow::charge_of_tunnel_frame(&tf));
+            deliver(
+                edge,
+                conn_id,
+                conn,
+                &run_id,
+                charge,
+                evidence,
+                RouteEvent::Tunnel(tf),
+            );
         }
         Body::RunEvent(ev) => {
             let terminal = matches!(
@@ -138,9 +153,16 @@ async fn handle_frame(
                 target: ev.target.clone(),
                 stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
             });
-            if let Some(tx) = route_of(edge, conn_id, &ev.run_id, evidence) {
-                let _ = tx.send(RouteEvent::Run(ev)).await;
-            }
+            let (run_id, charge) = (ev.run_id.clone(), flow::charge_of_run_event(&ev));
+            deliver(
+                edge,
+                conn_id,
+                conn,
+                &run_id,
+                charge,
+                evidence,
+                RouteEvent::Run(ev),
+            );
         }
         Body::NodeCommandResponse(response)
             if crate::admin::is_admin_command(&response.command_id) =>
@@ -176,18 +198,29 @@ async fn handle_frame(
     }
 }
 
-/// The route that run `run_id` was dispatched on, if the frame arrived on
-/// the connection `conn_id` it was dispatched to (H1). A terminal
-/// (`evidence`) retires the route and goes to Control.
-fn route_of(
+/// Hands a run's frame to its client's route (H1: only from the
+/// connection it was dispatched to; `Edge::deliver`), then a terminal
+/// (`evidence`) to Control. A node that sent beyond its credit is closed.
+fn deliver(
     edge: &Edge,
     conn_id: ConnId,
+    conn: &ConnHandle,
     run_id: &str,
+    charge: u64,
     evidence: Option<Terminal>,
-) -> Option<MailboxSender<RouteEvent>> {
-    let tx = edge.route_of(conn_id, run_id, evidence.is_some());
+    event: RouteEvent,
+) {
+    let delivery = edge.deliver(conn_id, run_id, charge, evidence.is_some(), event);
+    if let Delivery::Overrun(overrun) = delivery {
+        tracing::warn!(
+            conn = conn_id.0,
+            received = overrun.received,
+            granted = overrun.granted,
+            "node sent beyond its flow-control credit; closing"
+        );
+        conn.close(REASON_FLOW_CONTROL_OVERRUN);
+    }
     if let Some(t) = evidence {
         edge.apply(Input::Terminal(t));
     }
-    tx
 }

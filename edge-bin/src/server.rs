@@ -183,6 +183,10 @@ pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -
 pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
     Settings {
         max_request_body_bytes: cfg.edge.max_request_body_bytes,
+        flow_window_bytes: cfg.edge.flow_window_bytes,
+        client_write_stall_timeout: std::time::Duration::from_millis(
+            cfg.edge.client_write_stall_timeout_ms,
+        ),
         models: cfg
             .models
             .iter()

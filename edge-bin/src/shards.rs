@@ -96,6 +96,16 @@ pub enum ShardMsg {
     Actions(Vec<Action>),
     /// Send a run on a node connection of this shard.
     StartRun(StartRun),
+    /// The client of a run on a node connection of this shard drained
+    /// enough for more credit.
+    Credit {
+        /// The node connection.
+        conn: ConnId,
+        /// The run.
+        run_id: String,
+        /// The new credit (absolute).
+        max_offset: u64,
+    },
     /// Send a control frame on a node connection of this shard.
     SendControl {
         /// The connection.
@@ -136,6 +146,7 @@ impl std::fmt::Debug for ShardMsg {
             ShardMsg::Inputs(v) => write!(f, "Inputs({})", v.len()),
             ShardMsg::Actions(v) => write!(f, "Actions({})", v.len()),
             ShardMsg::StartRun(s) => s.fmt(f),
+            ShardMsg::Credit { conn, .. } => write!(f, "Credit({conn:?})"),
             ShardMsg::SendControl { conn, .. } => write!(f, "SendControl({conn:?})"),
             ShardMsg::CommandAnswer { conn, .. } => write!(f, "CommandAnswer({conn:?})"),
             ShardMsg::CommandUndeliverable { command_id, .. } => {

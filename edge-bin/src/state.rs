@@ -17,6 +17,7 @@ use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
+use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
@@ -39,15 +40,26 @@ pub enum RouteEvent {
     /// The lease was released without a terminal: the node's connection was
     /// fenced (F1) or superseded (R2).
     Lost,
+    /// The run's buffer at the Edge overflowed: its node speaks no flow
+    /// control and sent more than a window the client had not drained. The
+    /// run is cut off (the client is too slow for it).
+    Overflow,
 }
 
 /// The receiving end of a client request's route: frames arrive here from
-/// whichever shard reads the node connection.
+/// whichever shard reads the node connection, at most a flow-control
+/// window of them (`iop_wire::flow`); [`RouteRx::drained`] grants the node
+/// more as the client's socket takes them.
 #[derive(Debug)]
 pub struct RouteRx {
     rx: Mailbox<RouteEvent>,
     /// Set when `Control` released the lease without a terminal.
     lost: Rc<Cell<bool>>,
+    /// When to credit the node, from what the client took.
+    drain: DrainWindow,
+    /// The node connection and run the credit is for.
+    conn: ConnId,
+    run_id: String,
 }
 
 impl RouteRx {
@@ -65,6 +77,29 @@ impl RouteRx {
         }
         event
     }
+
+    /// The client's socket took an event charged `charge` (its bytes were
+    /// written, or a response builder consumed it): grants the node more
+    /// credit once half a window has been taken since the last grant.
+    pub fn drained(&mut self, edge: &Rc<Edge>, charge: u64) {
+        if charge == 0 {
+            return;
+        }
+        if let Some(max_offset) = self.drain.on_consumed(charge) {
+            edge.credit(self.conn, &self.run_id, max_offset);
+        }
+    }
+}
+
+impl RouteEvent {
+    /// Its flow-control charge (`iop_wire::flow`).
+    pub fn charge(&self) -> u64 {
+        match self {
+            RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
+            RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
+            RouteEvent::Lost | RouteEvent::Overflow => 0,
+        }
+    }
 }
 
 /// This shard's handle on a dispatched client request's route.
@@ -79,18 +114,52 @@ struct NodeRoute {
     /// The connection the run was dispatched to; frames from any other
     /// connection are not for this route (H1).
     conn: ConnId,
-    /// The client request's mailbox (on any shard).
+    /// The client request's mailbox (on any shard). Never awaited: the
+    /// window bounds what it holds, so a push always fits.
     tx: MailboxSender<RouteEvent>,
+    /// What the node may still send: charged bytes received against the
+    /// credit granted so far.
+    window: RecvWindow,
 }
 
-/// Frames buffered per waiting client before the node connection's reader
-/// waits for the client to catch up.
-pub const ROUTE_QUEUE_FRAMES: usize = 256;
+/// A node connection of this shard.
+struct NodeLink {
+    handle: ConnHandle,
+    /// The node advertised per-run flow control (`RegisterRequest`): its
+    /// runs get a window, credit travels to it, and an overrun closes the
+    /// connection. Without, its runs are still bounded here: one that
+    /// outgrows its window is cut off.
+    flow_control: Cell<bool>,
+    /// Credit waiting for this turn's `FlowCredit` frame.
+    pending_credit: RefCell<Vec<pb::RunCredit>>,
+}
+
+/// What happened to a frame from a node ([`Edge::deliver`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Queued for its client (or dropped: the client has left).
+    Delivered,
+    /// No live route on this connection (late, stale, or never dispatched
+    /// here: H1, F2).
+    NoRoute,
+    /// The run went beyond its window on a node without flow control: the
+    /// run was cut off (its client gets [`RouteEvent::Overflow`]).
+    CutOff,
+    /// A node that speaks flow control sent beyond its credit: a protocol
+    /// error; close the connection.
+    Overrun(Overrun),
+}
+
+/// Close reason of a node connection that sent beyond its credit.
+pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 
 /// The index of the shard that runs `Control`.
 pub const CONTROL_SHARD: usize = 0;
 
 /// The answer to a submitted request.
+// Moved once per request through a oneshot; boxing the large variant would
+// only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Admission {
     /// It won a lease; its frames arrive on `frames`.
     Dispatched {
@@ -122,6 +191,12 @@ impl std::fmt::Debug for Admission {
 pub struct Settings {
     /// Largest client request body (413 above).
     pub max_request_body_bytes: usize,
+    /// Each run's flow-control window on its node connection (charged
+    /// bytes).
+    pub flow_window_bytes: u64,
+    /// A client socket that takes no bytes of a response for this long is
+    /// cut off.
+    pub client_write_stall_timeout: Duration,
     /// Models for `GET /v1/models`, in config order.
     pub models: Vec<ModelEntry>,
     /// Long-context threshold per model, in estimated prompt tokens.
@@ -149,7 +224,7 @@ pub struct Edge {
     /// Messages to the other shards (`None` with one shard).
     outbox: Option<Outbox>,
     /// Live node connections of this shard, by id.
-    pub conns: RefCell<HashMap<ConnId, ConnHandle>>,
+    conns: RefCell<HashMap<ConnId, NodeLink>>,
     /// Dispatched runs on this shard's node connections, by run id.
     node_routes: RefCell<HashMap<String, NodeRoute>>,
     /// This shard's dispatched client requests: a sender into each one's
@@ -432,7 +507,44 @@ impl Edge {
     }
 
     fn conn(&self, conn: ConnId) -> Option<ConnHandle> {
-        self.conns.borrow().get(&conn).cloned()
+        self.conns
+            .borrow()
+            .get(&conn)
+            .map(|link| link.handle.clone())
+    }
+
+    /// A node connection of this shard opened.
+    pub fn add_node_conn(&self, conn: ConnId, handle: ConnHandle) {
+        let link = NodeLink {
+            handle,
+            flow_control: Cell::new(false),
+            pending_credit: RefCell::new(Vec::new()),
+        };
+        self.conns.borrow_mut().insert(conn, link);
+    }
+
+    /// A node connection of this shard closed.
+    pub fn remove_node_conn(&self, conn: ConnId) {
+        self.conns.borrow_mut().remove(&conn);
+    }
+
+    /// Node connections open on this shard.
+    pub fn node_conn_count(&self) -> usize {
+        self.conns.borrow().len()
+    }
+
+    /// The node on `conn` registered and said which flow control it speaks.
+    pub fn set_flow_control(&self, conn: ConnId, version: u32) {
+        if let Some(link) = self.conns.borrow().get(&conn) {
+            link.flow_control.set(version >= flow::FLOW_CONTROL_V1);
+        }
+    }
+
+    fn speaks_flow_control(&self, conn: ConnId) -> bool {
+        self.conns
+            .borrow()
+            .get(&conn)
+            .is_some_and(|link| link.flow_control.get())
     }
 
     /// The shard an action is for: the one owning its connection or request.
@@ -515,11 +627,19 @@ impl Edge {
     fn admit(&self, dispatch: Dispatch) {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
-        let (tx, rx) = mailbox::mailbox(ROUTE_QUEUE_FRAMES);
+        let window = self.settings.flow_window_bytes;
+        // The window bounds the frames too (each flow-controlled frame is
+        // charged `FRAME_CHARGE_BYTES` at least), plus the few uncharged
+        // ones (response start, terminal, a lost notice).
+        let capacity = usize::try_from(window / flow::FRAME_CHARGE_BYTES).unwrap_or(usize::MAX);
+        let (tx, rx) = mailbox::mailbox(capacity.saturating_add(8));
         let lost = Rc::new(Cell::new(false));
         let frames = RouteRx {
             rx,
             lost: lost.clone(),
+            drain: DrainWindow::new(window),
+            conn: dispatch.lease.conn,
+            run_id: dispatch.lease.run_id.clone(),
         };
         let delivered = match waiter {
             Some(w) => w.send(Admission::Dispatched { dispatch, frames }).is_ok(),
@@ -593,15 +713,33 @@ impl Edge {
             conn,
             request,
             run_id,
-            frame,
+            mut frame,
             route,
         } = start;
         let Some(handle) = self.conn(conn) else {
             return false;
         };
-        self.node_routes
-            .borrow_mut()
-            .insert(run_id.clone(), NodeRoute { conn, tx: route });
+        // A node that speaks flow control is granted the window with the
+        // run; one that does not is still held to it here.
+        let window = self.settings.flow_window_bytes;
+        let granted = if self.speaks_flow_control(conn) {
+            window
+        } else {
+            0
+        };
+        match &mut frame.body {
+            Some(Body::ProviderTunnelRequest(t)) => t.flow_window_bytes = granted,
+            Some(Body::RunRequest(r)) => r.flow_window_bytes = granted,
+            _ => {}
+        }
+        self.node_routes.borrow_mut().insert(
+            run_id.clone(),
+            NodeRoute {
+                conn,
+                tx: route,
+                window: RecvWindow::new(window),
+            },
+        );
         if handle.send_bulk(frame).await.is_ok() {
             return true;
         }
@@ -610,22 +748,122 @@ impl Edge {
         false
     }
 
-    /// The route of run `run_id` if the frame arrived on `conn`, the
-    /// connection it was dispatched to (H1: a frame belongs to a route only
-    /// then). A terminal (`terminal` = true) retires the route.
-    pub fn route_of(
+    /// Delivers a frame of run `run_id` that arrived on `conn` to its
+    /// client's route, if `conn` is the connection it was dispatched to (H1:
+    /// a frame belongs to a route only then). Never waits: a frame within
+    /// the run's window always fits its route. `charge` is the frame's
+    /// flow-control charge; a terminal retires the route.
+    pub fn deliver(
         &self,
         conn: ConnId,
         run_id: &str,
+        charge: u64,
         terminal: bool,
-    ) -> Option<MailboxSender<RouteEvent>> {
+        event: RouteEvent,
+    ) -> Delivery {
         let mut routes = self.node_routes.borrow_mut();
-        let route = routes.get(run_id).filter(|r| r.conn == conn)?;
-        let tx = route.tx.clone();
-        if terminal {
-            routes.remove(run_id);
+        let Some(route) = routes.get_mut(run_id).filter(|r| r.conn == conn) else {
+            return Delivery::NoRoute;
+        };
+        let refused = match route.window.on_received(charge) {
+            Err(overrun) => Some(overrun),
+            Ok(()) => match route.tx.try_send(event) {
+                // A gone client: its frames have no reader (Control
+                // cancels the run).
+                Ok(()) | Err(mailbox::TrySendError::Closed(_)) => None,
+                Err(mailbox::TrySendError::Full(_)) => Some(Overrun {
+                    received: route.window.received(),
+                    granted: route.window.granted(),
+                }),
+            },
+        };
+        let Some(overrun) = refused else {
+            if terminal {
+                routes.remove(run_id);
+            }
+            return Delivery::Delivered;
+        };
+        let Some(route) = routes.remove(run_id) else {
+            return Delivery::NoRoute;
+        };
+        drop(routes);
+        if self.speaks_flow_control(conn) {
+            return Delivery::Overrun(overrun);
         }
-        Some(tx)
+        tracing::warn!(
+            conn = conn.0,
+            received = overrun.received,
+            granted = overrun.granted,
+            "run cut off: its client drains slower than its node sends, and the node \
+             speaks no flow control"
+        );
+        // The relay may be waiting on a full route: the notice must get in.
+        if let Err(mailbox::TrySendError::Full(event)) = route.tx.try_send(RouteEvent::Overflow) {
+            monoio::spawn(async move {
+                let _ = route.tx.send(event).await;
+            });
+        }
+        Delivery::CutOff
+    }
+
+    /// The client of run `run_id` on node connection `conn` drained enough
+    /// for the node to send up to `max_offset`: records the grant and sends
+    /// it (with every other grant of this turn, in one `FlowCredit` frame)
+    /// on whichever shard owns the connection.
+    pub fn credit(self: &Rc<Self>, conn: ConnId, run_id: &str, max_offset: u64) {
+        let to = shards::shard_of(conn.0);
+        match &self.outbox {
+            Some(outbox) if to != self.shard => outbox.send(
+                to,
+                ShardMsg::Credit {
+                    conn,
+                    run_id: run_id.to_string(),
+                    max_offset,
+                },
+            ),
+            _ => self.credit_here(conn, run_id, max_offset),
+        }
+    }
+
+    fn credit_here(self: &Rc<Self>, conn: ConnId, run_id: &str, max_offset: u64) {
+        {
+            let mut routes = self.node_routes.borrow_mut();
+            match routes.get_mut(run_id).filter(|r| r.conn == conn) {
+                Some(route) => route.window.on_credit_sent(max_offset),
+                // Ended meanwhile: nothing to grant.
+                None => return,
+            }
+        }
+        let conns = self.conns.borrow();
+        let Some(link) = conns.get(&conn).filter(|l| l.flow_control.get()) else {
+            return;
+        };
+        let first = {
+            let mut pending = link.pending_credit.borrow_mut();
+            pending.push(pb::RunCredit {
+                run_id: run_id.to_string(),
+                max_offset,
+            });
+            pending.len() == 1
+        };
+        if first {
+            // Sent once this turn's other grants have joined it.
+            let edge = self.clone();
+            monoio::spawn(async move { edge.flush_credit(conn) });
+        }
+    }
+
+    fn flush_credit(&self, conn: ConnId) {
+        let conns = self.conns.borrow();
+        let Some(link) = conns.get(&conn) else { return };
+        let credits = std::mem::take(&mut *link.pending_credit.borrow_mut());
+        if credits.is_empty() {
+            return;
+        }
+        let frame = frame(Body::FlowCredit(pb::FlowCredit { credits }));
+        if link.handle.send_control(frame).is_err() {
+            tracing::debug!(conn = conn.0, "credit not sent: node connection closed");
+        }
     }
 
     /// Forgets every route of node connection `conn` (it closed): their
@@ -683,6 +921,11 @@ impl Edge {
                     }
                 });
             }
+            ShardMsg::Credit {
+                conn,
+                run_id,
+                max_offset,
+            } => self.credit_here(conn, &run_id, max_offset),
             ShardMsg::SendControl { conn, frame } => {
                 let command_id = match &frame.body {
                     Some(Body::NodeCommandRequest(c))
@@ -859,6 +1102,8 @@ mod tests {
         };
         let settings = Settings {
             max_request_body_bytes: 1024,
+            flow_window_bytes: 64 * 1024,
+            client_write_stall_timeout: Duration::from_secs(30),
             models: Vec::new(),
             long_context_threshold_tokens: HashMap::new(),
             started_unix_sec: 0,

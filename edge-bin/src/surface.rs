@@ -377,14 +377,14 @@ where
         return Ok(());
     }
     let result = match dispatch.kind {
-        DispatchKind::Tunnel => relay(server, Surface::OpenAi, frames, admitted_at).await,
+        DispatchKind::Tunnel => relay(edge, server, Surface::OpenAi, frames, admitted_at).await,
         DispatchKind::Run => {
             let id = ResponseId {
                 id: format!("chatcmpl-{}", lease.run_id),
                 created: iop_engine::clock::unix_ms() / 1000,
                 model: lease.target.clone(),
             };
-            relay_run(server, frames, id, &chat, admitted_at).await
+            relay_run(edge, server, frames, id, &chat, admitted_at).await
         }
     };
     if result.is_err() {
@@ -512,7 +512,7 @@ where
     if !send_run(edge, server, route.surface, request, &dispatch, run).await? {
         return Ok(());
     }
-    let result = relay(server, route.surface, frames, admitted_at).await;
+    let result = relay(edge, server, route.surface, frames, admitted_at).await;
     if result.is_err() {
         edge.apply(Input::Cancel { request });
     }
@@ -687,9 +687,28 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
     frame(Body::RunRequest(run))
 }
 
+/// The message a client gets when its node disconnected mid-request.
+const NODE_LOST: &str = "the node serving this request disconnected";
+
+/// The error a relay ends with when its run was cut off because the client
+/// drained slower than its node sent ([`RouteEvent::Overflow`]): the
+/// response broke off, so the connection closes and the caller cancels the
+/// run (U6).
+fn cut_off() -> HttpError {
+    HttpError::Io(std::io::Error::other(
+        "the run was cut off: the client drained slower than its node sent",
+    ))
+}
+
+/// Code and message of an answer to a client whose run was cut off.
+const CUT_OFF_CODE: &str = "client_too_slow";
+const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading.";
+
 /// Relays a normalized run as OpenAI chat completion chunks or one
-/// `chat.completion` (E1, E4, E5).
+/// `chat.completion` (E1, E4, E5). Every event taken from the route is
+/// credited back to the node as soon as the client took its bytes.
 async fn relay_run<S>(
+    edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
     mut frames: RouteRx,
     id: ResponseId,
@@ -700,7 +719,6 @@ where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let mut first_byte_pending = Some(admitted_at);
-    let lost = "the node serving this request disconnected";
     if !chat.stream {
         let mut builder = CompletionBuilder::new(id);
         loop {
@@ -708,27 +726,46 @@ where
                 Watched::Done(next) => next,
                 Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
             };
+            let charge = next.as_ref().map_or(0, RouteEvent::charge);
             match next {
-                Some(RouteEvent::Run(ev)) => match builder.on_event(&ev) {
-                    Some(Completion::Done(v)) => {
-                        let taken_at = clock::now();
-                        write_json(server, 200, Bytes::from(v.to_string())).await?;
-                        chunk_written(taken_at, &mut first_byte_pending);
-                        return Ok(());
+                Some(RouteEvent::Run(ev)) => {
+                    let done = builder.on_event(&ev);
+                    // The builder took it: the node may send more.
+                    frames.drained(edge, charge);
+                    match done {
+                        Some(Completion::Done(v)) => {
+                            let taken_at = clock::now();
+                            write_json(server, 200, Bytes::from(v.to_string())).await?;
+                            chunk_written(taken_at, &mut first_byte_pending);
+                            return Ok(());
+                        }
+                        Some(Completion::Failed { code, message }) => {
+                            return fail(server, Surface::OpenAi, false, false, &message, &code)
+                                .await
+                        }
+                        None => {}
                     }
-                    Some(Completion::Failed { code, message }) => {
-                        return fail(server, Surface::OpenAi, false, false, &message, &code).await
-                    }
-                    None => {}
-                },
-                Some(RouteEvent::Tunnel(_)) => {}
+                }
+                Some(RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
+                Some(RouteEvent::Overflow) => {
+                    let _ = fail(
+                        server,
+                        Surface::OpenAi,
+                        false,
+                        false,
+                        CUT_OFF_MESSAGE,
+                        CUT_OFF_CODE,
+                    )
+                    .await;
+                    return Err(cut_off());
+                }
                 Some(RouteEvent::Lost) | None => {
                     return fail(
                         server,
                         Surface::OpenAi,
                         false,
                         false,
-                        lost,
+                        NODE_LOST,
                         "node_disconnected",
                     )
                     .await
@@ -747,16 +784,32 @@ where
                 Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
             }
         };
+        let charge = next.as_ref().map_or(0, RouteEvent::charge);
         let ev = match next {
             Some(RouteEvent::Run(ev)) => ev,
-            Some(RouteEvent::Tunnel(_)) => continue,
+            Some(RouteEvent::Tunnel(_)) => {
+                frames.drained(edge, charge);
+                continue;
+            }
+            Some(RouteEvent::Overflow) => {
+                let _ = fail(
+                    server,
+                    Surface::OpenAi,
+                    started,
+                    true,
+                    CUT_OFF_MESSAGE,
+                    CUT_OFF_CODE,
+                )
+                .await;
+                return Err(cut_off());
+            }
             Some(RouteEvent::Lost) | None => {
                 return fail(
                     server,
                     Surface::OpenAi,
                     started,
                     true,
-                    lost,
+                    NODE_LOST,
                     "node_disconnected",
                 )
                 .await
@@ -792,14 +845,17 @@ where
             server.write_chunk(chunk).await?;
             chunk_written(taken_at, &mut first_byte_pending);
         }
+        frames.drained(edge, charge);
         if stream.is_finished() {
             return server.finish().await;
         }
     }
 }
 
-/// Relays tunnel frames to the client until the terminal.
+/// Relays tunnel frames to the client until the terminal, crediting each
+/// body back to the node once the client's socket took it.
 async fn relay<S>(
+    edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
     surface: Surface,
     mut frames: RouteRx,
@@ -822,17 +878,32 @@ where
                 Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
             }
         };
+        let charge = next.as_ref().map_or(0, RouteEvent::charge);
         let tf = match next {
             Some(RouteEvent::Tunnel(tf)) => tf,
-            Some(RouteEvent::Run(_)) => continue,
+            Some(RouteEvent::Run(_)) => {
+                frames.drained(edge, charge);
+                continue;
+            }
+            Some(RouteEvent::Overflow) => {
+                let _ = fail(
+                    server,
+                    surface,
+                    started,
+                    event_stream,
+                    CUT_OFF_MESSAGE,
+                    CUT_OFF_CODE,
+                )
+                .await;
+                return Err(cut_off());
+            }
             Some(RouteEvent::Lost) | None => {
-                let message = "the node serving this request disconnected";
                 return fail(
                     server,
                     surface,
                     started,
                     event_stream,
-                    message,
+                    NODE_LOST,
                     "node_disconnected",
                 )
                 .await;
@@ -864,8 +935,11 @@ where
                     chunk_written(taken_at, &mut first_byte_pending);
                     engine_metrics::add(Count::EdgeRelayBodyBytes, len);
                 }
+                frames.drained(edge, charge);
             }
-            pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {}
+            pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
+                frames.drained(edge, charge);
+            }
             pb::TunnelFrameKind::End => {
                 return if started {
                     server.finish().await

@@ -146,7 +146,7 @@ async fn heartbeat_timeout_fences_the_node() {
             )
         );
         assert_eq!(edge.edge.control().leases().count(), 0);
-        assert!(edge.edge.conns.borrow().is_empty());
+        assert_eq!(edge.edge.node_conn_count(), 0);
         assert_eq!(
             provider_entry(&status(edge.client_addr).await, "node-a"),
             offline_entry("node-a", "a-mock")

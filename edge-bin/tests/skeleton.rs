@@ -450,7 +450,7 @@ async fn tls_rejections_happen_before_any_frame() {
         // None of them reached the frame layer: no connection was given an
         // id, no registry entry changed, and the next valid node is the
         // Edge's first connection.
-        assert!(edge.edge.conns.borrow().is_empty());
+        assert_eq!(edge.edge.node_conn_count(), 0);
         assert_eq!(status(edge.client_addr).await, before);
         let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
         assert!(node.register("node-a").await.accepted);
