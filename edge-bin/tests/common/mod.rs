@@ -199,6 +199,8 @@ pub struct EdgeOptions {
     pub provider_addr: SocketAddr,
     /// `edge.max_request_body_bytes`, if set.
     pub max_request_body_bytes: Option<usize>,
+    /// More `[edge]` lines (`key = value`), as given.
+    pub edge_extra: String,
 }
 
 impl EdgeOptions {
@@ -207,6 +209,7 @@ impl EdgeOptions {
         Self {
             provider_addr,
             max_request_body_bytes: None,
+            edge_extra: String::new(),
         }
     }
 
@@ -258,7 +261,7 @@ name = "{EDGE_NAME}"
 trust_domain = "{TRUST_DOMAIN}"
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
-{body_limit}
+{body_limit}{edge_extra}
 [tls]
 ca = "{ca}"
 cert = "{cert}"
@@ -277,6 +280,7 @@ providers = ["node-b/b-mock"]
         ca = edge.ca_path.display(),
         cert = edge.cert_path.display(),
         key = edge.key_path.display(),
+        edge_extra = options.edge_extra,
         node_a = node("node-a", "a-mock", STALL_TIMEOUT_MS),
         node_b = node("node-b", "b-mock", 0),
     )
@@ -601,11 +605,21 @@ pub struct RawNode {
 impl RawNode {
     /// Dials `addr` and completes the TLS handshake with `connector`.
     pub async fn connect(addr: SocketAddr, connector: &NodeTlsConnector) -> Self {
+        Self::connect_with(addr, connector, ConnConfig::default()).await
+    }
+
+    /// [`RawNode::connect`] with `config` for its frame connection (e.g.
+    /// test heartbeat timers).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        connector: &NodeTlsConnector,
+        config: ConnConfig,
+    ) -> Self {
         let tcp = TcpStream::connect(addr).await.expect("dial the edge");
         let shutdown = SocketShutdown::for_socket(&tcp);
         let tls = connector.connect(tcp).await.expect("TLS handshake");
         let (r, w) = tls.into_split();
-        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        let (conn, events) = spawn_conn(r, w, shutdown, config);
         Self { conn, events }
     }
 
@@ -625,13 +639,24 @@ impl RawNode {
         }
     }
 
-    /// Sends `RegisterRequest{node_id}` and returns the response.
+    /// Sends `RegisterRequest{node_id}` (a node without flow control) and
+    /// returns the response.
     pub async fn register(&mut self, node_id: &str) -> pb::RegisterResponse {
+        self.register_with_flow_control(node_id, 0).await
+    }
+
+    /// Sends `RegisterRequest{node_id, flow_control}` and returns the
+    /// response.
+    pub async fn register_with_flow_control(
+        &mut self,
+        node_id: &str,
+        flow_control: u32,
+    ) -> pb::RegisterResponse {
         self.conn
             .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
                 node_id: node_id.to_string(),
                 node_version: "test".to_string(),
-                ..Default::default()
+                flow_control,
             })))
             .expect("send register");
         match self.next_frame().await {
