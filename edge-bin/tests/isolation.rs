@@ -311,13 +311,15 @@ async fn a_client_that_never_reads_costs_its_own_run_alone() {
                 "client {i}: the node's bytes, exactly"
             );
         }
-        let log = log.borrow();
-        assert_eq!(log.finished.len(), 10, "the ten, not the stuck one");
-        assert!(
-            log.granted.iter().all(|&w| w == WINDOW),
-            "{:?}",
-            log.granted
-        );
+        {
+            let log = log.borrow();
+            assert_eq!(log.finished.len(), 10, "the ten, not the stuck one");
+            assert!(
+                log.granted.iter().all(|&w| w == WINDOW),
+                "{:?}",
+                log.granted
+            );
+        }
         edge.stop().await;
     })
     .await;
