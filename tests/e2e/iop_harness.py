@@ -117,7 +117,7 @@ class Cluster:
 
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
-                 credentials=None, client_keys=None, cores="0"):
+                 credentials=None, client_keys=None, cores="0", edge_extra=()):
         # provider_extra: extra TOML lines for every node's [[nodes.providers]]
         # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
         # nodes' (interval_sec, max_attempts). ollama: every node also gets an
@@ -127,6 +127,9 @@ class Cluster:
         # MIXED_MODEL (the OpenAI-compatible and the Ollama provider of every
         # node, in that order: U7).
         self.ollama = ollama
+        # edge_extra: more `key = value` lines of the Edge's [edge] table
+        # (e.g. "flow_window_bytes = 65536").
+        self.edge_extra = list(edge_extra)
         # cores: the --cores list of the Edge and every Node ("0-1": the
         # multi-core layout, Control and the Node session on core 0).
         self.cores = cores
@@ -240,6 +243,7 @@ class Cluster:
             'trust_domain = "iop.test"',
             'client_listen = "127.0.0.1:0"',
             'node_listen = "127.0.0.1:0"',
+        ] + self.edge_extra + [
             "[tls]",
             'ca = "certs/ca.pem"',
             'cert = "certs/edge.pem"',
