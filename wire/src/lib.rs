@@ -18,9 +18,10 @@
 //! - [`checks`]: pure value checks the contract fixes (W1 stall timeout, S2
 //!   reconnect policy).
 //! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
-//!   sealing/signing at the Edge, verifying/opening at the Node, replay cache;
+//!   sealing/signing at the Edge, verifying/opening at the Node, replay window;
 //!   time and randomness are inputs.
 //! - [`limits`]: transport constants (T4 heartbeat timers, frame size cap).
+//! - [`profile`]: protocol profile lookups both sides share (U3).
 //!
 //! Invariant: no function here panics on bytes from a peer; every decode error
 //! is typed.
@@ -31,6 +32,7 @@ pub mod checks;
 pub mod codec;
 pub mod lease;
 pub mod limits;
+pub mod profile;
 
 /// Generated protobuf types of package `iop.runtime` (X3: never edited).
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]
