@@ -475,3 +475,23 @@ fn leases_issued_and_opened_with_keys_from_disk() {
     let header = opened.map(|o| o.declared_header_value().as_str().to_owned());
     assert_eq!(header.ok().as_deref(), Some("Bearer sk-disk-key-test"));
 }
+
+// CONTRACT: C4 — scrubbing a secret variable removes it from the
+// environment; a variable that is not in the initial environment block (set
+// at run time, or absent) leaves the block untouched and is reported as not
+// found there. (The initial-block wipe itself is proven against a real Edge
+// process in tests/e2e/test_credentials.py.)
+#[test]
+fn scrubbing_an_env_secret_removes_it() {
+    const NAME: &str = "IOP_KEYS_TEST_SCRUBBED_SECRET";
+    let before = std::fs::read("/proc/self/environ").expect("environ");
+    std::env::set_var(NAME, "sk-scrub-canary");
+    assert_eq!(std::env::var(NAME).as_deref(), Ok("sk-scrub-canary"));
+    assert!(matches!(iop_engine::keys::scrub_env_var(NAME), Ok(false)));
+    assert!(std::env::var_os(NAME).is_none());
+    assert!(matches!(
+        iop_engine::keys::scrub_env_var("IOP_KEYS_TEST_NEVER_SET"),
+        Ok(false)
+    ));
+    assert_eq!(std::fs::read("/proc/self/environ").expect("environ"), before);
+}
