@@ -974,21 +974,15 @@ providers = ["node-a/gpt", "node-b/gpt"]
 
     /// What node-a expects of [`TUNNEL`] (the scope it computes itself),
     /// with the Edge-only fields left to the signature.
-    fn node_scope<'a>(digest: &'a [u8; 32]) -> ExpectedScope<'a> {
-        ExpectedScope {
-            selected_node: "node-a",
-            upstream_target: "openai/gpt-4o",
-            upstream_origin: "http://127.0.0.1:9",
-            run_id: "run-7",
-            request_digest: digest,
-            profile: Some("vllm"),
-            principal: None,
-            slot: None,
-            route: None,
-            credential_revision: None,
-            route_revision: None,
-            projection_generation: None,
-        }
+    fn node_scope(digest: &[u8; 32]) -> ExpectedScope<'_> {
+        ExpectedScope::computed_by_node(
+            "node-a",
+            "openai/gpt-4o",
+            "http://127.0.0.1:9",
+            "run-7",
+            digest,
+            Some("vllm"),
+        )
     }
 
     fn contains(haystack: &[u8], needle: &[u8]) -> bool {

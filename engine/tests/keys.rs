@@ -447,20 +447,14 @@ fn leases_issued_and_opened_with_keys_from_disk() {
     let ctx = OpenContext {
         recipient: &recipient,
         issuer: &configured_issuer,
-        scope: ExpectedScope {
-            selected_node: "node-a",
-            upstream_target: "openai-1/gpt-4o",
-            upstream_origin: "http://10.0.0.5:8000",
-            run_id: "run-1",
-            request_digest: &digest,
-            profile: Some("openai"),
-            principal: None,
-            slot: None,
-            route: None,
-            credential_revision: None,
-            route_revision: None,
-            projection_generation: None,
-        },
+        scope: ExpectedScope::computed_by_node(
+            "node-a",
+            "openai-1/gpt-4o",
+            "http://10.0.0.5:8000",
+            "run-1",
+            &digest,
+            Some("openai"),
+        ),
         revoked: &[],
         origin_pins: &OriginPins::new(),
         now_unix_ms: 6_000,
@@ -493,5 +487,8 @@ fn scrubbing_an_env_secret_removes_it() {
         iop_engine::keys::scrub_env_var("IOP_KEYS_TEST_NEVER_SET"),
         Ok(false)
     ));
-    assert_eq!(std::fs::read("/proc/self/environ").expect("environ"), before);
+    assert_eq!(
+        std::fs::read("/proc/self/environ").expect("environ"),
+        before
+    );
 }

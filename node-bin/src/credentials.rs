@@ -256,20 +256,14 @@ impl LeaseGate {
             // C5: a lease for another node, target, profile, origin, run or
             // request never opens here; the other fields are the Edge's and
             // covered by the signature.
-            scope: ExpectedScope {
-                selected_node: &self.node_id,
-                upstream_target: &upstream_target,
-                upstream_origin: target.origin,
-                run_id: &req.run_id,
-                request_digest: &request_digest,
-                profile: target.profile,
-                principal: None,
-                slot: None,
-                route: None,
-                credential_revision: None,
-                route_revision: None,
-                projection_generation: None,
-            },
+            scope: ExpectedScope::computed_by_node(
+                &self.node_id,
+                &upstream_target,
+                target.origin,
+                &req.run_id,
+                &request_digest,
+                target.profile,
+            ),
             revoked: &self.revoked,
             origin_pins: &credentials.origin_pins,
             now_unix_ms,

@@ -881,7 +881,35 @@ pub struct ExpectedScope<'a> {
     pub projection_generation: Option<u64>,
 }
 
-impl ExpectedScope<'_> {
+impl<'a> ExpectedScope<'a> {
+    /// The scope a Node computes itself — its node id, and the target,
+    /// origin, run, request and profile of the call it is about to make —
+    /// with the Edge's own facts (principal, slot, route, revisions,
+    /// projection) left to the signature.
+    pub fn computed_by_node(
+        selected_node: &'a str,
+        upstream_target: &'a str,
+        upstream_origin: &'a str,
+        run_id: &'a str,
+        request_digest: &'a [u8; REQUEST_DIGEST_BYTES],
+        profile: Option<&'a str>,
+    ) -> Self {
+        Self {
+            selected_node,
+            upstream_target,
+            upstream_origin,
+            run_id,
+            request_digest,
+            profile,
+            principal: None,
+            slot: None,
+            route: None,
+            credential_revision: None,
+            route_revision: None,
+            projection_generation: None,
+        }
+    }
+
     fn check(&self, binding: &CredentialLeaseBinding) -> Result<(), LeaseError> {
         fn same<T: PartialEq + ?Sized>(
             expected: Option<&T>,

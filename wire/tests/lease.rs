@@ -769,7 +769,6 @@ fn replay_windows_are_per_session_and_fail_closed_when_all_are_in_use() {
     // in use go on, and room returns when their leases expire.
     let f = fixture();
     let mut replay = ReplayGuard::with_limits(STARTED_MS, 64, 2);
-    let ctx = context(&f, NOW_MS);
     let session = |projection: u64, sequence: u64, not_before: i64| {
         let mut binding = f.binding.clone();
         binding.projection_generation = projection;
@@ -817,7 +816,6 @@ fn replay_windows_are_per_session_and_fail_closed_when_all_are_in_use() {
     assert_eq!(defaults.window_leases(), REPLAY_WINDOW_LEASES);
     assert_eq!(defaults.max_windows(), REPLAY_MAX_WINDOWS);
     assert_eq!(defaults.memory_bound_bytes(), 2 * 1024 * 1024);
-    drop(ctx);
 }
 
 #[test]

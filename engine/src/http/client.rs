@@ -1000,31 +1000,7 @@ mod tests {
             ("authorization", secret.as_bytes()),
         ];
         let framing = BodyFraming::ContentLength { len_bytes: 123 };
-        let mut expected = BytesMut::new();
-        write_request_head(
-            &mut expected,
-            "POST",
-            "/v1/chat/completions",
-            headers,
-            framing,
-            false,
-        )
-        .expect("valid head");
-        assert!(expected.len() > 4096);
-        let mut measured = HeadLen::default();
-        write_request_head(
-            &mut measured,
-            "POST",
-            "/v1/chat/completions",
-            headers,
-            framing,
-            false,
-        )
-        .expect("valid head");
-        assert_eq!(measured.0, expected.len());
-        // The debug assertions in `zeroizing_head` check that the buffer
-        // neither grew nor differs from the measurement.
-        let head = zeroizing_head(|sink| {
+        let write = |sink: &mut dyn HeadSink| {
             write_request_head(
                 sink,
                 "POST",
@@ -1033,8 +1009,16 @@ mod tests {
                 framing,
                 false,
             )
-        })
-        .expect("valid head");
+        };
+        let mut expected = BytesMut::new();
+        write(&mut expected).expect("valid head");
+        assert!(expected.len() > 4096);
+        let mut measured = HeadLen::default();
+        write(&mut measured).expect("valid head");
+        assert_eq!(measured.0, expected.len());
+        // The debug assertions in `zeroizing_head` check that the buffer
+        // neither grew nor differs from the measurement.
+        let head = zeroizing_head(write).expect("valid head");
         assert_eq!(&head[..], &expected[..]);
         // Slices share the wiping owner; the memory is wiped when the last
         // one drops.

@@ -70,33 +70,26 @@ pub trait HeadSink {
     fn truncate_to(&mut self, len: usize);
 }
 
-impl HeadSink for BytesMut {
-    fn put(&mut self, bytes: &[u8]) {
-        self.extend_from_slice(bytes);
-    }
+/// [`HeadSink`] for the growable byte buffers (same method names on each).
+macro_rules! buffer_head_sink {
+    ($($buffer:ty),*) => {$(
+        impl HeadSink for $buffer {
+            fn put(&mut self, bytes: &[u8]) {
+                self.extend_from_slice(bytes);
+            }
 
-    fn written(&self) -> usize {
-        self.len()
-    }
+            fn written(&self) -> usize {
+                self.len()
+            }
 
-    fn truncate_to(&mut self, len: usize) {
-        self.truncate(len);
-    }
+            fn truncate_to(&mut self, len: usize) {
+                self.truncate(len);
+            }
+        }
+    )*};
 }
 
-impl HeadSink for Vec<u8> {
-    fn put(&mut self, bytes: &[u8]) {
-        self.extend_from_slice(bytes);
-    }
-
-    fn written(&self) -> usize {
-        self.len()
-    }
-
-    fn truncate_to(&mut self, len: usize) {
-        self.truncate(len);
-    }
-}
+buffer_head_sink!(BytesMut, Vec<u8>);
 
 /// A [`HeadSink`] that only counts the bytes a head takes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
