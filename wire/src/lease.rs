@@ -1086,7 +1086,7 @@ impl SequenceWindow {
     }
 }
 
-/// The Node's replay state (C2): one [`SequenceWindow`] per
+/// The Node's replay state (C2): one sliding window of sequence numbers per
 /// `projection_generation`, each kept until every lease opened through it
 /// is past `expires_at + skew`. Bounded by construction:
 ///
