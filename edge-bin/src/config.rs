@@ -455,13 +455,11 @@ impl BaseUrl {
         &self.path_prefix
     }
 
-    /// `http://host:port`, without the path prefix.
+    /// `http://host:port`, without the path prefix, the host lowercased:
+    /// the origin the Node's adapter resolves and a credential lease is
+    /// bound to ([`iop_wire::lease::upstream_origin`]).
     pub fn origin(&self) -> String {
-        if self.host.contains(':') {
-            format!("http://[{}]:{}", self.host, self.port)
-        } else {
-            format!("http://{}:{}", self.host, self.port)
-        }
+        iop_wire::lease::upstream_origin(&self.host.to_ascii_lowercase(), self.port)
     }
 
     /// `path` (which starts with `/`) under the path prefix.
@@ -612,6 +610,7 @@ impl NodeSpec {
             adapters,
             revision,
             credential_leases_required,
+            revoked_credentials: Vec::new(),
         }
     }
 }
@@ -655,11 +654,44 @@ impl EdgeConfig {
         self.models.iter().find(|m| m.name == name)
     }
 
+    /// The `NodeConfigPayload` for `node` at `revision` (R2, K3): its
+    /// adapters ([`NodeSpec::config_payload`]), whether it must require
+    /// leases, and the revoked revisions of every slot serving one of its
+    /// providers, so the Node refuses those leases itself (C3).
+    pub fn node_config_payload(&self, node: &NodeSpec, revision: u64) -> pb::NodeConfigPayload {
+        let mut payload = node.config_payload(revision, self.credential_leases_required(node));
+        payload.revoked_credentials = self
+            .credentials
+            .iter()
+            .flat_map(|c| &c.slots)
+            .filter(|s| !s.revoked_revisions.is_empty())
+            .filter(|s| s.providers.iter().any(|p| p.node_id == node.id))
+            .map(|s| pb::RevokedCredential {
+                slot: s.name.clone(),
+                revisions: s.revoked_revisions.clone(),
+            })
+            .collect();
+        payload
+    }
+
     /// True when the Edge tells node `node` to require a lease on every
     /// tunnel (`NodeConfigPayload.credential_leases_required`, C3): the
     /// issuer is configured and the node has a recipient key.
     pub fn credential_leases_required(&self, node: &NodeSpec) -> bool {
         self.credentials.is_some() && node.recipient_key.is_some()
+    }
+
+    /// The environment variables slot secrets are read from
+    /// (`secret_env`), in slot order.
+    pub fn secret_env_names(&self) -> Vec<&str> {
+        self.credentials
+            .iter()
+            .flat_map(|c| &c.slots)
+            .filter_map(|s| match &s.secret {
+                SecretSource::Env(name) => Some(name.as_str()),
+                SecretSource::File(_) => None,
+            })
+            .collect()
     }
 
     /// The slot serving provider `provider`, if any.
@@ -2356,6 +2388,7 @@ providers = ["node-a/a-llama"]
             ],
             revision: 7,
             credential_leases_required: true,
+            revoked_credentials: Vec::new(),
         };
         assert_eq!(payload, expected);
         assert!(

@@ -1,22 +1,25 @@
 //! The Edge half of the credential plane (C1, C3–C5): client API keys →
 //! principals, credential slots, and issuing a sealed lease for a selected
-//! provider.
+//! provider and the one tunnel request it serves.
 //!
 //! ```text
 //!  client ─Authorization: Bearer k─► ClientKeys::authenticate ─► principal (401 otherwise)
-//!  Control selects (node, provider, generation)
+//!  Control selects (node, provider, generation); the surface builds the tunnel request
 //!      └─► CredentialPlane::issue: slot of that provider? ── none ─► no lease (legacy tunnel)
 //!            │ disabled slot / revoked revision ─► CredentialError (503, no provider call,
 //!            │                                      no other slot tried: C3, C5)
-//!            └─► exact CredentialLeaseBinding ─► iop_wire::lease::issue (sealed to the
-//!                node's recipient key, signed by the issuer key) ─► tunnel request
+//!            └─► exact CredentialLeaseBinding: who, which credential, the provider origin
+//!                and profile the Node will use, the run id and the digest of the request
+//!                ─► iop_wire::lease::issue (sealed to the node's recipient key with HPKE,
+//!                signed by the issuer key, next sequence number of the node) ─► tunnel
 //! ```
 //!
 //! The decisions are pure: [`CredentialPlane::issue`] takes `now`, the lease
 //! id and the randomness as inputs; [`CredentialPlane::issue_now`] is the
 //! shell that reads the clock and the OS random source. Loading
 //! ([`CredentialPlane::load`]) reads the issuer key and every slot secret once
-//! at startup.
+//! at startup; [`CredentialPlane::apply_config`] follows a reload's new
+//! adapter origins and profiles.
 //!
 //! # Never leaked (C4)
 //!
@@ -26,13 +29,15 @@
 //! and variables, never contents. An issued lease's `Debug` omits the sealed
 //! blob.
 //!
-//! # Revisions
+//! # Revisions and generations
 //!
 //! `credential_revision` is the slot's configured `revision`.
 //! `route_revision` is [`ROUTE_REVISION`]: routes are static config, so their
 //! revision changes only with a restart and is fixed at 1 (a future config
-//! refresh would bump it). `projection_generation` is the connection
-//! generation of the selected node's lease in `Control`.
+//! refresh would bump it). `projection_generation` is
+//! [`CredentialPlane::projection`] of the connection generation of the
+//! selected node's lease in `Control`: a keyed hash, never the generation
+//! itself (R5).
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -41,17 +46,24 @@ use std::io::Read;
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{PoisonError, RwLock};
 
+use bytes::Bytes;
 use ed25519_dalek::SigningKey;
 use iop_engine::config::open_regular_file;
 use iop_engine::http::Header;
 use iop_engine::keys;
-use iop_wire::lease::{self, IssueError, IssueParams, LeaseEntropy, MAX_SECRET_BYTES};
-use iop_wire::pb::{CredentialLease, CredentialLeaseBinding};
+use iop_wire::lease::{
+    self, BoundRequest, IssueError, IssueParams, LeaseEntropy, MAX_SECRET_BYTES,
+};
+use iop_wire::pb::{self, CredentialLease, CredentialLeaseBinding};
 use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
-use crate::config::{AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource};
+use crate::config::{
+    protocol_profile, AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource,
+};
 use crate::openai::ApiError;
 
 /// The principal of requests when no client keys are configured.
@@ -223,6 +235,14 @@ pub enum CredentialError {
         /// The node.
         node: String,
     },
+    /// The provider's adapter gives no destination to bind the lease to:
+    /// it is not an OpenAI-compatible adapter (any more), or its profile has
+    /// no path for the request's operation.
+    #[error("provider `{provider}` has no OpenAI-compatible destination for this request")]
+    NoDestination {
+        /// The provider, `node/provider`.
+        provider: String,
+    },
     /// Sealing or signing failed.
     #[error("cannot issue a credential lease: {0}")]
     Issue(#[from] IssueError),
@@ -247,8 +267,10 @@ impl CredentialError {
     }
 }
 
-/// What a lease is requested for: the selected provider and the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a lease is requested for: the selected provider and the one tunnel
+/// request it will ride on (already built: the lease is bound to its run
+/// id, operation path, headers and body).
+#[derive(Debug, Clone, Copy)]
 pub struct LeaseRequest<'a> {
     /// The authenticated principal.
     pub principal: &'a str,
@@ -258,12 +280,11 @@ pub struct LeaseRequest<'a> {
     pub node_id: &'a str,
     /// The selected provider on that node.
     pub provider_id: &'a str,
-    /// The provider's adapter instance.
-    pub adapter: &'a str,
-    /// The provider's target.
-    pub target: &'a str,
     /// The connection generation the provider lease was taken under.
     pub generation: u64,
+    /// The tunnel request the lease goes into (adapter, target, run id,
+    /// method, operation, headers, body).
+    pub tunnel: &'a pb::ProviderTunnelRequest,
 }
 
 /// A lease and its binding, ready for `ProviderTunnelRequest` fields 14, 15.
@@ -278,6 +299,7 @@ impl fmt::Debug for IssuedLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IssuedLease")
             .field("lease_id", &self.lease.lease_id)
+            .field("sequence", &self.lease.sequence)
             .field("expires_at_unix_ms", &self.lease.expires_at_unix_ms)
             .field("binding", &self.binding)
             .field("sealed_secret", &"<redacted>")
@@ -296,32 +318,75 @@ struct Slot {
     revoked: bool,
 }
 
-/// How a slot-served provider is bound.
-#[derive(Debug, Clone, Copy)]
+/// Where a slot-served provider's requests go, as the Node resolves it from
+/// the config the Edge pushes (U4): its adapter's profile and origin. It
+/// follows SIGHUP reloads ([`CredentialPlane::apply_config`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Destination {
+    profile: &'static str,
+    origin: String,
+    paths: pb::ProtocolProfile,
+}
+
+impl Destination {
+    /// The destination of `node_id/provider_id` in `cfg`; `None` when its
+    /// adapter is not OpenAI-compatible.
+    fn of(cfg: &EdgeConfig, node_id: &str, provider_id: &str) -> Option<Self> {
+        let node = cfg.node(node_id)?;
+        let adapter = node.adapter(&node.provider(provider_id)?.adapter)?;
+        match adapter.kind {
+            AdapterKind::OpenAiCompat { profile } => Some(Self {
+                profile: profile.as_str(),
+                origin: adapter.base_url.origin(),
+                paths: protocol_profile(profile, &adapter.base_url).to_pb(),
+            }),
+            AdapterKind::Ollama => None,
+        }
+    }
+
+    /// The request target the Node sends `tunnel` to: the profile's path
+    /// of its operation, or its fallback path when it names none (U3) — the
+    /// Node's own resolution, on the origin-only base URL it is given.
+    fn request_path(&self, tunnel: &pb::ProviderTunnelRequest) -> Option<String> {
+        let path = if tunnel.operation.is_empty() {
+            tunnel.path.as_str()
+        } else {
+            self.paths.operation_path(&tunnel.operation)?
+        };
+        (!path.is_empty()).then(|| format!("/{}", path.trim_start_matches('/')))
+    }
+}
+
+/// How a slot-served provider is bound: its slot (fixed at startup) and
+/// where its requests go (follows reloads).
+#[derive(Debug)]
 struct ProviderRoute {
     slot: usize,
-    profile: &'static str,
+    destination: RwLock<Option<Destination>>,
 }
 
 /// The exact binding of a lease about to be issued, with the slot it draws
-/// on and the recipient it is sealed to.
+/// on, the recipient it is sealed to and its place in the node's sequence.
 struct Plan<'a> {
     binding: CredentialLeaseBinding,
     slot: &'a Slot,
     recipient: &'a Recipient,
 }
 
-/// A node's recipient key and its key id.
-#[derive(Debug, Clone)]
+/// A node's recipient key, its key id and the next lease sequence number.
+#[derive(Debug)]
 struct Recipient {
     key: PublicKey,
     key_id: String,
+    next_sequence: AtomicU64,
 }
 
 /// The loaded credential plane: issuer key, slots with their secrets, which
-/// provider each slot serves, and the nodes' recipient keys.
+/// provider each slot serves and where it goes, the nodes' recipient keys,
+/// and the key of the generation projection.
 pub struct CredentialPlane {
     issuer: SigningKey,
+    projection_key: Zeroizing<[u8; 32]>,
     lease_ttl_ms: u64,
     slots: Vec<Slot>,
     routes: HashMap<String, HashMap<String, ProviderRoute>>,
@@ -343,6 +408,7 @@ impl fmt::Debug for CredentialPlane {
         f.debug_struct("CredentialPlane")
             .field("issuer_key_id", &self.issuer_key_id())
             .field("issuer_key", &"<redacted>")
+            .field("projection_key", &"<redacted>")
             .field("lease_ttl_ms", &self.lease_ttl_ms)
             .field("slots", &slots)
             .field("managed_nodes", &self.recipients.len())
@@ -352,9 +418,9 @@ impl fmt::Debug for CredentialPlane {
 
 impl CredentialPlane {
     /// Reads the issuer key and every slot secret of `cfg` (`None` when the
-    /// credential plane is disabled). `env` looks up environment variables
-    /// (`std::env::var_os` in the binary). Errors name the config key and
-    /// the reason, never a secret.
+    /// credential plane is disabled) and draws a fresh projection key.
+    /// `env` looks up environment variables (`std::env::var_os` in the
+    /// binary). Errors name the config key and the reason, never a secret.
     pub fn load(
         cfg: &EdgeConfig,
         env: &dyn Fn(&str) -> Option<OsString>,
@@ -384,22 +450,25 @@ impl CredentialPlane {
             };
             secrets.push(secret);
         }
-        Ok(Some(Self::from_parts(cfg, issuer, secrets)))
+        let projection_key = keys::random_key().map_err(|e| {
+            ConfigError::new(&cfg.source, "credentials", format!("projection key: {e}"))
+        })?;
+        Ok(Some(Self::from_parts(cfg, issuer, secrets, projection_key)))
     }
 
-    /// Builds the plane from `cfg`'s credential config, the issuer key and
-    /// the slot secrets (in slot order). Pure; [`CredentialPlane::load`]
-    /// reads the inputs. A disabled credential plane gives a plane without
-    /// slots.
+    /// Builds the plane from `cfg`'s credential config, the issuer key, the
+    /// slot secrets (in slot order) and the projection key (fresh random
+    /// bytes per process). Pure; [`CredentialPlane::load`] reads the inputs.
+    /// A disabled credential plane gives a plane without slots.
     pub fn from_parts(
         cfg: &EdgeConfig,
         issuer: SigningKey,
         secrets: Vec<Zeroizing<Vec<u8>>>,
+        projection_key: Zeroizing<[u8; 32]>,
     ) -> Self {
         let specs = cfg.credentials.as_ref();
-        let slots: Vec<Slot> = specs
-            .map(|c| c.slots.as_slice())
-            .unwrap_or_default()
+        let slot_specs = specs.map(|c| c.slots.as_slice()).unwrap_or_default();
+        let slots: Vec<Slot> = slot_specs
             .iter()
             .zip(secrets)
             .map(|(spec, secret)| Slot {
@@ -413,35 +482,20 @@ impl CredentialPlane {
             })
             .collect();
         let mut routes: HashMap<String, HashMap<String, ProviderRoute>> = HashMap::new();
-        for (index, spec) in specs
-            .map(|c| c.slots.as_slice())
-            .unwrap_or_default()
-            .iter()
-            .enumerate()
-        {
-            if index >= slots.len() {
-                break;
-            }
+        for (index, spec) in slot_specs.iter().enumerate().take(slots.len()) {
             for provider in &spec.providers {
-                let profile = cfg
-                    .node(&provider.node_id)
-                    .and_then(|n| {
-                        n.provider(&provider.provider_id)
-                            .and_then(|p| n.adapter(&p.adapter))
-                    })
-                    .and_then(|a| match a.kind {
-                        AdapterKind::OpenAiCompat { profile } => Some(profile.as_str()),
-                        AdapterKind::Ollama => None,
-                    });
-                if let Some(profile) = profile {
-                    routes.entry(provider.node_id.clone()).or_default().insert(
-                        provider.provider_id.clone(),
-                        ProviderRoute {
-                            slot: index,
-                            profile,
-                        },
-                    );
-                }
+                let Some(destination) =
+                    Destination::of(cfg, &provider.node_id, &provider.provider_id)
+                else {
+                    continue;
+                };
+                routes.entry(provider.node_id.clone()).or_default().insert(
+                    provider.provider_id.clone(),
+                    ProviderRoute {
+                        slot: index,
+                        destination: RwLock::new(Some(destination)),
+                    },
+                );
             }
         }
         let recipients = cfg
@@ -450,17 +504,46 @@ impl CredentialPlane {
             .filter_map(|n| {
                 n.recipient_key.map(|key| {
                     let key_id = lease::recipient_key_id(&key);
-                    (n.id.clone(), Recipient { key, key_id })
+                    let recipient = Recipient {
+                        key,
+                        key_id,
+                        next_sequence: AtomicU64::new(1),
+                    };
+                    (n.id.clone(), recipient)
                 })
             })
             .collect();
         Self {
             issuer,
+            projection_key,
             lease_ttl_ms: specs.map_or(crate::config::DEFAULT_LEASE_TTL_MS, |c| c.lease_ttl_ms),
             slots,
             routes,
             recipients,
         }
+    }
+
+    /// Follows a reloaded configuration (SIGHUP): every slot-served
+    /// provider's destination (its adapter's origin and profile paths) is
+    /// read from `cfg`, so leases issued from now on are bound to what the
+    /// refreshed Node will send. Slots, the providers they serve and keys
+    /// change only with a restart. Returns how many destinations changed.
+    pub fn apply_config(&self, cfg: &EdgeConfig) -> usize {
+        let mut changed = 0;
+        for (node_id, providers) in &self.routes {
+            for (provider_id, route) in providers {
+                let next = Destination::of(cfg, node_id, provider_id);
+                let mut current = route
+                    .destination
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if *current != next {
+                    *current = next;
+                    changed += 1;
+                }
+            }
+        }
+        changed
     }
 
     /// The issuer's key id (lowercase hex blake3 of its public key).
@@ -478,14 +561,40 @@ impl CredentialPlane {
         self.lease_ttl_ms
     }
 
+    /// `CredentialLeaseBinding.projection_generation` of `generation` of
+    /// `node_id`: a keyed blake3 hash under this process's projection key,
+    /// so the wire learns nothing of the generation (R5) — not its value,
+    /// not its order, not whether two leases share it across Edge restarts
+    /// — while this Edge can recompute and check it
+    /// ([`CredentialPlane::is_projection_of`]).
+    pub fn projection(&self, node_id: &str, generation: u64) -> u64 {
+        let mut hasher = blake3::Hasher::new_keyed(&self.projection_key);
+        hasher.update(b"iop-projection-generation-v1");
+        hasher.update(&(node_id.len() as u64).to_be_bytes());
+        hasher.update(node_id.as_bytes());
+        hasher.update(&generation.to_be_bytes());
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+        u64::from_be_bytes(first)
+    }
+
+    /// True when `projection` is [`CredentialPlane::projection`] of
+    /// `generation` of `node_id`: a binding issued by this process for that
+    /// connection generation.
+    pub fn is_projection_of(&self, projection: u64, node_id: &str, generation: u64) -> bool {
+        self.projection(node_id, generation) == projection
+    }
+
+    fn route(&self, req: &LeaseRequest<'_>) -> Option<&ProviderRoute> {
+        self.routes
+            .get(req.node_id)
+            .and_then(|providers| providers.get(req.provider_id))
+    }
+
     /// The exact binding for `req`, with the slot it draws on: `Ok(None)`
     /// when no slot serves the provider (the tunnel carries no lease).
     fn plan(&self, req: &LeaseRequest<'_>) -> Result<Option<Plan<'_>>, CredentialError> {
-        let Some(route) = self
-            .routes
-            .get(req.node_id)
-            .and_then(|providers| providers.get(req.provider_id))
-        else {
+        let Some(route) = self.route(req) else {
             return Ok(None);
         };
         let Some(slot) = self.slots.get(route.slot) else {
@@ -508,17 +617,47 @@ impl CredentialPlane {
                 .ok_or_else(|| CredentialError::NoRecipientKey {
                     node: req.node_id.to_owned(),
                 })?;
+        let no_destination = || CredentialError::NoDestination {
+            provider: format!("{}/{}", req.node_id, req.provider_id),
+        };
+        let tunnel = req.tunnel;
+        let (profile, origin, path) = {
+            let destination = route
+                .destination
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            let destination = destination.as_ref().ok_or_else(no_destination)?;
+            let path = destination
+                .request_path(tunnel)
+                .ok_or_else(no_destination)?;
+            (destination.profile, destination.origin.clone(), path)
+        };
+        // The method the Node uses (POST when the request names none).
+        let method = if tunnel.method.is_empty() {
+            "POST"
+        } else {
+            tunnel.method.as_str()
+        };
+        let request_digest = lease::request_digest(&BoundRequest {
+            method,
+            path: &path,
+            headers: &tunnel.headers,
+            body: &tunnel.body,
+        });
         let binding = CredentialLeaseBinding {
             principal: req.principal.to_owned(),
             slot: slot.name.clone(),
             route: req.route.to_owned(),
-            profile: route.profile.to_owned(),
-            upstream_target: lease::upstream_target(req.adapter, req.target),
+            profile: profile.to_owned(),
+            upstream_target: lease::upstream_target(&tunnel.adapter, &tunnel.target),
             selected_node: req.node_id.to_owned(),
             recipient: recipient.key_id.clone(),
             credential_revision: slot.revision,
             route_revision: ROUTE_REVISION,
-            projection_generation: req.generation,
+            projection_generation: self.projection(req.node_id, req.generation),
+            upstream_origin: origin,
+            run_id: tunnel.run_id.clone(),
+            request_digest: Bytes::copy_from_slice(&request_digest),
         };
         Ok(Some(Plan {
             binding,
@@ -535,8 +674,10 @@ impl CredentialPlane {
     }
 
     /// Issues the lease for `req` (C1): `Ok(None)` when no slot serves the
-    /// provider; an error (and no lease) for a disabled slot or a revoked
-    /// revision (C3). Valid from `now_unix_ms` for the lease TTL. Pure.
+    /// provider; an error (and no lease) for a disabled slot, a revoked
+    /// revision or a request without a destination (C3). Valid from
+    /// `now_unix_ms` for the lease TTL; takes the node's next sequence
+    /// number. Pure but for that counter.
     pub fn issue(
         &self,
         req: &LeaseRequest<'_>,
@@ -578,8 +719,11 @@ impl CredentialPlane {
             recipient,
         } = plan;
         let ttl_ms = i64::try_from(self.lease_ttl_ms).unwrap_or(i64::MAX);
+        // Taken last, right before sealing: issue order is sequence order.
+        let sequence = recipient.next_sequence.fetch_add(1, Ordering::Relaxed);
         let params = IssueParams {
             lease_id,
+            sequence,
             binding: &binding,
             secret: &slot.secret,
             header_name: &slot.header_name,
@@ -658,8 +802,11 @@ mod tests {
     use std::cell::Cell;
 
     use bytes::Bytes;
+    use std::sync::LazyLock;
+
     use iop_wire::lease::{
-        binding_digest, open, ExpectedScope, OpenContext, RecipientKey, ReplayCache,
+        binding_digest, open, request_digest, ExpectedScope, OpenContext, OriginPins, RecipientKey,
+        ReplayGuard,
     };
     use x25519_dalek::StaticSecret;
 
@@ -674,8 +821,15 @@ mod tests {
     }
 
     fn config(slot_extra: &str) -> EdgeConfig {
+        match EdgeConfig::parse(&config_text(slot_extra), "conf/edge.toml") {
+            Ok(cfg) => cfg,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn config_text(slot_extra: &str) -> String {
         let recipient = keys::encode_recipient_public_key(&recipient().public_key());
-        let text = format!(
+        format!(
             r#"
 [edge]
 name = "edge-1"
@@ -745,35 +899,70 @@ capacity = 2
 name = "gpt-x"
 providers = ["node-a/gpt", "node-b/gpt"]
 "#
-        );
-        match EdgeConfig::parse(&text, "conf/edge.toml") {
-            Ok(cfg) => cfg,
-            Err(e) => panic!("{e}"),
-        }
-    }
-
-    fn plane(slot_extra: &str) -> CredentialPlane {
-        CredentialPlane::from_parts(
-            &config(slot_extra),
-            SigningKey::from_bytes(&[7; 32]),
-            vec![Zeroizing::new(SECRET.to_vec())],
         )
     }
 
-    fn request<'a>(node_id: &'a str, provider_id: &'a str) -> LeaseRequest<'a> {
+    fn plane_of(cfg: &EdgeConfig) -> CredentialPlane {
+        CredentialPlane::from_parts(
+            cfg,
+            SigningKey::from_bytes(&[7; 32]),
+            vec![Zeroizing::new(SECRET.to_vec())],
+            Zeroizing::new([4; 32]),
+        )
+    }
+
+    fn plane(slot_extra: &str) -> CredentialPlane {
+        plane_of(&config(slot_extra))
+    }
+
+    /// The tunnel request the leases of these tests ride on.
+    static TUNNEL: LazyLock<pb::ProviderTunnelRequest> =
+        LazyLock::new(|| pb::ProviderTunnelRequest {
+            run_id: "run-7".into(),
+            adapter: "openai".into(),
+            target: "gpt-4o".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            operation: "chat_completions".into(),
+            headers: vec![pb::Header {
+                name: "content-type".into(),
+                value: Bytes::from_static(b"application/json"),
+            }],
+            body: Bytes::from_static(br#"{"model":"gpt-4o","messages":[]}"#),
+            ..Default::default()
+        });
+
+    /// [`request_digest`] of [`TUNNEL`] sent to `path`.
+    fn tunnel_digest(path: &str) -> [u8; 32] {
+        request_digest(&BoundRequest {
+            method: "POST",
+            path,
+            headers: &TUNNEL.headers,
+            body: &TUNNEL.body,
+        })
+    }
+
+    fn request_for<'a>(
+        node_id: &'a str,
+        provider_id: &'a str,
+        tunnel: &'a pb::ProviderTunnelRequest,
+    ) -> LeaseRequest<'a> {
         LeaseRequest {
             principal: "team-a",
             route: "gpt-x",
             node_id,
             provider_id,
-            adapter: "openai",
-            target: "gpt-4o",
             generation: 6,
+            tunnel,
         }
     }
 
+    fn request<'a>(node_id: &'a str, provider_id: &'a str) -> LeaseRequest<'a> {
+        request_for(node_id, provider_id, &TUNNEL)
+    }
+
     fn entropy() -> LeaseEntropy {
-        LeaseEntropy::from_bytes([1; 32], [2; 12])
+        LeaseEntropy::from_seed([1; 32])
     }
 
     fn issued(plane: &CredentialPlane, req: &LeaseRequest<'_>) -> IssuedLease {
@@ -783,20 +972,36 @@ providers = ["node-a/gpt", "node-b/gpt"]
         }
     }
 
+    /// What node-a expects of [`TUNNEL`] (the scope it computes itself),
+    /// with the Edge-only fields left to the signature.
+    fn node_scope(digest: &[u8; 32]) -> ExpectedScope<'_> {
+        ExpectedScope::computed_by_node(
+            "node-a",
+            "openai/gpt-4o",
+            "http://127.0.0.1:9",
+            "run-7",
+            digest,
+            Some("vllm"),
+        )
+    }
+
     fn contains(haystack: &[u8], needle: &[u8]) -> bool {
         haystack.windows(needle.len()).any(|w| w == needle)
     }
 
     // CONTRACT: C1 — after selection the Edge binds the exact scope
     // (principal, slot, route, profile, upstream target, node, recipient,
-    // credential/route revision, projection generation), signs it and seals
-    // the secret to the node's recipient key; the node opens it.
+    // credential/route revision, projection generation), where the secret
+    // goes (the adapter's origin) and the one request it serves (run id,
+    // digest of method, path, headers and body); it signs it and seals the
+    // secret to the node's recipient key; the node opens it.
     #[test]
     fn issue_binds_the_exact_scope() {
         let plane = plane("");
         assert!(plane.is_managed("node-a", "gpt"));
         let issued = issued(&plane, &request("node-a", "gpt"));
         let recipient = recipient();
+        let digest = tunnel_digest("/v1/chat/completions");
         let expected = CredentialLeaseBinding {
             principal: "team-a".into(),
             slot: "openai-main".into(),
@@ -807,11 +1012,15 @@ providers = ["node-a/gpt", "node-b/gpt"]
             recipient: recipient.key_id().into(),
             credential_revision: 3,
             route_revision: 1,
-            projection_generation: 6,
+            projection_generation: plane.projection("node-a", 6),
+            upstream_origin: "http://127.0.0.1:9".into(),
+            run_id: "run-7".into(),
+            request_digest: Bytes::copy_from_slice(&digest),
         };
         assert_eq!(issued.binding, expected);
         let lease = &issued.lease;
         assert_eq!(lease.lease_id, "lease-1");
+        assert_eq!(lease.sequence, 1);
         assert_eq!(lease.not_before_unix_ms, NOW_MS);
         assert_eq!(lease.expires_at_unix_ms, NOW_MS + 20_000);
         assert_eq!(lease.header_name, "x-api-key");
@@ -825,20 +1034,20 @@ providers = ["node-a/gpt", "node-b/gpt"]
             recipient: &recipient,
             issuer: &verifying,
             scope: ExpectedScope {
-                selected_node: "node-a",
-                upstream_target: "openai/gpt-4o",
-                profile: Some("vllm"),
                 principal: Some("team-a"),
                 slot: Some("openai-main"),
                 route: Some("gpt-x"),
                 credential_revision: Some(3),
                 route_revision: Some(1),
-                projection_generation: Some(6),
+                projection_generation: Some(plane.projection("node-a", 6)),
+                ..node_scope(&digest)
             },
+            revoked: &[],
+            origin_pins: &OriginPins::new(),
             now_unix_ms: NOW_MS + 1,
             clock_skew_ms: 0,
         };
-        let mut replay = ReplayCache::new(4);
+        let mut replay = ReplayGuard::new(NOW_MS);
         let opened = open(Some(lease), Some(&issued.binding), &ctx, &mut replay)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(opened.secret_bytes(), SECRET);
@@ -846,6 +1055,131 @@ providers = ["node-a/gpt", "node-b/gpt"]
             plane.issuer_public_key(),
             keys::encode_issuer_public_key(&verifying)
         );
+    }
+
+    // CONTRACT: C1, R5 — the projection of a connection generation is a
+    // keyed hash: the same (node, generation) gives the same value in one
+    // process, anything else — another generation, node or process — gives
+    // another, and only the issuing plane can check it.
+    #[test]
+    fn projection_generation_is_opaque_and_checked_by_its_edge() {
+        let plane = plane("");
+        let p = plane.projection("node-a", 6);
+        assert_eq!(p, plane.projection("node-a", 6));
+        assert!(plane.is_projection_of(p, "node-a", 6));
+        assert_ne!(p, 6);
+        for (node, generation) in [("node-a", 7), ("node-a", 5), ("node-b", 6)] {
+            assert!(
+                !plane.is_projection_of(p, node, generation),
+                "{node} {generation}"
+            );
+        }
+        // A restarted Edge (another projection key) never repeats it, even
+        // though its generations start again at 1.
+        let restarted = CredentialPlane::from_parts(
+            &config(""),
+            SigningKey::from_bytes(&[7; 32]),
+            vec![Zeroizing::new(SECRET.to_vec())],
+            Zeroizing::new([5; 32]),
+        );
+        assert!(!restarted.is_projection_of(p, "node-a", 6));
+        // Consecutive generations leave no visible order.
+        let values: Vec<u64> = (1..=4).map(|g| plane.projection("node-a", g)).collect();
+        let mut sorted = values.clone();
+        sorted.sort_unstable();
+        assert_ne!(values, sorted, "{values:?}");
+    }
+
+    // CONTRACT: C1 — every lease of a node takes the next sequence number,
+    // the Node's replay window key; a request the destination has no path
+    // for gets no lease (fail closed).
+    #[test]
+    fn leases_are_numbered_per_node_and_need_a_destination() {
+        let plane = plane("");
+        let sequences: Vec<u64> = (0..3)
+            .map(|_| issued(&plane, &request("node-a", "gpt")).lease.sequence)
+            .collect();
+        assert_eq!(sequences, [1, 2, 3]);
+        let unknown = pb::ProviderTunnelRequest {
+            operation: "embeddings".into(),
+            ..TUNNEL.clone()
+        };
+        assert_eq!(
+            plane
+                .issue(
+                    &request_for("node-a", "gpt", &unknown),
+                    NOW_MS,
+                    "l",
+                    entropy()
+                )
+                .map(|_| ()),
+            Err(CredentialError::NoDestination {
+                provider: "node-a/gpt".into()
+            })
+        );
+        // The failed request took no sequence number.
+        assert_eq!(issued(&plane, &request("node-a", "gpt")).lease.sequence, 4);
+        // Without an operation the tunnel's path is the request target (U3).
+        let by_path = pb::ProviderTunnelRequest {
+            operation: String::new(),
+            path: "v1/custom".into(),
+            ..TUNNEL.clone()
+        };
+        let issued = plane
+            .issue(
+                &request_for("node-a", "gpt", &by_path),
+                NOW_MS,
+                "l",
+                entropy(),
+            )
+            .expect("issues")
+            .expect("a lease");
+        assert_eq!(
+            &issued.binding.request_digest[..],
+            &tunnel_digest("/v1/custom")[..]
+        );
+    }
+
+    // CONTRACT: C1 — after a reload moves an adapter, the leases issued
+    // from then on are bound to its new origin and profile paths.
+    #[test]
+    fn reloaded_destinations_are_bound_from_then_on() {
+        let plane = plane("");
+        assert_eq!(plane.apply_config(&config("")), 0);
+        let text = "base_url = \"http://127.0.0.1:9\"";
+        let moved = EdgeConfig::parse(
+            &config_text("").replace(text, "base_url = \"http://10.1.1.1:8001/gw\""),
+            "conf/edge.toml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plane.apply_config(&moved), 1);
+        let issued = issued(&plane, &request("node-a", "gpt"));
+        assert_eq!(issued.binding.upstream_origin, "http://10.1.1.1:8001");
+        assert_eq!(
+            &issued.binding.request_digest[..],
+            &tunnel_digest("/gw/v1/chat/completions")[..]
+        );
+    }
+
+    // CONTRACT: C3 — the revoked revisions of the slots serving a node's
+    // providers travel in that node's config payload.
+    #[test]
+    fn node_payloads_name_the_revoked_revisions() {
+        let cfg = config("revoked_revisions = [1, 2]");
+        let payload = cfg.node_config_payload(cfg.node("node-a").expect("node-a"), 4);
+        assert_eq!(
+            payload.revoked_credentials,
+            [pb::RevokedCredential {
+                slot: "openai-main".into(),
+                revisions: vec![1, 2],
+            }]
+        );
+        assert!(payload.credential_leases_required);
+        let other = cfg.node_config_payload(cfg.node("node-b").expect("node-b"), 4);
+        assert!(other.revoked_credentials.is_empty());
+        let none = config("");
+        let payload = none.node_config_payload(none.node("node-a").expect("node-a"), 4);
+        assert!(payload.revoked_credentials.is_empty());
     }
 
     // CONTRACT: C3 — a provider no slot serves gets no lease (legacy
@@ -927,6 +1261,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             .expect("a lease");
         assert_ne!(a.lease.lease_id, b.lease.lease_id);
         assert_eq!(a.lease.lease_id.len(), 32);
+        assert_eq!((a.lease.sequence, b.lease.sequence), (1, 2));
         assert_eq!(
             a.lease.expires_at_unix_ms - a.lease.not_before_unix_ms,
             20_000
@@ -941,6 +1276,8 @@ providers = ["node-a/gpt", "node-b/gpt"]
         let debug = format!("{plane:?}");
         assert!(!debug.contains("sk-edge"), "{debug}");
         assert!(debug.contains("issuer_key: \"<redacted>\""), "{debug}");
+        assert!(debug.contains("projection_key: \"<redacted>\""), "{debug}");
+        assert!(!debug.contains("[4, 4"), "{debug}");
         let issued = issued(&plane, &request("node-a", "gpt"));
         let debug = format!("{issued:?}");
         assert!(debug.contains("sealed_secret: \"<redacted>\""), "{debug}");
@@ -1135,22 +1472,15 @@ providers = ["node-a/gpt", "node-b/gpt"]
             .expect("issues")
             .expect("a lease");
         let recipient = recipient();
+        let digest = tunnel_digest("/v1/chat/completions");
         let ctx = OpenContext {
             recipient: &recipient,
             issuer: &keys::load_issuer_key(&dir.join("issuer.key"))
                 .expect("issuer")
                 .verifying_key(),
-            scope: ExpectedScope {
-                selected_node: "node-a",
-                upstream_target: "openai/gpt-4o",
-                profile: None,
-                principal: None,
-                slot: None,
-                route: None,
-                credential_revision: None,
-                route_revision: None,
-                projection_generation: None,
-            },
+            scope: node_scope(&digest),
+            revoked: &[],
+            origin_pins: &OriginPins::new(),
             now_unix_ms: issued.lease.not_before_unix_ms,
             clock_skew_ms: 0,
         };
@@ -1158,7 +1488,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             Some(&issued.lease),
             Some(&issued.binding),
             &ctx,
-            &mut ReplayCache::new(1),
+            &mut ReplayGuard::new(issued.lease.not_before_unix_ms),
         )
         .unwrap_or_else(|e| panic!("{e}"));
         // One trailing newline dropped.

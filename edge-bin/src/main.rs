@@ -239,6 +239,19 @@ fn serve(path: &str, cores: &str) -> ExitCode {
         Ok(plane) => plane,
         Err(e) => return fail(e),
     };
+    // C4: a secret read from the environment leaves it: not inherited by
+    // children, not readable in /proc/<pid>/environ. Still one thread here.
+    for name in cfg.secret_env_names() {
+        match iop_engine::keys::scrub_env_var(name) {
+            Ok(_) => tracing::debug!(variable = name, "secret removed from the environment"),
+            Err(e) => tracing::warn!(
+                variable = name,
+                error = %e,
+                "could not wipe the secret from the initial environment block; \
+                 it stays readable in /proc/<pid>/environ (use secret_file)"
+            ),
+        }
+    }
     if let Some(plane) = &credentials {
         tracing::info!(
             issuer_key_id = %plane.issuer_key_id(),

@@ -31,7 +31,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
         .iter()
         .map(|n| control::NodeSpec {
             id: n.id.clone(),
-            config: n.config_payload(1, cfg.credential_leases_required(n)),
+            config: cfg.node_config_payload(n, 1),
             providers: n
                 .providers
                 .iter()
@@ -131,8 +131,12 @@ pub fn reload(
             .restart_required
             .push("[credentials] or [[client_keys]]");
     }
+    // Leases issued from here on are bound to the new origins and paths.
+    if let Some(plane) = &edge.settings.credentials {
+        plane.apply_config(&next);
+    }
     for node in &next.nodes {
-        let payload = node.config_payload(revision, next.credential_leases_required(node));
+        let payload = next.node_config_payload(node, revision);
         let changed = {
             let control = edge.control();
             let Some(old) = control.node_config(&node.id) else {

@@ -20,7 +20,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
 use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
-use crate::credentials::{CredentialError, IssuedLease, LeaseRequest, ANONYMOUS_PRINCIPAL};
+use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
@@ -356,20 +356,19 @@ where
     // the same either way.
     let run = match dispatch.kind {
         DispatchKind::Tunnel => {
-            let credential = match issue_lease(edge, principal, &chat.model, &dispatch) {
-                Ok(credential) => credential,
-                Err(e) => {
-                    return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
-                }
-            };
-            tunnel_frame(
+            let tunnel = tunnel_request(
                 CHAT_COMPLETIONS,
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
                 chat.body_for_target(&lease.target),
                 chat.stream,
-                credential,
-            )
+            );
+            match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
+                Ok(frame) => frame,
+                Err(e) => {
+                    return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
+                }
+            }
         }
         DispatchKind::Run => run_request(&chat, &dispatch),
     };
@@ -497,18 +496,17 @@ where
         );
         return write_error(server, route.surface, &e).await;
     }
-    let credential = match issue_lease(edge, principal, &req.model, &dispatch) {
-        Ok(credential) => credential,
-        Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
-    };
-    let run = tunnel_frame(
+    let tunnel = tunnel_request(
         route,
         &dispatch,
         tunnel_headers(route, req.stream, headers),
         req.body_for_target(&dispatch.lease.target),
         req.stream,
-        credential,
     );
+    let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
+        Ok(frame) => frame,
+        Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
+    };
     if !send_run(edge, server, route.surface, request, &dispatch, run).await? {
         return Ok(());
     }
@@ -590,27 +588,32 @@ fn tunnel_headers(
     headers
 }
 
-/// The credential lease for a selected tunnel provider (C1): `None` when
-/// the credential plane is disabled or no slot serves the provider.
-fn issue_lease(
+/// The frame for `tunnel` with its credential lease and binding (C1),
+/// issued for exactly this request; none when the credential plane is
+/// disabled or no slot serves the provider.
+fn with_lease(
     edge: &Edge,
     principal: &str,
     model: &str,
     dispatch: &Dispatch,
-) -> Result<Option<IssuedLease>, CredentialError> {
-    let Some(plane) = &edge.settings.credentials else {
-        return Ok(None);
-    };
-    let lease = &dispatch.lease;
-    plane.issue_now(&LeaseRequest {
-        principal,
-        route: model,
-        node_id: &lease.provider.node_id,
-        provider_id: &lease.provider.provider_id,
-        adapter: &lease.adapter,
-        target: &lease.target,
-        generation: lease.generation.0,
-    })
+    mut tunnel: pb::ProviderTunnelRequest,
+) -> Result<pb::Frame, CredentialError> {
+    if let Some(plane) = &edge.settings.credentials {
+        let lease = &dispatch.lease;
+        let issued = plane.issue_now(&LeaseRequest {
+            principal,
+            route: model,
+            node_id: &lease.provider.node_id,
+            provider_id: &lease.provider.provider_id,
+            generation: lease.generation.0,
+            tunnel: &tunnel,
+        })?;
+        if let Some(issued) = issued {
+            tunnel.credential_lease = Some(issued.lease);
+            tunnel.credential_binding = Some(issued.binding);
+        }
+    }
+    Ok(frame(Body::ProviderTunnelRequest(tunnel)))
 }
 
 /// Fails a dispatched request whose credential cannot be issued (C3, C5):
@@ -639,21 +642,16 @@ where
 }
 
 /// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2),
-/// with its credential lease and binding when one was issued (C1).
-fn tunnel_frame(
+/// without a credential lease yet ([`with_lease`] adds it).
+fn tunnel_request(
     route: PassRoute,
     dispatch: &Dispatch,
     headers: Vec<pb::Header>,
     body: Bytes,
     stream: bool,
-    credential: Option<IssuedLease>,
-) -> pb::Frame {
-    let (credential_lease, credential_binding) = match credential {
-        Some(issued) => (Some(issued.lease), Some(issued.binding)),
-        None => (None, None),
-    };
+) -> pb::ProviderTunnelRequest {
     let lease = &dispatch.lease;
-    let tunnel = pb::ProviderTunnelRequest {
+    pb::ProviderTunnelRequest {
         run_id: lease.run_id.clone(),
         adapter: lease.adapter.clone(),
         target: lease.target.clone(),
@@ -666,11 +664,8 @@ fn tunnel_frame(
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
         operation: route.operation.into(),
-        credential_lease,
-        credential_binding,
         ..Default::default()
-    };
-    frame(Body::ProviderTunnelRequest(tunnel))
+    }
 }
 
 /// The normalized run for an Ollama/native provider (E1–E3, W2).
@@ -997,7 +992,7 @@ where
 #[cfg(test)]
 mod tests {
     use ed25519_dalek::SigningKey;
-    use iop_wire::lease::{LeaseEntropy, RecipientKey};
+    use iop_wire::lease::{request_digest, BoundRequest, RecipientKey};
     use prost::Message;
     use x25519_dalek::StaticSecret;
     use zeroize::Zeroizing;
@@ -1030,7 +1025,7 @@ mod tests {
         }
     }
 
-    fn plane() -> CredentialPlane {
+    fn plane() -> (EdgeConfig, CredentialPlane) {
         let recipient = RecipientKey::from_secret(StaticSecret::from([9; 32]));
         let text = format!(
             "[edge]\nname = \"e\"\ntrust_domain = \"t\"\nclient_listen = \"127.0.0.1:0\"\n\
@@ -1038,77 +1033,76 @@ mod tests {
              [credentials]\nissuer_key = \"i\"\n[[credentials.slots]]\nname = \"s\"\n\
              secret_env = \"K\"\nproviders = [\"node-a/gpt\"]\n[[nodes]]\nid = \"node-a\"\n\
              recipient_key = \"{}\"\n[[nodes.adapters]]\nname = \"openai\"\n\
-             kind = \"openai_compat\"\nbase_url = \"http://127.0.0.1:9\"\n[[nodes.providers]]\n\
-             id = \"gpt\"\nadapter = \"openai\"\ntarget = \"gpt-4o\"\ncapacity = 1\n",
+             kind = \"openai_compat\"\nbase_url = \"http://127.0.0.1:9/serving\"\n\
+             [[nodes.providers]]\n\
+             id = \"gpt\"\nadapter = \"openai\"\ntarget = \"gpt-4o\"\ncapacity = 1\n\
+             [[models]]\nname = \"gpt-x\"\nproviders = [\"node-a/gpt\"]\n",
             iop_engine::keys::encode_recipient_public_key(&recipient.public_key())
         );
         let cfg = EdgeConfig::parse(&text, "edge.toml").unwrap_or_else(|e| panic!("{e}"));
-        CredentialPlane::from_parts(
+        let plane = CredentialPlane::from_parts(
             &cfg,
             SigningKey::from_bytes(&[7; 32]),
             vec![Zeroizing::new(SECRET.to_vec())],
-        )
+            Zeroizing::new([3; 32]),
+        );
+        (cfg, plane)
     }
 
     // CONTRACT: C1, C4 — the tunnel request carries the lease and binding
-    // in fields 14/15; the plaintext appears nowhere in the encoded frame
-    // (only sealed), and no credential goes into headers or metadata.
+    // in fields 14/15, issued for exactly this request (its run, the
+    // provider origin and the digest of path, headers and body); the
+    // plaintext appears nowhere in the encoded frame (only sealed), and no
+    // credential goes into headers or metadata.
     #[test]
     fn tunnel_frame_carries_only_the_sealed_lease() {
         let dispatch = dispatch();
-        let issued = plane()
-            .issue(
-                &LeaseRequest {
-                    principal: "anonymous",
-                    route: "gpt-x",
-                    node_id: "node-a",
-                    provider_id: "gpt",
-                    adapter: "openai",
-                    target: "gpt-4o",
-                    generation: dispatch.lease.generation.0,
-                },
-                1_700_000_000_000,
-                "lease-9",
-                LeaseEntropy::from_bytes([1; 32], [2; 12]),
-            )
-            .expect("issues")
-            .expect("a lease");
-        let binding = issued.binding.clone();
+        let (cfg, plane) = plane();
+        let edge = crate::server::edge_state_with(&cfg, Some(plane));
         let client = [iop_engine::http::Header {
             name: "authorization".into(),
             value: Bytes::from_static(b"Bearer client-key"),
         }];
-        let frame = tunnel_frame(
+        let tunnel = tunnel_request(
             CHAT_COMPLETIONS,
             &dispatch,
             tunnel_headers(CHAT_COMPLETIONS, true, &client),
             Bytes::from_static(b"{}"),
             true,
-            Some(issued),
         );
+        let frame =
+            with_lease(&edge, "anonymous", "gpt-x", &dispatch, tunnel.clone()).expect("issues");
         let encoded = frame.encode_to_vec();
         assert!(!encoded.windows(SECRET.len()).any(|w| w == SECRET));
-        let Some(Body::ProviderTunnelRequest(tunnel)) = frame.body else {
+        let Some(Body::ProviderTunnelRequest(sent)) = frame.body else {
             panic!("a tunnel request");
         };
-        assert_eq!(tunnel.credential_binding, Some(binding));
-        assert_eq!(
-            tunnel.credential_lease.map(|l| l.lease_id),
-            Some("lease-9".to_string())
-        );
-        assert!(tunnel.metadata.is_empty());
-        let names: Vec<&str> = tunnel.headers.iter().map(|h| h.name.as_str()).collect();
+        let binding = sent.credential_binding.clone().expect("a binding");
+        assert_eq!(binding.run_id, "run-4");
+        assert_eq!(binding.upstream_origin, "http://127.0.0.1:9");
+        let digest = request_digest(&BoundRequest {
+            method: "POST",
+            path: "/serving/v1/chat/completions",
+            headers: &tunnel.headers,
+            body: b"{}",
+        });
+        assert_eq!(&binding.request_digest[..], &digest[..]);
+        let Some(plane) = &edge.settings.credentials else {
+            panic!("the plane")
+        };
+        assert!(plane.is_projection_of(binding.projection_generation, "node-a", 2));
+        let lease = sent.credential_lease.clone().expect("a lease");
+        assert_eq!(lease.lease_id.len(), 32);
+        assert_eq!(lease.sequence, 1);
+        assert!(sent.metadata.is_empty());
+        let names: Vec<&str> = sent.headers.iter().map(|h| h.name.as_str()).collect();
         assert_eq!(names, ["content-type", "accept"]);
-        // Without a lease both fields are absent (legacy tunnel).
-        let Some(Body::ProviderTunnelRequest(legacy)) = tunnel_frame(
-            CHAT_COMPLETIONS,
-            &dispatch,
-            vec![],
-            Bytes::new(),
-            false,
-            None,
-        )
-        .body
+        // Without a credential plane both fields are absent (legacy tunnel).
+        let bare = crate::server::edge_state(&cfg);
+        let Some(Body::ProviderTunnelRequest(legacy)) =
+            with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel)
+                .expect("no lease needed")
+                .body
         else {
             panic!("a tunnel request");
         };
@@ -1129,14 +1123,13 @@ mod tests {
         )
         .unwrap();
         let dispatch = dispatch();
-        let tunnel = tunnel_frame(
+        let tunnel = frame(Body::ProviderTunnelRequest(tunnel_request(
             CHAT_COMPLETIONS,
             &dispatch,
             tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
             chat.body_for_target(&dispatch.lease.target),
             chat.stream,
-            None,
-        );
+        )));
         let run = run_request(&chat, &dispatch);
         for frame in [tunnel, run] {
             let bytes = frame.encode_to_vec();

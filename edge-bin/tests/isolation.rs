@@ -85,6 +85,7 @@ fn serve_node(
 ) -> (Rc<RefCell<NodeLog>>, monoio::task::JoinHandle<String>) {
     let log = Rc::new(RefCell::new(NodeLog::default()));
     let task_log = log.clone();
+    let big_answer = big_answer();
     let task = monoio::spawn(async move {
         let mut answers: HashMap<String, Answer> = HashMap::new();
         loop {
@@ -99,7 +100,7 @@ fn serve_node(
                     task_log.borrow_mut().granted.push(req.flow_window_bytes);
                     let big = std::str::from_utf8(&req.body).is_ok_and(|b| b.contains("big"));
                     let left = if big {
-                        Bytes::from(sse_bytes(BIG_BYTES))
+                        big_answer.clone()
                     } else {
                         Bytes::from_static(b"data: {\"small\":true}\n\ndata: [DONE]\n\n")
                     };
@@ -227,10 +228,15 @@ async fn send_what_fits(
         .await;
 }
 
-/// `len` bytes of SSE events.
-fn sse_bytes(len: usize) -> Vec<u8> {
-    let event = b"data: {\"token\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}\n\n";
-    event.iter().copied().cycle().take(len).collect()
+/// [`BIG_BYTES`] of SSE events, built once (by whole-slice copies: the
+/// scripted node shares the thread with the Edge, and a slow build would
+/// hold up the heartbeats this file tests).
+fn big_answer() -> Bytes {
+    let event: &[u8] =
+        b"data: {\"token\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}\n\n";
+    let mut bytes = event.repeat(BIG_BYTES / event.len() + 1);
+    bytes.truncate(BIG_BYTES);
+    Bytes::from(bytes)
 }
 
 /// A client that sends a streamed chat request asking for a big answer and
@@ -327,22 +333,22 @@ async fn a_client_that_never_reads_costs_its_own_run_alone() {
 
 // CONTRACT: T4 — with every route of a node full (two clients that never
 // read hold both of its leases, each run's window used up), heartbeats are
-// still read and answered: a node sending one every 50 ms and closing after
-// 500 ms without an answer stays connected for two seconds.
+// still read and answered: a node sending one every 100 ms and closing
+// after a second without an answer stays connected for three seconds.
 #[monoio::test_all(timer_enabled = true)]
 async fn heartbeats_are_answered_while_every_route_is_full() {
     let pki = Pki::mint("isolation-heartbeats");
     guarded(async {
         let edge = TestEdge::start(&pki, &edge_toml(&pki, &edge_options()));
         let config = ConnConfig::default()
-            .with_heartbeat_timers(Duration::from_millis(50), Duration::from_millis(500));
+            .with_heartbeat_timers(Duration::from_millis(100), Duration::from_millis(1000));
         let raw = ready_node(&edge, &pki, flow::FLOW_CONTROL_V1, config).await;
         let conn = raw.conn.clone();
         let (log, _node) = serve_node(raw, Windows::Obey);
         let _first = never_reader(edge.client_addr).await;
         let _second = never_reader(edge.client_addr).await;
         wait_until("two stuck runs started", || log.borrow().sent.len() == 2).await;
-        monoio::time::sleep(Duration::from_secs(2)).await;
+        monoio::time::sleep(Duration::from_secs(3)).await;
         assert!(!conn.is_closed(), "closed: {:?}", conn.close_reason());
         assert!(log.borrow().finished.is_empty(), "both still stuck");
         edge.stop().await;

@@ -20,13 +20,13 @@
 //! the Edge's node entry).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use iop_wire::lease::{decode_hex, encode_hex, LeaseEntropy, RecipientKey};
-use x25519_dalek::{PublicKey, StaticSecret};
+use iop_wire::lease::{decode_hex, decode_hex_into, encode_hex, LeaseEntropy, RecipientKey};
+use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
 /// Mode of created private key files.
@@ -90,18 +90,17 @@ pub enum KeyError {
     Random(getrandom::Error),
 }
 
-fn random_seed() -> Result<Zeroizing<[u8; 32]>, KeyError> {
+/// 32 fresh random bytes from the OS in a zeroizing buffer (a key or seed).
+pub fn random_key() -> Result<Zeroizing<[u8; 32]>, KeyError> {
     let mut seed = Zeroizing::new([0u8; 32]);
     getrandom::fill(&mut seed[..]).map_err(KeyError::Random)?;
     Ok(seed)
 }
 
-/// Fresh per-lease randomness from the OS (ephemeral secret and nonce).
+/// Fresh per-lease randomness from the OS, written straight into the
+/// zeroizing [`LeaseEntropy`] (no copy of the seed is left on the stack).
 pub fn lease_entropy() -> Result<LeaseEntropy, KeyError> {
-    let seed = random_seed()?;
-    let mut nonce = Zeroizing::new([0u8; 12]);
-    getrandom::fill(&mut nonce[..]).map_err(KeyError::Random)?;
-    Ok(LeaseEntropy::from_bytes(*seed, *nonce))
+    LeaseEntropy::fill(getrandom::fill).map_err(KeyError::Random)
 }
 
 /// A fresh random lease id: 32 lowercase hex digits (128 bits).
@@ -111,10 +110,73 @@ pub fn random_lease_id() -> Result<String, KeyError> {
     Ok(encode_hex(&id))
 }
 
+/// Removes the environment variable `name` from this process after its
+/// secret was read: children no longer inherit it, and its original bytes
+/// in the process's initial environment block — what `/proc/<pid>/environ`
+/// shows, which removing a variable does not change — are overwritten with
+/// zeros (through `/proc/self/mem`). Returns whether the initial block held
+/// it. Call it while the process has one thread, before anything else reads
+/// the environment concurrently.
+pub fn scrub_env_var(name: &str) -> io::Result<bool> {
+    std::env::remove_var(name);
+    let (env_start, env_end) = initial_environment_range()?;
+    let block = Zeroizing::new(fs::read("/proc/self/environ")?);
+    if block.len() as u64 > env_end.saturating_sub(env_start) {
+        return Err(io::Error::other(
+            "/proc/self/environ is larger than the environment block",
+        ));
+    }
+    let mut prefix = Vec::with_capacity(name.len() + 1);
+    prefix.extend_from_slice(name.as_bytes());
+    prefix.push(b'=');
+    let mut memory = None;
+    let mut offset = 0u64;
+    let mut found = false;
+    for entry in block.split(|&b| b == 0) {
+        if entry.starts_with(&prefix) {
+            let memory = match &mut memory {
+                Some(m) => m,
+                None => memory.insert(OpenOptions::new().write(true).open("/proc/self/mem")?),
+            };
+            memory.seek(SeekFrom::Start(env_start + offset))?;
+            memory.write_all(&vec![0; entry.len()])?;
+            found = true;
+        }
+        offset += entry.len() as u64 + 1;
+    }
+    Ok(found)
+}
+
+/// `env_start` and `env_end` of this process (fields 50 and 51 of
+/// `/proc/self/stat`): where the initial environment block lies.
+fn initial_environment_range() -> io::Result<(u64, u64)> {
+    let stat = fs::read_to_string("/proc/self/stat")?;
+    let malformed = || io::Error::other("unexpected /proc/self/stat format");
+    // The command name (field 2) may contain spaces and parentheses; the
+    // fields after its closing parenthesis start at field 3.
+    let after_name = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .ok_or_else(malformed)?;
+    let mut fields = after_name.split_whitespace().skip(50 - 3);
+    let mut next = || {
+        fields
+            .next()
+            .and_then(|f| f.parse::<u64>().ok())
+            .ok_or_else(malformed)
+    };
+    let start = next()?;
+    let end = next()?;
+    if start == 0 || end < start {
+        return Err(malformed());
+    }
+    Ok((start, end))
+}
+
 /// Generates an Ed25519 issuer key, writes it to `path` (new file, mode
 /// 0600) and returns the public half.
 pub fn generate_issuer_key(path: &Path) -> Result<VerifyingKey, KeyError> {
-    let seed = random_seed()?;
+    let seed = random_key()?;
     let key = SigningKey::from_bytes(&seed);
     write_key_file(path, ISSUER_LABEL, &seed)?;
     Ok(key.verifying_key())
@@ -123,10 +185,10 @@ pub fn generate_issuer_key(path: &Path) -> Result<VerifyingKey, KeyError> {
 /// Generates an X25519 recipient key, writes it to `path` (new file, mode
 /// 0600) and returns the public half.
 pub fn generate_recipient_key(path: &Path) -> Result<PublicKey, KeyError> {
-    let seed = random_seed()?;
-    let secret = StaticSecret::from(*seed);
+    let seed = random_key()?;
+    let public = RecipientKey::from_bytes(&seed).public_key();
     write_key_file(path, RECIPIENT_LABEL, &seed)?;
-    Ok(PublicKey::from(&secret))
+    Ok(public)
 }
 
 /// Loads the Edge's Ed25519 issuer key from `path`.
@@ -138,7 +200,7 @@ pub fn load_issuer_key(path: &Path) -> Result<SigningKey, KeyError> {
 /// Loads a Node's X25519 recipient key from `path`.
 pub fn load_recipient_key(path: &Path) -> Result<RecipientKey, KeyError> {
     let seed = read_key_file(path, RECIPIENT_LABEL)?;
-    Ok(RecipientKey::from_secret(StaticSecret::from(*seed)))
+    Ok(RecipientKey::from_bytes(&seed))
 }
 
 /// `ed25519:<hex>` text form of an issuer public key.
@@ -269,9 +331,10 @@ fn read_key_file(path: &Path, label: &str) -> Result<Zeroizing<[u8; 32]>, KeyErr
         }));
     }
     let body = lines.next().ok_or_else(|| parse_err("missing key line"))?;
-    let seed = decode_hex::<32>(body)
-        .map(Zeroizing::new)
-        .ok_or_else(|| parse_err("key line is not 64 hex digits"))?;
+    let mut seed = Zeroizing::new([0u8; 32]);
+    if !decode_hex_into(body, &mut seed) {
+        return Err(parse_err("key line is not 64 hex digits"));
+    }
     let end = lines.next().ok_or_else(|| parse_err("missing END line"))?;
     let end_kind = end
         .strip_prefix("-----END ")

@@ -13,8 +13,8 @@ use iop_engine::keys::{
     load_issuer_key, load_recipient_key, random_lease_id, KeyError,
 };
 use iop_wire::lease::{
-    encode_hex, issue, open, recipient_key_id, upstream_target, ExpectedScope, IssueParams,
-    OpenContext, ReplayCache,
+    encode_hex, issue, open, recipient_key_id, request_digest, upstream_target, BoundRequest,
+    ExpectedScope, IssueParams, OpenContext, OriginPins, ReplayGuard,
 };
 use iop_wire::pb::CredentialLeaseBinding;
 
@@ -400,6 +400,12 @@ fn leases_issued_and_opened_with_keys_from_disk() {
         panic!("node load failed")
     };
 
+    let digest = request_digest(&BoundRequest {
+        method: "POST",
+        path: "/v1/chat/completions",
+        headers: &[],
+        body: b"{}",
+    });
     let binding = CredentialLeaseBinding {
         principal: "client-a".into(),
         slot: "slot-1".into(),
@@ -411,6 +417,9 @@ fn leases_issued_and_opened_with_keys_from_disk() {
         credential_revision: 1,
         route_revision: 1,
         projection_generation: 1,
+        upstream_origin: "http://10.0.0.5:8000".into(),
+        run_id: "run-1".into(),
+        request_digest: bytes::Bytes::copy_from_slice(&digest),
     };
     let lease_id = match random_lease_id() {
         Ok(id) => id,
@@ -422,6 +431,7 @@ fn leases_issued_and_opened_with_keys_from_disk() {
     };
     let params = IssueParams {
         lease_id: &lease_id,
+        sequence: 1,
         binding: &binding,
         secret: b"sk-disk-key-test",
         header_name: "Authorization",
@@ -437,21 +447,48 @@ fn leases_issued_and_opened_with_keys_from_disk() {
     let ctx = OpenContext {
         recipient: &recipient,
         issuer: &configured_issuer,
-        scope: ExpectedScope {
-            selected_node: "node-a",
-            upstream_target: "openai-1/gpt-4o",
-            profile: Some("openai"),
-            principal: None,
-            slot: None,
-            route: None,
-            credential_revision: None,
-            route_revision: None,
-            projection_generation: None,
-        },
+        scope: ExpectedScope::computed_by_node(
+            "node-a",
+            "openai-1/gpt-4o",
+            "http://10.0.0.5:8000",
+            "run-1",
+            &digest,
+            Some("openai"),
+        ),
+        revoked: &[],
+        origin_pins: &OriginPins::new(),
         now_unix_ms: 6_000,
         clock_skew_ms: 0,
     };
-    let opened = open(Some(&lease), Some(&binding), &ctx, &mut ReplayCache::new(8));
+    let opened = open(
+        Some(&lease),
+        Some(&binding),
+        &ctx,
+        &mut ReplayGuard::new(5_000),
+    );
     let header = opened.map(|o| o.declared_header_value().as_str().to_owned());
     assert_eq!(header.ok().as_deref(), Some("Bearer sk-disk-key-test"));
+}
+
+// CONTRACT: C4 — scrubbing a secret variable removes it from the
+// environment; a variable that is not in the initial environment block (set
+// at run time, or absent) leaves the block untouched and is reported as not
+// found there. (The initial-block wipe itself is proven against a real Edge
+// process in tests/e2e/test_credentials.py.)
+#[test]
+fn scrubbing_an_env_secret_removes_it() {
+    const NAME: &str = "IOP_KEYS_TEST_SCRUBBED_SECRET";
+    let before = std::fs::read("/proc/self/environ").expect("environ");
+    std::env::set_var(NAME, "sk-scrub-canary");
+    assert_eq!(std::env::var(NAME).as_deref(), Ok("sk-scrub-canary"));
+    assert!(matches!(iop_engine::keys::scrub_env_var(NAME), Ok(false)));
+    assert!(std::env::var_os(NAME).is_none());
+    assert!(matches!(
+        iop_engine::keys::scrub_env_var("IOP_KEYS_TEST_NEVER_SET"),
+        Ok(false)
+    ));
+    assert_eq!(
+        std::fs::read("/proc/self/environ").expect("environ"),
+        before
+    );
 }

@@ -10,7 +10,8 @@
 //! `RegisterResponse.config` (R2, U4). This file only says who we are, where
 //! the Edge is, who it must be (T2), how to reconnect (S2) and, optionally,
 //! the credential plane (`[credentials]`, C2): our recipient key file, the
-//! Edge issuer's public key and the allowed clock skew. With it the Node is
+//! Edge issuer's public key, the allowed clock skew and, per credential
+//! slot, the provider origins its secret may reach. With it the Node is
 //! *managed*: every tunnel must carry a valid credential lease (C3).
 //!
 //! [`NodeConfig::parse`] is pure (no file system access); [`NodeConfig::load`]
@@ -19,6 +20,7 @@
 //! applies); an unreadable certificate or key is one too. The binary prints
 //! it and exits 1 (S3).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
@@ -29,6 +31,7 @@ use iop_engine::config::{
     check_name, check_trust_domain, parse_toml, read_config_file, resolve_path, split_host_port,
     RawTls,
 };
+use iop_engine::http::Url;
 use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
 use serde::Deserialize;
@@ -93,6 +96,10 @@ pub struct CredentialsSpec {
     /// Clock difference to the Edge tolerated at both edges of a lease's
     /// validity window.
     pub clock_skew_ms: u32,
+    /// `[credentials.allowed_origins]`: per credential slot, the provider
+    /// origins (`http://host:port`) its secret may be sent to, whatever a
+    /// lease or the Edge's config says. A slot not listed is not pinned.
+    pub allowed_origins: BTreeMap<String, Vec<String>>,
 }
 
 /// The Edge's address: `host:port`, the host an IP address or a DNS name
@@ -206,6 +213,8 @@ struct RawCredentials {
     recipient_key: String,
     issuer_public_key: String,
     clock_skew_ms: Option<i64>,
+    #[serde(default)]
+    allowed_origins: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -301,11 +310,41 @@ fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, Conf
             }
         },
     };
+    let mut allowed_origins = BTreeMap::new();
+    for (slot, origins) in raw.allowed_origins {
+        let key = format!("credentials.allowed_origins.{slot}");
+        if origins.is_empty() {
+            return Err(err(
+                &key,
+                "list at least one origin, or remove the slot (an empty list would refuse \
+                 every lease of it)"
+                    .into(),
+            ));
+        }
+        let mut canonical = Vec::with_capacity(origins.len());
+        for origin in &origins {
+            canonical.push(parse_origin(origin).map_err(|why| err(&key, why))?);
+        }
+        allowed_origins.insert(slot, canonical);
+    }
     Ok(CredentialsSpec {
         recipient_key,
         issuer_public_key,
         clock_skew_ms,
+        allowed_origins,
     })
+}
+
+/// An `allowed_origins` entry: `http://host[:port]` without a path, as the
+/// canonical origin a lease is bound to (port written, host lowercased).
+fn parse_origin(text: &str) -> Result<String, String> {
+    let url = Url::parse(text).map_err(|e| format!("{text:?}: {e}"))?;
+    if !url.prefix().is_empty() {
+        return Err(format!(
+            "{text:?}: an origin has no path (expected http://host:port)"
+        ));
+    }
+    Ok(url.origin())
 }
 
 #[cfg(test)]
@@ -453,7 +492,23 @@ key = "certs/node-a-key.pem"
                 recipient_key: PathBuf::from("conf/keys/node-a.key"),
                 issuer_public_key: decode_issuer_public_key(&issuer).unwrap(),
                 clock_skew_ms: 5_000,
+                allowed_origins: BTreeMap::new(),
             })
+        );
+        let config = parse(&with_credentials(&format!(
+            "recipient_key = \"/k\"\nissuer_public_key = \"{issuer}\"\n\
+             [credentials.allowed_origins]\nopenai-main = [\"HTTP://GPU-1.lan:8000\", \"http://[::1]\"]"
+        )))
+        .unwrap();
+        assert_eq!(
+            config.credentials.map(|c| c.allowed_origins),
+            Some(BTreeMap::from([(
+                "openai-main".to_string(),
+                vec![
+                    "http://gpu-1.lan:8000".to_string(),
+                    "http://[::1]:80".to_string()
+                ]
+            )]))
         );
         let config = parse(&with_credentials(&format!(
             "recipient_key = \"/k\"\nissuer_public_key = \"{issuer}\"\nclock_skew_ms = 0"
@@ -477,6 +532,23 @@ key = "certs/node-a-key.pem"
             error(&with_credentials(&format!("{key}\nclock_skew_ms = -1"))),
             "conf/node.toml: credentials.clock_skew_ms: must be between 0 and 60000 (got -1)"
         );
+        let pins = |list: &str| {
+            error(&with_credentials(&format!(
+                "{key}\n[credentials.allowed_origins]\ns = {list}"
+            )))
+        };
+        assert_eq!(
+            pins("[]"),
+            "conf/node.toml: credentials.allowed_origins.s: list at least one origin, or \
+             remove the slot (an empty list would refuse every lease of it)"
+        );
+        assert_eq!(
+            pins("[\"http://h:1/v1\"]"),
+            "conf/node.toml: credentials.allowed_origins.s: \"http://h:1/v1\": an origin has \
+             no path (expected http://host:port)"
+        );
+        assert!(pins("[\"https://h\"]")
+            .starts_with("conf/node.toml: credentials.allowed_origins.s: \"https://h\": "));
         assert_eq!(
             error(&with_credentials(&format!(
                 "recipient_key = \"\"\nissuer_public_key = \"{issuer}\""
@@ -493,7 +565,8 @@ key = "certs/node-a-key.pem"
         assert_eq!(
             error(&with_credentials(&format!("{key}\nsecret = \"x\""))),
             "conf/node.toml: credentials.secret: unknown field `secret`, expected one of \
-             `recipient_key`, `issuer_public_key`, `clock_skew_ms` (line 14, column 1)"
+             `recipient_key`, `issuer_public_key`, `clock_skew_ms`, `allowed_origins` (line 14, \
+             column 1)"
         );
         assert_eq!(
             error(&with_credentials("issuer_public_key = \"x\"")),

@@ -1,14 +1,16 @@
 //! The Node half of the credential plane (C2, C3, C5): the recipient key,
-//! the Edge issuer's public key, the replay cache, and the per-tunnel lease
-//! decision.
+//! the Edge issuer's public key, the origin pins, the replay window, and
+//! the per-tunnel lease decision.
 //!
 //! ```text
 //!  tunnel request ─► W1, adapter, path, capacity gate (P4) ─► LeaseGate::open
 //!        managed (own [credentials] or payload.credential_leases_required)?
 //!          no, and no lease ─────────────────────────────► provider call without credential
 //!          lease, but no recipient key here ─────────────► ERROR lease_invalid
-//!          otherwise iop_wire::lease::open: signature, digest, scope (node,
-//!          upstream target, profile), recipient, window ± skew, replay
+//!          otherwise iop_wire::lease::open with what this Node will actually do:
+//!          node, upstream target, profile, the adapter's origin, run id, digest
+//!          of method + path + headers + body; revoked revisions (payload) and
+//!          origin pins (node.toml); window ± skew; replay window
 //!            ├─ failure ─► ERROR lease_missing | lease_invalid | lease_expired |
 //!            │             lease_replayed | lease_scope_mismatch (no provider call)
 //!            └─ OpenedSecret ─► header injected into the request head in memory,
@@ -16,45 +18,48 @@
 //! ```
 //!
 //! The decision ([`LeaseGate::open`]) is pure: `now` comes in. The replay
-//! cache belongs to the Node process (it outlives sessions), so a lease
-//! replayed over a new connection is still caught. Nothing here is logged
-//! or cached beyond one request (C4, C5); every secret-holding type has a
-//! redacted `Debug`.
+//! state belongs to the Node process (it outlives sessions), so a lease
+//! replayed over a new connection is still caught; it starts with the
+//! process, and a lease issued before that (minus skew) is refused, since
+//! what was opened before a restart is not remembered. Nothing here is
+//! logged or cached beyond one request (C4, C5); every secret-holding type
+//! has a redacted `Debug`.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::rc::Rc;
 
 use ed25519_dalek::VerifyingKey;
 use iop_engine::keys;
 use iop_wire::lease::{
-    self, ExpectedScope, LeaseError, OpenContext, OpenedSecret, RecipientKey, ReplayCache,
+    self, BoundRequest, ExpectedScope, LeaseError, OpenContext, OpenedSecret, OriginPins,
+    RecipientKey, ReplayGuard,
 };
 use iop_wire::pb;
 
 use crate::config::{ConfigError, CredentialsSpec, NodeConfig};
-
-/// Lease ids the replay cache holds at most. Entries leave when their lease
-/// expires (at most ten minutes plus skew); a full cache rejects new leases
-/// (`lease_replayed`, fail closed) instead of forgetting one.
-pub const REPLAY_CACHE_ENTRIES: usize = 65_536;
 
 /// The loaded credential plane of a managed Node.
 pub struct NodeCredentials {
     recipient: RecipientKey,
     issuer: VerifyingKey,
     clock_skew_ms: u32,
-    replay: RefCell<ReplayCache>,
+    origin_pins: OriginPins,
+    replay: RefCell<ReplayGuard>,
+    warned_near_full: Cell<bool>,
 }
 
 impl fmt::Debug for NodeCredentials {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let replay = self.replay.borrow();
         f.debug_struct("NodeCredentials")
             .field("recipient_key_id", &self.recipient.key_id())
             .field("recipient_key", &"<redacted>")
             .field("issuer_key_id", &lease::issuer_key_id(&self.issuer))
             .field("clock_skew_ms", &self.clock_skew_ms)
-            .field("replay_entries", &self.replay.borrow().len())
+            .field("origin_pins", &self.origin_pins)
+            .field("replay_windows", &replay.windows())
+            .field("replay_started_unix_ms", &replay.started_unix_ms())
             .finish()
     }
 }
@@ -74,22 +79,38 @@ impl NodeCredentials {
         let recipient = keys::load_recipient_key(&spec.recipient_key).map_err(|e| {
             ConfigError::new(&cfg.source, "credentials.recipient_key", e.to_string())
         })?;
-        Ok(Self::new(
-            recipient,
-            spec.issuer_public_key,
-            spec.clock_skew_ms,
-        ))
+        let mut pins = OriginPins::new();
+        for (slot, origins) in &spec.allowed_origins {
+            for origin in origins {
+                pins.allow(slot.clone(), origin.clone());
+            }
+        }
+        Ok(Self::new(recipient, spec.issuer_public_key, spec.clock_skew_ms).with_origin_pins(pins))
     }
 
-    /// A credential plane from its parts, with an empty replay cache of
-    /// [`REPLAY_CACHE_ENTRIES`].
+    /// A credential plane from its parts: no origin pins, and a replay
+    /// guard with the default bounds that starts now (the process's start).
     pub fn new(recipient: RecipientKey, issuer: VerifyingKey, clock_skew_ms: u32) -> Self {
         Self {
             recipient,
             issuer,
             clock_skew_ms,
-            replay: RefCell::new(ReplayCache::new(REPLAY_CACHE_ENTRIES)),
+            origin_pins: OriginPins::new(),
+            replay: RefCell::new(ReplayGuard::new(iop_engine::clock::unix_ms())),
+            warned_near_full: Cell::new(false),
         }
+    }
+
+    /// With `pins`: slots whose secrets may reach only the listed origins.
+    pub fn with_origin_pins(mut self, pins: OriginPins) -> Self {
+        self.origin_pins = pins;
+        self
+    }
+
+    /// With `replay` as the replay state (its bounds and start time).
+    pub fn with_replay_guard(mut self, replay: ReplayGuard) -> Self {
+        self.replay = RefCell::new(replay);
+        self
     }
 
     /// Our recipient key id (`CredentialLeaseBinding.recipient`).
@@ -97,9 +118,29 @@ impl NodeCredentials {
         self.recipient.key_id()
     }
 
-    /// Lease ids held by the replay cache now.
-    pub fn replay_entries(&self) -> usize {
-        self.replay.borrow().len()
+    /// Replay windows held now (one per Edge session with valid leases).
+    pub fn replay_windows(&self) -> usize {
+        self.replay.borrow().windows()
+    }
+
+    /// Warns once when three quarters of the replay windows are in use, and
+    /// again after usage fell below half: past the cap, leases of a new
+    /// Edge session are refused (`lease_replayed`).
+    fn watch_replay_pressure(&self) {
+        let replay = self.replay.borrow();
+        if replay.is_near_full() {
+            if !self.warned_near_full.replace(true) {
+                tracing::warn!(
+                    windows = replay.windows(),
+                    max_windows = replay.max_windows(),
+                    "credential lease replay state is three quarters full: leases of new edge \
+                     sessions will be refused (lease_replayed) once it is full; windows free \
+                     up as their leases expire"
+                );
+            }
+        } else if replay.windows() * 2 < replay.max_windows() {
+            self.warned_near_full.set(false);
+        }
     }
 }
 
@@ -127,13 +168,28 @@ impl NodeLeaseError {
     }
 }
 
+/// Where this Node would send a tunnel, computed from its own adapter: what
+/// the lease must be bound to (C2).
+#[derive(Debug, Clone, Copy)]
+pub struct TunnelTarget<'a> {
+    /// The adapter's protocol profile name, when it has one.
+    pub profile: Option<&'a str>,
+    /// The adapter's origin ([`iop_engine::http::Url::origin`]).
+    pub origin: &'a str,
+    /// The request target the tunnel resolved to (U3).
+    pub path: &'a str,
+    /// The method it will be sent with.
+    pub method: &'a str,
+}
+
 /// The lease decision for the tunnels of one session: the Node's own
-/// credential plane, whether the Edge's config requires leases, and our
-/// node id.
+/// credential plane, whether the Edge's config requires leases, the
+/// revocations it sent, and our node id.
 #[derive(Debug, Clone)]
 pub struct LeaseGate {
     credentials: Option<Rc<NodeCredentials>>,
     required_by_edge: bool,
+    revoked: Rc<[pb::RevokedCredential]>,
     node_id: Rc<str>,
 }
 
@@ -148,8 +204,16 @@ impl LeaseGate {
         Self {
             credentials,
             required_by_edge,
+            revoked: Rc::new([]),
             node_id: node_id.into(),
         }
+    }
+
+    /// With `revoked`: the applied `NodeConfigPayload.revoked_credentials`,
+    /// refused by this Node itself (C3).
+    pub fn with_revoked(mut self, revoked: impl Into<Rc<[pb::RevokedCredential]>>) -> Self {
+        self.revoked = revoked.into();
+        self
     }
 
     /// True when tunnels must carry a lease (C3): this Node has
@@ -158,14 +222,15 @@ impl LeaseGate {
         self.credentials.is_some() || self.required_by_edge
     }
 
-    /// Opens the lease of `req` for the adapter whose protocol profile is
-    /// `profile` (C2). Call only after the capacity gate admitted the
-    /// request and right before the provider call. `Ok(None)`: an
-    /// unmanaged node and a request without a lease (legacy tunnel).
+    /// Opens the lease of `req` for a request to `target` (C2). Call only
+    /// after the capacity gate admitted the request and right before the
+    /// provider call, with the adapter and path that call will use.
+    /// `Ok(None)`: an unmanaged node and a request without a lease (legacy
+    /// tunnel).
     pub fn open(
         &self,
         req: &pb::ProviderTunnelRequest,
-        profile: Option<&str>,
+        target: &TunnelTarget<'_>,
         now_unix_ms: i64,
     ) -> Result<Option<OpenedSecret>, NodeLeaseError> {
         let carries_lease = req.credential_lease.is_some() || req.credential_binding.is_some();
@@ -179,34 +244,42 @@ impl LeaseGate {
             };
         };
         let upstream_target = lease::upstream_target(&req.adapter, &req.target);
+        let request_digest = lease::request_digest(&BoundRequest {
+            method: target.method,
+            path: target.path,
+            headers: &req.headers,
+            body: &req.body,
+        });
         let ctx = OpenContext {
             recipient: &credentials.recipient,
             issuer: &credentials.issuer,
-            // C5: a lease for another node, target or profile never opens
-            // here; the other fields are the Edge's and covered by the
-            // signature.
-            scope: ExpectedScope {
-                selected_node: &self.node_id,
-                upstream_target: &upstream_target,
-                profile,
-                principal: None,
-                slot: None,
-                route: None,
-                credential_revision: None,
-                route_revision: None,
-                projection_generation: None,
-            },
+            // C5: a lease for another node, target, profile, origin, run or
+            // request never opens here; the other fields are the Edge's and
+            // covered by the signature.
+            scope: ExpectedScope::computed_by_node(
+                &self.node_id,
+                &upstream_target,
+                target.origin,
+                &req.run_id,
+                &request_digest,
+                target.profile,
+            ),
+            revoked: &self.revoked,
+            origin_pins: &credentials.origin_pins,
             now_unix_ms,
             clock_skew_ms: credentials.clock_skew_ms,
         };
-        let mut replay = credentials.replay.borrow_mut();
-        let opened = lease::open(
-            req.credential_lease.as_ref(),
-            req.credential_binding.as_ref(),
-            &ctx,
-            &mut replay,
-        )?;
-        Ok(Some(opened))
+        let opened = {
+            let mut replay = credentials.replay.borrow_mut();
+            lease::open(
+                req.credential_lease.as_ref(),
+                req.credential_binding.as_ref(),
+                &ctx,
+                &mut replay,
+            )
+        };
+        credentials.watch_replay_pressure();
+        Ok(Some(opened?))
     }
 }
 
@@ -222,6 +295,8 @@ mod tests {
 
     const NOW_MS: i64 = 1_700_000_000_000;
     const SECRET: &[u8] = b"sk-unit-test-secret";
+    const ORIGIN: &str = "http://127.0.0.1:8000";
+    const PATH: &str = "/v1/chat/completions";
 
     fn issuer() -> SigningKey {
         SigningKey::from_bytes(&[5; 32])
@@ -232,14 +307,42 @@ mod tests {
     }
 
     fn credentials(seed: u8) -> Rc<NodeCredentials> {
-        Rc::new(NodeCredentials::new(
-            recipient(seed),
-            issuer().verifying_key(),
-            5_000,
-        ))
+        Rc::new(
+            NodeCredentials::new(recipient(seed), issuer().verifying_key(), 5_000)
+                .with_replay_guard(ReplayGuard::new(NOW_MS - 60_000)),
+        )
     }
 
-    fn binding(recipient_id: &str, node: &str) -> CredentialLeaseBinding {
+    fn target() -> TunnelTarget<'static> {
+        TunnelTarget {
+            profile: Some("openai"),
+            origin: ORIGIN,
+            path: PATH,
+            method: "POST",
+        }
+    }
+
+    fn unsealed(run_id: &str) -> pb::ProviderTunnelRequest {
+        pb::ProviderTunnelRequest {
+            run_id: run_id.into(),
+            adapter: "mock".into(),
+            target: "mock-model".into(),
+            body: Bytes::from_static(b"{}"),
+            ..Default::default()
+        }
+    }
+
+    fn binding(
+        recipient_id: &str,
+        node: &str,
+        req: &pb::ProviderTunnelRequest,
+    ) -> CredentialLeaseBinding {
+        let digest = lease::request_digest(&BoundRequest {
+            method: "POST",
+            path: PATH,
+            headers: &req.headers,
+            body: &req.body,
+        });
         CredentialLeaseBinding {
             principal: "team-a".into(),
             slot: "openai-main".into(),
@@ -251,15 +354,26 @@ mod tests {
             credential_revision: 2,
             route_revision: 1,
             projection_generation: 4,
+            upstream_origin: ORIGIN.into(),
+            run_id: req.run_id.clone(),
+            request_digest: Bytes::copy_from_slice(&digest),
         }
     }
 
-    fn request(lease_id: &str, recipient_seed: u8, node: &str) -> pb::ProviderTunnelRequest {
+    fn request_with(
+        sequence: u64,
+        recipient_seed: u8,
+        node: &str,
+        edit: impl FnOnce(&mut CredentialLeaseBinding),
+    ) -> pb::ProviderTunnelRequest {
         let to = recipient(recipient_seed);
-        let binding = binding(to.key_id(), node);
+        let mut req = unsealed(&format!("run-{sequence}"));
+        let mut binding = binding(to.key_id(), node, &req);
+        edit(&mut binding);
         let lease = issue(
             &IssueParams {
-                lease_id,
+                lease_id: "l-1",
+                sequence,
                 binding: &binding,
                 secret: SECRET,
                 header_name: "Authorization",
@@ -269,18 +383,16 @@ mod tests {
             },
             &issuer(),
             &to.public_key(),
-            LeaseEntropy::from_bytes([3; 32], [4; 12]),
+            LeaseEntropy::from_seed([3; 32]),
         )
         .expect("issue");
-        pb::ProviderTunnelRequest {
-            run_id: "run-1".into(),
-            adapter: "mock".into(),
-            target: "mock-model".into(),
-            body: Bytes::from_static(b"{}"),
-            credential_lease: Some(lease),
-            credential_binding: Some(binding),
-            ..Default::default()
-        }
+        req.credential_lease = Some(lease);
+        req.credential_binding = Some(binding);
+        req
+    }
+
+    fn request(sequence: u64, recipient_seed: u8, node: &str) -> pb::ProviderTunnelRequest {
+        request_with(sequence, recipient_seed, node, |_| {})
     }
 
     fn code(result: Result<Option<OpenedSecret>, NodeLeaseError>) -> &'static str {
@@ -290,14 +402,15 @@ mod tests {
         }
     }
 
-    // CONTRACT: C2 — a valid lease for this node, target and profile opens
-    // to the declared header; the id is then in the replay cache.
+    // CONTRACT: C2 — a valid lease for this node, target, profile, origin
+    // and request opens to the declared header; its sequence is then in the
+    // replay window.
     #[test]
     fn valid_lease_opens_to_the_declared_header() {
         let creds = credentials(9);
         let gate = LeaseGate::new(Some(creds.clone()), true, "node-a");
         let opened = gate
-            .open(&request("l-1", 9, "node-a"), Some("openai"), NOW_MS + 1)
+            .open(&request(1, 9, "node-a"), &target(), NOW_MS + 1)
             .expect("opens")
             .expect("a lease");
         assert_eq!(opened.header_name(), "Authorization");
@@ -305,7 +418,8 @@ mod tests {
             opened.declared_header_value().as_str(),
             "Bearer sk-unit-test-secret"
         );
-        assert_eq!(creds.replay_entries(), 1);
+        assert_eq!(creds.replay_windows(), 1);
+        assert!(creds.replay.borrow().contains(4, 1));
         // CONTRACT: C4 — Debug never shows the secret.
         assert_eq!(format!("{opened:?}"), "OpenedSecret(<redacted>)");
         let debug = format!("{creds:?}");
@@ -319,21 +433,18 @@ mod tests {
     fn managed_node_requires_both_fields() {
         let gate = LeaseGate::new(Some(credentials(9)), false, "node-a");
         assert!(gate.is_managed());
-        let mut req = request("l-2", 9, "node-a");
+        let mut req = request(2, 9, "node-a");
         req.credential_binding = None;
-        assert_eq!(
-            code(gate.open(&req, Some("openai"), NOW_MS)),
-            "lease_missing"
-        );
+        assert_eq!(code(gate.open(&req, &target(), NOW_MS)), "lease_missing");
         req.credential_lease = None;
-        assert_eq!(
-            code(gate.open(&req, Some("openai"), NOW_MS)),
-            "lease_missing"
-        );
+        assert_eq!(code(gate.open(&req, &target(), NOW_MS)), "lease_missing");
         // The Edge's flag alone also makes the node managed.
         let edge_only = LeaseGate::new(None, true, "node-a");
         assert!(edge_only.is_managed());
-        assert_eq!(code(edge_only.open(&req, None, NOW_MS)), "lease_missing");
+        assert_eq!(
+            code(edge_only.open(&req, &target(), NOW_MS)),
+            "lease_missing"
+        );
     }
 
     // CONTRACT: C3 — the legacy path: an unmanaged node and a request
@@ -343,54 +454,140 @@ mod tests {
     fn unmanaged_node_opens_nothing() {
         let gate = LeaseGate::new(None, false, "node-a");
         assert!(!gate.is_managed());
-        let mut req = request("l-3", 9, "node-a");
-        assert_eq!(code(gate.open(&req, None, NOW_MS)), "lease_invalid");
+        let mut req = request(3, 9, "node-a");
+        assert_eq!(code(gate.open(&req, &target(), NOW_MS)), "lease_invalid");
         req.credential_lease = None;
         req.credential_binding = None;
-        assert!(gate.open(&req, None, NOW_MS).expect("legacy").is_none());
+        assert!(gate
+            .open(&req, &target(), NOW_MS)
+            .expect("legacy")
+            .is_none());
     }
 
     // CONTRACT: C2, C5 — wrong recipient key (rotated), another node,
-    // another target or profile, expiry and replay each fail with their code.
+    // target, profile, origin, path or body, expiry and replay each fail
+    // with their code.
     #[test]
     fn rejections_have_their_failure_codes() {
         let gate = LeaseGate::new(Some(credentials(9)), true, "node-a");
         // Sealed to the old key of a node whose key was rotated.
         assert_eq!(
-            code(gate.open(&request("r-1", 8, "node-a"), Some("openai"), NOW_MS)),
+            code(gate.open(&request(1, 8, "node-a"), &target(), NOW_MS)),
             "lease_invalid"
         );
         assert_eq!(
-            code(gate.open(&request("r-2", 9, "node-b"), Some("openai"), NOW_MS)),
+            code(gate.open(&request(2, 9, "node-b"), &target(), NOW_MS)),
             "lease_scope_mismatch"
         );
-        let mut other_target = request("r-3", 9, "node-a");
+        let mut other_target = request(3, 9, "node-a");
         other_target.target = "other-model".into();
         assert_eq!(
-            code(gate.open(&other_target, Some("openai"), NOW_MS)),
+            code(gate.open(&other_target, &target(), NOW_MS)),
             "lease_scope_mismatch"
         );
+        let vllm = TunnelTarget {
+            profile: Some("vllm"),
+            ..target()
+        };
         assert_eq!(
-            code(gate.open(&request("r-4", 9, "node-a"), Some("vllm"), NOW_MS)),
+            code(gate.open(&request(4, 9, "node-a"), &vllm, NOW_MS)),
             "lease_scope_mismatch"
         );
+        // The adapter's origin was changed by the config the link pushed.
+        let elsewhere = TunnelTarget {
+            origin: "http://attacker.example:80",
+            ..target()
+        };
         assert_eq!(
-            code(gate.open(
-                &request("r-5", 9, "node-a"),
-                Some("openai"),
-                NOW_MS + 30_000 + 5_000
-            )),
-            "lease_expired"
+            code(gate.open(&request(5, 9, "node-a"), &elsewhere, NOW_MS)),
+            "lease_scope_mismatch"
         );
-        let replayed = request("r-6", 9, "node-a");
-        assert!(gate.open(&replayed, Some("openai"), NOW_MS).is_ok());
+        let other_path = TunnelTarget {
+            path: "/v1/responses",
+            ..target()
+        };
         assert_eq!(
-            code(gate.open(&replayed, Some("openai"), NOW_MS)),
+            code(gate.open(&request(6, 9, "node-a"), &other_path, NOW_MS)),
+            "lease_scope_mismatch"
+        );
+        let mut other_body = request(7, 9, "node-a");
+        other_body.body = Bytes::from_static(b"{\"x\":1}");
+        assert_eq!(
+            code(gate.open(&other_body, &target(), NOW_MS)),
+            "lease_scope_mismatch"
+        );
+        let mut other_run = request(8, 9, "node-a");
+        other_run.run_id = "run-other".into();
+        assert_eq!(
+            code(gate.open(&other_run, &target(), NOW_MS)),
+            "lease_scope_mismatch"
+        );
+        let replayed = request(10, 9, "node-a");
+        assert!(gate.open(&replayed, &target(), NOW_MS).is_ok());
+        assert_eq!(
+            code(gate.open(&replayed, &target(), NOW_MS)),
             "lease_replayed"
+        );
+        // Last: the replay guard's clock never goes back after this.
+        assert_eq!(
+            code(gate.open(&request(9, 9, "node-a"), &target(), NOW_MS + 30_000 + 5_000)),
+            "lease_expired"
         );
         assert_eq!(
             NodeLeaseError::NoRecipientKey.failure_code(),
             "lease_invalid"
+        );
+    }
+
+    // CONTRACT: C3 — a revocation the Edge sent is enforced by the Node;
+    // origin pins from node.toml refuse a signed lease for another origin.
+    #[test]
+    fn revocations_and_origin_pins_are_the_nodes_own() {
+        let revoked = vec![pb::RevokedCredential {
+            slot: "openai-main".into(),
+            revisions: vec![2],
+        }];
+        let gate = LeaseGate::new(Some(credentials(9)), true, "node-a").with_revoked(revoked);
+        let err = gate
+            .open(&request(1, 9, "node-a"), &target(), NOW_MS)
+            .expect_err("revoked");
+        assert_eq!(err.failure_code(), "lease_invalid");
+        assert_eq!(err.to_string(), "credential revision 2 is revoked");
+
+        let mut pins = OriginPins::new();
+        pins.allow("openai-main", "http://10.0.0.9:8000");
+        let pinned = Rc::new(
+            NodeCredentials::new(recipient(9), issuer().verifying_key(), 5_000)
+                .with_replay_guard(ReplayGuard::new(NOW_MS - 60_000))
+                .with_origin_pins(pins),
+        );
+        let gate = LeaseGate::new(Some(pinned), true, "node-a");
+        assert_eq!(
+            code(gate.open(&request(2, 9, "node-a"), &target(), NOW_MS)),
+            "lease_scope_mismatch"
+        );
+        let there = TunnelTarget {
+            origin: "http://10.0.0.9:8000",
+            ..target()
+        };
+        let to_pin = request_with(3, 9, "node-a", |b| {
+            b.upstream_origin = "http://10.0.0.9:8000".into()
+        });
+        assert!(gate.open(&to_pin, &there, NOW_MS).expect("opens").is_some());
+    }
+
+    // CONTRACT: C2 — the replay state began with this process: a lease
+    // issued before it (minus skew) is refused.
+    #[test]
+    fn lease_from_before_the_node_started_is_refused() {
+        let restarted = Rc::new(
+            NodeCredentials::new(recipient(9), issuer().verifying_key(), 5_000)
+                .with_replay_guard(ReplayGuard::new(NOW_MS + 5_001)),
+        );
+        let gate = LeaseGate::new(Some(restarted), true, "node-a");
+        assert_eq!(
+            code(gate.open(&request(1, 9, "node-a"), &target(), NOW_MS + 6_000)),
+            "lease_replayed"
         );
     }
 }

@@ -5,18 +5,21 @@
 //!
 //! A valid lease makes the provider answer 200 (the mock answers 401 without
 //! the injected header); every rejection is one `ERROR` terminal with its
-//! exact failure code and no provider connection (the mock's counters).
+//! exact failure code and no provider connection (the mock's counters). The
+//! scripted Edge also plays the attacker who controls the link: it rewrites
+//! the adapter's `base_url` by a config refresh, replays leases on other
+//! requests, floods, and replays across a Node restart.
 //! Waits are bounded by [`common::SAFETY`] only as a net against hangs.
 
 mod common;
 
 use bytes::Bytes;
 use common::{
-    chat_tunnel, lease_binding, node_config, openai_adapter, openai_profile, recipient, Edge, Mock,
-    TARGET,
+    chat_tunnel, lease_binding, next_sequence, node_config, openai_adapter, openai_profile,
+    recipient, Edge, Mock, TARGET,
 };
 use ed25519_dalek::SigningKey;
-use iop_wire::lease::{self, IssueParams, LeaseEntropy};
+use iop_wire::lease::{self, IssueParams, LeaseEntropy, ReplayGuard};
 use iop_wire::pb;
 use node_bin::credentials::NodeCredentials;
 
@@ -24,6 +27,8 @@ const SECRET: &str = "sk-iop-node-test-5e1d";
 const RECIPIENT_SEED: [u8; 32] = [9; 32];
 const ROTATED_SEED: [u8; 32] = [10; 32];
 const ISSUER_SEED: [u8; 32] = [7; 32];
+/// The node's `clock_skew_ms`.
+const SKEW_MS: u32 = 5_000;
 
 fn issuer() -> SigningKey {
     SigningKey::from_bytes(&ISSUER_SEED)
@@ -34,8 +39,10 @@ fn keyed_mock() -> Mock {
     Mock::start(Mock::handler(3, 0).with_required_api_key(bench::mock::auth::ApiKey::new(SECRET)))
 }
 
-fn payload(mock: &Mock, leases_required: bool) -> pb::NodeConfigPayload {
+/// One OpenAI-compatible adapter `mock` at `base_url`.
+fn payload_at(mock: &Mock, base_url: String, leases_required: bool) -> pb::NodeConfigPayload {
     let profile = pb::ProtocolProfile {
+        base_url,
         health_path: "/v1/models".into(),
         auth_header_name: "Authorization".into(),
         auth_header_format: "Bearer {secret}".into(),
@@ -47,8 +54,15 @@ fn payload(mock: &Mock, leases_required: bool) -> pb::NodeConfigPayload {
     }
 }
 
+fn payload(mock: &Mock, leases_required: bool) -> pb::NodeConfigPayload {
+    payload_at(mock, mock.base_url(), leases_required)
+}
+
+/// The node's credential plane; its replay state began a minute ago (the
+/// node was started before the leases of the tests were issued).
 fn node_credentials() -> NodeCredentials {
-    NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), 5_000)
+    NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), SKEW_MS)
+        .with_replay_guard(ReplayGuard::new(iop_engine::clock::unix_ms() - 60_000))
 }
 
 /// What the scripted Edge varies per lease.
@@ -79,6 +93,7 @@ fn issue(spec: &LeaseSpec, binding: &pb::CredentialLeaseBinding) -> pb::Credenti
     lease::issue(
         &IssueParams {
             lease_id: spec.lease_id,
+            sequence: next_sequence(),
             binding,
             secret: SECRET.as_bytes(),
             header_name: spec.header_name,
@@ -88,34 +103,36 @@ fn issue(spec: &LeaseSpec, binding: &pb::CredentialLeaseBinding) -> pb::Credenti
         },
         &issuer(),
         &to.public_key(),
-        LeaseEntropy::from_bytes([3; 32], [4; 12]),
+        LeaseEntropy::from_seed([3; 32]),
     )
     .expect("issue")
 }
 
-/// A tunnel request; with a lease and binding when `lease` is given.
-fn tunnel(
-    run_id: &str,
-    credential: Option<(pb::CredentialLease, pb::CredentialLeaseBinding)>,
-) -> pb::ProviderTunnelRequest {
+/// A chat tunnel without a lease.
+fn tunnel(run_id: &str) -> pb::ProviderTunnelRequest {
     let body = format!(
         r#"{{"model":"{TARGET}","stream":false,"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
-    let (credential_lease, credential_binding) = match credential {
-        Some((lease, binding)) => (Some(lease), Some(binding)),
-        None => (None, None),
-    };
-    pb::ProviderTunnelRequest {
-        credential_lease,
-        credential_binding,
-        ..chat_tunnel(run_id, body)
-    }
+    chat_tunnel(run_id, body)
 }
 
-fn leased(run_id: &str, spec: &LeaseSpec) -> pb::ProviderTunnelRequest {
-    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id());
+/// `req` with `lease` and `binding`.
+fn with_lease(
+    mut req: pb::ProviderTunnelRequest,
+    lease: pb::CredentialLease,
+    binding: pb::CredentialLeaseBinding,
+) -> pb::ProviderTunnelRequest {
+    req.credential_lease = Some(lease);
+    req.credential_binding = Some(binding);
+    req
+}
+
+/// A chat tunnel with a genuine lease for exactly it, to `mock`.
+fn leased(mock: &Mock, run_id: &str, spec: &LeaseSpec) -> pb::ProviderTunnelRequest {
+    let req = tunnel(run_id);
+    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &req);
     let lease = issue(spec, &binding);
-    tunnel(run_id, Some((lease, binding)))
+    with_lease(req, lease, binding)
 }
 
 /// Asserts one `ERROR` terminal with `code` and no `ExecutionFailure`.
@@ -123,7 +140,7 @@ fn assert_rejected(frames: &[pb::ProviderTunnelFrame], code: &str) {
     assert_eq!(frames.len(), 1, "only a terminal: {frames:?}");
     let f = &frames[0];
     assert_eq!((f.seq, f.kind()), (1, pb::TunnelFrameKind::Error));
-    assert_eq!(f.failure_code, code);
+    assert_eq!(f.failure_code, code, "{}", f.error);
     assert!(f.failure.is_none(), "not a stall (W6)");
     assert!(!f.error.contains(SECRET));
 }
@@ -147,18 +164,20 @@ async fn valid_lease_injects_the_declared_header() {
     let mock = keyed_mock();
     let mut edge =
         Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
-    let mut req = leased("ok-1", &LeaseSpec::valid("lease-ok-1"));
+    let mut req = tunnel("ok-1");
     req.headers.push(pb::Header {
         name: "authorization".into(),
         value: Bytes::from_static(b"Bearer client-key"),
     });
-    assert_answered(&edge.tunnel(req).await, 200);
+    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &req);
+    let lease = issue(&LeaseSpec::valid("lease-ok-1"), &binding);
+    assert_answered(&edge.tunnel(with_lease(req, lease, binding)).await, 200);
     let x_api_key = LeaseSpec {
         header_name: "x-api-key",
         header_format: "{secret}",
         ..LeaseSpec::valid("lease-ok-2")
     };
-    assert_answered(&edge.tunnel(leased("ok-2", &x_api_key)).await, 200);
+    assert_answered(&edge.tunnel(leased(&mock, "ok-2", &x_api_key)).await, 200);
     let stats = mock.admin_stats().await;
     assert_eq!(stats["chat_requests"], 2);
 }
@@ -171,35 +190,43 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
     let mock = keyed_mock();
     let mut edge =
         Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
-    assert_rejected(&edge.tunnel(tunnel("m-1", None)).await, "lease_missing");
-    let mut no_binding = leased("m-2", &LeaseSpec::valid("lease-m-2"));
+    assert_rejected(&edge.tunnel(tunnel("m-1")).await, "lease_missing");
+    let mut no_binding = leased(&mock, "m-2", &LeaseSpec::valid("lease-m-2"));
     no_binding.credential_binding = None;
     assert_rejected(&edge.tunnel(no_binding).await, "lease_missing");
     let expired = LeaseSpec {
         not_before_offset_ms: -60_000,
         ..LeaseSpec::valid("lease-expired")
     };
-    assert_rejected(&edge.tunnel(leased("e-1", &expired)).await, "lease_expired");
+    assert_rejected(
+        &edge.tunnel(leased(&mock, "e-1", &expired)).await,
+        "lease_expired",
+    );
     let early = LeaseSpec {
         not_before_offset_ms: 60_000,
         ..LeaseSpec::valid("lease-early")
     };
-    assert_rejected(&edge.tunnel(leased("e-2", &early)).await, "lease_expired");
+    assert_rejected(
+        &edge.tunnel(leased(&mock, "e-2", &early)).await,
+        "lease_expired",
+    );
     // Issued for another node.
-    let mut other_node = lease_binding(recipient(RECIPIENT_SEED).key_id());
+    let req = tunnel("s-1");
+    let mut other_node = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &req);
     other_node.selected_node = "node-b".into();
     let lease = issue(&LeaseSpec::valid("lease-node-b"), &other_node);
     assert_rejected(
-        &edge.tunnel(tunnel("s-1", Some((lease, other_node)))).await,
+        &edge.tunnel(with_lease(req, lease, other_node)).await,
         "lease_scope_mismatch",
     );
     // Issued for another target of the same adapter.
-    let mut other_target = leased("s-2", &LeaseSpec::valid("lease-target"));
+    let mut other_target = leased(&mock, "s-2", &LeaseSpec::valid("lease-target"));
     other_target.target = "other-model".into();
     assert_rejected(&edge.tunnel(other_target).await, "lease_scope_mismatch");
     // Sealed to the key this node had before its key was rotated.
     let rotated = recipient(ROTATED_SEED);
-    let old_binding = lease_binding(rotated.key_id());
+    let req = tunnel("r-1");
+    let old_binding = lease_binding(rotated.key_id(), &mock.origin(), &req);
     let lease = issue(
         &LeaseSpec {
             sealed_to: ROTATED_SEED,
@@ -208,7 +235,7 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
         &old_binding,
     );
     assert_rejected(
-        &edge.tunnel(tunnel("r-1", Some((lease, old_binding)))).await,
+        &edge.tunnel(with_lease(req, lease, old_binding)).await,
         "lease_invalid",
     );
     let stats = mock.admin_stats().await;
@@ -217,19 +244,159 @@ async fn invalid_leases_fail_closed_without_a_provider_call() {
     assert_eq!(stats["chat_requests"], 0);
 }
 
-// CONTRACT: C2, C5 — a lease opens once: the same lease again is
-// lease_replayed and makes no second provider call.
+// CONTRACT: C2, C5 — a lease opens once, for its one request: the same
+// tunnel again is lease_replayed; the lease moved onto another run, body or
+// path is lease_scope_mismatch; none of them reaches the provider.
 #[monoio::test(timer_enabled = true)]
-async fn replayed_lease_is_rejected() {
+async fn a_lease_serves_only_its_one_request() {
     let mock = keyed_mock();
     let mut edge =
         Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
-    let req = leased("p-1", &LeaseSpec::valid("lease-once"));
-    let mut replay = req.clone();
-    replay.run_id = "p-2".into();
-    assert_answered(&edge.tunnel(req).await, 200);
-    assert_rejected(&edge.tunnel(replay).await, "lease_replayed");
+    let req = leased(&mock, "p-1", &LeaseSpec::valid("lease-once"));
+    assert_answered(&edge.tunnel(req.clone()).await, 200);
+    assert_rejected(&edge.tunnel(req.clone()).await, "lease_replayed");
+    // A captured, not yet opened lease spent on other requests.
+    let fresh = leased(&mock, "p-2", &LeaseSpec::valid("lease-captured"));
+    let mut other_run = fresh.clone();
+    other_run.run_id = "p-3".into();
+    assert_rejected(&edge.tunnel(other_run).await, "lease_scope_mismatch");
+    let mut other_body = fresh.clone();
+    other_body.body = Bytes::from(format!(
+        r#"{{"model":"{TARGET}","stream":false,"max_tokens":4000,"messages":[{{"role":"user","content":"spend"}}]}}"#
+    ));
+    assert_rejected(&edge.tunnel(other_body).await, "lease_scope_mismatch");
+    let mut other_path = fresh.clone();
+    other_path.operation = "models".into();
+    other_path.method = "GET".into();
+    other_path.body = Bytes::new();
+    assert_rejected(&edge.tunnel(other_path).await, "lease_scope_mismatch");
+    let mut extra_header = fresh.clone();
+    extra_header.headers.push(pb::Header {
+        name: "openai-project".into(),
+        value: Bytes::from_static(b"proj_attacker"),
+    });
+    assert_rejected(&edge.tunnel(extra_header).await, "lease_scope_mismatch");
     assert_eq!(mock.admin_stats().await["chat_requests"], 1);
+    // The captured lease still serves the request it was issued for.
+    assert_answered(&edge.tunnel(fresh).await, 200);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 2);
+}
+
+// CONTRACT: C2, C5 — whoever speaks as the Edge can push a config that
+// points the adapter's base_url at another host; a genuine lease, issued
+// for the configured origin, then fails closed: the secret goes nowhere.
+#[monoio::test(timer_enabled = true)]
+async fn a_refresh_that_moves_base_url_makes_a_genuine_lease_fail_closed() {
+    let mock = keyed_mock();
+    // The host the secret would be sent to: it accepts anything and counts.
+    let attacker = Mock::start(Mock::handler(3, 0));
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
+    assert_answered(
+        &edge
+            .tunnel(leased(&mock, "b-1", &LeaseSpec::valid("lease-b-1")))
+            .await,
+        200,
+    );
+    // The genuine Edge issues the next lease for the configured origin…
+    let genuine = leased(&mock, "b-2", &LeaseSpec::valid("lease-b-2"));
+    // …and the link rewrites the adapter's base_url before it arrives.
+    let moved = payload_at(&mock, attacker.base_url(), true);
+    let answer = edge
+        .refresh(
+            "move",
+            pb::NodeConfigPayload {
+                revision: 2,
+                ..moved
+            },
+        )
+        .await;
+    assert_eq!(answer.status(), pb::RefreshStatus::Applied);
+    assert_rejected(&edge.tunnel(genuine).await, "lease_scope_mismatch");
+    let attacker_stats = attacker.admin_stats().await;
+    assert_eq!(attacker_stats["chat_requests"], 0);
+    // Only our own stats request reached the attacker's host.
+    assert_eq!(attacker_stats["connections_accepted"], 1);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 1);
+}
+
+// CONTRACT: C3 — a revocation in the Edge's config reaches the Node, which
+// refuses a lease of that revision itself (a lease issued before the
+// revocation, still within its lifetime); other revisions still open.
+#[monoio::test(timer_enabled = true)]
+async fn a_revoked_revision_is_refused_by_the_node() {
+    let mock = keyed_mock();
+    let mut edge =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
+    let before_revocation = leased(&mock, "v-1", &LeaseSpec::valid("lease-v-1"));
+    let revoked = pb::NodeConfigPayload {
+        revision: 2,
+        revoked_credentials: vec![pb::RevokedCredential {
+            slot: "mock-key".into(),
+            revisions: vec![1],
+        }],
+        ..payload(&mock, true)
+    };
+    let answer = edge.refresh("revoke", revoked).await;
+    assert_eq!(answer.status(), pb::RefreshStatus::Applied);
+    let frames = edge.tunnel(before_revocation).await;
+    assert_rejected(&frames, "lease_invalid");
+    assert_eq!(frames[0].error, "credential revision 1 is revoked");
+    // A lease of the next revision is served.
+    let req = tunnel("v-2");
+    let mut next = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &req);
+    next.credential_revision = 2;
+    let lease = issue(&LeaseSpec::valid("lease-v-2"), &next);
+    assert_answered(&edge.tunnel(with_lease(req, lease, next)).await, 200);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 1);
+}
+
+// CONTRACT: C2 — a flood of opened leases (a client sending fast requests)
+// only slides the session's replay window: with a window of 64 leases and
+// room for one session's window only, 300 leases later a fresh lease still
+// opens.
+#[monoio::test(timer_enabled = true)]
+async fn a_lease_flood_cannot_make_a_fresh_lease_fail() {
+    let mock = keyed_mock();
+    let started = iop_engine::clock::unix_ms() - 60_000;
+    let credentials =
+        NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), SKEW_MS)
+            .with_replay_guard(ReplayGuard::with_limits(started, 64, 1));
+    let mut edge = Edge::start_with_credentials(payload(&mock, true), Some(credentials)).await;
+    for i in 0..300 {
+        let req = leased(&mock, &format!("f-{i}"), &LeaseSpec::valid("lease-flood"));
+        assert_answered(&edge.tunnel(req).await, 200);
+    }
+    let fresh = leased(&mock, "f-fresh", &LeaseSpec::valid("lease-fresh"));
+    assert_answered(&edge.tunnel(fresh).await, 200);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 301);
+}
+
+// CONTRACT: C2 — replay state does not survive a Node restart, so a lease
+// issued before the restart (beyond the clock skew) is refused after it,
+// even though the new process never saw it opened; no provider call.
+#[monoio::test(timer_enabled = true)]
+async fn a_lease_from_before_a_restart_is_refused_after_it() {
+    let mock = keyed_mock();
+    let issued_early = LeaseSpec {
+        not_before_offset_ms: -(i64::from(SKEW_MS) + 2_000),
+        ..LeaseSpec::valid("lease-before-restart")
+    };
+    let captured = leased(&mock, "x-1", &issued_early);
+    let mut before =
+        Edge::start_with_credentials(payload(&mock, true), Some(node_credentials())).await;
+    assert_answered(&before.tunnel(captured.clone()).await, 200);
+    drop(before);
+    // The restarted node: a fresh credential plane whose replay state
+    // starts now.
+    let restarted =
+        NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), SKEW_MS);
+    let mut after = Edge::start_with_credentials(payload(&mock, true), Some(restarted)).await;
+    assert_rejected(&after.tunnel(captured).await, "lease_replayed");
+    // A lease issued after the restart is served.
+    let fresh = leased(&mock, "x-2", &LeaseSpec::valid("lease-after-restart"));
+    assert_answered(&after.tunnel(fresh).await, 200);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 2);
 }
 
 // CONTRACT: C3 — without its own credential plane a node told by the Edge
@@ -240,20 +407,20 @@ async fn replayed_lease_is_rejected() {
 async fn nodes_without_a_recipient_key() {
     let mock = keyed_mock();
     let mut required = Edge::start(payload(&mock, true)).await;
-    assert_rejected(&required.tunnel(tunnel("n-1", None)).await, "lease_missing");
+    assert_rejected(&required.tunnel(tunnel("n-1")).await, "lease_missing");
     assert_rejected(
         &required
-            .tunnel(leased("n-2", &LeaseSpec::valid("lease-n-2")))
+            .tunnel(leased(&mock, "n-2", &LeaseSpec::valid("lease-n-2")))
             .await,
         "lease_invalid",
     );
     let mut legacy = Edge::start(payload(&mock, false)).await;
     assert_rejected(
         &legacy
-            .tunnel(leased("n-3", &LeaseSpec::valid("lease-n-3")))
+            .tunnel(leased(&mock, "n-3", &LeaseSpec::valid("lease-n-3")))
             .await,
         "lease_invalid",
     );
     assert_eq!(mock.admin_stats().await["chat_requests"], 0);
-    assert_answered(&legacy.tunnel(tunnel("n-4", None)).await, 401);
+    assert_answered(&legacy.tunnel(tunnel("n-4")).await, 401);
 }

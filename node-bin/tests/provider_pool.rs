@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{
-    chat_tunnel, lease_binding, node_config, ollama_adapter, openai_adapter, openai_profile,
-    recipient, Edge, Mock, SAFETY, TARGET,
+    chat_tunnel, lease_binding, next_sequence, node_config, ollama_adapter, openai_adapter,
+    openai_profile, recipient, Edge, Mock, SAFETY, TARGET,
 };
 use ed25519_dalek::SigningKey;
 use iop_wire::lease::{self, IssueParams, LeaseEntropy};
@@ -318,14 +318,16 @@ fn issuer() -> SigningKey {
     SigningKey::from_bytes(&ISSUER_SEED)
 }
 
-/// A tunnel carrying a fresh lease `lease_id` for [`SECRET`].
-fn leased(run_id: &str, lease_id: &str) -> pb::ProviderTunnelRequest {
+/// A tunnel carrying a fresh lease `lease_id` for [`SECRET`] to `mock`.
+fn leased(mock: &Mock, run_id: &str, lease_id: &str) -> pb::ProviderTunnelRequest {
     let to = recipient(RECIPIENT_SEED);
-    let binding = lease_binding(to.key_id());
+    let mut tunnel = tunnel(run_id, None, 0);
+    let binding = lease_binding(to.key_id(), &mock.origin(), &tunnel);
     let not_before = iop_engine::clock::unix_ms();
     let lease = lease::issue(
         &IssueParams {
             lease_id,
+            sequence: next_sequence(),
             binding: &binding,
             secret: SECRET.as_bytes(),
             header_name: "Authorization",
@@ -335,14 +337,12 @@ fn leased(run_id: &str, lease_id: &str) -> pb::ProviderTunnelRequest {
         },
         &issuer(),
         &to.public_key(),
-        LeaseEntropy::from_bytes([5; 32], [6; 12]),
+        LeaseEntropy::from_seed([5; 32]),
     )
     .expect("issue");
-    pb::ProviderTunnelRequest {
-        credential_lease: Some(lease),
-        credential_binding: Some(binding),
-        ..tunnel(run_id, None, 0)
-    }
+    tunnel.credential_lease = Some(lease);
+    tunnel.credential_binding = Some(binding);
+    tunnel
 }
 
 // CONTRACT: C2, C5 — the stale retry carries the lease's header again (the
@@ -358,12 +358,12 @@ async fn stale_retry_resends_the_credential_header_without_reopening_the_lease()
         NodeCredentials::new(recipient(RECIPIENT_SEED), issuer().verifying_key(), 5_000);
     let mut edge =
         Edge::start_with_credentials(payload(&mock, true, true), Some(credentials)).await;
-    assert_streamed(&edge.tunnel(leased("l-1", "lease-l-1")).await, 3);
+    assert_streamed(&edge.tunnel(leased(&mock, "l-1", "lease-l-1")).await, 3);
     eventually("the provider closed the idle connection", || {
         mock.counters().connections_open == 0
     })
     .await;
-    let frames = edge.tunnel(leased("l-2", "lease-l-2")).await;
+    let frames = edge.tunnel(leased(&mock, "l-2", "lease-l-2")).await;
     assert_streamed(&frames, 3);
     assert!(frames
         .iter()

@@ -31,7 +31,7 @@ fn payload(mock: &Mock, health_path: &str, capacity: u32) -> pb::NodeConfigPaylo
     )
 }
 
-/// This file's commands, refreshes and the gate's in-flight count.
+/// This file's commands and the gate's in-flight count.
 impl Edge {
     async fn command(&mut self, command: pb::NodeCommandRequest) -> pb::NodeCommandResponse {
         let id = command.command_id.clone();
@@ -42,23 +42,6 @@ impl Edge {
                 r
             }
             other => panic!("expected a command response, got {other:?}"),
-        }
-    }
-
-    async fn refresh(
-        &mut self,
-        id: &str,
-        config: pb::NodeConfigPayload,
-    ) -> pb::NodeConfigRefreshResponse {
-        self.send(Body::NodeConfigRefreshRequest(
-            pb::NodeConfigRefreshRequest {
-                refresh_id: id.into(),
-                config: Some(config),
-            },
-        ));
-        match self.recv().await.body {
-            Some(Body::NodeConfigRefreshResponse(r)) => r,
-            other => panic!("expected a refresh response, got {other:?}"),
         }
     }
 

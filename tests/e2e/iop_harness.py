@@ -134,13 +134,17 @@ class Cluster:
         # multi-core layout, Control and the Node session on core 0).
         self.cores = cores
         # credentials: enable the credential plane (C1-C5): a dict with
-        # "secret" (the provider API key, written to a 0600 secret file) and
-        # optional "header", "format" and "slot_extra" (extra TOML lines of
-        # the slot). Every node gets a recipient key and its "mock-1"
+        # "secret" (the provider API key, written to a 0600 secret file, or
+        # with "secret_env": NAME given to the Edge in that environment
+        # variable instead) and optional "header", "format" and "slot_extra"
+        # (extra TOML lines of the slot). Every node gets a recipient key and its "mock-1"
         # provider is served by slot "mock-key". client_keys: {principal:
         # key}; requests then need `Authorization: Bearer <key>` (the
         # harness's own /status calls send the first key).
         self.credentials = credentials
+        self.edge_env = dict(edge_env or {})
+        if credentials is not None and "secret_env" in credentials:
+            self.edge_env[credentials["secret_env"]] = credentials["secret"]
         self.client_keys = dict(client_keys or {})
         self.recipient_key_path: dict[str, str] = {}
         self.provider_extra = list(provider_extra)
@@ -148,7 +152,6 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="iop-e2e-"))
         self.node_ids = list(node_ids)
         self.mock_args = list(mock_args)
-        self.edge_env = edge_env or {}
         self.node_env = node_env or {}
         self.provider_capacity = provider_capacity
         self.procs: list[Proc] = []
@@ -226,7 +229,8 @@ class Cluster:
                 'issuer_key = "keys/issuer.key"',
                 "[[credentials.slots]]",
                 'name = "mock-key"',
-                'secret_file = "secrets/provider"',
+                (f'secret_env = "{self.credentials["secret_env"]}"' if "secret_env" in self.credentials
+                 else 'secret_file = "secrets/provider"'),
                 f'header = "{self.credentials.get("header", "Authorization")}"',
                 f'format = "{self.credentials.get("format", "Bearer {secret}")}"',
                 "providers = [" + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",

@@ -9,6 +9,7 @@ CONTRACT: C1, C2, C3, C4, C5
 
 import json
 import urllib.request
+from pathlib import Path
 
 import anthropic
 import openai
@@ -138,3 +139,19 @@ def test_disabled_slot_is_refused_at_the_edge():
         assert cluster.mock_stats()["chat_requests"] == 0
         # The provider's lease was settled: nothing stays in flight.
         assert cluster.provider("node-a", "mock-1")["in_flight"] == 0
+
+
+def test_a_secret_from_the_environment_leaves_it():
+    # CONTRACT: C4 — a slot secret read from `secret_env` serves leases, and
+    # is then gone from the Edge's environment: not in /proc/<pid>/environ
+    # (which keeps the initial block even after unsetenv) and so not
+    # inherited by anything the Edge would start.
+    with managed_cluster(credentials={"secret": CANARY, "secret_env": "IOP_E2E_PROVIDER_KEY"}) as cluster:
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 200, body
+        environ = Path(f"/proc/{cluster.edge.popen.pid}/environ").read_bytes()
+        assert CANARY.encode() not in environ
+        assert b"IOP_E2E_PROVIDER_KEY=" not in environ
+        # The rest of the environment is intact.
+        assert b"RUST_LOG=" in environ
+        assert "could not wipe the secret" not in cluster.edge.log()

@@ -6,14 +6,30 @@
 //! key files.
 //!
 //! ```text
-//!  Edge (issuer, Ed25519)                        Node (recipient, X25519)
-//!  binding ──► binding_digest ─┐
-//!  ephemeral X25519 ⨯ recipient pub ─► shared ─► blake3 derive_key ─► AEAD key
-//!  secret ──ChaCha20-Poly1305(AAD = lease header)──► sealed_secret
+//!  Edge (issuer, Ed25519)                              Node (recipient, X25519)
+//!  request (method, path, headers, body) ─► request_digest ─┐
+//!  binding (who, which credential, where, which run) ◄──────┘ ─► binding_digest
+//!  HPKE base mode to the recipient key, info = binding digest:
+//!    secret ──ChaCha20-Poly1305(AAD = lease header)──► sealed_secret
 //!  Ed25519 over every lease field but `signature` ──► CredentialLease ──►
-//!                        open: structure → signature → digest → scope →
-//!                              recipient → time window → replay → decrypt
+//!                 open: structure → signature → digest → scope (node, target,
+//!                       origin, run, request, …) → recipient → node policy
+//!                       (revoked, pinned origins) → time window → replay
+//!                       window → HPKE open
 //! ```
+//!
+//! # What a lease is bound to
+//!
+//! The binding names who asked (`principal`, `route`), which credential
+//! (`slot`, `credential_revision`), where the secret goes (`selected_node`,
+//! `recipient`, `upstream_target`, `profile`, and `upstream_origin`, the
+//! provider origin the Edge resolved), and the one request it serves
+//! (`run_id` and the [`request_digest`] of the method, path, forwarded
+//! headers and body the Node sends). The Node recomputes each of those from
+//! the request in hand and from its own adapter, so configuration pushed
+//! over the link (a changed `base_url`, other profile paths) cannot send a
+//! genuine lease's secret anywhere else, and a captured lease cannot be
+//! spent on another request.
 //!
 //! # Canonical encodings
 //!
@@ -29,14 +45,33 @@
 //! where `tag` is the protobuf field number (0 for the domain string). The
 //! encoding is injective: every field is tagged and length-prefixed.
 //!
-//! - Binding digest: `blake3(enc("iop-lease-binding-v1", binding fields 1..=10))`.
+//! - Request digest: `blake3(enc("iop-lease-request-v2", 1 method, 2 path,
+//!   3 header count, (4 name, 5 value)…, 6 body))`.
+//! - Binding digest: `blake3(enc("iop-lease-binding-v2", binding fields
+//!   1..=13))`.
 //! - AEAD associated data ("lease header"):
-//!   `enc("iop-lease-header-v1", lease fields 1..=6, 8, 9, 10)` — every field
-//!   but `sealed_secret` and `signature`.
-//! - Signed message: `enc("iop-lease-signature-v1", lease fields 1..=10)`.
-//! - Seal key: `blake3::derive_key("iop credential lease v1 seal",
-//!   shared ‖ ephemeral pub ‖ recipient pub ‖ binding digest)`.
+//!   `enc("iop-lease-header-v2", lease fields 1..=5, 8, 9, 10, 12)` — every
+//!   field but `sealed_secret` and `signature`.
+//! - Signed message: `enc("iop-lease-signature-v2", lease fields 1..=5,
+//!   7..=10, 12)`.
+//! - Sealing: HPKE (RFC 9180) base mode with DHKEM(X25519, HKDF-SHA256),
+//!   HKDF-SHA256 and ChaCha20-Poly1305; `info = "iop credential lease v2" ‖
+//!   binding digest`. `ephemeral_public_key` is HPKE's `enc`,
+//!   `sealed_secret` the ciphertext followed by its tag. HPKE refuses a key
+//!   agreement whose result is all zero (a low-order point).
 //! - Key ids: lowercase hex of `blake3(public key bytes)` (64 chars).
+//!
+//! # Replay
+//!
+//! Every lease carries a `sequence`, strictly increasing per node and
+//! `projection_generation` in issue order. The Node's [`ReplayGuard`] keeps
+//! one sliding window of [`REPLAY_WINDOW_LEASES`] sequence numbers per
+//! projection (a bitmap, like IPsec's anti-replay window), so its memory is
+//! bounded by the number of Edge sessions whose leases are still valid —
+//! never by how many leases were issued. It refuses a sequence already
+//! opened or older than its window, a lease issued before the guard started
+//! (minus skew: replay state does not survive a restart), and reads time
+//! through a clock that never goes backwards.
 //!
 //! # Failure codes
 //!
@@ -44,34 +79,42 @@
 //! codes: `lease_missing`, `lease_invalid`, `lease_expired`, `lease_replayed`,
 //! `lease_scope_mismatch`. Both sides of the validity window (not yet valid,
 //! expired) map to `lease_expired`: either way the lease is outside its time
-//! window, usually a clock problem. A full replay cache maps to
-//! `lease_replayed`: the Node cannot record replay state, so it fails closed.
+//! window, usually a clock problem. Whatever the replay state cannot vouch
+//! for (opened before, older than the window, issued before start, no room
+//! for another window) maps to `lease_replayed`: the Node fails closed.
 //!
 //! # Secrets in memory
 //!
 //! Plaintext, derived keys, shared secrets and ephemeral secrets live in
-//! zeroize-on-drop containers; every type here that holds one has a redacted
-//! `Debug` and no `Display`/`Clone` (C4, C5).
+//! zeroize-on-drop containers (HPKE's own and ours); every type here that
+//! holds one has a redacted `Debug` and no `Display`/`Clone` (C4, C5).
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::convert::Infallible;
 use std::fmt;
 
 use bytes::Bytes;
-use chacha20poly1305::aead::AeadInOut;
-use chacha20poly1305::{ChaCha20Poly1305, Key, KeyInit, Nonce};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
+use hpke::aead::{AeadTag, ChaCha20Poly1305};
+use hpke::kdf::HkdfSha256;
+use hpke::kem::X25519HkdfSha256;
+use hpke::rand_core::{TryCryptoRng, TryRng};
+use hpke::{Deserializable, Kem as _, OpModeR, OpModeS, Serializable};
 use x25519_dalek::{PublicKey, StaticSecret};
 use zeroize::{Zeroize, ZeroizeOnDrop, Zeroizing};
 
-use crate::pb::{CredentialLease, CredentialLeaseBinding};
+use crate::pb::{CredentialLease, CredentialLeaseBinding, Header, RevokedCredential};
+
+type Kem = X25519HkdfSha256;
+type Kdf = HkdfSha256;
+type Aead = ChaCha20Poly1305;
 
 /// Length of a binding digest (blake3).
 pub const BINDING_DIGEST_BYTES: usize = 32;
-/// Length of an X25519 public key.
+/// Length of a request digest (blake3).
+pub const REQUEST_DIGEST_BYTES: usize = 32;
+/// Length of an X25519 public key (HPKE `enc`).
 pub const EPHEMERAL_PUBLIC_KEY_BYTES: usize = 32;
-/// Length of a ChaCha20-Poly1305 nonce.
-pub const NONCE_BYTES: usize = 12;
 /// Length of the Poly1305 tag appended to the sealed secret.
 pub const TAG_BYTES: usize = 16;
 /// Length of an Ed25519 signature.
@@ -89,16 +132,25 @@ pub const MAX_HEADER_FORMAT_BYTES: usize = 1024;
 /// Longest secret plaintext.
 pub const MAX_SECRET_BYTES: usize = 8192;
 /// Longest validity window (`expires_at − not_before`) a lease may have.
-/// Leases are short-lived; the cap also bounds how long a replay-cache entry
-/// is kept.
+/// Leases are short-lived; the cap also bounds how long a replay window is
+/// kept.
 pub const MAX_LEASE_LIFETIME_MS: i64 = 600_000;
 /// The placeholder in `header_format` replaced by the secret.
 pub const SECRET_PLACEHOLDER: &str = "{secret}";
+/// Sequence numbers one replay window remembers below the highest opened
+/// one: a lease may arrive that many leases late (reordered between the
+/// Edge's cores) and still open. 2 KiB of bitmap per window.
+pub const REPLAY_WINDOW_LEASES: u64 = 16_384;
+/// Replay windows (one per Edge session with valid leases) a
+/// [`ReplayGuard`] holds at most: 2 MiB of bitmaps with the default window.
+pub const REPLAY_MAX_WINDOWS: usize = 1024;
 
-const BINDING_DOMAIN: &str = "iop-lease-binding-v1";
-const HEADER_DOMAIN: &str = "iop-lease-header-v1";
-const SIGNATURE_DOMAIN: &str = "iop-lease-signature-v1";
-const SEAL_CONTEXT: &str = "iop credential lease v1 seal";
+const BINDING_DOMAIN: &str = "iop-lease-binding-v2";
+const REQUEST_DOMAIN: &str = "iop-lease-request-v2";
+const HEADER_DOMAIN: &str = "iop-lease-header-v2";
+const SIGNATURE_DOMAIN: &str = "iop-lease-signature-v2";
+const HPKE_INFO: &[u8] = b"iop credential lease v2";
+const ENTROPY_CONTEXT: &str = "iop credential lease v2 entropy";
 
 // ---------------------------------------------------------------------------
 // Errors
@@ -134,22 +186,42 @@ pub enum LeaseError {
         /// The binding field that differs.
         field: &'static str,
     },
+    /// The Node's configuration pins the lease's slot to other origins.
+    #[error("credential slot is not allowed to reach this origin on this node")]
+    OriginNotAllowed,
     /// The binding names another recipient key than this Node's.
     #[error("credential lease sealed for another recipient")]
     WrongRecipient,
+    /// The lease's credential revision is revoked for its slot.
+    #[error("credential revision {revision} is revoked")]
+    Revoked {
+        /// The revoked revision.
+        revision: u64,
+    },
     /// `now` is before `not_before − skew`.
     #[error("credential lease not yet valid")]
     NotYetValid,
     /// `now` is at or after `expires_at + skew`.
     #[error("credential lease expired")]
     Expired,
-    /// This lease id was already opened and has not expired.
+    /// The lease was issued before this Node's replay state began (its
+    /// start minus skew): it may have been opened before a restart.
+    #[error("credential lease issued before this node started")]
+    IssuedBeforeStart,
+    /// This lease's sequence number was already opened.
     #[error("credential lease replayed")]
     Replayed,
-    /// The replay cache is full of unexpired entries; fail closed.
-    #[error("credential lease replay cache full")]
-    ReplayCacheFull,
-    /// Key agreement or authenticated decryption failed.
+    /// This lease's sequence number is older than the replay window.
+    #[error("credential lease older than the replay window")]
+    SequenceTooOld,
+    /// Every replay window is in use by valid leases; fail closed.
+    #[error("credential lease replay state full")]
+    ReplayWindowsFull,
+    /// Key agreement gave no shared secret: the ephemeral key is a
+    /// low-order point.
+    #[error("credential lease key agreement failed (low-order ephemeral key)")]
+    NoSharedSecret,
+    /// Authenticated decryption failed.
     #[error("credential lease could not be decrypted")]
     Decrypt,
     /// The decrypted secret is not a valid header value (empty or contains
@@ -168,11 +240,16 @@ impl LeaseError {
             | Self::BadSignature
             | Self::DigestMismatch
             | Self::WrongRecipient
+            | Self::Revoked { .. }
+            | Self::NoSharedSecret
             | Self::Decrypt
             | Self::BadSecret => "lease_invalid",
             Self::NotYetValid | Self::Expired => "lease_expired",
-            Self::Replayed | Self::ReplayCacheFull => "lease_replayed",
-            Self::ScopeMismatch { .. } => "lease_scope_mismatch",
+            Self::IssuedBeforeStart
+            | Self::Replayed
+            | Self::SequenceTooOld
+            | Self::ReplayWindowsFull => "lease_replayed",
+            Self::ScopeMismatch { .. } | Self::OriginNotAllowed => "lease_scope_mismatch",
         }
     }
 }
@@ -190,7 +267,7 @@ pub enum IssueError {
     /// The recipient public key is a low-order point (no shared secret).
     #[error("recipient public key is not usable for key agreement")]
     NonContributory,
-    /// The AEAD refused to seal (plaintext too long for the cipher).
+    /// The AEAD refused to seal.
     #[error("credential lease sealing failed")]
     Seal,
 }
@@ -209,9 +286,10 @@ pub fn encode_hex(bytes: &[u8]) -> String {
     out
 }
 
-/// Decodes exactly `2 * N` hex digits (either case) into `N` bytes; `None` on
-/// any other input. Callers decoding secrets should zeroize the result.
-pub fn decode_hex<const N: usize>(text: &str) -> Option<[u8; N]> {
+/// Decodes exactly `2 * N` hex digits (either case) into `out`; false (and
+/// `out` unspecified) on any other input. Decodes in place, so a secret
+/// never passes through a temporary array.
+pub fn decode_hex_into<const N: usize>(text: &str, out: &mut [u8; N]) -> bool {
     fn digit(c: u8) -> Option<u8> {
         match c {
             b'0'..=b'9' => Some(c - b'0'),
@@ -222,13 +300,22 @@ pub fn decode_hex<const N: usize>(text: &str) -> Option<[u8; N]> {
     }
     let text = text.as_bytes();
     if text.len() != N * 2 {
-        return None;
+        return false;
     }
-    let mut out = [0u8; N];
     for (slot, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
-        *slot = (digit(pair[0])? << 4) | digit(pair[1])?;
+        match (digit(pair[0]), digit(pair[1])) {
+            (Some(hi), Some(lo)) => *slot = (hi << 4) | lo,
+            _ => return false,
+        }
     }
-    Some(out)
+    true
+}
+
+/// Decodes exactly `2 * N` hex digits (either case) into `N` bytes; `None` on
+/// any other input. For secrets use [`decode_hex_into`].
+pub fn decode_hex<const N: usize>(text: &str) -> Option<[u8; N]> {
+    let mut out = [0u8; N];
+    decode_hex_into(text, &mut out).then_some(out)
 }
 
 /// Key id of a Node's X25519 recipient key: lowercase hex blake3 of the public
@@ -245,21 +332,35 @@ pub fn issuer_key_id(verifying_key: &VerifyingKey) -> String {
 
 /// A Node's X25519 recipient key pair with its key id, computed once.
 pub struct RecipientKey {
-    secret: StaticSecret,
+    secret: <Kem as hpke::Kem>::PrivateKey,
     public: PublicKey,
     key_id: String,
 }
 
 impl RecipientKey {
-    /// Wraps a static secret (zeroized when this value drops).
-    pub fn from_secret(secret: StaticSecret) -> Self {
-        let public = PublicKey::from(&secret);
+    /// The key whose (X25519, clamped on use) secret scalar is `secret`;
+    /// the caller keeps and wipes its bytes.
+    pub fn from_bytes(secret: &[u8; 32]) -> Self {
+        // A 32-byte input always deserializes: HPKE clamps it like X25519.
+        let secret = match <Kem as hpke::Kem>::PrivateKey::from_bytes(secret) {
+            Ok(secret) => secret,
+            Err(_) => unreachable!("an X25519 private key is any 32 bytes"),
+        };
+        let public_bytes = Kem::sk_to_pk(&secret).to_bytes();
+        let mut public = [0u8; 32];
+        public.copy_from_slice(&public_bytes);
+        let public = PublicKey::from(public);
         let key_id = recipient_key_id(&public);
         Self {
             secret,
             public,
             key_id,
         }
+    }
+
+    /// Wraps a static secret (both copies are zeroized on drop).
+    pub fn from_secret(secret: StaticSecret) -> Self {
+        Self::from_bytes(secret.as_bytes())
     }
 
     /// The public half, published to the Edge.
@@ -282,22 +383,34 @@ impl fmt::Debug for RecipientKey {
     }
 }
 
-/// Per-lease randomness: the ephemeral X25519 secret and the AEAD nonce.
+/// Per-lease randomness: a 32-byte seed from which HPKE draws its ephemeral
+/// key (through a blake3 stream, so any amount HPKE asks for is covered).
 /// Zeroized on drop. Fill it from a CSPRNG (`iop_engine::keys::lease_entropy`);
 /// fixed bytes are for tests only.
 #[derive(Zeroize, ZeroizeOnDrop)]
 pub struct LeaseEntropy {
-    ephemeral_secret: [u8; 32],
-    nonce: [u8; NONCE_BYTES],
+    seed: [u8; 32],
 }
 
 impl LeaseEntropy {
     /// Wraps caller-supplied random bytes.
-    pub fn from_bytes(ephemeral_secret: [u8; 32], nonce: [u8; NONCE_BYTES]) -> Self {
-        Self {
-            ephemeral_secret,
-            nonce,
-        }
+    pub fn from_seed(seed: [u8; 32]) -> Self {
+        Self { seed }
+    }
+
+    /// Lets `fill` write the seed in place (no copy of it is left behind).
+    pub fn fill<E>(fill: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<Self, E> {
+        let mut entropy = Self { seed: [0; 32] };
+        fill(&mut entropy.seed)?;
+        Ok(entropy)
+    }
+
+    fn rng(&self) -> EntropyRng {
+        let mut hasher = blake3::Hasher::new_derive_key(ENTROPY_CONTEXT);
+        hasher.update(&self.seed);
+        let stream = hasher.finalize_xof();
+        hasher.zeroize();
+        EntropyRng(stream)
     }
 }
 
@@ -307,51 +420,145 @@ impl fmt::Debug for LeaseEntropy {
     }
 }
 
+/// The random source HPKE draws from: the blake3 output stream of a
+/// [`LeaseEntropy`] seed. Wiped on drop.
+struct EntropyRng(blake3::OutputReader);
+
+impl TryRng for EntropyRng {
+    type Error = Infallible;
+
+    fn try_next_u32(&mut self) -> Result<u32, Infallible> {
+        let mut bytes = [0u8; 4];
+        self.0.fill(&mut bytes);
+        Ok(u32::from_le_bytes(bytes))
+    }
+
+    fn try_next_u64(&mut self) -> Result<u64, Infallible> {
+        let mut bytes = [0u8; 8];
+        self.0.fill(&mut bytes);
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    fn try_fill_bytes(&mut self, dst: &mut [u8]) -> Result<(), Infallible> {
+        self.0.fill(dst);
+        Ok(())
+    }
+}
+
+impl TryCryptoRng for EntropyRng {}
+
+impl Drop for EntropyRng {
+    fn drop(&mut self) {
+        self.0.zeroize();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Canonical encoding
 
-struct Canonical(Vec<u8>);
+/// Where a canonical encoding goes: a byte string (AAD, signed message) or
+/// straight into a hash (digests: a request body is never copied).
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
 
-impl Canonical {
-    fn new(domain: &str) -> Self {
-        let mut enc = Self(Vec::with_capacity(256));
-        enc.bytes(0, domain.as_bytes());
-        enc
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Sink for blake3::Hasher {
+    fn put(&mut self, bytes: &[u8]) {
+        self.update(bytes);
+    }
+}
+
+struct Canonical<S>(S);
+
+impl<S: Sink> Canonical<S> {
+    fn new(mut sink: S, domain: &str) -> Self {
+        field_bytes(&mut sink, 0, domain.as_bytes());
+        Self(sink)
     }
 
     fn bytes(&mut self, tag: u8, value: &[u8]) {
-        self.0.push(tag);
-        // usize → u64 is lossless on every supported target.
-        self.0
-            .extend_from_slice(&(value.len() as u64).to_be_bytes());
-        self.0.extend_from_slice(value);
+        field_bytes(&mut self.0, tag, value);
     }
 
     fn u64(&mut self, tag: u8, value: u64) {
-        self.0.push(tag);
-        self.0.extend_from_slice(&value.to_be_bytes());
+        self.0.put(&[tag]);
+        self.0.put(&value.to_be_bytes());
     }
 
     fn i64(&mut self, tag: u8, value: i64) {
-        self.0.push(tag);
-        self.0.extend_from_slice(&value.to_be_bytes());
+        self.0.put(&[tag]);
+        self.0.put(&value.to_be_bytes());
     }
+}
+
+fn field_bytes<S: Sink>(sink: &mut S, tag: u8, value: &[u8]) {
+    sink.put(&[tag]);
+    // usize → u64 is lossless on every supported target.
+    sink.put(&(value.len() as u64).to_be_bytes());
+    sink.put(value);
+}
+
+fn digest_of(domain: &str, fill: impl FnOnce(&mut Canonical<blake3::Hasher>)) -> [u8; 32] {
+    let mut enc = Canonical::new(blake3::Hasher::new(), domain);
+    fill(&mut enc);
+    *enc.0.finalize().as_bytes()
+}
+
+/// What the Node sends to the provider for one tunnel, as far as a lease is
+/// bound to it: the effective method, the request target (path and query,
+/// with the base URL's prefix), the forwarded headers exactly as the tunnel
+/// request lists them (before hop-by-hop filtering and injection), and the
+/// body.
+#[derive(Debug, Clone, Copy)]
+pub struct BoundRequest<'a> {
+    /// Method, e.g. `POST`.
+    pub method: &'a str,
+    /// Request target under the origin, e.g. `/v1/chat/completions`.
+    pub path: &'a str,
+    /// `ProviderTunnelRequest.headers`, in order.
+    pub headers: &'a [Header],
+    /// The body.
+    pub body: &'a [u8],
+}
+
+/// blake3 digest of the canonical encoding of `request` (see the module
+/// doc): `CredentialLeaseBinding.request_digest`.
+pub fn request_digest(request: &BoundRequest<'_>) -> [u8; REQUEST_DIGEST_BYTES] {
+    digest_of(REQUEST_DOMAIN, |enc| {
+        enc.bytes(1, request.method.as_bytes());
+        enc.bytes(2, request.path.as_bytes());
+        enc.u64(3, request.headers.len() as u64);
+        for header in request.headers {
+            enc.bytes(4, header.name.as_bytes());
+            enc.bytes(5, &header.value);
+        }
+        enc.bytes(6, request.body);
+    })
 }
 
 /// blake3 digest of the canonical encoding of `binding` (see the module doc).
 pub fn binding_digest(binding: &CredentialLeaseBinding) -> [u8; BINDING_DIGEST_BYTES] {
-    let mut enc = Canonical::new(BINDING_DOMAIN);
-    enc.bytes(1, binding.principal.as_bytes());
-    enc.bytes(2, binding.slot.as_bytes());
-    enc.bytes(3, binding.route.as_bytes());
-    enc.bytes(4, binding.profile.as_bytes());
-    enc.bytes(5, binding.upstream_target.as_bytes());
-    enc.bytes(6, binding.selected_node.as_bytes());
-    enc.bytes(7, binding.recipient.as_bytes());
-    enc.u64(8, binding.credential_revision);
-    enc.u64(9, binding.route_revision);
-    enc.u64(10, binding.projection_generation);
-    *blake3::hash(&enc.0).as_bytes()
+    digest_of(BINDING_DOMAIN, |enc| {
+        enc.bytes(1, binding.principal.as_bytes());
+        enc.bytes(2, binding.slot.as_bytes());
+        enc.bytes(3, binding.route.as_bytes());
+        enc.bytes(4, binding.profile.as_bytes());
+        enc.bytes(5, binding.upstream_target.as_bytes());
+        enc.bytes(6, binding.selected_node.as_bytes());
+        enc.bytes(7, binding.recipient.as_bytes());
+        enc.u64(8, binding.credential_revision);
+        enc.u64(9, binding.route_revision);
+        enc.u64(10, binding.projection_generation);
+        enc.bytes(11, binding.upstream_origin.as_bytes());
+        enc.bytes(12, binding.run_id.as_bytes());
+        enc.bytes(13, &binding.request_digest);
+    })
 }
 
 /// The upstream target string both sides put in / expect from
@@ -360,45 +567,53 @@ pub fn upstream_target(adapter: &str, target: &str) -> String {
     format!("{adapter}/{target}")
 }
 
-fn lease_header(lease: &CredentialLease) -> Canonical {
-    let mut enc = Canonical::new(HEADER_DOMAIN);
-    put_header_fields(&mut enc, lease, false);
-    enc
+/// The canonical origin both sides put in / expect from
+/// `CredentialLeaseBinding.upstream_origin`: `http://{host}:{port}`, the
+/// port always written, an IPv6 host in brackets. `host` as resolved from
+/// the base URL (lowercase).
+pub fn upstream_origin(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    }
 }
 
-fn signed_message(lease: &CredentialLease) -> Canonical {
-    let mut enc = Canonical::new(SIGNATURE_DOMAIN);
-    put_header_fields(&mut enc, lease, true);
-    enc
+fn lease_header(lease: &CredentialLease) -> Vec<u8> {
+    let mut enc = Canonical::new(Vec::with_capacity(512), HEADER_DOMAIN);
+    put_lease_fields(&mut enc, lease, false);
+    enc.0
 }
 
-fn put_header_fields(enc: &mut Canonical, lease: &CredentialLease, with_sealed: bool) {
+fn signed_message(lease: &CredentialLease) -> Vec<u8> {
+    let mut enc = Canonical::new(
+        Vec::with_capacity(512 + lease.sealed_secret.len()),
+        SIGNATURE_DOMAIN,
+    );
+    put_lease_fields(&mut enc, lease, true);
+    enc.0
+}
+
+fn put_lease_fields(enc: &mut Canonical<Vec<u8>>, lease: &CredentialLease, with_sealed: bool) {
     enc.bytes(1, lease.lease_id.as_bytes());
     enc.i64(2, lease.not_before_unix_ms);
     enc.i64(3, lease.expires_at_unix_ms);
     enc.bytes(4, &lease.binding_digest);
     enc.bytes(5, &lease.ephemeral_public_key);
-    enc.bytes(6, &lease.nonce);
     if with_sealed {
         enc.bytes(7, &lease.sealed_secret);
     }
     enc.bytes(8, lease.header_name.as_bytes());
     enc.bytes(9, lease.header_format.as_bytes());
     enc.bytes(10, lease.issuer_key_id.as_bytes());
+    enc.u64(12, lease.sequence);
 }
 
-fn seal_key(
-    shared: &[u8; 32],
-    ephemeral_public: &[u8; 32],
-    recipient_public: &[u8; 32],
-    digest: &[u8; BINDING_DIGEST_BYTES],
-) -> Zeroizing<[u8; 32]> {
-    let mut ikm = Zeroizing::new([0u8; 128]);
-    ikm[..32].copy_from_slice(shared);
-    ikm[32..64].copy_from_slice(ephemeral_public);
-    ikm[64..96].copy_from_slice(recipient_public);
-    ikm[96..].copy_from_slice(digest);
-    Zeroizing::new(blake3::derive_key(SEAL_CONTEXT, &ikm[..]))
+fn hpke_info(digest: &[u8; BINDING_DIGEST_BYTES]) -> [u8; HPKE_INFO.len() + BINDING_DIGEST_BYTES] {
+    let mut info = [0u8; HPKE_INFO.len() + BINDING_DIGEST_BYTES];
+    info[..HPKE_INFO.len()].copy_from_slice(HPKE_INFO);
+    info[HPKE_INFO.len()..].copy_from_slice(digest);
+    info
 }
 
 // ---------------------------------------------------------------------------
@@ -410,6 +625,10 @@ fn is_token_byte(b: u8) -> bool {
 
 fn is_header_value_byte(b: u8) -> bool {
     b == b'\t' || (b' '..=b'~').contains(&b)
+}
+
+fn is_visible_byte(b: u8) -> bool {
+    (b'!'..=b'~').contains(&b)
 }
 
 fn check_text(
@@ -458,6 +677,19 @@ fn check_binding(binding: &CredentialLeaseBinding) -> Result<(), &'static str> {
     )?;
     if binding.recipient.len() != KEY_ID_CHARS {
         return Err("binding.recipient");
+    }
+    check_text(
+        &binding.upstream_origin,
+        max,
+        "binding.upstream_origin",
+        is_visible_byte,
+    )?;
+    if !binding.upstream_origin.starts_with("http://") {
+        return Err("binding.upstream_origin");
+    }
+    check_text(&binding.run_id, max, "binding.run_id", is_visible_byte)?;
+    if binding.request_digest.len() != REQUEST_DIGEST_BYTES {
+        return Err("binding.request_digest");
     }
     Ok(())
 }
@@ -510,6 +742,9 @@ fn fixed<const N: usize>(bytes: &Bytes, field: &'static str) -> Result<[u8; N], 
 pub struct IssueParams<'a> {
     /// Unique lease id (HTTP token characters, at most [`MAX_LEASE_ID_BYTES`]).
     pub lease_id: &'a str,
+    /// Position in issue order for the binding's node and projection, from
+    /// 1 (the Node's replay window key).
+    pub sequence: u64,
     /// The exact binding; its `recipient` must be the recipient key's id.
     pub binding: &'a CredentialLeaseBinding,
     /// Provider credential plaintext (visible ASCII, space, tab).
@@ -529,6 +764,7 @@ impl fmt::Debug for IssueParams<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IssueParams")
             .field("lease_id", &self.lease_id)
+            .field("sequence", &self.sequence)
             .field("binding", self.binding)
             .field("secret", &"<redacted>")
             .field("header_name", &self.header_name)
@@ -552,6 +788,9 @@ pub fn issue(
 ) -> Result<CredentialLease, IssueError> {
     let invalid = |field| IssueError::Invalid { field };
     check_lease_text(params.lease_id, params.header_name, params.header_format).map_err(invalid)?;
+    if params.sequence == 0 {
+        return Err(invalid("sequence"));
+    }
     check_binding(params.binding).map_err(invalid)?;
     if params.binding.recipient != recipient_key_id(recipient) {
         return Err(invalid("binding.recipient"));
@@ -562,41 +801,40 @@ pub fn issue(
     }
 
     let digest = binding_digest(params.binding);
-    let ephemeral = StaticSecret::from(entropy.ephemeral_secret);
-    let ephemeral_public = PublicKey::from(&ephemeral);
-    let shared = ephemeral.diffie_hellman(recipient);
-    if !shared.was_contributory() {
-        return Err(IssueError::NonContributory);
-    }
-    let key = seal_key(
-        shared.as_bytes(),
-        ephemeral_public.as_bytes(),
-        recipient.as_bytes(),
-        &digest,
-    );
+    let recipient = <Kem as hpke::Kem>::PublicKey::from_bytes(recipient.as_bytes())
+        .map_err(|_| IssueError::NonContributory)?;
+    let mut rng = entropy.rng();
+    let (encapped, mut sealer) = hpke::setup_sender_with_rng::<Aead, Kdf, Kem>(
+        &OpModeS::Base,
+        &recipient,
+        &hpke_info(&digest),
+        &mut rng,
+    )
+    .map_err(|_| IssueError::NonContributory)?;
+    drop(rng);
 
     let mut lease = CredentialLease {
         lease_id: params.lease_id.to_owned(),
         not_before_unix_ms: params.not_before_unix_ms,
         expires_at_unix_ms: params.expires_at_unix_ms,
         binding_digest: Bytes::copy_from_slice(&digest),
-        ephemeral_public_key: Bytes::copy_from_slice(ephemeral_public.as_bytes()),
-        nonce: Bytes::copy_from_slice(&entropy.nonce),
+        ephemeral_public_key: Bytes::copy_from_slice(&encapped.to_bytes()),
         sealed_secret: Bytes::new(),
         header_name: params.header_name.to_owned(),
         header_format: params.header_format.to_owned(),
         issuer_key_id: issuer_key_id(&issuer.verifying_key()),
         signature: Bytes::new(),
+        sequence: params.sequence,
     };
 
-    let aad = lease_header(&lease);
-    let cipher = ChaCha20Poly1305::new(<&Key>::from(&*key));
-    let mut buffer = Vec::with_capacity(params.secret.len() + TAG_BYTES);
+    // Sealed in a wiping buffer sized once; only ciphertext leaves it.
+    let mut buffer = Zeroizing::new(Vec::with_capacity(params.secret.len() + TAG_BYTES));
     buffer.extend_from_slice(params.secret);
-    cipher
-        .encrypt_in_place(<&Nonce>::from(&entropy.nonce), &aad.0, &mut buffer)
+    let tag = sealer
+        .seal_inout_detached((&mut buffer[..]).into(), &lease_header(&lease))
         .map_err(|_| IssueError::Seal)?;
-    lease.sealed_secret = Bytes::from(buffer);
+    buffer.extend_from_slice(&tag.to_bytes());
+    lease.sealed_secret = Bytes::copy_from_slice(&buffer);
     sign(&mut lease, issuer);
     Ok(lease)
 }
@@ -605,7 +843,7 @@ pub fn issue(
 /// [`issue`] calls this; it is public so tests can build leases whose
 /// signature is valid but whose sealed content is not.
 pub fn sign(lease: &mut CredentialLease, issuer: &SigningKey) {
-    let signature = issuer.sign(&signed_message(lease).0);
+    let signature = issuer.sign(&signed_message(lease));
     lease.signature = Bytes::copy_from_slice(&signature.to_bytes());
 }
 
@@ -621,6 +859,12 @@ pub struct ExpectedScope<'a> {
     pub selected_node: &'a str,
     /// [`upstream_target`] of the request's adapter and target.
     pub upstream_target: &'a str,
+    /// [`upstream_origin`] of the adapter the request would go to.
+    pub upstream_origin: &'a str,
+    /// The tunnel's run id.
+    pub run_id: &'a str,
+    /// [`request_digest`] of what the Node would send.
+    pub request_digest: &'a [u8; REQUEST_DIGEST_BYTES],
     /// Protocol profile of the adapter, when known.
     pub profile: Option<&'a str>,
     /// Principal, when known.
@@ -637,7 +881,35 @@ pub struct ExpectedScope<'a> {
     pub projection_generation: Option<u64>,
 }
 
-impl ExpectedScope<'_> {
+impl<'a> ExpectedScope<'a> {
+    /// The scope a Node computes itself — its node id, and the target,
+    /// origin, run, request and profile of the call it is about to make —
+    /// with the Edge's own facts (principal, slot, route, revisions,
+    /// projection) left to the signature.
+    pub fn computed_by_node(
+        selected_node: &'a str,
+        upstream_target: &'a str,
+        upstream_origin: &'a str,
+        run_id: &'a str,
+        request_digest: &'a [u8; REQUEST_DIGEST_BYTES],
+        profile: Option<&'a str>,
+    ) -> Self {
+        Self {
+            selected_node,
+            upstream_target,
+            upstream_origin,
+            run_id,
+            request_digest,
+            profile,
+            principal: None,
+            slot: None,
+            route: None,
+            credential_revision: None,
+            route_revision: None,
+            projection_generation: None,
+        }
+    }
+
     fn check(&self, binding: &CredentialLeaseBinding) -> Result<(), LeaseError> {
         fn same<T: PartialEq + ?Sized>(
             expected: Option<&T>,
@@ -649,20 +921,31 @@ impl ExpectedScope<'_> {
                 _ => Ok(()),
             }
         }
-        same(self.principal, binding.principal.as_str(), "principal")?;
-        same(self.slot, binding.slot.as_str(), "slot")?;
-        same(self.route, binding.route.as_str(), "route")?;
-        same(self.profile, binding.profile.as_str(), "profile")?;
+        same(
+            Some(self.selected_node),
+            binding.selected_node.as_str(),
+            "selected_node",
+        )?;
         same(
             Some(self.upstream_target),
             binding.upstream_target.as_str(),
             "upstream_target",
         )?;
         same(
-            Some(self.selected_node),
-            binding.selected_node.as_str(),
-            "selected_node",
+            Some(self.upstream_origin),
+            binding.upstream_origin.as_str(),
+            "upstream_origin",
         )?;
+        same(Some(self.run_id), binding.run_id.as_str(), "run_id")?;
+        same(
+            Some(&self.request_digest[..]),
+            &binding.request_digest[..],
+            "request_digest",
+        )?;
+        same(self.profile, binding.profile.as_str(), "profile")?;
+        same(self.principal, binding.principal.as_str(), "principal")?;
+        same(self.slot, binding.slot.as_str(), "slot")?;
+        same(self.route, binding.route.as_str(), "route")?;
         same(
             self.credential_revision.as_ref(),
             &binding.credential_revision,
@@ -681,6 +964,44 @@ impl ExpectedScope<'_> {
     }
 }
 
+/// Origins a Node lets each credential slot's secret reach (`node.toml`
+/// `[credentials.allowed_origins]`): even a genuine, signed lease of a
+/// pinned slot opens only for a request to one of its origins. A slot
+/// without an entry is not pinned (the signed `upstream_origin` alone
+/// decides).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OriginPins {
+    by_slot: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl OriginPins {
+    /// No slot pinned.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Allows `slot` to reach `origin` (an [`upstream_origin`] string).
+    pub fn allow(&mut self, slot: impl Into<String>, origin: impl Into<String>) {
+        self.by_slot
+            .entry(slot.into())
+            .or_default()
+            .insert(origin.into());
+    }
+
+    /// True when `slot` may reach `origin`: it is not pinned, or `origin`
+    /// is one of its pins.
+    pub fn allows(&self, slot: &str, origin: &str) -> bool {
+        self.by_slot
+            .get(slot)
+            .is_none_or(|origins| origins.contains(origin))
+    }
+
+    /// True when no slot is pinned.
+    pub fn is_empty(&self) -> bool {
+        self.by_slot.is_empty()
+    }
+}
+
 /// Everything the Node brings to [`open`].
 #[derive(Debug)]
 pub struct OpenContext<'a> {
@@ -690,83 +1011,207 @@ pub struct OpenContext<'a> {
     pub issuer: &'a VerifyingKey,
     /// The binding this request must carry.
     pub scope: ExpectedScope<'a>,
-    /// Wall-clock now (Unix ms).
+    /// Revoked revisions per slot (`NodeConfigPayload.revoked_credentials`).
+    pub revoked: &'a [RevokedCredential],
+    /// The Node's own origin pins.
+    pub origin_pins: &'a OriginPins,
+    /// Wall-clock now (Unix ms); [`ReplayGuard`] keeps it from going back.
     pub now_unix_ms: i64,
     /// Tolerated clock difference to the Edge, applied to both window edges.
     pub clock_skew_ms: u32,
 }
 
-/// Lease ids already opened, each kept until its lease can no longer be
-/// accepted (`expires_at + skew`). Bounded: when full of unexpired entries,
-/// [`open`] fails closed with [`LeaseError::ReplayCacheFull`] instead of
-/// evicting (an evicted id could be replayed).
+/// One projection's anti-replay window: the highest sequence opened and a
+/// bitmap of the [`ReplayGuard::window_leases`] sequences at and below it.
 #[derive(Debug)]
-pub struct ReplayCache {
-    max_entries: usize,
-    keep_until_by_id: HashMap<Box<str>, i64>,
-    by_keep_until: BinaryHeap<Reverse<(i64, Box<str>)>>,
+struct SequenceWindow {
+    highest: u64,
+    seen: Box<[u64]>,
+    keep_until_unix_ms: i64,
 }
 
-impl ReplayCache {
-    /// An empty cache holding at most `max_entries` lease ids.
-    pub fn new(max_entries: usize) -> Self {
+impl SequenceWindow {
+    fn new(window_leases: u64) -> Self {
+        // window_leases is a multiple of 64 ≤ u32::MAX: the cast is exact.
+        let words = (window_leases / 64) as usize;
         Self {
-            max_entries,
-            keep_until_by_id: HashMap::new(),
-            by_keep_until: BinaryHeap::new(),
+            highest: 0,
+            seen: vec![0; words].into_boxed_slice(),
+            keep_until_unix_ms: i64::MIN,
         }
     }
 
-    /// Entries held now.
-    pub fn len(&self) -> usize {
-        self.keep_until_by_id.len()
+    fn window_leases(&self) -> u64 {
+        self.seen.len() as u64 * 64
     }
 
-    /// True when no entry is held.
-    pub fn is_empty(&self) -> bool {
-        self.keep_until_by_id.is_empty()
+    fn slot(&self, sequence: u64) -> (usize, u64) {
+        let index = sequence % self.window_leases();
+        // index < window_leases, which fits usize.
+        ((index / 64) as usize, 1 << (index % 64))
     }
 
-    /// Capacity given to [`ReplayCache::new`].
-    pub fn max_entries(&self) -> usize {
-        self.max_entries
-    }
-
-    /// True when `lease_id` was opened and its entry has not been pruned.
-    pub fn contains(&self, lease_id: &str) -> bool {
-        self.keep_until_by_id.contains_key(lease_id)
-    }
-
-    /// Drops entries whose lease can no longer be accepted at `now_unix_ms`
-    /// (kept-until ≤ now). Returns how many were dropped. [`open`] calls it.
-    pub fn prune(&mut self, now_unix_ms: i64) -> usize {
-        let mut dropped = 0;
-        while let Some(Reverse((keep_until_ms, _))) = self.by_keep_until.peek() {
-            if *keep_until_ms > now_unix_ms {
-                break;
-            }
-            if let Some(Reverse((_, id))) = self.by_keep_until.pop() {
-                self.keep_until_by_id.remove(&id);
-                dropped += 1;
-            }
+    fn check(&self, sequence: u64) -> Result<(), LeaseError> {
+        if sequence > self.highest {
+            return Ok(());
         }
-        dropped
-    }
-
-    fn check(&self, lease_id: &str) -> Result<(), LeaseError> {
-        if self.contains(lease_id) {
+        if self.highest - sequence >= self.window_leases() {
+            return Err(LeaseError::SequenceTooOld);
+        }
+        let (word, bit) = self.slot(sequence);
+        if self.seen[word] & bit != 0 {
             return Err(LeaseError::Replayed);
-        }
-        if self.len() >= self.max_entries {
-            return Err(LeaseError::ReplayCacheFull);
         }
         Ok(())
     }
 
-    fn insert(&mut self, lease_id: &str, keep_until_ms: i64) {
-        let id: Box<str> = lease_id.into();
-        self.keep_until_by_id.insert(id.clone(), keep_until_ms);
-        self.by_keep_until.push(Reverse((keep_until_ms, id)));
+    fn record(&mut self, sequence: u64, keep_until_unix_ms: i64) {
+        if sequence > self.highest {
+            let advance = sequence - self.highest;
+            if advance >= self.window_leases() {
+                self.seen.fill(0);
+            } else {
+                // The slots now covering highest+1..sequence held sequences
+                // that slid out of the window.
+                for skipped in self.highest + 1..sequence {
+                    let (word, bit) = self.slot(skipped);
+                    self.seen[word] &= !bit;
+                }
+            }
+            self.highest = sequence;
+        }
+        let (word, bit) = self.slot(sequence);
+        self.seen[word] |= bit;
+        self.keep_until_unix_ms = self.keep_until_unix_ms.max(keep_until_unix_ms);
+    }
+}
+
+/// The Node's replay state (C2): one sliding window of sequence numbers per
+/// `projection_generation`, each kept until every lease opened through it
+/// is past `expires_at + skew`. Bounded by construction:
+///
+/// - memory: at most `max_windows × window_leases / 8` bytes of bitmap
+///   (2 MiB with the defaults), whatever the issue rate — a flood of leases
+///   on one session slides one window, it does not fill anything;
+/// - windows: one per Edge session of this Node whose leases are still
+///   valid, at most about `(MAX_LEASE_LIFETIME_MS + 2 × skew) /
+///   reconnect interval`; past `max_windows` a lease of a *new* session is
+///   refused ([`LeaseError::ReplayWindowsFull`], fail closed; warn from
+///   [`ReplayGuard::is_near_full`]) and the sessions in use go on;
+/// - restart: a lease issued before `started_unix_ms − skew` is refused
+///   ([`LeaseError::IssuedBeforeStart`]): whatever was opened before a
+///   restart can no longer be replayed after it;
+/// - time: the guard's clock is the highest `now` it was ever given, so a
+///   wall clock stepped back neither re-admits nor un-expires anything.
+#[derive(Debug)]
+pub struct ReplayGuard {
+    started_unix_ms: i64,
+    clock_unix_ms: i64,
+    window_leases: u64,
+    max_windows: usize,
+    windows: HashMap<u64, SequenceWindow>,
+}
+
+impl ReplayGuard {
+    /// A guard that started at `started_unix_ms`, with
+    /// [`REPLAY_WINDOW_LEASES`] and [`REPLAY_MAX_WINDOWS`].
+    pub fn new(started_unix_ms: i64) -> Self {
+        Self::with_limits(started_unix_ms, REPLAY_WINDOW_LEASES, REPLAY_MAX_WINDOWS)
+    }
+
+    /// A guard with other bounds: `window_leases` is rounded up to a
+    /// multiple of 64 (at least 64, at most 2³²), `max_windows` at least 1.
+    pub fn with_limits(started_unix_ms: i64, window_leases: u64, max_windows: usize) -> Self {
+        let window_leases = window_leases.clamp(64, 1 << 32).div_ceil(64) * 64;
+        Self {
+            started_unix_ms,
+            clock_unix_ms: started_unix_ms,
+            window_leases,
+            max_windows: max_windows.max(1),
+            windows: HashMap::new(),
+        }
+    }
+
+    /// Windows held now.
+    pub fn windows(&self) -> usize {
+        self.windows.len()
+    }
+
+    /// Most windows held at once.
+    pub fn max_windows(&self) -> usize {
+        self.max_windows
+    }
+
+    /// Sequences one window remembers.
+    pub fn window_leases(&self) -> u64 {
+        self.window_leases
+    }
+
+    /// Upper bound of the bitmap memory, in bytes.
+    pub fn memory_bound_bytes(&self) -> u64 {
+        self.max_windows as u64 * (self.window_leases / 8)
+    }
+
+    /// True when three quarters or more of the windows are in use: time to
+    /// warn before new sessions are refused.
+    pub fn is_near_full(&self) -> bool {
+        self.windows.len() * 4 >= self.max_windows * 3
+    }
+
+    /// When the replay state began (Unix ms).
+    pub fn started_unix_ms(&self) -> i64 {
+        self.started_unix_ms
+    }
+
+    /// The guard's clock: the highest `now` it has been given.
+    pub fn clock_unix_ms(&self) -> i64 {
+        self.clock_unix_ms
+    }
+
+    /// Advances the guard's clock to `now_unix_ms` if that is later and
+    /// returns the clock: a reading behind it is read as the clock.
+    pub fn observe_clock(&mut self, now_unix_ms: i64) -> i64 {
+        self.clock_unix_ms = self.clock_unix_ms.max(now_unix_ms);
+        self.clock_unix_ms
+    }
+
+    /// True when `sequence` of `projection` was opened and its window is
+    /// still held.
+    pub fn contains(&self, projection: u64, sequence: u64) -> bool {
+        self.windows
+            .get(&projection)
+            .is_some_and(|w| w.check(sequence) == Err(LeaseError::Replayed))
+    }
+
+    /// Drops the windows whose every lease is past `expires_at + skew` on
+    /// the guard's clock (after observing `now_unix_ms`). Returns how many
+    /// were dropped. [`open`] calls it.
+    pub fn prune(&mut self, now_unix_ms: i64) -> usize {
+        let now = self.observe_clock(now_unix_ms);
+        let before = self.windows.len();
+        self.windows.retain(|_, w| w.keep_until_unix_ms > now);
+        before - self.windows.len()
+    }
+
+    /// Whether `sequence` of `projection` may be opened: not opened before,
+    /// within its window, and room for the window if it is new.
+    pub fn check(&self, projection: u64, sequence: u64) -> Result<(), LeaseError> {
+        match self.windows.get(&projection) {
+            Some(window) => window.check(sequence),
+            None if self.windows.len() >= self.max_windows => Err(LeaseError::ReplayWindowsFull),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `sequence` of `projection` as opened, its window kept at
+    /// least until `keep_until_unix_ms`. Call only after [`Self::check`]
+    /// passed ([`open`] does, once the lease decrypted).
+    pub fn record(&mut self, projection: u64, sequence: u64, keep_until_unix_ms: i64) {
+        let window_leases = self.window_leases;
+        self.windows
+            .entry(projection)
+            .or_insert_with(|| SequenceWindow::new(window_leases))
+            .record(sequence, keep_until_unix_ms);
     }
 }
 
@@ -837,21 +1282,30 @@ impl fmt::Debug for OpenedSecret {
     }
 }
 
+fn is_revoked(revoked: &[RevokedCredential], binding: &CredentialLeaseBinding) -> bool {
+    revoked
+        .iter()
+        .filter(|r| r.slot == binding.slot)
+        .any(|r| r.revisions.contains(&binding.credential_revision))
+}
+
 /// Verifies and opens a lease for the request the Node serves (C2, C3, C5).
 ///
 /// `lease` and `binding` are the request's optional fields; either absent is
 /// `lease_missing`. Checks run in this order, the first failure wins:
 /// structure → issuer key id and Ed25519 signature → binding digest → scope
-/// (every field in `ctx.scope`) → recipient key id → time window
-/// (`not_before − skew ≤ now < expires_at + skew`) → replay state → key
-/// agreement and decryption → secret is a valid header value. Only a lease
-/// that passes all of them is recorded in `replay` (kept until
-/// `expires_at + skew`), so a rejected lease never poisons the cache.
+/// (every field in `ctx.scope`) → recipient key id → revoked revision →
+/// pinned origins → time window on the guard's clock (`not_before − skew ≤
+/// now < expires_at + skew`) → issued after the guard started (minus skew)
+/// → replay window → HPKE key agreement and decryption → secret is a valid
+/// header value. Only a lease that passes all of them is recorded in
+/// `replay` (its window kept until `expires_at + skew`), so a rejected lease
+/// never poisons the replay state.
 pub fn open(
     lease: Option<&CredentialLease>,
     binding: Option<&CredentialLeaseBinding>,
     ctx: &OpenContext<'_>,
-    replay: &mut ReplayCache,
+    replay: &mut ReplayGuard,
 ) -> Result<OpenedSecret, LeaseError> {
     let lease = lease.ok_or(LeaseError::LeaseMissing)?;
     let binding = binding.ok_or(LeaseError::BindingMissing)?;
@@ -862,10 +1316,12 @@ pub fn open(
         .map_err(malformed)?;
     check_binding(binding).map_err(malformed)?;
     check_window(lease.not_before_unix_ms, lease.expires_at_unix_ms).map_err(malformed)?;
+    if lease.sequence == 0 {
+        return Err(malformed("sequence"));
+    }
     let digest: [u8; BINDING_DIGEST_BYTES] = fixed(&lease.binding_digest, "binding_digest")?;
     let ephemeral_public: [u8; EPHEMERAL_PUBLIC_KEY_BYTES] =
         fixed(&lease.ephemeral_public_key, "ephemeral_public_key")?;
-    let nonce: [u8; NONCE_BYTES] = fixed(&lease.nonce, "nonce")?;
     let signature: [u8; SIGNATURE_BYTES] = fixed(&lease.signature, "signature")?;
     let sealed_len = lease.sealed_secret.len();
     if sealed_len <= TAG_BYTES || sealed_len > MAX_SECRET_BYTES + TAG_BYTES {
@@ -877,7 +1333,7 @@ pub fn open(
         return Err(LeaseError::WrongIssuer);
     }
     ctx.issuer
-        .verify_strict(&signed_message(lease).0, &Signature::from_bytes(&signature))
+        .verify_strict(&signed_message(lease), &Signature::from_bytes(&signature))
         .map_err(|_| LeaseError::BadSignature)?;
 
     // Binding digest, scope, recipient.
@@ -889,44 +1345,58 @@ pub fn open(
         return Err(LeaseError::WrongRecipient);
     }
 
-    // Time window.
+    // The Node's own policy: revocations and origin pins.
+    if is_revoked(ctx.revoked, binding) {
+        return Err(LeaseError::Revoked {
+            revision: binding.credential_revision,
+        });
+    }
+    if !ctx
+        .origin_pins
+        .allows(&binding.slot, &binding.upstream_origin)
+    {
+        return Err(LeaseError::OriginNotAllowed);
+    }
+
+    // Time window, on a clock that never goes back.
+    let now = replay.observe_clock(ctx.now_unix_ms);
     let skew_ms = i64::from(ctx.clock_skew_ms);
-    if ctx.now_unix_ms < lease.not_before_unix_ms.saturating_sub(skew_ms) {
+    if now < lease.not_before_unix_ms.saturating_sub(skew_ms) {
         return Err(LeaseError::NotYetValid);
     }
     let keep_until_ms = lease.expires_at_unix_ms.saturating_add(skew_ms);
-    if ctx.now_unix_ms >= keep_until_ms {
+    if now >= keep_until_ms {
         return Err(LeaseError::Expired);
+    }
+    if lease.not_before_unix_ms < replay.started_unix_ms().saturating_sub(skew_ms) {
+        return Err(LeaseError::IssuedBeforeStart);
     }
 
     // Replay state.
-    replay.prune(ctx.now_unix_ms);
-    replay.check(&lease.lease_id)?;
+    replay.prune(now);
+    replay.check(binding.projection_generation, lease.sequence)?;
 
     // Decrypt.
-    let shared = ctx
-        .recipient
-        .secret
-        .diffie_hellman(&PublicKey::from(ephemeral_public));
-    if !shared.was_contributory() {
-        return Err(LeaseError::Decrypt);
-    }
-    let key = seal_key(
-        shared.as_bytes(),
-        &ephemeral_public,
-        ctx.recipient.public.as_bytes(),
-        &digest,
-    );
-    let cipher = ChaCha20Poly1305::new(<&Key>::from(&*key));
-    let mut secret = Zeroizing::new(lease.sealed_secret.to_vec());
-    cipher
-        .decrypt_in_place(<&Nonce>::from(&nonce), &lease_header(lease).0, &mut *secret)
+    let encapped = <Kem as hpke::Kem>::EncappedKey::from_bytes(&ephemeral_public)
+        .map_err(|_| malformed("ephemeral_public_key"))?;
+    let mut opener = hpke::setup_receiver::<Aead, Kdf, Kem>(
+        &OpModeR::Base,
+        &ctx.recipient.secret,
+        &encapped,
+        &hpke_info(&digest),
+    )
+    .map_err(|_| LeaseError::NoSharedSecret)?;
+    let (ciphertext, tag) = lease.sealed_secret.split_at(sealed_len - TAG_BYTES);
+    let tag = AeadTag::<Aead>::from_bytes(tag).map_err(|_| malformed("sealed_secret"))?;
+    let mut secret = Zeroizing::new(ciphertext.to_vec());
+    opener
+        .open_inout_detached((&mut secret[..]).into(), &lease_header(lease), &tag)
         .map_err(|_| LeaseError::Decrypt)?;
     if !check_secret(&secret) {
         return Err(LeaseError::BadSecret);
     }
 
-    replay.insert(&lease.lease_id, keep_until_ms);
+    replay.record(binding.projection_generation, lease.sequence, keep_until_ms);
     Ok(OpenedSecret {
         secret,
         header_name: lease.header_name.clone(),

@@ -18,10 +18,11 @@
 //! - [`checks`]: pure value checks the contract fixes (W1 stall timeout, S2
 //!   reconnect policy).
 //! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
-//!   sealing/signing at the Edge, verifying/opening at the Node, replay cache;
+//!   sealing/signing at the Edge, verifying/opening at the Node, replay window;
 //!   time and randomness are inputs.
 //! - [`flow`]: per-run flow control windows (charged bytes, absolute credit).
 //! - [`limits`]: transport constants (T4 heartbeat timers, frame size cap).
+//! - [`profile`]: protocol profile lookups both sides share (U3).
 //!
 //! Invariant: no function here panics on bytes from a peer; every decode error
 //! is typed.
@@ -33,6 +34,7 @@ pub mod codec;
 pub mod flow;
 pub mod lease;
 pub mod limits;
+pub mod profile;
 
 /// Generated protobuf types of package `iop.runtime` (X3: never edited).
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]

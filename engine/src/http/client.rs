@@ -37,12 +37,12 @@ use std::fmt;
 
 use bytes::{Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
-use zeroize::{Zeroize, Zeroizing};
+use zeroize::Zeroizing;
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
 use super::io::{read_pooled, write_parts, IoParts};
-use super::write::write_request_head;
+use super::write::{write_request_head, HeadLen, HeadSink};
 use super::{parse_response_head, BodyFraming, HttpError, Limits, ResponseHead};
 use crate::pool::{BufferPool, PoolStats};
 
@@ -214,13 +214,14 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
             }
         };
         let host = self.host.as_deref().filter(|_| !has_host);
-        let fields = host
-            .map(|h| ("host", h.as_bytes()))
-            .into_iter()
-            .chain(headers.iter().map(|(k, v)| (k.as_ref(), v.as_ref())));
-        let mut head = BytesMut::with_capacity(256);
-        write_request_head(&mut head, method, target, fields, framing, false)?;
-        let head = zeroizing_head(head);
+        let fields = || {
+            host.map(|h| ("host", h.as_bytes()))
+                .into_iter()
+                .chain(headers.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
+        };
+        let head = zeroizing_head(|sink| {
+            write_request_head(sink, method, target, fields(), framing, false)
+        })?;
         if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body])).await {
             self.mark_closed();
             return Err(e.into());
@@ -447,14 +448,26 @@ fn unparsed_tail(last_read: Bytes, mut head_buf: BytesMut) -> Bytes {
     }
 }
 
-/// Moves a request head into memory that is wiped when the write is done.
-/// Heads can carry an injected credential header (C2, C4); neither the
-/// scratch buffer nor the written copy outlives the write with the secret
-/// in it. The copy costs one small allocation per request.
-fn zeroizing_head(mut scratch: BytesMut) -> Bytes {
-    let owned = Zeroizing::new(scratch.to_vec());
-    scratch[..].zeroize();
-    Bytes::from_owner(owned)
+/// Writes a request head straight into memory that is wiped when the write
+/// is done: `write` runs once to measure the head ([`HeadLen`]) and once
+/// into a zeroizing buffer allocated at exactly that size, so the buffer
+/// never grows and no copy of the head (which can carry an injected
+/// credential header, C2, C4) is left in freed memory.
+fn zeroizing_head(
+    write: impl Fn(&mut dyn HeadSink) -> Result<(), HttpError>,
+) -> Result<Bytes, HttpError> {
+    let mut len = HeadLen::default();
+    write(&mut len)?;
+    let mut head = Zeroizing::new(Vec::with_capacity(len.0));
+    let capacity = head.capacity();
+    write(&mut *head)?;
+    debug_assert_eq!(
+        head.len(),
+        len.0,
+        "the measured head and the written head differ"
+    );
+    debug_assert_eq!(head.capacity(), capacity, "the head buffer grew");
+    Ok(Bytes::from_owner(head))
 }
 
 #[cfg(test)]
@@ -975,19 +988,54 @@ mod tests {
     }
 
     // CONTRACT: C4 — a request head (which may carry an injected credential
-    // header) is written from a copy held in wiping memory; the bytes on the
-    // wire are unchanged.
+    // header) is written once, into wiping memory sized up front: also a
+    // head far past the old 256-byte first buffer never grows (no copy of
+    // it is left in freed memory), and the bytes on the wire are exactly
+    // what the head writer produces.
     #[test]
-    fn heads_are_written_from_wiping_memory() {
-        let wire = b"POST /v1 HTTP/1.1\r\nauthorization: Bearer sk-x\r\n\r\n";
-        let mut scratch = BytesMut::new();
-        scratch.extend_from_slice(wire);
-        let head = zeroizing_head(scratch);
-        assert_eq!(&head[..], wire);
+    fn heads_are_written_once_into_wiping_memory_of_their_size() {
+        let secret = format!("Bearer sk-{}", "x".repeat(4096));
+        let headers = [
+            ("host", b"provider:8000".as_slice()),
+            ("authorization", secret.as_bytes()),
+        ];
+        let framing = BodyFraming::ContentLength { len_bytes: 123 };
+        let write = |sink: &mut dyn HeadSink| {
+            write_request_head(
+                sink,
+                "POST",
+                "/v1/chat/completions",
+                headers,
+                framing,
+                false,
+            )
+        };
+        let mut expected = BytesMut::new();
+        write(&mut expected).expect("valid head");
+        assert!(expected.len() > 4096);
+        let mut measured = HeadLen::default();
+        write(&mut measured).expect("valid head");
+        assert_eq!(measured.0, expected.len());
+        // The debug assertions in `zeroizing_head` check that the buffer
+        // neither grew nor differs from the measurement.
+        let head = zeroizing_head(write).expect("valid head");
+        assert_eq!(&head[..], &expected[..]);
         // Slices share the wiping owner; the memory is wiped when the last
         // one drops.
         let tail = head.slice(20..);
         drop(head);
-        assert_eq!(&tail[..], &wire[20..]);
+        assert_eq!(&tail[..], &expected[20..]);
+        // A refused header fails the head before anything is allocated.
+        assert!(matches!(
+            zeroizing_head(|sink| write_request_head(
+                sink,
+                "POST",
+                "/",
+                [("x-bad", b"a\r\nb".as_slice())],
+                framing,
+                false
+            )),
+            Err(HttpError::InvalidOutgoingHeader { .. })
+        ));
     }
 }

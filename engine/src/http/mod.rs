@@ -50,7 +50,7 @@ pub use sse::{parse_event, SseEvent, SseSplitter};
 pub use url::{Url, UrlError};
 pub use write::{
     canonical_reason, encode_chunk_header, is_hop_by_hop, write_request_head, write_response_head,
-    ChunkHeader, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
+    ChunkHeader, HeadLen, HeadSink, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
 };
 
 /// Caps every parser honours. One value per connection; the defaults suit

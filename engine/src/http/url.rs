@@ -135,6 +135,13 @@ impl Url {
         }
     }
 
+    /// `http://host:port` with the port always written (IPv6 in
+    /// brackets): the origin a credential lease is bound to
+    /// ([`iop_wire::lease::upstream_origin`]).
+    pub fn origin(&self) -> String {
+        iop_wire::lease::upstream_origin(&self.host, self.port)
+    }
+
     /// The request target for `path` under the prefix:
     /// `join("/v1/models")` on `http://h/api` is `/api/v1/models`.
     pub fn join(&self, path: &str) -> String {
@@ -176,6 +183,7 @@ mod tests {
         assert_eq!(url.join("/chat"), "/api/chat");
         assert_eq!(url.join("chat"), "/api/chat");
         assert_eq!(url.to_string(), "http://127.0.0.1:11434/api");
+        assert_eq!(url.origin(), "http://127.0.0.1:11434");
     }
 
     #[test]
@@ -186,10 +194,12 @@ mod tests {
             ("localhost", 80, "")
         );
         assert_eq!(url.authority(), "localhost");
+        assert_eq!(url.origin(), "http://localhost:80");
         assert_eq!(url.join("/v1/models"), "/v1/models");
         let url = Url::parse("http://[::1]:8000/v1").unwrap();
         assert_eq!((url.host(), url.port(), url.prefix()), ("::1", 8000, "/v1"));
         assert_eq!(url.authority(), "[::1]:8000");
+        assert_eq!(url.origin(), "http://[::1]:8000");
         assert_eq!(url.join("chat/completions"), "/v1/chat/completions");
     }
 

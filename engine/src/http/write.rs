@@ -2,8 +2,6 @@
 //! refusing names and values that would change the message's meaning on the
 //! wire (CR/LF injection).
 
-use std::fmt::Write as _;
-
 use bytes::BytesMut;
 
 use super::{BodyFraming, HttpError};
@@ -60,6 +58,57 @@ pub fn encode_chunk_header(data_len: usize) -> ChunkHeader {
     }
 }
 
+/// Where a head is written: a buffer, or [`HeadLen`], which only counts so
+/// a head can be sized before it is written (a request head that may carry
+/// a credential is written once into wiping memory of its exact size).
+pub trait HeadSink {
+    /// Appends `bytes`.
+    fn put(&mut self, bytes: &[u8]);
+    /// Bytes written so far.
+    fn written(&self) -> usize;
+    /// Drops everything after the first `len` bytes.
+    fn truncate_to(&mut self, len: usize);
+}
+
+/// [`HeadSink`] for the growable byte buffers (same method names on each).
+macro_rules! buffer_head_sink {
+    ($($buffer:ty),*) => {$(
+        impl HeadSink for $buffer {
+            fn put(&mut self, bytes: &[u8]) {
+                self.extend_from_slice(bytes);
+            }
+
+            fn written(&self) -> usize {
+                self.len()
+            }
+
+            fn truncate_to(&mut self, len: usize) {
+                self.truncate(len);
+            }
+        }
+    )*};
+}
+
+buffer_head_sink!(BytesMut, Vec<u8>);
+
+/// A [`HeadSink`] that only counts the bytes a head takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeadLen(pub usize);
+
+impl HeadSink for HeadLen {
+    fn put(&mut self, bytes: &[u8]) {
+        self.0 += bytes.len();
+    }
+
+    fn written(&self) -> usize {
+        self.0
+    }
+
+    fn truncate_to(&mut self, len: usize) {
+        self.0 = self.0.min(len);
+    }
+}
+
 /// Writes `HTTP/1.1 <status> <reason>\r\n`, the caller's headers, the
 /// framing header for `framing`, an optional `connection: close`, and the
 /// blank line.
@@ -85,19 +134,19 @@ where
         return Err(HttpError::InvalidStatus { status });
     }
     let start = dst.len();
-    dst.extend_from_slice(b"HTTP/1.1 ");
+    dst.put(b"HTTP/1.1 ");
     push_decimal(dst, u64::from(status));
-    dst.extend_from_slice(b" ");
-    dst.extend_from_slice(canonical_reason(status).as_bytes());
-    dst.extend_from_slice(b"\r\n");
+    dst.put(b" ");
+    dst.put(canonical_reason(status).as_bytes());
+    dst.put(b"\r\n");
     write_fields(dst, start, headers, framing, connection_close)
 }
 
 /// Writes `<method> <target> HTTP/1.1\r\n`, the caller's headers, the
 /// framing header for `framing` and the blank line. Same header rules as
 /// [`write_response_head`]; `connection_close` adds `connection: close`.
-pub fn write_request_head<I, K, V>(
-    dst: &mut BytesMut,
+pub fn write_request_head<D, I, K, V>(
+    dst: &mut D,
     method: &str,
     target: &str,
     headers: I,
@@ -105,6 +154,7 @@ pub fn write_request_head<I, K, V>(
     connection_close: bool,
 ) -> Result<(), HttpError>
 where
+    D: HeadSink + ?Sized,
     I: IntoIterator<Item = (K, V)>,
     K: AsRef<str>,
     V: AsRef<[u8]>,
@@ -113,25 +163,26 @@ where
     if !is_token(method.as_bytes()) || !target_ok {
         return Err(HttpError::InvalidRequestLine);
     }
-    let start = dst.len();
-    dst.extend_from_slice(method.as_bytes());
-    dst.extend_from_slice(b" ");
-    dst.extend_from_slice(target.as_bytes());
-    dst.extend_from_slice(b" HTTP/1.1\r\n");
+    let start = dst.written();
+    dst.put(method.as_bytes());
+    dst.put(b" ");
+    dst.put(target.as_bytes());
+    dst.put(b" HTTP/1.1\r\n");
     write_fields(dst, start, headers, framing, connection_close)
 }
 
 /// Writes the header fields and the blank line that follow a start line
 /// written from offset `start` of `dst`. On a refused header, `dst` is
 /// truncated back to `start`: nothing of the head stays written.
-fn write_fields<I, K, V>(
-    dst: &mut BytesMut,
+fn write_fields<D, I, K, V>(
+    dst: &mut D,
     start: usize,
     headers: I,
     framing: BodyFraming,
     connection_close: bool,
 ) -> Result<(), HttpError>
 where
+    D: HeadSink + ?Sized,
     I: IntoIterator<Item = (K, V)>,
     K: AsRef<str>,
     V: AsRef<[u8]>,
@@ -141,7 +192,7 @@ where
         let name = name.as_ref();
         let value = value.as_ref();
         if !is_token(name.as_bytes()) || !is_field_value(value) {
-            dst.truncate(start);
+            dst.truncate_to(start);
             return Err(HttpError::InvalidOutgoingHeader {
                 name: name.to_owned(),
             });
@@ -152,30 +203,41 @@ where
             continue;
         }
         caller_connection |= name.eq_ignore_ascii_case("connection");
-        dst.extend_from_slice(name.as_bytes());
-        dst.extend_from_slice(b": ");
-        dst.extend_from_slice(value);
-        dst.extend_from_slice(b"\r\n");
+        dst.put(name.as_bytes());
+        dst.put(b": ");
+        dst.put(value);
+        dst.put(b"\r\n");
     }
     match framing {
         BodyFraming::ContentLength { len_bytes } => {
-            dst.extend_from_slice(b"content-length: ");
+            dst.put(b"content-length: ");
             push_decimal(dst, len_bytes);
-            dst.extend_from_slice(b"\r\n");
+            dst.put(b"\r\n");
         }
-        BodyFraming::Chunked => dst.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        BodyFraming::Chunked => dst.put(b"transfer-encoding: chunked\r\n"),
         BodyFraming::None | BodyFraming::CloseDelimited => {}
     }
     if connection_close && !caller_connection {
-        dst.extend_from_slice(b"connection: close\r\n");
+        dst.put(b"connection: close\r\n");
     }
-    dst.extend_from_slice(b"\r\n");
+    dst.put(b"\r\n");
     Ok(())
 }
 
-fn push_decimal(dst: &mut BytesMut, n: u64) {
-    // Writing into a BytesMut cannot fail.
-    let _ = write!(dst, "{n}");
+fn push_decimal<D: HeadSink + ?Sized>(dst: &mut D, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        // n % 10 < 10: the cast is exact.
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    dst.put(&digits[at..]);
 }
 
 /// RFC 9110 `token` (method, header name).

@@ -182,13 +182,9 @@ impl Endpoint {
             }
             return Ok(self.base_url.join(fallback_path));
         }
-        let profile_path = self.profile.as_ref().map(|p| match operation {
-            "models" => Ok(&p.models_path),
-            "chat_completions" => Ok(&p.chat_completions_path),
-            "messages" => Ok(&p.messages_path),
-            "count_tokens" => Ok(&p.count_tokens_path),
-            "responses" => Ok(&p.responses_path),
-            other => Err(PathError::UnknownOperation(other.to_string())),
+        let profile_path = self.profile.as_ref().map(|p| {
+            p.operation_path(operation)
+                .ok_or_else(|| PathError::UnknownOperation(operation.to_string()))
         });
         match profile_path {
             Some(Ok(path)) if !path.is_empty() => Ok(self.base_url.join(path)),

@@ -398,20 +398,23 @@ impl Session {
         let Some(run) = self.register(&req.run_id, RunKind::Tunnel, req.flow_window_bytes) else {
             return;
         };
-        let (adapters, settings, leases_required) = {
+        let (adapters, settings, leases_required, revoked) = {
             let applied = self.applied.borrow();
             (
                 applied.adapters.clone(),
                 applied.settings,
                 applied.payload.credential_leases_required,
+                applied.payload.revoked_credentials.clone(),
             )
         };
-        // C3: managed by our own [credentials] or by the Edge's payload.
+        // C3: managed by our own [credentials] or by the Edge's payload,
+        // which also names the revoked credential revisions.
         let leases = LeaseGate::new(
             self.credentials.clone(),
             leases_required,
             self.node_id.as_str(),
-        );
+        )
+        .with_revoked(revoked);
         let session = self.clone();
         let active = self.core.run_started();
         monoio::spawn(async move {

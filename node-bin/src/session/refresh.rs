@@ -130,6 +130,7 @@ mod tests {
             adapters,
             revision,
             credential_leases_required: false,
+            revoked_credentials: Vec::new(),
         }
     }
 

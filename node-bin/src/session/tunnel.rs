@@ -12,7 +12,8 @@
 //! adapter, unresolvable operation, full gate, credential lease) is one
 //! `ERROR` terminal and opens no provider connection. The credential lease
 //! is opened after the gate admitted the request, right before the provider
-//! call (C2); its header lives only until the request head is written (on a
+//! call, for the adapter origin, path and method that call uses (C2); its
+//! header lives only until the request head is written (on a
 //! reused pooled connection: until the response head, so the one stale
 //! retry can resend it without opening the lease again). Body pieces are
 //! slices of the provider read buffer, forwarded as they arrive without
@@ -39,7 +40,7 @@ use crate::attempt::watchdog::{AttemptIdentity, RuntimeSettings, Watchdog, Watch
 use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
 use crate::calls::tunnel::TunnelCall;
 use crate::codes;
-use crate::credentials::LeaseGate;
+use crate::credentials::{LeaseGate, TunnelTarget};
 
 /// Serves one tunnel to its release: the terminal is sent and the provider
 /// call has returned. `stop` fires on `CancelRequest` or session end;
@@ -73,10 +74,22 @@ pub async fn serve(
     } = admitted;
     // --- credential lease (C2, C3) ---------------------------------------
     // Opened only now that the capacity gate admitted the request, right
-    // before the provider call; any failure drops the permit and sends one
-    // ERROR with the lease failure code, without touching the provider.
-    let profile = adapter.profile.as_ref().map(|p| p.name.as_str());
-    let credential = match leases.open(&req, profile, clock::unix_ms()) {
+    // before the provider call, for the origin, path and method that call
+    // uses; any failure drops the permit and sends one ERROR with the lease
+    // failure code, without touching the provider.
+    let method = if req.method.is_empty() {
+        "POST".to_string()
+    } else {
+        req.method.clone()
+    };
+    let origin = adapter.base_url.origin();
+    let target = TunnelTarget {
+        profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
+        origin: &origin,
+        path: &path,
+        method: &method,
+    };
+    let credential = match leases.open(&req, &target, clock::unix_ms()) {
         Ok(credential) => credential,
         Err(e) => {
             let code = e.failure_code();
@@ -105,11 +118,7 @@ pub async fn serve(
     };
     let call = TunnelCall {
         endpoint: adapter.endpoint.clone(),
-        method: if req.method.is_empty() {
-            "POST".to_string()
-        } else {
-            req.method.clone()
-        },
+        method,
         path,
         headers: req.headers,
         body: req.body,

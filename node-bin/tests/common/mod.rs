@@ -101,6 +101,11 @@ impl Mock {
         format!("http://{}", self.addr)
     }
 
+    /// The mock's origin, as a lease binds it.
+    pub fn origin(&self) -> String {
+        self.url().origin()
+    }
+
     /// The handler's counters, read in process (no connection).
     pub fn counters(&self) -> bench::mock::MockStats {
         self.provider.borrow().stats()
@@ -170,6 +175,7 @@ pub fn node_config(
         adapters,
         revision: 1,
         credential_leases_required,
+        revoked_credentials: Vec::new(),
     }
 }
 
@@ -244,9 +250,23 @@ pub fn recipient(seed: [u8; 32]) -> RecipientKey {
     RecipientKey::from_secret(StaticSecret::from(seed))
 }
 
-/// The binding of a lease for [`TARGET`] on adapter `mock` of
-/// [`NODE_ID`], sealed to `recipient_id`.
-pub fn lease_binding(recipient_id: &str) -> pb::CredentialLeaseBinding {
+/// The path [`chat_tunnel`] resolves to with [`openai_profile`].
+pub const CHAT_PATH: &str = "/v1/chat/completions";
+
+/// The binding of a lease for `tunnel` — a [`chat_tunnel`] for [`TARGET`]
+/// on adapter `mock` of [`NODE_ID`] — sealed to `recipient_id`, sending the
+/// secret to `origin` (the mock's [`Mock::origin`]).
+pub fn lease_binding(
+    recipient_id: &str,
+    origin: &str,
+    tunnel: &pb::ProviderTunnelRequest,
+) -> pb::CredentialLeaseBinding {
+    let digest = lease::request_digest(&lease::BoundRequest {
+        method: "POST",
+        path: CHAT_PATH,
+        headers: &tunnel.headers,
+        body: &tunnel.body,
+    });
     pb::CredentialLeaseBinding {
         principal: "team-a".into(),
         slot: "mock-key".into(),
@@ -258,6 +278,9 @@ pub fn lease_binding(recipient_id: &str) -> pb::CredentialLeaseBinding {
         credential_revision: 1,
         route_revision: 1,
         projection_generation: 1,
+        upstream_origin: origin.into(),
+        run_id: tunnel.run_id.clone(),
+        request_digest: Bytes::copy_from_slice(&digest),
     }
 }
 
@@ -286,6 +309,13 @@ pub fn normalized_events(body: &[u8]) -> Vec<serde_json::Value> {
             json
         })
         .collect()
+}
+
+/// A fresh lease sequence number: increasing within the test process, as
+/// the Edge numbers the leases of one node.
+pub fn next_sequence() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Whether `kind` ends a tunnel.
@@ -361,6 +391,24 @@ impl Edge {
             reason: String::new(),
         }));
         edge
+    }
+
+    /// Sends a config refresh and returns the Node's answer (K3).
+    pub async fn refresh(
+        &mut self,
+        id: &str,
+        config: pb::NodeConfigPayload,
+    ) -> pb::NodeConfigRefreshResponse {
+        self.send(Body::NodeConfigRefreshRequest(
+            pb::NodeConfigRefreshRequest {
+                refresh_id: id.into(),
+                config: Some(config),
+            },
+        ));
+        match self.recv().await.body {
+            Some(Body::NodeConfigRefreshResponse(r)) => r,
+            other => panic!("expected a refresh response, got {other:?}"),
+        }
     }
 
     /// Sends `body` on the control lane.
