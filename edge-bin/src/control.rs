@@ -220,6 +220,31 @@ pub struct Terminal {
     pub stall: Option<StallEvidence>,
 }
 
+/// Why a dispatched or queued request is cancelled (U6); dispatched ones
+/// carry it to the node as `CancelRequest.reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CancelReason {
+    /// The client closed its connection (or it broke) before the answer
+    /// ended.
+    ClientDisconnect,
+    /// The client's socket took no bytes for `client_write_stall_timeout_ms`.
+    ClientWriteStall,
+    /// The client drained slower than a node without flow control sent:
+    /// the run outgrew its window at the Edge.
+    ClientTooSlow,
+}
+
+impl CancelReason {
+    /// The wire reason.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CancelReason::ClientDisconnect => "client_disconnect",
+            CancelReason::ClientWriteStall => "client_write_stall",
+            CancelReason::ClientTooSlow => "client_too_slow",
+        }
+    }
+}
+
 /// An input to the state machine.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
@@ -254,10 +279,12 @@ pub enum Input {
         /// Whether it needs a long-context slot.
         long: bool,
     },
-    /// The client of `request` went away (U6).
+    /// The client of `request` went away or was cut off (U6).
     Cancel {
         /// The request.
         request: RequestId,
+        /// Why (the `CancelRequest.reason` the node gets).
+        reason: CancelReason,
     },
     /// The shell could not deliver a dispatched run to its node (the client
     /// left before it was sent, or the send failed): release the lease now;
@@ -376,12 +403,14 @@ pub enum Action {
     },
     /// A request won a lease: build and send its run.
     Dispatch(Dispatch),
-    /// Send `CancelRequest{run_id}` on `conn` (U6).
+    /// Send `CancelRequest{run_id, reason}` on `conn` (U6).
     SendCancel {
         /// The connection that runs it.
         conn: ConnId,
         /// The run.
         run_id: String,
+        /// Why.
+        reason: CancelReason,
     },
     /// Send a CAPABILITIES recovery probe on `conn` (H6).
     SendCommand {
@@ -617,7 +646,7 @@ impl Control {
                 model,
                 long,
             } => self.on_submit(now, request, model, long, out),
-            Input::Cancel { request } => self.on_cancel(now, request, out),
+            Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
@@ -918,7 +947,13 @@ impl Control {
         );
     }
 
-    fn on_cancel(&mut self, now: Instant, request: RequestId, out: &mut Vec<Action>) {
+    fn on_cancel(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        reason: CancelReason,
+        out: &mut Vec<Action>,
+    ) {
         let Some(p) = self.pending.get_mut(&request) else {
             return;
         };
@@ -942,6 +977,7 @@ impl Control {
                     out.push(Action::SendCancel {
                         conn: lease.conn,
                         run_id,
+                        reason,
                     });
                 }
             }

@@ -363,12 +363,14 @@ mod tests {
             1,
             Input::Cancel {
                 request: RequestId(1),
+                reason: crate::control::CancelReason::ClientDisconnect,
             },
         );
         outbox.input(
             1,
             Input::Cancel {
                 request: RequestId(2),
+                reason: crate::control::CancelReason::ClientDisconnect,
             },
         );
         outbox.send(1, ShardMsg::Lifecycle(Lifecycle::Shutdown));
@@ -376,6 +378,7 @@ mod tests {
             1,
             Input::Cancel {
                 request: RequestId(3),
+                reason: crate::control::CancelReason::ClientDisconnect,
             },
         );
         let runner = outbox.clone();

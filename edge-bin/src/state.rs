@@ -592,11 +592,15 @@ impl Edge {
                 }
             }
             Action::Dispatch(dispatch) => self.admit(dispatch),
-            Action::SendCancel { conn, run_id } => {
+            Action::SendCancel {
+                conn,
+                run_id,
+                reason,
+            } => {
                 if let Some(c) = self.conn(conn) {
                     let cancel = pb::CancelRequest {
                         run_id,
-                        reason: "client_disconnect".into(),
+                        reason: reason.as_str().into(),
                     };
                     let _ = c.send_control(frame(Body::CancelRequest(cancel)));
                 }

@@ -19,7 +19,7 @@ use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
-use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
@@ -386,10 +386,13 @@ where
             relay_run(edge, server, frames, id, &chat, admitted_at).await
         }
     };
-    if result.is_err() {
+    if let Err(e) = &result {
         // U6: the client is gone (or the response broke off); Control sends
         // the node a CancelRequest and settles the lease on its terminal.
-        edge.apply(Input::Cancel { request });
+        edge.apply(Input::Cancel {
+            request,
+            reason: cancel_reason(e),
+        });
     }
     result
 }
@@ -417,7 +420,10 @@ where
         Watched::PeerClosed => {
             match admission.try_recv() {
                 Ok(Admission::Dispatched { .. }) => edge.abandon(request),
-                _ => edge.apply(Input::Cancel { request }),
+                _ => edge.apply(Input::Cancel {
+                    request,
+                    reason: CancelReason::ClientDisconnect,
+                }),
             }
             return Ok(None);
         }
@@ -511,8 +517,11 @@ where
         return Ok(());
     }
     let result = relay(edge, server, route.surface, frames, admitted_at).await;
-    if result.is_err() {
-        edge.apply(Input::Cancel { request });
+    if let Err(e) = &result {
+        edge.apply(Input::Cancel {
+            request,
+            reason: cancel_reason(e),
+        });
     }
     result
 }
@@ -685,14 +694,27 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
 /// The message a client gets when its node disconnected mid-request.
 const NODE_LOST: &str = "the node serving this request disconnected";
 
-/// The error a relay ends with when its run was cut off because the client
-/// drained slower than its node sent ([`RouteEvent::Overflow`]): the
-/// response broke off, so the connection closes and the caller cancels the
-/// run (U6).
+/// A run cut off because its client drained slower than its node sent
+/// ([`RouteEvent::Overflow`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the run was cut off: the client drained slower than its node sent")]
+struct CutOff;
+
+/// The error a relay ends with when its run was cut off: the response broke
+/// off, so the connection closes and the caller cancels the run (U6) with
+/// [`CancelReason::ClientTooSlow`].
 fn cut_off() -> HttpError {
-    HttpError::Io(std::io::Error::other(
-        "the run was cut off: the client drained slower than its node sent",
-    ))
+    HttpError::Io(std::io::Error::other(CutOff))
+}
+
+/// Why a relay that failed with `e` cancels its run (U6).
+fn cancel_reason(e: &HttpError) -> CancelReason {
+    match e {
+        HttpError::Io(io) if io.get_ref().is_some_and(|inner| inner.is::<CutOff>()) => {
+            CancelReason::ClientTooSlow
+        }
+        _ => CancelReason::ClientDisconnect,
+    }
 }
 
 /// Code and message of an answer to a client whose run was cut off.

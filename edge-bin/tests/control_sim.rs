@@ -53,9 +53,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    Action, ConnId, Control, ControlSpec, Counters, Dispatch, DispatchKind, Event, Generation,
-    Handoff, Input, Lease, ModelSpec, NodeSpec, Outcome, ProviderKey, ProviderSpec, Rejection,
-    RequestId, StallEvidence, Terminal, Tunables,
+    Action, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch, DispatchKind, Event,
+    Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Outcome, ProviderKey, ProviderSpec,
+    Rejection, RequestId, StallEvidence, Terminal, Tunables,
 };
 use iop_wire::pb;
 
@@ -620,8 +620,8 @@ struct Expect {
     registry: Vec<RegAct>,
     /// Exactly these requests end, with these outcomes.
     done: Vec<(RequestId, Outcome)>,
-    /// Exactly these cancels are sent.
-    cancels: Vec<(ConnId, String)>,
+    /// Exactly these cancels are sent, each with its reason.
+    cancels: Vec<(ConnId, String, CancelReason)>,
     /// Exactly these stall handoffs (H3).
     handoffs: Vec<(RequestId, Handoff)>,
     /// Exactly these events (as a multiset).
@@ -1178,7 +1178,12 @@ impl<'w> Sim<'w> {
             _ => None,
         };
         let request = chosen.unwrap_or(RequestId(self.sh.next_request + 1000));
-        self.apply(Input::Cancel { request })
+        let reason = match self.rng.below(3) {
+            0 => CancelReason::ClientDisconnect,
+            1 => CancelReason::ClientWriteStall,
+            _ => CancelReason::ClientTooSlow,
+        };
+        self.apply(Input::Cancel { request, reason })
     }
 
     fn ended_request(&mut self) -> Option<RequestId> {
@@ -1884,23 +1889,24 @@ impl<'w> Sim<'w> {
                     }
                 }
             }
-            Input::Cancel { request } => match self.sh.active.get(request).map(|r| r.state.clone())
-            {
-                Some(SState::Queued { .. }) => ex.done.push((*request, Outcome::Cancelled)),
-                Some(SState::Dispatched { run_id }) => {
-                    let lease = self
-                        .sh
-                        .leases
-                        .get(&run_id)
-                        .ok_or_else(|| self.fail("shadow: dispatched without lease"))?;
-                    ex.cancels.push((lease.conn, run_id.clone()));
-                    let settle_at = self.now + self.world.tunables.cancel_settle;
-                    if let Some(r) = self.sh.active.get_mut(request) {
-                        r.state = SState::CancelPending { run_id, settle_at };
+            Input::Cancel { request, reason } => {
+                match self.sh.active.get(request).map(|r| r.state.clone()) {
+                    Some(SState::Queued { .. }) => ex.done.push((*request, Outcome::Cancelled)),
+                    Some(SState::Dispatched { run_id }) => {
+                        let lease = self
+                            .sh
+                            .leases
+                            .get(&run_id)
+                            .ok_or_else(|| self.fail("shadow: dispatched without lease"))?;
+                        ex.cancels.push((lease.conn, run_id.clone(), *reason));
+                        let settle_at = self.now + self.world.tunables.cancel_settle;
+                        if let Some(r) = self.sh.active.get_mut(request) {
+                            r.state = SState::CancelPending { run_id, settle_at };
+                        }
                     }
+                    Some(SState::CancelPending { .. }) | None => ex.unchanged = true,
                 }
-                Some(SState::CancelPending { .. }) | None => ex.unchanged = true,
-            },
+            }
             Input::Undeliverable { request } => {
                 match self.sh.active.get(request).map(|r| &r.state) {
                     Some(SState::Dispatched { .. } | SState::CancelPending { .. }) => {
@@ -2138,7 +2144,11 @@ impl<'w> Sim<'w> {
                     let p = self.world.prov_index(&d.lease.provider).unwrap_or(0);
                     dispatched.push((d.request, p, d.lease.long));
                 }
-                Action::SendCancel { conn, run_id } => cancels.push((*conn, run_id.clone())),
+                Action::SendCancel {
+                    conn,
+                    run_id,
+                    reason,
+                } => cancels.push((*conn, run_id.clone(), *reason)),
                 Action::SendCommand { conn, command } => {
                     let got = (*conn, command.adapter.clone());
                     let Some((c, adapter, p)) = ex.commands.get(commands.len()).cloned() else {

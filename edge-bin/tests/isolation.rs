@@ -392,6 +392,7 @@ async fn a_run_of_a_node_without_flow_control_is_cut_off_alone() {
         {
             let log = log.borrow();
             assert_eq!(log.cancels.len(), 1);
+            assert_eq!(log.cancels[0].1, "client_too_slow", "the cancel says why");
             assert_eq!(
                 log.granted,
                 vec![0],
