@@ -30,6 +30,7 @@
 
 pub mod compare;
 pub mod cores;
+pub mod isolation;
 pub mod load;
 pub mod mock;
 pub mod procstat;

@@ -21,6 +21,10 @@
 //!   requests (a server closing idle keep-alive connections).
 //!   `--token-bytes N`: pad each chat completion content token to N bytes
 //!   (body-heavy streams for throughput runs).
+//! - `bench isolation [--quick] [--never-readers K] ...`: what clients that
+//!   never read cost the other clients of one node connection (added
+//!   per-chunk latency with ÷ without, RSS per stuck run, cut-off times,
+//!   back-pressure); a table and `bench/results/isolation-*.json`.
 //! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
 //!   insert, cancel and expire at N timers; run it in release).
 //!
@@ -63,6 +67,7 @@ enum Command {
     Load(bench::load::cli::LoadArgs),
     Compare(bench::compare::cli::CompareArgs),
     Cores(bench::cores::cli::CoresArgs),
+    Isolation(bench::isolation::cli::IsolationArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -148,6 +153,7 @@ fn main() -> ExitCode {
         Command::Load(args) => bench::load::cli::main(args),
         Command::Compare(args) => bench::compare::cli::main(args),
         Command::Cores(args) => bench::cores::cli::main(args),
+        Command::Isolation(args) => bench::isolation::cli::main(args),
     }
 }
 

@@ -150,6 +150,23 @@ pub enum Delivery {
     Overrun(Overrun),
 }
 
+/// A frame about to wait in a route behind others (its client is behind):
+/// its body is copied out of the connection's read buffer, so a stuck
+/// client holds its window's bytes and no more. Decoded bodies are slices
+/// of the read buffer they arrived in (64 KiB chunks shared by every run of
+/// the connection); left as they are, a few frames of a client that does
+/// not read would pin whole chunks full of other runs' bytes. A frame its
+/// client takes at once (an empty route) keeps the zero-copy slice.
+fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent {
+    match event {
+        RouteEvent::Tunnel(mut tf) if !tf.body.is_empty() && !route.is_empty() => {
+            tf.body = bytes::Bytes::copy_from_slice(&tf.body);
+            RouteEvent::Tunnel(tf)
+        }
+        other => other,
+    }
+}
+
 /// Close reason of a node connection that sent beyond its credit.
 pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 
@@ -771,7 +788,7 @@ impl Edge {
         };
         let refused = match route.window.on_received(charge) {
             Err(overrun) => Some(overrun),
-            Ok(()) => match route.tx.try_send(event) {
+            Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
                 // A gone client: its frames have no reader (Control
                 // cancels the run).
                 Ok(()) | Err(mailbox::TrySendError::Closed(_)) => None,

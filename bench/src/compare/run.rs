@@ -231,6 +231,21 @@ pub(crate) fn spawn_relay(
     stop: &AtomicBool,
     others: &mut dyn FnMut() -> Result<(), CompareError>,
 ) -> Result<RelayPair, CompareError> {
+    let edge_config = edge_toml(names, mock_url);
+    spawn_relay_with(bin_dir, dir, names, &edge_config, cores, stop, others)
+}
+
+/// [`spawn_relay`] with `edge_config` as the Edge's `edge.toml` (its node
+/// must be `names.node_id`).
+pub(crate) fn spawn_relay_with(
+    bin_dir: &Path,
+    dir: &Path,
+    names: &ClusterNames,
+    edge_config: &str,
+    cores: (&str, &str),
+    stop: &AtomicBool,
+    others: &mut dyn FnMut() -> Result<(), CompareError>,
+) -> Result<RelayPair, CompareError> {
     let edge_bin = bin_dir.join("edge-bin");
     let node_bin = bin_dir.join("node-bin");
     check_binary(&edge_bin)?;
@@ -264,12 +279,12 @@ pub(crate) fn spawn_relay(
             cores.to_string(),
         ]
     };
-    let edge_config = dir.join("edge.toml");
-    write_file(&edge_config, &edge_toml(names, mock_url))?;
+    let edge_config_path = dir.join("edge.toml");
+    write_file(&edge_config_path, edge_config)?;
     let mut edge = ChildProc::spawn(
         "edge",
         &edge_bin,
-        &args(&edge_config, cores.0),
+        &args(&edge_config_path, cores.0),
         dir,
         true,
         stop,
