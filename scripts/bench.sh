@@ -16,6 +16,8 @@
 #                                    rounds; prints the ratio and writes
 #                                    bench/results/cores-<unix-ts>.json (about 2 minutes;
 #                                    --quick: about 30 s)
+#   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
+#                                    instead of building target/release
 #   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
 #                                    --cores-scaling; see `bench compare --help`)
 set -euo pipefail
@@ -25,21 +27,27 @@ quick=0
 peer_nginx=0
 cores_scaling=0
 extra=()
+bin_dir=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --bin-dir) shift; bin_dir=$(cd "${1:?--bin-dir needs a directory}" && pwd) ;;
     --quick) quick=1 ;;
     --peer-nginx) peer_nginx=1 ;;
     --cores-scaling) cores_scaling=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-echo "==> building release binaries"
-cargo build --release --workspace --bins --quiet
-bin=$PWD/target/release
+if [ -n "$bin_dir" ]; then
+  bin=$bin_dir
+else
+  echo "==> building release binaries"
+  cargo build --release --workspace --bins --quiet
+  bin=$PWD/target/release
+fi
 
 if [ "$cores_scaling" = 1 ]; then
   if [ "$peer_nginx" = 1 ]; then
