@@ -10,8 +10,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
 use serde_json::Value;
 
@@ -68,14 +66,7 @@ fn a_hundred_node_swarm_becomes_ready_and_serves_a_node_chosen_at_random() {
         "bench swarm failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
 
-    let path = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("JSON report: "))
-        .unwrap_or_else(|| panic!("no JSON path in\n{stdout}"));
-    let path = PathBuf::from(path);
-    assert_eq!(path.parent(), Some(out_dir.as_path()));
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("read report")).expect("JSON");
+    let report = printed_report(&stdout, &out_dir, "swarm");
     assert_eq!(report["schema"], "iop-bench-swarm/1");
     let ladder: Vec<u64> = report["options"]["ladder"]
         .as_array()

@@ -125,6 +125,27 @@ fn dispatched(out: &[Action]) -> Result<Lease, SelectionError> {
     }
 }
 
+/// A short request for `model`, its actions in `out` (cleared first).
+fn submit(
+    control: &mut Control,
+    now: Instant,
+    request: RequestId,
+    model: &str,
+    out: &mut Vec<Action>,
+) {
+    out.clear();
+    let model = model.to_string();
+    control.handle(
+        now,
+        Input::Submit {
+            request,
+            model,
+            long: false,
+        },
+        out,
+    );
+}
+
 fn terminal_of(lease: &Lease) -> Input {
     Input::Terminal(Terminal {
         conn: lease.conn,
@@ -156,17 +177,8 @@ pub fn measure(spec: SelectionSpec) -> Result<SelectionFigures, SelectionError> 
     // Admission with every candidate idle.
     let started = clock::monotonic_raw_ns();
     for i in 0..spec.iterations {
-        out.clear();
-        let model = models[i as usize % models.len()].clone();
-        control.handle(
-            at(i),
-            Input::Submit {
-                request: request(),
-                model,
-                long: false,
-            },
-            &mut out,
-        );
+        let model = &models[i as usize % models.len()];
+        submit(&mut control, at(i), request(), model, &mut out);
         let lease = dispatched(&out)?;
         out.clear();
         control.handle(at(i), terminal_of(&lease), &mut out);
@@ -197,30 +209,11 @@ pub fn measure(spec: SelectionSpec) -> Result<SelectionFigures, SelectionError> 
     let mut leases = VecDeque::with_capacity(full as usize);
     let t0 = at(spec.iterations);
     for _ in 0..full {
-        out.clear();
-        let id = request();
-        control.handle(
-            t0,
-            Input::Submit {
-                request: id,
-                model: model.clone(),
-                long: false,
-            },
-            &mut out,
-        );
+        submit(&mut control, t0, request(), &model, &mut out);
         leases.push_back(dispatched(&out)?);
     }
     for _ in 0..spec.queued {
-        out.clear();
-        control.handle(
-            t0,
-            Input::Submit {
-                request: request(),
-                model: model.clone(),
-                long: false,
-            },
-            &mut out,
-        );
+        submit(&mut control, t0, request(), &model, &mut out);
         if !out.is_empty() {
             return Err(SelectionError::Unexpected(format!(
                 "a submit to a full pool was not queued: {out:?}"
@@ -235,16 +228,7 @@ pub fn measure(spec: SelectionSpec) -> Result<SelectionFigures, SelectionError> 
         out.clear();
         control.handle(t0, terminal_of(&done), &mut out);
         leases.push_back(dispatched(&out)?);
-        out.clear();
-        control.handle(
-            t0,
-            Input::Submit {
-                request: request(),
-                model: model.clone(),
-                long: false,
-            },
-            &mut out,
-        );
+        submit(&mut control, t0, request(), &model, &mut out);
     }
     let pump_ns = per(
         clock::monotonic_raw_ns() - started,
@@ -345,15 +329,8 @@ mod tests {
         let mut taken = Vec::new();
         for id in 1..=4 {
             let mut out = Vec::new();
-            control.handle(
-                now,
-                Input::Submit {
-                    request: RequestId(id),
-                    model: Topology::pooled_model(1),
-                    long: false,
-                },
-                &mut out,
-            );
+            let model = Topology::pooled_model(1);
+            submit(&mut control, now, RequestId(id), &model, &mut out);
             taken.push(dispatched(&out).ok().map(|l| l.provider.to_string()));
         }
         assert_eq!(
