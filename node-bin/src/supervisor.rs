@@ -90,12 +90,14 @@ impl Jitter {
         self.percent
     }
 
-    /// The wait for `interval` given one uniform 64-bit `draw`.
+    /// The wait for `interval` given one uniform 64-bit `draw`. Intervals
+    /// beyond what nanoseconds in 64 bits hold (≈ 584 years) count as that.
     pub fn spread(self, interval: Duration, draw: u64) -> Duration {
-        let interval_ns = interval.as_nanos();
+        let interval_ns = interval.as_nanos().min(u128::from(u64::MAX));
         let span_ns = interval_ns * u128::from(self.percent) / 100;
-        // (2 × span × draw) / 2^64 is uniform over [0, 2 × span).
-        let offset_ns = (2 * span_ns * u128::from(draw)) >> 64;
+        // span < 2^64 and draw < 2^64, so the product fits; shifted by 63
+        // it is 2 × span × draw / 2^64, uniform over [0, 2 × span).
+        let offset_ns = (span_ns * u128::from(draw)) >> 63;
         let wait_ns = interval_ns - span_ns + offset_ns;
         Duration::from_nanos(u64::try_from(wait_ns).unwrap_or(u64::MAX))
     }
@@ -550,6 +552,18 @@ mod tests {
             Duration::from_secs(15) - Duration::from_nanos(1)
         );
         assert_eq!(j.spread(Duration::ZERO, u64::MAX), Duration::ZERO);
+        // Any configured interval: no overflow, the wait saturates.
+        let full = Jitter::new(100).unwrap();
+        assert_eq!(
+            full.spread(Duration::MAX, u64::MAX),
+            Duration::from_nanos(u64::MAX)
+        );
+        assert_eq!(full.spread(Duration::MAX, 0), Duration::ZERO);
+        let huge = Duration::from_secs(1_000_000_000_000);
+        assert_eq!(
+            j.spread(huge, 0),
+            Duration::from_nanos(u64::MAX - u64::MAX / 2)
+        );
     }
 
     // CONTRACT: S2, S3 — jitter never changes the budget: a finite budget
