@@ -16,6 +16,9 @@
 //! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
 //!   `--cores` layout of edge-bin and node-bin against a direct baseline,
 //!   with the ratios between layouts, and a JSON report.
+//! - [`swarm`]: `bench swarm`, one Edge and up to thousands of simulated
+//!   Nodes in one process (RSS per node, cold start and restart recovery,
+//!   dispatch latency, heartbeat CPU, Control's decision costs).
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -35,3 +38,4 @@ pub mod load;
 pub mod mock;
 pub mod procstat;
 pub mod stats;
+pub mod swarm;

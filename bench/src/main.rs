@@ -38,6 +38,12 @@
 //! - `bench cores [--quick] [--layout L]...`: bulk relay throughput with
 //!   edge-bin and node-bin on each core layout (default `0` and `0-1`)
 //!   against a direct baseline; a table and `bench/results/cores-*.json`.
+//! - `bench swarm [--nodes N] [--quick] ...`: one Edge and N simulated
+//!   Nodes (own mTLS connection and certificate each) in this process, for
+//!   fleet sizes 10, 100, 1000 up to N: Edge RSS per node, cold start and
+//!   SIGKILL + restart recovery (jitter on and off), dispatch latency,
+//!   heartbeat CPU, and Control's decision costs; a table and
+//!   `bench/results/swarm-*.json`.
 //!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
@@ -68,6 +74,7 @@ enum Command {
     Compare(bench::compare::cli::CompareArgs),
     Cores(bench::cores::cli::CoresArgs),
     Isolation(bench::isolation::cli::IsolationArgs),
+    Swarm(bench::swarm::cli::SwarmArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -154,6 +161,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => bench::compare::cli::main(args),
         Command::Cores(args) => bench::cores::cli::main(args),
         Command::Isolation(args) => bench::isolation::cli::main(args),
+        Command::Swarm(args) => bench::swarm::cli::main(args),
     }
 }
 

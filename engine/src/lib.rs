@@ -15,6 +15,7 @@
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`mailbox`] | — | bounded cross-core mailboxes, wake only on empty → non-empty |
+//! | [`rng`] | seeded SplitMix64 (reconnect jitter, harnesses; not for secrets) | OS seed |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
 //! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
 //!
@@ -35,6 +36,7 @@ pub mod keys;
 pub mod mailbox;
 pub mod metrics;
 pub mod pool;
+pub mod rng;
 pub mod rt;
 pub mod sync;
 pub mod tls;

@@ -113,6 +113,10 @@ pub enum CompareError {
         /// The first failure seen.
         first_error: String,
     },
+    /// A swarm phase did not complete (nodes not ready in time, the swarm
+    /// thread gone, a measurement that could not be taken).
+    #[error("{0}")]
+    Swarm(String),
     /// SIGINT or SIGTERM arrived.
     #[error("interrupted")]
     Interrupted,
