@@ -15,6 +15,7 @@
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`mailbox`] | — | bounded cross-core mailboxes, wake only on empty → non-empty |
+//! | [`net`] | deadline decisions, per-peer log throttle | per-connection deadline watchdog (`shutdown(2)` from outside), accept gate |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
 //! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
 //!
@@ -34,6 +35,7 @@ pub mod http;
 pub mod keys;
 pub mod mailbox;
 pub mod metrics;
+pub mod net;
 pub mod pool;
 pub mod rt;
 pub mod sync;

@@ -44,6 +44,29 @@ pub(crate) async fn fill<S: AsyncReadRent>(
     }
 }
 
+/// Like [`fill`] for a buffer that will hold at most `total_max_bytes`
+/// (a body of known length): when the buffer must grow and doubling it
+/// would pass `total_max_bytes`, it is reallocated to exactly that, so the
+/// buffer never ends up holding up to twice what it carries.
+pub(crate) async fn fill_toward<S: AsyncReadRent>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    spare_bytes: usize,
+    total_max_bytes: usize,
+) -> io::Result<usize> {
+    let spare_bytes = spare_bytes.max(1);
+    if buf.capacity() - buf.len() < spare_bytes {
+        let doubled = buf.capacity().saturating_mul(2);
+        let needed = buf.len() + spare_bytes;
+        if doubled.max(needed) >= total_max_bytes && needed <= total_max_bytes {
+            let mut exact = BytesMut::with_capacity(total_max_bytes);
+            exact.extend_from_slice(buf);
+            *buf = exact;
+        }
+    }
+    fill(stream, buf, spare_bytes).await
+}
+
 /// Reads once into a buffer from `pool` and freezes it: the result is
 /// `carry` followed by the bytes read, as one `Bytes` over the pooled
 /// memory (slices of it share that memory; it returns to the pool when the
