@@ -22,6 +22,7 @@ pub mod admin;
 pub mod config;
 pub mod control;
 pub mod credentials;
+pub mod front_door;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;

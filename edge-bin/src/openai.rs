@@ -106,6 +106,14 @@ impl ApiError {
         }
     }
 
+    /// 408: the request head or body stalled past its deadline.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("request_timeout".into()),
+            ..Self::new(408, "invalid_request_error", message)
+        }
+    }
+
     /// 404: unknown route.
     pub fn unknown_route(method: &str, path: &str) -> Self {
         Self {
@@ -175,6 +183,7 @@ impl ApiError {
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
+            408 => "timeout_error",
             413 => "request_too_large",
             429 => "rate_limit_error",
             503 => "overloaded_error",

@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
+use iop_engine::net::{Deadline, Wait};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
@@ -24,27 +25,25 @@ use crate::credentials::{CredentialError, IssuedLease, LeaseRequest, ANONYMOUS_P
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
-use crate::{metrics, status};
+use crate::{front_door, metrics, status};
 
-/// Serves one client connection until it closes.
+/// Serves one client connection until it closes. Every read has a
+/// deadline (`edge.client_*_timeout_ms`); a request refused before its body
+/// was read is answered and the connection closed with a lingering close.
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let limits = Limits {
         max_body_bytes: edge.settings.max_request_body_bytes,
         ..Limits::default()
     };
-    let mut server = ServerConn::new(tcp, limits);
+    let deadline = Deadline::spawn(&tcp);
+    let timeouts = front_door::client_timeouts(&edge.settings.limits);
+    let mut server = ServerConn::new(tcp, limits).with_deadline(deadline, timeouts);
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,
             Ok(None) => return,
-            Err(e) => {
-                if e.is_answerable() {
-                    let api = http_error(&e, edge.settings.max_request_body_bytes);
-                    let _ = write_api_error(&mut server, &api).await;
-                }
-                return;
-            }
+            Err(e) => return refuse_request(&edge, &mut server, &e).await,
         };
         let path = request
             .head
@@ -59,7 +58,9 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         // The shutdown drain waits for this response to finish.
         let _in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
-            let _ = refuse_while_draining(&mut server, &path).await;
+            if refuse_while_draining(&mut server, &path).await.is_ok() {
+                linger(&edge, &mut server).await;
+            }
             return;
         }
         // Client API keys: with keys configured, every route but the probes
@@ -236,9 +237,73 @@ fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
     }
 }
 
+/// Answers a request that failed before it could be routed (bad or
+/// oversized framing, a stalled head or body) and ends the connection:
+/// counted, answered in the route's shape when the head was read (Anthropic
+/// on `/v1/messages*`), then closed — with a lingering close when the
+/// client may still be sending the request (not after a timeout: its read
+/// side is already shut down).
+async fn refuse_request<S>(edge: &Edge, server: &mut ServerConn<S>, e: &HttpError)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let counted = match e {
+        HttpError::TimedOut(Wait::Head) => Some(Count::EdgeClientHeadTimeouts),
+        HttpError::TimedOut(Wait::Body) => Some(Count::EdgeClientBodyTimeouts),
+        HttpError::TimedOut(_) => Some(Count::EdgeClientIdleTimeouts),
+        e if e.is_answerable() => Some(Count::EdgeClientRequestErrors),
+        _ => None,
+    };
+    if let Some(count) = counted {
+        engine_metrics::add(count, 1);
+    }
+    if !e.is_answerable() {
+        return;
+    }
+    let surface = match server.unfinished_head() {
+        Some(head) if head.target.starts_with(MESSAGES.path) => Surface::Anthropic,
+        _ => Surface::OpenAi,
+    };
+    let api = http_error(e, edge.settings.max_request_body_bytes);
+    let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+    headers.push(("connection", "close"));
+    if server
+        .write_response(api.status, headers, api.body_for(surface))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    if !matches!(e, HttpError::TimedOut(_)) {
+        linger(edge, server).await;
+    }
+}
+
+/// A lingering close with the configured bounds (counted), or a plain one
+/// when lingering is off.
+async fn linger<S>(edge: &Edge, server: &mut ServerConn<S>)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let Some(linger) = front_door::client_linger(&edge.settings.limits) else {
+        let _ = server.close().await;
+        return;
+    };
+    engine_metrics::add(Count::EdgeClientLingeringCloses, 1);
+    let discarded_bytes = match server.linger_close(&linger).await {
+        LingerEnd::PeerClosed { discarded_bytes } | LingerEnd::TimedOut { discarded_bytes } => {
+            discarded_bytes
+        }
+        LingerEnd::ByteCapReached => linger.max_bytes,
+        LingerEnd::Skipped => 0,
+    };
+    engine_metrics::add(Count::EdgeClientLingerDiscardedBytes, discarded_bytes);
+}
+
 fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
     match e.status_code() {
         413 => ApiError::body_too_large(max_body_bytes),
+        408 => ApiError::request_timeout(e.to_string()),
         status => ApiError::from_http_status(status, e.to_string()),
     }
 }

@@ -149,6 +149,8 @@ pub struct ServerConn<S> {
     /// Requests read so far (the first one's head deadline counts from the
     /// accept).
     requests_read: u64,
+    /// The head of a request whose body failed to read.
+    unfinished_head: Option<RequestHead>,
 }
 
 impl<S> fmt::Debug for ServerConn<S> {
@@ -175,6 +177,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             http10: false,
             response: ResponseState::Idle,
             requests_read: 0,
+            unfinished_head: None,
             deadline: None,
         }
     }
@@ -293,6 +296,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         // Until a head is parsed, answers (errors) go out as for a GET/1.1.
         self.head_request = false;
         self.http10 = false;
+        self.unfinished_head = None;
         self.shrink_read_buffer();
         let first_request = self.requests_read == 0;
         self.requests_read += 1;
@@ -333,7 +337,20 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         self.http10 = head.version == Version::Http10;
         let body = self.read_body(&head).await;
         self.disarm();
-        Ok(Some(Request { head, body: body? }))
+        match body {
+            Ok(body) => Ok(Some(Request { head, body })),
+            Err(e) => {
+                self.unfinished_head = Some(head);
+                Err(e)
+            }
+        }
+    }
+
+    /// After [`ServerConn::read_request`] failed reading a body: that
+    /// request's head (to answer in its route's shape). `None` when the
+    /// head itself failed, and once the next request is read.
+    pub fn unfinished_head(&self) -> Option<&RequestHead> {
+        self.unfinished_head.as_ref()
     }
 
     /// Arms the deadline (if any) with the wait and timeout `pick` chooses.
