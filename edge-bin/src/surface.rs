@@ -141,6 +141,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 // Latency summaries and relay counters, merged over cores.
                 let latency = engine_metrics::merged();
                 text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
+                text.push_str(&metrics::render_front_door(&latency));
                 server
                     .write_response(
                         200,

@@ -199,6 +199,8 @@ pub struct EdgeOptions {
     pub provider_addr: SocketAddr,
     /// `edge.max_request_body_bytes`, if set.
     pub max_request_body_bytes: Option<usize>,
+    /// More `[edge]` lines (`key = value`, one per line).
+    pub edge_keys: String,
 }
 
 impl EdgeOptions {
@@ -207,6 +209,7 @@ impl EdgeOptions {
         Self {
             provider_addr,
             max_request_body_bytes: None,
+            edge_keys: String::new(),
         }
     }
 
@@ -226,7 +229,8 @@ pub fn edge_toml(pki: &Pki, options: &EdgeOptions) -> String {
     let body_limit = options
         .max_request_body_bytes
         .map(|n| format!("max_request_body_bytes = {n}\n"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        + &options.edge_keys;
     let node = |id: &str, provider: &str, stall: i64| {
         format!(
             r#"
