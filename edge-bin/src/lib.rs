@@ -19,6 +19,7 @@
 //! keys and credential leases, C1–C5).
 
 pub mod admin;
+pub mod body_json;
 pub mod config;
 pub mod control;
 pub mod credentials;

@@ -20,6 +20,7 @@ use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
+use crate::body_json::JsonLimits;
 use crate::control::{Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::credentials::{CredentialError, IssuedLease, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
@@ -301,6 +302,30 @@ where
     engine_metrics::add(Count::EdgeClientLingerDiscardedBytes, discarded_bytes);
 }
 
+/// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`).
+fn json_limits(edge: &Edge) -> JsonLimits {
+    JsonLimits {
+        max_depth: edge.settings.limits.max_json_depth,
+        max_elements: edge.settings.limits.max_json_elements,
+    }
+}
+
+/// Answers a body the Edge cannot read (400); JSON-limit refusals are
+/// counted.
+async fn refuse_body<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    e: &ApiError,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    if e.is_json_limit() {
+        engine_metrics::add(Count::EdgeClientJsonLimitRejections, 1);
+    }
+    write_error(server, surface, e).await
+}
+
 fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
     match e.status_code() {
         413 => ApiError::body_too_large(max_body_bytes),
@@ -395,14 +420,14 @@ async fn chat<S>(
     server: &mut ServerConn<S>,
     principal: &str,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let chat = match ChatRequest::parse(body) {
+    let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
-        Err(e) => return write_api_error(server, &e).await,
+        Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
     let long = edge
         .settings
@@ -536,14 +561,14 @@ async fn passthrough<S>(
     principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let req = match PassthroughRequest::parse(body) {
+    let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
-        Err(e) => return write_error(server, route.surface, &e).await,
+        Err(e) => return refuse_body(server, route.surface, &e).await,
     };
     let Some((request, dispatch, frames)) =
         admit(edge, server, route.surface, &req.model, false).await?
@@ -1117,7 +1142,10 @@ mod tests {
     #[test]
     fn the_external_model_never_reaches_the_wire() {
         let chat = ChatRequest::parse(
-            br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            &Bytes::from_static(
+                br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            &JsonLimits::default(),
         )
         .unwrap();
         let dispatch = dispatch();
