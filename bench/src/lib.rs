@@ -16,6 +16,8 @@
 //! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
 //!   `--cores` layout of edge-bin and node-bin against a direct baseline,
 //!   with the ratios between layouts, and a JSON report.
+//! - [`bodies`]: `bench bodies`, the Edge's memory (RSS before, peak and
+//!   after) under bursts of large many-message request bodies.
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -28,6 +30,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bodies;
 pub mod compare;
 pub mod cores;
 pub mod load;

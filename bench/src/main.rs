@@ -35,6 +35,11 @@
 //!   edge-bin and node-bin on each core layout (default `0` and `0-1`)
 //!   against a direct baseline; a table and `bench/results/cores-*.json`.
 //!
+//! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
+//!   memory (RSS before, peak, after) under bursts of N concurrent chat
+//!   requests of M tiny messages each; a table and
+//!   `bench/results/bodies-*.json`.
+//!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
 
@@ -63,6 +68,7 @@ enum Command {
     Load(bench::load::cli::LoadArgs),
     Compare(bench::compare::cli::CompareArgs),
     Cores(bench::cores::cli::CoresArgs),
+    Bodies(bench::bodies::BodiesArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -148,6 +154,7 @@ fn main() -> ExitCode {
         Command::Load(args) => bench::load::cli::main(args),
         Command::Compare(args) => bench::compare::cli::main(args),
         Command::Cores(args) => bench::cores::cli::main(args),
+        Command::Bodies(args) => bench::bodies::main(args),
     }
 }
 

@@ -57,9 +57,12 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
         // The shutdown drain waits for this response to finish.
-        let _in_flight = edge.track_request();
+        let in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
-            if refuse_while_draining(&mut server, &path).await.is_ok() {
+            let answered = refuse_while_draining(&mut server, &path).await.is_ok();
+            // Answered: the drain need not wait for the lingering close.
+            drop(in_flight);
+            if answered {
                 linger(&edge, &mut server).await;
             }
             return;
@@ -193,6 +196,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             // metrics: end to end (request read → response finished).
             engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
         }
+        drop(in_flight);
         if result.is_err() || !server.keep_alive() {
             return;
         }

@@ -43,6 +43,11 @@ fn toml_str(value: &str) -> String {
 
 /// `edge.toml`, with certificate paths relative to the file (`certs/`).
 pub fn edge_toml(names: &ClusterNames, mock_base_url: &str) -> String {
+    edge_toml_with(names, mock_base_url, "")
+}
+
+/// [`edge_toml`] with more `[edge]` lines (`key = value\n` each).
+pub fn edge_toml_with(names: &ClusterNames, mock_base_url: &str, edge_keys: &str) -> String {
     let s = toml_str;
     format!(
         r#"[edge]
@@ -50,7 +55,7 @@ name = {edge}
 trust_domain = {td}
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
-
+{edge_keys}
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"

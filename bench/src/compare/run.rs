@@ -11,7 +11,7 @@ use std::time::Duration;
 use iop_engine::clock::monotonic_raw_ns;
 
 use super::config::{
-    certs_args, edge_toml, node_toml, status_has_connected_provider, ClusterNames,
+    certs_args, edge_toml_with, node_toml, status_has_connected_provider, ClusterNames,
 };
 use super::ladder::{climb, LevelRun, Limits};
 use super::procs::{ChildProc, TempDir};
@@ -196,6 +196,7 @@ fn start_relay(
         &dir,
         &names,
         mock_url,
+        "",
         (&opts.edge_cores, &opts.node_cores),
         stop,
         &mut || mock.as_mut().map_or(Ok(()), ChildProc::check_running),
@@ -227,6 +228,7 @@ pub(crate) fn spawn_relay(
     dir: &Path,
     names: &ClusterNames,
     mock_url: &str,
+    edge_keys: &str,
     cores: (&str, &str),
     stop: &AtomicBool,
     others: &mut dyn FnMut() -> Result<(), CompareError>,
@@ -265,7 +267,7 @@ pub(crate) fn spawn_relay(
         ]
     };
     let edge_config = dir.join("edge.toml");
-    write_file(&edge_config, &edge_toml(names, mock_url))?;
+    write_file(&edge_config, &edge_toml_with(names, mock_url, edge_keys))?;
     let mut edge = ChildProc::spawn(
         "edge",
         &edge_bin,

@@ -140,6 +140,7 @@ fn start_relay(
         dir,
         &names,
         mock_url,
+        "",
         (cores, cores),
         stop,
         &mut || children.check_running(),
