@@ -140,8 +140,9 @@ pub fn check_shape(body: &[u8], limits: &JsonLimits) -> Result<(), BodyError> {
 }
 
 /// A validated JSON object body: the client's bytes and the span of each
-/// top-level member's value, in order.
-#[derive(Debug, Clone)]
+/// top-level member's value, in order. The default is an empty body with no
+/// members (what is left after [`Members::take`]).
+#[derive(Debug, Clone, Default)]
 pub struct Members {
     body: Bytes,
     members: Vec<(String, Range<usize>)>,
@@ -151,9 +152,9 @@ impl Members {
     /// Bounds ([`check_shape`]), then validates `body` as one JSON object
     /// whose top-level member names are unique, keeping the bytes (no copy)
     /// and the members' spans.
-    pub fn parse(body: &Bytes, limits: &JsonLimits) -> Result<Self, BodyError> {
-        check_shape(body, limits)?;
-        let text = std::str::from_utf8(body)
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, BodyError> {
+        check_shape(&body, limits)?;
+        let text = std::str::from_utf8(&body)
             .map_err(|e| BodyError::Syntax(format!("invalid UTF-8: {e}")))?;
         let mut de = serde_json::Deserializer::from_str(text);
         let members = ObjectSpans { base: text }
@@ -166,10 +167,13 @@ impl Members {
                 return Err(BodyError::DuplicateMember(name.clone()));
             }
         }
-        Ok(Self {
-            body: body.clone(),
-            members,
-        })
+        Ok(Self { body, members })
+    }
+
+    /// Takes the body out, leaving no members: the client's bytes are freed
+    /// as soon as the caller drops them.
+    pub fn take(&mut self) -> Self {
+        std::mem::take(self)
     }
 
     /// The raw JSON text of member `name`'s value.
@@ -370,7 +374,7 @@ mod tests {
     #[test]
     fn members_are_spans_of_the_body_and_duplicates_are_refused() {
         let body = Bytes::from_static(br#" {"model" : "m\u0031", "n":[1, {"x":2}] ,"s":null} "#);
-        let members = Members::parse(&body, &JsonLimits::default()).unwrap();
+        let members = Members::parse(body.clone(), &JsonLimits::default()).unwrap();
         assert_eq!(members.raw("model"), Some(r#""m\u0031""#));
         assert_eq!(members.get::<String>("model").unwrap().unwrap(), "m1");
         assert_eq!(members.raw("n"), Some(r#"[1, {"x":2}]"#));
@@ -385,7 +389,7 @@ mod tests {
         // An escaped name is the same name.
         let dup = Bytes::from_static(br#"{"model":"a","mod\u0065l":"b"}"#);
         assert_eq!(
-            Members::parse(&dup, &JsonLimits::default()).unwrap_err(),
+            Members::parse(dup, &JsonLimits::default()).unwrap_err(),
             BodyError::DuplicateMember("model".into())
         );
     }
@@ -393,7 +397,7 @@ mod tests {
     #[test]
     fn bodies_that_are_not_one_object_are_refused() {
         let parse = |b: &'static [u8]| {
-            Members::parse(&Bytes::from_static(b), &JsonLimits::default()).map(|_| ())
+            Members::parse(Bytes::from_static(b), &JsonLimits::default()).map(|_| ())
         };
         assert_eq!(parse(b"[1]"), Err(BodyError::NotAnObject));
         assert_eq!(parse(b"\"s\""), Err(BodyError::NotAnObject));

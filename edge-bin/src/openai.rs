@@ -283,7 +283,7 @@ pub struct ChatRequest {
 impl ChatRequest {
     /// Parses a `/v1/chat/completions` body within `limits`. Only what the
     /// Edge needs is checked; every other member passes through unchanged.
-    pub fn parse(body: &Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
         let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
         let model = match body.raw("model") {
             Some(raw) => model_name(raw)?,
@@ -410,6 +410,14 @@ impl ChatRequest {
     pub fn body_for_target(&self, target: &str) -> Bytes {
         with_model(&self.body, target)
     }
+
+    /// [`ChatRequest::body_for_target`], handing the client's bytes over:
+    /// they are freed once the provider's body is built (so a large body
+    /// is not held twice while it waits to be sent). Afterwards only the
+    /// parsed fields remain: [`ChatRequest::run_input`] sees no messages.
+    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
+        with_model(&self.body.take(), target)
+    }
 }
 
 /// The value of member `name` among `members`.
@@ -490,7 +498,7 @@ pub struct PassthroughRequest {
 
 impl PassthroughRequest {
     /// Parses a JSON object with a string `model`, within `limits`.
-    pub fn parse(body: &Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
         let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
         let model = model_name(body.raw("model").unwrap_or_default())?;
         let stream = body.raw("stream") == Some("true");
@@ -504,6 +512,12 @@ impl PassthroughRequest {
     /// The body for the selected provider, `model` naming its target (U5).
     pub fn body_for_target(&self, target: &str) -> Bytes {
         with_model(&self.body, target)
+    }
+
+    /// [`PassthroughRequest::body_for_target`], handing the client's bytes
+    /// over (freed once the provider's body is built).
+    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
+        with_model(&self.body.take(), target)
     }
 }
 
@@ -562,11 +576,11 @@ mod tests {
     use super::*;
 
     fn chat(body: &'static [u8]) -> Result<ChatRequest, ApiError> {
-        ChatRequest::parse(&Bytes::from_static(body), &JsonLimits::default())
+        ChatRequest::parse(Bytes::from_static(body), &JsonLimits::default())
     }
 
     fn passthrough(body: &'static [u8]) -> Result<PassthroughRequest, ApiError> {
-        PassthroughRequest::parse(&Bytes::from_static(body), &JsonLimits::default())
+        PassthroughRequest::parse(Bytes::from_static(body), &JsonLimits::default())
     }
 
     #[test]
@@ -661,6 +675,14 @@ mod tests {
             "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"h\\u00e9 \\\"x\\\"\"} ],\n  \
              \"model\":\"org/Model \\\"7B\\\"\", \"temperature\": 1.50e0 }"
         );
+        // Handing the body over gives the same bytes and keeps the fields.
+        let mut taken = chat(body).unwrap();
+        assert_eq!(
+            taken.take_body_for_target("org/Model \"7B\""),
+            req.body_for_target("org/Model \"7B\"")
+        );
+        assert_eq!((taken.model.as_str(), taken.stream), ("pub-name", false));
+        assert!(taken.run_input().messages.is_empty());
         // Passthrough routes splice the same way.
         let req = passthrough(b"{\"input\": [1,2], \"model\" :\"m\",\"stream\":true}").unwrap();
         assert_eq!(
@@ -692,7 +714,7 @@ mod tests {
             max_depth: 4,
             max_elements: 6,
         };
-        let parse = |b: &'static [u8]| ChatRequest::parse(&Bytes::from_static(b), &limits);
+        let parse = |b: &'static [u8]| ChatRequest::parse(Bytes::from_static(b), &limits);
         let ok = parse(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
         assert!(ok.is_ok());
         let deep = parse(br#"{"model":"m","messages":[{"content":[{"text":"x"}]}]}"#).unwrap_err();

@@ -546,6 +546,9 @@ where
     } = listeners;
     let node_loop = crate::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
     let client_loop = crate::front_door::serve_clients(edge.clone(), client_listener);
+    if edge.is_control_shard() {
+        monoio::spawn(crate::front_door::trim_heaps());
+    }
     let timers = {
         let edge = edge.clone();
         async move { edge.run_timers().await }

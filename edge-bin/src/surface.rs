@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, Limits, LingerEnd, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_engine::net::{Deadline, Wait};
 use iop_wire::pb;
@@ -46,14 +46,16 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             Ok(None) => return,
             Err(e) => return refuse_request(&edge, &mut server, &e).await,
         };
-        let path = request
-            .head
+        // The body moves into the route that reads it (it is freed as soon
+        // as the route is done with it, not when the response ends).
+        let Request { head, body } = request;
+        let path = head
             .target
             .split('?')
             .next()
             .unwrap_or_default()
             .to_string();
-        let method = request.head.method.as_str();
+        let method = head.method.as_str();
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
         // The shutdown drain waits for this response to finish.
@@ -69,7 +71,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         }
         // Client API keys: with keys configured, every route but the probes
         // and the metrics scrape needs one (401 in the route's shape).
-        let principal = match authenticate(&edge, &path, &request.head.headers) {
+        let principal = match authenticate(&edge, &path, &head.headers) {
             Ok(principal) => principal,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
@@ -86,14 +88,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 write_json(&mut server, 200, body).await
             }
             ("POST", "/v1/chat/completions") => {
-                chat(
-                    &edge,
-                    &mut server,
-                    principal,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                chat(&edge, &mut server, principal, &head.headers, body).await
             }
             ("POST", "/v1/responses") => {
                 passthrough(
@@ -101,21 +96,13 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     &mut server,
                     principal,
                     RESPONSES,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
             ("POST", "/v1/messages") => {
-                passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    MESSAGES,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                passthrough(&edge, &mut server, principal, MESSAGES, &head.headers, body).await
             }
             ("POST", "/v1/messages/count_tokens") => {
                 passthrough(
@@ -123,8 +110,8 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     &mut server,
                     principal,
                     COUNT_TOKENS,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
@@ -155,7 +142,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     .await
             }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                let (status, body) = crate::admin::handle(&edge, p, &request.body).await;
+                let (status, body) = crate::admin::handle(&edge, p, &body).await;
                 write_json(&mut server, status, body).await
             }
             ("GET", "/readyz") if edge.is_draining() => {
@@ -424,12 +411,12 @@ async fn chat<S>(
     server: &mut ServerConn<S>,
     principal: &str,
     headers: &[iop_engine::http::Header],
-    body: &Bytes,
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let chat = match ChatRequest::parse(body, &json_limits(edge)) {
+    let mut chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
         Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
@@ -461,7 +448,7 @@ where
                 CHAT_COMPLETIONS,
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-                chat.body_for_target(&lease.target),
+                chat.take_body_for_target(&lease.target),
                 chat.stream,
                 credential,
             )
@@ -565,12 +552,12 @@ async fn passthrough<S>(
     principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
-    body: &Bytes,
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
+    let mut req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
@@ -600,7 +587,7 @@ where
         route,
         &dispatch,
         tunnel_headers(route, req.stream, headers),
-        req.body_for_target(&dispatch.lease.target),
+        req.take_body_for_target(&dispatch.lease.target),
         req.stream,
         credential,
     );
@@ -1146,7 +1133,7 @@ mod tests {
     #[test]
     fn the_external_model_never_reaches_the_wire() {
         let chat = ChatRequest::parse(
-            &Bytes::from_static(
+            Bytes::from_static(
                 br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
             ),
             &JsonLimits::default(),

@@ -568,26 +568,26 @@ pub fn edge_request_json(data: &[u8]) {
         max_depth: 16,
         max_elements: 4096,
     };
-    if let Ok(chat) = ChatRequest::parse(&body, &limits) {
+    if let Ok(mut chat) = ChatRequest::parse(body.clone(), &limits) {
         let _ = chat.include_usage();
         let _ = chat.estimated_prompt_tokens();
         let input = chat.run_input();
         assert!(input.messages.len() <= limits.max_elements as usize);
         let spliced = chat.body_for_target(TARGET);
-        let again = ChatRequest::parse(&spliced, &limits)
+        assert_eq!(chat.take_body_for_target(TARGET), spliced);
+        let again = ChatRequest::parse(spliced, &limits)
             .unwrap_or_else(|e| panic!("the spliced body does not parse: {e:?}"));
         assert_eq!(again.model, TARGET);
         assert_eq!(again.stream, chat.stream);
         assert_eq!(again.run_input(), input);
     }
-    if let Ok(pass) = PassthroughRequest::parse(&body, &limits) {
+    if let Ok(pass) = PassthroughRequest::parse(body.clone(), &limits) {
         let spliced = pass.body_for_target(TARGET);
-        // The target may nest no deeper but add a little to the length.
-        let again = PassthroughRequest::parse(&spliced, &limits)
+        let again = PassthroughRequest::parse(spliced.clone(), &limits)
             .unwrap_or_else(|e| panic!("the spliced body does not parse: {e:?}"));
         assert_eq!(again.model, TARGET);
-        let before = Members::parse(&body, &limits).expect("parsed once");
-        let after = Members::parse(&spliced, &limits).expect("parsed again");
+        let before = Members::parse(body, &limits).expect("parsed once");
+        let after = Members::parse(spliced, &limits).expect("parsed again");
         for name in ["input", "messages", "stream", "tools", "max_tokens"] {
             assert_eq!(before.raw(name), after.raw(name), "member {name} changed");
         }

@@ -44,10 +44,17 @@ pub(crate) async fn fill<S: AsyncReadRent>(
     }
 }
 
+/// Once this much of a body of known length has arrived, its buffer is
+/// reallocated to the whole length at once (see [`fill_toward`]).
+const EXACT_GROWTH_AFTER_BYTES: usize = 1024 * 1024;
+
 /// Like [`fill`] for a buffer that will hold at most `total_max_bytes`
-/// (a body of known length): when the buffer must grow and doubling it
-/// would pass `total_max_bytes`, it is reallocated to exactly that, so the
-/// buffer never ends up holding up to twice what it carries.
+/// (a body of known length). Growth doubles with the data (a peer that
+/// announces a large body and sends little costs little), but when doubling
+/// would pass `total_max_bytes`, or once [`EXACT_GROWTH_AFTER_BYTES`] have
+/// arrived, the buffer is reallocated to exactly `total_max_bytes`: it never
+/// holds up to twice what it carries, and a large body is copied once while
+/// it grows, not at every doubling.
 pub(crate) async fn fill_toward<S: AsyncReadRent>(
     stream: &mut S,
     buf: &mut BytesMut,
@@ -58,7 +65,8 @@ pub(crate) async fn fill_toward<S: AsyncReadRent>(
     if buf.capacity() - buf.len() < spare_bytes {
         let doubled = buf.capacity().saturating_mul(2);
         let needed = buf.len() + spare_bytes;
-        if doubled.max(needed) >= total_max_bytes && needed <= total_max_bytes {
+        let exact = doubled.max(needed) >= total_max_bytes || buf.len() >= EXACT_GROWTH_AFTER_BYTES;
+        if exact && needed <= total_max_bytes {
             let mut exact = BytesMut::with_capacity(total_max_bytes);
             exact.extend_from_slice(buf);
             *buf = exact;
