@@ -29,7 +29,7 @@ use serde::Serialize;
 
 use crate::compare::config::ClusterNames;
 use crate::compare::procs::{ChildProc, TempDir};
-use crate::compare::run::{check_binary, commit, interrupted, spawn_relay};
+use crate::compare::run::{check_binary, commit, interrupted, spawn_relay, RelaySpec};
 use crate::compare::{install_stop_handlers, CompareError};
 use crate::procstat::{self, MachineInfo};
 
@@ -228,13 +228,16 @@ pub fn run(args: &BodiesArgs, stop: &Arc<AtomicBool>) -> Result<BodiesReport, Co
     let mut mock = ChildProc::spawn("mock", &exe, &mock_args, tmp.path(), true, stop)?;
     let mock_url = format!("http://{}", mock.ready_value("addr")?);
     let edge_keys = format!("max_json_elements = {}\n", args.max_json_elements);
+    let spec = RelaySpec {
+        names: &names,
+        mock_url: &mock_url,
+        edge_keys: &edge_keys,
+        cores: ("0", "0"),
+    };
     let relay = spawn_relay(
         &bin_dir,
         &tmp.path().join("relay"),
-        &names,
-        &mock_url,
-        &edge_keys,
-        ("0", "0"),
+        &spec,
         stop,
         &mut || mock.check_running(),
     )?;

@@ -191,16 +191,15 @@ fn start_relay(
     let dir = cluster.tmp.path().to_path_buf();
     let names = ClusterNames::bench(&opts.edge_model, &opts.mock_model);
     let mut mock = cluster.mock.take();
-    let pair = spawn_relay(
-        &opts.bin_dir,
-        &dir,
-        &names,
+    let spec = RelaySpec {
+        names: &names,
         mock_url,
-        "",
-        (&opts.edge_cores, &opts.node_cores),
-        stop,
-        &mut || mock.as_mut().map_or(Ok(()), ChildProc::check_running),
-    );
+        edge_keys: "",
+        cores: (&opts.edge_cores, &opts.node_cores),
+    };
+    let pair = spawn_relay(&opts.bin_dir, &dir, &spec, stop, &mut || {
+        mock.as_mut().map_or(Ok(()), ChildProc::check_running)
+    });
     cluster.mock = mock;
     let pair = pair?;
     cluster.edge = Some(pair.edge);
@@ -218,21 +217,33 @@ pub(crate) struct RelayPair {
     pub(crate) url: String,
 }
 
+/// What [`spawn_relay`] starts: the names, the mock it points at, more
+/// `[edge]` lines (`key = value\n` each, may be empty) and the `--cores`
+/// of the Edge and the Node.
+pub(crate) struct RelaySpec<'a> {
+    pub(crate) names: &'a ClusterNames,
+    pub(crate) mock_url: &'a str,
+    pub(crate) edge_keys: &'a str,
+    pub(crate) cores: (&'a str, &'a str),
+}
+
 /// Mints development certificates into `dir`, writes `edge.toml` and
-/// `node.toml` for `names` against `mock_url`, starts edge-bin and
-/// node-bin from `bin_dir` with their `--cores` (`cores` = edge, node) and
-/// waits for the Node to connect. `others` checks the children already
-/// running, so a dead mock ends the wait with its log.
+/// `node.toml` for `spec`, starts edge-bin and node-bin from `bin_dir` with
+/// their `--cores` and waits for the Node to connect. `others` checks the
+/// children already running, so a dead mock ends the wait with its log.
 pub(crate) fn spawn_relay(
     bin_dir: &Path,
     dir: &Path,
-    names: &ClusterNames,
-    mock_url: &str,
-    edge_keys: &str,
-    cores: (&str, &str),
+    spec: &RelaySpec<'_>,
     stop: &AtomicBool,
     others: &mut dyn FnMut() -> Result<(), CompareError>,
 ) -> Result<RelayPair, CompareError> {
+    let RelaySpec {
+        names,
+        mock_url,
+        edge_keys,
+        cores,
+    } = *spec;
     let edge_bin = bin_dir.join("edge-bin");
     let node_bin = bin_dir.join("node-bin");
     check_binary(&edge_bin)?;
