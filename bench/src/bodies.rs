@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::compare::config::ClusterNames;
 use crate::compare::procs::{ChildProc, TempDir};
 use crate::compare::run::{check_binary, commit, interrupted, spawn_relay, RelaySpec};
-use crate::compare::{install_stop_handlers, CompareError};
+use crate::compare::{install_stop_handlers, write_json_report, CompareError};
 use crate::procstat::{self, MachineInfo};
 
 /// The JSON report's schema name.
@@ -352,15 +352,13 @@ pub fn main(args: BodiesArgs) -> ExitCode {
         }
     };
     print!("{}", render_table(&report));
-    let stamp = iop_engine::clock::unix_ms() / 1000;
-    let path = args.out.join(format!("bodies-{stamp}.json"));
-    let written = std::fs::create_dir_all(&args.out).and_then(|()| {
-        let text = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
-        std::fs::write(&path, text)
-    });
-    match written {
-        Ok(()) => eprintln!("bench bodies: report written to {}", path.display()),
-        Err(e) => eprintln!("bench bodies: cannot write {}: {e}", path.display()),
+    let unix_sec = iop_engine::clock::unix_ms() / 1000;
+    match write_json_report(&args.out, "bodies", unix_sec, &report) {
+        Ok(path) => println!("JSON report: {}", path.display()),
+        Err(e) => {
+            eprintln!("bench bodies: {e}");
+            return ExitCode::from(1);
+        }
     }
     let all_ok = report
         .bursts

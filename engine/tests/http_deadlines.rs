@@ -245,16 +245,27 @@ mod http {
         );
     }
 
+    /// Starts [`write_body_then_read`] and answers its request with the
+    /// 413, before any lingering: the client task and the connection.
+    async fn refused_big_body() -> (
+        monoio::task::JoinHandle<std::io::Result<Vec<u8>>>,
+        ServerConn<TcpStream>,
+    ) {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(write_body_then_read(addr));
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::BodyTooLarge { .. }), "{err:?}");
+        conn.write_error(&err).await.unwrap();
+        (client, conn)
+    }
+
     // Without the lingering close the same client gets a reset (the bug the
     // lingering close fixes): closing with unread request bytes makes the
     // kernel answer with RST.
     #[monoio::test_all(timer_enabled = true)]
     async fn closing_with_unread_body_bytes_resets_the_client() {
-        let (listener, addr) = listen();
-        let client = monoio::spawn(write_body_then_read(addr));
-        let mut conn = server(&listener, TIMEOUTS).await;
-        let err = conn.read_request().await.unwrap_err();
-        conn.write_error(&err).await.unwrap();
+        let (client, conn) = refused_big_body().await;
         drop(conn);
         let err = client.await.expect_err("a reset, not the answer");
         assert!(
@@ -271,11 +282,7 @@ mod http {
     // bound.
     #[monoio::test_all(timer_enabled = true)]
     async fn lingering_is_bounded_by_bytes_and_by_idle_time() {
-        let (listener, addr) = listen();
-        let client = monoio::spawn(write_body_then_read(addr));
-        let mut conn = server(&listener, TIMEOUTS).await;
-        let err = conn.read_request().await.unwrap_err();
-        conn.write_error(&err).await.unwrap();
+        let (client, mut conn) = refused_big_body().await;
         let end = conn
             .linger_close(&Linger {
                 time: GENEROUS,
