@@ -82,17 +82,24 @@ pub fn client_linger(limits: &ListenerLimits) -> Option<Linger> {
     })
 }
 
-/// A permit from `gate`; at the cap, counts and logs the pause (once per
-/// pause) and waits for a connection to close.
-async fn enter(gate: &Gate, paused: Count, what: &str) -> Permit {
+/// A pause at a cap logs at most once per this interval (each pause is
+/// counted).
+pub const PAUSE_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A permit from `gate`; at the cap, counts the pause, logs it (at most
+/// once per [`PAUSE_LOG_INTERVAL`]) and waits for a connection to close.
+async fn enter(gate: &Gate, paused: Count, what: &str, log: &mut LogThrottle<()>) -> Permit {
     if let Some(permit) = gate.try_enter() {
         return permit;
     }
     engine_metrics::add(paused, 1);
-    tracing::warn!(
-        limit = gate.limit(),
-        "{what} cap reached on this core; new connections wait in the accept backlog"
-    );
+    if let Some(suppressed) = log.check((), clock::now()) {
+        tracing::warn!(
+            limit = gate.limit(),
+            suppressed,
+            "{what} cap reached on this core; new connections wait in the accept backlog"
+        );
+    }
     gate.enter().await
 }
 
@@ -101,8 +108,15 @@ async fn enter(gate: &Gate, paused: Count, what: &str) -> Permit {
 pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
     let limits = edge.settings.limits;
     let gate = Gate::new(per_core(limits.max_client_connections, edge.shard_count()));
+    let mut log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
     loop {
-        let permit = enter(&gate, Count::EdgeClientAcceptPaused, "client connection").await;
+        let permit = enter(
+            &gate,
+            Count::EdgeClientAcceptPaused,
+            "client connection",
+            &mut log,
+        )
+        .await;
         match iop_engine::http::accept(&listener).await {
             Ok((tcp, _)) => {
                 engine_metrics::add(Count::EdgeClientConnectionsAccepted, 1);
@@ -162,8 +176,15 @@ pub async fn serve_nodes(
         HANDSHAKE_LOG_MAX_PEERS,
     )));
     let timeout = Duration::from_millis(limits.node_handshake_timeout_ms);
+    let mut pause_log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
     loop {
-        let permit = enter(&gate, Count::EdgeNodeAcceptPaused, "node handshake").await;
+        let permit = enter(
+            &gate,
+            Count::EdgeNodeAcceptPaused,
+            "node handshake",
+            &mut pause_log,
+        )
+        .await;
         match iop_engine::http::accept(&listener).await {
             Ok((tcp, _)) => {
                 let handshake = HandshakeSlot {
