@@ -57,6 +57,8 @@ else
   profile=release
   seconds="${seconds:-60}"
 fi
+# Logs per target and mode: artifacts/<target>/<mode>-replay.log, <mode>.log
+# (a CI stage never overwrites a long run's log).
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 echo "==> cargo fuzz build -s none ${build[*]}"
 cargo fuzz build -s none "${build[@]}"
@@ -67,8 +69,8 @@ for t in "${targets[@]}"; do
   mkdir -p "seeds/$t" "regressions/$t" "corpus/$t" "artifacts/$t"
   committed=$(find "seeds/$t" "regressions/$t" -type f | wc -l)
   echo "==> $t: replay $committed committed inputs"
-  if ! "$bin_dir/$t" -runs=0 "seeds/$t" "regressions/$t" >"artifacts/$t/replay.log" 2>&1; then
-    tail -n 40 "artifacts/$t/replay.log"
+  if ! "$bin_dir/$t" -runs=0 "seeds/$t" "regressions/$t" >"artifacts/$t/$mode-replay.log" 2>&1; then
+    tail -n 40 "artifacts/$t/$mode-replay.log"
     failed+=("$t (replay)")
     continue
   fi
@@ -83,12 +85,12 @@ for t in "${targets[@]}"; do
   # The writable corpus first; the committed ones seed it.
   if ! "$bin_dir/$t" "corpus/$t" "seeds/$t" "regressions/$t" "${limit[@]}" \
       -artifact_prefix="artifacts/$t/" -print_final_stats=1 \
-      >"artifacts/$t/fuzz.log" 2>&1; then
-    tail -n 40 "artifacts/$t/fuzz.log"
+      >"artifacts/$t/$mode.log" 2>&1; then
+    tail -n 40 "artifacts/$t/$mode.log"
     failed+=("$t")
     continue
   fi
-  grep -E '^stat::number_of_executed_units' "artifacts/$t/fuzz.log" | sed "s/^/    $t /"
+  grep -E '^stat::number_of_executed_units' "artifacts/$t/$mode.log" | sed "s/^/    $t /"
 done
 
 if [ "${#failed[@]}" -gt 0 ]; then
