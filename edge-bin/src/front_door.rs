@@ -34,7 +34,7 @@ use iop_engine::http::{Linger, ServerTimeouts};
 use iop_engine::metrics::{self as engine_metrics, Count};
 use iop_engine::net::{Gate, LogThrottle, Permit};
 use iop_engine::tls::EdgeTlsAcceptor;
-use monoio::net::TcpListener;
+use monoio::net::{TcpListener, TcpStream};
 
 use crate::config::ListenerLimits;
 use crate::state::Edge;
@@ -86,21 +86,42 @@ pub fn client_linger(limits: &ListenerLimits) -> Option<Linger> {
 /// counted).
 pub const PAUSE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// A permit from `gate`; at the cap, counts the pause, logs it (at most
-/// once per [`PAUSE_LOG_INTERVAL`]) and waits for a connection to close.
-async fn enter(gate: &Gate, paused: Count, what: &str, log: &mut LogThrottle<()>) -> Permit {
-    if let Some(permit) = gate.try_enter() {
-        return permit;
+/// Accepts on `listener` forever, each connection holding a place of
+/// `gate` (handed to `serve` with it): at the cap the loop stops accepting
+/// until a place frees up, counting each pause in `paused` and logging it
+/// at most once per [`PAUSE_LOG_INTERVAL`]. `what` names the cap in logs.
+async fn gated_accept_loop(
+    listener: TcpListener,
+    gate: Gate,
+    paused: Count,
+    what: &str,
+    mut serve: impl FnMut(TcpStream, Permit),
+) {
+    let mut log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
+    loop {
+        let permit = match gate.try_enter() {
+            Some(permit) => permit,
+            None => {
+                engine_metrics::add(paused, 1);
+                if let Some(suppressed) = log.check((), clock::now()) {
+                    tracing::warn!(
+                        limit = gate.limit(),
+                        suppressed,
+                        "{what} cap reached on this core; new connections wait in the accept backlog"
+                    );
+                }
+                gate.enter().await
+            }
+        };
+        match iop_engine::http::accept(&listener).await {
+            Ok((tcp, _)) => serve(tcp, permit),
+            Err(e) => {
+                tracing::warn!(error = %e, "{what}: accept failed");
+                drop(permit);
+                monoio::time::sleep(ACCEPT_RETRY_DELAY).await;
+            }
+        }
     }
-    engine_metrics::add(paused, 1);
-    if let Some(suppressed) = log.check((), clock::now()) {
-        tracing::warn!(
-            limit = gate.limit(),
-            suppressed,
-            "{what} cap reached on this core; new connections wait in the accept backlog"
-        );
-    }
-    gate.enter().await
 }
 
 /// Accepts client connections forever, at most this core's share of
@@ -108,31 +129,16 @@ async fn enter(gate: &Gate, paused: Count, what: &str, log: &mut LogThrottle<()>
 pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
     let limits = edge.settings.limits;
     let gate = Gate::new(per_core(limits.max_client_connections, edge.shard_count()));
-    let mut log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
-    loop {
-        let permit = enter(
-            &gate,
-            Count::EdgeClientAcceptPaused,
-            "client connection",
-            &mut log,
-        )
-        .await;
-        match iop_engine::http::accept(&listener).await {
-            Ok((tcp, _)) => {
-                engine_metrics::add(Count::EdgeClientConnectionsAccepted, 1);
-                let edge = edge.clone();
-                monoio::spawn(async move {
-                    let _open = OpenConnection { _permit: permit };
-                    surface::serve(edge, tcp).await;
-                });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "client accept failed");
-                drop(permit);
-                monoio::time::sleep(ACCEPT_RETRY_DELAY).await;
-            }
-        }
-    }
+    let serve = |tcp, permit| {
+        engine_metrics::add(Count::EdgeClientConnectionsAccepted, 1);
+        let edge = edge.clone();
+        monoio::spawn(async move {
+            let _open = OpenConnection { _permit: permit };
+            surface::serve(edge, tcp).await;
+        });
+    };
+    let paused = Count::EdgeClientAcceptPaused;
+    gated_accept_loop(listener, gate, paused, "client connection", serve).await;
 }
 
 /// A client connection's place under the cap; counts the close.
@@ -176,31 +182,16 @@ pub async fn serve_nodes(
         HANDSHAKE_LOG_MAX_PEERS,
     )));
     let timeout = Duration::from_millis(limits.node_handshake_timeout_ms);
-    let mut pause_log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
-    loop {
-        let permit = enter(
-            &gate,
-            Count::EdgeNodeAcceptPaused,
-            "node handshake",
-            &mut pause_log,
-        )
-        .await;
-        match iop_engine::http::accept(&listener).await {
-            Ok((tcp, _)) => {
-                let handshake = HandshakeSlot {
-                    permit,
-                    timeout,
-                    log: log.clone(),
-                };
-                monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone(), handshake));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "node accept failed");
-                drop(permit);
-                monoio::time::sleep(ACCEPT_RETRY_DELAY).await;
-            }
-        }
-    }
+    let serve = |tcp, permit| {
+        let handshake = HandshakeSlot {
+            permit,
+            timeout,
+            log: log.clone(),
+        };
+        monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone(), handshake));
+    };
+    let paused = Count::EdgeNodeAcceptPaused;
+    gated_accept_loop(listener, gate, paused, "node handshake", serve).await;
 }
 
 /// A node connection's place among the handshakes in progress, its
