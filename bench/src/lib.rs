@@ -19,6 +19,8 @@
 //! - [`swarm`]: `bench swarm`, one Edge and up to thousands of simulated
 //!   Nodes in one process (RSS per node, cold start and restart recovery,
 //!   dispatch latency, heartbeat CPU, Control's decision costs).
+//! - [`bodies`]: `bench bodies`, the Edge's memory (RSS before, peak and
+//!   after) under bursts of large many-message request bodies.
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -31,6 +33,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bodies;
 pub mod compare;
 pub mod cores;
 pub mod isolation;

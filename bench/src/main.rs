@@ -45,6 +45,11 @@
 //!   heartbeat CPU, and Control's decision costs; a table and
 //!   `bench/results/swarm-*.json`.
 //!
+//! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
+//!   memory (RSS before, peak, after) under bursts of N concurrent chat
+//!   requests of M tiny messages each; a table and
+//!   `bench/results/bodies-*.json`.
+//!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
 
@@ -75,6 +80,7 @@ enum Command {
     Cores(bench::cores::cli::CoresArgs),
     Isolation(bench::isolation::cli::IsolationArgs),
     Swarm(bench::swarm::cli::SwarmArgs),
+    Bodies(bench::bodies::BodiesArgs),
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -162,6 +168,7 @@ fn main() -> ExitCode {
         Command::Cores(args) => bench::cores::cli::main(args),
         Command::Isolation(args) => bench::isolation::cli::main(args),
         Command::Swarm(args) => bench::swarm::cli::main(args),
+        Command::Bodies(args) => bench::bodies::main(args),
     }
 }
 

@@ -97,13 +97,23 @@ pub fn parse_stat_cpu(line: &str) -> Result<CpuTicks, ProcError> {
 
 /// Parses `VmRSS:  <n> kB` out of `/proc/<pid>/status`, in KiB.
 pub fn parse_vm_rss_kib(status: &str) -> Result<u64, ProcError> {
+    parse_status_kib(status, "VmRSS:")
+}
+
+/// Parses `VmHWM:  <n> kB` (peak resident set size since start or since
+/// the last [`reset_peak_rss`]) out of `/proc/<pid>/status`, in KiB.
+pub fn parse_vm_hwm_kib(status: &str) -> Result<u64, ProcError> {
+    parse_status_kib(status, "VmHWM:")
+}
+
+fn parse_status_kib(status: &str, key: &'static str) -> Result<u64, ProcError> {
     const WHAT: &str = "/proc/<pid>/status";
     let line = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(key))
         .ok_or(ProcError::Format {
             what: WHAT,
-            reason: "no VmRSS line (a kernel thread or a zombie?)",
+            reason: "no VmRSS/VmHWM line (a kernel thread or a zombie?)",
         })?;
     let mut parts = line.split_ascii_whitespace();
     let value = parts
@@ -111,15 +121,27 @@ pub fn parse_vm_rss_kib(status: &str) -> Result<u64, ProcError> {
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or(ProcError::Format {
             what: WHAT,
-            reason: "VmRSS value is not a number",
+            reason: "VmRSS/VmHWM value is not a number",
         })?;
     match parts.next() {
         Some("kB") => Ok(value),
         _ => Err(ProcError::Format {
             what: WHAT,
-            reason: "VmRSS unit is not kB",
+            reason: "VmRSS/VmHWM unit is not kB",
         }),
     }
+}
+
+/// Peak resident set size of process `pid` (`VmHWM`), in KiB.
+pub fn read_peak_rss_kib(pid: u32) -> Result<u64, ProcError> {
+    parse_vm_hwm_kib(&read(format!("/proc/{pid}/status"))?)
+}
+
+/// Resets process `pid`'s peak resident set size (`VmHWM`) to its current
+/// size (`echo 5 > /proc/<pid>/clear_refs`).
+pub fn reset_peak_rss(pid: u32) -> Result<(), ProcError> {
+    let path = format!("/proc/{pid}/clear_refs");
+    fs::write(&path, "5").map_err(|source| ProcError::Read { path, source })
 }
 
 /// The `model name` of the first processor in `/proc/cpuinfo`.

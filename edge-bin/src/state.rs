@@ -21,6 +21,7 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::config::ListenerLimits;
 use crate::control::{
     Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
 };
@@ -225,6 +226,8 @@ pub struct Settings {
     /// The loaded credential plane, shared by every shard; `None` =
     /// disabled (tunnels carry no lease).
     pub credentials: Option<Arc<CredentialPlane>>,
+    /// The front door's deadlines, caps and bounds (`[edge]`).
+    pub limits: ListenerLimits,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -1130,6 +1133,7 @@ mod tests {
             started_unix_sec: 0,
             client_keys: ClientKeys::default(),
             credentials: None,
+            limits: ListenerLimits::default(),
         };
         Edge::new(Control::new(spec), settings)
     }

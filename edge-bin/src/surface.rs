@@ -12,59 +12,66 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
+use iop_engine::net::{Deadline, Wait};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
+use crate::body_json::JsonLimits;
 use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
-use crate::{metrics, status};
+use crate::{front_door, metrics, status};
 
-/// Serves one client connection until it closes.
+/// Serves one client connection until it closes. Every read has a
+/// deadline (`edge.client_*_timeout_ms`); a request refused before its body
+/// was read is answered and the connection closed with a lingering close.
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let limits = Limits {
         max_body_bytes: edge.settings.max_request_body_bytes,
         ..Limits::default()
     };
-    let mut server = ServerConn::new(tcp, limits);
+    let deadline = Deadline::spawn(&tcp);
+    let timeouts = front_door::client_timeouts(&edge.settings.limits);
+    let mut server = ServerConn::new(tcp, limits).with_deadline(deadline, timeouts);
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,
             Ok(None) => return,
-            Err(e) => {
-                if e.is_answerable() {
-                    let api = http_error(&e, edge.settings.max_request_body_bytes);
-                    let _ = write_api_error(&mut server, &api).await;
-                }
-                return;
-            }
+            Err(e) => return refuse_request(&edge, &mut server, &e).await,
         };
-        let path = request
-            .head
+        // The body moves into the route that reads it (it is freed as soon
+        // as the route is done with it, not when the response ends).
+        let Request { head, body } = request;
+        let path = head
             .target
             .split('?')
             .next()
             .unwrap_or_default()
             .to_string();
-        let method = request.head.method.as_str();
+        let method = head.method.as_str();
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
         // The shutdown drain waits for this response to finish.
-        let _in_flight = edge.track_request();
+        let in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
-            let _ = refuse_while_draining(&mut server, &path).await;
+            let answered = refuse_while_draining(&mut server, &path).await.is_ok();
+            // Answered: the drain need not wait for the lingering close.
+            drop(in_flight);
+            if answered {
+                linger(&edge, &mut server).await;
+            }
             return;
         }
         // Client API keys: with keys configured, every route but the probes
         // and the metrics scrape needs one (401 in the route's shape).
-        let principal = match authenticate(&edge, &path, &request.head.headers) {
+        let principal = match authenticate(&edge, &path, &head.headers) {
             Ok(principal) => principal,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
@@ -81,14 +88,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 write_json(&mut server, 200, body).await
             }
             ("POST", "/v1/chat/completions") => {
-                chat(
-                    &edge,
-                    &mut server,
-                    principal,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                chat(&edge, &mut server, principal, &head.headers, body).await
             }
             ("POST", "/v1/responses") => {
                 passthrough(
@@ -96,21 +96,13 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     &mut server,
                     principal,
                     RESPONSES,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
             ("POST", "/v1/messages") => {
-                passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    MESSAGES,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                passthrough(&edge, &mut server, principal, MESSAGES, &head.headers, body).await
             }
             ("POST", "/v1/messages/count_tokens") => {
                 passthrough(
@@ -118,8 +110,8 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     &mut server,
                     principal,
                     COUNT_TOKENS,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
@@ -140,6 +132,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 // Latency summaries and relay counters, merged over cores.
                 let latency = engine_metrics::merged();
                 text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
+                text.push_str(&metrics::render_front_door(&latency));
                 server
                     .write_response(
                         200,
@@ -149,7 +142,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     .await
             }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                let (status, body) = crate::admin::handle(&edge, p, &request.body).await;
+                let (status, body) = crate::admin::handle(&edge, p, &body).await;
                 write_json(&mut server, status, body).await
             }
             ("GET", "/readyz") if edge.is_draining() => {
@@ -190,6 +183,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             // metrics: end to end (request read → response finished).
             engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
         }
+        drop(in_flight);
         if result.is_err() || !server.keep_alive() {
             return;
         }
@@ -236,9 +230,97 @@ fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
     }
 }
 
+/// Answers a request that failed before it could be routed (bad or
+/// oversized framing, a stalled head or body) and ends the connection:
+/// counted, answered in the route's shape when the head was read (Anthropic
+/// on `/v1/messages*`), then closed — with a lingering close when the
+/// client may still be sending the request (not after a timeout: its read
+/// side is already shut down).
+async fn refuse_request<S>(edge: &Edge, server: &mut ServerConn<S>, e: &HttpError)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let counted = match e {
+        HttpError::TimedOut(Wait::Head) => Some(Count::EdgeClientHeadTimeouts),
+        HttpError::TimedOut(Wait::Body) => Some(Count::EdgeClientBodyTimeouts),
+        HttpError::TimedOut(_) => Some(Count::EdgeClientIdleTimeouts),
+        e if e.is_answerable() => Some(Count::EdgeClientRequestErrors),
+        _ => None,
+    };
+    if let Some(count) = counted {
+        engine_metrics::add(count, 1);
+    }
+    if !e.is_answerable() {
+        return;
+    }
+    let surface = match server.unfinished_head() {
+        Some(head) if head.target.starts_with(MESSAGES.path) => Surface::Anthropic,
+        _ => Surface::OpenAi,
+    };
+    let api = http_error(e, edge.settings.max_request_body_bytes);
+    let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+    headers.push(("connection", "close"));
+    if server
+        .write_response(api.status, headers, api.body_for(surface))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    if !matches!(e, HttpError::TimedOut(_)) {
+        linger(edge, server).await;
+    }
+}
+
+/// A lingering close with the configured bounds (counted), or a plain one
+/// when lingering is off.
+async fn linger<S>(edge: &Edge, server: &mut ServerConn<S>)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let Some(linger) = front_door::client_linger(&edge.settings.limits) else {
+        let _ = server.close().await;
+        return;
+    };
+    engine_metrics::add(Count::EdgeClientLingeringCloses, 1);
+    let discarded_bytes = match server.linger_close(&linger).await {
+        LingerEnd::PeerClosed { discarded_bytes } | LingerEnd::TimedOut { discarded_bytes } => {
+            discarded_bytes
+        }
+        LingerEnd::ByteCapReached => linger.max_bytes,
+        LingerEnd::Skipped => 0,
+    };
+    engine_metrics::add(Count::EdgeClientLingerDiscardedBytes, discarded_bytes);
+}
+
+/// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`).
+fn json_limits(edge: &Edge) -> JsonLimits {
+    JsonLimits {
+        max_depth: edge.settings.limits.max_json_depth,
+        max_elements: edge.settings.limits.max_json_elements,
+    }
+}
+
+/// Answers a body the Edge cannot read (400); JSON-limit refusals are
+/// counted.
+async fn refuse_body<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    e: &ApiError,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    if e.is_json_limit() {
+        engine_metrics::add(Count::EdgeClientJsonLimitRejections, 1);
+    }
+    write_error(server, surface, e).await
+}
+
 fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
     match e.status_code() {
         413 => ApiError::body_too_large(max_body_bytes),
+        408 => ApiError::request_timeout(e.to_string()),
         status => ApiError::from_http_status(status, e.to_string()),
     }
 }
@@ -329,14 +411,14 @@ async fn chat<S>(
     server: &mut ServerConn<S>,
     principal: &str,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let chat = match ChatRequest::parse(body) {
+    let mut chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
-        Err(e) => return write_api_error(server, &e).await,
+        Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
     let long = edge
         .settings
@@ -360,7 +442,7 @@ where
                 CHAT_COMPLETIONS,
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-                chat.body_for_target(&lease.target),
+                chat.take_body_for_target(&lease.target),
                 chat.stream,
             );
             match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
@@ -475,14 +557,14 @@ async fn passthrough<S>(
     principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let req = match PassthroughRequest::parse(body) {
+    let mut req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
-        Err(e) => return write_error(server, route.surface, &e).await,
+        Err(e) => return refuse_body(server, route.surface, &e).await,
     };
     let Some((request, dispatch, frames)) =
         admit(edge, server, route.surface, &req.model, false).await?
@@ -506,7 +588,7 @@ where
         route,
         &dispatch,
         tunnel_headers(route, req.stream, headers),
-        req.body_for_target(&dispatch.lease.target),
+        req.take_body_for_target(&dispatch.lease.target),
         req.stream,
     );
     let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
@@ -1141,7 +1223,10 @@ mod tests {
     #[test]
     fn the_external_model_never_reaches_the_wire() {
         let chat = ChatRequest::parse(
-            br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            Bytes::from_static(
+                br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            &JsonLimits::default(),
         )
         .unwrap();
         let dispatch = dispatch();

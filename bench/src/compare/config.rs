@@ -66,6 +66,18 @@ pub fn edge_toml(names: &ClusterNames, mock_base_url: &str) -> String {
     edge_toml_for(names, &[route], &[])
 }
 
+/// [`edge_toml`] with more `[edge]` lines (`key = value\n` each).
+pub fn edge_toml_with(names: &ClusterNames, mock_base_url: &str, edge_keys: &str) -> String {
+    let route = MockRoute {
+        name: "mock".into(),
+        base_url: mock_base_url.into(),
+        target: names.target.clone(),
+        model: names.model.clone(),
+    };
+    let extra: Vec<String> = edge_keys.lines().map(str::to_string).collect();
+    edge_toml_for(names, &[route], &extra)
+}
+
 /// `edge.toml` for one node serving every route (an adapter, a provider and
 /// a model each), with `edge_extra` lines (`key = value`) in `[edge]`.
 pub fn edge_toml_for(names: &ClusterNames, routes: &[MockRoute], edge_extra: &[String]) -> String {

@@ -13,7 +13,7 @@ use super::stuck::NeverReader;
 use super::IsolationOptions;
 use crate::compare::config::{edge_toml_for, ClusterNames, MockRoute};
 use crate::compare::procs::{ChildProc, TempDir};
-use crate::compare::run::{check_binary, commit, interrupted, spawn_relay_with};
+use crate::compare::run::{check_binary, commit, interrupted, spawn_relay, RelaySpec};
 use crate::compare::CompareError;
 use crate::load::{self, Live, LoadSpec, LoadSummary, Mode, Target};
 use crate::procstat;
@@ -220,15 +220,13 @@ pub fn run(
         ),
     ];
     let dir = children.tmp.path().join("relay");
-    let pair = spawn_relay_with(
-        &opts.bin_dir,
-        &dir,
-        &names,
-        &edge_toml_for(&names, &routes, &extra),
-        (&opts.cores.0, &opts.cores.1),
-        stop,
-        &mut || Ok(()),
-    )?;
+    let edge_config = edge_toml_for(&names, &routes, &extra);
+    let spec = RelaySpec {
+        names: &names,
+        edge_config: &edge_config,
+        cores: (&opts.cores.0, &opts.cores.1),
+    };
+    let pair = spawn_relay(&opts.bin_dir, &dir, &spec, stop, &mut || Ok(()))?;
     children.edge = Some(pair.edge);
     children.node = Some(pair.node);
     let edge = Target::parse(&pair.url)?;

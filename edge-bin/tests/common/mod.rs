@@ -199,8 +199,8 @@ pub struct EdgeOptions {
     pub provider_addr: SocketAddr,
     /// `edge.max_request_body_bytes`, if set.
     pub max_request_body_bytes: Option<usize>,
-    /// More `[edge]` lines (`key = value`), as given.
-    pub edge_extra: String,
+    /// More `[edge]` lines (`key = value`, one per line).
+    pub edge_keys: String,
 }
 
 impl EdgeOptions {
@@ -209,7 +209,7 @@ impl EdgeOptions {
         Self {
             provider_addr,
             max_request_body_bytes: None,
-            edge_extra: String::new(),
+            edge_keys: String::new(),
         }
     }
 
@@ -229,7 +229,8 @@ pub fn edge_toml(pki: &Pki, options: &EdgeOptions) -> String {
     let body_limit = options
         .max_request_body_bytes
         .map(|n| format!("max_request_body_bytes = {n}\n"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        + &options.edge_keys;
     let node = |id: &str, provider: &str, stall: i64| {
         format!(
             r#"
@@ -261,7 +262,7 @@ name = "{EDGE_NAME}"
 trust_domain = "{TRUST_DOMAIN}"
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
-{body_limit}{edge_extra}
+{body_limit}
 [tls]
 ca = "{ca}"
 cert = "{cert}"
@@ -280,7 +281,6 @@ providers = ["node-b/b-mock"]
         ca = edge.ca_path.display(),
         cert = edge.cert_path.display(),
         key = edge.key_path.display(),
-        edge_extra = options.edge_extra,
         node_a = node("node-a", "a-mock", STALL_TIMEOUT_MS),
         node_b = node("node-b", "b-mock", 0),
     )
