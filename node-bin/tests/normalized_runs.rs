@@ -496,3 +496,97 @@ async fn runs_and_tunnels_share_their_adapters_one_gate() {
     }
     assert_eq!(edge.in_flight("oa").await, 0);
 }
+
+// CONTRACT: E3 — metadata is caller-defined and never a control surface,
+// and runs sharing a `session_id` stay independent: a run whose metadata
+// names control fields (run id, adapter, target, session, directories)
+// runs as its own fields say, and cancelling one run of a session leaves
+// the other run of that session to finish whole.
+#[monoio::test(timer_enabled = true)]
+async fn metadata_is_inert_and_runs_sharing_a_session_are_independent() {
+    // `oa` on a mock that sends one token and then nothing for a minute;
+    // `ol` on one that answers three tokens at once.
+    let slow = start_mock(400, 60_000, Default::default(), Default::default());
+    let fast = plain_mock(3);
+    let mut config = payload(&slow, 1);
+    config.adapters[0] = ollama_adapter("ol", 1, vec![TARGET.into()], &fast);
+    let mut edge = Edge::start(config).await;
+    let metadata: HashMap<String, String> = [
+        ("run_id", "victim"),
+        ("adapter", "ol"),
+        ("target", "elsewhere"),
+        ("session_id", "sess-other"),
+        ("working_directory", "/etc"),
+        ("session_owner", "attacker"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let with = |run_id: &str, adapter: &str, max_tokens: Option<i64>| {
+        Body::RunRequest(pb::RunRequest {
+            run_id: run_id.into(),
+            adapter: adapter.into(),
+            target: TARGET.into(),
+            input: Some(pb::RunInput {
+                max_tokens,
+                ..text_input()
+            }),
+            session_id: "sess-1".into(),
+            metadata: metadata.clone(),
+            ..Default::default()
+        })
+    };
+    // Run A holds `oa` (one token, then a minute of nothing).
+    edge.send(with("run-a", "oa", None));
+    let start = edge.recv_event().await;
+    assert_eq!(
+        (
+            start.run_id.as_str(),
+            start.r#type(),
+            start.adapter.as_str()
+        ),
+        ("run-a", pb::RunEventType::Start, "oa")
+    );
+    assert_eq!(start.target, TARGET);
+    assert_eq!(start.session_id, "sess-1", "an opaque correlation value");
+    assert_eq!(edge.recv_event().await.delta, "tok0 ");
+    // Run B of the same session, on `ol`.
+    edge.send(with("run-b", "ol", None));
+    // Cancelling A (by its run id) touches A only.
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "run-a".into(),
+        reason: "client_disconnect".into(),
+    }));
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    while !(a.last().is_some_and(is_terminal) && b.last().is_some_and(is_terminal)) {
+        let e = edge.recv_event().await;
+        match e.run_id.as_str() {
+            "run-a" => a.push(e),
+            "run-b" => b.push(e),
+            other => panic!("an event of {other}: {e:?}"),
+        }
+    }
+    assert_eq!(
+        a.last().map(|e| e.r#type()),
+        Some(pb::RunEventType::Cancelled)
+    );
+    assert_eq!(b.first().map(|e| e.r#type()), Some(pb::RunEventType::Start));
+    assert_eq!(
+        b.last().map(|e| e.r#type()),
+        Some(pb::RunEventType::Complete)
+    );
+    assert!(b
+        .iter()
+        .all(|e| e.adapter == "ol" && e.session_id == "sess-1"));
+    assert_eq!(text(&b), "tok0 tok1 tok2 ");
+    assert_eq!(edge.in_flight("oa").await, 0);
+    assert_eq!(edge.in_flight("ol").await, 0);
+}
+
+fn is_terminal(e: &pb::RunEvent) -> bool {
+    matches!(
+        e.r#type(),
+        pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
+    )
+}
