@@ -446,6 +446,10 @@ async fn a_client_that_stops_reading_is_reset_at_the_write_stall_timeout() {
                 log.cancels[0].1, "client_write_stall",
                 "the cancel says why"
             );
+            // CONTRACT: U6 — an Edge write failure (the stall cut-off) sends
+            // the CancelRequest for the run that was writing, by its id.
+            let runs: Vec<&String> = log.sent.keys().collect();
+            assert_eq!(runs, [&log.cancels[0].0], "the stuck run, and only it");
             assert!(log.finished.is_empty(), "the big answer was never finished");
         }
         let mut read = 0usize;
