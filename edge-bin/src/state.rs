@@ -1198,8 +1198,7 @@ mod tests {
 
     use super::*;
     use crate::control::{
-        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
-        Tunables,
+        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Tunables,
     };
 
     fn edge() -> Edge {
