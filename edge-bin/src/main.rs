@@ -209,6 +209,13 @@ fn spawn_reloader(
                         deferred = ?report.deferred,
                         "configuration reloaded"
                     );
+                    if !report.unsent.is_empty() {
+                        tracing::warn!(
+                            nodes = ?report.unsent,
+                            "config refresh not sent: the node's connection closed; \
+                             it gets the new config when it registers again"
+                        );
+                    }
                     if !report.restart_required.is_empty() {
                         tracing::warn!(
                             sections = ?report.restart_required,

@@ -89,8 +89,13 @@ pub struct ReloadReport {
     /// Nodes whose new config was pushed as a refresh to their ready owner.
     pub refreshed: Vec<String>,
     /// Nodes whose config changed but that are not dispatch-ready: they get
-    /// it at their next registration (K3, X6).
+    /// it at their next registration (K3, X6). A pending owner (registered,
+    /// not ready) is never sent a refresh.
     pub deferred: Vec<String>,
+    /// Nodes whose refresh could not be sent: their ready owner's
+    /// connection was gone by then. Not refreshed; they get the new config
+    /// at their next registration.
+    pub unsent: Vec<String>,
     /// Sections whose changes need a restart and were not applied.
     pub restart_required: Vec<&'static str>,
 }
@@ -159,8 +164,11 @@ pub fn reload(
                 let frame = pb::Frame {
                     body: Some(pb::frame::Body::NodeConfigRefreshRequest(refresh)),
                 };
-                let _ = edge.send_control_to(conn, frame);
-                report.refreshed.push(node.id.clone());
+                if edge.send_control_to(conn, frame) {
+                    report.refreshed.push(node.id.clone());
+                } else {
+                    report.unsent.push(node.id.clone());
+                }
             }
             None => report.deferred.push(node.id.clone()),
         }
@@ -587,5 +595,75 @@ where
         _ = stop.force => DrainEnd::Forced {
             in_flight: edge.in_flight_requests(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::{ConnId, Input};
+
+    fn config_text(base_url: &str) -> String {
+        format!(
+            "[edge]\nname = \"edge-1\"\ntrust_domain = \"iop.test\"\n\
+             client_listen = \"127.0.0.1:0\"\nnode_listen = \"127.0.0.1:0\"\n\
+             insecure_plaintext_nodes = true\n\
+             [[nodes]]\nid = \"node-a\"\n\
+             [[nodes.adapters]]\nname = \"mock\"\nkind = \"openai_compat\"\n\
+             base_url = \"{base_url}\"\n\
+             [[nodes.providers]]\nid = \"mock-1\"\nadapter = \"mock\"\ntarget = \"m\"\ncapacity = 1\n\
+             [[nodes]]\nid = \"node-b\"\n\
+             [[nodes.adapters]]\nname = \"mock\"\nkind = \"openai_compat\"\n\
+             base_url = \"{base_url}\"\n\
+             [[nodes.providers]]\nid = \"mock-1\"\nadapter = \"mock\"\ntarget = \"m\"\ncapacity = 1\n\
+             [[models]]\nname = \"model\"\nproviders = [\"node-a/mock-1\", \"node-b/mock-1\"]\n"
+        )
+    }
+
+    // CONTRACT: R4, X6, K3 — a reload that changes both nodes' adapters
+    // refreshes neither a pending owner (registered, not ready: deferred to
+    // its next registration) nor a ready owner whose connection is gone by
+    // the time the refresh is sent: that one is reported as not refreshed,
+    // never as refreshed.
+    #[test]
+    fn reload_refreshes_only_ready_owners_it_could_reach() {
+        let dir = std::env::temp_dir().join(format!(
+            "iop-reload-{}-{}",
+            std::process::id(),
+            iop_engine::clock::monotonic_raw_ns()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("edge.toml");
+        std::fs::write(&path, config_text("http://127.0.0.1:9000")).unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        let edge = edge_state(&cfg);
+        // node-a: pending (registered only); node-b: ready, but its
+        // connection is not (or no longer) on this shard.
+        edge.apply(Input::Register {
+            conn: ConnId(1),
+            tls_name: "node-a".into(),
+            node_id: "node-a".into(),
+        });
+        edge.apply(Input::Register {
+            conn: ConnId(2),
+            tls_name: "node-b".into(),
+            node_id: "node-b".into(),
+        });
+        edge.apply(Input::Ready {
+            conn: ConnId(2),
+            node_id: "node-b".into(),
+        });
+        std::fs::write(&path, config_text("http://127.0.0.1:9001")).unwrap();
+        let (_, report) = reload(&edge, &cfg, &path, 2).unwrap();
+        assert_eq!(
+            report,
+            ReloadReport {
+                refreshed: vec![],
+                deferred: vec!["node-a".into()],
+                unsent: vec!["node-b".into()],
+                restart_required: vec![],
+            }
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
