@@ -517,3 +517,83 @@ async fn config_refresh_outcomes() {
         Some(pb::TunnelFrameKind::End)
     );
 }
+
+// CONTRACT: W7 — one session, three observations at once: a normalized run
+// that stalls, a tunnel that stalls and a CAPABILITIES command, all in
+// flight together. Their `health_observation_seq` values are unique and
+// together exactly 1..=n: one counter of the transport session numbers
+// them all, whichever finishes first.
+#[monoio::test(timer_enabled = true)]
+async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
+    let mock = Mock::with_faults(8, 0, stall_after(1));
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    edge.send(Body::RunRequest(pb::RunRequest {
+        run_id: "w7-run".into(),
+        adapter: "mock".into(),
+        target: TARGET.into(),
+        input: Some(pb::RunInput {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        response_stall_timeout_ms: 300,
+        ..Default::default()
+    }));
+    edge.send(tunnel("w7-tunnel", 300, true));
+    edge.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
+        command_id: "w7-caps".into(),
+        r#type: pb::CommandType::Capabilities as i32,
+        adapter: String::new(),
+        path: String::new(),
+    }));
+    let mut seqs: Vec<(&str, u64)> = Vec::new();
+    let (mut run_done, mut tunnel_done, mut caps_done) = (false, false, false);
+    while !(run_done && tunnel_done && caps_done) {
+        match edge.recv().await.body {
+            Some(Body::RunEvent(e)) if e.r#type() == pb::RunEventType::Error => {
+                assert_eq!(e.failure_code, "response_stalled", "{e:?}");
+                let f = e.failure.expect("an ExecutionFailure on a stall");
+                seqs.push(("run", f.health_observation_seq.expect("bound session")));
+                run_done = true;
+            }
+            Some(Body::RunEvent(e)) => {
+                assert!(
+                    matches!(e.r#type(), pb::RunEventType::Start | pb::RunEventType::Delta),
+                    "{e:?}"
+                );
+            }
+            Some(Body::ProviderTunnelFrame(f)) if f.kind() == pb::TunnelFrameKind::Error => {
+                assert_eq!(f.failure_code, "response_stalled", "{f:?}");
+                let failure = f.failure.expect("an ExecutionFailure on a stall");
+                let seq = failure.health_observation_seq.expect("bound session");
+                seqs.push(("tunnel", seq));
+                tunnel_done = true;
+            }
+            Some(Body::ProviderTunnelFrame(f)) => {
+                assert!(
+                    matches!(
+                        f.kind(),
+                        pb::TunnelFrameKind::ResponseStart | pb::TunnelFrameKind::Body
+                    ),
+                    "{f:?}"
+                );
+            }
+            Some(Body::NodeCommandResponse(r)) => {
+                assert_eq!(r.command_id, "w7-caps");
+                assert!(r.ok, "{}", r.error);
+                assert_eq!(r.capabilities.len(), 2, "both adapters");
+                for c in &r.capabilities {
+                    seqs.push(("capabilities", c.health_observation_seq.expect("bound")));
+                }
+                caps_done = true;
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    let mut numbers: Vec<u64> = seqs.iter().map(|(_, s)| *s).collect();
+    numbers.sort_unstable();
+    assert_eq!(numbers, (1..=seqs.len() as u64).collect::<Vec<_>>(), "{seqs:?}");
+}
