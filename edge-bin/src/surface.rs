@@ -8,12 +8,13 @@
 //! ```
 
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
+use iop_engine::tls::{HttpsAcceptor, ListenerStream, MaybeTls};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
@@ -26,14 +27,37 @@ use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{metrics, status};
 
-/// Serves one client connection until it closes.
-pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
+/// Longest TLS handshake of a client connection on an HTTPS listener; a
+/// client that has not finished by then is disconnected.
+pub const CLIENT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs the TLS handshake of an accepted client connection
+/// (`[edge.client_tls]`), then serves it. A failed or timed-out handshake
+/// closes the connection (dropping the handshake closes the socket; no TLS
+/// read is resumed after it).
+pub async fn serve_tls(edge: Rc<Edge>, tcp: TcpStream, tls: HttpsAcceptor) {
     let _ = tcp.set_nodelay(true);
+    let peer = tcp.peer_addr().ok();
+    let handshake = monoio::select! {
+        done = tls.accept(tcp) => Some(done),
+        _ = monoio::time::sleep(CLIENT_HANDSHAKE_TIMEOUT) => None,
+    };
+    match handshake {
+        Some(Ok(stream)) => serve(edge, MaybeTls::from(stream)).await,
+        Some(Err(e)) => tracing::debug!(?peer, error = ?e, "client TLS handshake failed"),
+        None => tracing::debug!(?peer, "client TLS handshake timed out"),
+    }
+}
+
+/// Serves one client connection (plain TCP, or TLS after [`serve_tls`]'s
+/// handshake) until it closes.
+pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
+    let _ = stream.tcp().set_nodelay(true);
     let limits = Limits {
         max_body_bytes: edge.settings.max_request_body_bytes,
         ..Limits::default()
     };
-    let mut server = ServerConn::new(tcp, limits);
+    let mut server = ServerConn::new(stream, limits);
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,
@@ -1234,7 +1258,7 @@ mod tests {
             let mut served_conns = Vec::new();
             for _ in 0..connections {
                 let (tcp, _) = listener.accept().await.expect("accept");
-                served_conns.push(monoio::spawn(serve(served.clone(), tcp)));
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp.into())));
             }
             for conn in served_conns {
                 conn.await;

@@ -226,6 +226,57 @@ impl DevCa {
     }
 }
 
+impl DevCa {
+    /// Issues an ordinary web-PKI server certificate for `hosts` (each a DNS
+    /// name or an IP address, each a SAN) with the `serverAuth` usage: for
+    /// HTTPS listeners and HTTPS mock providers.
+    pub fn issue_for_hosts(
+        &self,
+        hosts: &[&str],
+        validity: Validity,
+    ) -> Result<IssuedCert, CertsError> {
+        let mut params =
+            CertificateParams::new(hosts.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>())?;
+        let mut name = DistinguishedName::new();
+        name.push(
+            DnType::CommonName,
+            hosts.first().copied().unwrap_or("no host"),
+        );
+        params.distinguished_name = name;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.use_authority_key_identifier_extension = true;
+        validity.apply(&mut params);
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(IssuedCert {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// Issues a client certificate (the `clientAuth` usage) with common name
+    /// `name`: for callers of an HTTPS listener that requires mTLS.
+    pub fn issue_client(&self, name: &str, validity: Validity) -> Result<IssuedCert, CertsError> {
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, name);
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.use_authority_key_identifier_extension = true;
+        validity.apply(&mut params);
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(IssuedCert {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+}
+
 /// A certificate file and its key file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertKeyPaths {

@@ -127,7 +127,7 @@ async fn attempt(
     core: &Rc<NodeCore>,
     connector: Option<&NodeTlsConnector>,
 ) -> Attempt {
-    let tcp = match http::connect(cfg.edge_addr.to_string()).await {
+    let tcp = match http::connect_host(cfg.edge_addr.host(), cfg.edge_addr.port()).await {
         Ok(tcp) => tcp,
         Err(e) => return Attempt::Failed(format!("dial {}: {e}", cfg.edge_addr)),
     };

@@ -285,6 +285,7 @@ fn config_payload() -> pb::NodeConfigPayload {
         }),
         adapters: vec![
             pb::AdapterConfig {
+                tls: None,
                 name: "ollama-a".into(),
                 capacity: 2,
                 targets: vec!["llama3:8b".into(), "qwen2:7b".into()],
@@ -293,6 +294,7 @@ fn config_payload() -> pb::NodeConfigPayload {
                 })),
             },
             pb::AdapterConfig {
+                tls: None,
                 name: "vllm-b".into(),
                 capacity: 16,
                 targets: vec!["meta/llama-3-70b".into()],

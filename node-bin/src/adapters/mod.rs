@@ -18,7 +18,10 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use iop_engine::http::Url;
+use iop_engine::tls::{UpstreamTls, UpstreamTlsSettings};
 use iop_wire::pb;
+
+use crate::calls::pool::Target;
 
 /// The adapter type of an instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +64,14 @@ pub enum AdapterConfigError {
     /// An openai_compat instance without a protocol profile.
     #[error("adapter `{0}` has no protocol profile")]
     MissingProfile(String),
+    /// The provider TLS settings cannot be used.
+    #[error("adapter `{name}`: provider TLS: {reason}")]
+    BadTls {
+        /// Instance name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Occupancy of one instance's capacity gate (P4).
@@ -132,6 +143,8 @@ pub struct Endpoint {
     pub kind: AdapterKind,
     /// Provider base URL.
     pub base_url: Url,
+    /// The TLS client for an `https://` base URL (`None` for `http://`).
+    pub tls: Option<UpstreamTls>,
     /// The resolved protocol profile (openai_compat only, U4).
     pub profile: Option<pb::ProtocolProfile>,
 }
@@ -172,6 +185,11 @@ pub enum PathError {
 }
 
 impl Endpoint {
+    /// Where provider connections of this instance go.
+    pub fn target(&self) -> Target<'_> {
+        Target::new(&self.base_url, self.tls.as_ref())
+    }
+
     /// The provider path for a tunnel (U3): the profile's path of
     /// `operation`, or `fallback_path` when the operation is empty
     /// (mixed-version fallback), joined under the base URL's prefix.
@@ -192,6 +210,45 @@ impl Endpoint {
             Some(Err(e)) => Err(e),
         }
     }
+}
+
+/// The TLS client of an instance: built for an `https://` base URL from the
+/// pushed settings (a private CA, or the default trust anchors); settings on
+/// an `http://` base URL are refused (the Edge never sends them).
+fn upstream_tls(
+    name: &str,
+    base_url: &Url,
+    settings: Option<&pb::ProviderTlsConfig>,
+) -> Result<Option<UpstreamTls>, AdapterConfigError> {
+    let bad = |reason: String| AdapterConfigError::BadTls {
+        name: name.to_owned(),
+        reason,
+    };
+    if !base_url.is_tls() {
+        return match settings {
+            Some(_) => Err(bad(format!(
+                "TLS settings for the plain-http base URL {base_url}"
+            ))),
+            None => Ok(None),
+        };
+    }
+    let settings = UpstreamTlsSettings {
+        ca_pem: settings
+            .filter(|s| !s.ca_pem.is_empty())
+            .map(|s| s.ca_pem.clone()),
+        insecure_skip_verify: settings.is_some_and(|s| s.insecure_skip_verify),
+    };
+    if settings.insecure_skip_verify {
+        tracing::warn!(
+            adapter = name,
+            base_url = %base_url,
+            "tls_insecure_skip_verify: this adapter's provider certificate is NOT verified \
+             (dev only)"
+        );
+    }
+    UpstreamTls::new(&settings)
+        .map(Some)
+        .map_err(|e| bad(e.to_string()))
 }
 
 /// The applied adapter set of a session.
@@ -245,6 +302,7 @@ impl Adapters {
                 url: base.clone(),
                 reason: e.to_string(),
             })?;
+            let tls = upstream_tls(&name, &base_url, cfg.tls.as_ref())?;
             let reused = previous
                 .and_then(|p| p.get(&name))
                 .filter(|old| old.kind == kind && old.base_url == base_url)
@@ -257,6 +315,7 @@ impl Adapters {
                     name: name.clone(),
                     kind,
                     base_url,
+                    tls,
                     profile,
                 }),
                 targets: cfg.targets.clone(),
@@ -316,6 +375,7 @@ mod tests {
         pb::NodeConfigPayload {
             adapters: vec![
                 pb::AdapterConfig {
+                    tls: None,
                     name: "vllm-main".into(),
                     capacity: 2,
                     targets: vec!["llama".into()],
@@ -326,6 +386,7 @@ mod tests {
                     )),
                 },
                 pb::AdapterConfig {
+                    tls: None,
                     name: String::new(),
                     capacity: 0,
                     targets: vec![],
