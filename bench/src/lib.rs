@@ -16,6 +16,9 @@
 //! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
 //!   `--cores` layout of edge-bin and node-bin against a direct baseline,
 //!   with the ratios between layouts, and a JSON report.
+//! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
+//!   (SPIFFE identities and their rotations, HTTPS server certificates that
+//!   are good, for the wrong host, expired, or from an unknown CA).
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -30,6 +33,7 @@
 
 pub mod compare;
 pub mod cores;
+pub mod fixtures;
 pub mod load;
 pub mod mock;
 pub mod procstat;
