@@ -48,15 +48,27 @@ pub fn write_tls_fixtures(
     let stranger = DevCa::new(&format!("stranger.{trust_domain}"))?;
     let mut issued: Vec<(String, IssuedCert)> = vec![
         ("edge".into(), ca.issue(Role::Edge, edge_name, fresh)?),
-        ("edge-rotated".into(), ca.issue(Role::Edge, edge_name, fresh)?),
+        (
+            "edge-rotated".into(),
+            ca.issue(Role::Edge, edge_name, fresh)?,
+        ),
         ("https".into(), ca.issue_for_hosts(&HTTPS_HOSTS, fresh)?),
-        ("https-rotated".into(), ca.issue_for_hosts(&HTTPS_HOSTS, fresh)?),
-        ("wrong-host".into(), ca.issue_for_hosts(&["wrong.example"], fresh)?),
+        (
+            "https-rotated".into(),
+            ca.issue_for_hosts(&HTTPS_HOSTS, fresh)?,
+        ),
+        (
+            "wrong-host".into(),
+            ca.issue_for_hosts(&["wrong.example"], fresh)?,
+        ),
         (
             "expired".into(),
             ca.issue_for_hosts(&HTTPS_HOSTS, Validity::expired())?,
         ),
-        ("unknown-ca".into(), stranger.issue_for_hosts(&HTTPS_HOSTS, fresh)?),
+        (
+            "unknown-ca".into(),
+            stranger.issue_for_hosts(&HTTPS_HOSTS, fresh)?,
+        ),
         ("client".into(), ca.issue_client("test-client", fresh)?),
     ];
     for node in nodes {
@@ -72,7 +84,10 @@ pub fn write_tls_fixtures(
     for (stem, cert) in &issued {
         let file = format!("{stem}.pem");
         fs::write(dir.join(&file), &cert.cert_pem)?;
-        write_private(&dir.join(format!("{stem}-key.pem")), cert.key_pem.as_bytes())?;
+        write_private(
+            &dir.join(format!("{stem}-key.pem")),
+            cert.key_pem.as_bytes(),
+        )?;
         let der = CertificateDer::from_pem_slice(cert.cert_pem.as_bytes())
             .map_err(|e| io::Error::other(format!("{file}: {e}")))?;
         serials.insert(file, cert_serial_hex(&der).unwrap_or_default());
@@ -130,7 +145,10 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let manifest: serde_json::Value =
             serde_json::from_slice(&fs::read(dir.join("manifest.json")).unwrap()).unwrap();
-        assert_eq!(manifest["serials"]["edge.pem"], serials["edge.pem"].as_str());
+        assert_eq!(
+            manifest["serials"]["edge.pem"],
+            serials["edge.pem"].as_str()
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -96,8 +96,12 @@ fn tls_fixtures(args: TlsFixturesArgs) -> ExitCode {
     } else {
         args.node
     };
-    match bench::fixtures::write_tls_fixtures(&args.out, &args.trust_domain, &args.edge_name, &nodes)
-    {
+    match bench::fixtures::write_tls_fixtures(
+        &args.out,
+        &args.trust_domain,
+        &args.edge_name,
+        &nodes,
+    ) {
         Ok(serials) => {
             println!("{}", serde_json::json!({ "serials": serials }));
             ExitCode::SUCCESS

@@ -120,7 +120,7 @@ class Cluster:
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
                  credentials=None, client_keys=None, cores="0", edge_extra=(),
-                 provider_tls=None, client_tls=False):
+                 provider_tls=None, client_tls=False, tls_fixtures=False):
         # provider_tls: serve the mock over HTTPS with this `bench
         # tls-fixtures` certificate ("https", "wrong-host", "expired",
         # "unknown-ca"); every adapter then uses https://localhost:<port> with
@@ -131,7 +131,7 @@ class Cluster:
         # (tls/edge.pem, tls/node-<id>.pem), which have rotated twins.
         self.provider_tls = provider_tls
         self.client_tls = client_tls
-        self.fixtures = provider_tls is not None or client_tls
+        self.fixtures = provider_tls is not None or client_tls or tls_fixtures
         # provider_extra: extra TOML lines for every node's [[nodes.providers]]
         # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
         # nodes' (interval_sec, max_attempts). ollama: every node also gets an

@@ -100,16 +100,24 @@ pub(crate) fn certified_key(
     let provider = super::provider();
     CertifiedKey::from_der(chain, key_der, &provider)
         .map(Arc::new)
-        .map_err(|e| {
-            let reason = match e {
-                rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
-                    ConfigProblem::KeyMismatch
-                }
-                other => ConfigProblem::BadKey {
+        .map_err(|e| match e {
+            rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
+                config_error(key.0, ConfigProblem::KeyMismatch)
+            }
+            // The leaf did not parse (checking the key against it needs its
+            // public key): the certificate file is at fault, not the key.
+            rustls::Error::InvalidCertificate(e) => config_error(
+                cert.0,
+                ConfigProblem::UnusableCertificate {
+                    detail: format!("{e:?}"),
+                },
+            ),
+            other => config_error(
+                key.0,
+                ConfigProblem::BadKey {
                     detail: other.to_string(),
                 },
-            };
-            config_error(key.0, reason)
+            ),
         })
 }
 
