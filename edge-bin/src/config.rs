@@ -1952,7 +1952,7 @@ providers = ["node-a/a-llama"]
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
              `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
-             `client_write_stall_timeout_ms` (line 8, column 1)"
+             `client_write_stall_timeout_ms`, `client_tls` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -2617,6 +2617,174 @@ providers = ["node-a/a-llama"]
                 &format!("id = \"node-a\"\nrecipient_key = \"{}\"", recipient_text(9))
             )
         )
+    }
+
+    #[test]
+    fn https_adapters_take_provider_tls_settings() {
+        let https = "base_url = \"https://api.example.com/openai\"";
+        let config = parse(&variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            &format!("{https}\nca_file = \"ca/provider.pem\""),
+        ))
+        .unwrap();
+        let adapter = &config.nodes[0].adapters[0];
+        assert!(adapter.base_url.is_tls());
+        assert_eq!(adapter.base_url.origin(), "https://api.example.com:443");
+        assert_eq!(
+            adapter.tls,
+            ProviderTlsSpec {
+                ca_file: Some(PathBuf::from("conf/ca/provider.pem")),
+                ca_pem: None,
+                insecure_skip_verify: false,
+            }
+        );
+        // Without a CA file or the dev switch the Node uses its defaults.
+        let plain = parse(&variant("base_url = \"http://127.0.0.1:8000\"", https)).unwrap();
+        assert_eq!(plain.nodes[0].adapters[0].tls.to_pb(), None);
+        let insecure = parse(&variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            &format!("{https}\ntls_insecure_skip_verify = true"),
+        ))
+        .unwrap();
+        let payload = insecure.node_config_payload(&insecure.nodes[0], 1);
+        assert_eq!(
+            payload.adapters[0].tls,
+            Some(pb::ProviderTlsConfig {
+                ca_pem: String::new(),
+                insecure_skip_verify: true,
+            })
+        );
+        assert_eq!(
+            payload.adapters[0]
+                .kind
+                .as_ref()
+                .and_then(|k| match k {
+                    pb::adapter_config::Kind::OpenaiCompat(o) => o.protocol_profile.clone(),
+                    pb::adapter_config::Kind::Ollama(_) => None,
+                })
+                .map(|p| (p.base_url, p.chat_completions_path)),
+            Some((
+                "https://api.example.com:443".to_owned(),
+                "/openai/v1/chat/completions".to_owned()
+            ))
+        );
+    }
+
+    #[test]
+    fn provider_tls_settings_are_refused_where_they_mean_nothing() {
+        let key = "conf/edge.toml: nodes[0].adapters[0]";
+        assert_eq!(
+            error_of("capacity = 8\n\n", "capacity = 8\nca_file = \"ca.pem\"\n\n"),
+            format!("{key}.ca_file: only an https:// base_url has provider TLS settings")
+        );
+        assert_eq!(
+            error_of(
+                "capacity = 8\n\n",
+                "capacity = 8\ntls_insecure_skip_verify = false\n\n"
+            ),
+            format!(
+                "{key}.tls_insecure_skip_verify: only an https:// base_url has provider TLS \
+                 settings"
+            )
+        );
+        assert_eq!(
+            error_of(
+                "base_url = \"http://127.0.0.1:8000\"",
+                "base_url = \"https://h\"\nca_file = \"ca.pem\"\ntls_insecure_skip_verify = true"
+            ),
+            format!(
+                "{key}.tls_insecure_skip_verify: verifies nothing, so ca_file would be ignored: \
+                 set one of them"
+            )
+        );
+    }
+
+    #[test]
+    fn no_credential_is_sent_to_an_unverified_provider() {
+        let text = managed("").replace(
+            "base_url = \"http://127.0.0.1:8000\"",
+            "base_url = \"https://api.example.com\"\ntls_insecure_skip_verify = true",
+        );
+        assert_eq!(
+            error(&text),
+            "conf/edge.toml: credentials.slots[0].providers[0]: \"node-a/a-llama\" is served by \
+             an adapter with tls_insecure_skip_verify; a credential is never sent to a provider \
+             whose certificate is not verified"
+        );
+    }
+
+    #[test]
+    fn client_tls_resolves_its_files_and_load_checks_them() {
+        let text = variant(
+            "node_listen = \"127.0.0.1:7443\"",
+            "node_listen = \"127.0.0.1:7443\"\n[edge.client_tls]\ncert = \"https.pem\"\n\
+             key = \"/etc/iop/https-key.pem\"\nclient_ca = \"callers.pem\"",
+        );
+        let config = parse(&text).unwrap();
+        assert_eq!(
+            config.client_tls,
+            Some(HttpsFiles {
+                cert: PathBuf::from("conf/https.pem"),
+                key: PathBuf::from("/etc/iop/https-key.pem"),
+                client_ca: Some(PathBuf::from("conf/callers.pem")),
+            })
+        );
+        assert_eq!(
+            error(&text.replace("client_ca", "client_cert")),
+            "conf/edge.toml: edge.client_tls.client_cert: unknown field `client_cert`, expected \
+             one of `cert`, `key`, `client_ca` (line 10, column 1)"
+        );
+        // Files are checked by load: the missing certificate is named.
+        let dir = std::env::temp_dir().join(format!("iop-edge-client-tls-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("certs")).unwrap();
+        for f in ["certs/ca.pem", "certs/edge.pem", "certs/edge-key.pem"] {
+            std::fs::write(dir.join(f), "x").unwrap();
+        }
+        let path = dir.join("edge.toml");
+        std::fs::write(&path, &text).unwrap();
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}: edge.client_tls.cert: cannot read {}",
+                path.display(),
+                dir.join("https.pem").display()
+            )),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn load_reads_and_checks_provider_ca_files() {
+        let dir = std::env::temp_dir().join(format!("iop-edge-provider-ca-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("certs")).unwrap();
+        for f in ["certs/ca.pem", "certs/edge.pem", "certs/edge-key.pem"] {
+            std::fs::write(dir.join(f), "x").unwrap();
+        }
+        let text = variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            "base_url = \"https://gw.internal:8443\"\nca_file = \"private-ca.pem\"",
+        );
+        let path = dir.join("edge.toml");
+        std::fs::write(&path, &text).unwrap();
+        let key = format!("{}: nodes[0].adapters[0].ca_file", path.display());
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{key}: cannot read ")), "{err}");
+        std::fs::write(dir.join("private-ca.pem"), "no PEM here").unwrap();
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(err.ends_with("no certificate found"), "{err}");
+        let ca = iop_engine::certs::DevCa::new("iop").unwrap().cert_pem();
+        std::fs::write(dir.join("private-ca.pem"), &ca).unwrap();
+        let config = EdgeConfig::load(&path).unwrap();
+        let payload = config.node_config_payload(&config.nodes[0], 1);
+        assert_eq!(
+            payload.adapters[0].tls,
+            Some(pb::ProviderTlsConfig {
+                ca_pem: ca,
+                insecure_skip_verify: false,
+            })
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     // CONTRACT: C1 — the credential plane parses into slots bound to

@@ -1,4 +1,18 @@
-//! Mutual TLS 1.3 between Edge and Node with SPIFFE workload identity (T2, T3).
+//! TLS for IOP: mutual TLS 1.3 between Edge and Node with SPIFFE workload
+//! identity (T2, T3), and the ordinary web-PKI TLS of the HTTP hops.
+//!
+//! | module | what |
+//! |---|---|
+//! | `edge`, `node` | the node link: [`EdgeTlsAcceptor`], [`NodeTlsConnector`] (below) |
+//! | `listener` | [`HttpsAcceptor`]: the Edge's HTTPS client listener, the HTTPS mock |
+//! | `upstream` | [`UpstreamTls`]: the Node as an HTTPS client of `https://` providers |
+//! | `stream` | [`TlsStream`] (cancel-safe, for the HTTP shells) and [`MaybeTls`], "plain TCP or TLS" |
+//! | `pem`, `identity`, `handshake`, `error` | PEM loading, SPIFFE IDs, the handshake driver, typed errors |
+//!
+//! Every identity here is **reloadable**: acceptors and connectors share
+//! their certificate through a swap cell, so `reload` (SIGHUP) changes what
+//! the next handshake presents while open connections keep theirs; a file
+//! that does not load or names another identity is refused.
 //!
 //! Both peers present certificates signed by the configured CA; the identity
 //! is the certificate's single URI SAN `spiffe://<trust-domain>/<role>/<name>`.

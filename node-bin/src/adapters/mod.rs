@@ -454,6 +454,55 @@ mod tests {
     }
 
     #[test]
+    fn https_adapters_get_a_tls_client_and_plain_ones_refuse_tls_settings() {
+        let mut p = payload();
+        let Some(pb::adapter_config::Kind::OpenaiCompat(o)) = &mut p.adapters[0].kind else {
+            panic!("openai_compat first")
+        };
+        o.protocol_profile.as_mut().unwrap().base_url = "https://gw.internal:8443/prefix".into();
+        let adapters = Adapters::from_payload(&p).unwrap();
+        let a = adapters.get("vllm-main").unwrap();
+        assert!(a.base_url.is_tls());
+        let tls = a.tls.as_ref().expect("a TLS client");
+        assert!(!tls.is_insecure());
+        assert!(adapters.get("ollama").unwrap().tls.is_none());
+        // The target carries the client: its connections are pooled apart.
+        assert_eq!(a.target().tls, Some(tls));
+        // A private CA and the dev switch arrive from the Edge.
+        p.adapters[0].tls = Some(pb::ProviderTlsConfig {
+            ca_pem: String::new(),
+            insecure_skip_verify: true,
+        });
+        let adapters = Adapters::from_payload(&p).unwrap();
+        assert!(adapters
+            .get("vllm-main")
+            .unwrap()
+            .tls
+            .as_ref()
+            .unwrap()
+            .is_insecure());
+        p.adapters[0].tls = Some(pb::ProviderTlsConfig {
+            ca_pem: "not PEM".into(),
+            insecure_skip_verify: false,
+        });
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err(),
+            AdapterConfigError::BadTls {
+                name: "vllm-main".into(),
+                reason: "<ca_pem>: no certificate found".into(),
+            }
+        );
+        // TLS settings for a plain-http adapter are refused.
+        let mut p = payload();
+        p.adapters[1].tls = Some(pb::ProviderTlsConfig::default());
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err().to_string(),
+            "adapter `ollama`: provider TLS: TLS settings for the plain-http base URL \
+             http://127.0.0.1:11434"
+        );
+    }
+
+    #[test]
     fn capacity_gate_admits_up_to_capacity_and_frees_on_drop() {
         let gate = CapacityGate::new(2);
         let a = gate.try_acquire().unwrap();

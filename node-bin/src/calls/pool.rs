@@ -871,6 +871,35 @@ mod tests {
     }
 
     #[test]
+    fn authorities_tell_schemes_and_tls_clients_apart() {
+        let t0 = clock::now();
+        let mut p = pool(8);
+        let plain = url("http://gw:8443");
+        let https = url("https://gw:8443");
+        let tls = |ca: Option<String>| {
+            UpstreamTls::new(&iop_engine::tls::UpstreamTlsSettings {
+                ca_pem: ca,
+                insecure_skip_verify: false,
+            })
+            .unwrap()
+        };
+        let (client_a, client_b) = (tls(None), tls(None));
+        let over_a = Target::new(&https, Some(&client_a));
+        let authority = p.authority(over_a);
+        assert_eq!(authority.to_string(), "gw:8443");
+        assert!(p.checkin(&authority, 1, t0));
+        // Same host and port: not over plain HTTP, not with another
+        // adapter's TLS client (its own trust anchors).
+        assert_eq!(p.checkout(&plain, t0), None);
+        assert_eq!(p.checkout(Target::new(&https, Some(&client_b)), t0), None);
+        assert_eq!(p.checkout(Target::new(&https, None), t0), None);
+        assert_eq!(
+            p.checkout(Target::new(&https, Some(&client_a.clone())), t0),
+            Some(1)
+        );
+    }
+
+    #[test]
     fn the_bound_closes_the_oldest_idle_connection() {
         let t0 = clock::now();
         let a = url("http://10.0.0.1:9000");
