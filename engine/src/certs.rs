@@ -235,37 +235,39 @@ impl DevCa {
         hosts: &[&str],
         validity: Validity,
     ) -> Result<IssuedCert, CertsError> {
-        let mut params =
+        let params =
             CertificateParams::new(hosts.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>())?;
-        let mut name = DistinguishedName::new();
-        name.push(
-            DnType::CommonName,
-            hosts.first().copied().unwrap_or("no host"),
-        );
-        params.distinguished_name = name;
-        params.is_ca = IsCa::ExplicitNoCa;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        params.use_authority_key_identifier_extension = true;
-        validity.apply(&mut params);
-        let key = KeyPair::generate()?;
-        let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(IssuedCert {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        })
+        let common_name = hosts.first().copied().unwrap_or("no host");
+        self.sign_leaf(
+            params,
+            common_name,
+            ExtendedKeyUsagePurpose::ServerAuth,
+            validity,
+        )
     }
 
     /// Issues a client certificate (the `clientAuth` usage) with common name
     /// `name`: for callers of an HTTPS listener that requires mTLS.
     pub fn issue_client(&self, name: &str, validity: Validity) -> Result<IssuedCert, CertsError> {
-        let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, name);
-        params.distinguished_name = dn;
+        let params = CertificateParams::default();
+        self.sign_leaf(params, name, ExtendedKeyUsagePurpose::ClientAuth, validity)
+    }
+
+    /// Signs a fresh key's leaf certificate with `params`' SANs, common
+    /// name `common_name` and the one extended usage `usage`.
+    fn sign_leaf(
+        &self,
+        mut params: CertificateParams,
+        common_name: &str,
+        usage: ExtendedKeyUsagePurpose,
+        validity: Validity,
+    ) -> Result<IssuedCert, CertsError> {
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, common_name);
+        params.distinguished_name = name;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.extended_key_usages = vec![usage];
         params.use_authority_key_identifier_extension = true;
         validity.apply(&mut params);
         let key = KeyPair::generate()?;

@@ -276,7 +276,7 @@ async fn insecure_skip_verify_accepts_an_unknown_ca_and_an_ip_host_is_checked_ag
         acceptor(&server_cert(&ca, &["127.0.0.2"])),
         |_| async {},
     );
-    let err = dial(addr, &tls, "127.0.0.1").await.err().expect("wrong IP");
+    let err = dial(addr, &tls, "127.0.0.1").await.expect_err("wrong IP");
     assert!(matches!(
         err.certificate_error(),
         Some(CertificateError::NotValidForNameContext { .. } | CertificateError::NotValidForName)

@@ -234,6 +234,26 @@ where
         }
     }
 
+    /// A vectored read fills the first iovec (like monoio's own TLS
+    /// streams): plaintext comes out of rustls one copy at a time anyway.
+    async fn read_plaintext_vectored<T: IoVecBufMut>(
+        &mut self,
+        mut buf: T,
+        cancel: Option<&CancelHandle>,
+    ) -> BufResult<usize, T> {
+        // SAFETY: the raw buffer points into `buf`'s first iovec, which
+        // `buf` keeps alive (and nothing else touches) until this returns.
+        let Some(raw) = (unsafe { RawBuf::new_from_iovec_mut(&mut buf) }) else {
+            return (Ok(0), buf);
+        };
+        let (res, _) = self.read_plaintext(raw, cancel).await;
+        if let Ok(n) = res {
+            // SAFETY: `n` bytes of the first iovec were written.
+            unsafe { buf.set_init(n) };
+        }
+        (res, buf)
+    }
+
     async fn write_plaintext(&mut self, parts: &[&[u8]]) -> io::Result<usize> {
         // Records of an earlier write that did not go out make room first.
         self.flush_records().await?;
@@ -260,18 +280,8 @@ where
         self.read_plaintext(buf, None).await
     }
 
-    async fn readv<T: IoVecBufMut>(&mut self, mut buf: T) -> BufResult<usize, T> {
-        // SAFETY: the raw buffer points into `buf`'s first iovec, which
-        // `buf` keeps alive (and nothing else touches) until this returns.
-        let Some(raw) = (unsafe { RawBuf::new_from_iovec_mut(&mut buf) }) else {
-            return (Ok(0), buf);
-        };
-        let (res, _) = self.read_plaintext(raw, None).await;
-        if let Ok(n) = res {
-            // SAFETY: `n` bytes of the first iovec were written.
-            unsafe { buf.set_init(n) };
-        }
-        (res, buf)
+    async fn readv<T: IoVecBufMut>(&mut self, buf: T) -> BufResult<usize, T> {
+        self.read_plaintext_vectored(buf, None).await
     }
 }
 
@@ -294,19 +304,10 @@ where
 
     async fn cancelable_readv<T: IoVecBufMut>(
         &mut self,
-        mut buf: T,
+        buf: T,
         c: CancelHandle,
     ) -> BufResult<usize, T> {
-        // SAFETY: as in `readv`.
-        let Some(raw) = (unsafe { RawBuf::new_from_iovec_mut(&mut buf) }) else {
-            return (Ok(0), buf);
-        };
-        let (res, _) = self.read_plaintext(raw, Some(&c)).await;
-        if let Ok(n) = res {
-            // SAFETY: `n` bytes of the first iovec were written.
-            unsafe { buf.set_init(n) };
-        }
-        (res, buf)
+        self.read_plaintext_vectored(buf, Some(&c)).await
     }
 }
 
