@@ -90,6 +90,10 @@ struct CertsArgs {
     /// a node id to mint a certificate for (repeatable; default node-a)
     #[argh(option)]
     node: Vec<String>,
+    /// also mint an HTTPS server certificate (https.pem) for this host name
+    /// or address, for [edge.client_tls] (repeatable)
+    #[argh(option)]
+    https_host: Vec<String>,
 }
 
 fn fail(message: impl std::fmt::Display) -> ExitCode {
@@ -116,8 +120,14 @@ fn certs(args: CertsArgs) -> ExitCode {
     } else {
         args.node
     };
-    match iop_engine::certs::write_dev_certs(&args.out, &args.trust_domain, &args.edge_name, &nodes)
-    {
+    let https_hosts: Vec<&str> = args.https_host.iter().map(String::as_str).collect();
+    match iop_engine::certs::write_dev_certs_with_https(
+        &args.out,
+        &args.trust_domain,
+        &args.edge_name,
+        &nodes,
+        &https_hosts,
+    ) {
         Ok(files) => {
             println!("CA:   {}", files.ca_cert.display());
             println!(
@@ -128,6 +138,14 @@ fn certs(args: CertsArgs) -> ExitCode {
             for (name, paths) in &files.nodes {
                 println!(
                     "node {name}: {} {}",
+                    paths.cert.display(),
+                    paths.key.display()
+                );
+            }
+            if let Some(paths) = &files.https {
+                println!(
+                    "https ({}): {} {}",
+                    https_hosts.join(", "),
                     paths.cert.display(),
                     paths.key.display()
                 );

@@ -297,6 +297,8 @@ pub struct DevCertFiles {
     pub edge: CertKeyPaths,
     /// `node-<name>.pem` and `node-<name>-key.pem` per node name.
     pub nodes: BTreeMap<String, CertKeyPaths>,
+    /// `https.pem` and `https-key.pem`, when HTTPS hosts were asked for.
+    pub https: Option<CertKeyPaths>,
 }
 
 impl DevCertFiles {
@@ -335,6 +337,24 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<str>,
 {
+    write_dev_certs_with_https(dir, trust_domain, edge_name, node_names, &[])
+}
+
+/// [`write_dev_certs`], plus (when `https_hosts` is not empty) an HTTPS
+/// server certificate for those host names and addresses from the same CA:
+/// `https.pem`, `https-key.pem`, for `[edge.client_tls]` or an HTTPS
+/// provider in development (clients trust `ca.pem`).
+pub fn write_dev_certs_with_https<I, S>(
+    dir: &Path,
+    trust_domain: &str,
+    edge_name: &str,
+    node_names: I,
+    https_hosts: &[&str],
+) -> io::Result<DevCertFiles>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<str>,
+{
     let node_names: Vec<String> = node_names
         .into_iter()
         .map(|name| name.as_ref().to_owned())
@@ -346,6 +366,10 @@ where
     for name in &node_names {
         nodes.push((name, ca.issue(Role::Node, name, validity)?));
     }
+    let https = match https_hosts {
+        [] => None,
+        hosts => Some(ca.issue_for_hosts(hosts, validity)?),
+    };
 
     fs::create_dir_all(dir)?;
     let ca_cert = dir.join("ca.pem");
@@ -356,10 +380,15 @@ where
         let paths = write_pair(dir, &format!("node-{name}"), &issued)?;
         node_paths.insert(name.clone(), paths);
     }
+    let https = match https {
+        Some(issued) => Some(write_pair(dir, "https", &issued)?),
+        None => None,
+    };
     Ok(DevCertFiles {
         ca_cert,
         edge,
         nodes: node_paths,
+        https,
     })
 }
 

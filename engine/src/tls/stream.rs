@@ -137,7 +137,13 @@ where
                 self.read_consumed += taken;
                 match self.conn.process_new_packets() {
                     Ok(state) if state.plaintext_bytes_to_read() > 0 => break,
-                    Ok(_) if taken == 0 => break,
+                    Ok(_) if taken == 0 => {
+                        // rustls takes nothing more (bytes after the peer's
+                        // close_notify): drop them rather than offer them
+                        // again and again.
+                        self.read_consumed = scratch.len();
+                        break;
+                    }
                     Ok(_) => {}
                     Err(e) => {
                         failure = Some(e);
