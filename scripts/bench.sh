@@ -16,30 +16,62 @@
 #                                    rounds; prints the ratio and writes
 #                                    bench/results/cores-<unix-ts>.json (about 2 minutes;
 #                                    --quick: about 30 s)
+#   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
+#                                    instead of building target/release
+#   scripts/bench.sh --swarm         instead of the comparison, run `bench swarm`: one Edge and
+#                                    10, 100 and 1,000 simulated Nodes (each its own mTLS
+#                                    connection and certificate) in one process: Edge RSS per
+#                                    node, cold start and SIGKILL + restart recovery (jitter on
+#                                    and off), dispatch latency, heartbeat CPU, Control's
+#                                    decision costs; writes bench/results/swarm-<unix-ts>.json
+#                                    (about 3 minutes; --quick: about 40 s)
 #   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
-#                                    --cores-scaling; see `bench compare --help`)
+#                                    --cores-scaling, `bench swarm` with --swarm; see
+#                                    `bench compare --help`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
 peer_nginx=0
 cores_scaling=0
+swarm=0
 extra=()
+bin_dir=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --bin-dir) shift; bin_dir=$(cd "${1:?--bin-dir needs a directory}" && pwd) ;;
     --quick) quick=1 ;;
     --peer-nginx) peer_nginx=1 ;;
     --cores-scaling) cores_scaling=1 ;;
+    --swarm) swarm=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-echo "==> building release binaries"
-cargo build --release --workspace --bins --quiet
-bin=$PWD/target/release
+if [ -n "$bin_dir" ]; then
+  bin=$bin_dir
+else
+  echo "==> building release binaries"
+  cargo build --release --workspace --bins --quiet
+  bin=$PWD/target/release
+fi
+
+if [ "$swarm" = 1 ]; then
+  if [ "$peer_nginx" = 1 ] || [ "$cores_scaling" = 1 ]; then
+    echo "--swarm runs on its own: drop --peer-nginx and --cores-scaling" >&2
+    exit 2
+  fi
+  # One socket per node in the harness and in the Edge: raise the soft
+  # open-file limit to the hard one (bench swarm does too, and says so).
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+  args=(swarm --bin-dir "$bin" --out bench/results)
+  if [ "$quick" = 1 ]; then args+=(--quick); fi
+  echo "==> $bin/bench ${args[*]} ${extra[*]}"
+  exec "$bin/bench" "${args[@]}" "${extra[@]}"
+fi
 
 if [ "$cores_scaling" = 1 ]; then
   if [ "$peer_nginx" = 1 ]; then

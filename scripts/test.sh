@@ -4,15 +4,18 @@
 #
 #   scripts/test.sh            everything
 #   scripts/test.sh --no-e2e   skip the Python SDK end-to-end suite
+#   scripts/test.sh --no-fuzz  skip the fuzz stage (corpus replay + brief runs)
 #
 # Exits non-zero on the first failing stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 run_e2e=1
+run_fuzz=1
 for arg in "$@"; do
   case "$arg" in
     --no-e2e) run_e2e=0 ;;
+    --no-fuzz) run_fuzz=0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +50,11 @@ if [ "$run_e2e" = 1 ]; then
   scripts/e2e.sh
   stage "end-to-end again on the epoll fallback (MONOIO_FORCE_LEGACY_DRIVER=1)"
   MONOIO_FORCE_LEGACY_DRIVER=1 scripts/e2e.sh
+fi
+
+if [ "$run_fuzz" = 1 ]; then
+  stage "fuzz: replay the committed corpora, then every target briefly"
+  scripts/fuzz.sh --ci
 fi
 
 stage "contract coverage"

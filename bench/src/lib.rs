@@ -19,6 +19,11 @@
 //! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
 //!   (SPIFFE identities and their rotations, HTTPS server certificates that
 //!   are good, for the wrong host, expired, or from an unknown CA).
+//! - [`swarm`]: `bench swarm`, one Edge and up to thousands of simulated
+//!   Nodes in one process (RSS per node, cold start and restart recovery,
+//!   dispatch latency, heartbeat CPU, Control's decision costs).
+//! - [`bodies`]: `bench bodies`, the Edge's memory (RSS before, peak and
+//!   after) under bursts of large many-message request bodies.
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!
@@ -31,10 +36,13 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bodies;
 pub mod compare;
 pub mod cores;
 pub mod fixtures;
+pub mod isolation;
 pub mod load;
 pub mod mock;
 pub mod procstat;
 pub mod stats;
+pub mod swarm;

@@ -25,6 +25,10 @@
 //!   plain HTTP; the ready line is the same.
 //! - `bench tls-fixtures --out DIR`: the certificates of the TLS tests (see
 //!   `bench::fixtures`), with a manifest of their serials.
+//! - `bench isolation [--quick] [--never-readers K] ...`: what clients that
+//!   never read cost the other clients of one node connection (added
+//!   per-chunk latency with ÷ without, RSS per stuck run, cut-off times,
+//!   back-pressure); a table and `bench/results/isolation-*.json`.
 //! - `bench wheel --timers N`: the timing-wheel micro-benchmark (ns per
 //!   insert, cancel and expire at N timers; run it in release).
 //!
@@ -38,6 +42,17 @@
 //! - `bench cores [--quick] [--layout L]...`: bulk relay throughput with
 //!   edge-bin and node-bin on each core layout (default `0` and `0-1`)
 //!   against a direct baseline; a table and `bench/results/cores-*.json`.
+//! - `bench swarm [--nodes N] [--quick] ...`: one Edge and N simulated
+//!   Nodes (own mTLS connection and certificate each) in this process, for
+//!   fleet sizes 10, 100, 1000 up to N: Edge RSS per node, cold start and
+//!   SIGKILL + restart recovery (jitter on and off), dispatch latency,
+//!   heartbeat CPU, and Control's decision costs; a table and
+//!   `bench/results/swarm-*.json`.
+//!
+//! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
+//!   memory (RSS before, peak, after) under bursts of N concurrent chat
+//!   requests of M tiny messages each; a table and
+//!   `bench/results/bodies-*.json`.
 //!
 //! Exit codes: 0 after a signal-driven shutdown, 1 on bad configuration or a
 //! server error, 2 on unparsable arguments (argh).
@@ -68,6 +83,9 @@ enum Command {
     Load(bench::load::cli::LoadArgs),
     Compare(bench::compare::cli::CompareArgs),
     Cores(bench::cores::cli::CoresArgs),
+    Isolation(bench::isolation::cli::IsolationArgs),
+    Swarm(bench::swarm::cli::SwarmArgs),
+    Bodies(bench::bodies::BodiesArgs),
     TlsFixtures(TlsFixturesArgs),
 }
 
@@ -202,6 +220,9 @@ fn main() -> ExitCode {
         Command::Load(args) => bench::load::cli::main(args),
         Command::Compare(args) => bench::compare::cli::main(args),
         Command::Cores(args) => bench::cores::cli::main(args),
+        Command::Isolation(args) => bench::isolation::cli::main(args),
+        Command::Swarm(args) => bench::swarm::cli::main(args),
+        Command::Bodies(args) => bench::bodies::main(args),
         Command::TlsFixtures(args) => tls_fixtures(args),
     }
 }

@@ -97,13 +97,23 @@ pub fn parse_stat_cpu(line: &str) -> Result<CpuTicks, ProcError> {
 
 /// Parses `VmRSS:  <n> kB` out of `/proc/<pid>/status`, in KiB.
 pub fn parse_vm_rss_kib(status: &str) -> Result<u64, ProcError> {
+    parse_status_kib(status, "VmRSS:")
+}
+
+/// Parses `VmHWM:  <n> kB` (peak resident set size since start or since
+/// the last [`reset_peak_rss`]) out of `/proc/<pid>/status`, in KiB.
+pub fn parse_vm_hwm_kib(status: &str) -> Result<u64, ProcError> {
+    parse_status_kib(status, "VmHWM:")
+}
+
+fn parse_status_kib(status: &str, key: &'static str) -> Result<u64, ProcError> {
     const WHAT: &str = "/proc/<pid>/status";
     let line = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(key))
         .ok_or(ProcError::Format {
             what: WHAT,
-            reason: "no VmRSS line (a kernel thread or a zombie?)",
+            reason: "no VmRSS/VmHWM line (a kernel thread or a zombie?)",
         })?;
     let mut parts = line.split_ascii_whitespace();
     let value = parts
@@ -111,15 +121,27 @@ pub fn parse_vm_rss_kib(status: &str) -> Result<u64, ProcError> {
         .and_then(|v| v.parse::<u64>().ok())
         .ok_or(ProcError::Format {
             what: WHAT,
-            reason: "VmRSS value is not a number",
+            reason: "VmRSS/VmHWM value is not a number",
         })?;
     match parts.next() {
         Some("kB") => Ok(value),
         _ => Err(ProcError::Format {
             what: WHAT,
-            reason: "VmRSS unit is not kB",
+            reason: "VmRSS/VmHWM unit is not kB",
         }),
     }
+}
+
+/// Peak resident set size of process `pid` (`VmHWM`), in KiB.
+pub fn read_peak_rss_kib(pid: u32) -> Result<u64, ProcError> {
+    parse_vm_hwm_kib(&read(format!("/proc/{pid}/status"))?)
+}
+
+/// Resets process `pid`'s peak resident set size (`VmHWM`) to its current
+/// size (`echo 5 > /proc/<pid>/clear_refs`).
+pub fn reset_peak_rss(pid: u32) -> Result<(), ProcError> {
+    let path = format!("/proc/{pid}/clear_refs");
+    fs::write(&path, "5").map_err(|source| ProcError::Read { path, source })
 }
 
 /// The `model name` of the first processor in `/proc/cpuinfo`.
@@ -137,6 +159,46 @@ fn read(path: String) -> Result<String, ProcError> {
 /// CPU ticks used so far by process `pid`.
 pub fn read_cpu(pid: u32) -> Result<CpuTicks, ProcError> {
     parse_stat_cpu(&read(format!("/proc/{pid}/stat"))?)
+}
+
+/// Parses `/proc/<pid>/task/<tid>/schedstat`: its first field is the
+/// time the thread ran on a CPU, in nanoseconds.
+pub fn parse_schedstat_ns(text: &str) -> Result<u64, ProcError> {
+    text.split_ascii_whitespace()
+        .next()
+        .and_then(|f| f.parse().ok())
+        .ok_or(ProcError::Format {
+            what: "/proc/<pid>/task/<tid>/schedstat",
+            reason: "no run time in nanoseconds first",
+        })
+}
+
+/// CPU time process `pid` has used so far, in nanoseconds, all threads
+/// together (`schedstat`: nanosecond resolution, where `stat`'s clock
+/// ticks are 10 ms). Threads that exited are not counted, so compare
+/// readings of a process whose threads live for its whole life.
+pub fn read_cpu_ns(pid: u32) -> Result<u64, ProcError> {
+    let dir = format!("/proc/{pid}/task");
+    let tasks = fs::read_dir(&dir).map_err(|source| ProcError::Read {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut total_ns = 0u64;
+    for task in tasks.flatten() {
+        let path = task.path().join("schedstat");
+        match fs::read_to_string(&path) {
+            Ok(text) => total_ns = total_ns.saturating_add(parse_schedstat_ns(&text)?),
+            // The thread ended between the listing and the read.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(ProcError::Read {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(total_ns)
 }
 
 /// Resident set size of process `pid`, in KiB.
@@ -199,6 +261,22 @@ pub fn raise_nofile_limit() -> Result<NofileLimit, ProcError> {
     })
 }
 
+/// Parses `/proc/loadavg` into its 1, 5 and 15 minute load averages.
+pub fn parse_loadavg(text: &str) -> Option<[f64; 3]> {
+    let mut fields = text.split_ascii_whitespace().map(str::parse::<f64>);
+    Some([
+        fields.next()?.ok()?,
+        fields.next()?.ok()?,
+        fields.next()?.ok()?,
+    ])
+}
+
+/// The machine's load averages now (runnable tasks, 1/5/15 min): on a
+/// shared machine, how much the figures had to compete for the CPUs.
+pub fn read_loadavg() -> Option<[f64; 3]> {
+    parse_loadavg(&fs::read_to_string("/proc/loadavg").ok()?)
+}
+
 /// Facts about the machine a report was measured on.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MachineInfo {
@@ -247,6 +325,28 @@ pub fn machine_info() -> MachineInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_averages_are_the_first_three_fields() {
+        assert_eq!(
+            parse_loadavg("6.90 6.10 6.40 10/139 11612\n"),
+            Some([6.9, 6.1, 6.4])
+        );
+        assert_eq!(parse_loadavg("1.0 2.0"), None);
+        assert_eq!(parse_loadavg("x 1 2"), None);
+    }
+
+    #[test]
+    fn schedstat_run_time_is_the_first_field() {
+        assert_eq!(
+            parse_schedstat_ns("123456789 2000 17\n").unwrap(),
+            123_456_789
+        );
+        assert!(parse_schedstat_ns("").is_err());
+        assert!(parse_schedstat_ns("x 1 2").is_err());
+        // This process's own threads have run.
+        assert!(read_cpu_ns(std::process::id()).unwrap() > 0);
+    }
 
     #[test]
     fn stat_line_with_a_plain_name() {

@@ -8,8 +8,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
 use serde_json::Value;
 
@@ -51,19 +49,7 @@ fn quick_compare_writes_a_complete_consistent_report() {
 
     // The table went to stdout, the path of the JSON last.
     assert!(stdout.contains("median of windows"), "{stdout}");
-    let path = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("JSON report: "))
-        .unwrap_or_else(|| panic!("no JSON path in\n{stdout}"));
-    let path = PathBuf::from(path);
-    assert_eq!(path.parent(), Some(out_dir.as_path()));
-    let name = path.file_name().unwrap().to_str().unwrap();
-    assert!(
-        name.starts_with("compare-") && name.ends_with(".json"),
-        "{name}"
-    );
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("read report")).expect("JSON");
+    let report = printed_report(&stdout, &out_dir, "compare");
 
     assert_eq!(report["schema"], "iop-bench-compare/1");
     for section in [

@@ -8,8 +8,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
 use serde_json::Value;
 
@@ -62,14 +60,7 @@ fn quick_cores_run_writes_a_complete_consistent_report() {
         "bench cores failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
 
-    let path = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("JSON report: "))
-        .unwrap_or_else(|| panic!("no JSON path in\n{stdout}"));
-    let path = PathBuf::from(path);
-    assert_eq!(path.parent(), Some(out_dir.as_path()));
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("read report")).expect("JSON");
+    let report = printed_report(&stdout, &out_dir, "cores");
     assert_eq!(report["schema"], "iop-bench-cores/1");
     assert_eq!(u64_at(&report, "incomplete_requests"), 0);
 

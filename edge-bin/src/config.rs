@@ -88,6 +88,47 @@ pub const DEFAULT_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 30_000;
 pub const MIN_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 100;
 /// Longest accepted `edge.client_write_stall_timeout_ms` (one hour).
 pub const MAX_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 3_600_000;
+/// Defaults and bounds of the front door's limits (`[edge]` keys, see
+/// [`ListenerLimits`]).
+pub mod front_door {
+    /// `edge.client_head_timeout_ms`: a whole request head.
+    pub const CLIENT_HEAD_TIMEOUT_MS: u64 = 10_000;
+    /// `edge.client_body_idle_timeout_ms`: the longest pause inside a body.
+    pub const CLIENT_BODY_IDLE_TIMEOUT_MS: u64 = 30_000;
+    /// `edge.client_keep_alive_timeout_ms`: an idle kept-alive connection.
+    pub const CLIENT_KEEP_ALIVE_TIMEOUT_MS: u64 = 60_000;
+    /// `edge.max_client_connections`: open client connections (the whole
+    /// process; split evenly over the cores).
+    pub const MAX_CLIENT_CONNECTIONS: u64 = 4_096;
+    /// `edge.client_linger_time_ms`: a lingering close in all.
+    pub const CLIENT_LINGER_TIME_MS: u64 = 30_000;
+    /// `edge.client_linger_idle_timeout_ms`: a pause in a lingering close.
+    pub const CLIENT_LINGER_IDLE_TIMEOUT_MS: u64 = 5_000;
+    /// `edge.client_linger_max_bytes`: bytes a lingering close discards.
+    pub const CLIENT_LINGER_MAX_BYTES: u64 = 128 * 1024 * 1024;
+    /// `edge.node_handshake_timeout_ms`: a node's TLS handshake.
+    pub const NODE_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+    /// `edge.max_node_handshakes`: node TLS handshakes in progress (the
+    /// whole process; split evenly over the cores).
+    pub const MAX_NODE_HANDSHAKES: u64 = 64;
+    /// `edge.max_json_depth`: nesting of a request body.
+    pub const MAX_JSON_DEPTH: u64 = 64;
+    /// `edge.max_json_elements`: values in a request body.
+    pub const MAX_JSON_ELEMENTS: u64 = 250_000;
+
+    /// Largest accepted timeout (one hour).
+    pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+    /// Largest accepted connection or handshake cap.
+    pub const MAX_CONNECTIONS_LIMIT: u64 = 1_000_000;
+    /// Largest accepted `edge.client_linger_max_bytes` (16 GiB).
+    pub const MAX_LINGER_BYTES_LIMIT: u64 = 16 * 1024 * 1024 * 1024;
+    /// Largest accepted `edge.max_json_depth` (the JSON parser's own
+    /// recursion limit).
+    pub const MAX_JSON_DEPTH_LIMIT: u64 = 128;
+    /// Largest accepted `edge.max_json_elements`.
+    pub const MAX_JSON_ELEMENTS_LIMIT: u64 = 16_000_000;
+}
+
 /// Largest accepted `models[].long_context_threshold_tokens`.
 pub const MAX_LONG_CONTEXT_THRESHOLD_TOKENS: u64 = 100_000_000;
 /// Default `models[].owned_by`, shown in `/v1/models`.
@@ -233,6 +274,67 @@ pub struct EdgeSettings {
     /// A client socket that takes no bytes of a response for this long is
     /// cut off: its run is cancelled on the Node, its lease released.
     pub client_write_stall_timeout_ms: u64,
+    /// Deadlines, caps and bounds of both listeners.
+    pub limits: ListenerLimits,
+}
+
+/// The front door's limits: `[edge]` keys of the same names, defaults in
+/// [`front_door`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenerLimits {
+    /// A whole request head must arrive within this (from the accept for a
+    /// connection's first request, from its first byte for later ones);
+    /// else 408 and close.
+    pub client_head_timeout_ms: u64,
+    /// A request body may pause at most this long between reads; else 408
+    /// and close.
+    pub client_body_idle_timeout_ms: u64,
+    /// A kept-alive connection without a request for this long is closed.
+    pub client_keep_alive_timeout_ms: u64,
+    /// Open client connections (process-wide, split evenly over the
+    /// cores). At the cap the Edge stops accepting: new connections wait in
+    /// the kernel's accept backlog until one closes.
+    pub max_client_connections: u64,
+    /// After an early answer (413, 431, 400, 503 while draining): longest
+    /// time spent reading and discarding what the client still sends
+    /// (0: no lingering, just close).
+    pub client_linger_time_ms: u64,
+    /// Longest pause while lingering.
+    pub client_linger_idle_timeout_ms: u64,
+    /// Most bytes discarded while lingering.
+    pub client_linger_max_bytes: u64,
+    /// A node's TLS handshake must finish within this; else the connection
+    /// is closed and counted.
+    pub node_handshake_timeout_ms: u64,
+    /// Node TLS handshakes in progress (process-wide, split evenly over the
+    /// cores). At the cap the Edge stops accepting node connections: they
+    /// wait in the kernel's accept backlog (a reconnect burst is shed by
+    /// waiting, not by failing).
+    pub max_node_handshakes: u64,
+    /// Deepest nesting of arrays/objects in a request body; deeper gets 400.
+    pub max_json_depth: u64,
+    /// Most values (array elements and object members, counted through the
+    /// whole body) in a request body; more gets 400.
+    pub max_json_elements: u64,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        use front_door::*;
+        Self {
+            client_head_timeout_ms: CLIENT_HEAD_TIMEOUT_MS,
+            client_body_idle_timeout_ms: CLIENT_BODY_IDLE_TIMEOUT_MS,
+            client_keep_alive_timeout_ms: CLIENT_KEEP_ALIVE_TIMEOUT_MS,
+            max_client_connections: MAX_CLIENT_CONNECTIONS,
+            client_linger_time_ms: CLIENT_LINGER_TIME_MS,
+            client_linger_idle_timeout_ms: CLIENT_LINGER_IDLE_TIMEOUT_MS,
+            client_linger_max_bytes: CLIENT_LINGER_MAX_BYTES,
+            node_handshake_timeout_ms: NODE_HANDSHAKE_TIMEOUT_MS,
+            max_node_handshakes: MAX_NODE_HANDSHAKES,
+            max_json_depth: MAX_JSON_DEPTH,
+            max_json_elements: MAX_JSON_ELEMENTS,
+        }
+    }
 }
 
 /// One configured Node (`[[nodes]]`).
@@ -844,6 +946,17 @@ struct RawEdge {
     drain_grace_ms: Option<i64>,
     flow_window_bytes: Option<i64>,
     client_write_stall_timeout_ms: Option<i64>,
+    client_head_timeout_ms: Option<i64>,
+    client_body_idle_timeout_ms: Option<i64>,
+    client_keep_alive_timeout_ms: Option<i64>,
+    max_client_connections: Option<i64>,
+    client_linger_time_ms: Option<i64>,
+    client_linger_idle_timeout_ms: Option<i64>,
+    client_linger_max_bytes: Option<i64>,
+    node_handshake_timeout_ms: Option<i64>,
+    max_node_handshakes: Option<i64>,
+    max_json_depth: Option<i64>,
+    max_json_elements: Option<i64>,
     client_tls: Option<RawClientTls>,
 }
 
@@ -1335,6 +1448,90 @@ impl Validator<'_> {
             )
             .map_err(|why| self.err("edge.client_write_stall_timeout_ms", why))?,
         };
+        use front_door::*;
+        let limit = |value: Option<i64>, key: &str, default: u64, min: u64, max: u64| match value {
+            None => Ok(default),
+            Some(v) => in_range(v, min, max).map_err(|why| self.err(format!("edge.{key}"), why)),
+        };
+        let limits = ListenerLimits {
+            client_head_timeout_ms: limit(
+                raw.client_head_timeout_ms,
+                "client_head_timeout_ms",
+                CLIENT_HEAD_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            client_body_idle_timeout_ms: limit(
+                raw.client_body_idle_timeout_ms,
+                "client_body_idle_timeout_ms",
+                CLIENT_BODY_IDLE_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            client_keep_alive_timeout_ms: limit(
+                raw.client_keep_alive_timeout_ms,
+                "client_keep_alive_timeout_ms",
+                CLIENT_KEEP_ALIVE_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            max_client_connections: limit(
+                raw.max_client_connections,
+                "max_client_connections",
+                MAX_CLIENT_CONNECTIONS,
+                1,
+                MAX_CONNECTIONS_LIMIT,
+            )?,
+            client_linger_time_ms: limit(
+                raw.client_linger_time_ms,
+                "client_linger_time_ms",
+                CLIENT_LINGER_TIME_MS,
+                0,
+                MAX_TIMEOUT_MS,
+            )?,
+            client_linger_idle_timeout_ms: limit(
+                raw.client_linger_idle_timeout_ms,
+                "client_linger_idle_timeout_ms",
+                CLIENT_LINGER_IDLE_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            client_linger_max_bytes: limit(
+                raw.client_linger_max_bytes,
+                "client_linger_max_bytes",
+                CLIENT_LINGER_MAX_BYTES,
+                0,
+                MAX_LINGER_BYTES_LIMIT,
+            )?,
+            node_handshake_timeout_ms: limit(
+                raw.node_handshake_timeout_ms,
+                "node_handshake_timeout_ms",
+                NODE_HANDSHAKE_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            max_node_handshakes: limit(
+                raw.max_node_handshakes,
+                "max_node_handshakes",
+                MAX_NODE_HANDSHAKES,
+                1,
+                MAX_CONNECTIONS_LIMIT,
+            )?,
+            max_json_depth: limit(
+                raw.max_json_depth,
+                "max_json_depth",
+                MAX_JSON_DEPTH,
+                1,
+                MAX_JSON_DEPTH_LIMIT,
+            )?,
+            max_json_elements: limit(
+                raw.max_json_elements,
+                "max_json_elements",
+                MAX_JSON_ELEMENTS,
+                1,
+                MAX_JSON_ELEMENTS_LIMIT,
+            )?,
+        };
         Ok(EdgeSettings {
             name: raw.name,
             trust_domain: raw.trust_domain,
@@ -1346,6 +1543,7 @@ impl Validator<'_> {
             drain_grace_ms,
             flow_window_bytes,
             client_write_stall_timeout_ms,
+            limits,
         })
     }
 
@@ -1808,6 +2006,7 @@ providers = ["node-a/a-llama"]
                 drain_grace_ms: 30_000,
                 flow_window_bytes: 256 * 1024,
                 client_write_stall_timeout_ms: 30_000,
+                limits: ListenerLimits::default(),
             },
             tls: Some(TlsFiles {
                 ca: dir.join("certs/ca.pem"),
@@ -1952,7 +2151,11 @@ providers = ["node-a/a-llama"]
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
              `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
-             `client_write_stall_timeout_ms`, `client_tls` (line 8, column 1)"
+             `client_write_stall_timeout_ms`, `client_head_timeout_ms`, \
+             `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
+             `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
+             `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
+             `max_json_elements`, `client_tls` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -2158,6 +2361,57 @@ providers = ["node-a/a-llama"]
             ),
             (65_536, 2_500)
         );
+    }
+
+    #[test]
+    fn front_door_limits_default_parse_and_are_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(parse(BASE).unwrap().edge.limits, ListenerLimits::default());
+        let all = format!(
+            "{edge}\nclient_head_timeout_ms = 1\nclient_body_idle_timeout_ms = 2\n\
+             client_keep_alive_timeout_ms = 3\nmax_client_connections = 4\n\
+             client_linger_time_ms = 0\nclient_linger_idle_timeout_ms = 6\n\
+             client_linger_max_bytes = 7\nnode_handshake_timeout_ms = 8\n\
+             max_node_handshakes = 9\nmax_json_depth = 10\nmax_json_elements = 11"
+        );
+        assert_eq!(
+            parse(&variant(edge, &all)).unwrap().edge.limits,
+            ListenerLimits {
+                client_head_timeout_ms: 1,
+                client_body_idle_timeout_ms: 2,
+                client_keep_alive_timeout_ms: 3,
+                max_client_connections: 4,
+                client_linger_time_ms: 0,
+                client_linger_idle_timeout_ms: 6,
+                client_linger_max_bytes: 7,
+                node_handshake_timeout_ms: 8,
+                max_node_handshakes: 9,
+                max_json_depth: 10,
+                max_json_elements: 11,
+            }
+        );
+        for (key, bad, range) in [
+            ("client_head_timeout_ms", "0", "1 and 3600000"),
+            ("client_body_idle_timeout_ms", "3600001", "1 and 3600000"),
+            ("client_keep_alive_timeout_ms", "-5", "1 and 3600000"),
+            ("max_client_connections", "0", "1 and 1000000"),
+            ("client_linger_time_ms", "-1", "0 and 3600000"),
+            ("client_linger_idle_timeout_ms", "0", "1 and 3600000"),
+            (
+                "client_linger_max_bytes",
+                "17179869185",
+                "0 and 17179869184",
+            ),
+            ("node_handshake_timeout_ms", "0", "1 and 3600000"),
+            ("max_node_handshakes", "1000001", "1 and 1000000"),
+            ("max_json_depth", "129", "1 and 128"),
+            ("max_json_elements", "0", "1 and 16000000"),
+        ] {
+            assert_eq!(
+                error_of(edge, &format!("{edge}\n{key} = {bad}")),
+                format!("conf/edge.toml: edge.{key}: must be between {range} (got {bad})")
+            );
+        }
     }
 
     #[test]

@@ -35,7 +35,9 @@
 //!   a run it does not carry) change nothing and emit nothing (F2).
 //! - The overlay changes only as H4 (set) and H6 (clear) allow.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use iop_wire::pb;
@@ -476,10 +478,72 @@ struct Owner {
 struct NodeEntry {
     spec: NodeSpec,
     owner: Option<Owner>,
+    /// Its providers: a contiguous run of `Control::providers`, which is
+    /// in `ProviderKey` (node id first) order.
+    providers: Range<usize>,
+}
+
+impl NodeEntry {
+    fn ready_owner(&self) -> Option<Owner> {
+        self.owner.filter(|o| o.state == OwnerState::Ready)
+    }
+}
+
+/// A provider's lease occupancy, ordered by load fraction
+/// `in_flight / capacity` (exactly, by cross multiplication), so equal
+/// fractions compare equal whatever their terms.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    in_flight: u32,
+    capacity: u32,
+}
+
+impl Ord for Load {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let lhs = u64::from(self.in_flight) * u64::from(other.capacity);
+        let rhs = u64::from(other.in_flight) * u64::from(self.capacity);
+        lhs.cmp(&rhs)
+    }
+}
+
+impl PartialOrd for Load {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Load {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Load {}
+
+/// One provider in one model's candidate index: least loaded first, ties
+/// to the earlier pool position (the configured order). A position holds
+/// one provider, so `(load, position)` is unique within a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Candidate {
+    load: Load,
+    position: usize,
+    provider: usize,
+}
+
+/// Where a provider sits in the candidate indexes of its models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Indexed {
+    /// The exact occupancy it was filed under (the key to remove it by).
+    in_flight: u32,
+    /// Filed among the candidates for long-context requests too.
+    long: bool,
 }
 
 #[derive(Debug)]
 struct ProviderState {
+    key: ProviderKey,
+    /// Its node (index into `Control::nodes`).
+    node: usize,
     spec: ProviderSpec,
     in_flight: u32,
     long_in_flight: u32,
@@ -491,12 +555,16 @@ struct ProviderState {
     overlay: Option<Generation>,
     /// When the next recovery probe is due, while overlaid.
     next_probe: Option<Instant>,
+    /// Every pool that lists it: (model index, position in the pool).
+    pools: Vec<(usize, usize)>,
+    /// Its entry in those pools' candidate indexes, while it is a
+    /// candidate with a free slot.
+    indexed: Option<Indexed>,
 }
 
 impl ProviderState {
     fn reset_health(&mut self) {
         self.overlay = None;
-        self.next_probe = None;
         self.last_seq = None;
     }
 
@@ -529,6 +597,13 @@ pub struct Lease {
     pub long: bool,
 }
 
+/// A live lease and the provider index it occupies.
+#[derive(Debug)]
+struct LeaseEntry {
+    lease: Lease,
+    provider: usize,
+}
+
 #[derive(Debug, Clone)]
 enum RequestState {
     Queued { deadline: Instant },
@@ -538,9 +613,46 @@ enum RequestState {
 
 #[derive(Debug, Clone)]
 struct Pending {
-    model: String,
+    /// Index into `Control::models`.
+    model: usize,
     long: bool,
     state: RequestState,
+}
+
+/// One served model: its spec, its candidate indexes and its queues.
+#[derive(Debug)]
+struct ModelState {
+    spec: ModelSpec,
+    /// Live providers of the pool with a free slot (X6, H4).
+    free: BTreeSet<Candidate>,
+    /// Those of them with a free long-context slot too.
+    free_long: BTreeSet<Candidate>,
+    /// Requests waiting for a slot, by arrival.
+    queued: BTreeSet<RequestId>,
+    /// Long-context requests waiting for a long slot, by arrival.
+    queued_long: BTreeSet<RequestId>,
+}
+
+impl ModelState {
+    fn candidates(&self, long: bool) -> &BTreeSet<Candidate> {
+        if long {
+            &self.free_long
+        } else {
+            &self.free
+        }
+    }
+
+    fn queue(&mut self, long: bool) -> &mut BTreeSet<RequestId> {
+        if long {
+            &mut self.queued_long
+        } else {
+            &mut self.queued
+        }
+    }
+
+    fn queued_count(&self) -> usize {
+        self.queued.len() + self.queued_long.len()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -552,25 +664,43 @@ struct CommandRecord {
 }
 
 /// The Edge control state machine.
+///
+/// Every decision is indexed so its cost does not grow with the fleet:
+/// each model keeps its candidates with a free slot ordered by load (a
+/// dispatch takes the first), and its waiting requests in two arrival
+/// queues, short and long (the pump looks at queue heads only); leases are
+/// filed by connection (a fence touches only its own), timers by deadline.
 #[derive(Debug)]
 pub struct Control {
-    nodes: BTreeMap<String, NodeEntry>,
-    providers: BTreeMap<ProviderKey, ProviderState>,
-    models: BTreeMap<String, ModelSpec>,
+    /// Nodes in id order.
+    nodes: Vec<NodeEntry>,
+    node_index: HashMap<String, usize>,
+    /// Providers in `ProviderKey` order (each node's a contiguous run).
+    providers: Vec<ProviderState>,
+    provider_index: HashMap<ProviderKey, usize>,
+    models: Vec<ModelState>,
+    model_index: HashMap<String, usize>,
     tunables: Tunables,
-    /// Which node id each live connection registered (R1).
-    bindings: HashMap<ConnId, String>,
+    /// Which node (index) each live connection registered (R1).
+    bindings: HashMap<ConnId, usize>,
     /// Connections ordered closed whose close the shell has not reported
     /// yet: a late register on one is refused (R3: it must reconnect).
     closing: HashSet<ConnId>,
     /// Live leases by run id.
-    leases: BTreeMap<String, Lease>,
+    leases: BTreeMap<String, LeaseEntry>,
+    /// Run ids of the live leases, by the connection they were dispatched
+    /// to (one connection owns one generation: R1, R2).
+    leases_of: HashMap<ConnId, BTreeSet<String>>,
     /// Requests not yet done, by id (arrival order).
     pending: BTreeMap<RequestId, Pending>,
+    /// The head of every non-empty queue: (request, model, long).
+    heads: BTreeSet<(RequestId, usize, bool)>,
     /// Queued requests by deadline, for timeouts.
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Cancel settlements by deadline.
     settle_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Recovery probes by due time: (instant, provider index).
+    probe_deadlines: BTreeSet<(Instant, usize)>,
     /// Outstanding recovery probes.
     commands: HashMap<String, CommandRecord>,
     next_generation: u64,
@@ -581,49 +711,89 @@ pub struct Control {
 impl Control {
     /// A control state for `spec`; no node is connected.
     pub fn new(spec: ControlSpec) -> Self {
-        let mut nodes = BTreeMap::new();
-        let mut providers = BTreeMap::new();
-        for node in spec.nodes {
-            for p in &node.providers {
-                providers.insert(
-                    ProviderKey {
+        let mut node_specs = spec.nodes;
+        node_specs.sort_by(|a, b| a.id.cmp(&b.id));
+        // Later duplicates of a node id are ignored (config validation
+        // refuses them).
+        node_specs.dedup_by(|b, a| a.id == b.id);
+        let mut nodes = Vec::with_capacity(node_specs.len());
+        let mut providers = Vec::new();
+        for (n, node) in node_specs.into_iter().enumerate() {
+            let mut specs = node.providers.clone();
+            specs.sort_by(|a, b| a.id.cmp(&b.id));
+            specs.dedup_by(|b, a| a.id == b.id);
+            let first = providers.len();
+            for p in specs {
+                providers.push(ProviderState {
+                    key: ProviderKey {
                         node_id: node.id.clone(),
                         provider_id: p.id.clone(),
                     },
-                    ProviderState {
-                        spec: p.clone(),
-                        in_flight: 0,
-                        long_in_flight: 0,
-                        last_seq: None,
-                        overlay: None,
-                        next_probe: None,
-                    },
-                );
+                    node: n,
+                    spec: p,
+                    in_flight: 0,
+                    long_in_flight: 0,
+                    last_seq: None,
+                    overlay: None,
+                    next_probe: None,
+                    pools: Vec::new(),
+                    indexed: None,
+                });
             }
-            nodes.insert(
-                node.id.clone(),
-                NodeEntry {
-                    spec: node,
-                    owner: None,
-                },
-            );
+            nodes.push(NodeEntry {
+                spec: node,
+                owner: None,
+                providers: first..providers.len(),
+            });
         }
-        let models = spec
-            .models
-            .into_iter()
-            .map(|m| (m.name.clone(), m))
+        let node_index = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.spec.id.clone(), i))
             .collect();
+        let provider_index: HashMap<ProviderKey, usize> = providers
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.key.clone(), i))
+            .collect();
+        let mut models = Vec::with_capacity(spec.models.len());
+        let mut model_index = HashMap::new();
+        for m in spec.models {
+            if model_index.contains_key(&m.name) {
+                continue;
+            }
+            let index = models.len();
+            for (position, key) in m.providers.iter().enumerate() {
+                if let Some(&p) = provider_index.get(key) {
+                    providers[p].pools.push((index, position));
+                }
+            }
+            model_index.insert(m.name.clone(), index);
+            models.push(ModelState {
+                spec: m,
+                free: BTreeSet::new(),
+                free_long: BTreeSet::new(),
+                queued: BTreeSet::new(),
+                queued_long: BTreeSet::new(),
+            });
+        }
         Self {
             nodes,
+            node_index,
             providers,
+            provider_index,
             models,
+            model_index,
             tunables: spec.tunables,
             bindings: HashMap::new(),
             closing: HashSet::new(),
             leases: BTreeMap::new(),
+            leases_of: HashMap::new(),
             pending: BTreeMap::new(),
+            heads: BTreeSet::new(),
             queue_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
+            probe_deadlines: BTreeSet::new(),
             commands: HashMap::new(),
             next_generation: 0,
             next_command: 0,
@@ -645,7 +815,7 @@ impl Control {
                 request,
                 model,
                 long,
-            } => self.on_submit(now, request, model, long, out),
+            } => self.on_submit(now, request, &model, long, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
@@ -658,7 +828,7 @@ impl Control {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let queue = self.queue_deadlines.first().map(|(t, _)| *t);
         let settle = self.settle_deadlines.first().map(|(t, _)| *t);
-        let probe = self.providers.values().filter_map(|p| p.next_probe).min();
+        let probe = self.probe_deadlines.first().map(|(t, _)| *t);
         [queue, settle, probe].into_iter().flatten().min()
     }
 
@@ -669,7 +839,8 @@ impl Control {
                 break;
             }
             self.queue_deadlines.remove(&(at, request));
-            if self.pending.remove(&request).is_some() {
+            if let Some(p) = self.pending.remove(&request) {
+                self.unqueue(request, p.model, p.long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Rejected(Rejection::QueueTimeout),
@@ -695,17 +866,138 @@ impl Control {
                 });
             }
         }
-        let due: Vec<ProviderKey> = self
-            .providers
-            .iter()
-            .filter(|(_, p)| p.next_probe.is_some_and(|t| t <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in due {
-            self.send_recovery_probe(now, &key, out);
+        // Due probes go out in `ProviderKey` order.
+        let mut due = Vec::new();
+        while let Some(&(at, p)) = self.probe_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.probe_deadlines.remove(&(at, p));
+            self.providers[p].next_probe = None;
+            due.push(p);
+        }
+        due.sort_unstable();
+        for p in due {
+            self.send_recovery_probe(now, p, out);
         }
         if released {
             self.pump(out);
+        }
+    }
+
+    // ---- indexes --------------------------------------------------------
+
+    /// Whether provider `p` is a live candidate with a free slot: enabled,
+    /// its node's ready generation, no unavailable overlay of that
+    /// generation (X6, H4), a lease free.
+    fn has_free_slot(&self, p: usize) -> bool {
+        let state = &self.providers[p];
+        state.spec.enabled
+            && state.in_flight < state.spec.capacity
+            && self.nodes[state.node]
+                .ready_owner()
+                .is_some_and(|owner| state.overlay != Some(owner.generation))
+    }
+
+    /// Files provider `p` in (or takes it out of) the candidate indexes of
+    /// its models after anything that decides candidacy changed: its
+    /// occupancy, its overlay, its node's owner.
+    fn refresh(&mut self, p: usize) {
+        let want = self.has_free_slot(p).then(|| {
+            let state = &self.providers[p];
+            Indexed {
+                in_flight: state.in_flight,
+                long: state.long_in_flight < state.spec.long_context_capacity,
+            }
+        });
+        let state = &mut self.providers[p];
+        let had = state.indexed;
+        if had == want {
+            return;
+        }
+        state.indexed = want;
+        let capacity = state.spec.capacity;
+        let load = |in_flight| Load {
+            in_flight,
+            capacity,
+        };
+        for &(m, position) in &state.pools {
+            let model = &mut self.models[m];
+            if let Some(old) = had {
+                let entry = Candidate {
+                    load: load(old.in_flight),
+                    position,
+                    provider: p,
+                };
+                model.free.remove(&entry);
+                if old.long {
+                    model.free_long.remove(&entry);
+                }
+            }
+            if let Some(new) = want {
+                let entry = Candidate {
+                    load: load(new.in_flight),
+                    position,
+                    provider: p,
+                };
+                model.free.insert(entry);
+                if new.long {
+                    model.free_long.insert(entry);
+                }
+            }
+        }
+    }
+
+    fn refresh_node(&mut self, node: usize) {
+        for p in self.nodes[node].providers.clone() {
+            self.refresh(p);
+        }
+    }
+
+    /// Sets when provider `p`'s next recovery probe is due.
+    fn set_next_probe(&mut self, p: usize, at: Option<Instant>) {
+        if let Some(old) = self.providers[p].next_probe {
+            self.probe_deadlines.remove(&(old, p));
+        }
+        self.providers[p].next_probe = at;
+        if let Some(at) = at {
+            self.probe_deadlines.insert((at, p));
+        }
+    }
+
+    /// Clears provider `p`'s overlay, sequence and probe (F3, H5).
+    fn reset_health(&mut self, p: usize) {
+        self.providers[p].reset_health();
+        self.set_next_probe(p, None);
+    }
+
+    /// Takes `request` out of its model's queue.
+    fn unqueue(&mut self, request: RequestId, model: usize, long: bool) {
+        let queue = self.models[model].queue(long);
+        let was_head = queue.first() == Some(&request);
+        if !queue.remove(&request) || !was_head {
+            return;
+        }
+        let next = queue.first().copied();
+        self.heads.remove(&(request, model, long));
+        if let Some(next) = next {
+            self.heads.insert((next, model, long));
+        }
+    }
+
+    /// Puts `request` at the end of its model's queue.
+    fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
+        let queue = self.models[model].queue(long);
+        let old_head = queue.first().copied();
+        queue.insert(request);
+        let head = queue.first().copied();
+        if head != old_head {
+            if let Some(old) = old_head {
+                self.heads.remove(&(old, model, long));
+            }
+            if let Some(new) = head {
+                self.heads.insert((new, model, long));
+            }
         }
     }
 
@@ -736,8 +1028,9 @@ impl Control {
                 },
             });
         };
-        if let Some(bound) = self.bindings.get(&conn) {
+        if let Some(&bound) = self.bindings.get(&conn) {
             // R1: one node id per connection; the first binding stays as is.
+            let bound = &self.nodes[bound].spec.id;
             return reject(
                 format!(
                     "connection already registered as node `{bound}`; one node id per connection"
@@ -760,7 +1053,7 @@ impl Control {
             );
             return self.close_conn(conn, "registration_rejected", out);
         }
-        let Some(node) = self.nodes.get_mut(node_id) else {
+        let Some(&n) = self.node_index.get(node_id) else {
             reject(
                 format!("node `{node_id}` is not configured at this edge"),
                 out,
@@ -769,13 +1062,14 @@ impl Control {
         };
         self.next_generation += 1;
         let generation = Generation(self.next_generation);
+        let node = &mut self.nodes[n];
         let previous = node.owner.replace(Owner {
             conn,
             generation,
             state: OwnerState::Pending,
         });
         let config = node.spec.config.clone();
-        self.bindings.insert(conn, node_id.to_string());
+        self.bindings.insert(conn, n);
         out.push(Action::RegisterResponse {
             conn,
             response: pb::RegisterResponse {
@@ -787,10 +1081,12 @@ impl Control {
         if let Some(old) = previous {
             // R2: the older connection is fenced and closed.
             if old.state == OwnerState::Ready {
-                self.fence(node_id, old, out);
+                self.fence(n, old, out);
             }
             self.close_conn(old.conn, "superseded", out);
         }
+        // A pending owner offers no candidate.
+        self.refresh_node(n);
     }
 
     fn on_ready(&mut self, conn: ConnId, node_id: &str, out: &mut Vec<Action>) {
@@ -804,13 +1100,11 @@ impl Control {
             });
             this.close_conn(conn, "not_ready", out);
         };
-        if self.bindings.get(&conn).map(String::as_str) != Some(node_id) {
-            return not_ready(self, "this connection did not register this node id", out);
-        }
-        let Some(node) = self.nodes.get_mut(node_id) else {
-            return not_ready(self, "node is not configured", out);
+        let n = match self.bindings.get(&conn) {
+            Some(&n) if self.nodes[n].spec.id == node_id => n,
+            _ => return not_ready(self, "this connection did not register this node id", out),
         };
-        let Some(owner) = node.owner.as_mut().filter(|o| o.conn == conn) else {
+        let Some(owner) = self.nodes[n].owner.as_mut().filter(|o| o.conn == conn) else {
             return not_ready(
                 self,
                 "superseded by a newer registration of this node id",
@@ -831,10 +1125,9 @@ impl Control {
         owner.state = OwnerState::Ready;
         // F3, H5: the new generation's resources start with configured
         // capacity and without the old overlay.
-        for (key, p) in self.providers.iter_mut() {
-            if key.node_id == node_id {
-                p.reset_health();
-            }
+        for p in self.nodes[n].providers.clone() {
+            self.reset_health(p);
+            self.refresh(p);
         }
         out.push(Action::Event(Event::NodeConnected {
             node_id: node_id.to_string(),
@@ -844,33 +1137,24 @@ impl Control {
 
     fn on_closed(&mut self, conn: ConnId, out: &mut Vec<Action>) {
         self.closing.remove(&conn);
-        let Some(node_id) = self.bindings.remove(&conn) else {
+        let Some(n) = self.bindings.remove(&conn) else {
             return;
         };
-        let Some(node) = self.nodes.get_mut(&node_id) else {
-            return;
-        };
-        let owner = match node.owner {
+        let owner = match self.nodes[n].owner {
             Some(owner) if owner.conn == conn => owner,
             // A stale connection: nothing changes (F2).
             _ => return,
         };
-        node.owner = None;
+        self.nodes[n].owner = None;
         if owner.state == OwnerState::Ready {
-            self.fence(&node_id, owner, out);
+            self.fence(n, owner, out);
         }
     }
 
     /// F1: in one step, release every lease of `owner`'s generation exactly
     /// once, take its resources offline, and re-evaluate the queue.
-    fn fence(&mut self, node_id: &str, owner: Owner, out: &mut Vec<Action>) {
-        let run_ids: Vec<String> = self
-            .leases
-            .values()
-            .filter(|l| l.provider.node_id == node_id && l.generation == owner.generation)
-            .map(|l| l.run_id.clone())
-            .collect();
-        for run_id in run_ids {
+    fn fence(&mut self, n: usize, owner: Owner, out: &mut Vec<Action>) {
+        for run_id in self.leases_of.remove(&owner.conn).unwrap_or_default() {
             if let Some(lease) = self.release(&run_id) {
                 self.forget_request(lease.request);
                 out.push(Action::Done {
@@ -879,14 +1163,13 @@ impl Control {
                 });
             }
         }
-        for (key, p) in self.providers.iter_mut() {
-            if key.node_id == node_id {
-                p.reset_health();
-            }
+        for p in self.nodes[n].providers.clone() {
+            self.reset_health(p);
+            self.refresh(p);
         }
         self.commands.retain(|_, c| c.conn != owner.conn);
         out.push(Action::Event(Event::NodeDisconnected {
-            node_id: node_id.to_string(),
+            node_id: self.nodes[n].spec.id.clone(),
         }));
         self.pump(out);
     }
@@ -897,25 +1180,24 @@ impl Control {
         &mut self,
         now: Instant,
         request: RequestId,
-        model: String,
+        model: &str,
         long: bool,
         out: &mut Vec<Action>,
     ) {
         if self.pending.contains_key(&request) {
             return;
         }
-        let Some(spec) = self.models.get(&model) else {
+        let Some(&m) = self.model_index.get(model) else {
             return out.push(Action::Done {
                 request,
                 outcome: Outcome::Rejected(Rejection::UnknownModel),
             });
         };
-        let (max_queue, queue_timeout) = (spec.max_queue as usize, spec.queue_timeout);
-        if let Some(dispatch) = self.try_admit(request, &model, long) {
+        if let Some(dispatch) = self.try_admit(request, m, long) {
             self.pending.insert(
                 request,
                 Pending {
-                    model,
+                    model: m,
                     long,
                     state: RequestState::Dispatched {
                         run_id: dispatch.lease.run_id.clone(),
@@ -924,12 +1206,9 @@ impl Control {
             );
             return out.push(Action::Dispatch(dispatch));
         }
-        let queued = self
-            .pending
-            .values()
-            .filter(|p| p.model == model && matches!(p.state, RequestState::Queued { .. }))
-            .count();
-        if queued >= max_queue {
+        let spec = &self.models[m].spec;
+        let (max_queue, queue_timeout) = (spec.max_queue as usize, spec.queue_timeout);
+        if self.models[m].queued_count() >= max_queue {
             return out.push(Action::Done {
                 request,
                 outcome: Outcome::Rejected(Rejection::QueueFull),
@@ -937,10 +1216,11 @@ impl Control {
         }
         let deadline = now + queue_timeout;
         self.queue_deadlines.insert((deadline, request));
+        self.enqueue(request, m, long);
         self.pending.insert(
             request,
             Pending {
-                model,
+                model: m,
                 long,
                 state: RequestState::Queued { deadline },
             },
@@ -959,8 +1239,10 @@ impl Control {
         };
         match p.state.clone() {
             RequestState::Queued { deadline } => {
+                let (model, long) = (p.model, p.long);
                 self.queue_deadlines.remove(&(deadline, request));
                 self.pending.remove(&request);
+                self.unqueue(request, model, long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Cancelled,
@@ -973,9 +1255,9 @@ impl Control {
                     settle_at,
                 };
                 self.settle_deadlines.insert((settle_at, request));
-                if let Some(lease) = self.leases.get(&run_id) {
+                if let Some(entry) = self.leases.get(&run_id) {
                     out.push(Action::SendCancel {
-                        conn: lease.conn,
+                        conn: entry.lease.conn,
                         run_id,
                         reason,
                     });
@@ -1001,113 +1283,104 @@ impl Control {
         self.pump(out);
     }
 
-    /// Whether a provider is a live candidate: ready generation, enabled, no
-    /// unavailable overlay (X6, H4). Returns the ready owner.
-    fn live_owner(&self, key: &ProviderKey, p: &ProviderState) -> Option<Owner> {
-        if !p.spec.enabled {
-            return None;
-        }
-        let owner = self.ready_owner(&key.node_id)?;
-        if p.overlay == Some(owner.generation) {
-            return None;
-        }
-        Some(owner)
-    }
-
-    /// Picks the least-loaded live candidate of `model` with a free slot
-    /// (and a free long slot for long requests); ties go to configured order.
-    fn try_admit(&mut self, request: RequestId, model: &str, long: bool) -> Option<Dispatch> {
-        let pool = self.models.get(model)?;
-        let mut best: Option<(&ProviderKey, Owner, u64, u64)> = None;
-        for key in &pool.providers {
-            let Some(p) = self.providers.get(key) else {
-                continue;
-            };
-            let Some(owner) = self.live_owner(key, p) else {
-                continue;
-            };
-            if p.in_flight >= p.spec.capacity {
-                continue;
-            }
-            if long && p.long_in_flight >= p.spec.long_context_capacity {
-                continue;
-            }
-            // Compare load fractions exactly by cross multiplication.
-            let (num, den) = (u64::from(p.in_flight), u64::from(p.spec.capacity));
-            let better = match best {
-                None => true,
-                Some((_, _, bnum, bden)) => num * bden < bnum * den,
-            };
-            if better {
-                best = Some((key, owner, num, den));
-            }
-        }
-        let (key, owner, _, _) = best?;
-        let key = key.clone();
-        let p = self.providers.get_mut(&key)?;
-        p.in_flight += 1;
+    /// Takes a lease on the least-loaded live candidate of model `m` with a
+    /// free slot (and a free long slot for long requests); ties go to
+    /// configured order. The first entry of the model's candidate index.
+    fn try_admit(&mut self, request: RequestId, m: usize, long: bool) -> Option<Dispatch> {
+        let p = self.models[m].candidates(long).first()?.provider;
+        let owner = self.nodes[self.providers[p].node].ready_owner()?;
+        let state = &mut self.providers[p];
+        state.in_flight += 1;
         if long {
-            p.long_in_flight += 1;
+            state.long_in_flight += 1;
         }
         let run_id = request.run_id();
         let lease = Lease {
             request,
             run_id: run_id.clone(),
-            provider: key,
+            provider: state.key.clone(),
             conn: owner.conn,
             generation: owner.generation,
-            adapter: p.spec.adapter.clone(),
-            target: p.spec.target.clone(),
+            adapter: state.spec.adapter.clone(),
+            target: state.spec.target.clone(),
             long,
         };
         let dispatch = Dispatch {
             request,
             lease: lease.clone(),
-            kind: p.spec.kind,
-            response_stall_timeout_ms: p.spec.response_stall_timeout_ms,
+            kind: state.spec.kind,
+            response_stall_timeout_ms: state.spec.response_stall_timeout_ms,
         };
-        self.leases.insert(run_id, lease);
+        self.refresh(p);
+        self.leases_of
+            .entry(owner.conn)
+            .or_default()
+            .insert(run_id.clone());
+        self.leases
+            .insert(run_id, LeaseEntry { lease, provider: p });
         Some(dispatch)
     }
 
     /// Admits waiting requests, in arrival order, wherever they now fit.
+    ///
+    /// Requests of one queue (one model, short or long) fit exactly when
+    /// its head does, and admitting only ever takes capacity, so the
+    /// earliest waiting request that fits is the earliest queue head that
+    /// fits: admit it, repeat until no head fits.
     fn pump(&mut self, out: &mut Vec<Action>) {
-        let waiting: Vec<(RequestId, String, bool, Instant)> = self
-            .pending
-            .iter()
-            .filter_map(|(id, p)| match p.state {
-                RequestState::Queued { deadline } => Some((*id, p.model.clone(), p.long, deadline)),
-                _ => None,
-            })
-            .collect();
-        for (request, model, long, deadline) in waiting {
-            if let Some(dispatch) = self.try_admit(request, &model, long) {
-                self.queue_deadlines.remove(&(deadline, request));
-                if let Some(p) = self.pending.get_mut(&request) {
-                    p.state = RequestState::Dispatched {
-                        run_id: dispatch.lease.run_id.clone(),
-                    };
+        loop {
+            let head = self
+                .heads
+                .iter()
+                .find(|&&(_, m, long)| !self.models[m].candidates(long).is_empty())
+                .copied();
+            let Some((request, m, long)) = head else {
+                return;
+            };
+            let Some(dispatch) = self.try_admit(request, m, long) else {
+                return;
+            };
+            self.unqueue(request, m, long);
+            if let Some(p) = self.pending.get_mut(&request) {
+                if let RequestState::Queued { deadline } = p.state {
+                    self.queue_deadlines.remove(&(deadline, request));
                 }
-                out.push(Action::Dispatch(dispatch));
+                p.state = RequestState::Dispatched {
+                    run_id: dispatch.lease.run_id.clone(),
+                };
             }
+            out.push(Action::Dispatch(dispatch));
         }
     }
 
     fn release(&mut self, run_id: &str) -> Option<Lease> {
-        let lease = self.leases.remove(run_id)?;
-        if let Some(p) = self.providers.get_mut(&lease.provider) {
-            p.in_flight = p.in_flight.saturating_sub(1);
-            if lease.long {
-                p.long_in_flight = p.long_in_flight.saturating_sub(1);
+        let LeaseEntry { lease, provider } = self.leases.remove(run_id)?;
+        if let Some(runs) = self.leases_of.get_mut(&lease.conn) {
+            runs.remove(run_id);
+            if runs.is_empty() {
+                self.leases_of.remove(&lease.conn);
             }
         }
+        let p = &mut self.providers[provider];
+        p.in_flight = p.in_flight.saturating_sub(1);
+        if lease.long {
+            p.long_in_flight = p.long_in_flight.saturating_sub(1);
+        }
+        self.refresh(provider);
         Some(lease)
     }
 
     fn forget_request(&mut self, request: RequestId) {
         if let Some(p) = self.pending.remove(&request) {
-            if let RequestState::CancelPending { settle_at, .. } = p.state {
-                self.settle_deadlines.remove(&(settle_at, request));
+            match p.state {
+                RequestState::CancelPending { settle_at, .. } => {
+                    self.settle_deadlines.remove(&(settle_at, request));
+                }
+                RequestState::Queued { deadline } => {
+                    self.queue_deadlines.remove(&(deadline, request));
+                    self.unqueue(request, p.model, p.long);
+                }
+                RequestState::Dispatched { .. } => {}
             }
         }
     }
@@ -1117,7 +1390,7 @@ impl Control {
     fn on_terminal(&mut self, now: Instant, t: Terminal, out: &mut Vec<Action>) {
         // H1: the reception identity must be the lease's connection.
         match self.leases.get(&t.run_id) {
-            Some(lease) if lease.conn == t.conn => {}
+            Some(entry) if entry.lease.conn == t.conn => {}
             _ => return,
         }
         let Some(lease) = self.release(&t.run_id) else {
@@ -1175,16 +1448,18 @@ impl Control {
         out: &mut Vec<Action>,
     ) {
         let interval = self.tunables.recovery_probe_interval;
-        let Some(p) = self.providers.get_mut(key) else {
+        let Some(&p) = self.provider_index.get(key) else {
             return;
         };
-        if !p.is_fresh(generation, seq) {
+        let state = &mut self.providers[p];
+        if !state.is_fresh(generation, seq) {
             return;
         }
-        p.last_seq = Some((generation, seq));
-        if health == pb::ProviderHealth::Unavailable && p.overlay != Some(generation) {
-            p.overlay = Some(generation);
-            p.next_probe = Some(now + interval);
+        state.last_seq = Some((generation, seq));
+        if health == pb::ProviderHealth::Unavailable && state.overlay != Some(generation) {
+            state.overlay = Some(generation);
+            self.set_next_probe(p, Some(now + interval));
+            self.refresh(p);
             self.counters.health_transitions_unavailable += 1;
             out.push(Action::Event(Event::HealthTransition {
                 provider: key.clone(),
@@ -1193,25 +1468,24 @@ impl Control {
         }
     }
 
-    fn send_recovery_probe(&mut self, now: Instant, key: &ProviderKey, out: &mut Vec<Action>) {
+    fn send_recovery_probe(&mut self, now: Instant, p: usize, out: &mut Vec<Action>) {
         let interval = self.tunables.recovery_probe_interval;
-        let owner = self.ready_owner(&key.node_id);
-        let Some(p) = self.providers.get_mut(key) else {
-            return;
-        };
-        match owner {
-            Some(owner) if p.overlay == Some(owner.generation) => {
-                p.next_probe = Some(now + interval);
+        let state = &self.providers[p];
+        match self.nodes[state.node].ready_owner() {
+            Some(owner) if state.overlay == Some(owner.generation) => {
+                let key = state.key.clone();
+                let adapter = state.spec.adapter.clone();
+                self.set_next_probe(p, Some(now + interval));
                 self.next_command += 1;
                 let command_id = format!("recovery-{}", self.next_command);
                 // At most one outstanding probe per provider: a node that
                 // never answers cannot grow this table.
-                self.commands.retain(|_, c| &c.provider != key);
+                self.commands.retain(|_, c| c.provider != key);
                 self.commands.insert(
                     command_id.clone(),
                     CommandRecord {
                         node_id: key.node_id.clone(),
-                        provider: key.clone(),
+                        provider: key,
                         conn: owner.conn,
                         generation: owner.generation,
                     },
@@ -1221,12 +1495,12 @@ impl Control {
                     command: pb::NodeCommandRequest {
                         command_id,
                         r#type: pb::CommandType::Capabilities as i32,
-                        adapter: p.spec.adapter.clone(),
+                        adapter,
                         path: String::new(),
                     },
                 });
             }
-            _ => p.next_probe = None,
+            _ => self.set_next_probe(p, None),
         }
     }
 
@@ -1246,8 +1520,11 @@ impl Control {
         let Some(record) = self.commands.remove(&response.command_id) else {
             return;
         };
-        let current = self
-            .ready_owner(&record.node_id)
+        let Some(&n) = self.node_index.get(&record.node_id) else {
+            return;
+        };
+        let current = self.nodes[n]
+            .ready_owner()
             .is_some_and(|o| o.conn == record.conn && o.generation == record.generation);
         let mut recovered = false;
         if current && response.ok {
@@ -1258,38 +1535,35 @@ impl Control {
                 let Some(seq) = cap.health_observation_seq else {
                     continue;
                 };
-                let matching: Vec<ProviderKey> = self
-                    .providers
-                    .iter()
-                    .filter(|(k, p)| {
-                        k.node_id == record.node_id
-                            && p.spec.adapter == cap.adapter_key
-                            && p.spec.target == cap.target
-                    })
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                let [key] = matching.as_slice() else {
+                let matching = {
+                    let mut it = self.nodes[n].providers.clone().filter(|&p| {
+                        let spec = &self.providers[p].spec;
+                        spec.adapter == cap.adapter_key && spec.target == cap.target
+                    });
+                    (it.next(), it.next())
+                };
+                let (Some(p), None) = matching else {
                     continue; // none, or ambiguous
                 };
-                let Some(p) = self.providers.get_mut(key) else {
-                    continue;
-                };
-                if !p.is_fresh(record.generation, seq) {
+                let state = &mut self.providers[p];
+                if !state.is_fresh(record.generation, seq) {
                     continue;
                 }
                 // A fresh available observation is recorded even when there is
                 // no overlay to clear, so an older unavailable one arriving
                 // later cannot set one (H4).
-                p.last_seq = Some((record.generation, seq));
-                if p.overlay != Some(record.generation) {
+                state.last_seq = Some((record.generation, seq));
+                if state.overlay != Some(record.generation) {
                     continue;
                 }
-                p.overlay = None;
-                p.next_probe = None;
+                state.overlay = None;
+                let key = state.key.clone();
+                self.set_next_probe(p, None);
+                self.refresh(p);
                 recovered = true;
                 self.counters.health_transitions_available += 1;
                 out.push(Action::Event(Event::HealthTransition {
-                    provider: key.clone(),
+                    provider: key,
                     unavailable: false,
                 }));
             }
@@ -1304,29 +1578,26 @@ impl Control {
 
     // ---- queries -------------------------------------------------------------
 
-    fn ready_owner(&self, node_id: &str) -> Option<Owner> {
-        self.nodes
-            .get(node_id)
-            .and_then(|n| n.owner)
-            .filter(|o| o.state == OwnerState::Ready)
+    fn node(&self, node_id: &str) -> Option<&NodeEntry> {
+        self.node_index.get(node_id).map(|&n| &self.nodes[n])
     }
 
     /// Whether `model` is configured.
     pub fn has_model(&self, model: &str) -> bool {
-        self.models.contains_key(model)
+        self.model_index.contains_key(model)
     }
 
     /// The config payload a node gets at registration (R2).
     pub fn node_config(&self, node_id: &str) -> Option<&pb::NodeConfigPayload> {
-        self.nodes.get(node_id).map(|n| &n.spec.config)
+        self.node(node_id).map(|n| &n.spec.config)
     }
 
     /// Replaces the payload `node_id` gets at its next registration (config
     /// reload, K3). Returns false for an unknown node.
     pub fn set_node_config(&mut self, node_id: &str, config: pb::NodeConfigPayload) -> bool {
-        match self.nodes.get_mut(node_id) {
-            Some(n) => {
-                n.spec.config = config;
+        match self.node_index.get(node_id) {
+            Some(&n) => {
+                self.nodes[n].spec.config = config;
                 true
             }
             None => false,
@@ -1335,52 +1606,52 @@ impl Control {
 
     /// The node id `conn` registered, if any.
     pub fn node_of(&self, conn: ConnId) -> Option<&str> {
-        self.bindings.get(&conn).map(String::as_str)
+        self.bindings
+            .get(&conn)
+            .map(|&n| self.nodes[n].spec.id.as_str())
     }
 
     /// Whether `conn` is the dispatch-ready owner of its node id (R4).
     pub fn is_ready_owner(&self, conn: ConnId) -> bool {
-        self.node_of(conn)
-            .and_then(|n| self.ready_owner(n))
+        self.bindings
+            .get(&conn)
+            .and_then(|&n| self.nodes[n].ready_owner())
             .is_some_and(|o| o.conn == conn)
     }
 
     /// The ready owner connection of `node_id`, if any (K3, X6).
     pub fn ready_conn(&self, node_id: &str) -> Option<ConnId> {
-        self.ready_owner(node_id).map(|o| o.conn)
+        self.node(node_id)
+            .and_then(NodeEntry::ready_owner)
+            .map(|o| o.conn)
     }
 
     /// Every node id with a dispatch-ready owner, with its connection.
     pub fn ready_nodes(&self) -> Vec<(String, ConnId)> {
         self.nodes
             .iter()
-            .filter_map(|(id, n)| {
-                n.owner
-                    .filter(|o| o.state == OwnerState::Ready)
-                    .map(|o| (id.clone(), o.conn))
-            })
+            .filter_map(|n| n.ready_owner().map(|o| (n.spec.id.clone(), o.conn)))
             .collect()
     }
 
     /// The generation `conn` owns its node id under, if it is the current
     /// owner (pending or ready).
     pub fn generation_of(&self, conn: ConnId) -> Option<Generation> {
-        let node_id = self.node_of(conn)?;
-        self.nodes
-            .get(node_id)
-            .and_then(|n| n.owner)
+        let &n = self.bindings.get(&conn)?;
+        self.nodes[n]
+            .owner
             .filter(|o| o.conn == conn)
             .map(|o| o.generation)
     }
 
     /// The live lease of `run_id`.
     pub fn lease(&self, run_id: &str) -> Option<&Lease> {
-        self.leases.get(run_id)
+        self.leases.get(run_id).map(|e| &e.lease)
     }
 
     /// Every live lease, by run id.
     pub fn leases(&self) -> impl Iterator<Item = &Lease> {
-        self.leases.values()
+        self.leases.values().map(|e| &e.lease)
     }
 
     /// Requests not yet done, in arrival order.
@@ -1403,52 +1674,29 @@ impl Control {
 
     /// Whether `key` currently carries the unavailable overlay (H4, H5).
     pub fn is_overlaid(&self, key: &ProviderKey) -> bool {
-        let Some(p) = self.providers.get(key) else {
+        let Some(&p) = self.provider_index.get(key) else {
             return false;
         };
-        match self.nodes.get(&key.node_id).and_then(|n| n.owner) {
-            Some(owner) => p.overlay == Some(owner.generation),
+        let state = &self.providers[p];
+        match self.nodes[state.node].owner {
+            Some(owner) => state.overlay == Some(owner.generation),
             None => false,
         }
     }
 
-    /// Per-provider resource snapshots (P1–P3, H5).
+    /// Per-provider resource snapshots (P1–P3, H5), in `ProviderKey`
+    /// order.
     pub fn snapshots(&self) -> Vec<pb::ProviderSnapshot> {
-        // P2: unique pending requests listing the provider as a live
-        // candidate, and the long ones among them.
-        let mut queued: HashMap<&ProviderKey, (u32, u32)> = HashMap::new();
-        for p in self.pending.values() {
-            if !matches!(p.state, RequestState::Queued { .. }) {
-                continue;
-            }
-            let Some(model) = self.models.get(&p.model) else {
-                continue;
-            };
-            for key in &model.providers {
-                let live = self
-                    .providers
-                    .get(key)
-                    .is_some_and(|state| self.live_owner(key, state).is_some());
-                if live {
-                    let e = queued.entry(key).or_default();
-                    e.0 += 1;
-                    if p.long {
-                        e.1 += 1;
-                    }
-                }
-            }
-        }
         self.providers
             .iter()
-            .map(|(key, state)| {
+            .map(|state| {
                 let spec = &state.spec;
-                let owner = self.ready_owner(&key.node_id);
+                let owner = self.nodes[state.node].ready_owner();
                 let connected = owner.is_some();
                 let overlaid = owner.is_some_and(|o| state.overlay == Some(o.generation));
-                let (q, lq) = queued.get(key).copied().unwrap_or((0, 0));
                 let mut s = pb::ProviderSnapshot {
-                    node_id: key.node_id.clone(),
-                    provider_id: key.provider_id.clone(),
+                    node_id: state.key.node_id.clone(),
+                    provider_id: state.key.provider_id.clone(),
                     adapter: spec.adapter.clone(),
                     target: spec.target.clone(),
                     category: spec.category as i32,
@@ -1467,14 +1715,24 @@ impl Control {
                     s.status = pb::ProviderStatus::Disabled as i32;
                     s.health = pb::ProviderHealth::Available as i32;
                 } else {
+                    // P2: unique pending requests listing it as a live
+                    // candidate (every waiter of every model whose pool
+                    // lists it), and the long ones among them.
+                    let mut models: Vec<usize> = state.pools.iter().map(|&(m, _)| m).collect();
+                    models.sort_unstable();
+                    models.dedup();
+                    let (queued, long_queued) = models.iter().fold((0, 0), |(q, lq), &m| {
+                        let model = &self.models[m];
+                        (q + model.queued_count(), lq + model.queued_long.len())
+                    });
                     s.status = pb::ProviderStatus::Available as i32;
                     s.health = pb::ProviderHealth::Available as i32;
                     s.capacity = spec.capacity;
                     s.long_context_capacity = spec.long_context_capacity;
                     s.in_flight = state.in_flight;
                     s.long_in_flight = state.long_in_flight;
-                    s.queued = q;
-                    s.long_queued = lq;
+                    s.queued = u32::try_from(queued).unwrap_or(u32::MAX);
+                    s.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
                 }
                 s
             })

@@ -19,9 +19,11 @@
 //! keys and credential leases, C1–C5).
 
 pub mod admin;
+pub mod body_json;
 pub mod config;
 pub mod control;
 pub mod credentials;
+pub mod front_door;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;

@@ -256,6 +256,9 @@ fn spawn_reloader(
 }
 
 fn serve(path: &str, cores: &str) -> ExitCode {
+    // Before any runtime thread allocates: large buffers go back to the OS
+    // when freed (see iop_engine::memory for the measurements).
+    iop_engine::memory::return_freed_memory();
     let cfg = match EdgeConfig::load(path) {
         Ok(cfg) => cfg,
         Err(e) => return fail(e),

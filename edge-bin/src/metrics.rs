@@ -4,6 +4,7 @@
 
 use std::fmt::Write;
 
+use iop_engine::metrics::{Count, Registry};
 use iop_wire::pb;
 
 use crate::control::Counters;
@@ -95,6 +96,37 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot]) -> String
     out
 }
 
+/// The front door's gauges, from the merged per-core counters (every core's
+/// accepts and closes): open client connections and node TLS handshakes in
+/// progress.
+pub fn render_front_door(registry: &Registry) -> String {
+    let mut out = String::new();
+    let open = |started: Count, ended: Count| {
+        registry
+            .counter(started)
+            .saturating_sub(registry.counter(ended))
+    };
+    gauge(
+        &mut out,
+        "iop_edge_client_connections_open",
+        "Client connections open now.",
+        open(
+            Count::EdgeClientConnectionsAccepted,
+            Count::EdgeClientConnectionsClosed,
+        ),
+    );
+    gauge(
+        &mut out,
+        "iop_edge_node_handshakes_in_progress",
+        "Node TLS handshakes in progress now.",
+        open(
+            Count::EdgeNodeHandshakesStarted,
+            Count::EdgeNodeHandshakesEnded,
+        ),
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +150,19 @@ mod tests {
         );
         assert!(text.contains("iop_edge_liveness_recovery_results_total{result=\"recovered\"} 0\n"));
         assert!(text.contains("# TYPE iop_edge_provider_health_evidence_total counter\n"));
+        let mut registry = Registry::new();
+        registry.add(Count::EdgeClientConnectionsAccepted, 5);
+        registry.add(Count::EdgeClientConnectionsClosed, 3);
+        registry.add(Count::EdgeNodeHandshakesStarted, 2);
+        assert_eq!(
+            render_front_door(&registry),
+            "# HELP iop_edge_client_connections_open Client connections open now.\n\
+             # TYPE iop_edge_client_connections_open gauge\n\
+             iop_edge_client_connections_open 2\n\
+             # HELP iop_edge_node_handshakes_in_progress Node TLS handshakes in progress now.\n\
+             # TYPE iop_edge_node_handshakes_in_progress gauge\n\
+             iop_edge_node_handshakes_in_progress 2\n"
+        );
         // Every sample line is `name{bounded labels} value` or `name value`.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, value) = line.rsplit_once(' ').unwrap();

@@ -9,6 +9,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnHandle, SocketShutdown};
+use iop_engine::metrics::{self as engine_metrics, Count};
+use iop_engine::net::{Deadline, Wait};
 use iop_engine::tls::EdgeTlsAcceptor;
 use iop_wire::codec::body_name;
 use iop_wire::flow;
@@ -18,31 +20,57 @@ use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
+use crate::front_door::{HandshakeFailure, HandshakeSlot};
 use crate::state::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Serves one accepted node connection to its end.
-pub async fn serve(edge: Rc<Edge>, tcp: TcpStream, acceptor: Option<Rc<EdgeTlsAcceptor>>) {
+/// Serves one accepted node connection to its end. The TLS handshake holds
+/// `handshake`'s place under `edge.max_node_handshakes` and is cut off at
+/// its deadline (the socket is shut down from outside; a TLS read is never
+/// cancelled).
+pub async fn serve(
+    edge: Rc<Edge>,
+    tcp: TcpStream,
+    acceptor: Option<Rc<EdgeTlsAcceptor>>,
+    handshake: HandshakeSlot,
+) {
     let peer = tcp.peer_addr().ok();
     let _ = tcp.set_nodelay(true);
     let shutdown = SocketShutdown::for_socket(&tcp);
     let config = ConnConfig::from_env_override();
     // T2: identity is verified in the handshake, before any frame.
     let (conn, events, tls_name) = match acceptor {
-        Some(acceptor) => match acceptor.accept(tcp).await {
-            Ok((tls, identity)) => {
-                let (r, w) = tls.into_split();
-                let (conn, events) = spawn_conn(r, w, shutdown, config);
-                (conn, events, Some(identity.name().to_string()))
+        Some(acceptor) => {
+            engine_metrics::add(Count::EdgeNodeHandshakesStarted, 1);
+            let deadline = Deadline::spawn(&tcp);
+            deadline.arm(Wait::Handshake, handshake.timeout);
+            let accepted = acceptor.accept(tcp).await;
+            let timed_out = deadline.expired() == Some(Wait::Handshake);
+            // Dropped with the stream (no await in between): the watchdog
+            // never outlives the descriptor.
+            drop(deadline);
+            match accepted {
+                Ok((tls, identity)) => {
+                    handshake.finish(peer.map(|p| p.ip()), None);
+                    let (r, w) = tls.into_split();
+                    let (conn, events) = spawn_conn(r, w, shutdown, config);
+                    (conn, events, Some(identity.name().to_string()))
+                }
+                Err(e) => {
+                    let failure = if timed_out {
+                        HandshakeFailure::TimedOut
+                    } else {
+                        HandshakeFailure::Rejected
+                    };
+                    handshake.finish(peer.map(|p| p.ip()), Some((failure, format!("{e:?}"))));
+                    return;
+                }
             }
-            Err(e) => {
-                tracing::warn!(?peer, error = %e, "node connection rejected in the TLS handshake");
-                return;
-            }
-        },
+        }
         None => {
+            handshake.release();
             let (r, w) = tcp.into_split();
             let (conn, events) = spawn_conn(r, w, shutdown, config);
             (conn, events, None)

@@ -4,9 +4,17 @@
 //!
 //! Surface translation lives here, never in transport handlers (X4).
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use iop_wire::pb;
-use serde_json::{json, Map, Value};
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+
+use crate::body_json::{self, BodyError, JsonLimits, Members};
+
+/// The error code of a body refused at the JSON limits.
+const JSON_TOO_COMPLEX: &str = "json_too_complex";
 
 /// Which client API a route speaks; decides the error shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +114,14 @@ impl ApiError {
         }
     }
 
+    /// 408: the request head or body stalled past its deadline.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("request_timeout".into()),
+            ..Self::new(408, "invalid_request_error", message)
+        }
+    }
+
     /// 404: unknown route.
     pub fn unknown_route(method: &str, path: &str) -> Self {
         Self {
@@ -143,6 +159,22 @@ impl ApiError {
         }
     }
 
+    /// 400: a request body the Edge cannot read ([`BodyError`]); JSON-limit
+    /// refusals carry code `json_too_complex`.
+    pub fn from_body(e: BodyError) -> Self {
+        let code = e.is_limit().then(|| JSON_TOO_COMPLEX.to_string());
+        Self {
+            code,
+            ..Self::invalid_request(e.to_string(), None)
+        }
+    }
+
+    /// Whether this refuses a body at `edge.max_json_depth` /
+    /// `edge.max_json_elements`.
+    pub fn is_json_limit(&self) -> bool {
+        self.code.as_deref() == Some(JSON_TOO_COMPLEX)
+    }
+
     /// An error from a malformed HTTP request, mapped from its status.
     pub fn from_http_status(status: u16, message: impl Into<String>) -> Self {
         match status {
@@ -175,6 +207,7 @@ impl ApiError {
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
+            408 => "timeout_error",
             413 => "request_too_large",
             429 => "rate_limit_error",
             503 => "overloaded_error",
@@ -234,29 +267,26 @@ pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
 }
 
 /// A parsed chat completion request, ready to be rebuilt for a provider.
+///
+/// Holds the client's bytes ([`Members`]: validated, bounded, no JSON
+/// tree); the members the Edge needs are read from them on demand, and the
+/// provider's body is the client's with only `model` spliced (U5).
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     /// The external model the client asked for (E2).
     pub model: String,
     /// Whether the client asked for a stream.
     pub stream: bool,
-    /// The whole request object, field order preserved.
-    body: Map<String, Value>,
+    body: Members,
 }
 
 impl ChatRequest {
-    /// Parses a `/v1/chat/completions` body. Only what the Edge needs is
-    /// checked; every other field passes through unchanged.
-    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let body = parse_json_object(body)?;
-        let model = match body.get("model") {
-            Some(Value::String(m)) if !m.is_empty() => m.clone(),
-            Some(_) => {
-                return Err(ApiError::invalid_request(
-                    "`model` must be a non-empty string.",
-                    Some("model"),
-                ))
-            }
+    /// Parses a `/v1/chat/completions` body within `limits`. Only what the
+    /// Edge needs is checked; every other member passes through unchanged.
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
+        let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
+        let model = match body.raw("model") {
+            Some(raw) => model_name(raw)?,
             None => {
                 return Err(ApiError::invalid_request(
                     "You must provide a `model` parameter.",
@@ -264,9 +294,10 @@ impl ChatRequest {
                 ))
             }
         };
-        let stream = match body.get("stream") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
+        let stream = match body.raw("stream") {
+            None | Some("null") => false,
+            Some("true") => true,
+            Some("false") => false,
             Some(_) => {
                 return Err(ApiError::invalid_request(
                     "`stream` must be a boolean.",
@@ -274,7 +305,7 @@ impl ChatRequest {
                 ))
             }
         };
-        if !matches!(body.get("messages"), Some(Value::Array(_))) {
+        if !body.raw("messages").is_some_and(|m| m.starts_with('[')) {
             return Err(ApiError::invalid_request(
                 "`messages` must be an array.",
                 Some("messages"),
@@ -290,33 +321,37 @@ impl ChatRequest {
     /// Whether the client asked for a usage chunk (`stream_options.include_usage`).
     pub fn include_usage(&self) -> bool {
         self.body
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
+            .raw("stream_options")
+            .and_then(body_json::object_members)
+            .and_then(|options| {
+                options
+                    .into_iter()
+                    .find(|(name, _)| name == "include_usage")
+                    .map(|(_, v)| v.get() == "true")
+            })
             .unwrap_or(false)
+    }
+
+    /// The messages, each as its (leniently read) members; a message that
+    /// is not an object has none.
+    fn messages(&self) -> Vec<Vec<(Cow<'_, str>, &RawValue)>> {
+        self.body
+            .raw("messages")
+            .and_then(body_json::array_elements)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| body_json::object_members(m.get()).unwrap_or_default())
+            .collect()
     }
 
     /// A cheap prompt size estimate (characters of message text / 4), for the
     /// long-context decision.
     pub fn estimated_prompt_tokens(&self) -> u64 {
-        fn text_len(v: &Value) -> usize {
-            match v {
-                Value::String(s) => s.len(),
-                Value::Array(parts) => parts.iter().map(text_len).sum(),
-                Value::Object(o) => o.get("text").map(text_len).unwrap_or(0),
-                _ => 0,
-            }
-        }
         let chars: usize = self
-            .body
-            .get("messages")
-            .and_then(Value::as_array)
-            .map(|msgs| {
-                msgs.iter()
-                    .map(|m| m.get("content").map(text_len).unwrap_or(0))
-                    .sum()
-            })
-            .unwrap_or(0);
+            .messages()
+            .iter()
+            .map(|m| member(m, "content").map_or(0, text_len))
+            .sum();
         (chars / 4) as u64
     }
 
@@ -324,72 +359,128 @@ impl ChatRequest {
     /// sampling options; everything else in the request is not forwarded on
     /// the normalized path.
     pub fn run_input(&self) -> pb::RunInput {
-        fn content_text(v: Option<&Value>) -> String {
-            match v {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .filter_map(|p| p.get("text").and_then(Value::as_str))
-                    .collect::<Vec<_>>()
-                    .join(""),
-                _ => String::new(),
-            }
-        }
-        let str_field = |m: &Value, k: &str| {
-            m.get(k)
-                .and_then(Value::as_str)
+        let str_member = |m: &[(Cow<'_, str>, &RawValue)], k: &str| {
+            member(m, k)
+                .and_then(body_json::as_string)
+                .map(Cow::into_owned)
                 .unwrap_or_default()
-                .to_string()
-        };
-        let json_bytes = |v: Option<&Value>| match v {
-            None | Some(Value::Null) => Bytes::new(),
-            Some(v) => Bytes::from(v.to_string()),
         };
         let messages = self
-            .body
-            .get("messages")
-            .and_then(Value::as_array)
-            .map(|msgs| {
-                msgs.iter()
-                    .map(|m| pb::ChatMessage {
-                        role: str_field(m, "role"),
-                        content: content_text(m.get("content")),
-                        name: str_field(m, "name"),
-                        tool_call_id: str_field(m, "tool_call_id"),
-                        tool_calls_json: json_bytes(m.get("tool_calls")),
-                    })
-                    .collect()
+            .messages()
+            .iter()
+            .map(|m| pb::ChatMessage {
+                role: str_member(m, "role"),
+                content: content_text(member(m, "content")),
+                name: str_member(m, "name"),
+                tool_call_id: str_member(m, "tool_call_id"),
+                tool_calls_json: raw_json(member(m, "tool_calls").map(RawValue::get)),
             })
-            .unwrap_or_default();
-        let stop = match self.body.get("stop") {
-            Some(Value::String(s)) => vec![s.clone()],
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
+            .collect();
+        let stop = match self.body.raw("stop") {
+            Some(raw) if raw.starts_with('"') => serde_json::from_str::<String>(raw)
+                .map(|s| vec![s])
+                .unwrap_or_default(),
+            Some(raw) => body_json::array_elements(raw)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|v| body_json::as_string(v).map(Cow::into_owned))
                 .collect(),
-            _ => Vec::new(),
+            None => Vec::new(),
         };
+        let number = |name: &str| self.body.raw(name).and_then(|raw| raw.parse::<f64>().ok());
+        let integer = |name: &str| self.body.raw(name).and_then(|raw| raw.parse::<i64>().ok());
         pb::RunInput {
             messages,
-            tools_json: json_bytes(self.body.get("tools")),
-            tool_choice_json: json_bytes(self.body.get("tool_choice")),
-            max_tokens: self
-                .body
-                .get("max_completion_tokens")
-                .or_else(|| self.body.get("max_tokens"))
-                .and_then(Value::as_i64),
-            temperature: self.body.get("temperature").and_then(Value::as_f64),
-            top_p: self.body.get("top_p").and_then(Value::as_f64),
+            tools_json: raw_json(self.body.raw("tools")),
+            tool_choice_json: raw_json(self.body.raw("tool_choice")),
+            max_tokens: if self.body.raw("max_completion_tokens").is_some() {
+                integer("max_completion_tokens")
+            } else {
+                integer("max_tokens")
+            },
+            temperature: number("temperature"),
+            top_p: number("top_p"),
             stop,
-            seed: self.body.get("seed").and_then(Value::as_i64),
+            seed: integer("seed"),
         }
     }
 
-    /// The body for the selected provider: identical to the client's except
-    /// that `model` names the served target (U5).
+    /// The body for the selected provider: the client's bytes with only
+    /// `model`'s value replaced by the served target (U5).
     pub fn body_for_target(&self, target: &str) -> Bytes {
         with_model(&self.body, target)
+    }
+
+    /// [`ChatRequest::body_for_target`], handing the client's bytes over:
+    /// they are freed once the provider's body is built (so a large body
+    /// is not held twice while it waits to be sent). Afterwards only the
+    /// parsed fields remain: [`ChatRequest::run_input`] sees no messages.
+    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
+        with_model(&self.body.take(), target)
+    }
+}
+
+/// The value of member `name` among `members`.
+fn member<'m>(members: &[(Cow<'_, str>, &'m RawValue)], name: &str) -> Option<&'m RawValue> {
+    members.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+}
+
+/// Text length of a message `content`: a string, or the `text` of each
+/// part of an array.
+fn text_len(content: &RawValue) -> usize {
+    match content.get().as_bytes().first() {
+        // The raw length less the quotes: escapes make it a little longer,
+        // which is fine for an estimate.
+        Some(b'"') => content.get().len().saturating_sub(2),
+        Some(b'[') => body_json::array_elements(content.get())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|part| {
+                let part = body_json::object_members(part.get())?;
+                Some(member(&part, "text").map_or(0, text_len))
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// A message `content` as text: the string, or the `text` parts of an array
+/// joined.
+fn content_text(content: Option<&RawValue>) -> String {
+    let Some(content) = content else {
+        return String::new();
+    };
+    if let Some(text) = body_json::as_string(content) {
+        return text.into_owned();
+    }
+    body_json::array_elements(content.get())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|part| {
+            let part = body_json::object_members(part.get())?;
+            member(&part, "text")
+                .and_then(body_json::as_string)
+                .map(Cow::into_owned)
+        })
+        .collect()
+}
+
+/// Raw JSON as bytes for a `*_json` wire field; empty when absent or null.
+fn raw_json(raw: Option<&str>) -> Bytes {
+    match raw {
+        None | Some("null") => Bytes::new(),
+        Some(raw) => Bytes::copy_from_slice(raw.as_bytes()),
+    }
+}
+
+/// A `model` member's value: a non-empty string.
+fn model_name(raw: &str) -> Result<String, ApiError> {
+    match serde_json::from_str::<String>(raw) {
+        Ok(m) if !m.is_empty() => Ok(m),
+        _ => Err(ApiError::invalid_request(
+            "`model` must be a non-empty string.",
+            Some("model"),
+        )),
     }
 }
 
@@ -402,23 +493,15 @@ pub struct PassthroughRequest {
     pub model: String,
     /// Whether the client asked for a stream.
     pub stream: bool,
-    body: Map<String, Value>,
+    body: Members,
 }
 
 impl PassthroughRequest {
-    /// Parses a JSON object with a string `model`.
-    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let body = parse_json_object(body)?;
-        let model = match body.get("model") {
-            Some(Value::String(m)) if !m.is_empty() => m.clone(),
-            _ => {
-                return Err(ApiError::invalid_request(
-                    "`model` must be a non-empty string.",
-                    Some("model"),
-                ))
-            }
-        };
-        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    /// Parses a JSON object with a string `model`, within `limits`.
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
+        let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
+        let model = model_name(body.raw("model").unwrap_or_default())?;
+        let stream = body.raw("stream") == Some("true");
         Ok(Self {
             model,
             stream,
@@ -430,27 +513,20 @@ impl PassthroughRequest {
     pub fn body_for_target(&self, target: &str) -> Bytes {
         with_model(&self.body, target)
     }
+
+    /// [`PassthroughRequest::body_for_target`], handing the client's bytes
+    /// over (freed once the provider's body is built).
+    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
+        with_model(&self.body.take(), target)
+    }
 }
 
-/// A request body that must be a JSON object.
-fn parse_json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid_request(format!("The request body is not valid JSON: {e}"), None)
-    })?;
-    let Value::Object(body) = value else {
-        return Err(ApiError::invalid_request(
-            "The request body must be a JSON object.",
-            None,
-        ));
-    };
-    Ok(body)
-}
-
-/// `body` with `model` set to `target` (U5), serialized.
-fn with_model(body: &Map<String, Value>, target: &str) -> Bytes {
-    let mut body = body.clone();
-    body.insert("model".into(), Value::String(target.to_string()));
-    Bytes::from(Value::Object(body).to_string())
+/// The client's body with `model` set to `target` (U5): the old value's
+/// bytes are replaced, nothing else changes. Parsing guarantees `model` is
+/// present.
+fn with_model(body: &Members, target: &str) -> Bytes {
+    body.splice("model", &body_json::json_string(target))
+        .unwrap_or_else(|| body.bytes().clone())
 }
 
 /// One entry of `GET /v1/models`.
@@ -499,6 +575,14 @@ pub fn is_hop_by_hop(name: &str) -> bool {
 mod tests {
     use super::*;
 
+    fn chat(body: &'static [u8]) -> Result<ChatRequest, ApiError> {
+        ChatRequest::parse(Bytes::from_static(body), &JsonLimits::default())
+    }
+
+    fn passthrough(body: &'static [u8]) -> Result<PassthroughRequest, ApiError> {
+        PassthroughRequest::parse(Bytes::from_static(body), &JsonLimits::default())
+    }
+
     #[test]
     fn error_shape_is_openai() {
         let e = ApiError::model_not_found("gpt-x");
@@ -519,21 +603,21 @@ mod tests {
 
     #[test]
     fn malformed_json_is_a_400() {
-        let e = ChatRequest::parse(b"{not json").unwrap_err();
+        let e = chat(b"{not json").unwrap_err();
         assert_eq!(e.status, 400);
         assert_eq!(e.kind, "invalid_request_error");
         assert!(e.message.starts_with("The request body is not valid JSON"));
-        assert_eq!(ChatRequest::parse(b"[1]").unwrap_err().status, 400);
+        assert_eq!(chat(b"[1]").unwrap_err().status, 400);
         assert_eq!(
-            ChatRequest::parse(br#"{"messages":[]}"#).unwrap_err().param,
+            chat(br#"{"messages":[]}"#).unwrap_err().param,
             Some("model")
         );
         assert_eq!(
-            ChatRequest::parse(br#"{"model":"m"}"#).unwrap_err().param,
+            chat(br#"{"model":"m"}"#).unwrap_err().param,
             Some("messages")
         );
         assert_eq!(
-            ChatRequest::parse(br#"{"model":"m","messages":[],"stream":"yes"}"#)
+            chat(br#"{"model":"m","messages":[],"stream":"yes"}"#)
                 .unwrap_err()
                 .param,
             Some("stream")
@@ -544,9 +628,7 @@ mod tests {
     // in the body built after selection; every other field is kept in order.
     #[test]
     fn body_for_target_rewrites_only_the_model() {
-        let req = ChatRequest::parse(
-            br#"{"model":"public-name","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"temperature":0.5}"#,
-        )
+        let req = chat(br#"{"model":"public-name","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"temperature":0.5}"#)
         .unwrap();
         assert_eq!(req.model, "public-name");
         assert!(req.stream);
@@ -561,9 +643,7 @@ mod tests {
     // sampling options; the external model is not part of it (E2).
     #[test]
     fn run_input_is_normalized() {
-        let req = ChatRequest::parse(
-            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"tool","tool_call_id":"c1","content":"42"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":5,"temperature":0.5,"stop":"x","seed":3}"#,
-        )
+        let req = chat(br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"tool","tool_call_id":"c1","content":"42"}],"tools":[{"type":"function","function":{"name":"f"}}],"max_tokens":5,"temperature":0.5,"stop":"x","seed":3}"#)
         .unwrap();
         let input = req.run_input();
         assert_eq!(input.messages.len(), 3);
@@ -579,6 +659,104 @@ mod tests {
         assert_eq!(input.stop, vec!["x".to_string()]);
         assert_eq!(input.seed, Some(3));
         assert!(input.tool_choice_json.is_empty());
+    }
+
+    // CONTRACT: U5 — the provider body is the client's bytes with only the
+    // `model` value replaced: whitespace, member order, number spelling and
+    // escapes elsewhere are untouched; an escaped model name is decoded for
+    // routing and the target is escaped where it needs to be.
+    #[test]
+    fn the_model_is_spliced_into_the_clients_bytes() {
+        let body = b"{ \"messages\" : [ {\"role\":\"user\",\"content\":\"h\\u00e9 \\\"x\\\"\"} ],\n  \"model\":\"pub\\u002dname\", \"temperature\": 1.50e0 }";
+        let req = chat(body).unwrap();
+        assert_eq!(req.model, "pub-name");
+        assert_eq!(
+            std::str::from_utf8(&req.body_for_target("org/Model \"7B\"")).unwrap(),
+            "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"h\\u00e9 \\\"x\\\"\"} ],\n  \
+             \"model\":\"org/Model \\\"7B\\\"\", \"temperature\": 1.50e0 }"
+        );
+        // Handing the body over gives the same bytes and keeps the fields.
+        let mut taken = chat(body).unwrap();
+        assert_eq!(
+            taken.take_body_for_target("org/Model \"7B\""),
+            req.body_for_target("org/Model \"7B\"")
+        );
+        assert_eq!((taken.model.as_str(), taken.stream), ("pub-name", false));
+        assert!(taken.run_input().messages.is_empty());
+        // Passthrough routes splice the same way.
+        let req = passthrough(b"{\"input\": [1,2], \"model\" :\"m\",\"stream\":true}").unwrap();
+        assert_eq!(
+            &req.body_for_target("t")[..],
+            b"{\"input\": [1,2], \"model\" :\"t\",\"stream\":true}"
+        );
+    }
+
+    // A second `model` (or any repeated top-level member) is refused: the
+    // Edge would route on one and the provider might read the other.
+    #[test]
+    fn repeated_top_level_members_are_refused() {
+        let e = chat(br#"{"model":"cheap","messages":[],"model":"expensive"}"#).unwrap_err();
+        assert_eq!(
+            (e.status, e.message.as_str()),
+            (
+                400,
+                "The request body has the member `model` more than once."
+            )
+        );
+        assert!(passthrough(br#"{"model":"a","\u006dodel":"b"}"#).is_err());
+    }
+
+    // Nesting and value count are bounded before anything is parsed; the
+    // refusal is a 400 with code `json_too_complex`.
+    #[test]
+    fn json_limits_are_enforced() {
+        let limits = JsonLimits {
+            max_depth: 4,
+            max_elements: 6,
+        };
+        let parse = |b: &'static [u8]| ChatRequest::parse(Bytes::from_static(b), &limits);
+        let ok = parse(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
+        assert!(ok.is_ok());
+        let deep = parse(br#"{"model":"m","messages":[{"content":[{"text":"x"}]}]}"#).unwrap_err();
+        assert_eq!(deep.status, 400);
+        assert_eq!(deep.code.as_deref(), Some("json_too_complex"));
+        assert!(deep.is_json_limit());
+        assert_eq!(
+            deep.message,
+            "The request body nests arrays and objects deeper than 4 levels."
+        );
+        let wide = parse(br#"{"model":"m","messages":[1,2,3,4,5]}"#).unwrap_err();
+        assert_eq!(
+            (wide.message.as_str(), wide.is_json_limit()),
+            ("The request body has more than 6 JSON values.", true)
+        );
+        assert!(!chat(b"{").unwrap_err().is_json_limit());
+    }
+
+    // Messages are read leniently for the normalized path, as before: a
+    // member of the wrong type reads as empty rather than failing the run.
+    #[test]
+    fn run_input_reads_odd_messages_leniently() {
+        let req = chat(
+            br#"{"model":"m","messages":["not an object",{"role":7,"content":null,"name":"n","tool_calls":[{"id":"c"}]}],"stop":["a",1,"b"],"max_completion_tokens":null,"max_tokens":9}"#,
+        )
+        .unwrap();
+        let input = req.run_input();
+        assert_eq!(input.messages.len(), 2);
+        assert_eq!(input.messages[0], pb::ChatMessage::default());
+        assert_eq!(input.messages[1].role, "");
+        assert_eq!(input.messages[1].name, "n");
+        assert_eq!(&input.messages[1].tool_calls_json[..], br#"[{"id":"c"}]"#);
+        assert_eq!(input.stop, vec!["a".to_string(), "b".to_string()]);
+        // max_completion_tokens wins when present, even as null.
+        assert_eq!(input.max_tokens, None);
+        assert_eq!(req.estimated_prompt_tokens(), 0);
+        let long = chat(
+            br#"{"model":"m","messages":[{"content":"abcdefgh"},{"content":[{"text":"abcd"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(long.estimated_prompt_tokens(), 3);
+        assert!(!long.include_usage());
     }
 
     #[test]
@@ -624,14 +802,13 @@ mod tests {
     // CONTRACT: U5 — passthrough bodies keep every field but `model`.
     #[test]
     fn passthrough_rewrites_model_only() {
-        let r =
-            PassthroughRequest::parse(br#"{"model":"pub","input":"hi","stream":true}"#).unwrap();
+        let r = passthrough(br#"{"model":"pub","input":"hi","stream":true}"#).unwrap();
         assert!(r.stream);
         assert_eq!(
             &r.body_for_target("t")[..],
             br#"{"model":"t","input":"hi","stream":true}"#
         );
-        assert_eq!(PassthroughRequest::parse(b"{}").unwrap_err().status, 400);
+        assert_eq!(passthrough(b"{}").unwrap_err().status, 400);
     }
 
     #[test]

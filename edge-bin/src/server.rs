@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, MaybeTls, TlsMaterial};
+use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
@@ -18,7 +18,6 @@ use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
 use crate::shards::{Lifecycle, MeshPort, Outbox};
 use crate::state::{Edge, Settings, CONTROL_SHARD};
-use crate::{nodes, surface};
 
 /// Maps the validated config to the control machine's static spec.
 ///
@@ -276,6 +275,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         client_tls: None,
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
+        limits: cfg.edge.limits,
     }
 }
 
@@ -642,43 +642,11 @@ where
         client: client_listener,
         nodes: node_listener,
     } = listeners;
-    let node_loop = {
-        let edge = edge.clone();
-        async move {
-            loop {
-                match iop_engine::http::accept(&node_listener).await {
-                    Ok((tcp, _)) => {
-                        monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone()));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "node accept failed");
-                        monoio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        }
-    };
-    let client_loop = {
-        let edge = edge.clone();
-        async move {
-            loop {
-                match iop_engine::http::accept(&client_listener).await {
-                    Ok((tcp, _)) => match &edge.settings.client_tls {
-                        Some(tls) => {
-                            monoio::spawn(surface::serve_tls(edge.clone(), tcp, tls.clone()));
-                        }
-                        None => {
-                            monoio::spawn(surface::serve(edge.clone(), MaybeTls::Plain(tcp)));
-                        }
-                    },
-                    Err(e) => {
-                        tracing::warn!(error = %e, "client accept failed");
-                        monoio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        }
-    };
+    let node_loop = crate::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
+    let client_loop = crate::front_door::serve_clients(edge.clone(), client_listener);
+    if edge.is_control_shard() {
+        monoio::spawn(crate::front_door::trim_heaps());
+    }
     let timers = {
         let edge = edge.clone();
         async move { edge.run_timers().await }

@@ -22,6 +22,7 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::config::ListenerLimits;
 use crate::control::{
     Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
 };
@@ -151,6 +152,23 @@ pub enum Delivery {
     Overrun(Overrun),
 }
 
+/// A frame about to wait in a route behind others (its client is behind):
+/// its body is copied out of the connection's read buffer, so a stuck
+/// client holds its window's bytes and no more. Decoded bodies are slices
+/// of the read buffer they arrived in (64 KiB chunks shared by every run of
+/// the connection); left as they are, a few frames of a client that does
+/// not read would pin whole chunks full of other runs' bytes. A frame its
+/// client takes at once (an empty route) keeps the zero-copy slice.
+fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent {
+    match event {
+        RouteEvent::Tunnel(mut tf) if !tf.body.is_empty() && !route.is_empty() => {
+            tf.body = bytes::Bytes::copy_from_slice(&tf.body);
+            RouteEvent::Tunnel(tf)
+        }
+        other => other,
+    }
+}
+
 /// Close reason of a node connection that sent beyond its credit.
 pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 
@@ -212,6 +230,8 @@ pub struct Settings {
     /// The loaded credential plane, shared by every shard; `None` =
     /// disabled (tunnels carry no lease).
     pub credentials: Option<Arc<CredentialPlane>>,
+    /// The front door's deadlines, caps and bounds (`[edge]`).
+    pub limits: ListenerLimits,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -775,7 +795,7 @@ impl Edge {
         };
         let refused = match route.window.on_received(charge) {
             Err(overrun) => Some(overrun),
-            Ok(()) => match route.tx.try_send(event) {
+            Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
                 // A gone client: its frames have no reader (Control
                 // cancels the run).
                 Ok(()) | Err(mailbox::TrySendError::Closed(_)) => None,
@@ -1118,6 +1138,7 @@ mod tests {
             client_tls: None,
             client_keys: ClientKeys::default(),
             credentials: None,
+            limits: ListenerLimits::default(),
         };
         Edge::new(Control::new(spec), settings)
     }

@@ -12,83 +12,100 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, Limits, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
-use iop_engine::tls::{HttpsAcceptor, ListenerStream, MaybeTls};
+use iop_engine::net::{Deadline, Wait};
+use iop_engine::tls::{ListenerStream, MaybeTls};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
+use crate::body_json::JsonLimits;
 use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
-use crate::{metrics, status};
+use crate::{front_door, metrics, status};
 
-/// Longest TLS handshake of a client connection on an HTTPS listener; a
-/// client that has not finished by then is disconnected.
-pub const CLIENT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Runs the TLS handshake of an accepted client connection
-/// (`[edge.client_tls]`), then serves it. A failed or timed-out handshake
-/// closes the connection (dropping the handshake closes the socket; no TLS
-/// read is resumed after it).
-pub async fn serve_tls(edge: Rc<Edge>, tcp: TcpStream, tls: HttpsAcceptor) {
+/// Serves one client connection until it closes: over TLS after a
+/// handshake when the listener has `[edge.client_tls]`, else plain. Every
+/// read has a deadline: the handshake has `edge.client_head_timeout_ms`,
+/// then the requests `edge.client_*_timeout_ms`; a request refused before
+/// its body was read is answered and the connection closed with a
+/// lingering close.
+pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
-    let peer = tcp.peer_addr().ok();
-    let handshake = monoio::select! {
-        done = tls.accept(tcp) => Some(done),
-        _ = monoio::time::sleep(CLIENT_HANDSHAKE_TIMEOUT) => None,
+    // Taken from the TCP socket before any TLS wraps it.
+    let deadline = Deadline::spawn(&tcp);
+    let stream: ListenerStream = match &edge.settings.client_tls {
+        None => MaybeTls::Plain(tcp),
+        Some(tls) => {
+            let peer = tcp.peer_addr().ok();
+            // An expired handshake deadline shuts the socket down, and the
+            // handshake fails on its own (a TLS read is never cancelled).
+            deadline.arm(
+                Wait::Handshake,
+                Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+            );
+            let handshake = tls.accept(tcp).await;
+            deadline.disarm();
+            match handshake {
+                Ok(stream) => MaybeTls::from(stream),
+                Err(e) => {
+                    // Debug only: any peer on the network can cause these
+                    // as fast as it likes; the counters say how many.
+                    if deadline.expired() == Some(Wait::Handshake) {
+                        engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
+                        tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
+                    } else {
+                        engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
+                        tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+                    }
+                    return;
+                }
+            }
+        }
     };
-    match handshake {
-        Some(Ok(stream)) => serve(edge, MaybeTls::from(stream)).await,
-        Some(Err(e)) => tracing::debug!(?peer, error = ?e, "client TLS handshake failed"),
-        None => tracing::debug!(?peer, "client TLS handshake timed out"),
-    }
-}
-
-/// Serves one client connection (plain TCP, or TLS after [`serve_tls`]'s
-/// handshake) until it closes.
-pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
-    let _ = stream.tcp().set_nodelay(true);
     let limits = Limits {
         max_body_bytes: edge.settings.max_request_body_bytes,
         ..Limits::default()
     };
-    let mut server = ServerConn::new(stream, limits);
+    let timeouts = front_door::client_timeouts(&edge.settings.limits);
+    let mut server = ServerConn::new(stream, limits).with_deadline(deadline, timeouts);
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,
             Ok(None) => return,
-            Err(e) => {
-                if e.is_answerable() {
-                    let api = http_error(&e, edge.settings.max_request_body_bytes);
-                    let _ = write_api_error(&mut server, &api).await;
-                }
-                return;
-            }
+            Err(e) => return refuse_request(&edge, &mut server, &e).await,
         };
-        let path = request
-            .head
+        // The body moves into the route that reads it (it is freed as soon
+        // as the route is done with it, not when the response ends).
+        let Request { head, body } = request;
+        let path = head
             .target
             .split('?')
             .next()
             .unwrap_or_default()
             .to_string();
-        let method = request.head.method.as_str();
+        let method = head.method.as_str();
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
         // The shutdown drain waits for this response to finish.
-        let _in_flight = edge.track_request();
+        let in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
-            let _ = refuse_while_draining(&mut server, &path).await;
+            let answered = refuse_while_draining(&mut server, &path).await.is_ok();
+            // Answered: the drain need not wait for the lingering close.
+            drop(in_flight);
+            if answered {
+                linger(&edge, &mut server).await;
+            }
             return;
         }
         // Client API keys: with keys configured, every route but the probes
         // and the metrics scrape needs one (401 in the route's shape).
-        let principal = match authenticate(&edge, &path, &request.head.headers) {
+        let principal = match authenticate(&edge, &path, &head.headers) {
             Ok(principal) => principal,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
@@ -105,14 +122,7 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
                 write_json(&mut server, 200, body).await
             }
             ("POST", "/v1/chat/completions") => {
-                chat(
-                    &edge,
-                    &mut server,
-                    principal,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                chat(&edge, &mut server, principal, &head.headers, body).await
             }
             ("POST", "/v1/responses") => {
                 passthrough(
@@ -120,21 +130,13 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
                     &mut server,
                     principal,
                     RESPONSES,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
             ("POST", "/v1/messages") => {
-                passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    MESSAGES,
-                    &request.head.headers,
-                    &request.body,
-                )
-                .await
+                passthrough(&edge, &mut server, principal, MESSAGES, &head.headers, body).await
             }
             ("POST", "/v1/messages/count_tokens") => {
                 passthrough(
@@ -142,8 +144,8 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
                     &mut server,
                     principal,
                     COUNT_TOKENS,
-                    &request.head.headers,
-                    &request.body,
+                    &head.headers,
+                    body,
                 )
                 .await
             }
@@ -164,6 +166,7 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
                 // Latency summaries and relay counters, merged over cores.
                 let latency = engine_metrics::merged();
                 text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
+                text.push_str(&metrics::render_front_door(&latency));
                 server
                     .write_response(
                         200,
@@ -173,7 +176,7 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
                     .await
             }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                let (status, body) = crate::admin::handle(&edge, p, &request.body).await;
+                let (status, body) = crate::admin::handle(&edge, p, &body).await;
                 write_json(&mut server, status, body).await
             }
             ("GET", "/readyz") if edge.is_draining() => {
@@ -214,6 +217,7 @@ pub async fn serve(edge: Rc<Edge>, stream: ListenerStream) {
             // metrics: end to end (request read → response finished).
             engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
         }
+        drop(in_flight);
         if result.is_err() || !server.keep_alive() {
             return;
         }
@@ -260,9 +264,97 @@ fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
     }
 }
 
+/// Answers a request that failed before it could be routed (bad or
+/// oversized framing, a stalled head or body) and ends the connection:
+/// counted, answered in the route's shape when the head was read (Anthropic
+/// on `/v1/messages*`), then closed — with a lingering close when the
+/// client may still be sending the request (not after a timeout: its read
+/// side is already shut down).
+async fn refuse_request<S>(edge: &Edge, server: &mut ServerConn<S>, e: &HttpError)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let counted = match e {
+        HttpError::TimedOut(Wait::Head) => Some(Count::EdgeClientHeadTimeouts),
+        HttpError::TimedOut(Wait::Body) => Some(Count::EdgeClientBodyTimeouts),
+        HttpError::TimedOut(_) => Some(Count::EdgeClientIdleTimeouts),
+        e if e.is_answerable() => Some(Count::EdgeClientRequestErrors),
+        _ => None,
+    };
+    if let Some(count) = counted {
+        engine_metrics::add(count, 1);
+    }
+    if !e.is_answerable() {
+        return;
+    }
+    let surface = match server.unfinished_head() {
+        Some(head) if head.target.starts_with(MESSAGES.path) => Surface::Anthropic,
+        _ => Surface::OpenAi,
+    };
+    let api = http_error(e, edge.settings.max_request_body_bytes);
+    let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+    headers.push(("connection", "close"));
+    if server
+        .write_response(api.status, headers, api.body_for(surface))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    if !matches!(e, HttpError::TimedOut(_)) {
+        linger(edge, server).await;
+    }
+}
+
+/// A lingering close with the configured bounds (counted), or a plain one
+/// when lingering is off.
+async fn linger<S>(edge: &Edge, server: &mut ServerConn<S>)
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let Some(linger) = front_door::client_linger(&edge.settings.limits) else {
+        let _ = server.close().await;
+        return;
+    };
+    engine_metrics::add(Count::EdgeClientLingeringCloses, 1);
+    let discarded_bytes = match server.linger_close(&linger).await {
+        LingerEnd::PeerClosed { discarded_bytes } | LingerEnd::TimedOut { discarded_bytes } => {
+            discarded_bytes
+        }
+        LingerEnd::ByteCapReached => linger.max_bytes,
+        LingerEnd::Skipped => 0,
+    };
+    engine_metrics::add(Count::EdgeClientLingerDiscardedBytes, discarded_bytes);
+}
+
+/// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`).
+fn json_limits(edge: &Edge) -> JsonLimits {
+    JsonLimits {
+        max_depth: edge.settings.limits.max_json_depth,
+        max_elements: edge.settings.limits.max_json_elements,
+    }
+}
+
+/// Answers a body the Edge cannot read (400); JSON-limit refusals are
+/// counted.
+async fn refuse_body<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    e: &ApiError,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    if e.is_json_limit() {
+        engine_metrics::add(Count::EdgeClientJsonLimitRejections, 1);
+    }
+    write_error(server, surface, e).await
+}
+
 fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
     match e.status_code() {
         413 => ApiError::body_too_large(max_body_bytes),
+        408 => ApiError::request_timeout(e.to_string()),
         status => ApiError::from_http_status(status, e.to_string()),
     }
 }
@@ -353,14 +445,14 @@ async fn chat<S>(
     server: &mut ServerConn<S>,
     principal: &str,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let chat = match ChatRequest::parse(body) {
+    let mut chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
-        Err(e) => return write_api_error(server, &e).await,
+        Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
     let long = edge
         .settings
@@ -384,7 +476,7 @@ where
                 CHAT_COMPLETIONS,
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-                chat.body_for_target(&lease.target),
+                chat.take_body_for_target(&lease.target),
                 chat.stream,
             );
             match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
@@ -499,14 +591,14 @@ async fn passthrough<S>(
     principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
-    body: &[u8],
+    body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let req = match PassthroughRequest::parse(body) {
+    let mut req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
-        Err(e) => return write_error(server, route.surface, &e).await,
+        Err(e) => return refuse_body(server, route.surface, &e).await,
     };
     let Some((request, dispatch, frames)) =
         admit(edge, server, route.surface, &req.model, false).await?
@@ -530,7 +622,7 @@ where
         route,
         &dispatch,
         tunnel_headers(route, req.stream, headers),
-        req.body_for_target(&dispatch.lease.target),
+        req.take_body_for_target(&dispatch.lease.target),
         req.stream,
     );
     let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
@@ -1165,7 +1257,10 @@ mod tests {
     #[test]
     fn the_external_model_never_reaches_the_wire() {
         let chat = ChatRequest::parse(
-            br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            Bytes::from_static(
+                br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            &JsonLimits::default(),
         )
         .unwrap();
         let dispatch = dispatch();
@@ -1258,7 +1353,7 @@ mod tests {
             let mut served_conns = Vec::new();
             for _ in 0..connections {
                 let (tcp, _) = listener.accept().await.expect("accept");
-                served_conns.push(monoio::spawn(serve(served.clone(), tcp.into())));
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp)));
             }
             for conn in served_conns {
                 conn.await;

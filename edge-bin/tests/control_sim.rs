@@ -39,9 +39,11 @@
 //! (P1–P3, H5), exactly one end per request and no wait past a deadline,
 //! stale inputs change nothing (F2, R1, R3), overlay transitions only as H4
 //! and H6 allow, nothing dispatched or probed to a connection ordered closed
-//! (R3, R4), and W2/U7 on every dispatch. The focused tests at the end pin
-//! the fixed bugs (connections ordered closed, probe freshness) as
-//! regressions.
+//! (R3, R4), W2/U7 on every dispatch, and that every dispatch went to the
+//! least-loaded candidate with a free slot, ties to pool order (a scan of
+//! the pool, the reference for `Control`'s candidate index). The focused
+//! tests at the end pin the fixed bugs (connections ordered closed, probe
+//! freshness) as regressions.
 //!
 //! A failure prints its seed; `IOP_SIM_SEED=<seed>` replays exactly that
 //! schedule with a step log. The schedules derive from a printed base seed,
@@ -2322,6 +2324,26 @@ impl<'w> Sim<'w> {
                 info.spec.capacity,
                 self.sh.long_in_flight[p],
                 info.spec.long_context_capacity
+            )));
+        }
+        // The least-loaded candidate with a free (long) slot wins, ties to
+        // pool order: the reference scan over the pool.
+        let mut best: Option<(usize, u64, u64)> = None;
+        for &q in &world.models[model].provs {
+            if !self.sh.fits(world, q, long) {
+                continue;
+            }
+            let num = u64::from(self.sh.in_flight[q]);
+            let den = u64::from(world.provs[q].spec.capacity);
+            if best.is_none_or(|(_, bnum, bden)| num * bden < bnum * den) {
+                best = Some((q, num, den));
+            }
+        }
+        if best.map(|(q, _, _)| q) != Some(p) {
+            return Err(self.fail(format!(
+                "dispatch to {}, but the least-loaded candidate (ties to pool order) is {:?}: {d:?}",
+                info.key,
+                best.map(|(q, _, _)| &world.provs[q].key)
             )));
         }
         let expected_lease = Lease {

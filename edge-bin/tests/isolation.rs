@@ -41,7 +41,7 @@ const PIECE_BYTES: usize = 16 * 1024;
 
 fn edge_options() -> EdgeOptions {
     EdgeOptions {
-        edge_extra: format!("flow_window_bytes = {WINDOW}\n"),
+        edge_keys: format!("flow_window_bytes = {WINDOW}\n"),
         ..EdgeOptions::without_provider()
     }
 }

@@ -15,7 +15,10 @@
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`mailbox`] | — | bounded cross-core mailboxes, wake only on empty → non-empty |
+//! | [`memory`] | — | glibc allocator settings and trimming, so freed buffers go back to the OS |
+//! | [`net`] | deadline decisions, per-peer log throttle | per-connection deadline watchdog (`shutdown(2)` from outside), accept gate |
 //! | [`resolve`] | name cache policy (fresh, stale-while-revalidate, negative) | resolver threads: host names never block a core |
+//! | [`rng`] | seeded SplitMix64 (reconnect jitter, harnesses; not for secrets) | OS seed |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
 //! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
 //!
@@ -24,8 +27,8 @@
 //!                          control lane ahead of bulk body frames (T4)
 //! ```
 //!
-//! Unsafe code is confined to the buffer/IO modules, each block with a
-//! `// SAFETY:` note.
+//! Unsafe code is confined to the buffer/IO modules (and the two allocator
+//! calls in [`memory`]), each block with a `// SAFETY:` note.
 
 pub mod certs;
 pub mod clock;
@@ -34,9 +37,12 @@ pub mod conn;
 pub mod http;
 pub mod keys;
 pub mod mailbox;
+pub mod memory;
 pub mod metrics;
+pub mod net;
 pub mod pool;
 pub mod resolve;
+pub mod rng;
 pub mod rt;
 pub mod sync;
 pub mod tls;

@@ -181,6 +181,16 @@ impl<T> MailboxSender<T> {
     pub fn is_closed(&self) -> bool {
         self.shared.lock().closed
     }
+
+    /// Messages queued now (the receiver has not taken them yet).
+    pub fn len(&self) -> usize {
+        self.shared.lock().queue.len()
+    }
+
+    /// Whether nothing is queued now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl<T> Mailbox<T> {

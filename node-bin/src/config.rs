@@ -36,6 +36,8 @@ use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
 use serde::Deserialize;
 
+use crate::supervisor::Jitter;
+
 // The config error (`<file>: <key>: <reason>`), the TLS file set and the
 // limits on identity names (node id, edge name) and the trust domain are
 // shared with the Edge.
@@ -76,6 +78,9 @@ pub struct NodeConfig {
     pub tls: Option<TlsFiles>,
     /// How the supervisor dials and redials the Edge (S2).
     pub reconnect: ReconnectPolicy,
+    /// How far each reconnect wait strays from `reconnect.interval` (its
+    /// mean), either side (`reconnect.jitter_percent`).
+    pub reconnect_jitter: Jitter,
     /// The credential plane (`[credentials]`); `None` = unmanaged. Never set
     /// together with `insecure_plaintext` (T5).
     pub credentials: Option<CredentialsSpec>,
@@ -222,6 +227,7 @@ struct RawCredentials {
 struct RawReconnect {
     interval_sec: Option<i64>,
     max_attempts: Option<i64>,
+    jitter_percent: Option<i64>,
 }
 
 // ---------------------------------------------------------------------------
@@ -254,6 +260,15 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
                     .map_or(reason.as_str(), str::trim_start);
                 err(e.key(), reason.to_owned())
             })?;
+    let reconnect_jitter = match raw.reconnect.jitter_percent {
+        None => Jitter::DEFAULT,
+        Some(v) => u8::try_from(v).ok().and_then(Jitter::new).ok_or_else(|| {
+            err(
+                "reconnect.jitter_percent",
+                format!("must be between 0 and {} (got {v})", Jitter::MAX_PERCENT),
+            )
+        })?,
+    };
     let credentials = match raw.credentials {
         None => None,
         Some(_) if raw.insecure_plaintext => {
@@ -288,6 +303,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         insecure_plaintext: raw.insecure_plaintext,
         tls,
         reconnect,
+        reconnect_jitter,
         credentials,
         drain_grace_ms,
     })
@@ -434,6 +450,7 @@ key = "certs/node-a-key.pem"
                 interval: Duration::from_secs(10),
                 attempts: Attempts::Limited(10),
             },
+            reconnect_jitter: Jitter::new(50).unwrap(),
             credentials: None,
             drain_grace_ms: 30_000,
         };
@@ -603,6 +620,26 @@ key = "certs/node-a-key.pem"
     }
 
     #[test]
+    fn reconnect_jitter_defaults_to_half_the_interval_and_is_in_range() {
+        // CONTRACT: S2 — the jitter is on by default; interval_sec stays
+        // the mean wait.
+        assert_eq!(parse(BASE).unwrap().reconnect_jitter, Jitter::DEFAULT);
+        assert_eq!(Jitter::DEFAULT.percent(), 50);
+        let config = parse(&with_reconnect("jitter_percent = 0")).unwrap();
+        assert_eq!(config.reconnect_jitter, Jitter::NONE);
+        let config = parse(&with_reconnect("jitter_percent = 100")).unwrap();
+        assert_eq!(config.reconnect_jitter.percent(), 100);
+        assert_eq!(
+            error(&with_reconnect("jitter_percent = 101")),
+            "conf/node.toml: reconnect.jitter_percent: must be between 0 and 100 (got 101)"
+        );
+        assert_eq!(
+            error(&with_reconnect("jitter_percent = -1")),
+            "conf/node.toml: reconnect.jitter_percent: must be between 0 and 100 (got -1)"
+        );
+    }
+
+    #[test]
     fn reconnect_zero_attempts_is_unlimited() {
         // CONTRACT: S2 — explicit 0 = unlimited until local shutdown.
         let config = parse(&with_reconnect("max_attempts = 0")).unwrap();
@@ -660,8 +697,8 @@ key = "certs/node-a-key.pem"
     fn unknown_keys_are_rejected_with_their_path() {
         assert_eq!(
             error(&with_reconnect("backoff = 2")),
-            "conf/node.toml: reconnect.backoff: unknown field `backoff`, expected `interval_sec` or \
-             `max_attempts` (line 12, column 1)"
+            "conf/node.toml: reconnect.backoff: unknown field `backoff`, expected one of \
+             `interval_sec`, `max_attempts`, `jitter_percent` (line 12, column 1)"
         );
         assert_eq!(
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),

@@ -130,6 +130,9 @@ fn spawn_certificate_reloader(
 }
 
 fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
+    // Before any runtime thread allocates: large buffers go back to the OS
+    // when freed (see iop_engine::memory).
+    iop_engine::memory::return_freed_memory();
     // S3: every local configuration or credential problem exits 1.
     let cfg = match NodeConfig::load(config_path) {
         Ok(cfg) => cfg,

@@ -5,9 +5,16 @@
 //!  start ─► dial ─► session ─► ended ─┐          S1: the first dial needs no Edge
 //!    ▲        │ failed before ready   │ was ready: budget resets
 //!    │        ▼                        ▼
-//!    └── RetryAfter(interval) ◄── Supervisor::on_attempt_end ──► GiveUp (exit 1, S3)
+//!    └── RetryAfter(interval ± jitter) ◄── Supervisor::on_attempt_end ──► GiveUp (exit 1, S3)
 //!  SIGTERM/SIGINT at any point ─► Shutdown (exit 0, S3)
 //! ```
+//!
+//! Every wait is jittered ([`Jitter`], `reconnect.jitter_percent`, 50 by
+//! default): uniform over `interval × (1 ± jitter)`, so `interval_sec`
+//! stays the mean wait while a fleet that lost its Edge in one instant
+//! redials spread over the whole window instead of in one burst. The
+//! draws come from a generator seeded from the OS in the binary and
+//! injected in tests ([`iop_engine::rng::SplitMix64`]).
 //!
 //! Shutdown drains ([`run_until`]): no more redials; a ready session keeps
 //! serving until its active runs and tunnels are released or
@@ -26,6 +33,7 @@ use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
 use iop_engine::http;
+use iop_engine::rng::SplitMix64;
 use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
 use monoio::io::Splitable;
@@ -44,14 +52,60 @@ pub enum Step {
     GiveUp,
 }
 
-/// The reconnect decision (S2, S3). `failed_attempts` counts consecutive
-/// attempts that did not reach a ready session, including the one that just
-/// ended; a session that became ready resets the count to 0 before calling.
+/// The reconnect decision (S2, S3) before jitter. `failed_attempts`
+/// counts consecutive attempts that did not reach a ready session,
+/// including the one that just ended; a session that became ready resets
+/// the count to 0 before calling.
 pub fn next_step(policy: &ReconnectPolicy, failed_attempts: u32) -> Step {
     if policy.allows_attempt(failed_attempts) {
         Step::RetryAfter(policy.interval)
     } else {
         Step::GiveUp
+    }
+}
+
+/// How far a reconnect wait may stray from the interval, either side, in
+/// percent (`reconnect.jitter_percent`). The wait is uniform over
+/// `[interval × (1 − p), interval × (1 + p)]`: its mean is the interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Jitter {
+    percent: u8,
+}
+
+impl Jitter {
+    /// Every wait is exactly the interval.
+    pub const NONE: Jitter = Jitter { percent: 0 };
+    /// The default: waits between half and one and a half intervals.
+    pub const DEFAULT: Jitter = Jitter { percent: 50 };
+    /// The largest jitter: waits between 0 and twice the interval.
+    pub const MAX_PERCENT: u8 = 100;
+
+    /// A jitter of `percent`; `None` above [`Jitter::MAX_PERCENT`].
+    pub fn new(percent: u8) -> Option<Self> {
+        (percent <= Self::MAX_PERCENT).then_some(Self { percent })
+    }
+
+    /// The percent either side.
+    pub fn percent(self) -> u8 {
+        self.percent
+    }
+
+    /// The wait for `interval` given one uniform 64-bit `draw`. Intervals
+    /// beyond what nanoseconds in 64 bits hold (≈ 584 years) count as that.
+    pub fn spread(self, interval: Duration, draw: u64) -> Duration {
+        let interval_ns = interval.as_nanos().min(u128::from(u64::MAX));
+        let span_ns = interval_ns * u128::from(self.percent) / 100;
+        // span < 2^64 and draw < 2^64, so the product fits; shifted by 63
+        // it is 2 × span × draw / 2^64, uniform over [0, 2 × span).
+        let offset_ns = (span_ns * u128::from(draw)) >> 63;
+        let wait_ns = interval_ns - span_ns + offset_ns;
+        Duration::from_nanos(u64::try_from(wait_ns).unwrap_or(u64::MAX))
+    }
+}
+
+impl Default for Jitter {
+    fn default() -> Self {
+        Self::DEFAULT
     }
 }
 
@@ -66,18 +120,23 @@ pub enum AttemptOutcome {
 }
 
 /// The reconnect accounting (S2, S3): consecutive failed attempts since the
-/// last ready session, against the policy's budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// last ready session, against the policy's budget, and the jittered wait
+/// before the next attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Supervisor {
     policy: ReconnectPolicy,
+    jitter: Jitter,
+    rng: SplitMix64,
     failed_attempts: u32,
 }
 
 impl Supervisor {
-    /// A supervisor with a fresh budget.
-    pub fn new(policy: ReconnectPolicy) -> Self {
+    /// A supervisor with a fresh budget, drawing its jitter from `rng`.
+    pub fn new(policy: ReconnectPolicy, jitter: Jitter, rng: SplitMix64) -> Self {
         Self {
             policy,
+            jitter,
+            rng,
             failed_attempts: 0,
         }
     }
@@ -90,7 +149,7 @@ impl Supervisor {
     /// What to do after an attempt ended. A session that was ready resets
     /// the budget: the reconnects after it get the full `max_attempts`.
     pub fn on_attempt_end(&mut self, outcome: AttemptOutcome) -> Step {
-        match outcome {
+        let step = match outcome {
             AttemptOutcome::WasReady => {
                 self.failed_attempts = 0;
                 Step::RetryAfter(self.policy.interval)
@@ -99,6 +158,12 @@ impl Supervisor {
                 self.failed_attempts = self.failed_attempts.saturating_add(1);
                 next_step(&self.policy, self.failed_attempts)
             }
+        };
+        match step {
+            Step::RetryAfter(interval) => {
+                Step::RetryAfter(self.jitter.spread(interval, self.rng.next_u64()))
+            }
+            Step::GiveUp => Step::GiveUp,
         }
     }
 }
@@ -240,7 +305,8 @@ pub async fn run_sharded(
         drain_grace,
     } = stop;
     let core = NodeCore::start_with_workers(credentials, workers);
-    let mut supervisor = Supervisor::new(cfg.reconnect);
+    let mut supervisor =
+        Supervisor::new(cfg.reconnect, cfg.reconnect_jitter, SplitMix64::from_os());
     loop {
         let mut current = std::pin::pin!(attempt(&cfg, &core, connector.as_ref()));
         let outcome = monoio::select! {
@@ -326,6 +392,11 @@ pub const REASON_SHUTDOWN: &str = "shutdown";
 mod tests {
     use super::*;
 
+    /// A supervisor without jitter: every wait is the interval.
+    fn exact(policy: ReconnectPolicy) -> Supervisor {
+        Supervisor::new(policy, Jitter::NONE, SplitMix64::new(0))
+    }
+
     // CONTRACT: S2, S3 — finite budgets give up after exactly that many
     // failed attempts; unlimited never gives up.
     #[test]
@@ -351,7 +422,7 @@ mod tests {
     #[test]
     fn finite_budget_counts_consecutive_failures() {
         let policy = ReconnectPolicy::from_config(Some(1), Some(2)).unwrap();
-        let mut s = Supervisor::new(policy);
+        let mut s = exact(policy);
         assert_eq!(
             s.on_attempt_end(AttemptOutcome::Failed),
             Step::RetryAfter(Duration::from_secs(1))
@@ -365,7 +436,7 @@ mod tests {
     #[test]
     fn ready_session_resets_the_budget() {
         let policy = ReconnectPolicy::from_config(Some(2), Some(2)).unwrap();
-        let mut s = Supervisor::new(policy);
+        let mut s = exact(policy);
         assert_eq!(
             s.on_attempt_end(AttemptOutcome::Failed),
             Step::RetryAfter(Duration::from_secs(2))
@@ -387,7 +458,7 @@ mod tests {
     #[test]
     fn unlimited_never_gives_up() {
         let policy = ReconnectPolicy::from_config(Some(3), Some(0)).unwrap();
-        let mut s = Supervisor::new(policy);
+        let mut s = exact(policy);
         for _ in 0..10_000 {
             assert_eq!(
                 s.on_attempt_end(AttemptOutcome::Failed),
@@ -401,7 +472,7 @@ mod tests {
     // budget gives up after the first failure.
     #[test]
     fn defaults_and_single_attempt() {
-        let mut s = Supervisor::new(ReconnectPolicy::from_config(None, None).unwrap());
+        let mut s = exact(ReconnectPolicy::from_config(None, None).unwrap());
         for _ in 0..9 {
             assert_eq!(
                 s.on_attempt_end(AttemptOutcome::Failed),
@@ -409,8 +480,105 @@ mod tests {
             );
         }
         assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
-        let mut one = Supervisor::new(ReconnectPolicy::from_config(Some(1), Some(1)).unwrap());
+        let mut one = exact(ReconnectPolicy::from_config(Some(1), Some(1)).unwrap());
         assert_eq!(one.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
+    }
+
+    /// The waits `draws` attempt ends give under `jitter`, in ms.
+    fn waits_ms(interval_s: i64, jitter: Jitter, seed: u64, draws: usize) -> Vec<u64> {
+        let policy = ReconnectPolicy::from_config(Some(interval_s), Some(0)).unwrap();
+        let mut s = Supervisor::new(policy, jitter, SplitMix64::new(seed));
+        (0..draws)
+            .map(|i| {
+                let outcome = if i % 3 == 0 {
+                    AttemptOutcome::WasReady
+                } else {
+                    AttemptOutcome::Failed
+                };
+                match s.on_attempt_end(outcome) {
+                    Step::RetryAfter(wait) => wait.as_millis() as u64,
+                    Step::GiveUp => panic!("unlimited attempts gave up"),
+                }
+            })
+            .collect()
+    }
+
+    // CONTRACT: S2 — reconnect waits are jittered around
+    // `reconnect.interval_sec`, which stays their mean: with the default
+    // ±50 % the waits of a 10 s interval cover 5–15 s evenly (ten 1 s
+    // buckets each near a tenth of the draws) and average 10 s, after a
+    // ready session as after a failed attempt. A fleet that lost its Edge
+    // together does not redial together.
+    #[test]
+    fn reconnect_waits_spread_evenly_around_the_interval() {
+        let waits = waits_ms(10, Jitter::DEFAULT, 7, 20_000);
+        let (min, max) = (waits.iter().min().unwrap(), waits.iter().max().unwrap());
+        assert!(*min >= 5_000 && *max < 15_000, "{min}..{max}");
+        // Draws cover the window's ends, not a narrow middle.
+        assert!(*min < 5_100 && *max > 14_900, "{min}..{max}");
+        let mean = waits.iter().sum::<u64>() as f64 / waits.len() as f64;
+        assert!((mean - 10_000.0).abs() < 50.0, "mean {mean} ms");
+        let mut buckets = [0u32; 10];
+        for w in &waits {
+            buckets[((w - 5_000) / 1_000) as usize] += 1;
+        }
+        // 2,000 expected per bucket; 1,750 is more than five sigma away.
+        assert!(buckets.iter().all(|&b| b > 1_750), "{buckets:?}");
+        // Different nodes (seeds) wait differently; one seed replays.
+        assert_ne!(waits_ms(10, Jitter::DEFAULT, 8, 10), waits[..10]);
+        assert_eq!(waits_ms(10, Jitter::DEFAULT, 7, 10), waits[..10]);
+    }
+
+    // CONTRACT: S2 — no jitter: every wait is the interval; full jitter
+    // spreads over 0–2 intervals with the same mean.
+    #[test]
+    fn jitter_bounds_from_none_to_full() {
+        assert!(waits_ms(3, Jitter::NONE, 1, 1_000)
+            .iter()
+            .all(|&w| w == 3_000));
+        let full = waits_ms(2, Jitter::new(100).unwrap(), 1, 20_000);
+        assert!(full.iter().all(|&w| w < 4_000));
+        assert!(full.iter().any(|&w| w < 200) && full.iter().any(|&w| w > 3_800));
+        let mean = full.iter().sum::<u64>() as f64 / full.len() as f64;
+        assert!((mean - 2_000.0).abs() < 40.0, "mean {mean} ms");
+        assert_eq!(Jitter::new(101), None);
+        assert_eq!(Jitter::default().percent(), 50);
+        // The extreme draws land on the window's edges exactly.
+        let j = Jitter::DEFAULT;
+        let interval = Duration::from_secs(10);
+        assert_eq!(j.spread(interval, 0), Duration::from_secs(5));
+        assert_eq!(
+            j.spread(interval, u64::MAX),
+            Duration::from_secs(15) - Duration::from_nanos(1)
+        );
+        assert_eq!(j.spread(Duration::ZERO, u64::MAX), Duration::ZERO);
+        // Any configured interval: no overflow, the wait saturates.
+        let full = Jitter::new(100).unwrap();
+        assert_eq!(
+            full.spread(Duration::MAX, u64::MAX),
+            Duration::from_nanos(u64::MAX)
+        );
+        assert_eq!(full.spread(Duration::MAX, 0), Duration::ZERO);
+        let huge = Duration::from_secs(1_000_000_000_000);
+        assert_eq!(
+            j.spread(huge, 0),
+            Duration::from_nanos(u64::MAX - u64::MAX / 2)
+        );
+    }
+
+    // CONTRACT: S2, S3 — jitter never changes the budget: a finite budget
+    // still gives up after exactly that many failed attempts.
+    #[test]
+    fn jitter_keeps_the_attempt_budget() {
+        let policy = ReconnectPolicy::from_config(Some(1), Some(3)).unwrap();
+        let mut s = Supervisor::new(policy, Jitter::DEFAULT, SplitMix64::new(5));
+        for _ in 0..2 {
+            let Step::RetryAfter(wait) = s.on_attempt_end(AttemptOutcome::Failed) else {
+                panic!("gave up early");
+            };
+            assert!(wait >= Duration::from_millis(500) && wait < Duration::from_millis(1_500));
+        }
+        assert_eq!(s.on_attempt_end(AttemptOutcome::Failed), Step::GiveUp);
     }
 
     /// Spawns `drain` of an attempt that never ends on its own (no ready

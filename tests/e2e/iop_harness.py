@@ -30,6 +30,7 @@ class Proc:
     popen: subprocess.Popen
     ready: dict = field(default_factory=dict)
     lines: list = field(default_factory=list)
+    pump: threading.Thread | None = None
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int:
         if self.popen.poll() is None:
@@ -42,6 +43,10 @@ class Proc:
         return self.popen.returncode
 
     def log(self) -> str:
+        # Once the process has exited, its last lines may still sit in the
+        # pipe: wait for the pump to read them to EOF.
+        if self.pump is not None and self.popen.poll() is not None:
+            self.pump.join(timeout=5)
         return "".join(self.lines)
 
 
@@ -73,7 +78,8 @@ def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool 
     )
     proc = Proc(name, popen)
     event = threading.Event()
-    threading.Thread(target=_pump, args=(popen.stdout, proc.lines, proc.ready, event), daemon=True).start()
+    proc.pump = threading.Thread(target=_pump, args=(popen.stdout, proc.lines, proc.ready, event), daemon=True)
+    proc.pump.start()
     if wait_ready:
         if not event.wait(READY_TIMEOUT_S) or not proc.ready:
             proc.stop(signal.SIGKILL)

@@ -11,7 +11,7 @@ use argh::FromArgs;
 
 use super::ladder::{FULL_LEVELS, QUICK_LEVELS};
 use super::report::render_table;
-use super::{install_stop_handlers, run, CompareOptions};
+use super::{install_stop_handlers, run, write_json_report, CompareOptions};
 use crate::load::cli::seconds_to_ms;
 
 /// Measure the relay against a direct connection side by side: latency
@@ -222,20 +222,14 @@ pub fn main(args: CompareArgs) -> ExitCode {
         }
     };
     print!("{}", render_table(&report));
-    let path = options
-        .out_dir
-        .join(format!("compare-{}.json", report.created_unix_ms / 1000));
-    let written = std::fs::create_dir_all(&options.out_dir).and_then(|()| {
-        let text = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
-        std::fs::write(&path, text + "\n")
-    });
-    match written {
-        Ok(()) => {
+    let unix_sec = report.created_unix_ms / 1000;
+    match write_json_report(&options.out_dir, "compare", unix_sec, &report) {
+        Ok(path) => {
             println!("JSON report: {}", path.display());
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("bench compare: cannot write {}: {e}", path.display());
+            eprintln!("bench compare: {e}");
             ExitCode::from(1)
         }
     }

@@ -41,16 +41,63 @@ fn toml_str(value: &str) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "\"\"".into())
 }
 
+/// One model the Edge serves from one mock provider (an adapter and a
+/// provider of its own on the one node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MockRoute {
+    /// The adapter's (and provider's) name.
+    pub name: String,
+    /// The mock's base URL.
+    pub base_url: String,
+    /// The model name the mock serves (the provider target).
+    pub target: String,
+    /// The external model clients ask the Edge for.
+    pub model: String,
+}
+
 /// `edge.toml`, with certificate paths relative to the file (`certs/`).
 pub fn edge_toml(names: &ClusterNames, mock_base_url: &str) -> String {
+    let route = MockRoute {
+        name: "mock".into(),
+        base_url: mock_base_url.into(),
+        target: names.target.clone(),
+        model: names.model.clone(),
+    };
+    edge_toml_for(names, &[route], &[])
+}
+
+/// [`edge_toml`] with more `[edge]` lines (`key = value\n` each).
+pub fn edge_toml_with(names: &ClusterNames, mock_base_url: &str, edge_keys: &str) -> String {
+    let route = MockRoute {
+        name: "mock".into(),
+        base_url: mock_base_url.into(),
+        target: names.target.clone(),
+        model: names.model.clone(),
+    };
+    let extra: Vec<String> = edge_keys.lines().map(str::to_string).collect();
+    edge_toml_for(names, &[route], &extra)
+}
+
+/// `edge.toml` for one node serving every route (an adapter, a provider and
+/// a model each), with `edge_extra` lines (`key = value`) in `[edge]`.
+pub fn edge_toml_for(names: &ClusterNames, routes: &[MockRoute], edge_extra: &[String]) -> String {
     let s = toml_str;
-    format!(
+    let mut text = format!(
         r#"[edge]
 name = {edge}
 trust_domain = {td}
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
-
+"#,
+        edge = s(&names.edge_name),
+        td = s(&names.trust_domain),
+    );
+    for line in edge_extra {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text.push_str(&format!(
+        r#"
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"
@@ -58,33 +105,50 @@ key = "certs/edge-key.pem"
 
 [[nodes]]
 id = {node}
-
+"#,
+        node = s(&names.node_id),
+    ));
+    for route in routes {
+        text.push_str(&format!(
+            r#"
 [[nodes.adapters]]
-name = "mock"
+name = {adapter}
 kind = "openai_compat"
 profile = "openai"
 base_url = {base}
 capacity = 0
-
+"#,
+            adapter = s(&route.name),
+            base = s(&route.base_url),
+        ));
+    }
+    for route in routes {
+        text.push_str(&format!(
+            r#"
 [[nodes.providers]]
-id = "mock-1"
-adapter = "mock"
+id = {provider}
+adapter = {adapter}
 target = {target}
 capacity = {PROVIDER_CAPACITY}
-
+"#,
+            provider = s(&format!("{}-1", route.name)),
+            adapter = s(&route.name),
+            target = s(&route.target),
+        ));
+    }
+    for route in routes {
+        text.push_str(&format!(
+            r#"
 [[models]]
 name = {model}
 providers = [{provider}]
 max_queue = {MAX_QUEUE}
 "#,
-        edge = s(&names.edge_name),
-        td = s(&names.trust_domain),
-        node = s(&names.node_id),
-        base = s(mock_base_url),
-        target = s(&names.target),
-        model = s(&names.model),
-        provider = s(&format!("{}/mock-1", names.node_id)),
-    )
+            model = s(&route.model),
+            provider = s(&format!("{}/{}-1", names.node_id, route.name)),
+        ));
+    }
+    text
 }
 
 /// `node.toml`, dialling the Edge's node listener `edge_nodes_addr`.

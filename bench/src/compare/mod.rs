@@ -30,7 +30,7 @@ pub mod procs;
 pub mod report;
 pub(crate) mod run;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -113,6 +113,10 @@ pub enum CompareError {
         /// The first failure seen.
         first_error: String,
     },
+    /// A swarm phase did not complete (nodes not ready in time, the swarm
+    /// thread gone, a measurement that could not be taken).
+    #[error("{0}")]
+    Swarm(String),
     /// SIGINT or SIGTERM arrived.
     #[error("interrupted")]
     Interrupted,
@@ -174,6 +178,25 @@ pub struct CompareOptions {
 /// Makes SIGINT and SIGTERM set `stop` (a second one terminates at once).
 /// Installation failures are ignored: the defaults then still end the
 /// process, only without the orderly child shutdown.
+/// Writes `report` as pretty JSON to `<dir>/<kind>-<unix_sec>.json` (the
+/// directory created if needed) and returns the path; the error names the
+/// path.
+pub fn write_json_report<T: Serialize>(
+    dir: &Path,
+    kind: &str,
+    unix_sec: i64,
+    report: &T,
+) -> Result<PathBuf, String> {
+    let path = dir.join(format!("{kind}-{unix_sec}.json"));
+    std::fs::create_dir_all(dir)
+        .and_then(|()| {
+            let text = serde_json::to_string_pretty(report).map_err(std::io::Error::other)?;
+            std::fs::write(&path, text + "\n")
+        })
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
 pub fn install_stop_handlers(stop: &Arc<AtomicBool>) {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(stop));

@@ -72,6 +72,19 @@ impl ChildProc {
         wait_ready: bool,
         stop: &AtomicBool,
     ) -> Result<ChildProc, CompareError> {
+        Self::spawn_with_env(name, program, args, &[], log_dir, wait_ready, stop)
+    }
+
+    /// [`ChildProc::spawn`] with extra environment variables.
+    pub fn spawn_with_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+        log_dir: &Path,
+        wait_ready: bool,
+        stop: &AtomicBool,
+    ) -> Result<ChildProc, CompareError> {
         let log_path = log_dir.join(format!("{name}.log"));
         let io_error = |what: String| {
             let path = log_path.clone();
@@ -87,6 +100,7 @@ impl ChildProc {
         let mut child = Command::new(program)
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr_log))
@@ -194,6 +208,17 @@ impl ChildProc {
     /// The last bytes of the child's log.
     pub fn log_tail(&self) -> String {
         read_tail(&self.log_path, LOG_TAIL_BYTES).unwrap_or_default()
+    }
+
+    /// Kills the child at once (SIGKILL: no drain, no cleanup, like a
+    /// crash) and collects its exit status.
+    pub fn kill(&mut self) -> Option<ExitStatus> {
+        if self.stopped {
+            return None;
+        }
+        self.stopped = true;
+        let _ = self.child.kill();
+        self.child.wait().ok()
     }
 
     /// Stops the child: SIGTERM, then SIGKILL after [`TERM_GRACE_MS`].

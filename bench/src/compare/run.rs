@@ -191,15 +191,15 @@ fn start_relay(
     let dir = cluster.tmp.path().to_path_buf();
     let names = ClusterNames::bench(&opts.edge_model, &opts.mock_model);
     let mut mock = cluster.mock.take();
-    let pair = spawn_relay(
-        &opts.bin_dir,
-        &dir,
-        &names,
-        mock_url,
-        (&opts.edge_cores, &opts.node_cores),
-        stop,
-        &mut || mock.as_mut().map_or(Ok(()), ChildProc::check_running),
-    );
+    let edge_config = edge_toml(&names, mock_url);
+    let spec = RelaySpec {
+        names: &names,
+        edge_config: &edge_config,
+        cores: (&opts.edge_cores, &opts.node_cores),
+    };
+    let pair = spawn_relay(&opts.bin_dir, &dir, &spec, stop, &mut || {
+        mock.as_mut().map_or(Ok(()), ChildProc::check_running)
+    });
     cluster.mock = mock;
     let pair = pair?;
     cluster.edge = Some(pair.edge);
@@ -217,20 +217,34 @@ pub(crate) struct RelayPair {
     pub(crate) url: String,
 }
 
+/// What [`spawn_relay`] starts: the names, the Edge's config and the
+/// `--cores` of the Edge and the Node.
+pub(crate) struct RelaySpec<'a> {
+    /// The names of the Edge, the Node and the model.
+    pub(crate) names: &'a ClusterNames,
+    /// The Edge's `edge.toml` (its node must be `names.node_id`), e.g.
+    /// [`edge_toml`] against one mock.
+    pub(crate) edge_config: &'a str,
+    /// The `--cores` of edge-bin and node-bin.
+    pub(crate) cores: (&'a str, &'a str),
+}
+
 /// Mints development certificates into `dir`, writes `edge.toml` and
-/// `node.toml` for `names` against `mock_url`, starts edge-bin and
-/// node-bin from `bin_dir` with their `--cores` (`cores` = edge, node) and
-/// waits for the Node to connect. `others` checks the children already
-/// running, so a dead mock ends the wait with its log.
+/// `node.toml` for `spec`, starts edge-bin and node-bin from `bin_dir` with
+/// their `--cores` and waits for the Node to connect. `others` checks the
+/// children already running, so a dead mock ends the wait with its log.
 pub(crate) fn spawn_relay(
     bin_dir: &Path,
     dir: &Path,
-    names: &ClusterNames,
-    mock_url: &str,
-    cores: (&str, &str),
+    spec: &RelaySpec<'_>,
     stop: &AtomicBool,
     others: &mut dyn FnMut() -> Result<(), CompareError>,
 ) -> Result<RelayPair, CompareError> {
+    let RelaySpec {
+        names,
+        edge_config,
+        cores,
+    } = *spec;
     let edge_bin = bin_dir.join("edge-bin");
     let node_bin = bin_dir.join("node-bin");
     check_binary(&edge_bin)?;
@@ -264,12 +278,12 @@ pub(crate) fn spawn_relay(
             cores.to_string(),
         ]
     };
-    let edge_config = dir.join("edge.toml");
-    write_file(&edge_config, &edge_toml(names, mock_url))?;
+    let edge_config_path = dir.join("edge.toml");
+    write_file(&edge_config_path, edge_config)?;
     let mut edge = ChildProc::spawn(
         "edge",
         &edge_bin,
-        &args(&edge_config, cores.0),
+        &args(&edge_config_path, cores.0),
         dir,
         true,
         stop,

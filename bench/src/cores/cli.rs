@@ -12,7 +12,7 @@ use iop_engine::rt::CoreList;
 
 use super::report::render_table;
 use super::{run, CoresOptions};
-use crate::compare::install_stop_handlers;
+use crate::compare::{install_stop_handlers, write_json_report};
 use crate::load::cli::seconds_to_ms;
 
 /// The layouts measured without `--layout`.
@@ -170,18 +170,14 @@ pub fn main(args: CoresArgs) -> ExitCode {
         }
     };
     print!("{}", render_table(&report));
-    let path = options
-        .out_dir
-        .join(format!("cores-{}.json", report.created_unix_ms / 1000));
-    let written = std::fs::create_dir_all(&options.out_dir).and_then(|()| {
-        let text = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
-        std::fs::write(&path, text + "\n")
-    });
-    if let Err(e) = written {
-        eprintln!("bench cores: cannot write {}: {e}", path.display());
-        return ExitCode::from(1);
+    let unix_sec = report.created_unix_ms / 1000;
+    match write_json_report(&options.out_dir, "cores", unix_sec, &report) {
+        Ok(path) => println!("JSON report: {}", path.display()),
+        Err(e) => {
+            eprintln!("bench cores: {e}");
+            return ExitCode::from(1);
+        }
     }
-    println!("JSON report: {}", path.display());
     if report.incomplete_requests > 0 {
         eprintln!(
             "bench cores: {} requests did not complete (see INCOMPLETE above)",

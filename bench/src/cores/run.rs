@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use super::report::{summarize, ArmResult, CoresArm, CoresReport, CoresWindow, CpuWindow, SCHEMA};
 use super::CoresOptions;
-use crate::compare::config::ClusterNames;
+use crate::compare::config::{edge_toml, ClusterNames};
 use crate::compare::procs::{ChildProc, TempDir};
-use crate::compare::run::{check_binary, commit, interrupted, spawn_relay};
+use crate::compare::run::{check_binary, commit, interrupted, spawn_relay, RelaySpec};
 use crate::compare::CompareError;
 use crate::load::{self, Live, LoadSpec, LoadSummary, Mode, Target};
 use crate::procstat::{self, CpuTicks};
@@ -135,15 +135,15 @@ fn start_relay(
     stop: &AtomicBool,
 ) -> Result<String, CompareError> {
     let names = ClusterNames::bench(&opts.edge_model, &opts.mock_model);
-    let pair = spawn_relay(
-        &opts.bin_dir,
-        dir,
-        &names,
-        mock_url,
-        (cores, cores),
-        stop,
-        &mut || children.check_running(),
-    )?;
+    let edge_config = edge_toml(&names, mock_url);
+    let spec = RelaySpec {
+        names: &names,
+        edge_config: &edge_config,
+        cores: (cores, cores),
+    };
+    let pair = spawn_relay(&opts.bin_dir, dir, &spec, stop, &mut || {
+        children.check_running()
+    })?;
     children.relays.push(Relay {
         node: pair.node,
         edge: pair.edge,

@@ -67,6 +67,23 @@ pub fn run_bench(args: &[&str]) -> (String, String, bool) {
     )
 }
 
+/// The JSON report whose path a run printed last (`JSON report: <path>`),
+/// checked to lie in `out_dir` and to be named `<kind>-<ts>.json`.
+pub fn printed_report(stdout: &str, out_dir: &Path, kind: &str) -> Value {
+    let path = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("JSON report: "))
+        .unwrap_or_else(|| panic!("no JSON path in\n{stdout}"));
+    let path = PathBuf::from(path);
+    assert_eq!(path.parent(), Some(out_dir), "{}", path.display());
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    assert!(
+        name.starts_with(&format!("{kind}-")) && name.ends_with(".json"),
+        "{name}"
+    );
+    serde_json::from_str(&std::fs::read_to_string(&path).expect("read report")).expect("JSON")
+}
+
 pub fn f64_at(v: &Value, key: &str) -> f64 {
     v[key]
         .as_f64()

@@ -19,13 +19,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edge_bin::config::EdgeConfig;
+use edge_bin::control::Control;
 use edge_bin::server::{self, Listeners};
 use edge_bin::state::Edge;
-use iop_engine::certs::{write_dev_certs, DevCertFiles};
+use iop_engine::certs::{write_dev_certs_with_https, DevCertFiles};
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
 use iop_engine::sync::oneshot;
 use iop_engine::tls::{
-    rustls_cause, EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles, TlsMaterial,
+    rustls_cause, EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles,
+    TlsMaterial, UpstreamTls, UpstreamTlsSettings,
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
@@ -87,14 +89,40 @@ impl Pki {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("edge-skeleton-{name}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let files = write_dev_certs(
+        let files = write_dev_certs_with_https(
             &dir,
             TRUST_DOMAIN,
             EDGE_NAME,
             ["node-a", "node-b", "node-c"],
+            &["localhost"],
         )
         .expect("mint dev certificates");
         Self { dir, files }
+    }
+
+    /// The `[edge.client_tls]` table serving the client listener over HTTPS
+    /// with the dev HTTPS certificate (for `localhost`); goes last in
+    /// [`EdgeOptions::edge_keys`].
+    pub fn client_tls_keys(&self) -> String {
+        let https = self
+            .files
+            .https
+            .as_ref()
+            .expect("minted with an HTTPS pair");
+        format!(
+            "[edge.client_tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            https.cert.display(),
+            https.key.display()
+        )
+    }
+
+    /// A TLS client that trusts the dev CA (and nothing else).
+    pub fn https_client(&self) -> UpstreamTls {
+        UpstreamTls::new(&UpstreamTlsSettings {
+            ca_pem: Some(std::fs::read_to_string(&self.files.ca_cert).expect("ca.pem")),
+            insecure_skip_verify: false,
+        })
+        .expect("HTTPS client")
     }
 
     /// The TLS files of node `name`.
@@ -199,8 +227,8 @@ pub struct EdgeOptions {
     pub provider_addr: SocketAddr,
     /// `edge.max_request_body_bytes`, if set.
     pub max_request_body_bytes: Option<usize>,
-    /// More `[edge]` lines (`key = value`), as given.
-    pub edge_extra: String,
+    /// More `[edge]` lines (`key = value`, one per line).
+    pub edge_keys: String,
 }
 
 impl EdgeOptions {
@@ -209,7 +237,7 @@ impl EdgeOptions {
         Self {
             provider_addr,
             max_request_body_bytes: None,
-            edge_extra: String::new(),
+            edge_keys: String::new(),
         }
     }
 
@@ -229,7 +257,8 @@ pub fn edge_toml(pki: &Pki, options: &EdgeOptions) -> String {
     let body_limit = options
         .max_request_body_bytes
         .map(|n| format!("max_request_body_bytes = {n}\n"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        + &options.edge_keys;
     let node = |id: &str, provider: &str, stall: i64| {
         format!(
             r#"
@@ -261,7 +290,7 @@ name = "{EDGE_NAME}"
 trust_domain = "{TRUST_DOMAIN}"
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
-{body_limit}{edge_extra}
+{body_limit}
 [tls]
 ca = "{ca}"
 cert = "{cert}"
@@ -280,7 +309,6 @@ providers = ["node-b/b-mock"]
         ca = edge.ca_path.display(),
         cert = edge.cert_path.display(),
         key = edge.key_path.display(),
-        edge_extra = options.edge_extra,
         node_a = node("node-a", "a-mock", STALL_TIMEOUT_MS),
         node_b = node("node-b", "b-mock", 0),
     )
@@ -315,7 +343,15 @@ impl TestEdge {
         let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
         let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
             .expect("edge acceptor");
-        let edge = server::edge_state(&cfg);
+        let mut settings = server::settings(&cfg, None);
+        settings.client_tls = cfg
+            .client_tls
+            .as_ref()
+            .map(|files| HttpsAcceptor::from_files(files).expect("client listener TLS"));
+        let edge = Rc::new(Edge::new(
+            Control::new(server::control_spec(&cfg)),
+            settings,
+        ));
         let listeners = Listeners::bind(&cfg).expect("bind edge listeners");
         let client_addr = listeners.client_addr().expect("client address");
         let node_addr = listeners.node_addr().expect("node address");
@@ -422,8 +458,33 @@ pub async fn http_exchange(addr: SocketAddr, request: Vec<u8>) -> HttpResponse {
     parse_response(&raw)
 }
 
-/// `method path` with `body` as `application/json`, `connection: close`.
-pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+/// [`http_exchange`] over HTTPS to `localhost` at `addr`, with `client`.
+pub async fn https_exchange(
+    addr: SocketAddr,
+    client: &UpstreamTls,
+    request: Vec<u8>,
+) -> HttpResponse {
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let mut tls = client
+        .connect(tcp, "localhost")
+        .await
+        .expect("TLS handshake");
+    let (res, _) = tls.write_all(request).await;
+    res.expect("write request");
+    let mut raw = Vec::new();
+    loop {
+        let (res, buf) = tls.read(Vec::with_capacity(16 * 1024)).await;
+        match res.expect("read response") {
+            0 => break,
+            _ => raw.extend_from_slice(&buf),
+        }
+    }
+    parse_response(&raw)
+}
+
+/// The bytes of a `method path` request with `body` as
+/// `application/json`, `connection: close`.
+pub fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
     let mut request = format!(
         "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -431,7 +492,12 @@ pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8
     )
     .into_bytes();
     request.extend_from_slice(body);
-    http_exchange(addr, request).await
+    request
+}
+
+/// `method path` with `body` as `application/json`, `connection: close`.
+pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    http_exchange(addr, request_bytes(method, path, body)).await
 }
 
 /// `POST /v1/chat/completions` with `body`.

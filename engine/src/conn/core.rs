@@ -602,6 +602,15 @@ impl ConnCore {
     /// once every frame cut from it is gone).
     fn encode_into_arena(&mut self, frame: &pb::Frame) -> Result<Bytes, SendError> {
         codec::encode_with_max(frame, &mut self.encode_arena, self.config.max_frame_bytes)?;
+        if self.encode_arena.capacity() > 4 * ENCODE_ARENA_BYTES {
+            // A large frame takes the arena's allocation with it (freed once
+            // written) instead of leaving the arena pinning it afterwards.
+            return Ok(std::mem::replace(
+                &mut self.encode_arena,
+                BytesMut::with_capacity(ENCODE_ARENA_BYTES),
+            )
+            .freeze());
+        }
         Ok(self.encode_arena.split().freeze())
     }
 }

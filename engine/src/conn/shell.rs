@@ -296,6 +296,9 @@ impl ConnHandle {
     /// while the lane is full (backpressure).
     pub async fn send_bulk(&self, frame: pb::Frame) -> Result<(), SendError> {
         let out = self.shared.core.borrow_mut().encode_frame(&frame)?;
+        // Only the encoded copy waits for lane room (a large request body
+        // is not held twice).
+        drop(frame);
         self.push_bulk(out).await
     }
 

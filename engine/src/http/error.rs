@@ -2,6 +2,8 @@
 
 use std::io;
 
+use crate::net::Wait;
+
 /// Everything that can go wrong while parsing, framing or moving HTTP/1.1
 /// messages. Parsers return these for bad peer bytes; they never panic.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +102,11 @@ pub enum HttpError {
         /// Which order was broken.
         reason: &'static str,
     },
+    /// The connection's deadline passed while it waited for the peer (a
+    /// request head or body that stalled, an idle keep-alive connection); the
+    /// socket's read side was shut down ([`crate::net::Deadline`]).
+    #[error("timed out waiting for the {} (deadline passed)", .0.name())]
+    TimedOut(Wait),
     /// The socket or TLS stream failed.
     #[error("i/o error: {0}")]
     Io(#[from] io::Error),
@@ -122,6 +129,7 @@ impl HttpError {
             | HttpError::UnexpectedEof
             | HttpError::ClosedBeforeResponse => 400,
             HttpError::BodyTooLarge { .. } => 413,
+            HttpError::TimedOut(_) => 408,
             HttpError::UnsupportedTransferEncoding => 501,
             HttpError::EventTooLarge { .. } | HttpError::LineTooLong { .. } => 502,
             HttpError::InvalidOutgoingHeader { .. }
@@ -133,11 +141,16 @@ impl HttpError {
     }
 
     /// Whether a server can still answer on the connection after this error
-    /// (false for IO errors and peer closes: nobody is listening).
+    /// (false for IO errors and peer closes: nobody is listening; false for
+    /// an idle keep-alive connection that timed out: there is no request to
+    /// answer).
     pub fn is_answerable(&self) -> bool {
         !matches!(
             self,
-            HttpError::Io(_) | HttpError::UnexpectedEof | HttpError::ClosedBeforeResponse
+            HttpError::Io(_)
+                | HttpError::UnexpectedEof
+                | HttpError::ClosedBeforeResponse
+                | HttpError::TimedOut(Wait::Idle | Wait::Linger)
         )
     }
 }
@@ -162,6 +175,8 @@ mod tests {
             (HttpError::EventTooLarge { max_bytes: 1 }, 502),
             (HttpError::LineTooLong { max_bytes: 1 }, 502),
             (HttpError::UnexpectedEof, 400),
+            (HttpError::TimedOut(Wait::Head), 408),
+            (HttpError::TimedOut(Wait::Body), 408),
             (HttpError::InvalidStatus { status: 42 }, 500),
             (HttpError::Io(io::Error::other("x")), 500),
         ];
@@ -175,5 +190,9 @@ mod tests {
         assert!(!HttpError::Io(io::Error::other("x")).is_answerable());
         assert!(!HttpError::UnexpectedEof.is_answerable());
         assert!(HttpError::BodyTooLarge { max_bytes: 1 }.is_answerable());
+        // A stalled request gets its 408; an idle connection is just closed.
+        assert!(HttpError::TimedOut(Wait::Head).is_answerable());
+        assert!(HttpError::TimedOut(Wait::Body).is_answerable());
+        assert!(!HttpError::TimedOut(Wait::Idle).is_answerable());
     }
 }

@@ -44,6 +44,37 @@ pub(crate) async fn fill<S: AsyncReadRent>(
     }
 }
 
+/// Once this much of a body of known length has arrived, its buffer is
+/// reallocated to the whole length at once (see [`fill_toward`]).
+const EXACT_GROWTH_AFTER_BYTES: usize = 1024 * 1024;
+
+/// Like [`fill`] for a buffer that will hold at most `total_max_bytes`
+/// (a body of known length). Growth doubles with the data (a peer that
+/// announces a large body and sends little costs little), but when doubling
+/// would pass `total_max_bytes`, or once [`EXACT_GROWTH_AFTER_BYTES`] have
+/// arrived, the buffer is reallocated to exactly `total_max_bytes`: it never
+/// holds up to twice what it carries, and a large body is copied once while
+/// it grows, not at every doubling.
+pub(crate) async fn fill_toward<S: AsyncReadRent>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    spare_bytes: usize,
+    total_max_bytes: usize,
+) -> io::Result<usize> {
+    let spare_bytes = spare_bytes.max(1);
+    if buf.capacity() - buf.len() < spare_bytes {
+        let doubled = buf.capacity().saturating_mul(2);
+        let needed = buf.len() + spare_bytes;
+        let exact = doubled.max(needed) >= total_max_bytes || buf.len() >= EXACT_GROWTH_AFTER_BYTES;
+        if exact && needed <= total_max_bytes {
+            let mut exact = BytesMut::with_capacity(total_max_bytes);
+            exact.extend_from_slice(buf);
+            *buf = exact;
+        }
+    }
+    fill(stream, buf, spare_bytes).await
+}
+
 /// Reads once into a buffer from `pool` and freezes it: the result is
 /// `carry` followed by the bytes read, as one `Bytes` over the pooled
 /// memory (slices of it share that memory; it returns to the pool when the

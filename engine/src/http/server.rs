@@ -6,25 +6,92 @@
 //! loop:  read_request ──► Some(req) ──► write_response
 //!                     │             └─► start_chunked ─► write_chunk* ─► finish
 //!                     ├─► None (clean EOF between requests): done
-//!                     └─► Err(e): write_error(&e) if e.is_answerable(), close
+//!                     └─► Err(e): write_error(&e) if e.is_answerable(),
+//!                                 then linger_close (request bytes may be unread)
 //!        continue while keep_alive()
 //! ```
+//!
+//! With a [`Deadline`] ([`ServerConn::with_deadline`]) every read has one:
+//! the first request's head must arrive within [`ServerTimeouts::head`] of
+//! the accept, a later one's first byte within
+//! [`ServerTimeouts::keep_alive_idle`] of the previous response and its head
+//! within `head` of that byte, and a body may pause at most
+//! [`ServerTimeouts::body_idle`] between reads. A passed deadline shuts the
+//! socket's read side down from outside (reads are never cancelled) and the
+//! read fails with [`HttpError::TimedOut`].
+//!
+//! Memory: a `Content-Length` body grows its buffer toward the declared
+//! length, never past it, and leaves the connection's read buffer behind
+//! when it is split off, so a kept-alive connection holds only
+//! [`READ_CHUNK_BYTES`]-sized buffers between requests whatever it carried.
 
 use std::fmt;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent, Canceller};
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
-use super::io::{fill, write_parts, IoParts, READ_CHUNK_BYTES};
+use super::io::{fill, fill_toward, write_parts, IoParts, READ_CHUNK_BYTES};
 use super::write::{
     encode_chunk_header, write_response_head, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
 };
 use super::{parse_request_head, BodyFraming, HttpError, Limits, RequestHead, Version};
+use crate::clock;
+use crate::net::{Deadline, Wait};
 
 /// Most spare capacity reserved per read of a `Content-Length` body.
 const BODY_READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A read buffer grown past this is replaced by a fresh one between
+/// requests (and detached from a body split off it).
+const KEPT_READ_BUFFER_BYTES: usize = 4 * READ_CHUNK_BYTES;
+
+/// The read deadlines of a server connection ([`ServerConn::with_deadline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerTimeouts {
+    /// How long a kept-alive connection may wait for the first byte of its
+    /// next request.
+    pub keep_alive_idle: Duration,
+    /// How long a whole request head may take: from the accept for the
+    /// first request, from its first byte for later ones.
+    pub head: Duration,
+    /// Longest pause between two reads of a request body.
+    pub body_idle: Duration,
+}
+
+/// The bounds of a lingering close ([`ServerConn::linger_close`]), after
+/// nginx's `lingering_time` / `lingering_timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Linger {
+    /// Longest time spent reading and discarding in all.
+    pub time: Duration,
+    /// Longest pause between two reads.
+    pub idle: Duration,
+    /// Most bytes read and discarded.
+    pub max_bytes: u64,
+}
+
+/// How a lingering close ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LingerEnd {
+    /// The client closed its side (it read the answer): the clean end.
+    PeerClosed {
+        /// Bytes discarded (those already buffered included).
+        discarded_bytes: u64,
+    },
+    /// The time or idle bound passed first.
+    TimedOut {
+        /// Bytes discarded (those already buffered included).
+        discarded_bytes: u64,
+    },
+    /// The byte bound was reached first.
+    ByteCapReached,
+    /// The socket failed (reset) or the connection has no deadline to bound
+    /// the reads (it was only shut down for writing).
+    Skipped,
+}
 
 /// A request with its whole body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +131,9 @@ enum ResponseState {
 /// or `select!` (a TLS stream panics on the next read after a cancelled
 /// one). Enforce deadlines by shutting the socket from outside.
 pub struct ServerConn<S> {
+    /// Declared before `stream`: dropped first, so the watchdog never
+    /// shuts down a descriptor number the stream already gave back.
+    deadline: Option<(Deadline, ServerTimeouts)>,
     stream: S,
     read_buf: BytesMut,
     /// Scratch for heads and chunk-size lines.
@@ -76,6 +146,11 @@ pub struct ServerConn<S> {
     /// The last request was HTTP/1.0 (no chunked responses).
     http10: bool,
     response: ResponseState,
+    /// Requests read so far (the first one's head deadline counts from the
+    /// accept).
+    requests_read: u64,
+    /// The head of a request whose body failed to read.
+    unfinished_head: Option<RequestHead>,
 }
 
 impl<S> fmt::Debug for ServerConn<S> {
@@ -101,7 +176,25 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             head_request: false,
             http10: false,
             response: ResponseState::Idle,
+            requests_read: 0,
+            unfinished_head: None,
+            deadline: None,
         }
+    }
+
+    /// Puts every read under `deadline` (made for this connection's socket
+    /// with [`Deadline::spawn`]) with `timeouts`; see the module docs. The
+    /// first request's head deadline starts now.
+    pub fn with_deadline(mut self, deadline: Deadline, timeouts: ServerTimeouts) -> Self {
+        deadline.arm(Wait::Head, timeouts.head);
+        self.deadline = Some((deadline, timeouts));
+        self
+    }
+
+    /// The connection's deadline, for writers that bound their own waits
+    /// (a write-stall cut-off arms [`Wait::Write`] on it).
+    pub fn deadline(&self) -> Option<&Deadline> {
+        self.deadline.as_ref().map(|(d, _)| d)
     }
 
     /// Whether the connection may carry another request: the last request
@@ -203,6 +296,18 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         // Until a head is parsed, answers (errors) go out as for a GET/1.1.
         self.head_request = false;
         self.http10 = false;
+        self.unfinished_head = None;
+        self.shrink_read_buffer();
+        let first_request = self.requests_read == 0;
+        self.requests_read += 1;
+        if !first_request {
+            // The first request's head deadline runs from the accept.
+            if self.read_buf.is_empty() {
+                self.arm(|t| (Wait::Idle, t.keep_alive_idle));
+            } else {
+                self.arm(|t| (Wait::Head, t.head));
+            }
+        }
         let mut scanned_bytes = 0;
         let head = loop {
             if worth_parsing(&self.read_buf, scanned_bytes, &self.limits) {
@@ -211,7 +316,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                 }
             }
             scanned_bytes = self.read_buf.len();
-            if fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await? == 0 {
+            let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
+            let read_bytes = self.check_deadline(read)?;
+            if read_bytes == 0 {
                 self.keep_alive = false;
                 // Stray CRLFs after the last request are not a request.
                 return if self.read_buf.iter().all(|&b| b == b'\r' || b == b'\n') {
@@ -220,12 +327,72 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                     Err(HttpError::UnexpectedEof)
                 };
             }
+            if scanned_bytes == 0 && !first_request {
+                // The first byte of the next request: its head deadline.
+                self.arm(|t| (Wait::Head, t.head));
+            }
         };
         self.keep_alive = head.keep_alive;
         self.head_request = head.is_head();
         self.http10 = head.version == Version::Http10;
-        let body = self.read_body(&head).await?;
-        Ok(Some(Request { head, body }))
+        let body = self.read_body(&head).await;
+        self.disarm();
+        match body {
+            Ok(body) => Ok(Some(Request { head, body })),
+            Err(e) => {
+                self.unfinished_head = Some(head);
+                Err(e)
+            }
+        }
+    }
+
+    /// After [`ServerConn::read_request`] failed reading a body: that
+    /// request's head (to answer in its route's shape). `None` when the
+    /// head itself failed, and once the next request is read.
+    pub fn unfinished_head(&self) -> Option<&RequestHead> {
+        self.unfinished_head.as_ref()
+    }
+
+    /// Arms the deadline (if any) with the wait and timeout `pick` chooses.
+    fn arm(&self, pick: impl FnOnce(&ServerTimeouts) -> (Wait, Duration)) {
+        if let Some((deadline, timeouts)) = &self.deadline {
+            let (wait, timeout) = pick(timeouts);
+            deadline.arm(wait, timeout);
+        }
+    }
+
+    fn disarm(&self) {
+        if let Some((deadline, _)) = &self.deadline {
+            deadline.disarm();
+        }
+    }
+
+    /// A read's result, or [`HttpError::TimedOut`] when the deadline shut the
+    /// socket down under it (the read then ends with EOF or an error).
+    fn check_deadline(&self, read: std::io::Result<usize>) -> Result<usize, HttpError> {
+        let expired = self.deadline.as_ref().and_then(|(d, _)| d.expired());
+        match (read, expired) {
+            (Ok(0) | Err(_), Some(wait)) => Err(HttpError::TimedOut(wait)),
+            (read, _) => Ok(read?),
+        }
+    }
+
+    /// Replaces a read buffer that a large request grew with a fresh small
+    /// one (keeping any pipelined bytes), so an idle connection holds no
+    /// more than [`KEPT_READ_BUFFER_BYTES`].
+    fn shrink_read_buffer(&mut self) {
+        if self.read_buf.capacity() > KEPT_READ_BUFFER_BYTES {
+            self.detach_read_buffer();
+        }
+    }
+
+    /// Moves the unread bytes into a fresh buffer: the old allocation then
+    /// belongs to whatever was split off it (a request body) alone, and is
+    /// freed with it.
+    fn detach_read_buffer(&mut self) {
+        let mut fresh = BytesMut::with_capacity(READ_CHUNK_BYTES.max(self.read_buf.len()));
+        fresh.extend_from_slice(&self.read_buf);
+        self.read_buf = fresh;
     }
 
     async fn read_body(&mut self, head: &RequestHead) -> Result<Bytes, HttpError> {
@@ -250,13 +417,22 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             while self.read_buf.len() < len {
                 // Grow with the data, not with the declared length: a
                 // client that announces 8 MiB and sends nothing costs
-                // nothing. BytesMut doubles, so regrowth copies are O(len).
+                // nothing. Growth doubles (regrowth copies are O(len)) but
+                // stops at the declared length, so the body's buffer is at
+                // most its length.
+                self.arm(|t| (Wait::Body, t.body_idle));
                 let spare_bytes = (len - self.read_buf.len()).min(BODY_READ_CHUNK_BYTES);
-                if fill(&mut self.stream, &mut self.read_buf, spare_bytes).await? == 0 {
+                let read =
+                    fill_toward(&mut self.stream, &mut self.read_buf, spare_bytes, len).await;
+                if self.check_deadline(read)? == 0 {
                     return Err(HttpError::UnexpectedEof);
                 }
             }
-            return Ok(self.read_buf.split_to(len).freeze());
+            let body = self.read_buf.split_to(len).freeze();
+            if len > READ_CHUNK_BYTES {
+                self.detach_read_buffer();
+            }
+            return Ok(body);
         }
         let mut first: Option<Bytes> = None;
         let mut joined = BytesMut::new();
@@ -273,7 +449,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                 },
                 Some(BodyEvent::End) => break,
                 None => {
-                    if fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await? == 0 {
+                    self.arm(|t| (Wait::Body, t.body_idle));
+                    let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
+                    if self.check_deadline(read)? == 0 {
                         decoder.on_eof()?;
                     }
                 }
@@ -426,6 +604,57 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     pub async fn close(&mut self) -> Result<(), HttpError> {
         self.keep_alive = false;
         self.stream.shutdown().await.map_err(HttpError::from)
+    }
+
+    /// Closes after an answer the client may not have finished sending
+    /// its request for (413, 431, a malformed head, a refusal while
+    /// draining): shuts down the write side, then reads and discards what
+    /// the client still sends, within `linger`'s bounds, so the close does
+    /// not reset the connection before the client read the answer (a client
+    /// that writes its whole body before reading would otherwise see
+    /// `ECONNRESET` instead of the 413).
+    ///
+    /// Needs the connection's deadline to bound the reads; without one it
+    /// only shuts down the write side. The connection is not kept alive.
+    pub async fn linger_close(&mut self, linger: &Linger) -> LingerEnd {
+        self.keep_alive = false;
+        if self.stream.shutdown().await.is_err() {
+            return LingerEnd::Skipped;
+        }
+        let Some((deadline, _)) = &self.deadline else {
+            return LingerEnd::Skipped;
+        };
+        let end = clock::now() + linger.time;
+        // Bytes already buffered (the start of a refused body) count too.
+        let mut discarded_bytes = self.read_buf.len() as u64;
+        let result = loop {
+            let idle_end: Instant = clock::now() + linger.idle;
+            deadline.arm_at(Wait::Linger, idle_end.min(end));
+            self.read_buf.clear();
+            match fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await {
+                Ok(0) if deadline.expired() == Some(Wait::Linger) => {
+                    break LingerEnd::TimedOut { discarded_bytes }
+                }
+                Ok(0) => break LingerEnd::PeerClosed { discarded_bytes },
+                Ok(n) => {
+                    discarded_bytes += n as u64;
+                    if discarded_bytes >= linger.max_bytes {
+                        break LingerEnd::ByteCapReached;
+                    }
+                    if clock::now() >= end {
+                        // A peer that never pauses still stops at `time`.
+                        break LingerEnd::TimedOut { discarded_bytes };
+                    }
+                }
+                Err(_) if deadline.expired() == Some(Wait::Linger) => {
+                    break LingerEnd::TimedOut { discarded_bytes }
+                }
+                Err(_) => break LingerEnd::Skipped,
+            }
+        };
+        deadline.disarm();
+        self.read_buf = BytesMut::new();
+        result
     }
 
     fn expect_idle(&self) -> Result<(), HttpError> {

@@ -177,6 +177,54 @@ impl Latency {
 pub enum Count {
     /// Edge: response body bytes relayed from tunnel frames to clients.
     EdgeRelayBodyBytes,
+    /// Edge: client connections accepted.
+    EdgeClientConnectionsAccepted,
+    /// Edge: client connections closed (accepted minus closed is the
+    /// number open).
+    EdgeClientConnectionsClosed,
+    /// Edge: times the client accept loop stopped at
+    /// `edge.max_client_connections` (new connections waited in the
+    /// kernel's backlog).
+    EdgeClientAcceptPaused,
+    /// Edge: client connections cut off because a request head did not
+    /// arrive within `edge.client_head_timeout_ms`.
+    EdgeClientHeadTimeouts,
+    /// Edge: client connections cut off because a request body paused
+    /// longer than `edge.client_body_idle_timeout_ms`.
+    EdgeClientBodyTimeouts,
+    /// Edge: kept-alive client connections closed after
+    /// `edge.client_keep_alive_timeout_ms` without a request.
+    EdgeClientIdleTimeouts,
+    /// Edge: requests refused before routing because their HTTP framing
+    /// was bad or over a limit (400, 413, 431, 501).
+    EdgeClientRequestErrors,
+    /// Edge: request bodies refused because their JSON nesting or element
+    /// count is over `edge.max_json_depth` / `edge.max_json_elements`.
+    EdgeClientJsonLimitRejections,
+    /// Edge: lingering closes after an early answer.
+    EdgeClientLingeringCloses,
+    /// Edge: request bytes read and discarded by lingering closes.
+    EdgeClientLingerDiscardedBytes,
+    /// Edge: HTTPS client connections cut off because their TLS handshake
+    /// did not finish within `edge.client_head_timeout_ms`.
+    EdgeClientTlsHandshakeTimeouts,
+    /// Edge: HTTPS client connections whose TLS handshake failed (not TLS,
+    /// no shared protocol, a client certificate refused).
+    EdgeClientTlsHandshakeFailures,
+    /// Edge: node TLS handshakes started.
+    EdgeNodeHandshakesStarted,
+    /// Edge: node TLS handshakes ended (done, failed or timed out; started
+    /// minus ended is the number in progress).
+    EdgeNodeHandshakesEnded,
+    /// Edge: node TLS handshakes cut off at `edge.node_handshake_timeout_ms`.
+    EdgeNodeHandshakeTimeouts,
+    /// Edge: node TLS handshakes that failed (bad certificate, wrong
+    /// identity, not TLS).
+    EdgeNodeHandshakeFailures,
+    /// Edge: times the node accept loop stopped at
+    /// `edge.max_node_handshakes` (new connections waited in the kernel's
+    /// backlog).
+    EdgeNodeAcceptPaused,
     /// Node: provider calls aborted before they returned (watchdog, cancel,
     /// session end).
     NodeProviderCallsAborted,
@@ -184,13 +232,33 @@ pub enum Count {
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 2] = [Count::EdgeRelayBodyBytes, Count::NodeProviderCallsAborted];
+    pub const ALL: [Count; 19] = [
+        Count::EdgeRelayBodyBytes,
+        Count::EdgeClientConnectionsAccepted,
+        Count::EdgeClientConnectionsClosed,
+        Count::EdgeClientAcceptPaused,
+        Count::EdgeClientHeadTimeouts,
+        Count::EdgeClientBodyTimeouts,
+        Count::EdgeClientIdleTimeouts,
+        Count::EdgeClientRequestErrors,
+        Count::EdgeClientJsonLimitRejections,
+        Count::EdgeClientLingeringCloses,
+        Count::EdgeClientLingerDiscardedBytes,
+        Count::EdgeClientTlsHandshakeTimeouts,
+        Count::EdgeClientTlsHandshakeFailures,
+        Count::EdgeNodeHandshakesStarted,
+        Count::EdgeNodeHandshakesEnded,
+        Count::EdgeNodeHandshakeTimeouts,
+        Count::EdgeNodeHandshakeFailures,
+        Count::EdgeNodeAcceptPaused,
+        Count::NodeProviderCallsAborted,
+    ];
 
     /// The binary that counts it.
     pub fn side(self) -> Side {
         match self {
-            Count::EdgeRelayBodyBytes => Side::Edge,
             Count::NodeProviderCallsAborted => Side::Node,
+            _ => Side::Edge,
         }
     }
 
@@ -199,6 +267,23 @@ impl Count {
     pub fn name(self) -> &'static str {
         match self {
             Count::EdgeRelayBodyBytes => "relay_body_bytes",
+            Count::EdgeClientConnectionsAccepted => "client_connections_accepted",
+            Count::EdgeClientConnectionsClosed => "client_connections_closed",
+            Count::EdgeClientAcceptPaused => "client_accept_paused",
+            Count::EdgeClientHeadTimeouts => "client_head_timeouts",
+            Count::EdgeClientBodyTimeouts => "client_body_timeouts",
+            Count::EdgeClientIdleTimeouts => "client_idle_timeouts",
+            Count::EdgeClientRequestErrors => "client_request_errors",
+            Count::EdgeClientJsonLimitRejections => "client_json_limit_rejections",
+            Count::EdgeClientLingeringCloses => "client_lingering_closes",
+            Count::EdgeClientLingerDiscardedBytes => "client_linger_discarded_bytes",
+            Count::EdgeClientTlsHandshakeTimeouts => "client_tls_handshake_timeouts",
+            Count::EdgeClientTlsHandshakeFailures => "client_tls_handshake_failures",
+            Count::EdgeNodeHandshakesStarted => "node_handshakes_started",
+            Count::EdgeNodeHandshakesEnded => "node_handshakes_ended",
+            Count::EdgeNodeHandshakeTimeouts => "node_handshake_timeouts",
+            Count::EdgeNodeHandshakeFailures => "node_handshake_failures",
+            Count::EdgeNodeAcceptPaused => "node_accept_paused",
             Count::NodeProviderCallsAborted => "provider_calls_aborted",
         }
     }
@@ -207,6 +292,43 @@ impl Count {
     pub fn help(self) -> &'static str {
         match self {
             Count::EdgeRelayBodyBytes => "Response body bytes relayed from tunnels to clients.",
+            Count::EdgeClientConnectionsAccepted => "Client connections accepted.",
+            Count::EdgeClientConnectionsClosed => "Client connections closed.",
+            Count::EdgeClientAcceptPaused => {
+                "Times the client accept loop stopped at edge.max_client_connections."
+            }
+            Count::EdgeClientHeadTimeouts => {
+                "Client connections cut off at edge.client_head_timeout_ms."
+            }
+            Count::EdgeClientBodyTimeouts => {
+                "Client connections cut off at edge.client_body_idle_timeout_ms."
+            }
+            Count::EdgeClientIdleTimeouts => {
+                "Idle keep-alive client connections closed at edge.client_keep_alive_timeout_ms."
+            }
+            Count::EdgeClientRequestErrors => {
+                "Requests refused for bad or oversized HTTP framing (400, 413, 431, 501)."
+            }
+            Count::EdgeClientJsonLimitRejections => {
+                "Request bodies refused at edge.max_json_depth or edge.max_json_elements."
+            }
+            Count::EdgeClientLingeringCloses => "Lingering closes after an early answer.",
+            Count::EdgeClientLingerDiscardedBytes => {
+                "Request bytes read and discarded by lingering closes."
+            }
+            Count::EdgeClientTlsHandshakeTimeouts => {
+                "HTTPS client handshakes cut off at edge.client_head_timeout_ms."
+            }
+            Count::EdgeClientTlsHandshakeFailures => "HTTPS client handshakes that failed.",
+            Count::EdgeNodeHandshakesStarted => "Node TLS handshakes started.",
+            Count::EdgeNodeHandshakesEnded => "Node TLS handshakes ended (any outcome).",
+            Count::EdgeNodeHandshakeTimeouts => {
+                "Node TLS handshakes cut off at edge.node_handshake_timeout_ms."
+            }
+            Count::EdgeNodeHandshakeFailures => "Node TLS handshakes that failed.",
+            Count::EdgeNodeAcceptPaused => {
+                "Times the node accept loop stopped at edge.max_node_handshakes."
+            }
             Count::NodeProviderCallsAborted => "Provider calls aborted before they returned.",
         }
     }

@@ -1,0 +1,234 @@
+//! The fleet a swarm run configures: `nodes` Nodes, each with
+//! `providers_per_node` providers on one OpenAI-compatible adapter, one
+//! model per provider slot pooled over every Node, and one model pinned to
+//! each Node. The Edge configuration is generated from it, and the
+//! in-process selection measurement builds `Control` from that very text,
+//! so both see the same topology.
+//!
+//! ```text
+//! node n00000: p0 p1 … p{k-1}      model swarm-m0 = [n00000/p0, n00001/p0, …]   (pool of N)
+//! node n00001: p0 p1 … p{k-1}      model swarm-m1 = [n00000/p1, n00001/p1, …]
+//! …                                 model swarm-n00042 = [n00042/p0]            (one per node)
+//! ```
+
+use std::fmt::Write as _;
+
+/// Largest fleet a run configures (node ids have five digits).
+pub const MAX_NODES: usize = 99_999;
+
+/// The shape of a swarm's fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    /// Nodes the Edge expects.
+    pub nodes: usize,
+    /// Providers per node; model `swarm-m{j}` pools provider `p{j}` of
+    /// every node.
+    pub providers_per_node: usize,
+    /// Lease capacity of every provider.
+    pub capacity: u32,
+}
+
+/// Names shared by the certificates and the configuration.
+pub const TRUST_DOMAIN: &str = "iop.swarm";
+/// The Edge's identity name.
+pub const EDGE_NAME: &str = "edge-swarm";
+/// The adapter instance on every node.
+pub const ADAPTER: &str = "mock";
+/// The provider target (the model name a provider server would know).
+pub const TARGET: &str = "swarm-target";
+
+impl Topology {
+    /// Node `i`'s id (`n00042`).
+    pub fn node_id(i: usize) -> String {
+        format!("n{i:05}")
+    }
+
+    /// The index of a node id minted by [`Topology::node_id`].
+    pub fn node_index(id: &str) -> Option<usize> {
+        id.strip_prefix('n')
+            .filter(|digits| digits.len() == 5)
+            .and_then(|digits| digits.parse().ok())
+    }
+
+    /// Provider `j`'s id on every node (`p3`).
+    pub fn provider_id(j: usize) -> String {
+        format!("p{j}")
+    }
+
+    /// The model pooled over provider `j` of every node.
+    pub fn pooled_model(j: usize) -> String {
+        format!("swarm-m{j}")
+    }
+
+    /// The model served only by node `i` (its provider `p0`).
+    pub fn pinned_model(i: usize) -> String {
+        format!("swarm-{}", Self::node_id(i))
+    }
+
+    /// Every provider of the fleet.
+    pub fn provider_count(&self) -> usize {
+        self.nodes * self.providers_per_node
+    }
+
+    /// `edge.toml` for this fleet: the node listener at `node_listen`, the
+    /// client listener at `client_listen` (`127.0.0.1:0` picks a port),
+    /// certificates under `certs/` beside the file. The adapter's base URL
+    /// names a closed port: swarm nodes answer tunnels themselves and never
+    /// dial it.
+    pub fn edge_toml(&self, client_listen: &str, node_listen: &str, max_queue: u32) -> String {
+        let mut t = String::with_capacity(256 + self.nodes * (200 + 120 * self.providers_per_node));
+        let _ = write!(
+            t,
+            r#"[edge]
+name = "{EDGE_NAME}"
+trust_domain = "{TRUST_DOMAIN}"
+client_listen = "{client_listen}"
+node_listen = "{node_listen}"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+"#
+        );
+        for i in 0..self.nodes {
+            let node = Self::node_id(i);
+            let _ = write!(
+                t,
+                r#"
+[[nodes]]
+id = "{node}"
+[[nodes.adapters]]
+name = "{ADAPTER}"
+kind = "openai_compat"
+base_url = "http://127.0.0.1:9"
+"#
+            );
+            for j in 0..self.providers_per_node {
+                let _ = write!(
+                    t,
+                    r#"[[nodes.providers]]
+id = "{provider}"
+adapter = "{ADAPTER}"
+target = "{TARGET}"
+capacity = {capacity}
+"#,
+                    provider = Self::provider_id(j),
+                    capacity = self.capacity,
+                );
+            }
+        }
+        for j in 0..self.providers_per_node {
+            let _ = write!(
+                t,
+                "\n[[models]]\nname = \"{}\"\nmax_queue = {max_queue}\nproviders = [",
+                Self::pooled_model(j)
+            );
+            for i in 0..self.nodes {
+                let sep = if i == 0 { "" } else { ", " };
+                let _ = write!(t, "{sep}\"{}/{}\"", Self::node_id(i), Self::provider_id(j));
+            }
+            t.push_str("]\n");
+        }
+        for i in 0..self.nodes {
+            let _ = write!(
+                t,
+                "\n[[models]]\nname = \"{}\"\nproviders = [\"{}/{}\"]\n",
+                Self::pinned_model(i),
+                Self::node_id(i),
+                Self::provider_id(0)
+            );
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(Topology::node_id(42), "n00042");
+        assert_eq!(Topology::node_index("n00042"), Some(42));
+        assert_eq!(Topology::node_index("n42"), None);
+        assert_eq!(Topology::node_index("x00042"), None);
+        assert_eq!(Topology::pinned_model(7), "swarm-n00007");
+        assert_eq!(Topology::pooled_model(1), "swarm-m1");
+    }
+
+    #[test]
+    fn a_two_node_fleet_is_exactly_this_file() {
+        let t = Topology {
+            nodes: 2,
+            providers_per_node: 2,
+            capacity: 3,
+        };
+        let toml = t.edge_toml("127.0.0.1:0", "127.0.0.1:7000", 50);
+        let expected = r#"[edge]
+name = "edge-swarm"
+trust_domain = "iop.swarm"
+client_listen = "127.0.0.1:0"
+node_listen = "127.0.0.1:7000"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+
+[[nodes]]
+id = "n00000"
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+base_url = "http://127.0.0.1:9"
+[[nodes.providers]]
+id = "p0"
+adapter = "mock"
+target = "swarm-target"
+capacity = 3
+[[nodes.providers]]
+id = "p1"
+adapter = "mock"
+target = "swarm-target"
+capacity = 3
+
+[[nodes]]
+id = "n00001"
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+base_url = "http://127.0.0.1:9"
+[[nodes.providers]]
+id = "p0"
+adapter = "mock"
+target = "swarm-target"
+capacity = 3
+[[nodes.providers]]
+id = "p1"
+adapter = "mock"
+target = "swarm-target"
+capacity = 3
+
+[[models]]
+name = "swarm-m0"
+max_queue = 50
+providers = ["n00000/p0", "n00001/p0"]
+
+[[models]]
+name = "swarm-m1"
+max_queue = 50
+providers = ["n00000/p1", "n00001/p1"]
+
+[[models]]
+name = "swarm-n00000"
+providers = ["n00000/p0"]
+
+[[models]]
+name = "swarm-n00001"
+providers = ["n00001/p0"]
+"#;
+        assert_eq!(toml, expected);
+        assert_eq!(t.provider_count(), 4);
+    }
+}

@@ -1,0 +1,424 @@
+//! Request bodies as the Edge reads them: bounded, validated, and kept as
+//! the client's bytes.
+//!
+//! ```text
+//! body bytes ─► check_shape (depth, value count: a byte scan, no allocation)
+//!            ─► Members::parse (serde_json, borrowed: every byte validated,
+//!               top-level members as spans of the body, duplicates refused)
+//!            ─► read the few members the Edge needs, on demand
+//!            ─► splice: prefix ‖ new value ‖ suffix (one copy of the body)
+//! ```
+//!
+//! No JSON tree is ever built: a body costs its own bytes plus one span per
+//! top-level member while it is read, and one copy when a member is
+//! rewritten (`model`, U5). Every other byte reaches the provider exactly as
+//! the client sent it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+/// Bounds on a request body's JSON (`edge.max_json_depth`,
+/// `edge.max_json_elements`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JsonLimits {
+    /// Deepest nesting of arrays and objects (the top-level object is 1).
+    pub max_depth: u64,
+    /// Most values inside containers (array elements and object members),
+    /// counted through the whole body.
+    pub max_elements: u64,
+}
+
+impl Default for JsonLimits {
+    fn default() -> Self {
+        use crate::config::front_door::{MAX_JSON_DEPTH, MAX_JSON_ELEMENTS};
+        Self {
+            max_depth: MAX_JSON_DEPTH,
+            max_elements: MAX_JSON_ELEMENTS,
+        }
+    }
+}
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    /// Nested deeper than [`JsonLimits::max_depth`].
+    #[error("The request body nests arrays and objects deeper than {max_depth} levels.")]
+    TooDeep {
+        /// The limit.
+        max_depth: u64,
+    },
+    /// More values than [`JsonLimits::max_elements`].
+    #[error("The request body has more than {max_elements} JSON values.")]
+    TooManyElements {
+        /// The limit.
+        max_elements: u64,
+    },
+    /// Not JSON (serde_json's reason).
+    #[error("The request body is not valid JSON: {0}")]
+    Syntax(String),
+    /// Valid JSON, but not an object.
+    #[error("The request body must be a JSON object.")]
+    NotAnObject,
+    /// A top-level member name appears twice (ambiguous: which one a
+    /// provider reads is up to it).
+    #[error("The request body has the member `{0}` more than once.")]
+    DuplicateMember(String),
+}
+
+impl BodyError {
+    /// Whether this is a [`JsonLimits`] refusal (counted apart).
+    pub fn is_limit(&self) -> bool {
+        matches!(
+            self,
+            BodyError::TooDeep { .. } | BodyError::TooManyElements { .. }
+        )
+    }
+}
+
+/// Checks nesting depth and value count with one pass over the bytes, no
+/// allocation; stops at the first bound passed. Tolerates any input (it
+/// only bounds; [`Members::parse`] validates).
+pub fn check_shape(body: &[u8], limits: &JsonLimits) -> Result<(), BodyError> {
+    let mut depth = 0u64;
+    let mut elements = 0u64;
+    let mut in_string = false;
+    let mut escaped = false;
+    // Just opened a container: the next token says whether it is empty.
+    let mut opened = false;
+    let count = |elements: &mut u64| {
+        *elements += 1;
+        if *elements > limits.max_elements {
+            Err(BodyError::TooManyElements {
+                max_elements: limits.max_elements,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        if matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+            continue;
+        }
+        if opened {
+            opened = false;
+            if !matches!(b, b']' | b'}') {
+                count(&mut elements)?;
+            }
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limits.max_depth {
+                    return Err(BodyError::TooDeep {
+                        max_depth: limits.max_depth,
+                    });
+                }
+                opened = true;
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' => count(&mut elements)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A validated JSON object body: the client's bytes and the span of each
+/// top-level member's value, in order. The default is an empty body with no
+/// members (what is left after [`Members::take`]).
+#[derive(Debug, Clone, Default)]
+pub struct Members {
+    body: Bytes,
+    members: Vec<(String, Range<usize>)>,
+}
+
+impl Members {
+    /// Bounds ([`check_shape`]), then validates `body` as one JSON object
+    /// whose top-level member names are unique, keeping the bytes (no copy)
+    /// and the members' spans.
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, BodyError> {
+        check_shape(&body, limits)?;
+        let text = std::str::from_utf8(&body)
+            .map_err(|e| BodyError::Syntax(format!("invalid UTF-8: {e}")))?;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let members = ObjectSpans { base: text }
+            .deserialize(&mut de)
+            .map_err(|e| BodyError::Syntax(e.to_string()))?;
+        de.end().map_err(|e| BodyError::Syntax(e.to_string()))?;
+        let members = members.ok_or(BodyError::NotAnObject)?;
+        for (i, (name, _)) in members.iter().enumerate() {
+            if members[..i].iter().any(|(earlier, _)| earlier == name) {
+                return Err(BodyError::DuplicateMember(name.clone()));
+            }
+        }
+        Ok(Self { body, members })
+    }
+
+    /// Takes the body out, leaving no members: the client's bytes are freed
+    /// as soon as the caller drops them.
+    pub fn take(&mut self) -> Self {
+        std::mem::take(self)
+    }
+
+    /// The raw JSON text of member `name`'s value.
+    pub fn raw(&self, name: &str) -> Option<&str> {
+        let span = self.span(name)?;
+        // The body was validated as UTF-8 and spans lie on token bounds.
+        std::str::from_utf8(&self.body[span]).ok()
+    }
+
+    fn span(&self, name: &str) -> Option<Range<usize>> {
+        self.members
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, span)| span.clone())
+    }
+
+    /// Member `name` as a `T`; `None` when absent, `Some(Err)` when it does
+    /// not fit `T`.
+    pub fn get<'a, T: serde::Deserialize<'a>>(
+        &'a self,
+        name: &str,
+    ) -> Option<Result<T, serde_json::Error>> {
+        self.raw(name).map(serde_json::from_str)
+    }
+
+    /// The body with member `name`'s value replaced by `value` (serialized
+    /// JSON text), every other byte as the client sent it. `None` when the
+    /// member is absent.
+    pub fn splice(&self, name: &str, value: &[u8]) -> Option<Bytes> {
+        let span = self.span(name)?;
+        let mut out = Vec::with_capacity(self.body.len() - span.len() + value.len());
+        out.extend_from_slice(&self.body[..span.start]);
+        out.extend_from_slice(value);
+        out.extend_from_slice(&self.body[span.end..]);
+        Some(Bytes::from(out))
+    }
+
+    /// The client's bytes.
+    pub fn bytes(&self) -> &Bytes {
+        &self.body
+    }
+}
+
+/// Byte offset of `inner` (a slice of `base`) in `base`.
+fn offset_in(base: &str, inner: &str) -> Range<usize> {
+    // Address arithmetic only: serde_json hands out borrowed raw values
+    // that are subslices of the input.
+    let start = (inner.as_ptr() as usize).saturating_sub(base.as_ptr() as usize);
+    start..start + inner.len()
+}
+
+/// Deserializes a value: an object into its members' spans (`Some`),
+/// anything else validated and skipped (`None`).
+struct ObjectSpans<'de> {
+    base: &'de str,
+}
+
+impl<'de> DeserializeSeed<'de> for ObjectSpans<'de> {
+    type Value = Option<Vec<(String, Range<usize>)>>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ObjectSpans<'de> {
+    type Value = Option<Vec<(String, Range<usize>)>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut members = Vec::new();
+        while let Some(name) = map.next_key::<Cow<'de, str>>()? {
+            let value: &'de RawValue = map.next_value()?;
+            members.push((name.into_owned(), offset_in(self.base, value.get())));
+        }
+        Ok(Some(members))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+/// The members of a JSON object given as raw text, last one winning for a
+/// repeated name (lenient: for nested objects the Edge only reads, such as
+/// chat messages). `None` when `raw` is not an object.
+pub fn object_members(raw: &str) -> Option<Vec<(Cow<'_, str>, &RawValue)>> {
+    struct Lenient;
+    impl<'de> Visitor<'de> for Lenient {
+        type Value = Option<Vec<(Cow<'de, str>, &'de RawValue)>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut members: Vec<(Cow<'de, str>, &'de RawValue)> = Vec::new();
+            while let Some(name) = map.next_key::<Cow<'de, str>>()? {
+                let value: &'de RawValue = map.next_value()?;
+                members.retain(|(n, _)| *n != name);
+                members.push((name, value));
+            }
+            Ok(Some(members))
+        }
+    }
+    if !raw.trim_start().starts_with('{') {
+        return None;
+    }
+    let mut de = serde_json::Deserializer::from_str(raw);
+    de.deserialize_map(Lenient).ok().flatten()
+}
+
+/// The elements of a JSON array given as raw text; `None` when `raw` is not
+/// an array.
+pub fn array_elements(raw: &str) -> Option<Vec<&RawValue>> {
+    if !raw.trim_start().starts_with('[') {
+        return None;
+    }
+    serde_json::from_str(raw).ok()
+}
+
+/// `raw` as a string when it is a JSON string.
+pub fn as_string(raw: &RawValue) -> Option<Cow<'_, str>> {
+    if !raw.get().starts_with('"') {
+        return None;
+    }
+    serde_json::from_str::<Cow<'_, str>>(raw.get()).ok()
+}
+
+/// `text` as a JSON string literal.
+pub fn json_string(text: &str) -> Vec<u8> {
+    // Serializing a &str cannot fail.
+    serde_json::to_vec(text).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_depth: u64, max_elements: u64) -> JsonLimits {
+        JsonLimits {
+            max_depth,
+            max_elements,
+        }
+    }
+
+    #[test]
+    fn shape_counts_depth_and_values_outside_strings() {
+        let ok = |body: &str, l: JsonLimits| check_shape(body.as_bytes(), &l);
+        // {"a":[1,2,{"b":[]}]} has depth 4 and 5 values: a, 1, 2, {..}, b.
+        let body = r#"{"a":[1,2,{"b":[]}]}"#;
+        assert_eq!(ok(body, limits(4, 5)), Ok(()));
+        assert_eq!(
+            ok(body, limits(3, 5)),
+            Err(BodyError::TooDeep { max_depth: 3 })
+        );
+        assert_eq!(
+            ok(body, limits(4, 4)),
+            Err(BodyError::TooManyElements { max_elements: 4 })
+        );
+        // Brackets, commas and escaped quotes inside strings do not count.
+        let body = r#"{"a":"[[[,,,\"{{"}"#;
+        assert_eq!(ok(body, limits(1, 1)), Ok(()));
+        assert_eq!(ok("{ }", limits(1, 0)), Ok(()));
+        assert_eq!(ok("[ ]", limits(1, 0)), Ok(()));
+        assert_eq!(
+            ok(&"[".repeat(65), limits(64, 100)),
+            Err(BodyError::TooDeep { max_depth: 64 })
+        );
+    }
+
+    #[test]
+    fn members_are_spans_of_the_body_and_duplicates_are_refused() {
+        let body = Bytes::from_static(br#" {"model" : "m\u0031", "n":[1, {"x":2}] ,"s":null} "#);
+        let members = Members::parse(body.clone(), &JsonLimits::default()).unwrap();
+        assert_eq!(members.raw("model"), Some(r#""m\u0031""#));
+        assert_eq!(members.get::<String>("model").unwrap().unwrap(), "m1");
+        assert_eq!(members.raw("n"), Some(r#"[1, {"x":2}]"#));
+        assert_eq!(members.raw("s"), Some("null"));
+        assert_eq!(members.raw("x"), None);
+        // The body is shared, not copied.
+        assert_eq!(members.bytes().as_ptr(), body.as_ptr());
+        assert_eq!(
+            &members.splice("model", br#""target""#).unwrap()[..],
+            br#" {"model" : "target", "n":[1, {"x":2}] ,"s":null} "#
+        );
+        // An escaped name is the same name.
+        let dup = Bytes::from_static(br#"{"model":"a","mod\u0065l":"b"}"#);
+        assert_eq!(
+            Members::parse(dup, &JsonLimits::default()).unwrap_err(),
+            BodyError::DuplicateMember("model".into())
+        );
+    }
+
+    #[test]
+    fn bodies_that_are_not_one_object_are_refused() {
+        let parse = |b: &'static [u8]| {
+            Members::parse(Bytes::from_static(b), &JsonLimits::default()).map(|_| ())
+        };
+        assert_eq!(parse(b"[1]"), Err(BodyError::NotAnObject));
+        assert_eq!(parse(b"\"s\""), Err(BodyError::NotAnObject));
+        assert!(matches!(parse(b"{} {}"), Err(BodyError::Syntax(_))));
+        assert!(matches!(parse(b"{\"a\":}"), Err(BodyError::Syntax(_))));
+        assert!(matches!(parse(b"{\"a\":1"), Err(BodyError::Syntax(_))));
+        assert!(matches!(parse(b"\xff"), Err(BodyError::Syntax(_))));
+        assert!(matches!(parse(b""), Err(BodyError::Syntax(_))));
+    }
+
+    #[test]
+    fn nested_objects_are_read_leniently() {
+        let members = object_members(r#"{"role":"user","role":"tool","n":1}"#).unwrap();
+        let names: Vec<&str> = members.iter().map(|(n, _)| n.as_ref()).collect();
+        assert_eq!(names, ["role", "n"]);
+        assert_eq!(as_string(members[0].1).as_deref(), Some("tool"));
+        assert_eq!(as_string(members[1].1), None);
+        assert!(object_members("[1]").is_none());
+        assert!(object_members("\"x\"").is_none());
+        assert_eq!(array_elements("[1, \"a\"]").map(|a| a.len()), Some(2));
+        assert!(array_elements("{}").is_none());
+        assert_eq!(json_string("a\"b\n"), br#""a\"b\n""#.to_vec());
+    }
+}

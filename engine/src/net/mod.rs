@@ -1,0 +1,24 @@
+//! Socket guards shared by every listener and connection: a per-connection
+//! [`Deadline`] that cuts a stalled peer off without cancelling a read, a
+//! [`Gate`] that caps connections in progress by not accepting more, and a
+//! [`LogThrottle`] that keeps a flood of failing peers out of the logs.
+//!
+//! ```text
+//! accept loop:  gate.enter().await ─► accept() ─► spawn(conn(permit, socket))
+//!                (at the cap: wait; new connections stay in the kernel backlog)
+//! connection:   deadline = Deadline::spawn(&socket)
+//!               arm(Wait::Head, 10 s) ─► read … read ─► disarm()
+//!                      └─ expiry: shutdown(2) from the watchdog task; the
+//!                         pending read returns EOF, expired() says why
+//! ```
+//!
+//! Pure cores ([`DeadlineCore`], [`LogThrottle`]) take `now` as an input and
+//! are tested with a manual clock; the shells only sleep and shut sockets.
+
+mod deadline;
+mod gate;
+mod throttle;
+
+pub use deadline::{Deadline, DeadlineCore, DeadlineStep, Wait};
+pub use gate::{Gate, Permit};
+pub use throttle::LogThrottle;

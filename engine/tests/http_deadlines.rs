@@ -1,0 +1,328 @@
+//! `ServerConn` read deadlines and the lingering close over real loopback
+//! TCP, on both monoio drivers: a head sent a byte at a time, a body that
+//! stops half way, an idle keep-alive connection, and a client that writes a
+//! whole oversized body before it reads the 413. Bounds are generous (a
+//! loaded 2-core machine); what is asserted is the outcome, not the time.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use iop_engine::clock;
+use iop_engine::http::{
+    accept, connect, parse_response_head, HttpError, Limits, Linger, LingerEnd, ResponseHead,
+    ServerConn, ServerTimeouts,
+};
+use iop_engine::net::{Deadline, Wait};
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::net::{TcpListener, TcpStream};
+
+/// Named `http` so `cargo test -p iop-engine http` selects these tests.
+mod http {
+    use super::*;
+
+    const TIMEOUTS: ServerTimeouts = ServerTimeouts {
+        keep_alive_idle: Duration::from_millis(300),
+        head: Duration::from_millis(300),
+        body_idle: Duration::from_millis(300),
+    };
+
+    /// Far above any of the timeouts, even on a loaded machine.
+    const GENEROUS: Duration = Duration::from_secs(20);
+
+    fn listen() -> (TcpListener, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        (listener, addr)
+    }
+
+    async fn server(listener: &TcpListener, timeouts: ServerTimeouts) -> ServerConn<TcpStream> {
+        let (tcp, _) = accept(listener).await.unwrap();
+        let deadline = Deadline::spawn(&tcp);
+        ServerConn::new(tcp, Limits::default()).with_deadline(deadline, timeouts)
+    }
+
+    async fn write_raw(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+        stream.write_all(bytes.to_vec()).await.0.map(|_| ())
+    }
+
+    /// Everything the peer sends until it closes (or resets).
+    async fn read_to_end(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        loop {
+            let (res, buf) = stream.read(Vec::with_capacity(64 * 1024)).await;
+            if res? == 0 {
+                return Ok(out);
+            }
+            out.extend_from_slice(&buf);
+        }
+    }
+
+    fn response(raw: &[u8]) -> (ResponseHead, Vec<u8>) {
+        let mut buf = BytesMut::from(raw);
+        let head = parse_response_head(&mut buf, &Limits::default(), false)
+            .unwrap()
+            .unwrap_or_else(|| panic!("no complete response head in {raw:?}"));
+        (head, buf.to_vec())
+    }
+
+    /// Answers `error` the way the Edge does: the error, then a lingering
+    /// close.
+    async fn answer(conn: &mut ServerConn<TcpStream>, error: &HttpError) -> LingerEnd {
+        conn.write_error(error).await.unwrap();
+        conn.linger_close(&Linger {
+            time: GENEROUS,
+            idle: GENEROUS,
+            max_bytes: 1 << 30,
+        })
+        .await
+    }
+
+    // A head trickling in a byte at a time never completes: the head
+    // deadline (for the whole head) cuts it off, the server answers 408 and
+    // closes, and the client's writes start failing.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_head_sent_a_byte_at_a_time_is_cut_off_with_408() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            let started = clock::now();
+            for byte in b"GET /slow HTTP/1.1\r\nX-Slow: ".iter().cycle() {
+                if write_raw(&mut tcp, &[*byte]).await.is_err() {
+                    return true;
+                }
+                if clock::now().duration_since(started) > GENEROUS {
+                    return false;
+                }
+                monoio::time::sleep(Duration::from_millis(20)).await;
+            }
+            false
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Head)), "{err:?}");
+        assert!(err.is_answerable());
+        assert_eq!(err.status_code(), 408);
+        conn.write_error(&err).await.unwrap();
+        drop(conn);
+        assert!(client.await, "the client's connection was closed");
+    }
+
+    // A body that stops half way (412 of 1,000 declared bytes) is cut off by
+    // the body idle timeout; the client reads 408.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_body_that_stalls_half_way_is_cut_off_with_408() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            let mut request =
+                b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 1000\r\n\r\n".to_vec();
+            request.extend(std::iter::repeat_n(b'x', 412));
+            write_raw(&mut tcp, &request).await.unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Body)), "{err:?}");
+        conn.write_error(&err).await.unwrap();
+        drop(conn);
+        let (head, body) = response(&client.await);
+        assert_eq!(head.status, 408);
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            "timed out waiting for the body (deadline passed)\n"
+        );
+    }
+
+    // A body that keeps coming, each piece within the idle timeout, is read
+    // to its end even though the whole takes longer than the timeout.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_slow_body_that_keeps_coming_is_read() {
+        let timeouts = ServerTimeouts {
+            body_idle: Duration::from_millis(1500),
+            ..TIMEOUTS
+        };
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"POST / HTTP/1.1\r\nContent-Length: 20\r\n\r\n")
+                .await
+                .unwrap();
+            for _ in 0..20 {
+                monoio::time::sleep(Duration::from_millis(100)).await;
+                write_raw(&mut tcp, b"y").await.unwrap();
+            }
+            tcp
+        });
+        let mut conn = server(&listener, timeouts).await;
+        let request = conn.read_request().await.unwrap().unwrap();
+        assert_eq!(&request.body[..], &[b'y'; 20][..]);
+        drop(client.await);
+    }
+
+    // After a response, a kept-alive connection that sends nothing is closed
+    // at the keep-alive idle timeout, with no answer.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn an_idle_keep_alive_connection_is_closed_silently() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"GET /a HTTP/1.1\r\n\r\n")
+                .await
+                .unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let request = conn.read_request().await.unwrap().unwrap();
+        assert_eq!(request.head.target, "/a");
+        conn.write_response(200, [("content-type", "text/plain")], "ok".into())
+            .await
+            .unwrap();
+        assert!(conn.keep_alive());
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Idle)), "{err:?}");
+        assert!(!err.is_answerable());
+        drop(conn);
+        let (head, body) = response(&client.await);
+        assert_eq!((head.status, &body[..]), (200, &b"ok"[..]));
+    }
+
+    // A connection that never sends a byte is cut off by the head deadline
+    // of its first request, which runs from the accept.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_silent_new_connection_is_cut_off_by_the_head_deadline() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Head)), "{err:?}");
+        drop(conn);
+        assert_eq!(client.await, b"");
+    }
+
+    /// A client that writes a whole 64 MiB body before it reads anything
+    /// (Python's urllib, many simple clients), then returns what it read.
+    async fn write_body_then_read(addr: SocketAddr) -> std::io::Result<Vec<u8>> {
+        let mut tcp = connect(addr).await.unwrap();
+        let body_bytes = 64 * 1024 * 1024;
+        let head =
+            format!("POST /v1/chat/completions HTTP/1.1\r\nContent-Length: {body_bytes}\r\n\r\n");
+        write_raw(&mut tcp, head.as_bytes()).await?;
+        let piece = vec![b'a'; 1024 * 1024];
+        for _ in 0..64 {
+            write_raw(&mut tcp, &piece).await?;
+        }
+        read_to_end(&mut tcp).await
+    }
+
+    // The 413 for a body over the limit goes out before the body is read; the
+    // lingering close reads and discards the body the client still sends, so
+    // the client reads the 413 instead of a reset.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_client_that_writes_64_mib_before_reading_receives_the_413() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(write_body_then_read(addr));
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::BodyTooLarge { .. }), "{err:?}");
+        let end = answer(&mut conn, &err).await;
+        assert_eq!(
+            end,
+            LingerEnd::PeerClosed {
+                discarded_bytes: 64 * 1024 * 1024
+            }
+        );
+        drop(conn);
+        let raw = client.await.expect("the client reads the answer, no reset");
+        let (head, body) = response(&raw);
+        assert_eq!(head.status, 413);
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            "message body is longer than 8388608 bytes\n"
+        );
+    }
+
+    /// Starts [`write_body_then_read`] and answers its request with the
+    /// 413, before any lingering: the client task and the connection.
+    async fn refused_big_body() -> (
+        monoio::task::JoinHandle<std::io::Result<Vec<u8>>>,
+        ServerConn<TcpStream>,
+    ) {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(write_body_then_read(addr));
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::BodyTooLarge { .. }), "{err:?}");
+        conn.write_error(&err).await.unwrap();
+        (client, conn)
+    }
+
+    // Without the lingering close the same client gets a reset (the bug the
+    // lingering close fixes): closing with unread request bytes makes the
+    // kernel answer with RST.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn closing_with_unread_body_bytes_resets_the_client() {
+        let (client, conn) = refused_big_body().await;
+        drop(conn);
+        let err = client.await.expect_err("a reset, not the answer");
+        assert!(
+            matches!(
+                err.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+            "{err:?}"
+        );
+    }
+
+    // A client that keeps sending after the answer is cut off at the byte
+    // cap, and one that sends nothing more and never closes at the idle
+    // bound.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn lingering_is_bounded_by_bytes_and_by_idle_time() {
+        let (client, mut conn) = refused_big_body().await;
+        let end = conn
+            .linger_close(&Linger {
+                time: GENEROUS,
+                idle: GENEROUS,
+                max_bytes: 1024 * 1024,
+            })
+            .await;
+        assert_eq!(end, LingerEnd::ByteCapReached);
+        drop(conn);
+        let _ = client.await;
+
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"GET / HTTP/1.1\r\nBad Header\r\n\r\n")
+                .await
+                .unwrap();
+            // Reads the answer and its EOF, then stays open, sending nothing.
+            let raw = read_to_end(&mut tcp).await.unwrap();
+            (raw, tcp)
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let err = conn.read_request().await.unwrap_err();
+        conn.write_error(&err).await.unwrap();
+        let end = conn
+            .linger_close(&Linger {
+                time: GENEROUS,
+                idle: Duration::from_millis(200),
+                max_bytes: 1 << 30,
+            })
+            .await;
+        // The unparsed bad head is what was discarded.
+        let bad_head_bytes = b"GET / HTTP/1.1\r\nBad Header\r\n\r\n".len() as u64;
+        assert_eq!(
+            end,
+            LingerEnd::TimedOut {
+                discarded_bytes: bad_head_bytes
+            }
+        );
+        let (raw, _tcp) = client.await;
+        assert_eq!(response(&raw).0.status, 400);
+    }
+}

@@ -1,0 +1,6 @@
+//! Fuzz target `chunked_decoder`: see [`iop_fuzz::chunked_decoder`] for the input layout and what
+//! is checked.
+
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| iop_fuzz::chunked_decoder(data));

@@ -1,0 +1,6 @@
+//! Fuzz target `node_config`: see [`iop_fuzz::node_config`] for the input layout and what
+//! is checked.
+
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| iop_fuzz::node_config(data));
