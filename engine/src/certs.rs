@@ -199,34 +199,22 @@ impl DevCa {
         validity: Validity,
     ) -> Result<IssuedCert, CertsError> {
         let mut params = CertificateParams::default();
-        let mut name = DistinguishedName::new();
-        name.push(
-            DnType::CommonName,
-            uri_sans.first().copied().unwrap_or("no identity"),
-        );
-        params.distinguished_name = name;
         params.subject_alt_names = uri_sans
             .iter()
             .map(|uri| Ia5String::try_from(*uri).map(SanType::URI))
             .collect::<Result<_, _>>()?;
-        params.is_ca = IsCa::ExplicitNoCa;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        params.use_authority_key_identifier_extension = true;
-        validity.apply(&mut params);
-        let key = KeyPair::generate()?;
-        let cert = params.signed_by(&key, &self.issuer)?;
-        Ok(IssuedCert {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        })
+        self.sign_leaf(
+            params,
+            uri_sans.first().copied().unwrap_or("no identity"),
+            // Workload certificates serve both ends of the mTLS link.
+            &[
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+            validity,
+        )
     }
-}
 
-impl DevCa {
     /// Issues an ordinary web-PKI server certificate for `hosts` (each a DNS
     /// name or an IP address, each a SAN) with the `serverAuth` usage: for
     /// HTTPS listeners and HTTPS mock providers.
@@ -241,7 +229,7 @@ impl DevCa {
         self.sign_leaf(
             params,
             common_name,
-            ExtendedKeyUsagePurpose::ServerAuth,
+            &[ExtendedKeyUsagePurpose::ServerAuth],
             validity,
         )
     }
@@ -250,16 +238,21 @@ impl DevCa {
     /// `name`: for callers of an HTTPS listener that requires mTLS.
     pub fn issue_client(&self, name: &str, validity: Validity) -> Result<IssuedCert, CertsError> {
         let params = CertificateParams::default();
-        self.sign_leaf(params, name, ExtendedKeyUsagePurpose::ClientAuth, validity)
+        self.sign_leaf(
+            params,
+            name,
+            &[ExtendedKeyUsagePurpose::ClientAuth],
+            validity,
+        )
     }
 
     /// Signs a fresh key's leaf certificate with `params`' SANs, common
-    /// name `common_name` and the one extended usage `usage`.
+    /// name `common_name` and the extended usages `usages`.
     fn sign_leaf(
         &self,
         mut params: CertificateParams,
         common_name: &str,
-        usage: ExtendedKeyUsagePurpose,
+        usages: &[ExtendedKeyUsagePurpose],
         validity: Validity,
     ) -> Result<IssuedCert, CertsError> {
         let mut name = DistinguishedName::new();
@@ -267,7 +260,7 @@ impl DevCa {
         params.distinguished_name = name;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![usage];
+        params.extended_key_usages = usages.to_vec();
         params.use_authority_key_identifier_extension = true;
         validity.apply(&mut params);
         let key = KeyPair::generate()?;

@@ -31,7 +31,7 @@ use iop_engine::tls::{
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
 use monoio::task::JoinHandle;
 use serde_json::Value;
@@ -444,18 +444,8 @@ impl HttpResponse {
 /// Sends `request` (raw bytes, which should ask for `connection: close`) and
 /// reads the response to EOF.
 pub async fn http_exchange(addr: SocketAddr, request: Vec<u8>) -> HttpResponse {
-    let mut tcp = TcpStream::connect(addr).await.expect("connect");
-    let (res, _) = tcp.write_all(request).await;
-    res.expect("write request");
-    let mut raw = Vec::new();
-    loop {
-        let (res, buf) = tcp.read(Vec::with_capacity(16 * 1024)).await;
-        match res.expect("read response") {
-            0 => break,
-            _ => raw.extend_from_slice(&buf),
-        }
-    }
-    parse_response(&raw)
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    exchange(tcp, request).await
 }
 
 /// [`http_exchange`] over HTTPS to `localhost` at `addr`, with `client`.
@@ -465,15 +455,23 @@ pub async fn https_exchange(
     request: Vec<u8>,
 ) -> HttpResponse {
     let tcp = TcpStream::connect(addr).await.expect("connect");
-    let mut tls = client
+    let tls = client
         .connect(tcp, "localhost")
         .await
         .expect("TLS handshake");
-    let (res, _) = tls.write_all(request).await;
+    exchange(tls, request).await
+}
+
+/// Writes `request` on `stream`, then reads and parses the response to EOF.
+async fn exchange<S: AsyncReadRent + AsyncWriteRent>(
+    mut stream: S,
+    request: Vec<u8>,
+) -> HttpResponse {
+    let (res, _) = stream.write_all(request).await;
     res.expect("write request");
     let mut raw = Vec::new();
     loop {
-        let (res, buf) = tls.read(Vec::with_capacity(16 * 1024)).await;
+        let (res, buf) = stream.read(Vec::with_capacity(16 * 1024)).await;
         match res.expect("read response") {
             0 => break,
             _ => raw.extend_from_slice(&buf),
