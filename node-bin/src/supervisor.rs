@@ -199,8 +199,14 @@ async fn attempt(
     let shutdown = SocketShutdown::for_socket(&tcp);
     let conn_config = ConnConfig::from_env_override();
     let (conn, events) = match connector {
-        Some(connector) => match connector.connect(tcp).await {
-            Ok(tls) => {
+        Some(connector) => match connector.connect_verified(tcp).await {
+            Ok((tls, edge)) => {
+                // Which certificate the Edge presented (a rotation shows).
+                tracing::info!(
+                    peer = %edge.id.uri(),
+                    cert_serial = %edge.serial_hex,
+                    "edge TLS identity verified"
+                );
                 let (r, w) = tls.into_split();
                 spawn_conn(r, w, shutdown, conn_config)
             }

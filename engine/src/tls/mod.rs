@@ -114,10 +114,12 @@ impl TimeProvider for ClockTime {
 
 /// A verified peer: its workload identity and the serial number of the
 /// certificate it presented (logged, so a rotation can be seen).
-#[derive(Debug, Clone)]
-pub(crate) struct PeerCert {
-    pub(crate) id: WorkloadId,
-    pub(crate) serial_hex: String,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCert {
+    /// The SPIFFE identity in the peer's certificate.
+    pub id: WorkloadId,
+    /// The certificate's serial number, lowercase hex.
+    pub serial_hex: String,
 }
 
 /// What a verifier concluded about the peer of one connection.

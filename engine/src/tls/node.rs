@@ -23,8 +23,8 @@ use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
     checked_trust_domain, handshake_outcome, provider, record_verdict, same_identity, ClockTime,
-    IdentityRejection, LocalIdentity, Role, Swap, TlsError, TlsMaterial, VerdictSlot, WorkloadId,
-    TLS13_ONLY,
+    IdentityRejection, LocalIdentity, PeerCert, Role, Swap, TlsError, TlsMaterial, VerdictSlot,
+    WorkloadId, TLS13_ONLY,
 };
 
 /// The placeholder server name every Node handshake uses (`0.0.0.0`).
@@ -129,19 +129,26 @@ impl NodeTlsConnector {
     where
         IO: AsyncReadRent + AsyncWriteRent,
     {
+        Ok(self.connect_verified(io).await?.0)
+    }
+
+    /// [`NodeTlsConnector::connect`], also answering which Edge certificate
+    /// was verified (its identity and serial, for the Node's log).
+    pub async fn connect_verified<IO>(
+        &self,
+        io: IO,
+    ) -> Result<(ClientTlsStream<IO>, PeerCert), TlsError>
+    where
+        IO: AsyncReadRent + AsyncWriteRent,
+    {
         let verdict: VerdictSlot = Arc::new(OnceLock::new());
         let config = self.client_config(verdict.clone())?;
         let server_name = ServerName::IpAddress(EDGE_SERVER_NAME.into());
         let mut conn = ClientConnection::new(config, server_name).map_err(TlsError::Handshake)?;
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
-        let peer = handshake_outcome(result, &verdict)?;
-        tracing::info!(
-            peer = %peer.id.uri(),
-            cert_serial = %peer.serial_hex,
-            "edge TLS identity verified"
-        );
-        Ok(ClientTlsStream::new(io, conn))
+        let peer = handshake_outcome(result, &verdict)?.clone();
+        Ok((ClientTlsStream::new(io, conn), peer))
     }
 
     /// A config for one connection: the current identity, a fresh verdict
