@@ -37,6 +37,14 @@ stage "build binaries (integration tests run them)"
 cargo build --workspace --bins
 
 stage "unit, integration and simulation tests"
+# The simulation replays its fixed seeds and then explores from a fresh base
+# seed; pick it here so it is printed whether or not the run fails
+# (IOP_SIM_FRESH_SEED=<seed> repeats that pass exactly).
+if [ -z "${IOP_SIM_FRESH_SEED:-}" ]; then
+  IOP_SIM_FRESH_SEED="0x$(od -An -N8 -tx8 /dev/urandom | tr -d ' \n')"
+fi
+export IOP_SIM_FRESH_SEED
+echo "control_sim: fresh base seed $IOP_SIM_FRESH_SEED (IOP_SIM_FRESH_SEED)"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast
   stage "doc tests"

@@ -15,6 +15,7 @@ use std::time::Duration;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_engine::net::LogThrottle;
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
 use iop_engine::tls::HttpsAcceptor;
@@ -175,6 +176,10 @@ pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 /// The index of the shard that runs `Control`.
 pub const CONTROL_SHARD: usize = 0;
 
+/// Shortest interval between two warnings about write-stalled clients on
+/// one shard.
+const WRITE_STALL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 /// The answer to a submitted request.
 // Moved once per request through a oneshot; boxing the large variant would
 // only add an allocation.
@@ -237,7 +242,66 @@ pub struct Settings {
 /// An observer of `Control` events (the droppable fan-out: event bus
 /// subscribers, audit sinks). Its failure is logged and never affects
 /// correctness or terminal delivery (F4, O2).
-pub type Observer = Box<dyn Fn(&Event) -> Result<(), String>>;
+///
+/// Observers run on a thread of their own ([`Edge::observe`]), fed through
+/// a bounded queue: one that returns an error, panics or blocks costs its
+/// own events (a full queue drops new ones, counted), never a lease
+/// release, a fence or a client's terminal, which the shard has already
+/// carried out by the time an observer sees the event.
+pub type Observer = Box<dyn Fn(&Event) -> Result<(), String> + Send>;
+
+/// Events queued for the observer thread at most; more are dropped.
+pub const OBSERVER_BACKLOG: usize = 1024;
+
+/// What the observer thread is sent.
+enum ObserverMsg {
+    Add(Observer),
+    Event(Event),
+}
+
+/// The shard's end of the observer thread.
+struct Observers {
+    tx: std::sync::mpsc::SyncSender<ObserverMsg>,
+    /// Events dropped because the queue was full.
+    dropped: Cell<u64>,
+}
+
+impl Observers {
+    fn spawn() -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(OBSERVER_BACKLOG);
+        std::thread::Builder::new()
+            .name("iop-observers".into())
+            .spawn(move || run_observers(rx))?;
+        Ok(Self {
+            tx,
+            dropped: Cell::new(0),
+        })
+    }
+}
+
+/// The observer thread: every event to every observer, in order; an error
+/// or a panic is logged and costs that observer that event only.
+fn run_observers(rx: std::sync::mpsc::Receiver<ObserverMsg>) {
+    let mut observers: Vec<Observer> = Vec::new();
+    for msg in rx {
+        match msg {
+            ObserverMsg::Add(observer) => observers.push(observer),
+            ObserverMsg::Event(event) => {
+                for observer in &observers {
+                    let outcome =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observer(&event)));
+                    match outcome {
+                        Ok(Ok(())) => {}
+                        Ok(Err(reason)) => {
+                            tracing::warn!(%reason, "event observer failed; event dropped for it")
+                        }
+                        Err(_) => tracing::warn!("event observer panicked; event dropped for it"),
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// One shard's state. The control shard's also holds `Control`.
 pub struct Edge {
@@ -259,7 +323,8 @@ pub struct Edge {
     /// Static settings.
     pub settings: Settings,
     timer_wake: Notify,
-    observers: RefCell<Vec<Observer>>,
+    /// The observer thread, once an observer was added.
+    observers: RefCell<Option<Observers>>,
     next_conn: Cell<u64>,
     next_request: Cell<u64>,
     /// Set once SIGTERM/SIGINT closed the listeners.
@@ -274,6 +339,9 @@ pub struct Edge {
     /// On the control shard: worker shards that finished draining, and
     /// the requests they cut off.
     drained: Cell<(usize, usize)>,
+    /// Throttles this shard's warnings about clients cut off for not
+    /// reading (one line per interval, with the number suppressed).
+    write_stall_log: RefCell<LogThrottle<()>>,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -299,7 +367,7 @@ impl std::fmt::Debug for Edge {
             .field("node_routes", &self.node_routes.borrow().len())
             .field("client_routes", &self.client_routes.borrow().len())
             .field("waiters", &self.waiters.borrow().len())
-            .field("observers", &self.observers.borrow().len())
+            .field("observers", &self.observers.borrow().is_some())
             .finish_non_exhaustive()
     }
 }
@@ -312,6 +380,13 @@ impl Edge {
     /// The state of a single-shard Edge (everything on one core).
     pub fn new(control: Control, settings: Settings) -> Self {
         Self::shard(0, Some(control), None, settings)
+    }
+
+    /// A client cut off at the write-stall timeout: `Some(suppressed)` when
+    /// this one is to be logged (mentioning the `suppressed` ones not
+    /// logged since the last line), `None` to stay quiet.
+    pub fn write_stall_log(&self) -> Option<u64> {
+        self.write_stall_log.borrow_mut().check((), clock::now())
     }
 
     /// The state of shard `index` of a multi-shard Edge: `control` is
@@ -332,7 +407,7 @@ impl Edge {
             waiters: RefCell::new(HashMap::new()),
             settings,
             timer_wake: Notify::default(),
-            observers: RefCell::new(Vec::new()),
+            observers: RefCell::new(None),
             next_conn: Cell::new(0),
             next_request: Cell::new(0),
             draining: Cell::new(false),
@@ -341,6 +416,7 @@ impl Edge {
             lifecycle: RefCell::new(Vec::new()),
             lifecycle_changed: WakeList::default(),
             drained: Cell::new((0, 0)),
+            write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
         }
     }
 
@@ -436,17 +512,47 @@ impl Edge {
         }
     }
 
-    /// Adds an observer of `Control` events (control shard).
-    pub fn observe(&self, observer: Observer) {
-        self.observers.borrow_mut().push(observer);
+    /// Adds an observer of `Control` events (control shard); the first one
+    /// starts the observer thread ([`Observer`]).
+    pub fn observe(&self, observer: Observer) -> std::io::Result<()> {
+        let mut observers = self.observers.borrow_mut();
+        if observers.is_none() {
+            *observers = Some(Observers::spawn()?);
+        }
+        let thread = observers.as_ref().expect("just started");
+        thread
+            .tx
+            .send(ObserverMsg::Add(observer))
+            .map_err(|_| std::io::Error::other("the observer thread ended"))
+    }
+
+    /// Events dropped because the observer thread's queue was full.
+    pub fn observer_events_dropped(&self) -> u64 {
+        self.observers
+            .borrow()
+            .as_ref()
+            .map_or(0, |o| o.dropped.get())
     }
 
     fn notify_observers(&self, event: &Event) {
         log_event(event);
-        for observer in self.observers.borrow().iter() {
-            if let Err(reason) = observer(event) {
-                // O2: a failing observer is reported and otherwise ignored.
-                tracing::warn!(%reason, "event observer failed; event dropped for it");
+        let observers = self.observers.borrow();
+        let Some(thread) = observers.as_ref() else {
+            return;
+        };
+        // Never waits: O2, a slow observer costs its own events only.
+        if thread
+            .tx
+            .try_send(ObserverMsg::Event(event.clone()))
+            .is_err()
+        {
+            let dropped = thread.dropped.get() + 1;
+            thread.dropped.set(dropped);
+            if dropped.is_power_of_two() {
+                tracing::warn!(
+                    dropped,
+                    "event observers are behind; events dropped for them"
+                );
             }
         }
     }
@@ -1096,8 +1202,7 @@ mod tests {
 
     use super::*;
     use crate::control::{
-        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
-        Tunables,
+        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Tunables,
     };
 
     fn edge() -> Edge {
@@ -1143,45 +1248,73 @@ mod tests {
         Edge::new(Control::new(spec), settings)
     }
 
-    // CONTRACT: O2, F4 — observers that fail on every event change nothing:
-    // readiness, admission, terminal handling and lease release still happen.
-    #[test]
-    fn failing_observers_never_suppress_terminals() {
+    // CONTRACT: O2, F4 — observers that fail on every event, panic on every
+    // event, or block for good change nothing: readiness, admission, lease
+    // release, fencing and the client's terminal (`Lost` on its route) all
+    // happen; the events the blocked observer thread cannot take are
+    // dropped and counted, and the shard never waits for it.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn failing_panicking_and_blocked_observers_never_suppress_terminals() {
+        use std::sync::mpsc;
         let edge = edge();
-        let seen = std::rc::Rc::new(Cell::new(0u32));
-        let counter = seen.clone();
-        edge.observe(Box::new(move |_| {
-            counter.set(counter.get() + 1);
+        let (seen_tx, seen) = mpsc::channel::<Event>();
+        edge.observe(Box::new(move |event| {
+            let _ = seen_tx.send(event.clone());
             Err("observer is down".into())
-        }));
-        let conn = ConnId(1);
-        edge.apply(Input::Register {
-            conn,
-            tls_name: "n".into(),
-            node_id: "n".into(),
-        });
-        edge.apply(Input::Ready {
-            conn,
-            node_id: "n".into(),
-        });
-        assert_eq!(seen.get(), 1, "node.connected reached the observer");
-        let (request, mut rx) = edge.submit("m", false);
-        let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
-            panic!("request not dispatched")
-        };
-        assert_eq!(dispatch.lease.conn, conn);
-        edge.apply(Input::Terminal(Terminal {
-            conn,
-            run_id: request.run_id(),
-            adapter: "a".into(),
-            target: "t".into(),
-            stall: None,
-        }));
-        assert_eq!(edge.control().leases().count(), 0);
-        assert!(edge.control().pending_requests().next().is_none());
-        edge.apply(Input::Closed { conn });
-        assert_eq!(seen.get(), 2, "node.disconnected reached the observer");
-        assert!(!edge.control().is_ready_owner(conn));
+        }))
+        .unwrap();
+        edge.observe(Box::new(|_| panic!("observer panics")))
+            .unwrap();
+        // Blocks its thread for good from the second event on (the test
+        // never answers).
+        let (_never_tx, never) = mpsc::channel::<()>();
+        let never = std::sync::Mutex::new(never);
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        edge.observe(Box::new(move |_| {
+            if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+                let _ = never.lock().unwrap().recv();
+            }
+            Ok(())
+        }))
+        .unwrap();
+        let wait = std::time::Duration::from_secs(20);
+        for round in 0..(OBSERVER_BACKLOG as u64 + 8) {
+            let conn = ConnId(round + 1);
+            edge.apply(Input::Register {
+                conn,
+                tls_name: "n".into(),
+                node_id: "n".into(),
+            });
+            edge.apply(Input::Ready {
+                conn,
+                node_id: "n".into(),
+            });
+            let (_, mut rx) = edge.submit("m", false);
+            let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
+                panic!("round {round}: request not dispatched")
+            };
+            if round == 0 {
+                // The first events reached the observer before the one
+                // after it started blocking.
+                let first = seen.recv_timeout(wait).unwrap();
+                assert_eq!(
+                    first,
+                    Event::NodeConnected {
+                        node_id: "n".into()
+                    }
+                );
+            }
+            // The node goes away mid-request: fenced, lease back, the
+            // client's route ends with `Lost`.
+            edge.apply(Input::Closed { conn });
+            assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
+            assert_eq!(edge.control().leases().count(), 0, "round {round}");
+            assert!(!edge.control().is_ready_owner(conn));
+            assert!(edge.client_routes.borrow().is_empty());
+        }
+        // Two events per round; the blocked thread holds at most the
+        // backlog: the rest were dropped, not waited for.
+        assert!(edge.observer_events_dropped() > 0);
     }
 
     // CONTRACT: F1 — once Control fenced the connection that owned a

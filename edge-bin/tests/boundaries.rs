@@ -1,11 +1,32 @@
 //! Architectural boundaries that the contract forbids crossing, checked on
 //! the source so a regression fails the build's tests.
+//!
+//! X4 is checked on the module graph, not on a list of names: the *surface*
+//! modules are found from the code (the modules that use the HTTP server
+//! types), and the transport modules — the Edge's node-connection handler,
+//! the engine's frame connection, every module of the Node's session — must
+//! neither use those types nor reach into a surface module.
 
-use std::path::Path;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 
-fn source(rel: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+/// What answers a client over HTTP: the server connection, the API error
+/// shape, and the calls that write a response.
+const SURFACE_TYPES: [&str; 6] = [
+    "ServerConn",
+    "ApiError",
+    "write_response",
+    "write_error",
+    "start_chunked",
+    "sse_error_event",
+];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Code lines only: comments say what the module does not do, which is not
@@ -17,37 +38,148 @@ fn code(text: &str) -> String {
         .join("\n")
 }
 
-// CONTRACT: X4 — the transport handler for node connections builds no HTTP
-// or console response: surface translation lives in the surface modules.
-#[test]
-fn node_transport_handler_builds_no_http_response() {
-    let nodes = code(&source("src/nodes.rs"));
-    for forbidden in [
-        "openai::",
-        "ApiError",
-        "ServerConn",
-        "translate::",
-        "write_response",
-        "start_chunked",
-        "sse_error_event",
-        "HTTP/1.1",
-    ] {
+/// Every `.rs` file under `dir`, recursively, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The crate's top-level module a source file belongs to (`src/x.rs` and
+/// `src/x/…` are module `x`).
+fn top_module(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).unwrap();
+    let first = rel
+        .components()
+        .next()
+        .unwrap()
+        .as_os_str()
+        .to_string_lossy();
+    first.trim_end_matches(".rs").to_string()
+}
+
+/// The crate's top-level modules `text` refers to by path (`crate::x`, and
+/// `use crate::{x, y}` groups).
+fn crate_references(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    for (i, _) in text.match_indices("crate::") {
+        let rest = &text[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let group = &group[..group.find('}').unwrap_or(group.len())];
+            for item in group.split(',') {
+                let name = ident(item.trim());
+                if !name.is_empty() {
+                    out.insert(name);
+                }
+            }
+        } else {
+            let name = ident(rest);
+            if !name.is_empty() {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+/// The surface modules of the crate at `src`: those whose code uses one of
+/// [`SURFACE_TYPES`].
+fn surface_modules(src: &Path) -> BTreeSet<String> {
+    rust_files(src)
+        .iter()
+        .filter(|f| {
+            let text = code(&read(f));
+            SURFACE_TYPES.iter().any(|t| text.contains(t))
+        })
+        .map(|f| top_module(src, f))
+        .collect()
+}
+
+/// Asserts that transport source `file` uses no surface type and refers to
+/// none of `surface` (the surface modules of its crate).
+fn assert_transport(file: &Path, surface: &BTreeSet<String>) {
+    let text = code(&read(file));
+    for t in SURFACE_TYPES {
         assert!(
-            !nodes.contains(forbidden),
-            "src/nodes.rs (a transport handler) uses `{forbidden}`"
+            !text.contains(t),
+            "{} (transport) uses the HTTP surface's `{t}`",
+            file.display()
         );
     }
-    // And the frame connection in the engine knows nothing of HTTP.
-    let engine_conn = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/src/conn");
-    for entry in std::fs::read_dir(&engine_conn).unwrap() {
-        let path = entry.unwrap().path();
-        let text = code(&std::fs::read_to_string(&path).unwrap());
+    let reached: Vec<_> = crate_references(&text)
+        .intersection(surface)
+        .cloned()
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "{} (transport) depends on surface module(s) {reached:?}",
+        file.display()
+    );
+    assert!(
+        !text.contains("HTTP/1."),
+        "{} (transport) writes HTTP",
+        file.display()
+    );
+}
+
+// CONTRACT: X4 — transport handlers build no HTTP or console response:
+// surface translation lives in the Edge's surface modules. The Edge's node
+// handler, the engine's frame connection and every module of the Node's
+// session use no HTTP server type and reach into no surface module.
+#[test]
+fn transport_modules_do_not_depend_on_the_http_surface() {
+    let edge_src = root().join("edge-bin/src");
+    let surface = surface_modules(&edge_src);
+    // The check can fail: the surface is found, and it is what it should be.
+    for expected in ["surface", "openai"] {
+        assert!(surface.contains(expected), "{surface:?}");
+    }
+    assert!(!surface.contains("nodes"), "{surface:?}");
+    assert_transport(&edge_src.join("nodes.rs"), &surface);
+
+    for file in rust_files(&root().join("engine/src/conn")) {
+        let text = code(&read(&file));
         assert!(
             !text.contains("crate::http") && !text.contains("super::http"),
             "{} depends on the HTTP layer",
-            path.display()
+            file.display()
         );
+        assert_transport(&file, &BTreeSet::new());
     }
-    // The check can fail: the surface module does build responses.
-    assert!(code(&source("src/surface.rs")).contains("write_response"));
+
+    let node_src = root().join("node-bin/src");
+    let node_surface = surface_modules(&node_src);
+    assert!(
+        node_surface.is_empty(),
+        "the Node serves no HTTP: {node_surface:?}"
+    );
+    let session = rust_files(&node_src.join("session"));
+    assert!(session.len() >= 2, "{session:?}");
+    for file in &session {
+        assert_transport(file, &node_surface);
+    }
+}
+
+#[test]
+fn references_are_read_from_paths_and_use_groups() {
+    let refs = crate_references(
+        "use crate::{state::Edge, control::Input};\nlet x = crate::admin::is_admin(1);",
+    );
+    assert_eq!(
+        refs.into_iter().collect::<Vec<_>>(),
+        ["admin", "control", "state"]
+    );
 }

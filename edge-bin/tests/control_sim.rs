@@ -2771,6 +2771,8 @@ impl<'w> Sim<'w> {
 const DEFAULT_BASE_SEED: u64 = 0x10B5_EED0_C0DE_0001;
 /// Schedules in the main run.
 const SCHEDULES: u64 = 10_000;
+/// Schedules from a fresh base seed in every run.
+const FRESH_SCHEDULES: u64 = 2_000;
 /// Schedules in each of the two emphasis runs.
 const FOCUS_SCHEDULES: u64 = 1_000;
 /// Control calls per schedule, at least.
@@ -2828,6 +2830,25 @@ fn env_u64(name: &str) -> Option<u64> {
 /// Schedules are independent, so they are split over two threads; each
 /// seed's run is the same whichever thread runs it.
 fn run_all(profile: &'static Profile, schedules: u64, test_name: &str) -> Stats {
+    let base_seed = env_u64("IOP_SIM_BASE_SEED").unwrap_or(DEFAULT_BASE_SEED);
+    run_from(
+        profile,
+        schedules,
+        test_name,
+        base_seed,
+        "IOP_SIM_BASE_SEED",
+    )
+}
+
+/// [`run_all`] from `base_seed` (named by `seed_var` in the log, the
+/// variable that sets it).
+fn run_from(
+    profile: &'static Profile,
+    schedules: u64,
+    test_name: &str,
+    base_seed: u64,
+    seed_var: &str,
+) -> Stats {
     let base = iop_engine::clock::now();
     if let Some(seed) = env_u64("IOP_SIM_SEED") {
         println!("control_sim: replaying seed {seed} (IOP_SIM_SEED)");
@@ -2839,8 +2860,7 @@ fn run_all(profile: &'static Profile, schedules: u64, test_name: &str) -> Stats 
             Err(failure) => panic!("control_sim: seed {seed} failed: {failure}"),
         }
     }
-    let base_seed = env_u64("IOP_SIM_BASE_SEED").unwrap_or(DEFAULT_BASE_SEED);
-    println!("control_sim: base seed {base_seed:#x} (IOP_SIM_BASE_SEED), {schedules} schedules");
+    println!("control_sim: base seed {base_seed:#x} ({seed_var}), {schedules} schedules");
     const THREADS: u64 = 2;
     let stop = AtomicBool::new(false);
     let results: Vec<Result<Stats, (u64, String)>> = std::thread::scope(|scope| {
@@ -2942,6 +2962,45 @@ fn simulation() {
             ],
         );
     }
+}
+
+#[test]
+fn simulation_fresh_seeds() {
+    // CONTRACT: R1, R2, R3, R4, R5, F1, F2, F3, F4, H1, H2, H3, H4, H5, H6, P1, P2, P3, U7, W2, X6
+    // The fixed seeds of `simulation` replay the same schedules every run;
+    // these start from a base seed taken from the clock (printed), so every
+    // run explores schedules no earlier run saw. A failure prints its seed
+    // (`IOP_SIM_SEED` replays it); `IOP_SIM_FRESH_SEED` repeats a whole run.
+    let base_seed = env_u64("IOP_SIM_FRESH_SEED").unwrap_or_else(fresh_seed);
+    let stats = run_from(
+        &MAIN,
+        FRESH_SCHEDULES,
+        "simulation_fresh_seeds",
+        base_seed,
+        "fresh: IOP_SIM_FRESH_SEED",
+    );
+    if std::env::var_os("IOP_SIM_SEED").is_none() {
+        assert_eq!(stats.schedules, FRESH_SCHEDULES);
+        assert_reached(
+            &stats,
+            &[
+                ("dispatches", stats.dispatches),
+                ("completed", stats.completed),
+                ("lost", stats.lost),
+                ("fences", stats.fences),
+            ],
+        );
+    }
+}
+
+/// A base seed no earlier run used: the clock's nanoseconds and the wall
+/// clock, mixed (SplitMix64's finalizer).
+fn fresh_seed() -> u64 {
+    let mut z = iop_engine::clock::monotonic_raw_ns()
+        ^ (iop_engine::clock::unix_ms() as u64).rotate_left(32);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 #[test]

@@ -396,3 +396,197 @@ async fn stalled_ollama_run_ends_with_response_stalled() {
     assert_eq!(f.health_observation_seq, Some(1));
     assert_eq!(edge.in_flight("ol").await, 0);
 }
+
+// CONTRACT: P4 — a normalized run and a tunnel on one adapter contend for
+// its one gate: with capacity 1, a streaming run in progress makes a tunnel
+// to the same adapter fail `capacity_exhausted` (and a tunnel in progress
+// does the same to a run), while another adapter is untouched. The legacy
+// node-wide `NodeRuntimeConfig.concurrency = 1` gates nothing: both
+// adapters serve at once.
+#[monoio::test(timer_enabled = true)]
+async fn runs_and_tunnels_share_their_adapters_one_gate() {
+    // The first token at once, the next a minute later: a held stream
+    // sends nothing while the test looks at the gate.
+    let mock = start_mock(400, 60_000, Default::default(), Default::default());
+    let mut config = payload(&mock, 1);
+    config.runtime = Some(pb::NodeRuntimeConfig {
+        concurrency: 1,
+        ..common::runtime()
+    });
+    let mut edge = Edge::start(config).await;
+    let chat = |run_id: &str, stream: bool| pb::ProviderTunnelRequest {
+        adapter: "oa".into(),
+        ..common::chat_tunnel(
+            run_id,
+            format!(
+                r#"{{"model":"{TARGET}","stream":{stream},"max_tokens":1,"messages":[{{"role":"user","content":"hi"}}]}}"#
+            ),
+        )
+    };
+    // A run holds `oa`'s one slot.
+    edge.send(run("held-run", "oa", text_input()));
+    assert_eq!(edge.recv_event().await.r#type(), pb::RunEventType::Start);
+    assert_eq!(edge.recv_event().await.delta, "tok0 ");
+    assert_eq!(edge.in_flight("oa").await, 1);
+    // A tunnel to the same adapter is refused at once …
+    let refused = edge.tunnel(chat("t-refused", false)).await;
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(refused[0].failure_code, "capacity_exhausted");
+    // … and the other adapter serves beside it: concurrency = 1 is no
+    // node-wide gate.
+    edge.send(run(
+        "other-adapter",
+        "ol",
+        pb::RunInput {
+            max_tokens: Some(1),
+            ..text_input()
+        },
+    ));
+    let mut other = Vec::new();
+    while other.last().map(|e: &pb::RunEvent| e.r#type()) != Some(pb::RunEventType::Complete) {
+        let e = edge.recv_event().await;
+        if e.run_id == "other-adapter" {
+            other.push(e);
+        }
+    }
+    assert_eq!(text(&other), "tok0 ");
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "held-run".into(),
+        reason: "client_disconnect".into(),
+    }));
+    while edge.recv_event().await.r#type() != pb::RunEventType::Cancelled {}
+    assert_eq!(edge.in_flight("oa").await, 0);
+    // The other way round: a streaming tunnel holds the slot, a run waits
+    // for nothing and is refused.
+    let mut stream = chat("t-held", true);
+    stream.body = Bytes::from(format!(
+        r#"{{"model":"{TARGET}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}"#
+    ));
+    edge.send(Body::ProviderTunnelRequest(stream));
+    assert_eq!(
+        edge.recv_tunnel().await.kind(),
+        pb::TunnelFrameKind::ResponseStart
+    );
+    edge.send(run("refused-run", "oa", text_input()));
+    let refused = loop {
+        match edge.recv().await.body {
+            Some(Body::RunEvent(e)) => break e,
+            Some(Body::ProviderTunnelFrame(f)) => assert_eq!(f.run_id, "t-held"),
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        (
+            refused.run_id.as_str(),
+            refused.r#type(),
+            refused.failure_code.as_str()
+        ),
+        ("refused-run", pb::RunEventType::Error, "capacity_exhausted")
+    );
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "t-held".into(),
+        reason: "client_disconnect".into(),
+    }));
+    loop {
+        let f = edge.recv_tunnel().await;
+        if common::is_tunnel_terminal(f.kind()) {
+            break;
+        }
+    }
+    assert_eq!(edge.in_flight("oa").await, 0);
+}
+
+// CONTRACT: E3 — metadata is caller-defined and never a control surface,
+// and runs sharing a `session_id` stay independent: a run whose metadata
+// names control fields (run id, adapter, target, session, directories)
+// runs as its own fields say, and cancelling one run of a session leaves
+// the other run of that session to finish whole.
+#[monoio::test(timer_enabled = true)]
+async fn metadata_is_inert_and_runs_sharing_a_session_are_independent() {
+    // `oa` on a mock that sends one token and then nothing for a minute;
+    // `ol` on one that answers three tokens at once.
+    let slow = start_mock(400, 60_000, Default::default(), Default::default());
+    let fast = plain_mock(3);
+    let mut config = payload(&slow, 1);
+    config.adapters[0] = ollama_adapter("ol", 1, vec![TARGET.into()], &fast);
+    let mut edge = Edge::start(config).await;
+    let metadata: HashMap<String, String> = [
+        ("run_id", "victim"),
+        ("adapter", "ol"),
+        ("target", "elsewhere"),
+        ("session_id", "sess-other"),
+        ("working_directory", "/etc"),
+        ("session_owner", "attacker"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let with = |run_id: &str, adapter: &str, max_tokens: Option<i64>| {
+        Body::RunRequest(pb::RunRequest {
+            run_id: run_id.into(),
+            adapter: adapter.into(),
+            target: TARGET.into(),
+            input: Some(pb::RunInput {
+                max_tokens,
+                ..text_input()
+            }),
+            session_id: "sess-1".into(),
+            metadata: metadata.clone(),
+            ..Default::default()
+        })
+    };
+    // Run A holds `oa` (one token, then a minute of nothing).
+    edge.send(with("run-a", "oa", None));
+    let start = edge.recv_event().await;
+    assert_eq!(
+        (
+            start.run_id.as_str(),
+            start.r#type(),
+            start.adapter.as_str()
+        ),
+        ("run-a", pb::RunEventType::Start, "oa")
+    );
+    assert_eq!(start.target, TARGET);
+    assert_eq!(start.session_id, "sess-1", "an opaque correlation value");
+    assert_eq!(edge.recv_event().await.delta, "tok0 ");
+    // Run B of the same session, on `ol`.
+    edge.send(with("run-b", "ol", None));
+    // Cancelling A (by its run id) touches A only.
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "run-a".into(),
+        reason: "client_disconnect".into(),
+    }));
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    while !(a.last().is_some_and(is_terminal) && b.last().is_some_and(is_terminal)) {
+        let e = edge.recv_event().await;
+        match e.run_id.as_str() {
+            "run-a" => a.push(e),
+            "run-b" => b.push(e),
+            other => panic!("an event of {other}: {e:?}"),
+        }
+    }
+    assert_eq!(
+        a.last().map(|e| e.r#type()),
+        Some(pb::RunEventType::Cancelled)
+    );
+    assert_eq!(b.first().map(|e| e.r#type()), Some(pb::RunEventType::Start));
+    assert_eq!(
+        b.last().map(|e| e.r#type()),
+        Some(pb::RunEventType::Complete)
+    );
+    assert!(b
+        .iter()
+        .all(|e| e.adapter == "ol" && e.session_id == "sess-1"));
+    assert_eq!(text(&b), "tok0 tok1 tok2 ");
+    assert_eq!(edge.in_flight("oa").await, 0);
+    assert_eq!(edge.in_flight("ol").await, 0);
+}
+
+fn is_terminal(e: &pb::RunEvent) -> bool {
+    matches!(
+        e.r#type(),
+        pb::RunEventType::Complete | pb::RunEventType::Error | pb::RunEventType::Cancelled
+    )
+}

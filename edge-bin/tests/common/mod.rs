@@ -498,6 +498,26 @@ pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8
     http_exchange(addr, request_bytes(method, path, body)).await
 }
 
+/// The value of counter or gauge `name` in the Edge's `/metrics`.
+pub async fn metric(addr: SocketAddr, name: &str) -> u64 {
+    metric_over(addr, None, name).await
+}
+
+/// [`metric`], over HTTPS with `tls` when given.
+pub async fn metric_over(addr: SocketAddr, tls: Option<&UpstreamTls>, name: &str) -> u64 {
+    let request = request_bytes("GET", "/metrics", b"");
+    let response = match tls {
+        Some(client) => https_exchange(addr, client, request).await,
+        None => http_exchange(addr, request).await,
+    };
+    let text = String::from_utf8(response.body).expect("metrics are UTF-8");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+        .parse()
+        .expect("a number")
+}
+
 /// `POST /v1/chat/completions` with `body`.
 pub async fn post_chat(addr: SocketAddr, body: &str) -> HttpResponse {
     http_request(addr, "POST", "/v1/chat/completions", body.as_bytes()).await
