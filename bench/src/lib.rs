@@ -16,6 +16,9 @@
 //! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
 //!   `--cores` layout of edge-bin and node-bin against a direct baseline,
 //!   with the ratios between layouts, and a JSON report.
+//! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
+//!   (SPIFFE identities and their rotations, HTTPS server certificates that
+//!   are good, for the wrong host, expired, or from an unknown CA).
 //! - [`swarm`]: `bench swarm`, one Edge and up to thousands of simulated
 //!   Nodes in one process (RSS per node, cold start and restart recovery,
 //!   dispatch latency, heartbeat CPU, Control's decision costs).
@@ -36,6 +39,7 @@
 pub mod bodies;
 pub mod compare;
 pub mod cores;
+pub mod fixtures;
 pub mod isolation;
 pub mod load;
 pub mod mock;

@@ -21,6 +21,10 @@
 //!   requests (a server closing idle keep-alive connections).
 //!   `--token-bytes N`: pad each chat completion content token to N bytes
 //!   (body-heavy streams for throughput runs).
+//!   `--tls-cert PEM --tls-key PEM`: serve HTTPS (ALPN http/1.1) instead of
+//!   plain HTTP; the ready line is the same.
+//! - `bench tls-fixtures --out DIR`: the certificates of the TLS tests (see
+//!   `bench::fixtures`), with a manifest of their serials.
 //! - `bench isolation [--quick] [--never-readers K] ...`: what clients that
 //!   never read cost the other clients of one node connection (added
 //!   per-chunk latency with ÷ without, RSS per stuck run, cut-off times,
@@ -56,6 +60,7 @@
 #![forbid(unsafe_code)]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use argh::FromArgs;
@@ -81,6 +86,49 @@ enum Command {
     Isolation(bench::isolation::cli::IsolationArgs),
     Swarm(bench::swarm::cli::SwarmArgs),
     Bodies(bench::bodies::BodiesArgs),
+    TlsFixtures(TlsFixturesArgs),
+}
+
+/// Mint the certificates of the TLS tests into a directory (see
+/// `bench::fixtures`); prints the manifest.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "tls-fixtures")]
+struct TlsFixturesArgs {
+    /// output directory (created if missing)
+    #[argh(option)]
+    out: PathBuf,
+    /// SPIFFE trust domain (default iop.local)
+    #[argh(option, default = "String::from(\"iop.local\")")]
+    trust_domain: String,
+    /// the Edge's identity name (default edge-1)
+    #[argh(option, default = "String::from(\"edge-1\")")]
+    edge_name: String,
+    /// a node id (repeatable; default node-a)
+    #[argh(option)]
+    node: Vec<String>,
+}
+
+fn tls_fixtures(args: TlsFixturesArgs) -> ExitCode {
+    let nodes = if args.node.is_empty() {
+        vec!["node-a".to_string()]
+    } else {
+        args.node
+    };
+    match bench::fixtures::write_tls_fixtures(
+        &args.out,
+        &args.trust_domain,
+        &args.edge_name,
+        &nodes,
+    ) {
+        Ok(serials) => {
+            println!("{}", serde_json::json!({ "serials": serials }));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bench tls-fixtures: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Run the OpenAI-compatible mock inference server.
@@ -137,6 +185,12 @@ struct MockProviderArgs {
     /// dots, a space) for body-heavy streams (default 0: unpadded)
     #[argh(option, default = "0")]
     token_bytes: u32,
+    /// serve HTTPS with this PEM certificate chain (needs --tls-key)
+    #[argh(option)]
+    tls_cert: Option<PathBuf>,
+    /// the PEM private key of --tls-cert
+    #[argh(option)]
+    tls_key: Option<PathBuf>,
 }
 
 /// Measure the timing wheel: ns per insert, cancel and expire.
@@ -169,6 +223,7 @@ fn main() -> ExitCode {
         Command::Isolation(args) => bench::isolation::cli::main(args),
         Command::Swarm(args) => bench::swarm::cli::main(args),
         Command::Bodies(args) => bench::bodies::main(args),
+        Command::TlsFixtures(args) => tls_fixtures(args),
     }
 }
 
@@ -223,6 +278,27 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
         }
         Some(requests) => provider = provider.with_close_after_requests(requests),
         None => {}
+    }
+    match (args.tls_cert, args.tls_key) {
+        (None, None) => {}
+        (Some(cert), Some(key)) => {
+            let files = iop_engine::tls::HttpsFiles {
+                cert,
+                key,
+                client_ca: None,
+            };
+            match iop_engine::tls::HttpsAcceptor::from_files(&files) {
+                Ok(tls) => provider = provider.with_tls(tls),
+                Err(e) => {
+                    eprintln!("bench mock-provider: --tls-cert/--tls-key: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        _ => {
+            eprintln!("bench mock-provider: --tls-cert and --tls-key go together");
+            return ExitCode::from(1);
+        }
     }
     let addr = SocketAddr::new(args.host, args.port);
     match iop_engine::rt::block_on(mock::run_provider(addr, provider)) {

@@ -30,10 +30,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use iop_engine::config::{
-    check_name, check_trust_domain, parse_toml, read_config_file, resolve_path, split_host_port,
-    RawTls,
+    check_name, check_trust_domain, open_regular_file, parse_toml, read_config_file, resolve_path,
+    split_host_port, RawTls,
 };
+use iop_engine::http::Scheme;
 use iop_engine::keys::decode_recipient_public_key;
+use iop_engine::tls::{HttpsFiles, UpstreamTls, UpstreamTlsSettings};
 use iop_wire::checks::effective_stall_timeout;
 use iop_wire::lease::{
     decode_hex, MAX_HEADER_FORMAT_BYTES, MAX_HEADER_NAME_BYTES, MAX_LEASE_LIFETIME_MS,
@@ -161,6 +163,10 @@ pub struct EdgeConfig {
     /// The TLS files, resolved against the config file's directory; `None`
     /// exactly when `edge.insecure_plaintext_nodes` is set (T5).
     pub tls: Option<TlsFiles>,
+    /// `[edge.client_tls]`: the client listener serves HTTPS with this
+    /// certificate (and requires client certificates chaining to
+    /// `client_ca` when set); `None`: plain HTTP.
+    pub client_tls: Option<HttpsFiles>,
     /// The configured nodes, in file order; ids are unique.
     pub nodes: Vec<NodeSpec>,
     /// The external models, in file order; names are unique.
@@ -356,8 +362,40 @@ pub struct AdapterSpec {
     pub kind: AdapterKind,
     /// Where the provider server listens.
     pub base_url: BaseUrl,
+    /// How the Node verifies an `https://` provider's certificate.
+    pub tls: ProviderTlsSpec,
     /// Node-local capacity gate (P4); 0 = unlimited.
     pub capacity: u32,
+}
+
+/// Provider TLS settings of an adapter (`ca_file`,
+/// `tls_insecure_skip_verify`); only for an `https://` base URL. Sent to the
+/// Node in `AdapterConfig.tls` (a CA certificate is public: C4 holds).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProviderTlsSpec {
+    /// A private CA bundle (resolved against the config file's directory),
+    /// the only trust anchors for this provider; `None`: the Node's system
+    /// store (bundled Mozilla roots as a fallback).
+    pub ca_file: Option<PathBuf>,
+    /// The bundle's PEM, read by [`EdgeConfig::load`] (and on every reload,
+    /// so a rotated CA file reaches the Nodes); `None` until then.
+    pub ca_pem: Option<String>,
+    /// Dev only: the Node accepts any provider certificate.
+    pub insecure_skip_verify: bool,
+}
+
+impl ProviderTlsSpec {
+    /// The wire form, `None` when there is nothing to say (the Node's
+    /// defaults).
+    pub fn to_pb(&self) -> Option<pb::ProviderTlsConfig> {
+        if self.ca_pem.is_none() && !self.insecure_skip_verify {
+            return None;
+        }
+        Some(pb::ProviderTlsConfig {
+            ca_pem: self.ca_pem.clone().unwrap_or_default(),
+            insecure_skip_verify: self.insecure_skip_verify,
+        })
+    }
 }
 
 /// The type of an adapter instance.
@@ -489,28 +527,35 @@ impl fmt::Display for ProviderRef {
     }
 }
 
-/// A provider base URL `http://host:port[/prefix]` (plain HTTP only).
+/// A provider base URL: `http://host:port[/prefix]`, or
+/// `https://host[:port][/prefix]` (port 443 when omitted) for a provider the
+/// Node reaches over TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BaseUrl {
+    scheme: Scheme,
     host: String,
     port: u16,
     path_prefix: String,
 }
 
 impl BaseUrl {
-    /// Parses `http://host:port[/prefix]`. The host is a DNS name, an IPv4
-    /// address or a bracketed IPv6 address; the port is required; a trailing
-    /// `/` is dropped. The error is the reason, for a [`ConfigError`].
+    /// Parses `http://host:port[/prefix]` or `https://host[:port][/prefix]`.
+    /// The host is a DNS name, an IPv4 address or a bracketed IPv6 address;
+    /// the port is required for `http` and defaults to 443 for `https`; a
+    /// trailing `/` is dropped. The error is the reason, for a
+    /// [`ConfigError`].
     pub fn parse(text: &str) -> Result<Self, String> {
-        const FORM: &str = "expected http://host:port[/prefix]";
-        let rest = match text.get(..7) {
-            Some(scheme) if scheme.eq_ignore_ascii_case("http://") => &text[7..],
-            _ if text.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://")) => {
-                return Err(format!(
-                    "{text:?}: only http:// is supported (the provider runs beside the Node); {FORM}"
-                ))
-            }
-            _ => return Err(format!("{text:?}: {FORM}")),
+        const FORM: &str = "expected http://host:port[/prefix] or https://host[:port][/prefix]";
+        let has_scheme = |scheme: &str| {
+            text.get(..scheme.len())
+                .is_some_and(|s| s.eq_ignore_ascii_case(scheme))
+        };
+        let (scheme, rest) = if has_scheme("http://") {
+            (Scheme::Http, &text[7..])
+        } else if has_scheme("https://") {
+            (Scheme::Https, &text[8..])
+        } else {
+            return Err(format!("{text:?}: {FORM}"));
         };
         if rest.contains(['?', '#']) {
             return Err(format!(
@@ -524,8 +569,16 @@ impl BaseUrl {
         if authority.contains('@') {
             return Err(format!("{text:?}: must not contain user info; {FORM}"));
         }
-        let (host, port) =
-            split_host_port(authority).map_err(|why| format!("{text:?}: {why}; {FORM}"))?;
+        let names_port = match authority.strip_prefix('[') {
+            Some(bracketed) => !bracketed.ends_with(']'),
+            None => authority.contains(':'),
+        };
+        let (host, port) = if scheme == Scheme::Https && !names_port {
+            split_host_port(&format!("{authority}:{}", scheme.default_port()))
+        } else {
+            split_host_port(authority)
+        }
+        .map_err(|why| format!("{text:?}: {why}; {FORM}"))?;
         let path_prefix = path.trim_end_matches('/');
         if path_prefix.contains("//") {
             return Err(format!("{text:?}: path has an empty segment; {FORM}"));
@@ -536,10 +589,21 @@ impl BaseUrl {
             ));
         }
         Ok(Self {
+            scheme,
             host,
             port,
             path_prefix: path_prefix.to_owned(),
         })
+    }
+
+    /// `http` or `https`.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// Whether the Node reaches this provider over TLS (`https`).
+    pub fn is_tls(&self) -> bool {
+        self.scheme == Scheme::Https
     }
 
     /// The host: a DNS name, an IPv4 address, or an IPv6 address without brackets.
@@ -557,11 +621,15 @@ impl BaseUrl {
         &self.path_prefix
     }
 
-    /// `http://host:port`, without the path prefix, the host lowercased:
+    /// `scheme://host:port`, without the path prefix, the host lowercased:
     /// the origin the Node's adapter resolves and a credential lease is
     /// bound to ([`iop_wire::lease::upstream_origin`]).
     pub fn origin(&self) -> String {
-        iop_wire::lease::upstream_origin(&self.host.to_ascii_lowercase(), self.port)
+        iop_wire::lease::upstream_origin(
+            self.scheme.as_str(),
+            &self.host.to_ascii_lowercase(),
+            self.port,
+        )
     }
 
     /// `path` (which starts with `/`) under the path prefix.
@@ -700,6 +768,7 @@ impl NodeSpec {
                     }
                 };
                 pb::AdapterConfig {
+                    tls: adapter.tls.to_pb(),
                     name: adapter.name.clone(),
                     capacity: adapter.capacity,
                     targets: self.adapter_targets(&adapter.name),
@@ -719,13 +788,39 @@ impl NodeSpec {
 
 impl EdgeConfig {
     /// Reads `path`, parses and validates it ([`EdgeConfig::parse`]), then
-    /// checks the TLS files ([`EdgeConfig::validate_files`]).
+    /// checks the TLS files ([`EdgeConfig::validate_files`]) and reads the
+    /// adapters' provider CA files ([`EdgeConfig::load_provider_cas`]).
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let text = read_config_file(path)?;
-        let config = Self::parse(&text, path)?;
+        let mut config = Self::parse(&text, path)?;
         config.validate_files()?;
+        config.load_provider_cas()?;
         Ok(config)
+    }
+
+    /// Reads every adapter's `ca_file` into its [`ProviderTlsSpec::ca_pem`]
+    /// and checks that it holds usable CA certificates (as the Node will
+    /// use them). The error names the key and the reason.
+    pub fn load_provider_cas(&mut self) -> Result<(), ConfigError> {
+        for (i, node) in self.nodes.iter_mut().enumerate() {
+            for (j, adapter) in node.adapters.iter_mut().enumerate() {
+                let Some(path) = &adapter.tls.ca_file else {
+                    continue;
+                };
+                let key = format!("nodes[{i}].adapters[{j}].ca_file");
+                let err = |why: String| ConfigError::new(&self.source, &key, why);
+                let pem = std::fs::read_to_string(path)
+                    .map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+                UpstreamTls::new(&UpstreamTlsSettings {
+                    ca_pem: Some(pem.clone()),
+                    insecure_skip_verify: false,
+                })
+                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+                adapter.tls.ca_pem = Some(pem);
+            }
+        }
+        Ok(())
     }
 
     /// Parses and validates `text`; `path` names the file in errors and
@@ -740,10 +835,23 @@ impl EdgeConfig {
     /// for reading (nothing to check in insecure mode). The error names the
     /// key (`tls.cert`) and the resolved path.
     pub fn validate_files(&self) -> Result<(), ConfigError> {
-        match &self.tls {
-            Some(tls) => tls.validate_files(&self.source),
-            None => Ok(()),
+        if let Some(tls) = &self.tls {
+            tls.validate_files(&self.source)?;
         }
+        if let Some(client_tls) = &self.client_tls {
+            let files = [
+                ("edge.client_tls.cert", Some(&client_tls.cert)),
+                ("edge.client_tls.key", Some(&client_tls.key)),
+                ("edge.client_tls.client_ca", client_tls.client_ca.as_ref()),
+            ];
+            for (key, path) in files {
+                if let Some(path) = path {
+                    open_regular_file(path)
+                        .map_err(|why| ConfigError::new(&self.source, key, why))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The node with id `id`.
@@ -849,6 +957,16 @@ struct RawEdge {
     max_node_handshakes: Option<i64>,
     max_json_depth: Option<i64>,
     max_json_elements: Option<i64>,
+    client_tls: Option<RawClientTls>,
+}
+
+/// `[edge.client_tls]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientTls {
+    cert: String,
+    key: String,
+    client_ca: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -900,6 +1018,8 @@ struct RawAdapter {
     kind: String,
     profile: Option<String>,
     base_url: String,
+    ca_file: Option<String>,
+    tls_insecure_skip_verify: Option<bool>,
     capacity: Option<i64>,
 }
 
@@ -940,7 +1060,18 @@ impl Validator<'_> {
         ConfigError::new(self.file, key, reason)
     }
 
-    fn edge_config(&self, raw: RawEdgeFile) -> Result<EdgeConfig, ConfigError> {
+    fn edge_config(&self, mut raw: RawEdgeFile) -> Result<EdgeConfig, ConfigError> {
+        let client_tls = match raw.edge.client_tls.take() {
+            None => None,
+            Some(t) => Some(HttpsFiles {
+                cert: resolve_path(self.file, "edge.client_tls.cert", &t.cert)?,
+                key: resolve_path(self.file, "edge.client_tls.key", &t.key)?,
+                client_ca: match t.client_ca {
+                    None => None,
+                    Some(ca) => Some(resolve_path(self.file, "edge.client_tls.client_ca", &ca)?),
+                },
+            }),
+        };
         let edge = self.edge(raw.edge)?;
         let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
             (true, _) => None,
@@ -998,6 +1129,7 @@ impl Validator<'_> {
             source: self.file.to_path_buf(),
             edge,
             tls,
+            client_tls,
             nodes,
             models,
             credentials,
@@ -1114,6 +1246,19 @@ impl Validator<'_> {
                     format!(
                         "{text:?} is not served by an openai_compat adapter; credential leases \
                          travel only on provider tunnels"
+                    ),
+                ));
+            }
+            let unverified = node
+                .and_then(|n| n.provider(&provider.provider_id))
+                .and_then(|p| node.and_then(|n| n.adapter(&p.adapter)))
+                .is_some_and(|a| a.tls.insecure_skip_verify);
+            if unverified {
+                return Err(self.err(
+                    pkey,
+                    format!(
+                        "{text:?} is served by an adapter with tls_insecure_skip_verify; a \
+                         credential is never sent to a provider whose certificate is not verified"
                     ),
                 ));
             }
@@ -1495,6 +1640,36 @@ impl Validator<'_> {
         };
         let base_url = BaseUrl::parse(&raw.base_url)
             .map_err(|why| self.err(format!("{key}.base_url"), why))?;
+        let insecure_skip_verify = raw.tls_insecure_skip_verify.unwrap_or(false);
+        let ca_file = match raw.ca_file {
+            None => None,
+            Some(file) => Some(resolve_path(self.file, &format!("{key}.ca_file"), &file)?),
+        };
+        for (set, name) in [
+            (ca_file.is_some(), "ca_file"),
+            (
+                raw.tls_insecure_skip_verify.is_some(),
+                "tls_insecure_skip_verify",
+            ),
+        ] {
+            if set && !base_url.is_tls() {
+                return Err(self.err(
+                    format!("{key}.{name}"),
+                    "only an https:// base_url has provider TLS settings",
+                ));
+            }
+        }
+        if insecure_skip_verify && ca_file.is_some() {
+            return Err(self.err(
+                format!("{key}.tls_insecure_skip_verify"),
+                "verifies nothing, so ca_file would be ignored: set one of them",
+            ));
+        }
+        let tls = ProviderTlsSpec {
+            ca_file,
+            ca_pem: None,
+            insecure_skip_verify,
+        };
         let capacity = match raw.capacity {
             None => 0,
             Some(v) => in_range(v, 0, u64::from(MAX_CAPACITY))
@@ -1505,6 +1680,7 @@ impl Validator<'_> {
             name,
             kind,
             base_url,
+            tls,
             capacity,
         })
     }
@@ -1837,6 +2013,7 @@ providers = ["node-a/a-llama"]
                 cert: dir.join("certs/edge.pem"),
                 key: dir.join("certs/edge-key.pem"),
             }),
+            client_tls: None,
             nodes: vec![NodeSpec {
                 id: "node-a".into(),
                 adapters: vec![
@@ -1846,12 +2023,14 @@ providers = ["node-a/a-llama"]
                             profile: ProfileName::Vllm,
                         },
                         base_url: base_url("http://127.0.0.1:8000"),
+                        tls: ProviderTlsSpec::default(),
                         capacity: 8,
                     },
                     AdapterSpec {
                         name: "ollama".into(),
                         kind: AdapterKind::Ollama,
                         base_url: base_url("http://127.0.0.1:11434"),
+                        tls: ProviderTlsSpec::default(),
                         capacity: 4,
                     },
                 ],
@@ -1976,7 +2155,7 @@ providers = ["node-a/a-llama"]
              `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
              `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
              `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
-             `max_json_elements` (line 8, column 1)"
+             `max_json_elements`, `client_tls` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -2368,43 +2547,46 @@ providers = ["node-a/a-llama"]
     }
 
     #[test]
-    fn base_url_must_be_plain_http_host_port() {
+    fn base_url_must_be_http_host_port_or_https() {
         let url = "base_url = \"http://127.0.0.1:8000\"";
         let key = "conf/edge.toml: nodes[0].adapters[0].base_url:";
         let cases = [
             (
-                "https://api.openai.com:443",
-                "\"https://api.openai.com:443\": only http:// is supported (the provider runs beside the Node); \
-                 expected http://host:port[/prefix]",
+                "ftp://api.openai.com:443",
+                "\"ftp://api.openai.com:443\": expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
-            ("127.0.0.1:8000", "\"127.0.0.1:8000\": expected http://host:port[/prefix]"),
+            (
+                "https://[::1:8443",
+                "\"https://[::1:8443\": unclosed [ in host; expected http://host:port[/prefix] or https://host[:port][/prefix]",
+            ),
+            ("127.0.0.1:8000", "\"127.0.0.1:8000\": expected http://host:port[/prefix] or https://host[:port][/prefix]"),
             (
                 "http://127.0.0.1",
-                "\"http://127.0.0.1\": missing :port; expected http://host:port[/prefix]",
+                "\"http://127.0.0.1\": missing :port; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://127.0.0.1:0",
-                "\"http://127.0.0.1:0\": \"0\" is not a port (1-65535); expected http://host:port[/prefix]",
+                "\"http://127.0.0.1:0\": \"0\" is not a port (1-65535); expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://h:8000/x?y=1",
-                "\"http://h:8000/x?y=1\": must not have a query or fragment; expected http://host:port[/prefix]",
+                "\"http://h:8000/x?y=1\": must not have a query or fragment; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://u:p@h:8000",
-                "\"http://u:p@h:8000\": must not contain user info; expected http://host:port[/prefix]",
+                "\"http://u:p@h:8000\": must not contain user info; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://h_1:8000",
-                "\"http://h_1:8000\": \"h_1\" is not a host name or IP address; expected http://host:port[/prefix]",
+                "\"http://h_1:8000\": \"h_1\" is not a host name or IP address; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://[::1:8000",
-                "\"http://[::1:8000\": unclosed [ in host; expected http://host:port[/prefix]",
+                "\"http://[::1:8000\": unclosed [ in host; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://h:8000//x",
-                "\"http://h:8000//x\": path has an empty segment; expected http://host:port[/prefix]",
+                "\"http://h:8000//x\": path has an empty segment; expected http://host:port[/prefix] or https://host[:port][/prefix]",
             ),
             (
                 "http://h:8000/v1",
@@ -2433,9 +2615,17 @@ providers = ["node-a/a-llama"]
         assert_eq!((v6.host(), v6.port(), v6.path_prefix()), ("::1", 11434, ""));
         assert_eq!(v6.to_string(), "http://[::1]:11434");
         assert_eq!(base_url("http://h:1/").to_string(), "http://h:1");
+        let hosted = base_url("HTTPS://API.openai.com");
+        assert!(hosted.is_tls());
+        assert_eq!((hosted.host(), hosted.port()), ("API.openai.com", 443));
+        assert_eq!(hosted.origin(), "https://api.openai.com:443");
+        let gateway = base_url("https://[::1]:8443/gw/");
+        assert_eq!((gateway.host(), gateway.port()), ("::1", 8443));
+        assert_eq!(gateway.to_string(), "https://[::1]:8443/gw");
+        assert!(!base_url("http://h:1").is_tls());
         assert_eq!(
             BaseUrl::parse("httpé://h:1"),
-            Err("\"httpé://h:1\": expected http://host:port[/prefix]".to_owned())
+            Err("\"httpé://h:1\": expected http://host:port[/prefix] or https://host[:port][/prefix]".to_owned())
         );
     }
 
@@ -2611,6 +2801,7 @@ providers = ["node-a/a-llama"]
             runtime: Some(pb::NodeRuntimeConfig::default()),
             adapters: vec![
                 pb::AdapterConfig {
+                    tls: None,
                     name: "vllm-main".into(),
                     capacity: 8,
                     targets: vec!["meta-llama/Llama-3.1-8B-Instruct".into(), "phi-4".into()],
@@ -2632,6 +2823,7 @@ providers = ["node-a/a-llama"]
                     )),
                 },
                 pb::AdapterConfig {
+                    tls: None,
                     name: "ollama".into(),
                     capacity: 0,
                     targets: vec!["qwen2.5:7b".into()],
@@ -2679,6 +2871,174 @@ providers = ["node-a/a-llama"]
                 &format!("id = \"node-a\"\nrecipient_key = \"{}\"", recipient_text(9))
             )
         )
+    }
+
+    #[test]
+    fn https_adapters_take_provider_tls_settings() {
+        let https = "base_url = \"https://api.example.com/openai\"";
+        let config = parse(&variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            &format!("{https}\nca_file = \"ca/provider.pem\""),
+        ))
+        .unwrap();
+        let adapter = &config.nodes[0].adapters[0];
+        assert!(adapter.base_url.is_tls());
+        assert_eq!(adapter.base_url.origin(), "https://api.example.com:443");
+        assert_eq!(
+            adapter.tls,
+            ProviderTlsSpec {
+                ca_file: Some(PathBuf::from("conf/ca/provider.pem")),
+                ca_pem: None,
+                insecure_skip_verify: false,
+            }
+        );
+        // Without a CA file or the dev switch the Node uses its defaults.
+        let plain = parse(&variant("base_url = \"http://127.0.0.1:8000\"", https)).unwrap();
+        assert_eq!(plain.nodes[0].adapters[0].tls.to_pb(), None);
+        let insecure = parse(&variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            &format!("{https}\ntls_insecure_skip_verify = true"),
+        ))
+        .unwrap();
+        let payload = insecure.node_config_payload(&insecure.nodes[0], 1);
+        assert_eq!(
+            payload.adapters[0].tls,
+            Some(pb::ProviderTlsConfig {
+                ca_pem: String::new(),
+                insecure_skip_verify: true,
+            })
+        );
+        assert_eq!(
+            payload.adapters[0]
+                .kind
+                .as_ref()
+                .and_then(|k| match k {
+                    pb::adapter_config::Kind::OpenaiCompat(o) => o.protocol_profile.clone(),
+                    pb::adapter_config::Kind::Ollama(_) => None,
+                })
+                .map(|p| (p.base_url, p.chat_completions_path)),
+            Some((
+                "https://api.example.com:443".to_owned(),
+                "/openai/v1/chat/completions".to_owned()
+            ))
+        );
+    }
+
+    #[test]
+    fn provider_tls_settings_are_refused_where_they_mean_nothing() {
+        let key = "conf/edge.toml: nodes[0].adapters[0]";
+        assert_eq!(
+            error_of("capacity = 8\n\n", "capacity = 8\nca_file = \"ca.pem\"\n\n"),
+            format!("{key}.ca_file: only an https:// base_url has provider TLS settings")
+        );
+        assert_eq!(
+            error_of(
+                "capacity = 8\n\n",
+                "capacity = 8\ntls_insecure_skip_verify = false\n\n"
+            ),
+            format!(
+                "{key}.tls_insecure_skip_verify: only an https:// base_url has provider TLS \
+                 settings"
+            )
+        );
+        assert_eq!(
+            error_of(
+                "base_url = \"http://127.0.0.1:8000\"",
+                "base_url = \"https://h\"\nca_file = \"ca.pem\"\ntls_insecure_skip_verify = true"
+            ),
+            format!(
+                "{key}.tls_insecure_skip_verify: verifies nothing, so ca_file would be ignored: \
+                 set one of them"
+            )
+        );
+    }
+
+    #[test]
+    fn no_credential_is_sent_to_an_unverified_provider() {
+        let text = managed("").replace(
+            "base_url = \"http://127.0.0.1:8000\"",
+            "base_url = \"https://api.example.com\"\ntls_insecure_skip_verify = true",
+        );
+        assert_eq!(
+            error(&text),
+            "conf/edge.toml: credentials.slots[0].providers[0]: \"node-a/a-llama\" is served by \
+             an adapter with tls_insecure_skip_verify; a credential is never sent to a provider \
+             whose certificate is not verified"
+        );
+    }
+
+    #[test]
+    fn client_tls_resolves_its_files_and_load_checks_them() {
+        let text = variant(
+            "node_listen = \"127.0.0.1:7443\"",
+            "node_listen = \"127.0.0.1:7443\"\n[edge.client_tls]\ncert = \"https.pem\"\n\
+             key = \"/etc/iop/https-key.pem\"\nclient_ca = \"callers.pem\"",
+        );
+        let config = parse(&text).unwrap();
+        assert_eq!(
+            config.client_tls,
+            Some(HttpsFiles {
+                cert: PathBuf::from("conf/https.pem"),
+                key: PathBuf::from("/etc/iop/https-key.pem"),
+                client_ca: Some(PathBuf::from("conf/callers.pem")),
+            })
+        );
+        assert_eq!(
+            error(&text.replace("client_ca", "client_cert")),
+            "conf/edge.toml: edge.client_tls.client_cert: unknown field `client_cert`, expected \
+             one of `cert`, `key`, `client_ca` (line 10, column 1)"
+        );
+        // Files are checked by load: the missing certificate is named.
+        let dir = std::env::temp_dir().join(format!("iop-edge-client-tls-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("certs")).unwrap();
+        for f in ["certs/ca.pem", "certs/edge.pem", "certs/edge-key.pem"] {
+            std::fs::write(dir.join(f), "x").unwrap();
+        }
+        let path = dir.join("edge.toml");
+        std::fs::write(&path, &text).unwrap();
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}: edge.client_tls.cert: cannot read {}",
+                path.display(),
+                dir.join("https.pem").display()
+            )),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn load_reads_and_checks_provider_ca_files() {
+        let dir = std::env::temp_dir().join(format!("iop-edge-provider-ca-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("certs")).unwrap();
+        for f in ["certs/ca.pem", "certs/edge.pem", "certs/edge-key.pem"] {
+            std::fs::write(dir.join(f), "x").unwrap();
+        }
+        let text = variant(
+            "base_url = \"http://127.0.0.1:8000\"",
+            "base_url = \"https://gw.internal:8443\"\nca_file = \"private-ca.pem\"",
+        );
+        let path = dir.join("edge.toml");
+        std::fs::write(&path, &text).unwrap();
+        let key = format!("{}: nodes[0].adapters[0].ca_file", path.display());
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{key}: cannot read ")), "{err}");
+        std::fs::write(dir.join("private-ca.pem"), "no PEM here").unwrap();
+        let err = EdgeConfig::load(&path).unwrap_err().to_string();
+        assert!(err.ends_with("no certificate found"), "{err}");
+        let ca = iop_engine::certs::DevCa::new("iop").unwrap().cert_pem();
+        std::fs::write(dir.join("private-ca.pem"), &ca).unwrap();
+        let config = EdgeConfig::load(&path).unwrap();
+        let payload = config.node_config_payload(&config.nodes[0], 1);
+        assert_eq!(
+            payload.adapters[0].tls,
+            Some(pb::ProviderTlsConfig {
+                ca_pem: ca,
+                insecure_skip_verify: false,
+            })
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     // CONTRACT: C1 — the credential plane parses into slots bound to

@@ -20,7 +20,7 @@ use edge_bin::server;
 use edge_bin::server::DrainEnd;
 use edge_bin::shards::Lifecycle;
 use iop_engine::rt::{self, notify, CoreList, Signal, SignalPipe};
-use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
+use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
 
 /// IOP Edge: the OpenAI-compatible gateway Nodes dial into.
 #[derive(FromArgs, Debug)]
@@ -90,6 +90,10 @@ struct CertsArgs {
     /// a node id to mint a certificate for (repeatable; default node-a)
     #[argh(option)]
     node: Vec<String>,
+    /// also mint an HTTPS server certificate (https.pem) for this host name
+    /// or address, for [edge.client_tls] (repeatable)
+    #[argh(option)]
+    https_host: Vec<String>,
 }
 
 fn fail(message: impl std::fmt::Display) -> ExitCode {
@@ -116,8 +120,14 @@ fn certs(args: CertsArgs) -> ExitCode {
     } else {
         args.node
     };
-    match iop_engine::certs::write_dev_certs(&args.out, &args.trust_domain, &args.edge_name, &nodes)
-    {
+    let https_hosts: Vec<&str> = args.https_host.iter().map(String::as_str).collect();
+    match iop_engine::certs::write_dev_certs_with_https(
+        &args.out,
+        &args.trust_domain,
+        &args.edge_name,
+        &nodes,
+        &https_hosts,
+    ) {
         Ok(files) => {
             println!("CA:   {}", files.ca_cert.display());
             println!(
@@ -128,6 +138,14 @@ fn certs(args: CertsArgs) -> ExitCode {
             for (name, paths) in &files.nodes {
                 println!(
                     "node {name}: {} {}",
+                    paths.cert.display(),
+                    paths.key.display()
+                );
+            }
+            if let Some(paths) = &files.https {
+                println!(
+                    "https ({}): {} {}",
+                    https_hosts.join(", "),
                     paths.cert.display(),
                     paths.key.display()
                 );
@@ -189,9 +207,12 @@ fn control_setup(
 }
 
 /// SIGHUP reloads the configuration and pushes refreshes to ready nodes
-/// (K3); an invalid file keeps the running configuration.
+/// (K3), and reloads the node-link and client-listener certificates; an
+/// invalid file keeps the running configuration (and a bad certificate the
+/// running certificate).
 fn spawn_reloader(
     edge: Rc<edge_bin::state::Edge>,
+    tls: (Option<EdgeTlsAcceptor>, Option<HttpsAcceptor>),
     mut current: EdgeConfig,
     path: std::path::PathBuf,
     mut hup: SignalPipe,
@@ -201,7 +222,14 @@ fn spawn_reloader(
         while hup.recv().await.is_ok() {
             revision += 1;
             notify::notify(notify::State::reloading_now());
-            match server::reload(&edge, &current, &path, revision) {
+            let reloaded = server::reload(&edge, &current, &path, revision);
+            // Certificates rotate even when the rest of the file is refused.
+            let certificates = match &reloaded {
+                Ok((next, _)) => next,
+                Err(_) => &current,
+            };
+            server::reload_tls(certificates, tls.0.as_ref(), tls.1.as_ref());
+            match reloaded {
                 Ok((next, report)) => {
                     tracing::info!(
                         revision,
@@ -290,6 +318,13 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                             a.local_identity().uri()
                         ));
                     }
+                    let own = a.local_certificate();
+                    tracing::info!(
+                        identity = %own.id.uri(),
+                        cert_serial = %own.serial_hex,
+                        not_after_unix_s = own.not_after_unix_s,
+                        "node-link certificate loaded (SIGHUP reloads it)"
+                    );
                     Some(a)
                 }
                 Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
@@ -300,9 +335,30 @@ fn serve(path: &str, cores: &str) -> ExitCode {
             None
         }
     };
+    let client_tls = match &cfg.client_tls {
+        Some(files) => match HttpsAcceptor::from_files(files) {
+            Ok(acceptor) => {
+                let identity = acceptor.identity();
+                tracing::info!(
+                    cert_serial = %identity.serial_hex,
+                    not_after_unix_s = identity.not_after_unix_s,
+                    client_certificates_required = identity.requires_client_cert,
+                    "client listener serves HTTPS"
+                );
+                Some(acceptor)
+            }
+            Err(e) => {
+                return fail(format_args!(
+                    "{}: edge.client_tls: {e}",
+                    cfg.source.display()
+                ))
+            }
+        },
+        None => None,
+    };
     let shards = cores.cores().len();
     let edge = match server::ShardedEdge::bind(cfg.clone(), credentials, acceptor, shards) {
-        Ok(edge) => Arc::new(edge),
+        Ok(edge) => Arc::new(edge.with_client_tls(client_tls)),
         Err(e) => return fail(e),
     };
     tracing::info!(
@@ -345,7 +401,8 @@ fn serve(path: &str, cores: &str) -> ExitCode {
                     return Err(e);
                 }
             };
-            spawn_reloader(state.clone(), cfg, config_path, hup);
+            let tls = (edge.node_acceptor().cloned(), edge.client_tls().cloned());
+            spawn_reloader(state.clone(), tls, cfg, config_path, hup);
             let stop = server::Stop {
                 shutdown,
                 force,

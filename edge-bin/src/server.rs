@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_engine::tls::EdgeTlsAcceptor;
+use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
@@ -127,8 +127,15 @@ pub fn reload(
     if topology(current) != topology(&next) {
         report.restart_required.push("nodes, providers or models");
     }
-    if current.edge != next.edge || current.tls != next.tls {
-        report.restart_required.push("[edge] or [tls]");
+    // Certificates are reloaded by `reload_tls` (from the new paths too);
+    // turning TLS on or off on a listener needs a restart.
+    if current.edge != next.edge
+        || current.tls.is_some() != next.tls.is_some()
+        || current.client_tls.is_some() != next.client_tls.is_some()
+    {
+        report
+            .restart_required
+            .push("[edge], or [tls] / [edge.client_tls] added or removed");
     }
     if current.credentials != next.credentials || current.client_keys != next.client_keys {
         report
@@ -176,6 +183,67 @@ pub fn reload(
     Ok((next, report))
 }
 
+/// The certificates one SIGHUP reloaded, or why one was kept.
+#[derive(Debug, Default)]
+pub struct TlsReloadReport {
+    /// The node-link identity now presented (`[tls]`), or why the running
+    /// one was kept.
+    pub node_link: Option<Result<iop_engine::tls::LocalIdentity, String>>,
+    /// The client-listener certificate now presented (`[edge.client_tls]`),
+    /// or why the running one was kept.
+    pub client_listener: Option<Result<iop_engine::tls::HttpsIdentity, String>>,
+}
+
+/// Re-reads the certificate files `cfg` names (SIGHUP) and swaps them into
+/// the running acceptors: handshakes from now on present the new
+/// certificate, connections already open keep theirs. A file that does not
+/// load, a key that does not match, or a certificate naming another Edge
+/// identity is refused, the running certificate stays, and the report says
+/// why. Also logs each outcome.
+pub fn reload_tls(
+    cfg: &EdgeConfig,
+    node_link: Option<&EdgeTlsAcceptor>,
+    client_listener: Option<&HttpsAcceptor>,
+) -> TlsReloadReport {
+    let mut report = TlsReloadReport::default();
+    if let (Some(files), Some(acceptor)) = (&cfg.tls, node_link) {
+        let outcome = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
+            .and_then(|material| acceptor.reload(&material))
+            .map_err(|e| format!("{}: tls: {e}", cfg.source.display()));
+        match &outcome {
+            Ok(id) => tracing::info!(
+                identity = %id.id.uri(),
+                cert_serial = %id.serial_hex,
+                not_after_unix_s = id.not_after_unix_s,
+                "node-link certificate reloaded: new node connections get it"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "node-link certificate not reloaded; keeping the running one"
+            ),
+        }
+        report.node_link = Some(outcome);
+    }
+    if let (Some(files), Some(acceptor)) = (&cfg.client_tls, client_listener) {
+        let outcome = acceptor
+            .reload_from(files)
+            .map_err(|e| format!("{}: edge.client_tls: {e}", cfg.source.display()));
+        match &outcome {
+            Ok(id) => tracing::info!(
+                cert_serial = %id.serial_hex,
+                not_after_unix_s = id.not_after_unix_s,
+                "client-listener certificate reloaded: new client connections get it"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "client-listener certificate not reloaded; keeping the running one"
+            ),
+        }
+        report.client_listener = Some(outcome);
+    }
+    report
+}
+
 /// The shard state for `cfg` without a loaded credential plane: tunnels
 /// carry no lease (a managed node then rejects them with `lease_missing`,
 /// fail closed). The binary uses [`edge_state_with`].
@@ -212,6 +280,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
             .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
             .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
+        client_tls: None,
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
         limits: cfg.edge.limits,
@@ -224,6 +293,7 @@ pub struct ShardedEdge {
     cfg: EdgeConfig,
     credentials: Option<Arc<CredentialPlane>>,
     acceptor: Option<EdgeTlsAcceptor>,
+    client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
     client_addr: SocketAddr,
     node_addr: SocketAddr,
@@ -304,10 +374,29 @@ impl ShardedEdge {
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
+            client_tls: None,
             parts: Mutex::new(parts),
             client_addr,
             node_addr,
         })
+    }
+
+    /// Serves the client listener over HTTPS with `acceptor`
+    /// (`[edge.client_tls]`) on every shard.
+    pub fn with_client_tls(mut self, acceptor: Option<HttpsAcceptor>) -> Self {
+        self.client_tls = acceptor;
+        self
+    }
+
+    /// The node-link acceptor (`None` in insecure mode); clones share its
+    /// identity, so a reload through one reaches every shard.
+    pub fn node_acceptor(&self) -> Option<&EdgeTlsAcceptor> {
+        self.acceptor.as_ref()
+    }
+
+    /// The client listener's HTTPS acceptor, if `[edge.client_tls]` is set.
+    pub fn client_tls(&self) -> Option<&HttpsAcceptor> {
+        self.client_tls.as_ref()
     }
 
     /// The bound client address.
@@ -341,7 +430,8 @@ impl ShardedEdge {
         let count = part.port.peers.len();
         let control = (index == CONTROL_SHARD).then(|| Control::new(control_spec(&self.cfg)));
         let outbox = (count > 1).then(|| Outbox::new(part.port.peers));
-        let settings = settings(&self.cfg, self.credentials.clone());
+        let mut settings = settings(&self.cfg, self.credentials.clone());
+        settings.client_tls = self.client_tls.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {

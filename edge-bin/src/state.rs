@@ -18,6 +18,7 @@ use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_engine::net::LogThrottle;
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
+use iop_engine::tls::HttpsAcceptor;
 use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
@@ -226,6 +227,9 @@ pub struct Settings {
     pub long_context_threshold_tokens: HashMap<String, u64>,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
+    /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
+    /// shared by every shard and replaced on SIGHUP; `None`: plain HTTP.
+    pub client_tls: Option<HttpsAcceptor>,
     /// Client API keys (401 without one when configured).
     pub client_keys: ClientKeys,
     /// The loaded credential plane, shared by every shard; `None` =
@@ -1236,6 +1240,7 @@ mod tests {
             models: Vec::new(),
             long_context_threshold_tokens: HashMap::new(),
             started_unix_sec: 0,
+            client_tls: None,
             client_keys: ClientKeys::default(),
             credentials: None,
             limits: ListenerLimits::default(),

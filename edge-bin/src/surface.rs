@@ -8,13 +8,14 @@
 //! ```
 
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_engine::net::{Deadline, Wait};
+use iop_engine::tls::{ListenerStream, MaybeTls};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
@@ -28,21 +29,54 @@ use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{front_door, metrics, status};
 
-/// Serves one client connection until it closes. Every read has a
-/// deadline (`edge.client_*_timeout_ms`); a request refused before its body
-/// was read is answered and the connection closed with a lingering close.
+/// Serves one client connection until it closes: over TLS after a
+/// handshake when the listener has `[edge.client_tls]`, else plain. Every
+/// read has a deadline: the handshake has `edge.client_head_timeout_ms`,
+/// then the requests `edge.client_*_timeout_ms`; a request refused before
+/// its body was read is answered and the connection closed with a
+/// lingering close.
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
+    // Taken from the TCP socket before any TLS wraps it.
+    let deadline = Deadline::spawn(&tcp);
+    let stream: ListenerStream = match &edge.settings.client_tls {
+        None => MaybeTls::Plain(tcp),
+        Some(tls) => {
+            let peer = tcp.peer_addr().ok();
+            // An expired handshake deadline shuts the socket down, and the
+            // handshake fails on its own (a TLS read is never cancelled).
+            deadline.arm(
+                Wait::Handshake,
+                Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+            );
+            let handshake = tls.accept(tcp).await;
+            deadline.disarm();
+            match handshake {
+                Ok(stream) => MaybeTls::from(stream),
+                Err(e) => {
+                    // Debug only: any peer on the network can cause these
+                    // as fast as it likes; the counters say how many.
+                    if deadline.expired() == Some(Wait::Handshake) {
+                        engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
+                        tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
+                    } else {
+                        engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
+                        tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+                    }
+                    return;
+                }
+            }
+        }
+    };
     let limits = Limits {
         max_body_bytes: edge.settings.max_request_body_bytes,
         ..Limits::default()
     };
-    let deadline = Deadline::spawn(&tcp);
     let timeouts = front_door::client_timeouts(
         &edge.settings.limits,
         edge.settings.client_write_stall_timeout,
     );
-    let mut server = ServerConn::new(tcp, limits).with_deadline(deadline, timeouts);
+    let mut server = ServerConn::new(stream, limits).with_deadline(deadline, timeouts);
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,

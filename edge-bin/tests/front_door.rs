@@ -1,8 +1,9 @@
 //! The front door against hostile and clumsy peers, over real sockets with
 //! short configured limits: a head sent a byte at a time, a body that stops
 //! half way, idle keep-alive connections, the client connection cap,
-//! half-open TLS handshakes on the node port and the handshake cap, and a
-//! client that writes a 64 MiB body before it reads the 413. Each checks
+//! half-open TLS handshakes on the node port and the handshake cap, HTTPS
+//! clients that never finish their handshake, and a client that writes a
+//! 64 MiB body before it reads the 413. Each checks
 //! that the connection ended and that `/metrics` counted it; time bounds
 //! are generous (a loaded 2-core machine), orders are exact.
 
@@ -13,6 +14,7 @@ use std::time::Duration;
 
 use common::*;
 use iop_engine::clock;
+use iop_engine::tls::UpstreamTls;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use serde_json::json;
@@ -28,9 +30,19 @@ fn edge_with(pki: &Pki, keys: &str) -> TestEdge {
 
 /// Polls `/metrics` until `name` reaches `at_least`.
 async fn wait_metric(addr: SocketAddr, name: &str, at_least: u64) -> u64 {
+    wait_metric_over(addr, None, name, at_least).await
+}
+
+/// [`wait_metric`], over HTTPS with `tls` when given.
+async fn wait_metric_over(
+    addr: SocketAddr,
+    tls: Option<&UpstreamTls>,
+    name: &str,
+    at_least: u64,
+) -> u64 {
     let started = clock::now();
     loop {
-        let value = metric(addr, name).await;
+        let value = metric_over(addr, tls, name).await;
         if value >= at_least {
             return value;
         }
@@ -274,6 +286,68 @@ async fn half_open_tls_handshakes_are_closed_and_counted() {
             metric(edge.client_addr, "iop_edge_node_handshakes_in_progress").await,
             0
         );
+        edge.stop().await;
+    })
+    .await;
+}
+
+// On an HTTPS client listener the TLS handshake has the head deadline:
+// clients that connect and send nothing, or half a ClientHello, are closed
+// at it and counted as handshake timeouts; one that speaks plain HTTP fails
+// its handshake at once, gets no HTTP answer, and is counted as a failure.
+// A real HTTPS client is served throughout (it reads the counters).
+#[monoio::test_all(timer_enabled = true)]
+async fn https_clients_that_never_finish_their_handshake_are_closed_and_counted() {
+    guarded(async {
+        let pki = Pki::mint("client-tls-handshake");
+        let keys = format!("client_head_timeout_ms = 300\n{}", pki.client_tls_keys());
+        let edge = edge_with(&pki, &keys);
+        let https = pki.https_client();
+        let mut peers = Vec::new();
+        for i in 0..4 {
+            let mut tcp = TcpStream::connect(edge.client_addr).await.unwrap();
+            if i % 2 == 1 {
+                write(&mut tcp, HALF_CLIENT_HELLO).await.unwrap();
+            }
+            peers.push(tcp);
+        }
+        for tcp in &mut peers {
+            // Closed (EOF or reset), with no byte of an HTTP answer.
+            let answer = read_to_end(tcp).await.unwrap_or_default();
+            assert!(!answer.starts_with(b"HTTP/"), "{answer:?}");
+        }
+        let timeouts = "iop_edge_client_tls_handshake_timeouts_total";
+        let failures = "iop_edge_client_tls_handshake_failures_total";
+        assert_eq!(
+            wait_metric_over(edge.client_addr, Some(&https), timeouts, 4).await,
+            4
+        );
+        assert_eq!(
+            metric_over(edge.client_addr, Some(&https), failures).await,
+            0
+        );
+
+        let mut plain = TcpStream::connect(edge.client_addr).await.unwrap();
+        write(&mut plain, &request_bytes("GET", "/livez", b""))
+            .await
+            .unwrap();
+        let answer = read_to_end(&mut plain).await.unwrap_or_default();
+        assert!(!answer.starts_with(b"HTTP/"), "{answer:?}");
+        assert_eq!(
+            wait_metric_over(edge.client_addr, Some(&https), failures, 1).await,
+            1
+        );
+        assert_eq!(
+            metric_over(edge.client_addr, Some(&https), timeouts).await,
+            4
+        );
+        let live = https_exchange(
+            edge.client_addr,
+            &https,
+            request_bytes("GET", "/livez", b""),
+        )
+        .await;
+        assert_eq!(live.status, 200);
         edge.stop().await;
     })
     .await;

@@ -199,22 +199,68 @@ impl DevCa {
         validity: Validity,
     ) -> Result<IssuedCert, CertsError> {
         let mut params = CertificateParams::default();
-        let mut name = DistinguishedName::new();
-        name.push(
-            DnType::CommonName,
-            uri_sans.first().copied().unwrap_or("no identity"),
-        );
-        params.distinguished_name = name;
         params.subject_alt_names = uri_sans
             .iter()
             .map(|uri| Ia5String::try_from(*uri).map(SanType::URI))
             .collect::<Result<_, _>>()?;
+        self.sign_leaf(
+            params,
+            uri_sans.first().copied().unwrap_or("no identity"),
+            // Workload certificates serve both ends of the mTLS link.
+            &[
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+            validity,
+        )
+    }
+
+    /// Issues an ordinary web-PKI server certificate for `hosts` (each a DNS
+    /// name or an IP address, each a SAN) with the `serverAuth` usage: for
+    /// HTTPS listeners and HTTPS mock providers.
+    pub fn issue_for_hosts(
+        &self,
+        hosts: &[&str],
+        validity: Validity,
+    ) -> Result<IssuedCert, CertsError> {
+        let params =
+            CertificateParams::new(hosts.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>())?;
+        let common_name = hosts.first().copied().unwrap_or("no host");
+        self.sign_leaf(
+            params,
+            common_name,
+            &[ExtendedKeyUsagePurpose::ServerAuth],
+            validity,
+        )
+    }
+
+    /// Issues a client certificate (the `clientAuth` usage) with common name
+    /// `name`: for callers of an HTTPS listener that requires mTLS.
+    pub fn issue_client(&self, name: &str, validity: Validity) -> Result<IssuedCert, CertsError> {
+        let params = CertificateParams::default();
+        self.sign_leaf(
+            params,
+            name,
+            &[ExtendedKeyUsagePurpose::ClientAuth],
+            validity,
+        )
+    }
+
+    /// Signs a fresh key's leaf certificate with `params`' SANs, common
+    /// name `common_name` and the extended usages `usages`.
+    fn sign_leaf(
+        &self,
+        mut params: CertificateParams,
+        common_name: &str,
+        usages: &[ExtendedKeyUsagePurpose],
+        validity: Validity,
+    ) -> Result<IssuedCert, CertsError> {
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, common_name);
+        params.distinguished_name = name;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
+        params.extended_key_usages = usages.to_vec();
         params.use_authority_key_identifier_extension = true;
         validity.apply(&mut params);
         let key = KeyPair::generate()?;
@@ -244,6 +290,8 @@ pub struct DevCertFiles {
     pub edge: CertKeyPaths,
     /// `node-<name>.pem` and `node-<name>-key.pem` per node name.
     pub nodes: BTreeMap<String, CertKeyPaths>,
+    /// `https.pem` and `https-key.pem`, when HTTPS hosts were asked for.
+    pub https: Option<CertKeyPaths>,
 }
 
 impl DevCertFiles {
@@ -282,6 +330,24 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<str>,
 {
+    write_dev_certs_with_https(dir, trust_domain, edge_name, node_names, &[])
+}
+
+/// [`write_dev_certs`], plus (when `https_hosts` is not empty) an HTTPS
+/// server certificate for those host names and addresses from the same CA:
+/// `https.pem`, `https-key.pem`, for `[edge.client_tls]` or an HTTPS
+/// provider in development (clients trust `ca.pem`).
+pub fn write_dev_certs_with_https<I, S>(
+    dir: &Path,
+    trust_domain: &str,
+    edge_name: &str,
+    node_names: I,
+    https_hosts: &[&str],
+) -> io::Result<DevCertFiles>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<str>,
+{
     let node_names: Vec<String> = node_names
         .into_iter()
         .map(|name| name.as_ref().to_owned())
@@ -293,6 +359,10 @@ where
     for name in &node_names {
         nodes.push((name, ca.issue(Role::Node, name, validity)?));
     }
+    let https = match https_hosts {
+        [] => None,
+        hosts => Some(ca.issue_for_hosts(hosts, validity)?),
+    };
 
     fs::create_dir_all(dir)?;
     let ca_cert = dir.join("ca.pem");
@@ -303,10 +373,15 @@ where
         let paths = write_pair(dir, &format!("node-{name}"), &issued)?;
         node_paths.insert(name.clone(), paths);
     }
+    let https = match https {
+        Some(issued) => Some(write_pair(dir, "https", &issued)?),
+        None => None,
+    };
     Ok(DevCertFiles {
         ca_cert,
         edge,
         nodes: node_paths,
+        https,
     })
 }
 

@@ -10,13 +10,14 @@
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
 //! | [`metrics`] | per-core latency histograms and counters, merge, wrk2 and Prometheus text | `SIGUSR1` dump to stderr |
 //! | [`keys`] | key file and public-key text formats (C1, C4) | lease key files (0600, refused if group/world-accessible), OS randomness for leases |
-//! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2) | TLS accept/connect through monoio-rustls |
+//! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2), provider and HTTPS-listener configs, reloadable identities | TLS accept/connect; a cancel-safe TLS stream for HTTP |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`mailbox`] | — | bounded cross-core mailboxes, wake only on empty → non-empty |
 //! | [`memory`] | — | glibc allocator settings and trimming, so freed buffers go back to the OS |
 //! | [`net`] | deadline decisions, per-peer log throttle | per-connection deadline watchdog (`shutdown(2)` from outside), accept gate |
+//! | [`resolve`] | name cache policy (fresh, stale-while-revalidate, negative) | resolver threads: host names never block a core |
 //! | [`rng`] | seeded SplitMix64 (reconnect jitter, harnesses; not for secrets) | OS seed |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
 //! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
@@ -40,6 +41,7 @@ pub mod memory;
 pub mod metrics;
 pub mod net;
 pub mod pool;
+pub mod resolve;
 pub mod rng;
 pub mod rt;
 pub mod sync;

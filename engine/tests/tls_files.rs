@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use iop_engine::certs::{write_dev_certs, DevCa, Validity};
 use iop_engine::tls::{
-    ConfigProblem, EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, Role, TlsError, TlsFiles,
-    TlsMaterial,
+    ConfigProblem, EdgeTlsAcceptor, HttpsAcceptor, HttpsFiles, NodeAllowList, NodeTlsConnector,
+    Role, TlsError, TlsFiles, TlsMaterial, UpstreamTls, UpstreamTlsSettings,
 };
 use monoio::io::{AsyncReadRentExt, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
@@ -323,4 +323,133 @@ fn tls_pem_loading_rejects_ca_that_is_not_a_trust_anchor() {
         matches!(reason, ConfigProblem::BadCertificate { .. }),
         "{reason:?}"
     );
+}
+
+// The dev HTTPS pair serves an HTTPS listener that a client trusting only
+// `ca.pem` accepts for each host asked for, and for no other.
+#[monoio::test_all]
+async fn tls_dev_certs_can_include_an_https_certificate_from_the_same_ca() {
+    let scratch = ScratchDir::new("https");
+    let dir = scratch.path().join("certs");
+    let files = iop_engine::certs::write_dev_certs_with_https(
+        &dir,
+        "iop",
+        "edge-1",
+        ["node-a"],
+        &["localhost", "127.0.0.1"],
+    )
+    .expect("write");
+    let https = files.https.clone().expect("https pair");
+    assert_eq!(https.cert, dir.join("https.pem"));
+    assert_eq!(https.key, dir.join("https-key.pem"));
+    assert_eq!(mode(&https.key), 0o600);
+    let acceptor = HttpsAcceptor::from_files(&HttpsFiles {
+        cert: https.cert.clone(),
+        key: https.key.clone(),
+        client_ca: None,
+    })
+    .expect("an HTTPS listener loads it");
+    assert!(!acceptor.identity().requires_client_cert);
+    let client = UpstreamTls::new(&UpstreamTlsSettings {
+        ca_pem: Some(fs::read_to_string(&files.ca_cert).expect("ca.pem")),
+        insecure_skip_verify: false,
+    })
+    .expect("client");
+
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = monoio::spawn(async move {
+        for _ in 0..3 {
+            let (tcp, _) = listener.accept().await.expect("accept");
+            // The refused handshake fails on the server side too.
+            if let Ok(mut tls) = acceptor.accept(tcp).await {
+                let (res, _) = tls.write_all(b"ok".to_vec()).await;
+                res.expect("write");
+            }
+        }
+    });
+    for host in ["localhost", "127.0.0.1"] {
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let mut tls = client.connect(tcp, host).await.expect(host);
+        let (res, ok) = tls.read_exact(vec![0u8; 2]).await;
+        res.expect("read");
+        assert_eq!(ok, b"ok", "{host}");
+    }
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let err = client
+        .connect(tcp, "elsewhere.example")
+        .await
+        .expect_err("a host the certificate does not name");
+    assert!(
+        matches!(
+            err.certificate_error(),
+            Some(rustls::CertificateError::NotValidForNameContext { .. })
+        ),
+        "{err}"
+    );
+    server.await;
+
+    // Without HTTPS hosts there is no HTTPS pair, and none is written.
+    let plain = scratch.path().join("plain");
+    assert!(write_dev_certs(&plain, "iop", "edge-1", ["node-a"])
+        .expect("write")
+        .https
+        .is_none());
+    assert!(!plain.join("https.pem").exists());
+}
+
+// A reload swaps the identity every clone presents; one for another
+// workload, or a file that does not load, is refused and the running
+// identity stays.
+#[test]
+fn tls_reload_replaces_the_identity_of_every_clone_and_refuses_another_name() {
+    let ca = DevCa::new("iop").expect("ca");
+    let material = |role, name: &str| {
+        let issued = ca
+            .issue(role, name, Validity::days_from_now(1))
+            .expect("issue");
+        TlsMaterial::from_pem(
+            ca.cert_pem().as_bytes(),
+            issued.cert_pem.as_bytes(),
+            issued.key_pem.as_bytes(),
+        )
+        .expect("material")
+    };
+    let first = material(Role::Edge, "edge-1");
+    let acceptor =
+        EdgeTlsAcceptor::new(&first, "iop", NodeAllowList::new(["node-a"])).expect("acceptor");
+    let clone = acceptor.clone();
+    let before = clone.local_certificate();
+    let rotated = acceptor
+        .reload(&material(Role::Edge, "edge-1"))
+        .expect("same identity");
+    assert_ne!(rotated.serial_hex, before.serial_hex);
+    assert_eq!(
+        clone.local_certificate(),
+        rotated,
+        "clones share the identity"
+    );
+    let err = acceptor
+        .reload(&material(Role::Edge, "edge-2"))
+        .expect_err("another name");
+    let rejection = iop_engine::tls::IdentityRejection::WrongName {
+        expected: "spiffe://iop/edge/edge-1".into(),
+        found: "spiffe://iop/edge/edge-2".into(),
+    };
+    assert_eq!(
+        err.to_string(),
+        format!("<cert pem>: certificate identity unusable here: {rejection}")
+    );
+    assert!(acceptor.reload(&material(Role::Node, "edge-1")).is_err());
+    assert_eq!(clone.local_certificate(), rotated);
+
+    let node_first = material(Role::Node, "node-a");
+    let connector = NodeTlsConnector::new(&node_first, "iop", "edge-1").expect("connector");
+    let node_clone = connector.clone();
+    let rotated = connector
+        .reload(&material(Role::Node, "node-a"))
+        .expect("same identity");
+    assert_eq!(node_clone.local_certificate(), rotated);
+    assert!(connector.reload(&material(Role::Node, "node-b")).is_err());
+    assert_eq!(node_clone.local_certificate(), rotated);
 }

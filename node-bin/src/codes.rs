@@ -15,6 +15,10 @@ pub const BAD_OPERATION: &str = "bad_operation";
 pub const CAPACITY_EXHAUSTED: &str = "capacity_exhausted";
 /// The provider could not be reached.
 pub const PROVIDER_UNREACHABLE: &str = "provider_unreachable";
+/// The TLS handshake with an `https://` provider failed: its certificate
+/// was refused (not valid for the host name, expired, issued by an unknown
+/// CA) or the handshake broke off. The message says which.
+pub const PROVIDER_TLS: &str = "provider_tls";
 /// The provider's response broke off or was malformed.
 pub const PROVIDER_ERROR: &str = "provider_error";
 /// The normalized input cannot be mapped to the adapter's provider request.

@@ -351,13 +351,14 @@ fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, Conf
     })
 }
 
-/// An `allowed_origins` entry: `http://host[:port]` without a path, as the
-/// canonical origin a lease is bound to (port written, host lowercased).
+/// An `allowed_origins` entry: `http://host[:port]` or `https://host[:port]`
+/// without a path, as the canonical origin a lease is bound to (scheme kept,
+/// port written, host lowercased).
 fn parse_origin(text: &str) -> Result<String, String> {
     let url = Url::parse(text).map_err(|e| format!("{text:?}: {e}"))?;
     if !url.prefix().is_empty() {
         return Err(format!(
-            "{text:?}: an origin has no path (expected http://host:port)"
+            "{text:?}: an origin has no path (expected http(s)://host:port)"
         ));
     }
     Ok(url.origin())
@@ -514,7 +515,7 @@ key = "certs/node-a-key.pem"
         );
         let config = parse(&with_credentials(&format!(
             "recipient_key = \"/k\"\nissuer_public_key = \"{issuer}\"\n\
-             [credentials.allowed_origins]\nopenai-main = [\"HTTP://GPU-1.lan:8000\", \"http://[::1]\"]"
+             [credentials.allowed_origins]\nopenai-main = [\"HTTP://GPU-1.lan:8000\", \"http://[::1]\", \"https://API.openai.com\"]"
         )))
         .unwrap();
         assert_eq!(
@@ -523,7 +524,8 @@ key = "certs/node-a-key.pem"
                 "openai-main".to_string(),
                 vec![
                     "http://gpu-1.lan:8000".to_string(),
-                    "http://[::1]:80".to_string()
+                    "http://[::1]:80".to_string(),
+                    "https://api.openai.com:443".to_string()
                 ]
             )]))
         );
@@ -562,10 +564,10 @@ key = "certs/node-a-key.pem"
         assert_eq!(
             pins("[\"http://h:1/v1\"]"),
             "conf/node.toml: credentials.allowed_origins.s: \"http://h:1/v1\": an origin has \
-             no path (expected http://host:port)"
+             no path (expected http(s)://host:port)"
         );
-        assert!(pins("[\"https://h\"]")
-            .starts_with("conf/node.toml: credentials.allowed_origins.s: \"https://h\": "));
+        assert!(pins("[\"ftp://h\"]")
+            .starts_with("conf/node.toml: credentials.allowed_origins.s: \"ftp://h\": "));
         assert_eq!(
             error(&with_credentials(&format!(
                 "recipient_key = \"\"\nissuer_public_key = \"{issuer}\""

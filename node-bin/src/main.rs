@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use argh::FromArgs;
-use iop_engine::rt::{self, CoreList};
+use iop_engine::rt::{self, CoreList, Signal, SignalPipe};
 use iop_engine::tls::{NodeTlsConnector, TlsFiles, TlsMaterial};
 
 use node_bin::calls::workers;
@@ -96,6 +96,39 @@ fn main() -> ExitCode {
     }
 }
 
+/// On every SIGHUP: re-reads the `[tls]` files and, when they load and name
+/// this node, swaps them into `connector` for every later dial. A bad file
+/// keeps the running identity and says why.
+fn spawn_certificate_reloader(
+    mut hup: SignalPipe,
+    files: Option<iop_engine::config::TlsFiles>,
+    connector: Option<NodeTlsConnector>,
+    source: std::path::PathBuf,
+) {
+    monoio::spawn(async move {
+        while hup.recv().await.is_ok() {
+            let (Some(files), Some(connector)) = (&files, &connector) else {
+                tracing::info!("SIGHUP: no [tls] to reload (insecure_plaintext)");
+                continue;
+            };
+            let outcome = TlsMaterial::from_files(&TlsFiles::from(files))
+                .and_then(|material| connector.reload(&material));
+            match outcome {
+                Ok(id) => tracing::info!(
+                    identity = %id.id.uri(),
+                    cert_serial = %id.serial_hex,
+                    not_after_unix_s = id.not_after_unix_s,
+                    "node certificate reloaded: the next Edge connection presents it"
+                ),
+                Err(e) => tracing::error!(
+                    error = %format_args!("{}: tls: {e}", source.display()),
+                    "node certificate not reloaded; keeping the running one"
+                ),
+            }
+        }
+    });
+}
+
 fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
     // Before any runtime thread allocates: large buffers go back to the OS
     // when freed (see iop_engine::memory).
@@ -137,6 +170,13 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
                             c.local_identity().uri()
                         ));
                     }
+                    let own = c.local_certificate();
+                    tracing::info!(
+                        identity = %own.id.uri(),
+                        cert_serial = %own.serial_hex,
+                        not_after_unix_s = own.not_after_unix_s,
+                        "node certificate loaded (SIGHUP reloads it)"
+                    );
                     Some(c)
                 }
                 Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
@@ -187,6 +227,10 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
         let (shutdown, force) = supervisor::signal_stops()?;
         // SIGUSR1 dumps the latency histograms to stderr.
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Node)?;
+        // SIGHUP reloads our certificate, key and CA bundle for the next
+        // dial (the open Edge connection keeps its own).
+        let hup = SignalPipe::install(Signal::Hup)?;
+        spawn_certificate_reloader(hup, cfg.tls.clone(), connector.clone(), cfg.source.clone());
         let stop = supervisor::Stop {
             shutdown,
             force,

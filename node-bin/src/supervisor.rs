@@ -192,15 +192,21 @@ async fn attempt(
     core: &Rc<NodeCore>,
     connector: Option<&NodeTlsConnector>,
 ) -> Attempt {
-    let tcp = match http::connect(cfg.edge_addr.to_string()).await {
+    let tcp = match http::connect_host(cfg.edge_addr.host(), cfg.edge_addr.port()).await {
         Ok(tcp) => tcp,
         Err(e) => return Attempt::Failed(format!("dial {}: {e}", cfg.edge_addr)),
     };
     let shutdown = SocketShutdown::for_socket(&tcp);
     let conn_config = ConnConfig::from_env_override();
     let (conn, events) = match connector {
-        Some(connector) => match connector.connect(tcp).await {
-            Ok(tls) => {
+        Some(connector) => match connector.connect_verified(tcp).await {
+            Ok((tls, edge)) => {
+                // Which certificate the Edge presented (a rotation shows).
+                tracing::info!(
+                    peer = %edge.id.uri(),
+                    cert_serial = %edge.serial_hex,
+                    "edge TLS identity verified"
+                );
                 let (r, w) = tls.into_split();
                 spawn_conn(r, w, shutdown, conn_config)
             }

@@ -425,6 +425,36 @@ async fn nodes_without_a_recipient_key() {
     assert_answered(&legacy.tunnel(tunnel("n-4")).await, 401);
 }
 
+// CONTRACT: C2, C5 — a config that asks the Node to skip verifying an
+// https provider's certificate never gets a secret: the leased tunnel is
+// refused with provider_tls before the lease is opened, and nothing
+// connects to the provider.
+#[monoio::test(timer_enabled = true)]
+async fn no_lease_is_injected_into_an_unverified_tls_connection() {
+    let mock = keyed_mock();
+    let https = mock.base_url().replacen("http://", "https://", 1);
+    let mut config = payload_at(&mock, https, true);
+    config.adapters[0].tls = Some(pb::ProviderTlsConfig {
+        ca_pem: String::new(),
+        insecure_skip_verify: true,
+    });
+    let mut edge = Edge::start_with_credentials(config, Some(node_credentials())).await;
+    let req = leased(&mock, "insecure-1", &LeaseSpec::valid("lease-insecure"));
+    let frames = edge.tunnel(req.clone()).await;
+    assert_rejected(&frames, "provider_tls");
+    assert!(
+        frames[0].error.contains("never injected"),
+        "{}",
+        frames[0].error
+    );
+    // The lease was not spent: it is refused for the same reason again, not
+    // as a replay.
+    assert_rejected(&edge.tunnel(req).await, "provider_tls");
+    let stats = mock.admin_stats().await;
+    assert_eq!(stats["connections_accepted"], 1, "only the stats request");
+    assert_eq!(stats["chat_requests"], 0);
+}
+
 // CONTRACT: C2 — the lease is opened only after the capacity gate admits
 // the request: a leased tunnel refused with `capacity_exhausted` (its
 // adapter's one slot held by a slow stream) never reached the provider and

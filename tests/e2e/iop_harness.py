@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -86,9 +87,10 @@ def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool 
     return proc
 
 
-def http_json(url: str, timeout_s: float = 5.0, headers: dict | None = None):
+def http_json(url: str, timeout_s: float = 5.0, headers: dict | None = None,
+              context: ssl.SSLContext | None = None):
     req = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s, context=context) as resp:
         return json.loads(resp.read())
 
 
@@ -123,7 +125,19 @@ class Cluster:
 
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
-                 credentials=None, client_keys=None, cores="0", edge_extra=()):
+                 credentials=None, client_keys=None, cores="0", edge_extra=(),
+                 provider_tls=None, client_tls=False, tls_fixtures=False):
+        # provider_tls: serve the mock over HTTPS with this `bench
+        # tls-fixtures` certificate ("https", "wrong-host", "expired",
+        # "unknown-ca"); every adapter then uses https://localhost:<port> with
+        # ca_file = the fixtures' CA. client_tls: the Edge's client listener
+        # serves HTTPS ([edge.client_tls], the "https" fixture), and
+        # base_url is https://localhost:<port>. Either one (or tls_fixtures)
+        # makes the Edge and the Nodes use the fixtures' SPIFFE certificates
+        # (tls/edge.pem, tls/node-<id>.pem), which have rotated twins.
+        self.provider_tls = provider_tls
+        self.client_tls = client_tls
+        self.fixtures = provider_tls is not None or client_tls or tls_fixtures
         # provider_extra: extra TOML lines for every node's [[nodes.providers]]
         # entry (e.g. "response_stall_timeout_ms = 500"); reconnect: the
         # nodes' (interval_sec, max_attempts). ollama: every node also gets an
@@ -185,9 +199,22 @@ class Cluster:
              "--edge-name", "edge-1"] + sum((["--node", n] for n in self.node_ids), []),
             check=True, capture_output=True, text=True,
         )
+        if self.fixtures:
+            done = subprocess.run(
+                [str(BIN_DIR / "bench"), "tls-fixtures", "--out", str(self.dir / "tls"), "--trust-domain",
+                 "iop.test", "--edge-name", "edge-1"] + sum((["--node", n] for n in self.node_ids), []),
+                check=True, capture_output=True, text=True,
+            )
+            self.serials = json.loads(done.stdout)["serials"]
         if self.credentials is not None:
             self._make_credentials()
-        self.mock = start("mock", [str(BIN_DIR / "bench"), "mock-provider", "--port", "0"] + self.mock_args)
+        mock_tls = []
+        if self.provider_tls is not None:
+            tls = self.dir / "tls"
+            mock_tls = ["--tls-cert", str(tls / f"{self.provider_tls}.pem"),
+                        "--tls-key", str(tls / f"{self.provider_tls}-key.pem")]
+        self.mock = start("mock", [str(BIN_DIR / "bench"), "mock-provider", "--port", "0"] + mock_tls
+                          + self.mock_args)
         self.procs.append(self.mock)
         mock_addr = self.mock.ready["addr"]
         edge_toml = self.dir / "edge.toml"
@@ -195,10 +222,35 @@ class Cluster:
         self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml), "--cores", self.cores],
                           env=self.edge_env)
         self.procs.append(self.edge)
-        self.base_url = f"http://{self.edge.ready['client']}"
+        self.base_url = self.client_url(self.edge.ready["client"])
         for node_id in self.node_ids:
             self.start_node(node_id)
         wait_until(self.all_nodes_connected, what="nodes connected")
+
+    def client_url(self, addr: str) -> str:
+        """The Edge's client base URL: https://localhost:<port> with
+        client_tls (the fixture certificate names localhost)."""
+        if self.client_tls:
+            return f"https://localhost:{addr.rsplit(':', 1)[1]}"
+        return f"http://{addr}"
+
+    def ca_file(self) -> str:
+        """The fixtures' CA (trusts the HTTPS listener and the HTTPS mock)."""
+        return str(self.dir / "tls" / "ca.pem")
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client context trusting the fixtures' CA, when anything serves
+        HTTPS."""
+        if not self.fixtures:
+            return None
+        return ssl.create_default_context(cafile=self.ca_file())
+
+    def mock_url(self) -> str:
+        """The mock provider's base URL as the Node reaches it."""
+        addr = self.mock.ready["addr"]
+        if self.provider_tls is not None:
+            return f"https://localhost:{addr.rsplit(':', 1)[1]}"
+        return f"http://{addr}"
 
     def _make_credentials(self):
         keys = self.dir / "keys"
@@ -247,18 +299,31 @@ class Cluster:
         return out
 
     def edge_config(self, mock_addr: str) -> str:
+        certs = "tls" if self.fixtures else "certs"
         out = [
             "[edge]",
             'name = "edge-1"',
             'trust_domain = "iop.test"',
             'client_listen = "127.0.0.1:0"',
             'node_listen = "127.0.0.1:0"',
-        ] + self.edge_extra + [
+        ] + self.edge_extra
+        if self.client_tls:
+            out += [
+                "[edge.client_tls]",
+                'cert = "tls/https.pem"',
+                'key = "tls/https-key.pem"',
+            ]
+        out += [
             "[tls]",
-            'ca = "certs/ca.pem"',
-            'cert = "certs/edge.pem"',
-            'key = "certs/edge-key.pem"',
+            f'ca = "{certs}/ca.pem"',
+            f'cert = "{certs}/edge.pem"',
+            f'key = "{certs}/edge-key.pem"',
         ]
+        provider_base = f"http://{mock_addr}"
+        provider_tls = []
+        if self.provider_tls is not None:
+            provider_base = f"https://localhost:{mock_addr.rsplit(':', 1)[1]}"
+            provider_tls = ['ca_file = "tls/ca.pem"']
         for node_id in self.node_ids:
             out += ["[[nodes]]", f'id = "{node_id}"']
             if self.credentials is not None:
@@ -268,7 +333,8 @@ class Cluster:
                 'name = "mock"',
                 'kind = "openai_compat"',
                 'profile = "openai"',
-                f'base_url = "http://{mock_addr}"',
+                f'base_url = "{provider_base}"',
+            ] + provider_tls + [
                 "capacity = 64",
                 "[[nodes.providers]]",
                 'id = "mock-1"',
@@ -281,7 +347,8 @@ class Cluster:
                     "[[nodes.adapters]]",
                     'name = "ollama"',
                     'kind = "ollama"',
-                    f'base_url = "http://{mock_addr}"',
+                    f'base_url = "{provider_base}"',
+                ] + provider_tls + [
                     "capacity = 64",
                     "[[nodes.providers]]",
                     'id = "ollama-1"',
@@ -335,15 +402,16 @@ class Cluster:
         return "\n".join(lines) + "\n"
 
     def node_base_config(self, node_id: str) -> list[str]:
+        certs = "tls" if self.fixtures else "certs"
         return [
             f'node_id = "{node_id}"',
             'trust_domain = "iop.test"',
             f'edge_addr = "{self.edge.ready["nodes"]}"',
             'edge_name = "edge-1"',
             "[tls]",
-            'ca = "certs/ca.pem"',
-            f'cert = "certs/node-{node_id}.pem"',
-            f'key = "certs/node-{node_id}-key.pem"',
+            f'ca = "{certs}/ca.pem"',
+            f'cert = "{certs}/node-{node_id}.pem"',
+            f'key = "{certs}/node-{node_id}-key.pem"',
             "[reconnect]",
             f"interval_sec = {self.reconnect[0]}",
             f"max_attempts = {self.reconnect[1]}",
@@ -359,11 +427,16 @@ class Cluster:
         return proc
 
     def status(self) -> dict:
-        return http_json(self.base_url + "/status", headers=self.auth_headers())
+        return http_json(self.base_url + "/status", headers=self.auth_headers(), context=self.ssl_context())
 
     def mock_stats(self) -> dict:
-        """The mock provider's counters (GET /admin/stats)."""
-        return http_json(f"http://{self.mock.ready['addr']}/admin/stats")
+        """The mock provider's counters (GET /admin/stats). An HTTPS mock
+        with a certificate made to be refused is read without verifying it
+        (this is the test reading counters, not a Node)."""
+        context = self.ssl_context()
+        if self.provider_tls not in (None, "https"):
+            context = ssl._create_unverified_context()  # noqa: S323 - test counters only
+        return http_json(self.mock_url() + "/admin/stats", context=context)
 
     def provider(self, node_id: str, provider_id: str) -> dict:
         """One provider's entry in the Edge's /status."""
@@ -398,18 +471,18 @@ class Cluster:
         self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml), "--cores", self.cores],
                           env=self.edge_env)
         self.procs.append(self.edge)
-        self.base_url = f"http://{self.edge.ready['client']}"
+        self.base_url = self.client_url(self.edge.ready["client"])
         return self.edge
 
 
 def post_raw(url: str, body: dict, timeout_s: float = 20.0,
-             headers: dict | None = None) -> tuple[int, dict, bytes]:
+             headers: dict | None = None, context: ssl.SSLContext | None = None) -> tuple[int, dict, bytes]:
     """POSTs JSON (with extra `headers`); returns (status, headers, whole
     body) also for error statuses."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=context) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()

@@ -568,14 +568,16 @@ pub fn upstream_target(adapter: &str, target: &str) -> String {
 }
 
 /// The canonical origin both sides put in / expect from
-/// `CredentialLeaseBinding.upstream_origin`: `http://{host}:{port}`, the
-/// port always written, an IPv6 host in brackets. `host` as resolved from
-/// the base URL (lowercase).
-pub fn upstream_origin(host: &str, port: u16) -> String {
+/// `CredentialLeaseBinding.upstream_origin`: `{scheme}://{host}:{port}`
+/// (`scheme` is `http` or `https`), the port always written, an IPv6 host
+/// in brackets. `host` as resolved from the base URL (lowercase). The
+/// scheme is part of the origin: a lease for `https://h:443` never
+/// authorizes a plain-HTTP call to the same host.
+pub fn upstream_origin(scheme: &str, host: &str, port: u16) -> String {
     if host.contains(':') {
-        format!("http://[{host}]:{port}")
+        format!("{scheme}://[{host}]:{port}")
     } else {
-        format!("http://{host}:{port}")
+        format!("{scheme}://{host}:{port}")
     }
 }
 
@@ -684,7 +686,8 @@ fn check_binding(binding: &CredentialLeaseBinding) -> Result<(), &'static str> {
         "binding.upstream_origin",
         is_visible_byte,
     )?;
-    if !binding.upstream_origin.starts_with("http://") {
+    let origin = &binding.upstream_origin;
+    if !(origin.starts_with("http://") || origin.starts_with("https://")) {
         return Err("binding.upstream_origin");
     }
     check_text(&binding.run_id, max, "binding.run_id", is_visible_byte)?;

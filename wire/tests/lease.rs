@@ -622,7 +622,7 @@ fn malformed_fields_are_invalid_before_any_crypto() {
     let binding_cases: [(&str, BindingTamper); 5] = [
         ("binding.upstream_origin", |b| b.upstream_origin.clear()),
         ("binding.upstream_origin", |b| {
-            b.upstream_origin = "https://api.example.com".into()
+            b.upstream_origin = "ftp://api.example.com:21".into()
         }),
         ("binding.upstream_origin", |b| {
             b.upstream_origin = "http://a b".into()
@@ -1026,8 +1026,15 @@ fn key_ids_and_hex() {
     assert_eq!(out, [0xa0, 0xb1]);
     assert!(!decode_hex_into("a0B", &mut out));
     assert_eq!(upstream_target("openai-1", "gpt-4o"), "openai-1/gpt-4o");
-    assert_eq!(upstream_origin("10.0.0.5", 8000), "http://10.0.0.5:8000");
-    assert_eq!(upstream_origin("::1", 80), "http://[::1]:80");
+    assert_eq!(
+        upstream_origin("http", "10.0.0.5", 8000),
+        "http://10.0.0.5:8000"
+    );
+    assert_eq!(upstream_origin("http", "::1", 80), "http://[::1]:80");
+    assert_eq!(
+        upstream_origin("https", "api.example.com", 443),
+        "https://api.example.com:443"
+    );
 }
 
 #[test]

@@ -285,6 +285,10 @@ fn config_payload() -> pb::NodeConfigPayload {
         }),
         adapters: vec![
             pb::AdapterConfig {
+                tls: Some(pb::ProviderTlsConfig {
+                    ca_pem: "-----BEGIN CERTIFICATE-----\n".into(),
+                    insecure_skip_verify: true,
+                }),
                 name: "ollama-a".into(),
                 capacity: 2,
                 targets: vec!["llama3:8b".into(), "qwen2:7b".into()],
@@ -293,6 +297,10 @@ fn config_payload() -> pb::NodeConfigPayload {
                 })),
             },
             pb::AdapterConfig {
+                tls: Some(pb::ProviderTlsConfig {
+                    ca_pem: "-----BEGIN CERTIFICATE-----\n".into(),
+                    insecure_skip_verify: true,
+                }),
                 name: "vllm-b".into(),
                 capacity: 16,
                 targets: vec!["meta/llama-3-70b".into()],
@@ -634,6 +642,8 @@ fn audit_config(audit: &mut FieldAudit, config: Option<&pb::NodeConfigPayload>) 
     let mut kinds = BTreeSet::new();
     for adapter in &config.adapters {
         audit.check("AdapterConfig", adapter);
+        let tls = adapter.tls.as_ref().unwrap_or_else(|| panic!("tls"));
+        audit.check("ProviderTlsConfig", tls);
         match &adapter.kind {
             Some(pb::adapter_config::Kind::Ollama(ollama)) => {
                 kinds.insert("ollama");

@@ -61,6 +61,13 @@ pub enum LoadError {
         /// Why it was refused.
         source: UrlError,
     },
+    /// The target is `https://`: the load generator speaks plain HTTP
+    /// (measure the relay, not a TLS stack).
+    #[error("bad URL {url:?}: the load generator speaks plain http:// only")]
+    Https {
+        /// The URL given.
+        url: String,
+    },
     /// The URL's host did not resolve.
     #[error("cannot resolve {authority}: {reason}")]
     Resolve {
@@ -117,6 +124,11 @@ impl Target {
             url: url.to_string(),
             source,
         })?;
+        if parsed.is_tls() {
+            return Err(LoadError::Https {
+                url: url.to_string(),
+            });
+        }
         let authority = parsed.authority();
         let resolve_error = |reason: String| LoadError::Resolve {
             authority: format!("{}:{}", parsed.host(), parsed.port()),
@@ -315,7 +327,7 @@ mod tests {
         assert_eq!(t.path_of("/status"), "/api/status");
         assert!(matches!(
             Target::parse("https://127.0.0.1:1"),
-            Err(LoadError::Url { .. })
+            Err(LoadError::Https { .. })
         ));
     }
 

@@ -176,6 +176,9 @@ pub struct MockStats {
     /// framing not counted). With a client that stops reading, this stops
     /// growing once the connection's buffers are full: back-pressure.
     pub stream_bytes_written: u64,
+    /// TLS handshakes that failed (an HTTPS mock whose certificate a client
+    /// refused).
+    pub tls_handshake_failures: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -803,6 +806,7 @@ pub struct MockProvider {
     required_api_key: Option<super::auth::ApiKey>,
     close_after_requests: Option<u32>,
     token_bytes: u32,
+    tls: Option<iop_engine::tls::HttpsAcceptor>,
 }
 
 impl MockProvider {
@@ -825,6 +829,7 @@ impl MockProvider {
             required_api_key: None,
             close_after_requests: None,
             token_bytes: 0,
+            tls: None,
         }
     }
 
@@ -854,6 +859,24 @@ impl MockProvider {
     /// Requests a connection serves before the shell closes it, if limited.
     pub fn close_after_requests(&self) -> Option<u32> {
         self.close_after_requests
+    }
+
+    /// The same handler served over HTTPS with `tls` (`--tls-cert`,
+    /// `--tls-key`).
+    pub fn with_tls(mut self, tls: iop_engine::tls::HttpsAcceptor) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The HTTPS acceptor, when the mock serves TLS.
+    pub fn tls(&self) -> Option<&iop_engine::tls::HttpsAcceptor> {
+        self.tls.as_ref()
+    }
+
+    /// Counts a TLS handshake that failed (the client refused the
+    /// certificate, or gave up).
+    pub fn tls_handshake_failed(&mut self) {
+        self.stats.tls_handshake_failures += 1;
     }
 
     /// The same handler requiring `key` on provider routes
@@ -1661,7 +1684,7 @@ mod tests {
         assert_eq!(status, 200);
         assert_eq!(
             body,
-            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15}"#
+            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15,"tls_handshake_failures":0}"#
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);

@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 use iop_engine::clock::monotonic_raw_ns;
 use iop_engine::http::{HttpError, Limits, ServerConn};
 use iop_engine::rt::{yield_now, Signal, SignalPipe};
+use iop_engine::tls::{HttpsAcceptor, ListenerStream, MaybeTls};
 
 use super::openai::{error_body, MockFaults, MockProvider, Reply, StreamPlan, StreamStep};
 use super::script::Script;
@@ -86,6 +87,7 @@ pub async fn run_provider(addr: SocketAddr, provider: MockProvider) -> Result<()
     let config = provider.config();
     info!(
         addr = %local,
+        https = provider.tls().is_some(),
         tokens = config.tokens,
         ttft_ms = config.ttft_ms,
         inter_token_ms = config.inter_token_ms,
@@ -153,7 +155,8 @@ async fn accept_loop(listener: TcpListener, provider: Rc<RefCell<MockProvider>>)
                     warn!(%peer, %err, "cannot set TCP_NODELAY");
                 }
                 debug!(%peer, "connection accepted");
-                monoio::spawn(serve_connection(stream, peer, Rc::clone(&provider)));
+                let tls = provider.borrow().tls().cloned();
+                monoio::spawn(handshake_and_serve(stream, peer, tls, Rc::clone(&provider)));
             }
             Err(err) => {
                 warn!(%err, "accept failed");
@@ -172,8 +175,39 @@ const SSE_HEADERS: [(&str, &str); 2] = [
     ("cache-control", "no-cache"),
 ];
 
+/// Longest TLS handshake the HTTPS mock waits for.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The TLS handshake of an HTTPS mock (`--tls-cert`), then the requests.
+/// A failed handshake (a client that refused the certificate) is counted.
+async fn handshake_and_serve(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    tls: Option<HttpsAcceptor>,
+    provider: Rc<RefCell<MockProvider>>,
+) {
+    let Some(tls) = tls else {
+        return serve_connection(MaybeTls::Plain(tcp), peer, provider).await;
+    };
+    let handshake = monoio::select! {
+        done = tls.accept(tcp) => Some(done),
+        _ = monoio::time::sleep(HANDSHAKE_TIMEOUT) => None,
+    };
+    match handshake {
+        Some(Ok(stream)) => serve_connection(MaybeTls::from(stream), peer, provider).await,
+        Some(Err(err)) => {
+            provider.borrow_mut().tls_handshake_failed();
+            debug!(%peer, error = ?err, "TLS handshake failed");
+        }
+        None => {
+            provider.borrow_mut().tls_handshake_failed();
+            debug!(%peer, "TLS handshake timed out");
+        }
+    }
+}
+
 async fn serve_connection(
-    stream: TcpStream,
+    stream: ListenerStream,
     peer: SocketAddr,
     provider: Rc<RefCell<MockProvider>>,
 ) {
@@ -234,7 +268,7 @@ enum After {
 /// an error ends it, or it served `--close-after-requests` requests (then
 /// it is closed silently after the last reply).
 async fn serve_requests(
-    conn: &mut ServerConn<TcpStream>,
+    conn: &mut ServerConn<ListenerStream>,
     provider: &RefCell<MockProvider>,
 ) -> Result<(), HttpError> {
     let close_after = provider.borrow().close_after_requests();
@@ -313,7 +347,7 @@ async fn serve_requests(
 /// Writes a streamed reply: each event one chunk, written and flushed
 /// before the next step.
 async fn stream_reply(
-    conn: &mut ServerConn<TcpStream>,
+    conn: &mut ServerConn<ListenerStream>,
     provider: &RefCell<MockProvider>,
     mut plan: StreamPlan,
 ) -> Result<After, HttpError> {
@@ -340,7 +374,7 @@ async fn stream_reply(
 
 /// Writes one event as a chunk and counts its bytes once written.
 async fn write_event(
-    conn: &mut ServerConn<TcpStream>,
+    conn: &mut ServerConn<ListenerStream>,
     provider: &RefCell<MockProvider>,
     event: impl Into<Bytes>,
 ) -> Result<(), HttpError> {
@@ -368,7 +402,7 @@ fn counted(
 
 /// Writes a chunked scripted reply: each event one flushed chunk.
 async fn scripted_stream(
-    conn: &mut ServerConn<TcpStream>,
+    conn: &mut ServerConn<ListenerStream>,
     provider: &RefCell<MockProvider>,
     script: Script,
 ) -> Result<After, HttpError> {
@@ -403,7 +437,7 @@ async fn scripted_stream(
 /// Writes a non-chunked scripted reply: waits out its sleeps, then sends
 /// its events as one body (or hangs/drops as scripted).
 async fn scripted_body(
-    conn: &mut ServerConn<TcpStream>,
+    conn: &mut ServerConn<ListenerStream>,
     script: Script,
 ) -> Result<After, HttpError> {
     let body = script.body();
@@ -431,9 +465,9 @@ async fn scripted_body(
 
 /// Answers nothing until the client closes the connection (or sends more
 /// bytes, which also ends the connection).
-async fn hang(conn: &ServerConn<TcpStream>) {
+async fn hang(conn: &ServerConn<ListenerStream>) {
     debug!("injected hang: waiting for the client to close");
-    if let Err(err) = conn.stream().readable(false).await {
+    if let Err(err) = conn.stream().tcp().readable(false).await {
         debug!(%err, "hang ended");
     }
 }

@@ -2,6 +2,7 @@
 //! against real edge-bin and node-bin processes.
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -35,6 +36,8 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
 }
 
 /// Runs `bench args…` to completion (bounded); stdout, stderr, success.
+/// Both pipes are drained while it runs, so a chatty run never blocks on a
+/// full pipe.
 pub fn run_bench(args: &[&str]) -> (String, String, bool) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_bench"))
         .args(args)
@@ -43,6 +46,8 @@ pub fn run_bench(args: &[&str]) -> (String, String, bool) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn bench");
+    let stdout = drain(child.stdout.take().expect("piped stdout"));
+    let stderr = drain(child.stderr.take().expect("piped stderr"));
     let mut waited = Duration::ZERO;
     while child.try_wait().expect("try_wait").is_none() {
         if waited >= RUN_LIMIT {
@@ -50,21 +55,30 @@ pub fn run_bench(args: &[&str]) -> (String, String, bool) {
             // its children first.
             let pid = nix::unistd::Pid::from_raw(child.id() as i32);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let out = child.wait_with_output().expect("collect output");
+            let _ = child.wait();
             panic!(
                 "bench {args:?} still running after {RUN_LIMIT:?}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stderr)
+                stderr.join().expect("stderr reader")
             );
         }
         std::thread::sleep(Duration::from_millis(50));
         waited += Duration::from_millis(50);
     }
-    let out = child.wait_with_output().expect("collect output");
+    let status = child.wait().expect("wait");
     (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        out.status.success(),
+        stdout.join().expect("stdout reader"),
+        stderr.join().expect("stderr reader"),
+        status.success(),
     )
+}
+
+/// Reads `pipe` to EOF on a thread of its own.
+fn drain(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
 }
 
 /// The JSON report whose path a run printed last (`JSON report: <path>`),

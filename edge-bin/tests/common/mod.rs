@@ -19,17 +19,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edge_bin::config::EdgeConfig;
+use edge_bin::control::Control;
 use edge_bin::server::{self, Listeners};
 use edge_bin::state::Edge;
-use iop_engine::certs::{write_dev_certs, DevCertFiles};
+use iop_engine::certs::{write_dev_certs_with_https, DevCertFiles};
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
 use iop_engine::sync::oneshot;
 use iop_engine::tls::{
-    rustls_cause, EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles, TlsMaterial,
+    rustls_cause, EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, NodeTlsConnector, TlsFiles,
+    TlsMaterial, UpstreamTls, UpstreamTlsSettings,
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
 use monoio::task::JoinHandle;
 use serde_json::Value;
@@ -87,14 +89,40 @@ impl Pki {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("edge-skeleton-{name}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let files = write_dev_certs(
+        let files = write_dev_certs_with_https(
             &dir,
             TRUST_DOMAIN,
             EDGE_NAME,
             ["node-a", "node-b", "node-c"],
+            &["localhost"],
         )
         .expect("mint dev certificates");
         Self { dir, files }
+    }
+
+    /// The `[edge.client_tls]` table serving the client listener over HTTPS
+    /// with the dev HTTPS certificate (for `localhost`); goes last in
+    /// [`EdgeOptions::edge_keys`].
+    pub fn client_tls_keys(&self) -> String {
+        let https = self
+            .files
+            .https
+            .as_ref()
+            .expect("minted with an HTTPS pair");
+        format!(
+            "[edge.client_tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            https.cert.display(),
+            https.key.display()
+        )
+    }
+
+    /// A TLS client that trusts the dev CA (and nothing else).
+    pub fn https_client(&self) -> UpstreamTls {
+        UpstreamTls::new(&UpstreamTlsSettings {
+            ca_pem: Some(std::fs::read_to_string(&self.files.ca_cert).expect("ca.pem")),
+            insecure_skip_verify: false,
+        })
+        .expect("HTTPS client")
     }
 
     /// The TLS files of node `name`.
@@ -315,7 +343,15 @@ impl TestEdge {
         let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
         let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
             .expect("edge acceptor");
-        let edge = server::edge_state(&cfg);
+        let mut settings = server::settings(&cfg, None);
+        settings.client_tls = cfg
+            .client_tls
+            .as_ref()
+            .map(|files| HttpsAcceptor::from_files(files).expect("client listener TLS"));
+        let edge = Rc::new(Edge::new(
+            Control::new(server::control_spec(&cfg)),
+            settings,
+        ));
         let listeners = Listeners::bind(&cfg).expect("bind edge listeners");
         let client_addr = listeners.client_addr().expect("client address");
         let node_addr = listeners.node_addr().expect("node address");
@@ -408,12 +444,34 @@ impl HttpResponse {
 /// Sends `request` (raw bytes, which should ask for `connection: close`) and
 /// reads the response to EOF.
 pub async fn http_exchange(addr: SocketAddr, request: Vec<u8>) -> HttpResponse {
-    let mut tcp = TcpStream::connect(addr).await.expect("connect");
-    let (res, _) = tcp.write_all(request).await;
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    exchange(tcp, request).await
+}
+
+/// [`http_exchange`] over HTTPS to `localhost` at `addr`, with `client`.
+pub async fn https_exchange(
+    addr: SocketAddr,
+    client: &UpstreamTls,
+    request: Vec<u8>,
+) -> HttpResponse {
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let tls = client
+        .connect(tcp, "localhost")
+        .await
+        .expect("TLS handshake");
+    exchange(tls, request).await
+}
+
+/// Writes `request` on `stream`, then reads and parses the response to EOF.
+async fn exchange<S: AsyncReadRent + AsyncWriteRent>(
+    mut stream: S,
+    request: Vec<u8>,
+) -> HttpResponse {
+    let (res, _) = stream.write_all(request).await;
     res.expect("write request");
     let mut raw = Vec::new();
     loop {
-        let (res, buf) = tcp.read(Vec::with_capacity(16 * 1024)).await;
+        let (res, buf) = stream.read(Vec::with_capacity(16 * 1024)).await;
         match res.expect("read response") {
             0 => break,
             _ => raw.extend_from_slice(&buf),
@@ -422,8 +480,9 @@ pub async fn http_exchange(addr: SocketAddr, request: Vec<u8>) -> HttpResponse {
     parse_response(&raw)
 }
 
-/// `method path` with `body` as `application/json`, `connection: close`.
-pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+/// The bytes of a `method path` request with `body` as
+/// `application/json`, `connection: close`.
+pub fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
     let mut request = format!(
         "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -431,12 +490,26 @@ pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8
     )
     .into_bytes();
     request.extend_from_slice(body);
-    http_exchange(addr, request).await
+    request
+}
+
+/// `method path` with `body` as `application/json`, `connection: close`.
+pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    http_exchange(addr, request_bytes(method, path, body)).await
 }
 
 /// The value of counter or gauge `name` in the Edge's `/metrics`.
 pub async fn metric(addr: SocketAddr, name: &str) -> u64 {
-    let response = http_request(addr, "GET", "/metrics", b"").await;
+    metric_over(addr, None, name).await
+}
+
+/// [`metric`], over HTTPS with `tls` when given.
+pub async fn metric_over(addr: SocketAddr, tls: Option<&UpstreamTls>, name: &str) -> u64 {
+    let request = request_bytes("GET", "/metrics", b"");
+    let response = match tls {
+        Some(client) => https_exchange(addr, client, request).await,
+        None => http_exchange(addr, request).await,
+    };
     let text = String::from_utf8(response.body).expect("metrics are UTF-8");
     text.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))

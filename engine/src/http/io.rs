@@ -231,11 +231,17 @@ pub async fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr
 }
 
 /// Connects to the first address of `addr` that answers and sets
-/// `TCP_NODELAY`. Name resolution blocks the thread (use IP literals on hot
-/// paths).
+/// `TCP_NODELAY`. Meant for socket addresses: a host *name* here is
+/// resolved with a blocking call (use [`connect_host`] for names).
 pub async fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    connect_addrs(&addrs).await
+}
+
+/// Connects to the first of `addrs` that answers and sets `TCP_NODELAY`.
+pub async fn connect_addrs(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
     let mut last_error = None;
-    for candidate in addr.to_socket_addrs()? {
+    for &candidate in addrs {
         match TcpStream::connect_addr(candidate).await {
             Ok(stream) => {
                 set_nodelay(&stream)?;
@@ -248,9 +254,17 @@ pub async fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<TcpStream> {
         .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing")))
 }
 
-/// Connects to a base URL's host and port; see [`connect`].
+/// Connects to `host:port` (a DNS name or an IP literal, IPv6 without
+/// brackets): the name is resolved without blocking the core
+/// ([`crate::resolve`]), then the addresses are tried in order.
+pub async fn connect_host(host: &str, port: u16) -> io::Result<TcpStream> {
+    let addrs = crate::resolve::resolve(host, port).await?;
+    connect_addrs(&addrs).await
+}
+
+/// Connects to a base URL's host and port; see [`connect_host`].
 pub async fn connect_url(url: &Url) -> io::Result<TcpStream> {
-    connect((url.host(), url.port())).await
+    connect_host(url.host(), url.port()).await
 }
 
 #[cfg(test)]

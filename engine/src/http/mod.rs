@@ -43,11 +43,11 @@ pub use head::{
     parse_request_head, parse_response_head, BodyFraming, Header, RequestHead, ResponseHead,
     Version,
 };
-pub use io::{accept, connect, connect_url, set_nodelay};
+pub use io::{accept, connect, connect_addrs, connect_host, connect_url, set_nodelay};
 pub use ndjson::NdjsonSplitter;
 pub use server::{Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched};
 pub use sse::{parse_event, SseEvent, SseSplitter};
-pub use url::{Url, UrlError};
+pub use url::{Scheme, Url, UrlError};
 pub use write::{
     canonical_reason, encode_chunk_header, is_hop_by_hop, write_request_head, write_response_head,
     ChunkHeader, HeadLen, HeadSink, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,

@@ -1,6 +1,7 @@
-//! Base URLs of plain-HTTP upstreams: `http://host[:port][/prefix]`.
-//! Only `http` is accepted; `https` is refused with a clear error (TLS to
-//! providers is out of scope for this layer).
+//! Base URLs of upstreams: `http://host[:port][/prefix]` and
+//! `https://host[:port][/prefix]`. The scheme decides whether a connection
+//! to the upstream is wrapped in TLS ([`crate::tls::UpstreamTls`]) and is
+//! part of the origin a credential lease is bound to.
 
 use std::fmt;
 use std::str::FromStr;
@@ -9,10 +10,10 @@ use std::str::FromStr;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UrlError {
     /// There is no `scheme://` part.
-    #[error("URL has no scheme (expected http://host:port/prefix)")]
+    #[error("URL has no scheme (expected http://host:port/prefix or https://host/prefix)")]
     MissingScheme,
-    /// The scheme is not `http` (`https` included: not supported here).
-    #[error("URL scheme {scheme:?} is not supported: only plain http:// base URLs are")]
+    /// The scheme is neither `http` nor `https`.
+    #[error("URL scheme {scheme:?} is not supported: use http:// or https://")]
     UnsupportedScheme {
         /// The refused scheme, lowercased.
         scheme: String,
@@ -32,24 +33,64 @@ pub enum UrlError {
     BadPath,
 }
 
-/// A parsed `http://host:port/prefix` base URL.
+/// The scheme of a base URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    /// Plain HTTP over TCP.
+    Http,
+    /// HTTP over TLS.
+    Https,
+}
+
+impl Scheme {
+    /// `http` or `https`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scheme::Http => "http",
+            Scheme::Https => "https",
+        }
+    }
+
+    /// The port a URL of this scheme means when it names none.
+    pub fn default_port(self) -> u16 {
+        match self {
+            Scheme::Http => 80,
+            Scheme::Https => 443,
+        }
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A parsed `http(s)://host:port/prefix` base URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Url {
+    scheme: Scheme,
     host: String,
     port: u16,
     prefix: String,
 }
 
 impl Url {
-    /// Parses `http://host[:port][/prefix]` (default port 80; IPv6 hosts in
-    /// brackets). The prefix loses its trailing `/`.
+    /// Parses `http://host[:port][/prefix]` (default port 80) or
+    /// `https://host[:port][/prefix]` (default port 443); IPv6 hosts in
+    /// brackets. The prefix loses its trailing `/`.
     pub fn parse(input: &str) -> Result<Self, UrlError> {
         let input = input.trim();
         let (scheme, rest) = input.split_once("://").ok_or(UrlError::MissingScheme)?;
-        let scheme = scheme.to_ascii_lowercase();
-        if scheme != "http" {
-            return Err(UrlError::UnsupportedScheme { scheme });
-        }
+        let scheme = match scheme.to_ascii_lowercase().as_str() {
+            "http" => Scheme::Http,
+            "https" => Scheme::Https,
+            other => {
+                return Err(UrlError::UnsupportedScheme {
+                    scheme: other.to_owned(),
+                })
+            }
+        };
         if rest.contains(['?', '#']) {
             return Err(UrlError::UnexpectedPart);
         }
@@ -89,7 +130,7 @@ impl Url {
             (host, port)
         };
         let port = match port {
-            None => 80,
+            None => scheme.default_port(),
             Some(p) => match p.parse::<u16>() {
                 Ok(port) if port != 0 && p.bytes().all(|b| b.is_ascii_digit()) => port,
                 _ => return Err(UrlError::BadPort),
@@ -99,18 +140,30 @@ impl Url {
             return Err(UrlError::BadPath);
         }
         Ok(Url {
+            scheme,
             host: host.to_ascii_lowercase(),
             port,
             prefix: path.trim_end_matches('/').to_owned(),
         })
     }
 
-    /// The host (IPv6 without brackets), lowercased.
+    /// The scheme.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// Whether connections to this URL use TLS (`https`).
+    pub fn is_tls(&self) -> bool {
+        self.scheme == Scheme::Https
+    }
+
+    /// The host (IPv6 without brackets), lowercased. Also the name a TLS
+    /// connection sends as SNI and verifies the certificate against.
     pub fn host(&self) -> &str {
         &self.host
     }
 
-    /// The port (80 when the URL gave none).
+    /// The port (the scheme's default when the URL gave none).
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -121,25 +174,21 @@ impl Url {
     }
 
     /// The `Host` header value: `host` or `host:port` (port omitted when
-    /// 80), IPv6 in brackets.
+    /// it is the scheme's default), IPv6 in brackets.
     pub fn authority(&self) -> String {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
-        } else {
-            self.host.clone()
-        };
-        if self.port == 80 {
+        let host = self.bracketed_host();
+        if self.port == self.scheme.default_port() {
             host
         } else {
             format!("{host}:{}", self.port)
         }
     }
 
-    /// `http://host:port` with the port always written (IPv6 in
+    /// `scheme://host:port` with the port always written (IPv6 in
     /// brackets): the origin a credential lease is bound to
     /// ([`iop_wire::lease::upstream_origin`]).
     pub fn origin(&self) -> String {
-        iop_wire::lease::upstream_origin(&self.host, self.port)
+        iop_wire::lease::upstream_origin(self.scheme.as_str(), &self.host, self.port)
     }
 
     /// The request target for `path` under the prefix:
@@ -147,6 +196,14 @@ impl Url {
     pub fn join(&self, path: &str) -> String {
         let path = path.trim_start_matches('/');
         format!("{}/{}", self.prefix, path)
+    }
+
+    fn bracketed_host(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        }
     }
 }
 
@@ -160,12 +217,14 @@ impl FromStr for Url {
 
 impl fmt::Display for Url {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
-        } else {
-            self.host.clone()
-        };
-        write!(f, "http://{host}:{}{}", self.port, self.prefix)
+        write!(
+            f,
+            "{}://{}:{}{}",
+            self.scheme,
+            self.bracketed_host(),
+            self.port,
+            self.prefix
+        )
     }
 }
 
@@ -204,11 +263,37 @@ mod tests {
     }
 
     #[test]
+    fn https_defaults_to_port_443_and_keeps_the_scheme_in_the_origin() {
+        let url = Url::parse("HTTPS://API.Example.com/openai/").unwrap();
+        assert_eq!(url.scheme(), Scheme::Https);
+        assert!(url.is_tls());
+        assert_eq!(
+            (url.host(), url.port(), url.prefix()),
+            ("api.example.com", 443, "/openai")
+        );
+        assert_eq!(url.authority(), "api.example.com");
+        assert_eq!(url.origin(), "https://api.example.com:443");
+        assert_eq!(url.to_string(), "https://api.example.com:443/openai");
+        let url = Url::parse("https://127.0.0.1:8443").unwrap();
+        assert_eq!(url.authority(), "127.0.0.1:8443");
+        assert_eq!(url.origin(), "https://127.0.0.1:8443");
+        // Port 80 is not the default of https, nor 443 of http.
+        assert_eq!(Url::parse("https://h:80").unwrap().authority(), "h:80");
+        assert_eq!(Url::parse("http://h:443").unwrap().authority(), "h:443");
+        assert!(!Url::parse("http://h").unwrap().is_tls());
+        // Same host and port, different scheme: different origins.
+        assert_ne!(
+            Url::parse("http://h:8443").unwrap().origin(),
+            Url::parse("https://h:8443").unwrap().origin()
+        );
+    }
+
+    #[test]
     fn refusals() {
         assert_eq!(
-            Url::parse("https://api.example.com"),
+            Url::parse("ftp://files.example.com"),
             Err(UrlError::UnsupportedScheme {
-                scheme: "https".into()
+                scheme: "ftp".into()
             })
         );
         let cases = [

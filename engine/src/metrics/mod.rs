@@ -208,6 +208,12 @@ pub enum Count {
     EdgeClientLingeringCloses,
     /// Edge: request bytes read and discarded by lingering closes.
     EdgeClientLingerDiscardedBytes,
+    /// Edge: HTTPS client connections cut off because their TLS handshake
+    /// did not finish within `edge.client_head_timeout_ms`.
+    EdgeClientTlsHandshakeTimeouts,
+    /// Edge: HTTPS client connections whose TLS handshake failed (not TLS,
+    /// no shared protocol, a client certificate refused).
+    EdgeClientTlsHandshakeFailures,
     /// Edge: node TLS handshakes started.
     EdgeNodeHandshakesStarted,
     /// Edge: node TLS handshakes ended (done, failed or timed out; started
@@ -229,7 +235,7 @@ pub enum Count {
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 18] = [
+    pub const ALL: [Count; 20] = [
         Count::EdgeRelayBodyBytes,
         Count::EdgeClientConnectionsAccepted,
         Count::EdgeClientConnectionsClosed,
@@ -242,6 +248,8 @@ impl Count {
         Count::EdgeClientJsonLimitRejections,
         Count::EdgeClientLingeringCloses,
         Count::EdgeClientLingerDiscardedBytes,
+        Count::EdgeClientTlsHandshakeTimeouts,
+        Count::EdgeClientTlsHandshakeFailures,
         Count::EdgeNodeHandshakesStarted,
         Count::EdgeNodeHandshakesEnded,
         Count::EdgeNodeHandshakeTimeouts,
@@ -274,6 +282,8 @@ impl Count {
             Count::EdgeClientJsonLimitRejections => "client_json_limit_rejections",
             Count::EdgeClientLingeringCloses => "client_lingering_closes",
             Count::EdgeClientLingerDiscardedBytes => "client_linger_discarded_bytes",
+            Count::EdgeClientTlsHandshakeTimeouts => "client_tls_handshake_timeouts",
+            Count::EdgeClientTlsHandshakeFailures => "client_tls_handshake_failures",
             Count::EdgeNodeHandshakesStarted => "node_handshakes_started",
             Count::EdgeNodeHandshakesEnded => "node_handshakes_ended",
             Count::EdgeNodeHandshakeTimeouts => "node_handshake_timeouts",
@@ -314,6 +324,10 @@ impl Count {
             Count::EdgeClientLingerDiscardedBytes => {
                 "Request bytes read and discarded by lingering closes."
             }
+            Count::EdgeClientTlsHandshakeTimeouts => {
+                "HTTPS client handshakes cut off at edge.client_head_timeout_ms."
+            }
+            Count::EdgeClientTlsHandshakeFailures => "HTTPS client handshakes that failed.",
             Count::EdgeNodeHandshakesStarted => "Node TLS handshakes started.",
             Count::EdgeNodeHandshakesEnded => "Node TLS handshakes ended (any outcome).",
             Count::EdgeNodeHandshakeTimeouts => {

@@ -19,8 +19,9 @@ use rustls_pki_types::{CertificateDer, UnixTime};
 use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
-    checked_trust_domain, handshake_outcome, own_identity, provider, record_verdict, ClockTime,
-    IdentityRejection, Role, TlsError, TlsMaterial, VerdictSlot, WorkloadId, TLS13_ONLY,
+    checked_trust_domain, handshake_outcome, provider, record_verdict, same_identity, ClockTime,
+    IdentityRejection, LocalIdentity, Role, Swap, TlsError, TlsMaterial, VerdictSlot, WorkloadId,
+    TLS13_ONLY,
 };
 
 /// The node names the Edge accepts, shared by every acceptor clone and
@@ -76,23 +77,29 @@ impl fmt::Debug for NodeAllowList {
     }
 }
 
+/// The parts of the Edge's identity that a certificate reload replaces.
+struct EdgeIdentity {
+    webpki: Arc<dyn ClientCertVerifier>,
+    cert_resolver: Arc<dyn ResolvesServerCert>,
+    local: LocalIdentity,
+}
+
 /// Accepts TLS 1.3 connections from Nodes whose certificate chains to the CA
 /// and names `spiffe://<trust-domain>/node/<name>` with `name` in the
-/// [`NodeAllowList`]. Cheap to clone (one per core).
+/// [`NodeAllowList`]. Cheap to clone (one per core); every clone shares one
+/// identity, which [`EdgeTlsAcceptor::reload`] replaces.
 #[derive(Clone)]
 pub struct EdgeTlsAcceptor {
     provider: Arc<CryptoProvider>,
-    webpki: Arc<dyn ClientCertVerifier>,
-    cert_resolver: Arc<dyn ResolvesServerCert>,
     trust_domain: Arc<str>,
     allowed_nodes: NodeAllowList,
-    local_identity: WorkloadId,
+    identity: Swap<EdgeIdentity>,
 }
 
 impl fmt::Debug for EdgeTlsAcceptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EdgeTlsAcceptor")
-            .field("local_identity", &self.local_identity)
+            .field("local_identity", &self.identity.load().local)
             .field("allowed_nodes", &self.allowed_nodes)
             .finish_non_exhaustive()
     }
@@ -107,8 +114,22 @@ impl EdgeTlsAcceptor {
         allowed_nodes: NodeAllowList,
     ) -> Result<Self, TlsError> {
         let trust_domain = checked_trust_domain(trust_domain)?;
-        let local_identity = own_identity(material, &trust_domain, Role::Edge)?;
         let provider = provider();
+        let identity = Self::identity(material, &trust_domain, &provider)?;
+        Ok(EdgeTlsAcceptor {
+            provider,
+            trust_domain,
+            allowed_nodes,
+            identity: Swap::new(identity),
+        })
+    }
+
+    fn identity(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        provider: &Arc<CryptoProvider>,
+    ) -> Result<EdgeIdentity, TlsError> {
+        let local = LocalIdentity::of(material, trust_domain, Role::Edge)?;
         let webpki =
             WebPkiClientVerifier::builder_with_provider(material.roots.clone(), provider.clone())
                 .build()
@@ -118,19 +139,35 @@ impl EdgeTlsAcceptor {
                         detail: e.to_string(),
                     },
                 })?;
-        Ok(EdgeTlsAcceptor {
-            provider,
+        Ok(EdgeIdentity {
             webpki,
             cert_resolver: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
-            trust_domain,
-            allowed_nodes,
-            local_identity,
+            local,
         })
     }
 
     /// The Edge's own identity, read from its certificate.
-    pub fn local_identity(&self) -> &WorkloadId {
-        &self.local_identity
+    pub fn local_identity(&self) -> WorkloadId {
+        self.identity.load().local.id.clone()
+    }
+
+    /// The Edge's own certificate as presented now (identity, serial,
+    /// expiry).
+    pub fn local_certificate(&self) -> LocalIdentity {
+        self.identity.load().local.clone()
+    }
+
+    /// Replaces the certificate, key and CA bundle with `material` for
+    /// handshakes that start from now on; connections already accepted
+    /// keep theirs. `material` must name the same Edge identity, or it is
+    /// refused and the current identity stays.
+    pub fn reload(&self, material: &TlsMaterial) -> Result<LocalIdentity, TlsError> {
+        let next = Self::identity(material, &self.trust_domain, &self.provider)?;
+        let current = self.identity.load();
+        same_identity(material, &current.local, &next.local)?;
+        let local = next.local.clone();
+        self.identity.store(next);
+        Ok(local)
     }
 
     /// The allow list this acceptor consults (replace it to reload).
@@ -150,15 +187,21 @@ impl EdgeTlsAcceptor {
         let mut conn = ServerConnection::new(config).map_err(TlsError::Handshake)?;
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
-        let id = handshake_outcome(result, &verdict)?.clone();
-        Ok((ServerTlsStream::new(io, conn), id))
+        let peer = handshake_outcome(result, &verdict)?;
+        tracing::info!(
+            peer = %peer.id.uri(),
+            cert_serial = %peer.serial_hex,
+            "node TLS identity verified"
+        );
+        Ok((ServerTlsStream::new(io, conn), peer.id.clone()))
     }
 
-    /// A config for one connection: shared key and verifier pieces, a fresh
-    /// verdict slot, no session storage and no tickets.
+    /// A config for one connection: the current key and verifier pieces
+    /// (shared), a fresh verdict slot, no session storage and no tickets.
     fn server_config(&self, verdict: VerdictSlot) -> Result<Arc<ServerConfig>, TlsError> {
+        let identity = self.identity.load();
         let verifier = Arc::new(NodeIdentityVerifier {
-            webpki: self.webpki.clone(),
+            webpki: identity.webpki.clone(),
             trust_domain: self.trust_domain.clone(),
             allowed_nodes: self.allowed_nodes.clone(),
             verdict,
@@ -168,7 +211,7 @@ impl EdgeTlsAcceptor {
                 .with_protocol_versions(TLS13_ONLY)
                 .map_err(TlsError::Handshake)?
                 .with_client_cert_verifier(verifier)
-                .with_cert_resolver(self.cert_resolver.clone());
+                .with_cert_resolver(identity.cert_resolver.clone());
         config.session_storage = Arc::new(NoServerSessionStorage {});
         config.send_tls13_tickets = 0;
         config.max_early_data_size = 0;
@@ -223,7 +266,7 @@ impl ClientCertVerifier for NodeIdentityVerifier {
     ) -> Result<ClientCertVerified, rustls::Error> {
         self.webpki
             .verify_client_cert(end_entity, intermediates, now)?;
-        record_verdict(&self.verdict, self.check_identity(end_entity))?;
+        record_verdict(&self.verdict, end_entity, self.check_identity(end_entity))?;
         Ok(ClientCertVerified::assertion())
     }
 

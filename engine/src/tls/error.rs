@@ -33,6 +33,13 @@ pub enum ConfigProblem {
     /// The file holds no private key block.
     #[error("no private key found")]
     NoPrivateKey,
+    /// A `CERTIFICATE` block does not hold a certificate that can be used
+    /// (bad DER, unsupported key type).
+    #[error("not a usable certificate: {detail}")]
+    UnusableCertificate {
+        /// rustls' or webpki's message.
+        detail: String,
+    },
     /// The key is not the private key of the configured certificate.
     #[error("private key does not match the certificate")]
     KeyMismatch,

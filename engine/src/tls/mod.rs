@@ -1,4 +1,18 @@
-//! Mutual TLS 1.3 between Edge and Node with SPIFFE workload identity (T2, T3).
+//! TLS for IOP: mutual TLS 1.3 between Edge and Node with SPIFFE workload
+//! identity (T2, T3), and the ordinary web-PKI TLS of the HTTP hops.
+//!
+//! | module | what |
+//! |---|---|
+//! | `edge`, `node` | the node link: [`EdgeTlsAcceptor`], [`NodeTlsConnector`] (below) |
+//! | `listener` | [`HttpsAcceptor`]: the Edge's HTTPS client listener, the HTTPS mock |
+//! | `upstream` | [`UpstreamTls`]: the Node as an HTTPS client of `https://` providers |
+//! | `stream` | [`TlsStream`] (cancel-safe, for the HTTP shells) and [`MaybeTls`], "plain TCP or TLS" |
+//! | `pem`, `identity`, `handshake`, `error` | PEM loading, SPIFFE IDs, the handshake driver, typed errors |
+//!
+//! Every identity here is **reloadable**: acceptors and connectors share
+//! their certificate through a swap cell, so `reload` (SIGHUP) changes what
+//! the next handshake presents while open connections keep theirs; a file
+//! that does not load or names another identity is refused.
 //!
 //! Both peers present certificates signed by the configured CA; the identity
 //! is the certificate's single URI SAN `spiffe://<trust-domain>/<role>/<name>`.
@@ -49,16 +63,19 @@ mod edge;
 mod error;
 mod handshake;
 mod identity;
+mod listener;
 mod node;
 mod pem;
+mod stream;
+mod upstream;
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use rustls::crypto::CryptoProvider;
 use rustls::time_provider::TimeProvider;
 use rustls::{CertificateError, SupportedProtocolVersion};
-use rustls_pki_types::UnixTime;
+use rustls_pki_types::{CertificateDer, UnixTime};
 
 pub use edge::{EdgeTlsAcceptor, NodeAllowList};
 pub use error::{rustls_cause, ConfigProblem, TlsError};
@@ -66,8 +83,14 @@ pub use identity::{
     workload_id_from_cert, IdentityRejection, Role, WorkloadId, WorkloadIdError,
     MAX_TRUST_DOMAIN_BYTES, MAX_URI_BYTES, SPIFFE_SCHEME,
 };
+pub use listener::{HttpsAcceptor, HttpsFiles, HttpsIdentity};
 pub use node::{NodeTlsConnector, EDGE_SERVER_NAME};
 pub use pem::{TlsFiles, TlsMaterial};
+pub use stream::{ClientTls, ListenerStream, MaybeTls, ServerTls, TlsStream, UpstreamStream};
+pub use upstream::{
+    default_roots, DefaultRoots, RootsSource, UpstreamTls, UpstreamTlsError, UpstreamTlsSettings,
+    ALPN_HTTP11,
+};
 
 /// The only protocol version either side speaks (T1).
 pub(crate) static TLS13_ONLY: &[&SupportedProtocolVersion] = &[&rustls::version::TLS13];
@@ -89,11 +112,21 @@ impl TimeProvider for ClockTime {
     }
 }
 
+/// A verified peer: its workload identity and the serial number of the
+/// certificate it presented (logged, so a rotation can be seen).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCert {
+    /// The SPIFFE identity in the peer's certificate.
+    pub id: WorkloadId,
+    /// The certificate's serial number, lowercase hex.
+    pub serial_hex: String,
+}
+
 /// What a verifier concluded about the peer of one connection.
 #[derive(Debug, Clone)]
 pub(crate) enum Verdict {
     /// The certificate verified and carries an acceptable identity.
-    Accepted(WorkloadId),
+    Accepted(PeerCert),
     /// The certificate verified but its identity is rejected.
     Rejected(IdentityRejection),
 }
@@ -101,15 +134,19 @@ pub(crate) enum Verdict {
 /// The per-connection slot a verifier writes its verdict into.
 pub(crate) type VerdictSlot = Arc<std::sync::OnceLock<Verdict>>;
 
-/// Records a verifier's identity check in the connection's slot and answers
-/// rustls: a rejected identity fails the handshake with
+/// Records a verifier's identity check of `end_entity` in the connection's
+/// slot and answers rustls: a rejected identity fails the handshake with
 /// `ApplicationVerificationFailure`, so the peer receives `access_denied`.
 pub(crate) fn record_verdict(
     slot: &VerdictSlot,
+    end_entity: &CertificateDer<'_>,
     checked: Result<WorkloadId, IdentityRejection>,
 ) -> Result<(), rustls::Error> {
     let verdict = match checked {
-        Ok(id) => Verdict::Accepted(id),
+        Ok(id) => Verdict::Accepted(PeerCert {
+            id,
+            serial_hex: cert_serial_hex(end_entity).unwrap_or_default(),
+        }),
         Err(reason) => Verdict::Rejected(reason),
     };
     let accepted = matches!(verdict, Verdict::Accepted(_));
@@ -129,9 +166,9 @@ pub(crate) fn record_verdict(
 pub(crate) fn handshake_outcome(
     result: Result<(), TlsError>,
     verdict: &VerdictSlot,
-) -> Result<&WorkloadId, TlsError> {
+) -> Result<&PeerCert, TlsError> {
     match (result, verdict.get()) {
-        (Ok(()), Some(Verdict::Accepted(id))) => Ok(id),
+        (Ok(()), Some(Verdict::Accepted(peer))) => Ok(peer),
         (_, Some(Verdict::Rejected(reason))) => Err(TlsError::IdentityRejected {
             reason: reason.clone(),
         }),
@@ -145,24 +182,106 @@ pub(crate) fn handshake_outcome(
     }
 }
 
-/// Checks that the configured certificate names this side: trust domain
-/// `trust_domain`, role `role`.
-pub(crate) fn own_identity(
+/// The serial number of a DER certificate as lowercase hex (no leading
+/// zero bytes), or `None` when it does not parse.
+pub fn cert_serial_hex(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some(parsed.raw_serial_as_string().replace(':', ""))
+}
+
+/// The end of a DER certificate's validity, in Unix seconds.
+pub(crate) fn cert_not_after_unix_s(cert: &CertificateDer<'_>) -> Option<i64> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some(parsed.validity().not_after.timestamp())
+}
+
+/// This side's own certificate: the identity it names, its serial number
+/// and when it expires. Reported at start and after every reload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalIdentity {
+    /// The SPIFFE identity in the certificate.
+    pub id: WorkloadId,
+    /// The certificate's serial number, lowercase hex.
+    pub serial_hex: String,
+    /// The certificate's `notAfter`, Unix seconds.
+    pub not_after_unix_s: i64,
+}
+
+impl LocalIdentity {
+    /// Reads and checks the configured certificate: it must name this side
+    /// (trust domain `trust_domain`, role `role`).
+    pub(crate) fn of(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        role: Role,
+    ) -> Result<Self, TlsError> {
+        let own_error = |rejection| TlsError::Config {
+            file: material.cert_source.clone(),
+            reason: ConfigProblem::OwnIdentity { rejection },
+        };
+        let leaf = material.leaf_cert().ok_or(TlsError::Config {
+            file: material.cert_source.clone(),
+            reason: ConfigProblem::NoCertificate,
+        })?;
+        let id = workload_id_from_cert(leaf).map_err(own_error)?;
+        identity::check_domain_and_role(&id, trust_domain, role).map_err(own_error)?;
+        Ok(LocalIdentity {
+            id,
+            serial_hex: cert_serial_hex(leaf).unwrap_or_default(),
+            not_after_unix_s: cert_not_after_unix_s(leaf).unwrap_or_default(),
+        })
+    }
+}
+
+/// Refuses a reloaded certificate that names another identity than the
+/// running one (peers expect the running one by name).
+pub(crate) fn same_identity(
     material: &TlsMaterial,
-    trust_domain: &str,
-    role: Role,
-) -> Result<WorkloadId, TlsError> {
-    let own_error = |rejection| TlsError::Config {
+    current: &LocalIdentity,
+    next: &LocalIdentity,
+) -> Result<(), TlsError> {
+    if current.id == next.id {
+        return Ok(());
+    }
+    Err(TlsError::Config {
         file: material.cert_source.clone(),
-        reason: ConfigProblem::OwnIdentity { rejection },
-    };
-    let leaf = material.leaf_cert().ok_or(TlsError::Config {
-        file: material.cert_source.clone(),
-        reason: ConfigProblem::NoCertificate,
-    })?;
-    let id = workload_id_from_cert(leaf).map_err(own_error)?;
-    identity::check_domain_and_role(&id, trust_domain, role).map_err(own_error)?;
-    Ok(id)
+        reason: ConfigProblem::OwnIdentity {
+            rejection: IdentityRejection::WrongName {
+                expected: current.id.uri(),
+                found: next.id.uri(),
+            },
+        },
+    })
+}
+
+/// A value shared by every clone of its holder (and every core) and
+/// replaced as a whole: a reload stores a new `Arc`; whoever loaded the
+/// old one keeps using it until they drop it.
+pub(crate) struct Swap<T>(Arc<RwLock<Arc<T>>>);
+
+impl<T> Clone for Swap<T> {
+    fn clone(&self) -> Self {
+        Swap(self.0.clone())
+    }
+}
+
+impl<T> Swap<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Swap(Arc::new(RwLock::new(Arc::new(value))))
+    }
+
+    /// The current value.
+    pub(crate) fn load(&self) -> Arc<T> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the value for every later [`Swap::load`].
+    pub(crate) fn store(&self, value: T) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(value);
+    }
 }
 
 /// Validates a trust-domain setting.

@@ -22,8 +22,9 @@ use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
-    checked_trust_domain, handshake_outcome, own_identity, provider, record_verdict, ClockTime,
-    IdentityRejection, Role, TlsError, TlsMaterial, VerdictSlot, WorkloadId, TLS13_ONLY,
+    checked_trust_domain, handshake_outcome, provider, record_verdict, same_identity, ClockTime,
+    IdentityRejection, LocalIdentity, PeerCert, Role, Swap, TlsError, TlsMaterial, VerdictSlot,
+    WorkloadId, TLS13_ONLY,
 };
 
 /// The placeholder server name every Node handshake uses (`0.0.0.0`).
@@ -35,22 +36,28 @@ use super::{
 /// address names no real host, and building it cannot fail.
 pub const EDGE_SERVER_NAME: Ipv4Addr = Ipv4Addr::UNSPECIFIED;
 
+/// The parts of the Node's identity that a certificate reload replaces.
+struct NodeIdentity {
+    roots: Arc<RootCertStore>,
+    client_cert: Arc<dyn ResolvesClientCert>,
+    local: LocalIdentity,
+}
+
 /// Dials the Edge: presents the Node certificate, requires the Edge
 /// certificate to chain to the CA and name `spiffe://<td>/edge/<edge name>`.
+/// Clones share one identity, which [`NodeTlsConnector::reload`] replaces.
 #[derive(Clone)]
 pub struct NodeTlsConnector {
     provider: Arc<CryptoProvider>,
-    roots: Arc<RootCertStore>,
-    client_cert: Arc<dyn ResolvesClientCert>,
     trust_domain: Arc<str>,
     edge_name: Arc<str>,
-    local_identity: WorkloadId,
+    identity: Swap<NodeIdentity>,
 }
 
 impl fmt::Debug for NodeTlsConnector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NodeTlsConnector")
-            .field("local_identity", &self.local_identity)
+            .field("local_identity", &self.identity.load().local)
             .field("edge_name", &self.edge_name)
             .finish_non_exhaustive()
     }
@@ -70,21 +77,46 @@ impl NodeTlsConnector {
             setting: "edge_name",
             error,
         })?;
-        let local_identity = own_identity(material, &trust_domain, Role::Node)?;
+        let identity = Self::identity(material, &trust_domain)?;
         Ok(NodeTlsConnector {
             provider: provider(),
-            roots: material.roots.clone(),
-            client_cert: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
             trust_domain,
             edge_name: Arc::from(edge_name),
-            local_identity,
+            identity: Swap::new(identity),
+        })
+    }
+
+    fn identity(material: &TlsMaterial, trust_domain: &str) -> Result<NodeIdentity, TlsError> {
+        Ok(NodeIdentity {
+            roots: material.roots.clone(),
+            client_cert: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
+            local: LocalIdentity::of(material, trust_domain, Role::Node)?,
         })
     }
 
     /// The Node's own identity, read from its certificate. Its name is the
     /// `node_id` the Node must register with (T3).
-    pub fn local_identity(&self) -> &WorkloadId {
-        &self.local_identity
+    pub fn local_identity(&self) -> WorkloadId {
+        self.identity.load().local.id.clone()
+    }
+
+    /// The Node's own certificate as presented now (identity, serial,
+    /// expiry).
+    pub fn local_certificate(&self) -> LocalIdentity {
+        self.identity.load().local.clone()
+    }
+
+    /// Replaces the certificate, key and CA bundle with `material` for
+    /// connections dialled from now on; the current connection keeps its
+    /// own. `material` must name the same Node identity, or it is refused
+    /// and the current identity stays.
+    pub fn reload(&self, material: &TlsMaterial) -> Result<LocalIdentity, TlsError> {
+        let next = Self::identity(material, &self.trust_domain)?;
+        let current = self.identity.load();
+        same_identity(material, &current.local, &next.local)?;
+        let local = next.local.clone();
+        self.identity.store(next);
+        Ok(local)
     }
 
     /// Runs the client handshake on `io`.
@@ -97,21 +129,34 @@ impl NodeTlsConnector {
     where
         IO: AsyncReadRent + AsyncWriteRent,
     {
+        Ok(self.connect_verified(io).await?.0)
+    }
+
+    /// [`NodeTlsConnector::connect`], also answering which Edge certificate
+    /// was verified (its identity and serial, for the Node's log).
+    pub async fn connect_verified<IO>(
+        &self,
+        io: IO,
+    ) -> Result<(ClientTlsStream<IO>, PeerCert), TlsError>
+    where
+        IO: AsyncReadRent + AsyncWriteRent,
+    {
         let verdict: VerdictSlot = Arc::new(OnceLock::new());
         let config = self.client_config(verdict.clone())?;
         let server_name = ServerName::IpAddress(EDGE_SERVER_NAME.into());
         let mut conn = ClientConnection::new(config, server_name).map_err(TlsError::Handshake)?;
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
-        handshake_outcome(result, &verdict)?;
-        Ok(ClientTlsStream::new(io, conn))
+        let peer = handshake_outcome(result, &verdict)?.clone();
+        Ok((ClientTlsStream::new(io, conn), peer))
     }
 
-    /// A config for one connection: fresh verdict slot, TLS 1.3, no SNI, no
-    /// resumption.
+    /// A config for one connection: the current identity, a fresh verdict
+    /// slot, TLS 1.3, no SNI, no resumption.
     fn client_config(&self, verdict: VerdictSlot) -> Result<Arc<ClientConfig>, TlsError> {
+        let identity = self.identity.load();
         let verifier = Arc::new(EdgeIdentityVerifier {
-            roots: self.roots.clone(),
+            roots: identity.roots.clone(),
             algorithms: self.provider.signature_verification_algorithms,
             trust_domain: self.trust_domain.clone(),
             edge_name: self.edge_name.clone(),
@@ -123,7 +168,7 @@ impl NodeTlsConnector {
                 .map_err(TlsError::Handshake)?
                 .dangerous()
                 .with_custom_certificate_verifier(verifier)
-                .with_client_cert_resolver(self.client_cert.clone());
+                .with_client_cert_resolver(identity.client_cert.clone());
         config.enable_sni = false;
         config.resumption = Resumption::disabled();
         Ok(Arc::new(config))
@@ -177,7 +222,7 @@ impl ServerCertVerifier for EdgeIdentityVerifier {
             now,
             self.algorithms.all,
         )?;
-        record_verdict(&self.verdict, self.check_identity(end_entity))?;
+        record_verdict(&self.verdict, end_entity, self.check_identity(end_entity))?;
         Ok(ServerCertVerified::assertion())
     }
 

@@ -80,30 +80,48 @@ impl TlsMaterial {
         key: (&Path, &[u8]),
     ) -> Result<Self, TlsError> {
         let roots = parse_ca_bundle(ca.0, ca.1)?;
-        let chain = parse_cert_chain(cert.0, cert.1)?;
-        let key_der = parse_private_key(key.0, key.1)?;
-        let provider = super::provider();
-        let certified_key = CertifiedKey::from_der(chain, key_der, &provider).map_err(|e| {
-            let reason = match e {
-                rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
-                    ConfigProblem::KeyMismatch
-                }
-                other => ConfigProblem::BadKey {
-                    detail: other.to_string(),
-                },
-            };
-            config_error(key.0, reason)
-        })?;
+        let certified_key = certified_key(cert, key)?;
         Ok(TlsMaterial {
             roots: Arc::new(roots),
-            certified_key: Arc::new(certified_key),
+            certified_key,
             cert_source: cert.0.to_path_buf(),
             ca_source: ca.0.to_path_buf(),
         })
     }
 }
 
-fn config_error(file: &Path, reason: ConfigProblem) -> TlsError {
+/// A certificate chain and the private key that matches its leaf.
+pub(crate) fn certified_key(
+    cert: (&Path, &[u8]),
+    key: (&Path, &[u8]),
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    let chain = parse_cert_chain(cert.0, cert.1)?;
+    let key_der = parse_private_key(key.0, key.1)?;
+    let provider = super::provider();
+    CertifiedKey::from_der(chain, key_der, &provider)
+        .map(Arc::new)
+        .map_err(|e| match e {
+            rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
+                config_error(key.0, ConfigProblem::KeyMismatch)
+            }
+            // The leaf did not parse (checking the key against it needs its
+            // public key): the certificate file is at fault, not the key.
+            rustls::Error::InvalidCertificate(e) => config_error(
+                cert.0,
+                ConfigProblem::UnusableCertificate {
+                    detail: format!("{e:?}"),
+                },
+            ),
+            other => config_error(
+                key.0,
+                ConfigProblem::BadKey {
+                    detail: other.to_string(),
+                },
+            ),
+        })
+}
+
+pub(crate) fn config_error(file: &Path, reason: ConfigProblem) -> TlsError {
     TlsError::Config {
         file: file.to_path_buf(),
         reason,
@@ -111,7 +129,7 @@ fn config_error(file: &Path, reason: ConfigProblem) -> TlsError {
 }
 
 /// Reads a whole file, classifying "missing" apart from other read failures.
-fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|e| {
         let reason = match e.kind() {
             io::ErrorKind::NotFound => ConfigProblem::Missing,

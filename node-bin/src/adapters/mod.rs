@@ -18,7 +18,10 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use iop_engine::http::Url;
+use iop_engine::tls::{UpstreamTls, UpstreamTlsSettings};
 use iop_wire::pb;
+
+use crate::calls::pool::Target;
 
 /// The adapter type of an instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +64,14 @@ pub enum AdapterConfigError {
     /// An openai_compat instance without a protocol profile.
     #[error("adapter `{0}` has no protocol profile")]
     MissingProfile(String),
+    /// The provider TLS settings cannot be used.
+    #[error("adapter `{name}`: provider TLS: {reason}")]
+    BadTls {
+        /// Instance name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Occupancy of one instance's capacity gate (P4).
@@ -132,6 +143,8 @@ pub struct Endpoint {
     pub kind: AdapterKind,
     /// Provider base URL.
     pub base_url: Url,
+    /// The TLS client for an `https://` base URL (`None` for `http://`).
+    pub tls: Option<UpstreamTls>,
     /// The resolved protocol profile (openai_compat only, U4).
     pub profile: Option<pb::ProtocolProfile>,
 }
@@ -172,6 +185,11 @@ pub enum PathError {
 }
 
 impl Endpoint {
+    /// Where provider connections of this instance go.
+    pub fn target(&self) -> Target<'_> {
+        Target::new(&self.base_url, self.tls.as_ref())
+    }
+
     /// The provider path for a tunnel (U3): the profile's path of
     /// `operation`, or `fallback_path` when the operation is empty
     /// (mixed-version fallback), joined under the base URL's prefix.
@@ -192,6 +210,45 @@ impl Endpoint {
             Some(Err(e)) => Err(e),
         }
     }
+}
+
+/// The TLS client of an instance: built for an `https://` base URL from the
+/// pushed settings (a private CA, or the default trust anchors); settings on
+/// an `http://` base URL are refused (the Edge never sends them).
+fn upstream_tls(
+    name: &str,
+    base_url: &Url,
+    settings: Option<&pb::ProviderTlsConfig>,
+) -> Result<Option<UpstreamTls>, AdapterConfigError> {
+    let bad = |reason: String| AdapterConfigError::BadTls {
+        name: name.to_owned(),
+        reason,
+    };
+    if !base_url.is_tls() {
+        return match settings {
+            Some(_) => Err(bad(format!(
+                "TLS settings for the plain-http base URL {base_url}"
+            ))),
+            None => Ok(None),
+        };
+    }
+    let settings = UpstreamTlsSettings {
+        ca_pem: settings
+            .filter(|s| !s.ca_pem.is_empty())
+            .map(|s| s.ca_pem.clone()),
+        insecure_skip_verify: settings.is_some_and(|s| s.insecure_skip_verify),
+    };
+    if settings.insecure_skip_verify {
+        tracing::warn!(
+            adapter = name,
+            base_url = %base_url,
+            "tls_insecure_skip_verify: this adapter's provider certificate is NOT verified \
+             (dev only)"
+        );
+    }
+    UpstreamTls::new(&settings)
+        .map(Some)
+        .map_err(|e| bad(e.to_string()))
 }
 
 /// The applied adapter set of a session.
@@ -245,6 +302,7 @@ impl Adapters {
                 url: base.clone(),
                 reason: e.to_string(),
             })?;
+            let tls = upstream_tls(&name, &base_url, cfg.tls.as_ref())?;
             let reused = previous
                 .and_then(|p| p.get(&name))
                 .filter(|old| old.kind == kind && old.base_url == base_url)
@@ -257,6 +315,7 @@ impl Adapters {
                     name: name.clone(),
                     kind,
                     base_url,
+                    tls,
                     profile,
                 }),
                 targets: cfg.targets.clone(),
@@ -316,6 +375,7 @@ mod tests {
         pb::NodeConfigPayload {
             adapters: vec![
                 pb::AdapterConfig {
+                    tls: None,
                     name: "vllm-main".into(),
                     capacity: 2,
                     targets: vec!["llama".into()],
@@ -326,6 +386,7 @@ mod tests {
                     )),
                 },
                 pb::AdapterConfig {
+                    tls: None,
                     name: String::new(),
                     capacity: 0,
                     targets: vec![],
@@ -390,6 +451,55 @@ mod tests {
             Err(PathError::UnknownOperation("embeddings".into()))
         );
         assert_eq!(a.tunnel_path("", ""), Err(PathError::Empty));
+    }
+
+    #[test]
+    fn https_adapters_get_a_tls_client_and_plain_ones_refuse_tls_settings() {
+        let mut p = payload();
+        let Some(pb::adapter_config::Kind::OpenaiCompat(o)) = &mut p.adapters[0].kind else {
+            panic!("openai_compat first")
+        };
+        o.protocol_profile.as_mut().unwrap().base_url = "https://gw.internal:8443/prefix".into();
+        let adapters = Adapters::from_payload(&p).unwrap();
+        let a = adapters.get("vllm-main").unwrap();
+        assert!(a.base_url.is_tls());
+        let tls = a.tls.as_ref().expect("a TLS client");
+        assert!(!tls.is_insecure());
+        assert!(adapters.get("ollama").unwrap().tls.is_none());
+        // The target carries the client: its connections are pooled apart.
+        assert_eq!(a.target().tls, Some(tls));
+        // A private CA and the dev switch arrive from the Edge.
+        p.adapters[0].tls = Some(pb::ProviderTlsConfig {
+            ca_pem: String::new(),
+            insecure_skip_verify: true,
+        });
+        let adapters = Adapters::from_payload(&p).unwrap();
+        assert!(adapters
+            .get("vllm-main")
+            .unwrap()
+            .tls
+            .as_ref()
+            .unwrap()
+            .is_insecure());
+        p.adapters[0].tls = Some(pb::ProviderTlsConfig {
+            ca_pem: "not PEM".into(),
+            insecure_skip_verify: false,
+        });
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err(),
+            AdapterConfigError::BadTls {
+                name: "vllm-main".into(),
+                reason: "<ca_pem>: no certificate found".into(),
+            }
+        );
+        // TLS settings for a plain-http adapter are refused.
+        let mut p = payload();
+        p.adapters[1].tls = Some(pb::ProviderTlsConfig::default());
+        assert_eq!(
+            Adapters::from_payload(&p).unwrap_err().to_string(),
+            "adapter `ollama`: provider TLS: TLS settings for the plain-http base URL \
+             http://127.0.0.1:11434"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! ProbeTarget::of(adapter, target)        pure: which URL, what proves the target
-//!    └─ get(base, path, timeout) ──► (status, body) | GetError    shell: one fresh TCP connection
+//!    └─ get(target, path, timeout) ──► (status, body) | GetError  shell: one fresh connection (TLS for https)
 //!          └─ classify(status, body) / classify_error(err) ──► ProbeOutcome   pure
 //! ```
 //!
@@ -27,10 +27,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use iop_engine::http::{self, ClientConn, HttpError, Limits, Url};
+use iop_engine::http::{ClientConn, HttpError, Limits, Url};
+use iop_engine::tls::{UpstreamTls, UpstreamTlsError};
 use iop_wire::pb;
 
 use super::{AdapterInstance, AdapterKind};
+use crate::calls::pool::{self, SendError, Target};
 
 /// The result of an exact-target health probe, normalized (W5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +90,9 @@ pub enum GetError {
     /// Connecting failed otherwise.
     #[error("connect: {0}")]
     Connect(std::io::Error),
+    /// The TLS handshake with an `https` provider failed.
+    #[error("provider TLS: {0}")]
+    Tls(UpstreamTlsError),
     /// The exchange failed (reset, malformed, oversized).
     #[error("{0}")]
     Http(HttpError),
@@ -101,6 +106,8 @@ pub enum GetError {
 pub struct ProbeTarget {
     /// Provider base URL.
     pub base_url: Url,
+    /// The adapter's TLS client, for an `https` base URL.
+    pub tls: Option<UpstreamTls>,
     /// Request path (already under the base URL's prefix).
     pub path: String,
     /// The model id the answer must list (`None`: any 2xx will do).
@@ -132,6 +139,7 @@ impl ProbeTarget {
         };
         Self {
             base_url: adapter.base_url.clone(),
+            tls: adapter.tls.clone(),
             path: adapter.base_url.join(&path),
             expect_model,
         }
@@ -159,7 +167,9 @@ pub fn classify(status: u16, body: &[u8], expect_model: Option<&str>) -> ProbeOu
 pub fn classify_error(err: &GetError) -> ProbeOutcome {
     match err {
         GetError::Refused => ProbeOutcome::Unavailable,
-        GetError::Connect(_) | GetError::Http(_) | GetError::Timeout(_) => ProbeOutcome::Unknown,
+        GetError::Connect(_) | GetError::Tls(_) | GetError::Http(_) | GetError::Timeout(_) => {
+            ProbeOutcome::Unknown
+        }
     }
 }
 
@@ -190,7 +200,8 @@ fn same_model(listed: &str, expected: &str) -> bool {
 
 /// Runs the probe within `timeout` (fail closed).
 pub async fn probe(target: &ProbeTarget, timeout: Duration) -> ProbeOutcome {
-    match get(&target.base_url, &target.path, timeout).await {
+    let dial = Target::new(&target.base_url, target.tls.as_ref());
+    match get(dial, &target.path, timeout).await {
         Ok((status, body)) => classify(status, &body, target.expect_model.as_deref()),
         Err(e) => {
             tracing::debug!(path = %target.path, error = %e, "probe failed");
@@ -212,19 +223,28 @@ pub fn spawn_probe(
     rx
 }
 
-/// One `GET path` on a fresh connection to `base_url`, bounded by `timeout`
-/// and [`MAX_GET_BODY_BYTES`]. Plain TCP: dropping the exchange on timeout
-/// closes the socket.
-pub async fn get(base_url: &Url, path: &str, timeout: Duration) -> Result<(u16, Bytes), GetError> {
+/// One `GET path` on a fresh connection to `target` (TLS for an `https`
+/// base URL), bounded by `timeout` and [`MAX_GET_BODY_BYTES`]. Dropping the
+/// exchange on timeout drops the connection with it, so no read on it is
+/// ever resumed (a TLS stream is never read again after a dropped read).
+pub async fn get(
+    target: Target<'_>,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, Bytes), GetError> {
     let exchange = async {
-        let tcp = http::connect_url(base_url).await.map_err(|e| {
-            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+        let stream = pool::connect(target).await.map_err(|e| match e {
+            SendError::Connect { source, .. }
+                if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+            {
                 GetError::Refused
-            } else {
-                GetError::Connect(e)
             }
+            SendError::Connect { source, .. } => GetError::Connect(source),
+            SendError::Tls(e) => GetError::Tls(e),
+            SendError::Http(e) => GetError::Http(e),
         })?;
-        let mut client = ClientConn::new(tcp, Limits::default()).with_host(base_url.authority());
+        let mut client =
+            ClientConn::new(stream, Limits::default()).with_host(target.url.authority());
         client
             .send_request(
                 "GET",
@@ -266,6 +286,7 @@ mod tests {
         Adapters::from_payload(&pb::NodeConfigPayload {
             adapters: vec![
                 pb::AdapterConfig {
+                    tls: None,
                     name: "oa".into(),
                     capacity: 1,
                     targets: vec!["m1".into()],
@@ -276,6 +297,7 @@ mod tests {
                     )),
                 },
                 pb::AdapterConfig {
+                    tls: None,
                     name: "ol".into(),
                     capacity: 1,
                     targets: vec!["llama3".into()],

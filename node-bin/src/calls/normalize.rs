@@ -300,7 +300,7 @@ pub async fn post_json(
         body,
     };
     let response = pool
-        .send(&adapter.base_url, &request, None)
+        .send(adapter.target(), &request, None)
         .await
         .map_err(|e| e.into_failure())?;
     Ok(Exchange {

@@ -5,9 +5,10 @@
 //! handshake per request and the provider an accept.
 //!
 //! ```text
-//! ProviderPool::send(base, request, secret)
-//!   ├─ checkout: idle LIFO of base's host:port ──hit──► reused ClientConn
-//!   │                 └─ miss ──► connect (TCP_NODELAY) ──► fresh ClientConn
+//! ProviderPool::send(target, request, secret)
+//!   ├─ checkout: idle LIFO of target's authority ──hit──► reused ClientConn
+//!   │                 └─ miss ──► connect (TCP_NODELAY; TLS handshake for
+//!   │                             https) ──► fresh ClientConn
 //!   ├─ request head + body ─► response head ──► ProviderResponse { conn, head }
 //!   └─ reused, and nothing of the response arrived (ClosedBeforeResponse,
 //!      or the write failed)? ─► once more on a fresh connection
@@ -19,8 +20,8 @@
 //!
 //! # Policy ([`IdlePool`], pure: `now` is passed in)
 //!
-//! - Idle connections are kept per provider authority (`host:port`) in a
-//!   LIFO: the most recently returned one is reused first (warm, least
+//! - Idle connections are kept per provider authority (scheme,
+//!   `host:port` and, for `https`, the adapter's TLS client) in a LIFO: the most recently returned one is reused first (warm, least
 //!   likely closed by the server), the oldest ones age out.
 //! - At most [`PoolConfig::max_idle_per_authority`] idle connections per
 //!   authority; returning one more closes the oldest.
@@ -78,9 +79,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{self, ClientConn, HttpError, Limits, ResponseHead, Url};
+use iop_engine::http::{self, ClientConn, HttpError, Limits, ResponseHead, Scheme, Url};
+use iop_engine::tls::{MaybeTls, UpstreamStream, UpstreamTls, UpstreamTlsError};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
-use monoio::net::TcpStream;
 use zeroize::Zeroizing;
 
 use crate::codes;
@@ -98,8 +99,9 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_millis(200);
 /// Most body bytes [`PooledConn::finish`] reads and discards.
 pub const MAX_DRAIN_BYTES: usize = 64 * 1024;
 
-/// A provider connection as the Node's adapters use it.
-pub type ProviderConn = ClientConn<TcpStream>;
+/// A provider connection as the Node's adapters use it: plain TCP for
+/// `http://` providers, TLS for `https://` ones.
+pub type ProviderConn = ClientConn<UpstreamStream>;
 
 /// The pool's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,21 +136,53 @@ pub struct PoolStats {
     pub checkins: u64,
 }
 
-/// A provider authority: the `host:port` idle connections are kept under.
-/// The host is shared, so handing it to every checkout costs no allocation.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where a provider connection goes: its base URL and, for `https`, the
+/// adapter's TLS client (which also decides how the certificate is
+/// verified). A plain `&Url` converts into a target without TLS.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// The base URL (scheme, host, port; the path prefix does not matter
+    /// for a connection).
+    pub url: &'a Url,
+    /// The TLS client, for an `https` URL.
+    pub tls: Option<&'a UpstreamTls>,
+}
+
+impl<'a> Target<'a> {
+    /// `url`, over TLS with `tls` when it is an `https` URL.
+    pub fn new(url: &'a Url, tls: Option<&'a UpstreamTls>) -> Self {
+        Target { url, tls }
+    }
+}
+
+impl<'a> From<&'a Url> for Target<'a> {
+    fn from(url: &'a Url) -> Self {
+        Target { url, tls: None }
+    }
+}
+
+/// A provider authority: what idle connections are kept under — scheme,
+/// `host:port` and the TLS client (a connection verified against one
+/// adapter's CA never serves another adapter's requests). The host is
+/// shared, so handing it to every checkout costs no allocation.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Authority {
+    scheme: Scheme,
     host: Rc<str>,
     port: u16,
+    tls: Option<UpstreamTls>,
 }
 
 impl Authority {
-    /// The authority of `url` (its host and port; the path prefix does not
-    /// matter for a connection).
-    pub fn of(url: &Url) -> Self {
+    /// The authority of `target` (its scheme, host, port and TLS client;
+    /// the path prefix does not matter for a connection).
+    pub fn of<'a>(target: impl Into<Target<'a>>) -> Self {
+        let target = target.into();
         Self {
-            host: Rc::from(url.host()),
-            port: url.port(),
+            scheme: target.url.scheme(),
+            host: Rc::from(target.url.host()),
+            port: target.url.port(),
+            tls: target.tls.cloned(),
         }
     }
 
@@ -162,8 +196,11 @@ impl Authority {
         self.port
     }
 
-    fn is(&self, url: &Url) -> bool {
-        self.port == url.port() && *self.host == *url.host()
+    fn is(&self, target: Target<'_>) -> bool {
+        self.port == target.url.port()
+            && self.scheme == target.url.scheme()
+            && *self.host == *target.url.host()
+            && self.tls.as_ref() == target.tls
     }
 }
 
@@ -239,17 +276,18 @@ impl<C> IdlePool<C> {
         self.config
     }
 
-    fn stack_index(&self, url: &Url) -> Option<usize> {
-        self.stacks.iter().position(|s| s.authority.is(url))
+    fn stack_index(&self, target: Target<'_>) -> Option<usize> {
+        self.stacks.iter().position(|s| s.authority.is(target))
     }
 
-    /// The [`Authority`] of `url`, sharing the pool's copy of the host when
-    /// the authority is known.
-    pub fn authority(&mut self, url: &Url) -> Authority {
-        match self.stack_index(url) {
+    /// The [`Authority`] of `target`, sharing the pool's copy of the host
+    /// when the authority is known.
+    pub fn authority<'a>(&mut self, target: impl Into<Target<'a>>) -> Authority {
+        let target = target.into();
+        match self.stack_index(target) {
             Some(i) => self.stacks[i].authority.clone(),
             None => {
-                let authority = Authority::of(url);
+                let authority = Authority::of(target);
                 self.stacks.push(Stack {
                     authority: authority.clone(),
                     idle: VecDeque::new(),
@@ -259,12 +297,12 @@ impl<C> IdlePool<C> {
         }
     }
 
-    /// The most recently returned connection of `url`'s authority that has
-    /// not reached its idle timeout at `now`; older, timed-out ones are
+    /// The most recently returned connection of `target`'s authority that
+    /// has not reached its idle timeout at `now`; older, timed-out ones are
     /// closed on the way. `None`: connect.
-    pub fn checkout(&mut self, url: &Url, now: Instant) -> Option<C> {
+    pub fn checkout<'a>(&mut self, target: impl Into<Target<'a>>, now: Instant) -> Option<C> {
         let timeout = self.config.idle_timeout;
-        let index = self.stack_index(url)?;
+        let index = self.stack_index(target.into())?;
         let stack = &mut self.stacks[index];
         stack.expire(now, timeout);
         stack.idle.pop_back().map(|i| i.conn)
@@ -318,9 +356,9 @@ impl<C> IdlePool<C> {
         self.stacks.len()
     }
 
-    /// Idle connections kept for `url`'s authority.
-    pub fn idle(&self, url: &Url) -> usize {
-        self.stack_index(url)
+    /// Idle connections kept for `target`'s authority.
+    pub fn idle<'a>(&self, target: impl Into<Target<'a>>) -> usize {
+        self.stack_index(target.into())
             .map_or(0, |i| self.stacks[i].idle.len())
     }
 
@@ -410,9 +448,9 @@ impl<C: Reusable> ProviderPool<C> {
         self.stats.set(stats);
     }
 
-    /// Idle connections kept for `base`'s authority.
-    pub fn idle_connections(&self, base: &Url) -> usize {
-        self.idle.borrow().idle(base)
+    /// Idle connections kept for `target`'s authority.
+    pub fn idle_connections<'a>(&self, target: impl Into<Target<'a>>) -> usize {
+        self.idle.borrow().idle(target)
     }
 
     /// Idle connections kept in all.
@@ -425,13 +463,18 @@ impl<C: Reusable> ProviderPool<C> {
         self.idle.borrow_mut().sweep(now)
     }
 
-    /// An idle connection of `base`'s authority at `now` (a hit), or
+    /// An idle connection of `target`'s authority at `now` (a hit), or
     /// `None`.
-    pub fn take_idle(self: &Rc<Self>, base: &Url, now: Instant) -> Option<PooledConn<C>> {
+    pub fn take_idle<'a>(
+        self: &Rc<Self>,
+        target: impl Into<Target<'a>>,
+        now: Instant,
+    ) -> Option<PooledConn<C>> {
+        let target = target.into();
         let (authority, conn) = {
             let mut idle = self.idle.borrow_mut();
-            let conn = idle.checkout(base, now)?;
-            (idle.authority(base), conn)
+            let conn = idle.checkout(target, now)?;
+            (idle.authority(target), conn)
         };
         self.count(|s| s.hits += 1);
         Some(PooledConn {
@@ -442,13 +485,13 @@ impl<C: Reusable> ProviderPool<C> {
         })
     }
 
-    /// Wraps a freshly connected `conn` to `base`, so it can be returned
+    /// Wraps a freshly connected `conn` to `target`, so it can be returned
     /// after its request.
-    pub fn adopt(self: &Rc<Self>, base: &Url, conn: C) -> PooledConn<C> {
+    pub fn adopt<'a>(self: &Rc<Self>, target: impl Into<Target<'a>>, conn: C) -> PooledConn<C> {
         PooledConn {
             conn,
             pool: self.clone(),
-            authority: self.idle.borrow_mut().authority(base),
+            authority: self.idle.borrow_mut().authority(target),
             reused: false,
         }
     }
@@ -463,43 +506,39 @@ impl<C: Reusable> ProviderPool<C> {
 }
 
 impl ProviderPool<ProviderConn> {
-    /// An idle connection to `base` (a hit), or a new one (a miss).
-    pub async fn checkout(self: &Rc<Self>, base: &Url) -> Result<PooledConn, SendError> {
-        if let Some(conn) = self.take_idle(base, clock::now()) {
+    /// An idle connection to `target` (a hit), or a new one (a miss).
+    pub async fn checkout(self: &Rc<Self>, target: Target<'_>) -> Result<PooledConn, SendError> {
+        if let Some(conn) = self.take_idle(target, clock::now()) {
             return Ok(conn);
         }
         self.count(|s| s.misses += 1);
-        self.connect(base).await
+        self.connect(target).await
     }
 
-    /// A new connection to `base` (`TCP_NODELAY`), `Host` set to its
-    /// authority.
-    async fn connect(self: &Rc<Self>, base: &Url) -> Result<PooledConn, SendError> {
-        let tcp = http::connect_url(base)
-            .await
-            .map_err(|source| SendError::Connect {
-                authority: base.authority(),
-                source,
-            })?;
-        let client = ClientConn::new(tcp, Limits::default()).with_host(base.authority());
-        Ok(self.adopt(base, client))
+    /// A new connection to `target` (`TCP_NODELAY`, TLS for `https`),
+    /// `Host` set to its authority.
+    async fn connect(self: &Rc<Self>, target: Target<'_>) -> Result<PooledConn, SendError> {
+        let stream = connect(target).await?;
+        let client = ClientConn::new(stream, Limits::default()).with_host(target.url.authority());
+        Ok(self.adopt(target, client))
     }
 
     /// Sends `request` (plus `secret`, the credential header, C2) to
-    /// `base` on a pooled or new connection and reads the response head;
+    /// `target` on a pooled or new connection and reads the response head;
     /// once more on a fresh connection when a reused one turns out stale
     /// ([`retry_on_fresh`]). `secret` is zeroized as soon as no retry can
     /// need it (see the module docs). The body is then read from
     /// [`ProviderResponse::conn`], which goes back to the pool only through
     /// [`PooledConn::release`] or [`PooledConn::finish`].
-    pub async fn send(
+    pub async fn send<'a>(
         self: &Rc<Self>,
-        base: &Url,
+        target: impl Into<Target<'a>>,
         request: &ProviderRequest<'_>,
         secret: Option<SecretHeader>,
     ) -> Result<ProviderResponse, SendError> {
+        let target = target.into();
         let mut secret = secret;
-        let mut conn = self.checkout(base).await?;
+        let mut conn = self.checkout(target).await?;
         // At most two attempts: a retry always runs on a fresh connection,
         // and a fresh connection's failure is final.
         loop {
@@ -544,7 +583,7 @@ impl ProviderPool<ProviderConn> {
                 "provider pool: the reused connection was closed by the provider; retrying once on a fresh one"
             );
             drop(conn);
-            conn = self.connect(base).await?;
+            conn = self.connect(target).await?;
         }
     }
 }
@@ -614,6 +653,11 @@ pub enum SendError {
         /// The OS error.
         source: io::Error,
     },
+    /// The TLS handshake with an `https` provider failed: its certificate
+    /// was refused (wrong host name, expired, unknown issuer) or the
+    /// handshake broke off.
+    #[error("provider TLS: {0}")]
+    Tls(UpstreamTlsError),
     /// The exchange failed after connecting.
     #[error("provider: {0}")]
     Http(HttpError),
@@ -621,13 +665,39 @@ pub enum SendError {
 
 impl SendError {
     /// The terminal failure code and message (W6):
-    /// `provider_unreachable` or `provider_error`.
+    /// `provider_unreachable`, `provider_tls` or `provider_error`.
     pub fn into_failure(self) -> (&'static str, String) {
         let code = match self {
             SendError::Connect { .. } => codes::PROVIDER_UNREACHABLE,
+            SendError::Tls(_) => codes::PROVIDER_TLS,
             SendError::Http(_) => codes::PROVIDER_ERROR,
         };
         (code, self.to_string())
+    }
+}
+
+/// Opens a connection to `target`: TCP (the host name resolved without
+/// blocking the core), then the TLS handshake for an `https` URL. An
+/// `https` URL without a TLS client is refused rather than sent in clear.
+pub async fn connect(target: Target<'_>) -> Result<UpstreamStream, SendError> {
+    let url = target.url;
+    let tcp = http::connect_url(url)
+        .await
+        .map_err(|source| SendError::Connect {
+            authority: url.authority(),
+            source,
+        })?;
+    match (url.is_tls(), target.tls) {
+        (false, _) => Ok(MaybeTls::Plain(tcp)),
+        (true, Some(tls)) => tls
+            .connect(tcp, url.host())
+            .await
+            .map(MaybeTls::from)
+            .map_err(SendError::Tls),
+        (true, None) => Err(SendError::Tls(UpstreamTlsError::Io {
+            host: url.host().to_owned(),
+            source: io::Error::other("https base URL without a TLS client configured"),
+        })),
     }
 }
 
@@ -798,6 +868,35 @@ mod tests {
         assert_eq!(p.checkout(&other_port, t0), None);
         assert_eq!(p.checkout(&other_host, t0), None);
         assert_eq!(p.checkout(&same, t0), Some(1));
+    }
+
+    #[test]
+    fn authorities_tell_schemes_and_tls_clients_apart() {
+        let t0 = clock::now();
+        let mut p = pool(8);
+        let plain = url("http://gw:8443");
+        let https = url("https://gw:8443");
+        let tls = |ca: Option<String>| {
+            UpstreamTls::new(&iop_engine::tls::UpstreamTlsSettings {
+                ca_pem: ca,
+                insecure_skip_verify: false,
+            })
+            .unwrap()
+        };
+        let (client_a, client_b) = (tls(None), tls(None));
+        let over_a = Target::new(&https, Some(&client_a));
+        let authority = p.authority(over_a);
+        assert_eq!(authority.to_string(), "gw:8443");
+        assert!(p.checkin(&authority, 1, t0));
+        // Same host and port: not over plain HTTP, not with another
+        // adapter's TLS client (its own trust anchors).
+        assert_eq!(p.checkout(&plain, t0), None);
+        assert_eq!(p.checkout(Target::new(&https, Some(&client_b)), t0), None);
+        assert_eq!(p.checkout(Target::new(&https, None), t0), None);
+        assert_eq!(
+            p.checkout(Target::new(&https, Some(&client_a.clone())), t0),
+            Some(1)
+        );
     }
 
     #[test]

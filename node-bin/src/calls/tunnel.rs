@@ -87,7 +87,7 @@ impl TunnelCall {
             body: self.body.clone(),
         };
         let response = pool
-            .send(&self.endpoint.base_url, &request, secret)
+            .send(self.endpoint.target(), &request, secret)
             .await
             .map_err(|e| e.into_failure())?;
         let (mut conn, head) = (response.conn, response.head);

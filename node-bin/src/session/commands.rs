@@ -232,7 +232,7 @@ async fn ollama_query(
     let path = ollama_query_path(&req.path)?;
     let adapter = ollama_adapter(&ctx.adapters, &req.adapter)?;
     let url_path = adapter.base_url.join(path);
-    let (status, body) = probe::get(&adapter.base_url, &url_path, ctx.settings.probe_timeout)
+    let (status, body) = probe::get(adapter.target(), &url_path, ctx.settings.probe_timeout)
         .await
         .map_err(|e| CommandError::QueryFailed(e.to_string()))?;
     Ok(pb::NodeCommandResponse {
@@ -250,6 +250,7 @@ mod tests {
         Adapters::from_payload(&pb::NodeConfigPayload {
             adapters: vec![
                 pb::AdapterConfig {
+                    tls: None,
                     name: "vllm-a".into(),
                     capacity: 4,
                     targets: vec!["m1".into(), "m2".into()],
@@ -264,6 +265,7 @@ mod tests {
                     )),
                 },
                 pb::AdapterConfig {
+                    tls: None,
                     name: "local".into(),
                     capacity: 0,
                     targets: vec![],

@@ -130,6 +130,7 @@ mod tests {
     fn adapters(capacity: u32) -> Adapters {
         Adapters::from_payload(&pb::NodeConfigPayload {
             adapters: vec![pb::AdapterConfig {
+                tls: None,
                 name: "ol".into(),
                 capacity,
                 targets: vec!["llama3".into()],

@@ -109,6 +109,7 @@ mod tests {
 
     fn adapter(name: &str, capacity: u32, base: &str) -> pb::AdapterConfig {
         pb::AdapterConfig {
+            tls: None,
             name: name.into(),
             capacity,
             targets: vec!["m".into()],

@@ -82,6 +82,19 @@ pub async fn serve(
     } else {
         req.method.clone()
     };
+    // A secret never goes over a connection whose certificate is not
+    // verified (the Edge's config refuses that combination; a pushed config
+    // that asks for it anyway is refused here before the lease is opened).
+    let unverified = adapter.tls.as_ref().is_some_and(|t| t.is_insecure());
+    if unverified && req.credential_lease.is_some() {
+        let message = "a credential lease is never injected into a provider connection \
+                       whose certificate is not verified (tls_insecure_skip_verify)";
+        tracing::warn!(run_id = %req.run_id, adapter = %adapter.name, "tunnel rejected: {message}");
+        if let Some(frame) = emit.failed(codes::PROVIDER_TLS, message) {
+            attempt::send(&env.conn, frame).await;
+        }
+        return Ended::Provider;
+    }
     let origin = adapter.base_url.origin();
     let target = TunnelTarget {
         profile: adapter.profile.as_ref().map(|p| p.name.as_str()),

@@ -114,9 +114,10 @@ impl Mock {
     /// The counters from `GET /admin/stats` — over a connection of its own,
     /// which the counters include.
     pub async fn admin_stats(&self) -> serde_json::Value {
-        let (status, body) = node_bin::adapters::probe::get(&self.url(), "/admin/stats", SAFETY)
-            .await
-            .expect("mock admin GET");
+        let (status, body) =
+            node_bin::adapters::probe::get((&self.url()).into(), "/admin/stats", SAFETY)
+                .await
+                .expect("mock admin GET");
         assert_eq!(status, 200);
         serde_json::from_slice(&body).expect("mock JSON")
     }
@@ -198,6 +199,7 @@ pub fn openai_adapter(
     profile: pb::ProtocolProfile,
 ) -> pb::AdapterConfig {
     pb::AdapterConfig {
+        tls: None,
         name: name.into(),
         capacity,
         targets: vec![TARGET.into()],
@@ -217,6 +219,7 @@ pub fn ollama_adapter(
     mock: &Mock,
 ) -> pb::AdapterConfig {
     pb::AdapterConfig {
+        tls: None,
         name: name.into(),
         capacity,
         targets,
