@@ -561,7 +561,10 @@ async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
             }
             Some(Body::RunEvent(e)) => {
                 assert!(
-                    matches!(e.r#type(), pb::RunEventType::Start | pb::RunEventType::Delta),
+                    matches!(
+                        e.r#type(),
+                        pb::RunEventType::Start | pb::RunEventType::Delta
+                    ),
                     "{e:?}"
                 );
             }
@@ -595,5 +598,9 @@ async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
     }
     let mut numbers: Vec<u64> = seqs.iter().map(|(_, s)| *s).collect();
     numbers.sort_unstable();
-    assert_eq!(numbers, (1..=seqs.len() as u64).collect::<Vec<_>>(), "{seqs:?}");
+    assert_eq!(
+        numbers,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "{seqs:?}"
+    );
 }

@@ -4,14 +4,12 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use argh::FromArgs;
 
 use super::ladder::{FULL_LEVELS, QUICK_LEVELS};
 use super::report::render_table;
-use super::{install_stop_handlers, run, write_json_report, CompareOptions};
+use super::{run, CompareOptions};
 use crate::load::cli::seconds_to_ms;
 
 /// Measure the relay against a direct connection side by side: latency
@@ -197,41 +195,17 @@ impl CompareArgs {
 
 /// Runs `bench compare`.
 pub fn main(args: CompareArgs) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => {
-            eprintln!("bench compare: cannot find this executable: {e}");
-            return ExitCode::from(1);
-        }
-    };
     let allowed = iop_engine::rt::allowed_cpus().unwrap_or_else(|_| BTreeSet::from([0]));
-    let options = match args.resolve(&allowed, &exe) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("bench compare: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    install_stop_handlers(&stop);
-    let report = match run(&options, &stop) {
-        Ok(report) => report,
-        Err(e) => {
-            eprintln!("bench compare: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    print!("{}", render_table(&report));
-    let unix_sec = report.created_unix_ms / 1000;
-    match write_json_report(&options.out_dir, "compare", unix_sec, &report) {
-        Ok(path) => {
-            println!("JSON report: {}", path.display());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("bench compare: {e}");
-            ExitCode::from(1)
-        }
+    let report = crate::compare::run_command(
+        "compare",
+        |exe| args.resolve(&allowed, exe),
+        |o: &CompareOptions| o.out_dir.as_path(),
+        run,
+        render_table,
+    );
+    match report {
+        Some(_) => ExitCode::SUCCESS,
+        None => ExitCode::from(1),
     }
 }
 

@@ -197,6 +197,47 @@ pub fn write_json_report<T: Serialize>(
     Ok(path)
 }
 
+/// A report a `bench` command writes as JSON.
+pub trait Report: Serialize {
+    /// When the report was made (Unix ms): names its JSON file.
+    fn created_unix_ms(&self) -> i64;
+}
+
+/// The shared shell of `bench compare`, `bench cores` and `bench
+/// isolation`: finds this executable, resolves the options with it, runs
+/// with SIGINT/SIGTERM stopping the run, prints the table and writes
+/// `<out_dir>/<kind>-<unix s>.json`. Every failure is printed as
+/// `bench <kind>: …`; `None` then (exit 1).
+pub fn run_command<O, R, E: std::fmt::Display>(
+    kind: &str,
+    resolve: impl FnOnce(&Path) -> Result<O, String>,
+    out_dir: impl Fn(&O) -> &Path,
+    run: impl FnOnce(&O, &Arc<AtomicBool>) -> Result<R, E>,
+    render: impl Fn(&R) -> String,
+) -> Option<R>
+where
+    R: Report,
+{
+    let exe = std::env::current_exe()
+        .map_err(|e| eprintln!("bench {kind}: cannot find this executable: {e}"))
+        .ok()?;
+    let options = resolve(&exe)
+        .map_err(|e| eprintln!("bench {kind}: {e}"))
+        .ok()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    install_stop_handlers(&stop);
+    let report = run(&options, &stop)
+        .map_err(|e| eprintln!("bench {kind}: {e}"))
+        .ok()?;
+    print!("{}", render(&report));
+    let unix_sec = report.created_unix_ms() / 1000;
+    let path = write_json_report(out_dir(&options), kind, unix_sec, &report)
+        .map_err(|e| eprintln!("bench {kind}: {e}"))
+        .ok()?;
+    println!("JSON report: {}", path.display());
+    Some(report)
+}
+
 pub fn install_stop_handlers(stop: &Arc<AtomicBool>) {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(stop));

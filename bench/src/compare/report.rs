@@ -604,6 +604,12 @@ fn level_text(level: &LadderLevel) -> String {
     }
 }
 
+impl crate::compare::Report for CompareReport {
+    fn created_unix_ms(&self) -> i64 {
+        self.created_unix_ms
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,15 +4,12 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use argh::FromArgs;
 use iop_engine::rt::CoreList;
 
 use super::report::render_table;
 use super::{run, CoresOptions};
-use crate::compare::{install_stop_handlers, write_json_report};
 use crate::load::cli::seconds_to_ms;
 
 /// The layouts measured without `--layout`.
@@ -145,47 +142,25 @@ impl CoresArgs {
 
 /// Runs `bench cores`.
 pub fn main(args: CoresArgs) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => {
-            eprintln!("bench cores: cannot find this executable: {e}");
-            return ExitCode::from(1);
-        }
-    };
     let allowed = iop_engine::rt::allowed_cpus().unwrap_or_else(|_| BTreeSet::from([0]));
-    let options = match args.resolve(&allowed, &exe) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("bench cores: {e}");
-            return ExitCode::from(1);
+    let report = crate::compare::run_command(
+        "cores",
+        |exe| args.resolve(&allowed, exe),
+        |o: &CoresOptions| o.out_dir.as_path(),
+        run,
+        render_table,
+    );
+    match report {
+        Some(report) if report.incomplete_requests > 0 => {
+            eprintln!(
+                "bench cores: {} requests did not complete (see INCOMPLETE above)",
+                report.incomplete_requests
+            );
+            ExitCode::from(1)
         }
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    install_stop_handlers(&stop);
-    let report = match run(&options, &stop) {
-        Ok(report) => report,
-        Err(e) => {
-            eprintln!("bench cores: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    print!("{}", render_table(&report));
-    let unix_sec = report.created_unix_ms / 1000;
-    match write_json_report(&options.out_dir, "cores", unix_sec, &report) {
-        Ok(path) => println!("JSON report: {}", path.display()),
-        Err(e) => {
-            eprintln!("bench cores: {e}");
-            return ExitCode::from(1);
-        }
+        Some(_) => ExitCode::SUCCESS,
+        None => ExitCode::from(1),
     }
-    if report.incomplete_requests > 0 {
-        eprintln!(
-            "bench cores: {} requests did not complete (see INCOMPLETE above)",
-            report.incomplete_requests
-        );
-        return ExitCode::from(1);
-    }
-    ExitCode::SUCCESS
 }
 
 #[cfg(test)]

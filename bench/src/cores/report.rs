@@ -304,6 +304,12 @@ pub fn render_table(report: &CoresReport) -> String {
     out
 }
 
+impl crate::compare::Report for CoresReport {
+    fn created_unix_ms(&self) -> i64 {
+        self.created_unix_ms
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;

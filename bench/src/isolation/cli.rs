@@ -3,14 +3,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use argh::FromArgs;
 
 use super::report::render_table;
 use super::{run, IsolationOptions};
-use crate::compare::install_stop_handlers;
 use crate::load::cli::seconds_to_ms;
 
 /// Measure what clients that never read cost the other clients of the same
@@ -116,46 +113,17 @@ impl IsolationArgs {
 
 /// Runs `bench isolation`.
 pub fn main(args: IsolationArgs) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => {
-            eprintln!("bench isolation: cannot find this executable: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let options = match args.resolve(&exe) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("bench isolation: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    install_stop_handlers(&stop);
-    let report = match run(&options, &stop) {
-        Ok(report) => report,
-        Err(e) => {
-            eprintln!("bench isolation: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    print!("{}", render_table(&report));
-    let path = options
-        .out_dir
-        .join(format!("isolation-{}.json", report.created_unix_ms / 1000));
-    let written = std::fs::create_dir_all(&options.out_dir).and_then(|()| {
-        let text = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
-        std::fs::write(&path, text + "\n")
-    });
-    if let Err(e) = written {
-        eprintln!("bench isolation: cannot write {}: {e}", path.display());
-        return ExitCode::from(1);
+    let report = crate::compare::run_command(
+        "isolation",
+        |exe| args.resolve(exe),
+        |o: &IsolationOptions| o.out_dir.as_path(),
+        run,
+        render_table,
+    );
+    match report {
+        Some(report) if !report.incomplete() => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
     }
-    println!("JSON report: {}", path.display());
-    if report.incomplete() {
-        return ExitCode::from(1);
-    }
-    ExitCode::SUCCESS
 }
 
 #[cfg(test)]

@@ -327,3 +327,9 @@ pub fn render_table(report: &IsolationReport) -> String {
     }
     out
 }
+
+impl crate::compare::Report for IsolationReport {
+    fn created_unix_ms(&self) -> i64 {
+        self.created_unix_ms
+    }
+}
