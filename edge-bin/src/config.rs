@@ -86,6 +86,15 @@ pub const DEFAULT_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 30_000;
 pub const MIN_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 100;
 /// Longest accepted `edge.client_write_stall_timeout_ms` (one hour).
 pub const MAX_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 3_600_000;
+/// Default `edge.response_wait_timeout_ms`: a dispatched request whose
+/// response has not started after this long is cancelled and answered 504
+/// (U6). A backstop behind the Node's stall watchdog (300 s by default),
+/// so a stall with its health evidence normally ends such a wait first.
+pub const DEFAULT_RESPONSE_WAIT_TIMEOUT_MS: u64 = 600_000;
+/// Shortest accepted `edge.response_wait_timeout_ms`.
+pub const MIN_RESPONSE_WAIT_TIMEOUT_MS: u64 = 100;
+/// Longest accepted `edge.response_wait_timeout_ms` (one day).
+pub const MAX_RESPONSE_WAIT_TIMEOUT_MS: u64 = 86_400_000;
 /// Defaults and bounds of the front door's limits (`[edge]` keys, see
 /// [`ListenerLimits`]).
 pub mod front_door {
@@ -268,6 +277,10 @@ pub struct EdgeSettings {
     /// A client socket that takes no bytes of a response for this long is
     /// cut off: its run is cancelled on the Node, its lease released.
     pub client_write_stall_timeout_ms: u64,
+    /// A dispatched request whose response has not started (no tunnel
+    /// frame, no run event) this long after its dispatch is cancelled on
+    /// the Node and answered 504 (U6).
+    pub response_wait_timeout_ms: u64,
     /// Deadlines, caps and bounds of both listeners.
     pub limits: ListenerLimits,
 }
@@ -838,6 +851,7 @@ struct RawEdge {
     drain_grace_ms: Option<i64>,
     flow_window_bytes: Option<i64>,
     client_write_stall_timeout_ms: Option<i64>,
+    response_wait_timeout_ms: Option<i64>,
     client_head_timeout_ms: Option<i64>,
     client_body_idle_timeout_ms: Option<i64>,
     client_keep_alive_timeout_ms: Option<i64>,
@@ -1303,6 +1317,15 @@ impl Validator<'_> {
             )
             .map_err(|why| self.err("edge.client_write_stall_timeout_ms", why))?,
         };
+        let response_wait_timeout_ms = match raw.response_wait_timeout_ms {
+            None => DEFAULT_RESPONSE_WAIT_TIMEOUT_MS,
+            Some(v) => in_range(
+                v,
+                MIN_RESPONSE_WAIT_TIMEOUT_MS,
+                MAX_RESPONSE_WAIT_TIMEOUT_MS,
+            )
+            .map_err(|why| self.err("edge.response_wait_timeout_ms", why))?,
+        };
         use front_door::*;
         let limit = |value: Option<i64>, key: &str, default: u64, min: u64, max: u64| match value {
             None => Ok(default),
@@ -1398,6 +1421,7 @@ impl Validator<'_> {
             drain_grace_ms,
             flow_window_bytes,
             client_write_stall_timeout_ms,
+            response_wait_timeout_ms,
             limits,
         })
     }
@@ -1830,6 +1854,7 @@ providers = ["node-a/a-llama"]
                 drain_grace_ms: 30_000,
                 flow_window_bytes: 256 * 1024,
                 client_write_stall_timeout_ms: 30_000,
+                response_wait_timeout_ms: 600_000,
                 limits: ListenerLimits::default(),
             },
             tls: Some(TlsFiles {
@@ -1972,7 +1997,7 @@ providers = ["node-a/a-llama"]
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
              `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
-             `client_write_stall_timeout_ms`, `client_head_timeout_ms`, \
+             `client_write_stall_timeout_ms`, `response_wait_timeout_ms`, `client_head_timeout_ms`, \
              `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
              `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
              `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
@@ -2182,6 +2207,23 @@ providers = ["node-a/a-llama"]
             ),
             (65_536, 2_500)
         );
+    }
+
+    #[test]
+    fn response_wait_timeout_defaults_and_is_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(parse(BASE).unwrap().edge.response_wait_timeout_ms, 600_000);
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nresponse_wait_timeout_ms = 99")),
+            "conf/edge.toml: edge.response_wait_timeout_ms: must be between 100 and 86400000 \
+             (got 99)"
+        );
+        let config = parse(&variant(
+            edge,
+            &format!("{edge}\nresponse_wait_timeout_ms = 1500"),
+        ))
+        .unwrap();
+        assert_eq!(config.edge.response_wait_timeout_ms, 1_500);
     }
 
     #[test]

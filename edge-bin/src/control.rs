@@ -143,13 +143,20 @@ pub struct Tunables {
     pub cancel_settle: Duration,
     /// How often an overlaid provider gets a CAPABILITIES recovery probe (H6).
     pub recovery_probe_interval: Duration,
+    /// U6: the longest a dispatched request waits for its response to
+    /// start (a tunnel's first frame, a run's first event), from its
+    /// dispatch. Past it the run is cancelled on the node and the client is
+    /// told ([`Action::Abort`]). `None`: no deadline.
+    pub response_wait_timeout: Option<Duration>,
 }
 
 impl Default for Tunables {
+    /// The contract's timers only: no response-wait deadline.
     fn default() -> Self {
         Self {
             cancel_settle: Duration::from_secs(30),
             recovery_probe_interval: Duration::from_secs(5),
+            response_wait_timeout: None,
         }
     }
 }
@@ -234,6 +241,9 @@ pub enum CancelReason {
     /// The client drained slower than a node without flow control sent:
     /// the run outgrew its window at the Edge.
     ClientTooSlow,
+    /// No response started within [`Tunables::response_wait_timeout`]
+    /// (U6); Control cancels on its own.
+    ResponseWaitTimeout,
 }
 
 impl CancelReason {
@@ -243,6 +253,7 @@ impl CancelReason {
             CancelReason::ClientDisconnect => "client_disconnect",
             CancelReason::ClientWriteStall => "client_write_stall",
             CancelReason::ClientTooSlow => "client_too_slow",
+            CancelReason::ResponseWaitTimeout => "response_wait_timeout",
         }
     }
 }
@@ -297,6 +308,15 @@ pub enum Input {
     },
     /// A run or tunnel terminal from a node (H1–H5).
     Terminal(Terminal),
+    /// The first frame of run `run_id` (a tunnel's `RESPONSE_START` or
+    /// first frame, a run's first event) arrived on `conn`: its response
+    /// has started, the response-wait deadline is off (U6).
+    Responded {
+        /// The connection it arrived on (H1: only the lease's counts).
+        conn: ConnId,
+        /// The run.
+        run_id: String,
+    },
     /// A `NodeCommandResponse` from `conn` (H6).
     CommandResult {
         /// The connection it arrived on.
@@ -341,6 +361,24 @@ pub struct Handoff {
     pub provider_health: pb::ProviderHealth,
     /// Always `confirmed`.
     pub recovery_handoff: &'static str,
+}
+
+/// Why Control gave up on a dispatched request before its terminal
+/// ([`Action::Abort`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// No response started within the response-wait timeout (U6): the run
+    /// is cancelled on its node and the client gets 504.
+    ResponseWaitTimeout,
+}
+
+impl AbortReason {
+    /// The error code the client sees.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AbortReason::ResponseWaitTimeout => "response_wait_timeout",
+        }
+    }
 }
 
 /// An observation the shell logs or fans out; correctness never depends on
@@ -429,6 +467,16 @@ pub enum Action {
         /// What to add.
         handoff: Handoff,
     },
+    /// Tell the client of `request` that Control gave up on it; its run
+    /// was cancelled (a [`Action::SendCancel`] precedes this) and its lease
+    /// settles on the terminal or at the cancel-settle deadline, ending in
+    /// [`Action::Done`].
+    Abort {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        reason: AbortReason,
+    },
     /// The request ended; its lease (if any) is released.
     Done {
         /// The request.
@@ -459,6 +507,9 @@ pub struct Counters {
     pub recovery_probe_recovered: u64,
     /// CAPABILITIES answers that changed nothing.
     pub recovery_probe_unchanged: u64,
+    /// Dispatched requests cancelled because no response started in time
+    /// (U6).
+    pub response_wait_timeouts: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -606,9 +657,18 @@ struct LeaseEntry {
 
 #[derive(Debug, Clone)]
 enum RequestState {
-    Queued { deadline: Instant },
-    Dispatched { run_id: String },
-    CancelPending { run_id: String, settle_at: Instant },
+    Queued {
+        deadline: Instant,
+    },
+    Dispatched {
+        run_id: String,
+        /// The response-wait deadline, until the response starts (U6).
+        response_by: Option<Instant>,
+    },
+    CancelPending {
+        run_id: String,
+        settle_at: Instant,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -699,6 +759,10 @@ pub struct Control {
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Cancel settlements by deadline.
     settle_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Response-wait deadlines of dispatched requests (U6).
+    response_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// The `now` of the input or timeout being handled.
+    now: Option<Instant>,
     /// Recovery probes by due time: (instant, provider index).
     probe_deadlines: BTreeSet<(Instant, usize)>,
     /// Outstanding recovery probes.
@@ -793,6 +857,8 @@ impl Control {
             heads: BTreeSet::new(),
             queue_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
+            response_deadlines: BTreeSet::new(),
+            now: None,
             probe_deadlines: BTreeSet::new(),
             commands: HashMap::new(),
             next_generation: 0,
@@ -803,6 +869,7 @@ impl Control {
 
     /// Feeds one input at `now`; appends what the shell must do to `out`.
     pub fn handle(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
+        self.now = Some(now);
         match input {
             Input::Register {
                 conn,
@@ -819,21 +886,25 @@ impl Control {
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
+            Input::Responded { conn, run_id } => self.on_responded(conn, &run_id),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
         }
     }
 
     /// The earliest instant at which [`Control::handle_timeout`] has work:
-    /// a queue deadline, a cancel settlement or a recovery probe.
+    /// a queue deadline, a cancel settlement, a response-wait deadline or a
+    /// recovery probe.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let queue = self.queue_deadlines.first().map(|(t, _)| *t);
         let settle = self.settle_deadlines.first().map(|(t, _)| *t);
+        let response = self.response_deadlines.first().map(|(t, _)| *t);
         let probe = self.probe_deadlines.first().map(|(t, _)| *t);
-        [queue, settle, probe].into_iter().flatten().min()
+        [queue, settle, response, probe].into_iter().flatten().min()
     }
 
     /// Runs every timer due at `now` (deadlines at or before `now`).
     pub fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
+        self.now = Some(now);
         while let Some(&(at, request)) = self.queue_deadlines.first() {
             if at > now {
                 break;
@@ -846,6 +917,13 @@ impl Control {
                     outcome: Outcome::Rejected(Rejection::QueueTimeout),
                 });
             }
+        }
+        while let Some(&(at, request)) = self.response_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.response_deadlines.remove(&(at, request));
+            self.on_response_wait_timeout(now, request, out);
         }
         let mut released = false;
         while let Some(&(at, request)) = self.settle_deadlines.first() {
@@ -1194,14 +1272,13 @@ impl Control {
             });
         };
         if let Some(dispatch) = self.try_admit(request, m, long) {
+            let state = self.dispatched(request, &dispatch);
             self.pending.insert(
                 request,
                 Pending {
                     model: m,
                     long,
-                    state: RequestState::Dispatched {
-                        run_id: dispatch.lease.run_id.clone(),
-                    },
+                    state,
                 },
             );
             return out.push(Action::Dispatch(dispatch));
@@ -1248,7 +1325,13 @@ impl Control {
                     outcome: Outcome::Cancelled,
                 });
             }
-            RequestState::Dispatched { run_id } => {
+            RequestState::Dispatched {
+                run_id,
+                response_by,
+            } => {
+                if let Some(at) = response_by {
+                    self.response_deadlines.remove(&(at, request));
+                }
                 let settle_at = now + self.tunables.cancel_settle;
                 p.state = RequestState::CancelPending {
                     run_id: run_id.clone(),
@@ -1270,7 +1353,8 @@ impl Control {
     fn on_undeliverable(&mut self, request: RequestId, out: &mut Vec<Action>) {
         let run_id = match self.pending.get(&request).map(|p| &p.state) {
             Some(
-                RequestState::Dispatched { run_id } | RequestState::CancelPending { run_id, .. },
+                RequestState::Dispatched { run_id, .. }
+                | RequestState::CancelPending { run_id, .. },
             ) => run_id.clone(),
             _ => return,
         };
@@ -1341,16 +1425,88 @@ impl Control {
                 return;
             };
             self.unqueue(request, m, long);
+            let state = self.dispatched(request, &dispatch);
             if let Some(p) = self.pending.get_mut(&request) {
                 if let RequestState::Queued { deadline } = p.state {
                     self.queue_deadlines.remove(&(deadline, request));
                 }
-                p.state = RequestState::Dispatched {
-                    run_id: dispatch.lease.run_id.clone(),
-                };
+                p.state = state;
             }
             out.push(Action::Dispatch(dispatch));
         }
+    }
+
+    /// The state of `request` once `dispatch` went out: dispatched, with
+    /// its response-wait deadline filed (U6).
+    fn dispatched(&mut self, request: RequestId, dispatch: &Dispatch) -> RequestState {
+        let response_by = match (self.now, self.tunables.response_wait_timeout) {
+            (Some(now), Some(timeout)) => Some(now + timeout),
+            _ => None,
+        };
+        if let Some(at) = response_by {
+            self.response_deadlines.insert((at, request));
+        }
+        RequestState::Dispatched {
+            run_id: dispatch.lease.run_id.clone(),
+            response_by,
+        }
+    }
+
+    /// U6: the response of `run_id` started; its deadline is off. Only the
+    /// lease's own connection counts (H1).
+    fn on_responded(&mut self, conn: ConnId, run_id: &str) {
+        let request = match self.leases.get(run_id) {
+            Some(entry) if entry.lease.conn == conn => entry.lease.request,
+            _ => return,
+        };
+        if let Some(Pending {
+            state: RequestState::Dispatched { response_by, .. },
+            ..
+        }) = self.pending.get_mut(&request)
+        {
+            if let Some(at) = response_by.take() {
+                self.response_deadlines.remove(&(at, request));
+            }
+        }
+    }
+
+    /// U6: `request` got no response in time: its run is cancelled on the
+    /// node, its client told, and its lease settles like a client cancel
+    /// (on the terminal, or at the settle deadline).
+    fn on_response_wait_timeout(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(p) = self.pending.get_mut(&request) else {
+            return;
+        };
+        let RequestState::Dispatched {
+            run_id,
+            response_by: Some(_),
+        } = p.state.clone()
+        else {
+            return;
+        };
+        let settle_at = now + self.tunables.cancel_settle;
+        p.state = RequestState::CancelPending {
+            run_id: run_id.clone(),
+            settle_at,
+        };
+        self.settle_deadlines.insert((settle_at, request));
+        self.counters.response_wait_timeouts += 1;
+        if let Some(entry) = self.leases.get(&run_id) {
+            out.push(Action::SendCancel {
+                conn: entry.lease.conn,
+                run_id,
+                reason: CancelReason::ResponseWaitTimeout,
+            });
+        }
+        out.push(Action::Abort {
+            request,
+            reason: AbortReason::ResponseWaitTimeout,
+        });
     }
 
     fn release(&mut self, run_id: &str) -> Option<Lease> {
@@ -1380,7 +1536,11 @@ impl Control {
                     self.queue_deadlines.remove(&(deadline, request));
                     self.unqueue(request, p.model, p.long);
                 }
-                RequestState::Dispatched { .. } => {}
+                RequestState::Dispatched { response_by, .. } => {
+                    if let Some(at) = response_by {
+                        self.response_deadlines.remove(&(at, request));
+                    }
+                }
             }
         }
     }

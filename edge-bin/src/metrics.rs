@@ -72,6 +72,12 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot]) -> String
             ("result=\"unchanged\"", counters.recovery_probe_unchanged),
         ],
     );
+    counter(
+        &mut out,
+        "iop_edge_response_wait_timeouts_total",
+        "Dispatched requests cancelled because no response started within edge.response_wait_timeout_ms.",
+        &[("", counters.response_wait_timeouts)],
+    );
     let sum = |f: fn(&pb::ProviderSnapshot) -> u32| -> u64 {
         snapshots.iter().map(|s| u64::from(f(s))).sum()
     };
@@ -139,9 +145,11 @@ mod tests {
             health_evidence_accepted: 2,
             health_evidence_rejected: 1,
             health_transitions_unavailable: 1,
+            response_wait_timeouts: 3,
             ..Default::default()
         };
         let text = render(&counters, &[]);
+        assert!(text.contains("iop_edge_response_wait_timeouts_total 3\n"));
         assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"accepted\"} 2\n"));
         assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"rejected\"} 1\n"));
         assert!(text.contains("iop_edge_provider_health_transitions_total{to=\"unavailable\"} 1\n"));

@@ -239,6 +239,13 @@ fn deliver(
     event: RouteEvent,
 ) {
     let delivery = edge.deliver(conn_id, run_id, charge, evidence.is_some(), event);
+    if let (Delivery::Delivered { first: true }, None) = (delivery, &evidence) {
+        // U6: the response started; a terminal ends the wait by itself.
+        edge.apply(Input::Responded {
+            conn: conn_id,
+            run_id: run_id.to_string(),
+        });
+    }
     if let Delivery::Overrun(overrun) = delivery {
         tracing::warn!(
             conn = conn_id.0,

@@ -79,7 +79,10 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     ControlSpec {
         nodes,
         models,
-        tunables: control::Tunables::default(),
+        tunables: control::Tunables {
+            response_wait_timeout: Some(Duration::from_millis(cfg.edge.response_wait_timeout_ms)),
+            ..control::Tunables::default()
+        },
     }
 }
 

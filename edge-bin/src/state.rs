@@ -23,7 +23,7 @@ use iop_wire::pb::frame::Body;
 
 use crate::config::ListenerLimits;
 use crate::control::{
-    Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
+    AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
@@ -45,6 +45,9 @@ pub enum RouteEvent {
     /// control and sent more than a window the client had not drained. The
     /// run is cut off (the client is too slow for it).
     Overflow,
+    /// Control gave up on the run before its terminal and cancelled it
+    /// on the node (U6); the client gets the error now.
+    Aborted(AbortReason),
 }
 
 /// The receiving end of a client request's route: frames arrive here from
@@ -98,7 +101,7 @@ impl RouteEvent {
         match self {
             RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
             RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
-            RouteEvent::Lost | RouteEvent::Overflow => 0,
+            RouteEvent::Lost | RouteEvent::Overflow | RouteEvent::Aborted(_) => 0,
         }
     }
 }
@@ -121,6 +124,8 @@ struct NodeRoute {
     /// What the node may still send: charged bytes received against the
     /// credit granted so far.
     window: RecvWindow,
+    /// A frame of it was delivered already (its response started, U6).
+    responded: bool,
 }
 
 /// A node connection of this shard.
@@ -138,8 +143,12 @@ struct NodeLink {
 /// What happened to a frame from a node ([`Edge::deliver`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {
-    /// Queued for its client (or dropped: the client has left).
-    Delivered,
+    /// Queued for its client (or dropped: the client has left); `first`
+    /// when it is the run's first frame (its response started, U6).
+    Delivered {
+        /// The run's first frame.
+        first: bool,
+    },
     /// No live route on this connection (late, stale, or never dispatched
     /// here: H1, F2).
     NoRoute,
@@ -576,7 +585,9 @@ impl Edge {
             | Action::SendCancel { conn, .. }
             | Action::SendCommand { conn, .. } => shards::shard_of(conn.0),
             Action::Dispatch(d) => shards::shard_of(d.request.0),
-            Action::Done { request, .. } => shards::shard_of(request.0),
+            Action::Done { request, .. } | Action::Abort { request, .. } => {
+                shards::shard_of(request.0)
+            }
             Action::StallHandoff { .. } | Action::Event(_) => CONTROL_SHARD,
         }
     }
@@ -642,6 +653,7 @@ impl Edge {
                     "stalled request handed off"
                 );
             }
+            Action::Abort { request, reason } => self.abort(request, reason),
             Action::Done { request, outcome } => self.finish(request, outcome),
             Action::Event(event) => self.notify_observers(&event),
         }
@@ -679,6 +691,25 @@ impl Edge {
         }
     }
 
+    /// Tells a dispatched request's relay that Control gave up on it; the
+    /// route stays until the request is done (the lease settles later).
+    fn abort(&self, request: RequestId, reason: AbortReason) {
+        let Some(tx) = self
+            .client_routes
+            .borrow()
+            .get(&request)
+            .map(|r| r.tx.clone())
+        else {
+            return;
+        };
+        tracing::warn!(
+            request = request.0,
+            reason = reason.as_str(),
+            "dispatched request given up: no response in time; run cancelled"
+        );
+        push_notice(tx, RouteEvent::Aborted(reason));
+    }
+
     fn finish(&self, request: RequestId, outcome: Outcome) {
         let waiter = self.waiters.borrow_mut().remove(&request);
         if let Some(w) = waiter {
@@ -691,11 +722,7 @@ impl Edge {
         if let (Some(route), Outcome::Lost) = (route, outcome) {
             route.lost.set(true);
             // Wakes a relay waiting on an empty route.
-            if let Err(mailbox::TrySendError::Full(lost)) = route.tx.try_send(RouteEvent::Lost) {
-                monoio::spawn(async move {
-                    let _ = route.tx.send(lost).await;
-                });
-            }
+            push_notice(route.tx, RouteEvent::Lost);
         }
     }
 
@@ -762,6 +789,7 @@ impl Edge {
                 conn,
                 tx: route,
                 window: RecvWindow::new(window),
+                responded: false,
             },
         );
         if handle.send_bulk(frame).await.is_ok() {
@@ -802,10 +830,11 @@ impl Edge {
             },
         };
         let Some(overrun) = refused else {
+            let first = !std::mem::replace(&mut route.responded, true);
             if terminal {
                 routes.remove(run_id);
             }
-            return Delivery::Delivered;
+            return Delivery::Delivered { first };
         };
         let Some(route) = routes.remove(run_id) else {
             return Delivery::NoRoute;
@@ -822,11 +851,7 @@ impl Edge {
              speaks no flow control"
         );
         // The relay may be waiting on a full route: the notice must get in.
-        if let Err(mailbox::TrySendError::Full(event)) = route.tx.try_send(RouteEvent::Overflow) {
-            monoio::spawn(async move {
-                let _ = route.tx.send(event).await;
-            });
-        }
+        push_notice(route.tx, RouteEvent::Overflow);
         Delivery::CutOff
     }
 
@@ -1065,6 +1090,16 @@ impl Edge {
             }
             self.lifecycle_changed.wait().await;
         }
+    }
+}
+
+/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a route even when the
+/// route is full: then it waits behind the queued frames.
+fn push_notice(tx: MailboxSender<RouteEvent>, notice: RouteEvent) {
+    if let Err(mailbox::TrySendError::Full(notice)) = tx.try_send(notice) {
+        monoio::spawn(async move {
+            let _ = tx.send(notice).await;
+        });
     }
 }
 

@@ -21,7 +21,9 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
 use crate::body_json::JsonLimits;
-use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::control::{
+    AbortReason, CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId,
+};
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
@@ -846,6 +848,9 @@ where
                     }
                 }
                 Some(RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
+                Some(RouteEvent::Aborted(reason)) => {
+                    return abort(server, Surface::OpenAi, false, false, reason).await
+                }
                 Some(RouteEvent::Overflow) => {
                     let _ = fail(
                         server,
@@ -889,6 +894,9 @@ where
             Some(RouteEvent::Tunnel(_)) => {
                 frames.drained(edge, charge);
                 continue;
+            }
+            Some(RouteEvent::Aborted(reason)) => {
+                return abort(server, Surface::OpenAi, started, true, reason).await
             }
             Some(RouteEvent::Overflow) => {
                 let _ = fail(
@@ -984,6 +992,9 @@ where
                 frames.drained(edge, charge);
                 continue;
             }
+            Some(RouteEvent::Aborted(reason)) => {
+                return abort(server, surface, started, event_stream, reason).await
+            }
             Some(RouteEvent::Overflow) => {
                 let _ = fail(
                     server,
@@ -1059,6 +1070,35 @@ where
     }
 }
 
+/// Ends a relay Control gave up on ([`RouteEvent::Aborted`]): the run is
+/// already cancelled on its node, so the client only gets the error — 504
+/// in the route's shape when nothing was sent yet (U6).
+async fn abort<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    started: bool,
+    event_stream: bool,
+    reason: AbortReason,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let message = match reason {
+        AbortReason::ResponseWaitTimeout => {
+            "The provider did not start a response within edge.response_wait_timeout_ms."
+        }
+    };
+    fail(
+        server,
+        surface,
+        started,
+        event_stream,
+        message,
+        reason.as_str(),
+    )
+    .await
+}
+
 /// Ends a failed relay: an HTTP error before the response started, or an
 /// SSE error event (then `[DONE]`) inside a started event stream.
 async fn fail<S>(
@@ -1073,7 +1113,7 @@ where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     if !started {
-        let e = if code == "response_stalled" {
+        let e = if matches!(code, "response_stalled" | "response_wait_timeout") {
             ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))
         } else {
             ApiError::upstream(message.to_string(), Some(code.to_string()))

@@ -197,6 +197,7 @@ impl WorldParams {
             tunables: Tunables {
                 cancel_settle: Duration::from_millis(50),
                 recovery_probe_interval: Duration::from_millis(40),
+                ..Tunables::default()
             },
         }
     }
@@ -222,6 +223,7 @@ impl WorldParams {
             tunables: Tunables {
                 cancel_settle: Duration::from_millis(rng.range(10, 150)),
                 recovery_probe_interval: Duration::from_millis(rng.range(20, 200)),
+                ..Tunables::default()
             },
         }
     }
@@ -1909,6 +1911,9 @@ impl<'w> Sim<'w> {
                     Some(SState::CancelPending { .. }) | None => ex.unchanged = true,
                 }
             }
+            // No response-wait timeout is configured here: a response
+            // start changes nothing observable.
+            Input::Responded { .. } => ex.unchanged = true,
             Input::Undeliverable { request } => {
                 match self.sh.active.get(request).map(|r| &r.state) {
                     Some(SState::Dispatched { .. } | SState::CancelPending { .. }) => {
@@ -2177,6 +2182,11 @@ impl<'w> Sim<'w> {
                     dones.push((*request, outcome.clone()));
                 }
                 Action::Event(e) => events.push(e.clone()),
+                Action::Abort { request, reason } => {
+                    return Err(self.fail(format!(
+                        "{request:?} aborted ({reason:?}) without a response-wait timeout"
+                    )));
+                }
             }
         }
         if registry != ex.registry {

@@ -201,6 +201,8 @@ pub struct EdgeOptions {
     pub max_request_body_bytes: Option<usize>,
     /// More `[edge]` lines (`key = value`, one per line).
     pub edge_keys: String,
+    /// More TOML at the end of the file (e.g. more `[[models]]`).
+    pub extra_toml: String,
 }
 
 impl EdgeOptions {
@@ -210,6 +212,7 @@ impl EdgeOptions {
             provider_addr,
             max_request_body_bytes: None,
             edge_keys: String::new(),
+            extra_toml: String::new(),
         }
     }
 
@@ -277,7 +280,9 @@ queue_timeout_ms = {QUEUE_TIMEOUT_MS}
 [[models]]
 name = "{MODEL_B}"
 providers = ["node-b/b-mock"]
+{extra}
 "#,
+        extra = options.extra_toml,
         ca = edge.ca_path.display(),
         cert = edge.cert_path.display(),
         key = edge.key_path.display(),
