@@ -88,6 +88,66 @@ pub enum DispatchKind {
     Run,
 }
 
+/// A client operation a provider may serve (U3): the profile operations
+/// that carry inference requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Operation {
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/messages`.
+    Messages,
+    /// `POST /v1/messages/count_tokens`.
+    CountTokens,
+}
+
+impl Operation {
+    /// Every operation, in this order (the bit order of [`Operations`]).
+    pub const ALL: [Operation; 4] = [
+        Operation::ChatCompletions,
+        Operation::Responses,
+        Operation::Messages,
+        Operation::CountTokens,
+    ];
+
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// The set of operations a provider serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Operations(u8);
+
+impl Operations {
+    /// Every operation: an OpenAI-compatible server whose profile defines
+    /// them all.
+    pub const ALL: Operations = Operations(0b1111);
+    /// Chat completions only: an Ollama-native adapter (normalized runs).
+    pub const CHAT: Operations = Operations(1);
+
+    /// The set of `ops`.
+    pub fn of(ops: &[Operation]) -> Self {
+        Operations(ops.iter().fold(0, |bits, op| bits | op.bit()))
+    }
+
+    /// What a provider driven as `kind` serves: a normalized run speaks
+    /// chat only; a tunnel whatever its profile defines (every profile
+    /// defines all four today).
+    pub fn for_kind(kind: DispatchKind) -> Self {
+        match kind {
+            DispatchKind::Run => Operations::CHAT,
+            DispatchKind::Tunnel => Operations::ALL,
+        }
+    }
+
+    /// Whether `op` is in the set.
+    pub fn contains(self, op: Operation) -> bool {
+        self.0 & op.bit() != 0
+    }
+}
+
 /// Static description of one provider resource.
 #[derive(Debug, Clone)]
 pub struct ProviderSpec {
@@ -107,6 +167,8 @@ pub struct ProviderSpec {
     pub category: pb::ProviderCategory,
     /// Tunnel or normalized run (U7).
     pub kind: DispatchKind,
+    /// The operations it serves: it is a candidate for those only.
+    pub operations: Operations,
     /// Disabled providers are never candidates.
     pub enabled: bool,
 }
@@ -289,6 +351,8 @@ pub enum Input {
         request: RequestId,
         /// The external model (E2).
         model: String,
+        /// What it asks for: only providers serving it are candidates.
+        operation: Operation,
         /// Whether it needs a long-context slot.
         long: bool,
     },
@@ -331,6 +395,8 @@ pub enum Input {
 pub enum Rejection {
     /// The model is not configured (404).
     UnknownModel,
+    /// No provider of the model serves the operation (400).
+    UnsupportedOperation,
     /// The model's queue is full (429 with retry-after).
     QueueFull,
     /// No lease within the queue timeout (503 with retry-after).
@@ -606,7 +672,8 @@ struct ProviderState {
     overlay: Option<Generation>,
     /// When the next recovery probe is due, while overlaid.
     next_probe: Option<Instant>,
-    /// Every pool that lists it: (model index, position in the pool).
+    /// Every lane it is filed in: (lane index, position in the model's
+    /// pool).
     pools: Vec<(usize, usize)>,
     /// Its entry in those pools' candidate indexes, while it is a
     /// candidate with a free slot.
@@ -673,17 +740,32 @@ enum RequestState {
 
 #[derive(Debug, Clone)]
 struct Pending {
-    /// Index into `Control::models`.
-    model: usize,
+    /// Index into `Control::lanes`: where it queues.
+    lane: usize,
     long: bool,
     state: RequestState,
 }
 
-/// One served model: its spec, its candidate indexes and its queues.
+/// One served model: its spec and its lanes.
 #[derive(Debug)]
 struct ModelState {
     spec: ModelSpec,
-    /// Live providers of the pool with a free slot (X6, H4).
+    /// Its lanes (indexes into `Control::lanes`).
+    lanes: Vec<usize>,
+    /// The lane of each operation ([`Operation::ALL`] order); `None` when
+    /// no provider of the pool serves it.
+    lane_of: [Option<usize>; Operation::ALL.len()],
+}
+
+/// The candidates and queues of the operations of one model that share
+/// one candidate set: a provider is filed in a lane exactly when it serves
+/// every operation of the lane. A model whose providers all serve the same
+/// operations has one lane; one mixing an Ollama-native provider with
+/// OpenAI-compatible ones has two (chat, over all of them; the others,
+/// over the OpenAI-compatible ones).
+#[derive(Debug)]
+struct LaneState {
+    /// Live providers of the lane with a free slot (X6, H4).
     free: BTreeSet<Candidate>,
     /// Those of them with a free long-context slot too.
     free_long: BTreeSet<Candidate>,
@@ -693,7 +775,7 @@ struct ModelState {
     queued_long: BTreeSet<RequestId>,
 }
 
-impl ModelState {
+impl LaneState {
     fn candidates(&self, long: bool) -> &BTreeSet<Candidate> {
         if long {
             &self.free_long
@@ -753,7 +835,9 @@ pub struct Control {
     leases_of: HashMap<ConnId, BTreeSet<String>>,
     /// Requests not yet done, by id (arrival order).
     pending: BTreeMap<RequestId, Pending>,
-    /// The head of every non-empty queue: (request, model, long).
+    /// Candidate sets and queues, by operation, of every model.
+    lanes: Vec<LaneState>,
+    /// The head of every non-empty queue: (request, lane, long).
     heads: BTreeSet<(RequestId, usize, bool)>,
     /// Queued requests by deadline, for timeouts.
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
@@ -822,23 +906,55 @@ impl Control {
             .collect();
         let mut models = Vec::with_capacity(spec.models.len());
         let mut model_index = HashMap::new();
+        let mut lanes = Vec::new();
         for m in spec.models {
             if model_index.contains_key(&m.name) {
                 continue;
             }
             let index = models.len();
-            for (position, key) in m.providers.iter().enumerate() {
-                if let Some(&p) = provider_index.get(key) {
-                    providers[p].pools.push((index, position));
+            // One lane per distinct set of pool positions serving an
+            // operation.
+            let mut model_lanes: Vec<(Vec<usize>, usize)> = Vec::new();
+            let mut lane_of = [None; Operation::ALL.len()];
+            for (o, &op) in Operation::ALL.iter().enumerate() {
+                let members: Vec<usize> = m
+                    .providers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, key)| {
+                        provider_index
+                            .get(*key)
+                            .is_some_and(|&p| providers[p].spec.operations.contains(op))
+                    })
+                    .map(|(position, _)| position)
+                    .collect();
+                if members.is_empty() {
+                    continue;
                 }
+                if let Some((_, lane)) = model_lanes.iter().find(|(set, _)| *set == members) {
+                    lane_of[o] = Some(*lane);
+                    continue;
+                }
+                let lane = lanes.len();
+                for &position in &members {
+                    if let Some(&p) = provider_index.get(&m.providers[position]) {
+                        providers[p].pools.push((lane, position));
+                    }
+                }
+                lanes.push(LaneState {
+                    free: BTreeSet::new(),
+                    free_long: BTreeSet::new(),
+                    queued: BTreeSet::new(),
+                    queued_long: BTreeSet::new(),
+                });
+                lane_of[o] = Some(lane);
+                model_lanes.push((members, lane));
             }
             model_index.insert(m.name.clone(), index);
             models.push(ModelState {
                 spec: m,
-                free: BTreeSet::new(),
-                free_long: BTreeSet::new(),
-                queued: BTreeSet::new(),
-                queued_long: BTreeSet::new(),
+                lanes: model_lanes.into_iter().map(|(_, lane)| lane).collect(),
+                lane_of,
             });
         }
         Self {
@@ -848,6 +964,7 @@ impl Control {
             provider_index,
             models,
             model_index,
+            lanes,
             tunables: spec.tunables,
             bindings: HashMap::new(),
             closing: HashSet::new(),
@@ -881,8 +998,9 @@ impl Control {
             Input::Submit {
                 request,
                 model,
+                operation,
                 long,
-            } => self.on_submit(now, request, &model, long, out),
+            } => self.on_submit(now, request, &model, operation, long, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
@@ -911,7 +1029,7 @@ impl Control {
             }
             self.queue_deadlines.remove(&(at, request));
             if let Some(p) = self.pending.remove(&request) {
-                self.unqueue(request, p.model, p.long);
+                self.unqueue(request, p.lane, p.long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Rejected(Rejection::QueueTimeout),
@@ -999,8 +1117,8 @@ impl Control {
             in_flight,
             capacity,
         };
-        for &(m, position) in &state.pools {
-            let model = &mut self.models[m];
+        for &(lane, position) in &state.pools {
+            let model = &mut self.lanes[lane];
             if let Some(old) = had {
                 let entry = Candidate {
                     load: load(old.in_flight),
@@ -1049,9 +1167,9 @@ impl Control {
         self.set_next_probe(p, None);
     }
 
-    /// Takes `request` out of its model's queue.
+    /// Takes `request` out of its lane's queue.
     fn unqueue(&mut self, request: RequestId, model: usize, long: bool) {
-        let queue = self.models[model].queue(long);
+        let queue = self.lanes[model].queue(long);
         let was_head = queue.first() == Some(&request);
         if !queue.remove(&request) || !was_head {
             return;
@@ -1063,9 +1181,9 @@ impl Control {
         }
     }
 
-    /// Puts `request` at the end of its model's queue.
+    /// Puts `request` at the end of its lane's queue.
     fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
-        let queue = self.models[model].queue(long);
+        let queue = self.lanes[model].queue(long);
         let old_head = queue.first().copied();
         queue.insert(request);
         let head = queue.first().copied();
@@ -1259,6 +1377,7 @@ impl Control {
         now: Instant,
         request: RequestId,
         model: &str,
+        operation: Operation,
         long: bool,
         out: &mut Vec<Action>,
     ) {
@@ -1271,21 +1390,20 @@ impl Control {
                 outcome: Outcome::Rejected(Rejection::UnknownModel),
             });
         };
-        if let Some(dispatch) = self.try_admit(request, m, long) {
-            let state = self.dispatched(request, &dispatch);
-            self.pending.insert(
+        let Some(lane) = self.models[m].lane_of[operation as usize] else {
+            return out.push(Action::Done {
                 request,
-                Pending {
-                    model: m,
-                    long,
-                    state,
-                },
-            );
+                outcome: Outcome::Rejected(Rejection::UnsupportedOperation),
+            });
+        };
+        if let Some(dispatch) = self.try_admit(request, lane, long) {
+            let state = self.dispatched(request, &dispatch);
+            self.pending.insert(request, Pending { lane, long, state });
             return out.push(Action::Dispatch(dispatch));
         }
         let spec = &self.models[m].spec;
         let (max_queue, queue_timeout) = (spec.max_queue as usize, spec.queue_timeout);
-        if self.models[m].queued_count() >= max_queue {
+        if self.queued_count(m) >= max_queue {
             return out.push(Action::Done {
                 request,
                 outcome: Outcome::Rejected(Rejection::QueueFull),
@@ -1293,11 +1411,11 @@ impl Control {
         }
         let deadline = now + queue_timeout;
         self.queue_deadlines.insert((deadline, request));
-        self.enqueue(request, m, long);
+        self.enqueue(request, lane, long);
         self.pending.insert(
             request,
             Pending {
-                model: m,
+                lane,
                 long,
                 state: RequestState::Queued { deadline },
             },
@@ -1316,10 +1434,10 @@ impl Control {
         };
         match p.state.clone() {
             RequestState::Queued { deadline } => {
-                let (model, long) = (p.model, p.long);
+                let (lane, long) = (p.lane, p.long);
                 self.queue_deadlines.remove(&(deadline, request));
                 self.pending.remove(&request);
-                self.unqueue(request, model, long);
+                self.unqueue(request, lane, long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Cancelled,
@@ -1367,11 +1485,20 @@ impl Control {
         self.pump(out);
     }
 
-    /// Takes a lease on the least-loaded live candidate of model `m` with a
+    /// Requests waiting in any lane of model `m`.
+    fn queued_count(&self, m: usize) -> usize {
+        self.models[m]
+            .lanes
+            .iter()
+            .map(|&lane| self.lanes[lane].queued_count())
+            .sum()
+    }
+
+    /// Takes a lease on the least-loaded live candidate of `lane` with a
     /// free slot (and a free long slot for long requests); ties go to
-    /// configured order. The first entry of the model's candidate index.
-    fn try_admit(&mut self, request: RequestId, m: usize, long: bool) -> Option<Dispatch> {
-        let p = self.models[m].candidates(long).first()?.provider;
+    /// configured order. The first entry of the lane's candidate index.
+    fn try_admit(&mut self, request: RequestId, lane: usize, long: bool) -> Option<Dispatch> {
+        let p = self.lanes[lane].candidates(long).first()?.provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
         let state = &mut self.providers[p];
         state.in_flight += 1;
@@ -1416,7 +1543,7 @@ impl Control {
             let head = self
                 .heads
                 .iter()
-                .find(|&&(_, m, long)| !self.models[m].candidates(long).is_empty())
+                .find(|&&(_, lane, long)| !self.lanes[lane].candidates(long).is_empty())
                 .copied();
             let Some((request, m, long)) = head else {
                 return;
@@ -1534,7 +1661,7 @@ impl Control {
                 }
                 RequestState::Queued { deadline } => {
                     self.queue_deadlines.remove(&(deadline, request));
-                    self.unqueue(request, p.model, p.long);
+                    self.unqueue(request, p.lane, p.long);
                 }
                 RequestState::Dispatched { response_by, .. } => {
                     if let Some(at) = response_by {
@@ -1876,15 +2003,14 @@ impl Control {
                     s.health = pb::ProviderHealth::Available as i32;
                 } else {
                     // P2: unique pending requests listing it as a live
-                    // candidate (every waiter of every model whose pool
-                    // lists it), and the long ones among them.
-                    let mut models: Vec<usize> = state.pools.iter().map(|&(m, _)| m).collect();
-                    models.sort_unstable();
-                    models.dedup();
-                    let (queued, long_queued) = models.iter().fold((0, 0), |(q, lq), &m| {
-                        let model = &self.models[m];
-                        (q + model.queued_count(), lq + model.queued_long.len())
-                    });
+                    // candidate (every waiter of every lane it is filed
+                    // in: a request waits in one lane), and the long ones
+                    // among them.
+                    let (queued, long_queued) =
+                        state.pools.iter().fold((0, 0), |(q, lq), &(lane, _)| {
+                            let lane = &self.lanes[lane];
+                            (q + lane.queued_count(), lq + lane.queued_long.len())
+                        });
                     s.status = pb::ProviderStatus::Available as i32;
                     s.health = pb::ProviderHealth::Available as i32;
                     s.capacity = spec.capacity;

@@ -53,6 +53,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                             }
                         },
                         kind,
+                        operations: control::Operations::for_kind(kind),
                         enabled: p.enabled,
                     }
                 })

@@ -23,7 +23,8 @@ use iop_wire::pb::frame::Body;
 
 use crate::config::ListenerLimits;
 use crate::control::{
-    AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
+    AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome, Rejection,
+    RequestId,
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
@@ -464,7 +465,12 @@ impl Edge {
     }
 
     /// Submits a client request; the answer arrives on the returned channel.
-    pub fn submit(&self, model: &str, long: bool) -> (RequestId, oneshot::Receiver<Admission>) {
+    pub fn submit(
+        &self,
+        model: &str,
+        operation: Operation,
+        long: bool,
+    ) -> (RequestId, oneshot::Receiver<Admission>) {
         let seq = self.next_request.get() + 1;
         self.next_request.set(seq);
         let request = RequestId(shards::shard_id(self.shard, seq));
@@ -473,6 +479,7 @@ impl Edge {
         self.apply(Input::Submit {
             request,
             model: model.to_string(),
+            operation,
             long,
         });
         (request, rx)
@@ -1145,6 +1152,7 @@ mod tests {
                     response_stall_timeout_ms: 0,
                     category: pb::ProviderCategory::LocalInference,
                     kind: DispatchKind::Tunnel,
+                    operations: crate::control::Operations::ALL,
                     enabled: true,
                 }],
             }],
@@ -1195,7 +1203,7 @@ mod tests {
             node_id: "n".into(),
         });
         assert_eq!(seen.get(), 1, "node.connected reached the observer");
-        let (request, mut rx) = edge.submit("m", false);
+        let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
         let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };
@@ -1230,7 +1238,7 @@ mod tests {
             conn,
             node_id: "n".into(),
         });
-        let (request, mut rx) = edge.submit("m", false);
+        let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
         let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };

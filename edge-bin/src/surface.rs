@@ -22,7 +22,7 @@ use monoio::net::TcpStream;
 
 use crate::body_json::JsonLimits;
 use crate::control::{
-    AbortReason, CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId,
+    AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
 };
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
@@ -430,7 +430,7 @@ where
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
     let Some((request, dispatch, frames)) =
-        admit(edge, server, Surface::OpenAi, &chat.model, long).await?
+        admit(edge, server, CHAT_COMPLETIONS, &chat.model, long).await?
     else {
         return Ok(());
     };
@@ -485,7 +485,7 @@ where
 async fn admit<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
-    surface: Surface,
+    route: PassRoute,
     model: &str,
     long: bool,
 ) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
@@ -493,7 +493,7 @@ where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let submitted_at = clock::now(); // metrics: queue wait
-    let (request, mut admission) = edge.submit(model, long);
+    let (request, mut admission) = edge.submit(model, route.op, long);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
@@ -517,13 +517,22 @@ where
             return Ok(Some((request, dispatch, frames)))
         }
         Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
+        Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
         Ok(Admission::Rejected(Rejection::QueueFull)) => ApiError::queue_full(model),
         Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
             ApiError::no_provider(model)
         }
     };
-    write_error(server, surface, &e).await?;
+    write_error(server, route.surface, &e).await?;
     Ok(None)
+}
+
+/// 400: no provider of `model` serves `route`'s operation.
+fn unsupported(model: &str, route: PassRoute) -> ApiError {
+    ApiError::invalid_request(
+        format!("No provider serving `{model}` supports {}.", route.path),
+        None,
+    )
 }
 
 /// Sends a run to the lease's node; on failure settles the request and
@@ -568,23 +577,17 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
-    let Some((request, dispatch, frames)) =
-        admit(edge, server, route.surface, &req.model, false).await?
+    let Some((request, dispatch, frames)) = admit(edge, server, route, &req.model, false).await?
     else {
         return Ok(());
     };
     let admitted_at = clock::now(); // metrics: time to first byte
     if dispatch.kind != DispatchKind::Tunnel {
-        // Native (Ollama) providers speak only the normalized chat path.
+        // Control files native (Ollama) providers, which speak only the
+        // normalized chat path, in no lane of these operations: this is a
+        // wiring bug, answered as if no provider served it.
         edge.abandon(request);
-        let e = ApiError::invalid_request(
-            format!(
-                "The provider serving `{}` does not support {}.",
-                req.model, route.path
-            ),
-            None,
-        );
-        return write_error(server, route.surface, &e).await;
+        return write_error(server, route.surface, &unsupported(&req.model, route)).await;
     }
     let tunnel = tunnel_request(
         route,
@@ -615,27 +618,32 @@ where
 #[derive(Debug, Clone, Copy)]
 struct PassRoute {
     operation: &'static str,
+    op: Operation,
     path: &'static str,
     surface: Surface,
 }
 
 const CHAT_COMPLETIONS: PassRoute = PassRoute {
     operation: "chat_completions",
+    op: Operation::ChatCompletions,
     path: "/v1/chat/completions",
     surface: Surface::OpenAi,
 };
 const RESPONSES: PassRoute = PassRoute {
     operation: "responses",
+    op: Operation::Responses,
     path: "/v1/responses",
     surface: Surface::OpenAi,
 };
 const MESSAGES: PassRoute = PassRoute {
     operation: "messages",
+    op: Operation::Messages,
     path: "/v1/messages",
     surface: Surface::Anthropic,
 };
 const COUNT_TOKENS: PassRoute = PassRoute {
     operation: "count_tokens",
+    op: Operation::CountTokens,
     path: "/v1/messages/count_tokens",
     surface: Surface::Anthropic,
 };

@@ -1,11 +1,13 @@
 //! Focused tests of the [`Control`] policies around failing attempts, with
-//! a manual clock and no sockets: the response-wait deadline (U6).
+//! a manual clock and no sockets: the response-wait deadline (U6) and
+//! candidates by operation.
 
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
     AbortReason, Action, CancelReason, ConnId, Control, ControlSpec, DispatchKind, Input,
-    ModelSpec, NodeSpec, Outcome, ProviderKey, ProviderSpec, RequestId, Terminal, Tunables,
+    ModelSpec, NodeSpec, Operation, Operations, Outcome, ProviderKey, ProviderSpec, Rejection,
+    RequestId, Terminal, Tunables,
 };
 use iop_wire::pb;
 
@@ -24,6 +26,7 @@ fn provider(id: &str, kind: DispatchKind) -> ProviderSpec {
         response_stall_timeout_ms: 0,
         category: pb::ProviderCategory::LocalInference,
         kind,
+        operations: Operations::for_kind(kind),
         enabled: true,
     }
 }
@@ -35,8 +38,18 @@ fn key(provider: &str) -> ProviderKey {
     }
 }
 
-/// One node `n1` with OpenAI-compatible providers `p1`, `p2`; model `m`
-/// over both.
+fn model(name: &str, providers: &[&str]) -> ModelSpec {
+    ModelSpec {
+        name: name.into(),
+        providers: providers.iter().map(|p| key(p)).collect(),
+        max_queue: 4,
+        queue_timeout: Duration::from_secs(10),
+    }
+}
+
+/// One node `n1` with an Ollama-native provider `o1` and OpenAI-compatible
+/// providers `p1`, `p2` (capacity 4 each); model `m` over `p1`, `p2`,
+/// `mixed` over `o1`, `p1` (in that order) and `native` over `o1`.
 struct Fixture {
     control: Control,
     base: Instant,
@@ -50,16 +63,16 @@ impl Fixture {
                 id: NODE.into(),
                 config: pb::NodeConfigPayload::default(),
                 providers: vec![
+                    provider("o1", DispatchKind::Run),
                     provider("p1", DispatchKind::Tunnel),
                     provider("p2", DispatchKind::Tunnel),
                 ],
             }],
-            models: vec![ModelSpec {
-                name: "m".into(),
-                providers: vec![key("p1"), key("p2")],
-                max_queue: 4,
-                queue_timeout: Duration::from_secs(10),
-            }],
+            models: vec![
+                model("m", &["p1", "p2"]),
+                model("mixed", &["o1", "p1"]),
+                model("native", &["o1"]),
+            ],
             tunables,
         };
         let base = iop_engine::clock::now();
@@ -103,11 +116,26 @@ impl Fixture {
     }
 
     fn submit(&mut self, id: u64) -> Vec<Action> {
+        self.submit_to(id, "m", Operation::ChatCompletions)
+    }
+
+    fn submit_to(&mut self, id: u64, model: &str, operation: Operation) -> Vec<Action> {
         self.handle(Input::Submit {
             request: RequestId(id),
-            model: "m".into(),
+            model: model.into(),
+            operation,
             long: false,
         })
+    }
+
+    /// `/status`'s `queued` of provider `id`.
+    fn queued(&self, id: &str) -> u32 {
+        self.control
+            .snapshots()
+            .iter()
+            .find(|s| s.provider_id == id)
+            .map(|s| s.queued)
+            .expect("a snapshot")
     }
 
     fn terminal(&mut self, id: u64) -> Vec<Action> {
@@ -261,4 +289,84 @@ fn no_timeout_configured_means_no_deadline() {
     assert_eq!(f.control.poll_timeout(), None);
     assert_eq!(f.at(3_600_000), []);
     assert_eq!(f.control.leases().count(), 1);
+}
+
+// ---- candidates by operation ------------------------------------------------
+
+// An operation goes only to providers that serve it: on a model mixing an
+// Ollama-native provider (listed first, least loaded) with an
+// OpenAI-compatible one, chat still takes the first by pool order, while
+// responses, messages and count_tokens always go to the OpenAI-compatible
+// one — never to the adapter that would answer 400.
+#[test]
+fn an_operation_is_dispatched_only_to_providers_that_serve_it() {
+    let mut f = Fixture::new(Tunables::default());
+    assert_eq!(
+        dispatched_to(&f.submit_to(1, "mixed", Operation::ChatCompletions)),
+        ["o1"]
+    );
+    let mut id = 2;
+    for op in [
+        Operation::Responses,
+        Operation::Messages,
+        Operation::CountTokens,
+    ] {
+        // o1 holds one lease, p1 none: o1 is not less loaded, but ties
+        // would go to it by pool order; it serves none of these.
+        assert_eq!(
+            dispatched_to(&f.submit_to(id, "mixed", op)),
+            ["p1"],
+            "{op:?}"
+        );
+        f.terminal(id);
+        id += 1;
+    }
+}
+
+// The operation's candidates are full: the request waits for one of them
+// (counted as queued on that provider only), a later chat request still
+// gets the free native provider, and the waiter is admitted when its
+// provider frees.
+#[test]
+fn a_request_waits_for_a_provider_of_its_operation_without_blocking_others() {
+    let mut f = Fixture::new(Tunables::default());
+    for id in 1..=4 {
+        assert_eq!(
+            dispatched_to(&f.submit_to(id, "mixed", Operation::Messages)),
+            ["p1"]
+        );
+    }
+    assert_eq!(f.submit_to(5, "mixed", Operation::Responses), []);
+    assert_eq!((f.queued("p1"), f.queued("o1")), (1, 0));
+    assert_eq!(
+        dispatched_to(&f.submit_to(6, "mixed", Operation::ChatCompletions)),
+        ["o1"]
+    );
+    let out = f.terminal(2);
+    assert_eq!(dispatched_to(&out), ["p1"]);
+    assert!(matches!(&out[1], Action::Dispatch(d) if d.request == RequestId(5)));
+    assert_eq!((f.queued("p1"), f.queued("o1")), (0, 0));
+}
+
+// A model none of whose providers serves the operation refuses it at once.
+#[test]
+fn a_model_without_a_provider_for_the_operation_refuses_it() {
+    let mut f = Fixture::new(Tunables::default());
+    for op in [
+        Operation::Responses,
+        Operation::Messages,
+        Operation::CountTokens,
+    ] {
+        assert_eq!(
+            f.submit_to(1, "native", op),
+            [Action::Done {
+                request: RequestId(1),
+                outcome: Outcome::Rejected(Rejection::UnsupportedOperation),
+            }]
+        );
+    }
+    assert_eq!(
+        dispatched_to(&f.submit_to(1, "native", Operation::ChatCompletions)),
+        ["o1"]
+    );
 }

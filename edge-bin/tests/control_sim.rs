@@ -56,8 +56,8 @@ use std::time::{Duration, Instant};
 
 use edge_bin::control::{
     Action, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch, DispatchKind, Event,
-    Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Outcome, ProviderKey, ProviderSpec,
-    Rejection, RequestId, StallEvidence, Terminal, Tunables,
+    Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Operation, Operations, Outcome,
+    ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal, Tunables,
 };
 use iop_wire::pb;
 
@@ -276,6 +276,7 @@ impl World {
                     response_stall_timeout_ms: stall_ms,
                     category: d.category,
                     kind: d.kind,
+                    operations: Operations::for_kind(d.kind),
                     enabled: d.enabled,
                 },
             })
@@ -1156,6 +1157,7 @@ impl<'w> Sim<'w> {
         self.apply(Input::Submit {
             request,
             model,
+            operation: Operation::ChatCompletions,
             long,
         })
     }
@@ -1850,6 +1852,7 @@ impl<'w> Sim<'w> {
                 request,
                 model,
                 long,
+                ..
             } => {
                 let id = *request;
                 if id.0 != self.sh.next_request {
@@ -2490,6 +2493,11 @@ impl<'w> Sim<'w> {
             Outcome::Rejected(Rejection::QueueTimeout) => self.stats.queue_timeouts += 1,
             Outcome::Rejected(Rejection::QueueFull) => self.stats.queue_full += 1,
             Outcome::Rejected(Rejection::UnknownModel) => self.stats.unknown_model += 1,
+            Outcome::Rejected(Rejection::UnsupportedOperation) => {
+                return Err(self.fail(format!(
+                    "{request:?} refused as unsupported: every pool here serves chat"
+                )))
+            }
         }
         Ok(())
     }
@@ -3255,6 +3263,7 @@ impl Fixture {
         self.handle(Input::Submit {
             request: rid(id),
             model: model.to_string(),
+            operation: Operation::ChatCompletions,
             long,
         })
     }
@@ -3853,6 +3862,7 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
             Input::Submit {
                 request: rid(id),
                 model: "m-a".to_string(),
+                operation: Operation::ChatCompletions,
                 long: false,
             },
         );

@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use edge_bin::config::EdgeConfig;
-use edge_bin::control::{Action, ConnId, Control, Input, Lease, RequestId, Terminal};
+use edge_bin::control::{Action, ConnId, Control, Input, Lease, Operation, RequestId, Terminal};
 use edge_bin::server::control_spec;
 use iop_engine::clock;
 use serde::Serialize;
@@ -140,6 +140,7 @@ fn submit(
         Input::Submit {
             request,
             model,
+            operation: Operation::ChatCompletions,
             long: false,
         },
         out,
