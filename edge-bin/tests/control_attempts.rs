@@ -305,12 +305,11 @@ fn an_operation_is_dispatched_only_to_providers_that_serve_it() {
         dispatched_to(&f.submit_to(1, "mixed", Operation::ChatCompletions)),
         ["o1"]
     );
-    let mut id = 2;
-    for op in [
+    for (id, op) in (2..).zip([
         Operation::Responses,
         Operation::Messages,
         Operation::CountTokens,
-    ] {
+    ]) {
         // o1 holds one lease, p1 none: o1 is not less loaded, but ties
         // would go to it by pool order; it serves none of these.
         assert_eq!(
@@ -319,7 +318,6 @@ fn an_operation_is_dispatched_only_to_providers_that_serve_it() {
             "{op:?}"
         );
         f.terminal(id);
-        id += 1;
     }
 }
 
