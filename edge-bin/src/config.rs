@@ -371,6 +371,26 @@ pub struct AdapterSpec {
     pub base_url: BaseUrl,
     /// Node-local capacity gate (P4); 0 = unlimited.
     pub capacity: u32,
+    /// An OpenAI-compatible adapter's health path (under the base URL's
+    /// prefix), replacing its profile's: for a server that serves health
+    /// elsewhere. `None`: the profile's.
+    pub health_path: Option<String>,
+}
+
+impl AdapterSpec {
+    /// The resolved protocol profile of an OpenAI-compatible adapter (U4):
+    /// its profile at its base URL, with its own health path if it has
+    /// one; `None` for an Ollama adapter.
+    pub fn protocol_profile(&self) -> Option<ProtocolProfileSpec> {
+        let AdapterKind::OpenAiCompat { profile } = self.kind else {
+            return None;
+        };
+        let mut spec = protocol_profile(profile, &self.base_url);
+        if let Some(path) = &self.health_path {
+            spec.health_path = self.base_url.join(path);
+        }
+        Some(spec)
+    }
 }
 
 /// The type of an adapter instance.
@@ -699,11 +719,9 @@ impl NodeSpec {
             .iter()
             .map(|adapter| {
                 let kind = match adapter.kind {
-                    AdapterKind::OpenAiCompat { profile } => {
+                    AdapterKind::OpenAiCompat { .. } => {
                         pb::adapter_config::Kind::OpenaiCompat(pb::OpenAiCompatAdapterConfig {
-                            protocol_profile: Some(
-                                protocol_profile(profile, &adapter.base_url).to_pb(),
-                            ),
+                            protocol_profile: adapter.protocol_profile().map(|p| p.to_pb()),
                         })
                     }
                     AdapterKind::Ollama => {
@@ -915,6 +933,7 @@ struct RawAdapter {
     profile: Option<String>,
     base_url: String,
     capacity: Option<i64>,
+    health_path: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1525,11 +1544,24 @@ impl Validator<'_> {
                 .map(|v| v as u32)
                 .map_err(|why| self.err(format!("{key}.capacity"), why))?,
         };
+        let health_path = match (raw.health_path, kind) {
+            (None, _) => None,
+            (Some(path), AdapterKind::OpenAiCompat { .. }) => {
+                Some(check_path(&path).map_err(|why| self.err(format!("{key}.health_path"), why))?)
+            }
+            (Some(_), AdapterKind::Ollama) => {
+                return Err(self.err(
+                    format!("{key}.health_path"),
+                    "only an openai_compat adapter has a health path (Ollama's is /api/tags)",
+                ))
+            }
+        };
         Ok(AdapterSpec {
             name,
             kind,
             base_url,
             capacity,
+            health_path,
         })
     }
 
@@ -1636,6 +1668,32 @@ impl Validator<'_> {
             owned_by,
         })
     }
+}
+
+/// Longest accepted `health_path`.
+pub const MAX_HEALTH_PATH_BYTES: usize = 256;
+
+/// A request path: starts with `/`, bounded, printable ASCII without
+/// spaces, `?` or `#`.
+fn check_path(path: &str) -> Result<String, String> {
+    if !path.starts_with('/') {
+        return Err(format!("must start with `/` (got {path:?})"));
+    }
+    if path.len() > MAX_HEALTH_PATH_BYTES {
+        return Err(format!(
+            "must be at most {MAX_HEALTH_PATH_BYTES} bytes (got {})",
+            path.len()
+        ));
+    }
+    if let Some(c) = path
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '?' | '#'))
+    {
+        return Err(format!(
+            "must be a plain path: printable ASCII without spaces, `?` or `#` (found {c:?})"
+        ));
+    }
+    Ok(path.to_string())
 }
 
 /// `value` as `u64` when `min <= value <= max`.
@@ -1872,12 +1930,14 @@ providers = ["node-a/a-llama"]
                         },
                         base_url: base_url("http://127.0.0.1:8000"),
                         capacity: 8,
+                        health_path: None,
                     },
                     AdapterSpec {
                         name: "ollama".into(),
                         kind: AdapterKind::Ollama,
                         base_url: base_url("http://127.0.0.1:11434"),
                         capacity: 4,
+                        health_path: None,
                     },
                 ],
                 providers: vec![
@@ -2623,6 +2683,62 @@ providers = ["node-a/a-llama"]
         let names: Vec<&str> = ProfileName::ALL.iter().map(ProfileName::as_str).collect();
         assert_eq!(names, ["openai", "vllm", "llama_cpp", "sglang"]);
         assert_eq!(ProfileName::from_name("tgi"), None);
+    }
+
+    #[test]
+    fn an_adapter_health_path_replaces_the_profiles() {
+        let adapter = "base_url = \"http://127.0.0.1:8000\"\ncapacity = 8";
+        let config = parse(&variant(
+            adapter,
+            "base_url = \"http://127.0.0.1:8000/llama\"\ncapacity = 8\nhealth_path = \"/v1/models\"",
+        ))
+        .unwrap();
+        let spec = config.nodes[0].adapters[0].protocol_profile().unwrap();
+        assert_eq!(spec.health_path, "/llama/v1/models");
+        assert_eq!(spec.models_path, "/llama/v1/models");
+        let payload = config.node_config_payload(&config.nodes[0], 1);
+        let Some(pb::adapter_config::Kind::OpenaiCompat(oa)) = &payload.adapters[0].kind else {
+            panic!("an openai_compat adapter");
+        };
+        assert_eq!(
+            oa.protocol_profile.as_ref().unwrap().health_path,
+            "/llama/v1/models"
+        );
+        // Without one, the profile's.
+        let base = parse(BASE).unwrap();
+        assert_eq!(
+            base.nodes[0].adapters[0]
+                .protocol_profile()
+                .unwrap()
+                .health_path,
+            "/health"
+        );
+        assert_eq!(base.nodes[0].adapters[1].protocol_profile(), None);
+        let key = "conf/edge.toml: nodes[0].adapters[0].health_path";
+        for (bad, why) in [
+            ("health", "must start with `/` (got \"health\")"),
+            (
+                "/health?x=1",
+                "must be a plain path: printable ASCII without spaces, `?` or `#` (found '?')",
+            ),
+            (
+                "/he alth",
+                "must be a plain path: printable ASCII without spaces, `?` or `#` (found ' ')",
+            ),
+        ] {
+            assert_eq!(
+                error_of(adapter, &format!("{adapter}\nhealth_path = \"{bad}\"")),
+                format!("{key}: {why}")
+            );
+        }
+        assert_eq!(
+            error_of(
+                "kind = \"ollama\"",
+                "kind = \"ollama\"\nhealth_path = \"/api/version\""
+            ),
+            "conf/edge.toml: nodes[0].adapters[1].health_path: only an openai_compat adapter \
+             has a health path (Ollama's is /api/tags)"
+        );
     }
 
     #[test]
