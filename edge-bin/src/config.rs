@@ -95,6 +95,22 @@ pub const DEFAULT_RESPONSE_WAIT_TIMEOUT_MS: u64 = 600_000;
 pub const MIN_RESPONSE_WAIT_TIMEOUT_MS: u64 = 100;
 /// Longest accepted `edge.response_wait_timeout_ms` (one day).
 pub const MAX_RESPONSE_WAIT_TIMEOUT_MS: u64 = 86_400_000;
+/// Default `outlier_detection.consecutive_failures`.
+pub const DEFAULT_CONSECUTIVE_FAILURES: u32 = 5;
+/// Largest accepted `outlier_detection.consecutive_failures`.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 1_000;
+/// Default `outlier_detection.base_ejection_time_ms`.
+pub const DEFAULT_BASE_EJECTION_TIME_MS: u64 = 30_000;
+/// Default `outlier_detection.max_ejection_time_ms`.
+pub const DEFAULT_MAX_EJECTION_TIME_MS: u64 = 300_000;
+/// Longest accepted ejection time (one day).
+pub const MAX_EJECTION_TIME_LIMIT_MS: u64 = 86_400_000;
+/// Default `outlier_detection.max_ejection_percent`.
+pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
+/// Default `models[].max_attempts`: one retry on another provider.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 2;
+/// Largest accepted `models[].max_attempts`.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
 /// Defaults and bounds of the front door's limits (`[edge]` keys, see
 /// [`ListenerLimits`]).
 pub mod front_door {
@@ -181,6 +197,37 @@ pub struct EdgeConfig {
     /// client surface is open; otherwise every request but `/livez`,
     /// `/readyz` and `/metrics` needs one of them.
     pub client_keys: Vec<ClientKeySpec>,
+    /// Passive health (`[outlier_detection]`).
+    pub outlier_detection: OutlierDetection,
+}
+
+/// The `[outlier_detection]` table: providers that fail in a row are taken
+/// out of rotation for a while (`crate::outlier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutlierDetection {
+    /// Whether providers are ejected at all.
+    pub enabled: bool,
+    /// Consecutive failures that eject a provider.
+    pub consecutive_failures: u32,
+    /// The first ejection's length.
+    pub base_ejection_time_ms: u64,
+    /// The longest ejection.
+    pub max_ejection_time_ms: u64,
+    /// At most this share of a model's providers is ejected at once (at
+    /// least one); 0 never ejects.
+    pub max_ejection_percent: u32,
+}
+
+impl Default for OutlierDetection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            consecutive_failures: DEFAULT_CONSECUTIVE_FAILURES,
+            base_ejection_time_ms: DEFAULT_BASE_EJECTION_TIME_MS,
+            max_ejection_time_ms: DEFAULT_MAX_EJECTION_TIME_MS,
+            max_ejection_percent: DEFAULT_MAX_EJECTION_PERCENT,
+        }
+    }
 }
 
 /// The `[credentials]` table: the Edge issuer key and the credential slots
@@ -503,6 +550,9 @@ pub struct ModelSpec {
     pub max_queue: u32,
     /// Longest wait for a lease.
     pub queue_timeout_ms: u64,
+    /// Most attempts of one request: a failure before anything reached the
+    /// client is retried on another provider until this many (1: never).
+    pub max_attempts: u32,
     /// `owned_by` shown in `/v1/models`.
     pub owned_by: String,
 }
@@ -853,6 +903,17 @@ struct RawEdgeFile {
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
+    outlier_detection: Option<RawOutlierDetection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOutlierDetection {
+    enabled: Option<bool>,
+    consecutive_failures: Option<i64>,
+    base_ejection_time_ms: Option<i64>,
+    max_ejection_time_ms: Option<i64>,
+    max_ejection_percent: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -957,6 +1018,7 @@ struct RawModel {
     long_context_threshold_tokens: Option<i64>,
     max_queue: Option<i64>,
     queue_timeout_ms: Option<i64>,
+    max_attempts: Option<i64>,
     owned_by: Option<String>,
 }
 
@@ -1027,6 +1089,7 @@ impl Validator<'_> {
             self.check_managed_nodes(credentials, &nodes)?;
         }
         let client_keys = self.client_keys(raw.client_keys)?;
+        let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
@@ -1035,6 +1098,55 @@ impl Validator<'_> {
             models,
             credentials,
             client_keys,
+            outlier_detection,
+        })
+    }
+
+    fn outlier_detection(
+        &self,
+        raw: Option<RawOutlierDetection>,
+    ) -> Result<OutlierDetection, ConfigError> {
+        let defaults = OutlierDetection::default();
+        let Some(raw) = raw else {
+            return Ok(defaults);
+        };
+        let value = |v: Option<i64>, key: &str, default: u64, min: u64, max: u64| match v {
+            None => Ok(default),
+            Some(v) => in_range(v, min, max)
+                .map_err(|why| self.err(format!("outlier_detection.{key}"), why)),
+        };
+        let base_ejection_time_ms = value(
+            raw.base_ejection_time_ms,
+            "base_ejection_time_ms",
+            defaults.base_ejection_time_ms,
+            1,
+            MAX_EJECTION_TIME_LIMIT_MS,
+        )?;
+        let max_ejection_time_ms = value(
+            raw.max_ejection_time_ms,
+            "max_ejection_time_ms",
+            defaults.max_ejection_time_ms.max(base_ejection_time_ms),
+            base_ejection_time_ms,
+            MAX_EJECTION_TIME_LIMIT_MS,
+        )?;
+        Ok(OutlierDetection {
+            enabled: raw.enabled.unwrap_or(true),
+            consecutive_failures: value(
+                raw.consecutive_failures,
+                "consecutive_failures",
+                u64::from(defaults.consecutive_failures),
+                1,
+                u64::from(MAX_CONSECUTIVE_FAILURES),
+            )? as u32,
+            base_ejection_time_ms,
+            max_ejection_time_ms,
+            max_ejection_percent: value(
+                raw.max_ejection_percent,
+                "max_ejection_percent",
+                u64::from(defaults.max_ejection_percent),
+                0,
+                100,
+            )? as u32,
         })
     }
 
@@ -1652,6 +1764,12 @@ impl Validator<'_> {
             Some(v) => in_range(v, 1, MAX_QUEUE_TIMEOUT_MS)
                 .map_err(|why| self.err(format!("{key}.queue_timeout_ms"), why))?,
         };
+        let max_attempts = match raw.max_attempts {
+            None => DEFAULT_MAX_ATTEMPTS,
+            Some(v) => in_range(v, 1, u64::from(MAX_ATTEMPTS_LIMIT))
+                .map(|v| v as u32)
+                .map_err(|why| self.err(format!("{key}.max_attempts"), why))?,
+        };
         let owned_by = match raw.owned_by {
             None => DEFAULT_OWNED_BY.to_owned(),
             Some(owned_by) => {
@@ -1665,6 +1783,7 @@ impl Validator<'_> {
             long_context_threshold_tokens,
             max_queue,
             queue_timeout_ms,
+            max_attempts,
             owned_by,
         })
     }
@@ -1974,6 +2093,7 @@ providers = ["node-a/a-llama"]
                     long_context_threshold_tokens: Some(32_000),
                     max_queue: 256,
                     queue_timeout_ms: 30_000,
+                    max_attempts: 2,
                     owned_by: "iop".into(),
                 },
                 ModelSpec {
@@ -1985,10 +2105,12 @@ providers = ["node-a/a-llama"]
                     long_context_threshold_tokens: None,
                     max_queue: 256,
                     queue_timeout_ms: 30_000,
+                    max_attempts: 2,
                     owned_by: "iop".into(),
                 },
             ],
             credentials: None,
+            outlier_detection: OutlierDetection::default(),
             client_keys: vec![],
         };
         assert_eq!(config, expected);
@@ -2072,7 +2194,7 @@ providers = ["node-a/a-llama"]
         assert_eq!(
             error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
             "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
-             `credentials`, `client_keys`, `nodes`, `models` (line 44, column 2)"
+             `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection` (line 44, column 2)"
         );
     }
 

@@ -42,6 +42,8 @@ use std::time::{Duration, Instant};
 
 use iop_wire::pb;
 
+use crate::outlier::{Ejection, OutlierPolicy, OutlierState, Readmission};
+
 /// Shell-assigned identity of one accepted node connection, unique for the
 /// life of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -61,6 +63,16 @@ impl RequestId {
     /// The run id a dispatch of this request carries on the wire.
     pub fn run_id(self) -> String {
         format!("run-{}", self.0)
+    }
+
+    /// The run id of its `attempt`-th attempt (1-based): the first is
+    /// [`RequestId::run_id`], a retry `run-<id>.<attempt>`.
+    pub fn attempt_run_id(self, attempt: u32) -> String {
+        if attempt <= 1 {
+            self.run_id()
+        } else {
+            format!("run-{}.{attempt}", self.0)
+        }
     }
 }
 
@@ -195,6 +207,8 @@ pub struct ModelSpec {
     pub max_queue: u32,
     /// Longest wait for a lease.
     pub queue_timeout: Duration,
+    /// Most attempts of one request (pre-commit failover): 1 never retries.
+    pub max_attempts: u32,
 }
 
 /// Tunables of the state machine.
@@ -210,6 +224,8 @@ pub struct Tunables {
     /// dispatch. Past it the run is cancelled on the node and the client is
     /// told ([`Action::Abort`]). `None`: no deadline.
     pub response_wait_timeout: Option<Duration>,
+    /// Passive health (outlier detection); `None`: off.
+    pub outlier: Option<OutlierPolicy>,
 }
 
 impl Default for Tunables {
@@ -219,6 +235,7 @@ impl Default for Tunables {
             cancel_settle: Duration::from_secs(30),
             recovery_probe_interval: Duration::from_secs(5),
             response_wait_timeout: None,
+            outlier: None,
         }
     }
 }
@@ -275,6 +292,72 @@ impl StallEvidence {
     }
 }
 
+/// Why an attempt counts against its provider's health (outlier
+/// detection): the provider is unreachable or failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FailureReason {
+    /// The Node could not connect (refused, reset, timed out:
+    /// `provider_unreachable`).
+    ConnectFailure,
+    /// The provider's response broke off before it started
+    /// (`provider_error` before any response head).
+    ResetBeforeResponse,
+    /// The provider answered 5xx and nothing reached the client yet.
+    UpstreamStatus,
+    /// The Node's stall watchdog ended the attempt (`response_stalled`).
+    Stalled,
+    /// No response started within the response-wait timeout (U6).
+    ResponseWaitTimeout,
+}
+
+impl FailureReason {
+    /// Every reason, in label order.
+    pub const ALL: [FailureReason; 5] = [
+        FailureReason::ConnectFailure,
+        FailureReason::ResetBeforeResponse,
+        FailureReason::UpstreamStatus,
+        FailureReason::Stalled,
+        FailureReason::ResponseWaitTimeout,
+    ];
+
+    /// Its metric label and `/status` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::ConnectFailure => "connect_failure",
+            FailureReason::ResetBeforeResponse => "reset_before_response",
+            FailureReason::UpstreamStatus => "upstream_5xx",
+            FailureReason::Stalled => "stalled",
+            FailureReason::ResponseWaitTimeout => "response_wait_timeout",
+        }
+    }
+}
+
+/// How one attempt ended, as its node connection classified its frames
+/// (`crate::attempt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptEnd {
+    /// The provider answered: a response below 500, or a complete run.
+    Answered,
+    /// The provider is unreachable or failing: counts toward its ejection;
+    /// another provider may take the request if nothing reached the client.
+    Failed(FailureReason),
+    /// The Node refused the attempt for a reason another provider would not
+    /// share (its capacity gate full, the adapter or operation unknown
+    /// there): another provider may take it; not held against this one.
+    Refused,
+    /// Anything else (cancelled, a request another provider would refuse
+    /// too, a credential lease failure, C5): final, not counted.
+    Other,
+}
+
+impl AttemptEnd {
+    /// Whether another provider may take the request (when nothing reached
+    /// the client).
+    pub fn is_retryable(self) -> bool {
+        matches!(self, AttemptEnd::Failed(_) | AttemptEnd::Refused)
+    }
+}
+
 /// A terminal received from a node (H1): its reception identity is the
 /// connection it arrived on, never a payload field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -289,6 +372,11 @@ pub struct Terminal {
     pub target: String,
     /// Stall evidence, when the terminal is a `response_stalled` error.
     pub stall: Option<StallEvidence>,
+    /// How the attempt ended.
+    pub end: AttemptEnd,
+    /// Whether a byte of its response reached (or is about to reach) the
+    /// client: then it is never retried.
+    pub committed: bool,
 }
 
 /// Why a dispatched or queued request is cancelled (U6); dispatched ones
@@ -372,6 +460,14 @@ pub enum Input {
     },
     /// A run or tunnel terminal from a node (H1–H5).
     Terminal(Terminal),
+    /// A byte of run `run_id`'s response reached the client's route (the
+    /// commit point, `crate::attempt`): from now on it is never retried.
+    Committed {
+        /// The connection it arrived on (H1: only the lease's counts).
+        conn: ConnId,
+        /// The run.
+        run_id: String,
+    },
     /// The first frame of run `run_id` (a tunnel's `RESPONSE_START` or
     /// first frame, a run's first event) arrived on `conn`: its response
     /// has started, the response-wait deadline is off (U6).
@@ -460,6 +556,34 @@ pub enum Event {
     NodeDisconnected {
         /// The node.
         node_id: String,
+    },
+    /// Passive health took a provider out of rotation.
+    Ejected {
+        /// The provider.
+        provider: ProviderKey,
+        /// The ejection.
+        ejection: Ejection,
+        /// The failures in a row that tipped it.
+        consecutive_failures: u32,
+    },
+    /// An ejected provider is back in rotation.
+    Readmitted {
+        /// The provider.
+        provider: ProviderKey,
+        /// How.
+        via: Readmission,
+    },
+    /// A request whose attempt failed before anything reached its client
+    /// was dispatched again, to another provider (pre-commit failover).
+    Failover {
+        /// The request.
+        request: RequestId,
+        /// The provider that failed.
+        from: ProviderKey,
+        /// The provider of the new attempt.
+        to: ProviderKey,
+        /// The new attempt's number (2 for the first retry).
+        attempt: u32,
     },
     /// A provider's runtime overlay changed (H4, H6).
     HealthTransition {
@@ -576,6 +700,35 @@ pub struct Counters {
     /// Dispatched requests cancelled because no response started in time
     /// (U6).
     pub response_wait_timeouts: u64,
+    /// Failed attempts held against their provider, by
+    /// [`FailureReason::ALL`] index.
+    pub attempt_failures: [u64; 5],
+    /// Ejections, by the [`FailureReason::ALL`] index of the failure that
+    /// tipped them.
+    pub ejections: [u64; 5],
+    /// Ejections not made: the model's share of ejected providers was
+    /// reached.
+    pub ejections_suppressed: u64,
+    /// Re-admissions when the ejection time was over.
+    pub readmissions_timer: u64,
+    /// Re-admissions on a fresh `available` CAPABILITIES answer.
+    pub readmissions_probe: u64,
+    /// Retryable failures of a model with failover, before anything
+    /// reached the client (eligible for another attempt).
+    pub failover_eligible: u64,
+    /// Retryable failures after the response was committed (not eligible).
+    pub failover_ineligible: u64,
+    /// New attempts dispatched to another provider.
+    pub failover_retried: u64,
+    /// Retried requests whose later attempt answered.
+    pub failover_recovered: u64,
+    /// Eligible failures not retried: `max_attempts` reached.
+    pub failover_exhausted: u64,
+    /// Eligible failures not retried: no other candidate had a free slot.
+    pub failover_no_candidate: u64,
+    /// Eligible failures not retried: the request's response-wait deadline
+    /// had passed.
+    pub failover_deadline: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -670,8 +823,10 @@ struct ProviderState {
     /// The runtime unavailable overlay, tagged with the generation it
     /// belongs to (H4, H5).
     overlay: Option<Generation>,
-    /// When the next recovery probe is due, while overlaid.
+    /// When the next recovery probe is due, while overlaid or ejected.
     next_probe: Option<Instant>,
+    /// Passive health.
+    outlier: OutlierState,
     /// Every lane it is filed in: (lane index, position in the model's
     /// pool).
     pools: Vec<(usize, usize)>,
@@ -731,6 +886,8 @@ enum RequestState {
         run_id: String,
         /// The response-wait deadline, until the response starts (U6).
         response_by: Option<Instant>,
+        /// A byte of the response reached the client: never retried.
+        committed: bool,
     },
     CancelPending {
         run_id: String,
@@ -740,10 +897,33 @@ enum RequestState {
 
 #[derive(Debug, Clone)]
 struct Pending {
+    /// Index into `Control::models`.
+    model: usize,
     /// Index into `Control::lanes`: where it queues.
     lane: usize,
     long: bool,
     state: RequestState,
+    /// Attempts dispatched so far (0 while queued).
+    attempts: u32,
+    /// The providers they went to (indexes into `Control::providers`).
+    tried: Vec<usize>,
+    /// Its response-wait deadline, set at its first dispatch: every
+    /// attempt must start its response before it (U6).
+    response_deadline: Option<Instant>,
+}
+
+impl Pending {
+    fn new(model: usize, lane: usize, long: bool, state: RequestState) -> Self {
+        Self {
+            model,
+            lane,
+            long,
+            state,
+            attempts: 0,
+            tried: Vec::new(),
+            response_deadline: None,
+        }
+    }
 }
 
 /// One served model: its spec and its lanes.
@@ -765,6 +945,8 @@ struct ModelState {
 /// over the OpenAI-compatible ones).
 #[derive(Debug)]
 struct LaneState {
+    /// Its model (index into `Control::models`).
+    model: usize,
     /// Live providers of the lane with a free slot (X6, H4).
     free: BTreeSet<Candidate>,
     /// Those of them with a free long-context slot too.
@@ -845,6 +1027,8 @@ pub struct Control {
     settle_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Response-wait deadlines of dispatched requests (U6).
     response_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Ends of ejections: (instant, provider index).
+    ejection_deadlines: BTreeSet<(Instant, usize)>,
     /// The `now` of the input or timeout being handled.
     now: Option<Instant>,
     /// Recovery probes by due time: (instant, provider index).
@@ -884,6 +1068,7 @@ impl Control {
                     last_seq: None,
                     overlay: None,
                     next_probe: None,
+                    outlier: OutlierState::default(),
                     pools: Vec::new(),
                     indexed: None,
                 });
@@ -942,6 +1127,7 @@ impl Control {
                     }
                 }
                 lanes.push(LaneState {
+                    model: index,
                     free: BTreeSet::new(),
                     free_long: BTreeSet::new(),
                     queued: BTreeSet::new(),
@@ -975,6 +1161,7 @@ impl Control {
             queue_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
             response_deadlines: BTreeSet::new(),
+            ejection_deadlines: BTreeSet::new(),
             now: None,
             probe_deadlines: BTreeSet::new(),
             commands: HashMap::new(),
@@ -1005,6 +1192,7 @@ impl Control {
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
             Input::Responded { conn, run_id } => self.on_responded(conn, &run_id),
+            Input::Committed { conn, run_id } => self.on_committed(conn, &run_id),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
         }
     }
@@ -1017,7 +1205,11 @@ impl Control {
         let settle = self.settle_deadlines.first().map(|(t, _)| *t);
         let response = self.response_deadlines.first().map(|(t, _)| *t);
         let probe = self.probe_deadlines.first().map(|(t, _)| *t);
-        [queue, settle, response, probe].into_iter().flatten().min()
+        let ejection = self.ejection_deadlines.first().map(|(t, _)| *t);
+        [queue, settle, response, probe, ejection]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Runs every timer due at `now` (deadlines at or before `now`).
@@ -1062,6 +1254,20 @@ impl Control {
                 });
             }
         }
+        // Ejections over: back into rotation, in `ProviderKey` order.
+        let mut readmit = Vec::new();
+        while let Some(&(at, p)) = self.ejection_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.ejection_deadlines.remove(&(at, p));
+            readmit.push(p);
+        }
+        readmit.sort_unstable();
+        for &p in &readmit {
+            self.readmit(now, p, Readmission::Timer, out);
+        }
+        released |= !readmit.is_empty();
         // Due probes go out in `ProviderKey` order.
         let mut due = Vec::new();
         while let Some(&(at, p)) = self.probe_deadlines.first() {
@@ -1085,10 +1291,11 @@ impl Control {
 
     /// Whether provider `p` is a live candidate with a free slot: enabled,
     /// its node's ready generation, no unavailable overlay of that
-    /// generation (X6, H4), a lease free.
+    /// generation (X6, H4), not ejected, a lease free.
     fn has_free_slot(&self, p: usize) -> bool {
         let state = &self.providers[p];
         state.spec.enabled
+            && state.outlier.ejection().is_none()
             && state.in_flight < state.spec.capacity
             && self.nodes[state.node]
                 .ready_owner()
@@ -1320,9 +1527,15 @@ impl Control {
         }
         owner.state = OwnerState::Ready;
         // F3, H5: the new generation's resources start with configured
-        // capacity and without the old overlay.
+        // capacity and without the old overlay. An ejection outlives the
+        // connection (it is about the provider server, and ends by time);
+        // its probes resume under the new generation.
+        let interval = self.tunables.recovery_probe_interval;
         for p in self.nodes[n].providers.clone() {
             self.reset_health(p);
+            if let (Some(now), Some(_)) = (self.now, self.providers[p].outlier.ejection()) {
+                self.set_next_probe(p, Some(now + interval));
+            }
             self.refresh(p);
         }
         out.push(Action::Event(Event::NodeConnected {
@@ -1349,19 +1562,30 @@ impl Control {
 
     /// F1: in one step, release every lease of `owner`'s generation exactly
     /// once, take its resources offline, and re-evaluate the queue.
+    /// Requests whose attempt was lost before anything reached their
+    /// client go on to another provider instead (pre-commit failover).
     fn fence(&mut self, n: usize, owner: Owner, out: &mut Vec<Action>) {
+        let mut lost = Vec::new();
         for run_id in self.leases_of.remove(&owner.conn).unwrap_or_default() {
             if let Some(lease) = self.release(&run_id) {
-                self.forget_request(lease.request);
-                out.push(Action::Done {
-                    request: lease.request,
-                    outcome: Outcome::Lost,
-                });
+                lost.push(lease.request);
             }
         }
         for p in self.nodes[n].providers.clone() {
             self.reset_health(p);
             self.refresh(p);
+        }
+        // In arrival order, now that the fenced providers are no
+        // candidates.
+        lost.sort_unstable();
+        for request in lost {
+            if !self.try_failover(request, false, out) {
+                self.forget_request(request);
+                out.push(Action::Done {
+                    request,
+                    outcome: Outcome::Lost,
+                });
+            }
         }
         self.commands.retain(|_, c| c.conn != owner.conn);
         out.push(Action::Event(Event::NodeDisconnected {
@@ -1396,9 +1620,13 @@ impl Control {
                 outcome: Outcome::Rejected(Rejection::UnsupportedOperation),
             });
         };
-        if let Some(dispatch) = self.try_admit(request, lane, long) {
-            let state = self.dispatched(request, &dispatch);
-            self.pending.insert(request, Pending { lane, long, state });
+        if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[]) {
+            // Filed as queued for an instant: starting the attempt makes
+            // it dispatched.
+            let state = RequestState::Queued { deadline: now };
+            self.pending
+                .insert(request, Pending::new(m, lane, long, state));
+            self.start_attempt(request, &dispatch);
             return out.push(Action::Dispatch(dispatch));
         }
         let spec = &self.models[m].spec;
@@ -1414,11 +1642,7 @@ impl Control {
         self.enqueue(request, lane, long);
         self.pending.insert(
             request,
-            Pending {
-                lane,
-                long,
-                state: RequestState::Queued { deadline },
-            },
+            Pending::new(m, lane, long, RequestState::Queued { deadline }),
         );
     }
 
@@ -1446,6 +1670,7 @@ impl Control {
             RequestState::Dispatched {
                 run_id,
                 response_by,
+                ..
             } => {
                 if let Some(at) = response_by {
                     self.response_deadlines.remove(&(at, request));
@@ -1494,18 +1719,32 @@ impl Control {
             .sum()
     }
 
-    /// Takes a lease on the least-loaded live candidate of `lane` with a
-    /// free slot (and a free long slot for long requests); ties go to
-    /// configured order. The first entry of the lane's candidate index.
-    fn try_admit(&mut self, request: RequestId, lane: usize, long: bool) -> Option<Dispatch> {
-        let p = self.lanes[lane].candidates(long).first()?.provider;
+    /// Takes a lease for `request`'s `attempt`-th attempt on the
+    /// least-loaded live candidate of `lane` with a free slot (and a free
+    /// long slot for long requests) that is not in `exclude`; ties go to
+    /// configured order. The first such entry of the lane's candidate
+    /// index (`exclude` holds the providers already tried: at most
+    /// `max_attempts - 1`).
+    fn try_admit(
+        &mut self,
+        request: RequestId,
+        lane: usize,
+        long: bool,
+        attempt: u32,
+        exclude: &[usize],
+    ) -> Option<Dispatch> {
+        let p = self.lanes[lane]
+            .candidates(long)
+            .iter()
+            .find(|c| !exclude.contains(&c.provider))?
+            .provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
         let state = &mut self.providers[p];
         state.in_flight += 1;
         if long {
             state.long_in_flight += 1;
         }
-        let run_id = request.run_id();
+        let run_id = request.attempt_run_id(attempt);
         let lease = Lease {
             request,
             run_id: run_id.clone(),
@@ -1548,34 +1787,69 @@ impl Control {
             let Some((request, m, long)) = head else {
                 return;
             };
-            let Some(dispatch) = self.try_admit(request, m, long) else {
+            let Some(dispatch) = self.try_admit(request, m, long, 1, &[]) else {
                 return;
             };
             self.unqueue(request, m, long);
-            let state = self.dispatched(request, &dispatch);
-            if let Some(p) = self.pending.get_mut(&request) {
-                if let RequestState::Queued { deadline } = p.state {
-                    self.queue_deadlines.remove(&(deadline, request));
-                }
-                p.state = state;
-            }
+            self.start_attempt(request, &dispatch);
             out.push(Action::Dispatch(dispatch));
         }
     }
 
-    /// The state of `request` once `dispatch` went out: dispatched, with
-    /// its response-wait deadline filed (U6).
-    fn dispatched(&mut self, request: RequestId, dispatch: &Dispatch) -> RequestState {
-        let response_by = match (self.now, self.tunables.response_wait_timeout) {
+    /// `request` (pending, queued or between attempts) got `dispatch`:
+    /// it is dispatched under the new attempt, with the request's
+    /// response-wait deadline (set at its first dispatch) filed (U6).
+    fn start_attempt(&mut self, request: RequestId, dispatch: &Dispatch) {
+        let provider = self.leases.get(&dispatch.lease.run_id).map(|e| e.provider);
+        let first_deadline = match (self.now, self.tunables.response_wait_timeout) {
             (Some(now), Some(timeout)) => Some(now + timeout),
             _ => None,
         };
+        let Some(p) = self.pending.get_mut(&request) else {
+            return;
+        };
+        match p.state {
+            RequestState::Queued { deadline } => {
+                self.queue_deadlines.remove(&(deadline, request));
+            }
+            RequestState::Dispatched {
+                response_by: Some(at),
+                ..
+            } => {
+                self.response_deadlines.remove(&(at, request));
+            }
+            _ => {}
+        }
+        if p.response_deadline.is_none() {
+            p.response_deadline = first_deadline;
+        }
+        let response_by = p.response_deadline;
         if let Some(at) = response_by {
             self.response_deadlines.insert((at, request));
         }
-        RequestState::Dispatched {
+        p.attempts += 1;
+        p.tried.extend(provider);
+        p.state = RequestState::Dispatched {
             run_id: dispatch.lease.run_id.clone(),
             response_by,
+            committed: false,
+        };
+    }
+
+    /// A byte of `run_id`'s response reached its client's route: it is
+    /// committed, never retried. Only the lease's own connection counts
+    /// (H1).
+    fn on_committed(&mut self, conn: ConnId, run_id: &str) {
+        let request = match self.leases.get(run_id) {
+            Some(entry) if entry.lease.conn == conn => entry.lease.request,
+            _ => return,
+        };
+        if let Some(Pending {
+            state: RequestState::Dispatched { committed, .. },
+            ..
+        }) = self.pending.get_mut(&request)
+        {
+            *committed = true;
         }
     }
 
@@ -1612,6 +1886,7 @@ impl Control {
         let RequestState::Dispatched {
             run_id,
             response_by: Some(_),
+            ..
         } = p.state.clone()
         else {
             return;
@@ -1623,17 +1898,181 @@ impl Control {
         };
         self.settle_deadlines.insert((settle_at, request));
         self.counters.response_wait_timeouts += 1;
-        if let Some(entry) = self.leases.get(&run_id) {
-            out.push(Action::SendCancel {
-                conn: entry.lease.conn,
-                run_id,
-                reason: CancelReason::ResponseWaitTimeout,
-            });
-        }
+        let Some((conn, provider)) = self
+            .leases
+            .get(&run_id)
+            .map(|entry| (entry.lease.conn, entry.provider))
+        else {
+            return;
+        };
+        out.push(Action::SendCancel {
+            conn,
+            run_id,
+            reason: CancelReason::ResponseWaitTimeout,
+        });
         out.push(Action::Abort {
             request,
             reason: AbortReason::ResponseWaitTimeout,
         });
+        self.record_end(
+            now,
+            provider,
+            AttemptEnd::Failed(FailureReason::ResponseWaitTimeout),
+            out,
+        );
+    }
+
+    // ---- passive health (outlier detection) ---------------------------------
+
+    /// Holds how an attempt on provider `p` ended against its health: a
+    /// success starts its failure count over, a failure may eject it.
+    fn record_end(&mut self, now: Instant, p: usize, end: AttemptEnd, out: &mut Vec<Action>) {
+        let reason = match end {
+            AttemptEnd::Answered => return self.providers[p].outlier.on_success(),
+            AttemptEnd::Failed(reason) => reason,
+            AttemptEnd::Refused | AttemptEnd::Other => return,
+        };
+        self.counters.attempt_failures[reason as usize] += 1;
+        let Some(policy) = self.tunables.outlier else {
+            return;
+        };
+        if !self.providers[p].outlier.on_failure(&policy) {
+            return;
+        }
+        if !self.may_eject(p, &policy) {
+            self.counters.ejections_suppressed += 1;
+            return;
+        }
+        let state = &mut self.providers[p];
+        let ejection = state.outlier.eject(now, reason, &policy);
+        let consecutive_failures = state.outlier.consecutive_failures();
+        let provider = state.key.clone();
+        self.ejection_deadlines.insert((ejection.until, p));
+        self.counters.ejections[reason as usize] += 1;
+        if self.providers[p].next_probe.is_none() {
+            // Probed meanwhile: a fresh `available` answer re-admits early.
+            self.set_next_probe(p, Some(now + self.tunables.recovery_probe_interval));
+        }
+        self.refresh(p);
+        out.push(Action::Event(Event::Ejected {
+            provider,
+            ejection,
+            consecutive_failures,
+        }));
+    }
+
+    /// Whether ejecting provider `p` keeps every model it serves within
+    /// `max_ejection_percent` of its providers ejected (at least one may
+    /// go).
+    fn may_eject(&self, p: usize, policy: &OutlierPolicy) -> bool {
+        let mut models: Vec<usize> = self.providers[p]
+            .pools
+            .iter()
+            .map(|&(lane, _)| self.lanes[lane].model)
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models.iter().all(|&m| {
+            let pool: Vec<usize> = self.models[m]
+                .spec
+                .providers
+                .iter()
+                .filter_map(|key| self.provider_index.get(key).copied())
+                .collect();
+            let ejected = pool
+                .iter()
+                .filter(|&&q| self.providers[q].outlier.ejection().is_some())
+                .count();
+            ejected < policy.max_ejected(pool.len())
+        })
+    }
+
+    /// Takes ejected provider `p` back into rotation.
+    fn readmit(&mut self, now: Instant, p: usize, via: Readmission, out: &mut Vec<Action>) {
+        let state = &mut self.providers[p];
+        let Some(ended) = state.outlier.readmit(now) else {
+            return;
+        };
+        let provider = state.key.clone();
+        self.ejection_deadlines.remove(&(ended.until, p));
+        match via {
+            Readmission::Timer => self.counters.readmissions_timer += 1,
+            Readmission::Probe => self.counters.readmissions_probe += 1,
+        }
+        if !self.is_overlaid_index(p) {
+            self.set_next_probe(p, None);
+        }
+        self.refresh(p);
+        out.push(Action::Event(Event::Readmitted { provider, via }));
+    }
+
+    fn is_overlaid_index(&self, p: usize) -> bool {
+        let state = &self.providers[p];
+        self.nodes[state.node]
+            .owner
+            .is_some_and(|owner| state.overlay == Some(owner.generation))
+    }
+
+    // ---- pre-commit failover ------------------------------------------------
+
+    /// `request`'s attempt failed (its lease already released) in a way
+    /// another provider may not share: dispatches the next attempt to
+    /// another candidate when nothing reached the client (`committed` or
+    /// seen committed), the model allows more attempts, the response-wait
+    /// deadline has not passed and a candidate not tried yet has a free
+    /// slot. True when it did (the request goes on); false: the caller ends
+    /// it.
+    fn try_failover(&mut self, request: RequestId, committed: bool, out: &mut Vec<Action>) -> bool {
+        let Some(p) = self.pending.get(&request) else {
+            return false;
+        };
+        let RequestState::Dispatched {
+            committed: seen_committed,
+            ..
+        } = p.state
+        else {
+            // Cancelled (by its client or the response-wait deadline).
+            return false;
+        };
+        let max_attempts = self.models[p.model].spec.max_attempts;
+        if max_attempts <= 1 {
+            return false;
+        }
+        if committed || seen_committed {
+            self.counters.failover_ineligible += 1;
+            return false;
+        }
+        self.counters.failover_eligible += 1;
+        if p.attempts >= max_attempts {
+            self.counters.failover_exhausted += 1;
+            return false;
+        }
+        if p.response_deadline
+            .zip(self.now)
+            .is_some_and(|(deadline, now)| now >= deadline)
+        {
+            self.counters.failover_deadline += 1;
+            return false;
+        }
+        let (lane, long, attempt, tried) = (p.lane, p.long, p.attempts + 1, p.tried.clone());
+        let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
+            self.counters.failover_no_candidate += 1;
+            return false;
+        };
+        self.counters.failover_retried += 1;
+        let from = tried
+            .last()
+            .map(|&q| self.providers[q].key.clone())
+            .unwrap_or_else(|| dispatch.lease.provider.clone());
+        self.start_attempt(request, &dispatch);
+        out.push(Action::Event(Event::Failover {
+            request,
+            from,
+            to: dispatch.lease.provider.clone(),
+            attempt,
+        }));
+        out.push(Action::Dispatch(dispatch));
+        true
     }
 
     fn release(&mut self, run_id: &str) -> Option<Lease> {
@@ -1680,11 +2119,13 @@ impl Control {
             Some(entry) if entry.lease.conn == t.conn => {}
             _ => return,
         }
+        let Some(provider) = self.leases.get(&t.run_id).map(|entry| entry.provider) else {
+            return;
+        };
         let Some(lease) = self.release(&t.run_id) else {
             return;
         };
         let request = lease.request;
-        self.forget_request(request);
         // H2: the evidence must match the immutable lease; the lease is
         // released either way.
         if let Some(stall) = t.stall {
@@ -1716,6 +2157,17 @@ impl Control {
                 }
             }
         }
+        self.record_end(now, provider, t.end, out);
+        if t.end.is_retryable() && self.try_failover(request, t.committed, out) {
+            self.pump(out);
+            return;
+        }
+        if t.end == AttemptEnd::Answered
+            && self.pending.get(&request).is_some_and(|p| p.attempts > 1)
+        {
+            self.counters.failover_recovered += 1;
+        }
+        self.forget_request(request);
         out.push(Action::Done {
             request,
             outcome: Outcome::Completed,
@@ -1759,7 +2211,10 @@ impl Control {
         let interval = self.tunables.recovery_probe_interval;
         let state = &self.providers[p];
         match self.nodes[state.node].ready_owner() {
-            Some(owner) if state.overlay == Some(owner.generation) => {
+            Some(owner)
+                if state.overlay == Some(owner.generation)
+                    || state.outlier.ejection().is_some() =>
+            {
                 let key = state.key.clone();
                 let adapter = state.spec.adapter.clone();
                 self.set_next_probe(p, Some(now + interval));
@@ -1793,12 +2248,15 @@ impl Control {
 
     /// H6: a CAPABILITIES answer clears an overlay only when a higher-sequence
     /// `available` answer identifies exactly one same-generation binding.
+    /// The same answer re-admits that binding's provider if passive health
+    /// ejected it.
     fn on_command_result(
         &mut self,
         conn: ConnId,
         response: &pb::NodeCommandResponse,
         out: &mut Vec<Action>,
     ) {
+        let now = self.now;
         match self.commands.get(&response.command_id) {
             Some(record) if record.conn == conn => {}
             // Unknown, or answered on another connection: stale (F2).
@@ -1814,6 +2272,7 @@ impl Control {
             .ready_owner()
             .is_some_and(|o| o.conn == record.conn && o.generation == record.generation);
         let mut recovered = false;
+        let mut readmitted = false;
         if current && response.ok {
             for cap in &response.capabilities {
                 if cap.provider_status != pb::ProviderHealth::Available as i32 {
@@ -1840,6 +2299,11 @@ impl Control {
                 // no overlay to clear, so an older unavailable one arriving
                 // later cannot set one (H4).
                 state.last_seq = Some((record.generation, seq));
+                if let (Some(now), Some(_)) = (now, state.outlier.ejection()) {
+                    self.readmit(now, p, Readmission::Probe, out);
+                    readmitted = true;
+                }
+                let state = &mut self.providers[p];
                 if state.overlay != Some(record.generation) {
                     continue;
                 }
@@ -1857,9 +2321,11 @@ impl Control {
         }
         if recovered {
             self.counters.recovery_probe_recovered += 1;
-            self.pump(out);
         } else {
             self.counters.recovery_probe_unchanged += 1;
+        }
+        if recovered || readmitted {
+            self.pump(out);
         }
     }
 
@@ -1959,6 +2425,20 @@ impl Control {
         &self.counters
     }
 
+    /// Passive-health state of every provider, in `ProviderKey` order (the
+    /// order of [`Control::snapshots`]).
+    pub fn outliers(&self) -> Vec<&OutlierState> {
+        self.providers.iter().map(|p| &p.outlier).collect()
+    }
+
+    /// Providers ejected now.
+    pub fn ejected_count(&self) -> usize {
+        self.providers
+            .iter()
+            .filter(|p| p.outlier.ejection().is_some())
+            .count()
+    }
+
     /// Whether `key` currently carries the unavailable overlay (H4, H5).
     pub fn is_overlaid(&self, key: &ProviderKey) -> bool {
         let Some(&p) = self.provider_index.get(key) else {
@@ -2001,6 +2481,16 @@ impl Control {
                 } else if !spec.enabled {
                     s.status = pb::ProviderStatus::Disabled as i32;
                     s.health = pb::ProviderHealth::Available as i32;
+                } else if state.outlier.ejection().is_some() {
+                    // Ejected by passive health: out of rotation (no
+                    // candidate, so nothing queued for it); its leases
+                    // still run out. `/status` adds the ejection.
+                    s.status = pb::ProviderStatus::Unavailable as i32;
+                    s.health = pb::ProviderHealth::Available as i32;
+                    s.capacity = spec.capacity;
+                    s.long_context_capacity = spec.long_context_capacity;
+                    s.in_flight = state.in_flight;
+                    s.long_in_flight = state.long_in_flight;
                 } else {
                     // P2: unique pending requests listing it as a live
                     // candidate (every waiter of every lane it is filed

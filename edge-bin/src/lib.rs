@@ -19,6 +19,7 @@
 //! keys and credential leases, C1–C5).
 
 pub mod admin;
+pub mod attempt;
 pub mod body_json;
 pub mod config;
 pub mod control;
@@ -27,6 +28,7 @@ pub mod front_door;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;
+pub mod outlier;
 pub mod server;
 pub mod shards;
 pub mod state;

@@ -21,10 +21,11 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::attempt::AttemptTracker;
 use crate::config::ListenerLimits;
 use crate::control::{
-    AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome, Rejection,
-    RequestId,
+    AbortReason, Action, AttemptEnd, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
+    Rejection, RequestId,
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
@@ -49,6 +50,10 @@ pub enum RouteEvent {
     /// Control gave up on the run before its terminal and cancelled it
     /// on the node (U6); the client gets the error now.
     Aborted(AbortReason),
+    /// The attempt failed before anything reached the client and Control
+    /// dispatched the request again (pre-commit failover): the relay sends
+    /// this dispatch's run and relays its frames instead.
+    Retry(Dispatch),
 }
 
 /// The receiving end of a client request's route: frames arrive here from
@@ -62,6 +67,8 @@ pub struct RouteRx {
     lost: Rc<Cell<bool>>,
     /// When to credit the node, from what the client took.
     drain: DrainWindow,
+    /// The run's window (a new attempt starts with a fresh one).
+    window: u64,
     /// The node connection and run the credit is for.
     conn: ConnId,
     run_id: String,
@@ -83,6 +90,19 @@ impl RouteRx {
         event
     }
 
+    /// The run id of the attempt whose frames this route relays now.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Follows the request's next attempt ([`RouteEvent::Retry`]): credit
+    /// goes to its connection and run, under a fresh window.
+    pub fn retarget(&mut self, dispatch: &Dispatch) {
+        self.conn = dispatch.lease.conn;
+        self.run_id = dispatch.lease.run_id.clone();
+        self.drain = DrainWindow::new(self.window);
+    }
+
     /// The client's socket took an event charged `charge` (its bytes were
     /// written, or a response builder consumed it): grants the node more
     /// credit once half a window has been taken since the last grant.
@@ -102,7 +122,10 @@ impl RouteEvent {
         match self {
             RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
             RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
-            RouteEvent::Lost | RouteEvent::Overflow | RouteEvent::Aborted(_) => 0,
+            RouteEvent::Lost
+            | RouteEvent::Overflow
+            | RouteEvent::Aborted(_)
+            | RouteEvent::Retry(_) => 0,
         }
     }
 }
@@ -127,6 +150,8 @@ struct NodeRoute {
     window: RecvWindow,
     /// A frame of it was delivered already (its response started, U6).
     responded: bool,
+    /// Its commit point and how it ends (`crate::attempt`).
+    tracker: AttemptTracker,
 }
 
 /// A node connection of this shard.
@@ -144,11 +169,15 @@ struct NodeLink {
 /// What happened to a frame from a node ([`Edge::deliver`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {
-    /// Queued for its client (or dropped: the client has left); `first`
-    /// when it is the run's first frame (its response started, U6).
+    /// Queued for its client (or dropped: the client has left).
     Delivered {
-        /// The run's first frame.
+        /// The run's first frame (its response started, U6).
         first: bool,
+        /// This frame commits the attempt (`crate::attempt`).
+        commits: bool,
+        /// For a terminal: how the attempt ended, and whether it had
+        /// committed.
+        end: Option<(AttemptEnd, bool)>,
     },
     /// No live route on this connection (late, stale, or never dispatched
     /// here: H1, F2).
@@ -667,9 +696,21 @@ impl Edge {
     }
 
     /// Hands a won lease to its waiting request, with a fresh route.
+    /// A later attempt of a dispatched request (pre-commit failover) goes
+    /// to its relay through the route it already has.
     fn admit(&self, dispatch: Dispatch) {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
+        if waiter.is_none() {
+            let route = self
+                .client_routes
+                .borrow()
+                .get(&request)
+                .map(|r| r.tx.clone());
+            if let Some(tx) = route {
+                return push_notice(tx, RouteEvent::Retry(dispatch));
+            }
+        }
         let window = self.settings.flow_window_bytes;
         // The window bounds the frames too (each flow-controlled frame is
         // charged `FRAME_CHARGE_BYTES` at least), plus the few uncharged
@@ -681,6 +722,7 @@ impl Edge {
             rx,
             lost: lost.clone(),
             drain: DrainWindow::new(window),
+            window,
             conn: dispatch.lease.conn,
             run_id: dispatch.lease.run_id.clone(),
         };
@@ -738,7 +780,15 @@ impl Edge {
     /// False when the connection is gone (the caller settles the request
     /// and answers the client); a run handed to another shard that cannot
     /// send it ends its route with `Lost` there.
-    pub async fn start_run(&self, request: RequestId, dispatch: &Dispatch, run: pb::Frame) -> bool {
+    /// `buffered`: the relay writes only at the end (the commit point,
+    /// `crate::attempt`).
+    pub async fn start_run(
+        &self,
+        request: RequestId,
+        dispatch: &Dispatch,
+        run: pb::Frame,
+        buffered: bool,
+    ) -> bool {
         let lease = &dispatch.lease;
         let Some(route) = self
             .client_routes
@@ -755,6 +805,7 @@ impl Edge {
             run_id: lease.run_id.clone(),
             frame: run,
             route,
+            buffered,
         };
         let to = shards::shard_of(lease.conn.0);
         match &self.outbox {
@@ -773,6 +824,7 @@ impl Edge {
             run_id,
             mut frame,
             route,
+            buffered,
         } = start;
         let Some(handle) = self.conn(conn) else {
             return false;
@@ -797,6 +849,11 @@ impl Edge {
                 tx: route,
                 window: RecvWindow::new(window),
                 responded: false,
+                tracker: if buffered {
+                    AttemptTracker::buffered()
+                } else {
+                    AttemptTracker::new()
+                },
             },
         );
         if handle.send_bulk(frame).await.is_ok() {
@@ -824,6 +881,18 @@ impl Edge {
         let Some(route) = routes.get_mut(run_id).filter(|r| r.conn == conn) else {
             return Delivery::NoRoute;
         };
+        let (commits, end) = match &event {
+            RouteEvent::Tunnel(tf) => {
+                let commits = route.tracker.on_tunnel_frame(tf);
+                (commits, terminal.then(|| route.tracker.end_of_tunnel(tf)))
+            }
+            RouteEvent::Run(ev) => {
+                let commits = route.tracker.on_run_event(ev);
+                (commits, terminal.then(|| route.tracker.end_of_run(ev)))
+            }
+            _ => (false, None),
+        };
+        let end = end.map(|end| (end, route.tracker.is_committed()));
         let refused = match route.window.on_received(charge) {
             Err(overrun) => Some(overrun),
             Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
@@ -841,7 +910,11 @@ impl Edge {
             if terminal {
                 routes.remove(run_id);
             }
-            return Delivery::Delivered { first };
+            return Delivery::Delivered {
+                first,
+                commits,
+                end,
+            };
         };
         let Some(route) = routes.remove(run_id) else {
             return Delivery::NoRoute;
@@ -1116,6 +1189,38 @@ fn log_event(event: &Event) {
         Event::NodeDisconnected { node_id } => {
             tracing::warn!(%node_id, "node.disconnected: generation fenced")
         }
+        Event::Ejected {
+            provider,
+            ejection,
+            consecutive_failures,
+        } => tracing::warn!(
+            event = "edge_provider_health_observation",
+            %provider,
+            reason = ejection.reason.as_str(),
+            consecutive_failures,
+            ejection_ms = u64::try_from((ejection.until - ejection.since).as_millis())
+                .unwrap_or(u64::MAX),
+            "provider ejected: failing, out of rotation"
+        ),
+        Event::Readmitted { provider, via } => tracing::info!(
+            event = "edge_provider_health_observation",
+            %provider,
+            via = via.as_str(),
+            "provider re-admitted into rotation"
+        ),
+        Event::Failover {
+            request,
+            from,
+            to,
+            attempt,
+        } => tracing::info!(
+            event = "edge_liveness_recovery_observation",
+            request = request.0,
+            %from,
+            %to,
+            attempt,
+            "attempt failed before the first byte; retried on another provider"
+        ),
         Event::HealthTransition {
             provider,
             unavailable,
@@ -1164,6 +1269,7 @@ mod tests {
                 }],
                 max_queue: 4,
                 queue_timeout: Duration::from_secs(30),
+                max_attempts: 1,
             }],
             tunables: Tunables::default(),
         };
@@ -1214,6 +1320,8 @@ mod tests {
             adapter: "a".into(),
             target: "t".into(),
             stall: None,
+            end: crate::control::AttemptEnd::Answered,
+            committed: true,
         }));
         assert_eq!(edge.control().leases().count(), 0);
         assert!(edge.control().pending_requests().next().is_none());

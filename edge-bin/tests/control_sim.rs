@@ -55,9 +55,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    Action, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch, DispatchKind, Event,
-    Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Operation, Operations, Outcome,
-    ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal, Tunables,
+    Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch,
+    DispatchKind, Event, Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Operation,
+    Operations, Outcome, ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal,
+    Tunables,
 };
 use iop_wire::pb;
 
@@ -334,6 +335,7 @@ impl World {
                     providers: m.provs.iter().map(|&p| self.provs[p].key.clone()).collect(),
                     max_queue: m.max_queue,
                     queue_timeout: m.timeout,
+                    max_attempts: 1,
                 })
                 .collect(),
             tunables: self.tunables,
@@ -1313,6 +1315,8 @@ impl<'w> Sim<'w> {
                         classification: WELL_FORMED[1].1,
                         seq: Some(seq),
                     }),
+                    end: AttemptEnd::Other,
+                    committed: true,
                 }));
             }
         }
@@ -1356,6 +1360,8 @@ impl<'w> Sim<'w> {
             adapter,
             target,
             stall,
+            end: AttemptEnd::Other,
+            committed: true,
         }))
     }
 
@@ -1914,9 +1920,9 @@ impl<'w> Sim<'w> {
                     Some(SState::CancelPending { .. }) | None => ex.unchanged = true,
                 }
             }
-            // No response-wait timeout is configured here: a response
-            // start changes nothing observable.
-            Input::Responded { .. } => ex.unchanged = true,
+            // No response-wait timeout and no failover (max_attempts 1)
+            // here: a response start or commit changes nothing observable.
+            Input::Responded { .. } | Input::Committed { .. } => ex.unchanged = true,
             Input::Undeliverable { request } => {
                 match self.sh.active.get(request).map(|r| &r.state) {
                     Some(SState::Dispatched { .. } | SState::CancelPending { .. }) => {
@@ -3292,6 +3298,8 @@ impl Fixture {
             adapter: adapter.to_string(),
             target: target.to_string(),
             stall,
+            end: AttemptEnd::Other,
+            committed: true,
         }))
     }
 
@@ -3878,6 +3886,8 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
             adapter: "vllm-b".to_string(),
             target: "qwen".to_string(),
             stall: unavailable(1),
+            end: AttemptEnd::Other,
+            committed: true,
         }),
     );
     assert_eq!(

@@ -150,3 +150,140 @@ async fn wait_in_flight(
     }
     panic!("{node_id} never reached in_flight {in_flight}");
 }
+
+const BOTH: &str = "both-nodes";
+
+fn both_nodes() -> EdgeOptions {
+    EdgeOptions {
+        extra_toml: format!(
+            "[[models]]\nname = \"{BOTH}\"\nproviders = [\"node-a/a-mock\", \"node-b/b-mock\"]\n"
+        ),
+        ..EdgeOptions::without_provider()
+    }
+}
+
+async fn send(node: &RawNode, frames: Vec<pb::ProviderTunnelFrame>) {
+    for f in frames {
+        node.conn
+            .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+            .await
+            .expect("send");
+    }
+}
+
+/// A whole SSE answer for `run_id`: head, one body, end.
+fn answer(run_id: &str, text: &str) -> Vec<pb::ProviderTunnelFrame> {
+    let mut start = tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart);
+    start.status = 200;
+    start.headers = vec![pb::Header {
+        name: "content-type".into(),
+        value: Bytes::from_static(b"text/event-stream"),
+    }];
+    let mut body = tunnel_frame(run_id, 2, pb::TunnelFrameKind::Body);
+    body.body = Bytes::from(format!("data: {text}\n\ndata: [DONE]\n\n"));
+    vec![
+        start,
+        body,
+        tunnel_frame(run_id, 3, pb::TunnelFrameKind::End),
+    ]
+}
+
+// A provider that fails before the first byte — refused connection, a 5xx
+// head, a head then a stall — costs the client nothing: the request goes to
+// the other node under a new run id, the client gets that answer (200,
+// whole), and every lease is released.
+#[monoio::test_all(timer_enabled = true)]
+async fn failures_before_the_first_byte_are_served_by_the_other_provider() {
+    let pki = Pki::mint("failover-before-first-byte");
+    guarded(async {
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &both_nodes()));
+        let mut a = ready_node(&edge, &pki, "node-a").await;
+        let mut b = ready_node(&edge, &pki, "node-b").await;
+        let failures: Vec<fn(&str) -> Vec<pb::ProviderTunnelFrame>> = vec![
+            |run_id| {
+                let mut e = tunnel_frame(run_id, 1, pb::TunnelFrameKind::Error);
+                e.error = "connect: connection refused".into();
+                e.failure_code = "provider_unreachable".into();
+                vec![e]
+            },
+            |run_id| {
+                let mut start = tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart);
+                start.status = 503;
+                let mut body = tunnel_frame(run_id, 2, pb::TunnelFrameKind::Body);
+                body.body = Bytes::from_static(b"{\"error\":\"overloaded\"}");
+                vec![
+                    start,
+                    body,
+                    tunnel_frame(run_id, 3, pb::TunnelFrameKind::End),
+                ]
+            },
+            |run_id| {
+                let mut start = tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart);
+                start.status = 200;
+                let mut stall = tunnel_frame(run_id, 2, pb::TunnelFrameKind::Error);
+                stall.error = "no progress".into();
+                stall.failure_code = "response_stalled".into();
+                vec![start, stall]
+            },
+        ];
+        for (i, fail) in failures.into_iter().enumerate() {
+            let client_addr = edge.client_addr;
+            let client =
+                monoio::spawn(async move { post_chat(client_addr, &chat_body(BOTH, true)).await });
+            // Ties go to the first listed provider: node-a.
+            let first = next_tunnel(&mut a).await;
+            send(&a, fail(&first.run_id)).await;
+            let retry = next_tunnel(&mut b).await;
+            assert_eq!(retry.run_id, format!("{}.2", first.run_id), "case {i}");
+            send(&b, answer(&retry.run_id, "from-b")).await;
+            let response = client.await;
+            assert_eq!(response.status, 200, "case {i}: {response:?}");
+            assert_eq!(
+                String::from_utf8(response.body).unwrap(),
+                "data: from-b\n\ndata: [DONE]\n\n",
+                "case {i}"
+            );
+            wait_in_flight(edge.client_addr, "node-b", 0).await;
+            assert_eq!(edge.edge.control().leases().count(), 0);
+        }
+        let c = edge.edge.control().counters().clone();
+        assert_eq!((c.failover_retried, c.failover_recovered), (3, 3));
+        edge.stop().await;
+    })
+    .await;
+}
+
+// After the first body byte nothing is retried: a stream that stalls after
+// its first tokens ends with the error event, and the other node gets no
+// request.
+#[monoio::test_all(timer_enabled = true)]
+async fn a_stall_after_the_first_byte_ends_the_stream_with_an_error() {
+    let pki = Pki::mint("failover-after-first-byte");
+    guarded(async {
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &both_nodes()));
+        let mut a = ready_node(&edge, &pki, "node-a").await;
+        let _b = ready_node(&edge, &pki, "node-b").await;
+        let client_addr = edge.client_addr;
+        let client =
+            monoio::spawn(async move { post_chat(client_addr, &chat_body(BOTH, true)).await });
+        let request = next_tunnel(&mut a).await;
+        let mut frames = answer(&request.run_id, "tok0 tok1 tok2");
+        frames.pop(); // no END: a stall instead
+        let mut stall = tunnel_frame(&request.run_id, 3, pb::TunnelFrameKind::Error);
+        stall.error = "no progress".into();
+        stall.failure_code = "response_stalled".into();
+        frames.push(stall);
+        send(&a, frames).await;
+        let response = client.await;
+        assert_eq!(response.status, 200);
+        let body = String::from_utf8(response.body).unwrap();
+        assert!(body.starts_with("data: tok0 tok1 tok2\n\n"), "{body}");
+        assert!(body.contains("\"code\":\"response_stalled\""), "{body}");
+        assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+        assert_eq!(edge.edge.control().leases().count(), 0);
+        let c = edge.edge.control().counters().clone();
+        assert_eq!((c.failover_retried, c.failover_ineligible), (0, 1));
+        edge.stop().await;
+    })
+    .await;
+}

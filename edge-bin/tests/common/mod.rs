@@ -559,7 +559,15 @@ pub fn offline_entry(node_id: &str, provider_id: &str) -> Value {
         "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
         "target": TARGET, "category": "api", "status": "unavailable", "health": "offline",
         "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
-        "queued": 0, "long_queued": 0, "connected": false
+        "queued": 0, "long_queued": 0, "connected": false, "outlier": in_rotation()
+    })
+}
+
+/// The `/status` `outlier` of a provider in rotation with no failure.
+pub fn in_rotation() -> Value {
+    serde_json::json!({
+        "ejected": false, "reason": null, "consecutive_failures": 0, "ejections": 0,
+        "readmit_in_ms": null
     })
 }
 
@@ -570,7 +578,8 @@ pub fn ready_entry(node_id: &str, provider_id: &str, in_flight: u32) -> Value {
         "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
         "target": TARGET, "category": "api", "status": "available", "health": "available",
         "capacity": 2, "long_context_capacity": 0, "in_flight": in_flight,
-        "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true
+        "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true,
+        "outlier": in_rotation()
     })
 }
 
