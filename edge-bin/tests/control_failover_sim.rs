@@ -45,8 +45,10 @@ use iop_wire::pb;
 
 const NODES: [&str; 3] = ["n1", "n2", "n3"];
 const PROVIDERS: [&str; 2] = ["p1", "p2"];
-/// (name, pool as (node, provider) indexes, max_attempts).
-const MODELS: [(&str, &[(usize, usize)], u32); 3] = [
+/// A pool member: (node index, provider index).
+type Member = (usize, usize);
+/// (name, pool, max_attempts).
+const MODELS: [(&str, &[Member], u32); 3] = [
     ("all", &[(0, 0), (1, 0), (2, 0)], 3),
     ("pair", &[(0, 1), (1, 1)], 2),
     ("once", &[(2, 1), (0, 0)], 1),
