@@ -1836,13 +1836,21 @@ impl Control {
         };
     }
 
+    /// The request of `run_id`'s live lease, when `conn` is the lease's
+    /// connection (H1: frames from any other say nothing about it).
+    fn leased_request(&self, conn: ConnId, run_id: &str) -> Option<RequestId> {
+        self.leases
+            .get(run_id)
+            .filter(|entry| entry.lease.conn == conn)
+            .map(|entry| entry.lease.request)
+    }
+
     /// A byte of `run_id`'s response reached its client's route: it is
     /// committed, never retried. Only the lease's own connection counts
     /// (H1).
     fn on_committed(&mut self, conn: ConnId, run_id: &str) {
-        let request = match self.leases.get(run_id) {
-            Some(entry) if entry.lease.conn == conn => entry.lease.request,
-            _ => return,
+        let Some(request) = self.leased_request(conn, run_id) else {
+            return;
         };
         if let Some(Pending {
             state: RequestState::Dispatched { committed, .. },
@@ -1856,9 +1864,8 @@ impl Control {
     /// U6: the response of `run_id` started; its deadline is off. Only the
     /// lease's own connection counts (H1).
     fn on_responded(&mut self, conn: ConnId, run_id: &str) {
-        let request = match self.leases.get(run_id) {
-            Some(entry) if entry.lease.conn == conn => entry.lease.request,
-            _ => return,
+        let Some(request) = self.leased_request(conn, run_id) else {
+            return;
         };
         if let Some(Pending {
             state: RequestState::Dispatched { response_by, .. },

@@ -109,24 +109,17 @@ impl Fixture {
             base,
             now: base,
         };
-        f.handle(Input::Register {
-            conn: CONN,
-            tls_name: NODE.into(),
-            node_id: NODE.into(),
-        });
-        f.handle(Input::Ready {
-            conn: CONN,
-            node_id: NODE.into(),
-        });
-        f.handle(Input::Register {
-            conn: CONN_2,
-            tls_name: NODE_2.into(),
-            node_id: NODE_2.into(),
-        });
-        f.handle(Input::Ready {
-            conn: CONN_2,
-            node_id: NODE_2.into(),
-        });
+        for (conn, node) in [(CONN, NODE), (CONN_2, NODE_2)] {
+            f.handle(Input::Register {
+                conn,
+                tls_name: node.into(),
+                node_id: node.into(),
+            });
+            f.handle(Input::Ready {
+                conn,
+                node_id: node.into(),
+            });
+        }
         f
     }
 

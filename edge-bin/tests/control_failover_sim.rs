@@ -43,6 +43,9 @@ use edge_bin::control::{
 use edge_bin::outlier::OutlierPolicy;
 use iop_wire::pb;
 
+mod sim_rng;
+use sim_rng::Rng;
+
 const NODES: [&str; 3] = ["n1", "n2", "n3"];
 const PROVIDERS: [&str; 2] = ["p1", "p2"];
 /// A pool member: (node index, provider index).
@@ -55,32 +58,6 @@ const MODELS: [(&str, &[Member], u32); 3] = [
 ];
 const CAPACITY: u32 = 2;
 const RESPONSE_WAIT_MS: u64 = 300;
-
-/// splitmix64.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    fn pick<T: Clone>(&mut self, items: &[T]) -> Option<T> {
-        (!items.is_empty()).then(|| items[self.below(items.len() as u64) as usize].clone())
-    }
-}
 
 fn key(node: usize, provider: usize) -> ProviderKey {
     ProviderKey {
@@ -156,6 +133,18 @@ struct Stats {
     done: u64,
     failed_terminals: u64,
     aborted: u64,
+}
+
+impl Stats {
+    fn add(&mut self, o: &Stats) {
+        self.retries += o.retries;
+        self.fence_retries += o.fence_retries;
+        self.ejections += o.ejections;
+        self.readmissions += o.readmissions;
+        self.done += o.done;
+        self.failed_terminals += o.failed_terminals;
+        self.aborted += o.aborted;
+    }
 }
 
 struct Sim {
@@ -533,7 +522,7 @@ impl Sim {
                 })?;
             }
             _ => {
-                let ms = self.rng.below(120) + 1;
+                let ms = self.rng.range(1, 120);
                 self.advance(ms)?;
             }
         }
@@ -617,13 +606,7 @@ fn simulation_with_failing_attempts() {
                     while i < SCHEDULES {
                         let seed = base_seed.wrapping_add(i);
                         let s = run_schedule(seed, false).map_err(|e| (seed, e))?;
-                        total.retries += s.retries;
-                        total.fence_retries += s.fence_retries;
-                        total.ejections += s.ejections;
-                        total.readmissions += s.readmissions;
-                        total.done += s.done;
-                        total.failed_terminals += s.failed_terminals;
-                        total.aborted += s.aborted;
+                        total.add(&s);
                         i += 2;
                     }
                     Ok(total)
@@ -641,15 +624,7 @@ fn simulation_with_failing_attempts() {
     let mut total = Stats::default();
     for r in results {
         match r {
-            Ok(s) => {
-                total.retries += s.retries;
-                total.fence_retries += s.fence_retries;
-                total.ejections += s.ejections;
-                total.readmissions += s.readmissions;
-                total.done += s.done;
-                total.failed_terminals += s.failed_terminals;
-                total.aborted += s.aborted;
-            }
+            Ok(s) => total.add(&s),
             Err((seed, e)) => panic!(
                 "control_failover_sim: seed {seed} failed: {e}\nreplay with: \
                  IOP_SIM_SEED={seed} cargo test -p edge-bin --test control_failover_sim -- --nocapture"
