@@ -2409,6 +2409,67 @@ providers = ["node-a/a-llama"]
     }
 
     #[test]
+    fn outlier_detection_and_max_attempts_default_parse_and_are_in_range() {
+        let base = parse(BASE).unwrap();
+        assert_eq!(base.outlier_detection, OutlierDetection::default());
+        assert_eq!(
+            base.outlier_detection,
+            OutlierDetection {
+                enabled: true,
+                consecutive_failures: 5,
+                base_ejection_time_ms: 30_000,
+                max_ejection_time_ms: 300_000,
+                max_ejection_percent: 50,
+            }
+        );
+        assert_eq!(base.models[0].max_attempts, 2);
+        let with = |table: &str| format!("{BASE}\n[outlier_detection]\n{table}\n");
+        let config = parse(&with(
+            "enabled = false\nconsecutive_failures = 3\nbase_ejection_time_ms = 500\n\
+             max_ejection_time_ms = 2000\nmax_ejection_percent = 100",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.outlier_detection,
+            OutlierDetection {
+                enabled: false,
+                consecutive_failures: 3,
+                base_ejection_time_ms: 500,
+                max_ejection_time_ms: 2_000,
+                max_ejection_percent: 100,
+            }
+        );
+        // A base longer than the default maximum raises the maximum with it.
+        let config = parse(&with("base_ejection_time_ms = 600000")).unwrap();
+        assert_eq!(config.outlier_detection.max_ejection_time_ms, 600_000);
+        for (table, why) in [
+            (
+                "consecutive_failures = 0",
+                "outlier_detection.consecutive_failures: must be between 1 and 1000 (got 0)",
+            ),
+            (
+                "max_ejection_percent = 101",
+                "outlier_detection.max_ejection_percent: must be between 0 and 100 (got 101)",
+            ),
+            (
+                "base_ejection_time_ms = 1000\nmax_ejection_time_ms = 999",
+                "outlier_detection.max_ejection_time_ms: must be between 1000 and 86400000 (got 999)",
+            ),
+        ] {
+            assert_eq!(error(&with(table)), format!("conf/edge.toml: {why}"));
+        }
+        assert!(error(&with("colour = 1"))
+            .starts_with("conf/edge.toml: outlier_detection.colour: unknown field `colour`"));
+        let model = "providers = [\"node-a/a-llama\"]";
+        let config = parse(&variant(model, &format!("{model}\nmax_attempts = 1"))).unwrap();
+        assert_eq!(config.models[0].max_attempts, 1);
+        assert_eq!(
+            error_of(model, &format!("{model}\nmax_attempts = 6")),
+            "conf/edge.toml: models[0].max_attempts: must be between 1 and 5 (got 6)"
+        );
+    }
+
+    #[test]
     fn front_door_limits_default_parse_and_are_in_range() {
         let edge = "node_listen = \"127.0.0.1:7443\"";
         assert_eq!(parse(BASE).unwrap().edge.limits, ListenerLimits::default());

@@ -261,6 +261,36 @@ mod tests {
              # TYPE iop_edge_node_handshakes_in_progress gauge\n\
              iop_edge_node_handshakes_in_progress 2\n"
         );
+        let failing = Counters {
+            attempt_failures: [4, 1, 0, 2, 0],
+            ejections: [1, 0, 0, 1, 0],
+            readmissions_probe: 2,
+            failover_eligible: 6,
+            failover_ineligible: 1,
+            failover_retried: 5,
+            failover_no_candidate: 1,
+            ..Default::default()
+        };
+        let text = render(&failing, &[], 0);
+        for line in [
+            "iop_edge_provider_attempt_failures_total{reason=\"connect_failure\"} 4\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"reset_before_response\"} 1\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"upstream_5xx\"} 0\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"stalled\"} 2\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"response_wait_timeout\"} 0\n",
+            "iop_edge_provider_ejections_total{reason=\"connect_failure\"} 1\n",
+            "iop_edge_provider_ejections_total{reason=\"stalled\"} 1\n",
+            "iop_edge_provider_readmissions_total{via=\"timer\"} 0\n",
+            "iop_edge_provider_readmissions_total{via=\"probe\"} 2\n",
+            "iop_edge_providers_ejected 0\n",
+            // CONTRACT: O1 — the failover series of the two recovery counters.
+            "iop_edge_liveness_recovery_eligibility_total{source=\"failover\",eligible=\"true\"} 6\n",
+            "iop_edge_liveness_recovery_eligibility_total{source=\"failover\",eligible=\"false\"} 1\n",
+            "iop_edge_liveness_recovery_results_total{source=\"failover\",result=\"retried\"} 5\n",
+            "iop_edge_liveness_recovery_results_total{source=\"failover\",result=\"no_candidate\"} 1\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
         // Every sample line is `name{bounded labels} value` or `name value`.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, value) = line.rsplit_once(' ').unwrap();
