@@ -63,12 +63,14 @@ pub fn per_core(limit: u64, cores: usize) -> usize {
     usize::try_from(limit.div_ceil(cores).max(1)).unwrap_or(usize::MAX)
 }
 
-/// The read deadlines of a client connection.
-pub fn client_timeouts(limits: &ListenerLimits) -> ServerTimeouts {
+/// The deadlines of a client connection: its reads, and its response
+/// writes (`write_stall`: `edge.client_write_stall_timeout_ms`).
+pub fn client_timeouts(limits: &ListenerLimits, write_stall: Duration) -> ServerTimeouts {
     ServerTimeouts {
         keep_alive_idle: Duration::from_millis(limits.client_keep_alive_timeout_ms),
         head: Duration::from_millis(limits.client_head_timeout_ms),
         body_idle: Duration::from_millis(limits.client_body_idle_timeout_ms),
+        write_stall: Some(write_stall),
     }
 }
 
@@ -291,11 +293,12 @@ mod tests {
     fn limits_map_to_connection_timeouts_and_linger() {
         let limits = ListenerLimits::default();
         assert_eq!(
-            client_timeouts(&limits),
+            client_timeouts(&limits, Duration::from_secs(30)),
             ServerTimeouts {
                 keep_alive_idle: Duration::from_secs(60),
                 head: Duration::from_secs(10),
                 body_idle: Duration::from_secs(30),
+                write_stall: Some(Duration::from_secs(30)),
             }
         );
         assert_eq!(

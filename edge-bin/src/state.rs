@@ -15,6 +15,7 @@ use std::time::Duration;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_engine::net::LogThrottle;
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
 use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
@@ -213,6 +214,10 @@ pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 /// The index of the shard that runs `Control`.
 pub const CONTROL_SHARD: usize = 0;
 
+/// Shortest interval between two warnings about write-stalled clients on
+/// one shard.
+const WRITE_STALL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 /// The answer to a submitted request.
 // Moved once per request through a oneshot; boxing the large variant would
 // only add an allocation.
@@ -309,6 +314,9 @@ pub struct Edge {
     /// On the control shard: worker shards that finished draining, and
     /// the requests they cut off.
     drained: Cell<(usize, usize)>,
+    /// Throttles this shard's warnings about clients cut off for not
+    /// reading (one line per interval, with the number suppressed).
+    write_stall_log: RefCell<LogThrottle<()>>,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -349,6 +357,13 @@ impl Edge {
         Self::shard(0, Some(control), None, settings)
     }
 
+    /// A client cut off at the write-stall timeout: `Some(suppressed)` when
+    /// this one is to be logged (mentioning the `suppressed` ones not
+    /// logged since the last line), `None` to stay quiet.
+    pub fn write_stall_log(&self) -> Option<u64> {
+        self.write_stall_log.borrow_mut().check((), clock::now())
+    }
+
     /// The state of shard `index` of a multi-shard Edge: `control` is
     /// `Some` on shard 0 only; `outbox` reaches every shard.
     pub fn shard(
@@ -376,6 +391,7 @@ impl Edge {
             lifecycle: RefCell::new(Vec::new()),
             lifecycle_changed: WakeList::default(),
             drained: Cell::new((0, 0)),
+            write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
         }
     }
 

@@ -41,7 +41,10 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         ..Limits::default()
     };
     let deadline = Deadline::spawn(&tcp);
-    let timeouts = front_door::client_timeouts(&edge.settings.limits);
+    let timeouts = front_door::client_timeouts(
+        &edge.settings.limits,
+        edge.settings.client_write_stall_timeout,
+    );
     let mut server = ServerConn::new(tcp, limits).with_deadline(deadline, timeouts);
     loop {
         let request = match server.read_request().await {
@@ -202,9 +205,27 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
         }
         drop(in_flight);
+        if let Err(HttpError::TimedOut(Wait::Write)) = &result {
+            write_stalled(&edge, method, &path);
+        }
         if result.is_err() || !server.keep_alive() {
             return;
         }
+    }
+}
+
+/// Counts and logs a client cut off for taking no bytes of its response
+/// for `edge.client_write_stall_timeout_ms` (its connection was reset).
+fn write_stalled(edge: &Edge, method: &str, path: &str) {
+    engine_metrics::add(Count::EdgeClientWriteStalls, 1);
+    if let Some(suppressed) = edge.write_stall_log() {
+        tracing::warn!(
+            method,
+            path,
+            stall_timeout_ms = edge.settings.client_write_stall_timeout.as_millis() as u64,
+            suppressed,
+            "client took no bytes of its response within the write-stall timeout: connection reset"
+        );
     }
 }
 
@@ -261,6 +282,8 @@ where
     let counted = match e {
         HttpError::TimedOut(Wait::Head) => Some(Count::EdgeClientHeadTimeouts),
         HttpError::TimedOut(Wait::Body) => Some(Count::EdgeClientBodyTimeouts),
+        // A `100 Continue` the client never took.
+        HttpError::TimedOut(Wait::Write) => Some(Count::EdgeClientWriteStalls),
         HttpError::TimedOut(_) => Some(Count::EdgeClientIdleTimeouts),
         e if e.is_answerable() => Some(Count::EdgeClientRequestErrors),
         _ => None,
@@ -873,6 +896,7 @@ fn cancel_reason(e: &HttpError) -> CancelReason {
         HttpError::Io(io) if io.get_ref().is_some_and(|inner| inner.is::<CutOff>()) => {
             CancelReason::ClientTooSlow
         }
+        HttpError::TimedOut(Wait::Write) => CancelReason::ClientWriteStall,
         _ => CancelReason::ClientDisconnect,
     }
 }

@@ -26,17 +26,6 @@ fn edge_with(pki: &Pki, keys: &str) -> TestEdge {
     TestEdge::start(pki, &edge_toml(pki, &options))
 }
 
-/// The value of counter or gauge `name` (no labels) on `/metrics`.
-async fn metric(addr: SocketAddr, name: &str) -> u64 {
-    let response = http_request(addr, "GET", "/metrics", b"").await;
-    let text = String::from_utf8(response.body).expect("metrics are UTF-8");
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
-        .parse()
-        .expect("a number")
-}
-
 /// Polls `/metrics` until `name` reaches `at_least`.
 async fn wait_metric(addr: SocketAddr, name: &str, at_least: u64) -> u64 {
     let started = clock::now();

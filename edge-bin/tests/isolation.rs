@@ -9,7 +9,9 @@
 //! a node sending beyond its credit is closed with `flow_control_overrun`,
 //! and that a run of a node without flow control that outgrows its window
 //! is cut off alone (its run cancelled, the connection and the other runs
-//! untouched).
+//! untouched), and that a client taking no bytes for the write-stall
+//! timeout is reset, its run cancelled with `client_write_stall` and its
+//! lease returned.
 //!
 //! Waits are bounded by [`TEST_TIMEOUT`] only as a safety net; no assertion
 //! depends on how fast anything runs.
@@ -28,7 +30,7 @@ use iop_engine::conn::{ConnConfig, ConnEvent};
 use iop_wire::flow::{self, SendWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::AsyncWriteRentExt;
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
 /// The window the Edge grants each run in these tests.
@@ -405,6 +407,71 @@ async fn a_run_of_a_node_without_flow_control_is_cut_off_alone() {
         assert_eq!(response.status, 200);
         assert_eq!(response.body, b"data: {\"small\":true}\n\ndata: [DONE]\n\n");
         // The cut-off run's lease came back.
+        let entry = node_entry(edge.client_addr, "node-a").await;
+        assert_eq!(entry["in_flight"], 0, "{entry}");
+        edge.stop().await;
+    })
+    .await;
+}
+
+// A client that takes no bytes of its stream for
+// `client_write_stall_timeout_ms` is cut off: its connection is reset (its
+// reads end in ECONNRESET, not in an end of stream that could pass for a
+// complete answer), its node gets the cancel with reason
+// `client_write_stall`, the lease comes back, the cut-off is counted, and
+// the node connection serves the next client.
+#[monoio::test_all(timer_enabled = true)]
+async fn a_client_that_stops_reading_is_reset_at_the_write_stall_timeout() {
+    let pki = Pki::mint("isolation-write-stall");
+    guarded(async {
+        let options = EdgeOptions {
+            edge_keys: format!(
+                "flow_window_bytes = {WINDOW}\nclient_write_stall_timeout_ms = 300\n"
+            ),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let raw = ready_node(&edge, &pki, flow::FLOW_CONTROL_V1, ConnConfig::default()).await;
+        let conn = raw.conn.clone();
+        let (log, _node) = serve_node(raw, Windows::Obey);
+        let mut stuck = never_reader(edge.client_addr).await;
+        wait_until("the stuck run was cancelled", || {
+            !log.borrow().cancels.is_empty()
+        })
+        .await;
+        {
+            let log = log.borrow();
+            assert_eq!(log.cancels.len(), 1, "{:?}", log.cancels);
+            assert_eq!(
+                log.cancels[0].1, "client_write_stall",
+                "the cancel says why"
+            );
+            assert!(log.finished.is_empty(), "the big answer was never finished");
+        }
+        let mut read = 0usize;
+        let end = loop {
+            let (res, buf) = stuck.read(Vec::with_capacity(64 * 1024)).await;
+            match res {
+                Ok(0) => break Ok(()),
+                Ok(n) => read += n,
+                Err(e) => break Err(e.kind()),
+            }
+            drop(buf);
+        };
+        assert_eq!(
+            end,
+            Err(std::io::ErrorKind::ConnectionReset),
+            "after {read} bytes"
+        );
+        assert!(read < BIG_BYTES, "{read}");
+        assert_eq!(
+            metric(edge.client_addr, "iop_edge_client_write_stalls_total").await,
+            1
+        );
+        assert!(!conn.is_closed(), "the node connection stays up");
+        let response = post_chat(edge.client_addr, SMALL_REQUEST).await;
+        assert_eq!(response.status, 200);
+        assert_eq!(response.body, b"data: {\"small\":true}\n\ndata: [DONE]\n\n");
         let entry = node_entry(edge.client_addr, "node-a").await;
         assert_eq!(entry["in_flight"], 0, "{entry}");
         edge.stop().await;

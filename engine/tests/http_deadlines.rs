@@ -1,7 +1,9 @@
 //! `ServerConn` read deadlines and the lingering close over real loopback
 //! TCP, on both monoio drivers: a head sent a byte at a time, a body that
 //! stops half way, an idle keep-alive connection, and a client that writes a
-//! whole oversized body before it reads the 413. Bounds are generous (a
+//! whole oversized body before it reads the 413; the write-stall cut-off of
+//! a client that stops reading a streamed response, and none for one that
+//! reads slowly. Bounds are generous (a
 //! loaded 2-core machine); what is asserted is the outcome, not the time.
 
 use std::net::SocketAddr;
@@ -25,6 +27,7 @@ mod http {
         keep_alive_idle: Duration::from_millis(300),
         head: Duration::from_millis(300),
         body_idle: Duration::from_millis(300),
+        write_stall: None,
     };
 
     /// Far above any of the timeouts, even on a loaded machine.
@@ -324,5 +327,134 @@ mod http {
         );
         let (raw, _tcp) = client.await;
         assert_eq!(response(&raw).0.status, 400);
+    }
+
+    /// A connected pair (client, server side) whose buffers are shrunk so a
+    /// writer blocks after a few KiB: the client's receive buffer and the
+    /// server's send buffer. Made with std sockets (a blocking connect on
+    /// loopback completes from the backlog) and handed to monoio.
+    fn small_buffered_pair() -> (TcpStream, TcpStream) {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        setsockopt(&client, sockopt::RcvBuf, &(32 * 1024)).unwrap();
+        setsockopt(&server, sockopt::SndBuf, &(32 * 1024)).unwrap();
+        for tcp in [&client, &server] {
+            tcp.set_nodelay(true).unwrap();
+            tcp.set_nonblocking(true).unwrap();
+        }
+        (
+            TcpStream::from_std(client).unwrap(),
+            TcpStream::from_std(server).unwrap(),
+        )
+    }
+
+    /// One request, then a chunked response of `chunks` chunks of
+    /// `chunk_bytes` each, written as fast as the client takes them.
+    /// Returns how the writing ended and the bytes written.
+    async fn stream_to(
+        conn: &mut ServerConn<TcpStream>,
+        chunks: usize,
+        chunk_bytes: usize,
+    ) -> (Result<(), HttpError>, usize) {
+        conn.read_request().await.unwrap().expect("a request");
+        conn.start_chunked(200, [("content-type", "text/event-stream")])
+            .await
+            .unwrap();
+        let chunk = bytes::Bytes::from(vec![b'~'; chunk_bytes]);
+        let mut written = 0;
+        for _ in 0..chunks {
+            if let Err(e) = conn.write_chunk(chunk.clone()).await {
+                return (Err(e), written);
+            }
+            written += chunk_bytes;
+        }
+        (conn.finish().await, written)
+    }
+
+    // A client that asks for a stream and never reads it: once the socket
+    // buffers are full, no byte moves for the stall timeout and the write
+    // fails with TimedOut(Write); the connection is reset, so the client's
+    // reads end in ECONNRESET, not in an end of stream it could take for a
+    // complete answer.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_client_that_stops_reading_is_cut_off_and_reset() {
+        let timeouts = ServerTimeouts {
+            write_stall: Some(Duration::from_millis(300)),
+            ..TIMEOUTS
+        };
+        let (listener, addr) = listen();
+        let (stop_tx, stop_rx) = iop_engine::sync::oneshot::channel::<()>();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            // Never reads until the server gave up.
+            let _ = stop_rx.await;
+            read_to_end(&mut tcp).await.map(|bytes| bytes.len())
+        });
+        let mut conn = server(&listener, timeouts).await;
+        // 1 GiB offered: far more than any socket buffer holds.
+        let (ended, written) = stream_to(&mut conn, 16 * 1024, 64 * 1024).await;
+        assert!(
+            matches!(ended, Err(HttpError::TimedOut(Wait::Write))),
+            "{ended:?} after {written} bytes"
+        );
+        assert!(written < 1 << 30, "{written}");
+        assert!(!conn.keep_alive());
+        drop(conn);
+        drop(stop_tx);
+        let read = client.await;
+        assert_eq!(
+            read.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionReset)
+        );
+    }
+
+    // A slow reader that keeps taking bytes, each pause shorter than the
+    // stall timeout, gets the whole stream although it takes far longer
+    // than the timeout: progress pushes the deadline on.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_slow_reader_that_keeps_reading_gets_the_whole_stream() {
+        let timeouts = ServerTimeouts {
+            write_stall: Some(Duration::from_millis(1500)),
+            ..TIMEOUTS
+        };
+        const CHUNKS: usize = 64;
+        const CHUNK_BYTES: usize = 64 * 1024;
+        let (mut tcp, server_side) = small_buffered_pair();
+        let client = monoio::spawn(async move {
+            write_raw(&mut tcp, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let started = clock::now();
+            let mut body = 0usize;
+            loop {
+                let (res, buf) = tcp.read(Vec::with_capacity(64 * 1024)).await;
+                match res {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => body += buf.iter().filter(|b| **b == b'~').count(),
+                }
+                if body >= CHUNKS * CHUNK_BYTES {
+                    break;
+                }
+                monoio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (body, clock::now().duration_since(started))
+        });
+        let deadline = Deadline::spawn(&server_side);
+        let mut conn =
+            ServerConn::new(server_side, Limits::default()).with_deadline(deadline, timeouts);
+        let (ended, written) = stream_to(&mut conn, CHUNKS, CHUNK_BYTES).await;
+        assert!(ended.is_ok(), "{ended:?} after {written} bytes");
+        let (body, took) = client.await;
+        assert_eq!(body, CHUNKS * CHUNK_BYTES);
+        // Nothing here bounds the time; it only shows the stream outlived
+        // the stall timeout (4 MiB through small socket buffers, at most
+        // 64 KiB per 50 ms), so progress, not the total, is what the
+        // deadline measured.
+        assert!(took > Duration::from_millis(1500), "{took:?}");
     }
 }

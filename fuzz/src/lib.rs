@@ -441,6 +441,9 @@ struct LeaseFixture {
     lease: pb::CredentialLease,
 }
 
+/// The origin the fixture lease is bound to.
+const LEASE_ORIGIN: &str = "http://10.0.0.5:8000";
+
 fn lease_fixture() -> &'static LeaseFixture {
     static FIXTURE: OnceLock<LeaseFixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
@@ -457,12 +460,15 @@ fn lease_fixture() -> &'static LeaseFixture {
             credential_revision: 3,
             route_revision: 5,
             projection_generation: 8,
-            ..Default::default()
+            upstream_origin: LEASE_ORIGIN.into(),
+            run_id: "run-1".into(),
+            request_digest: Bytes::copy_from_slice(&LEASE_REQUEST_DIGEST),
         };
         let issuer = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
         let lease = issue(
             &IssueParams {
                 lease_id: "lease-1",
+                sequence: 1,
                 binding: &binding,
                 secret: LEASE_SECRET,
                 header_name: "Authorization",
@@ -472,7 +478,7 @@ fn lease_fixture() -> &'static LeaseFixture {
             },
             &issuer,
             &recipient.public_key(),
-            LeaseEntropy::from_bytes([3; 32], [4; 12]),
+            LeaseEntropy::from_seed([3; 32]),
         )
         .expect("the fixture lease issues");
         LeaseFixture {
@@ -483,6 +489,10 @@ fn lease_fixture() -> &'static LeaseFixture {
         }
     })
 }
+
+/// The request digest the fixture lease is bound to (any 32 bytes: the
+/// target checks the binding, not the digest's preimage).
+const LEASE_REQUEST_DIGEST: [u8; 32] = [5; 32];
 
 /// `lease_open`: a valid lease and binding, patched by the input
 /// (protobuf bytes merged into one of them), optionally re-signed so the
@@ -497,7 +507,9 @@ fn lease_fixture() -> &'static LeaseFixture {
 /// rest     protobuf bytes merged into the patched message
 /// ```
 pub fn lease_open(data: &[u8]) {
-    use iop_wire::lease::{binding_digest, open, sign, ExpectedScope, OpenContext, ReplayCache};
+    use iop_wire::lease::{
+        binding_digest, open, sign, ExpectedScope, OpenContext, OriginPins, ReplayGuard,
+    };
     use prost::Message;
 
     let f = lease_fixture();
@@ -525,6 +537,9 @@ pub fn lease_open(data: &[u8]) {
     let scope = ExpectedScope {
         selected_node: &f.binding.selected_node,
         upstream_target: &f.binding.upstream_target,
+        upstream_origin: LEASE_ORIGIN,
+        run_id: &f.binding.run_id,
+        request_digest: &LEASE_REQUEST_DIGEST,
         profile: Some(&f.binding.profile),
         principal: None,
         slot: None,
@@ -534,14 +549,17 @@ pub fn lease_open(data: &[u8]) {
         projection_generation: None,
     };
     let issuer = f.issuer.verifying_key();
+    let pins = OriginPins::new();
     let ctx = OpenContext {
         recipient: &f.recipient,
         issuer: &issuer,
         scope,
+        revoked: &[],
+        origin_pins: &pins,
         now_unix_ms: NOT_BEFORE_MS + offset_sec * 1000,
         clock_skew_ms: 2_000,
     };
-    let mut replay = ReplayCache::new(4);
+    let mut replay = ReplayGuard::new(NOT_BEFORE_MS - 10_000);
     let lease_arg = (control & 8 == 0).then_some(&lease);
     let binding_arg = (control & 16 == 0).then_some(&binding);
     if let Ok(opened) = open(lease_arg, binding_arg, &ctx, &mut replay) {

@@ -15,8 +15,8 @@ mod common;
 
 use bytes::Bytes;
 use common::{
-    chat_tunnel, lease_binding, next_sequence, node_config, openai_adapter, openai_profile,
-    recipient, Edge, Mock, TARGET,
+    chat_tunnel, is_tunnel_terminal, lease_binding, next_sequence, node_config, openai_adapter,
+    openai_profile, recipient, Edge, Mock, TARGET,
 };
 use ed25519_dalek::SigningKey;
 use iop_wire::lease::{self, IssueParams, LeaseEntropy, ReplayGuard};
@@ -423,4 +423,82 @@ async fn nodes_without_a_recipient_key() {
     );
     assert_eq!(mock.admin_stats().await["chat_requests"], 0);
     assert_answered(&legacy.tunnel(tunnel("n-4")).await, 401);
+}
+
+// CONTRACT: C2 — the lease is opened only after the capacity gate admits
+// the request: a leased tunnel refused with `capacity_exhausted` (its
+// adapter's one slot held by a slow stream) never reached the provider and
+// left its lease unopened, so the same request with the same lease is
+// served once the slot is free.
+#[monoio::test(timer_enabled = true)]
+async fn a_request_refused_by_the_gate_leaves_its_lease_unopened() {
+    // Ten tokens a second apart: the first stream holds the one slot.
+    let mock = Mock::start(
+        Mock::handler(10, 1_000).with_required_api_key(bench::mock::auth::ApiKey::new(SECRET)),
+    );
+    let mut config = payload(&mock, true);
+    config.adapters[0].capacity = 1;
+    let mut edge = Edge::start_with_credentials(config, Some(node_credentials())).await;
+    let holder = chat_tunnel(
+        "gate-1",
+        format!(
+            r#"{{"model":"{TARGET}","stream":true,"messages":[{{"role":"user","content":"hold"}}]}}"#
+        ),
+    );
+    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &holder);
+    let lease = issue(&LeaseSpec::valid("lease-holder"), &binding);
+    let holder = with_lease(holder, lease, binding);
+    edge.send(pb::frame::Body::ProviderTunnelRequest(holder));
+    let start = edge.recv_tunnel().await;
+    assert_eq!(
+        (start.run_id.as_str(), start.kind()),
+        ("gate-1", pb::TunnelFrameKind::ResponseStart),
+        "{}: {}",
+        start.failure_code,
+        start.error
+    );
+    // One token: served at once when its turn comes.
+    let refused = chat_tunnel(
+        "gate-2",
+        format!(
+            r#"{{"model":"{TARGET}","stream":false,"max_tokens":1,"messages":[{{"role":"user","content":"hi"}}]}}"#
+        ),
+    );
+    let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &refused);
+    let lease = issue(&LeaseSpec::valid("lease-refused"), &binding);
+    let refused = with_lease(refused, lease, binding);
+    edge.send(pb::frame::Body::ProviderTunnelRequest(refused.clone()));
+    let terminal = loop {
+        let f = edge.recv_tunnel().await;
+        if f.run_id == "gate-2" {
+            break f;
+        }
+        assert_eq!(f.run_id, "gate-1", "{f:?}");
+    };
+    assert_eq!(terminal.kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(
+        terminal.failure_code, "capacity_exhausted",
+        "{}",
+        terminal.error
+    );
+    assert_eq!(
+        mock.admin_stats().await["chat_requests"],
+        1,
+        "only the holder"
+    );
+    // Free the slot: cancel the holder and take its terminal.
+    edge.send(pb::frame::Body::CancelRequest(pb::CancelRequest {
+        run_id: "gate-1".into(),
+        reason: "client_disconnect".into(),
+    }));
+    loop {
+        let f = edge.recv_tunnel().await;
+        assert_eq!(f.run_id, "gate-1", "{f:?}");
+        if is_tunnel_terminal(f.kind()) {
+            break;
+        }
+    }
+    // The refused request, its lease untouched, is served now.
+    assert_answered(&edge.tunnel(refused).await, 200);
+    assert_eq!(mock.admin_stats().await["chat_requests"], 2);
 }

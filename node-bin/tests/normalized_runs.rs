@@ -396,3 +396,103 @@ async fn stalled_ollama_run_ends_with_response_stalled() {
     assert_eq!(f.health_observation_seq, Some(1));
     assert_eq!(edge.in_flight("ol").await, 0);
 }
+
+// CONTRACT: P4 — a normalized run and a tunnel on one adapter contend for
+// its one gate: with capacity 1, a streaming run in progress makes a tunnel
+// to the same adapter fail `capacity_exhausted` (and a tunnel in progress
+// does the same to a run), while another adapter is untouched. The legacy
+// node-wide `NodeRuntimeConfig.concurrency = 1` gates nothing: both
+// adapters serve at once.
+#[monoio::test(timer_enabled = true)]
+async fn runs_and_tunnels_share_their_adapters_one_gate() {
+    // The first token at once, the next a minute later: a held stream
+    // sends nothing while the test looks at the gate.
+    let mock = start_mock(400, 60_000, Default::default(), Default::default());
+    let mut config = payload(&mock, 1);
+    config.runtime = Some(pb::NodeRuntimeConfig {
+        concurrency: 1,
+        ..common::runtime()
+    });
+    let mut edge = Edge::start(config).await;
+    let chat = |run_id: &str, stream: bool| pb::ProviderTunnelRequest {
+        adapter: "oa".into(),
+        ..common::chat_tunnel(
+            run_id,
+            format!(
+                r#"{{"model":"{TARGET}","stream":{stream},"max_tokens":1,"messages":[{{"role":"user","content":"hi"}}]}}"#
+            ),
+        )
+    };
+    // A run holds `oa`'s one slot.
+    edge.send(run("held-run", "oa", text_input()));
+    assert_eq!(edge.recv_event().await.r#type(), pb::RunEventType::Start);
+    assert_eq!(edge.recv_event().await.delta, "tok0 ");
+    assert_eq!(edge.in_flight("oa").await, 1);
+    // A tunnel to the same adapter is refused at once …
+    let refused = edge.tunnel(chat("t-refused", false)).await;
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].kind(), pb::TunnelFrameKind::Error);
+    assert_eq!(refused[0].failure_code, "capacity_exhausted");
+    // … and the other adapter serves beside it: concurrency = 1 is no
+    // node-wide gate.
+    edge.send(run(
+        "other-adapter",
+        "ol",
+        pb::RunInput {
+            max_tokens: Some(1),
+            ..text_input()
+        },
+    ));
+    let mut other = Vec::new();
+    while other.last().map(|e: &pb::RunEvent| e.r#type()) != Some(pb::RunEventType::Complete) {
+        let e = edge.recv_event().await;
+        if e.run_id == "other-adapter" {
+            other.push(e);
+        }
+    }
+    assert_eq!(text(&other), "tok0 ");
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "held-run".into(),
+        reason: "client_disconnect".into(),
+    }));
+    while edge.recv_event().await.r#type() != pb::RunEventType::Cancelled {}
+    assert_eq!(edge.in_flight("oa").await, 0);
+    // The other way round: a streaming tunnel holds the slot, a run waits
+    // for nothing and is refused.
+    let mut stream = chat("t-held", true);
+    stream.body = Bytes::from(format!(
+        r#"{{"model":"{TARGET}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}"#
+    ));
+    edge.send(Body::ProviderTunnelRequest(stream));
+    assert_eq!(
+        edge.recv_tunnel().await.kind(),
+        pb::TunnelFrameKind::ResponseStart
+    );
+    edge.send(run("refused-run", "oa", text_input()));
+    let refused = loop {
+        match edge.recv().await.body {
+            Some(Body::RunEvent(e)) => break e,
+            Some(Body::ProviderTunnelFrame(f)) => assert_eq!(f.run_id, "t-held"),
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(
+        (
+            refused.run_id.as_str(),
+            refused.r#type(),
+            refused.failure_code.as_str()
+        ),
+        ("refused-run", pb::RunEventType::Error, "capacity_exhausted")
+    );
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "t-held".into(),
+        reason: "client_disconnect".into(),
+    }));
+    loop {
+        let f = edge.recv_tunnel().await;
+        if common::is_tunnel_terminal(f.kind()) {
+            break;
+        }
+    }
+    assert_eq!(edge.in_flight("oa").await, 0);
+}

@@ -6,7 +6,8 @@ and stops reading its provider, while every other client of the node is
 served whole and on time. A node frozen past the heartbeat timeout is fenced,
 and once it runs again it reconnects and serves (it used to abort in a
 channel destructor). Cancel storms while streams are back-pressured leave the
-node alive with nothing in flight.
+node alive with nothing in flight. A client that takes no bytes for the
+write-stall timeout is reset, and its run cancelled with its reason.
 """
 
 import json
@@ -14,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -179,3 +181,47 @@ def test_a_node_frozen_past_the_heartbeat_timeout_reconnects_and_serves(heartbea
     assert status == 200, body
     assert json.loads(body)["choices"][0]["message"]["content"] == "tok0 tok1 "
     wait_until(lambda: cluster.provider("node-a", "mock-1")["in_flight"] == 0, what="nothing in flight")
+
+
+def _metric(cluster, name: str) -> int:
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return int(float(line.split()[1]))
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_a_client_that_stops_reading_is_reset_at_the_write_stall_timeout():
+    """The Edge, the Node and the mock as real processes: a streaming client
+    that takes no bytes for `client_write_stall_timeout_ms` is reset (its
+    reads end in ECONNRESET after the bytes its socket had taken), its run
+    is cancelled on the Node with `client_write_stall`, the provider stream
+    ends and the lease comes back; the node serves on."""
+    with Cluster(mock_args=["--tokens", str(TOKENS), "--token-bytes", str(TOKEN_BYTES)],
+                 edge_extra=[f"flow_window_bytes = {WINDOW}",
+                             "client_write_stall_timeout_ms = 1000"],
+                 node_env={"RUST_LOG": "info,node_bin::session=debug"}) as c:
+        stuck = _never_reader(c)
+        try:
+            wait_until(lambda: _metric(c, "iop_edge_client_write_stalls_total") == 1, timeout_s=60,
+                       what="the stalled client cut off")
+            wait_until(lambda: c.provider("node-a", "mock-1")["in_flight"] == 0, timeout_s=20,
+                       what="the stalled run's lease back")
+            wait_until(lambda: c.mock_stats()["active_streams"] == 0, timeout_s=20,
+                       what="the provider stream ended")
+            stuck.settimeout(20)
+            received = 0
+            with pytest.raises(ConnectionResetError):
+                while True:
+                    chunk = stuck.recv(65536)
+                    if not chunk:
+                        break  # an end of stream would pass for a whole answer
+                    received += len(chunk)
+            assert received < TOKENS * TOKEN_BYTES, received
+        finally:
+            stuck.close()
+        wait_until(lambda: "reason=client_write_stall" in c.nodes["node-a"].log(), timeout_s=10,
+                   what="the node got the cancel with its reason")
+        assert _stream(c, max_tokens=3) == _expected(3)
+        for proc in (c.edge, c.nodes["node-a"]):
+            assert proc.popen.poll() is None, proc.log()

@@ -24,7 +24,8 @@
 //! - the normal clients' *added* per-chunk latency p99 (relayed minus
 //!   direct, same window) with ÷ without never-readers, median over rounds
 //!   (goal ≤ 1.2);
-//! - Edge + Node RSS growth with the K stuck runs, against K × the window;
+//! - Edge + Node RSS growth with the K stuck runs, against K × the window,
+//!   and what of it was not given back [`RETURN_WAIT`] after the cut-offs;
 //! - how long after it connected each never-reader was cut off;
 //! - the bulk mock's bytes written per stuck run (back-pressure: about a
 //!   window plus the sockets' buffers, not the whole answer).
@@ -35,10 +36,15 @@ mod run;
 mod stuck;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Serialize;
 
 pub use run::run;
+
+/// How long after the cut-offs the memory not given back is measured: past
+/// the Edge's heap trim, which runs every 5 s once connections closed.
+pub const RETURN_WAIT: Duration = Duration::from_secs(6);
 
 /// Every option of an isolation run, defaults resolved (recorded in the
 /// JSON).

@@ -83,6 +83,10 @@ pub struct RoundResult {
     /// Edge + Node RSS after the cut-offs minus before (KiB): what was not
     /// given back.
     pub rss_kept_kib: i64,
+    /// The Edge's share of it.
+    pub edge_rss_kept_kib: i64,
+    /// The Node's share of it.
+    pub node_rss_kept_kib: i64,
     /// Bulk bytes the mock wrote for the stuck runs, per run.
     pub bulk_written_per_stuck_bytes: f64,
     /// Never-readers still connected after window B (cut off later).
@@ -128,6 +132,8 @@ impl RoundResult {
             edge_rss_per_stuck_kib: rss.1.edge_kib.saturating_sub(rss.0.edge_kib) as f64 / k,
             node_rss_per_stuck_kib: rss.1.node_kib.saturating_sub(rss.0.node_kib) as f64 / k,
             rss_kept_kib: rss.2.total() as i64 - rss.0.total() as i64,
+            edge_rss_kept_kib: rss.2.edge_kib as i64 - rss.0.edge_kib as i64,
+            node_rss_kept_kib: rss.2.node_kib as i64 - rss.0.node_kib as i64,
             bulk_written_per_stuck_bytes: written_stuck as f64 / k,
             stuck_after_b,
             cut_off_s,
@@ -185,6 +191,10 @@ pub struct IsolationReport {
     pub node_rss_per_stuck_kib: f64,
     /// Median RSS not given back after the cut-offs (KiB).
     pub rss_kept_kib: f64,
+    /// Median Edge RSS not given back (KiB).
+    pub edge_rss_kept_kib: f64,
+    /// Median Node RSS not given back (KiB).
+    pub node_rss_kept_kib: f64,
     /// The window, KiB.
     pub window_kib: f64,
     /// Median bulk bytes written per stuck run.
@@ -230,6 +240,8 @@ impl IsolationReport {
             edge_rss_per_stuck_kib: med(|r| r.edge_rss_per_stuck_kib),
             node_rss_per_stuck_kib: med(|r| r.node_rss_per_stuck_kib),
             rss_kept_kib: med(|r| r.rss_kept_kib as f64),
+            edge_rss_kept_kib: med(|r| r.edge_rss_kept_kib as f64),
+            node_rss_kept_kib: med(|r| r.node_rss_kept_kib as f64),
             bulk_written_per_stuck_bytes: med(|r| r.bulk_written_per_stuck_bytes),
             never_cut_off: rounds
                 .iter()
@@ -282,12 +294,15 @@ pub fn render_table(report: &IsolationReport) -> String {
     ));
     out.push_str(&format!(
         "Edge + Node RSS per stuck run: {:.0} KiB (Edge {:.0}, Node {:.0}; window {:.0} KiB); \
-         {:.0} KiB not given back after the cut-offs\n",
+         {:.0} KiB not given back {} s after the cut-offs (Edge {:.0}, Node {:.0})\n",
         report.rss_per_stuck_kib,
         report.edge_rss_per_stuck_kib,
         report.node_rss_per_stuck_kib,
         report.window_kib,
-        report.rss_kept_kib
+        report.rss_kept_kib,
+        super::RETURN_WAIT.as_secs(),
+        report.edge_rss_kept_kib,
+        report.node_rss_kept_kib
     ));
     out.push_str(&format!(
         "bulk bytes the mock wrote per stuck run: {:.0} KiB of a {} KiB answer\n",

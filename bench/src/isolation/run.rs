@@ -325,7 +325,7 @@ pub fn run(
             leases_left = in_flight(&edge, "bulk-1")?;
         }
         drop(stuck);
-        std::thread::sleep(Duration::from_millis(SETTLE_MS));
+        std::thread::sleep(super::RETURN_WAIT);
         let rss_after_kib = children.relay_rss_kib()?;
         let result = RoundResult::of(
             round,

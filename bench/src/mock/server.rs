@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 
 use iop_engine::clock::monotonic_raw_ns;
 use iop_engine::http::{HttpError, Limits, ServerConn};
-use iop_engine::rt::{Signal, SignalPipe};
+use iop_engine::rt::{yield_now, Signal, SignalPipe};
 
 use super::openai::{error_body, MockFaults, MockProvider, Reply, StreamPlan, StreamStep};
 use super::script::Script;
@@ -348,6 +348,9 @@ async fn write_event(
     let len = event.len();
     conn.write_chunk(event).await?;
     provider.borrow_mut().stream_wrote(len);
+    // Every stream takes turns with the others and with `/admin/stats`,
+    // whichever driver runs (see `yield_now`).
+    yield_now().await;
     Ok(())
 }
 

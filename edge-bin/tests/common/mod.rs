@@ -439,6 +439,17 @@ pub async fn http_request(addr: SocketAddr, method: &str, path: &str, body: &[u8
     http_exchange(addr, request).await
 }
 
+/// The value of counter or gauge `name` in the Edge's `/metrics`.
+pub async fn metric(addr: SocketAddr, name: &str) -> u64 {
+    let response = http_request(addr, "GET", "/metrics", b"").await;
+    let text = String::from_utf8(response.body).expect("metrics are UTF-8");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+        .parse()
+        .expect("a number")
+}
+
 /// `POST /v1/chat/completions` with `body`.
 pub async fn post_chat(addr: SocketAddr, body: &str) -> HttpResponse {
     http_request(addr, "POST", "/v1/chat/completions", body.as_bytes()).await

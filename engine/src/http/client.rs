@@ -222,7 +222,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
         let head = zeroizing_head(|sink| {
             write_request_head(sink, method, target, fields(), framing, false)
         })?;
-        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body])).await {
+        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body]), || {}).await {
             self.mark_closed();
             return Err(e.into());
         }

@@ -103,8 +103,9 @@ pub enum HttpError {
         reason: &'static str,
     },
     /// The connection's deadline passed while it waited for the peer (a
-    /// request head or body that stalled, an idle keep-alive connection); the
-    /// socket's read side was shut down ([`crate::net::Deadline`]).
+    /// request head or body that stalled, an idle keep-alive connection: the
+    /// socket's read side was shut down; a response the peer stopped taking:
+    /// the connection was reset) ([`crate::net::Deadline`]).
     #[error("timed out waiting for the {} (deadline passed)", .0.name())]
     TimedOut(Wait),
     /// The socket or TLS stream failed.
@@ -143,14 +144,14 @@ impl HttpError {
     /// Whether a server can still answer on the connection after this error
     /// (false for IO errors and peer closes: nobody is listening; false for
     /// an idle keep-alive connection that timed out: there is no request to
-    /// answer).
+    /// answer; false for a write stall: the connection was reset).
     pub fn is_answerable(&self) -> bool {
         !matches!(
             self,
             HttpError::Io(_)
                 | HttpError::UnexpectedEof
                 | HttpError::ClosedBeforeResponse
-                | HttpError::TimedOut(Wait::Idle | Wait::Linger)
+                | HttpError::TimedOut(Wait::Idle | Wait::Linger | Wait::Write)
         )
     }
 }
@@ -194,5 +195,7 @@ mod tests {
         assert!(HttpError::TimedOut(Wait::Head).is_answerable());
         assert!(HttpError::TimedOut(Wait::Body).is_answerable());
         assert!(!HttpError::TimedOut(Wait::Idle).is_answerable());
+        // A client that stopped reading was reset: nothing more is written.
+        assert!(!HttpError::TimedOut(Wait::Write).is_answerable());
     }
 }

@@ -189,10 +189,12 @@ unsafe impl IoVecBuf for IoParts {
 }
 
 /// Writes every part, looping over short writes (a TLS stream's `writev`
-/// takes only the first part per call), then flushes.
+/// takes only the first part per call), then flushes. `progress` runs after
+/// each write that moved bytes (a stall deadline is pushed on there).
 pub(crate) async fn write_parts<S: AsyncWriteRent>(
     stream: &mut S,
     mut parts: IoParts,
+    mut progress: impl FnMut(),
 ) -> io::Result<()> {
     while !parts.is_empty() {
         let (res, back) = stream.writev(parts).await;
@@ -204,7 +206,10 @@ pub(crate) async fn write_parts<S: AsyncWriteRent>(
                     "peer accepted no bytes",
                 ))
             }
-            Ok(n) => parts.advance(n),
+            Ok(n) => {
+                parts.advance(n);
+                progress();
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -283,9 +288,13 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let writer = monoio::spawn(async move {
             let mut stream = connect(addr).await.unwrap();
-            write_parts(&mut stream, IoParts::new([Bytes::from_static(b"world")]))
-                .await
-                .unwrap();
+            write_parts(
+                &mut stream,
+                IoParts::new([Bytes::from_static(b"world")]),
+                || {},
+            )
+            .await
+            .unwrap();
             stream
         });
         let (mut server, _) = accept(&listener).await.unwrap();
@@ -326,7 +335,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let writer = monoio::spawn(async move {
             let mut stream = connect(addr).await.unwrap();
-            write_parts(&mut stream, IoParts::new([Bytes::from_static(b"!")]))
+            write_parts(&mut stream, IoParts::new([Bytes::from_static(b"!")]), || {})
                 .await
                 .unwrap();
             stream
@@ -363,6 +372,7 @@ mod tests {
                     big,
                     Bytes::from_static(b":tail"),
                 ]),
+                || {},
             )
             .await
             .unwrap();

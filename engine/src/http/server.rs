@@ -18,7 +18,10 @@
 //! within `head` of that byte, and a body may pause at most
 //! [`ServerTimeouts::body_idle`] between reads. A passed deadline shuts the
 //! socket's read side down from outside (reads are never cancelled) and the
-//! read fails with [`HttpError::TimedOut`].
+//! read fails with [`HttpError::TimedOut`]. With
+//! [`ServerTimeouts::write_stall`] every write has one too, pushed on by
+//! each partial write: a peer that takes no byte for that long is reset and
+//! the write fails with [`HttpError::TimedOut`]`(`[`Wait::Write`]`)`.
 //!
 //! Memory: a `Content-Length` body grows its buffer toward the declared
 //! length, never past it, and leaves the connection's read buffer behind
@@ -59,6 +62,11 @@ pub struct ServerTimeouts {
     pub head: Duration,
     /// Longest pause between two reads of a request body.
     pub body_idle: Duration,
+    /// Longest time a response write may go without the peer accepting a
+    /// byte; the connection is then cut off (reset) and the write fails
+    /// with [`HttpError::TimedOut`]`(`[`Wait::Write`]`)`. `None`: writes
+    /// wait for as long as the peer takes.
+    pub write_stall: Option<Duration>,
 }
 
 /// The bounds of a lingering close ([`ServerConn::linger_close`]), after
@@ -402,11 +410,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             return Ok(Bytes::new());
         }
         if head.expect_continue && self.read_buf.is_empty() {
-            write_parts(
-                &mut self.stream,
-                IoParts::new([Bytes::from_static(CONTINUE_100)]),
-            )
-            .await?;
+            self.write(IoParts::new([Bytes::from_static(CONTINUE_100)]))
+                .await?;
         }
         if let BodyFraming::ContentLength { len_bytes } = head.framing {
             // Bounded by max_body_bytes in BodyDecoder::new. Read the body
@@ -667,11 +672,38 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         }
     }
 
+    /// Writes `parts` under the write-stall deadline, if one is set: armed
+    /// before the write, pushed on by every partial write (a slow reader
+    /// that keeps taking bytes is not stalled), and put back to what was
+    /// armed before (a read deadline) once the write is done.
     async fn write(&mut self, parts: IoParts) -> Result<(), HttpError> {
-        let result = write_parts(&mut self.stream, parts).await;
+        let stall = self
+            .deadline
+            .as_ref()
+            .and_then(|(deadline, t)| t.write_stall.map(|stall| (deadline, stall)));
+        let result = match stall {
+            None => write_parts(&mut self.stream, parts, || {}).await,
+            Some((deadline, stall)) => {
+                let before = deadline.armed();
+                deadline.arm(Wait::Write, stall);
+                let result =
+                    write_parts(&mut self.stream, parts, || deadline.arm(Wait::Write, stall)).await;
+                match before {
+                    Some((wait, at)) if result.is_ok() => deadline.arm_at(wait, at),
+                    _ => deadline.disarm(),
+                }
+                result
+            }
+        };
         if result.is_err() {
             self.keep_alive = false;
         }
-        result.map_err(HttpError::from)
+        match (result, self.deadline()) {
+            (Ok(()), _) => Ok(()),
+            (Err(_), Some(deadline)) if deadline.expired() == Some(Wait::Write) => {
+                Err(HttpError::TimedOut(Wait::Write))
+            }
+            (Err(e), _) => Err(HttpError::from(e)),
+        }
     }
 }

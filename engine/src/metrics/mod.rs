@@ -195,6 +195,9 @@ pub enum Count {
     /// Edge: kept-alive client connections closed after
     /// `edge.client_keep_alive_timeout_ms` without a request.
     EdgeClientIdleTimeouts,
+    /// Edge: client connections reset because the client took no bytes of
+    /// a response for `edge.client_write_stall_timeout_ms`.
+    EdgeClientWriteStalls,
     /// Edge: requests refused before routing because their HTTP framing
     /// was bad or over a limit (400, 413, 431, 501).
     EdgeClientRequestErrors,
@@ -226,7 +229,7 @@ pub enum Count {
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 17] = [
+    pub const ALL: [Count; 18] = [
         Count::EdgeRelayBodyBytes,
         Count::EdgeClientConnectionsAccepted,
         Count::EdgeClientConnectionsClosed,
@@ -234,6 +237,7 @@ impl Count {
         Count::EdgeClientHeadTimeouts,
         Count::EdgeClientBodyTimeouts,
         Count::EdgeClientIdleTimeouts,
+        Count::EdgeClientWriteStalls,
         Count::EdgeClientRequestErrors,
         Count::EdgeClientJsonLimitRejections,
         Count::EdgeClientLingeringCloses,
@@ -265,6 +269,7 @@ impl Count {
             Count::EdgeClientHeadTimeouts => "client_head_timeouts",
             Count::EdgeClientBodyTimeouts => "client_body_timeouts",
             Count::EdgeClientIdleTimeouts => "client_idle_timeouts",
+            Count::EdgeClientWriteStalls => "client_write_stalls",
             Count::EdgeClientRequestErrors => "client_request_errors",
             Count::EdgeClientJsonLimitRejections => "client_json_limit_rejections",
             Count::EdgeClientLingeringCloses => "client_lingering_closes",
@@ -295,6 +300,9 @@ impl Count {
             }
             Count::EdgeClientIdleTimeouts => {
                 "Idle keep-alive client connections closed at edge.client_keep_alive_timeout_ms."
+            }
+            Count::EdgeClientWriteStalls => {
+                "Client connections reset at edge.client_write_stall_timeout_ms (the client stopped reading)."
             }
             Count::EdgeClientRequestErrors => {
                 "Requests refused for bad or oversized HTTP framing (400, 413, 431, 501)."

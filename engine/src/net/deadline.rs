@@ -39,7 +39,9 @@
 //! On expiry the read-side waits ([`Wait::shuts_down_reads_only`]) shut down
 //! only the read side, so the connection can still carry a short answer
 //! (408) or a lingering close; [`Wait::Handshake`] and [`Wait::Write`] shut
-//! down both directions.
+//! down both directions; a write stall also sets `SO_LINGER` to zero, so
+//! the close that follows resets the connection and frees the bytes the
+//! peer never took.
 
 use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, RawFd};
@@ -256,6 +258,9 @@ async fn watchdog(shared: Rc<Shared>) {
         let step = shared.core.borrow_mut().poll(clock::now());
         match step {
             DeadlineStep::Expire(wait) => {
+                if wait == Wait::Write {
+                    reset_on_close(fd);
+                }
                 if let Err(err) = nix::sys::socket::shutdown(fd, wait.shutdown_how()) {
                     // ENOTCONN: the peer already closed or reset.
                     tracing::debug!(fd, error = %err, "deadline shutdown");
@@ -270,6 +275,27 @@ async fn watchdog(shared: Rc<Shared>) {
             }
             DeadlineStep::Idle => shared.wake.notified().await,
         }
+    }
+}
+
+/// Sets `SO_LINGER` to zero seconds: closing the socket then resets the
+/// connection and frees the unsent bytes at once. A peer that stopped
+/// reading would otherwise keep them queued in the kernel (`FIN_WAIT1`)
+/// until the retransmission timers give up.
+fn reset_on_close(fd: RawFd) {
+    // SAFETY: `fd` comes from `Shared::fd`, which is `Some` only while the
+    // `Deadline` lives, and the `Deadline` is dropped before (or together
+    // with) the stream that owns the descriptor (see its docs), so the
+    // descriptor is open for the duration of this call.
+    let socket = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    if let Err(err) =
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Linger, &linger)
+    {
+        tracing::debug!(fd, error = %err, "deadline linger");
     }
 }
 

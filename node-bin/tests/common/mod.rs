@@ -319,7 +319,8 @@ pub fn next_sequence() -> u64 {
 }
 
 /// Whether `kind` ends a tunnel.
-fn is_tunnel_terminal(kind: pb::TunnelFrameKind) -> bool {
+/// Whether a tunnel frame of `kind` ends its tunnel.
+pub fn is_tunnel_terminal(kind: pb::TunnelFrameKind) -> bool {
     matches!(kind, pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error)
 }
 
