@@ -16,7 +16,9 @@
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
 //! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
 //! Control on shard 0, mailboxes between shards), [`credentials`] (client
-//! keys and credential leases, C1–C5).
+//! keys and credential leases, C1–C5), [`attempt`] (the commit point of an
+//! attempt, shared by the node and client shells) and [`outlier`] (passive
+//! health of one provider).
 
 pub mod admin;
 pub mod attempt;
