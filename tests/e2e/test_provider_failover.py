@@ -191,3 +191,18 @@ def test_a_stall_after_three_tokens_ends_the_stream_and_is_not_retried(stalling)
     assert text == "tok0 tok1 tok2 "
     assert http_json(f"http://{stalling.mock_b.ready['addr']}/admin/stats")["chat_requests"] == before_b
     wait_until(lambda: stalling.entry("a")["in_flight"] == 0, what="a's lease released")
+
+
+def test_the_llama_cpp_probe_works_without_a_health_route(stalling):
+    # llama-cpp-python's server has no /health (404): the llama_cpp
+    # profile's probe asks /v1/models instead, which lists the target.
+    b = stalling.mock_b.ready["addr"]
+    for state, expected in (("healthy", "available"), ("missing", "available"), ("unhealthy", "unavailable")):
+        status, _, raw = post_raw(f"http://{b}/admin/health", {"state": state})
+        assert status == 200, raw
+        status, _, raw = post_raw(f"{stalling.base_url}/admin/nodes/node-a/commands",
+                                  {"type": "capabilities", "adapter": "mock-b"})
+        assert status == 200, raw
+        [cap] = json.loads(raw)["capabilities"]
+        assert (cap["adapter_key"], cap["target"], cap["provider_status"]) == ("mock-b", "mock-model", expected), state
+    post_raw(f"http://{b}/admin/health", {"state": "healthy"})
