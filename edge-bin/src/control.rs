@@ -726,6 +726,9 @@ pub struct Counters {
     pub failover_exhausted: u64,
     /// Eligible failures not retried: no other candidate had a free slot.
     pub failover_no_candidate: u64,
+    /// Requests whose node was fenced before their first byte, queued
+    /// again for a candidate (their provider after a reconnect included).
+    pub failover_requeued: u64,
     /// Eligible failures not retried: the request's response-wait deadline
     /// had passed.
     pub failover_deadline: u64,
@@ -1567,8 +1570,9 @@ impl Control {
     fn fence(&mut self, n: usize, owner: Owner, out: &mut Vec<Action>) {
         let mut lost = Vec::new();
         for run_id in self.leases_of.remove(&owner.conn).unwrap_or_default() {
+            let provider = self.leases.get(&run_id).map(|entry| entry.provider);
             if let Some(lease) = self.release(&run_id) {
-                lost.push(lease.request);
+                lost.push((lease.request, provider));
             }
         }
         for p in self.nodes[n].providers.clone() {
@@ -1578,8 +1582,8 @@ impl Control {
         // In arrival order, now that the fenced providers are no
         // candidates.
         lost.sort_unstable();
-        for request in lost {
-            if !self.try_failover(request, false, out) {
+        for (request, provider) in lost {
+            if !self.try_failover(request, false, provider, out) {
                 self.forget_request(request);
                 out.push(Action::Done {
                     request,
@@ -1776,7 +1780,9 @@ impl Control {
     /// Requests of one queue (one model, short or long) fit exactly when
     /// its head does, and admitting only ever takes capacity, so the
     /// earliest waiting request that fits is the earliest queue head that
-    /// fits: admit it, repeat until no head fits.
+    /// fits: admit it, repeat until no head fits. (A request queued again
+    /// after its node was fenced has no provider to avoid: it fits like
+    /// any other.)
     fn pump(&mut self, out: &mut Vec<Action>) {
         loop {
             let head = self
@@ -1787,7 +1793,8 @@ impl Control {
             let Some((request, m, long)) = head else {
                 return;
             };
-            let Some(dispatch) = self.try_admit(request, m, long, 1, &[]) else {
+            let attempt = self.pending.get(&request).map_or(1, |p| p.attempts + 1);
+            let Some(dispatch) = self.try_admit(request, m, long, attempt, &[]) else {
                 return;
             };
             self.unqueue(request, m, long);
@@ -2022,6 +2029,45 @@ impl Control {
 
     // ---- pre-commit failover ------------------------------------------------
 
+    /// Puts dispatched `request` (its lease already released) back in its
+    /// lane's queue until a candidate frees, at most until its response-wait
+    /// deadline or the model's queue timeout; false when the queue is full.
+    fn requeue(&mut self, request: RequestId) -> bool {
+        let Some(now) = self.now else {
+            return false;
+        };
+        let Some(p) = self.pending.get(&request) else {
+            return false;
+        };
+        let spec = &self.models[p.model].spec;
+        let (lane, long, model) = (p.lane, p.long, p.model);
+        if self.queued_count(model) >= spec.max_queue as usize {
+            return false;
+        }
+        let mut deadline = now + spec.queue_timeout;
+        if let Some(response_deadline) = p.response_deadline {
+            deadline = deadline.min(response_deadline);
+        }
+        if let Some(Pending {
+            state:
+                RequestState::Dispatched {
+                    response_by: Some(at),
+                    ..
+                },
+            ..
+        }) = self.pending.get(&request)
+        {
+            self.response_deadlines.remove(&(*at, request));
+        }
+        if let Some(p) = self.pending.get_mut(&request) {
+            p.state = RequestState::Queued { deadline };
+        }
+        self.queue_deadlines.insert((deadline, request));
+        self.enqueue(request, lane, long);
+        self.counters.failover_requeued += 1;
+        true
+    }
+
     /// `request`'s attempt failed (its lease already released) in a way
     /// another provider may not share: dispatches the next attempt to
     /// another candidate when nothing reached the client (`committed` or
@@ -2029,7 +2075,22 @@ impl Control {
     /// deadline has not passed and a candidate not tried yet has a free
     /// slot. True when it did (the request goes on); false: the caller ends
     /// it.
-    fn try_failover(&mut self, request: RequestId, committed: bool, out: &mut Vec<Action>) -> bool {
+    ///
+    /// `fenced`: the attempt was lost with its node's connection (F1), not
+    /// failed by its provider, so that provider is not held against the
+    /// request: with no candidate now, a request that no provider failed
+    /// waits in its queue again (until its response-wait deadline) for one,
+    /// the same provider after its node's reconnect included.
+    fn try_failover(
+        &mut self,
+        request: RequestId,
+        committed: bool,
+        fenced: Option<usize>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        if let (Some(q), Some(p)) = (fenced, self.pending.get_mut(&request)) {
+            p.tried.retain(|&t| t != q);
+        }
         let Some(p) = self.pending.get(&request) else {
             return false;
         };
@@ -2063,6 +2124,9 @@ impl Control {
         }
         let (lane, long, attempt, tried) = (p.lane, p.long, p.attempts + 1, p.tried.clone());
         let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
+            if fenced.is_some() && tried.is_empty() && self.requeue(request) {
+                return true;
+            }
             self.counters.failover_no_candidate += 1;
             return false;
         };
@@ -2165,7 +2229,7 @@ impl Control {
             }
         }
         self.record_end(now, provider, t.end, out);
-        if t.end.is_retryable() && self.try_failover(request, t.committed, out) {
+        if t.end.is_retryable() && self.try_failover(request, t.committed, None, out) {
             self.pump(out);
             return;
         }

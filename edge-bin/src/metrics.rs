@@ -121,6 +121,10 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot], ejected: 
                 counters.failover_no_candidate,
             ),
             (
+                "source=\"failover\",result=\"requeued\"",
+                counters.failover_requeued,
+            ),
+            (
                 "source=\"failover\",result=\"deadline_passed\"",
                 counters.failover_deadline,
             ),

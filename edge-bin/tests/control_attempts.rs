@@ -829,3 +829,85 @@ fn a_retry_keeps_the_requests_response_deadline() {
         reason: CancelReason::ResponseWaitTimeout,
     }));
 }
+
+// A request lost with its node before its first byte, with no other
+// candidate now, waits in its queue again: the same provider takes it
+// after the node's reconnect, under the next run id; not reconnected in
+// time, it ends at its deadline.
+#[test]
+fn a_fenced_request_with_no_other_candidate_waits_for_the_reconnect() {
+    let mut f = Fixture::with_attempts(failover(), 2);
+    f.submit(1);
+    f.submit(2);
+    assert_eq!(f.lease_of(1).unwrap().1, "p1");
+    assert_eq!(f.lease_of(2).unwrap().1, "p2");
+    let out = f.handle(Input::Closed { conn: CONN });
+    assert!(
+        out.iter()
+            .all(|a| !matches!(a, Action::Done { .. } | Action::Dispatch(_))),
+        "{out:?}"
+    );
+    assert_eq!(f.control.counters().failover_requeued, 2);
+    assert_eq!(f.control.leases().count(), 0);
+    assert!(f.control.queue_deadline(RequestId(1)).is_some());
+    // Reconnected: both go back to their providers, new run ids.
+    let conn = ConnId(7);
+    f.handle(Input::Register {
+        conn,
+        tls_name: NODE.into(),
+        node_id: NODE.into(),
+    });
+    let out = f.handle(Input::Ready {
+        conn,
+        node_id: NODE.into(),
+    });
+    let mut runs: Vec<(String, String)> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch(d) => {
+                Some((d.lease.run_id.clone(), d.lease.provider.provider_id.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    runs.sort();
+    assert_eq!(
+        runs,
+        [
+            ("run-1.2".to_string(), "p1".to_string()),
+            ("run-2.2".to_string(), "p2".to_string())
+        ]
+    );
+    // A second fence: both attempts used (max 2), so they are lost.
+    let out = f.handle(Input::Closed { conn });
+    let lost = |id| Action::Done {
+        request: RequestId(id),
+        outcome: Outcome::Lost,
+    };
+    assert!(out.contains(&lost(1)) && out.contains(&lost(2)), "{out:?}");
+    // Not reconnected in time: the request ends at its deadline.
+    f.handle(Input::Register {
+        conn: ConnId(9),
+        tls_name: NODE.into(),
+        node_id: NODE.into(),
+    });
+    f.handle(Input::Ready {
+        conn: ConnId(9),
+        node_id: NODE.into(),
+    });
+    f.submit(4);
+    assert_eq!(f.lease_of(4).unwrap().0, RequestId(4).run_id());
+    f.handle(Input::Closed { conn: ConnId(9) });
+    assert_eq!(
+        f.control.queue_deadline(RequestId(4)),
+        Some(f.base + Duration::from_millis(WAIT_MS))
+    );
+    let out = f.at(WAIT_MS);
+    assert!(
+        out.contains(&Action::Done {
+            request: RequestId(4),
+            outcome: Outcome::Rejected(Rejection::QueueTimeout),
+        }),
+        "{out:?}"
+    );
+}

@@ -16,8 +16,10 @@
 //! Invariants checked after every step:
 //! 1. at most one live attempt (lease) per request;
 //! 2. at most `max_attempts` attempts per request, each on a provider the
-//!    request has not tried, each under a run id never used before, each to
-//!    its node's ready connection;
+//!    request has not tried (a provider whose node was fenced under the
+//!    request does not count as tried: it may take it again after its
+//!    reconnect), each under a run id never used before, each to its node's
+//!    ready connection;
 //! 3. every lease is released exactly once: a run's lease, once gone, never
 //!    comes back, and a request that is done holds none;
 //! 4. `Done` exactly once per submitted request, nothing dispatched for a
@@ -133,6 +135,7 @@ struct Stats {
     done: u64,
     failed_terminals: u64,
     aborted: u64,
+    requeues: u64,
 }
 
 impl Stats {
@@ -144,6 +147,7 @@ impl Stats {
         self.done += o.done;
         self.failed_terminals += o.failed_terminals;
         self.aborted += o.aborted;
+        self.requeues += o.requeues;
     }
 }
 
@@ -396,7 +400,11 @@ impl Sim {
                         node_id: NODES[n].into(),
                     })?,
                     _ => {
-                        // A (re)registration: the older owner is superseded.
+                        // A (re)registration: the older owner is superseded
+                        // (fenced when it was ready).
+                        if let Some((old, _)) = self.conns[n] {
+                            self.forget_fenced_providers(old);
+                        }
                         self.next_conn += 1;
                         let conn = ConnId(self.next_conn);
                         self.conns[n] = Some((conn, false));
@@ -420,6 +428,7 @@ impl Sim {
             8..=11 => {
                 let n = self.rng.below(3) as usize;
                 if let Some((conn, _)) = self.conns[n].take() {
+                    self.forget_fenced_providers(conn);
                     self.fencing = true;
                     let result = self.apply(Input::Closed { conn });
                     self.fencing = false;
@@ -529,6 +538,22 @@ impl Sim {
         Ok(())
     }
 
+    /// A fence of `conn` is about to happen: its leases' providers did not
+    /// fail their requests, which may go back to them after a reconnect.
+    fn forget_fenced_providers(&mut self, conn: ConnId) {
+        let fenced: Vec<(RequestId, ProviderKey)> = self
+            .control
+            .leases()
+            .filter(|l| l.conn == conn)
+            .map(|l| (l.request, l.provider.clone()))
+            .collect();
+        for (request, provider) in fenced {
+            if let Some(r) = self.requests.get_mut(&request) {
+                r.tried.remove(&provider);
+            }
+        }
+    }
+
     /// Closes every node and runs the clock out: invariant 4's end.
     fn drain(&mut self) -> Result<(), String> {
         for n in 0..3 {
@@ -560,6 +585,7 @@ fn run_schedule(seed: u64, verbose: bool) -> Result<Stats, String> {
             sim.step()?;
         }
         sim.drain()?;
+        sim.stats.requeues = sim.control.counters().failover_requeued;
         Ok(sim.stats)
     }));
     match result {
@@ -640,6 +666,7 @@ fn simulation_with_failing_attempts() {
         ("re-admissions", total.readmissions),
         ("response-wait aborts", total.aborted),
         ("failed terminals", total.failed_terminals),
+        ("fenced requests queued again", total.requeues),
     ] {
         assert!(n >= 1_000, "{what}: only {n}");
     }
