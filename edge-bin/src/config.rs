@@ -88,6 +88,31 @@ pub const DEFAULT_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 30_000;
 pub const MIN_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 100;
 /// Longest accepted `edge.client_write_stall_timeout_ms` (one hour).
 pub const MAX_CLIENT_WRITE_STALL_TIMEOUT_MS: u64 = 3_600_000;
+/// Default `edge.response_wait_timeout_ms`: a dispatched request whose
+/// response has not started after this long is cancelled and answered 504
+/// (U6). A backstop behind the Node's stall watchdog (300 s by default),
+/// so a stall with its health evidence normally ends such a wait first.
+pub const DEFAULT_RESPONSE_WAIT_TIMEOUT_MS: u64 = 600_000;
+/// Shortest accepted `edge.response_wait_timeout_ms`.
+pub const MIN_RESPONSE_WAIT_TIMEOUT_MS: u64 = 100;
+/// Longest accepted `edge.response_wait_timeout_ms` (one day).
+pub const MAX_RESPONSE_WAIT_TIMEOUT_MS: u64 = 86_400_000;
+/// Default `outlier_detection.consecutive_failures`.
+pub const DEFAULT_CONSECUTIVE_FAILURES: u32 = 5;
+/// Largest accepted `outlier_detection.consecutive_failures`.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 1_000;
+/// Default `outlier_detection.base_ejection_time_ms`.
+pub const DEFAULT_BASE_EJECTION_TIME_MS: u64 = 30_000;
+/// Default `outlier_detection.max_ejection_time_ms`.
+pub const DEFAULT_MAX_EJECTION_TIME_MS: u64 = 300_000;
+/// Longest accepted ejection time (one day).
+pub const MAX_EJECTION_TIME_LIMIT_MS: u64 = 86_400_000;
+/// Default `outlier_detection.max_ejection_percent`.
+pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
+/// Default `models[].max_attempts`: one retry on another provider.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 2;
+/// Largest accepted `models[].max_attempts`.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
 /// Defaults and bounds of the front door's limits (`[edge]` keys, see
 /// [`ListenerLimits`]).
 pub mod front_door {
@@ -178,6 +203,37 @@ pub struct EdgeConfig {
     /// client surface is open; otherwise every request but `/livez`,
     /// `/readyz` and `/metrics` needs one of them.
     pub client_keys: Vec<ClientKeySpec>,
+    /// Passive health (`[outlier_detection]`).
+    pub outlier_detection: OutlierDetection,
+}
+
+/// The `[outlier_detection]` table: providers that fail in a row are taken
+/// out of rotation for a while (`crate::outlier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutlierDetection {
+    /// Whether providers are ejected at all.
+    pub enabled: bool,
+    /// Consecutive failures that eject a provider.
+    pub consecutive_failures: u32,
+    /// The first ejection's length.
+    pub base_ejection_time_ms: u64,
+    /// The longest ejection.
+    pub max_ejection_time_ms: u64,
+    /// At most this share of a model's providers is ejected at once (at
+    /// least one); 0 never ejects.
+    pub max_ejection_percent: u32,
+}
+
+impl Default for OutlierDetection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            consecutive_failures: DEFAULT_CONSECUTIVE_FAILURES,
+            base_ejection_time_ms: DEFAULT_BASE_EJECTION_TIME_MS,
+            max_ejection_time_ms: DEFAULT_MAX_EJECTION_TIME_MS,
+            max_ejection_percent: DEFAULT_MAX_EJECTION_PERCENT,
+        }
+    }
 }
 
 /// The `[credentials]` table: the Edge issuer key and the credential slots
@@ -274,6 +330,10 @@ pub struct EdgeSettings {
     /// A client socket that takes no bytes of a response for this long is
     /// cut off: its run is cancelled on the Node, its lease released.
     pub client_write_stall_timeout_ms: u64,
+    /// A dispatched request whose response has not started (no tunnel
+    /// frame, no run event) this long after its dispatch is cancelled on
+    /// the Node and answered 504 (U6).
+    pub response_wait_timeout_ms: u64,
     /// Deadlines, caps and bounds of both listeners.
     pub limits: ListenerLimits,
 }
@@ -366,6 +426,26 @@ pub struct AdapterSpec {
     pub tls: ProviderTlsSpec,
     /// Node-local capacity gate (P4); 0 = unlimited.
     pub capacity: u32,
+    /// An OpenAI-compatible adapter's health path (under the base URL's
+    /// prefix), replacing its profile's: for a server that serves health
+    /// elsewhere. `None`: the profile's.
+    pub health_path: Option<String>,
+}
+
+impl AdapterSpec {
+    /// The resolved protocol profile of an OpenAI-compatible adapter (U4):
+    /// its profile at its base URL, with its own health path if it has
+    /// one; `None` for an Ollama adapter.
+    pub fn protocol_profile(&self) -> Option<ProtocolProfileSpec> {
+        let AdapterKind::OpenAiCompat { profile } = self.kind else {
+            return None;
+        };
+        let mut spec = protocol_profile(profile, &self.base_url);
+        if let Some(path) = &self.health_path {
+            spec.health_path = self.base_url.join(path);
+        }
+        Some(spec)
+    }
 }
 
 /// Provider TLS settings of an adapter (`ca_file`,
@@ -508,6 +588,9 @@ pub struct ModelSpec {
     pub max_queue: u32,
     /// Longest wait for a lease.
     pub queue_timeout_ms: u64,
+    /// Most attempts of one request: a failure before anything reached the
+    /// client is retried on another provider until this many (1: never).
+    pub max_attempts: u32,
     /// `owned_by` shown in `/v1/models`.
     pub owned_by: String,
 }
@@ -754,11 +837,9 @@ impl NodeSpec {
             .iter()
             .map(|adapter| {
                 let kind = match adapter.kind {
-                    AdapterKind::OpenAiCompat { profile } => {
+                    AdapterKind::OpenAiCompat { .. } => {
                         pb::adapter_config::Kind::OpenaiCompat(pb::OpenAiCompatAdapterConfig {
-                            protocol_profile: Some(
-                                protocol_profile(profile, &adapter.base_url).to_pb(),
-                            ),
+                            protocol_profile: adapter.protocol_profile().map(|p| p.to_pb()),
                         })
                     }
                     AdapterKind::Ollama => {
@@ -930,6 +1011,17 @@ struct RawEdgeFile {
     nodes: Vec<RawNode>,
     #[serde(default)]
     models: Vec<RawModel>,
+    outlier_detection: Option<RawOutlierDetection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOutlierDetection {
+    enabled: Option<bool>,
+    consecutive_failures: Option<i64>,
+    base_ejection_time_ms: Option<i64>,
+    max_ejection_time_ms: Option<i64>,
+    max_ejection_percent: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -946,6 +1038,7 @@ struct RawEdge {
     drain_grace_ms: Option<i64>,
     flow_window_bytes: Option<i64>,
     client_write_stall_timeout_ms: Option<i64>,
+    response_wait_timeout_ms: Option<i64>,
     client_head_timeout_ms: Option<i64>,
     client_body_idle_timeout_ms: Option<i64>,
     client_keep_alive_timeout_ms: Option<i64>,
@@ -1021,6 +1114,7 @@ struct RawAdapter {
     ca_file: Option<String>,
     tls_insecure_skip_verify: Option<bool>,
     capacity: Option<i64>,
+    health_path: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1044,6 +1138,7 @@ struct RawModel {
     long_context_threshold_tokens: Option<i64>,
     max_queue: Option<i64>,
     queue_timeout_ms: Option<i64>,
+    max_attempts: Option<i64>,
     owned_by: Option<String>,
 }
 
@@ -1125,6 +1220,7 @@ impl Validator<'_> {
             self.check_managed_nodes(credentials, &nodes)?;
         }
         let client_keys = self.client_keys(raw.client_keys)?;
+        let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
@@ -1134,6 +1230,55 @@ impl Validator<'_> {
             models,
             credentials,
             client_keys,
+            outlier_detection,
+        })
+    }
+
+    fn outlier_detection(
+        &self,
+        raw: Option<RawOutlierDetection>,
+    ) -> Result<OutlierDetection, ConfigError> {
+        let defaults = OutlierDetection::default();
+        let Some(raw) = raw else {
+            return Ok(defaults);
+        };
+        let value = |v: Option<i64>, key: &str, default: u64, min: u64, max: u64| match v {
+            None => Ok(default),
+            Some(v) => in_range(v, min, max)
+                .map_err(|why| self.err(format!("outlier_detection.{key}"), why)),
+        };
+        let base_ejection_time_ms = value(
+            raw.base_ejection_time_ms,
+            "base_ejection_time_ms",
+            defaults.base_ejection_time_ms,
+            1,
+            MAX_EJECTION_TIME_LIMIT_MS,
+        )?;
+        let max_ejection_time_ms = value(
+            raw.max_ejection_time_ms,
+            "max_ejection_time_ms",
+            defaults.max_ejection_time_ms.max(base_ejection_time_ms),
+            base_ejection_time_ms,
+            MAX_EJECTION_TIME_LIMIT_MS,
+        )?;
+        Ok(OutlierDetection {
+            enabled: raw.enabled.unwrap_or(true),
+            consecutive_failures: value(
+                raw.consecutive_failures,
+                "consecutive_failures",
+                u64::from(defaults.consecutive_failures),
+                1,
+                u64::from(MAX_CONSECUTIVE_FAILURES),
+            )? as u32,
+            base_ejection_time_ms,
+            max_ejection_time_ms,
+            max_ejection_percent: value(
+                raw.max_ejection_percent,
+                "max_ejection_percent",
+                u64::from(defaults.max_ejection_percent),
+                0,
+                100,
+            )? as u32,
         })
     }
 
@@ -1448,6 +1593,15 @@ impl Validator<'_> {
             )
             .map_err(|why| self.err("edge.client_write_stall_timeout_ms", why))?,
         };
+        let response_wait_timeout_ms = match raw.response_wait_timeout_ms {
+            None => DEFAULT_RESPONSE_WAIT_TIMEOUT_MS,
+            Some(v) => in_range(
+                v,
+                MIN_RESPONSE_WAIT_TIMEOUT_MS,
+                MAX_RESPONSE_WAIT_TIMEOUT_MS,
+            )
+            .map_err(|why| self.err("edge.response_wait_timeout_ms", why))?,
+        };
         use front_door::*;
         let limit = |value: Option<i64>, key: &str, default: u64, min: u64, max: u64| match value {
             None => Ok(default),
@@ -1543,6 +1697,7 @@ impl Validator<'_> {
             drain_grace_ms,
             flow_window_bytes,
             client_write_stall_timeout_ms,
+            response_wait_timeout_ms,
             limits,
         })
     }
@@ -1676,12 +1831,25 @@ impl Validator<'_> {
                 .map(|v| v as u32)
                 .map_err(|why| self.err(format!("{key}.capacity"), why))?,
         };
+        let health_path = match (raw.health_path, kind) {
+            (None, _) => None,
+            (Some(path), AdapterKind::OpenAiCompat { .. }) => {
+                Some(check_path(&path).map_err(|why| self.err(format!("{key}.health_path"), why))?)
+            }
+            (Some(_), AdapterKind::Ollama) => {
+                return Err(self.err(
+                    format!("{key}.health_path"),
+                    "only an openai_compat adapter has a health path (Ollama's is /api/tags)",
+                ))
+            }
+        };
         Ok(AdapterSpec {
             name,
             kind,
             base_url,
             tls,
             capacity,
+            health_path,
         })
     }
 
@@ -1772,6 +1940,12 @@ impl Validator<'_> {
             Some(v) => in_range(v, 1, MAX_QUEUE_TIMEOUT_MS)
                 .map_err(|why| self.err(format!("{key}.queue_timeout_ms"), why))?,
         };
+        let max_attempts = match raw.max_attempts {
+            None => DEFAULT_MAX_ATTEMPTS,
+            Some(v) => in_range(v, 1, u64::from(MAX_ATTEMPTS_LIMIT))
+                .map(|v| v as u32)
+                .map_err(|why| self.err(format!("{key}.max_attempts"), why))?,
+        };
         let owned_by = match raw.owned_by {
             None => DEFAULT_OWNED_BY.to_owned(),
             Some(owned_by) => {
@@ -1785,9 +1959,36 @@ impl Validator<'_> {
             long_context_threshold_tokens,
             max_queue,
             queue_timeout_ms,
+            max_attempts,
             owned_by,
         })
     }
+}
+
+/// Longest accepted `health_path`.
+pub const MAX_HEALTH_PATH_BYTES: usize = 256;
+
+/// A request path: starts with `/`, bounded, printable ASCII without
+/// spaces, `?` or `#`.
+fn check_path(path: &str) -> Result<String, String> {
+    if !path.starts_with('/') {
+        return Err(format!("must start with `/` (got {path:?})"));
+    }
+    if path.len() > MAX_HEALTH_PATH_BYTES {
+        return Err(format!(
+            "must be at most {MAX_HEALTH_PATH_BYTES} bytes (got {})",
+            path.len()
+        ));
+    }
+    if let Some(c) = path
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '?' | '#'))
+    {
+        return Err(format!(
+            "must be a plain path: printable ASCII without spaces, `?` or `#` (found {c:?})"
+        ));
+    }
+    Ok(path.to_string())
 }
 
 /// `value` as `u64` when `min <= value <= max`.
@@ -2006,6 +2207,7 @@ providers = ["node-a/a-llama"]
                 drain_grace_ms: 30_000,
                 flow_window_bytes: 256 * 1024,
                 client_write_stall_timeout_ms: 30_000,
+                response_wait_timeout_ms: 600_000,
                 limits: ListenerLimits::default(),
             },
             tls: Some(TlsFiles {
@@ -2025,6 +2227,7 @@ providers = ["node-a/a-llama"]
                         base_url: base_url("http://127.0.0.1:8000"),
                         tls: ProviderTlsSpec::default(),
                         capacity: 8,
+                        health_path: None,
                     },
                     AdapterSpec {
                         name: "ollama".into(),
@@ -2032,6 +2235,7 @@ providers = ["node-a/a-llama"]
                         base_url: base_url("http://127.0.0.1:11434"),
                         tls: ProviderTlsSpec::default(),
                         capacity: 4,
+                        health_path: None,
                     },
                 ],
                 providers: vec![
@@ -2068,6 +2272,7 @@ providers = ["node-a/a-llama"]
                     long_context_threshold_tokens: Some(32_000),
                     max_queue: 256,
                     queue_timeout_ms: 30_000,
+                    max_attempts: 2,
                     owned_by: "iop".into(),
                 },
                 ModelSpec {
@@ -2079,10 +2284,12 @@ providers = ["node-a/a-llama"]
                     long_context_threshold_tokens: None,
                     max_queue: 256,
                     queue_timeout_ms: 30_000,
+                    max_attempts: 2,
                     owned_by: "iop".into(),
                 },
             ],
             credentials: None,
+            outlier_detection: OutlierDetection::default(),
             client_keys: vec![],
         };
         assert_eq!(config, expected);
@@ -2151,7 +2358,7 @@ providers = ["node-a/a-llama"]
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
              `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
-             `client_write_stall_timeout_ms`, `client_head_timeout_ms`, \
+             `client_write_stall_timeout_ms`, `response_wait_timeout_ms`, `client_head_timeout_ms`, \
              `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
              `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
              `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
@@ -2166,7 +2373,7 @@ providers = ["node-a/a-llama"]
         assert_eq!(
             error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
             "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
-             `credentials`, `client_keys`, `nodes`, `models` (line 44, column 2)"
+             `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection` (line 44, column 2)"
         );
     }
 
@@ -2360,6 +2567,84 @@ providers = ["node-a/a-llama"]
                 config.edge.client_write_stall_timeout_ms
             ),
             (65_536, 2_500)
+        );
+    }
+
+    #[test]
+    fn response_wait_timeout_defaults_and_is_in_range() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(parse(BASE).unwrap().edge.response_wait_timeout_ms, 600_000);
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nresponse_wait_timeout_ms = 99")),
+            "conf/edge.toml: edge.response_wait_timeout_ms: must be between 100 and 86400000 \
+             (got 99)"
+        );
+        let config = parse(&variant(
+            edge,
+            &format!("{edge}\nresponse_wait_timeout_ms = 1500"),
+        ))
+        .unwrap();
+        assert_eq!(config.edge.response_wait_timeout_ms, 1_500);
+    }
+
+    #[test]
+    fn outlier_detection_and_max_attempts_default_parse_and_are_in_range() {
+        let base = parse(BASE).unwrap();
+        assert_eq!(base.outlier_detection, OutlierDetection::default());
+        assert_eq!(
+            base.outlier_detection,
+            OutlierDetection {
+                enabled: true,
+                consecutive_failures: 5,
+                base_ejection_time_ms: 30_000,
+                max_ejection_time_ms: 300_000,
+                max_ejection_percent: 50,
+            }
+        );
+        assert_eq!(base.models[0].max_attempts, 2);
+        let with = |table: &str| format!("{BASE}\n[outlier_detection]\n{table}\n");
+        let config = parse(&with(
+            "enabled = false\nconsecutive_failures = 3\nbase_ejection_time_ms = 500\n\
+             max_ejection_time_ms = 2000\nmax_ejection_percent = 100",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.outlier_detection,
+            OutlierDetection {
+                enabled: false,
+                consecutive_failures: 3,
+                base_ejection_time_ms: 500,
+                max_ejection_time_ms: 2_000,
+                max_ejection_percent: 100,
+            }
+        );
+        // A base longer than the default maximum raises the maximum with it.
+        let config = parse(&with("base_ejection_time_ms = 600000")).unwrap();
+        assert_eq!(config.outlier_detection.max_ejection_time_ms, 600_000);
+        for (table, why) in [
+            (
+                "consecutive_failures = 0",
+                "outlier_detection.consecutive_failures: must be between 1 and 1000 (got 0)",
+            ),
+            (
+                "max_ejection_percent = 101",
+                "outlier_detection.max_ejection_percent: must be between 0 and 100 (got 101)",
+            ),
+            (
+                "base_ejection_time_ms = 1000\nmax_ejection_time_ms = 999",
+                "outlier_detection.max_ejection_time_ms: must be between 1000 and 86400000 (got 999)",
+            ),
+        ] {
+            assert_eq!(error(&with(table)), format!("conf/edge.toml: {why}"));
+        }
+        assert!(error(&with("colour = 1"))
+            .starts_with("conf/edge.toml: outlier_detection.colour: unknown field `colour`"));
+        let model = "providers = [\"node-a/a-llama\"]";
+        let config = parse(&variant(model, &format!("{model}\nmax_attempts = 1"))).unwrap();
+        assert_eq!(config.models[0].max_attempts, 1);
+        assert_eq!(
+            error_of(model, &format!("{model}\nmax_attempts = 6")),
+            "conf/edge.toml: models[0].max_attempts: must be between 1 and 5 (got 6)"
         );
     }
 
@@ -2771,6 +3056,62 @@ providers = ["node-a/a-llama"]
         let names: Vec<&str> = ProfileName::ALL.iter().map(ProfileName::as_str).collect();
         assert_eq!(names, ["openai", "vllm", "llama_cpp", "sglang"]);
         assert_eq!(ProfileName::from_name("tgi"), None);
+    }
+
+    #[test]
+    fn an_adapter_health_path_replaces_the_profiles() {
+        let adapter = "base_url = \"http://127.0.0.1:8000\"\ncapacity = 8";
+        let config = parse(&variant(
+            adapter,
+            "base_url = \"http://127.0.0.1:8000/llama\"\ncapacity = 8\nhealth_path = \"/v1/models\"",
+        ))
+        .unwrap();
+        let spec = config.nodes[0].adapters[0].protocol_profile().unwrap();
+        assert_eq!(spec.health_path, "/llama/v1/models");
+        assert_eq!(spec.models_path, "/llama/v1/models");
+        let payload = config.node_config_payload(&config.nodes[0], 1);
+        let Some(pb::adapter_config::Kind::OpenaiCompat(oa)) = &payload.adapters[0].kind else {
+            panic!("an openai_compat adapter");
+        };
+        assert_eq!(
+            oa.protocol_profile.as_ref().unwrap().health_path,
+            "/llama/v1/models"
+        );
+        // Without one, the profile's.
+        let base = parse(BASE).unwrap();
+        assert_eq!(
+            base.nodes[0].adapters[0]
+                .protocol_profile()
+                .unwrap()
+                .health_path,
+            "/health"
+        );
+        assert_eq!(base.nodes[0].adapters[1].protocol_profile(), None);
+        let key = "conf/edge.toml: nodes[0].adapters[0].health_path";
+        for (bad, why) in [
+            ("health", "must start with `/` (got \"health\")"),
+            (
+                "/health?x=1",
+                "must be a plain path: printable ASCII without spaces, `?` or `#` (found '?')",
+            ),
+            (
+                "/he alth",
+                "must be a plain path: printable ASCII without spaces, `?` or `#` (found ' ')",
+            ),
+        ] {
+            assert_eq!(
+                error_of(adapter, &format!("{adapter}\nhealth_path = \"{bad}\"")),
+                format!("{key}: {why}")
+            );
+        }
+        assert_eq!(
+            error_of(
+                "kind = \"ollama\"",
+                "kind = \"ollama\"\nhealth_path = \"/api/version\""
+            ),
+            "conf/edge.toml: nodes[0].adapters[1].health_path: only an openai_compat adapter \
+             has a health path (Ollama's is /api/tags)"
+        );
     }
 
     #[test]

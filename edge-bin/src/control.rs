@@ -42,6 +42,8 @@ use std::time::{Duration, Instant};
 
 use iop_wire::pb;
 
+use crate::outlier::{Ejection, OutlierPolicy, OutlierState, Readmission};
+
 /// Shell-assigned identity of one accepted node connection, unique for the
 /// life of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -61,6 +63,16 @@ impl RequestId {
     /// The run id a dispatch of this request carries on the wire.
     pub fn run_id(self) -> String {
         format!("run-{}", self.0)
+    }
+
+    /// The run id of its `attempt`-th attempt (1-based): the first is
+    /// [`RequestId::run_id`], a retry `run-<id>.<attempt>`.
+    pub fn attempt_run_id(self, attempt: u32) -> String {
+        if attempt <= 1 {
+            self.run_id()
+        } else {
+            format!("run-{}.{attempt}", self.0)
+        }
     }
 }
 
@@ -88,6 +100,66 @@ pub enum DispatchKind {
     Run,
 }
 
+/// A client operation a provider may serve (U3): the profile operations
+/// that carry inference requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Operation {
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/messages`.
+    Messages,
+    /// `POST /v1/messages/count_tokens`.
+    CountTokens,
+}
+
+impl Operation {
+    /// Every operation, in this order (the bit order of [`Operations`]).
+    pub const ALL: [Operation; 4] = [
+        Operation::ChatCompletions,
+        Operation::Responses,
+        Operation::Messages,
+        Operation::CountTokens,
+    ];
+
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// The set of operations a provider serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Operations(u8);
+
+impl Operations {
+    /// Every operation: an OpenAI-compatible server whose profile defines
+    /// them all.
+    pub const ALL: Operations = Operations(0b1111);
+    /// Chat completions only: an Ollama-native adapter (normalized runs).
+    pub const CHAT: Operations = Operations(1);
+
+    /// The set of `ops`.
+    pub fn of(ops: &[Operation]) -> Self {
+        Operations(ops.iter().fold(0, |bits, op| bits | op.bit()))
+    }
+
+    /// What a provider driven as `kind` serves: a normalized run speaks
+    /// chat only; a tunnel whatever its profile defines (every profile
+    /// defines all four today).
+    pub fn for_kind(kind: DispatchKind) -> Self {
+        match kind {
+            DispatchKind::Run => Operations::CHAT,
+            DispatchKind::Tunnel => Operations::ALL,
+        }
+    }
+
+    /// Whether `op` is in the set.
+    pub fn contains(self, op: Operation) -> bool {
+        self.0 & op.bit() != 0
+    }
+}
+
 /// Static description of one provider resource.
 #[derive(Debug, Clone)]
 pub struct ProviderSpec {
@@ -107,6 +179,8 @@ pub struct ProviderSpec {
     pub category: pb::ProviderCategory,
     /// Tunnel or normalized run (U7).
     pub kind: DispatchKind,
+    /// The operations it serves: it is a candidate for those only.
+    pub operations: Operations,
     /// Disabled providers are never candidates.
     pub enabled: bool,
 }
@@ -133,6 +207,8 @@ pub struct ModelSpec {
     pub max_queue: u32,
     /// Longest wait for a lease.
     pub queue_timeout: Duration,
+    /// Most attempts of one request (pre-commit failover): 1 never retries.
+    pub max_attempts: u32,
 }
 
 /// Tunables of the state machine.
@@ -143,13 +219,23 @@ pub struct Tunables {
     pub cancel_settle: Duration,
     /// How often an overlaid provider gets a CAPABILITIES recovery probe (H6).
     pub recovery_probe_interval: Duration,
+    /// U6: the longest a dispatched request waits for its response to
+    /// start (a tunnel's first frame, a run's first event), from its
+    /// dispatch. Past it the run is cancelled on the node and the client is
+    /// told ([`Action::Abort`]). `None`: no deadline.
+    pub response_wait_timeout: Option<Duration>,
+    /// Passive health (outlier detection); `None`: off.
+    pub outlier: Option<OutlierPolicy>,
 }
 
 impl Default for Tunables {
+    /// The contract's timers only: no response-wait deadline.
     fn default() -> Self {
         Self {
             cancel_settle: Duration::from_secs(30),
             recovery_probe_interval: Duration::from_secs(5),
+            response_wait_timeout: None,
+            outlier: None,
         }
     }
 }
@@ -206,6 +292,72 @@ impl StallEvidence {
     }
 }
 
+/// Why an attempt counts against its provider's health (outlier
+/// detection): the provider is unreachable or failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FailureReason {
+    /// The Node could not connect (refused, reset, timed out:
+    /// `provider_unreachable`).
+    ConnectFailure,
+    /// The provider's response broke off before it started
+    /// (`provider_error` before any response head).
+    ResetBeforeResponse,
+    /// The provider answered 5xx and nothing reached the client yet.
+    UpstreamStatus,
+    /// The Node's stall watchdog ended the attempt (`response_stalled`).
+    Stalled,
+    /// No response started within the response-wait timeout (U6).
+    ResponseWaitTimeout,
+}
+
+impl FailureReason {
+    /// Every reason, in label order.
+    pub const ALL: [FailureReason; 5] = [
+        FailureReason::ConnectFailure,
+        FailureReason::ResetBeforeResponse,
+        FailureReason::UpstreamStatus,
+        FailureReason::Stalled,
+        FailureReason::ResponseWaitTimeout,
+    ];
+
+    /// Its metric label and `/status` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::ConnectFailure => "connect_failure",
+            FailureReason::ResetBeforeResponse => "reset_before_response",
+            FailureReason::UpstreamStatus => "upstream_5xx",
+            FailureReason::Stalled => "stalled",
+            FailureReason::ResponseWaitTimeout => "response_wait_timeout",
+        }
+    }
+}
+
+/// How one attempt ended, as its node connection classified its frames
+/// (`crate::attempt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptEnd {
+    /// The provider answered: a response below 500, or a complete run.
+    Answered,
+    /// The provider is unreachable or failing: counts toward its ejection;
+    /// another provider may take the request if nothing reached the client.
+    Failed(FailureReason),
+    /// The Node refused the attempt for a reason another provider would not
+    /// share (its capacity gate full, the adapter or operation unknown
+    /// there): another provider may take it; not held against this one.
+    Refused,
+    /// Anything else (cancelled, a request another provider would refuse
+    /// too, a credential lease failure, C5): final, not counted.
+    Other,
+}
+
+impl AttemptEnd {
+    /// Whether another provider may take the request (when nothing reached
+    /// the client).
+    pub fn is_retryable(self) -> bool {
+        matches!(self, AttemptEnd::Failed(_) | AttemptEnd::Refused)
+    }
+}
+
 /// A terminal received from a node (H1): its reception identity is the
 /// connection it arrived on, never a payload field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -220,6 +372,11 @@ pub struct Terminal {
     pub target: String,
     /// Stall evidence, when the terminal is a `response_stalled` error.
     pub stall: Option<StallEvidence>,
+    /// How the attempt ended.
+    pub end: AttemptEnd,
+    /// Whether a byte of its response reached (or is about to reach) the
+    /// client: then it is never retried.
+    pub committed: bool,
 }
 
 /// Why a dispatched or queued request is cancelled (U6); dispatched ones
@@ -234,6 +391,9 @@ pub enum CancelReason {
     /// The client drained slower than a node without flow control sent:
     /// the run outgrew its window at the Edge.
     ClientTooSlow,
+    /// No response started within [`Tunables::response_wait_timeout`]
+    /// (U6); Control cancels on its own.
+    ResponseWaitTimeout,
 }
 
 impl CancelReason {
@@ -243,6 +403,7 @@ impl CancelReason {
             CancelReason::ClientDisconnect => "client_disconnect",
             CancelReason::ClientWriteStall => "client_write_stall",
             CancelReason::ClientTooSlow => "client_too_slow",
+            CancelReason::ResponseWaitTimeout => "response_wait_timeout",
         }
     }
 }
@@ -278,6 +439,8 @@ pub enum Input {
         request: RequestId,
         /// The external model (E2).
         model: String,
+        /// What it asks for: only providers serving it are candidates.
+        operation: Operation,
         /// Whether it needs a long-context slot.
         long: bool,
     },
@@ -297,6 +460,23 @@ pub enum Input {
     },
     /// A run or tunnel terminal from a node (H1–H5).
     Terminal(Terminal),
+    /// A byte of run `run_id`'s response reached the client's route (the
+    /// commit point, `crate::attempt`): from now on it is never retried.
+    Committed {
+        /// The connection it arrived on (H1: only the lease's counts).
+        conn: ConnId,
+        /// The run.
+        run_id: String,
+    },
+    /// The first frame of run `run_id` (a tunnel's `RESPONSE_START` or
+    /// first frame, a run's first event) arrived on `conn`: its response
+    /// has started, the response-wait deadline is off (U6).
+    Responded {
+        /// The connection it arrived on (H1: only the lease's counts).
+        conn: ConnId,
+        /// The run.
+        run_id: String,
+    },
     /// A `NodeCommandResponse` from `conn` (H6).
     CommandResult {
         /// The connection it arrived on.
@@ -311,6 +491,8 @@ pub enum Input {
 pub enum Rejection {
     /// The model is not configured (404).
     UnknownModel,
+    /// No provider of the model serves the operation (400).
+    UnsupportedOperation,
     /// The model's queue is full (429 with retry-after).
     QueueFull,
     /// No lease within the queue timeout (503 with retry-after).
@@ -343,6 +525,24 @@ pub struct Handoff {
     pub recovery_handoff: &'static str,
 }
 
+/// Why Control gave up on a dispatched request before its terminal
+/// ([`Action::Abort`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// No response started within the response-wait timeout (U6): the run
+    /// is cancelled on its node and the client gets 504.
+    ResponseWaitTimeout,
+}
+
+impl AbortReason {
+    /// The error code the client sees.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AbortReason::ResponseWaitTimeout => "response_wait_timeout",
+        }
+    }
+}
+
 /// An observation the shell logs or fans out; correctness never depends on
 /// its delivery (F4, O2).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -356,6 +556,34 @@ pub enum Event {
     NodeDisconnected {
         /// The node.
         node_id: String,
+    },
+    /// Passive health took a provider out of rotation.
+    Ejected {
+        /// The provider.
+        provider: ProviderKey,
+        /// The ejection.
+        ejection: Ejection,
+        /// The failures in a row that tipped it.
+        consecutive_failures: u32,
+    },
+    /// An ejected provider is back in rotation.
+    Readmitted {
+        /// The provider.
+        provider: ProviderKey,
+        /// How.
+        via: Readmission,
+    },
+    /// A request whose attempt failed before anything reached its client
+    /// was dispatched again, to another provider (pre-commit failover).
+    Failover {
+        /// The request.
+        request: RequestId,
+        /// The provider that failed.
+        from: ProviderKey,
+        /// The provider of the new attempt.
+        to: ProviderKey,
+        /// The new attempt's number (2 for the first retry).
+        attempt: u32,
     },
     /// A provider's runtime overlay changed (H4, H6).
     HealthTransition {
@@ -429,6 +657,16 @@ pub enum Action {
         /// What to add.
         handoff: Handoff,
     },
+    /// Tell the client of `request` that Control gave up on it; its run
+    /// was cancelled (a [`Action::SendCancel`] precedes this) and its lease
+    /// settles on the terminal or at the cancel-settle deadline, ending in
+    /// [`Action::Done`].
+    Abort {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        reason: AbortReason,
+    },
     /// The request ended; its lease (if any) is released.
     Done {
         /// The request.
@@ -459,6 +697,41 @@ pub struct Counters {
     pub recovery_probe_recovered: u64,
     /// CAPABILITIES answers that changed nothing.
     pub recovery_probe_unchanged: u64,
+    /// Dispatched requests cancelled because no response started in time
+    /// (U6).
+    pub response_wait_timeouts: u64,
+    /// Failed attempts held against their provider, by
+    /// [`FailureReason::ALL`] index.
+    pub attempt_failures: [u64; 5],
+    /// Ejections, by the [`FailureReason::ALL`] index of the failure that
+    /// tipped them.
+    pub ejections: [u64; 5],
+    /// Ejections not made: the model's share of ejected providers was
+    /// reached.
+    pub ejections_suppressed: u64,
+    /// Re-admissions when the ejection time was over.
+    pub readmissions_timer: u64,
+    /// Re-admissions on a fresh `available` CAPABILITIES answer.
+    pub readmissions_probe: u64,
+    /// Retryable failures of a model with failover, before anything
+    /// reached the client (eligible for another attempt).
+    pub failover_eligible: u64,
+    /// Retryable failures after the response was committed (not eligible).
+    pub failover_ineligible: u64,
+    /// New attempts dispatched to another provider.
+    pub failover_retried: u64,
+    /// Retried requests whose later attempt answered.
+    pub failover_recovered: u64,
+    /// Eligible failures not retried: `max_attempts` reached.
+    pub failover_exhausted: u64,
+    /// Eligible failures not retried: no other candidate had a free slot.
+    pub failover_no_candidate: u64,
+    /// Requests whose node was fenced before their first byte, queued
+    /// again for a candidate (their provider after a reconnect included).
+    pub failover_requeued: u64,
+    /// Eligible failures not retried: the request's response-wait deadline
+    /// had passed.
+    pub failover_deadline: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -553,9 +826,12 @@ struct ProviderState {
     /// The runtime unavailable overlay, tagged with the generation it
     /// belongs to (H4, H5).
     overlay: Option<Generation>,
-    /// When the next recovery probe is due, while overlaid.
+    /// When the next recovery probe is due, while overlaid or ejected.
     next_probe: Option<Instant>,
-    /// Every pool that lists it: (model index, position in the pool).
+    /// Passive health.
+    outlier: OutlierState,
+    /// Every lane it is filed in: (lane index, position in the model's
+    /// pool).
     pools: Vec<(usize, usize)>,
     /// Its entry in those pools' candidate indexes, while it is a
     /// candidate with a free slot.
@@ -606,24 +882,75 @@ struct LeaseEntry {
 
 #[derive(Debug, Clone)]
 enum RequestState {
-    Queued { deadline: Instant },
-    Dispatched { run_id: String },
-    CancelPending { run_id: String, settle_at: Instant },
+    Queued {
+        deadline: Instant,
+    },
+    Dispatched {
+        run_id: String,
+        /// The response-wait deadline, until the response starts (U6).
+        response_by: Option<Instant>,
+        /// A byte of the response reached the client: never retried.
+        committed: bool,
+    },
+    CancelPending {
+        run_id: String,
+        settle_at: Instant,
+    },
 }
 
 #[derive(Debug, Clone)]
 struct Pending {
     /// Index into `Control::models`.
     model: usize,
+    /// Index into `Control::lanes`: where it queues.
+    lane: usize,
     long: bool,
     state: RequestState,
+    /// Attempts dispatched so far (0 while queued).
+    attempts: u32,
+    /// The providers they went to (indexes into `Control::providers`).
+    tried: Vec<usize>,
+    /// Its response-wait deadline, set at its first dispatch: every
+    /// attempt must start its response before it (U6).
+    response_deadline: Option<Instant>,
 }
 
-/// One served model: its spec, its candidate indexes and its queues.
+impl Pending {
+    fn new(model: usize, lane: usize, long: bool, state: RequestState) -> Self {
+        Self {
+            model,
+            lane,
+            long,
+            state,
+            attempts: 0,
+            tried: Vec::new(),
+            response_deadline: None,
+        }
+    }
+}
+
+/// One served model: its spec and its lanes.
 #[derive(Debug)]
 struct ModelState {
     spec: ModelSpec,
-    /// Live providers of the pool with a free slot (X6, H4).
+    /// Its lanes (indexes into `Control::lanes`).
+    lanes: Vec<usize>,
+    /// The lane of each operation ([`Operation::ALL`] order); `None` when
+    /// no provider of the pool serves it.
+    lane_of: [Option<usize>; Operation::ALL.len()],
+}
+
+/// The candidates and queues of the operations of one model that share
+/// one candidate set: a provider is filed in a lane exactly when it serves
+/// every operation of the lane. A model whose providers all serve the same
+/// operations has one lane; one mixing an Ollama-native provider with
+/// OpenAI-compatible ones has two (chat, over all of them; the others,
+/// over the OpenAI-compatible ones).
+#[derive(Debug)]
+struct LaneState {
+    /// Its model (index into `Control::models`).
+    model: usize,
+    /// Live providers of the lane with a free slot (X6, H4).
     free: BTreeSet<Candidate>,
     /// Those of them with a free long-context slot too.
     free_long: BTreeSet<Candidate>,
@@ -633,7 +960,7 @@ struct ModelState {
     queued_long: BTreeSet<RequestId>,
 }
 
-impl ModelState {
+impl LaneState {
     fn candidates(&self, long: bool) -> &BTreeSet<Candidate> {
         if long {
             &self.free_long
@@ -693,12 +1020,20 @@ pub struct Control {
     leases_of: HashMap<ConnId, BTreeSet<String>>,
     /// Requests not yet done, by id (arrival order).
     pending: BTreeMap<RequestId, Pending>,
-    /// The head of every non-empty queue: (request, model, long).
+    /// Candidate sets and queues, by operation, of every model.
+    lanes: Vec<LaneState>,
+    /// The head of every non-empty queue: (request, lane, long).
     heads: BTreeSet<(RequestId, usize, bool)>,
     /// Queued requests by deadline, for timeouts.
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Cancel settlements by deadline.
     settle_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Response-wait deadlines of dispatched requests (U6).
+    response_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Ends of ejections: (instant, provider index).
+    ejection_deadlines: BTreeSet<(Instant, usize)>,
+    /// The `now` of the input or timeout being handled.
+    now: Option<Instant>,
     /// Recovery probes by due time: (instant, provider index).
     probe_deadlines: BTreeSet<(Instant, usize)>,
     /// Outstanding recovery probes.
@@ -736,6 +1071,7 @@ impl Control {
                     last_seq: None,
                     overlay: None,
                     next_probe: None,
+                    outlier: OutlierState::default(),
                     pools: Vec::new(),
                     indexed: None,
                 });
@@ -758,23 +1094,56 @@ impl Control {
             .collect();
         let mut models = Vec::with_capacity(spec.models.len());
         let mut model_index = HashMap::new();
+        let mut lanes = Vec::new();
         for m in spec.models {
             if model_index.contains_key(&m.name) {
                 continue;
             }
             let index = models.len();
-            for (position, key) in m.providers.iter().enumerate() {
-                if let Some(&p) = provider_index.get(key) {
-                    providers[p].pools.push((index, position));
+            // One lane per distinct set of pool positions serving an
+            // operation.
+            let mut model_lanes: Vec<(Vec<usize>, usize)> = Vec::new();
+            let mut lane_of = [None; Operation::ALL.len()];
+            for (o, &op) in Operation::ALL.iter().enumerate() {
+                let members: Vec<usize> = m
+                    .providers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, key)| {
+                        provider_index
+                            .get(*key)
+                            .is_some_and(|&p| providers[p].spec.operations.contains(op))
+                    })
+                    .map(|(position, _)| position)
+                    .collect();
+                if members.is_empty() {
+                    continue;
                 }
+                if let Some((_, lane)) = model_lanes.iter().find(|(set, _)| *set == members) {
+                    lane_of[o] = Some(*lane);
+                    continue;
+                }
+                let lane = lanes.len();
+                for &position in &members {
+                    if let Some(&p) = provider_index.get(&m.providers[position]) {
+                        providers[p].pools.push((lane, position));
+                    }
+                }
+                lanes.push(LaneState {
+                    model: index,
+                    free: BTreeSet::new(),
+                    free_long: BTreeSet::new(),
+                    queued: BTreeSet::new(),
+                    queued_long: BTreeSet::new(),
+                });
+                lane_of[o] = Some(lane);
+                model_lanes.push((members, lane));
             }
             model_index.insert(m.name.clone(), index);
             models.push(ModelState {
                 spec: m,
-                free: BTreeSet::new(),
-                free_long: BTreeSet::new(),
-                queued: BTreeSet::new(),
-                queued_long: BTreeSet::new(),
+                lanes: model_lanes.into_iter().map(|(_, lane)| lane).collect(),
+                lane_of,
             });
         }
         Self {
@@ -784,6 +1153,7 @@ impl Control {
             provider_index,
             models,
             model_index,
+            lanes,
             tunables: spec.tunables,
             bindings: HashMap::new(),
             closing: HashSet::new(),
@@ -793,6 +1163,9 @@ impl Control {
             heads: BTreeSet::new(),
             queue_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
+            response_deadlines: BTreeSet::new(),
+            ejection_deadlines: BTreeSet::new(),
+            now: None,
             probe_deadlines: BTreeSet::new(),
             commands: HashMap::new(),
             next_generation: 0,
@@ -803,6 +1176,7 @@ impl Control {
 
     /// Feeds one input at `now`; appends what the shell must do to `out`.
     pub fn handle(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
+        self.now = Some(now);
         match input {
             Input::Register {
                 conn,
@@ -814,38 +1188,55 @@ impl Control {
             Input::Submit {
                 request,
                 model,
+                operation,
                 long,
-            } => self.on_submit(now, request, &model, long, out),
+            } => self.on_submit(now, request, &model, operation, long, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),
+            Input::Responded { conn, run_id } => self.on_responded(conn, &run_id),
+            Input::Committed { conn, run_id } => self.on_committed(conn, &run_id),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
         }
     }
 
     /// The earliest instant at which [`Control::handle_timeout`] has work:
-    /// a queue deadline, a cancel settlement or a recovery probe.
+    /// a queue deadline, a cancel settlement, a response-wait deadline or a
+    /// recovery probe.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let queue = self.queue_deadlines.first().map(|(t, _)| *t);
         let settle = self.settle_deadlines.first().map(|(t, _)| *t);
+        let response = self.response_deadlines.first().map(|(t, _)| *t);
         let probe = self.probe_deadlines.first().map(|(t, _)| *t);
-        [queue, settle, probe].into_iter().flatten().min()
+        let ejection = self.ejection_deadlines.first().map(|(t, _)| *t);
+        [queue, settle, response, probe, ejection]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Runs every timer due at `now` (deadlines at or before `now`).
     pub fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
+        self.now = Some(now);
         while let Some(&(at, request)) = self.queue_deadlines.first() {
             if at > now {
                 break;
             }
             self.queue_deadlines.remove(&(at, request));
             if let Some(p) = self.pending.remove(&request) {
-                self.unqueue(request, p.model, p.long);
+                self.unqueue(request, p.lane, p.long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Rejected(Rejection::QueueTimeout),
                 });
             }
+        }
+        while let Some(&(at, request)) = self.response_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.response_deadlines.remove(&(at, request));
+            self.on_response_wait_timeout(now, request, out);
         }
         let mut released = false;
         while let Some(&(at, request)) = self.settle_deadlines.first() {
@@ -866,6 +1257,20 @@ impl Control {
                 });
             }
         }
+        // Ejections over: back into rotation, in `ProviderKey` order.
+        let mut readmit = Vec::new();
+        while let Some(&(at, p)) = self.ejection_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.ejection_deadlines.remove(&(at, p));
+            readmit.push(p);
+        }
+        readmit.sort_unstable();
+        for &p in &readmit {
+            self.readmit(now, p, Readmission::Timer, out);
+        }
+        released |= !readmit.is_empty();
         // Due probes go out in `ProviderKey` order.
         let mut due = Vec::new();
         while let Some(&(at, p)) = self.probe_deadlines.first() {
@@ -889,10 +1294,11 @@ impl Control {
 
     /// Whether provider `p` is a live candidate with a free slot: enabled,
     /// its node's ready generation, no unavailable overlay of that
-    /// generation (X6, H4), a lease free.
+    /// generation (X6, H4), not ejected, a lease free.
     fn has_free_slot(&self, p: usize) -> bool {
         let state = &self.providers[p];
         state.spec.enabled
+            && state.outlier.ejection().is_none()
             && state.in_flight < state.spec.capacity
             && self.nodes[state.node]
                 .ready_owner()
@@ -921,8 +1327,8 @@ impl Control {
             in_flight,
             capacity,
         };
-        for &(m, position) in &state.pools {
-            let model = &mut self.models[m];
+        for &(lane, position) in &state.pools {
+            let model = &mut self.lanes[lane];
             if let Some(old) = had {
                 let entry = Candidate {
                     load: load(old.in_flight),
@@ -971,9 +1377,9 @@ impl Control {
         self.set_next_probe(p, None);
     }
 
-    /// Takes `request` out of its model's queue.
+    /// Takes `request` out of its lane's queue.
     fn unqueue(&mut self, request: RequestId, model: usize, long: bool) {
-        let queue = self.models[model].queue(long);
+        let queue = self.lanes[model].queue(long);
         let was_head = queue.first() == Some(&request);
         if !queue.remove(&request) || !was_head {
             return;
@@ -985,9 +1391,9 @@ impl Control {
         }
     }
 
-    /// Puts `request` at the end of its model's queue.
+    /// Puts `request` at the end of its lane's queue.
     fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
-        let queue = self.models[model].queue(long);
+        let queue = self.lanes[model].queue(long);
         let old_head = queue.first().copied();
         queue.insert(request);
         let head = queue.first().copied();
@@ -1124,9 +1530,15 @@ impl Control {
         }
         owner.state = OwnerState::Ready;
         // F3, H5: the new generation's resources start with configured
-        // capacity and without the old overlay.
+        // capacity and without the old overlay. An ejection outlives the
+        // connection (it is about the provider server, and ends by time);
+        // its probes resume under the new generation.
+        let interval = self.tunables.recovery_probe_interval;
         for p in self.nodes[n].providers.clone() {
             self.reset_health(p);
+            if let (Some(now), Some(_)) = (self.now, self.providers[p].outlier.ejection()) {
+                self.set_next_probe(p, Some(now + interval));
+            }
             self.refresh(p);
         }
         out.push(Action::Event(Event::NodeConnected {
@@ -1153,19 +1565,31 @@ impl Control {
 
     /// F1: in one step, release every lease of `owner`'s generation exactly
     /// once, take its resources offline, and re-evaluate the queue.
+    /// Requests whose attempt was lost before anything reached their
+    /// client go on to another provider instead (pre-commit failover).
     fn fence(&mut self, n: usize, owner: Owner, out: &mut Vec<Action>) {
+        let mut lost = Vec::new();
         for run_id in self.leases_of.remove(&owner.conn).unwrap_or_default() {
+            let provider = self.leases.get(&run_id).map(|entry| entry.provider);
             if let Some(lease) = self.release(&run_id) {
-                self.forget_request(lease.request);
-                out.push(Action::Done {
-                    request: lease.request,
-                    outcome: Outcome::Lost,
-                });
+                lost.push((lease.request, provider));
             }
         }
         for p in self.nodes[n].providers.clone() {
             self.reset_health(p);
             self.refresh(p);
+        }
+        // In arrival order, now that the fenced providers are no
+        // candidates.
+        lost.sort_unstable();
+        for (request, provider) in lost {
+            if !self.try_failover(request, false, provider, out) {
+                self.forget_request(request);
+                out.push(Action::Done {
+                    request,
+                    outcome: Outcome::Lost,
+                });
+            }
         }
         self.commands.retain(|_, c| c.conn != owner.conn);
         out.push(Action::Event(Event::NodeDisconnected {
@@ -1181,6 +1605,7 @@ impl Control {
         now: Instant,
         request: RequestId,
         model: &str,
+        operation: Operation,
         long: bool,
         out: &mut Vec<Action>,
     ) {
@@ -1193,22 +1618,24 @@ impl Control {
                 outcome: Outcome::Rejected(Rejection::UnknownModel),
             });
         };
-        if let Some(dispatch) = self.try_admit(request, m, long) {
-            self.pending.insert(
+        let Some(lane) = self.models[m].lane_of[operation as usize] else {
+            return out.push(Action::Done {
                 request,
-                Pending {
-                    model: m,
-                    long,
-                    state: RequestState::Dispatched {
-                        run_id: dispatch.lease.run_id.clone(),
-                    },
-                },
-            );
+                outcome: Outcome::Rejected(Rejection::UnsupportedOperation),
+            });
+        };
+        if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[]) {
+            // Filed as queued for an instant: starting the attempt makes
+            // it dispatched.
+            let state = RequestState::Queued { deadline: now };
+            self.pending
+                .insert(request, Pending::new(m, lane, long, state));
+            self.start_attempt(request, &dispatch);
             return out.push(Action::Dispatch(dispatch));
         }
         let spec = &self.models[m].spec;
         let (max_queue, queue_timeout) = (spec.max_queue as usize, spec.queue_timeout);
-        if self.models[m].queued_count() >= max_queue {
+        if self.queued_count(m) >= max_queue {
             return out.push(Action::Done {
                 request,
                 outcome: Outcome::Rejected(Rejection::QueueFull),
@@ -1216,14 +1643,10 @@ impl Control {
         }
         let deadline = now + queue_timeout;
         self.queue_deadlines.insert((deadline, request));
-        self.enqueue(request, m, long);
+        self.enqueue(request, lane, long);
         self.pending.insert(
             request,
-            Pending {
-                model: m,
-                long,
-                state: RequestState::Queued { deadline },
-            },
+            Pending::new(m, lane, long, RequestState::Queued { deadline }),
         );
     }
 
@@ -1239,16 +1662,23 @@ impl Control {
         };
         match p.state.clone() {
             RequestState::Queued { deadline } => {
-                let (model, long) = (p.model, p.long);
+                let (lane, long) = (p.lane, p.long);
                 self.queue_deadlines.remove(&(deadline, request));
                 self.pending.remove(&request);
-                self.unqueue(request, model, long);
+                self.unqueue(request, lane, long);
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Cancelled,
                 });
             }
-            RequestState::Dispatched { run_id } => {
+            RequestState::Dispatched {
+                run_id,
+                response_by,
+                ..
+            } => {
+                if let Some(at) = response_by {
+                    self.response_deadlines.remove(&(at, request));
+                }
                 let settle_at = now + self.tunables.cancel_settle;
                 p.state = RequestState::CancelPending {
                     run_id: run_id.clone(),
@@ -1270,7 +1700,8 @@ impl Control {
     fn on_undeliverable(&mut self, request: RequestId, out: &mut Vec<Action>) {
         let run_id = match self.pending.get(&request).map(|p| &p.state) {
             Some(
-                RequestState::Dispatched { run_id } | RequestState::CancelPending { run_id, .. },
+                RequestState::Dispatched { run_id, .. }
+                | RequestState::CancelPending { run_id, .. },
             ) => run_id.clone(),
             _ => return,
         };
@@ -1283,18 +1714,41 @@ impl Control {
         self.pump(out);
     }
 
-    /// Takes a lease on the least-loaded live candidate of model `m` with a
-    /// free slot (and a free long slot for long requests); ties go to
-    /// configured order. The first entry of the model's candidate index.
-    fn try_admit(&mut self, request: RequestId, m: usize, long: bool) -> Option<Dispatch> {
-        let p = self.models[m].candidates(long).first()?.provider;
+    /// Requests waiting in any lane of model `m`.
+    fn queued_count(&self, m: usize) -> usize {
+        self.models[m]
+            .lanes
+            .iter()
+            .map(|&lane| self.lanes[lane].queued_count())
+            .sum()
+    }
+
+    /// Takes a lease for `request`'s `attempt`-th attempt on the
+    /// least-loaded live candidate of `lane` with a free slot (and a free
+    /// long slot for long requests) that is not in `exclude`; ties go to
+    /// configured order. The first such entry of the lane's candidate
+    /// index (`exclude` holds the providers already tried: at most
+    /// `max_attempts - 1`).
+    fn try_admit(
+        &mut self,
+        request: RequestId,
+        lane: usize,
+        long: bool,
+        attempt: u32,
+        exclude: &[usize],
+    ) -> Option<Dispatch> {
+        let p = self.lanes[lane]
+            .candidates(long)
+            .iter()
+            .find(|c| !exclude.contains(&c.provider))?
+            .provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
         let state = &mut self.providers[p];
         state.in_flight += 1;
         if long {
             state.long_in_flight += 1;
         }
-        let run_id = request.run_id();
+        let run_id = request.attempt_run_id(attempt);
         let lease = Lease {
             request,
             run_id: run_id.clone(),
@@ -1326,31 +1780,370 @@ impl Control {
     /// Requests of one queue (one model, short or long) fit exactly when
     /// its head does, and admitting only ever takes capacity, so the
     /// earliest waiting request that fits is the earliest queue head that
-    /// fits: admit it, repeat until no head fits.
+    /// fits: admit it, repeat until no head fits. (A request queued again
+    /// after its node was fenced has no provider to avoid: it fits like
+    /// any other.)
     fn pump(&mut self, out: &mut Vec<Action>) {
         loop {
             let head = self
                 .heads
                 .iter()
-                .find(|&&(_, m, long)| !self.models[m].candidates(long).is_empty())
+                .find(|&&(_, lane, long)| !self.lanes[lane].candidates(long).is_empty())
                 .copied();
             let Some((request, m, long)) = head else {
                 return;
             };
-            let Some(dispatch) = self.try_admit(request, m, long) else {
+            let attempt = self.pending.get(&request).map_or(1, |p| p.attempts + 1);
+            let Some(dispatch) = self.try_admit(request, m, long, attempt, &[]) else {
                 return;
             };
             self.unqueue(request, m, long);
-            if let Some(p) = self.pending.get_mut(&request) {
-                if let RequestState::Queued { deadline } = p.state {
-                    self.queue_deadlines.remove(&(deadline, request));
-                }
-                p.state = RequestState::Dispatched {
-                    run_id: dispatch.lease.run_id.clone(),
-                };
-            }
+            self.start_attempt(request, &dispatch);
             out.push(Action::Dispatch(dispatch));
         }
+    }
+
+    /// `request` (pending, queued or between attempts) got `dispatch`:
+    /// it is dispatched under the new attempt, with the request's
+    /// response-wait deadline (set at its first dispatch) filed (U6).
+    fn start_attempt(&mut self, request: RequestId, dispatch: &Dispatch) {
+        let provider = self.leases.get(&dispatch.lease.run_id).map(|e| e.provider);
+        let first_deadline = match (self.now, self.tunables.response_wait_timeout) {
+            (Some(now), Some(timeout)) => Some(now + timeout),
+            _ => None,
+        };
+        let Some(p) = self.pending.get_mut(&request) else {
+            return;
+        };
+        match p.state {
+            RequestState::Queued { deadline } => {
+                self.queue_deadlines.remove(&(deadline, request));
+            }
+            RequestState::Dispatched {
+                response_by: Some(at),
+                ..
+            } => {
+                self.response_deadlines.remove(&(at, request));
+            }
+            _ => {}
+        }
+        if p.response_deadline.is_none() {
+            p.response_deadline = first_deadline;
+        }
+        let response_by = p.response_deadline;
+        if let Some(at) = response_by {
+            self.response_deadlines.insert((at, request));
+        }
+        p.attempts += 1;
+        p.tried.extend(provider);
+        p.state = RequestState::Dispatched {
+            run_id: dispatch.lease.run_id.clone(),
+            response_by,
+            committed: false,
+        };
+    }
+
+    /// The request of `run_id`'s live lease, when `conn` is the lease's
+    /// connection (H1: frames from any other say nothing about it).
+    fn leased_request(&self, conn: ConnId, run_id: &str) -> Option<RequestId> {
+        self.leases
+            .get(run_id)
+            .filter(|entry| entry.lease.conn == conn)
+            .map(|entry| entry.lease.request)
+    }
+
+    /// A byte of `run_id`'s response reached its client's route: it is
+    /// committed, never retried. Only the lease's own connection counts
+    /// (H1).
+    fn on_committed(&mut self, conn: ConnId, run_id: &str) {
+        let Some(request) = self.leased_request(conn, run_id) else {
+            return;
+        };
+        if let Some(Pending {
+            state: RequestState::Dispatched { committed, .. },
+            ..
+        }) = self.pending.get_mut(&request)
+        {
+            *committed = true;
+        }
+    }
+
+    /// U6: the response of `run_id` started; its deadline is off. Only the
+    /// lease's own connection counts (H1).
+    fn on_responded(&mut self, conn: ConnId, run_id: &str) {
+        let Some(request) = self.leased_request(conn, run_id) else {
+            return;
+        };
+        if let Some(Pending {
+            state: RequestState::Dispatched { response_by, .. },
+            ..
+        }) = self.pending.get_mut(&request)
+        {
+            if let Some(at) = response_by.take() {
+                self.response_deadlines.remove(&(at, request));
+            }
+        }
+    }
+
+    /// U6: `request` got no response in time: its run is cancelled on the
+    /// node, its client told, and its lease settles like a client cancel
+    /// (on the terminal, or at the settle deadline).
+    fn on_response_wait_timeout(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(p) = self.pending.get_mut(&request) else {
+            return;
+        };
+        let RequestState::Dispatched {
+            run_id,
+            response_by: Some(_),
+            ..
+        } = p.state.clone()
+        else {
+            return;
+        };
+        let settle_at = now + self.tunables.cancel_settle;
+        p.state = RequestState::CancelPending {
+            run_id: run_id.clone(),
+            settle_at,
+        };
+        self.settle_deadlines.insert((settle_at, request));
+        self.counters.response_wait_timeouts += 1;
+        let Some((conn, provider)) = self
+            .leases
+            .get(&run_id)
+            .map(|entry| (entry.lease.conn, entry.provider))
+        else {
+            return;
+        };
+        out.push(Action::SendCancel {
+            conn,
+            run_id,
+            reason: CancelReason::ResponseWaitTimeout,
+        });
+        out.push(Action::Abort {
+            request,
+            reason: AbortReason::ResponseWaitTimeout,
+        });
+        self.record_end(
+            now,
+            provider,
+            AttemptEnd::Failed(FailureReason::ResponseWaitTimeout),
+            out,
+        );
+    }
+
+    // ---- passive health (outlier detection) ---------------------------------
+
+    /// Holds how an attempt on provider `p` ended against its health: a
+    /// success starts its failure count over, a failure may eject it.
+    fn record_end(&mut self, now: Instant, p: usize, end: AttemptEnd, out: &mut Vec<Action>) {
+        let reason = match end {
+            AttemptEnd::Answered => return self.providers[p].outlier.on_success(),
+            AttemptEnd::Failed(reason) => reason,
+            AttemptEnd::Refused | AttemptEnd::Other => return,
+        };
+        self.counters.attempt_failures[reason as usize] += 1;
+        let Some(policy) = self.tunables.outlier else {
+            return;
+        };
+        if !self.providers[p].outlier.on_failure(&policy) {
+            return;
+        }
+        if !self.may_eject(p, &policy) {
+            self.counters.ejections_suppressed += 1;
+            return;
+        }
+        let state = &mut self.providers[p];
+        let ejection = state.outlier.eject(now, reason, &policy);
+        let consecutive_failures = state.outlier.consecutive_failures();
+        let provider = state.key.clone();
+        self.ejection_deadlines.insert((ejection.until, p));
+        self.counters.ejections[reason as usize] += 1;
+        if self.providers[p].next_probe.is_none() {
+            // Probed meanwhile: a fresh `available` answer re-admits early.
+            self.set_next_probe(p, Some(now + self.tunables.recovery_probe_interval));
+        }
+        self.refresh(p);
+        out.push(Action::Event(Event::Ejected {
+            provider,
+            ejection,
+            consecutive_failures,
+        }));
+    }
+
+    /// Whether ejecting provider `p` keeps every model it serves within
+    /// `max_ejection_percent` of its providers ejected (at least one may
+    /// go).
+    fn may_eject(&self, p: usize, policy: &OutlierPolicy) -> bool {
+        let mut models: Vec<usize> = self.providers[p]
+            .pools
+            .iter()
+            .map(|&(lane, _)| self.lanes[lane].model)
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models.iter().all(|&m| {
+            let pool: Vec<usize> = self.models[m]
+                .spec
+                .providers
+                .iter()
+                .filter_map(|key| self.provider_index.get(key).copied())
+                .collect();
+            let ejected = pool
+                .iter()
+                .filter(|&&q| self.providers[q].outlier.ejection().is_some())
+                .count();
+            ejected < policy.max_ejected(pool.len())
+        })
+    }
+
+    /// Takes ejected provider `p` back into rotation.
+    fn readmit(&mut self, now: Instant, p: usize, via: Readmission, out: &mut Vec<Action>) {
+        let state = &mut self.providers[p];
+        let Some(ended) = state.outlier.readmit(now) else {
+            return;
+        };
+        let provider = state.key.clone();
+        self.ejection_deadlines.remove(&(ended.until, p));
+        match via {
+            Readmission::Timer => self.counters.readmissions_timer += 1,
+            Readmission::Probe => self.counters.readmissions_probe += 1,
+        }
+        if !self.is_overlaid_index(p) {
+            self.set_next_probe(p, None);
+        }
+        self.refresh(p);
+        out.push(Action::Event(Event::Readmitted { provider, via }));
+    }
+
+    fn is_overlaid_index(&self, p: usize) -> bool {
+        let state = &self.providers[p];
+        self.nodes[state.node]
+            .owner
+            .is_some_and(|owner| state.overlay == Some(owner.generation))
+    }
+
+    // ---- pre-commit failover ------------------------------------------------
+
+    /// Puts dispatched `request` (its lease already released) back in its
+    /// lane's queue until a candidate frees, at most until its response-wait
+    /// deadline or the model's queue timeout; false when the queue is full.
+    fn requeue(&mut self, request: RequestId) -> bool {
+        let Some(now) = self.now else {
+            return false;
+        };
+        let Some(p) = self.pending.get(&request) else {
+            return false;
+        };
+        let spec = &self.models[p.model].spec;
+        let (lane, long, model) = (p.lane, p.long, p.model);
+        if self.queued_count(model) >= spec.max_queue as usize {
+            return false;
+        }
+        let mut deadline = now + spec.queue_timeout;
+        if let Some(response_deadline) = p.response_deadline {
+            deadline = deadline.min(response_deadline);
+        }
+        if let Some(Pending {
+            state:
+                RequestState::Dispatched {
+                    response_by: Some(at),
+                    ..
+                },
+            ..
+        }) = self.pending.get(&request)
+        {
+            self.response_deadlines.remove(&(*at, request));
+        }
+        if let Some(p) = self.pending.get_mut(&request) {
+            p.state = RequestState::Queued { deadline };
+        }
+        self.queue_deadlines.insert((deadline, request));
+        self.enqueue(request, lane, long);
+        self.counters.failover_requeued += 1;
+        true
+    }
+
+    /// `request`'s attempt failed (its lease already released) in a way
+    /// another provider may not share: dispatches the next attempt to
+    /// another candidate when nothing reached the client (`committed` or
+    /// seen committed), the model allows more attempts, the response-wait
+    /// deadline has not passed and a candidate not tried yet has a free
+    /// slot. True when it did (the request goes on); false: the caller ends
+    /// it.
+    ///
+    /// `fenced`: the attempt was lost with its node's connection (F1), not
+    /// failed by its provider, so that provider is not held against the
+    /// request: with no candidate now, a request that no provider failed
+    /// waits in its queue again (until its response-wait deadline) for one,
+    /// the same provider after its node's reconnect included.
+    fn try_failover(
+        &mut self,
+        request: RequestId,
+        committed: bool,
+        fenced: Option<usize>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        if let (Some(q), Some(p)) = (fenced, self.pending.get_mut(&request)) {
+            p.tried.retain(|&t| t != q);
+        }
+        let Some(p) = self.pending.get(&request) else {
+            return false;
+        };
+        let RequestState::Dispatched {
+            committed: seen_committed,
+            ..
+        } = p.state
+        else {
+            // Cancelled (by its client or the response-wait deadline).
+            return false;
+        };
+        let max_attempts = self.models[p.model].spec.max_attempts;
+        if max_attempts <= 1 {
+            return false;
+        }
+        if committed || seen_committed {
+            self.counters.failover_ineligible += 1;
+            return false;
+        }
+        self.counters.failover_eligible += 1;
+        if p.attempts >= max_attempts {
+            self.counters.failover_exhausted += 1;
+            return false;
+        }
+        if p.response_deadline
+            .zip(self.now)
+            .is_some_and(|(deadline, now)| now >= deadline)
+        {
+            self.counters.failover_deadline += 1;
+            return false;
+        }
+        let (lane, long, attempt, tried) = (p.lane, p.long, p.attempts + 1, p.tried.clone());
+        let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
+            if fenced.is_some() && tried.is_empty() && self.requeue(request) {
+                return true;
+            }
+            self.counters.failover_no_candidate += 1;
+            return false;
+        };
+        self.counters.failover_retried += 1;
+        let from = tried
+            .last()
+            .map(|&q| self.providers[q].key.clone())
+            .unwrap_or_else(|| dispatch.lease.provider.clone());
+        self.start_attempt(request, &dispatch);
+        out.push(Action::Event(Event::Failover {
+            request,
+            from,
+            to: dispatch.lease.provider.clone(),
+            attempt,
+        }));
+        out.push(Action::Dispatch(dispatch));
+        true
     }
 
     fn release(&mut self, run_id: &str) -> Option<Lease> {
@@ -1378,9 +2171,13 @@ impl Control {
                 }
                 RequestState::Queued { deadline } => {
                     self.queue_deadlines.remove(&(deadline, request));
-                    self.unqueue(request, p.model, p.long);
+                    self.unqueue(request, p.lane, p.long);
                 }
-                RequestState::Dispatched { .. } => {}
+                RequestState::Dispatched { response_by, .. } => {
+                    if let Some(at) = response_by {
+                        self.response_deadlines.remove(&(at, request));
+                    }
+                }
             }
         }
     }
@@ -1393,11 +2190,13 @@ impl Control {
             Some(entry) if entry.lease.conn == t.conn => {}
             _ => return,
         }
+        let Some(provider) = self.leases.get(&t.run_id).map(|entry| entry.provider) else {
+            return;
+        };
         let Some(lease) = self.release(&t.run_id) else {
             return;
         };
         let request = lease.request;
-        self.forget_request(request);
         // H2: the evidence must match the immutable lease; the lease is
         // released either way.
         if let Some(stall) = t.stall {
@@ -1429,6 +2228,17 @@ impl Control {
                 }
             }
         }
+        self.record_end(now, provider, t.end, out);
+        if t.end.is_retryable() && self.try_failover(request, t.committed, None, out) {
+            self.pump(out);
+            return;
+        }
+        if t.end == AttemptEnd::Answered
+            && self.pending.get(&request).is_some_and(|p| p.attempts > 1)
+        {
+            self.counters.failover_recovered += 1;
+        }
+        self.forget_request(request);
         out.push(Action::Done {
             request,
             outcome: Outcome::Completed,
@@ -1472,7 +2282,10 @@ impl Control {
         let interval = self.tunables.recovery_probe_interval;
         let state = &self.providers[p];
         match self.nodes[state.node].ready_owner() {
-            Some(owner) if state.overlay == Some(owner.generation) => {
+            Some(owner)
+                if state.overlay == Some(owner.generation)
+                    || state.outlier.ejection().is_some() =>
+            {
                 let key = state.key.clone();
                 let adapter = state.spec.adapter.clone();
                 self.set_next_probe(p, Some(now + interval));
@@ -1506,12 +2319,15 @@ impl Control {
 
     /// H6: a CAPABILITIES answer clears an overlay only when a higher-sequence
     /// `available` answer identifies exactly one same-generation binding.
+    /// The same answer re-admits that binding's provider if passive health
+    /// ejected it.
     fn on_command_result(
         &mut self,
         conn: ConnId,
         response: &pb::NodeCommandResponse,
         out: &mut Vec<Action>,
     ) {
+        let now = self.now;
         match self.commands.get(&response.command_id) {
             Some(record) if record.conn == conn => {}
             // Unknown, or answered on another connection: stale (F2).
@@ -1527,6 +2343,7 @@ impl Control {
             .ready_owner()
             .is_some_and(|o| o.conn == record.conn && o.generation == record.generation);
         let mut recovered = false;
+        let mut readmitted = false;
         if current && response.ok {
             for cap in &response.capabilities {
                 if cap.provider_status != pb::ProviderHealth::Available as i32 {
@@ -1553,6 +2370,11 @@ impl Control {
                 // no overlay to clear, so an older unavailable one arriving
                 // later cannot set one (H4).
                 state.last_seq = Some((record.generation, seq));
+                if let (Some(now), Some(_)) = (now, state.outlier.ejection()) {
+                    self.readmit(now, p, Readmission::Probe, out);
+                    readmitted = true;
+                }
+                let state = &mut self.providers[p];
                 if state.overlay != Some(record.generation) {
                     continue;
                 }
@@ -1570,9 +2392,11 @@ impl Control {
         }
         if recovered {
             self.counters.recovery_probe_recovered += 1;
-            self.pump(out);
         } else {
             self.counters.recovery_probe_unchanged += 1;
+        }
+        if recovered || readmitted {
+            self.pump(out);
         }
     }
 
@@ -1672,6 +2496,20 @@ impl Control {
         &self.counters
     }
 
+    /// Passive-health state of every provider, in `ProviderKey` order (the
+    /// order of [`Control::snapshots`]).
+    pub fn outliers(&self) -> Vec<&OutlierState> {
+        self.providers.iter().map(|p| &p.outlier).collect()
+    }
+
+    /// Providers ejected now.
+    pub fn ejected_count(&self) -> usize {
+        self.providers
+            .iter()
+            .filter(|p| p.outlier.ejection().is_some())
+            .count()
+    }
+
     /// Whether `key` currently carries the unavailable overlay (H4, H5).
     pub fn is_overlaid(&self, key: &ProviderKey) -> bool {
         let Some(&p) = self.provider_index.get(key) else {
@@ -1714,17 +2552,26 @@ impl Control {
                 } else if !spec.enabled {
                     s.status = pb::ProviderStatus::Disabled as i32;
                     s.health = pb::ProviderHealth::Available as i32;
+                } else if state.outlier.ejection().is_some() {
+                    // Ejected by passive health: out of rotation (no
+                    // candidate, so nothing queued for it); its leases
+                    // still run out. `/status` adds the ejection.
+                    s.status = pb::ProviderStatus::Unavailable as i32;
+                    s.health = pb::ProviderHealth::Available as i32;
+                    s.capacity = spec.capacity;
+                    s.long_context_capacity = spec.long_context_capacity;
+                    s.in_flight = state.in_flight;
+                    s.long_in_flight = state.long_in_flight;
                 } else {
                     // P2: unique pending requests listing it as a live
-                    // candidate (every waiter of every model whose pool
-                    // lists it), and the long ones among them.
-                    let mut models: Vec<usize> = state.pools.iter().map(|&(m, _)| m).collect();
-                    models.sort_unstable();
-                    models.dedup();
-                    let (queued, long_queued) = models.iter().fold((0, 0), |(q, lq), &m| {
-                        let model = &self.models[m];
-                        (q + model.queued_count(), lq + model.queued_long.len())
-                    });
+                    // candidate (every waiter of every lane it is filed
+                    // in: a request waits in one lane), and the long ones
+                    // among them.
+                    let (queued, long_queued) =
+                        state.pools.iter().fold((0, 0), |(q, lq), &(lane, _)| {
+                            let lane = &self.lanes[lane];
+                            (q + lane.queued_count(), lq + lane.queued_long.len())
+                        });
                     s.status = pb::ProviderStatus::Available as i32;
                     s.health = pb::ProviderHealth::Available as i32;
                     s.capacity = spec.capacity;

@@ -61,9 +61,7 @@ use iop_wire::pb::{self, CredentialLease, CredentialLeaseBinding};
 use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
-use crate::config::{
-    protocol_profile, AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource,
-};
+use crate::config::{AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource};
 use crate::openai::ApiError;
 
 /// The principal of requests when no client keys are configured.
@@ -338,7 +336,7 @@ impl Destination {
             AdapterKind::OpenAiCompat { profile } => Some(Self {
                 profile: profile.as_str(),
                 origin: adapter.base_url.origin(),
-                paths: protocol_profile(profile, &adapter.base_url).to_pb(),
+                paths: adapter.protocol_profile()?.to_pb(),
             }),
             AdapterKind::Ollama => None,
         }

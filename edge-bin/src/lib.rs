@@ -16,9 +16,12 @@
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
 //! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
 //! Control on shard 0, mailboxes between shards), [`credentials`] (client
-//! keys and credential leases, C1–C5).
+//! keys and credential leases, C1–C5), [`attempt`] (the commit point of an
+//! attempt, shared by the node and client shells) and [`outlier`] (passive
+//! health of one provider).
 
 pub mod admin;
+pub mod attempt;
 pub mod body_json;
 pub mod config;
 pub mod control;
@@ -27,6 +30,7 @@ pub mod front_door;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;
+pub mod outlier;
 pub mod server;
 pub mod shards;
 pub mod state;

@@ -7,7 +7,7 @@ use std::fmt::Write;
 use iop_engine::metrics::{Count, Registry};
 use iop_wire::pb;
 
-use crate::control::Counters;
+use crate::control::{Counters, FailureReason};
 
 /// The content type of the exposition format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -30,8 +30,20 @@ fn gauge(out: &mut String, name: &str, help: &str, value: u64) {
     let _ = writeln!(out, "{name} {value}");
 }
 
-/// Renders the Edge's metrics.
-pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot]) -> String {
+/// `(label, value)` per failure reason, in [`FailureReason::ALL`] order.
+fn by_reason(values: &[u64; 5]) -> Vec<(String, u64)> {
+    FailureReason::ALL
+        .iter()
+        .map(|r| (format!("reason=\"{}\"", r.as_str()), values[*r as usize]))
+        .collect()
+}
+
+fn owned(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
+    samples.iter().map(|(l, v)| (l.as_str(), *v)).collect()
+}
+
+/// Renders the Edge's metrics; `ejected`: providers ejected now.
+pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot], ejected: usize) -> String {
     let mut out = String::new();
     counter(
         &mut out,
@@ -57,20 +69,105 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot]) -> String
     counter(
         &mut out,
         "iop_edge_liveness_recovery_eligibility_total",
-        "Stalled requests by recovery handoff eligibility.",
+        "Recovery eligibility: stalled requests by confirmed handoff (source stall_handoff); \
+         retryable attempt failures by whether nothing had reached the client yet (source failover).",
         &[
-            ("eligible=\"true\"", counters.recovery_eligible),
-            ("eligible=\"false\"", counters.recovery_ineligible),
+            (
+                "source=\"stall_handoff\",eligible=\"true\"",
+                counters.recovery_eligible,
+            ),
+            (
+                "source=\"stall_handoff\",eligible=\"false\"",
+                counters.recovery_ineligible,
+            ),
+            (
+                "source=\"failover\",eligible=\"true\"",
+                counters.failover_eligible,
+            ),
+            (
+                "source=\"failover\",eligible=\"false\"",
+                counters.failover_ineligible,
+            ),
         ],
     );
     counter(
         &mut out,
         "iop_edge_liveness_recovery_results_total",
-        "CAPABILITIES recovery probe answers, by effect on the overlay.",
+        "Recovery results: CAPABILITIES probe answers by effect on the overlay (source \
+         recovery_probe); eligible failures by what failover did (source failover).",
         &[
-            ("result=\"recovered\"", counters.recovery_probe_recovered),
-            ("result=\"unchanged\"", counters.recovery_probe_unchanged),
+            (
+                "source=\"recovery_probe\",result=\"recovered\"",
+                counters.recovery_probe_recovered,
+            ),
+            (
+                "source=\"recovery_probe\",result=\"unchanged\"",
+                counters.recovery_probe_unchanged,
+            ),
+            (
+                "source=\"failover\",result=\"retried\"",
+                counters.failover_retried,
+            ),
+            (
+                "source=\"failover\",result=\"recovered\"",
+                counters.failover_recovered,
+            ),
+            (
+                "source=\"failover\",result=\"attempts_exhausted\"",
+                counters.failover_exhausted,
+            ),
+            (
+                "source=\"failover\",result=\"no_candidate\"",
+                counters.failover_no_candidate,
+            ),
+            (
+                "source=\"failover\",result=\"requeued\"",
+                counters.failover_requeued,
+            ),
+            (
+                "source=\"failover\",result=\"deadline_passed\"",
+                counters.failover_deadline,
+            ),
         ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_provider_attempt_failures_total",
+        "Attempts held against their provider's health, by failure.",
+        &owned(&by_reason(&counters.attempt_failures)),
+    );
+    counter(
+        &mut out,
+        "iop_edge_provider_ejections_total",
+        "Providers taken out of rotation by passive health, by the failure that tipped it.",
+        &owned(&by_reason(&counters.ejections)),
+    );
+    counter(
+        &mut out,
+        "iop_edge_provider_ejections_suppressed_total",
+        "Ejections not made: the model's share of ejected providers was reached.",
+        &[("", counters.ejections_suppressed)],
+    );
+    counter(
+        &mut out,
+        "iop_edge_provider_readmissions_total",
+        "Ejected providers back in rotation, by how.",
+        &[
+            ("via=\"timer\"", counters.readmissions_timer),
+            ("via=\"probe\"", counters.readmissions_probe),
+        ],
+    );
+    gauge(
+        &mut out,
+        "iop_edge_providers_ejected",
+        "Providers out of rotation by passive health now.",
+        ejected as u64,
+    );
+    counter(
+        &mut out,
+        "iop_edge_response_wait_timeouts_total",
+        "Dispatched requests cancelled because no response started within edge.response_wait_timeout_ms.",
+        &[("", counters.response_wait_timeouts)],
     );
     let sum = |f: fn(&pb::ProviderSnapshot) -> u32| -> u64 {
         snapshots.iter().map(|s| u64::from(f(s))).sum()
@@ -139,16 +236,21 @@ mod tests {
             health_evidence_accepted: 2,
             health_evidence_rejected: 1,
             health_transitions_unavailable: 1,
+            response_wait_timeouts: 3,
             ..Default::default()
         };
-        let text = render(&counters, &[]);
+        let text = render(&counters, &[], 1);
+        assert!(text.contains("iop_edge_response_wait_timeouts_total 3\n"));
+        assert!(text.contains("iop_edge_providers_ejected 1\n"));
         assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"accepted\"} 2\n"));
         assert!(text.contains("iop_edge_provider_health_evidence_total{result=\"rejected\"} 1\n"));
         assert!(text.contains("iop_edge_provider_health_transitions_total{to=\"unavailable\"} 1\n"));
-        assert!(
-            text.contains("iop_edge_liveness_recovery_eligibility_total{eligible=\"true\"} 0\n")
-        );
-        assert!(text.contains("iop_edge_liveness_recovery_results_total{result=\"recovered\"} 0\n"));
+        assert!(text.contains(
+            "iop_edge_liveness_recovery_eligibility_total{source=\"stall_handoff\",eligible=\"true\"} 0\n"
+        ));
+        assert!(text.contains(
+            "iop_edge_liveness_recovery_results_total{source=\"recovery_probe\",result=\"recovered\"} 0\n"
+        ));
         assert!(text.contains("# TYPE iop_edge_provider_health_evidence_total counter\n"));
         let mut registry = Registry::new();
         registry.add(Count::EdgeClientConnectionsAccepted, 5);
@@ -163,6 +265,36 @@ mod tests {
              # TYPE iop_edge_node_handshakes_in_progress gauge\n\
              iop_edge_node_handshakes_in_progress 2\n"
         );
+        let failing = Counters {
+            attempt_failures: [4, 1, 0, 2, 0],
+            ejections: [1, 0, 0, 1, 0],
+            readmissions_probe: 2,
+            failover_eligible: 6,
+            failover_ineligible: 1,
+            failover_retried: 5,
+            failover_no_candidate: 1,
+            ..Default::default()
+        };
+        let text = render(&failing, &[], 0);
+        for line in [
+            "iop_edge_provider_attempt_failures_total{reason=\"connect_failure\"} 4\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"reset_before_response\"} 1\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"upstream_5xx\"} 0\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"stalled\"} 2\n",
+            "iop_edge_provider_attempt_failures_total{reason=\"response_wait_timeout\"} 0\n",
+            "iop_edge_provider_ejections_total{reason=\"connect_failure\"} 1\n",
+            "iop_edge_provider_ejections_total{reason=\"stalled\"} 1\n",
+            "iop_edge_provider_readmissions_total{via=\"timer\"} 0\n",
+            "iop_edge_provider_readmissions_total{via=\"probe\"} 2\n",
+            "iop_edge_providers_ejected 0\n",
+            // CONTRACT: O1 — the failover series of the two recovery counters.
+            "iop_edge_liveness_recovery_eligibility_total{source=\"failover\",eligible=\"true\"} 6\n",
+            "iop_edge_liveness_recovery_eligibility_total{source=\"failover\",eligible=\"false\"} 1\n",
+            "iop_edge_liveness_recovery_results_total{source=\"failover\",result=\"retried\"} 5\n",
+            "iop_edge_liveness_recovery_results_total{source=\"failover\",result=\"no_candidate\"} 1\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
         // Every sample line is `name{bounded labels} value` or `name value`.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, value) = line.rsplit_once(' ').unwrap();

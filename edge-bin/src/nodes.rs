@@ -19,6 +19,7 @@ use iop_wire::pb::frame::Body;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
+use crate::attempt::AttemptTracker;
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
 use crate::front_door::{HandshakeFailure, HandshakeSlot};
 use crate::state::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
@@ -151,12 +152,16 @@ fn handle_frame(
                 tf.kind(),
                 pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
             );
+            // Without a route (cut off), the terminal alone classifies it,
+            // as committed: health evidence, never a retry.
             let evidence = terminal.then(|| Terminal {
                 conn: conn_id,
                 run_id: tf.run_id.clone(),
                 adapter: tf.adapter.clone(),
                 target: tf.target.clone(),
                 stall: tf.failure.as_ref().and_then(StallEvidence::from_failure),
+                end: AttemptTracker::new().end_of_tunnel(&tf),
+                committed: true,
             });
             let (run_id, charge) = (tf.run_id.clone(), flow::charge_of_tunnel_frame(&tf));
             deliver(
@@ -180,6 +185,8 @@ fn handle_frame(
                 adapter: ev.adapter.clone(),
                 target: ev.target.clone(),
                 stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
+                end: AttemptTracker::new().end_of_run(&ev),
+                committed: true,
             });
             let (run_id, charge) = (ev.run_id.clone(), flow::charge_of_run_event(&ev));
             deliver(
@@ -238,7 +245,33 @@ fn deliver(
     evidence: Option<Terminal>,
     event: RouteEvent,
 ) {
+    let mut evidence = evidence;
     let delivery = edge.deliver(conn_id, run_id, charge, evidence.is_some(), event);
+    if let Delivery::Delivered {
+        first,
+        commits,
+        end,
+    } = delivery
+    {
+        if first && evidence.is_none() {
+            // U6: the response started; a terminal ends the wait by
+            // itself.
+            edge.apply(Input::Responded {
+                conn: conn_id,
+                run_id: run_id.to_string(),
+            });
+        }
+        if commits && evidence.is_none() {
+            edge.apply(Input::Committed {
+                conn: conn_id,
+                run_id: run_id.to_string(),
+            });
+        }
+        if let (Some(t), Some((end, committed))) = (evidence.as_mut(), end) {
+            t.end = end;
+            t.committed = committed;
+        }
+    }
     if let Delivery::Overrun(overrun) = delivery {
         tracing::warn!(
             conn = conn_id.0,

@@ -53,6 +53,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                             }
                         },
                         kind,
+                        operations: control::Operations::for_kind(kind),
                         enabled: p.enabled,
                     }
                 })
@@ -66,6 +67,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
             name: m.name.clone(),
             max_queue: m.max_queue,
             queue_timeout: Duration::from_millis(m.queue_timeout_ms),
+            max_attempts: m.max_attempts,
             providers: m
                 .providers
                 .iter()
@@ -79,8 +81,22 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     ControlSpec {
         nodes,
         models,
-        tunables: control::Tunables::default(),
+        tunables: control::Tunables {
+            response_wait_timeout: Some(Duration::from_millis(cfg.edge.response_wait_timeout_ms)),
+            outlier: outlier_policy(&cfg.outlier_detection),
+            ..control::Tunables::default()
+        },
     }
+}
+
+/// The passive-health policy of `[outlier_detection]`; `None` when off.
+pub fn outlier_policy(od: &config::OutlierDetection) -> Option<crate::outlier::OutlierPolicy> {
+    od.enabled.then(|| crate::outlier::OutlierPolicy {
+        consecutive_failures: od.consecutive_failures,
+        base_ejection_time: Duration::from_millis(od.base_ejection_time_ms),
+        max_ejection_time: Duration::from_millis(od.max_ejection_time_ms),
+        max_ejection_percent: od.max_ejection_percent,
+    })
 }
 
 /// What a configuration reload did.

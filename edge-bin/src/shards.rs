@@ -65,6 +65,9 @@ pub struct StartRun {
     pub frame: pb::Frame,
     /// Where the run's frames go (the client request's mailbox).
     pub route: MailboxSender<RouteEvent>,
+    /// Its relay writes only at the end (a non-streaming chat completion
+    /// over a normalized run): the commit point (`crate::attempt`).
+    pub buffered: bool,
 }
 
 impl std::fmt::Debug for StartRun {

@@ -23,9 +23,11 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::attempt::AttemptTracker;
 use crate::config::ListenerLimits;
 use crate::control::{
-    Action, ConnId, Control, Dispatch, Event, Input, Outcome, Rejection, RequestId,
+    AbortReason, Action, AttemptEnd, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
+    Rejection, RequestId,
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
@@ -47,6 +49,13 @@ pub enum RouteEvent {
     /// control and sent more than a window the client had not drained. The
     /// run is cut off (the client is too slow for it).
     Overflow,
+    /// Control gave up on the run before its terminal and cancelled it
+    /// on the node (U6); the client gets the error now.
+    Aborted(AbortReason),
+    /// The attempt failed before anything reached the client and Control
+    /// dispatched the request again (pre-commit failover): the relay sends
+    /// this dispatch's run and relays its frames instead.
+    Retry(Dispatch),
 }
 
 /// The receiving end of a client request's route: frames arrive here from
@@ -60,6 +69,8 @@ pub struct RouteRx {
     lost: Rc<Cell<bool>>,
     /// When to credit the node, from what the client took.
     drain: DrainWindow,
+    /// The run's window (a new attempt starts with a fresh one).
+    window: u64,
     /// The node connection and run the credit is for.
     conn: ConnId,
     run_id: String,
@@ -81,6 +92,19 @@ impl RouteRx {
         event
     }
 
+    /// The run id of the attempt whose frames this route relays now.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Follows the request's next attempt ([`RouteEvent::Retry`]): credit
+    /// goes to its connection and run, under a fresh window.
+    pub fn retarget(&mut self, dispatch: &Dispatch) {
+        self.conn = dispatch.lease.conn;
+        self.run_id = dispatch.lease.run_id.clone();
+        self.drain = DrainWindow::new(self.window);
+    }
+
     /// The client's socket took an event charged `charge` (its bytes were
     /// written, or a response builder consumed it): grants the node more
     /// credit once half a window has been taken since the last grant.
@@ -100,7 +124,10 @@ impl RouteEvent {
         match self {
             RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
             RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
-            RouteEvent::Lost | RouteEvent::Overflow => 0,
+            RouteEvent::Lost
+            | RouteEvent::Overflow
+            | RouteEvent::Aborted(_)
+            | RouteEvent::Retry(_) => 0,
         }
     }
 }
@@ -123,6 +150,10 @@ struct NodeRoute {
     /// What the node may still send: charged bytes received against the
     /// credit granted so far.
     window: RecvWindow,
+    /// A frame of it was delivered already (its response started, U6).
+    responded: bool,
+    /// Its commit point and how it ends (`crate::attempt`).
+    tracker: AttemptTracker,
 }
 
 /// A node connection of this shard.
@@ -141,7 +172,15 @@ struct NodeLink {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {
     /// Queued for its client (or dropped: the client has left).
-    Delivered,
+    Delivered {
+        /// The run's first frame (its response started, U6).
+        first: bool,
+        /// This frame commits the attempt (`crate::attempt`).
+        commits: bool,
+        /// For a terminal: how the attempt ended, and whether it had
+        /// committed.
+        end: Option<(AttemptEnd, bool)>,
+    },
     /// No live route on this connection (late, stale, or never dispatched
     /// here: H1, F2).
     NoRoute,
@@ -565,7 +604,12 @@ impl Edge {
     }
 
     /// Submits a client request; the answer arrives on the returned channel.
-    pub fn submit(&self, model: &str, long: bool) -> (RequestId, oneshot::Receiver<Admission>) {
+    pub fn submit(
+        &self,
+        model: &str,
+        operation: Operation,
+        long: bool,
+    ) -> (RequestId, oneshot::Receiver<Admission>) {
         let seq = self.next_request.get() + 1;
         self.next_request.set(seq);
         let request = RequestId(shards::shard_id(self.shard, seq));
@@ -574,6 +618,7 @@ impl Edge {
         self.apply(Input::Submit {
             request,
             model: model.to_string(),
+            operation,
             long,
         });
         (request, rx)
@@ -686,7 +731,9 @@ impl Edge {
             | Action::SendCancel { conn, .. }
             | Action::SendCommand { conn, .. } => shards::shard_of(conn.0),
             Action::Dispatch(d) => shards::shard_of(d.request.0),
-            Action::Done { request, .. } => shards::shard_of(request.0),
+            Action::Done { request, .. } | Action::Abort { request, .. } => {
+                shards::shard_of(request.0)
+            }
             Action::StallHandoff { .. } | Action::Event(_) => CONTROL_SHARD,
         }
     }
@@ -752,15 +799,28 @@ impl Edge {
                     "stalled request handed off"
                 );
             }
+            Action::Abort { request, reason } => self.abort(request, reason),
             Action::Done { request, outcome } => self.finish(request, outcome),
             Action::Event(event) => self.notify_observers(&event),
         }
     }
 
     /// Hands a won lease to its waiting request, with a fresh route.
+    /// A later attempt of a dispatched request (pre-commit failover) goes
+    /// to its relay through the route it already has.
     fn admit(&self, dispatch: Dispatch) {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
+        if waiter.is_none() {
+            let route = self
+                .client_routes
+                .borrow()
+                .get(&request)
+                .map(|r| r.tx.clone());
+            if let Some(tx) = route {
+                return push_notice(tx, RouteEvent::Retry(dispatch));
+            }
+        }
         let window = self.settings.flow_window_bytes;
         // The window bounds the frames too (each flow-controlled frame is
         // charged `FRAME_CHARGE_BYTES` at least), plus the few uncharged
@@ -772,6 +832,7 @@ impl Edge {
             rx,
             lost: lost.clone(),
             drain: DrainWindow::new(window),
+            window,
             conn: dispatch.lease.conn,
             run_id: dispatch.lease.run_id.clone(),
         };
@@ -789,6 +850,25 @@ impl Edge {
         }
     }
 
+    /// Tells a dispatched request's relay that Control gave up on it; the
+    /// route stays until the request is done (the lease settles later).
+    fn abort(&self, request: RequestId, reason: AbortReason) {
+        let Some(tx) = self
+            .client_routes
+            .borrow()
+            .get(&request)
+            .map(|r| r.tx.clone())
+        else {
+            return;
+        };
+        tracing::warn!(
+            request = request.0,
+            reason = reason.as_str(),
+            "dispatched request given up: no response in time; run cancelled"
+        );
+        push_notice(tx, RouteEvent::Aborted(reason));
+    }
+
     fn finish(&self, request: RequestId, outcome: Outcome) {
         let waiter = self.waiters.borrow_mut().remove(&request);
         if let Some(w) = waiter {
@@ -801,11 +881,7 @@ impl Edge {
         if let (Some(route), Outcome::Lost) = (route, outcome) {
             route.lost.set(true);
             // Wakes a relay waiting on an empty route.
-            if let Err(mailbox::TrySendError::Full(lost)) = route.tx.try_send(RouteEvent::Lost) {
-                monoio::spawn(async move {
-                    let _ = route.tx.send(lost).await;
-                });
-            }
+            push_notice(route.tx, RouteEvent::Lost);
         }
     }
 
@@ -814,7 +890,15 @@ impl Edge {
     /// False when the connection is gone (the caller settles the request
     /// and answers the client); a run handed to another shard that cannot
     /// send it ends its route with `Lost` there.
-    pub async fn start_run(&self, request: RequestId, dispatch: &Dispatch, run: pb::Frame) -> bool {
+    /// `buffered`: the relay writes only at the end (the commit point,
+    /// `crate::attempt`).
+    pub async fn start_run(
+        &self,
+        request: RequestId,
+        dispatch: &Dispatch,
+        run: pb::Frame,
+        buffered: bool,
+    ) -> bool {
         let lease = &dispatch.lease;
         let Some(route) = self
             .client_routes
@@ -831,6 +915,7 @@ impl Edge {
             run_id: lease.run_id.clone(),
             frame: run,
             route,
+            buffered,
         };
         let to = shards::shard_of(lease.conn.0);
         match &self.outbox {
@@ -849,6 +934,7 @@ impl Edge {
             run_id,
             mut frame,
             route,
+            buffered,
         } = start;
         let Some(handle) = self.conn(conn) else {
             return false;
@@ -872,6 +958,12 @@ impl Edge {
                 conn,
                 tx: route,
                 window: RecvWindow::new(window),
+                responded: false,
+                tracker: if buffered {
+                    AttemptTracker::buffered()
+                } else {
+                    AttemptTracker::new()
+                },
             },
         );
         if handle.send_bulk(frame).await.is_ok() {
@@ -899,6 +991,18 @@ impl Edge {
         let Some(route) = routes.get_mut(run_id).filter(|r| r.conn == conn) else {
             return Delivery::NoRoute;
         };
+        let (commits, end) = match &event {
+            RouteEvent::Tunnel(tf) => {
+                let commits = route.tracker.on_tunnel_frame(tf);
+                (commits, terminal.then(|| route.tracker.end_of_tunnel(tf)))
+            }
+            RouteEvent::Run(ev) => {
+                let commits = route.tracker.on_run_event(ev);
+                (commits, terminal.then(|| route.tracker.end_of_run(ev)))
+            }
+            _ => (false, None),
+        };
+        let end = end.map(|end| (end, route.tracker.is_committed()));
         let refused = match route.window.on_received(charge) {
             Err(overrun) => Some(overrun),
             Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
@@ -912,10 +1016,15 @@ impl Edge {
             },
         };
         let Some(overrun) = refused else {
+            let first = !std::mem::replace(&mut route.responded, true);
             if terminal {
                 routes.remove(run_id);
             }
-            return Delivery::Delivered;
+            return Delivery::Delivered {
+                first,
+                commits,
+                end,
+            };
         };
         let Some(route) = routes.remove(run_id) else {
             return Delivery::NoRoute;
@@ -932,11 +1041,7 @@ impl Edge {
              speaks no flow control"
         );
         // The relay may be waiting on a full route: the notice must get in.
-        if let Err(mailbox::TrySendError::Full(event)) = route.tx.try_send(RouteEvent::Overflow) {
-            monoio::spawn(async move {
-                let _ = route.tx.send(event).await;
-            });
-        }
+        push_notice(route.tx, RouteEvent::Overflow);
         Delivery::CutOff
     }
 
@@ -1178,12 +1283,54 @@ impl Edge {
     }
 }
 
+/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a route even when the
+/// route is full: then it waits behind the queued frames.
+fn push_notice(tx: MailboxSender<RouteEvent>, notice: RouteEvent) {
+    if let Err(mailbox::TrySendError::Full(notice)) = tx.try_send(notice) {
+        monoio::spawn(async move {
+            let _ = tx.send(notice).await;
+        });
+    }
+}
+
 fn log_event(event: &Event) {
     match event {
         Event::NodeConnected { node_id } => tracing::info!(%node_id, "node.connected"),
         Event::NodeDisconnected { node_id } => {
             tracing::warn!(%node_id, "node.disconnected: generation fenced")
         }
+        Event::Ejected {
+            provider,
+            ejection,
+            consecutive_failures,
+        } => tracing::warn!(
+            event = "edge_provider_health_observation",
+            %provider,
+            reason = ejection.reason.as_str(),
+            consecutive_failures,
+            ejection_ms = u64::try_from((ejection.until - ejection.since).as_millis())
+                .unwrap_or(u64::MAX),
+            "provider ejected: failing, out of rotation"
+        ),
+        Event::Readmitted { provider, via } => tracing::info!(
+            event = "edge_provider_health_observation",
+            %provider,
+            via = via.as_str(),
+            "provider re-admitted into rotation"
+        ),
+        Event::Failover {
+            request,
+            from,
+            to,
+            attempt,
+        } => tracing::info!(
+            event = "edge_liveness_recovery_observation",
+            request = request.0,
+            %from,
+            %to,
+            attempt,
+            "attempt failed before the first byte; retried on another provider"
+        ),
         Event::HealthTransition {
             provider,
             unavailable,
@@ -1202,7 +1349,8 @@ mod tests {
 
     use super::*;
     use crate::control::{
-        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Tunables,
+        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
+        Tunables,
     };
 
     fn edge() -> Edge {
@@ -1219,6 +1367,7 @@ mod tests {
                     response_stall_timeout_ms: 0,
                     category: pb::ProviderCategory::LocalInference,
                     kind: DispatchKind::Tunnel,
+                    operations: crate::control::Operations::ALL,
                     enabled: true,
                 }],
             }],
@@ -1230,6 +1379,7 @@ mod tests {
                 }],
                 max_queue: 4,
                 queue_timeout: Duration::from_secs(30),
+                max_attempts: 1,
             }],
             tunables: Tunables::default(),
         };
@@ -1249,9 +1399,8 @@ mod tests {
     }
 
     // CONTRACT: O2, F4 — observers that fail on every event, panic on every
-    // event, or block for good change nothing: readiness, admission, lease
-    // release, fencing and the client's terminal (`Lost` on its route) all
-    // happen; the events the blocked observer thread cannot take are
+    // event, or block for good change nothing: readiness, admission, the
+    // terminal and its lease release, and fencing all happen; the events the blocked observer thread cannot take are
     // dropped and counted, and the shard never waits for it.
     #[monoio::test_all(timer_enabled = true)]
     async fn failing_panicking_and_blocked_observers_never_suppress_terminals() {
@@ -1289,10 +1438,11 @@ mod tests {
                 conn,
                 node_id: "n".into(),
             });
-            let (_, mut rx) = edge.submit("m", false);
-            let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
+            let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
+            let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
                 panic!("round {round}: request not dispatched")
             };
+            assert_eq!(dispatch.lease.conn, conn);
             if round == 0 {
                 // The first events reached the observer before the one
                 // after it started blocking.
@@ -1304,13 +1454,23 @@ mod tests {
                     }
                 );
             }
-            // The node goes away mid-request: fenced, lease back, the
-            // client's route ends with `Lost`.
-            edge.apply(Input::Closed { conn });
-            assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
+            // The run's terminal: the lease comes back and the request is
+            // done (its route gone).
+            edge.apply(Input::Terminal(Terminal {
+                conn,
+                run_id: request.run_id(),
+                adapter: "a".into(),
+                target: "t".into(),
+                stall: None,
+                end: crate::control::AttemptEnd::Answered,
+                committed: true,
+            }));
             assert_eq!(edge.control().leases().count(), 0, "round {round}");
-            assert!(!edge.control().is_ready_owner(conn));
+            assert!(edge.control().pending_requests().next().is_none());
             assert!(edge.client_routes.borrow().is_empty());
+            // Then the node goes away: fenced.
+            edge.apply(Input::Closed { conn });
+            assert!(!edge.control().is_ready_owner(conn));
         }
         // Two events per round; the blocked thread holds at most the
         // backlog: the rest were dropped, not waited for.
@@ -1333,7 +1493,7 @@ mod tests {
             conn,
             node_id: "n".into(),
         });
-        let (request, mut rx) = edge.submit("m", false);
+        let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
         let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };

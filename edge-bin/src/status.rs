@@ -1,8 +1,55 @@
-//! JSON projections for `GET /status` (P1–P3). Addresses, tokens and
-//! transport internals are never included (X5).
+//! JSON projections for `GET /status` (P1–P3), with each provider's
+//! passive-health state. Addresses, tokens and transport internals are
+//! never included (X5).
+
+use std::time::Instant;
 
 use iop_wire::pb;
 use serde_json::{json, Value};
+
+use crate::outlier::OutlierState;
+
+/// A provider's passive-health state as `/status` shows it (`outlier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OutlierView {
+    /// Out of rotation now.
+    pub ejected: bool,
+    /// The failure that tipped the ejection.
+    pub reason: Option<&'static str>,
+    /// Failures in a row so far.
+    pub consecutive_failures: u32,
+    /// Ejections in a row (the ejection time multiplier).
+    pub ejections: u32,
+    /// Until its re-admission by timer, while ejected.
+    pub readmit_in_ms: Option<u64>,
+}
+
+impl OutlierView {
+    /// The view of `state` at `now`.
+    pub fn of(state: &OutlierState, now: Instant) -> Self {
+        let ejection = state.ejection();
+        Self {
+            ejected: ejection.is_some(),
+            reason: ejection.map(|e| e.reason.as_str()),
+            consecutive_failures: state.consecutive_failures(),
+            ejections: state.ejections_in_a_row(),
+            readmit_in_ms: ejection.map(|e| {
+                u64::try_from(e.until.saturating_duration_since(now).as_millis())
+                    .unwrap_or(u64::MAX)
+            }),
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "ejected": self.ejected,
+            "reason": self.reason,
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
+            "readmit_in_ms": self.readmit_in_ms,
+        })
+    }
+}
 
 fn status_name(status: i32) -> &'static str {
     match pb::ProviderStatus::try_from(status) {
@@ -31,8 +78,8 @@ fn category_name(category: i32) -> &'static str {
     }
 }
 
-/// One provider snapshot as JSON.
-pub fn snapshot_json(s: &pb::ProviderSnapshot) -> Value {
+/// One provider snapshot as JSON, with its passive-health state.
+pub fn snapshot_json(s: &pb::ProviderSnapshot, outlier: &OutlierView) -> Value {
     json!({
         "node_id": s.node_id,
         "provider_id": s.provider_id,
@@ -48,13 +95,18 @@ pub fn snapshot_json(s: &pb::ProviderSnapshot) -> Value {
         "queued": s.queued,
         "long_queued": s.long_queued,
         "connected": s.connected,
+        "outlier": outlier.json(),
     })
 }
 
-/// The `/status` document.
-pub fn status_json(snapshots: &[pb::ProviderSnapshot]) -> Value {
+/// The `/status` document: `outliers` pairs with `snapshots` by position.
+pub fn status_json(snapshots: &[pb::ProviderSnapshot], outliers: &[OutlierView]) -> Value {
     json!({
-        "providers": snapshots.iter().map(snapshot_json).collect::<Vec<_>>(),
+        "providers": snapshots
+            .iter()
+            .zip(outliers.iter().copied().chain(std::iter::repeat(OutlierView::default())))
+            .map(|(s, o)| snapshot_json(s, &o))
+            .collect::<Vec<_>>(),
     })
 }
 
@@ -78,13 +130,27 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            snapshot_json(&s),
+            snapshot_json(&s, &OutlierView::default()),
             json!({
                 "node_id": "n", "provider_id": "p", "adapter": "a", "target": "t",
                 "category": "local_inference", "status": "unavailable", "health": "offline",
                 "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
-                "queued": 0, "long_queued": 0, "connected": false
+                "queued": 0, "long_queued": 0, "connected": false,
+                "outlier": {"ejected": false, "reason": null, "consecutive_failures": 0,
+                            "ejections": 0, "readmit_in_ms": null}
             })
+        );
+        let ejected = OutlierView {
+            ejected: true,
+            reason: Some("connect_failure"),
+            consecutive_failures: 5,
+            ejections: 2,
+            readmit_in_ms: Some(1500),
+        };
+        assert_eq!(
+            status_json(&[s], &[ejected])["providers"][0]["outlier"],
+            json!({"ejected": true, "reason": "connect_failure", "consecutive_failures": 5,
+                   "ejections": 2, "readmit_in_ms": 1500})
         );
     }
 }

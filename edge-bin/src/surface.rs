@@ -21,8 +21,11 @@ use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
+use crate::attempt::AttemptTracker;
 use crate::body_json::JsonLimits;
-use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::control::{
+    AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
+};
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
@@ -152,9 +155,20 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 )
                 .await
             }
-            ("GET", "/status") => match edge.with_control(|control| control.snapshots()).await {
-                Some(snapshots) => {
-                    let body = Bytes::from(status::status_json(&snapshots).to_string());
+            ("GET", "/status") => match edge
+                .with_control(|control| {
+                    let now = clock::now();
+                    let outliers: Vec<status::OutlierView> = control
+                        .outliers()
+                        .into_iter()
+                        .map(|o| status::OutlierView::of(o, now))
+                        .collect();
+                    (control.snapshots(), outliers)
+                })
+                .await
+            {
+                Some((snapshots, outliers)) => {
+                    let body = Bytes::from(status::status_json(&snapshots, &outliers).to_string());
                     write_json(&mut server, 200, body).await
                 }
                 None => write_api_error(&mut server, &draining_error()).await,
@@ -162,7 +176,11 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             ("GET", "/metrics") => {
                 let mut text = edge
                     .with_control(|control| {
-                        metrics::render(control.counters(), &control.snapshots())
+                        metrics::render(
+                            control.counters(),
+                            &control.snapshots(),
+                            control.ejected_count(),
+                        )
                     })
                     .await
                     .unwrap_or_default();
@@ -462,7 +480,9 @@ fn frame(body: Body) -> pb::Frame {
 }
 
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
-/// provider tunnel.
+/// provider's answer — again from the next provider `Control` picks when an
+/// attempt failed before anything reached the client (pre-commit
+/// failover).
 async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
@@ -473,7 +493,7 @@ async fn chat<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let mut chat = match ChatRequest::parse(body, &json_limits(edge)) {
+    let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
         Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
@@ -484,63 +504,108 @@ where
         .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
-    let Some((request, dispatch, frames)) =
-        admit(edge, server, Surface::OpenAi, &chat.model, long).await?
+    let Some((request, mut dispatch, mut frames)) =
+        admit(edge, server, CHAT_COMPLETIONS, &chat.model, long).await?
     else {
         return Ok(());
     };
     let admitted_at = clock::now(); // metrics: time to first byte
-    let lease = &dispatch.lease;
-    // U7: the provider's type alone picks the path; the client surface is
-    // the same either way.
-    let run = match dispatch.kind {
-        DispatchKind::Tunnel => {
-            let tunnel = tunnel_request(
-                CHAT_COMPLETIONS,
-                &dispatch,
-                tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-                chat.take_body_for_target(&lease.target),
-                chat.stream,
-            );
-            match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
-                Ok(frame) => frame,
-                Err(e) => {
-                    return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
+    loop {
+        let lease = &dispatch.lease;
+        // U7: the provider's type alone picks the path; the client surface
+        // is the same either way. The body is kept for a later attempt.
+        let run = match dispatch.kind {
+            DispatchKind::Tunnel => {
+                let tunnel = tunnel_request(
+                    CHAT_COMPLETIONS,
+                    &dispatch,
+                    tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
+                    chat.body_for_target(&lease.target),
+                    chat.stream,
+                );
+                match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
+                    Ok(frame) => frame,
+                    Err(e) => {
+                        return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
+                    }
                 }
             }
-        }
-        DispatchKind::Run => run_request(&chat, &dispatch),
-    };
-    if !send_run(edge, server, Surface::OpenAi, request, &dispatch, run).await? {
-        return Ok(());
-    }
-    let result = match dispatch.kind {
-        DispatchKind::Tunnel => relay(edge, server, Surface::OpenAi, frames, admitted_at).await,
-        DispatchKind::Run => {
-            let id = ResponseId {
-                id: format!("chatcmpl-{}", lease.run_id),
-                created: iop_engine::clock::unix_ms() / 1000,
-                model: lease.target.clone(),
-            };
-            relay_run(edge, server, frames, id, &chat, admitted_at).await
-        }
-    };
-    if let Err(e) = &result {
-        // U6: the client is gone (or the response broke off); Control sends
-        // the node a CancelRequest and settles the lease on its terminal.
-        edge.apply(Input::Cancel {
+            DispatchKind::Run => run_request(&chat, &dispatch),
+        };
+        let buffered = dispatch.kind == DispatchKind::Run && !chat.stream;
+        if !send_run(
+            edge,
+            server,
+            Surface::OpenAi,
             request,
-            reason: cancel_reason(e),
-        });
+            &dispatch,
+            run,
+            buffered,
+        )
+        .await?
+        {
+            return Ok(());
+        }
+        let result = match dispatch.kind {
+            DispatchKind::Tunnel => {
+                relay(edge, server, Surface::OpenAi, &mut frames, admitted_at).await
+            }
+            DispatchKind::Run => {
+                let id = ResponseId {
+                    id: format!("chatcmpl-{}", lease.run_id),
+                    created: iop_engine::clock::unix_ms() / 1000,
+                    model: lease.target.clone(),
+                };
+                relay_run(edge, server, &mut frames, id, &chat, admitted_at).await
+            }
+        };
+        match settle(edge, request, result)? {
+            Some(next) => {
+                frames.retarget(&next);
+                dispatch = next;
+            }
+            None => return Ok(()),
+        }
     }
-    result
+}
+
+/// How a relay ended.
+#[derive(Debug)]
+enum Relayed {
+    /// The client has its answer (or its error).
+    Done,
+    /// The attempt failed before anything reached the client and `Control`
+    /// dispatched the request again: send and relay this one.
+    Retry(Dispatch),
+}
+
+/// The next attempt of `request`, if its relay asks for one. A relay that
+/// failed (the client is gone, or the response broke off) cancels the run
+/// (U6): `Control` sends the node a `CancelRequest` and settles the lease
+/// on its terminal.
+fn settle(
+    edge: &Rc<Edge>,
+    request: RequestId,
+    result: Result<Relayed, HttpError>,
+) -> Result<Option<Dispatch>, HttpError> {
+    match result {
+        Ok(Relayed::Done) => Ok(None),
+        Ok(Relayed::Retry(next)) => Ok(Some(next)),
+        Err(e) => {
+            edge.apply(Input::Cancel {
+                request,
+                reason: cancel_reason(&e),
+            });
+            Err(e)
+        }
+    }
 }
 
 /// Waits for `Control`'s answer to a submitted request.
 async fn admit<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
-    surface: Surface,
+    route: PassRoute,
     model: &str,
     long: bool,
 ) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
@@ -548,7 +613,7 @@ where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let submitted_at = clock::now(); // metrics: queue wait
-    let (request, mut admission) = edge.submit(model, long);
+    let (request, mut admission) = edge.submit(model, route.op, long);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
@@ -572,17 +637,27 @@ where
             return Ok(Some((request, dispatch, frames)))
         }
         Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
+        Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
         Ok(Admission::Rejected(Rejection::QueueFull)) => ApiError::queue_full(model),
         Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
             ApiError::no_provider(model)
         }
     };
-    write_error(server, surface, &e).await?;
+    write_error(server, route.surface, &e).await?;
     Ok(None)
 }
 
+/// 400: no provider of `model` serves `route`'s operation.
+fn unsupported(model: &str, route: PassRoute) -> ApiError {
+    ApiError::invalid_request(
+        format!("No provider serving `{model}` supports {}.", route.path),
+        None,
+    )
+}
+
 /// Sends a run to the lease's node; on failure settles the request and
-/// answers the client. Returns whether it was sent.
+/// answers the client. Returns whether it was sent. `buffered`: its relay
+/// writes only at the end (the commit point, [`crate::attempt`]).
 async fn send_run<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
@@ -590,11 +665,12 @@ async fn send_run<S>(
     request: RequestId,
     dispatch: &Dispatch,
     run: pb::Frame,
+    buffered: bool,
 ) -> Result<bool, HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let sent = edge.start_run(request, dispatch, run).await;
+    let sent = edge.start_run(request, dispatch, run, buffered).await;
     if !sent {
         edge.abandon(request);
         let e = ApiError::upstream(
@@ -607,7 +683,7 @@ where
 }
 
 /// `POST /v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`: raw
-/// passthrough over a provider tunnel (U1–U5).
+/// passthrough over a provider tunnel (U1–U5), with pre-commit failover.
 async fn passthrough<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
@@ -619,50 +695,47 @@ async fn passthrough<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let mut req = match PassthroughRequest::parse(body, &json_limits(edge)) {
+    let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
-    let Some((request, dispatch, frames)) =
-        admit(edge, server, route.surface, &req.model, false).await?
+    let Some((request, mut dispatch, mut frames)) =
+        admit(edge, server, route, &req.model, false).await?
     else {
         return Ok(());
     };
     let admitted_at = clock::now(); // metrics: time to first byte
-    if dispatch.kind != DispatchKind::Tunnel {
-        // Native (Ollama) providers speak only the normalized chat path.
-        edge.abandon(request);
-        let e = ApiError::invalid_request(
-            format!(
-                "The provider serving `{}` does not support {}.",
-                req.model, route.path
-            ),
-            None,
+    loop {
+        if dispatch.kind != DispatchKind::Tunnel {
+            // Control files native (Ollama) providers, which speak only the
+            // normalized chat path, in no lane of these operations: this is
+            // a wiring bug, answered as if no provider served it.
+            edge.abandon(request);
+            return write_error(server, route.surface, &unsupported(&req.model, route)).await;
+        }
+        let tunnel = tunnel_request(
+            route,
+            &dispatch,
+            tunnel_headers(route, req.stream, headers),
+            req.body_for_target(&dispatch.lease.target),
+            req.stream,
         );
-        return write_error(server, route.surface, &e).await;
+        let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
+            Ok(frame) => frame,
+            Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
+        };
+        if !send_run(edge, server, route.surface, request, &dispatch, run, false).await? {
+            return Ok(());
+        }
+        let result = relay(edge, server, route.surface, &mut frames, admitted_at).await;
+        match settle(edge, request, result)? {
+            Some(next) => {
+                frames.retarget(&next);
+                dispatch = next;
+            }
+            None => return Ok(()),
+        }
     }
-    let tunnel = tunnel_request(
-        route,
-        &dispatch,
-        tunnel_headers(route, req.stream, headers),
-        req.take_body_for_target(&dispatch.lease.target),
-        req.stream,
-    );
-    let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
-        Ok(frame) => frame,
-        Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
-    };
-    if !send_run(edge, server, route.surface, request, &dispatch, run).await? {
-        return Ok(());
-    }
-    let result = relay(edge, server, route.surface, frames, admitted_at).await;
-    if let Err(e) = &result {
-        edge.apply(Input::Cancel {
-            request,
-            reason: cancel_reason(e),
-        });
-    }
-    result
 }
 
 /// A passthrough route: which profile operation it is (U3) and which client
@@ -670,27 +743,32 @@ where
 #[derive(Debug, Clone, Copy)]
 struct PassRoute {
     operation: &'static str,
+    op: Operation,
     path: &'static str,
     surface: Surface,
 }
 
 const CHAT_COMPLETIONS: PassRoute = PassRoute {
     operation: "chat_completions",
+    op: Operation::ChatCompletions,
     path: "/v1/chat/completions",
     surface: Surface::OpenAi,
 };
 const RESPONSES: PassRoute = PassRoute {
     operation: "responses",
+    op: Operation::Responses,
     path: "/v1/responses",
     surface: Surface::OpenAi,
 };
 const MESSAGES: PassRoute = PassRoute {
     operation: "messages",
+    op: Operation::Messages,
     path: "/v1/messages",
     surface: Surface::Anthropic,
 };
 const COUNT_TOKENS: PassRoute = PassRoute {
     operation: "count_tokens",
+    op: Operation::CountTokens,
     path: "/v1/messages/count_tokens",
     surface: Surface::Anthropic,
 };
@@ -863,20 +941,25 @@ const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading
 
 /// Relays a normalized run as OpenAI chat completion chunks or one
 /// `chat.completion` (E1, E4, E5). Every event taken from the route is
-/// credited back to the node as soon as the client took its bytes.
+/// credited back to the node as soon as the client took its bytes (or the
+/// relay held it). Nothing is written before the attempt commits
+/// ([`crate::attempt`]): a stream's `start` waits for its first delta, a
+/// non-streaming answer for its `complete`; an attempt that fails before
+/// may be retried elsewhere ([`Relayed::Retry`]).
 async fn relay_run<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
-    mut frames: RouteRx,
+    frames: &mut RouteRx,
     id: ResponseId,
     chat: &ChatRequest,
     admitted_at: Instant,
-) -> Result<(), HttpError>
+) -> Result<Relayed, HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     let mut first_byte_pending = Some(admitted_at);
     if !chat.stream {
+        let mut tracker = AttemptTracker::buffered();
         let mut builder = CompletionBuilder::new(id);
         loop {
             let next = match server.watch_peer(frames.recv()).await {
@@ -885,7 +968,8 @@ where
             };
             let charge = next.as_ref().map_or(0, RouteEvent::charge);
             match next {
-                Some(RouteEvent::Run(ev)) => {
+                Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => {
+                    tracker.on_run_event(&ev);
                     let done = builder.on_event(&ev);
                     // The builder took it: the node may send more.
                     frames.drained(edge, charge);
@@ -894,16 +978,29 @@ where
                             let taken_at = clock::now();
                             write_json(server, 200, Bytes::from(v.to_string())).await?;
                             chunk_written(taken_at, &mut first_byte_pending);
-                            return Ok(());
+                            return Ok(Relayed::Done);
                         }
                         Some(Completion::Failed { code, message }) => {
+                            if tracker.end_of_run(&ev).is_retryable() {
+                                if let Some(next) = verdict(edge, server, frames).await? {
+                                    return Ok(Relayed::Retry(next));
+                                }
+                            }
                             return fail(server, Surface::OpenAi, false, false, &message, &code)
                                 .await
+                                .map(|()| Relayed::Done);
                         }
                         None => {}
                     }
                 }
-                Some(RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
+                // Another attempt's, or not a run's: nothing for this one.
+                Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
+                Some(RouteEvent::Retry(next)) => return Ok(Relayed::Retry(next)),
+                Some(RouteEvent::Aborted(reason)) => {
+                    return abort(server, Surface::OpenAi, false, false, reason)
+                        .await
+                        .map(|()| Relayed::Done)
+                }
                 Some(RouteEvent::Overflow) => {
                     let _ = fail(
                         server,
@@ -926,11 +1023,15 @@ where
                         "node_disconnected",
                     )
                     .await
+                    .map(|()| Relayed::Done)
                 }
             }
         }
     }
+    let mut tracker = AttemptTracker::new();
     let mut stream = ChunkStream::new(id, chat.include_usage());
+    // Events before the first delta (its `start`), held until it commits.
+    let mut held: Vec<pb::RunEvent> = Vec::new();
     let mut started = false;
     loop {
         let next = if started {
@@ -943,10 +1044,18 @@ where
         };
         let charge = next.as_ref().map_or(0, RouteEvent::charge);
         let ev = match next {
-            Some(RouteEvent::Run(ev)) => ev,
-            Some(RouteEvent::Tunnel(_)) => {
+            Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => ev,
+            Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => {
                 frames.drained(edge, charge);
                 continue;
+            }
+            Some(RouteEvent::Retry(next)) if !started => return Ok(Relayed::Retry(next)),
+            // Control never retries a committed attempt.
+            Some(RouteEvent::Retry(_)) => continue,
+            Some(RouteEvent::Aborted(reason)) => {
+                return abort(server, Surface::OpenAi, started, true, reason)
+                    .await
+                    .map(|()| Relayed::Done)
             }
             Some(RouteEvent::Overflow) => {
                 let _ = fail(
@@ -970,21 +1079,37 @@ where
                     "node_disconnected",
                 )
                 .await
+                .map(|()| Relayed::Done)
             }
         };
+        let commits = tracker.on_run_event(&ev);
         let is_error = matches!(
             ev.r#type(),
             pb::RunEventType::Error | pb::RunEventType::Cancelled
         );
         if !started && is_error {
-            // Nothing was sent yet: answer with an HTTP error instead.
+            // Nothing was sent yet: another provider may take it, or the
+            // client gets an HTTP error.
+            if tracker.end_of_run(&ev).is_retryable() {
+                if let Some(next) = verdict(edge, server, frames).await? {
+                    return Ok(Relayed::Retry(next));
+                }
+            }
             let code = if ev.failure_code.is_empty() {
                 "provider_error"
             } else {
                 ev.failure_code.as_str()
             };
-            return fail(server, Surface::OpenAi, false, true, &ev.error, code).await;
+            return fail(server, Surface::OpenAi, false, true, &ev.error, code)
+                .await
+                .map(|()| Relayed::Done);
         }
+        if !started && !commits && ev.r#type() != pb::RunEventType::Complete {
+            held.push(ev);
+            frames.drained(edge, charge);
+            continue;
+        }
+        let taken_at = clock::now();
         if !started {
             server
                 .start_chunked(
@@ -996,32 +1121,84 @@ where
                 )
                 .await?;
             started = true;
+            for earlier in std::mem::take(&mut held) {
+                for chunk in stream.on_event(&earlier) {
+                    server.write_chunk(chunk).await?;
+                }
+            }
         }
-        let taken_at = clock::now();
         for chunk in stream.on_event(&ev) {
             server.write_chunk(chunk).await?;
             chunk_written(taken_at, &mut first_byte_pending);
         }
         frames.drained(edge, charge);
         if stream.is_finished() {
-            return server.finish().await;
+            return server.finish().await.map(|()| Relayed::Done);
         }
     }
 }
 
-/// Relays tunnel frames to the client until the terminal, crediting each
-/// body back to the node once the client's socket took it.
-async fn relay<S>(
+/// After an attempt failed before anything reached the client: waits for
+/// `Control`'s verdict. The next attempt's dispatch, or `None` when the
+/// request ended there (the failure stands and is answered). Anything
+/// else still queued on the route belongs to the failed attempt.
+async fn verdict<S>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
-    surface: Surface,
-    mut frames: RouteRx,
-    admitted_at: Instant,
+    frames: &mut RouteRx,
+) -> Result<Option<Dispatch>, HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    loop {
+        match server.watch_peer(frames.recv()).await {
+            Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+            Watched::Done(Some(RouteEvent::Retry(next))) => return Ok(Some(next)),
+            Watched::Done(Some(RouteEvent::Lost) | None) => return Ok(None),
+            Watched::Done(Some(other)) => frames.drained(edge, other.charge()),
+        }
+    }
+}
+
+/// Starts the client's response with a provider's held response head.
+async fn start_response<S>(
+    server: &mut ServerConn<S>,
+    head: &pb::ProviderTunnelFrame,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    let status = u16::try_from(head.status).unwrap_or(502);
+    let headers: Vec<(&str, &[u8])> = head
+        .headers
+        .iter()
+        .filter(|h| !openai::is_hop_by_hop(&h.name))
+        .map(|h| (h.name.as_str(), &h.value[..]))
+        .collect();
+    server.start_chunked(status, headers).await
+}
+
+/// Relays tunnel frames to the client until the terminal, crediting each
+/// body back to the node once the client's socket took it (or the relay
+/// held it). The provider's response head is held until the attempt
+/// commits ([`crate::attempt`]): its first body byte, or for a 5xx head
+/// the end of its body (bounded). An attempt that fails before may be
+/// retried elsewhere ([`Relayed::Retry`]).
+async fn relay<S>(
+    edge: &Rc<Edge>,
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    frames: &mut RouteRx,
+    admitted_at: Instant,
+) -> Result<Relayed, HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
     let mut first_byte_pending = Some(admitted_at);
+    let mut tracker = AttemptTracker::new();
+    let mut head: Option<pb::ProviderTunnelFrame> = None;
+    // Body of a 5xx head, held (and already credited) until it commits.
+    let mut held: Vec<Bytes> = Vec::new();
     let mut started = false;
     let mut event_stream = false;
     loop {
@@ -1037,10 +1214,18 @@ where
         };
         let charge = next.as_ref().map_or(0, RouteEvent::charge);
         let tf = match next {
-            Some(RouteEvent::Tunnel(tf)) => tf,
-            Some(RouteEvent::Run(_)) => {
+            Some(RouteEvent::Tunnel(tf)) if tf.run_id == frames.run_id() => tf,
+            Some(RouteEvent::Tunnel(_) | RouteEvent::Run(_)) => {
                 frames.drained(edge, charge);
                 continue;
+            }
+            Some(RouteEvent::Retry(next)) if !started => return Ok(Relayed::Retry(next)),
+            // Control never retries a committed attempt.
+            Some(RouteEvent::Retry(_)) => continue,
+            Some(RouteEvent::Aborted(reason)) => {
+                return abort(server, surface, started, event_stream, reason)
+                    .await
+                    .map(|()| Relayed::Done)
             }
             Some(RouteEvent::Overflow) => {
                 let _ = fail(
@@ -1063,34 +1248,38 @@ where
                     NODE_LOST,
                     "node_disconnected",
                 )
-                .await;
+                .await
+                .map(|()| Relayed::Done);
             }
         };
+        let commits = tracker.on_tunnel_frame(&tf);
         match tf.kind() {
             pb::TunnelFrameKind::ResponseStart => {
-                if started {
-                    continue;
+                if !started && head.is_none() {
+                    event_stream = tf.headers.iter().any(|h| {
+                        h.name.eq_ignore_ascii_case("content-type")
+                            && h.value.starts_with(b"text/event-stream")
+                    });
+                    head = Some(tf);
                 }
-                let status = u16::try_from(tf.status).unwrap_or(502);
-                event_stream = tf.headers.iter().any(|h| {
-                    h.name.eq_ignore_ascii_case("content-type")
-                        && h.value.starts_with(b"text/event-stream")
-                });
-                let headers: Vec<(&str, &[u8])> = tf
-                    .headers
-                    .iter()
-                    .filter(|h| !openai::is_hop_by_hop(&h.name))
-                    .map(|h| (h.name.as_str(), &h.value[..]))
-                    .collect();
-                server.start_chunked(status, headers).await?;
-                started = true;
             }
             pb::TunnelFrameKind::Body => {
+                let (taken_at, len) = (clock::now(), tf.body.len() as u64);
+                if commits {
+                    if let Some(h) = head.take() {
+                        start_response(server, &h).await?;
+                    }
+                    started = true;
+                    for body in std::mem::take(&mut held) {
+                        server.write_chunk(body).await?;
+                    }
+                }
                 if started {
-                    let (taken_at, len) = (clock::now(), tf.body.len() as u64);
                     server.write_chunk(tf.body).await?;
                     chunk_written(taken_at, &mut first_byte_pending);
                     engine_metrics::add(Count::EdgeRelayBodyBytes, len);
+                } else if head.is_some() && !tf.body.is_empty() {
+                    held.push(tf.body);
                 }
                 frames.drained(edge, charge);
             }
@@ -1098,23 +1287,75 @@ where
                 frames.drained(edge, charge);
             }
             pb::TunnelFrameKind::End => {
-                return if started {
-                    server.finish().await
-                } else {
+                if started {
+                    return server.finish().await.map(|()| Relayed::Done);
+                }
+                if tracker.end_of_tunnel(&tf).is_retryable() {
+                    if let Some(next) = verdict(edge, server, frames).await? {
+                        return Ok(Relayed::Retry(next));
+                    }
+                }
+                let Some(h) = head.take() else {
                     let e = ApiError::upstream("the provider sent no response", None);
-                    write_error(server, surface, &e).await
+                    return write_error(server, surface, &e)
+                        .await
+                        .map(|()| Relayed::Done);
                 };
+                // The provider's answer as it is (a 5xx that no other
+                // provider could take, or an empty body).
+                start_response(server, &h).await?;
+                for body in std::mem::take(&mut held) {
+                    server.write_chunk(body).await?;
+                }
+                chunk_written(clock::now(), &mut first_byte_pending);
+                return server.finish().await.map(|()| Relayed::Done);
             }
             pb::TunnelFrameKind::Error => {
+                if !started && tracker.end_of_tunnel(&tf).is_retryable() {
+                    if let Some(next) = verdict(edge, server, frames).await? {
+                        return Ok(Relayed::Retry(next));
+                    }
+                }
                 let code = if tf.failure_code.is_empty() {
                     "provider_error"
                 } else {
                     tf.failure_code.as_str()
                 };
-                return fail(server, surface, started, event_stream, &tf.error, code).await;
+                return fail(server, surface, started, event_stream, &tf.error, code)
+                    .await
+                    .map(|()| Relayed::Done);
             }
         }
     }
+}
+
+/// Ends a relay Control gave up on ([`RouteEvent::Aborted`]): the run is
+/// already cancelled on its node, so the client only gets the error — 504
+/// in the route's shape when nothing was sent yet (U6).
+async fn abort<S>(
+    server: &mut ServerConn<S>,
+    surface: Surface,
+    started: bool,
+    event_stream: bool,
+    reason: AbortReason,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let message = match reason {
+        AbortReason::ResponseWaitTimeout => {
+            "The provider did not start a response within edge.response_wait_timeout_ms."
+        }
+    };
+    fail(
+        server,
+        surface,
+        started,
+        event_stream,
+        message,
+        reason.as_str(),
+    )
+    .await
 }
 
 /// Ends a failed relay: an HTTP error before the response started, or an
@@ -1131,7 +1372,7 @@ where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
     if !started {
-        let e = if code == "response_stalled" {
+        let e = if matches!(code, "response_stalled" | "response_wait_timeout") {
             ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))
         } else {
             ApiError::upstream(message.to_string(), Some(code.to_string()))

@@ -55,11 +55,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    Action, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch, DispatchKind, Event,
-    Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Outcome, ProviderKey, ProviderSpec,
-    Rejection, RequestId, StallEvidence, Terminal, Tunables,
+    Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch,
+    DispatchKind, Event, Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Operation,
+    Operations, Outcome, ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal,
+    Tunables,
 };
 use iop_wire::pb;
+
+mod sim_rng;
+use sim_rng::Rng;
 
 // ---------------------------------------------------------------------------
 // The configured world
@@ -197,6 +201,7 @@ impl WorldParams {
             tunables: Tunables {
                 cancel_settle: Duration::from_millis(50),
                 recovery_probe_interval: Duration::from_millis(40),
+                ..Tunables::default()
             },
         }
     }
@@ -222,6 +227,7 @@ impl WorldParams {
             tunables: Tunables {
                 cancel_settle: Duration::from_millis(rng.range(10, 150)),
                 recovery_probe_interval: Duration::from_millis(rng.range(20, 200)),
+                ..Tunables::default()
             },
         }
     }
@@ -274,6 +280,7 @@ impl World {
                     response_stall_timeout_ms: stall_ms,
                     category: d.category,
                     kind: d.kind,
+                    operations: Operations::for_kind(d.kind),
                     enabled: d.enabled,
                 },
             })
@@ -331,6 +338,7 @@ impl World {
                     providers: m.provs.iter().map(|&p| self.provs[p].key.clone()).collect(),
                     max_queue: m.max_queue,
                     queue_timeout: m.timeout,
+                    max_attempts: 1,
                 })
                 .collect(),
             tunables: self.tunables,
@@ -347,47 +355,6 @@ impl World {
 
     fn model_index(&self, name: &str) -> Option<usize> {
         self.models.iter().position(|m| m.name == name)
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Seeded randomness
-// ---------------------------------------------------------------------------
-
-/// splitmix64: tiny, fast, and good enough to pick schedules.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-
-    /// True with `percent`% probability.
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    fn pick<T: Clone>(&mut self, items: &[T]) -> Option<T> {
-        if items.is_empty() {
-            None
-        } else {
-            Some(items[self.below(items.len() as u64) as usize].clone())
-        }
     }
 }
 
@@ -1154,6 +1121,7 @@ impl<'w> Sim<'w> {
         self.apply(Input::Submit {
             request,
             model,
+            operation: Operation::ChatCompletions,
             long,
         })
     }
@@ -1309,6 +1277,8 @@ impl<'w> Sim<'w> {
                         classification: WELL_FORMED[1].1,
                         seq: Some(seq),
                     }),
+                    end: AttemptEnd::Other,
+                    committed: true,
                 }));
             }
         }
@@ -1352,6 +1322,8 @@ impl<'w> Sim<'w> {
             adapter,
             target,
             stall,
+            end: AttemptEnd::Other,
+            committed: true,
         }))
     }
 
@@ -1848,6 +1820,7 @@ impl<'w> Sim<'w> {
                 request,
                 model,
                 long,
+                ..
             } => {
                 let id = *request;
                 if id.0 != self.sh.next_request {
@@ -1909,6 +1882,9 @@ impl<'w> Sim<'w> {
                     Some(SState::CancelPending { .. }) | None => ex.unchanged = true,
                 }
             }
+            // No response-wait timeout and no failover (max_attempts 1)
+            // here: a response start or commit changes nothing observable.
+            Input::Responded { .. } | Input::Committed { .. } => ex.unchanged = true,
             Input::Undeliverable { request } => {
                 match self.sh.active.get(request).map(|r| &r.state) {
                     Some(SState::Dispatched { .. } | SState::CancelPending { .. }) => {
@@ -2177,6 +2153,11 @@ impl<'w> Sim<'w> {
                     dones.push((*request, outcome.clone()));
                 }
                 Action::Event(e) => events.push(e.clone()),
+                Action::Abort { request, reason } => {
+                    return Err(self.fail(format!(
+                        "{request:?} aborted ({reason:?}) without a response-wait timeout"
+                    )));
+                }
             }
         }
         if registry != ex.registry {
@@ -2480,6 +2461,11 @@ impl<'w> Sim<'w> {
             Outcome::Rejected(Rejection::QueueTimeout) => self.stats.queue_timeouts += 1,
             Outcome::Rejected(Rejection::QueueFull) => self.stats.queue_full += 1,
             Outcome::Rejected(Rejection::UnknownModel) => self.stats.unknown_model += 1,
+            Outcome::Rejected(Rejection::UnsupportedOperation) => {
+                return Err(self.fail(format!(
+                    "{request:?} refused as unsupported: every pool here serves chat"
+                )))
+            }
         }
         Ok(())
     }
@@ -3304,6 +3290,7 @@ impl Fixture {
         self.handle(Input::Submit {
             request: rid(id),
             model: model.to_string(),
+            operation: Operation::ChatCompletions,
             long,
         })
     }
@@ -3332,6 +3319,8 @@ impl Fixture {
             adapter: adapter.to_string(),
             target: target.to_string(),
             stall,
+            end: AttemptEnd::Other,
+            committed: true,
         }))
     }
 
@@ -3902,6 +3891,7 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
             Input::Submit {
                 request: rid(id),
                 model: "m-a".to_string(),
+                operation: Operation::ChatCompletions,
                 long: false,
             },
         );
@@ -3917,6 +3907,8 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
             adapter: "vllm-b".to_string(),
             target: "qwen".to_string(),
             stall: unavailable(1),
+            end: AttemptEnd::Other,
+            committed: true,
         }),
     );
     assert_eq!(

@@ -118,6 +118,8 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05, wha
 # and by an OpenAI-compatible and an Ollama provider together (U7).
 OLLAMA_MODEL = "iop-ollama-model"
 MIXED_MODEL = "iop-mixed-model"
+# The same providers with the Ollama ones listed first (ties go to them).
+MIXED_OLLAMA_FIRST_MODEL = "iop-mixed-ollama-first"
 
 
 class Cluster:
@@ -145,7 +147,8 @@ class Cluster:
         # protocols) with provider "ollama-1" serving the same target, and the
         # Edge gets models OLLAMA_MODEL (only the Ollama providers) and
         # MIXED_MODEL (the OpenAI-compatible and the Ollama provider of every
-        # node, in that order: U7).
+        # node, in that order: U7) and MIXED_OLLAMA_FIRST_MODEL (the same,
+        # Ollama providers first).
         self.ollama = ollama
         # edge_extra: more `key = value` lines of the Edge's [edge] table
         # (e.g. "flow_window_bytes = 65536").
@@ -387,6 +390,10 @@ class Cluster:
                 "[[models]]",
                 f'name = "{MIXED_MODEL}"',
                 "providers = [" + ", ".join(f'"{n}/mock-1", "{n}/ollama-1"' for n in self.node_ids) + "]",
+                "[[models]]",
+                f'name = "{MIXED_OLLAMA_FIRST_MODEL}"',
+                "providers = [" + ", ".join(f'"{n}/ollama-1"' for n in self.node_ids)
+                + ", " + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
             ]
         out += self.credentials_config()
         return "\n".join(out) + "\n"

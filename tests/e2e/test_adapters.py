@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import pytest
 
-from iop_harness import MIXED_MODEL, OLLAMA_MODEL, Cluster, post_raw
+from iop_harness import MIXED_MODEL, MIXED_OLLAMA_FIRST_MODEL, OLLAMA_MODEL, Cluster, post_raw
 
 TUNNEL_MODEL = "iop-test-model"
 TOKENS = 6
@@ -162,6 +162,32 @@ def test_mixed_dispatch_gives_one_surface(cluster, client):
     assert first_chunks[0].id.startswith("chatcmpl-mock-"), "the provider's own chunks"
     assert not second[0].id.startswith("chatcmpl-mock-"), "chunks the Edge built from RunEvents"
 
+
+def test_non_chat_operations_go_only_to_the_openai_compatible_provider(cluster):
+    # A model listing its Ollama provider first: /v1/responses and
+    # /v1/messages (which the Ollama adapter cannot serve) go to the
+    # OpenAI-compatible one every time, never answered 400; chat still
+    # takes the first provider by config order.
+    before = cluster.mock_stats()
+    for _ in range(3):
+        status, _, raw = post_raw(cluster.base_url + "/v1/responses",
+                                  {"model": MIXED_OLLAMA_FIRST_MODEL, "input": "say hi"})
+        assert status == 200, raw
+        assert json.loads(raw)["output"][0]["content"][0]["text"] == EXPECTED_TEXT
+        status, _, raw = post_raw(cluster.base_url + "/v1/messages",
+                                  {"model": MIXED_OLLAMA_FIRST_MODEL, "max_tokens": 16, "messages": MESSAGES})
+        assert status == 200, raw
+        assert json.loads(raw)["content"][0]["text"] == EXPECTED_TEXT
+    status, _, raw = post_raw(cluster.base_url + "/v1/chat/completions",
+                              {"model": MIXED_OLLAMA_FIRST_MODEL, "messages": MESSAGES})
+    assert status == 200, raw
+    after = cluster.mock_stats()
+    assert after["ollama_chat_requests"] - before["ollama_chat_requests"] == 1
+    assert after["chat_requests"] == before["chat_requests"]
+    # A model of Ollama providers only has no candidate: the 400 stays.
+    status, _, raw = post_raw(cluster.base_url + "/v1/responses", {"model": OLLAMA_MODEL, "input": "say hi"})
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["message"] == f"No provider serving `{OLLAMA_MODEL}` supports /v1/responses."
 
 
 def test_ollama_capabilities_prove_the_target(cluster):

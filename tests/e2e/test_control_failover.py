@@ -1,5 +1,7 @@
 """Two nodes serve one model; killing the node of a running stream ends that
-stream with an error, fences the node, and later requests go to the other.
+stream with an error, fences the node, and later requests go to the other;
+a non-streamed request in flight on the killed node is failed over to the
+other and answered whole.
 
 CONTRACT: F1 — the fenced generation's lease is released at once, its
 providers show offline with zero in-flight, and the queue re-evaluates.
@@ -81,3 +83,39 @@ def test_killing_the_serving_node_fails_the_stream_and_fences_it(cluster):
         with urllib.request.urlopen(req, timeout=20) as resp:
             assert json.loads(resp.read())["choices"][0]["message"]["content"] == "tok0 tok1 "
     assert _providers(cluster)[survivor]["in_flight"] == 0
+
+
+def test_a_non_streamed_request_in_flight_on_a_killed_node_is_served_by_the_other(cluster):
+    # Nothing of a non-streamed answer reaches the client before it is
+    # whole: when its node dies, Control fails it over to the other node
+    # (pre-commit failover) and the client gets the whole answer.
+    for node_id, proc in list(cluster.nodes.items()):
+        if proc.popen.poll() is not None:
+            cluster.start_node(node_id)  # killed by the test before
+    wait_until(lambda: all(p["connected"] for p in _providers(cluster).values()), what="both nodes up")
+    out: list = []
+
+    def post():
+        body = json.dumps({"model": MODEL, "max_tokens": 60,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(cluster.base_url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            out.append((resp.status, json.loads(resp.read())))
+
+    t = threading.Thread(target=post)
+    t.start()
+    wait_until(lambda: sum(p["in_flight"] for p in _providers(cluster).values()) == 1, what="in flight")
+    victim = next(n for n, p in _providers(cluster).items() if p["in_flight"] == 1)
+    cluster.nodes[victim].stop(signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive()
+    status, answer = out[0]
+    assert status == 200
+    assert answer["choices"][0]["message"]["content"] == "".join(f"tok{i} " for i in range(60))
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'iop_edge_liveness_recovery_results_total{source="failover",result="retried"} 1\n' in metrics
+    assert 'iop_edge_liveness_recovery_results_total{source="failover",result="recovered"} 1\n' in metrics
+    survivor = ({"node-a", "node-b"} - {victim}).pop()
+    wait_until(lambda: _providers(cluster)[survivor]["in_flight"] == 0, what="survivor idle")

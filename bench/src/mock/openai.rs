@@ -57,8 +57,10 @@
 //!   OpenAI error body.
 //!
 //! `GET /health` answers by the runtime [`HealthState`]: `healthy` → 200
-//! `{"status":"ok"}`, `unhealthy` → 503, `hanging` → never answers.
-//! `POST /admin/health {"state":"healthy"|"unhealthy"|"hanging"}` flips it.
+//! `{"status":"ok"}`, `unhealthy` → 503, `hanging` → never answers,
+//! `missing` → 404 like a server without a health route (llama-cpp-python's).
+//! `POST /admin/health {"state":"healthy"|"unhealthy"|"hanging"|"missing"}`
+//! flips it.
 //! `GET /admin/stats` returns the counters in [`MockStats`] as JSON.
 
 use serde::{Deserialize, Serialize};
@@ -147,6 +149,8 @@ pub enum HealthState {
     Unhealthy,
     /// No answer at all.
     Hanging,
+    /// 404: no health route (llama-cpp-python's server).
+    Missing,
 }
 
 /// Counters served by `GET /admin/stats`. The shell reports connection and
@@ -1009,6 +1013,10 @@ impl MockProvider {
                     body: r#"{"status":"unhealthy"}"#.to_string(),
                 },
                 HealthState::Hanging => Reply::Hang,
+                HealthState::Missing => Reply::Json {
+                    status: 404,
+                    body: r#"{"detail":"Not Found"}"#.to_string(),
+                },
             },
             ("POST", "/admin/health") => self.set_health(body),
             ("GET", "/admin/stats") => Reply::Json {
@@ -1038,7 +1046,7 @@ impl MockProvider {
             Err(err) => Reply::Json {
                 status: 400,
                 body: error_body(&format!(
-                    "expected {{\"state\":\"healthy\"|\"unhealthy\"|\"hanging\"}}: {err}"
+                    "expected {{\"state\":\"healthy\"|\"unhealthy\"|\"hanging\"|\"missing\"}}: {err}"
                 )),
             },
         }
@@ -1663,6 +1671,12 @@ mod tests {
         json(p.handle("POST", "/admin/health", br#"{"state":"hanging"}"#));
         assert!(matches!(p.handle("GET", "/health", b""), Reply::Hang));
         assert_eq!(p.health(), HealthState::Hanging);
+        json(p.handle("POST", "/admin/health", br#"{"state":"missing"}"#));
+        assert_eq!(
+            json(p.handle("GET", "/health", b"")),
+            (404, r#"{"detail":"Not Found"}"#.to_string())
+        );
+        json(p.handle("POST", "/admin/health", br#"{"state":"hanging"}"#));
         let (status, _) = json(p.handle("POST", "/admin/health", br#"{"state":"sick"}"#));
         assert_eq!(status, 400);
         assert_eq!(p.health(), HealthState::Hanging);

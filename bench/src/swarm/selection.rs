@@ -18,7 +18,9 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use edge_bin::config::EdgeConfig;
-use edge_bin::control::{Action, ConnId, Control, Input, Lease, RequestId, Terminal};
+use edge_bin::control::{
+    Action, AttemptEnd, ConnId, Control, Input, Lease, Operation, RequestId, Terminal,
+};
 use edge_bin::server::control_spec;
 use iop_engine::clock;
 use serde::Serialize;
@@ -140,6 +142,7 @@ fn submit(
         Input::Submit {
             request,
             model,
+            operation: Operation::ChatCompletions,
             long: false,
         },
         out,
@@ -153,6 +156,8 @@ fn terminal_of(lease: &Lease) -> Input {
         adapter: lease.adapter.clone(),
         target: lease.target.clone(),
         stall: None,
+        end: AttemptEnd::Answered,
+        committed: true,
     })
 }
 

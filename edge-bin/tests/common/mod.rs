@@ -229,6 +229,8 @@ pub struct EdgeOptions {
     pub max_request_body_bytes: Option<usize>,
     /// More `[edge]` lines (`key = value`, one per line).
     pub edge_keys: String,
+    /// More TOML at the end of the file (e.g. more `[[models]]`).
+    pub extra_toml: String,
 }
 
 impl EdgeOptions {
@@ -238,6 +240,7 @@ impl EdgeOptions {
             provider_addr,
             max_request_body_bytes: None,
             edge_keys: String::new(),
+            extra_toml: String::new(),
         }
     }
 
@@ -305,7 +308,9 @@ queue_timeout_ms = {QUEUE_TIMEOUT_MS}
 [[models]]
 name = "{MODEL_B}"
 providers = ["node-b/b-mock"]
+{extra}
 "#,
+        extra = options.extra_toml,
         ca = edge.ca_path.display(),
         cert = edge.cert_path.display(),
         key = edge.key_path.display(),
@@ -638,7 +643,15 @@ pub fn offline_entry(node_id: &str, provider_id: &str) -> Value {
         "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
         "target": TARGET, "category": "api", "status": "unavailable", "health": "offline",
         "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
-        "queued": 0, "long_queued": 0, "connected": false
+        "queued": 0, "long_queued": 0, "connected": false, "outlier": in_rotation()
+    })
+}
+
+/// The `/status` `outlier` of a provider in rotation with no failure.
+pub fn in_rotation() -> Value {
+    serde_json::json!({
+        "ejected": false, "reason": null, "consecutive_failures": 0, "ejections": 0,
+        "readmit_in_ms": null
     })
 }
 
@@ -649,7 +662,8 @@ pub fn ready_entry(node_id: &str, provider_id: &str, in_flight: u32) -> Value {
         "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
         "target": TARGET, "category": "api", "status": "available", "health": "available",
         "capacity": 2, "long_context_capacity": 0, "in_flight": in_flight,
-        "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true
+        "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true,
+        "outlier": in_rotation()
     })
 }
 

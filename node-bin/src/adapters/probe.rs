@@ -12,7 +12,13 @@
 //! | adapter | path | available when |
 //! |---|---|---|
 //! | openai_compat | `protocol_profile.health_path` | 2xx; and when the health path is the models path, `data[].id` lists the target |
+//! | openai_compat, health path answers 404 | then `protocol_profile.models_path` | 2xx and `data[].id` lists the target |
 //! | ollama | `/api/tags` | 2xx and `models[].name` (or `.model`) lists the target (`name` and `name:latest` are the same model) |
+//!
+//! The fallback serves servers without a health route: llama-cpp-python's
+//! server answers `/health` 404 where llama.cpp's `llama-server` answers it;
+//! both list their model at `/v1/models`. A 404 from the models path
+//! itself stays unknown.
 //!
 //! Normalization (fail closed): 2xx with the target → available; 5xx, a
 //! models list without the target, or a refused connection (nothing
@@ -112,36 +118,52 @@ pub struct ProbeTarget {
     pub path: String,
     /// The model id the answer must list (`None`: any 2xx will do).
     pub expect_model: Option<String>,
+    /// Asked instead when `path` answers 404: the models list, which must
+    /// list the target (OpenAI-compatible servers without a health route).
+    pub fallback: Option<Fallback>,
+}
+
+/// The second probe of a server whose health path does not exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fallback {
+    /// Request path (already under the base URL's prefix).
+    pub path: String,
+    /// The model id the answer must list (`None`: any 2xx will do).
+    pub expect_model: Option<String>,
 }
 
 impl ProbeTarget {
     /// The probe of `adapter` for `target`.
     pub fn of(adapter: &AdapterInstance, target: &str) -> Self {
-        let (path, expect_model) = match (adapter.kind, &adapter.profile) {
+        let expect_target = (!target.is_empty()).then(|| target.to_string());
+        let (path, expect_model, fallback) = match (adapter.kind, &adapter.profile) {
             (AdapterKind::OpenAiCompat, Some(profile)) => {
-                let lists_models =
-                    !profile.models_path.is_empty() && profile.health_path == profile.models_path;
+                let has_models = !profile.models_path.is_empty();
+                let lists_models = has_models && profile.health_path == profile.models_path;
                 let path = if profile.health_path.is_empty() {
-                    "/health"
+                    adapter.base_url.join("/health")
                 } else {
-                    profile.health_path.as_str()
+                    adapter.base_url.join(&profile.health_path)
                 };
-                (
-                    path.to_string(),
-                    (lists_models && !target.is_empty()).then(|| target.to_string()),
-                )
+                let fallback = (has_models && !lists_models).then(|| Fallback {
+                    path: adapter.base_url.join(&profile.models_path),
+                    expect_model: expect_target.clone(),
+                });
+                (path, expect_target.filter(|_| lists_models), fallback)
             }
-            (AdapterKind::OpenAiCompat, None) => ("/health".to_string(), None),
+            (AdapterKind::OpenAiCompat, None) => (adapter.base_url.join("/health"), None, None),
             (AdapterKind::Ollama, _) => (
-                OLLAMA_HEALTH_PATH.to_string(),
-                (!target.is_empty()).then(|| target.to_string()),
+                adapter.base_url.join(OLLAMA_HEALTH_PATH),
+                expect_target,
+                None,
             ),
         };
         Self {
             base_url: adapter.base_url.clone(),
             tls: adapter.tls.clone(),
-            path: adapter.base_url.join(&path),
+            path,
             expect_model,
+            fallback,
         }
     }
 }
@@ -198,13 +220,32 @@ fn same_model(listed: &str, expected: &str) -> bool {
         || (!expected.contains(':') && listed.strip_suffix(":latest") == Some(expected))
 }
 
-/// Runs the probe within `timeout` (fail closed).
+/// Runs the probe within `timeout` (fail closed): the health path, then
+/// the fallback when the health path answers 404. Each GET has the whole
+/// bound, so the probe takes at most twice `timeout`.
 pub async fn probe(target: &ProbeTarget, timeout: Duration) -> ProbeOutcome {
-    let dial = Target::new(&target.base_url, target.tls.as_ref());
-    match get(dial, &target.path, timeout).await {
-        Ok((status, body)) => classify(status, &body, target.expect_model.as_deref()),
+    let dial = || Target::new(&target.base_url, target.tls.as_ref());
+    let first = get(dial(), &target.path, timeout).await;
+    if let (Ok((404, _)), Some(fallback)) = (&first, &target.fallback) {
+        tracing::debug!(path = %target.path, fallback = %fallback.path, "no health route; probing the models list");
+        return outcome(
+            &fallback.path,
+            get(dial(), &fallback.path, timeout).await,
+            fallback.expect_model.as_deref(),
+        );
+    }
+    outcome(&target.path, first, target.expect_model.as_deref())
+}
+
+fn outcome(
+    path: &str,
+    answer: Result<(u16, Bytes), GetError>,
+    expect: Option<&str>,
+) -> ProbeOutcome {
+    match answer {
+        Ok((status, body)) => classify(status, &body, expect),
         Err(e) => {
-            tracing::debug!(path = %target.path, error = %e, "probe failed");
+            tracing::debug!(%path, error = %e, "probe failed");
             classify_error(&e)
         }
     }
@@ -320,12 +361,28 @@ mod tests {
         let oa = ProbeTarget::of(a.get("oa").unwrap(), "m1");
         assert_eq!(oa.path, "/v1/models");
         assert_eq!(oa.expect_model.as_deref(), Some("m1"));
+        // The models list is the health path: nothing to fall back to.
+        assert_eq!(oa.fallback, None);
         let a = adapters("/health");
         let oa = ProbeTarget::of(a.get("oa").unwrap(), "m1");
         assert_eq!(oa.path, "/health");
         assert_eq!(oa.expect_model, None);
+        // A /health that is missing (404) falls back to the models list,
+        // which must name the target.
+        assert_eq!(
+            oa.fallback,
+            Some(Fallback {
+                path: "/v1/models".into(),
+                expect_model: Some("m1".into()),
+            })
+        );
+        // No health path in the profile: /health, with the same fallback.
+        let oa = ProbeTarget::of(adapters("").get("oa").unwrap(), "m1");
+        assert_eq!(oa.path, "/health");
+        assert_eq!(oa.fallback.map(|f| f.path).as_deref(), Some("/v1/models"));
         let ol = ProbeTarget::of(a.get("ol").unwrap(), "llama3");
         assert_eq!(ol.path, "/api/tags");
+        assert_eq!(ol.fallback, None);
         assert_eq!(ol.expect_model.as_deref(), Some("llama3"));
         assert_eq!(ProbeTarget::of(a.get("ol").unwrap(), "").expect_model, None);
         assert_eq!(ol.base_url.authority(), "127.0.0.1:11434");
