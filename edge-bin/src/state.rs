@@ -787,12 +787,12 @@ impl Edge {
                     let _ = c.send_control(frame(Body::NodeCommandRequest(command)));
                 }
             }
-            Action::StallHandoff { request, handoff } => {
+            Action::StallHandoff { handoff, .. } => {
                 // H3, O1: the handoff is an observation for operators; it
-                // is not replay approval.
+                // is not replay approval. No request id: O1 allows no
+                // unbounded identifier in general logs.
                 tracing::info!(
                     event = "edge_liveness_recovery_observation",
-                    request = request.0,
                     provider_id = %handoff.provider_id,
                     provider_health = handoff.provider_health.as_str_name(),
                     recovery_handoff = handoff.recovery_handoff,
@@ -862,7 +862,6 @@ impl Edge {
             return;
         };
         tracing::warn!(
-            request = request.0,
             reason = reason.as_str(),
             "dispatched request given up: no response in time; run cancelled"
         );
@@ -1319,13 +1318,9 @@ fn log_event(event: &Event) {
             "provider re-admitted into rotation"
         ),
         Event::Failover {
-            request,
-            from,
-            to,
-            attempt,
+            from, to, attempt, ..
         } => tracing::info!(
             event = "edge_liveness_recovery_observation",
-            request = request.0,
             %from,
             %to,
             attempt,
