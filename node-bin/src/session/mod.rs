@@ -520,3 +520,36 @@ impl Session {
 fn count_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
+
+/// The watchdog of an attempt starting now (its hard deadline
+/// `timeout_sec` from now; 0 or less: none) and the evidence a stall of it
+/// reports: the attempt's identity and the probe of its exact target.
+fn watch_attempt(
+    config: crate::attempt::watchdog::WatchdogConfig,
+    timeout_sec: i64,
+    ticket: &runs::RunTicket,
+    adapter: &crate::adapters::AdapterInstance,
+    target: &str,
+) -> (
+    crate::attempt::watchdog::Watchdog,
+    crate::attempt::StallEvidence,
+) {
+    let now = iop_engine::clock::now();
+    let hard_deadline = u64::try_from(timeout_sec)
+        .ok()
+        .filter(|&s| s > 0)
+        .and_then(|s| now.checked_add(std::time::Duration::from_secs(s)));
+    let evidence = crate::attempt::StallEvidence {
+        identity: crate::attempt::watchdog::AttemptIdentity {
+            node_run_id: ticket.node_run_id(),
+            attempt_id: ticket.attempt_id(),
+            adapter: adapter.name.clone(),
+            target: target.to_string(),
+        },
+        probe: crate::adapters::probe::ProbeTarget::of(adapter, target),
+    };
+    (
+        crate::attempt::watchdog::Watchdog::new(config, now, hard_deadline),
+        evidence,
+    )
+}

@@ -26,18 +26,16 @@
 //! BODY frame carries them as they are.
 
 use std::rc::Rc;
-use std::time::Duration;
 
 use iop_engine::clock;
 use iop_wire::pb;
 
 use super::runs::RunStart;
-use crate::adapters::probe::ProbeTarget;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
 use crate::attempt::emit::{Emitter, TunnelEmitter};
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
-use crate::attempt::watchdog::{AttemptIdentity, RuntimeSettings, Watchdog, WatchdogConfig};
-use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
+use crate::attempt::watchdog::{RuntimeSettings, WatchdogConfig};
+use crate::attempt::{self, AttemptEnv, Ended};
 use crate::calls::tunnel::TunnelCall;
 use crate::codes;
 use crate::credentials::{LeaseGate, TunnelTarget};
@@ -114,21 +112,8 @@ pub async fn serve(
         }
     };
     // ----------------------------------------------------------------------
-    let now = clock::now();
-    let hard_deadline = u64::try_from(req.timeout_sec)
-        .ok()
-        .filter(|&s| s > 0)
-        .and_then(|s| now.checked_add(Duration::from_secs(s)));
-    let watchdog = Watchdog::new(config, now, hard_deadline);
-    let evidence = StallEvidence {
-        identity: AttemptIdentity {
-            node_run_id: ticket.node_run_id(),
-            attempt_id: ticket.attempt_id(),
-            adapter: adapter.name.clone(),
-            target: req.target.clone(),
-        },
-        probe: ProbeTarget::of(&adapter, &req.target),
-    };
+    let (watchdog, evidence) =
+        super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
     let call = TunnelCall {
         endpoint: adapter.endpoint.clone(),
         method,
