@@ -19,25 +19,14 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    chat_tunnel, node_config, normalized_events, ollama_adapter, openai_adapter, openai_profile,
-    Edge, Mock, SAFETY, TARGET,
+    chat_tunnel, eventually, node_config, normalized_events, ollama_adapter, openai_adapter,
+    openai_profile, Edge, Mock, TARGET,
 };
 use iop_engine::conn::ConnEvent;
 use iop_wire::flow::{self, DrainWindow, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use node_bin::session::SessionEnd;
-
-/// Polls `done` until it holds (bounded by [`SAFETY`]).
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..(SAFETY.as_millis() / 5) {
-        if done() {
-            return;
-        }
-        monoio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("never reached: {what}");
-}
 
 fn payload(mock: &Mock, capacity: u32) -> pb::NodeConfigPayload {
     node_config(

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{
-    chat_tunnel, node_config, ollama_adapter, openai_adapter, openai_profile, Edge, Mock, SAFETY,
-    TARGET,
+    chat_tunnel, control_with_one_worker, eventually, node_config, ollama_adapter, openai_adapter,
+    openai_profile, Edge, Mock, SAFETY, TARGET,
 };
 use iop_engine::metrics::{self, Count};
 use iop_wire::pb;
@@ -32,58 +32,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 use node_bin::calls::pool::PoolStats;
 use node_bin::calls::pool::ProviderPool;
-use node_bin::calls::workers::{self, WorkerStats};
 use node_bin::calls::{OutputTx, ProviderCall};
-use node_bin::session::NodeCore;
-
-/// Polls `done` until it holds (bounded by [`SAFETY`]).
-async fn eventually(what: &str, done: impl Fn() -> bool) {
-    for _ in 0..(SAFETY.as_millis() / 5) {
-        if done() {
-            return;
-        }
-        monoio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("never reached: {what}");
-}
-
-/// A control shard (on this thread) with one provider worker core on a
-/// thread of its own.
-fn control_with_one_worker() -> Rc<NodeCore> {
-    let (workers, inboxes) = workers::channels(1);
-    for inbox in inboxes {
-        workers::spawn_thread(inbox, None).expect("worker thread");
-    }
-    NodeCore::start_with_workers(None, Some(workers))
-}
-
-/// This file's view of the Node: its worker and its gates.
-impl Edge {
-    fn worker(&self) -> WorkerStats {
-        let workers = self.core.calls.workers().expect("a multi-core node");
-        workers.stats().remove(0)
-    }
-
-    /// Waits until every run and tunnel is released (the provider call
-    /// returned on the worker, W10).
-    async fn all_released(&self) {
-        let core = self.core.clone();
-        eventually("every run released", move || core.active_runs() == 0).await;
-    }
-
-    async fn in_flight(&mut self, adapter: &str) -> u32 {
-        self.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
-            command_id: "in-flight".into(),
-            r#type: pb::CommandType::ProviderStatus as i32,
-            adapter: adapter.into(),
-            path: String::new(),
-        }));
-        match self.recv().await.body {
-            Some(Body::NodeCommandResponse(r)) => r.providers[0].in_flight,
-            other => panic!("expected a command response, got {other:?}"),
-        }
-    }
-}
 
 /// Asserts the call(s) ran on the worker thread, not this one, and the
 /// session core has no provider pool of its own.
@@ -241,7 +190,7 @@ async fn tunnel_bytes_arrive_byte_exact_from_the_worker_core() {
         "the second tunnel reused the worker's pooled connection"
     );
     assert_eq!(worker.idle_connections, 1);
-    assert_eq!(edge.in_flight("mock").await, 0);
+    assert_eq!(edge.adapter_in_flight("mock").await, 0);
 }
 
 fn sse_tunnel(run_id: &str) -> pb::ProviderTunnelRequest {
@@ -316,7 +265,7 @@ async fn normalized_runs_work_across_cores() {
             Some("stop")
         );
         edge.all_released().await;
-        assert_eq!(edge.in_flight(adapter).await, 0);
+        assert_eq!(edge.adapter_in_flight(adapter).await, 0);
     }
     assert_ran_on_the_worker(&edge, 2);
     let counters = mock.counters();
@@ -365,7 +314,11 @@ async fn cancel_crosses_cores_and_releases_after_the_return() {
     );
     assert!(last.failure.is_none());
     edge.all_released().await;
-    assert_eq!(edge.in_flight("mock").await, 0, "the gate is back to full");
+    assert_eq!(
+        edge.adapter_in_flight("mock").await,
+        0,
+        "the gate is back to full"
+    );
     let worker = edge.worker();
     assert_eq!((worker.calls, worker.aborted), (1, 1));
     assert_eq!(

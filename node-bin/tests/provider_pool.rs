@@ -15,12 +15,10 @@
 
 mod common;
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use common::{
-    chat_tunnel, lease_binding, next_sequence, node_config, ollama_adapter, openai_adapter,
-    openai_profile, recipient, Edge, Mock, SAFETY, TARGET,
+    chat_tunnel, eventually, lease_binding, next_sequence, node_config, ollama_adapter,
+    openai_adapter, openai_profile, recipient, Edge, Mock, TARGET,
 };
 use ed25519_dalek::SigningKey;
 use iop_wire::lease::{self, IssueParams, LeaseEntropy};
@@ -32,17 +30,6 @@ use node_bin::credentials::NodeCredentials;
 const SECRET: &str = "sk-iop-pool-test-77a0";
 const RECIPIENT_SEED: [u8; 32] = [21; 32];
 const ISSUER_SEED: [u8; 32] = [22; 32];
-
-/// Polls `done` until it holds (bounded by [`SAFETY`]).
-async fn eventually(what: &str, done: impl Fn() -> bool) {
-    for _ in 0..(SAFETY.as_millis() / 5) {
-        if done() {
-            return;
-        }
-        monoio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("never reached: {what}");
-}
 
 /// One OpenAI-compatible adapter `mock` and one Ollama adapter `ol`, both
 /// on the mock.

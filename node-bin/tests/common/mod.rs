@@ -23,6 +23,7 @@ use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::Splitable;
 use monoio::net::{TcpListener, TcpStream};
+use node_bin::calls::workers::{self, WorkerStats};
 use node_bin::credentials::NodeCredentials;
 use node_bin::session::{self, NodeCore, SessionEnd};
 use x25519_dalek::StaticSecret;
@@ -490,5 +491,58 @@ impl Edge {
         let run_id = req.run_id.clone();
         self.send(Body::RunRequest(req));
         self.run_events(&run_id).await
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Multi-core nodes
+// ---------------------------------------------------------------------------
+
+/// Polls `done` until it holds (bounded by [`SAFETY`]).
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..(SAFETY.as_millis() / 5) {
+        if done() {
+            return;
+        }
+        monoio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never reached: {what}");
+}
+
+/// A control shard (on this thread) with one provider worker core on a
+/// thread of its own.
+pub fn control_with_one_worker() -> Rc<NodeCore> {
+    let (workers, inboxes) = workers::channels(1);
+    for inbox in inboxes {
+        workers::spawn_thread(inbox, None).expect("worker thread");
+    }
+    NodeCore::start_with_workers(None, Some(workers))
+}
+
+/// A multi-core Node's view for the tests: its worker and its gates.
+impl Edge {
+    pub fn worker(&self) -> WorkerStats {
+        let workers = self.core.calls.workers().expect("a multi-core node");
+        workers.stats().remove(0)
+    }
+
+    /// Waits until every run and tunnel is released (the provider call
+    /// returned on the worker, W10).
+    pub async fn all_released(&self) {
+        let core = self.core.clone();
+        eventually("every run released", move || core.active_runs() == 0).await;
+    }
+
+    pub async fn adapter_in_flight(&mut self, adapter: &str) -> u32 {
+        self.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
+            command_id: "in-flight".into(),
+            r#type: pb::CommandType::ProviderStatus as i32,
+            adapter: adapter.into(),
+            path: String::new(),
+        }));
+        match self.recv().await.body {
+            Some(Body::NodeCommandResponse(r)) => r.providers[0].in_flight,
+            other => panic!("expected a command response, got {other:?}"),
+        }
     }
 }

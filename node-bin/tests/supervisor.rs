@@ -1,0 +1,168 @@
+//! The Node's supervisor against a scripted Edge over real loopback TCP
+//! (`insecure_plaintext`, T5): what the whole dial → register → ready
+//! sequence does when the Edge refuses readiness.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{frame, node_config, NODE_ID, SAFETY};
+use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+use iop_engine::sync::oneshot;
+use iop_wire::checks::{Attempts, ReconnectPolicy};
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use monoio::io::Splitable;
+use monoio::net::TcpListener;
+use node_bin::config::{EdgeAddr, NodeConfig};
+use node_bin::supervisor::{self, Exit, Jitter, Stop};
+
+/// A plain-TCP Node config dialling `edge`, redialling every 50 ms.
+fn plain_config(edge: std::net::SocketAddr) -> NodeConfig {
+    NodeConfig {
+        source: PathBuf::from("node.toml"),
+        node_id: NODE_ID.into(),
+        trust_domain: "iop.local".into(),
+        edge_addr: EdgeAddr::parse(&edge.to_string()).expect("edge address"),
+        edge_name: "edge-1".into(),
+        insecure_plaintext: true,
+        tls: None,
+        reconnect: ReconnectPolicy {
+            interval: Duration::from_millis(50),
+            attempts: Attempts::Limited(5),
+        },
+        reconnect_jitter: Jitter::new(0).expect("no jitter"),
+        credentials: None,
+        drain_grace_ms: 0,
+    }
+}
+
+/// The Edge's end of one accepted Node connection.
+struct Accepted {
+    conn: ConnHandle,
+    events: ConnEvents,
+}
+
+impl Accepted {
+    async fn accept(listener: &TcpListener) -> Self {
+        let (tcp, _) = monoio::select! {
+            accepted = listener.accept() => accepted.expect("edge accepts"),
+            _ = monoio::time::sleep(SAFETY) => panic!("the node never dialled within {SAFETY:?}"),
+        };
+        let shutdown = SocketShutdown::for_socket(&tcp);
+        let (r, w) = tcp.into_split();
+        let (conn, events) = spawn_conn(r, w, shutdown, ConnConfig::default());
+        Self { conn, events }
+    }
+
+    async fn next(&mut self) -> ConnEvent {
+        monoio::select! {
+            ev = self.events.recv() => ev.expect("an event before the end"),
+            _ = monoio::time::sleep(SAFETY) => panic!("nothing from the node within {SAFETY:?}"),
+        }
+    }
+
+    async fn recv(&mut self) -> Body {
+        match self.next().await {
+            ConnEvent::Frame(pb::Frame { body: Some(body) }) => body,
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    fn send(&self, body: Body) {
+        self.conn.send_control(frame(body)).expect("edge send");
+    }
+
+    /// Registration accepted (with an empty config); returns at the
+    /// Node's ready request.
+    async fn register(&mut self) {
+        match self.recv().await {
+            Body::RegisterRequest(r) => assert_eq!(r.node_id, NODE_ID),
+            other => panic!("expected RegisterRequest, got {other:?}"),
+        }
+        self.send(Body::RegisterResponse(pb::RegisterResponse {
+            accepted: true,
+            reason: String::new(),
+            config: Some(node_config(Vec::new(), false)),
+        }));
+        match self.recv().await {
+            Body::NodeReadyRequest(r) => assert_eq!(r.node_id, NODE_ID),
+            other => panic!("expected NodeReadyRequest, got {other:?}"),
+        }
+    }
+
+    fn answer_ready(&self, ready: bool, reason: &str) {
+        self.send(Body::NodeReadyResponse(pb::NodeReadyResponse {
+            ready,
+            reason: reason.into(),
+        }));
+    }
+}
+
+// CONTRACT: R3 — an Edge that answers the ready request with `ready: false`
+// gets its connection closed by the Node (reason `not_ready`), and the
+// Node's supervisor dials again: a fresh connection registers from the
+// start and, answered `ready: true`, is a working session (it answers a
+// command). The refused attempt counts against the reconnect budget like
+// any failed attempt, so a second refusal also redials; while the session
+// is ready no further dial arrives (one dialler), and SIGTERM's stop ends
+// the supervisor with `Exit::Shutdown`.
+#[monoio::test(timer_enabled = true)]
+async fn a_refused_ready_closes_the_connection_and_the_node_redials() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind edge");
+    let cfg = plain_config(listener.local_addr().expect("edge addr"));
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let node = monoio::spawn(supervisor::run_until(
+        cfg,
+        None,
+        None,
+        Stop {
+            shutdown: Box::pin(async move {
+                let _ = stop_rx.await;
+            }),
+            force: Box::pin(std::future::pending()),
+            drain_grace: Duration::ZERO,
+        },
+    ));
+
+    for refusal in ["edge_draining", "node_superseded"] {
+        let mut first = Accepted::accept(&listener).await;
+        first.register().await;
+        first.answer_ready(false, refusal);
+        match first.next().await {
+            ConnEvent::Closed { reason } => assert_eq!(reason, "peer:not_ready"),
+            other => panic!("expected the node to close, got {other:?}"),
+        }
+    }
+
+    let mut session = Accepted::accept(&listener).await;
+    session.register().await;
+    session.answer_ready(true, "");
+    session.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
+        command_id: "after-ready".into(),
+        r#type: pb::CommandType::ProviderStatus as i32,
+        adapter: String::new(),
+        path: String::new(),
+    }));
+    match session.recv().await {
+        Body::NodeCommandResponse(r) => assert_eq!(r.command_id, "after-ready"),
+        other => panic!("expected the command's answer, got {other:?}"),
+    }
+    // Ten reconnect intervals: a second dialler would have dialled by now.
+    monoio::select! {
+        accepted = listener.accept() => panic!("a dial while the session is ready: {accepted:?}"),
+        _ = monoio::time::sleep(Duration::from_millis(500)) => {}
+    }
+
+    stop_tx.send(()).expect("supervisor listening");
+    let exit = monoio::select! {
+        exit = node => exit,
+        _ = monoio::time::sleep(SAFETY) => panic!("the supervisor did not stop"),
+    };
+    assert!(matches!(exit, Exit::Shutdown), "{exit:?}");
+    match session.next().await {
+        ConnEvent::Closed { reason } => assert!(reason.starts_with("peer:"), "{reason}"),
+        other => panic!("expected the close, got {other:?}"),
+    }
+}
