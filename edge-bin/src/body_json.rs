@@ -6,19 +6,22 @@
 //!            ─► Members::parse (serde_json, borrowed: every byte validated,
 //!               top-level members as spans of the body, duplicates refused)
 //!            ─► read the few members the Edge needs, on demand
-//!            ─► splice: prefix ‖ new value ‖ suffix (one copy of the body)
+//!            ─► splice: prefix ‖ new value ‖ suffix (slices of the body and
+//!               the new value: no copy)
 //! ```
 //!
 //! No JSON tree is ever built: a body costs its own bytes plus one span per
-//! top-level member while it is read, and one copy when a member is
-//! rewritten (`model`, U5). Every other byte reaches the provider exactly as
-//! the client sent it.
+//! top-level member while it is read, and nothing more when a member is
+//! rewritten (`model`, U5): the spliced body is three pieces, two of them
+//! the client's own memory, written to the node one after another. Every
+//! other byte reaches the provider exactly as the client sent it.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
 use bytes::Bytes;
+use iop_wire::codec::BodyParts;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -170,12 +173,6 @@ impl Members {
         Ok(Self { body, members })
     }
 
-    /// Takes the body out, leaving no members: the client's bytes are freed
-    /// as soon as the caller drops them.
-    pub fn take(&mut self) -> Self {
-        std::mem::take(self)
-    }
-
     /// The raw JSON text of member `name`'s value.
     pub fn raw(&self, name: &str) -> Option<&str> {
         let span = self.span(name)?;
@@ -200,15 +197,16 @@ impl Members {
     }
 
     /// The body with member `name`'s value replaced by `value` (serialized
-    /// JSON text), every other byte as the client sent it. `None` when the
-    /// member is absent.
-    pub fn splice(&self, name: &str, value: &[u8]) -> Option<Bytes> {
+    /// JSON text), every other byte as the client sent it: the bytes before
+    /// and after the old value are slices of the client's body, not copies.
+    /// `None` when the member is absent.
+    pub fn splice(&self, name: &str, value: Bytes) -> Option<BodyParts> {
         let span = self.span(name)?;
-        let mut out = Vec::with_capacity(self.body.len() - span.len() + value.len());
-        out.extend_from_slice(&self.body[..span.start]);
-        out.extend_from_slice(value);
-        out.extend_from_slice(&self.body[span.end..]);
-        Some(Bytes::from(out))
+        Some(BodyParts::spliced(
+            self.body.slice(..span.start),
+            value,
+            self.body.slice(span.end..),
+        ))
     }
 
     /// The client's bytes.
@@ -382,10 +380,19 @@ mod tests {
         assert_eq!(members.raw("x"), None);
         // The body is shared, not copied.
         assert_eq!(members.bytes().as_ptr(), body.as_ptr());
+        let spliced = members
+            .splice("model", Bytes::from_static(br#""target""#))
+            .unwrap();
         assert_eq!(
-            &members.splice("model", br#""target""#).unwrap()[..],
+            &spliced.to_bytes()[..],
             br#" {"model" : "target", "n":[1, {"x":2}] ,"s":null} "#
         );
+        // Before and after the value: the client's memory, not a copy.
+        let [before, _, after] = spliced.parts() else {
+            panic!("three pieces")
+        };
+        assert_eq!(before.as_ptr(), body.as_ptr());
+        assert_eq!(after.as_ptr(), body[21..].as_ptr());
         // An escaped name is the same name.
         let dup = Bytes::from_static(br#"{"model":"a","mod\u0065l":"b"}"#);
         assert_eq!(

@@ -54,6 +54,7 @@ use ed25519_dalek::SigningKey;
 use iop_engine::config::open_regular_file;
 use iop_engine::http::Header;
 use iop_engine::keys;
+use iop_wire::codec::BodyParts;
 use iop_wire::lease::{
     self, BoundRequest, IssueError, IssueParams, LeaseEntropy, MAX_SECRET_BYTES,
 };
@@ -281,8 +282,10 @@ pub struct LeaseRequest<'a> {
     /// The connection generation the provider lease was taken under.
     pub generation: u64,
     /// The tunnel request the lease goes into (adapter, target, run id,
-    /// method, operation, headers, body).
+    /// method, operation, headers; its `body` is not read).
     pub tunnel: &'a pb::ProviderTunnelRequest,
+    /// The body the tunnel carries, in the pieces it is sent in.
+    pub body: &'a BodyParts,
 }
 
 /// A lease and its binding, ready for `ProviderTunnelRequest` fields 14, 15.
@@ -640,7 +643,7 @@ impl CredentialPlane {
             method,
             path: &path,
             headers: &tunnel.headers,
-            body: &tunnel.body,
+            body: req.body.parts(),
         });
         let binding = CredentialLeaseBinding {
             principal: req.principal.to_owned(),
@@ -926,9 +929,17 @@ providers = ["node-a/gpt", "node-b/gpt"]
                 name: "content-type".into(),
                 value: Bytes::from_static(b"application/json"),
             }],
-            body: Bytes::from_static(br#"{"model":"gpt-4o","messages":[]}"#),
             ..Default::default()
         });
+
+    /// The body [`TUNNEL`] carries, in the pieces a spliced body is sent in.
+    static TUNNEL_BODY: LazyLock<BodyParts> = LazyLock::new(|| {
+        BodyParts::spliced(
+            Bytes::from_static(br#"{"model":"#),
+            Bytes::from_static(br#""gpt-4o""#),
+            Bytes::from_static(br#","messages":[]}"#),
+        )
+    });
 
     /// [`request_digest`] of [`TUNNEL`] sent to `path`.
     fn tunnel_digest(path: &str) -> [u8; 32] {
@@ -936,7 +947,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             method: "POST",
             path,
             headers: &TUNNEL.headers,
-            body: &TUNNEL.body,
+            body: &[Bytes::from_static(br#"{"model":"gpt-4o","messages":[]}"#)],
         })
     }
 
@@ -952,6 +963,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             provider_id,
             generation: 6,
             tunnel,
+            body: &TUNNEL_BODY,
         }
     }
 

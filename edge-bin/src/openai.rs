@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
+use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -406,17 +407,10 @@ impl ChatRequest {
     }
 
     /// The body for the selected provider: the client's bytes with only
-    /// `model`'s value replaced by the served target (U5).
-    pub fn body_for_target(&self, target: &str) -> Bytes {
+    /// `model`'s value replaced by the served target (U5), in pieces that
+    /// share the client's memory (each attempt costs no copy of the body).
+    pub fn body_for_target(&self, target: &str) -> BodyParts {
         with_model(&self.body, target)
-    }
-
-    /// [`ChatRequest::body_for_target`], handing the client's bytes over:
-    /// they are freed once the provider's body is built (so a large body
-    /// is not held twice while it waits to be sent). Afterwards only the
-    /// parsed fields remain: [`ChatRequest::run_input`] sees no messages.
-    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
-        with_model(&self.body.take(), target)
     }
 }
 
@@ -509,24 +503,19 @@ impl PassthroughRequest {
         })
     }
 
-    /// The body for the selected provider, `model` naming its target (U5).
-    pub fn body_for_target(&self, target: &str) -> Bytes {
+    /// The body for the selected provider, `model` naming its target (U5),
+    /// in pieces that share the client's memory.
+    pub fn body_for_target(&self, target: &str) -> BodyParts {
         with_model(&self.body, target)
-    }
-
-    /// [`PassthroughRequest::body_for_target`], handing the client's bytes
-    /// over (freed once the provider's body is built).
-    pub fn take_body_for_target(&mut self, target: &str) -> Bytes {
-        with_model(&self.body.take(), target)
     }
 }
 
 /// The client's body with `model` set to `target` (U5): the old value's
 /// bytes are replaced, nothing else changes. Parsing guarantees `model` is
 /// present.
-fn with_model(body: &Members, target: &str) -> Bytes {
-    body.splice("model", &body_json::json_string(target))
-        .unwrap_or_else(|| body.bytes().clone())
+fn with_model(body: &Members, target: &str) -> BodyParts {
+    body.splice("model", Bytes::from(body_json::json_string(target)))
+        .unwrap_or_else(|| BodyParts::whole(body.bytes().clone()))
 }
 
 /// One entry of `GET /v1/models`.
@@ -634,7 +623,7 @@ mod tests {
         assert!(req.stream);
         assert!(req.include_usage());
         assert_eq!(
-            &req.body_for_target("meta-llama/Llama-3.1-8B")[..],
+            &req.body_for_target("meta-llama/Llama-3.1-8B").to_bytes()[..],
             br#"{"model":"meta-llama/Llama-3.1-8B","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"temperature":0.5}"#
         );
     }
@@ -671,22 +660,14 @@ mod tests {
         let req = chat(body).unwrap();
         assert_eq!(req.model, "pub-name");
         assert_eq!(
-            std::str::from_utf8(&req.body_for_target("org/Model \"7B\"")).unwrap(),
+            std::str::from_utf8(&req.body_for_target("org/Model \"7B\"").to_bytes()).unwrap(),
             "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"h\\u00e9 \\\"x\\\"\"} ],\n  \
              \"model\":\"org/Model \\\"7B\\\"\", \"temperature\": 1.50e0 }"
         );
-        // Handing the body over gives the same bytes and keeps the fields.
-        let mut taken = chat(body).unwrap();
-        assert_eq!(
-            taken.take_body_for_target("org/Model \"7B\""),
-            req.body_for_target("org/Model \"7B\"")
-        );
-        assert_eq!((taken.model.as_str(), taken.stream), ("pub-name", false));
-        assert!(taken.run_input().messages.is_empty());
         // Passthrough routes splice the same way.
         let req = passthrough(b"{\"input\": [1,2], \"model\" :\"m\",\"stream\":true}").unwrap();
         assert_eq!(
-            &req.body_for_target("t")[..],
+            &req.body_for_target("t").to_bytes()[..],
             b"{\"input\": [1,2], \"model\" :\"t\",\"stream\":true}"
         );
     }
@@ -805,7 +786,7 @@ mod tests {
         let r = passthrough(br#"{"model":"pub","input":"hi","stream":true}"#).unwrap();
         assert!(r.stream);
         assert_eq!(
-            &r.body_for_target("t")[..],
+            &r.body_for_target("t").to_bytes()[..],
             br#"{"model":"t","input":"hi","stream":true}"#
         );
         assert_eq!(passthrough(b"{}").unwrap_err().status, 400);

@@ -26,6 +26,7 @@ use std::net::SocketAddr;
 
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_engine::sync::Notify;
+use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 
 use crate::control::{Action, ConnId, Control, Input, RequestId};
@@ -53,6 +54,41 @@ pub fn shard_id(shard: usize, seq: u64) -> u64 {
 /// A read of `Control`, run on the control shard.
 pub type Query = Box<dyn FnOnce(&Control) + Send>;
 
+/// What starts one attempt on its node: the `ProviderTunnelRequest` or
+/// `RunRequest` frame and, for a tunnel, its body in pieces (the client's
+/// bytes with `model` spliced in). The frame's own `body` stays empty: the
+/// pieces are written after the frame's head as they are
+/// ([`iop_wire::codec::RequestFrameHead`]), so a large request body is held
+/// once, by the client request, however many attempts it takes.
+#[derive(Debug, Clone)]
+pub struct NodeRequest {
+    /// The request frame.
+    pub frame: pb::Frame,
+    /// The tunnel body (empty for a `RunRequest`).
+    pub body: BodyParts,
+}
+
+impl NodeRequest {
+    /// A request whose frame is all of it (a `RunRequest`).
+    pub fn frame_only(frame: pb::Frame) -> Self {
+        Self {
+            frame,
+            body: BodyParts::default(),
+        }
+    }
+
+    /// The frame as the node decodes it: a tunnel's body joined into it.
+    pub fn joined(self) -> pb::Frame {
+        let Self { mut frame, body } = self;
+        if let Some(pb::frame::Body::ProviderTunnelRequest(t)) = &mut frame.body {
+            if !body.is_empty() {
+                t.body = body.to_bytes();
+            }
+        }
+        frame
+    }
+}
+
 /// A dispatched run to send on a node connection of the receiving shard.
 pub struct StartRun {
     /// The node connection (owned by the receiving shard).
@@ -61,8 +97,8 @@ pub struct StartRun {
     pub request: RequestId,
     /// Its run id (the key node frames carry).
     pub run_id: String,
-    /// The `ProviderTunnelRequest` or `RunRequest` frame.
-    pub frame: pb::Frame,
+    /// The `ProviderTunnelRequest` or `RunRequest` and its body.
+    pub run: NodeRequest,
     /// Where the run's frames go (the client request's mailbox).
     pub route: MailboxSender<RouteEvent>,
     /// Its relay writes only at the end (a non-streaming chat completion

@@ -31,7 +31,7 @@ use crate::control::{
 };
 use crate::credentials::{ClientKeys, CredentialPlane};
 use crate::openai::ModelEntry;
-use crate::shards::{self, Lifecycle, Outbox, ShardMsg, StartRun};
+use crate::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
 
 /// What the node side delivers to a waiting client request.
 // Frames move through the queue by value; boxing them would allocate per frame.
@@ -895,7 +895,7 @@ impl Edge {
         &self,
         request: RequestId,
         dispatch: &Dispatch,
-        run: pb::Frame,
+        run: NodeRequest,
         buffered: bool,
     ) -> bool {
         let lease = &dispatch.lease;
@@ -912,7 +912,7 @@ impl Edge {
             conn: lease.conn,
             request,
             run_id: lease.run_id.clone(),
-            frame: run,
+            run,
             route,
             buffered,
         };
@@ -931,7 +931,7 @@ impl Edge {
             conn,
             request,
             run_id,
-            mut frame,
+            run: NodeRequest { mut frame, body },
             route,
             buffered,
         } = start;
@@ -965,7 +965,13 @@ impl Edge {
                 },
             },
         );
-        if handle.send_bulk(frame).await.is_ok() {
+        let sent = match frame.body {
+            Some(Body::ProviderTunnelRequest(tunnel)) => {
+                handle.send_tunnel_request(tunnel, body).await
+            }
+            body => handle.send_bulk(pb::Frame { body }).await,
+        };
+        if sent.is_ok() {
             return true;
         }
         self.node_routes.borrow_mut().remove(&run_id);

@@ -16,6 +16,7 @@ use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watche
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_engine::net::{Deadline, Wait};
 use iop_engine::tls::{ListenerStream, MaybeTls};
+use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
@@ -28,6 +29,7 @@ use crate::control::{
 };
 use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
+use crate::shards::NodeRequest;
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{front_door, metrics, status};
@@ -520,17 +522,17 @@ where
                     CHAT_COMPLETIONS,
                     &dispatch,
                     tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
-                    chat.body_for_target(&lease.target),
                     chat.stream,
                 );
-                match with_lease(edge, principal, &chat.model, &dispatch, tunnel) {
+                let body = chat.body_for_target(&lease.target);
+                match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
                     Ok(frame) => frame,
                     Err(e) => {
                         return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
                     }
                 }
             }
-            DispatchKind::Run => run_request(&chat, &dispatch),
+            DispatchKind::Run => NodeRequest::frame_only(run_request(&chat, &dispatch)),
         };
         let buffered = dispatch.kind == DispatchKind::Run && !chat.stream;
         if !send_run(
@@ -664,7 +666,7 @@ async fn send_run<S>(
     surface: Surface,
     request: RequestId,
     dispatch: &Dispatch,
-    run: pb::Frame,
+    run: NodeRequest,
     buffered: bool,
 ) -> Result<bool, HttpError>
 where
@@ -717,10 +719,10 @@ where
             route,
             &dispatch,
             tunnel_headers(route, req.stream, headers),
-            req.body_for_target(&dispatch.lease.target),
             req.stream,
         );
-        let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel) {
+        let body = req.body_for_target(&dispatch.lease.target);
+        let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
             Ok(frame) => frame,
             Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
         };
@@ -823,7 +825,8 @@ fn with_lease(
     model: &str,
     dispatch: &Dispatch,
     mut tunnel: pb::ProviderTunnelRequest,
-) -> Result<pb::Frame, CredentialError> {
+    body: BodyParts,
+) -> Result<NodeRequest, CredentialError> {
     if let Some(plane) = &edge.settings.credentials {
         let lease = &dispatch.lease;
         let issued = plane.issue_now(&LeaseRequest {
@@ -833,13 +836,17 @@ fn with_lease(
             provider_id: &lease.provider.provider_id,
             generation: lease.generation.0,
             tunnel: &tunnel,
+            body: &body,
         })?;
         if let Some(issued) = issued {
             tunnel.credential_lease = Some(issued.lease);
             tunnel.credential_binding = Some(issued.binding);
         }
     }
-    Ok(frame(Body::ProviderTunnelRequest(tunnel)))
+    Ok(NodeRequest {
+        frame: frame(Body::ProviderTunnelRequest(tunnel)),
+        body,
+    })
 }
 
 /// Fails a dispatched request whose credential cannot be issued (C3, C5):
@@ -868,12 +875,13 @@ where
 }
 
 /// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2),
-/// without a credential lease yet ([`with_lease`] adds it).
+/// without its body (it travels in pieces beside the frame, see
+/// [`NodeRequest`]) and without a credential lease yet ([`with_lease`]
+/// adds both).
 fn tunnel_request(
     route: PassRoute,
     dispatch: &Dispatch,
     headers: Vec<pb::Header>,
-    body: Bytes,
     stream: bool,
 ) -> pb::ProviderTunnelRequest {
     let lease = &dispatch.lease;
@@ -884,8 +892,6 @@ fn tunnel_request(
         method: "POST".into(),
         path: route.path.into(),
         headers,
-        // U5: the body is built after selection, naming the served target.
-        body,
         stream,
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
@@ -1470,11 +1476,26 @@ mod tests {
             CHAT_COMPLETIONS,
             &dispatch,
             tunnel_headers(CHAT_COMPLETIONS, true, &client),
-            Bytes::from_static(b"{}"),
             true,
         );
-        let frame =
-            with_lease(&edge, "anonymous", "gpt-x", &dispatch, tunnel.clone()).expect("issues");
+        // The body in pieces, as a spliced one travels.
+        let body = || {
+            BodyParts::spliced(
+                Bytes::from_static(b"{"),
+                Bytes::new(),
+                Bytes::from_static(b"}"),
+            )
+        };
+        let frame = with_lease(
+            &edge,
+            "anonymous",
+            "gpt-x",
+            &dispatch,
+            tunnel.clone(),
+            body(),
+        )
+        .expect("issues")
+        .joined();
         let encoded = frame.encode_to_vec();
         assert!(!encoded.windows(SECRET.len()).any(|w| w == SECRET));
         let Some(Body::ProviderTunnelRequest(sent)) = frame.body else {
@@ -1487,9 +1508,10 @@ mod tests {
             method: "POST",
             path: "/serving/v1/chat/completions",
             headers: &tunnel.headers,
-            body: b"{}",
+            body: &[Bytes::from_static(b"{}")],
         });
         assert_eq!(&binding.request_digest[..], &digest[..]);
+        assert_eq!(sent.body, Bytes::from_static(b"{}"));
         let Some(plane) = &edge.settings.credentials else {
             panic!("the plane")
         };
@@ -1503,8 +1525,9 @@ mod tests {
         // Without a credential plane both fields are absent (legacy tunnel).
         let bare = crate::server::edge_state(&cfg);
         let Some(Body::ProviderTunnelRequest(legacy)) =
-            with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel)
+            with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel, body())
                 .expect("no lease needed")
+                .joined()
                 .body
         else {
             panic!("a tunnel request");
@@ -1529,13 +1552,16 @@ mod tests {
         )
         .unwrap();
         let dispatch = dispatch();
-        let tunnel = frame(Body::ProviderTunnelRequest(tunnel_request(
-            CHAT_COMPLETIONS,
-            &dispatch,
-            tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
-            chat.body_for_target(&dispatch.lease.target),
-            chat.stream,
-        )));
+        let tunnel = NodeRequest {
+            frame: frame(Body::ProviderTunnelRequest(tunnel_request(
+                CHAT_COMPLETIONS,
+                &dispatch,
+                tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
+                chat.stream,
+            ))),
+            body: chat.body_for_target(&dispatch.lease.target),
+        }
+        .joined();
         let run = run_request(&chat, &dispatch);
         for frame in [tunnel, run] {
             let bytes = frame.encode_to_vec();

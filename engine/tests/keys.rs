@@ -404,7 +404,7 @@ fn leases_issued_and_opened_with_keys_from_disk() {
         method: "POST",
         path: "/v1/chat/completions",
         headers: &[],
-        body: b"{}",
+        body: &[bytes::Bytes::from_static(b"{}")],
     });
     let binding = CredentialLeaseBinding {
         principal: "client-a".into(),

@@ -586,13 +586,18 @@ pub fn edge_request_json(data: &[u8]) {
         max_depth: 16,
         max_elements: 4096,
     };
-    if let Ok(mut chat) = ChatRequest::parse(body.clone(), &limits) {
+    if let Ok(chat) = ChatRequest::parse(body.clone(), &limits) {
         let _ = chat.include_usage();
         let _ = chat.estimated_prompt_tokens();
         let input = chat.run_input();
         assert!(input.messages.len() <= limits.max_elements as usize);
-        let spliced = chat.body_for_target(TARGET);
-        assert_eq!(chat.take_body_for_target(TARGET), spliced);
+        let pieces = chat.body_for_target(TARGET);
+        // Before and after the value: the client's own bytes, in place.
+        let [before, _, after] = pieces.parts() else {
+            panic!("three pieces")
+        };
+        assert!(body.starts_with(before) && body.ends_with(after));
+        let spliced = pieces.to_bytes();
         let again = ChatRequest::parse(spliced, &limits)
             .unwrap_or_else(|e| panic!("the spliced body does not parse: {e:?}"));
         assert_eq!(again.model, TARGET);
@@ -600,7 +605,7 @@ pub fn edge_request_json(data: &[u8]) {
         assert_eq!(again.run_input(), input);
     }
     if let Ok(pass) = PassthroughRequest::parse(body.clone(), &limits) {
-        let spliced = pass.body_for_target(TARGET);
+        let spliced = pass.body_for_target(TARGET).to_bytes();
         let again = PassthroughRequest::parse(spliced.clone(), &limits)
             .unwrap_or_else(|e| panic!("the spliced body does not parse: {e:?}"));
         assert_eq!(again.model, TARGET);

@@ -248,7 +248,7 @@ impl LeaseGate {
             method: target.method,
             path: target.path,
             headers: &req.headers,
-            body: &req.body,
+            body: std::slice::from_ref(&req.body),
         });
         let ctx = OpenContext {
             recipient: &credentials.recipient,
@@ -341,7 +341,7 @@ mod tests {
             method: "POST",
             path: PATH,
             headers: &req.headers,
-            body: &req.body,
+            body: std::slice::from_ref(&req.body),
         });
         CredentialLeaseBinding {
             principal: "team-a".into(),

@@ -19,6 +19,8 @@
 //! frame except the body itself, so the writer can send the head and then the
 //! provider's `Bytes` as they are.
 
+use std::borrow::Cow;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 
@@ -264,6 +266,61 @@ pub fn body_name(body: &frame::Body) -> &'static str {
     }
 }
 
+/// A body in up to three pieces sent one after another (the client's bytes
+/// before a spliced value, the value, the bytes after it), never joined into
+/// one buffer on the way to the wire: a frame head from [`RequestFrameHead`]
+/// or [`BodyFrameHead`] followed by the pieces is the whole frame.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodyParts([Bytes; 3]);
+
+impl BodyParts {
+    /// `body` in one piece.
+    pub fn whole(body: Bytes) -> Self {
+        Self([body, Bytes::new(), Bytes::new()])
+    }
+
+    /// `prefix ‖ value ‖ suffix`.
+    pub fn spliced(prefix: Bytes, value: Bytes, suffix: Bytes) -> Self {
+        Self([prefix, value, suffix])
+    }
+
+    /// The pieces in order (some may be empty).
+    pub fn parts(&self) -> &[Bytes] {
+        &self.0
+    }
+
+    /// Bytes in all pieces.
+    pub fn len(&self) -> usize {
+        self.0.iter().map(Bytes::len).sum()
+    }
+
+    /// True when there is no byte.
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(Bytes::is_empty)
+    }
+
+    /// The body as one buffer: the piece itself when there is one, else a
+    /// joined copy (for tests and callers that need contiguous bytes).
+    pub fn to_bytes(&self) -> Bytes {
+        let mut pieces = self.0.iter().filter(|p| !p.is_empty());
+        match (pieces.next(), pieces.next()) {
+            (None, _) => Bytes::new(),
+            (Some(one), None) => one.clone(),
+            _ => {
+                let mut joined = BytesMut::with_capacity(self.len());
+                for part in &self.0 {
+                    joined.extend_from_slice(part);
+                }
+                joined.freeze()
+            }
+        }
+    }
+}
+
+/// Protobuf field number of `Frame.provider_tunnel_request`.
+const FRAME_FIELD_TUNNEL_REQUEST: u32 = 9;
+/// Protobuf field number of `ProviderTunnelRequest.body`.
+const REQUEST_FIELD_BODY: u32 = 7;
 /// Protobuf field number of `Frame.provider_tunnel_frame`.
 const FRAME_FIELD_TUNNEL_FRAME: u32 = 10;
 /// Protobuf field number of `ProviderTunnelFrame.body`.
@@ -286,17 +343,87 @@ impl BodyFrameHead {
         dst: &mut BytesMut,
         max_frame_bytes: usize,
     ) -> Result<(), EncodeError> {
+        let fields = if tunnel_frame.body.is_empty() {
+            Cow::Borrowed(tunnel_frame)
+        } else {
+            // Cheap: every other field of a BODY frame is small, and `Bytes`
+            // clones are reference counts.
+            Cow::Owned(pb::ProviderTunnelFrame {
+                body: Bytes::new(),
+                ..tunnel_frame.clone()
+            })
+        };
+        TrailingBody {
+            frame_field: FRAME_FIELD_TUNNEL_FRAME,
+            body_field: TUNNEL_FIELD_BODY,
+            body_len,
+        }
+        .encode_head(&*fields, dst, max_frame_bytes)
+    }
+}
+
+/// The encoded head of a `ProviderTunnelRequest` frame whose body follows
+/// as separate segments (the client's bytes with `model` spliced in, never
+/// copied into the frame): like [`BodyFrameHead`], the head followed by
+/// `body_len` body bytes is the frame [`encode`] would produce.
+#[derive(Debug)]
+pub struct RequestFrameHead;
+
+impl RequestFrameHead {
+    /// Appends the head of `request` carrying a body of `body_len` bytes to
+    /// `dst`. `request.body` must be empty (it is ignored).
+    pub fn encode(
+        request: &pb::ProviderTunnelRequest,
+        body_len: usize,
+        dst: &mut BytesMut,
+        max_frame_bytes: usize,
+    ) -> Result<(), EncodeError> {
+        let fields = if request.body.is_empty() {
+            Cow::Borrowed(request)
+        } else {
+            Cow::Owned(pb::ProviderTunnelRequest {
+                body: Bytes::new(),
+                ..request.clone()
+            })
+        };
+        TrailingBody {
+            frame_field: FRAME_FIELD_TUNNEL_REQUEST,
+            body_field: REQUEST_FIELD_BODY,
+            body_len,
+        }
+        .encode_head(&*fields, dst, max_frame_bytes)
+    }
+}
+
+/// Where a frame's trailing `bytes` field sits and how long it is.
+struct TrailingBody {
+    /// The `Frame` oneof field holding the message.
+    frame_field: u32,
+    /// The message's `bytes` field the body goes in.
+    body_field: u32,
+    body_len: usize,
+}
+
+impl TrailingBody {
+    /// Appends the length prefix, the envelope, `fields` (a message whose
+    /// body field is empty) and the body field's key and length to `dst`.
+    fn encode_head<M: Message>(
+        &self,
+        fields: &M,
+        dst: &mut BytesMut,
+        max_frame_bytes: usize,
+    ) -> Result<(), EncodeError> {
         let max_frame_bytes = prefix_bounded_max(max_frame_bytes);
-        let fields_len = encoded_len_without_body(tunnel_frame);
+        let body_len = self.body_len;
         let body_field_len = if body_len == 0 {
             0
         } else {
-            prost::encoding::key_len(TUNNEL_FIELD_BODY)
+            prost::encoding::key_len(self.body_field)
                 + prost::encoding::encoded_len_varint(body_len as u64)
                 + body_len
         };
-        let inner_len = fields_len + body_field_len;
-        let frame_len = prost::encoding::key_len(FRAME_FIELD_TUNNEL_FRAME)
+        let inner_len = fields.encoded_len() + body_field_len;
+        let frame_len = prost::encoding::key_len(self.frame_field)
             + prost::encoding::encoded_len_varint(inner_len as u64)
             + inner_len;
         if frame_len > max_frame_bytes {
@@ -308,46 +435,21 @@ impl BodyFrameHead {
         dst.reserve(LENGTH_PREFIX_BYTES + frame_len - body_len);
         dst.put_u32(frame_len as u32);
         prost::encoding::encode_key(
-            FRAME_FIELD_TUNNEL_FRAME,
+            self.frame_field,
             prost::encoding::WireType::LengthDelimited,
             dst,
         );
         prost::encoding::encode_varint(inner_len as u64, dst);
-        encode_without_body(tunnel_frame, dst);
+        // `encode_raw` cannot fail; the room is reserved.
+        fields.encode_raw(dst);
         if body_len > 0 {
             prost::encoding::encode_key(
-                TUNNEL_FIELD_BODY,
+                self.body_field,
                 prost::encoding::WireType::LengthDelimited,
                 dst,
             );
             prost::encoding::encode_varint(body_len as u64, dst);
         }
         Ok(())
-    }
-}
-
-fn without_body(tunnel_frame: &pb::ProviderTunnelFrame) -> pb::ProviderTunnelFrame {
-    // Cheap: every other field of a BODY frame is small, and `Bytes` clones
-    // are reference counts.
-    pb::ProviderTunnelFrame {
-        body: Bytes::new(),
-        ..tunnel_frame.clone()
-    }
-}
-
-fn encoded_len_without_body(tunnel_frame: &pb::ProviderTunnelFrame) -> usize {
-    if tunnel_frame.body.is_empty() {
-        tunnel_frame.encoded_len()
-    } else {
-        without_body(tunnel_frame).encoded_len()
-    }
-}
-
-fn encode_without_body(tunnel_frame: &pb::ProviderTunnelFrame, dst: &mut BytesMut) {
-    // `encode_raw` cannot fail; the caller reserved the room.
-    if tunnel_frame.body.is_empty() {
-        tunnel_frame.encode_raw(dst);
-    } else {
-        without_body(tunnel_frame).encode_raw(dst);
     }
 }

@@ -486,6 +486,17 @@ impl<S: Sink> Canonical<S> {
         field_bytes(&mut self.0, tag, value);
     }
 
+    /// Like [`Canonical::bytes`] of the pieces' concatenation.
+    fn bytes_in_pieces(&mut self, tag: u8, pieces: &[Bytes]) {
+        let len: usize = pieces.iter().map(Bytes::len).sum();
+        self.0.put(&[tag]);
+        // usize → u64 is lossless on every supported target.
+        self.0.put(&(len as u64).to_be_bytes());
+        for piece in pieces {
+            self.0.put(piece);
+        }
+    }
+
     fn u64(&mut self, tag: u8, value: u64) {
         self.0.put(&[tag]);
         self.0.put(&value.to_be_bytes());
@@ -523,8 +534,9 @@ pub struct BoundRequest<'a> {
     pub path: &'a str,
     /// `ProviderTunnelRequest.headers`, in order.
     pub headers: &'a [Header],
-    /// The body.
-    pub body: &'a [u8],
+    /// The body, in the pieces it is sent in (the digest covers their
+    /// concatenation, however it is cut).
+    pub body: &'a [Bytes],
 }
 
 /// blake3 digest of the canonical encoding of `request` (see the module
@@ -538,7 +550,7 @@ pub fn request_digest(request: &BoundRequest<'_>) -> [u8; REQUEST_DIGEST_BYTES] 
             enc.bytes(4, header.name.as_bytes());
             enc.bytes(5, &header.value);
         }
-        enc.bytes(6, request.body);
+        enc.bytes_in_pieces(6, request.body);
     })
 }
 

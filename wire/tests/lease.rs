@@ -27,6 +27,8 @@ const SKEW_MS: u32 = 2_000;
 const ORIGIN: &str = "http://10.0.0.5:8000";
 const PATH: &str = "/v1/chat/completions";
 const BODY: &[u8] = br#"{"model":"gpt-4o","messages":[]}"#;
+/// [`BODY`] as the one piece a request is bound with.
+static BODY_PIECES: [Bytes; 1] = [Bytes::from_static(BODY)];
 
 struct Fixture {
     issuer: SigningKey,
@@ -48,7 +50,7 @@ fn request(headers: &[Header]) -> BoundRequest<'_> {
         method: "POST",
         path: PATH,
         headers,
-        body: BODY,
+        body: &BODY_PIECES,
     }
 }
 
@@ -1154,7 +1156,7 @@ fn the_destination_and_the_request_are_bound() {
         ..request(&base)
     };
     let other_body = BoundRequest {
-        body: br#"{"model":"gpt-4o","messages":[1]}"#,
+        body: &[Bytes::from_static(br#"{"model":"gpt-4o","messages":[1]}"#)],
         ..request(&base)
     };
     let mut extra = base.clone();
@@ -1257,5 +1259,35 @@ fn origin_pins_keep_a_signed_lease_from_other_origins() {
     assert_eq!(
         open_ok(&lease, &f.binding, &context(&f, NOW_MS), &mut guard()).secret_bytes(),
         SECRET
+    );
+}
+
+#[test]
+fn the_request_digest_covers_the_body_however_it_is_cut() {
+    // CONTRACT: C1, C2 — the Edge binds a lease to the body it sends in pieces
+    // (the client's bytes with `model` spliced in); the Node checks it
+    // against the one buffer it received: the same bytes, the same digest.
+    let base = headers();
+    let whole = request_digest(&request(&base));
+    let body = Bytes::from_static(BODY);
+    for (a, b) in [(0, 0), (3, 9), (9, 9), (BODY.len(), BODY.len())] {
+        let pieces = [body.slice(..a), body.slice(a..b), body.slice(b..)];
+        let cut = BoundRequest {
+            body: &pieces,
+            ..request(&base)
+        };
+        assert_eq!(request_digest(&cut), whole, "cut at {a}/{b}");
+    }
+    // One byte moved between pieces is still the same body; one byte
+    // changed is not.
+    let mut changed = BODY.to_vec();
+    changed[2] ^= 1;
+    let changed = [Bytes::from(changed)];
+    assert_ne!(
+        request_digest(&BoundRequest {
+            body: &changed,
+            ..request(&base)
+        }),
+        whole
     );
 }

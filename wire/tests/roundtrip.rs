@@ -10,7 +10,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::{Bytes, BytesMut};
-use iop_wire::codec::{self, BodyFrameHead, EncodeError, FrameDecoder};
+use iop_wire::codec::{
+    self, BodyFrameHead, BodyParts, EncodeError, FrameDecoder, RequestFrameHead,
+};
 use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES};
 use iop_wire::pb::{self, frame::Body};
 use prost::Message;
@@ -1184,4 +1186,131 @@ fn body_frame_head_never_truncates_the_u32_length_prefix() {
     assert_eq!(max, u32::MAX as usize);
     assert!(len > body_len);
     assert!(wire.is_empty());
+}
+
+// ---------------------------------------------------------------------------
+// RequestFrameHead and BodyParts
+// ---------------------------------------------------------------------------
+
+fn full_tunnel_request() -> pb::ProviderTunnelRequest {
+    pb::ProviderTunnelRequest {
+        run_id: "run-9".into(),
+        adapter: "vllm-b".into(),
+        target: "meta/llama-3-70b".into(),
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: headers(),
+        body: Bytes::new(),
+        stream: true,
+        timeout_sec: 30,
+        metadata: map(&[("obs", "1")]),
+        session_id: "s".into(),
+        response_stall_timeout_ms: 5_000,
+        operation: "chat_completions".into(),
+        flow_window_bytes: 262_144,
+        ..Default::default()
+    }
+}
+
+/// A body cut into prefix ‖ value ‖ suffix at `cut_a` and `cut_b`.
+fn cut(body: &[u8], cut_a: usize, cut_b: usize) -> BodyParts {
+    let body = Bytes::copy_from_slice(body);
+    BodyParts::spliced(
+        body.slice(..cut_a),
+        body.slice(cut_a..cut_b),
+        body.slice(cut_b..),
+    )
+}
+
+#[test]
+fn request_frame_head_plus_the_pieces_is_the_whole_request_frame() {
+    // CONTRACT: T1, U5 — a tunnel request sent as a head and its body's
+    // pieces (never joined) decodes to exactly the request `encode` makes
+    // of the joined body, however the body is cut, around every varint
+    // boundary of the body and message lengths.
+    let template = full_tunnel_request();
+    for body_len in interesting_body_lengths(template.encoded_len()) {
+        let body: Vec<u8> = (0..body_len).map(|i| (i % 251) as u8).collect();
+        let whole = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+            body: Bytes::from(body.clone()),
+            ..template.clone()
+        }));
+        let mut encoded = BytesMut::new();
+        assert_eq!(codec::encode(&whole, &mut encoded), Ok(()));
+        for (a, b) in [
+            (0, 0),
+            (0, body_len),
+            (body_len / 3, body_len / 2),
+            (body_len, body_len),
+        ] {
+            let parts = cut(&body, a, b);
+            assert_eq!(parts.len(), body_len);
+            assert_eq!(parts.to_bytes(), body[..]);
+            let mut wire = BytesMut::new();
+            assert_eq!(
+                RequestFrameHead::encode(
+                    &template,
+                    parts.len(),
+                    &mut wire,
+                    DEFAULT_MAX_FRAME_BYTES
+                ),
+                Ok(())
+            );
+            for part in parts.parts() {
+                wire.extend_from_slice(part);
+            }
+            assert_eq!(wire.len(), encoded.len(), "body_len {body_len} cut {a}/{b}");
+            assert_eq!(
+                decode_all(&wire),
+                vec![whole.clone()],
+                "body_len {body_len}"
+            );
+        }
+    }
+}
+
+#[test]
+fn request_frame_head_ignores_a_body_in_the_template_and_refuses_oversize() {
+    // CONTRACT: T1
+    let template = pb::ProviderTunnelRequest {
+        body: Bytes::from_static(b"stale"),
+        ..full_tunnel_request()
+    };
+    let mut wire = BytesMut::new();
+    assert_eq!(
+        RequestFrameHead::encode(&template, 5, &mut wire, DEFAULT_MAX_FRAME_BYTES),
+        Ok(())
+    );
+    wire.extend_from_slice(b"fresh");
+    let expected = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+        body: Bytes::from_static(b"fresh"),
+        ..full_tunnel_request()
+    }));
+    assert_eq!(decode_all(&wire), vec![expected.clone()]);
+
+    let frame_len = wire.len() - LENGTH_PREFIX_BYTES;
+    let mut refused = BytesMut::new();
+    assert_eq!(
+        RequestFrameHead::encode(&template, 5, &mut refused, frame_len - 1),
+        Err(EncodeError::FrameTooLarge {
+            len: frame_len,
+            max: frame_len - 1
+        })
+    );
+    assert!(refused.is_empty());
+}
+
+#[test]
+fn body_parts_join_only_when_cut() {
+    let one = Bytes::from_static(b"whole body");
+    let whole = BodyParts::whole(one.clone());
+    assert_eq!(
+        whole.to_bytes().as_ptr(),
+        one.as_ptr(),
+        "one piece: no copy"
+    );
+    assert!(BodyParts::default().is_empty());
+    assert_eq!(BodyParts::default().to_bytes(), Bytes::new());
+    let spliced = cut(b"{\"model\":\"x\"}", 9, 12);
+    assert_eq!(spliced.to_bytes(), Bytes::from_static(b"{\"model\":\"x\"}"));
 }

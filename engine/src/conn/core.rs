@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use iop_wire::codec::{self, BodyFrameHead};
+use iop_wire::codec::{self, BodyFrameHead, BodyParts, RequestFrameHead};
 use iop_wire::limits::CLOSE_HEARTBEAT_TIMEOUT;
 use iop_wire::pb::{self, frame::Body};
 use iop_wire::DecodeError;
@@ -27,12 +27,13 @@ const TRACKED_HEARTBEATS_MAX: usize = 16;
 const ENCODE_ARENA_BYTES: usize = 16 * 1024;
 
 /// One encoded frame ready for the writer: `head` (length prefix and protobuf
-/// bytes) followed by `body`, which is empty except for tunnel `BODY` frames,
-/// whose body bytes travel as they are, never copied by the encoder.
+/// bytes) followed by `body`, which is empty except for tunnel `BODY` frames
+/// and tunnel requests, whose body bytes travel as they are, never copied by
+/// the encoder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutFrame {
     head: Bytes,
-    body: Bytes,
+    body: BodyParts,
 }
 
 impl OutFrame {
@@ -42,8 +43,8 @@ impl OutFrame {
         &self.head
     }
 
-    /// The tunnel body bytes written after `head` (empty for other frames).
-    pub fn body(&self) -> &Bytes {
+    /// The body pieces written after `head` (empty for other frames).
+    pub fn body(&self) -> &BodyParts {
         &self.body
     }
 
@@ -240,7 +241,7 @@ impl ConnCore {
         let head = self.encode_into_arena(frame)?;
         Ok(OutFrame {
             head,
-            body: Bytes::new(),
+            body: BodyParts::default(),
         })
     }
 
@@ -261,6 +262,30 @@ impl ConnCore {
             self.config.max_frame_bytes,
         )?;
         let head = self.encode_arena.split().freeze();
+        Ok(OutFrame {
+            head,
+            body: BodyParts::whole(body),
+        })
+    }
+
+    /// Encodes a `ProviderTunnelRequest` frame: `request` without its body
+    /// (any body in it is ignored) followed by the pieces of `body`, which
+    /// are kept as they are, not copied or joined.
+    pub fn encode_request_frame(
+        &mut self,
+        request: &pb::ProviderTunnelRequest,
+        body: BodyParts,
+    ) -> Result<OutFrame, SendError> {
+        if !self.is_open() {
+            return Err(SendError::Closed);
+        }
+        RequestFrameHead::encode(
+            request,
+            body.len(),
+            &mut self.encode_arena,
+            self.config.max_frame_bytes,
+        )?;
+        let head = self.encode_arena.split().freeze();
         Ok(OutFrame { head, body })
     }
 
@@ -276,6 +301,9 @@ impl ConnCore {
 
     /// Queues an encoded frame on the bulk lane, or hands it back when the
     /// lane is full (by frames or bytes; one frame always fits an empty lane).
+    // The frame comes back by value (a move of its handles, 128 bytes):
+    // boxing it would allocate on every full lane.
+    #[allow(clippy::result_large_err)]
     pub fn try_send_bulk(&mut self, frame: OutFrame) -> Result<(), TrySendError> {
         if !self.is_open() {
             return Err(TrySendError::Closed);
@@ -554,7 +582,7 @@ impl ConnCore {
         // cannot exceed any sane maximum; if it somehow does, close without it.
         let close_frame = self.encode_into_arena(&close).ok().map(|head| OutFrame {
             head,
-            body: Bytes::new(),
+            body: BodyParts::default(),
         });
         tracing::debug!(%reason, "frame connection closing");
         self.state = State::Closing {
@@ -651,7 +679,9 @@ mod tests {
     fn decode(out: &OutFrame) -> pb::Frame {
         let mut decoder = FrameDecoder::new();
         decoder.feed(out.head());
-        decoder.feed(out.body());
+        for piece in out.body().parts() {
+            decoder.feed(piece);
+        }
         match decoder.decode() {
             Ok(Some(frame)) => frame,
             other => panic!("transmitted bytes are not one frame: {other:?}"),
@@ -1069,8 +1099,38 @@ mod tests {
         let body = Bytes::from_static(b"data: {\"x\":1}\n\n");
         let out = core.encode_body_frame(&head, body.clone()).unwrap();
         // The body is carried as-is: same bytes, same memory.
-        assert_eq!(out.body().as_ptr(), body.as_ptr());
+        assert_eq!(out.body().parts()[0].as_ptr(), body.as_ptr());
         let expected = pb::ProviderTunnelFrame { body, ..head };
         assert_eq!(decode(&out).body, Some(Body::ProviderTunnelFrame(expected)));
+    }
+
+    #[test]
+    fn request_frame_head_plus_pieces_decodes_to_the_request() {
+        let clock = ManualClock::new(0);
+        let mut core = core_at(&clock);
+        let request = pb::ProviderTunnelRequest {
+            run_id: "run-4".to_owned(),
+            path: "/v1/chat/completions".to_owned(),
+            ..Default::default()
+        };
+        let client = Bytes::from_static(b"{\"model\":\"gpt\",\"messages\":[]}");
+        let body = BodyParts::spliced(
+            client.slice(..9),
+            Bytes::from_static(b"\"served/target\""),
+            client.slice(14..),
+        );
+        let out = core.encode_request_frame(&request, body.clone()).unwrap();
+        // The pieces are carried as they are: the client's memory, no join.
+        assert_eq!(out.body().parts()[0].as_ptr(), client.as_ptr());
+        assert_eq!(out.body().parts()[2].as_ptr(), client[14..].as_ptr());
+        assert_eq!(out.len_bytes(), out.head().len() + body.len());
+        let expected = pb::ProviderTunnelRequest {
+            body: Bytes::from_static(b"{\"model\":\"served/target\",\"messages\":[]}"),
+            ..request
+        };
+        assert_eq!(
+            decode(&out).body,
+            Some(Body::ProviderTunnelRequest(expected))
+        );
     }
 }

@@ -36,10 +36,11 @@ impl BatchBuilder {
         }
     }
 
-    /// True when another frame (up to two segments plus the coalescing
-    /// buffer) still fits under the segment limit and `max_bytes`.
+    /// True when another frame (its head and up to three body pieces, each
+    /// a segment, plus the coalescing buffer) still fits under the segment
+    /// limit and `max_bytes`.
     pub(crate) fn has_room(&self, max_bytes: usize) -> bool {
-        self.segments.len() + 3 <= SEGMENTS_MAX && self.len_bytes < max_bytes
+        self.segments.len() + 5 <= SEGMENTS_MAX && self.len_bytes < max_bytes
     }
 
     /// Bytes gathered so far.
@@ -58,14 +59,16 @@ impl BatchBuilder {
             self.cut_coalesced();
             self.segments.push(head.clone());
         }
-        if body.is_empty() {
-            return;
-        }
-        if body.len() <= self.body_copy_max_bytes {
-            self.coalesce.extend_from_slice(body);
-        } else {
-            self.cut_coalesced();
-            self.segments.push(body.clone());
+        for piece in body.parts() {
+            if piece.is_empty() {
+                continue;
+            }
+            if piece.len() <= self.body_copy_max_bytes {
+                self.coalesce.extend_from_slice(piece);
+            } else {
+                self.cut_coalesced();
+                self.segments.push(piece.clone());
+            }
         }
     }
 
@@ -198,6 +201,7 @@ pub(crate) async fn write_all_segments<W: AsyncWriteRent>(
 
 #[cfg(test)]
 mod tests {
+    use iop_wire::codec::BodyParts;
     use iop_wire::pb;
 
     use super::*;
@@ -275,18 +279,40 @@ mod tests {
     }
 
     #[test]
+    fn request_pieces_travel_as_they_are_small_ones_coalesced() {
+        let mut batch = BatchBuilder::new(16);
+        let mut core = core();
+        let client = Bytes::from(vec![7u8; 4096]);
+        let value = Bytes::from_static(b"\"target\"");
+        let body = BodyParts::spliced(client.slice(..1000), value.clone(), client.slice(1010..));
+        let frame = core
+            .encode_request_frame(&pb::ProviderTunnelRequest::default(), body)
+            .unwrap();
+        let head = frame.head().clone();
+        batch.push(frame);
+        let segments = batch.take();
+        // head | prefix (the client's memory) | value coalesced | suffix.
+        assert_eq!(segments.len(), 4);
+        assert_eq!(segments[0], head);
+        assert_eq!(segments[1].as_ptr(), client.as_ptr());
+        assert_eq!(segments[2], value);
+        assert_eq!(segments[3].as_ptr(), client[1010..].as_ptr());
+    }
+
+    #[test]
     fn batch_room_respects_segment_and_byte_limits() {
         let mut batch = BatchBuilder::new(0);
         assert!(batch.has_room(100));
         let mut core = core();
         let body = Bytes::from(vec![1u8; 10]);
-        for _ in 0..30 {
+        for _ in 0..29 {
             let frame = core
                 .encode_body_frame(&pb::ProviderTunnelFrame::default(), body.clone())
                 .unwrap();
             batch.push(frame);
         }
-        // 30 frames: 30 coalesced heads interleaved with 30 bodies.
+        // 29 frames: 29 coalesced heads interleaved with 29 bodies; room
+        // for one more frame of a head and three pieces.
         assert!(batch.has_room(usize::MAX));
         let frame = core
             .encode_body_frame(&pb::ProviderTunnelFrame::default(), body.clone())
@@ -294,7 +320,7 @@ mod tests {
         batch.push(frame);
         assert!(!batch.has_room(usize::MAX));
         assert!(!batch.has_room(10));
-        assert_eq!(batch.take().len(), 62);
+        assert_eq!(batch.take().len(), 60);
     }
 
     #[test]

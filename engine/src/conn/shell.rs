@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::sync::channel;
 use bytes::{Bytes, BytesMut};
+use iop_wire::codec::BodyParts;
 use iop_wire::{pb, FrameDecoder};
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
@@ -316,6 +317,24 @@ impl ConnHandle {
             .core
             .borrow_mut()
             .encode_body_frame(&frame, body)?;
+        self.push_bulk(out).await
+    }
+
+    /// Queues a `ProviderTunnelRequest` on the bulk lane: `request` without
+    /// its body (a body in it is ignored) and the pieces of `body`, which
+    /// the writer sends as they are, never joined or copied into the frame
+    /// (a large request body is held once: by its owner). Waits while the
+    /// lane is full.
+    pub async fn send_tunnel_request(
+        &self,
+        request: pb::ProviderTunnelRequest,
+        body: BodyParts,
+    ) -> Result<(), SendError> {
+        let out = self
+            .shared
+            .core
+            .borrow_mut()
+            .encode_request_frame(&request, body)?;
         self.push_bulk(out).await
     }
 

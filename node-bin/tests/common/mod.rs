@@ -269,7 +269,7 @@ pub fn lease_binding(
         method: "POST",
         path: CHAT_PATH,
         headers: &tunnel.headers,
-        body: &tunnel.body,
+        body: std::slice::from_ref(&tunnel.body),
     });
     pb::CredentialLeaseBinding {
         principal: "team-a".into(),
