@@ -453,7 +453,8 @@ pub enum Input {
     },
     /// The shell could not deliver a dispatched run to its node (the client
     /// left before it was sent, or the send failed): release the lease now;
-    /// no terminal will come (cancel settlement).
+    /// no terminal will come (cancel settlement). The client has given up:
+    /// a request queued again after its node was fenced ends too.
     Undeliverable {
         /// The request.
         request: RequestId,
@@ -1698,20 +1699,30 @@ impl Control {
     }
 
     fn on_undeliverable(&mut self, request: RequestId, out: &mut Vec<Action>) {
-        let run_id = match self.pending.get(&request).map(|p| &p.state) {
-            Some(
-                RequestState::Dispatched { run_id, .. }
-                | RequestState::CancelPending { run_id, .. },
-            ) => run_id.clone(),
+        let run_id = match self.pending.get(&request) {
+            Some(Pending {
+                state:
+                    RequestState::Dispatched { run_id, .. } | RequestState::CancelPending { run_id, .. },
+                ..
+            }) => Some(run_id.clone()),
+            // Queued again after its node was fenced (pre-commit failover)
+            // while its client was still sending the lost attempt: a
+            // heartbeat timeout shuts the socket before the shell reports
+            // the close, so the send fails and its report can come after
+            // the fence. Its client has given up: end it, or a later lease
+            // would serve nobody.
+            Some(p) if p.attempts > 0 => None,
             _ => return,
         };
         self.forget_request(request);
-        self.release(&run_id);
         out.push(Action::Done {
             request,
             outcome: Outcome::Cancelled,
         });
-        self.pump(out);
+        if let Some(run_id) = run_id {
+            self.release(&run_id);
+            self.pump(out);
+        }
     }
 
     /// Requests waiting in any lane of model `m`.

@@ -780,6 +780,71 @@ fn a_fenced_attempt_before_the_first_byte_goes_to_another_node() {
     assert_eq!(f.lease_of(1).unwrap(), ("run-1.2".into(), "q1".into()));
 }
 
+// A heartbeat timeout shuts the node's socket before the shell reports
+// the close: the send of a run dispatched just before fails, and its
+// undeliverable report can come after the fence queued the request again
+// for another attempt. Its client has given up: the request ends there,
+// once, and takes no lease when its node is back (no lease for nobody).
+#[test]
+fn an_undeliverable_report_after_the_fence_ends_the_requeued_request() {
+    // CONTRACT: F1, T4
+    let mut f = Fixture::with_attempts(failover(), 2);
+    f.submit(1);
+    assert_eq!(f.lease_of(1).unwrap().1, "p1");
+    // The fence comes first: no other candidate, queued again.
+    let out = f.handle(Input::Closed { conn: CONN });
+    assert!(
+        out.iter()
+            .all(|a| !matches!(a, Action::Done { .. } | Action::Dispatch(_))),
+        "{out:?}"
+    );
+    assert_eq!(f.control.counters().failover_requeued, 1);
+    assert!(f.control.queue_deadline(RequestId(1)).is_some());
+    // Then the client's report of the run it could not send.
+    assert_eq!(
+        f.handle(Input::Undeliverable {
+            request: RequestId(1)
+        }),
+        vec![Action::Done {
+            request: RequestId(1),
+            outcome: Outcome::Cancelled,
+        }]
+    );
+    assert_eq!(f.control.pending_requests().count(), 0);
+    assert_eq!(f.control.poll_timeout(), None);
+    assert_eq!(f.queued("p1"), 0);
+    // A second report, and the node's return, change nothing for it.
+    assert_eq!(
+        f.handle(Input::Undeliverable {
+            request: RequestId(1)
+        }),
+        vec![]
+    );
+    let conn = ConnId(7);
+    f.handle(Input::Register {
+        conn,
+        tls_name: NODE.into(),
+        node_id: NODE.into(),
+    });
+    let out = f.handle(Input::Ready {
+        conn,
+        node_id: NODE.into(),
+    });
+    assert_eq!(dispatched_to(&out), Vec::<String>::new());
+    assert_eq!(f.control.leases().count(), 0);
+    // A request never dispatched is not settled by such a report: only
+    // its client's cancel removes it.
+    f.handle(Input::Closed { conn });
+    f.submit(2);
+    assert_eq!(
+        f.handle(Input::Undeliverable {
+            request: RequestId(2)
+        }),
+        vec![]
+    );
+    assert!(f.control.queue_deadline(RequestId(2)).is_some());
+}
+
 // A request cancelled by its client, or past its response-wait deadline,
 // is not retried.
 #[test]

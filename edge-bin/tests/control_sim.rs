@@ -7,8 +7,8 @@
 //! (right id, id ≠ TLS name, unknown node, a second id on a bound
 //! connection, a late one on a connection ordered closed), readies (current
 //! pending owner, duplicate, superseded, never-registered, wrong id from a
-//! current owner, late ones on connections ordered closed), closes and
-//! heartbeat timeouts of ready, pending and stale connections, submits
+//! current owner, late ones on connections ordered closed), closes of
+//! ready, pending and stale connections, heartbeat timeouts (below), submits
 //! (short and long, three models sharing providers, an unknown model),
 //! cancels, terminals (current, stale, duplicate, wrong conn, wrong
 //! evidence, random stall evidence including malformed pairs and random
@@ -21,6 +21,24 @@
 //! weighted towards one guarantee each:
 //! [`simulation_connections_ordered_closed_never_own_or_receive_work`] and
 //! [`simulation_fresh_available_answers_keep_older_unavailable_stalls_out`].
+//!
+//! A heartbeat timeout (T4) is its own operation, modelled on the shell:
+//! the engine connection notices the missing answer itself and shuts the
+//! socket (`heartbeat_timeout`); the Edge then gets the frames already
+//! decoded, then one `Closed`. The schedule picks a connection, favouring
+//! ones with a terminal or a ready to race (a ready owner running work, a
+//! pending owner), composes the frames its node had sent by then (a
+//! terminal for most of its runs, a late duplicate terminal, the ready of
+//! a pending owner or a duplicate one, probe answers; in a random order),
+//! delivers a random prefix (none, all, or a cut), drops the rest, and
+//! feeds `Closed`. Runs `Control` dispatches to it in that window (a
+//! decoded terminal freed a slot, a decoded ready made it ready) never
+//! leave: the shell reports each `Undeliverable`, at a random point before
+//! the `Closed` or after it. Besides the per-step checks, every lease the
+//! connection held and every run dispatched into the window ends exactly
+//! once: Completed when its terminal was decoded, Cancelled when reported
+//! undeliverable before the `Closed`, otherwise Lost at the fence (F1); a
+//! report after the fence is stale and changes nothing (F2).
 //!
 //! The semantics modelled: a connection `Control` orders closed (`Close`)
 //! while it is the current owner is released in that step exactly as by
@@ -529,6 +547,14 @@ impl Shadow {
         self.live.clone()
     }
 
+    /// Whether `conn` is the ready owner of its node id.
+    fn ready_owner_of(&self, conn: ConnId) -> bool {
+        self.conn(conn)
+            .bound
+            .and_then(|n| self.ready_owner(n))
+            .is_some_and(|o| o.conn == conn)
+    }
+
     fn is_owner(&self, conn: ConnId) -> bool {
         self.conn(conn)
             .bound
@@ -695,6 +721,27 @@ struct Stats {
     answers_recorded: u64,
     /// Older `unavailable` stalls kept from overlaying by such an answer.
     freshness_guarded: u64,
+    /// Heartbeat timeouts (T4) the schedule ran.
+    heartbeat_timeouts: u64,
+    /// Of those, of the ready owner (fenced in their `Closed`, F1).
+    heartbeat_fences: u64,
+    /// Terminals in flight at a heartbeat timeout, decoded before its
+    /// `Closed` (the request completes).
+    heartbeat_terminals_delivered: u64,
+    /// Terminals in flight at a heartbeat timeout, lost with the socket
+    /// (the request ends `Lost` at the fence).
+    heartbeat_terminals_lost: u64,
+    /// Readies of a pending owner decoded just before its heartbeat
+    /// timeout's `Closed`: ready for that instant, then fenced.
+    heartbeat_readies_delivered: u64,
+    /// Readies of a pending owner lost with the socket: never ready.
+    heartbeat_readies_lost: u64,
+    /// Dispatches `Control` made to a timed-out connection before its
+    /// `Closed` (undeliverable).
+    heartbeat_undeliverable: u64,
+    /// Of those, reported undeliverable before the `Closed` (cancelled);
+    /// the rest end `Lost` at the fence and their report is stale.
+    heartbeat_undeliverable_first: u64,
 }
 
 impl Stats {
@@ -724,6 +771,14 @@ impl Stats {
         self.retired_answers += o.retired_answers;
         self.answers_recorded += o.answers_recorded;
         self.freshness_guarded += o.freshness_guarded;
+        self.heartbeat_timeouts += o.heartbeat_timeouts;
+        self.heartbeat_fences += o.heartbeat_fences;
+        self.heartbeat_terminals_delivered += o.heartbeat_terminals_delivered;
+        self.heartbeat_terminals_lost += o.heartbeat_terminals_lost;
+        self.heartbeat_readies_delivered += o.heartbeat_readies_delivered;
+        self.heartbeat_readies_lost += o.heartbeat_readies_lost;
+        self.heartbeat_undeliverable += o.heartbeat_undeliverable;
+        self.heartbeat_undeliverable_first += o.heartbeat_undeliverable_first;
     }
 }
 
@@ -738,9 +793,10 @@ const MAX_LIVE_CONNS: usize = 7;
 /// dwell on one guarantee each (same checks, different emphasis).
 #[derive(Debug)]
 struct Profile {
-    /// Relative weights of: register, ready, close, submit, cancel,
-    /// terminal, undeliverable, command result, clock advance.
-    ops: [u64; 9],
+    /// Relative weights of: register, ready, close, heartbeat timeout,
+    /// submit, cancel, terminal, undeliverable, command result, clock
+    /// advance.
+    ops: [u64; 10],
     /// Percent of registers and readies aimed at the closing paths: a
     /// current owner naming another node id, and late frames of a
     /// connection `Control` ordered closed.
@@ -754,21 +810,21 @@ struct Profile {
 
 /// The main run: every path, evenly.
 const MAIN: Profile = Profile {
-    ops: [10, 10, 7, 19, 6, 18, 3, 10, 17],
+    ops: [10, 10, 7, 3, 19, 6, 18, 3, 10, 17],
     closing_pct: 10,
     recent_seq_pct: 5,
 };
 
 /// Owners ordered closed while work waits, and their late frames.
 const CLOSING: Profile = Profile {
-    ops: [16, 22, 6, 18, 3, 14, 2, 6, 13],
+    ops: [16, 22, 6, 2, 18, 3, 14, 2, 6, 13],
     closing_pct: 45,
     recent_seq_pct: 5,
 };
 
 /// Stall evidence interleaved with recovery-probe answers.
 const FRESHNESS: Profile = Profile {
-    ops: [6, 6, 3, 18, 3, 28, 1, 22, 13],
+    ops: [6, 6, 3, 1, 18, 3, 28, 1, 22, 13],
     closing_pct: 5,
     recent_seq_pct: 35,
 };
@@ -808,6 +864,18 @@ fn well_formed(s: &StallEvidence) -> bool {
     WELL_FORMED.contains(&(s.health, s.classification))
 }
 
+/// What a heartbeat timeout's drain did with the connection's runs.
+#[derive(Debug, Default)]
+struct Drained {
+    /// Runs whose terminal was decoded before the `Closed`.
+    delivered_terminals: Vec<String>,
+    /// Runs whose terminal was in flight and lost with the socket.
+    lost_terminals: Vec<String>,
+    /// Requests dispatched into the window, and whether their undeliverable
+    /// report came before the `Closed`.
+    window: Vec<(RequestId, bool)>,
+}
+
 struct Sim<'w> {
     world: &'w World,
     control: Control,
@@ -827,6 +895,14 @@ struct Sim<'w> {
     just_closed: Option<ConnId>,
     /// What the previous step observed.
     last: Option<Observed>,
+    /// The connection whose heartbeat timed out (T4) while the shell
+    /// drains its decoded frames: nothing sent to it arrives.
+    timed_out: Option<ConnId>,
+    /// Requests `Control` dispatched to `timed_out` whose undeliverable
+    /// report the shell has not fed yet.
+    undeliverable: Vec<RequestId>,
+    /// While set, every `Done` of every step, in order.
+    done_log: Option<Vec<(RequestId, Outcome)>>,
 }
 
 impl<'w> Sim<'w> {
@@ -851,6 +927,9 @@ impl<'w> Sim<'w> {
             current: None,
             just_closed: None,
             last: None,
+            timed_out: None,
+            undeliverable: Vec::new(),
+            done_log: None,
         }
     }
 
@@ -892,11 +971,12 @@ impl<'w> Sim<'w> {
             0 => self.gen_register(),
             1 => self.gen_ready(),
             2 => self.gen_closed(),
-            3 => self.gen_submit(),
-            4 => self.gen_cancel(),
-            5 => self.gen_terminal(),
-            6 => self.gen_undeliverable(),
-            7 => self.gen_command_result(),
+            3 => self.gen_heartbeat_timeout(),
+            4 => self.gen_submit(),
+            5 => self.gen_cancel(),
+            6 => self.gen_terminal(),
+            7 => self.gen_undeliverable(),
+            8 => self.gen_command_result(),
             _ => self.gen_advance(),
         }
     }
@@ -1106,6 +1186,248 @@ impl<'w> Sim<'w> {
             Some(conn) => self.apply(Input::Closed { conn }),
             None => self.gen_submit(),
         }
+    }
+
+    /// T4: `conn`'s heartbeat goes unanswered. The engine connection
+    /// closes the socket itself (`heartbeat_timeout`); the shell then gets
+    /// the frames it had already decoded, and one `Closed`. Of the frames
+    /// the node had sent by then ([`Sim::in_flight_frames`]), a random
+    /// prefix was decoded and is delivered; the rest are lost with the
+    /// socket. Runs `Control` dispatches to it meanwhile never leave: the
+    /// shell reports each undeliverable, before or after the `Closed`
+    /// (the send fails at once, the report races the drain).
+    ///
+    /// Beyond the per-step checks: every lease the connection held and
+    /// every run dispatched into the window ends exactly once, Completed
+    /// when its terminal was decoded, Cancelled when reported
+    /// undeliverable before the `Closed`, otherwise Lost at the fence
+    /// (F1); nothing of the connection survives the `Closed`.
+    fn gen_heartbeat_timeout(&mut self) -> Result<(), String> {
+        let live = self.sh.live_conns();
+        // Favour connections with a terminal or a ready to race: ready
+        // owners running work, pending owners.
+        let favoured: Vec<ConnId> = live
+            .iter()
+            .copied()
+            .filter(|&c| {
+                self.sh.leases.values().any(|l| l.conn == c)
+                    || self
+                        .sh
+                        .owners
+                        .iter()
+                        .flatten()
+                        .any(|o| o.conn == c && !o.ready)
+            })
+            .collect();
+        let conn = match self.rng.pick(&favoured) {
+            Some(c) if self.rng.chance(85) => c,
+            _ => match self.rng.pick(&live) {
+                Some(c) => c,
+                None => return self.gen_register(),
+            },
+        };
+        self.stats.heartbeat_timeouts += 1;
+        if self.sh.ready_owner_of(conn) {
+            self.stats.heartbeat_fences += 1;
+        }
+        let held: Vec<(String, RequestId)> = self
+            .sh
+            .leases
+            .values()
+            .filter(|l| l.conn == conn)
+            .map(|l| (l.run_id.clone(), l.request))
+            .collect();
+        let frames = self.in_flight_frames(conn);
+        let decoded = match self.rng.below(100) {
+            0..=19 => 0,
+            20..=39 => frames.len(),
+            _ => self.rng.below(frames.len() as u64 + 1) as usize,
+        };
+        if self.verbose {
+            println!(
+                "-- heartbeat timeout of {conn:?}: {decoded} of {} frames in flight decoded",
+                frames.len()
+            );
+        }
+        self.timed_out = Some(conn);
+        self.undeliverable.clear();
+        self.done_log = Some(Vec::new());
+        let result = self.drain_timed_out(conn, frames, decoded);
+        self.timed_out = None;
+        let log = self.done_log.take().unwrap_or_default();
+        let drained = result?;
+        // Each request ends once, the way its frames decided.
+        let mut decided: Vec<(RequestId, Outcome)> = Vec::new();
+        for (run_id, request) in &held {
+            let completed = drained.delivered_terminals.contains(run_id);
+            if completed {
+                self.stats.heartbeat_terminals_delivered += 1;
+            } else if drained.lost_terminals.contains(run_id) {
+                self.stats.heartbeat_terminals_lost += 1;
+            }
+            let want = if completed {
+                Outcome::Completed
+            } else {
+                Outcome::Lost
+            };
+            decided.push((*request, want));
+        }
+        for &(request, cancelled) in &drained.window {
+            let want = if cancelled {
+                Outcome::Cancelled
+            } else {
+                Outcome::Lost
+            };
+            decided.push((request, want));
+        }
+        for (request, want) in decided {
+            let got: Vec<&Outcome> = log
+                .iter()
+                .filter(|(r, _)| *r == request)
+                .map(|(_, o)| o)
+                .collect();
+            if got != [&want] || self.sh.active.contains_key(&request) {
+                return Err(self.fail(format!(
+                    "heartbeat timeout of {conn:?} (F1, T4): {request:?} must end once, {want:?}; ended {got:?}"
+                )));
+            }
+        }
+        if self.sh.leases.values().any(|l| l.conn == conn) || self.control.node_of(conn).is_some() {
+            return Err(self.fail(format!(
+                "{conn:?} keeps a lease or a binding after its heartbeat timeout (F1)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Feeds the decoded prefix of a timed-out connection's frames, the
+    /// undeliverable reports racing it, its `Closed`, then the reports
+    /// that came after.
+    fn drain_timed_out(
+        &mut self,
+        conn: ConnId,
+        frames: Vec<Input>,
+        decoded: usize,
+    ) -> Result<Drained, String> {
+        let mut drained = Drained::default();
+        let mut frames = frames.into_iter();
+        for frame in frames.by_ref().take(decoded) {
+            match &frame {
+                Input::Terminal(t) => {
+                    drained.delivered_terminals.push(t.run_id.clone());
+                }
+                Input::Ready { .. } if self.sh.is_owner(conn) && !self.sh.ready_owner_of(conn) => {
+                    self.stats.heartbeat_readies_delivered += 1;
+                }
+                _ => {}
+            }
+            self.apply(frame)?;
+            self.report_undeliverable(&mut drained, false)?;
+        }
+        for frame in frames {
+            match frame {
+                Input::Terminal(t) => drained.lost_terminals.push(t.run_id),
+                Input::Ready { .. } => self.stats.heartbeat_readies_lost += 1,
+                _ => {}
+            }
+        }
+        self.apply(Input::Closed { conn })?;
+        // Reported after the `Closed`: their requests ended Lost at the
+        // fence; the reports are stale.
+        self.report_undeliverable(&mut drained, true)?;
+        Ok(drained)
+    }
+
+    /// Feeds undeliverable reports of runs dispatched to the timed-out
+    /// connection: each with even odds now, or every one when `all`.
+    fn report_undeliverable(&mut self, drained: &mut Drained, all: bool) -> Result<(), String> {
+        while let Some(i) = (0..self.undeliverable.len()).find(|_| all || self.rng.chance(50)) {
+            let request = self.undeliverable.remove(i);
+            drained.window.push((request, !all));
+            if !all {
+                self.stats.heartbeat_undeliverable_first += 1;
+            }
+            self.apply(Input::Undeliverable { request })?;
+        }
+        Ok(())
+    }
+
+    /// The frames `conn`'s node had sent when its heartbeat timed out, in
+    /// the order it sent them: a terminal for most of its runs (random
+    /// evidence, as [`Sim::gen_terminal`]), a late duplicate terminal of a
+    /// run already released, the ready of a pending owner (or a duplicate
+    /// of a ready one), answers to its outstanding recovery probes.
+    fn in_flight_frames(&mut self, conn: ConnId) -> Vec<Input> {
+        let mut frames = Vec::new();
+        let leases: Vec<Lease> = self
+            .sh
+            .leases
+            .values()
+            .filter(|l| l.conn == conn)
+            .cloned()
+            .collect();
+        for l in leases {
+            if !self.rng.chance(70) {
+                continue;
+            }
+            let (adapter, target) = self.gen_evidence(&l.adapter, &l.target);
+            let stall = self.gen_stall(conn);
+            frames.push(Input::Terminal(Terminal {
+                conn,
+                run_id: l.run_id,
+                adapter,
+                target,
+                stall,
+                end: AttemptEnd::Other,
+                committed: true,
+            }));
+        }
+        let released: Vec<Released> = self
+            .sh
+            .released
+            .iter()
+            .filter(|r| r.conn == conn)
+            .cloned()
+            .collect();
+        if let Some(r) = self.rng.pick(&released).filter(|_| self.rng.chance(15)) {
+            frames.push(Input::Terminal(Terminal {
+                conn,
+                run_id: r.run_id,
+                adapter: r.adapter,
+                target: r.target,
+                stall: None,
+                end: AttemptEnd::Other,
+                committed: true,
+            }));
+        }
+        if let Some(n) = self.sh.conn(conn).bound {
+            let pending = self.sh.is_owner(conn) && !self.sh.ready_owner_of(conn);
+            if self.rng.chance(if pending { 75 } else { 10 }) {
+                frames.push(Input::Ready {
+                    conn,
+                    node_id: NODES[n].to_string(),
+                });
+            }
+        }
+        let commands: Vec<(String, SCmd)> = self
+            .sh
+            .commands
+            .iter()
+            .filter(|(_, c)| c.conn == conn)
+            .map(|(id, c)| (id.clone(), c.clone()))
+            .collect();
+        for (id, cmd) in commands {
+            if self.rng.chance(50) {
+                let response = self.gen_answer(id, conn, cmd.node, &cmd.adapter);
+                frames.push(Input::CommandResult { conn, response });
+            }
+        }
+        // Any order is one the node could have sent them in.
+        for i in (1..frames.len()).rev() {
+            let j = self.rng.below(i as u64 + 1) as usize;
+            frames.swap(i, j);
+        }
+        frames
     }
 
     fn gen_submit(&mut self) -> Result<(), String> {
@@ -2119,6 +2441,11 @@ impl<'w> Sim<'w> {
                 }
                 Action::Dispatch(d) => {
                     self.on_dispatch(d, ex)?;
+                    if self.timed_out == Some(d.lease.conn) {
+                        // T4: the socket is shut; the run never leaves.
+                        self.undeliverable.push(d.request);
+                        self.stats.heartbeat_undeliverable += 1;
+                    }
                     let p = self.world.prov_index(&d.lease.provider).unwrap_or(0);
                     dispatched.push((d.request, p, d.lease.long));
                 }
@@ -2151,6 +2478,9 @@ impl<'w> Sim<'w> {
                 Action::Done { request, outcome } => {
                     self.on_done(*request, outcome)?;
                     dones.push((*request, outcome.clone()));
+                    if let Some(log) = &mut self.done_log {
+                        log.push((*request, outcome.clone()));
+                    }
                 }
                 Action::Event(e) => events.push(e.clone()),
                 Action::Abort { request, reason } => {
@@ -2915,7 +3245,7 @@ fn assert_reached(stats: &Stats, paths: &[(&str, u64)]) {
 
 #[test]
 fn simulation() {
-    // CONTRACT: R1, R2, R3, R4, R5, F1, F2, F3, F4, H1, H2, H3, H4, H5, H6, P1, P2, P3, U7, W2, X6
+    // CONTRACT: R1, R2, R3, R4, R5, F1, F2, F3, F4, H1, H2, H3, H4, H5, H6, P1, P2, P3, T4, U7, W2, X6
     let stats = run_all(&MAIN, SCHEDULES, "simulation");
     if std::env::var_os("IOP_SIM_SEED").is_none() {
         assert_eq!(stats.schedules, SCHEDULES);
@@ -2945,6 +3275,23 @@ fn simulation() {
                 ("retired_answers", stats.retired_answers),
                 ("answers_recorded", stats.answers_recorded),
                 ("freshness_guarded", stats.freshness_guarded),
+                ("heartbeat_timeouts", stats.heartbeat_timeouts),
+                ("heartbeat_fences", stats.heartbeat_fences),
+                (
+                    "heartbeat_terminals_delivered",
+                    stats.heartbeat_terminals_delivered,
+                ),
+                ("heartbeat_terminals_lost", stats.heartbeat_terminals_lost),
+                (
+                    "heartbeat_readies_delivered",
+                    stats.heartbeat_readies_delivered,
+                ),
+                ("heartbeat_readies_lost", stats.heartbeat_readies_lost),
+                ("heartbeat_undeliverable", stats.heartbeat_undeliverable),
+                (
+                    "heartbeat_undeliverable_first",
+                    stats.heartbeat_undeliverable_first,
+                ),
             ],
         );
     }
@@ -2952,7 +3299,7 @@ fn simulation() {
 
 #[test]
 fn simulation_fresh_seeds() {
-    // CONTRACT: R1, R2, R3, R4, R5, F1, F2, F3, F4, H1, H2, H3, H4, H5, H6, P1, P2, P3, U7, W2, X6
+    // CONTRACT: R1, R2, R3, R4, R5, F1, F2, F3, F4, H1, H2, H3, H4, H5, H6, P1, P2, P3, T4, U7, W2, X6
     // The fixed seeds of `simulation` replay the same schedules every run;
     // these start from a base seed taken from the clock (printed), so every
     // run explores schedules no earlier run saw. A failure prints its seed
@@ -2974,6 +3321,21 @@ fn simulation_fresh_seeds() {
                 ("completed", stats.completed),
                 ("lost", stats.lost),
                 ("fences", stats.fences),
+                ("heartbeat_fences", stats.heartbeat_fences),
+                (
+                    "heartbeat_terminals_delivered",
+                    stats.heartbeat_terminals_delivered,
+                ),
+                ("heartbeat_terminals_lost", stats.heartbeat_terminals_lost),
+                (
+                    "heartbeat_readies_delivered",
+                    stats.heartbeat_readies_delivered,
+                ),
+                ("heartbeat_undeliverable", stats.heartbeat_undeliverable),
+                (
+                    "heartbeat_undeliverable_first",
+                    stats.heartbeat_undeliverable_first,
+                ),
             ],
         );
     }
@@ -4800,4 +5162,107 @@ fn h6_a_new_recovery_probe_retires_the_older_one_of_the_same_provider() {
         }
     );
     assert_eq!(f.control.poll_timeout(), None);
+}
+
+// ---------------------------------------------------------------------------
+// Heartbeat timeouts (T4) racing terminals, readies and dispatches
+// ---------------------------------------------------------------------------
+
+#[test]
+fn f1_a_heartbeat_timeout_ends_decoded_terminals_completed_and_lost_ones_lost() {
+    // CONTRACT: F1, T4
+    let mut f = Fixture::new();
+    f.connect(C1, "n1");
+    f.connect(C2, "n2");
+    assert_eq!(
+        f.submit(1, "m-a", false),
+        vec![f.dispatch(1, "n1", "p1", C1, false)]
+    );
+    assert_eq!(
+        f.submit(2, "m-a", false),
+        vec![f.dispatch(2, "n2", "p1", C2, false)]
+    );
+    assert_eq!(
+        f.submit(3, "m-a", false),
+        vec![f.dispatch(3, "n1", "p1", C1, false)]
+    );
+    assert_eq!(f.submit(4, "m-a", false), vec![]);
+    assert_eq!(f.submit(5, "m-a", false), vec![]);
+    // C1's heartbeat times out: the engine shuts its socket. The terminal
+    // of run-1 was already decoded and is delivered: completed, and its
+    // slot goes to the head of the queue, on C1 (Control cannot know yet).
+    assert_eq!(
+        f.terminal(C1, 1, None),
+        vec![
+            done(1, Outcome::Completed),
+            f.dispatch(4, "n1", "p1", C1, false)
+        ]
+    );
+    // That run never leaves; its report comes before the `Closed`: the
+    // request is settled and the slot goes to the next waiter, on C1 again.
+    assert_eq!(
+        f.handle(Input::Undeliverable { request: rid(4) }),
+        vec![
+            done(4, Outcome::Cancelled),
+            f.dispatch(5, "n1", "p1", C1, false)
+        ]
+    );
+    // The terminal of run-3 was still in the socket: lost. The `Closed`
+    // fences the generation in one step: run-3 and run-5 lost once each.
+    assert_eq!(
+        f.close(C1),
+        vec![
+            done(3, Outcome::Lost),
+            done(5, Outcome::Lost),
+            disconnected("n1")
+        ]
+    );
+    assert_eq!(f.lease_ids(), vec!["run-2".to_string()]);
+    assert_eq!(f.pending(), vec![rid(2)]);
+    assert_eq!(f.snapshot("n1", "p1"), f.offline("n1", "p1"));
+    // Run-5's report after the fence is stale: nothing changes.
+    let before = f.state();
+    assert_eq!(f.handle(Input::Undeliverable { request: rid(5) }), vec![]);
+    assert_eq!(f.state(), before);
+    assert_eq!(f.control.counters(), &Counters::default());
+}
+
+#[test]
+fn f1_a_ready_decoded_before_a_heartbeat_timeout_is_fenced_by_its_close() {
+    // CONTRACT: F1, T4, R3
+    let mut f = Fixture::new();
+    f.connect(C2, "n2");
+    assert_eq!(
+        f.submit(1, "m-a", false),
+        vec![f.dispatch(1, "n2", "p1", C2, false)]
+    );
+    assert_eq!(f.submit(2, "m-a", false), vec![]);
+    // A pending owner of n3 times out with its ready still in the socket:
+    // it never was ready; its close fences nothing and the waiter stays.
+    assert_eq!(f.register(C3, "n3"), vec![f.accepted(C3, "n3")]);
+    assert_eq!(f.close(C3), vec![]);
+    assert_eq!(f.pending(), vec![rid(1), rid(2)]);
+    assert_eq!(f.snapshot("n3", "p1"), f.offline("n3", "p1"));
+    // The next one times out with its ready decoded: ready for an instant,
+    // the waiter dispatched to it, then fenced by its close (F1).
+    let c4 = ConnId(4);
+    assert_eq!(f.register(c4, "n3"), vec![f.accepted(c4, "n3")]);
+    assert_eq!(
+        f.ready(c4, "n3"),
+        vec![
+            ready_true(c4),
+            connected("n3"),
+            f.dispatch(2, "n3", "p1", c4, false)
+        ]
+    );
+    assert_eq!(
+        f.close(c4),
+        vec![done(2, Outcome::Lost), disconnected("n3")]
+    );
+    assert_eq!(f.lease_ids(), vec!["run-1".to_string()]);
+    assert_eq!(f.control.ready_conn("n3"), None);
+    // The run's undeliverable report after the fence is stale.
+    let before = f.state();
+    assert_eq!(f.handle(Input::Undeliverable { request: rid(2) }), vec![]);
+    assert_eq!(f.state(), before);
 }
