@@ -929,7 +929,7 @@ impl Edge {
     async fn send_run_here(&self, start: StartRun) -> bool {
         let StartRun {
             conn,
-            request,
+            request: _,
             run_id,
             run: NodeRequest { mut frame, body },
             route,
@@ -975,7 +975,8 @@ impl Edge {
             return true;
         }
         self.node_routes.borrow_mut().remove(&run_id);
-        tracing::debug!(request = request.0, %run_id, "run not sent: node connection closed");
+        // O1: no request or run id in general logs.
+        tracing::debug!("run not sent: node connection closed");
         false
     }
 

@@ -865,7 +865,6 @@ where
 {
     let lease = &dispatch.lease;
     tracing::warn!(
-        run_id = %lease.run_id,
         provider = %lease.provider,
         error = %e,
         "no credential lease issued; request refused"
