@@ -17,11 +17,10 @@ mod common;
 
 use bytes::Bytes;
 use common::{
-    chat_tunnel, eventually, lease_binding, next_sequence, node_config, ollama_adapter,
-    openai_adapter, openai_profile, recipient, Edge, Mock, TARGET,
+    attach_lease, chat_tunnel, eventually, node_config, ollama_adapter, openai_adapter,
+    openai_profile, recipient, Edge, Mock, TARGET,
 };
 use ed25519_dalek::SigningKey;
-use iop_wire::lease::{self, IssueParams, LeaseEntropy};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use node_bin::calls::pool::PoolStats;
@@ -307,28 +306,15 @@ fn issuer() -> SigningKey {
 
 /// A tunnel carrying a fresh lease `lease_id` for [`SECRET`] to `mock`.
 fn leased(mock: &Mock, run_id: &str, lease_id: &str) -> pb::ProviderTunnelRequest {
-    let to = recipient(RECIPIENT_SEED);
     let mut tunnel = tunnel(run_id, None, 0);
-    let binding = lease_binding(to.key_id(), &mock.origin(), &tunnel);
-    let not_before = iop_engine::clock::unix_ms();
-    let lease = lease::issue(
-        &IssueParams {
-            lease_id,
-            sequence: next_sequence(),
-            binding: &binding,
-            secret: SECRET.as_bytes(),
-            header_name: "Authorization",
-            header_format: "Bearer {secret}",
-            not_before_unix_ms: not_before,
-            expires_at_unix_ms: not_before + 30_000,
-        },
+    attach_lease(
+        &mut tunnel,
+        &mock.origin(),
+        lease_id,
+        SECRET,
+        RECIPIENT_SEED,
         &issuer(),
-        &to.public_key(),
-        LeaseEntropy::from_seed([5; 32]),
-    )
-    .expect("issue");
-    tunnel.credential_lease = Some(lease);
-    tunnel.credential_binding = Some(binding);
+    );
     tunnel
 }
 

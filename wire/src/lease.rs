@@ -92,6 +92,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
@@ -1236,6 +1237,33 @@ pub struct OpenedSecret {
     secret: Zeroizing<Vec<u8>>,
     header_name: String,
     header_format: String,
+    _alive: Alive,
+}
+
+/// Opened credentials in this process now: every [`OpenedSecret`] from
+/// [`open`] until it is dropped (and zeroized). A provider call holds its
+/// credential until the call returns (W10), so this counts the plaintext
+/// secrets in memory, for diagnostics and tests.
+pub fn opened_secrets_alive() -> usize {
+    ALIVE.load(Ordering::Relaxed)
+}
+
+static ALIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// One count of [`opened_secrets_alive`], given back on drop.
+struct Alive;
+
+impl Alive {
+    fn new() -> Self {
+        ALIVE.fetch_add(1, Ordering::Relaxed);
+        Self
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        ALIVE.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl OpenedSecret {
@@ -1416,5 +1444,6 @@ pub fn open(
         secret,
         header_name: lease.header_name.clone(),
         header_format: lease.header_format.clone(),
+        _alive: Alive::new(),
     })
 }

@@ -288,6 +288,41 @@ pub fn lease_binding(
     }
 }
 
+/// Puts a fresh lease `lease_id` for `secret` into `tunnel` with its
+/// binding ([`lease_binding`]): sent as `Authorization: Bearer {secret}` to
+/// `origin`, valid for 30 s, sealed to the recipient key of
+/// `recipient_seed` and signed by `issuer`.
+pub fn attach_lease(
+    tunnel: &mut pb::ProviderTunnelRequest,
+    origin: &str,
+    lease_id: &str,
+    secret: &str,
+    recipient_seed: [u8; 32],
+    issuer: &ed25519_dalek::SigningKey,
+) {
+    let to = recipient(recipient_seed);
+    let binding = lease_binding(to.key_id(), origin, tunnel);
+    let not_before = iop_engine::clock::unix_ms();
+    let sealed = lease::issue(
+        &lease::IssueParams {
+            lease_id,
+            sequence: next_sequence(),
+            binding: &binding,
+            secret: secret.as_bytes(),
+            header_name: "Authorization",
+            header_format: "Bearer {secret}",
+            not_before_unix_ms: not_before,
+            expires_at_unix_ms: not_before + 30_000,
+        },
+        issuer,
+        &to.public_key(),
+        lease::LeaseEntropy::from_seed([5; 32]),
+    )
+    .expect("issue");
+    tunnel.credential_lease = Some(sealed);
+    tunnel.credential_binding = Some(binding);
+}
+
 /// Splits an SSE body into its `data:` payloads: JSON events without the
 /// mock's volatile fields (`id`, `created`, `iop_mock_sent_ns`), and
 /// `[DONE]` as a string. Every event must be exactly `data: <payload>\n\n`.
@@ -512,11 +547,16 @@ pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 /// A control shard (on this thread) with one provider worker core on a
 /// thread of its own.
 pub fn control_with_one_worker() -> Rc<NodeCore> {
+    control_with_one_worker_and(None)
+}
+
+/// [`control_with_one_worker`] with `credentials` (its credential plane).
+pub fn control_with_one_worker_and(credentials: Option<NodeCredentials>) -> Rc<NodeCore> {
     let (workers, inboxes) = workers::channels(1);
     for inbox in inboxes {
         workers::spawn_thread(inbox, None).expect("worker thread");
     }
-    NodeCore::start_with_workers(None, Some(workers))
+    NodeCore::start_with_workers(credentials, Some(workers))
 }
 
 /// A multi-core Node's view for the tests: its worker and its gates.
