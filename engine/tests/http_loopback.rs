@@ -9,7 +9,7 @@ use iop_engine::http::{
     accept, connect, parse_response_head, BodyFraming, ClientConn, HttpError, Limits, ResponseHead,
     ServerConn,
 };
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 
 /// Named `http` so `cargo test -p iop-engine http` selects these tests.
@@ -78,6 +78,85 @@ mod http {
         conn.write_error(error).await.unwrap();
         assert!(!conn.keep_alive());
         conn.close().await.unwrap();
+    }
+
+    // The exchange's own headers go on every response head of that
+    // exchange (whole and streamed) and not on the next one; the stats
+    // count exactly the bytes the client read, the status and whether a
+    // body byte went out.
+    #[monoio::test_all]
+    async fn exchange_headers_and_stats_follow_each_response() {
+        let (listener, addr) = listen();
+        let server = monoio::spawn(async move {
+            let (stream, _) = accept(&listener).await.unwrap();
+            let mut conn = ServerConn::new(stream, Limits::default());
+            let mut stats = Vec::new();
+            // 1: a whole response, the header set twice (the last wins).
+            conn.read_request().await.unwrap().unwrap();
+            conn.set_exchange_header("x-request-id", Bytes::from_static(b"first"));
+            conn.set_exchange_header("x-request-id", Bytes::from_static(b"req-1"));
+            conn.write_response(
+                200,
+                [("content-type", "text/plain")],
+                Bytes::from_static(b"hello"),
+            )
+            .await
+            .unwrap();
+            stats.push(conn.exchange());
+            // 2: streamed.
+            conn.read_request().await.unwrap().unwrap();
+            assert_eq!(conn.exchange(), Default::default(), "reset per request");
+            conn.set_exchange_header("x-request-id", Bytes::from_static(b"req-2"));
+            conn.start_chunked(200, [("content-type", "text/event-stream")])
+                .await
+                .unwrap();
+            conn.write_chunk(Bytes::from_static(b"data: x\n\n"))
+                .await
+                .unwrap();
+            conn.finish().await.unwrap();
+            stats.push(conn.exchange());
+            // 3: no exchange header, no body.
+            conn.read_request().await.unwrap().unwrap();
+            conn.write_response(204, [("x-empty", "1")], Bytes::new())
+                .await
+                .unwrap();
+            stats.push(conn.exchange());
+            assert!(conn.read_request().await.unwrap().is_none());
+            stats
+        });
+        let mut stream = connect(addr).await.unwrap();
+        write_raw(
+            &mut stream,
+            b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nGET /b HTTP/1.1\r\nhost: t\r\n\r\n\
+              GET /c HTTP/1.1\r\nhost: t\r\n\r\n",
+        )
+        .await;
+        stream.shutdown().await.unwrap();
+        let raw = read_to_eof(&mut stream).await;
+        let stats = server.await;
+        let text = String::from_utf8(raw.clone()).unwrap();
+        let first = text.find("HTTP/1.1 200").unwrap();
+        let second = text[first + 1..].find("HTTP/1.1 200").unwrap() + first + 1;
+        let third = text.find("HTTP/1.1 204").unwrap();
+        let (r1, r2, r3) = (&text[first..second], &text[second..third], &text[third..]);
+        assert!(
+            r1.contains("x-request-id: req-1\r\n") && !r1.contains("first"),
+            "{r1}"
+        );
+        assert!(r2.contains("x-request-id: req-2\r\n"), "{r2}");
+        assert!(!r3.contains("x-request-id"), "{r3}");
+        assert_eq!(
+            stats.iter().map(|s| s.status).collect::<Vec<_>>(),
+            [Some(200), Some(200), Some(204)]
+        );
+        let lens: Vec<u64> = [r1, r2, r3].iter().map(|r| r.len() as u64).collect();
+        assert_eq!(
+            stats.iter().map(|s| s.bytes_out).collect::<Vec<_>>(),
+            lens,
+            "every byte the client read, counted once"
+        );
+        assert!(stats[0].first_body_byte_at.is_some() && stats[1].first_body_byte_at.is_some());
+        assert_eq!(stats[2].first_body_byte_at, None);
     }
 
     #[monoio::test_all]

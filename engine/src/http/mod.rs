@@ -45,7 +45,7 @@ pub use head::{
 };
 pub use io::{accept, connect, connect_addrs, connect_host, connect_url, set_nodelay};
 pub use ndjson::NdjsonSplitter;
-pub use server::{Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched};
+pub use server::{ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched};
 pub use sse::{parse_event, SseEvent, SseSplitter};
 pub use url::{Scheme, Url, UrlError};
 pub use write::{

@@ -51,6 +51,19 @@ const BODY_READ_CHUNK_BYTES: usize = 64 * 1024;
 /// requests (and detached from a body split off it).
 const KEPT_READ_BUFFER_BYTES: usize = 4 * READ_CHUNK_BYTES;
 
+/// What the response of the current exchange (the request last read, or
+/// the answer to a request that failed to read) did so far: for access logs
+/// and time-to-first-byte metrics. Reset when the next request is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExchangeStats {
+    /// Status of the response head written (`None`: no head yet).
+    pub status: Option<u16>,
+    /// Response bytes the socket took (head, body, chunk framing).
+    pub bytes_out: u64,
+    /// When the first body byte was handed to the socket.
+    pub first_body_byte_at: Option<Instant>,
+}
+
 /// The read deadlines of a server connection ([`ServerConn::with_deadline`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerTimeouts {
@@ -159,6 +172,9 @@ pub struct ServerConn<S> {
     requests_read: u64,
     /// The head of a request whose body failed to read.
     unfinished_head: Option<RequestHead>,
+    /// Headers added to every response head of the current exchange.
+    exchange_headers: Vec<(&'static str, Bytes)>,
+    exchange: ExchangeStats,
 }
 
 impl<S> fmt::Debug for ServerConn<S> {
@@ -186,8 +202,23 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             response: ResponseState::Idle,
             requests_read: 0,
             unfinished_head: None,
+            exchange_headers: Vec::new(),
+            exchange: ExchangeStats::default(),
             deadline: None,
         }
+    }
+
+    /// Adds `name: value` to every response head of the current exchange
+    /// (after the caller's headers), e.g. `x-request-id`; replaces an
+    /// earlier value of `name`. Cleared when the next request is read.
+    pub fn set_exchange_header(&mut self, name: &'static str, value: Bytes) {
+        self.exchange_headers.retain(|(n, _)| *n != name);
+        self.exchange_headers.push((name, value));
+    }
+
+    /// What the current exchange's response did so far.
+    pub fn exchange(&self) -> ExchangeStats {
+        self.exchange
     }
 
     /// Puts every read under `deadline` (made for this connection's socket
@@ -301,6 +332,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     }
 
     async fn read_request_inner(&mut self) -> Result<Option<Request>, HttpError> {
+        self.exchange_headers.clear();
+        self.exchange = ExchangeStats::default();
         // Until a head is parsed, answers (errors) go out as for a GET/1.1.
         self.head_request = false;
         self.http10 = false;
@@ -497,7 +530,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         write_response_head(
             &mut self.write_buf,
             status,
-            headers,
+            with_exchange_headers(headers, &self.exchange_headers),
             framing,
             !self.keep_alive,
         )?;
@@ -507,7 +540,16 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         } else {
             body
         };
-        self.write(IoParts::new([head, body])).await
+        self.exchange.status = Some(status);
+        if !body.is_empty() {
+            self.exchange
+                .first_body_byte_at
+                .get_or_insert_with(clock::now);
+        }
+        let len = (head.len() + body.len()) as u64;
+        self.write(IoParts::new([head, body])).await?;
+        self.exchange.bytes_out += len;
+        Ok(())
     }
 
     /// Answers a request error: the error's status
@@ -549,12 +591,15 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         write_response_head(
             &mut self.write_buf,
             status,
-            headers,
+            with_exchange_headers(headers, &self.exchange_headers),
             framing,
             !self.keep_alive,
         )?;
         let head = self.write_buf.split().freeze();
+        self.exchange.status = Some(status);
+        let len = head.len() as u64;
         self.write(IoParts::new([head])).await?;
+        self.exchange.bytes_out += len;
         self.response = state;
         Ok(())
     }
@@ -569,17 +614,31 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             }),
             ResponseState::HeadOnly => Ok(()),
             _ if data.is_empty() => Ok(()),
-            ResponseState::CloseDelimited => self.write(IoParts::new([data])).await,
+            ResponseState::CloseDelimited => {
+                self.exchange
+                    .first_body_byte_at
+                    .get_or_insert_with(clock::now);
+                let len = data.len() as u64;
+                self.write(IoParts::new([data])).await?;
+                self.exchange.bytes_out += len;
+                Ok(())
+            }
             ResponseState::Chunked => {
                 self.write_buf
                     .extend_from_slice(encode_chunk_header(data.len()).as_bytes());
                 let size_line = self.write_buf.split().freeze();
+                self.exchange
+                    .first_body_byte_at
+                    .get_or_insert_with(clock::now);
+                let len = (size_line.len() + data.len() + CHUNK_DATA_END.len()) as u64;
                 self.write(IoParts::new([
                     size_line,
                     data,
                     Bytes::from_static(CHUNK_DATA_END),
                 ]))
-                .await
+                .await?;
+                self.exchange.bytes_out += len;
+                Ok(())
             }
         }
     }
@@ -596,7 +655,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             ResponseState::HeadOnly => Ok(()),
             ResponseState::Chunked => {
                 self.write(IoParts::new([Bytes::from_static(CHUNKED_END)]))
-                    .await
+                    .await?;
+                self.exchange.bytes_out += CHUNKED_END.len() as u64;
+                Ok(())
             }
             ResponseState::CloseDelimited => {
                 self.keep_alive = false;
@@ -704,6 +765,56 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                 Err(HttpError::TimedOut(Wait::Write))
             }
             (Err(e), _) => Err(HttpError::from(e)),
+        }
+    }
+}
+
+/// The caller's `headers`, then the exchange's own.
+fn with_exchange_headers<'a, I, K, V>(
+    headers: I,
+    exchange: &'a [(&'static str, Bytes)],
+) -> impl Iterator<Item = (HeaderName<K>, HeaderValue<'a, V>)>
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: AsRef<str>,
+    V: AsRef<[u8]>,
+{
+    headers
+        .into_iter()
+        .map(|(k, v)| (HeaderName::Caller(k), HeaderValue::Caller(v)))
+        .chain(
+            exchange
+                .iter()
+                .map(|(k, v)| (HeaderName::Exchange(k), HeaderValue::Exchange(&v[..]))),
+        )
+}
+
+/// A header name from the caller or the exchange.
+enum HeaderName<K> {
+    Caller(K),
+    Exchange(&'static str),
+}
+
+impl<K: AsRef<str>> AsRef<str> for HeaderName<K> {
+    fn as_ref(&self) -> &str {
+        match self {
+            HeaderName::Caller(k) => k.as_ref(),
+            HeaderName::Exchange(k) => k,
+        }
+    }
+}
+
+/// A header value from the caller or the exchange.
+enum HeaderValue<'a, V> {
+    Caller(V),
+    Exchange(&'a [u8]),
+}
+
+impl<V: AsRef<[u8]>> AsRef<[u8]> for HeaderValue<'_, V> {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            HeaderValue::Caller(v) => v.as_ref(),
+            HeaderValue::Exchange(v) => v,
         }
     }
 }
