@@ -21,6 +21,7 @@ pub mod output;
 pub mod pool;
 pub mod run;
 pub mod tunnel;
+pub mod usage;
 pub mod workers;
 
 use std::rc::Rc;

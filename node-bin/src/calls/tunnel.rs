@@ -13,6 +13,7 @@ use iop_wire::pb;
 use super::channel::{OutputTx, ProviderCall};
 use super::output::TunnelOutput;
 use super::pool::{ProviderPool, ProviderRequest, SecretHeader};
+use super::usage::UsageWatcher;
 use crate::adapters::Endpoint;
 use crate::codes;
 
@@ -92,6 +93,12 @@ impl TunnelCall {
             .map_err(|e| e.into_failure())?;
         let (mut conn, head) = (response.conn, response.head);
         // ----------------------------------------------------------------------
+        // U1: usage is observed in the body, which goes on untouched.
+        let mut usage = head
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+            .and_then(|h| UsageWatcher::for_content_type(&h.value));
         let headers = head
             .headers
             .iter()
@@ -108,6 +115,9 @@ impl TunnelCall {
             return Ok(());
         }
         while let Some(piece) = conn.read_body_chunk().await.map_err(provider_failure)? {
+            if let Some(usage) = usage.as_mut() {
+                usage.feed(&piece);
+            }
             if !out.send(TunnelOutput::Body(piece)).await {
                 return Ok(());
             }
@@ -115,6 +125,11 @@ impl TunnelCall {
         // The body ended: back to the pool before the terminal, so the
         // request that follows it can reuse the connection.
         conn.release();
+        if let Some(observed) = usage.and_then(UsageWatcher::finish) {
+            if !out.send(TunnelOutput::Usage(observed)).await {
+                return Ok(());
+            }
+        }
         out.send(TunnelOutput::End).await;
         Ok(())
     }
