@@ -46,6 +46,8 @@ use iop_wire::pb;
 use serde::Deserialize;
 use x25519_dalek::{PublicKey, StaticSecret};
 
+use crate::access::{self, AccessLogSpec};
+
 // The config error (`<file>: <key>: <reason>`), the TLS file set and the
 // limits on identity names and the trust domain are shared with the Node.
 pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DOMAIN_BYTES};
@@ -192,6 +194,9 @@ pub struct EdgeConfig {
     /// certificate (and requires client certificates chaining to
     /// `client_ca` when set); `None`: plain HTTP.
     pub client_tls: Option<HttpsFiles>,
+    /// `[edge.access_log]`: where the one line per request goes and how it
+    /// is written (default: text lines on stderr).
+    pub access_log: AccessLogSpec,
     /// The configured nodes, in file order; ids are unique.
     pub nodes: Vec<NodeSpec>,
     /// The external models, in file order; names are unique.
@@ -932,6 +937,11 @@ impl EdgeConfig {
                 }
             }
         }
+        if let access::Destination::File(path) = &self.access_log.destination {
+            access::check_writable(path).map_err(|why| {
+                ConfigError::new(&self.source, "edge.access_log.destination", why)
+            })?;
+        }
         Ok(())
     }
 
@@ -1051,6 +1061,15 @@ struct RawEdge {
     max_json_depth: Option<i64>,
     max_json_elements: Option<i64>,
     client_tls: Option<RawClientTls>,
+    access_log: Option<RawAccessLog>,
+}
+
+/// `[edge.access_log]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAccessLog {
+    destination: Option<String>,
+    format: Option<String>,
 }
 
 /// `[edge.client_tls]` as written.
@@ -1167,6 +1186,7 @@ impl Validator<'_> {
                 },
             }),
         };
+        let access_log = self.access_log(raw.edge.access_log.take())?;
         let edge = self.edge(raw.edge)?;
         let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
             (true, _) => None,
@@ -1226,11 +1246,47 @@ impl Validator<'_> {
             edge,
             tls,
             client_tls,
+            access_log,
             nodes,
             models,
             credentials,
             client_keys,
             outlier_detection,
+        })
+    }
+
+    fn access_log(&self, raw: Option<RawAccessLog>) -> Result<AccessLogSpec, ConfigError> {
+        let Some(raw) = raw else {
+            return Ok(AccessLogSpec::default());
+        };
+        let destination = match raw.destination.as_deref() {
+            None | Some("stderr") => access::Destination::Stderr,
+            Some("off") => access::Destination::Off,
+            Some("") => {
+                return Err(self.err(
+                    "edge.access_log.destination",
+                    "must be \"stderr\", \"off\" or a file path",
+                ))
+            }
+            Some(path) => access::Destination::File(resolve_path(
+                self.file,
+                "edge.access_log.destination",
+                path,
+            )?),
+        };
+        let format = match raw.format.as_deref() {
+            None | Some("text") => access::Format::Text,
+            Some("json") => access::Format::Json,
+            Some(other) => {
+                return Err(self.err(
+                    "edge.access_log.format",
+                    format!("must be \"text\" or \"json\", not {other:?}"),
+                ))
+            }
+        };
+        Ok(AccessLogSpec {
+            destination,
+            format,
         })
     }
 
@@ -2216,6 +2272,7 @@ providers = ["node-a/a-llama"]
                 key: dir.join("certs/edge-key.pem"),
             }),
             client_tls: None,
+            access_log: AccessLogSpec::default(),
             nodes: vec![NodeSpec {
                 id: "node-a".into(),
                 adapters: vec![
@@ -2362,7 +2419,7 @@ providers = ["node-a/a-llama"]
              `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
              `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
              `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
-             `max_json_elements`, `client_tls` (line 8, column 1)"
+             `max_json_elements`, `client_tls`, `access_log` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),

@@ -20,6 +20,7 @@
 //! attempt, shared by the node and client shells) and [`outlier`] (passive
 //! health of one provider).
 
+pub mod access;
 pub mod admin;
 pub mod attempt;
 pub mod body_json;

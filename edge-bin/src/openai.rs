@@ -230,6 +230,29 @@ impl ApiError {
         }
     }
 
+    /// [`ApiError::body_for`] of the request `request_id`: the Anthropic
+    /// shape carries it as `request_id`, as Anthropic's API does (the
+    /// OpenAI shape has no such field; both get the `x-request-id` header).
+    pub fn body_for_request(&self, surface: Surface, request_id: &str) -> Bytes {
+        match surface {
+            Surface::OpenAi => self.body_bytes(),
+            Surface::Anthropic => Bytes::from(
+                json!({
+                    "type": "error",
+                    "error": {"type": self.anthropic_type(), "message": self.message},
+                    "request_id": request_id,
+                })
+                .to_string(),
+            ),
+        }
+    }
+
+    /// What the access log says of a request answered with this error: its
+    /// `code`, else its `type`.
+    pub fn outcome(&self) -> &str {
+        self.code.as_deref().unwrap_or(self.kind)
+    }
+
     /// The SSE event that reports this error inside an already-started
     /// stream, followed by `data: [DONE]`.
     pub fn sse_event(&self) -> Bytes {

@@ -12,6 +12,7 @@ use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
+use crate::access::AccessLog;
 use crate::config::{self, EdgeConfig};
 use crate::control::{self, Control, ControlSpec, DispatchKind};
 use crate::credentials::{ClientKeys, CredentialPlane};
@@ -300,6 +301,11 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
         limits: cfg.edge.limits,
+        access_log: AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
+            // `EdgeConfig::validate_files` checked the file at startup.
+            tracing::error!(error = %e, "access log cannot be started; no access log");
+            AccessLog::off()
+        }),
     }
 }
 

@@ -23,6 +23,7 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::access::{AccessLog, RequestIds};
 use crate::attempt::AttemptTracker;
 use crate::config::ListenerLimits;
 use crate::control::{
@@ -276,6 +277,8 @@ pub struct Settings {
     pub credentials: Option<Arc<CredentialPlane>>,
     /// The front door's deadlines, caps and bounds (`[edge]`).
     pub limits: ListenerLimits,
+    /// This shard's access log (`[edge.access_log]`).
+    pub access_log: AccessLog,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -381,6 +384,8 @@ pub struct Edge {
     /// Throttles this shard's warnings about clients cut off for not
     /// reading (one line per interval, with the number suppressed).
     write_stall_log: RefCell<LogThrottle<()>>,
+    /// Mints the ids of client requests without a usable `x-request-id`.
+    request_ids: RequestIds,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -456,7 +461,13 @@ impl Edge {
             lifecycle_changed: WakeList::default(),
             drained: Cell::new((0, 0)),
             write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
+            request_ids: RequestIds::default(),
         }
+    }
+
+    /// The id of a client request: its valid `x-request-id`, or a new one.
+    pub fn request_id(&self, client: Option<&[u8]>) -> String {
+        self.request_ids.for_request(client)
     }
 
     /// This shard's index (0 = the control shard).
@@ -1396,6 +1407,7 @@ mod tests {
             client_keys: ClientKeys::default(),
             credentials: None,
             limits: ListenerLimits::default(),
+            access_log: AccessLog::off(),
         };
         Edge::new(Control::new(spec), settings)
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{HttpError, Limits, LingerEnd, Request, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
 use iop_engine::net::{Deadline, Wait};
 use iop_engine::tls::{ListenerStream, MaybeTls};
@@ -22,6 +22,7 @@ use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
+use crate::access::{AccessRecord, REQUEST_ID_HEADER};
 use crate::attempt::AttemptTracker;
 use crate::body_json::JsonLimits;
 use crate::control::{
@@ -40,6 +41,77 @@ use crate::{front_door, metrics, status};
 /// then the requests `edge.client_*_timeout_ms`; a request refused before
 /// its body was read is answered and the connection closed with a
 /// lingering close.
+/// A client connection and what the access log will say of its current
+/// request; derefs to the connection.
+struct Client<S> {
+    conn: ServerConn<S>,
+    rec: AccessRecord,
+    /// When the current request was read; `None` once its line is written.
+    read_at: Option<Instant>,
+}
+
+impl<S> std::ops::Deref for Client<S> {
+    type Target = ServerConn<S>;
+
+    fn deref(&self) -> &ServerConn<S> {
+        &self.conn
+    }
+}
+
+impl<S> std::ops::DerefMut for Client<S> {
+    fn deref_mut(&mut self) -> &mut ServerConn<S> {
+        &mut self.conn
+    }
+}
+
+impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
+    /// Starts the record of a request just read: its id (the client's
+    /// valid `x-request-id` or a new one) goes on every response to it.
+    fn begin(&mut self, edge: &Edge, head: &RequestHead, path: &str, body_len: usize, at: Instant) {
+        let id = edge.request_id(head.header(REQUEST_ID_HEADER).map(|v| &v[..]));
+        self.start_record(id, &head.method, path, body_len as u64, at);
+    }
+
+    /// Starts the record of a request that failed to read (answered with
+    /// an early error): what of its head was read, if anything.
+    fn begin_unread(&mut self, edge: &Edge, at: Instant) {
+        let (method, path, client_id) = match self.conn.unfinished_head() {
+            Some(head) => (
+                head.method.clone(),
+                head.target.split('?').next().unwrap_or_default().to_owned(),
+                head.header(REQUEST_ID_HEADER).map(|v| v.to_vec()),
+            ),
+            None => ("-".to_owned(), "-".to_owned(), None),
+        };
+        let id = edge.request_id(client_id.as_deref());
+        self.start_record(id, &method, &path, 0, at);
+    }
+
+    fn start_record(&mut self, id: String, method: &str, path: &str, bytes_in: u64, at: Instant) {
+        self.conn
+            .set_exchange_header(REQUEST_ID_HEADER, Bytes::from(id.clone()));
+        self.rec = AccessRecord::new(id, method, path, bytes_in);
+        self.read_at = Some(at);
+    }
+
+    /// Writes the access log line of the current request (once).
+    fn log_access(&mut self, edge: &Edge) {
+        let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
+            return;
+        };
+        if log.is_on() {
+            let line = self.rec.line(
+                log.format(),
+                clock::unix_ms(),
+                &self.conn.exchange(),
+                read_at,
+                clock::now(),
+            );
+            log.write(line);
+        }
+    }
+}
+
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     // Taken from the TCP socket before any TLS wraps it.
@@ -81,7 +153,11 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         &edge.settings.limits,
         edge.settings.client_write_stall_timeout,
     );
-    let mut server = ServerConn::new(stream, limits).with_deadline(deadline, timeouts);
+    let mut server = Client {
+        conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
+        rec: AccessRecord::default(),
+        read_at: None,
+    };
     loop {
         let request = match server.read_request().await {
             Ok(Some(r)) => r,
@@ -100,10 +176,12 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         let method = head.method.as_str();
         // metrics: end to end starts when the request is read.
         let read_at = clock::now();
+        server.begin(&edge, &head, &path, body.len(), read_at);
         // The shutdown drain waits for this response to finish.
         let in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
             let answered = refuse_while_draining(&mut server, &path).await.is_ok();
+            server.log_access(&edge);
             // Answered: the drain need not wait for the lingering close.
             drop(in_flight);
             if answered {
@@ -117,12 +195,14 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             Ok(principal) => principal,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
+                server.log_access(&edge);
                 if result.is_err() || !server.keep_alive() {
                     return;
                 }
                 continue;
             }
         };
+        server.rec.principal = principal.to_owned();
         let result = match (method, path.as_str()) {
             ("GET", "/v1/models") => {
                 let body =
@@ -190,6 +270,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 let latency = engine_metrics::merged();
                 text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
                 text.push_str(&metrics::render_front_door(&latency));
+                text.push_str(&crate::access::render_prometheus());
                 server
                     .write_response(
                         200,
@@ -240,6 +321,10 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             // metrics: end to end (request read → response finished).
             engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
         }
+        if let Err(e) = &result {
+            server.rec.end(cancel_reason(e).as_str());
+        }
+        server.log_access(&edge);
         drop(in_flight);
         if let Err(HttpError::TimedOut(Wait::Write)) = &result {
             write_stalled(&edge, method, &path);
@@ -311,7 +396,7 @@ fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
 /// on `/v1/messages*`), then closed — with a lingering close when the
 /// client may still be sending the request (not after a timeout: its read
 /// side is already shut down).
-async fn refuse_request<S>(edge: &Edge, server: &mut ServerConn<S>, e: &HttpError)
+async fn refuse_request<S>(edge: &Edge, server: &mut Client<S>, e: &HttpError)
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -335,13 +420,14 @@ where
         _ => Surface::OpenAi,
     };
     let api = http_error(e, edge.settings.max_request_body_bytes);
+    server.begin_unread(edge, clock::now());
     let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
     headers.push(("connection", "close"));
-    if server
-        .write_response(api.status, headers, api.body_for(surface))
-        .await
-        .is_err()
-    {
+    let body = api.body_for_request(surface, &server.rec.request_id);
+    server.rec.end(api.outcome());
+    let written = server.write_response(api.status, headers, body).await;
+    server.log_access(edge);
+    if written.is_err() {
         return;
     }
     if !matches!(e, HttpError::TimedOut(_)) {
@@ -351,7 +437,7 @@ where
 
 /// A lingering close with the configured bounds (counted), or a plain one
 /// when lingering is off.
-async fn linger<S>(edge: &Edge, server: &mut ServerConn<S>)
+async fn linger<S>(edge: &Edge, server: &mut Client<S>)
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -381,7 +467,7 @@ fn json_limits(edge: &Edge) -> JsonLimits {
 /// Answers a body the Edge cannot read (400); JSON-limit refusals are
 /// counted.
 async fn refuse_body<S>(
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     e: &ApiError,
 ) -> Result<(), HttpError>
@@ -402,11 +488,7 @@ fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
     }
 }
 
-async fn write_json<S>(
-    server: &mut ServerConn<S>,
-    status: u16,
-    body: Bytes,
-) -> Result<(), HttpError>
+async fn write_json<S>(server: &mut Client<S>, status: u16, body: Bytes) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -415,7 +497,7 @@ where
         .await
 }
 
-async fn write_api_error<S>(server: &mut ServerConn<S>, e: &ApiError) -> Result<(), HttpError>
+async fn write_api_error<S>(server: &mut Client<S>, e: &ApiError) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -423,7 +505,7 @@ where
 }
 
 async fn write_error<S>(
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     e: &ApiError,
 ) -> Result<(), HttpError>
@@ -435,9 +517,9 @@ where
     if let Some(r) = retry_after.as_deref() {
         headers.push(("retry-after", r));
     }
-    server
-        .write_response(e.status, headers, e.body_for(surface))
-        .await
+    server.rec.end(e.outcome());
+    let body = e.body_for_request(surface, &server.rec.request_id);
+    server.write_response(e.status, headers, body).await
 }
 
 /// The answer to a request that arrives on an already-open connection
@@ -456,7 +538,7 @@ pub fn draining_error() -> ApiError {
 /// Answers [`draining_error`] (in the route's error shape: Anthropic on
 /// `/v1/messages*`) with `connection: close`; the caller then drops the
 /// connection.
-async fn refuse_while_draining<S>(server: &mut ServerConn<S>, path: &str) -> Result<(), HttpError>
+async fn refuse_while_draining<S>(server: &mut Client<S>, path: &str) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
@@ -472,9 +554,9 @@ where
         ("retry-after", retry_after.as_str()),
         ("connection", "close"),
     ];
-    server
-        .write_response(e.status, headers, e.body_for(surface))
-        .await
+    server.rec.end(e.outcome());
+    let body = e.body_for_request(surface, &server.rec.request_id);
+    server.write_response(e.status, headers, body).await
 }
 
 fn frame(body: Body) -> pb::Frame {
@@ -487,7 +569,7 @@ fn frame(body: Body) -> pb::Frame {
 /// failover).
 async fn chat<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     principal: &str,
     headers: &[iop_engine::http::Header],
     body: Bytes,
@@ -499,6 +581,7 @@ where
         Ok(c) => c,
         Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
+    server.rec.set_model(&chat.model);
     let long = edge
         .settings
         .long_context_threshold_tokens
@@ -514,6 +597,9 @@ where
     let admitted_at = clock::now(); // metrics: time to first byte
     loop {
         let lease = &dispatch.lease;
+        server
+            .rec
+            .attempt(&lease.provider.node_id, &lease.provider.provider_id);
         // U7: the provider's type alone picks the path; the client surface
         // is the same either way. The body is kept for a later attempt.
         let run = match dispatch.kind {
@@ -523,6 +609,7 @@ where
                     &dispatch,
                     tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
                     chat.stream,
+                    &server.rec.request_id,
                 );
                 let body = chat.body_for_target(&lease.target);
                 match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
@@ -532,7 +619,9 @@ where
                     }
                 }
             }
-            DispatchKind::Run => NodeRequest::frame_only(run_request(&chat, &dispatch)),
+            DispatchKind::Run => {
+                NodeRequest::frame_only(run_request(&chat, &dispatch, &server.rec.request_id))
+            }
         };
         let buffered = dispatch.kind == DispatchKind::Run && !chat.stream;
         if !send_run(
@@ -606,7 +695,7 @@ fn settle(
 /// Waits for `Control`'s answer to a submitted request.
 async fn admit<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     route: PassRoute,
     model: &str,
     long: bool,
@@ -662,7 +751,7 @@ fn unsupported(model: &str, route: PassRoute) -> ApiError {
 /// writes only at the end (the commit point, [`crate::attempt`]).
 async fn send_run<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     request: RequestId,
     dispatch: &Dispatch,
@@ -688,7 +777,7 @@ where
 /// passthrough over a provider tunnel (U1–U5), with pre-commit failover.
 async fn passthrough<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     principal: &str,
     route: PassRoute,
     headers: &[iop_engine::http::Header],
@@ -701,6 +790,7 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
+    server.rec.set_model(&req.model);
     let Some((request, mut dispatch, mut frames)) =
         admit(edge, server, route, &req.model, false).await?
     else {
@@ -715,11 +805,16 @@ where
             edge.abandon(request);
             return write_error(server, route.surface, &unsupported(&req.model, route)).await;
         }
+        let lease = &dispatch.lease;
+        server
+            .rec
+            .attempt(&lease.provider.node_id, &lease.provider.provider_id);
         let tunnel = tunnel_request(
             route,
             &dispatch,
             tunnel_headers(route, req.stream, headers),
             req.stream,
+            &server.rec.request_id,
         );
         let body = req.body_for_target(&dispatch.lease.target);
         let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
@@ -854,7 +949,7 @@ fn with_lease(
 /// other slot or provider is tried, and the client gets 503.
 async fn refuse<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     request: RequestId,
     dispatch: &Dispatch,
@@ -882,6 +977,7 @@ fn tunnel_request(
     dispatch: &Dispatch,
     headers: Vec<pb::Header>,
     stream: bool,
+    correlation_id: &str,
 ) -> pb::ProviderTunnelRequest {
     let lease = &dispatch.lease;
     pb::ProviderTunnelRequest {
@@ -895,12 +991,13 @@ fn tunnel_request(
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
         operation: route.operation.into(),
+        correlation_id: correlation_id.into(),
         ..Default::default()
     }
 }
 
 /// The normalized run for an Ollama/native provider (E1–E3, W2).
-fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
+fn run_request(chat: &ChatRequest, dispatch: &Dispatch, correlation_id: &str) -> pb::Frame {
     let lease = &dispatch.lease;
     let run = pb::RunRequest {
         run_id: lease.run_id.clone(),
@@ -908,6 +1005,7 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch) -> pb::Frame {
         target: lease.target.clone(),
         input: Some(chat.run_input()),
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
+        correlation_id: correlation_id.into(),
         ..Default::default()
     };
     frame(Body::RunRequest(run))
@@ -953,7 +1051,7 @@ const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading
 /// may be retried elsewhere ([`Relayed::Retry`]).
 async fn relay_run<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     frames: &mut RouteRx,
     id: ResponseId,
     chat: &ChatRequest,
@@ -975,6 +1073,11 @@ where
             match next {
                 Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => {
                     tracker.on_run_event(&ev);
+                    if let Some(usage) = &ev.usage {
+                        server
+                            .rec
+                            .usage(usage.prompt_tokens, usage.completion_tokens);
+                    }
                     let done = builder.on_event(&ev);
                     // The builder took it: the node may send more.
                     frames.drained(edge, charge);
@@ -1088,6 +1191,11 @@ where
             }
         };
         let commits = tracker.on_run_event(&ev);
+        if let Some(usage) = &ev.usage {
+            server
+                .rec
+                .usage(usage.prompt_tokens, usage.completion_tokens);
+        }
         let is_error = matches!(
             ev.r#type(),
             pb::RunEventType::Error | pb::RunEventType::Cancelled
@@ -1149,7 +1257,7 @@ where
 /// else still queued on the route belongs to the failed attempt.
 async fn verdict<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     frames: &mut RouteRx,
 ) -> Result<Option<Dispatch>, HttpError>
 where
@@ -1167,7 +1275,7 @@ where
 
 /// Starts the client's response with a provider's held response head.
 async fn start_response<S>(
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     head: &pb::ProviderTunnelFrame,
 ) -> Result<(), HttpError>
 where
@@ -1191,7 +1299,7 @@ where
 /// retried elsewhere ([`Relayed::Retry`]).
 async fn relay<S>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     frames: &mut RouteRx,
     admitted_at: Instant,
@@ -1289,6 +1397,11 @@ where
                 frames.drained(edge, charge);
             }
             pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
+                if let Some(usage) = &tf.usage {
+                    server
+                        .rec
+                        .usage(usage.prompt_tokens, usage.completion_tokens);
+                }
                 frames.drained(edge, charge);
             }
             pb::TunnelFrameKind::End => {
@@ -1338,7 +1451,7 @@ where
 /// already cancelled on its node, so the client only gets the error — 504
 /// in the route's shape when nothing was sent yet (U6).
 async fn abort<S>(
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     started: bool,
     event_stream: bool,
@@ -1366,7 +1479,7 @@ where
 /// Ends a failed relay: an HTTP error before the response started, or an
 /// SSE error event (then `[DONE]`) inside a started event stream.
 async fn fail<S>(
-    server: &mut ServerConn<S>,
+    server: &mut Client<S>,
     surface: Surface,
     started: bool,
     event_stream: bool,
@@ -1376,6 +1489,7 @@ async fn fail<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    server.rec.end(code);
     if !started {
         let e = if matches!(code, "response_stalled" | "response_wait_timeout") {
             ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))
@@ -1476,6 +1590,7 @@ mod tests {
             &dispatch,
             tunnel_headers(CHAT_COMPLETIONS, true, &client),
             true,
+            "req-test",
         );
         // The body in pieces, as a spliced one travels.
         let body = || {
@@ -1557,11 +1672,12 @@ mod tests {
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
                 chat.stream,
+                "req-test",
             ))),
             body: chat.body_for_target(&dispatch.lease.target),
         }
         .joined();
-        let run = run_request(&chat, &dispatch);
+        let run = run_request(&chat, &dispatch, "req-test");
         for frame in [tunnel, run] {
             let bytes = frame.encode_to_vec();
             let found = bytes
@@ -1695,10 +1811,15 @@ mod tests {
         assert_eq!(head.status, 503);
         assert_eq!(header(&head, "retry-after"), Some(&b"1"[..]));
         assert_eq!(header(&head, "connection"), Some(&b"close"[..]));
+        let request_id =
+            std::str::from_utf8(header(&head, "x-request-id").expect("an id")).unwrap();
         assert_eq!(
             std::str::from_utf8(&body).unwrap(),
-            "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\
-             \"message\":\"The gateway is shutting down; retry shortly.\"}}"
+            format!(
+                "{{\"type\":\"error\",\"error\":{{\"type\":\"overloaded_error\",\
+                 \"message\":\"The gateway is shutting down; retry shortly.\"}},\
+                 \"request_id\":\"{request_id}\"}}"
+            )
         );
         // Both connections were closed by the Edge; nothing is in flight.
         server.await;

@@ -4020,6 +4020,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         timeout_sec: _,
         response_stall_timeout_ms: _,
         flow_window_bytes: _,
+        correlation_id: _,
     } = pb::RunRequest::default();
     let pb::ProviderTunnelRequest {
         run_id: _,
@@ -4038,6 +4039,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         credential_lease: _,
         credential_binding: _,
         flow_window_bytes: _,
+        correlation_id: _,
     } = pb::ProviderTunnelRequest::default();
     let pb::FlowCredit { credits: _ } = pb::FlowCredit::default();
     let pb::RunCredit {

@@ -146,7 +146,7 @@ async fn a_stalled_body_gets_408_in_the_routes_shape_and_is_counted() {
             json!({"type": "error", "error": {
                 "type": "timeout_error",
                 "message": "timed out waiting for the body (deadline passed)"
-            }})
+            }, "request_id": response.header("x-request-id").expect("a request id")})
         );
         assert_eq!(
             metric(edge.client_addr, "iop_edge_client_body_timeouts_total").await,
@@ -440,7 +440,7 @@ async fn a_64_mib_body_written_before_reading_gets_the_413() {
             json!({"type": "error", "error": {
                 "type": "request_too_large",
                 "message": "Request body exceeds the limit of 8388608 bytes."
-            }})
+            }, "request_id": response.header("x-request-id").expect("a request id")})
         );
         assert_eq!(
             metric(edge.client_addr, "iop_edge_client_lingering_closes_total").await,

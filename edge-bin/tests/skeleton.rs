@@ -217,8 +217,15 @@ async fn no_dispatch_before_ready() {
                 stream: true,
                 response_stall_timeout_ms: STALL_TIMEOUT_MS,
                 operation: "chat_completions".into(),
+                // The request id the Edge minted (the client sent none).
+                correlation_id: request.correlation_id.clone(),
                 ..Default::default()
             }
+        );
+        assert!(
+            request.correlation_id.starts_with("req_") && request.correlation_id.len() == 36,
+            "{}",
+            request.correlation_id
         );
         assert_eq!(
             node_entry(edge.client_addr, "node-a").await,
@@ -270,6 +277,11 @@ async fn no_dispatch_before_ready() {
         assert!(response.chunked);
         assert_eq!(response.header("content-type"), Some("text/event-stream"));
         assert_eq!(response.header("x-provider"), Some("by-hand"));
+        // The client learns the id the node's log lines carry.
+        assert_eq!(
+            response.header("x-request-id"),
+            Some(request.correlation_id.as_str())
+        );
         assert_eq!(response.body, b"data: {\"n\":1}\n\ndata: [DONE]\n\n");
         assert_eq!(edge.edge.control().leases().count(), 0);
 

@@ -432,6 +432,7 @@ fn all_frames() -> Vec<pb::Frame> {
             timeout_sec: 600,
             response_stall_timeout_ms: -5,
             flow_window_bytes: 256 * 1024,
+            correlation_id: "req_0123456789abcdef".into(),
         }),
         Body::RunEvent(pb::RunEvent {
             run_id: "run-1".into(),
@@ -465,6 +466,7 @@ fn all_frames() -> Vec<pb::Frame> {
             credential_lease: Some(lease()),
             credential_binding: Some(binding()),
             flow_window_bytes: u64::MAX,
+            correlation_id: "client-id-7".into(),
         }),
         Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),

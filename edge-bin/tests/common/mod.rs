@@ -424,6 +424,8 @@ pub struct HttpResponse {
     pub chunked: bool,
     /// The body bytes (de-chunked).
     pub body: Vec<u8>,
+    /// Bytes of the whole response as it came off the socket.
+    pub wire_bytes: usize,
 }
 
 impl HttpResponse {
@@ -578,6 +580,7 @@ pub fn parse_response(raw: &[u8]) -> HttpResponse {
         headers,
         chunked,
         body,
+        wire_bytes: raw.len(),
     }
 }
 

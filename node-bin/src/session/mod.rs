@@ -28,6 +28,7 @@ use iop_engine::sync::Notify;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use tracing::Instrument;
 
 pub mod commands;
 pub mod normalized;
@@ -417,12 +418,17 @@ impl Session {
         .with_revoked(revoked);
         let session = self.clone();
         let active = self.core.run_started();
-        monoio::spawn(async move {
-            let ticket = run.ticket.clone();
-            tunnel::serve(&session.env, req, run, adapters, settings, leases).await;
-            session.runs.borrow_mut().finish(&ticket);
-            drop(active);
-        });
+        let span = run_span(RunKind::Tunnel, &req.run_id, &req.correlation_id);
+        monoio::spawn(
+            async move {
+                let ticket = run.ticket.clone();
+                let ended = tunnel::serve(&session.env, req, run, adapters, settings, leases).await;
+                session.runs.borrow_mut().finish(&ticket);
+                drop(active);
+                tracing::info!(?ended, "tunnel ended");
+            }
+            .instrument(span),
+        );
     }
 
     fn start_run(self: &Rc<Self>, req: pb::RunRequest) {
@@ -436,12 +442,17 @@ impl Session {
         };
         let session = self.clone();
         let active = self.core.run_started();
-        monoio::spawn(async move {
-            let ticket = run.ticket.clone();
-            normalized::serve(&session.env, req, run, adapters, settings).await;
-            session.runs.borrow_mut().finish(&ticket);
-            drop(active);
-        });
+        let span = run_span(RunKind::Normalized, &req.run_id, &req.correlation_id);
+        monoio::spawn(
+            async move {
+                let ticket = run.ticket.clone();
+                let ended = normalized::serve(&session.env, req, run, adapters, settings).await;
+                session.runs.borrow_mut().finish(&ticket);
+                drop(active);
+                tracing::info!(?ended, "run ended");
+            }
+            .instrument(span),
+        );
     }
 
     fn start_command(self: &Rc<Self>, req: pb::NodeCommandRequest) {
@@ -552,4 +563,22 @@ fn watch_attempt(
         crate::attempt::watchdog::Watchdog::new(config, now, hard_deadline),
         evidence,
     )
+}
+
+/// Longest Edge request id written into this Node's log lines.
+const MAX_CORRELATION_ID_BYTES: usize = 128;
+
+/// The span of one run or tunnel: every log line about it carries its run
+/// id and the client request's id (`correlation_id`, opaque, from the
+/// Edge's `x-request-id`), so the Node's lines join the Edge's access log.
+fn run_span(kind: RunKind, run_id: &str, correlation_id: &str) -> tracing::Span {
+    let mut end = correlation_id.len().min(MAX_CORRELATION_ID_BYTES);
+    while !correlation_id.is_char_boundary(end) {
+        end -= 1;
+    }
+    let request_id = &correlation_id[..end];
+    match kind {
+        RunKind::Tunnel => tracing::info_span!("tunnel", %run_id, %request_id),
+        RunKind::Normalized => tracing::info_span!("run", %run_id, %request_id),
+    }
 }

@@ -62,9 +62,7 @@ pub async fn serve(
         input: req.input.unwrap_or_default(),
     };
     let provider = env.calls.spawn(Some(permit), call);
-    let ended = attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await;
-    tracing::debug!(run_id = %req.run_id, ?ended, "run released");
-    ended
+    attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await
 }
 
 struct Admitted {

@@ -123,9 +123,7 @@ pub async fn serve(
         credential,
     };
     let provider = env.calls.spawn(Some(permit), call);
-    let ended = attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await;
-    tracing::debug!(run_id = %req.run_id, ?ended, "tunnel released");
-    ended
+    attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await
 }
 
 struct Admitted {

@@ -1,0 +1,660 @@
+//! Request ids and the access log: one line per client request.
+//!
+//! ```text
+//! request read ─► RequestIds::for_request (the client's valid x-request-id,
+//!                 or a minted req_<32 hex>) ─► x-request-id on every response,
+//!                 correlation_id on the node request, request_id in
+//!                 Anthropic-shape errors
+//!      route   ─► AccessRecord: model, provider, node, attempts, outcome,
+//!                 tokens (from the node's usage observations)
+//! response end ─► AccessLog::write: one text (logfmt) or JSON line, queued
+//!                 for the shard's writer thread (stderr or a file)
+//! ```
+//!
+//! The writer thread does the blocking writes, so a slow disk or a full
+//! stderr pipe never stalls a shard: its queue is bounded
+//! ([`ACCESS_LOG_BACKLOG`]) and a line that does not fit is dropped and
+//! counted ([`dropped_lines`]). Lines never hold a body, a header value
+//! other than the request id, or a key: the principal is the configured
+//! name of the client key, never the key.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use iop_engine::http::ExchangeStats;
+use iop_engine::rng::SplitMix64;
+
+/// The request id header, read from the client and set on every response.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// Longest client-supplied request id accepted (longer ones are replaced).
+pub const MAX_REQUEST_ID_BYTES: usize = 128;
+/// Lines queued for a shard's writer thread at most; more are dropped.
+pub const ACCESS_LOG_BACKLOG: usize = 4096;
+/// Longest model name written (a client may name any model).
+const MAX_LOGGED_MODEL_BYTES: usize = 128;
+
+/// Whether `value` is acceptable as a request id: 1 to
+/// [`MAX_REQUEST_ID_BYTES`] bytes of letters, digits and `-_.:/+=@`, which
+/// covers UUIDs, ULIDs, base64 and the ids proxies mint, and can be logged
+/// and echoed without escaping.
+pub fn is_valid_request_id(value: &[u8]) -> bool {
+    !value.is_empty()
+        && value.len() <= MAX_REQUEST_ID_BYTES
+        && value
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"-_.:/+=@".contains(&b))
+}
+
+/// Mints request ids for one shard: `req_` and 32 hex digits from a
+/// generator seeded by the OS (unique in practice across shards, processes
+/// and restarts; not a secret and not used as one).
+#[derive(Debug)]
+pub struct RequestIds {
+    rng: std::cell::RefCell<SplitMix64>,
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        Self::new(SplitMix64::from_os())
+    }
+}
+
+impl RequestIds {
+    /// Ids drawn from `rng` (a fixed seed gives fixed ids, for tests).
+    pub fn new(rng: SplitMix64) -> Self {
+        Self {
+            rng: std::cell::RefCell::new(rng),
+        }
+    }
+
+    /// A new id.
+    pub fn mint(&self) -> String {
+        let mut rng = self.rng.borrow_mut();
+        format!("req_{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+    }
+
+    /// The id of a request: the client's `x-request-id` when it is valid
+    /// ([`is_valid_request_id`]), else a new one.
+    pub fn for_request(&self, client: Option<&[u8]>) -> String {
+        match client {
+            Some(value) if is_valid_request_id(value) => {
+                // Valid ids are ASCII.
+                String::from_utf8_lossy(value).into_owned()
+            }
+            _ => self.mint(),
+        }
+    }
+}
+
+/// Where access log lines go (`[edge.access_log] destination`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Destination {
+    /// No access log.
+    Off,
+    /// Standard error, beside the process log (the default).
+    #[default]
+    Stderr,
+    /// Appended to this file (created if missing, mode 0640).
+    File(PathBuf),
+}
+
+/// How a line is written (`[edge.access_log] format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// `key=value` pairs (logfmt), values quoted when they need it.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The `[edge.access_log]` table.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AccessLogSpec {
+    /// Where lines go.
+    pub destination: Destination,
+    /// How they are written.
+    pub format: Format,
+}
+
+/// Everything one line says about one request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AccessRecord {
+    /// The request id (echoed as `x-request-id`).
+    pub request_id: String,
+    /// The authenticated principal (the client key's configured name), or
+    /// `anonymous`.
+    pub principal: String,
+    /// Request method.
+    pub method: String,
+    /// Request path (no query).
+    pub path: String,
+    /// The model the client asked for, once the body was read.
+    pub model: Option<String>,
+    /// The provider of the last attempt (`node/provider`).
+    pub provider: Option<String>,
+    /// The node of the last attempt.
+    pub node: Option<String>,
+    /// Attempts dispatched to a provider (more than one after a failover).
+    pub attempts: u32,
+    /// How the request ended: `completed`, or the error code the client
+    /// was given (`model_not_found`, `response_stalled`, ...), or what
+    /// ended it (`client_disconnect`, `client_write_stall`).
+    pub outcome: Option<String>,
+    /// Request body bytes.
+    pub bytes_in: u64,
+    /// Prompt tokens, when the provider reported usage.
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens, when the provider reported usage.
+    pub completion_tokens: Option<u64>,
+}
+
+impl AccessRecord {
+    /// A record for a request just read.
+    pub fn new(request_id: String, method: &str, path: &str, bytes_in: u64) -> Self {
+        Self {
+            request_id,
+            principal: crate::credentials::ANONYMOUS_PRINCIPAL.to_owned(),
+            method: method.to_owned(),
+            path: path.to_owned(),
+            bytes_in,
+            ..Self::default()
+        }
+    }
+
+    /// Notes the model the client named (cut to a bounded length).
+    pub fn set_model(&mut self, model: &str) {
+        let mut end = model.len().min(MAX_LOGGED_MODEL_BYTES);
+        while !model.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.model = Some(model[..end].to_owned());
+    }
+
+    /// Notes an attempt dispatched to `provider` on `node`.
+    pub fn attempt(&mut self, node: &str, provider: &str) {
+        self.attempts += 1;
+        self.node = Some(node.to_owned());
+        self.provider = Some(format!("{node}/{provider}"));
+    }
+
+    /// Notes how the request ended; the first outcome noted stands (an
+    /// error answered, then the connection failing, is the error).
+    pub fn end(&mut self, outcome: &str) {
+        if self.outcome.is_none() {
+            self.outcome = Some(outcome.to_owned());
+        }
+    }
+
+    /// Notes a usage observation (the last one reported wins: providers
+    /// report cumulative counts).
+    pub fn usage(&mut self, prompt_tokens: u64, completion_tokens: u64) {
+        self.prompt_tokens = Some(prompt_tokens);
+        self.completion_tokens = Some(completion_tokens);
+    }
+
+    /// The line for this record, the response's `stats`, and its timing.
+    pub fn line(
+        &self,
+        format: Format,
+        unix_ms: i64,
+        stats: &ExchangeStats,
+        read_at: Instant,
+        ended_at: Instant,
+    ) -> String {
+        let ttft = stats
+            .first_body_byte_at
+            .map(|at| at.saturating_duration_since(read_at));
+        let duration = ended_at.saturating_duration_since(read_at);
+        let outcome = self.outcome.as_deref().unwrap_or(match stats.status {
+            Some(200..=399) => "completed",
+            Some(_) => "error",
+            None => "no_response",
+        });
+        let fields: [(&str, Value<'_>); 17] = [
+            ("ts", Value::Str(&rfc3339_ms(unix_ms))),
+            ("request_id", Value::Str(&self.request_id)),
+            ("principal", Value::Str(&self.principal)),
+            ("method", Value::Str(&self.method)),
+            ("path", Value::Str(&self.path)),
+            ("model", opt_str(self.model.as_deref())),
+            ("provider", opt_str(self.provider.as_deref())),
+            ("node", opt_str(self.node.as_deref())),
+            (
+                "status",
+                stats.status.map_or(Value::Null, |s| Value::U64(s.into())),
+            ),
+            ("outcome", Value::Str(outcome)),
+            ("attempts", Value::U64(self.attempts.into())),
+            ("ttft_ms", ttft.map_or(Value::Null, Value::Ms)),
+            ("duration_ms", Value::Ms(duration)),
+            ("bytes_in", Value::U64(self.bytes_in)),
+            ("bytes_out", Value::U64(stats.bytes_out)),
+            (
+                "prompt_tokens",
+                self.prompt_tokens.map_or(Value::Null, Value::U64),
+            ),
+            (
+                "completion_tokens",
+                self.completion_tokens.map_or(Value::Null, Value::U64),
+            ),
+        ];
+        match format {
+            Format::Text => text_line(&fields),
+            Format::Json => json_line(&fields),
+        }
+    }
+}
+
+/// A field value of a line.
+enum Value<'a> {
+    Str(&'a str),
+    U64(u64),
+    /// A duration, written in milliseconds with microsecond precision.
+    Ms(Duration),
+    Null,
+}
+
+fn opt_str(value: Option<&str>) -> Value<'_> {
+    value.map_or(Value::Null, Value::Str)
+}
+
+fn text_line(fields: &[(&str, Value<'_>)]) -> String {
+    let mut line = String::with_capacity(256);
+    for (i, (key, value)) in fields.iter().enumerate() {
+        if i > 0 {
+            line.push(' ');
+        }
+        line.push_str(key);
+        line.push('=');
+        match value {
+            Value::Str(s) if needs_quotes(s) => {
+                // A JSON string is a valid logfmt quoted value.
+                line.push_str(&serde_json::Value::from(*s).to_string());
+            }
+            Value::Str(s) => line.push_str(s),
+            Value::U64(n) => {
+                let _ = write!(line, "{n}");
+            }
+            Value::Ms(d) => {
+                let _ = write!(line, "{:.3}", d.as_secs_f64() * 1000.0);
+            }
+            Value::Null => line.push('-'),
+        }
+    }
+    line.push('\n');
+    line
+}
+
+fn needs_quotes(s: &str) -> bool {
+    s.is_empty()
+        || s == "-"
+        || s.bytes()
+            .any(|b| b <= b' ' || b == b'"' || b == b'=' || b == b'\\' || b >= 0x7f)
+}
+
+fn json_line(fields: &[(&str, Value<'_>)]) -> String {
+    let mut object = serde_json::Map::with_capacity(fields.len());
+    for (key, value) in fields {
+        let value = match value {
+            Value::Str(s) => serde_json::Value::from(*s),
+            Value::U64(n) => serde_json::Value::from(*n),
+            Value::Ms(d) => {
+                // Microsecond precision, as in the text form.
+                let micros = d.as_micros() as f64;
+                serde_json::Value::from(micros / 1000.0)
+            }
+            Value::Null => serde_json::Value::Null,
+        };
+        object.insert((*key).to_owned(), value);
+    }
+    let mut line = serde_json::Value::Object(object).to_string();
+    line.push('\n');
+    line
+}
+
+/// `unix_ms` as `YYYY-MM-DDTHH:MM:SS.mmmZ` (UTC).
+pub fn rfc3339_ms(unix_ms: i64) -> String {
+    let secs = unix_ms.div_euclid(1000);
+    let ms = unix_ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's
+/// `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Access log lines dropped because a writer's queue was full, process-wide
+/// (`iop_edge_access_log_dropped_lines_total`).
+pub fn dropped_lines() -> u64 {
+    DROPPED.load(Ordering::Relaxed)
+}
+
+/// The access log's series for `/metrics`.
+pub fn render_prometheus() -> String {
+    format!(
+        "# HELP iop_edge_access_log_dropped_lines_total Access log lines dropped because a writer's queue was full.\n\
+         # TYPE iop_edge_access_log_dropped_lines_total counter\n\
+         iop_edge_access_log_dropped_lines_total {}\n",
+        dropped_lines()
+    )
+}
+
+/// One shard's access log: lines go to its writer thread.
+#[derive(Debug, Clone)]
+pub struct AccessLog {
+    tx: Option<mpsc::SyncSender<String>>,
+    format: Format,
+}
+
+impl AccessLog {
+    /// No access log.
+    pub fn off() -> Self {
+        Self {
+            tx: None,
+            format: Format::Text,
+        }
+    }
+
+    /// Starts a writer thread for `spec` (none when it is off). A file is
+    /// opened here, so an unwritable path is an error at startup.
+    pub fn start(spec: &AccessLogSpec) -> std::io::Result<Self> {
+        let sink: Box<dyn std::io::Write + Send> = match &spec.destination {
+            Destination::Off => return Ok(Self::off()),
+            Destination::Stderr => Box::new(std::io::stderr()),
+            Destination::File(path) => Box::new(open_append(path)?),
+        };
+        Self::with_sink(sink, spec.format, ACCESS_LOG_BACKLOG)
+    }
+
+    fn with_sink(
+        sink: Box<dyn std::io::Write + Send>,
+        format: Format,
+        backlog: usize,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::sync_channel::<String>(backlog);
+        std::thread::Builder::new()
+            .name("iop-access-log".into())
+            .spawn(move || write_lines(rx, sink))?;
+        Ok(Self {
+            tx: Some(tx),
+            format,
+        })
+    }
+
+    /// Whether lines are written at all.
+    pub fn is_on(&self) -> bool {
+        self.tx.is_some()
+    }
+
+    /// The format lines are written in.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Queues `line` (never waits; a full queue drops it, counted).
+    pub fn write(&self, line: String) {
+        if let Some(tx) = &self.tx {
+            if tx.try_send(line).is_err() {
+                DROPPED.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Whether the access log file `path` can be opened for appending (it is
+/// created if missing): the reason, naming the path, when not.
+pub fn check_writable(path: &Path) -> Result<(), String> {
+    open_append(path)
+        .map(drop)
+        .map_err(|e| format!("cannot open {} for appending: {e}", path.display()))
+}
+
+fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .open(path)
+}
+
+/// The writer thread: each line in one `write` (appends of whole lines
+/// from several shards do not interleave), flushed when the queue is
+/// empty; ends when every sender is gone.
+fn write_lines(rx: mpsc::Receiver<String>, sink: Box<dyn std::io::Write + Send>) {
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
+    while let Ok(line) = rx.recv() {
+        let mut ok = out.write_all(line.as_bytes()).is_ok();
+        while let Ok(more) = rx.try_recv() {
+            ok &= out.write_all(more.as_bytes()).is_ok();
+        }
+        ok &= out.flush().is_ok();
+        if !ok {
+            // Nowhere to say it but the process log; once per burst.
+            tracing::warn!("access log write failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_the_clients_when_valid_else_minted() {
+        let ids = RequestIds::new(SplitMix64::new(7));
+        assert_eq!(
+            ids.for_request(Some(b"abc-123_x.y:z/+=@")),
+            "abc-123_x.y:z/+=@"
+        );
+        let uuid = b"0b8f7a4e-3c1d-4f5e-9a2b-7c6d5e4f3a2b";
+        assert_eq!(ids.for_request(Some(uuid)).as_bytes(), uuid);
+        let long = vec![b'a'; MAX_REQUEST_ID_BYTES];
+        assert_eq!(ids.for_request(Some(&long)).len(), MAX_REQUEST_ID_BYTES);
+        let too_long = vec![b'a'; MAX_REQUEST_ID_BYTES + 1];
+        for bad in [
+            &b""[..],
+            b"has space",
+            b"quote\"",
+            b"new\nline",
+            b"caf\xc3\xa9",
+            &too_long,
+        ] {
+            let minted = ids.for_request(Some(bad));
+            assert!(minted.starts_with("req_") && minted.len() == 36, "{minted}");
+            assert!(is_valid_request_id(minted.as_bytes()));
+        }
+        let a = ids.for_request(None);
+        let b = ids.for_request(None);
+        assert_ne!(a, b);
+        // A fixed seed gives fixed ids.
+        let again = RequestIds::new(SplitMix64::new(7));
+        assert_eq!(again.mint(), ids_first(7));
+    }
+
+    fn ids_first(seed: u64) -> String {
+        let mut rng = SplitMix64::new(seed);
+        format!("req_{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+    }
+
+    #[test]
+    fn timestamps_are_utc_rfc3339_with_milliseconds() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339_ms(1_796_197_014_999), "2026-12-02T07:36:54.999Z");
+        assert_eq!(rfc3339_ms(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    fn record() -> AccessRecord {
+        let mut r = AccessRecord::new("req-1".into(), "POST", "/v1/chat/completions", 42);
+        r.principal = "team a".into();
+        r.set_model("gpt-x");
+        r.attempt("node-a", "p1");
+        r.attempt("node-b", "p2");
+        r.usage(5, 7);
+        r.end("completed");
+        r.end("client_disconnect");
+        r
+    }
+
+    fn stats(read_at: Instant) -> ExchangeStats {
+        ExchangeStats {
+            status: Some(200),
+            bytes_out: 1234,
+            first_body_byte_at: Some(read_at + Duration::from_micros(12_345)),
+        }
+    }
+
+    #[test]
+    fn a_text_line_is_logfmt_with_every_field() {
+        let read_at = iop_engine::clock::now();
+        let line = record().line(
+            Format::Text,
+            0,
+            &stats(read_at),
+            read_at,
+            read_at + Duration::from_millis(500),
+        );
+        assert_eq!(
+            line,
+            "ts=1970-01-01T00:00:00.000Z request_id=req-1 principal=\"team a\" method=POST \
+             path=/v1/chat/completions model=gpt-x provider=node-b/p2 node=node-b status=200 \
+             outcome=completed attempts=2 ttft_ms=12.345 duration_ms=500.000 bytes_in=42 \
+             bytes_out=1234 prompt_tokens=5 completion_tokens=7\n"
+        );
+    }
+
+    #[test]
+    fn a_json_line_parses_with_nulls_for_what_is_unknown() {
+        let read_at = iop_engine::clock::now();
+        let bare = AccessRecord::new("req-2".into(), "GET", "/nope", 0);
+        let line = bare.line(
+            Format::Json,
+            0,
+            &ExchangeStats {
+                status: Some(404),
+                bytes_out: 99,
+                first_body_byte_at: None,
+            },
+            read_at,
+            read_at,
+        );
+        assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "ts": "1970-01-01T00:00:00.000Z", "request_id": "req-2",
+                "principal": "anonymous", "method": "GET", "path": "/nope",
+                "model": null, "provider": null, "node": null, "status": 404,
+                "outcome": "error", "attempts": 0, "ttft_ms": null, "duration_ms": 0.0,
+                "bytes_in": 0, "bytes_out": 99, "prompt_tokens": null,
+                "completion_tokens": null
+            })
+        );
+    }
+
+    #[test]
+    fn models_are_cut_to_a_bounded_length() {
+        let mut r = AccessRecord::default();
+        r.set_model(&"é".repeat(100));
+        let model = r.model.unwrap();
+        assert!(model.len() <= MAX_LOGGED_MODEL_BYTES && model.chars().all(|c| c == 'é'));
+    }
+
+    /// A sink whose first write reports itself and then blocks until
+    /// released.
+    struct Stuck {
+        entered: mpsc::Sender<()>,
+        release: mpsc::Receiver<()>,
+    }
+
+    impl std::io::Write for Stuck {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let _ = self.entered.send(());
+            let _ = self.release.recv();
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stuck_writer_costs_lines_not_the_shard() {
+        let (entered, writing) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        let sink = Stuck {
+            entered,
+            release: released,
+        };
+        let log = AccessLog::with_sink(Box::new(sink), Format::Text, 4).unwrap();
+        let before = dropped_lines();
+        log.write("first\n".into());
+        // The buffered writer passes a line to the sink only when flushing.
+        writing.recv().unwrap();
+        // The writer is stuck in the sink: 4 lines queue, 3 are dropped, and
+        // no write waits.
+        for i in 0..7 {
+            log.write(format!("line {i}\n"));
+        }
+        assert_eq!(dropped_lines() - before, 3);
+        drop(release);
+    }
+
+    #[test]
+    fn a_file_destination_gets_whole_lines() {
+        let dir = std::env::temp_dir().join(format!("iop-access-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("access.log");
+        let _ = std::fs::remove_file(&path);
+        let log = AccessLog::start(&AccessLogSpec {
+            destination: Destination::File(path.clone()),
+            format: Format::Json,
+        })
+        .unwrap();
+        assert!(log.is_on());
+        log.write("{\"a\":1}\n".into());
+        log.write("{\"a\":2}\n".into());
+        drop(log);
+        // The writer ends with its last sender; give it a moment.
+        let mut text = String::new();
+        for _ in 0..200 {
+            text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.lines().count() == 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(text, "{\"a\":1}\n{\"a\":2}\n");
+        assert!(!AccessLog::off().is_on());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
