@@ -64,7 +64,8 @@ def _pump(stream, sink: list, ready_box: dict, event: threading.Event) -> None:
     event.set()
 
 
-def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool = True) -> Proc:
+def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool = True,
+          cwd: str | Path | None = None) -> Proc:
     full_env = dict(os.environ)
     full_env.setdefault("RUST_LOG", "info")
     if env:
@@ -75,6 +76,7 @@ def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool 
         stderr=subprocess.STDOUT,
         text=True,
         env=full_env,
+        cwd=cwd,
     )
     proc = Proc(name, popen)
     event = threading.Event()
