@@ -47,7 +47,10 @@ def fresh_clone_examples(root: Path) -> None:
 
 
 def port_free(port: int) -> bool:
+    """True when nothing listens on the port (connections of an earlier run
+    lingering in TIME_WAIT do not count: the Edge binds past them too)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
