@@ -6,23 +6,44 @@
 #   scripts/demo.sh                 # client API on 127.0.0.1:8080
 #   IOP_DEMO_PORT=9090 scripts/demo.sh
 #   IOP_DEMO_CORES=0-1 scripts/demo.sh   # both binaries on two cores (--cores)
+#   IOP_DEMO_DIR=/tmp/demo scripts/demo.sh   # configs, certificates and logs there
+#   IOP_DEMO_PROFILE=dev scripts/demo.sh     # debug binaries (faster to build)
+#
+# The binaries are built into cargo's target directory (CARGO_TARGET_DIR or
+# build.target-dir are honoured). The configs, certificates and the three
+# logs (mock.log, edge.log, node.log) stay in the demo directory after exit;
+# its path is printed at the start and at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 port=${IOP_DEMO_PORT:-8080}
 cores=${IOP_DEMO_CORES:-0}
-echo "==> building release binaries (first build takes a few minutes)"
-cargo build --release --bins --quiet
-bin=$PWD/target/release
+profile=${IOP_DEMO_PROFILE:-release}
+case $profile in
+  release) profile_dir=release ;;
+  dev) profile_dir=debug ;;
+  *) echo "IOP_DEMO_PROFILE must be release or dev, not $profile" >&2; exit 2 ;;
+esac
+echo "==> building $profile binaries (the first release build takes a few minutes)"
+cargo build --profile "$profile" --bins --quiet
+target_dir=$(cargo metadata --format-version 1 --no-deps \
+  | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+bin=$target_dir/$profile_dir
+echo "==> binaries from $bin"
 
-work=$(mktemp -d -t iop-demo.XXXXXX)
+if [ -n "${IOP_DEMO_DIR:-}" ]; then
+  work=$IOP_DEMO_DIR
+  mkdir -p "$work"
+else
+  work=$(mktemp -d -t iop-demo.XXXXXX)
+fi
+echo "==> configs, certificates and logs in $work"
 pids=()
 cleanup() {
   trap - EXIT INT TERM
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$work"
-  echo "==> stopped"
+  echo "==> stopped; logs kept in $work (mock.log, edge.log, node.log)"
 }
 trap cleanup EXIT
 trap 'exit 0' INT TERM

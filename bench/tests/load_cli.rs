@@ -16,6 +16,10 @@ struct Mock {
 
 impl Mock {
     fn start() -> Mock {
+        Self::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Mock {
         let mut child = Command::new(env!("CARGO_BIN_EXE_bench"))
             .args([
                 "mock-provider",
@@ -26,6 +30,7 @@ impl Mock {
                 "--inter-token-ms",
                 "2",
             ])
+            .args(extra)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -57,6 +62,7 @@ fn load(args: &[&str]) -> Value {
         .arg("load")
         .args(args)
         .args(["--json", "-", "--quiet", "--drain-s", "60"])
+        .env_remove("IOP_API_KEY")
         .stdin(Stdio::null())
         .output()
         .expect("run bench load");
@@ -190,4 +196,36 @@ fn non_streamed_completions_count_one_chunk_each() {
     assert_eq!(count(&s["ttft"], "count"), ok);
     assert_eq!(count(&s["chunk_latency"], "count"), ok);
     assert_eq!(count(&s["inter_chunk_gap"], "count"), 0);
+}
+
+// `--api-key` reaches a server that wants one (an Edge with
+// `[[client_keys]]`; here the mock with `--require-api-key`): every request
+// succeeds with it, none without it.
+#[test]
+fn the_api_key_is_sent_with_every_request() {
+    const KEY: &str = "sk-load-7c3e91";
+    let mock = Mock::start_with(&["--require-api-key", KEY]);
+    let url = format!("http://{}", mock.addr);
+    let args = [
+        "--url",
+        &url,
+        "--model",
+        "m",
+        "--rate",
+        "50",
+        "--duration-s",
+        "0.1",
+        "--tokens",
+        "3",
+    ];
+    let with_key = load(&[&args[..], &["--api-key", KEY]].concat());
+    assert_eq!(count(&with_key, "requests_started"), 5, "{with_key}");
+    assert_counts_add_up(&with_key, 3);
+    let without = load(&args);
+    assert_eq!(count(&without, "requests_ok"), 0, "{without}");
+    assert_eq!(count(&without, "errors_total"), 5, "{without}");
+    assert!(
+        without["first_error"].as_str().unwrap().contains("401"),
+        "{without}"
+    );
 }

@@ -13,6 +13,12 @@
 //!            └── no answer within COMMAND_WAIT ─► 504
 //! ```
 //!
+//! Who may send them ([`authorize`]): with `[[client_keys]]` configured, a
+//! key with `scopes = ["admin"]` (another key: 403 `admin_scope_required`;
+//! none or an unknown one: 401 as on every route); without client keys,
+//! only a peer on a loopback address (another: 403 `admin_loopback_only`),
+//! whatever address the client listener is bound to.
+//!
 //! Only dispatch-ready owners receive commands (X6). An answer counts only
 //! when it arrives on the connection the command went to. The pending table
 //! is per shard (the Edge's state is core-local): the command id names the
@@ -21,6 +27,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -32,6 +39,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::control::ConnId;
+use crate::credentials::Authority;
 use crate::state::Edge;
 
 /// Path prefix of the route.
@@ -105,6 +113,25 @@ fn command_type(kind: &str) -> Option<pb::CommandType> {
 fn error(status: u16, code: &str, message: &str) -> (u16, Bytes) {
     let body = json!({"error": {"message": message, "type": "admin_error", "code": code}});
     (status, Bytes::from(body.to_string()))
+}
+
+/// Whether a request let in as `authority` from `peer` may use the admin
+/// routes; the refusal is the status and JSON body to answer with.
+pub fn authorize(authority: Authority, peer: Option<IpAddr>) -> Result<(), (u16, Bytes)> {
+    match authority {
+        Authority::Key { admin: true } => Ok(()),
+        Authority::Key { admin: false } => Err(error(
+            403,
+            "admin_scope_required",
+            "this API key may not use /admin: give it scopes = [\"admin\"] in [[client_keys]]",
+        )),
+        Authority::Anonymous if peer.is_some_and(|ip| ip.to_canonical().is_loopback()) => Ok(()),
+        Authority::Anonymous => Err(error(
+            403,
+            "admin_loopback_only",
+            "without [[client_keys]] /admin answers loopback clients only",
+        )),
+    }
 }
 
 /// Handles `POST {path}` with `body`; returns the status and JSON body.
@@ -292,6 +319,38 @@ pub fn response_json(resp: &pb::NodeCommandResponse) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admin_needs_the_scope_or_a_loopback_peer() {
+        let code = |r: Result<(), (u16, Bytes)>| {
+            r.map_err(|(status, body)| {
+                let v: Value = serde_json::from_slice(&body).unwrap();
+                (status, v["error"]["code"].as_str().unwrap().to_owned())
+            })
+        };
+        let remote: IpAddr = "192.0.2.7".parse().unwrap();
+        let loopback: IpAddr = "127.0.0.1".parse().unwrap();
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        let mapped_remote: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
+        assert_eq!(
+            authorize(Authority::Key { admin: true }, Some(remote)),
+            Ok(())
+        );
+        assert_eq!(
+            code(authorize(Authority::Key { admin: false }, Some(loopback))),
+            Err((403, "admin_scope_required".into()))
+        );
+        for ip in [loopback, mapped, "::1".parse().unwrap()] {
+            assert_eq!(authorize(Authority::Anonymous, Some(ip)), Ok(()), "{ip}");
+        }
+        for peer in [Some(remote), Some(mapped_remote), None] {
+            assert_eq!(
+                code(authorize(Authority::Anonymous, peer)),
+                Err((403, "admin_loopback_only".into())),
+                "{peer:?}"
+            );
+        }
+    }
 
     #[test]
     fn command_paths() {

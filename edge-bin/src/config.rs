@@ -304,7 +304,13 @@ pub struct ClientKeySpec {
     pub principal: String,
     /// blake3 of the key bytes.
     pub key_hash: [u8; 32],
+    /// `scopes = ["admin"]`: the key may also use the `/admin` routes.
+    /// Every key may use the inference routes, `/v1/models` and `/status`.
+    pub admin: bool,
 }
+
+/// The only scope a client key may name: the `/admin` routes.
+pub const ADMIN_SCOPE: &str = "admin";
 
 /// The `[edge]` table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1121,6 +1127,8 @@ struct RawSlot {
 struct RawClientKey {
     principal: String,
     key_hash: String,
+    #[serde(default)]
+    scopes: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1558,9 +1566,20 @@ impl Validator<'_> {
                     format!("the same key is also client_keys[{first}]"),
                 ));
             }
+            let mut admin = false;
+            for (j, scope) in raw_key.scopes.iter().enumerate() {
+                if scope != ADMIN_SCOPE {
+                    return Err(self.err(
+                        format!("{key}.scopes[{j}]"),
+                        format!("unknown scope {scope:?}; the only scope is \"{ADMIN_SCOPE}\""),
+                    ));
+                }
+                admin = true;
+            }
             keys.push(ClientKeySpec {
                 principal: raw_key.principal,
                 key_hash,
+                admin,
             });
         }
         Ok(keys)
@@ -3488,6 +3507,7 @@ providers = ["node-a/a-llama"]
             vec![ClientKeySpec {
                 principal: "team-a".into(),
                 key_hash,
+                admin: false,
             }]
         );
         // Without [credentials] a recipient key is inert: no lease required.
@@ -3766,6 +3786,21 @@ providers = ["node-a/a-llama"]
             error(&twice),
             "conf/edge.toml: client_keys[1].key_hash: the same key is also client_keys[0]"
         );
+        let with_scope = |scopes: &str| {
+            managed("").replacen(
+                "principal = \"team-a\"",
+                &format!("principal = \"team-a\"\nscopes = {scopes}"),
+                1,
+            )
+        };
+        assert_eq!(
+            error(&with_scope("[\"admin\", \"root\"]")),
+            format!("{key}.scopes[1]: unknown scope \"root\"; the only scope is \"admin\"")
+        );
+        let admin = parse(&with_scope("[\"admin\"]")).unwrap();
+        assert!(admin.client_keys[0].admin);
+        let none = parse(&with_scope("[]")).unwrap();
+        assert!(!none.client_keys[0].admin);
     }
 
     #[test]

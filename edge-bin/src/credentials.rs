@@ -47,7 +47,7 @@ use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
 use ed25519_dalek::SigningKey;
@@ -89,17 +89,73 @@ pub fn client_key_hash_hex(key: &[u8]) -> String {
 
 /// The configured client API keys, by hash. Empty = the surface is open and
 /// every request runs as [`ANONYMOUS_PRINCIPAL`].
-#[derive(Clone, Default)]
+///
+/// Clones share one table: the shards of an Edge hold clones, and
+/// [`ClientKeys::replace`] (SIGHUP) swaps the keys for all of them at once.
+/// Each request is authenticated against the table as it is when its head
+/// has been read; a request already authenticated runs on under a key
+/// revoked after that.
+#[derive(Clone)]
 pub struct ClientKeys {
-    principal_by_hash: HashMap<[u8; 32], String>,
+    table: Arc<RwLock<HashMap<[u8; 32], Caller>>>,
+    anonymous: Caller,
+}
+
+impl Default for ClientKeys {
+    fn default() -> Self {
+        Self {
+            table: Arc::default(),
+            anonymous: Caller {
+                principal: Arc::from(ANONYMOUS_PRINCIPAL),
+                authority: Authority::Anonymous,
+            },
+        }
+    }
 }
 
 impl fmt::Debug for ClientKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientKeys")
-            .field("keys", &self.principal_by_hash.len())
+            .field("keys", &self.len())
             .finish()
     }
+}
+
+/// Who sent a request: the principal of its client key and what the key
+/// may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The principal bound into every lease issued for the request.
+    pub principal: Arc<str>,
+    /// How the request was let in.
+    pub authority: Authority,
+}
+
+/// How a request was let in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Authority {
+    /// No client keys are configured: every request is let in as
+    /// [`ANONYMOUS_PRINCIPAL`] (the `/admin` routes then answer loopback
+    /// peers only).
+    Anonymous,
+    /// A configured client key.
+    Key {
+        /// The key has `scopes = ["admin"]`: it may use the `/admin` routes.
+        admin: bool,
+    },
+}
+
+/// What [`ClientKeys::replace`] changed, by key (no key or hash appears).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeysChange {
+    /// Keys now configured.
+    pub keys: usize,
+    /// Keys that were not configured before.
+    pub added: usize,
+    /// Keys no longer configured: their next request gets 401.
+    pub revoked: usize,
+    /// Keys still configured whose principal or scopes changed.
+    pub changed: usize,
 }
 
 /// Why a client request was not authenticated (401).
@@ -146,27 +202,66 @@ impl AuthError {
 impl ClientKeys {
     /// The keys of `[[client_keys]]`.
     pub fn from_config(specs: &[ClientKeySpec]) -> Self {
-        Self {
-            principal_by_hash: specs
+        let keys = Self::default();
+        keys.replace(specs);
+        keys
+    }
+
+    fn table_of(specs: &[ClientKeySpec]) -> HashMap<[u8; 32], Caller> {
+        specs
+            .iter()
+            .map(|k| {
+                let caller = Caller {
+                    principal: Arc::from(k.principal.as_str()),
+                    authority: Authority::Key { admin: k.admin },
+                };
+                (k.key_hash, caller)
+            })
+            .collect()
+    }
+
+    /// Makes `specs` the configured keys, for every clone (SIGHUP): keys
+    /// not in `specs` are refused from the next request on, new ones
+    /// accepted; requests already authenticated are not affected.
+    pub fn replace(&self, specs: &[ClientKeySpec]) -> KeysChange {
+        let next = Self::table_of(specs);
+        let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
+        let change = KeysChange {
+            keys: next.len(),
+            added: next.keys().filter(|h| !table.contains_key(*h)).count(),
+            revoked: table.keys().filter(|h| !next.contains_key(*h)).count(),
+            changed: next
                 .iter()
-                .map(|k| (k.key_hash, k.principal.clone()))
-                .collect(),
-        }
+                .filter(|(h, caller)| table.get(*h).is_some_and(|old| old != *caller))
+                .count(),
+        };
+        *table = next;
+        change
+    }
+
+    fn len(&self) -> usize {
+        self.table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// The caller of a route that needs no key (`/livez`, `/readyz`,
+    /// `/metrics`).
+    pub fn anonymous(&self) -> Caller {
+        self.anonymous.clone()
     }
 
     /// True when requests must present a key.
     pub fn is_enabled(&self) -> bool {
-        !self.principal_by_hash.is_empty()
+        self.len() > 0
     }
 
-    /// The principal of a request with `headers`: [`ANONYMOUS_PRINCIPAL`]
+    /// The caller of a request with `headers`: [`ANONYMOUS_PRINCIPAL`]
     /// when no keys are configured; otherwise the principal of the key in
     /// `Authorization: Bearer <key>` (or, when `x_api_key`, in
     /// `x-api-key: <key>`).
-    pub fn authenticate(&self, headers: &[Header], x_api_key: bool) -> Result<&str, AuthError> {
-        if !self.is_enabled() {
-            return Ok(ANONYMOUS_PRINCIPAL);
-        }
+    pub fn authenticate(&self, headers: &[Header], x_api_key: bool) -> Result<Caller, AuthError> {
         let bearer = headers
             .iter()
             .filter(|h| h.name.eq_ignore_ascii_case("authorization"))
@@ -175,14 +270,18 @@ impl ClientKeys {
             .iter()
             .filter(|h| x_api_key && h.name.eq_ignore_ascii_case("x-api-key"))
             .map(|h| Some(&h.value[..]));
+        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
+        if table.is_empty() {
+            return Ok(self.anonymous.clone());
+        }
         let mut presented = false;
         for candidate in bearer.chain(api_key) {
             presented = true;
             let Some(key) = candidate.filter(|k| !k.is_empty()) else {
                 continue;
             };
-            if let Some(principal) = self.principal_by_hash.get(&hash_client_key(key)) {
-                return Ok(principal);
+            if let Some(caller) = table.get(&hash_client_key(key)) {
+                return Ok(caller.clone());
             }
         }
         Err(if presented {
@@ -1295,6 +1394,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
         let keys = ClientKeys::from_config(&[ClientKeySpec {
             principal: "team-a".into(),
             key_hash: hash_client_key(b"k"),
+            admin: false,
         }]);
         assert_eq!(format!("{keys:?}"), "ClientKeys { keys: 1 }");
     }
@@ -1326,24 +1426,33 @@ providers = ["node-a/gpt", "node-b/gpt"]
     fn client_keys_map_keys_to_principals() {
         let open = ClientKeys::default();
         assert!(!open.is_enabled());
-        assert_eq!(open.authenticate(&[], false), Ok(ANONYMOUS_PRINCIPAL));
+        let anonymous = Caller {
+            principal: ANONYMOUS_PRINCIPAL.into(),
+            authority: Authority::Anonymous,
+        };
+        assert_eq!(open.authenticate(&[], false), Ok(anonymous));
+        let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
+            principal: principal.into(),
+            key_hash: hash_client_key(key),
+            admin,
+        };
+        let caller = |principal: &str, admin: bool| {
+            Ok(Caller {
+                principal: principal.into(),
+                authority: Authority::Key { admin },
+            })
+        };
         let keys = ClientKeys::from_config(&[
-            ClientKeySpec {
-                principal: "team-a".into(),
-                key_hash: hash_client_key(b"key-a"),
-            },
-            ClientKeySpec {
-                principal: "team-b".into(),
-                key_hash: hash_client_key(b"key-b"),
-            },
+            spec("team-a", b"key-a", false),
+            spec("team-b", b"key-b", true),
         ]);
         assert_eq!(
             keys.authenticate(&[header("Authorization", "Bearer key-a")], false),
-            Ok("team-a")
+            caller("team-a", false)
         );
         assert_eq!(
             keys.authenticate(&[header("authorization", "bearer  key-b")], false),
-            Ok("team-b")
+            caller("team-b", true)
         );
         assert_eq!(keys.authenticate(&[], false), Err(AuthError::Missing));
         assert_eq!(
@@ -1365,11 +1474,66 @@ providers = ["node-a/gpt", "node-b/gpt"]
         );
         assert_eq!(
             keys.authenticate(&[header("x-api-key", "key-b")], true),
-            Ok("team-b")
+            caller("team-b", true)
         );
         assert_eq!(
             client_key_hash_hex(b"key-a"),
             blake3::hash(b"key-a").to_hex().to_string()
+        );
+    }
+
+    // A replace reaches every clone: a revoked key is refused from the
+    // next request on, an added one accepted, a changed scope applied.
+    #[test]
+    fn replacing_keys_reaches_every_clone() {
+        let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
+            principal: principal.into(),
+            key_hash: hash_client_key(key),
+            admin,
+        };
+        let keys = ClientKeys::from_config(&[
+            spec("team-a", b"key-a", false),
+            spec("team-b", b"key-b", false),
+        ]);
+        let shard = keys.clone();
+        let change = keys.replace(&[
+            spec("team-b", b"key-b", true),
+            spec("team-c", b"key-c", false),
+        ]);
+        assert_eq!(
+            change,
+            KeysChange {
+                keys: 2,
+                added: 1,
+                revoked: 1,
+                changed: 1
+            }
+        );
+        let bearer = |key: &str| [header("authorization", &format!("Bearer {key}"))];
+        assert_eq!(
+            shard.authenticate(&bearer("key-a"), false),
+            Err(AuthError::Invalid)
+        );
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-c"), false)
+                .map(|c| c.principal),
+            Ok("team-c".into())
+        );
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-b"), false)
+                .map(|c| c.authority),
+            Ok(Authority::Key { admin: true })
+        );
+        // Removing every key opens the surface again.
+        assert_eq!(keys.replace(&[]).revoked, 2);
+        assert!(!shard.is_enabled());
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-b"), false)
+                .map(|c| c.authority),
+            Ok(Authority::Anonymous)
         );
     }
 

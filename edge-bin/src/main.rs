@@ -206,27 +206,34 @@ fn control_setup(
     Ok((shutdown, force, hup))
 }
 
-/// SIGHUP reloads the configuration and pushes refreshes to ready nodes
-/// (K3), and reloads the node-link and client-listener certificates; an
-/// invalid file keeps the running configuration (and a bad certificate the
-/// running certificate).
+/// SIGHUP reloads the configuration: client keys apply at once, refreshes
+/// go to ready nodes (K3), and the node-link and client-listener
+/// certificates are re-read; an invalid file keeps the running
+/// configuration (and a bad certificate the running certificate).
+///
+/// `started` is what the process started with: the sections a reload does
+/// not apply are compared against it on every reload, so the "needs a
+/// restart" warning repeats for as long as the file differs from what
+/// runs. `loaded` follows the last valid file (the applied sections and
+/// the certificate paths).
 fn spawn_reloader(
     edge: Rc<edge_bin::state::Edge>,
     tls: (Option<EdgeTlsAcceptor>, Option<HttpsAcceptor>),
-    mut current: EdgeConfig,
+    started: EdgeConfig,
     path: std::path::PathBuf,
     mut hup: SignalPipe,
 ) {
     monoio::spawn(async move {
         let mut revision = 1u64;
+        let mut loaded = started.clone();
         while hup.recv().await.is_ok() {
             revision += 1;
             notify::notify(notify::State::reloading_now());
-            let reloaded = server::reload(&edge, &current, &path, revision);
+            let reloaded = server::reload(&edge, &started, &path, revision);
             // Certificates rotate even when the rest of the file is refused.
             let certificates = match &reloaded {
                 Ok((next, _)) => next,
-                Err(_) => &current,
+                Err(_) => &loaded,
             };
             server::reload_tls(certificates, tls.0.as_ref(), tls.1.as_ref());
             match reloaded {
@@ -235,6 +242,10 @@ fn spawn_reloader(
                         revision,
                         refreshed = ?report.refreshed,
                         deferred = ?report.deferred,
+                        client_keys = report.client_keys.keys,
+                        client_keys_added = report.client_keys.added,
+                        client_keys_revoked = report.client_keys.revoked,
+                        client_keys_changed = report.client_keys.changed,
                         "configuration reloaded"
                     );
                     if !report.unsent.is_empty() {
@@ -250,7 +261,7 @@ fn spawn_reloader(
                             "these changes need a restart and were not applied"
                         );
                     }
-                    current = next;
+                    loaded = next;
                 }
                 Err(e) => tracing::error!(
                     error = %e,

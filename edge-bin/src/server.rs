@@ -15,7 +15,7 @@ use monoio::net::TcpListener;
 use crate::access::AccessLog;
 use crate::config::{self, EdgeConfig};
 use crate::control::{self, Control, ControlSpec, DispatchKind};
-use crate::credentials::{ClientKeys, CredentialPlane};
+use crate::credentials::{ClientKeys, CredentialPlane, KeysChange};
 use crate::openai::ModelEntry;
 use crate::shards::{Lifecycle, MeshPort, Outbox};
 use crate::state::{Edge, Settings, CONTROL_SHARD};
@@ -115,18 +115,30 @@ pub struct ReloadReport {
     pub unsent: Vec<String>,
     /// Sections whose changes need a restart and were not applied.
     pub restart_required: Vec<&'static str>,
+    /// What the new `[[client_keys]]` changed (applied at once).
+    pub client_keys: KeysChange,
 }
 
 /// Reloads the configuration file (SIGHUP). An invalid file changes nothing
-/// and returns its error. Otherwise each node's new adapter config replaces
-/// the one pushed at registration, and nodes whose config changed get a
-/// `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
-/// Changes to the listeners, TLS files, nodes, providers, models,
-/// credentials or client keys are reported as needing a restart and are not
-/// applied.
+/// and returns its error. Otherwise:
+///
+/// - `[[client_keys]]` replace the running keys on every shard: a removed
+///   key gets 401 from its next request on (requests already let in under
+///   it run to their end), an added key works at once, scopes follow.
+/// - Each node's new adapter config replaces the one pushed at
+///   registration, and nodes whose config changed get a
+///   `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
+/// - Changes to the listeners (`[edge]`), TLS added or removed, nodes,
+///   providers, models or `[credentials]` are reported as needing a
+///   restart and are not applied.
+///
+/// `running` is the configuration the process started with: those
+/// sections are never applied by a reload, so it is what runs for them,
+/// and every reload whose file still differs from it reports them again.
+/// (Certificates are [`reload_tls`]'s.)
 pub fn reload(
     edge: &Edge,
-    current: &EdgeConfig,
+    running: &EdgeConfig,
     path: &std::path::Path,
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
@@ -141,24 +153,23 @@ pub fn reload(
             .collect();
         format!("{nodes:?} {:?}", spec.models)
     };
-    if topology(current) != topology(&next) {
+    if topology(running) != topology(&next) {
         report.restart_required.push("nodes, providers or models");
     }
     // Certificates are reloaded by `reload_tls` (from the new paths too);
     // turning TLS on or off on a listener needs a restart.
-    if current.edge != next.edge
-        || current.tls.is_some() != next.tls.is_some()
-        || current.client_tls.is_some() != next.client_tls.is_some()
+    if running.edge != next.edge
+        || running.tls.is_some() != next.tls.is_some()
+        || running.client_tls.is_some() != next.client_tls.is_some()
     {
         report
             .restart_required
             .push("[edge], or [tls] / [edge.client_tls] added or removed");
     }
-    if current.credentials != next.credentials || current.client_keys != next.client_keys {
-        report
-            .restart_required
-            .push("[credentials] or [[client_keys]]");
+    if running.credentials != next.credentials {
+        report.restart_required.push("[credentials]");
     }
+    report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
     // Leases issued from here on are bound to the new origins and paths.
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
@@ -314,6 +325,8 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
 pub struct ShardedEdge {
     cfg: EdgeConfig,
     credentials: Option<Arc<CredentialPlane>>,
+    /// One table for every shard, so a reload reaches them all.
+    client_keys: ClientKeys,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -393,6 +406,7 @@ impl ShardedEdge {
             })
             .collect();
         Ok(Self {
+            client_keys: ClientKeys::from_config(&cfg.client_keys),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -454,6 +468,7 @@ impl ShardedEdge {
         let outbox = (count > 1).then(|| Outbox::new(part.port.peers));
         let mut settings = settings(&self.cfg, self.credentials.clone());
         settings.client_tls = self.client_tls.clone();
+        settings.client_keys = self.client_keys.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {
@@ -774,6 +789,7 @@ mod tests {
                 deferred: vec!["node-a".into()],
                 unsent: vec!["node-b".into()],
                 restart_required: vec![],
+                client_keys: KeysChange::default(),
             }
         );
         std::fs::remove_dir_all(&dir).unwrap();

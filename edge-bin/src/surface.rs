@@ -28,7 +28,7 @@ use crate::body_json::JsonLimits;
 use crate::control::{
     AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
 };
-use crate::credentials::{CredentialError, LeaseRequest, ANONYMOUS_PRINCIPAL};
+use crate::credentials::{Caller, CredentialError, LeaseRequest};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::shards::NodeRequest;
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
@@ -116,10 +116,12 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     // Taken from the TCP socket before any TLS wraps it.
     let deadline = Deadline::spawn(&tcp);
+    // The `/admin` routes of an Edge without client keys answer loopback
+    // peers only.
+    let peer = tcp.peer_addr().ok().map(|a| a.ip());
     let stream: ListenerStream = match &edge.settings.client_tls {
         None => MaybeTls::Plain(tcp),
         Some(tls) => {
-            let peer = tcp.peer_addr().ok();
             // An expired handshake deadline shuts the socket down, and the
             // handshake fails on its own (a TLS read is never cancelled).
             deadline.arm(
@@ -191,8 +193,8 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         }
         // Client API keys: with keys configured, every route but the probes
         // and the metrics scrape needs one (401 in the route's shape).
-        let principal = match authenticate(&edge, &path, &head.headers) {
-            Ok(principal) => principal,
+        let caller = match authenticate(&edge, &path, &head.headers) {
+            Ok(caller) => caller,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
                 server.log_access(&edge);
@@ -202,6 +204,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 continue;
             }
         };
+        let principal = &*caller.principal;
         server.rec.principal = principal.to_owned();
         let result = match (method, path.as_str()) {
             ("GET", "/v1/models") => {
@@ -280,7 +283,10 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     .await
             }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                let (status, body) = crate::admin::handle(&edge, p, &body).await;
+                let (status, body) = match crate::admin::authorize(caller.authority, peer) {
+                    Ok(()) => crate::admin::handle(&edge, p, &body).await,
+                    Err(refused) => refused,
+                };
                 write_json(&mut server, status, body).await
             }
             ("GET", "/readyz") if edge.is_draining() => {
@@ -354,13 +360,13 @@ fn write_stalled(edge: &Edge, method: &str, path: &str) {
 /// `/metrics`) need no key; the others need a configured client key when
 /// there are any. The error carries the shape to answer in (Anthropic on
 /// `/v1/messages*`, which also accept `x-api-key`).
-fn authenticate<'e>(
-    edge: &'e Edge,
+fn authenticate(
+    edge: &Edge,
     path: &str,
     headers: &[iop_engine::http::Header],
-) -> Result<&'e str, (Surface, ApiError)> {
+) -> Result<Caller, (Surface, ApiError)> {
     if matches!(path, "/livez" | "/readyz" | "/metrics") {
-        return Ok(ANONYMOUS_PRINCIPAL);
+        return Ok(edge.settings.client_keys.anonymous());
     }
     let anthropic = path.starts_with(MESSAGES.path);
     let surface = if anthropic {

@@ -64,7 +64,8 @@ def _pump(stream, sink: list, ready_box: dict, event: threading.Event) -> None:
     event.set()
 
 
-def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool = True) -> Proc:
+def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool = True,
+          cwd: str | Path | None = None) -> Proc:
     full_env = dict(os.environ)
     full_env.setdefault("RUST_LOG", "info")
     if env:
@@ -75,6 +76,7 @@ def start(name: str, argv: list[str], env: dict | None = None, wait_ready: bool 
         stderr=subprocess.STDOUT,
         text=True,
         env=full_env,
+        cwd=cwd,
     )
     proc = Proc(name, popen)
     event = threading.Event()
@@ -114,6 +116,11 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05, wha
     raise TimeoutError(f"timed out waiting for {what} (last error: {last_error})")
 
 
+def _client_key(entry) -> str:
+    """The key of a Cluster client_keys entry (a key, or a dict with one)."""
+    return entry["key"] if isinstance(entry, dict) else entry
+
+
 # Models a Cluster(ollama=True) adds: served by Ollama-kind providers only,
 # and by an OpenAI-compatible and an Ollama provider together (U7).
 OLLAMA_MODEL = "iop-ollama-model"
@@ -128,7 +135,7 @@ class Cluster:
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
                  credentials=None, client_keys=None, cores="0", edge_extra=(),
-                 provider_tls=None, client_tls=False, tls_fixtures=False):
+                 provider_tls=None, client_tls=False, tls_fixtures=False, client_listen="127.0.0.1:0"):
         # provider_tls: serve the mock over HTTPS with this `bench
         # tls-fixtures` certificate ("https", "wrong-host", "expired",
         # "unknown-ca"); every adapter then uses https://localhost:<port> with
@@ -162,13 +169,15 @@ class Cluster:
         # variable instead) and optional "header", "format" and "slot_extra"
         # (extra TOML lines of the slot). Every node gets a recipient key and its "mock-1"
         # provider is served by slot "mock-key". client_keys: {principal:
-        # key}; requests then need `Authorization: Bearer <key>` (the
-        # harness's own /status calls send the first key).
+        # key} or {principal: {"key": key, "scopes": [...]}}; requests then
+        # need `Authorization: Bearer <key>` (the harness's own /status calls
+        # send the first key). client_listen: the Edge's edge.client_listen.
         self.credentials = credentials
         self.edge_env = dict(edge_env or {})
         if credentials is not None and "secret_env" in credentials:
             self.edge_env[credentials["secret_env"]] = credentials["secret"]
         self.client_keys = dict(client_keys or {})
+        self.client_listen = client_listen
         self.recipient_key_path: dict[str, str] = {}
         self.provider_extra = list(provider_extra)
         self.reconnect = reconnect
@@ -280,7 +289,7 @@ class Cluster:
         """The Authorization header of the first client key, if any."""
         if not self.client_keys:
             return {}
-        return {"authorization": f"Bearer {next(iter(self.client_keys.values()))}"}
+        return {"authorization": f"Bearer {_client_key(next(iter(self.client_keys.values())))}"}
 
     def credentials_config(self) -> list[str]:
         out = []
@@ -297,8 +306,10 @@ class Cluster:
                 "providers = [" + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
             ] + list(self.credentials.get("slot_extra", ()))
         for principal, key in self.client_keys.items():
-            key_hash = run_bin(["edge-bin", "keys", "hash-client-key"], stdin=key + "\n")
+            key_hash = run_bin(["edge-bin", "keys", "hash-client-key"], stdin=_client_key(key) + "\n")
             out += ["[[client_keys]]", f'principal = "{principal}"', f'key_hash = "{key_hash}"']
+            if isinstance(key, dict) and key.get("scopes"):
+                out.append("scopes = [" + ", ".join(f'"{s}"' for s in key["scopes"]) + "]")
         return out
 
     def edge_config(self, mock_addr: str) -> str:
@@ -307,7 +318,7 @@ class Cluster:
             "[edge]",
             'name = "edge-1"',
             'trust_domain = "iop.test"',
-            'client_listen = "127.0.0.1:0"',
+            f'client_listen = "{self.client_listen}"',
             'node_listen = "127.0.0.1:0"',
         ] + self.edge_extra
         if self.client_tls:

@@ -363,6 +363,7 @@ fn window_spec(
         cores: crate::load::cli::load_cores(opts.load_cores.as_deref())
             .map_err(CompareError::Options)?,
         max_in_flight: opts.concurrency,
+        api_key: None,
         progress: false,
         stop: Arc::clone(stop),
     })
@@ -625,6 +626,7 @@ fn run_ladder(
                 gap_limit_ns: Some(gap_limit_ms * 1_000_000),
                 cores: cores.clone(),
                 max_in_flight: streams,
+                api_key: None,
                 progress: false,
                 stop: Arc::clone(stop),
             };

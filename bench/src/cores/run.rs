@@ -174,6 +174,7 @@ fn window_spec(
         cores: crate::load::cli::load_cores(opts.load_cores.as_deref())
             .map_err(CompareError::Options)?,
         max_in_flight: opts.concurrency,
+        api_key: None,
         progress: false,
         stop: Arc::clone(stop),
     })

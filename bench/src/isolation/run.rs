@@ -106,6 +106,7 @@ fn window(
         gap_limit_ns: None,
         cores: vec![None],
         max_in_flight: opts.normal_streams,
+        api_key: None,
         progress: false,
         stop: Arc::clone(stop),
     };

@@ -59,6 +59,11 @@ pub struct LoadArgs {
     /// no live progress line on stderr
     #[argh(switch)]
     pub quiet: bool,
+    /// send `Authorization: Bearer KEY` with every request (an Edge with
+    /// `[[client_keys]]`); default: the `IOP_API_KEY` environment variable
+    /// if set, else no key
+    #[argh(option)]
+    pub api_key: Option<String>,
 }
 
 /// Parses `R` or `R/s` into a positive, finite rate.
@@ -122,6 +127,12 @@ impl LoadArgs {
             max_in_flight: self.max_in_flight,
             progress: !self.quiet,
             stop,
+            api_key: self
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("IOP_API_KEY").ok())
+                .filter(|k| !k.is_empty())
+                .map(|k| super::ApiKey::new(&k)),
         })
     }
 }
@@ -263,7 +274,22 @@ mod tests {
             max_in_flight: 5,
             json: None,
             quiet: true,
+            api_key: None,
         }
+    }
+
+    #[test]
+    fn the_api_key_becomes_a_bearer_header_and_stays_out_of_debug() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let keyed = LoadArgs {
+            concurrency: Some(1),
+            api_key: Some("sk-secret".into()),
+            ..args()
+        };
+        let spec = keyed.spec(stop).unwrap();
+        let key = spec.api_key.as_ref().unwrap();
+        assert_eq!(key.authorization(), "Bearer sk-secret");
+        assert!(!format!("{spec:?}").contains("sk-secret"));
     }
 
     #[test]

@@ -299,11 +299,18 @@ async fn exchange(
             Err(f) => return Some(f),
         },
     };
-    let headers = [
-        ("content-type", "application/json"),
-        ("accept", "text/event-stream"),
-    ];
+    let auth = ctx
+        .spec
+        .api_key
+        .as_ref()
+        .map(|key| ("authorization", key.authorization()));
     let head = loop {
+        let headers = [
+            ("content-type", "application/json"),
+            ("accept", "text/event-stream"),
+        ]
+        .into_iter()
+        .chain(auth);
         let sent = client
             .send_request("POST", &ctx.spec.target.path, headers, ctx.body.clone())
             .await;

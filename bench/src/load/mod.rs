@@ -207,6 +207,35 @@ pub struct LoadSpec {
     pub progress: bool,
     /// Stop issuing requests when set (SIGINT); requests in flight finish.
     pub stop: Arc<AtomicBool>,
+    /// Sent as `Authorization: Bearer <key>` with every request (an Edge
+    /// with `[[client_keys]]`).
+    pub api_key: Option<ApiKey>,
+}
+
+/// A client API key; its `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    authorization: String,
+}
+
+impl ApiKey {
+    /// The key `key`.
+    pub fn new(key: &str) -> Self {
+        Self {
+            authorization: format!("Bearer {key}"),
+        }
+    }
+
+    /// The `authorization` header value.
+    pub fn authorization(&self) -> &str {
+        &self.authorization
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
 }
 
 /// Runs `spec` to its end and returns the merged figures. `live` is

@@ -1,0 +1,200 @@
+"""SIGHUP applies `[[client_keys]]` without a restart, and `/admin` needs the
+admin scope (or, without client keys, a loopback peer).
+
+A revoked key gets 401 in the OpenAI error shape from its next request on —
+on a new connection and on the keep-alive connection whose stream was let in
+under it — while that stream, already in flight, runs to its end. An added
+key works at once. The "needs a restart" warning is logged on every reload
+whose file still differs from what runs, and stops once the file matches.
+"""
+
+import http.client
+import json
+import signal
+import socket
+
+import pytest
+
+from iop_harness import Cluster, post_raw, wait_until
+
+OPS_KEY = "sk-ops-3b9f0c1d7e2a"
+KEY_A = "sk-team-a-8d21c4e0f9b7"
+KEY_B = "sk-team-b-51e7a2c9d0f3"
+TOKENS = 60
+INVALID_KEY = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                         "param": None, "code": "invalid_api_key"}}
+
+
+def _keys(**extra):
+    # The first key is the one the harness sends for /status: never revoked.
+    return {"ops": {"key": OPS_KEY, "scopes": ["admin"]}, **extra}
+
+
+# "0-1": the reload runs on Control's core; requests are read on either.
+@pytest.fixture(params=["0", "0-1"])
+def cluster(request):
+    # 60 tokens 100 ms apart: a stream stays in flight for about 6 s.
+    with Cluster(cores=request.param, client_keys=_keys(**{"team-a": KEY_A}),
+                 mock_args=["--tokens", str(TOKENS), "--inter-token-ms", "100"]) as c:
+        yield c
+
+
+def _reloads(cluster) -> int:
+    return cluster.edge.log().count("configuration reloaded")
+
+
+def _restart_warnings(cluster) -> int:
+    return cluster.edge.log().count("these changes need a restart and were not applied")
+
+
+def _reload(cluster, extra_toml: str = ""):
+    """Writes the harness's config for the current `client_keys` (plus
+    `extra_toml`) and sends SIGHUP; returns once the reload is logged."""
+    before = _reloads(cluster)
+    (cluster.dir / "edge.toml").write_text(cluster.edge_config(cluster.mock.ready["addr"]) + extra_toml)
+    cluster.edge.popen.send_signal(signal.SIGHUP)
+    wait_until(lambda: _reloads(cluster) == before + 1, timeout_s=10, what="reload logged")
+
+
+def _connect(cluster) -> http.client.HTTPConnection:
+    host, port = cluster.edge.ready["client"].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    conn.connect()
+    return conn
+
+
+def _chat(conn, key: str, stream: bool) -> http.client.HTTPResponse:
+    body = {"model": "iop-test-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    if not stream:
+        body["max_tokens"] = 1
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+    return conn.getresponse()
+
+
+def _chat_once(cluster, key: str) -> tuple[int, dict]:
+    conn = _connect(cluster)
+    try:
+        resp = _chat(conn, key, stream=False)
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _stream_text(resp) -> tuple[str, bool]:
+    """The content of the rest of an SSE chat stream and whether it ended
+    with [DONE]."""
+    text, done = [], False
+    for raw in iter(resp.readline, b""):
+        line = raw.decode().rstrip("\r\n")
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        for choice in json.loads(data).get("choices", []):
+            text.append(choice["delta"].get("content") or "")
+    return "".join(text), done
+
+
+def _in_flight(cluster) -> int:
+    return cluster.provider("node-a", "mock-1")["in_flight"]
+
+
+def _admin(cluster, key: str | None, host: str | None = None) -> tuple[int, dict]:
+    url = cluster.base_url if host is None else f"http://{host}:{cluster.edge.ready['client'].rsplit(':', 1)[1]}"
+    headers = {} if key is None else {"authorization": f"Bearer {key}"}
+    status, _, raw = post_raw(f"{url}/admin/nodes/node-a/commands", {"type": "provider_status"}, headers=headers)
+    return status, json.loads(raw)
+
+
+def test_a_revoked_key_gets_401_next_while_its_stream_finishes(cluster):
+    conn = _connect(cluster)
+    resp = _chat(conn, KEY_A, stream=True)
+    assert resp.status == 200
+    first = resp.readline()
+    while not first.startswith(b"data: "):
+        first = resp.readline()
+    # Revoke team-a, add team-b.
+    cluster.client_keys = _keys(**{"team-b": KEY_B})
+    _reload(cluster)
+    assert "client_keys_added=1 client_keys_revoked=1" in cluster.edge.log()
+    assert _chat_once(cluster, KEY_A) == (401, INVALID_KEY)
+    status, body = _chat_once(cluster, KEY_B)
+    assert status == 200, body
+    # The stream let in under the revoked key is still running ...
+    assert _in_flight(cluster) == 1
+    # ... and runs to its end.
+    rest, done = _stream_text(resp)
+    first_text = "".join(c["delta"].get("content") or ""
+                         for c in json.loads(first.decode()[len("data: "):])["choices"])
+    assert (first_text + rest, done) == ("".join(f"tok{i} " for i in range(TOKENS)), True)
+    # The next request on that same keep-alive connection is refused.
+    again = _chat(conn, KEY_A, stream=False)
+    assert (again.status, json.loads(again.read())) == (401, INVALID_KEY)
+    conn.close()
+    assert _in_flight(cluster) == 0
+
+
+def test_the_restart_warning_repeats_until_the_file_matches(cluster):
+    # A new model needs a restart; the key change in the same file applies.
+    added_model = '[[models]]\nname = "added-model"\nproviders = ["node-a/mock-1"]\n'
+    cluster.client_keys = _keys(**{"team-a": KEY_A, "team-b": KEY_B})
+    _reload(cluster, added_model)
+    assert _restart_warnings(cluster) == 1
+    assert 'sections=["nodes, providers or models"]' in cluster.edge.log()
+    assert _chat_once(cluster, KEY_B)[0] == 200
+    # The file still differs from what runs: warned again.
+    _reload(cluster, added_model)
+    assert _restart_warnings(cluster) == 2
+    # Back to what runs (the keys are the applied part): no warning.
+    _reload(cluster)
+    assert _restart_warnings(cluster) == 2
+    status, body = _chat_once(cluster, KEY_B)
+    assert status == 200, body
+
+
+def test_admin_needs_the_admin_scope(cluster):
+    status, body = _admin(cluster, OPS_KEY)
+    assert status == 200, body
+    assert body["ok"] is True
+    assert _admin(cluster, KEY_A) == (403, {"error": {
+        "message": 'this API key may not use /admin: give it scopes = ["admin"] in [[client_keys]]',
+        "type": "admin_error", "code": "admin_scope_required"}})
+    assert _admin(cluster, None)[0] == 401
+    assert _admin(cluster, "sk-unknown")[0] == 401
+    # Scopes follow a reload: team-a gains admin, ops loses it.
+    cluster.client_keys = {"ops": OPS_KEY, "team-a": {"key": KEY_A, "scopes": ["admin"]}}
+    _reload(cluster)
+    assert _admin(cluster, KEY_A)[0] == 200
+    assert _admin(cluster, OPS_KEY)[0] == 403
+
+
+def _non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one (a
+    UDP connect sends nothing; it only picks the outgoing interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_without_client_keys_admin_answers_loopback_peers_only():
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    with Cluster(client_listen="0.0.0.0:0") as cluster:
+        status, body = _admin(cluster, None, host="127.0.0.1")
+        assert status == 200, body
+        assert _admin(cluster, None, host=address) == (403, {"error": {
+            "message": "without [[client_keys]] /admin answers loopback clients only",
+            "type": "admin_error", "code": "admin_loopback_only"}})
+        # The inference surface itself stays open to that peer.
+        status, _, raw = post_raw(
+            f"http://{address}:{cluster.edge.ready['client'].rsplit(':', 1)[1]}/v1/chat/completions",
+            {"model": "iop-test-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+        assert status == 200, raw
