@@ -76,10 +76,11 @@ def test_client_keys(cluster):
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
     # The Anthropic shape on /v1/messages, which also takes x-api-key.
     messages = {"model": MODEL, "max_tokens": 16, "messages": MESSAGES}
-    status, _, body = post_raw(cluster.base_url + "/v1/messages", messages, headers={"x-api-key": "wrong"})
+    status, headers, body = post_raw(cluster.base_url + "/v1/messages", messages, headers={"x-api-key": "wrong"})
     assert status == 401
     assert json.loads(body) == {"type": "error", "error": {
-        "type": "authentication_error", "message": "Incorrect API key provided."}}
+        "type": "authentication_error", "message": "Incorrect API key provided."},
+        "request_id": headers["x-request-id"]}
     # 200 with the right key, both ways.
     status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT, headers=bearer(CLIENT_KEY))
     assert status == 200, body

@@ -4,6 +4,7 @@ head, and the Edge's lingering close lets the client finish writing and
 read that answer instead of a connection reset."""
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -51,4 +52,7 @@ def test_urllib_reads_the_413_in_the_anthropic_shape(cluster):
             "type": "request_too_large",
             "message": "Request body exceeds the limit of 8388608 bytes.",
         },
+        # The x-request-id the Edge minted (the Anthropic shape carries it).
+        "request_id": body.get("request_id"),
     }
+    assert re.fullmatch(r"req_[0-9a-f]{32}", body["request_id"]), body
