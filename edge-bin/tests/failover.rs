@@ -14,32 +14,6 @@ fn chat_body(model: &str, stream: bool) -> String {
     )
 }
 
-/// A hand-driven node registered and ready as `node_id`.
-async fn ready_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
-    let mut node = RawNode::connect(edge.node_addr, &pki.connector(node_id)).await;
-    assert!(node.register(node_id).await.accepted);
-    assert_eq!(node.ready(node_id).await, ready_accepted());
-    node
-}
-
-async fn next_tunnel(node: &mut RawNode) -> pb::ProviderTunnelRequest {
-    match node.next_frame().await {
-        Body::ProviderTunnelRequest(r) => r,
-        other => panic!("expected ProviderTunnelRequest, got {other:?}"),
-    }
-}
-
-fn tunnel_frame(run_id: &str, seq: u64, kind: pb::TunnelFrameKind) -> pb::ProviderTunnelFrame {
-    pb::ProviderTunnelFrame {
-        run_id: run_id.into(),
-        seq,
-        kind: kind as i32,
-        adapter: ADAPTER.into(),
-        target: TARGET.into(),
-        ..Default::default()
-    }
-}
-
 // CONTRACT: U6 — a node that never starts a response: after
 // `edge.response_wait_timeout_ms` the Edge sends it `CancelRequest` with
 // reason `response_wait_timeout`, the client gets 504 in the OpenAI error

@@ -88,36 +88,6 @@ fn invalid_key() -> serde_json::Value {
     )
 }
 
-/// A hand-driven node registered and ready as `node_id`.
-async fn ready_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
-    let mut node = RawNode::connect(edge.node_addr, &pki.connector(node_id)).await;
-    assert!(node.register(node_id).await.accepted);
-    assert_eq!(node.ready(node_id).await, ready_accepted());
-    node
-}
-
-/// The next tunnel request `node` gets, skipping credit frames.
-async fn next_tunnel(node: &mut RawNode) -> pb::ProviderTunnelRequest {
-    loop {
-        match node.next_frame().await {
-            Body::ProviderTunnelRequest(r) => return r,
-            Body::FlowCredit(_) => {}
-            other => panic!("expected ProviderTunnelRequest, got {other:?}"),
-        }
-    }
-}
-
-fn tunnel_frame(run_id: &str, seq: u64, kind: pb::TunnelFrameKind) -> pb::ProviderTunnelFrame {
-    pb::ProviderTunnelFrame {
-        run_id: run_id.into(),
-        seq,
-        kind: kind as i32,
-        adapter: ADAPTER.into(),
-        target: TARGET.into(),
-        ..Default::default()
-    }
-}
-
 async fn response_start(node: &RawNode, run_id: &str, content_type: &'static [u8]) {
     let start = pb::ProviderTunnelFrame {
         status: 200,

@@ -52,22 +52,6 @@ fn payload(mock: &Mock, capacity: u32) -> pb::NodeConfigPayload {
     )
 }
 
-/// This file's view of the gate: the in-flight count of `adapter`.
-impl Edge {
-    async fn in_flight(&mut self, adapter: &str) -> u32 {
-        self.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
-            command_id: "in-flight".into(),
-            r#type: pb::CommandType::ProviderStatus as i32,
-            adapter: adapter.into(),
-            path: String::new(),
-        }));
-        match self.recv().await.body {
-            Some(Body::NodeCommandResponse(r)) => r.providers[0].in_flight,
-            other => panic!("expected a command response, got {other:?}"),
-        }
-    }
-}
-
 fn user(text: &str) -> pb::ChatMessage {
     pb::ChatMessage {
         role: "user".into(),
@@ -156,7 +140,7 @@ async fn ollama_run_streams_deltas_and_completes() {
     assert!(events
         .iter()
         .all(|e| e.session_id == "sess-1" && e.adapter == "ol" && e.target == TARGET));
-    assert_eq!(edge.in_flight("ol").await, 0);
+    assert_eq!(edge.adapter_in_flight("ol").await, 0);
     // max_tokens → num_predict caps the answer: finish_reason length.
     let capped = pb::RunInput {
         max_tokens: Some(1),
@@ -194,7 +178,7 @@ async fn openai_run_streams_deltas_and_completes() {
         })
     );
     assert!(done.metadata.is_empty());
-    assert_eq!(edge.in_flight("oa").await, 0);
+    assert_eq!(edge.adapter_in_flight("oa").await, 0);
 }
 
 const WEATHER_CALL: &str = r#"{"id":"call_0","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"tok0\",\"days\":1}"}}"#;
@@ -313,7 +297,7 @@ async fn provider_errors_are_plain_error_terminals() {
         events[0].error,
         "vllm: HTTP 503: injected failure (status 503)"
     );
-    assert_eq!(edge.in_flight("ol").await, 0);
+    assert_eq!(edge.adapter_in_flight("ol").await, 0);
 }
 
 // CONTRACT: K1, U6 — a CancelRequest mid-stream ends the run with one
@@ -355,7 +339,7 @@ async fn cancel_aborts_the_provider_request() {
             s["streams_aborted"].as_u64() == Some(aborted_before + 1) && s["active_streams"] == 0
         })
         .await;
-        assert_eq!(edge.in_flight(adapter).await, 0);
+        assert_eq!(edge.adapter_in_flight(adapter).await, 0);
     }
 }
 
@@ -394,7 +378,7 @@ async fn stalled_ollama_run_ends_with_response_stalled() {
     assert!(f.idle_duration_ms >= 300, "idle {} ms", f.idle_duration_ms);
     assert_eq!((f.adapter.as_str(), f.target.as_str()), ("ol", TARGET));
     assert_eq!(f.health_observation_seq, Some(1));
-    assert_eq!(edge.in_flight("ol").await, 0);
+    assert_eq!(edge.adapter_in_flight("ol").await, 0);
 }
 
 // CONTRACT: P4 — a normalized run and a tunnel on one adapter contend for
@@ -427,7 +411,7 @@ async fn runs_and_tunnels_share_their_adapters_one_gate() {
     edge.send(run("held-run", "oa", text_input()));
     assert_eq!(edge.recv_event().await.r#type(), pb::RunEventType::Start);
     assert_eq!(edge.recv_event().await.delta, "tok0 ");
-    assert_eq!(edge.in_flight("oa").await, 1);
+    assert_eq!(edge.adapter_in_flight("oa").await, 1);
     // A tunnel to the same adapter is refused at once …
     let refused = edge.tunnel(chat("t-refused", false)).await;
     assert_eq!(refused.len(), 1, "{refused:?}");
@@ -456,7 +440,7 @@ async fn runs_and_tunnels_share_their_adapters_one_gate() {
         reason: "client_disconnect".into(),
     }));
     while edge.recv_event().await.r#type() != pb::RunEventType::Cancelled {}
-    assert_eq!(edge.in_flight("oa").await, 0);
+    assert_eq!(edge.adapter_in_flight("oa").await, 0);
     // The other way round: a streaming tunnel holds the slot, a run waits
     // for nothing and is refused.
     let mut stream = chat("t-held", true);
@@ -494,7 +478,7 @@ async fn runs_and_tunnels_share_their_adapters_one_gate() {
             break;
         }
     }
-    assert_eq!(edge.in_flight("oa").await, 0);
+    assert_eq!(edge.adapter_in_flight("oa").await, 0);
 }
 
 // CONTRACT: E3 — metadata is caller-defined and never a control surface,
@@ -580,8 +564,8 @@ async fn metadata_is_inert_and_runs_sharing_a_session_are_independent() {
         .iter()
         .all(|e| e.adapter == "ol" && e.session_id == "sess-1"));
     assert_eq!(text(&b), "tok0 tok1 tok2 ");
-    assert_eq!(edge.in_flight("oa").await, 0);
-    assert_eq!(edge.in_flight("ol").await, 0);
+    assert_eq!(edge.adapter_in_flight("oa").await, 0);
+    assert_eq!(edge.adapter_in_flight("ol").await, 0);
 }
 
 fn is_terminal(e: &pb::RunEvent) -> bool {

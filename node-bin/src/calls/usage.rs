@@ -44,10 +44,17 @@ impl UsageWatcher {
     /// A watcher for a body of `content_type`: JSON and event streams carry
     /// usage; anything else is not watched (`None`).
     pub fn for_content_type(content_type: &[u8]) -> Option<Self> {
-        let ct = content_type.to_ascii_lowercase();
-        let watched = ct.starts_with(b"text/event-stream")
-            || ct.starts_with(b"application/json")
-            || ct.starts_with(b"application/x-ndjson");
+        let watched = [
+            &b"text/event-stream"[..],
+            b"application/json",
+            b"application/x-ndjson",
+        ]
+        .iter()
+        .any(|kind| {
+            content_type
+                .get(..kind.len())
+                .is_some_and(|head| head.eq_ignore_ascii_case(kind))
+        });
         watched.then(Self::default)
     }
 
