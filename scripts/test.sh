@@ -26,6 +26,19 @@ stage() { printf '\n==> %s\n' "$*"; }
 # needed by pointing PROTOC at nothing.
 export PROTOC=/nonexistent/protoc
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# A full run builds everything once; incremental caches would roughly double
+# the target directory's size and buy nothing here.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
+# The build needs a few GiB; say so up front rather than dying in a linker.
+target_dir="${CARGO_TARGET_DIR:-target}"
+mkdir -p "$target_dir"
+free_kib=$(df -Pk "$target_dir" | awk 'NR == 2 { print $4 }')
+echo "disk: $((free_kib / 1024)) MiB free where $target_dir lives ($(du -sh "$target_dir" | cut -f1) used by it)"
+if [ "$free_kib" -lt $((4 * 1024 * 1024)) ]; then
+  echo "warning: under 4 GiB free; a clean build may run out of space" >&2
+fi
+report_disk() { echo "disk: $(du -sh "$target_dir" | cut -f1) in $target_dir, $(($(df -Pk "$target_dir" | awk 'NR == 2 { print $4 }') / 1024)) MiB free"; }
 
 stage "cargo fmt --check"
 cargo fmt --all -- --check
@@ -53,6 +66,8 @@ else
   cargo test --workspace
 fi
 
+report_disk
+
 if [ "$run_e2e" = 1 ]; then
   stage "end-to-end (real processes, official SDKs), io_uring driver"
   scripts/e2e.sh
@@ -64,6 +79,8 @@ if [ "$run_fuzz" = 1 ]; then
   stage "fuzz: replay the committed corpora, then every target briefly"
   scripts/fuzz.sh --ci
 fi
+
+report_disk
 
 stage "contract coverage"
 if [ -x ../shared/tools/contract-coverage ]; then
