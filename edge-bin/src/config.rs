@@ -307,6 +307,13 @@ pub struct ClientKeySpec {
     /// `scopes = ["admin"]`: the key may also use the `/admin` routes.
     /// Every key may use the inference routes, `/v1/models` and `/status`.
     pub admin: bool,
+    /// `max_concurrent`, `requests_per_minute`, `tokens_per_minute`: the
+    /// principal's limits (one key of a principal sets them; the principal's
+    /// other keys share them).
+    pub limits: crate::limits::LimitSpec,
+    /// `models = [...]`: the only models the key may use; `None` = every
+    /// model.
+    pub models: Option<Vec<String>>,
 }
 
 /// The only scope a client key may name: the `/admin` routes.
@@ -1129,6 +1136,10 @@ struct RawClientKey {
     key_hash: String,
     #[serde(default)]
     scopes: Vec<String>,
+    max_concurrent: Option<u32>,
+    requests_per_minute: Option<u32>,
+    tokens_per_minute: Option<u32>,
+    models: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1247,7 +1258,7 @@ impl Validator<'_> {
         if let Some(credentials) = &credentials {
             self.check_managed_nodes(credentials, &nodes)?;
         }
-        let client_keys = self.client_keys(raw.client_keys)?;
+        let client_keys = self.client_keys(raw.client_keys, &models)?;
         let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
@@ -1542,7 +1553,11 @@ impl Validator<'_> {
         Ok(())
     }
 
-    fn client_keys(&self, raw: Vec<RawClientKey>) -> Result<Vec<ClientKeySpec>, ConfigError> {
+    fn client_keys(
+        &self,
+        raw: Vec<RawClientKey>,
+        models: &[ModelSpec],
+    ) -> Result<Vec<ClientKeySpec>, ConfigError> {
         let mut keys: Vec<ClientKeySpec> = Vec::with_capacity(raw.len());
         for (i, raw_key) in raw.into_iter().enumerate() {
             let key = format!("client_keys[{i}]");
@@ -1576,10 +1591,49 @@ impl Validator<'_> {
                 }
                 admin = true;
             }
+            let positive = |field: &str, v: Option<u32>| match v {
+                Some(0) => Err(self.err(
+                    format!("{key}.{field}"),
+                    "must be at least 1 (leave it out for no limit)",
+                )),
+                _ => Ok(v),
+            };
+            let limits = crate::limits::LimitSpec {
+                max_concurrent: positive("max_concurrent", raw_key.max_concurrent)?,
+                requests_per_minute: positive("requests_per_minute", raw_key.requests_per_minute)?,
+                tokens_per_minute: positive("tokens_per_minute", raw_key.tokens_per_minute)?,
+            };
+            if !limits.is_unlimited() {
+                if let Some(first) = keys
+                    .iter()
+                    .position(|k| k.principal == raw_key.principal && !k.limits.is_unlimited())
+                {
+                    return Err(self.err(
+                        key.clone(),
+                        format!(
+                            "principal {:?} already has limits from client_keys[{first}]; \
+                             set them on one of its keys",
+                            raw_key.principal
+                        ),
+                    ));
+                }
+            }
+            if let Some(allowed) = &raw_key.models {
+                for (j, name) in allowed.iter().enumerate() {
+                    if !models.iter().any(|m| &m.name == name) {
+                        return Err(self.err(
+                            format!("{key}.models[{j}]"),
+                            format!("no [[models]] entry is named {name:?}"),
+                        ));
+                    }
+                }
+            }
             keys.push(ClientKeySpec {
                 principal: raw_key.principal,
                 key_hash,
                 admin,
+                limits,
+                models: raw_key.models,
             });
         }
         Ok(keys)
@@ -3508,6 +3562,8 @@ providers = ["node-a/a-llama"]
                 principal: "team-a".into(),
                 key_hash,
                 admin: false,
+                limits: Default::default(),
+                models: None,
             }]
         );
         // Without [credentials] a recipient key is inert: no lease required.
@@ -3801,6 +3857,55 @@ providers = ["node-a/a-llama"]
         assert!(admin.client_keys[0].admin);
         let none = parse(&with_scope("[]")).unwrap();
         assert!(!none.client_keys[0].admin);
+    }
+
+    // Per-principal limits and model access on client keys.
+    #[test]
+    fn client_key_limits_and_models_are_checked() {
+        let key = "conf/edge.toml: client_keys[0]";
+        let with = |extra: &str| {
+            managed("").replacen(
+                "principal = \"team-a\"",
+                &format!("principal = \"team-a\"\n{extra}"),
+                1,
+            )
+        };
+        let ok = parse(&with(
+            "max_concurrent = 4\nrequests_per_minute = 60\ntokens_per_minute = 90000\n\
+             models = [\"llama-3.1-8b\"]",
+        ))
+        .unwrap();
+        assert_eq!(
+            ok.client_keys[0].limits,
+            crate::limits::LimitSpec {
+                max_concurrent: Some(4),
+                requests_per_minute: Some(60),
+                tokens_per_minute: Some(90_000),
+            }
+        );
+        assert_eq!(ok.client_keys[0].models, Some(vec!["llama-3.1-8b".to_string()]));
+        let plain = parse(&managed("")).unwrap();
+        assert!(plain.client_keys[0].limits.is_unlimited());
+        assert_eq!(plain.client_keys[0].models, None);
+
+        assert_eq!(
+            error(&with("requests_per_minute = 0")),
+            format!("{key}.requests_per_minute: must be at least 1 (leave it out for no limit)")
+        );
+        assert_eq!(
+            error(&with("models = [\"llama-3.1-8b\", \"gpt-9\"]")),
+            format!("{key}.models[1]: no [[models]] entry is named \"gpt-9\"")
+        );
+        let second = format!(
+            "{}\n[[client_keys]]\nprincipal = \"team-a\"\nkey_hash = \"{}\"\nmax_concurrent = 2\n",
+            with("max_concurrent = 4"),
+            "ab".repeat(32)
+        );
+        assert_eq!(
+            error(&second),
+            "conf/edge.toml: client_keys[1]: principal \"team-a\" already has limits from \
+             client_keys[0]; set them on one of its keys"
+        );
     }
 
     #[test]

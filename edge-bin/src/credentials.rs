@@ -1395,6 +1395,8 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: "team-a".into(),
             key_hash: hash_client_key(b"k"),
             admin: false,
+            limits: Default::default(),
+            models: None,
         }]);
         assert_eq!(format!("{keys:?}"), "ClientKeys { keys: 1 }");
     }
@@ -1435,6 +1437,8 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: principal.into(),
             key_hash: hash_client_key(key),
             admin,
+            limits: Default::default(),
+            models: None,
         };
         let caller = |principal: &str, admin: bool| {
             Ok(Caller {
@@ -1490,6 +1494,8 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: principal.into(),
             key_hash: hash_client_key(key),
             admin,
+            limits: Default::default(),
+            models: None,
         };
         let keys = ClientKeys::from_config(&[
             spec("team-a", b"key-a", false),

@@ -28,6 +28,7 @@ pub mod config;
 pub mod control;
 pub mod credentials;
 pub mod front_door;
+pub mod limits;
 pub mod metrics;
 pub mod nodes;
 pub mod openai;
