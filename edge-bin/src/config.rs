@@ -3883,7 +3883,10 @@ providers = ["node-a/a-llama"]
                 tokens_per_minute: Some(90_000),
             }
         );
-        assert_eq!(ok.client_keys[0].models, Some(vec!["llama-3.1-8b".to_string()]));
+        assert_eq!(
+            ok.client_keys[0].models,
+            Some(vec!["llama-3.1-8b".to_string()])
+        );
         let plain = parse(&managed("")).unwrap();
         assert!(plain.client_keys[0].limits.is_unlimited());
         assert_eq!(plain.client_keys[0].models, None);

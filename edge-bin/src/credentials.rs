@@ -47,7 +47,8 @@ use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Instant;
 
 use bytes::Bytes;
 use ed25519_dalek::SigningKey;
@@ -63,6 +64,7 @@ use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
 use crate::config::{AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource};
+use crate::limits::{self, Limiter, Ticket};
 use crate::openai::ApiError;
 
 /// The principal of requests when no client keys are configured.
@@ -95,9 +97,14 @@ pub fn client_key_hash_hex(key: &[u8]) -> String {
 /// Each request is authenticated against the table as it is when its head
 /// has been read; a request already authenticated runs on under a key
 /// revoked after that.
+///
+/// The clones also share the principals' [`Limiter`]: a principal's limits
+/// hold across shards. Its lock is taken once when a request is admitted
+/// and once when it ends.
 #[derive(Clone)]
 pub struct ClientKeys {
     table: Arc<RwLock<HashMap<[u8; 32], Caller>>>,
+    limiter: Arc<Mutex<Limiter>>,
     anonymous: Caller,
 }
 
@@ -105,9 +112,11 @@ impl Default for ClientKeys {
     fn default() -> Self {
         Self {
             table: Arc::default(),
+            limiter: Arc::default(),
             anonymous: Caller {
                 principal: Arc::from(ANONYMOUS_PRINCIPAL),
                 authority: Authority::Anonymous,
+                models: None,
             },
         }
     }
@@ -129,6 +138,17 @@ pub struct Caller {
     pub principal: Arc<str>,
     /// How the request was let in.
     pub authority: Authority,
+    /// The only models the key may use (`models = [...]`); `None` = all.
+    pub models: Option<Arc<[String]>>,
+}
+
+impl Caller {
+    /// Whether the caller may use `model`.
+    pub fn may_use(&self, model: &str) -> bool {
+        self.models
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|m| m == model))
+    }
 }
 
 /// How a request was let in.
@@ -214,6 +234,7 @@ impl ClientKeys {
                 let caller = Caller {
                     principal: Arc::from(k.principal.as_str()),
                     authority: Authority::Key { admin: k.admin },
+                    models: k.models.as_deref().map(Arc::from),
                 };
                 (k.key_hash, caller)
             })
@@ -236,7 +257,29 @@ impl ClientKeys {
                 .count(),
         };
         *table = next;
+        drop(table);
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .configure(specs.iter().map(|k| (k.principal.as_str(), k.limits)));
         change
+    }
+
+    /// Admits a request of `principal` against its limits (before it takes
+    /// a lease); see [`Limiter::admit`].
+    pub fn admit(&self, principal: &str, estimated_tokens: u64, now: Instant) -> limits::Admission {
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .admit(principal, estimated_tokens, now)
+    }
+
+    /// Ends an admitted request; see [`Limiter::finish`].
+    pub fn finish(&self, ticket: Ticket, observed_tokens: Option<u64>, now: Instant) {
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .finish(ticket, observed_tokens, now);
     }
 
     fn len(&self) -> usize {
@@ -1431,6 +1474,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
         let anonymous = Caller {
             principal: ANONYMOUS_PRINCIPAL.into(),
             authority: Authority::Anonymous,
+            models: None,
         };
         assert_eq!(open.authenticate(&[], false), Ok(anonymous));
         let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
@@ -1444,6 +1488,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             Ok(Caller {
                 principal: principal.into(),
                 authority: Authority::Key { admin },
+                models: None,
             })
         };
         let keys = ClientKeys::from_config(&[

@@ -55,7 +55,9 @@ impl LimitSpec {
 /// The pre-dispatch prompt estimate: one token per
 /// [`BYTES_PER_ESTIMATED_TOKEN`] bytes of request body, at least one.
 pub fn estimate_prompt_tokens(body_bytes: usize) -> u64 {
-    (body_bytes as u64).div_ceil(BYTES_PER_ESTIMATED_TOKEN).max(1)
+    (body_bytes as u64)
+        .div_ceil(BYTES_PER_ESTIMATED_TOKEN)
+        .max(1)
 }
 
 /// Which limit refused a request.
@@ -532,7 +534,10 @@ mod tests {
         assert_eq!(h.requests, window(3, 0, 60 * SEC));
         // A full minute later the bucket is full again.
         clock.advance(60 * SEC);
-        assert_eq!(l.headers("team-a", clock.now()).requests, window(3, 3, Duration::ZERO));
+        assert_eq!(
+            l.headers("team-a", clock.now()).requests,
+            window(3, 3, Duration::ZERO)
+        );
     }
 
     #[test]
@@ -567,7 +572,10 @@ mod tests {
         assert_eq!(h.tokens, window(1000, 600, Duration::from_millis(24_000)));
         // Observed less than reserved: the difference comes back.
         l.finish(t, Some(100), clock.now());
-        assert_eq!(l.headers("team-a", clock.now()).tokens, window(1000, 900, 6 * SEC));
+        assert_eq!(
+            l.headers("team-a", clock.now()).tokens,
+            window(1000, 900, 6 * SEC)
+        );
 
         // Observed more than reserved: the excess is debt.
         let (t, _) = granted(l.admit("team-a", 100, clock.now()));
@@ -591,7 +599,10 @@ mod tests {
         let mut l = Limiter::new([("team-a", spec(None, None, Some(1000)))]);
         let (t, _) = granted(l.admit("team-a", 250, clock.now()));
         l.finish(t, None, clock.now());
-        assert_eq!(l.headers("team-a", clock.now()).tokens.unwrap().remaining, 750);
+        assert_eq!(
+            l.headers("team-a", clock.now()).tokens.unwrap().remaining,
+            750
+        );
     }
 
     #[test]
@@ -647,16 +658,34 @@ mod tests {
         let b = spec(Some(1), Some(4), Some(1000));
         l.configure([("team-a", a), ("team-b", b)]);
         // Unchanged: same buckets, same slot.
-        assert_eq!(l.headers("team-a", clock.now()).requests, window(2, 1, 30 * SEC));
-        assert_eq!(refused(l.admit("team-a", 1, clock.now())).kind, LimitKind::Concurrent);
+        assert_eq!(
+            l.headers("team-a", clock.now()).requests,
+            window(2, 1, 30 * SEC)
+        );
+        assert_eq!(
+            refused(l.admit("team-a", 1, clock.now())).kind,
+            LimitKind::Concurrent
+        );
         // Changed: fresh buckets, the in-flight request still holds its slot.
-        assert_eq!(l.headers("team-b", clock.now()).requests, window(4, 4, Duration::ZERO));
-        assert_eq!(refused(l.admit("team-b", 1, clock.now())).kind, LimitKind::Concurrent);
+        assert_eq!(
+            l.headers("team-b", clock.now()).requests,
+            window(4, 4, Duration::ZERO)
+        );
+        assert_eq!(
+            refused(l.admit("team-b", 1, clock.now())).kind,
+            LimitKind::Concurrent
+        );
         l.finish(ta, Some(100), clock.now());
         l.finish(tb, Some(100), clock.now());
-        assert_eq!(l.headers("team-a", clock.now()).tokens.unwrap().remaining, 900);
+        assert_eq!(
+            l.headers("team-a", clock.now()).tokens.unwrap().remaining,
+            900
+        );
         // team-b's reservation was in the replaced bucket: nothing settled.
-        assert_eq!(l.headers("team-b", clock.now()).tokens.unwrap().remaining, 1000);
+        assert_eq!(
+            l.headers("team-b", clock.now()).tokens.unwrap().remaining,
+            1000
+        );
         assert_eq!((l.in_flight("team-a"), l.in_flight("team-b")), (0, 0));
 
         // Unlisted then listed again: an old ticket holds no new slot.
@@ -766,7 +795,9 @@ mod tests {
             }
         }
         for (p, times) in admitted.iter().enumerate() {
-            let Some(rpm) = specs[p].requests_per_minute else { continue };
+            let Some(rpm) = specs[p].requests_per_minute else {
+                continue;
+            };
             let unit = WINDOW / rpm;
             for (i, start) in times.iter().enumerate() {
                 for (j, end) in times.iter().enumerate().skip(i) {

@@ -103,6 +103,29 @@ impl ApiError {
         }
     }
 
+    /// 403: the client key may not use `model` (`[[client_keys]] models`).
+    pub fn model_not_allowed(model: &str) -> Self {
+        Self {
+            code: Some("model_not_allowed".into()),
+            param: Some("model"),
+            ..Self::new(
+                403,
+                "permission_error",
+                format!("This API key may not use model `{model}`."),
+            )
+        }
+    }
+
+    /// 429: the key's principal is over one of its limits; `limit` names
+    /// it (`concurrency`, `requests`, `tokens`).
+    pub fn rate_limited(limit: &str, message: String, retry_after_sec: u64) -> Self {
+        Self {
+            code: Some(format!("rate_limit_{limit}")),
+            retry_after_sec: Some(u32::try_from(retry_after_sec).unwrap_or(u32::MAX)),
+            ..Self::new(429, "rate_limit_error", message)
+        }
+    }
+
     /// 413: the request body exceeds the configured limit.
     pub fn body_too_large(limit_bytes: usize) -> Self {
         Self {

@@ -28,7 +28,8 @@ use crate::body_json::JsonLimits;
 use crate::control::{
     AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
 };
-use crate::credentials::{Caller, CredentialError, LeaseRequest};
+use crate::credentials::{Caller, ClientKeys, CredentialError, LeaseRequest};
+use crate::limits::{self, Ticket};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::shards::NodeRequest;
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
@@ -48,6 +49,31 @@ struct Client<S> {
     rec: AccessRecord,
     /// When the current request was read; `None` once its line is written.
     read_at: Option<Instant>,
+    /// Who sent the current request (set once it is authenticated).
+    caller: Option<Caller>,
+    /// The current request's claim on its principal's limits, given back
+    /// when its line is written (or the connection ends).
+    ticket: Option<(ClientKeys, Ticket)>,
+}
+
+impl<S> Drop for Client<S> {
+    fn drop(&mut self) {
+        self.release_limits();
+    }
+}
+
+impl<S> Client<S> {
+    /// Gives the current request's limits claim back, settling its tokens
+    /// against the usage observed (once; later calls do nothing).
+    fn release_limits(&mut self) {
+        if let Some((keys, ticket)) = self.ticket.take() {
+            let observed = match (self.rec.prompt_tokens, self.rec.completion_tokens) {
+                (None, None) => None,
+                (p, c) => Some(p.unwrap_or(0) + c.unwrap_or(0)),
+            };
+            keys.finish(ticket, observed, clock::now());
+        }
+    }
 }
 
 impl<S> std::ops::Deref for Client<S> {
@@ -96,6 +122,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
 
     /// Writes the access log line of the current request (once).
     fn log_access(&mut self, edge: &Edge) {
+        self.release_limits();
         let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
             return;
         };
@@ -159,6 +186,8 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
         rec: AccessRecord::default(),
         read_at: None,
+        caller: None,
+        ticket: None,
     };
     loop {
         let request = match server.read_request().await {
@@ -206,10 +235,17 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         };
         let principal = &*caller.principal;
         server.rec.principal = principal.to_owned();
+        server.caller = Some(caller.clone());
         let result = match (method, path.as_str()) {
             ("GET", "/v1/models") => {
-                let body =
-                    openai::models_list(&edge.settings.models, edge.settings.started_unix_sec);
+                let visible: Vec<_> = edge
+                    .settings
+                    .models
+                    .iter()
+                    .filter(|m| caller.may_use(&m.id))
+                    .cloned()
+                    .collect();
+                let body = openai::models_list(&visible, edge.settings.started_unix_sec);
                 write_json(&mut server, 200, body).await
             }
             ("POST", "/v1/chat/completions") => {
@@ -709,6 +745,10 @@ async fn admit<S>(
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
+    if let Some(e) = check_caller(edge, server, model) {
+        write_caller_refusal(server, route.surface, &e).await?;
+        return Ok(None);
+    }
     let submitted_at = clock::now(); // metrics: queue wait
     let (request, mut admission) = edge.submit(model, route.op, long);
     // U6: a client that leaves while queued is removed from the queue; one
@@ -742,6 +782,67 @@ where
     };
     write_error(server, route.surface, &e).await?;
     Ok(None)
+}
+
+/// Why the caller may not send this request: the key may not use the
+/// model (403), or the principal is over a limit (429).
+enum CallerRefusal {
+    Model(ApiError),
+    Limit(limits::Refusal),
+}
+
+/// The key's checks, before the request takes a place in the queue: model
+/// access, then the principal's limits (on admission the request holds a
+/// [`Ticket`] until its access line is written).
+fn check_caller<S>(edge: &Edge, server: &mut Client<S>, model: &str) -> Option<CallerRefusal> {
+    let caller = server.caller.as_ref()?;
+    if !caller.may_use(model) {
+        return Some(CallerRefusal::Model(ApiError::model_not_allowed(model)));
+    }
+    let keys = &edge.settings.client_keys;
+    let estimate = limits::estimate_prompt_tokens(server.rec.bytes_in as usize);
+    match keys.admit(&caller.principal, estimate, clock::now()) {
+        limits::Admission::Granted(ticket, _) => {
+            server.release_limits();
+            server.ticket = Some((keys.clone(), ticket));
+            None
+        }
+        limits::Admission::Refused(refusal) => Some(CallerRefusal::Limit(refusal)),
+    }
+}
+
+/// Answers a [`CallerRefusal`]: a 429 carries `retry-after` (seconds, and
+/// `retry-after-ms`, which the official SDKs prefer) and OpenAI's
+/// `x-ratelimit-*` headers.
+async fn write_caller_refusal<S>(
+    server: &mut Client<S>,
+    surface: Surface,
+    refusal: &CallerRefusal,
+) -> Result<(), HttpError>
+where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+{
+    let r = match refusal {
+        CallerRefusal::Model(e) => return write_error(server, surface, e).await,
+        CallerRefusal::Limit(r) => r,
+    };
+    let e = ApiError::rate_limited(r.kind.as_str(), r.message(), r.retry_after_secs());
+    let retry_after = r.retry_after_secs().to_string();
+    let retry_after_ms = r.retry_after.as_millis().max(1).to_string();
+    let mut rate = String::new();
+    r.headers.write_openai(&mut rate);
+    let mut headers: Vec<(&str, &str)> = vec![
+        ("content-type", "application/json"),
+        ("retry-after", &retry_after),
+        ("retry-after-ms", &retry_after_ms),
+    ];
+    headers.extend(
+        rate.split_terminator("\r\n")
+            .filter_map(|line| line.split_once(": ")),
+    );
+    server.rec.end(e.outcome());
+    let body = e.body_for_request(surface, &server.rec.request_id);
+    server.write_response(e.status, headers, body).await
 }
 
 /// 400: no provider of `model` serves `route`'s operation.

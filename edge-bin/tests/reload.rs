@@ -14,13 +14,10 @@ mod common;
 
 use std::net::SocketAddr;
 
-use bytes::Bytes;
 use common::*;
 use edge_bin::config::EdgeConfig;
 use edge_bin::credentials::KeysChange;
 use edge_bin::server;
-use iop_wire::pb;
-use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
@@ -88,56 +85,6 @@ fn invalid_key() -> serde_json::Value {
     )
 }
 
-async fn response_start(node: &RawNode, run_id: &str, content_type: &'static [u8]) {
-    let start = pb::ProviderTunnelFrame {
-        status: 200,
-        headers: vec![pb::Header {
-            name: "content-type".into(),
-            value: Bytes::from_static(content_type),
-        }],
-        ..tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart)
-    };
-    node.conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(start)))
-        .await
-        .expect("send head");
-}
-
-async fn body_piece(node: &RawNode, run_id: &str, seq: u64, piece: &'static [u8]) {
-    node.conn
-        .send_body_frame(
-            tunnel_frame(run_id, seq, pb::TunnelFrameKind::Body),
-            Bytes::from_static(piece),
-        )
-        .await
-        .expect("send body");
-}
-
-async fn end(node: &RawNode, run_id: &str, seq: u64) {
-    node.conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(tunnel_frame(
-            run_id,
-            seq,
-            pb::TunnelFrameKind::End,
-        ))))
-        .await
-        .expect("send end");
-}
-
-/// Reads from `client` into `seen` until it contains `needle`.
-async fn read_until(client: &mut TcpStream, seen: &mut Vec<u8>, needle: &[u8]) {
-    while !seen.windows(needle.len()).any(|w| w == needle) {
-        let (res, buf) = client.read(Vec::with_capacity(4096)).await;
-        let n = res.expect("read from the edge");
-        assert!(
-            n > 0,
-            "the edge closed the connection; got {:?}",
-            String::from_utf8_lossy(seen)
-        );
-        seen.extend_from_slice(&buf);
-    }
-}
-
 #[monoio::test_all(timer_enabled = true)]
 async fn a_key_revoked_by_reload_gets_401_next_while_its_stream_finishes() {
     guarded(async {
@@ -154,8 +101,8 @@ async fn a_key_revoked_by_reload_gets_401_next_while_its_stream_finishes() {
         let (res, _) = client.write_all(chat_request(KEY_A, true, false)).await;
         res.unwrap();
         let run = next_tunnel(&mut node).await.run_id;
-        response_start(&node, &run, b"text/event-stream").await;
-        body_piece(&node, &run, 2, b"data: {\"n\":1}\n\n").await;
+        tunnel_response_start(&node, &run, b"text/event-stream").await;
+        tunnel_body(&node, &run, 2, b"data: {\"n\":1}\n\n").await;
         let mut seen = Vec::new();
         read_until(&mut client, &mut seen, b"data: {\"n\":1}").await;
 
@@ -184,15 +131,15 @@ async fn a_key_revoked_by_reload_gets_401_next_while_its_stream_finishes() {
         ));
         let second = next_tunnel(&mut node).await.run_id;
         assert_ne!(second, run);
-        response_start(&node, &second, b"application/json").await;
-        body_piece(&node, &second, 2, b"{\"ok\":true}").await;
-        end(&node, &second, 3).await;
+        tunnel_response_start(&node, &second, b"application/json").await;
+        tunnel_body(&node, &second, 2, b"{\"ok\":true}").await;
+        tunnel_end(&node, &second, 3).await;
         let added = added.await;
         assert_eq!((added.status, added.body), (200, b"{\"ok\":true}".to_vec()));
 
         // The stream let in under the revoked key runs to its end.
-        body_piece(&node, &run, 3, b"data: {\"n\":2}\n\ndata: [DONE]\n\n").await;
-        end(&node, &run, 4).await;
+        tunnel_body(&node, &run, 3, b"data: {\"n\":2}\n\ndata: [DONE]\n\n").await;
+        tunnel_end(&node, &run, 4).await;
         read_until(&mut client, &mut seen, b"\r\n0\r\n\r\n").await;
         let stream = parse_response(&seen);
         assert_eq!(stream.status, 200);

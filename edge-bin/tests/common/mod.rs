@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use edge_bin::config::EdgeConfig;
 use edge_bin::control::Control;
 use edge_bin::server::{self, Listeners};
@@ -882,5 +883,58 @@ pub fn tunnel_frame(run_id: &str, seq: u64, kind: pb::TunnelFrameKind) -> pb::Pr
         adapter: ADAPTER.into(),
         target: TARGET.into(),
         ..Default::default()
+    }
+}
+
+/// The node answers `run_id` with a 200 head of `content_type`.
+pub async fn tunnel_response_start(node: &RawNode, run_id: &str, content_type: &'static [u8]) {
+    let start = pb::ProviderTunnelFrame {
+        status: 200,
+        headers: vec![pb::Header {
+            name: "content-type".into(),
+            value: Bytes::from_static(content_type),
+        }],
+        ..tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart)
+    };
+    node.conn
+        .send_bulk(frame(Body::ProviderTunnelFrame(start)))
+        .await
+        .expect("send head");
+}
+
+/// The node sends body bytes of `run_id` as frame `seq`.
+pub async fn tunnel_body(node: &RawNode, run_id: &str, seq: u64, piece: &'static [u8]) {
+    node.conn
+        .send_body_frame(
+            tunnel_frame(run_id, seq, pb::TunnelFrameKind::Body),
+            Bytes::from_static(piece),
+        )
+        .await
+        .expect("send body");
+}
+
+/// The node ends `run_id` with frame `seq`.
+pub async fn tunnel_end(node: &RawNode, run_id: &str, seq: u64) {
+    node.conn
+        .send_bulk(frame(Body::ProviderTunnelFrame(tunnel_frame(
+            run_id,
+            seq,
+            pb::TunnelFrameKind::End,
+        ))))
+        .await
+        .expect("send end");
+}
+
+/// Reads from `client` into `seen` until it contains `needle`.
+pub async fn read_until(client: &mut TcpStream, seen: &mut Vec<u8>, needle: &[u8]) {
+    while !seen.windows(needle.len()).any(|w| w == needle) {
+        let (res, buf) = client.read(Vec::with_capacity(4096)).await;
+        let n = res.expect("read from the edge");
+        assert!(
+            n > 0,
+            "the edge closed the connection; got {:?}",
+            String::from_utf8_lossy(seen)
+        );
+        seen.extend_from_slice(&buf);
     }
 }
