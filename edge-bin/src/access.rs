@@ -197,6 +197,56 @@ impl AccessRecord {
         self.completion_tokens = Some(completion_tokens);
     }
 
+    /// How the request ended: the outcome noted, else what the response
+    /// status says.
+    fn outcome_of(&self, stats: &ExchangeStats) -> &str {
+        self.outcome.as_deref().unwrap_or(match stats.status {
+            Some(200..=399) => "completed",
+            Some(_) => "error",
+            None => "no_response",
+        })
+    }
+
+    /// The usage file's JSON line for this record ([`crate::usage`]).
+    pub fn usage_line(
+        &self,
+        unix_ms: i64,
+        stats: &ExchangeStats,
+        read_at: Instant,
+        ended_at: Instant,
+    ) -> String {
+        let outcome = self.outcome_of(stats);
+        let observed = self.prompt_tokens.is_some() || self.completion_tokens.is_some();
+        let usage = crate::usage::Completeness::of(outcome == "completed", observed);
+        let total =
+            observed.then(|| self.prompt_tokens.unwrap_or(0) + self.completion_tokens.unwrap_or(0));
+        let tokens = |n: Option<u64>| n.map_or(Value::Null, Value::U64);
+        let fields: [(&str, Value<'_>); 15] = [
+            ("ts", Value::Str(&rfc3339_ms(unix_ms))),
+            ("request_id", Value::Str(&self.request_id)),
+            ("principal", Value::Str(&self.principal)),
+            ("path", Value::Str(&self.path)),
+            ("model", opt_str(self.model.as_deref())),
+            ("provider", opt_str(self.provider.as_deref())),
+            ("node", opt_str(self.node.as_deref())),
+            (
+                "status",
+                stats.status.map_or(Value::Null, |s| Value::U64(s.into())),
+            ),
+            ("outcome", Value::Str(outcome)),
+            ("attempts", Value::U64(self.attempts.into())),
+            ("usage", Value::Str(usage.as_str())),
+            ("prompt_tokens", tokens(self.prompt_tokens)),
+            ("completion_tokens", tokens(self.completion_tokens)),
+            ("total_tokens", tokens(total)),
+            (
+                "duration_ms",
+                Value::Ms(ended_at.saturating_duration_since(read_at)),
+            ),
+        ];
+        json_line(&fields)
+    }
+
     /// The line for this record, the response's `stats`, and its timing.
     pub fn line(
         &self,
@@ -210,11 +260,7 @@ impl AccessRecord {
             .first_body_byte_at
             .map(|at| at.saturating_duration_since(read_at));
         let duration = ended_at.saturating_duration_since(read_at);
-        let outcome = self.outcome.as_deref().unwrap_or(match stats.status {
-            Some(200..=399) => "completed",
-            Some(_) => "error",
-            None => "no_response",
-        });
+        let outcome = self.outcome_of(stats);
         let fields: [(&str, Value<'_>); 17] = [
             ("ts", Value::Str(&rfc3339_ms(unix_ms))),
             ("request_id", Value::Str(&self.request_id)),
@@ -577,6 +623,53 @@ mod tests {
                 "bytes_in": 0, "bytes_out": 99, "prompt_tokens": null,
                 "completion_tokens": null
             })
+        );
+    }
+
+    #[test]
+    fn a_usage_line_says_how_complete_its_tokens_are() {
+        let read_at = iop_engine::clock::now();
+        let end = read_at + Duration::from_millis(250);
+        let line = record().usage_line(0, &stats(read_at), read_at, end);
+        assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "ts": "1970-01-01T00:00:00.000Z", "request_id": "req-1",
+                "principal": "team a", "path": "/v1/chat/completions", "model": "gpt-x",
+                "provider": "node-b/p2", "node": "node-b", "status": 200,
+                "outcome": "completed", "attempts": 2, "usage": "reported",
+                "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                "duration_ms": 250.0
+            })
+        );
+        // Cut short after an observation: partial, with what was seen.
+        let mut cut = AccessRecord::new("req-3".into(), "POST", "/v1/chat/completions", 9);
+        cut.usage(11, 3);
+        cut.end("client_disconnect");
+        let v: serde_json::Value =
+            serde_json::from_str(&cut.usage_line(0, &stats(read_at), read_at, end)).unwrap();
+        assert_eq!(
+            (&v["usage"], &v["outcome"], &v["total_tokens"]),
+            (&"partial".into(), &"client_disconnect".into(), &14.into())
+        );
+        // Completed without usage: none, and no tokens are made up.
+        let bare = AccessRecord::new("req-4".into(), "POST", "/v1/chat/completions", 9);
+        let v: serde_json::Value =
+            serde_json::from_str(&bare.usage_line(0, &stats(read_at), read_at, end)).unwrap();
+        assert_eq!(v["usage"], "none");
+        assert_eq!(
+            (
+                &v["prompt_tokens"],
+                &v["completion_tokens"],
+                &v["total_tokens"]
+            ),
+            (
+                &serde_json::Value::Null,
+                &serde_json::Value::Null,
+                &serde_json::Value::Null
+            )
         );
     }
 

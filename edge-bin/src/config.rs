@@ -197,6 +197,9 @@ pub struct EdgeConfig {
     /// `[edge.access_log]`: where the one line per request goes and how it
     /// is written (default: text lines on stderr).
     pub access_log: AccessLogSpec,
+    /// `[edge.usage_log] path`: the usage file (JSON lines, one per
+    /// inference request; `crate::usage`); `None` = none.
+    pub usage_log: Option<PathBuf>,
     /// The configured nodes, in file order; ids are unique.
     pub nodes: Vec<NodeSpec>,
     /// The external models, in file order; names are unique.
@@ -955,6 +958,10 @@ impl EdgeConfig {
                 ConfigError::new(&self.source, "edge.access_log.destination", why)
             })?;
         }
+        if let Some(path) = &self.usage_log {
+            access::check_writable(path)
+                .map_err(|why| ConfigError::new(&self.source, "edge.usage_log.path", why))?;
+        }
         Ok(())
     }
 
@@ -1075,6 +1082,14 @@ struct RawEdge {
     max_json_elements: Option<i64>,
     client_tls: Option<RawClientTls>,
     access_log: Option<RawAccessLog>,
+    usage_log: Option<RawUsageLog>,
+}
+
+/// `[edge.usage_log]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUsageLog {
+    path: String,
 }
 
 /// `[edge.access_log]` as written.
@@ -1206,6 +1221,15 @@ impl Validator<'_> {
             }),
         };
         let access_log = self.access_log(raw.edge.access_log.take())?;
+        let usage_log = match raw.edge.usage_log.take() {
+            None => None,
+            Some(RawUsageLog { path }) if path.is_empty() => {
+                return Err(self.err("edge.usage_log.path", "must be a file path"))
+            }
+            Some(RawUsageLog { path }) => {
+                Some(resolve_path(self.file, "edge.usage_log.path", &path)?)
+            }
+        };
         let edge = self.edge(raw.edge)?;
         let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
             (true, _) => None,
@@ -1266,6 +1290,7 @@ impl Validator<'_> {
             tls,
             client_tls,
             access_log,
+            usage_log,
             nodes,
             models,
             credentials,
@@ -2346,6 +2371,7 @@ providers = ["node-a/a-llama"]
             }),
             client_tls: None,
             access_log: AccessLogSpec::default(),
+            usage_log: None,
             nodes: vec![NodeSpec {
                 id: "node-a".into(),
                 adapters: vec![
@@ -2492,7 +2518,7 @@ providers = ["node-a/a-llama"]
              `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
              `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
              `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
-             `max_json_elements`, `client_tls`, `access_log` (line 8, column 1)"
+             `max_json_elements`, `client_tls`, `access_log`, `usage_log` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),

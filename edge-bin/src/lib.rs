@@ -39,3 +39,4 @@ pub mod state;
 pub mod status;
 pub mod surface;
 pub mod translate;
+pub mod usage;

@@ -422,6 +422,8 @@ fn serve(path: &str, cores: &str) -> ExitCode {
             edge.serve_taken(state, listeners, acceptor, stop).await
         }
     });
+    // Every shard has drained: what the usage file has left is written.
+    edge.usage_log().close();
     let mut results = results.into_iter();
     let result = match results.next() {
         Some(first) => first.map(|r| r.map(|end| end.drain)),

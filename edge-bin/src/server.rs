@@ -19,6 +19,7 @@ use crate::credentials::{ClientKeys, CredentialPlane, KeysChange};
 use crate::openai::ModelEntry;
 use crate::shards::{Lifecycle, MeshPort, Outbox};
 use crate::state::{Edge, Settings, CONTROL_SHARD};
+use crate::usage::UsageLog;
 
 /// Maps the validated config to the control machine's static spec.
 ///
@@ -170,6 +171,8 @@ pub fn reload(
         report.restart_required.push("[credentials]");
     }
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
+    // Rotation: the usage file is reopened by its path.
+    edge.settings.usage_log.reopen();
     // Leases issued from here on are bound to the new origins and paths.
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
@@ -282,11 +285,26 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
 /// The shard state for `cfg` with its loaded credential plane
 /// ([`CredentialPlane::load`]).
 pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
-    let settings = settings(cfg, credentials.map(Arc::new));
+    let mut settings = settings(cfg, credentials.map(Arc::new));
+    settings.usage_log = usage_log(cfg);
     Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
 }
 
-/// The shells' static settings for `cfg`.
+/// The usage file `cfg` names, started (its writer thread runs until
+/// [`UsageLog::close`]), or off.
+pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
+    let Some(path) = &cfg.usage_log else {
+        return UsageLog::off();
+    };
+    UsageLog::start(path).unwrap_or_else(|e| {
+        // `EdgeConfig::validate_files` checked the file at startup.
+        tracing::error!(path = %path.display(), error = %e, "usage log cannot be started");
+        UsageLog::off()
+    })
+}
+
+/// The shells' static settings for `cfg` (the usage file off: it is one
+/// per process, see [`usage_log`]).
 pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
     Settings {
         max_request_body_bytes: cfg.edge.max_request_body_bytes,
@@ -317,6 +335,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
             tracing::error!(error = %e, "access log cannot be started; no access log");
             AccessLog::off()
         }),
+        usage_log: UsageLog::off(),
     }
 }
 
@@ -327,6 +346,8 @@ pub struct ShardedEdge {
     credentials: Option<Arc<CredentialPlane>>,
     /// One table for every shard, so a reload reaches them all.
     client_keys: ClientKeys,
+    /// One usage file for every shard.
+    usage_log: UsageLog,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -407,6 +428,7 @@ impl ShardedEdge {
             .collect();
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
+            usage_log: usage_log(&cfg),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -415,6 +437,11 @@ impl ShardedEdge {
             client_addr,
             node_addr,
         })
+    }
+
+    /// The process's usage file: [`UsageLog::close`] it after the drain.
+    pub fn usage_log(&self) -> &UsageLog {
+        &self.usage_log
     }
 
     /// Serves the client listener over HTTPS with `acceptor`
@@ -469,6 +496,7 @@ impl ShardedEdge {
         let mut settings = settings(&self.cfg, self.credentials.clone());
         settings.client_tls = self.client_tls.clone();
         settings.client_keys = self.client_keys.clone();
+        settings.usage_log = self.usage_log.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {

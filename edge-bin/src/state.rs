@@ -279,6 +279,8 @@ pub struct Settings {
     pub limits: ListenerLimits,
     /// This shard's access log (`[edge.access_log]`).
     pub access_log: AccessLog,
+    /// The process's usage file (`[edge.usage_log]`), shared by the shards.
+    pub usage_log: crate::usage::UsageLog,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -1408,6 +1410,7 @@ mod tests {
             credentials: None,
             limits: ListenerLimits::default(),
             access_log: AccessLog::off(),
+            usage_log: crate::usage::UsageLog::off(),
         };
         Edge::new(Control::new(spec), settings)
     }

@@ -118,6 +118,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
             .set_exchange_header(REQUEST_ID_HEADER, Bytes::from(id.clone()));
         self.rec = AccessRecord::new(id, method, path, bytes_in);
         self.read_at = Some(at);
+        self.caller = None;
     }
 
     /// Writes the access log line of the current request (once).
@@ -126,15 +127,21 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
         let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
             return;
         };
+        let usage = &edge.settings.usage_log;
+        // The usage file: inference requests that were authenticated.
+        let billable = usage.is_on() && self.caller.is_some() && is_inference_route(&self.rec.path);
+        if !log.is_on() && !billable {
+            return;
+        }
+        let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
         if log.is_on() {
-            let line = self.rec.line(
-                log.format(),
-                clock::unix_ms(),
-                &self.conn.exchange(),
-                read_at,
-                clock::now(),
+            log.write(
+                self.rec
+                    .line(log.format(), unix_ms, &stats, read_at, ended_at),
             );
-            log.write(line);
+        }
+        if billable {
+            usage.record(&self.rec.usage_line(unix_ms, &stats, read_at, ended_at));
         }
     }
 }

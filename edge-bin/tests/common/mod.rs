@@ -354,6 +354,7 @@ impl TestEdge {
             .client_tls
             .as_ref()
             .map(|files| HttpsAcceptor::from_files(files).expect("client listener TLS"));
+        settings.usage_log = server::usage_log(&cfg);
         let edge = Rc::new(Edge::new(
             Control::new(server::control_spec(&cfg)),
             settings,
@@ -378,9 +379,12 @@ impl TestEdge {
         Self::start(pki, &edge_toml(pki, &EdgeOptions::without_provider()))
     }
 
-    /// Stops accepting (connections already open are dropped with the test).
+    /// Stops accepting (connections already open are dropped with the
+    /// test) and writes what the usage file has left, as the binary does
+    /// after its drain.
     pub async fn stop(self) {
         self.service.stop().await;
+        self.edge.settings.usage_log.close();
     }
 }
 
