@@ -169,7 +169,9 @@ class Cluster:
         # variable instead) and optional "header", "format" and "slot_extra"
         # (extra TOML lines of the slot). Every node gets a recipient key and its "mock-1"
         # provider is served by slot "mock-key". client_keys: {principal:
-        # key} or {principal: {"key": key, "scopes": [...]}}; requests then
+        # key} or {principal: {"key": key, "scopes": [...], and optionally
+        # "max_concurrent", "requests_per_minute", "tokens_per_minute",
+        # "models"}}; requests then
         # need `Authorization: Bearer <key>` (the harness's own /status calls
         # send the first key). client_listen: the Edge's edge.client_listen.
         self.credentials = credentials
@@ -310,6 +312,12 @@ class Cluster:
             out += ["[[client_keys]]", f'principal = "{principal}"', f'key_hash = "{key_hash}"']
             if isinstance(key, dict) and key.get("scopes"):
                 out.append("scopes = [" + ", ".join(f'"{s}"' for s in key["scopes"]) + "]")
+            if isinstance(key, dict):
+                for limit in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
+                    if limit in key:
+                        out.append(f"{limit} = {key[limit]}")
+                if "models" in key:
+                    out.append("models = [" + ", ".join(f'"{m}"' for m in key["models"]) + "]")
         return out
 
     def edge_config(self, mock_addr: str) -> str:
