@@ -130,3 +130,34 @@ def test_the_usage_file_survives_the_sigterm_drain(tmp_path):
         assert r["prompt_tokens"] == seen.prompt_tokens
         assert r["total_tokens"] == seen.prompt_tokens + seen.completion_tokens
         assert r["principal"] == "anonymous" and r["model"] == MODEL
+
+
+def test_usage_records_for_tunnels_and_runs_streamed_or_not(tmp_path):
+    from iop_harness import OLLAMA_MODEL
+
+    usage = tmp_path / "usage.jsonl"
+    with Cluster(ollama=True, mock_args=["--tokens", "5"],
+                 edge_extra=["[edge.usage_log]", f'path = "{usage}"']) as c:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        seen = {}
+        for model, path in ((MODEL, "tunnel"), (OLLAMA_MODEL, "run")):
+            r = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES)
+            seen[r.headers["x-request-id"]] = (path, False, r.parse().usage)
+            stream = client.chat.completions.with_raw_response.create(
+                model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True})
+            last = None
+            for chunk in stream.parse():
+                if chunk.usage is not None:
+                    last = chunk.usage
+            seen[stream.headers["x-request-id"]] = (path, True, last)
+        c.edge.stop()
+
+    records = {r["request_id"]: r for r in map(json.loads, usage.read_text().splitlines())}
+    assert sorted(records) == sorted(seen)
+    for request_id, (path, streamed, reported) in seen.items():
+        r = records[request_id]
+        assert reported is not None, (path, streamed)
+        assert (r["outcome"], r["usage"]) == ("completed", "reported"), (path, streamed, r)
+        assert (r["prompt_tokens"], r["completion_tokens"]) == (reported.prompt_tokens, reported.completion_tokens)
+        assert r["completion_tokens"] == 5
+        assert r["model"] == (MODEL if path == "tunnel" else OLLAMA_MODEL)
