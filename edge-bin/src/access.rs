@@ -207,6 +207,13 @@ impl AccessRecord {
         })
     }
 
+    /// How complete the record's tokens are, for a request that ended
+    /// with `outcome`.
+    fn completeness(&self, outcome: &str) -> crate::usage::Completeness {
+        let observed = self.prompt_tokens.is_some() || self.completion_tokens.is_some();
+        crate::usage::Completeness::of(self.attempts > 0, outcome == "completed", observed)
+    }
+
     /// The usage file's JSON line for this record ([`crate::usage`]).
     pub fn usage_line(
         &self,
@@ -217,7 +224,7 @@ impl AccessRecord {
     ) -> String {
         let outcome = self.outcome_of(stats);
         let observed = self.prompt_tokens.is_some() || self.completion_tokens.is_some();
-        let usage = crate::usage::Completeness::of(outcome == "completed", observed);
+        let usage = self.completeness(outcome);
         let total =
             observed.then(|| self.prompt_tokens.unwrap_or(0) + self.completion_tokens.unwrap_or(0));
         let tokens = |n: Option<u64>| n.map_or(Value::Null, Value::U64);
@@ -261,7 +268,8 @@ impl AccessRecord {
             .map(|at| at.saturating_duration_since(read_at));
         let duration = ended_at.saturating_duration_since(read_at);
         let outcome = self.outcome_of(stats);
-        let fields: [(&str, Value<'_>); 17] = [
+        let usage = self.completeness(outcome);
+        let fields: [(&str, Value<'_>); 18] = [
             ("ts", Value::Str(&rfc3339_ms(unix_ms))),
             ("request_id", Value::Str(&self.request_id)),
             ("principal", Value::Str(&self.principal)),
@@ -288,6 +296,7 @@ impl AccessRecord {
                 "completion_tokens",
                 self.completion_tokens.map_or(Value::Null, Value::U64),
             ),
+            ("usage", Value::Str(usage.as_str())),
         ];
         match format {
             Format::Text => text_line(&fields),
@@ -592,7 +601,7 @@ mod tests {
             "ts=1970-01-01T00:00:00.000Z request_id=req-1 principal=\"team a\" method=POST \
              path=/v1/chat/completions model=gpt-x provider=node-b/p2 node=node-b status=200 \
              outcome=completed attempts=2 ttft_ms=12.345 duration_ms=500.000 bytes_in=42 \
-             bytes_out=1234 prompt_tokens=5 completion_tokens=7\n"
+             bytes_out=1234 prompt_tokens=5 completion_tokens=7 usage=reported\n"
         );
     }
 
@@ -621,7 +630,7 @@ mod tests {
                 "model": null, "provider": null, "node": null, "status": 404,
                 "outcome": "error", "attempts": 0, "ttft_ms": null, "duration_ms": 0.0,
                 "bytes_in": 0, "bytes_out": 99, "prompt_tokens": null,
-                "completion_tokens": null
+                "completion_tokens": null, "usage": "none"
             })
         );
     }
@@ -646,6 +655,7 @@ mod tests {
         );
         // Cut short after an observation: partial, with what was seen.
         let mut cut = AccessRecord::new("req-3".into(), "POST", "/v1/chat/completions", 9);
+        cut.attempt("node-a", "p1");
         cut.usage(11, 3);
         cut.end("client_disconnect");
         let v: serde_json::Value =
@@ -655,7 +665,8 @@ mod tests {
             (&"partial".into(), &"client_disconnect".into(), &14.into())
         );
         // Completed without usage: none, and no tokens are made up.
-        let bare = AccessRecord::new("req-4".into(), "POST", "/v1/chat/completions", 9);
+        let mut bare = AccessRecord::new("req-4".into(), "POST", "/v1/chat/completions", 9);
+        bare.attempt("node-a", "p1");
         let v: serde_json::Value =
             serde_json::from_str(&bare.usage_line(0, &stats(read_at), read_at, end)).unwrap();
         assert_eq!(v["usage"], "none");

@@ -11,9 +11,9 @@
 //!
 //! A record says what the provider reported and how complete it is
 //! (`usage`): `reported` (the request completed and usage was observed),
-//! `none` (it completed and the provider reported none; nothing is
-//! guessed), `partial` (it ended early: the tokens are what was observed
-//! up to then, or null).
+//! `none` (it completed and the provider reported none, or it never
+//! reached a provider; nothing is guessed), `partial` (it ended early: the
+//! tokens are what was observed up to then, or null).
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -31,20 +31,23 @@ pub const FLUSH_BYTES: usize = 256 * 1024;
 pub enum Completeness {
     /// Completed, usage observed.
     Reported,
-    /// Completed, no usage reported by the provider.
+    /// Completed with no usage reported by the provider, or never reached
+    /// a provider.
     None,
     /// Ended early; tokens are what was observed until then.
     Partial,
 }
 
 impl Completeness {
-    /// Of a request that ended with `completed` (or not) and observed
-    /// tokens (or not).
-    pub fn of(completed: bool, observed: bool) -> Self {
-        match (completed, observed) {
-            (true, true) => Completeness::Reported,
-            (true, false) => Completeness::None,
-            (false, _) => Completeness::Partial,
+    /// Of a request that reached a provider (`dispatched`) or not, ended
+    /// `completed` or not, and had tokens `observed` or not. One that never
+    /// reached a provider (refused, rate limited, no provider) used none.
+    pub fn of(dispatched: bool, completed: bool, observed: bool) -> Self {
+        match (dispatched, completed, observed) {
+            (false, _, _) => Completeness::None,
+            (true, true, true) => Completeness::Reported,
+            (true, true, false) => Completeness::None,
+            (true, false, _) => Completeness::Partial,
         }
     }
 
@@ -241,10 +244,11 @@ mod tests {
 
     #[test]
     fn completeness_of_a_request() {
-        assert_eq!(Completeness::of(true, true).as_str(), "reported");
-        assert_eq!(Completeness::of(true, false).as_str(), "none");
-        assert_eq!(Completeness::of(false, true).as_str(), "partial");
-        assert_eq!(Completeness::of(false, false).as_str(), "partial");
+        assert_eq!(Completeness::of(true, true, true).as_str(), "reported");
+        assert_eq!(Completeness::of(true, true, false).as_str(), "none");
+        assert_eq!(Completeness::of(true, false, true).as_str(), "partial");
+        assert_eq!(Completeness::of(true, false, false).as_str(), "partial");
+        assert_eq!(Completeness::of(false, false, false).as_str(), "none");
     }
 
     #[test]

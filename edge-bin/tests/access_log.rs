@@ -155,7 +155,7 @@ async fn a_request_id_goes_to_the_node_and_back_and_the_line_is_exact() {
                 "provider": "node-a/a-mock", "node": "node-a", "status": 200,
                 "outcome": "completed", "attempts": 1,
                 "bytes_in": body.len(), "bytes_out": response.wire_bytes,
-                "prompt_tokens": 11, "completion_tokens": 3,
+                "prompt_tokens": 11, "completion_tokens": 3, "usage": "reported",
             })
         );
         assert_eq!(
@@ -165,7 +165,7 @@ async fn a_request_id_goes_to_the_node_and_back_and_the_line_is_exact() {
                 "path": "/v1/nope", "model": null, "provider": null, "node": null,
                 "status": 404, "outcome": "unknown_url", "attempts": 0,
                 "bytes_in": 0, "bytes_out": missing.wire_bytes,
-                "prompt_tokens": null, "completion_tokens": null,
+                "prompt_tokens": null, "completion_tokens": null, "usage": "none",
             })
         );
         let (ttft, duration) = (
@@ -215,7 +215,7 @@ async fn an_early_error_is_logged_with_the_clients_id() {
                 "path": "/v1/messages", "model": null, "provider": null, "node": null,
                 "status": 413, "outcome": "request_too_large", "attempts": 0,
                 "bytes_in": 0, "bytes_out": response.wire_bytes,
-                "prompt_tokens": null, "completion_tokens": null,
+                "prompt_tokens": null, "completion_tokens": null, "usage": "none",
             })
         );
         edge.stop().await;

@@ -71,6 +71,7 @@ def test_a_client_request_id_is_echoed_logged_and_reaches_the_node(cluster):
     }
     assert int(line["prompt_tokens"]) == usage.prompt_tokens
     assert int(line["completion_tokens"]) == usage.completion_tokens
+    assert line["usage"] == "reported"
     assert 0 < float(line["ttft_ms"]) <= float(line["duration_ms"])
     assert int(line["bytes_in"]) > 0 and int(line["bytes_out"]) > 0
 
