@@ -741,7 +741,7 @@ where
     );
     // Control's timers keep running (queue timeouts, heartbeats); they
     // never end on their own.
-    monoio::select! {
+    let end = monoio::select! {
         _ = &mut timers => DrainEnd::Finished,
         _ = edge.requests_finished() => DrainEnd::Finished,
         _ = monoio::time::sleep(stop.drain_grace) => DrainEnd::GraceElapsed {
@@ -750,8 +750,23 @@ where
         _ = stop.force => DrainEnd::Forced {
             in_flight: edge.in_flight_requests(),
         },
+    };
+    if end != DrainEnd::Finished {
+        // The requests still relaying end now, through their normal end
+        // (cancelled on their nodes, their lines and usage records
+        // written); a request stuck writing to a client that reads nothing
+        // is not waited for past CUT_OFF_WAIT.
+        edge.cut_off_requests();
+        monoio::select! {
+            _ = edge.requests_finished() => {},
+            _ = monoio::time::sleep(CUT_OFF_WAIT) => {},
+        }
     }
+    end
 }
+
+/// How long the end of the drain waits for cut-off requests to finish.
+pub const CUT_OFF_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 #[cfg(test)]
 mod tests {

@@ -377,6 +377,11 @@ pub struct Edge {
     in_flight_requests: Cell<usize>,
     /// Woken when a client request finishes (the drain waits on it).
     request_finished: Notify,
+    /// Set when the drain grace has elapsed: requests still relaying end
+    /// now (through their normal end, so their lines and usage records are
+    /// written).
+    cut_off: Cell<bool>,
+    cut_off_waiters: WakeList,
     /// Lifecycle steps received from the control shard.
     lifecycle: RefCell<Vec<Lifecycle>>,
     lifecycle_changed: WakeList,
@@ -459,6 +464,8 @@ impl Edge {
             draining: Cell::new(false),
             in_flight_requests: Cell::new(0),
             request_finished: Notify::default(),
+            cut_off: Cell::new(false),
+            cut_off_waiters: WakeList::default(),
             lifecycle: RefCell::new(Vec::new()),
             lifecycle_changed: WakeList::default(),
             drained: Cell::new((0, 0)),
@@ -542,6 +549,25 @@ impl Edge {
     /// Whether the shutdown drain has begun.
     pub fn is_draining(&self) -> bool {
         self.draining.get()
+    }
+
+    /// Ends the drain's grace: every request waiting on its provider stops
+    /// waiting ([`Edge::cut_off`] completes) and ends as `aborted`.
+    pub fn cut_off_requests(&self) {
+        self.cut_off.set(true);
+        self.cut_off_waiters.wake_all();
+    }
+
+    /// Whether [`Edge::cut_off_requests`] was called.
+    pub fn is_cut_off(&self) -> bool {
+        self.cut_off.get()
+    }
+
+    /// Completes once [`Edge::cut_off_requests`] was called.
+    pub async fn cut_off(&self) {
+        while !self.cut_off.get() {
+            self.cut_off_waiters.wait().await;
+        }
     }
 
     /// Counts a client request as in flight until the guard drops.

@@ -45,6 +45,7 @@ use crate::{front_door, metrics, status};
 /// A client connection and what the access log will say of its current
 /// request; derefs to the connection.
 struct Client<S> {
+    edge: Rc<Edge>,
     conn: ServerConn<S>,
     rec: AccessRecord,
     /// When the current request was read; `None` once its line is written.
@@ -57,8 +58,13 @@ struct Client<S> {
 }
 
 impl<S> Drop for Client<S> {
+    /// A connection task dropped mid-request: its line and usage record
+    /// are still written, as `aborted`, and its limits claim given back.
     fn drop(&mut self) {
-        self.release_limits();
+        if self.read_at.is_some() {
+            self.rec.end("aborted");
+        }
+        self.log_access();
     }
 }
 
@@ -72,6 +78,66 @@ impl<S> Client<S> {
                 (p, c) => Some(p.unwrap_or(0) + c.unwrap_or(0)),
             };
             keys.finish(ticket, observed, clock::now());
+        }
+    }
+
+    /// [`ServerConn::watch_peer`], also ended by the drain's cut-off
+    /// ([`Edge::cut_off`]): then the request ends as `aborted`, as if its
+    /// client had left.
+    async fn watch_peer<F: std::future::Future>(&mut self, work: F) -> Watched<F::Output>
+    where
+        S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    {
+        let edge = Rc::clone(&self.edge);
+        let work = async move {
+            monoio::select! {
+                out = work => Some(out),
+                _ = edge.cut_off() => None,
+            }
+        };
+        match self.conn.watch_peer(work).await {
+            Watched::Done(Some(out)) => Watched::Done(out),
+            Watched::Done(None) => {
+                self.rec.end("aborted");
+                Watched::PeerClosed
+            }
+            Watched::PeerClosed => Watched::PeerClosed,
+        }
+    }
+
+    /// Ends a started relay that the drain cut off, as `aborted`: checked
+    /// after each event the relay takes (a flag read, nothing armed per
+    /// chunk), so a stream is cut at its next event.
+    fn check_cut_off(&mut self) -> Result<(), HttpError> {
+        if self.edge.is_cut_off() {
+            self.rec.end("aborted");
+            return Err(HttpError::UnexpectedEof);
+        }
+        Ok(())
+    }
+
+    /// Writes the access log line of the current request (once).
+    fn log_access(&mut self) {
+        let edge = Rc::clone(&self.edge);
+        self.release_limits();
+        let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
+            return;
+        };
+        let usage = &edge.settings.usage_log;
+        // The usage file: inference requests that were authenticated.
+        let billable = usage.is_on() && self.caller.is_some() && is_inference_route(&self.rec.path);
+        if !log.is_on() && !billable {
+            return;
+        }
+        let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
+        if log.is_on() {
+            log.write(
+                self.rec
+                    .line(log.format(), unix_ms, &stats, read_at, ended_at),
+            );
+        }
+        if billable {
+            usage.record(&self.rec.usage_line(unix_ms, &stats, read_at, ended_at));
         }
     }
 }
@@ -120,30 +186,6 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
         self.read_at = Some(at);
         self.caller = None;
     }
-
-    /// Writes the access log line of the current request (once).
-    fn log_access(&mut self, edge: &Edge) {
-        self.release_limits();
-        let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
-            return;
-        };
-        let usage = &edge.settings.usage_log;
-        // The usage file: inference requests that were authenticated.
-        let billable = usage.is_on() && self.caller.is_some() && is_inference_route(&self.rec.path);
-        if !log.is_on() && !billable {
-            return;
-        }
-        let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
-        if log.is_on() {
-            log.write(
-                self.rec
-                    .line(log.format(), unix_ms, &stats, read_at, ended_at),
-            );
-        }
-        if billable {
-            usage.record(&self.rec.usage_line(unix_ms, &stats, read_at, ended_at));
-        }
-    }
 }
 
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
@@ -190,6 +232,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         edge.settings.client_write_stall_timeout,
     );
     let mut server = Client {
+        edge: Rc::clone(&edge),
         conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
         rec: AccessRecord::default(),
         read_at: None,
@@ -219,7 +262,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         let in_flight = edge.track_request();
         if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
             let answered = refuse_while_draining(&mut server, &path).await.is_ok();
-            server.log_access(&edge);
+            server.log_access();
             // Answered: the drain need not wait for the lingering close.
             drop(in_flight);
             if answered {
@@ -233,7 +276,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             Ok(caller) => caller,
             Err((surface, e)) => {
                 let result = write_error(&mut server, surface, &e).await;
-                server.log_access(&edge);
+                server.log_access();
                 if result.is_err() || !server.keep_alive() {
                     return;
                 }
@@ -373,7 +416,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         if let Err(e) = &result {
             server.rec.end(cancel_reason(e).as_str());
         }
-        server.log_access(&edge);
+        server.log_access();
         drop(in_flight);
         if let Err(HttpError::TimedOut(Wait::Write)) = &result {
             write_stalled(&edge, method, &path);
@@ -475,7 +518,7 @@ where
     let body = api.body_for_request(surface, &server.rec.request_id);
     server.rec.end(api.outcome());
     let written = server.write_response(api.status, headers, body).await;
-    server.log_access(edge);
+    server.log_access();
     if written.is_err() {
         return;
     }
@@ -1257,7 +1300,9 @@ where
     let mut started = false;
     loop {
         let next = if started {
-            frames.recv().await
+            let next = frames.recv().await;
+            server.check_cut_off()?;
+            next
         } else {
             match server.watch_peer(frames.recv()).await {
                 Watched::Done(next) => next,
@@ -1430,7 +1475,9 @@ where
     let mut event_stream = false;
     loop {
         let next = if started {
-            frames.recv().await
+            let next = frames.recv().await;
+            server.check_cut_off()?;
+            next
         } else {
             // Before the first byte goes out, a client that leaves is seen
             // at once (U6), not at the first write.

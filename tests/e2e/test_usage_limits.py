@@ -161,3 +161,25 @@ def test_usage_records_for_tunnels_and_runs_streamed_or_not(tmp_path):
         assert (r["prompt_tokens"], r["completion_tokens"]) == (reported.prompt_tokens, reported.completion_tokens)
         assert r["completion_tokens"] == 5
         assert r["model"] == (MODEL if path == "tunnel" else OLLAMA_MODEL)
+
+
+def test_a_stream_cut_by_the_drain_grace_is_recorded_as_aborted(tmp_path):
+    usage = tmp_path / "usage.jsonl"
+    # 100 tokens 100 ms apart: about 10 s, far past a 300 ms drain grace.
+    with Cluster(mock_args=["--tokens", "100", "--inter-token-ms", "100"],
+                 edge_extra=["drain_grace_ms = 300", "[edge.usage_log]", f'path = "{usage}"']) as c:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+            extra_headers={"x-request-id": "cut-1"})
+        next(iter(stream))
+        c.edge.popen.send_signal(signal.SIGTERM)
+        with pytest.raises(Exception):
+            for _ in stream:
+                pass
+        c.edge.popen.wait(timeout=30)
+        assert "shut down with requests in flight" in c.edge.log()
+
+    [record] = [json.loads(line) for line in usage.read_text().splitlines()]
+    assert (record["request_id"], record["outcome"], record["usage"]) == ("cut-1", "aborted", "partial")
+    assert record["total_tokens"] is None  # the mock reports usage only at the end

@@ -187,6 +187,13 @@ impl<S> fmt::Debug for ServerConn<S> {
     }
 }
 
+impl<S> ServerConn<S> {
+    /// What the current exchange's response did so far.
+    pub fn exchange(&self) -> ExchangeStats {
+        self.exchange
+    }
+}
+
 impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     /// Wraps an accepted stream (set `TCP_NODELAY` first:
     /// [`super::accept`] does).
@@ -214,11 +221,6 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     pub fn set_exchange_header(&mut self, name: &'static str, value: Bytes) {
         self.exchange_headers.retain(|(n, _)| *n != name);
         self.exchange_headers.push((name, value));
-    }
-
-    /// What the current exchange's response did so far.
-    pub fn exchange(&self) -> ExchangeStats {
-        self.exchange
     }
 
     /// Puts every read under `deadline` (made for this connection's socket
