@@ -70,7 +70,13 @@ fn examples_with_certs(dir: &ScratchDir) {
     }
     let certs = dir.join("certs");
     let out = run(
-        &["certs", "--out", &certs.display().to_string(), "--node", "node-a"],
+        &[
+            "certs",
+            "--out",
+            &certs.display().to_string(),
+            "--node",
+            "node-a",
+        ],
         &[],
     );
     assert!(out.status.success(), "certs: {}", text(&out.stderr));
@@ -230,7 +236,11 @@ fn check_config_failures_exit_1_with_file_key_and_reason_as_startup_does() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     edit(&edge, "ca = \"certs/ca.pem\"", "ca = \"certs2/ca.pem\"");
-    edit(&edge, "cert = \"certs/edge.pem\"", "cert = \"certs2/edge.pem\"");
+    edit(
+        &edge,
+        "cert = \"certs/edge.pem\"",
+        "cert = \"certs2/edge.pem\"",
+    );
     edit(
         &edge,
         "key = \"certs/edge-key.pem\"",
