@@ -244,8 +244,8 @@ pub fn generate_recipient_key(path: &Path) -> Result<PublicKey, KeyError> {
 /// earlier IOP format). A PKCS#8 file that carries a public key must carry
 /// this key's.
 pub fn load_issuer_key(path: &Path) -> Result<SigningKey, KeyError> {
-    let (seed, public) = read_key_file(path, KeyKind::Issuer)?;
-    let key = SigningKey::from_bytes(&seed);
+    let KeyFile { private, public } = read_key_file(path, KeyKind::Issuer)?;
+    let key = SigningKey::from_bytes(&private);
     if public.is_some_and(|p| p != key.verifying_key().to_bytes()) {
         return Err(KeyError::Parse {
             path: path.to_owned(),
@@ -259,8 +259,8 @@ pub fn load_issuer_key(path: &Path) -> Result<SigningKey, KeyError> {
 /// earlier IOP format). A PKCS#8 file that carries a public key must carry
 /// this key's.
 pub fn load_recipient_key(path: &Path) -> Result<RecipientKey, KeyError> {
-    let (seed, public) = read_key_file(path, KeyKind::Recipient)?;
-    let key = RecipientKey::from_bytes(&seed);
+    let KeyFile { private, public } = read_key_file(path, KeyKind::Recipient)?;
+    let key = RecipientKey::from_bytes(&private);
     if public.is_some_and(|p| p != key.public_key().to_bytes()) {
         return Err(KeyError::Parse {
             path: path.to_owned(),
@@ -356,13 +356,15 @@ fn write_key_file(path: &Path, kind: KeyKind, seed: &[u8; 32]) -> Result<(), Key
     Ok(())
 }
 
-/// The 32-byte private key in `path`, and the public key a PKCS#8 v2 file
-/// carries beside it.
-#[allow(clippy::type_complexity)]
-fn read_key_file(
-    path: &Path,
-    kind: KeyKind,
-) -> Result<(Zeroizing<[u8; 32]>, Option<[u8; 32]>), KeyError> {
+/// What a key file holds.
+struct KeyFile {
+    /// The 32-byte private key (Ed25519 seed or X25519 scalar).
+    private: Zeroizing<[u8; 32]>,
+    /// The public key a PKCS#8 version-1 structure carries beside it.
+    public: Option<[u8; 32]>,
+}
+
+fn read_key_file(path: &Path, kind: KeyKind) -> Result<KeyFile, KeyError> {
     let read_err = |source| KeyError::Read {
         path: path.to_owned(),
         source,
@@ -425,7 +427,10 @@ fn read_key_file(
         let der = pkcs8::base64_decode(&body).ok_or_else(|| parse_err("PEM body is not base64"))?;
         let key =
             pkcs8::decode_as(&der, kind.algorithm()).map_err(|e| parse_err(e.reason(kind)))?;
-        return Ok((key.private, key.public));
+        return Ok(KeyFile {
+            private: key.private,
+            public: key.public,
+        });
     }
     if label == "ENCRYPTED PRIVATE KEY" {
         return Err(parse_err(
@@ -459,7 +464,10 @@ fn read_key_file(
         return Err(parse_err("missing END line"));
     }
     end_line(&mut lines)?;
-    Ok((seed, None))
+    Ok(KeyFile {
+        private: seed,
+        public: None,
+    })
 }
 
 /// PKCS#8 `PrivateKeyInfo` / `OneAsymmetricKey` for the two RFC 8410 curve

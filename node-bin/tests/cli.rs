@@ -8,7 +8,7 @@ use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use iop_engine::build::{IoUring, COMMIT, VERSION};
 
@@ -238,7 +238,7 @@ fn signal(child: &Child, name: &str) {
 }
 
 fn wait_exit(child: &mut Child, limit: Duration) -> Option<i32> {
-    let start = Instant::now();
+    let start = iop_engine::clock::now();
     while start.elapsed() < limit {
         match child.try_wait() {
             Ok(Some(status)) => return status.code(),
