@@ -168,7 +168,7 @@ fn main() -> ExitCode {
         Some(Command::Certs(c)) => certs(c),
         Some(Command::Keys(k)) => keys(k),
         None => match args.config {
-            Some(path) => serve(&path, &args.cores),
+            Some(path) => serve(&path, &args.cores, args.log_format),
             None => fail("--config is required (or a subcommand: check-config, certs, keys)"),
         },
     }
@@ -445,12 +445,12 @@ fn spawn_reloader(
     });
 }
 
-fn serve(path: &str, cores: &str) -> ExitCode {
+fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
     // Before any runtime thread allocates: large buffers go back to the OS
     // when freed (see iop_engine::memory for the measurements).
     iop_engine::memory::return_freed_memory();
     let Loaded {
-        cfg,
+        mut cfg,
         credentials,
         acceptor,
         client_tls,
@@ -458,6 +458,13 @@ fn serve(path: &str, cores: &str) -> ExitCode {
         Ok(loaded) => loaded,
         Err(e) => return fail(e),
     };
+    // An access log whose format edge.toml leaves open follows --log-format.
+    if !cfg.access_log.format_explicit {
+        cfg.access_log.format = match log_format {
+            LogFormat::Text => edge_bin::access::Format::Text,
+            LogFormat::Json => edge_bin::access::Format::Json,
+        };
+    }
     // C4: a secret read from the environment leaves it: not inherited by
     // children, not readable in /proc/<pid>/environ. Still one thread here.
     for name in cfg.secret_env_names() {

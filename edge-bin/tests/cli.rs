@@ -299,8 +299,9 @@ fn wait_exit(child: &mut Child, limit: Duration) -> Option<i32> {
     panic!("edge-bin did not exit within {limit:?}");
 }
 
-/// Every line is a JSON object with the fields tracing-subscriber's JSON
-/// format writes; returns the messages.
+/// Every line is a JSON object: an access log line (it has a
+/// `request_id`; returned as `access <path> <status>`) or a log line with the
+/// fields tracing-subscriber's JSON format writes (returned as its message).
 fn json_messages(stderr: &str) -> Vec<String> {
     let mut messages = Vec::new();
     for line in stderr.lines() {
@@ -308,6 +309,10 @@ fn json_messages(stderr: &str) -> Vec<String> {
             Ok(v) => v,
             Err(e) => panic!("not JSON ({e}): {line}"),
         };
+        if value["request_id"].is_string() {
+            messages.push(format!("access {} {}", value["path"], value["status"]));
+            continue;
+        }
         for key in ["timestamp", "level", "target"] {
             assert!(value[key].is_string(), "{key} in {line}");
         }
@@ -370,7 +375,27 @@ fn json_log_lines_parse_as_json() {
         }
     });
     let ready = ready_rx.recv_timeout(Duration::from_secs(60));
-    assert!(ready.is_ok(), "no IOP_READY line");
+    let Some(client) = ready.ok().and_then(|line| {
+        line.split(' ')
+            .find_map(|w| w.strip_prefix("client=").map(str::to_owned))
+    }) else {
+        panic!("no IOP_READY line with client=");
+    };
+    // One request, so the access log writes a line (it follows
+    // --log-format: the example leaves `format` out).
+    let mut conn = match std::net::TcpStream::connect(&client) {
+        Ok(c) => c,
+        Err(e) => panic!("connect {client}: {e}"),
+    };
+    use std::io::Write;
+    if let Err(e) =
+        conn.write_all(b"GET /livez HTTP/1.1\r\nhost: edge\r\nconnection: close\r\n\r\n")
+    {
+        panic!("write: {e}");
+    }
+    let mut response = String::new();
+    let _ = conn.read_to_string(&mut response);
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     signal(&child.0, "HUP");
     std::thread::sleep(Duration::from_millis(500));
     signal(&child.0, "TERM");
@@ -380,7 +405,11 @@ fn json_log_lines_parse_as_json() {
         let _ = pipe.read_to_string(&mut stderr);
     }
     let messages = json_messages(&stderr);
-    for expected in ["configuration reloaded", "drained; shut down"] {
+    for expected in [
+        "access \"/livez\" 200",
+        "configuration reloaded",
+        "drained; shut down",
+    ] {
         assert!(
             messages.iter().any(|m| m == expected),
             "{expected:?} not in {messages:?}"
