@@ -46,6 +46,9 @@ cargo fmt --all -- --check
 stage "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets -- -D warnings
 
+stage "systemd units (systemd-analyze verify)"
+scripts/verify-units.sh
+
 stage "build binaries (integration tests run them)"
 cargo build --workspace --bins
 

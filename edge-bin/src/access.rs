@@ -119,6 +119,9 @@ pub struct AccessLogSpec {
     pub destination: Destination,
     /// How they are written.
     pub format: Format,
+    /// Whether edge.toml sets `format`; when it does not, `--log-format`
+    /// picks it (so `--log-format json` makes stderr JSON throughout).
+    pub format_explicit: bool,
 }
 
 /// Everything one line says about one request.
@@ -742,6 +745,7 @@ mod tests {
         let log = AccessLog::start(&AccessLogSpec {
             destination: Destination::File(path.clone()),
             format: Format::Json,
+            format_explicit: true,
         })
         .unwrap();
         assert!(log.is_on());

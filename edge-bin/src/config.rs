@@ -1331,6 +1331,7 @@ impl Validator<'_> {
         Ok(AccessLogSpec {
             destination,
             format,
+            format_explicit: raw.format.is_some(),
         })
     }
 
@@ -3934,6 +3935,45 @@ providers = ["node-a/a-llama"]
             error(&second),
             "conf/edge.toml: client_keys[1]: principal \"team-a\" already has limits from \
              client_keys[0]; set them on one of its keys"
+        );
+    }
+
+    #[test]
+    fn access_log_format_is_explicit_only_when_written() {
+        let unset = parse(BASE).unwrap().access_log;
+        assert_eq!(
+            (unset.format, unset.format_explicit),
+            (access::Format::Text, false)
+        );
+        let table = parse(&variant(
+            "[tls]\n",
+            "[edge.access_log]\ndestination = \"stderr\"\n\n[tls]\n",
+        ))
+        .unwrap()
+        .access_log;
+        assert_eq!(
+            (table.format, table.format_explicit),
+            (access::Format::Text, false)
+        );
+        let text = parse(&variant(
+            "[tls]\n",
+            "[edge.access_log]\nformat = \"text\"\n\n[tls]\n",
+        ))
+        .unwrap()
+        .access_log;
+        assert_eq!(
+            (text.format, text.format_explicit),
+            (access::Format::Text, true)
+        );
+        let json = parse(&variant(
+            "[tls]\n",
+            "[edge.access_log]\nformat = \"json\"\n\n[tls]\n",
+        ))
+        .unwrap()
+        .access_log;
+        assert_eq!(
+            (json.format, json.format_explicit),
+            (access::Format::Json, true)
         );
     }
 

@@ -1,10 +1,13 @@
 //! `edge-bin` entry point: arguments, configuration, listeners. See the
 //! library crate (`edge_bin`) for the gateway itself.
 //!
-//! Subcommands: `certs` (development PKI), `keys issuer --out PATH` (a new
-//! Ed25519 issuer key; prints its public `ed25519:` form for node.toml) and
-//! `keys hash-client-key` (reads a client API key on stdin, prints the
-//! `key_hash` for `[[client_keys]]`).
+//! Subcommands: `check-config FILE` (loads and validates a configuration the
+//! way startup does, without opening sockets), `certs` (development PKI),
+//! `keys issuer --out PATH` (a new Ed25519 issuer key as PKCS#8 PEM; prints
+//! its public `ed25519:` form for node.toml) and `keys hash-client-key`
+//! (reads a client API key on stdin, prints the `key_hash` for
+//! `[[client_keys]]`). `--version` prints the version, commit and whether
+//! io_uring is available; `--log-format json` writes JSON log lines.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -19,15 +22,48 @@ use edge_bin::credentials::{client_key_hash_hex, CredentialPlane};
 use edge_bin::server;
 use edge_bin::server::DrainEnd;
 use edge_bin::shards::Lifecycle;
-use iop_engine::rt::{self, notify, CoreList, Signal, SignalPipe};
+use iop_engine::build::{version_line, IoUring};
+use iop_engine::rt::{self, notify, CoreList, LogFormat, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
 
 /// IOP Edge: the OpenAI-compatible gateway Nodes dial into.
 #[derive(FromArgs, Debug)]
+#[argh(
+    example = "{command_name} --config /etc/iop/edge.toml --cores 0-3\n\
+               {command_name} check-config /etc/iop/edge.toml\n\
+               {command_name} keys issuer --out /etc/iop/keys/issuer.key",
+    note = "Environment:\n\
+            \u{00A0} RUST_LOG          log filter, default info (e.g. info,edge_bin=debug)\n\
+            \u{00A0} MONOIO_FORCE_LEGACY_DRIVER=1\n\
+            \u{00A0}                   use epoll instead of io_uring\n\
+            \u{00A0} NOTIFY_SOCKET     set by systemd (Type=notify-reload): READY=1 once\n\
+            \u{00A0}                   listening, RELOADING=1 then READY=1 around a\n\
+            \u{00A0}                   reload, STOPPING=1 at the first stop signal\n\
+            \n\
+            Signals:\n\
+            \u{00A0} SIGHUP            reload edge.toml (client keys, admin key, adapter\n\
+            \u{00A0}                   settings) and the TLS certificates; a bad file\n\
+            \u{00A0}                   keeps the running configuration\n\
+            \u{00A0} SIGTERM, SIGINT   drain: stop accepting, let requests finish for at\n\
+            \u{00A0}                   most edge.drain_grace_ms, exit 0; a second signal\n\
+            \u{00A0}                   exits at once\n\
+            \u{00A0} SIGUSR1           dump the latency histograms to stderr\n\
+            \n\
+            Docs: README.md, docs/deployment.md (systemd units, ports, TLS, keys,\n\
+            upgrades) and examples/edge.toml."
+)]
 struct Args {
     /// path to edge.toml
     #[argh(option)]
     config: Option<String>,
+    /// print the version, the commit and whether io_uring is available, and
+    /// exit
+    #[argh(switch)]
+    version: bool,
+    /// log line format on stderr: text (default) or json (one object per
+    /// line)
+    #[argh(option, default = "LogFormat::Text", from_str_fn(log_format))]
+    log_format: LogFormat,
     /// CPU cores to run on, taskset syntax (`0-3`, `0,2,5-7`); the first is
     /// the control shard. Default: 0.
     #[argh(option, default = "String::from(\"0\")")]
@@ -39,8 +75,25 @@ struct Args {
 #[derive(FromArgs, Debug)]
 #[argh(subcommand)]
 enum Command {
+    CheckConfig(CheckConfigArgs),
     Certs(CertsArgs),
     Keys(KeysArgs),
+}
+
+/// Load and validate a configuration as startup does (every key, the TLS
+/// certificates and keys, the issuer key and credential secrets, the access
+/// log file) without opening sockets; exit 0 if it would start, 1 with the
+/// file, key and reason if not.
+#[derive(FromArgs, Debug)]
+#[argh(subcommand, name = "check-config")]
+struct CheckConfigArgs {
+    /// the edge.toml to check
+    #[argh(positional)]
+    file: String,
+}
+
+fn log_format(text: &str) -> Result<LogFormat, String> {
+    text.parse()
 }
 
 /// Credential-plane keys: the issuer key and client API key hashes.
@@ -58,8 +111,10 @@ enum KeysCommand {
     HashClientKey(HashClientKeyArgs),
 }
 
-/// Generate the Edge's Ed25519 issuer key (mode 0600, never overwritten) and
-/// print its public key for node.toml `[credentials] issuer_public_key`.
+/// Generate the Edge's Ed25519 issuer key as PKCS#8 PEM (mode 0600, never
+/// overwritten; `openssl genpkey -algorithm ed25519` makes an equivalent
+/// one) and print its public key for node.toml `[credentials]
+/// issuer_public_key`.
 #[derive(FromArgs, Debug)]
 #[argh(subcommand, name = "issuer")]
 struct IssuerArgs {
@@ -103,15 +158,132 @@ fn fail(message: impl std::fmt::Display) -> ExitCode {
 
 fn main() -> ExitCode {
     let args: Args = argh::from_env();
-    iop_engine::rt::init_logging();
+    if args.version {
+        println!("{}", version_line("edge-bin", IoUring::probe()));
+        return ExitCode::SUCCESS;
+    }
+    iop_engine::rt::init_logging_as(args.log_format);
     match args.command {
+        Some(Command::CheckConfig(c)) => check_config(&c.file),
         Some(Command::Certs(c)) => certs(c),
         Some(Command::Keys(k)) => keys(k),
         None => match args.config {
-            Some(path) => serve(&path, &args.cores),
-            None => fail("--config is required (or a subcommand: certs, keys)"),
+            Some(path) => serve(&path, &args.cores, args.log_format),
+            None => fail("--config is required (or a subcommand: check-config, certs, keys)"),
         },
     }
+}
+
+/// What startup loads from the configuration before it opens a socket.
+struct Loaded {
+    cfg: EdgeConfig,
+    credentials: Option<CredentialPlane>,
+    acceptor: Option<EdgeTlsAcceptor>,
+    client_tls: Option<HttpsAcceptor>,
+}
+
+impl Loaded {
+    /// One line for `check-config`: what would run.
+    fn summary(&self) -> String {
+        let cfg = &self.cfg;
+        let on = |on: bool| if on { "on" } else { "off" };
+        format!(
+            "edge {}: client_listen {}, node_listen {}, {} node(s), {} model(s), \
+             {} client key(s), node TLS {}, client TLS {}, credential plane {}",
+            cfg.edge.name,
+            cfg.edge.client_listen,
+            cfg.edge.node_listen,
+            cfg.nodes.len(),
+            cfg.models.len(),
+            cfg.client_keys.len(),
+            on(self.acceptor.is_some()),
+            on(self.client_tls.is_some()),
+            on(self.credentials.is_some()),
+        )
+    }
+}
+
+/// `check-config FILE`: [`load`] and report; nothing is bound.
+fn check_config(path: &str) -> ExitCode {
+    match load(path) {
+        Ok(loaded) => {
+            println!("{path}: ok");
+            println!("{}", loaded.summary());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// Reads and validates everything startup needs from the configuration
+/// file: the file itself, the credential plane (issuer key, slot secrets),
+/// the node-link TLS identity (matching `edge.name`) and the client
+/// listener's HTTPS identity. Opens no socket; the error names the file,
+/// key and reason.
+fn load(path: &str) -> Result<Loaded, String> {
+    let cfg = EdgeConfig::load(path).map_err(|e| e.to_string())?;
+    // C1, C4: the issuer key and every slot secret are read once, here;
+    // a bad one ends the process (S3) with the key and reason, never the
+    // contents.
+    let credentials =
+        CredentialPlane::load(&cfg, &|name| std::env::var_os(name)).map_err(|e| e.to_string())?;
+    if let Some(plane) = &credentials {
+        tracing::info!(
+            issuer_key_id = %plane.issuer_key_id(),
+            lease_ttl_ms = plane.lease_ttl_ms(),
+            "credential plane enabled"
+        );
+    }
+    let source = cfg.source.display();
+    let acceptor = match &cfg.tls {
+        Some(files) => {
+            let material = TlsMaterial::from_files(&TlsFiles::from(files))
+                .map_err(|e| format!("{source}: tls: {e}"))?;
+            let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
+            let a = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
+                .map_err(|e| format!("{source}: tls: {e}"))?;
+            if a.local_identity().name() != cfg.edge.name {
+                return Err(format!(
+                    "{source}: edge.name: `{}` does not match the certificate identity {}",
+                    cfg.edge.name,
+                    a.local_identity().uri()
+                ));
+            }
+            let own = a.local_certificate();
+            tracing::info!(
+                identity = %own.id.uri(),
+                cert_serial = %own.serial_hex,
+                not_after_unix_s = own.not_after_unix_s,
+                "node-link certificate loaded (SIGHUP reloads it)"
+            );
+            Some(a)
+        }
+        None => {
+            tracing::warn!("insecure_plaintext_nodes: accepting nodes without TLS (dev only, T5)");
+            None
+        }
+    };
+    let client_tls = match &cfg.client_tls {
+        Some(files) => {
+            let acceptor = HttpsAcceptor::from_files(files)
+                .map_err(|e| format!("{source}: edge.client_tls: {e}"))?;
+            let identity = acceptor.identity();
+            tracing::info!(
+                cert_serial = %identity.serial_hex,
+                not_after_unix_s = identity.not_after_unix_s,
+                client_certificates_required = identity.requires_client_cert,
+                "client listener serves HTTPS"
+            );
+            Some(acceptor)
+        }
+        None => None,
+    };
+    Ok(Loaded {
+        cfg,
+        credentials,
+        acceptor,
+        client_tls,
+    })
 }
 
 fn certs(args: CertsArgs) -> ExitCode {
@@ -273,21 +445,26 @@ fn spawn_reloader(
     });
 }
 
-fn serve(path: &str, cores: &str) -> ExitCode {
+fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
     // Before any runtime thread allocates: large buffers go back to the OS
     // when freed (see iop_engine::memory for the measurements).
     iop_engine::memory::return_freed_memory();
-    let cfg = match EdgeConfig::load(path) {
-        Ok(cfg) => cfg,
+    let Loaded {
+        mut cfg,
+        credentials,
+        acceptor,
+        client_tls,
+    } = match load(path) {
+        Ok(loaded) => loaded,
         Err(e) => return fail(e),
     };
-    // C1, C4: the issuer key and every slot secret are read once, here;
-    // a bad one ends the process (S3) with the key and reason, never the
-    // contents.
-    let credentials = match CredentialPlane::load(&cfg, &|name| std::env::var_os(name)) {
-        Ok(plane) => plane,
-        Err(e) => return fail(e),
-    };
+    // An access log whose format edge.toml leaves open follows --log-format.
+    if !cfg.access_log.format_explicit {
+        cfg.access_log.format = match log_format {
+            LogFormat::Text => edge_bin::access::Format::Text,
+            LogFormat::Json => edge_bin::access::Format::Json,
+        };
+    }
     // C4: a secret read from the environment leaves it: not inherited by
     // children, not readable in /proc/<pid>/environ. Still one thread here.
     for name in cfg.secret_env_names() {
@@ -301,71 +478,9 @@ fn serve(path: &str, cores: &str) -> ExitCode {
             ),
         }
     }
-    if let Some(plane) = &credentials {
-        tracing::info!(
-            issuer_key_id = %plane.issuer_key_id(),
-            lease_ttl_ms = plane.lease_ttl_ms(),
-            "credential plane enabled"
-        );
-    }
     let cores = match CoreList::parse_for_this_process(cores) {
         Ok(c) => c,
         Err(e) => return fail(format_args!("--cores {cores}: {e}")),
-    };
-    let acceptor = match &cfg.tls {
-        Some(files) => {
-            let material = match TlsMaterial::from_files(&TlsFiles::from(files)) {
-                Ok(m) => m,
-                Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
-            };
-            let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
-            match EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed) {
-                Ok(a) => {
-                    if a.local_identity().name() != cfg.edge.name {
-                        return fail(format_args!(
-                            "{}: edge.name: `{}` does not match the certificate identity {}",
-                            cfg.source.display(),
-                            cfg.edge.name,
-                            a.local_identity().uri()
-                        ));
-                    }
-                    let own = a.local_certificate();
-                    tracing::info!(
-                        identity = %own.id.uri(),
-                        cert_serial = %own.serial_hex,
-                        not_after_unix_s = own.not_after_unix_s,
-                        "node-link certificate loaded (SIGHUP reloads it)"
-                    );
-                    Some(a)
-                }
-                Err(e) => return fail(format_args!("{}: tls: {e}", cfg.source.display())),
-            }
-        }
-        None => {
-            tracing::warn!("insecure_plaintext_nodes: accepting nodes without TLS (dev only, T5)");
-            None
-        }
-    };
-    let client_tls = match &cfg.client_tls {
-        Some(files) => match HttpsAcceptor::from_files(files) {
-            Ok(acceptor) => {
-                let identity = acceptor.identity();
-                tracing::info!(
-                    cert_serial = %identity.serial_hex,
-                    not_after_unix_s = identity.not_after_unix_s,
-                    client_certificates_required = identity.requires_client_cert,
-                    "client listener serves HTTPS"
-                );
-                Some(acceptor)
-            }
-            Err(e) => {
-                return fail(format_args!(
-                    "{}: edge.client_tls: {e}",
-                    cfg.source.display()
-                ))
-            }
-        },
-        None => None,
     };
     let shards = cores.cores().len();
     let edge = match server::ShardedEdge::bind(cfg.clone(), credentials, acceptor, shards) {

@@ -1,8 +1,23 @@
 //! Credential-lease keys on disk and OS randomness for leases (C1, C4).
 //!
 //! The Edge holds an Ed25519 issuer key, each managed Node an X25519
-//! recipient key. Private keys live in files of this format (not PEM/PKCS#8;
-//! the body is the lowercase hex of the 32-byte seed):
+//! recipient key. Private keys are PKCS#8 PEM files (RFC 5958 / RFC 8410),
+//! what `openssl genpkey -algorithm ed25519` (or `x25519`) writes and
+//! `openssl pkey` reads:
+//!
+//! ```text
+//! -----BEGIN PRIVATE KEY-----
+//! MC4CAQAwBQYDK2VwBCIEI…            (base64 of 48 bytes of DER)
+//! -----END PRIVATE KEY-----
+//! ```
+//!
+//! The DER is decoded by hand ([`pkcs8`]): `PrivateKeyInfo` version 0 or 1,
+//! the algorithm OID with no parameters, the 32-byte key in an OCTET STRING,
+//! optional attributes (ignored) and, in version 1, an optional public key
+//! that must match. Encrypted PKCS#8 is refused with a hint.
+//!
+//! The format of earlier releases still loads (the body is the lowercase
+//! hex of the 32-byte seed); `keys issuer` / `keys recipient` write PKCS#8:
 //!
 //! ```text
 //! -----BEGIN IOP ISSUER KEY-----          -----BEGIN IOP RECIPIENT KEY-----
@@ -12,8 +27,8 @@
 //!
 //! Files are created with mode 0600 and never overwritten; loading refuses a
 //! file any group/other permission bit is set on (`mode & 0o077 != 0`).
-//! Errors name the file and the reason, never the contents. Seeds and file
-//! contents are zeroized after use.
+//! Errors name the file and the reason, never the contents. Seeds, DER and
+//! file contents are zeroized after use.
 //!
 //! Public keys travel in config files as text: `ed25519:<64 hex>` for the
 //! issuer key (held by Nodes), `x25519:<64 hex>` for a recipient key (held in
@@ -38,8 +53,42 @@ pub const ISSUER_PUBLIC_PREFIX: &str = "ed25519:";
 /// Text prefix of an encoded recipient public key.
 pub const RECIPIENT_PUBLIC_PREFIX: &str = "x25519:";
 
-const ISSUER_LABEL: &str = "IOP ISSUER KEY";
-const RECIPIENT_LABEL: &str = "IOP RECIPIENT KEY";
+/// PEM label of an unencrypted PKCS#8 private key.
+pub const PKCS8_LABEL: &str = "PRIVATE KEY";
+
+/// Which of the two private keys a file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// The Edge's Ed25519 issuer key.
+    Issuer,
+    /// A Node's X25519 recipient key.
+    Recipient,
+}
+
+impl KeyKind {
+    /// The PEM label of the earlier IOP format.
+    fn legacy_label(self) -> &'static str {
+        match self {
+            KeyKind::Issuer => "IOP ISSUER KEY",
+            KeyKind::Recipient => "IOP RECIPIENT KEY",
+        }
+    }
+
+    /// The RFC 8410 algorithm this key is.
+    fn algorithm(self) -> pkcs8::Algorithm {
+        match self {
+            KeyKind::Issuer => pkcs8::Algorithm::Ed25519,
+            KeyKind::Recipient => pkcs8::Algorithm::X25519,
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            KeyKind::Issuer => KeyKind::Recipient,
+            KeyKind::Recipient => KeyKind::Issuer,
+        }
+    }
+}
 
 /// Why a key could not be generated, stored, loaded or decoded.
 #[derive(Debug, thiserror::Error)]
@@ -178,7 +227,7 @@ fn initial_environment_range() -> io::Result<(u64, u64)> {
 pub fn generate_issuer_key(path: &Path) -> Result<VerifyingKey, KeyError> {
     let seed = random_key()?;
     let key = SigningKey::from_bytes(&seed);
-    write_key_file(path, ISSUER_LABEL, &seed)?;
+    write_key_file(path, KeyKind::Issuer, &seed)?;
     Ok(key.verifying_key())
 }
 
@@ -187,20 +236,38 @@ pub fn generate_issuer_key(path: &Path) -> Result<VerifyingKey, KeyError> {
 pub fn generate_recipient_key(path: &Path) -> Result<PublicKey, KeyError> {
     let seed = random_key()?;
     let public = RecipientKey::from_bytes(&seed).public_key();
-    write_key_file(path, RECIPIENT_LABEL, &seed)?;
+    write_key_file(path, KeyKind::Recipient, &seed)?;
     Ok(public)
 }
 
-/// Loads the Edge's Ed25519 issuer key from `path`.
+/// Loads the Edge's Ed25519 issuer key from `path` (PKCS#8 PEM or the
+/// earlier IOP format). A PKCS#8 file that carries a public key must carry
+/// this key's.
 pub fn load_issuer_key(path: &Path) -> Result<SigningKey, KeyError> {
-    let seed = read_key_file(path, ISSUER_LABEL)?;
-    Ok(SigningKey::from_bytes(&seed))
+    let KeyFile { private, public } = read_key_file(path, KeyKind::Issuer)?;
+    let key = SigningKey::from_bytes(&private);
+    if public.is_some_and(|p| p != key.verifying_key().to_bytes()) {
+        return Err(KeyError::Parse {
+            path: path.to_owned(),
+            reason: "the public key in the file does not match its private key",
+        });
+    }
+    Ok(key)
 }
 
-/// Loads a Node's X25519 recipient key from `path`.
+/// Loads a Node's X25519 recipient key from `path` (PKCS#8 PEM or the
+/// earlier IOP format). A PKCS#8 file that carries a public key must carry
+/// this key's.
 pub fn load_recipient_key(path: &Path) -> Result<RecipientKey, KeyError> {
-    let seed = read_key_file(path, RECIPIENT_LABEL)?;
-    Ok(RecipientKey::from_bytes(&seed))
+    let KeyFile { private, public } = read_key_file(path, KeyKind::Recipient)?;
+    let key = RecipientKey::from_bytes(&private);
+    if public.is_some_and(|p| p != key.public_key().to_bytes()) {
+        return Err(KeyError::Parse {
+            path: path.to_owned(),
+            reason: "the public key in the file does not match its private key",
+        });
+    }
+    Ok(key)
 }
 
 /// `ed25519:<hex>` text form of an issuer public key.
@@ -250,16 +317,19 @@ fn decode_public(text: &str, prefix: &str, reason: &'static str) -> Result<[u8; 
         .ok_or(KeyError::PublicKey { reason })
 }
 
-fn write_key_file(path: &Path, label: &str, seed: &[u8; 32]) -> Result<(), KeyError> {
-    let hex = Zeroizing::new(encode_hex(seed));
-    let mut text = Zeroizing::new(String::with_capacity(2 * label.len() + hex.len() + 64));
+fn write_key_file(path: &Path, kind: KeyKind, seed: &[u8; 32]) -> Result<(), KeyError> {
+    let der = pkcs8::encode_v1(kind.algorithm(), seed);
+    let body = pkcs8::base64_encode(&der[..]);
+    let mut text = Zeroizing::new(String::with_capacity(
+        2 * PKCS8_LABEL.len() + body.len() + 64,
+    ));
     for part in [
         "-----BEGIN ",
-        label,
+        PKCS8_LABEL,
         "-----\n",
-        &hex,
+        &body,
         "\n-----END ",
-        label,
+        PKCS8_LABEL,
         "-----\n",
     ] {
         text.push_str(part);
@@ -286,7 +356,15 @@ fn write_key_file(path: &Path, label: &str, seed: &[u8; 32]) -> Result<(), KeyEr
     Ok(())
 }
 
-fn read_key_file(path: &Path, label: &str) -> Result<Zeroizing<[u8; 32]>, KeyError> {
+/// What a key file holds.
+struct KeyFile {
+    /// The 32-byte private key (Ed25519 seed or X25519 scalar).
+    private: Zeroizing<[u8; 32]>,
+    /// The public key a PKCS#8 version-1 structure carries beside it.
+    public: Option<[u8; 32]>,
+}
+
+fn read_key_file(path: &Path, kind: KeyKind) -> Result<KeyFile, KeyError> {
     let read_err = |source| KeyError::Read {
         path: path.to_owned(),
         source,
@@ -319,16 +397,59 @@ fn read_key_file(path: &Path, label: &str) -> Result<Zeroizing<[u8; 32]>, KeyErr
     let text = std::str::from_utf8(&raw).map_err(|_| parse_err("not UTF-8 text"))?;
     let mut lines = text.lines().map(str::trim).filter(|line| !line.is_empty());
     let begin = lines.next().ok_or_else(|| parse_err("empty file"))?;
-    let kind = begin
+    let label = begin
         .strip_prefix("-----BEGIN ")
         .and_then(|rest| rest.strip_suffix("-----"))
         .ok_or_else(|| parse_err("missing BEGIN line"))?;
-    if kind != label {
-        return Err(parse_err(if label == ISSUER_LABEL {
-            "not an IOP ISSUER KEY file"
-        } else {
-            "not an IOP RECIPIENT KEY file"
-        }));
+    let end_line = |lines: &mut dyn Iterator<Item = &str>| -> Result<(), KeyError> {
+        if lines.next().is_some() {
+            return Err(parse_err("data after END line"));
+        }
+        Ok(())
+    };
+    if label == PKCS8_LABEL {
+        let mut body = Zeroizing::new(String::with_capacity(text.len()));
+        let mut ended = false;
+        for line in lines.by_ref() {
+            if let Some(rest) = line.strip_prefix("-----END ") {
+                if rest.strip_suffix("-----") != Some(PKCS8_LABEL) {
+                    return Err(parse_err("missing END line"));
+                }
+                ended = true;
+                break;
+            }
+            body.push_str(line);
+        }
+        if !ended {
+            return Err(parse_err("missing END line"));
+        }
+        end_line(&mut lines)?;
+        let der = pkcs8::base64_decode(&body).ok_or_else(|| parse_err("PEM body is not base64"))?;
+        let key =
+            pkcs8::decode_as(&der, kind.algorithm()).map_err(|e| parse_err(e.reason(kind)))?;
+        return Ok(KeyFile {
+            private: key.private,
+            public: key.public,
+        });
+    }
+    if label == "ENCRYPTED PRIVATE KEY" {
+        return Err(parse_err(
+            "encrypted PKCS#8 is not supported (decrypt it: openssl pkey -in FILE -out NEW)",
+        ));
+    }
+    if label != kind.legacy_label() {
+        return Err(parse_err(
+            match (label == kind.other().legacy_label(), kind) {
+                (true, KeyKind::Issuer) => {
+                    "an IOP RECIPIENT KEY file where an issuer key is expected"
+                }
+                (true, KeyKind::Recipient) => {
+                    "an IOP ISSUER KEY file where a recipient key is expected"
+                }
+                (false, KeyKind::Issuer) => "not a PKCS#8 PRIVATE KEY or IOP ISSUER KEY file",
+                (false, KeyKind::Recipient) => "not a PKCS#8 PRIVATE KEY or IOP RECIPIENT KEY file",
+            },
+        ));
     }
     let body = lines.next().ok_or_else(|| parse_err("missing key line"))?;
     let mut seed = Zeroizing::new([0u8; 32]);
@@ -339,11 +460,400 @@ fn read_key_file(path: &Path, label: &str) -> Result<Zeroizing<[u8; 32]>, KeyErr
     let end_kind = end
         .strip_prefix("-----END ")
         .and_then(|rest| rest.strip_suffix("-----"));
-    if end_kind != Some(label) {
+    if end_kind != Some(kind.legacy_label()) {
         return Err(parse_err("missing END line"));
     }
-    if lines.next().is_some() {
-        return Err(parse_err("data after END line"));
+    end_line(&mut lines)?;
+    Ok(KeyFile {
+        private: seed,
+        public: None,
+    })
+}
+
+/// PKCS#8 `PrivateKeyInfo` / `OneAsymmetricKey` for the two RFC 8410 curve
+/// keys, decoded and encoded by hand (a few fixed DER shapes), and the
+/// base64 of PEM bodies. Every buffer that holds key bytes is zeroizing.
+pub mod pkcs8 {
+    use zeroize::Zeroizing;
+
+    /// `id-Ed25519`, 1.3.101.112.
+    const OID_ED25519: &[u8] = &[0x2b, 0x65, 0x70];
+    /// `id-X25519`, 1.3.101.110.
+    const OID_X25519: &[u8] = &[0x2b, 0x65, 0x6e];
+
+    /// DER length of a version-0 key: SEQUENCE { INTEGER 0, SEQUENCE { OID },
+    /// OCTET STRING { OCTET STRING (32) } }.
+    pub const V1_DER_BYTES: usize = 48;
+
+    /// An RFC 8410 algorithm.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Algorithm {
+        /// Ed25519 signatures (the issuer key).
+        Ed25519,
+        /// X25519 key agreement (a recipient key).
+        X25519,
     }
-    Ok(seed)
+
+    impl Algorithm {
+        fn oid(self) -> &'static [u8] {
+            match self {
+                Algorithm::Ed25519 => OID_ED25519,
+                Algorithm::X25519 => OID_X25519,
+            }
+        }
+    }
+
+    /// A decoded key.
+    #[derive(Debug)]
+    pub struct DecodedKey {
+        /// Its algorithm.
+        pub algorithm: Algorithm,
+        /// The 32-byte private key (Ed25519 seed or X25519 scalar).
+        pub private: Zeroizing<[u8; 32]>,
+        /// The public key a version-1 structure carries, if it does.
+        pub public: Option<[u8; 32]>,
+    }
+
+    /// Why a DER structure is not a key we read.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Pkcs8Error {
+        /// Not DER of a PKCS#8 `PrivateKeyInfo` of the shape RFC 8410 gives.
+        Malformed,
+        /// A well-formed key of another algorithm (RSA, EC, …).
+        OtherAlgorithm,
+        /// The other one of Ed25519 and X25519.
+        WrongCurve(Algorithm),
+    }
+
+    impl Pkcs8Error {
+        /// The reason for a key file error, for a file that should hold a
+        /// `kind` key.
+        pub(super) fn reason(self, kind: super::KeyKind) -> &'static str {
+            use super::KeyKind;
+            match (self, kind) {
+                (Pkcs8Error::Malformed, _) => {
+                    "not an unencrypted RFC 8410 PKCS#8 key (expected what openssl genpkey writes)"
+                }
+                (Pkcs8Error::OtherAlgorithm, KeyKind::Issuer) => {
+                    "the PKCS#8 key is not Ed25519; an issuer key must be \
+                     (openssl genpkey -algorithm ed25519)"
+                }
+                (Pkcs8Error::OtherAlgorithm, KeyKind::Recipient) => {
+                    "the PKCS#8 key is not X25519; a recipient key must be \
+                     (openssl genpkey -algorithm x25519)"
+                }
+                (Pkcs8Error::WrongCurve(_), KeyKind::Issuer) => {
+                    "the PKCS#8 key is X25519 (a recipient key); an issuer key must be Ed25519 \
+                     (openssl genpkey -algorithm ed25519)"
+                }
+                (Pkcs8Error::WrongCurve(_), KeyKind::Recipient) => {
+                    "the PKCS#8 key is Ed25519 (an issuer key); a recipient key must be X25519 \
+                     (openssl genpkey -algorithm x25519)"
+                }
+            }
+        }
+    }
+
+    /// Reads DER tag-length-value items from a slice (definite lengths of
+    /// at most two bytes, which every key here fits in).
+    struct Der<'a>(&'a [u8]);
+
+    impl<'a> Der<'a> {
+        fn next(&mut self) -> Result<(u8, &'a [u8]), Pkcs8Error> {
+            let malformed = Pkcs8Error::Malformed;
+            let (&tag, rest) = self.0.split_first().ok_or(malformed)?;
+            let (&first, mut rest) = rest.split_first().ok_or(malformed)?;
+            let len = if first < 0x80 {
+                usize::from(first)
+            } else {
+                let count = usize::from(first & 0x7f);
+                if count == 0 || count > 2 || rest.len() < count {
+                    return Err(malformed);
+                }
+                let len = rest[..count]
+                    .iter()
+                    .fold(0usize, |len, &b| (len << 8) | usize::from(b));
+                rest = &rest[count..];
+                // DER: the long form only for lengths that need it.
+                if len < 0x80 || (count == 2 && len < 0x100) {
+                    return Err(malformed);
+                }
+                len
+            };
+            if rest.len() < len {
+                return Err(malformed);
+            }
+            let (value, rest) = rest.split_at(len);
+            self.0 = rest;
+            Ok((tag, value))
+        }
+
+        fn expect(&mut self, tag: u8) -> Result<&'a [u8], Pkcs8Error> {
+            match self.next()? {
+                (seen, value) if seen == tag => Ok(value),
+                _ => Err(Pkcs8Error::Malformed),
+            }
+        }
+
+        fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
+
+        fn peek_tag(&self) -> Option<u8> {
+            self.0.first().copied()
+        }
+    }
+
+    const SEQUENCE: u8 = 0x30;
+    const INTEGER: u8 = 0x02;
+    const OCTET_STRING: u8 = 0x04;
+    const BIT_STRING: u8 = 0x03;
+    const OID: u8 = 0x06;
+    /// `[0] IMPLICIT Attributes` (constructed).
+    const ATTRIBUTES: u8 = 0xa0;
+    /// `[1] IMPLICIT BIT STRING` publicKey (RFC 5958).
+    const PUBLIC_KEY: u8 = 0x81;
+    /// The explicitly tagged form some libraries write (`[1] { BIT STRING }`).
+    const PUBLIC_KEY_EXPLICIT: u8 = 0xa1;
+
+    /// Decodes a `PrivateKeyInfo` (version 0) or `OneAsymmetricKey`
+    /// (version 1) holding an Ed25519 or X25519 key.
+    pub fn decode(der: &[u8]) -> Result<DecodedKey, Pkcs8Error> {
+        let mut outer = Der(der);
+        let mut info = Der(outer.expect(SEQUENCE)?);
+        if !outer.is_empty() {
+            return Err(Pkcs8Error::Malformed);
+        }
+        let version = match info.expect(INTEGER)? {
+            [0] => 0,
+            [1] => 1,
+            _ => return Err(Pkcs8Error::Malformed),
+        };
+        let mut algorithm_id = Der(info.expect(SEQUENCE)?);
+        let oid = algorithm_id.expect(OID)?;
+        let algorithm = if oid == OID_ED25519 {
+            Algorithm::Ed25519
+        } else if oid == OID_X25519 {
+            Algorithm::X25519
+        } else {
+            return Err(Pkcs8Error::OtherAlgorithm);
+        };
+        // RFC 8410: the parameters are absent.
+        if !algorithm_id.is_empty() {
+            return Err(Pkcs8Error::Malformed);
+        }
+        let mut wrapped = Der(info.expect(OCTET_STRING)?);
+        let key = wrapped.expect(OCTET_STRING)?;
+        if !wrapped.is_empty() || key.len() != 32 {
+            return Err(Pkcs8Error::Malformed);
+        }
+        let mut private = Zeroizing::new([0u8; 32]);
+        private.copy_from_slice(key);
+        if info.peek_tag() == Some(ATTRIBUTES) {
+            info.next()?;
+        }
+        let mut public = None;
+        if version == 1 && !info.is_empty() {
+            let bits = match info.next()? {
+                (PUBLIC_KEY, bits) => bits,
+                (PUBLIC_KEY_EXPLICIT, inner) => {
+                    let mut inner = Der(inner);
+                    let bits = inner.expect(BIT_STRING)?;
+                    if !inner.is_empty() {
+                        return Err(Pkcs8Error::Malformed);
+                    }
+                    bits
+                }
+                _ => return Err(Pkcs8Error::Malformed),
+            };
+            match bits {
+                [0, key @ ..] if key.len() == 32 => {
+                    let mut bytes = [0u8; 32];
+                    bytes.copy_from_slice(key);
+                    public = Some(bytes);
+                }
+                _ => return Err(Pkcs8Error::Malformed),
+            }
+        }
+        if !info.is_empty() {
+            return Err(Pkcs8Error::Malformed);
+        }
+        Ok(DecodedKey {
+            algorithm,
+            private,
+            public,
+        })
+    }
+
+    /// Decodes `der` as a key of `expected`'s algorithm.
+    pub fn decode_as(der: &[u8], expected: Algorithm) -> Result<DecodedKey, Pkcs8Error> {
+        let key = decode(der)?;
+        if key.algorithm != expected {
+            return Err(Pkcs8Error::WrongCurve(key.algorithm));
+        }
+        Ok(key)
+    }
+
+    /// The version-0 DER of a key (what `openssl genpkey` writes).
+    pub fn encode_v1(algorithm: Algorithm, private: &[u8; 32]) -> Zeroizing<[u8; V1_DER_BYTES]> {
+        let mut der = Zeroizing::new([0u8; V1_DER_BYTES]);
+        let head = [
+            SEQUENCE, 0x2e, INTEGER, 0x01, 0x00, SEQUENCE, 0x05, OID, 0x03,
+        ];
+        der[..9].copy_from_slice(&head);
+        der[9..12].copy_from_slice(algorithm.oid());
+        der[12..16].copy_from_slice(&[OCTET_STRING, 0x22, OCTET_STRING, 0x20]);
+        der[16..].copy_from_slice(private);
+        der
+    }
+
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+    /// Standard base64 with padding (RFC 4648), into a zeroizing string.
+    pub fn base64_encode(bytes: &[u8]) -> Zeroizing<String> {
+        let mut out = Zeroizing::new(String::with_capacity(bytes.len().div_ceil(3) * 4));
+        for chunk in bytes.chunks(3) {
+            let b = [
+                chunk[0],
+                chunk.get(1).copied().unwrap_or(0),
+                chunk.get(2).copied().unwrap_or(0),
+            ];
+            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+            for i in 0..4 {
+                if i <= chunk.len() {
+                    out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 0x3f) as usize]));
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    }
+
+    /// Decodes standard base64 (padding required, as PEM writes it) into a
+    /// zeroizing buffer; `None` for anything else.
+    pub fn base64_decode(text: &str) -> Option<Zeroizing<Vec<u8>>> {
+        let text = text.as_bytes();
+        if text.is_empty() || text.len() % 4 != 0 {
+            return None;
+        }
+        let mut out = Zeroizing::new(Vec::with_capacity(text.len() / 4 * 3));
+        let last = text.len() / 4 - 1;
+        for (index, quad) in text.chunks(4).enumerate() {
+            let pad = quad.iter().rev().take_while(|&&c| c == b'=').count();
+            if pad > 2 || (pad > 0 && index != last) {
+                return None;
+            }
+            let mut n = 0u32;
+            for &c in &quad[..4 - pad] {
+                let value = match c {
+                    b'A'..=b'Z' => c - b'A',
+                    b'a'..=b'z' => c - b'a' + 26,
+                    b'0'..=b'9' => c - b'0' + 52,
+                    b'+' => 62,
+                    b'/' => 63,
+                    _ => return None,
+                };
+                n = (n << 6) | u32::from(value);
+            }
+            n <<= 6 * pad as u32;
+            let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+            out.extend_from_slice(&bytes[..3 - pad]);
+        }
+        Some(out)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn base64_matches_rfc4648_vectors() {
+            let vectors: [(&[u8], &str); 7] = [
+                (b"", ""),
+                (b"f", "Zg=="),
+                (b"fo", "Zm8="),
+                (b"foo", "Zm9v"),
+                (b"foob", "Zm9vYg=="),
+                (b"fooba", "Zm9vYmE="),
+                (b"foobar", "Zm9vYmFy"),
+            ];
+            for (bytes, text) in vectors {
+                assert_eq!(&base64_encode(bytes)[..], text);
+                if !text.is_empty() {
+                    assert_eq!(base64_decode(text).as_deref().map(|v| &v[..]), Some(bytes));
+                }
+            }
+            for bad in ["", "Zg=", "Z===", "Zg==Zm8=", "Zm9*", "Zm 9"] {
+                assert!(base64_decode(bad).is_none(), "{bad}");
+            }
+        }
+
+        #[test]
+        fn decodes_the_rfc8410_examples() {
+            // RFC 8410 section 10.3, version 0.
+            let v0 =
+                base64_decode("MC4CAQAwBQYDK2VwBCIEINTuctv5E1hK1bbY8fdp+K06/nwoy/HU++CXqI9EdVhC");
+            let key = v0.as_deref().map(|der| decode(der));
+            let Some(Ok(key)) = key else {
+                panic!("{key:?}");
+            };
+            assert_eq!(key.algorithm, Algorithm::Ed25519);
+            assert_eq!(key.private[..4], [0xd4, 0xee, 0x72, 0xdb]);
+            assert_eq!(key.public, None);
+            assert_eq!(
+                &encode_v1(Algorithm::Ed25519, &key.private)[..],
+                &v0.as_deref().map(|v| v.to_vec()).unwrap_or_default()[..]
+            );
+
+            // Version 1 with attributes and the public key.
+            let v1 = base64_decode(
+                "MHICAQEwBQYDK2VwBCIEINTuctv5E1hK1bbY8fdp+K06/nwoy/HU++CXqI9EdVhC\
+                 oB8wHQYKKoZIhvcNAQkJFDEPDA1DdXJkbGUgQ2hhaXJzgSEAGb9ECWmEzf6FQbrB\
+                 Z9w7lshQhqowtrbLDFw4rXAxZuE=",
+            );
+            let key = v1.as_deref().map(|der| decode(der));
+            let Some(Ok(key)) = key else {
+                panic!("{key:?}");
+            };
+            assert_eq!(key.private[..4], [0xd4, 0xee, 0x72, 0xdb]);
+            assert_eq!(
+                key.public.map(|p| [p[0], p[1], p[31]]),
+                Some([0x19, 0xbf, 0xe1])
+            );
+        }
+
+        #[test]
+        fn refuses_other_shapes_and_curves() {
+            let good = encode_v1(Algorithm::X25519, &[7; 32]);
+            assert!(matches!(
+                decode_as(&good[..], Algorithm::Ed25519),
+                Err(Pkcs8Error::WrongCurve(Algorithm::X25519))
+            ));
+            assert!(decode_as(&good[..], Algorithm::X25519).is_ok());
+            // Every truncation and a trailing byte are malformed.
+            for len in 0..good.len() {
+                assert_eq!(
+                    decode(&good[..len]).err(),
+                    Some(Pkcs8Error::Malformed),
+                    "{len}"
+                );
+            }
+            let mut longer = good.to_vec();
+            longer.push(0);
+            assert_eq!(decode(&longer).err(), Some(Pkcs8Error::Malformed));
+            // Version 2 is not PKCS#8.
+            let mut v2 = good.to_vec();
+            v2[4] = 2;
+            assert_eq!(decode(&v2).err(), Some(Pkcs8Error::Malformed));
+            // Another algorithm: id-ecPublicKey with prime256v1 parameters.
+            let mut ec = vec![0x30, 0x00, 0x02, 0x01, 0x00, 0x30, 0x13, 0x06, 0x07];
+            ec.extend_from_slice(&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01]);
+            ec.extend_from_slice(&[0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07]);
+            ec.extend_from_slice(&[0x04, 0x22, 0x04, 0x20]);
+            ec.extend_from_slice(&[1; 32]);
+            ec[1] = (ec.len() - 2) as u8;
+            assert_eq!(decode(&ec).err(), Some(Pkcs8Error::OtherAlgorithm));
+        }
+    }
 }

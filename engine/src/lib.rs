@@ -5,6 +5,7 @@
 //!
 //! | module | pure core | shell |
 //! |---|---|---|
+//! | [`build`] | version, commit, `--version` line | io_uring probe |
 //! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
 //! | [`config`] | config errors (`<file>: <key>: <reason>`, S3), TOML with key paths, name/trust-domain/`host:port` checks | config file and TLS file reads |
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
@@ -30,6 +31,7 @@
 //! Unsafe code is confined to the buffer/IO modules (and the two allocator
 //! calls in [`memory`]), each block with a `// SAFETY:` note.
 
+pub mod build;
 pub mod certs;
 pub mod clock;
 pub mod config;

@@ -22,16 +22,58 @@ use monoio::io::AsyncReadRent;
 
 pub mod notify;
 
-/// Logs to stderr without colours, at the level `RUST_LOG` sets (default
-/// `info`). Every IOP binary calls this once at start.
-pub fn init_logging() {
+/// The environment variable that makes monoio use epoll instead of
+/// io_uring (`1`, `true` or `yes`).
+pub const FORCE_LEGACY_ENV: &str = "MONOIO_FORCE_LEGACY_DRIVER";
+
+/// How log lines are written (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// One human-readable line per event (the default).
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `fields`
+    /// (with `message`), and `span`/`spans` when inside spans.
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!(
+                "unknown log format `{other}`: expected text or json"
+            )),
+        }
+    }
+}
+
+/// Logs to stderr in `format` without colours, at the level `RUST_LOG` sets
+/// (default `info`). Every IOP binary calls this (or [`init_logging`]) once
+/// at start.
+pub fn init_logging_as(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+        .with_ansi(false);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
+}
+
+/// [`init_logging_as`] in [`LogFormat::Text`].
+pub fn init_logging() {
+    init_logging_as(LogFormat::Text);
 }
 
 /// Gives every other ready task of this thread a turn, then resumes.

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use iop_engine::keys::{
     decode_issuer_public_key, decode_recipient_public_key, encode_issuer_public_key,
     encode_recipient_public_key, generate_issuer_key, generate_recipient_key, lease_entropy,
-    load_issuer_key, load_recipient_key, random_lease_id, KeyError,
+    load_issuer_key, load_recipient_key, pkcs8, random_lease_id, KeyError,
 };
 use iop_wire::lease::{
     encode_hex, issue, open, recipient_key_id, request_digest, upstream_target, BoundRequest,
@@ -90,8 +90,14 @@ fn issuer_key_round_trips_through_a_0600_file() {
         Ok(text) => text,
         Err(e) => panic!("read: {e}"),
     };
-    let expected = issuer_text(&encode_hex(loaded.as_bytes()));
+    // PKCS#8 v1 (RFC 8410): the fixed Ed25519 header, then the seed.
+    let der = pkcs8::encode_v1(pkcs8::Algorithm::Ed25519, loaded.as_bytes());
+    let expected = format!(
+        "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
+        &pkcs8::base64_encode(&der[..])[..]
+    );
     assert_eq!(text, expected);
+    assert!(text.contains("\nMC4CAQAwBQYDK2VwBCIEI"), "{text}");
 }
 
 #[test]
@@ -113,9 +119,10 @@ fn recipient_key_round_trips_through_a_0600_file() {
         Ok(text) => text,
         Err(e) => panic!("read: {e}"),
     };
-    assert!(text.starts_with("-----BEGIN IOP RECIPIENT KEY-----\n"));
-    assert!(text.ends_with("\n-----END IOP RECIPIENT KEY-----\n"));
-    assert_eq!(text.len(), 34 + 65 + 32);
+    // PKCS#8 v1 with the X25519 OID (1.3.101.110).
+    assert!(text.starts_with("-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VuBCIEI"));
+    assert!(text.ends_with("\n-----END PRIVATE KEY-----\n"));
+    assert_eq!(text.len(), 28 + 65 + 26);
 }
 
 #[test]
@@ -188,7 +195,32 @@ fn malformed_key_files_name_the_file_and_the_reason() {
         ("hello\n", "missing BEGIN line"),
         (
             "-----BEGIN IOP RECIPIENT KEY-----\nxx\n-----END IOP RECIPIENT KEY-----\n",
-            "not an IOP ISSUER KEY file",
+            "an IOP RECIPIENT KEY file where an issuer key is expected",
+        ),
+        (
+            "-----BEGIN CERTIFICATE-----\nMC4=\n-----END CERTIFICATE-----\n",
+            "not a PKCS#8 PRIVATE KEY or IOP ISSUER KEY file",
+        ),
+        (
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMC4=\n-----END ENCRYPTED PRIVATE KEY-----\n",
+            "encrypted PKCS#8 is not supported (decrypt it: openssl pkey -in FILE -out NEW)",
+        ),
+        (
+            "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEI\n",
+            "missing END line",
+        ),
+        (
+            "-----BEGIN PRIVATE KEY-----\nMC4*\n-----END PRIVATE KEY-----\n",
+            "PEM body is not base64",
+        ),
+        (
+            "-----BEGIN PRIVATE KEY-----\nMC4=\n-----END PRIVATE KEY-----\nx\n",
+            "data after END line",
+        ),
+        (
+            // Base64 of a truncated key.
+            "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIE\n-----END PRIVATE KEY-----\n",
+            "not an unencrypted RFC 8410 PKCS#8 key (expected what openssl genpkey writes)",
         ),
         ("-----BEGIN IOP ISSUER KEY-----\n", "missing key line"),
         (
@@ -245,7 +277,7 @@ fn malformed_key_files_name_the_file_and_the_reason() {
         matches!(
             err,
             Some(KeyError::Parse {
-                reason: "not an IOP RECIPIENT KEY file",
+                reason: "an IOP ISSUER KEY file where a recipient key is expected",
                 ..
             })
         ),
@@ -491,4 +523,222 @@ fn scrubbing_an_env_secret_removes_it() {
         std::fs::read("/proc/self/environ").expect("environ"),
         before
     );
+}
+
+/// `openssl` with `args`, or `None` (after saying so) when it is not
+/// installed.
+fn openssl(args: &[&str]) -> Option<Vec<u8>> {
+    let out = match std::process::Command::new("openssl").args(args).output() {
+        Ok(out) => out,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("openssl is not installed: skipping the openssl interop check");
+            return None;
+        }
+        Err(e) => panic!("openssl {args:?}: {e}"),
+    };
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(out.stdout)
+}
+
+/// The hex bytes under `label:` in `openssl pkey -text` output.
+fn openssl_text_field(text: &str, label: &str) -> Vec<u8> {
+    let mut lines = text.lines().skip_while(|line| line.trim() != label).skip(1);
+    let mut hex = String::new();
+    for line in lines.by_ref() {
+        if !line.starts_with(' ') {
+            break;
+        }
+        hex.extend(line.trim().split(':').filter(|b| !b.is_empty()));
+    }
+    iop_wire::lease::decode_hex::<32>(&hex)
+        .map(|b| b.to_vec())
+        .unwrap_or_else(|| panic!("no 32-byte {label} in {text}"))
+}
+
+#[test]
+fn keys_we_write_are_read_by_openssl_pkey() {
+    let dir = ScratchDir::new("openssl-read");
+    let issuer_path = dir.join("issuer.key");
+    let Ok(issuer) = generate_issuer_key(&issuer_path) else {
+        panic!("generate issuer");
+    };
+    let recipient_path = dir.join("recipient.key");
+    let Ok(recipient) = generate_recipient_key(&recipient_path) else {
+        panic!("generate recipient");
+    };
+    for (path, heading, public) in [
+        (&issuer_path, "ED25519 Private-Key:", issuer.to_bytes()),
+        (&recipient_path, "X25519 Private-Key:", recipient.to_bytes()),
+    ] {
+        let Some(out) = openssl(&[
+            "pkey",
+            "-in",
+            &path.display().to_string(),
+            "-noout",
+            "-text",
+        ]) else {
+            return;
+        };
+        let text = String::from_utf8_lossy(&out);
+        assert_eq!(text.lines().next(), Some(heading), "{text}");
+        assert_eq!(openssl_text_field(&text, "pub:"), public.to_vec(), "{text}");
+    }
+    let Ok(loaded) = load_issuer_key(&issuer_path) else {
+        panic!("load issuer");
+    };
+    let Some(out) = openssl(&[
+        "pkey",
+        "-in",
+        &issuer_path.display().to_string(),
+        "-noout",
+        "-text",
+    ]) else {
+        return;
+    };
+    assert_eq!(
+        openssl_text_field(&String::from_utf8_lossy(&out), "priv:"),
+        loaded.to_bytes().to_vec()
+    );
+}
+
+#[test]
+fn keys_openssl_generates_load_with_the_public_key_openssl_derives() {
+    let dir = ScratchDir::new("openssl-write");
+    for algorithm in ["ed25519", "x25519"] {
+        let path = dir.join(&format!("{algorithm}.pem"));
+        let file = path.display().to_string();
+        if openssl(&["genpkey", "-algorithm", algorithm, "-out", &file]).is_none() {
+            return;
+        }
+        chmod(&path, 0o600);
+        // SubjectPublicKeyInfo DER: a 12-byte header, then the 32-byte key.
+        let Some(spki) = openssl(&["pkey", "-in", &file, "-pubout", "-outform", "DER"]) else {
+            return;
+        };
+        assert_eq!(spki.len(), 44, "{algorithm}");
+        let expected = &spki[12..];
+        let public = match algorithm {
+            "ed25519" => load_issuer_key(&path).map(|k| k.verifying_key().to_bytes()),
+            _ => load_recipient_key(&path).map(|k| k.public_key().to_bytes()),
+        };
+        match public {
+            Ok(public) => assert_eq!(&public[..], expected, "{algorithm}"),
+            Err(e) => panic!("{algorithm}: {e}"),
+        }
+    }
+
+    // The wrong curve is named as such.
+    let x25519 = dir.join("x25519.pem");
+    let err = load_issuer_key(&x25519).err().map(|e| e.to_string());
+    assert_eq!(
+        err.as_deref(),
+        Some(&*format!(
+            "key file {} is invalid: the PKCS#8 key is X25519 (a recipient key); an issuer \
+                 key must be Ed25519 (openssl genpkey -algorithm ed25519)",
+            x25519.display()
+        ))
+    );
+    let ed25519 = dir.join("ed25519.pem");
+    let err = load_recipient_key(&ed25519).err().map(|e| e.to_string());
+    assert_eq!(
+        err.as_deref(),
+        Some(&*format!(
+            "key file {} is invalid: the PKCS#8 key is Ed25519 (an issuer key); a recipient \
+                 key must be X25519 (openssl genpkey -algorithm x25519)",
+            ed25519.display()
+        ))
+    );
+
+    // Another algorithm altogether.
+    let ec = dir.join("ec.pem");
+    if openssl(&[
+        "genpkey",
+        "-algorithm",
+        "EC",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-out",
+        &ec.display().to_string(),
+    ])
+    .is_none()
+    {
+        return;
+    }
+    chmod(&ec, 0o600);
+    let err = load_issuer_key(&ec).err();
+    assert!(
+        matches!(
+            err,
+            Some(KeyError::Parse {
+                reason: "the PKCS#8 key is not Ed25519; an issuer key must be \
+                         (openssl genpkey -algorithm ed25519)",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn pkcs8_v2_keys_must_carry_their_own_public_key() {
+    let dir = ScratchDir::new("v2");
+    // RFC 8410 section 10.3: version 1 with attributes and the public key.
+    let body = "MHICAQEwBQYDK2VwBCIEINTuctv5E1hK1bbY8fdp+K06/nwoy/HU++CXqI9EdVhC\n\
+                oB8wHQYKKoZIhvcNAQkJFDEPDA1DdXJkbGUgQ2hhaXJzgSEAGb9ECWmEzf6FQbrB\n\
+                Z9w7lshQhqowtrbLDFw4rXAxZuE=";
+    let good = dir.join("good.pem");
+    write(
+        &good,
+        &format!("-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"),
+        0o600,
+    );
+    let public = load_issuer_key(&good).map(|k| encode_hex(k.verifying_key().as_bytes()));
+    assert_eq!(
+        public.ok().as_deref(),
+        Some("19bf44096984cdfe8541bac167dc3b96c85086aa30b6b6cb0c5c38ad703166e1")
+    );
+    // The same with the public key's last byte changed (…ZuE= → …ZuA=).
+    let bad = dir.join("bad.pem");
+    let changed = body.replace("ZuE=", "ZuA=");
+    write(
+        &bad,
+        &format!("-----BEGIN PRIVATE KEY-----\n{changed}\n-----END PRIVATE KEY-----\n"),
+        0o600,
+    );
+    let err = load_issuer_key(&bad).err();
+    assert!(
+        matches!(
+            err,
+            Some(KeyError::Parse {
+                reason: "the public key in the file does not match its private key",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn keys_in_the_earlier_iop_format_still_load() {
+    let dir = ScratchDir::new("legacy");
+    let issuer = dir.join("issuer.key");
+    write(&issuer, &issuer_text(&"11".repeat(32)), 0o600);
+    let loaded = load_issuer_key(&issuer).map(|k| k.to_bytes());
+    assert_eq!(loaded.ok(), Some([0x11; 32]));
+    let recipient = dir.join("recipient.key");
+    write(
+        &recipient,
+        &format!(
+            "-----BEGIN IOP RECIPIENT KEY-----\n{}\n-----END IOP RECIPIENT KEY-----\n",
+            "22".repeat(32)
+        ),
+        0o600,
+    );
+    let loaded = load_recipient_key(&recipient).map(|k| k.public_key());
+    let expected = x25519_dalek::PublicKey::from(&x25519_dalek::StaticSecret::from([0x22; 32]));
+    assert_eq!(loaded.ok(), Some(expected));
 }

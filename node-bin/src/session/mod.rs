@@ -23,7 +23,6 @@ use std::time::Instant;
 
 use iop_engine::clock;
 use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle};
-use iop_engine::rt::notify;
 use iop_engine::sync::Notify;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
@@ -82,9 +81,6 @@ pub struct NodeCore {
     run_released: Notify,
     /// The ready session's connection (closed at the end of the drain).
     ready_conn: RefCell<Option<ConnHandle>>,
-    /// Whether systemd has been told `READY=1` (after the first ready
-    /// session).
-    ready_notified: Cell<bool>,
 }
 
 impl NodeCore {
@@ -126,7 +122,6 @@ impl NodeCore {
             active_runs: Cell::new(0),
             run_released: Notify::default(),
             ready_conn: RefCell::new(None),
-            ready_notified: Cell::new(false),
         })
     }
 
@@ -164,13 +159,11 @@ impl NodeCore {
         ActiveRun { core: self.clone() }
     }
 
-    /// A session became ready on `conn`: remember it for the drain, and
-    /// tell systemd `READY=1` the first time.
+    /// A session became ready on `conn`: remember it for the drain.
+    /// (systemd heard `READY=1` when the supervisor started dialling; see
+    /// docs/deployment.md.)
     fn session_ready(&self, conn: &ConnHandle) {
         *self.ready_conn.borrow_mut() = Some(conn.clone());
-        if !self.ready_notified.replace(true) {
-            notify::notify(notify::State::Ready);
-        }
     }
 }
 
