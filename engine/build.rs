@@ -3,8 +3,12 @@
 //!
 //! `IOP_GIT_COMMIT` in the build environment wins (release pipelines,
 //! source tarballs); otherwise `git rev-parse --short=12 HEAD` in this
-//! checkout; `unknown` outside a git checkout. The script reruns when HEAD
-//! or the branch it points at moves, so the stamp follows commits.
+//! checkout; `unknown` outside a git checkout. In release builds (and
+//! profiles inheriting from release) the script reruns when HEAD or the
+//! branch it points at moves, so the stamp follows commits. Debug builds
+//! keep the commit of the last time this crate was compiled: following
+//! HEAD there would rebuild the whole workspace, every test binary
+//! included, on every commit.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -62,10 +66,12 @@ fn main() {
     let commit = match from_env {
         Some(commit) => commit,
         None => {
-            watch(git_path(&dir, "HEAD"));
-            if let Some(branch) = git(&dir, &["symbolic-ref", "-q", "HEAD"]) {
-                watch(git_path(&dir, &branch));
-                watch(git_path(&dir, "packed-refs"));
+            if std::env::var("PROFILE").as_deref() == Ok("release") {
+                watch(git_path(&dir, "HEAD"));
+                if let Some(branch) = git(&dir, &["symbolic-ref", "-q", "HEAD"]) {
+                    watch(git_path(&dir, &branch));
+                    watch(git_path(&dir, "packed-refs"));
+                }
             }
             git(&dir, &["rev-parse", "--short=12", "HEAD"])
                 .and_then(|c| clean(&c))
