@@ -279,6 +279,8 @@ pub struct Settings {
     pub limits: ListenerLimits,
     /// This shard's access log (`[edge.access_log]`).
     pub access_log: AccessLog,
+    /// The per-request series of `/metrics`, shared by every shard.
+    pub request_metrics: Arc<crate::request_metrics::RequestMetrics>,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -1408,6 +1410,7 @@ mod tests {
             credentials: None,
             limits: ListenerLimits::default(),
             access_log: AccessLog::off(),
+            request_metrics: crate::request_metrics::RequestMetrics::new(Vec::new(), Vec::new(), 1),
         };
         Edge::new(Control::new(spec), settings)
     }

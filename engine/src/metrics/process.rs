@@ -145,6 +145,22 @@ pub fn parse_max_open_files(text: &str) -> Option<u64> {
     rest.split_ascii_whitespace().next()?.parse().ok()
 }
 
+/// The version of this build (the workspace version).
+pub const BUILD_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit this build was made from: `IOP_GIT_COMMIT` at compile time,
+/// `unknown` without it. The one place both binaries read it from.
+pub fn build_commit() -> &'static str {
+    option_env!("IOP_GIT_COMMIT").unwrap_or("unknown")
+}
+
+/// The build and process series of this process: `iop_build_info` of
+/// [`BUILD_VERSION`] and [`build_commit`], then [`ProcessStats::read`].
+pub fn render_build_and_process(out: &mut String) {
+    render_build_info(out, BUILD_VERSION, build_commit());
+    ProcessStats::read().render(out);
+}
+
 /// `iop_build_info{version,commit} 1`.
 pub fn render_build_info(out: &mut String, version: &str, commit: &str) {
     write_family(
