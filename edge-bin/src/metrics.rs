@@ -50,15 +50,6 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
         })
         .await
         .unwrap_or_default();
-    // Latency histograms and relay counters, merged over cores.
-    let latency = engine_metrics::merged();
-    text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
-    text.push_str(&render_front_door(&latency));
-    text.push_str(&crate::access::render_prometheus());
-    let requests = &edge.settings.request_metrics;
-    text.push_str(&requests.render(&depths));
-    process::render_build_and_process(&mut text);
-
     // Every ready node at once; each answer bounded by NODE_SCRAPE_WAIT.
     let pulls: Vec<_> = nodes
         .into_iter()
@@ -74,11 +65,11 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
             (node, pull)
         })
         .collect();
-    let mut families = Families::default();
-    families.add(&text, None);
+    let requests = &edge.settings.request_metrics;
+    let mut answers = Vec::with_capacity(pulls.len());
     for (node, pull) in pulls {
         match pull.await {
-            Ok(resp) if resp.ok => families.add(&resp.metrics_text, Some(&node)),
+            Ok(resp) if resp.ok => answers.push((node, resp.metrics_text)),
             Ok(resp) => {
                 tracing::debug!(node, error = %resp.error, "node refused the metrics command");
                 requests.node_scrape_failed(&node);
@@ -88,6 +79,18 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
                 requests.node_scrape_failed(&node);
             }
         }
+    }
+    // Latency histograms and relay counters, merged over cores.
+    let latency = engine_metrics::merged();
+    text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
+    text.push_str(&render_front_door(&latency));
+    text.push_str(&crate::access::render_prometheus());
+    text.push_str(&requests.render(&depths));
+    process::render_build_and_process(&mut text);
+    let mut families = Families::default();
+    families.add(&text, None);
+    for (node, node_text) in &answers {
+        families.add(node_text, Some(node));
     }
     families.render()
 }

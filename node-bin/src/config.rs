@@ -764,7 +764,7 @@ key = "certs/node-a-key.pem"
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
              `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials`, \
-             `drain_grace_ms` (line 5, column 1)"
+             `drain_grace_ms`, `metrics` (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),
