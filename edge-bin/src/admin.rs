@@ -179,9 +179,7 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
     match send(edge, conn_id, command, COMMAND_WAIT).await {
         Ok(resp) => (200, Bytes::from(response_json(&resp).to_string())),
         Err(CommandFailed::Busy) => error(503, "busy", "too many commands are waiting for nodes"),
-        Err(CommandFailed::Closed) => {
-            error(502, "node_unavailable", "the node connection closed")
-        }
+        Err(CommandFailed::Closed) => error(502, "node_unavailable", "the node connection closed"),
         Err(CommandFailed::TimedOut) => error(
             504,
             "node_timeout",

@@ -166,9 +166,7 @@ impl Families {
                 }
                 continue;
             }
-            let name_end = line
-                .find(|c: char| c == '{' || c == ' ')
-                .unwrap_or(line.len());
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
             let name = &line[..name_end];
             if !is_metric_name(name) || name_end == line.len() {
                 continue;

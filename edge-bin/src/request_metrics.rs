@@ -26,8 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::metrics::buckets::{
-    escape_label_value, micros, write_family, write_histogram, write_sample, AtomicBuckets,
-    Buckets,
+    escape_label_value, micros, write_family, write_histogram, write_sample, AtomicBuckets, Buckets,
 };
 
 /// A client route: a fixed set, so it can be a label.

@@ -686,9 +686,7 @@ where
             return Ok(());
         }
         let result = match dispatch.kind {
-            DispatchKind::Tunnel => {
-                relay(edge, server, Surface::OpenAi, &mut frames).await
-            }
+            DispatchKind::Tunnel => relay(edge, server, Surface::OpenAi, &mut frames).await,
             DispatchKind::Run => {
                 let id = ResponseId {
                     id: format!("chatcmpl-{}", lease.run_id),

@@ -438,10 +438,7 @@ fn metrics_prometheus_histogram_of_no_samples_has_zero_buckets_sum_and_count() {
             "{line}"
         );
         if let Some(labels) = name.strip_prefix(bare) {
-            assert!(
-                labels.is_empty() || labels.starts_with("{le=\""),
-                "{line}"
-            );
+            assert!(labels.is_empty() || labels.starts_with("{le=\""), "{line}");
         }
     }
 }

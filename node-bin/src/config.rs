@@ -950,7 +950,10 @@ key = "certs/node-a-key.pem"
             "/etc/iop/node.toml: metrics.textfile_interval_sec: must be between 1 and 3600 (got 0)"
         );
         let e = with("textfile = \"\"").unwrap_err().to_string();
-        assert!(e.starts_with("/etc/iop/node.toml: metrics.textfile: "), "{e}");
+        assert!(
+            e.starts_with("/etc/iop/node.toml: metrics.textfile: "),
+            "{e}"
+        );
         assert!(with("texfile = \"x\"").is_err());
     }
 }

@@ -29,12 +29,30 @@ pub fn render() -> String {
 
 /// The session's gauges for a METRICS answer: active runs and tunnels, and
 /// per adapter instance its capacity and the requests holding a slot.
-pub fn render_session(transport: &pb::TransportStatus, providers: &[pb::ProviderLifecycle]) -> String {
+pub fn render_session(
+    transport: &pb::TransportStatus,
+    providers: &[pb::ProviderLifecycle],
+) -> String {
     let mut out = String::new();
-    write_family(&mut out, "iop_node_active_runs", "gauge", "Normalized runs active on the Edge session now.");
+    write_family(
+        &mut out,
+        "iop_node_active_runs",
+        "gauge",
+        "Normalized runs active on the Edge session now.",
+    );
     write_sample(&mut out, "iop_node_active_runs", "", transport.active_runs);
-    write_family(&mut out, "iop_node_active_tunnels", "gauge", "Provider tunnels active on the Edge session now.");
-    write_sample(&mut out, "iop_node_active_tunnels", "", transport.active_tunnels);
+    write_family(
+        &mut out,
+        "iop_node_active_tunnels",
+        "gauge",
+        "Provider tunnels active on the Edge session now.",
+    );
+    write_sample(
+        &mut out,
+        "iop_node_active_tunnels",
+        "",
+        transport.active_tunnels,
+    );
     for (name, help, pick) in [
         (
             "iop_node_adapter_capacity",

@@ -107,7 +107,9 @@ impl AtomicBuckets {
         for (total, cell) in into.counts.iter_mut().zip(&self.counts) {
             *total = total.saturating_add(cell.load(Ordering::Relaxed));
         }
-        into.sum_us = into.sum_us.saturating_add(self.sum_us.load(Ordering::Relaxed));
+        into.sum_us = into
+            .sum_us
+            .saturating_add(self.sum_us.load(Ordering::Relaxed));
     }
 }
 
@@ -128,10 +130,16 @@ pub fn write_histogram(out: &mut String, name: &str, labels: &str, buckets: &Buc
     for (i, bound_us) in LATENCY_BOUNDS_US.iter().enumerate() {
         cumulative = cumulative.saturating_add(buckets.counts[i]);
         let le = *bound_us as f64 / US_PER_SEC;
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}");
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
+        );
     }
     cumulative = cumulative.saturating_add(buckets.counts[BUCKETS - 1]);
-    let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}");
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}"
+    );
     let sum = buckets.sum_us as f64 / US_PER_SEC;
     if labels.is_empty() {
         let _ = writeln!(out, "{name}_sum {sum}");
@@ -218,7 +226,12 @@ mod tests {
         b.observe_us(2_000);
         b.observe_us(75_000_000);
         let mut out = String::new();
-        write_family(&mut out, "x_seconds", "histogram", "A test.\nSecond line \\.");
+        write_family(
+            &mut out,
+            "x_seconds",
+            "histogram",
+            "A test.\nSecond line \\.",
+        );
         write_histogram(&mut out, "x_seconds", "route=\"chat\"", &b);
         let expected = "\
 # HELP x_seconds A test.\\nSecond line \\\\.

@@ -119,9 +119,9 @@ impl Latency {
     /// The binary that records it.
     pub fn side(self) -> Side {
         match self {
-            Latency::EdgeQueueWait
-            | Latency::EdgeRelayChunkLatency
-            | Latency::EdgeEndToEnd => Side::Edge,
+            Latency::EdgeQueueWait | Latency::EdgeRelayChunkLatency | Latency::EdgeEndToEnd => {
+                Side::Edge
+            }
             Latency::NodeProviderTimeToFirstByte
             | Latency::NodeRelayChunkLatency
             | Latency::NodeProviderCallDuration => Side::Node,
@@ -518,10 +518,7 @@ mod tests {
             .filter(|k| k.side() == Side::Edge)
             .map(|k| k.name())
             .collect();
-        assert_eq!(
-            edge,
-            ["queue_wait", "relay_chunk_latency", "end_to_end"]
-        );
+        assert_eq!(edge, ["queue_wait", "relay_chunk_latency", "end_to_end"]);
         let node: Vec<&str> = Latency::ALL
             .iter()
             .filter(|k| k.side() == Side::Node)
