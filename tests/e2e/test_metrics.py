@@ -49,11 +49,13 @@ NODE_FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+# One core, and two: requests counted on either shard add up on one page.
+@pytest.fixture(scope="module", params=["0", "0-1"])
+def cluster(request, tmp_path_factory):
     textfile = tmp_path_factory.mktemp("textfile") / "iop_node.prom"
     extra = ["[metrics]", f'textfile = "{textfile}"', "textfile_interval_sec = 1"]
-    with Cluster(mock_args=["--tokens", "3"], client_keys={"metrics-e2e": KEY}, node_extra=extra) as c:
+    with Cluster(mock_args=["--tokens", "3"], client_keys={"metrics-e2e": KEY}, node_extra=extra,
+                 cores=request.param) as c:
         c.textfile = textfile
         yield c
 
@@ -78,23 +80,41 @@ def test_edge_families_types_and_request_counts(cluster):
     assert status == 200 and sse_data(body)[-1] == "[DONE]"
     status, _, _ = post_raw(url, {"model": MODEL, "messages": MESSAGES})
     assert status == 401
+    for _ in range(3):
+        status, _, _ = post_raw(url, {"model": MODEL, "messages": MESSAGES},
+                                headers={"authorization": f"Bearer {KEY}"})
+        assert status == 200
 
-    families = scrape(cluster)
+    # A request is counted as its response ends, which the client may see
+    # an instant before; the node's provider calls as they return.
+    found = {}
+
+    def counted():
+        found.update(scrape(cluster))
+        total = found.get("iop_edge_requests")
+        node_calls = found.get("iop_node_provider_call_duration_seconds")
+        return (total is not None and node_calls is not None
+                and sum(s.value for s in total.samples if s.labels.get("route") == "chat_completions") == 5
+                and any(s.name.endswith("_count") and s.labels == {"node": "node-a"} and s.value == 4
+                        for s in node_calls.samples))
+
+    wait_until(counted, timeout_s=20, what="every request counted")
+    families = found
     for name, kind in EDGE_FAMILIES.items():
         assert name in families, name
         assert families[name].type == kind, (name, families[name].type)
     for name, kind in NODE_FAMILIES.items():
         assert families[name].type == kind, name
     assert value(families, "iop_edge_requests", "iop_edge_requests_total",
-                 route="chat_completions", model=MODEL, code="200") == 1
+                 route="chat_completions", model=MODEL, code="200") == 4
     assert value(families, "iop_edge_requests", "iop_edge_requests_total",
                  route="chat_completions", model="none", code="401") == 1
     assert value(families, "iop_edge_rejections", "iop_edge_rejections_total", reason="unauthorized") == 1
     assert value(families, "iop_edge_time_to_first_token_seconds",
-                 "iop_edge_time_to_first_token_seconds_count", route="chat_completions", model=MODEL) == 1
+                 "iop_edge_time_to_first_token_seconds_count", route="chat_completions", model=MODEL) == 4
     assert value(families, "iop_edge_time_to_first_token_seconds",
                  "iop_edge_time_to_first_token_seconds_bucket",
-                 route="chat_completions", model=MODEL, le="+Inf") == 1
+                 route="chat_completions", model=MODEL, le="+Inf") == 4
     # Three tokens streamed: at least one gap between chunks.
     assert value(families, "iop_edge_chunk_interval_seconds", "iop_edge_chunk_interval_seconds_count",
                  route="chat_completions", model=MODEL) >= 1
@@ -102,7 +122,7 @@ def test_edge_families_types_and_request_counts(cluster):
     assert info.labels["version"] and info.labels["commit"] and info.value == 1
     # The Node's series, pulled over its link, carry its id.
     assert value(families, "iop_node_provider_call_duration_seconds",
-                 "iop_node_provider_call_duration_seconds_count", node="node-a") == 1
+                 "iop_node_provider_call_duration_seconds_count", node="node-a") == 4
     assert value(families, "process_open_fds", "process_open_fds", node="node-a") > 0
     assert value(families, "process_open_fds", "process_open_fds") > 0
     assert value(families, "iop_edge_node_scrape_errors", "iop_edge_node_scrape_errors_total", node="node-a") == 0
