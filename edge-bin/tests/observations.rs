@@ -530,9 +530,9 @@ async fn check_metrics(addr: std::net::SocketAddr, run_ids: &[String]) -> String
             let value = value.trim_matches('"');
             assert!(
                 value == "+Inf"
-                    || value
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.-".contains(&b)),
+                    || value.bytes().all(|b| b.is_ascii_lowercase()
+                        || b.is_ascii_digit()
+                        || b"_.-".contains(&b)),
                 "O1: label value {value:?} in {line}"
             );
         }
