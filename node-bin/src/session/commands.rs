@@ -27,7 +27,7 @@ pub const OLLAMA_QUERY_PATHS: [&str; 3] = ["/api/tags", "/api/ps", "/api/version
 /// Why a command was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CommandError {
-    /// Not one of the four command types.
+    /// Not one of the five command types.
     #[error("unknown command type {0}")]
     UnknownType(i32),
     /// No adapter instance with that name.
