@@ -170,8 +170,49 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
             &format!("node `{node_id}` is not connected and ready"),
         );
     };
+    let command = pb::NodeCommandRequest {
+        command_id: String::new(),
+        r#type: kind as i32,
+        adapter: request.adapter,
+        path: request.path,
+    };
+    match send(edge, conn_id, command, COMMAND_WAIT).await {
+        Ok(resp) => (200, Bytes::from(response_json(&resp).to_string())),
+        Err(CommandFailed::Busy) => error(503, "busy", "too many commands are waiting for nodes"),
+        Err(CommandFailed::Closed) => error(502, "node_unavailable", "the node connection closed"),
+        Err(CommandFailed::TimedOut) => error(
+            504,
+            "node_timeout",
+            "the node did not answer the command in time",
+        ),
+    }
+}
+
+/// Why a command sent with [`send`] has no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CommandFailed {
+    /// [`MAX_PENDING`] commands are already waiting.
+    #[error("too many commands are waiting for nodes")]
+    Busy,
+    /// The node connection closed before the command went out or before
+    /// its answer came.
+    #[error("the node connection closed")]
+    Closed,
+    /// No answer within the wait.
+    #[error("the node did not answer in time")]
+    TimedOut,
+}
+
+/// Sends `command` (its `command_id` is set here) to the node on `conn_id`
+/// and waits up to `wait` for its answer on that connection.
+pub async fn send(
+    edge: &Edge,
+    conn_id: ConnId,
+    mut command: pb::NodeCommandRequest,
+    wait: Duration,
+) -> Result<pb::NodeCommandResponse, CommandFailed> {
     if PENDING.with_borrow(|p| p.len()) >= MAX_PENDING {
-        return error(503, "busy", "too many commands are waiting for nodes");
+        return Err(CommandFailed::Busy);
     }
     let command_id = NEXT_ID.with(|n| {
         let id = n.get() + 1;
@@ -188,33 +229,25 @@ pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
             },
         )
     });
+    command.command_id = command_id.clone();
     let frame = pb::Frame {
-        body: Some(Body::NodeCommandRequest(pb::NodeCommandRequest {
-            command_id: command_id.clone(),
-            r#type: kind as i32,
-            adapter: request.adapter,
-            path: request.path,
-        })),
+        body: Some(Body::NodeCommandRequest(command)),
     };
     if !edge.send_control_to(conn_id, frame) {
         PENDING.with_borrow_mut(|p| p.remove(&command_id));
-        return error(502, "node_unavailable", "the node connection closed");
+        return Err(CommandFailed::Closed);
     }
     // `Some(None)`: the command could not be sent after all (the
     // connection closed on its shard).
     let answer = monoio::select! {
         r = rx => Some(r.ok()),
-        _ = monoio::time::sleep(COMMAND_WAIT) => None,
+        _ = monoio::time::sleep(wait) => None,
     };
     PENDING.with_borrow_mut(|p| p.remove(&command_id));
     match answer {
-        Some(Some(resp)) => (200, Bytes::from(response_json(&resp).to_string())),
-        Some(None) => error(502, "node_unavailable", "the node connection closed"),
-        None => error(
-            504,
-            "node_timeout",
-            "the node did not answer the command in time",
-        ),
+        Some(Some(resp)) => Ok(resp),
+        Some(None) => Err(CommandFailed::Closed),
+        None => Err(CommandFailed::TimedOut),
     }
 }
 

@@ -2461,6 +2461,13 @@ impl Control {
             .map(|o| o.conn)
     }
 
+    /// Requests waiting for a slot now, per model (`iop_edge_queue_depth`).
+    pub fn queue_depths(&self) -> Vec<(String, usize)> {
+        (0..self.models.len())
+            .map(|m| (self.models[m].spec.name.clone(), self.queued_count(m)))
+            .collect()
+    }
+
     /// Every node id with a dispatch-ready owner, with its connection.
     pub fn ready_nodes(&self) -> Vec<(String, ConnId)> {
         self.nodes

@@ -14,6 +14,7 @@
 //! Modules: [`config`] (edge.toml), [`control`] (the state machine),
 //! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
 //! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
+//! [`metrics`] and [`request_metrics`] (`/metrics`),
 //! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
 //! Control on shard 0, mailboxes between shards), [`credentials`] (client
 //! keys and credential leases, C1–C5), [`attempt`] (the commit point of an
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod openai;
 pub mod outlier;
+pub mod request_metrics;
 pub mod server;
 pub mod shards;
 pub mod state;

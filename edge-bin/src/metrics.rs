@@ -1,13 +1,225 @@
 //! `GET /metrics`: Prometheus text exposition format 0.0.4 (O1). Base units,
 //! `_total` counters, and only bounded labels: never raw payloads,
-//! credentials, caller identities or unbounded ids.
+//! credentials, caller identities or unbounded ids. Every metric is listed
+//! in `docs/metrics.md`.
+//!
+//! ```text
+//! scrape ─┬─ Control: counters, snapshots, queue depths, ready nodes
+//!         ├─ engine registries (histograms, relay counters), front door
+//!         ├─ request series (crate::request_metrics), access log
+//!         ├─ iop_build_info, process_*
+//!         └─ per ready node, concurrently: METRICS command over its link,
+//!            at most NODE_SCRAPE_WAIT ─► its lines with node="<id>" added
+//!               ─► Families: one HELP/TYPE per family, samples of all
+//! ```
 
+use std::collections::HashMap;
 use std::fmt::Write;
+use std::rc::Rc;
+use std::time::Duration;
 
-use iop_engine::metrics::{Count, Registry};
+use iop_engine::metrics::buckets::escape_label_value;
+use iop_engine::metrics::{self as engine_metrics, process, Count, Registry, Side};
 use iop_wire::pb;
 
 use crate::control::{Counters, FailureReason};
+use crate::state::Edge;
+
+/// How long a scrape waits for each node's METRICS answer; a node that
+/// does not answer in time is left out of that scrape and counted in
+/// `iop_edge_node_scrape_errors_total`.
+pub const NODE_SCRAPE_WAIT: Duration = Duration::from_secs(2);
+
+/// Largest node exposition taken into a scrape, in lines (a node's text is
+/// also bounded by the frame size limit).
+pub const MAX_NODE_LINES: usize = 20_000;
+
+/// The whole `/metrics` page of this Edge, its nodes' series included.
+pub async fn scrape(edge: &Rc<Edge>) -> String {
+    let (mut text, depths, nodes) = edge
+        .with_control(|control| {
+            (
+                render(
+                    control.counters(),
+                    &control.snapshots(),
+                    control.ejected_count(),
+                ),
+                control.queue_depths(),
+                control.ready_nodes(),
+            )
+        })
+        .await
+        .unwrap_or_default();
+    // Every ready node at once; each answer bounded by NODE_SCRAPE_WAIT.
+    let pulls: Vec<_> = nodes
+        .into_iter()
+        .map(|(node, conn)| {
+            let edge = edge.clone();
+            let command = pb::NodeCommandRequest {
+                r#type: pb::CommandType::Metrics as i32,
+                ..Default::default()
+            };
+            let pull = monoio::spawn(async move {
+                crate::admin::send(&edge, conn, command, NODE_SCRAPE_WAIT).await
+            });
+            (node, pull)
+        })
+        .collect();
+    let requests = &edge.settings.request_metrics;
+    let mut answers = Vec::with_capacity(pulls.len());
+    for (node, pull) in pulls {
+        match pull.await {
+            Ok(resp) if resp.ok => answers.push((node, resp.metrics_text)),
+            Ok(resp) => {
+                tracing::debug!(node, error = %resp.error, "node refused the metrics command");
+                requests.node_scrape_failed(&node);
+            }
+            Err(e) => {
+                tracing::debug!(node, error = %e, "node metrics not pulled");
+                requests.node_scrape_failed(&node);
+            }
+        }
+    }
+    // Latency histograms and relay counters, merged over cores.
+    let latency = engine_metrics::merged();
+    text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
+    text.push_str(&render_front_door(&latency));
+    text.push_str(&crate::access::render_prometheus());
+    text.push_str(&requests.render(&depths));
+    process::render_build_and_process(&mut text);
+    let mut families = Families::default();
+    families.add(&text, None);
+    for (node, node_text) in &answers {
+        families.add(node_text, Some(node));
+    }
+    families.render()
+}
+
+/// Metric families gathered from several expositions: each family's HELP
+/// and TYPE once (the first seen), then its samples from every source, in
+/// order of first appearance.
+#[derive(Debug, Default)]
+pub struct Families {
+    order: Vec<Family>,
+    by_name: HashMap<String, usize>,
+}
+
+#[derive(Debug)]
+struct Family {
+    name: String,
+    help: Option<String>,
+    kind: Option<String>,
+    samples: String,
+}
+
+impl Families {
+    fn family(&mut self, name: &str) -> &mut Family {
+        let i = match self.by_name.get(name) {
+            Some(&i) => i,
+            None => {
+                self.order.push(Family {
+                    name: name.to_owned(),
+                    help: None,
+                    kind: None,
+                    samples: String::new(),
+                });
+                self.by_name.insert(name.to_owned(), self.order.len() - 1);
+                self.order.len() - 1
+            }
+        };
+        &mut self.order[i]
+    }
+
+    /// Adds the families of exposition `text`; with `node`, every sample
+    /// gets the label `node="<node>"` first. Lines out of shape (and any
+    /// past [`MAX_NODE_LINES`]) are skipped, never passed on.
+    pub fn add(&mut self, text: &str, node: Option<&str>) {
+        let node_label = node.map(|n| format!("node=\"{}\"", escape_label_value(n)));
+        // The family of the samples that follow (a histogram's `_bucket`,
+        // `_sum` and `_count` lines belong to the family of its TYPE).
+        let mut current: Option<String> = None;
+        for line in text.lines().take(MAX_NODE_LINES) {
+            let line = line.trim_end();
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(comment) = line.strip_prefix('#') {
+                let mut words = comment.trim_start().splitn(3, ' ');
+                let (Some(keyword), Some(name)) = (words.next(), words.next()) else {
+                    continue;
+                };
+                if !is_metric_name(name) {
+                    continue;
+                }
+                let rest = words.next().unwrap_or("").to_owned();
+                match keyword {
+                    "HELP" => {
+                        let family = self.family(name);
+                        family.help.get_or_insert(rest);
+                    }
+                    "TYPE" => {
+                        let family = self.family(name);
+                        family.kind.get_or_insert(rest);
+                        current = Some(name.to_owned());
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            let name = &line[..name_end];
+            if !is_metric_name(name) || name_end == line.len() {
+                continue;
+            }
+            let family_name = match &current {
+                Some(f) if name == f || is_part_of(name, f) => f.clone(),
+                _ => name.to_owned(),
+            };
+            let rest = &line[name_end..];
+            let sample = match (&node_label, rest.strip_prefix('{')) {
+                (None, _) => line.to_owned(),
+                (Some(label), Some(labels)) if labels.starts_with('}') => {
+                    format!("{name}{{{label}{labels}")
+                }
+                (Some(label), Some(labels)) => format!("{name}{{{label},{labels}"),
+                (Some(label), None) => format!("{name}{{{label}}}{rest}"),
+            };
+            let family = self.family(&family_name);
+            family.samples.push_str(&sample);
+            family.samples.push('\n');
+        }
+    }
+
+    /// The gathered families as one exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for family in &self.order {
+            if let Some(help) = &family.help {
+                let _ = writeln!(out, "# HELP {} {help}", family.name);
+            }
+            if let Some(kind) = &family.kind {
+                let _ = writeln!(out, "# TYPE {} {kind}", family.name);
+            }
+            out.push_str(&family.samples);
+        }
+        out
+    }
+}
+
+/// Whether `name` is a valid metric name (`[a-zA-Z_:][a-zA-Z0-9_:]*`).
+fn is_metric_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+/// Whether sample `name` is a histogram or summary line of `family`.
+fn is_part_of(name: &str, family: &str) -> bool {
+    name.strip_prefix(family)
+        .is_some_and(|suffix| matches!(suffix, "_bucket" | "_sum" | "_count"))
+}
 
 /// The content type of the exposition format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -227,6 +439,48 @@ pub fn render_front_door(registry: &Registry) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_expositions_are_labelled_and_merged_by_family() {
+        let edge = "# HELP process_open_fds Number of open file descriptors.\n\
+                    # TYPE process_open_fds gauge\n\
+                    process_open_fds 12\n";
+        let node = "# HELP iop_node_x_seconds X.\n\
+                    # TYPE iop_node_x_seconds histogram\n\
+                    iop_node_x_seconds_bucket{le=\"+Inf\"} 2\n\
+                    iop_node_x_seconds_sum 0.5\n\
+                    iop_node_x_seconds_count 2\n\
+                    # HELP process_open_fds Other help.\n\
+                    # TYPE process_open_fds gauge\n\
+                    process_open_fds 7\n\
+                    empty{} 1\n\
+                    \n\
+                    # a comment\n\
+                    {broken} 1\n\
+                    novalue\n";
+        let mut families = Families::default();
+        families.add(edge, None);
+        families.add(node, Some("node-a"));
+        families.add(node, Some("node-\"b"));
+        assert_eq!(
+            families.render(),
+            "# HELP process_open_fds Number of open file descriptors.\n\
+             # TYPE process_open_fds gauge\n\
+             process_open_fds 12\n\
+             process_open_fds{node=\"node-a\"} 7\n\
+             process_open_fds{node=\"node-\\\"b\"} 7\n\
+             # HELP iop_node_x_seconds X.\n\
+             # TYPE iop_node_x_seconds histogram\n\
+             iop_node_x_seconds_bucket{node=\"node-a\",le=\"+Inf\"} 2\n\
+             iop_node_x_seconds_sum{node=\"node-a\"} 0.5\n\
+             iop_node_x_seconds_count{node=\"node-a\"} 2\n\
+             iop_node_x_seconds_bucket{node=\"node-\\\"b\",le=\"+Inf\"} 2\n\
+             iop_node_x_seconds_sum{node=\"node-\\\"b\"} 0.5\n\
+             iop_node_x_seconds_count{node=\"node-\\\"b\"} 2\n\
+             empty{node=\"node-a\"} 1\n\
+             empty{node=\"node-\\\"b\"} 1\n"
+        );
+    }
 
     // CONTRACT: O1 — the four contract counters are exposed with bounded
     // labels only.

@@ -17,6 +17,7 @@ use crate::config::{self, EdgeConfig};
 use crate::control::{self, Control, ControlSpec, DispatchKind};
 use crate::credentials::{ClientKeys, CredentialPlane, KeysChange};
 use crate::openai::ModelEntry;
+use crate::request_metrics::RequestMetrics;
 use crate::shards::{Lifecycle, MeshPort, Outbox};
 use crate::state::{Edge, Settings, CONTROL_SHARD};
 use crate::usage::UsageLog;
@@ -336,7 +337,18 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
             AccessLog::off()
         }),
         usage_log: UsageLog::off(),
+        request_metrics: request_metrics(cfg, 1),
     }
+}
+
+/// The per-request series of `/metrics` for `cfg`'s models and nodes, with
+/// cells for `shards` shards.
+pub fn request_metrics(cfg: &EdgeConfig, shards: usize) -> Arc<RequestMetrics> {
+    RequestMetrics::new(
+        cfg.models.iter().map(|m| m.name.clone()).collect(),
+        cfg.nodes.iter().map(|n| n.id.clone()).collect(),
+        shards,
+    )
 }
 
 /// Everything an Edge running on several cores needs, prepared on the
@@ -348,6 +360,9 @@ pub struct ShardedEdge {
     client_keys: ClientKeys,
     /// One usage file for every shard.
     usage_log: UsageLog,
+    /// One set of request series for every shard (each writes its own
+    /// cells).
+    request_metrics: Arc<RequestMetrics>,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -414,7 +429,8 @@ impl ShardedEdge {
         };
         let client_addr = first_client.local_addr()?;
         let node_addr = first_node.local_addr()?;
-        let ports = crate::shards::mesh(listeners.len());
+        let ports_len = listeners.len();
+        let ports = crate::shards::mesh(ports_len);
         let parts = listeners
             .into_iter()
             .zip(ports)
@@ -429,6 +445,7 @@ impl ShardedEdge {
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
             usage_log: usage_log(&cfg),
+            request_metrics: request_metrics(&cfg, ports_len),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -497,6 +514,7 @@ impl ShardedEdge {
         settings.client_tls = self.client_tls.clone();
         settings.client_keys = self.client_keys.clone();
         settings.usage_log = self.usage_log.clone();
+        settings.request_metrics = self.request_metrics.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {

@@ -281,6 +281,8 @@ pub struct Settings {
     pub access_log: AccessLog,
     /// The process's usage file (`[edge.usage_log]`), shared by the shards.
     pub usage_log: crate::usage::UsageLog,
+    /// The per-request series of `/metrics`, shared by every shard.
+    pub request_metrics: Arc<crate::request_metrics::RequestMetrics>,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -1437,6 +1439,7 @@ mod tests {
             limits: ListenerLimits::default(),
             access_log: AccessLog::off(),
             usage_log: crate::usage::UsageLog::off(),
+            request_metrics: crate::request_metrics::RequestMetrics::new(Vec::new(), Vec::new(), 1),
         };
         Edge::new(Control::new(spec), settings)
     }

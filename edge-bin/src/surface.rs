@@ -8,12 +8,13 @@
 //! ```
 
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
-use iop_engine::metrics::{self as engine_metrics, Count, Latency, Side};
+use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::{Deadline, Wait};
 use iop_engine::tls::{ListenerStream, MaybeTls};
 use iop_wire::codec::BodyParts;
@@ -31,6 +32,7 @@ use crate::control::{
 use crate::credentials::{Caller, ClientKeys, CredentialError, LeaseRequest};
 use crate::limits::{self, Ticket};
 use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
+use crate::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
 use crate::shards::NodeRequest;
 use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
@@ -55,6 +57,17 @@ struct Client<S> {
     /// The current request's claim on its principal's limits, given back
     /// when its line is written (or the connection ends).
     ticket: Option<(ClientKeys, Ticket)>,
+    /// The Edge's per-request series and this shard's index in them.
+    metrics: Arc<RequestMetrics>,
+    shard: usize,
+    /// The current request's route and model slot (its labels).
+    route: Route,
+    model: usize,
+    /// When the last body chunk of the current response was written.
+    last_chunk_at: Option<Instant>,
+    /// Counts the current request in `iop_edge_active_streams` once
+    /// admitted.
+    active: Option<ActiveStream>,
 }
 
 impl<S> Drop for Client<S> {
@@ -116,27 +129,40 @@ impl<S> Client<S> {
         Ok(())
     }
 
-    /// Writes the access log line of the current request (once).
+    /// Records the current request's metrics, writes its access log line
+    /// and usage record, and gives its limits claim back (once).
     fn log_access(&mut self) {
         let edge = Rc::clone(&self.edge);
         self.release_limits();
-        let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
+        let Some(read_at) = self.read_at.take() else {
             return;
         };
-        let usage = &edge.settings.usage_log;
-        // The usage file: inference requests that were authenticated.
-        let billable = usage.is_on() && self.caller.is_some() && is_inference_route(&self.rec.path);
-        if !log.is_on() && !billable {
-            return;
-        }
         let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
+        self.active = None;
+        self.metrics.finish(
+            self.shard,
+            &Finished {
+                route: self.route,
+                model: self.model,
+                status: stats.status,
+                outcome: self.rec.outcome.as_deref(),
+                time_to_first_byte: stats
+                    .first_body_byte_at
+                    .map(|at| at.saturating_duration_since(read_at)),
+                duration: ended_at.saturating_duration_since(read_at),
+                tokens: self.rec.prompt_tokens.zip(self.rec.completion_tokens),
+            },
+        );
+        let log = &edge.settings.access_log;
         if log.is_on() {
             log.write(
                 self.rec
                     .line(log.format(), unix_ms, &stats, read_at, ended_at),
             );
         }
-        if billable {
+        // The usage file: inference requests that were authenticated.
+        let usage = &edge.settings.usage_log;
+        if usage.is_on() && self.caller.is_some() && is_inference_route(&self.rec.path) {
             usage.record(&self.rec.usage_line(unix_ms, &stats, read_at, ended_at));
         }
     }
@@ -185,6 +211,38 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
         self.rec = AccessRecord::new(id, method, path, bytes_in);
         self.read_at = Some(at);
         self.caller = None;
+        self.route = Route::of(path);
+        self.model = self.metrics.no_model();
+        self.last_chunk_at = None;
+        self.active = None;
+    }
+
+    /// Notes the model the client named (access log and metric labels).
+    fn set_model(&mut self, model: &str) {
+        self.rec.set_model(model);
+        self.model = self.metrics.model_slot(model);
+    }
+
+    /// The current request was admitted: it counts as an active stream of
+    /// its model until it ends.
+    fn stream_started(&mut self) {
+        self.active = Some(self.metrics.stream_started(self.shard, self.model));
+    }
+
+    /// metrics: a relayed chunk taken off the route queue at `taken_at`
+    /// was written to the client (relay latency, and the gap since the
+    /// previous chunk).
+    fn chunk_written(&mut self, taken_at: Instant) {
+        let now = clock::now();
+        engine_metrics::record_between(Latency::EdgeRelayChunkLatency, taken_at, now);
+        if let Some(previous) = self.last_chunk_at.replace(now) {
+            self.metrics.chunk_interval(
+                self.shard,
+                self.route,
+                self.model,
+                now.saturating_duration_since(previous),
+            );
+        }
     }
 }
 
@@ -238,6 +296,12 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
         read_at: None,
         caller: None,
         ticket: None,
+        metrics: edge.settings.request_metrics.clone(),
+        shard: edge.shard_index(),
+        route: Route::Other,
+        model: 0,
+        last_chunk_at: None,
+        active: None,
     };
     loop {
         let request = match server.read_request().await {
@@ -345,21 +409,7 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 None => write_api_error(&mut server, &draining_error()).await,
             },
             ("GET", "/metrics") => {
-                let mut text = edge
-                    .with_control(|control| {
-                        metrics::render(
-                            control.counters(),
-                            &control.snapshots(),
-                            control.ejected_count(),
-                        )
-                    })
-                    .await
-                    .unwrap_or_default();
-                // Latency summaries and relay counters, merged over cores.
-                let latency = engine_metrics::merged();
-                text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
-                text.push_str(&metrics::render_front_door(&latency));
-                text.push_str(&crate::access::render_prometheus());
+                let text = metrics::scrape(&edge).await;
                 server
                     .write_response(
                         200,
@@ -471,15 +521,6 @@ fn is_inference_route(path: &str) -> bool {
     [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS]
         .iter()
         .any(|route| route.path == path)
-}
-
-/// metrics: a relayed chunk taken off the route queue at `taken_at` was
-/// written to the client; the first one also ends time to first byte.
-fn chunk_written(taken_at: Instant, first_byte_pending: &mut Option<Instant>) {
-    engine_metrics::record_since(Latency::EdgeRelayChunkLatency, taken_at);
-    if let Some(admitted_at) = first_byte_pending.take() {
-        engine_metrics::record_since(Latency::EdgeTimeToFirstByte, admitted_at);
-    }
 }
 
 /// Answers a request that failed before it could be routed (bad or
@@ -673,7 +714,7 @@ where
         Ok(c) => c,
         Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
     };
-    server.rec.set_model(&chat.model);
+    server.set_model(&chat.model);
     let long = edge
         .settings
         .long_context_threshold_tokens
@@ -686,7 +727,6 @@ where
     else {
         return Ok(());
     };
-    let admitted_at = clock::now(); // metrics: time to first byte
     loop {
         let lease = &dispatch.lease;
         server
@@ -730,16 +770,14 @@ where
             return Ok(());
         }
         let result = match dispatch.kind {
-            DispatchKind::Tunnel => {
-                relay(edge, server, Surface::OpenAi, &mut frames, admitted_at).await
-            }
+            DispatchKind::Tunnel => relay(edge, server, Surface::OpenAi, &mut frames).await,
             DispatchKind::Run => {
                 let id = ResponseId {
                     id: format!("chatcmpl-{}", lease.run_id),
                     created: iop_engine::clock::unix_ms() / 1000,
                     model: lease.target.clone(),
                 };
-                relay_run(edge, server, &mut frames, id, &chat, admitted_at).await
+                relay_run(edge, server, &mut frames, id, &chat).await
             }
         };
         match settle(edge, request, result)? {
@@ -821,7 +859,8 @@ where
     };
     let e = match answer {
         Ok(Admission::Dispatched { dispatch, frames }) => {
-            return Ok(Some((request, dispatch, frames)))
+            server.stream_started();
+            return Ok(Some((request, dispatch, frames)));
         }
         Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
         Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
@@ -947,13 +986,12 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
-    server.rec.set_model(&req.model);
+    server.set_model(&req.model);
     let Some((request, mut dispatch, mut frames)) =
         admit(edge, server, route, &req.model, false).await?
     else {
         return Ok(());
     };
-    let admitted_at = clock::now(); // metrics: time to first byte
     loop {
         if dispatch.kind != DispatchKind::Tunnel {
             // Control files native (Ollama) providers, which speak only the
@@ -981,7 +1019,7 @@ where
         if !send_run(edge, server, route.surface, request, &dispatch, run, false).await? {
             return Ok(());
         }
-        let result = relay(edge, server, route.surface, &mut frames, admitted_at).await;
+        let result = relay(edge, server, route.surface, &mut frames).await;
         match settle(edge, request, result)? {
             Some(next) => {
                 frames.retarget(&next);
@@ -1212,12 +1250,10 @@ async fn relay_run<S>(
     frames: &mut RouteRx,
     id: ResponseId,
     chat: &ChatRequest,
-    admitted_at: Instant,
 ) -> Result<Relayed, HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let mut first_byte_pending = Some(admitted_at);
     if !chat.stream {
         let mut tracker = AttemptTracker::buffered();
         let mut builder = CompletionBuilder::new(id);
@@ -1242,7 +1278,7 @@ where
                         Some(Completion::Done(v)) => {
                             let taken_at = clock::now();
                             write_json(server, 200, Bytes::from(v.to_string())).await?;
-                            chunk_written(taken_at, &mut first_byte_pending);
+                            server.chunk_written(taken_at);
                             return Ok(Relayed::Done);
                         }
                         Some(Completion::Failed { code, message }) => {
@@ -1401,7 +1437,7 @@ where
         }
         for chunk in stream.on_event(&ev) {
             server.write_chunk(chunk).await?;
-            chunk_written(taken_at, &mut first_byte_pending);
+            server.chunk_written(taken_at);
         }
         frames.drained(edge, charge);
         if stream.is_finished() {
@@ -1461,12 +1497,10 @@ async fn relay<S>(
     server: &mut Client<S>,
     surface: Surface,
     frames: &mut RouteRx,
-    admitted_at: Instant,
 ) -> Result<Relayed, HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
 {
-    let mut first_byte_pending = Some(admitted_at);
     let mut tracker = AttemptTracker::new();
     let mut head: Option<pb::ProviderTunnelFrame> = None;
     // Body of a 5xx head, held (and already credited) until it commits.
@@ -1550,7 +1584,7 @@ where
                 }
                 if started {
                     server.write_chunk(tf.body).await?;
-                    chunk_written(taken_at, &mut first_byte_pending);
+                    server.chunk_written(taken_at);
                     engine_metrics::add(Count::EdgeRelayBodyBytes, len);
                 } else if head.is_some() && !tf.body.is_empty() {
                     held.push(tf.body);
@@ -1586,7 +1620,7 @@ where
                 for body in std::mem::take(&mut held) {
                     server.write_chunk(body).await?;
                 }
-                chunk_written(clock::now(), &mut first_byte_pending);
+                server.chunk_written(clock::now());
                 return server.finish().await.map(|()| Relayed::Done);
             }
             pb::TunnelFrameKind::Error => {

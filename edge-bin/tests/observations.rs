@@ -510,8 +510,10 @@ async fn check_metrics(addr: std::net::SocketAddr, run_ids: &[String]) -> String
             "O1: /metrics carries {needle:?}:\n{text}"
         );
     }
+    // Fixed lists, or names from the configuration (model, node, adapter).
     let bounded: BTreeSet<&str> = [
-        "result", "to", "source", "eligible", "reason", "via", "quantile",
+        "result", "to", "source", "eligible", "reason", "via", "le", "route", "model", "code",
+        "kind", "node", "adapter", "version", "commit",
     ]
     .into();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
@@ -527,9 +529,10 @@ async fn check_metrics(addr: std::net::SocketAddr, run_ids: &[String]) -> String
             ); // CONTRACT: O1
             let value = value.trim_matches('"');
             assert!(
-                value
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_.".contains(&b)),
+                value == "+Inf"
+                    || value.bytes().all(|b| b.is_ascii_lowercase()
+                        || b.is_ascii_digit()
+                        || b"_.-".contains(&b)),
                 "O1: label value {value:?} in {line}"
             );
         }

@@ -9,7 +9,7 @@
 //! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
 //! | [`config`] | config errors (`<file>: <key>: <reason>`, S3), TOML with key paths, name/trust-domain/`host:port` checks | config file and TLS file reads |
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
-//! | [`metrics`] | per-core latency histograms and counters, merge, wrk2 and Prometheus text | `SIGUSR1` dump to stderr |
+//! | [`metrics`] | per-core latency histograms and counters, merge, wrk2 and Prometheus text (fixed-bucket histograms, `process_*`, `iop_build_info`) | `SIGUSR1` dump to stderr |
 //! | [`keys`] | key file and public-key text formats (C1, C4) | lease key files (0600, refused if group/world-accessible), OS randomness for leases |
 //! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2), provider and HTTPS-listener configs, reloadable identities | TLS accept/connect; a cancel-safe TLS stream for HTTP |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |

@@ -172,7 +172,6 @@ fn metrics_wrk2_dump_parses_back_with_exact_figures_for_a_known_data_set() {
         titles,
         [
             "edge queue_wait",
-            "edge time_to_first_byte",
             "edge relay_chunk_latency",
             "edge end_to_end"
         ]
@@ -251,7 +250,7 @@ fn metrics_wrk2_dump_parses_back_with_exact_figures_for_a_known_data_set() {
     );
 
     // Four values: every spectrum row of HdrHistogram's classic output.
-    let e2e = &sections[3];
+    let e2e = &sections[2];
     assert_eq!(
         e2e.rows,
         [
@@ -320,30 +319,69 @@ fn metrics_prometheus_text_is_exact_for_a_known_data_set() {
     r.add(Count::EdgeRelayBodyBytes, 9);
     let expected = "\
 # HELP iop_node_provider_time_to_first_byte_seconds Time from provider call start to its first output.
-# TYPE iop_node_provider_time_to_first_byte_seconds summary
-iop_node_provider_time_to_first_byte_seconds{quantile=\"0.5\"} 0.0002
-iop_node_provider_time_to_first_byte_seconds{quantile=\"0.75\"} 0.0003
-iop_node_provider_time_to_first_byte_seconds{quantile=\"0.9\"} 0.0004
-iop_node_provider_time_to_first_byte_seconds{quantile=\"0.99\"} 0.0004
-iop_node_provider_time_to_first_byte_seconds{quantile=\"0.999\"} 0.0004
+# TYPE iop_node_provider_time_to_first_byte_seconds histogram
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.0005\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.001\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.0025\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.005\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.01\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.025\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.05\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.1\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.25\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"0.5\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"1\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"2.5\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"5\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"10\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"20\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"30\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"60\"} 4
+iop_node_provider_time_to_first_byte_seconds_bucket{le=\"+Inf\"} 4
 iop_node_provider_time_to_first_byte_seconds_sum 0.001
 iop_node_provider_time_to_first_byte_seconds_count 4
 # HELP iop_node_relay_chunk_latency_seconds Added relay latency per chunk: provider read to frame queued for the Edge.
-# TYPE iop_node_relay_chunk_latency_seconds summary
-iop_node_relay_chunk_latency_seconds{quantile=\"0.5\"} 0.0005
-iop_node_relay_chunk_latency_seconds{quantile=\"0.75\"} 0.00075
-iop_node_relay_chunk_latency_seconds{quantile=\"0.9\"} 0.0009
-iop_node_relay_chunk_latency_seconds{quantile=\"0.99\"} 0.00099
-iop_node_relay_chunk_latency_seconds{quantile=\"0.999\"} 0.000999
+# TYPE iop_node_relay_chunk_latency_seconds histogram
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.0005\"} 500
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.001\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.0025\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.005\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.01\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.025\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.05\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.1\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.25\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"0.5\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"1\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"2.5\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"5\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"10\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"20\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"30\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"60\"} 1000
+iop_node_relay_chunk_latency_seconds_bucket{le=\"+Inf\"} 1000
 iop_node_relay_chunk_latency_seconds_sum 0.5005
 iop_node_relay_chunk_latency_seconds_count 1000
 # HELP iop_node_provider_call_duration_seconds Time from provider call start to its return or abort.
-# TYPE iop_node_provider_call_duration_seconds summary
-iop_node_provider_call_duration_seconds{quantile=\"0.5\"} 1.500159
-iop_node_provider_call_duration_seconds{quantile=\"0.75\"} 1.500159
-iop_node_provider_call_duration_seconds{quantile=\"0.9\"} 1.500159
-iop_node_provider_call_duration_seconds{quantile=\"0.99\"} 1.500159
-iop_node_provider_call_duration_seconds{quantile=\"0.999\"} 1.500159
+# TYPE iop_node_provider_call_duration_seconds histogram
+iop_node_provider_call_duration_seconds_bucket{le=\"0.0005\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.001\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.0025\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.005\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.01\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.025\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.05\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.1\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.25\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"0.5\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"1\"} 0
+iop_node_provider_call_duration_seconds_bucket{le=\"2.5\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"5\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"10\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"20\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"30\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"60\"} 1
+iop_node_provider_call_duration_seconds_bucket{le=\"+Inf\"} 1
 iop_node_provider_call_duration_seconds_sum 1.5
 iop_node_provider_call_duration_seconds_count 1
 # HELP iop_node_provider_calls_aborted_total Provider calls aborted before they returned.
@@ -354,7 +392,7 @@ iop_node_provider_calls_aborted_total 3
 }
 
 #[test]
-fn metrics_prometheus_summary_of_an_empty_histogram_is_nan_with_zero_sum_and_count() {
+fn metrics_prometheus_histogram_of_no_samples_has_zero_buckets_sum_and_count() {
     let text = render_prometheus(&Registry::new(), Side::Edge);
     let e2e: Vec<&str> = text
         .lines()
@@ -363,11 +401,24 @@ fn metrics_prometheus_summary_of_an_empty_histogram_is_nan_with_zero_sum_and_cou
     assert_eq!(
         e2e,
         [
-            "iop_edge_end_to_end_seconds{quantile=\"0.5\"} NaN",
-            "iop_edge_end_to_end_seconds{quantile=\"0.75\"} NaN",
-            "iop_edge_end_to_end_seconds{quantile=\"0.9\"} NaN",
-            "iop_edge_end_to_end_seconds{quantile=\"0.99\"} NaN",
-            "iop_edge_end_to_end_seconds{quantile=\"0.999\"} NaN",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.0005\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.001\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.0025\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.005\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.01\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.025\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.05\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.1\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.25\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"0.5\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"1\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"2.5\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"5\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"10\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"20\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"30\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"60\"} 0",
+            "iop_edge_end_to_end_seconds_bucket{le=\"+Inf\"} 0",
             "iop_edge_end_to_end_seconds_sum 0",
             "iop_edge_end_to_end_seconds_count 0",
         ]
@@ -376,21 +427,18 @@ fn metrics_prometheus_summary_of_an_empty_histogram_is_nan_with_zero_sum_and_cou
     // base-unit or `_total` name and no other labels.
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let (name, value) = line.rsplit_once(' ').unwrap();
-        assert!(value == "NaN" || value.parse::<f64>().is_ok(), "{line}");
+        assert!(value.parse::<f64>().is_ok(), "{line}");
         let bare = name.split('{').next().unwrap();
         assert!(bare.starts_with("iop_edge_"), "{line}");
         assert!(
-            bare.ends_with("_seconds")
+            bare.ends_with("_seconds_bucket")
                 || bare.ends_with("_seconds_sum")
                 || bare.ends_with("_seconds_count")
                 || bare.ends_with("_total"),
             "{line}"
         );
         if let Some(labels) = name.strip_prefix(bare) {
-            assert!(
-                labels.is_empty() || labels.starts_with("{quantile=\""),
-                "{line}"
-            );
+            assert!(labels.is_empty() || labels.starts_with("{le=\""), "{line}");
         }
     }
 }

@@ -25,6 +25,7 @@ use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use ed25519_dalek::VerifyingKey;
 use iop_engine::config::{
@@ -87,6 +88,32 @@ pub struct NodeConfig {
     /// After SIGTERM/SIGINT, how long active runs and tunnels may finish
     /// before the Node closes its Edge connection and exits anyway.
     pub drain_grace_ms: u64,
+    /// `[metrics]`: the optional node_exporter textfile.
+    pub metrics: MetricsSpec,
+}
+
+/// The `[metrics]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsSpec {
+    /// `textfile`: where the node_exporter textfile is written (resolved
+    /// against the config file's directory); `None`: not written.
+    pub textfile: Option<PathBuf>,
+    /// `textfile_interval_sec`: how often it is rewritten.
+    pub textfile_interval: Duration,
+}
+
+/// Default `metrics.textfile_interval_sec`.
+pub const DEFAULT_TEXTFILE_INTERVAL_SEC: u64 = 15;
+/// Largest `metrics.textfile_interval_sec`.
+pub const MAX_TEXTFILE_INTERVAL_SEC: u64 = 3600;
+
+impl Default for MetricsSpec {
+    fn default() -> Self {
+        Self {
+            textfile: None,
+            textfile_interval: Duration::from_secs(DEFAULT_TEXTFILE_INTERVAL_SEC),
+        }
+    }
 }
 
 /// The `[credentials]` table (C2). Holds no secret: the recipient key is
@@ -210,6 +237,15 @@ struct RawNodeFile {
     reconnect: RawReconnect,
     credentials: Option<RawCredentials>,
     drain_grace_ms: Option<i64>,
+    #[serde(default)]
+    metrics: RawMetrics,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    textfile: Option<String>,
+    textfile_interval_sec: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -306,6 +342,31 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         reconnect_jitter,
         credentials,
         drain_grace_ms,
+        metrics: metrics(raw.metrics, file)?,
+    })
+}
+
+fn metrics(raw: RawMetrics, file: &Path) -> Result<MetricsSpec, ConfigError> {
+    let textfile = match raw.textfile {
+        None => None,
+        Some(path) => Some(resolve_path(file, "metrics.textfile", &path)?),
+    };
+    let textfile_interval = match raw.textfile_interval_sec {
+        None => Duration::from_secs(DEFAULT_TEXTFILE_INTERVAL_SEC),
+        Some(v) => match u64::try_from(v) {
+            Ok(v) if (1..=MAX_TEXTFILE_INTERVAL_SEC).contains(&v) => Duration::from_secs(v),
+            _ => {
+                return Err(ConfigError::new(
+                    file,
+                    "metrics.textfile_interval_sec",
+                    format!("must be between 1 and {MAX_TEXTFILE_INTERVAL_SEC} (got {v})"),
+                ))
+            }
+        },
+    };
+    Ok(MetricsSpec {
+        textfile,
+        textfile_interval,
     })
 }
 
@@ -366,8 +427,6 @@ fn parse_origin(text: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use iop_wire::checks::Attempts;
 
     use super::*;
@@ -453,6 +512,7 @@ key = "certs/node-a-key.pem"
             reconnect_jitter: Jitter::new(50).unwrap(),
             credentials: None,
             drain_grace_ms: 30_000,
+            metrics: MetricsSpec::default(),
         };
         assert_eq!(config, expected);
     }
@@ -704,7 +764,7 @@ key = "certs/node-a-key.pem"
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
              `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials`, \
-             `drain_grace_ms` (line 5, column 1)"
+             `drain_grace_ms`, `metrics` (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),
@@ -869,5 +929,31 @@ key = "certs/node-a-key.pem"
         assert_eq!(e.file(), "conf/node.toml");
         assert_eq!(e.key(), "reconnect.max_attempts");
         assert_eq!(e.reason(), "must be 0 (unlimited) or positive (got -2)");
+    }
+
+    #[test]
+    fn metrics_textfile_resolves_against_the_file_and_bounds_its_interval() {
+        let path = Path::new("/etc/iop/node.toml");
+        let with = |lines: &str| NodeConfig::parse(&format!("{BASE}\n[metrics]\n{lines}\n"), path);
+        let spec = with("textfile = \"iop_node.prom\"\ntextfile_interval_sec = 30")
+            .unwrap()
+            .metrics;
+        assert_eq!(spec.textfile, Some(PathBuf::from("/etc/iop/iop_node.prom")));
+        assert_eq!(spec.textfile_interval, Duration::from_secs(30));
+        assert_eq!(
+            NodeConfig::parse(BASE, path).unwrap().metrics,
+            MetricsSpec::default()
+        );
+        let e = with("textfile_interval_sec = 0").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "/etc/iop/node.toml: metrics.textfile_interval_sec: must be between 1 and 3600 (got 0)"
+        );
+        let e = with("textfile = \"\"").unwrap_err().to_string();
+        assert!(
+            e.starts_with("/etc/iop/node.toml: metrics.textfile: "),
+            "{e}"
+        );
+        assert!(with("texfile = \"x\"").is_err());
     }
 }

@@ -311,6 +311,10 @@ pub async fn run_sharded(
         drain_grace,
     } = stop;
     let core = NodeCore::start_with_workers(credentials, workers);
+    // `[metrics] textfile`: rewritten every interval for node_exporter.
+    if let Err(e) = crate::metrics::spawn_textfile_writer(&cfg.metrics) {
+        tracing::error!(error = %e, "metrics textfile writer not started");
+    }
     let mut supervisor =
         Supervisor::new(cfg.reconnect, cfg.reconnect_jitter, SplitMix64::from_os());
     loop {

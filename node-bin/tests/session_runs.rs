@@ -464,6 +464,25 @@ async fn commands_are_answered() {
     assert_eq!(relayed.query_status, 200);
     let body: serde_json::Value = serde_json::from_slice(&relayed.query_body).expect("JSON body");
     assert_eq!(body["models"][0]["name"], TARGET);
+
+    // METRICS: the Node's Prometheus text, with its session's gauges.
+    let metrics = edge
+        .command(cmd("c8", pb::CommandType::Metrics, "", ""))
+        .await;
+    assert!(metrics.ok, "{}", metrics.error);
+    let text = &metrics.metrics_text;
+    for line in [
+        "# TYPE iop_node_provider_call_duration_seconds histogram\n",
+        "# TYPE iop_build_info gauge\n",
+        "# TYPE process_resident_memory_bytes gauge\n",
+        "iop_node_active_runs 0\n",
+        "iop_node_active_tunnels 0\n",
+        "iop_node_adapter_capacity{adapter=\"local-ollama\"} 1\n",
+        "iop_node_adapter_capacity{adapter=\"mock\"} 3\n",
+        "iop_node_adapter_in_flight{adapter=\"mock\"} 0\n",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
 }
 
 // CONTRACT: K3 — a refresh is APPLIED (new capacity for new requests),

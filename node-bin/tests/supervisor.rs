@@ -35,6 +35,7 @@ fn plain_config(edge: std::net::SocketAddr) -> NodeConfig {
         reconnect_jitter: Jitter::new(0).expect("no jitter"),
         credentials: None,
         drain_grace_ms: 0,
+        metrics: Default::default(),
     }
 }
 

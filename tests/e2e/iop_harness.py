@@ -135,7 +135,8 @@ class Cluster:
     def __init__(self, node_ids=("node-a",), mock_args=(), edge_env=None, node_env=None,
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
                  credentials=None, client_keys=None, cores="0", edge_extra=(),
-                 provider_tls=None, client_tls=False, tls_fixtures=False, client_listen="127.0.0.1:0"):
+                 provider_tls=None, client_tls=False, tls_fixtures=False, client_listen="127.0.0.1:0",
+                 node_extra=()):
         # provider_tls: serve the mock over HTTPS with this `bench
         # tls-fixtures` certificate ("https", "wrong-host", "expired",
         # "unknown-ca"); every adapter then uses https://localhost:<port> with
@@ -187,6 +188,9 @@ class Cluster:
         self.node_ids = list(node_ids)
         self.mock_args = list(mock_args)
         self.node_env = node_env or {}
+        # node_extra: more TOML lines at the end of every node's config
+        # (e.g. a `[metrics]` table).
+        self.node_extra = list(node_extra)
         self.provider_capacity = provider_capacity
         self.procs: list[Proc] = []
         self.nodes: dict[str, Proc] = {}
@@ -441,7 +445,7 @@ class Cluster:
             "[reconnect]",
             f"interval_sec = {self.reconnect[0]}",
             f"max_attempts = {self.reconnect[1]}",
-        ]
+        ] + self.node_extra
 
     def start_node(self, node_id: str) -> Proc:
         path = self.dir / f"node-{node_id}.toml"

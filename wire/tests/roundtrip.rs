@@ -523,6 +523,7 @@ fn all_frames() -> Vec<pb::Frame> {
             }],
             query_status: 200,
             query_body: Bytes::from_static(br#"{"models":[]}"#),
+            metrics_text: "# TYPE iop_node_active_runs gauge\niop_node_active_runs 2\n".into(),
         }),
         Body::NodeConfigRefreshRequest(pb::NodeConfigRefreshRequest {
             refresh_id: "ref-1".into(),

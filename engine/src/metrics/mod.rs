@@ -1,6 +1,7 @@
 //! Latency histograms and counters: recorded per core, merged on read,
 //! rendered as a wrk2-style percentile distribution (the `SIGUSR1` dump) and
-//! as Prometheus text 0.0.4 (`/metrics`).
+//! as Prometheus text 0.0.4 (`/metrics`) with fixed buckets ([`buckets`]),
+//! beside the `process_*` series and `iop_build_info` ([`process`]).
 //!
 //! ```text
 //!  core 0 thread ─record─► Registry (its own, uncontended Mutex) ─┐
@@ -10,7 +11,8 @@
 //!
 //! - [`Histogram`] wraps an HdrHistogram of microseconds: 3 significant
 //!   digits, bounded to [`MAX_TRACKABLE_US`] (one hour; longer values are
-//!   clamped), plus the exact sum for Prometheus `_sum`.
+//!   clamped), plus the fixed Prometheus buckets ([`buckets::Buckets`],
+//!   0.5 ms to 60 s) with the exact sum, filled by the same record.
 //! - [`Registry`] holds the fixed set of histograms ([`Latency`]) and
 //!   counters ([`Count`]) of both binaries; each key belongs to one [`Side`]
 //!   and renderers show one side. The set is closed: no labels, no names
@@ -23,8 +25,8 @@
 //! - [`render_wrk2`] matches wrk2's latency report: the summary percentiles,
 //!   then HdrHistogram's `outputPercentileDistribution` (5 ticks per half
 //!   distance, milliseconds) with the `#[Mean …]`, `#[Max …]`, `#[Buckets …]`
-//!   footer. [`render_prometheus`] writes summaries in base units
-//!   (`iop_<side>_<name>_seconds{quantile=…}`, `_sum`, `_count`) and
+//!   footer. [`render_prometheus`] writes histograms in base units
+//!   (`iop_<side>_<name>_seconds_bucket{le=…}`, `_sum`, `_count`) and
 //!   `_total` counters.
 //! - [`spawn_usr1_dumper`] writes [`render_wrk2`] of [`merged`] to stderr on
 //!   every `SIGUSR1`.
@@ -38,13 +40,15 @@
 use std::fmt;
 use std::time::Duration;
 
+pub mod buckets;
 mod per_core;
+pub mod process;
 mod render;
 
 pub use per_core::{
     add, dump_on_sigusr1, merged, record, record_between, record_since, spawn_usr1_dumper,
 };
-pub use render::{render_prometheus, render_wrk2, PROMETHEUS_QUANTILES, WRK2_PERCENTILES};
+pub use render::{render_prometheus, render_wrk2, WRK2_PERCENTILES};
 
 /// Largest value a histogram tells apart: one hour, in microseconds. Larger
 /// values are recorded as this value.
@@ -86,9 +90,6 @@ pub enum Latency {
     /// Edge: a request's submit to `Control` until its admission answer
     /// (lease won or rejected).
     EdgeQueueWait,
-    /// Edge: admission until the first response body chunk is written to
-    /// the client.
-    EdgeTimeToFirstByte,
     /// Edge: added relay latency per body chunk, from the node frame being
     /// taken off the request's route queue until the client write completes.
     EdgeRelayChunkLatency,
@@ -106,9 +107,8 @@ pub enum Latency {
 
 impl Latency {
     /// Every histogram, in rendering order.
-    pub const ALL: [Latency; 7] = [
+    pub const ALL: [Latency; 6] = [
         Latency::EdgeQueueWait,
-        Latency::EdgeTimeToFirstByte,
         Latency::EdgeRelayChunkLatency,
         Latency::EdgeEndToEnd,
         Latency::NodeProviderTimeToFirstByte,
@@ -119,10 +119,9 @@ impl Latency {
     /// The binary that records it.
     pub fn side(self) -> Side {
         match self {
-            Latency::EdgeQueueWait
-            | Latency::EdgeTimeToFirstByte
-            | Latency::EdgeRelayChunkLatency
-            | Latency::EdgeEndToEnd => Side::Edge,
+            Latency::EdgeQueueWait | Latency::EdgeRelayChunkLatency | Latency::EdgeEndToEnd => {
+                Side::Edge
+            }
             Latency::NodeProviderTimeToFirstByte
             | Latency::NodeRelayChunkLatency
             | Latency::NodeProviderCallDuration => Side::Node,
@@ -134,7 +133,6 @@ impl Latency {
     pub fn name(self) -> &'static str {
         match self {
             Latency::EdgeQueueWait => "queue_wait",
-            Latency::EdgeTimeToFirstByte => "time_to_first_byte",
             Latency::EdgeRelayChunkLatency | Latency::NodeRelayChunkLatency => {
                 "relay_chunk_latency"
             }
@@ -148,9 +146,6 @@ impl Latency {
     pub fn help(self) -> &'static str {
         match self {
             Latency::EdgeQueueWait => "Time from request submit to its admission answer.",
-            Latency::EdgeTimeToFirstByte => {
-                "Time from admission to the first response body chunk written to the client."
-            }
             Latency::EdgeRelayChunkLatency => {
                 "Added relay latency per body chunk: route queue to client write completion."
             }
@@ -355,11 +350,13 @@ pub enum MetricsError {
     Merge(hdrhistogram::AdditionError),
 }
 
-/// A latency histogram in microseconds with an exact sum.
+/// A latency histogram in microseconds with an exact sum, and the same
+/// samples in the fixed Prometheus buckets.
 #[derive(Clone)]
 pub struct Histogram {
     hdr: hdrhistogram::Histogram<u64>,
     sum_us: u64,
+    buckets: buckets::Buckets,
 }
 
 impl Histogram {
@@ -368,7 +365,11 @@ impl Histogram {
         // Constant bounds (checked by a test): this cannot fail.
         let hdr = hdrhistogram::Histogram::new_with_bounds(1, MAX_TRACKABLE_US, SIGNIFICANT_DIGITS)
             .expect("constant histogram bounds are valid");
-        Self { hdr, sum_us: 0 }
+        Self {
+            hdr,
+            sum_us: 0,
+            buckets: buckets::Buckets::default(),
+        }
     }
 
     /// Records one value in microseconds (clamped to [`MAX_TRACKABLE_US`]).
@@ -376,6 +377,7 @@ impl Histogram {
         let value_us = value_us.min(MAX_TRACKABLE_US);
         self.hdr.saturating_record(value_us);
         self.sum_us = self.sum_us.saturating_add(value_us);
+        self.buckets.observe_us(value_us);
     }
 
     /// Records one duration, truncated to whole microseconds.
@@ -387,6 +389,7 @@ impl Histogram {
     pub fn merge(&mut self, other: &Histogram) -> Result<(), MetricsError> {
         self.hdr.add(&other.hdr).map_err(MetricsError::Merge)?;
         self.sum_us = self.sum_us.saturating_add(other.sum_us);
+        self.buckets.merge(&other.buckets);
         Ok(())
     }
 
@@ -408,6 +411,11 @@ impl Histogram {
     /// The value at `quantile` (0.0–1.0), 0 when empty.
     pub fn value_at_quantile_us(&self, quantile: f64) -> u64 {
         self.hdr.value_at_quantile(quantile)
+    }
+
+    /// The samples in the fixed Prometheus buckets.
+    pub fn buckets(&self) -> &buckets::Buckets {
+        &self.buckets
     }
 
     /// The HdrHistogram underneath, for renderers.
@@ -510,15 +518,7 @@ mod tests {
             .filter(|k| k.side() == Side::Edge)
             .map(|k| k.name())
             .collect();
-        assert_eq!(
-            edge,
-            [
-                "queue_wait",
-                "time_to_first_byte",
-                "relay_chunk_latency",
-                "end_to_end"
-            ]
-        );
+        assert_eq!(edge, ["queue_wait", "relay_chunk_latency", "end_to_end"]);
         let node: Vec<&str> = Latency::ALL
             .iter()
             .filter(|k| k.side() == Side::Node)

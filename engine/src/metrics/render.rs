@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 
+use super::buckets::{write_family, write_histogram};
 use super::{Count, Histogram, Latency, Registry, Side, SIGNIFICANT_DIGITS};
 
 /// The summary percentiles of the wrk2 report, in its order.
@@ -12,14 +13,8 @@ pub const WRK2_PERCENTILES: [f64; 8] = [50.0, 75.0, 90.0, 99.0, 99.9, 99.99, 99.
 /// HdrHistogram's `outputPercentileDistribution` default).
 const TICKS_PER_HALF_DISTANCE: u32 = 5;
 
-/// The quantiles of each Prometheus summary.
-pub const PROMETHEUS_QUANTILES: [f64; 5] = [0.5, 0.75, 0.9, 0.99, 0.999];
-
 /// Microseconds per millisecond (the wrk2 report's unit).
 const US_PER_MS: f64 = 1_000.0;
-
-/// Microseconds per second (Prometheus base unit).
-const US_PER_SEC: f64 = 1_000_000.0;
 
 /// The line closing each histogram's section, as wrk2 prints it.
 const SEPARATOR: &str = "----------------------------------------------------------";
@@ -104,31 +99,19 @@ fn write_distribution(out: &mut String, title: &str, h: &Histogram) {
     let _ = writeln!(out, "{SEPARATOR}");
 }
 
-/// Prometheus text 0.0.4 for `side`: each histogram as a summary in seconds
-/// (`iop_<side>_<name>_seconds{quantile="…"}`, `_sum`, `_count`; quantiles
-/// are `NaN` while empty), then each counter as `iop_<side>_<name>_total`.
+/// Prometheus text 0.0.4 for `side`: each histogram with the fixed
+/// buckets in seconds (`iop_<side>_<name>_seconds_bucket{le="…"}`, `_sum`,
+/// `_count`), then each counter as `iop_<side>_<name>_total`.
 pub fn render_prometheus(registry: &Registry, side: Side) -> String {
     let mut out = String::new();
     for key in Latency::ALL.into_iter().filter(|k| k.side() == side) {
-        let h = registry.histogram(key);
         let name = format!("iop_{side}_{}_seconds", key.name());
-        let _ = writeln!(out, "# HELP {name} {}", key.help());
-        let _ = writeln!(out, "# TYPE {name} summary");
-        for quantile in PROMETHEUS_QUANTILES {
-            let value = if h.count() == 0 {
-                f64::NAN
-            } else {
-                h.value_at_quantile_us(quantile) as f64 / US_PER_SEC
-            };
-            let _ = writeln!(out, "{name}{{quantile=\"{quantile}\"}} {value}");
-        }
-        let _ = writeln!(out, "{name}_sum {}", h.sum_us() as f64 / US_PER_SEC);
-        let _ = writeln!(out, "{name}_count {}", h.count());
+        write_family(&mut out, &name, "histogram", key.help());
+        write_histogram(&mut out, &name, "", registry.histogram(key).buckets());
     }
     for key in Count::ALL.into_iter().filter(|k| k.side() == side) {
         let name = format!("iop_{side}_{}_total", key.name());
-        let _ = writeln!(out, "# HELP {name} {}", key.help());
-        let _ = writeln!(out, "# TYPE {name} counter");
+        write_family(&mut out, &name, "counter", key.help());
         let _ = writeln!(out, "{name} {}", registry.counter(key));
     }
     out

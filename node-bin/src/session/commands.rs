@@ -6,6 +6,7 @@
 //! | CAPABILITIES | per adapter instance and target: `adapter_key`, `target`, normalized `provider_status` from the bounded fail-closed exact-target probe, the session's next `health_observation_seq` (W7); `adapter` and `instance_key` are diagnostic |
 //! | TRANSPORT_STATUS | node id, session age, active runs/tunnels, frame counters — no addresses or tokens (X5) |
 //! | PROVIDER_STATUS | per adapter instance: lifecycle, capacity, in-flight (P4), targets |
+//! | METRICS | the Node's Prometheus text ([`crate::metrics`]) and its session gauges |
 //! | OLLAMA_QUERY | read-only `GET` of exactly `/api/tags`, `/api/ps` or `/api/version` on an Ollama adapter; any other path is refused without a provider call |
 //!
 //! The pure helpers build every answer from plain inputs; [`handle`] is the
@@ -26,7 +27,7 @@ pub const OLLAMA_QUERY_PATHS: [&str; 3] = ["/api/tags", "/api/ps", "/api/version
 /// Why a command was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CommandError {
-    /// Not one of the four command types.
+    /// Not one of the five command types.
     #[error("unknown command type {0}")]
     UnknownType(i32),
     /// No adapter instance with that name.
@@ -191,6 +192,19 @@ pub async fn handle(req: pb::NodeCommandRequest, ctx: CommandContext) -> pb::Nod
             })
         }
         Ok(pb::CommandType::OllamaQuery) => ollama_query(&req, &ctx).await,
+        Ok(pb::CommandType::Metrics) => {
+            let mut instances: Vec<Rc<AdapterInstance>> = ctx.adapters.iter().cloned().collect();
+            instances.sort_by(|a, b| a.name.cmp(&b.name));
+            let mut text = crate::metrics::render();
+            text.push_str(&crate::metrics::render_session(
+                &ctx.transport,
+                &provider_lifecycles(&instances),
+            ));
+            Ok(pb::NodeCommandResponse {
+                metrics_text: text,
+                ..ok(&id)
+            })
+        }
         Ok(pb::CommandType::Unspecified) | Err(_) => Err(CommandError::UnknownType(req.r#type)),
     };
     result.unwrap_or_else(|e| refused(&id, &e))
