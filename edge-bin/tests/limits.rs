@@ -190,6 +190,29 @@ async fn over_its_limits_a_key_gets_429_with_rate_headers_before_the_node_sees_i
             "{json}"
         );
 
+        // /metrics: three refusals by a limit; team-a's inference requests
+        // (two answered, three refused) and team-b's one, by principal.
+        let text = String::from_utf8(
+            http_exchange(
+                edge.client_addr,
+                b"GET /metrics HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n".to_vec(),
+            )
+            .await
+            .body,
+        )
+        .unwrap();
+        for line in [
+            "iop_edge_rejections_total{reason=\"rate_limited\"} 3",
+            &format!(
+                "iop_edge_principal_requests_total{{principal=\"team-a\",model=\"{MODEL}\"}} 5"
+            ),
+            &format!(
+                "iop_edge_principal_requests_total{{principal=\"team-b\",model=\"{MODEL}\"}} 1"
+            ),
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line} in:\n{text}");
+        }
+
         // Every lease came back: a refused request never took one (it would
         // still hold it, as nothing on the node side answers it).
         assert_eq!(edge.edge.control().leases().count(), 0);

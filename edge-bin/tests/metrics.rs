@@ -287,7 +287,7 @@ async fn requests_rejections_tokens_and_node_series_are_counted_exactly() {
         assert!(value(&format!(
             "iop_build_info{{version=\"{}\",commit=\"{}\"}}",
             env!("CARGO_PKG_VERSION"),
-            option_env!("IOP_GIT_COMMIT").unwrap_or("unknown")
+            iop_engine::build::COMMIT
         ))
         .eq("1"));
         assert!(text.contains("# TYPE iop_edge_time_to_first_token_seconds histogram\n"));

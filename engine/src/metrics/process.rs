@@ -148,10 +148,9 @@ pub fn parse_max_open_files(text: &str) -> Option<u64> {
 /// The version of this build (the workspace version).
 pub const BUILD_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The commit this build was made from: `IOP_GIT_COMMIT` at compile time,
-/// `unknown` without it. The one place both binaries read it from.
+/// The commit this build was made from ([`crate::build::COMMIT`]).
 pub fn build_commit() -> &'static str {
-    option_env!("IOP_GIT_COMMIT").unwrap_or("unknown")
+    crate::build::COMMIT
 }
 
 /// The build and process series of this process: `iop_build_info` of
