@@ -261,8 +261,6 @@ pub struct Finished<'a> {
     pub duration: Duration,
     /// Tokens of the last usage observation, if the provider reported one.
     pub tokens: Option<(u64, u64)>,
-    /// Its principal slot ([`RequestMetrics::principal_slot`]).
-    pub principal: usize,
 }
 
 /// One shard's cells.
@@ -274,9 +272,6 @@ struct Cells {
     tokens: Box<[AtomicU64]>,
     /// Model slot.
     active_streams: Box<[AtomicI64]>,
-    /// Principal slot × model slot: inference requests; × kind: tokens.
-    principal_requests: Box<[AtomicU64]>,
-    principal_tokens: Box<[AtomicU64]>,
     /// Route × model slot.
     time_to_first_token: Box<[AtomicBuckets]>,
     chunk_interval: Box<[AtomicBuckets]>,
@@ -284,7 +279,7 @@ struct Cells {
 }
 
 impl Cells {
-    fn new(model_slots: usize, principal_slots: usize) -> Self {
+    fn new(model_slots: usize) -> Self {
         let atomics = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
         let histograms = |n: usize| (0..n).map(|_| AtomicBuckets::default()).collect();
         let routes = Route::ALL.len();
@@ -293,8 +288,6 @@ impl Cells {
             rejections: std::array::from_fn(|_| AtomicU64::new(0)),
             tokens: atomics(model_slots * KINDS.len()),
             active_streams: (0..model_slots).map(|_| AtomicI64::new(0)).collect(),
-            principal_requests: atomics(principal_slots * model_slots),
-            principal_tokens: atomics(principal_slots * model_slots * KINDS.len()),
             time_to_first_token: histograms(routes * model_slots),
             chunk_interval: histograms(routes * model_slots),
             duration: histograms(routes * model_slots),
@@ -307,9 +300,6 @@ pub struct RequestMetrics {
     /// Configured model names; slot `models.len()` is `other`, the next
     /// `none`.
     models: Vec<String>,
-    /// Configured principals (and `anonymous`); slot `principals.len()` is
-    /// `other` (one a reload added).
-    principals: Vec<String>,
     shards: Box<[Cells]>,
     /// Configured node ids, and per node the METRICS pulls that got no
     /// answer.
@@ -328,27 +318,13 @@ impl std::fmt::Debug for RequestMetrics {
 }
 
 impl RequestMetrics {
-    /// Cells for `shards` shards (at least one), the configured `models`,
-    /// `principals` (the client keys' names; `anonymous` is added) and
-    /// `nodes`.
-    pub fn new(
-        models: Vec<String>,
-        principals: Vec<String>,
-        nodes: Vec<String>,
-        shards: usize,
-    ) -> Arc<Self> {
+    /// Cells for `shards` shards (at least one), the configured `models`
+    /// and `nodes`.
+    pub fn new(models: Vec<String>, nodes: Vec<String>, shards: usize) -> Arc<Self> {
         let slots = models.len() + 2;
-        let mut principals = principals;
-        principals.push(crate::credentials::ANONYMOUS_PRINCIPAL.to_owned());
-        let mut seen = std::collections::HashSet::new();
-        principals.retain(|p| seen.insert(p.clone()));
-        let principal_slots = principals.len() + 1;
         Arc::new(Self {
             models,
-            principals,
-            shards: (0..shards.max(1))
-                .map(|_| Cells::new(slots, principal_slots))
-                .collect(),
+            shards: (0..shards.max(1)).map(|_| Cells::new(slots)).collect(),
             node_scrape_errors: nodes.iter().map(|_| AtomicU64::new(0)).collect(),
             nodes,
         })
@@ -363,18 +339,6 @@ impl RequestMetrics {
 
     fn slots(&self) -> usize {
         self.models.len() + 2
-    }
-
-    /// The slot of a principal: its configured index, or `other`.
-    pub fn principal_slot(&self, principal: &str) -> usize {
-        self.principals
-            .iter()
-            .position(|p| p == principal)
-            .unwrap_or(self.principals.len())
-    }
-
-    fn principal_name(&self, slot: usize) -> &str {
-        self.principals.get(slot).map_or("other", String::as_str)
     }
 
     /// The slot of the `none` model (no model named).
@@ -416,13 +380,6 @@ impl RequestMetrics {
             cells.tokens[model * 2 + 1].fetch_add(completion, Ordering::Relaxed);
         }
         if done.route.is_inference() {
-            let principal = done.principal.min(self.principals.len());
-            let pm = principal * self.slots() + model;
-            cells.principal_requests[pm].fetch_add(1, Ordering::Relaxed);
-            if let Some((prompt, completion)) = done.tokens {
-                cells.principal_tokens[pm * 2].fetch_add(prompt, Ordering::Relaxed);
-                cells.principal_tokens[pm * 2 + 1].fetch_add(completion, Ordering::Relaxed);
-            }
             if let Some(ttft) = done.time_to_first_byte {
                 cells.time_to_first_token[at].observe(ttft);
             }
@@ -513,47 +470,6 @@ impl RequestMetrics {
                 }
             }
         }
-
-        let name = "iop_edge_principal_requests_total";
-        write_family(
-            &mut out,
-            name,
-            "counter",
-            "Inference requests finished, by principal (client key name) and model.",
-        );
-        let name_tokens = "iop_edge_principal_tokens_total";
-        let mut tokens_text = String::new();
-        write_family(
-            &mut tokens_text,
-            name_tokens,
-            "counter",
-            "Tokens reported by providers' usage observations, by principal, model and kind.",
-        );
-        for principal in 0..=self.principals.len() {
-            for model in 0..slots {
-                let pm = principal * slots + model;
-                let n = sum(&|c| c.principal_requests[pm].load(Ordering::Relaxed));
-                if n == 0 {
-                    continue;
-                }
-                let labels = format!(
-                    "principal=\"{}\",model=\"{}\"",
-                    escape_label_value(self.principal_name(principal)),
-                    label(model)
-                );
-                write_sample(&mut out, name, &labels, n);
-                for (k, kind) in KINDS.iter().enumerate() {
-                    let t = sum(&|c| c.principal_tokens[pm * 2 + k].load(Ordering::Relaxed));
-                    write_sample(
-                        &mut tokens_text,
-                        name_tokens,
-                        &format!("{labels},kind=\"{kind}\""),
-                        t,
-                    );
-                }
-            }
-        }
-        out.push_str(&tokens_text);
 
         let name = "iop_edge_queue_depth";
         write_family(
@@ -676,7 +592,6 @@ mod tests {
             time_to_first_byte: None,
             duration: Duration::from_millis(3),
             tokens: None,
-            principal: 0,
         }
     }
 
@@ -713,15 +628,7 @@ mod tests {
 
     #[test]
     fn render_is_exact_for_a_known_set_of_requests() {
-        let m = RequestMetrics::new(
-            vec!["m1".into(), "m\"2".into()],
-            vec!["team-a".into()],
-            vec!["node-a".into()],
-            2,
-        );
-        assert_eq!(m.principal_slot("team-a"), 0);
-        assert_eq!(m.principal_slot("anonymous"), 1);
-        assert_eq!(m.principal_slot("added-by-reload"), 2);
+        let m = RequestMetrics::new(vec!["m1".into(), "m\"2".into()], vec!["node-a".into()], 2);
         m.node_scrape_failed("node-a");
         m.node_scrape_failed("unknown");
         let m1 = m.model_slot("m1");
@@ -799,13 +706,6 @@ iop_edge_tokens_total{{model=\"m1\",kind=\"prompt\"}} 10
 iop_edge_tokens_total{{model=\"m1\",kind=\"completion\"}} 4
 iop_edge_tokens_total{{model=\"m\\\"2\",kind=\"prompt\"}} 0
 iop_edge_tokens_total{{model=\"m\\\"2\",kind=\"completion\"}} 0
-# HELP iop_edge_principal_requests_total Inference requests finished, by principal (client key name) and model.
-# TYPE iop_edge_principal_requests_total counter
-iop_edge_principal_requests_total{{principal=\"team-a\",model=\"m1\"}} 2
-# HELP iop_edge_principal_tokens_total Tokens reported by providers' usage observations, by principal, model and kind.
-# TYPE iop_edge_principal_tokens_total counter
-iop_edge_principal_tokens_total{{principal=\"team-a\",model=\"m1\",kind=\"prompt\"}} 10
-iop_edge_principal_tokens_total{{principal=\"team-a\",model=\"m1\",kind=\"completion\"}} 4
 # HELP iop_edge_queue_depth Requests waiting for a provider slot now, by model.
 # TYPE iop_edge_queue_depth gauge
 iop_edge_queue_depth{{model=\"m1\"}} 3

@@ -346,10 +346,6 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
 pub fn request_metrics(cfg: &EdgeConfig, shards: usize) -> Arc<RequestMetrics> {
     RequestMetrics::new(
         cfg.models.iter().map(|m| m.name.clone()).collect(),
-        cfg.client_keys
-            .iter()
-            .map(|k| k.principal.clone())
-            .collect(),
         cfg.nodes.iter().map(|n| n.id.clone()).collect(),
         shards,
     )

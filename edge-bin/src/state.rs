@@ -1439,12 +1439,7 @@ mod tests {
             limits: ListenerLimits::default(),
             access_log: AccessLog::off(),
             usage_log: crate::usage::UsageLog::off(),
-            request_metrics: crate::request_metrics::RequestMetrics::new(
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                1,
-            ),
+            request_metrics: crate::request_metrics::RequestMetrics::new(Vec::new(), Vec::new(), 1),
         };
         Edge::new(Control::new(spec), settings)
     }

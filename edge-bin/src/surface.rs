@@ -151,7 +151,6 @@ impl<S> Client<S> {
                     .map(|at| at.saturating_duration_since(read_at)),
                 duration: ended_at.saturating_duration_since(read_at),
                 tokens: self.rec.prompt_tokens.zip(self.rec.completion_tokens),
-                principal: self.metrics.principal_slot(&self.rec.principal),
             },
         );
         let log = &edge.settings.access_log;
