@@ -124,6 +124,9 @@ impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
     /// Writes the access log line of the current request (once).
     fn log_access(&mut self, edge: &Edge) {
         self.release_limits();
+        if self.read_at.is_some() && is_inference_route(&self.rec.path) {
+            crate::ui::count_response(self.conn.exchange().status);
+        }
         let (Some(read_at), log) = (self.read_at.take(), &edge.settings.access_log) else {
             return;
         };
@@ -325,6 +328,11 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     )
                     .await
             }
+            // The status page (crate::ui).
+            ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
+            ("GET", "/ui/events") => {
+                crate::ui::events(&edge, &mut server, caller.authority, peer).await
+            }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
                 let (status, body) = match crate::admin::authorize(caller.authority, peer) {
                     Ok(()) => crate::admin::handle(&edge, p, &body).await,
@@ -358,7 +366,9 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 | "/status"
                 | "/metrics"
                 | "/livez"
-                | "/readyz",
+                | "/readyz"
+                | "/ui"
+                | "/ui/events",
             ) => write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await,
             (_, "/v1/messages" | "/v1/messages/count_tokens") => {
                 let e = ApiError::method_not_allowed(method, &path);
@@ -400,7 +410,7 @@ fn write_stalled(edge: &Edge, method: &str, path: &str) {
 }
 
 /// The principal of a request to `path`: open routes (`/livez`, `/readyz`,
-/// `/metrics`) need no key; the others need a configured client key when
+/// `/metrics`, the `/ui` page) need no key; the others need a configured client key when
 /// there are any. The error carries the shape to answer in (Anthropic on
 /// `/v1/messages*`, which also accept `x-api-key`).
 fn authenticate(
@@ -408,7 +418,8 @@ fn authenticate(
     path: &str,
     headers: &[iop_engine::http::Header],
 ) -> Result<Caller, (Surface, ApiError)> {
-    if matches!(path, "/livez" | "/readyz" | "/metrics") {
+    // `/ui` is the status page: it holds no data and asks for a key.
+    if matches!(path, "/livez" | "/readyz" | "/metrics" | "/ui") {
         return Ok(edge.settings.client_keys.anonymous());
     }
     let anthropic = path.starts_with(MESSAGES.path);
