@@ -8,7 +8,7 @@
 //! event's [`Sample`].
 //!
 //! ```text
-//!  viewer ─GET /ui/events─► slot (≤ VIEWERS_MAX, else 503)
+//!  viewer ─GET /ui/events─► slot (this core's share of VIEWERS_MAX, else 503)
 //!     ▲                      │ every EVENT_INTERVAL, while it reads:
 //!     │                      ▼
 //!     └── data: {json} ◄── event_json(Snapshot{with_control, merged()}, previous Sample)
@@ -27,9 +27,11 @@
 //! itself holds no data and is served to anyone. Without keys both answer
 //! loopback peers only ([`crate::admin::authorize_route`]).
 
+use std::cell::Cell;
+use std::marker::PhantomData;
 use std::net::IpAddr;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -51,19 +53,28 @@ pub const PAGE_HTML: &str = include_str!("ui/page.html");
 /// Time between two events of one viewer.
 pub const EVENT_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Most viewers streaming events at once, over every core (503 beyond).
+/// Most viewers streaming events at once over every core (503 beyond):
+/// each core takes its share ([`viewers_per_core`]).
 pub const VIEWERS_MAX: usize = 16;
 
 /// The send buffer asked for on a viewer's socket: a few events.
-pub const VIEWER_SEND_BUFFER_BYTES: usize = 16 * 1024;
+pub const VIEWER_SEND_BUFFER_BYTES: usize = 4 * 1024;
 
 /// Inference responses finished, by class (see [`count_response`]).
 static RESPONSES_OK: AtomicU64 = AtomicU64::new(0);
 static RESPONSES_REJECTED: AtomicU64 = AtomicU64::new(0);
 static RESPONSES_FAILED: AtomicU64 = AtomicU64::new(0);
 
-/// Viewers streaming now, over every core.
-static VIEWERS: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// Viewers streaming now on this core (a shard is one thread).
+    static VIEWERS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The viewers one core of `cores` streams to at most: an even share of
+/// [`VIEWERS_MAX`], at least one.
+pub fn viewers_per_core(cores: usize) -> usize {
+    (VIEWERS_MAX / cores.max(1)).max(1)
+}
 
 /// Counts one finished inference response by its status: below 400 it
 /// answered, 4xx was refused (the caller's fault or a limit: 401, 429…),
@@ -265,30 +276,31 @@ pub fn event_json(snapshot: &Snapshot, previous: Option<&Sample>) -> Value {
     })
 }
 
-/// A viewer's claim on one of the [`VIEWERS_MAX`] slots, given back on drop.
+/// A viewer's claim on one of this core's viewer slots, given back on drop
+/// (on this core: it is not `Send`).
 #[derive(Debug)]
-pub struct ViewerSlot(());
+pub struct ViewerSlot(PhantomData<Rc<()>>);
 
 impl ViewerSlot {
-    /// A free slot, if there is one.
-    pub fn acquire() -> Option<Self> {
-        VIEWERS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < VIEWERS_MAX).then_some(n + 1)
+    /// A slot of this core, if fewer than `limit` are taken.
+    pub fn acquire(limit: usize) -> Option<Self> {
+        VIEWERS.with(|n| {
+            (n.get() < limit).then(|| {
+                n.set(n.get() + 1);
+                Self(PhantomData)
             })
-            .ok()
-            .map(|_| Self(()))
+        })
     }
 
-    /// Viewers streaming now.
+    /// Viewers streaming now on this core.
     pub fn in_use() -> usize {
-        VIEWERS.load(Ordering::Acquire)
+        VIEWERS.with(Cell::get)
     }
 }
 
 impl Drop for ViewerSlot {
     fn drop(&mut self) {
-        VIEWERS.fetch_sub(1, Ordering::AcqRel);
+        VIEWERS.with(|n| n.set(n.get().saturating_sub(1)));
     }
 }
 
@@ -382,13 +394,14 @@ pub async fn events(
     if let Err(refused) = crate::admin::authorize_route(authority, peer, "/ui/events") {
         return write_json(server, refused).await;
     }
-    let Some(_slot) = ViewerSlot::acquire() else {
+    let limit = viewers_per_core(edge.shard_count());
+    let Some(_slot) = ViewerSlot::acquire(limit) else {
         return write_json(
             server,
             refusal(
                 503,
                 "too_many_viewers",
-                &format!("at most {VIEWERS_MAX} status page viewers at once"),
+                &format!("at most {limit} status page viewers at once on this core"),
             ),
         )
         .await;
@@ -497,11 +510,17 @@ mod tests {
 
     #[test]
     fn viewer_slots_are_bounded() {
-        let slots: Vec<ViewerSlot> = std::iter::from_fn(ViewerSlot::acquire).collect();
-        assert_eq!(slots.len(), VIEWERS_MAX);
-        assert!(ViewerSlot::acquire().is_none(), "full");
+        assert_eq!(viewers_per_core(1), 16);
+        assert_eq!(viewers_per_core(4), 4);
+        assert_eq!(viewers_per_core(0), 16, "no cores is read as one");
+        assert_eq!(viewers_per_core(64), 1, "at least one");
+        let slots: Vec<ViewerSlot> = std::iter::from_fn(|| ViewerSlot::acquire(3)).collect();
+        assert_eq!(slots.len(), 3);
+        assert_eq!(ViewerSlot::in_use(), 3);
+        assert!(ViewerSlot::acquire(3).is_none(), "full");
         drop(slots);
-        assert!(ViewerSlot::acquire().is_some(), "given back");
+        assert_eq!(ViewerSlot::in_use(), 0, "given back");
+        assert!(ViewerSlot::acquire(3).is_some());
     }
 
     #[test]
