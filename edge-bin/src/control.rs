@@ -1643,6 +1643,7 @@ impl Control {
         };
         self.nodes[n].owner = None;
         self.nodes[n].offline_since = self.now;
+        self.nodes[n].version.clear();
         if owner.state == OwnerState::Ready {
             self.fence(n, owner, out);
         }
