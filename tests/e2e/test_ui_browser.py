@@ -4,7 +4,9 @@ and `chromium-driver`, driven by Selenium) opens `GET /ui` on a running Edge.
 The page loads with no console errors, shows the node and its provider,
 follows the node going away (its process stopped) and coming back (started
 again) within a few seconds, and shows a request count that grows while
-requests run. A screenshot is saved to target/e2e-artifacts/ui.png.
+requests run. A screenshot is saved to target/e2e-artifacts/ui.png. With
+client keys the page asks for a key, shows why a key without the admin
+scope is refused, and keeps an admin key in the tab's sessionStorage.
 
 scripts/e2e.sh installs chromium when it runs as root with apt; elsewhere,
 without the browser, this test skips and says why (CI=true: it fails).
@@ -133,3 +135,36 @@ def test_the_status_page_in_headless_chromium(browser):
         assert browser.save_screenshot(str(ARTIFACTS / "ui.png"))
         assert _console_errors(browser) == []
         assert time.monotonic() - started < 60, "the browser test should take seconds"
+
+
+ADMIN_KEY = "sk-e2e-ui-admin-6f2d90b1c4e7a358"
+USER_KEY = "sk-e2e-ui-user-0c7e51a9d3b2f846"
+
+
+def test_the_page_asks_for_an_admin_key_and_keeps_it_for_the_tab(browser):
+    from selenium.webdriver.common.by import By
+
+    keys = {"ops": {"key": ADMIN_KEY, "scopes": ["admin"]}, "app": USER_KEY}
+    with Cluster(client_keys=keys) as c:
+        browser.get(c.base_url + "/ui")
+        form = browser.find_element(By.ID, "key-form")
+        wait_until(form.is_displayed, timeout_s=SEEN_WITHIN_S, what="the key form")
+        assert _text(browser, "#conn") == "key needed"
+        # A key without the admin scope is refused with the Edge's reason.
+        browser.find_element(By.ID, "key").send_keys(USER_KEY)
+        form.submit()
+        refusal = ('this API key may not use /ui/events: give it scopes = ["admin"] in '
+                   '[[client_keys]]')
+        wait_until(lambda: _text(browser, "#key-reason") == refusal, timeout_s=SEEN_WITHIN_S,
+                   what="the scope refusal shown")
+        assert browser.execute_script("return sessionStorage.getItem('iop-edge-ui-key')") is None
+        browser.find_element(By.ID, "key").send_keys(ADMIN_KEY)
+        form.submit()
+        wait_until(lambda: _node_phase(browser, "node-a") == "ready", timeout_s=SEEN_WITHIN_S,
+                   what="node-a shown with the admin key")
+        assert not form.is_displayed()
+        assert browser.execute_script("return sessionStorage.getItem('iop-edge-ui-key')") == ADMIN_KEY
+        # The tab keeps it: a reload goes live without asking.
+        browser.refresh()
+        wait_until(lambda: _text(browser, "#conn") == "live", timeout_s=SEEN_WITHIN_S, what="live after reload")
+        assert not browser.find_element(By.ID, "key-form").is_displayed()
