@@ -18,6 +18,18 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   echo "$want" > "$stamp"
 fi
 
+# The status page's browser test (tests/e2e/test_ui_browser.py) drives
+# Debian's chromium through chromium-driver; install them where we may.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "e2e: installing chromium and chromium-driver for the browser test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium chromium-driver >/dev/null; } || echo "e2e: warning: could not install chromium" >&2
+  else
+    echo "e2e: chromium or chromedriver missing and not root with apt: the browser test will skip"
+  fi
+fi
+
 cargo build --workspace --bins --quiet
 export IOP_BIN_DIR="${IOP_BIN_DIR:-$PWD/target/debug}"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e "$@"

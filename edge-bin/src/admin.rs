@@ -118,18 +118,30 @@ fn error(status: u16, code: &str, message: &str) -> (u16, Bytes) {
 /// Whether a request let in as `authority` from `peer` may use the admin
 /// routes; the refusal is the status and JSON body to answer with.
 pub fn authorize(authority: Authority, peer: Option<IpAddr>) -> Result<(), (u16, Bytes)> {
+    authorize_route(authority, peer, "/admin")
+}
+
+/// [`authorize`] for any admin-only route (`/admin`, the status page's
+/// `/ui/events`); `route` names it in the refusal.
+pub fn authorize_route(
+    authority: Authority,
+    peer: Option<IpAddr>,
+    route: &str,
+) -> Result<(), (u16, Bytes)> {
     match authority {
         Authority::Key { admin: true } => Ok(()),
         Authority::Key { admin: false } => Err(error(
             403,
             "admin_scope_required",
-            "this API key may not use /admin: give it scopes = [\"admin\"] in [[client_keys]]",
+            &format!(
+                "this API key may not use {route}: give it scopes = [\"admin\"] in [[client_keys]]"
+            ),
         )),
         Authority::Anonymous if peer.is_some_and(|ip| ip.to_canonical().is_loopback()) => Ok(()),
         Authority::Anonymous => Err(error(
             403,
             "admin_loopback_only",
-            "without [[client_keys]] /admin answers loopback clients only",
+            &format!("without [[client_keys]] {route} answers loopback clients only"),
         )),
     }
 }

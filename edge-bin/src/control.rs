@@ -44,6 +44,54 @@ use iop_wire::pb;
 
 use crate::outlier::{Ejection, OutlierPolicy, OutlierState, Readmission};
 
+/// Longest node version string kept ([`Input::NodeVersion`]), in chars.
+pub const NODE_VERSION_CHARS_MAX: usize = 64;
+
+/// Where a node's owner is in registration (R1–R3), for the status page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodePhase {
+    /// No connection owns it.
+    Offline,
+    /// Registered, not dispatch-ready yet.
+    Registered,
+    /// Dispatch-ready.
+    Ready,
+}
+
+/// One configured node as the status page shows it ([`Control::node_views`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeView {
+    /// Node id.
+    pub node_id: String,
+    /// Its owner's phase.
+    pub phase: NodePhase,
+    /// The owner's generation, while it has one.
+    pub generation: Option<Generation>,
+    /// The version its owner reported (empty: none, or offline).
+    pub version: String,
+    /// When the generation started (registration accepted).
+    pub registered_at: Option<Instant>,
+    /// When it became dispatch-ready.
+    pub ready_at: Option<Instant>,
+    /// When its last owner went away, while offline (`None`: never seen).
+    pub offline_since: Option<Instant>,
+}
+
+/// One model's pool as the status page shows it ([`Control::model_views`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelView {
+    /// External model name.
+    pub model: String,
+    /// Providers in its pool.
+    pub providers: usize,
+    /// Of those, the ones that are a candidate with a free slot now.
+    pub candidates: usize,
+    /// Requests waiting for a lease.
+    pub queued: usize,
+    /// Its `max_queue`.
+    pub max_queue: u32,
+}
+
 /// Shell-assigned identity of one accepted node connection, unique for the
 /// life of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -428,6 +476,14 @@ pub enum Input {
         /// The node id it names.
         node_id: String,
     },
+    /// The software version `conn` reported in its `RegisterRequest`
+    /// (diagnostic only; after its `Register`).
+    NodeVersion {
+        /// The connection.
+        conn: ConnId,
+        /// `RegisterRequest.node_version`.
+        version: String,
+    },
     /// `conn` closed, failed, or timed out its heartbeat (F1, F2).
     Closed {
         /// The connection.
@@ -746,6 +802,10 @@ struct Owner {
     conn: ConnId,
     generation: Generation,
     state: OwnerState,
+    /// When its registration was accepted (the generation's start).
+    registered_at: Option<Instant>,
+    /// When it became dispatch-ready.
+    ready_at: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -755,6 +815,10 @@ struct NodeEntry {
     /// Its providers: a contiguous run of `Control::providers`, which is
     /// in `ProviderKey` (node id first) order.
     providers: Range<usize>,
+    /// The software version its current owner reported (diagnostic).
+    version: String,
+    /// When its last owner's connection closed, while it has none.
+    offline_since: Option<Instant>,
 }
 
 impl NodeEntry {
@@ -1081,6 +1145,8 @@ impl Control {
                 spec: node,
                 owner: None,
                 providers: first..providers.len(),
+                version: String::new(),
+                offline_since: None,
             });
         }
         let node_index = nodes
@@ -1186,6 +1252,7 @@ impl Control {
             } => self.on_register(conn, &tls_name, &node_id, out),
             Input::Ready { conn, node_id } => self.on_ready(conn, &node_id, out),
             Input::Closed { conn } => self.on_closed(conn, out),
+            Input::NodeVersion { conn, version } => self.on_node_version(conn, version),
             Input::Submit {
                 request,
                 model,
@@ -1474,7 +1541,11 @@ impl Control {
             conn,
             generation,
             state: OwnerState::Pending,
+            registered_at: self.now,
+            ready_at: None,
         });
+        node.version.clear();
+        node.offline_since = None;
         let config = node.spec.config.clone();
         self.bindings.insert(conn, n);
         out.push(Action::RegisterResponse {
@@ -1530,6 +1601,7 @@ impl Control {
             return;
         }
         owner.state = OwnerState::Ready;
+        owner.ready_at = self.now;
         // F3, H5: the new generation's resources start with configured
         // capacity and without the old overlay. An ejection outlives the
         // connection (it is about the provider server, and ends by time);
@@ -1548,6 +1620,17 @@ impl Control {
         self.pump(out);
     }
 
+    fn on_node_version(&mut self, conn: ConnId, version: String) {
+        let Some(&n) = self.bindings.get(&conn) else {
+            return;
+        };
+        let node = &mut self.nodes[n];
+        if node.owner.is_some_and(|o| o.conn == conn) {
+            // Bounded: a diagnostic string, not a payload.
+            node.version = version.chars().take(NODE_VERSION_CHARS_MAX).collect();
+        }
+    }
+
     fn on_closed(&mut self, conn: ConnId, out: &mut Vec<Action>) {
         self.closing.remove(&conn);
         let Some(n) = self.bindings.remove(&conn) else {
@@ -1559,6 +1642,8 @@ impl Control {
             _ => return,
         };
         self.nodes[n].owner = None;
+        self.nodes[n].offline_since = self.now;
+        self.nodes[n].version.clear();
         if owner.state == OwnerState::Ready {
             self.fence(n, owner, out);
         }
@@ -2600,6 +2685,48 @@ impl Control {
                     s.long_queued = u32::try_from(long_queued).unwrap_or(u32::MAX);
                 }
                 s
+            })
+            .collect()
+    }
+
+    /// Every configured node, in id order, for the status page.
+    pub fn node_views(&self) -> Vec<NodeView> {
+        self.nodes
+            .iter()
+            .map(|n| NodeView {
+                node_id: n.spec.id.clone(),
+                phase: match n.owner.map(|o| o.state) {
+                    None => NodePhase::Offline,
+                    Some(OwnerState::Pending) => NodePhase::Registered,
+                    Some(OwnerState::Ready) => NodePhase::Ready,
+                },
+                generation: n.owner.map(|o| o.generation),
+                version: n.version.clone(),
+                registered_at: n.owner.and_then(|o| o.registered_at),
+                ready_at: n.owner.and_then(|o| o.ready_at),
+                offline_since: n.offline_since,
+            })
+            .collect()
+    }
+
+    /// Every configured model, in configured order, for the status page.
+    pub fn model_views(&self) -> Vec<ModelView> {
+        self.models
+            .iter()
+            .enumerate()
+            .map(|(m, model)| {
+                let candidates: BTreeSet<usize> = model
+                    .lanes
+                    .iter()
+                    .flat_map(|&lane| self.lanes[lane].free.iter().map(|c| c.provider))
+                    .collect();
+                ModelView {
+                    model: model.spec.name.clone(),
+                    providers: model.spec.providers.len(),
+                    candidates: candidates.len(),
+                    queued: self.queued_count(m),
+                    max_queue: model.spec.max_queue,
+                }
             })
             .collect()
     }

@@ -18,8 +18,8 @@
 //! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
 //! Control on shard 0, mailboxes between shards), [`credentials`] (client
 //! keys and credential leases, C1–C5), [`attempt`] (the commit point of an
-//! attempt, shared by the node and client shells) and [`outlier`] (passive
-//! health of one provider).
+//! attempt, shared by the node and client shells), [`outlier`] (passive
+//! health of one provider) and [`ui`] (the `/ui` status page).
 
 pub mod access;
 pub mod admin;
@@ -41,4 +41,5 @@ pub mod state;
 pub mod status;
 pub mod surface;
 pub mod translate;
+pub mod ui;
 pub mod usage;

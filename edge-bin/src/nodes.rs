@@ -142,6 +142,10 @@ fn handle_frame(
                 tls_name,
                 node_id: req.node_id,
             });
+            edge.apply(Input::NodeVersion {
+                conn: conn_id,
+                version: req.node_version,
+            });
         }
         Body::NodeReadyRequest(req) => edge.apply(Input::Ready {
             conn: conn_id,

@@ -387,6 +387,18 @@ impl RequestMetrics {
         }
     }
 
+    /// Every inference request's time to first token so far, over every
+    /// shard, route and model (the status page's percentiles).
+    pub fn time_to_first_token(&self) -> Buckets {
+        let mut total = Buckets::default();
+        for cells in self.shards.iter() {
+            for cell in cells.time_to_first_token.iter() {
+                cell.add_to(&mut total);
+            }
+        }
+        total
+    }
+
     /// Records the gap between two consecutive body chunks written to a
     /// client of `route` and `model` on `shard`.
     pub fn chunk_interval(&self, shard: usize, route: Route, model: usize, gap: Duration) {

@@ -137,6 +137,9 @@ impl<S> Client<S> {
         let Some(read_at) = self.read_at.take() else {
             return;
         };
+        if is_inference_route(&self.rec.path) {
+            crate::ui::count_response(self.conn.exchange().status);
+        }
         let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
         self.active = None;
         self.metrics.finish(
@@ -418,6 +421,11 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                     )
                     .await
             }
+            // The status page (crate::ui).
+            ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
+            ("GET", "/ui/events") => {
+                crate::ui::events(&edge, &mut server, caller.authority, peer).await
+            }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
                 let (status, body) = match crate::admin::authorize(caller.authority, peer) {
                     Ok(()) => crate::admin::handle(&edge, p, &body).await,
@@ -451,7 +459,9 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
                 | "/status"
                 | "/metrics"
                 | "/livez"
-                | "/readyz",
+                | "/readyz"
+                | "/ui"
+                | "/ui/events",
             ) => write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await,
             (_, "/v1/messages" | "/v1/messages/count_tokens") => {
                 let e = ApiError::method_not_allowed(method, &path);
@@ -493,7 +503,7 @@ fn write_stalled(edge: &Edge, method: &str, path: &str) {
 }
 
 /// The principal of a request to `path`: open routes (`/livez`, `/readyz`,
-/// `/metrics`) need no key; the others need a configured client key when
+/// `/metrics`, the `/ui` page) need no key; the others need a configured client key when
 /// there are any. The error carries the shape to answer in (Anthropic on
 /// `/v1/messages*`, which also accept `x-api-key`).
 fn authenticate(
@@ -501,7 +511,8 @@ fn authenticate(
     path: &str,
     headers: &[iop_engine::http::Header],
 ) -> Result<Caller, (Surface, ApiError)> {
-    if matches!(path, "/livez" | "/readyz" | "/metrics") {
+    // `/ui` is the status page: it holds no data and asks for a key.
+    if matches!(path, "/livez" | "/readyz" | "/metrics" | "/ui") {
         return Ok(edge.settings.client_keys.anonymous());
     }
     let anthropic = path.starts_with(MESSAGES.path);

@@ -2118,6 +2118,10 @@ impl<'w> Sim<'w> {
                     }
                 }
             }
+            Input::NodeVersion { .. } => {
+                // Diagnostic only: no dispatch state changes, no action.
+                ex.unchanged = true;
+            }
             Input::Closed { conn } => {
                 let conn = *conn;
                 self.sh.live.retain(|&c| c != conn);

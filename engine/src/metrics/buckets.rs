@@ -75,6 +75,25 @@ impl Buckets {
         self.counts.iter().fold(0u64, |a, &c| a.saturating_add(c))
     }
 
+    /// The upper bound (µs) of the bucket holding the `q` quantile (0 when
+    /// empty; the last finite bound for the overflow bucket): an estimate
+    /// no finer than the buckets, as Prometheus' `histogram_quantile` is.
+    pub fn quantile_bound_us(&self, q: f64) -> u64 {
+        let count = self.count();
+        if count == 0 {
+            return 0;
+        }
+        let rank = ((q.clamp(0.0, 1.0) * count as f64).ceil() as u64).max(1);
+        let mut seen = 0u64;
+        for (i, &c) in self.counts.iter().enumerate() {
+            seen = seen.saturating_add(c);
+            if seen >= rank {
+                return LATENCY_BOUNDS_US[i.min(LATENCY_BOUNDS_US.len() - 1)];
+            }
+        }
+        LATENCY_BOUNDS_US[LATENCY_BOUNDS_US.len() - 1]
+    }
+
     /// Sum of the observations, in microseconds.
     pub fn sum_us(&self) -> u64 {
         self.sum_us
@@ -182,6 +201,24 @@ fn escape_help(help: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quantiles_are_bucket_bounds() {
+        let mut b = Buckets::default();
+        assert_eq!(b.quantile_bound_us(0.5), 0);
+        for _ in 0..90 {
+            b.observe_us(700); // the 1 ms bucket
+        }
+        for _ in 0..10 {
+            b.observe_us(70_000); // the 100 ms bucket
+        }
+        assert_eq!(b.quantile_bound_us(0.5), 1_000);
+        assert_eq!(b.quantile_bound_us(0.9), 1_000);
+        assert_eq!(b.quantile_bound_us(0.91), 100_000);
+        assert_eq!(b.quantile_bound_us(1.0), 100_000);
+        b.observe_us(u64::MAX / 4); // past the last bound
+        assert_eq!(b.quantile_bound_us(1.0), 60_000_000);
+    }
 
     #[test]
     fn values_fall_in_the_first_bucket_whose_bound_is_at_least_them() {

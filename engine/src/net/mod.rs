@@ -1,7 +1,8 @@
 //! Socket guards shared by every listener and connection: a per-connection
 //! [`Deadline`] that cuts a stalled peer off without cancelling a read, a
 //! [`Gate`] that caps connections in progress by not accepting more, and a
-//! [`LogThrottle`] that keeps a flood of failing peers out of the logs.
+//! [`LogThrottle`] that keeps a flood of failing peers out of the logs, and
+//! [`set_send_buffer_bytes`] for a connection whose backlog must stay small.
 //!
 //! ```text
 //! accept loop:  gate.enter().await ─► accept() ─► spawn(conn(permit, socket))
@@ -15,10 +16,12 @@
 //! Pure cores ([`DeadlineCore`], [`LogThrottle`]) take `now` as an input and
 //! are tested with a manual clock; the shells only sleep and shut sockets.
 
+mod buffers;
 mod deadline;
 mod gate;
 mod throttle;
 
+pub use buffers::set_send_buffer_bytes;
 pub use deadline::{Deadline, DeadlineCore, DeadlineStep, Wait};
 pub use gate::{Gate, Permit};
 pub use throttle::LogThrottle;
