@@ -19,23 +19,6 @@ use monoio::net::TcpStream;
 const KEY_A: &str = "sk-limits-a-2b6e01f4c9d3";
 const KEY_B: &str = "sk-limits-b-7c3a58e0d1f6";
 
-fn edge_toml_with(pki: &Pki, keys: &[(&str, &str, &str)]) -> String {
-    let extra: String = keys
-        .iter()
-        .map(|(principal, key, extra)| {
-            format!(
-                "[[client_keys]]\nprincipal = \"{principal}\"\nkey_hash = \"{}\"\n{extra}\n\n",
-                blake3::hash(key.as_bytes()).to_hex()
-            )
-        })
-        .collect();
-    let options = EdgeOptions {
-        extra_toml: extra,
-        ..EdgeOptions::without_provider()
-    };
-    edge_toml(pki, &options)
-}
-
 fn request(path: &str, key: &str, body: &str) -> Vec<u8> {
     let mut request = format!(
         "POST {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
@@ -89,7 +72,7 @@ fn retry_after(r: &HttpResponse) -> u64 {
 async fn over_its_limits_a_key_gets_429_with_rate_headers_before_the_node_sees_it() {
     guarded(async {
         let pki = Pki::mint("limits-rate");
-        let text = edge_toml_with(
+        let text = edge_toml_with_client_keys(
             &pki,
             &[
                 (
@@ -217,7 +200,7 @@ async fn over_its_limits_a_key_gets_429_with_rate_headers_before_the_node_sees_i
 async fn a_key_limited_to_some_models_gets_403_for_others_and_lists_only_its_own() {
     guarded(async {
         let pki = Pki::mint("limits-models");
-        let text = edge_toml_with(
+        let text = edge_toml_with_client_keys(
             &pki,
             &[
                 ("team-a", KEY_A, &format!("models = [\"{MODEL_B}\"]")),

@@ -26,20 +26,15 @@ const KEY_B: &str = "sk-reload-b-0a4e7c19d25f";
 
 /// The test Edge's config with these `(principal, key, scopes)` client keys.
 fn edge_toml_with_keys(pki: &Pki, keys: &[(&str, &str, &str)]) -> String {
-    let extra: String = keys
+    let scoped: Vec<(&str, &str, String)> = keys
         .iter()
-        .map(|(principal, key, scopes)| {
-            format!(
-                "[[client_keys]]\nprincipal = \"{principal}\"\nkey_hash = \"{}\"\nscopes = [{scopes}]\n\n",
-                blake3::hash(key.as_bytes()).to_hex()
-            )
-        })
+        .map(|&(principal, key, scopes)| (principal, key, format!("scopes = [{scopes}]")))
         .collect();
-    let options = EdgeOptions {
-        extra_toml: extra,
-        ..EdgeOptions::without_provider()
-    };
-    edge_toml(pki, &options)
+    let keys: Vec<(&str, &str, &str)> = scoped
+        .iter()
+        .map(|(principal, key, scopes)| (*principal, *key, scopes.as_str()))
+        .collect();
+    edge_toml_with_client_keys(pki, &keys)
 }
 
 /// A chat request for [`MODEL`] with `key`; `close` asks for

@@ -942,3 +942,22 @@ pub async fn read_until(client: &mut TcpStream, seen: &mut Vec<u8>, needle: &[u8
         seen.extend_from_slice(&buf);
     }
 }
+
+/// The test Edge's config ([`EdgeOptions::without_provider`]) with these
+/// `(principal, key, extra lines)` client keys.
+pub fn edge_toml_with_client_keys(pki: &Pki, keys: &[(&str, &str, &str)]) -> String {
+    let extra: String = keys
+        .iter()
+        .map(|(principal, key, extra)| {
+            format!(
+                "[[client_keys]]\nprincipal = \"{principal}\"\nkey_hash = \"{}\"\n{extra}\n\n",
+                blake3::hash(key.as_bytes()).to_hex()
+            )
+        })
+        .collect();
+    let options = EdgeOptions {
+        extra_toml: extra,
+        ..EdgeOptions::without_provider()
+    };
+    edge_toml(pki, &options)
+}
