@@ -30,7 +30,7 @@ use iop_engine::conn::{ConnConfig, ConnEvent};
 use iop_wire::flow::{self, SendWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::io::AsyncWriteRentExt;
 use monoio::net::TcpStream;
 
 /// The window the Edge grants each run in these tests.
@@ -452,16 +452,7 @@ async fn a_client_that_stops_reading_is_reset_at_the_write_stall_timeout() {
             assert_eq!(runs, [&log.cancels[0].0], "the stuck run, and only it");
             assert!(log.finished.is_empty(), "the big answer was never finished");
         }
-        let mut read = 0usize;
-        let end = loop {
-            let (res, buf) = stuck.read(Vec::with_capacity(64 * 1024)).await;
-            match res {
-                Ok(0) => break Ok(()),
-                Ok(n) => read += n,
-                Err(e) => break Err(e.kind()),
-            }
-            drop(buf);
-        };
+        let (end, read) = read_to_end(&mut stuck).await;
         assert_eq!(
             end,
             Err(std::io::ErrorKind::ConnectionReset),

@@ -13,8 +13,6 @@
 mod common;
 
 use common::*;
-use monoio::io::AsyncWriteRentExt;
-use monoio::net::TcpStream;
 
 const KEY_A: &str = "sk-limits-a-2b6e01f4c9d3";
 const KEY_B: &str = "sk-limits-b-7c3a58e0d1f6";
@@ -87,14 +85,8 @@ async fn over_its_limits_a_key_gets_429_with_rate_headers_before_the_node_sees_i
         let mut node = ready_node(&edge, &pki, "node-a").await;
 
         // Request 1 streams and stays in flight: it holds team-a's one slot.
-        let mut client = TcpStream::connect(edge.client_addr).await.unwrap();
-        let (res, _) = client.write_all(chat(KEY_A, MODEL, true)).await;
-        res.unwrap();
-        let run = next_tunnel(&mut node).await.run_id;
-        tunnel_response_start(&node, &run, b"text/event-stream").await;
-        tunnel_body(&node, &run, 2, b"data: {\"n\":1}\n\n").await;
-        let mut seen = Vec::new();
-        read_until(&mut client, &mut seen, b"data: {\"n\":1}").await;
+        let (mut client, run, mut seen) =
+            stream_in_flight(edge.client_addr, &mut node, chat(KEY_A, MODEL, true)).await;
 
         // Request 2 while it is in flight: the concurrency limit.
         let busy = http_exchange(edge.client_addr, chat(KEY_A, MODEL, false)).await;

@@ -19,7 +19,6 @@ use edge_bin::config::EdgeConfig;
 use edge_bin::credentials::KeysChange;
 use edge_bin::server;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
-use monoio::net::TcpStream;
 
 const KEY_A: &str = "sk-reload-a-6f1d93c2e8b7";
 const KEY_B: &str = "sk-reload-b-0a4e7c19d25f";
@@ -92,14 +91,12 @@ async fn a_key_revoked_by_reload_gets_401_next_while_its_stream_finishes() {
         let mut node = ready_node(&edge, &pki, "node-a").await;
 
         // A stream under KEY_A, in flight: its head and first event are out.
-        let mut client = TcpStream::connect(edge.client_addr).await.unwrap();
-        let (res, _) = client.write_all(chat_request(KEY_A, true, false)).await;
-        res.unwrap();
-        let run = next_tunnel(&mut node).await.run_id;
-        tunnel_response_start(&node, &run, b"text/event-stream").await;
-        tunnel_body(&node, &run, 2, b"data: {\"n\":1}\n\n").await;
-        let mut seen = Vec::new();
-        read_until(&mut client, &mut seen, b"data: {\"n\":1}").await;
+        let (mut client, run, mut seen) = stream_in_flight(
+            edge.client_addr,
+            &mut node,
+            chat_request(KEY_A, true, false),
+        )
+        .await;
 
         // SIGHUP: team-a revoked, team-b added.
         std::fs::write(&path, edge_toml_with_keys(&pki, &[("team-b", KEY_B, "")])).unwrap();

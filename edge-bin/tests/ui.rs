@@ -302,16 +302,7 @@ fn a_viewer_that_never_reads_is_reset_and_the_edge_keeps_serving() {
                 break;
             }
         }
-        let mut read = 0usize;
-        let end = loop {
-            let (res, buf) = stuck.read(Vec::with_capacity(64 * 1024)).await;
-            match res {
-                Ok(0) => break Ok(()),
-                Ok(n) => read += n,
-                Err(e) => break Err(e.kind()),
-            }
-            drop(buf);
-        };
+        let (end, read) = read_to_end(&mut stuck).await;
         assert_eq!(
             end,
             Err(std::io::ErrorKind::ConnectionReset),

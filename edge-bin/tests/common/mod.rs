@@ -961,3 +961,47 @@ pub fn edge_toml_with_client_keys(pki: &Pki, keys: &[(&str, &str, &str)]) -> Str
     };
     edge_toml(pki, &options)
 }
+
+/// The first event of [`stream_in_flight`]'s stream.
+pub const FIRST_EVENT: &[u8] = b"data: {\"n\":1}\n\n";
+
+/// Sends `request` (a streamed chat request) on a new connection to
+/// `client_addr`, answers its tunnel on `node` with an event-stream head
+/// and [`FIRST_EVENT`], and reads until the client has that event: a
+/// stream in flight. Returns the connection, the run id and what the
+/// client read so far.
+pub async fn stream_in_flight(
+    client_addr: SocketAddr,
+    node: &mut RawNode,
+    request: Vec<u8>,
+) -> (TcpStream, String, Vec<u8>) {
+    let mut client = TcpStream::connect(client_addr).await.expect("connect");
+    let (res, _) = client.write_all(request).await;
+    res.expect("send the request");
+    let run = next_tunnel(node).await.run_id;
+    tunnel_response_start(node, &run, b"text/event-stream").await;
+    tunnel_body(node, &run, 2, FIRST_EVENT).await;
+    let mut seen = Vec::new();
+    read_until(
+        &mut client,
+        &mut seen,
+        &FIRST_EVENT[..FIRST_EVENT.len() - 2],
+    )
+    .await;
+    (client, run, seen)
+}
+
+/// Reads `stream` until it ends: `Ok` on a clean end of stream, else the
+/// error's kind, with the bytes read before it.
+pub async fn read_to_end(stream: &mut TcpStream) -> (Result<(), std::io::ErrorKind>, usize) {
+    let mut read = 0usize;
+    loop {
+        let (res, buf) = stream.read(Vec::with_capacity(64 * 1024)).await;
+        match res {
+            Ok(0) => return (Ok(()), read),
+            Ok(n) => read += n,
+            Err(e) => return (Err(e.kind()), read),
+        }
+        drop(buf);
+    }
+}
