@@ -1,26 +1,3 @@
-# A loopback port no socket uses (the mock and nginx bind it shortly
-# after), below the kernel's ephemeral range: a port in that range may be
-# taken meanwhile by the source port of any outgoing connection (the relay's
-# own included), and then the bind fails with EADDRINUSE.
-free_port() {
-  local port low
-  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
-  if [ "$low" -le 11000 ]; then low=32768; fi
-  for _ in $(seq 1 100); do
-    port=$((10000 + RANDOM % (low - 10000)))
-    [ "$port" = "${1:-}" ] && continue
-    listening "$port" && continue
-    # Any socket (listening, connected, TIME_WAIT) with this local port.
-    if command -v ss >/dev/null 2>&1 && [ -n "$(ss -Htan "sport = :$port" 2>/dev/null)" ]; then
-      continue
-    fi
-    echo "$port"
-    return 0
-  done
-  echo "no free port found" >&2
-  return 1
-}
-
 #!/usr/bin/env bash
 # Relay-vs-direct benchmark: builds release binaries, then runs `bench compare`,
 # which starts a mock provider, an Edge and a Node on loopback and measures the
@@ -126,12 +103,24 @@ trap 'exit 130' INT TERM
 # Whether something accepts connections on 127.0.0.1:$1.
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# A loopback port nobody listens on (the mock and nginx bind it shortly after).
+# A loopback port no socket uses (the mock and nginx bind it shortly
+# after), below the kernel's ephemeral range: a port in that range may be
+# taken meanwhile by the source port of any outgoing connection (the relay's
+# own included), and then the bind fails with EADDRINUSE.
 free_port() {
-  local port
+  local port low
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  if [ "$low" -le 11000 ]; then low=32768; fi
   for _ in $(seq 1 100); do
-    port=$((20000 + RANDOM % 30000))
-    if ! listening "$port" && [ "$port" != "${1:-}" ]; then echo "$port"; return 0; fi
+    port=$((10000 + RANDOM % (low - 10000)))
+    [ "$port" = "${1:-}" ] && continue
+    listening "$port" && continue
+    # Any socket (listening, connected, TIME_WAIT) with this local port.
+    if command -v ss >/dev/null 2>&1 && [ -n "$(ss -Htan "sport = :$port" 2>/dev/null)" ]; then
+      continue
+    fi
+    echo "$port"
+    return 0
   done
   echo "no free port found" >&2
   return 1
