@@ -2,13 +2,16 @@
 # Relay-vs-direct benchmark: builds release binaries, then runs `bench compare`,
 # which starts a mock provider, an Edge and a Node on loopback and measures the
 # relayed path against the direct one side by side (latency added, CPU per
-# relayed token, memory per stream, a concurrency ladder). Prints a table and
-# writes a JSON report to bench/results/compare-<unix-ts>.json.
+# relayed token, memory per stream) at 1 and 200 concurrent streams, and a
+# concurrency ladder. Prints a table and writes a JSON report to
+# bench/results/compare-<unix-ts>.json.
 #
-#   scripts/bench.sh                 the standard suite (about 3 minutes on 2 cores)
-#   scripts/bench.sh --quick         a short run (well under a minute after the build)
+#   scripts/bench.sh                 the standard suite (about 4 minutes on 2 cores)
+#   scripts/bench.sh --quick         a short run (about a minute after the build)
 #   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
-#                                    of the mock (arm C), when nginx is installed
+#                                    of the mock (arm C), when nginx is installed: its
+#                                    latency, the CPU and memory of its master and worker
+#                                    processes, and IOP ÷ nginx against the relay's goals
 #   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
 #                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
 #                                    32 concurrent) with edge-bin and node-bin on --cores 0
@@ -45,7 +48,7 @@ while [ $# -gt 0 ]; do
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -169,7 +172,22 @@ NGINX
       kill -0 "$nginx_pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$work/error.log" >&2; exit 1; }
       sleep 0.05
     done
-    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port")
+    # Sample nginx's master and its workers (its children; the master may
+    # listen before it forks them): bench compare sums their CPU and memory.
+    peer_pids=("$nginx_pid")
+    if command -v pgrep >/dev/null 2>&1; then
+      for _ in $(seq 1 40); do
+        workers=$(pgrep -P "$nginx_pid" || true)
+        [ -n "$workers" ] && break
+        sleep 0.05
+      done
+      for pid in $workers; do peer_pids+=("$pid"); done
+    fi
+    if [ "${#peer_pids[@]}" -lt 2 ]; then
+      echo "==> nginx's worker processes not found (no pgrep?): sampling the master only" >&2
+    fi
+    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port" --peer-name nginx)
+    for pid in "${peer_pids[@]}"; do args+=(--peer-pid "$pid"); done
   else
     echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
   fi

@@ -133,8 +133,9 @@ pub struct CompareOptions {
     pub window_ms: u64,
     /// Unmeasured warm-up per arm before the first round.
     pub warmup_ms: u64,
-    /// Concurrent streams in every window.
-    pub concurrency: u64,
+    /// The concurrency levels: each runs its own rounds of windows at
+    /// that many concurrent streams (increasing).
+    pub concurrency: Vec<u64>,
     /// Tokens per request.
     pub tokens: u32,
     /// Mock inter-token delay.
@@ -149,6 +150,10 @@ pub struct CompareOptions {
     pub load_cores: Option<String>,
     /// Third arm's base URL.
     pub peer: Option<String>,
+    /// The peer's processes, sampled for CPU and memory in its windows.
+    pub peer_pids: Vec<u32>,
+    /// The peer's name in the table and the goals.
+    pub peer_name: String,
     /// Where edge-bin and node-bin are.
     pub bin_dir: PathBuf,
     /// This binary (started as the mock provider).
