@@ -16,8 +16,8 @@ use crate::load::cli::seconds_to_ms;
 /// added (TTFT, per-chunk, gaps), CPU per relayed token, memory per stream
 /// and a concurrency ladder, at each of the --concurrency levels. With
 /// --peer (and --peer-pid), also a peer proxy's, and the IOP ÷ peer ratios
-/// against the relay's goals. Starts the mock provider, edge-bin and
-/// node-bin itself; writes a JSON report.
+/// against the relay's goals (docs/bench-compare.md). Starts the mock
+/// provider, edge-bin and node-bin itself; writes a JSON report.
 #[derive(FromArgs, Debug, Clone, PartialEq, Default)]
 #[argh(subcommand, name = "compare")]
 pub struct CompareArgs {
