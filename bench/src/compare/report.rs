@@ -526,7 +526,8 @@ fn ratio_goal(
     unit: &str,
     iop: Option<f64>,
     peer: Result<Option<f64>, String>,
-    (floor, tiny): (f64, String),
+    floor: f64,
+    tiny: String,
     max_ratio: f64,
 ) -> GoalCheck {
     let mut check = GoalCheck {
@@ -569,12 +570,9 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
     };
     let name = inputs.peer_name;
     let tiny_latency = || {
-        (
-            MIN_PEER_ADDED_US,
-            format!(
-                "n/a: {name}'s added figure is not above {}",
-                format_us(MIN_PEER_ADDED_US)
-            ),
+        format!(
+            "n/a: {name}'s added figure is not above {}",
+            format_us(MIN_PEER_ADDED_US)
         )
     };
     let mut goals = vec![
@@ -583,6 +581,7 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
             "us",
             Some(s.relayed_added.ttft_p50_us),
             peer_added(|h| h.ttft_p50_us),
+            MIN_PEER_ADDED_US,
             tiny_latency(),
             LATENCY_RATIO_GOAL,
         ),
@@ -591,6 +590,7 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
             "us",
             Some(s.relayed_added.ttft_p99_us),
             peer_added(|h| h.ttft_p99_us),
+            MIN_PEER_ADDED_US,
             tiny_latency(),
             LATENCY_RATIO_GOAL,
         ),
@@ -599,6 +599,7 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
             "us",
             Some(s.relayed_added.chunk_latency_p99_us),
             peer_added(|h| h.chunk_latency_p99_us),
+            MIN_PEER_ADDED_US,
             tiny_latency(),
             LATENCY_RATIO_GOAL,
         ),
@@ -629,12 +630,8 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
         "us_per_token",
         inputs.cpu.and_then(|c| c.relay_us_per_token),
         peer_cpu,
-        (
-            cpu_floor,
-            format!(
-                "n/a: {name}'s CPU over the windows is {MIN_PEER_CPU_TICKS} clock ticks or less"
-            ),
-        ),
+        cpu_floor,
+        format!("n/a: {name}'s CPU over the windows is {MIN_PEER_CPU_TICKS} clock ticks or less"),
         CPU_RATIO_GOAL,
     ));
     let iop_rss = inputs.rss.and_then(|r| r.bytes_per_stream);

@@ -395,7 +395,8 @@ fn window_spec(
     opts: &CompareOptions,
     target: &Target,
     model: &str,
-    (streams, duration_ms): (u64, u64),
+    streams: u64,
+    duration_ms: u64,
     stop: &Arc<AtomicBool>,
 ) -> Result<LoadSpec, CompareError> {
     let stream_ms = u64::from(opts.tokens) * opts.inter_token_ms + opts.ttft_ms;
@@ -522,7 +523,8 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
         raws.push(run_level(
             opts,
             &mut cluster,
-            (&arms, &targets),
+            &arms,
+            &targets,
             streams,
             ticks_per_s,
             stop,
@@ -642,7 +644,8 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
 fn run_level(
     opts: &CompareOptions,
     cluster: &mut Cluster,
-    (arms, targets): (&[ArmInfo], &[Target]),
+    arms: &[ArmInfo],
+    targets: &[Target],
     streams: u64,
     ticks_per_s: u64,
     stop: &Arc<AtomicBool>,
@@ -652,7 +655,7 @@ fn run_level(
     // Warm-up: every arm must complete requests, or its figures are void.
     for (info, target) in arms.iter().zip(targets) {
         interrupted(stop)?;
-        let mut spec = window_spec(opts, target, &info.model, (streams, opts.warmup_ms), stop)?;
+        let mut spec = window_spec(opts, target, &info.model, streams, opts.warmup_ms, stop)?;
         if opts.warmup_ms == 0 {
             spec.mode = Mode::OneShot { streams: 1 };
         }
@@ -685,7 +688,7 @@ fn run_level(
             interrupted(stop)?;
             cluster.check_running()?;
             let (info, target) = (&arms[i], &targets[i]);
-            let spec = window_spec(opts, target, &info.model, (streams, opts.window_ms), stop)?;
+            let spec = window_spec(opts, target, &info.model, streams, opts.window_ms, stop)?;
             let live = Live::new();
             let mid_ms = opts.window_ms / 2;
             let sampler = match (info.arm, cluster.relay_pids()) {
