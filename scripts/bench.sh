@@ -6,7 +6,7 @@
 # concurrency ladder. Prints a table and writes a JSON report to
 # bench/results/compare-<unix-ts>.json.
 #
-#   scripts/bench.sh                 the standard suite (about 4 minutes on 2 cores)
+#   scripts/bench.sh                 the standard suite (about 3½ minutes on 2 cores)
 #   scripts/bench.sh --quick         a short run (about a minute after the build)
 #   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
 #                                    of the mock (arm C), when nginx is installed: its
