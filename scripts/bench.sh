@@ -1,37 +1,17 @@
-# A loopback port no socket uses (the mock and nginx bind it shortly
-# after), below the kernel's ephemeral range: a port in that range may be
-# taken meanwhile by the source port of any outgoing connection (the relay's
-# own included), and then the bind fails with EADDRINUSE.
-free_port() {
-  local port low
-  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
-  if [ "$low" -le 11000 ]; then low=32768; fi
-  for _ in $(seq 1 100); do
-    port=$((10000 + RANDOM % (low - 10000)))
-    [ "$port" = "${1:-}" ] && continue
-    listening "$port" && continue
-    # Any socket (listening, connected, TIME_WAIT) with this local port.
-    if command -v ss >/dev/null 2>&1 && [ -n "$(ss -Htan "sport = :$port" 2>/dev/null)" ]; then
-      continue
-    fi
-    echo "$port"
-    return 0
-  done
-  echo "no free port found" >&2
-  return 1
-}
-
 #!/usr/bin/env bash
 # Relay-vs-direct benchmark: builds release binaries, then runs `bench compare`,
 # which starts a mock provider, an Edge and a Node on loopback and measures the
 # relayed path against the direct one side by side (latency added, CPU per
-# relayed token, memory per stream, a concurrency ladder). Prints a table and
-# writes a JSON report to bench/results/compare-<unix-ts>.json.
+# relayed token, memory per stream) at 1 and 200 concurrent streams, and a
+# concurrency ladder. Prints a table and writes a JSON report to
+# bench/results/compare-<unix-ts>.json.
 #
-#   scripts/bench.sh                 the standard suite (about 3 minutes on 2 cores)
-#   scripts/bench.sh --quick         a short run (well under a minute after the build)
+#   scripts/bench.sh                 the standard suite (about 3½ minutes on 2 cores)
+#   scripts/bench.sh --quick         a short run (about a minute after the build)
 #   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
-#                                    of the mock (arm C), when nginx is installed
+#                                    of the mock (arm C), when nginx is installed: its
+#                                    latency, the CPU and memory of its master and worker
+#                                    processes, and IOP ÷ nginx against the relay's goals
 #   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
 #                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
 #                                    32 concurrent) with edge-bin and node-bin on --cores 0
@@ -68,7 +48,7 @@ while [ $# -gt 0 ]; do
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -126,12 +106,24 @@ trap 'exit 130' INT TERM
 # Whether something accepts connections on 127.0.0.1:$1.
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# A loopback port nobody listens on (the mock and nginx bind it shortly after).
+# A loopback port no socket uses (the mock and nginx bind it shortly
+# after), below the kernel's ephemeral range: a port in that range may be
+# taken meanwhile by the source port of any outgoing connection (the relay's
+# own included), and then the bind fails with EADDRINUSE.
 free_port() {
-  local port
+  local port low
+  low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  if [ "$low" -le 11000 ]; then low=32768; fi
   for _ in $(seq 1 100); do
-    port=$((20000 + RANDOM % 30000))
-    if ! listening "$port" && [ "$port" != "${1:-}" ]; then echo "$port"; return 0; fi
+    port=$((10000 + RANDOM % (low - 10000)))
+    [ "$port" = "${1:-}" ] && continue
+    listening "$port" && continue
+    # Any socket (listening, connected, TIME_WAIT) with this local port.
+    if command -v ss >/dev/null 2>&1 && [ -n "$(ss -Htan "sport = :$port" 2>/dev/null)" ]; then
+      continue
+    fi
+    echo "$port"
+    return 0
   done
   echo "no free port found" >&2
   return 1
@@ -180,7 +172,22 @@ NGINX
       kill -0 "$nginx_pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$work/error.log" >&2; exit 1; }
       sleep 0.05
     done
-    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port")
+    # Sample nginx's master and its workers (its children; the master may
+    # listen before it forks them): bench compare sums their CPU and memory.
+    peer_pids=("$nginx_pid")
+    if command -v pgrep >/dev/null 2>&1; then
+      for _ in $(seq 1 40); do
+        workers=$(pgrep -P "$nginx_pid" || true)
+        [ -n "$workers" ] && break
+        sleep 0.05
+      done
+      for pid in $workers; do peer_pids+=("$pid"); done
+    fi
+    if [ "${#peer_pids[@]}" -lt 2 ]; then
+      echo "==> nginx's worker processes not found (no pgrep?): sampling the master only" >&2
+    fi
+    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port" --peer-name nginx)
+    for pid in "${peer_pids[@]}"; do args+=(--peer-pid "$pid"); done
   else
     echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
   fi

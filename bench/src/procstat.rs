@@ -156,6 +156,33 @@ fn read(path: String) -> Result<String, ProcError> {
     fs::read_to_string(&path).map_err(|source| ProcError::Read { path, source })
 }
 
+/// The text of a `/proc/<pid>/cmdline`: the NUL-separated arguments joined
+/// by spaces (a process that rewrote its title, as nginx does, shows that
+/// title), cut to `max_chars` characters with `…`. `None` when empty (a
+/// kernel thread or a zombie).
+pub fn parse_cmdline(raw: &[u8], max_chars: usize) -> Option<String> {
+    let text = String::from_utf8_lossy(raw);
+    let joined = text
+        .split('\0')
+        .map(str::trim)
+        .filter(|arg| !arg.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    if joined.is_empty() {
+        return None;
+    }
+    if joined.chars().count() <= max_chars {
+        return Some(joined);
+    }
+    let cut: String = joined.chars().take(max_chars.saturating_sub(1)).collect();
+    Some(format!("{}…", cut.trim_end()))
+}
+
+/// [`parse_cmdline`] of process `pid`; `None` if it is not running.
+pub fn read_cmdline(pid: u32, max_chars: usize) -> Option<String> {
+    parse_cmdline(&fs::read(format!("/proc/{pid}/cmdline")).ok()?, max_chars)
+}
+
 /// CPU ticks used so far by process `pid`.
 pub fn read_cpu(pid: u32) -> Result<CpuTicks, ProcError> {
     parse_stat_cpu(&read(format!("/proc/{pid}/stat"))?)
@@ -325,6 +352,24 @@ pub fn machine_info() -> MachineInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn command_lines_are_joined_and_shortened() {
+        assert_eq!(
+            parse_cmdline(b"nginx: worker process\0\0\0", 40).as_deref(),
+            Some("nginx: worker process")
+        );
+        assert_eq!(
+            parse_cmdline(b"/usr/sbin/nginx\0-p\0/tmp/w\0", 40).as_deref(),
+            Some("/usr/sbin/nginx -p /tmp/w")
+        );
+        assert_eq!(
+            parse_cmdline(b"nginx: master process nginx -p /tmp/x", 14).as_deref(),
+            Some("nginx: master…")
+        );
+        assert_eq!(parse_cmdline(b"", 40), None);
+        assert_eq!(parse_cmdline(b"\0\0", 40), None);
+    }
 
     #[test]
     fn load_averages_are_the_first_three_fields() {

@@ -14,27 +14,31 @@ use crate::load::cli::seconds_to_ms;
 
 /// Measure the relay against a direct connection side by side: latency
 /// added (TTFT, per-chunk, gaps), CPU per relayed token, memory per stream
-/// and a concurrency ladder. Starts the mock provider, edge-bin and
-/// node-bin itself; writes a JSON report.
+/// and a concurrency ladder, at each of the --concurrency levels. With
+/// --peer (and --peer-pid), also a peer proxy's, and the IOP ÷ peer ratios
+/// against the relay's goals (docs/bench-compare.md). Starts the mock
+/// provider, edge-bin and node-bin itself; writes a JSON report.
 #[derive(FromArgs, Debug, Clone, PartialEq, Default)]
 #[argh(subcommand, name = "compare")]
 pub struct CompareArgs {
-    /// short run: smaller windows, load and ladder (64, 128 streams)
+    /// short run: shorter windows, fewer tokens, a smaller ladder (64, 128
+    /// streams)
     #[argh(switch)]
     pub quick: bool,
     /// rounds, each one window per arm, order alternating (default 6;
     /// quick 3; at least 2)
     #[argh(option)]
     pub windows: Option<u32>,
-    /// seconds per window (default 10; quick 2)
+    /// seconds per window (default 4; quick 2)
     #[argh(option)]
     pub window_s: Option<f64>,
     /// unmeasured warm-up seconds per arm (default 2; quick 0.5)
     #[argh(option)]
     pub warmup_s: Option<f64>,
-    /// concurrent streams in every window (default 64; quick 32)
+    /// concurrency levels: comma-separated stream counts; each level runs
+    /// its own rounds of windows (default 1,200, also with --quick)
     #[argh(option)]
-    pub concurrency: Option<u64>,
+    pub concurrency: Option<String>,
     /// tokens per request (default 32; quick 16)
     #[argh(option)]
     pub tokens: Option<u32>,
@@ -57,6 +61,15 @@ pub struct CompareArgs {
     /// the mock); requests name the mock's model
     #[argh(option)]
     pub peer: Option<String>,
+    /// a process of the peer (repeatable: e.g. nginx's master and its
+    /// workers) whose CPU time and memory are sampled in the peer windows;
+    /// needs --peer
+    #[argh(option)]
+    pub peer_pid: Vec<u32>,
+    /// the peer's name in the table and the goals (default peer;
+    /// scripts/bench.sh --peer-nginx: nginx)
+    #[argh(option)]
+    pub peer_name: Option<String>,
     /// directory holding edge-bin and node-bin (default: this executable's
     /// directory)
     #[argh(option)]
@@ -102,15 +115,34 @@ fn pick<T>(quick: bool, full: T, quick_value: T) -> T {
     }
 }
 
+/// The default concurrency levels of the windows, standard and quick.
+pub const DEFAULT_CONCURRENCY: [u64; 2] = [1, 200];
+
 /// Parses `--ladder`: `none`, or comma-separated positive counts.
 pub fn parse_levels(text: &str) -> Result<Vec<u64>, String> {
     if text.trim().eq_ignore_ascii_case("none") {
         return Ok(Vec::new());
     }
+    parse_counts(text, "--ladder")
+}
+
+/// Parses `--concurrency`: comma-separated positive stream counts, each
+/// once, in increasing order.
+pub fn parse_concurrency(text: &str) -> Result<Vec<u64>, String> {
+    let levels = parse_counts(text, "--concurrency")?;
+    if levels.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!(
+            "--concurrency: `{text}` must list each stream count once, in increasing order"
+        ));
+    }
+    Ok(levels)
+}
+
+fn parse_counts(text: &str, option: &str) -> Result<Vec<u64>, String> {
     text.split(',')
         .map(|item| match item.trim().parse::<u64>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("--ladder: `{item}` is not a positive stream count")),
+            _ => Err(format!("{option}: `{item}` is not a positive stream count")),
         })
         .collect()
 }
@@ -128,18 +160,22 @@ impl CompareArgs {
         if windows < 2 {
             return Err("--windows must be at least 2".into());
         }
-        let window_ms = seconds_to_ms(
-            self.window_s.unwrap_or(pick(quick, 10.0, 2.0)),
-            "--window-s",
-        )?;
+        let window_ms =
+            seconds_to_ms(self.window_s.unwrap_or(pick(quick, 4.0, 2.0)), "--window-s")?;
         if window_ms < 100 {
             return Err("--window-s must be at least 0.1".into());
         }
         let warmup_ms =
             seconds_to_ms(self.warmup_s.unwrap_or(pick(quick, 2.0, 0.5)), "--warmup-s")?;
-        let concurrency = self.concurrency.unwrap_or(pick(quick, 64, 32));
-        if concurrency == 0 {
-            return Err("--concurrency must be at least 1".into());
+        let concurrency = match &self.concurrency {
+            Some(text) => parse_concurrency(text)?,
+            None => DEFAULT_CONCURRENCY.to_vec(),
+        };
+        if !self.peer_pid.is_empty() && self.peer.is_none() {
+            return Err("--peer-pid needs --peer (the peer whose processes they are)".into());
+        }
+        if let Some(&pid) = self.peer_pid.iter().find(|&&pid| pid == 0) {
+            return Err(format!("--peer-pid: `{pid}` is not a process id"));
         }
         let tokens = self.tokens.unwrap_or(pick(quick, 32, 16));
         if tokens < 2 {
@@ -177,6 +213,8 @@ impl CompareArgs {
                 .unwrap_or_else(|| second.to_string()),
             load_cores: self.load_cores.clone(),
             peer: self.peer.clone(),
+            peer_pids: self.peer_pid.clone(),
+            peer_name: self.peer_name.clone().unwrap_or_else(|| "peer".into()),
             bin_dir: self.bin_dir.clone().unwrap_or(exe_dir),
             bench_exe: exe.to_path_buf(),
             out_dir: self.out.clone(),
@@ -229,9 +267,11 @@ mod tests {
         .resolve(&cpus(&[0, 1]), Path::new("/t/debug/bench"))
         .unwrap();
         assert_eq!(o.windows, 6);
-        assert_eq!(o.window_ms, 10_000);
+        assert_eq!(o.window_ms, 4_000);
         assert_eq!(o.warmup_ms, 2_000);
-        assert_eq!(o.concurrency, 64);
+        assert_eq!(o.concurrency, [1, 200]);
+        assert!(o.peer_pids.is_empty());
+        assert_eq!(o.peer_name, "peer");
         assert_eq!(o.tokens, 32);
         assert_eq!(o.ladder_levels, FULL_LEVELS);
         assert_eq!(o.ladder_tokens, 50);
@@ -251,7 +291,7 @@ mod tests {
         let o = args.resolve(&cpus(&[3]), Path::new("bench")).unwrap();
         assert_eq!(o.windows, 3);
         assert_eq!(o.window_ms, 2_000);
-        assert_eq!(o.concurrency, 32);
+        assert_eq!(o.concurrency, [1, 200]);
         assert_eq!(o.ladder_levels, QUICK_LEVELS);
         assert_eq!((o.edge_cores.as_str(), o.node_cores.as_str()), ("3", "3"));
         let o = CompareArgs {
@@ -291,10 +331,25 @@ mod tests {
         })
         .contains("--tokens"));
         assert!(refuse(CompareArgs {
-            concurrency: Some(0),
+            concurrency: Some("0".into()),
             ..base.clone()
         })
         .contains("--concurrency"));
+        assert_eq!(
+            refuse(CompareArgs {
+                peer_pid: vec![42],
+                ..base.clone()
+            }),
+            "--peer-pid needs --peer (the peer whose processes they are)"
+        );
+        assert_eq!(
+            refuse(CompareArgs {
+                peer: Some("http://127.0.0.1:1".into()),
+                peer_pid: vec![0],
+                ..base.clone()
+            }),
+            "--peer-pid: `0` is not a process id"
+        );
         assert!(refuse(CompareArgs {
             window_s: Some(-1.0),
             ..base.clone()
@@ -310,6 +365,54 @@ mod tests {
             ..base
         })
         .contains("--inter-token-ms"));
+    }
+
+    #[test]
+    fn concurrency_levels_and_peer_pids_parse_from_the_command_line() {
+        let args = CompareArgs::from_args(
+            &["compare"],
+            &[
+                "--quick",
+                "--concurrency",
+                "1,200",
+                "--peer",
+                "http://127.0.0.1:8081",
+                "--peer-pid",
+                "4242",
+                "--peer-pid",
+                "4243",
+                "--peer-name",
+                "nginx",
+            ],
+        )
+        .unwrap();
+        assert_eq!(args.concurrency.as_deref(), Some("1,200"));
+        assert_eq!(args.peer_pid, [4242, 4243]);
+        let o = args.resolve(&cpus(&[0, 1]), Path::new("/b/bench")).unwrap();
+        assert_eq!(o.concurrency, [1, 200]);
+        assert_eq!(o.peer_pids, [4242, 4243]);
+        assert_eq!(o.peer_name, "nginx");
+        assert_eq!(o.peer.as_deref(), Some("http://127.0.0.1:8081"));
+        assert!(CompareArgs::from_args(&["compare"], &["--peer-pid", "x"]).is_err());
+    }
+
+    #[test]
+    fn concurrency_lists_parse() {
+        assert_eq!(parse_concurrency("1,200"), Ok(vec![1, 200]));
+        assert_eq!(parse_concurrency(" 64 "), Ok(vec![64]));
+        assert_eq!(
+            parse_concurrency("1,x"),
+            Err("--concurrency: `x` is not a positive stream count".into())
+        );
+        assert_eq!(
+            parse_concurrency("200,1"),
+            Err(
+                "--concurrency: `200,1` must list each stream count once, in increasing order"
+                    .into()
+            )
+        );
+        assert!(parse_concurrency("1,1").is_err());
+        assert!(parse_concurrency("none").is_err());
     }
 
     #[test]

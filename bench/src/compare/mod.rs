@@ -11,13 +11,17 @@
 //! The harness starts the mock provider (this very binary), mints
 //! certificates with `edge-bin certs`, writes the Edge and Node
 //! configuration into a temporary directory, starts `edge-bin` and
-//! `node-bin`, waits until `/status` shows the provider connected, and then
+//! `node-bin`, waits until `/status` shows the provider connected, and then,
+//! at each concurrency level (`--concurrency`, default 1 and 200 streams),
 //! runs rounds of windows — A, B (and C) at the same offered load, the
 //! order alternating between rounds so drift does not favour one arm. It
-//! reports medians over rounds of the per-round differences (B − A) and
-//! ratios (B / A), the Edge + Node CPU time per relayed token
-//! (`/proc/<pid>/stat`), their memory per active stream (`VmRSS`), and a
-//! concurrency ladder for both paths.
+//! reports per level the medians over rounds of the per-round differences
+//! (B − A, C − A) and ratios (B / A), the Edge + Node CPU time per relayed
+//! token (`/proc/<pid>/stat`), their memory per active stream (`VmRSS`),
+//! the same two figures for the peer's processes (`--peer-pid`), and the
+//! goals: IOP ÷ peer against the relay's targets
+//! ([`report::check_goals`]); then a concurrency ladder for both paths.
+//! docs/bench-compare.md describes the table and the JSON.
 //!
 //! Every child is stopped by PID when the harness ends, also on error or
 //! panic ([`procs::ChildProc`] guards), and on SIGINT/SIGTERM (the harness
@@ -133,8 +137,9 @@ pub struct CompareOptions {
     pub window_ms: u64,
     /// Unmeasured warm-up per arm before the first round.
     pub warmup_ms: u64,
-    /// Concurrent streams in every window.
-    pub concurrency: u64,
+    /// The concurrency levels: each runs its own rounds of windows at
+    /// that many concurrent streams (increasing).
+    pub concurrency: Vec<u64>,
     /// Tokens per request.
     pub tokens: u32,
     /// Mock inter-token delay.
@@ -149,6 +154,10 @@ pub struct CompareOptions {
     pub load_cores: Option<String>,
     /// Third arm's base URL.
     pub peer: Option<String>,
+    /// The peer's processes, sampled for CPU and memory in its windows.
+    pub peer_pids: Vec<u32>,
+    /// The peer's name in the table and the goals.
+    pub peer_name: String,
     /// Where edge-bin and node-bin are.
     pub bin_dir: PathBuf,
     /// This binary (started as the mock provider).

@@ -16,7 +16,8 @@ use super::config::{
 use super::ladder::{climb, LevelRun, Limits};
 use super::procs::{ChildProc, TempDir};
 use super::report::{
-    Arm, ArmInfo, CompareReport, CompareSummary, CpuReport, CpuWindow, LadderReport, LevelOutcome,
+    check_goals, streams_text, Arm, ArmInfo, CompareReport, CompareSummary, CpuReport, CpuWindow,
+    GoalInputs, LadderReport, LevelOutcome, LevelReport, PeerCost, PeerProcess, PeerRssSample,
     RoundRecord, RssReport, RssSample, WindowRecord, SCHEMA,
 };
 use super::{CompareError, CompareOptions};
@@ -32,6 +33,8 @@ const STATUS_POLL_MS: u64 = 50;
 const SETTLE_MS: u64 = 200;
 /// Time after the end of a window that requests still running get.
 const WINDOW_DRAIN_MS: u64 = 10_000;
+/// Characters of a peer process's command line the report keeps.
+const PEER_COMMAND_CHARS: usize = 48;
 
 /// The children and their working directory. Fields drop in order: the
 /// Node first, then the Edge, the mock, and last the directory.
@@ -42,12 +45,14 @@ struct Cluster {
     tmp: TempDir,
 }
 
-/// CPU counters of the children at one moment.
-#[derive(Debug, Clone, Copy, Default)]
+/// CPU counters of the children (and, in peer windows, of the peer's
+/// processes together, or why they could not be read) at one moment.
+#[derive(Debug, Clone, Default)]
 struct CpuSnapshot {
     edge: Option<CpuTicks>,
     node: Option<CpuTicks>,
     mock: Option<CpuTicks>,
+    peer: Option<Result<u64, String>>,
 }
 
 impl Cluster {
@@ -68,6 +73,7 @@ impl Cluster {
             edge: read(&self.edge),
             node: read(&self.node),
             mock: read(&self.mock),
+            peer: None,
         }
     }
 
@@ -76,15 +82,50 @@ impl Cluster {
     }
 }
 
-fn cpu_window(before: CpuSnapshot, after: CpuSnapshot, ticks_per_s: u64) -> CpuWindow {
+/// The CPU used between two snapshots, and why the peer's could not be
+/// had (when it was to be sampled and a read failed).
+fn cpu_window(
+    before: &CpuSnapshot,
+    after: &CpuSnapshot,
+    ticks_per_s: u64,
+) -> (CpuWindow, Option<String>) {
     let used = |b: Option<CpuTicks>, a: Option<CpuTicks>| {
         Some(procstat::ticks_to_us(a?.since(b?), ticks_per_s))
     };
-    CpuWindow {
+    let (peer_us, peer_error) = match (&before.peer, &after.peer) {
+        (Some(Ok(b)), Some(Ok(a))) => (
+            Some(procstat::ticks_to_us(a.saturating_sub(*b), ticks_per_s)),
+            None,
+        ),
+        (Some(Err(e)), _) => (None, Some(format!("CPU before the window: {e}"))),
+        (_, Some(Err(e))) => (None, Some(format!("CPU after the window: {e}"))),
+        _ => (None, None),
+    };
+    let window = CpuWindow {
         edge_us: used(before.edge, after.edge),
         node_us: used(before.node, after.node),
         mock_us: used(before.mock, after.mock),
-    }
+        peer_us,
+    };
+    (window, peer_error)
+}
+
+/// The peer's processes' CPU ticks together; the error names the PID.
+fn read_peer_cpu(pids: &[u32]) -> Result<u64, String> {
+    pids.iter().try_fold(0u64, |total, &pid| {
+        procstat::read_cpu(pid)
+            .map(|t| total.saturating_add(t.total_ticks()))
+            .map_err(|e| format!("PID {pid}: {e}"))
+    })
+}
+
+/// The peer's processes' `VmRSS` together, KiB; the error names the PID.
+fn read_peer_rss(pids: &[u32]) -> Result<u64, String> {
+    pids.iter().try_fold(0u64, |total, &pid| {
+        procstat::read_rss_kib(pid)
+            .map(|kib| total.saturating_add(kib))
+            .map_err(|e| format!("PID {pid}: {e}"))
+    })
 }
 
 fn read_rss(pids: (u32, u32), active_streams: u64) -> Option<RssSample> {
@@ -95,13 +136,13 @@ fn read_rss(pids: (u32, u32), active_streams: u64) -> Option<RssSample> {
     })
 }
 
-/// Samples Edge and Node memory `delay_ms` into a run, with the number of
-/// streams then in flight; `None` if the run ended first.
-fn spawn_rss_sampler(
+/// Calls `sample` with the number of streams then in flight `delay_ms`
+/// into a run; `None` if the run ended first.
+fn spawn_sampler<T: Send + 'static>(
     live: Arc<Live>,
-    pids: (u32, u32),
     delay_ms: u64,
-) -> JoinHandle<Option<RssSample>> {
+    sample: impl FnOnce(u64) -> Option<T> + Send + 'static,
+) -> JoinHandle<Option<T>> {
     std::thread::spawn(move || {
         let due_ns = monotonic_raw_ns() + delay_ms * 1_000_000;
         while monotonic_raw_ns() < due_ns {
@@ -110,8 +151,18 @@ fn spawn_rss_sampler(
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        read_rss(pids, live.in_flight.load(Ordering::Relaxed))
+        sample(live.in_flight.load(Ordering::Relaxed))
     })
+}
+
+/// Samples Edge and Node memory `delay_ms` into a run, with the number of
+/// streams then in flight; `None` if the run ended first.
+fn spawn_rss_sampler(
+    live: Arc<Live>,
+    pids: (u32, u32),
+    delay_ms: u64,
+) -> JoinHandle<Option<RssSample>> {
+    spawn_sampler(live, delay_ms, move |streams| read_rss(pids, streams))
 }
 
 pub(crate) fn check_binary(path: &Path) -> Result<(), CompareError> {
@@ -339,11 +390,12 @@ fn wait_connected(
     })
 }
 
-/// The offered load of every window.
+/// The offered load of every window at `streams` concurrent streams.
 fn window_spec(
     opts: &CompareOptions,
     target: &Target,
     model: &str,
+    streams: u64,
     duration_ms: u64,
     stop: &Arc<AtomicBool>,
 ) -> Result<LoadSpec, CompareError> {
@@ -351,9 +403,7 @@ fn window_spec(
     Ok(LoadSpec {
         target: target.clone(),
         model: model.to_string(),
-        mode: Mode::Concurrency {
-            streams: opts.concurrency,
-        },
+        mode: Mode::Concurrency { streams },
         duration_ms,
         tokens: opts.tokens,
         stream: true,
@@ -362,7 +412,7 @@ fn window_spec(
         gap_limit_ns: Some(2 * opts.inter_token_ms * 1_000_000),
         cores: crate::load::cli::load_cores(opts.load_cores.as_deref())
             .map_err(CompareError::Options)?,
-        max_in_flight: opts.concurrency,
+        max_in_flight: streams,
         api_key: None,
         progress: false,
         stop: Arc::clone(stop),
@@ -392,9 +442,24 @@ pub(crate) fn commit() -> Option<String> {
     (out.status.success() && !text.trim().is_empty()).then(|| text.trim().to_string())
 }
 
+/// One level's windows and rounds as measured, before the ladder (whose
+/// memory sample joins the highest level's figures).
+struct LevelRaw {
+    streams: u64,
+    windows: Vec<WindowRecord>,
+    rounds: Vec<RoundRecord>,
+    idle: Option<RssSample>,
+    peer_idle: Option<Result<u64, String>>,
+}
+
 /// Runs the whole comparison. Progress goes to stderr; the caller prints
 /// and writes the returned report.
 pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareReport, CompareError> {
+    if opts.concurrency.is_empty() {
+        return Err(CompareError::Options(
+            "--concurrency needs at least one level".into(),
+        ));
+    }
     let nofile = procstat::raise_nofile_limit()?;
     let machine = procstat::machine_info();
     let ticks_per_s = procstat::clock_ticks_per_s()?;
@@ -411,6 +476,14 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
             cluster.tmp.path().display()
         );
     }
+    let peer_processes: Vec<PeerProcess> = opts
+        .peer_pids
+        .iter()
+        .map(|&pid| PeerProcess {
+            pid,
+            command: procstat::read_cmdline(pid, PEER_COMMAND_CHARS),
+        })
+        .collect();
     let mock_url = start_mock(opts, &mut cluster, stop)?;
     let edge_url = start_relay(opts, &mut cluster, &mock_url, stop)?;
     if opts.attach_edge.is_some() {
@@ -445,79 +518,17 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
         .map(|a| Target::parse(&a.url))
         .collect::<Result<Vec<_>, _>>()?;
 
-    // Warm-up: every arm must complete requests, or its figures are void.
-    for (info, target) in arms.iter().zip(&targets) {
-        interrupted(stop)?;
-        let mut spec = window_spec(opts, target, &info.model, opts.warmup_ms, stop)?;
-        if opts.warmup_ms == 0 {
-            spec.mode = Mode::OneShot { streams: 1 };
-        }
-        let summary = load::run(&spec, &Live::new())?;
-        eprintln!("warm-up {:<8} {}", info.label, describe(&summary));
-        if summary.requests_ok == 0 {
-            return Err(CompareError::ArmBroken {
-                arm: info.label.clone(),
-                first_error: summary.first_error.unwrap_or_else(|| "no response".into()),
-            });
-        }
-    }
-    std::thread::sleep(Duration::from_millis(SETTLE_MS));
-    let idle = cluster.relay_pids().and_then(|pids| read_rss(pids, 0));
-
-    let mut windows: Vec<WindowRecord> = Vec::new();
-    let mut rounds = Vec::new();
-    for round in 0..opts.windows {
-        let mut order: Vec<usize> = (0..arms.len()).collect();
-        if round % 2 == 1 {
-            order.reverse();
-        }
-        for (position, &i) in order.iter().enumerate() {
-            interrupted(stop)?;
-            cluster.check_running()?;
-            let (info, target) = (&arms[i], &targets[i]);
-            let spec = window_spec(opts, target, &info.model, opts.window_ms, stop)?;
-            let live = Live::new();
-            let sampler = match (info.arm, cluster.relay_pids()) {
-                (Arm::B, Some(pids)) => Some(spawn_rss_sampler(
-                    Arc::clone(&live),
-                    pids,
-                    opts.window_ms / 2,
-                )),
-                _ => None,
-            };
-            let before = cluster.cpu();
-            let summary = load::run(&spec, &live)?;
-            let after = cluster.cpu();
-            let rss = sampler.and_then(|h| h.join().ok().flatten());
-            eprintln!(
-                "round {}/{} {:<8} {}",
-                round + 1,
-                opts.windows,
-                info.label,
-                describe(&summary)
-            );
-            windows.push(WindowRecord {
-                round,
-                arm: info.arm,
-                position: position as u32,
-                headline: summary.headline(),
-                summary,
-                cpu: cpu_window(before, after, ticks_per_s),
-                rss,
-            });
-        }
-        let of = |arm: Arm| {
-            windows
-                .iter()
-                .rev()
-                .find(|w| w.round == round && w.arm == arm)
-                .map(|w| w.headline)
-        };
-        if let (Some(a), Some(b)) = (of(Arm::A), of(Arm::B)) {
-            let order = order.iter().map(|&i| arms[i].arm).collect();
-            rounds.push(RoundRecord::of(round, order, &a, &b, of(Arm::C).as_ref()));
-        }
-        std::thread::sleep(Duration::from_millis(SETTLE_MS));
+    let mut raws = Vec::new();
+    for &streams in &opts.concurrency {
+        raws.push(run_level(
+            opts,
+            &mut cluster,
+            &arms,
+            &targets,
+            streams,
+            ticks_per_s,
+            stop,
+        )?);
     }
 
     let ladder = if opts.ladder_levels.is_empty() {
@@ -535,22 +546,57 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
     };
 
     let relay_measured = cluster.relay_pids().is_some();
-    let rss = match (idle, relay_measured) {
-        (Some(idle), true) => {
-            let samples = windows.iter().filter_map(|w| w.rss).collect();
-            let ladder_sample = ladder.as_ref().and_then(|l| {
-                l.relayed
-                    .levels
-                    .iter()
-                    .rev()
-                    .find(|level| level.outcome == LevelOutcome::Pass)
-                    .and_then(|level| level.rss)
-            });
-            Some(RssReport::of(idle, samples, ladder_sample))
-        }
-        _ => None,
-    };
-    let cpu = relay_measured.then(|| CpuReport::of(&windows, ticks_per_s));
+    let ladder_sample = ladder.as_ref().and_then(|l| {
+        l.relayed
+            .levels
+            .iter()
+            .rev()
+            .find(|level| level.outcome == LevelOutcome::Pass)
+            .and_then(|level| level.rss)
+    });
+    let highest = raws.len() - 1;
+    let mut levels = Vec::new();
+    for (i, raw) in raws.into_iter().enumerate() {
+        let summary = CompareSummary::of(&raw.windows, &raw.rounds).ok_or_else(|| {
+            CompareError::Options(format!(
+                "no complete round was measured at {} streams",
+                raw.streams
+            ))
+        })?;
+        let rss = match (raw.idle, relay_measured) {
+            (Some(idle), true) => {
+                let samples = raw.windows.iter().filter_map(|w| w.rss).collect();
+                Some(RssReport::of(
+                    idle,
+                    samples,
+                    ladder_sample.filter(|_| i == highest),
+                ))
+            }
+            _ => None,
+        };
+        let cpu = relay_measured.then(|| CpuReport::of(&raw.windows, ticks_per_s));
+        let peer = raw.peer_idle.map(|idle| PeerCost::of(&raw.windows, idle));
+        let goals = check_goals(&GoalInputs {
+            summary: &summary,
+            cpu: cpu.as_ref(),
+            rss: rss.as_ref(),
+            peer: peer.as_ref(),
+            peer_name: &opts.peer_name,
+            highest: i == highest,
+            clock_ticks_per_s: ticks_per_s,
+        });
+        levels.push(LevelReport {
+            streams: raw.streams,
+            windows: raw.windows,
+            rounds: raw.rounds,
+            summary,
+            cpu,
+            rss,
+            peer,
+            goals,
+        });
+    }
+
     if machine.nproc < 4 {
         notes.push(format!(
             "this machine has {} CPUs shared by the load generator, the mock, the Edge and the Node: \
@@ -564,14 +610,19 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
             1000 / ticks_per_s.max(1)
         ));
         notes.push(
-            "idle memory is sampled after warm-up with no stream open; the per-stream figure is \
-             (Edge + Node VmRSS mid-window − idle) ÷ streams in flight, so allocator caching can \
-             make it small or negative"
+            "idle memory is sampled after each level's warm-up with no stream open; the per-stream \
+             figure is (Edge + Node VmRSS mid-window − idle) ÷ streams in flight, so allocator \
+             caching can make it small or negative"
                 .to_string(),
         );
     }
-    let summary = CompareSummary::of(&windows, &rounds)
-        .ok_or_else(|| CompareError::Options("no complete round was measured".into()))?;
+    if !peer_processes.is_empty() {
+        notes.push(format!(
+            "{}'s CPU and memory are those of the PIDs given with --peer-pid, summed, by the same \
+             definitions as the relay's",
+            opts.peer_name
+        ));
+    }
     Ok(CompareReport {
         schema: SCHEMA,
         created_unix_ms: iop_engine::clock::unix_ms(),
@@ -580,13 +631,150 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
         commit: commit(),
         options: opts.clone(),
         arms,
-        windows,
-        rounds,
-        summary,
-        cpu,
-        rss,
+        peer_name: opts.peer_name.clone(),
+        peer_processes,
+        levels,
         ladder,
         notes,
+    })
+}
+
+/// One concurrency level: a warm-up of every arm at `streams`, the idle
+/// memory samples, then the rounds of windows.
+fn run_level(
+    opts: &CompareOptions,
+    cluster: &mut Cluster,
+    arms: &[ArmInfo],
+    targets: &[Target],
+    streams: u64,
+    ticks_per_s: u64,
+    stop: &Arc<AtomicBool>,
+) -> Result<LevelRaw, CompareError> {
+    let peer_pids: Arc<[u32]> = opts.peer_pids.clone().into();
+    let sample_peer = !peer_pids.is_empty() && arms.iter().any(|a| a.arm == Arm::C);
+    // Warm-up: every arm must complete requests, or its figures are void.
+    for (info, target) in arms.iter().zip(targets) {
+        interrupted(stop)?;
+        let mut spec = window_spec(opts, target, &info.model, streams, opts.warmup_ms, stop)?;
+        if opts.warmup_ms == 0 {
+            spec.mode = Mode::OneShot { streams: 1 };
+        }
+        let summary = load::run(&spec, &Live::new())?;
+        eprintln!(
+            "{}: warm-up {:<8} {}",
+            streams_text(streams),
+            info.label,
+            describe(&summary)
+        );
+        if summary.requests_ok == 0 {
+            return Err(CompareError::ArmBroken {
+                arm: info.label.clone(),
+                first_error: summary.first_error.unwrap_or_else(|| "no response".into()),
+            });
+        }
+    }
+    std::thread::sleep(Duration::from_millis(SETTLE_MS));
+    let idle = cluster.relay_pids().and_then(|pids| read_rss(pids, 0));
+    let peer_idle = sample_peer.then(|| read_peer_rss(&peer_pids));
+
+    let mut windows: Vec<WindowRecord> = Vec::new();
+    let mut rounds = Vec::new();
+    for round in 0..opts.windows {
+        let mut order: Vec<usize> = (0..arms.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for (position, &i) in order.iter().enumerate() {
+            interrupted(stop)?;
+            cluster.check_running()?;
+            let (info, target) = (&arms[i], &targets[i]);
+            let spec = window_spec(opts, target, &info.model, streams, opts.window_ms, stop)?;
+            let live = Live::new();
+            let mid_ms = opts.window_ms / 2;
+            let sampler = match (info.arm, cluster.relay_pids()) {
+                (Arm::B, Some(pids)) => Some(spawn_rss_sampler(Arc::clone(&live), pids, mid_ms)),
+                _ => None,
+            };
+            let peer_window = info.arm == Arm::C && sample_peer;
+            let peer_sampler = peer_window.then(|| {
+                let pids = Arc::clone(&peer_pids);
+                spawn_sampler(Arc::clone(&live), mid_ms, move |active_streams| {
+                    Some(read_peer_rss(&pids).map(|kib| PeerRssSample {
+                        active_streams,
+                        kib,
+                    }))
+                })
+            });
+            let mut before = cluster.cpu();
+            if peer_window {
+                before.peer = Some(read_peer_cpu(&peer_pids));
+            }
+            let summary = load::run(&spec, &live)?;
+            let mut after = cluster.cpu();
+            if peer_window {
+                after.peer = Some(read_peer_cpu(&peer_pids));
+            }
+            let rss = sampler.and_then(|h| h.join().ok().flatten());
+            let (cpu, mut peer_not_sampled) = cpu_window(&before, &after, ticks_per_s);
+            let peer_rss = match peer_sampler.map(|h| h.join().ok().flatten()) {
+                Some(Some(Ok(sample))) => Some(sample),
+                Some(Some(Err(e))) => {
+                    peer_not_sampled.get_or_insert(format!("memory mid-window: {e}"));
+                    None
+                }
+                Some(None) => {
+                    peer_not_sampled
+                        .get_or_insert("memory: the window ended before mid-window".into());
+                    None
+                }
+                None => None,
+            };
+            eprintln!(
+                "{}: round {}/{} {:<8} {}",
+                streams_text(streams),
+                round + 1,
+                opts.windows,
+                info.label,
+                describe(&summary)
+            );
+            if let Some(why) = &peer_not_sampled {
+                eprintln!(
+                    "{}: {} not sampled: {why}",
+                    streams_text(streams),
+                    opts.peer_name
+                );
+            }
+            windows.push(WindowRecord {
+                round,
+                arm: info.arm,
+                position: position as u32,
+                headline: summary.headline(),
+                summary,
+                cpu,
+                rss,
+                peer_rss,
+                peer_not_sampled,
+            });
+        }
+        let of = |arm: Arm| {
+            windows
+                .iter()
+                .rev()
+                .find(|w| w.round == round && w.arm == arm)
+                .map(|w| w.headline)
+        };
+        if let (Some(a), Some(b)) = (of(Arm::A), of(Arm::B)) {
+            let order = order.iter().map(|&i| arms[i].arm).collect();
+            rounds.push(RoundRecord::of(round, order, &a, &b, of(Arm::C).as_ref()));
+        }
+        std::thread::sleep(Duration::from_millis(SETTLE_MS));
+    }
+    Ok(LevelRaw {
+        streams,
+        windows,
+        rounds,
+        idle,
+        peer_idle,
     })
 }
 
