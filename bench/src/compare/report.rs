@@ -333,8 +333,7 @@ impl CpuReport {
 /// Memory per active stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RssReport {
-    /// Edge and Node with no stream in flight (after warm-up, before the
-    /// first window).
+    /// Edge and Node before any request (connected, nothing served yet).
     pub idle: RssSample,
     /// Samples taken mid-way through each relayed window.
     pub window_samples: Vec<RssSample>,

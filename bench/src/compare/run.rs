@@ -518,6 +518,16 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
         .map(|a| Target::parse(&a.url))
         .collect::<Result<Vec<_>, _>>()?;
 
+    // The memory baseline: every process connected, none has served a
+    // request yet. Growth per stream is measured from here at every level,
+    // so what the first requests allocate and keep (pools, buffers, the
+    // allocator's caches) counts against the streams, as it would for an
+    // operator watching a fresh process take load.
+    let fresh = Baseline {
+        relay: cluster.relay_pids().and_then(|pids| read_rss(pids, 0)),
+        peer: (!opts.peer_pids.is_empty() && arms.iter().any(|a| a.arm == Arm::C))
+            .then(|| read_peer_rss(&opts.peer_pids)),
+    };
     let mut raws = Vec::new();
     for &streams in &opts.concurrency {
         raws.push(run_level(
@@ -526,6 +536,7 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
             &arms,
             &targets,
             streams,
+            &fresh,
             ticks_per_s,
             stop,
         )?);
@@ -610,9 +621,9 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
             1000 / ticks_per_s.max(1)
         ));
         notes.push(
-            "idle memory is sampled after each level's warm-up with no stream open; the per-stream \
-             figure is (Edge + Node VmRSS mid-window − idle) ÷ streams in flight, so allocator \
-             caching can make it small or negative"
+            "idle memory is sampled once, after the processes connected and before any request; \
+             the per-stream figure is (Edge + Node VmRSS mid-window − idle) ÷ streams in flight, \
+             so what the first requests allocate and keep counts against the streams"
                 .to_string(),
         );
     }
@@ -639,14 +650,22 @@ pub fn run(opts: &CompareOptions, stop: &Arc<AtomicBool>) -> Result<CompareRepor
     })
 }
 
-/// One concurrency level: a warm-up of every arm at `streams`, the idle
-/// memory samples, then the rounds of windows.
+/// Resident memory before any load: the relay's and the peer's.
+struct Baseline {
+    relay: Option<RssSample>,
+    peer: Option<Result<u64, String>>,
+}
+
+/// One concurrency level: a warm-up of every arm at `streams`, then the
+/// rounds of windows; memory growth is measured from `fresh`.
+#[allow(clippy::too_many_arguments)]
 fn run_level(
     opts: &CompareOptions,
     cluster: &mut Cluster,
     arms: &[ArmInfo],
     targets: &[Target],
     streams: u64,
+    fresh: &Baseline,
     ticks_per_s: u64,
     stop: &Arc<AtomicBool>,
 ) -> Result<LevelRaw, CompareError> {
@@ -674,8 +693,8 @@ fn run_level(
         }
     }
     std::thread::sleep(Duration::from_millis(SETTLE_MS));
-    let idle = cluster.relay_pids().and_then(|pids| read_rss(pids, 0));
-    let peer_idle = sample_peer.then(|| read_peer_rss(&peer_pids));
+    let idle = fresh.relay;
+    let peer_idle = fresh.peer.clone().filter(|_| sample_peer);
 
     let mut windows: Vec<WindowRecord> = Vec::new();
     let mut rounds = Vec::new();
