@@ -75,10 +75,7 @@ impl TunnelEmitter {
     fn frame(&mut self, kind: pb::TunnelFrameKind) -> pb::ProviderTunnelFrame {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let evidence = !matches!(
-            kind,
-            pb::TunnelFrameKind::Body | pb::TunnelFrameKind::Usage
-        );
+        let evidence = !matches!(kind, pb::TunnelFrameKind::Body | pb::TunnelFrameKind::Usage);
         let (adapter, target) = if evidence {
             (self.adapter.clone(), self.target.clone())
         } else {
