@@ -192,14 +192,7 @@ fn handle_frame(
                 committed: true,
             });
             let charge = flow::charge_of_run_event(&ev);
-            deliver(
-                edge,
-                conn_id,
-                conn,
-                charge,
-                evidence,
-                RouteEvent::Run(ev),
-            );
+            deliver(edge, conn_id, conn, charge, evidence, RouteEvent::Run(ev));
         }
         Body::NodeCommandResponse(response)
             if crate::admin::is_admin_command(&response.command_id) =>
