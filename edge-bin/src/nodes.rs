@@ -167,12 +167,11 @@ fn handle_frame(
                 end: AttemptTracker::new().end_of_tunnel(&tf),
                 committed: true,
             });
-            let (run_id, charge) = (tf.run_id.clone(), flow::charge_of_tunnel_frame(&tf));
+            let charge = flow::charge_of_tunnel_frame(&tf);
             deliver(
                 edge,
                 conn_id,
                 conn,
-                &run_id,
                 charge,
                 evidence,
                 RouteEvent::Tunnel(tf),
@@ -192,16 +191,8 @@ fn handle_frame(
                 end: AttemptTracker::new().end_of_run(&ev),
                 committed: true,
             });
-            let (run_id, charge) = (ev.run_id.clone(), flow::charge_of_run_event(&ev));
-            deliver(
-                edge,
-                conn_id,
-                conn,
-                &run_id,
-                charge,
-                evidence,
-                RouteEvent::Run(ev),
-            );
+            let charge = flow::charge_of_run_event(&ev);
+            deliver(edge, conn_id, conn, charge, evidence, RouteEvent::Run(ev));
         }
         Body::NodeCommandResponse(response)
             if crate::admin::is_admin_command(&response.command_id) =>
@@ -244,36 +235,36 @@ fn deliver(
     edge: &Edge,
     conn_id: ConnId,
     conn: &ConnHandle,
-    run_id: &str,
     charge: u64,
     evidence: Option<Terminal>,
     event: RouteEvent,
 ) {
     let mut evidence = evidence;
-    let delivery = edge.deliver(conn_id, run_id, charge, evidence.is_some(), event);
+    let delivery = edge.deliver(conn_id, charge, evidence.is_some(), event);
     if let Delivery::Delivered {
         first,
         commits,
         end,
-    } = delivery
+        run_id: Some(run_id),
+    } = &delivery
     {
-        if first && evidence.is_none() {
+        if *first && evidence.is_none() {
             // U6: the response started; a terminal ends the wait by
             // itself.
             edge.apply(Input::Responded {
                 conn: conn_id,
-                run_id: run_id.to_string(),
+                run_id: run_id.clone(),
             });
         }
-        if commits && evidence.is_none() {
+        if *commits && evidence.is_none() {
             edge.apply(Input::Committed {
                 conn: conn_id,
-                run_id: run_id.to_string(),
+                run_id: run_id.clone(),
             });
         }
         if let (Some(t), Some((end, committed))) = (evidence.as_mut(), end) {
-            t.end = end;
-            t.committed = committed;
+            t.end = *end;
+            t.committed = *committed;
         }
     }
     if let Delivery::Overrun(overrun) = delivery {

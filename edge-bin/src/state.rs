@@ -120,6 +120,18 @@ impl RouteRx {
 }
 
 impl RouteEvent {
+    /// The run a node's frame belongs to; `None` for the Edge's own notices.
+    pub fn run_id(&self) -> Option<&str> {
+        match self {
+            RouteEvent::Tunnel(tf) => Some(&tf.run_id),
+            RouteEvent::Run(ev) => Some(&ev.run_id),
+            RouteEvent::Lost
+            | RouteEvent::Overflow
+            | RouteEvent::Aborted(_)
+            | RouteEvent::Retry(_) => None,
+        }
+    }
+
     /// Its flow-control charge (`iop_wire::flow`).
     pub fn charge(&self) -> u64 {
         match self {
@@ -170,7 +182,7 @@ struct NodeLink {
 }
 
 /// What happened to a frame from a node ([`Edge::deliver`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Delivery {
     /// Queued for its client (or dropped: the client has left).
     Delivered {
@@ -181,6 +193,9 @@ pub enum Delivery {
         /// For a terminal: how the attempt ended, and whether it had
         /// committed.
         end: Option<(AttemptEnd, bool)>,
+        /// The run's id, for the run's first frame and its terminal (the
+        /// frames that tell Control something); `None` otherwise.
+        run_id: Option<String>,
     },
     /// No live route on this connection (late, stale, or never dispatched
     /// here: H1, F2).
@@ -1029,12 +1044,14 @@ impl Edge {
     pub fn deliver(
         &self,
         conn: ConnId,
-        run_id: &str,
         charge: u64,
         terminal: bool,
         event: RouteEvent,
     ) -> Delivery {
         let mut routes = self.node_routes.borrow_mut();
+        let Some(run_id) = event.run_id() else {
+            return Delivery::NoRoute;
+        };
         let Some(route) = routes.get_mut(run_id).filter(|r| r.conn == conn) else {
             return Delivery::NoRoute;
         };
@@ -1050,30 +1067,39 @@ impl Edge {
             _ => (false, None),
         };
         let end = end.map(|end| (end, route.tracker.is_committed()));
+        // The id outlives the frame (moved to its client below) only where
+        // it is needed: the run's first frame, its commit and its terminal,
+        // not every frame.
+        let run_id = (terminal || commits || !route.responded).then(|| run_id.to_owned());
+        // A refused frame comes back: its run id names the route to retire.
         let refused = match route.window.on_received(charge) {
-            Err(overrun) => Some(overrun),
+            Err(overrun) => Some((overrun, event)),
             Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
                 // A gone client: its frames have no reader (Control
                 // cancels the run).
                 Ok(()) | Err(mailbox::TrySendError::Closed(_)) => None,
-                Err(mailbox::TrySendError::Full(_)) => Some(Overrun {
-                    received: route.window.received(),
-                    granted: route.window.granted(),
-                }),
+                Err(mailbox::TrySendError::Full(event)) => Some((
+                    Overrun {
+                        received: route.window.received(),
+                        granted: route.window.granted(),
+                    },
+                    event,
+                )),
             },
         };
-        let Some(overrun) = refused else {
+        let Some((overrun, event)) = refused else {
             let first = !std::mem::replace(&mut route.responded, true);
-            if terminal {
+            if let (true, Some(run_id)) = (terminal, &run_id) {
                 routes.remove(run_id);
             }
             return Delivery::Delivered {
                 first,
                 commits,
                 end,
+                run_id,
             };
         };
-        let Some(route) = routes.remove(run_id) else {
+        let Some(route) = event.run_id().and_then(|run_id| routes.remove(run_id)) else {
             return Delivery::NoRoute;
         };
         drop(routes);

@@ -123,6 +123,11 @@ pub(crate) async fn read_pooled<S: AsyncReadRent>(
 /// `Bytes` parts written together with `writev`. Owns both the parts and
 /// the iovec array that points into them, so a write in flight (or one
 /// whose future was dropped under io_uring) never points at freed memory.
+///
+/// A connection that writes often keeps one and refills it
+/// ([`IoParts::refill`]): its two vectors are then allocated once, not per
+/// write (a streamed response writes one per chunk).
+#[derive(Default)]
 pub(crate) struct IoParts {
     parts: Vec<Bytes>,
     iovecs: Vec<libc::iovec>,
@@ -131,12 +136,25 @@ pub(crate) struct IoParts {
 impl IoParts {
     /// Parts in write order; empty parts are dropped.
     pub(crate) fn new(parts: impl IntoIterator<Item = Bytes>) -> Self {
-        let mut io = IoParts {
-            parts: parts.into_iter().filter(|p| !p.is_empty()).collect(),
-            iovecs: Vec::new(),
-        };
-        io.rebuild();
+        let mut io = IoParts::default();
+        io.refill(parts);
         io
+    }
+
+    /// Replaces the parts with `parts` (empty ones dropped), keeping the
+    /// vectors' allocations.
+    pub(crate) fn refill(&mut self, parts: impl IntoIterator<Item = Bytes>) {
+        self.parts.clear();
+        self.parts
+            .extend(parts.into_iter().filter(|p| !p.is_empty()));
+        self.rebuild();
+    }
+
+    /// Drops every part (and with them the references to their bytes),
+    /// keeping the vectors' allocations for the next [`IoParts::refill`].
+    pub(crate) fn clear(&mut self) {
+        self.parts.clear();
+        self.iovecs.clear();
     }
 
     fn is_empty(&self) -> bool {
@@ -193,28 +211,39 @@ unsafe impl IoVecBuf for IoParts {
 /// each write that moved bytes (a stall deadline is pushed on there).
 pub(crate) async fn write_parts<S: AsyncWriteRent>(
     stream: &mut S,
+    parts: IoParts,
+    progress: impl FnMut(),
+) -> io::Result<()> {
+    write_parts_back(stream, parts, progress).await.0
+}
+
+/// [`write_parts`], handing `parts` back (emptied) for reuse.
+pub(crate) async fn write_parts_back<S: AsyncWriteRent>(
+    stream: &mut S,
     mut parts: IoParts,
     mut progress: impl FnMut(),
-) -> io::Result<()> {
+) -> (io::Result<()>, IoParts) {
     while !parts.is_empty() {
         let (res, back) = stream.writev(parts).await;
         parts = back;
         match res {
             Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "peer accepted no bytes",
-                ))
+                parts.clear();
+                let zero = io::Error::new(io::ErrorKind::WriteZero, "peer accepted no bytes");
+                return (Err(zero), parts);
             }
             Ok(n) => {
                 parts.advance(n);
                 progress();
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => {
+                parts.clear();
+                return (Err(e), parts);
+            }
         }
     }
-    stream.flush().await
+    (stream.flush().await, parts)
 }
 
 /// Turns on `TCP_NODELAY` (every IOP socket sets it: small SSE chunks must
@@ -400,5 +429,43 @@ mod tests {
         assert_eq!(&buf[..5], b"head:");
         assert!(buf[5..300_005].iter().all(|&b| b == 7));
         assert_eq!(&buf[300_005..], b":tail");
+    }
+
+    #[monoio::test_all(timer_enabled = true)]
+    async fn parts_handed_back_are_empty_and_refill_in_place() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let writer = monoio::spawn(async move {
+            let mut stream = connect(addr).await.unwrap();
+            let data = Bytes::from(b"chunk-one".to_vec());
+            let (res, mut parts) = write_parts_back(
+                &mut stream,
+                IoParts::new([Bytes::from_static(b"9\r\n"), data.clone()]),
+                || {},
+            )
+            .await;
+            res.unwrap();
+            // Nothing of the written data is held any more.
+            assert!(parts.parts.is_empty());
+            assert!(data.is_unique());
+            let (parts_at, iovecs_at) = (parts.parts.as_ptr(), parts.iovecs.as_ptr());
+            parts.refill([
+                Bytes::from_static(b"9\r\n"),
+                Bytes::new(),
+                Bytes::from_static(b"chunk-two"),
+            ]);
+            // The same allocations, describing exactly the new parts.
+            assert_eq!(parts.parts.as_ptr(), parts_at);
+            assert_eq!(parts.iovecs.as_ptr(), iovecs_at);
+            assert_eq!(parts.iovecs.len(), 2);
+            assert_eq!(parts.iovecs[1].iov_len, 9);
+            let (res, _) = write_parts_back(&mut stream, parts, || {}).await;
+            res.unwrap();
+        });
+        let (mut server, _) = accept(&listener).await.unwrap();
+        let mut buf = BytesMut::new();
+        while fill(&mut server, &mut buf, READ_CHUNK_BYTES).await.unwrap() > 0 {}
+        writer.await;
+        assert_eq!(&buf[..], b"9\r\nchunk-one9\r\nchunk-two");
     }
 }

@@ -36,7 +36,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent, Cancell
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
-use super::io::{fill, fill_toward, write_parts, IoParts, READ_CHUNK_BYTES};
+use super::io::{fill, fill_toward, write_parts_back, IoParts, READ_CHUNK_BYTES};
 use super::write::{
     encode_chunk_header, write_response_head, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
 };
@@ -159,6 +159,9 @@ pub struct ServerConn<S> {
     read_buf: BytesMut,
     /// Scratch for heads and chunk-size lines.
     write_buf: BytesMut,
+    /// The vectors of the last gathered write, kept for the next one
+    /// (`None` while a write owns them).
+    spare_parts: Option<IoParts>,
     limits: Limits,
     /// The last request allows another one and nothing failed.
     keep_alive: bool,
@@ -202,6 +205,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             stream,
             read_buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
             write_buf: BytesMut::new(),
+            spare_parts: None,
             limits,
             keep_alive: true,
             head_request: false,
@@ -445,8 +449,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             return Ok(Bytes::new());
         }
         if head.expect_continue && self.read_buf.is_empty() {
-            self.write(IoParts::new([Bytes::from_static(CONTINUE_100)]))
-                .await?;
+            self.write([Bytes::from_static(CONTINUE_100)]).await?;
         }
         if let BodyFraming::ContentLength { len_bytes } = head.framing {
             // Bounded by max_body_bytes in BodyDecoder::new. Read the body
@@ -549,7 +552,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                 .get_or_insert_with(clock::now);
         }
         let len = (head.len() + body.len()) as u64;
-        self.write(IoParts::new([head, body])).await?;
+        self.write([head, body]).await?;
         self.exchange.bytes_out += len;
         Ok(())
     }
@@ -600,7 +603,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         let head = self.write_buf.split().freeze();
         self.exchange.status = Some(status);
         let len = head.len() as u64;
-        self.write(IoParts::new([head])).await?;
+        self.write([head]).await?;
         self.exchange.bytes_out += len;
         self.response = state;
         Ok(())
@@ -621,7 +624,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                     .first_body_byte_at
                     .get_or_insert_with(clock::now);
                 let len = data.len() as u64;
-                self.write(IoParts::new([data])).await?;
+                self.write([data]).await?;
                 self.exchange.bytes_out += len;
                 Ok(())
             }
@@ -633,12 +636,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                     .first_body_byte_at
                     .get_or_insert_with(clock::now);
                 let len = (size_line.len() + data.len() + CHUNK_DATA_END.len()) as u64;
-                self.write(IoParts::new([
-                    size_line,
-                    data,
-                    Bytes::from_static(CHUNK_DATA_END),
-                ]))
-                .await?;
+                self.write([size_line, data, Bytes::from_static(CHUNK_DATA_END)])
+                    .await?;
                 self.exchange.bytes_out += len;
                 Ok(())
             }
@@ -656,8 +655,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             }),
             ResponseState::HeadOnly => Ok(()),
             ResponseState::Chunked => {
-                self.write(IoParts::new([Bytes::from_static(CHUNKED_END)]))
-                    .await?;
+                self.write([Bytes::from_static(CHUNKED_END)]).await?;
                 self.exchange.bytes_out += CHUNKED_END.len() as u64;
                 Ok(())
             }
@@ -739,25 +737,29 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     /// before the write, pushed on by every partial write (a slow reader
     /// that keeps taking bytes is not stalled), and put back to what was
     /// armed before (a read deadline) once the write is done.
-    async fn write(&mut self, parts: IoParts) -> Result<(), HttpError> {
+    async fn write<const N: usize>(&mut self, parts: [Bytes; N]) -> Result<(), HttpError> {
+        let mut io = self.spare_parts.take().unwrap_or_default();
+        io.refill(parts);
         let stall = self
             .deadline
             .as_ref()
             .and_then(|(deadline, t)| t.write_stall.map(|stall| (deadline, stall)));
-        let result = match stall {
-            None => write_parts(&mut self.stream, parts, || {}).await,
+        let (result, io) = match stall {
+            None => write_parts_back(&mut self.stream, io, || {}).await,
             Some((deadline, stall)) => {
                 let before = deadline.armed();
                 deadline.arm(Wait::Write, stall);
-                let result =
-                    write_parts(&mut self.stream, parts, || deadline.arm(Wait::Write, stall)).await;
+                let (result, io) =
+                    write_parts_back(&mut self.stream, io, || deadline.arm(Wait::Write, stall))
+                        .await;
                 match before {
                     Some((wait, at)) if result.is_ok() => deadline.arm_at(wait, at),
                     _ => deadline.disarm(),
                 }
-                result
+                (result, io)
             }
         };
+        self.spare_parts = Some(io);
         if result.is_err() {
             self.keep_alive = false;
         }

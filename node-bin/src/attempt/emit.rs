@@ -68,15 +68,25 @@ impl TunnelEmitter {
         self.state == EmitState::Terminated
     }
 
+    /// The next frame of `kind`. The typed adapter/target evidence (H2)
+    /// rides on `RESPONSE_START` and the terminals, the frames the Edge
+    /// reads it from; `BODY` and `USAGE` frames, the bulk of a stream, carry
+    /// only the run id, the sequence number and their payload.
     fn frame(&mut self, kind: pb::TunnelFrameKind) -> pb::ProviderTunnelFrame {
         let seq = self.next_seq;
         self.next_seq += 1;
+        let evidence = !matches!(kind, pb::TunnelFrameKind::Body | pb::TunnelFrameKind::Usage);
+        let (adapter, target) = if evidence {
+            (self.adapter.clone(), self.target.clone())
+        } else {
+            (String::new(), String::new())
+        };
         pb::ProviderTunnelFrame {
             run_id: self.run_id.clone(),
             seq,
             kind: kind as i32,
-            adapter: self.adapter.clone(),
-            target: self.target.clone(),
+            adapter,
+            target,
             ..Default::default()
         }
     }
@@ -548,9 +558,16 @@ mod tests {
             kinds(&out),
             vec![(1, ResponseStart), (2, Body), (3, Usage), (4, End)]
         );
-        assert!(out
+        assert!(out.iter().all(|f| f.run_id == "run-1"));
+        // H2 evidence on the head and the terminal; bulk frames go without.
+        let evidence: Vec<(&str, &str)> = out
             .iter()
-            .all(|f| f.run_id == "run-1" && f.adapter == "vllm" && f.target == "llama"));
+            .map(|f| (f.adapter.as_str(), f.target.as_str()))
+            .collect();
+        assert_eq!(
+            evidence,
+            vec![("vllm", "llama"), ("", ""), ("", ""), ("vllm", "llama")]
+        );
     }
 
     // CONTRACT: U1, W6 — an error before the start is the one terminal and
