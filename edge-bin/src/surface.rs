@@ -1479,10 +1479,12 @@ where
     }
 }
 
-/// Starts the client's response with a provider's held response head.
+/// Starts the client's response with a provider's held response head
+/// and `first` (the first body bytes, possibly empty) in one write.
 async fn start_response<S>(
     server: &mut Client<S>,
     head: &pb::ProviderTunnelFrame,
+    first: Bytes,
 ) -> Result<(), HttpError>
 where
     S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
@@ -1494,7 +1496,7 @@ where
         .filter(|h| !openai::is_hop_by_hop(&h.name))
         .map(|h| (h.name.as_str(), &h.value[..]))
         .collect();
-    server.start_chunked(status, headers).await
+    server.start_chunked_with(status, headers, first).await
 }
 
 /// Relays tunnel frames to the client until the terminal, crediting each
@@ -1584,9 +1586,17 @@ where
             }
             pb::TunnelFrameKind::Body => {
                 let (taken_at, len) = (clock::now(), tf.body.len() as u64);
+                let mut body = tf.body;
                 if commits {
                     if let Some(h) = head.take() {
-                        start_response(server, &h).await?;
+                        // The head goes out with the first body bytes, in
+                        // one write (one wake-up of the client, not two).
+                        let first = if held.is_empty() {
+                            std::mem::take(&mut body)
+                        } else {
+                            held.remove(0)
+                        };
+                        start_response(server, &h, first).await?;
                     }
                     started = true;
                     for body in std::mem::take(&mut held) {
@@ -1594,11 +1604,11 @@ where
                     }
                 }
                 if started {
-                    server.write_chunk(tf.body).await?;
+                    server.write_chunk(body).await?;
                     server.chunk_written(taken_at);
                     engine_metrics::add(Count::EdgeRelayBodyBytes, len);
-                } else if head.is_some() && !tf.body.is_empty() {
-                    held.push(tf.body);
+                } else if head.is_some() && !body.is_empty() {
+                    held.push(body);
                 }
                 frames.drained(edge, charge);
             }
@@ -1627,7 +1637,12 @@ where
                 };
                 // The provider's answer as it is (a 5xx that no other
                 // provider could take, or an empty body).
-                start_response(server, &h).await?;
+                let first = if held.is_empty() {
+                    Bytes::new()
+                } else {
+                    held.remove(0)
+                };
+                start_response(server, &h, first).await?;
                 for body in std::mem::take(&mut held) {
                     server.write_chunk(body).await?;
                 }

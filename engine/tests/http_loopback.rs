@@ -332,6 +332,64 @@ mod http {
     }
 
     #[monoio::test_all]
+    async fn head_and_first_chunk_go_out_in_one_write() {
+        let (listener, addr) = listen();
+        let (first_read_tx, first_read_rx) = iop_engine::sync::oneshot::channel::<()>();
+        let server = monoio::spawn(async move {
+            let (stream, _) = accept(&listener).await.unwrap();
+            let mut conn = ServerConn::new(stream, Limits::default());
+            let _req = conn.read_request().await.unwrap().unwrap();
+            conn.start_chunked_with(
+                200,
+                [("content-type", "text/event-stream")],
+                Bytes::from_static(b"data: first\n\n"),
+            )
+            .await
+            .unwrap();
+            // Nothing more until the client's first read returned.
+            first_read_rx.await.unwrap();
+            conn.finish().await.unwrap();
+        });
+        let mut stream = connect(addr).await.unwrap();
+        write_raw(&mut stream, b"GET /s HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        // One read returns the head and the whole first chunk: they were
+        // written together, not the head alone first.
+        let (res, buf) = stream.read(Vec::with_capacity(4096)).await;
+        let n = res.unwrap();
+        first_read_tx.send(()).unwrap();
+        let (head, body) = split_response(&buf[..n]);
+        assert_eq!(head.status, 200);
+        assert_eq!(head.framing, BodyFraming::Chunked);
+        assert_eq!(body, b"d\r\ndata: first\n\n\r\n");
+        let rest = read_exact_raw(&mut stream, 5).await;
+        assert_eq!(rest, b"0\r\n\r\n");
+        drop(stream);
+        server.await;
+    }
+
+    #[monoio::test_all]
+    async fn head_request_gets_no_first_chunk() {
+        let (listener, addr) = listen();
+        let server = monoio::spawn(async move {
+            let (stream, _) = accept(&listener).await.unwrap();
+            let mut conn = ServerConn::new(stream, Limits::default());
+            let _req = conn.read_request().await.unwrap().unwrap();
+            conn.start_chunked_with(200, [("x", "y")], Bytes::from_static(b"body"))
+                .await
+                .unwrap();
+            conn.finish().await.unwrap();
+            conn.close().await.unwrap();
+        });
+        let mut stream = connect(addr).await.unwrap();
+        write_raw(&mut stream, b"HEAD /s HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        let raw = read_to_eof(&mut stream).await;
+        let (head, body) = split_response(&raw);
+        assert_eq!(head.status, 200);
+        assert_eq!(body, b"");
+        server.await;
+    }
+
+    #[monoio::test_all]
     async fn raw_read_relays_chunk_framing_unchanged() {
         let (listener, addr) = listen();
         let server = monoio::spawn(async move {

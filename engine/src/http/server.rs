@@ -581,6 +581,24 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         K: AsRef<str>,
         V: AsRef<[u8]>,
     {
+        self.start_chunked_with(status, headers, Bytes::new()).await
+    }
+
+    /// [`ServerConn::start_chunked`] followed by
+    /// [`ServerConn::write_chunk`]`(first)`, in one gathered write: a relay
+    /// that holds the head until the first body byte sends both in one
+    /// segment, so the client wakes once for them, not once per part.
+    pub async fn start_chunked_with<I, K, V>(
+        &mut self,
+        status: u16,
+        headers: I,
+        first: Bytes,
+    ) -> Result<(), HttpError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<[u8]>,
+    {
         self.expect_idle()?;
         let bodiless_status = status == 204 || status == 304;
         let (framing, state) = if bodiless_status {
@@ -600,10 +618,25 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             framing,
             !self.keep_alive,
         )?;
+        let first = match state {
+            ResponseState::HeadOnly => Bytes::new(),
+            _ => first,
+        };
+        let chunked = state == ResponseState::Chunked && !first.is_empty();
+        if chunked {
+            self.write_buf
+                .extend_from_slice(encode_chunk_header(first.len()).as_bytes());
+        }
         let head = self.write_buf.split().freeze();
         self.exchange.status = Some(status);
-        let len = head.len() as u64;
-        self.write([head]).await?;
+        if !first.is_empty() {
+            self.exchange
+                .first_body_byte_at
+                .get_or_insert_with(clock::now);
+        }
+        let chunk_end = Bytes::from_static(if chunked { CHUNK_DATA_END } else { b"" });
+        let len = (head.len() + first.len() + chunk_end.len()) as u64;
+        self.write([head, first, chunk_end]).await?;
         self.exchange.bytes_out += len;
         self.response = state;
         Ok(())
