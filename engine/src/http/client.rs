@@ -23,6 +23,9 @@
 //!                                  as slices of the pooled read (no copy)
 //! ```
 //!
+//! A read on a plain TCP stream first waits for the socket to be readable
+//! ([`super::ReadReadiness`]) and only then takes its buffer, so a
+//! connection waiting between two tokens holds none.
 //! Every read goes into a fresh buffer from a [`BufferPool`]: by default the
 //! current thread's pool ([`provider_read_pool_stats`] reports its
 //! counters), or one given with [`ClientConn::with_read_pool`]. A buffer
@@ -41,7 +44,7 @@ use zeroize::Zeroizing;
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
-use super::io::{read_pooled, write_parts, IoParts};
+use super::io::{read_pooled, write_parts, IoParts, ReadReadiness};
 use super::write::{write_request_head, HeadLen, HeadSink};
 use super::{parse_response_head, BodyFraming, HttpError, Limits, ResponseHead};
 use crate::pool::{BufferPool, PoolStats};
@@ -121,7 +124,7 @@ impl<S> fmt::Debug for ClientConn<S> {
     }
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent> ClientConn<S> {
+impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
     /// Wraps a connected stream (use [`super::connect`] for TCP with
     /// `TCP_NODELAY`). `limits` caps response heads and chunk lines;
     /// streamed bodies are not capped (see [`ClientConn::read_body_to_end`]).
@@ -821,6 +824,53 @@ mod tests {
         .await;
     }
 
+    // A streamed body whose next piece has not arrived: the read waiting
+    // for it holds no pooled buffer (a stream between two tokens costs no
+    // read memory), and the piece that then arrives is still pooled.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_read_waiting_for_the_next_piece_holds_no_buffer() {
+        guarded(async {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (next_tx, next_rx) = oneshot::channel::<()>();
+            let provider = monoio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut req = vec![0u8; 4096];
+                let (res, _) = s.read(req).await;
+                res.unwrap();
+                let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n";
+                let (res, _) = s.write_all(head.to_vec()).await;
+                res.unwrap();
+                let _ = next_rx.await;
+                let (res, _) = s.write_all(b"6\r\nsecond\r\n0\r\n\r\n".to_vec()).await;
+                res.unwrap();
+            });
+            let read_pool = provider_read_pool();
+            let mut conn = client(addr).await;
+            get(&mut conn).await;
+            let first = conn.read_body_chunk().await.unwrap().unwrap();
+            assert_eq!(&first[..], b"first");
+            drop(first);
+            {
+                let read = conn.read_body_chunk();
+                let mut read = std::pin::pin!(read);
+                monoio::select! {
+                    _ = &mut read => panic!("the second piece was not sent yet"),
+                    _ = monoio::time::sleep(Duration::from_millis(50)) => {}
+                }
+                // The read is in flight, waiting, and lends nothing.
+                assert_eq!(read_pool.stats().in_use, 0);
+                next_tx.send(()).unwrap();
+                let second = read.await.unwrap().unwrap();
+                assert_eq!(&second[..], b"second");
+                assert!(read_pool.locate(second.as_ptr()).is_some());
+            }
+            assert_eq!(conn.read_body_chunk().await.unwrap(), None);
+            provider.await;
+        })
+        .await;
+    }
+
     #[monoio::test_all(timer_enabled = true)]
     async fn body_larger_than_the_pool_overflows_and_stays_exact() {
         guarded(async {
@@ -894,8 +944,8 @@ mod tests {
                     _ = monoio::time::sleep(Duration::from_millis(10)) => false,
                 };
                 assert!(!woke, "a read on a stalled provider completed");
-                // The read in flight holds one more buffer.
-                assert_eq!(provider_read_pool_stats().in_use, held_buffers + 1);
+                // The read in flight waits for the socket and lends nothing.
+                assert_eq!(provider_read_pool_stats().in_use, held_buffers);
                 drop(read);
                 assert!(!conn.is_reusable());
                 drop(conn);
@@ -911,20 +961,15 @@ mod tests {
                     _ = monoio::time::sleep(Duration::from_millis(10)) => false,
                 };
                 assert!(!woke, "a read on a stalled provider completed");
-                assert_eq!(provider_read_pool_stats().in_use, held_buffers + 1);
+                assert_eq!(provider_read_pool_stats().in_use, held_buffers);
                 Some(read)
             }
         };
         drop(read.take());
-        // Under io_uring the kernel still holds the cancelled read's
-        // buffer; the legacy driver dropped it with the future.
-        let held_by_kernel = usize::from(!monoio::utils::is_legacy());
-        assert_eq!(
-            provider_read_pool_stats().in_use,
-            held_buffers + held_by_kernel
-        );
+        // The cancelled wait held no buffer, so none stays with the kernel.
+        assert_eq!(provider_read_pool_stats().in_use, held_buffers);
         drop(held);
-        assert_eq!(provider_read_pool_stats().in_use, held_by_kernel);
+        assert_eq!(provider_read_pool_stats().in_use, 0);
 
         settle(|| provider_read_pool_stats().in_use == baseline.in_use).await;
         let stats = provider_read_pool_stats();

@@ -90,14 +90,22 @@ pub(crate) async fn fill_toward<S: AsyncReadRent>(
 /// When the pool is exhausted, [`BufferPool::acquire`] allocates an
 /// overflow buffer, so a read never waits for a buffer to come back.
 ///
+/// With no `carry`, the read waits for the stream to be readable first
+/// ([`ReadReadiness`]) and takes its buffer only then: a stream waiting for
+/// its provider's next token (20 ms and more apart) holds no buffer, so
+/// idle streams cost no read memory.
+///
 /// Cancelling (dropping the future) loses `carry` and the bytes of the read
 /// in flight; under io_uring the pooled buffer stays with the kernel until
 /// the cancelled read completes and then returns to the pool.
-pub(crate) async fn read_pooled<S: AsyncReadRent>(
+pub(crate) async fn read_pooled<S: AsyncReadRent + ReadReadiness>(
     stream: &mut S,
     pool: &BufferPool,
     carry: Bytes,
 ) -> io::Result<(Bytes, usize)> {
+    if carry.is_empty() {
+        stream.read_ready().await?;
+    }
     if carry.len() >= pool.buffer_size_bytes() {
         let mut heap = BytesMut::with_capacity(carry.len() + READ_CHUNK_BYTES);
         heap.extend_from_slice(&carry);
@@ -116,6 +124,35 @@ pub(crate) async fn read_pooled<S: AsyncReadRent>(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
             Ok(read_bytes) => return Ok((buf.freeze(), read_bytes)),
+        }
+    }
+}
+
+/// A stream that can wait until a read would find something (data, end of
+/// stream or an error) without lending the read a buffer for the wait.
+pub trait ReadReadiness {
+    /// Completes when a read would not wait, or at once when the stream
+    /// cannot tell (a read then waits with its buffer, as without this).
+    fn read_ready(&mut self) -> impl std::future::Future<Output = io::Result<()>>;
+}
+
+impl ReadReadiness for TcpStream {
+    async fn read_ready(&mut self) -> io::Result<()> {
+        // A poll for input (`POLLIN`, which end of stream and errors also
+        // raise); not relaxed, so the epoll driver never reports a
+        // readiness the socket does not have.
+        self.readable(false).await
+    }
+}
+
+impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
+    async fn read_ready(&mut self) -> io::Result<()> {
+        match self {
+            crate::tls::MaybeTls::Plain(tcp) => tcp.readable(false).await,
+            // Plaintext may already wait inside rustls, and socket
+            // readiness says nothing about whole records: the read waits
+            // (with its buffer) as before.
+            crate::tls::MaybeTls::Tls(_) => Ok(()),
         }
     }
 }

@@ -43,7 +43,9 @@ pub use head::{
     parse_request_head, parse_response_head, BodyFraming, Header, RequestHead, ResponseHead,
     Version,
 };
-pub use io::{accept, connect, connect_addrs, connect_host, connect_url, set_nodelay};
+pub use io::{
+    accept, connect, connect_addrs, connect_host, connect_url, set_nodelay, ReadReadiness,
+};
 pub use ndjson::NdjsonSplitter;
 pub use server::{ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched};
 pub use sse::{parse_event, SseEvent, SseSplitter};

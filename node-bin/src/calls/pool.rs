@@ -79,7 +79,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{self, ClientConn, HttpError, Limits, ResponseHead, Scheme, Url};
+use iop_engine::http::{
+    self, ClientConn, HttpError, Limits, ReadReadiness, ResponseHead, Scheme, Url,
+};
 use iop_engine::tls::{MaybeTls, UpstreamStream, UpstreamTls, UpstreamTlsError};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use zeroize::Zeroizing;
@@ -374,7 +376,7 @@ pub trait Reusable {
     fn is_reusable(&self) -> bool;
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent> Reusable for ClientConn<S> {
+impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> Reusable for ClientConn<S> {
     fn is_reusable(&self) -> bool {
         ClientConn::is_reusable(self)
     }
@@ -756,7 +758,7 @@ impl<C: Reusable> PooledConn<C> {
     }
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent> PooledConn<ClientConn<S>> {
+impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> PooledConn<ClientConn<S>> {
     /// [`release`](Self::release) after reading and discarding what is
     /// left of the body — at most [`MAX_DRAIN_BYTES`] within
     /// [`DRAIN_TIMEOUT`] — for a caller whose content already ended (an
@@ -773,7 +775,7 @@ impl<S: AsyncReadRent + AsyncWriteRent> PooledConn<ClientConn<S>> {
 }
 
 /// Reads the rest of the body, at most `max_bytes`; true when it ended.
-async fn drain<S: AsyncReadRent + AsyncWriteRent>(
+async fn drain<S: AsyncReadRent + AsyncWriteRent + ReadReadiness>(
     conn: &mut ClientConn<S>,
     max_bytes: usize,
 ) -> bool {
