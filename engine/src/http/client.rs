@@ -835,7 +835,7 @@ mod tests {
             let (next_tx, next_rx) = oneshot::channel::<()>();
             let provider = monoio::spawn(async move {
                 let (mut s, _) = listener.accept().await.unwrap();
-                let mut req = vec![0u8; 4096];
+                let req = vec![0u8; 4096];
                 let (res, _) = s.read(req).await;
                 res.unwrap();
                 let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n";
