@@ -558,12 +558,15 @@ fn ratio_goal(
     check
 }
 
+/// One latency figure of a [`Headline`].
+type Figure = fn(&Headline) -> f64;
+
 /// The goals of one level: the latency ratios at every level, CPU per
 /// token and RSS per stream at the highest.
 pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
     let s = inputs.summary;
     let no_peer = || Err::<Option<f64>, String>("no peer: ratios not computed".to_string());
-    let peer_added = |f: fn(&Headline) -> f64| match &s.peer_added {
+    let peer_added = |f: Figure| match &s.peer_added {
         Some(h) => Ok(Some(f(h))),
         None => no_peer(),
     };
@@ -574,35 +577,26 @@ pub fn check_goals(inputs: &GoalInputs<'_>) -> Vec<GoalCheck> {
             format_us(MIN_PEER_ADDED_US)
         )
     };
-    let mut goals = vec![
-        ratio_goal(
-            GoalId::AddedTtftP50,
-            "us",
-            Some(s.relayed_added.ttft_p50_us),
-            peer_added(|h| h.ttft_p50_us),
-            MIN_PEER_ADDED_US,
-            tiny_latency(),
-            LATENCY_RATIO_GOAL,
-        ),
-        ratio_goal(
-            GoalId::AddedTtftP99,
-            "us",
-            Some(s.relayed_added.ttft_p99_us),
-            peer_added(|h| h.ttft_p99_us),
-            MIN_PEER_ADDED_US,
-            tiny_latency(),
-            LATENCY_RATIO_GOAL,
-        ),
-        ratio_goal(
-            GoalId::AddedChunkLatencyP99,
-            "us",
-            Some(s.relayed_added.chunk_latency_p99_us),
-            peer_added(|h| h.chunk_latency_p99_us),
-            MIN_PEER_ADDED_US,
-            tiny_latency(),
-            LATENCY_RATIO_GOAL,
-        ),
+    // The latency goals: IOP's added figure ÷ the peer's, at every level.
+    let latency: [(GoalId, Figure); 3] = [
+        (GoalId::AddedTtftP50, |h| h.ttft_p50_us),
+        (GoalId::AddedTtftP99, |h| h.ttft_p99_us),
+        (GoalId::AddedChunkLatencyP99, |h| h.chunk_latency_p99_us),
     ];
+    let mut goals: Vec<GoalCheck> = latency
+        .into_iter()
+        .map(|(id, figure)| {
+            ratio_goal(
+                id,
+                "us",
+                Some(figure(&s.relayed_added)),
+                peer_added(figure),
+                MIN_PEER_ADDED_US,
+                tiny_latency(),
+                LATENCY_RATIO_GOAL,
+            )
+        })
+        .collect();
     if !inputs.highest {
         return goals;
     }
