@@ -193,8 +193,9 @@ pub enum Delivery {
         /// For a terminal: how the attempt ended, and whether it had
         /// committed.
         end: Option<(AttemptEnd, bool)>,
-        /// The run's id, for the run's first frame and its terminal (the
-        /// frames that tell Control something); `None` otherwise.
+        /// The run's id, for the run's first frame, the frame that commits
+        /// it and its terminal (the frames that tell Control something);
+        /// `None` otherwise.
         run_id: Option<String>,
     },
     /// No live route on this connection (late, stale, or never dispatched
