@@ -19,10 +19,11 @@
 //!   ([`BufferPool::allocated`] stays constant). Free slots are reused LIFO so
 //!   the hottest buffer stays in cache.
 //! * **Ownership, not aliasing.** While a buffer is out on loan its memory (a
-//!   `Box<[u8]>`) is *moved* out of the slot into the [`PooledBuf`] (and later
-//!   into the frozen `Bytes` owner). Nothing else points at it, so no unsafe
-//!   aliasing is needed; the only `unsafe` here is the `IoBuf`/`IoBufMut`
-//!   contract monoio requires.
+//!   `Box<[MaybeUninit<u8>]>`) is *moved* out of the slot into the
+//!   [`PooledBuf`] (and later into the frozen `Bytes` owner). Nothing else
+//!   points at it, so no unsafe aliasing is needed; the only `unsafe` here is
+//!   the `IoBuf`/`IoBufMut` contract monoio requires and the view of a
+//!   buffer's filled prefix as bytes.
 //! * **Generation-checked handles.** Every loan carries a [`BufferId`] (slot
 //!   index + generation, bumped on each loan). A return whose id does not match
 //!   a slot that is currently on loan is *stale*: the memory is freed, counted
@@ -40,16 +41,19 @@
 //!   buffer instead, counted in [`BufferPool::overflow_allocations`], which is
 //!   freed (not pooled) when dropped.
 //!
-//! The memory of a buffer is zero-filled when first allocated and always
-//! fully initialized after that, so setting the initialized length anywhere
-//! within the capacity is sound. A reused buffer still holds its previous
-//! contents beyond the current length.
+//! The memory of a buffer is left uninitialized when it is allocated: the
+//! pages a read never reaches are never touched, so a 16 KiB buffer that
+//! carries 300-byte tokens costs one page of resident memory, not four.
+//! Only the filled prefix (`len`: bytes copied in, or written by the kernel
+//! and declared with `set_init`) is ever read. A reused buffer still holds
+//! its previous contents beyond the current length.
 //!
 //! `freeze` costs one small heap allocation (the `Bytes` owner box that
 //! `Bytes::from_owner` creates); the body bytes are never copied.
 
 use std::cell::RefCell;
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::rc::{Rc, Weak};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -226,7 +230,7 @@ struct Slot {
     /// Bumped on every loan.
     generation: u32,
     /// `Some` while the buffer is at home, `None` while on loan.
-    memory: Option<Box<[u8]>>,
+    memory: Option<Memory>,
     /// Address of the slot's heap memory. The allocation never moves (only
     /// the box pointer travels with a loan), so this identifies the
     /// buffer's bytes for [`BufferPool::locate`]; it is never dereferenced.
@@ -248,7 +252,7 @@ struct ReturnQueue {
 /// Memory on its way home.
 struct Returned {
     id: BufferId,
-    memory: Box<[u8]>,
+    memory: Memory,
 }
 
 impl BufferPool {
@@ -319,7 +323,7 @@ impl BufferPool {
         state.overflow_allocations = state.overflow_allocations.saturating_add(1);
         drop(state);
         PooledBuf {
-            memory: zeroed(self.local.config.buffer_size_bytes),
+            memory: fresh_memory(self.local.config.buffer_size_bytes),
             len_bytes: 0,
             origin: Origin::Overflow,
         }
@@ -429,7 +433,7 @@ impl fmt::Debug for BufferPool {
 impl Local {
     /// Takes a buffer out of the slab, allocating a slot if none is free and
     /// the cap allows.
-    fn take(&self) -> Option<(BufferId, Box<[u8]>)> {
+    fn take(&self) -> Option<(BufferId, Memory)> {
         let mut state = self.state.borrow_mut();
         let index = match state.free.pop() {
             Some(index) => index,
@@ -475,13 +479,13 @@ impl Drop for Local {
 
 impl State {
     /// Allocates a new slot and lends it at once, if the cap allows.
-    fn allocate_slot(&mut self, config: &PoolConfig) -> Option<(BufferId, Box<[u8]>)> {
+    fn allocate_slot(&mut self, config: &PoolConfig) -> Option<(BufferId, Memory)> {
         if self.slots.len() >= config.buffer_count_max {
             return None;
         }
         // buffer_count_max ≤ BUFFER_COUNT_MAX < u32::MAX, checked by validate().
         let index = u32::try_from(self.slots.len()).ok()?;
-        let memory = zeroed(config.buffer_size_bytes);
+        let memory = fresh_memory(config.buffer_size_bytes);
         self.slots.push(Slot {
             generation: 0,
             memory: None,
@@ -549,8 +553,37 @@ impl Shared {
     }
 }
 
-fn zeroed(size_bytes: usize) -> Box<[u8]> {
-    vec![0u8; size_bytes].into_boxed_slice()
+/// A buffer's memory; only its filled prefix is initialized.
+type Memory = Box<[MaybeUninit<u8>]>;
+
+/// Memory for one buffer, uninitialized: no page of it is touched until a
+/// read or copy fills it.
+fn fresh_memory(size_bytes: usize) -> Memory {
+    Box::new_uninit_slice(size_bytes)
+}
+
+/// `memory[..len_bytes]` as bytes.
+///
+/// # Safety
+///
+/// `len_bytes <= memory.len()`, and every byte of that prefix was written
+/// (copied in, or filled by a read and declared with `set_init`).
+unsafe fn filled(memory: &[MaybeUninit<u8>], len_bytes: usize) -> &[u8] {
+    let prefix = &memory[..len_bytes];
+    // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and the caller
+    // guarantees the prefix is initialized.
+    unsafe { &*(prefix as *const [MaybeUninit<u8>] as *const [u8]) }
+}
+
+/// `memory[..len_bytes]` as mutable bytes.
+///
+/// # Safety
+///
+/// As for [`filled`].
+unsafe fn filled_mut(memory: &mut [MaybeUninit<u8>], len_bytes: usize) -> &mut [u8] {
+    let prefix = &mut memory[..len_bytes];
+    // SAFETY: as in `filled`; the borrow is exclusive.
+    unsafe { &mut *(prefix as *mut [MaybeUninit<u8>] as *mut [u8]) }
 }
 
 /// Where a buffer's memory goes when it is dropped.
@@ -581,8 +614,9 @@ enum Origin {
 /// `!Send`: it belongs to the core that acquired it.
 pub struct PooledBuf {
     /// Owned outright while on loan; `len() == buffer_size_bytes`.
-    memory: Box<[u8]>,
-    /// Initialized (filled) prefix; always `<= memory.len()`.
+    memory: Memory,
+    /// Initialized (filled) prefix; always `<= memory.len()`, and every
+    /// byte of it written.
     len_bytes: usize,
     origin: Origin,
 }
@@ -635,7 +669,9 @@ impl PooledBuf {
     pub fn extend_from_slice(&mut self, src: &[u8]) -> usize {
         let count = src.len().min(self.remaining_bytes());
         let end = self.len_bytes + count;
-        self.memory[self.len_bytes..end].copy_from_slice(&src[..count]);
+        for (dst, &byte) in self.memory[self.len_bytes..end].iter_mut().zip(src) {
+            dst.write(byte);
+        }
         self.len_bytes = end;
         count
     }
@@ -681,13 +717,16 @@ impl Deref for PooledBuf {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.memory[..self.len_bytes]
+        // SAFETY: `len_bytes <= memory.len()` and the prefix was written
+        // (the invariant of `len_bytes`).
+        unsafe { filled(&self.memory, self.len_bytes) }
     }
 }
 
 impl DerefMut for PooledBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.memory[..self.len_bytes]
+        // SAFETY: as in `deref`.
+        unsafe { filled_mut(&mut self.memory, self.len_bytes) }
     }
 }
 
@@ -713,10 +752,10 @@ impl fmt::Debug for PooledBuf {
 // neither reallocated nor replaced while the value lives (only `freeze`/`Drop`
 // take it, consuming the buffer), so the address is stable as monoio requires.
 // `bytes_init` is `len_bytes`, which is always `<= memory.len()`, and every byte
-// of `memory` is initialized (zero-filled at allocation).
+// of that prefix was written.
 unsafe impl IoBuf for PooledBuf {
     fn read_ptr(&self) -> *const u8 {
-        self.memory.as_ptr()
+        self.memory.as_ptr().cast()
     }
 
     fn bytes_init(&self) -> usize {
@@ -729,7 +768,7 @@ unsafe impl IoBuf for PooledBuf {
 // which this buffer owns exclusively.
 unsafe impl IoBufMut for PooledBuf {
     fn write_ptr(&mut self) -> *mut u8 {
-        self.memory.as_mut_ptr()
+        self.memory.as_mut_ptr().cast()
     }
 
     fn bytes_total(&mut self) -> usize {
@@ -737,9 +776,10 @@ unsafe impl IoBufMut for PooledBuf {
     }
 
     unsafe fn set_init(&mut self, pos: usize) {
-        // All of `memory` is initialized, so any length up to its size is
-        // valid; clamp to keep the `len_bytes <= memory.len()` invariant even
-        // if a caller breaks the contract.
+        // The caller guarantees the first `pos` bytes are written (the
+        // prefix before a read's offset was, and the read filled the rest);
+        // clamp to keep the `len_bytes <= memory.len()` invariant even if a
+        // caller breaks the contract.
         self.len_bytes = pos.min(self.memory.len());
     }
 }
@@ -753,14 +793,17 @@ struct ReturnPath {
 /// The `Bytes` owner behind [`PooledBuf::freeze`]: `Send`, so the `Bytes`
 /// may cross cores.
 struct FrozenBuf {
-    memory: Box<[u8]>,
+    memory: Memory,
+    /// The filled prefix of the buffer it was frozen from.
     len_bytes: usize,
     return_path: Option<ReturnPath>,
 }
 
 impl AsRef<[u8]> for FrozenBuf {
     fn as_ref(&self) -> &[u8] {
-        &self.memory[..self.len_bytes]
+        // SAFETY: `len_bytes` is the filled prefix of the `PooledBuf` this
+        // was frozen from (its invariant); nothing writes to it since.
+        unsafe { filled(&self.memory, self.len_bytes) }
     }
 }
 
@@ -821,7 +864,7 @@ mod tests {
         for id in forged {
             pool.local.give_back(Returned {
                 id,
-                memory: zeroed(64),
+                memory: fresh_memory(64),
             });
         }
         assert_eq!(pool.stale_returns(), 3);
@@ -841,7 +884,7 @@ mod tests {
         if let Some(id) = held_id {
             pool.local.shared.push(Returned {
                 id,
-                memory: zeroed(32),
+                memory: fresh_memory(32),
             });
         }
         assert_eq!(pool.stale_returns(), 4);
