@@ -375,8 +375,7 @@ pub struct PeerCost {
     pub cpu_us: Option<u64>,
     /// `cpu_us / tokens`.
     pub us_per_token: Option<f64>,
-    /// The peer's processes with no stream open (after this level's
-    /// warm-up), KiB.
+    /// The peer's processes before any request of the run, KiB.
     pub idle_kib: Option<u64>,
     /// Samples taken mid-way through each peer window.
     pub window_samples: Vec<PeerRssSample>,
