@@ -157,20 +157,26 @@ fn read(path: String) -> Result<String, ProcError> {
 }
 
 /// The text of a `/proc/<pid>/cmdline`: the NUL-separated arguments joined
-/// by spaces (a process that rewrote its title, as nginx does, shows that
-/// title), cut to `max_chars` characters with `…`. `None` when empty (a
-/// kernel thread or a zombie).
+/// by spaces, the program named by its file name rather than its path (so
+/// the arguments that tell processes apart survive the cut wherever the
+/// binary lives), cut to `max_chars` characters with `…`. A process that
+/// rewrote its title, as nginx does, shows that title as it wrote it.
+/// `None` when empty (a kernel thread or a zombie).
 pub fn parse_cmdline(raw: &[u8], max_chars: usize) -> Option<String> {
     let text = String::from_utf8_lossy(raw);
-    let joined = text
+    let mut args = text
         .split('\0')
         .map(str::trim)
-        .filter(|arg| !arg.is_empty())
+        .filter(|arg| !arg.is_empty());
+    let program = args.next()?;
+    let program = match program.rsplit_once('/') {
+        Some((_, name)) if !name.is_empty() && !program.contains(char::is_whitespace) => name,
+        _ => program,
+    };
+    let joined = std::iter::once(program)
+        .chain(args)
         .collect::<Vec<_>>()
         .join(" ");
-    if joined.is_empty() {
-        return None;
-    }
     if joined.chars().count() <= max_chars {
         return Some(joined);
     }
@@ -361,7 +367,21 @@ mod tests {
         );
         assert_eq!(
             parse_cmdline(b"/usr/sbin/nginx\0-p\0/tmp/w\0", 40).as_deref(),
-            Some("/usr/sbin/nginx -p /tmp/w")
+            Some("nginx -p /tmp/w")
+        );
+        // A long build path does not push the distinguishing arguments out.
+        assert_eq!(
+            parse_cmdline(
+                b"/check/work/main/target/debug/bench\0mock-provider\0--port\09\0",
+                24
+            )
+            .as_deref(),
+            Some("bench mock-provider --p…")
+        );
+        // A rewritten title with a path inside it is kept as written.
+        assert_eq!(
+            parse_cmdline(b"nginx: master process /usr/sbin/nginx", 60).as_deref(),
+            Some("nginx: master process /usr/sbin/nginx")
         );
         assert_eq!(
             parse_cmdline(b"nginx: master process nginx -p /tmp/x", 14).as_deref(),
