@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
+use iop_engine::http::ReadReadiness;
 use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::{Deadline, Wait};
@@ -44,6 +45,17 @@ use crate::{front_door, metrics, status};
 /// then the requests `edge.client_*_timeout_ms`; a request refused before
 /// its body was read is answered and the connection closed with a
 /// lingering close.
+/// What a client connection's stream can do: plain TCP and TLS both.
+pub(crate) trait ClientStream:
+    AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness
+{
+}
+
+impl<S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness> ClientStream
+    for S
+{
+}
+
 /// A client connection and what the access log will say of its current
 /// request; derefs to the connection.
 struct Client<S> {
@@ -99,7 +111,7 @@ impl<S> Client<S> {
     /// client had left.
     async fn watch_peer<F: std::future::Future>(&mut self, work: F) -> Watched<F::Output>
     where
-        S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+        S: ClientStream,
     {
         let edge = Rc::clone(&self.edge);
         let work = async move {
@@ -185,7 +197,7 @@ impl<S> std::ops::DerefMut for Client<S> {
     }
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent> Client<S> {
+impl<S: ClientStream> Client<S> {
     /// Starts the record of a request just read: its id (the client's
     /// valid `x-request-id` or a new one) goes on every response to it.
     fn begin(&mut self, edge: &Edge, head: &RequestHead, path: &str, body_len: usize, at: Instant) {
@@ -542,7 +554,7 @@ fn is_inference_route(path: &str) -> bool {
 /// side is already shut down).
 async fn refuse_request<S>(edge: &Edge, server: &mut Client<S>, e: &HttpError)
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let counted = match e {
         HttpError::TimedOut(Wait::Head) => Some(Count::EdgeClientHeadTimeouts),
@@ -583,7 +595,7 @@ where
 /// when lingering is off.
 async fn linger<S>(edge: &Edge, server: &mut Client<S>)
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let Some(linger) = front_door::client_linger(&edge.settings.limits) else {
         let _ = server.close().await;
@@ -616,7 +628,7 @@ async fn refuse_body<S>(
     e: &ApiError,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     if e.is_json_limit() {
         engine_metrics::add(Count::EdgeClientJsonLimitRejections, 1);
@@ -634,7 +646,7 @@ fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
 
 async fn write_json<S>(server: &mut Client<S>, status: u16, body: Bytes) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     server
         .write_response(status, [("content-type", "application/json")], body)
@@ -643,7 +655,7 @@ where
 
 async fn write_api_error<S>(server: &mut Client<S>, e: &ApiError) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     write_error(server, Surface::OpenAi, e).await
 }
@@ -654,7 +666,7 @@ async fn write_error<S>(
     e: &ApiError,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let retry_after = e.retry_after_sec.map(|s| s.to_string());
     let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
@@ -684,7 +696,7 @@ pub fn draining_error() -> ApiError {
 /// connection.
 async fn refuse_while_draining<S>(server: &mut Client<S>, path: &str) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let surface = if path.starts_with(MESSAGES.path) {
         Surface::Anthropic
@@ -719,7 +731,7 @@ async fn chat<S>(
     body: Bytes,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
@@ -842,7 +854,7 @@ async fn admit<S>(
     long: bool,
 ) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     if let Some(e) = check_caller(edge, server, model) {
         write_caller_refusal(server, route.surface, &e).await?;
@@ -920,7 +932,7 @@ async fn write_caller_refusal<S>(
     refusal: &CallerRefusal,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let r = match refusal {
         CallerRefusal::Model(e) => return write_error(server, surface, e).await,
@@ -966,7 +978,7 @@ async fn send_run<S>(
     buffered: bool,
 ) -> Result<bool, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let sent = edge.start_run(request, dispatch, run, buffered).await;
     if !sent {
@@ -991,7 +1003,7 @@ async fn passthrough<S>(
     body: Bytes,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
@@ -1162,7 +1174,7 @@ async fn refuse<S>(
     e: &CredentialError,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let lease = &dispatch.lease;
     tracing::warn!(
@@ -1263,7 +1275,7 @@ async fn relay_run<S>(
     chat: &ChatRequest,
 ) -> Result<Relayed, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     if !chat.stream {
         let mut tracker = AttemptTracker::buffered();
@@ -1467,7 +1479,7 @@ async fn verdict<S>(
     frames: &mut RouteRx,
 ) -> Result<Option<Dispatch>, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     loop {
         match server.watch_peer(frames.recv()).await {
@@ -1487,7 +1499,7 @@ async fn start_response<S>(
     first: Bytes,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let status = u16::try_from(head.status).unwrap_or(502);
     let headers: Vec<(&str, &[u8])> = head
@@ -1512,7 +1524,7 @@ async fn relay<S>(
     frames: &mut RouteRx,
 ) -> Result<Relayed, HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let mut tracker = AttemptTracker::new();
     let mut head: Option<pb::ProviderTunnelFrame> = None;
@@ -1679,7 +1691,7 @@ async fn abort<S>(
     reason: AbortReason,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     let message = match reason {
         AbortReason::ResponseWaitTimeout => {
@@ -1708,7 +1720,7 @@ async fn fail<S>(
     code: &str,
 ) -> Result<(), HttpError>
 where
-    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent,
+    S: ClientStream,
 {
     server.rec.end(code);
     if !started {

@@ -159,6 +159,66 @@ mod http {
         assert_eq!(stats[2].first_body_byte_at, None);
     }
 
+    // A request read with nothing behind it leaves the connection no read
+    // buffer (its head and small body are copies), so a streaming response
+    // or an idle kept-alive connection holds none; bytes pipelined behind a
+    // request stay buffered, exact, for the next read.
+    #[monoio::test_all]
+    async fn a_request_read_leaves_no_read_buffer_behind() {
+        let (listener, addr) = listen();
+        let server = monoio::spawn(async move {
+            let (stream, _) = accept(&listener).await.unwrap();
+            let mut conn = ServerConn::new(stream, Limits::default());
+            assert_eq!(conn.read_buffer_bytes(), 0, "nothing before the first read");
+            let one = conn.read_request().await.unwrap().unwrap();
+            assert_eq!(&one.body[..], b"{\"n\":1}");
+            assert_eq!(one.head.header("x-tag").map(|v| &v[..]), Some(&b"one"[..]));
+            assert_eq!(conn.read_buffer_bytes(), 0);
+            conn.write_response(200, [("x", "1")], Bytes::from_static(b"a"))
+                .await
+                .unwrap();
+            // Two requests in one write: the second waits in the buffer.
+            let two = conn.read_request().await.unwrap().unwrap();
+            assert_eq!(&two.body[..], b"{\"n\":2}");
+            assert!(
+                conn.read_buffer_bytes() > 0,
+                "the pipelined request is kept"
+            );
+            conn.write_response(200, [("x", "2")], Bytes::from_static(b"b"))
+                .await
+                .unwrap();
+            let three = conn.read_request().await.unwrap().unwrap();
+            assert_eq!(&three.body[..], b"{\"n\":3}");
+            assert_eq!(
+                three.head.header("x-tag").map(|v| &v[..]),
+                Some(&b"three"[..])
+            );
+            assert_eq!(conn.read_buffer_bytes(), 0);
+            conn.write_response(200, [("x", "3")], Bytes::from_static(b"c"))
+                .await
+                .unwrap();
+            assert!(conn.read_request().await.unwrap().is_none(), "clean EOF");
+            assert_eq!(conn.read_buffer_bytes(), 0);
+        });
+        let request = |n: u8, tag: &str| {
+            format!(
+                "POST /r HTTP/1.1\r\nhost: t\r\nx-tag: {tag}\r\ncontent-length: 7\r\n\r\n{{\"n\":{n}}}"
+            )
+        };
+        let mut raw = connect(addr).await.unwrap();
+        write_raw(&mut raw, request(1, "one").as_bytes()).await;
+        let first = read_exact_raw(&mut raw, 1).await;
+        let pipelined = format!("{}{}", request(2, "two"), request(3, "three"));
+        write_raw(&mut raw, pipelined.as_bytes()).await;
+        raw.shutdown().await.unwrap();
+        let rest = read_to_eof(&mut raw).await;
+        let all = [first, rest].concat();
+        let text = String::from_utf8(all).unwrap();
+        assert_eq!(text.matches("HTTP/1.1 200").count(), 3, "{text}");
+        assert!(text.ends_with("\r\n\r\nc"), "{text}");
+        server.await;
+    }
+
     #[monoio::test_all]
     async fn content_length_request_and_response() {
         let (listener, addr) = listen();

@@ -17,8 +17,11 @@
 //! chunk ◄─ encode_chunk_header                        connect, accept, set_nodelay, Url
 //! ```
 //!
-//! Body data comes out as `Bytes` slices of the read buffer (no copy), and
-//! goes out with gathered writes that share the caller's `Bytes` (no copy).
+//! A response body comes out as `Bytes` slices of pooled read buffers (no
+//! copy); a request body over 16 KiB is one slice of the buffer it was read
+//! into, while heads and smaller request bodies are copies, so a few bytes
+//! never keep a whole read buffer alive. Bodies go out with gathered writes
+//! that share the caller's `Bytes` (no copy).
 //! Every socket these helpers create or accept has `TCP_NODELAY`.
 
 mod body;

@@ -23,20 +23,27 @@
 //! each partial write: a peer that takes no byte for that long is reset and
 //! the write fails with [`HttpError::TimedOut`]`(`[`Wait::Write`]`)`.
 //!
-//! Memory: a `Content-Length` body grows its buffer toward the declared
-//! length, never past it, and leaves the connection's read buffer behind
-//! when it is split off, so a kept-alive connection holds only
-//! [`READ_CHUNK_BYTES`]-sized buffers between requests whatever it carried.
+//! Memory: a connection holds a read buffer only while it reads. A read
+//! with nothing buffered first waits for the socket to be readable
+//! ([`ReadReadiness`]; a plain TCP stream waits without a buffer, a TLS one
+//! with its buffer as before), and once a request is read an empty read
+//! buffer is given back, so neither a streaming response nor an idle
+//! kept-alive connection keeps one. A request's head, and a body of at
+//! most [`READ_CHUNK_BYTES`], are copies of their bytes, never slices of
+//! the read buffer that would keep all of it for the life of the request.
+//! A larger `Content-Length` body grows its buffer toward the declared
+//! length, never past it, and is split off (not copied), leaving the
+//! connection's read buffer behind.
 
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent, Canceller};
 
 use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
-use super::io::{fill, fill_toward, write_parts_back, IoParts, READ_CHUNK_BYTES};
+use super::io::{fill, fill_toward, write_parts_back, IoParts, ReadReadiness, READ_CHUNK_BYTES};
 use super::write::{
     encode_chunk_header, write_response_head, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
 };
@@ -119,8 +126,9 @@ pub enum LingerEnd {
 pub struct Request {
     /// The parsed head.
     pub head: RequestHead,
-    /// The de-chunked body (empty when there is none). A `Content-Length`
-    /// body is one slice of the read buffer (no copy).
+    /// The de-chunked body (empty when there is none): its own copy when
+    /// it is at most [`READ_CHUNK_BYTES`], else one slice of the buffer it
+    /// was read into (a `Content-Length` body is not copied).
     pub body: Bytes,
 }
 
@@ -195,15 +203,23 @@ impl<S> ServerConn<S> {
     pub fn exchange(&self) -> ExchangeStats {
         self.exchange
     }
+
+    /// Bytes of read buffer the connection holds (its capacity): 0 while
+    /// a response is written after a request with nothing pipelined
+    /// behind it, and while the connection waits for its next request.
+    pub fn read_buffer_bytes(&self) -> usize {
+        self.read_buf.capacity()
+    }
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
+impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     /// Wraps an accepted stream (set `TCP_NODELAY` first:
     /// [`super::accept`] does).
     pub fn new(stream: S, limits: Limits) -> Self {
         ServerConn {
             stream,
-            read_buf: BytesMut::with_capacity(READ_CHUNK_BYTES),
+            // Allocated by the first read, once the socket is readable.
+            read_buf: BytesMut::new(),
             write_buf: BytesMut::new(),
             spare_parts: None,
             limits,
@@ -263,7 +279,10 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
     /// [`Watched::PeerClosed`] as soon as the client closes its side, or
     /// [`Watched::Done`] with `work`'s output.
     ///
-    /// The watch is a cancelable read: when `work` finishes first the read
+    /// The watch first waits for the socket to be readable, which lends
+    /// no buffer and takes no bytes ([`ReadReadiness`]), so a request
+    /// waiting in the queue or for its first token costs no read memory.
+    /// Then it is a cancelable read: when `work` finishes first the read
     /// is cancelled and awaited, and any bytes it had already received (a
     /// pipelined next request) are kept for [`ServerConn::read_request`], so
     /// nothing is lost. After the client sent such bytes the watch stops
@@ -273,8 +292,18 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         S: CancelableAsyncReadRent,
     {
         let mut work = std::pin::pin!(work);
+        if self.read_buf.is_empty() {
+            // Dropping a readiness wait loses nothing: no bytes were taken.
+            let ready = monoio::select! {
+                out = &mut work => Some(out),
+                _ = self.stream.read_ready() => None,
+            };
+            if let Some(out) = ready {
+                return Watched::Done(out);
+            }
+        }
         let canceller = Canceller::new();
-        let probe = vec![0u8; 4096];
+        let probe = Vec::with_capacity(4096);
         let read = self.stream.cancelable_read(probe, canceller.handle());
         let mut read = std::pin::pin!(read);
         let mut read_done = false;
@@ -363,12 +392,18 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                 }
             }
             scanned_bytes = self.read_buf.len();
+            if self.read_buf.is_empty() {
+                // Waiting for the (next) request costs no read buffer.
+                let ready = self.stream.read_ready().await;
+                self.check_deadline(ready.map(|()| 1))?;
+            }
             let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
             let read_bytes = self.check_deadline(read)?;
             if read_bytes == 0 {
                 self.keep_alive = false;
                 // Stray CRLFs after the last request are not a request.
                 return if self.read_buf.iter().all(|&b| b == b'\r' || b == b'\n') {
+                    self.read_buf = BytesMut::new();
                     Ok(None)
                 } else {
                     Err(HttpError::UnexpectedEof)
@@ -384,6 +419,11 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
         self.http10 = head.version == Version::Http10;
         let body = self.read_body(&head).await;
         self.disarm();
+        if self.read_buf.is_empty() {
+            // Nothing pipelined: the buffer goes back now, not after the
+            // response (which may stream for minutes).
+            self.read_buf = BytesMut::new();
+        }
         match body {
             Ok(body) => Ok(Some(Request { head, body })),
             Err(e) => {
@@ -471,10 +511,13 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
                     return Err(HttpError::UnexpectedEof);
                 }
             }
-            let body = self.read_buf.split_to(len).freeze();
-            if len > READ_CHUNK_BYTES {
-                self.detach_read_buffer();
+            if len <= READ_CHUNK_BYTES {
+                let body = Bytes::copy_from_slice(&self.read_buf[..len]);
+                self.read_buf.advance(len);
+                return Ok(body);
             }
+            let body = self.read_buf.split_to(len).freeze();
+            self.detach_read_buffer();
             return Ok(body);
         }
         let mut first: Option<Bytes> = None;
@@ -501,6 +544,8 @@ impl<S: AsyncReadRent + AsyncWriteRent> ServerConn<S> {
             }
         }
         Ok(match first {
+            // One chunk: a slice of the read buffer, unless it is small.
+            Some(only) if only.len() <= READ_CHUNK_BYTES => Bytes::copy_from_slice(&only),
             Some(only) => only,
             None => joined.freeze(),
         })
