@@ -2,6 +2,7 @@
 //! the current monoio runtime, around a shared [`ConnCore`].
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::time::Instant;
@@ -295,29 +296,32 @@ impl ConnHandle {
 
     /// Queues `frame` on the bulk lane (run events, tunnel frames), waiting
     /// while the lane is full (backpressure).
-    pub async fn send_bulk(&self, frame: pb::Frame) -> Result<(), SendError> {
-        let out = self.shared.core.borrow_mut().encode_frame(&frame)?;
+    ///
+    /// This and the other bulk sends encode at the call and return a future
+    /// that holds only the encoded bytes: a `pb::Frame` is most of a
+    /// kilobyte, and a future that kept it (an `async fn` keeps its
+    /// arguments to the end) would carry a copy in every caller's future
+    /// that awaits a send, for the life of each stream.
+    pub fn send_bulk(&self, frame: pb::Frame) -> impl Future<Output = Result<(), SendError>> + '_ {
+        let encoded = self.encode_bulk(&frame);
         // Only the encoded copy waits for lane room (a large request body
         // is not held twice).
         drop(frame);
-        self.push_bulk(out).await
+        self.push_bulk(encoded)
     }
 
     /// Queues a tunnel `BODY` frame on the bulk lane: `frame` without its body
     /// (a body in it is ignored) and `body`, which the writer sends as it is,
     /// without copying it (bodies up to `ConnConfig::body_copy_max_bytes` are
     /// coalesced with other frames instead). Waits while the lane is full.
-    pub async fn send_body_frame(
+    pub fn send_body_frame(
         &self,
         frame: pb::ProviderTunnelFrame,
         body: Bytes,
-    ) -> Result<(), SendError> {
-        let out = self
-            .shared
-            .core
-            .borrow_mut()
-            .encode_body_frame(&frame, body)?;
-        self.push_bulk(out).await
+    ) -> impl Future<Output = Result<(), SendError>> + '_ {
+        let encoded = self.encode_body_frame(&frame, body);
+        drop(frame);
+        self.push_bulk(encoded)
     }
 
     /// Queues a `ProviderTunnelRequest` on the bulk lane: `request` without
@@ -325,20 +329,40 @@ impl ConnHandle {
     /// the writer sends as they are, never joined or copied into the frame
     /// (a large request body is held once: by its owner). Waits while the
     /// lane is full.
-    pub async fn send_tunnel_request(
+    pub fn send_tunnel_request(
         &self,
         request: pb::ProviderTunnelRequest,
         body: BodyParts,
-    ) -> Result<(), SendError> {
-        let out = self
+    ) -> impl Future<Output = Result<(), SendError>> + '_ {
+        let encoded = self
             .shared
             .core
             .borrow_mut()
-            .encode_request_frame(&request, body)?;
-        self.push_bulk(out).await
+            .encode_request_frame(&request, body);
+        drop(request);
+        self.push_bulk(encoded)
     }
 
-    async fn push_bulk(&self, mut out: OutFrame) -> Result<(), SendError> {
+    /// [`send_bulk`](Self::send_bulk)'s first half: `frame` encoded for the
+    /// bulk lane, to hand to [`push_bulk`](Self::push_bulk).
+    pub fn encode_bulk(&self, frame: &pb::Frame) -> Result<OutFrame, SendError> {
+        self.shared.core.borrow_mut().encode_frame(frame)
+    }
+
+    /// [`send_body_frame`](Self::send_body_frame)'s first half.
+    pub fn encode_body_frame(
+        &self,
+        frame: &pb::ProviderTunnelFrame,
+        body: Bytes,
+    ) -> Result<OutFrame, SendError> {
+        self.shared.core.borrow_mut().encode_body_frame(frame, body)
+    }
+
+    /// Queues a frame encoded by [`encode_bulk`](Self::encode_bulk) or
+    /// [`encode_body_frame`](Self::encode_body_frame) on the bulk lane,
+    /// waiting while it is full; an encoding error is returned as it is.
+    pub async fn push_bulk(&self, encoded: Result<OutFrame, SendError>) -> Result<(), SendError> {
+        let mut out = encoded?;
         loop {
             let result = self.shared.core.borrow_mut().try_send_bulk(out);
             match result {

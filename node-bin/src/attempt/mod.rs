@@ -122,6 +122,9 @@ pub async fn drive<E: Emitter>(
             out = provider.recv(), if outputs_open && !blocked => Event::Output(out),
         };
         let now = clock::now();
+        // What goes to `forward` this turn: a fresh output, or the held one
+        // once credit came (one call site: its future is stored once).
+        let mut to_forward: Option<(Stamped<E::Output>, bool)> = None;
         match event {
             Event::Output(Some(stamped)) => {
                 if !first_output_seen {
@@ -135,25 +138,14 @@ pub async fn drive<E: Emitter>(
                 }
                 let activity = E::activity(&stamped.output);
                 if watchdog.on_output(now, activity) == Verdict::Forward {
-                    held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
-                    if held.is_some() {
-                        watchdog.flow_blocked(now);
-                    }
+                    to_forward = Some((stamped, false));
                 }
             }
             Event::Output(None) => {
                 outputs_open = false;
                 watchdog.handle_provider_returned(now);
             }
-            Event::Credit => {
-                if let Some(stamped) = held.take() {
-                    let activity = E::activity(&stamped.output);
-                    held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
-                    if held.is_none() {
-                        watchdog.flow_resumed(clock::now());
-                    }
-                }
-            }
+            Event::Credit => to_forward = held.take().map(|stamped| (stamped, true)),
             Event::Stop(cause) => {
                 stop_open = false;
                 if let Some(cause) = cause {
@@ -165,6 +157,17 @@ pub async fn drive<E: Emitter>(
                 watchdog.handle_probe_result(now, outcome);
             }
             Event::Timer => watchdog.handle_timeout(now),
+        }
+        if let Some((stamped, credited)) = to_forward {
+            let activity = E::activity(&stamped.output);
+            held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
+            match (credited, held.is_some()) {
+                // Blocked by this output: the idle clock stops.
+                (false, true) => watchdog.flow_blocked(now),
+                // The held output went out whole after the credit.
+                (true, false) => watchdog.flow_resumed(clock::now()),
+                _ => {}
+            }
         }
         while let Some(action) = watchdog.poll_action() {
             match action {
@@ -189,15 +192,11 @@ pub async fn drive<E: Emitter>(
                         "node_stall: response stalled"
                     );
                     ended = Ended::Stalled(report);
-                    if let Some(frame) = emitter.stall(&report.message(), failure) {
-                        send(&env.conn, frame).await;
-                    }
+                    send(&env.conn, emitter.stall(&report.message(), failure)).await;
                 }
                 Action::EmitStopped(cause) => {
                     ended = Ended::Stopped(cause);
-                    if let Some(frame) = emitter.stopped(cause) {
-                        send(&env.conn, frame).await;
-                    }
+                    send(&env.conn, emitter.stopped(cause)).await;
                 }
                 Action::Release => {}
             }
@@ -227,9 +226,12 @@ async fn forward<E: Emitter>(
     loop {
         let charge = E::charge(&stamped.output);
         if charge == 0 || flow.fits(charge) {
-            if let Some(frame) = emitter.forward(stamped.output) {
+            // Nothing borrows the frame before it moves into `send`, so
+            // this future keeps no room for it (see `send`). The window is
+            // charged after the push, before this task yields: no credit
+            // for the frame can arrive in between.
+            if send(conn, emitter.forward(stamped.output)).await {
                 flow.consume(charge);
-                send(conn, frame).await;
                 if activity == Activity::Progress {
                     // metrics: relay chunk latency (read → frame queued).
                     metrics::record_since(Latency::NodeRelayChunkLatency, stamped.read_at);
@@ -241,9 +243,8 @@ async fn forward<E: Emitter>(
             return Some(stamped);
         };
         let head_charge = E::charge(&head);
-        if let Some(frame) = emitter.forward(head) {
+        if send(conn, emitter.forward(head)).await {
             flow.consume(head_charge);
-            send(conn, frame).await;
         }
     }
 }
@@ -256,14 +257,30 @@ async fn wait_probe(rx: &mut Option<oneshot::Receiver<ProbeOutcome>>) -> ProbeOu
     }
 }
 
-/// Sends one frame; a closed connection is ignored (the session's end stops
-/// every attempt, F5).
-pub async fn send(conn: &ConnHandle, frame: Outbound) {
-    let result = match frame {
-        Outbound::Frame(f) => conn.send_bulk(f).await,
-        Outbound::Body { frame, body } => conn.send_body_frame(frame, body).await,
-    };
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "frame dropped: the connection is closed");
+/// Sends one frame, if there is one (an emitter's `None`: nothing), and
+/// says whether there was; a closed connection is ignored (the session's
+/// end stops every attempt, F5).
+///
+/// The frame is encoded at the call, and the future holds its bytes, not
+/// the frame (most of a kilobyte, see [`ConnHandle::send_bulk`]). Pass the
+/// emitter's result straight in: a frame bound to a local and borrowed
+/// (even by `is_some()`) before it moves here keeps its room in the
+/// caller's future across the `.await`.
+pub fn send(
+    conn: &ConnHandle,
+    frame: impl Into<Option<Outbound>>,
+) -> impl std::future::Future<Output = bool> + '_ {
+    let encoded = frame.into().map(|frame| match frame {
+        Outbound::Frame(f) => conn.encode_bulk(&f),
+        Outbound::Body { frame, body } => conn.encode_body_frame(&frame, body),
+    });
+    async move {
+        let Some(encoded) = encoded else {
+            return false;
+        };
+        if let Err(e) = conn.push_bulk(encoded).await {
+            tracing::debug!(error = %e, "frame dropped: the connection is closed");
+        }
+        true
     }
 }

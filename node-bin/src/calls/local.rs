@@ -23,7 +23,10 @@ pub(super) fn spawn<C: ProviderCall>(
     let (tx, rx) = channel::channel(OUTPUT_QUEUE);
     let abort = Rc::new(AbortSignal::default());
     let started_at = clock::now();
-    let work = call.run(pool, OutputTx::local(tx));
+    // Boxed: `select!` below takes the call future by value, so an inline
+    // one would be stored twice in the task (as captured, and in the
+    // select), for the life of the call.
+    let work = Box::pin(call.run(pool, OutputTx::local(tx)));
     let task_abort = abort.clone();
     monoio::spawn(async move {
         let _permit = permit;

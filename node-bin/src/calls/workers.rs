@@ -188,7 +188,8 @@ impl<C: ProviderCall> StartJob for CallJob<C> {
         let shared = self.shared.clone();
         let started_at = self.started_at;
         let pool = worker.pool.clone();
-        let work = call.run(pool.clone(), out);
+        // Boxed, so the task holds it once (see `local::spawn`).
+        let work = Box::pin(call.run(pool.clone(), out));
         monoio::spawn(async move {
             // Dropping `work` closes the provider socket (no check-in).
             let aborted = monoio::select! {

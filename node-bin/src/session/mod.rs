@@ -412,6 +412,9 @@ impl Session {
         let session = self.clone();
         let active = self.core.run_started();
         let span = run_span(RunKind::Tunnel, &req.run_id, &req.correlation_id);
+        // Boxed: the task's future then holds a pointer, not the request
+        // (most of a kilobyte) once in this block and again in `serve`.
+        let req = Box::new(req);
         monoio::spawn(
             async move {
                 let ticket = run.ticket.clone();

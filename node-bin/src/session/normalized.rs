@@ -48,9 +48,7 @@ pub async fn serve(
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
-            if let Some(frame) = emit.failed(code, &message) {
-                attempt::send(&env.conn, frame).await;
-            }
+            attempt::send(&env.conn, emit.failed(code, &message)).await;
             return Ended::Provider;
         }
     };

@@ -45,7 +45,7 @@ use crate::credentials::{LeaseGate, TunnelTarget};
 /// `leases` opens the request's credential lease (C2, C3).
 pub async fn serve(
     env: &AttemptEnv,
-    req: pb::ProviderTunnelRequest,
+    req: Box<pb::ProviderTunnelRequest>,
     run: RunStart,
     adapters: Rc<Adapters>,
     settings: RuntimeSettings,
@@ -57,9 +57,7 @@ pub async fn serve(
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "tunnel rejected");
-            if let Some(frame) = emit.failed(code, &message) {
-                attempt::send(&env.conn, frame).await;
-            }
+            attempt::send(&env.conn, emit.failed(code, &message)).await;
             return Ended::Provider;
         }
     };
@@ -88,9 +86,7 @@ pub async fn serve(
         let message = "a credential lease is never injected into a provider connection \
                        whose certificate is not verified (tls_insecure_skip_verify)";
         tracing::warn!(run_id = %req.run_id, adapter = %adapter.name, "tunnel rejected: {message}");
-        if let Some(frame) = emit.failed(codes::PROVIDER_TLS, message) {
-            attempt::send(&env.conn, frame).await;
-        }
+        attempt::send(&env.conn, emit.failed(codes::PROVIDER_TLS, message)).await;
         return Ended::Provider;
     }
     let origin = adapter.base_url.origin();
@@ -105,9 +101,7 @@ pub async fn serve(
         Err(e) => {
             let code = e.failure_code();
             tracing::warn!(run_id = %req.run_id, code, error = %e, "tunnel rejected: credential lease");
-            if let Some(frame) = emit.failed(code, &e.to_string()) {
-                attempt::send(&env.conn, frame).await;
-            }
+            attempt::send(&env.conn, emit.failed(code, &e.to_string())).await;
             return Ended::Provider;
         }
     };
