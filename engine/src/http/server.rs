@@ -291,12 +291,16 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     where
         S: CancelableAsyncReadRent,
     {
+        // The watch's two waits are boxed: a read future of a stream that
+        // may be TLS is large, and inline it would stay reserved in every
+        // caller's future (a relay's, for the life of its stream) although
+        // it is only used until the first byte goes out.
         let mut work = std::pin::pin!(work);
         if self.read_buf.is_empty() {
             // Dropping a readiness wait loses nothing: no bytes were taken.
             let ready = monoio::select! {
                 out = &mut work => Some(out),
-                _ = self.stream.read_ready() => None,
+                _ = Box::pin(self.stream.read_ready()) => None,
             };
             if let Some(out) = ready {
                 return Watched::Done(out);
@@ -304,8 +308,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         }
         let canceller = Canceller::new();
         let probe = Vec::with_capacity(4096);
-        let read = self.stream.cancelable_read(probe, canceller.handle());
-        let mut read = std::pin::pin!(read);
+        let mut read = Box::pin(self.stream.cancelable_read(probe, canceller.handle()));
         let mut read_done = false;
         let mut extra = Vec::new();
         let output = monoio::select! {
