@@ -303,11 +303,10 @@ impl ConnHandle {
     /// arguments to the end) would carry a copy in every caller's future
     /// that awaits a send, for the life of each stream.
     pub fn send_bulk(&self, frame: pb::Frame) -> impl Future<Output = Result<(), SendError>> + '_ {
-        let encoded = self.encode_bulk(&frame);
-        // Only the encoded copy waits for lane room (a large request body
+        // `frame` is dropped here, before the returned future first runs:
+        // only the encoded copy waits for lane room (a large request body
         // is not held twice).
-        drop(frame);
-        self.push_bulk(encoded)
+        self.push_bulk(self.encode_bulk(&frame))
     }
 
     /// Queues a tunnel `BODY` frame on the bulk lane: `frame` without its body
@@ -319,9 +318,7 @@ impl ConnHandle {
         frame: pb::ProviderTunnelFrame,
         body: Bytes,
     ) -> impl Future<Output = Result<(), SendError>> + '_ {
-        let encoded = self.encode_body_frame(&frame, body);
-        drop(frame);
-        self.push_bulk(encoded)
+        self.push_bulk(self.encode_body_frame(&frame, body))
     }
 
     /// Queues a `ProviderTunnelRequest` on the bulk lane: `request` without
@@ -339,7 +336,6 @@ impl ConnHandle {
             .core
             .borrow_mut()
             .encode_request_frame(&request, body);
-        drop(request);
         self.push_bulk(encoded)
     }
 
