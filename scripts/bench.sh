@@ -12,6 +12,12 @@
 #                                    of the mock (arm C), when nginx is installed: its
 #                                    latency, the CPU and memory of its master and worker
 #                                    processes, and IOP ÷ nginx against the relay's goals
+#   scripts/bench.sh --peer-nginx-chain
+#                                    arm C is instead the relay's own shape built of nginx:
+#                                    two nginx in series with mutual TLS (TLS 1.3, ECDSA
+#                                    certificates minted by openssl) between them, the front
+#                                    one pinned on the Edge's CPU and the back one on the
+#                                    Node's; the peer is named nginx-chain
 #   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
 #                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
 #                                    32 concurrent) with edge-bin and node-bin on --cores 0
@@ -45,6 +51,7 @@ while [ $# -gt 0 ]; do
     --bin-dir) shift; bin_dir=$(cd "${1:?--bin-dir needs a directory}" && pwd) ;;
     --quick) quick=1 ;;
     --peer-nginx) peer_nginx=1 ;;
+    --peer-nginx-chain) peer_nginx=chain ;;
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --) shift; extra=("$@"); break ;;
@@ -63,7 +70,7 @@ else
 fi
 
 if [ "$swarm" = 1 ]; then
-  if [ "$peer_nginx" = 1 ] || [ "$cores_scaling" = 1 ]; then
+  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ]; then
     echo "--swarm runs on its own: drop --peer-nginx and --cores-scaling" >&2
     exit 2
   fi
@@ -77,7 +84,7 @@ if [ "$swarm" = 1 ]; then
 fi
 
 if [ "$cores_scaling" = 1 ]; then
-  if [ "$peer_nginx" = 1 ]; then
+  if [ "$peer_nginx" != 0 ]; then
     echo "--peer-nginx applies to the comparison, not to --cores-scaling" >&2
     exit 2
   fi
@@ -91,13 +98,14 @@ args=(compare --bin-dir "$bin" --out bench/results)
 if [ "$quick" = 1 ]; then args+=(--quick); fi
 
 work=""
-nginx_pid=""
+nginx_pids=()
 cleanup() {
   trap - EXIT
-  if [ -n "$nginx_pid" ]; then
-    kill -TERM "$nginx_pid" 2>/dev/null || true
-    wait "$nginx_pid" 2>/dev/null || true
-  fi
+  local pid
+  for pid in "${nginx_pids[@]}"; do
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
   if [ -n "$work" ]; then rm -rf "$work"; fi
 }
 trap cleanup EXIT
@@ -129,26 +137,111 @@ free_port() {
   return 1
 }
 
-if [ "$peer_nginx" = 1 ]; then
-  if command -v nginx >/dev/null 2>&1; then
+# The CPUs this script may run on, in order (from Cpus_allowed_list, e.g.
+# `0-1` or `0,2-3`): the Edge gets the first and the Node the second, and
+# so do the two nginx of --peer-nginx-chain.
+allowed_cpus() {
+  local list part
+  list=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status)
+  IFS=, read -ra parts <<<"$list"
+  for part in "${parts[@]}"; do
+    if [[ $part == *-* ]]; then seq "${part%-*}" "${part#*-}"; else echo "$part"; fi
+  done
+}
+
+# Writes the http{} preamble every nginx here shares to stdout; $1 is its
+# work directory.
+nginx_preamble() {
+  cat <<NGINX
+daemon off;
+master_process on;
+worker_processes 1;
+pid $1/nginx.pid;
+error_log $1/error.log warn;
+events { worker_connections 16384; }
+http {
+  access_log off;
+  client_body_temp_path $1/client_body;
+  proxy_temp_path $1/proxy;
+  fastcgi_temp_path $1/fastcgi;
+  uwsgi_temp_path $1/uwsgi;
+  scgi_temp_path $1/scgi;
+  keepalive_requests 1000000;
+NGINX
+}
+
+# The proxy settings of every nginx hop: HTTP/1.1 to a keep-alive
+# upstream, nothing buffered (each token goes on as it comes).
+nginx_proxy_settings() {
+  cat <<'NGINX'
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+NGINX
+}
+
+# Starts nginx with the config $1/nginx.conf, pinned to CPU $2 when one is
+# given, on port $3; waits until it listens and appends its master and
+# workers to peer_pids (bench compare sums their CPU and memory).
+start_nginx() {
+  local dir=$1 cpu=$2 port=$3 pid workers=""
+  if [ -n "$cpu" ] && command -v taskset >/dev/null 2>&1; then
+    taskset -c "$cpu" nginx -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" &
+  else
+    nginx -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" &
+  fi
+  pid=$!
+  nginx_pids+=("$pid")
+  for _ in $(seq 1 100); do
+    listening "$port" && break
+    kill -0 "$pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$dir/error.log" >&2; exit 1; }
+    sleep 0.05
+  done
+  # The master may listen before it forks its workers.
+  peer_pids+=("$pid")
+  if command -v pgrep >/dev/null 2>&1; then
+    for _ in $(seq 1 40); do
+      workers=$(pgrep -P "$pid" || true)
+      [ -n "$workers" ] && break
+      sleep 0.05
+    done
+    for w in $workers; do peer_pids+=("$w"); done
+  fi
+  if [ -z "$workers" ]; then
+    echo "==> nginx's worker processes not found (no pgrep?): sampling its master only" >&2
+  fi
+}
+
+# A CA, a server certificate for the back nginx and a client certificate
+# for the front one (ECDSA P-256, as the relay's own), in $1.
+mint_chain_certs() {
+  local dir=$1 name
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+    -subj /CN=iop-bench-ca -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
+  for name in back front; do
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+      -subj "/CN=iop-bench-$name" -addext "subjectAltName=DNS:iop-bench-$name" \
+      -keyout "$dir/$name.key" -out "$dir/$name.csr" 2>/dev/null
+    openssl x509 -req -in "$dir/$name.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
+      -CAcreateserial -days 2 -copy_extensions copy -out "$dir/$name.crt" 2>/dev/null
+  done
+}
+
+peer_pids=()
+nginx_pids=()
+if [ "$peer_nginx" != 0 ]; then
+  if ! command -v nginx >/dev/null 2>&1; then
+    echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
+  elif [ "$peer_nginx" = chain ] && ! command -v openssl >/dev/null 2>&1; then
+    echo "==> openssl is not installed: running without the nginx chain (arm C)"
+  else
     work=$(mktemp -d -t iop-bench-nginx.XXXXXX)
     chmod 755 "$work"
     mock_port=$(free_port)
     nginx_port=$(free_port "$mock_port")
-    cat >"$work/nginx.conf" <<NGINX
-daemon off;
-master_process on;
-worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/error.log warn;
-events { worker_connections 16384; }
-http {
-  access_log off;
-  client_body_temp_path $work/client_body;
-  proxy_temp_path $work/proxy;
-  fastcgi_temp_path $work/fastcgi;
-  uwsgi_temp_path $work/uwsgi;
-  scgi_temp_path $work/scgi;
+    if [ "$peer_nginx" = 1 ]; then
+      mkdir "$work/one"
+      { nginx_preamble "$work/one"; cat <<NGINX
   upstream iop_mock {
     server 127.0.0.1:$mock_port;
     keepalive 256;
@@ -157,39 +250,73 @@ http {
     listen 127.0.0.1:$nginx_port;
     location / {
       proxy_pass http://iop_mock;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
+$(nginx_proxy_settings)
     }
   }
 }
 NGINX
-    echo "==> starting nginx on 127.0.0.1:$nginx_port in front of the mock at 127.0.0.1:$mock_port"
-    nginx -p "$work" -c "$work/nginx.conf" -e "$work/error.log" &
-    nginx_pid=$!
-    for _ in $(seq 1 100); do
-      listening "$nginx_port" && break
-      kill -0 "$nginx_pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$work/error.log" >&2; exit 1; }
-      sleep 0.05
-    done
-    # Sample nginx's master and its workers (its children; the master may
-    # listen before it forks them): bench compare sums their CPU and memory.
-    peer_pids=("$nginx_pid")
-    if command -v pgrep >/dev/null 2>&1; then
-      for _ in $(seq 1 40); do
-        workers=$(pgrep -P "$nginx_pid" || true)
-        [ -n "$workers" ] && break
-        sleep 0.05
-      done
-      for pid in $workers; do peer_pids+=("$pid"); done
+      } >"$work/one/nginx.conf"
+      echo "==> starting nginx on 127.0.0.1:$nginx_port in front of the mock at 127.0.0.1:$mock_port"
+      start_nginx "$work/one" "" "$nginx_port"
+      peer_name=nginx
+    else
+      back_port=$(free_port "$nginx_port")
+      mapfile -t cpus < <(allowed_cpus)
+      front_cpu=${cpus[0]:-}
+      back_cpu=${cpus[1]:-$front_cpu}
+      mkdir "$work/front" "$work/back"
+      mint_chain_certs "$work"
+      { nginx_preamble "$work/back"; cat <<NGINX
+  upstream iop_mock {
+    server 127.0.0.1:$mock_port;
+    keepalive 256;
+  }
+  server {
+    listen 127.0.0.1:$back_port ssl;
+    ssl_protocols TLSv1.3;
+    ssl_certificate $work/back.crt;
+    ssl_certificate_key $work/back.key;
+    ssl_client_certificate $work/ca.crt;
+    ssl_verify_client on;
+    keepalive_timeout 300s;
+    location / {
+      proxy_pass http://iop_mock;
+$(nginx_proxy_settings)
+    }
+  }
+}
+NGINX
+      } >"$work/back/nginx.conf"
+      { nginx_preamble "$work/front"; cat <<NGINX
+  upstream iop_back {
+    server 127.0.0.1:$back_port;
+    keepalive 256;
+    keepalive_timeout 300s;
+  }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass https://iop_back;
+$(nginx_proxy_settings)
+      proxy_ssl_protocols TLSv1.3;
+      proxy_ssl_certificate $work/front.crt;
+      proxy_ssl_certificate_key $work/front.key;
+      proxy_ssl_trusted_certificate $work/ca.crt;
+      proxy_ssl_verify on;
+      proxy_ssl_name iop-bench-back;
+      proxy_ssl_session_reuse on;
+    }
+  }
+}
+NGINX
+      } >"$work/front/nginx.conf"
+      echo "==> starting an nginx chain: 127.0.0.1:$nginx_port (CPU ${front_cpu:-any}) → mTLS → 127.0.0.1:$back_port (CPU ${back_cpu:-any}) → the mock at 127.0.0.1:$mock_port"
+      start_nginx "$work/back" "$back_cpu" "$back_port"
+      start_nginx "$work/front" "$front_cpu" "$nginx_port"
+      peer_name=nginx-chain
     fi
-    if [ "${#peer_pids[@]}" -lt 2 ]; then
-      echo "==> nginx's worker processes not found (no pgrep?): sampling the master only" >&2
-    fi
-    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port" --peer-name nginx)
+    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port" --peer-name "$peer_name")
     for pid in "${peer_pids[@]}"; do args+=(--peer-pid "$pid"); done
-  else
-    echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
   fi
 fi
 
