@@ -149,34 +149,46 @@ allowed_cpus() {
   done
 }
 
-# Writes the http{} preamble every nginx here shares to stdout; $1 is its
-# work directory.
-nginx_preamble() {
-  cat <<NGINX
+# Writes $1/nginx.conf: one worker, no access log, listening as $2 (an nginx
+# `listen` argument), proxying everything to 127.0.0.1:$3 over $4 (http or
+# https) with HTTP/1.1 keep-alive upstream connections and nothing buffered
+# (each token goes on as it comes). $5 is added to the server block and $6
+# to its location (TLS settings), one directive per line.
+nginx_conf() {
+  local dir=$1 listen=$2 upstream_port=$3 scheme=$4 server_extra=${5:-} location_extra=${6:-}
+  cat >"$dir/nginx.conf" <<NGINX
 daemon off;
 master_process on;
 worker_processes 1;
-pid $1/nginx.pid;
-error_log $1/error.log warn;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
 events { worker_connections 16384; }
 http {
   access_log off;
-  client_body_temp_path $1/client_body;
-  proxy_temp_path $1/proxy;
-  fastcgi_temp_path $1/fastcgi;
-  uwsgi_temp_path $1/uwsgi;
-  scgi_temp_path $1/scgi;
+  client_body_temp_path $dir/client_body;
+  proxy_temp_path $dir/proxy;
+  fastcgi_temp_path $dir/fastcgi;
+  uwsgi_temp_path $dir/uwsgi;
+  scgi_temp_path $dir/scgi;
   keepalive_requests 1000000;
-NGINX
-}
-
-# The proxy settings of every nginx hop: HTTP/1.1 to a keep-alive
-# upstream, nothing buffered (each token goes on as it comes).
-nginx_proxy_settings() {
-  cat <<'NGINX'
+  keepalive_timeout 300s;
+  upstream next_hop {
+    server 127.0.0.1:$upstream_port;
+    keepalive 256;
+    keepalive_timeout 300s;
+  }
+  server {
+    listen $listen;
+$server_extra
+    location / {
+      proxy_pass $scheme://next_hop;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
+$location_extra
+    }
+  }
+}
 NGINX
 }
 
@@ -241,21 +253,7 @@ if [ "$peer_nginx" != 0 ]; then
     nginx_port=$(free_port "$mock_port")
     if [ "$peer_nginx" = 1 ]; then
       mkdir "$work/one"
-      { nginx_preamble "$work/one"; cat <<NGINX
-  upstream iop_mock {
-    server 127.0.0.1:$mock_port;
-    keepalive 256;
-  }
-  server {
-    listen 127.0.0.1:$nginx_port;
-    location / {
-      proxy_pass http://iop_mock;
-$(nginx_proxy_settings)
-    }
-  }
-}
-NGINX
-      } >"$work/one/nginx.conf"
+      nginx_conf "$work/one" "127.0.0.1:$nginx_port" "$mock_port" http
       echo "==> starting nginx on 127.0.0.1:$nginx_port in front of the mock at 127.0.0.1:$mock_port"
       start_nginx "$work/one" "" "$nginx_port"
       peer_name=nginx
@@ -266,50 +264,20 @@ NGINX
       back_cpu=${cpus[1]:-$front_cpu}
       mkdir "$work/front" "$work/back"
       mint_chain_certs "$work"
-      { nginx_preamble "$work/back"; cat <<NGINX
-  upstream iop_mock {
-    server 127.0.0.1:$mock_port;
-    keepalive 256;
-  }
-  server {
-    listen 127.0.0.1:$back_port ssl;
+      nginx_conf "$work/back" "127.0.0.1:$back_port ssl" "$mock_port" http "\
     ssl_protocols TLSv1.3;
     ssl_certificate $work/back.crt;
     ssl_certificate_key $work/back.key;
     ssl_client_certificate $work/ca.crt;
-    ssl_verify_client on;
-    keepalive_timeout 300s;
-    location / {
-      proxy_pass http://iop_mock;
-$(nginx_proxy_settings)
-    }
-  }
-}
-NGINX
-      } >"$work/back/nginx.conf"
-      { nginx_preamble "$work/front"; cat <<NGINX
-  upstream iop_back {
-    server 127.0.0.1:$back_port;
-    keepalive 256;
-    keepalive_timeout 300s;
-  }
-  server {
-    listen 127.0.0.1:$nginx_port;
-    location / {
-      proxy_pass https://iop_back;
-$(nginx_proxy_settings)
+    ssl_verify_client on;"
+      nginx_conf "$work/front" "127.0.0.1:$nginx_port" "$back_port" https "" "\
       proxy_ssl_protocols TLSv1.3;
       proxy_ssl_certificate $work/front.crt;
       proxy_ssl_certificate_key $work/front.key;
       proxy_ssl_trusted_certificate $work/ca.crt;
       proxy_ssl_verify on;
       proxy_ssl_name iop-bench-back;
-      proxy_ssl_session_reuse on;
-    }
-  }
-}
-NGINX
-      } >"$work/front/nginx.conf"
+      proxy_ssl_session_reuse on;"
       echo "==> starting an nginx chain: 127.0.0.1:$nginx_port (CPU ${front_cpu:-any}) → mTLS → 127.0.0.1:$back_port (CPU ${back_cpu:-any}) → the mock at 127.0.0.1:$mock_port"
       start_nginx "$work/back" "$back_cpu" "$back_port"
       start_nginx "$work/front" "$front_cpu" "$nginx_port"
