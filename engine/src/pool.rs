@@ -21,9 +21,9 @@
 //! * **Ownership, not aliasing.** While a buffer is out on loan its memory (a
 //!   `Box<[MaybeUninit<u8>]>`) is *moved* out of the slot into the
 //!   [`PooledBuf`] (and later into the frozen `Bytes` owner). Nothing else
-//!   points at it, so no unsafe aliasing is needed; the only `unsafe` here is
-//!   the `IoBuf`/`IoBufMut` contract monoio requires and the view of a
-//!   buffer's filled prefix as bytes.
+//!   points at it, so no unsafe aliasing is needed; the `unsafe` here is
+//!   the `IoBuf`/`IoBufMut` contract monoio requires, the view of a
+//!   buffer's filled prefix as bytes, and packed reads (below).
 //! * **Generation-checked handles.** Every loan carries a [`BufferId`] (slot
 //!   index + generation, bumped on each loan). A return whose id does not match
 //!   a slot that is currently on loan is *stale*: the memory is freed, counted
@@ -36,6 +36,16 @@
 //!   whatever thread that happens; the owning core drains the queue on its
 //!   next acquire or counter read. If the pool was dropped meanwhile, the
 //!   queue is closed and the memory is freed.
+//! * **Packed reads.** [`BufferPool::read_packed`] lends one buffer to many
+//!   small reads: each non-blocking read fills the tail after the previous
+//!   one and becomes a `Bytes` over just its bytes. A streamed body's
+//!   pieces (a few hundred bytes each, from many connections) then share a
+//!   buffer instead of holding one each until they are written on. This is
+//!   the one place a buffer's memory is shared rather than moved: every
+//!   piece reads only bytes filled before it was made, and only the owning
+//!   core writes, and only past every piece. The buffer goes home when its
+//!   last piece drops (the pool keeps just a weak reference to where the
+//!   next read goes).
 //! * **Exhaustion.** [`BufferPool::try_acquire`] returns `None` when every
 //!   slot is on loan; [`BufferPool::acquire`] then allocates a fresh unpooled
 //!   buffer instead, counted in [`BufferPool::overflow_allocations`], which is
@@ -223,6 +233,18 @@ struct State {
     overflow_allocations: u64,
     /// Returns whose id matched no slot on loan.
     stale_returns: u64,
+    /// The buffer small reads are packed into ([`BufferPool::read_packed`]),
+    /// while a piece cut from it still lives.
+    packing: Option<Packing>,
+}
+
+/// Where the next packed read goes: the unused tail of a buffer that
+/// earlier packed reads share. Held weakly, so the buffer goes home as soon
+/// as its last piece is dropped, as an unpacked buffer would.
+struct Packing {
+    memory: std::sync::Weak<PackedMemory>,
+    /// First byte no piece covers; the kernel writes from here.
+    cursor_bytes: usize,
 }
 
 /// One arena slot.
@@ -273,6 +295,7 @@ impl BufferPool {
                 spare: Vec::new(),
                 overflow_allocations: 0,
                 stale_returns: 0,
+                packing: None,
             }),
             shared: Arc::new(Shared {
                 queue: Mutex::new(ReturnQueue {
@@ -405,6 +428,106 @@ impl BufferPool {
             index: u32::try_from(index).ok()?,
             offset_bytes: addr - slot.base_addr,
         })
+    }
+}
+
+impl BufferPool {
+    /// Reads once into the unused tail of a buffer that other reads share,
+    /// and returns the bytes read as a slice of it (empty: end of stream).
+    ///
+    /// A body piece of a streamed response is a few hundred bytes; read
+    /// into a buffer of its own, it would hold
+    /// [`buffer_size_bytes`](Self::buffer_size_bytes) (and at least one
+    /// resident page) until the piece is written on, which may be long
+    /// after the read when the way on is busy. Packed, consecutive reads
+    /// on this core, from any connection, fill one buffer back to back:
+    /// the kernel still writes into pooled memory and the pieces are
+    /// still slices of it (no copy). The buffer goes home when the last
+    /// piece cut from it is dropped, on any thread; a read that would find
+    /// less than a quarter of a buffer left takes a fresh one. The pool
+    /// being exhausted takes an overflow buffer, as
+    /// [`acquire`](Self::acquire) does.
+    ///
+    /// `read` is a synchronous, non-blocking read (a `recv` with
+    /// `MSG_DONTWAIT` after a readiness wait): it gets the tail and returns
+    /// how many bytes it wrote at its start, or an error (then nothing is
+    /// taken from the tail). A read that is still in flight when this
+    /// returns (an io_uring operation) must not be given the tail.
+    ///
+    /// # Safety
+    ///
+    /// When `read` returns `Ok(n)`, it has initialized the first `n`
+    /// bytes of the slice it was given, and holds no pointer into it
+    /// after it returned.
+    pub unsafe fn read_packed<F>(&self, read: F) -> std::io::Result<Bytes>
+    where
+        F: FnOnce(&mut [MaybeUninit<u8>]) -> std::io::Result<usize>,
+    {
+        let (memory, cursor_bytes) = self.packing_tail();
+        // SAFETY: `cursor_bytes..` is covered by no piece (pieces end at or
+        // before the cursor, which only moves forward), and only this core
+        // writes to a packed buffer: the `Packing` record that allows it
+        // lives in this core's `!Send` state, and `packing_tail` handed it
+        // over. So this is the only reference to those bytes while `read`
+        // runs.
+        let tail = unsafe { memory.tail_mut(cursor_bytes) };
+        let result = read(tail);
+        let read_bytes = match result {
+            Ok(read_bytes) => read_bytes.min(memory.len_bytes - cursor_bytes),
+            Err(error) => {
+                self.keep_packing(&memory, cursor_bytes);
+                return Err(error);
+            }
+        };
+        let end_bytes = cursor_bytes + read_bytes;
+        self.keep_packing(&memory, end_bytes);
+        if read_bytes == 0 {
+            return Ok(Bytes::new());
+        }
+        Ok(Bytes::from_owner(PackedPiece {
+            memory,
+            start_bytes: cursor_bytes,
+            end_bytes,
+        }))
+    }
+
+    /// The packed buffer and cursor the next read goes to: the current one
+    /// while a piece keeps it alive and enough of it is left, else a fresh
+    /// buffer.
+    fn packing_tail(&self) -> (Arc<PackedMemory>, usize) {
+        let size_bytes = self.local.config.buffer_size_bytes;
+        let room_min_bytes = (size_bytes / 4).max(1);
+        let current = self.local.state.borrow_mut().packing.take();
+        if let Some(packing) = current {
+            if size_bytes - packing.cursor_bytes >= room_min_bytes {
+                if let Some(memory) = packing.memory.upgrade() {
+                    return (memory, packing.cursor_bytes);
+                }
+            }
+        }
+        let fresh = match self.local.take() {
+            Some((id, memory)) => PackedMemory::new(
+                memory,
+                Some(ReturnPath {
+                    id,
+                    shared: Arc::clone(&self.local.shared),
+                }),
+            ),
+            None => {
+                let mut state = self.local.state.borrow_mut();
+                state.overflow_allocations = state.overflow_allocations.saturating_add(1);
+                drop(state);
+                PackedMemory::new(fresh_memory(size_bytes), None)
+            }
+        };
+        (Arc::new(fresh), 0)
+    }
+
+    fn keep_packing(&self, memory: &Arc<PackedMemory>, cursor_bytes: usize) {
+        self.local.state.borrow_mut().packing = Some(Packing {
+            memory: Arc::downgrade(memory),
+            cursor_bytes,
+        });
     }
 }
 
@@ -816,6 +939,87 @@ impl Drop for FrozenBuf {
     }
 }
 
+/// A pooled buffer that packed reads share ([`BufferPool::read_packed`]):
+/// pieces read its filled front, this core's next read writes its tail.
+/// Goes home (or is freed) when the last piece is dropped.
+struct PackedMemory {
+    /// The buffer's memory, from `Box::into_raw`; rebuilt into its box on
+    /// drop.
+    ptr: *mut MaybeUninit<u8>,
+    len_bytes: usize,
+    return_path: Option<ReturnPath>,
+}
+
+// SAFETY: the memory is owned (a leaked box, rebuilt once in `drop`).
+// Pieces on any thread only read bytes that were written before the piece
+// was made (and handed over to that thread by whatever carried the piece,
+// which synchronizes) and are never written again; the one writer is the
+// owning core, which only writes past every piece (see `read_packed`).
+unsafe impl Send for PackedMemory {}
+// SAFETY: as for `Send`: shared access only reads filled, frozen bytes.
+unsafe impl Sync for PackedMemory {}
+
+impl PackedMemory {
+    fn new(memory: Memory, return_path: Option<ReturnPath>) -> Self {
+        let len_bytes = memory.len();
+        Self {
+            ptr: Box::into_raw(memory).cast::<MaybeUninit<u8>>(),
+            len_bytes,
+            return_path,
+        }
+    }
+
+    /// The bytes from `start_bytes` to the end, for a read to fill.
+    ///
+    /// # Safety
+    ///
+    /// No piece covers `start_bytes..`, and nothing else holds a reference
+    /// into it while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn tail_mut(&self, start_bytes: usize) -> &mut [MaybeUninit<u8>] {
+        let start_bytes = start_bytes.min(self.len_bytes);
+        // SAFETY: in bounds of the allocation (`start_bytes <= len_bytes`);
+        // exclusive by the caller's contract.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.add(start_bytes), self.len_bytes - start_bytes)
+        }
+    }
+}
+
+impl Drop for PackedMemory {
+    fn drop(&mut self) {
+        let raw = std::ptr::slice_from_raw_parts_mut(self.ptr, self.len_bytes);
+        // SAFETY: `ptr` and `len_bytes` came from `Box::into_raw` of a box
+        // of this length, and this is the only place that rebuilds it.
+        let memory: Memory = unsafe { Box::from_raw(raw) };
+        match self.return_path.take() {
+            Some(ReturnPath { id, shared }) => shared.push(Returned { id, memory }),
+            None => drop(memory),
+        }
+    }
+}
+
+/// One packed read: the `Bytes` owner of `start_bytes..end_bytes`.
+struct PackedPiece {
+    memory: Arc<PackedMemory>,
+    start_bytes: usize,
+    end_bytes: usize,
+}
+
+impl AsRef<[u8]> for PackedPiece {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `read_packed` made this piece from bytes its read had
+        // just initialized, inside the allocation; nothing writes them
+        // again (the cursor moved past them).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.memory.ptr.add(self.start_bytes).cast::<u8>(),
+                self.end_bytes - self.start_bytes,
+            )
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -973,5 +1177,130 @@ mod tests {
         assert_eq!(pool.buffer_size_bytes(), 16 * 1024);
         assert_eq!(pool.capacity_max(), 1024);
         assert_eq!(pool.allocated(), 0);
+    }
+
+    /// A packed read that copies `src` (as much as fits) into the tail it
+    /// is given, and records how long that tail was.
+    fn packed(pool: &BufferPool, src: &[u8], tail_seen: &mut usize) -> std::io::Result<Bytes> {
+        let read = |tail: &mut [MaybeUninit<u8>]| {
+            *tail_seen = tail.len();
+            let count = src.len().min(tail.len());
+            for (dst, &byte) in tail.iter_mut().zip(&src[..count]) {
+                dst.write(byte);
+            }
+            Ok(count)
+        };
+        // SAFETY: `read` initializes exactly the bytes it reports.
+        unsafe { pool.read_packed(read) }
+    }
+
+    fn at(index: u32, offset_bytes: usize) -> Option<BufferLocation> {
+        Some(BufferLocation {
+            index,
+            offset_bytes,
+        })
+    }
+
+    #[test]
+    fn packed_reads_fill_one_buffer_back_to_back_and_it_goes_home_with_the_last_piece() {
+        let pool = small_pool(2);
+        let mut tail = 0;
+        let hello = packed(&pool, b"hello", &mut tail).unwrap();
+        assert_eq!((&hello[..], tail), (&b"hello"[..], 64));
+        let world = packed(&pool, b" world", &mut tail).unwrap();
+        assert_eq!((&world[..], tail), (&b" world"[..], 59));
+        // Both are slices of one pooled buffer, the second right after the
+        // first: no copy, one buffer on loan.
+        assert_eq!(pool.locate(hello.as_ptr()), at(0, 0));
+        assert_eq!(pool.locate(world.as_ptr()), at(0, 5));
+        assert_eq!(pool.in_use(), 1);
+        // A clone and a slice keep the buffer too; it goes home with the
+        // last of them.
+        let tail_of_world = Bytes::slice(&world, 1..);
+        drop(world);
+        drop(hello);
+        assert_eq!(pool.in_use(), 1);
+        assert_eq!(&tail_of_world[..], b"world");
+        drop(tail_of_world);
+        assert_eq!(pool.stats().in_use, 0);
+        assert_eq!(pool.available(), 1);
+        // With no piece left, the next read starts a buffer afresh (the
+        // same one, back from home) at its start.
+        let again = packed(&pool, b"again", &mut tail).unwrap();
+        assert_eq!((pool.locate(again.as_ptr()), tail), (at(0, 0), 64));
+        assert_eq!((pool.allocated(), pool.stale_returns()), (1, 0));
+    }
+
+    #[test]
+    fn a_packed_read_that_would_find_less_than_a_quarter_left_takes_a_fresh_buffer() {
+        let pool = small_pool(2);
+        let mut tail = 0;
+        let first = packed(&pool, &[b'a'; 44], &mut tail).unwrap();
+        // 20 bytes left: more than a quarter of 64, so the read goes there,
+        // and the kernel may fill all of it.
+        let second = packed(&pool, &[b'b'; 30], &mut tail).unwrap();
+        assert_eq!((second.len(), tail), (20, 20));
+        assert_eq!(pool.locate(second.as_ptr()), at(0, 44));
+        // Nothing left: a fresh buffer, from its start.
+        let third = packed(&pool, b"c", &mut tail).unwrap();
+        assert_eq!((pool.locate(third.as_ptr()), tail), (at(1, 0), 64));
+        assert_eq!(pool.in_use(), 2);
+        assert_eq!(&first[..], &[b'a'; 44][..]);
+        assert_eq!(&second[..], &[b'b'; 20][..]);
+        drop((first, second));
+        assert_eq!(pool.in_use(), 1);
+        drop(third);
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    #[test]
+    fn a_failed_or_empty_packed_read_takes_nothing_from_the_tail() {
+        let pool = small_pool(1);
+        let mut tail = 0;
+        let first = packed(&pool, b"abc", &mut tail).unwrap();
+        // SAFETY: the read reports an error and initializes nothing.
+        let failed = unsafe { pool.read_packed(|_| Err(std::io::ErrorKind::WouldBlock.into())) };
+        assert_eq!(
+            failed.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::WouldBlock)
+        );
+        let end_of_stream = packed(&pool, b"", &mut tail).unwrap();
+        assert!(end_of_stream.is_empty());
+        let next = packed(&pool, b"de", &mut tail).unwrap();
+        assert_eq!((pool.locate(next.as_ptr()), tail), (at(0, 3), 61));
+        assert_eq!((&first[..], &next[..]), (&b"abc"[..], &b"de"[..]));
+        assert_eq!(pool.in_use(), 1);
+    }
+
+    #[test]
+    fn packed_pieces_dropped_on_another_thread_go_home() {
+        let pool = small_pool(1);
+        let mut tail = 0;
+        let pieces = [
+            packed(&pool, b"one", &mut tail).unwrap(),
+            packed(&pool, b"two", &mut tail).unwrap(),
+        ];
+        let joined = std::thread::spawn(move || pieces.concat()).join();
+        assert_eq!(joined.ok().as_deref(), Some(&b"onetwo"[..]));
+        assert_eq!(pool.in_use(), 0);
+        assert_eq!((pool.available(), pool.stale_returns()), (1, 0));
+    }
+
+    #[test]
+    fn an_exhausted_pool_packs_into_an_overflow_buffer_that_is_freed() {
+        let pool = small_pool(1);
+        let held = pool.try_acquire();
+        assert!(held.is_some());
+        let mut tail = 0;
+        let piece = packed(&pool, b"spill", &mut tail).unwrap();
+        assert_eq!((&piece[..], tail), (&b"spill"[..], 64));
+        assert_eq!(pool.locate(piece.as_ptr()), None);
+        assert_eq!(pool.overflow_allocations(), 1);
+        drop((piece, held));
+        assert_eq!(
+            (pool.in_use(), pool.available(), pool.allocated()),
+            (0, 1, 1)
+        );
+        assert_eq!(pool.stale_returns(), 0);
     }
 }

@@ -24,9 +24,13 @@
 //! ```
 //!
 //! A read on a plain TCP stream first waits for the socket to be readable
-//! ([`super::ReadReadiness`]) and only then takes its buffer, so a
-//! connection waiting between two tokens holds none.
-//! Every read goes into a fresh buffer from a [`BufferPool`]: by default the
+//! ([`super::ReadReadiness`]) and only then takes buffer room, so a
+//! connection waiting between two tokens holds none; it then reads what is
+//! there into the tail of the buffer this core's reads share
+//! ([`BufferPool::read_packed`]), so the pieces of many streams in flight
+//! hold one buffer between them. A read over TLS, or one that must follow
+//! unconsumed bytes, goes into a fresh buffer of its own.
+//! Buffers come from a [`BufferPool`]: by default the
 //! current thread's pool ([`provider_read_pool_stats`] reports its
 //! counters), or one given with [`ClientConn::with_read_pool`]. A buffer
 //! returns to its pool when the last body piece cut from it is dropped, on

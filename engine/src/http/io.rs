@@ -9,6 +9,7 @@
 
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 
 use bytes::{Buf, Bytes, BytesMut};
 use monoio::buf::{IoBufMut, IoVecBuf};
@@ -93,7 +94,10 @@ pub(crate) async fn fill_toward<S: AsyncReadRent>(
 /// With no `carry`, the read waits for the stream to be readable first
 /// ([`ReadReadiness`]) and takes its buffer only then: a stream waiting for
 /// its provider's next token (20 ms and more apart) holds no buffer, so
-/// idle streams cost no read memory.
+/// idle streams cost no read memory. A plain TCP stream then reads what
+/// is there at once, into the tail of the buffer this core's reads share
+/// ([`BufferPool::read_packed`]): many streams' small pieces in flight
+/// hold one buffer between them, not one each.
 ///
 /// Cancelling (dropping the future) loses `carry` and the bytes of the read
 /// in flight; under io_uring the pooled buffer stays with the kernel until
@@ -104,7 +108,23 @@ pub(crate) async fn read_pooled<S: AsyncReadRent + ReadReadiness>(
     carry: Bytes,
 ) -> io::Result<(Bytes, usize)> {
     if carry.is_empty() {
-        stream.read_ready().await?;
+        loop {
+            stream.read_ready().await?;
+            match stream.read_packed_now(pool) {
+                None => break,
+                Some(Ok(read)) => {
+                    let read_bytes = read.len();
+                    return Ok((read, read_bytes));
+                }
+                // A readiness the socket no longer has: wait again.
+                Some(Err(e))
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Some(Err(e)) => return Err(e),
+            }
+        }
     }
     if carry.len() >= pool.buffer_size_bytes() {
         let mut heap = BytesMut::with_capacity(carry.len() + READ_CHUNK_BYTES);
@@ -134,6 +154,17 @@ pub trait ReadReadiness {
     /// Completes when a read would not wait, or at once when the stream
     /// cannot tell (a read then waits with its buffer, as without this).
     fn read_ready(&mut self) -> impl std::future::Future<Output = io::Result<()>>;
+
+    /// After [`read_ready`](Self::read_ready): reads what the stream has
+    /// now, without waiting, into `pool`'s shared packing buffer
+    /// ([`BufferPool::read_packed`]); `WouldBlock` when it has nothing
+    /// after all. `None`: this stream cannot read that way (its bytes come
+    /// through a decoder, such as TLS), so the read takes a buffer of its
+    /// own.
+    fn read_packed_now(&mut self, pool: &BufferPool) -> Option<io::Result<Bytes>> {
+        let _ = pool;
+        None
+    }
 }
 
 impl ReadReadiness for TcpStream {
@@ -143,6 +174,34 @@ impl ReadReadiness for TcpStream {
         // readiness the socket does not have.
         self.readable(false).await
     }
+
+    fn read_packed_now(&mut self, pool: &BufferPool) -> Option<io::Result<Bytes>> {
+        Some(recv_packed(self.as_raw_fd(), pool))
+    }
+}
+
+/// One non-blocking `recv` on `fd` into `pool`'s packing buffer. It never
+/// waits, so no read is in flight when it returns (under io_uring too: the
+/// kernel writes the tail during the call, not after it).
+fn recv_packed(fd: RawFd, pool: &BufferPool) -> io::Result<Bytes> {
+    let read = |tail: &mut [std::mem::MaybeUninit<u8>]| loop {
+        // SAFETY: `tail` is valid for writes of `tail.len()` bytes for the
+        // whole call; `recv` writes at most that many and returns how many.
+        let read_bytes =
+            unsafe { libc::recv(fd, tail.as_mut_ptr().cast(), tail.len(), libc::MSG_DONTWAIT) };
+        match usize::try_from(read_bytes) {
+            Ok(read_bytes) => return Ok(read_bytes),
+            Err(_) => {
+                let error = io::Error::last_os_error();
+                if error.kind() != io::ErrorKind::Interrupted {
+                    return Err(error);
+                }
+            }
+        }
+    };
+    // SAFETY: on `Ok(n)` the kernel wrote the first `n` bytes of the tail,
+    // and the closure keeps no pointer into it.
+    unsafe { pool.read_packed(read) }
 }
 
 impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
@@ -153,6 +212,13 @@ impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
             // readiness says nothing about whole records: the read waits
             // (with its buffer) as before.
             crate::tls::MaybeTls::Tls(_) => Ok(()),
+        }
+    }
+
+    fn read_packed_now(&mut self, pool: &BufferPool) -> Option<io::Result<Bytes>> {
+        match self {
+            crate::tls::MaybeTls::Plain(tcp) => tcp.read_packed_now(pool),
+            crate::tls::MaybeTls::Tls(_) => None,
         }
     }
 }
@@ -407,6 +473,64 @@ mod tests {
         let (read, read_bytes) = read_pooled(&mut server, &pool, Bytes::new()).await.unwrap();
         assert_eq!((read, read_bytes), (Bytes::new(), 0));
         assert_eq!(pool.in_use(), 0);
+    }
+
+    #[monoio::test_all]
+    async fn reads_from_two_sockets_are_packed_into_one_pooled_buffer() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut clients = Vec::new();
+        let mut servers = Vec::new();
+        for _ in 0..2 {
+            let client = monoio::spawn(async move { connect(addr).await.unwrap() });
+            let (server, _) = accept(&listener).await.unwrap();
+            clients.push(client.await);
+            servers.push(server);
+        }
+        let pool = BufferPool::new(crate::pool::PoolConfig {
+            buffer_size_bytes: 4096,
+            buffer_count_max: 4,
+        })
+        .unwrap();
+        let sent: [&'static [u8]; 3] = [
+            b"data: {\"a\":1}\n\n",
+            b"data: {\"b\":2}\n\n",
+            b"data: [DONE]\n\n",
+        ];
+        let mut pieces = Vec::new();
+        for (i, chunk) in sent.iter().enumerate() {
+            let (client, server) = (&mut clients[i % 2], &mut servers[i % 2]);
+            write_parts(client, IoParts::new([Bytes::from_static(chunk)]), || {})
+                .await
+                .unwrap();
+            let (read, read_bytes) = read_pooled(server, &pool, Bytes::new()).await.unwrap();
+            assert_eq!((&read[..], read_bytes), (*chunk, chunk.len()));
+            pieces.push(read);
+        }
+        // The three reads, from two connections, sit back to back in one
+        // pooled buffer: the bytes the kernel wrote, not copies.
+        let mut offset_bytes = 0;
+        for piece in &pieces {
+            assert_eq!(
+                pool.locate(piece.as_ptr()),
+                Some(crate::pool::BufferLocation {
+                    index: 0,
+                    offset_bytes
+                })
+            );
+            offset_bytes += piece.len();
+        }
+        assert_eq!(pool.in_use(), 1);
+        drop(pieces);
+        assert_eq!(pool.in_use(), 0);
+
+        // End of stream: an empty read holds no buffer.
+        drop(clients);
+        for server in &mut servers {
+            let (read, read_bytes) = read_pooled(server, &pool, Bytes::new()).await.unwrap();
+            assert_eq!((read, read_bytes), (Bytes::new(), 0));
+        }
+        assert_eq!((pool.in_use(), pool.stale_returns()), (0, 0));
     }
 
     #[monoio::test_all]
