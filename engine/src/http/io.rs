@@ -126,6 +126,19 @@ pub(crate) async fn read_pooled<S: AsyncReadRent + ReadReadiness>(
             }
         }
     }
+    // Boxed: a read in flight on the stream (TLS decoding, or after a
+    // carry) is far larger than the readiness wait above, and an inline
+    // one would size the future of every read for it, a plain TCP
+    // stream's packed reads included.
+    Box::pin(read_owned(stream, pool, carry)).await
+}
+
+/// [`read_pooled`]'s read with a buffer of its own (TLS, or a carry).
+async fn read_owned<S: AsyncReadRent>(
+    stream: &mut S,
+    pool: &BufferPool,
+    carry: Bytes,
+) -> io::Result<(Bytes, usize)> {
     if carry.len() >= pool.buffer_size_bytes() {
         let mut heap = BytesMut::with_capacity(carry.len() + READ_CHUNK_BYTES);
         heap.extend_from_slice(&carry);

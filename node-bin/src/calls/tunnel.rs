@@ -87,8 +87,10 @@ impl TunnelCall {
             headers: &headers,
             body: self.body.clone(),
         };
-        let response = pool
-            .send(self.endpoint.target(), &request, secret)
+        // Boxed: checkout, connect (TLS included), the request write and the
+        // response head are the largest state of this call, and an inline
+        // future would keep their room through the whole body stream.
+        let response = Box::pin(pool.send(self.endpoint.target(), &request, secret))
             .await
             .map_err(|e| e.into_failure())?;
         let (mut conn, head) = (response.conn, response.head);
