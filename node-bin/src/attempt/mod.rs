@@ -91,124 +91,133 @@ enum Event<O> {
 /// run's window: an output that does not fit is split where it can be and
 /// otherwise held, and while one is held nothing more is read from the
 /// provider call (back-pressure to its socket) and the idle clock stops.
-pub async fn drive<E: Emitter>(
-    env: &AttemptEnv,
+///
+/// A function returning an `async move` block rather than an `async fn`:
+/// an `async fn` keeps its arguments and, beside them, the locals it moves
+/// them into, for its whole life; the block uses what it captured in
+/// place (the watchdog and the stall evidence are most of a kilobyte,
+/// held for every stream).
+#[allow(clippy::manual_async_fn)]
+pub fn drive<'a, E: Emitter + 'a>(
+    env: &'a AttemptEnv,
     mut emitter: E,
     mut watchdog: Watchdog,
     evidence: StallEvidence,
     mut provider: ProviderSide<E::Output>,
     flow: Rc<FlowGate>,
     mut stop: oneshot::Receiver<StopCause>,
-) -> Ended {
-    let mut timer = env.timers.timer();
-    let mut outputs_open = true;
-    let mut stop_open = true;
-    let mut probe_rx: Option<oneshot::Receiver<ProbeOutcome>> = None;
-    let mut ended = Ended::Provider;
-    let mut first_output_seen = false;
-    // An output waiting for flow-control credit.
-    let mut held: Option<Stamped<E::Output>> = None;
-    loop {
-        timer.arm(watchdog.poll_timeout());
-        let probing = probe_rx.is_some();
-        let blocked = held.is_some();
-        let event = monoio::select! {
-            // Stops and timers first: a busy stream must not starve them.
-            biased;
-            cause = &mut stop, if stop_open => Event::Stop(cause.ok()),
-            _ = timer.fired() => Event::Timer,
-            outcome = wait_probe(&mut probe_rx), if probing => Event::Probe(outcome),
-            _ = flow.credited(), if blocked => Event::Credit,
-            out = provider.recv(), if outputs_open && !blocked => Event::Output(out),
-        };
-        let now = clock::now();
-        // What goes to `forward` this turn: a fresh output, or the held one
-        // once credit came (one call site: its future is stored once).
-        let mut to_forward: Option<(Stamped<E::Output>, bool)> = None;
-        match event {
-            Event::Output(Some(stamped)) => {
-                if !first_output_seen {
-                    // metrics: provider time to first byte (its first output).
-                    first_output_seen = true;
-                    metrics::record_between(
-                        Latency::NodeProviderTimeToFirstByte,
-                        provider.started_at(),
-                        stamped.read_at,
-                    );
+) -> impl std::future::Future<Output = Ended> + 'a {
+    async move {
+        let mut timer = env.timers.timer();
+        let mut outputs_open = true;
+        let mut stop_open = true;
+        let mut probe_rx: Option<oneshot::Receiver<ProbeOutcome>> = None;
+        let mut ended = Ended::Provider;
+        let mut first_output_seen = false;
+        // An output waiting for flow-control credit.
+        let mut held: Option<Stamped<E::Output>> = None;
+        loop {
+            timer.arm(watchdog.poll_timeout());
+            let probing = probe_rx.is_some();
+            let blocked = held.is_some();
+            let event = monoio::select! {
+                // Stops and timers first: a busy stream must not starve them.
+                biased;
+                cause = &mut stop, if stop_open => Event::Stop(cause.ok()),
+                _ = timer.fired() => Event::Timer,
+                outcome = wait_probe(&mut probe_rx), if probing => Event::Probe(outcome),
+                _ = flow.credited(), if blocked => Event::Credit,
+                out = provider.recv(), if outputs_open && !blocked => Event::Output(out),
+            };
+            let now = clock::now();
+            // What goes to `forward` this turn: a fresh output, or the held one
+            // once credit came (one call site: its future is stored once).
+            let mut to_forward: Option<(Stamped<E::Output>, bool)> = None;
+            match event {
+                Event::Output(Some(stamped)) => {
+                    if !first_output_seen {
+                        // metrics: provider time to first byte (its first output).
+                        first_output_seen = true;
+                        metrics::record_between(
+                            Latency::NodeProviderTimeToFirstByte,
+                            provider.started_at(),
+                            stamped.read_at,
+                        );
+                    }
+                    let activity = E::activity(&stamped.output);
+                    if watchdog.on_output(now, activity) == Verdict::Forward {
+                        to_forward = Some((stamped, false));
+                    }
                 }
+                Event::Output(None) => {
+                    outputs_open = false;
+                    watchdog.handle_provider_returned(now);
+                }
+                Event::Credit => to_forward = held.take().map(|stamped| (stamped, true)),
+                Event::Stop(cause) => {
+                    stop_open = false;
+                    if let Some(cause) = cause {
+                        watchdog.stop(now, cause);
+                    }
+                }
+                Event::Probe(outcome) => {
+                    probe_rx = None;
+                    watchdog.handle_probe_result(now, outcome);
+                }
+                Event::Timer => watchdog.handle_timeout(now),
+            }
+            if let Some((stamped, credited)) = to_forward {
                 let activity = E::activity(&stamped.output);
-                if watchdog.on_output(now, activity) == Verdict::Forward {
-                    to_forward = Some((stamped, false));
+                held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
+                match (credited, held.is_some()) {
+                    // Blocked by this output: the idle clock stops.
+                    (false, true) => watchdog.flow_blocked(now),
+                    // The held output went out whole after the credit.
+                    (true, false) => watchdog.flow_resumed(clock::now()),
+                    _ => {}
                 }
             }
-            Event::Output(None) => {
-                outputs_open = false;
-                watchdog.handle_provider_returned(now);
-            }
-            Event::Credit => to_forward = held.take().map(|stamped| (stamped, true)),
-            Event::Stop(cause) => {
-                stop_open = false;
-                if let Some(cause) = cause {
-                    watchdog.stop(now, cause);
+            while let Some(action) = watchdog.poll_action() {
+                match action {
+                    Action::CancelProvider => provider.abort(),
+                    Action::StartProbe => {
+                        probe_rx = Some(probe::spawn_probe(
+                            evidence.probe.clone(),
+                            watchdog.config().probe_timeout,
+                        ));
+                    }
+                    Action::EmitStall(report) => {
+                        let seq = env.observations.next();
+                        let failure = report.execution_failure(&evidence.identity, seq);
+                        tracing::warn!(
+                            node_run_id = %evidence.identity.node_run_id,
+                            adapter = %evidence.identity.adapter,
+                            target = %evidence.identity.target,
+                            idle_ms = report.idle.as_millis() as u64,
+                            fence = ?report.fence,
+                            health = ?report.health,
+                            health_observation_seq = ?seq,
+                            "node_stall: response stalled"
+                        );
+                        ended = Ended::Stalled(report);
+                        send(&env.conn, emitter.stall(&report.message(), failure)).await;
+                    }
+                    Action::EmitStopped(cause) => {
+                        ended = Ended::Stopped(cause);
+                        send(&env.conn, emitter.stopped(cause)).await;
+                    }
+                    Action::Release => {}
                 }
             }
-            Event::Probe(outcome) => {
-                probe_rx = None;
-                watchdog.handle_probe_result(now, outcome);
+            if held.is_some() && !watchdog.accepts_output() {
+                // The terminal is out (stop, deadline): what waited for credit
+                // is late output now (W10), and the provider's remaining
+                // outputs are drained until its call returns.
+                held = None;
             }
-            Event::Timer => watchdog.handle_timeout(now),
-        }
-        if let Some((stamped, credited)) = to_forward {
-            let activity = E::activity(&stamped.output);
-            held = forward(&env.conn, &mut emitter, &flow, stamped, activity).await;
-            match (credited, held.is_some()) {
-                // Blocked by this output: the idle clock stops.
-                (false, true) => watchdog.flow_blocked(now),
-                // The held output went out whole after the credit.
-                (true, false) => watchdog.flow_resumed(clock::now()),
-                _ => {}
+            if watchdog.is_released() {
+                return ended;
             }
-        }
-        while let Some(action) = watchdog.poll_action() {
-            match action {
-                Action::CancelProvider => provider.abort(),
-                Action::StartProbe => {
-                    probe_rx = Some(probe::spawn_probe(
-                        evidence.probe.clone(),
-                        watchdog.config().probe_timeout,
-                    ));
-                }
-                Action::EmitStall(report) => {
-                    let seq = env.observations.next();
-                    let failure = report.execution_failure(&evidence.identity, seq);
-                    tracing::warn!(
-                        node_run_id = %evidence.identity.node_run_id,
-                        adapter = %evidence.identity.adapter,
-                        target = %evidence.identity.target,
-                        idle_ms = report.idle.as_millis() as u64,
-                        fence = ?report.fence,
-                        health = ?report.health,
-                        health_observation_seq = ?seq,
-                        "node_stall: response stalled"
-                    );
-                    ended = Ended::Stalled(report);
-                    send(&env.conn, emitter.stall(&report.message(), failure)).await;
-                }
-                Action::EmitStopped(cause) => {
-                    ended = Ended::Stopped(cause);
-                    send(&env.conn, emitter.stopped(cause)).await;
-                }
-                Action::Release => {}
-            }
-        }
-        if held.is_some() && !watchdog.accepts_output() {
-            // The terminal is out (stop, deadline): what waited for credit
-            // is late output now (W10), and the provider's remaining
-            // outputs are drained until its call returns.
-            held = None;
-        }
-        if watchdog.is_released() {
-            return ended;
         }
     }
 }
