@@ -770,7 +770,18 @@ where
                 match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
                     Ok(frame) => frame,
                     Err(e) => {
-                        return refuse(edge, server, Surface::OpenAi, request, &dispatch, &e).await
+                        // Boxed, as every once-per-request await in the streaming
+                        // routes: the route's future keeps room only for what it
+                        // holds while the response streams.
+                        return Box::pin(refuse(
+                            edge,
+                            server,
+                            Surface::OpenAi,
+                            request,
+                            &dispatch,
+                            &e,
+                        ))
+                        .await;
                     }
                 }
             }
@@ -779,7 +790,9 @@ where
             }
         };
         let buffered = dispatch.kind == DispatchKind::Run && !chat.stream;
-        if !send_run(
+        // Boxed: handing the request to its node is this future's largest
+        // state, held only until the node has it, never while it streams.
+        if !Box::pin(send_run(
             edge,
             server,
             Surface::OpenAi,
@@ -787,7 +800,7 @@ where
             &dispatch,
             run,
             buffered,
-        )
+        ))
         .await?
         {
             return Ok(());
@@ -800,7 +813,11 @@ where
                     created: iop_engine::clock::unix_ms() / 1000,
                     model: lease.target.clone(),
                 };
-                relay_run(edge, server, &mut frames, id, &chat).await
+                if chat.stream {
+                    relay_run(edge, server, &mut frames, id, chat.include_usage()).await
+                } else {
+                    relay_completion(edge, server, &mut frames, id).await
+                }
             }
         };
         match settle(edge, request, result)? {
@@ -1039,7 +1056,17 @@ where
             Ok(frame) => frame,
             Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
         };
-        if !send_run(edge, server, route.surface, request, &dispatch, run, false).await? {
+        if !Box::pin(send_run(
+            edge,
+            server,
+            route.surface,
+            request,
+            &dispatch,
+            run,
+            false,
+        ))
+        .await?
+        {
             return Ok(());
         }
         let result = relay(edge, server, route.surface, &mut frames).await;
@@ -1260,100 +1287,123 @@ fn cancel_reason(e: &HttpError) -> CancelReason {
 const CUT_OFF_CODE: &str = "client_too_slow";
 const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading.";
 
-/// Relays a normalized run as OpenAI chat completion chunks or one
-/// `chat.completion` (E1, E4, E5). Every event taken from the route is
-/// credited back to the node as soon as the client took its bytes (or the
-/// relay held it). Nothing is written before the attempt commits
-/// ([`crate::attempt`]): a stream's `start` waits for its first delta, a
-/// non-streaming answer for its `complete`; an attempt that fails before
-/// may be retried elsewhere ([`Relayed::Retry`]).
+/// Relays a normalized run as one `chat.completion` (E1, E5). Every event
+/// taken from the route is credited back to the node as soon as the
+/// builder took it. Nothing is written before the attempt commits
+/// ([`crate::attempt`]): the answer waits for its `complete`; an attempt
+/// that fails before may be retried elsewhere ([`Relayed::Retry`]).
+///
+/// Apart from [`relay_run`] (the streamed form), so neither's future keeps
+/// room for the other's state.
+async fn relay_completion<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    frames: &mut RouteRx,
+    id: ResponseId,
+) -> Result<Relayed, HttpError>
+where
+    S: ClientStream,
+{
+    let mut tracker = AttemptTracker::buffered();
+    let mut builder = CompletionBuilder::new(id);
+    loop {
+        let next = match Box::pin(server.watch_peer(frames.recv())).await {
+            Watched::Done(next) => next,
+            Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+        };
+        let charge = next.as_ref().map_or(0, RouteEvent::charge);
+        match next {
+            Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => {
+                tracker.on_run_event(&ev);
+                if let Some(usage) = &ev.usage {
+                    server
+                        .rec
+                        .usage(usage.prompt_tokens, usage.completion_tokens);
+                }
+                let done = builder.on_event(&ev);
+                // The builder took it: the node may send more.
+                frames.drained(edge, charge);
+                match done {
+                    Some(Completion::Done(v)) => {
+                        let taken_at = clock::now();
+                        Box::pin(write_json(server, 200, Bytes::from(v.to_string()))).await?;
+                        server.chunk_written(taken_at);
+                        return Ok(Relayed::Done);
+                    }
+                    Some(Completion::Failed { code, message }) => {
+                        if tracker.end_of_run(&ev).is_retryable() {
+                            if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
+                                return Ok(Relayed::Retry(next));
+                            }
+                        }
+                        return Box::pin(fail(
+                            server,
+                            Surface::OpenAi,
+                            false,
+                            false,
+                            &message,
+                            &code,
+                        ))
+                        .await
+                        .map(|()| Relayed::Done);
+                    }
+                    None => {}
+                }
+            }
+            // Another attempt's, or not a run's: nothing for this one.
+            Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
+            Some(RouteEvent::Retry(next)) => return Ok(Relayed::Retry(next)),
+            Some(RouteEvent::Aborted(reason)) => {
+                return Box::pin(abort(server, Surface::OpenAi, false, false, reason))
+                    .await
+                    .map(|()| Relayed::Done)
+            }
+            Some(RouteEvent::Overflow) => {
+                let _ = Box::pin(fail(
+                    server,
+                    Surface::OpenAi,
+                    false,
+                    false,
+                    CUT_OFF_MESSAGE,
+                    CUT_OFF_CODE,
+                ))
+                .await;
+                return Err(cut_off());
+            }
+            Some(RouteEvent::Lost) | None => {
+                return Box::pin(fail(
+                    server,
+                    Surface::OpenAi,
+                    false,
+                    false,
+                    NODE_LOST,
+                    "node_disconnected",
+                ))
+                .await
+                .map(|()| Relayed::Done)
+            }
+        }
+    }
+}
+
+/// Relays a normalized run as OpenAI chat completion chunks (E1, E4). Every
+/// event taken from the route is credited back to the node as soon as the
+/// client took its bytes (or the relay held it). Nothing is written before
+/// the attempt commits ([`crate::attempt`]): the stream's `start` waits for
+/// its first delta; an attempt that fails before may be retried elsewhere
+/// ([`Relayed::Retry`]).
 async fn relay_run<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     frames: &mut RouteRx,
     id: ResponseId,
-    chat: &ChatRequest,
+    include_usage: bool,
 ) -> Result<Relayed, HttpError>
 where
     S: ClientStream,
 {
-    if !chat.stream {
-        let mut tracker = AttemptTracker::buffered();
-        let mut builder = CompletionBuilder::new(id);
-        loop {
-            let next = match server.watch_peer(frames.recv()).await {
-                Watched::Done(next) => next,
-                Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
-            };
-            let charge = next.as_ref().map_or(0, RouteEvent::charge);
-            match next {
-                Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => {
-                    tracker.on_run_event(&ev);
-                    if let Some(usage) = &ev.usage {
-                        server
-                            .rec
-                            .usage(usage.prompt_tokens, usage.completion_tokens);
-                    }
-                    let done = builder.on_event(&ev);
-                    // The builder took it: the node may send more.
-                    frames.drained(edge, charge);
-                    match done {
-                        Some(Completion::Done(v)) => {
-                            let taken_at = clock::now();
-                            write_json(server, 200, Bytes::from(v.to_string())).await?;
-                            server.chunk_written(taken_at);
-                            return Ok(Relayed::Done);
-                        }
-                        Some(Completion::Failed { code, message }) => {
-                            if tracker.end_of_run(&ev).is_retryable() {
-                                if let Some(next) = verdict(edge, server, frames).await? {
-                                    return Ok(Relayed::Retry(next));
-                                }
-                            }
-                            return fail(server, Surface::OpenAi, false, false, &message, &code)
-                                .await
-                                .map(|()| Relayed::Done);
-                        }
-                        None => {}
-                    }
-                }
-                // Another attempt's, or not a run's: nothing for this one.
-                Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
-                Some(RouteEvent::Retry(next)) => return Ok(Relayed::Retry(next)),
-                Some(RouteEvent::Aborted(reason)) => {
-                    return abort(server, Surface::OpenAi, false, false, reason)
-                        .await
-                        .map(|()| Relayed::Done)
-                }
-                Some(RouteEvent::Overflow) => {
-                    let _ = fail(
-                        server,
-                        Surface::OpenAi,
-                        false,
-                        false,
-                        CUT_OFF_MESSAGE,
-                        CUT_OFF_CODE,
-                    )
-                    .await;
-                    return Err(cut_off());
-                }
-                Some(RouteEvent::Lost) | None => {
-                    return fail(
-                        server,
-                        Surface::OpenAi,
-                        false,
-                        false,
-                        NODE_LOST,
-                        "node_disconnected",
-                    )
-                    .await
-                    .map(|()| Relayed::Done)
-                }
-            }
-        }
-    }
     let mut tracker = AttemptTracker::new();
-    let mut stream = ChunkStream::new(id, chat.include_usage());
+    let mut stream = ChunkStream::new(id, include_usage);
     // Events before the first delta (its `start`), held until it commits.
     let mut held: Vec<pb::RunEvent> = Vec::new();
     let mut started = false;
@@ -1363,102 +1413,103 @@ where
             server.check_cut_off()?;
             next
         } else {
-            match server.watch_peer(frames.recv()).await {
+            match Box::pin(server.watch_peer(frames.recv())).await {
                 Watched::Done(next) => next,
                 Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
             }
         };
-        let charge = next.as_ref().map_or(0, RouteEvent::charge);
-        let ev = match next {
-            Some(RouteEvent::Run(ev)) if ev.run_id == frames.run_id() => ev,
-            Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => {
+        // As in `relay`: `next` and the event move whole into calls and are
+        // never borrowed here, so this future keeps no room for them.
+        let (charge, ev) = match run_event(next, frames.run_id()) {
+            Ok(taken) => taken,
+            Err((charge, Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)))) => {
                 frames.drained(edge, charge);
                 continue;
             }
-            Some(RouteEvent::Retry(next)) if !started => return Ok(Relayed::Retry(next)),
-            // Control never retries a committed attempt.
-            Some(RouteEvent::Retry(_)) => continue,
-            Some(RouteEvent::Aborted(reason)) => {
-                return abort(server, Surface::OpenAi, started, true, reason)
+            Err((_, Some(RouteEvent::Retry(next)))) => {
+                // Control never retries a committed attempt.
+                if !started {
+                    return Ok(Relayed::Retry(next));
+                }
+                continue;
+            }
+            Err((_, Some(RouteEvent::Aborted(reason)))) => {
+                return Box::pin(abort(server, Surface::OpenAi, started, true, reason))
                     .await
                     .map(|()| Relayed::Done)
             }
-            Some(RouteEvent::Overflow) => {
-                let _ = fail(
+            Err((_, Some(RouteEvent::Overflow))) => {
+                let _ = Box::pin(fail(
                     server,
                     Surface::OpenAi,
                     started,
                     true,
                     CUT_OFF_MESSAGE,
                     CUT_OFF_CODE,
-                )
+                ))
                 .await;
                 return Err(cut_off());
             }
-            Some(RouteEvent::Lost) | None => {
-                return fail(
+            Err((_, Some(RouteEvent::Lost) | None)) => {
+                return Box::pin(fail(
                     server,
                     Surface::OpenAi,
                     started,
                     true,
                     NODE_LOST,
                     "node_disconnected",
-                )
+                ))
                 .await
                 .map(|()| Relayed::Done)
             }
         };
-        let commits = tracker.on_run_event(&ev);
-        if let Some(usage) = &ev.usage {
-            server
-                .rec
-                .usage(usage.prompt_tokens, usage.completion_tokens);
-        }
-        let is_error = matches!(
-            ev.r#type(),
-            pb::RunEventType::Error | pb::RunEventType::Cancelled
-        );
-        if !started && is_error {
-            // Nothing was sent yet: another provider may take it, or the
-            // client gets an HTTP error.
-            if tracker.end_of_run(&ev).is_retryable() {
-                if let Some(next) = verdict(edge, server, frames).await? {
-                    return Ok(Relayed::Retry(next));
-                }
-            }
-            let code = if ev.failure_code.is_empty() {
-                "provider_error"
-            } else {
-                ev.failure_code.as_str()
-            };
-            return fail(server, Surface::OpenAi, false, true, &ev.error, code)
-                .await
-                .map(|()| Relayed::Done);
-        }
-        if !started && !commits && ev.r#type() != pb::RunEventType::Complete {
-            held.push(ev);
-            frames.drained(edge, charge);
-            continue;
-        }
         let taken_at = clock::now();
-        if !started {
-            server
-                .start_chunked(
-                    200,
-                    [
-                        ("content-type", "text/event-stream"),
-                        ("cache-control", "no-cache"),
-                    ],
-                )
-                .await?;
-            started = true;
-            for earlier in std::mem::take(&mut held) {
-                for chunk in stream.on_event(&earlier) {
-                    server.write_chunk(chunk).await?;
+        let (earlier, chunks) = match run_step(
+            ev,
+            &mut tracker,
+            &mut server.rec,
+            &mut stream,
+            &mut held,
+            started,
+        ) {
+            RunStep::Write { earlier, chunks } => (earlier, chunks),
+            RunStep::Held => {
+                frames.drained(edge, charge);
+                continue;
+            }
+            RunStep::Failed(ev) => {
+                // Nothing was sent yet: another provider may take it, or the
+                // client gets an HTTP error.
+                if tracker.end_of_run(&ev).is_retryable() {
+                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
+                        return Ok(Relayed::Retry(next));
+                    }
                 }
+                let code = if ev.failure_code.is_empty() {
+                    "provider_error"
+                } else {
+                    ev.failure_code.as_str()
+                };
+                return Box::pin(fail(server, Surface::OpenAi, false, true, &ev.error, code))
+                    .await
+                    .map(|()| Relayed::Done);
+            }
+        };
+        if !started {
+            Box::pin(server.start_chunked(
+                200,
+                [
+                    ("content-type", "text/event-stream"),
+                    ("cache-control", "no-cache"),
+                ],
+            ))
+            .await?;
+            started = true;
+            for chunk in earlier {
+                server.write_chunk(chunk).await?;
             }
         }
-        for chunk in stream.on_event(&ev) {
+        for chunk in chunks {
             server.write_chunk(chunk).await?;
             server.chunk_written(taken_at);
         }
@@ -1466,6 +1517,73 @@ where
         if stream.is_finished() {
             return server.finish().await.map(|()| Relayed::Done);
         }
+    }
+}
+
+/// The route event's flow-control charge, and the run event of this
+/// attempt or the event that is not one. Takes `next` whole (see `relay`).
+// Large both ways, as the event itself is: matched at once by the caller
+// (boxing it would allocate per event).
+#[allow(clippy::result_large_err)]
+fn run_event(
+    next: Option<RouteEvent>,
+    run_id: &str,
+) -> Result<(u64, pb::RunEvent), (u64, Option<RouteEvent>)> {
+    let charge = next.as_ref().map_or(0, RouteEvent::charge);
+    match next {
+        Some(RouteEvent::Run(ev)) if ev.run_id == run_id => Ok((charge, ev)),
+        other => Err((charge, other)),
+    }
+}
+
+/// What `relay_run` does with one event of its streamed attempt.
+enum RunStep {
+    /// An error before anything was sent (boxed: once per request).
+    Failed(Box<pb::RunEvent>),
+    /// Held until the attempt commits.
+    Held,
+    /// Chunks to write: those of the held events first (when this event
+    /// starts the response), then this event's.
+    Write {
+        earlier: Vec<Bytes>,
+        chunks: Vec<Bytes>,
+    },
+}
+
+/// Takes one event of a streamed run: the attempt tracker and the usage
+/// record see it, and it is translated (after the held events, in order)
+/// or held. The event is consumed here, so only its chunks wait in
+/// `relay_run`'s future for the client.
+fn run_step(
+    ev: pb::RunEvent,
+    tracker: &mut AttemptTracker,
+    rec: &mut AccessRecord,
+    stream: &mut ChunkStream,
+    held: &mut Vec<pb::RunEvent>,
+    started: bool,
+) -> RunStep {
+    let commits = tracker.on_run_event(&ev);
+    if let Some(usage) = &ev.usage {
+        rec.usage(usage.prompt_tokens, usage.completion_tokens);
+    }
+    let is_error = matches!(
+        ev.r#type(),
+        pb::RunEventType::Error | pb::RunEventType::Cancelled
+    );
+    if !started && is_error {
+        return RunStep::Failed(Box::new(ev));
+    }
+    if !started && !commits && ev.r#type() != pb::RunEventType::Complete {
+        held.push(ev);
+        return RunStep::Held;
+    }
+    let earlier = std::mem::take(held)
+        .iter()
+        .flat_map(|earlier| stream.on_event(earlier))
+        .collect();
+    RunStep::Write {
+        earlier,
+        chunks: stream.on_event(&ev),
     }
 }
 
@@ -1527,7 +1645,10 @@ where
     S: ClientStream,
 {
     let mut tracker = AttemptTracker::new();
-    let mut head: Option<pb::ProviderTunnelFrame> = None;
+    // Boxed, like everything this future holds only for a moment: the
+    // future is sized by what it holds at its largest await, for the life
+    // of the stream.
+    let mut head: Option<Box<pb::ProviderTunnelFrame>> = None;
     // Body of a 5xx head, held (and already credited) until it commits.
     let mut held: Vec<Bytes> = Vec::new();
     let mut started = false;
@@ -1539,55 +1660,61 @@ where
             next
         } else {
             // Before the first byte goes out, a client that leaves is seen
-            // at once (U6), not at the first write.
-            match server.watch_peer(frames.recv()).await {
+            // at once (U6), not at the first write. The watch is boxed: it
+            // is this future's largest state, and only needed until then.
+            match Box::pin(server.watch_peer(frames.recv())).await {
                 Watched::Done(next) => next,
                 Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
             }
         };
-        let charge = next.as_ref().map_or(0, RouteEvent::charge);
-        let tf = match next {
-            Some(RouteEvent::Tunnel(tf)) if tf.run_id == frames.run_id() => tf,
-            Some(RouteEvent::Tunnel(_) | RouteEvent::Run(_)) => {
+        // `next`, and the frame it holds, move whole into calls and are
+        // never borrowed here: a borrowed local keeps its room in this
+        // future across every later await (this turn's writes included).
+        let (charge, tf) = match tunnel_frame(next, frames.run_id()) {
+            Ok(taken) => taken,
+            Err((charge, Some(RouteEvent::Tunnel(_) | RouteEvent::Run(_)))) => {
                 frames.drained(edge, charge);
                 continue;
             }
-            Some(RouteEvent::Retry(next)) if !started => return Ok(Relayed::Retry(next)),
-            // Control never retries a committed attempt.
-            Some(RouteEvent::Retry(_)) => continue,
-            Some(RouteEvent::Aborted(reason)) => {
-                return abort(server, surface, started, event_stream, reason)
+            Err((_, Some(RouteEvent::Retry(next)))) => {
+                // Control never retries a committed attempt.
+                if !started {
+                    return Ok(Relayed::Retry(next));
+                }
+                continue;
+            }
+            Err((_, Some(RouteEvent::Aborted(reason)))) => {
+                return Box::pin(abort(server, surface, started, event_stream, reason))
                     .await
                     .map(|()| Relayed::Done)
             }
-            Some(RouteEvent::Overflow) => {
-                let _ = fail(
+            Err((_, Some(RouteEvent::Overflow))) => {
+                let _ = Box::pin(fail(
                     server,
                     surface,
                     started,
                     event_stream,
                     CUT_OFF_MESSAGE,
                     CUT_OFF_CODE,
-                )
+                ))
                 .await;
                 return Err(cut_off());
             }
-            Some(RouteEvent::Lost) | None => {
-                return fail(
+            Err((_, Some(RouteEvent::Lost) | None)) => {
+                return Box::pin(fail(
                     server,
                     surface,
                     started,
                     event_stream,
                     NODE_LOST,
                     "node_disconnected",
-                )
+                ))
                 .await
                 .map(|()| Relayed::Done);
             }
         };
-        let commits = tracker.on_tunnel_frame(&tf);
-        match tf.kind() {
-            pb::TunnelFrameKind::ResponseStart => {
+        match tunnel_step(tf, &mut tracker) {
+            TunnelStep::Head(tf) => {
                 if !started && head.is_none() {
                     event_stream = tf.headers.iter().any(|h| {
                         h.name.eq_ignore_ascii_case("content-type")
@@ -1596,9 +1723,8 @@ where
                     head = Some(tf);
                 }
             }
-            pb::TunnelFrameKind::Body => {
-                let (taken_at, len) = (clock::now(), tf.body.len() as u64);
-                let mut body = tf.body;
+            TunnelStep::Body { mut body, commits } => {
+                let (taken_at, len) = (clock::now(), body.len() as u64);
                 if commits {
                     if let Some(h) = head.take() {
                         // The head goes out with the first body bytes, in
@@ -1608,7 +1734,7 @@ where
                         } else {
                             held.remove(0)
                         };
-                        start_response(server, &h, first).await?;
+                        Box::pin(start_response(server, &h, first)).await?;
                     }
                     started = true;
                     for body in std::mem::take(&mut held) {
@@ -1624,26 +1750,26 @@ where
                 }
                 frames.drained(edge, charge);
             }
-            pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
-                if let Some(usage) = &tf.usage {
+            TunnelStep::Other { usage } => {
+                if let Some(usage) = usage {
                     server
                         .rec
                         .usage(usage.prompt_tokens, usage.completion_tokens);
                 }
                 frames.drained(edge, charge);
             }
-            pb::TunnelFrameKind::End => {
+            TunnelStep::End(tf) => {
                 if started {
                     return server.finish().await.map(|()| Relayed::Done);
                 }
                 if tracker.end_of_tunnel(&tf).is_retryable() {
-                    if let Some(next) = verdict(edge, server, frames).await? {
+                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
                         return Ok(Relayed::Retry(next));
                     }
                 }
                 let Some(h) = head.take() else {
                     let e = ApiError::upstream("the provider sent no response", None);
-                    return write_error(server, surface, &e)
+                    return Box::pin(write_error(server, surface, &e))
                         .await
                         .map(|()| Relayed::Done);
                 };
@@ -1654,16 +1780,16 @@ where
                 } else {
                     held.remove(0)
                 };
-                start_response(server, &h, first).await?;
+                Box::pin(start_response(server, &h, first)).await?;
                 for body in std::mem::take(&mut held) {
                     server.write_chunk(body).await?;
                 }
                 server.chunk_written(clock::now());
                 return server.finish().await.map(|()| Relayed::Done);
             }
-            pb::TunnelFrameKind::Error => {
+            TunnelStep::Error(tf) => {
                 if !started && tracker.end_of_tunnel(&tf).is_retryable() {
-                    if let Some(next) = verdict(edge, server, frames).await? {
+                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
                         return Ok(Relayed::Retry(next));
                     }
                 }
@@ -1672,11 +1798,67 @@ where
                 } else {
                     tf.failure_code.as_str()
                 };
-                return fail(server, surface, started, event_stream, &tf.error, code)
-                    .await
-                    .map(|()| Relayed::Done);
+                return Box::pin(fail(
+                    server,
+                    surface,
+                    started,
+                    event_stream,
+                    &tf.error,
+                    code,
+                ))
+                .await
+                .map(|()| Relayed::Done);
             }
         }
+    }
+}
+
+/// The route event's flow-control charge, and the tunnel frame of this
+/// attempt or the event that is not one. Takes `next` whole (see `relay`).
+// Large both ways, as the event itself is: matched at once by the caller
+// (boxing it would allocate per event).
+#[allow(clippy::result_large_err)]
+fn tunnel_frame(
+    next: Option<RouteEvent>,
+    run_id: &str,
+) -> Result<(u64, pb::ProviderTunnelFrame), (u64, Option<RouteEvent>)> {
+    let charge = next.as_ref().map_or(0, RouteEvent::charge);
+    match next {
+        Some(RouteEvent::Tunnel(tf)) if tf.run_id == run_id => Ok((charge, tf)),
+        other => Err((charge, other)),
+    }
+}
+
+/// One frame of the attempt, as `relay` acts on it. The frame is consumed
+/// here; the once-per-request frames (the head, the terminal) are boxed,
+/// so a body frame leaves only its bytes in `relay`'s future.
+enum TunnelStep {
+    Head(Box<pb::ProviderTunnelFrame>),
+    Body {
+        body: Bytes,
+        commits: bool,
+    },
+    /// `USAGE` (observation only), or a kind this Edge does not know.
+    Other {
+        usage: Option<pb::Usage>,
+    },
+    End(Box<pb::ProviderTunnelFrame>),
+    Error(Box<pb::ProviderTunnelFrame>),
+}
+
+fn tunnel_step(tf: pb::ProviderTunnelFrame, tracker: &mut AttemptTracker) -> TunnelStep {
+    let commits = tracker.on_tunnel_frame(&tf);
+    match tf.kind() {
+        pb::TunnelFrameKind::ResponseStart => TunnelStep::Head(Box::new(tf)),
+        pb::TunnelFrameKind::Body => TunnelStep::Body {
+            body: tf.body,
+            commits,
+        },
+        pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
+            TunnelStep::Other { usage: tf.usage }
+        }
+        pb::TunnelFrameKind::End => TunnelStep::End(Box::new(tf)),
+        pb::TunnelFrameKind::Error => TunnelStep::Error(Box::new(tf)),
     }
 }
 
