@@ -59,59 +59,66 @@ impl TunnelCall {
         pool: &Rc<ProviderPool>,
         out: &OutputTx<TunnelOutput>,
     ) -> Result<(), (&'static str, String)> {
-        // --- provider pool: checkout, stale retry, credential header -------
-        // C2: the declared header, built in a zeroizing buffer, replaces any
-        // forwarded header of the same name. The opened secret goes right
-        // here; the header value is owned by `send`, which drops it as soon
-        // as no retry can need it (a stale pooled connection is retried
-        // with this same value: the lease is never opened twice).
-        let secret = self
-            .credential
-            .take()
-            .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
-        let injected_name = secret.as_ref().map(|s| s.name().to_string());
-        let headers: Vec<(&str, &[u8])> = self
-            .headers
-            .iter()
-            .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
-            .filter(|h| {
-                injected_name
-                    .as_deref()
-                    .is_none_or(|name| !h.name.eq_ignore_ascii_case(name))
-            })
-            .map(|h| (h.name.as_str(), &h.value[..]))
-            .collect();
-        let request = ProviderRequest {
-            method: &self.method,
-            target: &self.path,
-            headers: &headers,
-            body: self.body.clone(),
-        };
-        // Boxed: checkout, connect (TLS included), the request write and the
-        // response head are the largest state of this call, and an inline
-        // future would keep their room through the whole body stream.
-        let response = Box::pin(pool.send(self.endpoint.target(), &request, secret))
-            .await
-            .map_err(|e| e.into_failure())?;
-        let (mut conn, head) = (response.conn, response.head);
-        // ----------------------------------------------------------------------
-        // U1: usage is observed in the body, which goes on untouched.
-        let mut usage = head
-            .headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case("content-type"))
-            .and_then(|h| UsageWatcher::for_content_type(&h.value));
-        let headers = head
-            .headers
-            .iter()
-            .map(|h| pb::Header {
-                name: h.name.clone(),
-                value: h.value.clone(),
-            })
-            .collect();
-        let start = TunnelOutput::Start {
-            status: head.status,
-            headers,
+        // Everything of the request and the response head lives in this
+        // block, so none of it keeps room in this future while the body
+        // streams (a local that was borrowed keeps its room until its
+        // scope ends).
+        let (mut conn, mut usage, start) = {
+            // --- provider pool: checkout, stale retry, credential header -------
+            // C2: the declared header, built in a zeroizing buffer, replaces any
+            // forwarded header of the same name. The opened secret goes right
+            // here; the header value is owned by `send`, which drops it as soon
+            // as no retry can need it (a stale pooled connection is retried
+            // with this same value: the lease is never opened twice).
+            let secret = self
+                .credential
+                .take()
+                .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
+            let injected_name = secret.as_ref().map(|s| s.name().to_string());
+            let headers: Vec<(&str, &[u8])> = self
+                .headers
+                .iter()
+                .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
+                .filter(|h| {
+                    injected_name
+                        .as_deref()
+                        .is_none_or(|name| !h.name.eq_ignore_ascii_case(name))
+                })
+                .map(|h| (h.name.as_str(), &h.value[..]))
+                .collect();
+            let request = ProviderRequest {
+                method: &self.method,
+                target: &self.path,
+                headers: &headers,
+                body: self.body.clone(),
+            };
+            // Boxed: checkout, connect (TLS included), the request write and the
+            // response head are the largest state of this call, and an inline
+            // future would keep their room through the whole body stream.
+            let response = Box::pin(pool.send(self.endpoint.target(), &request, secret))
+                .await
+                .map_err(|e| e.into_failure())?;
+            let (conn, head) = (response.conn, response.head);
+            // ----------------------------------------------------------------------
+            // U1: usage is observed in the body, which goes on untouched.
+            let usage = head
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+                .and_then(|h| UsageWatcher::for_content_type(&h.value));
+            let headers = head
+                .headers
+                .iter()
+                .map(|h| pb::Header {
+                    name: h.name.clone(),
+                    value: h.value.clone(),
+                })
+                .collect();
+            let start = TunnelOutput::Start {
+                status: head.status,
+                headers,
+            };
+            (conn, usage, start)
         };
         if !out.send(start).await {
             return Ok(());

@@ -89,14 +89,19 @@ pub async fn serve(
         attempt::send(&env.conn, emit.failed(codes::PROVIDER_TLS, message)).await;
         return Ended::Provider;
     }
-    let origin = adapter.base_url.origin();
-    let target = TunnelTarget {
-        profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
-        origin: &origin,
-        path: &path,
-        method: &method,
+    // In a block: the target borrows, and a borrowed local would keep its
+    // room in this future for the whole stream.
+    let opened = {
+        let origin = adapter.base_url.origin();
+        let target = TunnelTarget {
+            profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
+            origin: &origin,
+            path: &path,
+            method: &method,
+        };
+        leases.open(&req, &target, clock::unix_ms())
     };
-    let credential = match leases.open(&req, &target, clock::unix_ms()) {
+    let credential = match opened {
         Ok(credential) => credential,
         Err(e) => {
             let code = e.failure_code();
