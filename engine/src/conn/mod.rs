@@ -52,7 +52,7 @@ use std::time::Duration;
 use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT};
 
 pub use self::core::{ConnCore, ConnStats, OutFrame, TrySendError};
-pub use self::shell::{spawn_conn, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
+pub use self::shell::{spawn_conn, ConnEvent, ConnEvents, ConnHandle, PushBulk, SocketShutdown};
 
 /// Close reason when the peer ended the stream without a `Close` frame.
 pub const REASON_PEER_CLOSED: &str = "peer_closed";
