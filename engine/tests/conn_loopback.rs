@@ -450,3 +450,57 @@ async fn conn_dropping_the_last_handle_closes() {
     })
     .await;
 }
+
+#[monoio::test_all(timer_enabled = true)]
+async fn conn_bulk_sender_waits_on_a_full_lane_and_resumes_when_the_peer_reads() {
+    guarded(async {
+        let (client, server) = tcp_pair().await;
+        let mut config = ConnConfig::default();
+        config.bulk_lane_max_frames = 2;
+        let (a, _a_events) = start(client, config);
+        let mut peer = RawPeer::new(server);
+        // Far more than the socket buffers hold while the peer reads nothing.
+        const FRAMES: u64 = 200;
+        let big = |seq: u64| {
+            codec::frame(Body::RunEvent(pb::RunEvent {
+                run_id: "run-1".to_owned(),
+                seq,
+                delta: format!("{seq:08}").repeat(8 * 1024),
+                ..Default::default()
+            }))
+        };
+        let queued = std::rc::Rc::new(std::cell::Cell::new(0u64));
+        let sender = monoio::spawn({
+            let (a, queued) = (a.clone(), queued.clone());
+            async move {
+                for seq in 1..=FRAMES {
+                    a.send_bulk(big(seq)).await.unwrap();
+                    queued.set(seq);
+                }
+            }
+        });
+        // The writer blocks on the full socket, the lane fills, and the
+        // sender waits on it: it stops short of the end, and stays there.
+        let mut stalled_at = 0;
+        for _ in 0..50 {
+            monoio::time::sleep(Duration::from_millis(20)).await;
+            if queued.get() == stalled_at && stalled_at > 0 {
+                break;
+            }
+            stalled_at = queued.get();
+        }
+        assert!(
+            stalled_at > 0 && stalled_at < FRAMES,
+            "the sender should wait on the full lane, queued {stalled_at} of {FRAMES}"
+        );
+        // The peer reads: room is made, the waiting sender resumes, and
+        // every frame arrives once, in order, byte for byte.
+        for seq in 1..=FRAMES {
+            assert_eq!(peer.read_frame().await, Some(big(seq)));
+        }
+        sender.await;
+        assert_eq!(queued.get(), FRAMES);
+        assert_eq!(a.stats().frames_sent, FRAMES);
+    })
+    .await;
+}
