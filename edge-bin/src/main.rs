@@ -499,6 +499,11 @@ fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
     let results = rt::run_shards(&cores, move |shard| {
         let (edge, cfg, config_path) = (shared.clone(), cfg.clone(), config_path.clone());
         async move {
+            // Every shard serves clients: its histograms are allocated now,
+            // not by its first request.
+            iop_engine::metrics::prepare(iop_engine::metrics::Latency::of_side(
+                iop_engine::metrics::Side::Edge,
+            ));
             if !shard.is_control() {
                 let stop = server::Stop {
                     shutdown: std::future::pending(),

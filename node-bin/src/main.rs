@@ -342,6 +342,11 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
         let (shutdown, force) = supervisor::signal_stops()?;
         // SIGUSR1 dumps the latency histograms to stderr.
         iop_engine::metrics::spawn_usr1_dumper(iop_engine::metrics::Side::Node)?;
+        // The session and tunnels run here (and provider calls without
+        // workers): their histograms are allocated now, not by a request.
+        iop_engine::metrics::prepare(iop_engine::metrics::Latency::of_side(
+            iop_engine::metrics::Side::Node,
+        ));
         // SIGHUP reloads our certificate, key and CA bundle for the next
         // dial (the open Edge connection keeps its own).
         let hup = SignalPipe::install(Signal::Hup)?;

@@ -16,7 +16,9 @@
 //! - [`Registry`] holds the fixed set of histograms ([`Latency`]) and
 //!   counters ([`Count`]) of both binaries; each key belongs to one [`Side`]
 //!   and renderers show one side. The set is closed: no labels, no names
-//!   taken from requests.
+//!   taken from requests. A histogram is allocated when its key is first
+//!   recorded, or up front by [`prepare`] (each binary prepares the keys a
+//!   thread records as the thread starts).
 //! - Recording goes to the calling thread's registry ([`record`],
 //!   [`record_since`], [`add`]). Each thread registers its registry in a
 //!   process-wide list the first time it records; [`merged`] adds them all
@@ -46,7 +48,7 @@ pub mod process;
 mod render;
 
 pub use per_core::{
-    add, dump_on_sigusr1, merged, record, record_between, record_since, spawn_usr1_dumper,
+    add, dump_on_sigusr1, merged, prepare, record, record_between, record_since, spawn_usr1_dumper,
 };
 pub use render::{render_prometheus, render_wrk2, WRK2_PERCENTILES};
 
@@ -115,6 +117,14 @@ impl Latency {
         Latency::NodeRelayChunkLatency,
         Latency::NodeProviderCallDuration,
     ];
+
+    /// The histograms `side` records.
+    pub fn of_side(side: Side) -> &'static [Latency] {
+        match side {
+            Side::Edge => &Self::ALL[..3],
+            Side::Node => &Self::ALL[3..],
+        }
+    }
 
     /// The binary that records it.
     pub fn side(self) -> Side {
@@ -442,29 +452,49 @@ impl fmt::Debug for Histogram {
 
 /// The fixed set of histograms and counters of one core (or of several,
 /// merged).
+///
+/// A histogram takes its memory (~190 KiB, mostly HdrHistogram counts) when
+/// its key is first recorded or [`prepared`](Self::prepare), so a process
+/// holds only the keys of its own [`Side`], and a registry that only counts
+/// (or an empty merge target) costs a few hundred bytes.
 #[derive(Debug, Clone)]
 pub struct Registry {
-    histograms: [Histogram; Latency::ALL.len()],
+    histograms: [Option<Box<Histogram>>; Latency::ALL.len()],
     counters: [u64; Count::ALL.len()],
 }
 
+/// What [`Registry::histogram`] shows for a key nothing recorded.
+static EMPTY_HISTOGRAM: std::sync::OnceLock<Histogram> = std::sync::OnceLock::new();
+
 impl Registry {
-    /// Every histogram empty, every counter 0.
+    /// Every histogram empty, every counter 0; nothing allocated yet.
     pub fn new() -> Self {
         Self {
-            histograms: std::array::from_fn(|_| Histogram::new()),
+            histograms: std::array::from_fn(|_| None),
             counters: [0; Count::ALL.len()],
         }
     }
 
+    /// Allocates the histograms of `keys` now, so that recording them
+    /// later allocates nothing.
+    pub fn prepare(&mut self, keys: &[Latency]) {
+        for &key in keys {
+            self.slot(key);
+        }
+    }
+
+    fn slot(&mut self, key: Latency) -> &mut Histogram {
+        self.histograms[key.index()].get_or_insert_with(Box::default)
+    }
+
     /// Records `elapsed` in `key`'s histogram.
     pub fn record(&mut self, key: Latency, elapsed: Duration) {
-        self.histograms[key.index()].record(elapsed);
+        self.slot(key).record(elapsed);
     }
 
     /// Records a value in microseconds in `key`'s histogram.
     pub fn record_us(&mut self, key: Latency, value_us: u64) {
-        self.histograms[key.index()].record_us(value_us);
+        self.slot(key).record_us(value_us);
     }
 
     /// Adds `n` to `key`'s counter (saturating).
@@ -473,9 +503,18 @@ impl Registry {
         *counter = counter.saturating_add(n);
     }
 
-    /// `key`'s histogram.
+    /// `key`'s histogram (an empty one if nothing was recorded).
     pub fn histogram(&self, key: Latency) -> &Histogram {
-        &self.histograms[key.index()]
+        match &self.histograms[key.index()] {
+            Some(histogram) => histogram,
+            None => EMPTY_HISTOGRAM.get_or_init(Histogram::new),
+        }
+    }
+
+    /// Whether `key`'s histogram holds memory (it was recorded or
+    /// prepared).
+    pub fn is_allocated(&self, key: Latency) -> bool {
+        self.histograms[key.index()].is_some()
     }
 
     /// `key`'s counter.
@@ -485,8 +524,10 @@ impl Registry {
 
     /// Adds every sample and count of `other` to this one.
     pub fn merge(&mut self, other: &Registry) -> Result<(), MetricsError> {
-        for (mine, theirs) in self.histograms.iter_mut().zip(&other.histograms) {
-            mine.merge(theirs)?;
+        for key in Latency::ALL {
+            if let Some(theirs) = &other.histograms[key.index()] {
+                self.slot(key).merge(theirs)?;
+            }
         }
         for (mine, theirs) in self.counters.iter_mut().zip(&other.counters) {
             *mine = mine.saturating_add(*theirs);
@@ -532,6 +573,51 @@ mod tests {
                 "provider_call_duration"
             ]
         );
+    }
+
+    #[test]
+    fn a_registry_allocates_only_the_histograms_it_records_or_prepares() {
+        let mut r = Registry::new();
+        assert!(Latency::ALL.iter().all(|&k| !r.is_allocated(k)));
+        assert_eq!(r.histogram(Latency::EdgeEndToEnd).count(), 0);
+        assert!(
+            !r.is_allocated(Latency::EdgeEndToEnd),
+            "reading allocates nothing"
+        );
+
+        r.prepare(Latency::of_side(Side::Node));
+        let allocated: Vec<Latency> = Latency::ALL
+            .into_iter()
+            .filter(|&k| r.is_allocated(k))
+            .collect();
+        assert_eq!(
+            allocated,
+            [
+                Latency::NodeProviderTimeToFirstByte,
+                Latency::NodeRelayChunkLatency,
+                Latency::NodeProviderCallDuration
+            ]
+        );
+        assert!(Latency::of_side(Side::Edge)
+            .iter()
+            .all(|k| k.side() == Side::Edge));
+        assert_eq!(
+            Latency::of_side(Side::Edge).len() + Latency::of_side(Side::Node).len(),
+            Latency::ALL.len()
+        );
+
+        r.record_us(Latency::EdgeQueueWait, 250);
+        assert!(r.is_allocated(Latency::EdgeQueueWait));
+        assert!(!r.is_allocated(Latency::EdgeEndToEnd));
+
+        // A merge allocates the keys the other side holds, and only those.
+        let mut total = Registry::new();
+        total.merge(&r).expect("same bounds");
+        total.merge(&r).expect("same bounds");
+        assert_eq!(total.histogram(Latency::EdgeQueueWait).count(), 2);
+        assert_eq!(total.histogram(Latency::EdgeQueueWait).sum_us(), 500);
+        assert!(total.is_allocated(Latency::NodeRelayChunkLatency));
+        assert!(!total.is_allocated(Latency::EdgeRelayChunkLatency));
     }
 
     #[test]

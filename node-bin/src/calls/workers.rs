@@ -418,6 +418,8 @@ pub fn spawn_thread(
         }
         let started = ready_tx.clone();
         let result = rt::block_on(async move {
+            // A worker records only its calls' durations.
+            metrics::prepare(&[Latency::NodeProviderCallDuration]);
             let _ = started.send(Ok(()));
             run(inbox).await;
         });
