@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnHandle, SocketShutdown};
 use iop_engine::metrics::{self as engine_metrics, Count};
-use iop_engine::net::{Deadline, Wait};
+use iop_engine::net::Wait;
 use iop_engine::tls::EdgeTlsAcceptor;
 use iop_wire::codec::body_name;
 use iop_wire::flow;
@@ -45,7 +45,7 @@ pub async fn serve(
     let (conn, events, tls_name) = match acceptor {
         Some(acceptor) => {
             engine_metrics::add(Count::EdgeNodeHandshakesStarted, 1);
-            let deadline = Deadline::spawn(&tcp);
+            let deadline = edge.deadlines.watch(&tcp);
             deadline.arm(Wait::Handshake, handshake.timeout);
             let accepted = acceptor.accept(tcp).await;
             let timed_out = deadline.expired() == Some(Wait::Handshake);

@@ -15,7 +15,7 @@ use std::time::Duration;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
-use iop_engine::net::LogThrottle;
+use iop_engine::net::{Deadlines, LogThrottle};
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
 use iop_engine::tls::HttpsAcceptor;
@@ -411,6 +411,9 @@ pub struct Edge {
     write_stall_log: RefCell<LogThrottle<()>>,
     /// Mints the ids of client requests without a usable `x-request-id`.
     request_ids: RequestIds,
+    /// The read, write and handshake deadlines of this shard's client and
+    /// node connections: one timing wheel and one tick task for them all.
+    pub deadlines: Rc<Deadlines>,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -489,6 +492,7 @@ impl Edge {
             drained: Cell::new((0, 0)),
             write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
             request_ids: RequestIds::default(),
+            deadlines: Deadlines::new(),
         }
     }
 

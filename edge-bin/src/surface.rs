@@ -16,7 +16,7 @@ use iop_engine::clock;
 use iop_engine::http::ReadReadiness;
 use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency};
-use iop_engine::net::{Deadline, Wait};
+use iop_engine::net::Wait;
 use iop_engine::tls::{ListenerStream, MaybeTls};
 use iop_wire::codec::BodyParts;
 use iop_wire::pb;
@@ -264,7 +264,7 @@ impl<S: ClientStream> Client<S> {
 pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     // Taken from the TCP socket before any TLS wraps it.
-    let deadline = Deadline::spawn(&tcp);
+    let deadline = edge.deadlines.watch(&tcp);
     // The `/admin` routes of an Edge without client keys answer loopback
     // peers only.
     let peer = tcp.peer_addr().ok().map(|a| a.ip());

@@ -17,7 +17,7 @@
 //! | [`sync`] | single-core `Notify` and wake lists | — |
 //! | [`mailbox`] | — | bounded cross-core mailboxes, wake only on empty → non-empty |
 //! | [`memory`] | — | glibc allocator settings and trimming, so freed buffers go back to the OS |
-//! | [`net`] | deadline decisions, per-peer log throttle | per-connection deadline watchdog (`shutdown(2)` from outside), accept gate |
+//! | [`net`] | deadline decisions, per-peer log throttle | per-connection deadlines on one timing wheel per runtime (`shutdown(2)` from outside), accept gate |
 //! | [`resolve`] | name cache policy (fresh, stale-while-revalidate, negative) | resolver threads: host names never block a core |
 //! | [`rng`] | seeded SplitMix64 (reconnect jitter, harnesses; not for secrets) | OS seed |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |

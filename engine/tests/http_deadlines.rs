@@ -15,7 +15,7 @@ use iop_engine::http::{
     accept, connect, parse_response_head, HttpError, Limits, Linger, LingerEnd, ResponseHead,
     ServerConn, ServerTimeouts,
 };
-use iop_engine::net::{Deadline, Wait};
+use iop_engine::net::{Deadlines, Wait};
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 
@@ -41,7 +41,7 @@ mod http {
 
     async fn server(listener: &TcpListener, timeouts: ServerTimeouts) -> ServerConn<TcpStream> {
         let (tcp, _) = accept(listener).await.unwrap();
-        let deadline = Deadline::spawn(&tcp);
+        let deadline = Deadlines::new().watch(&tcp);
         ServerConn::new(tcp, Limits::default()).with_deadline(deadline, timeouts)
     }
 
@@ -109,6 +109,62 @@ mod http {
         conn.write_error(&err).await.unwrap();
         drop(conn);
         assert!(client.await, "the client's connection was closed");
+    }
+
+    // One `Deadlines` (one wheel, one tick task) serves two connections, as
+    // on an Edge shard: the silent one is cut off by its head deadline, the
+    // one that sends its request is not; afterwards the same tick task cuts
+    // the second off when its keep-alive idle timeout passes.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn connections_sharing_one_wheel_are_cut_off_only_by_their_own_deadlines() {
+        let (listener, addr) = listen();
+        let silent = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let deadlines = Deadlines::new();
+        let (tcp, _) = accept(&listener).await.unwrap();
+        let deadline = deadlines.watch(&tcp);
+        let mut silent_conn =
+            ServerConn::new(tcp, Limits::default()).with_deadline(deadline, TIMEOUTS);
+
+        let talker = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let (tcp, _) = accept(&listener).await.unwrap();
+        let deadline = deadlines.watch(&tcp);
+        let mut talker_conn =
+            ServerConn::new(tcp, Limits::default()).with_deadline(deadline, TIMEOUTS);
+
+        let request = talker_conn.read_request().await.unwrap().unwrap();
+        assert_eq!(request.head.target, "/models");
+        let err = silent_conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Head)), "{err:?}");
+        assert_eq!(talker_conn.deadline().unwrap().expired(), None);
+        drop(silent_conn);
+        assert_eq!(
+            silent.await,
+            b"",
+            "the silent client got nothing but the close"
+        );
+
+        // Answered; the next request never comes.
+        talker_conn
+            .write_response(200, [("content-type", "text/plain")], "ok".into())
+            .await
+            .unwrap();
+        let started = clock::now();
+        let err = talker_conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Idle)), "{err:?}");
+        assert!(clock::now().duration_since(started) < GENEROUS);
+        drop(talker_conn);
+        let (head, body) = response(&talker.await);
+        assert_eq!((head.status, &body[..]), (200, &b"ok"[..]));
+        assert_eq!(deadlines.pending(), 0, "no entry outlives its connection");
     }
 
     // A body that stops half way (412 of 1,000 declared bytes) is cut off by
@@ -444,7 +500,7 @@ mod http {
             }
             (body, clock::now().duration_since(started))
         });
-        let deadline = Deadline::spawn(&server_side);
+        let deadline = Deadlines::new().watch(&server_side);
         let mut conn =
             ServerConn::new(server_side, Limits::default()).with_deadline(deadline, timeouts);
         let (ended, written) = stream_to(&mut conn, CHUNKS, CHUNK_BYTES).await;

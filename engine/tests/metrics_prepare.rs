@@ -36,7 +36,10 @@ fn metrics_prepare_allocates_a_threads_keys_before_its_first_record() {
     recorded_rx.recv().unwrap();
     let merged = metrics::merged();
     assert_eq!(merged.histogram(Latency::NodeRelayChunkLatency).count(), 1);
-    assert_eq!(merged.histogram(Latency::NodeRelayChunkLatency).sum_us(), 42);
+    assert_eq!(
+        merged.histogram(Latency::NodeRelayChunkLatency).sum_us(),
+        42
+    );
     assert!(!merged.is_allocated(Latency::EdgeEndToEnd));
     record_tx.send(()).unwrap();
     core.join().unwrap();

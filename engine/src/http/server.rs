@@ -244,7 +244,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     }
 
     /// Puts every read under `deadline` (made for this connection's socket
-    /// with [`Deadline::spawn`]) with `timeouts`; see the module docs. The
+    /// with [`Deadlines::watch`](crate::net::Deadlines::watch)) with `timeouts`; see the module docs. The
     /// first request's head deadline starts now.
     pub fn with_deadline(mut self, deadline: Deadline, timeouts: ServerTimeouts) -> Self {
         deadline.arm(Wait::Head, timeouts.head);

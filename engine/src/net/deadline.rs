@@ -1,7 +1,7 @@
 //! A per-connection deadline: arm, re-arm and disarm are writes to a cell;
-//! one watchdog task per connection sleeps until the deadline, re-checks it
-//! on waking, and on expiry shuts the socket down from outside and records
-//! why.
+//! one timing wheel per runtime ([`Deadlines`]) holds at most one entry per
+//! connection, and its tick task, on an entry's expiry, re-checks the
+//! deadline and shuts the socket down from outside and records why.
 //!
 //! Why from outside: a TLS read must never be cancelled (monoio-rustls loses
 //! its buffer and the next read panics), and a dropped io_uring read can lose
@@ -11,9 +11,10 @@
 //!
 //! Cost: moving the deadline later (the common case: a read or a write made
 //! progress) is a cell write and one clock read, no timer operation. The
-//! watchdog wakes at the old deadline, sees the new one and sleeps again.
-//! Only moving it *earlier* than the watchdog's current sleep (or arming a
-//! disarmed deadline) wakes the watchdog to re-arm its sleep.
+//! entry comes due at the old deadline, the tick task sees the new one and
+//! inserts a new entry. Only moving it *earlier* than its entry (or arming a
+//! disarmed deadline) moves the entry at once. A connection holds an `Rc`
+//! of ~100 bytes and a wheel slot, not a task with a timer of its own.
 //!
 //! # Use
 //!
@@ -45,13 +46,14 @@
 
 use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, RawFd};
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::Shutdown;
 
 use crate::clock;
 use crate::sync::Notify;
+use crate::wheel::{TickLength, TickScale, TimerHandle, Wheel};
 
 /// What a connection waits for while its deadline is armed; on expiry,
 /// what it was waiting for when it was cut off.
@@ -101,41 +103,46 @@ impl Wait {
     }
 }
 
-/// What the watchdog does next ([`DeadlineCore::poll`]).
+/// What the timer does next ([`DeadlineCore::poll`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadlineStep {
-    /// The deadline passed: cut the connection off (then poll again).
+    /// The deadline passed: cut the connection off.
     Expire(Wait),
-    /// Sleep until this instant (or an earlier wake), then poll again.
+    /// Set the timer to this instant, then poll again when it fires.
     SleepUntil(Instant),
-    /// Nothing is armed: wait for a wake, then poll again.
+    /// Nothing is armed: leave the timer unset until the next arm.
     Idle,
 }
 
 /// The deadline's decisions, without a clock or a socket.
 ///
 /// The shell calls [`DeadlineCore::arm`] / [`DeadlineCore::disarm`] from the
-/// connection's code and [`DeadlineCore::poll`] from the watchdog each time
-/// it wakes.
+/// connection's code and [`DeadlineCore::poll`] each time the deadline's
+/// timer (its wheel entry) fires.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct DeadlineCore {
     armed: Option<(Wait, Instant)>,
-    /// What the watchdog sleeps until; `None`: it waits for a wake.
+    /// When the timer fires; `None`: it is not set.
     sleeping_until: Option<Instant>,
     expired: Option<Wait>,
 }
 
 impl DeadlineCore {
     /// Arms (or re-arms) the deadline at `at` for `wait`. Returns whether
-    /// the watchdog must be woken to re-arm its sleep: only when it sleeps
-    /// past `at` or waits with nothing armed.
+    /// the shell must move its timer to `at`: only when the timer is set
+    /// past `at` or not set at all. Otherwise the timer fires first and
+    /// [`poll`](Self::poll) sets it again.
     pub fn arm(&mut self, wait: Wait, at: Instant) -> bool {
         self.armed = Some((wait, at));
-        self.sleeping_until.is_none_or(|sleep| at < sleep)
+        let moves = self.sleeping_until.is_none_or(|sleep| at < sleep);
+        if moves {
+            self.sleeping_until = Some(at);
+        }
+        moves
     }
 
-    /// Disarms the deadline. The watchdog is not woken: it finds nothing
-    /// armed at its next wake.
+    /// Disarms the deadline. The timer is left set: it finds nothing armed
+    /// when it fires.
     pub fn disarm(&mut self) {
         self.armed = None;
     }
@@ -150,8 +157,8 @@ impl DeadlineCore {
         self.expired
     }
 
-    /// The watchdog woke at `now` (its sleep ended or it was woken): what
-    /// to do next. An expiry disarms the deadline and is recorded.
+    /// The timer fired at `now`: what to do next. An expiry disarms the
+    /// deadline and is recorded.
     pub fn poll(&mut self, now: Instant) -> DeadlineStep {
         match self.armed {
             Some((wait, at)) if at <= now => {
@@ -172,23 +179,171 @@ impl DeadlineCore {
     }
 }
 
-struct Shared {
-    core: RefCell<DeadlineCore>,
-    wake: Notify,
-    /// The socket to shut down; `None` once the handle is dropped.
-    fd: Cell<Option<RawFd>>,
+/// Length of one tick of a [`Deadlines`] wheel. Deadlines round up to whole
+/// ticks, so a cut-off comes at most this much late and never early.
+pub const DEADLINE_TICK: Duration = Duration::from_millis(1);
+
+/// The deadlines of one runtime's connections: one timing wheel
+/// ([`crate::wheel`]) and one tick task for all of them, so a connection's
+/// deadline costs a wheel entry rather than a task with a timer of its own.
+///
+/// ```text
+///  Deadline::arm ──(only when earlier than its entry)──► Wheel<Weak<Shared>> ◄── tick task
+///                                                             │ sleeps until next_deadline
+///  expiry: DeadlineCore::poll ─► shutdown(2) ◄── fire_due ────┘ (or an earlier insert)
+/// ```
+///
+/// Create one per runtime (it is `!Send`) and make each connection's
+/// [`Deadline`] with [`Deadlines::watch`]; the tick task is spawned on the
+/// current runtime, which must have its timer enabled, with the first
+/// deadline and runs until that runtime stops.
+pub struct Deadlines {
+    wheel: RefCell<Wheel<Weak<Shared>>>,
+    scale: TickScale,
+    /// The tick the tick task sleeps until (`None`: no entry).
+    sleeping_until: Cell<Option<u64>>,
+    /// Wakes the tick task to re-read the next deadline.
+    rearm: Notify,
+    started: Cell<bool>,
 }
 
-/// A connection's deadline; see the module docs. Dropping it stops its
-/// watchdog.
+impl std::fmt::Debug for Deadlines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deadlines")
+            .field("pending", &self.pending())
+            .field("sleeping_until", &self.sleeping_until.get())
+            .field("started", &self.started.get())
+            .finish()
+    }
+}
+
+impl Deadlines {
+    /// A service with no deadlines; its tick task starts with the first
+    /// [`watch`](Self::watch).
+    pub fn new() -> Rc<Self> {
+        #[allow(clippy::expect_used)] // a non-zero constant, not input
+        let length =
+            TickLength::new(DEADLINE_TICK).expect("DEADLINE_TICK is a valid non-zero tick length");
+        Rc::new(Self {
+            wheel: RefCell::new(Wheel::new()),
+            scale: TickScale::new(clock::now(), length),
+            sleeping_until: Cell::new(None),
+            rearm: Notify::default(),
+            started: Cell::new(false),
+        })
+    }
+
+    /// A disarmed deadline for `socket` (a `TcpStream`: take it before
+    /// wrapping the stream in TLS). Spawns the tick task on the current
+    /// monoio runtime the first time.
+    pub fn watch(self: &Rc<Self>, socket: &impl AsRawFd) -> Deadline {
+        if !self.started.replace(true) {
+            monoio::spawn(self.clone().run());
+        }
+        Deadline {
+            shared: Rc::new(Shared {
+                core: RefCell::new(DeadlineCore::default()),
+                fd: Cell::new(Some(socket.as_raw_fd())),
+                entry: Cell::new(None),
+            }),
+            service: self.clone(),
+        }
+    }
+
+    /// Wheel entries pending: at most one per armed deadline.
+    pub fn pending(&self) -> usize {
+        self.wheel.borrow().len()
+    }
+
+    /// Handles every entry due at `now`: each deadline that passed shuts its
+    /// socket down; one that was pushed later gets a new entry. Returns how
+    /// many sockets were shut down. The tick task calls this each time it
+    /// wakes.
+    pub fn fire_due(&self, now: Instant) -> usize {
+        let now_tick = self.scale.now_tick(now);
+        let mut cut = 0;
+        loop {
+            // Borrow only while polling: an expiry may re-insert.
+            let expired = self.wheel.borrow_mut().poll_expired(now_tick);
+            let Some(expired) = expired else { break };
+            let Some(shared) = expired.value.upgrade() else {
+                continue;
+            };
+            shared.entry.set(None);
+            let step = shared.core.borrow_mut().poll(now);
+            match step {
+                DeadlineStep::Expire(wait) => {
+                    if let Some(fd) = shared.fd.get() {
+                        cut_off(fd, wait);
+                        cut += 1;
+                    }
+                }
+                DeadlineStep::SleepUntil(at) => self.schedule(&shared, at),
+                DeadlineStep::Idle => {}
+            }
+        }
+        cut
+    }
+
+    /// Gives `shared` one entry at `at`, replacing the one it had, and wakes
+    /// the tick task if it sleeps past it.
+    fn schedule(&self, shared: &Rc<Shared>, at: Instant) {
+        let tick = self.scale.deadline_tick(at);
+        let mut wheel = self.wheel.borrow_mut();
+        if let Some(old) = shared.entry.take() {
+            wheel.cancel(old);
+        }
+        shared
+            .entry
+            .set(Some(wheel.insert(tick, Rc::downgrade(shared))));
+        if self.sleeping_until.get().is_none_or(|t| tick < t) {
+            self.sleeping_until.set(Some(tick));
+            self.rearm.notify();
+        }
+    }
+
+    /// The tick task: sleeps until the next entry (or an earlier insert)
+    /// and handles what is due.
+    async fn run(self: Rc<Self>) {
+        loop {
+            let next = self.wheel.borrow().next_deadline();
+            self.sleeping_until.set(next);
+            match next.and_then(|tick| self.scale.instant_at(tick)) {
+                Some(at) => {
+                    let wait = at.saturating_duration_since(clock::now());
+                    if !wait.is_zero() {
+                        monoio::select! {
+                            _ = monoio::time::sleep(wait) => {},
+                            _ = self.rearm.notified() => {},
+                        }
+                    }
+                }
+                None => self.rearm.notified().await,
+            }
+            self.fire_due(clock::now());
+        }
+    }
+}
+
+struct Shared {
+    core: RefCell<DeadlineCore>,
+    /// The socket to shut down; `None` once the handle is dropped.
+    fd: Cell<Option<RawFd>>,
+    /// This deadline's wheel entry, if it has one.
+    entry: Cell<Option<TimerHandle>>,
+}
+
+/// A connection's deadline; see the module docs. Made by
+/// [`Deadlines::watch`]; dropping it removes its wheel entry.
 ///
-/// The watchdog shuts down the descriptor it was given; drop the
+/// On expiry the tick task shuts down the descriptor it was given; drop the
 /// `Deadline` before (or in the same synchronous step as) the stream that
 /// owns the descriptor, so a number reused by another socket is never shut
 /// down. Keeping it in the same struct as the stream, declared before it,
 /// does that.
 pub struct Deadline {
     shared: Rc<Shared>,
+    service: Rc<Deadlines>,
 }
 
 impl std::fmt::Debug for Deadline {
@@ -201,32 +356,23 @@ impl std::fmt::Debug for Deadline {
 }
 
 impl Deadline {
-    /// A disarmed deadline for `socket` (a `TcpStream`: take it before
-    /// wrapping the stream in TLS), with its watchdog task spawned on the
-    /// current monoio runtime, which must have its timer enabled.
-    pub fn spawn(socket: &impl AsRawFd) -> Self {
-        let shared = Rc::new(Shared {
-            core: RefCell::new(DeadlineCore::default()),
-            wake: Notify::default(),
-            fd: Cell::new(Some(socket.as_raw_fd())),
-        });
-        monoio::spawn(watchdog(shared.clone()));
-        Self { shared }
-    }
-
     /// Arms (or re-arms) the deadline `timeout` from now for `wait`.
     pub fn arm(&self, wait: Wait, timeout: Duration) {
         self.arm_at(wait, clock::now() + timeout);
     }
 
-    /// Arms (or re-arms) the deadline at `at` for `wait`.
+    /// Arms (or re-arms) the deadline at `at` for `wait`. A later deadline
+    /// than the pending entry is a cell write; an earlier one (or arming a
+    /// disarmed deadline) moves the entry.
     pub fn arm_at(&self, wait: Wait, at: Instant) {
-        if self.shared.core.borrow_mut().arm(wait, at) {
-            self.shared.wake.notify();
+        let moves = self.shared.core.borrow_mut().arm(wait, at);
+        if moves {
+            self.service.schedule(&self.shared, at);
         }
     }
 
-    /// Disarms the deadline (a cell write; the watchdog is not woken).
+    /// Disarms the deadline (a cell write; a pending entry finds nothing
+    /// armed when it comes due).
     pub fn disarm(&self) {
         self.shared.core.borrow_mut().disarm();
     }
@@ -246,35 +392,21 @@ impl Deadline {
 impl Drop for Deadline {
     fn drop(&mut self) {
         self.shared.fd.set(None);
-        self.shared.wake.notify();
+        if let Some(entry) = self.shared.entry.take() {
+            self.service.wheel.borrow_mut().cancel(entry);
+        }
     }
 }
 
-/// Sleeps until the armed deadline, re-checking on every wake; on expiry
-/// shuts the socket down. Ends when the [`Deadline`] is dropped.
-async fn watchdog(shared: Rc<Shared>) {
-    loop {
-        let Some(fd) = shared.fd.get() else { return };
-        let step = shared.core.borrow_mut().poll(clock::now());
-        match step {
-            DeadlineStep::Expire(wait) => {
-                if wait == Wait::Write {
-                    reset_on_close(fd);
-                }
-                if let Err(err) = nix::sys::socket::shutdown(fd, wait.shutdown_how()) {
-                    // ENOTCONN: the peer already closed or reset.
-                    tracing::debug!(fd, error = %err, "deadline shutdown");
-                }
-            }
-            DeadlineStep::SleepUntil(at) => {
-                let sleep = monoio::time::sleep_until(monoio::time::Instant::from_std(at));
-                monoio::select! {
-                    _ = sleep => {}
-                    _ = shared.wake.notified() => {}
-                }
-            }
-            DeadlineStep::Idle => shared.wake.notified().await,
-        }
+/// Cuts the connection on `fd` off for an expired `wait`: a write stall
+/// first sets the socket to reset on close.
+fn cut_off(fd: RawFd, wait: Wait) {
+    if wait == Wait::Write {
+        reset_on_close(fd);
+    }
+    if let Err(err) = nix::sys::socket::shutdown(fd, wait.shutdown_how()) {
+        // ENOTCONN: the peer already closed or reset.
+        tracing::debug!(fd, error = %err, "deadline shutdown");
     }
 }
 
@@ -309,7 +441,7 @@ mod tests {
         let clock = ManualClock::new(0);
         let t0 = clock.now();
         let mut core = DeadlineCore::default();
-        // Nothing armed yet: the watchdog waits for a wake.
+        // Nothing armed yet: no timer.
         assert_eq!(core.poll(t0), DeadlineStep::Idle);
         assert!(core.arm(Wait::Body, t0 + Duration::from_secs(5)));
         assert_eq!(
@@ -320,7 +452,7 @@ mod tests {
         for s in 6..100 {
             assert!(!core.arm(Wait::Body, t0 + Duration::from_secs(s)));
         }
-        // The watchdog wakes at the old deadline and sleeps again.
+        // The timer fires at the old deadline and is set again.
         clock.advance(Duration::from_secs(5));
         assert_eq!(
             core.poll(clock.now()),
@@ -330,7 +462,7 @@ mod tests {
     }
 
     #[test]
-    fn an_earlier_deadline_or_arming_from_idle_wakes_the_watchdog() {
+    fn an_earlier_deadline_or_arming_from_idle_moves_the_timer() {
         let clock = ManualClock::new(0);
         let t0 = clock.now();
         let mut core = DeadlineCore::default();
@@ -343,7 +475,7 @@ mod tests {
             DeadlineStep::SleepUntil(t0 + Duration::from_secs(10))
         );
         core.disarm();
-        // Disarmed: the watchdog finds nothing at its next wake and idles.
+        // Disarmed: the timer finds nothing when it fires.
         assert_eq!(core.poll(t0 + Duration::from_secs(10)), DeadlineStep::Idle);
         assert!(core.arm(Wait::Body, t0 + Duration::from_secs(40)));
     }
@@ -376,6 +508,90 @@ mod tests {
             DeadlineStep::Expire(Wait::Write)
         );
         assert_eq!(core.expired(), Some(Wait::Write));
+    }
+
+    fn socket_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client =
+            std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        (server, client)
+    }
+
+    fn read_ends(socket: &mut std::net::TcpStream) -> bool {
+        use std::io::Read;
+        socket
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut byte = [0u8; 1];
+        matches!(socket.read(&mut byte), Ok(0))
+    }
+
+    // The shell on the wheel, with `now` passed in (the tick task is
+    // spawned but never polled: nothing here awaits): one entry per armed
+    // deadline, a later deadline moves nothing, the entry re-checks when it
+    // comes due, an expiry shuts down only its own socket, and drop removes
+    // the entry.
+    #[test]
+    fn deadlines_share_one_wheel_and_cut_off_only_the_expired_socket() {
+        crate::rt::block_on(async {
+            let deadlines = Deadlines::new();
+            let (mut slow_server, _slow_client) = socket_pair();
+            let (mut busy_server, _busy_client) = socket_pair();
+            let slow = deadlines.watch(&slow_server);
+            let busy = deadlines.watch(&busy_server);
+            assert_eq!(deadlines.pending(), 0, "disarmed deadlines hold no entry");
+
+            let t0 = clock::now();
+            let ms = Duration::from_millis;
+            slow.arm_at(Wait::Head, t0 + ms(10));
+            busy.arm_at(Wait::Body, t0 + ms(10));
+            assert_eq!(deadlines.pending(), 2);
+            // Progress on the busy one: later deadlines, no wheel operation.
+            for later in 11..60 {
+                busy.arm_at(Wait::Body, t0 + ms(later));
+            }
+            assert_eq!(deadlines.pending(), 2);
+
+            // Not due yet: nothing happens.
+            assert_eq!(deadlines.fire_due(t0 + ms(5)), 0);
+            assert_eq!(deadlines.pending(), 2);
+            // Both entries come due: the slow one is cut off; the busy one
+            // finds its later deadline and gets a new entry there.
+            assert_eq!(deadlines.fire_due(t0 + ms(12)), 1);
+            assert_eq!(slow.expired(), Some(Wait::Head));
+            assert_eq!(slow.armed(), None);
+            assert_eq!(busy.expired(), None);
+            assert_eq!(busy.armed(), Some((Wait::Body, t0 + ms(59))));
+            assert_eq!(deadlines.pending(), 1);
+            assert!(read_ends(&mut slow_server), "the slow socket's reads end");
+
+            // An earlier deadline moves the entry at once.
+            busy.arm_at(Wait::Write, t0 + ms(30));
+            assert_eq!(deadlines.pending(), 1);
+            assert_eq!(deadlines.fire_due(t0 + ms(31)), 1);
+            assert_eq!(busy.expired(), Some(Wait::Write));
+            assert!(
+                read_ends(&mut busy_server),
+                "a write stall shuts down both ways"
+            );
+            assert_eq!(deadlines.pending(), 0);
+
+            // Dropping an armed deadline removes its entry; a disarmed one
+            // whose entry comes due just lets it go.
+            let (third_server, _third_client) = socket_pair();
+            let third = deadlines.watch(&third_server);
+            third.arm_at(Wait::Idle, t0 + ms(100));
+            slow.arm_at(Wait::Idle, t0 + ms(100));
+            slow.disarm();
+            assert_eq!(deadlines.pending(), 2);
+            drop(third);
+            assert_eq!(deadlines.pending(), 1);
+            assert_eq!(deadlines.fire_due(t0 + ms(101)), 0);
+            assert_eq!(deadlines.pending(), 0);
+            assert_eq!(slow.expired(), Some(Wait::Head), "the old record stays");
+        })
+        .expect("runtime");
     }
 
     #[test]

@@ -7,10 +7,10 @@
 //! ```text
 //! accept loop:  gate.enter().await ─► accept() ─► spawn(conn(permit, socket))
 //!                (at the cap: wait; new connections stay in the kernel backlog)
-//! connection:   deadline = Deadline::spawn(&socket)
+//! connection:   deadline = deadlines.watch(&socket)   (one Deadlines per runtime)
 //!               arm(Wait::Head, 10 s) ─► read … read ─► disarm()
-//!                      └─ expiry: shutdown(2) from the watchdog task; the
-//!                         pending read returns EOF, expired() says why
+//!                      └─ expiry: shutdown(2) from the wheel's tick task;
+//!                         the pending read returns EOF, expired() says why
 //! ```
 //!
 //! Pure cores ([`DeadlineCore`], [`LogThrottle`]) take `now` as an input and
@@ -22,6 +22,6 @@ mod gate;
 mod throttle;
 
 pub use buffers::set_send_buffer_bytes;
-pub use deadline::{Deadline, DeadlineCore, DeadlineStep, Wait};
+pub use deadline::{Deadline, DeadlineCore, DeadlineStep, Deadlines, Wait, DEADLINE_TICK};
 pub use gate::{Gate, Permit};
 pub use throttle::LogThrottle;
