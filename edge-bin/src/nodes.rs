@@ -163,7 +163,7 @@ fn handle_frame(
                 run_id: tf.run_id.clone(),
                 adapter: tf.adapter.clone(),
                 target: tf.target.clone(),
-                stall: tf.failure.as_ref().and_then(StallEvidence::from_failure),
+                stall: tf.failure.as_deref().and_then(StallEvidence::from_failure),
                 end: AttemptTracker::new().end_of_tunnel(&tf),
                 committed: true,
             });
@@ -187,7 +187,7 @@ fn handle_frame(
                 run_id: ev.run_id.clone(),
                 adapter: ev.adapter.clone(),
                 target: ev.target.clone(),
-                stall: ev.failure.as_ref().and_then(StallEvidence::from_failure),
+                stall: ev.failure.as_deref().and_then(StallEvidence::from_failure),
                 end: AttemptTracker::new().end_of_run(&ev),
                 committed: true,
             });

@@ -1854,9 +1854,9 @@ fn tunnel_step(tf: pb::ProviderTunnelFrame, tracker: &mut AttemptTracker) -> Tun
             body: tf.body,
             commits,
         },
-        pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
-            TunnelStep::Other { usage: tf.usage }
-        }
+        pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => TunnelStep::Other {
+            usage: tf.usage.as_deref().copied(),
+        },
         pb::TunnelFrameKind::End => TunnelStep::End(Box::new(tf)),
         pb::TunnelFrameKind::Error => TunnelStep::Error(Box::new(tf)),
     }

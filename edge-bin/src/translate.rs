@@ -258,7 +258,7 @@ impl ChunkStream {
                 let reason = finish_reason(ev, !calls.is_empty());
                 out.push(self.delta(json!({}), Some(reason)));
                 if self.include_usage {
-                    let usage = ev.usage.unwrap_or_default();
+                    let usage = ev.usage.as_deref().copied().unwrap_or_default();
                     out.push(self.chunk(json!([]), Some(usage_json(&usage))));
                 }
                 out.push(Bytes::from_static(b"data: [DONE]\n\n"));
@@ -350,7 +350,7 @@ impl CompletionBuilder {
                 if !calls.is_empty() {
                     message.insert("tool_calls".into(), Value::Array(calls));
                 }
-                let usage = ev.usage.unwrap_or_default();
+                let usage = ev.usage.as_deref().copied().unwrap_or_default();
                 Some(Completion::Done(json!({
                     "id": self.id.id,
                     "object": "chat.completion",
@@ -424,11 +424,11 @@ mod tests {
         out.extend(s.on_event(&delta("Hel")));
         out.extend(s.on_event(&delta("lo")));
         let mut done = ev(pb::RunEventType::Complete);
-        done.usage = Some(pb::Usage {
+        done.usage = Some(Box::new(pb::Usage {
             prompt_tokens: 3,
             completion_tokens: 2,
             total_tokens: 0,
-        });
+        }));
         out.extend(s.on_event(&done));
         assert!(s.on_event(&delta("late")).is_empty());
         let head =

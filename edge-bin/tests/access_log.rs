@@ -114,11 +114,11 @@ async fn a_request_id_goes_to_the_node_and_back_and_the_line_is_exact() {
                 ..frame(2, pb::TunnelFrameKind::Body)
             },
             pb::ProviderTunnelFrame {
-                usage: Some(pb::Usage {
+                usage: Some(Box::new(pb::Usage {
                     prompt_tokens: 11,
                     completion_tokens: 3,
                     total_tokens: 14,
-                }),
+                })),
                 ..frame(3, pb::TunnelFrameKind::Usage)
             },
             frame(4, pb::TunnelFrameKind::End),

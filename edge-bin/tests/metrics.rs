@@ -116,11 +116,11 @@ async fn requests_rejections_tokens_and_node_series_are_counted_exactly() {
                 ..tunnel_frame(&run, 3, pb::TunnelFrameKind::Body)
             },
             pb::ProviderTunnelFrame {
-                usage: Some(pb::Usage {
+                usage: Some(Box::new(pb::Usage {
                     prompt_tokens: 11,
                     completion_tokens: 3,
                     total_tokens: 14,
-                }),
+                })),
                 ..tunnel_frame(&run, 4, pb::TunnelFrameKind::Usage)
             },
             tunnel_frame(&run, 5, pb::TunnelFrameKind::End),

@@ -406,7 +406,7 @@ async fn stalled_request(
     stall.error = "no progress".into();
     stall.failure_code = "response_stalled".into();
     stall.target = target.into();
-    stall.failure = Some(failure);
+    stall.failure = Some(Box::new(failure));
     send(node, vec![start, body, stall]).await;
     let response = client.await;
     assert_eq!(response.status, 200, "{response:?}");

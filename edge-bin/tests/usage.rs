@@ -37,11 +37,11 @@ fn chat(stream: bool, id: &str) -> Vec<u8> {
 
 async fn usage(node: &RawNode, run_id: &str, seq: u64, prompt: u64, completion: u64) {
     let frame = pb::ProviderTunnelFrame {
-        usage: Some(pb::Usage {
+        usage: Some(Box::new(pb::Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: prompt + completion,
-        }),
+        })),
         ..tunnel_frame(run_id, seq, pb::TunnelFrameKind::Usage)
     };
     node.conn

@@ -127,11 +127,11 @@ async fn ollama_run_streams_deltas_and_completes() {
     assert_eq!(done.finish_reason, "stop");
     assert_eq!(
         done.usage,
-        Some(pb::Usage {
+        Some(Box::new(pb::Usage {
             prompt_tokens: 3,
             completion_tokens: 3,
             total_tokens: 6
-        })
+        }))
     );
     assert_eq!(
         done.metadata,
@@ -171,11 +171,11 @@ async fn openai_run_streams_deltas_and_completes() {
     assert_eq!(done.finish_reason, "stop");
     assert_eq!(
         done.usage,
-        Some(pb::Usage {
+        Some(Box::new(pb::Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
             total_tokens: 7
-        })
+        }))
     );
     assert!(done.metadata.is_empty());
     assert_eq!(edge.adapter_in_flight("oa").await, 0);

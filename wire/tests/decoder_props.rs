@@ -63,10 +63,12 @@ fn frame() -> impl Strategy<Value = pb::Frame> {
                     seq,
                     r#type: pb::RunEventType::Delta as i32,
                     delta,
-                    failure: observation.map(|seq| pb::ExecutionFailure {
-                        failure_code: "response_stalled".into(),
-                        health_observation_seq: Some(seq),
-                        ..Default::default()
+                    failure: observation.map(|seq| {
+                        Box::new(pb::ExecutionFailure {
+                            failure_code: "response_stalled".into(),
+                            health_observation_seq: Some(seq),
+                            ..Default::default()
+                        })
                     }),
                     ..Default::default()
                 })

@@ -440,14 +440,14 @@ fn all_frames() -> Vec<pb::Frame> {
             r#type: pb::RunEventType::Error as i32,
             delta: "partial".into(),
             error: "response stalled".into(),
-            usage: Some(usage()),
+            usage: Some(Box::new(usage())),
             metadata: map(&[("done_reason", "stop"), ("openai_tool_calls", "[]")]),
             session_id: "sess-1".into(),
             finish_reason: "length".into(),
             failure_code: "response_stalled".into(),
             adapter: "ollama-a".into(),
             target: "llama3:8b".into(),
-            failure: Some(execution_failure()),
+            failure: Some(Box::new(execution_failure())),
         }),
         Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
             run_id: "tun-1".into(),
@@ -475,13 +475,13 @@ fn all_frames() -> Vec<pb::Frame> {
             status: 200,
             headers: headers(),
             body: Bytes::from_static(b"data: {\"x\":1}\n\n"),
-            usage: Some(usage()),
+            usage: Some(Box::new(usage())),
             error: "stalled".into(),
             failure_code: "response_stalled".into(),
             adapter: "vllm-b".into(),
             target: "meta/llama-3-70b".into(),
             metadata: map(&[("obs", "1"), ("obs2", "")]),
-            failure: Some(execution_failure()),
+            failure: Some(Box::new(execution_failure())),
         }),
         Body::CancelRequest(pb::CancelRequest {
             run_id: "tun-1".into(),
@@ -580,7 +580,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
         }
         Body::RunEvent(m) => {
             audit.check("RunEvent", m);
-            audit_usage_and_failure(audit, m.usage.as_ref(), m.failure.as_ref());
+            audit_usage_and_failure(audit, m.usage.as_deref(), m.failure.as_deref());
         }
         Body::ProviderTunnelRequest(m) => {
             audit.check("ProviderTunnelRequest", m);
@@ -603,7 +603,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
             for header in &m.headers {
                 audit.check("Header", header);
             }
-            audit_usage_and_failure(audit, m.usage.as_ref(), m.failure.as_ref());
+            audit_usage_and_failure(audit, m.usage.as_deref(), m.failure.as_deref());
         }
         Body::CancelRequest(m) => audit.check("CancelRequest", m),
         Body::NodeCommandRequest(m) => audit.check("NodeCommandRequest", m),
@@ -763,7 +763,7 @@ fn optional_fields_distinguish_absent_from_zero() {
             ..execution_failure()
         };
         let frame = codec::frame(Body::RunEvent(pb::RunEvent {
-            failure: Some(failure),
+            failure: Some(Box::new(failure)),
             ..Default::default()
         }));
         let decoded = codec_roundtrip(&frame);
@@ -875,11 +875,11 @@ fn run_event_failure_is_field_13() {
     let frame_bytes = ld_field(8, &event); // Frame.run_event = 8
     let frame = decode_raw_frame(&frame_bytes);
     let expected = codec::frame(Body::RunEvent(pb::RunEvent {
-        failure: Some(pb::ExecutionFailure {
+        failure: Some(Box::new(pb::ExecutionFailure {
             failure_code: "response_stalled".into(),
             health_observation_seq: Some(5),
             ..Default::default()
-        }),
+        })),
         ..Default::default()
     }));
     assert_eq!(frame, expected);
@@ -895,10 +895,10 @@ fn tunnel_frame_failure_is_field_15() {
     let frame_bytes = ld_field(10, &tunnel_frame); // Frame.provider_tunnel_frame = 10
     let frame = decode_raw_frame(&frame_bytes);
     let expected = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-        failure: Some(pb::ExecutionFailure {
+        failure: Some(Box::new(pb::ExecutionFailure {
             failure_code: "response_stalled".into(),
             ..Default::default()
-        }),
+        })),
         ..Default::default()
     }));
     assert_eq!(frame, expected);
@@ -1030,13 +1030,13 @@ fn full_tunnel_frame() -> pb::ProviderTunnelFrame {
         status: 200,
         headers: headers(),
         body: Bytes::new(),
-        usage: Some(usage()),
+        usage: Some(Box::new(usage())),
         error: "e".into(),
         failure_code: "fc".into(),
         adapter: "vllm-b".into(),
         target: "meta/llama-3-70b".into(),
         metadata: map(&[("obs", "1")]),
-        failure: Some(execution_failure()),
+        failure: Some(Box::new(execution_failure())),
     }
 }
 

@@ -125,7 +125,7 @@ impl TunnelEmitter {
             return None;
         }
         let mut f = self.frame(pb::TunnelFrameKind::Usage);
-        f.usage = Some(usage);
+        f.usage = Some(Box::new(usage));
         Some(f)
     }
 
@@ -154,7 +154,7 @@ impl TunnelEmitter {
         let mut f = self.frame(pb::TunnelFrameKind::Error);
         f.failure_code = failure_code.to_string();
         f.error = message.to_string();
-        f.failure = failure;
+        f.failure = failure.map(Box::new);
         Some(f)
     }
 }
@@ -234,7 +234,7 @@ impl RunEmitter {
         }
         let mut e = self.event(pb::RunEventType::Delta);
         e.delta = text.to_string();
-        e.usage = usage;
+        e.usage = usage.map(Box::new);
         Some(e)
     }
 
@@ -251,7 +251,7 @@ impl RunEmitter {
         self.state = EmitState::Terminated;
         let mut e = self.event(pb::RunEventType::Complete);
         e.finish_reason = finish_reason.to_string();
-        e.usage = usage;
+        e.usage = usage.map(Box::new);
         e.metadata = metadata;
         Some(e)
     }
@@ -272,7 +272,7 @@ impl RunEmitter {
         let mut e = self.event(pb::RunEventType::Error);
         e.failure_code = failure_code.to_string();
         e.error = message.to_string();
-        e.failure = failure;
+        e.failure = failure.map(Box::new);
         Some(e)
     }
 

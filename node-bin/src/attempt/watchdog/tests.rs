@@ -790,7 +790,7 @@ fn stalled_tunnel_emits_one_allowlisted_error() {
     );
     assert_eq!(
         error.failure,
-        Some(pb::ExecutionFailure {
+        Some(Box::new(pb::ExecutionFailure {
             failure_code: "response_stalled".into(),
             provider_health: Some(pb::ProviderHealthEvidence {
                 health: pb::ProviderHealth::Unavailable as i32,
@@ -803,7 +803,7 @@ fn stalled_tunnel_emits_one_allowlisted_error() {
             adapter: "vllm-main".into(),
             target: "llama".into(),
             health_observation_seq: Some(1),
-        })
+        }))
     );
     assert!(error.metadata.is_empty());
     assert!(
