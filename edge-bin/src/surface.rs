@@ -380,29 +380,40 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             ("POST", "/v1/chat/completions") => {
                 chat(&edge, &mut server, principal, &head.headers, body).await
             }
+            // Boxed: the passthrough's future is the largest, and a
+            // connection's task is as large as its largest route; the chat
+            // relay, the one that streams, stays inline.
             ("POST", "/v1/responses") => {
-                passthrough(
+                Box::pin(passthrough(
                     &edge,
                     &mut server,
                     principal,
                     RESPONSES,
                     &head.headers,
                     body,
-                )
+                ))
                 .await
             }
             ("POST", "/v1/messages") => {
-                passthrough(&edge, &mut server, principal, MESSAGES, &head.headers, body).await
+                Box::pin(passthrough(
+                    &edge,
+                    &mut server,
+                    principal,
+                    MESSAGES,
+                    &head.headers,
+                    body,
+                ))
+                .await
             }
             ("POST", "/v1/messages/count_tokens") => {
-                passthrough(
+                Box::pin(passthrough(
                     &edge,
                     &mut server,
                     principal,
                     COUNT_TOKENS,
                     &head.headers,
                     body,
-                )
+                ))
                 .await
             }
             ("GET", "/status") => match edge
@@ -435,12 +446,20 @@ pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
             }
             // The status page (crate::ui).
             ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
+            // Boxed like the passthrough (their timers are cache-line
+            // aligned, which would align every connection's task).
             ("GET", "/ui/events") => {
-                crate::ui::events(&edge, &mut server, caller.authority, peer).await
+                Box::pin(crate::ui::events(
+                    &edge,
+                    &mut server,
+                    caller.authority,
+                    peer,
+                ))
+                .await
             }
             ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
                 let (status, body) = match crate::admin::authorize(caller.authority, peer) {
-                    Ok(()) => crate::admin::handle(&edge, p, &body).await,
+                    Ok(()) => Box::pin(crate::admin::handle(&edge, p, &body)).await,
                     Err(refused) => refused,
                 };
                 write_json(&mut server, status, body).await
