@@ -1,10 +1,11 @@
-//! The Node core's timer service: one [`iop_engine::wheel::Wheel`] per core,
-//! ticked by one task, driving every run's and tunnel's watchdog deadlines.
+//! The Node core's timer service: one [`iop_engine::wheel::WheelDriver`]
+//! per core, ticked by one task, driving every run's and tunnel's watchdog
+//! deadlines.
 //!
 //! ```text
-//!  RunTimer::arm(deadline) ──insert/cancel (O(1))──► Wheel<Weak<Slot>> ◄── tick task
+//!  RunTimer::arm(deadline) ──insert/cancel (O(1))──► WheelDriver<Weak<Slot>> ◄── tick task
 //!        ▲                                                 │ sleeps until next_deadline
-//!        └──────────── Slot::fired (Notify) ◄── poll_expired┘ (or an earlier insert)
+//!        └──────────── Slot::fired (Notify) ◄── pop_due ───┘ (or an earlier insert)
 //! ```
 //!
 //! A [`RunTimer`] holds at most one wheel entry. Re-arming is lazy: a later
@@ -13,13 +14,11 @@
 //! costs no wheel operation at all; only idle streams touch the wheel.
 //! Deadlines round up to whole ticks, so a timer never fires early.
 
-use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
-use iop_engine::clock;
 use iop_engine::sync::Notify;
-use iop_engine::wheel::{TickLength, TickScale, TimerHandle, Wheel};
+use iop_engine::wheel::{TickLength, TimerHandle, WheelDriver};
 
 /// Length of one wheel tick.
 pub const TICK: Duration = Duration::from_millis(1);
@@ -34,12 +33,7 @@ struct Slot {
 /// [`Timers::run`] on the same core.
 #[derive(Debug)]
 pub struct Timers {
-    wheel: RefCell<Wheel<Weak<Slot>>>,
-    scale: TickScale,
-    /// The tick the tick task sleeps until (`None`: no deadline).
-    sleeping_until: Cell<Option<u64>>,
-    /// Wakes the tick task to re-read the next deadline.
-    rearm: Notify,
+    wheel: WheelDriver<Weak<Slot>>,
 }
 
 impl Timers {
@@ -48,21 +42,18 @@ impl Timers {
         #[allow(clippy::expect_used)] // a non-zero constant, not input
         let length = TickLength::new(TICK).expect("TICK is a valid non-zero tick length");
         Rc::new(Self {
-            wheel: RefCell::new(Wheel::new()),
-            scale: TickScale::new(origin, length),
-            sleeping_until: Cell::new(None),
-            rearm: Notify::default(),
+            wheel: WheelDriver::new(origin, length),
         })
     }
 
     /// Pending timers.
     pub fn len(&self) -> usize {
-        self.wheel.borrow().len()
+        self.wheel.len()
     }
 
     /// Whether no timer is pending.
     pub fn is_empty(&self) -> bool {
-        self.wheel.borrow().is_empty()
+        self.wheel.is_empty()
     }
 
     /// A timer for one run; disarmed until [`RunTimer::arm`].
@@ -76,13 +67,9 @@ impl Timers {
 
     /// Fires every timer due at `now` (wakes its run). Returns how many.
     pub fn fire_due(&self, now: Instant) -> usize {
-        let now_tick = self.scale.now_tick(now);
         let mut fired = 0;
-        loop {
-            // Borrow only while polling: a woken task may re-arm at once.
-            let expired = self.wheel.borrow_mut().poll_expired(now_tick);
-            let Some(expired) = expired else { break };
-            if let Some(slot) = expired.value.upgrade() {
+        while let Some(due) = self.wheel.pop_due(now) {
+            if let Some(slot) = due.upgrade() {
                 slot.fired.notify();
                 fired += 1;
             }
@@ -93,41 +80,23 @@ impl Timers {
     /// The tick task: sleeps until the next deadline (or an earlier insert)
     /// and fires what is due. Runs until its runtime stops.
     pub async fn run(self: Rc<Self>) {
-        loop {
-            let next = self.wheel.borrow().next_deadline();
-            self.sleeping_until.set(next);
-            match next.and_then(|tick| self.scale.instant_at(tick)) {
-                Some(at) => {
-                    let wait = at.saturating_duration_since(clock::now());
-                    if !wait.is_zero() {
-                        monoio::select! {
-                            _ = monoio::time::sleep(wait) => {},
-                            _ = self.rearm.notified() => {},
-                        }
-                    }
-                }
-                None => self.rearm.notified().await,
-            }
-            self.fire_due(clock::now());
-        }
+        self.wheel
+            .tick(|now| {
+                self.fire_due(now);
+            })
+            .await;
     }
 
     fn insert(&self, deadline: Instant, slot: &Rc<Slot>) -> TimerHandle {
-        let tick = self.scale.deadline_tick(deadline);
-        let handle = self.wheel.borrow_mut().insert(tick, Rc::downgrade(slot));
-        if self.sleeping_until.get().is_none_or(|t| tick < t) {
-            self.sleeping_until.set(Some(tick));
-            self.rearm.notify();
-        }
-        handle
+        self.wheel.insert(deadline, Rc::downgrade(slot))
     }
 
     fn cancel(&self, handle: TimerHandle) {
-        self.wheel.borrow_mut().cancel(handle);
+        self.wheel.cancel(handle);
     }
 
     fn is_pending(&self, handle: TimerHandle) -> bool {
-        self.wheel.borrow().contains(handle)
+        self.wheel.contains(handle)
     }
 }
 
@@ -178,6 +147,8 @@ mod tests {
     use std::future::Future;
     use std::pin::pin;
     use std::task::{Context, Poll};
+
+    use iop_engine::clock;
 
     use super::*;
 

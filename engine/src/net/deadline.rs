@@ -52,8 +52,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::Shutdown;
 
 use crate::clock;
-use crate::sync::Notify;
-use crate::wheel::{TickLength, TickScale, TimerHandle, Wheel};
+use crate::wheel::{TickLength, TimerHandle, WheelDriver};
 
 /// What a connection waits for while its deadline is armed; on expiry,
 /// what it was waiting for when it was cut off.
@@ -198,20 +197,14 @@ pub const DEADLINE_TICK: Duration = Duration::from_millis(1);
 /// current runtime, which must have its timer enabled, with the first
 /// deadline and runs until that runtime stops.
 pub struct Deadlines {
-    wheel: RefCell<Wheel<Weak<Shared>>>,
-    scale: TickScale,
-    /// The tick the tick task sleeps until (`None`: no entry).
-    sleeping_until: Cell<Option<u64>>,
-    /// Wakes the tick task to re-read the next deadline.
-    rearm: Notify,
+    wheel: WheelDriver<Weak<Shared>>,
     started: Cell<bool>,
 }
 
 impl std::fmt::Debug for Deadlines {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Deadlines")
-            .field("pending", &self.pending())
-            .field("sleeping_until", &self.sleeping_until.get())
+            .field("wheel", &self.wheel)
             .field("started", &self.started.get())
             .finish()
     }
@@ -222,13 +215,10 @@ impl Deadlines {
     /// [`watch`](Self::watch).
     pub fn new() -> Rc<Self> {
         #[allow(clippy::expect_used)] // a non-zero constant, not input
-        let length =
+        let tick =
             TickLength::new(DEADLINE_TICK).expect("DEADLINE_TICK is a valid non-zero tick length");
         Rc::new(Self {
-            wheel: RefCell::new(Wheel::new()),
-            scale: TickScale::new(clock::now(), length),
-            sleeping_until: Cell::new(None),
-            rearm: Notify::default(),
+            wheel: WheelDriver::new(clock::now(), tick),
             started: Cell::new(false),
         })
     }
@@ -238,7 +228,15 @@ impl Deadlines {
     /// monoio runtime the first time.
     pub fn watch(self: &Rc<Self>, socket: &impl AsRawFd) -> Deadline {
         if !self.started.replace(true) {
-            monoio::spawn(self.clone().run());
+            let service = self.clone();
+            monoio::spawn(async move {
+                service
+                    .wheel
+                    .tick(|now| {
+                        service.fire_due(now);
+                    })
+                    .await;
+            });
         }
         Deadline {
             shared: Rc::new(Shared {
@@ -252,7 +250,7 @@ impl Deadlines {
 
     /// Wheel entries pending: at most one per armed deadline.
     pub fn pending(&self) -> usize {
-        self.wheel.borrow().len()
+        self.wheel.len()
     }
 
     /// Handles every entry due at `now`: each deadline that passed shuts its
@@ -260,13 +258,9 @@ impl Deadlines {
     /// many sockets were shut down. The tick task calls this each time it
     /// wakes.
     pub fn fire_due(&self, now: Instant) -> usize {
-        let now_tick = self.scale.now_tick(now);
         let mut cut = 0;
-        loop {
-            // Borrow only while polling: an expiry may re-insert.
-            let expired = self.wheel.borrow_mut().poll_expired(now_tick);
-            let Some(expired) = expired else { break };
-            let Some(shared) = expired.value.upgrade() else {
+        while let Some(due) = self.wheel.pop_due(now) {
+            let Some(shared) = due.upgrade() else {
                 continue;
             };
             shared.entry.set(None);
@@ -285,43 +279,14 @@ impl Deadlines {
         cut
     }
 
-    /// Gives `shared` one entry at `at`, replacing the one it had, and wakes
-    /// the tick task if it sleeps past it.
+    /// Gives `shared` one entry at `at`, replacing the one it had.
     fn schedule(&self, shared: &Rc<Shared>, at: Instant) {
-        let tick = self.scale.deadline_tick(at);
-        let mut wheel = self.wheel.borrow_mut();
         if let Some(old) = shared.entry.take() {
-            wheel.cancel(old);
+            self.wheel.cancel(old);
         }
         shared
             .entry
-            .set(Some(wheel.insert(tick, Rc::downgrade(shared))));
-        if self.sleeping_until.get().is_none_or(|t| tick < t) {
-            self.sleeping_until.set(Some(tick));
-            self.rearm.notify();
-        }
-    }
-
-    /// The tick task: sleeps until the next entry (or an earlier insert)
-    /// and handles what is due.
-    async fn run(self: Rc<Self>) {
-        loop {
-            let next = self.wheel.borrow().next_deadline();
-            self.sleeping_until.set(next);
-            match next.and_then(|tick| self.scale.instant_at(tick)) {
-                Some(at) => {
-                    let wait = at.saturating_duration_since(clock::now());
-                    if !wait.is_zero() {
-                        monoio::select! {
-                            _ = monoio::time::sleep(wait) => {},
-                            _ = self.rearm.notified() => {},
-                        }
-                    }
-                }
-                None => self.rearm.notified().await,
-            }
-            self.fire_due(clock::now());
-        }
+            .set(Some(self.wheel.insert(at, Rc::downgrade(shared))));
     }
 }
 
@@ -393,7 +358,7 @@ impl Drop for Deadline {
     fn drop(&mut self) {
         self.shared.fd.set(None);
         if let Some(entry) = self.shared.entry.take() {
-            self.service.wheel.borrow_mut().cancel(entry);
+            self.service.wheel.cancel(entry);
         }
     }
 }

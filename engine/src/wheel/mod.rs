@@ -71,6 +71,7 @@
 //! slot, however far `now_tick` moves.
 
 mod bench;
+mod driver;
 mod ticks;
 
 use std::fmt;
@@ -78,6 +79,7 @@ use std::fmt;
 use slab::Slab;
 
 pub use self::bench::{bench_report, BenchFigures};
+pub use self::driver::WheelDriver;
 pub use self::ticks::{TickError, TickLength, TickScale};
 
 /// Number of levels.
