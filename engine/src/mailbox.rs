@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 /// Why a message could not be queued; the message comes back.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -199,43 +199,54 @@ impl<T> Mailbox<T> {
     /// every sender is gone and the queue is empty.
     pub async fn recv_batch(&mut self, out: &mut Vec<T>, max: usize) -> usize {
         let max = max.max(1);
-        poll_fn(|cx| {
-            let (moved, senders) = {
-                let mut state = self.shared.lock();
-                if state.queue.is_empty() {
-                    if self.shared.senders.load(Ordering::Acquire) == 0 {
-                        return Poll::Ready(0);
-                    }
-                    let stale = match &state.receiver_waker {
-                        Some(w) if w.will_wake(cx.waker()) => None,
-                        _ => state.receiver_waker.replace(cx.waker().clone()),
-                    };
-                    drop(state);
-                    // A replaced waker is dropped outside the lock (its
-                    // drop may end a task whose future holds a sender).
-                    drop(stale);
-                    return Poll::Pending;
-                }
-                let n = state.queue.len().min(max);
-                out.extend(state.queue.drain(..n));
-                (n, std::mem::take(&mut state.sender_wakers))
-            };
-            for w in senders {
-                w.wake();
-            }
-            Poll::Ready(moved)
-        })
-        .await
+        let taken = poll_fn(|cx| {
+            self.poll_take(cx, |queue| {
+                let n = queue.len().min(max);
+                out.extend(queue.drain(..n));
+                n
+            })
+        });
+        taken.await.unwrap_or(0)
     }
 
     /// Waits for the next message; `None` when every sender is gone and the
     /// queue is empty.
     pub async fn recv(&mut self) -> Option<T> {
-        let mut one = Vec::with_capacity(1);
-        match self.recv_batch(&mut one, 1).await {
-            0 => None,
-            _ => one.pop(),
+        let taken = poll_fn(|cx| self.poll_take(cx, VecDeque::pop_front));
+        taken.await.flatten()
+    }
+
+    /// Runs `take` on the queue once it holds a message (`Ready(None)`: every
+    /// sender is gone and the queue is empty), then wakes the senders
+    /// waiting for room.
+    fn poll_take<R>(
+        &self,
+        cx: &mut Context<'_>,
+        take: impl FnOnce(&mut VecDeque<T>) -> R,
+    ) -> Poll<Option<R>> {
+        let (taken, senders) = {
+            let mut state = self.shared.lock();
+            if state.queue.is_empty() {
+                if self.shared.senders.load(Ordering::Acquire) == 0 {
+                    return Poll::Ready(None);
+                }
+                let stale = match &state.receiver_waker {
+                    Some(w) if w.will_wake(cx.waker()) => None,
+                    _ => state.receiver_waker.replace(cx.waker().clone()),
+                };
+                drop(state);
+                // A replaced waker is dropped outside the lock (its drop
+                // may end a task whose future holds a sender).
+                drop(stale);
+                return Poll::Pending;
+            }
+            let taken = take(&mut state.queue);
+            (taken, std::mem::take(&mut state.sender_wakers))
+        };
+        for w in senders {
+            w.wake();
         }
+        Poll::Ready(Some(taken))
     }
 
     /// Messages queued now.
