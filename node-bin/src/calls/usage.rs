@@ -66,11 +66,16 @@ impl UsageWatcher {
             at = self.continue_value(piece, 0);
         } else if !self.carry.is_empty() {
             // A key split between the pieces: carry ++ head of this piece.
+            // On the stack, no allocation per piece: `carry` keeps fewer
+            // than `KEY.len()` bytes.
             let head = &piece[..piece.len().min(KEY.len())];
-            let mut joined = self.carry.clone();
-            let carried = joined.len();
-            joined.extend_from_slice(head);
-            if let Some(pos) = memmem::find(&joined, KEY) {
+            let carry = &self.carry[self.carry.len().saturating_sub(KEY.len() - 1)..];
+            let carried = carry.len();
+            let mut buf = [0u8; 2 * KEY.len()];
+            buf[..carried].copy_from_slice(carry);
+            buf[carried..carried + head.len()].copy_from_slice(head);
+            let joined = &buf[..carried + head.len()];
+            if let Some(pos) = memmem::find(joined, KEY) {
                 let end = pos + KEY.len();
                 if end > carried && !escaped(&joined[..pos]) {
                     self.after_key = true;
