@@ -187,9 +187,9 @@ pub const DEADLINE_TICK: Duration = Duration::from_millis(1);
 /// deadline costs a wheel entry rather than a task with a timer of its own.
 ///
 /// ```text
-///  Deadline::arm ──(only when earlier than its entry)──► Wheel<Weak<Shared>> ◄── tick task
-///                                                             │ sleeps until next_deadline
-///  expiry: DeadlineCore::poll ─► shutdown(2) ◄── fire_due ────┘ (or an earlier insert)
+///  Deadline::arm ──(only when earlier than its entry)──► WheelDriver<Weak<Shared>> ◄── tick task
+///                                                                   │ sleeps until next_deadline
+///  expiry: DeadlineCore::poll ─► shutdown(2) ◄── fire_due ──────────┘ (or an earlier insert)
 /// ```
 ///
 /// Create one per runtime (it is `!Send`) and make each connection's
