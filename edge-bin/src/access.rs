@@ -8,13 +8,19 @@
 //!      route   ─► AccessRecord: model, provider, node, attempts, outcome,
 //!                 tokens (from the node's usage observations)
 //! response end ─► AccessLog::write: one text (logfmt) or JSON line, queued
-//!                 for the shard's writer thread (stderr or a file)
+//!                 for the process's writer thread (stderr or a file)
 //! ```
 //!
 //! The writer thread does the blocking writes, so a slow disk or a full
 //! stderr pipe never stalls a shard: its queue is bounded
 //! ([`ACCESS_LOG_BACKLOG`]) and a line that does not fit is dropped and
-//! counted ([`dropped_lines`]). Lines never hold a body, a header value
+//! counted ([`dropped_lines`]). Idle, the writer waits for the next line;
+//! busy, it writes what has queued and then sleeps
+//! [`ACCESS_LOG_FLUSH_INTERVAL`] while more queues, so a shard that queues a
+//! line finds no waiting writer to wake: lines reach the destination in
+//! batches at most that long after they are queued, and a request costs no
+//! thread wake-up and no system call of the shard's. [`AccessLog::close`]
+//! writes what is queued at shutdown. Lines never hold a body, a header value
 //! other than the request id, or a key: the principal is the configured
 //! name of the client key, never the key.
 
@@ -22,9 +28,11 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use iop_engine::clock;
 use iop_engine::http::ExchangeStats;
 use iop_engine::rng::SplitMix64;
 
@@ -32,8 +40,15 @@ use iop_engine::rng::SplitMix64;
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Longest client-supplied request id accepted (longer ones are replaced).
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
-/// Lines queued for a shard's writer thread at most; more are dropped.
+/// Lines queued for the writer thread at most; more are dropped.
 pub const ACCESS_LOG_BACKLOG: usize = 4096;
+/// How long the writer, once it has written a batch, lets the next one
+/// gather before it writes again (with [`ACCESS_LOG_BACKLOG`], up to about
+/// 200,000 lines a second are kept).
+pub const ACCESS_LOG_FLUSH_INTERVAL: Duration = Duration::from_millis(20);
+/// How long [`AccessLog::close`] waits for the writer to write what is
+/// queued (a sink that never takes it costs those lines, not the exit).
+const ACCESS_LOG_CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// Longest model name written (a client may name any model).
 const MAX_LOGGED_MODEL_BYTES: usize = 128;
 
@@ -407,7 +422,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 
-/// Access log lines dropped because a writer's queue was full, process-wide
+/// Access log lines dropped because the writer's queue was full, process-wide
 /// (`iop_edge_access_log_dropped_lines_total`).
 pub fn dropped_lines() -> u64 {
     DROPPED.load(Ordering::Relaxed)
@@ -416,18 +431,28 @@ pub fn dropped_lines() -> u64 {
 /// The access log's series for `/metrics`.
 pub fn render_prometheus() -> String {
     format!(
-        "# HELP iop_edge_access_log_dropped_lines_total Access log lines dropped because a writer's queue was full.\n\
+        "# HELP iop_edge_access_log_dropped_lines_total Access log lines dropped because the writer's queue was full.\n\
          # TYPE iop_edge_access_log_dropped_lines_total counter\n\
          iop_edge_access_log_dropped_lines_total {}\n",
         dropped_lines()
     )
 }
 
-/// One shard's access log: lines go to its writer thread.
+/// The access log: lines go to one writer thread, shared by every shard
+/// (clones are handles to one writer).
 #[derive(Debug, Clone)]
 pub struct AccessLog {
-    tx: Option<mpsc::SyncSender<String>>,
+    tx: Option<mpsc::SyncSender<Queued>>,
+    writer: Option<Arc<Mutex<Option<JoinHandle<()>>>>>,
     format: Format,
+}
+
+/// What the writer's queue holds.
+#[derive(Debug)]
+enum Queued {
+    Line(String),
+    /// Write what is queued and stop.
+    Close,
 }
 
 impl AccessLog {
@@ -435,6 +460,7 @@ impl AccessLog {
     pub fn off() -> Self {
         Self {
             tx: None,
+            writer: None,
             format: Format::Text,
         }
     }
@@ -447,20 +473,27 @@ impl AccessLog {
             Destination::Stderr => Box::new(std::io::stderr()),
             Destination::File(path) => Box::new(open_append(path)?),
         };
-        Self::with_sink(sink, spec.format, ACCESS_LOG_BACKLOG)
+        Self::with_sink(
+            sink,
+            spec.format,
+            ACCESS_LOG_BACKLOG,
+            ACCESS_LOG_FLUSH_INTERVAL,
+        )
     }
 
     fn with_sink(
         sink: Box<dyn std::io::Write + Send>,
         format: Format,
         backlog: usize,
+        interval: Duration,
     ) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::sync_channel::<String>(backlog);
-        std::thread::Builder::new()
+        let (tx, rx) = mpsc::sync_channel::<Queued>(backlog);
+        let handle = std::thread::Builder::new()
             .name("iop-access-log".into())
-            .spawn(move || write_lines(rx, sink))?;
+            .spawn(move || write_lines(rx, sink, interval))?;
         Ok(Self {
             tx: Some(tx),
+            writer: Some(Arc::new(Mutex::new(Some(handle)))),
             format,
         })
     }
@@ -478,9 +511,42 @@ impl AccessLog {
     /// Queues `line` (never waits; a full queue drops it, counted).
     pub fn write(&self, line: String) {
         if let Some(tx) = &self.tx {
-            if tx.try_send(line).is_err() {
+            if tx.try_send(Queued::Line(line)).is_err() {
                 DROPPED.fetch_add(1, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Writes every line queued so far and stops the writer (at shutdown,
+    /// after the drain); waits [`ACCESS_LOG_CLOSE_WAIT`] at most. Lines
+    /// queued after this are not written.
+    pub fn close(&self) {
+        let (Some(tx), Some(writer)) = (&self.tx, &self.writer) else {
+            return;
+        };
+        let Some(handle) = writer.lock().unwrap_or_else(PoisonError::into_inner).take() else {
+            return;
+        };
+        let deadline = clock::now() + ACCESS_LOG_CLOSE_WAIT;
+        let mut close = Queued::Close;
+        while clock::now() < deadline && !handle.is_finished() {
+            match tx.try_send(close) {
+                Ok(()) => {
+                    handle.thread().unpark();
+                    break;
+                }
+                Err(mpsc::TrySendError::Full(back)) => close = back,
+                Err(mpsc::TrySendError::Disconnected(_)) => return,
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        while clock::now() < deadline && !handle.is_finished() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if handle.is_finished() {
+            let _ = handle.join();
+        } else {
+            tracing::warn!("access log writer did not finish; lines still queued are lost");
         }
     }
 }
@@ -502,20 +568,43 @@ fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
-/// The writer thread: each line in one `write` (appends of whole lines
-/// from several shards do not interleave), flushed when the queue is
-/// empty; ends when every sender is gone.
-fn write_lines(rx: mpsc::Receiver<String>, sink: Box<dyn std::io::Write + Send>) {
+/// The writer thread: waits for a line when idle; then writes what has
+/// queued (whole lines, flushed as one batch: appends of whole lines do not
+/// interleave with another writer's), parks `interval` while more queues,
+/// and goes on while there is more. Ends at [`Queued::Close`] or when every
+/// sender is gone, having written what was queued.
+fn write_lines(
+    rx: mpsc::Receiver<Queued>,
+    sink: Box<dyn std::io::Write + Send>,
+    interval: Duration,
+) {
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
-    while let Ok(line) = rx.recv() {
-        let mut ok = out.write_all(line.as_bytes()).is_ok();
-        while let Ok(more) = rx.try_recv() {
-            ok &= out.write_all(more.as_bytes()).is_ok();
-        }
-        ok &= out.flush().is_ok();
-        if !ok {
-            // Nowhere to say it but the process log; once per burst.
-            tracing::warn!("access log write failed");
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some(head) = next.take() {
+            let (mut ok, mut closing) = (true, false);
+            for queued in std::iter::once(head).chain(rx.try_iter()) {
+                match queued {
+                    Queued::Line(line) => ok &= out.write_all(line.as_bytes()).is_ok(),
+                    Queued::Close => closing = true,
+                }
+            }
+            ok &= out.flush().is_ok();
+            if !ok {
+                // Nowhere to say it but the process log; once per batch.
+                tracing::warn!("access log write failed");
+            }
+            if closing {
+                return;
+            }
+            // Senders find no receiver waiting while this sleeps: queueing
+            // a line wakes nobody. `close` unparks it.
+            std::thread::park_timeout(interval);
+            next = match rx.try_recv() {
+                Ok(queued) => Some(queued),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            };
         }
     }
 }
@@ -722,7 +811,7 @@ mod tests {
             entered,
             release: released,
         };
-        let log = AccessLog::with_sink(Box::new(sink), Format::Text, 4).unwrap();
+        let log = AccessLog::with_sink(Box::new(sink), Format::Text, 4, Duration::ZERO).unwrap();
         let before = dropped_lines();
         log.write("first\n".into());
         // The buffered writer passes a line to the sink only when flushing.
@@ -734,6 +823,63 @@ mod tests {
         }
         assert_eq!(dropped_lines() - before, 3);
         drop(release);
+    }
+
+    /// A sink that keeps each write it is given.
+    #[derive(Clone, Default)]
+    struct Recorded(Arc<Mutex<Vec<String>>>);
+
+    impl Recorded {
+        fn writes(&self) -> Vec<String> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    impl std::io::Write for Recorded {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let text = String::from_utf8(buf.to_vec()).map_err(std::io::Error::other)?;
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(text);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_busy_writer_gathers_lines_into_one_write_and_close_writes_them() {
+        let sink = Recorded::default();
+        // An interval no test outlasts: only `close` ends the wait.
+        let log = AccessLog::with_sink(
+            Box::new(sink.clone()),
+            Format::Text,
+            16,
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+        // Idle, the writer takes the first line at once.
+        log.write("a\n".into());
+        let started = clock::now();
+        while sink.writes().is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "first line never written"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Busy, it lets the next lines gather: they are queued, not written.
+        for line in ["b\n", "c\n", "d\n"] {
+            log.write(line.into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(sink.writes(), ["a\n"]);
+        // Closing writes them, in order, in one write.
+        log.close();
+        assert_eq!(sink.writes(), ["a\n", "b\nc\nd\n"]);
     }
 
     #[test]
@@ -751,17 +897,13 @@ mod tests {
         assert!(log.is_on());
         log.write("{\"a\":1}\n".into());
         log.write("{\"a\":2}\n".into());
-        drop(log);
-        // The writer ends with its last sender; give it a moment.
-        let mut text = String::new();
-        for _ in 0..200 {
-            text = std::fs::read_to_string(&path).unwrap_or_default();
-            if text.lines().count() == 2 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        // Closing writes what is queued before it returns.
+        log.clone().close();
+        let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, "{\"a\":1}\n{\"a\":2}\n");
+        // Lines after the close are not written (and do not block).
+        log.write("{\"a\":3}\n".into());
+        log.close();
         assert!(!AccessLog::off().is_on());
         let _ = std::fs::remove_dir_all(&dir);
     }

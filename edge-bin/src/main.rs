@@ -542,8 +542,10 @@ fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
             edge.serve_taken(state, listeners, acceptor, stop).await
         }
     });
-    // Every shard has drained: what the usage file has left is written.
+    // Every shard has drained: what the usage file and the access log have
+    // left is written.
     edge.usage_log().close();
+    edge.access_log().close();
     let mut results = results.into_iter();
     let result = match results.next() {
         Some(first) => first.map(|r| r.map(|end| end.drain)),

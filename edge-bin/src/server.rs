@@ -288,6 +288,7 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
 pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
     let mut settings = settings(cfg, credentials.map(Arc::new));
     settings.usage_log = usage_log(cfg);
+    settings.access_log = access_log(cfg);
     Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
 }
 
@@ -304,8 +305,18 @@ pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
     })
 }
 
-/// The shells' static settings for `cfg` (the usage file off: it is one
-/// per process, see [`usage_log`]).
+/// The access log `cfg` names, started (its writer thread runs until
+/// [`AccessLog::close`]), or off.
+pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
+    AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
+        // `EdgeConfig::validate_files` checked the file at startup.
+        tracing::error!(error = %e, "access log cannot be started; no access log");
+        AccessLog::off()
+    })
+}
+
+/// The shells' static settings for `cfg` (the usage file and the access
+/// log off: each is one per process, see [`usage_log`] and [`access_log`]).
 pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
     Settings {
         max_request_body_bytes: cfg.edge.max_request_body_bytes,
@@ -331,11 +342,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
         limits: cfg.edge.limits,
-        access_log: AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
-            // `EdgeConfig::validate_files` checked the file at startup.
-            tracing::error!(error = %e, "access log cannot be started; no access log");
-            AccessLog::off()
-        }),
+        access_log: AccessLog::off(),
         usage_log: UsageLog::off(),
         request_metrics: request_metrics(cfg, 1),
     }
@@ -360,6 +367,8 @@ pub struct ShardedEdge {
     client_keys: ClientKeys,
     /// One usage file for every shard.
     usage_log: UsageLog,
+    /// One access log writer for every shard.
+    access_log: AccessLog,
     /// One set of request series for every shard (each writes its own
     /// cells).
     request_metrics: Arc<RequestMetrics>,
@@ -445,6 +454,7 @@ impl ShardedEdge {
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
             usage_log: usage_log(&cfg),
+            access_log: access_log(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
             cfg,
             credentials: credentials.map(Arc::new),
@@ -459,6 +469,11 @@ impl ShardedEdge {
     /// The process's usage file: [`UsageLog::close`] it after the drain.
     pub fn usage_log(&self) -> &UsageLog {
         &self.usage_log
+    }
+
+    /// The process's access log: [`AccessLog::close`] it after the drain.
+    pub fn access_log(&self) -> &AccessLog {
+        &self.access_log
     }
 
     /// Serves the client listener over HTTPS with `acceptor`
@@ -514,6 +529,7 @@ impl ShardedEdge {
         settings.client_tls = self.client_tls.clone();
         settings.client_keys = self.client_keys.clone();
         settings.usage_log = self.usage_log.clone();
+        settings.access_log = self.access_log.clone();
         settings.request_metrics = self.request_metrics.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));

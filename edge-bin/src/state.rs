@@ -293,7 +293,7 @@ pub struct Settings {
     pub credentials: Option<Arc<CredentialPlane>>,
     /// The front door's deadlines, caps and bounds (`[edge]`).
     pub limits: ListenerLimits,
-    /// This shard's access log (`[edge.access_log]`).
+    /// The access log (`[edge.access_log]`; one writer for every shard).
     pub access_log: AccessLog,
     /// The process's usage file (`[edge.usage_log]`), shared by the shards.
     pub usage_log: crate::usage::UsageLog,

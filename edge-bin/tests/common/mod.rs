@@ -355,6 +355,7 @@ impl TestEdge {
             .as_ref()
             .map(|files| HttpsAcceptor::from_files(files).expect("client listener TLS"));
         settings.usage_log = server::usage_log(&cfg);
+        settings.access_log = server::access_log(&cfg);
         let edge = Rc::new(Edge::new(
             Control::new(server::control_spec(&cfg)),
             settings,
