@@ -18,6 +18,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .boxed(".iop.runtime.ProviderTunnelFrame.failure")
         .boxed(".iop.runtime.RunEvent.usage")
         .boxed(".iop.runtime.ProviderTunnelFrame.usage")
+        // Sent once per run: boxed, so a `Frame` (which every chunk is,
+        // through the decoder, the link's event queue and the encoder) is
+        // the size of the per-chunk messages, not of the largest request.
+        .boxed(".iop.runtime.Frame.body.provider_tunnel_request")
+        .boxed(".iop.runtime.Frame.body.run_request")
         .compile_fds(file_descriptors)?;
     Ok(())
 }

@@ -1203,7 +1203,7 @@ fn with_lease(
         }
     }
     Ok(NodeRequest {
-        frame: frame(Body::ProviderTunnelRequest(tunnel)),
+        frame: frame(Body::ProviderTunnelRequest(Box::new(tunnel))),
         body,
     })
 }
@@ -1272,7 +1272,7 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch, correlation_id: &str) ->
         correlation_id: correlation_id.into(),
         ..Default::default()
     };
-    frame(Body::RunRequest(run))
+    frame(Body::RunRequest(Box::new(run)))
 }
 
 /// The message a client gets when its node disconnected mid-request.
@@ -2101,13 +2101,13 @@ mod tests {
         .unwrap();
         let dispatch = dispatch();
         let tunnel = NodeRequest {
-            frame: frame(Body::ProviderTunnelRequest(tunnel_request(
+            frame: frame(Body::ProviderTunnelRequest(Box::new(tunnel_request(
                 CHAT_COMPLETIONS,
                 &dispatch,
                 tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
                 chat.stream,
                 "req-test",
-            ))),
+            )))),
             body: chat.body_for_target(&dispatch.lease.target),
         }
         .joined();

@@ -191,7 +191,7 @@ async fn no_dispatch_before_ready() {
         let client_addr = edge.client_addr;
         let client = monoio::spawn(async move { post_chat(client_addr, &chat_body(MODEL)).await });
         let request = match node.next_frame().await {
-            Body::ProviderTunnelRequest(r) => r,
+            Body::ProviderTunnelRequest(r) => *r,
             other => panic!("expected ProviderTunnelRequest, got {other:?}"),
         };
         // The second request of this Edge (the first was refused above).

@@ -73,7 +73,7 @@ fn stalling_tunnel(mock: &Mock, run_id: &str) -> Body {
         RECIPIENT_SEED,
         &issuer(),
     );
-    Body::ProviderTunnelRequest(tunnel)
+    Body::ProviderTunnelRequest(Box::new(tunnel))
 }
 
 // CONTRACT: W10, C2 — a stalled tunnel whose provider call cannot be

@@ -478,7 +478,7 @@ async fn a_request_refused_by_the_gate_leaves_its_lease_unopened() {
     let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &holder);
     let lease = issue(&LeaseSpec::valid("lease-holder"), &binding);
     let holder = with_lease(holder, lease, binding);
-    edge.send(pb::frame::Body::ProviderTunnelRequest(holder));
+    edge.send(pb::frame::Body::ProviderTunnelRequest(Box::new(holder)));
     let start = edge.recv_tunnel().await;
     assert_eq!(
         (start.run_id.as_str(), start.kind()),
@@ -497,7 +497,9 @@ async fn a_request_refused_by_the_gate_leaves_its_lease_unopened() {
     let binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &mock.origin(), &refused);
     let lease = issue(&LeaseSpec::valid("lease-refused"), &binding);
     let refused = with_lease(refused, lease, binding);
-    edge.send(pb::frame::Body::ProviderTunnelRequest(refused.clone()));
+    edge.send(pb::frame::Body::ProviderTunnelRequest(Box::new(
+        refused.clone(),
+    )));
     let terminal = loop {
         let f = edge.recv_tunnel().await;
         if f.run_id == "gate-2" {

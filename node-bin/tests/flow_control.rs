@@ -198,7 +198,9 @@ async fn a_tunnel_out_of_credit_stops_reading_its_provider() {
     let mock = Mock::start(Mock::handler(TOKENS, 0).with_token_bytes(TOKEN_BYTES));
     let mut edge = Edge::start(payload(&mock, 4)).await;
 
-    edge.send(Body::ProviderTunnelRequest(tunnel("big", WINDOW, 0)));
+    edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
+        "big", WINDOW, 0,
+    ))));
     let mut streams = [("big", Stream::new(WINDOW))];
     // The Node fills its window (it splits what does not fit) and stops.
     while streams[0].1.recv.received() + flow::FRAME_CHARGE_BYTES < WINDOW {
@@ -265,7 +267,9 @@ async fn one_blocked_run_leaves_the_others_flowing() {
     const WINDOW: u64 = 16 * 1024;
     let mock = Mock::start(Mock::handler(2048, 0).with_token_bytes(1024));
     let mut edge = Edge::start(payload(&mock, 8)).await;
-    edge.send(Body::ProviderTunnelRequest(tunnel("stuck", WINDOW, 0)));
+    edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
+        "stuck", WINDOW, 0,
+    ))));
     let mut streams = [
         ("stuck", Stream::new(WINDOW)),
         ("fast", Stream::new(WINDOW)),
@@ -274,8 +278,13 @@ async fn one_blocked_run_leaves_the_others_flowing() {
     while streams[0].1.recv.received() + flow::FRAME_CHARGE_BYTES < WINDOW {
         pump(&mut edge, &mut streams, &[]).await;
     }
-    edge.send(Body::ProviderTunnelRequest(tunnel("fast", WINDOW, 0)));
-    edge.send(Body::RunRequest(run("norm", flow::MIN_WINDOW_BYTES)));
+    edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
+        "fast", WINDOW, 0,
+    ))));
+    edge.send(Body::RunRequest(Box::new(run(
+        "norm",
+        flow::MIN_WINDOW_BYTES,
+    ))));
     while streams[1].1.terminal.is_none() || streams[2].1.terminal.is_none() {
         pump(&mut edge, &mut streams, &["fast", "norm"]).await;
     }
@@ -308,7 +317,9 @@ async fn waiting_for_credit_is_not_a_stall() {
     const WINDOW: u64 = 8 * 1024;
     let mock = Mock::start(Mock::handler(256, 0).with_token_bytes(1024));
     let mut edge = Edge::start(payload(&mock, 4)).await;
-    edge.send(Body::ProviderTunnelRequest(tunnel("slow", WINDOW, 300)));
+    edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
+        "slow", WINDOW, 300,
+    ))));
     let mut streams = [("slow", Stream::new(WINDOW))];
     while streams[0].1.recv.received() + flow::FRAME_CHARGE_BYTES < WINDOW {
         pump(&mut edge, &mut streams, &[]).await;
@@ -349,11 +360,11 @@ async fn cancelling_parked_runs_in_a_loop_leaves_the_node_serving() {
     for round in 0..10 {
         let ids: Vec<String> = (0..RUNS).map(|i| format!("p{round}-{i}")).collect();
         for id in &ids {
-            edge.send(Body::ProviderTunnelRequest(tunnel(
+            edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
                 id,
                 flow::MIN_WINDOW_BYTES,
                 0,
-            )));
+            ))));
         }
         let mut streams: Vec<(&str, Stream)> = ids
             .iter()
@@ -401,11 +412,11 @@ async fn a_session_ending_with_parked_runs_releases_them_all() {
     let mut edge = Edge::start(payload(&mock, RUNS as u32)).await;
     let ids: Vec<String> = (0..RUNS).map(|i| format!("s-{i}")).collect();
     for id in &ids {
-        edge.send(Body::ProviderTunnelRequest(tunnel(
+        edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
             id,
             flow::MIN_WINDOW_BYTES,
             0,
-        )));
+        ))));
     }
     let mut streams: Vec<(&str, Stream)> = ids
         .iter()

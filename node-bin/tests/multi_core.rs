@@ -215,14 +215,14 @@ fn user_input() -> pb::RunInput {
 }
 
 fn run(run_id: &str, adapter: &str) -> Body {
-    Body::RunRequest(pb::RunRequest {
+    Body::RunRequest(Box::new(pb::RunRequest {
         run_id: run_id.into(),
         adapter: adapter.into(),
         target: TARGET.into(),
         input: Some(user_input()),
         session_id: "sess-mc".into(),
         ..Default::default()
-    })
+    }))
 }
 
 fn run_shape(events: &[pb::RunEvent]) -> (Vec<(u64, pb::RunEventType)>, String) {
@@ -290,7 +290,9 @@ async fn cancel_crosses_cores_and_releases_after_the_return() {
         false,
     );
     let mut edge = Edge::start_on(control_with_one_worker(), config).await;
-    edge.send(Body::ProviderTunnelRequest(sse_tunnel("mc-cancel")));
+    edge.send(Body::ProviderTunnelRequest(Box::new(sse_tunnel(
+        "mc-cancel",
+    ))));
     let mut frames = Vec::new();
     loop {
         let f = edge.recv_tunnel().await;

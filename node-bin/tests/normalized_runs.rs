@@ -63,14 +63,14 @@ fn user(text: &str) -> pb::ChatMessage {
 const WEATHER_TOOLS: &str = r#"[{"type":"function","function":{"name":"get_weather","description":"Weather of a city","parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}},"required":["city"]}}}]"#;
 
 fn run(run_id: &str, adapter: &str, input: pb::RunInput) -> Body {
-    Body::RunRequest(pb::RunRequest {
+    Body::RunRequest(Box::new(pb::RunRequest {
         run_id: run_id.into(),
         adapter: adapter.into(),
         target: TARGET.into(),
         input: Some(input),
         session_id: "sess-1".into(),
         ..Default::default()
-    })
+    }))
 }
 
 fn text_input() -> pb::RunInput {
@@ -354,14 +354,14 @@ async fn stalled_ollama_run_ends_with_response_stalled() {
     };
     let mock = start_mock(8, 0, faults, Default::default());
     let mut edge = Edge::start(payload(&mock, 1)).await;
-    edge.send(Body::RunRequest(pb::RunRequest {
+    edge.send(Body::RunRequest(Box::new(pb::RunRequest {
         run_id: "s-1".into(),
         adapter: "ol".into(),
         target: TARGET.into(),
         input: Some(text_input()),
         response_stall_timeout_ms: 300,
         ..Default::default()
-    }));
+    })));
     let events = edge.run_events("s-1").await;
     assert_eq!(text(&events), "tok0 tok1 ");
     let last = events.last().expect("terminal");
@@ -447,7 +447,7 @@ async fn runs_and_tunnels_share_their_adapters_one_gate() {
     stream.body = Bytes::from(format!(
         r#"{{"model":"{TARGET}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}"#
     ));
-    edge.send(Body::ProviderTunnelRequest(stream));
+    edge.send(Body::ProviderTunnelRequest(Box::new(stream)));
     assert_eq!(
         edge.recv_tunnel().await.kind(),
         pb::TunnelFrameKind::ResponseStart
@@ -507,7 +507,7 @@ async fn metadata_is_inert_and_runs_sharing_a_session_are_independent() {
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
     let with = |run_id: &str, adapter: &str, max_tokens: Option<i64>| {
-        Body::RunRequest(pb::RunRequest {
+        Body::RunRequest(Box::new(pb::RunRequest {
             run_id: run_id.into(),
             adapter: adapter.into(),
             target: TARGET.into(),
@@ -518,7 +518,7 @@ async fn metadata_is_inert_and_runs_sharing_a_session_are_independent() {
             session_id: "sess-1".into(),
             metadata: metadata.clone(),
             ..Default::default()
-        })
+        }))
     };
     // Run A holds `oa` (one token, then a minute of nothing).
     edge.send(with("run-a", "oa", None));

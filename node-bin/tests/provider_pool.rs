@@ -159,7 +159,9 @@ async fn cancelled_tunnel_connection_is_not_reused() {
     let mut edge = Edge::start(payload(&mock, false, false)).await;
     assert_streamed(&edge.tunnel(tunnel("c-1", Some(1), 0)).await, 1);
     // The long one takes the pooled connection and is cancelled mid-stream.
-    edge.send(Body::ProviderTunnelRequest(tunnel("c-2", None, 0)));
+    edge.send(Body::ProviderTunnelRequest(Box::new(tunnel(
+        "c-2", None, 0,
+    ))));
     let mut frames = Vec::new();
     loop {
         let f = edge.recv_tunnel().await;

@@ -62,12 +62,12 @@ fn tunnel(run_id: &str, stall_ms: i64, stream: bool) -> Body {
     let body = format!(
         r#"{{"model":"{TARGET}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
-    Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+    Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
         stream,
         metadata: HashMap::from([("user".to_string(), "caller-secret".to_string())]),
         response_stall_timeout_ms: stall_ms,
         ..chat_tunnel(run_id, body)
-    })
+    }))
 }
 
 fn stall_after(tokens: u32) -> bench::mock::MockFaults {
@@ -546,7 +546,7 @@ async fn config_refresh_outcomes() {
 async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
     let mock = Mock::with_faults(8, 0, stall_after(1));
     let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
-    edge.send(Body::RunRequest(pb::RunRequest {
+    edge.send(Body::RunRequest(Box::new(pb::RunRequest {
         run_id: "w7-run".into(),
         adapter: "mock".into(),
         target: TARGET.into(),
@@ -560,7 +560,7 @@ async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
         }),
         response_stall_timeout_ms: 300,
         ..Default::default()
-    }));
+    })));
     edge.send(tunnel("w7-tunnel", 300, true));
     edge.send(Body::NodeCommandRequest(pb::NodeCommandRequest {
         command_id: "w7-caps".into(),

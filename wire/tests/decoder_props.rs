@@ -79,13 +79,13 @@ fn frame() -> impl Strategy<Value = pb::Frame> {
             prop::collection::vec(any::<u8>(), 0..300)
         )
             .prop_map(|(run_id, response_stall_timeout_ms, body)| {
-                Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+                Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
                     run_id,
                     response_stall_timeout_ms,
                     operation: "chat_completions".into(),
                     body: Bytes::from(body),
                     ..Default::default()
-                })
+                }))
             }),
     ];
     body.prop_map(codec::frame)

@@ -422,7 +422,7 @@ fn all_frames() -> Vec<pb::Frame> {
         }),
         Body::Heartbeat(pb::Heartbeat { seq: u64::MAX }),
         Body::HeartbeatAck(pb::HeartbeatAck { seq: 1 << 40 }),
-        Body::RunRequest(pb::RunRequest {
+        Body::RunRequest(Box::new(pb::RunRequest {
             run_id: "run-1".into(),
             adapter: "ollama-a".into(),
             target: "llama3:8b".into(),
@@ -433,7 +433,7 @@ fn all_frames() -> Vec<pb::Frame> {
             response_stall_timeout_ms: -5,
             flow_window_bytes: 256 * 1024,
             correlation_id: "req_0123456789abcdef".into(),
-        }),
+        })),
         Body::RunEvent(pb::RunEvent {
             run_id: "run-1".into(),
             seq: 4,
@@ -449,7 +449,7 @@ fn all_frames() -> Vec<pb::Frame> {
             target: "llama3:8b".into(),
             failure: Some(Box::new(execution_failure())),
         }),
-        Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
+        Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
             run_id: "tun-1".into(),
             adapter: "vllm-b".into(),
             target: "meta/llama-3-70b".into(),
@@ -467,7 +467,7 @@ fn all_frames() -> Vec<pb::Frame> {
             credential_binding: Some(binding()),
             flow_window_bytes: u64::MAX,
             correlation_id: "client-id-7".into(),
-        }),
+        })),
         Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),
             seq: 9,
@@ -789,10 +789,12 @@ fn optional_fields_distinguish_absent_from_zero() {
 fn header_lists_keep_order_and_duplicates() {
     // CONTRACT: U1 — headers are an ordered list, duplicates kept.
     let expected = headers();
-    let request = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-        headers: expected.clone(),
-        ..Default::default()
-    }));
+    let request = codec::frame(Body::ProviderTunnelRequest(Box::new(
+        pb::ProviderTunnelRequest {
+            headers: expected.clone(),
+            ..Default::default()
+        },
+    )));
     let response = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
         kind: pb::TunnelFrameKind::ResponseStart as i32,
         headers: expected.clone(),
@@ -833,10 +835,12 @@ fn tunnel_request_operation_is_field_13() {
     assert_eq!(request[0], 0x6a);
     let frame_bytes = ld_field(9, &request); // Frame.provider_tunnel_request = 9
     let frame = decode_raw_frame(&frame_bytes);
-    let expected = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-        operation: "chat_completions".into(),
-        ..Default::default()
-    }));
+    let expected = codec::frame(Body::ProviderTunnelRequest(Box::new(
+        pb::ProviderTunnelRequest {
+            operation: "chat_completions".into(),
+            ..Default::default()
+        },
+    )));
     assert_eq!(frame, expected);
     // And the encoder writes exactly those bytes.
     assert_eq!(expected.encode_to_vec(), frame_bytes);
@@ -926,14 +930,16 @@ fn negative_stall_timeouts_round_trip_as_int64() {
     assert_eq!(request.response_stall_timeout_ms, -1);
 
     for value in [-1, -300_000, i64::MIN, i64::MAX, 0, 1] {
-        let run = codec::frame(Body::RunRequest(pb::RunRequest {
+        let run = codec::frame(Body::RunRequest(Box::new(pb::RunRequest {
             response_stall_timeout_ms: value,
             ..Default::default()
-        }));
-        let tunnel = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-            response_stall_timeout_ms: value,
-            ..Default::default()
-        }));
+        })));
+        let tunnel = codec::frame(Body::ProviderTunnelRequest(Box::new(
+            pb::ProviderTunnelRequest {
+                response_stall_timeout_ms: value,
+                ..Default::default()
+            },
+        )));
         assert_eq!(codec_roundtrip(&run), run);
         assert_eq!(codec_roundtrip(&tunnel), tunnel);
     }
@@ -973,11 +979,13 @@ fn decoded_body_bytes_point_into_the_read_buffer() {
             body: Bytes::from(tunnel_body.clone()),
             ..Default::default()
         })),
-        codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-            run_id: "tun-2".into(),
-            body: Bytes::from(request_body.clone()),
-            ..Default::default()
-        })),
+        codec::frame(Body::ProviderTunnelRequest(Box::new(
+            pb::ProviderTunnelRequest {
+                run_id: "tun-2".into(),
+                body: Bytes::from(request_body.clone()),
+                ..Default::default()
+            },
+        ))),
     ];
     let mut wire = BytesMut::new();
     for frame in &frames {
@@ -1234,10 +1242,12 @@ fn request_frame_head_plus_the_pieces_is_the_whole_request_frame() {
     let template = full_tunnel_request();
     for body_len in interesting_body_lengths(template.encoded_len()) {
         let body: Vec<u8> = (0..body_len).map(|i| (i % 251) as u8).collect();
-        let whole = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-            body: Bytes::from(body.clone()),
-            ..template.clone()
-        }));
+        let whole = codec::frame(Body::ProviderTunnelRequest(Box::new(
+            pb::ProviderTunnelRequest {
+                body: Bytes::from(body.clone()),
+                ..template.clone()
+            },
+        )));
         let mut encoded = BytesMut::new();
         assert_eq!(codec::encode(&whole, &mut encoded), Ok(()));
         for (a, b) in [
@@ -1285,10 +1295,12 @@ fn request_frame_head_ignores_a_body_in_the_template_and_refuses_oversize() {
         Ok(())
     );
     wire.extend_from_slice(b"fresh");
-    let expected = codec::frame(Body::ProviderTunnelRequest(pb::ProviderTunnelRequest {
-        body: Bytes::from_static(b"fresh"),
-        ..full_tunnel_request()
-    }));
+    let expected = codec::frame(Body::ProviderTunnelRequest(Box::new(
+        pb::ProviderTunnelRequest {
+            body: Bytes::from_static(b"fresh"),
+            ..full_tunnel_request()
+        },
+    )));
     assert_eq!(decode_all(&wire), vec![expected.clone()]);
 
     let frame_len = wire.len() - LENGTH_PREFIX_BYTES;

@@ -396,7 +396,7 @@ async fn attempt(
             }
             Some(Body::ProviderTunnelRequest(request)) => {
                 state.saw_tunnel(&request);
-                monoio::spawn(answer(conn.clone(), request, node_id.clone()));
+                monoio::spawn(answer(conn.clone(), *request, node_id.clone()));
             }
             // Every tunnel is answered at once; a cancel finds it done.
             Some(Body::CancelRequest(_)) | None => {}

@@ -872,7 +872,7 @@ pub async fn ready_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
 pub async fn next_tunnel(node: &mut RawNode) -> pb::ProviderTunnelRequest {
     loop {
         match node.next_frame().await {
-            Body::ProviderTunnelRequest(r) => return r,
+            Body::ProviderTunnelRequest(r) => return *r,
             Body::FlowCredit(_) => {}
             other => panic!("expected ProviderTunnelRequest, got {other:?}"),
         }

@@ -1130,7 +1130,7 @@ mod tests {
         };
         assert_eq!(
             decode(&out).body,
-            Some(Body::ProviderTunnelRequest(expected))
+            Some(Body::ProviderTunnelRequest(Box::new(expected)))
         );
     }
 }

@@ -342,8 +342,8 @@ fn apply(core: &NodeCore, payload: pb::NodeConfigPayload) -> Result<Applied, Str
 impl Session {
     fn handle(self: &Rc<Self>, f: pb::Frame) {
         match f.body {
-            Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(req),
-            Some(Body::RunRequest(req)) => self.start_run(req),
+            Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(*req),
+            Some(Body::RunRequest(req)) => self.start_run(*req),
             Some(Body::CancelRequest(req)) => {
                 // K1: only that run.
                 let found = self

@@ -492,7 +492,7 @@ impl Edge {
     /// Sends `req` and returns its frames up to and including the terminal.
     pub async fn tunnel(&mut self, req: pb::ProviderTunnelRequest) -> Vec<pb::ProviderTunnelFrame> {
         let run_id = req.run_id.clone();
-        self.send(Body::ProviderTunnelRequest(req));
+        self.send(Body::ProviderTunnelRequest(Box::new(req)));
         self.tunnel_frames(&run_id).await
     }
 
@@ -524,7 +524,7 @@ impl Edge {
     /// Sends a run and returns its events up to and including the terminal.
     pub async fn run(&mut self, req: pb::RunRequest) -> Vec<pb::RunEvent> {
         let run_id = req.run_id.clone();
-        self.send(Body::RunRequest(req));
+        self.send(Body::RunRequest(Box::new(req)));
         self.run_events(&run_id).await
     }
 }
