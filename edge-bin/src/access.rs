@@ -15,7 +15,7 @@
 //! stderr pipe never stalls a shard: its queue is bounded
 //! ([`ACCESS_LOG_BACKLOG`]) and a line that does not fit is dropped and
 //! counted ([`dropped_lines`]). Idle, the writer waits for the next line;
-//! busy, it writes what has queued and then sleeps
+//! busy, it writes what has queued and then parks for
 //! [`ACCESS_LOG_FLUSH_INTERVAL`] while more queues, so a shard that queues a
 //! line finds no waiting writer to wake: lines reach the destination in
 //! batches at most that long after they are queued, and a request costs no
@@ -597,7 +597,7 @@ fn write_lines(
             if closing {
                 return;
             }
-            // Senders find no receiver waiting while this sleeps: queueing
+            // Senders find no receiver waiting while this parks: queueing
             // a line wakes nobody. `close` unparks it.
             std::thread::park_timeout(interval);
             next = match rx.try_recv() {

@@ -1028,7 +1028,7 @@ impl Edge {
         );
         let sent = match frame.body {
             Some(Body::ProviderTunnelRequest(tunnel)) => {
-                handle.send_tunnel_request(*tunnel, body).await
+                handle.send_tunnel_request(&tunnel, body).await
             }
             body => handle.send_bulk(pb::Frame { body }).await,
         };

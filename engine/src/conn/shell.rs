@@ -384,14 +384,14 @@ impl ConnHandle {
     /// lane is full.
     pub fn send_tunnel_request(
         &self,
-        request: pb::ProviderTunnelRequest,
+        request: &pb::ProviderTunnelRequest,
         body: BodyParts,
     ) -> impl Future<Output = Result<(), SendError>> + '_ {
         let encoded = self
             .shared
             .core
             .borrow_mut()
-            .encode_request_frame(&request, body);
+            .encode_request_frame(request, body);
         self.push_bulk(encoded)
     }
 
