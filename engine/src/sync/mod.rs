@@ -4,6 +4,7 @@
 //! - [`Notify`]: wake one waiting task.
 //! - [`WakeList`]: wake every waiting task.
 //! - [`channel`]: a bounded many-to-one queue; [`oneshot`]: one value.
+//! - [`Either`]: one of two futures, chosen before either is polled.
 //!
 //! Every type here is drop-safe: no waker and no value is woken or dropped
 //! while a `RefCell` of ours is borrowed. Dropping a waker can drop the last
@@ -12,7 +13,10 @@
 //! panic inside a destructor, which aborts the process.
 
 pub mod channel;
+mod either;
 pub mod oneshot;
+
+pub use either::Either;
 
 use std::cell::{Cell, RefCell};
 use std::future::{poll_fn, Future};

@@ -39,9 +39,19 @@ pub struct TunnelCall {
 impl ProviderCall for TunnelCall {
     type Output = TunnelOutput;
 
-    async fn run(mut self, pool: Rc<ProviderPool>, out: OutputTx<TunnelOutput>) {
-        if let Err((code, message)) = self.exchange(&pool, &out).await {
-            out.send(TunnelOutput::Failed { code, message }).await;
+    // An `async move` block rather than an `async fn`: the block uses the
+    // call it captured in place, where an `async fn` would keep it twice
+    // (as its argument and as the local it moves into), for the whole call.
+    #[allow(clippy::manual_async_fn)]
+    fn run(
+        mut self,
+        pool: Rc<ProviderPool>,
+        out: OutputTx<TunnelOutput>,
+    ) -> impl std::future::Future<Output = ()> + 'static {
+        async move {
+            if let Err((code, message)) = self.exchange(&pool, &out).await {
+                out.send(TunnelOutput::Failed { code, message }).await;
+            }
         }
     }
 

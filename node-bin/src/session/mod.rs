@@ -342,7 +342,7 @@ fn apply(core: &NodeCore, payload: pb::NodeConfigPayload) -> Result<Applied, Str
 impl Session {
     fn handle(self: &Rc<Self>, f: pb::Frame) {
         match f.body {
-            Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(*req),
+            Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(req),
             Some(Body::RunRequest(req)) => self.start_run(*req),
             Some(Body::CancelRequest(req)) => {
                 // K1: only that run.
@@ -388,7 +388,7 @@ impl Session {
         }
     }
 
-    fn start_tunnel(self: &Rc<Self>, req: pb::ProviderTunnelRequest) {
+    fn start_tunnel(self: &Rc<Self>, req: Box<pb::ProviderTunnelRequest>) {
         let Some(run) = self.register(&req.run_id, RunKind::Tunnel, req.flow_window_bytes) else {
             return;
         };
@@ -412,13 +412,13 @@ impl Session {
         let session = self.clone();
         let active = self.core.run_started();
         let span = run_span(RunKind::Tunnel, &req.run_id, &req.correlation_id);
-        // Boxed: the task's future then holds a pointer, not the request
-        // (most of a kilobyte) once in this block and again in `serve`.
-        let req = Box::new(req);
+        // The request stays boxed (as it was decoded): until `serve` frees
+        // it, this task holds a pointer, not most of a kilobyte.
         monoio::spawn(
             async move {
                 let ticket = run.ticket.clone();
-                let ended = tunnel::serve(&session.env, req, run, adapters, settings, leases).await;
+                let ended =
+                    tunnel::serve(&session.env, req, run, &adapters, settings, leases).await;
                 session.runs.borrow_mut().finish(&ticket);
                 drop(active);
                 tracing::info!(?ended, "tunnel ended");

@@ -25,40 +25,86 @@
 //! the same `Bytes` (a reference count crosses, not the bytes), and the
 //! BODY frame carries them as they are.
 
+use std::future::Future;
 use std::rc::Rc;
 
 use iop_engine::clock;
+use iop_engine::sync::{oneshot, Either};
 use iop_wire::pb;
 
 use super::runs::RunStart;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
-use crate::attempt::emit::{Emitter, TunnelEmitter};
+use crate::attempt::emit::{Emitter, Outbound, TunnelEmitter};
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
-use crate::attempt::watchdog::{RuntimeSettings, WatchdogConfig};
-use crate::attempt::{self, AttemptEnv, Ended};
+use crate::attempt::watchdog::{RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
+use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
 use crate::calls::tunnel::TunnelCall;
+use crate::calls::{ProviderSide, TunnelOutput};
 use crate::codes;
 use crate::credentials::{LeaseGate, TunnelTarget};
 
 /// Serves one tunnel to its release: the terminal is sent and the provider
 /// call has returned. `stop` fires on `CancelRequest` or session end;
 /// `leases` opens the request's credential lease (C2, C3).
-pub async fn serve(
+///
+/// Everything before the provider call is synchronous and runs here, at
+/// the call; the future returned is the attempt's [`attempt::drive`], or
+/// the one `ERROR` of a request refused before the provider call. So the
+/// request (most of a kilobyte), the checks' locals and this function's
+/// arguments are gone before the body streams: an `async fn` would keep
+/// room for all of them, in every stream's task, for its whole life.
+pub fn serve<'a>(
+    env: &'a AttemptEnv,
+    req: Box<pb::ProviderTunnelRequest>,
+    run: RunStart,
+    adapters: &Adapters,
+    settings: RuntimeSettings,
+    leases: LeaseGate,
+) -> impl Future<Output = Ended> + 'a {
+    match start(env, req, run, adapters, settings, leases) {
+        Ok(s) => Either::left(attempt::drive(
+            env, s.emit, s.watchdog, s.evidence, s.provider, s.flow, s.stop,
+        )),
+        Err(refusal) => {
+            let sent = attempt::send(&env.conn, refusal);
+            Either::right(async move {
+                sent.await;
+                Ended::Provider
+            })
+        }
+    }
+}
+
+/// A tunnel whose provider call is under way.
+struct Started {
+    emit: TunnelEmitter,
+    watchdog: Watchdog,
+    evidence: StallEvidence,
+    provider: ProviderSide<TunnelOutput>,
+    flow: Rc<FlowGate>,
+    stop: oneshot::Receiver<StopCause>,
+}
+
+/// Checks the request, opens its credential lease and starts the provider
+/// call; or the `ERROR` terminal of a request refused before that call.
+// Returned once per tunnel and matched at once: boxing the refusal would
+// only add an allocation.
+#[allow(clippy::result_large_err)]
+fn start(
     env: &AttemptEnv,
     req: Box<pb::ProviderTunnelRequest>,
     run: RunStart,
-    adapters: Rc<Adapters>,
+    adapters: &Adapters,
     settings: RuntimeSettings,
     leases: LeaseGate,
-) -> Ended {
+) -> Result<Started, Option<Outbound>> {
     let RunStart { ticket, stop, flow } = run;
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
-    let admitted = match admit(&req, &adapters, settings, flow) {
+    let admitted = match admit(&req, adapters, settings, flow) {
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "tunnel rejected");
-            attempt::send(&env.conn, emit.failed(code, &message)).await;
-            return Ended::Provider;
+            return Err(emit.failed(code, &message));
         }
     };
     let Admitted {
@@ -86,43 +132,45 @@ pub async fn serve(
         let message = "a credential lease is never injected into a provider connection \
                        whose certificate is not verified (tls_insecure_skip_verify)";
         tracing::warn!(run_id = %req.run_id, adapter = %adapter.name, "tunnel rejected: {message}");
-        attempt::send(&env.conn, emit.failed(codes::PROVIDER_TLS, message)).await;
-        return Ended::Provider;
+        return Err(emit.failed(codes::PROVIDER_TLS, message));
     }
-    // In a block: the target borrows, and a borrowed local would keep its
-    // room in this future for the whole stream.
-    let opened = {
-        let origin = adapter.base_url.origin();
-        let target = TunnelTarget {
-            profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
-            origin: &origin,
-            path: &path,
-            method: &method,
-        };
-        leases.open(&req, &target, clock::unix_ms())
+    let origin = adapter.base_url.origin();
+    let target = TunnelTarget {
+        profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
+        origin: &origin,
+        path: &path,
+        method: &method,
     };
-    let credential = match opened {
+    let credential = match leases.open(&req, &target, clock::unix_ms()) {
         Ok(credential) => credential,
         Err(e) => {
             let code = e.failure_code();
             tracing::warn!(run_id = %req.run_id, code, error = %e, "tunnel rejected: credential lease");
-            attempt::send(&env.conn, emit.failed(code, &e.to_string())).await;
-            return Ended::Provider;
+            return Err(emit.failed(code, &e.to_string()));
         }
     };
     // ----------------------------------------------------------------------
     let (watchdog, evidence) =
         super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
+    // The request is freed here: what the call needs moves out of it.
+    let pb::ProviderTunnelRequest { headers, body, .. } = *req;
     let call = TunnelCall {
         endpoint: adapter.endpoint.clone(),
         method,
         path,
-        headers: req.headers,
-        body: req.body,
+        headers,
+        body,
         credential,
     };
     let provider = env.calls.spawn(Some(permit), call);
-    attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await
+    Ok(Started {
+        emit,
+        watchdog,
+        evidence,
+        provider,
+        flow,
+        stop,
+    })
 }
 
 struct Admitted {
