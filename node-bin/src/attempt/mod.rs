@@ -34,7 +34,7 @@ use std::rc::Rc;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::metrics::{self, Latency};
-use iop_engine::sync::oneshot;
+use iop_engine::sync::{oneshot, Either};
 
 use self::emit::{Emitter, Outbound};
 use self::flow::FlowGate;
@@ -77,6 +77,56 @@ pub struct StallEvidence {
     pub identity: AttemptIdentity,
     /// What the probe asks (W4).
     pub probe: ProbeTarget,
+}
+
+/// An attempt whose provider call is under way: what [`drive`] takes.
+pub struct Attempt<E: Emitter> {
+    /// Turns the call's outputs into frames.
+    pub emitter: E,
+    /// The attempt's stall watchdog.
+    pub watchdog: Watchdog,
+    /// What a stall terminal reports.
+    pub evidence: StallEvidence,
+    /// The provider call's outputs.
+    pub provider: ProviderSide<E::Output>,
+    /// The run's window.
+    pub flow: Rc<FlowGate>,
+    /// Fires on cancel or session end.
+    pub stop: oneshot::Receiver<StopCause>,
+}
+
+impl<E: Emitter> std::fmt::Debug for Attempt<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attempt")
+            .field("identity", &self.evidence.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The future of an attempt: [`drive`] for one whose provider call was
+/// started, or the one terminal of a request refused before its call.
+///
+/// Meant for a shell that checks the request and starts the call
+/// synchronously, before it returns this: the request, its checks' locals
+/// and the shell's arguments are then gone before the body streams (an
+/// `async fn` shell keeps room for all of them, for its whole life), and
+/// only the chosen future is stored.
+pub fn attempt<'a, E: Emitter + 'a>(
+    env: &'a AttemptEnv,
+    started: Result<Attempt<E>, Option<Outbound>>,
+) -> impl std::future::Future<Output = Ended> + 'a {
+    match started {
+        Ok(a) => Either::left(drive(
+            env, a.emitter, a.watchdog, a.evidence, a.provider, a.flow, a.stop,
+        )),
+        Err(refusal) => {
+            let sent = send(&env.conn, refusal);
+            Either::right(async move {
+                sent.await;
+                Ended::Provider
+            })
+        }
+    }
 }
 
 enum Event<O> {

@@ -343,7 +343,7 @@ impl Session {
     fn handle(self: &Rc<Self>, f: pb::Frame) {
         match f.body {
             Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(req),
-            Some(Body::RunRequest(req)) => self.start_run(*req),
+            Some(Body::RunRequest(req)) => self.start_run(req),
             Some(Body::CancelRequest(req)) => {
                 // K1: only that run.
                 let found = self
@@ -427,7 +427,7 @@ impl Session {
         );
     }
 
-    fn start_run(self: &Rc<Self>, req: pb::RunRequest) {
+    fn start_run(self: &Rc<Self>, req: Box<pb::RunRequest>) {
         let Some(run) = self.register(&req.run_id, RunKind::Normalized, req.flow_window_bytes)
         else {
             return;
@@ -442,7 +442,7 @@ impl Session {
         monoio::spawn(
             async move {
                 let ticket = run.ticket.clone();
-                let ended = normalized::serve(&session.env, req, run, adapters, settings).await;
+                let ended = normalized::serve(&session.env, req, run, &adapters, settings).await;
                 session.runs.borrow_mut().finish(&ticket);
                 drop(active);
                 tracing::info!(?ended, "run ended");

@@ -13,16 +13,17 @@
 //! adapter, full gate) is one `error` terminal and opens no provider
 //! connection (W1, W6).
 
+use std::future::Future;
 use std::rc::Rc;
 
 use iop_wire::pb;
 
 use super::runs::RunStart;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
-use crate::attempt::emit::{Emitter, RunEmitter};
+use crate::attempt::emit::{Emitter, Outbound, RunEmitter};
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
 use crate::attempt::watchdog::{RuntimeSettings, WatchdogConfig};
-use crate::attempt::{self, AttemptEnv, Ended};
+use crate::attempt::{self, Attempt, AttemptEnv, Ended};
 use crate::calls::normalize::CallFailure;
 use crate::calls::run::RunCall;
 use crate::codes;
@@ -30,13 +31,31 @@ use crate::codes;
 /// Serves one run to its release: the terminal is sent and the provider
 /// call has returned (W10). `stop` fires on `CancelRequest` (K1) or session
 /// end (F5).
-pub async fn serve(
-    env: &AttemptEnv,
-    req: pb::RunRequest,
+///
+/// Everything before the provider call runs here, at the call; the future
+/// returned holds the attempt (see [`attempt::attempt`]), not the request.
+pub fn serve<'a>(
+    env: &'a AttemptEnv,
+    req: Box<pb::RunRequest>,
     run: RunStart,
-    adapters: Rc<Adapters>,
+    adapters: &Adapters,
     settings: RuntimeSettings,
-) -> Ended {
+) -> impl Future<Output = Ended> + 'a {
+    attempt::attempt(env, start(env, req, run, adapters, settings))
+}
+
+/// Checks the request and starts the provider call; or the `error`
+/// terminal of a request refused before that call.
+// Returned once per run and matched at once: boxing the refusal would only
+// add an allocation.
+#[allow(clippy::result_large_err)]
+fn start(
+    env: &AttemptEnv,
+    req: Box<pb::RunRequest>,
+    run: RunStart,
+    adapters: &Adapters,
+    settings: RuntimeSettings,
+) -> Result<Attempt<RunEmitter>, Option<Outbound>> {
     let RunStart { ticket, stop, flow } = run;
     let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
     let Admitted {
@@ -44,23 +63,31 @@ pub async fn serve(
         config,
         permit,
         flow,
-    } = match admit(&req, &adapters, settings, flow) {
+    } = match admit(&req, adapters, settings, flow) {
         Ok(a) => a,
         Err((code, message)) => {
             tracing::info!(run_id = %req.run_id, code, error = %message, "run rejected");
-            attempt::send(&env.conn, emit.failed(code, &message)).await;
-            return Ended::Provider;
+            return Err(emit.failed(code, &message));
         }
     };
     let (watchdog, evidence) =
         super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
+    // The request is freed here: what the call needs moves out of it.
+    let pb::RunRequest { target, input, .. } = *req;
     let call = RunCall {
         endpoint: adapter.endpoint.clone(),
-        target: req.target.clone(),
-        input: req.input.unwrap_or_default(),
+        target,
+        input: input.unwrap_or_default(),
     };
     let provider = env.calls.spawn(Some(permit), call);
-    attempt::drive(env, emit, watchdog, evidence, provider, flow, stop).await
+    Ok(Attempt {
+        emitter: emit,
+        watchdog,
+        evidence,
+        provider,
+        flow,
+        stop,
+    })
 }
 
 struct Admitted {

@@ -29,17 +29,15 @@ use std::future::Future;
 use std::rc::Rc;
 
 use iop_engine::clock;
-use iop_engine::sync::{oneshot, Either};
 use iop_wire::pb;
 
 use super::runs::RunStart;
 use crate::adapters::{AdapterInstance, Adapters, Permit};
 use crate::attempt::emit::{Emitter, Outbound, TunnelEmitter};
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
-use crate::attempt::watchdog::{RuntimeSettings, StopCause, Watchdog, WatchdogConfig};
-use crate::attempt::{self, AttemptEnv, Ended, StallEvidence};
+use crate::attempt::watchdog::{RuntimeSettings, WatchdogConfig};
+use crate::attempt::{self, Attempt, AttemptEnv, Ended};
 use crate::calls::tunnel::TunnelCall;
-use crate::calls::{ProviderSide, TunnelOutput};
 use crate::codes;
 use crate::credentials::{LeaseGate, TunnelTarget};
 
@@ -47,12 +45,8 @@ use crate::credentials::{LeaseGate, TunnelTarget};
 /// call has returned. `stop` fires on `CancelRequest` or session end;
 /// `leases` opens the request's credential lease (C2, C3).
 ///
-/// Everything before the provider call is synchronous and runs here, at
-/// the call; the future returned is the attempt's [`attempt::drive`], or
-/// the one `ERROR` of a request refused before the provider call. So the
-/// request (most of a kilobyte), the checks' locals and this function's
-/// arguments are gone before the body streams: an `async fn` would keep
-/// room for all of them, in every stream's task, for its whole life.
+/// Everything before the provider call runs here, at the call; the future
+/// returned holds the attempt (see [`attempt::attempt`]), not the request.
 pub fn serve<'a>(
     env: &'a AttemptEnv,
     req: Box<pb::ProviderTunnelRequest>,
@@ -61,28 +55,7 @@ pub fn serve<'a>(
     settings: RuntimeSettings,
     leases: LeaseGate,
 ) -> impl Future<Output = Ended> + 'a {
-    match start(env, req, run, adapters, settings, leases) {
-        Ok(s) => Either::left(attempt::drive(
-            env, s.emit, s.watchdog, s.evidence, s.provider, s.flow, s.stop,
-        )),
-        Err(refusal) => {
-            let sent = attempt::send(&env.conn, refusal);
-            Either::right(async move {
-                sent.await;
-                Ended::Provider
-            })
-        }
-    }
-}
-
-/// A tunnel whose provider call is under way.
-struct Started {
-    emit: TunnelEmitter,
-    watchdog: Watchdog,
-    evidence: StallEvidence,
-    provider: ProviderSide<TunnelOutput>,
-    flow: Rc<FlowGate>,
-    stop: oneshot::Receiver<StopCause>,
+    attempt::attempt(env, start(env, req, run, adapters, settings, leases))
 }
 
 /// Checks the request, opens its credential lease and starts the provider
@@ -97,7 +70,7 @@ fn start(
     adapters: &Adapters,
     settings: RuntimeSettings,
     leases: LeaseGate,
-) -> Result<Started, Option<Outbound>> {
+) -> Result<Attempt<TunnelEmitter>, Option<Outbound>> {
     let RunStart { ticket, stop, flow } = run;
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
     let admitted = match admit(&req, adapters, settings, flow) {
@@ -163,8 +136,8 @@ fn start(
         credential,
     };
     let provider = env.calls.spawn(Some(permit), call);
-    Ok(Started {
-        emit,
+    Ok(Attempt {
+        emitter: emit,
         watchdog,
         evidence,
         provider,
