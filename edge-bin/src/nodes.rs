@@ -198,11 +198,11 @@ fn handle_frame(
             if crate::admin::is_admin_command(&response.command_id) =>
         {
             let to = crate::admin::command_shard(&response.command_id);
-            edge.forward_command_answer(to, conn_id, response);
+            edge.forward_command_answer(to, conn_id, *response);
         }
         Body::NodeCommandResponse(response) => edge.apply(Input::CommandResult {
             conn: conn_id,
-            response,
+            response: *response,
         }),
         Body::NodeConfigRefreshResponse(resp) => {
             // K3: the outcome is the node's; the Edge reports it.

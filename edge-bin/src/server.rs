@@ -201,7 +201,7 @@ pub fn reload(
                     config: Some(payload),
                 };
                 let frame = pb::Frame {
-                    body: Some(pb::frame::Body::NodeConfigRefreshRequest(refresh)),
+                    body: Some(pb::frame::Body::NodeConfigRefreshRequest(Box::new(refresh))),
                 };
                 if edge.send_control_to(conn, frame) {
                     report.refreshed.push(node.id.clone());

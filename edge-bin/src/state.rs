@@ -40,9 +40,9 @@ use crate::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
 #[derive(Debug)]
 pub enum RouteEvent {
     /// A tunnel frame from the connection that owns the lease (H1).
-    Tunnel(pb::ProviderTunnelFrame),
+    Tunnel(Box<pb::ProviderTunnelFrame>),
     /// A normalized run event from the connection that owns the lease (H1).
-    Run(pb::RunEvent),
+    Run(Box<pb::RunEvent>),
     /// The lease was released without a terminal: the node's connection was
     /// fenced (F1) or superseded (R2).
     Lost,
@@ -56,7 +56,7 @@ pub enum RouteEvent {
     /// The attempt failed before anything reached the client and Control
     /// dispatched the request again (pre-commit failover): the relay sends
     /// this dispatch's run and relays its frames instead.
-    Retry(Dispatch),
+    Retry(Box<Dispatch>),
 }
 
 /// The receiving end of a client request's route: frames arrive here from
@@ -813,7 +813,7 @@ impl Edge {
         match action {
             Action::RegisterResponse { conn, response } => {
                 if let Some(c) = self.conn(conn) {
-                    let _ = c.send_control(frame(Body::RegisterResponse(response)));
+                    let _ = c.send_control(frame(Body::RegisterResponse(Box::new(response))));
                 }
             }
             Action::ReadyResponse { conn, response } => {
@@ -879,7 +879,7 @@ impl Edge {
                 .get(&request)
                 .map(|r| r.tx.clone());
             if let Some(tx) = route {
-                return push_notice(tx, RouteEvent::Retry(dispatch));
+                return push_notice(tx, RouteEvent::Retry(Box::new(dispatch)));
             }
         }
         let window = self.settings.flow_window_bytes;
@@ -1576,11 +1576,11 @@ mod tests {
         };
         let tx = edge.client_routes.borrow()[&request].tx.clone();
         let frame = |seq| {
-            RouteEvent::Tunnel(pb::ProviderTunnelFrame {
+            RouteEvent::Tunnel(Box::new(pb::ProviderTunnelFrame {
                 run_id: request.run_id(),
                 seq,
                 ..Default::default()
-            })
+            }))
         };
         assert!(tx.try_send(frame(1)).is_ok());
         assert!(matches!(frames.recv().await, Some(RouteEvent::Tunnel(f)) if f.seq == 1));

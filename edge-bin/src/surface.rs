@@ -1371,7 +1371,7 @@ where
             }
             // Another attempt's, or not a run's: nothing for this one.
             Some(RouteEvent::Run(_) | RouteEvent::Tunnel(_)) => frames.drained(edge, charge),
-            Some(RouteEvent::Retry(next)) => return Ok(Relayed::Retry(next)),
+            Some(RouteEvent::Retry(next)) => return Ok(Relayed::Retry(*next)),
             Some(RouteEvent::Aborted(reason)) => {
                 return Box::pin(abort(server, Surface::OpenAi, false, false, reason))
                     .await
@@ -1448,7 +1448,7 @@ where
             Err((_, Some(RouteEvent::Retry(next)))) => {
                 // Control never retries a committed attempt.
                 if !started {
-                    return Ok(Relayed::Retry(next));
+                    return Ok(Relayed::Retry(*next));
                 }
                 continue;
             }
@@ -1484,7 +1484,7 @@ where
         };
         let taken_at = clock::now();
         let (earlier, chunks) = match run_step(
-            ev,
+            *ev,
             &mut tracker,
             &mut server.rec,
             &mut stream,
@@ -1547,7 +1547,7 @@ where
 fn run_event(
     next: Option<RouteEvent>,
     run_id: &str,
-) -> Result<(u64, pb::RunEvent), (u64, Option<RouteEvent>)> {
+) -> Result<(u64, Box<pb::RunEvent>), (u64, Option<RouteEvent>)> {
     let charge = next.as_ref().map_or(0, RouteEvent::charge);
     match next {
         Some(RouteEvent::Run(ev)) if ev.run_id == run_id => Ok((charge, ev)),
@@ -1621,7 +1621,7 @@ where
     loop {
         match server.watch_peer(frames.recv()).await {
             Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
-            Watched::Done(Some(RouteEvent::Retry(next))) => return Ok(Some(next)),
+            Watched::Done(Some(RouteEvent::Retry(next))) => return Ok(Some(*next)),
             Watched::Done(Some(RouteEvent::Lost) | None) => return Ok(None),
             Watched::Done(Some(other)) => frames.drained(edge, other.charge()),
         }
@@ -1698,7 +1698,7 @@ where
             Err((_, Some(RouteEvent::Retry(next)))) => {
                 // Control never retries a committed attempt.
                 if !started {
-                    return Ok(Relayed::Retry(next));
+                    return Ok(Relayed::Retry(*next));
                 }
                 continue;
             }
@@ -1840,7 +1840,7 @@ where
 fn tunnel_frame(
     next: Option<RouteEvent>,
     run_id: &str,
-) -> Result<(u64, pb::ProviderTunnelFrame), (u64, Option<RouteEvent>)> {
+) -> Result<(u64, Box<pb::ProviderTunnelFrame>), (u64, Option<RouteEvent>)> {
     let charge = next.as_ref().map_or(0, RouteEvent::charge);
     match next {
         Some(RouteEvent::Tunnel(tf)) if tf.run_id == run_id => Ok((charge, tf)),
@@ -1865,19 +1865,19 @@ enum TunnelStep {
     Error(Box<pb::ProviderTunnelFrame>),
 }
 
-fn tunnel_step(tf: pb::ProviderTunnelFrame, tracker: &mut AttemptTracker) -> TunnelStep {
+fn tunnel_step(mut tf: Box<pb::ProviderTunnelFrame>, tracker: &mut AttemptTracker) -> TunnelStep {
     let commits = tracker.on_tunnel_frame(&tf);
     match tf.kind() {
-        pb::TunnelFrameKind::ResponseStart => TunnelStep::Head(Box::new(tf)),
+        pb::TunnelFrameKind::ResponseStart => TunnelStep::Head(tf),
         pb::TunnelFrameKind::Body => TunnelStep::Body {
-            body: tf.body,
+            body: std::mem::take(&mut tf.body),
             commits,
         },
         pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => TunnelStep::Other {
             usage: tf.usage.as_deref().copied(),
         },
-        pb::TunnelFrameKind::End => TunnelStep::End(Box::new(tf)),
-        pb::TunnelFrameKind::Error => TunnelStep::Error(Box::new(tf)),
+        pb::TunnelFrameKind::End => TunnelStep::End(tf),
+        pb::TunnelFrameKind::Error => TunnelStep::Error(tf),
     }
 }
 

@@ -125,7 +125,7 @@ async fn a_request_id_goes_to_the_node_and_back_and_the_line_is_exact() {
         ];
         for f in frames {
             node.conn
-                .send_bulk(common::frame(Body::ProviderTunnelFrame(f)))
+                .send_bulk(common::frame(Body::ProviderTunnelFrame(Box::new(f))))
                 .await
                 .expect("send tunnel frame");
         }

@@ -62,7 +62,7 @@ async fn a_response_that_never_starts_is_cancelled_and_answered_504() {
             end.error = "cancelled".into();
             end.failure_code = "cancelled".into();
             node.conn
-                .send_bulk(frame(Body::ProviderTunnelFrame(end)))
+                .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(end))))
                 .await
                 .expect("send the terminal");
             let entry = wait_in_flight(edge.client_addr, "node-a", 0).await;
@@ -85,7 +85,7 @@ async fn a_response_that_never_starts_is_cancelled_and_answered_504() {
             value: Bytes::from_static(b"application/json"),
         }];
         node.conn
-            .send_bulk(frame(Body::ProviderTunnelFrame(start)))
+            .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(start))))
             .await
             .expect("send the start");
         monoio::time::sleep(std::time::Duration::from_millis(600)).await;
@@ -94,7 +94,7 @@ async fn a_response_that_never_starts_is_cancelled_and_answered_504() {
         let end = tunnel_frame(&request.run_id, 3, pb::TunnelFrameKind::End);
         for f in [body, end] {
             node.conn
-                .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+                .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(f))))
                 .await
                 .expect("send");
         }
@@ -139,7 +139,7 @@ fn both_nodes() -> EdgeOptions {
 async fn send(node: &RawNode, frames: Vec<pb::ProviderTunnelFrame>) {
     for f in frames {
         node.conn
-            .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+            .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(f))))
             .await
             .expect("send");
     }

@@ -121,7 +121,7 @@ fn serve_node(
                     };
                     let _ = raw
                         .conn
-                        .send_bulk(frame(Body::ProviderTunnelFrame(start)))
+                        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(start))))
                         .await;
                     let window = match windows {
                         Windows::Obey => SendWindow::new(req.flow_window_bytes),
@@ -168,7 +168,7 @@ fn serve_node(
                         };
                         let _ = raw
                             .conn
-                            .send_bulk(frame(Body::ProviderTunnelFrame(error)))
+                            .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(error))))
                             .await;
                     }
                 }
@@ -226,7 +226,7 @@ async fn send_what_fits(
     log.borrow_mut().finished.push(run_id.to_string());
     let _ = raw
         .conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(end)))
+        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(end))))
         .await;
 }
 

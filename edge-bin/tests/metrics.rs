@@ -68,7 +68,7 @@ async fn metrics_command(node: &mut RawNode, text: &str, answer: bool) {
                         ..Default::default()
                     };
                     node.conn
-                        .send_control(frame(Body::NodeCommandResponse(resp)))
+                        .send_control(frame(Body::NodeCommandResponse(Box::new(resp))))
                         .expect("send the answer");
                 }
                 return;
@@ -127,7 +127,7 @@ async fn requests_rejections_tokens_and_node_series_are_counted_exactly() {
         ];
         for f in frames {
             node.conn
-                .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+                .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(f))))
                 .await
                 .expect("send tunnel frame");
         }

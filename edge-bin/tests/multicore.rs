@@ -315,24 +315,26 @@ async fn a_superseded_node_connection_on_another_shard_never_reaches_the_client_
             other => panic!("expected ProviderTunnelRequest, got {other:?}"),
         };
         let tunnel = |seq: u64, kind: pb::TunnelFrameKind, body: &'static [u8]| {
-            frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-                run_id: run_id.clone(),
-                seq,
-                kind: kind as i32,
-                adapter: ADAPTER.into(),
-                target: TARGET.into(),
-                status: if seq == 1 { 200 } else { 0 },
-                headers: if seq == 1 {
-                    vec![pb::Header {
-                        name: "content-type".into(),
-                        value: Bytes::from_static(b"text/event-stream"),
-                    }]
-                } else {
-                    Vec::new()
+            frame(Body::ProviderTunnelFrame(Box::new(
+                pb::ProviderTunnelFrame {
+                    run_id: run_id.clone(),
+                    seq,
+                    kind: kind as i32,
+                    adapter: ADAPTER.into(),
+                    target: TARGET.into(),
+                    status: if seq == 1 { 200 } else { 0 },
+                    headers: if seq == 1 {
+                        vec![pb::Header {
+                            name: "content-type".into(),
+                            value: Bytes::from_static(b"text/event-stream"),
+                        }]
+                    } else {
+                        Vec::new()
+                    },
+                    body: Bytes::from_static(body),
+                    ..Default::default()
                 },
-                body: Bytes::from_static(body),
-                ..Default::default()
-            }))
+            )))
         };
         for f in [
             tunnel(1, pb::TunnelFrameKind::ResponseStart, b""),

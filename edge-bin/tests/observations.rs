@@ -345,7 +345,7 @@ fn secret_request(model: &str) -> Vec<u8> {
 async fn send(node: &RawNode, frames: Vec<pb::ProviderTunnelFrame>) {
     for f in frames {
         node.conn
-            .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+            .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(f))))
             .await
             .expect("send");
     }
@@ -719,7 +719,7 @@ async fn validated_stalls_are_handed_off_confirmed_and_logged_without_identifier
         };
         assert_eq!(command.r#type, pb::CommandType::Capabilities as i32);
         node.conn
-            .send_control(frame(Body::NodeCommandResponse(pb::NodeCommandResponse {
+            .send_control(frame(Body::NodeCommandResponse(Box::new(pb::NodeCommandResponse {
                 command_id: command.command_id,
                 ok: true,
                 capabilities: vec![pb::AdapterCapability {
@@ -731,7 +731,7 @@ async fn validated_stalls_are_handed_off_confirmed_and_logged_without_identifier
                     instance_key: ADAPTER.into(),
                 }],
                 ..Default::default()
-            })))
+            }))))
             .expect("send the probe answer");
         while edge.edge.control().is_overlaid(&provider_a()) {
             monoio::time::sleep(Duration::from_millis(5)).await;

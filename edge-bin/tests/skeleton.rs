@@ -268,7 +268,7 @@ async fn no_dispatch_before_ready() {
         ];
         for f in frames {
             node.conn
-                .send_bulk(frame(Body::ProviderTunnelFrame(f)))
+                .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(f))))
                 .await
                 .expect("send tunnel frame");
         }

@@ -45,7 +45,7 @@ async fn usage(node: &RawNode, run_id: &str, seq: u64, prompt: u64, completion: 
         ..tunnel_frame(run_id, seq, pb::TunnelFrameKind::Usage)
     };
     node.conn
-        .send_bulk(common::frame(Body::ProviderTunnelFrame(frame)))
+        .send_bulk(common::frame(Body::ProviderTunnelFrame(Box::new(frame))))
         .await
         .expect("send usage");
 }

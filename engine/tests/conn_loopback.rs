@@ -70,12 +70,12 @@ impl RawPeer {
 }
 
 fn run_event(seq: u64) -> pb::Frame {
-    codec::frame(Body::RunEvent(pb::RunEvent {
+    codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
         run_id: "run-1".to_owned(),
         seq,
         delta: format!("token {seq}"),
         ..Default::default()
-    }))
+    })))
 }
 
 fn cancel(n: u64) -> pb::Frame {
@@ -98,7 +98,7 @@ fn assert_tunnel_frame(event: Option<ConnEvent>, expected: pb::ProviderTunnelFra
     let got = match event {
         Some(ConnEvent::Frame(pb::Frame {
             body: Some(Body::ProviderTunnelFrame(got)),
-        })) => got,
+        })) => *got,
         other => panic!(
             "expected a tunnel frame, got {:?}",
             other.map(|_| "another event")
@@ -462,12 +462,12 @@ async fn conn_bulk_sender_waits_on_a_full_lane_and_resumes_when_the_peer_reads()
         // Far more than the socket buffers hold while the peer reads nothing.
         const FRAMES: u64 = 200;
         let big = |seq: u64| {
-            codec::frame(Body::RunEvent(pb::RunEvent {
+            codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
                 run_id: "run-1".to_owned(),
                 seq,
                 delta: format!("{seq:08}").repeat(8 * 1024),
                 ..Default::default()
-            }))
+            })))
         };
         let queued = std::rc::Rc::new(std::cell::Cell::new(0u64));
         let sender = monoio::spawn({

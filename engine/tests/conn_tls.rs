@@ -83,12 +83,12 @@ async fn tls_pair(config: ConnConfig) -> Pair {
 }
 
 fn run_event(seq: u64) -> pb::Frame {
-    codec::frame(Body::RunEvent(pb::RunEvent {
+    codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
         run_id: "run-1".to_owned(),
         seq,
         delta: format!("token {seq}"),
         ..Default::default()
-    }))
+    })))
 }
 
 /// Asserts `event` is exactly the tunnel frame `expected`, without dumping
@@ -97,7 +97,7 @@ fn assert_tunnel_frame(event: Option<ConnEvent>, expected: pb::ProviderTunnelFra
     let got = match event {
         Some(ConnEvent::Frame(pb::Frame {
             body: Some(Body::ProviderTunnelFrame(got)),
-        })) => got,
+        })) => *got,
         other => panic!(
             "expected a tunnel frame, got {:?}",
             other.map(|_| "another event")

@@ -39,7 +39,7 @@ impl Edge {
         match self.recv().await.body {
             Some(Body::NodeCommandResponse(r)) => {
                 assert_eq!(r.command_id, id, "correlated by command id");
-                r
+                *r
             }
             other => panic!("expected a command response, got {other:?}"),
         }

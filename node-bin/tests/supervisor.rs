@@ -82,11 +82,11 @@ impl Accepted {
             Body::RegisterRequest(r) => assert_eq!(r.node_id, NODE_ID),
             other => panic!("expected RegisterRequest, got {other:?}"),
         }
-        self.send(Body::RegisterResponse(pb::RegisterResponse {
+        self.send(Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
             reason: String::new(),
             config: Some(node_config(Vec::new(), false)),
-        }));
+        })));
         match self.recv().await {
             Body::NodeReadyRequest(r) => assert_eq!(r.node_id, NODE_ID),
             other => panic!("expected NodeReadyRequest, got {other:?}"),

@@ -42,14 +42,14 @@ fn frame() -> impl Strategy<Value = pb::Frame> {
             prop::collection::vec(any::<u8>(), 0..600),
         )
             .prop_map(|(run_id, seq, kind, headers, body)| {
-                Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
+                Body::ProviderTunnelFrame(Box::new(pb::ProviderTunnelFrame {
                     run_id,
                     seq,
                     kind,
                     headers,
                     body: Bytes::from(body),
                     ..Default::default()
-                })
+                }))
             }),
         (
             "[a-z0-9-]{0,12}",
@@ -58,7 +58,7 @@ fn frame() -> impl Strategy<Value = pb::Frame> {
             any::<Option<u64>>()
         )
             .prop_map(|(run_id, seq, delta, observation)| {
-                Body::RunEvent(pb::RunEvent {
+                Body::RunEvent(Box::new(pb::RunEvent {
                     run_id,
                     seq,
                     r#type: pb::RunEventType::Delta as i32,
@@ -71,7 +71,7 @@ fn frame() -> impl Strategy<Value = pb::Frame> {
                         })
                     }),
                     ..Default::default()
-                })
+                }))
             }),
         (
             "[a-z0-9-]{0,12}",
@@ -336,10 +336,12 @@ fn encode_with_max_refuses_an_oversized_frame() {
 #[test]
 fn encode_refuses_frames_over_the_default_cap() {
     // CONTRACT: T1
-    let frame = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-        body: Bytes::from(vec![0u8; DEFAULT_MAX_FRAME_BYTES]),
-        ..Default::default()
-    }));
+    let frame = codec::frame(Body::ProviderTunnelFrame(Box::new(
+        pb::ProviderTunnelFrame {
+            body: Bytes::from(vec![0u8; DEFAULT_MAX_FRAME_BYTES]),
+            ..Default::default()
+        },
+    )));
     let len = frame.encoded_len();
     assert!(len > DEFAULT_MAX_FRAME_BYTES);
     let mut wire = BytesMut::new();

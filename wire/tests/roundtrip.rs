@@ -408,11 +408,11 @@ fn all_frames() -> Vec<pb::Frame> {
             node_version: "0.1.0".into(),
             flow_control: 1,
         }),
-        Body::RegisterResponse(pb::RegisterResponse {
+        Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
             reason: "pending ready".into(),
             config: Some(config_payload()),
-        }),
+        })),
         Body::NodeReadyRequest(pb::NodeReadyRequest {
             node_id: "gpu-01".into(),
         }),
@@ -434,7 +434,7 @@ fn all_frames() -> Vec<pb::Frame> {
             flow_window_bytes: 256 * 1024,
             correlation_id: "req_0123456789abcdef".into(),
         })),
-        Body::RunEvent(pb::RunEvent {
+        Body::RunEvent(Box::new(pb::RunEvent {
             run_id: "run-1".into(),
             seq: 4,
             r#type: pb::RunEventType::Error as i32,
@@ -448,7 +448,7 @@ fn all_frames() -> Vec<pb::Frame> {
             adapter: "ollama-a".into(),
             target: "llama3:8b".into(),
             failure: Some(Box::new(execution_failure())),
-        }),
+        })),
         Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
             run_id: "tun-1".into(),
             adapter: "vllm-b".into(),
@@ -468,7 +468,7 @@ fn all_frames() -> Vec<pb::Frame> {
             flow_window_bytes: u64::MAX,
             correlation_id: "client-id-7".into(),
         })),
-        Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
+        Body::ProviderTunnelFrame(Box::new(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),
             seq: 9,
             kind: pb::TunnelFrameKind::Error as i32,
@@ -482,7 +482,7 @@ fn all_frames() -> Vec<pb::Frame> {
             target: "meta/llama-3-70b".into(),
             metadata: map(&[("obs", "1"), ("obs2", "")]),
             failure: Some(Box::new(execution_failure())),
-        }),
+        })),
         Body::CancelRequest(pb::CancelRequest {
             run_id: "tun-1".into(),
             reason: "client_disconnect".into(),
@@ -493,7 +493,7 @@ fn all_frames() -> Vec<pb::Frame> {
             adapter: "ollama-a".into(),
             path: "/api/tags".into(),
         }),
-        Body::NodeCommandResponse(pb::NodeCommandResponse {
+        Body::NodeCommandResponse(Box::new(pb::NodeCommandResponse {
             command_id: "cmd-1".into(),
             ok: true,
             error: "partial".into(),
@@ -524,11 +524,11 @@ fn all_frames() -> Vec<pb::Frame> {
             query_status: 200,
             query_body: Bytes::from_static(br#"{"models":[]}"#),
             metrics_text: "# TYPE iop_node_active_runs gauge\niop_node_active_runs 2\n".into(),
-        }),
-        Body::NodeConfigRefreshRequest(pb::NodeConfigRefreshRequest {
+        })),
+        Body::NodeConfigRefreshRequest(Box::new(pb::NodeConfigRefreshRequest {
             refresh_id: "ref-1".into(),
             config: Some(config_payload()),
-        }),
+        })),
         Body::NodeConfigRefreshResponse(pb::NodeConfigRefreshResponse {
             refresh_id: "ref-1".into(),
             status: pb::RefreshStatus::RestartRequired as i32,
@@ -762,10 +762,10 @@ fn optional_fields_distinguish_absent_from_zero() {
             health_observation_seq: seq,
             ..execution_failure()
         };
-        let frame = codec::frame(Body::RunEvent(pb::RunEvent {
+        let frame = codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
             failure: Some(Box::new(failure)),
             ..Default::default()
-        }));
+        })));
         let decoded = codec_roundtrip(&frame);
         let Some(Body::RunEvent(event)) = decoded.body else {
             panic!("not a run event: {decoded:?}");
@@ -795,11 +795,13 @@ fn header_lists_keep_order_and_duplicates() {
             ..Default::default()
         },
     )));
-    let response = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-        kind: pb::TunnelFrameKind::ResponseStart as i32,
-        headers: expected.clone(),
-        ..Default::default()
-    }));
+    let response = codec::frame(Body::ProviderTunnelFrame(Box::new(
+        pb::ProviderTunnelFrame {
+            kind: pb::TunnelFrameKind::ResponseStart as i32,
+            headers: expected.clone(),
+            ..Default::default()
+        },
+    )));
     let Some(Body::ProviderTunnelRequest(request)) = codec_roundtrip(&request).body else {
         panic!("not a tunnel request");
     };
@@ -878,14 +880,14 @@ fn run_event_failure_is_field_13() {
     assert_eq!(event[0], 0x6a);
     let frame_bytes = ld_field(8, &event); // Frame.run_event = 8
     let frame = decode_raw_frame(&frame_bytes);
-    let expected = codec::frame(Body::RunEvent(pb::RunEvent {
+    let expected = codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
         failure: Some(Box::new(pb::ExecutionFailure {
             failure_code: "response_stalled".into(),
             health_observation_seq: Some(5),
             ..Default::default()
         })),
         ..Default::default()
-    }));
+    })));
     assert_eq!(frame, expected);
     assert_eq!(expected.encode_to_vec(), frame_bytes);
 }
@@ -898,13 +900,15 @@ fn tunnel_frame_failure_is_field_15() {
     assert_eq!(tunnel_frame[0], 0x7a);
     let frame_bytes = ld_field(10, &tunnel_frame); // Frame.provider_tunnel_frame = 10
     let frame = decode_raw_frame(&frame_bytes);
-    let expected = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-        failure: Some(Box::new(pb::ExecutionFailure {
-            failure_code: "response_stalled".into(),
+    let expected = codec::frame(Body::ProviderTunnelFrame(Box::new(
+        pb::ProviderTunnelFrame {
+            failure: Some(Box::new(pb::ExecutionFailure {
+                failure_code: "response_stalled".into(),
+                ..Default::default()
+            })),
             ..Default::default()
-        })),
-        ..Default::default()
-    }));
+        },
+    )));
     assert_eq!(frame, expected);
     assert_eq!(expected.encode_to_vec(), frame_bytes);
 }
@@ -972,13 +976,15 @@ fn decoded_body_bytes_point_into_the_read_buffer() {
     let tunnel_body: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
     let request_body = b"{\"unique-request-body\":true}".to_vec();
     let frames = [
-        codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-            run_id: "tun-1".into(),
-            seq: 2,
-            kind: pb::TunnelFrameKind::Body as i32,
-            body: Bytes::from(tunnel_body.clone()),
-            ..Default::default()
-        })),
+        codec::frame(Body::ProviderTunnelFrame(Box::new(
+            pb::ProviderTunnelFrame {
+                run_id: "tun-1".into(),
+                seq: 2,
+                kind: pb::TunnelFrameKind::Body as i32,
+                body: Bytes::from(tunnel_body.clone()),
+                ..Default::default()
+            },
+        ))),
         codec::frame(Body::ProviderTunnelRequest(Box::new(
             pb::ProviderTunnelRequest {
                 run_id: "tun-2".into(),
@@ -1107,7 +1113,7 @@ fn body_frame_head_matches_full_encode_around_varint_boundaries() {
                 body: Bytes::from(body.clone()),
                 ..template.clone()
             };
-            let full_frame = codec::frame(Body::ProviderTunnelFrame(with_body));
+            let full_frame = codec::frame(Body::ProviderTunnelFrame(Box::new(with_body)));
             let mut encoded = BytesMut::new();
             assert_eq!(codec::encode(&full_frame, &mut encoded), Ok(()));
 
@@ -1127,10 +1133,12 @@ fn body_frame_head_is_byte_identical_when_body_is_the_last_field() {
     let template = small_tunnel_frame();
     for body_len in interesting_body_lengths(template.encoded_len()) {
         let body = vec![0xabu8; body_len];
-        let full_frame = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-            body: Bytes::from(body.clone()),
-            ..template.clone()
-        }));
+        let full_frame = codec::frame(Body::ProviderTunnelFrame(Box::new(
+            pb::ProviderTunnelFrame {
+                body: Bytes::from(body.clone()),
+                ..template.clone()
+            },
+        )));
         let mut encoded = BytesMut::new();
         assert_eq!(codec::encode(&full_frame, &mut encoded), Ok(()));
         assert_eq!(
@@ -1149,10 +1157,12 @@ fn body_frame_head_ignores_a_body_already_in_the_template() {
         ..small_tunnel_frame()
     };
     let wire = head_plus_body(&template, b"fresh");
-    let expected = codec::frame(Body::ProviderTunnelFrame(pb::ProviderTunnelFrame {
-        body: Bytes::from_static(b"fresh"),
-        ..small_tunnel_frame()
-    }));
+    let expected = codec::frame(Body::ProviderTunnelFrame(Box::new(
+        pb::ProviderTunnelFrame {
+            body: Bytes::from_static(b"fresh"),
+            ..small_tunnel_frame()
+        },
+    )));
     assert_eq!(decode_all(&wire), vec![expected]);
 }
 

@@ -311,7 +311,7 @@ async fn answer(conn: ConnHandle, request: pb::ProviderTunnelRequest, node_id: R
     let reply = tunnel_reply(&request, &node_id);
     // A closed connection fails the sends; the Edge has fenced the run.
     if conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(reply.start)))
+        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(reply.start))))
         .await
         .is_err()
     {
@@ -325,7 +325,7 @@ async fn answer(conn: ConnHandle, request: pb::ProviderTunnelRequest, node_id: R
         return;
     }
     let _ = conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(reply.end)))
+        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(reply.end))))
         .await;
 }
 

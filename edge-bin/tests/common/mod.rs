@@ -767,7 +767,7 @@ impl RawNode {
             })))
             .expect("send register");
         match self.next_frame().await {
-            Body::RegisterResponse(r) => r,
+            Body::RegisterResponse(r) => *r,
             other => panic!("expected RegisterResponse, got {other:?}"),
         }
     }
@@ -902,7 +902,7 @@ pub async fn tunnel_response_start(node: &RawNode, run_id: &str, content_type: &
         ..tunnel_frame(run_id, 1, pb::TunnelFrameKind::ResponseStart)
     };
     node.conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(start)))
+        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(start))))
         .await
         .expect("send head");
 }
@@ -921,11 +921,11 @@ pub async fn tunnel_body(node: &RawNode, run_id: &str, seq: u64, piece: &'static
 /// The node ends `run_id` with frame `seq`.
 pub async fn tunnel_end(node: &RawNode, run_id: &str, seq: u64) {
     node.conn
-        .send_bulk(frame(Body::ProviderTunnelFrame(tunnel_frame(
+        .send_bulk(frame(Body::ProviderTunnelFrame(Box::new(tunnel_frame(
             run_id,
             seq,
             pb::TunnelFrameKind::End,
-        ))))
+        )))))
         .await
         .expect("send end");
 }

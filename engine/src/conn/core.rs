@@ -701,12 +701,12 @@ mod tests {
     }
 
     fn run_event(seq: u64) -> pb::Frame {
-        codec::frame(Body::RunEvent(pb::RunEvent {
+        codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
             run_id: "run-1".to_owned(),
             seq,
             delta: "tok".to_owned(),
             ..Default::default()
-        }))
+        })))
     }
 
     fn close_body(reason: &str, detail: &str) -> Option<Body> {
@@ -1071,10 +1071,10 @@ mod tests {
             ..ConnConfig::default()
         };
         let mut core = ConnCore::new(config, clock.now());
-        let frame = codec::frame(Body::RunEvent(pb::RunEvent {
+        let frame = codec::frame(Body::RunEvent(Box::new(pb::RunEvent {
             delta: "x".repeat(100),
             ..Default::default()
-        }));
+        })));
         assert_eq!(
             core.encode_frame(&frame),
             Err(SendError::FrameTooLarge { len: 104, max: 64 })
@@ -1101,7 +1101,10 @@ mod tests {
         // The body is carried as-is: same bytes, same memory.
         assert_eq!(out.body().parts()[0].as_ptr(), body.as_ptr());
         let expected = pb::ProviderTunnelFrame { body, ..head };
-        assert_eq!(decode(&out).body, Some(Body::ProviderTunnelFrame(expected)));
+        assert_eq!(
+            decode(&out).body,
+            Some(Body::ProviderTunnelFrame(Box::new(expected)))
+        );
     }
 
     #[test]

@@ -212,10 +212,10 @@ mod tests {
     }
 
     fn event(core: &mut ConnCore, seq: u64) -> OutFrame {
-        let frame = iop_wire::codec::frame(pb::frame::Body::RunEvent(pb::RunEvent {
+        let frame = iop_wire::codec::frame(pb::frame::Body::RunEvent(Box::new(pb::RunEvent {
             seq,
             ..Default::default()
-        }));
+        })));
         core.encode_frame(&frame).unwrap()
     }
 

@@ -310,14 +310,14 @@ impl Outbound {
     /// A tunnel frame.
     pub fn tunnel(f: pb::ProviderTunnelFrame) -> Self {
         Outbound::Frame(pb::Frame {
-            body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
+            body: Some(pb::frame::Body::ProviderTunnelFrame(Box::new(f))),
         })
     }
 
     /// A run event.
     pub fn run(e: pb::RunEvent) -> Self {
         Outbound::Frame(pb::Frame {
-            body: Some(pb::frame::Body::RunEvent(e)),
+            body: Some(pb::frame::Body::RunEvent(Box::new(e))),
         })
     }
 }

@@ -359,7 +359,7 @@ impl Session {
                 }
             }
             Some(Body::NodeCommandRequest(req)) => self.start_command(req),
-            Some(Body::NodeConfigRefreshRequest(req)) => self.refresh(req),
+            Some(Body::NodeConfigRefreshRequest(req)) => self.refresh(*req),
             Some(other) => {
                 tracing::warn!(
                     frame = body_name(&other),
@@ -477,7 +477,7 @@ impl Session {
         monoio::spawn(async move {
             let resp = commands::handle(req, ctx).await;
             if conn
-                .send_bulk(frame(Body::NodeCommandResponse(resp)))
+                .send_bulk(frame(Body::NodeCommandResponse(Box::new(resp))))
                 .await
                 .is_err()
             {

@@ -417,11 +417,11 @@ impl Edge {
             Some(Body::RegisterRequest(r)) => assert_eq!(r.node_id, NODE_ID),
             other => panic!("expected RegisterRequest, got {other:?}"),
         }
-        edge.send(Body::RegisterResponse(pb::RegisterResponse {
+        edge.send(Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
             reason: String::new(),
             config: Some(config),
-        }));
+        })));
         match edge.recv().await.body {
             Some(Body::NodeReadyRequest(_)) => {}
             other => panic!("expected NodeReadyRequest, got {other:?}"),
@@ -439,12 +439,12 @@ impl Edge {
         id: &str,
         config: pb::NodeConfigPayload,
     ) -> pb::NodeConfigRefreshResponse {
-        self.send(Body::NodeConfigRefreshRequest(
+        self.send(Body::NodeConfigRefreshRequest(Box::new(
             pb::NodeConfigRefreshRequest {
                 refresh_id: id.into(),
                 config: Some(config),
             },
-        ));
+        )));
         match self.recv().await.body {
             Some(Body::NodeConfigRefreshResponse(r)) => r,
             other => panic!("expected a refresh response, got {other:?}"),
@@ -470,7 +470,7 @@ impl Edge {
     /// The next frame, which must be a tunnel frame.
     pub async fn recv_tunnel(&mut self) -> pb::ProviderTunnelFrame {
         match self.recv().await.body {
-            Some(Body::ProviderTunnelFrame(f)) => f,
+            Some(Body::ProviderTunnelFrame(f)) => *f,
             other => panic!("expected a tunnel frame, got {other:?}"),
         }
     }
@@ -499,7 +499,7 @@ impl Edge {
     /// The next frame, which must be a run event.
     pub async fn recv_event(&mut self) -> pb::RunEvent {
         match self.recv().await.body {
-            Some(Body::RunEvent(e)) => e,
+            Some(Body::RunEvent(e)) => *e,
             other => panic!("expected a run event, got {other:?}"),
         }
     }

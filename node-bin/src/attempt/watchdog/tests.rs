@@ -708,7 +708,7 @@ fn tunnel_frame(out: Option<Outbound>) -> pb::ProviderTunnelFrame {
     match out {
         Some(Outbound::Frame(pb::Frame {
             body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
-        })) => f,
+        })) => *f,
         Some(Outbound::Body { frame, .. }) => frame,
         other => panic!("expected a tunnel frame, got {other:?}"),
     }
@@ -718,7 +718,7 @@ fn run_event(out: Option<Outbound>) -> pb::RunEvent {
     match out {
         Some(Outbound::Frame(pb::Frame {
             body: Some(pb::frame::Body::RunEvent(e)),
-        })) => e,
+        })) => *e,
         other => panic!("expected a run event, got {other:?}"),
     }
 }
