@@ -7,6 +7,7 @@
 //! implementation that hands the kernel an iovec array pointing into
 //! `Bytes` the same value owns.
 
+use std::future::Future;
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
@@ -334,32 +335,38 @@ pub(crate) async fn write_parts<S: AsyncWriteRent>(
 }
 
 /// [`write_parts`], handing `parts` back (emptied) for reuse.
-pub(crate) async fn write_parts_back<S: AsyncWriteRent>(
-    stream: &mut S,
+// A function returning an `async move` block, not an `async fn`: the block
+// keeps its captures once, where an `async fn` keeps its arguments and the
+// locals they move into (this future is inside every streamed write).
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn write_parts_back<'a, S: AsyncWriteRent>(
+    stream: &'a mut S,
     mut parts: IoParts,
-    mut progress: impl FnMut(),
-) -> (io::Result<()>, IoParts) {
-    while !parts.is_empty() {
-        let (res, back) = stream.writev(parts).await;
-        parts = back;
-        match res {
-            Ok(0) => {
-                parts.clear();
-                let zero = io::Error::new(io::ErrorKind::WriteZero, "peer accepted no bytes");
-                return (Err(zero), parts);
-            }
-            Ok(n) => {
-                parts.advance(n);
-                progress();
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                parts.clear();
-                return (Err(e), parts);
+    mut progress: impl FnMut() + 'a,
+) -> impl Future<Output = (io::Result<()>, IoParts)> + 'a {
+    async move {
+        while !parts.is_empty() {
+            let (res, back) = stream.writev(parts).await;
+            parts = back;
+            match res {
+                Ok(0) => {
+                    parts.clear();
+                    let zero = io::Error::new(io::ErrorKind::WriteZero, "peer accepted no bytes");
+                    return (Err(zero), parts);
+                }
+                Ok(n) => {
+                    parts.advance(n);
+                    progress();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    parts.clear();
+                    return (Err(e), parts);
+                }
             }
         }
+        (stream.flush().await, parts)
     }
-    (stream.flush().await, parts)
 }
 
 /// Turns on `TCP_NODELAY` (every IOP socket sets it: small SSE chunks must

@@ -36,6 +36,7 @@
 //! connection's read buffer behind.
 
 use std::fmt;
+use std::future::{ready, Future};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -50,6 +51,7 @@ use super::write::{
 use super::{parse_request_head, BodyFraming, HttpError, Limits, RequestHead, Version};
 use crate::clock;
 use crate::net::{Deadline, Wait};
+use crate::sync::Either;
 
 /// Most spare capacity reserved per read of a `Content-Length` body.
 const BODY_READ_CHUNK_BYTES: usize = 64 * 1024;
@@ -492,7 +494,9 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
             return Ok(Bytes::new());
         }
         if head.expect_continue && self.read_buf.is_empty() {
-            self.write([Bytes::from_static(CONTINUE_100)]).await?;
+            // An interim response: not counted in the response's bytes.
+            self.write_counting([Bytes::from_static(CONTINUE_100)], 0)
+                .await?;
         }
         if let BodyFraming::ContentLength { len_bytes } = head.framing {
             // Bounded by max_body_bytes in BodyDecoder::new. Read the body
@@ -599,10 +603,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 .first_body_byte_at
                 .get_or_insert_with(clock::now);
         }
-        let len = (head.len() + body.len()) as u64;
-        self.write([head, body]).await?;
-        self.exchange.bytes_out += len;
-        Ok(())
+        self.write([head, body]).await
     }
 
     /// Answers a request error: the error's status
@@ -683,9 +684,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 .get_or_insert_with(clock::now);
         }
         let chunk_end = Bytes::from_static(if chunked { CHUNK_DATA_END } else { b"" });
-        let len = (head.len() + first.len() + chunk_end.len()) as u64;
         self.write([head, first, chunk_end]).await?;
-        self.exchange.bytes_out += len;
         self.response = state;
         Ok(())
     }
@@ -693,36 +692,31 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     /// Sends `data` as one chunk: the chunk-size line, then `data` itself
     /// (shared, not copied), then CRLF, in one gathered write. Empty data
     /// sends nothing (a zero-size chunk would end the body).
-    pub async fn write_chunk(&mut self, data: Bytes) -> Result<(), HttpError> {
-        match self.response {
-            ResponseState::Idle => Err(HttpError::NotReady {
-                reason: "write_chunk before start_chunked",
-            }),
-            ResponseState::HeadOnly => Ok(()),
-            _ if data.is_empty() => Ok(()),
-            ResponseState::CloseDelimited => {
-                self.exchange
-                    .first_body_byte_at
-                    .get_or_insert_with(clock::now);
-                let len = data.len() as u64;
-                self.write([data]).await?;
-                self.exchange.bytes_out += len;
-                Ok(())
+    ///
+    /// The parts are laid out at the call and the future is the write
+    /// alone: this is inside every streamed response's task, for each
+    /// chunk, and keeps no room for `data` or the size line.
+    pub fn write_chunk(&mut self, data: Bytes) -> impl Future<Output = Result<(), HttpError>> + '_ {
+        let parts = match self.response {
+            ResponseState::Idle => {
+                return Either::right(ready(Err(HttpError::NotReady {
+                    reason: "write_chunk before start_chunked",
+                })))
             }
+            ResponseState::HeadOnly => return Either::right(ready(Ok(()))),
+            _ if data.is_empty() => return Either::right(ready(Ok(()))),
+            ResponseState::CloseDelimited => [data, Bytes::new(), Bytes::new()],
             ResponseState::Chunked => {
                 self.write_buf
                     .extend_from_slice(encode_chunk_header(data.len()).as_bytes());
                 let size_line = self.write_buf.split().freeze();
-                self.exchange
-                    .first_body_byte_at
-                    .get_or_insert_with(clock::now);
-                let len = (size_line.len() + data.len() + CHUNK_DATA_END.len()) as u64;
-                self.write([size_line, data, Bytes::from_static(CHUNK_DATA_END)])
-                    .await?;
-                self.exchange.bytes_out += len;
-                Ok(())
+                [size_line, data, Bytes::from_static(CHUNK_DATA_END)]
             }
-        }
+        };
+        self.exchange
+            .first_body_byte_at
+            .get_or_insert_with(clock::now);
+        Either::left(self.write(parts))
     }
 
     /// Ends a streamed response: the last chunk (`0\r\n\r\n`), or for an
@@ -735,11 +729,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 reason: "finish before start_chunked",
             }),
             ResponseState::HeadOnly => Ok(()),
-            ResponseState::Chunked => {
-                self.write([Bytes::from_static(CHUNKED_END)]).await?;
-                self.exchange.bytes_out += CHUNKED_END.len() as u64;
-                Ok(())
-            }
+            ResponseState::Chunked => self.write([Bytes::from_static(CHUNKED_END)]).await,
             ResponseState::CloseDelimited => {
                 self.keep_alive = false;
                 self.stream.shutdown().await.map_err(HttpError::from)
@@ -814,42 +804,63 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         }
     }
 
-    /// Writes `parts` under the write-stall deadline, if one is set: armed
-    /// before the write, pushed on by every partial write (a slow reader
-    /// that keeps taking bytes is not stalled), and put back to what was
-    /// armed before (a read deadline) once the write is done.
-    async fn write<const N: usize>(&mut self, parts: [Bytes; N]) -> Result<(), HttpError> {
+    /// Writes `parts` (a response's bytes: counted in the exchange's
+    /// `bytes_out` once written) under the write-stall deadline, if one is
+    /// set: armed before the write, pushed on by every partial write (a
+    /// slow reader that keeps taking bytes is not stalled), and put back to
+    /// what was armed before (a read deadline) once the write is done.
+    fn write<const N: usize>(
+        &mut self,
+        parts: [Bytes; N],
+    ) -> impl Future<Output = Result<(), HttpError>> + '_ {
+        let len = parts.iter().map(|p| p.len() as u64).sum();
+        self.write_counting(parts, len)
+    }
+
+    /// [`ServerConn::write`], counting `counted` bytes once written. The
+    /// parts move into the write's vectors at the call: the future holds
+    /// those (reused from the last write), not the parts.
+    fn write_counting<const N: usize>(
+        &mut self,
+        parts: [Bytes; N],
+        counted: u64,
+    ) -> impl Future<Output = Result<(), HttpError>> + '_ {
         let mut io = self.spare_parts.take().unwrap_or_default();
         io.refill(parts);
-        let stall = self
-            .deadline
-            .as_ref()
-            .and_then(|(deadline, t)| t.write_stall.map(|stall| (deadline, stall)));
-        let (result, io) = match stall {
-            None => write_parts_back(&mut self.stream, io, || {}).await,
-            Some((deadline, stall)) => {
-                let before = deadline.armed();
-                deadline.arm(Wait::Write, stall);
-                let (result, io) =
-                    write_parts_back(&mut self.stream, io, || deadline.arm(Wait::Write, stall))
-                        .await;
-                match before {
-                    Some((wait, at)) if result.is_ok() => deadline.arm_at(wait, at),
-                    _ => deadline.disarm(),
+        async move {
+            let stall = self
+                .deadline
+                .as_ref()
+                .and_then(|(deadline, t)| t.write_stall.map(|stall| (deadline, stall)));
+            let (result, io) = match stall {
+                None => write_parts_back(&mut self.stream, io, || {}).await,
+                Some((deadline, stall)) => {
+                    let before = deadline.armed();
+                    deadline.arm(Wait::Write, stall);
+                    let (result, io) =
+                        write_parts_back(&mut self.stream, io, || deadline.arm(Wait::Write, stall))
+                            .await;
+                    match before {
+                        Some((wait, at)) if result.is_ok() => deadline.arm_at(wait, at),
+                        _ => deadline.disarm(),
+                    }
+                    (result, io)
                 }
-                (result, io)
+            };
+            self.spare_parts = Some(io);
+            if result.is_err() {
+                self.keep_alive = false;
             }
-        };
-        self.spare_parts = Some(io);
-        if result.is_err() {
-            self.keep_alive = false;
-        }
-        match (result, self.deadline()) {
-            (Ok(()), _) => Ok(()),
-            (Err(_), Some(deadline)) if deadline.expired() == Some(Wait::Write) => {
-                Err(HttpError::TimedOut(Wait::Write))
+            match (result, self.deadline()) {
+                (Ok(()), _) => {
+                    self.exchange.bytes_out += counted;
+                    Ok(())
+                }
+                (Err(_), Some(deadline)) if deadline.expired() == Some(Wait::Write) => {
+                    Err(HttpError::TimedOut(Wait::Write))
+                }
+                (Err(e), _) => Err(HttpError::from(e)),
             }
-            (Err(e), _) => Err(HttpError::from(e)),
         }
     }
 }
