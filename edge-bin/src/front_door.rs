@@ -133,11 +133,13 @@ pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
     let gate = Gate::new(per_core(limits.max_client_connections, edge.shard_count()));
     let serve = |tcp, permit| {
         engine_metrics::add(Count::EdgeClientConnectionsAccepted, 1);
-        let edge = edge.clone();
-        monoio::spawn(async move {
-            let _open = OpenConnection { _permit: permit };
-            surface::serve(edge, tcp).await;
-        });
+        // The connection's own future is the task (wrapped, it would hold
+        // the socket a second time).
+        monoio::spawn(surface::serve(
+            edge.clone(),
+            tcp,
+            OpenConnection { _permit: permit },
+        ));
     };
     let paused = Count::EdgeClientAcceptPaused;
     gated_accept_loop(listener, gate, paused, "client connection", serve).await;

@@ -261,259 +261,277 @@ impl<S: ClientStream> Client<S> {
     }
 }
 
-pub async fn serve(edge: Rc<Edge>, tcp: TcpStream) {
-    let _ = tcp.set_nodelay(true);
-    // Taken from the TCP socket before any TLS wraps it.
-    let deadline = edge.deadlines.watch(&tcp);
-    // The `/admin` routes of an Edge without client keys answer loopback
-    // peers only.
-    let peer = tcp.peer_addr().ok().map(|a| a.ip());
-    let stream: ListenerStream = match &edge.settings.client_tls {
-        None => MaybeTls::Plain(tcp),
-        Some(tls) => {
-            // An expired handshake deadline shuts the socket down, and the
-            // handshake fails on its own (a TLS read is never cancelled).
-            deadline.arm(
-                Wait::Handshake,
-                Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
-            );
-            let handshake = tls.accept(tcp).await;
-            deadline.disarm();
-            match handshake {
-                Ok(stream) => MaybeTls::from(stream),
-                Err(e) => {
-                    // Debug only: any peer on the network can cause these
-                    // as fast as it likes; the counters say how many.
-                    if deadline.expired() == Some(Wait::Handshake) {
-                        engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
-                        tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
-                    } else {
-                        engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
-                        tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+/// Serves one client connection to its end; `open` (its place under the
+/// connection cap) is dropped with it.
+///
+/// A function returning an `async move` block, not an `async fn`: the
+/// block keeps the socket and the Edge once, where an `async fn` keeps its
+/// arguments and the locals they move into, in every connection's task.
+#[allow(clippy::manual_async_fn)]
+pub fn serve<G: 'static>(
+    edge: Rc<Edge>,
+    tcp: TcpStream,
+    open: G,
+) -> impl std::future::Future<Output = ()> {
+    async move {
+        let _open = open;
+        let _ = tcp.set_nodelay(true);
+        // Taken from the TCP socket before any TLS wraps it.
+        let deadline = edge.deadlines.watch(&tcp);
+        // The `/admin` routes of an Edge without client keys answer loopback
+        // peers only.
+        let peer = tcp.peer_addr().ok().map(|a| a.ip());
+        let stream: ListenerStream = match &edge.settings.client_tls {
+            None => MaybeTls::Plain(tcp),
+            Some(tls) => {
+                // An expired handshake deadline shuts the socket down, and the
+                // handshake fails on its own (a TLS read is never cancelled).
+                deadline.arm(
+                    Wait::Handshake,
+                    Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+                );
+                // Boxed: the handshake's state is most of a kilobyte and
+                // only needed until it is done.
+                let handshake = Box::pin(tls.accept(tcp)).await;
+                deadline.disarm();
+                match handshake {
+                    Ok(stream) => MaybeTls::from(stream),
+                    Err(e) => {
+                        // Debug only: any peer on the network can cause these
+                        // as fast as it likes; the counters say how many.
+                        if deadline.expired() == Some(Wait::Handshake) {
+                            engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
+                            tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
+                        } else {
+                            engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
+                            tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+                        }
+                        return;
                     }
-                    return;
                 }
             }
-        }
-    };
-    let limits = Limits {
-        max_body_bytes: edge.settings.max_request_body_bytes,
-        ..Limits::default()
-    };
-    let timeouts = front_door::client_timeouts(
-        &edge.settings.limits,
-        edge.settings.client_write_stall_timeout,
-    );
-    let mut server = Client {
-        edge: Rc::clone(&edge),
-        conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
-        rec: AccessRecord::default(),
-        read_at: None,
-        caller: None,
-        ticket: None,
-        metrics: edge.settings.request_metrics.clone(),
-        shard: edge.shard_index(),
-        route: Route::Other,
-        model: 0,
-        last_chunk_at: None,
-        active: None,
-    };
-    loop {
-        let request = match server.read_request().await {
-            Ok(Some(r)) => r,
-            Ok(None) => return,
-            Err(e) => return refuse_request(&edge, &mut server, &e).await,
         };
-        // The body moves into the route that reads it (it is freed as soon
-        // as the route is done with it, not when the response ends).
-        let Request { head, body } = request;
-        let path = head
-            .target
-            .split('?')
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        let method = head.method.as_str();
-        // metrics: end to end starts when the request is read.
-        let read_at = clock::now();
-        server.begin(&edge, &head, &path, body.len(), read_at);
-        // The shutdown drain waits for this response to finish.
-        let in_flight = edge.track_request();
-        if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
-            let answered = refuse_while_draining(&mut server, &path).await.is_ok();
-            server.log_access();
-            // Answered: the drain need not wait for the lingering close.
-            drop(in_flight);
-            if answered {
-                linger(&edge, &mut server).await;
-            }
-            return;
-        }
-        // Client API keys: with keys configured, every route but the probes
-        // and the metrics scrape needs one (401 in the route's shape).
-        let caller = match authenticate(&edge, &path, &head.headers) {
-            Ok(caller) => caller,
-            Err((surface, e)) => {
-                let result = write_error(&mut server, surface, &e).await;
+        let limits = Limits {
+            max_body_bytes: edge.settings.max_request_body_bytes,
+            ..Limits::default()
+        };
+        let timeouts = front_door::client_timeouts(
+            &edge.settings.limits,
+            edge.settings.client_write_stall_timeout,
+        );
+        let mut server = Client {
+            edge: Rc::clone(&edge),
+            conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
+            rec: AccessRecord::default(),
+            read_at: None,
+            caller: None,
+            ticket: None,
+            metrics: edge.settings.request_metrics.clone(),
+            shard: edge.shard_index(),
+            route: Route::Other,
+            model: 0,
+            last_chunk_at: None,
+            active: None,
+        };
+        loop {
+            // The body moves into the route that reads it (it is freed as soon
+            // as the route is done with it, not when the response ends).
+            let Request { head, body } = match server.read_request().await {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => return refuse_request(&edge, &mut server, &e).await,
+            };
+            let path = head
+                .target
+                .split('?')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            let method = head.method.as_str();
+            // metrics: end to end starts when the request is read.
+            let read_at = clock::now();
+            server.begin(&edge, &head, &path, body.len(), read_at);
+            // The shutdown drain waits for this response to finish.
+            let in_flight = edge.track_request();
+            if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
+                let answered = refuse_while_draining(&mut server, &path).await.is_ok();
                 server.log_access();
-                if result.is_err() || !server.keep_alive() {
-                    return;
+                // Answered: the drain need not wait for the lingering close.
+                drop(in_flight);
+                if answered {
+                    linger(&edge, &mut server).await;
                 }
-                continue;
+                return;
             }
-        };
-        let principal = &*caller.principal;
-        server.rec.principal = principal.to_owned();
-        server.caller = Some(caller.clone());
-        let result = match (method, path.as_str()) {
-            ("GET", "/v1/models") => {
-                let visible: Vec<_> = edge
-                    .settings
-                    .models
-                    .iter()
-                    .filter(|m| caller.may_use(&m.id))
-                    .cloned()
-                    .collect();
-                let body = openai::models_list(&visible, edge.settings.started_unix_sec);
-                write_json(&mut server, 200, body).await
-            }
-            ("POST", "/v1/chat/completions") => {
-                chat(&edge, &mut server, principal, &head.headers, body).await
-            }
-            // Boxed: the passthrough's future is the largest, and a
-            // connection's task is as large as its largest route; the chat
-            // relay, the one that streams, stays inline.
-            ("POST", "/v1/responses") => {
-                Box::pin(passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    RESPONSES,
-                    &head.headers,
-                    body,
-                ))
-                .await
-            }
-            ("POST", "/v1/messages") => {
-                Box::pin(passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    MESSAGES,
-                    &head.headers,
-                    body,
-                ))
-                .await
-            }
-            ("POST", "/v1/messages/count_tokens") => {
-                Box::pin(passthrough(
-                    &edge,
-                    &mut server,
-                    principal,
-                    COUNT_TOKENS,
-                    &head.headers,
-                    body,
-                ))
-                .await
-            }
-            ("GET", "/status") => match edge
-                .with_control(|control| {
-                    let now = clock::now();
-                    let outliers: Vec<status::OutlierView> = control
-                        .outliers()
-                        .into_iter()
-                        .map(|o| status::OutlierView::of(o, now))
+            // Client API keys: with keys configured, every route but the probes
+            // and the metrics scrape needs one (401 in the route's shape).
+            let caller = match authenticate(&edge, &path, &head.headers) {
+                Ok(caller) => caller,
+                Err((surface, e)) => {
+                    let result = write_error(&mut server, surface, &e).await;
+                    server.log_access();
+                    if result.is_err() || !server.keep_alive() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let principal = &*caller.principal;
+            server.rec.principal = principal.to_owned();
+            server.caller = Some(caller.clone());
+            let result = match (method, path.as_str()) {
+                ("GET", "/v1/models") => {
+                    let visible: Vec<_> = edge
+                        .settings
+                        .models
+                        .iter()
+                        .filter(|m| caller.may_use(&m.id))
+                        .cloned()
                         .collect();
-                    (control.snapshots(), outliers)
-                })
-                .await
-            {
-                Some((snapshots, outliers)) => {
-                    let body = Bytes::from(status::status_json(&snapshots, &outliers).to_string());
+                    let body = openai::models_list(&visible, edge.settings.started_unix_sec);
                     write_json(&mut server, 200, body).await
                 }
-                None => write_api_error(&mut server, &draining_error()).await,
-            },
-            ("GET", "/metrics") => {
-                let text = metrics::scrape(&edge).await;
-                server
-                    .write_response(
-                        200,
-                        [("content-type", metrics::CONTENT_TYPE)],
-                        Bytes::from(text),
-                    )
+                ("POST", "/v1/chat/completions") => {
+                    chat(&edge, &mut server, principal, &head.headers, body).await
+                }
+                // Boxed: the passthrough's future is the largest, and a
+                // connection's task is as large as its largest route; the chat
+                // relay, the one that streams, stays inline.
+                ("POST", "/v1/responses") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        RESPONSES,
+                        &head.headers,
+                        body,
+                    ))
                     .await
-            }
-            // The status page (crate::ui).
-            ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
-            // Boxed like the passthrough (their timers are cache-line
-            // aligned, which would align every connection's task).
-            ("GET", "/ui/events") => {
-                Box::pin(crate::ui::events(
-                    &edge,
-                    &mut server,
-                    caller.authority,
-                    peer,
-                ))
-                .await
-            }
-            ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                let (status, body) = match crate::admin::authorize(caller.authority, peer) {
-                    Ok(()) => Box::pin(crate::admin::handle(&edge, p, &body)).await,
-                    Err(refused) => refused,
-                };
-                write_json(&mut server, status, body).await
-            }
-            ("GET", "/readyz") if edge.is_draining() => {
-                server
-                    .write_response(
-                        503,
-                        [("content-type", "text/plain")],
-                        Bytes::from_static(b"draining\n"),
-                    )
+                }
+                ("POST", "/v1/messages") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        MESSAGES,
+                        &head.headers,
+                        body,
+                    ))
                     .await
-            }
-            ("GET", "/livez") | ("GET", "/readyz") => {
-                server
-                    .write_response(
-                        200,
-                        [("content-type", "text/plain")],
-                        Bytes::from_static(b"ok\n"),
-                    )
+                }
+                ("POST", "/v1/messages/count_tokens") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        COUNT_TOKENS,
+                        &head.headers,
+                        body,
+                    ))
                     .await
+                }
+                ("GET", "/status") => match edge
+                    .with_control(|control| {
+                        let now = clock::now();
+                        let outliers: Vec<status::OutlierView> = control
+                            .outliers()
+                            .into_iter()
+                            .map(|o| status::OutlierView::of(o, now))
+                            .collect();
+                        (control.snapshots(), outliers)
+                    })
+                    .await
+                {
+                    Some((snapshots, outliers)) => {
+                        let body =
+                            Bytes::from(status::status_json(&snapshots, &outliers).to_string());
+                        write_json(&mut server, 200, body).await
+                    }
+                    None => write_api_error(&mut server, &draining_error()).await,
+                },
+                ("GET", "/metrics") => {
+                    let text = metrics::scrape(&edge).await;
+                    server
+                        .write_response(
+                            200,
+                            [("content-type", metrics::CONTENT_TYPE)],
+                            Bytes::from(text),
+                        )
+                        .await
+                }
+                // The status page (crate::ui).
+                ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
+                // Boxed like the passthrough (their timers are cache-line
+                // aligned, which would align every connection's task).
+                ("GET", "/ui/events") => {
+                    Box::pin(crate::ui::events(
+                        &edge,
+                        &mut server,
+                        caller.authority,
+                        peer,
+                    ))
+                    .await
+                }
+                ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
+                    let (status, body) = match crate::admin::authorize(caller.authority, peer) {
+                        Ok(()) => Box::pin(crate::admin::handle(&edge, p, &body)).await,
+                        Err(refused) => refused,
+                    };
+                    write_json(&mut server, status, body).await
+                }
+                ("GET", "/readyz") if edge.is_draining() => {
+                    server
+                        .write_response(
+                            503,
+                            [("content-type", "text/plain")],
+                            Bytes::from_static(b"draining\n"),
+                        )
+                        .await
+                }
+                ("GET", "/livez") | ("GET", "/readyz") => {
+                    server
+                        .write_response(
+                            200,
+                            [("content-type", "text/plain")],
+                            Bytes::from_static(b"ok\n"),
+                        )
+                        .await
+                }
+                (
+                    _,
+                    "/v1/models"
+                    | "/v1/chat/completions"
+                    | "/v1/responses"
+                    | "/status"
+                    | "/metrics"
+                    | "/livez"
+                    | "/readyz"
+                    | "/ui"
+                    | "/ui/events",
+                ) => {
+                    write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await
+                }
+                (_, "/v1/messages" | "/v1/messages/count_tokens") => {
+                    let e = ApiError::method_not_allowed(method, &path);
+                    write_error(&mut server, Surface::Anthropic, &e).await
+                }
+                _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
+            };
+            if method == "POST" && is_inference_route(&path) {
+                // metrics: end to end (request read → response finished).
+                engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
             }
-            (
-                _,
-                "/v1/models"
-                | "/v1/chat/completions"
-                | "/v1/responses"
-                | "/status"
-                | "/metrics"
-                | "/livez"
-                | "/readyz"
-                | "/ui"
-                | "/ui/events",
-            ) => write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await,
-            (_, "/v1/messages" | "/v1/messages/count_tokens") => {
-                let e = ApiError::method_not_allowed(method, &path);
-                write_error(&mut server, Surface::Anthropic, &e).await
+            if let Err(e) = &result {
+                server.rec.end(cancel_reason(e).as_str());
             }
-            _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
-        };
-        if method == "POST" && is_inference_route(&path) {
-            // metrics: end to end (request read → response finished).
-            engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
-        }
-        if let Err(e) = &result {
-            server.rec.end(cancel_reason(e).as_str());
-        }
-        server.log_access();
-        drop(in_flight);
-        if let Err(HttpError::TimedOut(Wait::Write)) = &result {
-            write_stalled(&edge, method, &path);
-        }
-        if result.is_err() || !server.keep_alive() {
-            return;
+            server.log_access();
+            drop(in_flight);
+            if let Err(HttpError::TimedOut(Wait::Write)) = &result {
+                write_stalled(&edge, method, &path);
+            }
+            if result.is_err() || !server.keep_alive() {
+                return;
+            }
         }
     }
 }
@@ -754,7 +772,10 @@ where
 {
     let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
-        Err(e) => return refuse_body(server, Surface::OpenAi, &e).await,
+        // Boxed, as every once-per-request await in the streaming routes:
+        // the route's future keeps room only for what it holds while the
+        // response streams.
+        Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
     let long = edge
@@ -764,8 +785,10 @@ where
         .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
+    // Boxed: waiting for admission (and answering a refusal) is held only
+    // until the request is dispatched.
     let Some((request, mut dispatch, mut frames)) =
-        admit(edge, server, CHAT_COMPLETIONS, &chat.model, long).await?
+        Box::pin(admit(edge, server, CHAT_COMPLETIONS, &chat.model, long)).await?
     else {
         return Ok(());
     };
@@ -789,9 +812,6 @@ where
                 match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
                     Ok(frame) => frame,
                     Err(e) => {
-                        // Boxed, as every once-per-request await in the streaming
-                        // routes: the route's future keeps room only for what it
-                        // holds while the response streams.
                         return Box::pin(refuse(
                             edge,
                             server,
@@ -2193,7 +2213,7 @@ mod tests {
             let mut served_conns = Vec::new();
             for _ in 0..connections {
                 let (tcp, _) = listener.accept().await.expect("accept");
-                served_conns.push(monoio::spawn(serve(served.clone(), tcp)));
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp, ())));
             }
             for conn in served_conns {
                 conn.await;
