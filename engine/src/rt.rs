@@ -136,11 +136,34 @@ const RING_ENTRIES: u32 = 1024;
 
 /// Runs `fut` to completion on a new monoio runtime (with timers) on the
 /// current thread.
+///
+/// Under io_uring the ring is set up with `IORING_SETUP_COOP_TASKRUN` and
+/// `IORING_SETUP_SINGLE_ISSUER` (Linux 5.19 and 6.0): a completion that
+/// arrives while the thread runs its tasks no longer interrupts it with
+/// an inter-processor interrupt to run the kernel's part of that
+/// completion; that work waits for the thread's next system call, which
+/// the runtime makes every turn of its loop (it submits, or waits, each
+/// turn). Only this thread ever submits to its ring (cross-thread wakes
+/// write an eventfd). On a kernel that refuses either flag the ring is
+/// set up without them, as before.
 pub fn block_on<F: Future>(fut: F) -> io::Result<F::Output> {
-    let mut runtime = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+    let mut ring = io_uring::IoUring::builder();
+    ring.setup_coop_taskrun().setup_single_issuer();
+    let tuned = monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
         .with_entries(RING_ENTRIES)
+        .uring_builder(ring)
         .enable_timer()
-        .build()?;
+        .build();
+    let mut runtime = match tuned {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::debug!(error = %e, "io_uring refused COOP_TASKRUN/SINGLE_ISSUER; plain ring");
+            monoio::RuntimeBuilder::<monoio::FusionDriver>::new()
+                .with_entries(RING_ENTRIES)
+                .enable_timer()
+                .build()?
+        }
+    };
     Ok(runtime.block_on(fut))
 }
 
