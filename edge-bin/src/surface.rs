@@ -336,7 +336,7 @@ pub fn serve<G: 'static>(
         loop {
             // The body moves into the route that reads it (it is freed as soon
             // as the route is done with it, not when the response ends).
-            let Request { head, body } = match server.read_request().await {
+            let Request { mut head, body } = match server.read_request().await {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
                 Err(e) => return refuse_request(&edge, &mut server, &e).await,
@@ -379,6 +379,10 @@ pub fn serve<G: 'static>(
             let principal = &*caller.principal;
             server.rec.principal = principal.to_owned();
             server.caller = Some(caller.clone());
+            // The routes that forward some of the client's headers take
+            // them; for every other route they are freed here, not held
+            // while its response streams.
+            let headers = std::mem::take(&mut head.headers);
             let result = match (method, path.as_str()) {
                 ("GET", "/v1/models") => {
                     let visible: Vec<_> = edge
@@ -392,7 +396,8 @@ pub fn serve<G: 'static>(
                     write_json(&mut server, 200, body).await
                 }
                 ("POST", "/v1/chat/completions") => {
-                    chat(&edge, &mut server, principal, &head.headers, body).await
+                    drop(headers);
+                    chat(&edge, &mut server, principal, body).await
                 }
                 // Boxed: the passthrough's future is the largest, and a
                 // connection's task is as large as its largest route; the chat
@@ -403,7 +408,7 @@ pub fn serve<G: 'static>(
                         &mut server,
                         principal,
                         RESPONSES,
-                        &head.headers,
+                        headers,
                         body,
                     ))
                     .await
@@ -414,7 +419,7 @@ pub fn serve<G: 'static>(
                         &mut server,
                         principal,
                         MESSAGES,
-                        &head.headers,
+                        headers,
                         body,
                     ))
                     .await
@@ -425,7 +430,7 @@ pub fn serve<G: 'static>(
                         &mut server,
                         principal,
                         COUNT_TOKENS,
-                        &head.headers,
+                        headers,
                         body,
                     ))
                     .await
@@ -764,7 +769,6 @@ async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     principal: &str,
-    headers: &[iop_engine::http::Header],
     body: Bytes,
 ) -> Result<(), HttpError>
 where
@@ -792,7 +796,13 @@ where
     else {
         return Ok(());
     };
+    // Kept for another attempt until the response commits; released then
+    // (see `Release`), so a stream holds no copy of its request.
+    let mut retained = Some(chat);
     loop {
+        let Some(chat) = retained.as_ref() else {
+            return retry_without_request(edge, request);
+        };
         let lease = &dispatch.lease;
         server
             .rec
@@ -804,7 +814,7 @@ where
                 let tunnel = tunnel_request(
                     CHAT_COMPLETIONS,
                     &dispatch,
-                    tunnel_headers(CHAT_COMPLETIONS, chat.stream, headers),
+                    tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
                     chat.stream,
                     &server.rec.request_id,
                 );
@@ -825,10 +835,11 @@ where
                 }
             }
             DispatchKind::Run => {
-                NodeRequest::frame_only(run_request(&chat, &dispatch, &server.rec.request_id))
+                NodeRequest::frame_only(run_request(chat, &dispatch, &server.rec.request_id))
             }
         };
-        let buffered = dispatch.kind == DispatchKind::Run && !chat.stream;
+        let (stream, include_usage) = (chat.stream, chat.include_usage());
+        let buffered = dispatch.kind == DispatchKind::Run && !stream;
         // Boxed: handing the request to its node is this future's largest
         // state, held only until the node has it, never while it streams.
         if !Box::pin(send_run(
@@ -844,16 +855,19 @@ where
         {
             return Ok(());
         }
+        let release = &mut || retained = None;
         let result = match dispatch.kind {
-            DispatchKind::Tunnel => relay(edge, server, Surface::OpenAi, &mut frames).await,
+            DispatchKind::Tunnel => {
+                relay(edge, server, Surface::OpenAi, &mut frames, release).await
+            }
             DispatchKind::Run => {
                 let id = ResponseId {
                     id: format!("chatcmpl-{}", lease.run_id),
                     created: iop_engine::clock::unix_ms() / 1000,
                     model: lease.target.clone(),
                 };
-                if chat.stream {
-                    relay_run(edge, server, &mut frames, id, chat.include_usage()).await
+                if stream {
+                    relay_run(edge, server, &mut frames, id, include_usage, release).await
                 } else {
                     relay_completion(edge, server, &mut frames, id).await
                 }
@@ -868,6 +882,12 @@ where
         }
     }
 }
+
+/// Called once by a relay when its response commits (its first bytes go
+/// to the client): the route drops what it kept of the request for
+/// another attempt (pre-commit failover only), so a stream holds none of
+/// it while it lasts.
+type Release<'a> = &'a mut dyn FnMut();
 
 /// How a relay ended.
 #[derive(Debug)]
@@ -899,6 +919,16 @@ fn settle(
             Err(e)
         }
     }
+}
+
+/// A retry dispatched after the request was released. Unreachable: a
+/// relay asks for another attempt only before its response commits, and
+/// the request is released only at the commit. The new lease is given
+/// back and the route ends.
+fn retry_without_request(edge: &Edge, request: RequestId) -> Result<(), HttpError> {
+    debug_assert!(false, "a retry after the request was released");
+    edge.abandon(request);
+    Ok(())
 }
 
 /// Waits for `Control`'s answer to a submitted request.
@@ -1055,7 +1085,7 @@ async fn passthrough<S>(
     server: &mut Client<S>,
     principal: &str,
     route: PassRoute,
-    headers: &[iop_engine::http::Header],
+    headers: Vec<iop_engine::http::Header>,
     body: Bytes,
 ) -> Result<(), HttpError>
 where
@@ -1065,13 +1095,21 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, route.surface, &e).await,
     };
+    // What the provider gets of the client's headers; the rest go now.
+    let forwarded = tunnel_headers(route, req.stream, &headers);
+    drop(headers);
     server.set_model(&req.model);
     let Some((request, mut dispatch, mut frames)) =
         admit(edge, server, route, &req.model, false).await?
     else {
         return Ok(());
     };
+    // Kept for another attempt until the response commits, as in `chat`.
+    let mut retained = Some((req, forwarded));
     loop {
+        let Some((req, forwarded)) = retained.as_ref() else {
+            return retry_without_request(edge, request);
+        };
         if dispatch.kind != DispatchKind::Tunnel {
             // Control files native (Ollama) providers, which speak only the
             // normalized chat path, in no lane of these operations: this is
@@ -1086,7 +1124,7 @@ where
         let tunnel = tunnel_request(
             route,
             &dispatch,
-            tunnel_headers(route, req.stream, headers),
+            forwarded.clone(),
             req.stream,
             &server.rec.request_id,
         );
@@ -1108,7 +1146,10 @@ where
         {
             return Ok(());
         }
-        let result = relay(edge, server, route.surface, &mut frames).await;
+        let result = relay(edge, server, route.surface, &mut frames, &mut || {
+            retained = None
+        })
+        .await;
         match settle(edge, request, result)? {
             Some(next) => {
                 frames.retarget(&next);
@@ -1437,6 +1478,7 @@ async fn relay_run<S>(
     frames: &mut RouteRx,
     id: ResponseId,
     include_usage: bool,
+    release: Release<'_>,
 ) -> Result<Relayed, HttpError>
 where
     S: ClientStream,
@@ -1544,6 +1586,7 @@ where
             ))
             .await?;
             started = true;
+            release();
             for chunk in earlier {
                 server.write_chunk(chunk).await?;
             }
@@ -1679,6 +1722,7 @@ async fn relay<S>(
     server: &mut Client<S>,
     surface: Surface,
     frames: &mut RouteRx,
+    release: Release<'_>,
 ) -> Result<Relayed, HttpError>
 where
     S: ClientStream,
@@ -1776,6 +1820,7 @@ where
                         Box::pin(start_response(server, &h, first)).await?;
                     }
                     started = true;
+                    release();
                     for body in std::mem::take(&mut held) {
                         server.write_chunk(body).await?;
                     }
