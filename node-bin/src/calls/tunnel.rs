@@ -39,12 +39,12 @@ pub struct TunnelCall {
 impl ProviderCall for TunnelCall {
     type Output = TunnelOutput;
 
-    // An `async move` block rather than an `async fn`: the block uses the
-    // call it captured in place, where an `async fn` would keep it twice
-    // (as its argument and as the local it moves into), for the whole call.
+    // An `async move` block rather than an `async fn`: the block moves the
+    // call it captured into the exchange, where an `async fn` would keep it
+    // twice (as its argument and as the local it moves into).
     #[allow(clippy::manual_async_fn)]
     fn run(
-        mut self,
+        self,
         pool: Rc<ProviderPool>,
         out: OutputTx<TunnelOutput>,
     ) -> impl std::future::Future<Output = ()> + 'static {
@@ -64,29 +64,36 @@ impl ProviderCall for TunnelCall {
 }
 
 impl TunnelCall {
+    /// Consumes the call: its request (body, headers, target) is freed
+    /// once the response head is here, not held while the body streams.
     async fn exchange(
-        &mut self,
+        self,
         pool: &Rc<ProviderPool>,
         out: &OutputTx<TunnelOutput>,
     ) -> Result<(), (&'static str, String)> {
         // Everything of the request and the response head lives in this
-        // block, so none of it keeps room in this future while the body
-        // streams (a local that was borrowed keeps its room until its
-        // scope ends).
+        // block, so none of it keeps room in this future (or memory) while
+        // the body streams (a local that was borrowed keeps its room until
+        // its scope ends).
         let (mut conn, mut usage, start) = {
+            let TunnelCall {
+                endpoint,
+                method,
+                path,
+                headers: forwarded,
+                body,
+                credential,
+            } = self;
             // --- provider pool: checkout, stale retry, credential header -------
             // C2: the declared header, built in a zeroizing buffer, replaces any
             // forwarded header of the same name. The opened secret goes right
             // here; the header value is owned by `send`, which drops it as soon
             // as no retry can need it (a stale pooled connection is retried
             // with this same value: the lease is never opened twice).
-            let secret = self
-                .credential
-                .take()
-                .map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
+            let secret =
+                credential.map(|c| SecretHeader::new(c.header_name(), c.declared_header_value()));
             let injected_name = secret.as_ref().map(|s| s.name().to_string());
-            let headers: Vec<(&str, &[u8])> = self
-                .headers
+            let headers: Vec<(&str, &[u8])> = forwarded
                 .iter()
                 .filter(|h| !http::is_hop_by_hop(&h.name) && !h.name.eq_ignore_ascii_case("host"))
                 .filter(|h| {
@@ -97,15 +104,15 @@ impl TunnelCall {
                 .map(|h| (h.name.as_str(), &h.value[..]))
                 .collect();
             let request = ProviderRequest {
-                method: &self.method,
-                target: &self.path,
+                method: &method,
+                target: &path,
                 headers: &headers,
-                body: self.body.clone(),
+                body,
             };
             // Boxed: checkout, connect (TLS included), the request write and the
             // response head are the largest state of this call, and an inline
             // future would keep their room through the whole body stream.
-            let response = Box::pin(pool.send(self.endpoint.target(), &request, secret))
+            let response = Box::pin(pool.send(endpoint.target(), &request, secret))
                 .await
                 .map_err(|e| e.into_failure())?;
             let (conn, head) = (response.conn, response.head);
