@@ -38,6 +38,7 @@
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use iop_wire::pb;
@@ -124,13 +125,15 @@ impl RequestId {
     }
 }
 
-/// Identity of a provider resource: `(node id, provider id)`.
+/// Identity of a provider resource: `(node id, provider id)`. Shared
+/// strings: every lease and dispatch of the provider carries its key, and
+/// a clone is a reference count, not an allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProviderKey {
     /// Owning node.
-    pub node_id: String,
+    pub node_id: Arc<str>,
     /// Provider id, unique per node.
-    pub provider_id: String,
+    pub provider_id: Arc<str>,
 }
 
 impl std::fmt::Display for ProviderKey {
@@ -214,9 +217,9 @@ pub struct ProviderSpec {
     /// Provider id, unique per node.
     pub id: String,
     /// Adapter instance name on the node.
-    pub adapter: String,
+    pub adapter: Arc<str>,
     /// Provider-side target.
-    pub target: String,
+    pub target: Arc<str>,
     /// Lease capacity.
     pub capacity: u32,
     /// Long-context lease capacity.
@@ -931,9 +934,9 @@ pub struct Lease {
     /// The generation of that connection's ownership.
     pub generation: Generation,
     /// Adapter evidence expected on the terminal (H2).
-    pub adapter: String,
+    pub adapter: Arc<str>,
     /// Target evidence expected on the terminal (H2).
-    pub target: String,
+    pub target: Arc<str>,
     /// Whether it holds a long-context slot.
     pub long: bool,
 }
@@ -1126,8 +1129,8 @@ impl Control {
             for p in specs {
                 providers.push(ProviderState {
                     key: ProviderKey {
-                        node_id: node.id.clone(),
-                        provider_id: p.id.clone(),
+                        node_id: node.id.as_str().into(),
+                        provider_id: p.id.as_str().into(),
                     },
                     node: n,
                     spec: p,
@@ -2296,7 +2299,7 @@ impl Control {
         // H2: the evidence must match the immutable lease; the lease is
         // released either way.
         if let Some(stall) = t.stall {
-            let matches = t.adapter == lease.adapter && t.target == lease.target;
+            let matches = *t.adapter == *lease.adapter && *t.target == *lease.target;
             match stall.seq {
                 Some(seq) if matches && stall.is_well_formed() => {
                     self.counters.health_evidence_accepted += 1;
@@ -2304,7 +2307,7 @@ impl Control {
                     out.push(Action::StallHandoff {
                         request,
                         handoff: Handoff {
-                            provider_id: lease.provider.provider_id.clone(),
+                            provider_id: lease.provider.provider_id.to_string(),
                             provider_health: stall.health,
                             recovery_handoff: "confirmed",
                         },
@@ -2393,7 +2396,7 @@ impl Control {
                 self.commands.insert(
                     command_id.clone(),
                     CommandRecord {
-                        node_id: key.node_id.clone(),
+                        node_id: key.node_id.to_string(),
                         provider: key,
                         conn: owner.conn,
                         generation: owner.generation,
@@ -2404,7 +2407,7 @@ impl Control {
                     command: pb::NodeCommandRequest {
                         command_id,
                         r#type: pb::CommandType::Capabilities as i32,
-                        adapter,
+                        adapter: adapter.to_string(),
                         path: String::new(),
                     },
                 });
@@ -2451,7 +2454,7 @@ impl Control {
                 let matching = {
                     let mut it = self.nodes[n].providers.clone().filter(|&p| {
                         let spec = &self.providers[p].spec;
-                        spec.adapter == cap.adapter_key && spec.target == cap.target
+                        *spec.adapter == *cap.adapter_key && *spec.target == *cap.target
                     });
                     (it.next(), it.next())
                 };
@@ -2636,10 +2639,10 @@ impl Control {
                 let connected = owner.is_some();
                 let overlaid = owner.is_some_and(|o| state.overlay == Some(o.generation));
                 let mut s = pb::ProviderSnapshot {
-                    node_id: state.key.node_id.clone(),
-                    provider_id: state.key.provider_id.clone(),
-                    adapter: spec.adapter.clone(),
-                    target: spec.target.clone(),
+                    node_id: state.key.node_id.to_string(),
+                    provider_id: state.key.provider_id.to_string(),
+                    adapter: spec.adapter.to_string(),
+                    target: spec.target.to_string(),
                     category: spec.category as i32,
                     connected,
                     ..Default::default()

@@ -44,8 +44,8 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                     };
                     control::ProviderSpec {
                         id: p.id.clone(),
-                        adapter: p.adapter.clone(),
-                        target: p.target.clone(),
+                        adapter: p.adapter.as_str().into(),
+                        target: p.target.as_str().into(),
                         capacity: p.capacity,
                         long_context_capacity: p.long_context_capacity,
                         response_stall_timeout_ms: p.response_stall_timeout_ms,
@@ -75,8 +75,8 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                 .providers
                 .iter()
                 .map(|r| control::ProviderKey {
-                    node_id: r.node_id.clone(),
-                    provider_id: r.provider_id.clone(),
+                    node_id: r.node_id.as_str().into(),
+                    provider_id: r.provider_id.as_str().into(),
                 })
                 .collect(),
         })

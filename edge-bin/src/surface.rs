@@ -864,7 +864,7 @@ where
                 let id = ResponseId {
                     id: format!("chatcmpl-{}", lease.run_id),
                     created: iop_engine::clock::unix_ms() / 1000,
-                    model: lease.target.clone(),
+                    model: lease.target.to_string(),
                 };
                 if stream {
                     relay_run(edge, server, &mut frames, id, include_usage, release).await
@@ -1307,8 +1307,8 @@ fn tunnel_request(
     let lease = &dispatch.lease;
     pb::ProviderTunnelRequest {
         run_id: lease.run_id.clone(),
-        adapter: lease.adapter.clone(),
-        target: lease.target.clone(),
+        adapter: lease.adapter.to_string(),
+        target: lease.target.to_string(),
         method: "POST".into(),
         path: route.path.into(),
         headers,
@@ -1326,8 +1326,8 @@ fn run_request(chat: &ChatRequest, dispatch: &Dispatch, correlation_id: &str) ->
     let lease = &dispatch.lease;
     let run = pb::RunRequest {
         run_id: lease.run_id.clone(),
-        adapter: lease.adapter.clone(),
-        target: lease.target.clone(),
+        adapter: lease.adapter.to_string(),
+        target: lease.target.to_string(),
         input: Some(chat.run_input()),
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
         correlation_id: correlation_id.into(),

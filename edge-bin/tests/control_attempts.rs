@@ -23,8 +23,8 @@ const SETTLE_MS: u64 = 300;
 fn provider(id: &str, kind: DispatchKind) -> ProviderSpec {
     ProviderSpec {
         id: id.into(),
-        adapter: format!("adapter-{id}"),
-        target: format!("target-{id}"),
+        adapter: format!("adapter-{id}").into(),
+        target: format!("target-{id}").into(),
         capacity: 4,
         long_context_capacity: 0,
         response_stall_timeout_ms: 0,
@@ -179,8 +179,8 @@ impl Fixture {
         self.handle(Input::Terminal(Terminal {
             conn: lease.conn,
             run_id: run_id.into(),
-            adapter: lease.adapter,
-            target: lease.target,
+            adapter: lease.adapter.to_string(),
+            target: lease.target.to_string(),
             stall: None,
             end,
             committed,
@@ -192,7 +192,7 @@ impl Fixture {
         self.control
             .leases()
             .find(|l| l.request == RequestId(id))
-            .map(|l| (l.run_id.clone(), l.provider.provider_id.clone()))
+            .map(|l| (l.run_id.clone(), l.provider.provider_id.to_string()))
     }
 
     fn outlier(&self, provider: &str) -> edge_bin::outlier::OutlierState {
@@ -210,7 +210,7 @@ fn dispatched_to(actions: &[Action]) -> Vec<String> {
     actions
         .iter()
         .filter_map(|a| match a {
-            Action::Dispatch(d) => Some(d.lease.provider.provider_id.clone()),
+            Action::Dispatch(d) => Some(d.lease.provider.provider_id.to_string()),
             _ => None,
         })
         .collect()
@@ -649,7 +649,10 @@ fn failover() -> Tunables {
 
 fn retried(actions: &[Action]) -> Option<(String, String)> {
     actions.iter().find_map(|a| match a {
-        Action::Dispatch(d) => Some((d.lease.run_id.clone(), d.lease.provider.provider_id.clone())),
+        Action::Dispatch(d) => Some((
+            d.lease.run_id.clone(),
+            d.lease.provider.provider_id.to_string(),
+        )),
         _ => None,
     })
 }
@@ -929,9 +932,10 @@ fn a_fenced_request_with_no_other_candidate_waits_for_the_reconnect() {
     let mut runs: Vec<(String, String)> = out
         .iter()
         .filter_map(|a| match a {
-            Action::Dispatch(d) => {
-                Some((d.lease.run_id.clone(), d.lease.provider.provider_id.clone()))
-            }
+            Action::Dispatch(d) => Some((
+                d.lease.run_id.clone(),
+                d.lease.provider.provider_id.to_string(),
+            )),
             _ => None,
         })
         .collect();

@@ -79,8 +79,8 @@ fn spec() -> ControlSpec {
                     .iter()
                     .map(|p| ProviderSpec {
                         id: (*p).into(),
-                        adapter: format!("a-{p}"),
-                        target: format!("t-{p}"),
+                        adapter: format!("a-{p}").into(),
+                        target: format!("t-{p}").into(),
                         capacity: CAPACITY,
                         long_context_capacity: 0,
                         response_stall_timeout_ms: 0,
@@ -270,7 +270,7 @@ impl Sim {
                     }
                     let node = NODES
                         .iter()
-                        .position(|n| *n == d.lease.provider.node_id)
+                        .position(|n| **n == *d.lease.provider.node_id)
                         .ok_or("a lease on an unknown node")?;
                     if self.conns[node] != Some((d.lease.conn, true)) {
                         return Err(format!(
@@ -281,7 +281,7 @@ impl Sim {
                     if self.control.outliers()[node * 2
                         + PROVIDERS
                             .iter()
-                            .position(|p| *p == d.lease.provider.provider_id)
+                            .position(|p| **p == *d.lease.provider.provider_id)
                             .unwrap_or(0)]
                     .ejection()
                     .is_some()
@@ -366,8 +366,8 @@ impl Sim {
                 (
                     l.run_id.clone(),
                     l.conn,
-                    l.adapter.clone(),
-                    l.target.clone(),
+                    l.adapter.to_string(),
+                    l.target.to_string(),
                 )
             })
             .collect()

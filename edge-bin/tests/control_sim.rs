@@ -285,14 +285,14 @@ impl World {
             .zip(params.providers)
             .map(|(d, (capacity, long, stall_ms))| ProvInfo {
                 key: ProviderKey {
-                    node_id: NODES[d.node].to_string(),
-                    provider_id: d.id.to_string(),
+                    node_id: NODES[d.node].to_string().into(),
+                    provider_id: d.id.to_string().into(),
                 },
                 node: d.node,
                 spec: ProviderSpec {
                     id: d.id.to_string(),
-                    adapter: d.adapter.to_string(),
-                    target: d.target.to_string(),
+                    adapter: d.adapter.to_string().into(),
+                    target: d.target.to_string().into(),
                     capacity,
                     long_context_capacity: long,
                     response_stall_timeout_ms: stall_ms,
@@ -1592,8 +1592,8 @@ impl<'w> Sim<'w> {
                 return self.apply(Input::Terminal(Terminal {
                     conn: l.conn,
                     run_id: l.run_id,
-                    adapter: l.adapter,
-                    target: l.target,
+                    adapter: l.adapter.to_string(),
+                    target: l.target.to_string(),
                     stall: Some(StallEvidence {
                         health: WELL_FORMED[1].0,
                         classification: WELL_FORMED[1].1,
@@ -1608,7 +1608,12 @@ impl<'w> Sim<'w> {
         let (conn, run_id, adapter, target) = match roll {
             0..=64 if !leases.is_empty() => {
                 let l = self.rng.pick(&leases).ok_or("no lease")?;
-                (l.conn, l.run_id, l.adapter, l.target)
+                (
+                    l.conn,
+                    l.run_id,
+                    l.adapter.to_string(),
+                    l.target.to_string(),
+                )
             }
             65..=76 if !leases.is_empty() => {
                 // H1: the right run id and evidence on another connection
@@ -1616,7 +1621,7 @@ impl<'w> Sim<'w> {
                 let l = self.rng.pick(&leases).ok_or("no lease")?;
                 let others: Vec<ConnId> = live.iter().copied().filter(|&c| c != l.conn).collect();
                 match self.rng.pick(&others) {
-                    Some(c) => (c, l.run_id, l.adapter, l.target),
+                    Some(c) => (c, l.run_id, l.adapter.to_string(), l.target.to_string()),
                     None => return self.gen_submit(),
                 }
             }
@@ -1663,8 +1668,8 @@ impl<'w> Sim<'w> {
     fn gen_capability(&mut self, conn: ConnId, p: Option<usize>) -> pb::AdapterCapability {
         let (adapter_key, mut target) = match p {
             Some(p) => (
-                self.world.provs[p].spec.adapter.clone(),
-                self.world.provs[p].spec.target.clone(),
+                self.world.provs[p].spec.adapter.to_string(),
+                self.world.provs[p].spec.target.to_string(),
             ),
             None => ("bogus".to_string(), "bogus".to_string()),
         };
@@ -1699,7 +1704,7 @@ impl<'w> Sim<'w> {
                 .provs
                 .iter()
                 .copied()
-                .filter(|&p| self.world.provs[p].spec.adapter == adapter)
+                .filter(|&p| *self.world.provs[p].spec.adapter == *adapter)
                 .collect();
             let p = self.rng.pick(&same);
             capabilities.push(self.gen_capability(conn, p));
@@ -2233,7 +2238,7 @@ impl<'w> Sim<'w> {
                 ex.done.push((lease.request, Outcome::Completed));
                 ex.pump = true;
                 if let Some(stall) = t.stall {
-                    let matches = t.adapter == lease.adapter && t.target == lease.target;
+                    let matches = *t.adapter == *lease.adapter && *t.target == *lease.target;
                     match stall.seq {
                         Some(seq) if matches && well_formed(&stall) => {
                             self.sh.counters.health_evidence_accepted += 1;
@@ -2242,7 +2247,7 @@ impl<'w> Sim<'w> {
                             ex.handoffs.push((
                                 lease.request,
                                 Handoff {
-                                    provider_id: lease.provider.provider_id.clone(),
+                                    provider_id: lease.provider.provider_id.to_string(),
                                     provider_health: stall.health,
                                     recovery_handoff: "confirmed",
                                 },
@@ -2307,7 +2312,7 @@ impl<'w> Sim<'w> {
                     .copied()
                     .filter(|&p| {
                         let s = &self.world.provs[p].spec;
-                        s.adapter == cap.adapter_key && s.target == cap.target
+                        *s.adapter == *cap.adapter_key && *s.target == *cap.target
                     })
                     .collect();
                 let [p] = matching.as_slice() else {
@@ -2374,7 +2379,7 @@ impl<'w> Sim<'w> {
             match self.sh.ready_owner(node) {
                 Some(o) if self.sh.overlay[p] == Some(o.generation) => {
                     ex.commands
-                        .push((o.conn, self.world.provs[p].spec.adapter.clone(), p));
+                        .push((o.conn, self.world.provs[p].spec.adapter.to_string(), p));
                     self.sh.next_probe[p] =
                         Some(self.now + self.world.tunables.recovery_probe_interval);
                 }
@@ -2780,8 +2785,8 @@ impl<'w> Sim<'w> {
             self.sh.released.push(Released {
                 run_id,
                 conn: lease.conn,
-                adapter: lease.adapter,
-                target: lease.target,
+                adapter: lease.adapter.to_string(),
+                target: lease.target.to_string(),
             });
             if self.sh.released.len() > 64 {
                 self.sh.released.remove(0);
@@ -3003,10 +3008,10 @@ impl<'w> Sim<'w> {
                     s.long_queued,
                 ],
             );
-            let identity_ok = s.node_id == info.key.node_id
-                && s.provider_id == info.key.provider_id
-                && s.adapter == info.spec.adapter
-                && s.target == info.spec.target
+            let identity_ok = *s.node_id == *info.key.node_id
+                && *s.provider_id == *info.key.provider_id
+                && *s.adapter == *info.spec.adapter
+                && *s.target == *info.spec.target
                 && s.category == info.spec.category as i32;
             if !identity_ok || got != (want.0, want.1 as i32, want.2 as i32, want.3) {
                 return Err(self.fail(format!(
@@ -3431,8 +3436,8 @@ const C3: ConnId = ConnId(3);
 
 fn key(node: &str, provider: &str) -> ProviderKey {
     ProviderKey {
-        node_id: node.to_string(),
-        provider_id: provider.to_string(),
+        node_id: node.to_string().into(),
+        provider_id: provider.to_string().into(),
     }
 }
 
@@ -3665,7 +3670,7 @@ impl Fixture {
     /// (or the given provider's, when the lease is gone).
     fn terminal(&mut self, conn: ConnId, id: u64, stall: Option<StallEvidence>) -> Vec<Action> {
         let (adapter, target) = match self.control.lease(&rid(id).run_id()) {
-            Some(l) => (l.adapter.clone(), l.target.clone()),
+            Some(l) => (l.adapter.to_string(), l.target.to_string()),
             None => ("ollama-a".to_string(), "llama3".to_string()),
         };
         self.terminal_with(conn, id, &adapter, &target, stall)
@@ -3721,7 +3726,7 @@ impl Fixture {
         self.control
             .snapshots()
             .into_iter()
-            .find(|s| s.node_id == k.node_id && s.provider_id == k.provider_id)
+            .find(|s| *s.node_id == *k.node_id && *s.provider_id == *k.provider_id)
             .unwrap_or_default()
     }
 
@@ -3732,8 +3737,8 @@ impl Fixture {
         pb::ProviderSnapshot {
             node_id: node.to_string(),
             provider_id: provider.to_string(),
-            adapter: info.spec.adapter.clone(),
-            target: info.spec.target.clone(),
+            adapter: info.spec.adapter.to_string(),
+            target: info.spec.target.to_string(),
             category: info.spec.category as i32,
             ..Default::default()
         }

@@ -153,8 +153,8 @@ fn terminal_of(lease: &Lease) -> Input {
     Input::Terminal(Terminal {
         conn: lease.conn,
         run_id: lease.run_id.clone(),
-        adapter: lease.adapter.clone(),
-        target: lease.target.clone(),
+        adapter: lease.adapter.to_string(),
+        target: lease.target.to_string(),
         stall: None,
         end: AttemptEnd::Answered,
         committed: true,
