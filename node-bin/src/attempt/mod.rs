@@ -4,11 +4,11 @@
 //! [`Emitter`]. Shared by tunnels and normalized runs.
 //!
 //! ```text
-//!  calls (provider task; this core or a worker core)
+//!  calls (inline on this core, or a task on a worker core)
 //!     │ ProviderSide: outputs (bounded; closes when the call returns)
 //!     ▼
 //!  drive ──on_output──► Watchdog ──actions──► Emitter ──frames──► Edge connection
-//!     ▲  timer (wheel) ──handle_timeout──┘   │ CancelProvider ──► abort the provider task
+//!     ▲  timer (wheel) ──handle_timeout──┘   │ CancelProvider ──► abort the provider call
 //!     ▲  stop (K1, F5) ──stop──────────────── │ StartProbe ─────► probe task ──result──┐
 //!     └──────────────────────────────────────────────────────────────────────────────┘
 //! ```
@@ -17,9 +17,9 @@
 //! reads `calls`, and neither `calls` nor the attempt ever reaches back up.
 //!
 //! The provider's capacity permit is held until the provider call returns:
-//! by the provider task on a single core, by the `ProviderSide` (on the
-//! session core) for a call on a worker core, released when the worker's
-//! output mailbox ends. `drive` returns only after the watchdog's
+//! by the call's own future on a single core (dropped when it returns or
+//! is aborted), by the `ProviderSide` (on the session core) for a call on
+//! a worker core, released when the worker's output mailbox ends. `drive` returns only after the watchdog's
 //! [`Action::Release`], i.e. after the terminal *and* that return (W10), so
 //! the caller removes the run-manager entry at the right moment. Output that
 //! arrives after the terminal is drained and dropped, never sent.

@@ -1,14 +1,20 @@
-//! The two ends of a provider call: the provider task's [`OutputTx`] and
-//! the attempt's [`ProviderSide`], with the aborts that stop the task.
+//! The two ends of a provider call: the call's [`OutputTx`] and the
+//! attempt's [`ProviderSide`], with the aborts that stop the call.
 //!
 //! ```text
-//!  provider task (owns the socket)          attempt (session core)
+//!  provider call (owns the socket)          attempt (session core)
 //!  ───────────────────────────────          ──────────────────────
 //!  OutputTx::send ──bounded queue──────────► ProviderSide::recv ──► drive
 //!     (a core-local channel, or a cross-core mailbox; `send` waits while
 //!      the queue is full: back-pressure reaches the provider socket)
-//!  task drops the call ◄──AbortSignal / CrossAbort── ProviderSide::abort
+//!  the call is dropped ◄──────(inline) / CrossAbort── ProviderSide::abort
 //! ```
+//!
+//! A call on the session core itself runs *inline*: it has no task of its
+//! own, the attempt's task polls it from [`ProviderSide::recv`] (one task
+//! and one wake per provider read fewer; the call makes progress while
+//! the attempt waits for output, as a task of its own would until its
+//! queue filled). A call on a worker core runs in a task there.
 //!
 //! The queue closes when the provider call returns (its last sender is
 //! dropped after the call future), which is how the attempt learns of the
@@ -16,6 +22,7 @@
 
 use std::cell::Cell;
 use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,12 +31,13 @@ use std::time::Instant;
 
 use iop_engine::clock;
 use iop_engine::mailbox::{Mailbox, MailboxSender};
-use iop_engine::sync::{channel, Notify};
+use iop_engine::metrics::{self, Count, Latency};
+use iop_engine::sync::channel;
 
 use super::pool::ProviderPool;
 use crate::adapters::Permit;
 
-/// Provider outputs buffered between the provider task and the attempt.
+/// Provider outputs buffered between a provider call and its attempt.
 pub const OUTPUT_QUEUE: usize = 8;
 
 /// A provider call: the HTTP exchange of one attempt, producing outputs
@@ -54,39 +62,11 @@ pub trait ProviderCall: Send + 'static {
     fn not_started(message: String) -> Self::Output;
 }
 
-/// Cancels a provider task on the same core from outside.
-#[derive(Debug, Default)]
-pub struct AbortSignal {
-    aborted: Cell<bool>,
-    notify: Notify,
-}
-
-impl AbortSignal {
-    /// Aborts the provider task (idempotent).
-    pub fn abort(&self) {
-        if !self.aborted.replace(true) {
-            self.notify.notify();
-        }
-    }
-
-    /// Whether [`abort`](Self::abort) was called.
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.get()
-    }
-
-    /// Completes once the task is aborted.
-    pub async fn aborted(&self) {
-        while !self.aborted.get() {
-            self.notify.notified().await;
-        }
-    }
-}
-
-/// One provider output with the moment the provider task handed it over
+/// One provider output with the moment the provider call handed it over
 /// (right after its read), for the relay latency histograms.
 #[derive(Debug)]
 pub struct Stamped<O> {
-    /// When the provider task handed the output over.
+    /// When the provider call handed the output over.
     pub read_at: Instant,
     /// The output.
     pub output: O,
@@ -99,7 +79,7 @@ enum Sender<O> {
     Remote(MailboxSender<Stamped<O>>),
 }
 
-/// The provider task's end of the output channel.
+/// The provider call's end of the output channel.
 pub struct OutputTx<O> {
     tx: Sender<O>,
 }
@@ -138,9 +118,31 @@ impl<O> OutputTx<O> {
     }
 }
 
+/// A call running inline, until it returns or is aborted: its future and
+/// the capacity permit it holds (W10).
+pub(super) struct InlineCall {
+    future: Pin<Box<dyn Future<Output = ()>>>,
+    _permit: Option<Permit>,
+}
+
+impl InlineCall {
+    /// `future` holding `permit`.
+    pub(super) fn new(future: impl Future<Output = ()> + 'static, permit: Option<Permit>) -> Self {
+        Self {
+            future: Box::pin(future),
+            _permit: permit,
+        }
+    }
+}
+
 /// The driver's end of the outputs.
 enum Receiver<O> {
-    Local(channel::Receiver<Stamped<O>>),
+    /// A call on this core, polled by [`Receiver::recv`] itself.
+    Inline {
+        outputs: channel::Receiver<Stamped<O>>,
+        /// `None` once the call returned or was aborted.
+        call: Cell<Option<InlineCall>>,
+    },
     Remote {
         mailbox: Mailbox<Stamped<O>>,
         /// Outputs taken in one batch (one lock, at most one cross-core
@@ -152,9 +154,33 @@ enum Receiver<O> {
 impl<O> Receiver<O> {
     /// The next output; `None` once the call returned (every sender is
     /// gone). Cancel-safe: nothing is taken unless it is returned.
-    async fn recv(&mut self) -> Option<Stamped<O>> {
+    async fn recv(&mut self, started_at: Instant) -> Option<Stamped<O>> {
         match self {
-            Receiver::Local(rx) => rx.recv().await,
+            Receiver::Inline { outputs, call } => {
+                poll_fn(|cx| loop {
+                    if let Some(output) = outputs.try_recv() {
+                        return Poll::Ready(Some(output));
+                    }
+                    let Some(mut running) = call.take() else {
+                        // Returned (or aborted): its sender is gone and
+                        // nothing is queued.
+                        return Poll::Ready(None);
+                    };
+                    if running.future.as_mut().poll(cx).is_pending() {
+                        call.set(Some(running));
+                        return match outputs.try_recv() {
+                            Some(output) => Poll::Ready(Some(output)),
+                            None => Poll::Pending,
+                        };
+                    }
+                    // Returned (its permit goes with it): what it queued
+                    // last, then the end.
+                    drop(running);
+                    // metrics: provider call duration (returned).
+                    metrics::record_since(Latency::NodeProviderCallDuration, started_at);
+                })
+                .await
+            }
             Receiver::Remote { mailbox, batch } => {
                 if batch.is_empty() {
                     if mailbox.recv_batch(batch, OUTPUT_QUEUE).await == 0 {
@@ -168,20 +194,14 @@ impl<O> Receiver<O> {
     }
 }
 
-/// Aborts the provider call, on this core or on a worker core.
-#[derive(Debug)]
-enum Abort {
-    Local(Rc<AbortSignal>),
-    Remote(Arc<CrossAbort>),
-}
-
-/// The driver's end of a spawned provider task.
+/// The driver's end of a provider call.
 pub struct ProviderSide<O> {
     outputs: Receiver<O>,
-    abort: Abort,
+    /// Aborts a call running on a worker core (an inline call is dropped).
+    remote_abort: Option<Arc<CrossAbort>>,
     /// The capacity permit of a call running on a worker core: it stays on
     /// the session core and is dropped when the worker reports the call's
-    /// return (W10). `None` for a local call (its task holds the permit).
+    /// return (W10). `None` for an inline call (its future holds it).
     held: Option<Permit>,
     /// When the provider call was spawned (metrics: provider TTFB).
     started_at: Instant,
@@ -190,23 +210,27 @@ pub struct ProviderSide<O> {
 impl<O> std::fmt::Debug for ProviderSide<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProviderSide")
-            .field("abort", &self.abort)
+            .field("remote_abort", &self.remote_abort)
             .field("held", &self.held)
             .finish_non_exhaustive()
     }
 }
 
 impl<O> ProviderSide<O> {
-    /// The attempt's side of a call running in a task on this core (the
-    /// task holds the permit).
-    pub(super) fn local(
+    /// The attempt's side of `call`, which runs inline (polled by
+    /// [`recv`](Self::recv)) and holds the permit until it returns or is
+    /// aborted.
+    pub(super) fn inline(
         outputs: channel::Receiver<Stamped<O>>,
-        abort: Rc<AbortSignal>,
+        call: InlineCall,
         started_at: Instant,
     ) -> Self {
         Self {
-            outputs: Receiver::Local(outputs),
-            abort: Abort::Local(abort),
+            outputs: Receiver::Inline {
+                outputs,
+                call: Cell::new(Some(call)),
+            },
+            remote_abort: None,
             held: None,
             started_at,
         }
@@ -226,18 +250,27 @@ impl<O> ProviderSide<O> {
                 mailbox,
                 batch: Vec::with_capacity(OUTPUT_QUEUE),
             },
-            abort: Abort::Remote(abort),
+            remote_abort: Some(abort),
             held: permit,
             started_at,
         }
     }
 
     /// Aborts the provider call (idempotent): it is dropped on its core,
-    /// closing its socket without a check-in.
+    /// closing its socket without a check-in (and, inline, releasing its
+    /// permit) at once.
     pub fn abort(&self) {
-        match &self.abort {
-            Abort::Local(signal) => signal.abort(),
-            Abort::Remote(signal) => signal.abort(),
+        match (&self.outputs, &self.remote_abort) {
+            (Receiver::Inline { call, .. }, _) => {
+                if let Some(running) = call.take() {
+                    drop(running);
+                    metrics::add(Count::NodeProviderCallsAborted, 1);
+                    // metrics: provider call duration (aborted).
+                    metrics::record_since(Latency::NodeProviderCallDuration, self.started_at);
+                }
+            }
+            (Receiver::Remote { .. }, Some(signal)) => signal.abort(),
+            (Receiver::Remote { .. }, None) => {}
         }
     }
 
@@ -250,7 +283,7 @@ impl<O> ProviderSide<O> {
     /// then a permit held for it here is released. Cancel-safe: nothing is
     /// taken unless it is returned.
     pub async fn recv(&mut self) -> Option<Stamped<O>> {
-        let next = self.outputs.recv().await;
+        let next = self.outputs.recv(self.started_at).await;
         if next.is_none() {
             self.held = None;
         }
@@ -267,8 +300,9 @@ impl<O> ProviderSide<O> {
 impl<O> Drop for ProviderSide<O> {
     fn drop(&mut self) {
         // A call whose attempt is gone has nobody to report to. (`drive`
-        // only returns after the call's return, when this is a no-op.)
-        if let Abort::Remote(signal) = &self.abort {
+        // only returns after the call's return, when this is a no-op; an
+        // inline call goes with this side.)
+        if let Some(signal) = &self.remote_abort {
             signal.abort();
         }
     }

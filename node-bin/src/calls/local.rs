@@ -1,42 +1,125 @@
 //! A provider call on the session core itself (`--cores` with one core):
-//! a task on this core against this core's keep-alive pool, no mailbox hop.
+//! run inline by the attempt that awaits its outputs ([`ProviderSide`]),
+//! against this core's keep-alive pool; no task of its own, no mailbox hop.
 
 use std::rc::Rc;
 
 use iop_engine::clock;
-use iop_engine::metrics::{self, Count, Latency};
 use iop_engine::sync::channel;
 
-use super::channel::{AbortSignal, OutputTx, ProviderCall, ProviderSide, OUTPUT_QUEUE};
+use super::channel::{InlineCall, OutputTx, ProviderCall, ProviderSide, OUTPUT_QUEUE};
 use super::pool::ProviderPool;
 use crate::adapters::Permit;
 
-/// Starts `call` in a task on this core. The task holds `permit` until the
-/// call returns or is aborted (W10); dropping the call future on abort
-/// closes its provider socket (plain TCP; the runtime cancels the
-/// in-flight operation).
+/// Starts `call` on this core. Its future, boxed into the returned side
+/// with `permit`, holds the permit until the call returns or is aborted
+/// (W10); an abort drops it, which closes its provider socket (plain TCP;
+/// the runtime cancels the in-flight operation).
 pub(super) fn spawn<C: ProviderCall>(
     pool: Rc<ProviderPool>,
     permit: Option<Permit>,
     call: C,
 ) -> ProviderSide<C::Output> {
     let (tx, rx) = channel::channel(OUTPUT_QUEUE);
-    let abort = Rc::new(AbortSignal::default());
     let started_at = clock::now();
-    // Boxed: `select!` below takes the call future by value, so an inline
-    // one would be stored twice in the task (as captured, and in the
-    // select), for the life of the call.
-    let work = Box::pin(call.run(pool, OutputTx::local(tx)));
-    let task_abort = abort.clone();
-    monoio::spawn(async move {
-        let _permit = permit;
-        monoio::select! {
-            biased;
-            _ = task_abort.aborted() => metrics::add(Count::NodeProviderCallsAborted, 1),
-            _ = work => {},
+    let call = InlineCall::new(call.run(pool, OutputTx::local(tx)), permit);
+    ProviderSide::inline(rx, call, started_at)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::calls::pool::PoolConfig;
+
+    /// Sends `pieces`, then returns, or waits to be aborted when `hold`;
+    /// `dropped` is set when its future is dropped, however it ends.
+    struct Scripted {
+        pieces: Vec<Bytes>,
+        hold: bool,
+        dropped: Arc<AtomicBool>,
+    }
+
+    /// Sets its flag when dropped.
+    struct DropFlag(Arc<AtomicBool>);
+
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
         }
-        // metrics: provider call duration (returned or aborted).
-        metrics::record_since(Latency::NodeProviderCallDuration, started_at);
-    });
-    ProviderSide::local(rx, abort, started_at)
+    }
+
+    impl ProviderCall for Scripted {
+        type Output = Bytes;
+
+        async fn run(self, _pool: Rc<ProviderPool>, out: OutputTx<Bytes>) {
+            let _flag = DropFlag(self.dropped);
+            for piece in self.pieces {
+                if !out.send(piece).await {
+                    return;
+                }
+            }
+            if self.hold {
+                std::future::pending::<()>().await;
+            }
+        }
+
+        fn not_started(message: String) -> Bytes {
+            Bytes::from(message)
+        }
+    }
+
+    fn pieces(n: usize) -> Vec<Bytes> {
+        (0..n).map(|i| Bytes::from(format!("piece-{i}"))).collect()
+    }
+
+    // More outputs than the queue holds: the call runs as the attempt
+    // takes them (its sends wait while the queue is full), in order, and
+    // the side ends when the call returned.
+    #[monoio::test(timer_enabled = true)]
+    async fn an_inline_call_runs_as_its_outputs_are_taken() {
+        let sent = pieces(3 * OUTPUT_QUEUE + 1);
+        let dropped = Arc::new(AtomicBool::new(false));
+        let call = Scripted {
+            pieces: sent.clone(),
+            hold: false,
+            dropped: dropped.clone(),
+        };
+        let mut side = spawn(ProviderPool::new(PoolConfig::default()), None, call);
+        let mut got = Vec::new();
+        while let Some(piece) = side.next_output().await {
+            got.push(piece);
+        }
+        assert_eq!(got, sent);
+        assert!(
+            dropped.load(Ordering::Relaxed),
+            "the call's future is gone once it returned"
+        );
+        assert_eq!(side.next_output().await, None);
+    }
+
+    // An abort drops the call at once, not at the attempt's next read: its
+    // socket and permit go with it (W10), and the side ends after what was
+    // already queued.
+    #[monoio::test(timer_enabled = true)]
+    async fn an_aborted_inline_call_is_dropped_at_once() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let call = Scripted {
+            pieces: pieces(2),
+            hold: true,
+            dropped: dropped.clone(),
+        };
+        let mut side = spawn(ProviderPool::new(PoolConfig::default()), None, call);
+        assert_eq!(side.next_output().await, Some(Bytes::from("piece-0")));
+        assert!(!dropped.load(Ordering::Relaxed));
+        side.abort();
+        assert!(dropped.load(Ordering::Relaxed), "abort drops the call");
+        assert_eq!(side.next_output().await, Some(Bytes::from("piece-1")));
+        assert_eq!(side.next_output().await, None);
+        side.abort();
+    }
 }

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //!  CallSite::spawn(permit, call)
-//!    ├─ Here: a task on this core (local), this core's pool
+//!    ├─ Here: inline in the attempt's task on this core (local), this core's pool
 //!    └─ Workers: a job to the least-loaded worker core, its pool
 //!         provider socket ─read─► pooled buffer ─Bytes─► OutputTx ══► ProviderSide (the attempt)
 //! ```
@@ -35,8 +35,8 @@ use crate::adapters::Permit;
 /// Where this node's provider calls run.
 #[derive(Debug, Clone)]
 pub enum CallSite {
-    /// In a task on the session core, against its keep-alive pool (one
-    /// core: no mailbox hop).
+    /// On the session core, inline in the attempt's own task, against its
+    /// keep-alive pool (one core: no task of its own, no mailbox hop).
     Here(Rc<ProviderPool>),
     /// On the worker cores (`--cores` of two or more), each against its
     /// own pool; outputs come back over a bounded cross-core mailbox.

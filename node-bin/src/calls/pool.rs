@@ -1046,8 +1046,8 @@ mod tests {
         again.reusable.set(false);
         assert!(!again.release());
         assert_eq!(pool.idle_connections(&base), 0);
-        // An aborted provider task drops its connection (as
-        // the call task drops its call on abort): no check-in,
+        // An aborted provider call drops its connection (as
+        // an abort drops the call): no check-in,
         // even though the connection itself looks reusable.
         let (conn, _) = fake(2, true);
         let held = pool.adopt(&base, conn);

@@ -17,8 +17,8 @@ use super::usage::UsageWatcher;
 use crate::adapters::Endpoint;
 use crate::codes;
 
-/// The provider HTTP exchange of one tunnel, run in the provider task (on
-/// this core or a worker core: everything here is `Send`; the opened
+/// The provider HTTP exchange of one tunnel, run on this core (inline, by
+/// its attempt) or on a worker core (everything here is `Send`; the opened
 /// credential stays in its zeroizing buffers on the way).
 #[derive(Debug)]
 pub struct TunnelCall {

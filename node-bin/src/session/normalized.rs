@@ -197,7 +197,7 @@ mod tests {
     }
 
     // CONTRACT: P4 — a run takes a slot of its adapter's one gate and holds
-    // it until the permit (owned by the provider task) drops.
+    // it until the permit (owned by the provider call) drops.
     #[test]
     fn runs_share_the_adapter_gate() {
         let adapters = adapters(1);

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! Edge ──ProviderTunnelRequest──► check (W1) ─► adapter, path (U3) ─► gate (P4)
-//!        ─► provider task: HTTP request, head, body pieces ──outputs──► drive (watchdog)
+//!        ─► provider call: HTTP request, head, body pieces ──outputs──► drive (watchdog)
 //!      ◄── RESPONSE_START, BODY*, END | ERROR ◄─────────────────────────────┘
 //! ```
 //!
