@@ -7,6 +7,7 @@
 //!        ◄─ status+headers, body chunks ◄── RESPONSE_START, BODY* ◄── node conn
 //! ```
 
+use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +17,8 @@ use iop_engine::clock;
 use iop_engine::http::ReadReadiness;
 use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency};
-use iop_engine::net::Wait;
+use iop_engine::net::{Deadline, Wait};
+use iop_engine::sync::Either;
 use iop_engine::tls::{ListenerStream, MaybeTls};
 use iop_wire::codec::BodyParts;
 use iop_wire::pb;
@@ -39,20 +41,15 @@ use crate::state::{Admission, Edge, RouteEvent, RouteRx};
 use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::{front_door, metrics, status};
 
-/// Serves one client connection until it closes: over TLS after a
-/// handshake when the listener has `[edge.client_tls]`, else plain. Every
-/// read has a deadline: the handshake has `edge.client_head_timeout_ms`,
-/// then the requests `edge.client_*_timeout_ms`; a request refused before
-/// its body was read is answered and the connection closed with a
-/// lingering close.
-/// What a client connection's stream can do: plain TCP and TLS both.
+/// What a client connection's stream can do: plain TCP and TLS both
+/// (`AsRawFd`: the TCP socket underneath, for socket options).
 pub(crate) trait ClientStream:
-    AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness
+    AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness + AsRawFd
 {
 }
 
-impl<S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness> ClientStream
-    for S
+impl<S> ClientStream for S where
+    S: AsyncReadRent + AsyncWriteRent + CancelableAsyncReadRent + ReadReadiness + AsRawFd
 {
 }
 
@@ -264,53 +261,85 @@ impl<S: ClientStream> Client<S> {
 /// Serves one client connection to its end; `open` (its place under the
 /// connection cap) is dropped with it.
 ///
-/// A function returning an `async move` block, not an `async fn`: the
-/// block keeps the socket and the Edge once, where an `async fn` keeps its
-/// arguments and the locals they move into, in every connection's task.
-#[allow(clippy::manual_async_fn)]
+/// A plain connection is served on its `TcpStream` itself, a TLS one on
+/// the TLS stream, boxed: a connection's task is sized by the stream it
+/// serves (a TLS write's state is several hundred bytes more, in every
+/// streamed response), so plain connections do not carry room for TLS.
+///
+/// A function, not an `async fn`: the socket's options and deadline are
+/// set at the call, and the future returned for a plain connection is
+/// the request loop itself, holding the socket, the Edge and `open` once.
 pub fn serve<G: 'static>(
     edge: Rc<Edge>,
     tcp: TcpStream,
     open: G,
 ) -> impl std::future::Future<Output = ()> {
+    let _ = tcp.set_nodelay(true);
+    // Taken from the TCP socket before any TLS wraps it.
+    let deadline = edge.deadlines.watch(&tcp);
+    // The `/admin` routes of an Edge without client keys answer loopback
+    // peers only.
+    let peer = tcp.peer_addr().ok().map(|a| a.ip());
+    if edge.settings.client_tls.is_none() {
+        return Either::left(serve_requests(edge, tcp, deadline, peer, open));
+    }
+    Either::right(Box::pin(async move {
+        // Boxed: the handshake's state is most of a kilobyte and only
+        // needed until it is done.
+        if let Some(stream) = Box::pin(handshake(&edge, tcp, &deadline, peer)).await {
+            serve_requests(edge, stream, deadline, peer, open).await;
+        }
+    }))
+}
+
+/// The client TLS handshake of a listener with `[edge.client_tls]`; `None`
+/// when it failed or timed out (counted, logged at debug).
+async fn handshake(
+    edge: &Edge,
+    tcp: TcpStream,
+    deadline: &Deadline,
+    peer: Option<std::net::IpAddr>,
+) -> Option<ListenerStream> {
+    let tls = edge.settings.client_tls.as_ref()?;
+    // An expired handshake deadline shuts the socket down, and the
+    // handshake fails on its own (a TLS read is never cancelled).
+    deadline.arm(
+        Wait::Handshake,
+        Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+    );
+    let handshake = tls.accept(tcp).await;
+    deadline.disarm();
+    match handshake {
+        Ok(stream) => Some(MaybeTls::from(stream)),
+        Err(e) => {
+            // Debug only: any peer on the network can cause these as fast
+            // as it likes; the counters say how many.
+            if deadline.expired() == Some(Wait::Handshake) {
+                engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
+                tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
+            } else {
+                engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
+                tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+            }
+            None
+        }
+    }
+}
+
+/// Reads and answers the requests of one client connection over `stream`
+/// until it closes. Every read has a deadline: the requests'
+/// `edge.client_*_timeout_ms`; a request refused before its body was read
+/// is answered and the connection closed with a lingering close.
+#[allow(clippy::manual_async_fn)]
+fn serve_requests<S: ClientStream, G: 'static>(
+    edge: Rc<Edge>,
+    stream: S,
+    deadline: Deadline,
+    peer: Option<std::net::IpAddr>,
+    open: G,
+) -> impl std::future::Future<Output = ()> {
     async move {
         let _open = open;
-        let _ = tcp.set_nodelay(true);
-        // Taken from the TCP socket before any TLS wraps it.
-        let deadline = edge.deadlines.watch(&tcp);
-        // The `/admin` routes of an Edge without client keys answer loopback
-        // peers only.
-        let peer = tcp.peer_addr().ok().map(|a| a.ip());
-        let stream: ListenerStream = match &edge.settings.client_tls {
-            None => MaybeTls::Plain(tcp),
-            Some(tls) => {
-                // An expired handshake deadline shuts the socket down, and the
-                // handshake fails on its own (a TLS read is never cancelled).
-                deadline.arm(
-                    Wait::Handshake,
-                    Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
-                );
-                // Boxed: the handshake's state is most of a kilobyte and
-                // only needed until it is done.
-                let handshake = Box::pin(tls.accept(tcp)).await;
-                deadline.disarm();
-                match handshake {
-                    Ok(stream) => MaybeTls::from(stream),
-                    Err(e) => {
-                        // Debug only: any peer on the network can cause these
-                        // as fast as it likes; the counters say how many.
-                        if deadline.expired() == Some(Wait::Handshake) {
-                            engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
-                            tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
-                        } else {
-                            engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
-                            tracing::debug!(?peer, error = %e, "client TLS handshake failed");
-                        }
-                        return;
-                    }
-                }
-            }
-        };
         let limits = Limits {
             max_body_bytes: edge.settings.max_request_body_bytes,
             ..Limits::default()

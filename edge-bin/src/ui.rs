@@ -34,12 +34,12 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::surface::ClientStream;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, ServerConn, Watched};
 use iop_engine::metrics::buckets::Buckets;
 use iop_engine::metrics::{self as engine_metrics, Histogram, Latency};
-use iop_engine::tls::ListenerStream;
 use iop_wire::pb;
 use serde_json::{json, Value};
 
@@ -323,8 +323,8 @@ fn refusal(status: u16, code: &str, message: &str) -> (u16, Bytes) {
     (status, Bytes::from(body.to_string()))
 }
 
-async fn write_json(
-    server: &mut ServerConn<ListenerStream>,
+async fn write_json<S: ClientStream>(
+    server: &mut ServerConn<S>,
     (status, body): (u16, Bytes),
 ) -> Result<(), HttpError> {
     server
@@ -333,9 +333,9 @@ async fn write_json(
 }
 
 /// `GET /ui`: the page. Without client keys, loopback peers only.
-pub async fn page(
+pub(crate) async fn page<S: ClientStream>(
     edge: &Edge,
-    server: &mut ServerConn<ListenerStream>,
+    server: &mut ServerConn<S>,
     peer: Option<IpAddr>,
 ) -> Result<(), HttpError> {
     if !edge.settings.client_keys.is_enabled() {
@@ -401,9 +401,9 @@ async fn snapshot(edge: &Edge) -> Option<Snapshot> {
 /// `GET /ui/events`: streams events to an admin (or, without client keys,
 /// a loopback peer) until it leaves, stops reading (the write-stall reset:
 /// the error is returned) or the Edge drains.
-pub async fn events(
+pub(crate) async fn events<S: ClientStream>(
     edge: &Rc<Edge>,
-    server: &mut ServerConn<ListenerStream>,
+    server: &mut ServerConn<S>,
     authority: Authority,
     peer: Option<IpAddr>,
 ) -> Result<(), HttpError> {
@@ -423,7 +423,7 @@ pub async fn events(
         .await;
     };
     if let Err(e) =
-        iop_engine::net::set_send_buffer_bytes(server.stream().tcp(), VIEWER_SEND_BUFFER_BYTES)
+        iop_engine::net::set_send_buffer_bytes(server.stream(), VIEWER_SEND_BUFFER_BYTES)
     {
         tracing::debug!(error = %e, "status page viewer send buffer");
     }

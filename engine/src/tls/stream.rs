@@ -389,6 +389,13 @@ pub type UpstreamStream = MaybeTls<ClientConnection>;
 /// has a certificate.
 pub type ListenerStream = MaybeTls<ServerConnection>;
 
+/// The TCP socket underneath.
+impl<C> std::os::fd::AsRawFd for MaybeTls<C> {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.tcp().as_raw_fd()
+    }
+}
+
 impl<C> MaybeTls<C> {
     /// The TCP socket underneath (socket options, shutdown from outside).
     pub fn tcp(&self) -> &TcpStream {
