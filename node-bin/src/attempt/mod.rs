@@ -275,35 +275,42 @@ pub fn drive<'a, E: Emitter + 'a>(
 /// Forwards `stamped` as far as the window allows: whole when it fits,
 /// else the part that fits (split without copying) and then the rest, and
 /// what cannot go now is handed back to be held until credit arrives.
-async fn forward<E: Emitter>(
-    conn: &ConnHandle,
-    emitter: &mut E,
-    flow: &FlowGate,
+///
+/// An `async move` block, not an `async fn`: the block uses its arguments
+/// in place, where an `async fn` would keep them and the locals they move
+/// into (the output among them), in every stream's task.
+#[allow(clippy::manual_async_fn)]
+fn forward<'a, E: Emitter>(
+    conn: &'a ConnHandle,
+    emitter: &'a mut E,
+    flow: &'a FlowGate,
     mut stamped: Stamped<E::Output>,
     activity: Activity,
-) -> Option<Stamped<E::Output>> {
-    loop {
-        let charge = E::charge(&stamped.output);
-        if charge == 0 || flow.fits(charge) {
-            // Nothing borrows the frame before it moves into `send`, so
-            // this future keeps no room for it (see `send`). The window is
-            // charged after the push, before this task yields: no credit
-            // for the frame can arrive in between.
-            if send(conn, emitter.forward(stamped.output)).await {
-                flow.consume(charge);
-                if activity == Activity::Progress {
-                    // metrics: relay chunk latency (read → frame queued).
-                    metrics::record_since(Latency::NodeRelayChunkLatency, stamped.read_at);
+) -> impl std::future::Future<Output = Option<Stamped<E::Output>>> + 'a {
+    async move {
+        loop {
+            let charge = E::charge(&stamped.output);
+            if charge == 0 || flow.fits(charge) {
+                // Nothing borrows the frame before it moves into `send`, so
+                // this future keeps no room for it (see `send`). The window is
+                // charged after the push, before this task yields: no credit
+                // for the frame can arrive in between.
+                if send(conn, emitter.forward(stamped.output)).await {
+                    flow.consume(charge);
+                    if activity == Activity::Progress {
+                        // metrics: relay chunk latency (read → frame queued).
+                        metrics::record_since(Latency::NodeRelayChunkLatency, stamped.read_at);
+                    }
                 }
+                return None;
             }
-            return None;
-        }
-        let Some(head) = E::split_off(&mut stamped.output, flow.payload_allowance()) else {
-            return Some(stamped);
-        };
-        let head_charge = E::charge(&head);
-        if send(conn, emitter.forward(head)).await {
-            flow.consume(head_charge);
+            let Some(head) = E::split_off(&mut stamped.output, flow.payload_allowance()) else {
+                return Some(stamped);
+            };
+            let head_charge = E::charge(&head);
+            if send(conn, emitter.forward(head)).await {
+                flow.consume(head_charge);
+            }
         }
     }
 }

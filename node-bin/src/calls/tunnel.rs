@@ -39,17 +39,19 @@ pub struct TunnelCall {
 impl ProviderCall for TunnelCall {
     type Output = TunnelOutput;
 
-    // An `async move` block rather than an `async fn`: the block moves the
-    // call it captured into the exchange, where an `async fn` would keep it
-    // twice (as its argument and as the local it moves into).
+    // An `async move` block rather than an `async fn`, capturing the call
+    // in a slot the exchange takes it from: the call is stored once, in
+    // this future (an `async fn`, or an exchange taking it by value, would
+    // keep a second copy of it in its own state).
     #[allow(clippy::manual_async_fn)]
     fn run(
         self,
         pool: Rc<ProviderPool>,
         out: OutputTx<TunnelOutput>,
     ) -> impl std::future::Future<Output = ()> + 'static {
+        let mut call = Some(self);
         async move {
-            if let Err((code, message)) = self.exchange(&pool, &out).await {
+            if let Err((code, message)) = TunnelCall::exchange(&mut call, &pool, &out).await {
                 out.send(TunnelOutput::Failed { code, message }).await;
             }
         }
@@ -64,10 +66,11 @@ impl ProviderCall for TunnelCall {
 }
 
 impl TunnelCall {
-    /// Consumes the call: its request (body, headers, target) is freed
-    /// once the response head is here, not held while the body streams.
+    /// Takes the call from `slot`: its request (body, headers, target) is
+    /// freed once the response head is here, not held while the body
+    /// streams.
     async fn exchange(
-        self,
+        slot: &mut Option<TunnelCall>,
         pool: &Rc<ProviderPool>,
         out: &OutputTx<TunnelOutput>,
     ) -> Result<(), (&'static str, String)> {
@@ -76,14 +79,17 @@ impl TunnelCall {
         // the body streams (a local that was borrowed keeps its room until
         // its scope ends).
         let (mut conn, mut usage, start) = {
-            let TunnelCall {
+            let Some(TunnelCall {
                 endpoint,
                 method,
                 path,
                 headers: forwarded,
                 body,
                 credential,
-            } = self;
+            }) = slot.take()
+            else {
+                return Ok(());
+            };
             // --- provider pool: checkout, stale retry, credential header -------
             // C2: the declared header, built in a zeroizing buffer, replaces any
             // forwarded header of the same name. The opened secret goes right
