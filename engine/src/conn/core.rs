@@ -643,9 +643,22 @@ impl ConnCore {
     }
 }
 
+/// Frames of room the bulk lane keeps once it has drained: a burst (every
+/// stream's first frames at once) grows it to as many as the lane admits,
+/// and without this the lane would keep that room (128 bytes a frame) for
+/// the life of the connection.
+const BULK_KEPT_FRAMES: usize = 64;
+
+/// A drained bulk lane with more room than this gives it back (down to
+/// [`BULK_KEPT_FRAMES`]); under a steady load the lane stays well below.
+const BULK_SHRINK_ABOVE_FRAMES: usize = 4 * BULK_KEPT_FRAMES;
+
 fn pop_bulk(bulk: &mut VecDeque<OutFrame>, bulk_bytes: &mut usize) -> Option<OutFrame> {
     let frame = bulk.pop_front()?;
     *bulk_bytes -= frame.len_bytes();
+    if bulk.is_empty() && bulk.capacity() > BULK_SHRINK_ABOVE_FRAMES {
+        bulk.shrink_to(BULK_KEPT_FRAMES);
+    }
     Some(frame)
 }
 
@@ -873,6 +886,34 @@ mod tests {
             assert_eq!(next_body(&mut core), run_event(seq).body);
         }
         assert_eq!(core.poll_transmit(), None);
+    }
+
+    #[test]
+    fn a_drained_bulk_lane_gives_back_the_room_a_burst_took() {
+        let clock = ManualClock::new(0);
+        let mut core = core_at(&clock);
+        for seq in 1..=1000 {
+            queue_bulk(&mut core, &run_event(seq));
+        }
+        assert!(core.bulk.capacity() >= 1000);
+        for seq in 1..=999 {
+            assert_eq!(next_body(&mut core), run_event(seq).body);
+        }
+        // Not drained yet: the room stays while frames wait.
+        assert!(core.bulk.capacity() >= 1000);
+        assert_eq!(next_body(&mut core), run_event(1000).body);
+        assert!(
+            core.bulk.capacity() <= BULK_SHRINK_ABOVE_FRAMES,
+            "capacity {} after draining",
+            core.bulk.capacity()
+        );
+        // A steady trickle below the threshold keeps its room.
+        for seq in 1..=BULK_SHRINK_ABOVE_FRAMES as u64 {
+            queue_bulk(&mut core, &run_event(seq));
+        }
+        let room = core.bulk.capacity();
+        while core.poll_transmit().is_some() {}
+        assert_eq!(core.bulk.capacity(), room);
     }
 
     #[test]
