@@ -65,7 +65,7 @@ struct Client<S> {
     caller: Option<Caller>,
     /// The current request's claim on its principal's limits, given back
     /// when its line is written (or the connection ends).
-    ticket: Option<(ClientKeys, Ticket)>,
+    ticket: Option<Box<(ClientKeys, Ticket)>>,
     /// The Edge's per-request series and this shard's index in them.
     metrics: Arc<RequestMetrics>,
     shard: usize,
@@ -94,7 +94,7 @@ impl<S> Client<S> {
     /// Gives the current request's limits claim back, settling its tokens
     /// against the usage observed (once; later calls do nothing).
     fn release_limits(&mut self) {
-        if let Some((keys, ticket)) = self.ticket.take() {
+        if let Some((keys, ticket)) = self.ticket.take().map(|claim| *claim) {
             let observed = match (self.rec.prompt_tokens, self.rec.completion_tokens) {
                 (None, None) => None,
                 (p, c) => Some(p.unwrap_or(0) + c.unwrap_or(0)),
@@ -338,30 +338,33 @@ fn serve_requests<S: ClientStream, G: 'static>(
     peer: Option<std::net::IpAddr>,
     open: G,
 ) -> impl std::future::Future<Output = ()> {
+    // Built before the loop's future: the future captures the connection
+    // once, not the stream and deadline beside the connection made of them.
+    let limits = Limits {
+        max_body_bytes: edge.settings.max_request_body_bytes,
+        ..Limits::default()
+    };
+    let timeouts = front_door::client_timeouts(
+        &edge.settings.limits,
+        edge.settings.client_write_stall_timeout,
+    );
+    let mut server = Client {
+        conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
+        rec: AccessRecord::default(),
+        read_at: None,
+        caller: None,
+        ticket: None,
+        metrics: edge.settings.request_metrics.clone(),
+        shard: edge.shard_index(),
+        route: Route::Other,
+        model: 0,
+        last_chunk_at: None,
+        active: None,
+        edge,
+    };
     async move {
         let _open = open;
-        let limits = Limits {
-            max_body_bytes: edge.settings.max_request_body_bytes,
-            ..Limits::default()
-        };
-        let timeouts = front_door::client_timeouts(
-            &edge.settings.limits,
-            edge.settings.client_write_stall_timeout,
-        );
-        let mut server = Client {
-            edge: Rc::clone(&edge),
-            conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
-            rec: AccessRecord::default(),
-            read_at: None,
-            caller: None,
-            ticket: None,
-            metrics: edge.settings.request_metrics.clone(),
-            shard: edge.shard_index(),
-            route: Route::Other,
-            model: 0,
-            last_chunk_at: None,
-            active: None,
-        };
+        let edge = Rc::clone(&server.edge);
         loop {
             // The body moves into the route that reads it (it is freed as soon
             // as the route is done with it, not when the response ends).
@@ -1031,7 +1034,7 @@ fn check_caller<S>(edge: &Edge, server: &mut Client<S>, model: &str) -> Option<C
     match keys.admit(&caller.principal, estimate, clock::now()) {
         limits::Admission::Granted(ticket, _) => {
             server.release_limits();
-            server.ticket = Some((keys.clone(), ticket));
+            server.ticket = Some(Box::new((keys.clone(), ticket)));
             None
         }
         limits::Admission::Refused(refusal) => Some(CallerRefusal::Limit(refusal)),

@@ -183,8 +183,9 @@ pub struct ServerConn<S> {
     /// Requests read so far (the first one's head deadline counts from the
     /// accept).
     requests_read: u64,
-    /// The head of a request whose body failed to read.
-    unfinished_head: Option<RequestHead>,
+    /// The head of a request whose body failed to read (boxed: rare, and
+    /// inline it would take room in every connection).
+    unfinished_head: Option<Box<RequestHead>>,
     /// Headers added to every response head of the current exchange.
     exchange_headers: Vec<(&'static str, Bytes)>,
     exchange: ExchangeStats,
@@ -432,7 +433,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         match body {
             Ok(body) => Ok(Some(Request { head, body })),
             Err(e) => {
-                self.unfinished_head = Some(head);
+                self.unfinished_head = Some(Box::new(head));
                 Err(e)
             }
         }
@@ -442,7 +443,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     /// request's head (to answer in its route's shape). `None` when the
     /// head itself failed, and once the next request is read.
     pub fn unfinished_head(&self) -> Option<&RequestHead> {
-        self.unfinished_head.as_ref()
+        self.unfinished_head.as_deref()
     }
 
     /// Arms the deadline (if any) with the wait and timeout `pick` chooses.
