@@ -95,11 +95,13 @@ impl<T> fmt::Debug for Receiver<T> {
     }
 }
 
-/// A channel holding at most `capacity` (≥ 1) values.
+/// A channel holding at most `capacity` (≥ 1) values. Room for one value
+/// is allocated at once, more as more wait (a one-value channel never
+/// takes the four a growing queue starts with).
 pub fn channel<T>(capacity: usize) -> (Sender<T>, Receiver<T>) {
     let shared = Rc::new(Shared {
         state: RefCell::new(State {
-            queue: VecDeque::new(),
+            queue: VecDeque::with_capacity(1),
             senders: 1,
             receiver_alive: true,
             receiver_waker: None,
