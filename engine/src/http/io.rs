@@ -179,7 +179,23 @@ pub trait ReadReadiness {
         let _ = pool;
         None
     }
+
+    /// After [`read_ready`](Self::read_ready): appends what the stream has
+    /// now, at most `max_bytes`, to `buf`, without waiting, growing `buf`
+    /// only as the bytes arrive (from [`RECV_FIRST_BYTES`], doubling), so
+    /// a small request never takes a full read chunk of memory; the bytes
+    /// read, 0 at end of stream, `WouldBlock` when it has nothing after
+    /// all. `None`: this stream cannot read that way (TLS), so the read
+    /// takes a buffer of its own.
+    fn read_now(&mut self, buf: &mut BytesMut, max_bytes: usize) -> Option<io::Result<usize>> {
+        let _ = (buf, max_bytes);
+        None
+    }
 }
+
+/// Room [`ReadReadiness::read_now`] first gives a read: a whole API
+/// request head and a short body.
+pub(crate) const RECV_FIRST_BYTES: usize = 2 * 1024;
 
 impl ReadReadiness for TcpStream {
     async fn read_ready(&mut self) -> io::Result<()> {
@@ -192,6 +208,65 @@ impl ReadReadiness for TcpStream {
     fn read_packed_now(&mut self, pool: &BufferPool) -> Option<io::Result<Bytes>> {
         Some(recv_packed(self.as_raw_fd(), pool))
     }
+
+    fn read_now(&mut self, buf: &mut BytesMut, max_bytes: usize) -> Option<io::Result<usize>> {
+        Some(recv_growing(self.as_raw_fd(), buf, max_bytes))
+    }
+}
+
+/// Non-blocking `recv`s on `fd` appended to `buf` until the socket has no
+/// more, `max_bytes` arrived or the stream ended: the room each `recv` gets
+/// starts at [`RECV_FIRST_BYTES`] and doubles while a `recv` fills it.
+fn recv_growing(fd: RawFd, buf: &mut BytesMut, max_bytes: usize) -> io::Result<usize> {
+    let started_without_room = buf.capacity() == 0;
+    let read = recv_growing_into(fd, buf, max_bytes);
+    if started_without_room && matches!(read, Ok(0) | Err(_)) {
+        // Nothing arrived after all: the room taken for it goes back.
+        *buf = BytesMut::new();
+    }
+    read
+}
+
+fn recv_growing_into(fd: RawFd, buf: &mut BytesMut, max_bytes: usize) -> io::Result<usize> {
+    let mut read_total = 0;
+    let mut room = RECV_FIRST_BYTES;
+    while read_total < max_bytes {
+        let want = room.min(max_bytes - read_total);
+        buf.reserve(want);
+        let spare = &mut buf.spare_capacity_mut()[..want];
+        // SAFETY: `spare` is valid for writes of `spare.len()` bytes for
+        // the whole call; `recv` writes at most that many and returns how
+        // many.
+        let read_bytes = unsafe {
+            libc::recv(
+                fd,
+                spare.as_mut_ptr().cast(),
+                spare.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        let read_bytes = match usize::try_from(read_bytes) {
+            Ok(n) => n,
+            Err(_) => {
+                let error = io::Error::last_os_error();
+                match error.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock if read_total > 0 => return Ok(read_total),
+                    _ => return Err(error),
+                }
+            }
+        };
+        // SAFETY: the kernel wrote the first `read_bytes` bytes of the
+        // spare capacity, which starts at `buf.len()`.
+        unsafe { buf.set_len(buf.len() + read_bytes) };
+        read_total += read_bytes;
+        if read_bytes < want {
+            // Drained (or at the end of the stream: the next read says 0).
+            return Ok(read_total);
+        }
+        room = room.saturating_mul(2);
+    }
+    Ok(read_total)
 }
 
 /// One non-blocking `recv` on `fd` into `pool`'s packing buffer. It never
@@ -232,6 +307,13 @@ impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
     fn read_packed_now(&mut self, pool: &BufferPool) -> Option<io::Result<Bytes>> {
         match self {
             crate::tls::MaybeTls::Plain(tcp) => tcp.read_packed_now(pool),
+            crate::tls::MaybeTls::Tls(_) => None,
+        }
+    }
+
+    fn read_now(&mut self, buf: &mut BytesMut, max_bytes: usize) -> Option<io::Result<usize>> {
+        match self {
+            crate::tls::MaybeTls::Plain(tcp) => tcp.read_now(buf, max_bytes),
             crate::tls::MaybeTls::Tls(_) => None,
         }
     }
@@ -551,6 +633,69 @@ mod tests {
             assert_eq!((read, read_bytes), (Bytes::new(), 0));
         }
         assert_eq!((pool.in_use(), pool.stale_returns()), (0, 0));
+    }
+
+    #[monoio::test_all]
+    async fn read_now_gives_a_small_request_room_of_its_own_size() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = monoio::spawn(async move { connect(addr).await.unwrap() });
+        let (mut server, _) = accept(&listener).await.unwrap();
+        let mut client = client.await;
+
+        // Nothing arrived: it says so without waiting and takes no room.
+        let mut buf = BytesMut::new();
+        let nothing = server.read_now(&mut buf, 1 << 20).unwrap().unwrap_err();
+        assert_eq!(nothing.kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(buf.capacity(), 0);
+
+        // A short request is read whole into the first, small room.
+        let request: &'static [u8] = b"GET /v1/models HTTP/1.1\r\nhost: a\r\n\r\n";
+        write_parts(
+            &mut client,
+            IoParts::new([Bytes::from_static(request)]),
+            || {},
+        )
+        .await
+        .unwrap();
+        server.read_ready().await.unwrap();
+        assert_eq!(
+            server.read_now(&mut buf, 1 << 20).unwrap().unwrap(),
+            request.len()
+        );
+        assert_eq!(&buf[..], request);
+        assert!(buf.capacity() <= 2 * RECV_FIRST_BYTES, "{}", buf.capacity());
+
+        // A big body: the room doubles while reads fill it, never past
+        // `max_bytes`, and every byte lands in order after what was there.
+        let body: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+        write_parts(
+            &mut client,
+            IoParts::new([Bytes::from(body.clone())]),
+            || {},
+        )
+        .await
+        .unwrap();
+        let mut read_total = 0;
+        while read_total < body.len() {
+            server.read_ready().await.unwrap();
+            match server.read_now(&mut buf, 16 * 1024).unwrap() {
+                Ok(read_bytes) => {
+                    assert!((1..=16 * 1024).contains(&read_bytes), "{read_bytes}");
+                    read_total += read_bytes;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(read_total, body.len());
+        assert_eq!(&buf[..request.len()], request);
+        assert_eq!(&buf[request.len()..], &body[..]);
+
+        // End of stream reads 0.
+        drop(client);
+        server.read_ready().await.unwrap();
+        assert_eq!(server.read_now(&mut buf, 1 << 20).unwrap().unwrap(), 0);
     }
 
     #[monoio::test_all]

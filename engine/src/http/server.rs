@@ -398,12 +398,29 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 }
             }
             scanned_bytes = self.read_buf.len();
+            let mut read = None;
             if self.read_buf.is_empty() {
-                // Waiting for the (next) request costs no read buffer.
+                // Waiting for the (next) request costs no read buffer, and
+                // what arrived is read into room of its own size (a plain
+                // socket): a burst of new requests does not take a full
+                // read chunk each.
                 let ready = self.stream.read_ready().await;
                 self.check_deadline(ready.map(|()| 1))?;
+                read = self.stream.read_now(&mut self.read_buf, READ_CHUNK_BYTES);
+                if let Some(Err(e)) = &read {
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ) {
+                        // A readiness the socket no longer has: wait again.
+                        continue;
+                    }
+                }
             }
-            let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
+            let read = match read {
+                Some(read) => read,
+                None => fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await,
+            };
             let read_bytes = self.check_deadline(read)?;
             if read_bytes == 0 {
                 self.keep_alive = false;
