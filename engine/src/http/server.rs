@@ -46,7 +46,8 @@ use super::body::{BodyDecoder, BodyEvent};
 use super::head::worth_parsing;
 use super::io::{fill, fill_toward, write_parts_back, IoParts, ReadReadiness, READ_CHUNK_BYTES};
 use super::write::{
-    encode_chunk_header, write_response_head, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
+    chunk_size_line, encode_chunk_header, write_response_head, CHUNKED_END, CHUNK_DATA_END,
+    CONTINUE_100,
 };
 use super::{parse_request_head, BodyFraming, HttpError, Limits, RequestHead, Version};
 use crate::clock;
@@ -167,8 +168,6 @@ pub struct ServerConn<S> {
     deadline: Option<(Deadline, ServerTimeouts)>,
     stream: S,
     read_buf: BytesMut,
-    /// Scratch for heads and chunk-size lines.
-    write_buf: BytesMut,
     /// The vectors of the last gathered write, kept for the next one
     /// (`None` while a write owns them).
     spare_parts: Option<IoParts>,
@@ -223,7 +222,6 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
             stream,
             // Allocated by the first read, once the socket is readable.
             read_buf: BytesMut::new(),
-            write_buf: BytesMut::new(),
             spare_parts: None,
             limits,
             keep_alive: true,
@@ -243,6 +241,9 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     /// earlier value of `name`. Cleared when the next request is read.
     pub fn set_exchange_header(&mut self, name: &'static str, value: Bytes) {
         self.exchange_headers.retain(|(n, _)| *n != name);
+        // Most connections set one (the request id): room for that one,
+        // not the four a growing vector starts with.
+        self.exchange_headers.reserve_exact(1);
         self.exchange_headers.push((name, value));
     }
 
@@ -602,14 +603,17 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 len_bytes: body.len() as u64,
             }
         };
+        // The head's buffer is the head's alone, freed once it is written:
+        // a connection keeps none between responses.
+        let mut head = BytesMut::new();
         write_response_head(
-            &mut self.write_buf,
+            &mut head,
             status,
             with_exchange_headers(headers, &self.exchange_headers),
             framing,
             !self.keep_alive,
         )?;
-        let head = self.write_buf.split().freeze();
+        let head = head.freeze();
         let body = if self.head_request || bodiless_status {
             Bytes::new()
         } else {
@@ -678,8 +682,9 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         } else {
             (BodyFraming::Chunked, ResponseState::Chunked)
         };
+        let mut head = BytesMut::new();
         write_response_head(
-            &mut self.write_buf,
+            &mut head,
             status,
             with_exchange_headers(headers, &self.exchange_headers),
             framing,
@@ -691,10 +696,9 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         };
         let chunked = state == ResponseState::Chunked && !first.is_empty();
         if chunked {
-            self.write_buf
-                .extend_from_slice(encode_chunk_header(first.len()).as_bytes());
+            head.extend_from_slice(encode_chunk_header(first.len()).as_bytes());
         }
-        let head = self.write_buf.split().freeze();
+        let head = head.freeze();
         self.exchange.status = Some(status);
         if !first.is_empty() {
             self.exchange
@@ -724,12 +728,11 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
             ResponseState::HeadOnly => return Either::right(ready(Ok(()))),
             _ if data.is_empty() => return Either::right(ready(Ok(()))),
             ResponseState::CloseDelimited => [data, Bytes::new(), Bytes::new()],
-            ResponseState::Chunked => {
-                self.write_buf
-                    .extend_from_slice(encode_chunk_header(data.len()).as_bytes());
-                let size_line = self.write_buf.split().freeze();
-                [size_line, data, Bytes::from_static(CHUNK_DATA_END)]
-            }
+            ResponseState::Chunked => [
+                chunk_size_line(data.len()),
+                data,
+                Bytes::from_static(CHUNK_DATA_END),
+            ],
         };
         self.exchange
             .first_body_byte_at

@@ -2,7 +2,7 @@
 //! refusing names and values that would change the message's meaning on the
 //! wire (CR/LF injection).
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
 use super::{BodyFraming, HttpError};
 
@@ -55,6 +55,66 @@ pub fn encode_chunk_header(data_len: usize) -> ChunkHeader {
         bytes,
         // At most 16 hex digits plus CRLF: fits in u8.
         len_bytes: (count + 2) as u8,
+    }
+}
+
+/// Chunks shorter than this take their size line from [`SIZE_LINES`].
+const SIZE_LINES_BELOW: usize = 0x1000;
+
+/// The size lines of every chunk length below [`SIZE_LINES_BELOW`], back
+/// to back: `0\r\n1\r\n…f\r\n10\r\n…fff\r\n`.
+static SIZE_LINES: [u8; size_line_offset(SIZE_LINES_BELOW)] = size_lines();
+
+/// Where the size line of a chunk of `data_len` bytes starts in
+/// [`SIZE_LINES`]: one hex digit below 0x10, two below 0x100, three
+/// below 0x1000, each line followed by CRLF.
+const fn size_line_offset(data_len: usize) -> usize {
+    if data_len < 0x10 {
+        data_len * 3
+    } else if data_len < 0x100 {
+        0x10 * 3 + (data_len - 0x10) * 4
+    } else {
+        0x10 * 3 + 0xf0 * 4 + (data_len - 0x100) * 5
+    }
+}
+
+const fn size_lines() -> [u8; size_line_offset(SIZE_LINES_BELOW)] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut lines = [0u8; size_line_offset(SIZE_LINES_BELOW)];
+    let mut data_len = 0;
+    while data_len < SIZE_LINES_BELOW {
+        let digits = if data_len < 0x10 {
+            1
+        } else if data_len < 0x100 {
+            2
+        } else {
+            3
+        };
+        let at = size_line_offset(data_len);
+        let mut digit = 0;
+        while digit < digits {
+            let shift = 4 * (digits - 1 - digit);
+            lines[at + digit] = HEX[(data_len >> shift) & 0xf];
+            digit += 1;
+        }
+        lines[at + digits] = b'\r';
+        lines[at + digits + 1] = b'\n';
+        data_len += 1;
+    }
+    lines
+}
+
+/// The chunk-size line for a chunk of `data_len` bytes as `Bytes` of its
+/// own: for chunks under 4 KiB (every streamed token) a slice of a static
+/// table, so sending a chunk allocates nothing and a connection keeps no
+/// buffer for its size lines.
+pub fn chunk_size_line(data_len: usize) -> Bytes {
+    if data_len < SIZE_LINES_BELOW {
+        let start = size_line_offset(data_len);
+        let end = size_line_offset(data_len + 1);
+        Bytes::from_static(&SIZE_LINES[start..end])
+    } else {
+        Bytes::copy_from_slice(encode_chunk_header(data_len).as_bytes())
     }
 }
 
@@ -332,6 +392,19 @@ pub fn canonical_reason(status: u16) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunk_size_lines_match_the_encoder_for_every_length() {
+        for data_len in (0..=SIZE_LINES_BELOW + 2).chain([65_535, 1 << 20, usize::MAX]) {
+            assert_eq!(
+                &chunk_size_line(data_len)[..],
+                encode_chunk_header(data_len).as_bytes(),
+                "{data_len}"
+            );
+        }
+        assert_eq!(&chunk_size_line(0xfff)[..], b"fff\r\n");
+        assert_eq!(&chunk_size_line(0x1000)[..], b"1000\r\n");
+    }
 
     #[test]
     fn chunk_headers() {
