@@ -11,61 +11,19 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicI64, Ordering};
-
 use bytes::Bytes;
 use common::*;
+use iop_engine::memory::CountingAlloc;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 
-struct CountingAlloc;
-
-static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
-
-fn size_i64(size: usize) -> i64 {
-    i64::try_from(size).unwrap_or(i64::MAX)
-}
-
-// SAFETY: every method forwards to `System` with the caller's arguments
-// unchanged, so `System`'s guarantees carry over; the bookkeeping is one
-// atomic add, which never allocates.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(size_i64(layout.size()), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged; the caller upholds `alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(size_i64(layout.size()), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged; the caller upholds `alloc_zeroed`'s contract.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(size_i64(layout.size()), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged; `ptr` came from this allocator (i.e. `System`).
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(
-            size_i64(new_size) - size_i64(layout.size()),
-            Ordering::Relaxed,
-        );
-        // SAFETY: forwarded unchanged; the caller upholds `realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
 
 fn live_bytes() -> i64 {
-    LIVE_BYTES.load(Ordering::Relaxed)
+    CountingAlloc::live_bytes()
 }
 
 /// The prompt's size: far above everything else the exchange allocates.
@@ -138,7 +96,7 @@ async fn a_committed_stream_holds_no_copy_of_its_request() {
         // been kept, the difference would be that much below zero.)
         let released = held - live_bytes();
         assert!(
-            released > size_i64(PROMPT_BYTES / 2),
+            released > i64::try_from(PROMPT_BYTES / 2).unwrap(),
             "{released} bytes released at the commit, expected about the prompt's {PROMPT_BYTES}"
         );
 

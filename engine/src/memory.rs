@@ -68,6 +68,64 @@ pub fn trim() -> bool {
     }
 }
 
+/// A global allocator that forwards to the system's and counts the bytes
+/// live in the whole process, for tests that prove memory is given back:
+/// install it with `#[global_allocator] static A: CountingAlloc =
+/// CountingAlloc;` and read [`CountingAlloc::live_bytes`] around the
+/// exchange under test. The count is one relaxed atomic add per call.
+#[derive(Debug)]
+pub struct CountingAlloc;
+
+static COUNTED_LIVE_BYTES: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+impl CountingAlloc {
+    /// Bytes allocated and not yet freed through this allocator, process
+    /// wide (every thread's).
+    pub fn live_bytes() -> i64 {
+        COUNTED_LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count(delta_bytes: i64) {
+        COUNTED_LIVE_BYTES.fetch_add(delta_bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn size_i64(size_bytes: usize) -> i64 {
+    i64::try_from(size_bytes).unwrap_or(i64::MAX)
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments
+// unchanged, so `System`'s guarantees carry over; the bookkeeping is one
+// atomic add, which never allocates.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        Self::count(size_i64(layout.size()));
+        // SAFETY: forwarded unchanged; the caller upholds `alloc`'s contract.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        Self::count(size_i64(layout.size()));
+        // SAFETY: forwarded unchanged; the caller upholds `alloc_zeroed`'s
+        // contract.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        Self::count(-size_i64(layout.size()));
+        // SAFETY: forwarded unchanged; `ptr` came from this allocator,
+        // which is `System`'s.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        Self::count(size_i64(new_size) - size_i64(layout.size()));
+        // SAFETY: forwarded unchanged; the caller upholds `realloc`'s
+        // contract.
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
