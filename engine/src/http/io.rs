@@ -233,28 +233,12 @@ fn recv_growing_into(fd: RawFd, buf: &mut BytesMut, max_bytes: usize) -> io::Res
     while read_total < max_bytes {
         let want = room.min(max_bytes - read_total);
         buf.reserve(want);
-        let spare = &mut buf.spare_capacity_mut()[..want];
-        // SAFETY: `spare` is valid for writes of `spare.len()` bytes for
-        // the whole call; `recv` writes at most that many and returns how
-        // many.
-        let read_bytes = unsafe {
-            libc::recv(
-                fd,
-                spare.as_mut_ptr().cast(),
-                spare.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
-        let read_bytes = match usize::try_from(read_bytes) {
-            Ok(n) => n,
-            Err(_) => {
-                let error = io::Error::last_os_error();
-                match error.kind() {
-                    io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock if read_total > 0 => return Ok(read_total),
-                    _ => return Err(error),
-                }
+        let read_bytes = match recv_now(fd, &mut buf.spare_capacity_mut()[..want]) {
+            Ok(read_bytes) => read_bytes,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && read_total > 0 => {
+                return Ok(read_total)
             }
+            Err(e) => return Err(e),
         };
         // SAFETY: the kernel wrote the first `read_bytes` bytes of the
         // spare capacity, which starts at `buf.len()`.
@@ -269,15 +253,15 @@ fn recv_growing_into(fd: RawFd, buf: &mut BytesMut, max_bytes: usize) -> io::Res
     Ok(read_total)
 }
 
-/// One non-blocking `recv` on `fd` into `pool`'s packing buffer. It never
-/// waits, so no read is in flight when it returns (under io_uring too: the
-/// kernel writes the tail during the call, not after it).
-fn recv_packed(fd: RawFd, pool: &BufferPool) -> io::Result<Bytes> {
-    let read = |tail: &mut [std::mem::MaybeUninit<u8>]| loop {
-        // SAFETY: `tail` is valid for writes of `tail.len()` bytes for the
+/// One non-blocking `recv` on `fd` into `room`, again when a signal
+/// interrupts it: the bytes read (0 at the end of the stream), or
+/// `WouldBlock` when none are waiting.
+fn recv_now(fd: RawFd, room: &mut [std::mem::MaybeUninit<u8>]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `room` is valid for writes of `room.len()` bytes for the
         // whole call; `recv` writes at most that many and returns how many.
         let read_bytes =
-            unsafe { libc::recv(fd, tail.as_mut_ptr().cast(), tail.len(), libc::MSG_DONTWAIT) };
+            unsafe { libc::recv(fd, room.as_mut_ptr().cast(), room.len(), libc::MSG_DONTWAIT) };
         match usize::try_from(read_bytes) {
             Ok(read_bytes) => return Ok(read_bytes),
             Err(_) => {
@@ -287,7 +271,14 @@ fn recv_packed(fd: RawFd, pool: &BufferPool) -> io::Result<Bytes> {
                 }
             }
         }
-    };
+    }
+}
+
+/// One non-blocking `recv` on `fd` into `pool`'s packing buffer. It never
+/// waits, so no read is in flight when it returns (under io_uring too: the
+/// kernel writes the tail during the call, not after it).
+fn recv_packed(fd: RawFd, pool: &BufferPool) -> io::Result<Bytes> {
+    let read = |tail: &mut [std::mem::MaybeUninit<u8>]| recv_now(fd, tail);
     // SAFETY: on `Ok(n)` the kernel wrote the first `n` bytes of the tail,
     // and the closure keeps no pointer into it.
     unsafe { pool.read_packed(read) }
