@@ -32,50 +32,13 @@ pub(super) fn spawn<C: ProviderCall>(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
 
     use bytes::Bytes;
 
     use super::*;
     use crate::calls::pool::PoolConfig;
-
-    /// Sends `pieces`, then returns, or waits to be aborted when `hold`;
-    /// `dropped` is set when its future is dropped, however it ends.
-    struct Scripted {
-        pieces: Vec<Bytes>,
-        hold: bool,
-        dropped: Arc<AtomicBool>,
-    }
-
-    /// Sets its flag when dropped.
-    struct DropFlag(Arc<AtomicBool>);
-
-    impl Drop for DropFlag {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::Relaxed);
-        }
-    }
-
-    impl ProviderCall for Scripted {
-        type Output = Bytes;
-
-        async fn run(self, _pool: Rc<ProviderPool>, out: OutputTx<Bytes>) {
-            let _flag = DropFlag(self.dropped);
-            for piece in self.pieces {
-                if !out.send(piece).await {
-                    return;
-                }
-            }
-            if self.hold {
-                std::future::pending::<()>().await;
-            }
-        }
-
-        fn not_started(message: String) -> Bytes {
-            Bytes::from(message)
-        }
-    }
+    use crate::calls::scripted::Scripted;
 
     fn pieces(n: usize) -> Vec<Bytes> {
         (0..n).map(|i| Bytes::from(format!("piece-{i}"))).collect()
@@ -87,12 +50,8 @@ mod tests {
     #[monoio::test(timer_enabled = true)]
     async fn an_inline_call_runs_as_its_outputs_are_taken() {
         let sent = pieces(3 * INLINE_OUTPUT_QUEUE + 8);
-        let dropped = Arc::new(AtomicBool::new(false));
-        let call = Scripted {
-            pieces: sent.clone(),
-            hold: false,
-            dropped: dropped.clone(),
-        };
+        let call = Scripted::new(sent.clone(), false);
+        let dropped = call.dropped.clone();
         let mut side = spawn(ProviderPool::new(PoolConfig::default()), None, call);
         let mut got = Vec::new();
         while let Some(piece) = side.next_output().await {
@@ -112,12 +71,8 @@ mod tests {
     // holding one).
     #[monoio::test(timer_enabled = true)]
     async fn an_aborted_inline_call_is_dropped_at_once() {
-        let dropped = Arc::new(AtomicBool::new(false));
-        let call = Scripted {
-            pieces: pieces(2),
-            hold: true,
-            dropped: dropped.clone(),
-        };
+        let call = Scripted::new(pieces(2), true);
+        let dropped = call.dropped.clone();
         let mut side = spawn(ProviderPool::new(PoolConfig::default()), None, call);
         assert_eq!(side.next_output().await, Some(Bytes::from("piece-0")));
         assert!(!dropped.load(Ordering::Relaxed));

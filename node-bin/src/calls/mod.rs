@@ -20,6 +20,8 @@ pub mod openai;
 pub mod output;
 pub mod pool;
 pub mod run;
+#[cfg(test)]
+pub(crate) mod scripted;
 pub mod tunnel;
 pub mod usage;
 pub mod workers;

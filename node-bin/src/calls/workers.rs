@@ -443,34 +443,7 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
-
-    /// Sends `pieces`, then waits to be aborted (or returns if `hold` is
-    /// false); records the thread it ran on.
-    struct Scripted {
-        pieces: Vec<Bytes>,
-        hold: bool,
-        ran_on: Arc<OnceLock<ThreadId>>,
-    }
-
-    impl ProviderCall for Scripted {
-        type Output = Bytes;
-
-        async fn run(self, _pool: Rc<ProviderPool>, out: OutputTx<Bytes>) {
-            let _ = self.ran_on.set(std::thread::current().id());
-            for piece in self.pieces {
-                if !out.send(piece).await {
-                    return;
-                }
-            }
-            if self.hold {
-                std::future::pending::<()>().await;
-            }
-        }
-
-        fn not_started(message: String) -> Bytes {
-            Bytes::from(message)
-        }
-    }
+    use crate::calls::scripted::Scripted;
 
     fn one_worker() -> (Rc<Workers>, std::thread::JoinHandle<()>) {
         let (workers, mut inboxes) = channels(1);
@@ -495,12 +468,8 @@ mod tests {
         let (workers, thread) = one_worker();
         let pieces: Vec<Bytes> = (0..40).map(|i| Bytes::from(format!("piece-{i}"))).collect();
         let addresses: Vec<usize> = pieces.iter().map(|b| b.as_ptr() as usize).collect();
-        let ran_on = Arc::new(OnceLock::new());
-        let call = Scripted {
-            pieces: pieces.clone(),
-            hold: false,
-            ran_on: ran_on.clone(),
-        };
+        let call = Scripted::new(pieces.clone(), false);
+        let ran_on = call.ran_on.clone();
         let mut side = workers.dispatch(None, call);
         let got = recv_all(&mut side).await;
         assert_eq!(got, pieces);
@@ -527,11 +496,7 @@ mod tests {
         let (workers, _thread) = one_worker();
         let gate = crate::adapters::CapacityGate::new(1);
         let permit = gate.try_acquire();
-        let call = Scripted {
-            pieces: vec![Bytes::from_static(b"first")],
-            hold: true,
-            ran_on: Arc::new(OnceLock::new()),
-        };
+        let call = Scripted::new(vec![Bytes::from_static(b"first")], true);
         let mut side = workers.dispatch(permit, call);
         assert_eq!(side.next_output().await, Some(Bytes::from_static(b"first")));
         assert_eq!(gate.in_flight(), 1, "held while the call runs");
@@ -550,11 +515,7 @@ mod tests {
         let (workers, inboxes) = channels(1);
         drop(inboxes);
         let gate = crate::adapters::CapacityGate::new(1);
-        let call = Scripted {
-            pieces: vec![Bytes::from_static(b"never")],
-            hold: false,
-            ran_on: Arc::new(OnceLock::new()),
-        };
+        let call = Scripted::new(vec![Bytes::from_static(b"never")], false);
         let mut side = workers.dispatch(gate.try_acquire(), call);
         assert_eq!(
             recv_all(&mut side).await,
