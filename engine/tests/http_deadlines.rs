@@ -12,8 +12,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use iop_engine::clock;
 use iop_engine::http::{
-    accept, connect, parse_response_head, HttpError, Limits, Linger, LingerEnd, ResponseHead,
-    ServerConn, ServerTimeouts,
+    accept, connect, parse_response_head, BodyRate, HttpError, Limits, Linger, LingerEnd,
+    ResponseHead, ServerConn, ServerTimeouts,
 };
 use iop_engine::net::{Deadlines, Wait};
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
@@ -27,6 +27,7 @@ mod http {
         keep_alive_idle: Duration::from_millis(300),
         head: Duration::from_millis(300),
         body_idle: Duration::from_millis(300),
+        body_min_rate: None,
         write_stall: None,
     };
 
@@ -217,6 +218,155 @@ mod http {
         let request = conn.read_request().await.unwrap().unwrap();
         assert_eq!(&request.body[..], &[b'y'; 20][..]);
         drop(client.await);
+    }
+
+    // A body trickled a byte at a time, each within the idle timeout, is
+    // cut off once its grace has passed without the minimum rate: the idle
+    // bound alone would read it for as long as the client kept trickling.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_trickled_body_below_the_minimum_rate_is_cut_off_after_its_grace() {
+        let timeouts = ServerTimeouts {
+            body_idle: GENEROUS,
+            body_min_rate: Some(BodyRate {
+                grace: Duration::from_millis(400),
+                bytes_per_sec: 1024,
+            }),
+            ..TIMEOUTS
+        };
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"POST / HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+                .await
+                .unwrap();
+            let started = clock::now();
+            // 10 bytes a second: far below the rate, and never idle long.
+            while clock::now().duration_since(started) < GENEROUS {
+                if write_raw(&mut tcp, b"y").await.is_err() {
+                    break;
+                }
+                monoio::time::sleep(Duration::from_millis(100)).await;
+            }
+            read_to_end(&mut tcp).await.unwrap_or_default()
+        });
+        let mut conn = server(&listener, timeouts).await;
+        let started = clock::now();
+        let err = conn.read_request().await.unwrap_err();
+        assert!(matches!(err, HttpError::TimedOut(Wait::Body)), "{err:?}");
+        // Cut off by the rate, not by the (generous) idle bound.
+        assert!(clock::now().duration_since(started) < GENEROUS);
+        conn.write_error(&err).await.unwrap();
+        drop(conn);
+        let (head, _) = response(&client.await);
+        assert_eq!(head.status, 408);
+    }
+
+    // A body sent at more than the minimum rate is read to its end although
+    // it takes longer than the grace.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_body_above_the_minimum_rate_outlives_its_grace() {
+        let timeouts = ServerTimeouts {
+            body_idle: GENEROUS,
+            body_min_rate: Some(BodyRate {
+                grace: Duration::from_millis(200),
+                bytes_per_sec: 100,
+            }),
+            ..TIMEOUTS
+        };
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(&mut tcp, b"POST / HTTP/1.1\r\nContent-Length: 2000\r\n\r\n")
+                .await
+                .unwrap();
+            // 200 bytes every 100 ms: 2,000 bytes a second, 20 times the
+            // rate, for about a second (five times the grace).
+            for _ in 0..10 {
+                write_raw(&mut tcp, &[b'z'; 200]).await.unwrap();
+                monoio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tcp
+        });
+        let mut conn = server(&listener, timeouts).await;
+        let request = conn.read_request().await.unwrap().unwrap();
+        assert_eq!(&request.body[..], &[b'z'; 2000][..]);
+        drop(client.await);
+    }
+
+    // The head is read alone: a request refused on its head is answered
+    // before any of its body is read (the client sent none of it), and the
+    // connection closes after the answer.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_request_refused_on_its_head_is_answered_without_its_body() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(
+                &mut tcp,
+                b"POST /x HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let head = conn.read_head().await.unwrap().unwrap();
+        assert_eq!(head.target, "/x");
+        conn.skip_body(&head);
+        assert!(!conn.keep_alive());
+        conn.write_response(401, [("content-type", "text/plain")], "no\n".into())
+            .await
+            .unwrap();
+        let end = conn
+            .linger_close(&Linger {
+                time: GENEROUS,
+                idle: Duration::from_millis(300),
+                max_bytes: 1 << 20,
+            })
+            .await;
+        assert!(matches!(
+            end,
+            LingerEnd::PeerClosed { .. } | LingerEnd::TimedOut { .. }
+        ));
+        drop(conn);
+        let raw = client.await;
+        let (head, body) = response(&raw);
+        assert_eq!(head.status, 401);
+        assert_eq!(&body[..], b"no\n");
+        assert!(String::from_utf8_lossy(&raw).contains("connection: close"));
+    }
+
+    // A request without a body keeps its connection when refused on its
+    // head.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_bodiless_request_refused_on_its_head_keeps_the_connection() {
+        let (listener, addr) = listen();
+        let client = monoio::spawn(async move {
+            let mut tcp = connect(addr).await.unwrap();
+            write_raw(
+                &mut tcp,
+                b"GET /x HTTP/1.1\r\n\r\nGET /y HTTP/1.1\r\nConnection: close\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            read_to_end(&mut tcp).await.unwrap()
+        });
+        let mut conn = server(&listener, TIMEOUTS).await;
+        let head = conn.read_head().await.unwrap().unwrap();
+        conn.skip_body(&head);
+        assert!(conn.keep_alive());
+        conn.write_response(401, [("content-type", "text/plain")], "no\n".into())
+            .await
+            .unwrap();
+        let next = conn.read_request().await.unwrap().unwrap();
+        assert_eq!(next.head.target, "/y");
+        conn.write_response(200, [("content-type", "text/plain")], "ok".into())
+            .await
+            .unwrap();
+        drop(conn);
+        let raw = String::from_utf8(client.await).unwrap();
+        assert!(raw.starts_with("HTTP/1.1 401"), "{raw}");
+        assert!(raw.contains("HTTP/1.1 200"), "{raw}");
     }
 
     // After a response, a kept-alive connection that sends nothing is closed

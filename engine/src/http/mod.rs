@@ -50,7 +50,9 @@ pub use io::{
     accept, connect, connect_addrs, connect_host, connect_url, set_nodelay, ReadReadiness,
 };
 pub use ndjson::NdjsonSplitter;
-pub use server::{ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched};
+pub use server::{
+    BodyRate, ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched,
+};
 pub use sse::{parse_event, SseEvent, SseSplitter};
 pub use url::{Scheme, Url, UrlError};
 pub use write::{

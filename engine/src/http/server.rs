@@ -85,11 +85,40 @@ pub struct ServerTimeouts {
     pub head: Duration,
     /// Longest pause between two reads of a request body.
     pub body_idle: Duration,
+    /// The slowest average a request body may arrive at once its grace
+    /// has passed (`None`: only [`ServerTimeouts::body_idle`] bounds it).
+    pub body_min_rate: Option<BodyRate>,
     /// Longest time a response write may go without the peer accepting a
     /// byte; the connection is then cut off (reset) and the write fails
     /// with [`HttpError::TimedOut`]`(`[`Wait::Write`]`)`. `None`: writes
     /// wait for as long as the peer takes.
     pub write_stall: Option<Duration>,
+}
+
+/// A minimum average rate for request bodies, after Apache's
+/// `mod_reqtimeout` (`body=grace,MinRate=rate`): a body must be complete
+/// `grace` after its first read began, plus one second for each
+/// `bytes_per_sec` bytes that arrived. A client that trickles a byte now
+/// and then (which the idle bound alone never cuts off) loses the
+/// connection at the grace; one that sends at least the rate is never cut
+/// off by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyRate {
+    /// Time a body gets before the rate counts.
+    pub grace: Duration,
+    /// Bytes per second that extend the deadline (at least 1).
+    pub bytes_per_sec: u64,
+}
+
+impl BodyRate {
+    /// When a body whose reading began at `started` and of which
+    /// `received_bytes` arrived must be complete.
+    pub fn deadline(&self, started: Instant, received_bytes: u64) -> Instant {
+        let rate = self.bytes_per_sec.max(1);
+        let earned = Duration::from_secs(received_bytes / rate)
+            + Duration::from_nanos((received_bytes % rate).saturating_mul(1_000_000_000) / rate);
+        started + self.grace + earned
+    }
 }
 
 /// The bounds of a lingering close ([`ServerConn::linger_close`]), after
@@ -352,7 +381,8 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         }
     }
 
-    /// Reads the next request and its whole body.
+    /// Reads the next request and its whole body: [`ServerConn::read_head`]
+    /// then [`ServerConn::read_body`].
     ///
     /// `Ok(None)`: the client closed cleanly between requests. Sends
     /// `100 Continue` when the client asked for it and the body is not
@@ -361,19 +391,71 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     /// [`ServerConn::keep_alive`] false; answer them with
     /// [`ServerConn::write_error`] when [`HttpError::is_answerable`].
     pub async fn read_request(&mut self) -> Result<Option<Request>, HttpError> {
+        let Some(head) = self.read_head().await? else {
+            return Ok(None);
+        };
+        let body = self.read_body(&head).await?;
+        Ok(Some(Request { head, body }))
+    }
+
+    /// Reads the next request's head only, so the caller can decide on it
+    /// (authenticate, route) before a byte of the body is read. Follow with
+    /// [`ServerConn::read_body`], or with [`ServerConn::skip_body`] and an
+    /// answer (the connection then closes after it).
+    ///
+    /// `Ok(None)`: the client closed cleanly between requests. Errors leave
+    /// [`ServerConn::keep_alive`] false.
+    pub async fn read_head(&mut self) -> Result<Option<RequestHead>, HttpError> {
         if self.response != ResponseState::Idle {
             return Err(HttpError::NotReady {
                 reason: "the previous response is not finished",
             });
         }
-        let result = self.read_request_inner().await;
+        let result = self.read_head_inner().await;
         if result.is_err() {
             self.keep_alive = false;
         }
+        self.disarm();
         result
     }
 
-    async fn read_request_inner(&mut self) -> Result<Option<Request>, HttpError> {
+    /// Reads the whole body of the request whose head
+    /// [`ServerConn::read_head`] just returned (empty when it has none).
+    ///
+    /// Sends `100 Continue` when the client asked for it and the body is
+    /// not already here. Each read has the body deadlines
+    /// ([`ServerTimeouts::body_idle`], [`ServerTimeouts::body_min_rate`]).
+    /// On an error the head is kept for [`ServerConn::unfinished_head`] and
+    /// the connection is not kept alive.
+    pub async fn read_body(&mut self, head: &RequestHead) -> Result<Bytes, HttpError> {
+        let body = self.read_body_inner(head).await;
+        self.disarm();
+        if self.read_buf.is_empty() {
+            // Nothing pipelined: the buffer goes back now, not after the
+            // response (which may stream for minutes).
+            self.read_buf = BytesMut::new();
+        }
+        if body.is_err() {
+            self.keep_alive = false;
+            self.unfinished_head = Some(Box::new(head.clone()));
+        }
+        body
+    }
+
+    /// The body of the request last read will not be read: the answer to
+    /// it says `connection: close` and the connection ends after it
+    /// (follow the answer with [`ServerConn::linger_close`] when the client
+    /// may still be sending). A request without a body keeps the
+    /// connection.
+    pub fn skip_body(&mut self, head: &RequestHead) {
+        if head.framing != BodyFraming::None
+            && head.framing != (BodyFraming::ContentLength { len_bytes: 0 })
+        {
+            self.keep_alive = false;
+        }
+    }
+
+    async fn read_head_inner(&mut self) -> Result<Option<RequestHead>, HttpError> {
         self.exchange_headers.clear();
         self.exchange = ExchangeStats::default();
         // Until a head is parsed, answers (errors) go out as for a GET/1.1.
@@ -441,20 +523,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         self.keep_alive = head.keep_alive;
         self.head_request = head.is_head();
         self.http10 = head.version == Version::Http10;
-        let body = self.read_body(&head).await;
-        self.disarm();
-        if self.read_buf.is_empty() {
-            // Nothing pipelined: the buffer goes back now, not after the
-            // response (which may stream for minutes).
-            self.read_buf = BytesMut::new();
-        }
-        match body {
-            Ok(body) => Ok(Some(Request { head, body })),
-            Err(e) => {
-                self.unfinished_head = Some(Box::new(head));
-                Err(e)
-            }
-        }
+        Ok(Some(head))
     }
 
     /// After [`ServerConn::read_request`] failed reading a body: that
@@ -506,7 +575,20 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         self.read_buf = fresh;
     }
 
-    async fn read_body(&mut self, head: &RequestHead) -> Result<Bytes, HttpError> {
+    /// Arms the body deadline before a read: the idle bound, or the
+    /// minimum-rate deadline when that comes first.
+    fn arm_body(&self, started: Instant, received_bytes: usize) {
+        if let Some((deadline, timeouts)) = &self.deadline {
+            let idle_end = clock::now() + timeouts.body_idle;
+            let at = match timeouts.body_min_rate {
+                Some(rate) => idle_end.min(rate.deadline(started, received_bytes as u64)),
+                None => idle_end,
+            };
+            deadline.arm_at(Wait::Body, at);
+        }
+    }
+
+    async fn read_body_inner(&mut self, head: &RequestHead) -> Result<Bytes, HttpError> {
         let mut decoder =
             BodyDecoder::new(head.framing, &self.limits, Some(self.limits.max_body_bytes))?;
         if decoder.is_done() {
@@ -517,6 +599,9 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
             self.write_counting([Bytes::from_static(CONTINUE_100)], 0)
                 .await?;
         }
+        let started = clock::now();
+        // Body bytes already buffered behind the head count as arrived.
+        let buffered_at_start = self.read_buf.len();
         if let BodyFraming::ContentLength { len_bytes } = head.framing {
             // Bounded by max_body_bytes in BodyDecoder::new. Read the body
             // contiguously and split it off once: no copy.
@@ -529,7 +614,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 // nothing. Growth doubles (regrowth copies are O(len)) but
                 // stops at the declared length, so the body's buffer is at
                 // most its length.
-                self.arm(|t| (Wait::Body, t.body_idle));
+                self.arm_body(started, self.read_buf.len() - buffered_at_start);
                 let spare_bytes = (len - self.read_buf.len()).min(BODY_READ_CHUNK_BYTES);
                 let read =
                     fill_toward(&mut self.stream, &mut self.read_buf, spare_bytes, len).await;
@@ -548,6 +633,8 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         }
         let mut first: Option<Bytes> = None;
         let mut joined = BytesMut::new();
+        // Wire bytes of a chunked body read so far (framing included).
+        let mut received_bytes = 0usize;
         loop {
             match decoder.decode(&mut self.read_buf)? {
                 Some(BodyEvent::Data(data)) => match first.take() {
@@ -561,11 +648,13 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 },
                 Some(BodyEvent::End) => break,
                 None => {
-                    self.arm(|t| (Wait::Body, t.body_idle));
+                    self.arm_body(started, received_bytes);
                     let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
-                    if self.check_deadline(read)? == 0 {
+                    let read_bytes = self.check_deadline(read)?;
+                    if read_bytes == 0 {
                         decoder.on_eof()?;
                     }
+                    received_bytes = received_bytes.saturating_add(read_bytes);
                 }
             }
         }
@@ -933,5 +1022,34 @@ impl<V: AsRef<[u8]>> AsRef<[u8]> for HeaderValue<'_, V> {
             HeaderValue::Caller(v) => v.as_ref(),
             HeaderValue::Exchange(v) => v,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_earns_one_second_past_its_grace_per_rate_bytes() {
+        let rate = BodyRate {
+            grace: Duration::from_secs(30),
+            bytes_per_sec: 1024,
+        };
+        let start = clock::now();
+        assert_eq!(rate.deadline(start, 0), start + Duration::from_secs(30));
+        assert_eq!(rate.deadline(start, 1024), start + Duration::from_secs(31));
+        assert_eq!(
+            rate.deadline(start, 1536),
+            start + Duration::from_millis(31_500)
+        );
+        // A huge count does not overflow the arithmetic.
+        let far = rate.deadline(start, u64::MAX / 2);
+        assert!(far > start + Duration::from_secs(1 << 40));
+        // A zero rate is treated as one byte a second, not a division by zero.
+        let zero = BodyRate {
+            grace: Duration::ZERO,
+            bytes_per_sec: 0,
+        };
+        assert_eq!(zero.deadline(start, 3), start + Duration::from_secs(3));
     }
 }
