@@ -191,6 +191,12 @@ pub enum Count {
     /// `edge.max_client_connections` (new connections waited in the
     /// kernel's backlog).
     EdgeClientAcceptPaused,
+    /// Edge: idle keep-alive client connections closed at
+    /// `edge.max_client_connections` to admit a new connection.
+    EdgeClientIdleReclaimed,
+    /// Edge: client connections refused at
+    /// `edge.max_client_connections_per_peer`.
+    EdgeClientPeerCapRefusals,
     /// Edge: client connections cut off because a request head did not
     /// arrive within `edge.client_head_timeout_ms`.
     EdgeClientHeadTimeouts,
@@ -206,6 +212,9 @@ pub enum Count {
     /// Edge: requests refused before routing because their HTTP framing
     /// was bad or over a limit (400, 413, 431, 501).
     EdgeClientRequestErrors,
+    /// Edge: requests answered 401 or 403 on their head, before their body
+    /// was read (no key, an unknown key, or a key without the scope).
+    EdgeClientAuthRefusals,
     /// Edge: request bodies refused because their JSON nesting or element
     /// count is over `edge.max_json_depth` / `edge.max_json_elements`.
     EdgeClientJsonLimitRejections,
@@ -229,6 +238,12 @@ pub enum Count {
     /// Edge: node TLS handshakes that failed (bad certificate, wrong
     /// identity, not TLS).
     EdgeNodeHandshakeFailures,
+    /// Edge: node connections closed because no byte (no TLS ClientHello)
+    /// arrived within `edge.node_first_byte_timeout_ms`.
+    EdgeNodeFirstByteTimeouts,
+    /// Edge: node connections closed at once at
+    /// `edge.max_node_handshakes_per_peer`.
+    EdgeNodePeerCapRefusals,
     /// Edge: times the node accept loop stopped at
     /// `edge.max_node_handshakes` (new connections waited in the kernel's
     /// backlog).
@@ -240,16 +255,19 @@ pub enum Count {
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 20] = [
+    pub const ALL: [Count; 25] = [
         Count::EdgeRelayBodyBytes,
         Count::EdgeClientConnectionsAccepted,
         Count::EdgeClientConnectionsClosed,
         Count::EdgeClientAcceptPaused,
+        Count::EdgeClientIdleReclaimed,
+        Count::EdgeClientPeerCapRefusals,
         Count::EdgeClientHeadTimeouts,
         Count::EdgeClientBodyTimeouts,
         Count::EdgeClientIdleTimeouts,
         Count::EdgeClientWriteStalls,
         Count::EdgeClientRequestErrors,
+        Count::EdgeClientAuthRefusals,
         Count::EdgeClientJsonLimitRejections,
         Count::EdgeClientLingeringCloses,
         Count::EdgeClientLingerDiscardedBytes,
@@ -259,6 +277,8 @@ impl Count {
         Count::EdgeNodeHandshakesEnded,
         Count::EdgeNodeHandshakeTimeouts,
         Count::EdgeNodeHandshakeFailures,
+        Count::EdgeNodeFirstByteTimeouts,
+        Count::EdgeNodePeerCapRefusals,
         Count::EdgeNodeAcceptPaused,
         Count::NodeProviderCallsAborted,
     ];
@@ -279,6 +299,11 @@ impl Count {
             Count::EdgeClientConnectionsAccepted => "client_connections_accepted",
             Count::EdgeClientConnectionsClosed => "client_connections_closed",
             Count::EdgeClientAcceptPaused => "client_accept_paused",
+            Count::EdgeClientIdleReclaimed => "client_idle_reclaimed",
+            Count::EdgeClientPeerCapRefusals => "client_peer_cap_refusals",
+            Count::EdgeClientAuthRefusals => "client_auth_refusals",
+            Count::EdgeNodeFirstByteTimeouts => "node_first_byte_timeouts",
+            Count::EdgeNodePeerCapRefusals => "node_peer_cap_refusals",
             Count::EdgeClientHeadTimeouts => "client_head_timeouts",
             Count::EdgeClientBodyTimeouts => "client_body_timeouts",
             Count::EdgeClientIdleTimeouts => "client_idle_timeouts",
@@ -307,11 +332,26 @@ impl Count {
             Count::EdgeClientAcceptPaused => {
                 "Times the client accept loop stopped at edge.max_client_connections."
             }
+            Count::EdgeClientIdleReclaimed => {
+                "Idle keep-alive client connections closed at edge.max_client_connections to admit a new one."
+            }
+            Count::EdgeClientPeerCapRefusals => {
+                "Client connections refused at edge.max_client_connections_per_peer."
+            }
+            Count::EdgeClientAuthRefusals => {
+                "Requests answered 401 or 403 on their head, before their body was read."
+            }
+            Count::EdgeNodeFirstByteTimeouts => {
+                "Node connections closed at edge.node_first_byte_timeout_ms (no TLS ClientHello)."
+            }
+            Count::EdgeNodePeerCapRefusals => {
+                "Node connections closed at edge.max_node_handshakes_per_peer."
+            }
             Count::EdgeClientHeadTimeouts => {
                 "Client connections cut off at edge.client_head_timeout_ms."
             }
             Count::EdgeClientBodyTimeouts => {
-                "Client connections cut off at edge.client_body_idle_timeout_ms."
+                "Client connections cut off at edge.client_body_idle_timeout_ms or below edge.client_body_min_rate_bytes_per_sec."
             }
             Count::EdgeClientIdleTimeouts => {
                 "Idle keep-alive client connections closed at edge.client_keep_alive_timeout_ms."

@@ -156,6 +156,19 @@ impl DeadlineCore {
         self.expired
     }
 
+    /// Expires the deadline at `now` if what is armed is `wait` (a registry
+    /// reclaiming an idle connection); true when it did. Recorded like any
+    /// expiry.
+    pub fn expire_if(&mut self, wait: Wait, now: Instant) -> bool {
+        match self.armed {
+            Some((armed, _)) if armed == wait => {
+                self.armed = Some((wait, now));
+                self.poll(now) == DeadlineStep::Expire(wait)
+            }
+            _ => false,
+        }
+    }
+
     /// The timer fired at `now`: what to do next. An expiry disarms the
     /// deadline and is recorded.
     pub fn poll(&mut self, now: Instant) -> DeadlineStep {
@@ -354,6 +367,77 @@ impl Deadline {
     }
 }
 
+impl Deadline {
+    /// A weak handle on this deadline for a registry of connections
+    /// ([`DeadlineRef`]).
+    pub fn downgrade(&self) -> DeadlineRef {
+        DeadlineRef {
+            shared: Rc::downgrade(&self.shared),
+        }
+    }
+}
+
+/// A weak handle on a [`Deadline`]: a registry of connections (the accept
+/// loop reclaiming idle keep-alive connections at its cap) sees what a
+/// connection waits for and can cut it off, without keeping it alive.
+#[derive(Clone)]
+pub struct DeadlineRef {
+    shared: Weak<Shared>,
+}
+
+impl std::fmt::Debug for DeadlineRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadlineRef")
+            .field("armed", &self.armed())
+            .finish()
+    }
+}
+
+impl DeadlineRef {
+    /// What the connection's deadline has armed; `None` also once the
+    /// connection is gone.
+    pub fn armed(&self) -> Option<(Wait, Instant)> {
+        let shared = self.shared.upgrade()?;
+        shared.fd.get()?;
+        let armed = shared.core.borrow().armed();
+        armed
+    }
+
+    /// Cuts the connection off now, as if its deadline had passed, when it
+    /// waits for `wait` and no byte is waiting on its socket (a request
+    /// that just arrived is never cut off); true when it did. The
+    /// connection sees the expiry as its own ([`Deadline::expired`]).
+    pub fn cut_off_if_waiting(&self, wait: Wait, now: Instant) -> bool {
+        let Some(shared) = self.shared.upgrade() else {
+            return false;
+        };
+        let Some(fd) = shared.fd.get() else {
+            return false;
+        };
+        if !matches!(shared.core.borrow().armed(), Some((armed, _)) if armed == wait) {
+            return false;
+        }
+        if has_pending_bytes(fd) {
+            return false;
+        }
+        if !shared.core.borrow_mut().expire_if(wait, now) {
+            return false;
+        }
+        cut_off(fd, wait);
+        true
+    }
+}
+
+/// Whether a byte is waiting to be read on `fd` (a peek that never waits).
+fn has_pending_bytes(fd: RawFd) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    let mut probe = [0u8; 1];
+    matches!(
+        recv(fd, &mut probe, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT),
+        Ok(n) if n > 0
+    )
+}
+
 impl Drop for Deadline {
     fn drop(&mut self) {
         self.shared.fd.set(None);
@@ -400,6 +484,23 @@ fn reset_on_close(fd: RawFd) {
 mod tests {
     use super::*;
     use crate::clock::{Clock, ManualClock};
+
+    #[test]
+    fn expire_if_cuts_off_only_the_wait_it_names() {
+        let clock = ManualClock::new(0);
+        let t0 = clock.now();
+        let mut core = DeadlineCore::default();
+        assert!(!core.expire_if(Wait::Idle, t0), "nothing armed");
+        core.arm(Wait::Body, t0 + Duration::from_secs(5));
+        assert!(!core.expire_if(Wait::Idle, t0), "a body read is not idle");
+        assert_eq!(core.expired(), None);
+        core.arm(Wait::Idle, t0 + Duration::from_secs(60));
+        assert!(core.expire_if(Wait::Idle, t0));
+        assert_eq!(core.expired(), Some(Wait::Idle));
+        assert_eq!(core.armed(), None);
+        // The old timer entry finds nothing armed when it fires.
+        assert_eq!(core.poll(t0 + Duration::from_secs(60)), DeadlineStep::Idle);
+    }
 
     #[test]
     fn pushing_the_deadline_later_needs_no_wake() {

@@ -1,6 +1,7 @@
 //! Socket guards shared by every listener and connection: a per-connection
 //! [`Deadline`] that cuts a stalled peer off without cancelling a read, a
-//! [`Gate`] that caps connections in progress by not accepting more, and a
+//! [`Gate`] that caps connections in progress by not accepting more, a
+//! [`PeerLimit`] that caps what one peer address holds across the cores, a
 //! [`LogThrottle`] that keeps a flood of failing peers out of the logs, and
 //! [`set_send_buffer_bytes`] for a connection whose backlog must stay small.
 //!
@@ -19,9 +20,13 @@
 mod buffers;
 mod deadline;
 mod gate;
+mod peers;
 mod throttle;
 
-pub use buffers::set_send_buffer_bytes;
-pub use deadline::{Deadline, DeadlineCore, DeadlineStep, Deadlines, Wait, DEADLINE_TICK};
+pub use buffers::{answer_and_shut_now, set_send_buffer_bytes};
+pub use deadline::{
+    Deadline, DeadlineCore, DeadlineRef, DeadlineStep, Deadlines, Wait, DEADLINE_TICK,
+};
 pub use gate::{Gate, Permit};
+pub use peers::{peer_key, PeerLimit, PeerPermit};
 pub use throttle::LogThrottle;
