@@ -76,6 +76,8 @@ name = "edge-1"
 trust_domain = "iop.local"
 client_listen = "127.0.0.1:$port"
 node_listen = "127.0.0.1:0"
+# A loopback demo without client keys: say so.
+allow_anonymous = true
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"

@@ -17,7 +17,11 @@
 //! key with `scopes = ["admin"]` (another key: 403 `admin_scope_required`;
 //! none or an unknown one: 401 as on every route); without client keys,
 //! only a peer on a loopback address (another: 403 `admin_loopback_only`),
-//! whatever address the client listener is bound to.
+//! whatever address the client listener is bound to, that names the Edge
+//! by a loopback `Host` (another: 403 `admin_host_not_loopback`, so a web
+//! page whose name was rebound to 127.0.0.1 gets nothing). A command's
+//! body must be declared `application/json` (else 415), which a cross-site
+//! form cannot do.
 //!
 //! Only dispatch-ready owners receive commands (X6). An answer counts only
 //! when it arrives on the connection the command went to. The pending table
@@ -111,38 +115,123 @@ fn command_type(kind: &str) -> Option<pb::CommandType> {
 }
 
 fn error(status: u16, code: &str, message: &str) -> (u16, Bytes) {
-    let body = json!({"error": {"message": message, "type": "admin_error", "code": code}});
+    let body = json!({
+        "error": {"message": message, "type": "admin_error", "param": null, "code": code}
+    });
     (status, Bytes::from(body.to_string()))
 }
 
-/// Whether a request let in as `authority` from `peer` may use the admin
+/// Where a request came from, as the admin routes judge a caller without
+/// a key (an Edge without client keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Requester {
+    /// The peer address of the connection.
+    pub peer: Option<IpAddr>,
+    /// Whether its `Host` names this machine's loopback
+    /// ([`host_is_loopback`]).
+    pub loopback_host: bool,
+}
+
+impl Requester {
+    /// The requester of a request from `peer` with `host` (its `Host`
+    /// header's value, if any).
+    pub fn of(peer: Option<IpAddr>, host: Option<&[u8]>) -> Self {
+        Self {
+            peer,
+            loopback_host: host_is_loopback(host),
+        }
+    }
+}
+
+/// Whether a `Host` header value names this machine's loopback:
+/// `localhost`, an address in `127.0.0.0/8` or `[::1]`, with or without a
+/// port. A browser sends another name for a page of another site even when
+/// that site's name resolves to 127.0.0.1 (DNS rebinding), so requiring it
+/// keeps such pages from the admin routes of an Edge without keys.
+pub fn host_is_loopback(host: Option<&[u8]>) -> bool {
+    let Some(host) = host.and_then(|h| std::str::from_utf8(h).ok()) else {
+        return false;
+    };
+    let host = host.trim();
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // [v6]:port
+        match rest.split_once(']') {
+            Some((v6, port)) if port.is_empty() || port.starts_with(':') => v6,
+            _ => return false,
+        }
+    } else {
+        match host.rsplit_once(':') {
+            Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+            Some(_) => return false,
+            None => host,
+        }
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
+}
+
+/// Whether a request let in as `authority` from `from` may use the admin
 /// routes; the refusal is the status and JSON body to answer with.
-pub fn authorize(authority: Authority, peer: Option<IpAddr>) -> Result<(), (u16, Bytes)> {
-    authorize_route(authority, peer, "/admin")
+pub fn authorize(authority: Authority, from: Requester) -> Result<(), (u16, Bytes)> {
+    authorize_route(authority, from, "/admin")
+}
+
+/// Whether an admin command's body is declared JSON: a cross-site form
+/// (which a browser may send anywhere without asking) cannot declare it.
+pub fn check_content_type(content_type: Option<&[u8]>) -> Result<(), (u16, Bytes)> {
+    let json = content_type.is_some_and(|v| {
+        let essence = v.split(|&b| b == b';').next().unwrap_or_default();
+        essence
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"application/json")
+    });
+    if json {
+        Ok(())
+    } else {
+        Err(error(
+            415,
+            "unsupported_media_type",
+            "admin commands take a JSON body: send content-type: application/json",
+        ))
+    }
 }
 
 /// [`authorize`] for any admin-only route (`/admin`, the status page's
-/// `/ui/events`); `route` names it in the refusal.
+/// `/ui/events`); `route` names it in the refusal. A caller without a key
+/// (an Edge without client keys) must connect from a loopback address and
+/// address the Edge by a loopback name.
 pub fn authorize_route(
     authority: Authority,
-    peer: Option<IpAddr>,
+    from: Requester,
     route: &str,
 ) -> Result<(), (u16, Bytes)> {
     match authority {
-        Authority::Key { admin: true } => Ok(()),
-        Authority::Key { admin: false } => Err(error(
+        Authority::Key { admin: true, .. } => Ok(()),
+        Authority::Key { admin: false, .. } => Err(error(
             403,
             "admin_scope_required",
             &format!(
                 "this API key may not use {route}: give it scopes = [\"admin\"] in [[client_keys]]"
             ),
         )),
-        Authority::Anonymous if peer.is_some_and(|ip| ip.to_canonical().is_loopback()) => Ok(()),
-        Authority::Anonymous => Err(error(
+        Authority::Anonymous if !from.peer.is_some_and(|ip| ip.to_canonical().is_loopback()) => {
+            Err(error(
+                403,
+                "admin_loopback_only",
+                &format!("without [[client_keys]] {route} answers loopback clients only"),
+            ))
+        }
+        Authority::Anonymous if !from.loopback_host => Err(error(
             403,
-            "admin_loopback_only",
-            &format!("without [[client_keys]] {route} answers loopback clients only"),
+            "admin_host_not_loopback",
+            &format!(
+                "without [[client_keys]] {route} answers requests addressed to localhost only \
+                 (Host must be localhost, 127.0.0.1 or [::1])"
+            ),
         )),
+        Authority::Anonymous => Ok(()),
     }
 }
 
@@ -377,23 +466,99 @@ mod tests {
         let loopback: IpAddr = "127.0.0.1".parse().unwrap();
         let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
         let mapped_remote: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
+        let at = |peer: Option<IpAddr>| Requester::of(peer, Some(b"localhost:8080"));
         assert_eq!(
-            authorize(Authority::Key { admin: true }, Some(remote)),
+            authorize(
+                Authority::Key {
+                    admin: true,
+                    metrics: false
+                },
+                Requester::of(Some(remote), Some(b"api.example.com"))
+            ),
             Ok(())
         );
         assert_eq!(
-            code(authorize(Authority::Key { admin: false }, Some(loopback))),
+            code(authorize(
+                Authority::Key {
+                    admin: false,
+                    metrics: true
+                },
+                at(Some(loopback))
+            )),
             Err((403, "admin_scope_required".into()))
         );
         for ip in [loopback, mapped, "::1".parse().unwrap()] {
-            assert_eq!(authorize(Authority::Anonymous, Some(ip)), Ok(()), "{ip}");
+            assert_eq!(
+                authorize(Authority::Anonymous, at(Some(ip))),
+                Ok(()),
+                "{ip}"
+            );
         }
         for peer in [Some(remote), Some(mapped_remote), None] {
             assert_eq!(
-                code(authorize(Authority::Anonymous, peer)),
+                code(authorize(Authority::Anonymous, at(peer))),
                 Err((403, "admin_loopback_only".into())),
                 "{peer:?}"
             );
+        }
+        // DNS rebinding: a loopback peer, but a page of another site.
+        for host in [Some(&b"evil.example:8080"[..]), None] {
+            assert_eq!(
+                code(authorize(
+                    Authority::Anonymous,
+                    Requester::of(Some(loopback), host)
+                )),
+                Err((403, "admin_host_not_loopback".into())),
+                "{host:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn loopback_hosts_are_localhost_127_8_and_v6_loopback_with_any_port() {
+        for host in [
+            "localhost",
+            "LOCALHOST:8080",
+            "127.0.0.1",
+            "127.9.8.7:1",
+            "[::1]",
+            "[::1]:8080",
+            " 127.0.0.1:80 ",
+        ] {
+            assert!(host_is_loopback(Some(host.as_bytes())), "{host}");
+        }
+        for host in [
+            "localhost.evil.example",
+            "evil.example",
+            "10.0.0.1:8080",
+            "127.0.0.1.nip.io",
+            "[::1",
+            "[::2]:80",
+            "localhost:80x",
+            "",
+        ] {
+            assert!(!host_is_loopback(Some(host.as_bytes())), "{host}");
+        }
+        assert!(!host_is_loopback(Some(b"\xff")));
+        assert!(!host_is_loopback(None));
+    }
+
+    #[test]
+    fn admin_commands_must_be_declared_json() {
+        for ok in [&b"application/json"[..], b"Application/JSON; charset=utf-8"] {
+            assert_eq!(check_content_type(Some(ok)), Ok(()));
+        }
+        for refused in [
+            Some(&b"text/plain"[..]),
+            Some(b"application/x-www-form-urlencoded"),
+            Some(b"multipart/form-data; boundary=x"),
+            None,
+        ] {
+            let (status, body) = check_content_type(refused).unwrap_err();
+            assert_eq!(status, 415);
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["error"]["code"], "unsupported_media_type");
+            assert_eq!(v["error"]["param"], Value::Null);
         }
     }
 

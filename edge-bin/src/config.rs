@@ -111,6 +111,11 @@ pub const DEFAULT_MAX_EJECTION_TIME_MS: u64 = 300_000;
 pub const MAX_EJECTION_TIME_LIMIT_MS: u64 = 86_400_000;
 /// Default `outlier_detection.max_ejection_percent`.
 pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
+/// Default `edge.node_metrics_max_age_ms`: a pull of the nodes' series
+/// serves the scrapes of the next 5 s.
+pub const DEFAULT_NODE_METRICS_MAX_AGE_MS: u64 = 5_000;
+/// Largest accepted `edge.node_metrics_max_age_ms` (ten minutes).
+pub const MAX_NODE_METRICS_MAX_AGE_MS: u64 = 600_000;
 /// Default `models[].max_attempts`: one retry on another provider.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 2;
 /// Largest accepted `models[].max_attempts`.
@@ -122,11 +127,20 @@ pub mod front_door {
     pub const CLIENT_HEAD_TIMEOUT_MS: u64 = 10_000;
     /// `edge.client_body_idle_timeout_ms`: the longest pause inside a body.
     pub const CLIENT_BODY_IDLE_TIMEOUT_MS: u64 = 30_000;
+    /// `edge.client_body_grace_ms`: a body's time before its minimum rate
+    /// counts.
+    pub const CLIENT_BODY_GRACE_MS: u64 = 30_000;
+    /// `edge.client_body_min_rate_bytes_per_sec`: the slowest average a
+    /// body may arrive at after its grace (0: no minimum).
+    pub const CLIENT_BODY_MIN_RATE_BYTES_PER_SEC: u64 = 1_024;
     /// `edge.client_keep_alive_timeout_ms`: an idle kept-alive connection.
     pub const CLIENT_KEEP_ALIVE_TIMEOUT_MS: u64 = 60_000;
     /// `edge.max_client_connections`: open client connections (the whole
     /// process; split evenly over the cores).
     pub const MAX_CLIENT_CONNECTIONS: u64 = 4_096;
+    /// `edge.max_client_connections_per_peer`: open client connections of
+    /// one peer address (the whole process).
+    pub const MAX_CLIENT_CONNECTIONS_PER_PEER: u64 = 1_024;
     /// `edge.client_linger_time_ms`: a lingering close in all.
     pub const CLIENT_LINGER_TIME_MS: u64 = 30_000;
     /// `edge.client_linger_idle_timeout_ms`: a pause in a lingering close.
@@ -138,6 +152,12 @@ pub mod front_door {
     /// `edge.max_node_handshakes`: node TLS handshakes in progress (the
     /// whole process; split evenly over the cores).
     pub const MAX_NODE_HANDSHAKES: u64 = 64;
+    /// `edge.max_node_handshakes_per_peer`: node TLS handshakes in progress
+    /// from one peer address (the whole process).
+    pub const MAX_NODE_HANDSHAKES_PER_PEER: u64 = 8;
+    /// `edge.node_first_byte_timeout_ms`: a new node connection's first
+    /// byte (its TLS ClientHello).
+    pub const NODE_FIRST_BYTE_TIMEOUT_MS: u64 = 3_000;
     /// `edge.max_json_depth`: nesting of a request body.
     pub const MAX_JSON_DEPTH: u64 = 64;
     /// `edge.max_json_elements`: values in a request body.
@@ -147,6 +167,8 @@ pub mod front_door {
     pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
     /// Largest accepted connection or handshake cap.
     pub const MAX_CONNECTIONS_LIMIT: u64 = 1_000_000;
+    /// Largest accepted `edge.client_body_min_rate_bytes_per_sec` (1 GiB/s).
+    pub const MAX_BODY_RATE_LIMIT: u64 = 1 << 30;
     /// Largest accepted `edge.client_linger_max_bytes` (16 GiB).
     pub const MAX_LINGER_BYTES_LIMIT: u64 = 16 * 1024 * 1024 * 1024;
     /// Largest accepted `edge.max_json_depth` (the JSON parser's own
@@ -307,9 +329,14 @@ pub struct ClientKeySpec {
     pub principal: String,
     /// blake3 of the key bytes.
     pub key_hash: [u8; 32],
-    /// `scopes = ["admin"]`: the key may also use the `/admin` routes.
-    /// Every key may use the inference routes, `/v1/models` and `/status`.
+    /// `scopes = ["admin"]`: the key may also use the `/admin` routes (and
+    /// read everything `metrics` may).
+    /// Every key may use the inference routes, `/v1/models` and `/status`
+    /// (filtered to its models).
     pub admin: bool,
+    /// `scopes = ["metrics"]`: the key may read `/metrics` under
+    /// `edge.metrics_access = "key"`, and the whole of `/status`.
+    pub metrics: bool,
     /// `max_concurrent`, `requests_per_minute`, `tokens_per_minute`: the
     /// principal's limits (one key of a principal sets them; the principal's
     /// other keys share them).
@@ -319,8 +346,21 @@ pub struct ClientKeySpec {
     pub models: Option<Vec<String>>,
 }
 
-/// The only scope a client key may name: the `/admin` routes.
+/// The scope of a client key that may use the `/admin` routes.
 pub const ADMIN_SCOPE: &str = "admin";
+/// The scope of a client key that may read `/metrics` and all of `/status`.
+pub const METRICS_SCOPE: &str = "metrics";
+
+/// Who may read `GET /metrics` (`edge.metrics_access`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsAccess {
+    /// `"open"` (default): anyone who reaches the client listener, without a
+    /// key (a Prometheus scrape on an internal network).
+    #[default]
+    Open,
+    /// `"key"`: a client key with `scopes = ["metrics"]` or `["admin"]`.
+    Key,
+}
 
 /// The `[edge]` table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -340,6 +380,17 @@ pub struct EdgeSettings {
     /// Dev flag: Nodes connect over plain TCP and the credential plane is
     /// disabled (T5).
     pub insecure_plaintext_nodes: bool,
+    /// `allow_anonymous = true`: with no `[[client_keys]]`, every client is
+    /// served without a key. Without it an Edge with no keys does not
+    /// start, and a reload that removes the last key is refused
+    /// ([`EdgeConfig::check_open_access`]).
+    pub allow_anonymous: bool,
+    /// Who may read `GET /metrics` (`metrics_access`).
+    pub metrics_access: MetricsAccess,
+    /// One pull of the nodes' `/metrics` series serves the scrapes of this
+    /// long after it (0: every scrape pulls; scrapes at the same time
+    /// still share one pull).
+    pub node_metrics_max_age_ms: u64,
     /// After SIGTERM/SIGINT, how long in-flight client requests may finish
     /// before the Edge exits anyway (0 = exit as soon as the listeners are
     /// closed).
@@ -370,12 +421,23 @@ pub struct ListenerLimits {
     /// A request body may pause at most this long between reads; else 408
     /// and close.
     pub client_body_idle_timeout_ms: u64,
+    /// A request body must be complete this long after its first read
+    /// began, plus one second per `client_body_min_rate_bytes_per_sec`
+    /// bytes that arrived; else 408 and close.
+    pub client_body_grace_ms: u64,
+    /// The slowest average a request body may arrive at once its grace has
+    /// passed (0: no minimum rate, only the idle bound).
+    pub client_body_min_rate_bytes_per_sec: u64,
     /// A kept-alive connection without a request for this long is closed.
     pub client_keep_alive_timeout_ms: u64,
     /// Open client connections (process-wide, split evenly over the
     /// cores). At the cap the Edge stops accepting: new connections wait in
     /// the kernel's accept backlog until one closes.
     pub max_client_connections: u64,
+    /// Open client connections of one peer address (IPv6: its `/64`), for
+    /// the whole process. A connection past it is answered 429
+    /// `too_many_connections` and closed.
+    pub max_client_connections_per_peer: u64,
     /// After an early answer (413, 431, 400, 503 while draining): longest
     /// time spent reading and discarding what the client still sends
     /// (0: no lingering, just close).
@@ -392,6 +454,13 @@ pub struct ListenerLimits {
     /// wait in the kernel's accept backlog (a reconnect burst is shed by
     /// waiting, not by failing).
     pub max_node_handshakes: u64,
+    /// Node TLS handshakes in progress from one peer address (IPv6: its
+    /// `/64`), for the whole process. A connection past it is closed at
+    /// once (the Node redials).
+    pub max_node_handshakes_per_peer: u64,
+    /// A new node connection must send its first byte (the TLS ClientHello)
+    /// within this; else it is closed and counted.
+    pub node_first_byte_timeout_ms: u64,
     /// Deepest nesting of arrays/objects in a request body; deeper gets 400.
     pub max_json_depth: u64,
     /// Most values (array elements and object members, counted through the
@@ -405,13 +474,18 @@ impl Default for ListenerLimits {
         Self {
             client_head_timeout_ms: CLIENT_HEAD_TIMEOUT_MS,
             client_body_idle_timeout_ms: CLIENT_BODY_IDLE_TIMEOUT_MS,
+            client_body_grace_ms: CLIENT_BODY_GRACE_MS,
+            client_body_min_rate_bytes_per_sec: CLIENT_BODY_MIN_RATE_BYTES_PER_SEC,
             client_keep_alive_timeout_ms: CLIENT_KEEP_ALIVE_TIMEOUT_MS,
             max_client_connections: MAX_CLIENT_CONNECTIONS,
+            max_client_connections_per_peer: MAX_CLIENT_CONNECTIONS_PER_PEER,
             client_linger_time_ms: CLIENT_LINGER_TIME_MS,
             client_linger_idle_timeout_ms: CLIENT_LINGER_IDLE_TIMEOUT_MS,
             client_linger_max_bytes: CLIENT_LINGER_MAX_BYTES,
             node_handshake_timeout_ms: NODE_HANDSHAKE_TIMEOUT_MS,
             max_node_handshakes: MAX_NODE_HANDSHAKES,
+            max_node_handshakes_per_peer: MAX_NODE_HANDSHAKES_PER_PEER,
+            node_first_byte_timeout_ms: NODE_FIRST_BYTE_TIMEOUT_MS,
             max_json_depth: MAX_JSON_DEPTH,
             max_json_elements: MAX_JSON_ELEMENTS,
         }
@@ -889,6 +963,22 @@ impl NodeSpec {
 }
 
 impl EdgeConfig {
+    /// Refuses a configuration that would serve every client without a
+    /// key, unless it says so (`edge.allow_anonymous = true`): checked when
+    /// the Edge starts and on every reload, so removing the last client
+    /// key never opens the Edge by accident.
+    pub fn check_open_access(&self) -> Result<(), ConfigError> {
+        if self.client_keys.is_empty() && !self.edge.allow_anonymous {
+            return Err(ConfigError::new(
+                &self.source,
+                "client_keys",
+                "no client key is configured, so every client would be served without one; \
+                 add [[client_keys]], or set edge.allow_anonymous = true to run open",
+            ));
+        }
+        Ok(())
+    }
+
     /// Reads `path`, parses and validates it ([`EdgeConfig::parse`]), then
     /// checks the TLS files ([`EdgeConfig::validate_files`]) and reads the
     /// adapters' provider CA files ([`EdgeConfig::load_provider_cas`]).
@@ -1065,19 +1155,28 @@ struct RawEdge {
     max_frame_bytes: Option<i64>,
     #[serde(default)]
     insecure_plaintext_nodes: bool,
+    #[serde(default)]
+    allow_anonymous: bool,
+    metrics_access: Option<String>,
+    node_metrics_max_age_ms: Option<i64>,
     drain_grace_ms: Option<i64>,
     flow_window_bytes: Option<i64>,
     client_write_stall_timeout_ms: Option<i64>,
     response_wait_timeout_ms: Option<i64>,
     client_head_timeout_ms: Option<i64>,
     client_body_idle_timeout_ms: Option<i64>,
+    client_body_grace_ms: Option<i64>,
+    client_body_min_rate_bytes_per_sec: Option<i64>,
     client_keep_alive_timeout_ms: Option<i64>,
     max_client_connections: Option<i64>,
+    max_client_connections_per_peer: Option<i64>,
     client_linger_time_ms: Option<i64>,
     client_linger_idle_timeout_ms: Option<i64>,
     client_linger_max_bytes: Option<i64>,
     node_handshake_timeout_ms: Option<i64>,
     max_node_handshakes: Option<i64>,
+    max_node_handshakes_per_peer: Option<i64>,
+    node_first_byte_timeout_ms: Option<i64>,
     max_json_depth: Option<i64>,
     max_json_elements: Option<i64>,
     client_tls: Option<RawClientTls>,
@@ -1283,6 +1382,15 @@ impl Validator<'_> {
             self.check_managed_nodes(credentials, &nodes)?;
         }
         let client_keys = self.client_keys(raw.client_keys, &models)?;
+        if edge.metrics_access == MetricsAccess::Key
+            && !client_keys.iter().any(|k| k.admin || k.metrics)
+        {
+            return Err(self.err(
+                "edge.metrics_access",
+                "\"key\" needs a [[client_keys]] entry with scopes = [\"metrics\"] (or \"admin\") \
+                 to read /metrics",
+            ));
+        }
         let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
@@ -1607,15 +1715,21 @@ impl Validator<'_> {
                     format!("the same key is also client_keys[{first}]"),
                 ));
             }
-            let mut admin = false;
+            let (mut admin, mut metrics) = (false, false);
             for (j, scope) in raw_key.scopes.iter().enumerate() {
-                if scope != ADMIN_SCOPE {
-                    return Err(self.err(
-                        format!("{key}.scopes[{j}]"),
-                        format!("unknown scope {scope:?}; the only scope is \"{ADMIN_SCOPE}\""),
-                    ));
+                match scope.as_str() {
+                    ADMIN_SCOPE => admin = true,
+                    METRICS_SCOPE => metrics = true,
+                    _ => {
+                        return Err(self.err(
+                            format!("{key}.scopes[{j}]"),
+                            format!(
+                                "unknown scope {scope:?}; the scopes are \"{ADMIN_SCOPE}\" and \
+                                 \"{METRICS_SCOPE}\""
+                            ),
+                        ))
+                    }
                 }
-                admin = true;
             }
             let positive = |field: &str, v: Option<u32>| match v {
                 Some(0) => Err(self.err(
@@ -1658,6 +1772,7 @@ impl Validator<'_> {
                 principal: raw_key.principal,
                 key_hash,
                 admin,
+                metrics,
                 limits,
                 models: raw_key.models,
             });
@@ -1757,6 +1872,21 @@ impl Validator<'_> {
             )
             .map_err(|why| self.err("edge.response_wait_timeout_ms", why))?,
         };
+        let metrics_access = match raw.metrics_access.as_deref() {
+            None | Some("open") => MetricsAccess::Open,
+            Some("key") => MetricsAccess::Key,
+            Some(other) => {
+                return Err(self.err(
+                    "edge.metrics_access",
+                    format!("expected \"open\" or \"key\" (got {other:?})"),
+                ))
+            }
+        };
+        let node_metrics_max_age_ms = match raw.node_metrics_max_age_ms {
+            None => DEFAULT_NODE_METRICS_MAX_AGE_MS,
+            Some(v) => in_range(v, 0, MAX_NODE_METRICS_MAX_AGE_MS)
+                .map_err(|why| self.err("edge.node_metrics_max_age_ms", why))?,
+        };
         use front_door::*;
         let limit = |value: Option<i64>, key: &str, default: u64, min: u64, max: u64| match value {
             None => Ok(default),
@@ -1777,6 +1907,20 @@ impl Validator<'_> {
                 1,
                 MAX_TIMEOUT_MS,
             )?,
+            client_body_grace_ms: limit(
+                raw.client_body_grace_ms,
+                "client_body_grace_ms",
+                CLIENT_BODY_GRACE_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
+            client_body_min_rate_bytes_per_sec: limit(
+                raw.client_body_min_rate_bytes_per_sec,
+                "client_body_min_rate_bytes_per_sec",
+                CLIENT_BODY_MIN_RATE_BYTES_PER_SEC,
+                0,
+                MAX_BODY_RATE_LIMIT,
+            )?,
             client_keep_alive_timeout_ms: limit(
                 raw.client_keep_alive_timeout_ms,
                 "client_keep_alive_timeout_ms",
@@ -1788,6 +1932,13 @@ impl Validator<'_> {
                 raw.max_client_connections,
                 "max_client_connections",
                 MAX_CLIENT_CONNECTIONS,
+                1,
+                MAX_CONNECTIONS_LIMIT,
+            )?,
+            max_client_connections_per_peer: limit(
+                raw.max_client_connections_per_peer,
+                "max_client_connections_per_peer",
+                MAX_CLIENT_CONNECTIONS_PER_PEER,
                 1,
                 MAX_CONNECTIONS_LIMIT,
             )?,
@@ -1826,6 +1977,20 @@ impl Validator<'_> {
                 1,
                 MAX_CONNECTIONS_LIMIT,
             )?,
+            max_node_handshakes_per_peer: limit(
+                raw.max_node_handshakes_per_peer,
+                "max_node_handshakes_per_peer",
+                MAX_NODE_HANDSHAKES_PER_PEER,
+                1,
+                MAX_CONNECTIONS_LIMIT,
+            )?,
+            node_first_byte_timeout_ms: limit(
+                raw.node_first_byte_timeout_ms,
+                "node_first_byte_timeout_ms",
+                NODE_FIRST_BYTE_TIMEOUT_MS,
+                1,
+                MAX_TIMEOUT_MS,
+            )?,
             max_json_depth: limit(
                 raw.max_json_depth,
                 "max_json_depth",
@@ -1849,6 +2014,9 @@ impl Validator<'_> {
             max_request_body_bytes,
             max_frame_bytes,
             insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
+            allow_anonymous: raw.allow_anonymous,
+            metrics_access,
+            node_metrics_max_age_ms,
             drain_grace_ms,
             flow_window_bytes,
             client_write_stall_timeout_ms,
@@ -2359,6 +2527,9 @@ providers = ["node-a/a-llama"]
                 max_request_body_bytes: 8 * 1024 * 1024,
                 max_frame_bytes: 16 * 1024 * 1024,
                 insecure_plaintext_nodes: false,
+                allow_anonymous: true,
+                metrics_access: MetricsAccess::Open,
+                node_metrics_max_age_ms: 5_000,
                 drain_grace_ms: 30_000,
                 flow_window_bytes: 256 * 1024,
                 client_write_stall_timeout_ms: 30_000,
@@ -2514,12 +2685,15 @@ providers = ["node-a/a-llama"]
             error_of("[tls]", "colour = \"blue\"\n[tls]"),
             "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
              `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
-             `insecure_plaintext_nodes`, `drain_grace_ms`, `flow_window_bytes`, \
-             `client_write_stall_timeout_ms`, `response_wait_timeout_ms`, `client_head_timeout_ms`, \
-             `client_body_idle_timeout_ms`, `client_keep_alive_timeout_ms`, `max_client_connections`, \
-             `client_linger_time_ms`, `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, \
-             `node_handshake_timeout_ms`, `max_node_handshakes`, `max_json_depth`, \
-             `max_json_elements`, `client_tls`, `access_log`, `usage_log` (line 8, column 1)"
+             `insecure_plaintext_nodes`, `allow_anonymous`, `metrics_access`, \
+             `node_metrics_max_age_ms`, `drain_grace_ms`, `flow_window_bytes`, \
+             `client_write_stall_timeout_ms`, `response_wait_timeout_ms`, \
+             `client_head_timeout_ms`, `client_body_idle_timeout_ms`, `client_body_grace_ms`, \
+             `client_body_min_rate_bytes_per_sec`, `client_keep_alive_timeout_ms`, \
+             `max_client_connections`, `max_client_connections_per_peer`, `client_linger_time_ms`, \
+             `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, `node_handshake_timeout_ms`, \
+             `max_node_handshakes`, `max_node_handshakes_per_peer`, `node_first_byte_timeout_ms`, \
+             `max_json_depth`, `max_json_elements`, `client_tls`, `access_log`, `usage_log` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -2814,20 +2988,28 @@ providers = ["node-a/a-llama"]
              client_keep_alive_timeout_ms = 3\nmax_client_connections = 4\n\
              client_linger_time_ms = 0\nclient_linger_idle_timeout_ms = 6\n\
              client_linger_max_bytes = 7\nnode_handshake_timeout_ms = 8\n\
-             max_node_handshakes = 9\nmax_json_depth = 10\nmax_json_elements = 11"
+             max_node_handshakes = 9\nmax_json_depth = 10\nmax_json_elements = 11\n\
+             client_body_grace_ms = 12\nclient_body_min_rate_bytes_per_sec = 0\n\
+             max_client_connections_per_peer = 14\nmax_node_handshakes_per_peer = 15\n\
+             node_first_byte_timeout_ms = 16"
         );
         assert_eq!(
             parse(&variant(edge, &all)).unwrap().edge.limits,
             ListenerLimits {
                 client_head_timeout_ms: 1,
                 client_body_idle_timeout_ms: 2,
+                client_body_grace_ms: 12,
+                client_body_min_rate_bytes_per_sec: 0,
                 client_keep_alive_timeout_ms: 3,
                 max_client_connections: 4,
+                max_client_connections_per_peer: 14,
                 client_linger_time_ms: 0,
                 client_linger_idle_timeout_ms: 6,
                 client_linger_max_bytes: 7,
                 node_handshake_timeout_ms: 8,
                 max_node_handshakes: 9,
+                max_node_handshakes_per_peer: 15,
+                node_first_byte_timeout_ms: 16,
                 max_json_depth: 10,
                 max_json_elements: 11,
             }
@@ -2848,12 +3030,52 @@ providers = ["node-a/a-llama"]
             ("max_node_handshakes", "1000001", "1 and 1000000"),
             ("max_json_depth", "129", "1 and 128"),
             ("max_json_elements", "0", "1 and 16000000"),
+            ("client_body_grace_ms", "0", "1 and 3600000"),
+            (
+                "client_body_min_rate_bytes_per_sec",
+                "1073741825",
+                "0 and 1073741824",
+            ),
+            ("max_client_connections_per_peer", "0", "1 and 1000000"),
+            ("max_node_handshakes_per_peer", "0", "1 and 1000000"),
+            ("node_first_byte_timeout_ms", "0", "1 and 3600000"),
         ] {
             assert_eq!(
                 error_of(edge, &format!("{edge}\n{key} = {bad}")),
                 format!("conf/edge.toml: edge.{key}: must be between {range} (got {bad})")
             );
         }
+    }
+
+    #[test]
+    fn an_edge_without_client_keys_must_say_it_runs_open() {
+        let no_keys = parse(BASE).unwrap();
+        assert!(no_keys.client_keys.is_empty());
+        assert_eq!(
+            no_keys.check_open_access().unwrap_err().to_string(),
+            "conf/edge.toml: client_keys: no client key is configured, so every client would be \
+             served without one; add [[client_keys]], or set edge.allow_anonymous = true to run open"
+        );
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        let open = parse(&variant(edge, &format!("{edge}\nallow_anonymous = true"))).unwrap();
+        assert!(open.edge.allow_anonymous);
+        assert_eq!(open.check_open_access(), Ok(()));
+    }
+
+    #[test]
+    fn the_nodes_metrics_cache_age_defaults_to_five_seconds_and_is_bounded() {
+        let edge = "node_listen = \"127.0.0.1:7443\"";
+        assert_eq!(parse(BASE).unwrap().edge.node_metrics_max_age_ms, 5_000);
+        let off = parse(&variant(
+            edge,
+            &format!("{edge}\nnode_metrics_max_age_ms = 0"),
+        ))
+        .unwrap();
+        assert_eq!(off.edge.node_metrics_max_age_ms, 0);
+        assert_eq!(
+            error_of(edge, &format!("{edge}\nnode_metrics_max_age_ms = 600001")),
+            "conf/edge.toml: edge.node_metrics_max_age_ms: must be between 0 and 600000 (got 600001)"
+        );
     }
 
     #[test]
@@ -3589,6 +3811,7 @@ providers = ["node-a/a-llama"]
                 principal: "team-a".into(),
                 key_hash,
                 admin: false,
+                metrics: false,
                 limits: Default::default(),
                 models: None,
             }]
@@ -3878,10 +4101,38 @@ providers = ["node-a/a-llama"]
         };
         assert_eq!(
             error(&with_scope("[\"admin\", \"root\"]")),
-            format!("{key}.scopes[1]: unknown scope \"root\"; the only scope is \"admin\"")
+            format!(
+                "{key}.scopes[1]: unknown scope \"root\"; the scopes are \"admin\" and \"metrics\""
+            )
         );
         let admin = parse(&with_scope("[\"admin\"]")).unwrap();
         assert!(admin.client_keys[0].admin);
+        let metrics = parse(&with_scope("[\"metrics\"]")).unwrap();
+        assert!(metrics.client_keys[0].metrics && !metrics.client_keys[0].admin);
+        // `/metrics` behind a key needs a key that may read it.
+        let keyed_metrics = |scopes: &str| {
+            with_scope(scopes).replacen(
+                "name = \"edge-1\"",
+                "name = \"edge-1\"\nmetrics_access = \"key\"",
+                1,
+            )
+        };
+        assert_eq!(
+            parse(&keyed_metrics("[\"metrics\"]"))
+                .unwrap()
+                .edge
+                .metrics_access,
+            MetricsAccess::Key
+        );
+        assert_eq!(
+            error(&keyed_metrics("[]")),
+            "conf/edge.toml: edge.metrics_access: \"key\" needs a [[client_keys]] entry with \
+             scopes = [\"metrics\"] (or \"admin\") to read /metrics"
+        );
+        assert_eq!(
+            error(&keyed_metrics("[]").replace("\"key\"", "\"secret\"")),
+            "conf/edge.toml: edge.metrics_access: expected \"open\" or \"key\" (got \"secret\")"
+        );
         let none = parse(&with_scope("[]")).unwrap();
         assert!(!none.client_keys[0].admin);
     }

@@ -2692,6 +2692,22 @@ impl Control {
             .collect()
     }
 
+    /// For each provider, in [`Control::snapshots`] order, whether it is
+    /// in the pool of a model `may_use` accepts (`/status` for a key
+    /// limited to some models shows only those providers).
+    pub fn serves_any(&self, may_use: impl Fn(&str) -> bool) -> Vec<bool> {
+        let allowed: BTreeSet<&ProviderKey> = self
+            .models
+            .iter()
+            .filter(|m| may_use(&m.spec.name))
+            .flat_map(|m| m.spec.providers.iter())
+            .collect();
+        self.providers
+            .iter()
+            .map(|state| allowed.contains(&state.key))
+            .collect()
+    }
+
     /// Every configured node, in id order, for the status page.
     pub fn node_views(&self) -> Vec<NodeView> {
         self.nodes

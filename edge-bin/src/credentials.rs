@@ -162,7 +162,22 @@ pub enum Authority {
     Key {
         /// The key has `scopes = ["admin"]`: it may use the `/admin` routes.
         admin: bool,
+        /// The key has `scopes = ["metrics"]`: it may read `/metrics` (under
+        /// `edge.metrics_access = "key"`) and the whole of `/status`.
+        metrics: bool,
     },
+}
+
+impl Authority {
+    /// Whether the caller may see the whole fleet: every provider on
+    /// `/status`, and `/metrics` under `edge.metrics_access = "key"`.
+    /// Without client keys every caller may.
+    pub fn sees_everything(self) -> bool {
+        match self {
+            Authority::Anonymous => true,
+            Authority::Key { admin, metrics } => admin || metrics,
+        }
+    }
 }
 
 /// What [`ClientKeys::replace`] changed, by key (no key or hash appears).
@@ -233,7 +248,10 @@ impl ClientKeys {
             .map(|k| {
                 let caller = Caller {
                     principal: Arc::from(k.principal.as_str()),
-                    authority: Authority::Key { admin: k.admin },
+                    authority: Authority::Key {
+                        admin: k.admin,
+                        metrics: k.metrics,
+                    },
                     models: k.models.as_deref().map(Arc::from),
                 };
                 (k.key_hash, caller)
@@ -1438,6 +1456,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: "team-a".into(),
             key_hash: hash_client_key(b"k"),
             admin: false,
+            metrics: false,
             limits: Default::default(),
             models: None,
         }]);
@@ -1481,13 +1500,17 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: principal.into(),
             key_hash: hash_client_key(key),
             admin,
+            metrics: false,
             limits: Default::default(),
             models: None,
         };
         let caller = |principal: &str, admin: bool| {
             Ok(Caller {
                 principal: principal.into(),
-                authority: Authority::Key { admin },
+                authority: Authority::Key {
+                    admin,
+                    metrics: false,
+                },
                 models: None,
             })
         };
@@ -1539,6 +1562,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             principal: principal.into(),
             key_hash: hash_client_key(key),
             admin,
+            metrics: false,
             limits: Default::default(),
             models: None,
         };
@@ -1575,7 +1599,10 @@ providers = ["node-a/gpt", "node-b/gpt"]
             shard
                 .authenticate(&bearer("key-b"), false)
                 .map(|c| c.authority),
-            Ok(Authority::Key { admin: true })
+            Ok(Authority::Key {
+                admin: true,
+                metrics: false
+            })
         );
         // Removing every key opens the surface again.
         assert_eq!(keys.replace(&[]).revoked, 2);

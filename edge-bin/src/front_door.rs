@@ -2,13 +2,32 @@
 //! keep hostile or clumsy peers from holding the Edge's sockets and memory.
 //!
 //! ```text
-//! client listener ─ Gate(max_client_connections / cores) ─► accept ─► surface::serve
-//!                    at the cap: stop accepting (the kernel backlog holds new
-//!                    connections until one closes); every read has a deadline
-//! node listener   ─ Gate(max_node_handshakes / cores) ─► accept ─► nodes::serve
-//!                    the permit is held for the TLS handshake only, which has
-//!                    its own deadline; a reconnect burst waits in the backlog
+//! client listener ─ Gate(max_client_connections / cores) ─► accept ─► PeerLimit ─► surface::serve
+//!                    at the cap: close the longest-idle keep-alive        │ over: 429
+//!                    connection for a new one, else stop accepting (the   │ too_many_connections
+//!                    kernel backlog holds new connections until one closes);
+//!                    every read has a deadline, a body a minimum rate
+//! node listener   ─ Gate(max_node_handshakes / cores) ─► accept ─► PeerLimit ─► first byte ─► nodes::serve
+//!                    the permit is held for the TLS handshake only,   │ over: close   (node_first_byte_timeout_ms)
+//!                    which has its own deadline; a reconnect burst
+//!                    waits in the backlog
 //! ```
+//!
+//! One peer address (IPv6: its `/64`) holds at most
+//! `edge.max_client_connections_per_peer` client connections and
+//! `edge.max_node_handshakes_per_peer` node handshakes, counted for the
+//! whole process ([`PeerLimits`]): a few sockets from one host can fill
+//! neither listener. A node connection must send its first byte (the TLS
+//! ClientHello) within `edge.node_first_byte_timeout_ms`, far sooner than
+//! the handshake deadline, so silent sockets give their handshake places
+//! back quickly.
+//!
+//! At `max_client_connections` a kept-alive connection waiting for its
+//! next request is worth less than a new client: when a new connection
+//! arrives, the core's longest-idle connection ([`IdleConnections`]) is
+//! closed to admit it, as nginx does when it runs out of connections. Only
+//! connections waiting for a next request are taken, never one with a
+//! request in flight or whose next request has begun to arrive.
 //!
 //! Why stop accepting rather than accept and refuse, on both listeners: a
 //! refused connection costs a descriptor, a task and (for TLS) most of a
@@ -27,14 +46,16 @@ use std::cell::RefCell;
 use std::net::IpAddr;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::clock;
-use iop_engine::http::{Linger, ServerTimeouts};
+use iop_engine::http::{BodyRate, Linger, ServerTimeouts};
 use iop_engine::metrics::{self as engine_metrics, Count};
-use iop_engine::net::{Gate, LogThrottle, Permit};
+use iop_engine::net::{DeadlineRef, Gate, LogThrottle, PeerLimit, PeerPermit, Permit, Wait};
 use iop_engine::tls::EdgeTlsAcceptor;
 use monoio::net::{TcpListener, TcpStream};
+use slab::Slab;
 
 use crate::config::ListenerLimits;
 use crate::state::Edge;
@@ -70,7 +91,73 @@ pub fn client_timeouts(limits: &ListenerLimits, write_stall: Duration) -> Server
         keep_alive_idle: Duration::from_millis(limits.client_keep_alive_timeout_ms),
         head: Duration::from_millis(limits.client_head_timeout_ms),
         body_idle: Duration::from_millis(limits.client_body_idle_timeout_ms),
+        body_min_rate: (limits.client_body_min_rate_bytes_per_sec > 0).then(|| BodyRate {
+            grace: Duration::from_millis(limits.client_body_grace_ms),
+            bytes_per_sec: limits.client_body_min_rate_bytes_per_sec,
+        }),
         write_stall: Some(write_stall),
+    }
+}
+
+/// What one peer address may hold of each listener, for the whole process
+/// (every shard shares the tables).
+#[derive(Debug, Clone)]
+pub struct PeerLimits {
+    /// Open client connections (`edge.max_client_connections_per_peer`).
+    pub clients: Arc<PeerLimit>,
+    /// Node handshakes in progress (`edge.max_node_handshakes_per_peer`).
+    pub node_handshakes: Arc<PeerLimit>,
+}
+
+impl PeerLimits {
+    /// Empty tables with `limits`' caps.
+    pub fn new(limits: &ListenerLimits) -> Self {
+        let cap = |limit: u64| usize::try_from(limit).unwrap_or(usize::MAX);
+        Self {
+            clients: PeerLimit::new(cap(limits.max_client_connections_per_peer)),
+            node_handshakes: PeerLimit::new(cap(limits.max_node_handshakes_per_peer)),
+        }
+    }
+}
+
+/// The client connections of one core, for reclaiming the longest-idle
+/// one at the connection cap. Each entry is a weak handle on a
+/// connection's deadline, which says whether it waits for a next request
+/// and since when (its keep-alive deadline: the earliest is the longest
+/// idle, all having the same timeout).
+#[derive(Debug, Default)]
+pub struct IdleConnections {
+    conns: RefCell<Slab<DeadlineRef>>,
+}
+
+impl IdleConnections {
+    /// Registers a connection; the key removes it.
+    fn add(&self, deadline: DeadlineRef) -> usize {
+        self.conns.borrow_mut().insert(deadline)
+    }
+
+    fn remove(&self, key: usize) {
+        self.conns.borrow_mut().try_remove(key);
+    }
+
+    /// Closes the longest-idle connection that waits for its next request
+    /// with no byte of it arrived; true when one was closed. One pass over
+    /// the core's connections (at most its share of the cap), only when
+    /// the cap is reached and a new connection is there.
+    pub fn reclaim_longest_idle(&self) -> bool {
+        let mut idle: Vec<(std::time::Instant, DeadlineRef)> = self
+            .conns
+            .borrow()
+            .iter()
+            .filter_map(|(_, d)| match d.armed() {
+                Some((Wait::Idle, at)) => Some((at, d.clone())),
+                _ => None,
+            })
+            .collect();
+        idle.sort_by_key(|(at, _)| *at);
+        let now = clock::now();
+        idle.into_iter()
+            .any(|(_, d)| d.cut_off_if_waiting(Wait::Idle, now))
     }
 }
 
@@ -92,12 +179,17 @@ pub const PAUSE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 /// `gate` (handed to `serve` with it): at the cap the loop stops accepting
 /// until a place frees up, counting each pause in `paused` and logging it
 /// at most once per [`PAUSE_LOG_INTERVAL`]. `what` names the cap in logs.
+///
+/// With `idle` (the client listener), a new connection waiting at the cap
+/// makes room: the core's longest-idle keep-alive connection is closed
+/// for it ([`wait_for_place`]).
 async fn gated_accept_loop(
     listener: TcpListener,
     gate: Gate,
     paused: Count,
     what: &str,
-    mut serve: impl FnMut(TcpStream, Permit),
+    idle: Option<&IdleConnections>,
+    mut serve: impl FnMut(TcpStream, Option<IpAddr>, Permit),
 ) {
     let mut log = LogThrottle::new(PAUSE_LOG_INTERVAL, 1);
     loop {
@@ -112,11 +204,11 @@ async fn gated_accept_loop(
                         "{what} cap reached on this core; new connections wait in the accept backlog"
                     );
                 }
-                gate.enter().await
+                wait_for_place(&gate, &listener, idle).await
             }
         };
         match iop_engine::http::accept(&listener).await {
-            Ok((tcp, _)) => serve(tcp, permit),
+            Ok((tcp, addr)) => serve(tcp, Some(addr.ip()), permit),
             Err(e) => {
                 tracing::warn!(error = %e, "{what}: accept failed");
                 drop(permit);
@@ -126,32 +218,116 @@ async fn gated_accept_loop(
     }
 }
 
+/// While a new connection waits at the cap and none of this core's
+/// connections is idle, how often the accept loop looks again (a request
+/// that ends leaves its connection idle).
+const RECLAIM_RETRY: Duration = Duration::from_millis(50);
+
+/// A place of the full `gate`: the next one that frees up, or, with
+/// `idle`, one made for a connection waiting in the backlog by closing the
+/// longest-idle keep-alive connection (counted). Without a waiting
+/// connection nothing is closed: an idle connection is worth keeping until
+/// someone needs its place.
+async fn wait_for_place(
+    gate: &Gate,
+    listener: &TcpListener,
+    idle: Option<&IdleConnections>,
+) -> Permit {
+    let Some(idle) = idle else {
+        return gate.enter().await;
+    };
+    loop {
+        // Dropping either wait loses nothing: a readiness poll takes no
+        // connection, a gate wait no place.
+        monoio::select! {
+            permit = gate.enter() => return permit,
+            ready = listener.readable(false) => {
+                if ready.is_err() {
+                    return gate.enter().await;
+                }
+            }
+        }
+        if idle.reclaim_longest_idle() {
+            engine_metrics::add(Count::EdgeClientIdleReclaimed, 1);
+            return gate.enter().await;
+        }
+        monoio::select! {
+            permit = gate.enter() => return permit,
+            _ = monoio::time::sleep(RECLAIM_RETRY) => {}
+        }
+    }
+}
+
+/// A peer over its cap is logged at most once per this interval.
+pub const PEER_CAP_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
 /// Accepts client connections forever, at most this core's share of
-/// `edge.max_client_connections` open at once.
+/// `edge.max_client_connections` open at once and
+/// `edge.max_client_connections_per_peer` of one peer address.
 pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
     let limits = edge.settings.limits;
     let gate = Gate::new(per_core(limits.max_client_connections, edge.shard_count()));
-    let serve = |tcp, permit| {
+    let idle = Rc::new(IdleConnections::default());
+    let peers = edge.settings.peer_limits.clients.clone();
+    let log = RefCell::new(LogThrottle::new(
+        PEER_CAP_LOG_INTERVAL,
+        HANDSHAKE_LOG_MAX_PEERS,
+    ));
+    let tls = edge.settings.client_tls.is_some();
+    let serve = |tcp: TcpStream, peer: Option<IpAddr>, permit| {
+        let peer_place = match peer.map(|ip| (ip, peers.try_enter(ip))) {
+            Some((ip, None)) => {
+                engine_metrics::add(Count::EdgeClientPeerCapRefusals, 1);
+                if let Some(suppressed) = log.borrow_mut().check(ip, clock::now()) {
+                    tracing::warn!(
+                        peer = %ip,
+                        limit = peers.limit(),
+                        suppressed,
+                        "client connection refused: its address holds edge.max_client_connections_per_peer"
+                    );
+                }
+                surface::refuse_over_peer_cap(&tcp, tls);
+                return;
+            }
+            Some((_, Some(place))) => Some(place),
+            None => None,
+        };
         engine_metrics::add(Count::EdgeClientConnectionsAccepted, 1);
+        let deadline = edge.deadlines.watch(&tcp);
+        let open = OpenConnection {
+            idle_key: idle.add(deadline.downgrade()),
+            idle: idle.clone(),
+            _peer: peer_place,
+            _permit: permit,
+        };
         // The connection's own future is the task (wrapped, it would hold
         // the socket a second time).
-        monoio::spawn(surface::serve(
-            edge.clone(),
-            tcp,
-            OpenConnection { _permit: permit },
-        ));
+        monoio::spawn(surface::serve(edge.clone(), tcp, deadline, open));
     };
     let paused = Count::EdgeClientAcceptPaused;
-    gated_accept_loop(listener, gate, paused, "client connection", serve).await;
+    gated_accept_loop(
+        listener,
+        gate,
+        paused,
+        "client connection",
+        Some(&idle),
+        serve,
+    )
+    .await;
 }
 
-/// A client connection's place under the cap; counts the close.
+/// A client connection's place under the cap, under its peer's cap and in
+/// the core's idle registry; counts the close.
 struct OpenConnection {
+    idle_key: usize,
+    idle: Rc<IdleConnections>,
+    _peer: Option<PeerPermit>,
     _permit: Permit,
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
+        self.idle.remove(self.idle_key);
         engine_metrics::add(Count::EdgeClientConnectionsClosed, 1);
         CLOSED_SINCE_TRIM.fetch_add(1, Ordering::Relaxed);
     }
@@ -173,7 +349,8 @@ pub async fn trim_heaps() -> ! {
 }
 
 /// Accepts node connections forever, at most this core's share of
-/// `edge.max_node_handshakes` in their TLS handshake at once.
+/// `edge.max_node_handshakes` in their TLS handshake at once, and
+/// `edge.max_node_handshakes_per_peer` of one peer address.
 pub async fn serve_nodes(
     edge: Rc<Edge>,
     listener: TcpListener,
@@ -185,25 +362,49 @@ pub async fn serve_nodes(
         HANDSHAKE_LOG_INTERVAL,
         HANDSHAKE_LOG_MAX_PEERS,
     )));
+    let peers = edge.settings.peer_limits.node_handshakes.clone();
     let timeout = Duration::from_millis(limits.node_handshake_timeout_ms);
-    let serve = |tcp, permit| {
+    let first_byte_timeout = Duration::from_millis(limits.node_first_byte_timeout_ms).min(timeout);
+    let serve = |tcp: TcpStream, peer: Option<IpAddr>, permit| {
+        let peer_place = match peer.map(|ip| (ip, peers.try_enter(ip))) {
+            Some((ip, None)) => {
+                engine_metrics::add(Count::EdgeNodePeerCapRefusals, 1);
+                if let Some(suppressed) = log.borrow_mut().check(ip, clock::now()) {
+                    tracing::warn!(
+                        peer = %ip,
+                        limit = peers.limit(),
+                        suppressed,
+                        "node connection closed: its address holds edge.max_node_handshakes_per_peer handshakes"
+                    );
+                }
+                return;
+            }
+            Some((_, Some(place))) => Some(place),
+            None => None,
+        };
         let handshake = HandshakeSlot {
             permit,
+            peer_place,
             timeout,
+            first_byte_timeout,
             log: log.clone(),
         };
         monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone(), handshake));
     };
     let paused = Count::EdgeNodeAcceptPaused;
-    gated_accept_loop(listener, gate, paused, "node handshake", serve).await;
+    gated_accept_loop(listener, gate, paused, "node handshake", None, serve).await;
 }
 
 /// A node connection's place among the handshakes in progress, its
 /// deadline, and the shared per-peer log throttle.
 pub struct HandshakeSlot {
     permit: Permit,
+    /// The place under the peer's handshake cap (`None`: no peer address).
+    peer_place: Option<PeerPermit>,
     /// `edge.node_handshake_timeout_ms`.
     pub timeout: Duration,
+    /// `edge.node_first_byte_timeout_ms` (at most `timeout`).
+    pub first_byte_timeout: Duration,
     log: Rc<RefCell<LogThrottle<IpAddr>>>,
 }
 
@@ -218,6 +419,8 @@ impl std::fmt::Debug for HandshakeSlot {
 /// How a node's TLS handshake ended, when it did not succeed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandshakeFailure {
+    /// No byte arrived within the first-byte deadline.
+    NoFirstByte,
     /// The deadline passed first.
     TimedOut,
     /// The peer failed it (bad certificate, wrong identity, not TLS, gone).
@@ -230,7 +433,9 @@ impl HandshakeSlot {
     pub fn standalone(timeout: Duration) -> Self {
         Self {
             permit: Gate::new(1).try_enter().expect("a fresh gate has room"),
+            peer_place: None,
             timeout,
+            first_byte_timeout: timeout,
             log: Rc::new(RefCell::new(LogThrottle::new(
                 HANDSHAKE_LOG_INTERVAL,
                 HANDSHAKE_LOG_MAX_PEERS,
@@ -248,6 +453,7 @@ impl HandshakeSlot {
         };
         engine_metrics::add(
             match failure {
+                HandshakeFailure::NoFirstByte => Count::EdgeNodeFirstByteTimeouts,
                 HandshakeFailure::TimedOut => Count::EdgeNodeHandshakeTimeouts,
                 HandshakeFailure::Rejected => Count::EdgeNodeHandshakeFailures,
             },
@@ -258,6 +464,13 @@ impl HandshakeSlot {
             return;
         };
         match failure {
+            HandshakeFailure::NoFirstByte => tracing::warn!(
+                peer = %ip,
+                first_byte_timeout_ms =
+                    u64::try_from(self.first_byte_timeout.as_millis()).unwrap_or(u64::MAX),
+                suppressed,
+                "node connection sent nothing (no TLS ClientHello) in time; closed"
+            ),
             HandshakeFailure::TimedOut => tracing::warn!(
                 peer = %ip,
                 timeout_ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
@@ -276,6 +489,7 @@ impl HandshakeSlot {
     /// Frees the place without counting a handshake (plain-TCP dev mode).
     pub fn release(self) {
         drop(self.permit);
+        drop(self.peer_place);
     }
 }
 
@@ -300,6 +514,10 @@ mod tests {
                 keep_alive_idle: Duration::from_secs(60),
                 head: Duration::from_secs(10),
                 body_idle: Duration::from_secs(30),
+                body_min_rate: Some(BodyRate {
+                    grace: Duration::from_secs(30),
+                    bytes_per_sec: 1024,
+                }),
                 write_stall: Some(Duration::from_secs(30)),
             }
         );
@@ -316,5 +534,13 @@ mod tests {
             ..limits
         };
         assert_eq!(client_linger(&off), None);
+        let no_rate = ListenerLimits {
+            client_body_min_rate_bytes_per_sec: 0,
+            ..limits
+        };
+        assert_eq!(
+            client_timeouts(&no_rate, Duration::from_secs(30)).body_min_rate,
+            None
+        );
     }
 }

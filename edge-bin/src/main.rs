@@ -222,6 +222,7 @@ fn check_config(path: &str) -> ExitCode {
 /// key and reason.
 fn load(path: &str) -> Result<Loaded, String> {
     let cfg = EdgeConfig::load(path).map_err(|e| e.to_string())?;
+    cfg.check_open_access().map_err(|e| e.to_string())?;
     // C1, C4: the issuer key and every slot secret are read once, here;
     // a bad one ends the process (S3) with the key and reason, never the
     // contents.
@@ -278,6 +279,11 @@ fn load(path: &str) -> Result<Loaded, String> {
         }
         None => None,
     };
+    if cfg.client_keys.is_empty() {
+        tracing::warn!(
+            "edge.allow_anonymous = true and no [[client_keys]]: every client is served without a key"
+        );
+    }
     Ok(Loaded {
         cfg,
         credentials,

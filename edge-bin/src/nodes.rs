@@ -46,7 +46,24 @@ pub async fn serve(
         Some(acceptor) => {
             engine_metrics::add(Count::EdgeNodeHandshakesStarted, 1);
             let deadline = edge.deadlines.watch(&tcp);
-            deadline.arm(Wait::Handshake, handshake.timeout);
+            // The first byte (the ClientHello) soon, or the place goes
+            // back: a silent socket holds it for the short deadline only.
+            deadline.arm(Wait::Handshake, handshake.first_byte_timeout);
+            let ready = tcp.readable(false).await;
+            if ready.is_err() || deadline.expired() == Some(Wait::Handshake) {
+                drop(deadline);
+                let error = match ready {
+                    Err(e) => e.to_string(),
+                    Ok(()) => "no byte before the first-byte deadline".to_string(),
+                };
+                handshake.finish(
+                    peer.map(|p| p.ip()),
+                    Some((HandshakeFailure::NoFirstByte, error)),
+                );
+                return;
+            }
+            let started_at = iop_engine::clock::now();
+            deadline.arm_at(Wait::Handshake, started_at + handshake.timeout);
             let accepted = acceptor.accept(tcp).await;
             let timed_out = deadline.expired() == Some(Wait::Handshake);
             // Dropped with the stream (no await in between): the watchdog
@@ -117,6 +134,19 @@ pub async fn serve(
     edge.apply(Input::Closed { conn: conn_id });
 }
 
+/// Longest part of a claimed node id a log line shows.
+const CLAIMED_ID_LOG_CHARS: usize = 128;
+
+/// A node id the peer claimed, for a log line: at most
+/// [`CLAIMED_ID_LOG_CHARS`] characters (logged with `Debug`, which escapes
+/// control characters).
+fn claimed_id_for_log(claimed: &str) -> &str {
+    match claimed.char_indices().nth(CLAIMED_ID_LOG_CHARS) {
+        Some((end, _)) => &claimed[..end],
+        None => claimed,
+    }
+}
+
 fn handle_frame(
     edge: &Rc<Edge>,
     conn_id: ConnId,
@@ -130,12 +160,23 @@ fn handle_frame(
             // Without TLS (T5 dev mode) the claimed id stands in for the
             // identity name.
             let tls_name = tls_name.unwrap_or(&req.node_id).to_string();
-            tracing::info!(
-                node_id = %req.node_id,
-                conn = conn_id.0,
-                flow_control = req.flow_control,
-                "register request"
-            );
+            // Only the verified identity is logged as it is: a claimed id
+            // that differs is the peer's text (escaped, cut short).
+            if req.node_id == tls_name {
+                tracing::info!(
+                    node_id = %tls_name,
+                    conn = conn_id.0,
+                    flow_control = req.flow_control,
+                    "register request"
+                );
+            } else {
+                tracing::warn!(
+                    identity = %tls_name,
+                    claimed_node_id = ?claimed_id_for_log(&req.node_id),
+                    conn = conn_id.0,
+                    "register request names another node than its TLS identity; refused"
+                );
+            }
             edge.set_flow_control(conn_id, req.flow_control);
             edge.apply(Input::Register {
                 conn: conn_id,

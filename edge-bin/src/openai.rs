@@ -158,6 +158,33 @@ impl ApiError {
         }
     }
 
+    /// 403: a client key without the `metrics` (or `admin`) scope asked
+    /// for `/metrics` under `edge.metrics_access = "key"`.
+    pub fn metrics_scope_required() -> Self {
+        Self {
+            code: Some("metrics_scope_required".into()),
+            ..Self::new(
+                403,
+                "permission_error",
+                "This API key may not read /metrics: give it scopes = [\"metrics\"] in [[client_keys]].",
+            )
+        }
+    }
+
+    /// 429: the peer address holds `edge.max_client_connections_per_peer`
+    /// connections already.
+    pub fn too_many_connections() -> Self {
+        Self {
+            code: Some("too_many_connections".into()),
+            retry_after_sec: Some(1),
+            ..Self::new(
+                429,
+                "rate_limit_error",
+                "Too many open connections from your address.",
+            )
+        }
+    }
+
     /// 405: known route, wrong method.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(

@@ -145,6 +145,8 @@ pub fn reload(
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
     let next = EdgeConfig::load(path)?;
+    // Removing the last key must not open the Edge to everyone.
+    next.check_open_access()?;
     let mut report = ReloadReport::default();
     let topology = |c: &EdgeConfig| {
         let spec = control_spec(c);
@@ -160,7 +162,12 @@ pub fn reload(
     }
     // Certificates are reloaded by `reload_tls` (from the new paths too);
     // turning TLS on or off on a listener needs a restart.
-    if running.edge != next.edge
+    // `allow_anonymous` is applied by the check above, with the keys.
+    let edge_settings = |c: &EdgeConfig| crate::config::EdgeSettings {
+        allow_anonymous: false,
+        ..c.edge.clone()
+    };
+    if edge_settings(running) != edge_settings(&next)
         || running.tls.is_some() != next.tls.is_some()
         || running.client_tls.is_some() != next.client_tls.is_some()
     {
@@ -342,6 +349,9 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
         limits: cfg.edge.limits,
+        metrics_access: cfg.edge.metrics_access,
+        node_metrics_max_age: std::time::Duration::from_millis(cfg.edge.node_metrics_max_age_ms),
+        peer_limits: crate::front_door::PeerLimits::new(&cfg.edge.limits),
         access_log: AccessLog::off(),
         usage_log: UsageLog::off(),
         request_metrics: request_metrics(cfg, 1),
@@ -372,6 +382,8 @@ pub struct ShardedEdge {
     /// One set of request series for every shard (each writes its own
     /// cells).
     request_metrics: Arc<RequestMetrics>,
+    /// Per-peer caps of both listeners, one table for every shard.
+    peer_limits: crate::front_door::PeerLimits,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -456,6 +468,7 @@ impl ShardedEdge {
             usage_log: usage_log(&cfg),
             access_log: access_log(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
+            peer_limits: crate::front_door::PeerLimits::new(&cfg.edge.limits),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -531,6 +544,7 @@ impl ShardedEdge {
         settings.usage_log = self.usage_log.clone();
         settings.access_log = self.access_log.clone();
         settings.request_metrics = self.request_metrics.clone();
+        settings.peer_limits = self.peer_limits.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {
@@ -808,10 +822,15 @@ mod tests {
     use crate::control::{ConnId, Input};
 
     fn config_text(base_url: &str) -> String {
+        config_text_with(base_url, "allow_anonymous = true\n", "")
+    }
+
+    /// The test config with more `[edge]` lines and more TOML at the end.
+    fn config_text_with(base_url: &str, edge_lines: &str, tail: &str) -> String {
         format!(
             "[edge]\nname = \"edge-1\"\ntrust_domain = \"iop.test\"\n\
              client_listen = \"127.0.0.1:0\"\nnode_listen = \"127.0.0.1:0\"\n\
-             insecure_plaintext_nodes = true\n\
+             insecure_plaintext_nodes = true\n{edge_lines}\
              [[nodes]]\nid = \"node-a\"\n\
              [[nodes.adapters]]\nname = \"mock\"\nkind = \"openai_compat\"\n\
              base_url = \"{base_url}\"\n\
@@ -820,8 +839,59 @@ mod tests {
              [[nodes.adapters]]\nname = \"mock\"\nkind = \"openai_compat\"\n\
              base_url = \"{base_url}\"\n\
              [[nodes.providers]]\nid = \"mock-1\"\nadapter = \"mock\"\ntarget = \"m\"\ncapacity = 1\n\
-             [[models]]\nname = \"model\"\nproviders = [\"node-a/mock-1\", \"node-b/mock-1\"]\n"
+             [[models]]\nname = \"model\"\nproviders = [\"node-a/mock-1\", \"node-b/mock-1\"]\n{tail}"
         )
+    }
+
+    fn temp_dir(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "iop-{tag}-{}-{}",
+            std::process::id(),
+            iop_engine::clock::monotonic_raw_ns()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    // A reload that would remove the last client key (and so open the
+    // Edge to every client) is refused, and the running keys stay; only a
+    // file that says `allow_anonymous = true` may run open.
+    #[test]
+    fn a_reload_that_removes_the_last_key_is_refused_unless_open_access_is_explicit() {
+        let dir = temp_dir("open-access");
+        let path = dir.join("edge.toml");
+        let key = format!(
+            "[[client_keys]]\nprincipal = \"team-a\"\nkey_hash = \"{}\"\n",
+            blake3::hash(b"sk-team-a").to_hex()
+        );
+        let base = "http://127.0.0.1:9000";
+        std::fs::write(&path, config_text_with(base, "", &key)).unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        let edge = edge_state(&cfg);
+        assert!(edge.settings.client_keys.is_enabled());
+        // The revocation procedure with one key: delete it, SIGHUP.
+        std::fs::write(&path, config_text_with(base, "", "")).unwrap();
+        let refused = reload(&edge, &cfg, &path, 2).unwrap_err();
+        assert_eq!(refused.key(), "client_keys");
+        assert!(
+            refused.reason().contains("set edge.allow_anonymous = true"),
+            "{refused}"
+        );
+        assert!(
+            edge.settings.client_keys.is_enabled(),
+            "the key still applies"
+        );
+        // Said explicitly: the Edge runs open from now on.
+        std::fs::write(
+            &path,
+            config_text_with(base, "allow_anonymous = true\n", ""),
+        )
+        .unwrap();
+        let (_, report) = reload(&edge, &cfg, &path, 3).unwrap();
+        assert_eq!(report.client_keys.revoked, 1);
+        assert_eq!(report.restart_required, Vec::<&str>::new());
+        assert!(!edge.settings.client_keys.is_enabled());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     // CONTRACT: R4, X6, K3 — a reload that changes both nodes' adapters

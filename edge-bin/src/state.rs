@@ -293,6 +293,14 @@ pub struct Settings {
     pub credentials: Option<Arc<CredentialPlane>>,
     /// The front door's deadlines, caps and bounds (`[edge]`).
     pub limits: ListenerLimits,
+    /// Who may read `/metrics` (`edge.metrics_access`).
+    pub metrics_access: crate::config::MetricsAccess,
+    /// How long one pull of the nodes' `/metrics` series serves later
+    /// scrapes (`edge.node_metrics_max_age_ms`).
+    pub node_metrics_max_age: Duration,
+    /// What one peer address holds of each listener, shared by every
+    /// shard.
+    pub peer_limits: crate::front_door::PeerLimits,
     /// The access log (`[edge.access_log]`; one writer for every shard).
     pub access_log: AccessLog,
     /// The process's usage file (`[edge.usage_log]`), shared by the shards.
@@ -414,6 +422,8 @@ pub struct Edge {
     /// The read, write and handshake deadlines of this shard's client and
     /// node connections: one timing wheel and one tick task for them all.
     pub deadlines: Rc<Deadlines>,
+    /// The last pull of this shard's nodes' `/metrics` series.
+    pub node_metrics: crate::metrics::NodeMetricsCache,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -493,6 +503,7 @@ impl Edge {
             write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
             request_ids: RequestIds::default(),
             deadlines: Deadlines::new(),
+            node_metrics: crate::metrics::NodeMetricsCache::default(),
         }
     }
 
@@ -1468,6 +1479,11 @@ mod tests {
             client_keys: ClientKeys::default(),
             credentials: None,
             limits: ListenerLimits::default(),
+            metrics_access: crate::config::MetricsAccess::Open,
+            node_metrics_max_age: Duration::from_millis(
+                crate::config::DEFAULT_NODE_METRICS_MAX_AGE_MS,
+            ),
+            peer_limits: crate::front_door::PeerLimits::new(&ListenerLimits::default()),
             access_log: AccessLog::off(),
             usage_log: crate::usage::UsageLog::off(),
             request_metrics: crate::request_metrics::RequestMetrics::new(Vec::new(), Vec::new(), 1),

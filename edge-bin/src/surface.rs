@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::ReadReadiness;
-use iop_engine::http::{HttpError, Limits, LingerEnd, Request, RequestHead, ServerConn, Watched};
+use iop_engine::http::{HttpError, Limits, LingerEnd, RequestHead, ServerConn, Watched};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::{Deadline, Wait};
 use iop_engine::sync::Either;
@@ -29,6 +29,7 @@ use monoio::net::TcpStream;
 use crate::access::{AccessRecord, REQUEST_ID_HEADER};
 use crate::attempt::AttemptTracker;
 use crate::body_json::JsonLimits;
+use crate::config::MetricsAccess;
 use crate::control::{
     AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
 };
@@ -259,7 +260,8 @@ impl<S: ClientStream> Client<S> {
 }
 
 /// Serves one client connection to its end; `open` (its place under the
-/// connection cap) is dropped with it.
+/// connection cap) is dropped with it. `deadline` is the socket's, made
+/// by the accept loop (which watches it for idle reclaim).
 ///
 /// A plain connection is served on its `TcpStream` itself, a TLS one on
 /// the TLS stream, boxed: a connection's task is sized by the stream it
@@ -272,11 +274,10 @@ impl<S: ClientStream> Client<S> {
 pub fn serve<G: 'static>(
     edge: Rc<Edge>,
     tcp: TcpStream,
+    deadline: Deadline,
     open: G,
 ) -> impl std::future::Future<Output = ()> {
     let _ = tcp.set_nodelay(true);
-    // Taken from the TCP socket before any TLS wraps it.
-    let deadline = edge.deadlines.watch(&tcp);
     // The `/admin` routes of an Edge without client keys answer loopback
     // peers only.
     let peer = tcp.peer_addr().ok().map(|a| a.ip());
@@ -290,6 +291,28 @@ pub fn serve<G: 'static>(
             serve_requests(edge, stream, deadline, peer, open).await;
         }
     }))
+}
+
+/// The answer to a connection over its peer's cap
+/// (`edge.max_client_connections_per_peer`): a 429 `too_many_connections`
+/// in the OpenAI error shape (plain HTTP only: a TLS connection is just
+/// closed), sent without waiting, then the close. Nothing of the request
+/// is read.
+pub fn refuse_over_peer_cap(tcp: &TcpStream, tls: bool) {
+    if tls {
+        iop_engine::net::answer_and_shut_now(tcp, b"");
+        return;
+    }
+    let e = ApiError::too_many_connections();
+    let body = e.body_bytes();
+    let mut answer = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    answer.extend_from_slice(&body);
+    iop_engine::net::answer_and_shut_now(tcp, &answer);
 }
 
 /// The client TLS handshake of a listener with `[edge.client_tls]`; `None`
@@ -366,10 +389,10 @@ fn serve_requests<S: ClientStream, G: 'static>(
         let _open = open;
         let edge = Rc::clone(&server.edge);
         loop {
-            // The body moves into the route that reads it (it is freed as soon
-            // as the route is done with it, not when the response ends).
-            let Request { mut head, body } = match server.read_request().await {
-                Ok(Some(r)) => r,
+            // The head alone first: the request is authenticated before a
+            // byte of its body is read.
+            let mut head = match server.read_head().await {
+                Ok(Some(head)) => head,
                 Ok(None) => return,
                 Err(e) => return refuse_request(&edge, &mut server, &e).await,
             };
@@ -382,10 +405,11 @@ fn serve_requests<S: ClientStream, G: 'static>(
             let method = head.method.as_str();
             // metrics: end to end starts when the request is read.
             let read_at = clock::now();
-            server.begin(&edge, &head, &path, body.len(), read_at);
+            server.begin(&edge, &head, &path, 0, read_at);
             // The shutdown drain waits for this response to finish.
             let in_flight = edge.track_request();
             if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
+                server.skip_body(&head);
                 let answered = refuse_while_draining(&mut server, &path).await.is_ok();
                 server.log_access();
                 // Answered: the drain need not wait for the lingering close.
@@ -396,21 +420,42 @@ fn serve_requests<S: ClientStream, G: 'static>(
                 return;
             }
             // Client API keys: with keys configured, every route but the probes
-            // and the metrics scrape needs one (401 in the route's shape).
+            // and the metrics scrape needs one (401 in the route's shape),
+            // answered before the body is read; a request with a body then
+            // ends its connection with a lingering close.
             let caller = match authenticate(&edge, &path, &head.headers) {
                 Ok(caller) => caller,
                 Err((surface, e)) => {
+                    engine_metrics::add(Count::EdgeClientAuthRefusals, 1);
+                    server.skip_body(&head);
                     let result = write_error(&mut server, surface, &e).await;
                     server.log_access();
-                    if result.is_err() || !server.keep_alive() {
+                    drop(in_flight);
+                    if result.is_err() {
+                        return;
+                    }
+                    if !server.keep_alive() {
+                        linger(&edge, &mut server).await;
                         return;
                     }
                     continue;
                 }
             };
+            // The body moves into the route that reads it (it is freed as soon
+            // as the route is done with it, not when the response ends).
+            let body = match server.read_body(&head).await {
+                Ok(body) => body,
+                Err(e) => {
+                    drop(in_flight);
+                    return refuse_request(&edge, &mut server, &e).await;
+                }
+            };
+            server.rec.bytes_in = body.len() as u64;
             let principal = &*caller.principal;
             server.rec.principal = principal.to_owned();
             server.caller = Some(caller.clone());
+            // Who asks, for the admin routes of an Edge without keys.
+            let from = crate::admin::Requester::of(peer, head.header("host").map(|h| &h[..]));
             // The routes that forward some of the client's headers take
             // them; for every other route they are freed here, not held
             // while its response streams.
@@ -467,25 +512,46 @@ fn serve_requests<S: ClientStream, G: 'static>(
                     ))
                     .await
                 }
-                ("GET", "/status") => match edge
-                    .with_control(|control| {
-                        let now = clock::now();
-                        let outliers: Vec<status::OutlierView> = control
-                            .outliers()
-                            .into_iter()
-                            .map(|o| status::OutlierView::of(o, now))
-                            .collect();
-                        (control.snapshots(), outliers)
-                    })
-                    .await
-                {
-                    Some((snapshots, outliers)) => {
-                        let body =
-                            Bytes::from(status::status_json(&snapshots, &outliers).to_string());
-                        write_json(&mut server, 200, body).await
+                ("GET", "/status") => {
+                    // A key limited to some models sees their providers
+                    // only; the rest of the fleet is not its business.
+                    let viewer = (!caller.authority.sees_everything()).then(|| caller.clone());
+                    match edge
+                        .with_control(move |control| {
+                            let now = clock::now();
+                            let outliers: Vec<status::OutlierView> = control
+                                .outliers()
+                                .into_iter()
+                                .map(|o| status::OutlierView::of(o, now))
+                                .collect();
+                            let visible = match viewer {
+                                Some(viewer) => control.serves_any(|m| viewer.may_use(m)),
+                                None => Vec::new(),
+                            };
+                            (control.snapshots(), outliers, visible)
+                        })
+                        .await
+                    {
+                        Some((mut snapshots, mut outliers, visible)) => {
+                            if !visible.is_empty() {
+                                let mut keep = visible.iter().copied();
+                                snapshots.retain(|_| keep.next().unwrap_or(false));
+                                let mut keep = visible.iter().copied();
+                                outliers.retain(|_| keep.next().unwrap_or(false));
+                            }
+                            let body =
+                                Bytes::from(status::status_json(&snapshots, &outliers).to_string());
+                            write_json(&mut server, 200, body).await
+                        }
+                        None => write_api_error(&mut server, &draining_error()).await,
                     }
-                    None => write_api_error(&mut server, &draining_error()).await,
-                },
+                }
+                ("GET", "/metrics")
+                    if edge.settings.metrics_access == MetricsAccess::Key
+                        && !caller.authority.sees_everything() =>
+                {
+                    write_api_error(&mut server, &ApiError::metrics_scope_required()).await
+                }
                 ("GET", "/metrics") => {
                     let text = metrics::scrape(&edge).await;
                     server
@@ -497,7 +563,7 @@ fn serve_requests<S: ClientStream, G: 'static>(
                         .await
                 }
                 // The status page (crate::ui).
-                ("GET", "/ui") => crate::ui::page(&edge, &mut server, peer).await,
+                ("GET", "/ui") => crate::ui::page(&edge, &mut server, from).await,
                 // Boxed like the passthrough (their timers are cache-line
                 // aligned, which would align every connection's task).
                 ("GET", "/ui/events") => {
@@ -505,12 +571,18 @@ fn serve_requests<S: ClientStream, G: 'static>(
                         &edge,
                         &mut server,
                         caller.authority,
-                        peer,
+                        from,
                     ))
                     .await
                 }
                 ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
-                    let (status, body) = match crate::admin::authorize(caller.authority, peer) {
+                    let content_type = headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+                        .map(|h| &h.value[..]);
+                    let allowed = crate::admin::authorize(caller.authority, from)
+                        .and_then(|()| crate::admin::check_content_type(content_type));
+                    let (status, body) = match allowed {
                         Ok(()) => Box::pin(crate::admin::handle(&edge, p, &body)).await,
                         Err(refused) => refused,
                     };
@@ -598,7 +670,8 @@ fn authenticate(
     headers: &[iop_engine::http::Header],
 ) -> Result<Caller, (Surface, ApiError)> {
     // `/ui` is the status page: it holds no data and asks for a key.
-    if matches!(path, "/livez" | "/readyz" | "/metrics" | "/ui") {
+    let open_metrics = edge.settings.metrics_access == MetricsAccess::Open;
+    if matches!(path, "/livez" | "/readyz" | "/ui") || (path == "/metrics" && open_metrics) {
         return Ok(edge.settings.client_keys.anonymous());
     }
     let anthropic = path.starts_with(MESSAGES.path);
@@ -650,7 +723,10 @@ where
         _ => Surface::OpenAi,
     };
     let api = http_error(e, edge.settings.max_request_body_bytes);
-    server.begin_unread(edge, clock::now());
+    if server.read_at.is_none() {
+        // The head itself failed: a record of what of it was read.
+        server.begin_unread(edge, clock::now());
+    }
     let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
     headers.push(("connection", "close"));
     let body = api.body_for_request(surface, &server.rec.request_id);
@@ -2290,7 +2366,8 @@ mod tests {
             let mut served_conns = Vec::new();
             for _ in 0..connections {
                 let (tcp, _) = listener.accept().await.expect("accept");
-                served_conns.push(monoio::spawn(serve(served.clone(), tcp, ())));
+                let deadline = served.deadlines.watch(&tcp);
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp, deadline, ())));
             }
             for conn in served_conns {
                 conn.await;

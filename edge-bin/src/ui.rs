@@ -29,7 +29,6 @@
 
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::net::IpAddr;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -43,6 +42,7 @@ use iop_engine::metrics::{self as engine_metrics, Histogram, Latency};
 use iop_wire::pb;
 use serde_json::{json, Value};
 
+use crate::admin::Requester;
 use crate::control::{ModelView, NodePhase, NodeView};
 use crate::credentials::Authority;
 use crate::state::Edge;
@@ -336,10 +336,10 @@ async fn write_json<S: ClientStream>(
 pub(crate) async fn page<S: ClientStream>(
     edge: &Edge,
     server: &mut ServerConn<S>,
-    peer: Option<IpAddr>,
+    from: Requester,
 ) -> Result<(), HttpError> {
     if !edge.settings.client_keys.is_enabled() {
-        if let Err(refused) = crate::admin::authorize_route(Authority::Anonymous, peer, "/ui") {
+        if let Err(refused) = crate::admin::authorize_route(Authority::Anonymous, from, "/ui") {
             return write_json(server, refused).await;
         }
     }
@@ -405,9 +405,9 @@ pub(crate) async fn events<S: ClientStream>(
     edge: &Rc<Edge>,
     server: &mut ServerConn<S>,
     authority: Authority,
-    peer: Option<IpAddr>,
+    from: Requester,
 ) -> Result<(), HttpError> {
-    if let Err(refused) = crate::admin::authorize_route(authority, peer, "/ui/events") {
+    if let Err(refused) = crate::admin::authorize_route(authority, from, "/ui/events") {
         return write_json(server, refused).await;
     }
     let limit = viewers_per_core(edge.shard_count());

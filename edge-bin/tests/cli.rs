@@ -357,9 +357,13 @@ fn json_log_lines_parse_as_json() {
     let out = run(&["--log-format", "json", "check-config", &path], &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let messages = json_messages(&text(&out.stderr));
+    // The example runs open (no client keys): it says so.
     assert_eq!(
         messages,
-        ["node-link certificate loaded (SIGHUP reloads it)"],
+        [
+            "node-link certificate loaded (SIGHUP reloads it)",
+            "edge.allow_anonymous = true and no [[client_keys]]: every client is served without a key"
+        ],
         "{}",
         text(&out.stderr)
     );

@@ -193,9 +193,11 @@ async fn idle_keep_alive_connections_are_closed_and_counted() {
     .await;
 }
 
-// At max_client_connections the Edge stops accepting: a further connection
-// waits in the backlog, unanswered, and is served as soon as one of the
-// open connections closes; the pause is counted.
+// At max_client_connections with no connection idle (each is reading a
+// request) the Edge stops accepting: a further connection waits in the
+// backlog, unanswered, and is served as soon as one of the open connections
+// closes; the pause is counted. (An idle keep-alive connection would be
+// closed for it instead: hostile_peers.rs.)
 #[monoio::test_all(timer_enabled = true)]
 async fn at_the_connection_cap_new_clients_wait_in_the_backlog() {
     guarded(async {
@@ -210,6 +212,10 @@ async fn at_the_connection_cap_new_clients_wait_in_the_backlog() {
         let (res, buf) = second.read(Vec::with_capacity(1024)).await;
         assert!(res.unwrap() > 0);
         assert!(buf.starts_with(b"HTTP/1.1 200 OK\r\n"));
+        // Its next request has begun: it is not idle.
+        write(&mut second, b"GET /livez HTTP/1.1\r\n")
+            .await
+            .unwrap();
         let waiting = monoio::spawn({
             let addr = edge.client_addr;
             async move {
@@ -253,13 +259,17 @@ const HALF_CLIENT_HELLO: &[u8] = &[
     0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03, 0x11, 0x22, 0x33,
 ];
 
-// Half-open handshakes on the node port (silent, or half a ClientHello)
-// are all closed at the handshake deadline and counted.
+// Half-open handshakes on the node port are all closed and counted: the
+// silent ones at the first-byte deadline, those that sent half a
+// ClientHello at the handshake deadline.
 #[monoio::test_all(timer_enabled = true)]
 async fn half_open_tls_handshakes_are_closed_and_counted() {
     guarded(async {
         let pki = Pki::mint("half-open");
-        let edge = edge_with(&pki, "node_handshake_timeout_ms = 300\n");
+        let edge = edge_with(
+            &pki,
+            "node_handshake_timeout_ms = 300\nmax_node_handshakes_per_peer = 100\n",
+        );
         let mut peers = Vec::new();
         for i in 0..20 {
             let mut tcp = TcpStream::connect(edge.node_addr).await.unwrap();
@@ -277,10 +287,19 @@ async fn half_open_tls_handshakes_are_closed_and_counted() {
             wait_metric(
                 edge.client_addr,
                 "iop_edge_node_handshake_timeouts_total",
-                20
+                10
             )
             .await,
-            20
+            10
+        );
+        assert_eq!(
+            wait_metric(
+                edge.client_addr,
+                "iop_edge_node_first_byte_timeouts_total",
+                10
+            )
+            .await,
+            10
         );
         assert_eq!(
             metric(edge.client_addr, "iop_edge_node_handshakes_in_progress").await,
@@ -355,7 +374,7 @@ async fn https_clients_that_never_finish_their_handshake_are_closed_and_counted(
 
 // With max_node_handshakes = 1 a silent peer holds the only place: a real
 // node that connects next waits in the backlog (it is not refused) and
-// registers as soon as the silent handshake times out.
+// registers as soon as the silent connection's first-byte deadline passes.
 #[monoio::test_all(timer_enabled = true)]
 async fn at_the_handshake_cap_a_node_waits_and_then_registers() {
     guarded(async {
@@ -374,9 +393,9 @@ async fn at_the_handshake_cap_a_node_waits_and_then_registers() {
         .await;
         let connector = pki.connector("node-a");
         let mut node = RawNode::connect(edge.node_addr, &connector).await;
-        // The node got through only after the silent handshake timed out.
+        // The node got through only after the silent one was cut off.
         assert_eq!(
-            metric(edge.client_addr, "iop_edge_node_handshake_timeouts_total").await,
+            metric(edge.client_addr, "iop_edge_node_first_byte_timeouts_total").await,
             1
         );
         let response = node.register("node-a").await;

@@ -85,6 +85,8 @@ async fn requests_rejections_tokens_and_node_series_are_counted_exactly() {
         let key_hash = blake3::hash(API_KEY.as_bytes()).to_hex();
         let mut options = EdgeOptions::without_provider();
         options.max_request_body_bytes = Some(512);
+        // Every scrape asks the node (the test answers each one).
+        options.edge_keys = "node_metrics_max_age_ms = 0\n".into();
         options.extra_toml = format!(
             "[[models]]\nname = \"{LIMITED}\"\nproviders = [\"node-b/b-mock\"]\n\
              max_queue = 1\nqueue_timeout_ms = 3000\n\n\

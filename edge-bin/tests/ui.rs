@@ -55,7 +55,7 @@ fn get(path: &str, key: Option<&str>) -> Vec<u8> {
     let auth = key
         .map(|k| format!("authorization: Bearer {k}\r\n"))
         .unwrap_or_default();
-    format!("GET {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n{auth}\r\n").into_bytes()
+    format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n{auth}\r\n").into_bytes()
 }
 
 /// A viewer of `/ui/events` with the response head read.
@@ -231,7 +231,7 @@ fn events_need_an_admin_key_when_keys_are_configured() {
             user.json(),
             serde_json::json!({"error": {
                 "message": "this API key may not use /ui/events: give it scopes = [\"admin\"] in [[client_keys]]",
-                "type": "admin_error", "code": "admin_scope_required"}})
+                "type": "admin_error", "param": null, "code": "admin_scope_required"}})
         );
         let mut admin = Viewer::open(edge.client_addr, Some(ADMIN_KEY)).await;
         let event = admin.event().await;

@@ -333,6 +333,9 @@ class Cluster:
             f'client_listen = "{self.client_listen}"',
             'node_listen = "127.0.0.1:0"',
         ] + self.edge_extra
+        if not self.client_keys and not any(l.startswith("allow_anonymous") for l in self.edge_extra):
+            # An Edge without client keys must say it runs open.
+            out.append("allow_anonymous = true")
         if self.client_tls:
             out += [
                 "[edge.client_tls]",

@@ -28,6 +28,7 @@ def _edge_toml(mock_addr: str, plaintext: bool, extra: str = "") -> str:
         'trust_domain = "iop.test"',
         'client_listen = "127.0.0.1:0"',
         'node_listen = "127.0.0.1:0"',
+        "allow_anonymous = true",
     ]
     if plaintext:
         lines.append("insecure_plaintext_nodes = true")

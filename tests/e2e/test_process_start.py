@@ -83,6 +83,7 @@ def _edge_toml(edge_line: str = "", key: str = "certs/edge-key.pem", ca: str = "
         'trust_domain = "iop.test"',
         'client_listen = "127.0.0.1:0"',
         'node_listen = "127.0.0.1:0"',
+        "allow_anonymous = true",
         edge_line,
         "[tls]",
         f'ca = "{ca}"',

@@ -47,7 +47,7 @@ class TwoProviders(Cluster):
         ] + list(extra)
         return "\n".join([
             "[edge]", 'name = "edge-1"', 'trust_domain = "iop.test"', 'client_listen = "127.0.0.1:0"',
-            'node_listen = "127.0.0.1:0"',
+            'node_listen = "127.0.0.1:0"', "allow_anonymous = true",
             "[tls]", 'ca = "certs/ca.pem"', 'cert = "certs/edge.pem"', 'key = "certs/edge-key.pem"',
             "[outlier_detection]",
         ] + self.outlier + [

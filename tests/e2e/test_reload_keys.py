@@ -161,7 +161,7 @@ def test_admin_needs_the_admin_scope(cluster):
     assert body["ok"] is True
     assert _admin(cluster, KEY_A) == (403, {"error": {
         "message": 'this API key may not use /admin: give it scopes = ["admin"] in [[client_keys]]',
-        "type": "admin_error", "code": "admin_scope_required"}})
+        "type": "admin_error", "param": None, "code": "admin_scope_required"}})
     assert _admin(cluster, None)[0] == 401
     assert _admin(cluster, "sk-unknown")[0] == 401
     # Scopes follow a reload: team-a gains admin, ops loses it.
@@ -192,7 +192,7 @@ def test_without_client_keys_admin_answers_loopback_peers_only():
         assert status == 200, body
         assert _admin(cluster, None, host=address) == (403, {"error": {
             "message": "without [[client_keys]] /admin answers loopback clients only",
-            "type": "admin_error", "code": "admin_loopback_only"}})
+            "type": "admin_error", "param": None, "code": "admin_loopback_only"}})
         # The inference surface itself stays open to that peer.
         status, _, raw = post_raw(
             f"http://{address}:{cluster.edge.ready['client'].rsplit(':', 1)[1]}/v1/chat/completions",

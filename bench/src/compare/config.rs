@@ -88,6 +88,8 @@ name = {edge}
 trust_domain = {td}
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
+allow_anonymous = true
+max_client_connections_per_peer = 1000000
 "#,
         edge = s(&names.edge_name),
         td = s(&names.trust_domain),
@@ -219,6 +221,8 @@ name = "edge-bench"
 trust_domain = "iop.bench"
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
+allow_anonymous = true
+max_client_connections_per_peer = 1000000
 
 [tls]
 ca = "certs/ca.pem"

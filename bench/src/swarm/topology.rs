@@ -84,6 +84,8 @@ name = "{EDGE_NAME}"
 trust_domain = "{TRUST_DOMAIN}"
 client_listen = "{client_listen}"
 node_listen = "{node_listen}"
+allow_anonymous = true
+max_client_connections_per_peer = 1000000
 
 [tls]
 ca = "certs/ca.pem"
@@ -170,6 +172,8 @@ name = "edge-swarm"
 trust_domain = "iop.swarm"
 client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:7000"
+allow_anonymous = true
+max_client_connections_per_peer = 1000000
 
 [tls]
 ca = "certs/ca.pem"

@@ -252,6 +252,18 @@ impl EdgeOptions {
     }
 }
 
+/// `allow_anonymous = true` unless the test configures client keys (or
+/// says so itself): an Edge without keys must say it runs open.
+fn open_access(options: &EdgeOptions) -> &'static str {
+    if options.extra_toml.contains("[[client_keys]]")
+        || options.edge_keys.contains("allow_anonymous")
+    {
+        ""
+    } else {
+        "allow_anonymous = true\n"
+    }
+}
+
 /// The Edge config text: nodes `node-a` and `node-b` (`node-c` has a
 /// certificate but is not configured), each with one OpenAI-compatible
 /// adapter `mock` and one provider of target [`TARGET`]; model [`MODEL`] on
@@ -262,6 +274,7 @@ pub fn edge_toml(pki: &Pki, options: &EdgeOptions) -> String {
         .max_request_body_bytes
         .map(|n| format!("max_request_body_bytes = {n}\n"))
         .unwrap_or_default()
+        + open_access(options)
         + &options.edge_keys;
     let node = |id: &str, provider: &str, stall: i64| {
         format!(
@@ -497,7 +510,7 @@ async fn exchange<S: AsyncReadRent + AsyncWriteRent>(
 /// `application/json`, `connection: close`.
 pub fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
     let mut request = format!(
-        "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     )
