@@ -8,11 +8,11 @@ mod common;
 use bytes::BytesMut;
 use common::*;
 use iop_engine::conn::HEARTBEAT_OVERRIDE_ENV;
+use iop_engine::tls::ClientTls;
 use iop_wire::pb::frame::Body;
 use iop_wire::{codec, pb, FrameDecoder};
 use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
-use monoio_rustls::ClientTlsStream;
 
 /// Edge heartbeat interval and timeout for this test: `<interval>:<timeout>`
 /// in milliseconds. The timeout leaves room for a loaded machine while the
@@ -22,7 +22,7 @@ const HEARTBEAT_MS: &str = "50:2000";
 /// A node speaking frames by hand over its TLS stream, with no frame
 /// connection: it answers heartbeats only while the test lets it.
 struct HandNode {
-    tls: ClientTlsStream<TcpStream>,
+    tls: ClientTls,
     decoder: FrameDecoder,
 }
 

@@ -11,7 +11,7 @@
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
 //! | [`metrics`] | per-core latency histograms and counters, merge, wrk2 and Prometheus text (fixed-bucket histograms, `process_*`, `iop_build_info`) | `SIGUSR1` dump to stderr |
 //! | [`keys`] | key file and public-key text formats (C1, C4) | lease key files (0600, refused if group/world-accessible), OS randomness for leases |
-//! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2), provider and HTTPS-listener configs, reloadable identities | TLS accept/connect; a cancel-safe TLS stream for HTTP |
+//! | [`tls`] | rustls configs, SPIFFE workload identity verifiers (T2), provider and HTTPS-listener configs, reloadable identities | TLS accept/connect; a cancel-safe TLS stream for HTTP, split into reader and writer for the node link |
 //! | [`conn`] | frame-connection lanes and heartbeat bookkeeping (T4) | reader/writer tasks over TLS |
 //! | [`pool`] | fixed-size buffer slab, generation-checked ids | owned-buffer IO, zero-copy `Bytes` hand-off |
 //! | [`sync`] | single-core `Notify` and wake lists | — |

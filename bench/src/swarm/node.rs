@@ -34,7 +34,6 @@ use iop_wire::checks::{Attempts, ReconnectPolicy};
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::Splitable;
 use node_bin::supervisor::{AttemptOutcome, Jitter, Step, Supervisor};
 
 /// The content of every answer starts with this, then the node id.

@@ -32,7 +32,7 @@ use iop_engine::tls::{
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, Splitable};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 use monoio::task::JoinHandle;
 use serde_json::Value;

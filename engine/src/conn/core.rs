@@ -10,8 +10,7 @@ use iop_wire::pb::{self, frame::Body};
 use iop_wire::DecodeError;
 
 use super::{
-    ConnConfig, SendError, REASON_CONTROL_LANE_OVERFLOW, REASON_IO_ERROR, REASON_PEER_CLOSED,
-    REASON_PEER_PREFIX,
+    ConnConfig, SendError, REASON_CONTROL_LANE_OVERFLOW, REASON_PEER_CLOSED, REASON_PEER_PREFIX,
 };
 
 /// Longest close reason kept (longer reasons, e.g. from a peer, are cut).
@@ -378,12 +377,14 @@ impl ConnCore {
         self.close_at_once(REASON_PEER_CLOSED);
     }
 
-    /// Reading or writing the socket failed.
+    /// Reading or writing the socket failed. The reason names a TLS
+    /// failure ([`super::io_error_reason`]): `tls_alert:access_denied` when
+    /// the peer refused our identity.
     pub fn handle_io_error(&mut self, err: &std::io::Error) {
         if self.close_reason().is_none() {
             tracing::debug!(error = %err, "frame connection io error");
         }
-        self.close_at_once(REASON_IO_ERROR);
+        self.close_at_once(&super::io_error_reason(err));
     }
 
     /// Counts bytes read from the peer.
@@ -1078,6 +1079,22 @@ mod tests {
         let mut core = core_at(&clock);
         core.handle_io_error(&std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert_eq!(core.poll_closed(), Some("io_error".to_owned()));
+
+        // A TLS failure is named: the peer's fatal alert (a Node refused by
+        // its Edge reads `tls_alert:access_denied`), or our own TLS error.
+        let tls_failure =
+            |e: rustls::Error| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
+        let mut core = core_at(&clock);
+        core.handle_io_error(&tls_failure(rustls::Error::AlertReceived(
+            rustls::AlertDescription::AccessDenied,
+        )));
+        assert_eq!(
+            core.poll_closed(),
+            Some("tls_alert:access_denied".to_owned())
+        );
+        let mut core = core_at(&clock);
+        core.handle_io_error(&tls_failure(rustls::Error::DecryptError));
+        assert_eq!(core.poll_closed(), Some("tls_error".to_owned()));
     }
 
     #[test]

@@ -15,10 +15,13 @@
 //! - [`ConnCore`] holds every decision: the two lanes, heartbeat bookkeeping,
 //!   the close state machine. It reads no clock and does no IO, so its tests
 //!   drive it with a manual clock.
-//! - [`spawn_conn`] is the shell: exactly one reader task (never cancelled —
-//!   a cancelled TLS read corrupts monoio-rustls), one writer task and one
+//! - [`spawn_conn`] is the shell: exactly one reader task (never cancelled:
+//!   a cancelled io_uring read can lose bytes), one writer task and one
 //!   timer task on the current monoio runtime. Closing unblocks the reader by
-//!   shutting the socket down from outside ([`SocketShutdown`]).
+//!   shutting the socket down from outside ([`SocketShutdown`]). Over TLS the
+//!   halves are [`crate::tls::TlsStream::into_split`]'s, whose reader never
+//!   writes (monoio-rustls' split panics when a peer's alert arrives during
+//!   a write).
 //!
 //! ## Close state machine
 //!
@@ -30,7 +33,9 @@
 //!
 //! Sends fail with [`SendError::Closed`] from `Closing` on. On `Closed` the
 //! shell shuts the socket down; the application then receives exactly one
-//! [`ConnEvent::Closed`], after every frame received before the close.
+//! [`ConnEvent::Closed`], after every frame received before the close. An io
+//! error's reason names a TLS failure ([`io_error_reason`]): a peer's fatal
+//! alert is `tls_alert:<alert>`.
 //!
 //! ## Heartbeat rule (T4)
 //!
@@ -61,6 +66,16 @@ pub const REASON_PEER_CLOSED: &str = "peer_closed";
 pub const REASON_PEER_PREFIX: &str = "peer:";
 /// Close reason when reading or writing the socket failed.
 pub const REASON_IO_ERROR: &str = "io_error";
+/// Prefix of the close reason when the peer's TLS stack ended the
+/// connection with a fatal alert: `tls_alert:<alert>`, the alert as RFC 8446
+/// names it. `tls_alert:access_denied` on a Node: the Edge refused its
+/// certificate identity (not among its `[[nodes]]`, or another trust
+/// domain); it arrives on the first read after a TLS 1.3 handshake that
+/// had finished on the Node's side.
+pub const REASON_TLS_ALERT_PREFIX: &str = "tls_alert:";
+/// Close reason when TLS failed on our side: a record that does not decrypt
+/// or a protocol violation by the peer.
+pub const REASON_TLS_ERROR: &str = "tls_error";
 /// Close reason when the control lane overflowed (the peer floods heartbeats
 /// while we cannot write, or the application floods control frames).
 pub const REASON_CONTROL_LANE_OVERFLOW: &str = "control_lane_overflow";
@@ -69,6 +84,22 @@ pub const REASON_HANDLE_DROPPED: &str = "handle_dropped";
 /// Close reason reported when the connection's tasks were dropped (the
 /// runtime stopped) before any other reason was recorded.
 pub const REASON_ABORTED: &str = "aborted";
+
+/// The close reason for a failed socket read or write: a TLS failure is
+/// named ([`REASON_TLS_ALERT_PREFIX`], [`REASON_TLS_ERROR`]), anything else
+/// is [`REASON_IO_ERROR`].
+pub fn io_error_reason(err: &std::io::Error) -> String {
+    match crate::tls::rustls_cause(err) {
+        Some(rustls::Error::AlertReceived(alert)) => {
+            format!(
+                "{REASON_TLS_ALERT_PREFIX}{}",
+                crate::tls::alert_name(*alert)
+            )
+        }
+        Some(_) => REASON_TLS_ERROR.to_owned(),
+        None => REASON_IO_ERROR.to_owned(),
+    }
+}
 
 /// Environment variable of the test-only heartbeat override:
 /// `IOP_TEST_HEARTBEAT_MS=<interval_ms>:<timeout_ms>`.

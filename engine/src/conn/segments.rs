@@ -99,9 +99,9 @@ impl BatchBuilder {
 ///
 /// monoio 0.2.4's `write_vectored_all` cannot be used: after a partial write
 /// its `IoVecMeta::consume` shortens an iovec without moving its base (the
-/// start is written twice) and keeps reporting consumed iovecs. Over
-/// monoio-rustls, whose `writev` writes only the first iovec, every large
-/// body is a partial write.
+/// start is written twice) and keeps reporting consumed iovecs. Over TLS,
+/// where rustls takes at most its buffer limit per write, every large body
+/// is a partial write.
 pub(crate) struct IoSegments {
     segments: Vec<Bytes>,
     /// `iovecs[i]` describes exactly `segments[i]` as it is now.

@@ -26,7 +26,7 @@ const READ_CHUNK_BYTES: usize = 64 * 1024;
 const READ_MIN_SPARE_BYTES: usize = 4 * 1024;
 
 /// How a closing connection unblocks its reader: the reader task is never
-/// cancelled (a cancelled TLS read corrupts monoio-rustls), so the socket is
+/// cancelled (a cancelled io_uring read can lose bytes), so the socket is
 /// shut down from outside and the pending read returns.
 ///
 /// The action runs at most once, and never after both halves of the stream
@@ -97,8 +97,8 @@ pub enum ConnEvent {
     Closed {
         /// `peer_closed`, `peer:<reason>`, `heartbeat_timeout`,
         /// `frame_too_large`, `decode_error`, `io_error`,
-        /// `control_lane_overflow`, `handle_dropped` or the reason given to
-        /// [`ConnHandle::close`].
+        /// `tls_alert:<alert>`, `tls_error`, `control_lane_overflow`,
+        /// `handle_dropped` or the reason given to [`ConnHandle::close`].
         reason: String,
     },
 }
@@ -190,9 +190,10 @@ impl<H> Drop for HalfGuard<H> {
     }
 }
 
-/// Starts a frame connection over a split stream (plain `TcpStream` or
-/// monoio-rustls stream, via `monoio::io::Splitable::into_split`) on the
-/// current monoio runtime, which must have its timer enabled.
+/// Starts a frame connection over a split stream (a plain `TcpStream` via
+/// `monoio::io::Splitable::into_split`, or a [`crate::tls::TlsStream`] via
+/// its own `into_split`) on the current monoio runtime, which must have its
+/// timer enabled.
 ///
 /// Spawns exactly one reader task (never cancelled), one writer task and
 /// one heartbeat timer task. `shutdown` must make a pending read on

@@ -5,7 +5,6 @@ use std::fmt;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
-use monoio_rustls::ServerTlsStream;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::CryptoProvider;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
@@ -20,8 +19,8 @@ use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
     checked_trust_domain, handshake_outcome, provider, record_verdict, same_identity, ClockTime,
-    IdentityRejection, LocalIdentity, Role, Swap, TlsError, TlsMaterial, VerdictSlot, WorkloadId,
-    TLS13_ONLY,
+    IdentityRejection, LocalIdentity, Role, Swap, TlsError, TlsMaterial, TlsStream, VerdictSlot,
+    WorkloadId, TLS13_ONLY,
 };
 
 /// The node names the Edge accepts, shared by every acceptor clone and
@@ -178,7 +177,12 @@ impl EdgeTlsAcceptor {
     /// Runs the server handshake on `io` and returns the stream with the
     /// Node's verified identity. On an identity rejection the Node has been
     /// sent `access_denied` and the error is [`TlsError::IdentityRejected`].
-    pub async fn accept<IO>(&self, io: IO) -> Result<(ServerTlsStream<IO>, WorkloadId), TlsError>
+    /// Split the stream ([`TlsStream::into_split`]) to read and write from
+    /// two tasks.
+    pub async fn accept<IO>(
+        &self,
+        io: IO,
+    ) -> Result<(TlsStream<IO, ServerConnection>, WorkloadId), TlsError>
     where
         IO: AsyncReadRent + AsyncWriteRent,
     {
@@ -193,7 +197,7 @@ impl EdgeTlsAcceptor {
             cert_serial = %peer.serial_hex,
             "node TLS identity verified"
         );
-        Ok((ServerTlsStream::new(io, conn), peer.id.clone()))
+        Ok((TlsStream::new(io, conn), peer.id.clone()))
     }
 
     /// A config for one connection: the current key and verifier pieces

@@ -130,3 +130,55 @@ pub fn rustls_cause(err: &io::Error) -> Option<&rustls::Error> {
     err.get_ref()
         .and_then(|inner| inner.downcast_ref::<rustls::Error>())
 }
+
+/// The name of a TLS alert as RFC 8446 spells it (`access_denied`,
+/// `bad_certificate`, `unknown_ca`, ...), or `alert_<code>` for one rustls
+/// does not know.
+pub fn alert_name(alert: rustls::AlertDescription) -> String {
+    let Some(camel) = alert.as_str() else {
+        return format!("alert_{}", u8::from(alert));
+    };
+    // CamelCase to snake_case, an acronym staying one word (`UnknownCA`,
+    // `UnknownPSKIdentity`).
+    let chars: Vec<char> = camel.chars().collect();
+    let mut name = String::with_capacity(camel.len() + 4);
+    for (i, &c) in chars.iter().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            let after_lower = chars[i - 1].is_ascii_lowercase();
+            let acronym_ends = chars[i - 1].is_ascii_uppercase()
+                && chars.get(i + 1).is_some_and(char::is_ascii_lowercase);
+            if after_lower || acronym_ends {
+                name.push('_');
+            }
+        }
+        name.push(c.to_ascii_lowercase());
+    }
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use rustls::AlertDescription;
+
+    use super::alert_name;
+
+    #[test]
+    fn alert_names_are_the_rfc_names() {
+        assert_eq!(alert_name(AlertDescription::AccessDenied), "access_denied");
+        assert_eq!(
+            alert_name(AlertDescription::BadCertificate),
+            "bad_certificate"
+        );
+        assert_eq!(alert_name(AlertDescription::UnknownCA), "unknown_ca");
+        assert_eq!(
+            alert_name(AlertDescription::UnknownPSKIdentity),
+            "unknown_psk_identity"
+        );
+        assert_eq!(alert_name(AlertDescription::BadRecordMac), "bad_record_mac");
+        assert_eq!(
+            alert_name(AlertDescription::CertificateExpired),
+            "certificate_expired"
+        );
+        assert_eq!(alert_name(AlertDescription::from(0xfe)), "alert_254");
+    }
+}

@@ -9,7 +9,7 @@
 //! driver flushes everything rustls queued, alert included, on every exit.
 //!
 //! Everything read from the socket is handed to rustls before returning, so
-//! wrapping the connection in a monoio-rustls stream afterwards loses no
+//! wrapping the connection in a [`super::TlsStream`] afterwards loses no
 //! bytes (rustls keeps any early application data buffered).
 
 use std::io;

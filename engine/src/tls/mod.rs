@@ -6,7 +6,8 @@
 //! | `edge`, `node` | the node link: [`EdgeTlsAcceptor`], [`NodeTlsConnector`] (below) |
 //! | `listener` | [`HttpsAcceptor`]: the Edge's HTTPS client listener, the HTTPS mock |
 //! | `upstream` | [`UpstreamTls`]: the Node as an HTTPS client of `https://` providers |
-//! | `stream` | [`TlsStream`] (cancel-safe, for the HTTP shells) and [`MaybeTls`], "plain TCP or TLS" |
+//! | `stream` | [`TlsStream`] (cancel-safe, for the HTTP shells and the node link) and [`MaybeTls`], "plain TCP or TLS" |
+//! | `split` | [`TlsReadHalf`], [`TlsWriteHalf`]: a [`TlsStream`] driven by a reader and a writer task at once (the node link) |
 //! | `pem`, `identity`, `handshake`, `error` | PEM loading, SPIFFE IDs, the handshake driver, typed errors |
 //!
 //! Every identity here is **reloadable**: acceptors and connectors share
@@ -26,7 +27,8 @@
 //!                                                         URI SAN == spiffe://<td>/node/<n>,
 //!                                                         n in NodeAllowList
 //!                                                         ──► per-connection verdict slot
-//!  ClientTlsStream                                    (ServerTlsStream, WorkloadId)
+//!  TlsStream<_, ClientConnection>                     (TlsStream<_, ServerConnection>, WorkloadId)
+//!    └─ into_split: reader + writer task (conn)         └─ into_split
 //! ```
 //!
 //! Design points:
@@ -48,16 +50,20 @@
 //!   `ApplicationVerificationFailure`, so the peer receives `access_denied`.
 //!   Under TLS 1.3 the client's `connect` completes before the server has
 //!   judged the client certificate; a rejected Node sees the alert on its
-//!   first read (use [`rustls_cause`] to log it).
-//! - **Own handshake driver.** The private `handshake` module runs the
-//!   handshake over the socket and then hands the connection to a
-//!   monoio-rustls stream: monoio-rustls' driver writes only the first queued
-//!   TLS chunk when a handshake fails, so a Node's rejection alert could be
-//!   lost behind its `ChangeCipherSpec`. Ours flushes the alert every time.
-//!   Dropping an `accept`/`connect` future (a handshake deadline) is safe: the
-//!   socket goes with it.
-//! - **Never cancel a read** on the returned streams (see
-//!   `RUNTIME_NOTES.md`): enforce deadlines by shutting the socket down.
+//!   first read, usually while its writer sends `RegisterRequest` (use
+//!   [`rustls_cause`] to log it; the frame connection closes with reason
+//!   `tls_alert:access_denied`).
+//! - **Own handshake driver and stream.** The private `handshake` module
+//!   runs the handshake over the socket and hands the connection to a
+//!   [`TlsStream`]: monoio-rustls' driver writes only the first queued TLS
+//!   chunk when a handshake fails, so a Node's rejection alert could be lost
+//!   behind its `ChangeCipherSpec` (ours flushes the alert every time), and
+//!   monoio-rustls' split stream panics when the peer's alert arrives while
+//!   the writer has a write in flight (see `split`). Dropping an
+//!   `accept`/`connect` future (a handshake deadline) is safe: the socket
+//!   goes with it.
+//! - **Deadlines shut the socket down** (see `RUNTIME_NOTES.md`): the frame
+//!   connection's reader is never cancelled.
 
 mod edge;
 mod error;
@@ -66,6 +72,7 @@ mod identity;
 mod listener;
 mod node;
 mod pem;
+mod split;
 mod stream;
 mod upstream;
 
@@ -78,7 +85,7 @@ use rustls::{CertificateError, SupportedProtocolVersion};
 use rustls_pki_types::{CertificateDer, UnixTime};
 
 pub use edge::{EdgeTlsAcceptor, NodeAllowList};
-pub use error::{rustls_cause, ConfigProblem, TlsError};
+pub use error::{alert_name, rustls_cause, ConfigProblem, TlsError};
 pub use identity::{
     workload_id_from_cert, IdentityRejection, Role, WorkloadId, WorkloadIdError,
     MAX_TRUST_DOMAIN_BYTES, MAX_URI_BYTES, SPIFFE_SCHEME,
@@ -86,6 +93,7 @@ pub use identity::{
 pub use listener::{HttpsAcceptor, HttpsFiles, HttpsIdentity};
 pub use node::{NodeTlsConnector, EDGE_SERVER_NAME};
 pub use pem::{TlsFiles, TlsMaterial};
+pub use split::{TlsReadHalf, TlsWriteHalf};
 pub use stream::{ClientTls, ListenerStream, MaybeTls, ServerTls, TlsStream, UpstreamStream};
 pub use upstream::{
     default_roots, DefaultRoots, RootsSource, UpstreamTls, UpstreamTlsError, UpstreamTlsSettings,

@@ -6,7 +6,6 @@ use std::net::Ipv4Addr;
 use std::sync::{Arc, OnceLock};
 
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
-use monoio_rustls::ClientTlsStream;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{verify_server_cert_signed_by_trust_anchor, ResolvesClientCert, Resumption};
 use rustls::crypto::{
@@ -23,8 +22,8 @@ use super::handshake;
 use super::identity::{check_domain_and_role, workload_id_from_cert};
 use super::{
     checked_trust_domain, handshake_outcome, provider, record_verdict, same_identity, ClockTime,
-    IdentityRejection, LocalIdentity, PeerCert, Role, Swap, TlsError, TlsMaterial, VerdictSlot,
-    WorkloadId, TLS13_ONLY,
+    IdentityRejection, LocalIdentity, PeerCert, Role, Swap, TlsError, TlsMaterial, TlsStream,
+    VerdictSlot, WorkloadId, TLS13_ONLY,
 };
 
 /// The placeholder server name every Node handshake uses (`0.0.0.0`).
@@ -124,8 +123,9 @@ impl NodeTlsConnector {
     /// Success means the Edge proved its identity; it does not yet mean the
     /// Edge accepted ours. Under TLS 1.3 the Edge judges the client
     /// certificate after this returns, and a rejection arrives as an
-    /// `access_denied` alert on the first read.
-    pub async fn connect<IO>(&self, io: IO) -> Result<ClientTlsStream<IO>, TlsError>
+    /// `access_denied` alert on the first read. Split the stream
+    /// ([`TlsStream::into_split`]) to read and write from two tasks.
+    pub async fn connect<IO>(&self, io: IO) -> Result<TlsStream<IO, ClientConnection>, TlsError>
     where
         IO: AsyncReadRent + AsyncWriteRent,
     {
@@ -137,7 +137,7 @@ impl NodeTlsConnector {
     pub async fn connect_verified<IO>(
         &self,
         io: IO,
-    ) -> Result<(ClientTlsStream<IO>, PeerCert), TlsError>
+    ) -> Result<(TlsStream<IO, ClientConnection>, PeerCert), TlsError>
     where
         IO: AsyncReadRent + AsyncWriteRent,
     {
@@ -148,7 +148,7 @@ impl NodeTlsConnector {
         let mut io = io;
         let result = handshake::complete(&mut io, &mut conn).await;
         let peer = handshake_outcome(result, &verdict)?.clone();
-        Ok((ClientTlsStream::new(io, conn), peer))
+        Ok((TlsStream::new(io, conn), peer))
     }
 
     /// A config for one connection: the current identity, a fresh verdict

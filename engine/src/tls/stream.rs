@@ -1,12 +1,13 @@
 //! A TLS stream over a monoio socket that tolerates a *cancelled* read,
 //! and the "plain TCP or TLS" stream type HTTP shells use.
 //!
-//! The Edge–Node link uses monoio-rustls streams (split into a reader and a
-//! writer task, never cancelled). HTTP connections need more: the Edge's
-//! client surface watches a waiting client with a cancelable read
-//! ([`crate::http::ServerConn::watch_peer`]), and a monoio-rustls stream
+//! Every TLS connection in IOP is one of these. HTTP connections need a
+//! cancelable read: the Edge's client surface watches a waiting client with
+//! one ([`crate::http::ServerConn::watch_peer`]), and a monoio-rustls stream
 //! must never see a cancelled read (its buffer is gone and the next read
-//! panics). [`TlsStream`] drives a rustls connection itself:
+//! panics). The Edge–Node link splits it into a reader and a writer task
+//! ([`TlsStream::into_split`], see `split`). [`TlsStream`] drives a rustls
+//! connection itself:
 //!
 //! ```text
 //! read(buf) ─► rustls plaintext ready? ──yes──► copy into buf (the caller's
@@ -43,13 +44,16 @@ use std::ops::{Deref, DerefMut};
 use monoio::buf::{IoBuf, IoBufMut, IoVecBuf, IoVecBufMut, RawBuf};
 use monoio::io::{
     AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt, CancelHandle, CancelableAsyncReadRent,
+    Splitable,
 };
 use monoio::net::TcpStream;
 use monoio::BufResult;
 use rustls::{ClientConnection, ConnectionCommon, ServerConnection, SideData};
 
+use super::split::{self, TlsReadHalf, TlsWriteHalf};
+
 /// Socket read size for ciphertext: one maximal TLS record.
-const CIPHERTEXT_READ_BYTES: usize = 16 * 1024 + 256;
+pub(super) const CIPHERTEXT_READ_BYTES: usize = 16 * 1024 + 256;
 
 /// A TLS connection `C` (a rustls client or server connection whose
 /// handshake is complete) over socket `IO`.
@@ -95,6 +99,68 @@ impl<IO, C> TlsStream<IO, C> {
     }
 }
 
+impl<IO: Splitable, C> TlsStream<IO, C> {
+    /// Splits the stream into a read half and a write half for two tasks
+    /// that run at once (the frame connection's reader and writer). Unlike
+    /// monoio-rustls' split, the read half never writes (see the `split`
+    /// module): a TLS failure it reads cannot collide with a write in
+    /// flight.
+    pub fn into_split(
+        self,
+    ) -> (
+        TlsReadHalf<IO::OwnedRead, C>,
+        TlsWriteHalf<IO::OwnedWrite, C>,
+    ) {
+        let (read_io, write_io) = self.io.into_split();
+        let pending = self.read_scratch.unwrap_or_default();
+        let consumed = self.read_consumed.min(pending.len());
+        split::split(read_io, write_io, self.conn, pending, consumed)
+    }
+}
+
+/// What [`feed_ciphertext`] did.
+pub(super) enum Fed {
+    /// rustls took what it could; look for plaintext.
+    Ok,
+    /// rustls refused the bytes (its buffer is full or closed).
+    Io(io::Error),
+    /// The TLS session failed: a fatal alert from the peer, a record that
+    /// does not decrypt, a protocol violation. rustls may have queued an
+    /// alert to send.
+    Tls(rustls::Error),
+}
+
+/// Hands rustls the ciphertext `scratch[*consumed..]`, advancing
+/// `consumed`, and stops as soon as plaintext is ready (rustls refuses more
+/// input while 16 KiB of plaintext wait to be read).
+pub(super) fn feed_ciphertext<SD: SideData>(
+    conn: &mut ConnectionCommon<SD>,
+    scratch: &[u8],
+    consumed: &mut usize,
+) -> Fed {
+    while *consumed < scratch.len() {
+        let mut pending = &scratch[*consumed..];
+        let taken = match conn.read_tls(&mut pending) {
+            Ok(taken) => taken,
+            Err(e) => return Fed::Io(e),
+        };
+        *consumed += taken;
+        match conn.process_new_packets() {
+            Ok(state) if state.plaintext_bytes_to_read() > 0 => break,
+            Ok(_) if taken == 0 => {
+                // rustls takes nothing more (bytes after the peer's
+                // close_notify): drop them rather than offer them again
+                // and again.
+                *consumed = scratch.len();
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => return Fed::Tls(e),
+        }
+    }
+    Fed::Ok
+}
+
 impl<IO, C, SD> TlsStream<IO, C>
 where
     IO: CancelableAsyncReadRent + AsyncWriteRent,
@@ -119,43 +185,16 @@ where
     }
 
     /// Hands rustls the ciphertext in the read scratch that it has not
-    /// taken yet, stopping as soon as plaintext is ready (rustls refuses
-    /// more input while 16 KiB of plaintext wait to be read). On a TLS
-    /// failure the alert rustls queued is sent (best effort).
+    /// taken yet (see [`feed_ciphertext`]). On a TLS failure the alert
+    /// rustls queued is sent (best effort).
     async fn feed_pending(&mut self) -> io::Result<()> {
-        let failure = {
-            let Some(scratch) = self.read_scratch.as_deref() else {
-                return Ok(());
-            };
-            let mut failure = None;
-            while self.read_consumed < scratch.len() {
-                let mut pending = &scratch[self.read_consumed..];
-                let taken = match self.conn.read_tls(&mut pending) {
-                    Ok(taken) => taken,
-                    Err(e) => return Err(e),
-                };
-                self.read_consumed += taken;
-                match self.conn.process_new_packets() {
-                    Ok(state) if state.plaintext_bytes_to_read() > 0 => break,
-                    Ok(_) if taken == 0 => {
-                        // rustls takes nothing more (bytes after the peer's
-                        // close_notify): drop them rather than offer them
-                        // again and again.
-                        self.read_consumed = scratch.len();
-                        break;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
-                }
-            }
-            failure
+        let Some(scratch) = self.read_scratch.as_deref() else {
+            return Ok(());
         };
-        match failure {
-            None => Ok(()),
-            Some(e) => {
+        match feed_ciphertext(&mut self.conn, scratch, &mut self.read_consumed) {
+            Fed::Ok => Ok(()),
+            Fed::Io(e) => Err(e),
+            Fed::Tls(e) => {
                 let _ = self.flush_records().await;
                 Err(io::Error::new(io::ErrorKind::InvalidData, e))
             }
