@@ -248,6 +248,22 @@ impl std::fmt::Debug for Stop {
 /// connection's own close linger bounds it first).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
+/// The wait before the next dial, in ms, for the log (`None`: giving up).
+fn retry_in_ms(step: Step) -> Option<u64> {
+    match step {
+        Step::RetryAfter(wait) => Some(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
+        Step::GiveUp => None,
+    }
+}
+
+/// `"; redialling in 1.3s"` for the log message (empty when giving up).
+fn retry_in_text(step: Step) -> String {
+    match step {
+        Step::RetryAfter(wait) => format!("; redialling in {:.1}s", wait.as_secs_f64()),
+        Step::GiveUp => String::new(),
+    }
+}
+
 /// The first SIGTERM/SIGINT (drain) and the second (stop at once); see
 /// [`iop_engine::rt::stop_signals`].
 pub fn signal_stops() -> std::io::Result<(Shutdown, Shutdown)> {
@@ -328,15 +344,23 @@ pub async fn run_sharded(
         };
         let step = match outcome {
             Attempt::WasReady(reason) => {
-                tracing::warn!(%reason, "disconnected from the edge; reconnecting");
-                supervisor.on_attempt_end(AttemptOutcome::WasReady)
+                let step = supervisor.on_attempt_end(AttemptOutcome::WasReady);
+                tracing::warn!(
+                    %reason,
+                    retry_in_ms = retry_in_ms(step),
+                    "disconnected from the edge; reconnecting{}",
+                    retry_in_text(step)
+                );
+                step
             }
             Attempt::Failed(reason) => {
                 let step = supervisor.on_attempt_end(AttemptOutcome::Failed);
                 tracing::warn!(
                     attempt = supervisor.failed_attempts(),
                     %reason,
-                    "connection attempt failed"
+                    retry_in_ms = retry_in_ms(step),
+                    "connection attempt failed{}",
+                    retry_in_text(step)
                 );
                 step
             }

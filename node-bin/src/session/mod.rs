@@ -22,7 +22,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use iop_engine::clock;
-use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle};
+use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle, REASON_TLS_ALERT_PREFIX};
 use iop_engine::sync::Notify;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
@@ -249,9 +249,7 @@ pub async fn run(
                 other.body.map(|b| body_name(&b))
             ));
         }
-        Err(reason) => {
-            return SessionEnd::NotReady(format!("closed before registration: {reason}"))
-        }
+        Err(reason) => return SessionEnd::NotReady(closed_before_registration(node_id, &reason)),
     };
 
     // R3: apply config and start adapters before saying ready.
@@ -325,6 +323,25 @@ pub async fn run(
     core.ready_conn.borrow_mut().take();
     tracing::info!(reason = %end, cancelled, "session ended");
     SessionEnd::Ended(end)
+}
+
+/// Why the connection closed before the Edge answered our registration,
+/// for the log. A TLS alert there is the Edge refusing us: under TLS 1.3 it
+/// judges our certificate after our handshake has finished, and its
+/// `access_denied` arrives on our first read.
+fn closed_before_registration(node_id: &str, reason: &str) -> String {
+    match reason.strip_prefix(REASON_TLS_ALERT_PREFIX) {
+        Some("access_denied") => format!(
+            "the Edge refused this node's identity in the TLS handshake (TLS alert \
+             access_denied): its config must list node id \"{node_id}\" under [[nodes]] \
+             and share our trust_domain"
+        ),
+        Some(alert) => format!(
+            "the Edge refused our certificate in the TLS handshake (TLS alert {alert}): \
+             it must be signed by the CA in the Edge's [tls] ca and valid now"
+        ),
+        None => format!("closed before registration: {reason}"),
+    }
 }
 
 fn apply(core: &NodeCore, payload: pb::NodeConfigPayload) -> Result<Applied, String> {
@@ -576,5 +593,31 @@ fn run_span(kind: RunKind, run_id: &str, correlation_id: &str) -> tracing::Span 
     match kind {
         RunKind::Tunnel => tracing::info_span!("tunnel", %run_id, %request_id),
         RunKind::Normalized => tracing::info_span!("run", %run_id, %request_id),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::closed_before_registration;
+
+    // A TLS alert before registration is the Edge refusing us, named as
+    // such; any other close reason is passed on as it is.
+    #[test]
+    fn a_tls_alert_before_registration_reads_as_the_edges_refusal() {
+        assert_eq!(
+            closed_before_registration("node-z", "tls_alert:access_denied"),
+            "the Edge refused this node's identity in the TLS handshake (TLS alert \
+             access_denied): its config must list node id \"node-z\" under [[nodes]] and \
+             share our trust_domain"
+        );
+        assert_eq!(
+            closed_before_registration("node-z", "tls_alert:unknown_ca"),
+            "the Edge refused our certificate in the TLS handshake (TLS alert unknown_ca): \
+             it must be signed by the CA in the Edge's [tls] ca and valid now"
+        );
+        assert_eq!(
+            closed_before_registration("node-z", "peer_closed"),
+            "closed before registration: peer_closed"
+        );
     }
 }
