@@ -169,8 +169,16 @@ pub(crate) fn parse_cert_chain(
 
 /// The trust anchors of a CA bundle; every block must be a usable anchor.
 pub(crate) fn parse_ca_bundle(path: &Path, pem_bytes: &[u8]) -> Result<RootCertStore, TlsError> {
+    ca_roots(path, parse_cert_chain(path, pem_bytes)?)
+}
+
+/// The trust anchors made of `certs` (from `path`); each must be usable.
+pub(crate) fn ca_roots(
+    path: &Path,
+    certs: impl IntoIterator<Item = CertificateDer<'static>>,
+) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
-    for cert in parse_cert_chain(path, pem_bytes)? {
+    for cert in certs {
         roots.add(cert).map_err(|e| {
             config_error(
                 path,

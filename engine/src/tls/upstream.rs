@@ -118,6 +118,30 @@ pub struct UpstreamTlsSettings {
     pub insecure_skip_verify: bool,
 }
 
+impl UpstreamTlsSettings {
+    /// The certificates (DER, in bundle order) of `ca_pem` that
+    /// [`UpstreamTls::new`] makes the only trust anchors, checked as it
+    /// checks them; `None` without a private CA (the default roots). The
+    /// Edge binds credential leases to them without building a client.
+    pub fn private_ca_certificates(
+        &self,
+    ) -> Result<Option<Vec<CertificateDer<'static>>>, TlsError> {
+        Ok(self.private_roots()?.map(|(certificates, _)| certificates))
+    }
+
+    fn private_roots(
+        &self,
+    ) -> Result<Option<(Vec<CertificateDer<'static>>, RootCertStore)>, TlsError> {
+        let Some(pem_text) = &self.ca_pem else {
+            return Ok(None);
+        };
+        let source = std::path::Path::new("<ca_pem>");
+        let certificates = pem::parse_cert_chain(source, pem_text.as_bytes())?;
+        let roots = pem::ca_roots(source, certificates.iter().cloned())?;
+        Ok(Some((certificates, roots)))
+    }
+}
+
 /// Why a TLS connection to a provider failed.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamTlsError {
@@ -166,13 +190,15 @@ impl UpstreamTlsError {
 pub struct UpstreamTls {
     config: Arc<ClientConfig>,
     insecure: bool,
-    private_ca: bool,
+    /// The private CA's certificates, the only anchors (`None`: default
+    /// roots, or no verification at all).
+    private_ca: Option<Arc<[CertificateDer<'static>]>>,
 }
 
 impl fmt::Debug for UpstreamTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UpstreamTls")
-            .field("private_ca", &self.private_ca)
+            .field("private_ca", &self.private_ca.is_some())
             .field("insecure", &self.insecure)
             .finish_non_exhaustive()
     }
@@ -196,6 +222,7 @@ impl UpstreamTls {
         let builder = ClientConfig::builder_with_details(provider.clone(), Arc::new(ClockTime))
             .with_safe_default_protocol_versions()
             .map_err(TlsError::Handshake)?;
+        let mut private_ca = None;
         let builder = if settings.insecure_skip_verify {
             tracing::warn!(
                 "provider TLS: tls_insecure_skip_verify is on: provider certificates are NOT \
@@ -207,11 +234,11 @@ impl UpstreamTls {
                     algorithms: provider.signature_verification_algorithms,
                 }))
         } else {
-            let roots = match &settings.ca_pem {
-                Some(pem_text) => Arc::new(pem::parse_ca_bundle(
-                    std::path::Path::new("<ca_pem>"),
-                    pem_text.as_bytes(),
-                )?),
+            let roots = match settings.private_roots()? {
+                Some((certificates, roots)) => {
+                    private_ca = Some(Arc::from(certificates));
+                    Arc::new(roots)
+                }
                 None => default_roots().store.clone(),
             };
             let verifier = WebPkiServerVerifier::builder_with_provider(roots, provider)
@@ -229,13 +256,20 @@ impl UpstreamTls {
         Ok(UpstreamTls {
             config: Arc::new(config),
             insecure: settings.insecure_skip_verify,
-            private_ca: settings.ca_pem.is_some(),
+            private_ca,
         })
     }
 
     /// Whether certificates go unverified (`insecure_skip_verify`).
     pub fn is_insecure(&self) -> bool {
         self.insecure
+    }
+
+    /// The certificates (DER, in bundle order) of the private CA that are
+    /// this client's only trust anchors; `None` when it trusts the default
+    /// roots (or, insecure, verifies nothing).
+    pub fn private_ca(&self) -> Option<&[CertificateDer<'static>]> {
+        self.private_ca.as_deref()
     }
 
     /// Runs the handshake with `host` (the base URL's host: SNI and the name
