@@ -8,8 +8,9 @@
 //!      └─► CredentialPlane::issue: slot of that provider? ── none ─► no lease (legacy tunnel)
 //!            │ disabled slot / revoked revision ─► CredentialError (503, no provider call,
 //!            │                                      no other slot tried: C3, C5)
-//!            └─► exact CredentialLeaseBinding: who, which credential, the provider origin
-//!                and profile the Node will use, the run id and the digest of the request
+//!            └─► exact CredentialLeaseBinding: who, which credential, the provider origin,
+//!                TLS trust and profile the Node will use, the run id and the digest of
+//!                the request
 //!                ─► iop_wire::lease::issue (sealed to the node's recipient key with HPKE,
 //!                signed by the issuer key, next sequence number of the node) ─► tunnel
 //! ```
@@ -19,7 +20,7 @@
 //! shell that reads the clock and the OS random source. Loading
 //! ([`CredentialPlane::load`]) reads the issuer key and every slot secret once
 //! at startup; [`CredentialPlane::apply_config`] follows a reload's new
-//! adapter origins and profiles.
+//! adapter origins, provider CAs and profiles.
 //!
 //! # Never leaked (C4)
 //!
@@ -55,15 +56,19 @@ use ed25519_dalek::SigningKey;
 use iop_engine::config::open_regular_file;
 use iop_engine::http::Header;
 use iop_engine::keys;
+use iop_engine::tls::UpstreamTlsSettings;
 use iop_wire::codec::BodyParts;
 use iop_wire::lease::{
-    self, BoundRequest, IssueError, IssueParams, LeaseEntropy, MAX_SECRET_BYTES,
+    self, BoundRequest, IssueError, IssueParams, LeaseEntropy, ProviderTrust, MAX_SECRET_BYTES,
+    PROVIDER_TRUST_BYTES,
 };
 use iop_wire::pb::{self, CredentialLease, CredentialLeaseBinding};
 use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
-use crate::config::{AdapterKind, ClientKeySpec, ConfigError, EdgeConfig, SecretSource};
+use crate::config::{
+    AdapterKind, AdapterSpec, ClientKeySpec, ConfigError, EdgeConfig, SecretSource,
+};
 use crate::limits::{self, Limiter, Ticket};
 use crate::openai::ApiError;
 
@@ -395,8 +400,9 @@ pub enum CredentialError {
         node: String,
     },
     /// The provider's adapter gives no destination to bind the lease to:
-    /// it is not an OpenAI-compatible adapter (any more), or its profile has
-    /// no path for the request's operation.
+    /// it is not an OpenAI-compatible adapter (any more), its profile has
+    /// no path for the request's operation, or its provider CA bundle does
+    /// not parse (a loaded config never has one).
     #[error("provider `{provider}` has no OpenAI-compatible destination for this request")]
     NoDestination {
         /// The provider, `node/provider`.
@@ -480,18 +486,20 @@ struct Slot {
 }
 
 /// Where a slot-served provider's requests go, as the Node resolves it from
-/// the config the Edge pushes (U4): its adapter's profile and origin. It
-/// follows SIGHUP reloads ([`CredentialPlane::apply_config`]).
+/// the config the Edge pushes (U4): its adapter's profile, origin and
+/// provider TLS trust. It follows SIGHUP reloads
+/// ([`CredentialPlane::apply_config`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Destination {
     profile: &'static str,
     origin: String,
+    provider_trust: [u8; PROVIDER_TRUST_BYTES],
     paths: pb::ProtocolProfile,
 }
 
 impl Destination {
     /// The destination of `node_id/provider_id` in `cfg`; `None` when its
-    /// adapter is not OpenAI-compatible.
+    /// adapter is not OpenAI-compatible or its CA bundle does not parse.
     fn of(cfg: &EdgeConfig, node_id: &str, provider_id: &str) -> Option<Self> {
         let node = cfg.node(node_id)?;
         let adapter = node.adapter(&node.provider(provider_id)?.adapter)?;
@@ -499,6 +507,7 @@ impl Destination {
             AdapterKind::OpenAiCompat { profile } => Some(Self {
                 profile: profile.as_str(),
                 origin: adapter.base_url.origin(),
+                provider_trust: provider_trust(node_id, adapter)?,
                 paths: adapter.protocol_profile()?.to_pb(),
             }),
             AdapterKind::Ollama => None,
@@ -515,6 +524,45 @@ impl Destination {
             self.paths.operation_path(&tunnel.operation)?
         };
         (!path.is_empty()).then(|| format!("/{}", path.trim_start_matches('/')))
+    }
+}
+
+/// Whom the Node trusts to be `adapter`'s provider
+/// ([`lease::provider_trust_digest`]), read from the TLS settings the Edge
+/// pushes for it (`AdapterConfig.tls`) the way the Node builds its provider
+/// client from them: no TLS for `http://`; otherwise no verification, the
+/// pushed CA certificates, or (none pushed) the Node's default roots. `None`
+/// (logged) when the CA bundle does not parse: [`EdgeConfig::load`] refuses
+/// such a file, so only a config that was never loaded gets here.
+fn provider_trust(node_id: &str, adapter: &AdapterSpec) -> Option<[u8; PROVIDER_TRUST_BYTES]> {
+    if !adapter.base_url.is_tls() {
+        return Some(lease::provider_trust_digest(&ProviderTrust::PlainHttp));
+    }
+    let pushed = adapter.tls.to_pb();
+    let settings = UpstreamTlsSettings {
+        ca_pem: pushed
+            .as_ref()
+            .filter(|tls| !tls.ca_pem.is_empty())
+            .map(|tls| tls.ca_pem.clone()),
+        insecure_skip_verify: pushed.as_ref().is_some_and(|tls| tls.insecure_skip_verify),
+    };
+    if settings.insecure_skip_verify {
+        return Some(lease::provider_trust_digest(&ProviderTrust::Unverified));
+    }
+    match settings.private_ca_certificates() {
+        Ok(None) => Some(lease::provider_trust_digest(&ProviderTrust::DefaultRoots)),
+        Ok(Some(certificates)) => Some(lease::provider_trust_digest(&ProviderTrust::PrivateCa(
+            certificates.iter().map(|c| c.as_ref()).collect(),
+        ))),
+        Err(e) => {
+            tracing::warn!(
+                node = node_id,
+                adapter = %adapter.name,
+                error = %e,
+                "provider CA bundle does not parse: no credential lease is issued for this adapter"
+            );
+            None
+        }
     }
 }
 
@@ -685,9 +733,9 @@ impl CredentialPlane {
     }
 
     /// Follows a reloaded configuration (SIGHUP): every slot-served
-    /// provider's destination (its adapter's origin and profile paths) is
-    /// read from `cfg`, so leases issued from now on are bound to what the
-    /// refreshed Node will send. Slots, the providers they serve and keys
+    /// provider's destination (its adapter's origin, provider CA and profile
+    /// paths) is read from `cfg`, so leases issued from now on are bound to
+    /// what the refreshed Node will send and whom it will trust. Slots, the providers they serve and keys
     /// change only with a restart. Returns how many destinations changed.
     pub fn apply_config(&self, cfg: &EdgeConfig) -> usize {
         let mut changed = 0;
@@ -782,7 +830,7 @@ impl CredentialPlane {
             provider: format!("{}/{}", req.node_id, req.provider_id),
         };
         let tunnel = req.tunnel;
-        let (profile, origin, path) = {
+        let (profile, origin, provider_trust, path) = {
             let destination = route
                 .destination
                 .read()
@@ -791,7 +839,12 @@ impl CredentialPlane {
             let path = destination
                 .request_path(tunnel)
                 .ok_or_else(no_destination)?;
-            (destination.profile, destination.origin.clone(), path)
+            (
+                destination.profile,
+                destination.origin.clone(),
+                destination.provider_trust,
+                path,
+            )
         };
         // The method the Node uses (POST when the request names none).
         let method = if tunnel.method.is_empty() {
@@ -819,6 +872,7 @@ impl CredentialPlane {
             upstream_origin: origin,
             run_id: tunnel.run_id.clone(),
             request_digest: Bytes::copy_from_slice(&request_digest),
+            provider_trust: Bytes::copy_from_slice(&provider_trust),
         };
         Ok(Some(Plan {
             binding,
@@ -1142,6 +1196,10 @@ providers = ["node-a/gpt", "node-b/gpt"]
         }
     }
 
+    /// The provider trust of node-a's `openai` adapter (plain HTTP).
+    static PLAIN_HTTP: LazyLock<[u8; 32]> =
+        LazyLock::new(|| lease::provider_trust_digest(&ProviderTrust::PlainHttp));
+
     /// What node-a expects of [`TUNNEL`] (the scope it computes itself),
     /// with the Edge-only fields left to the signature.
     fn node_scope(digest: &[u8; 32]) -> ExpectedScope<'_> {
@@ -1149,6 +1207,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             "node-a",
             "openai/gpt-4o",
             "http://127.0.0.1:9",
+            &PLAIN_HTTP,
             "run-7",
             digest,
             Some("vllm"),
@@ -1186,6 +1245,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             upstream_origin: "http://127.0.0.1:9".into(),
             run_id: "run-7".into(),
             request_digest: Bytes::copy_from_slice(&digest),
+            provider_trust: Bytes::copy_from_slice(&PLAIN_HTTP[..]),
         };
         assert_eq!(issued.binding, expected);
         let lease = &issued.lease;
@@ -1328,6 +1388,90 @@ providers = ["node-a/gpt", "node-b/gpt"]
         assert_eq!(
             &issued.binding.request_digest[..],
             &tunnel_digest("/gw/v1/chat/completions")[..]
+        );
+    }
+
+    /// [`config_text`] with node-a's `openai` adapter on `https://` and
+    /// `ca_pem` as its CA bundle (what [`EdgeConfig::load`] reads from its
+    /// `ca_file`; `None`: the Node's default roots).
+    fn https_config(ca_pem: Option<String>) -> EdgeConfig {
+        let text = config_text("").replace(
+            "base_url = \"http://127.0.0.1:9\"",
+            "base_url = \"https://127.0.0.1:9\"",
+        );
+        let mut cfg = EdgeConfig::parse(&text, "conf/edge.toml").unwrap_or_else(|e| panic!("{e}"));
+        cfg.nodes[0].adapters[0].tls.ca_pem = ca_pem;
+        cfg
+    }
+
+    /// The provider trust a Node computes from the client it builds for
+    /// `pushed` (its `AdapterConfig.tls`): the anchors of the client itself.
+    fn trust_of_client(pushed: Option<String>) -> [u8; 32] {
+        let client = iop_engine::tls::UpstreamTls::new(&UpstreamTlsSettings {
+            ca_pem: pushed,
+            insecure_skip_verify: false,
+        })
+        .expect("client");
+        let trust = match client.private_ca() {
+            Some(certs) => ProviderTrust::PrivateCa(certs.iter().map(|c| c.as_ref()).collect()),
+            None => ProviderTrust::DefaultRoots,
+        };
+        lease::provider_trust_digest(&trust)
+    }
+
+    // CONTRACT: C1, C5 — a lease is bound to whom the Node will trust to be
+    // the provider: the private CA the Edge pushes (the same digest the Node
+    // computes from the client it builds), or the Node's default roots
+    // without one. A reload that changes the CA binds the leases issued
+    // from then on to the new one; a reload that only reorders the bundle
+    // changes nothing.
+    #[test]
+    fn leases_are_bound_to_the_provider_trust_and_follow_reloads() {
+        let ca_a = iop_engine::certs::DevCa::new("provider.test")
+            .expect("CA")
+            .cert_pem();
+        let ca_b = iop_engine::certs::DevCa::new("provider.test")
+            .expect("CA")
+            .cert_pem();
+        let plane = plane_of(&https_config(Some(ca_a.clone())));
+        let trust = |plane: &CredentialPlane| {
+            let issued = issued(plane, &request("node-a", "gpt"));
+            assert_eq!(issued.binding.upstream_origin, "https://127.0.0.1:9");
+            <[u8; 32]>::try_from(&issued.binding.provider_trust[..]).expect("32 bytes")
+        };
+        let bound_a = trust(&plane);
+        assert_eq!(bound_a, trust_of_client(Some(ca_a.clone())));
+        assert_ne!(bound_a, *PLAIN_HTTP);
+        // The CA file rotated: a SIGHUP reload re-reads it.
+        assert_eq!(plane.apply_config(&https_config(Some(ca_b.clone()))), 1);
+        let bound_b = trust(&plane);
+        assert_eq!(bound_b, trust_of_client(Some(ca_b.clone())));
+        assert_ne!(bound_b, bound_a);
+        // A bundle of both, in either order and with text around the
+        // blocks, is one set of anchors.
+        let both = format!("{ca_a}\n{ca_b}");
+        assert_eq!(plane.apply_config(&https_config(Some(both.clone()))), 1);
+        let bound_both = trust(&plane);
+        let reordered = format!("# provider CAs\n\n{ca_b}\n\n{ca_a}\n");
+        assert_eq!(plane.apply_config(&https_config(Some(reordered))), 0);
+        assert_eq!(trust(&plane), bound_both);
+        assert_eq!(bound_both, trust_of_client(Some(both)));
+        // Without a private CA: the Node's default roots.
+        assert_eq!(plane.apply_config(&https_config(None)), 1);
+        assert_eq!(
+            trust(&plane),
+            lease::provider_trust_digest(&ProviderTrust::DefaultRoots)
+        );
+        // A bundle that does not parse (only a config never loaded has one)
+        // gives no destination: nothing is issued.
+        assert_eq!(plane.apply_config(&https_config(Some("no PEM".into()))), 1);
+        assert_eq!(
+            plane
+                .issue(&request("node-a", "gpt"), NOW_MS, "l", entropy())
+                .map(|_| ()),
+            Err(CredentialError::NoDestination {
+                provider: "node-a/gpt".into()
+            })
         );
     }
 

@@ -13,8 +13,9 @@ use iop_engine::keys::{
     load_issuer_key, load_recipient_key, pkcs8, random_lease_id, KeyError,
 };
 use iop_wire::lease::{
-    encode_hex, issue, open, recipient_key_id, request_digest, upstream_target, BoundRequest,
-    ExpectedScope, IssueParams, OpenContext, OriginPins, ReplayGuard,
+    encode_hex, issue, open, provider_trust_digest, recipient_key_id, request_digest,
+    upstream_target, BoundRequest, ExpectedScope, IssueParams, OpenContext, OriginPins,
+    ProviderTrust, ReplayGuard,
 };
 use iop_wire::pb::CredentialLeaseBinding;
 
@@ -438,6 +439,7 @@ fn leases_issued_and_opened_with_keys_from_disk() {
         headers: &[],
         body: &[bytes::Bytes::from_static(b"{}")],
     });
+    let trust = provider_trust_digest(&ProviderTrust::PlainHttp);
     let binding = CredentialLeaseBinding {
         principal: "client-a".into(),
         slot: "slot-1".into(),
@@ -452,6 +454,7 @@ fn leases_issued_and_opened_with_keys_from_disk() {
         upstream_origin: "http://10.0.0.5:8000".into(),
         run_id: "run-1".into(),
         request_digest: bytes::Bytes::copy_from_slice(&digest),
+        provider_trust: bytes::Bytes::copy_from_slice(&trust),
     };
     let lease_id = match random_lease_id() {
         Ok(id) => id,
@@ -483,6 +486,7 @@ fn leases_issued_and_opened_with_keys_from_disk() {
             "node-a",
             "openai-1/gpt-4o",
             "http://10.0.0.5:8000",
+            &trust,
             "run-1",
             &digest,
             Some("openai"),

@@ -463,6 +463,7 @@ fn lease_fixture() -> &'static LeaseFixture {
             upstream_origin: LEASE_ORIGIN.into(),
             run_id: "run-1".into(),
             request_digest: Bytes::copy_from_slice(&LEASE_REQUEST_DIGEST),
+            provider_trust: Bytes::copy_from_slice(&LEASE_PROVIDER_TRUST),
         };
         let issuer = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
         let lease = issue(
@@ -493,6 +494,9 @@ fn lease_fixture() -> &'static LeaseFixture {
 /// The request digest the fixture lease is bound to (any 32 bytes: the
 /// target checks the binding, not the digest's preimage).
 const LEASE_REQUEST_DIGEST: [u8; 32] = [5; 32];
+/// The provider trust digest the fixture lease is bound to (any 32 bytes,
+/// likewise).
+const LEASE_PROVIDER_TRUST: [u8; 32] = [6; 32];
 
 /// `lease_open`: a valid lease and binding, patched by the input
 /// (protobuf bytes merged into one of them), optionally re-signed so the
@@ -538,6 +542,7 @@ pub fn lease_open(data: &[u8]) {
         selected_node: &f.binding.selected_node,
         upstream_target: &f.binding.upstream_target,
         upstream_origin: LEASE_ORIGIN,
+        provider_trust: &LEASE_PROVIDER_TRUST,
         run_id: &f.binding.run_id,
         request_digest: &LEASE_REQUEST_DIGEST,
         profile: Some(&f.binding.profile),

@@ -8,9 +8,10 @@
 //!          no, and no lease ─────────────────────────────► provider call without credential
 //!          lease, but no recipient key here ─────────────► ERROR lease_invalid
 //!          otherwise iop_wire::lease::open with what this Node will actually do:
-//!          node, upstream target, profile, the adapter's origin, run id, digest
-//!          of method + path + headers + body; revoked revisions (payload) and
-//!          origin pins (node.toml); window ± skew; replay window
+//!          node, upstream target, profile, the adapter's origin and provider
+//!          TLS trust, run id, digest of method + path + headers + body;
+//!          revoked revisions (payload) and origin pins (node.toml);
+//!          window ± skew; replay window
 //!            ├─ failure ─► ERROR lease_missing | lease_invalid | lease_expired |
 //!            │             lease_replayed | lease_scope_mismatch (no provider call)
 //!            └─ OpenedSecret ─► header injected into the request head in memory,
@@ -176,6 +177,9 @@ pub struct TunnelTarget<'a> {
     pub profile: Option<&'a str>,
     /// The adapter's origin ([`iop_engine::http::Url::origin`]).
     pub origin: &'a str,
+    /// Whom the adapter's provider client trusts to be that origin
+    /// ([`crate::adapters::Endpoint::provider_trust`]).
+    pub provider_trust: &'a [u8; lease::PROVIDER_TRUST_BYTES],
     /// The request target the tunnel resolved to (U3).
     pub path: &'a str,
     /// The method it will be sent with.
@@ -253,13 +257,14 @@ impl LeaseGate {
         let ctx = OpenContext {
             recipient: &credentials.recipient,
             issuer: &credentials.issuer,
-            // C5: a lease for another node, target, profile, origin, run or
-            // request never opens here; the other fields are the Edge's and
-            // covered by the signature.
+            // C5: a lease for another node, target, profile, origin, provider
+            // trust, run or request never opens here; the other fields are
+            // the Edge's and covered by the signature.
             scope: ExpectedScope::computed_by_node(
                 &self.node_id,
                 &upstream_target,
                 target.origin,
+                target.provider_trust,
                 &req.run_id,
                 &request_digest,
                 target.profile,
@@ -285,9 +290,11 @@ impl LeaseGate {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::LazyLock;
+
     use bytes::Bytes;
     use ed25519_dalek::SigningKey;
-    use iop_wire::lease::{issue, IssueParams, LeaseEntropy};
+    use iop_wire::lease::{issue, IssueParams, LeaseEntropy, ProviderTrust};
     use iop_wire::pb::CredentialLeaseBinding;
     use x25519_dalek::StaticSecret;
 
@@ -297,6 +304,9 @@ mod tests {
     const SECRET: &[u8] = b"sk-unit-test-secret";
     const ORIGIN: &str = "http://127.0.0.1:8000";
     const PATH: &str = "/v1/chat/completions";
+    /// The provider trust of [`ORIGIN`] (plain HTTP).
+    static PLAIN_HTTP: LazyLock<[u8; 32]> =
+        LazyLock::new(|| lease::provider_trust_digest(&ProviderTrust::PlainHttp));
 
     fn issuer() -> SigningKey {
         SigningKey::from_bytes(&[5; 32])
@@ -317,6 +327,7 @@ mod tests {
         TunnelTarget {
             profile: Some("openai"),
             origin: ORIGIN,
+            provider_trust: &PLAIN_HTTP,
             path: PATH,
             method: "POST",
         }
@@ -357,6 +368,7 @@ mod tests {
             upstream_origin: ORIGIN.into(),
             run_id: req.run_id.clone(),
             request_digest: Bytes::copy_from_slice(&digest),
+            provider_trust: Bytes::copy_from_slice(&PLAIN_HTTP[..]),
         }
     }
 
@@ -501,6 +513,21 @@ mod tests {
         assert_eq!(
             code(gate.open(&request(5, 9, "node-a"), &elsewhere, NOW_MS)),
             "lease_scope_mismatch"
+        );
+        // The adapter's provider TLS trust was changed by the config the
+        // link pushed (here: its own CA).
+        let attacker_ca = lease::provider_trust_digest(&ProviderTrust::PrivateCa(vec![b"ca"]));
+        let other_trust = TunnelTarget {
+            provider_trust: &attacker_ca,
+            ..target()
+        };
+        let err = gate
+            .open(&request(11, 9, "node-a"), &other_trust, NOW_MS)
+            .expect_err("another trust");
+        assert_eq!(err.failure_code(), "lease_scope_mismatch");
+        assert_eq!(
+            err.to_string(),
+            "credential binding scope mismatch: provider_trust"
         );
         let other_path = TunnelTarget {
             path: "/v1/responses",

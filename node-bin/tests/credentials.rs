@@ -19,6 +19,9 @@ use common::{
     openai_profile, recipient, Edge, Mock, TARGET,
 };
 use ed25519_dalek::SigningKey;
+use iop_engine::certs::{DevCa, IssuedCert, Validity};
+use iop_engine::http::Url;
+use iop_engine::tls::{HttpsAcceptor, UpstreamTlsSettings};
 use iop_wire::lease::{self, IssueParams, LeaseEntropy, ReplayGuard};
 use iop_wire::pb;
 use node_bin::credentials::NodeCredentials;
@@ -453,6 +456,116 @@ async fn no_lease_is_injected_into_an_unverified_tls_connection() {
     let stats = mock.admin_stats().await;
     assert_eq!(stats["connections_accepted"], 1, "only the stats request");
     assert_eq!(stats["chat_requests"], 0);
+}
+
+/// An HTTPS acceptor presenting `cert`.
+fn presenting(cert: &IssuedCert) -> HttpsAcceptor {
+    HttpsAcceptor::from_pem(cert.cert_pem.as_bytes(), cert.key_pem.as_bytes(), None)
+        .expect("HTTPS acceptor")
+}
+
+/// The provider trust the genuine Edge binds for a private CA bundle
+/// `ca_pem` (its certificates as the Edge reads them, not the Node's client).
+fn private_ca_trust(ca_pem: &str) -> Bytes {
+    let settings = UpstreamTlsSettings {
+        ca_pem: Some(ca_pem.to_owned()),
+        insecure_skip_verify: false,
+    };
+    let certs = settings
+        .private_ca_certificates()
+        .expect("CA bundle")
+        .expect("a private CA");
+    let trust = lease::ProviderTrust::PrivateCa(certs.iter().map(|c| c.as_ref()).collect());
+    Bytes::copy_from_slice(&lease::provider_trust_digest(&trust))
+}
+
+/// [`payload_at`] for `https://` on the mock's address, trusting `ca_pem`
+/// (the pushed `AdapterConfig.tls`; `None`: the Node's default roots).
+fn https_payload(mock: &Mock, ca_pem: Option<String>, revision: u64) -> pb::NodeConfigPayload {
+    let mut config = payload_at(mock, format!("https://{}", mock.addr), true);
+    config.adapters[0].tls = ca_pem.map(|ca_pem| pb::ProviderTlsConfig {
+        ca_pem,
+        insecure_skip_verify: false,
+    });
+    pb::NodeConfigPayload { revision, ..config }
+}
+
+// CONTRACT: C2, C5 — the provider CA comes from the config the link pushes.
+// Whoever can rewrite it pushes their own CA and intercepts the HTTPS
+// connection to the genuine origin (here: an interceptor listening at that
+// origin with a certificate from the attacker's CA, requiring the secret);
+// a genuine lease, issued for the Edge's CA, then fails closed and not one
+// byte reaches the origin — also when the rewrite drops the private CA for
+// the Node's default roots. With the Edge's CA pushed again (and the
+// genuine provider at the origin) the same lease is served.
+#[monoio::test(timer_enabled = true)]
+async fn a_refresh_that_swaps_the_provider_ca_makes_a_genuine_lease_fail_closed() {
+    let genuine_ca = DevCa::new("provider.test").expect("genuine CA");
+    let attacker_ca = DevCa::new("attacker.test").expect("attacker CA");
+    let host = ["127.0.0.1"];
+    let day = Validity::days_from_now(1);
+    let interceptor = attacker_ca.issue_for_hosts(&host, day).expect("cert");
+    let genuine = genuine_ca.issue_for_hosts(&host, day).expect("cert");
+    let mock = Mock::start(
+        Mock::handler(3, 0)
+            .with_required_api_key(bench::mock::auth::ApiKey::new(SECRET))
+            .with_tls(presenting(&interceptor)),
+    );
+    let origin = Url::parse(&format!("https://{}", mock.addr))
+        .expect("url")
+        .origin();
+    let mut edge = Edge::start_with_credentials(
+        https_payload(&mock, Some(genuine_ca.cert_pem()), 1),
+        Some(node_credentials()),
+    )
+    .await;
+    // The genuine Edge issues a lease for its adapter: this origin, its CA.
+    let req = tunnel("ca-1");
+    let mut binding = lease_binding(recipient(RECIPIENT_SEED).key_id(), &origin, &req);
+    binding.provider_trust = private_ca_trust(&genuine_ca.cert_pem());
+    let lease = issue(&LeaseSpec::valid("lease-ca-1"), &binding);
+    let genuine_lease = with_lease(req, lease, binding);
+    // The link rewrites the adapter's CA to the attacker's.
+    let swapped = https_payload(&mock, Some(attacker_ca.cert_pem()), 2);
+    let answer = edge.refresh("swap-ca", swapped).await;
+    assert_eq!(answer.status(), pb::RefreshStatus::Applied);
+    let frames = edge.tunnel(genuine_lease.clone()).await;
+    assert_rejected(&frames, "lease_scope_mismatch");
+    assert_eq!(
+        frames[0].error,
+        "credential binding scope mismatch: provider_trust"
+    );
+    // …or drops the private CA, so that any public CA could vouch.
+    let dropped = https_payload(&mock, None, 3);
+    let answer = edge.refresh("drop-ca", dropped).await;
+    assert_eq!(answer.status(), pb::RefreshStatus::Applied);
+    assert_rejected(
+        &edge.tunnel(genuine_lease.clone()).await,
+        "lease_scope_mismatch",
+    );
+    // Nothing reached the origin: no connection, no handshake, no request.
+    let stats = mock.counters();
+    assert_eq!(
+        (
+            stats.connections_accepted,
+            stats.tls_handshake_failures,
+            stats.chat_requests
+        ),
+        (0, 0, 0)
+    );
+    // The genuine provider at the origin, the Edge's CA pushed again: the
+    // same lease (never opened) is served.
+    {
+        let mut provider = mock.provider.borrow_mut();
+        let interceptor = std::mem::replace(&mut *provider, Mock::handler(0, 0));
+        *provider = interceptor.with_tls(presenting(&genuine));
+    }
+    let restored = https_payload(&mock, Some(genuine_ca.cert_pem()), 4);
+    let answer = edge.refresh("restore-ca", restored).await;
+    assert_eq!(answer.status(), pb::RefreshStatus::Applied);
+    assert_answered(&edge.tunnel(genuine_lease).await, 200);
+    let stats = mock.counters();
+    assert_eq!((stats.connections_accepted, stats.chat_requests), (1, 1));
 }
 
 // CONTRACT: C2 — the lease is opened only after the capacity gate admits

@@ -8,12 +8,13 @@
 //! ```text
 //!  Edge (issuer, Ed25519)                              Node (recipient, X25519)
 //!  request (method, path, headers, body) ─► request_digest ─┐
+//!  TLS trust (none, default roots, CAs) ─► provider_trust ──┤
 //!  binding (who, which credential, where, which run) ◄──────┘ ─► binding_digest
 //!  HPKE base mode to the recipient key, info = binding digest:
 //!    secret ──ChaCha20-Poly1305(AAD = lease header)──► sealed_secret
 //!  Ed25519 over every lease field but `signature` ──► CredentialLease ──►
 //!                 open: structure → signature → digest → scope (node, target,
-//!                       origin, run, request, …) → recipient → node policy
+//!                       origin, trust, run, request, …) → recipient → node policy
 //!                       (revoked, pinned origins) → time window → replay
 //!                       window → HPKE open
 //! ```
@@ -22,14 +23,16 @@
 //!
 //! The binding names who asked (`principal`, `route`), which credential
 //! (`slot`, `credential_revision`), where the secret goes (`selected_node`,
-//! `recipient`, `upstream_target`, `profile`, and `upstream_origin`, the
-//! provider origin the Edge resolved), and the one request it serves
-//! (`run_id` and the [`request_digest`] of the method, path, forwarded
-//! headers and body the Node sends). The Node recomputes each of those from
-//! the request in hand and from its own adapter, so configuration pushed
-//! over the link (a changed `base_url`, other profile paths) cannot send a
-//! genuine lease's secret anywhere else, and a captured lease cannot be
-//! spent on another request.
+//! `recipient`, `upstream_target`, `profile`, `upstream_origin`, the
+//! provider origin the Edge resolved, and `provider_trust`, the
+//! [`provider_trust_digest`] of whom the Node trusts to be that origin over
+//! TLS), and the one request it serves (`run_id` and the [`request_digest`]
+//! of the method, path, forwarded headers and body the Node sends). The Node
+//! recomputes each of those from the request in hand and from its own
+//! adapter, so configuration pushed over the link (a changed `base_url`,
+//! other profile paths, another provider CA) cannot send a genuine lease's
+//! secret anywhere else, and a captured lease cannot be spent on another
+//! request.
 //!
 //! # Canonical encodings
 //!
@@ -48,7 +51,11 @@
 //! - Request digest: `blake3(enc("iop-lease-request-v2", 1 method, 2 path,
 //!   3 header count, (4 name, 5 value)…, 6 body))`.
 //! - Binding digest: `blake3(enc("iop-lease-binding-v2", binding fields
-//!   1..=13))`.
+//!   1..=14))`.
+//! - Provider trust digest: `blake3(enc("iop-lease-provider-trust-v2",
+//!   1 kind, [2 certificate count, 3 certificate…]))`, `kind` 1 = plain
+//!   HTTP, 2 = the Node's default roots, 3 = a private CA (then its DER
+//!   certificates, sorted bytewise and deduplicated), 4 = unverified TLS.
 //! - AEAD associated data ("lease header"):
 //!   `enc("iop-lease-header-v2", lease fields 1..=5, 8, 9, 10, 12)` — every
 //!   field but `sealed_secret` and `signature`.
@@ -114,6 +121,8 @@ type Aead = ChaCha20Poly1305;
 pub const BINDING_DIGEST_BYTES: usize = 32;
 /// Length of a request digest (blake3).
 pub const REQUEST_DIGEST_BYTES: usize = 32;
+/// Length of a provider trust digest (blake3).
+pub const PROVIDER_TRUST_BYTES: usize = 32;
 /// Length of an X25519 public key (HPKE `enc`).
 pub const EPHEMERAL_PUBLIC_KEY_BYTES: usize = 32;
 /// Length of the Poly1305 tag appended to the sealed secret.
@@ -148,6 +157,7 @@ pub const REPLAY_MAX_WINDOWS: usize = 1024;
 
 const BINDING_DOMAIN: &str = "iop-lease-binding-v2";
 const REQUEST_DOMAIN: &str = "iop-lease-request-v2";
+const PROVIDER_TRUST_DOMAIN: &str = "iop-lease-provider-trust-v2";
 const HEADER_DOMAIN: &str = "iop-lease-header-v2";
 const SIGNATURE_DOMAIN: &str = "iop-lease-signature-v2";
 const HPKE_INFO: &[u8] = b"iop credential lease v2";
@@ -555,6 +565,59 @@ pub fn request_digest(request: &BoundRequest<'_>) -> [u8; REQUEST_DIGEST_BYTES] 
     })
 }
 
+/// Whom a Node trusts to be the provider at a lease's `upstream_origin`:
+/// the TLS trust settings of the adapter's provider client, as the Node
+/// builds it (`CredentialLeaseBinding.provider_trust` is their
+/// [`provider_trust_digest`]). The host name a certificate must carry is the
+/// origin's, bound apart; nothing else the adapter's TLS settings say
+/// changes whom the Node trusts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProviderTrust<'a> {
+    /// An `http://` origin: no TLS, the origin alone names the peer.
+    PlainHttp,
+    /// TLS verified against the Node's default trust anchors (its system
+    /// store, or the bundled roots): the Node's own, not pushed by the Edge.
+    DefaultRoots,
+    /// TLS verified against exactly these CA certificates (DER), the only
+    /// anchors. Their order and repetitions do not matter: the set does.
+    PrivateCa(Vec<&'a [u8]>),
+    /// TLS without certificate verification (`tls_insecure_skip_verify`).
+    /// A Node never injects a lease there; the kind exists so that every
+    /// client has a digest.
+    Unverified,
+}
+
+impl ProviderTrust<'_> {
+    fn kind(&self) -> u64 {
+        match self {
+            Self::PlainHttp => 1,
+            Self::DefaultRoots => 2,
+            Self::PrivateCa(_) => 3,
+            Self::Unverified => 4,
+        }
+    }
+}
+
+/// blake3 digest of the canonical encoding of `trust` (see the module doc):
+/// `CredentialLeaseBinding.provider_trust`. A private CA's certificates are
+/// sorted and deduplicated first, so the digest names the set of anchors,
+/// whatever order or PEM layout the bundle had.
+pub fn provider_trust_digest(trust: &ProviderTrust<'_>) -> [u8; PROVIDER_TRUST_BYTES] {
+    digest_of(PROVIDER_TRUST_DOMAIN, |enc| {
+        enc.u64(1, trust.kind());
+        if let ProviderTrust::PrivateCa(certificates) = trust {
+            let mut certificates = certificates.clone();
+            certificates.sort_unstable();
+            certificates.dedup();
+            // usize → u64 is lossless on every supported target.
+            enc.u64(2, certificates.len() as u64);
+            for certificate in certificates {
+                enc.bytes(3, certificate);
+            }
+        }
+    })
+}
+
 /// blake3 digest of the canonical encoding of `binding` (see the module doc).
 pub fn binding_digest(binding: &CredentialLeaseBinding) -> [u8; BINDING_DIGEST_BYTES] {
     digest_of(BINDING_DOMAIN, |enc| {
@@ -571,6 +634,7 @@ pub fn binding_digest(binding: &CredentialLeaseBinding) -> [u8; BINDING_DIGEST_B
         enc.bytes(11, binding.upstream_origin.as_bytes());
         enc.bytes(12, binding.run_id.as_bytes());
         enc.bytes(13, &binding.request_digest);
+        enc.bytes(14, &binding.provider_trust);
     })
 }
 
@@ -706,6 +770,9 @@ fn check_binding(binding: &CredentialLeaseBinding) -> Result<(), &'static str> {
     check_text(&binding.run_id, max, "binding.run_id", is_visible_byte)?;
     if binding.request_digest.len() != REQUEST_DIGEST_BYTES {
         return Err("binding.request_digest");
+    }
+    if binding.provider_trust.len() != PROVIDER_TRUST_BYTES {
+        return Err("binding.provider_trust");
     }
     Ok(())
 }
@@ -877,6 +944,9 @@ pub struct ExpectedScope<'a> {
     pub upstream_target: &'a str,
     /// [`upstream_origin`] of the adapter the request would go to.
     pub upstream_origin: &'a str,
+    /// [`provider_trust_digest`] of the TLS trust of the client the request
+    /// would go out on.
+    pub provider_trust: &'a [u8; PROVIDER_TRUST_BYTES],
     /// The tunnel's run id.
     pub run_id: &'a str,
     /// [`request_digest`] of what the Node would send.
@@ -899,13 +969,14 @@ pub struct ExpectedScope<'a> {
 
 impl<'a> ExpectedScope<'a> {
     /// The scope a Node computes itself — its node id, and the target,
-    /// origin, run, request and profile of the call it is about to make —
-    /// with the Edge's own facts (principal, slot, route, revisions,
-    /// projection) left to the signature.
+    /// origin, provider trust, run, request and profile of the call it is
+    /// about to make — with the Edge's own facts (principal, slot, route,
+    /// revisions, projection) left to the signature.
     pub fn computed_by_node(
         selected_node: &'a str,
         upstream_target: &'a str,
         upstream_origin: &'a str,
+        provider_trust: &'a [u8; PROVIDER_TRUST_BYTES],
         run_id: &'a str,
         request_digest: &'a [u8; REQUEST_DIGEST_BYTES],
         profile: Option<&'a str>,
@@ -914,6 +985,7 @@ impl<'a> ExpectedScope<'a> {
             selected_node,
             upstream_target,
             upstream_origin,
+            provider_trust,
             run_id,
             request_digest,
             profile,
@@ -951,6 +1023,11 @@ impl<'a> ExpectedScope<'a> {
             Some(self.upstream_origin),
             binding.upstream_origin.as_str(),
             "upstream_origin",
+        )?;
+        same(
+            Some(&self.provider_trust[..]),
+            &binding.provider_trust[..],
+            "provider_trust",
         )?;
         same(Some(self.run_id), binding.run_id.as_str(), "run_id")?;
         same(

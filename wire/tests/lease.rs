@@ -7,10 +7,10 @@ use bytes::Bytes;
 use ed25519_dalek::SigningKey;
 use iop_wire::lease::{
     binding_digest, decode_hex, decode_hex_into, encode_hex, issue, issuer_key_id, open,
-    recipient_key_id, request_digest, sign, upstream_origin, upstream_target, BoundRequest,
-    ExpectedScope, IssueError, IssueParams, LeaseEntropy, LeaseError, OpenContext, OpenedSecret,
-    OriginPins, RecipientKey, ReplayGuard, MAX_LEASE_LIFETIME_MS, REPLAY_MAX_WINDOWS,
-    REPLAY_WINDOW_LEASES,
+    provider_trust_digest, recipient_key_id, request_digest, sign, upstream_origin,
+    upstream_target, BoundRequest, ExpectedScope, IssueError, IssueParams, LeaseEntropy,
+    LeaseError, OpenContext, OpenedSecret, OriginPins, ProviderTrust, RecipientKey, ReplayGuard,
+    MAX_LEASE_LIFETIME_MS, REPLAY_MAX_WINDOWS, REPLAY_WINDOW_LEASES,
 };
 use iop_wire::pb::{CredentialLease, CredentialLeaseBinding, Header, RevokedCredential};
 use x25519_dalek::{PublicKey, StaticSecret};
@@ -29,12 +29,18 @@ const PATH: &str = "/v1/chat/completions";
 const BODY: &[u8] = br#"{"model":"gpt-4o","messages":[]}"#;
 /// [`BODY`] as the one piece a request is bound with.
 static BODY_PIECES: [Bytes; 1] = [Bytes::from_static(BODY)];
+/// Stand-ins for DER CA certificates (the digest reads them as bytes).
+const CA_A: &[u8] = b"0\x82 private CA A";
+const CA_B: &[u8] = b"0\x82 private CA B";
+const CA_C: &[u8] = b"0\x82 private CA C";
 
 struct Fixture {
     issuer: SigningKey,
     recipient: RecipientKey,
     binding: CredentialLeaseBinding,
     request_digest: [u8; 32],
+    /// The fixture's provider trust: the private CA [`CA_A`].
+    provider_trust: [u8; 32],
     pins: OriginPins,
 }
 
@@ -57,6 +63,7 @@ fn request(headers: &[Header]) -> BoundRequest<'_> {
 fn fixture() -> Fixture {
     let recipient = RecipientKey::from_secret(StaticSecret::from(RECIPIENT_SEED));
     let digest = request_digest(&request(&headers()));
+    let trust = provider_trust_digest(&ProviderTrust::PrivateCa(vec![CA_A]));
     let binding = CredentialLeaseBinding {
         principal: "client-a".into(),
         slot: "openai-primary".into(),
@@ -71,12 +78,14 @@ fn fixture() -> Fixture {
         upstream_origin: ORIGIN.into(),
         run_id: "run-17".into(),
         request_digest: Bytes::copy_from_slice(&digest),
+        provider_trust: Bytes::copy_from_slice(&trust),
     };
     Fixture {
         issuer: SigningKey::from_bytes(&ISSUER_SEED),
         recipient,
         binding,
         request_digest: digest,
+        provider_trust: trust,
         pins: OriginPins::new(),
     }
 }
@@ -128,6 +137,7 @@ fn scope<'a>(f: &'a Fixture, binding: &'a CredentialLeaseBinding) -> ExpectedSco
         selected_node: &binding.selected_node,
         upstream_target: &binding.upstream_target,
         upstream_origin: ORIGIN,
+        provider_trust: &f.provider_trust,
         run_id: &binding.run_id,
         request_digest: &f.request_digest,
         profile: Some(&binding.profile),
@@ -423,6 +433,10 @@ fn mutations() -> Vec<(&'static str, Mutation)> {
         ("upstream_origin", |b| {
             b.upstream_origin = "http://10.0.0.6:8000".into()
         }),
+        ("provider_trust", |b| {
+            let other = ProviderTrust::PrivateCa(vec![CA_A, CA_B]);
+            b.provider_trust = Bytes::copy_from_slice(&provider_trust_digest(&other))
+        }),
         ("run_id", |b| b.run_id = "run-18".into()),
         ("request_digest", |b| {
             b.request_digest = Bytes::copy_from_slice(&[0x5a; 32])
@@ -621,7 +635,7 @@ fn malformed_fields_are_invalid_before_any_crypto() {
         }
     );
     type BindingTamper = fn(&mut CredentialLeaseBinding);
-    let binding_cases: [(&str, BindingTamper); 5] = [
+    let binding_cases: [(&str, BindingTamper); 7] = [
         ("binding.upstream_origin", |b| b.upstream_origin.clear()),
         ("binding.upstream_origin", |b| {
             b.upstream_origin = "ftp://api.example.com:21".into()
@@ -632,6 +646,12 @@ fn malformed_fields_are_invalid_before_any_crypto() {
         ("binding.run_id", |b| b.run_id.clear()),
         ("binding.request_digest", |b| {
             b.request_digest = Bytes::from_static(&[0; 31])
+        }),
+        ("binding.provider_trust", |b| {
+            b.provider_trust = Bytes::new()
+        }),
+        ("binding.provider_trust", |b| {
+            b.provider_trust = Bytes::from_static(&[0; 33])
         }),
     ];
     for (field, tamper) in binding_cases {
@@ -980,7 +1000,35 @@ fn digests_are_the_documented_canonical_encodings() {
     field(&mut enc, 11, ORIGIN.as_bytes());
     field(&mut enc, 12, b"run-17");
     field(&mut enc, 13, &f.request_digest);
+    field(&mut enc, 14, &f.provider_trust);
     assert_eq!(binding_digest(b), *blake3::hash(&enc).as_bytes());
+
+    // The provider trust: its kind, then (a private CA) the certificates
+    // sorted bytewise, without repetitions.
+    let trust = |kind: u64, certificates: &[&[u8]]| {
+        let mut enc = Vec::new();
+        field(&mut enc, 0, b"iop-lease-provider-trust-v2");
+        number(&mut enc, 1, kind);
+        if kind == 3 {
+            number(&mut enc, 2, certificates.len() as u64);
+            for certificate in certificates {
+                field(&mut enc, 3, certificate);
+            }
+        }
+        *blake3::hash(&enc).as_bytes()
+    };
+    assert_eq!(f.provider_trust, trust(3, &[CA_A]));
+    assert_eq!(
+        provider_trust_digest(&ProviderTrust::PrivateCa(vec![CA_B, CA_A, CA_B])),
+        trust(3, &[CA_A, CA_B])
+    );
+    for (kind, plain) in [
+        (1, ProviderTrust::PlainHttp),
+        (2, ProviderTrust::DefaultRoots),
+        (4, ProviderTrust::Unverified),
+    ] {
+        assert_eq!(provider_trust_digest(&plain), trust(kind, &[]), "{kind}");
+    }
 
     let mut enc = Vec::new();
     field(&mut enc, 0, b"iop-lease-request-v2");
@@ -1184,6 +1232,93 @@ fn the_destination_and_the_request_are_bound() {
     // The request it was issued for opens.
     let ok = open_ok(&lease, &f.binding, &context(&f, NOW_MS), &mut guard());
     assert_eq!(ok.secret_bytes(), SECRET);
+}
+
+#[test]
+fn the_provider_trust_digest_names_the_set_of_anchors() {
+    // CONTRACT: C5 — the digest a lease binds changes with whom the Node
+    // trusts: another CA, one CA more or less, no private CA (default
+    // roots), no TLS or no verification; it does not change with the order
+    // of a bundle or a certificate listed twice.
+    let digest = |trust: ProviderTrust<'_>| provider_trust_digest(&trust);
+    let a = digest(ProviderTrust::PrivateCa(vec![CA_A]));
+    let ab = digest(ProviderTrust::PrivateCa(vec![CA_A, CA_B]));
+    assert_eq!(ab, digest(ProviderTrust::PrivateCa(vec![CA_B, CA_A])));
+    assert_eq!(ab, digest(ProviderTrust::PrivateCa(vec![CA_B, CA_A, CA_A])));
+    assert_eq!(a, digest(ProviderTrust::PrivateCa(vec![CA_A, CA_A])));
+    let all = [
+        a,
+        ab,
+        digest(ProviderTrust::PrivateCa(vec![CA_B])),
+        digest(ProviderTrust::PrivateCa(vec![CA_A, CA_B, CA_C])),
+        // The empty set is not "no private CA".
+        digest(ProviderTrust::PrivateCa(Vec::new())),
+        digest(ProviderTrust::DefaultRoots),
+        digest(ProviderTrust::PlainHttp),
+        digest(ProviderTrust::Unverified),
+    ];
+    for (i, x) in all.iter().enumerate() {
+        for y in &all[i + 1..] {
+            assert_ne!(x, y);
+        }
+    }
+    // Bytes moved between two certificates make another set.
+    assert_ne!(
+        digest(ProviderTrust::PrivateCa(vec![b"ab", b"c"])),
+        digest(ProviderTrust::PrivateCa(vec![b"a", b"bc"]))
+    );
+}
+
+#[test]
+fn a_lease_opens_only_under_the_provider_trust_it_was_issued_for() {
+    // CONTRACT: C2, C5 — the provider CA comes from the config the link
+    // pushes: a Node whose client trusts another CA set (the attacker's,
+    // one more CA next to the genuine one, or the default roots instead of
+    // the private CA) refuses a genuine lease with a scope mismatch, before
+    // any decryption; under the trust it was issued for it opens.
+    let f = fixture();
+    let lease = issue_for(&f, "lease-1", &f.binding);
+    for other in [
+        ProviderTrust::PrivateCa(vec![CA_B]),
+        ProviderTrust::PrivateCa(vec![CA_A, CA_B]),
+        ProviderTrust::DefaultRoots,
+        ProviderTrust::Unverified,
+    ] {
+        let trust = provider_trust_digest(&other);
+        let ctx = OpenContext {
+            scope: ExpectedScope {
+                provider_trust: &trust,
+                ..scope(&f, &f.binding)
+            },
+            ..context(&f, NOW_MS)
+        };
+        let err = open_err(&lease, &f.binding, &ctx);
+        assert_eq!(
+            err,
+            LeaseError::ScopeMismatch {
+                field: "provider_trust"
+            },
+            "{other:?}"
+        );
+        assert_eq!(err.failure_code(), "lease_scope_mismatch");
+        assert_eq!(
+            err.to_string(),
+            "credential binding scope mismatch: provider_trust"
+        );
+    }
+    // The same set of anchors, with the CA listed twice in the bundle.
+    let same = provider_trust_digest(&ProviderTrust::PrivateCa(vec![CA_A, CA_A]));
+    let ctx = OpenContext {
+        scope: ExpectedScope {
+            provider_trust: &same,
+            ..scope(&f, &f.binding)
+        },
+        ..context(&f, NOW_MS)
+    };
+    assert_eq!(
+        open_ok(&lease, &f.binding, &ctx, &mut guard()).secret_bytes(),
+        SECRET
+    );
 }
 
 #[test]

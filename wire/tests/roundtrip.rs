@@ -370,6 +370,7 @@ fn binding() -> pb::CredentialLeaseBinding {
         upstream_origin: "http://10.0.0.5:8000".into(),
         run_id: "run-3".into(),
         request_digest: Bytes::from(vec![0xa7; 32]),
+        provider_trust: Bytes::from(vec![0x3e; 32]),
     }
 }
 

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use iop_engine::http::Url;
 use iop_engine::tls::{UpstreamTls, UpstreamTlsSettings};
+use iop_wire::lease::{self, ProviderTrust, PROVIDER_TRUST_BYTES};
 use iop_wire::pb;
 
 use crate::calls::pool::Target;
@@ -145,6 +146,10 @@ pub struct Endpoint {
     pub base_url: Url,
     /// The TLS client for an `https://` base URL (`None` for `http://`).
     pub tls: Option<UpstreamTls>,
+    /// [`lease::provider_trust_digest`] of whom `tls` trusts (computed from
+    /// the client itself): a credential lease opens only for the trust it
+    /// was issued for (C2).
+    pub provider_trust: [u8; PROVIDER_TRUST_BYTES],
     /// The resolved protocol profile (openai_compat only, U4).
     pub profile: Option<pb::ProtocolProfile>,
 }
@@ -251,6 +256,23 @@ fn upstream_tls(
         .map_err(|e| bad(e.to_string()))
 }
 
+/// Whom `tls` trusts to be the provider, as a credential lease binds it:
+/// read from the client the provider calls go out on, so what the lease is
+/// checked against is what the handshake will verify.
+fn provider_trust(tls: Option<&UpstreamTls>) -> [u8; PROVIDER_TRUST_BYTES] {
+    let trust = match tls {
+        None => ProviderTrust::PlainHttp,
+        Some(tls) if tls.is_insecure() => ProviderTrust::Unverified,
+        Some(tls) => match tls.private_ca() {
+            Some(certificates) => {
+                ProviderTrust::PrivateCa(certificates.iter().map(|c| c.as_ref()).collect())
+            }
+            None => ProviderTrust::DefaultRoots,
+        },
+    };
+    lease::provider_trust_digest(&trust)
+}
+
 /// The applied adapter set of a session.
 #[derive(Debug, Default)]
 pub struct Adapters {
@@ -303,6 +325,7 @@ impl Adapters {
                 reason: e.to_string(),
             })?;
             let tls = upstream_tls(&name, &base_url, cfg.tls.as_ref())?;
+            let provider_trust = provider_trust(tls.as_ref());
             let reused = previous
                 .and_then(|p| p.get(&name))
                 .filter(|old| old.kind == kind && old.base_url == base_url)
@@ -316,6 +339,7 @@ impl Adapters {
                     kind,
                     base_url,
                     tls,
+                    provider_trust,
                     profile,
                 }),
                 targets: cfg.targets.clone(),
@@ -499,6 +523,77 @@ mod tests {
             Adapters::from_payload(&p).unwrap_err().to_string(),
             "adapter `ollama`: provider TLS: TLS settings for the plain-http base URL \
              http://127.0.0.1:11434"
+        );
+    }
+
+    // CONTRACT: C2, C5 — the provider trust a lease must be bound to is read
+    // from the TLS client the adapter's calls go out on: plain HTTP, the
+    // default roots, exactly the pushed CA set (whatever its order or the
+    // text around its blocks), or no verification — each a different value.
+    #[test]
+    fn provider_trust_is_read_from_the_built_client() {
+        use iop_engine::certs::DevCa;
+        use iop_wire::lease::provider_trust_digest;
+
+        let ca_a = DevCa::new("provider.test").unwrap().cert_pem();
+        let ca_b = DevCa::new("provider.test").unwrap().cert_pem();
+        let der = |pem: &str| {
+            UpstreamTlsSettings {
+                ca_pem: Some(pem.to_owned()),
+                insecure_skip_verify: false,
+            }
+            .private_ca_certificates()
+            .unwrap()
+            .unwrap()
+        };
+        let (der_a, der_b) = (der(&ca_a), der(&ca_b));
+        let trust_of = |tls: Option<pb::ProviderTlsConfig>| {
+            let mut p = payload();
+            let Some(pb::adapter_config::Kind::OpenaiCompat(o)) = &mut p.adapters[0].kind else {
+                panic!("openai_compat first")
+            };
+            o.protocol_profile.as_mut().unwrap().base_url = "https://gw.internal:8443".into();
+            p.adapters[0].tls = tls;
+            let adapters = Adapters::from_payload(&p).unwrap();
+            assert_eq!(
+                adapters.get("ollama").unwrap().provider_trust,
+                provider_trust_digest(&ProviderTrust::PlainHttp)
+            );
+            adapters.get("vllm-main").unwrap().provider_trust
+        };
+        let ca = |ca_pem: String| {
+            Some(pb::ProviderTlsConfig {
+                ca_pem,
+                insecure_skip_verify: false,
+            })
+        };
+        assert_eq!(
+            trust_of(None),
+            provider_trust_digest(&ProviderTrust::DefaultRoots)
+        );
+        assert_eq!(
+            trust_of(ca(ca_a.clone())),
+            provider_trust_digest(&ProviderTrust::PrivateCa(vec![der_a[0].as_ref()]))
+        );
+        assert_ne!(trust_of(ca(ca_a.clone())), trust_of(ca(ca_b.clone())));
+        let both = trust_of(ca(format!("{ca_a}{ca_b}")));
+        assert_eq!(
+            both,
+            provider_trust_digest(&ProviderTrust::PrivateCa(vec![
+                der_a[0].as_ref(),
+                der_b[0].as_ref()
+            ]))
+        );
+        assert_eq!(
+            trust_of(ca(format!("# bundle\n\n{ca_b}\n\n{ca_a}\n"))),
+            both
+        );
+        assert_eq!(
+            trust_of(Some(pb::ProviderTlsConfig {
+                ca_pem: String::new(),
+                insecure_skip_verify: true,
+            })),
+            provider_trust_digest(&ProviderTrust::Unverified)
         );
     }
 

@@ -111,6 +111,7 @@ fn start(
     let target = TunnelTarget {
         profile: adapter.profile.as_ref().map(|p| p.name.as_str()),
         origin: &origin,
+        provider_trust: &adapter.provider_trust,
         path: &path,
         method: &method,
     };

@@ -259,7 +259,8 @@ pub const CHAT_PATH: &str = "/v1/chat/completions";
 
 /// The binding of a lease for `tunnel` — a [`chat_tunnel`] for [`TARGET`]
 /// on adapter `mock` of [`NODE_ID`] — sealed to `recipient_id`, sending the
-/// secret to `origin` (the mock's [`Mock::origin`]).
+/// secret to `origin` (the mock's [`Mock::origin`]) over plain HTTP (set
+/// `provider_trust` for an `https://` origin).
 pub fn lease_binding(
     recipient_id: &str,
     origin: &str,
@@ -285,6 +286,9 @@ pub fn lease_binding(
         upstream_origin: origin.into(),
         run_id: tunnel.run_id.clone(),
         request_digest: Bytes::copy_from_slice(&digest),
+        provider_trust: Bytes::copy_from_slice(&lease::provider_trust_digest(
+            &lease::ProviderTrust::PlainHttp,
+        )),
     }
 }
 
