@@ -4049,6 +4049,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         credential_binding: _,
         flow_window_bytes: _,
         correlation_id: _,
+        strip_usage_chunk: _,
     } = pb::ProviderTunnelRequest::default();
     let pb::FlowCredit { credits: _ } = pb::FlowCredit::default();
     let pb::RunCredit {

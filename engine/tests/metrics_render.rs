@@ -300,7 +300,15 @@ fn metrics_wrk2_dump_shows_only_its_side() {
         sections[1].max_line,
         "#[Max     =        0.003, Total count    =            1]"
     );
-    assert_eq!(counters, [("provider_calls_aborted_total".to_string(), 2)]);
+    assert_eq!(
+        counters,
+        [
+            ("provider_calls_aborted_total".to_string(), 2),
+            ("tunnel_usage_chunks_stripped_total".to_string(), 0),
+            ("tunnel_usage_missing_total".to_string(), 0),
+            ("tunnel_events_unchecked_total".to_string(), 0),
+        ]
+    );
 }
 
 #[test]
@@ -387,6 +395,15 @@ iop_node_provider_call_duration_seconds_count 1
 # HELP iop_node_provider_calls_aborted_total Provider calls aborted before they returned.
 # TYPE iop_node_provider_calls_aborted_total counter
 iop_node_provider_calls_aborted_total 3
+# HELP iop_node_tunnel_usage_chunks_stripped_total Usage-only stream events left out for clients that did not ask for usage.
+# TYPE iop_node_tunnel_usage_chunks_stripped_total counter
+iop_node_tunnel_usage_chunks_stripped_total 0
+# HELP iop_node_tunnel_usage_missing_total Tunnelled streams that asked the provider for usage and got none.
+# TYPE iop_node_tunnel_usage_missing_total counter
+iop_node_tunnel_usage_missing_total 0
+# HELP iop_node_tunnel_events_unchecked_total Stream events relayed without the usage-chunk check (past the hold cap).
+# TYPE iop_node_tunnel_events_unchecked_total counter
+iop_node_tunnel_events_unchecked_total 0
 ";
     assert_eq!(render_prometheus(&r, Side::Node), expected);
 }

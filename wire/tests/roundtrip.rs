@@ -408,6 +408,7 @@ fn all_frames() -> Vec<pb::Frame> {
             node_id: "gpu-01".into(),
             node_version: "0.1.0".into(),
             flow_control: 1,
+            strips_usage_chunk: true,
         }),
         Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
@@ -468,6 +469,7 @@ fn all_frames() -> Vec<pb::Frame> {
             credential_binding: Some(binding()),
             flow_window_bytes: u64::MAX,
             correlation_id: "client-id-7".into(),
+            strip_usage_chunk: true,
         })),
         Body::ProviderTunnelFrame(Box::new(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),

@@ -365,6 +365,8 @@ async fn attempt(
         // Its answers are far smaller than any window, so it never needs
         // the credit it is granted.
         flow_control: iop_wire::flow::FLOW_CONTROL_V1,
+        // It answers tunnels with its own scripted bodies.
+        strips_usage_chunk: false,
     };
     if conn
         .send_control(frame(Body::RegisterRequest(register)))

@@ -777,6 +777,8 @@ impl RawNode {
                 node_id: node_id.to_string(),
                 node_version: "test".to_string(),
                 flow_control,
+                // A node of before usage-chunk stripping.
+                strips_usage_chunk: false,
             })))
             .expect("send register");
         match self.next_frame().await {

@@ -251,11 +251,20 @@ pub enum Count {
     /// Node: provider calls aborted before they returned (watchdog, cancel,
     /// session end).
     NodeProviderCallsAborted,
+    /// Node: usage-only events left out of tunnelled streams whose client
+    /// did not ask for usage (the Edge asked on its behalf).
+    NodeTunnelUsageChunksStripped,
+    /// Node: tunnelled streams that asked for usage and ended without any
+    /// (a provider that ignores `stream_options.include_usage`).
+    NodeTunnelUsageMissing,
+    /// Node: events of such streams relayed without the usage-chunk check,
+    /// still undecided past the hold cap.
+    NodeTunnelEventsUnchecked,
 }
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 25] = [
+    pub const ALL: [Count; 28] = [
         Count::EdgeRelayBodyBytes,
         Count::EdgeClientConnectionsAccepted,
         Count::EdgeClientConnectionsClosed,
@@ -281,12 +290,18 @@ impl Count {
         Count::EdgeNodePeerCapRefusals,
         Count::EdgeNodeAcceptPaused,
         Count::NodeProviderCallsAborted,
+        Count::NodeTunnelUsageChunksStripped,
+        Count::NodeTunnelUsageMissing,
+        Count::NodeTunnelEventsUnchecked,
     ];
 
     /// The binary that counts it.
     pub fn side(self) -> Side {
         match self {
-            Count::NodeProviderCallsAborted => Side::Node,
+            Count::NodeProviderCallsAborted
+            | Count::NodeTunnelUsageChunksStripped
+            | Count::NodeTunnelUsageMissing
+            | Count::NodeTunnelEventsUnchecked => Side::Node,
             _ => Side::Edge,
         }
     }
@@ -320,6 +335,9 @@ impl Count {
             Count::EdgeNodeHandshakeFailures => "node_handshake_failures",
             Count::EdgeNodeAcceptPaused => "node_accept_paused",
             Count::NodeProviderCallsAborted => "provider_calls_aborted",
+            Count::NodeTunnelUsageChunksStripped => "tunnel_usage_chunks_stripped",
+            Count::NodeTunnelUsageMissing => "tunnel_usage_missing",
+            Count::NodeTunnelEventsUnchecked => "tunnel_events_unchecked",
         }
     }
 
@@ -383,6 +401,15 @@ impl Count {
                 "Times the node accept loop stopped at edge.max_node_handshakes."
             }
             Count::NodeProviderCallsAborted => "Provider calls aborted before they returned.",
+            Count::NodeTunnelUsageChunksStripped => {
+                "Usage-only stream events left out for clients that did not ask for usage."
+            }
+            Count::NodeTunnelUsageMissing => {
+                "Tunnelled streams that asked the provider for usage and got none."
+            }
+            Count::NodeTunnelEventsUnchecked => {
+                "Stream events relayed without the usage-chunk check (past the hold cap)."
+            }
         }
     }
 

@@ -1,19 +1,25 @@
 //! The provider HTTP exchange of a tunnel: request out, response head,
 //! body pieces as slices of the pooled read buffer (never parsed or copied,
 //! U2), then `End`. Runs on the core that owns the provider socket.
+//!
+//! One exception to "never parsed": a streamed chat completion whose usage
+//! the Edge asked for on the client's behalf (`strip_usage_chunk`) goes
+//! through [`UsageChunkStrip`], which leaves out the usage-only event the
+//! client did not ask for; the rest are still slices of the read buffer.
 
 use std::rc::Rc;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use iop_engine::http::{self, HttpError};
+use iop_engine::metrics::{self, Count};
 use iop_wire::lease::OpenedSecret;
 use iop_wire::pb;
 
 use super::channel::{OutputTx, ProviderCall};
 use super::output::TunnelOutput;
 use super::pool::{ProviderPool, ProviderRequest, SecretHeader};
-use super::usage::UsageWatcher;
+use super::usage::{UsageChunkStrip, UsageWatcher};
 use crate::adapters::Endpoint;
 use crate::codes;
 
@@ -34,6 +40,9 @@ pub struct TunnelCall {
     pub body: Bytes,
     /// The opened credential (C2); taken when the request head is written.
     pub credential: Option<OpenedSecret>,
+    /// The Edge asked the provider for a usage chunk the client did not
+    /// ask for: leave it out of an event-stream body.
+    pub strip_usage_chunk: bool,
 }
 
 impl ProviderCall for TunnelCall {
@@ -78,7 +87,7 @@ impl TunnelCall {
         // block, so none of it keeps room in this future (or memory) while
         // the body streams (a local that was borrowed keeps its room until
         // its scope ends).
-        let (mut conn, mut usage, start) = {
+        let (mut conn, mut usage, mut strip, start) = {
             let Some(TunnelCall {
                 endpoint,
                 method,
@@ -86,6 +95,7 @@ impl TunnelCall {
                 headers: forwarded,
                 body,
                 credential,
+                strip_usage_chunk,
             }) = slot.take()
             else {
                 return Ok(());
@@ -123,12 +133,21 @@ impl TunnelCall {
                 .map_err(|e| e.into_failure())?;
             let (conn, head) = (response.conn, response.head);
             // ----------------------------------------------------------------------
-            // U1: usage is observed in the body, which goes on untouched.
-            let usage = head
+            // U1: usage is observed in the body, which goes on untouched
+            // but for a usage chunk only the Edge asked for.
+            let content_type = head
                 .headers
                 .iter()
                 .find(|h| h.name.eq_ignore_ascii_case("content-type"))
-                .and_then(|h| UsageWatcher::for_content_type(&h.value));
+                .map(|h| &h.value[..]);
+            let usage = content_type.and_then(UsageWatcher::for_content_type);
+            let event_stream = content_type.is_some_and(|t| {
+                t.get(..17)
+                    .is_some_and(|t| t.eq_ignore_ascii_case(b"text/event-stream"))
+            });
+            // Boxed: it lives as long as the stream, in this future.
+            let strip =
+                (strip_usage_chunk && event_stream).then(|| Box::new(UsageChunkStrip::new()));
             let headers = head
                 .headers
                 .iter()
@@ -141,29 +160,83 @@ impl TunnelCall {
                 status: head.status,
                 headers,
             };
-            (conn, usage, start)
+            (conn, usage, strip, start)
         };
         if !out.send(start).await {
             return Ok(());
         }
-        while let Some(piece) = conn.read_body_chunk().await.map_err(provider_failure)? {
+        let mut relayed = Vec::new();
+        loop {
+            let piece = match conn.read_body_chunk().await {
+                Ok(Some(piece)) => piece,
+                Ok(None) => break,
+                Err(e) => {
+                    // What the filter held goes out before the failure, as
+                    // it would have without it.
+                    if let Some(held) = strip.as_mut().and_then(|s| s.take_held()) {
+                        out.send(TunnelOutput::Body(held)).await;
+                    }
+                    return Err(provider_failure(e));
+                }
+            };
             if let Some(usage) = usage.as_mut() {
                 usage.feed(&piece);
             }
-            if !out.send(TunnelOutput::Body(piece)).await {
-                return Ok(());
+            let Some(strip) = strip.as_mut() else {
+                if !out.send(TunnelOutput::Body(piece)).await {
+                    return Ok(());
+                }
+                continue;
+            };
+            strip.feed(&piece, &mut relayed);
+            // Not kept across the sends (the slices hold the buffer).
+            drop(piece);
+            count(strip);
+            for body in relayed.drain(..) {
+                if !out.send(TunnelOutput::Body(body)).await {
+                    return Ok(());
+                }
             }
         }
         // The body ended: back to the pool before the terminal, so the
         // request that follows it can reuse the connection.
         conn.release();
-        if let Some(observed) = usage.and_then(UsageWatcher::finish) {
+        // An event the body ended in is relayed as it is.
+        if let Some(held) = strip.as_mut().and_then(|s| s.take_held()) {
+            if !out.send(TunnelOutput::Body(held)).await {
+                return Ok(());
+            }
+        }
+        let observed = usage.and_then(UsageWatcher::finish);
+        if observed.is_none() && strip.is_some() {
+            // Asked for and not sent: a provider that ignores
+            // `stream_options.include_usage`. Nothing is guessed (the Edge
+            // records `usage: "none"`); counted, so it shows.
+            metrics::add(Count::NodeTunnelUsageMissing, 1);
+            tracing::debug!("the provider sent no usage for a stream that asked for it");
+        }
+        if let Some(observed) = observed {
             if !out.send(TunnelOutput::Usage(observed)).await {
                 return Ok(());
             }
         }
         out.send(TunnelOutput::End).await;
         Ok(())
+    }
+}
+
+/// Counts what `strip` did with the last piece.
+fn count(strip: &mut UsageChunkStrip) {
+    let counts = strip.take_counts();
+    if counts.stripped > 0 {
+        metrics::add(Count::NodeTunnelUsageChunksStripped, counts.stripped);
+    }
+    if counts.unchecked > 0 {
+        metrics::add(Count::NodeTunnelEventsUnchecked, counts.unchecked);
+        tracing::debug!(
+            events = counts.unchecked,
+            "stream events past the hold cap relayed without the usage-chunk check"
+        );
     }
 }
 

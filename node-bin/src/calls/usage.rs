@@ -16,7 +16,28 @@
 //! Anthropic Messages (`input_tokens` in `message_start`, the final
 //! `output_tokens` in `message_delta`). A `"usage"` inside a string value
 //! has its quotes escaped, so it never matches `"usage"` followed by `:`.
+//!
+//! # The usage chunk the client did not ask for
+//!
+//! When the Edge asked the provider for usage on a client's behalf
+//! (`ProviderTunnelRequest.strip_usage_chunk`), [`UsageChunkStrip`] leaves
+//! the usage-only event out of the relayed stream — after the watcher saw
+//! it — and nothing else:
+//!
+//! ```text
+//! piece ─► memchr2 CR/LF: event ends (blank line), bytes in between skipped
+//!       ─► each event: does it start `data:` with `"choices":[]`?
+//!            no  ─► relayed (slices of the piece, no copy, no wait)
+//!            yes ─► complete: parsed; `choices` empty and `usage` an
+//!                   object ─► dropped, else relayed
+//!                   unfinished at the piece's end: held (≤ HOLD_MAX_BYTES)
+//!                   until it ends or shows `"choices":[{`
+//! ```
+//!
+//! Only the tail of a piece that may be the usage event waits for the next
+//! read; every other event, complete or split, goes on at once.
 
+use bytes::Bytes;
 use iop_wire::pb;
 use memchr::memmem;
 
@@ -230,6 +251,328 @@ impl ObjectScan {
     }
 }
 
+/// Most bytes of one event held while it may still be the usage-only
+/// chunk (real ones are a few hundred bytes). An event that is still
+/// undecided past this is relayed as it is, unchecked (counted).
+pub const HOLD_MAX_BYTES: usize = 8 * 1024;
+
+/// Leaves the usage-only event (`data: {…,"choices":[],"usage":{…}}`) out
+/// of a `text/event-stream` chat completion; every other byte goes on as
+/// the provider sent it, in order. Events end at a blank line; lines end
+/// at CRLF, LF or CR, in any cut of the stream into pieces.
+#[derive(Debug)]
+pub struct UsageChunkStrip {
+    event: EventState,
+    /// No byte of the current line yet: a line end now ends the event.
+    line_empty: bool,
+    /// The last byte was a CR (an LF next is the same line end).
+    after_cr: bool,
+    /// The bytes of an undecided event begun in an earlier piece.
+    held: Vec<u8>,
+    /// The event just dropped ended with a CR: the LF of its CRLF goes too.
+    lf_of_dropped: bool,
+    counts: StripCounts,
+}
+
+/// What [`UsageChunkStrip`] did since it was last asked.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StripCounts {
+    /// Usage-only events left out.
+    pub stripped: u64,
+    /// Events relayed unchecked: undecided past [`HOLD_MAX_BYTES`].
+    pub unchecked: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventState {
+    /// Between two events: no byte of the next one yet.
+    Between,
+    /// The event may be the usage chunk: decided when it ends.
+    Undecided,
+    /// Not the usage chunk (or too long to tell): relayed as it comes.
+    Passing,
+}
+
+/// What the start of an event says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// It is not a usage-only event.
+    NotUsage,
+    /// It may be one.
+    Maybe,
+}
+
+impl Default for UsageChunkStrip {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl UsageChunkStrip {
+    /// A filter at the start of a stream.
+    pub fn new() -> Self {
+        Self {
+            event: EventState::Between,
+            line_empty: true,
+            after_cr: false,
+            held: Vec::new(),
+            lf_of_dropped: false,
+            counts: StripCounts::default(),
+        }
+    }
+
+    /// Takes the next body piece; pushes what is relayed of it (and of
+    /// what was held) to `out`, in order: slices of `piece`, or the held
+    /// bytes once their event is decided.
+    pub fn feed(&mut self, piece: &Bytes, out: &mut Vec<Bytes>) {
+        let bytes = &piece[..];
+        let mut pos = 0;
+        // `piece[pass_from..]` is neither relayed nor dropped yet.
+        let mut pass_from = 0;
+        // Where the undecided event's bytes in this piece begin.
+        let mut event_from = 0;
+        while pos < bytes.len() {
+            if self.event == EventState::Between {
+                if self.after_cr && bytes[pos] == b'\n' {
+                    // The LF of the CRLF that ended the last event.
+                    self.after_cr = false;
+                    if std::mem::take(&mut self.lf_of_dropped) {
+                        relay(piece, pass_from, pos, out);
+                        pass_from = pos + 1;
+                    }
+                    pos += 1;
+                    continue;
+                }
+                self.lf_of_dropped = false;
+                self.event = EventState::Undecided;
+                event_from = pos;
+            }
+            let Some(found) = memchr::memchr2(b'\n', b'\r', &bytes[pos..]) else {
+                // The rest of the piece is within one line.
+                self.line_empty = false;
+                self.after_cr = false;
+                break;
+            };
+            if found > 0 {
+                self.line_empty = false;
+                self.after_cr = false;
+            }
+            let at = pos + found;
+            pos = at + 1;
+            if bytes[at] == b'\n' && self.after_cr {
+                self.after_cr = false;
+                continue;
+            }
+            self.after_cr = bytes[at] == b'\r';
+            if !self.line_empty {
+                self.line_empty = true;
+                continue;
+            }
+            // A blank line: the event ends with it.
+            if self.event == EventState::Undecided {
+                self.end_event(piece, event_from, pos, &mut pass_from, out);
+            }
+            self.event = EventState::Between;
+        }
+        if self.event == EventState::Undecided {
+            self.hold_or_pass(piece, event_from, &mut pass_from, out);
+        }
+        relay(piece, pass_from, bytes.len(), out);
+    }
+
+    /// The bytes still held at the end of the body (an event it ended
+    /// in), to relay as they are; or after a failure, before it.
+    pub fn take_held(&mut self) -> Option<Bytes> {
+        self.event = EventState::Passing;
+        (!self.held.is_empty()).then(|| Bytes::from(std::mem::take(&mut self.held)))
+    }
+
+    /// What was stripped and passed unchecked since the last call.
+    pub fn take_counts(&mut self) -> StripCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// The undecided event that began at `piece[event_from..]` (after the
+    /// held bytes, if any) ended at `piece[..end]`.
+    fn end_event(
+        &mut self,
+        piece: &Bytes,
+        event_from: usize,
+        end: usize,
+        pass_from: &mut usize,
+        out: &mut Vec<Bytes>,
+    ) {
+        let part = &piece[event_from..end];
+        let drop = if self.held.is_empty() {
+            self.judge(part, true)
+        } else {
+            // Begun in an earlier piece: nothing of this one went out yet.
+            let took = self.extend_held(part);
+            let drop = self.judge_held(took == part.len());
+            if !drop {
+                out.push(Bytes::from(std::mem::take(&mut self.held)));
+                *pass_from = took;
+            }
+            drop
+        };
+        if drop {
+            relay(piece, *pass_from, event_from, out);
+            self.held.clear();
+            *pass_from = end;
+            self.counts.stripped += 1;
+            self.lf_of_dropped = piece[end - 1] == b'\r';
+        }
+    }
+
+    /// The piece ends inside an undecided event begun at
+    /// `piece[event_from..]`: hold it while it may be the usage chunk.
+    fn hold_or_pass(
+        &mut self,
+        piece: &Bytes,
+        event_from: usize,
+        pass_from: &mut usize,
+        out: &mut Vec<Bytes>,
+    ) {
+        let part = &piece[event_from..];
+        if self.held.is_empty() {
+            match start_of(part) {
+                Start::Maybe if part.len() <= HOLD_MAX_BYTES => {
+                    relay(piece, *pass_from, event_from, out);
+                    self.held.extend_from_slice(part);
+                    *pass_from = piece.len();
+                }
+                start => {
+                    if start == Start::Maybe {
+                        self.counts.unchecked += 1;
+                    }
+                    self.event = EventState::Passing;
+                }
+            }
+            return;
+        }
+        let took = self.extend_held(part);
+        let start = start_of(&self.held);
+        if start == Start::Maybe && took == part.len() {
+            *pass_from = piece.len();
+            return;
+        }
+        if start == Start::Maybe {
+            self.counts.unchecked += 1;
+        }
+        self.event = EventState::Passing;
+        out.push(Bytes::from(std::mem::take(&mut self.held)));
+        *pass_from = took;
+    }
+
+    /// Appends what fits of `part` under [`HOLD_MAX_BYTES`]; how much.
+    fn extend_held(&mut self, part: &[u8]) -> usize {
+        let took = part
+            .len()
+            .min(HOLD_MAX_BYTES.saturating_sub(self.held.len()));
+        self.held.extend_from_slice(&part[..took]);
+        took
+    }
+
+    /// Whether the ended event in `held` is the usage chunk; `whole` says
+    /// the held bytes are all of it (else it outgrew the hold).
+    fn judge_held(&mut self, whole: bool) -> bool {
+        let held = std::mem::take(&mut self.held);
+        let drop = self.judge(&held, whole);
+        self.held = held;
+        drop
+    }
+
+    /// Whether `event` (all of it when `whole`) is the usage chunk.
+    fn judge(&mut self, event: &[u8], whole: bool) -> bool {
+        match start_of(event) {
+            Start::NotUsage => false,
+            Start::Maybe if !whole || event.len() > HOLD_MAX_BYTES => {
+                self.counts.unchecked += 1;
+                false
+            }
+            Start::Maybe => is_usage_only(event),
+        }
+    }
+}
+
+fn relay(piece: &Bytes, from: usize, to: usize, out: &mut Vec<Bytes>) {
+    if to > from {
+        out.push(piece.slice(from..to));
+    }
+}
+
+/// What the first bytes of an event say: a usage-only event has only
+/// `data:` lines and its top-level `choices` is `[]`. The first
+/// `"choices"` key decides (a chat chunk has no other object before it);
+/// a wrong guess only ever keeps an event, never drops one (the complete
+/// event is parsed before it is dropped).
+fn start_of(event: &[u8]) -> Start {
+    const DATA: &[u8] = b"data:";
+    const CHOICES: &[u8] = b"\"choices\"";
+    let n = event.len().min(DATA.len());
+    if event[..n] != DATA[..n] {
+        return Start::NotUsage;
+    }
+    // The first byte at or after `i` that is not JSON whitespace.
+    let next = |i: usize| {
+        event
+            .get(i..)
+            .and_then(|rest| {
+                rest.iter()
+                    .position(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+            })
+            .map(|skip| i + skip)
+    };
+    for at in memmem::find_iter(event, CHOICES) {
+        let Some(colon) = next(at + CHOICES.len()) else {
+            return Start::Maybe;
+        };
+        if event[colon] != b':' {
+            // A string value, not the key.
+            continue;
+        }
+        let Some(open) = next(colon + 1) else {
+            return Start::Maybe;
+        };
+        if event[open] != b'[' {
+            return Start::NotUsage;
+        }
+        return match next(open + 1).map(|close| event[close]) {
+            None | Some(b']') => Start::Maybe,
+            Some(_) => Start::NotUsage,
+        };
+    }
+    Start::Maybe
+}
+
+/// Whether a complete event (its blank line included) is a usage-only
+/// chunk: every line a `data:` field, and the data a JSON object whose
+/// `choices` is `[]` and whose `usage` is an object.
+fn is_usage_only(event: &[u8]) -> bool {
+    let mut data = Vec::with_capacity(event.len());
+    for (i, line) in event
+        .split(|&b| b == b'\n' || b == b'\r')
+        .filter(|line| !line.is_empty())
+        .enumerate()
+    {
+        let Some(value) = line.strip_prefix(b"data:") else {
+            return false;
+        };
+        if i > 0 {
+            data.push(b'\n');
+        }
+        data.extend_from_slice(value.strip_prefix(b" ").unwrap_or(value));
+    }
+    let Ok(serde_json::Value::Object(chunk)) = serde_json::from_slice(&data) else {
+        return false;
+    };
+    chunk
+        .get("choices")
+        .and_then(serde_json::Value::as_array)
+        .is_some_and(Vec::is_empty)
+        && chunk.get("usage").is_some_and(serde_json::Value::is_object)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +649,284 @@ mod tests {
             "x".repeat(MAX_OBJECT_BYTES)
         );
         assert_eq!(observed("application/json", &huge), None);
+    }
+}
+
+#[cfg(test)]
+mod strip_tests {
+    use super::*;
+
+    /// A chat completion stream as vLLM and OpenAI send it with
+    /// `include_usage`: `"usage":null` on every chunk, then the usage-only
+    /// chunk, then `[DONE]`.
+    const CONTENT: &str = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}],\"usage\":null}\n\n\
+        data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi \\\"there\\\"\"}}],\"usage\":null}\n\n\
+        : keep-alive comment\n\n\
+        data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\n";
+    const USAGE: &str = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":3,\"total_tokens\":15,\"prompt_tokens_details\":null}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    fn stream() -> String {
+        format!("{CONTENT}{USAGE}{DONE}")
+    }
+
+    fn crlf(text: &str) -> String {
+        text.replace('\n', "\r\n")
+    }
+
+    /// Feeds `pieces` in order; what was relayed after each, and the counts.
+    fn run(pieces: &[&[u8]]) -> (Vec<Vec<u8>>, StripCounts) {
+        let mut strip = UsageChunkStrip::new();
+        let mut after_each = Vec::new();
+        let mut out = Vec::new();
+        let mut counts = StripCounts::default();
+        for piece in pieces {
+            strip.feed(&Bytes::copy_from_slice(piece), &mut out);
+            assert!(strip.held.len() <= HOLD_MAX_BYTES, "held past the cap");
+            let relayed: Vec<u8> = out.drain(..).flat_map(|b| b.to_vec()).collect();
+            after_each.push(relayed);
+            let c = strip.take_counts();
+            counts.stripped += c.stripped;
+            counts.unchecked += c.unchecked;
+        }
+        if let Some(held) = strip.take_held() {
+            after_each.push(held.to_vec());
+        }
+        (after_each, counts)
+    }
+
+    fn joined(after_each: &[Vec<u8>]) -> Vec<u8> {
+        after_each.concat()
+    }
+
+    /// Where the last event that ends at or before `cut` ends.
+    fn complete_before(text: &str, cut: usize, blank: &str) -> usize {
+        text[..cut].rfind(blank).map_or(0, |at| at + blank.len())
+    }
+
+    #[test]
+    fn every_cut_of_a_stream_relays_all_but_the_usage_event_and_delays_no_complete_event() {
+        for (text, usage, blank) in [
+            (stream(), USAGE.to_string(), "\n\n"),
+            (crlf(&stream()), crlf(USAGE), "\r\n\r\n"),
+        ] {
+            let expected = text.replace(&usage, "");
+            let usage_at = text.find(&usage).unwrap();
+            let whole = run(&[text.as_bytes()]);
+            assert_eq!(joined(&whole.0), expected.as_bytes());
+            assert_eq!(
+                whole.1,
+                StripCounts {
+                    stripped: 1,
+                    unchecked: 0
+                }
+            );
+            for cut in 0..=text.len() {
+                let (first, rest) = text.as_bytes().split_at(cut);
+                let (after, counts) = run(&[first, rest]);
+                assert_eq!(joined(&after), expected.as_bytes(), "cut at {cut}");
+                assert_eq!(
+                    counts,
+                    StripCounts {
+                        stripped: 1,
+                        unchecked: 0
+                    },
+                    "cut at {cut}"
+                );
+                // Every event complete in the first read went out with it.
+                let done = complete_before(&text, cut, blank);
+                let min = if done > usage_at {
+                    done - usage.len()
+                } else {
+                    done
+                };
+                assert!(
+                    after[0].len() >= min && expected.as_bytes().starts_with(&after[0]),
+                    "cut at {cut}: {} bytes relayed, {min} complete",
+                    after[0].len()
+                );
+                // Outside the usage event, a split event is not held once
+                // its non-empty `choices` shows.
+                if cut < usage_at {
+                    let event_start = complete_before(&text, cut, blank);
+                    let event = &text[event_start..cut];
+                    if event.contains("\"choices\":[{") || event.starts_with(':') {
+                        assert_eq!(after[0].len(), cut, "cut at {cut}");
+                    }
+                }
+            }
+            // One byte at a time.
+            let bytes: Vec<&[u8]> = text.as_bytes().chunks(1).collect();
+            let (after, counts) = run(&bytes);
+            assert_eq!(joined(&after), expected.as_bytes());
+            assert_eq!(counts.stripped, 1);
+        }
+    }
+
+    #[test]
+    fn a_usage_event_split_across_three_reads_is_held_then_dropped() {
+        let text = stream();
+        let usage_at = text.find(USAGE).unwrap();
+        // Read 1 ends before its `choices`, read 2 inside its usage object,
+        // read 3 carries its end and `[DONE]`.
+        let cut1 = usage_at + USAGE.find("\"model\"").unwrap();
+        let cut2 = usage_at + USAGE.find("\"completion_tokens\"").unwrap();
+        let b = text.as_bytes();
+        let (after, counts) = run(&[&b[..cut1], &b[cut1..cut2], &b[cut2..]]);
+        assert_eq!(after.len(), 3, "nothing held at the end");
+        assert_eq!(after[0], CONTENT.as_bytes());
+        assert_eq!(after[1], b"");
+        assert_eq!(after[2], DONE.as_bytes());
+        assert_eq!(
+            counts,
+            StripCounts {
+                stripped: 1,
+                unchecked: 0
+            }
+        );
+    }
+
+    #[test]
+    fn a_stripped_event_ending_in_cr_takes_the_lf_of_the_next_read() {
+        let text = crlf(&stream());
+        let usage = crlf(USAGE);
+        let end = text.find(&usage).unwrap() + usage.len();
+        // The read ends between the CR and LF of the usage event's blank line.
+        let b = text.as_bytes();
+        let (after, _) = run(&[&b[..end - 1], &b[end - 1..]]);
+        assert_eq!(joined(&after), text.replace(&usage, "").as_bytes());
+        assert_eq!(after[1], crlf(DONE).as_bytes());
+        // Bare CR line ends too.
+        let cr = stream().replace('\n', "\r");
+        let (after, counts) = run(&[cr.as_bytes()]);
+        assert_eq!(
+            joined(&after),
+            cr.replace(&USAGE.replace('\n', "\r"), "").as_bytes()
+        );
+        assert_eq!(counts.stripped, 1);
+    }
+
+    #[test]
+    fn only_a_data_event_with_empty_choices_and_a_usage_object_is_dropped() {
+        let kept = [
+            // Azure's prompt-filter chunk: empty choices, no usage.
+            "data: {\"choices\":[],\"prompt_filter_results\":[]}\n\n",
+            // Empty choices, usage null.
+            "data: {\"choices\":[],\"usage\":null}\n\n",
+            // Usage on a chunk with a choice.
+            "data: {\"choices\":[{\"delta\":{}}],\"usage\":{\"prompt_tokens\":1}}\n\n",
+            // Another field line in the event.
+            "event: usage\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n",
+            // Not JSON.
+            "data: {\"choices\":[],\"usage\":{\n\n",
+            "data: [DONE]\n\n",
+        ];
+        for event in kept {
+            let (after, counts) = run(&[event.as_bytes()]);
+            assert_eq!(joined(&after), event.as_bytes(), "{event:?}");
+            assert_eq!(counts, StripCounts::default(), "{event:?}");
+        }
+        // Whitespace around the key and a second data line are still JSON.
+        let spaced = "data: { \"choices\" : [ ] ,\ndata: \"usage\": {\"prompt_tokens\": 1} }\n\n";
+        let (after, counts) = run(&[spaced.as_bytes()]);
+        assert_eq!(joined(&after), b"");
+        assert_eq!(counts.stripped, 1);
+    }
+
+    #[test]
+    fn an_event_the_body_ends_in_is_relayed_as_it_is() {
+        let unfinished = &USAGE[..USAGE.len() - 2];
+        let text = format!("{CONTENT}{unfinished}");
+        let (after, counts) = run(&[text.as_bytes()]);
+        assert_eq!(
+            after,
+            vec![CONTENT.as_bytes().to_vec(), unfinished.as_bytes().to_vec()]
+        );
+        assert_eq!(counts, StripCounts::default());
+    }
+
+    /// One event of a generated stream, and whether it is a usage event.
+    fn event(kind: u8, text: &str, line_end: &str) -> (String, bool) {
+        let text = serde_json::to_string(text).unwrap();
+        let (body, usage) = match kind % 6 {
+            0 => (format!("data: {{\"id\":{text},\"choices\":[],\"usage\":{{\"prompt_tokens\":1}}}}"), true),
+            1 => (format!("data: {{\"choices\":[],\"note\":{text}}}"), false),
+            2 => (format!(": {}", text.replace(['\r', '\n'], " ")), false),
+            3 => ("data: [DONE]".to_string(), false),
+            4 => (format!("event: x\ndata: {{\"choices\":[],\"usage\":{{}},\"t\":{text}}}"), false),
+            _ => (format!("data: {{\"model\":{text},\"choices\":[{{\"delta\":{{\"content\":{text}}}}}],\"usage\":null}}"), false),
+        };
+        let body = body.replace('\n', line_end);
+        (format!("{body}{line_end}{line_end}"), usage)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_stream_cut_anywhere_loses_exactly_its_usage_events(
+            events in proptest::collection::vec(
+                (0u8..6, "[a-z \"\\\\{}\\[\\]:,]{0,40}", 0usize..3),
+                0..12,
+            ),
+            cuts in proptest::collection::vec(0usize..4000, 0..8),
+        ) {
+            let mut text = String::new();
+            let mut expected = String::new();
+            let mut usage_events = 0;
+            for (kind, body, end) in &events {
+                let (event, usage) = event(*kind, body, ["\n", "\r\n", "\r"][*end]);
+                text.push_str(&event);
+                if usage {
+                    usage_events += 1;
+                } else {
+                    expected.push_str(&event);
+                }
+            }
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            for cut in cuts.into_iter().chain([text.len()]) {
+                pieces.push(&text.as_bytes()[at..cut]);
+                at = cut;
+            }
+            let (after, counts) = run(&pieces);
+            proptest::prop_assert_eq!(joined(&after), expected.as_bytes());
+            proptest::prop_assert_eq!(counts, StripCounts { stripped: usage_events, unchecked: 0 });
+        }
+    }
+
+    #[test]
+    fn an_undecided_event_past_the_cap_is_relayed_unchecked_and_stripping_goes_on() {
+        // `choices` comes only after a long field: undecided until then.
+        let long = format!(
+            "data: {{\"pad\":\"{}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":1}}}}\n\n",
+            "x".repeat(HOLD_MAX_BYTES)
+        );
+        let text = format!("{long}{USAGE}{DONE}");
+        let expected = format!("{long}{DONE}");
+        for size in [1, 100, 4096, text.len()] {
+            let pieces: Vec<&[u8]> = text.as_bytes().chunks(size).collect();
+            let (after, counts) = run(&pieces);
+            assert_eq!(joined(&after), expected.as_bytes(), "pieces of {size}");
+            assert_eq!(
+                counts,
+                StripCounts {
+                    stripped: 1,
+                    unchecked: 1
+                },
+                "pieces of {size}"
+            );
+        }
+        // A long content event is decided by its `choices`, not counted.
+        let content = format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+            "y".repeat(3 * HOLD_MAX_BYTES)
+        );
+        let pieces: Vec<&[u8]> = content.as_bytes().chunks(1000).collect();
+        let (after, counts) = run(&pieces);
+        assert_eq!(joined(&after), content.as_bytes());
+        assert_eq!(counts, StripCounts::default());
+        // Each piece went out as it came.
+        assert!(after.iter().zip(&pieces).all(|(a, p)| a.as_slice() == *p));
     }
 }

@@ -17,9 +17,11 @@
 //! reused pooled connection: until the response head, so the one stale
 //! retry can resend it without opening the lease again). Body pieces are
 //! slices of the provider read buffer, forwarded as they arrive without
-//! parsing or copying (U2). The provider connection comes from the pool of
-//! the core the call runs on ([`ProviderPool`]; a worker core's with
-//! `--cores` of two or more, [`crate::calls::workers`]) and goes back to it only
+//! parsing or copying (U2; a usage chunk the Edge asked for on the client's
+//! behalf is left out, see [`crate::calls::usage`]). The provider
+//! connection comes from the pool of the core the call runs on
+//! ([`ProviderPool`]; a worker core's with `--cores` of two or more,
+//! [`crate::calls::workers`]) and goes back to it only
 //! when the body was read to its end; a cancelled or stalled tunnel drops
 //! it (U6, W4). On a worker core the body pieces reach the session core as
 //! the same `Bytes` (a reference count crosses, not the bytes), and the
@@ -127,7 +129,12 @@ fn start(
     let (watchdog, evidence) =
         super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
     // The request is freed here: what the call needs moves out of it.
-    let pb::ProviderTunnelRequest { headers, body, .. } = *req;
+    let pb::ProviderTunnelRequest {
+        headers,
+        body,
+        strip_usage_chunk,
+        ..
+    } = *req;
     let call = TunnelCall {
         endpoint: adapter.endpoint.clone(),
         method,
@@ -135,6 +142,7 @@ fn start(
         headers,
         body,
         credential,
+        strip_usage_chunk,
     };
     let provider = env.calls.spawn(Some(permit), call);
     Ok(Attempt {
