@@ -180,7 +180,8 @@ impl Members {
         std::str::from_utf8(&self.body[span]).ok()
     }
 
-    fn span(&self, name: &str) -> Option<Range<usize>> {
+    /// Where member `name`'s value lies in the body.
+    pub fn span(&self, name: &str) -> Option<Range<usize>> {
         self.members
             .iter()
             .find(|(n, _)| n == name)
@@ -206,6 +207,47 @@ impl Members {
             self.body.slice(..span.start),
             value,
             self.body.slice(span.end..),
+        ))
+    }
+
+    /// The body with each edit applied, every other byte as the client
+    /// sent it: an edit `(span, value)` replaces the bytes of `span` (a
+    /// range of the body; an empty one inserts there) with `value`. Edits
+    /// come in body order and do not overlap (`None` otherwise). The bytes
+    /// before the first edit and after the last are slices of the client's
+    /// body; the edited middle is one new buffer, so the client's bytes
+    /// between two edits are copied (none when they touch; one edit costs
+    /// no copy at all).
+    pub fn splice_spans(&self, edits: &[(Range<usize>, Bytes)]) -> Option<BodyParts> {
+        let (Some(first), Some(last)) = (edits.first(), edits.last()) else {
+            return Some(BodyParts::whole(self.body.clone()));
+        };
+        let ordered = edits
+            .windows(2)
+            .all(|pair| pair[0].0.end <= pair[1].0.start);
+        let valid = edits.iter().all(|(span, _)| span.start <= span.end);
+        if !ordered || !valid || last.0.end > self.body.len() {
+            return None;
+        }
+        let middle = if let [(_, value)] = edits {
+            value.clone()
+        } else {
+            let len = edits.iter().map(|(_, value)| value.len()).sum::<usize>()
+                + (last.0.end - first.0.start)
+                - edits.iter().map(|(span, _)| span.len()).sum::<usize>();
+            let mut middle = Vec::with_capacity(len);
+            let mut at = first.0.start;
+            for (span, value) in edits {
+                middle.extend_from_slice(&self.body[at..span.start]);
+                middle.extend_from_slice(value);
+                at = span.end;
+            }
+            Bytes::from(middle)
+        };
+        Some(BodyParts::spliced(
+            self.body.slice(..first.0.start),
+            middle,
+            self.body.slice(last.0.end..),
         ))
     }
 
@@ -281,6 +323,17 @@ impl<'de> Visitor<'de> for ObjectSpans<'de> {
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
     }
+}
+
+/// Every member of a JSON object given as raw (validated) text, in order
+/// and repeats included, with the span of its value in `raw`; `None` when
+/// `raw` is not an object.
+pub fn member_spans(raw: &str) -> Option<Vec<(String, Range<usize>)>> {
+    let mut de = serde_json::Deserializer::from_str(raw);
+    ObjectSpans { base: raw }
+        .deserialize(&mut de)
+        .ok()
+        .flatten()
 }
 
 /// The members of a JSON object given as raw text, last one winning for a
@@ -399,6 +452,43 @@ mod tests {
             Members::parse(dup, &JsonLimits::default()).unwrap_err(),
             BodyError::DuplicateMember("model".into())
         );
+    }
+
+    #[test]
+    fn spliced_spans_keep_the_ends_shared_and_copy_only_between_edits() {
+        let body = Bytes::from_static(br#"{"a":1,"b":{"c":2,"c":3},"d":4}"#);
+        let members = Members::parse(body.clone(), &JsonLimits::default()).unwrap();
+        let a = members.span("a").unwrap();
+        let b = members.span("b").unwrap();
+        let nested = member_spans(members.raw("b").unwrap()).unwrap();
+        let names: Vec<&str> = nested.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["c", "c"]);
+        let last_c = b.start + nested[1].1.start..b.start + nested[1].1.end;
+        let spliced = members
+            .splice_spans(&[
+                (a.clone(), Bytes::from_static(b"10")),
+                (a.end..a.end, Bytes::from_static(b",\"x\":0")),
+                (last_c, Bytes::from_static(b"30")),
+            ])
+            .unwrap();
+        assert_eq!(
+            &spliced.to_bytes()[..],
+            br#"{"a":10,"x":0,"b":{"c":2,"c":30},"d":4}"#
+        );
+        let [before, _, after] = spliced.parts() else {
+            panic!("three pieces")
+        };
+        assert_eq!(before.as_ptr(), body.as_ptr());
+        assert_eq!(&after[..], b"},\"d\":4}");
+        // No edit: the body; overlapping or out-of-order edits: refused.
+        assert_eq!(members.splice_spans(&[]).unwrap().to_bytes(), body);
+        assert!(members
+            .splice_spans(&[(b.clone(), Bytes::new()), (a.clone(), Bytes::new())])
+            .is_none());
+        assert!(members
+            .splice_spans(&[(0..body.len() + 1, Bytes::new())])
+            .is_none());
+        assert!(member_spans("[1]").is_none());
     }
 
     #[test]

@@ -480,12 +480,16 @@ pub enum Input {
         node_id: String,
     },
     /// The software version `conn` reported in its `RegisterRequest`
-    /// (diagnostic only; after its `Register`).
+    /// (diagnostic only; after its `Register`), and whether it strips a
+    /// usage chunk the Edge asked for (`RegisterRequest.strips_usage_chunk`,
+    /// copied into its dispatches).
     NodeVersion {
         /// The connection.
         conn: ConnId,
         /// `RegisterRequest.node_version`.
         version: String,
+        /// `RegisterRequest.strips_usage_chunk`.
+        strips_usage_chunk: bool,
     },
     /// `conn` closed, failed, or timed out its heartbeat (F1, F2).
     Closed {
@@ -665,6 +669,10 @@ pub struct Dispatch {
     pub kind: DispatchKind,
     /// Effective stall timeout of the winning provider (W2).
     pub response_stall_timeout_ms: i64,
+    /// The node's connection honours `ProviderTunnelRequest.strip_usage_chunk`:
+    /// only then does a tunnel ask its provider for usage the client did
+    /// not ask for.
+    pub strips_usage_chunk: bool,
 }
 
 /// What the shell must do, in order.
@@ -809,6 +817,8 @@ struct Owner {
     registered_at: Option<Instant>,
     /// When it became dispatch-ready.
     ready_at: Option<Instant>,
+    /// It strips a usage chunk the Edge asked for (`Input::NodeVersion`).
+    strips_usage_chunk: bool,
 }
 
 #[derive(Debug)]
@@ -1255,7 +1265,11 @@ impl Control {
             } => self.on_register(conn, &tls_name, &node_id, out),
             Input::Ready { conn, node_id } => self.on_ready(conn, &node_id, out),
             Input::Closed { conn } => self.on_closed(conn, out),
-            Input::NodeVersion { conn, version } => self.on_node_version(conn, version),
+            Input::NodeVersion {
+                conn,
+                version,
+                strips_usage_chunk,
+            } => self.on_node_version(conn, version, strips_usage_chunk),
             Input::Submit {
                 request,
                 model,
@@ -1546,6 +1560,7 @@ impl Control {
             state: OwnerState::Pending,
             registered_at: self.now,
             ready_at: None,
+            strips_usage_chunk: false,
         });
         node.version.clear();
         node.offline_since = None;
@@ -1623,12 +1638,13 @@ impl Control {
         self.pump(out);
     }
 
-    fn on_node_version(&mut self, conn: ConnId, version: String) {
+    fn on_node_version(&mut self, conn: ConnId, version: String, strips_usage_chunk: bool) {
         let Some(&n) = self.bindings.get(&conn) else {
             return;
         };
         let node = &mut self.nodes[n];
-        if node.owner.is_some_and(|o| o.conn == conn) {
+        if let Some(owner) = node.owner.as_mut().filter(|o| o.conn == conn) {
+            owner.strips_usage_chunk = strips_usage_chunk;
             // Bounded: a diagnostic string, not a payload.
             node.version = version.chars().take(NODE_VERSION_CHARS_MAX).collect();
         }
@@ -1863,6 +1879,7 @@ impl Control {
             lease: lease.clone(),
             kind: state.spec.kind,
             response_stall_timeout_ms: state.spec.response_stall_timeout_ms,
+            strips_usage_chunk: owner.strips_usage_chunk,
         };
         self.refresh(p);
         self.leases_of

@@ -186,6 +186,7 @@ fn handle_frame(
             edge.apply(Input::NodeVersion {
                 conn: conn_id,
                 version: req.node_version,
+                strips_usage_chunk: req.strips_usage_chunk,
             });
         }
         Body::NodeReadyRequest(req) => edge.apply(Input::Ready {

@@ -385,6 +385,16 @@ impl ChatRequest {
                 Some("messages"),
             ));
         }
+        // The Edge may rewrite `stream_options` of a stream (see
+        // `body_asking_usage`); anything but an object (or null) is
+        // refused as OpenAI refuses it.
+        let options = body.raw("stream_options");
+        if stream && options.is_some_and(|o| o != "null" && !o.starts_with('{')) {
+            return Err(ApiError::invalid_request(
+                "`stream_options` must be an object.",
+                Some("stream_options"),
+            ));
+        }
         Ok(Self {
             model,
             stream,
@@ -484,6 +494,65 @@ impl ChatRequest {
     /// share the client's memory (each attempt costs no copy of the body).
     pub fn body_for_target(&self, target: &str) -> BodyParts {
         with_model(&self.body, target)
+    }
+
+    /// For a stream whose client did not ask for usage: the body for
+    /// `target` ([`ChatRequest::body_for_target`]) that also asks the
+    /// provider for its usage chunk, `"stream_options":{"include_usage":true}`.
+    /// The node observes that chunk and leaves it out of what the client
+    /// gets (`ProviderTunnelRequest.strip_usage_chunk`). `None` when the
+    /// request is not streamed or already asks for usage.
+    ///
+    /// Without `stream_options` the member is inserted right after
+    /// `model`'s value (the spliced middle is the two values, no byte of
+    /// the client's copied). With one, each `include_usage` member whose
+    /// value is not `true` gets `true` (lenient servers read `0`, `"no"` or
+    /// `null` as false), or `"include_usage":true` is inserted first in the
+    /// object; `null` becomes `{"include_usage":true}`. Every other byte is
+    /// the client's; the bytes between `model` and `stream_options` are
+    /// copied once (a second edit, see [`Members::splice_spans`]).
+    pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
+        if !self.stream || self.include_usage() {
+            return None;
+        }
+        const ASK: &[u8] = br#"{"include_usage":true}"#;
+        let model = self.body.span("model")?;
+        let mut edits = vec![(model.clone(), Bytes::from(body_json::json_string(target)))];
+        match (
+            self.body.span("stream_options"),
+            self.body.raw("stream_options"),
+        ) {
+            (Some(span), Some("null")) => edits.push((span, Bytes::from_static(ASK))),
+            (Some(span), Some(raw)) => {
+                let members = body_json::member_spans(raw)?;
+                let named: Vec<_> = members
+                    .iter()
+                    .filter(|(name, _)| name == "include_usage")
+                    .collect();
+                if named.is_empty() {
+                    let at = span.start + 1;
+                    let member: &'static [u8] = if members.is_empty() {
+                        br#""include_usage":true"#
+                    } else {
+                        br#""include_usage":true,"#
+                    };
+                    edits.push((at..at, Bytes::from_static(member)));
+                }
+                for (_, value) in named {
+                    if &raw[value.clone()] != "true" {
+                        let value = span.start + value.start..span.start + value.end;
+                        edits.push((value, Bytes::from_static(b"true")));
+                    }
+                }
+            }
+            _ => {
+                let mut member = br#","stream_options":"#.to_vec();
+                member.extend_from_slice(ASK);
+                edits.push((model.end..model.end, Bytes::from(member)));
+            }
+        }
+        edits.sort_by_key(|(span, _)| (span.start, span.end));
+        self.body.splice_spans(&edits)
     }
 }
 
@@ -699,6 +768,96 @@ mod tests {
             &req.body_for_target("meta-llama/Llama-3.1-8B").to_bytes()[..],
             br#"{"model":"meta-llama/Llama-3.1-8B","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"temperature":0.5}"#
         );
+    }
+
+    /// The body a streamed `body` is sent with to target `t` when the Edge
+    /// asks for usage; `None` when it asks nothing.
+    fn asking(body: &'static [u8]) -> Option<String> {
+        let req = chat(body).unwrap();
+        let spliced = req.body_asking_usage("t")?.to_bytes();
+        // Valid JSON that asks for usage, whichever duplicate a server reads.
+        let v: Value = serde_json::from_slice(&spliced).expect("valid JSON");
+        assert_eq!(v["stream_options"]["include_usage"], json!(true));
+        assert_eq!(v["model"], json!("t"));
+        Some(String::from_utf8(spliced.to_vec()).unwrap())
+    }
+
+    #[test]
+    fn a_stream_that_did_not_ask_for_usage_asks_for_it_and_nothing_else_changes() {
+        // No `stream_options`: inserted right after `model`, wherever it is.
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true}"#).unwrap(),
+            r#"{"model":"t","stream_options":{"include_usage":true},"messages":[],"stream":true}"#
+        );
+        assert_eq!(
+            asking(br#"{ "messages" : [], "stream":true , "model" : "pub" }"#).unwrap(),
+            r#"{ "messages" : [], "stream":true , "model" : "t","stream_options":{"include_usage":true} }"#
+        );
+        // An object without `include_usage`: added first, the rest kept.
+        assert_eq!(
+            asking(br#"{"stream":true,"stream_options": {"continuous_usage_stats" : true},"model":"pub","messages":[]}"#).unwrap(),
+            r#"{"stream":true,"stream_options": {"include_usage":true,"continuous_usage_stats" : true},"model":"t","messages":[]}"#
+        );
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true,"stream_options":{ }}"#).unwrap(),
+            r#"{"model":"t","messages":[],"stream":true,"stream_options":{"include_usage":true }}"#
+        );
+        // Any value but `true` (lenient servers read 0 or "no" as false),
+        // every repeat of the member, and `null` options.
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true,"stream_options":{"include_usage": false, "x":1}}"#).unwrap(),
+            r#"{"model":"t","messages":[],"stream":true,"stream_options":{"include_usage": true, "x":1}}"#
+        );
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true,"stream_options":{"include_usage":"no","include_usage":0}}"#).unwrap(),
+            r#"{"model":"t","messages":[],"stream":true,"stream_options":{"include_usage":true,"include_usage":true}}"#
+        );
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true,"stream_options":{"include_usage":null}}"#).unwrap(),
+            r#"{"model":"t","messages":[],"stream":true,"stream_options":{"include_usage":true}}"#
+        );
+        assert_eq!(
+            asking(br#"{"stream_options":null,"model":"pub","messages":[],"stream":true}"#)
+                .unwrap(),
+            r#"{"stream_options":{"include_usage":true},"model":"t","messages":[],"stream":true}"#
+        );
+        // Nothing to ask: the client asked, or nothing streams.
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":true,"stream_options":{"include_usage":true}}"#),
+            None
+        );
+        assert_eq!(asking(br#"{"model":"pub","messages":[]}"#), None);
+        assert_eq!(
+            asking(br#"{"model":"pub","messages":[],"stream":false,"stream_options":"x"}"#),
+            None
+        );
+        // A stream's options must be an object.
+        let e = chat(br#"{"model":"pub","messages":[],"stream":true,"stream_options":[true]}"#)
+            .unwrap_err();
+        assert_eq!(
+            (e.status, e.param, e.message.as_str()),
+            (
+                400,
+                Some("stream_options"),
+                "`stream_options` must be an object."
+            )
+        );
+    }
+
+    #[test]
+    fn asking_for_usage_copies_no_client_byte_when_stream_options_is_absent() {
+        let body = Bytes::from_static(br#"{"model":"pub","messages":[{"role":"user","content":"long prompt"}],"stream":true}"#);
+        let req = ChatRequest::parse(body.clone(), &JsonLimits::default()).unwrap();
+        let spliced = req.body_asking_usage("t").unwrap();
+        let [before, middle, after] = spliced.parts() else {
+            panic!("three pieces")
+        };
+        assert_eq!(before.as_ptr(), body.as_ptr());
+        assert_eq!(
+            &middle[..],
+            br#""t","stream_options":{"include_usage":true}"#
+        );
+        assert_eq!(after.as_ptr(), body[14..].as_ptr());
     }
 
     // CONTRACT: E3 — the normalized input carries messages, tools and

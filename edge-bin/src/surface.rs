@@ -919,14 +919,22 @@ where
         // is the same either way. The body is kept for a later attempt.
         let run = match dispatch.kind {
             DispatchKind::Tunnel => {
-                let tunnel = tunnel_request(
+                let mut tunnel = tunnel_request(
                     CHAT_COMPLETIONS,
                     &dispatch,
                     tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
                     chat.stream,
                     &server.rec.request_id,
                 );
-                let body = chat.body_for_target(&lease.target);
+                // A stream's usage is always observed (limits, usage file,
+                // metrics): a node that can strip the usage chunk has the
+                // provider asked for it when the client did not.
+                let asking = dispatch
+                    .strips_usage_chunk
+                    .then(|| chat.body_asking_usage(&lease.target))
+                    .flatten();
+                tunnel.strip_usage_chunk = asking.is_some();
+                let body = asking.unwrap_or_else(|| chat.body_for_target(&lease.target));
                 match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
                     Ok(frame) => frame,
                     Err(e) => {
@@ -2151,6 +2159,7 @@ mod tests {
             },
             kind: DispatchKind::Tunnel,
             response_stall_timeout_ms: 0,
+            strips_usage_chunk: true,
         }
     }
 
@@ -2257,6 +2266,51 @@ mod tests {
             (legacy.credential_lease, legacy.credential_binding),
             (None, None)
         );
+    }
+
+    // CONTRACT: C1 — a stream whose usage the Edge asks for is sealed over
+    // the body the node sends: the one with `stream_options` spliced in
+    // (the node's `request_digest` of that body matches the binding's).
+    #[test]
+    fn the_lease_covers_the_body_that_asks_for_usage() {
+        let dispatch = dispatch();
+        let (cfg, plane) = plane();
+        let edge = crate::server::edge_state_with(&cfg, Some(plane));
+        let chat = ChatRequest::parse(
+            Bytes::from_static(br#"{"model":"gpt-x","messages":[],"stream":true}"#),
+            &JsonLimits::default(),
+        )
+        .unwrap();
+        let tunnel = tunnel_request(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, true, &[]),
+            true,
+            "req-test",
+        );
+        let body = chat
+            .body_asking_usage(&dispatch.lease.target)
+            .expect("asks for usage");
+        let frame = with_lease(&edge, "anonymous", "gpt-x", &dispatch, tunnel, body)
+            .expect("issues")
+            .joined();
+        let Some(Body::ProviderTunnelRequest(sent)) = frame.body else {
+            panic!("a tunnel request");
+        };
+        assert_eq!(
+            sent.body,
+            Bytes::from_static(
+                br#"{"model":"gpt-4o","stream_options":{"include_usage":true},"messages":[],"stream":true}"#
+            )
+        );
+        let binding = sent.credential_binding.clone().expect("a binding");
+        let digest = request_digest(&BoundRequest {
+            method: "POST",
+            path: "/serving/v1/chat/completions",
+            headers: &sent.headers,
+            body: std::slice::from_ref(&sent.body),
+        });
+        assert_eq!(&binding.request_digest[..], &digest[..]);
     }
 
     // CONTRACT: X2, E2 — the external `model` is never the inner execution

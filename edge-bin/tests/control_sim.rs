@@ -3718,6 +3718,8 @@ impl Fixture {
             },
             kind: info.spec.kind,
             response_stall_timeout_ms: info.spec.response_stall_timeout_ms,
+            // No node here says it strips a usage chunk.
+            strips_usage_chunk: false,
         })
     }
 

@@ -90,6 +90,7 @@ fn node_views_follow_registration_readiness_and_close() {
         Input::NodeVersion {
             conn,
             version: "0.3.1".into(),
+            strips_usage_chunk: false,
         },
         &mut out,
     );
@@ -132,6 +133,7 @@ fn node_views_follow_registration_readiness_and_close() {
         Input::NodeVersion {
             conn: ConnId(99),
             version: "stale".into(),
+            strips_usage_chunk: false,
         },
         &mut out,
     );
@@ -141,6 +143,7 @@ fn node_views_follow_registration_readiness_and_close() {
         Input::NodeVersion {
             conn,
             version: "v".repeat(500),
+            strips_usage_chunk: false,
         },
         &mut out,
     );

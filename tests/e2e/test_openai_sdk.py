@@ -76,6 +76,15 @@ def test_include_usage_yields_the_usage_chunk(client):
     assert chunks[-1] is usage_chunks[0]
 
 
+def test_a_stream_without_include_usage_gets_no_usage_chunk(client):
+    # The Edge asks the provider for usage anyway (limits, usage records,
+    # metrics) and the Node leaves the usage chunk out: a client that reads
+    # choices[0] of every chunk keeps working.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    assert chunks and all(c.choices for c in chunks)
+    assert all(c.usage is None for c in chunks)
+
+
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
@@ -101,11 +110,16 @@ def test_relayed_events_are_the_provider_events(cluster):
     volatile = {"id", "created", "iop_mock_sent_ns"}
     body = {"model": MODEL, "messages": MESSAGES, "stream": True}
     relayed = _raw_sse(cluster.base_url + "/v1/chat/completions", body)
+    # The Edge asks the provider for the usage the client did not ask for,
+    # and the Node leaves that one usage-only event out: the client gets
+    # every other event the provider sent for the body the Edge built.
     direct = _raw_sse(
-        f"http://{cluster.mock.ready['addr']}/v1/chat/completions", dict(body, model="mock-model")
+        f"http://{cluster.mock.ready['addr']}/v1/chat/completions",
+        dict(body, model="mock-model", stream_options={"include_usage": True}),
     )
+    assert direct[-1]["choices"] == [] and direct[-1]["usage"]["completion_tokens"] > 0
     strip = lambda evs: [{k: v for k, v in e.items() if k not in volatile} for e in evs]  # noqa: E731
-    assert strip(relayed) == strip(direct)
+    assert strip(relayed) == strip(direct[:-1])
     assert len({e["id"] for e in relayed}) == 1
 
 

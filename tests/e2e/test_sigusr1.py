@@ -176,7 +176,14 @@ def test_node_dump_counts_every_provider_call_and_keeps_serving(cluster):
     assert hist["provider_call_duration"]["count"] == calls
     assert hist["provider_time_to_first_byte"]["count"] == calls
     assert hist["relay_chunk_latency"]["count"] >= calls
-    assert counters == {"provider_calls_aborted_total": 0}
+    # Every streamed request asked for no usage: the Edge asked for it, and
+    # the Node left each usage chunk out.
+    assert counters == {
+        "provider_calls_aborted_total": 0,
+        "tunnel_usage_chunks_stripped_total": STREAM_REQUESTS,
+        "tunnel_usage_missing_total": 0,
+        "tunnel_events_unchecked_total": 0,
+    }
     assert node.popen.poll() is None, node.log()
     chat(cluster, stream=True)
     hist, _ = dump_after_signal(

@@ -150,6 +150,13 @@ def test_usage_records_for_tunnels_and_runs_streamed_or_not(tmp_path):
                 if chunk.usage is not None:
                     last = chunk.usage
             seen[stream.headers["x-request-id"]] = (path, True, last)
+            # A stream that did not ask for usage: no usage chunk reaches
+            # the client, and its record has the provider's counts (the
+            # same as the non-streamed request's) all the same.
+            plain = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES, stream=True)
+            chunks = list(plain.parse())
+            assert chunks and all(c.choices and c.usage is None for c in chunks), path
+            seen[plain.headers["x-request-id"]] = (path, True, r.parse().usage)
         c.edge.stop()
 
     records = {r["request_id"]: r for r in map(json.loads, usage.read_text().splitlines())}
