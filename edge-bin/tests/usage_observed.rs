@@ -162,6 +162,9 @@ fn config(pki: &Pki, provider: SocketAddr, ollama: SocketAddr, usage_path: &str)
         pki,
         &EdgeOptions {
             extra_toml: extra,
+            // The node's counters are read before and after a request:
+            // every scrape pulls them fresh.
+            edge_keys: "node_metrics_max_age_ms = 0\n".into(),
             ..EdgeOptions::new(provider)
         },
     )

@@ -203,6 +203,7 @@ name = "edge-1"
 trust_domain = "iop.local"
 client_listen = "127.0.0.1:0"
 node_listen = "{node_listen}"
+allow_anonymous = true
 
 [tls]
 ca = "certs/ca.pem"
