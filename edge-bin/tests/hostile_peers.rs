@@ -704,3 +704,69 @@ async fn an_open_edge_keeps_web_pages_out_of_admin() {
     })
     .await;
 }
+
+/// Log lines written on this thread while the guard lives.
+#[derive(Clone, Default)]
+struct CapturedLogs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLogs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLogs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+// Finding 9: a node that registers under another name than its certificate
+// gets its claim logged only as the peer's text: escaped (a newline cannot
+// start a forged line) and cut short, beside the verified identity.
+#[monoio::test_all(timer_enabled = true)]
+async fn a_claimed_node_id_is_logged_escaped_beside_the_verified_identity() {
+    let logs = CapturedLogs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    guarded(async {
+        let pki = Pki::mint("hostile-claim");
+        let edge = open_edge(&pki, "");
+        let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
+        let forged = format!(
+            "node-b\nINFO edge_bin: node.connected node_id=node-b{}",
+            "x".repeat(500)
+        );
+        let response = node.register(&forged).await;
+        assert!(!response.accepted);
+        edge.stop().await;
+    })
+    .await;
+    let text = logs.text();
+    let line = text
+        .lines()
+        .find(|l| l.contains("register request names another node than its TLS identity"))
+        .unwrap_or_else(|| panic!("no refusal line in:\n{text}"));
+    assert!(line.contains("identity=node-a"), "{line}");
+    assert!(
+        line.contains(r#"claimed_node_id="node-b\nINFO edge_bin: node.connected"#),
+        "{line}"
+    );
+    // Cut short: 128 characters of the claim at most.
+    assert!(!line.contains(&"x".repeat(200)), "{line}");
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("INFO edge_bin: node.connected")),
+        "{text}"
+    );
+}

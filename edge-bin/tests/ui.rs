@@ -55,7 +55,8 @@ fn get(path: &str, key: Option<&str>) -> Vec<u8> {
     let auth = key
         .map(|k| format!("authorization: Bearer {k}\r\n"))
         .unwrap_or_default();
-    format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n{auth}\r\n").into_bytes()
+    format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n{auth}\r\n")
+        .into_bytes()
 }
 
 /// A viewer of `/ui/events` with the response head read.

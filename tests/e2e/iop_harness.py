@@ -332,10 +332,12 @@ class Cluster:
             'trust_domain = "iop.test"',
             f'client_listen = "{self.client_listen}"',
             'node_listen = "127.0.0.1:0"',
-        ] + self.edge_extra
+        ]
         if not self.client_keys and not any(l.startswith("allow_anonymous") for l in self.edge_extra):
-            # An Edge without client keys must say it runs open.
+            # An Edge without client keys must say it runs open (before
+            # edge_extra, which may open a subtable such as [edge.usage_log]).
             out.append("allow_anonymous = true")
+        out += self.edge_extra
         if self.client_tls:
             out += [
                 "[edge.client_tls]",
