@@ -2,9 +2,11 @@
 //! the client's bytes.
 //!
 //! ```text
-//! body bytes ─► check_shape (depth, value count: a byte scan, no allocation)
+//! body bytes ─► check_shape (depth, value and top-level member counts: a
+//!               byte scan, no allocation)
 //!            ─► Members::parse (serde_json, borrowed: every byte validated,
-//!               top-level members as spans of the body, duplicates refused)
+//!               top-level members as spans of the body, duplicates refused
+//!               through a hash set)
 //!            ─► read the few members the Edge needs, on demand
 //!            ─► splice: prefix ‖ new value ‖ suffix (slices of the body and
 //!               the new value: no copy)
@@ -15,8 +17,13 @@
 //! rewritten (`model`, U5): the spliced body is three pieces, two of them
 //! the client's own memory, written to the node one after another. Every
 //! other byte reaches the provider exactly as the client sent it.
+//!
+//! Every step is linear in the body: a check that compared each member with
+//! every other would let one request of a few megabytes hold its core for
+//! minutes (a quarter of a million members is within the value bound).
 
 use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::ops::Range;
 
@@ -26,7 +33,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use serde_json::value::RawValue;
 
 /// Bounds on a request body's JSON (`edge.max_json_depth`,
-/// `edge.max_json_elements`).
+/// `edge.max_json_elements`, `edge.max_json_members`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct JsonLimits {
     /// Deepest nesting of arrays and objects (the top-level object is 1).
@@ -34,14 +41,18 @@ pub struct JsonLimits {
     /// Most values inside containers (array elements and object members),
     /// counted through the whole body.
     pub max_elements: u64,
+    /// Most members of the top-level object (each is kept as a span while
+    /// the body is read).
+    pub max_members: u64,
 }
 
 impl Default for JsonLimits {
     fn default() -> Self {
-        use crate::config::front_door::{MAX_JSON_DEPTH, MAX_JSON_ELEMENTS};
+        use crate::config::front_door::{MAX_JSON_DEPTH, MAX_JSON_ELEMENTS, MAX_JSON_MEMBERS};
         Self {
             max_depth: MAX_JSON_DEPTH,
             max_elements: MAX_JSON_ELEMENTS,
+            max_members: MAX_JSON_MEMBERS,
         }
     }
 }
@@ -61,6 +72,13 @@ pub enum BodyError {
         /// The limit.
         max_elements: u64,
     },
+    /// A top-level object with more members than
+    /// [`JsonLimits::max_members`].
+    #[error("The request body has more than {max_members} top-level members.")]
+    TooManyMembers {
+        /// The limit.
+        max_members: u64,
+    },
     /// Not JSON (serde_json's reason).
     #[error("The request body is not valid JSON: {0}")]
     Syntax(String),
@@ -78,30 +96,44 @@ impl BodyError {
     pub fn is_limit(&self) -> bool {
         matches!(
             self,
-            BodyError::TooDeep { .. } | BodyError::TooManyElements { .. }
+            BodyError::TooDeep { .. }
+                | BodyError::TooManyElements { .. }
+                | BodyError::TooManyMembers { .. }
         )
     }
 }
 
-/// Checks nesting depth and value count with one pass over the bytes, no
-/// allocation; stops at the first bound passed. Tolerates any input (it
-/// only bounds; [`Members::parse`] validates).
+/// Checks nesting depth, value count and the top-level object's member
+/// count with one pass over the bytes, no allocation; stops at the first
+/// bound passed. Tolerates any input (it only bounds; [`Members::parse`]
+/// validates).
 pub fn check_shape(body: &[u8], limits: &JsonLimits) -> Result<(), BodyError> {
     let mut depth = 0u64;
     let mut elements = 0u64;
+    let mut members = 0u64;
+    // The outermost container is an object (its values are members).
+    let mut top_object = false;
     let mut in_string = false;
     let mut escaped = false;
     // Just opened a container: the next token says whether it is empty.
     let mut opened = false;
-    let count = |elements: &mut u64| {
+    // One more value; `member`: of the top-level object.
+    let count = |elements: &mut u64, members: &mut u64, member: bool| {
         *elements += 1;
         if *elements > limits.max_elements {
-            Err(BodyError::TooManyElements {
+            return Err(BodyError::TooManyElements {
                 max_elements: limits.max_elements,
-            })
-        } else {
-            Ok(())
+            });
         }
+        if member {
+            *members += 1;
+            if *members > limits.max_members {
+                return Err(BodyError::TooManyMembers {
+                    max_members: limits.max_members,
+                });
+            }
+        }
+        Ok(())
     };
     for &b in body {
         if in_string {
@@ -120,12 +152,15 @@ pub fn check_shape(body: &[u8], limits: &JsonLimits) -> Result<(), BodyError> {
         if opened {
             opened = false;
             if !matches!(b, b']' | b'}') {
-                count(&mut elements)?;
+                count(&mut elements, &mut members, depth == 1 && top_object)?;
             }
         }
         match b {
             b'"' => in_string = true,
             b'[' | b'{' => {
+                if depth == 0 {
+                    top_object = b == b'{';
+                }
                 depth += 1;
                 if depth > limits.max_depth {
                     return Err(BodyError::TooDeep {
@@ -135,7 +170,7 @@ pub fn check_shape(body: &[u8], limits: &JsonLimits) -> Result<(), BodyError> {
                 opened = true;
             }
             b']' | b'}' => depth = depth.saturating_sub(1),
-            b',' => count(&mut elements)?,
+            b',' => count(&mut elements, &mut members, depth == 1 && top_object)?,
             _ => {}
         }
     }
@@ -154,7 +189,7 @@ pub struct Members {
 impl Members {
     /// Bounds ([`check_shape`]), then validates `body` as one JSON object
     /// whose top-level member names are unique, keeping the bytes (no copy)
-    /// and the members' spans.
+    /// and the members' spans. Linear in the body.
     pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, BodyError> {
         check_shape(&body, limits)?;
         let text = std::str::from_utf8(&body)
@@ -165,12 +200,16 @@ impl Members {
             .map_err(|e| BodyError::Syntax(e.to_string()))?;
         de.end().map_err(|e| BodyError::Syntax(e.to_string()))?;
         let members = members.ok_or(BodyError::NotAnObject)?;
-        for (i, (name, _)) in members.iter().enumerate() {
-            if members[..i].iter().any(|(earlier, _)| earlier == name) {
-                return Err(BodyError::DuplicateMember(name.clone()));
-            }
+        let mut seen = HashSet::with_capacity(members.len());
+        if let Some((name, _)) = members.iter().find(|(name, _)| !seen.insert(name)) {
+            return Err(BodyError::DuplicateMember(name.clone()));
         }
         Ok(Self { body, members })
+    }
+
+    /// The top-level member names, in body order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.members.iter().map(|(name, _)| name.as_str())
     }
 
     /// The raw JSON text of member `name`'s value.
@@ -336,9 +375,11 @@ pub fn member_spans(raw: &str) -> Option<Vec<(String, Range<usize>)>> {
         .flatten()
 }
 
-/// The members of a JSON object given as raw text, last one winning for a
-/// repeated name (lenient: for nested objects the Edge only reads, such as
-/// chat messages). `None` when `raw` is not an object.
+/// The members of a JSON object given as raw text, in the order their names
+/// first appear, the last value winning for a repeated name (lenient: for
+/// nested objects the Edge only reads, such as chat messages). `None` when
+/// `raw` is not an object. Linear in `raw` (repeated names are found
+/// through a hash map).
 pub fn object_members(raw: &str) -> Option<Vec<(Cow<'_, str>, &RawValue)>> {
     struct Lenient;
     impl<'de> Visitor<'de> for Lenient {
@@ -348,10 +389,17 @@ pub fn object_members(raw: &str) -> Option<Vec<(Cow<'_, str>, &RawValue)>> {
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
             let mut members: Vec<(Cow<'de, str>, &'de RawValue)> = Vec::new();
+            // Where each name is in `members`.
+            let mut index: HashMap<Cow<'de, str>, usize> = HashMap::new();
             while let Some(name) = map.next_key::<Cow<'de, str>>()? {
                 let value: &'de RawValue = map.next_value()?;
-                members.retain(|(n, _)| *n != name);
-                members.push((name, value));
+                match index.get(&name) {
+                    Some(&at) => members[at].1 = value,
+                    None => {
+                        index.insert(name.clone(), members.len());
+                        members.push((name, value));
+                    }
+                }
             }
             Ok(Some(members))
         }
@@ -394,6 +442,7 @@ mod tests {
         JsonLimits {
             max_depth,
             max_elements,
+            max_members: u64::MAX,
         }
     }
 
@@ -419,6 +468,69 @@ mod tests {
         assert_eq!(
             ok(&"[".repeat(65), limits(64, 100)),
             Err(BodyError::TooDeep { max_depth: 64 })
+        );
+    }
+
+    #[test]
+    fn shape_counts_the_top_level_objects_members_only() {
+        let members = |max_members: u64| JsonLimits {
+            max_members,
+            ..limits(64, 100)
+        };
+        let ok = |body: &str, l: JsonLimits| check_shape(body.as_bytes(), &l);
+        // Three members; the nested object's, the array's elements and
+        // commas in strings are not top-level members.
+        let body = r#" { "a" : {"x":1,"y":2}, "b":[1,2,3], "c":"d,e,f" } "#;
+        assert_eq!(ok(body, members(3)), Ok(()));
+        assert_eq!(
+            ok(body, members(2)),
+            Err(BodyError::TooManyMembers { max_members: 2 })
+        );
+        assert!(BodyError::TooManyMembers { max_members: 2 }.is_limit());
+        assert_eq!(ok("{}", members(0)), Ok(()));
+        assert_eq!(
+            ok(r#"{"a":1}"#, members(0)),
+            Err(BodyError::TooManyMembers { max_members: 0 })
+        );
+        // A top-level array has elements, not members.
+        assert_eq!(ok("[1,2,3,{}]", members(1)), Ok(()));
+        // The value bound is checked first when both are passed.
+        assert_eq!(
+            ok(
+                r#"{"a":1,"b":2}"#,
+                JsonLimits {
+                    max_members: 1,
+                    ..limits(64, 1)
+                }
+            ),
+            Err(BodyError::TooManyElements { max_elements: 1 })
+        );
+        let parsed = Members::parse(Bytes::from_static(br#"{"a":1,"b":2,"c":3}"#), &members(2));
+        assert_eq!(
+            parsed.unwrap_err().to_string(),
+            "The request body has more than 2 top-level members."
+        );
+    }
+
+    // Repeated names are found through a hash set: the first member whose
+    // name came before is named, wherever it is.
+    #[test]
+    fn the_first_repeated_name_is_reported_among_many() {
+        let many = |tail: &str| {
+            let mut body = String::from("{");
+            for i in 0..10_000 {
+                body.push_str(&format!("\"k{i}\":{i},"));
+            }
+            body.push_str(tail);
+            Members::parse(Bytes::from(body), &limits(64, 1_000_000))
+        };
+        let members = many(r#""last":0}"#).unwrap();
+        assert_eq!(members.names().count(), 10_001);
+        assert_eq!(members.names().nth(9_999), Some("k9999"));
+        assert_eq!(members.raw("k9999"), Some("9999"));
+        assert_eq!(
+            many(r#""k5":0,"k3":1}"#).unwrap_err(),
+            BodyError::DuplicateMember("k5".into())
         );
     }
 
@@ -507,11 +619,20 @@ mod tests {
 
     #[test]
     fn nested_objects_are_read_leniently() {
-        let members = object_members(r#"{"role":"user","role":"tool","n":1}"#).unwrap();
+        let members = object_members(r#"{"role":"user","n":1,"r\u006fle":"tool"}"#).unwrap();
         let names: Vec<&str> = members.iter().map(|(n, _)| n.as_ref()).collect();
+        // In first-appearance order, the last value winning.
         assert_eq!(names, ["role", "n"]);
         assert_eq!(as_string(members[0].1).as_deref(), Some("tool"));
         assert_eq!(as_string(members[1].1), None);
+        let mut wide = String::from("{");
+        for i in 0..10_000 {
+            wide.push_str(&format!("\"k{}\":{i},", i % 5_000));
+        }
+        wide.push_str("\"end\":true}");
+        let members = object_members(&wide).unwrap();
+        assert_eq!(members.len(), 5_001);
+        assert_eq!((members[7].0.as_ref(), members[7].1.get()), ("k7", "5007"));
         assert!(object_members("[1]").is_none());
         assert!(object_members("\"x\"").is_none());
         assert_eq!(array_elements("[1, \"a\"]").map(|a| a.len()), Some(2));

@@ -162,6 +162,9 @@ pub mod front_door {
     pub const MAX_JSON_DEPTH: u64 = 64;
     /// `edge.max_json_elements`: values in a request body.
     pub const MAX_JSON_ELEMENTS: u64 = 250_000;
+    /// `edge.max_json_members`: members of a request body's top-level
+    /// object (a chat request has a few dozen at most).
+    pub const MAX_JSON_MEMBERS: u64 = 1_024;
 
     /// Largest accepted timeout (one hour).
     pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
@@ -466,6 +469,8 @@ pub struct ListenerLimits {
     /// Most values (array elements and object members, counted through the
     /// whole body) in a request body; more gets 400.
     pub max_json_elements: u64,
+    /// Most members of a request body's top-level object; more gets 400.
+    pub max_json_members: u64,
 }
 
 impl Default for ListenerLimits {
@@ -488,6 +493,7 @@ impl Default for ListenerLimits {
             node_first_byte_timeout_ms: NODE_FIRST_BYTE_TIMEOUT_MS,
             max_json_depth: MAX_JSON_DEPTH,
             max_json_elements: MAX_JSON_ELEMENTS,
+            max_json_members: MAX_JSON_MEMBERS,
         }
     }
 }
@@ -1179,6 +1185,7 @@ struct RawEdge {
     node_first_byte_timeout_ms: Option<i64>,
     max_json_depth: Option<i64>,
     max_json_elements: Option<i64>,
+    max_json_members: Option<i64>,
     client_tls: Option<RawClientTls>,
     access_log: Option<RawAccessLog>,
     usage_log: Option<RawUsageLog>,
@@ -2005,6 +2012,13 @@ impl Validator<'_> {
                 1,
                 MAX_JSON_ELEMENTS_LIMIT,
             )?,
+            max_json_members: limit(
+                raw.max_json_members,
+                "max_json_members",
+                MAX_JSON_MEMBERS,
+                1,
+                MAX_JSON_ELEMENTS_LIMIT,
+            )?,
         };
         Ok(EdgeSettings {
             name: raw.name,
@@ -2693,7 +2707,8 @@ providers = ["node-a/a-llama"]
              `max_client_connections`, `max_client_connections_per_peer`, `client_linger_time_ms`, \
              `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, `node_handshake_timeout_ms`, \
              `max_node_handshakes`, `max_node_handshakes_per_peer`, `node_first_byte_timeout_ms`, \
-             `max_json_depth`, `max_json_elements`, `client_tls`, `access_log`, `usage_log` (line 8, column 1)"
+             `max_json_depth`, `max_json_elements`, `max_json_members`, `client_tls`, `access_log`, \
+             `usage_log` (line 8, column 1)"
         );
         assert_eq!(
             error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),
@@ -2991,7 +3006,7 @@ providers = ["node-a/a-llama"]
              max_node_handshakes = 9\nmax_json_depth = 10\nmax_json_elements = 11\n\
              client_body_grace_ms = 12\nclient_body_min_rate_bytes_per_sec = 0\n\
              max_client_connections_per_peer = 14\nmax_node_handshakes_per_peer = 15\n\
-             node_first_byte_timeout_ms = 16"
+             node_first_byte_timeout_ms = 16\nmax_json_members = 17"
         );
         assert_eq!(
             parse(&variant(edge, &all)).unwrap().edge.limits,
@@ -3012,6 +3027,7 @@ providers = ["node-a/a-llama"]
                 node_first_byte_timeout_ms: 16,
                 max_json_depth: 10,
                 max_json_elements: 11,
+                max_json_members: 12,
             }
         );
         for (key, bad, range) in [
@@ -3039,6 +3055,7 @@ providers = ["node-a/a-llama"]
             ("max_client_connections_per_peer", "0", "1 and 1000000"),
             ("max_node_handshakes_per_peer", "0", "1 and 1000000"),
             ("node_first_byte_timeout_ms", "0", "1 and 3600000"),
+            ("max_json_members", "16000001", "1 and 16000000"),
         ] {
             assert_eq!(
                 error_of(edge, &format!("{edge}\n{key} = {bad}")),

@@ -221,7 +221,7 @@ impl ApiError {
     }
 
     /// Whether this refuses a body at `edge.max_json_depth` /
-    /// `edge.max_json_elements`.
+    /// `edge.max_json_elements` / `edge.max_json_members`.
     pub fn is_json_limit(&self) -> bool {
         self.code.as_deref() == Some(JSON_TOO_COMPLEX)
     }
@@ -919,13 +919,14 @@ mod tests {
         assert!(passthrough(br#"{"model":"a","\u006dodel":"b"}"#).is_err());
     }
 
-    // Nesting and value count are bounded before anything is parsed; the
-    // refusal is a 400 with code `json_too_complex`.
+    // Nesting, value count and top-level members are bounded before
+    // anything is parsed; the refusal is a 400 with code `json_too_complex`.
     #[test]
     fn json_limits_are_enforced() {
         let limits = JsonLimits {
             max_depth: 4,
             max_elements: 6,
+            max_members: 3,
         };
         let parse = |b: &'static [u8]| ChatRequest::parse(Bytes::from_static(b), &limits);
         let ok = parse(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#);
@@ -942,6 +943,19 @@ mod tests {
         assert_eq!(
             (wide.message.as_str(), wide.is_json_limit()),
             ("The request body has more than 6 JSON values.", true)
+        );
+        let members = parse(br#"{"model":"m","messages":[],"a":1,"b":2}"#).unwrap_err();
+        assert_eq!(
+            (
+                members.status,
+                members.message.as_str(),
+                members.code.as_deref()
+            ),
+            (
+                400,
+                "The request body has more than 3 top-level members.",
+                Some("json_too_complex")
+            )
         );
         assert!(!chat(b"{").unwrap_err().is_json_limit());
     }

@@ -762,11 +762,13 @@ where
     engine_metrics::add(Count::EdgeClientLingerDiscardedBytes, discarded_bytes);
 }
 
-/// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`).
+/// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`,
+/// `edge.max_json_members`).
 fn json_limits(edge: &Edge) -> JsonLimits {
     JsonLimits {
         max_depth: edge.settings.limits.max_json_depth,
         max_elements: edge.settings.limits.max_json_elements,
+        max_members: edge.settings.limits.max_json_members,
     }
 }
 

@@ -12,6 +12,7 @@
 //! | `ndjson_splitter` | `NdjsonSplitter` | any split gives the same lines; lines hold no LF |
 //! | `lease_open` | `iop_wire::lease::open` (C2, C3) | only the issued secret ever opens; a lease opens once |
 //! | `edge_request_json` | the Edge's request parse and `model` splice (U5) | the splice re-parses with only `model` changed |
+//! | `edge_body_members` | the Edge's member reading: repeated names, the member cap, nested objects | the same answers as a naive reference |
 //! | `ollama_stream` | the Node's Ollama NDJSON item parser | exactly one terminal, nothing after it |
 //! | `openai_stream` | the Node's OpenAI SSE item parser | exactly one terminal, nothing after it |
 //! | `edge_config` | `EdgeConfig::parse` | errors name the file |
@@ -590,6 +591,7 @@ pub fn edge_request_json(data: &[u8]) {
     let limits = JsonLimits {
         max_depth: 16,
         max_elements: 4096,
+        max_members: 64,
     };
     if let Ok(chat) = ChatRequest::parse(body.clone(), &limits) {
         let _ = chat.include_usage();
@@ -622,13 +624,172 @@ pub fn edge_request_json(data: &[u8]) {
     }
 }
 
+/// The top-level member names of `text` in order, by a reference reading
+/// written apart from the Edge's (`None` unless `text` is one JSON
+/// object).
+fn reference_member_names(text: &str) -> Option<Vec<String>> {
+    struct Names;
+    impl<'de> serde::de::Visitor<'de> for Names {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut names = Vec::new();
+            while let Some((name, _)) = map.next_entry::<String, serde::de::IgnoredAny>()? {
+                names.push(name);
+            }
+            Ok(names)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let names = serde::Deserializer::deserialize_map(&mut de, Names).ok()?;
+    de.end().ok()?;
+    Some(names)
+}
+
+/// `edge_body_members`: the Edge's reading of a body's members against a
+/// naive reference (a quadratic scan, fine on fuzzer-sized inputs).
+///
+/// ```text
+/// byte 0   the top-level member cap: `byte % 32` (0 to 31)
+/// rest     the request body
+/// ```
+///
+/// Checked: a body accepted by `Members::parse` is one object with at most
+/// the cap of members, all names distinct, in the reference's order; a
+/// refusal for a repeated name names the first member whose name came
+/// before; a refusal at the member cap means the reference counts more
+/// members than the cap; a valid object within the cap, without repeats
+/// and within the other bounds, is accepted. `object_members` (the lenient
+/// reading of nested objects) gives each distinct name once, in order of
+/// first appearance, with its last value.
+pub fn edge_body_members(data: &[u8]) {
+    use edge_bin::body_json::{object_members, BodyError, JsonLimits, Members};
+
+    let (control, rest) = control(data);
+    let limits = JsonLimits {
+        max_depth: 16,
+        max_elements: 4096,
+        max_members: u64::from(control % 32),
+    };
+    let reference = std::str::from_utf8(rest)
+        .ok()
+        .and_then(reference_member_names);
+    // The first member whose name appeared before it, naively.
+    let first_repeat = reference.as_ref().and_then(|names| {
+        (0..names.len())
+            .find(|&i| names[..i].contains(&names[i]))
+            .map(|i| names[i].clone())
+    });
+    match Members::parse(Bytes::copy_from_slice(rest), &limits) {
+        Ok(members) => {
+            let names: Vec<&str> = members.names().collect();
+            let Some(reference) = &reference else {
+                panic!("accepted a body the reference does not read as one object")
+            };
+            assert_eq!(names, *reference, "member names");
+            assert!(names.len() as u64 <= limits.max_members, "over the cap");
+            assert_eq!(first_repeat, None, "accepted a repeated name");
+        }
+        Err(BodyError::DuplicateMember(name)) => {
+            assert_eq!(Some(name), first_repeat, "the repeated name reported");
+        }
+        Err(BodyError::TooManyMembers { max_members }) => {
+            assert_eq!(max_members, limits.max_members);
+            if let Some(reference) = &reference {
+                assert!(
+                    reference.len() as u64 > max_members,
+                    "refused within the cap"
+                );
+            }
+        }
+        Err(BodyError::TooDeep { .. } | BodyError::TooManyElements { .. }) => {}
+        Err(e @ (BodyError::Syntax(_) | BodyError::NotAnObject)) => {
+            if let Some(reference) = &reference {
+                // The reference reads objects beyond the depth bound, and
+                // the Edge checks the bounds first: only a valid object
+                // within every bound must be accepted.
+                let within = reference.len() as u64 <= limits.max_members
+                    && edge_bin::body_json::check_shape(rest, &limits).is_ok();
+                assert!(!within, "a valid object refused: {e:?}");
+            }
+        }
+    }
+    // The lenient reading of a nested object.
+    if let Some(text) = std::str::from_utf8(rest).ok() {
+        if let (Some(members), Some(names)) = (object_members(text), reference_member_names(text)) {
+            let mut distinct: Vec<&String> = Vec::new();
+            for name in &names {
+                if !distinct.contains(&name) {
+                    distinct.push(name);
+                }
+            }
+            let got: Vec<&str> = members.iter().map(|(n, _)| n.as_ref()).collect();
+            assert_eq!(got, distinct, "lenient member names");
+            // Each value is the last one given for its name.
+            let values = reference_member_values(text);
+            for (name, value) in &members {
+                let last = values
+                    .iter()
+                    .rev()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| v.as_str());
+                assert_eq!(Some(value.get()), last, "value of {name}");
+            }
+        }
+    }
+}
+
+/// Every top-level `(name, raw value)` of `text`, repeats included.
+fn reference_member_values(text: &str) -> Vec<(String, String)> {
+    let members: Vec<(String, Box<serde_json::value::RawValue>)> =
+        serde_json::from_str::<RawMembers>(text)
+            .map(|m| m.0)
+            .unwrap_or_default();
+    members
+        .into_iter()
+        .map(|(name, value)| (name, value.get().to_string()))
+        .collect()
+}
+
+/// An object read as its members in order, repeats kept.
+struct RawMembers(Vec<(String, Box<serde_json::value::RawValue>)>);
+
+impl<'de> serde::Deserialize<'de> for RawMembers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawMembers;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawMembers, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    out.push(entry);
+                }
+                Ok(RawMembers(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The Node's stream item parsers
 
 fn is_terminal(output: &node_bin::calls::output::RunOutput) -> bool {
     matches!(
         output,
-        node_bin::calls::output::RunOutput::Complete { .. } | node_bin::calls::output::RunOutput::Failed { .. }
+        node_bin::calls::output::RunOutput::Complete { .. }
+            | node_bin::calls::output::RunOutput::Failed { .. }
     )
 }
 

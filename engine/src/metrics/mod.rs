@@ -215,8 +215,9 @@ pub enum Count {
     /// Edge: requests answered 401 or 403 on their head, before their body
     /// was read (no key, an unknown key, or a key without the scope).
     EdgeClientAuthRefusals,
-    /// Edge: request bodies refused because their JSON nesting or element
-    /// count is over `edge.max_json_depth` / `edge.max_json_elements`.
+    /// Edge: request bodies refused because their JSON nesting, element
+    /// count or top-level member count is over `edge.max_json_depth` /
+    /// `edge.max_json_elements` / `edge.max_json_members`.
     EdgeClientJsonLimitRejections,
     /// Edge: lingering closes after an early answer.
     EdgeClientLingeringCloses,
@@ -381,7 +382,7 @@ impl Count {
                 "Requests refused for bad or oversized HTTP framing (400, 413, 431, 501)."
             }
             Count::EdgeClientJsonLimitRejections => {
-                "Request bodies refused at edge.max_json_depth or edge.max_json_elements."
+                "Request bodies refused at edge.max_json_depth, edge.max_json_elements or edge.max_json_members."
             }
             Count::EdgeClientLingeringCloses => "Lingering closes after an early answer.",
             Count::EdgeClientLingerDiscardedBytes => {
