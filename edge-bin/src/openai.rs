@@ -126,6 +126,19 @@ impl ApiError {
         }
     }
 
+    /// 503: the status page's event stream already has `limit` viewers on
+    /// this core.
+    pub fn too_many_viewers(limit: usize) -> Self {
+        Self {
+            code: Some("too_many_viewers".into()),
+            ..Self::new(
+                503,
+                "ui_error",
+                format!("at most {limit} status page viewers at once on this core"),
+            )
+        }
+    }
+
     /// 413: the request body exceeds the configured limit.
     pub fn body_too_large(limit_bytes: usize) -> Self {
         Self {

@@ -318,11 +318,6 @@ impl Drop for ViewerSlot {
     }
 }
 
-fn refusal(status: u16, code: &str, message: &str) -> (u16, Bytes) {
-    let body = json!({"error": {"message": message, "type": "ui_error", "code": code}});
-    (status, Bytes::from(body.to_string()))
-}
-
 async fn write_json<S: ClientStream>(
     server: &mut ServerConn<S>,
     (status, body): (u16, Bytes),
@@ -412,15 +407,8 @@ pub(crate) async fn events<S: ClientStream>(
     }
     let limit = viewers_per_core(edge.shard_count());
     let Some(_slot) = ViewerSlot::acquire(limit) else {
-        return write_json(
-            server,
-            refusal(
-                503,
-                "too_many_viewers",
-                &format!("at most {limit} status page viewers at once on this core"),
-            ),
-        )
-        .await;
+        let e = crate::openai::ApiError::too_many_viewers(limit);
+        return write_json(server, (e.status, e.body_bytes())).await;
     };
     if let Err(e) =
         iop_engine::net::set_send_buffer_bytes(server.stream(), VIEWER_SEND_BUFFER_BYTES)

@@ -254,7 +254,16 @@ fn at_most_viewers_max_viewers_stream_at_once() {
         }
         let refused = http_exchange(edge.client_addr, get("/ui/events", None)).await;
         assert_eq!(refused.status, 503);
-        assert_eq!(refused.json()["error"]["code"], "too_many_viewers");
+        // The OpenAI error shape, `param` included, as every other error.
+        assert_eq!(
+            refused.json(),
+            api_error(
+                &format!("at most {VIEWERS_MAX} status page viewers at once on this core"),
+                "ui_error",
+                None,
+                Some("too_many_viewers"),
+            )
+        );
         // A viewer that leaves gives its slot back (noticed while it waits
         // for its next event).
         drop(viewers.pop());
