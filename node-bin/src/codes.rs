@@ -19,7 +19,8 @@ pub const PROVIDER_UNREACHABLE: &str = "provider_unreachable";
 /// was refused (not valid for the host name, expired, issued by an unknown
 /// CA) or the handshake broke off. The message says which.
 pub const PROVIDER_TLS: &str = "provider_tls";
-/// The provider's response broke off or was malformed.
+/// The provider's response broke off or was malformed (a status that
+/// cannot answer a request, such as `101 Switching Protocols`, included).
 pub const PROVIDER_ERROR: &str = "provider_error";
 /// The normalized input cannot be mapped to the adapter's provider request.
 pub const INVALID_INPUT: &str = "invalid_input";

@@ -245,7 +245,11 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
     /// [`ClientConn::read_raw`]) until `Ok(None)`, even when it is empty.
     ///
     /// [`HttpError::ClosedBeforeResponse`] when the server closed without
-    /// sending a byte (a stale pooled connection).
+    /// sending a byte (a stale pooled connection);
+    /// [`HttpError::UnexpectedStatus`] (and the connection closed) for a
+    /// status that cannot answer a request: `101` (nothing here asks for
+    /// an upgrade) or one outside `100..=599`, which a relay could not pass
+    /// on as an answer either.
     pub async fn read_response_head(&mut self) -> Result<ResponseHead, HttpError> {
         let ClientState::AwaitingHead {
             head_request,
@@ -256,7 +260,15 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
                 reason: "no request is waiting for its response",
             });
         };
-        let result = self.read_head(head_request).await;
+        let result = self.read_head(head_request).await.and_then(|head| {
+            if (200..=599).contains(&head.status) {
+                Ok(head)
+            } else {
+                Err(HttpError::UnexpectedStatus {
+                    status: head.status,
+                })
+            }
+        });
         match result {
             Ok(head) => match BodyDecoder::new(head.framing, &self.limits, None) {
                 Ok(decoder) => {
@@ -769,6 +781,50 @@ mod tests {
             drop(got);
             drop(conn);
             assert_eq!(read_pool.stats().in_use, 0);
+        })
+        .await;
+    }
+
+    // A status that cannot answer a request is an error, not a head: 101
+    // (no upgrade was asked for; an interim 1xx before it is still
+    // skipped) and codes outside 100..=599. The connection is not reused.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_status_that_cannot_answer_a_request_is_an_error() {
+        guarded(async {
+            for (wire, status) in [
+                (
+                    &b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+                       HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n"[..],
+                    101,
+                ),
+                (b"HTTP/1.1 600 Nope\r\ncontent-length: 0\r\n\r\n", 600),
+                (b"HTTP/1.1 099 Low\r\ncontent-length: 0\r\n\r\n", 99),
+            ] {
+                let (addr, provider) = provider(vec![wire.to_vec()], 64, After::Close);
+                let mut conn = client(addr).await;
+                conn.send_request("GET", "/v1/stream", [("accept", "*/*")], Bytes::new())
+                    .await
+                    .unwrap();
+                let err = conn.read_response_head().await.unwrap_err();
+                assert!(
+                    matches!(err, HttpError::UnexpectedStatus { status: s } if s == status),
+                    "{err:?}"
+                );
+                assert_eq!(
+                    err.to_string(),
+                    format!("unexpected response status {status} (a request is answered with 200 to 599)")
+                );
+                assert!(!conn.is_reusable());
+                provider.await;
+            }
+            // The edges of the range are answers.
+            for status in [200, 599] {
+                let wire = format!("HTTP/1.1 {status} X\r\ncontent-length: 0\r\n\r\n");
+                let (addr, provider) = provider(vec![wire.into_bytes()], 64, After::Close);
+                let mut conn = client(addr).await;
+                assert_eq!(get(&mut conn).await.status, status);
+                provider.await;
+            }
         })
         .await;
     }

@@ -77,6 +77,15 @@ pub enum HttpError {
     /// request may be retried on a fresh connection if it is idempotent).
     #[error("connection closed before any byte of the response")]
     ClosedBeforeResponse,
+    /// A response's status cannot answer the request: `101 Switching
+    /// Protocols` (this client never asks for an upgrade), or a code
+    /// outside `100..=599` (RFC 9110 §15). Interim `1xx` heads are skipped
+    /// before this is checked.
+    #[error("unexpected response status {status} (a request is answered with 200 to 599)")]
+    UnexpectedStatus {
+        /// The status received.
+        status: u16,
+    },
     /// A header name or value given to a head writer would not be valid on
     /// the wire (not a token, or contains CR, LF or NUL).
     #[error("invalid outgoing header field {name:?}")]
@@ -132,7 +141,9 @@ impl HttpError {
             HttpError::BodyTooLarge { .. } => 413,
             HttpError::TimedOut(_) => 408,
             HttpError::UnsupportedTransferEncoding => 501,
-            HttpError::EventTooLarge { .. } | HttpError::LineTooLong { .. } => 502,
+            HttpError::EventTooLarge { .. }
+            | HttpError::LineTooLong { .. }
+            | HttpError::UnexpectedStatus { .. } => 502,
             HttpError::InvalidOutgoingHeader { .. }
             | HttpError::InvalidRequestLine
             | HttpError::InvalidStatus { .. }
@@ -175,6 +186,7 @@ mod tests {
             (HttpError::ChunkLineTooLong { max_bytes: 1 }, 400),
             (HttpError::EventTooLarge { max_bytes: 1 }, 502),
             (HttpError::LineTooLong { max_bytes: 1 }, 502),
+            (HttpError::UnexpectedStatus { status: 101 }, 502),
             (HttpError::UnexpectedEof, 400),
             (HttpError::TimedOut(Wait::Head), 408),
             (HttpError::TimedOut(Wait::Body), 408),
