@@ -26,11 +26,31 @@
 //! |---|---|
 //! | tunnel `END` after a head below 500, run `complete` | `Answered` |
 //! | tunnel `END` after an uncommitted head of 500+ | `Failed(upstream_5xx)` |
-//! | `ERROR` `provider_unreachable` | `Failed(connect_failure)` |
+//! | `ERROR` `provider_unreachable`, `provider_tls` | `Failed(connect_failure)` |
 //! | `ERROR` `provider_error` before any response head/event | `Failed(reset_before_response)` |
 //! | `ERROR` `response_stalled` | `Failed(stalled)` |
 //! | `ERROR` `capacity_exhausted`, `unknown_adapter`, `bad_operation` | `Refused` |
 //! | anything else (cancelled, request-shaped, credentials, …) | `Other` |
+//!
+//! Every failure code a Node sends (`node-bin/src/codes.rs`, the credential
+//! lease codes, the watchdog's), by whether the provider got anything:
+//!
+//! - nothing reached it, and it is its fault: `provider_unreachable` (no
+//!   connection: refused, reset, timed out, unresolvable) and
+//!   `provider_tls` (the TCP connection was made but its TLS handshake
+//!   failed: a certificate not valid for the name, expired or from an
+//!   unknown issuer, or a handshake broken off; or a credential lease
+//!   refused for a connection whose certificate is not verified). Both are
+//!   a connect failure: failed over, and counted toward ejection;
+//! - nothing reached it, for a reason of that node alone:
+//!   `capacity_exhausted`, `unknown_adapter`, `bad_operation` (`Refused`:
+//!   failed over, not counted);
+//! - nothing reached it, for a reason every provider would share (the
+//!   request or the Edge's settings): `invalid_stall_timeout`,
+//!   `invalid_flow_window`, `invalid_input`, the credential lease codes
+//!   (C5: final), `cancelled` (`Other`);
+//! - the request may have reached it: `provider_error` (counted and failed
+//!   over only before any response head), `response_stalled`.
 
 use iop_wire::pb;
 
@@ -142,7 +162,11 @@ impl AttemptTracker {
 
     fn end_of_error(&self, code: &str, response_started: bool) -> AttemptEnd {
         match code {
-            "provider_unreachable" => AttemptEnd::Failed(FailureReason::ConnectFailure),
+            // Nothing reached the provider: the connection or its TLS
+            // handshake failed.
+            "provider_unreachable" | "provider_tls" => {
+                AttemptEnd::Failed(FailureReason::ConnectFailure)
+            }
             "provider_error" if !response_started => {
                 AttemptEnd::Failed(FailureReason::ResetBeforeResponse)
             }
@@ -259,6 +283,10 @@ mod tests {
                 AttemptEnd::Failed(FailureReason::ConnectFailure),
             ),
             (
+                "provider_tls",
+                AttemptEnd::Failed(FailureReason::ConnectFailure),
+            ),
+            (
                 "provider_error",
                 AttemptEnd::Failed(FailureReason::ResetBeforeResponse),
             ),
@@ -271,6 +299,8 @@ mod tests {
             ("bad_operation", AttemptEnd::Refused),
             ("cancelled", AttemptEnd::Other),
             ("invalid_input", AttemptEnd::Other),
+            ("invalid_stall_timeout", AttemptEnd::Other),
+            ("invalid_flow_window", AttemptEnd::Other),
             ("lease_invalid", AttemptEnd::Other),
             ("", AttemptEnd::Other),
         ] {

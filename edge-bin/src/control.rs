@@ -348,7 +348,8 @@ impl StallEvidence {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FailureReason {
     /// The Node could not connect (refused, reset, timed out:
-    /// `provider_unreachable`).
+    /// `provider_unreachable`) or its TLS handshake with the provider
+    /// failed (`provider_tls`): nothing reached the provider.
     ConnectFailure,
     /// The provider's response broke off before it started
     /// (`provider_error` before any response head).

@@ -1,6 +1,9 @@
 //! Provider failures as a client sees them, with every part a real process
-//! on loopback: `edge-bin`, one `node-bin` and `bench mock-provider`s.
+//! on loopback: `edge-bin`, one `node-bin` and `bench mock-provider`s (over
+//! HTTPS with the `bench tls-fixtures` certificates where a test needs it).
 //!
+//! - a provider whose TLS handshake fails is failed over and ejected like
+//!   one that refuses connections (nothing reached it);
 //! - a provider that answers `101 Switching Protocols` (a status that cannot
 //!   answer a request) fails before its response starts, so another
 //!   provider takes the request.
@@ -110,6 +113,10 @@ fn ready_field(line: &str, key: &str) -> String {
 
 /// How one provider of the node is served.
 enum Provider {
+    /// A mock over HTTPS with fixture certificate `cert` (`https`: valid for
+    /// localhost; `wrong-host`: valid for wrong.example only), reached as
+    /// `https://localhost:<port>` trusting the fixtures' CA.
+    Https { cert: &'static str },
     /// A plain HTTP mock with these extra `mock-provider` arguments.
     Http { args: &'static [&'static str] },
 }
@@ -134,6 +141,19 @@ impl Cluster {
         let mut nodes_toml = format!("[[nodes]]\nid = \"{NODE}\"\n");
         for (id, provider) in providers {
             let (base_url, tls_line) = match provider {
+                Provider::Https { cert } => {
+                    let mut mock = Command::new(bin("bench"));
+                    mock.args(["mock-provider", "--port", "0", "--tokens", "2"])
+                        .args(["--tls-cert", &dir.path(&format!("{cert}.pem"))])
+                        .args(["--tls-key", &dir.path(&format!("{cert}-key.pem"))]);
+                    let (proc, line) = start_ready(mock, &dir.path(&format!("mock-{id}.log")));
+                    procs.push(proc);
+                    let addr: SocketAddr = ready_field(&line, "addr").parse().expect("addr");
+                    (
+                        format!("https://localhost:{}", addr.port()),
+                        format!("ca_file = \"{}\"\n", dir.path("ca.pem")),
+                    )
+                }
                 Provider::Http { args } => {
                     let mut mock = Command::new(bin("bench"));
                     mock.args(["mock-provider", "--port", "0", "--tokens", "2"])
@@ -334,6 +354,57 @@ fn completion_text(response: &Response) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no content in {}", response.text()))
         .to_string()
+}
+
+// A pool of a provider whose certificate is for another host name (listed
+// first: with no load it is tried first) and a good one. Nothing reaches
+// the bad provider (its TLS handshake fails), so each failure is failed over
+// like a refused connect and counted against it: after three in a row it
+// is ejected, and every request is answered. Alone in its pool, the bad
+// provider's failure reaches the client as `provider_tls`.
+#[test]
+fn a_provider_whose_tls_handshake_fails_is_failed_over_and_ejected() {
+    let cluster = Cluster::start(
+        "tls",
+        &[
+            ("bad", Provider::Https { cert: "wrong-host" }),
+            ("good", Provider::Https { cert: "https" }),
+        ],
+        &[("alone", &["bad"]), ("pool", &["bad", "good"])],
+    );
+    let response = cluster.chat("alone", false);
+    assert_eq!(
+        (response.status, &response.json()["error"]["code"]),
+        (502, &json!("provider_tls"))
+    );
+    // One failure so far: two more in the pool eject it.
+    for i in 0..20 {
+        let response = cluster.chat("pool", false);
+        assert_eq!(
+            (response.status, completion_text(&response)),
+            (200, "tok0 tok1 ".to_string()),
+            "request {i}: {}",
+            response.text()
+        );
+    }
+    let mut outlier = cluster.provider("bad")["outlier"].clone();
+    assert!(outlier["readmit_in_ms"].as_u64().is_some(), "{outlier}");
+    outlier["readmit_in_ms"] = Value::Null;
+    assert_eq!(
+        outlier,
+        json!({
+            "ejected": true, "reason": "connect_failure", "consecutive_failures": 3,
+            "ejections": 1, "readmit_in_ms": null
+        })
+    );
+    assert_eq!(
+        cluster.provider("good")["outlier"]["consecutive_failures"],
+        0
+    );
+    assert_eq!(
+        cluster.metric("iop_edge_provider_attempt_failures_total{reason=\"connect_failure\"}"),
+        3
+    );
 }
 
 // A provider answering `101 Switching Protocols` to a chat completion (no
