@@ -323,6 +323,26 @@ impl ApiError {
     }
 }
 
+/// What a client is told of an attempt that failed with failure `code`,
+/// given the Node's `detail` (its `ERROR` message). The codes of a provider
+/// the node could not reach or agree TLS with get a fixed sentence: their
+/// detail names the provider's address, host name and port (`connect
+/// 10.0.0.5:8000: connection refused`, `TLS handshake with llm.internal
+/// failed: …`), which are the operator's to see (the Edge logs them), not
+/// the client's. Every other code's detail says nothing of where the
+/// provider is (a broken exchange, the provider's own error answer, a
+/// request the node refused, a lease failure, a stall) and is kept.
+pub fn client_message<'a>(code: &str, detail: &'a str) -> &'a str {
+    match code {
+        "provider_unreachable" => "The provider could not be reached.",
+        "provider_tls" => {
+            "The TLS handshake with the provider failed (its certificate was refused or the \
+             handshake broke off)."
+        }
+        _ => detail,
+    }
+}
+
 /// The SSE event that ends a started stream with an error, in the shape of
 /// `surface`: OpenAI `data: {"error":{...}}` then `data: [DONE]`; Anthropic
 /// `event: error` with `{"type":"error","error":{...}}`.
@@ -997,6 +1017,39 @@ mod tests {
         .unwrap();
         assert_eq!(long.estimated_prompt_tokens(), 3);
         assert!(!long.include_usage());
+    }
+
+    // A node's words about a provider it could not reach name its address;
+    // the client gets a fixed sentence for those codes, the detail for the
+    // others.
+    #[test]
+    fn client_messages_carry_no_provider_address() {
+        assert_eq!(
+            client_message(
+                "provider_unreachable",
+                "connect 10.0.0.5:8000: Connection refused (os error 111)"
+            ),
+            "The provider could not be reached."
+        );
+        assert_eq!(
+            client_message(
+                "provider_tls",
+                "provider TLS: TLS handshake with llm.internal failed: invalid peer certificate"
+            ),
+            "The TLS handshake with the provider failed (its certificate was refused or the \
+             handshake broke off)."
+        );
+        for (code, detail) in [
+            (
+                "provider_error",
+                "provider: connection closed in the middle of a message",
+            ),
+            ("response_stalled", "no progress for 500 ms"),
+            ("invalid_input", "chat request: `messages` is empty"),
+            ("lease_expired", "credential lease expired"),
+        ] {
+            assert_eq!(client_message(code, detail), detail);
+        }
     }
 
     #[test]

@@ -2094,7 +2094,9 @@ where
 }
 
 /// Ends a failed relay: an HTTP error before the response started, or an
-/// SSE error event (then `[DONE]`) inside a started event stream.
+/// SSE error event (then `[DONE]`) inside a started event stream. The
+/// client gets [`openai::client_message`]; a node's words it is not shown
+/// (they name the provider's address) go to the Edge's log.
 async fn fail<S>(
     server: &mut Client<S>,
     surface: Surface,
@@ -2107,6 +2109,18 @@ where
     S: ClientStream,
 {
     server.rec.end(code);
+    let detail = message;
+    let message = openai::client_message(code, detail);
+    if message != detail {
+        tracing::warn!(
+            request_id = %server.rec.request_id,
+            node = server.rec.node.as_deref().unwrap_or_default(),
+            provider = server.rec.provider.as_deref().unwrap_or_default(),
+            code,
+            detail,
+            "provider attempt failed"
+        );
+    }
     if !started {
         let e = if matches!(code, "response_stalled" | "response_wait_timeout") {
             ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))

@@ -273,7 +273,7 @@ impl ChunkStream {
                 let message = if ev.error.is_empty() {
                     "the provider run failed"
                 } else {
-                    ev.error.as_str()
+                    openai::client_message(code, &ev.error)
                 };
                 out.push(openai::sse_error_event(
                     message,
@@ -573,6 +573,21 @@ mod tests {
             "data: {\"error\":{\"message\":\"stalled\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"response_stalled\"}}\n\ndata: [DONE]\n\n"
         );
         assert!(s.is_finished());
+    }
+
+    // A node's words that name the provider's address never reach the
+    // client's stream (openai::client_message).
+    #[test]
+    fn an_error_event_names_no_provider_address() {
+        let mut s = ChunkStream::new(id(), false);
+        s.on_event(&delta("x"));
+        let mut err = ev(pb::RunEventType::Error);
+        err.failure_code = "provider_unreachable".into();
+        err.error = "connect 10.0.0.5:8000: Connection refused (os error 111)".into();
+        assert_eq!(
+            text(&s.on_event(&err)),
+            "data: {\"error\":{\"message\":\"The provider could not be reached.\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"provider_unreachable\"}}\n\ndata: [DONE]\n\n"
+        );
     }
 
     #[test]

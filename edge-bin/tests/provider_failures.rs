@@ -6,13 +6,15 @@
 //!   one that refuses connections (nothing reached it);
 //! - a provider that answers `101 Switching Protocols` (a status that cannot
 //!   answer a request) fails before its response starts, so another
-//!   provider takes the request.
+//!   provider takes the request;
+//! - a provider that cannot be reached is reported to the client without
+//!   its address (the Edge's log keeps it).
 //!
 //! Build the binaries first: `cargo build -p edge-bin -p node-bin -p bench
 //! --bins`.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -119,11 +121,13 @@ enum Provider {
     Https { cert: &'static str },
     /// A plain HTTP mock with these extra `mock-provider` arguments.
     Http { args: &'static [&'static str] },
+    /// Nothing listens on the port.
+    Refused,
 }
 
 /// Edge, node and providers, each a process.
 struct Cluster {
-    _dir: Scratch,
+    dir: Scratch,
     client: SocketAddr,
     _procs: Vec<Running>,
 }
@@ -164,6 +168,12 @@ impl Cluster {
                         format!("http://{}", ready_field(&line, "addr")),
                         String::new(),
                     )
+                }
+                Provider::Refused => {
+                    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+                    let addr = listener.local_addr().expect("address");
+                    drop(listener);
+                    (format!("http://{addr}"), String::new())
                 }
             };
             nodes_toml.push_str(&format!(
@@ -219,7 +229,7 @@ impl Cluster {
             .expect("spawn node-bin");
         procs.push(Running(node));
         let cluster = Self {
-            _dir: dir,
+            dir,
             client,
             _procs: procs,
         };
@@ -287,6 +297,10 @@ impl Cluster {
         text.lines()
             .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
             .map_or(0, |v| v.parse().expect("a number"))
+    }
+
+    fn edge_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path("edge.log")).expect("edge log")
     }
 }
 
@@ -361,7 +375,8 @@ fn completion_text(response: &Response) -> String {
 // the bad provider (its TLS handshake fails), so each failure is failed over
 // like a refused connect and counted against it: after three in a row it
 // is ejected, and every request is answered. Alone in its pool, the bad
-// provider's failure reaches the client as `provider_tls`.
+// provider's failure reaches the client as `provider_tls`, without the
+// host names the handshake error names.
 #[test]
 fn a_provider_whose_tls_handshake_fails_is_failed_over_and_ejected() {
     let cluster = Cluster::start(
@@ -374,8 +389,21 @@ fn a_provider_whose_tls_handshake_fails_is_failed_over_and_ejected() {
     );
     let response = cluster.chat("alone", false);
     assert_eq!(
-        (response.status, &response.json()["error"]["code"]),
-        (502, &json!("provider_tls"))
+        (response.status, response.json()),
+        (
+            502,
+            json!({"error": {
+                "message": "The TLS handshake with the provider failed (its certificate was refused or the handshake broke off).",
+                "type": "upstream_error", "param": null, "code": "provider_tls"
+            }})
+        )
+    );
+    assert!(
+        cluster
+            .edge_log()
+            .contains("certificate not valid for name"),
+        "the Edge's log keeps the detail: {}",
+        cluster.edge_log()
     );
     // One failure so far: two more in the pool eject it.
     for i in 0..20 {
@@ -470,5 +498,64 @@ fn a_provider_answering_101_is_a_provider_error_before_the_response() {
         cluster
             .metric("iop_edge_provider_attempt_failures_total{reason=\"reset_before_response\"}"),
         3
+    );
+}
+
+// A provider that refuses connections: the client is told the provider
+// could not be reached, with the code, and nothing of its address — in the
+// OpenAI shape, streamed or not, and in the Anthropic shape. The Edge's log
+// keeps the node's words, address included.
+#[test]
+fn an_unreachable_provider_is_reported_without_its_address() {
+    let cluster = Cluster::start(
+        "refused",
+        &[("down", Provider::Refused)],
+        &[("down", &["down"])],
+    );
+    let expected = json!({"error": {
+        "message": "The provider could not be reached.",
+        "type": "upstream_error", "param": null, "code": "provider_unreachable"
+    }});
+    for stream in [false, true] {
+        let response = cluster.chat("down", stream);
+        assert_eq!((response.status, response.json()), (502, expected.clone()));
+    }
+    let response = cluster.request(
+        "POST",
+        "/v1/messages",
+        r#"{"model":"down","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    let request_id = response
+        .head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-request-id: "))
+        .expect("x-request-id")
+        .to_string();
+    assert_eq!(
+        (response.status, response.json()),
+        (
+            502,
+            json!({
+                "type": "error",
+                "error": {"type": "api_error", "message": "The provider could not be reached."},
+                "request_id": request_id,
+            })
+        )
+    );
+    let port = {
+        let status = cluster.status();
+        assert_eq!(status["providers"][0]["provider_id"], "down");
+        std::fs::read_to_string(cluster.dir.0.join("edge.toml"))
+            .expect("edge.toml")
+            .split("base_url = \"http://127.0.0.1:")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("the refused port")
+            .to_string()
+    };
+    let log = cluster.edge_log();
+    assert!(
+        log.contains(&format!("connect 127.0.0.1:{port}")),
+        "the Edge's log keeps the detail: {log}"
     );
 }

@@ -201,10 +201,15 @@ def test_a_refused_provider_certificate_is_provider_tls_to_the_client(refusing, 
                                   {"model": model, "messages": MESSAGES, "stream": stream})
         assert status == 502, raw
         # CONTRACT: W6 — a failure that is not a stall: code and message.
+        # The message names no host (the handshake error's words, which
+        # do, stay in the Edge's log).
         error = json.loads(raw)["error"]
         assert error["code"] == "provider_tls", error
-        assert reason in error["message"], error
-        assert "TLS handshake with localhost failed" in error["message"], error
+        assert error["message"] == ("The TLS handshake with the provider failed (its certificate "
+                                    "was refused or the handshake broke off)."), error
+    log = cluster.edge.log()
+    assert reason in log, log
+    assert "TLS handshake with localhost failed" in log, log
     # The mock saw the Node refuse its certificate, and no request.
     stats = cluster.mock_stats()
     assert stats["tls_handshake_failures"] >= 2
