@@ -215,6 +215,16 @@ impl AccessRecord {
         self.completion_tokens = Some(completion_tokens);
     }
 
+    /// Prompt plus completion tokens observed (`None`: none observed);
+    /// `u64::MAX` rather than a wrapped sum when a provider reports counts
+    /// that large.
+    pub fn total_tokens(&self) -> Option<u64> {
+        match (self.prompt_tokens, self.completion_tokens) {
+            (None, None) => None,
+            (p, c) => Some(p.unwrap_or(0).saturating_add(c.unwrap_or(0))),
+        }
+    }
+
     /// How the request ended: the outcome noted, else what the response
     /// status says.
     fn outcome_of(&self, stats: &ExchangeStats) -> &str {
@@ -241,10 +251,8 @@ impl AccessRecord {
         ended_at: Instant,
     ) -> String {
         let outcome = self.outcome_of(stats);
-        let observed = self.prompt_tokens.is_some() || self.completion_tokens.is_some();
         let usage = self.completeness(outcome);
-        let total =
-            observed.then(|| self.prompt_tokens.unwrap_or(0) + self.completion_tokens.unwrap_or(0));
+        let total = self.total_tokens();
         let tokens = |n: Option<u64>| n.map_or(Value::Null, Value::U64);
         let fields: [(&str, Value<'_>); 15] = [
             ("ts", Value::Str(&rfc3339_ms(unix_ms))),
@@ -774,6 +782,33 @@ mod tests {
                 &serde_json::Value::Null
             )
         );
+    }
+
+    // Counts a provider reports near u64::MAX add up to u64::MAX, never a
+    // small wrapped total: the usage line and the token limit's settlement
+    // (`total_tokens`) read the same sum.
+    #[test]
+    fn the_token_total_saturates() {
+        let read_at = iop_engine::clock::now();
+        let mut r = AccessRecord::new("req-5".into(), "POST", "/v1/chat/completions", 9);
+        r.attempt("node-a", "p1");
+        assert_eq!(r.total_tokens(), None);
+        r.usage(u64::MAX, 2);
+        assert_eq!(r.total_tokens(), Some(u64::MAX));
+        let v: serde_json::Value =
+            serde_json::from_str(&r.usage_line(0, &stats(read_at), read_at, read_at)).unwrap();
+        assert_eq!(
+            (
+                &v["prompt_tokens"],
+                &v["completion_tokens"],
+                &v["total_tokens"]
+            ),
+            (&u64::MAX.into(), &2.into(), &u64::MAX.into())
+        );
+        r.usage(u64::MAX - 3, 3);
+        assert_eq!(r.total_tokens(), Some(u64::MAX));
+        r.usage(7, 0);
+        assert_eq!(r.total_tokens(), Some(7));
     }
 
     #[test]

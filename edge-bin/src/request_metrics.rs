@@ -376,8 +376,8 @@ impl RequestMetrics {
             cells.rejections[reason.index()].fetch_add(1, Ordering::Relaxed);
         }
         if let Some((prompt, completion)) = done.tokens {
-            cells.tokens[model * 2].fetch_add(prompt, Ordering::Relaxed);
-            cells.tokens[model * 2 + 1].fetch_add(completion, Ordering::Relaxed);
+            add_saturating(&cells.tokens[model * 2], prompt);
+            add_saturating(&cells.tokens[model * 2 + 1], completion);
         }
         if done.route.is_inference() {
             if let Some(ttft) = done.time_to_first_byte {
@@ -591,6 +591,15 @@ impl Drop for ActiveStream {
     }
 }
 
+/// Adds `n` to `cell`, stopping at `u64::MAX`: token counts come from a
+/// provider's usage report, and a wrapped counter would read as a reset.
+fn add_saturating(cell: &AtomicU64, n: u64) {
+    // The closure always answers `Some`: the update cannot fail.
+    let _ = cell.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_add(n))
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -636,6 +645,31 @@ mod tests {
         // A provider's own 429 relayed as it is is not the Edge's refusal.
         assert_eq!(Reason::of(Some(429), None), None);
         assert_eq!(of(429, "rate_limit_exceeded"), None);
+    }
+
+    // Token counts come from the wire: a provider reporting u64::MAX
+    // tokens stops the counter at u64::MAX instead of wrapping it.
+    #[test]
+    fn token_counters_saturate() {
+        let m = RequestMetrics::new(vec!["m1".into()], Vec::new(), 1);
+        let m1 = m.model_slot("m1");
+        for tokens in [(u64::MAX - 1, 1), (5, u64::MAX), (7, 7)] {
+            m.finish(
+                0,
+                &Finished {
+                    tokens: Some(tokens),
+                    ..done(Route::ChatCompletions, m1, Some(200))
+                },
+            );
+        }
+        let text = m.render(&[]);
+        for kind in ["prompt", "completion"] {
+            let line = format!(
+                "iop_edge_tokens_total{{model=\"m1\",kind=\"{kind}\"}} {}",
+                u64::MAX
+            );
+            assert!(text.lines().any(|l| l == line), "{line} in {text}");
+        }
     }
 
     #[test]

@@ -96,11 +96,7 @@ impl<S> Client<S> {
     /// against the usage observed (once; later calls do nothing).
     fn release_limits(&mut self) {
         if let Some((keys, ticket)) = self.ticket.take().map(|claim| *claim) {
-            let observed = match (self.rec.prompt_tokens, self.rec.completion_tokens) {
-                (None, None) => None,
-                (p, c) => Some(p.unwrap_or(0) + c.unwrap_or(0)),
-            };
-            keys.finish(ticket, observed, clock::now());
+            keys.finish(ticket, self.rec.total_tokens(), clock::now());
         }
     }
 

@@ -52,7 +52,7 @@ pub struct ResponseId {
 
 fn usage_json(u: &pb::Usage) -> Value {
     let total = if u.total_tokens == 0 {
-        u.prompt_tokens + u.completion_tokens
+        u.prompt_tokens.saturating_add(u.completion_tokens)
     } else {
         u.total_tokens
     };
@@ -588,6 +588,22 @@ mod tests {
             text(&s.on_event(&err)),
             "data: {\"error\":{\"message\":\"The provider could not be reached.\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"provider_unreachable\"}}\n\ndata: [DONE]\n\n"
         );
+    }
+
+    // Usage from the wire near u64::MAX: the total saturates.
+    #[test]
+    fn a_usage_total_saturates() {
+        let usage = |prompt_tokens, completion_tokens, total_tokens| pb::Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens,
+        };
+        assert_eq!(
+            usage_json(&usage(u64::MAX, 2, 0)),
+            json!({"prompt_tokens": u64::MAX, "completion_tokens": 2, "total_tokens": u64::MAX})
+        );
+        assert_eq!(usage_json(&usage(3, 4, 0))["total_tokens"], 7);
+        assert_eq!(usage_json(&usage(3, 4, 9))["total_tokens"], 9);
     }
 
     #[test]

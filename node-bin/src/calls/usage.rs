@@ -145,7 +145,7 @@ impl UsageWatcher {
             completion_tokens,
             total_tokens: self
                 .total_tokens
-                .unwrap_or(prompt_tokens + completion_tokens),
+                .unwrap_or(prompt_tokens.saturating_add(completion_tokens)),
         })
     }
 
@@ -630,6 +630,25 @@ mod tests {
                     event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"usage\"}}\n\n\
                     event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n";
         assert_eq!(observed("text/event-stream", body), usage(25, 15, 40));
+    }
+
+    // Counts near u64::MAX from the wire: a total the provider left out
+    // saturates instead of wrapping (or panicking in a debug build).
+    #[test]
+    fn a_missing_total_saturates() {
+        let max = u64::MAX;
+        let body = format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{max},\"completion_tokens\":2}}}}\n\n"
+        );
+        assert_eq!(observed("text/event-stream", &body), usage(max, 2, max));
+        let body = format!(
+            "{{\"usage\":{{\"input_tokens\":{},\"output_tokens\":{max}}}}}",
+            max - 1
+        );
+        assert_eq!(
+            observed("application/json", &body),
+            usage(max - 1, max, max)
+        );
     }
 
     #[test]
