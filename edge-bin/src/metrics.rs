@@ -187,6 +187,7 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
     text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
     text.push_str(&render_front_door(&latency));
     text.push_str(&crate::access::render_prometheus());
+    text.push_str(&crate::usage::render_prometheus());
     text.push_str(&requests.render(&depths));
     process::render_build_and_process(&mut text);
     let mut families = Families::default();

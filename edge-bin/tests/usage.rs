@@ -172,3 +172,31 @@ async fn next_cancel(node: &mut RawNode) -> Option<pb::CancelRequest> {
         _ = wait => None,
     }
 }
+
+// A usage file that refuses every write (`/dev/full`: no space left) is
+// counted in `/metrics`; the records wait for it in memory (none dropped
+// while within the bound).
+#[monoio::test_all(timer_enabled = true)]
+async fn failed_usage_writes_are_counted_in_metrics() {
+    let pki = Pki::mint("usage-full");
+    guarded(async {
+        let mut options = EdgeOptions::without_provider();
+        options.extra_toml = "[edge.usage_log]\npath = \"/dev/full\"\n".into();
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        // An inference request no provider serves still gets its record.
+        let refused = http_exchange(edge.client_addr, chat(false, "u-full")).await;
+        assert_eq!(refused.status, 503);
+        let errors = "iop_edge_usage_log_write_errors_total";
+        while metric(edge.client_addr, errors).await == 0 {
+            monoio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            metric(edge.client_addr, "iop_edge_usage_log_dropped_records_total").await,
+            0
+        );
+        assert_eq!(edge.edge.settings.usage_log.dropped_records(), 0);
+        assert!(edge.edge.settings.usage_log.write_errors() >= 1);
+        edge.stop().await;
+    })
+    .await;
+}

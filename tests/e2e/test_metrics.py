@@ -32,6 +32,8 @@ EDGE_FAMILIES = {
     "iop_edge_relay_body_bytes": "counter",
     "iop_edge_client_connections_open": "gauge",
     "iop_edge_access_log_dropped_lines": "counter",
+    "iop_edge_usage_log_write_errors": "counter",
+    "iop_edge_usage_log_dropped_records": "counter",
     "iop_build_info": "gauge",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
