@@ -207,8 +207,9 @@ def test_a_refused_provider_certificate_is_provider_tls_to_the_client(refusing, 
         assert error["code"] == "provider_tls", error
         assert error["message"] == ("The TLS handshake with the provider failed (its certificate "
                                     "was refused or the handshake broke off)."), error
+    # The log line quotes the detail (its inner quotes escaped).
     log = cluster.edge.log()
-    assert reason in log, log
+    assert reason.replace('"', '\\"') in log, log
     assert "TLS handshake with localhost failed" in log, log
     # The mock saw the Node refuse its certificate, and no request.
     stats = cluster.mock_stats()
