@@ -711,7 +711,10 @@ struct CapturedLogs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl std::io::Write for CapturedLogs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("log buffer poisoned"))?
+            .extend_from_slice(buf);
         Ok(buf.len())
     }
 
