@@ -3027,7 +3027,7 @@ providers = ["node-a/a-llama"]
                 node_first_byte_timeout_ms: 16,
                 max_json_depth: 10,
                 max_json_elements: 11,
-                max_json_members: 12,
+                max_json_members: 17,
             }
         );
         for (key, bad, range) in [

@@ -195,7 +195,7 @@ impl Cluster {
             .collect();
         let edge_toml = format!(
             "[edge]\nname = \"{EDGE_NAME}\"\ntrust_domain = \"{TRUST_DOMAIN}\"\n\
-             client_listen = \"127.0.0.1:0\"\nnode_listen = \"127.0.0.1:0\"\n\n\
+             client_listen = \"127.0.0.1:0\"\nnode_listen = \"127.0.0.1:0\"\nallow_anonymous = true\n\n\
              [tls]\nca = \"{ca}\"\ncert = \"{cert}\"\nkey = \"{key}\"\n\n\
              [outlier_detection]\nconsecutive_failures = 3\n\n{nodes_toml}{models_toml}",
             ca = dir.path("ca.pem"),
