@@ -78,6 +78,14 @@ async fn read_all(tcp: &mut TcpStream) -> Vec<u8> {
 /// Reads one whole response (head and `content-length` body) and leaves
 /// the connection open.
 async fn read_response(tcp: &mut TcpStream) -> HttpResponse {
+    let seen = read_one(tcp).await;
+    assert!(!seen.is_empty(), "closed before a response");
+    parse_response(&seen)
+}
+
+/// The bytes of one response on a kept-alive connection (head and
+/// `content-length` body), or whatever came before the close.
+async fn read_one(tcp: &mut TcpStream) -> Vec<u8> {
     let mut seen = Vec::new();
     loop {
         if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -88,13 +96,15 @@ async fn read_response(tcp: &mut TcpStream) -> HttpResponse {
                 .map(|v| v.trim().parse().unwrap())
                 .unwrap_or(0);
             if seen.len() >= end + 4 + len {
-                return parse_response(&seen[..end + 4 + len]);
+                seen.truncate(end + 4 + len);
+                return seen;
             }
         }
         let (res, buf) = tcp.read(Vec::with_capacity(16 * 1024)).await;
-        let n = res.expect("read the response");
-        assert!(n > 0, "closed before a whole response: {seen:?}");
-        seen.extend_from_slice(&buf);
+        match res {
+            Ok(0) | Err(_) => return seen,
+            Ok(_) => seen.extend_from_slice(&buf),
+        }
     }
 }
 
@@ -341,7 +351,7 @@ async fn one_address_holds_at_most_its_share_of_client_connections() {
         loop {
             let mut tcp = monoio_from(attacker, edge.client_addr);
             write(&mut tcp, &keep_alive_get("/readyz")).await.unwrap();
-            let answer = parse_response(&read_all_one(&mut tcp).await);
+            let answer = parse_response(&read_one(&mut tcp).await);
             if answer.status == 200 {
                 break;
             }
@@ -352,30 +362,6 @@ async fn one_address_holds_at_most_its_share_of_client_connections() {
         edge.stop().await;
     })
     .await;
-}
-
-/// One response on a kept-alive connection, or whatever came before the
-/// close.
-async fn read_all_one(tcp: &mut TcpStream) -> Vec<u8> {
-    let mut seen = Vec::new();
-    loop {
-        if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .map(|v| v.trim().parse().unwrap())
-                .unwrap_or(0);
-            if seen.len() >= end + 4 + len {
-                return seen;
-            }
-        }
-        let (res, buf) = tcp.read(Vec::with_capacity(16 * 1024)).await;
-        match res {
-            Ok(0) | Err(_) => return seen,
-            Ok(_) => seen.extend_from_slice(&buf),
-        }
-    }
 }
 
 // Finding 3: at `max_client_connections` an idle keep-alive connection

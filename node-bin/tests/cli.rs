@@ -3,45 +3,19 @@
 //! (`READY=1` while the Edge is down, `RELOADING=1`/`READY=1` around
 //! SIGHUP, `STOPPING=1`).
 
+mod scratch;
+
+use scratch::ScratchDir;
+
 use std::io::Read;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use iop_engine::build::{IoUring, COMMIT, VERSION};
 
 const BIN: &str = env!("CARGO_BIN_EXE_node-bin");
-
-/// A scratch directory removed on drop.
-struct ScratchDir(PathBuf);
-
-impl ScratchDir {
-    fn new(label: &str) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "iop-node-cli-{label}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            panic!("create {}: {e}", dir.display());
-        }
-        ScratchDir(dir)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(BIN);
@@ -109,7 +83,7 @@ fn version_names_version_commit_and_io_uring() {
 
 #[test]
 fn check_config_accepts_the_example_and_names_file_key_and_reason() {
-    let dir = ScratchDir::new("check");
+    let dir = ScratchDir::new("cli-check");
     let node = example_with_certs(&dir, &["node-a", "node-b"]);
     let path = node.display().to_string();
     // Nothing listens on the example's Edge address: the check never dials.
@@ -259,7 +233,7 @@ fn recv(socket: &UnixDatagram) -> String {
 
 #[test]
 fn ready_while_the_edge_is_down_reloading_around_sighup_and_json_logs() {
-    let dir = ScratchDir::new("notify");
+    let dir = ScratchDir::new("cli-notify");
     let node = example_with_certs(&dir, &["node-a"]);
     // An Edge address nothing listens on: bound for a port, then closed.
     let edge_addr = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {

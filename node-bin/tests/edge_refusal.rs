@@ -12,11 +12,15 @@
 //! `edge-bin` runs from the same target directory as `node-bin` (build it
 //! first: `cargo build -p edge-bin --bins`).
 
+mod scratch;
+
+use scratch::ScratchDir;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::cell::RefCell;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -28,35 +32,6 @@ const PATIENCE: Duration = Duration::from_secs(60);
 const REFUSAL: &str = "the Edge refused this node's identity in the TLS handshake (TLS alert \
      access_denied): its config must list node id \"node-z\" under [[nodes]] and share our \
      trust_domain";
-
-/// A scratch directory removed on drop.
-struct ScratchDir(PathBuf);
-
-impl ScratchDir {
-    fn new(label: &str) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "iop-node-refusal-{label}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            panic!("create {}: {e}", dir.display());
-        }
-        ScratchDir(dir)
-    }
-
-    fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A child process whose stdout and stderr go to files; killed on drop (a
 /// failed assertion must not leave it running).

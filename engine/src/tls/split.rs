@@ -44,7 +44,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::BufResult;
 use rustls::{ConnectionCommon, SideData};
 
-use super::stream::{feed_ciphertext, Fed, CIPHERTEXT_READ_BYTES};
+use super::stream::{feed_ciphertext, init_bytes, iovec_parts, Fed, CIPHERTEXT_READ_BYTES};
 
 /// The read half of a split [`super::TlsStream`]: decrypts what the peer
 /// sends. See the module docs.
@@ -265,31 +265,14 @@ where
     SD: SideData,
 {
     async fn write<T: IoBuf>(&mut self, buf: T) -> BufResult<usize, T> {
-        // SAFETY: `read_ptr` points at `bytes_init()` initialised bytes
-        // that `buf` owns and keeps alive until this returns.
-        let src = unsafe { std::slice::from_raw_parts(buf.read_ptr(), buf.bytes_init()) };
-        let res = self.write_plaintext(&[src]).await;
+        let res = self.write_plaintext(&[init_bytes(&buf)]).await;
         (res, buf)
     }
 
     /// A real gathered write: every part goes into TLS records of one
     /// socket write (as far as rustls' buffer limit allows).
     async fn writev<T: IoVecBuf>(&mut self, buf: T) -> BufResult<usize, T> {
-        let ptr = buf.read_iovec_ptr();
-        let len = buf.read_iovec_len();
-        let parts: Vec<&[u8]> = (0..len)
-            .map(|i| {
-                // SAFETY: `buf` describes `len` iovecs, each pointing at
-                // `iov_len` initialised bytes it keeps alive until this
-                // returns; the slices do not outlive this call.
-                unsafe {
-                    let iov = &*ptr.add(i);
-                    std::slice::from_raw_parts(iov.iov_base.cast::<u8>(), iov.iov_len)
-                }
-            })
-            .collect();
-        let res = self.write_plaintext(&parts).await;
-        drop(parts);
+        let res = self.write_plaintext(&iovec_parts(&buf)).await;
         (res, buf)
     }
 

@@ -356,6 +356,29 @@ where
     }
 }
 
+/// The initialised bytes of `buf`, for as long as `buf` is borrowed.
+pub(super) fn init_bytes<T: IoBuf>(buf: &T) -> &[u8] {
+    // SAFETY: `read_ptr` points at `bytes_init()` initialised bytes that
+    // `buf` owns and keeps alive while it is borrowed; the slice borrows it.
+    unsafe { std::slice::from_raw_parts(buf.read_ptr(), buf.bytes_init()) }
+}
+
+/// The parts of a gathered write, for as long as `buf` is borrowed.
+pub(super) fn iovec_parts<T: IoVecBuf>(buf: &T) -> Vec<&[u8]> {
+    let ptr = buf.read_iovec_ptr();
+    (0..buf.read_iovec_len())
+        .map(|i| {
+            // SAFETY: `buf` describes `read_iovec_len()` iovecs, each
+            // pointing at `iov_len` initialised bytes it keeps alive while it
+            // is borrowed; the slices borrow it.
+            unsafe {
+                let iov = &*ptr.add(i);
+                std::slice::from_raw_parts(iov.iov_base.cast::<u8>(), iov.iov_len)
+            }
+        })
+        .collect()
+}
+
 impl<IO, C, SD> AsyncWriteRent for TlsStream<IO, C>
 where
     IO: CancelableAsyncReadRent + AsyncWriteRent,
@@ -363,31 +386,14 @@ where
     SD: SideData,
 {
     async fn write<T: IoBuf>(&mut self, buf: T) -> BufResult<usize, T> {
-        // SAFETY: `read_ptr` points at `bytes_init()` initialised bytes
-        // that `buf` owns and keeps alive until this returns.
-        let src = unsafe { std::slice::from_raw_parts(buf.read_ptr(), buf.bytes_init()) };
-        let res = self.write_plaintext(&[src]).await;
+        let res = self.write_plaintext(&[init_bytes(&buf)]).await;
         (res, buf)
     }
 
     /// A real gathered write: every part goes into TLS records of one
     /// socket write (as far as rustls' buffer limit allows).
     async fn writev<T: IoVecBuf>(&mut self, buf: T) -> BufResult<usize, T> {
-        let ptr = buf.read_iovec_ptr();
-        let len = buf.read_iovec_len();
-        let parts: Vec<&[u8]> = (0..len)
-            .map(|i| {
-                // SAFETY: `buf` describes `len` iovecs, each pointing at
-                // `iov_len` initialised bytes it keeps alive until this
-                // returns; the slices do not outlive this call.
-                unsafe {
-                    let iov = &*ptr.add(i);
-                    std::slice::from_raw_parts(iov.iov_base.cast::<u8>(), iov.iov_len)
-                }
-            })
-            .collect();
-        let res = self.write_plaintext(&parts).await;
-        drop(parts);
+        let res = self.write_plaintext(&iovec_parts(&buf)).await;
         (res, buf)
     }
 
