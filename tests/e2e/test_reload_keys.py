@@ -198,3 +198,31 @@ def test_without_client_keys_admin_answers_loopback_peers_only():
             f"http://{address}:{cluster.edge.ready['client'].rsplit(':', 1)[1]}/v1/chat/completions",
             {"model": "iop-test-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
         assert status == 200, raw
+
+
+def test_removing_the_last_key_is_refused_until_the_file_says_it_runs_open():
+    """The revocation procedure with one key (delete its entry, SIGHUP) must
+    not open the Edge to everyone: the reload is refused with the reason in
+    the log and the key still applies, until the file says
+    `allow_anonymous = true`."""
+    with Cluster(client_keys={"team-a": KEY_A}) as cluster:
+        addr = cluster.mock.ready["addr"]
+        failed = cluster.edge.log().count("configuration reload failed")
+        cluster.client_keys = {}
+        no_keys = cluster.edge_config(addr).replace("allow_anonymous = true\n", "")
+        assert "[[client_keys]]" not in no_keys and "allow_anonymous" not in no_keys
+        (cluster.dir / "edge.toml").write_text(no_keys)
+        cluster.edge.popen.send_signal(signal.SIGHUP)
+        wait_until(lambda: cluster.edge.log().count("configuration reload failed") == failed + 1,
+                   timeout_s=10, what="reload refused")
+        assert "client_keys: no client key is configured" in cluster.edge.log()
+        status, body = _chat_once(cluster, "sk-anything")
+        assert (status, body) == (401, INVALID_KEY)
+        status, _ = _chat_once(cluster, KEY_A)
+        assert status == 200
+        # Said explicitly: the Edge runs open from the next request on.
+        _reload(cluster)
+        status, _, raw = post_raw(f"{cluster.base_url}/v1/chat/completions",
+                                  {"model": "iop-test-model", "max_tokens": 1,
+                                   "messages": [{"role": "user", "content": "x"}]})
+        assert status == 200, raw
