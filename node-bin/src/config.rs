@@ -37,7 +37,7 @@ use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
 use serde::Deserialize;
 
-use crate::supervisor::Jitter;
+use crate::jitter::Jitter;
 
 // The config error (`<file>: <key>: <reason>`), the TLS file set and the
 // limits on identity names (node id, edge name) and the trust domain are

@@ -52,6 +52,7 @@ pub mod calls;
 pub mod codes;
 pub mod config;
 pub mod credentials;
+pub mod jitter;
 pub mod metrics;
 pub mod session;
 pub mod supervisor;

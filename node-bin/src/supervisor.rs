@@ -43,6 +43,9 @@ use crate::config::NodeConfig;
 use crate::credentials::NodeCredentials;
 use crate::session::{self, NodeCore, SessionEnd};
 
+/// The spread of every reconnect wait; [`Supervisor::new`] takes one.
+pub use crate::jitter::Jitter;
+
 /// What the supervisor does after a connection attempt or session ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
@@ -61,51 +64,6 @@ pub fn next_step(policy: &ReconnectPolicy, failed_attempts: u32) -> Step {
         Step::RetryAfter(policy.interval)
     } else {
         Step::GiveUp
-    }
-}
-
-/// How far a reconnect wait may stray from the interval, either side, in
-/// percent (`reconnect.jitter_percent`). The wait is uniform over
-/// `[interval × (1 − p), interval × (1 + p)]`: its mean is the interval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Jitter {
-    percent: u8,
-}
-
-impl Jitter {
-    /// Every wait is exactly the interval.
-    pub const NONE: Jitter = Jitter { percent: 0 };
-    /// The default: waits between half and one and a half intervals.
-    pub const DEFAULT: Jitter = Jitter { percent: 50 };
-    /// The largest jitter: waits between 0 and twice the interval.
-    pub const MAX_PERCENT: u8 = 100;
-
-    /// A jitter of `percent`; `None` above [`Jitter::MAX_PERCENT`].
-    pub fn new(percent: u8) -> Option<Self> {
-        (percent <= Self::MAX_PERCENT).then_some(Self { percent })
-    }
-
-    /// The percent either side.
-    pub fn percent(self) -> u8 {
-        self.percent
-    }
-
-    /// The wait for `interval` given one uniform 64-bit `draw`. Intervals
-    /// beyond what nanoseconds in 64 bits hold (≈ 584 years) count as that.
-    pub fn spread(self, interval: Duration, draw: u64) -> Duration {
-        let interval_ns = interval.as_nanos().min(u128::from(u64::MAX));
-        let span_ns = interval_ns * u128::from(self.percent) / 100;
-        // span < 2^64 and draw < 2^64, so the product fits; shifted by 63
-        // it is 2 × span × draw / 2^64, uniform over [0, 2 × span).
-        let offset_ns = (span_ns * u128::from(draw)) >> 63;
-        let wait_ns = interval_ns - span_ns + offset_ns;
-        Duration::from_nanos(u64::try_from(wait_ns).unwrap_or(u64::MAX))
-    }
-}
-
-impl Default for Jitter {
-    fn default() -> Self {
-        Self::DEFAULT
     }
 }
 
@@ -575,29 +533,6 @@ mod tests {
         assert!(full.iter().any(|&w| w < 200) && full.iter().any(|&w| w > 3_800));
         let mean = full.iter().sum::<u64>() as f64 / full.len() as f64;
         assert!((mean - 2_000.0).abs() < 40.0, "mean {mean} ms");
-        assert_eq!(Jitter::new(101), None);
-        assert_eq!(Jitter::default().percent(), 50);
-        // The extreme draws land on the window's edges exactly.
-        let j = Jitter::DEFAULT;
-        let interval = Duration::from_secs(10);
-        assert_eq!(j.spread(interval, 0), Duration::from_secs(5));
-        assert_eq!(
-            j.spread(interval, u64::MAX),
-            Duration::from_secs(15) - Duration::from_nanos(1)
-        );
-        assert_eq!(j.spread(Duration::ZERO, u64::MAX), Duration::ZERO);
-        // Any configured interval: no overflow, the wait saturates.
-        let full = Jitter::new(100).unwrap();
-        assert_eq!(
-            full.spread(Duration::MAX, u64::MAX),
-            Duration::from_nanos(u64::MAX)
-        );
-        assert_eq!(full.spread(Duration::MAX, 0), Duration::ZERO);
-        let huge = Duration::from_secs(1_000_000_000_000);
-        assert_eq!(
-            j.spread(huge, 0),
-            Duration::from_nanos(u64::MAX - u64::MAX / 2)
-        );
     }
 
     // CONTRACT: S2, S3 — jitter never changes the budget: a finite budget
