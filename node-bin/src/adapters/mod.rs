@@ -9,6 +9,7 @@
 //! needs and may travel to a worker core ([`crate::calls::workers`]); the capacity
 //! gate and its permits stay on the session core.
 
+pub mod dial;
 pub mod probe;
 
 use std::cell::Cell;
@@ -22,7 +23,7 @@ use iop_engine::tls::{UpstreamTls, UpstreamTlsSettings};
 use iop_wire::lease::{self, ProviderTrust, PROVIDER_TRUST_BYTES};
 use iop_wire::pb;
 
-use crate::calls::pool::Target;
+use self::dial::Target;
 
 /// The adapter type of an instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -37,8 +37,8 @@ use iop_engine::http::{ClientConn, HttpError, Limits, Url};
 use iop_engine::tls::{UpstreamTls, UpstreamTlsError};
 use iop_wire::pb;
 
+use super::dial::{self, SendError, Target};
 use super::{AdapterInstance, AdapterKind};
-use crate::calls::pool::{self, SendError, Target};
 
 /// The result of an exact-target health probe, normalized (W5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,7 +274,7 @@ pub async fn get(
     timeout: Duration,
 ) -> Result<(u16, Bytes), GetError> {
     let exchange = async {
-        let stream = pool::connect(target).await.map_err(|e| match e {
+        let stream = dial::connect(target).await.map_err(|e| match e {
             SendError::Connect { source, .. }
                 if source.kind() == std::io::ErrorKind::ConnectionRefused =>
             {

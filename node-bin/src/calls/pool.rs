@@ -79,14 +79,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use iop_engine::clock;
-use iop_engine::http::{
-    self, ClientConn, HttpError, Limits, ReadReadiness, ResponseHead, Scheme, Url,
-};
-use iop_engine::tls::{MaybeTls, UpstreamStream, UpstreamTls, UpstreamTlsError};
+use iop_engine::http::{ClientConn, HttpError, Limits, ReadReadiness, ResponseHead, Scheme};
+use iop_engine::tls::{UpstreamStream, UpstreamTls};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use zeroize::Zeroizing;
 
-use crate::codes;
+use crate::adapters::dial::{self, SendError, Target};
 use crate::timers::Timers;
 
 /// Default [`PoolConfig::max_idle_per_authority`].
@@ -136,31 +134,6 @@ pub struct PoolStats {
     pub stale_retries: u64,
     /// Connections returned to the idle LIFO.
     pub checkins: u64,
-}
-
-/// Where a provider connection goes: its base URL and, for `https`, the
-/// adapter's TLS client (which also decides how the certificate is
-/// verified). A plain `&Url` converts into a target without TLS.
-#[derive(Debug, Clone, Copy)]
-pub struct Target<'a> {
-    /// The base URL (scheme, host, port; the path prefix does not matter
-    /// for a connection).
-    pub url: &'a Url,
-    /// The TLS client, for an `https` URL.
-    pub tls: Option<&'a UpstreamTls>,
-}
-
-impl<'a> Target<'a> {
-    /// `url`, over TLS with `tls` when it is an `https` URL.
-    pub fn new(url: &'a Url, tls: Option<&'a UpstreamTls>) -> Self {
-        Target { url, tls }
-    }
-}
-
-impl<'a> From<&'a Url> for Target<'a> {
-    fn from(url: &'a Url) -> Self {
-        Target { url, tls: None }
-    }
 }
 
 /// A provider authority: what idle connections are kept under — scheme,
@@ -520,7 +493,7 @@ impl ProviderPool<ProviderConn> {
     /// A new connection to `target` (`TCP_NODELAY`, TLS for `https`),
     /// `Host` set to its authority.
     async fn connect(self: &Rc<Self>, target: Target<'_>) -> Result<PooledConn, SendError> {
-        let stream = connect(target).await?;
+        let stream = dial::connect(target).await?;
         let client = ClientConn::new(stream, Limits::default()).with_host(target.url.authority());
         Ok(self.adopt(target, client))
     }
@@ -644,65 +617,6 @@ pub struct ProviderResponse {
     pub head: ResponseHead,
 }
 
-/// Why [`ProviderPool::send`] failed.
-#[derive(Debug, thiserror::Error)]
-pub enum SendError {
-    /// No connection to the provider could be made.
-    #[error("connect {authority}: {source}")]
-    Connect {
-        /// The provider's authority (`Host` form).
-        authority: String,
-        /// The OS error.
-        source: io::Error,
-    },
-    /// The TLS handshake with an `https` provider failed: its certificate
-    /// was refused (wrong host name, expired, unknown issuer) or the
-    /// handshake broke off.
-    #[error("provider TLS: {0}")]
-    Tls(UpstreamTlsError),
-    /// The exchange failed after connecting.
-    #[error("provider: {0}")]
-    Http(HttpError),
-}
-
-impl SendError {
-    /// The terminal failure code and message (W6):
-    /// `provider_unreachable`, `provider_tls` or `provider_error`.
-    pub fn into_failure(self) -> (&'static str, String) {
-        let code = match self {
-            SendError::Connect { .. } => codes::PROVIDER_UNREACHABLE,
-            SendError::Tls(_) => codes::PROVIDER_TLS,
-            SendError::Http(_) => codes::PROVIDER_ERROR,
-        };
-        (code, self.to_string())
-    }
-}
-
-/// Opens a connection to `target`: TCP (the host name resolved without
-/// blocking the core), then the TLS handshake for an `https` URL. An
-/// `https` URL without a TLS client is refused rather than sent in clear.
-pub async fn connect(target: Target<'_>) -> Result<UpstreamStream, SendError> {
-    let url = target.url;
-    let tcp = http::connect_url(url)
-        .await
-        .map_err(|source| SendError::Connect {
-            authority: url.authority(),
-            source,
-        })?;
-    match (url.is_tls(), target.tls) {
-        (false, _) => Ok(MaybeTls::Plain(tcp)),
-        (true, Some(tls)) => tls
-            .connect(tcp, url.host())
-            .await
-            .map(MaybeTls::from)
-            .map_err(SendError::Tls),
-        (true, None) => Err(SendError::Tls(UpstreamTlsError::Io {
-            host: url.host().to_owned(),
-            source: io::Error::other("https base URL without a TLS client configured"),
-        })),
-    }
-}
-
 /// A connection checked out of a [`ProviderPool`]. Use it through `Deref`;
 /// give it back with [`PooledConn::release`] once its response was read
 /// to the end. Dropping it closes it (never a check-in).
@@ -817,6 +731,8 @@ pub fn spawn_sweeper<C: Reusable + 'static>(pool: &Rc<ProviderPool<C>>, timers: 
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+
+    use iop_engine::http::Url;
 
     use super::*;
 
