@@ -5,7 +5,7 @@
 //! thread, pinned: supervisor, Edge session, run manager, watchdog wheel,
 //! signals, the SIGUSR1 dumper); every further core gets a pinned provider
 //! worker thread with its own monoio runtime and keep-alive pool
-//! (`node_bin::workers`). One core runs everything on this thread. Worker
+//! (`node_bin::calls::workers`). One core runs everything on this thread. Worker
 //! threads end with the process when the control shard returns.
 //!
 //! Subcommands: `check-config FILE` (loads and validates a configuration the
@@ -19,6 +19,9 @@
 //! and the supervisor dials (the Edge may be down: the Node keeps
 //! redialling), `RELOADING=1` then `READY=1` around each SIGHUP,
 //! `STOPPING=1` at the first stop signal.
+
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;

@@ -20,12 +20,12 @@
 //! parsing or copying (U2; a usage chunk the Edge asked for on the client's
 //! behalf is left out, see [`crate::calls::usage`]). The provider
 //! connection comes from the pool of the core the call runs on
-//! ([`ProviderPool`]; a worker core's with `--cores` of two or more,
-//! [`crate::calls::workers`]) and goes back to it only
-//! when the body was read to its end; a cancelled or stalled tunnel drops
-//! it (U6, W4). On a worker core the body pieces reach the session core as
-//! the same `Bytes` (a reference count crosses, not the bytes), and the
-//! BODY frame carries them as they are.
+//! ([`ProviderPool`](crate::calls::pool::ProviderPool); a worker core's
+//! with `--cores` of two or more, [`crate::calls::workers`]) and goes back
+//! to it only when the body was read to its end; a cancelled or stalled
+//! tunnel drops it (U6, W4). On a worker core the body pieces reach the
+//! session core as the same `Bytes` (a reference count crosses, not the
+//! bytes), and the BODY frame carries them as they are.
 
 use std::future::Future;
 use std::rc::Rc;
