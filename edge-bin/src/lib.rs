@@ -6,40 +6,33 @@
 //! bytes.
 //!
 //! ```text
-//!  clients ──HTTP──► surface ──select──► Control ◄──register/ready/close── nodes
-//!     ▲                 │                   │ lease                       ▲
-//!     └── chunks ◄── relay ◄── route ◄── tunnel frames (H1: by connection) ┘
+//!  clients ──HTTP──► client ──submit──► link ──input──► Control ◄── register/ready/close ── nodes
+//!     ▲                │                 │ ◄──actions──┘                                   ▲
+//!     └── chunks ◄── relay ◄── route ◄── link (tunnel frames, H1: by connection) ───────────┘
 //! ```
 //!
-//! Modules: [`config`] (edge.toml), [`control`] (the state machine),
-//! [`openai`] (surface shapes), [`surface`] (client HTTP shell), [`nodes`]
-//! (node connection shell), [`state`] (shell tables), [`status`] (`/status`),
-//! [`metrics`] and [`request_metrics`] (`/metrics`),
-//! [`server`] (wiring and listeners), [`shards`] (the Edge across cores:
-//! Control on shard 0, mailboxes between shards), [`credentials`] (client
-//! keys and credential leases, C1–C5), [`attempt`] (the commit point of an
-//! attempt, shared by the node and client shells), [`outlier`] (passive
-//! health of one provider) and [`ui`] (the `/ui` status page).
+//! The rooms, one way down (a room uses only the rooms below it):
+//!
+//! - [`server`]: wiring — binds the listeners of every shard, the accept
+//!   loops and their caps ([`server::front_door`]), SIGHUP reloads.
+//! - [`client`]: the client HTTP shell — the request loop, routes, the
+//!   relays, `/admin`, `/status`, `/metrics`, the `/ui` page.
+//! - [`link`]: the node side and the shards — node connections, the
+//!   per-shard [`link::edge::Edge`] that carries out Control's actions, the
+//!   route tables, mailboxes between shards, pending node commands.
+//! - [`plane`]: per-request policy and records — client keys and credential
+//!   leases, per-key and per-address limits, the access log, the usage file,
+//!   the request series of `/metrics`.
+//! - [`control`]: the sans-IO state machine — registry, admission, leases,
+//!   failover, passive health, views; the commit point of an attempt.
+//! - [`api`]: the client-facing shapes — OpenAI/Anthropic errors and
+//!   requests, request bodies as the client's bytes, run translation.
+//! - [`config`]: `edge.toml`, parsed and validated.
 
-pub mod access;
-pub mod admin;
-pub mod attempt;
-pub mod body_json;
+pub mod api;
+pub mod client;
 pub mod config;
 pub mod control;
-pub mod credentials;
-pub mod front_door;
-pub mod limits;
-pub mod metrics;
-pub mod nodes;
-pub mod openai;
-pub mod outlier;
-pub mod request_metrics;
+pub mod link;
+pub mod plane;
 pub mod server;
-pub mod shards;
-pub mod state;
-pub mod status;
-pub mod surface;
-pub mod translate;
-pub mod ui;
-pub mod usage;

@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use argh::FromArgs;
 use edge_bin::config::EdgeConfig;
-use edge_bin::credentials::{client_key_hash_hex, CredentialPlane};
+use edge_bin::link::shards::Lifecycle;
+use edge_bin::plane::credentials::{client_key_hash_hex, CredentialPlane};
 use edge_bin::server;
 use edge_bin::server::DrainEnd;
-use edge_bin::shards::Lifecycle;
 use iop_engine::build::{version_line, IoUring};
 use iop_engine::rt::{self, notify, CoreList, LogFormat, Signal, SignalPipe};
 use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
@@ -395,7 +395,7 @@ fn control_setup(
 /// runs. `loaded` follows the last valid file (the applied sections and
 /// the certificate paths).
 fn spawn_reloader(
-    edge: Rc<edge_bin::state::Edge>,
+    edge: Rc<edge_bin::link::edge::Edge>,
     tls: (Option<EdgeTlsAcceptor>, Option<HttpsAcceptor>),
     started: EdgeConfig,
     path: std::path::PathBuf,
@@ -467,8 +467,8 @@ fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
     // An access log whose format edge.toml leaves open follows --log-format.
     if !cfg.access_log.format_explicit {
         cfg.access_log.format = match log_format {
-            LogFormat::Text => edge_bin::access::Format::Text,
-            LogFormat::Json => edge_bin::access::Format::Json,
+            LogFormat::Text => edge_bin::config::Format::Text,
+            LogFormat::Json => edge_bin::config::Format::Json,
         };
     }
     // C4: a secret read from the environment leaves it: not inherited by

@@ -5,12 +5,12 @@
 
 use std::time::{Duration, Instant};
 
+use edge_bin::control::outlier::{OutlierPolicy, Readmission};
 use edge_bin::control::{
     AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, DispatchKind,
     Event, FailureReason, Input, ModelSpec, NodeSpec, Operation, Operations, Outcome, ProviderKey,
     ProviderSpec, Rejection, RequestId, Terminal, Tunables,
 };
-use edge_bin::outlier::{OutlierPolicy, Readmission};
 use iop_wire::pb;
 
 const NODE: &str = "n1";
@@ -195,7 +195,7 @@ impl Fixture {
             .map(|l| (l.run_id.clone(), l.provider.provider_id.to_string()))
     }
 
-    fn outlier(&self, provider: &str) -> edge_bin::outlier::OutlierState {
+    fn outlier(&self, provider: &str) -> edge_bin::control::outlier::OutlierState {
         let i = self
             .control
             .snapshots()

@@ -37,12 +37,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
+use edge_bin::control::outlier::OutlierPolicy;
 use edge_bin::control::{
     Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, DispatchKind, FailureReason,
     Input, ModelSpec, NodeSpec, Operation, Operations, ProviderKey, ProviderSpec, RequestId,
     Terminal, Tunables,
 };
-use edge_bin::outlier::OutlierPolicy;
 use iop_wire::pb;
 
 mod sim_rng;

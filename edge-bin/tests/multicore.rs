@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use common::*;
 use edge_bin::config::EdgeConfig;
+use edge_bin::link::shards::bind_reuseport;
 use edge_bin::server::{DrainEnd, ShardedEdge, Stop};
-use edge_bin::shards::bind_reuseport;
 use iop_engine::mailbox;
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
 use node_bin::config::NodeConfig;

@@ -20,7 +20,7 @@
 //!   handoff, failover) are emitted after Control's decision is final — at
 //!   emission the lease is already released, the counter already moved, the
 //!   overlay or ejection already in place — each with exactly the fields of
-//!   an allowlist read off `edge_bin::state`; no captured event at any level
+//!   an allowlist read off `edge_bin::link::edge`; no captured event at any level
 //!   and no `/metrics` label carries the run id, the client's request id, the
 //!   API key, the caller's identity, the prompt or the Node-owned ids.
 
@@ -36,7 +36,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use edge_bin::control::ProviderKey;
-use edge_bin::state::Edge;
+use edge_bin::link::edge::Edge;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use tracing::field::{Field, Visit};
@@ -70,7 +70,7 @@ const RECOVERY_OBSERVATION: &str = "edge_liveness_recovery_observation";
 const BOTH: &str = "both-nodes";
 
 /// The fields each observation event may carry, by message, read off
-/// `edge_bin::state` (`Action::StallHandoff` and `log_event`). Any other
+/// `edge_bin::link::edge` (`Action::StallHandoff` and `log_event`). Any other
 /// field fails the test.
 fn allowlist(event: &str, message: &str) -> Option<&'static [&'static str]> {
     let fields: &'static [&'static str] = match (event, message) {

@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
 
 use common::*;
-use edge_bin::ui::VIEWERS_MAX;
+use edge_bin::client::ui::VIEWERS_MAX;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use serde_json::Value;

@@ -583,8 +583,8 @@ pub fn lease_open(data: &[u8]) {
 /// it, the body it builds for a provider must parse again with `model`
 /// naming the target and every other member unchanged.
 pub fn edge_request_json(data: &[u8]) {
-    use edge_bin::body_json::{JsonLimits, Members};
-    use edge_bin::openai::{ChatRequest, PassthroughRequest};
+    use edge_bin::api::body_json::{JsonLimits, Members};
+    use edge_bin::api::openai::{ChatRequest, PassthroughRequest};
 
     const TARGET: &str = "org/target \"7b\"\u{e9}";
     let body = Bytes::copy_from_slice(data);
@@ -668,7 +668,7 @@ fn reference_member_names(text: &str) -> Option<Vec<String>> {
 /// reading of nested objects) gives each distinct name once, in order of
 /// first appearance, with its last value.
 pub fn edge_body_members(data: &[u8]) {
-    use edge_bin::body_json::{object_members, BodyError, JsonLimits, Members};
+    use edge_bin::api::body_json::{object_members, BodyError, JsonLimits, Members};
 
     let (control, rest) = control(data);
     let limits = JsonLimits {
@@ -714,7 +714,7 @@ pub fn edge_body_members(data: &[u8]) {
                 // the Edge checks the bounds first: only a valid object
                 // within every bound must be accepted.
                 let within = reference.len() as u64 <= limits.max_members
-                    && edge_bin::body_json::check_shape(rest, &limits).is_ok();
+                    && edge_bin::api::body_json::check_shape(rest, &limits).is_ok();
                 assert!(!within, "a valid object refused: {e:?}");
             }
         }

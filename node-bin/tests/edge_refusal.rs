@@ -296,7 +296,7 @@ max_attempts = 0
     // The Edge says why it refused (its log is throttled per peer address).
     let rejected = events(
         &edge,
-        "edge_bin::front_door",
+        "edge_bin::server::front_door",
         "node connection rejected in the TLS handshake",
     );
     assert!(
@@ -323,7 +323,7 @@ max_attempts = 0
             .map(|f| assert_eq!(f["node_id"], "node-z", "{f}"))
     });
     wait_for("node.connected on the Edge", &[&node, &fixed_edge], || {
-        let connected = events(&fixed_edge, "edge_bin::state", "node.connected");
+        let connected = events(&fixed_edge, "edge_bin::link::edge", "node.connected");
         connected
             .first()
             .map(|f| assert_eq!(f["node_id"], "node-z", "{f}"))

@@ -18,10 +18,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use edge_bin::config::EdgeConfig;
+use edge_bin::control::control_spec;
 use edge_bin::control::{
     Action, AttemptEnd, ConnId, Control, Input, Lease, Operation, RequestId, Terminal,
 };
-use edge_bin::server::control_spec;
 use iop_engine::clock;
 use serde::Serialize;
 

@@ -21,8 +21,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use edge_bin::config::EdgeConfig;
 use edge_bin::control::Control;
+use edge_bin::link::edge::Edge;
+use edge_bin::link::settings;
 use edge_bin::server::{self, Listeners};
-use edge_bin::state::Edge;
 use iop_engine::certs::{write_dev_certs_with_https, DevCertFiles};
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
 use iop_engine::sync::oneshot;
@@ -362,15 +363,15 @@ impl TestEdge {
         let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
         let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
             .expect("edge acceptor");
-        let mut settings = server::settings(&cfg, None);
+        let mut settings = settings::settings(&cfg, None);
         settings.client_tls = cfg
             .client_tls
             .as_ref()
             .map(|files| HttpsAcceptor::from_files(files).expect("client listener TLS"));
-        settings.usage_log = server::usage_log(&cfg);
-        settings.access_log = server::access_log(&cfg);
+        settings.usage_log = settings::usage_log(&cfg);
+        settings.access_log = settings::access_log(&cfg);
         let edge = Rc::new(Edge::new(
-            Control::new(server::control_spec(&cfg)),
+            Control::new(edge_bin::control::control_spec(&cfg)),
             settings,
         ));
         let listeners = Listeners::bind(&cfg).expect("bind edge listeners");

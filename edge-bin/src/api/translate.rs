@@ -24,7 +24,7 @@ use bytes::Bytes;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::openai;
+use crate::api::openai;
 
 /// Metadata key of native tool calls on `complete` (E4): a JSON array of
 /// OpenAI tool calls with `arguments` as JSON strings.

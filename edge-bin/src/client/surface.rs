@@ -26,21 +26,21 @@ use iop_wire::pb::frame::Body;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 use monoio::net::TcpStream;
 
-use crate::access::{AccessRecord, REQUEST_ID_HEADER};
-use crate::attempt::AttemptTracker;
-use crate::body_json::JsonLimits;
+use crate::api::body_json::JsonLimits;
+use crate::api::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
+use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::config::MetricsAccess;
+use crate::control::attempt::AttemptTracker;
 use crate::control::{
     AbortReason, CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
 };
-use crate::credentials::{Caller, ClientKeys, CredentialError, LeaseRequest};
-use crate::limits::{self, Ticket};
-use crate::openai::{self, ApiError, ChatRequest, PassthroughRequest, Surface};
-use crate::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
-use crate::shards::NodeRequest;
-use crate::state::{Admission, Edge, RouteEvent, RouteRx};
-use crate::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
-use crate::{front_door, metrics, status};
+use crate::link::edge::{Admission, Edge, RouteEvent, RouteRx};
+use crate::link::shards::NodeRequest;
+use crate::plane::access::{AccessRecord, REQUEST_ID_HEADER};
+use crate::plane::credentials::{Caller, ClientKeys, CredentialError, LeaseRequest};
+use crate::plane::limits::{self, Ticket};
+use crate::plane::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
+use crate::{client::metrics, client::status, server::front_door};
 
 /// What a client connection's stream can do: plain TCP and TLS both
 /// (`AsRawFd`: the TCP socket underneath, for socket options).
@@ -144,7 +144,7 @@ impl<S> Client<S> {
             return;
         };
         if is_inference_route(&self.rec.path) {
-            crate::ui::count_response(self.conn.exchange().status);
+            crate::client::ui::count_response(self.conn.exchange().status);
         }
         let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
         self.active = None;
@@ -451,7 +451,8 @@ fn serve_requests<S: ClientStream, G: 'static>(
             server.rec.principal = principal.to_owned();
             server.caller = Some(caller.clone());
             // Who asks, for the admin routes of an Edge without keys.
-            let from = crate::admin::Requester::of(peer, head.header("host").map(|h| &h[..]));
+            let from =
+                crate::client::admin::Requester::of(peer, head.header("host").map(|h| &h[..]));
             // The routes that forward some of the client's headers take
             // them; for every other route they are freed here, not held
             // while its response streams.
@@ -558,12 +559,12 @@ fn serve_requests<S: ClientStream, G: 'static>(
                         )
                         .await
                 }
-                // The status page (crate::ui).
-                ("GET", "/ui") => crate::ui::page(&edge, &mut server, from).await,
+                // The status page (crate::client::ui).
+                ("GET", "/ui") => crate::client::ui::page(&edge, &mut server, from).await,
                 // Boxed like the passthrough (their timers are cache-line
                 // aligned, which would align every connection's task).
                 ("GET", "/ui/events") => {
-                    Box::pin(crate::ui::events(
+                    Box::pin(crate::client::ui::events(
                         &edge,
                         &mut server,
                         caller.authority,
@@ -571,15 +572,15 @@ fn serve_requests<S: ClientStream, G: 'static>(
                     ))
                     .await
                 }
-                ("POST", p) if p.starts_with(crate::admin::COMMANDS_PREFIX) => {
+                ("POST", p) if p.starts_with(crate::client::admin::COMMANDS_PREFIX) => {
                     let content_type = headers
                         .iter()
                         .find(|h| h.name.eq_ignore_ascii_case("content-type"))
                         .map(|h| &h.value[..]);
-                    let allowed = crate::admin::authorize(caller.authority, from)
-                        .and_then(|()| crate::admin::check_content_type(content_type));
+                    let allowed = crate::client::admin::authorize(caller.authority, from)
+                        .and_then(|()| crate::client::admin::check_content_type(content_type));
                     let (status, body) = match allowed {
-                        Ok(()) => Box::pin(crate::admin::handle(&edge, p, &body)).await,
+                        Ok(()) => Box::pin(crate::client::admin::handle(&edge, p, &body)).await,
                         Err(refused) => refused,
                     };
                     write_json(&mut server, status, body).await
@@ -1167,7 +1168,7 @@ fn unsupported(model: &str, route: PassRoute) -> ApiError {
 
 /// Sends a run to the lease's node; on failure settles the request and
 /// answers the client. Returns whether it was sent. `buffered`: its relay
-/// writes only at the end (the commit point, [`crate::attempt`]).
+/// writes only at the end (the commit point, [`crate::control::attempt`]).
 async fn send_run<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
@@ -1484,7 +1485,7 @@ const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading
 /// Relays a normalized run as one `chat.completion` (E1, E5). Every event
 /// taken from the route is credited back to the node as soon as the
 /// builder took it. Nothing is written before the attempt commits
-/// ([`crate::attempt`]): the answer waits for its `complete`; an attempt
+/// ([`crate::control::attempt`]): the answer waits for its `complete`; an attempt
 /// that fails before may be retried elsewhere ([`Relayed::Retry`]).
 ///
 /// Apart from [`relay_run`] (the streamed form), so neither's future keeps
@@ -1583,7 +1584,7 @@ where
 /// Relays a normalized run as OpenAI chat completion chunks (E1, E4). Every
 /// event taken from the route is credited back to the node as soon as the
 /// client took its bytes (or the relay held it). Nothing is written before
-/// the attempt commits ([`crate::attempt`]): the stream's `start` waits for
+/// the attempt commits ([`crate::control::attempt`]): the stream's `start` waits for
 /// its first delta; an attempt that fails before may be retried elsewhere
 /// ([`Relayed::Retry`]).
 async fn relay_run<S>(
@@ -1828,7 +1829,7 @@ where
 /// Relays tunnel frames to the client until the terminal, crediting each
 /// body back to the node once the client's socket took it (or the relay
 /// held it). The provider's response head is held until the attempt
-/// commits ([`crate::attempt`]): its first body byte, or for a 5xx head
+/// commits ([`crate::control::attempt`]): its first body byte, or for a 5xx head
 /// the end of its body (bounded). An attempt that fails before may be
 /// retried elsewhere ([`Relayed::Retry`]).
 async fn relay<S>(
@@ -2149,7 +2150,7 @@ mod tests {
     use super::*;
     use crate::config::EdgeConfig;
     use crate::control::{ConnId, Generation, Lease, ProviderKey};
-    use crate::credentials::CredentialPlane;
+    use crate::plane::credentials::CredentialPlane;
 
     const SECRET: &[u8] = b"sk-iop-surface-canary-1b2c";
 
@@ -2208,7 +2209,7 @@ mod tests {
     fn tunnel_frame_carries_only_the_sealed_lease() {
         let dispatch = dispatch();
         let (cfg, plane) = plane();
-        let edge = crate::server::edge_state_with(&cfg, Some(plane));
+        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
         let client = [iop_engine::http::Header {
             name: "authorization".into(),
             value: Bytes::from_static(b"Bearer client-key"),
@@ -2265,7 +2266,7 @@ mod tests {
         let names: Vec<&str> = sent.headers.iter().map(|h| h.name.as_str()).collect();
         assert_eq!(names, ["content-type", "accept"]);
         // Without a credential plane both fields are absent (legacy tunnel).
-        let bare = crate::server::edge_state(&cfg);
+        let bare = crate::link::settings::edge_state(&cfg);
         let Some(Body::ProviderTunnelRequest(legacy)) =
             with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel, body())
                 .expect("no lease needed")
@@ -2287,7 +2288,7 @@ mod tests {
     fn the_lease_covers_the_body_that_asks_for_usage() {
         let dispatch = dispatch();
         let (cfg, plane) = plane();
-        let edge = crate::server::edge_state_with(&cfg, Some(plane));
+        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
         let chat = ChatRequest::parse(
             Bytes::from_static(br#"{"model":"gpt-x","messages":[],"stream":true}"#),
             &JsonLimits::default(),
@@ -2373,7 +2374,7 @@ mod tests {
                 other => panic!("unexpected frame {other:?}"),
             }
         }
-        let proto = include_str!("../../proto/iop/runtime.proto");
+        let proto = include_str!("../../../proto/iop/runtime.proto");
         for message in ["RunRequest", "ProviderTunnelRequest"] {
             let start = proto.find(&format!("message {message} {{")).unwrap();
             let body = &proto[start..start + proto[start..].find("\n}").unwrap()];
@@ -2460,7 +2461,7 @@ mod tests {
             "edge.toml",
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let edge = crate::server::edge_state(&cfg);
+        let edge = crate::link::settings::edge_state(&cfg);
         let (mut clients, server) = connect_clients(&edge, 2).await;
         let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
         assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));

@@ -7,7 +7,7 @@ use std::time::Instant;
 use iop_wire::pb;
 use serde_json::{json, Value};
 
-use crate::outlier::OutlierState;
+use crate::control::outlier::OutlierState;
 
 /// A provider's passive-health state as `/status` shows it (`outlier`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

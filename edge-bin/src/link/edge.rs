@@ -9,7 +9,6 @@
 use std::cell::{Cell, Ref, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::clock;
@@ -18,21 +17,18 @@ use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_engine::net::{Deadlines, LogThrottle};
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
-use iop_engine::tls::HttpsAcceptor;
 use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
-use crate::access::{AccessLog, RequestIds};
-use crate::attempt::AttemptTracker;
-use crate::config::ListenerLimits;
+use crate::control::attempt::AttemptTracker;
 use crate::control::{
     AbortReason, Action, AttemptEnd, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
     Rejection, RequestId,
 };
-use crate::credentials::{ClientKeys, CredentialPlane};
-use crate::openai::ModelEntry;
-use crate::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
+use crate::link::settings::Settings;
+use crate::link::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
+use crate::plane::access::RequestIds;
 
 /// What the node side delivers to a waiting client request.
 // Frames move through the queue by value; boxing them would allocate per frame.
@@ -165,7 +161,7 @@ struct NodeRoute {
     window: RecvWindow,
     /// A frame of it was delivered already (its response started, U6).
     responded: bool,
-    /// Its commit point and how it ends (`crate::attempt`).
+    /// Its commit point and how it ends (`crate::control::attempt`).
     tracker: AttemptTracker,
 }
 
@@ -188,7 +184,7 @@ pub enum Delivery {
     Delivered {
         /// The run's first frame (its response started, U6).
         first: bool,
-        /// This frame commits the attempt (`crate::attempt`).
+        /// This frame commits the attempt (`crate::control::attempt`).
         commits: bool,
         /// For a terminal: how the attempt ended, and whether it had
         /// committed.
@@ -264,49 +260,6 @@ impl std::fmt::Debug for Admission {
             Admission::Ended => f.write_str("Ended"),
         }
     }
-}
-
-/// Static settings the shells need.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    /// Largest client request body (413 above).
-    pub max_request_body_bytes: usize,
-    /// Each run's flow-control window on its node connection (charged
-    /// bytes).
-    pub flow_window_bytes: u64,
-    /// A client socket that takes no bytes of a response for this long is
-    /// cut off.
-    pub client_write_stall_timeout: Duration,
-    /// Models for `GET /v1/models`, in config order.
-    pub models: Vec<ModelEntry>,
-    /// Long-context threshold per model, in estimated prompt tokens.
-    pub long_context_threshold_tokens: HashMap<String, u64>,
-    /// Process start, Unix seconds (the `created` of listed models).
-    pub started_unix_sec: i64,
-    /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
-    /// shared by every shard and replaced on SIGHUP; `None`: plain HTTP.
-    pub client_tls: Option<HttpsAcceptor>,
-    /// Client API keys (401 without one when configured).
-    pub client_keys: ClientKeys,
-    /// The loaded credential plane, shared by every shard; `None` =
-    /// disabled (tunnels carry no lease).
-    pub credentials: Option<Arc<CredentialPlane>>,
-    /// The front door's deadlines, caps and bounds (`[edge]`).
-    pub limits: ListenerLimits,
-    /// Who may read `/metrics` (`edge.metrics_access`).
-    pub metrics_access: crate::config::MetricsAccess,
-    /// How long one pull of the nodes' `/metrics` series serves later
-    /// scrapes (`edge.node_metrics_max_age_ms`).
-    pub node_metrics_max_age: Duration,
-    /// What one peer address holds of each listener, shared by every
-    /// shard.
-    pub peer_limits: crate::front_door::PeerLimits,
-    /// The access log (`[edge.access_log]`; one writer for every shard).
-    pub access_log: AccessLog,
-    /// The process's usage file (`[edge.usage_log]`), shared by the shards.
-    pub usage_log: crate::usage::UsageLog,
-    /// The per-request series of `/metrics`, shared by every shard.
-    pub request_metrics: Arc<crate::request_metrics::RequestMetrics>,
 }
 
 /// An observer of `Control` events (the droppable fan-out: event bus
@@ -423,7 +376,7 @@ pub struct Edge {
     /// node connections: one timing wheel and one tick task for them all.
     pub deadlines: Rc<Deadlines>,
     /// The last pull of this shard's nodes' `/metrics` series.
-    pub node_metrics: crate::metrics::NodeMetricsCache,
+    pub node_metrics: crate::link::node_metrics::NodeMetricsCache,
 }
 
 /// A client request in flight ([`Edge::track_request`]); dropping it ends
@@ -503,7 +456,7 @@ impl Edge {
             write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
             request_ids: RequestIds::default(),
             deadlines: Deadlines::new(),
-            node_metrics: crate::metrics::NodeMetricsCache::default(),
+            node_metrics: crate::link::node_metrics::NodeMetricsCache::default(),
         }
     }
 
@@ -962,7 +915,7 @@ impl Edge {
     /// and answers the client); a run handed to another shard that cannot
     /// send it ends its route with `Lost` there.
     /// `buffered`: the relay writes only at the end (the commit point,
-    /// `crate::attempt`).
+    /// `crate::control::attempt`).
     pub async fn start_run(
         &self,
         request: RequestId,
@@ -1226,7 +1179,7 @@ impl Edge {
             Some(outbox) if to != self.shard => {
                 outbox.send(to, ShardMsg::CommandAnswer { conn, response })
             }
-            _ => crate::admin::on_response(conn, response),
+            _ => crate::link::commands::on_response(conn, response),
         }
     }
 
@@ -1257,7 +1210,7 @@ impl Edge {
             ShardMsg::SendControl { conn, frame } => {
                 let command_id = match &frame.body {
                     Some(Body::NodeCommandRequest(c))
-                        if crate::admin::is_admin_command(&c.command_id) =>
+                        if crate::link::commands::is_admin_command(&c.command_id) =>
                     {
                         Some(c.command_id.clone())
                     }
@@ -1267,19 +1220,21 @@ impl Edge {
                     .conn(conn)
                     .is_some_and(|c| c.send_control(frame).is_ok());
                 if let (false, Some(command_id)) = (sent, command_id) {
-                    let to = crate::admin::command_shard(&command_id);
+                    let to = crate::link::commands::command_shard(&command_id);
                     match &self.outbox {
                         Some(outbox) if to != self.shard => {
                             outbox.send(to, ShardMsg::CommandUndeliverable { conn, command_id })
                         }
-                        _ => crate::admin::on_undeliverable(conn, &command_id),
+                        _ => crate::link::commands::on_undeliverable(conn, &command_id),
                     }
                 }
             }
             ShardMsg::CommandUndeliverable { conn, command_id } => {
-                crate::admin::on_undeliverable(conn, &command_id)
+                crate::link::commands::on_undeliverable(conn, &command_id)
             }
-            ShardMsg::CommandAnswer { conn, response } => crate::admin::on_response(conn, response),
+            ShardMsg::CommandAnswer { conn, response } => {
+                crate::link::commands::on_response(conn, response)
+            }
             ShardMsg::Query(read) => match &self.control {
                 Some(control) => read(&control.borrow()),
                 None => tracing::error!(shard = self.shard, "control query sent to a worker shard"),
@@ -1430,13 +1385,17 @@ fn log_event(event: &Event) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::time::Duration;
 
     use super::*;
+    use crate::config::ListenerLimits;
     use crate::control::{
         ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
         Tunables,
     };
+    use crate::plane::access::AccessLog;
+    use crate::plane::credentials::ClientKeys;
 
     fn edge() -> Edge {
         let spec = ControlSpec {
@@ -1483,10 +1442,14 @@ mod tests {
             node_metrics_max_age: Duration::from_millis(
                 crate::config::DEFAULT_NODE_METRICS_MAX_AGE_MS,
             ),
-            peer_limits: crate::front_door::PeerLimits::new(&ListenerLimits::default()),
+            peer_limits: crate::plane::limits::PeerLimits::new(&ListenerLimits::default()),
             access_log: AccessLog::off(),
-            usage_log: crate::usage::UsageLog::off(),
-            request_metrics: crate::request_metrics::RequestMetrics::new(Vec::new(), Vec::new(), 1),
+            usage_log: crate::plane::usage::UsageLog::off(),
+            request_metrics: crate::plane::request_metrics::RequestMetrics::new(
+                Vec::new(),
+                Vec::new(),
+                1,
+            ),
         };
         Edge::new(Control::new(spec), settings)
     }

@@ -25,7 +25,7 @@
 //! Access: with `[[client_keys]]`, `/ui/events` needs an admin-scoped key
 //! (the page asks for it and sends it as `Authorization: Bearer`); the page
 //! itself holds no data and is served to anyone. Without keys both answer
-//! loopback peers only ([`crate::admin::authorize_route`]).
+//! loopback peers only ([`crate::client::admin::authorize_route`]).
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -33,7 +33,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::surface::ClientStream;
+use crate::client::surface::ClientStream;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, ServerConn, Watched};
@@ -42,11 +42,11 @@ use iop_engine::metrics::{self as engine_metrics, Histogram, Latency};
 use iop_wire::pb;
 use serde_json::{json, Value};
 
-use crate::admin::Requester;
+use crate::client::admin::Requester;
+use crate::client::status::{self, OutlierView};
 use crate::control::{ModelView, NodePhase, NodeView};
-use crate::credentials::Authority;
-use crate::state::Edge;
-use crate::status::{self, OutlierView};
+use crate::link::edge::Edge;
+use crate::plane::credentials::Authority;
 
 /// The page, served as is.
 pub const PAGE_HTML: &str = include_str!("ui/page.html");
@@ -334,7 +334,9 @@ pub(crate) async fn page<S: ClientStream>(
     from: Requester,
 ) -> Result<(), HttpError> {
     if !edge.settings.client_keys.is_enabled() {
-        if let Err(refused) = crate::admin::authorize_route(Authority::Anonymous, from, "/ui") {
+        if let Err(refused) =
+            crate::client::admin::authorize_route(Authority::Anonymous, from, "/ui")
+        {
             return write_json(server, refused).await;
         }
     }
@@ -402,12 +404,12 @@ pub(crate) async fn events<S: ClientStream>(
     authority: Authority,
     from: Requester,
 ) -> Result<(), HttpError> {
-    if let Err(refused) = crate::admin::authorize_route(authority, from, "/ui/events") {
+    if let Err(refused) = crate::client::admin::authorize_route(authority, from, "/ui/events") {
         return write_json(server, refused).await;
     }
     let limit = viewers_per_core(edge.shard_count());
     let Some(_slot) = ViewerSlot::acquire(limit) else {
-        let e = crate::openai::ApiError::too_many_viewers(limit);
+        let e = crate::api::openai::ApiError::too_many_viewers(limit);
         return write_json(server, (e.status, e.body_bytes())).await;
     };
     if let Err(e) =

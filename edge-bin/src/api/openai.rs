@@ -12,7 +12,7 @@ use iop_wire::pb;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-use crate::body_json::{self, BodyError, JsonLimits, Members};
+use crate::api::body_json::{self, BodyError, JsonLimits, Members};
 
 /// The error code of a body refused at the JSON limits.
 const JSON_TOO_COMPLEX: &str = "json_too_complex";

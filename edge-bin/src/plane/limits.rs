@@ -26,6 +26,10 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use iop_engine::net::PeerLimit;
+
+use crate::config::{LimitSpec, ListenerLimits};
+
 /// The refill period of both rates.
 pub const WINDOW: Duration = Duration::from_secs(60);
 
@@ -33,22 +37,25 @@ pub const WINDOW: Duration = Duration::from_secs(60);
 /// estimate.
 pub const BYTES_PER_ESTIMATED_TOKEN: u64 = 4;
 
-/// A principal's limits (`[[client_keys]]` `max_concurrent`,
-/// `requests_per_minute`, `tokens_per_minute`); `None` = unlimited.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LimitSpec {
-    /// Requests in flight at once.
-    pub max_concurrent: Option<u32>,
-    /// Requests admitted per minute.
-    pub requests_per_minute: Option<u32>,
-    /// Prompt + completion tokens per minute.
-    pub tokens_per_minute: Option<u32>,
+/// What one peer address may hold of each listener, for the whole process
+/// (every shard shares the tables;
+/// [`iop_engine::net::PeerLimit`] holds the counts).
+#[derive(Debug, Clone)]
+pub struct PeerLimits {
+    /// Open client connections (`edge.max_client_connections_per_peer`).
+    pub clients: Arc<PeerLimit>,
+    /// Node handshakes in progress (`edge.max_node_handshakes_per_peer`).
+    pub node_handshakes: Arc<PeerLimit>,
 }
 
-impl LimitSpec {
-    /// No limit at all.
-    pub fn is_unlimited(&self) -> bool {
-        *self == LimitSpec::default()
+impl PeerLimits {
+    /// Empty tables with `limits`' caps.
+    pub fn new(limits: &ListenerLimits) -> Self {
+        let cap = |limit: u64| usize::try_from(limit).unwrap_or(usize::MAX);
+        Self {
+            clients: PeerLimit::new(cap(limits.max_client_connections_per_peer)),
+            node_handshakes: PeerLimit::new(cap(limits.max_node_handshakes_per_peer)),
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The Edge across cores: one [`Edge`](crate::state::Edge) per shard, wired
+//! The Edge across cores: one [`Edge`](crate::link::edge::Edge) per shard, wired
 //! by bounded cross-core mailboxes.
 //!
 //! ```text
@@ -30,7 +30,7 @@ use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 
 use crate::control::{Action, ConnId, Control, Input, RequestId};
-use crate::state::RouteEvent;
+use crate::link::edge::RouteEvent;
 
 /// Bits of a connection or request id that hold its shard index.
 const SHARD_SHIFT: u32 = 48;
@@ -102,7 +102,7 @@ pub struct StartRun {
     /// Where the run's frames go (the client request's mailbox).
     pub route: MailboxSender<RouteEvent>,
     /// Its relay writes only at the end (a non-streaming chat completion
-    /// over a normalized run): the commit point (`crate::attempt`).
+    /// over a normalized run): the commit point (`crate::control::attempt`).
     pub buffered: bool,
 }
 

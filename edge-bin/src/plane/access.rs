@@ -26,7 +26,7 @@
 
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -35,6 +35,8 @@ use std::time::{Duration, Instant};
 use iop_engine::clock;
 use iop_engine::http::ExchangeStats;
 use iop_engine::rng::SplitMix64;
+
+use crate::config::{AccessLogSpec, Destination, Format};
 
 /// The request id header, read from the client and set on every response.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -105,40 +107,6 @@ impl RequestIds {
     }
 }
 
-/// Where access log lines go (`[edge.access_log] destination`).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Destination {
-    /// No access log.
-    Off,
-    /// Standard error, beside the process log (the default).
-    #[default]
-    Stderr,
-    /// Appended to this file (created if missing, mode 0640).
-    File(PathBuf),
-}
-
-/// How a line is written (`[edge.access_log] format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Format {
-    /// `key=value` pairs (logfmt), values quoted when they need it.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-/// The `[edge.access_log]` table.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct AccessLogSpec {
-    /// Where lines go.
-    pub destination: Destination,
-    /// How they are written.
-    pub format: Format,
-    /// Whether edge.toml sets `format`; when it does not, `--log-format`
-    /// picks it (so `--log-format json` makes stderr JSON throughout).
-    pub format_explicit: bool,
-}
-
 /// Everything one line says about one request.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AccessRecord {
@@ -176,7 +144,7 @@ impl AccessRecord {
     pub fn new(request_id: String, method: &str, path: &str, bytes_in: u64) -> Self {
         Self {
             request_id,
-            principal: crate::credentials::ANONYMOUS_PRINCIPAL.to_owned(),
+            principal: crate::plane::credentials::ANONYMOUS_PRINCIPAL.to_owned(),
             method: method.to_owned(),
             path: path.to_owned(),
             bytes_in,
@@ -237,12 +205,12 @@ impl AccessRecord {
 
     /// How complete the record's tokens are, for a request that ended
     /// with `outcome`.
-    fn completeness(&self, outcome: &str) -> crate::usage::Completeness {
+    fn completeness(&self, outcome: &str) -> crate::plane::usage::Completeness {
         let observed = self.prompt_tokens.is_some() || self.completion_tokens.is_some();
-        crate::usage::Completeness::of(self.attempts > 0, outcome == "completed", observed)
+        crate::plane::usage::Completeness::of(self.attempts > 0, outcome == "completed", observed)
     }
 
-    /// The usage file's JSON line for this record ([`crate::usage`]).
+    /// The usage file's JSON line for this record ([`crate::plane::usage`]).
     pub fn usage_line(
         &self,
         unix_ms: i64,
@@ -559,15 +527,7 @@ impl AccessLog {
     }
 }
 
-/// Whether the access log file `path` can be opened for appending (it is
-/// created if missing): the reason, naming the path, when not.
-pub fn check_writable(path: &Path) -> Result<(), String> {
-    open_append(path)
-        .map(drop)
-        .map_err(|e| format!("cannot open {} for appending: {e}", path.display()))
-}
-
-fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
+pub(crate) fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .create(true)

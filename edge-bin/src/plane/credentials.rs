@@ -66,11 +66,11 @@ use iop_wire::pb::{self, CredentialLease, CredentialLeaseBinding};
 use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
+use crate::api::openai::ApiError;
 use crate::config::{
     AdapterKind, AdapterSpec, ClientKeySpec, ConfigError, EdgeConfig, SecretSource,
 };
-use crate::limits::{self, Limiter, Ticket};
-use crate::openai::ApiError;
+use crate::plane::limits::{self, Limiter, Ticket};
 
 /// The principal of requests when no client keys are configured.
 pub const ANONYMOUS_PRINCIPAL: &str = "anonymous";
@@ -1613,7 +1613,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
     fn node_config_payload_carries_no_secret() {
         use prost::Message;
         let cfg = config("");
-        let spec = crate::server::control_spec(&cfg);
+        let spec = crate::control::control_spec(&cfg);
         assert!(spec.nodes[0].config.credential_leases_required);
         assert!(!spec.nodes[1].config.credential_leases_required);
         for node in &spec.nodes {
@@ -1779,7 +1779,7 @@ providers = ["node-a/gpt", "node-b/gpt"]
             serde_json::json!("invalid_api_key")
         );
         let anthropic: serde_json::Value =
-            serde_json::from_slice(&invalid.body_for(crate::openai::Surface::Anthropic))
+            serde_json::from_slice(&invalid.body_for(crate::api::openai::Surface::Anthropic))
                 .expect("json");
         assert_eq!(
             anthropic,

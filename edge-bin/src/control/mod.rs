@@ -35,15 +35,24 @@
 //!   a run it does not carry) change nothing and emit nothing (F2).
 //! - The overlay changes only as H4 (set) and H6 (clear) allow.
 
+pub mod attempt;
+pub mod outlier;
+mod spec;
+
+pub use spec::{
+    control_spec, outlier_policy, ControlSpec, ModelSpec, NodeSpec, Operations, ProviderSpec,
+    Tunables,
+};
+
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use iop_wire::pb;
 
-use crate::outlier::{Ejection, OutlierPolicy, OutlierState, Readmission};
+use crate::control::outlier::{Ejection, OutlierPolicy, OutlierState, Readmission};
 
 /// Longest node version string kept ([`Input::NodeVersion`]), in chars.
 pub const NODE_VERSION_CHARS_MAX: usize = 64;
@@ -179,129 +188,6 @@ impl Operation {
     }
 }
 
-/// The set of operations a provider serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Operations(u8);
-
-impl Operations {
-    /// Every operation: an OpenAI-compatible server whose profile defines
-    /// them all.
-    pub const ALL: Operations = Operations(0b1111);
-    /// Chat completions only: an Ollama-native adapter (normalized runs).
-    pub const CHAT: Operations = Operations(1);
-
-    /// The set of `ops`.
-    pub fn of(ops: &[Operation]) -> Self {
-        Operations(ops.iter().fold(0, |bits, op| bits | op.bit()))
-    }
-
-    /// What a provider driven as `kind` serves: a normalized run speaks
-    /// chat only; a tunnel whatever its profile defines (every profile
-    /// defines all four today).
-    pub fn for_kind(kind: DispatchKind) -> Self {
-        match kind {
-            DispatchKind::Run => Operations::CHAT,
-            DispatchKind::Tunnel => Operations::ALL,
-        }
-    }
-
-    /// Whether `op` is in the set.
-    pub fn contains(self, op: Operation) -> bool {
-        self.0 & op.bit() != 0
-    }
-}
-
-/// Static description of one provider resource.
-#[derive(Debug, Clone)]
-pub struct ProviderSpec {
-    /// Provider id, unique per node.
-    pub id: String,
-    /// Adapter instance name on the node.
-    pub adapter: Arc<str>,
-    /// Provider-side target.
-    pub target: Arc<str>,
-    /// Lease capacity.
-    pub capacity: u32,
-    /// Long-context lease capacity.
-    pub long_context_capacity: u32,
-    /// Effective stall timeout copied into pool dispatches (W2).
-    pub response_stall_timeout_ms: i64,
-    /// Category (P1).
-    pub category: pb::ProviderCategory,
-    /// Tunnel or normalized run (U7).
-    pub kind: DispatchKind,
-    /// The operations it serves: it is a candidate for those only.
-    pub operations: Operations,
-    /// Disabled providers are never candidates.
-    pub enabled: bool,
-}
-
-/// Static description of one expected node.
-#[derive(Debug, Clone)]
-pub struct NodeSpec {
-    /// Node id (equals its TLS identity name, T3).
-    pub id: String,
-    /// The config pushed at registration (R2).
-    pub config: pb::NodeConfigPayload,
-    /// Its provider resources.
-    pub providers: Vec<ProviderSpec>,
-}
-
-/// Static description of one external model and its provider pool.
-#[derive(Debug, Clone)]
-pub struct ModelSpec {
-    /// External model name (E2).
-    pub name: String,
-    /// Pool members, in configured order (the deterministic tie-break).
-    pub providers: Vec<ProviderKey>,
-    /// Most requests waiting for a lease (429 above).
-    pub max_queue: u32,
-    /// Longest wait for a lease.
-    pub queue_timeout: Duration,
-    /// Most attempts of one request (pre-commit failover): 1 never retries.
-    pub max_attempts: u32,
-}
-
-/// Tunables of the state machine.
-#[derive(Debug, Clone, Copy)]
-pub struct Tunables {
-    /// After a cancel of a dispatched request, how long to wait for its
-    /// terminal before the lease is released anyway (cancel settlement).
-    pub cancel_settle: Duration,
-    /// How often an overlaid provider gets a CAPABILITIES recovery probe (H6).
-    pub recovery_probe_interval: Duration,
-    /// U6: the longest a dispatched request waits for its response to
-    /// start (a tunnel's first frame, a run's first event), from its
-    /// dispatch. Past it the run is cancelled on the node and the client is
-    /// told ([`Action::Abort`]). `None`: no deadline.
-    pub response_wait_timeout: Option<Duration>,
-    /// Passive health (outlier detection); `None`: off.
-    pub outlier: Option<OutlierPolicy>,
-}
-
-impl Default for Tunables {
-    /// The contract's timers only: no response-wait deadline.
-    fn default() -> Self {
-        Self {
-            cancel_settle: Duration::from_secs(30),
-            recovery_probe_interval: Duration::from_secs(5),
-            response_wait_timeout: None,
-            outlier: None,
-        }
-    }
-}
-
-/// Everything `Control` is configured with.
-#[derive(Debug, Clone, Default)]
-pub struct ControlSpec {
-    /// Expected nodes.
-    pub nodes: Vec<NodeSpec>,
-    /// Served models.
-    pub models: Vec<ModelSpec>,
-    /// Tunables.
-    pub tunables: Tunables,
-}
-
 /// Stall evidence carried by a terminal (W4, W5), as the shell decoded it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StallEvidence {
@@ -385,7 +271,7 @@ impl FailureReason {
 }
 
 /// How one attempt ended, as its node connection classified its frames
-/// (`crate::attempt`).
+/// (`crate::control::attempt`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptEnd {
     /// The provider answered: a response below 500, or a complete run.
@@ -526,7 +412,7 @@ pub enum Input {
     /// A run or tunnel terminal from a node (H1–H5).
     Terminal(Terminal),
     /// A byte of run `run_id`'s response reached the client's route (the
-    /// commit point, `crate::attempt`): from now on it is never retried.
+    /// commit point, `crate::control::attempt`): from now on it is never retried.
     Committed {
         /// The connection it arrived on (H1: only the lease's counts).
         conn: ConnId,

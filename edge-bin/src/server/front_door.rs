@@ -16,7 +16,7 @@
 //! One peer address (IPv6: its `/64`) holds at most
 //! `edge.max_client_connections_per_peer` client connections and
 //! `edge.max_node_handshakes_per_peer` node handshakes, counted for the
-//! whole process ([`PeerLimits`]): a few sockets from one host can fill
+//! whole process ([`crate::plane::limits::PeerLimits`]): a few sockets from one host can fill
 //! neither listener. A node connection must send its first byte (the TLS
 //! ClientHello) within `edge.node_first_byte_timeout_ms`, far sooner than
 //! the handshake deadline, so silent sockets give their handshake places
@@ -46,27 +46,21 @@ use std::cell::RefCell;
 use std::net::IpAddr;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+
 use std::time::Duration;
 
 use iop_engine::clock;
 use iop_engine::http::{BodyRate, Linger, ServerTimeouts};
 use iop_engine::metrics::{self as engine_metrics, Count};
-use iop_engine::net::{DeadlineRef, Gate, LogThrottle, PeerLimit, PeerPermit, Permit, Wait};
+use iop_engine::net::{DeadlineRef, Gate, LogThrottle, PeerPermit, Permit, Wait};
 use iop_engine::tls::EdgeTlsAcceptor;
 use monoio::net::{TcpListener, TcpStream};
 use slab::Slab;
 
 use crate::config::ListenerLimits;
-use crate::state::Edge;
-use crate::{nodes, surface};
-
-/// A peer address logs a failed or timed-out node handshake at most once
-/// per this interval.
-pub const HANDSHAKE_LOG_INTERVAL: Duration = Duration::from_secs(60);
-
-/// Peer addresses the handshake log throttle remembers per core.
-const HANDSHAKE_LOG_MAX_PEERS: usize = 4096;
+use crate::link::edge::Edge;
+use crate::link::handshake::{HandshakeSlot, HANDSHAKE_LOG_INTERVAL, HANDSHAKE_LOG_MAX_PEERS};
+use crate::{client::surface, link::nodes};
 
 /// After a failed `accept()` (e.g. out of descriptors), wait this long
 /// before the next.
@@ -96,27 +90,6 @@ pub fn client_timeouts(limits: &ListenerLimits, write_stall: Duration) -> Server
             bytes_per_sec: limits.client_body_min_rate_bytes_per_sec,
         }),
         write_stall: Some(write_stall),
-    }
-}
-
-/// What one peer address may hold of each listener, for the whole process
-/// (every shard shares the tables).
-#[derive(Debug, Clone)]
-pub struct PeerLimits {
-    /// Open client connections (`edge.max_client_connections_per_peer`).
-    pub clients: Arc<PeerLimit>,
-    /// Node handshakes in progress (`edge.max_node_handshakes_per_peer`).
-    pub node_handshakes: Arc<PeerLimit>,
-}
-
-impl PeerLimits {
-    /// Empty tables with `limits`' caps.
-    pub fn new(limits: &ListenerLimits) -> Self {
-        let cap = |limit: u64| usize::try_from(limit).unwrap_or(usize::MAX);
-        Self {
-            clients: PeerLimit::new(cap(limits.max_client_connections_per_peer)),
-            node_handshakes: PeerLimit::new(cap(limits.max_node_handshakes_per_peer)),
-        }
     }
 }
 
@@ -382,115 +355,12 @@ pub async fn serve_nodes(
             Some((_, Some(place))) => Some(place),
             None => None,
         };
-        let handshake = HandshakeSlot {
-            permit,
-            peer_place,
-            timeout,
-            first_byte_timeout,
-            log: log.clone(),
-        };
+        let handshake =
+            HandshakeSlot::new(permit, peer_place, timeout, first_byte_timeout, log.clone());
         monoio::spawn(nodes::serve(edge.clone(), tcp, acceptor.clone(), handshake));
     };
     let paused = Count::EdgeNodeAcceptPaused;
     gated_accept_loop(listener, gate, paused, "node handshake", None, serve).await;
-}
-
-/// A node connection's place among the handshakes in progress, its
-/// deadline, and the shared per-peer log throttle.
-pub struct HandshakeSlot {
-    permit: Permit,
-    /// The place under the peer's handshake cap (`None`: no peer address).
-    peer_place: Option<PeerPermit>,
-    /// `edge.node_handshake_timeout_ms`.
-    pub timeout: Duration,
-    /// `edge.node_first_byte_timeout_ms` (at most `timeout`).
-    pub first_byte_timeout: Duration,
-    log: Rc<RefCell<LogThrottle<IpAddr>>>,
-}
-
-impl std::fmt::Debug for HandshakeSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HandshakeSlot")
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-/// How a node's TLS handshake ended, when it did not succeed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HandshakeFailure {
-    /// No byte arrived within the first-byte deadline.
-    NoFirstByte,
-    /// The deadline passed first.
-    TimedOut,
-    /// The peer failed it (bad certificate, wrong identity, not TLS, gone).
-    Rejected,
-}
-
-impl HandshakeSlot {
-    /// A slot outside any accept loop (tests, plain-TCP dev mode): its own
-    /// one-place gate.
-    pub fn standalone(timeout: Duration) -> Self {
-        Self {
-            permit: Gate::new(1).try_enter().expect("a fresh gate has room"),
-            peer_place: None,
-            timeout,
-            first_byte_timeout: timeout,
-            log: Rc::new(RefCell::new(LogThrottle::new(
-                HANDSHAKE_LOG_INTERVAL,
-                HANDSHAKE_LOG_MAX_PEERS,
-            ))),
-        }
-    }
-
-    /// Records the end of the handshake (counted; a failure logged at most
-    /// once per peer address per [`HANDSHAKE_LOG_INTERVAL`]) and frees the
-    /// place for the next handshake.
-    pub fn finish(self, peer: Option<IpAddr>, failure: Option<(HandshakeFailure, String)>) {
-        engine_metrics::add(Count::EdgeNodeHandshakesEnded, 1);
-        let Some((failure, error)) = failure else {
-            return;
-        };
-        engine_metrics::add(
-            match failure {
-                HandshakeFailure::NoFirstByte => Count::EdgeNodeFirstByteTimeouts,
-                HandshakeFailure::TimedOut => Count::EdgeNodeHandshakeTimeouts,
-                HandshakeFailure::Rejected => Count::EdgeNodeHandshakeFailures,
-            },
-            1,
-        );
-        let ip = peer.unwrap_or(IpAddr::from([0, 0, 0, 0]));
-        let Some(suppressed) = self.log.borrow_mut().check(ip, clock::now()) else {
-            return;
-        };
-        match failure {
-            HandshakeFailure::NoFirstByte => tracing::warn!(
-                peer = %ip,
-                first_byte_timeout_ms =
-                    u64::try_from(self.first_byte_timeout.as_millis()).unwrap_or(u64::MAX),
-                suppressed,
-                "node connection sent nothing (no TLS ClientHello) in time; closed"
-            ),
-            HandshakeFailure::TimedOut => tracing::warn!(
-                peer = %ip,
-                timeout_ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
-                suppressed,
-                "node TLS handshake timed out; connection closed"
-            ),
-            HandshakeFailure::Rejected => tracing::warn!(
-                peer = %ip,
-                %error,
-                suppressed,
-                "node connection rejected in the TLS handshake"
-            ),
-        }
-    }
-
-    /// Frees the place without counting a handshake (plain-TCP dev mode).
-    pub fn release(self) {
-        drop(self.permit);
-        drop(self.peer_place);
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! Wiring: config → [`Control`] spec, listeners, accept loops. Shared by the
 //! binary and the in-process integration tests.
 
+pub mod front_door;
+
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -12,95 +14,15 @@ use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
-use crate::access::AccessLog;
-use crate::config::{self, EdgeConfig};
-use crate::control::{self, Control, ControlSpec, DispatchKind};
-use crate::credentials::{ClientKeys, CredentialPlane, KeysChange};
-use crate::openai::ModelEntry;
-use crate::request_metrics::RequestMetrics;
-use crate::shards::{Lifecycle, MeshPort, Outbox};
-use crate::state::{Edge, Settings, CONTROL_SHARD};
-use crate::usage::UsageLog;
-
-/// Maps the validated config to the control machine's static spec.
-///
-/// A node with a recipient key is told to require a credential lease on
-/// every tunnel when the issuer is configured (C3); config validation keeps
-/// that out of insecure mode (T5).
-pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
-    let nodes = cfg
-        .nodes
-        .iter()
-        .map(|n| control::NodeSpec {
-            id: n.id.clone(),
-            config: cfg.node_config_payload(n, 1),
-            providers: n
-                .providers
-                .iter()
-                .map(|p| {
-                    let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
-                        Some(config::AdapterKind::Ollama) => DispatchKind::Run,
-                        _ => DispatchKind::Tunnel,
-                    };
-                    control::ProviderSpec {
-                        id: p.id.clone(),
-                        adapter: p.adapter.as_str().into(),
-                        target: p.target.as_str().into(),
-                        capacity: p.capacity,
-                        long_context_capacity: p.long_context_capacity,
-                        response_stall_timeout_ms: p.response_stall_timeout_ms,
-                        category: match p.category {
-                            config::ProviderCategory::Api => pb::ProviderCategory::Api,
-                            config::ProviderCategory::LocalInference => {
-                                pb::ProviderCategory::LocalInference
-                            }
-                        },
-                        kind,
-                        operations: control::Operations::for_kind(kind),
-                        enabled: p.enabled,
-                    }
-                })
-                .collect(),
-        })
-        .collect();
-    let models = cfg
-        .models
-        .iter()
-        .map(|m| control::ModelSpec {
-            name: m.name.clone(),
-            max_queue: m.max_queue,
-            queue_timeout: Duration::from_millis(m.queue_timeout_ms),
-            max_attempts: m.max_attempts,
-            providers: m
-                .providers
-                .iter()
-                .map(|r| control::ProviderKey {
-                    node_id: r.node_id.as_str().into(),
-                    provider_id: r.provider_id.as_str().into(),
-                })
-                .collect(),
-        })
-        .collect();
-    ControlSpec {
-        nodes,
-        models,
-        tunables: control::Tunables {
-            response_wait_timeout: Some(Duration::from_millis(cfg.edge.response_wait_timeout_ms)),
-            outlier: outlier_policy(&cfg.outlier_detection),
-            ..control::Tunables::default()
-        },
-    }
-}
-
-/// The passive-health policy of `[outlier_detection]`; `None` when off.
-pub fn outlier_policy(od: &config::OutlierDetection) -> Option<crate::outlier::OutlierPolicy> {
-    od.enabled.then(|| crate::outlier::OutlierPolicy {
-        consecutive_failures: od.consecutive_failures,
-        base_ejection_time: Duration::from_millis(od.base_ejection_time_ms),
-        max_ejection_time: Duration::from_millis(od.max_ejection_time_ms),
-        max_ejection_percent: od.max_ejection_percent,
-    })
-}
+use crate::config::EdgeConfig;
+use crate::control::{control_spec, Control};
+use crate::link::edge::{Edge, CONTROL_SHARD};
+use crate::link::settings::{access_log, request_metrics, settings, usage_log};
+use crate::link::shards::{Lifecycle, MeshPort, Outbox};
+use crate::plane::access::AccessLog;
+use crate::plane::credentials::{ClientKeys, CredentialPlane, KeysChange};
+use crate::plane::request_metrics::RequestMetrics;
+use crate::plane::usage::UsageLog;
 
 /// What a configuration reload did.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -283,91 +205,6 @@ pub fn reload_tls(
     report
 }
 
-/// The shard state for `cfg` without a loaded credential plane: tunnels
-/// carry no lease (a managed node then rejects them with `lease_missing`,
-/// fail closed). The binary uses [`edge_state_with`].
-pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
-    edge_state_with(cfg, None)
-}
-
-/// The shard state for `cfg` with its loaded credential plane
-/// ([`CredentialPlane::load`]).
-pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
-    let mut settings = settings(cfg, credentials.map(Arc::new));
-    settings.usage_log = usage_log(cfg);
-    settings.access_log = access_log(cfg);
-    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
-}
-
-/// The usage file `cfg` names, started (its writer thread runs until
-/// [`UsageLog::close`]), or off.
-pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
-    let Some(path) = &cfg.usage_log else {
-        return UsageLog::off();
-    };
-    UsageLog::start(path).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
-        tracing::error!(path = %path.display(), error = %e, "usage log cannot be started");
-        UsageLog::off()
-    })
-}
-
-/// The access log `cfg` names, started (its writer thread runs until
-/// [`AccessLog::close`]), or off.
-pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
-    AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
-        tracing::error!(error = %e, "access log cannot be started; no access log");
-        AccessLog::off()
-    })
-}
-
-/// The shells' static settings for `cfg` (the usage file and the access
-/// log off: each is one per process, see [`usage_log`] and [`access_log`]).
-pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
-    Settings {
-        max_request_body_bytes: cfg.edge.max_request_body_bytes,
-        flow_window_bytes: cfg.edge.flow_window_bytes,
-        client_write_stall_timeout: std::time::Duration::from_millis(
-            cfg.edge.client_write_stall_timeout_ms,
-        ),
-        models: cfg
-            .models
-            .iter()
-            .map(|m| ModelEntry {
-                id: m.name.clone(),
-                owned_by: m.owned_by.clone(),
-            })
-            .collect(),
-        long_context_threshold_tokens: cfg
-            .models
-            .iter()
-            .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
-            .collect(),
-        started_unix_sec: iop_engine::clock::unix_ms() / 1000,
-        client_tls: None,
-        client_keys: ClientKeys::from_config(&cfg.client_keys),
-        credentials,
-        limits: cfg.edge.limits,
-        metrics_access: cfg.edge.metrics_access,
-        node_metrics_max_age: std::time::Duration::from_millis(cfg.edge.node_metrics_max_age_ms),
-        peer_limits: crate::front_door::PeerLimits::new(&cfg.edge.limits),
-        access_log: AccessLog::off(),
-        usage_log: UsageLog::off(),
-        request_metrics: request_metrics(cfg, 1),
-    }
-}
-
-/// The per-request series of `/metrics` for `cfg`'s models and nodes, with
-/// cells for `shards` shards.
-pub fn request_metrics(cfg: &EdgeConfig, shards: usize) -> Arc<RequestMetrics> {
-    RequestMetrics::new(
-        cfg.models.iter().map(|m| m.name.clone()).collect(),
-        cfg.nodes.iter().map(|n| n.id.clone()).collect(),
-        shards,
-    )
-}
-
 /// Everything an Edge running on several cores needs, prepared on the
 /// main thread: each shard takes its part with [`ShardedEdge::take`].
 pub struct ShardedEdge {
@@ -383,7 +220,7 @@ pub struct ShardedEdge {
     /// cells).
     request_metrics: Arc<RequestMetrics>,
     /// Per-peer caps of both listeners, one table for every shard.
-    peer_limits: crate::front_door::PeerLimits,
+    peer_limits: crate::plane::limits::PeerLimits,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -424,10 +261,13 @@ impl ShardedEdge {
         shards: usize,
     ) -> std::io::Result<Self> {
         let shards = shards.max(1);
-        let clients =
-            crate::shards::bind_reuseport(cfg.edge.client_listen, shards, "edge.client_listen")?;
+        let clients = crate::link::shards::bind_reuseport(
+            cfg.edge.client_listen,
+            shards,
+            "edge.client_listen",
+        )?;
         let nodes =
-            crate::shards::bind_reuseport(cfg.edge.node_listen, shards, "edge.node_listen")?;
+            crate::link::shards::bind_reuseport(cfg.edge.node_listen, shards, "edge.node_listen")?;
         Self::from_listeners(
             cfg,
             credentials,
@@ -451,7 +291,7 @@ impl ShardedEdge {
         let client_addr = first_client.local_addr()?;
         let node_addr = first_node.local_addr()?;
         let ports_len = listeners.len();
-        let ports = crate::shards::mesh(ports_len);
+        let ports = crate::link::shards::mesh(ports_len);
         let parts = listeners
             .into_iter()
             .zip(ports)
@@ -468,7 +308,7 @@ impl ShardedEdge {
             usage_log: usage_log(&cfg),
             access_log: access_log(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
-            peer_limits: crate::front_door::PeerLimits::new(&cfg.edge.limits),
+            peer_limits: crate::plane::limits::PeerLimits::new(&cfg.edge.limits),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -763,10 +603,10 @@ where
         client: client_listener,
         nodes: node_listener,
     } = listeners;
-    let node_loop = crate::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
-    let client_loop = crate::front_door::serve_clients(edge.clone(), client_listener);
+    let node_loop = crate::server::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
+    let client_loop = crate::server::front_door::serve_clients(edge.clone(), client_listener);
     if edge.is_control_shard() {
-        monoio::spawn(crate::front_door::trim_heaps());
+        monoio::spawn(crate::server::front_door::trim_heaps());
     }
     let timers = {
         let edge = edge.clone();
@@ -820,6 +660,7 @@ pub const CUT_OFF_WAIT: std::time::Duration = std::time::Duration::from_millis(5
 mod tests {
     use super::*;
     use crate::control::{ConnId, Input};
+    use crate::link::settings::edge_state;
 
     fn config_text(base_url: &str) -> String {
         config_text_with(base_url, "allow_anonymous = true\n", "")

@@ -19,10 +19,10 @@ use iop_wire::pb::frame::Body;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
-use crate::attempt::AttemptTracker;
+use crate::control::attempt::AttemptTracker;
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
-use crate::front_door::{HandshakeFailure, HandshakeSlot};
-use crate::state::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
+use crate::link::edge::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
+use crate::link::handshake::{HandshakeFailure, HandshakeSlot};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
@@ -237,9 +237,9 @@ fn handle_frame(
             deliver(edge, conn_id, conn, charge, evidence, RouteEvent::Run(ev));
         }
         Body::NodeCommandResponse(response)
-            if crate::admin::is_admin_command(&response.command_id) =>
+            if crate::link::commands::is_admin_command(&response.command_id) =>
         {
-            let to = crate::admin::command_shard(&response.command_id);
+            let to = crate::link::commands::command_shard(&response.command_id);
             edge.forward_command_answer(to, conn_id, *response);
         }
         Body::NodeCommandResponse(response) => edge.apply(Input::CommandResult {

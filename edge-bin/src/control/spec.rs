@@ -1,0 +1,214 @@
+//! What `Control` is configured with ([`ControlSpec`]), and how it is made
+//! from the validated `edge.toml` ([`control_spec`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_wire::pb;
+
+use super::outlier::OutlierPolicy;
+use super::{DispatchKind, Operation, ProviderKey};
+use crate::config::{self, EdgeConfig};
+
+/// The set of operations a provider serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Operations(u8);
+
+impl Operations {
+    /// Every operation: an OpenAI-compatible server whose profile defines
+    /// them all.
+    pub const ALL: Operations = Operations(0b1111);
+    /// Chat completions only: an Ollama-native adapter (normalized runs).
+    pub const CHAT: Operations = Operations(1);
+
+    /// The set of `ops`.
+    pub fn of(ops: &[Operation]) -> Self {
+        Operations(ops.iter().fold(0, |bits, op| bits | op.bit()))
+    }
+
+    /// What a provider driven as `kind` serves: a normalized run speaks
+    /// chat only; a tunnel whatever its profile defines (every profile
+    /// defines all four today).
+    pub fn for_kind(kind: DispatchKind) -> Self {
+        match kind {
+            DispatchKind::Run => Operations::CHAT,
+            DispatchKind::Tunnel => Operations::ALL,
+        }
+    }
+
+    /// Whether `op` is in the set.
+    pub fn contains(self, op: Operation) -> bool {
+        self.0 & op.bit() != 0
+    }
+}
+
+/// Static description of one provider resource.
+#[derive(Debug, Clone)]
+pub struct ProviderSpec {
+    /// Provider id, unique per node.
+    pub id: String,
+    /// Adapter instance name on the node.
+    pub adapter: Arc<str>,
+    /// Provider-side target.
+    pub target: Arc<str>,
+    /// Lease capacity.
+    pub capacity: u32,
+    /// Long-context lease capacity.
+    pub long_context_capacity: u32,
+    /// Effective stall timeout copied into pool dispatches (W2).
+    pub response_stall_timeout_ms: i64,
+    /// Category (P1).
+    pub category: pb::ProviderCategory,
+    /// Tunnel or normalized run (U7).
+    pub kind: DispatchKind,
+    /// The operations it serves: it is a candidate for those only.
+    pub operations: Operations,
+    /// Disabled providers are never candidates.
+    pub enabled: bool,
+}
+
+/// Static description of one expected node.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// Node id (equals its TLS identity name, T3).
+    pub id: String,
+    /// The config pushed at registration (R2).
+    pub config: pb::NodeConfigPayload,
+    /// Its provider resources.
+    pub providers: Vec<ProviderSpec>,
+}
+
+/// Static description of one external model and its provider pool.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    /// External model name (E2).
+    pub name: String,
+    /// Pool members, in configured order (the deterministic tie-break).
+    pub providers: Vec<ProviderKey>,
+    /// Most requests waiting for a lease (429 above).
+    pub max_queue: u32,
+    /// Longest wait for a lease.
+    pub queue_timeout: Duration,
+    /// Most attempts of one request (pre-commit failover): 1 never retries.
+    pub max_attempts: u32,
+}
+
+/// Tunables of the state machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Tunables {
+    /// After a cancel of a dispatched request, how long to wait for its
+    /// terminal before the lease is released anyway (cancel settlement).
+    pub cancel_settle: Duration,
+    /// How often an overlaid provider gets a CAPABILITIES recovery probe (H6).
+    pub recovery_probe_interval: Duration,
+    /// U6: the longest a dispatched request waits for its response to
+    /// start (a tunnel's first frame, a run's first event), from its
+    /// dispatch. Past it the run is cancelled on the node and the client is
+    /// told ([`Action::Abort`]). `None`: no deadline.
+    pub response_wait_timeout: Option<Duration>,
+    /// Passive health (outlier detection); `None`: off.
+    pub outlier: Option<OutlierPolicy>,
+}
+
+impl Default for Tunables {
+    /// The contract's timers only: no response-wait deadline.
+    fn default() -> Self {
+        Self {
+            cancel_settle: Duration::from_secs(30),
+            recovery_probe_interval: Duration::from_secs(5),
+            response_wait_timeout: None,
+            outlier: None,
+        }
+    }
+}
+
+/// Everything `Control` is configured with.
+#[derive(Debug, Clone, Default)]
+pub struct ControlSpec {
+    /// Expected nodes.
+    pub nodes: Vec<NodeSpec>,
+    /// Served models.
+    pub models: Vec<ModelSpec>,
+    /// Tunables.
+    pub tunables: Tunables,
+}
+
+/// Maps the validated config to the control machine's static spec.
+///
+/// A node with a recipient key is told to require a credential lease on
+/// every tunnel when the issuer is configured (C3); config validation keeps
+/// that out of insecure mode (T5).
+pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
+    let nodes = cfg
+        .nodes
+        .iter()
+        .map(|n| NodeSpec {
+            id: n.id.clone(),
+            config: cfg.node_config_payload(n, 1),
+            providers: n
+                .providers
+                .iter()
+                .map(|p| {
+                    let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
+                        Some(config::AdapterKind::Ollama) => DispatchKind::Run,
+                        _ => DispatchKind::Tunnel,
+                    };
+                    ProviderSpec {
+                        id: p.id.clone(),
+                        adapter: p.adapter.as_str().into(),
+                        target: p.target.as_str().into(),
+                        capacity: p.capacity,
+                        long_context_capacity: p.long_context_capacity,
+                        response_stall_timeout_ms: p.response_stall_timeout_ms,
+                        category: match p.category {
+                            config::ProviderCategory::Api => pb::ProviderCategory::Api,
+                            config::ProviderCategory::LocalInference => {
+                                pb::ProviderCategory::LocalInference
+                            }
+                        },
+                        kind,
+                        operations: Operations::for_kind(kind),
+                        enabled: p.enabled,
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    let models = cfg
+        .models
+        .iter()
+        .map(|m| ModelSpec {
+            name: m.name.clone(),
+            max_queue: m.max_queue,
+            queue_timeout: Duration::from_millis(m.queue_timeout_ms),
+            max_attempts: m.max_attempts,
+            providers: m
+                .providers
+                .iter()
+                .map(|r| ProviderKey {
+                    node_id: r.node_id.as_str().into(),
+                    provider_id: r.provider_id.as_str().into(),
+                })
+                .collect(),
+        })
+        .collect();
+    ControlSpec {
+        nodes,
+        models,
+        tunables: Tunables {
+            response_wait_timeout: Some(Duration::from_millis(cfg.edge.response_wait_timeout_ms)),
+            outlier: outlier_policy(&cfg.outlier_detection),
+            ..Tunables::default()
+        },
+    }
+}
+
+/// The passive-health policy of `[outlier_detection]`; `None` when off.
+pub fn outlier_policy(od: &config::OutlierDetection) -> Option<OutlierPolicy> {
+    od.enabled.then(|| OutlierPolicy {
+        consecutive_failures: od.consecutive_failures,
+        base_ejection_time: Duration::from_millis(od.base_ejection_time_ms),
+        max_ejection_time: Duration::from_millis(od.max_ejection_time_ms),
+        max_ejection_percent: od.max_ejection_percent,
+    })
+}

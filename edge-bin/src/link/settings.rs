@@ -1,0 +1,147 @@
+//! The static settings every shard's shells read ([`Settings`]), built
+//! from the validated `edge.toml`; and a whole single-shard Edge state for
+//! a config ([`edge_state`]).
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_engine::tls::HttpsAcceptor;
+
+use crate::api::openai::ModelEntry;
+use crate::config::{EdgeConfig, ListenerLimits};
+use crate::control::{control_spec, Control};
+use crate::link::edge::Edge;
+use crate::plane::access::AccessLog;
+use crate::plane::credentials::{ClientKeys, CredentialPlane};
+use crate::plane::request_metrics::RequestMetrics;
+use crate::plane::usage::UsageLog;
+
+/// Static settings the shells need.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Largest client request body (413 above).
+    pub max_request_body_bytes: usize,
+    /// Each run's flow-control window on its node connection (charged
+    /// bytes).
+    pub flow_window_bytes: u64,
+    /// A client socket that takes no bytes of a response for this long is
+    /// cut off.
+    pub client_write_stall_timeout: Duration,
+    /// Models for `GET /v1/models`, in config order.
+    pub models: Vec<ModelEntry>,
+    /// Long-context threshold per model, in estimated prompt tokens.
+    pub long_context_threshold_tokens: HashMap<String, u64>,
+    /// Process start, Unix seconds (the `created` of listed models).
+    pub started_unix_sec: i64,
+    /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
+    /// shared by every shard and replaced on SIGHUP; `None`: plain HTTP.
+    pub client_tls: Option<HttpsAcceptor>,
+    /// Client API keys (401 without one when configured).
+    pub client_keys: ClientKeys,
+    /// The loaded credential plane, shared by every shard; `None` =
+    /// disabled (tunnels carry no lease).
+    pub credentials: Option<Arc<CredentialPlane>>,
+    /// The front door's deadlines, caps and bounds (`[edge]`).
+    pub limits: ListenerLimits,
+    /// Who may read `/metrics` (`edge.metrics_access`).
+    pub metrics_access: crate::config::MetricsAccess,
+    /// How long one pull of the nodes' `/metrics` series serves later
+    /// scrapes (`edge.node_metrics_max_age_ms`).
+    pub node_metrics_max_age: Duration,
+    /// What one peer address holds of each listener, shared by every
+    /// shard.
+    pub peer_limits: crate::plane::limits::PeerLimits,
+    /// The access log (`[edge.access_log]`; one writer for every shard).
+    pub access_log: AccessLog,
+    /// The process's usage file (`[edge.usage_log]`), shared by the shards.
+    pub usage_log: crate::plane::usage::UsageLog,
+    /// The per-request series of `/metrics`, shared by every shard.
+    pub request_metrics: Arc<crate::plane::request_metrics::RequestMetrics>,
+}
+
+/// The usage file `cfg` names, started (its writer thread runs until
+/// [`UsageLog::close`]), or off.
+pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
+    let Some(path) = &cfg.usage_log else {
+        return UsageLog::off();
+    };
+    UsageLog::start(path).unwrap_or_else(|e| {
+        // `EdgeConfig::validate_files` checked the file at startup.
+        tracing::error!(path = %path.display(), error = %e, "usage log cannot be started");
+        UsageLog::off()
+    })
+}
+
+/// The access log `cfg` names, started (its writer thread runs until
+/// [`AccessLog::close`]), or off.
+pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
+    AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
+        // `EdgeConfig::validate_files` checked the file at startup.
+        tracing::error!(error = %e, "access log cannot be started; no access log");
+        AccessLog::off()
+    })
+}
+
+/// The shells' static settings for `cfg` (the usage file and the access
+/// log off: each is one per process, see [`usage_log`] and [`access_log`]).
+pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
+    Settings {
+        max_request_body_bytes: cfg.edge.max_request_body_bytes,
+        flow_window_bytes: cfg.edge.flow_window_bytes,
+        client_write_stall_timeout: std::time::Duration::from_millis(
+            cfg.edge.client_write_stall_timeout_ms,
+        ),
+        models: cfg
+            .models
+            .iter()
+            .map(|m| ModelEntry {
+                id: m.name.clone(),
+                owned_by: m.owned_by.clone(),
+            })
+            .collect(),
+        long_context_threshold_tokens: cfg
+            .models
+            .iter()
+            .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
+            .collect(),
+        started_unix_sec: iop_engine::clock::unix_ms() / 1000,
+        client_tls: None,
+        client_keys: ClientKeys::from_config(&cfg.client_keys),
+        credentials,
+        limits: cfg.edge.limits,
+        metrics_access: cfg.edge.metrics_access,
+        node_metrics_max_age: std::time::Duration::from_millis(cfg.edge.node_metrics_max_age_ms),
+        peer_limits: crate::plane::limits::PeerLimits::new(&cfg.edge.limits),
+        access_log: AccessLog::off(),
+        usage_log: UsageLog::off(),
+        request_metrics: request_metrics(cfg, 1),
+    }
+}
+
+/// The per-request series of `/metrics` for `cfg`'s models and nodes, with
+/// cells for `shards` shards.
+pub fn request_metrics(cfg: &EdgeConfig, shards: usize) -> Arc<RequestMetrics> {
+    RequestMetrics::new(
+        cfg.models.iter().map(|m| m.name.clone()).collect(),
+        cfg.nodes.iter().map(|n| n.id.clone()).collect(),
+        shards,
+    )
+}
+
+/// The shard state for `cfg` without a loaded credential plane: tunnels
+/// carry no lease (a managed node then rejects them with `lease_missing`,
+/// fail closed). The binary uses [`edge_state_with`].
+pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
+    edge_state_with(cfg, None)
+}
+
+/// The shard state for `cfg` with its loaded credential plane
+/// ([`CredentialPlane::load`]).
+pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
+    let mut settings = settings(cfg, credentials.map(Arc::new));
+    settings.usage_log = usage_log(cfg);
+    settings.access_log = access_log(cfg);
+    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
+}
