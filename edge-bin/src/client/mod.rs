@@ -1,9 +1,14 @@
-//! The client HTTP shell: the request loop and routes ([`surface`]),
+//! The client HTTP shell: the request loop and routes ([`router`]), one
+//! inference request from body to relay (`pipeline`), the relays (`relay`),
+//! the connection and its early answers (`conn`),
 //! operator commands ([`admin`]), `/status` ([`status`]), `/metrics`
 //! ([`metrics`]) and the `/ui` status page ([`ui`]).
 
 pub mod admin;
+mod conn;
 pub mod metrics;
+mod pipeline;
+mod relay;
+pub mod router;
 pub mod status;
-pub mod surface;
 pub mod ui;

@@ -33,7 +33,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::client::surface::ClientStream;
+use crate::client::conn::ClientStream;
 use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::http::{HttpError, ServerConn, Watched};

@@ -50,17 +50,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use iop_engine::clock;
-use iop_engine::http::{BodyRate, Linger, ServerTimeouts};
 use iop_engine::metrics::{self as engine_metrics, Count};
 use iop_engine::net::{DeadlineRef, Gate, LogThrottle, PeerPermit, Permit, Wait};
 use iop_engine::tls::EdgeTlsAcceptor;
 use monoio::net::{TcpListener, TcpStream};
 use slab::Slab;
 
-use crate::config::ListenerLimits;
 use crate::link::edge::Edge;
 use crate::link::handshake::{HandshakeSlot, HANDSHAKE_LOG_INTERVAL, HANDSHAKE_LOG_MAX_PEERS};
-use crate::{client::surface, link::nodes};
+use crate::{client::router, link::nodes};
 
 /// After a failed `accept()` (e.g. out of descriptors), wait this long
 /// before the next.
@@ -76,21 +74,6 @@ static CLOSED_SINCE_TRIM: AtomicU64 = AtomicU64::new(0);
 pub fn per_core(limit: u64, cores: usize) -> usize {
     let cores = cores.max(1) as u64;
     usize::try_from(limit.div_ceil(cores).max(1)).unwrap_or(usize::MAX)
-}
-
-/// The deadlines of a client connection: its reads, and its response
-/// writes (`write_stall`: `edge.client_write_stall_timeout_ms`).
-pub fn client_timeouts(limits: &ListenerLimits, write_stall: Duration) -> ServerTimeouts {
-    ServerTimeouts {
-        keep_alive_idle: Duration::from_millis(limits.client_keep_alive_timeout_ms),
-        head: Duration::from_millis(limits.client_head_timeout_ms),
-        body_idle: Duration::from_millis(limits.client_body_idle_timeout_ms),
-        body_min_rate: (limits.client_body_min_rate_bytes_per_sec > 0).then(|| BodyRate {
-            grace: Duration::from_millis(limits.client_body_grace_ms),
-            bytes_per_sec: limits.client_body_min_rate_bytes_per_sec,
-        }),
-        write_stall: Some(write_stall),
-    }
 }
 
 /// The client connections of one core, for reclaiming the longest-idle
@@ -132,16 +115,6 @@ impl IdleConnections {
         idle.into_iter()
             .any(|(_, d)| d.cut_off_if_waiting(Wait::Idle, now))
     }
-}
-
-/// The lingering close after an early answer; `None` when disabled
-/// (`client_linger_time_ms = 0`).
-pub fn client_linger(limits: &ListenerLimits) -> Option<Linger> {
-    (limits.client_linger_time_ms > 0).then(|| Linger {
-        time: Duration::from_millis(limits.client_linger_time_ms),
-        idle: Duration::from_millis(limits.client_linger_idle_timeout_ms),
-        max_bytes: limits.client_linger_max_bytes,
-    })
 }
 
 /// A pause at a cap logs at most once per this interval (each pause is
@@ -259,7 +232,7 @@ pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
                         "client connection refused: its address holds edge.max_client_connections_per_peer"
                     );
                 }
-                surface::refuse_over_peer_cap(&tcp, tls);
+                router::refuse_over_peer_cap(&tcp, tls);
                 return;
             }
             Some((_, Some(place))) => Some(place),
@@ -275,7 +248,7 @@ pub async fn serve_clients(edge: Rc<Edge>, listener: TcpListener) {
         };
         // The connection's own future is the task (wrapped, it would hold
         // the socket a second time).
-        monoio::spawn(surface::serve(edge.clone(), tcp, deadline, open));
+        monoio::spawn(router::serve(edge.clone(), tcp, deadline, open));
     };
     let paused = Count::EdgeClientAcceptPaused;
     gated_accept_loop(
@@ -373,44 +346,5 @@ mod tests {
         assert_eq!(per_core(4096, 3), 1366);
         assert_eq!(per_core(1, 4), 1);
         assert_eq!(per_core(10, 0), 10);
-    }
-
-    #[test]
-    fn limits_map_to_connection_timeouts_and_linger() {
-        let limits = ListenerLimits::default();
-        assert_eq!(
-            client_timeouts(&limits, Duration::from_secs(30)),
-            ServerTimeouts {
-                keep_alive_idle: Duration::from_secs(60),
-                head: Duration::from_secs(10),
-                body_idle: Duration::from_secs(30),
-                body_min_rate: Some(BodyRate {
-                    grace: Duration::from_secs(30),
-                    bytes_per_sec: 1024,
-                }),
-                write_stall: Some(Duration::from_secs(30)),
-            }
-        );
-        assert_eq!(
-            client_linger(&limits),
-            Some(Linger {
-                time: Duration::from_secs(30),
-                idle: Duration::from_secs(5),
-                max_bytes: 128 * 1024 * 1024,
-            })
-        );
-        let off = ListenerLimits {
-            client_linger_time_ms: 0,
-            ..limits
-        };
-        assert_eq!(client_linger(&off), None);
-        let no_rate = ListenerLimits {
-            client_body_min_rate_bytes_per_sec: 0,
-            ..limits
-        };
-        assert_eq!(
-            client_timeouts(&no_rate, Duration::from_secs(30)).body_min_rate,
-            None
-        );
     }
 }

@@ -1,0 +1,872 @@
+//! One inference request from its parsed body to its relay: admission
+//! through `Control`, the caller's limits and model access, the tunnel
+//! request (or normalized run) with its credential lease, and the retry on
+//! the next provider when an attempt failed before anything reached the
+//! client (pre-commit failover).
+
+use std::rc::Rc;
+
+use bytes::Bytes;
+use iop_engine::clock;
+use iop_engine::http::{HttpError, Watched};
+use iop_engine::metrics::{self as engine_metrics, Latency};
+use iop_wire::codec::BodyParts;
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+
+use super::conn::*;
+use super::relay::*;
+use crate::api::openai::{ApiError, ChatRequest, PassthroughRequest, Surface};
+use crate::api::translate::ResponseId;
+use crate::control::{
+    CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
+};
+use crate::link::edge::{Admission, Edge, RouteRx};
+use crate::link::shards::NodeRequest;
+use crate::plane::credentials::{CredentialError, LeaseRequest};
+use crate::plane::limits::{self};
+
+pub(super) fn frame(body: Body) -> pb::Frame {
+    pb::Frame { body: Some(body) }
+}
+
+/// `POST /v1/chat/completions`: admit through `Control`, then relay the
+/// provider's answer — again from the next provider `Control` picks when an
+/// attempt failed before anything reached the client (pre-commit
+/// failover).
+pub(super) async fn chat<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    principal: &str,
+    body: Bytes,
+) -> Result<(), HttpError>
+where
+    S: ClientStream,
+{
+    let chat = match ChatRequest::parse(body, &json_limits(edge)) {
+        Ok(c) => c,
+        // Boxed, as every once-per-request await in the streaming routes:
+        // the route's future keeps room only for what it holds while the
+        // response streams.
+        Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
+    };
+    server.set_model(&chat.model);
+    let long = edge
+        .settings
+        .long_context_threshold_tokens
+        .get(&chat.model)
+        .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
+    // E2: the external model selects a pool; the inner identifiers come from
+    // the winning provider.
+    // Boxed: waiting for admission (and answering a refusal) is held only
+    // until the request is dispatched.
+    let Some((request, mut dispatch, mut frames)) =
+        Box::pin(admit(edge, server, CHAT_COMPLETIONS, &chat.model, long)).await?
+    else {
+        return Ok(());
+    };
+    // Kept for another attempt until the response commits; released then
+    // (see `Release`), so a stream holds no copy of its request.
+    let mut retained = Some(chat);
+    loop {
+        let Some(chat) = retained.as_ref() else {
+            return retry_without_request(edge, request);
+        };
+        let lease = &dispatch.lease;
+        server
+            .rec
+            .attempt(&lease.provider.node_id, &lease.provider.provider_id);
+        // U7: the provider's type alone picks the path; the client surface
+        // is the same either way. The body is kept for a later attempt.
+        let run = match dispatch.kind {
+            DispatchKind::Tunnel => {
+                let mut tunnel = tunnel_request(
+                    CHAT_COMPLETIONS,
+                    &dispatch,
+                    tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
+                    chat.stream,
+                    &server.rec.request_id,
+                );
+                // A stream's usage is always observed (limits, usage file,
+                // metrics): a node that can strip the usage chunk has the
+                // provider asked for it when the client did not.
+                let asking = dispatch
+                    .strips_usage_chunk
+                    .then(|| chat.body_asking_usage(&lease.target))
+                    .flatten();
+                tunnel.strip_usage_chunk = asking.is_some();
+                let body = asking.unwrap_or_else(|| chat.body_for_target(&lease.target));
+                match with_lease(edge, principal, &chat.model, &dispatch, tunnel, body) {
+                    Ok(frame) => frame,
+                    Err(e) => {
+                        return Box::pin(refuse(
+                            edge,
+                            server,
+                            Surface::OpenAi,
+                            request,
+                            &dispatch,
+                            &e,
+                        ))
+                        .await;
+                    }
+                }
+            }
+            DispatchKind::Run => {
+                NodeRequest::frame_only(run_request(chat, &dispatch, &server.rec.request_id))
+            }
+        };
+        let (stream, include_usage) = (chat.stream, chat.include_usage());
+        let buffered = dispatch.kind == DispatchKind::Run && !stream;
+        // Boxed: handing the request to its node is this future's largest
+        // state, held only until the node has it, never while it streams.
+        if !Box::pin(send_run(
+            edge,
+            server,
+            Surface::OpenAi,
+            request,
+            &dispatch,
+            run,
+            buffered,
+        ))
+        .await?
+        {
+            return Ok(());
+        }
+        let release = &mut || retained = None;
+        let result = match dispatch.kind {
+            DispatchKind::Tunnel => {
+                relay(edge, server, Surface::OpenAi, &mut frames, release).await
+            }
+            DispatchKind::Run => {
+                let id = ResponseId {
+                    id: format!("chatcmpl-{}", lease.run_id),
+                    created: iop_engine::clock::unix_ms() / 1000,
+                    model: lease.target.to_string(),
+                };
+                if stream {
+                    relay_run(edge, server, &mut frames, id, include_usage, release).await
+                } else {
+                    relay_completion(edge, server, &mut frames, id).await
+                }
+            }
+        };
+        match settle(edge, request, result)? {
+            Some(next) => {
+                frames.retarget(&next);
+                dispatch = next;
+            }
+            None => return Ok(()),
+        }
+    }
+}
+
+/// Called once by a relay when its response commits (its first bytes go
+/// to the client): the route drops what it kept of the request for
+/// another attempt (pre-commit failover only), so a stream holds none of
+/// it while it lasts.
+pub(super) type Release<'a> = &'a mut dyn FnMut();
+
+/// How a relay ended.
+#[derive(Debug)]
+pub(super) enum Relayed {
+    /// The client has its answer (or its error).
+    Done,
+    /// The attempt failed before anything reached the client and `Control`
+    /// dispatched the request again: send and relay this one.
+    Retry(Dispatch),
+}
+
+/// The next attempt of `request`, if its relay asks for one. A relay that
+/// failed (the client is gone, or the response broke off) cancels the run
+/// (U6): `Control` sends the node a `CancelRequest` and settles the lease
+/// on its terminal.
+pub(super) fn settle(
+    edge: &Rc<Edge>,
+    request: RequestId,
+    result: Result<Relayed, HttpError>,
+) -> Result<Option<Dispatch>, HttpError> {
+    match result {
+        Ok(Relayed::Done) => Ok(None),
+        Ok(Relayed::Retry(next)) => Ok(Some(next)),
+        Err(e) => {
+            edge.apply(Input::Cancel {
+                request,
+                reason: cancel_reason(&e),
+            });
+            Err(e)
+        }
+    }
+}
+
+/// A retry dispatched after the request was released. Unreachable: a
+/// relay asks for another attempt only before its response commits, and
+/// the request is released only at the commit. The new lease is given
+/// back and the route ends.
+pub(super) fn retry_without_request(edge: &Edge, request: RequestId) -> Result<(), HttpError> {
+    debug_assert!(false, "a retry after the request was released");
+    edge.abandon(request);
+    Ok(())
+}
+
+/// Waits for `Control`'s answer to a submitted request.
+pub(super) async fn admit<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    route: PassRoute,
+    model: &str,
+    long: bool,
+) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
+where
+    S: ClientStream,
+{
+    if let Some(e) = check_caller(edge, server, model) {
+        write_caller_refusal(server, route.surface, &e).await?;
+        return Ok(None);
+    }
+    let submitted_at = clock::now(); // metrics: queue wait
+    let (request, mut admission) = edge.submit(model, route.op, long);
+    // U6: a client that leaves while queued is removed from the queue; one
+    // that leaves just as its lease was won settles the lease at once.
+    let answer = match server.watch_peer(&mut admission).await {
+        Watched::Done(answer) => {
+            engine_metrics::record_since(Latency::EdgeQueueWait, submitted_at);
+            answer
+        }
+        Watched::PeerClosed => {
+            match admission.try_recv() {
+                Ok(Admission::Dispatched { .. }) => edge.abandon(request),
+                _ => edge.apply(Input::Cancel {
+                    request,
+                    reason: CancelReason::ClientDisconnect,
+                }),
+            }
+            return Ok(None);
+        }
+    };
+    let e = match answer {
+        Ok(Admission::Dispatched { dispatch, frames }) => {
+            server.stream_started();
+            return Ok(Some((request, dispatch, frames)));
+        }
+        Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
+        Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
+        Ok(Admission::Rejected(Rejection::QueueFull)) => ApiError::queue_full(model),
+        Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
+            ApiError::no_provider(model)
+        }
+    };
+    write_error(server, route.surface, &e).await?;
+    Ok(None)
+}
+
+/// Why the caller may not send this request: the key may not use the
+/// model (403), or the principal is over a limit (429).
+pub(super) enum CallerRefusal {
+    Model(ApiError),
+    Limit(limits::Refusal),
+}
+
+/// The key's checks, before the request takes a place in the queue: model
+/// access, then the principal's limits (on admission the request holds a
+/// [`Ticket`] until its access line is written).
+pub(super) fn check_caller<S>(
+    edge: &Edge,
+    server: &mut Client<S>,
+    model: &str,
+) -> Option<CallerRefusal> {
+    let caller = server.caller.as_ref()?;
+    if !caller.may_use(model) {
+        return Some(CallerRefusal::Model(ApiError::model_not_allowed(model)));
+    }
+    let keys = &edge.settings.client_keys;
+    let estimate = limits::estimate_prompt_tokens(server.rec.bytes_in as usize);
+    match keys.admit(&caller.principal, estimate, clock::now()) {
+        limits::Admission::Granted(ticket, _) => {
+            server.release_limits();
+            server.ticket = Some(Box::new((keys.clone(), ticket)));
+            None
+        }
+        limits::Admission::Refused(refusal) => Some(CallerRefusal::Limit(refusal)),
+    }
+}
+
+/// Answers a [`CallerRefusal`]: a 429 carries `retry-after` (seconds, and
+/// `retry-after-ms`, which the official SDKs prefer) and OpenAI's
+/// `x-ratelimit-*` headers.
+pub(super) async fn write_caller_refusal<S>(
+    server: &mut Client<S>,
+    surface: Surface,
+    refusal: &CallerRefusal,
+) -> Result<(), HttpError>
+where
+    S: ClientStream,
+{
+    let r = match refusal {
+        CallerRefusal::Model(e) => return write_error(server, surface, e).await,
+        CallerRefusal::Limit(r) => r,
+    };
+    let e = ApiError::rate_limited(r.kind.as_str(), r.message(), r.retry_after_secs());
+    let retry_after = r.retry_after_secs().to_string();
+    let retry_after_ms = r.retry_after.as_millis().max(1).to_string();
+    let mut rate = String::new();
+    r.headers.write_openai(&mut rate);
+    let mut headers: Vec<(&str, &str)> = vec![
+        ("content-type", "application/json"),
+        ("retry-after", &retry_after),
+        ("retry-after-ms", &retry_after_ms),
+    ];
+    headers.extend(
+        rate.split_terminator("\r\n")
+            .filter_map(|line| line.split_once(": ")),
+    );
+    server.rec.end(e.outcome());
+    let body = e.body_for_request(surface, &server.rec.request_id);
+    server.write_response(e.status, headers, body).await
+}
+
+/// 400: no provider of `model` serves `route`'s operation.
+pub(super) fn unsupported(model: &str, route: PassRoute) -> ApiError {
+    ApiError::invalid_request(
+        format!("No provider serving `{model}` supports {}.", route.path),
+        None,
+    )
+}
+
+/// Sends a run to the lease's node; on failure settles the request and
+/// answers the client. Returns whether it was sent. `buffered`: its relay
+/// writes only at the end (the commit point, [`crate::control::attempt`]).
+pub(super) async fn send_run<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    surface: Surface,
+    request: RequestId,
+    dispatch: &Dispatch,
+    run: NodeRequest,
+    buffered: bool,
+) -> Result<bool, HttpError>
+where
+    S: ClientStream,
+{
+    let sent = edge.start_run(request, dispatch, run, buffered).await;
+    if !sent {
+        edge.abandon(request);
+        let e = ApiError::upstream(
+            "the selected node disconnected",
+            Some("node_unavailable".into()),
+        );
+        write_error(server, surface, &e).await?;
+    }
+    Ok(sent)
+}
+
+/// `POST /v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`: raw
+/// passthrough over a provider tunnel (U1–U5), with pre-commit failover.
+pub(super) async fn passthrough<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    principal: &str,
+    route: PassRoute,
+    headers: Vec<iop_engine::http::Header>,
+    body: Bytes,
+) -> Result<(), HttpError>
+where
+    S: ClientStream,
+{
+    let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
+        Ok(r) => r,
+        Err(e) => return refuse_body(server, route.surface, &e).await,
+    };
+    // What the provider gets of the client's headers; the rest go now.
+    let forwarded = tunnel_headers(route, req.stream, &headers);
+    drop(headers);
+    server.set_model(&req.model);
+    let Some((request, mut dispatch, mut frames)) =
+        admit(edge, server, route, &req.model, false).await?
+    else {
+        return Ok(());
+    };
+    // Kept for another attempt until the response commits, as in `chat`.
+    let mut retained = Some((req, forwarded));
+    loop {
+        let Some((req, forwarded)) = retained.as_ref() else {
+            return retry_without_request(edge, request);
+        };
+        if dispatch.kind != DispatchKind::Tunnel {
+            // Control files native (Ollama) providers, which speak only the
+            // normalized chat path, in no lane of these operations: this is
+            // a wiring bug, answered as if no provider served it.
+            edge.abandon(request);
+            return write_error(server, route.surface, &unsupported(&req.model, route)).await;
+        }
+        let lease = &dispatch.lease;
+        server
+            .rec
+            .attempt(&lease.provider.node_id, &lease.provider.provider_id);
+        let tunnel = tunnel_request(
+            route,
+            &dispatch,
+            forwarded.clone(),
+            req.stream,
+            &server.rec.request_id,
+        );
+        let body = req.body_for_target(&dispatch.lease.target);
+        let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
+            Ok(frame) => frame,
+            Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
+        };
+        if !Box::pin(send_run(
+            edge,
+            server,
+            route.surface,
+            request,
+            &dispatch,
+            run,
+            false,
+        ))
+        .await?
+        {
+            return Ok(());
+        }
+        let result = relay(edge, server, route.surface, &mut frames, &mut || {
+            retained = None
+        })
+        .await;
+        match settle(edge, request, result)? {
+            Some(next) => {
+                frames.retarget(&next);
+                dispatch = next;
+            }
+            None => return Ok(()),
+        }
+    }
+}
+
+/// A passthrough route: which profile operation it is (U3) and which client
+/// API it speaks.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PassRoute {
+    pub(super) operation: &'static str,
+    pub(super) op: Operation,
+    pub(super) path: &'static str,
+    pub(super) surface: Surface,
+}
+
+pub(super) const CHAT_COMPLETIONS: PassRoute = PassRoute {
+    operation: "chat_completions",
+    op: Operation::ChatCompletions,
+    path: "/v1/chat/completions",
+    surface: Surface::OpenAi,
+};
+pub(super) const RESPONSES: PassRoute = PassRoute {
+    operation: "responses",
+    op: Operation::Responses,
+    path: "/v1/responses",
+    surface: Surface::OpenAi,
+};
+pub(super) const MESSAGES: PassRoute = PassRoute {
+    operation: "messages",
+    op: Operation::Messages,
+    path: "/v1/messages",
+    surface: Surface::Anthropic,
+};
+pub(super) const COUNT_TOKENS: PassRoute = PassRoute {
+    operation: "count_tokens",
+    op: Operation::CountTokens,
+    path: "/v1/messages/count_tokens",
+    surface: Surface::Anthropic,
+};
+
+/// The Anthropic API version sent upstream when the client gave none.
+pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// Request headers forwarded to the provider on a tunnel: content type,
+/// accept, and for Anthropic routes `anthropic-version` (defaulted) and
+/// `anthropic-beta`. Client credentials are never forwarded.
+pub(super) fn tunnel_headers(
+    route: PassRoute,
+    stream: bool,
+    client: &[iop_engine::http::Header],
+) -> Vec<pb::Header> {
+    let header = |name: &str, value: Bytes| pb::Header {
+        name: name.to_string(),
+        value,
+    };
+    let accept: &'static [u8] = if stream {
+        b"text/event-stream"
+    } else {
+        b"application/json"
+    };
+    let mut headers = vec![
+        header("content-type", Bytes::from_static(b"application/json")),
+        header("accept", Bytes::from_static(accept)),
+    ];
+    if route.surface == Surface::Anthropic {
+        let find = |name: &str| {
+            client
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case(name))
+                .map(|h| h.value.clone())
+        };
+        let version = find("anthropic-version")
+            .unwrap_or_else(|| Bytes::from_static(DEFAULT_ANTHROPIC_VERSION.as_bytes()));
+        headers.push(header("anthropic-version", version));
+        if let Some(beta) = find("anthropic-beta") {
+            headers.push(header("anthropic-beta", beta));
+        }
+    }
+    headers
+}
+
+/// The frame for `tunnel` with its credential lease and binding (C1),
+/// issued for exactly this request; none when the credential plane is
+/// disabled or no slot serves the provider.
+pub(super) fn with_lease(
+    edge: &Edge,
+    principal: &str,
+    model: &str,
+    dispatch: &Dispatch,
+    mut tunnel: pb::ProviderTunnelRequest,
+    body: BodyParts,
+) -> Result<NodeRequest, CredentialError> {
+    if let Some(plane) = &edge.settings.credentials {
+        let lease = &dispatch.lease;
+        let issued = plane.issue_now(&LeaseRequest {
+            principal,
+            route: model,
+            node_id: &lease.provider.node_id,
+            provider_id: &lease.provider.provider_id,
+            generation: lease.generation.0,
+            tunnel: &tunnel,
+            body: &body,
+        })?;
+        if let Some(issued) = issued {
+            tunnel.credential_lease = Some(issued.lease);
+            tunnel.credential_binding = Some(issued.binding);
+        }
+    }
+    Ok(NodeRequest {
+        frame: frame(Body::ProviderTunnelRequest(Box::new(tunnel))),
+        body,
+    })
+}
+
+/// Fails a dispatched request whose credential cannot be issued (C3, C5):
+/// the provider lease is settled at once, nothing is sent to the node, no
+/// other slot or provider is tried, and the client gets 503.
+pub(super) async fn refuse<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    surface: Surface,
+    request: RequestId,
+    dispatch: &Dispatch,
+    e: &CredentialError,
+) -> Result<(), HttpError>
+where
+    S: ClientStream,
+{
+    let lease = &dispatch.lease;
+    tracing::warn!(
+        provider = %lease.provider,
+        error = %e,
+        "no credential lease issued; request refused"
+    );
+    edge.abandon(request);
+    write_error(server, surface, &e.api_error()).await
+}
+
+/// The tunnel request for an OpenAI-compatible provider (U1, U3, U5, W2),
+/// without its body (it travels in pieces beside the frame, see
+/// [`NodeRequest`]) and without a credential lease yet ([`with_lease`]
+/// adds both).
+pub(super) fn tunnel_request(
+    route: PassRoute,
+    dispatch: &Dispatch,
+    headers: Vec<pb::Header>,
+    stream: bool,
+    correlation_id: &str,
+) -> pb::ProviderTunnelRequest {
+    let lease = &dispatch.lease;
+    pb::ProviderTunnelRequest {
+        run_id: lease.run_id.clone(),
+        adapter: lease.adapter.to_string(),
+        target: lease.target.to_string(),
+        method: "POST".into(),
+        path: route.path.into(),
+        headers,
+        stream,
+        // W2: the winning provider's effective stall timeout.
+        response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
+        operation: route.operation.into(),
+        correlation_id: correlation_id.into(),
+        ..Default::default()
+    }
+}
+
+/// The normalized run for an Ollama/native provider (E1–E3, W2).
+pub(super) fn run_request(
+    chat: &ChatRequest,
+    dispatch: &Dispatch,
+    correlation_id: &str,
+) -> pb::Frame {
+    let lease = &dispatch.lease;
+    let run = pb::RunRequest {
+        run_id: lease.run_id.clone(),
+        adapter: lease.adapter.to_string(),
+        target: lease.target.to_string(),
+        input: Some(chat.run_input()),
+        response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
+        correlation_id: correlation_id.into(),
+        ..Default::default()
+    };
+    frame(Body::RunRequest(Box::new(run)))
+}
+
+#[cfg(test)]
+mod tests {
+    use ed25519_dalek::SigningKey;
+    use iop_wire::lease::{request_digest, BoundRequest, RecipientKey};
+    use prost::Message;
+    use x25519_dalek::StaticSecret;
+    use zeroize::Zeroizing;
+
+    use super::*;
+    use crate::api::body_json::JsonLimits;
+    use crate::config::EdgeConfig;
+    use crate::control::{ConnId, Generation, Lease, ProviderKey};
+    use crate::plane::credentials::CredentialPlane;
+
+    const SECRET: &[u8] = b"sk-iop-surface-canary-1b2c";
+
+    fn dispatch() -> Dispatch {
+        Dispatch {
+            request: RequestId(4),
+            lease: Lease {
+                request: RequestId(4),
+                run_id: "run-4".into(),
+                provider: ProviderKey {
+                    node_id: "node-a".into(),
+                    provider_id: "gpt".into(),
+                },
+                conn: ConnId(1),
+                generation: Generation(2),
+                adapter: "openai".into(),
+                target: "gpt-4o".into(),
+                long: false,
+            },
+            kind: DispatchKind::Tunnel,
+            response_stall_timeout_ms: 0,
+            strips_usage_chunk: true,
+        }
+    }
+
+    fn plane() -> (EdgeConfig, CredentialPlane) {
+        let recipient = RecipientKey::from_secret(StaticSecret::from([9; 32]));
+        let text = format!(
+            "[edge]\nname = \"e\"\ntrust_domain = \"t\"\nclient_listen = \"127.0.0.1:0\"\n\
+             node_listen = \"127.0.0.1:0\"\n[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n\
+             [credentials]\nissuer_key = \"i\"\n[[credentials.slots]]\nname = \"s\"\n\
+             secret_env = \"K\"\nproviders = [\"node-a/gpt\"]\n[[nodes]]\nid = \"node-a\"\n\
+             recipient_key = \"{}\"\n[[nodes.adapters]]\nname = \"openai\"\n\
+             kind = \"openai_compat\"\nbase_url = \"http://127.0.0.1:9/serving\"\n\
+             [[nodes.providers]]\n\
+             id = \"gpt\"\nadapter = \"openai\"\ntarget = \"gpt-4o\"\ncapacity = 1\n\
+             [[models]]\nname = \"gpt-x\"\nproviders = [\"node-a/gpt\"]\n",
+            iop_engine::keys::encode_recipient_public_key(&recipient.public_key())
+        );
+        let cfg = EdgeConfig::parse(&text, "edge.toml").unwrap_or_else(|e| panic!("{e}"));
+        let plane = CredentialPlane::from_parts(
+            &cfg,
+            SigningKey::from_bytes(&[7; 32]),
+            vec![Zeroizing::new(SECRET.to_vec())],
+            Zeroizing::new([3; 32]),
+        );
+        (cfg, plane)
+    }
+
+    // CONTRACT: C1, C4 — the tunnel request carries the lease and binding
+    // in fields 14/15, issued for exactly this request (its run, the
+    // provider origin and the digest of path, headers and body); the
+    // plaintext appears nowhere in the encoded frame (only sealed), and no
+    // credential goes into headers or metadata.
+    #[test]
+    fn tunnel_frame_carries_only_the_sealed_lease() {
+        let dispatch = dispatch();
+        let (cfg, plane) = plane();
+        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
+        let client = [iop_engine::http::Header {
+            name: "authorization".into(),
+            value: Bytes::from_static(b"Bearer client-key"),
+        }];
+        let tunnel = tunnel_request(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, true, &client),
+            true,
+            "req-test",
+        );
+        // The body in pieces, as a spliced one travels.
+        let body = || {
+            BodyParts::spliced(
+                Bytes::from_static(b"{"),
+                Bytes::new(),
+                Bytes::from_static(b"}"),
+            )
+        };
+        let frame = with_lease(
+            &edge,
+            "anonymous",
+            "gpt-x",
+            &dispatch,
+            tunnel.clone(),
+            body(),
+        )
+        .expect("issues")
+        .joined();
+        let encoded = frame.encode_to_vec();
+        assert!(!encoded.windows(SECRET.len()).any(|w| w == SECRET));
+        let Some(Body::ProviderTunnelRequest(sent)) = frame.body else {
+            panic!("a tunnel request");
+        };
+        let binding = sent.credential_binding.clone().expect("a binding");
+        assert_eq!(binding.run_id, "run-4");
+        assert_eq!(binding.upstream_origin, "http://127.0.0.1:9");
+        let digest = request_digest(&BoundRequest {
+            method: "POST",
+            path: "/serving/v1/chat/completions",
+            headers: &tunnel.headers,
+            body: &[Bytes::from_static(b"{}")],
+        });
+        assert_eq!(&binding.request_digest[..], &digest[..]);
+        assert_eq!(sent.body, Bytes::from_static(b"{}"));
+        let Some(plane) = &edge.settings.credentials else {
+            panic!("the plane")
+        };
+        assert!(plane.is_projection_of(binding.projection_generation, "node-a", 2));
+        let lease = sent.credential_lease.clone().expect("a lease");
+        assert_eq!(lease.lease_id.len(), 32);
+        assert_eq!(lease.sequence, 1);
+        assert!(sent.metadata.is_empty());
+        let names: Vec<&str> = sent.headers.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["content-type", "accept"]);
+        // Without a credential plane both fields are absent (legacy tunnel).
+        let bare = crate::link::settings::edge_state(&cfg);
+        let Some(Body::ProviderTunnelRequest(legacy)) =
+            with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel, body())
+                .expect("no lease needed")
+                .joined()
+                .body
+        else {
+            panic!("a tunnel request");
+        };
+        assert_eq!(
+            (legacy.credential_lease, legacy.credential_binding),
+            (None, None)
+        );
+    }
+
+    // CONTRACT: C1 — a stream whose usage the Edge asks for is sealed over
+    // the body the node sends: the one with `stream_options` spliced in
+    // (the node's `request_digest` of that body matches the binding's).
+    #[test]
+    fn the_lease_covers_the_body_that_asks_for_usage() {
+        let dispatch = dispatch();
+        let (cfg, plane) = plane();
+        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
+        let chat = ChatRequest::parse(
+            Bytes::from_static(br#"{"model":"gpt-x","messages":[],"stream":true}"#),
+            &JsonLimits::default(),
+        )
+        .unwrap();
+        let tunnel = tunnel_request(
+            CHAT_COMPLETIONS,
+            &dispatch,
+            tunnel_headers(CHAT_COMPLETIONS, true, &[]),
+            true,
+            "req-test",
+        );
+        let body = chat
+            .body_asking_usage(&dispatch.lease.target)
+            .expect("asks for usage");
+        let frame = with_lease(&edge, "anonymous", "gpt-x", &dispatch, tunnel, body)
+            .expect("issues")
+            .joined();
+        let Some(Body::ProviderTunnelRequest(sent)) = frame.body else {
+            panic!("a tunnel request");
+        };
+        assert_eq!(
+            sent.body,
+            Bytes::from_static(
+                br#"{"model":"gpt-4o","stream_options":{"include_usage":true},"messages":[],"stream":true}"#
+            )
+        );
+        let binding = sent.credential_binding.clone().expect("a binding");
+        let digest = request_digest(&BoundRequest {
+            method: "POST",
+            path: "/serving/v1/chat/completions",
+            headers: &sent.headers,
+            body: std::slice::from_ref(&sent.body),
+        });
+        assert_eq!(&binding.request_digest[..], &digest[..]);
+    }
+
+    // CONTRACT: X2, E2 — the external `model` is never the inner execution
+    // identifier: the wire requests name the provider's adapter and target,
+    // the external name appears nowhere in the encoded frames, and neither
+    // message has a `model` field at all.
+    #[test]
+    fn the_external_model_never_reaches_the_wire() {
+        let chat = ChatRequest::parse(
+            Bytes::from_static(
+                br#"{"model":"public-model-name","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            &JsonLimits::default(),
+        )
+        .unwrap();
+        let dispatch = dispatch();
+        let tunnel = NodeRequest {
+            frame: frame(Body::ProviderTunnelRequest(Box::new(tunnel_request(
+                CHAT_COMPLETIONS,
+                &dispatch,
+                tunnel_headers(CHAT_COMPLETIONS, chat.stream, &[]),
+                chat.stream,
+                "req-test",
+            )))),
+            body: chat.body_for_target(&dispatch.lease.target),
+        }
+        .joined();
+        let run = run_request(&chat, &dispatch, "req-test");
+        for frame in [tunnel, run] {
+            let bytes = frame.encode_to_vec();
+            let found = bytes
+                .windows(b"public-model-name".len())
+                .any(|w| w == b"public-model-name");
+            assert!(!found, "external model on the wire: {frame:?}");
+            match frame.body {
+                Some(Body::ProviderTunnelRequest(t)) => {
+                    assert_eq!(
+                        (t.adapter.as_str(), t.target.as_str()),
+                        ("openai", "gpt-4o")
+                    );
+                }
+                Some(Body::RunRequest(r)) => {
+                    assert_eq!(
+                        (r.adapter.as_str(), r.target.as_str()),
+                        ("openai", "gpt-4o")
+                    );
+                }
+                other => panic!("unexpected frame {other:?}"),
+            }
+        }
+        let proto = include_str!("../../../proto/iop/runtime.proto");
+        for message in ["RunRequest", "ProviderTunnelRequest"] {
+            let start = proto.find(&format!("message {message} {{")).unwrap();
+            let body = &proto[start..start + proto[start..].find("\n}").unwrap()];
+            assert!(
+                !body
+                    .lines()
+                    .any(|l| l.trim_start().starts_with("string model ")),
+                "{message} has a `model` field"
+            );
+        }
+    }
+}

@@ -1,0 +1,585 @@
+//! The request loop of a client connection: read the head, authenticate it,
+//! read the body, route it (E2, U5, X4).
+//!
+//! ```text
+//! client ─POST /v1/chat/completions─► head ─► key ─► body ─► route ─► pipeline
+//!        ◄─ status+headers, body chunks ◄── relay ◄── node conn
+//! ```
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use iop_engine::clock;
+use iop_engine::http::{HttpError, Limits, ServerConn};
+use iop_engine::metrics::{self as engine_metrics, Count, Latency};
+use iop_engine::net::{Deadline, Wait};
+use iop_engine::sync::Either;
+use iop_engine::tls::{ListenerStream, MaybeTls};
+use monoio::net::TcpStream;
+
+use super::conn::*;
+use super::pipeline::*;
+use super::relay::*;
+use crate::api::openai::{self, ApiError, Surface};
+use crate::client::{metrics, status};
+use crate::config::MetricsAccess;
+use crate::link::edge::Edge;
+use crate::plane::access::AccessRecord;
+use crate::plane::credentials::Caller;
+use crate::plane::request_metrics::Route;
+
+/// Serves one client connection to its end; `open` (its place under the
+/// connection cap) is dropped with it. `deadline` is the socket's, made
+/// by the accept loop (which watches it for idle reclaim).
+///
+/// A plain connection is served on its `TcpStream` itself, a TLS one on
+/// the TLS stream, boxed: a connection's task is sized by the stream it
+/// serves (a TLS write's state is several hundred bytes more, in every
+/// streamed response), so plain connections do not carry room for TLS.
+///
+/// A function, not an `async fn`: the socket's options and deadline are
+/// set at the call, and the future returned for a plain connection is
+/// the request loop itself, holding the socket, the Edge and `open` once.
+pub fn serve<G: 'static>(
+    edge: Rc<Edge>,
+    tcp: TcpStream,
+    deadline: Deadline,
+    open: G,
+) -> impl std::future::Future<Output = ()> {
+    let _ = tcp.set_nodelay(true);
+    // The `/admin` routes of an Edge without client keys answer loopback
+    // peers only.
+    let peer = tcp.peer_addr().ok().map(|a| a.ip());
+    if edge.settings.client_tls.is_none() {
+        return Either::left(serve_requests(edge, tcp, deadline, peer, open));
+    }
+    Either::right(Box::pin(async move {
+        // Boxed: the handshake's state is most of a kilobyte and only
+        // needed until it is done.
+        if let Some(stream) = Box::pin(handshake(&edge, tcp, &deadline, peer)).await {
+            serve_requests(edge, stream, deadline, peer, open).await;
+        }
+    }))
+}
+
+/// The answer to a connection over its peer's cap
+/// (`edge.max_client_connections_per_peer`): a 429 `too_many_connections`
+/// in the OpenAI error shape (plain HTTP only: a TLS connection is just
+/// closed), sent without waiting, then the close. Nothing of the request
+/// is read.
+pub fn refuse_over_peer_cap(tcp: &TcpStream, tls: bool) {
+    if tls {
+        iop_engine::net::answer_and_shut_now(tcp, b"");
+        return;
+    }
+    let e = ApiError::too_many_connections();
+    let body = e.body_bytes();
+    let mut answer = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    answer.extend_from_slice(&body);
+    iop_engine::net::answer_and_shut_now(tcp, &answer);
+}
+
+/// The client TLS handshake of a listener with `[edge.client_tls]`; `None`
+/// when it failed or timed out (counted, logged at debug).
+pub(super) async fn handshake(
+    edge: &Edge,
+    tcp: TcpStream,
+    deadline: &Deadline,
+    peer: Option<std::net::IpAddr>,
+) -> Option<ListenerStream> {
+    let tls = edge.settings.client_tls.as_ref()?;
+    // An expired handshake deadline shuts the socket down, and the
+    // handshake fails on its own (a TLS read is never cancelled).
+    deadline.arm(
+        Wait::Handshake,
+        Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+    );
+    let handshake = tls.accept(tcp).await;
+    deadline.disarm();
+    match handshake {
+        Ok(stream) => Some(MaybeTls::from(stream)),
+        Err(e) => {
+            // Debug only: any peer on the network can cause these as fast
+            // as it likes; the counters say how many.
+            if deadline.expired() == Some(Wait::Handshake) {
+                engine_metrics::add(Count::EdgeClientTlsHandshakeTimeouts, 1);
+                tracing::debug!(?peer, error = %e, "client TLS handshake timed out");
+            } else {
+                engine_metrics::add(Count::EdgeClientTlsHandshakeFailures, 1);
+                tracing::debug!(?peer, error = %e, "client TLS handshake failed");
+            }
+            None
+        }
+    }
+}
+
+/// Reads and answers the requests of one client connection over `stream`
+/// until it closes. Every read has a deadline: the requests'
+/// `edge.client_*_timeout_ms`; a request refused before its body was read
+/// is answered and the connection closed with a lingering close.
+#[allow(clippy::manual_async_fn)]
+pub(super) fn serve_requests<S: ClientStream, G: 'static>(
+    edge: Rc<Edge>,
+    stream: S,
+    deadline: Deadline,
+    peer: Option<std::net::IpAddr>,
+    open: G,
+) -> impl std::future::Future<Output = ()> {
+    // Built before the loop's future: the future captures the connection
+    // once, not the stream and deadline beside the connection made of them.
+    let limits = Limits {
+        max_body_bytes: edge.settings.max_request_body_bytes,
+        ..Limits::default()
+    };
+    let timeouts = client_timeouts(
+        &edge.settings.limits,
+        edge.settings.client_write_stall_timeout,
+    );
+    let mut server = Client {
+        conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
+        rec: AccessRecord::default(),
+        read_at: None,
+        caller: None,
+        ticket: None,
+        metrics: edge.settings.request_metrics.clone(),
+        shard: edge.shard_index(),
+        route: Route::Other,
+        model: 0,
+        last_chunk_at: None,
+        active: None,
+        edge,
+    };
+    async move {
+        let _open = open;
+        let edge = Rc::clone(&server.edge);
+        loop {
+            // The head alone first: the request is authenticated before a
+            // byte of its body is read.
+            let mut head = match server.read_head().await {
+                Ok(Some(head)) => head,
+                Ok(None) => return,
+                Err(e) => return refuse_request(&edge, &mut server, &e).await,
+            };
+            let path = head
+                .target
+                .split('?')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            let method = head.method.as_str();
+            // metrics: end to end starts when the request is read.
+            let read_at = clock::now();
+            server.begin(&edge, &head, &path, 0, read_at);
+            // The shutdown drain waits for this response to finish.
+            let in_flight = edge.track_request();
+            if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
+                server.skip_body(&head);
+                let answered = refuse_while_draining(&mut server, &path).await.is_ok();
+                server.log_access();
+                // Answered: the drain need not wait for the lingering close.
+                drop(in_flight);
+                if answered {
+                    linger(&edge, &mut server).await;
+                }
+                return;
+            }
+            // Client API keys: with keys configured, every route but the probes
+            // and the metrics scrape needs one (401 in the route's shape),
+            // answered before the body is read; a request with a body then
+            // ends its connection with a lingering close.
+            let caller = match authenticate(&edge, &path, &head.headers) {
+                Ok(caller) => caller,
+                Err((surface, e)) => {
+                    engine_metrics::add(Count::EdgeClientAuthRefusals, 1);
+                    server.skip_body(&head);
+                    let result = write_error(&mut server, surface, &e).await;
+                    server.log_access();
+                    drop(in_flight);
+                    if result.is_err() {
+                        return;
+                    }
+                    if !server.keep_alive() {
+                        linger(&edge, &mut server).await;
+                        return;
+                    }
+                    continue;
+                }
+            };
+            // The body moves into the route that reads it (it is freed as soon
+            // as the route is done with it, not when the response ends).
+            let body = match server.read_body(&head).await {
+                Ok(body) => body,
+                Err(e) => {
+                    drop(in_flight);
+                    return refuse_request(&edge, &mut server, &e).await;
+                }
+            };
+            server.rec.bytes_in = body.len() as u64;
+            let principal = &*caller.principal;
+            server.rec.principal = principal.to_owned();
+            server.caller = Some(caller.clone());
+            // Who asks, for the admin routes of an Edge without keys.
+            let from =
+                crate::client::admin::Requester::of(peer, head.header("host").map(|h| &h[..]));
+            // The routes that forward some of the client's headers take
+            // them; for every other route they are freed here, not held
+            // while its response streams.
+            let headers = std::mem::take(&mut head.headers);
+            let result = match (method, path.as_str()) {
+                ("GET", "/v1/models") => {
+                    let visible: Vec<_> = edge
+                        .settings
+                        .models
+                        .iter()
+                        .filter(|m| caller.may_use(&m.id))
+                        .cloned()
+                        .collect();
+                    let body = openai::models_list(&visible, edge.settings.started_unix_sec);
+                    write_json(&mut server, 200, body).await
+                }
+                ("POST", "/v1/chat/completions") => {
+                    drop(headers);
+                    chat(&edge, &mut server, principal, body).await
+                }
+                // Boxed: the passthrough's future is the largest, and a
+                // connection's task is as large as its largest route; the chat
+                // relay, the one that streams, stays inline.
+                ("POST", "/v1/responses") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        RESPONSES,
+                        headers,
+                        body,
+                    ))
+                    .await
+                }
+                ("POST", "/v1/messages") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        MESSAGES,
+                        headers,
+                        body,
+                    ))
+                    .await
+                }
+                ("POST", "/v1/messages/count_tokens") => {
+                    Box::pin(passthrough(
+                        &edge,
+                        &mut server,
+                        principal,
+                        COUNT_TOKENS,
+                        headers,
+                        body,
+                    ))
+                    .await
+                }
+                ("GET", "/status") => {
+                    // A key limited to some models sees their providers
+                    // only; the rest of the fleet is not its business.
+                    let viewer = (!caller.authority.sees_everything()).then(|| caller.clone());
+                    match edge
+                        .with_control(move |control| {
+                            let now = clock::now();
+                            let outliers: Vec<status::OutlierView> = control
+                                .outliers()
+                                .into_iter()
+                                .map(|o| status::OutlierView::of(o, now))
+                                .collect();
+                            let visible = match viewer {
+                                Some(viewer) => control.serves_any(|m| viewer.may_use(m)),
+                                None => Vec::new(),
+                            };
+                            (control.snapshots(), outliers, visible)
+                        })
+                        .await
+                    {
+                        Some((mut snapshots, mut outliers, visible)) => {
+                            if !visible.is_empty() {
+                                let mut keep = visible.iter().copied();
+                                snapshots.retain(|_| keep.next().unwrap_or(false));
+                                let mut keep = visible.iter().copied();
+                                outliers.retain(|_| keep.next().unwrap_or(false));
+                            }
+                            let body =
+                                Bytes::from(status::status_json(&snapshots, &outliers).to_string());
+                            write_json(&mut server, 200, body).await
+                        }
+                        None => write_api_error(&mut server, &draining_error()).await,
+                    }
+                }
+                ("GET", "/metrics")
+                    if edge.settings.metrics_access == MetricsAccess::Key
+                        && !caller.authority.sees_everything() =>
+                {
+                    write_api_error(&mut server, &ApiError::metrics_scope_required()).await
+                }
+                ("GET", "/metrics") => {
+                    let text = metrics::scrape(&edge).await;
+                    server
+                        .write_response(
+                            200,
+                            [("content-type", metrics::CONTENT_TYPE)],
+                            Bytes::from(text),
+                        )
+                        .await
+                }
+                // The status page (crate::client::ui).
+                ("GET", "/ui") => crate::client::ui::page(&edge, &mut server, from).await,
+                // Boxed like the passthrough (their timers are cache-line
+                // aligned, which would align every connection's task).
+                ("GET", "/ui/events") => {
+                    Box::pin(crate::client::ui::events(
+                        &edge,
+                        &mut server,
+                        caller.authority,
+                        from,
+                    ))
+                    .await
+                }
+                ("POST", p) if p.starts_with(crate::client::admin::COMMANDS_PREFIX) => {
+                    let content_type = headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+                        .map(|h| &h.value[..]);
+                    let allowed = crate::client::admin::authorize(caller.authority, from)
+                        .and_then(|()| crate::client::admin::check_content_type(content_type));
+                    let (status, body) = match allowed {
+                        Ok(()) => Box::pin(crate::client::admin::handle(&edge, p, &body)).await,
+                        Err(refused) => refused,
+                    };
+                    write_json(&mut server, status, body).await
+                }
+                ("GET", "/readyz") if edge.is_draining() => {
+                    server
+                        .write_response(
+                            503,
+                            [("content-type", "text/plain")],
+                            Bytes::from_static(b"draining\n"),
+                        )
+                        .await
+                }
+                ("GET", "/livez") | ("GET", "/readyz") => {
+                    server
+                        .write_response(
+                            200,
+                            [("content-type", "text/plain")],
+                            Bytes::from_static(b"ok\n"),
+                        )
+                        .await
+                }
+                (
+                    _,
+                    "/v1/models"
+                    | "/v1/chat/completions"
+                    | "/v1/responses"
+                    | "/status"
+                    | "/metrics"
+                    | "/livez"
+                    | "/readyz"
+                    | "/ui"
+                    | "/ui/events",
+                ) => {
+                    write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await
+                }
+                (_, "/v1/messages" | "/v1/messages/count_tokens") => {
+                    let e = ApiError::method_not_allowed(method, &path);
+                    write_error(&mut server, Surface::Anthropic, &e).await
+                }
+                _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
+            };
+            if method == "POST" && is_inference_route(&path) {
+                // metrics: end to end (request read → response finished).
+                engine_metrics::record_since(Latency::EdgeEndToEnd, read_at);
+            }
+            if let Err(e) = &result {
+                server.rec.end(cancel_reason(e).as_str());
+            }
+            server.log_access();
+            drop(in_flight);
+            if let Err(HttpError::TimedOut(Wait::Write)) = &result {
+                write_stalled(&edge, method, &path);
+            }
+            if result.is_err() || !server.keep_alive() {
+                return;
+            }
+        }
+    }
+}
+
+/// Counts and logs a client cut off for taking no bytes of its response
+/// for `edge.client_write_stall_timeout_ms` (its connection was reset).
+pub(super) fn write_stalled(edge: &Edge, method: &str, path: &str) {
+    engine_metrics::add(Count::EdgeClientWriteStalls, 1);
+    if let Some(suppressed) = edge.write_stall_log() {
+        tracing::warn!(
+            method,
+            path,
+            stall_timeout_ms = edge.settings.client_write_stall_timeout.as_millis() as u64,
+            suppressed,
+            "client took no bytes of its response within the write-stall timeout: connection reset"
+        );
+    }
+}
+
+/// The principal of a request to `path`: open routes (`/livez`, `/readyz`,
+/// `/metrics`, the `/ui` page) need no key; the others need a configured client key when
+/// there are any. The error carries the shape to answer in (Anthropic on
+/// `/v1/messages*`, which also accept `x-api-key`).
+pub(super) fn authenticate(
+    edge: &Edge,
+    path: &str,
+    headers: &[iop_engine::http::Header],
+) -> Result<Caller, (Surface, ApiError)> {
+    // `/ui` is the status page: it holds no data and asks for a key.
+    let open_metrics = edge.settings.metrics_access == MetricsAccess::Open;
+    if matches!(path, "/livez" | "/readyz" | "/ui") || (path == "/metrics" && open_metrics) {
+        return Ok(edge.settings.client_keys.anonymous());
+    }
+    let anthropic = path.starts_with(MESSAGES.path);
+    let surface = if anthropic {
+        Surface::Anthropic
+    } else {
+        Surface::OpenAi
+    };
+    edge.settings
+        .client_keys
+        .authenticate(headers, anthropic)
+        .map_err(|e| (surface, e.api_error(anthropic)))
+}
+
+/// The routes that go through admission and a node (metrics: end to end).
+pub(super) fn is_inference_route(path: &str) -> bool {
+    [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS]
+        .iter()
+        .any(|route| route.path == path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EdgeConfig;
+
+    async fn exchange(
+        client: &mut iop_engine::http::ClientConn<TcpStream>,
+        method: &str,
+        path: &str,
+        body: &'static [u8],
+    ) -> (iop_engine::http::ResponseHead, Bytes) {
+        client
+            .send_request(
+                method,
+                path,
+                [("content-type", "application/json")],
+                Bytes::from_static(body),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("send {path}: {e}"));
+        let head = client
+            .read_response_head()
+            .await
+            .unwrap_or_else(|e| panic!("head of {path}: {e}"));
+        let body = client
+            .read_body_to_end(1 << 20)
+            .await
+            .unwrap_or_else(|e| panic!("body of {path}: {e}"));
+        (head, body)
+    }
+
+    fn header<'h>(head: &'h iop_engine::http::ResponseHead, name: &str) -> Option<&'h [u8]> {
+        head.header(name).map(|v| &v[..])
+    }
+
+    /// Serves the Edge's client surface on one accepted connection per
+    /// `connections`, and returns a connected client for each.
+    async fn connect_clients(
+        edge: &Rc<Edge>,
+        connections: usize,
+    ) -> (
+        Vec<iop_engine::http::ClientConn<TcpStream>>,
+        monoio::task::JoinHandle<()>,
+    ) {
+        let listener = monoio::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let served = edge.clone();
+        let server = monoio::spawn(async move {
+            let mut served_conns = Vec::new();
+            for _ in 0..connections {
+                let (tcp, _) = listener.accept().await.expect("accept");
+                let deadline = served.deadlines.watch(&tcp);
+                served_conns.push(monoio::spawn(serve(served.clone(), tcp, deadline, ())));
+            }
+            for conn in served_conns {
+                conn.await;
+            }
+        });
+        let mut clients = Vec::new();
+        for _ in 0..connections {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            clients
+                .push(iop_engine::http::ClientConn::new(tcp, Limits::default()).with_host("edge"));
+        }
+        (clients, server)
+    }
+
+    // The shutdown drain as an open keep-alive connection sees it: /readyz
+    // turns 503, /livez stays 200, and any other request gets 503 with
+    // retry-after and connection: close (OpenAI shape; Anthropic shape on
+    // /v1/messages), after which the Edge closes the connection.
+    #[monoio::test_all(timer_enabled = true)]
+    async fn a_draining_edge_refuses_requests_on_open_connections() {
+        let cfg = EdgeConfig::parse(
+            "[edge]\nname = \"e\"\ntrust_domain = \"t\"\nclient_listen = \"127.0.0.1:0\"\n\
+             node_listen = \"127.0.0.1:0\"\ninsecure_plaintext_nodes = true\n",
+            "edge.toml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let edge = crate::link::settings::edge_state(&cfg);
+        let (mut clients, server) = connect_clients(&edge, 2).await;
+        let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
+        assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));
+
+        edge.begin_drain();
+        let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
+        assert_eq!((head.status, &body[..]), (503, &b"draining\n"[..]));
+        assert_eq!(header(&head, "connection"), None);
+        let (head, body) = exchange(&mut clients[0], "GET", "/livez", b"").await;
+        assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));
+        let (head, body) = exchange(&mut clients[0], "POST", "/v1/chat/completions", b"{}").await;
+        assert_eq!(head.status, 503);
+        assert_eq!(header(&head, "retry-after"), Some(&b"1"[..]));
+        assert_eq!(header(&head, "connection"), Some(&b"close"[..]));
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            "{\"error\":{\"message\":\"The gateway is shutting down; retry shortly.\",\
+             \"type\":\"service_unavailable_error\",\"param\":null,\"code\":\"shutting_down\"}}"
+        );
+        assert!(!head.keep_alive);
+        let (head, body) = exchange(&mut clients[1], "POST", "/v1/messages", b"{}").await;
+        assert_eq!(head.status, 503);
+        assert_eq!(header(&head, "retry-after"), Some(&b"1"[..]));
+        assert_eq!(header(&head, "connection"), Some(&b"close"[..]));
+        let request_id =
+            std::str::from_utf8(header(&head, "x-request-id").expect("an id")).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            format!(
+                "{{\"type\":\"error\",\"error\":{{\"type\":\"overloaded_error\",\
+                 \"message\":\"The gateway is shutting down; retry shortly.\"}},\
+                 \"request_id\":\"{request_id}\"}}"
+            )
+        );
+        // Both connections were closed by the Edge; nothing is in flight.
+        server.await;
+        assert_eq!(edge.in_flight_requests(), 0);
+    }
+}
