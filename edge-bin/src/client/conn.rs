@@ -17,8 +17,7 @@ use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::Wait;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 
-use super::pipeline::*;
-use super::router::*;
+use super::routes::*;
 use crate::api::body_json::JsonLimits;
 use crate::api::openai::{ApiError, Surface};
 use crate::config::ListenerLimits;

@@ -16,11 +16,10 @@ use iop_wire::pb::frame::Body;
 
 use super::conn::*;
 use super::relay::*;
+use super::routes::*;
 use crate::api::openai::{ApiError, ChatRequest, PassthroughRequest, Surface};
 use crate::api::translate::ResponseId;
-use crate::control::{
-    CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId,
-};
+use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::link::edge::{Admission, Edge, RouteRx};
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
@@ -158,22 +157,6 @@ where
             None => return Ok(()),
         }
     }
-}
-
-/// Called once by a relay when its response commits (its first bytes go
-/// to the client): the route drops what it kept of the request for
-/// another attempt (pre-commit failover only), so a stream holds none of
-/// it while it lasts.
-pub(super) type Release<'a> = &'a mut dyn FnMut();
-
-/// How a relay ended.
-#[derive(Debug)]
-pub(super) enum Relayed {
-    /// The client has its answer (or its error).
-    Done,
-    /// The attempt failed before anything reached the client and `Control`
-    /// dispatched the request again: send and relay this one.
-    Retry(Dispatch),
 }
 
 /// The next attempt of `request`, if its relay asks for one. A relay that
@@ -440,41 +423,6 @@ where
         }
     }
 }
-
-/// A passthrough route: which profile operation it is (U3) and which client
-/// API it speaks.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PassRoute {
-    pub(super) operation: &'static str,
-    pub(super) op: Operation,
-    pub(super) path: &'static str,
-    pub(super) surface: Surface,
-}
-
-pub(super) const CHAT_COMPLETIONS: PassRoute = PassRoute {
-    operation: "chat_completions",
-    op: Operation::ChatCompletions,
-    path: "/v1/chat/completions",
-    surface: Surface::OpenAi,
-};
-pub(super) const RESPONSES: PassRoute = PassRoute {
-    operation: "responses",
-    op: Operation::Responses,
-    path: "/v1/responses",
-    surface: Surface::OpenAi,
-};
-pub(super) const MESSAGES: PassRoute = PassRoute {
-    operation: "messages",
-    op: Operation::Messages,
-    path: "/v1/messages",
-    surface: Surface::Anthropic,
-};
-pub(super) const COUNT_TOKENS: PassRoute = PassRoute {
-    operation: "count_tokens",
-    op: Operation::CountTokens,
-    path: "/v1/messages/count_tokens",
-    surface: Surface::Anthropic,
-};
 
 /// The Anthropic API version sent upstream when the client gave none.
 pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";

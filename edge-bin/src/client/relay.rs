@@ -12,13 +12,28 @@ use iop_engine::net::Wait;
 use iop_wire::pb;
 
 use super::conn::*;
-use super::pipeline::*;
 use crate::api::openai::{self, ApiError, Surface};
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, CancelReason, Dispatch};
 use crate::link::edge::{Edge, RouteEvent, RouteRx};
 use crate::plane::access::AccessRecord;
+
+/// Called once by a relay when its response commits (its first bytes go
+/// to the client): the route drops what it kept of the request for
+/// another attempt (pre-commit failover only), so a stream holds none of
+/// it while it lasts.
+pub(super) type Release<'a> = &'a mut dyn FnMut();
+
+/// How a relay ended.
+#[derive(Debug)]
+pub(super) enum Relayed {
+    /// The client has its answer (or its error).
+    Done,
+    /// The attempt failed before anything reached the client and `Control`
+    /// dispatched the request again: send and relay this one.
+    Retry(Dispatch),
+}
 
 /// The message a client gets when its node disconnected mid-request.
 pub(super) const NODE_LOST: &str = "the node serving this request disconnected";

@@ -21,6 +21,7 @@ use monoio::net::TcpStream;
 use super::conn::*;
 use super::pipeline::*;
 use super::relay::*;
+use super::routes::*;
 use crate::api::openai::{self, ApiError, Surface};
 use crate::client::{metrics, status};
 use crate::config::MetricsAccess;
@@ -455,13 +456,6 @@ pub(super) fn authenticate(
         .client_keys
         .authenticate(headers, anthropic)
         .map_err(|e| (surface, e.api_error(anthropic)))
-}
-
-/// The routes that go through admission and a node (metrics: end to end).
-pub(super) fn is_inference_route(path: &str) -> bool {
-    [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS]
-        .iter()
-        .any(|route| route.path == path)
 }
 
 #[cfg(test)]
