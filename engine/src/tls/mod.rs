@@ -72,6 +72,7 @@ mod identity;
 mod listener;
 mod node;
 mod pem;
+mod records;
 mod split;
 mod stream;
 mod upstream;

@@ -44,7 +44,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::BufResult;
 use rustls::{ConnectionCommon, SideData};
 
-use super::stream::{feed_ciphertext, init_bytes, iovec_parts, Fed, CIPHERTEXT_READ_BYTES};
+use super::records::{feed_ciphertext, init_bytes, iovec_parts, Fed, CIPHERTEXT_READ_BYTES};
 
 /// The read half of a split [`super::TlsStream`]: decrypts what the peer
 /// sends. See the module docs.
