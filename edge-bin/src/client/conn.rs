@@ -129,7 +129,7 @@ impl<S> Client<S> {
             return;
         };
         if is_inference_route(&self.rec.path) {
-            crate::client::ui::count_response(self.conn.exchange().status);
+            crate::plane::request_metrics::count_response(self.conn.exchange().status);
         }
         let (unix_ms, ended_at, stats) = (clock::unix_ms(), clock::now(), self.conn.exchange());
         self.active = None;

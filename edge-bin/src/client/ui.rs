@@ -20,7 +20,8 @@
 //! socket gets a small send buffer, so one that stops reading fills it in
 //! a few events and is reset at `edge.client_write_stall_timeout_ms` like
 //! any client that takes no bytes. The only cost when nobody watches is
-//! [`count_response`]: a relaxed atomic add per inference response.
+//! [`crate::plane::request_metrics::count_response`]: a relaxed atomic add
+//! per inference response.
 //!
 //! Access: with `[[client_keys]]`, `/ui/events` needs an admin-scoped key
 //! (the page asks for it and sends it as `Authorization: Bearer`); the page
@@ -30,7 +31,7 @@
 use std::cell::Cell;
 use std::marker::PhantomData;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::{Duration, Instant};
 
 use crate::client::conn::ClientStream;
@@ -47,6 +48,7 @@ use crate::client::status::{self, OutlierView};
 use crate::control::{ModelView, NodePhase, NodeView};
 use crate::link::edge::Edge;
 use crate::plane::credentials::Authority;
+use crate::plane::request_metrics::Sample;
 
 /// The page, served as is.
 pub const PAGE_HTML: &str = include_str!("ui/page.html");
@@ -61,11 +63,6 @@ pub const VIEWERS_MAX: usize = 16;
 /// The send buffer asked for on a viewer's socket: a few events.
 pub const VIEWER_SEND_BUFFER_BYTES: usize = 4 * 1024;
 
-/// Inference responses finished, by class (see [`count_response`]).
-static RESPONSES_OK: AtomicU64 = AtomicU64::new(0);
-static RESPONSES_REJECTED: AtomicU64 = AtomicU64::new(0);
-static RESPONSES_FAILED: AtomicU64 = AtomicU64::new(0);
-
 thread_local! {
     /// Viewers streaming now on this core (a shard is one thread).
     static VIEWERS: Cell<usize> = const { Cell::new(0) };
@@ -75,48 +72,6 @@ thread_local! {
 /// [`VIEWERS_MAX`], at least one.
 pub fn viewers_per_core(cores: usize) -> usize {
     (VIEWERS_MAX / cores.max(1)).max(1)
-}
-
-/// Counts one finished inference response by its status: below 400 it
-/// answered, 4xx was refused (the caller's fault or a limit: 401, 429…),
-/// 5xx or no head at all failed.
-pub fn count_response(status: Option<u16>) {
-    let counter = match status {
-        Some(s) if s < 400 => &RESPONSES_OK,
-        Some(s) if s < 500 => &RESPONSES_REJECTED,
-        _ => &RESPONSES_FAILED,
-    };
-    counter.fetch_add(1, Ordering::Relaxed);
-}
-
-/// The response counters at one instant: what rates are computed from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sample {
-    /// When they were read.
-    pub at: Instant,
-    /// Inference responses that answered (status below 400).
-    pub ok: u64,
-    /// Inference responses refused with a 4xx.
-    pub rejected: u64,
-    /// Inference responses that failed (5xx, or cut off before a head).
-    pub failed: u64,
-}
-
-impl Sample {
-    /// The process's counters now.
-    pub fn read(at: Instant) -> Self {
-        Self {
-            at,
-            ok: RESPONSES_OK.load(Ordering::Relaxed),
-            rejected: RESPONSES_REJECTED.load(Ordering::Relaxed),
-            failed: RESPONSES_FAILED.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Every inference response counted.
-    pub fn requests(&self) -> u64 {
-        self.ok + self.rejected + self.failed
-    }
 }
 
 /// Per-second rates between two samples.
@@ -498,20 +453,6 @@ mod tests {
             .map(|r| r.requests_per_sec),
             Some(0.33)
         );
-    }
-
-    #[test]
-    fn responses_are_counted_by_class() {
-        let before = Sample::read(clock::now());
-        count_response(Some(200));
-        count_response(Some(429));
-        count_response(Some(502));
-        count_response(None);
-        let after = Sample::read(clock::now());
-        // Other tests of this process may count too: at least these.
-        assert!(after.ok > before.ok);
-        assert!(after.rejected > before.rejected);
-        assert!(after.failed >= before.failed + 2);
     }
 
     #[test]

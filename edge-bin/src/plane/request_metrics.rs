@@ -23,7 +23,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use iop_engine::metrics::buckets::{
     escape_label_value, micros, write_family, write_histogram, write_sample, AtomicBuckets, Buckets,
@@ -600,9 +600,70 @@ fn add_saturating(cell: &AtomicU64, n: u64) {
     });
 }
 
+/// Inference responses finished, by class (see [`count_response`]).
+static RESPONSES_OK: AtomicU64 = AtomicU64::new(0);
+static RESPONSES_REJECTED: AtomicU64 = AtomicU64::new(0);
+static RESPONSES_FAILED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts one finished inference response by its status: below 400 it
+/// answered, 4xx was refused (the caller's fault or a limit: 401, 429…),
+/// 5xx or no head at all failed.
+pub fn count_response(status: Option<u16>) {
+    let counter = match status {
+        Some(s) if s < 400 => &RESPONSES_OK,
+        Some(s) if s < 500 => &RESPONSES_REJECTED,
+        _ => &RESPONSES_FAILED,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The response counters at one instant: what rates are computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// When they were read.
+    pub at: Instant,
+    /// Inference responses that answered (status below 400).
+    pub ok: u64,
+    /// Inference responses refused with a 4xx.
+    pub rejected: u64,
+    /// Inference responses that failed (5xx, or cut off before a head).
+    pub failed: u64,
+}
+
+impl Sample {
+    /// The process's counters now.
+    pub fn read(at: Instant) -> Self {
+        Self {
+            at,
+            ok: RESPONSES_OK.load(Ordering::Relaxed),
+            rejected: RESPONSES_REJECTED.load(Ordering::Relaxed),
+            failed: RESPONSES_FAILED.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Every inference response counted.
+    pub fn requests(&self) -> u64 {
+        self.ok + self.rejected + self.failed
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn responses_are_counted_by_class() {
+        let before = Sample::read(iop_engine::clock::now());
+        count_response(Some(200));
+        count_response(Some(429));
+        count_response(Some(502));
+        count_response(None);
+        let after = Sample::read(iop_engine::clock::now());
+        // Other tests of this process may count too: at least these.
+        assert!(after.ok > before.ok);
+        assert!(after.rejected > before.rejected);
+        assert!(after.failed >= before.failed + 2);
+    }
 
     fn done(route: Route, model: usize, status: Option<u16>) -> Finished<'static> {
         Finished {
