@@ -1,6 +1,7 @@
 //! The status page on a real Edge: `GET /ui` serves the page; `GET
-//! /ui/events` streams server-sent events that show the nodes, providers and
-//! models, and follow a node that goes away; with client keys only an
+//! /ui/events` streams server-sent events that show the nodes (never their
+//! connection generation, X5), providers and models, and follow a node that
+//! goes away; with client keys only an
 //! admin-scoped key gets events (401 without a key, 403 for another key);
 //! at most `VIEWERS_MAX` viewers stream at once (503 beyond); a viewer that
 //! never reads is reset at the write-stall timeout while the Edge keeps
@@ -65,6 +66,8 @@ struct Viewer {
     seen: Vec<u8>,
     /// Where the next event is looked for in `seen`.
     next: usize,
+    /// The text of the last event read.
+    last: String,
 }
 
 impl Viewer {
@@ -83,6 +86,7 @@ impl Viewer {
             tcp,
             seen,
             next: head_end,
+            last: String::new(),
         }
     }
 
@@ -94,6 +98,7 @@ impl Viewer {
             if let Some(start) = rest.windows(6).position(|w| w == b"data: ") {
                 if let Some(len) = rest[start..].windows(2).position(|w| w == b"\n\n") {
                     let json = &rest[start + 6..start + len];
+                    self.last = String::from_utf8_lossy(json).into_owned();
                     self.next += start + len + 2;
                     return serde_json::from_slice(json).unwrap_or_else(|e| {
                         panic!("event is not JSON ({e}): {}", String::from_utf8_lossy(json))
@@ -105,6 +110,11 @@ impl Viewer {
             assert!(n > 0, "the event stream ended");
             self.seen.extend_from_slice(&buf);
         }
+    }
+
+    /// The text of the last event [`Viewer::event`] read, as it came.
+    fn last_text(&self) -> &str {
+        &self.last
     }
 
     /// The next event in which `node_id` shows `connected`.
@@ -163,16 +173,34 @@ fn the_page_and_its_events_show_the_nodes() {
         assert_eq!(a["connected"], true, "{first}");
         assert_eq!(a["phase"], "ready");
         assert_eq!(a["version"], "test", "RegisterRequest.node_version");
-        assert!(a["generation"].as_u64().is_some(), "{a}");
-        assert!(a["since_ms"].as_u64().is_some(), "{a}");
-        assert!(a["generation_age_ms"].as_u64().is_some(), "{a}");
+        let since_ms = a["since_ms"].as_u64().expect("since_ms");
+        let registration_age_ms = a["registration_age_ms"].as_u64().expect("registered");
+        assert!(
+            registration_age_ms >= since_ms,
+            "registered, then ready: {a}"
+        );
+        // CONTRACT: X5 — a node's entry is exactly these fields: its
+        // connection generation never leaves the Edge (R5), neither in
+        // the events nor in /status.
+        assert_eq!(
+            a,
+            &serde_json::json!({"node_id": "node-a", "connected": true, "phase": "ready",
+                   "since_ms": since_ms, "version": "test",
+                   "registration_age_ms": registration_age_ms})
+        );
         assert_eq!(
             node(&first, "node-b"),
             &serde_json::json!({"node_id": "node-b", "connected": false, "phase": "offline",
-                   "since_ms": null, "version": "", "generation": null,
-                   "generation_age_ms": null}),
+                   "since_ms": null, "version": "", "registration_age_ms": null}),
             "never connected"
         );
+        assert_eq!(viewer.last_text().matches("generation").count(), 0);
+        let status_text = http_exchange(edge.client_addr, get("/status", None))
+            .await
+            .body;
+        let status_text = String::from_utf8(status_text).expect("UTF-8 status");
+        assert!(status_text.contains("\"node-a\""), "{status_text}");
+        assert_eq!(status_text.matches("generation").count(), 0);
         let pa = provider(&first, "node-a");
         assert_eq!(
             (&pa["provider_id"], &pa["status"], &pa["capacity"]),
@@ -275,7 +303,12 @@ fn at_most_viewers_max_viewers_stream_at_once() {
             let mut seen = Vec::new();
             read_until(&mut tcp, &mut seen, b"\r\n\r\n").await;
             if seen.starts_with(b"HTTP/1.1 200") {
-                break Viewer { tcp, seen, next: 0 };
+                break Viewer {
+                    tcp,
+                    seen,
+                    next: 0,
+                    last: String::new(),
+                };
             }
             assert!(seen.starts_with(b"HTTP/1.1 503"), "{seen:?}");
         };

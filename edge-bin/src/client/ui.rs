@@ -190,6 +190,8 @@ fn age_ms(now: Instant, at: Option<Instant>) -> Option<u64> {
     at.map(|at| u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX))
 }
 
+/// A node's entry: its phase and ages, never its connection generation,
+/// which stays inside the Edge (R5, X5).
 fn node_json(now: Instant, n: &NodeView) -> Value {
     let (phase, since) = match n.phase {
         NodePhase::Offline => ("offline", n.offline_since),
@@ -202,8 +204,7 @@ fn node_json(now: Instant, n: &NodeView) -> Value {
         "phase": phase,
         "since_ms": age_ms(now, since),
         "version": n.version,
-        "generation": n.generation.map(|g| g.0),
-        "generation_age_ms": age_ms(now, n.registered_at),
+        "registration_age_ms": age_ms(now, n.registered_at),
     })
 }
 
@@ -400,7 +401,6 @@ pub(crate) async fn events<S: ClientStream>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::Generation;
 
     fn sample(at: Instant, ok: u64, rejected: u64, failed: u64) -> Sample {
         Sample {
@@ -480,7 +480,6 @@ mod tests {
                 NodeView {
                     node_id: "node-a".into(),
                     phase: NodePhase::Ready,
-                    generation: Some(Generation(3)),
                     version: "0.1.0".into(),
                     registered_at: Some(t0 + Duration::from_secs(40)),
                     ready_at: Some(t0 + Duration::from_millis(40_250)),
@@ -489,7 +488,6 @@ mod tests {
                 NodeView {
                     node_id: "node-b".into(),
                     phase: NodePhase::Offline,
-                    generation: None,
                     version: String::new(),
                     registered_at: None,
                     ready_at: None,
@@ -533,17 +531,19 @@ mod tests {
             end_to_end: Percentiles::default(),
         };
         let previous = sample(t0 + Duration::from_secs(99), 16, 3, 1);
+        // CONTRACT: X5 — the exact document: no node entry carries a
+        // generation or any transport internal.
         let zero = json!({"count": 0, "p50_us": 0, "p90_us": 0, "p99_us": 0, "max_us": 0});
         assert_eq!(
             event_json(&snapshot, Some(&previous)),
             json!({
                 "nodes": [
                     {"node_id": "node-a", "connected": true, "phase": "ready",
-                     "since_ms": 59_750, "version": "0.1.0", "generation": 3,
-                     "generation_age_ms": 60_000},
+                     "since_ms": 59_750, "version": "0.1.0",
+                     "registration_age_ms": 60_000},
                     {"node_id": "node-b", "connected": false, "phase": "offline",
-                     "since_ms": 5000, "version": "", "generation": null,
-                     "generation_age_ms": null},
+                     "since_ms": 5000, "version": "",
+                     "registration_age_ms": null},
                 ],
                 "providers": [
                     {"node_id": "node-a", "provider_id": "local", "adapter": "openai",

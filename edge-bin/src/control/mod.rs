@@ -75,11 +75,10 @@ pub struct NodeView {
     pub node_id: String,
     /// Its owner's phase.
     pub phase: NodePhase,
-    /// The owner's generation, while it has one.
-    pub generation: Option<Generation>,
     /// The version its owner reported (empty: none, or offline).
     pub version: String,
-    /// When the generation started (registration accepted).
+    /// When its owner's registration was accepted. (The owner's generation
+    /// is not here: it never leaves the Edge, R5, X5.)
     pub registered_at: Option<Instant>,
     /// When it became dispatch-ready.
     pub ready_at: Option<Instant>,
@@ -2623,7 +2622,6 @@ impl Control {
                     Some(OwnerState::Pending) => NodePhase::Registered,
                     Some(OwnerState::Ready) => NodePhase::Ready,
                 },
-                generation: n.owner.map(|o| o.generation),
                 version: n.version.clone(),
                 registered_at: n.owner.and_then(|o| o.registered_at),
                 ready_at: n.owner.and_then(|o| o.ready_at),
