@@ -1,7 +1,8 @@
 //! In-process integration: a real Node session (`node_bin::session::run`)
 //! over a loopback TCP frame connection to a scripted Edge, against the
 //! `bench` mock provider with injected faults. Proves the watchdog, cancel,
-//! session-end, W1, command and refresh behaviour through real sockets.
+//! hard deadline (`timeout_sec`) and its precedence (W9), session-end, W1,
+//! command and refresh behaviour through real sockets.
 //!
 //! Waits are bounded by [`common::SAFETY`] only as a safety net against hangs; no
 //! assertion depends on how fast anything runs.
@@ -59,15 +60,19 @@ impl Edge {
 }
 
 fn tunnel(run_id: &str, stall_ms: i64, stream: bool) -> Body {
+    Body::ProviderTunnelRequest(Box::new(tunnel_request(run_id, stall_ms, stream)))
+}
+
+fn tunnel_request(run_id: &str, stall_ms: i64, stream: bool) -> pb::ProviderTunnelRequest {
     let body = format!(
         r#"{{"model":"{TARGET}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
-    Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
+    pb::ProviderTunnelRequest {
         stream,
         metadata: HashMap::from([("user".to_string(), "caller-secret".to_string())]),
         response_stall_timeout_ms: stall_ms,
         ..chat_tunnel(run_id, body)
-    }))
+    }
 }
 
 fn stall_after(tokens: u32) -> bench::mock::MockFaults {
@@ -622,4 +627,283 @@ async fn concurrent_run_tunnel_and_capabilities_share_one_sequence() {
         (1..=seqs.len() as u64).collect::<Vec<_>>(),
         "{seqs:?}"
     );
+}
+
+/// The body bytes of `frames` as text.
+fn body_text(frames: &[pb::ProviderTunnelFrame]) -> String {
+    let body: Vec<u8> = frames
+        .iter()
+        .filter(|f| f.kind() == pb::TunnelFrameKind::Body)
+        .flat_map(|f| f.body.to_vec())
+        .collect();
+    String::from_utf8(body).expect("utf-8 SSE")
+}
+
+/// Asserts `frames` are one tunnel's whole stream: `seq` 1, 2, … and
+/// exactly one terminal, the last frame.
+fn assert_one_terminal_last(frames: &[pb::ProviderTunnelFrame]) {
+    let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
+    assert_eq!(seqs, (1..=frames.len() as u64).collect::<Vec<_>>());
+    let terminals: Vec<usize> = frames
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| common::is_tunnel_terminal(f.kind()))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(terminals, vec![frames.len() - 1], "{:?}", kinds(frames));
+}
+
+/// A request refused at once (W1): its lone `ERROR` frame, read after
+/// everything else the session sent, shows that no frame of an earlier run
+/// came after that run's terminal (`tunnel_frames` accepts only its run's
+/// frames).
+async fn assert_nothing_more(edge: &mut Edge) {
+    edge.send(tunnel("sentinel", -1, true));
+    let frames = edge.tunnel_frames("sentinel").await;
+    assert_eq!(kinds(&frames), vec![(1, pb::TunnelFrameKind::Error)]);
+    assert_eq!(frames[0].failure_code, "invalid_stall_timeout");
+}
+
+// CONTRACT: W9 — a run's `timeout_sec` is a hard deadline the session
+// enforces: a provider that keeps streaming (steady progress, so the stall
+// watchdog never fires) is cut at it with one ERROR{deadline_exceeded}
+// without ExecutionFailure (W6), not let run to its end; the provider
+// stream is aborted and the slot freed.
+#[monoio::test(timer_enabled = true)]
+async fn a_hard_deadline_cuts_a_tunnel_that_keeps_streaming() {
+    // 400 tokens 25 ms apart: ten seconds of steady progress.
+    let mock = Mock::with_faults(400, 25, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    let sent_at = iop_engine::clock::now();
+    let frames = edge
+        .tunnel(pb::ProviderTunnelRequest {
+            timeout_sec: 1,
+            ..tunnel_request("deadline-tunnel", 60_000, true)
+        })
+        .await;
+    let waited = iop_engine::clock::now() - sent_at;
+    assert_one_terminal_last(&frames);
+    assert_eq!(frames[0].kind(), pb::TunnelFrameKind::ResponseStart);
+    let body = body_text(&frames);
+    assert!(body.contains("tok0 "), "it was streaming: {body}");
+    assert!(!body.contains("[DONE]"), "cut before its end: {body}");
+    let terminal = frames.last().expect("terminal");
+    assert_eq!(
+        (
+            terminal.kind(),
+            terminal.failure_code.as_str(),
+            terminal.error.as_str()
+        ),
+        (
+            pb::TunnelFrameKind::Error,
+            "deadline_exceeded",
+            "the run's deadline passed"
+        )
+    );
+    assert_eq!(terminal.failure, None, "not a stall");
+    assert!(
+        waited >= std::time::Duration::from_secs(1),
+        "not before the deadline: {waited:?}"
+    );
+    mock.wait_stats("the provider stream was aborted", |s| {
+        s["active_streams"] == 0 && s["streams_aborted"] == 1
+    })
+    .await;
+    assert_eq!(mock.counters().chat_requests, 1);
+    assert_eq!(edge.in_flight().await, 0);
+    assert_nothing_more(&mut edge).await;
+}
+
+// CONTRACT: W9 — the same deadline on a normalized run: deltas flow, then
+// one ERROR{deadline_exceeded} without ExecutionFailure, never `complete`.
+#[monoio::test(timer_enabled = true)]
+async fn a_hard_deadline_cuts_a_normalized_run_that_keeps_streaming() {
+    let mock = Mock::with_faults(400, 25, Default::default());
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    let events = edge
+        .run(pb::RunRequest {
+            run_id: "deadline-run".into(),
+            adapter: "mock".into(),
+            target: TARGET.into(),
+            input: Some(pb::RunInput {
+                messages: vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            timeout_sec: 1,
+            response_stall_timeout_ms: 60_000,
+            ..Default::default()
+        })
+        .await;
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    let (terminal, before) = events.split_last().expect("a terminal");
+    assert!(
+        before.iter().all(|e| matches!(
+            e.r#type(),
+            pb::RunEventType::Start | pb::RunEventType::Delta
+        )),
+        "{before:?}"
+    );
+    assert!(
+        before.iter().any(|e| !e.delta.is_empty()),
+        "it was streaming: {before:?}"
+    );
+    assert_eq!(
+        (
+            terminal.r#type(),
+            terminal.failure_code.as_str(),
+            terminal.error.as_str()
+        ),
+        (
+            pb::RunEventType::Error,
+            "deadline_exceeded",
+            "the run's deadline passed"
+        )
+    );
+    assert_eq!(terminal.failure, None, "not a stall");
+    mock.wait_stats("the provider stream was aborted", |s| {
+        s["active_streams"] == 0 && s["streams_aborted"] == 1
+    })
+    .await;
+    assert_eq!(edge.in_flight().await, 0);
+}
+
+// CONTRACT: W9 — a hard deadline that comes before the stall watchdog
+// would fire keeps its own terminal: the provider went silent, the stall
+// timeout is far off, the deadline ends the tunnel without stall evidence.
+#[monoio::test(timer_enabled = true)]
+async fn a_hard_deadline_before_the_stall_keeps_its_own_terminal() {
+    let mock = Mock::with_faults(8, 0, stall_after(1));
+    let mut edge = Edge::start(payload(&mock, "/v1/models", 2)).await;
+    let frames = edge
+        .tunnel(pb::ProviderTunnelRequest {
+            timeout_sec: 1,
+            ..tunnel_request("silent", 60_000, true)
+        })
+        .await;
+    assert_one_terminal_last(&frames);
+    let terminal = frames.last().expect("terminal");
+    assert_eq!(
+        (terminal.kind(), terminal.failure_code.as_str()),
+        (pb::TunnelFrameKind::Error, "deadline_exceeded")
+    );
+    assert_eq!(terminal.failure, None, "not a stall");
+    assert_eq!(edge.in_flight().await, 0);
+}
+
+// CONTRACT: W9 — once the watchdog claimed a stall, a cancel and the hard
+// deadline that both come during its join change nothing: the one terminal
+// is the stall's. The probe hangs (bounded at 8 s), so the join outlasts
+// the cancel, sent once the provider stream was aborted by the claim, and
+// the 3 s deadline.
+#[monoio::test(timer_enabled = true)]
+async fn a_cancel_and_a_deadline_after_the_stall_claim_change_nothing() {
+    let mock = Mock::with_faults(8, 0, stall_after(1));
+    let mut config = payload(&mock, "/health", 2);
+    if let Some(runtime) = config.runtime.as_mut() {
+        runtime.probe_timeout_ms = 8_000;
+    }
+    let mut edge = Edge::start(config).await;
+    mock.set_health("hanging").await;
+    let sent_at = iop_engine::clock::now();
+    edge.send(Body::ProviderTunnelRequest(Box::new(
+        pb::ProviderTunnelRequest {
+            timeout_sec: 3,
+            ..tunnel_request("claimed", 200, true)
+        },
+    )));
+    let mut frames = vec![edge.recv_tunnel().await];
+    assert_eq!(frames[0].kind(), pb::TunnelFrameKind::ResponseStart);
+    // The claim cancels the provider call: the mock's stream ends.
+    common::eventually("the stalled stream aborted by the claim", || {
+        mock.counters().active_streams == 0
+    })
+    .await;
+    edge.send(Body::CancelRequest(pb::CancelRequest {
+        run_id: "claimed".into(),
+        reason: "client_disconnect".into(),
+    }));
+    frames.extend(edge.tunnel_frames("claimed").await);
+    let waited = iop_engine::clock::now() - sent_at;
+    assert_one_terminal_last(&frames);
+    assert_stall(
+        frames.last().expect("terminal"),
+        200,
+        pb::ProviderHealth::Unknown,
+        pb::LivenessClassification::HealthUnknown,
+        1,
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(3),
+        "the deadline passed during the join: {waited:?}"
+    );
+    assert_nothing_more(&mut edge).await;
+    assert_eq!(edge.in_flight().await, 0);
+}
+
+// CONTRACT: W9, E1 — a cancel racing the stall watchdog: the cancel is sent
+// at offsets around the 200 ms stall timeout, so it lands before the stall
+// fires, during its join (the probe of a hanging health check takes its
+// 300 ms bound) or after its terminal. Whichever wins, each tunnel ends
+// with exactly one terminal, the last of its frames, and nothing of it
+// follows: `cancelled` without ExecutionFailure, or the stall's with it.
+#[monoio::test(timer_enabled = true)]
+async fn a_cancel_racing_the_stall_watchdog_ends_the_tunnel_once() {
+    let mock = Mock::with_faults(8, 0, stall_after(1));
+    let mut edge = Edge::start(payload(&mock, "/health", 2)).await;
+    mock.set_health("hanging").await;
+    let offsets_ms = [0u64, 100, 150, 180, 200, 220, 260, 320, 400, 480, 560, 700];
+    let (mut cancelled, mut stalled) = (0u64, 0u64);
+    for (i, offset_ms) in offsets_ms.into_iter().enumerate() {
+        let run = format!("race-{i}");
+        edge.send(tunnel(&run, 200, true));
+        // The first body frame: the provider made progress; the idle
+        // clock runs from about now.
+        let mut frames = Vec::new();
+        while !frames
+            .iter()
+            .any(|f: &pb::ProviderTunnelFrame| f.kind() == pb::TunnelFrameKind::Body)
+        {
+            let f = edge.recv_tunnel().await;
+            assert_eq!(f.run_id, run);
+            assert!(!common::is_tunnel_terminal(f.kind()), "{f:?}");
+            frames.push(f);
+        }
+        monoio::time::sleep(std::time::Duration::from_millis(offset_ms)).await;
+        edge.send(Body::CancelRequest(pb::CancelRequest {
+            run_id: run.clone(),
+            reason: "client_disconnect".into(),
+        }));
+        frames.extend(edge.tunnel_frames(&run).await);
+        assert_one_terminal_last(&frames);
+        let terminal = frames.last().expect("terminal");
+        assert_eq!(terminal.kind(), pb::TunnelFrameKind::Error);
+        match terminal.failure_code.as_str() {
+            "cancelled" => {
+                assert_eq!(terminal.failure, None, "{terminal:?}");
+                cancelled += 1;
+            }
+            "response_stalled" => {
+                stalled += 1;
+                assert_stall(
+                    terminal,
+                    200,
+                    pb::ProviderHealth::Unknown,
+                    pb::LivenessClassification::HealthUnknown,
+                    stalled,
+                );
+            }
+            other => panic!("terminal {other:?} after a cancel at {offset_ms} ms"),
+        }
+    }
+    eprintln!("cancel won {cancelled}, the stall won {stalled}");
+    assert_eq!(cancelled + stalled, offsets_ms.len() as u64);
+    assert_nothing_more(&mut edge).await;
+    assert_eq!(edge.in_flight().await, 0);
+    mock.wait_stats("every provider stream closed", |s| s["active_streams"] == 0)
+        .await;
 }
