@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from iop_harness import Cluster, http_json, post_raw
+from iop_harness import Cluster, http_json, post_raw, wait_until
 
 CANARY = "sk-iop-leak-canary-7f3a"
 CLIENT_KEY = "iop-client-key-team-a-3c9d"
@@ -156,3 +156,82 @@ def test_a_secret_from_the_environment_leaves_it():
         # The rest of the environment is intact.
         assert b"RUST_LOG=" in environ
         assert "could not wipe the secret" not in cluster.edge.log()
+
+
+FAILOVER_COUNTERS = (
+    'iop_edge_liveness_recovery_eligibility_total{source="failover",eligible="true"}',
+    'iop_edge_liveness_recovery_eligibility_total{source="failover",eligible="false"}',
+    'iop_edge_liveness_recovery_results_total{source="failover",result="retried"}',
+)
+
+
+def failover_counters(cluster) -> dict:
+    """The Edge's failover counters by name (each must be in /metrics)."""
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    values = {}
+    for name in FAILOVER_COUNTERS:
+        found = [line.rsplit(" ", 1)[1] for line in lines if line.startswith(name + " ")]
+        assert len(found) == 1, (name, found)
+        values[name] = int(found[0])
+    return values
+
+
+def two_slot_cluster(**credentials) -> Cluster:
+    """Model iop-test-model over node-a/mock-1 and node-b/mock-1 (node-a
+    first: an idle pool picks it), each served by a slot of its own,
+    mock-key-node-a and mock-key-node-b; the model fails over once (the
+    default max_attempts = 2) on a failure another provider may not share."""
+    return managed_cluster(credentials={"secret": CANARY, "slot_per_node": True, **credentials},
+                           node_ids=("node-a", "node-b"))
+
+
+def serves_after_node_a_stops(cluster) -> None:
+    """node-b's own slot and route work: with node-a gone, node-b answers."""
+    before = cluster.mock_stats()["chat_requests"]
+    cluster.nodes["node-a"].stop()
+    wait_until(lambda: not cluster.provider("node-a", "mock-1")["connected"], what="node-a gone")
+    status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+    assert status == 200, body
+    assert cluster.mock_stats()["chat_requests"] == before + 1
+
+
+def test_no_fallback_to_another_slot_after_a_bound_route_fails():
+    # CONTRACT: C5 — node-a cannot open its lease (its recipient key was
+    # rotated): the request bound to node-a's slot ends with lease_invalid,
+    # and neither node-b's slot nor its provider is tried, though both work
+    # (proven last) and the model fails over on other failures.
+    with two_slot_cluster() as cluster:
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 200, body
+        cluster.rotate_recipient_key("node-a")
+        mock_before = cluster.mock_stats()["chat_requests"]
+        failover_before = failover_counters(cluster)
+        for _ in range(3):
+            status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+            assert status == 502, body
+            assert json.loads(body)["error"]["code"] == "lease_invalid"
+        assert cluster.mock_stats()["chat_requests"] == mock_before
+        assert failover_counters(cluster) == failover_before
+        assert cluster.provider("node-b", "mock-1")["in_flight"] == 0
+        assert cluster.provider("node-a", "mock-1")["in_flight"] == 0
+        serves_after_node_a_stops(cluster)
+
+
+def test_no_fallback_to_another_slot_after_a_disabled_one():
+    # CONTRACT: C3, C5 — node-a's slot is disabled, node-b's is not: the
+    # request bound to node-a gets no lease (503) and no other slot or
+    # provider is tried; node-b's slot serves once node-a is gone.
+    with two_slot_cluster(slot_extra_of={"node-a": ["enabled = false"]}) as cluster:
+        failover_before = failover_counters(cluster)
+        for _ in range(3):
+            status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+            assert status == 503, body
+            error = json.loads(body)["error"]
+            assert error["code"] == "credential_unavailable"
+            assert "credential slot `mock-key-node-a` is disabled" in error["message"]
+        assert cluster.mock_stats()["chat_requests"] == 0
+        assert failover_counters(cluster) == failover_before
+        assert cluster.provider("node-b", "mock-1")["in_flight"] == 0
+        assert cluster.provider("node-a", "mock-1")["in_flight"] == 0
+        serves_after_node_a_stops(cluster)
