@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 
 use common::*;
 use edge_bin::config::EdgeConfig;
-use edge_bin::plane::credentials::KeysChange;
+use edge_bin::plane::client_keys::KeysChange;
 use edge_bin::server;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 

@@ -37,7 +37,7 @@ use serde_json::{json, Value};
 
 use crate::link::commands::{send, CommandFailed, COMMAND_WAIT};
 use crate::link::edge::Edge;
-use crate::plane::credentials::Authority;
+use crate::plane::client_keys::Authority;
 
 /// Path prefix of the route.
 pub const COMMANDS_PREFIX: &str = "/admin/nodes/";

@@ -23,7 +23,7 @@ use crate::api::openai::{ApiError, Surface};
 use crate::config::ListenerLimits;
 use crate::link::edge::Edge;
 use crate::plane::access::{AccessRecord, REQUEST_ID_HEADER};
-use crate::plane::credentials::{Caller, ClientKeys};
+use crate::plane::client_keys::{Caller, ClientKeys};
 use crate::plane::limits::Ticket;
 use crate::plane::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
 

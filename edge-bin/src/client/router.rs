@@ -27,7 +27,7 @@ use crate::client::{metrics, status};
 use crate::config::MetricsAccess;
 use crate::link::edge::Edge;
 use crate::plane::access::AccessRecord;
-use crate::plane::credentials::Caller;
+use crate::plane::client_keys::Caller;
 use crate::plane::request_metrics::Route;
 
 /// Serves one client connection to its end; `open` (its place under the

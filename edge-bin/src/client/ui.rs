@@ -47,7 +47,7 @@ use crate::client::admin::Requester;
 use crate::client::status::{self, OutlierView};
 use crate::control::{ModelView, NodePhase, NodeView};
 use crate::link::edge::Edge;
-use crate::plane::credentials::Authority;
+use crate::plane::client_keys::Authority;
 use crate::plane::request_metrics::Sample;
 
 /// The page, served as is.

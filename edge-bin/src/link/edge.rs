@@ -1395,7 +1395,7 @@ mod tests {
         Tunables,
     };
     use crate::plane::access::AccessLog;
-    use crate::plane::credentials::ClientKeys;
+    use crate::plane::client_keys::ClientKeys;
 
     fn edge() -> Edge {
         let spec = ControlSpec {

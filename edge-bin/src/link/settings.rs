@@ -14,7 +14,8 @@ use crate::config::{EdgeConfig, ListenerLimits};
 use crate::control::{control_spec, Control};
 use crate::link::edge::Edge;
 use crate::plane::access::AccessLog;
-use crate::plane::credentials::{ClientKeys, CredentialPlane};
+use crate::plane::client_keys::ClientKeys;
+use crate::plane::credentials::CredentialPlane;
 use crate::plane::request_metrics::RequestMetrics;
 use crate::plane::usage::UsageLog;
 

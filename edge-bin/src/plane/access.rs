@@ -144,7 +144,7 @@ impl AccessRecord {
     pub fn new(request_id: String, method: &str, path: &str, bytes_in: u64) -> Self {
         Self {
             request_id,
-            principal: crate::plane::credentials::ANONYMOUS_PRINCIPAL.to_owned(),
+            principal: crate::plane::client_keys::ANONYMOUS_PRINCIPAL.to_owned(),
             method: method.to_owned(),
             path: path.to_owned(),
             bytes_in,

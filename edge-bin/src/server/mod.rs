@@ -20,7 +20,8 @@ use crate::link::edge::{Edge, CONTROL_SHARD};
 use crate::link::settings::{access_log, request_metrics, settings, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
 use crate::plane::access::AccessLog;
-use crate::plane::credentials::{ClientKeys, CredentialPlane, KeysChange};
+use crate::plane::client_keys::{ClientKeys, KeysChange};
+use crate::plane::credentials::CredentialPlane;
 use crate::plane::request_metrics::RequestMetrics;
 use crate::plane::usage::UsageLog;
 

@@ -1,0 +1,484 @@
+//! Client API keys → principals ([`ClientKeys`]): who sent a request and
+//! what its key may do (its models, its scopes, its principal's limits).
+//! The keys are stored as blake3 hashes; SIGHUP replaces them for every
+//! shard at once ([`ClientKeys::replace`]).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Instant;
+
+use iop_engine::http::Header;
+use iop_wire::lease;
+
+use crate::api::openai::ApiError;
+use crate::config::ClientKeySpec;
+use crate::plane::limits::{self, Limiter, Ticket};
+
+/// The principal of requests when no client keys are configured.
+pub const ANONYMOUS_PRINCIPAL: &str = "anonymous";
+
+// ---------------------------------------------------------------------------
+// Client API keys
+
+/// blake3 of a client API key: the `key_hash` stored in `[[client_keys]]`.
+pub fn hash_client_key(key: &[u8]) -> [u8; 32] {
+    *blake3::hash(key).as_bytes()
+}
+
+/// [`hash_client_key`] as lowercase hex, the config form.
+pub fn client_key_hash_hex(key: &[u8]) -> String {
+    lease::encode_hex(&hash_client_key(key))
+}
+
+/// The configured client API keys, by hash. Empty = the surface is open and
+/// every request runs as [`ANONYMOUS_PRINCIPAL`].
+///
+/// Clones share one table: the shards of an Edge hold clones, and
+/// [`ClientKeys::replace`] (SIGHUP) swaps the keys for all of them at once.
+/// Each request is authenticated against the table as it is when its head
+/// has been read; a request already authenticated runs on under a key
+/// revoked after that.
+///
+/// The clones also share the principals' [`Limiter`]: a principal's limits
+/// hold across shards. Its lock is taken once when a request is admitted
+/// and once when it ends.
+#[derive(Clone)]
+pub struct ClientKeys {
+    table: Arc<RwLock<HashMap<[u8; 32], Caller>>>,
+    limiter: Arc<Mutex<Limiter>>,
+    anonymous: Caller,
+}
+
+impl Default for ClientKeys {
+    fn default() -> Self {
+        Self {
+            table: Arc::default(),
+            limiter: Arc::default(),
+            anonymous: Caller {
+                principal: Arc::from(ANONYMOUS_PRINCIPAL),
+                authority: Authority::Anonymous,
+                models: None,
+            },
+        }
+    }
+}
+
+impl fmt::Debug for ClientKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientKeys")
+            .field("keys", &self.len())
+            .finish()
+    }
+}
+
+/// Who sent a request: the principal of its client key and what the key
+/// may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The principal bound into every lease issued for the request.
+    pub principal: Arc<str>,
+    /// How the request was let in.
+    pub authority: Authority,
+    /// The only models the key may use (`models = [...]`); `None` = all.
+    pub models: Option<Arc<[String]>>,
+}
+
+impl Caller {
+    /// Whether the caller may use `model`.
+    pub fn may_use(&self, model: &str) -> bool {
+        self.models
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|m| m == model))
+    }
+}
+
+/// How a request was let in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Authority {
+    /// No client keys are configured: every request is let in as
+    /// [`ANONYMOUS_PRINCIPAL`] (the `/admin` routes then answer loopback
+    /// peers only).
+    Anonymous,
+    /// A configured client key.
+    Key {
+        /// The key has `scopes = ["admin"]`: it may use the `/admin` routes.
+        admin: bool,
+        /// The key has `scopes = ["metrics"]`: it may read `/metrics` (under
+        /// `edge.metrics_access = "key"`) and the whole of `/status`.
+        metrics: bool,
+    },
+}
+
+impl Authority {
+    /// Whether the caller may see the whole fleet: every provider on
+    /// `/status`, and `/metrics` under `edge.metrics_access = "key"`.
+    /// Without client keys every caller may.
+    pub fn sees_everything(self) -> bool {
+        match self {
+            Authority::Anonymous => true,
+            Authority::Key { admin, metrics } => admin || metrics,
+        }
+    }
+}
+
+/// What [`ClientKeys::replace`] changed, by key (no key or hash appears).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeysChange {
+    /// Keys now configured.
+    pub keys: usize,
+    /// Keys that were not configured before.
+    pub added: usize,
+    /// Keys no longer configured: their next request gets 401.
+    pub revoked: usize,
+    /// Keys still configured whose principal or scopes changed.
+    pub changed: usize,
+}
+
+/// Why a client request was not authenticated (401).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// No API key was presented.
+    #[error("no API key")]
+    Missing,
+    /// The presented key is not a configured client key.
+    #[error("invalid API key")]
+    Invalid,
+}
+
+impl AuthError {
+    /// The 401 answer. `x_api_key` says whether the route also accepts the
+    /// key in `x-api-key` (Anthropic routes), for the message.
+    pub fn api_error(&self, x_api_key: bool) -> ApiError {
+        let how = if x_api_key {
+            "`Authorization: Bearer <key>` or `x-api-key: <key>`"
+        } else {
+            "`Authorization: Bearer <key>`"
+        };
+        let (message, code) = match self {
+            AuthError::Missing => (
+                format!("You didn't provide an API key. Send it as {how}."),
+                None,
+            ),
+            AuthError::Invalid => (
+                "Incorrect API key provided.".to_owned(),
+                Some("invalid_api_key".to_owned()),
+            ),
+        };
+        ApiError {
+            status: 401,
+            message,
+            kind: "invalid_request_error",
+            param: None,
+            code,
+            retry_after_sec: None,
+        }
+    }
+}
+
+impl ClientKeys {
+    /// The keys of `[[client_keys]]`.
+    pub fn from_config(specs: &[ClientKeySpec]) -> Self {
+        let keys = Self::default();
+        keys.replace(specs);
+        keys
+    }
+
+    fn table_of(specs: &[ClientKeySpec]) -> HashMap<[u8; 32], Caller> {
+        specs
+            .iter()
+            .map(|k| {
+                let caller = Caller {
+                    principal: Arc::from(k.principal.as_str()),
+                    authority: Authority::Key {
+                        admin: k.admin,
+                        metrics: k.metrics,
+                    },
+                    models: k.models.as_deref().map(Arc::from),
+                };
+                (k.key_hash, caller)
+            })
+            .collect()
+    }
+
+    /// Makes `specs` the configured keys, for every clone (SIGHUP): keys
+    /// not in `specs` are refused from the next request on, new ones
+    /// accepted; requests already authenticated are not affected.
+    pub fn replace(&self, specs: &[ClientKeySpec]) -> KeysChange {
+        let next = Self::table_of(specs);
+        let mut table = self.table.write().unwrap_or_else(PoisonError::into_inner);
+        let change = KeysChange {
+            keys: next.len(),
+            added: next.keys().filter(|h| !table.contains_key(*h)).count(),
+            revoked: table.keys().filter(|h| !next.contains_key(*h)).count(),
+            changed: next
+                .iter()
+                .filter(|(h, caller)| table.get(*h).is_some_and(|old| old != *caller))
+                .count(),
+        };
+        *table = next;
+        drop(table);
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .configure(specs.iter().map(|k| (k.principal.as_str(), k.limits)));
+        change
+    }
+
+    /// Admits a request of `principal` against its limits (before it takes
+    /// a lease); see [`Limiter::admit`].
+    pub fn admit(&self, principal: &str, estimated_tokens: u64, now: Instant) -> limits::Admission {
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .admit(principal, estimated_tokens, now)
+    }
+
+    /// Ends an admitted request; see [`Limiter::finish`].
+    pub fn finish(&self, ticket: Ticket, observed_tokens: Option<u64>, now: Instant) {
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .finish(ticket, observed_tokens, now);
+    }
+
+    fn len(&self) -> usize {
+        self.table
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// The caller of a route that needs no key (`/livez`, `/readyz`,
+    /// `/metrics`).
+    pub fn anonymous(&self) -> Caller {
+        self.anonymous.clone()
+    }
+
+    /// True when requests must present a key.
+    pub fn is_enabled(&self) -> bool {
+        self.len() > 0
+    }
+
+    /// The caller of a request with `headers`: [`ANONYMOUS_PRINCIPAL`]
+    /// when no keys are configured; otherwise the principal of the key in
+    /// `Authorization: Bearer <key>` (or, when `x_api_key`, in
+    /// `x-api-key: <key>`).
+    pub fn authenticate(&self, headers: &[Header], x_api_key: bool) -> Result<Caller, AuthError> {
+        let bearer = headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("authorization"))
+            .map(|h| bearer_token(&h.value));
+        let api_key = headers
+            .iter()
+            .filter(|h| x_api_key && h.name.eq_ignore_ascii_case("x-api-key"))
+            .map(|h| Some(&h.value[..]));
+        let table = self.table.read().unwrap_or_else(PoisonError::into_inner);
+        if table.is_empty() {
+            return Ok(self.anonymous.clone());
+        }
+        let mut presented = false;
+        for candidate in bearer.chain(api_key) {
+            presented = true;
+            let Some(key) = candidate.filter(|k| !k.is_empty()) else {
+                continue;
+            };
+            if let Some(caller) = table.get(&hash_client_key(key)) {
+                return Ok(caller.clone());
+            }
+        }
+        Err(if presented {
+            AuthError::Invalid
+        } else {
+            AuthError::Missing
+        })
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` value (scheme
+/// case-insensitive), or `None` for another scheme.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer ";
+    if value.len() < SCHEME.len() || !value[..SCHEME.len()].eq_ignore_ascii_case(SCHEME) {
+        return None;
+    }
+    let token = &value[SCHEME.len()..];
+    let start = token.iter().position(|&b| b != b' ').unwrap_or(token.len());
+    Some(&token[start..])
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    fn header(name: &str, value: &str) -> Header {
+        Header {
+            name: name.into(),
+            value: Bytes::copy_from_slice(value.as_bytes()),
+        }
+    }
+
+    // CONTRACT: C1 — the principal bound into a lease comes from the
+    // client's key.
+    #[test]
+    fn client_keys_map_keys_to_principals() {
+        let open = ClientKeys::default();
+        assert!(!open.is_enabled());
+        let anonymous = Caller {
+            principal: ANONYMOUS_PRINCIPAL.into(),
+            authority: Authority::Anonymous,
+            models: None,
+        };
+        assert_eq!(open.authenticate(&[], false), Ok(anonymous));
+        let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
+            principal: principal.into(),
+            key_hash: hash_client_key(key),
+            admin,
+            metrics: false,
+            limits: Default::default(),
+            models: None,
+        };
+        let caller = |principal: &str, admin: bool| {
+            Ok(Caller {
+                principal: principal.into(),
+                authority: Authority::Key {
+                    admin,
+                    metrics: false,
+                },
+                models: None,
+            })
+        };
+        let keys = ClientKeys::from_config(&[
+            spec("team-a", b"key-a", false),
+            spec("team-b", b"key-b", true),
+        ]);
+        assert_eq!(
+            keys.authenticate(&[header("Authorization", "Bearer key-a")], false),
+            caller("team-a", false)
+        );
+        assert_eq!(
+            keys.authenticate(&[header("authorization", "bearer  key-b")], false),
+            caller("team-b", true)
+        );
+        assert_eq!(keys.authenticate(&[], false), Err(AuthError::Missing));
+        assert_eq!(
+            keys.authenticate(&[header("Authorization", "Bearer nope")], false),
+            Err(AuthError::Invalid)
+        );
+        assert_eq!(
+            keys.authenticate(&[header("Authorization", "Basic key-a")], false),
+            Err(AuthError::Invalid)
+        );
+        assert_eq!(
+            keys.authenticate(&[header("Authorization", "Bearer ")], false),
+            Err(AuthError::Invalid)
+        );
+        // x-api-key only where the route accepts it (Anthropic).
+        assert_eq!(
+            keys.authenticate(&[header("x-api-key", "key-b")], false),
+            Err(AuthError::Missing)
+        );
+        assert_eq!(
+            keys.authenticate(&[header("x-api-key", "key-b")], true),
+            caller("team-b", true)
+        );
+        assert_eq!(
+            client_key_hash_hex(b"key-a"),
+            blake3::hash(b"key-a").to_hex().to_string()
+        );
+    }
+
+    // A replace reaches every clone: a revoked key is refused from the
+    // next request on, an added one accepted, a changed scope applied.
+    #[test]
+    fn replacing_keys_reaches_every_clone() {
+        let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
+            principal: principal.into(),
+            key_hash: hash_client_key(key),
+            admin,
+            metrics: false,
+            limits: Default::default(),
+            models: None,
+        };
+        let keys = ClientKeys::from_config(&[
+            spec("team-a", b"key-a", false),
+            spec("team-b", b"key-b", false),
+        ]);
+        let shard = keys.clone();
+        let change = keys.replace(&[
+            spec("team-b", b"key-b", true),
+            spec("team-c", b"key-c", false),
+        ]);
+        assert_eq!(
+            change,
+            KeysChange {
+                keys: 2,
+                added: 1,
+                revoked: 1,
+                changed: 1
+            }
+        );
+        let bearer = |key: &str| [header("authorization", &format!("Bearer {key}"))];
+        assert_eq!(
+            shard.authenticate(&bearer("key-a"), false),
+            Err(AuthError::Invalid)
+        );
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-c"), false)
+                .map(|c| c.principal),
+            Ok("team-c".into())
+        );
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-b"), false)
+                .map(|c| c.authority),
+            Ok(Authority::Key {
+                admin: true,
+                metrics: false
+            })
+        );
+        // Removing every key opens the surface again.
+        assert_eq!(keys.replace(&[]).revoked, 2);
+        assert!(!shard.is_enabled());
+        assert_eq!(
+            shard
+                .authenticate(&bearer("key-b"), false)
+                .map(|c| c.authority),
+            Ok(Authority::Anonymous)
+        );
+    }
+
+    // CONTRACT: C1 — no principal, no lease: 401 in the route's shape.
+    #[test]
+    fn unauthenticated_answers_in_both_shapes() {
+        let missing = AuthError::Missing.api_error(false);
+        assert_eq!(missing.status, 401);
+        assert_eq!(
+            missing.body_json(),
+            serde_json::json!({"error": {
+                "message": "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+                "type": "invalid_request_error",
+                "param": null,
+                "code": null,
+            }})
+        );
+        let invalid = AuthError::Invalid.api_error(true);
+        assert_eq!(
+            invalid.body_json()["error"]["code"],
+            serde_json::json!("invalid_api_key")
+        );
+        let anthropic: serde_json::Value =
+            serde_json::from_slice(&invalid.body_for(crate::api::openai::Surface::Anthropic))
+                .expect("json");
+        assert_eq!(
+            anthropic,
+            serde_json::json!({"type": "error", "error": {
+                "type": "authentication_error",
+                "message": "Incorrect API key provided.",
+            }})
+        );
+    }
+}
