@@ -520,11 +520,12 @@ async fn reader_task<R: AsyncReadRent>(
 
         // Read straight into the decoder's buffer: decoded `bytes` fields
         // are then slices of it (zero copy).
+        let wanted_bytes = if decoding { decoder.bytes_wanted() } else { 0 };
         let mut buf = std::mem::take(decoder.buffer_mut());
         if !decoding {
             buf.clear(); // keep draining until the stream ends, but discard
         }
-        reserve_read_room(&mut buf);
+        reserve_read_room(&mut buf, wanted_bytes);
         let len = buf.len();
         let (result, slice) = reader.half.read(buf.slice_mut(len..)).await;
         *decoder.buffer_mut() = slice.into_inner();
@@ -546,8 +547,21 @@ async fn reader_task<R: AsyncReadRent>(
     // Dropping `tx` lets `ConnEvents` deliver `Closed`.
 }
 
-fn reserve_read_room(buf: &mut BytesMut) {
-    if buf.capacity() - buf.len() < READ_MIN_SPARE_BYTES {
+/// Makes room in `buf` for the next read. The rest of a frame the decoder
+/// already made room for (`wanted_bytes`) is read into that room: growing
+/// the buffer then would double a frame-sized allocation, and the spare
+/// tail left after the frame would keep all of it, the frame's bytes
+/// included, alive long after the frame was handled. An empty buffer gets
+/// a fresh chunk rather than reclaiming the allocation it shared with the
+/// frames already handed out, which may be a large frame's.
+fn reserve_read_room(buf: &mut BytesMut, wanted_bytes: usize) {
+    let spare_bytes = buf.capacity() - buf.len();
+    if spare_bytes >= READ_MIN_SPARE_BYTES || (0 < wanted_bytes && wanted_bytes <= spare_bytes) {
+        return;
+    }
+    if buf.is_empty() {
+        *buf = BytesMut::with_capacity(READ_CHUNK_BYTES);
+    } else {
         buf.reserve(READ_CHUNK_BYTES);
     }
 }
