@@ -49,6 +49,18 @@ cargo clippy --workspace --all-targets -- -D warnings
 stage "systemd units (systemd-analyze verify)"
 scripts/verify-units.sh
 
+# engine/tests/keys.rs checks our key files against the real `openssl`
+# tool and fails without it; install it where we may.
+if ! command -v openssl >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test: installing openssl for the key-file interop tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        openssl >/dev/null; } || echo "test: warning: could not install openssl" >&2
+  else
+    echo "test: openssl missing and not root with apt: the key-file interop tests will fail" >&2
+  fi
+fi
+
 stage "build binaries (integration tests run them)"
 cargo build --workspace --bins
 
