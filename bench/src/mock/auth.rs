@@ -81,7 +81,8 @@ mod tests {
         }
     }
 
-    // CONTRACT: C2 — the mock checks the header a Node injects.
+    // The mock checks the header a Node injects (the credential tests rely
+    // on its 401 without it).
     #[test]
     fn the_key_is_required_in_either_header() {
         let key = ApiKey::new("sk-mock");
