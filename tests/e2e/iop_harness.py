@@ -169,7 +169,9 @@ class Cluster:
         # with "secret_env": NAME given to the Edge in that environment
         # variable instead) and optional "header", "format" and "slot_extra"
         # (extra TOML lines of the slot). Every node gets a recipient key and its "mock-1"
-        # provider is served by slot "mock-key"; with "slot_per_node": True each node's
+        # provider is served by slot "mock-key" (or only the "node/provider"
+        # entries of "providers"; those of "spare_providers" by a second slot,
+        # "spare-key", with the same secret); with "slot_per_node": True each node's
         # "mock-1" is served by a slot of its own, "mock-key-<node id>" (same secret), with
         # the extra lines "slot_extra_of"[node id]. client_keys: {principal:
         # key} or {principal: {"key": key, "scopes": [...], and optionally
@@ -302,22 +304,26 @@ class Cluster:
     def credentials_config(self) -> list[str]:
         out = []
         if self.credentials is not None:
-            out += ["[credentials]", 'issuer_key = "keys/issuer.key"']
-            if self.credentials.get("slot_per_node"):
-                slots = [(f"mock-key-{n}", [n], list(self.credentials.get("slot_extra_of", {}).get(n, ())))
-                         for n in self.node_ids]
-            else:
-                slots = [("mock-key", self.node_ids, list(self.credentials.get("slot_extra", ())))]
-            for name, node_ids, extra in slots:
-                out += [
+            def slot(name: str, providers, extra) -> list[str]:
+                return [
                     "[[credentials.slots]]",
                     f'name = "{name}"',
                     (f'secret_env = "{self.credentials["secret_env"]}"' if "secret_env" in self.credentials
                      else 'secret_file = "secrets/provider"'),
                     f'header = "{self.credentials.get("header", "Authorization")}"',
                     f'format = "{self.credentials.get("format", "Bearer {secret}")}"',
-                    "providers = [" + ", ".join(f'"{n}/mock-1"' for n in node_ids) + "]",
-                ] + extra
+                    "providers = [" + ", ".join(f'"{p}"' for p in providers) + "]",
+                ] + list(extra)
+            out += ["[credentials]", 'issuer_key = "keys/issuer.key"']
+            if self.credentials.get("slot_per_node"):
+                for n in self.node_ids:
+                    out += slot(f"mock-key-{n}", [f"{n}/mock-1"],
+                                self.credentials.get("slot_extra_of", {}).get(n, ()))
+            else:
+                providers = self.credentials.get("providers", [f"{n}/mock-1" for n in self.node_ids])
+                out += slot("mock-key", providers, self.credentials.get("slot_extra", ()))
+                if self.credentials.get("spare_providers"):
+                    out += slot("spare-key", self.credentials["spare_providers"], ())
         for principal, key in self.client_keys.items():
             key_hash = run_bin(["edge-bin", "keys", "hash-client-key"], stdin=_client_key(key) + "\n")
             out += ["[[client_keys]]", f'principal = "{principal}"', f'key_hash = "{key_hash}"']

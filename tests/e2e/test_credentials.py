@@ -130,16 +130,32 @@ def test_rotated_recipient_key_fails_closed():
 
 def test_disabled_slot_is_refused_at_the_edge():
     # CONTRACT: C3, C5 — a disabled slot issues no lease: 503, nothing sent
-    # to the node or the provider, no other credential tried.
-    with managed_cluster(credentials={"secret": CANARY, "slot_extra": ["enabled = false"]}) as cluster:
-        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
-        assert status == 503, body
-        error = json.loads(body)["error"]
-        assert error["code"] == "credential_unavailable"
-        assert "credential slot `mock-key` is disabled" in error["message"]
+    # to the node or the provider, and no other credential tried: the
+    # model's second provider, on node-b, has an enabled slot of its own
+    # ("spare-key") and is not used for the refused requests.
+    credentials = {"secret": CANARY, "providers": ["node-a/mock-1"], "slot_extra": ["enabled = false"],
+                   "spare_providers": ["node-b/mock-1"]}
+    with managed_cluster(credentials=credentials, node_ids=("node-a", "node-b")) as cluster:
+        # Both idle, node-a/mock-1 is first in the model's pool: every
+        # request is routed to it.
+        for stream in (False, True):
+            status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", {**CHAT, "stream": stream})
+            assert status == 503, body
+            error = json.loads(body)["error"]
+            assert error["code"] == "credential_unavailable"
+            assert error["message"] == ("credential slot `mock-key` is disabled; the request was not sent "
+                                        "to the provider (no other credential is tried).")
+        # Neither provider (both on this mock) was called.
         assert cluster.mock_stats()["chat_requests"] == 0
         # The provider's lease was settled: nothing stays in flight.
         assert cluster.provider("node-a", "mock-1")["in_flight"] == 0
+        # The other credential works: with node-a gone, node-b's provider
+        # serves the model through "spare-key".
+        cluster.nodes["node-a"].stop()
+        wait_until(lambda: not cluster.provider("node-a", "mock-1")["connected"], what="node-a gone")
+        status, _, body = post_raw(cluster.base_url + "/v1/chat/completions", CHAT)
+        assert status == 200, body
+        assert cluster.mock_stats()["chat_requests"] == 1
 
 
 def test_a_secret_from_the_environment_leaves_it():
