@@ -8,7 +8,6 @@ tokens ends the stream with an error and is not retried.
 import json
 import signal
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -142,18 +141,19 @@ def test_a_killed_provider_costs_the_clients_nothing_and_serves_again_once_resta
     assert failures == retried
     assert "provider ejected: failing, out of rotation" in cluster.edge.log()
 
-    # Restarted on its port: a recovery probe finds it and re-admits it long
-    # before its 60 s ejection is over; it serves again.
-    restarted = time.monotonic()
+    # Restarted on its port: a recovery probe finds it and re-admits it
+    # before its 60 s ejection is over (by the probe, not the ejection
+    # timer); it serves again.
     cluster.mock = start("mock", [str(BIN_DIR / "bench"), "mock-provider", "--port", port, "--tokens", str(TOKENS)])
     cluster.procs.append(cluster.mock)
     wait_until(lambda: not cluster.entry("a")["outlier"]["ejected"], timeout_s=30, what="a re-admitted")
-    assert time.monotonic() - restarted < 60
     assert cluster.metric('iop_edge_provider_readmissions_total{via="probe"}') == 1
+    assert cluster.metric('iop_edge_provider_readmissions_total{via="timer"}') == 0
     assert cluster.entry("a")["status"] == "available"
     for _ in range(4):
         assert chat(cluster, True) == (200, TEXT)
-    assert cluster.mock_stats()["chat_requests"] >= 1, "the restarted provider serves"
+    # Ties go to a again: the restarted process serves all four.
+    assert cluster.mock_stats()["chat_requests"] == 4, "the restarted provider serves"
     for p in ("a", "b"):
         e = cluster.entry(p)
         assert (e["in_flight"], e["queued"]) == (0, 0), e
