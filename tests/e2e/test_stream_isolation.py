@@ -144,7 +144,10 @@ def test_cancel_storms_while_back_pressured_leave_the_node_alive(cluster):
 
 @pytest.fixture()
 def heartbeat_cluster():
-    env = {"IOP_TEST_HEARTBEAT_MS": "200:1000"}
+    # A heartbeat every 0.5 s, the connection closed after 5 s without an
+    # answer: only the freeze below (SIGSTOP) is that long, not the pauses
+    # of a loaded machine.
+    env = {"IOP_TEST_HEARTBEAT_MS": "500:5000"}
     with Cluster(mock_args=["--tokens", "400", "--inter-token-ms", "50"], edge_env=env, node_env=env) as c:
         yield c
 
@@ -162,19 +165,24 @@ def test_a_node_frozen_past_the_heartbeat_timeout_reconnects_and_serves(heartbea
                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
         streams.append(s)
     wait_until(lambda: cluster.provider("node-a", "mock-1")["in_flight"] == 10, what="ten streams running")
+    # Nothing closed the node's connection before the freeze.
+    assert "node connection closed" not in cluster.edge.log(), cluster.edge.log()
     node.popen.send_signal(signal.SIGSTOP)
     try:
         # The Edge fences the frozen node after its heartbeat timeout.
-        wait_until(lambda: not cluster.provider("node-a", "mock-1")["connected"], timeout_s=20,
+        wait_until(lambda: not cluster.provider("node-a", "mock-1")["connected"], timeout_s=60,
                    what="the frozen node fenced")
     finally:
         node.popen.send_signal(signal.SIGCONT)
+    closed = [line for line in cluster.edge.log().splitlines() if "node connection closed" in line]
+    assert len(closed) == 1 and "reason=heartbeat_timeout" in closed[0], closed
     for s in streams:
         s.close()
     # It ends that session (cancelling its ten runs), stays up, reconnects.
     wait_until(cluster.all_nodes_connected, timeout_s=20, what="the node reconnected")
     assert node.popen.poll() is None, node.log()
     wait_until(lambda: "session ended" in node.log(), what="the old session ended")
+    assert node.log().count("session ended") == 1, node.log()
     assert "panicked" not in node.log(), node.log()
     status, _, body = post_raw(cluster.base_url + "/v1/chat/completions",
                                {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
