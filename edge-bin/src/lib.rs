@@ -29,6 +29,8 @@
 //!   requests, request bodies as the client's bytes, run translation.
 //! - [`config`]: `edge.toml`, parsed and validated.
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod client;
 pub mod config;

@@ -9,6 +9,8 @@
 //! `[[client_keys]]`). `--version` prints the version, commit and whether
 //! io_uring is available; `--log-format json` writes JSON log lines.
 
+#![forbid(unsafe_code)]
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -718,21 +718,12 @@ pub fn models_list(models: &[ModelEntry], created_unix_sec: i64) -> Bytes {
     Bytes::from(json!({"object": "list", "data": data}).to_string())
 }
 
-/// Response headers from a provider that must not be relayed as they are:
-/// hop-by-hop headers and framing, which the Edge sets itself.
-pub fn is_hop_by_hop(name: &str) -> bool {
-    const HOP: [&str; 9] = [
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "transfer-encoding",
-        "content-length",
-        "te",
-        "trailer",
-        "upgrade",
-        "proxy-authenticate",
-    ];
-    HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+/// Response headers from a provider that are not relayed as they are: the
+/// hop-by-hop headers ([`iop_engine::http::is_hop_by_hop`], the one list)
+/// and the framing, which the Edge sets itself
+/// ([`iop_engine::http::is_framing`]).
+pub fn is_not_relayed(name: &str) -> bool {
+    iop_engine::http::is_hop_by_hop(name) || iop_engine::http::is_framing(name)
 }
 
 #[cfg(test)]
@@ -1106,9 +1097,10 @@ mod tests {
 
     #[test]
     fn hop_by_hop_headers() {
-        assert!(is_hop_by_hop("Transfer-Encoding"));
-        assert!(is_hop_by_hop("content-length"));
-        assert!(!is_hop_by_hop("content-type"));
-        assert!(!is_hop_by_hop("x-request-id"));
+        assert!(is_not_relayed("Transfer-Encoding"));
+        assert!(is_not_relayed("content-length"));
+        assert!(is_not_relayed("Proxy-Authenticate"));
+        assert!(!is_not_relayed("content-type"));
+        assert!(!is_not_relayed("x-request-id"));
     }
 }

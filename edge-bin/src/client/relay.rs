@@ -404,7 +404,7 @@ where
     let headers: Vec<(&str, &[u8])> = head
         .headers
         .iter()
-        .filter(|h| !openai::is_hop_by_hop(&h.name))
+        .filter(|h| !openai::is_not_relayed(&h.name))
         .map(|h| (h.name.as_str(), &h.value[..]))
         .collect();
     server.start_chunked_with(status, headers, first).await

@@ -56,8 +56,8 @@ pub use server::{
 pub use sse::{parse_event, SseEvent, SseSplitter};
 pub use url::{Scheme, Url, UrlError};
 pub use write::{
-    canonical_reason, encode_chunk_header, is_hop_by_hop, write_request_head, write_response_head,
-    ChunkHeader, HeadLen, HeadSink, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
+    canonical_reason, encode_chunk_header, is_framing, is_hop_by_hop, write_request_head,
+    write_response_head, ChunkHeader, HeadLen, HeadSink, CHUNKED_END, CHUNK_DATA_END, CONTINUE_100,
 };
 
 /// Caps every parser honours. One value per connection; the defaults suit

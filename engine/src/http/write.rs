@@ -331,8 +331,15 @@ fn is_field_value(v: &[u8]) -> bool {
     v.iter().all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
 }
 
+/// Whether `name` is a message framing header (`content-length`,
+/// `transfer-encoding`): a relay that frames the body itself (chunked
+/// towards its client) drops the peer's.
+pub fn is_framing(name: &str) -> bool {
+    name.eq_ignore_ascii_case("content-length") || name.eq_ignore_ascii_case("transfer-encoding")
+}
+
 /// Whether `name` is a hop-by-hop header (RFC 9110 §7.6.1) that a relay must
-/// not forward.
+/// not forward. The one list of them: every relay of both binaries uses it.
 pub fn is_hop_by_hop(name: &str) -> bool {
     [
         "connection",
@@ -560,5 +567,7 @@ mod tests {
         assert!(is_hop_by_hop("connection"));
         assert!(!is_hop_by_hop("content-type"));
         assert!(!is_hop_by_hop("content-length"));
+        assert!(is_framing("Content-Length") && is_framing("transfer-encoding"));
+        assert!(!is_framing("content-type"));
     }
 }
