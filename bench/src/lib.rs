@@ -24,6 +24,8 @@
 //!   dispatch latency, heartbeat CPU, Control's decision costs).
 //! - [`bodies`]: `bench bodies`, the Edge's memory (RSS before, peak and
 //!   after) under bursts of large many-message request bodies.
+//! - [`isolation`]: `bench isolation`, what clients that never read cost
+//!   everyone else on the same node connection.
 //! - [`stats`] (histograms, medians) and [`procstat`] (`/proc` readers):
 //!   the pure pieces both use.
 //!

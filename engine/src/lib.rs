@@ -6,6 +6,7 @@
 //! | module | pure core | shell |
 //! |---|---|---|
 //! | [`build`] | version, commit, `--version` line | io_uring probe |
+//! | [`certs`] | — | dev and test certificates: a throw-away CA and SPIFFE workload certificates (`edge-bin certs`) |
 //! | [`clock`] | `Clock` trait, manual clock | the one place the OS clock is read |
 //! | [`config`] | config errors (`<file>: <key>: <reason>`, S3), TOML with key paths, name/trust-domain/`host:port` checks | config file and TLS file reads |
 //! | [`http`] | HTTP/1.1 heads, chunked codec, SSE splitter (httparse, capped) | server/client helpers over monoio streams |
