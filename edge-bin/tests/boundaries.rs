@@ -166,7 +166,7 @@ fn transport_modules_do_not_depend_on_the_http_surface() {
     let edge_modules = modules(&edge_src);
     let surface = surface_modules(&edge_src);
     // The check can fail: the surface is found, and it is what it should be.
-    for expected in ["client::surface", "api::openai"] {
+    for expected in ["client::conn", "api::openai"] {
         assert!(surface.contains(expected), "{surface:?}");
     }
     assert!(!surface.contains("link::nodes"), "{surface:?}");

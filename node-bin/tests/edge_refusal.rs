@@ -296,7 +296,7 @@ max_attempts = 0
     // The Edge says why it refused (its log is throttled per peer address).
     let rejected = events(
         &edge,
-        "edge_bin::server::front_door",
+        "edge_bin::link::handshake",
         "node connection rejected in the TLS handshake",
     );
     assert!(
