@@ -21,7 +21,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::control::FailureReason;
+use super::terminal::FailureReason;
 
 /// The outlier-detection settings (`[outlier_detection]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

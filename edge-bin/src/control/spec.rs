@@ -1,14 +1,53 @@
-//! What `Control` is configured with ([`ControlSpec`]), and how it is made
-//! from the validated `edge.toml` ([`control_spec`]).
+//! What `Control` is configured with ([`ControlSpec`]): the providers of
+//! every expected node, how each is driven and which operations it serves,
+//! the models' pools, the tunables; and how it is made from the validated
+//! `edge.toml` ([`control_spec`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use iop_wire::pb;
 
+use super::ids::ProviderKey;
 use super::outlier::OutlierPolicy;
-use super::{DispatchKind, Operation, ProviderKey};
 use crate::config::{self, EdgeConfig};
+
+/// How a provider is driven (U7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchKind {
+    /// OpenAI-compatible providers: raw HTTP tunnel.
+    Tunnel,
+    /// Ollama/native providers: normalized run.
+    Run,
+}
+
+/// A client operation a provider may serve (U3): the profile operations
+/// that carry inference requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Operation {
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/messages`.
+    Messages,
+    /// `POST /v1/messages/count_tokens`.
+    CountTokens,
+}
+
+impl Operation {
+    /// Every operation, in this order (the bit order of [`Operations`]).
+    pub const ALL: [Operation; 4] = [
+        Operation::ChatCompletions,
+        Operation::Responses,
+        Operation::Messages,
+        Operation::CountTokens,
+    ];
+
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
 
 /// The set of operations a provider serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -104,7 +143,7 @@ pub struct Tunables {
     /// U6: the longest a dispatched request waits for its response to
     /// start (a tunnel's first frame, a run's first event), from its
     /// dispatch. Past it the run is cancelled on the node and the client is
-    /// told ([`Action::Abort`]). `None`: no deadline.
+    /// told (`Action::Abort`). `None`: no deadline.
     pub response_wait_timeout: Option<Duration>,
     /// Passive health (outlier detection); `None`: off.
     pub outlier: Option<OutlierPolicy>,

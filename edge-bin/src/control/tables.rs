@@ -1,0 +1,281 @@
+//! Control's tables, entry by entry: node entries and their owners,
+//! provider states and the load order of the candidate indexes, leases,
+//! pending requests, models and their lanes, outstanding recovery probes.
+//! Plain data; the rooms of `Control` keep them consistent (see
+//! `invariants.rs`).
+
+use std::cmp::Ordering;
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::ids::{ConnId, Generation, ProviderKey, RequestId};
+use super::outlier::OutlierState;
+use super::spec::{ModelSpec, NodeSpec, Operation, ProviderSpec};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OwnerState {
+    Pending,
+    Ready,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Owner {
+    pub(super) conn: ConnId,
+    pub(super) generation: Generation,
+    pub(super) state: OwnerState,
+    /// When its registration was accepted (the generation's start).
+    pub(super) registered_at: Option<Instant>,
+    /// When it became dispatch-ready.
+    pub(super) ready_at: Option<Instant>,
+    /// It strips a usage chunk the Edge asked for (`Input::NodeVersion`).
+    pub(super) strips_usage_chunk: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct NodeEntry {
+    pub(super) spec: NodeSpec,
+    pub(super) owner: Option<Owner>,
+    /// Its providers: a contiguous run of `Control::providers`, which is
+    /// in `ProviderKey` (node id first) order.
+    pub(super) providers: Range<usize>,
+    /// The software version its current owner reported (diagnostic).
+    pub(super) version: String,
+    /// When its last owner's connection closed, while it has none.
+    pub(super) offline_since: Option<Instant>,
+}
+
+impl NodeEntry {
+    pub(super) fn ready_owner(&self) -> Option<Owner> {
+        self.owner.filter(|o| o.state == OwnerState::Ready)
+    }
+}
+
+/// A provider's lease occupancy, ordered by load fraction
+/// `in_flight / capacity` (exactly, by cross multiplication), so equal
+/// fractions compare equal whatever their terms.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Load {
+    pub(super) in_flight: u32,
+    pub(super) capacity: u32,
+}
+
+impl Ord for Load {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let lhs = u64::from(self.in_flight) * u64::from(other.capacity);
+        let rhs = u64::from(other.in_flight) * u64::from(self.capacity);
+        lhs.cmp(&rhs)
+    }
+}
+
+impl PartialOrd for Load {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Load {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Load {}
+
+/// One provider in one model's candidate index: least loaded first, ties
+/// to the earlier pool position (the configured order). A position holds
+/// one provider, so `(load, position)` is unique within a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) struct Candidate {
+    pub(super) load: Load,
+    pub(super) position: usize,
+    pub(super) provider: usize,
+}
+
+/// Where a provider sits in the candidate indexes of its models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Indexed {
+    /// The exact occupancy it was filed under (the key to remove it by).
+    pub(super) in_flight: u32,
+    /// Filed among the candidates for long-context requests too.
+    pub(super) long: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct ProviderState {
+    pub(super) key: ProviderKey,
+    /// Its node (index into `Control::nodes`).
+    pub(super) node: usize,
+    pub(super) spec: ProviderSpec,
+    pub(super) in_flight: u32,
+    pub(super) long_in_flight: u32,
+    /// Highest health observation sequence applied to this binding, and the
+    /// generation it belongs to.
+    pub(super) last_seq: Option<(Generation, u64)>,
+    /// The runtime unavailable overlay, tagged with the generation it
+    /// belongs to (H4, H5).
+    pub(super) overlay: Option<Generation>,
+    /// When the next recovery probe is due, while overlaid or ejected.
+    pub(super) next_probe: Option<Instant>,
+    /// Passive health.
+    pub(super) outlier: OutlierState,
+    /// Every lane it is filed in: (lane index, position in the model's
+    /// pool).
+    pub(super) pools: Vec<(usize, usize)>,
+    /// Its entry in those pools' candidate indexes, while it is a
+    /// candidate with a free slot.
+    pub(super) indexed: Option<Indexed>,
+}
+
+impl ProviderState {
+    pub(super) fn reset_health(&mut self) {
+        self.overlay = None;
+        self.last_seq = None;
+    }
+
+    pub(super) fn is_fresh(&self, generation: Generation, seq: u64) -> bool {
+        match self.last_seq {
+            Some((g, last)) if g == generation => seq > last,
+            _ => true,
+        }
+    }
+}
+
+/// An immutable record of one dispatched request's claim on a provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The request it serves.
+    pub request: RequestId,
+    /// The run id the request was dispatched under.
+    pub run_id: String,
+    /// Provider it occupies.
+    pub provider: ProviderKey,
+    /// The connection it was dispatched to.
+    pub conn: ConnId,
+    /// The generation of that connection's ownership.
+    pub generation: Generation,
+    /// Adapter evidence expected on the terminal (H2).
+    pub adapter: Arc<str>,
+    /// Target evidence expected on the terminal (H2).
+    pub target: Arc<str>,
+    /// Whether it holds a long-context slot.
+    pub long: bool,
+}
+
+/// A live lease and the provider index it occupies.
+#[derive(Debug)]
+pub(super) struct LeaseEntry {
+    pub(super) lease: Lease,
+    pub(super) provider: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum RequestState {
+    Queued {
+        deadline: Instant,
+    },
+    Dispatched {
+        run_id: String,
+        /// The response-wait deadline, until the response starts (U6).
+        response_by: Option<Instant>,
+        /// A byte of the response reached the client: never retried.
+        committed: bool,
+    },
+    CancelPending {
+        run_id: String,
+        settle_at: Instant,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Pending {
+    /// Index into `Control::models`.
+    pub(super) model: usize,
+    /// Index into `Control::lanes`: where it queues.
+    pub(super) lane: usize,
+    pub(super) long: bool,
+    pub(super) state: RequestState,
+    /// Attempts dispatched so far (0 while queued).
+    pub(super) attempts: u32,
+    /// The providers they went to (indexes into `Control::providers`).
+    pub(super) tried: Vec<usize>,
+    /// Its response-wait deadline, set at its first dispatch: every
+    /// attempt must start its response before it (U6).
+    pub(super) response_deadline: Option<Instant>,
+}
+
+impl Pending {
+    pub(super) fn new(model: usize, lane: usize, long: bool, state: RequestState) -> Self {
+        Self {
+            model,
+            lane,
+            long,
+            state,
+            attempts: 0,
+            tried: Vec::new(),
+            response_deadline: None,
+        }
+    }
+}
+
+/// One served model: its spec and its lanes.
+#[derive(Debug)]
+pub(super) struct ModelState {
+    pub(super) spec: ModelSpec,
+    /// Its lanes (indexes into `Control::lanes`).
+    pub(super) lanes: Vec<usize>,
+    /// The lane of each operation ([`Operation::ALL`] order); `None` when
+    /// no provider of the pool serves it.
+    pub(super) lane_of: [Option<usize>; Operation::ALL.len()],
+}
+
+/// The candidates and queues of the operations of one model that share
+/// one candidate set: a provider is filed in a lane exactly when it serves
+/// every operation of the lane. A model whose providers all serve the same
+/// operations has one lane; one mixing an Ollama-native provider with
+/// OpenAI-compatible ones has two (chat, over all of them; the others,
+/// over the OpenAI-compatible ones).
+#[derive(Debug)]
+pub(super) struct LaneState {
+    /// Its model (index into `Control::models`).
+    pub(super) model: usize,
+    /// Live providers of the lane with a free slot (X6, H4).
+    pub(super) free: BTreeSet<Candidate>,
+    /// Those of them with a free long-context slot too.
+    pub(super) free_long: BTreeSet<Candidate>,
+    /// Requests waiting for a slot, by arrival.
+    pub(super) queued: BTreeSet<RequestId>,
+    /// Long-context requests waiting for a long slot, by arrival.
+    pub(super) queued_long: BTreeSet<RequestId>,
+}
+
+impl LaneState {
+    pub(super) fn candidates(&self, long: bool) -> &BTreeSet<Candidate> {
+        if long {
+            &self.free_long
+        } else {
+            &self.free
+        }
+    }
+
+    pub(super) fn queue(&mut self, long: bool) -> &mut BTreeSet<RequestId> {
+        if long {
+            &mut self.queued_long
+        } else {
+            &mut self.queued
+        }
+    }
+
+    pub(super) fn queued_count(&self) -> usize {
+        self.queued.len() + self.queued_long.len()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct CommandRecord {
+    pub(super) node_id: String,
+    pub(super) provider: ProviderKey,
+    pub(super) conn: ConnId,
+    pub(super) generation: Generation,
+}
