@@ -17,7 +17,7 @@ impl Control {
     /// Whether provider `p` is a live candidate with a free slot: enabled,
     /// its node's ready generation, no unavailable overlay of that
     /// generation (X6, H4), not ejected, a lease free.
-    fn has_free_slot(&self, p: usize) -> bool {
+    pub(super) fn has_free_slot(&self, p: usize) -> bool {
         let state = &self.providers[p];
         state.spec.enabled
             && state.outlier.ejection().is_none()
@@ -269,7 +269,18 @@ impl Control {
             .find(|c| !exclude.contains(&c.provider))?
             .provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
+        debug_assert!(
+            !self.closing.contains(&owner.conn),
+            "R4: dispatch to {:?}, a connection ordered closed",
+            owner.conn
+        );
         let state = &mut self.providers[p];
+        debug_assert!(
+            state.in_flight < state.spec.capacity
+                && (!long || state.long_in_flight < state.spec.long_context_capacity),
+            "{} leased beyond its capacity",
+            state.key
+        );
         state.in_flight += 1;
         if long {
             state.long_in_flight += 1;
@@ -586,8 +597,15 @@ impl Control {
 
     // ---- ends of leases and requests -----------------------------------------
 
+    /// Releases the live lease of `run_id`: its slot frees. Every caller
+    /// knows the lease is live (F1: released exactly once).
     pub(super) fn release(&mut self, run_id: &str) -> Option<Lease> {
-        let LeaseEntry { lease, provider } = self.leases.remove(run_id)?;
+        let entry = self.leases.remove(run_id);
+        debug_assert!(
+            entry.is_some(),
+            "F1: lease {run_id} released twice, or never taken"
+        );
+        let LeaseEntry { lease, provider } = entry?;
         if let Some(runs) = self.leases_of.get_mut(&lease.conn) {
             runs.remove(run_id);
             if runs.is_empty() {
@@ -595,6 +613,11 @@ impl Control {
             }
         }
         let p = &mut self.providers[provider];
+        debug_assert!(
+            p.in_flight > 0 && (!lease.long || p.long_in_flight > 0),
+            "P2: {} releases lease {run_id} with none in flight",
+            p.key
+        );
         p.in_flight = p.in_flight.saturating_sub(1);
         if lease.long {
             p.long_in_flight = p.long_in_flight.saturating_sub(1);

@@ -25,6 +25,8 @@
 //!   does, one concern each (`impl Control` blocks): the registry and
 //!   fencing; lanes, queues, leases, terminals and pre-commit failover;
 //!   passive health, the overlay and recovery probes; what it shows.
+//!   `invariants.rs` checks the invariants below after every step in debug
+//!   builds.
 //! - this file: [`Control`] itself, what goes in ([`Input`]) and out
 //!   ([`Action`], [`Event`]), and the dispatch of inputs and timers to the
 //!   rooms above.
@@ -38,8 +40,8 @@
 //! one attempt's frames, which it reports as [`Input::Committed`] and
 //! [`Terminal`].
 //!
-//! Invariants (checked by the deterministic simulation in
-//! `tests/control_sim.rs` after every step):
+//! Invariants (asserted after every step in debug builds, and held against
+//! a shadow model by the deterministic simulation in `tests/control_sim.rs`):
 //! - A connection owns at most one node id (R1); a node id has at most one
 //!   owner connection, tagged with an Edge-internal generation (R2, R5).
 //! - Only a `Ready` owner is a dispatch candidate or reported connected (R4,
@@ -60,6 +62,7 @@ pub mod outlier;
 mod admission;
 mod health;
 mod ids;
+mod invariants;
 mod registry;
 mod spec;
 mod tables;
@@ -691,7 +694,16 @@ impl Control {
     }
 
     /// Feeds one input at `now`; appends what the shell must do to `out`.
+    /// In debug builds, checks the step and every invariant after it (the
+    /// `invariants` room).
     pub fn handle(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
+        let step = cfg!(debug_assertions).then(|| {
+            let submitted = match &input {
+                Input::Submit { request, .. } => Some(*request),
+                _ => None,
+            };
+            self.begin_step(submitted, out)
+        });
         self.now = Some(now);
         match input {
             Input::Register {
@@ -719,6 +731,9 @@ impl Control {
             Input::Committed { conn, run_id } => self.on_committed(conn, &run_id),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
         }
+        if let Some(step) = step {
+            self.end_step(step, out, None);
+        }
     }
 
     /// The earliest instant at which [`Control::handle_timeout`] has work:
@@ -736,8 +751,10 @@ impl Control {
             .min()
     }
 
-    /// Runs every timer due at `now` (deadlines at or before `now`).
+    /// Runs every timer due at `now` (deadlines at or before `now`). In
+    /// debug builds, checks the step and every invariant after it.
     pub fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let step = cfg!(debug_assertions).then(|| self.begin_step(None, out));
         self.now = Some(now);
         while let Some(&(at, request)) = self.queue_deadlines.first() {
             if at > now {
@@ -808,6 +825,9 @@ impl Control {
         }
         if released {
             self.pump(out);
+        }
+        if let Some(step) = step {
+            self.end_step(step, out, Some(now));
         }
     }
 }

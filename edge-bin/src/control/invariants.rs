@@ -1,0 +1,550 @@
+//! Control's invariants, checked where they can break: after every
+//! [`Control::handle`] and [`Control::handle_timeout`] in debug builds
+//! (so every step of every simulated schedule, `tests/control_sim.rs`,
+//! and of every debug-build test, checks them). A broken one panics
+//! naming the invariant and what breaks it.
+//!
+//! The check reads every table once: its cost grows with the state
+//! (nodes, providers, leases, waiting requests), which is why release
+//! builds skip it (the decisions themselves stay indexed).
+//!
+//! - Registry (R1, R2, R5): a node's owner is bound to that node, under a
+//!   generation no other owner has, and is never a connection ordered
+//!   closed.
+//! - Leases (F1, H2, R4, X6): every live lease is filed under its
+//!   connection, belongs to the current ready owner of its provider's node
+//!   (a fenced, superseded or pending generation holds none), and serves a
+//!   request that is dispatched under its run id or settling a cancel; a
+//!   provider's `in_flight` and `long_in_flight` count exactly its live
+//!   leases and never exceed its capacities.
+//! - Requests: each waits in exactly the queue, deadline set and lane its
+//!   state says, every queue within its model's `max_queue`, no attempt
+//!   past `max_attempts`; a step ends a request at most once, and only one
+//!   that was live (or the one it just refused); every dispatch of a step
+//!   holds a live lease; after a timeout step no request waits past its
+//!   queue deadline.
+//! - Candidates: a provider is filed in its lanes' candidate indexes
+//!   exactly when it is a live candidate with a free slot, under its
+//!   current load.
+//! - Health (H4–H6, passive health): an overlay or an observation sequence
+//!   belongs to the current ready generation; probe and ejection timers
+//!   match the providers' state; at most `max_ejection_percent` of a pool
+//!   is ejected; an outstanding probe names its provider's current ready
+//!   owner, one per provider.
+
+use std::collections::{BTreeSet, HashSet};
+use std::time::Instant;
+
+use super::tables::{Candidate, Indexed, Load, RequestState};
+use super::{Action, Control, RequestId};
+
+/// What a step's check needs from before the step ([`Control::begin_step`]).
+#[derive(Debug)]
+pub(super) struct StepStart {
+    /// Actions already in the caller's buffer.
+    actions: usize,
+    /// Requests live before the step, in id order.
+    live: Vec<RequestId>,
+    /// The request a `Submit` step names (it may be refused in the step).
+    submitted: Option<RequestId>,
+}
+
+impl Control {
+    /// Notes what [`Control::end_step`] checks the step against.
+    pub(super) fn begin_step(&self, submitted: Option<RequestId>, out: &[Action]) -> StepStart {
+        StepStart {
+            actions: out.len(),
+            live: self.pending.keys().copied().collect(),
+            submitted,
+        }
+    }
+
+    /// Checks the step that `start` began and every invariant of the
+    /// tables after it; `timeout_at`: the step ran the timers due then.
+    pub(super) fn end_step(&self, start: StepStart, out: &[Action], timeout_at: Option<Instant>) {
+        let mut ended = HashSet::new();
+        for action in &out[start.actions..] {
+            match action {
+                Action::Done { request, outcome } => {
+                    assert!(
+                        ended.insert(*request),
+                        "{request:?} ended twice in one step ({outcome:?})"
+                    );
+                    assert!(
+                        start.live.binary_search(request).is_ok()
+                            || start.submitted == Some(*request),
+                        "{request:?} ended ({outcome:?}) but was not live"
+                    );
+                    assert!(
+                        !self.pending.contains_key(request),
+                        "{request:?} ended ({outcome:?}) but is still pending"
+                    );
+                }
+                Action::Dispatch(d) => assert!(
+                    self.leases
+                        .get(&d.lease.run_id)
+                        .is_some_and(|e| e.lease == d.lease),
+                    "dispatch of {:?} holds no live lease: {:?}",
+                    d.request,
+                    d.lease
+                ),
+                _ => {}
+            }
+        }
+        if let Some(now) = timeout_at {
+            assert!(
+                self.queue_deadlines.first().is_none_or(|&(at, _)| at > now),
+                "a request waits past its queue deadline: {:?} at {now:?}",
+                self.queue_deadlines.first()
+            );
+        }
+        self.check_invariants();
+    }
+
+    /// Checks every invariant of Control's tables (see the module docs);
+    /// panics naming the first one broken.
+    pub(super) fn check_invariants(&self) {
+        self.check_registry();
+        self.check_leases();
+        self.check_requests();
+        self.check_candidates();
+        self.check_health();
+    }
+
+    fn check_registry(&self) {
+        let mut generations = HashSet::new();
+        for (n, node) in self.nodes.iter().enumerate() {
+            let Some(owner) = node.owner else {
+                continue;
+            };
+            let id = &node.spec.id;
+            assert_eq!(
+                self.bindings.get(&owner.conn),
+                Some(&n),
+                "R1: the owner {:?} of node `{id}` is not bound to it",
+                owner.conn
+            );
+            assert!(
+                !self.closing.contains(&owner.conn),
+                "R3: node `{id}` is owned by {:?}, a connection ordered closed",
+                owner.conn
+            );
+            assert!(
+                owner.generation.0 <= self.next_generation && generations.insert(owner.generation),
+                "R2: node `{id}` owned under {:?}, not a generation of its own",
+                owner.generation
+            );
+        }
+    }
+
+    fn check_leases(&self) {
+        let mut in_flight = vec![0u32; self.providers.len()];
+        let mut long_in_flight = vec![0u32; self.providers.len()];
+        for (run_id, entry) in &self.leases {
+            let lease = &entry.lease;
+            let state = &self.providers[entry.provider];
+            assert!(
+                lease.run_id == *run_id && lease.provider == state.key,
+                "lease {run_id} filed under the wrong run or provider: {lease:?}"
+            );
+            assert!(
+                self.leases_of
+                    .get(&lease.conn)
+                    .is_some_and(|runs| runs.contains(run_id)),
+                "F1: lease {run_id} is not filed under its connection {:?}",
+                lease.conn
+            );
+            let owner = self.nodes[state.node].ready_owner();
+            assert!(
+                owner.is_some_and(|o| o.conn == lease.conn && o.generation == lease.generation),
+                "F1, R4: lease {run_id} on {:?} {:?} outlived its generation (ready owner: {owner:?})",
+                lease.conn,
+                lease.generation
+            );
+            let serves = self
+                .pending
+                .get(&lease.request)
+                .is_some_and(|p| match &p.state {
+                    RequestState::Dispatched { run_id: r, .. }
+                    | RequestState::CancelPending { run_id: r, .. } => r == run_id,
+                    RequestState::Queued { .. } => false,
+                });
+            assert!(
+                serves,
+                "lease {run_id} serves {:?}, which is not dispatched under it",
+                lease.request
+            );
+            in_flight[entry.provider] += 1;
+            if lease.long {
+                long_in_flight[entry.provider] += 1;
+            }
+        }
+        let filed: usize = self.leases_of.values().map(BTreeSet::len).sum();
+        assert!(
+            filed == self.leases.len() && self.leases_of.values().all(|runs| !runs.is_empty()),
+            "F1: {filed} runs filed by connection, {} live leases",
+            self.leases.len()
+        );
+        for (p, state) in self.providers.iter().enumerate() {
+            assert!(
+                state.in_flight == in_flight[p] && state.long_in_flight == long_in_flight[p],
+                "P2: {} counts {}/{} leases in flight, holds {}/{}",
+                state.key,
+                state.in_flight,
+                state.long_in_flight,
+                in_flight[p],
+                long_in_flight[p]
+            );
+            assert!(
+                state.in_flight <= state.spec.capacity
+                    && state.long_in_flight <= state.spec.long_context_capacity,
+                "{} over capacity: {}/{} in flight, {}/{} long",
+                state.key,
+                state.in_flight,
+                state.spec.capacity,
+                state.long_in_flight,
+                state.spec.long_context_capacity
+            );
+        }
+    }
+
+    fn check_requests(&self) {
+        let (mut queued, mut settling, mut awaiting_response) = (0, 0, 0);
+        for (request, p) in &self.pending {
+            let model = &self.models[p.model];
+            assert!(
+                model.lanes.contains(&p.lane),
+                "{request:?} waits in lane {} of another model",
+                p.lane
+            );
+            assert!(
+                p.attempts <= model.spec.max_attempts.max(1)
+                    && p.tried.len() <= p.attempts as usize,
+                "{request:?}: attempt {} of at most {} ({} providers tried)",
+                p.attempts,
+                model.spec.max_attempts,
+                p.tried.len()
+            );
+            let lane = &self.lanes[p.lane];
+            let in_queue = if p.long {
+                lane.queued_long.contains(request)
+            } else {
+                lane.queued.contains(request)
+            };
+            match &p.state {
+                RequestState::Queued { deadline } => {
+                    queued += 1;
+                    assert!(
+                        in_queue && self.queue_deadlines.contains(&(*deadline, *request)),
+                        "{request:?} is queued outside its lane's queue or deadlines"
+                    );
+                }
+                RequestState::Dispatched {
+                    run_id,
+                    response_by,
+                    ..
+                } => {
+                    assert!(!in_queue, "{request:?} is dispatched and queued");
+                    assert!(
+                        self.leases.contains_key(run_id),
+                        "{request:?} is dispatched under {run_id} without its lease"
+                    );
+                    if let Some(at) = response_by {
+                        awaiting_response += 1;
+                        assert!(
+                            *response_by == p.response_deadline
+                                && self.response_deadlines.contains(&(*at, *request)),
+                            "U6: {request:?}'s response-wait deadline is not filed"
+                        );
+                    }
+                }
+                RequestState::CancelPending { run_id, settle_at } => {
+                    settling += 1;
+                    assert!(
+                        !in_queue
+                            && self.leases.contains_key(run_id)
+                            && self.settle_deadlines.contains(&(*settle_at, *request)),
+                        "{request:?} settles a cancel of {run_id} without its lease or deadline"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            (
+                self.queue_deadlines.len(),
+                self.settle_deadlines.len(),
+                self.response_deadlines.len()
+            ),
+            (queued, settling, awaiting_response),
+            "deadlines filed for requests no longer in that state"
+        );
+        let mut heads = 0;
+        let mut in_queues = 0;
+        for (l, lane) in self.lanes.iter().enumerate() {
+            for (long, queue) in [(false, &lane.queued), (true, &lane.queued_long)] {
+                in_queues += queue.len();
+                if let Some(&head) = queue.first() {
+                    heads += 1;
+                    assert!(
+                        self.heads.contains(&(head, l, long)),
+                        "the head {head:?} of lane {l} (long: {long}) is not filed"
+                    );
+                }
+            }
+        }
+        assert!(
+            in_queues == queued && heads == self.heads.len(),
+            "{in_queues} requests in queues, {queued} queued; {heads} heads, {} filed",
+            self.heads.len()
+        );
+        for m in 0..self.models.len() {
+            let spec = &self.models[m].spec;
+            assert!(
+                self.queued_count(m) <= spec.max_queue as usize,
+                "model `{}` queues {} requests, max_queue {}",
+                spec.name,
+                self.queued_count(m),
+                spec.max_queue
+            );
+        }
+    }
+
+    fn check_candidates(&self) {
+        let mut filed = 0;
+        for (p, state) in self.providers.iter().enumerate() {
+            let want = self.has_free_slot(p).then_some(Indexed {
+                in_flight: state.in_flight,
+                long: state.long_in_flight < state.spec.long_context_capacity,
+            });
+            assert_eq!(
+                state.indexed, want,
+                "X6, H4: {} is filed as a candidate under a stale state",
+                state.key
+            );
+            let Some(indexed) = state.indexed else {
+                continue;
+            };
+            let load = Load {
+                in_flight: indexed.in_flight,
+                capacity: state.spec.capacity,
+            };
+            for &(lane, position) in &state.pools {
+                let lane = &self.lanes[lane];
+                let entry = Candidate {
+                    load,
+                    position,
+                    provider: p,
+                };
+                assert!(
+                    lane.free.contains(&entry) && lane.free_long.contains(&entry) == indexed.long,
+                    "{} is missing from a candidate index of its lanes",
+                    state.key
+                );
+                filed += 1;
+            }
+        }
+        let in_indexes: usize = self.lanes.iter().map(|lane| lane.free.len()).sum();
+        assert_eq!(
+            in_indexes, filed,
+            "X6: the candidate indexes hold providers that are no candidates"
+        );
+        assert!(
+            self.lanes
+                .iter()
+                .all(|lane| lane.free_long.is_subset(&lane.free)),
+            "a long-context candidate without a free slot"
+        );
+    }
+
+    fn check_health(&self) {
+        let (mut probes, mut ejected) = (0, 0);
+        for (p, state) in self.providers.iter().enumerate() {
+            let ready = self.nodes[state.node].ready_owner().map(|o| o.generation);
+            assert!(
+                state.overlay.is_none() || state.overlay == ready,
+                "H5: {} keeps the overlay of {:?}, not of its ready generation {ready:?}",
+                state.key,
+                state.overlay
+            );
+            assert!(
+                state.last_seq.is_none_or(|(g, _)| Some(g) == ready),
+                "H4: {} keeps a sequence of another generation: {:?}",
+                state.key,
+                state.last_seq
+            );
+            let ejection = state.outlier.ejection();
+            if let Some(at) = state.next_probe {
+                probes += 1;
+                assert!(
+                    self.probe_deadlines.contains(&(at, p))
+                        && (state.overlay.is_some() || ejection.is_some()),
+                    "H6: {} has a probe due that is not filed or not needed",
+                    state.key
+                );
+            }
+            if let Some(ejection) = ejection {
+                ejected += 1;
+                assert!(
+                    self.ejection_deadlines.contains(&(ejection.until, p)),
+                    "{}'s ejection has no end filed",
+                    state.key
+                );
+            }
+        }
+        assert!(
+            probes == self.probe_deadlines.len() && ejected == self.ejection_deadlines.len(),
+            "timers filed for providers that have none: {probes} probes, {ejected} ejections"
+        );
+        let policy = self.tunables.outlier;
+        // Only an ejection can break the bound (most steps have none).
+        let models = if ejected == 0 {
+            &[][..]
+        } else {
+            &self.models[..]
+        };
+        for model in models {
+            let pool: Vec<usize> = model
+                .spec
+                .providers
+                .iter()
+                .filter_map(|key| self.provider_index.get(key).copied())
+                .collect();
+            let out = pool
+                .iter()
+                .filter(|&&q| self.providers[q].outlier.ejection().is_some())
+                .count();
+            let max = policy.map_or(0, |policy| policy.max_ejected(pool.len()));
+            assert!(
+                out <= max,
+                "model `{}` has {out} of {} providers ejected, at most {max}",
+                model.spec.name,
+                pool.len()
+            );
+        }
+        let mut probed = HashSet::new();
+        for (command_id, record) in &self.commands {
+            let current = self
+                .node_index
+                .get(&record.node_id)
+                .and_then(|&n| self.nodes[n].ready_owner())
+                .is_some_and(|o| o.conn == record.conn && o.generation == record.generation);
+            assert!(
+                current
+                    && *record.node_id == *record.provider.node_id
+                    && probed.insert(&record.provider),
+                "H6: probe {command_id} outlived its generation or is not the only one of {}",
+                record.provider
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The checks can fail: each test breaks one table the way a bug would
+    //! and expects the check to name the invariant.
+
+    use std::time::Duration;
+
+    use iop_wire::pb;
+
+    use super::super::{
+        ConnId, Control, ControlSpec, DispatchKind, Input, ModelSpec, NodeSpec, Operation,
+        Operations, ProviderKey, ProviderSpec, RequestId, Tunables,
+    };
+
+    const CONN: ConnId = ConnId(1);
+
+    /// One node `n1` with provider `p1` (capacity 2) serving model `m`,
+    /// its owner ready, one request dispatched.
+    fn busy() -> Control {
+        let provider = ProviderSpec {
+            id: "p1".into(),
+            adapter: "a".into(),
+            target: "t".into(),
+            capacity: 2,
+            long_context_capacity: 0,
+            response_stall_timeout_ms: 0,
+            category: pb::ProviderCategory::LocalInference,
+            kind: DispatchKind::Tunnel,
+            operations: Operations::for_kind(DispatchKind::Tunnel),
+            enabled: true,
+        };
+        let mut control = Control::new(ControlSpec {
+            nodes: vec![NodeSpec {
+                id: "n1".into(),
+                config: pb::NodeConfigPayload::default(),
+                providers: vec![provider],
+            }],
+            models: vec![ModelSpec {
+                name: "m".into(),
+                providers: vec![ProviderKey {
+                    node_id: "n1".into(),
+                    provider_id: "p1".into(),
+                }],
+                max_queue: 4,
+                queue_timeout: Duration::from_secs(10),
+                max_attempts: 1,
+            }],
+            tunables: Tunables::default(),
+        });
+        let now = iop_engine::clock::now();
+        let mut out = Vec::new();
+        for input in [
+            Input::Register {
+                conn: CONN,
+                tls_name: "n1".into(),
+                node_id: "n1".into(),
+            },
+            Input::Ready {
+                conn: CONN,
+                node_id: "n1".into(),
+            },
+            Input::Submit {
+                request: RequestId(1),
+                model: "m".into(),
+                operation: Operation::ChatCompletions,
+                long: false,
+            },
+        ] {
+            control.handle(now, input, &mut out);
+        }
+        assert_eq!(control.leases.len(), 1, "{out:?}");
+        control.check_invariants();
+        control
+    }
+
+    #[test]
+    #[should_panic(expected = "P2: n1/p1 counts 2/0 leases in flight, holds 1/0")]
+    fn an_occupancy_that_is_not_the_live_leases_is_caught() {
+        let mut control = busy();
+        control.providers[0].in_flight += 1;
+        control.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "F1, R4: lease")]
+    fn a_lease_that_outlived_its_generation_is_caught() {
+        let mut control = busy();
+        let owner = control.nodes[0].owner.as_mut().expect("an owner");
+        owner.generation.0 += 7;
+        control.check_leases();
+    }
+
+    #[test]
+    #[should_panic(expected = "R3: node `n1` is owned by ConnId(1), a connection ordered closed")]
+    fn an_owner_ordered_closed_is_caught() {
+        let mut control = busy();
+        control.closing.insert(CONN);
+        control.check_registry();
+    }
+
+    #[test]
+    #[should_panic(expected = "deadlines filed for requests no longer in that state")]
+    fn a_stale_deadline_is_caught() {
+        let mut control = busy();
+        let at = iop_engine::clock::now();
+        control.queue_deadlines.insert((at, RequestId(9)));
+        control.check_requests();
+    }
+}
