@@ -1,9 +1,11 @@
 //! The client-facing shapes: what a request body is ([`body_json`]: the
 //! client's bytes, bounded and validated, members read on demand and
-//! spliced), the OpenAI and Anthropic requests, answers and errors
-//! ([`openai`]), and the translation of a normalized run into OpenAI chat
+//! spliced), the gateway's errors in the OpenAI and Anthropic shapes
+//! ([`error`]), the OpenAI and Anthropic requests and answers ([`openai`]),
+//! and the translation of a normalized run into OpenAI chat
 //! chunks and completions ([`translate`]). Pure: no sockets, no state.
 
 pub mod body_json;
+pub mod error;
 pub mod openai;
 pub mod translate;

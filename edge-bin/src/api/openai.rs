@@ -1,6 +1,7 @@
-//! The OpenAI-compatible client surface, pure parts: error shapes, request
-//! preparation (external `model` → provider target, E2/U5), the models list,
-//! and the SSE error event that ends a failed stream.
+//! The OpenAI-compatible client surface, pure parts: request preparation
+//! (external `model` → provider target, E2/U5), the models list, and which
+//! provider headers are not relayed. Errors and their shapes are
+//! [`crate::api::error`]'s.
 //!
 //! Surface translation lives here, never in transport handlers (X4).
 
@@ -12,366 +13,8 @@ use iop_wire::pb;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-use crate::api::body_json::{self, BodyError, JsonLimits, Members};
-
-/// The error code of a body refused at the JSON limits.
-const JSON_TOO_COMPLEX: &str = "json_too_complex";
-
-/// Which client API a route speaks; decides the error shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Surface {
-    /// OpenAI: `{"error":{"message","type","param","code"}}`.
-    OpenAi,
-    /// Anthropic Messages: `{"type":"error","error":{"type","message"}}`.
-    Anthropic,
-}
-
-/// An error in the OpenAI error shape
-/// `{"error":{"message","type","param","code"}}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: u16,
-    /// Human-readable message.
-    pub message: String,
-    /// OpenAI error `type`.
-    pub kind: &'static str,
-    /// The offending request parameter, if any.
-    pub param: Option<&'static str>,
-    /// Machine-readable `code`, if any.
-    pub code: Option<String>,
-    /// Seconds for a `retry-after` header, if any.
-    pub retry_after_sec: Option<u32>,
-}
-
-impl ApiError {
-    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code: None,
-            retry_after_sec: None,
-        }
-    }
-
-    /// 400: the request is not valid (malformed JSON, missing fields).
-    pub fn invalid_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            param,
-            ..Self::new(400, "invalid_request_error", message)
-        }
-    }
-
-    /// 404: the requested model is not served here (E2).
-    pub fn model_not_found(model: &str) -> Self {
-        Self {
-            param: Some("model"),
-            code: Some("model_not_found".into()),
-            ..Self::new(
-                404,
-                "invalid_request_error",
-                format!("The model `{model}` does not exist or you do not have access to it."),
-            )
-        }
-    }
-
-    /// 503: no provider of the model is ready.
-    pub fn no_provider(model: &str) -> Self {
-        Self {
-            code: Some("no_provider_available".into()),
-            retry_after_sec: Some(1),
-            ..Self::new(
-                503,
-                "service_unavailable_error",
-                format!("No provider for model `{model}` is available right now; retry shortly."),
-            )
-        }
-    }
-
-    /// 429: the model's queue is full.
-    pub fn queue_full(model: &str) -> Self {
-        Self {
-            code: Some("queue_full".into()),
-            retry_after_sec: Some(1),
-            ..Self::new(
-                429,
-                "rate_limit_error",
-                format!("Too many requests are waiting for model `{model}`; retry shortly."),
-            )
-        }
-    }
-
-    /// 403: the client key may not use `model` (`[[client_keys]] models`).
-    pub fn model_not_allowed(model: &str) -> Self {
-        Self {
-            code: Some("model_not_allowed".into()),
-            param: Some("model"),
-            ..Self::new(
-                403,
-                "permission_error",
-                format!("This API key may not use model `{model}`."),
-            )
-        }
-    }
-
-    /// 429: the key's principal is over one of its limits; `limit` names
-    /// it (`concurrency`, `requests`, `tokens`).
-    pub fn rate_limited(limit: &str, message: String, retry_after_sec: u64) -> Self {
-        Self {
-            code: Some(format!("rate_limit_{limit}")),
-            retry_after_sec: Some(u32::try_from(retry_after_sec).unwrap_or(u32::MAX)),
-            ..Self::new(429, "rate_limit_error", message)
-        }
-    }
-
-    /// 503: the status page's event stream already has `limit` viewers on
-    /// this core.
-    pub fn too_many_viewers(limit: usize) -> Self {
-        Self {
-            code: Some("too_many_viewers".into()),
-            ..Self::new(
-                503,
-                "ui_error",
-                format!("at most {limit} status page viewers at once on this core"),
-            )
-        }
-    }
-
-    /// 413: the request body exceeds the configured limit.
-    pub fn body_too_large(limit_bytes: usize) -> Self {
-        Self {
-            code: Some("request_too_large".into()),
-            ..Self::new(
-                413,
-                "invalid_request_error",
-                format!("Request body exceeds the limit of {limit_bytes} bytes."),
-            )
-        }
-    }
-
-    /// 408: the request head or body stalled past its deadline.
-    pub fn request_timeout(message: impl Into<String>) -> Self {
-        Self {
-            code: Some("request_timeout".into()),
-            ..Self::new(408, "invalid_request_error", message)
-        }
-    }
-
-    /// 404: unknown route.
-    pub fn unknown_route(method: &str, path: &str) -> Self {
-        Self {
-            code: Some("unknown_url".into()),
-            ..Self::new(
-                404,
-                "invalid_request_error",
-                format!("Unknown request URL: {method} {path}."),
-            )
-        }
-    }
-
-    /// 403: a client key without the `metrics` (or `admin`) scope asked
-    /// for `/metrics` under `edge.metrics_access = "key"`.
-    pub fn metrics_scope_required() -> Self {
-        Self {
-            code: Some("metrics_scope_required".into()),
-            ..Self::new(
-                403,
-                "permission_error",
-                "This API key may not read /metrics: give it scopes = [\"metrics\"] in [[client_keys]].",
-            )
-        }
-    }
-
-    /// 429: the peer address holds `edge.max_client_connections_per_peer`
-    /// connections already.
-    pub fn too_many_connections() -> Self {
-        Self {
-            code: Some("too_many_connections".into()),
-            retry_after_sec: Some(1),
-            ..Self::new(
-                429,
-                "rate_limit_error",
-                "Too many open connections from your address.",
-            )
-        }
-    }
-
-    /// 405: known route, wrong method.
-    pub fn method_not_allowed(method: &str, path: &str) -> Self {
-        Self::new(
-            405,
-            "invalid_request_error",
-            format!("Method {method} is not allowed for {path}."),
-        )
-    }
-
-    /// 502: the provider or the node failed before a response started.
-    pub fn upstream(message: impl Into<String>, code: Option<String>) -> Self {
-        Self {
-            code,
-            ..Self::new(502, "upstream_error", message)
-        }
-    }
-
-    /// 504: the provider stalled or timed out before a response started.
-    pub fn upstream_timeout(message: impl Into<String>, code: Option<String>) -> Self {
-        Self {
-            code,
-            ..Self::new(504, "upstream_error", message)
-        }
-    }
-
-    /// 400: a request body the Edge cannot read ([`BodyError`]); JSON-limit
-    /// refusals carry code `json_too_complex`.
-    pub fn from_body(e: BodyError) -> Self {
-        let code = e.is_limit().then(|| JSON_TOO_COMPLEX.to_string());
-        Self {
-            code,
-            ..Self::invalid_request(e.to_string(), None)
-        }
-    }
-
-    /// Whether this refuses a body at `edge.max_json_depth` /
-    /// `edge.max_json_elements` / `edge.max_json_members`.
-    pub fn is_json_limit(&self) -> bool {
-        self.code.as_deref() == Some(JSON_TOO_COMPLEX)
-    }
-
-    /// An error from a malformed HTTP request, mapped from its status.
-    pub fn from_http_status(status: u16, message: impl Into<String>) -> Self {
-        match status {
-            413 => Self::new(413, "invalid_request_error", message),
-            _ => Self::new(status, "invalid_request_error", message),
-        }
-    }
-
-    /// The JSON body `{"error":{...}}`.
-    pub fn body_json(&self) -> Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        })
-    }
-
-    /// The JSON body as bytes.
-    pub fn body_bytes(&self) -> Bytes {
-        Bytes::from(self.body_json().to_string())
-    }
-
-    /// The Anthropic error `type` for this error's status.
-    pub fn anthropic_type(&self) -> &'static str {
-        match self.status {
-            400 | 405 => "invalid_request_error",
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            408 => "timeout_error",
-            413 => "request_too_large",
-            429 => "rate_limit_error",
-            503 => "overloaded_error",
-            _ => "api_error",
-        }
-    }
-
-    /// The JSON body in the shape of `surface`.
-    pub fn body_for(&self, surface: Surface) -> Bytes {
-        match surface {
-            Surface::OpenAi => self.body_bytes(),
-            Surface::Anthropic => Bytes::from(
-                json!({
-                    "type": "error",
-                    "error": {"type": self.anthropic_type(), "message": self.message},
-                })
-                .to_string(),
-            ),
-        }
-    }
-
-    /// [`ApiError::body_for`] of the request `request_id`: the Anthropic
-    /// shape carries it as `request_id`, as Anthropic's API does (the
-    /// OpenAI shape has no such field; both get the `x-request-id` header).
-    pub fn body_for_request(&self, surface: Surface, request_id: &str) -> Bytes {
-        match surface {
-            Surface::OpenAi => self.body_bytes(),
-            Surface::Anthropic => Bytes::from(
-                json!({
-                    "type": "error",
-                    "error": {"type": self.anthropic_type(), "message": self.message},
-                    "request_id": request_id,
-                })
-                .to_string(),
-            ),
-        }
-    }
-
-    /// What the access log says of a request answered with this error: its
-    /// `code`, else its `type`.
-    pub fn outcome(&self) -> &str {
-        self.code.as_deref().unwrap_or(self.kind)
-    }
-
-    /// The SSE event that reports this error inside an already-started
-    /// stream, followed by `data: [DONE]`.
-    pub fn sse_event(&self) -> Bytes {
-        sse_error_event(&self.message, self.kind, self.code.as_deref())
-    }
-}
-
-/// What a client is told of an attempt that failed with failure `code`,
-/// given the Node's `detail` (its `ERROR` message). The codes of a provider
-/// the node could not reach or agree TLS with get a fixed sentence: their
-/// detail names the provider's address, host name and port (`connect
-/// 10.0.0.5:8000: connection refused`, `TLS handshake with llm.internal
-/// failed: …`), which are the operator's to see (the Edge logs them), not
-/// the client's. Every other code's detail says nothing of where the
-/// provider is (a broken exchange, the provider's own error answer, a
-/// request the node refused, a lease failure, a stall) and is kept.
-pub fn client_message<'a>(code: &str, detail: &'a str) -> &'a str {
-    match code {
-        "provider_unreachable" => "The provider could not be reached.",
-        "provider_tls" => {
-            "The TLS handshake with the provider failed (its certificate was refused or the \
-             handshake broke off)."
-        }
-        _ => detail,
-    }
-}
-
-/// The SSE event that ends a started stream with an error, in the shape of
-/// `surface`: OpenAI `data: {"error":{...}}` then `data: [DONE]`; Anthropic
-/// `event: error` with `{"type":"error","error":{...}}`.
-pub fn sse_error_event_for(surface: Surface, message: &str, code: &str) -> Bytes {
-    match surface {
-        Surface::OpenAi => sse_error_event(message, "upstream_error", Some(code)),
-        Surface::Anthropic => {
-            let event = json!({
-                "type": "error",
-                "error": {"type": "api_error", "message": format!("{message} ({code})")},
-            });
-            Bytes::from(format!("event: error\ndata: {event}\n\n"))
-        }
-    }
-}
-
-/// `data: {"error":{...}}\n\ndata: [DONE]\n\n` — how an OpenAI stream reports
-/// a failure after the response started.
-pub fn sse_error_event(message: &str, kind: &str, code: Option<&str>) -> Bytes {
-    let event = json!({
-        "error": {
-            "message": message,
-            "type": kind,
-            "param": Value::Null,
-            "code": code,
-        }
-    });
-    Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))
-}
+use crate::api::body_json::{self, JsonLimits, Members};
+use crate::api::error::GatewayError;
 
 /// A parsed chat completion request, ready to be rebuilt for a provider.
 ///
@@ -390,12 +33,12 @@ pub struct ChatRequest {
 impl ChatRequest {
     /// Parses a `/v1/chat/completions` body within `limits`. Only what the
     /// Edge needs is checked; every other member passes through unchanged.
-    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
-        let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, GatewayError> {
+        let body = Members::parse(body, limits).map_err(GatewayError::from_body)?;
         let model = match body.raw("model") {
             Some(raw) => model_name(raw)?,
             None => {
-                return Err(ApiError::invalid_request(
+                return Err(GatewayError::invalid_request(
                     "You must provide a `model` parameter.",
                     Some("model"),
                 ))
@@ -406,14 +49,14 @@ impl ChatRequest {
             Some("true") => true,
             Some("false") => false,
             Some(_) => {
-                return Err(ApiError::invalid_request(
+                return Err(GatewayError::invalid_request(
                     "`stream` must be a boolean.",
                     Some("stream"),
                 ))
             }
         };
         if !body.raw("messages").is_some_and(|m| m.starts_with('[')) {
-            return Err(ApiError::invalid_request(
+            return Err(GatewayError::invalid_request(
                 "`messages` must be an array.",
                 Some("messages"),
             ));
@@ -423,7 +66,7 @@ impl ChatRequest {
         // refused as OpenAI refuses it.
         let options = body.raw("stream_options");
         if stream && options.is_some_and(|o| o != "null" && !o.starts_with('{')) {
-            return Err(ApiError::invalid_request(
+            return Err(GatewayError::invalid_request(
                 "`stream_options` must be an object.",
                 Some("stream_options"),
             ));
@@ -643,10 +286,10 @@ fn raw_json(raw: Option<&str>) -> Bytes {
 }
 
 /// A `model` member's value: a non-empty string.
-fn model_name(raw: &str) -> Result<String, ApiError> {
+fn model_name(raw: &str) -> Result<String, GatewayError> {
     match serde_json::from_str::<String>(raw) {
         Ok(m) if !m.is_empty() => Ok(m),
-        _ => Err(ApiError::invalid_request(
+        _ => Err(GatewayError::invalid_request(
             "`model` must be a non-empty string.",
             Some("model"),
         )),
@@ -667,8 +310,8 @@ pub struct PassthroughRequest {
 
 impl PassthroughRequest {
     /// Parses a JSON object with a string `model`, within `limits`.
-    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, ApiError> {
-        let body = Members::parse(body, limits).map_err(ApiError::from_body)?;
+    pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, GatewayError> {
+        let body = Members::parse(body, limits).map_err(GatewayError::from_body)?;
         let model = model_name(body.raw("model").unwrap_or_default())?;
         let stream = body.raw("stream") == Some("true");
         Ok(Self {
@@ -730,30 +373,12 @@ pub fn is_not_relayed(name: &str) -> bool {
 mod tests {
     use super::*;
 
-    fn chat(body: &'static [u8]) -> Result<ChatRequest, ApiError> {
+    fn chat(body: &'static [u8]) -> Result<ChatRequest, GatewayError> {
         ChatRequest::parse(Bytes::from_static(body), &JsonLimits::default())
     }
 
-    fn passthrough(body: &'static [u8]) -> Result<PassthroughRequest, ApiError> {
+    fn passthrough(body: &'static [u8]) -> Result<PassthroughRequest, GatewayError> {
         PassthroughRequest::parse(Bytes::from_static(body), &JsonLimits::default())
-    }
-
-    #[test]
-    fn error_shape_is_openai() {
-        let e = ApiError::model_not_found("gpt-x");
-        assert_eq!(e.status, 404);
-        assert_eq!(
-            e.body_json(),
-            json!({"error": {
-                "message": "The model `gpt-x` does not exist or you do not have access to it.",
-                "type": "invalid_request_error",
-                "param": "model",
-                "code": "model_not_found"
-            }})
-        );
-        let e = ApiError::no_provider("m");
-        assert_eq!((e.status, e.retry_after_sec), (503, Some(1)));
-        assert_eq!(ApiError::body_too_large(10).status, 413);
     }
 
     #[test]
@@ -1010,47 +635,6 @@ mod tests {
         assert!(!long.include_usage());
     }
 
-    // A node's words about a provider it could not reach name its address;
-    // the client gets a fixed sentence for those codes, the detail for the
-    // others.
-    #[test]
-    fn client_messages_carry_no_provider_address() {
-        assert_eq!(
-            client_message(
-                "provider_unreachable",
-                "connect 10.0.0.5:8000: Connection refused (os error 111)"
-            ),
-            "The provider could not be reached."
-        );
-        assert_eq!(
-            client_message(
-                "provider_tls",
-                "provider TLS: TLS handshake with llm.internal failed: invalid peer certificate"
-            ),
-            "The TLS handshake with the provider failed (its certificate was refused or the \
-             handshake broke off)."
-        );
-        for (code, detail) in [
-            (
-                "provider_error",
-                "provider: connection closed in the middle of a message",
-            ),
-            ("response_stalled", "no progress for 500 ms"),
-            ("invalid_input", "chat request: `messages` is empty"),
-            ("lease_expired", "credential lease expired"),
-        ] {
-            assert_eq!(client_message(code, detail), detail);
-        }
-    }
-
-    #[test]
-    fn sse_error_event_ends_with_done() {
-        assert_eq!(
-            &sse_error_event("boom", "upstream_error", Some("response_stalled"))[..],
-            b"data: {\"error\":{\"message\":\"boom\",\"type\":\"upstream_error\",\"param\":null,\"code\":\"response_stalled\"}}\n\ndata: [DONE]\n\n"
-        );
-    }
-
     #[test]
     fn models_list_shape() {
         let body = models_list(
@@ -1063,23 +647,6 @@ mod tests {
         assert_eq!(
             &body[..],
             br#"{"object":"list","data":[{"id":"a","object":"model","created":7,"owned_by":"iop"}]}"#
-        );
-    }
-
-    #[test]
-    fn anthropic_error_shape() {
-        let e = ApiError::model_not_found("claude-x");
-        assert_eq!(
-            serde_json::from_slice::<Value>(&e.body_for(Surface::Anthropic)).unwrap(),
-            json!({"type": "error", "error": {"type": "not_found_error", "message": e.message}})
-        );
-        assert_eq!(
-            ApiError::queue_full("m").anthropic_type(),
-            "rate_limit_error"
-        );
-        assert_eq!(
-            &sse_error_event_for(Surface::Anthropic, "stalled", "response_stalled")[..],
-            b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"stalled (response_stalled)\"}}\n\n"
         );
     }
 

@@ -24,7 +24,7 @@ use bytes::Bytes;
 use iop_wire::pb;
 use serde_json::{json, Map, Value};
 
-use crate::api::openai;
+use crate::api::error;
 
 /// Metadata key of native tool calls on `complete` (E4): a JSON array of
 /// OpenAI tool calls with `arguments` as JSON strings.
@@ -273,9 +273,9 @@ impl ChunkStream {
                 let message = if ev.error.is_empty() {
                     "the provider run failed"
                 } else {
-                    openai::client_message(code, &ev.error)
+                    error::client_message(code, &ev.error)
                 };
-                out.push(openai::sse_error_event(
+                out.push(error::sse_error_event(
                     message,
                     "upstream_error",
                     Some(code),
@@ -576,7 +576,7 @@ mod tests {
     }
 
     // A node's words that name the provider's address never reach the
-    // client's stream (openai::client_message).
+    // client's stream (error::client_message).
     #[test]
     fn an_error_event_names_no_provider_address() {
         let mut s = ChunkStream::new(id(), false);

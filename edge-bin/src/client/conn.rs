@@ -19,7 +19,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 
 use super::routes::*;
 use crate::api::body_json::JsonLimits;
-use crate::api::openai::{ApiError, Surface};
+use crate::api::error::{GatewayError, Surface};
 use crate::config::ListenerLimits;
 use crate::link::edge::Edge;
 use crate::plane::access::{AccessRecord, REQUEST_ID_HEADER};
@@ -338,7 +338,7 @@ pub(super) fn json_limits(edge: &Edge) -> JsonLimits {
 pub(super) async fn refuse_body<S>(
     server: &mut Client<S>,
     surface: Surface,
-    e: &ApiError,
+    e: &GatewayError,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
@@ -349,11 +349,11 @@ where
     write_error(server, surface, e).await
 }
 
-pub(super) fn http_error(e: &HttpError, max_body_bytes: usize) -> ApiError {
+pub(super) fn http_error(e: &HttpError, max_body_bytes: usize) -> GatewayError {
     match e.status_code() {
-        413 => ApiError::body_too_large(max_body_bytes),
-        408 => ApiError::request_timeout(e.to_string()),
-        status => ApiError::from_http_status(status, e.to_string()),
+        413 => GatewayError::body_too_large(max_body_bytes),
+        408 => GatewayError::request_timeout(e.to_string()),
+        status => GatewayError::from_http_status(status, e.to_string()),
     }
 }
 
@@ -372,7 +372,7 @@ where
 
 pub(super) async fn write_api_error<S>(
     server: &mut Client<S>,
-    e: &ApiError,
+    e: &GatewayError,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
@@ -383,7 +383,7 @@ where
 pub(super) async fn write_error<S>(
     server: &mut Client<S>,
     surface: Surface,
-    e: &ApiError,
+    e: &GatewayError,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
@@ -398,20 +398,7 @@ where
     server.write_response(e.status, headers, body).await
 }
 
-/// The answer to a request that arrives on an already-open connection
-/// during the shutdown drain.
-pub fn draining_error() -> ApiError {
-    ApiError {
-        status: 503,
-        message: "The gateway is shutting down; retry shortly.".into(),
-        kind: "service_unavailable_error",
-        param: None,
-        code: Some("shutting_down".into()),
-        retry_after_sec: Some(1),
-    }
-}
-
-/// Answers [`draining_error`] (in the route's error shape: Anthropic on
+/// Answers [`GatewayError::shutting_down`] (in the route's error shape: Anthropic on
 /// `/v1/messages*`) with `connection: close`; the caller then drops the
 /// connection.
 pub(super) async fn refuse_while_draining<S>(
@@ -426,7 +413,7 @@ where
     } else {
         Surface::OpenAi
     };
-    let e = draining_error();
+    let e = GatewayError::shutting_down();
     let retry_after = e.retry_after_sec.unwrap_or(1).to_string();
     let headers = [
         ("content-type", "application/json"),

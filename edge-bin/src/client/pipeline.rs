@@ -17,7 +17,8 @@ use iop_wire::pb::frame::Body;
 use super::conn::*;
 use super::relay::*;
 use super::routes::*;
-use crate::api::openai::{ApiError, ChatRequest, PassthroughRequest, Surface};
+use crate::api::error::{GatewayError, Surface};
+use crate::api::openai::{ChatRequest, PassthroughRequest};
 use crate::api::translate::ResponseId;
 use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::link::edge::{Admission, Edge, RouteRx};
@@ -231,11 +232,11 @@ where
             server.stream_started();
             return Ok(Some((request, dispatch, frames)));
         }
-        Ok(Admission::Rejected(Rejection::UnknownModel)) => ApiError::model_not_found(model),
+        Ok(Admission::Rejected(Rejection::UnknownModel)) => GatewayError::model_not_found(model),
         Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
-        Ok(Admission::Rejected(Rejection::QueueFull)) => ApiError::queue_full(model),
+        Ok(Admission::Rejected(Rejection::QueueFull)) => GatewayError::queue_full(model),
         Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
-            ApiError::no_provider(model)
+            GatewayError::no_provider(model)
         }
     };
     write_error(server, route.surface, &e).await?;
@@ -245,7 +246,7 @@ where
 /// Why the caller may not send this request: the key may not use the
 /// model (403), or the principal is over a limit (429).
 pub(super) enum CallerRefusal {
-    Model(ApiError),
+    Model(GatewayError),
     Limit(limits::Refusal),
 }
 
@@ -259,7 +260,7 @@ pub(super) fn check_caller<S>(
 ) -> Option<CallerRefusal> {
     let caller = server.caller.as_ref()?;
     if !caller.may_use(model) {
-        return Some(CallerRefusal::Model(ApiError::model_not_allowed(model)));
+        return Some(CallerRefusal::Model(GatewayError::model_not_allowed(model)));
     }
     let keys = &edge.settings.client_keys;
     let estimate = limits::estimate_prompt_tokens(server.rec.bytes_in as usize);
@@ -288,7 +289,7 @@ where
         CallerRefusal::Model(e) => return write_error(server, surface, e).await,
         CallerRefusal::Limit(r) => r,
     };
-    let e = ApiError::rate_limited(r.kind.as_str(), r.message(), r.retry_after_secs());
+    let e = GatewayError::rate_limited(r.kind.as_str(), r.message(), r.retry_after_secs());
     let retry_after = r.retry_after_secs().to_string();
     let retry_after_ms = r.retry_after.as_millis().max(1).to_string();
     let mut rate = String::new();
@@ -308,8 +309,8 @@ where
 }
 
 /// 400: no provider of `model` serves `route`'s operation.
-pub(super) fn unsupported(model: &str, route: PassRoute) -> ApiError {
-    ApiError::invalid_request(
+pub(super) fn unsupported(model: &str, route: PassRoute) -> GatewayError {
+    GatewayError::invalid_request(
         format!("No provider serving `{model}` supports {}.", route.path),
         None,
     )
@@ -333,11 +334,7 @@ where
     let sent = edge.start_run(request, dispatch, run, buffered).await;
     if !sent {
         edge.abandon(request);
-        let e = ApiError::upstream(
-            "the selected node disconnected",
-            Some("node_unavailable".into()),
-        );
-        write_error(server, surface, &e).await?;
+        write_error(server, surface, &GatewayError::node_unavailable()).await?;
     }
     Ok(sent)
 }

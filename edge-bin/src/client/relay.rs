@@ -12,7 +12,8 @@ use iop_engine::net::Wait;
 use iop_wire::pb;
 
 use super::conn::*;
-use crate::api::openai::{self, ApiError, Surface};
+use crate::api::error::{GatewayError, Surface};
+use crate::api::openai;
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, CancelReason, Dispatch};
@@ -34,9 +35,6 @@ pub(super) enum Relayed {
     /// dispatched the request again: send and relay this one.
     Retry(Dispatch),
 }
-
-/// The message a client gets when its node disconnected mid-request.
-pub(super) const NODE_LOST: &str = "the node serving this request disconnected";
 
 /// A run cut off because its client drained slower than its node sent
 /// ([`RouteEvent::Overflow`]).
@@ -61,10 +59,6 @@ pub(super) fn cancel_reason(e: &HttpError) -> CancelReason {
         _ => CancelReason::ClientDisconnect,
     }
 }
-
-/// Code and message of an answer to a client whose run was cut off.
-pub(super) const CUT_OFF_CODE: &str = "client_too_slow";
-pub(super) const CUT_OFF_MESSAGE: &str = "The response outgrew what this client was reading.";
 
 /// Relays a normalized run as one `chat.completion` (E1, E5). Every event
 /// taken from the route is credited back to the node as soon as the
@@ -110,21 +104,19 @@ where
                         return Ok(Relayed::Done);
                     }
                     Some(Completion::Failed { code, message }) => {
-                        if tracker.end_of_run(&ev).is_retryable() {
+                        let e = GatewayError::provider_failure(
+                            &code,
+                            &message,
+                            tracker.end_of_run(&ev).is_retryable(),
+                        );
+                        if e.retryable {
                             if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
                                 return Ok(Relayed::Retry(next));
                             }
                         }
-                        return Box::pin(fail(
-                            server,
-                            Surface::OpenAi,
-                            false,
-                            false,
-                            &message,
-                            &code,
-                        ))
-                        .await
-                        .map(|()| Relayed::Done);
+                        return Box::pin(fail(server, Surface::OpenAi, false, false, &e))
+                            .await
+                            .map(|()| Relayed::Done);
                     }
                     None => {}
                 }
@@ -143,8 +135,7 @@ where
                     Surface::OpenAi,
                     false,
                     false,
-                    CUT_OFF_MESSAGE,
-                    CUT_OFF_CODE,
+                    &GatewayError::client_too_slow(),
                 ))
                 .await;
                 return Err(cut_off());
@@ -155,8 +146,7 @@ where
                     Surface::OpenAi,
                     false,
                     false,
-                    NODE_LOST,
-                    "node_disconnected",
+                    &GatewayError::node_lost(),
                 ))
                 .await
                 .map(|()| Relayed::Done)
@@ -224,8 +214,7 @@ where
                     Surface::OpenAi,
                     started,
                     true,
-                    CUT_OFF_MESSAGE,
-                    CUT_OFF_CODE,
+                    &GatewayError::client_too_slow(),
                 ))
                 .await;
                 return Err(cut_off());
@@ -236,8 +225,7 @@ where
                     Surface::OpenAi,
                     started,
                     true,
-                    NODE_LOST,
-                    "node_disconnected",
+                    &GatewayError::node_lost(),
                 ))
                 .await
                 .map(|()| Relayed::Done)
@@ -260,17 +248,22 @@ where
             RunStep::Failed(ev) => {
                 // Nothing was sent yet: another provider may take it, or the
                 // client gets an HTTP error.
-                if tracker.end_of_run(&ev).is_retryable() {
-                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
-                        return Ok(Relayed::Retry(next));
-                    }
-                }
                 let code = if ev.failure_code.is_empty() {
                     "provider_error"
                 } else {
                     ev.failure_code.as_str()
                 };
-                return Box::pin(fail(server, Surface::OpenAi, false, true, &ev.error, code))
+                let e = GatewayError::provider_failure(
+                    code,
+                    &ev.error,
+                    tracker.end_of_run(&ev).is_retryable(),
+                );
+                if e.retryable {
+                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
+                        return Ok(Relayed::Retry(next));
+                    }
+                }
+                return Box::pin(fail(server, Surface::OpenAi, false, true, &e))
                     .await
                     .map(|()| Relayed::Done);
             }
@@ -476,8 +469,7 @@ where
                     surface,
                     started,
                     event_stream,
-                    CUT_OFF_MESSAGE,
-                    CUT_OFF_CODE,
+                    &GatewayError::client_too_slow(),
                 ))
                 .await;
                 return Err(cut_off());
@@ -488,8 +480,7 @@ where
                     surface,
                     started,
                     event_stream,
-                    NODE_LOST,
-                    "node_disconnected",
+                    &GatewayError::node_lost(),
                 ))
                 .await
                 .map(|()| Relayed::Done);
@@ -551,7 +542,7 @@ where
                     }
                 }
                 let Some(h) = head.take() else {
-                    let e = ApiError::upstream("the provider sent no response", None);
+                    let e = GatewayError::no_response();
                     return Box::pin(write_error(server, surface, &e))
                         .await
                         .map(|()| Relayed::Done);
@@ -571,26 +562,24 @@ where
                 return server.finish().await.map(|()| Relayed::Done);
             }
             TunnelStep::Error(tf) => {
-                if !started && tracker.end_of_tunnel(&tf).is_retryable() {
-                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
-                        return Ok(Relayed::Retry(next));
-                    }
-                }
                 let code = if tf.failure_code.is_empty() {
                     "provider_error"
                 } else {
                     tf.failure_code.as_str()
                 };
-                return Box::pin(fail(
-                    server,
-                    surface,
-                    started,
-                    event_stream,
-                    &tf.error,
+                let e = GatewayError::provider_failure(
                     code,
-                ))
-                .await
-                .map(|()| Relayed::Done);
+                    &tf.error,
+                    !started && tracker.end_of_tunnel(&tf).is_retryable(),
+                );
+                if e.retryable {
+                    if let Some(next) = Box::pin(verdict(edge, server, frames)).await? {
+                        return Ok(Relayed::Retry(next));
+                    }
+                }
+                return Box::pin(fail(server, surface, started, event_stream, &e))
+                    .await
+                    .map(|()| Relayed::Done);
             }
         }
     }
@@ -661,62 +650,42 @@ pub(super) async fn abort<S>(
 where
     S: ClientStream,
 {
-    let message = match reason {
-        AbortReason::ResponseWaitTimeout => {
-            "The provider did not start a response within edge.response_wait_timeout_ms."
-        }
+    let e = match reason {
+        AbortReason::ResponseWaitTimeout => GatewayError::response_wait_timeout(),
     };
-    fail(
-        server,
-        surface,
-        started,
-        event_stream,
-        message,
-        reason.as_str(),
-    )
-    .await
+    fail(server, surface, started, event_stream, &e).await
 }
 
-/// Ends a failed relay: an HTTP error before the response started, or an
-/// SSE error event (then `[DONE]`) inside a started event stream. The
-/// client gets [`openai::client_message`]; a node's words it is not shown
-/// (they name the provider's address) go to the Edge's log.
+/// Ends a failed relay with `e`: an HTTP error before the response
+/// started, or `e`'s SSE error event (then the stream's end) inside a
+/// started event stream. What the client is not shown of it
+/// ([`GatewayError::detail`]) goes to the Edge's log.
 pub(super) async fn fail<S>(
     server: &mut Client<S>,
     surface: Surface,
     started: bool,
     event_stream: bool,
-    message: &str,
-    code: &str,
+    e: &GatewayError,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
 {
-    server.rec.end(code);
-    let detail = message;
-    let message = openai::client_message(code, detail);
-    if message != detail {
+    server.rec.end(e.outcome());
+    if let Some(detail) = &e.detail {
         tracing::warn!(
             request_id = %server.rec.request_id,
             node = server.rec.node.as_deref().unwrap_or_default(),
             provider = server.rec.provider.as_deref().unwrap_or_default(),
-            code,
+            code = e.outcome(),
             detail,
             "provider attempt failed"
         );
     }
     if !started {
-        let e = if matches!(code, "response_stalled" | "response_wait_timeout") {
-            ApiError::upstream_timeout(message.to_string(), Some(code.to_string()))
-        } else {
-            ApiError::upstream(message.to_string(), Some(code.to_string()))
-        };
-        return write_error(server, surface, &e).await;
+        return write_error(server, surface, e).await;
     }
     if event_stream {
-        server
-            .write_chunk(openai::sse_error_event_for(surface, message, code))
-            .await?;
+        server.write_chunk(e.sse_event(surface)).await?;
         server.finish().await
     } else {
         // A plain body cannot carry an error after it started: cut it short

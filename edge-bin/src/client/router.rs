@@ -22,7 +22,8 @@ use super::conn::*;
 use super::pipeline::*;
 use super::relay::*;
 use super::routes::*;
-use crate::api::openai::{self, ApiError, Surface};
+use crate::api::error::{GatewayError, Surface};
+use crate::api::openai;
 use crate::client::{metrics, status};
 use crate::config::MetricsAccess;
 use crate::link::edge::Edge;
@@ -74,7 +75,7 @@ pub fn refuse_over_peer_cap(tcp: &TcpStream, tls: bool) {
         iop_engine::net::answer_and_shut_now(tcp, b"");
         return;
     }
-    let e = ApiError::too_many_connections();
+    let e = GatewayError::too_many_connections();
     let body = e.body_bytes();
     let mut answer = format!(
         "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
@@ -315,14 +316,14 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                                 Bytes::from(status::status_json(&snapshots, &outliers).to_string());
                             write_json(&mut server, 200, body).await
                         }
-                        None => write_api_error(&mut server, &draining_error()).await,
+                        None => write_api_error(&mut server, &GatewayError::shutting_down()).await,
                     }
                 }
                 ("GET", "/metrics")
                     if edge.settings.metrics_access == MetricsAccess::Key
                         && !caller.authority.sees_everything() =>
                 {
-                    write_api_error(&mut server, &ApiError::metrics_scope_required()).await
+                    write_api_error(&mut server, &GatewayError::metrics_scope_required()).await
                 }
                 ("GET", "/metrics") => {
                     let text = metrics::scrape(&edge).await;
@@ -390,13 +391,19 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     | "/ui"
                     | "/ui/events",
                 ) => {
-                    write_api_error(&mut server, &ApiError::method_not_allowed(method, &path)).await
+                    write_api_error(
+                        &mut server,
+                        &GatewayError::method_not_allowed(method, &path),
+                    )
+                    .await
                 }
                 (_, "/v1/messages" | "/v1/messages/count_tokens") => {
-                    let e = ApiError::method_not_allowed(method, &path);
+                    let e = GatewayError::method_not_allowed(method, &path);
                     write_error(&mut server, Surface::Anthropic, &e).await
                 }
-                _ => write_api_error(&mut server, &ApiError::unknown_route(method, &path)).await,
+                _ => {
+                    write_api_error(&mut server, &GatewayError::unknown_route(method, &path)).await
+                }
             };
             if method == "POST" && is_inference_route(&path) {
                 // metrics: end to end (request read → response finished).
@@ -440,7 +447,7 @@ pub(super) fn authenticate(
     edge: &Edge,
     path: &str,
     headers: &[iop_engine::http::Header],
-) -> Result<Caller, (Surface, ApiError)> {
+) -> Result<Caller, (Surface, GatewayError)> {
     // `/ui` is the status page: it holds no data and asks for a key.
     let open_metrics = edge.settings.metrics_access == MetricsAccess::Open;
     if matches!(path, "/livez" | "/readyz" | "/ui") || (path == "/metrics" && open_metrics) {

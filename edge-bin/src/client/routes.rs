@@ -1,7 +1,7 @@
 //! The inference routes: each one's path, operation and error shape (the
 //! operation descriptor the pipeline is driven by).
 
-use crate::api::openai::Surface;
+use crate::api::error::Surface;
 use crate::control::Operation;
 
 /// A passthrough route: which profile operation it is (U3) and which client

@@ -365,7 +365,7 @@ pub(crate) async fn events<S: ClientStream>(
     }
     let limit = viewers_per_core(edge.shard_count());
     let Some(_slot) = ViewerSlot::acquire(limit) else {
-        let e = crate::api::openai::ApiError::too_many_viewers(limit);
+        let e = crate::api::error::GatewayError::too_many_viewers(limit);
         return write_json(server, (e.status, e.body_bytes())).await;
     };
     if let Err(e) =

@@ -11,7 +11,7 @@ use std::time::Instant;
 use iop_engine::http::Header;
 use iop_wire::lease;
 
-use crate::api::openai::ApiError;
+use crate::api::error::GatewayError;
 use crate::config::ClientKeySpec;
 use crate::plane::limits::{self, Limiter, Ticket};
 
@@ -149,29 +149,21 @@ pub enum AuthError {
 impl AuthError {
     /// The 401 answer. `x_api_key` says whether the route also accepts the
     /// key in `x-api-key` (Anthropic routes), for the message.
-    pub fn api_error(&self, x_api_key: bool) -> ApiError {
+    pub fn api_error(&self, x_api_key: bool) -> GatewayError {
         let how = if x_api_key {
             "`Authorization: Bearer <key>` or `x-api-key: <key>`"
         } else {
             "`Authorization: Bearer <key>`"
         };
-        let (message, code) = match self {
-            AuthError::Missing => (
+        match self {
+            AuthError::Missing => GatewayError::unauthenticated(
                 format!("You didn't provide an API key. Send it as {how}."),
                 None,
             ),
-            AuthError::Invalid => (
-                "Incorrect API key provided.".to_owned(),
-                Some("invalid_api_key".to_owned()),
+            AuthError::Invalid => GatewayError::unauthenticated(
+                "Incorrect API key provided.",
+                Some("invalid_api_key"),
             ),
-        };
-        ApiError {
-            status: 401,
-            message,
-            kind: "invalid_request_error",
-            param: None,
-            code,
-            retry_after_sec: None,
         }
     }
 }
@@ -471,7 +463,7 @@ mod tests {
             serde_json::json!("invalid_api_key")
         );
         let anthropic: serde_json::Value =
-            serde_json::from_slice(&invalid.body_for(crate::api::openai::Surface::Anthropic))
+            serde_json::from_slice(&invalid.body_for(crate::api::error::Surface::Anthropic))
                 .expect("json");
         assert_eq!(
             anthropic,

@@ -64,7 +64,7 @@ use iop_wire::pb::{self, CredentialLease, CredentialLeaseBinding};
 use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
-use crate::api::openai::ApiError;
+use crate::api::error::GatewayError;
 use crate::config::{AdapterKind, AdapterSpec, ConfigError, EdgeConfig, SecretSource};
 
 /// `CredentialLeaseBinding.route_revision` of every lease (see the module
@@ -122,17 +122,13 @@ pub enum CredentialError {
 
 impl CredentialError {
     /// The 503 answer: the request was not sent to any provider.
-    pub fn api_error(&self) -> ApiError {
-        ApiError {
-            status: 503,
-            message: format!(
+    pub fn api_error(&self) -> GatewayError {
+        GatewayError::credential_unavailable(
+            format!(
                 "{self}; the request was not sent to the provider (no other credential is tried)."
             ),
-            kind: "server_error",
-            param: None,
-            code: Some(CREDENTIAL_UNAVAILABLE.to_owned()),
-            retry_after_sec: None,
-        }
+            CREDENTIAL_UNAVAILABLE,
+        )
     }
 }
 
