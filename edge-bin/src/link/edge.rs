@@ -222,9 +222,6 @@ fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent
     }
 }
 
-/// Close reason of a node connection that sent beyond its credit.
-pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
-
 /// The index of the shard that runs `Control`.
 pub const CONTROL_SHARD: usize = 0;
 
