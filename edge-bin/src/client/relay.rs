@@ -17,7 +17,8 @@ use crate::api::openai;
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, CancelReason, Dispatch};
-use crate::link::edge::{Edge, RouteEvent, RouteRx};
+use crate::link::edge::Edge;
+use crate::link::routes::{RouteEvent, RouteRx};
 use crate::plane::access::AccessRecord;
 
 /// Called once by a relay when its response commits (its first bytes go

@@ -22,8 +22,9 @@ use monoio::net::TcpStream;
 
 use crate::control::attempt::AttemptTracker;
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
-use crate::link::edge::{Delivery, Edge, RouteEvent};
+use crate::link::edge::Edge;
 use crate::link::handshake::{HandshakeFailure, HandshakeSlot};
+use crate::link::routes::{Delivery, RouteEvent};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
