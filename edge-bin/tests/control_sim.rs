@@ -78,7 +78,7 @@ use edge_bin::control::{
     Operations, Outcome, ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal,
     Tunables,
 };
-use iop_wire::pb;
+use iop_wire::{pb, CloseReason};
 
 mod sim_rng;
 use sim_rng::Rng;
@@ -599,7 +599,7 @@ enum RegAct {
     },
     Close {
         conn: ConnId,
-        reason: &'static str,
+        reason: CloseReason,
     },
 }
 
@@ -2037,7 +2037,7 @@ impl<'w> Sim<'w> {
                     });
                     ex.registry.push(RegAct::Close {
                         conn,
-                        reason: "registration_rejected",
+                        reason: CloseReason::RegistrationRejected,
                     });
                     return Ok(ex);
                 };
@@ -2056,7 +2056,7 @@ impl<'w> Sim<'w> {
                     }
                     ex.registry.push(RegAct::Close {
                         conn: old.conn,
-                        reason: "superseded",
+                        reason: CloseReason::Superseded,
                     });
                     self.stats.supersedes += 1;
                 }
@@ -2080,7 +2080,7 @@ impl<'w> Sim<'w> {
                         ex.registry.push(RegAct::Ready { conn, ready: false });
                         ex.registry.push(RegAct::Close {
                             conn,
-                            reason: "not_ready",
+                            reason: CloseReason::NotReady,
                         });
                         match bound.and_then(|n| self.sh.owners[n].map(|o| (n, o))) {
                             Some((n, o)) if o.conn == conn => {
@@ -2441,7 +2441,7 @@ impl<'w> Sim<'w> {
                 Action::Close { conn, reason } => {
                     registry.push(RegAct::Close {
                         conn: *conn,
-                        reason,
+                        reason: reason.clone(),
                     });
                     let c = self.sh.conn_mut(*conn);
                     if c.life == Life::Open {
@@ -3520,7 +3520,7 @@ fn ready_false(conn: ConnId, reason: &str) -> Vec<Action> {
         },
         Action::Close {
             conn,
-            reason: "not_ready",
+            reason: CloseReason::NotReady,
         },
     ]
 }
@@ -3858,7 +3858,7 @@ fn t3_register_id_must_match_the_tls_name_and_be_configured() {
             register_rejected(C1, "node id `n1` does not match the TLS identity name `n2`"),
             Action::Close {
                 conn: C1,
-                reason: "registration_rejected"
+                reason: CloseReason::RegistrationRejected
             },
         ]
     );
@@ -3869,7 +3869,7 @@ fn t3_register_id_must_match_the_tls_name_and_be_configured() {
             register_rejected(C2, "node `n9` is not configured at this edge"),
             Action::Close {
                 conn: C2,
-                reason: "registration_rejected"
+                reason: CloseReason::RegistrationRejected
             },
         ]
     );
@@ -3896,7 +3896,7 @@ fn r2_register_is_a_pending_claim_and_a_newer_one_supersedes() {
             f.accepted(C2, "n1"),
             Action::Close {
                 conn: C1,
-                reason: "superseded"
+                reason: CloseReason::Superseded
             },
         ]
     );
@@ -3921,7 +3921,7 @@ fn r2_register_is_a_pending_claim_and_a_newer_one_supersedes() {
             disconnected("n1"),
             Action::Close {
                 conn: C2,
-                reason: "superseded"
+                reason: CloseReason::Superseded
             },
         ]
     );
@@ -4167,7 +4167,7 @@ fn f2_callbacks_from_stale_connections_change_nothing() {
             disconnected("n1"),
             Action::Close {
                 conn: C1,
-                reason: "superseded"
+                reason: CloseReason::Superseded
             },
         ]
     );

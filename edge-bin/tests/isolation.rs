@@ -30,6 +30,7 @@ use iop_engine::conn::{ConnConfig, ConnEvent};
 use iop_wire::flow::{self, SendWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use monoio::io::AsyncWriteRentExt;
 use monoio::net::TcpStream;
 
@@ -84,7 +85,7 @@ enum Windows {
 fn serve_node(
     mut raw: RawNode,
     windows: Windows,
-) -> (Rc<RefCell<NodeLog>>, monoio::task::JoinHandle<String>) {
+) -> (Rc<RefCell<NodeLog>>, monoio::task::JoinHandle<CloseReason>) {
     let log = Rc::new(RefCell::new(NodeLog::default()));
     let task_log = log.clone();
     let big_answer = big_answer();
@@ -95,7 +96,7 @@ fn serve_node(
                 Some(ConnEvent::Frame(pb::Frame { body: Some(body) })) => body,
                 Some(ConnEvent::Closed { reason }) => return reason,
                 Some(ConnEvent::Frame(_)) => continue,
-                None => return "ended".to_string(),
+                None => return CloseReason::ConnectionEnded,
             };
             match body {
                 Body::ProviderTunnelRequest(req) => {
@@ -394,7 +395,7 @@ async fn a_node_that_overruns_its_credit_is_closed() {
         let (_log, node) = serve_node(raw, Windows::OverrunOnce);
         let _stuck = never_reader(edge.client_addr).await;
         let reason = node.await;
-        assert_eq!(reason, "peer:flow_control_overrun");
+        assert_eq!(reason, CloseReason::Peer("flow_control_overrun".into()));
         wait_connected(edge.client_addr, "node-a", false).await;
         edge.stop().await;
     })

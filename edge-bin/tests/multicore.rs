@@ -16,6 +16,7 @@ use edge_bin::link::shards::bind_reuseport;
 use edge_bin::server::{DrainEnd, ShardedEdge, Stop};
 use iop_engine::mailbox;
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, TlsFiles, TlsMaterial};
+use iop_wire::CloseReason;
 use node_bin::config::NodeConfig;
 use node_bin::supervisor;
 use serde_json::Value;
@@ -353,7 +354,10 @@ async fn a_superseded_node_connection_on_another_shard_never_reaches_the_client_
         // connection (R2) on shard 1 and the client's lease is lost (F1).
         let mut second = RawNode::connect(shards.node[0], &pki.connector("node-a")).await;
         assert!(second.register("node-a").await.accepted);
-        assert_eq!(first.closed_reason().await, "peer:superseded");
+        assert_eq!(
+            first.closed_reason().await,
+            CloseReason::Peer("superseded".into())
+        );
         // Whatever the old connection still manages to send is never
         // relayed.
         let _ = first

@@ -16,6 +16,7 @@ use common::*;
 use edge_bin::control::ConnId;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use node_bin::config::NodeConfig;
 use node_bin::supervisor::{self, Exit};
 use rustls::pki_types::ServerName;
@@ -307,7 +308,10 @@ async fn register_with_a_name_other_than_the_certificate_is_rejected() {
                 config: None,
             }
         );
-        assert_eq!(node.closed_reason().await, "peer:registration_rejected");
+        assert_eq!(
+            node.closed_reason().await,
+            CloseReason::Peer("registration_rejected".into())
+        );
         assert_eq!(edge.edge.control().node_of(ConnId(1)), None);
         assert_eq!(status(edge.client_addr).await, before);
         edge.stop().await;
@@ -372,7 +376,10 @@ async fn newer_registration_supersedes_older_connection() {
         assert!(accepted.accepted, "{accepted:?}");
         assert!(accepted.config.is_some());
         // The older connection is fenced and closed with the reason.
-        assert_eq!(first.closed_reason().await, "peer:superseded");
+        assert_eq!(
+            first.closed_reason().await,
+            CloseReason::Peer("superseded".into())
+        );
         // The newer one is only pending: not connected yet (R4).
         assert_eq!(
             node_entry(edge.client_addr, "node-a").await,

@@ -8,6 +8,7 @@ use iop_engine::conn::{
 };
 use iop_wire::codec;
 use iop_wire::pb::{self, frame::Body};
+use iop_wire::CloseReason;
 use iop_wire::FrameDecoder;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
@@ -117,10 +118,8 @@ fn assert_tunnel_frame(event: Option<ConnEvent>, expected: pb::ProviderTunnelFra
     assert_eq!(got, expected);
 }
 
-fn closed(reason: &str) -> Option<ConnEvent> {
-    Some(ConnEvent::Closed {
-        reason: reason.to_owned(),
-    })
+fn closed(reason: CloseReason) -> Option<ConnEvent> {
+    Some(ConnEvent::Closed { reason })
 }
 
 /// Every event until the connection closes (the last one is `Closed`).
@@ -174,14 +173,14 @@ async fn conn_frames_round_trip_in_order_both_directions() {
             assert_eq!(control, expected_control);
         }
 
-        a.close("shutdown");
+        a.close(CloseReason::Shutdown);
         assert_eq!(
             drain(&mut a_events).await,
-            vec![closed("shutdown").unwrap()]
+            vec![closed(CloseReason::Shutdown).unwrap()]
         );
         assert_eq!(
             drain(&mut b_events).await,
-            vec![closed("peer:shutdown").unwrap()]
+            vec![closed(CloseReason::Peer("shutdown".into())).unwrap()]
         );
         assert_eq!(a.stats().frames_received, 310);
         assert_eq!(b.stats().frames_received, 311); // 310 and the Close
@@ -237,7 +236,7 @@ async fn conn_oversized_length_prefix_sends_close_frame_too_large() {
             ))
         );
         assert_eq!(peer.read_frame().await, None);
-        assert_eq!(events.recv().await, closed("frame_too_large"));
+        assert_eq!(events.recv().await, closed(CloseReason::FrameTooLarge));
         assert_eq!(events.recv().await, None);
     })
     .await;
@@ -265,7 +264,7 @@ async fn conn_garbage_frame_sends_close_decode_error() {
             drain(&mut events).await,
             vec![
                 ConnEvent::Frame(run_event(1)),
-                closed("decode_error").unwrap()
+                closed(CloseReason::DecodeError).unwrap()
             ]
         );
         assert_eq!(conn.send_control(cancel(1)), Err(SendError::Closed));
@@ -309,9 +308,9 @@ async fn conn_heartbeat_timeout_when_peer_never_answers() {
         assert_eq!(peer.read_frame().await, None);
         assert_eq!(
             drain(&mut events).await,
-            vec![closed("heartbeat_timeout").unwrap()]
+            vec![closed(CloseReason::HeartbeatTimeout).unwrap()]
         );
-        assert_eq!(conn.close_reason().as_deref(), Some("heartbeat_timeout"));
+        assert_eq!(conn.close_reason(), Some(CloseReason::HeartbeatTimeout));
     })
     .await;
 }
@@ -334,13 +333,16 @@ async fn conn_healthy_peer_stays_open_across_heartbeat_intervals() {
         assert!(!a.is_closed());
         assert!(!b.is_closed());
 
-        b.close("done");
+        b.close(CloseReason::Shutdown);
         // Heartbeats and acks were consumed by the connection, never delivered.
         assert_eq!(
             drain(&mut a_events).await,
-            vec![closed("peer:done").unwrap()]
+            vec![closed(CloseReason::Peer("shutdown".into())).unwrap()]
         );
-        assert_eq!(drain(&mut b_events).await, vec![closed("done").unwrap()]);
+        assert_eq!(
+            drain(&mut b_events).await,
+            vec![closed(CloseReason::Shutdown).unwrap()]
+        );
     })
     .await;
 }
@@ -353,8 +355,8 @@ async fn conn_local_close_sends_close_then_eof_and_one_closed_event() {
         let mut peer = RawPeer::new(client);
 
         conn.send_bulk(run_event(1)).await.unwrap();
-        conn.close("shutdown");
-        conn.close("again"); // ignored: already closing
+        conn.close(CloseReason::Shutdown);
+        conn.close(CloseReason::ProtocolError); // ignored: already closing
         assert!(conn.is_closed());
         assert_eq!(conn.send_bulk(run_event(2)).await, Err(SendError::Closed));
 
@@ -362,7 +364,7 @@ async fn conn_local_close_sends_close_then_eof_and_one_closed_event() {
         assert_eq!(peer.read_frame().await, Some(run_event(1)));
         assert_eq!(peer.read_frame().await, Some(close_frame("shutdown", "")));
         assert_eq!(peer.read_frame().await, None);
-        assert_eq!(events.recv().await, closed("shutdown"));
+        assert_eq!(events.recv().await, closed(CloseReason::Shutdown));
         assert_eq!(events.recv().await, None);
         assert_eq!(events.recv().await, None);
     })
@@ -377,7 +379,7 @@ async fn conn_peer_eof_and_peer_close_are_reported() {
         drop(client);
         assert_eq!(
             drain(&mut events).await,
-            vec![closed("peer_closed").unwrap()]
+            vec![closed(CloseReason::PeerClosed).unwrap()]
         );
 
         let (client, server) = tcp_pair().await;
@@ -392,7 +394,7 @@ async fn conn_peer_eof_and_peer_close_are_reported() {
         peer.write(wire.to_vec()).await;
         assert_eq!(
             drain(&mut events).await,
-            vec![closed("peer:superseded").unwrap()]
+            vec![closed(CloseReason::Peer("superseded".into())).unwrap()]
         );
         // We answer a peer's Close with EOF, not with a Close of our own.
         assert_eq!(peer.read_frame().await, None);
@@ -445,7 +447,7 @@ async fn conn_dropping_the_last_handle_closes() {
         assert_eq!(peer.read_frame().await, None);
         assert_eq!(
             drain(&mut events).await,
-            vec![closed("handle_dropped").unwrap()]
+            vec![closed(CloseReason::HandleDropped).unwrap()]
         );
     })
     .await;

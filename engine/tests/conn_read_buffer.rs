@@ -22,6 +22,7 @@ use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle
 use iop_engine::memory::CountingAlloc;
 use iop_wire::codec;
 use iop_wire::pb::{self, frame::Body};
+use iop_wire::CloseReason;
 use monoio::io::{AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
 
@@ -96,7 +97,7 @@ async fn live_after_a_large_frame(tail: usize) -> i64 {
     written.expect("write the frame's tail");
     assert_eq!(next_delta_len(&mut events).await, PAYLOAD_BYTES);
     let live = CountingAlloc::live_bytes() - before;
-    conn.close("done");
+    conn.close(CloseReason::Shutdown);
     drop(events);
     live
 }

@@ -13,6 +13,7 @@ use iop_engine::conn::{
 use iop_engine::tls::{EdgeTlsAcceptor, NodeAllowList, NodeTlsConnector, Role, TlsMaterial};
 use iop_wire::codec;
 use iop_wire::pb::{self, frame::Body};
+use iop_wire::CloseReason;
 use monoio::net::{TcpListener, TcpStream};
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
@@ -123,10 +124,8 @@ fn assert_tunnel_frame(event: Option<ConnEvent>, expected: pb::ProviderTunnelFra
     assert_eq!(got, expected);
 }
 
-fn closed(reason: &str) -> ConnEvent {
-    ConnEvent::Closed {
-        reason: reason.to_owned(),
-    }
+fn closed(reason: CloseReason) -> ConnEvent {
+    ConnEvent::Closed { reason }
 }
 
 async fn drain(events: &mut ConnEvents) -> Vec<ConnEvent> {
@@ -195,9 +194,15 @@ async fn conn_over_tls_carries_frames_bodies_and_heartbeats() {
             monoio::time::sleep(Duration::from_millis(10)).await;
         }
 
-        node.close("shutdown");
-        assert_eq!(drain(&mut node_events).await, vec![closed("shutdown")]);
-        assert_eq!(drain(&mut edge_events).await, vec![closed("peer:shutdown")]);
+        node.close(CloseReason::Shutdown);
+        assert_eq!(
+            drain(&mut node_events).await,
+            vec![closed(CloseReason::Shutdown)]
+        );
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::Peer("shutdown".into()))]
+        );
         assert_eq!(edge.send_control(run_event(1)), Err(SendError::Closed));
     })
     .await;
@@ -214,11 +219,14 @@ async fn conn_over_tls_close_unblocks_idle_readers() {
         } = tls_pair(ConnConfig::default()).await;
         // Both readers sit in a TLS read; closing must end both without
         // cancelling either read.
-        edge.close("superseded");
-        assert_eq!(drain(&mut edge_events).await, vec![closed("superseded")]);
+        edge.close(CloseReason::Superseded);
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::Superseded)]
+        );
         assert_eq!(
             drain(&mut node_events).await,
-            vec![closed("peer:superseded")]
+            vec![closed(CloseReason::Peer("superseded".into()))]
         );
     })
     .await;
@@ -410,7 +418,7 @@ async fn refusal_alert_while_the_writer_is_stuck_closes_with_the_alert() {
         judge_tx.send(()).unwrap();
         assert_eq!(
             drain(&mut node_events).await,
-            vec![closed("tls_alert:access_denied")]
+            vec![closed(CloseReason::TlsAlert("access_denied".into()))]
         );
         finish_tx.send(()).unwrap();
         assert_eq!(
@@ -458,7 +466,10 @@ async fn undecryptable_record_while_the_writer_is_stuck_closes_with_tls_error() 
         let mut record = vec![0x17, 0x03, 0x03, 0x00, 0x20];
         record.extend_from_slice(&[0x5a; 0x20]);
         raw.write_all(&record).unwrap();
-        assert_eq!(drain(&mut edge_events).await, vec![closed("tls_error")]);
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::TlsError)]
+        );
         drop(node_tls);
     })
     .await;

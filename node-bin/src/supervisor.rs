@@ -36,6 +36,7 @@ use iop_engine::http;
 use iop_engine::rng::SplitMix64;
 use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
+use iop_wire::CloseReason;
 use monoio::io::Splitable;
 
 use crate::calls::workers::Workers;
@@ -140,7 +141,7 @@ pub enum Exit {
 
 enum Attempt {
     /// The session reached ready, then ended.
-    WasReady(String),
+    WasReady(CloseReason),
     /// The attempt failed before ready.
     Failed(String),
 }
@@ -368,7 +369,7 @@ where
             return;
         }
     }
-    if core.close_ready_session(REASON_SHUTDOWN) {
+    if core.close_ready_session(CloseReason::Shutdown) {
         monoio::select! {
             _ = attempt.as_mut() => {},
             _ = monoio::time::sleep(CLOSE_WAIT) => {},
@@ -376,9 +377,6 @@ where
         }
     }
 }
-
-/// The `Close` reason a draining Node sends the Edge.
-pub const REASON_SHUTDOWN: &str = "shutdown";
 
 #[cfg(test)]
 mod tests {
@@ -601,7 +599,7 @@ mod tests {
         assert!(done.get());
         assert_eq!(core.active_runs(), 0);
         assert!(
-            !core.close_ready_session(REASON_SHUTDOWN),
+            !core.close_ready_session(CloseReason::Shutdown),
             "no session was ready"
         );
     }

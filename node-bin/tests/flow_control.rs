@@ -26,6 +26,7 @@ use iop_engine::conn::ConnEvent;
 use iop_wire::flow::{self, DrainWindow, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use node_bin::session::SessionEnd;
 
 fn payload(mock: &Mock, capacity: u32) -> pb::NodeConfigPayload {
@@ -428,10 +429,13 @@ async fn a_session_ending_with_parked_runs_releases_them_all() {
     }
     let core = edge.core.clone();
     assert_eq!(core.active_runs(), RUNS);
-    edge.conn.close("test_over");
+    edge.conn.close(CloseReason::Superseded);
     while let Some(ConnEvent::Frame(_)) = edge.events.recv().await {}
     let end = edge.node.await;
-    assert!(matches!(end, SessionEnd::Ended(_)), "{end:?}");
+    assert_eq!(
+        end,
+        SessionEnd::Ended(CloseReason::Peer("superseded".into()))
+    );
     eventually("every run released", || core.active_runs() == 0).await;
     // The same core serves the next session.
     let mut next = Edge::start_on(core.clone(), payload(&mock, RUNS as u32)).await;

@@ -16,6 +16,7 @@ use common::{
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use node_bin::session::SessionEnd;
 
 fn payload(mock: &Mock, health_path: &str, capacity: u32) -> pb::NodeConfigPayload {
@@ -365,9 +366,12 @@ async fn session_end_cancels_every_run() {
     }
     mock.wait_stats("two streams stalled", |s| s["active_streams"] == 2)
         .await;
-    edge.conn.close("test_disconnect");
+    edge.conn.close(CloseReason::Superseded);
     let end = edge.node.await;
-    assert!(matches!(end, SessionEnd::Ended(_)), "{end:?}");
+    assert_eq!(
+        end,
+        SessionEnd::Ended(CloseReason::Peer("superseded".into()))
+    );
     mock.wait_stats("provider streams closed", |s| {
         s["active_streams"] == 0 && s["connections_open"] == 1
     })

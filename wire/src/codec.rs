@@ -24,6 +24,7 @@ use std::borrow::Cow;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 
+use crate::close::CloseReason;
 use crate::limits::{DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES};
 use crate::pb::{self, frame, Frame};
 
@@ -52,10 +53,10 @@ pub enum DecodeError {
 
 impl DecodeError {
     /// The reason to send in a `Close` frame before closing (T1).
-    pub fn close_reason(&self) -> &'static str {
+    pub fn close_reason(&self) -> CloseReason {
         match self {
-            DecodeError::FrameTooLarge { .. } => crate::limits::CLOSE_FRAME_TOO_LARGE,
-            _ => crate::limits::CLOSE_DECODE_ERROR,
+            DecodeError::FrameTooLarge { .. } => CloseReason::FrameTooLarge,
+            _ => CloseReason::DecodeError,
         }
     }
 }

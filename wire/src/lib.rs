@@ -15,6 +15,8 @@
 //!   by the pure-Rust `protox` compiler (no system `protoc`; generated code is
 //!   never checked in or edited, X3).
 //! - [`codec`]: the length-delimited frame codec (T1).
+//! - [`close`]: [`CloseReason`], why a frame connection closed — the one
+//!   list of close reasons the transport, the Edge and the Node use.
 //! - [`checks`]: pure value checks the contract fixes (W1 stall timeout, S2
 //!   reconnect policy).
 //! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
@@ -30,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checks;
+pub mod close;
 pub mod codec;
 pub mod flow;
 pub mod lease;
@@ -42,4 +45,5 @@ pub mod pb {
     include!(concat!(env!("OUT_DIR"), "/iop.runtime.rs"));
 }
 
+pub use close::CloseReason;
 pub use codec::{encode, DecodeError, EncodeError, FrameDecoder};

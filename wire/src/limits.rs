@@ -9,7 +9,7 @@ use std::time::Duration;
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(30);
 
 /// A connection whose peer has not answered a heartbeat for this long is
-/// closed with reason [`CLOSE_HEARTBEAT_TIMEOUT`] (T4).
+/// closed with reason [`crate::CloseReason::HeartbeatTimeout`] (T4).
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// Default maximum size of one encoded `Frame`, excluding the 4-byte length
@@ -21,12 +21,3 @@ pub const LENGTH_PREFIX_BYTES: usize = 4;
 
 /// Node default for `response_stall_timeout_ms = 0` (W1).
 pub const DEFAULT_RESPONSE_STALL_TIMEOUT_MS: i64 = 300_000;
-
-/// Close reason when no heartbeat answer arrived in time (T4).
-pub const CLOSE_HEARTBEAT_TIMEOUT: &str = "heartbeat_timeout";
-
-/// Close reason for a frame over the size cap (T1).
-pub const CLOSE_FRAME_TOO_LARGE: &str = "frame_too_large";
-
-/// Close reason for a frame that failed to decode (T1).
-pub const CLOSE_DECODE_ERROR: &str = "decode_error";

@@ -34,6 +34,7 @@ use iop_wire::checks::{Attempts, ReconnectPolicy};
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use node_bin::supervisor::{AttemptOutcome, Jitter, Step, Supervisor};
 
 /// The content of every answer starts with this, then the node id.
@@ -385,7 +386,7 @@ async fn attempt(
             }
             Some(Body::RegisterResponse(r)) => {
                 state.note(format!("{}: registration refused: {}", node.id, r.reason));
-                conn.close("registration_refused");
+                conn.close(CloseReason::RegistrationRejected);
             }
             Some(Body::NodeReadyResponse(r)) if r.ready => {
                 ready = true;
@@ -393,7 +394,7 @@ async fn attempt(
             }
             Some(Body::NodeReadyResponse(r)) => {
                 state.note(format!("{}: ready refused: {}", node.id, r.reason));
-                conn.close("ready_refused");
+                conn.close(CloseReason::NotReady);
             }
             Some(Body::ProviderTunnelRequest(request)) => {
                 state.saw_tunnel(&request);

@@ -21,7 +21,8 @@ use crate::api::error::{GatewayError, Surface};
 use crate::api::openai::{ChatRequest, PassthroughRequest};
 use crate::api::translate::ResponseId;
 use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
-use crate::link::edge::{Admission, Edge, RouteRx};
+use crate::link::edge::{Admission, Edge};
+use crate::link::routes::RouteRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
 use crate::plane::limits::{self};
@@ -637,7 +638,7 @@ mod tests {
     fn tunnel_frame_carries_only_the_sealed_lease() {
         let dispatch = dispatch();
         let (cfg, plane) = plane();
-        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
+        let edge = crate::link::edge::edge_state_with(&cfg, Some(plane));
         let client = [iop_engine::http::Header {
             name: "authorization".into(),
             value: Bytes::from_static(b"Bearer client-key"),
@@ -694,7 +695,7 @@ mod tests {
         let names: Vec<&str> = sent.headers.iter().map(|h| h.name.as_str()).collect();
         assert_eq!(names, ["content-type", "accept"]);
         // Without a credential plane both fields are absent (legacy tunnel).
-        let bare = crate::link::settings::edge_state(&cfg);
+        let bare = crate::link::edge::edge_state(&cfg);
         let Some(Body::ProviderTunnelRequest(legacy)) =
             with_lease(&bare, "anonymous", "gpt-x", &dispatch, tunnel, body())
                 .expect("no lease needed")
@@ -716,7 +717,7 @@ mod tests {
     fn the_lease_covers_the_body_that_asks_for_usage() {
         let dispatch = dispatch();
         let (cfg, plane) = plane();
-        let edge = crate::link::settings::edge_state_with(&cfg, Some(plane));
+        let edge = crate::link::edge::edge_state_with(&cfg, Some(plane));
         let chat = ChatRequest::parse(
             Bytes::from_static(br#"{"model":"gpt-x","messages":[],"stream":true}"#),
             &JsonLimits::default(),

@@ -547,7 +547,7 @@ mod tests {
             "edge.toml",
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let edge = crate::link::settings::edge_state(&cfg);
+        let edge = crate::link::edge::edge_state(&cfg);
         let (mut clients, server) = connect_clients(&edge, 2).await;
         let (head, body) = exchange(&mut clients[0], "GET", "/readyz", b"").await;
         assert_eq!((head.status, &body[..]), (200, &b"ok\n"[..]));

@@ -80,7 +80,7 @@ pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;
 
-use iop_wire::pb;
+use iop_wire::{pb, CloseReason};
 
 use crate::control::outlier::{Ejection, OutlierState, Readmission};
 use crate::control::tables::{
@@ -402,7 +402,7 @@ pub enum Action {
         /// The connection.
         conn: ConnId,
         /// Why.
-        reason: &'static str,
+        reason: CloseReason,
     },
     /// A request won a lease: build and send its run.
     Dispatch(Dispatch),

@@ -2,7 +2,7 @@
 //! generation, pending or ready (R1–R5); registration, readiness, closes,
 //! and fencing of a ready owner's generation (F1, F2).
 
-use iop_wire::pb;
+use iop_wire::{pb, CloseReason};
 
 use super::tables::{NodeEntry, Owner, OwnerState};
 use super::{Action, ConnId, Control, Event, Generation, Outcome, NODE_VERSION_CHARS_MAX};
@@ -13,7 +13,7 @@ impl Control {
     /// Orders `conn` closed and treats it as closed from this step on: a
     /// connection Control has let go of never becomes or stays an owner,
     /// even if more of its frames arrive before the shell reports the close.
-    fn close_conn(&mut self, conn: ConnId, reason: &'static str, out: &mut Vec<Action>) {
+    fn close_conn(&mut self, conn: ConnId, reason: CloseReason, out: &mut Vec<Action>) {
         out.push(Action::Close { conn, reason });
         if self.generation_of(conn).is_some() {
             // The current owner: released now, fenced if it was ready.
@@ -64,14 +64,14 @@ impl Control {
                 format!("node id `{node_id}` does not match the TLS identity name `{tls_name}`"),
                 out,
             );
-            return self.close_conn(conn, "registration_rejected", out);
+            return self.close_conn(conn, CloseReason::RegistrationRejected, out);
         }
         let Some(&n) = self.node_index.get(node_id) else {
             reject(
                 format!("node `{node_id}` is not configured at this edge"),
                 out,
             );
-            return self.close_conn(conn, "registration_rejected", out);
+            return self.close_conn(conn, CloseReason::RegistrationRejected, out);
         };
         self.next_generation += 1;
         let generation = Generation(self.next_generation);
@@ -101,7 +101,7 @@ impl Control {
             if old.state == OwnerState::Ready {
                 self.fence(n, old, out);
             }
-            self.close_conn(old.conn, "superseded", out);
+            self.close_conn(old.conn, CloseReason::Superseded, out);
         }
         // A pending owner offers no candidate.
         self.refresh_node(n);
@@ -116,7 +116,7 @@ impl Control {
                     reason: reason.to_string(),
                 },
             });
-            this.close_conn(conn, "not_ready", out);
+            this.close_conn(conn, CloseReason::NotReady, out);
         };
         let n = match self.bindings.get(&conn) {
             Some(&n) if self.nodes[n].spec.id == node_id => n,

@@ -5,15 +5,22 @@
 //! and executes the actions it returns: frames to node connections, admissions
 //! and rejections to waiting client requests, lost runs to their routes. A
 //! timer task ([`Edge::run_timers`]) does the same for `Control`'s deadlines.
+//!
+//! The rest of the shard's work lives in sibling modules: the route
+//! types ([`crate::link::routes`]), the observer thread
+//! ([`crate::link::observers`]), the drain and lifecycle steps
+//! ([`crate::link::drain`], more `impl Edge`), and the messages from other
+//! shards ([`crate::link::mesh`], more `impl Edge`).
 
 use std::cell::{Cell, Ref, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
-use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_engine::mailbox;
 use iop_engine::net::{Deadlines, LogThrottle};
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
@@ -21,149 +28,21 @@ use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use crate::config::EdgeConfig;
 use crate::control::attempt::AttemptTracker;
 use crate::control::{
-    AbortReason, Action, AttemptEnd, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
+    control_spec, AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
     Rejection, RequestId,
 };
-use crate::link::settings::Settings;
+use crate::link::node_metrics_cache::NodeMetricsCache;
+use crate::link::observers::{Observer, ObserverMsg, Observers};
+use crate::link::routes::{
+    compacted, push_notice, ClientRoute, Delivery, NodeRoute, RouteEvent, RouteRx,
+};
+use crate::link::settings::{access_log, usage_log, Settings};
 use crate::link::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
 use crate::plane::access::RequestIds;
-
-/// What the node side delivers to a waiting client request.
-// Frames move through the queue by value; boxing them would allocate per frame.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub enum RouteEvent {
-    /// A tunnel frame from the connection that owns the lease (H1).
-    Tunnel(Box<pb::ProviderTunnelFrame>),
-    /// A normalized run event from the connection that owns the lease (H1).
-    Run(Box<pb::RunEvent>),
-    /// The lease was released without a terminal: the node's connection was
-    /// fenced (F1) or superseded (R2).
-    Lost,
-    /// The run's buffer at the Edge overflowed: its node speaks no flow
-    /// control and sent more than a window the client had not drained. The
-    /// run is cut off (the client is too slow for it).
-    Overflow,
-    /// Control gave up on the run before its terminal and cancelled it
-    /// on the node (U6); the client gets the error now.
-    Aborted(AbortReason),
-    /// The attempt failed before anything reached the client and Control
-    /// dispatched the request again (pre-commit failover): the relay sends
-    /// this dispatch's run and relays its frames instead.
-    Retry(Box<Dispatch>),
-}
-
-/// The receiving end of a client request's route: frames arrive here from
-/// whichever shard reads the node connection, at most a flow-control
-/// window of them (`iop_wire::flow`); [`RouteRx::drained`] grants the node
-/// more as the client's socket takes them.
-#[derive(Debug)]
-pub struct RouteRx {
-    rx: Mailbox<RouteEvent>,
-    /// Set when `Control` released the lease without a terminal.
-    lost: Rc<Cell<bool>>,
-    /// When to credit the node, from what the client took.
-    drain: DrainWindow,
-    /// The run's window (a new attempt starts with a fresh one).
-    window: u64,
-    /// The node connection and run the credit is for.
-    conn: ConnId,
-    run_id: String,
-}
-
-impl RouteRx {
-    /// The next event. Once the lease is known lost (F1, R2) that is all
-    /// the client gets: frames still queued behind the decision — read from
-    /// the fenced connection before its shard closed it — are never
-    /// relayed.
-    pub async fn recv(&mut self) -> Option<RouteEvent> {
-        if self.lost.get() {
-            return Some(RouteEvent::Lost);
-        }
-        let event = self.rx.recv().await;
-        if self.lost.get() {
-            return Some(RouteEvent::Lost);
-        }
-        event
-    }
-
-    /// The run id of the attempt whose frames this route relays now.
-    pub fn run_id(&self) -> &str {
-        &self.run_id
-    }
-
-    /// Follows the request's next attempt ([`RouteEvent::Retry`]): credit
-    /// goes to its connection and run, under a fresh window.
-    pub fn retarget(&mut self, dispatch: &Dispatch) {
-        self.conn = dispatch.lease.conn;
-        self.run_id = dispatch.lease.run_id.clone();
-        self.drain = DrainWindow::new(self.window);
-    }
-
-    /// The client's socket took an event charged `charge` (its bytes were
-    /// written, or a response builder consumed it): grants the node more
-    /// credit once half a window has been taken since the last grant.
-    pub fn drained(&mut self, edge: &Rc<Edge>, charge: u64) {
-        if charge == 0 {
-            return;
-        }
-        if let Some(max_offset) = self.drain.on_consumed(charge) {
-            edge.credit(self.conn, &self.run_id, max_offset);
-        }
-    }
-}
-
-impl RouteEvent {
-    /// The run a node's frame belongs to; `None` for the Edge's own notices.
-    pub fn run_id(&self) -> Option<&str> {
-        match self {
-            RouteEvent::Tunnel(tf) => Some(&tf.run_id),
-            RouteEvent::Run(ev) => Some(&ev.run_id),
-            RouteEvent::Lost
-            | RouteEvent::Overflow
-            | RouteEvent::Aborted(_)
-            | RouteEvent::Retry(_) => None,
-        }
-    }
-
-    /// Its flow-control charge (`iop_wire::flow`).
-    pub fn charge(&self) -> u64 {
-        match self {
-            RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
-            RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
-            RouteEvent::Lost
-            | RouteEvent::Overflow
-            | RouteEvent::Aborted(_)
-            | RouteEvent::Retry(_) => 0,
-        }
-    }
-}
-
-/// This shard's handle on a dispatched client request's route.
-struct ClientRoute {
-    tx: MailboxSender<RouteEvent>,
-    lost: Rc<Cell<bool>>,
-}
-
-/// A dispatched run on a node connection of this shard: where its frames
-/// go.
-struct NodeRoute {
-    /// The connection the run was dispatched to; frames from any other
-    /// connection are not for this route (H1).
-    conn: ConnId,
-    /// The client request's mailbox (on any shard). Never awaited: the
-    /// window bounds what it holds, so a push always fits.
-    tx: MailboxSender<RouteEvent>,
-    /// What the node may still send: charged bytes received against the
-    /// credit granted so far.
-    window: RecvWindow,
-    /// A frame of it was delivered already (its response started, U6).
-    responded: bool,
-    /// Its commit point and how it ends (`crate::control::attempt`).
-    tracker: AttemptTracker,
-}
+use crate::plane::credentials::CredentialPlane;
 
 /// A node connection of this shard.
 struct NodeLink {
@@ -176,54 +55,6 @@ struct NodeLink {
     /// Credit waiting for this turn's `FlowCredit` frame.
     pending_credit: RefCell<Vec<pb::RunCredit>>,
 }
-
-/// What happened to a frame from a node ([`Edge::deliver`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Delivery {
-    /// Queued for its client (or dropped: the client has left).
-    Delivered {
-        /// The run's first frame (its response started, U6).
-        first: bool,
-        /// This frame commits the attempt (`crate::control::attempt`).
-        commits: bool,
-        /// For a terminal: how the attempt ended, and whether it had
-        /// committed.
-        end: Option<(AttemptEnd, bool)>,
-        /// The run's id, for the run's first frame, the frame that commits
-        /// it and its terminal (the frames that tell Control something);
-        /// `None` otherwise.
-        run_id: Option<String>,
-    },
-    /// No live route on this connection (late, stale, or never dispatched
-    /// here: H1, F2).
-    NoRoute,
-    /// The run went beyond its window on a node without flow control: the
-    /// run was cut off (its client gets [`RouteEvent::Overflow`]).
-    CutOff,
-    /// A node that speaks flow control sent beyond its credit: a protocol
-    /// error; close the connection.
-    Overrun(Overrun),
-}
-
-/// A frame about to wait in a route behind others (its client is behind):
-/// its body is copied out of the connection's read buffer, so a stuck
-/// client holds its window's bytes and no more. Decoded bodies are slices
-/// of the read buffer they arrived in (64 KiB chunks shared by every run of
-/// the connection); left as they are, a few frames of a client that does
-/// not read would pin whole chunks full of other runs' bytes. A frame its
-/// client takes at once (an empty route) keeps the zero-copy slice.
-fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent {
-    match event {
-        RouteEvent::Tunnel(mut tf) if !tf.body.is_empty() && !route.is_empty() => {
-            tf.body = bytes::Bytes::copy_from_slice(&tf.body);
-            RouteEvent::Tunnel(tf)
-        }
-        other => other,
-    }
-}
-
-/// Close reason of a node connection that sent beyond its credit.
-pub const REASON_FLOW_CONTROL_OVERRUN: &str = "flow_control_overrun";
 
 /// The index of the shard that runs `Control`.
 pub const CONTROL_SHARD: usize = 0;
@@ -262,78 +93,14 @@ impl std::fmt::Debug for Admission {
     }
 }
 
-/// An observer of `Control` events (the droppable fan-out: event bus
-/// subscribers, audit sinks). Its failure is logged and never affects
-/// correctness or terminal delivery (F4, O2).
-///
-/// Observers run on a thread of their own ([`Edge::observe`]), fed through
-/// a bounded queue: one that returns an error, panics or blocks costs its
-/// own events (a full queue drops new ones, counted), never a lease
-/// release, a fence or a client's terminal, which the shard has already
-/// carried out by the time an observer sees the event.
-pub type Observer = Box<dyn Fn(&Event) -> Result<(), String> + Send>;
-
-/// Events queued for the observer thread at most; more are dropped.
-pub const OBSERVER_BACKLOG: usize = 1024;
-
-/// What the observer thread is sent.
-enum ObserverMsg {
-    Add(Observer),
-    Event(Event),
-}
-
-/// The shard's end of the observer thread.
-struct Observers {
-    tx: std::sync::mpsc::SyncSender<ObserverMsg>,
-    /// Events dropped because the queue was full.
-    dropped: Cell<u64>,
-}
-
-impl Observers {
-    fn spawn() -> std::io::Result<Self> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(OBSERVER_BACKLOG);
-        std::thread::Builder::new()
-            .name("iop-observers".into())
-            .spawn(move || run_observers(rx))?;
-        Ok(Self {
-            tx,
-            dropped: Cell::new(0),
-        })
-    }
-}
-
-/// The observer thread: every event to every observer, in order; an error
-/// or a panic is logged and costs that observer that event only.
-fn run_observers(rx: std::sync::mpsc::Receiver<ObserverMsg>) {
-    let mut observers: Vec<Observer> = Vec::new();
-    for msg in rx {
-        match msg {
-            ObserverMsg::Add(observer) => observers.push(observer),
-            ObserverMsg::Event(event) => {
-                for observer in &observers {
-                    let outcome =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observer(&event)));
-                    match outcome {
-                        Ok(Ok(())) => {}
-                        Ok(Err(reason)) => {
-                            tracing::warn!(%reason, "event observer failed; event dropped for it")
-                        }
-                        Err(_) => tracing::warn!("event observer panicked; event dropped for it"),
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// One shard's state. The control shard's also holds `Control`.
 pub struct Edge {
     /// This shard's index (0 = the control shard).
-    shard: usize,
+    pub(super) shard: usize,
     /// The authoritative state machine, on the control shard only.
-    control: Option<RefCell<Control>>,
+    pub(super) control: Option<RefCell<Control>>,
     /// Messages to the other shards (`None` with one shard).
-    outbox: Option<Outbox>,
+    pub(super) outbox: Option<Outbox>,
     /// Live node connections of this shard, by id.
     conns: RefCell<HashMap<ConnId, NodeLink>>,
     /// Dispatched runs on this shard's node connections, by run id.
@@ -351,22 +118,22 @@ pub struct Edge {
     next_conn: Cell<u64>,
     next_request: Cell<u64>,
     /// Set once SIGTERM/SIGINT closed the listeners.
-    draining: Cell<bool>,
+    pub(super) draining: Cell<bool>,
     /// Client requests being answered (read, response not finished).
-    in_flight_requests: Cell<usize>,
+    pub(super) in_flight_requests: Cell<usize>,
     /// Woken when a client request finishes (the drain waits on it).
-    request_finished: Notify,
+    pub(super) request_finished: Notify,
     /// Set when the drain grace has elapsed: requests still relaying end
     /// now (through their normal end, so their lines and usage records are
     /// written).
-    cut_off: Cell<bool>,
-    cut_off_waiters: WakeList,
+    pub(super) cut_off: Cell<bool>,
+    pub(super) cut_off_waiters: WakeList,
     /// Lifecycle steps received from the control shard.
-    lifecycle: RefCell<Vec<Lifecycle>>,
-    lifecycle_changed: WakeList,
+    pub(super) lifecycle: RefCell<Vec<Lifecycle>>,
+    pub(super) lifecycle_changed: WakeList,
     /// On the control shard: worker shards that finished draining, and
     /// the requests they cut off.
-    drained: Cell<(usize, usize)>,
+    pub(super) drained: Cell<(usize, usize)>,
     /// Throttles this shard's warnings about clients cut off for not
     /// reading (one line per interval, with the number suppressed).
     write_stall_log: RefCell<LogThrottle<()>>,
@@ -376,22 +143,7 @@ pub struct Edge {
     /// node connections: one timing wheel and one tick task for them all.
     pub deadlines: Rc<Deadlines>,
     /// The last pull of this shard's nodes' `/metrics` series.
-    pub node_metrics: crate::link::node_metrics::NodeMetricsCache,
-}
-
-/// A client request in flight ([`Edge::track_request`]); dropping it ends
-/// the count.
-#[derive(Debug)]
-pub struct InFlightRequest<'a> {
-    edge: &'a Edge,
-}
-
-impl Drop for InFlightRequest<'_> {
-    fn drop(&mut self) {
-        let count = &self.edge.in_flight_requests;
-        count.set(count.get().saturating_sub(1));
-        self.edge.request_finished.notify();
-    }
+    pub node_metrics: NodeMetricsCache,
 }
 
 impl std::fmt::Debug for Edge {
@@ -409,6 +161,38 @@ impl std::fmt::Debug for Edge {
 
 fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
+}
+
+/// The shard state for `cfg` without a loaded credential plane: tunnels
+/// carry no lease (a managed node then rejects them with `lease_missing`,
+/// fail closed). The binary uses [`edge_state_with`].
+pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
+    edge_state_with(cfg, None)
+}
+
+/// The shard state for `cfg` with its loaded credential plane
+/// ([`CredentialPlane::load`]).
+pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
+    let mut settings = crate::link::settings::settings(cfg, credentials.map(Arc::new));
+    settings.usage_log = usage_log(cfg);
+    settings.access_log = access_log(cfg);
+    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
+}
+
+// Here rather than in `routes`: crediting needs the Edge, and `routes` stays
+// below it (the Edge, the shards and the relays all use the route types).
+impl RouteRx {
+    /// The client's socket took an event charged `charge` (its bytes were
+    /// written, or a response builder consumed it): grants the node more
+    /// credit once half a window has been taken since the last grant.
+    pub fn drained(&mut self, edge: &Rc<Edge>, charge: u64) {
+        if charge == 0 {
+            return;
+        }
+        if let Some(max_offset) = self.drain.on_consumed(charge) {
+            edge.credit(self.conn, &self.run_id, max_offset);
+        }
+    }
 }
 
 impl Edge {
@@ -456,7 +240,7 @@ impl Edge {
             write_stall_log: RefCell::new(LogThrottle::new(WRITE_STALL_LOG_INTERVAL, 1)),
             request_ids: RequestIds::default(),
             deadlines: Deadlines::new(),
-            node_metrics: crate::link::node_metrics::NodeMetricsCache::default(),
+            node_metrics: NodeMetricsCache::default(),
         }
     }
 
@@ -524,56 +308,6 @@ impl Edge {
             })),
         );
         rx.recv().await
-    }
-
-    /// Starts the shutdown drain: from now on `/readyz` answers 503 and new
-    /// requests on open connections are refused. Never undone.
-    pub fn begin_drain(&self) {
-        self.draining.set(true);
-    }
-
-    /// Whether the shutdown drain has begun.
-    pub fn is_draining(&self) -> bool {
-        self.draining.get()
-    }
-
-    /// Ends the drain's grace: every request waiting on its provider stops
-    /// waiting ([`Edge::cut_off`] completes) and ends as `aborted`.
-    pub fn cut_off_requests(&self) {
-        self.cut_off.set(true);
-        self.cut_off_waiters.wake_all();
-    }
-
-    /// Whether [`Edge::cut_off_requests`] was called.
-    pub fn is_cut_off(&self) -> bool {
-        self.cut_off.get()
-    }
-
-    /// Completes once [`Edge::cut_off_requests`] was called.
-    pub async fn cut_off(&self) {
-        while !self.cut_off.get() {
-            self.cut_off_waiters.wait().await;
-        }
-    }
-
-    /// Counts a client request as in flight until the guard drops.
-    pub fn track_request(&self) -> InFlightRequest<'_> {
-        self.in_flight_requests
-            .set(self.in_flight_requests.get() + 1);
-        InFlightRequest { edge: self }
-    }
-
-    /// Client requests being answered now.
-    pub fn in_flight_requests(&self) -> usize {
-        self.in_flight_requests.get()
-    }
-
-    /// Completes once no client request is in flight (at once when none
-    /// is). One task waits at a time (the drain).
-    pub async fn requests_finished(&self) {
-        while self.in_flight_requests.get() > 0 {
-            self.request_finished.notified().await;
-        }
     }
 
     /// Adds an observer of `Control` events (control shard); the first one
@@ -661,7 +395,7 @@ impl Edge {
         self.apply(Input::Undeliverable { request });
     }
 
-    fn apply_batch(&self, inputs: impl IntoIterator<Item = Input>) {
+    pub(super) fn apply_batch(&self, inputs: impl IntoIterator<Item = Input>) {
         let Some(control) = &self.control else {
             if let Some(outbox) = &self.outbox {
                 for input in inputs {
@@ -706,7 +440,7 @@ impl Edge {
         }
     }
 
-    fn conn(&self, conn: ConnId) -> Option<ConnHandle> {
+    pub(super) fn conn(&self, conn: ConnId) -> Option<ConnHandle> {
         self.conns
             .borrow()
             .get(&conn)
@@ -773,7 +507,7 @@ impl Edge {
         }
     }
 
-    fn execute_here(&self, action: Action) {
+    pub(super) fn execute_here(&self, action: Action) {
         match action {
             Action::RegisterResponse { conn, response } => {
                 if let Some(c) = self.conn(conn) {
@@ -951,7 +685,7 @@ impl Edge {
         }
     }
 
-    async fn send_run_here(&self, start: StartRun) -> bool {
+    pub(super) async fn send_run_here(&self, start: StartRun) -> bool {
         let StartRun {
             conn,
             request: _,
@@ -1106,7 +840,7 @@ impl Edge {
         }
     }
 
-    fn credit_here(self: &Rc<Self>, conn: ConnId, run_id: &str, max_offset: u64) {
+    pub(super) fn credit_here(self: &Rc<Self>, conn: ConnId, run_id: &str, max_offset: u64) {
         {
             let mut routes = self.node_routes.borrow_mut();
             match routes.get_mut(run_id).filter(|r| r.conn == conn) {
@@ -1167,174 +901,6 @@ impl Edge {
                 .is_some_and(|c| c.send_control(frame).is_ok()),
         }
     }
-
-    /// Hands an admin command's answer to the shard whose client asked.
-    pub fn forward_command_answer(
-        &self,
-        to: usize,
-        conn: ConnId,
-        response: pb::NodeCommandResponse,
-    ) {
-        match &self.outbox {
-            Some(outbox) if to != self.shard => {
-                outbox.send(to, ShardMsg::CommandAnswer { conn, response })
-            }
-            _ => crate::link::commands::on_response(conn, response),
-        }
-    }
-
-    /// Carries out one message from another shard.
-    pub fn on_message(self: &Rc<Self>, msg: ShardMsg) {
-        match msg {
-            ShardMsg::Inputs(inputs) => self.apply_batch(inputs),
-            ShardMsg::Actions(actions) => {
-                for action in actions {
-                    self.execute_here(action);
-                }
-            }
-            ShardMsg::StartRun(start) => {
-                let edge = self.clone();
-                monoio::spawn(async move {
-                    let (request, route) = (start.request, start.route.clone());
-                    if !edge.send_run_here(start).await {
-                        edge.abandon(request);
-                        let _ = route.send(RouteEvent::Lost).await;
-                    }
-                });
-            }
-            ShardMsg::Credit {
-                conn,
-                run_id,
-                max_offset,
-            } => self.credit_here(conn, &run_id, max_offset),
-            ShardMsg::SendControl { conn, frame } => {
-                let command_id = match &frame.body {
-                    Some(Body::NodeCommandRequest(c))
-                        if crate::link::commands::is_admin_command(&c.command_id) =>
-                    {
-                        Some(c.command_id.clone())
-                    }
-                    _ => None,
-                };
-                let sent = self
-                    .conn(conn)
-                    .is_some_and(|c| c.send_control(frame).is_ok());
-                if let (false, Some(command_id)) = (sent, command_id) {
-                    let to = crate::link::commands::command_shard(&command_id);
-                    match &self.outbox {
-                        Some(outbox) if to != self.shard => {
-                            outbox.send(to, ShardMsg::CommandUndeliverable { conn, command_id })
-                        }
-                        _ => crate::link::commands::on_undeliverable(conn, &command_id),
-                    }
-                }
-            }
-            ShardMsg::CommandUndeliverable { conn, command_id } => {
-                crate::link::commands::on_undeliverable(conn, &command_id)
-            }
-            ShardMsg::CommandAnswer { conn, response } => {
-                crate::link::commands::on_response(conn, response)
-            }
-            ShardMsg::Query(read) => match &self.control {
-                Some(control) => read(&control.borrow()),
-                None => tracing::error!(shard = self.shard, "control query sent to a worker shard"),
-            },
-            ShardMsg::Lifecycle(step) => {
-                self.lifecycle.borrow_mut().push(step);
-                self.lifecycle_changed.wake_all();
-            }
-            ShardMsg::Drained { in_flight } => {
-                let (shards, cut_off) = self.drained.get();
-                self.drained.set((shards + 1, cut_off + in_flight));
-                self.lifecycle_changed.wake_all();
-            }
-        }
-    }
-
-    /// Runs this shard's mesh: the outbox flusher and the inbox (spawn once
-    /// per shard; never returns).
-    pub async fn run_mesh(self: Rc<Self>, inbox: Mailbox<ShardMsg>) {
-        let inbox_task = {
-            let edge = self.clone();
-            shards::run_inbox(inbox, move |msg| edge.on_message(msg))
-        };
-        match &self.outbox {
-            Some(outbox) => {
-                monoio::select! {
-                    _ = outbox.run() => {},
-                    _ = inbox_task => {},
-                }
-            }
-            None => inbox_task.await,
-        }
-    }
-
-    /// Takes a lifecycle step here and on every other shard (control
-    /// shard, on a process signal).
-    pub fn step(&self, step: Lifecycle) {
-        self.lifecycle.borrow_mut().push(step);
-        self.lifecycle_changed.wake_all();
-        self.broadcast(step);
-    }
-
-    /// Whether this shard has taken `step`.
-    pub fn lifecycle_has(&self, step: Lifecycle) -> bool {
-        self.lifecycle.borrow().contains(&step)
-    }
-
-    /// Sends a lifecycle step to every other shard (control shard).
-    pub fn broadcast(&self, step: Lifecycle) {
-        if let Some(outbox) = &self.outbox {
-            for to in (0..outbox.shards()).filter(|&to| to != self.shard) {
-                outbox.send(to, ShardMsg::Lifecycle(step));
-            }
-        }
-    }
-
-    /// Completes once every message this shard sent so far reached its
-    /// inbox.
-    pub async fn outbox_flushed(&self) {
-        if let Some(outbox) = &self.outbox {
-            outbox.flushed().await;
-        }
-    }
-
-    /// Tells the control shard this worker finished draining.
-    pub fn report_drained(&self, in_flight: usize) {
-        if let Some(outbox) = &self.outbox {
-            outbox.send(CONTROL_SHARD, ShardMsg::Drained { in_flight });
-        }
-    }
-
-    /// Completes once the control shard sent `step` (worker shards).
-    pub async fn lifecycle_reached(&self, step: Lifecycle) {
-        while !self.lifecycle_has(step) {
-            self.lifecycle_changed.wait().await;
-        }
-    }
-
-    /// Completes once every worker shard reported its drain (control
-    /// shard); returns the requests they cut off.
-    pub async fn workers_drained(&self) -> usize {
-        let workers = self.shard_count().saturating_sub(1);
-        loop {
-            let (shards, cut_off) = self.drained.get();
-            if shards >= workers {
-                return cut_off;
-            }
-            self.lifecycle_changed.wait().await;
-        }
-    }
-}
-
-/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a route even when the
-/// route is full: then it waits behind the queued frames.
-fn push_notice(tx: MailboxSender<RouteEvent>, notice: RouteEvent) {
-    if let Err(mailbox::TrySendError::Full(notice)) = tx.try_send(notice) {
-        monoio::spawn(async move {
-            let _ = tx.send(notice).await;
-        });
-    }
 }
 
 fn log_event(event: &Event) {
@@ -1394,6 +960,7 @@ mod tests {
         ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
         Tunables,
     };
+    use crate::link::observers::OBSERVER_BACKLOG;
     use crate::plane::access::AccessLog;
     use crate::plane::client_keys::ClientKeys;
 

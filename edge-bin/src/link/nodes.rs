@@ -16,13 +16,15 @@ use iop_wire::codec::body_name;
 use iop_wire::flow;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
 use crate::control::attempt::AttemptTracker;
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
-use crate::link::edge::{Delivery, Edge, RouteEvent, REASON_FLOW_CONTROL_OVERRUN};
+use crate::link::edge::Edge;
 use crate::link::handshake::{HandshakeFailure, HandshakeSlot};
+use crate::link::routes::{Delivery, RouteEvent};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
@@ -110,7 +112,7 @@ pub async fn serve(
                 .with_control(move |control| control.node_of(conn_id).is_some())
                 .await;
             if registered == Some(false) {
-                conn.close("register_timeout");
+                conn.close(CloseReason::RegisterTimeout);
             }
         });
     }
@@ -125,7 +127,7 @@ pub async fn serve(
                 handle_frame(&edge, conn_id, &conn, tls_name.as_deref(), f);
             }
             Some(ConnEvent::Closed { reason }) => break reason,
-            None => break "connection ended".to_string(),
+            None => break CloseReason::ConnectionEnded,
         }
     };
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
@@ -265,7 +267,7 @@ fn handle_frame(
                 conn = conn_id.0,
                 "unexpected frame from a node; closing"
             );
-            conn.close("protocol_error");
+            conn.close(CloseReason::ProtocolError);
         }
     }
 }
@@ -316,7 +318,7 @@ fn deliver(
             granted = overrun.granted,
             "node sent beyond its flow-control credit; closing"
         );
-        conn.close(REASON_FLOW_CONTROL_OVERRUN);
+        conn.close(CloseReason::FlowControlOverrun);
     }
     if let Some(t) = evidence {
         edge.apply(Input::Terminal(t));

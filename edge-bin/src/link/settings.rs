@@ -1,9 +1,7 @@
 //! The static settings every shard's shells read ([`Settings`]), built
-//! from the validated `edge.toml`; and a whole single-shard Edge state for
-//! a config ([`edge_state`]).
+//! from the validated `edge.toml`.
 
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +9,6 @@ use iop_engine::tls::HttpsAcceptor;
 
 use crate::api::openai::ModelEntry;
 use crate::config::{EdgeConfig, ListenerLimits};
-use crate::control::{control_spec, Control};
-use crate::link::edge::Edge;
 use crate::plane::access::AccessLog;
 use crate::plane::client_keys::ClientKeys;
 use crate::plane::credentials::CredentialPlane;
@@ -129,20 +125,4 @@ pub fn request_metrics(cfg: &EdgeConfig, shards: usize) -> Arc<RequestMetrics> {
         cfg.nodes.iter().map(|n| n.id.clone()).collect(),
         shards,
     )
-}
-
-/// The shard state for `cfg` without a loaded credential plane: tunnels
-/// carry no lease (a managed node then rejects them with `lease_missing`,
-/// fail closed). The binary uses [`edge_state_with`].
-pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
-    edge_state_with(cfg, None)
-}
-
-/// The shard state for `cfg` with its loaded credential plane
-/// ([`CredentialPlane::load`]).
-pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
-    let mut settings = settings(cfg, credentials.map(Arc::new));
-    settings.usage_log = usage_log(cfg);
-    settings.access_log = access_log(cfg);
-    Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
 }

@@ -30,7 +30,7 @@ use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 
 use crate::control::{Action, ConnId, Control, Input, RequestId};
-use crate::link::edge::RouteEvent;
+use crate::link::routes::RouteEvent;
 
 /// Bits of a connection or request id that hold its shard index.
 const SHARD_SHIFT: u32 = 48;

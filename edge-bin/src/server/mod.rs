@@ -661,7 +661,7 @@ pub const CUT_OFF_WAIT: std::time::Duration = std::time::Duration::from_millis(5
 mod tests {
     use super::*;
     use crate::control::{ConnId, Input};
-    use crate::link::settings::edge_state;
+    use crate::link::edge::edge_state;
 
     fn config_text(base_url: &str) -> String {
         config_text_with(base_url, "allow_anonymous = true\n", "")

@@ -33,6 +33,7 @@ use iop_engine::tls::{
 };
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 use monoio::task::JoinHandle;
@@ -753,7 +754,7 @@ impl RawNode {
     }
 
     /// Waits for the close; panics if a frame arrives first.
-    pub async fn closed_reason(&mut self) -> String {
+    pub async fn closed_reason(&mut self) -> CloseReason {
         match self.events.recv().await {
             Some(ConnEvent::Closed { reason }) => reason,
             other => panic!("expected the close, got {other:?}"),

@@ -5,13 +5,10 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::{self, BodyFrameHead, BodyParts, RequestFrameHead};
-use iop_wire::limits::CLOSE_HEARTBEAT_TIMEOUT;
 use iop_wire::pb::{self, frame::Body};
-use iop_wire::DecodeError;
+use iop_wire::{CloseReason, DecodeError};
 
-use super::{
-    ConnConfig, SendError, REASON_CONTROL_LANE_OVERFLOW, REASON_PEER_CLOSED, REASON_PEER_PREFIX,
-};
+use super::{ConnConfig, SendError};
 
 /// Longest close reason kept (longer reasons, e.g. from a peer, are cut).
 const REASON_MAX_BYTES: usize = 128;
@@ -92,7 +89,7 @@ enum State {
     /// No new frames are accepted; queued frames, then `close_frame`, are
     /// written until `linger_deadline`.
     Closing {
-        reason: String,
+        reason: CloseReason,
         linger_deadline: Instant,
         /// The `Close{reason}` frame, until the writer takes it.
         close_frame: Option<OutFrame>,
@@ -101,7 +98,7 @@ enum State {
         close_frame_taken: bool,
     },
     /// Finished; the shell shuts the socket down.
-    Closed { reason: String },
+    Closed { reason: CloseReason },
 }
 
 /// A heartbeat this side sent that the peer has not answered yet.
@@ -210,7 +207,7 @@ impl ConnCore {
     }
 
     /// The close reason, from the moment the connection starts closing.
-    pub fn close_reason(&self) -> Option<&str> {
+    pub fn close_reason(&self) -> Option<&CloseReason> {
         match &self.state {
             State::Open => None,
             State::Closing { reason, .. } | State::Closed { reason } => Some(reason),
@@ -289,7 +286,7 @@ impl ConnCore {
     }
 
     /// Queues an encoded frame on the control lane. A full control lane
-    /// closes the connection with [`REASON_CONTROL_LANE_OVERFLOW`] and
+    /// closes the connection with [`CloseReason::ControlLaneOverflow`] and
     /// returns [`SendError::Closed`].
     pub fn send_control(&mut self, frame: OutFrame, now: Instant) -> Result<(), SendError> {
         if !self.is_open() {
@@ -353,10 +350,8 @@ impl ConnCore {
                 None
             }
             (State::Open, Some(Body::Close(close))) => {
-                let reason = format!(
-                    "{REASON_PEER_PREFIX}{}",
-                    truncated(&close.reason, REASON_MAX_BYTES)
-                );
+                let reason =
+                    CloseReason::Peer(truncated(&close.reason, REASON_MAX_BYTES).to_owned());
                 tracing::debug!(%reason, detail = %truncated(&close.detail, DETAIL_MAX_BYTES), "peer closed the connection");
                 self.state = State::Closed { reason };
                 self.clear_lanes();
@@ -374,7 +369,7 @@ impl ConnCore {
 
     /// The peer ended the stream.
     pub fn handle_peer_eof(&mut self) {
-        self.close_at_once(REASON_PEER_CLOSED);
+        self.close_at_once(CloseReason::PeerClosed);
     }
 
     /// Reading or writing the socket failed. The reason names a TLS
@@ -384,7 +379,7 @@ impl ConnCore {
         if self.close_reason().is_none() {
             tracing::debug!(error = %err, "frame connection io error");
         }
-        self.close_at_once(&super::io_error_reason(err));
+        self.close_at_once(super::io_error_reason(err));
     }
 
     /// Counts bytes read from the peer.
@@ -395,7 +390,7 @@ impl ConnCore {
     /// Closes the connection on the application's request: frames already
     /// queued are still written, then `Close{reason}`, within the linger
     /// time. Does nothing once closing.
-    pub fn close(&mut self, reason: &str, now: Instant) {
+    pub fn close(&mut self, reason: CloseReason, now: Instant) {
         if !self.is_open() {
             return;
         }
@@ -426,7 +421,7 @@ impl ConnCore {
                 "no heartbeat answer within {} ms",
                 self.heartbeats.timeout.as_millis()
             );
-            self.close_on_error(CLOSE_HEARTBEAT_TIMEOUT, &detail, now);
+            self.close_on_error(CloseReason::HeartbeatTimeout, &detail, now);
             return;
         }
         if now >= self.heartbeats.next_send_at {
@@ -523,7 +518,7 @@ impl ConnCore {
 
     /// Returns the close reason exactly once, when the connection has become
     /// closed: the shell then shuts the socket down.
-    pub fn poll_closed(&mut self) -> Option<String> {
+    pub fn poll_closed(&mut self) -> Option<CloseReason> {
         match &self.state {
             State::Closed { reason } if !self.closed_reported => {
                 self.closed_reported = true;
@@ -554,7 +549,7 @@ impl ConnCore {
     fn push_control(&mut self, frame: OutFrame, now: Instant) -> Result<(), SendError> {
         if self.control.len() >= self.config.control_lane_max_frames {
             self.close_on_error(
-                REASON_CONTROL_LANE_OVERFLOW,
+                CloseReason::ControlLaneOverflow,
                 "control lane full: the connection cannot keep up",
                 now,
             );
@@ -565,7 +560,7 @@ impl ConnCore {
     }
 
     /// A protocol failure: queued frames are dropped and only `Close` is sent.
-    fn close_on_error(&mut self, reason: &str, detail: &str, now: Instant) {
+    fn close_on_error(&mut self, reason: CloseReason, detail: &str, now: Instant) {
         if !self.is_open() {
             return;
         }
@@ -573,10 +568,9 @@ impl ConnCore {
         self.start_closing(reason, detail, now);
     }
 
-    fn start_closing(&mut self, reason: &str, detail: &str, now: Instant) {
-        let reason = truncated(reason, REASON_MAX_BYTES).to_owned();
+    fn start_closing(&mut self, reason: CloseReason, detail: &str, now: Instant) {
         let close = codec::frame(Body::Close(pb::Close {
-            reason: reason.clone(),
+            reason: truncated(&reason.as_str(), REASON_MAX_BYTES).to_owned(),
             detail: truncated(detail, DETAIL_MAX_BYTES).to_owned(),
         }));
         // The Close frame is small (both strings are capped), so encoding it
@@ -599,11 +593,9 @@ impl ConnCore {
 
     /// Closed without a Close frame of our own (the peer is gone or closing),
     /// keeping a reason recorded earlier.
-    fn close_at_once(&mut self, reason: &str) {
+    fn close_at_once(&mut self, reason: CloseReason) {
         if self.is_open() {
-            self.state = State::Closed {
-                reason: reason.to_owned(),
-            };
+            self.state = State::Closed { reason };
             self.clear_lanes();
         } else {
             self.finish_close();
@@ -611,12 +603,13 @@ impl ConnCore {
     }
 
     fn finish_close(&mut self) {
-        let reason = match &mut self.state {
-            State::Closing { reason, .. } => std::mem::take(reason),
-            State::Open | State::Closed { .. } => return,
-        };
-        self.state = State::Closed { reason };
-        self.clear_lanes();
+        match std::mem::replace(&mut self.state, State::Open) {
+            State::Closing { reason, .. } => {
+                self.state = State::Closed { reason };
+                self.clear_lanes();
+            }
+            state @ (State::Open | State::Closed { .. }) => self.state = state,
+        }
     }
 
     fn clear_lanes(&mut self) {
@@ -677,7 +670,6 @@ fn truncated(text: &str, max_bytes: usize) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use iop_wire::limits::{CLOSE_DECODE_ERROR, CLOSE_FRAME_TOO_LARGE};
     use iop_wire::FrameDecoder;
 
     use super::*;
@@ -786,7 +778,7 @@ mod tests {
         clock.advance(MILLI); // 75 s: 45 s after heartbeat 1
         core.handle_timeout(clock.now());
         assert!(!core.is_open());
-        assert_eq!(core.close_reason(), Some("heartbeat_timeout"));
+        assert_eq!(core.close_reason(), Some(&CloseReason::HeartbeatTimeout));
         assert_eq!(
             next_body(&mut core),
             close_body("heartbeat_timeout", "no heartbeat answer within 45000 ms")
@@ -794,7 +786,7 @@ mod tests {
         assert_eq!(core.poll_transmit(), None);
         assert_eq!(core.poll_closed(), None);
         core.handle_transmitted();
-        assert_eq!(core.poll_closed(), Some("heartbeat_timeout".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::HeartbeatTimeout));
         assert_eq!(core.poll_closed(), None);
         assert_eq!(core.poll_timeout(), None);
     }
@@ -978,7 +970,7 @@ mod tests {
         core.handle_frame(heartbeat(2), clock.now());
         assert!(core.is_open());
         core.handle_frame(heartbeat(3), clock.now());
-        assert_eq!(core.close_reason(), Some("control_lane_overflow"));
+        assert_eq!(core.close_reason(), Some(&CloseReason::ControlLaneOverflow));
         // Queued frames are dropped; only the Close frame goes out.
         assert_eq!(
             next_body(&mut core),
@@ -1007,7 +999,7 @@ mod tests {
         assert_eq!(
             next_body(&mut core),
             close_body(
-                CLOSE_FRAME_TOO_LARGE,
+                "frame_too_large",
                 "frame of 20000000 bytes exceeds the maximum of 16777216 bytes"
             )
         );
@@ -1015,11 +1007,11 @@ mod tests {
         assert!(core.close_frame_in_flight());
         core.handle_transmitted();
         assert!(core.is_closed());
-        assert_eq!(core.poll_closed(), Some("frame_too_large".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::FrameTooLarge));
 
         let mut core = core_at(&clock);
         core.handle_decode_error(&DecodeError::Empty, clock.now());
-        assert_eq!(core.close_reason(), Some(CLOSE_DECODE_ERROR));
+        assert_eq!(core.close_reason(), Some(&CloseReason::DecodeError));
     }
 
     #[test]
@@ -1029,7 +1021,7 @@ mod tests {
         let mut core = core_at(&clock);
         queue_bulk(&mut core, &run_event(1));
         core.handle_frame(heartbeat(5), clock.now());
-        core.close("shutdown", clock.now());
+        core.close(CloseReason::Shutdown, clock.now());
         assert_eq!(core.encode_frame(&run_event(2)), Err(SendError::Closed));
         assert_eq!(core.poll_timeout(), Some(start + SECOND));
         assert_eq!(
@@ -1040,21 +1032,21 @@ mod tests {
         assert_eq!(next_body(&mut core), close_body("shutdown", ""));
         assert_eq!(core.poll_transmit(), None);
         core.handle_transmitted();
-        assert_eq!(core.poll_closed(), Some("shutdown".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::Shutdown));
     }
 
     #[test]
     fn close_linger_bounds_the_wait_for_the_close_frame() {
         let clock = ManualClock::new(0);
         let mut core = core_at(&clock);
-        core.close("shutdown", clock.now());
+        core.close(CloseReason::Shutdown, clock.now());
         clock.advance(SECOND - MILLI);
         core.handle_timeout(clock.now());
         assert!(!core.is_closed());
         clock.advance(MILLI);
         core.handle_timeout(clock.now());
         assert!(core.is_closed());
-        assert_eq!(core.poll_closed(), Some("shutdown".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::Shutdown));
         assert_eq!(core.poll_transmit(), None);
     }
 
@@ -1070,15 +1062,21 @@ mod tests {
         assert_eq!(core.handle_frame(close, clock.now()), None);
         assert!(core.is_closed());
         assert_eq!(core.poll_transmit(), None);
-        assert_eq!(core.poll_closed(), Some("peer:superseded".to_owned()));
+        assert_eq!(
+            core.poll_closed(),
+            Some(CloseReason::Peer("superseded".to_owned()))
+        );
 
         let mut core = core_at(&clock);
         core.handle_peer_eof();
-        assert_eq!(core.poll_closed(), Some("peer_closed".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::PeerClosed));
 
         let mut core = core_at(&clock);
         core.handle_io_error(&std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert_eq!(core.poll_closed(), Some("io_error".to_owned()));
+        assert_eq!(
+            core.poll_closed(),
+            Some(CloseReason::IoError(std::io::ErrorKind::ConnectionReset))
+        );
 
         // A TLS failure is named: the peer's fatal alert (a Node refused by
         // its Edge reads `tls_alert:access_denied`), or our own TLS error.
@@ -1090,21 +1088,21 @@ mod tests {
         )));
         assert_eq!(
             core.poll_closed(),
-            Some("tls_alert:access_denied".to_owned())
+            Some(CloseReason::TlsAlert("access_denied".to_owned()))
         );
         let mut core = core_at(&clock);
         core.handle_io_error(&tls_failure(rustls::Error::DecryptError));
-        assert_eq!(core.poll_closed(), Some("tls_error".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::TlsError));
     }
 
     #[test]
     fn first_close_reason_wins() {
         let clock = ManualClock::new(0);
         let mut core = core_at(&clock);
-        core.close("shutdown", clock.now());
+        core.close(CloseReason::Shutdown, clock.now());
         core.handle_decode_error(&DecodeError::Empty, clock.now());
         core.handle_peer_eof();
-        assert_eq!(core.poll_closed(), Some("shutdown".to_owned()));
+        assert_eq!(core.poll_closed(), Some(CloseReason::Shutdown));
         assert_eq!(core.poll_closed(), None);
     }
 
@@ -1117,8 +1115,7 @@ mod tests {
             detail: String::new(),
         }));
         core.handle_frame(close, clock.now());
-        let reason = core.poll_closed().unwrap();
-        assert_eq!(reason, format!("peer:{}", "é".repeat(64)));
+        assert_eq!(core.poll_closed(), Some(CloseReason::Peer("é".repeat(64))));
     }
 
     #[test]

@@ -33,9 +33,9 @@
 //!
 //! Sends fail with [`SendError::Closed`] from `Closing` on. On `Closed` the
 //! shell shuts the socket down; the application then receives exactly one
-//! [`ConnEvent::Closed`], after every frame received before the close. An io
-//! error's reason names a TLS failure ([`io_error_reason`]): a peer's fatal
-//! alert is `tls_alert:<alert>`.
+//! [`ConnEvent::Closed`], after every frame received before the close. The
+//! reason is an [`iop_wire::CloseReason`]; an io error's reason names a TLS
+//! failure ([`io_error_reason`]): a peer's fatal alert is `tls_alert:<alert>`.
 //!
 //! ## Heartbeat rule (T4)
 //!
@@ -55,49 +55,21 @@ mod shell;
 use std::time::Duration;
 
 use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT};
+use iop_wire::CloseReason;
 
 pub use self::core::{ConnCore, ConnStats, OutFrame, TrySendError};
 pub use self::shell::{spawn_conn, ConnEvent, ConnEvents, ConnHandle, PushBulk, SocketShutdown};
 
-/// Close reason when the peer ended the stream without a `Close` frame.
-pub const REASON_PEER_CLOSED: &str = "peer_closed";
-/// Prefix of the close reason when the peer sent `Close{reason}`: the
-/// connection's reason is `peer:<reason>`.
-pub const REASON_PEER_PREFIX: &str = "peer:";
-/// Close reason when reading or writing the socket failed.
-pub const REASON_IO_ERROR: &str = "io_error";
-/// Prefix of the close reason when the peer's TLS stack ended the
-/// connection with a fatal alert: `tls_alert:<alert>`, the alert as RFC 8446
-/// names it. `tls_alert:access_denied` on a Node: the Edge refused its
-/// certificate identity (not among its `[[nodes]]`, or another trust
-/// domain); it arrives on the first read after a TLS 1.3 handshake that
-/// had finished on the Node's side.
-pub const REASON_TLS_ALERT_PREFIX: &str = "tls_alert:";
-/// Close reason when TLS failed on our side: a record that does not decrypt
-/// or a protocol violation by the peer.
-pub const REASON_TLS_ERROR: &str = "tls_error";
-/// Close reason when the control lane overflowed (the peer floods heartbeats
-/// while we cannot write, or the application floods control frames).
-pub const REASON_CONTROL_LANE_OVERFLOW: &str = "control_lane_overflow";
-/// Close reason when the last [`ConnHandle`] was dropped without a close.
-pub const REASON_HANDLE_DROPPED: &str = "handle_dropped";
-/// Close reason reported when the connection's tasks were dropped (the
-/// runtime stopped) before any other reason was recorded.
-pub const REASON_ABORTED: &str = "aborted";
-
 /// The close reason for a failed socket read or write: a TLS failure is
-/// named ([`REASON_TLS_ALERT_PREFIX`], [`REASON_TLS_ERROR`]), anything else
-/// is [`REASON_IO_ERROR`].
-pub fn io_error_reason(err: &std::io::Error) -> String {
+/// named ([`CloseReason::TlsAlert`], [`CloseReason::TlsError`]), anything
+/// else is [`CloseReason::IoError`] with the error's kind.
+pub fn io_error_reason(err: &std::io::Error) -> CloseReason {
     match crate::tls::rustls_cause(err) {
         Some(rustls::Error::AlertReceived(alert)) => {
-            format!(
-                "{REASON_TLS_ALERT_PREFIX}{}",
-                crate::tls::alert_name(*alert)
-            )
+            CloseReason::TlsAlert(crate::tls::alert_name(*alert))
         }
-        Some(_) => REASON_TLS_ERROR.to_owned(),
-        None => REASON_IO_ERROR.to_owned(),
+        Some(_) => CloseReason::TlsError,
+        None => CloseReason::IoError(err.kind()),
     }
 }
 
@@ -159,7 +131,7 @@ pub struct ConnConfig {
     /// excluding the 4-byte length prefix (T1).
     pub max_frame_bytes: usize,
     /// Frames the control lane holds before the connection closes with
-    /// [`REASON_CONTROL_LANE_OVERFLOW`].
+    /// [`CloseReason::ControlLaneOverflow`].
     pub control_lane_max_frames: usize,
     /// Frames the bulk lane holds before senders wait.
     pub bulk_lane_max_frames: usize,

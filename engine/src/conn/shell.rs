@@ -10,13 +10,13 @@ use std::time::Instant;
 use crate::sync::channel;
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::BodyParts;
-use iop_wire::{pb, FrameDecoder};
+use iop_wire::{pb, CloseReason, FrameDecoder};
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
 use super::core::{ConnCore, ConnStats, OutFrame, TrySendError};
 use super::segments::{write_all_segments, BatchBuilder, IoSegments};
-use super::{ConnConfig, SendError, REASON_ABORTED, REASON_HANDLE_DROPPED};
+use super::{ConnConfig, SendError};
 use crate::clock;
 use crate::sync::{Notify, WakeList};
 
@@ -95,11 +95,12 @@ pub enum ConnEvent {
     /// The connection closed; delivered exactly once, after every frame, and
     /// followed by nothing.
     Closed {
-        /// `peer_closed`, `peer:<reason>`, `heartbeat_timeout`,
-        /// `frame_too_large`, `decode_error`, `io_error`,
-        /// `tls_alert:<alert>`, `tls_error`, `control_lane_overflow`,
-        /// `handle_dropped` or the reason given to [`ConnHandle::close`].
-        reason: String,
+        /// One of the transport's reasons (`peer_closed`, `peer:<reason>`,
+        /// `heartbeat_timeout`, `frame_too_large`, `decode_error`,
+        /// `io_error`, `tls_alert:<alert>`, `tls_error`,
+        /// `control_lane_overflow`, `handle_dropped`, `aborted`) or the
+        /// reason given to [`ConnHandle::close`].
+        reason: CloseReason,
     },
 }
 
@@ -166,7 +167,7 @@ impl Shared {
         }
     }
 
-    fn close(&self, reason: &str) {
+    fn close(&self, reason: CloseReason) {
         self.core.borrow_mut().close(reason, clock::now());
         self.after_change();
     }
@@ -332,7 +333,7 @@ impl Drop for ConnHandle {
         let handles = self.shared.handles.get().saturating_sub(1);
         self.shared.handles.set(handles);
         if handles == 0 {
-            self.shared.close(REASON_HANDLE_DROPPED);
+            self.shared.close(CloseReason::HandleDropped);
         }
     }
 }
@@ -425,7 +426,7 @@ impl ConnHandle {
     /// Closes the connection: frames already queued and then `Close{reason}`
     /// are written (best effort, bounded by `ConnConfig::close_linger`), then
     /// the socket is shut down. Does nothing once closing.
-    pub fn close(&self, reason: &str) {
+    pub fn close(&self, reason: CloseReason) {
         self.shared.close(reason);
     }
 
@@ -435,8 +436,8 @@ impl ConnHandle {
     }
 
     /// The close reason, once closing.
-    pub fn close_reason(&self) -> Option<String> {
-        self.shared.core.borrow().close_reason().map(str::to_owned)
+    pub fn close_reason(&self) -> Option<CloseReason> {
+        self.shared.core.borrow().close_reason().cloned()
     }
 
     /// Counters so far.
@@ -474,9 +475,9 @@ impl ConnEvents {
             None => {
                 // The reader is done: every received frame was delivered.
                 self.closed_delivered = true;
-                let reason = self.shared.core.borrow().close_reason().map(str::to_owned);
+                let reason = self.shared.core.borrow().close_reason().cloned();
                 Some(ConnEvent::Closed {
-                    reason: reason.unwrap_or_else(|| REASON_ABORTED.to_owned()),
+                    reason: reason.unwrap_or(CloseReason::Aborted),
                 })
             }
         }

@@ -22,11 +22,12 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use iop_engine::clock;
-use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle, REASON_TLS_ALERT_PREFIX};
+use iop_engine::conn::{ConnEvent, ConnEvents, ConnHandle};
 use iop_engine::sync::Notify;
 use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
+use iop_wire::CloseReason;
 use tracing::Instrument;
 
 pub mod commands;
@@ -55,8 +56,8 @@ pub enum SessionEnd {
     /// It never became dispatch-ready: registration or ready refused, or the
     /// connection ended first.
     NotReady(String),
-    /// It was ready and then the connection ended.
-    Ended(String),
+    /// It was ready and then the connection ended, for this reason.
+    Ended(CloseReason),
 }
 
 /// Per-core state that outlives sessions.
@@ -142,7 +143,7 @@ impl NodeCore {
     /// Closes the ready session's connection with `reason` (queued frames
     /// go out first, then `Close`); its session then ends. False when no
     /// session is ready.
-    pub fn close_ready_session(&self, reason: &str) -> bool {
+    pub fn close_ready_session(&self, reason: CloseReason) -> bool {
         let conn = self.ready_conn.borrow().clone();
         match conn {
             Some(conn) => {
@@ -208,11 +209,11 @@ fn frame(body: Body) -> pb::Frame {
 
 /// Waits for the next application frame; `Err(reason)` when the connection
 /// closed.
-async fn next_frame(events: &mut ConnEvents) -> Result<pb::Frame, String> {
+async fn next_frame(events: &mut ConnEvents) -> Result<pb::Frame, CloseReason> {
     match events.recv().await {
         Some(ConnEvent::Frame(f)) => Ok(f),
         Some(ConnEvent::Closed { reason }) => Err(reason),
-        None => Err("connection ended".into()),
+        None => Err(CloseReason::ConnectionEnded),
     }
 }
 
@@ -238,13 +239,13 @@ pub async fn run(
             body: Some(Body::RegisterResponse(resp)),
         }) => {
             if !resp.accepted {
-                conn.close("registration_rejected");
+                conn.close(CloseReason::RegistrationRejected);
                 return SessionEnd::NotReady(format!("registration rejected: {}", resp.reason));
             }
             resp.config.unwrap_or_default()
         }
         Ok(other) => {
-            conn.close("protocol_error");
+            conn.close(CloseReason::ProtocolError);
             return SessionEnd::NotReady(format!(
                 "expected RegisterResponse, got {:?}",
                 other.body.map(|b| body_name(&b))
@@ -257,7 +258,7 @@ pub async fn run(
     let applied = match apply(core, config) {
         Ok(a) => a,
         Err(e) => {
-            conn.close("config_invalid");
+            conn.close(CloseReason::ConfigInvalid);
             return SessionEnd::NotReady(format!("config from the edge cannot be applied: {e}"));
         }
     };
@@ -279,11 +280,11 @@ pub async fn run(
         Ok(pb::Frame {
             body: Some(Body::NodeReadyResponse(resp)),
         }) => {
-            conn.close("not_ready");
+            conn.close(CloseReason::NotReady);
             return SessionEnd::NotReady(format!("edge refused ready: {}", resp.reason));
         }
         Ok(other) => {
-            conn.close("protocol_error");
+            conn.close(CloseReason::ProtocolError);
             return SessionEnd::NotReady(format!(
                 "expected NodeReadyResponse, got {:?}",
                 other.body.map(|b| body_name(&b))
@@ -330,18 +331,18 @@ pub async fn run(
 /// for the log. A TLS alert there is the Edge refusing us: under TLS 1.3 it
 /// judges our certificate after our handshake has finished, and its
 /// `access_denied` arrives on our first read.
-fn closed_before_registration(node_id: &str, reason: &str) -> String {
-    match reason.strip_prefix(REASON_TLS_ALERT_PREFIX) {
-        Some("access_denied") => format!(
+fn closed_before_registration(node_id: &str, reason: &CloseReason) -> String {
+    match reason {
+        CloseReason::TlsAlert(alert) if alert == "access_denied" => format!(
             "the Edge refused this node's identity in the TLS handshake (TLS alert \
              access_denied): its config must list node id \"{node_id}\" under [[nodes]] \
              and share our trust_domain"
         ),
-        Some(alert) => format!(
+        CloseReason::TlsAlert(alert) => format!(
             "the Edge refused our certificate in the TLS handshake (TLS alert {alert}): \
              it must be signed by the CA in the Edge's [tls] ca and valid now"
         ),
-        None => format!("closed before registration: {reason}"),
+        _ => format!("closed before registration: {reason}"),
     }
 }
 
@@ -599,6 +600,8 @@ fn run_span(kind: RunKind, run_id: &str, correlation_id: &str) -> tracing::Span 
 
 #[cfg(test)]
 mod tests {
+    use iop_wire::CloseReason;
+
     use super::closed_before_registration;
 
     // A TLS alert before registration is the Edge refusing us, named as
@@ -606,18 +609,18 @@ mod tests {
     #[test]
     fn a_tls_alert_before_registration_reads_as_the_edges_refusal() {
         assert_eq!(
-            closed_before_registration("node-z", "tls_alert:access_denied"),
+            closed_before_registration("node-z", &CloseReason::TlsAlert("access_denied".into())),
             "the Edge refused this node's identity in the TLS handshake (TLS alert \
              access_denied): its config must list node id \"node-z\" under [[nodes]] and \
              share our trust_domain"
         );
         assert_eq!(
-            closed_before_registration("node-z", "tls_alert:unknown_ca"),
+            closed_before_registration("node-z", &CloseReason::TlsAlert("unknown_ca".into())),
             "the Edge refused our certificate in the TLS handshake (TLS alert unknown_ca): \
              it must be signed by the CA in the Edge's [tls] ca and valid now"
         );
         assert_eq!(
-            closed_before_registration("node-z", "peer_closed"),
+            closed_before_registration("node-z", &CloseReason::PeerClosed),
             "closed before registration: peer_closed"
         );
     }

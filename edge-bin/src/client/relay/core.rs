@@ -64,7 +64,7 @@ use crate::api::error::GatewayError;
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, Dispatch};
-use crate::link::edge::RouteEvent;
+use crate::link::routes::RouteEvent;
 
 /// One thing for the shell to do, in the order [`Relay::poll`] gives them.
 #[derive(Debug, PartialEq)]

@@ -30,7 +30,8 @@ use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
 use crate::api::translate::ResponseId;
 use crate::control::{CancelReason, Dispatch};
-use crate::link::edge::{Edge, RouteRx};
+use crate::link::edge::Edge;
+use crate::link::routes::RouteRx;
 
 /// Called once by a relay when its response commits (its first bytes go
 /// to the client): the route drops what it kept of the request for
@@ -49,7 +50,7 @@ pub(super) enum Relayed {
 }
 
 /// A run cut off because its client drained slower than its node sent
-/// ([`crate::link::edge::RouteEvent::Overflow`]).
+/// ([`crate::link::routes::RouteEvent::Overflow`]).
 #[derive(Debug, thiserror::Error)]
 #[error("the run was cut off: the client drained slower than its node sent")]
 pub(super) struct CutOff;

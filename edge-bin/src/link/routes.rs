@@ -1,0 +1,193 @@
+//! The per-request routes between a node connection and a waiting client
+//! request: what travels on them ([`RouteEvent`]), the client's receiving
+//! end ([`RouteRx`]), the shard's table entries on either side
+//! ([`ClientRoute`], [`NodeRoute`]), and what became of a node's frame
+//! ([`Delivery`]).
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use iop_engine::mailbox::{self, Mailbox, MailboxSender};
+use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
+use iop_wire::pb;
+
+use crate::control::attempt::AttemptTracker;
+use crate::control::{AbortReason, AttemptEnd, ConnId, Dispatch};
+
+/// What the node side delivers to a waiting client request.
+// Frames move through the queue by value; boxing them would allocate per frame.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum RouteEvent {
+    /// A tunnel frame from the connection that owns the lease (H1).
+    Tunnel(Box<pb::ProviderTunnelFrame>),
+    /// A normalized run event from the connection that owns the lease (H1).
+    Run(Box<pb::RunEvent>),
+    /// The lease was released without a terminal: the node's connection was
+    /// fenced (F1) or superseded (R2).
+    Lost,
+    /// The run's buffer at the Edge overflowed: its node speaks no flow
+    /// control and sent more than a window the client had not drained. The
+    /// run is cut off (the client is too slow for it).
+    Overflow,
+    /// Control gave up on the run before its terminal and cancelled it
+    /// on the node (U6); the client gets the error now.
+    Aborted(AbortReason),
+    /// The attempt failed before anything reached the client and Control
+    /// dispatched the request again (pre-commit failover): the relay sends
+    /// this dispatch's run and relays its frames instead.
+    Retry(Box<Dispatch>),
+}
+
+/// The receiving end of a client request's route: frames arrive here from
+/// whichever shard reads the node connection, at most a flow-control
+/// window of them (`iop_wire::flow`); [`RouteRx::drained`] grants the node
+/// more as the client's socket takes them.
+#[derive(Debug)]
+pub struct RouteRx {
+    pub(super) rx: Mailbox<RouteEvent>,
+    /// Set when `Control` released the lease without a terminal.
+    pub(super) lost: Rc<Cell<bool>>,
+    /// When to credit the node, from what the client took.
+    pub(super) drain: DrainWindow,
+    /// The run's window (a new attempt starts with a fresh one).
+    pub(super) window: u64,
+    /// The node connection and run the credit is for.
+    pub(super) conn: ConnId,
+    pub(super) run_id: String,
+}
+
+impl RouteRx {
+    /// The next event. Once the lease is known lost (F1, R2) that is all
+    /// the client gets: frames still queued behind the decision — read from
+    /// the fenced connection before its shard closed it — are never
+    /// relayed.
+    pub async fn recv(&mut self) -> Option<RouteEvent> {
+        if self.lost.get() {
+            return Some(RouteEvent::Lost);
+        }
+        let event = self.rx.recv().await;
+        if self.lost.get() {
+            return Some(RouteEvent::Lost);
+        }
+        event
+    }
+
+    /// The run id of the attempt whose frames this route relays now.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Follows the request's next attempt ([`RouteEvent::Retry`]): credit
+    /// goes to its connection and run, under a fresh window.
+    pub fn retarget(&mut self, dispatch: &Dispatch) {
+        self.conn = dispatch.lease.conn;
+        self.run_id = dispatch.lease.run_id.clone();
+        self.drain = DrainWindow::new(self.window);
+    }
+}
+
+impl RouteEvent {
+    /// The run a node's frame belongs to; `None` for the Edge's own notices.
+    pub fn run_id(&self) -> Option<&str> {
+        match self {
+            RouteEvent::Tunnel(tf) => Some(&tf.run_id),
+            RouteEvent::Run(ev) => Some(&ev.run_id),
+            RouteEvent::Lost
+            | RouteEvent::Overflow
+            | RouteEvent::Aborted(_)
+            | RouteEvent::Retry(_) => None,
+        }
+    }
+
+    /// Its flow-control charge (`iop_wire::flow`).
+    pub fn charge(&self) -> u64 {
+        match self {
+            RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
+            RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
+            RouteEvent::Lost
+            | RouteEvent::Overflow
+            | RouteEvent::Aborted(_)
+            | RouteEvent::Retry(_) => 0,
+        }
+    }
+}
+
+/// This shard's handle on a dispatched client request's route.
+pub(super) struct ClientRoute {
+    pub(super) tx: MailboxSender<RouteEvent>,
+    pub(super) lost: Rc<Cell<bool>>,
+}
+
+/// A dispatched run on a node connection of this shard: where its frames
+/// go.
+pub(super) struct NodeRoute {
+    /// The connection the run was dispatched to; frames from any other
+    /// connection are not for this route (H1).
+    pub(super) conn: ConnId,
+    /// The client request's mailbox (on any shard). Never awaited: the
+    /// window bounds what it holds, so a push always fits.
+    pub(super) tx: MailboxSender<RouteEvent>,
+    /// What the node may still send: charged bytes received against the
+    /// credit granted so far.
+    pub(super) window: RecvWindow,
+    /// A frame of it was delivered already (its response started, U6).
+    pub(super) responded: bool,
+    /// Its commit point and how it ends (`crate::control::attempt`).
+    pub(super) tracker: AttemptTracker,
+}
+
+/// What happened to a frame from a node (`Edge::deliver`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// Queued for its client (or dropped: the client has left).
+    Delivered {
+        /// The run's first frame (its response started, U6).
+        first: bool,
+        /// This frame commits the attempt (`crate::control::attempt`).
+        commits: bool,
+        /// For a terminal: how the attempt ended, and whether it had
+        /// committed.
+        end: Option<(AttemptEnd, bool)>,
+        /// The run's id, for the run's first frame, the frame that commits
+        /// it and its terminal (the frames that tell Control something);
+        /// `None` otherwise.
+        run_id: Option<String>,
+    },
+    /// No live route on this connection (late, stale, or never dispatched
+    /// here: H1, F2).
+    NoRoute,
+    /// The run went beyond its window on a node without flow control: the
+    /// run was cut off (its client gets [`RouteEvent::Overflow`]).
+    CutOff,
+    /// A node that speaks flow control sent beyond its credit: a protocol
+    /// error; close the connection.
+    Overrun(Overrun),
+}
+
+/// A frame about to wait in a route behind others (its client is behind):
+/// its body is copied out of the connection's read buffer, so a stuck
+/// client holds its window's bytes and no more. Decoded bodies are slices
+/// of the read buffer they arrived in (64 KiB chunks shared by every run of
+/// the connection); left as they are, a few frames of a client that does
+/// not read would pin whole chunks full of other runs' bytes. A frame its
+/// client takes at once (an empty route) keeps the zero-copy slice.
+pub(super) fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent {
+    match event {
+        RouteEvent::Tunnel(mut tf) if !tf.body.is_empty() && !route.is_empty() => {
+            tf.body = bytes::Bytes::copy_from_slice(&tf.body);
+            RouteEvent::Tunnel(tf)
+        }
+        other => other,
+    }
+}
+
+/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a route even when the
+/// route is full: then it waits behind the queued frames.
+pub(super) fn push_notice(tx: MailboxSender<RouteEvent>, notice: RouteEvent) {
+    if let Err(mailbox::TrySendError::Full(notice)) = tx.try_send(notice) {
+        monoio::spawn(async move {
+            let _ = tx.send(notice).await;
+        });
+    }
+}
