@@ -8,7 +8,7 @@
 //! ```text
 //!  clients ──HTTP──► client ──submit──► link ──input──► Control ◄── register/ready/close ── nodes
 //!     ▲                │                 │ ◄──actions──┘                                   ▲
-//!     └── chunks ◄── relay ◄── route ◄── link (tunnel frames, H1: by connection) ───────────┘
+//!     └── chunks ◄── relay ◄── reply ◄── link (tunnel frames, H1: by connection) ───────────┘
 //! ```
 //!
 //! The rooms, one way down (a room uses only the rooms below it):
@@ -19,7 +19,7 @@
 //!   relays, `/admin`, `/status`, `/metrics`, the `/ui` page.
 //! - [`link`]: the node side and the shards — node connections, the
 //!   per-shard [`link::edge::Edge`] that carries out Control's actions, the
-//!   route tables, mailboxes between shards, pending node commands.
+//!   per-request replies, mailboxes between shards, pending node commands.
 //! - [`plane`]: per-request policy and records — client keys and credential
 //!   leases, per-key and per-address limits, the access log, the usage file,
 //!   the request series of `/metrics`.

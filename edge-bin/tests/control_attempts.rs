@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use edge_bin::control::outlier::{OutlierPolicy, Readmission};
 use edge_bin::control::{
-    AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, DispatchKind,
-    Event, FailureReason, Input, ModelSpec, NodeSpec, Operation, Operations, Outcome, ProviderKey,
-    ProviderSpec, Rejection, RequestId, Terminal, Tunables,
+    AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode,
+    ControlProvider, ControlSpec, DispatchKind, Event, FailureReason, Input, Operation, Operations,
+    Outcome, ProviderKey, Rejection, RequestId, Terminal, Tunables,
 };
 use iop_wire::pb;
 
@@ -20,8 +20,8 @@ const CONN_2: ConnId = ConnId(2);
 const WAIT_MS: u64 = 1_000;
 const SETTLE_MS: u64 = 300;
 
-fn provider(id: &str, kind: DispatchKind) -> ProviderSpec {
-    ProviderSpec {
+fn provider(id: &str, kind: DispatchKind) -> ControlProvider {
+    ControlProvider {
         id: id.into(),
         adapter: format!("adapter-{id}").into(),
         target: format!("target-{id}").into(),
@@ -42,8 +42,8 @@ fn key(provider: &str) -> ProviderKey {
     }
 }
 
-fn model(name: &str, providers: &[&str], max_attempts: u32) -> ModelSpec {
-    ModelSpec {
+fn model(name: &str, providers: &[&str], max_attempts: u32) -> ControlModel {
+    ControlModel {
         name: name.into(),
         providers: providers
             .iter()
@@ -80,16 +80,16 @@ impl Fixture {
     fn with_attempts(tunables: Tunables, max_attempts: u32) -> Self {
         let spec = ControlSpec {
             nodes: vec![
-                NodeSpec {
+                ControlNode {
                     id: NODE.into(),
                     config: pb::NodeConfigPayload::default(),
                     providers: vec![
-                        provider("o1", DispatchKind::Run),
+                        provider("o1", DispatchKind::Normalized),
                         provider("p1", DispatchKind::Tunnel),
                         provider("p2", DispatchKind::Tunnel),
                     ],
                 },
-                NodeSpec {
+                ControlNode {
                     id: NODE_2.into(),
                     config: pb::NodeConfigPayload::default(),
                     providers: vec![provider("q1", DispatchKind::Tunnel)],

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use edge_bin::control::outlier::OutlierPolicy;
 use edge_bin::control::{
-    Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, DispatchKind, FailureReason,
-    Input, ModelSpec, NodeSpec, Operation, Operations, ProviderKey, ProviderSpec, RequestId,
+    Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode, ControlProvider,
+    ControlSpec, DispatchKind, FailureReason, Input, Operation, Operations, ProviderKey, RequestId,
     Terminal, Tunables,
 };
 use iop_wire::pb;
@@ -72,12 +72,12 @@ fn spec() -> ControlSpec {
     ControlSpec {
         nodes: NODES
             .iter()
-            .map(|n| NodeSpec {
+            .map(|n| ControlNode {
                 id: (*n).into(),
                 config: pb::NodeConfigPayload::default(),
                 providers: PROVIDERS
                     .iter()
-                    .map(|p| ProviderSpec {
+                    .map(|p| ControlProvider {
                         id: (*p).into(),
                         adapter: format!("a-{p}").into(),
                         target: format!("t-{p}").into(),
@@ -94,7 +94,7 @@ fn spec() -> ControlSpec {
             .collect(),
         models: MODELS
             .iter()
-            .map(|(name, pool, max_attempts)| ModelSpec {
+            .map(|(name, pool, max_attempts)| ControlModel {
                 name: (*name).into(),
                 providers: pool.iter().map(|&(n, p)| key(n, p)).collect(),
                 max_queue: 3,

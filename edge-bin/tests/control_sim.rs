@@ -73,9 +73,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    Action, AttemptEnd, CancelReason, ConnId, Control, ControlSpec, Counters, Dispatch,
-    DispatchKind, Event, Generation, Handoff, Input, Lease, ModelSpec, NodeSpec, Operation,
-    Operations, Outcome, ProviderKey, ProviderSpec, Rejection, RequestId, StallEvidence, Terminal,
+    Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode, ControlProvider,
+    ControlSpec, Counters, Dispatch, DispatchKind, Event, Generation, Handoff, Input, Operation,
+    Operations, Outcome, ProviderKey, ProviderLease, Rejection, RequestId, StallEvidence, Terminal,
     Tunables,
 };
 use iop_wire::{pb, CloseReason};
@@ -115,7 +115,7 @@ const PROVIDERS: [ProvDef; 8] = [
         id: "p1",
         adapter: "ollama-a",
         target: "llama3",
-        kind: DispatchKind::Run,
+        kind: DispatchKind::Normalized,
         category: pb::ProviderCategory::LocalInference,
         enabled: true,
     },
@@ -133,7 +133,7 @@ const PROVIDERS: [ProvDef; 8] = [
         id: "p3",
         adapter: "ollama-a",
         target: "phi3",
-        kind: DispatchKind::Run,
+        kind: DispatchKind::Normalized,
         category: pb::ProviderCategory::LocalInference,
         enabled: true,
     },
@@ -160,7 +160,7 @@ const PROVIDERS: [ProvDef; 8] = [
         id: "p3",
         adapter: "ollama-b",
         target: "mistral",
-        kind: DispatchKind::Run,
+        kind: DispatchKind::Normalized,
         category: pb::ProviderCategory::LocalInference,
         enabled: true,
     },
@@ -178,7 +178,7 @@ const PROVIDERS: [ProvDef; 8] = [
         id: "p2",
         adapter: "ollama-c",
         target: "phi",
-        kind: DispatchKind::Run,
+        kind: DispatchKind::Normalized,
         category: pb::ProviderCategory::LocalInference,
         enabled: false,
     },
@@ -254,7 +254,7 @@ impl WorldParams {
 struct ProvInfo {
     key: ProviderKey,
     node: usize,
-    spec: ProviderSpec,
+    spec: ControlProvider,
 }
 
 struct NodeInfo {
@@ -289,7 +289,7 @@ impl World {
                     provider_id: d.id.to_string().into(),
                 },
                 node: d.node,
-                spec: ProviderSpec {
+                spec: ControlProvider {
                     id: d.id.to_string(),
                     adapter: d.adapter.to_string().into(),
                     target: d.target.to_string().into(),
@@ -338,7 +338,7 @@ impl World {
             nodes: self
                 .nodes
                 .iter()
-                .map(|n| NodeSpec {
+                .map(|n| ControlNode {
                     id: n.id.clone(),
                     config: n.config.clone(),
                     providers: n
@@ -351,7 +351,7 @@ impl World {
             models: self
                 .models
                 .iter()
-                .map(|m| ModelSpec {
+                .map(|m| ControlModel {
                     name: m.name.clone(),
                     providers: m.provs.iter().map(|&p| self.provs[p].key.clone()).collect(),
                     max_queue: m.max_queue,
@@ -466,7 +466,7 @@ struct Shadow {
     /// `ended[id]`: the request got its one `Done`.
     ended: Vec<bool>,
     next_request: u64,
-    leases: BTreeMap<String, Lease>,
+    leases: BTreeMap<String, ProviderLease>,
     released: Vec<Released>,
     /// Outstanding recovery probes.
     commands: BTreeMap<String, SCmd>,
@@ -639,7 +639,7 @@ struct Expect {
 #[derive(Debug, PartialEq)]
 struct Observed {
     snapshots: Vec<pb::ProviderSnapshot>,
-    leases: Vec<Lease>,
+    leases: Vec<ProviderLease>,
     pending: Vec<(RequestId, Option<Instant>)>,
     counters: Counters,
     poll: Option<Instant>,
@@ -1359,7 +1359,7 @@ impl<'w> Sim<'w> {
     /// of a ready one), answers to its outstanding recovery probes.
     fn in_flight_frames(&mut self, conn: ConnId) -> Vec<Input> {
         let mut frames = Vec::new();
-        let leases: Vec<Lease> = self
+        let leases: Vec<ProviderLease> = self
             .sh
             .leases
             .values()
@@ -1565,7 +1565,7 @@ impl<'w> Sim<'w> {
 
     fn gen_terminal(&mut self) -> Result<(), String> {
         let live = self.sh.live_conns();
-        let leases: Vec<Lease> = self.sh.leases.values().cloned().collect();
+        let leases: Vec<ProviderLease> = self.sh.leases.values().cloned().collect();
         let released: Vec<Released> = self
             .sh
             .released
@@ -1578,7 +1578,7 @@ impl<'w> Sim<'w> {
             // clearing anything ends with unavailable evidence observed
             // before that answer (older than it, newer than anything else):
             // the H4 guard of fresh answers.
-            let racing: Vec<(Lease, u64, u64)> = leases
+            let racing: Vec<(ProviderLease, u64, u64)> = leases
                 .iter()
                 .filter_map(|l| {
                     let p = self.world.prov_index(&l.provider)?;
@@ -2666,7 +2666,7 @@ impl<'w> Sim<'w> {
                 best.map(|(q, _, _)| &world.provs[q].key)
             )));
         }
-        let expected_lease = Lease {
+        let expected_lease = ProviderLease {
             request: d.request,
             run_id: d.request.run_id(),
             provider: info.key.clone(),
@@ -3706,7 +3706,7 @@ impl Fixture {
         let info = &self.world.provs[p];
         Action::Dispatch(Dispatch {
             request: rid(id),
-            lease: Lease {
+            lease: ProviderLease {
                 request: rid(id),
                 run_id: rid(id).run_id(),
                 provider: info.key.clone(),
@@ -4834,8 +4834,8 @@ fn u7_the_provider_kind_alone_picks_tunnel_or_run() {
         vec![
             ("n1/p2".to_string(), DispatchKind::Tunnel),
             ("n2/p1".to_string(), DispatchKind::Tunnel),
-            ("n2/p3".to_string(), DispatchKind::Run),
-            ("n1/p1".to_string(), DispatchKind::Run),
+            ("n2/p3".to_string(), DispatchKind::Normalized),
+            ("n1/p1".to_string(), DispatchKind::Normalized),
         ]
     );
 }

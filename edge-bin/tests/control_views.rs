@@ -6,14 +6,14 @@
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    ConnId, Control, ControlSpec, DispatchKind, Input, ModelSpec, ModelView, NodePhase, NodeSpec,
-    NodeView, Operation, Operations, ProviderKey, ProviderSpec, RequestId, Tunables,
+    ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind, Input,
+    ModelView, NodePhase, NodeView, Operation, Operations, ProviderKey, RequestId, Tunables,
     NODE_VERSION_CHARS_MAX,
 };
 use iop_wire::pb;
 
-fn provider(id: &str, capacity: u32) -> ProviderSpec {
-    ProviderSpec {
+fn provider(id: &str, capacity: u32) -> ControlProvider {
+    ControlProvider {
         id: id.into(),
         adapter: "mock".into(),
         target: "target".into(),
@@ -28,7 +28,7 @@ fn provider(id: &str, capacity: u32) -> ProviderSpec {
 }
 
 fn control() -> Control {
-    let node = |id: &str, p: &str| NodeSpec {
+    let node = |id: &str, p: &str| ControlNode {
         id: id.into(),
         config: pb::NodeConfigPayload::default(),
         providers: vec![provider(p, 1)],
@@ -39,7 +39,7 @@ fn control() -> Control {
     };
     Control::new(ControlSpec {
         nodes: vec![node("a", "pa"), node("b", "pb")],
-        models: vec![ModelSpec {
+        models: vec![ControlModel {
             name: "m".into(),
             providers: vec![key("a", "pa"), key("b", "pb")],
             max_queue: 8,

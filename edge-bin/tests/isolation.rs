@@ -339,7 +339,7 @@ async fn a_client_that_never_reads_costs_its_own_run_alone() {
 // still read and answered: the node's heartbeats, one every 50 ms, are
 // acked ten times over while neither run moves a byte.
 #[monoio::test_all(timer_enabled = true)]
-async fn heartbeats_are_answered_while_every_route_is_full() {
+async fn heartbeats_are_answered_while_every_reply_is_full() {
     const ACKS: u64 = 10;
     let pki = Pki::mint("isolation-heartbeats");
     guarded(async {

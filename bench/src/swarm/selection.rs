@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use edge_bin::config::EdgeConfig;
 use edge_bin::control::control_spec;
 use edge_bin::control::{
-    Action, AttemptEnd, ConnId, Control, Input, Lease, Operation, RequestId, Terminal,
+    Action, AttemptEnd, ConnId, Control, Input, Operation, ProviderLease, RequestId, Terminal,
 };
 use iop_engine::clock;
 use serde::Serialize;
@@ -114,7 +114,7 @@ fn per(elapsed_ns: u64, count: u64) -> f64 {
 }
 
 /// The lease of the one dispatch in `out`.
-fn dispatched(out: &[Action]) -> Result<Lease, SelectionError> {
+fn dispatched(out: &[Action]) -> Result<ProviderLease, SelectionError> {
     let mut leases = out.iter().filter_map(|a| match a {
         Action::Dispatch(d) => Some(d.lease.clone()),
         _ => None,
@@ -149,7 +149,7 @@ fn submit(
     );
 }
 
-fn terminal_of(lease: &Lease) -> Input {
+fn terminal_of(lease: &ProviderLease) -> Input {
     Input::Terminal(Terminal {
         conn: lease.conn,
         run_id: lease.run_id.clone(),

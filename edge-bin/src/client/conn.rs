@@ -17,7 +17,7 @@ use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::Wait;
 use monoio::io::{AsyncReadRent, AsyncWriteRent, CancelableAsyncReadRent};
 
-use super::routes::*;
+use super::endpoints::*;
 use crate::api::body_json::JsonLimits;
 use crate::api::error::{GatewayError, Surface};
 use crate::config::ListenerLimits;

@@ -15,14 +15,14 @@ use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
 use super::conn::*;
+use super::endpoints::*;
 use super::relay::*;
-use super::routes::*;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai::{ChatRequest, PassthroughRequest};
 use crate::api::translate::ResponseId;
 use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
 use crate::link::edge::{Admission, Edge};
-use crate::link::routes::RouteRx;
+use crate::link::replies::ReplyRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
 use crate::plane::limits::{self};
@@ -112,15 +112,15 @@ where
                     }
                 }
             }
-            DispatchKind::Run => {
+            DispatchKind::Normalized => {
                 NodeRequest::frame_only(run_request(chat, &dispatch, &server.rec.request_id))
             }
         };
         let (stream, include_usage) = (chat.stream, chat.include_usage());
-        let buffered = dispatch.kind == DispatchKind::Run && !stream;
+        let buffered = dispatch.kind == DispatchKind::Normalized && !stream;
         // Boxed: handing the request to its node is this future's largest
         // state, held only until the node has it, never while it streams.
-        if !Box::pin(send_run(
+        if !Box::pin(send_attempt(
             edge,
             server,
             Surface::OpenAi,
@@ -138,7 +138,7 @@ where
             DispatchKind::Tunnel => {
                 relay(edge, server, Surface::OpenAi, &mut frames, release).await
             }
-            DispatchKind::Run => {
+            DispatchKind::Normalized => {
                 let id = ResponseId {
                     id: format!("chatcmpl-{}", lease.run_id),
                     created: iop_engine::clock::unix_ms() / 1000,
@@ -186,7 +186,7 @@ pub(super) fn settle(
 /// A retry dispatched after the request was released. Unreachable: a
 /// relay asks for another attempt only before its response commits, and
 /// the request is released only at the commit. The new lease is given
-/// back and the route ends.
+/// back and the reply ends.
 pub(super) fn retry_without_request(edge: &Edge, request: RequestId) -> Result<(), HttpError> {
     debug_assert!(false, "a retry after the request was released");
     edge.abandon(request);
@@ -197,19 +197,19 @@ pub(super) fn retry_without_request(edge: &Edge, request: RequestId) -> Result<(
 pub(super) async fn admit<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
-    route: PassRoute,
+    endpoint: Endpoint,
     model: &str,
     long: bool,
-) -> Result<Option<(RequestId, Dispatch, RouteRx)>, HttpError>
+) -> Result<Option<(RequestId, Dispatch, ReplyRx)>, HttpError>
 where
     S: ClientStream,
 {
     if let Some(e) = check_caller(edge, server, model) {
-        write_caller_refusal(server, route.surface, &e).await?;
+        write_caller_refusal(server, endpoint.surface, &e).await?;
         return Ok(None);
     }
     let submitted_at = clock::now(); // metrics: queue wait
-    let (request, mut admission) = edge.submit(model, route.op, long);
+    let (request, mut admission) = edge.submit(model, endpoint.op, long);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
@@ -234,13 +234,13 @@ where
             return Ok(Some((request, dispatch, frames)));
         }
         Ok(Admission::Rejected(Rejection::UnknownModel)) => GatewayError::model_not_found(model),
-        Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, route),
+        Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, endpoint),
         Ok(Admission::Rejected(Rejection::QueueFull)) => GatewayError::queue_full(model),
         Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
             GatewayError::no_provider(model)
         }
     };
-    write_error(server, route.surface, &e).await?;
+    write_error(server, endpoint.surface, &e).await?;
     Ok(None)
 }
 
@@ -309,10 +309,10 @@ where
     server.write_response(e.status, headers, body).await
 }
 
-/// 400: no provider of `model` serves `route`'s operation.
-pub(super) fn unsupported(model: &str, route: PassRoute) -> GatewayError {
+/// 400: no provider of `model` serves `endpoint`'s operation.
+pub(super) fn unsupported(model: &str, endpoint: Endpoint) -> GatewayError {
     GatewayError::invalid_request(
-        format!("No provider serving `{model}` supports {}.", route.path),
+        format!("No provider serving `{model}` supports {}.", endpoint.path),
         None,
     )
 }
@@ -320,7 +320,7 @@ pub(super) fn unsupported(model: &str, route: PassRoute) -> GatewayError {
 /// Sends a run to the lease's node; on failure settles the request and
 /// answers the client. Returns whether it was sent. `buffered`: its relay
 /// writes only at the end (the commit point, [`crate::control::attempt`]).
-pub(super) async fn send_run<S>(
+pub(super) async fn send_attempt<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     surface: Surface,
@@ -332,7 +332,7 @@ pub(super) async fn send_run<S>(
 where
     S: ClientStream,
 {
-    let sent = edge.start_run(request, dispatch, run, buffered).await;
+    let sent = edge.start_attempt(request, dispatch, run, buffered).await;
     if !sent {
         edge.abandon(request);
         write_error(server, surface, &GatewayError::node_unavailable()).await?;
@@ -346,7 +346,7 @@ pub(super) async fn passthrough<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     principal: &str,
-    route: PassRoute,
+    endpoint: Endpoint,
     headers: Vec<iop_engine::http::Header>,
     body: Bytes,
 ) -> Result<(), HttpError>
@@ -355,14 +355,14 @@ where
 {
     let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
-        Err(e) => return refuse_body(server, route.surface, &e).await,
+        Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
     // What the provider gets of the client's headers; the rest go now.
-    let forwarded = tunnel_headers(route, req.stream, &headers);
+    let forwarded = tunnel_headers(endpoint, req.stream, &headers);
     drop(headers);
     server.set_model(&req.model);
     let Some((request, mut dispatch, mut frames)) =
-        admit(edge, server, route, &req.model, false).await?
+        admit(edge, server, endpoint, &req.model, false).await?
     else {
         return Ok(());
     };
@@ -377,14 +377,14 @@ where
             // normalized chat path, in no lane of these operations: this is
             // a wiring bug, answered as if no provider served it.
             edge.abandon(request);
-            return write_error(server, route.surface, &unsupported(&req.model, route)).await;
+            return write_error(server, endpoint.surface, &unsupported(&req.model, endpoint)).await;
         }
         let lease = &dispatch.lease;
         server
             .rec
             .attempt(&lease.provider.node_id, &lease.provider.provider_id);
         let tunnel = tunnel_request(
-            route,
+            endpoint,
             &dispatch,
             forwarded.clone(),
             req.stream,
@@ -393,12 +393,12 @@ where
         let body = req.body_for_target(&dispatch.lease.target);
         let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
             Ok(frame) => frame,
-            Err(e) => return refuse(edge, server, route.surface, request, &dispatch, &e).await,
+            Err(e) => return refuse(edge, server, endpoint.surface, request, &dispatch, &e).await,
         };
-        if !Box::pin(send_run(
+        if !Box::pin(send_attempt(
             edge,
             server,
-            route.surface,
+            endpoint.surface,
             request,
             &dispatch,
             run,
@@ -408,7 +408,7 @@ where
         {
             return Ok(());
         }
-        let result = relay(edge, server, route.surface, &mut frames, &mut || {
+        let result = relay(edge, server, endpoint.surface, &mut frames, &mut || {
             retained = None
         })
         .await;
@@ -429,7 +429,7 @@ pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
 /// accept, and for Anthropic routes `anthropic-version` (defaulted) and
 /// `anthropic-beta`. Client credentials are never forwarded.
 pub(super) fn tunnel_headers(
-    route: PassRoute,
+    endpoint: Endpoint,
     stream: bool,
     client: &[iop_engine::http::Header],
 ) -> Vec<pb::Header> {
@@ -446,7 +446,7 @@ pub(super) fn tunnel_headers(
         header("content-type", Bytes::from_static(b"application/json")),
         header("accept", Bytes::from_static(accept)),
     ];
-    if route.surface == Surface::Anthropic {
+    if endpoint.surface == Surface::Anthropic {
         let find = |name: &str| {
             client
                 .iter()
@@ -525,7 +525,7 @@ where
 /// [`NodeRequest`]) and without a credential lease yet ([`with_lease`]
 /// adds both).
 pub(super) fn tunnel_request(
-    route: PassRoute,
+    endpoint: Endpoint,
     dispatch: &Dispatch,
     headers: Vec<pb::Header>,
     stream: bool,
@@ -537,12 +537,12 @@ pub(super) fn tunnel_request(
         adapter: lease.adapter.to_string(),
         target: lease.target.to_string(),
         method: "POST".into(),
-        path: route.path.into(),
+        path: endpoint.path.into(),
         headers,
         stream,
         // W2: the winning provider's effective stall timeout.
         response_stall_timeout_ms: dispatch.response_stall_timeout_ms,
-        operation: route.operation.into(),
+        operation: endpoint.operation.into(),
         correlation_id: correlation_id.into(),
         ..Default::default()
     }
@@ -578,7 +578,7 @@ mod tests {
     use super::*;
     use crate::api::body_json::JsonLimits;
     use crate::config::EdgeConfig;
-    use crate::control::{ConnId, Generation, Lease, ProviderKey};
+    use crate::control::{ConnId, Generation, ProviderKey, ProviderLease};
     use crate::plane::credentials::CredentialPlane;
 
     const SECRET: &[u8] = b"sk-iop-surface-canary-1b2c";
@@ -586,7 +586,7 @@ mod tests {
     fn dispatch() -> Dispatch {
         Dispatch {
             request: RequestId(4),
-            lease: Lease {
+            lease: ProviderLease {
                 request: RequestId(4),
                 run_id: "run-4".into(),
                 provider: ProviderKey {

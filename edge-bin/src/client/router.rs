@@ -19,9 +19,9 @@ use iop_engine::tls::{ListenerStream, MaybeTls};
 use monoio::net::TcpStream;
 
 use super::conn::*;
+use super::endpoints::*;
 use super::pipeline::*;
 use super::relay::*;
-use super::routes::*;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
 use crate::client::{metrics, status};

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::tables::{Candidate, Indexed, Lease, LeaseEntry, Load, Pending, RequestState};
+use super::tables::{Candidate, Indexed, LeaseEntry, Load, Pending, ProviderLease, RequestState};
 use super::{
     AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, Dispatch, Event, FailureReason,
     Handoff, Operation, Outcome, Rejection, RequestId, Terminal,
@@ -286,7 +286,7 @@ impl Control {
             state.long_in_flight += 1;
         }
         let run_id = request.attempt_run_id(attempt);
-        let lease = Lease {
+        let lease = ProviderLease {
             request,
             run_id: run_id.clone(),
             provider: state.key.clone(),
@@ -392,7 +392,7 @@ impl Control {
             .map(|entry| entry.lease.request)
     }
 
-    /// A byte of `run_id`'s response reached its client's route: it is
+    /// A byte of `run_id`'s response reached its client's reply: it is
     /// committed, never retried. Only the lease's own connection counts
     /// (H1).
     pub(super) fn on_committed(&mut self, conn: ConnId, run_id: &str) {
@@ -599,7 +599,7 @@ impl Control {
 
     /// Releases the live lease of `run_id`: its slot frees. Every caller
     /// knows the lease is live (F1: released exactly once).
-    pub(super) fn release(&mut self, run_id: &str) -> Option<Lease> {
+    pub(super) fn release(&mut self, run_id: &str) -> Option<ProviderLease> {
         let entry = self.leases.remove(run_id);
         debug_assert!(
             entry.is_some(),

@@ -449,8 +449,8 @@ mod tests {
     use iop_wire::pb;
 
     use super::super::{
-        ConnId, Control, ControlSpec, DispatchKind, Input, ModelSpec, NodeSpec, Operation,
-        Operations, ProviderKey, ProviderSpec, RequestId, Tunables,
+        ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind,
+        Input, Operation, Operations, ProviderKey, RequestId, Tunables,
     };
 
     const CONN: ConnId = ConnId(1);
@@ -458,7 +458,7 @@ mod tests {
     /// One node `n1` with provider `p1` (capacity 2) serving model `m`,
     /// its owner ready, one request dispatched.
     fn busy() -> Control {
-        let provider = ProviderSpec {
+        let provider = ControlProvider {
             id: "p1".into(),
             adapter: "a".into(),
             target: "t".into(),
@@ -471,12 +471,12 @@ mod tests {
             enabled: true,
         };
         let mut control = Control::new(ControlSpec {
-            nodes: vec![NodeSpec {
+            nodes: vec![ControlNode {
                 id: "n1".into(),
                 config: pb::NodeConfigPayload::default(),
                 providers: vec![provider],
             }],
-            models: vec![ModelSpec {
+            models: vec![ControlModel {
                 name: "m".into(),
                 providers: vec![ProviderKey {
                     node_id: "n1".into(),

@@ -71,10 +71,10 @@ mod views;
 
 pub use ids::{ConnId, Generation, ProviderKey, RequestId};
 pub use spec::{
-    control_spec, outlier_policy, ControlSpec, DispatchKind, ModelSpec, NodeSpec, Operation,
-    Operations, ProviderSpec, Tunables,
+    control_spec, outlier_policy, ControlModel, ControlNode, ControlProvider, ControlSpec,
+    DispatchKind, Operation, Operations, Tunables,
 };
-pub use tables::Lease;
+pub use tables::ProviderLease;
 pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -229,7 +229,7 @@ pub enum Input {
     },
     /// A run or tunnel terminal from a node (H1–H5).
     Terminal(Terminal),
-    /// A byte of run `run_id`'s response reached the client's route (the
+    /// A byte of run `run_id`'s response reached the client's reply (the
     /// commit point, `crate::control::attempt`): from now on it is never retried.
     Committed {
         /// The connection it arrived on (H1: only the lease's counts).
@@ -369,7 +369,7 @@ pub struct Dispatch {
     /// The request.
     pub request: RequestId,
     /// The lease taken for it.
-    pub lease: Lease,
+    pub lease: ProviderLease,
     /// Tunnel or normalized run (U7).
     pub kind: DispatchKind,
     /// Effective stall timeout of the winning provider (W2).

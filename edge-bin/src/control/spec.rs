@@ -18,7 +18,7 @@ pub enum DispatchKind {
     /// OpenAI-compatible providers: raw HTTP tunnel.
     Tunnel,
     /// Ollama/native providers: normalized run.
-    Run,
+    Normalized,
 }
 
 /// A client operation a provider may serve (U3): the profile operations
@@ -70,7 +70,7 @@ impl Operations {
     /// defines all four today).
     pub fn for_kind(kind: DispatchKind) -> Self {
         match kind {
-            DispatchKind::Run => Operations::CHAT,
+            DispatchKind::Normalized => Operations::CHAT,
             DispatchKind::Tunnel => Operations::ALL,
         }
     }
@@ -83,7 +83,7 @@ impl Operations {
 
 /// Static description of one provider resource.
 #[derive(Debug, Clone)]
-pub struct ProviderSpec {
+pub struct ControlProvider {
     /// Provider id, unique per node.
     pub id: String,
     /// Adapter instance name on the node.
@@ -108,18 +108,18 @@ pub struct ProviderSpec {
 
 /// Static description of one expected node.
 #[derive(Debug, Clone)]
-pub struct NodeSpec {
+pub struct ControlNode {
     /// Node id (equals its TLS identity name, T3).
     pub id: String,
     /// The config pushed at registration (R2).
     pub config: pb::NodeConfigPayload,
     /// Its provider resources.
-    pub providers: Vec<ProviderSpec>,
+    pub providers: Vec<ControlProvider>,
 }
 
 /// Static description of one external model and its provider pool.
 #[derive(Debug, Clone)]
-pub struct ModelSpec {
+pub struct ControlModel {
     /// External model name (E2).
     pub name: String,
     /// Pool members, in configured order (the deterministic tie-break).
@@ -165,9 +165,9 @@ impl Default for Tunables {
 #[derive(Debug, Clone, Default)]
 pub struct ControlSpec {
     /// Expected nodes.
-    pub nodes: Vec<NodeSpec>,
+    pub nodes: Vec<ControlNode>,
     /// Served models.
-    pub models: Vec<ModelSpec>,
+    pub models: Vec<ControlModel>,
     /// Tunables.
     pub tunables: Tunables,
 }
@@ -181,7 +181,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     let nodes = cfg
         .nodes
         .iter()
-        .map(|n| NodeSpec {
+        .map(|n| ControlNode {
             id: n.id.clone(),
             config: cfg.node_config_payload(n, 1),
             providers: n
@@ -189,10 +189,10 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                 .iter()
                 .map(|p| {
                     let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
-                        Some(config::AdapterKind::Ollama) => DispatchKind::Run,
+                        Some(config::AdapterKind::Ollama) => DispatchKind::Normalized,
                         _ => DispatchKind::Tunnel,
                     };
-                    ProviderSpec {
+                    ControlProvider {
                         id: p.id.clone(),
                         adapter: p.adapter.as_str().into(),
                         target: p.target.as_str().into(),
@@ -216,7 +216,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
     let models = cfg
         .models
         .iter()
-        .map(|m| ModelSpec {
+        .map(|m| ControlModel {
             name: m.name.clone(),
             max_queue: m.max_queue,
             queue_timeout: Duration::from_millis(m.queue_timeout_ms),

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::ids::{ConnId, Generation, ProviderKey, RequestId};
 use super::outlier::OutlierState;
-use super::spec::{ModelSpec, NodeSpec, Operation, ProviderSpec};
+use super::spec::{ControlModel, ControlNode, ControlProvider, Operation};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum OwnerState {
@@ -35,7 +35,7 @@ pub(super) struct Owner {
 
 #[derive(Debug)]
 pub(super) struct NodeEntry {
-    pub(super) spec: NodeSpec,
+    pub(super) spec: ControlNode,
     pub(super) owner: Option<Owner>,
     /// Its providers: a contiguous run of `Control::providers`, which is
     /// in `ProviderKey` (node id first) order.
@@ -107,7 +107,7 @@ pub(super) struct ProviderState {
     pub(super) key: ProviderKey,
     /// Its node (index into `Control::nodes`).
     pub(super) node: usize,
-    pub(super) spec: ProviderSpec,
+    pub(super) spec: ControlProvider,
     pub(super) in_flight: u32,
     pub(super) long_in_flight: u32,
     /// Highest health observation sequence applied to this binding, and the
@@ -144,7 +144,7 @@ impl ProviderState {
 
 /// An immutable record of one dispatched request's claim on a provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
+pub struct ProviderLease {
     /// The request it serves.
     pub request: RequestId,
     /// The run id the request was dispatched under.
@@ -166,7 +166,7 @@ pub struct Lease {
 /// A live lease and the provider index it occupies.
 #[derive(Debug)]
 pub(super) struct LeaseEntry {
-    pub(super) lease: Lease,
+    pub(super) lease: ProviderLease,
     pub(super) provider: usize,
 }
 
@@ -222,7 +222,7 @@ impl Pending {
 /// One served model: its spec and its lanes.
 #[derive(Debug)]
 pub(super) struct ModelState {
-    pub(super) spec: ModelSpec,
+    pub(super) spec: ControlModel,
     /// Its lanes (indexes into `Control::lanes`).
     pub(super) lanes: Vec<usize>,
     /// The lane of each operation ([`Operation::ALL`] order); `None` when

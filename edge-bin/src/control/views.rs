@@ -8,7 +8,7 @@ use std::time::Instant;
 use iop_wire::pb;
 
 use super::outlier::OutlierState;
-use super::tables::{Lease, OwnerState, RequestState};
+use super::tables::{OwnerState, ProviderLease, RequestState};
 use super::{Control, Counters, ModelView, NodePhase, NodeView, ProviderKey, RequestId};
 
 impl Control {
@@ -25,12 +25,12 @@ impl Control {
     }
 
     /// The live lease of `run_id`.
-    pub fn lease(&self, run_id: &str) -> Option<&Lease> {
+    pub fn lease(&self, run_id: &str) -> Option<&ProviderLease> {
         self.leases.get(run_id).map(|e| &e.lease)
     }
 
     /// Every live lease, by run id.
-    pub fn leases(&self) -> impl Iterator<Item = &Lease> {
+    pub fn leases(&self) -> impl Iterator<Item = &ProviderLease> {
         self.leases.values().map(|e| &e.lease)
     }
 

@@ -3,11 +3,11 @@
 //!
 //! `Control` decides; [`Edge::apply`] feeds it an input with the current time
 //! and executes the actions it returns: frames to node connections, admissions
-//! and rejections to waiting client requests, lost runs to their routes. A
+//! and rejections to waiting client requests, lost runs to their replies. A
 //! timer task ([`Edge::run_timers`]) does the same for `Control`'s deadlines.
 //!
-//! The rest of the shard's work lives in sibling modules: the route
-//! types ([`crate::link::routes`]), the observer thread
+//! The rest of the shard's work lives in sibling modules: the reply
+//! types ([`crate::link::replies`]), the observer thread
 //! ([`crate::link::observers`]), the drain and lifecycle steps
 //! ([`crate::link::drain`], more `impl Edge`), and the messages from other
 //! shards ([`crate::link::mesh`], more `impl Edge`).
@@ -36,11 +36,11 @@ use crate::control::{
 };
 use crate::link::node_metrics_cache::NodeMetricsCache;
 use crate::link::observers::{Observer, ObserverMsg, Observers};
-use crate::link::routes::{
-    compacted, push_notice, ClientRoute, Delivery, NodeRoute, RouteEvent, RouteRx,
+use crate::link::replies::{
+    compacted, push_notice, ClientReply, Delivery, NodeReply, ReplyEvent, ReplyRx,
 };
 use crate::link::settings::{access_log, usage_log, Settings};
-use crate::link::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartRun};
+use crate::link::shards::{self, Lifecycle, NodeRequest, Outbox, ShardMsg, StartAttempt};
 use crate::plane::access::RequestIds;
 use crate::plane::credentials::CredentialPlane;
 
@@ -72,8 +72,8 @@ pub enum Admission {
     Dispatched {
         /// The decision.
         dispatch: Dispatch,
-        /// Its route's receiving end.
-        frames: RouteRx,
+        /// Its reply's receiving end.
+        frames: ReplyRx,
     },
     /// It was refused.
     Rejected(Rejection),
@@ -104,10 +104,10 @@ pub struct Edge {
     /// Live node connections of this shard, by id.
     conns: RefCell<HashMap<ConnId, NodeLink>>,
     /// Dispatched runs on this shard's node connections, by run id.
-    node_routes: RefCell<HashMap<String, NodeRoute>>,
+    node_replies: RefCell<HashMap<String, NodeReply>>,
     /// This shard's dispatched client requests: a sender into each one's
-    /// route, for `Lost`.
-    client_routes: RefCell<HashMap<RequestId, ClientRoute>>,
+    /// reply, for `Lost`.
+    client_replies: RefCell<HashMap<RequestId, ClientReply>>,
     /// Submitted requests waiting for admission.
     waiters: RefCell<HashMap<RequestId, oneshot::Sender<Admission>>>,
     /// Static settings.
@@ -151,8 +151,8 @@ impl std::fmt::Debug for Edge {
         f.debug_struct("Edge")
             .field("shard", &self.shard)
             .field("conns", &self.conns.borrow().len())
-            .field("node_routes", &self.node_routes.borrow().len())
-            .field("client_routes", &self.client_routes.borrow().len())
+            .field("node_replies", &self.node_replies.borrow().len())
+            .field("client_replies", &self.client_replies.borrow().len())
             .field("waiters", &self.waiters.borrow().len())
             .field("observers", &self.observers.borrow().is_some())
             .finish_non_exhaustive()
@@ -179,9 +179,9 @@ pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -
     Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))
 }
 
-// Here rather than in `routes`: crediting needs the Edge, and `routes` stays
-// below it (the Edge, the shards and the relays all use the route types).
-impl RouteRx {
+// Here rather than in `replies`: crediting needs the Edge, and `replies` stays
+// below it (the Edge, the shards and the relays all use the reply types).
+impl ReplyRx {
     /// The client's socket took an event charged `charge` (its bytes were
     /// written, or a response builder consumed it): grants the node more
     /// credit once half a window has been taken since the last grant.
@@ -221,8 +221,8 @@ impl Edge {
             control: control.map(RefCell::new),
             outbox,
             conns: RefCell::new(HashMap::new()),
-            node_routes: RefCell::new(HashMap::new()),
-            client_routes: RefCell::new(HashMap::new()),
+            node_replies: RefCell::new(HashMap::new()),
+            client_replies: RefCell::new(HashMap::new()),
             waiters: RefCell::new(HashMap::new()),
             settings,
             timer_wake: Notify::default(),
@@ -522,7 +522,7 @@ impl Edge {
             Action::Close { conn, reason } => {
                 // Fenced or refused: nothing it sends from now on reaches a
                 // client (H1, F2); its clients hear `Lost` from Control.
-                self.drop_routes_of(conn);
+                self.drop_replies_of(conn);
                 if let Some(c) = self.conn(conn) {
                     c.close(reason);
                 }
@@ -564,20 +564,20 @@ impl Edge {
         }
     }
 
-    /// Hands a won lease to its waiting request, with a fresh route.
+    /// Hands a won lease to its waiting request, with a fresh reply.
     /// A later attempt of a dispatched request (pre-commit failover) goes
-    /// to its relay through the route it already has.
+    /// to its relay through the reply it already has.
     fn admit(&self, dispatch: Dispatch) {
         let request = dispatch.request;
         let waiter = self.waiters.borrow_mut().remove(&request);
         if waiter.is_none() {
-            let route = self
-                .client_routes
+            let reply = self
+                .client_replies
                 .borrow()
                 .get(&request)
                 .map(|r| r.tx.clone());
-            if let Some(tx) = route {
-                return push_notice(tx, RouteEvent::Retry(Box::new(dispatch)));
+            if let Some(tx) = reply {
+                return push_notice(tx, ReplyEvent::Retry(Box::new(dispatch)));
             }
         }
         let window = self.settings.flow_window_bytes;
@@ -587,7 +587,7 @@ impl Edge {
         let capacity = usize::try_from(window / flow::FRAME_CHARGE_BYTES).unwrap_or(usize::MAX);
         let (tx, rx) = mailbox::mailbox(capacity.saturating_add(8));
         let lost = Rc::new(Cell::new(false));
-        let frames = RouteRx {
+        let frames = ReplyRx {
             rx,
             lost: lost.clone(),
             drain: DrainWindow::new(window),
@@ -600,9 +600,9 @@ impl Edge {
             None => false,
         };
         if delivered {
-            self.client_routes
+            self.client_replies
                 .borrow_mut()
-                .insert(request, ClientRoute { tx, lost });
+                .insert(request, ClientReply { tx, lost });
         } else {
             // The client left before its run was sent: settle at once.
             self.abandon(request);
@@ -610,10 +610,10 @@ impl Edge {
     }
 
     /// Tells a dispatched request's relay that Control gave up on it; the
-    /// route stays until the request is done (the lease settles later).
+    /// reply stays until the request is done (the lease settles later).
     fn abort(&self, request: RequestId, reason: AbortReason) {
         let Some(tx) = self
-            .client_routes
+            .client_replies
             .borrow()
             .get(&request)
             .map(|r| r.tx.clone())
@@ -624,7 +624,7 @@ impl Edge {
             reason = reason.as_str(),
             "dispatched request given up: no response in time; run cancelled"
         );
-        push_notice(tx, RouteEvent::Aborted(reason));
+        push_notice(tx, ReplyEvent::Aborted(reason));
     }
 
     fn finish(&self, request: RequestId, outcome: Outcome) {
@@ -635,22 +635,22 @@ impl Edge {
                 _ => Admission::Ended,
             });
         }
-        let route = self.client_routes.borrow_mut().remove(&request);
-        if let (Some(route), Outcome::Lost) = (route, outcome) {
-            route.lost.set(true);
-            // Wakes a relay waiting on an empty route.
-            push_notice(route.tx, RouteEvent::Lost);
+        let reply = self.client_replies.borrow_mut().remove(&request);
+        if let (Some(reply), Outcome::Lost) = (reply, outcome) {
+            reply.lost.set(true);
+            // Wakes a relay waiting on an empty reply.
+            push_notice(reply.tx, ReplyEvent::Lost);
         }
     }
 
     /// Sends a dispatched request's run to its node connection, on
-    /// whichever shard owns it, with the route its frames take back.
+    /// whichever shard owns it, with the reply its frames take back.
     /// False when the connection is gone (the caller settles the request
     /// and answers the client); a run handed to another shard that cannot
-    /// send it ends its route with `Lost` there.
+    /// send it ends its reply with `Lost` there.
     /// `buffered`: the relay writes only at the end (the commit point,
     /// `crate::control::attempt`).
-    pub async fn start_run(
+    pub async fn start_attempt(
         &self,
         request: RequestId,
         dispatch: &Dispatch,
@@ -658,8 +658,8 @@ impl Edge {
         buffered: bool,
     ) -> bool {
         let lease = &dispatch.lease;
-        let Some(route) = self
-            .client_routes
+        let Some(reply) = self
+            .client_replies
             .borrow()
             .get(&request)
             .map(|r| r.tx.clone())
@@ -667,31 +667,31 @@ impl Edge {
             // Already settled (the node was fenced meanwhile).
             return false;
         };
-        let start = StartRun {
+        let start = StartAttempt {
             conn: lease.conn,
             request,
             run_id: lease.run_id.clone(),
             run,
-            route,
+            reply,
             buffered,
         };
         let to = shards::shard_of(lease.conn.0);
         match &self.outbox {
             Some(outbox) if to != self.shard => {
-                outbox.send(to, ShardMsg::StartRun(start));
+                outbox.send(to, ShardMsg::StartAttempt(start));
                 true
             }
-            _ => self.send_run_here(start).await,
+            _ => self.send_attempt_here(start).await,
         }
     }
 
-    pub(super) async fn send_run_here(&self, start: StartRun) -> bool {
-        let StartRun {
+    pub(super) async fn send_attempt_here(&self, start: StartAttempt) -> bool {
+        let StartAttempt {
             conn,
             request: _,
             run_id,
             run: NodeRequest { mut frame, body },
-            route,
+            reply,
             buffered,
         } = start;
         let Some(handle) = self.conn(conn) else {
@@ -710,11 +710,11 @@ impl Edge {
             Some(Body::RunRequest(r)) => r.flow_window_bytes = granted,
             _ => {}
         }
-        self.node_routes.borrow_mut().insert(
+        self.node_replies.borrow_mut().insert(
             run_id.clone(),
-            NodeRoute {
+            NodeReply {
                 conn,
-                tx: route,
+                tx: reply,
                 window: RecvWindow::new(window),
                 responded: false,
                 tracker: if buffered {
@@ -733,67 +733,67 @@ impl Edge {
         if sent.is_ok() {
             return true;
         }
-        self.node_routes.borrow_mut().remove(&run_id);
+        self.node_replies.borrow_mut().remove(&run_id);
         // O1: no request or run id in general logs.
         tracing::debug!("run not sent: node connection closed");
         false
     }
 
     /// Delivers a frame of run `run_id` that arrived on `conn` to its
-    /// client's route, if `conn` is the connection it was dispatched to (H1:
-    /// a frame belongs to a route only then). Never waits: a frame within
-    /// the run's window always fits its route. `charge` is the frame's
-    /// flow-control charge; a terminal retires the route.
+    /// client's reply, if `conn` is the connection it was dispatched to (H1:
+    /// a frame belongs to a reply only then). Never waits: a frame within
+    /// the run's window always fits its reply. `charge` is the frame's
+    /// flow-control charge; a terminal retires the reply.
     pub fn deliver(
         &self,
         conn: ConnId,
         charge: u64,
         terminal: bool,
-        event: RouteEvent,
+        event: ReplyEvent,
     ) -> Delivery {
-        let mut routes = self.node_routes.borrow_mut();
+        let mut replies = self.node_replies.borrow_mut();
         let Some(run_id) = event.run_id() else {
-            return Delivery::NoRoute;
+            return Delivery::NoReply;
         };
-        let Some(route) = routes.get_mut(run_id).filter(|r| r.conn == conn) else {
-            return Delivery::NoRoute;
+        let Some(reply) = replies.get_mut(run_id).filter(|r| r.conn == conn) else {
+            return Delivery::NoReply;
         };
         let (commits, end) = match &event {
-            RouteEvent::Tunnel(tf) => {
-                let commits = route.tracker.on_tunnel_frame(tf);
-                (commits, terminal.then(|| route.tracker.end_of_tunnel(tf)))
+            ReplyEvent::Tunnel(tf) => {
+                let commits = reply.tracker.on_tunnel_frame(tf);
+                (commits, terminal.then(|| reply.tracker.end_of_tunnel(tf)))
             }
-            RouteEvent::Run(ev) => {
-                let commits = route.tracker.on_run_event(ev);
-                (commits, terminal.then(|| route.tracker.end_of_run(ev)))
+            ReplyEvent::Run(ev) => {
+                let commits = reply.tracker.on_run_event(ev);
+                (commits, terminal.then(|| reply.tracker.end_of_run(ev)))
             }
             _ => (false, None),
         };
-        let end = end.map(|end| (end, route.tracker.is_committed()));
+        let end = end.map(|end| (end, reply.tracker.is_committed()));
         // The id outlives the frame (moved to its client below) only where
         // it is needed: the run's first frame, its commit and its terminal,
         // not every frame.
-        let run_id = (terminal || commits || !route.responded).then(|| run_id.to_owned());
-        // A refused frame comes back: its run id names the route to retire.
-        let refused = match route.window.on_received(charge) {
+        let run_id = (terminal || commits || !reply.responded).then(|| run_id.to_owned());
+        // A refused frame comes back: its run id names the reply to retire.
+        let refused = match reply.window.on_received(charge) {
             Err(overrun) => Some((overrun, event)),
-            Ok(()) => match route.tx.try_send(compacted(event, &route.tx)) {
+            Ok(()) => match reply.tx.try_send(compacted(event, &reply.tx)) {
                 // A gone client: its frames have no reader (Control
                 // cancels the run).
                 Ok(()) | Err(mailbox::TrySendError::Closed(_)) => None,
                 Err(mailbox::TrySendError::Full(event)) => Some((
                     Overrun {
-                        received: route.window.received(),
-                        granted: route.window.granted(),
+                        received: reply.window.received(),
+                        granted: reply.window.granted(),
                     },
                     event,
                 )),
             },
         };
         let Some((overrun, event)) = refused else {
-            let first = !std::mem::replace(&mut route.responded, true);
+            let first = !std::mem::replace(&mut reply.responded, true);
             if let (true, Some(run_id)) = (terminal, &run_id) {
-                routes.remove(run_id);
+                replies.remove(run_id);
             }
             return Delivery::Delivered {
                 first,
@@ -802,10 +802,10 @@ impl Edge {
                 run_id,
             };
         };
-        let Some(route) = event.run_id().and_then(|run_id| routes.remove(run_id)) else {
-            return Delivery::NoRoute;
+        let Some(reply) = event.run_id().and_then(|run_id| replies.remove(run_id)) else {
+            return Delivery::NoReply;
         };
-        drop(routes);
+        drop(replies);
         if self.speaks_flow_control(conn) {
             return Delivery::Overrun(overrun);
         }
@@ -816,8 +816,8 @@ impl Edge {
             "run cut off: its client drains slower than its node sends, and the node \
              speaks no flow control"
         );
-        // The relay may be waiting on a full route: the notice must get in.
-        push_notice(route.tx, RouteEvent::Overflow);
+        // The relay may be waiting on a full reply: the notice must get in.
+        push_notice(reply.tx, ReplyEvent::Overflow);
         Delivery::CutOff
     }
 
@@ -842,9 +842,9 @@ impl Edge {
 
     pub(super) fn credit_here(self: &Rc<Self>, conn: ConnId, run_id: &str, max_offset: u64) {
         {
-            let mut routes = self.node_routes.borrow_mut();
-            match routes.get_mut(run_id).filter(|r| r.conn == conn) {
-                Some(route) => route.window.on_credit_sent(max_offset),
+            let mut replies = self.node_replies.borrow_mut();
+            match replies.get_mut(run_id).filter(|r| r.conn == conn) {
+                Some(reply) => reply.window.on_credit_sent(max_offset),
                 // Ended meanwhile: nothing to grant.
                 None => return,
             }
@@ -881,10 +881,10 @@ impl Edge {
         }
     }
 
-    /// Forgets every route of node connection `conn` (it closed): their
+    /// Forgets every reply of node connection `conn` (it closed): their
     /// clients learn of the loss from `Control` (F1).
-    pub fn drop_routes_of(&self, conn: ConnId) {
-        self.node_routes.borrow_mut().retain(|_, r| r.conn != conn);
+    pub fn drop_replies_of(&self, conn: ConnId) {
+        self.node_replies.borrow_mut().retain(|_, r| r.conn != conn);
     }
 
     /// Sends a control frame on node connection `conn`, on whichever shard
@@ -957,8 +957,8 @@ mod tests {
     use super::*;
     use crate::config::ListenerLimits;
     use crate::control::{
-        ControlSpec, DispatchKind, ModelSpec, NodeSpec, ProviderKey, ProviderSpec, Terminal,
-        Tunables,
+        ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind, ProviderKey,
+        Terminal, Tunables,
     };
     use crate::link::observers::OBSERVER_BACKLOG;
     use crate::plane::access::AccessLog;
@@ -966,10 +966,10 @@ mod tests {
 
     fn edge() -> Edge {
         let spec = ControlSpec {
-            nodes: vec![NodeSpec {
+            nodes: vec![ControlNode {
                 id: "n".into(),
                 config: pb::NodeConfigPayload::default(),
-                providers: vec![ProviderSpec {
+                providers: vec![ControlProvider {
                     id: "p".into(),
                     adapter: "a".into(),
                     target: "t".into(),
@@ -982,7 +982,7 @@ mod tests {
                     enabled: true,
                 }],
             }],
-            models: vec![ModelSpec {
+            models: vec![ControlModel {
                 name: "m".into(),
                 providers: vec![ProviderKey {
                     node_id: "n".into(),
@@ -1078,7 +1078,7 @@ mod tests {
                 );
             }
             // The run's terminal: the lease comes back and the request is
-            // done (its route gone).
+            // done (its reply gone).
             edge.apply(Input::Terminal(Terminal {
                 conn,
                 run_id: request.run_id(),
@@ -1090,7 +1090,7 @@ mod tests {
             }));
             assert_eq!(edge.control().leases().count(), 0, "round {round}");
             assert!(edge.control().pending_requests().next().is_none());
-            assert!(edge.client_routes.borrow().is_empty());
+            assert!(edge.client_replies.borrow().is_empty());
             // Then the node goes away: fenced.
             edge.apply(Input::Closed { conn });
             assert!(!edge.control().is_ready_owner(conn));
@@ -1104,7 +1104,7 @@ mod tests {
     // lease, its client gets `Lost` and nothing queued behind that
     // decision, even frames read before the node's shard closed it.
     #[monoio::test_all(timer_enabled = true)]
-    async fn a_fenced_lease_ends_its_route_before_queued_frames() {
+    async fn a_fenced_lease_ends_its_reply_before_queued_frames() {
         let edge = edge();
         let conn = ConnId(1);
         edge.apply(Input::Register {
@@ -1120,22 +1120,22 @@ mod tests {
         let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };
-        let tx = edge.client_routes.borrow()[&request].tx.clone();
+        let tx = edge.client_replies.borrow()[&request].tx.clone();
         let frame = |seq| {
-            RouteEvent::Tunnel(Box::new(pb::ProviderTunnelFrame {
+            ReplyEvent::Tunnel(Box::new(pb::ProviderTunnelFrame {
                 run_id: request.run_id(),
                 seq,
                 ..Default::default()
             }))
         };
         assert!(tx.try_send(frame(1)).is_ok());
-        assert!(matches!(frames.recv().await, Some(RouteEvent::Tunnel(f)) if f.seq == 1));
+        assert!(matches!(frames.recv().await, Some(ReplyEvent::Tunnel(f)) if f.seq == 1));
         // Frame 2 is queued, then the connection is fenced.
         assert!(tx.try_send(frame(2)).is_ok());
         edge.apply(Input::Closed { conn });
-        assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
-        assert!(matches!(frames.recv().await, Some(RouteEvent::Lost)));
-        assert!(edge.client_routes.borrow().is_empty());
+        assert!(matches!(frames.recv().await, Some(ReplyEvent::Lost)));
+        assert!(matches!(frames.recv().await, Some(ReplyEvent::Lost)));
+        assert!(edge.client_replies.borrow().is_empty());
         assert_eq!(edge.control().leases().count(), 0);
     }
 

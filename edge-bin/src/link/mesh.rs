@@ -11,7 +11,7 @@ use iop_wire::pb::frame::Body;
 use crate::control::ConnId;
 use crate::link::commands;
 use crate::link::edge::Edge;
-use crate::link::routes::RouteEvent;
+use crate::link::replies::ReplyEvent;
 use crate::link::shards::{self, ShardMsg};
 
 impl Edge {
@@ -39,13 +39,13 @@ impl Edge {
                     self.execute_here(action);
                 }
             }
-            ShardMsg::StartRun(start) => {
+            ShardMsg::StartAttempt(start) => {
                 let edge = self.clone();
                 monoio::spawn(async move {
-                    let (request, route) = (start.request, start.route.clone());
-                    if !edge.send_run_here(start).await {
+                    let (request, reply) = (start.request, start.reply.clone());
+                    if !edge.send_attempt_here(start).await {
                         edge.abandon(request);
-                        let _ = route.send(RouteEvent::Lost).await;
+                        let _ = reply.send(ReplyEvent::Lost).await;
                     }
                 });
             }

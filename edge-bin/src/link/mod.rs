@@ -1,8 +1,8 @@
 //! The node side and the shards: node connections ([`nodes`]) and their
 //! places among the handshakes in progress ([`handshake`]), the
 //! per-shard shell state that carries out Control's actions ([`edge`]),
-//! the per-request routes between node connections and clients
-//! ([`routes`]), the observers of Control's events ([`observers`]), the
+//! the per-request replies between node connections and clients
+//! ([`replies`]), the observers of Control's events ([`observers`]), the
 //! shutdown drain ([`drain`]), commands sent to nodes and waiting for their
 //! answer ([`commands`]), the nodes' `/metrics` series ([`node_metrics`],
 //! cached per shard in [`node_metrics_cache`]), the shells' static settings
@@ -19,6 +19,6 @@ pub mod node_metrics;
 pub mod node_metrics_cache;
 pub mod nodes;
 pub mod observers;
-pub mod routes;
+pub mod replies;
 pub mod settings;
 pub mod shards;

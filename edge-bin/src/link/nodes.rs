@@ -24,7 +24,7 @@ use crate::control::attempt::AttemptTracker;
 use crate::control::{ConnId, Input, StallEvidence, Terminal};
 use crate::link::edge::Edge;
 use crate::link::handshake::{HandshakeFailure, HandshakeSlot};
-use crate::link::routes::{Delivery, RouteEvent};
+use crate::link::replies::{Delivery, ReplyEvent};
 
 /// A node connection that has not registered within this long is closed.
 pub const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
@@ -118,7 +118,7 @@ pub async fn serve(
     }
 
     // The reader never waits on a client: each run's frames go to its own
-    // route, which its flow-control window bounds, so heartbeats and every
+    // reply, which its flow-control window bounds, so heartbeats and every
     // other run keep flowing whatever one client does (T4).
     let mut events = events;
     let reason = loop {
@@ -132,7 +132,7 @@ pub async fn serve(
     };
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
     edge.remove_node_conn(conn_id);
-    edge.drop_routes_of(conn_id);
+    edge.drop_replies_of(conn_id);
     edge.apply(Input::Closed { conn: conn_id });
 }
 
@@ -200,7 +200,7 @@ fn handle_frame(
                 tf.kind(),
                 pb::TunnelFrameKind::End | pb::TunnelFrameKind::Error
             );
-            // Without a route (cut off), the terminal alone classifies it,
+            // Without a reply (cut off), the terminal alone classifies it,
             // as committed: health evidence, never a retry.
             let evidence = terminal.then(|| Terminal {
                 conn: conn_id,
@@ -218,7 +218,7 @@ fn handle_frame(
                 conn,
                 charge,
                 evidence,
-                RouteEvent::Tunnel(tf),
+                ReplyEvent::Tunnel(tf),
             );
         }
         Body::RunEvent(ev) => {
@@ -236,7 +236,7 @@ fn handle_frame(
                 committed: true,
             });
             let charge = flow::charge_of_run_event(&ev);
-            deliver(edge, conn_id, conn, charge, evidence, RouteEvent::Run(ev));
+            deliver(edge, conn_id, conn, charge, evidence, ReplyEvent::Run(ev));
         }
         Body::NodeCommandResponse(response)
             if crate::link::commands::is_admin_command(&response.command_id) =>
@@ -272,7 +272,7 @@ fn handle_frame(
     }
 }
 
-/// Hands a run's frame to its client's route (H1: only from the
+/// Hands a run's frame to its client's reply (H1: only from the
 /// connection it was dispatched to; `Edge::deliver`), then a terminal
 /// (`evidence`) to Control. A node that sent beyond its credit is closed.
 fn deliver(
@@ -281,7 +281,7 @@ fn deliver(
     conn: &ConnHandle,
     charge: u64,
     evidence: Option<Terminal>,
-    event: RouteEvent,
+    event: ReplyEvent,
 ) {
     let mut evidence = evidence;
     let delivery = edge.deliver(conn_id, charge, evidence.is_some(), event);

@@ -6,8 +6,8 @@
 //!  shard k ───────────────────► control shard 0 ─────────────────────────────────► shard k
 //!  (client sockets,             (Control: registry,                                 │
 //!   node connections)            fencing, queue, leases)                            │
-//!     │ StartRun{conn, run, route} ──► shard owning the node connection             │
-//!     ◄───────────── body frames, straight into the route's mailbox ◄───────────────┘
+//!     │ StartAttempt{conn, run, reply} ──► shard owning the node connection             │
+//!     ◄───────────── body frames, straight into the reply's mailbox ◄───────────────┘
 //! ```
 //!
 //! Every shard accepts client and node connections (`SO_REUSEPORT`
@@ -17,7 +17,7 @@
 //! what it sends per destination in one [`Outbox`] and one flusher task
 //! moves it, coalescing consecutive inputs (or actions) into one message so
 //! wake-ups stay rare under load. Body frames never pass the control shard:
-//! the shard reading a node connection pushes them into the route's own
+//! the shard reading a node connection pushes them into the reply's own
 //! bounded mailbox, whose receiver is the client request on its shard.
 
 use std::cell::{Cell, RefCell};
@@ -30,7 +30,7 @@ use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 
 use crate::control::{Action, ConnId, Control, Input, RequestId};
-use crate::link::routes::RouteEvent;
+use crate::link::replies::ReplyEvent;
 
 /// Bits of a connection or request id that hold its shard index.
 const SHARD_SHIFT: u32 = 48;
@@ -90,7 +90,7 @@ impl NodeRequest {
 }
 
 /// A dispatched run to send on a node connection of the receiving shard.
-pub struct StartRun {
+pub struct StartAttempt {
     /// The node connection (owned by the receiving shard).
     pub conn: ConnId,
     /// The request it serves.
@@ -100,15 +100,15 @@ pub struct StartRun {
     /// The `ProviderTunnelRequest` or `RunRequest` and its body.
     pub run: NodeRequest,
     /// Where the run's frames go (the client request's mailbox).
-    pub route: MailboxSender<RouteEvent>,
+    pub reply: MailboxSender<ReplyEvent>,
     /// Its relay writes only at the end (a non-streaming chat completion
     /// over a normalized run): the commit point (`crate::control::attempt`).
     pub buffered: bool,
 }
 
-impl std::fmt::Debug for StartRun {
+impl std::fmt::Debug for StartAttempt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StartRun")
+        f.debug_struct("StartAttempt")
             .field("conn", &self.conn)
             .field("request", &self.request)
             .field("run_id", &self.run_id)
@@ -134,7 +134,7 @@ pub enum ShardMsg {
     /// `Control`'s decisions about connections and requests of this shard.
     Actions(Vec<Action>),
     /// Send a run on a node connection of this shard.
-    StartRun(StartRun),
+    StartAttempt(StartAttempt),
     /// The client of a run on a node connection of this shard drained
     /// enough for more credit.
     Credit {
@@ -184,7 +184,7 @@ impl std::fmt::Debug for ShardMsg {
         match self {
             ShardMsg::Inputs(v) => write!(f, "Inputs({})", v.len()),
             ShardMsg::Actions(v) => write!(f, "Actions({})", v.len()),
-            ShardMsg::StartRun(s) => s.fmt(f),
+            ShardMsg::StartAttempt(s) => s.fmt(f),
             ShardMsg::Credit { conn, .. } => write!(f, "Credit({conn:?})"),
             ShardMsg::SendControl { conn, .. } => write!(f, "SendControl({conn:?})"),
             ShardMsg::CommandAnswer { conn, .. } => write!(f, "CommandAnswer({conn:?})"),

@@ -72,7 +72,7 @@ pub enum Ended {
 
 /// The stall-terminal inputs of an attempt.
 #[derive(Debug, Clone)]
-pub struct StallEvidence {
+pub struct StallSubject {
     /// Node-owned identity (W5).
     pub identity: AttemptIdentity,
     /// What the probe asks (W4).
@@ -86,7 +86,7 @@ pub struct Attempt<E: Emitter> {
     /// The attempt's stall watchdog.
     pub watchdog: Watchdog,
     /// What a stall terminal reports.
-    pub evidence: StallEvidence,
+    pub evidence: StallSubject,
     /// The provider call's outputs.
     pub provider: ProviderSide<E::Output>,
     /// The run's window.
@@ -152,7 +152,7 @@ pub fn drive<'a, E: Emitter + 'a>(
     env: &'a AttemptEnv,
     mut emitter: E,
     mut watchdog: Watchdog,
-    evidence: StallEvidence,
+    evidence: StallSubject,
     mut provider: ProviderSide<E::Output>,
     flow: Rc<FlowGate>,
     mut stop: oneshot::Receiver<StopCause>,

@@ -558,14 +558,14 @@ fn watch_attempt(
     target: &str,
 ) -> (
     crate::attempt::watchdog::Watchdog,
-    crate::attempt::StallEvidence,
+    crate::attempt::StallSubject,
 ) {
     let now = iop_engine::clock::now();
     let hard_deadline = u64::try_from(timeout_sec)
         .ok()
         .filter(|&s| s > 0)
         .and_then(|s| now.checked_add(std::time::Duration::from_secs(s)));
-    let evidence = crate::attempt::StallEvidence {
+    let evidence = crate::attempt::StallSubject {
         identity: crate::attempt::watchdog::AttemptIdentity {
             node_run_id: ticket.node_run_id(),
             attempt_id: ticket.attempt_id(),

@@ -1,4 +1,4 @@
-//! The relay's decisions, sans-IO: fed the route's events of one attempt,
+//! The relay's decisions, sans-IO: fed the reply's events of one attempt,
 //! a [`Relay`] says what to write to the client, what to credit back to the
 //! node, and how the attempt ends. No socket, no clock, no `Edge`: the
 //! shell in `relay/mod.rs` performs the steps.
@@ -18,15 +18,15 @@
 //!   commit.
 //! - **The retry**: a failure before the commit that another provider may
 //!   take waits for Control's verdict ([`Step::AwaitVerdict`]): a
-//!   [`RouteEvent::Retry`] ends the relay with the next dispatch, a
-//!   [`RouteEvent::Lost`] (or the route's end) answers the failure. A
+//!   [`ReplyEvent::Retry`] ends the relay with the next dispatch, a
+//!   [`ReplyEvent::Lost`] (or the reply's end) answers the failure. A
 //!   failure after the commit is never retried.
 //! - **How a failure reaches the client** ([`FailAs`]): an HTTP error before
 //!   the response started, the error's SSE event inside a started event
 //!   stream, a broken-off body otherwise. Overflow (the client drained too
 //!   slowly) and node loss are failures like any other; an overflow also
 //!   cuts the relay off ([`Failure::cuts_off`]).
-//! - **Credit**: every event taken off the route is credited back with its
+//! - **Credit**: every event taken off the reply is credited back with its
 //!   charge once its bytes are written (or held, or dropped): frames of an
 //!   older attempt, of the wrong kind, or queued behind a failure only
 //!   that.
@@ -35,14 +35,14 @@
 //!
 //! ```text
 //!   loop {
-//!       next = route.recv()            // watched for the client leaving
+//!       next = reply.recv()            // watched for the client leaving
 //!       relay.handle(next, run_id)     //   while !relay.is_started()
 //!       while let Some(step) = relay.poll() { perform(step) }
 //!   }
 //! ```
 //!
-//! Call [`Relay::handle`] with each event the route gives (`None`: the
-//! route ended) and the run id the route follows now, then [`Relay::poll`]
+//! Call [`Relay::handle`] with each event the reply gives (`None`: the
+//! reply ended) and the run id the reply follows now, then [`Relay::poll`]
 //! until it returns `None` before the next `handle`. One event's steps come
 //! in this order, each at most once unless noted:
 //!
@@ -51,7 +51,7 @@
 //! one of `AwaitVerdict`, `Retry`, `Answer`, `Fail`, `Finish`.
 //!
 //! `Retry`, `Answer`, `Fail` and `Finish` end the relay: nothing more is fed.
-//! Bytes are moved, never copied: a tunnel body goes from the route's frame
+//! Bytes are moved, never copied: a tunnel body goes from the reply's frame
 //! to [`Step::WriteChunk`] as the same [`Bytes`], with no allocation per
 //! frame.
 
@@ -64,7 +64,7 @@ use crate::api::error::GatewayError;
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, Dispatch};
-use crate::link::routes::RouteEvent;
+use crate::link::replies::ReplyEvent;
 
 /// One thing for the shell to do, in the order [`Relay::poll`] gives them.
 #[derive(Debug, PartialEq)]
@@ -73,7 +73,7 @@ pub(crate) enum Step {
     Usage(pb::Usage),
     /// Start the client's response.
     WriteHead(Head),
-    /// The attempt committed: the route drops what it kept of the request
+    /// The attempt committed: the reply drops what it kept of the request
     /// for another attempt.
     Release,
     /// Write these bytes as the next piece of the started response.
@@ -81,10 +81,10 @@ pub(crate) enum Step {
     /// A chunk of the event just taken reached the client (relay latency);
     /// `body_bytes` of a tunnel body were relayed with it.
     Relayed { body_bytes: u64 },
-    /// Credit the node with this charge (`RouteRx::drained`).
+    /// Credit the node with this charge (`ReplyRx::drained`).
     Credit(u64),
     /// The attempt failed before the commit and another provider may take
-    /// it: keep feeding the route's events until Control's verdict.
+    /// it: keep feeding the reply's events until Control's verdict.
     AwaitVerdict,
     /// Control dispatched the request again: relay this attempt instead.
     /// Ends the relay.
@@ -117,7 +117,7 @@ pub(crate) enum Head {
 pub(crate) struct Failure {
     pub error: GatewayError,
     pub shape: FailAs,
-    /// The client drained too slowly ([`RouteEvent::Overflow`]): the relay
+    /// The client drained too slowly ([`ReplyEvent::Overflow`]): the relay
     /// ends with the cut-off error whatever the answer's write did, so the
     /// connection closes and the run is cancelled.
     pub cuts_off: bool,
@@ -260,37 +260,37 @@ impl Relay {
         self.started
     }
 
-    /// Takes the route's next event (`None`: the route ended); `run_id` is
-    /// the run the route follows now. Then [`Relay::poll`] until `None`.
-    pub(crate) fn handle(&mut self, next: Option<RouteEvent>, run_id: &str) {
+    /// Takes the reply's next event (`None`: the reply ended); `run_id` is
+    /// the run the reply follows now. Then [`Relay::poll`] until `None`.
+    pub(crate) fn handle(&mut self, next: Option<ReplyEvent>, run_id: &str) {
         debug_assert!(
             self.out.is_empty(),
             "handle before the last steps were polled"
         );
-        let charge = next.as_ref().map_or(0, RouteEvent::charge);
+        let charge = next.as_ref().map_or(0, ReplyEvent::charge);
         match self.phase {
             Phase::Ended => debug_assert!(false, "an event after the relay ended"),
             Phase::AwaitingVerdict(_) => self.on_verdict_event(next, charge),
             Phase::Relaying => match next {
-                Some(RouteEvent::Tunnel(tf))
+                Some(ReplyEvent::Tunnel(tf))
                     if tf.run_id == run_id && matches!(self.form, Form::Tunnel { .. }) =>
                 {
                     self.on_tunnel_frame(tf, charge)
                 }
-                Some(RouteEvent::Run(ev))
+                Some(ReplyEvent::Run(ev))
                     if ev.run_id == run_id && !matches!(self.form, Form::Tunnel { .. }) =>
                 {
                     self.on_run_event(ev, charge)
                 }
                 // Another attempt's, or not this relay's kind: nothing for
                 // this one.
-                Some(RouteEvent::Tunnel(_) | RouteEvent::Run(_)) => self.out.credit = charge,
+                Some(ReplyEvent::Tunnel(_) | ReplyEvent::Run(_)) => self.out.credit = charge,
                 // Control never retries a committed attempt.
-                Some(RouteEvent::Retry(next)) if !self.started => self.end(Step::Retry(next)),
-                Some(RouteEvent::Retry(_)) => {}
-                Some(RouteEvent::Aborted(reason)) => self.fail(aborted(reason), false),
-                Some(RouteEvent::Overflow) => self.fail(GatewayError::client_too_slow(), true),
-                Some(RouteEvent::Lost) | None => self.fail(GatewayError::node_lost(), false),
+                Some(ReplyEvent::Retry(next)) if !self.started => self.end(Step::Retry(next)),
+                Some(ReplyEvent::Retry(_)) => {}
+                Some(ReplyEvent::Aborted(reason)) => self.fail(aborted(reason), false),
+                Some(ReplyEvent::Overflow) => self.fail(GatewayError::client_too_slow(), true),
+                Some(ReplyEvent::Lost) | None => self.fail(GatewayError::node_lost(), false),
             },
         }
     }
@@ -454,12 +454,12 @@ impl Relay {
         }
     }
 
-    /// While waiting for Control's verdict: everything on the route but the
+    /// While waiting for Control's verdict: everything on the reply but the
     /// verdict belongs to the failed attempt (credited only).
-    fn on_verdict_event(&mut self, next: Option<RouteEvent>, charge: u64) {
+    fn on_verdict_event(&mut self, next: Option<ReplyEvent>, charge: u64) {
         match next {
-            Some(RouteEvent::Retry(next)) => self.end(Step::Retry(next)),
-            Some(RouteEvent::Lost) | None => {
+            Some(ReplyEvent::Retry(next)) => self.end(Step::Retry(next)),
+            Some(ReplyEvent::Lost) | None => {
                 // The request ended there: the failure stands.
                 let phase = std::mem::replace(&mut self.phase, Phase::Relaying);
                 match phase {
@@ -566,7 +566,7 @@ mod tests {
 
     use super::*;
     use crate::control::attempt::HOLD_MAX_BYTES;
-    use crate::control::{ConnId, DispatchKind, Generation, Lease, ProviderKey, RequestId};
+    use crate::control::{ConnId, DispatchKind, Generation, ProviderKey, ProviderLease, RequestId};
 
     const RUN: &str = "run-1";
 
@@ -588,29 +588,29 @@ mod tests {
         head
     }
 
-    fn head(status: u32, content_type: &'static str) -> RouteEvent {
-        RouteEvent::Tunnel(head_of(status, content_type, RUN))
+    fn head(status: u32, content_type: &'static str) -> ReplyEvent {
+        ReplyEvent::Tunnel(head_of(status, content_type, RUN))
     }
 
-    fn body_of(bytes: Bytes, run: &str) -> RouteEvent {
+    fn body_of(bytes: Bytes, run: &str) -> ReplyEvent {
         let mut tf = frame(pb::TunnelFrameKind::Body, run);
         tf.body = bytes;
-        RouteEvent::Tunnel(tf)
+        ReplyEvent::Tunnel(tf)
     }
 
-    fn body(bytes: &'static [u8]) -> RouteEvent {
+    fn body(bytes: &'static [u8]) -> ReplyEvent {
         body_of(Bytes::from_static(bytes), RUN)
     }
 
-    fn end() -> RouteEvent {
-        RouteEvent::Tunnel(frame(pb::TunnelFrameKind::End, RUN))
+    fn end() -> ReplyEvent {
+        ReplyEvent::Tunnel(frame(pb::TunnelFrameKind::End, RUN))
     }
 
-    fn error(code: &str) -> RouteEvent {
+    fn error(code: &str) -> ReplyEvent {
         let mut tf = frame(pb::TunnelFrameKind::Error, RUN);
         tf.failure_code = code.into();
         tf.error = "upstream said no".into();
-        RouteEvent::Tunnel(tf)
+        ReplyEvent::Tunnel(tf)
     }
 
     fn usage(prompt_tokens: u64, completion_tokens: u64) -> pb::Usage {
@@ -630,22 +630,22 @@ mod tests {
         }
     }
 
-    fn run(kind: pb::RunEventType, delta: &str) -> RouteEvent {
-        RouteEvent::Run(Box::new(run_event(kind, delta)))
+    fn run(kind: pb::RunEventType, delta: &str) -> ReplyEvent {
+        ReplyEvent::Run(Box::new(run_event(kind, delta)))
     }
 
-    fn run_error(code: &str) -> RouteEvent {
+    fn run_error(code: &str) -> ReplyEvent {
         let mut ev = run_event(pb::RunEventType::Error, "");
         ev.failure_code = code.into();
         ev.error = "upstream said no".into();
-        RouteEvent::Run(Box::new(ev))
+        ReplyEvent::Run(Box::new(ev))
     }
 
-    fn complete(usage: Option<pb::Usage>) -> RouteEvent {
+    fn complete(usage: Option<pb::Usage>) -> ReplyEvent {
         let mut ev = run_event(pb::RunEventType::Complete, "");
         ev.finish_reason = "stop".into();
         ev.usage = usage.map(Box::new);
-        RouteEvent::Run(Box::new(ev))
+        ReplyEvent::Run(Box::new(ev))
     }
 
     fn id() -> ResponseId {
@@ -659,7 +659,7 @@ mod tests {
     fn dispatch(run: &str) -> Box<Dispatch> {
         Box::new(Dispatch {
             request: RequestId(1),
-            lease: Lease {
+            lease: ProviderLease {
                 request: RequestId(1),
                 run_id: run.into(),
                 provider: ProviderKey {
@@ -678,13 +678,13 @@ mod tests {
         })
     }
 
-    /// Feeds `event` (for the route following `run`) and takes every step.
-    fn feed_for(relay: &mut Relay, event: Option<RouteEvent>, run: &str) -> Vec<Step> {
+    /// Feeds `event` (for the reply following `run`) and takes every step.
+    fn feed_for(relay: &mut Relay, event: Option<ReplyEvent>, run: &str) -> Vec<Step> {
         relay.handle(event, run);
         std::iter::from_fn(|| relay.poll()).collect()
     }
 
-    fn feed(relay: &mut Relay, event: RouteEvent) -> Vec<Step> {
+    fn feed(relay: &mut Relay, event: ReplyEvent) -> Vec<Step> {
         feed_for(relay, Some(event), RUN)
     }
 
@@ -725,7 +725,7 @@ mod tests {
             ]
         );
         assert!(relay.is_started());
-        // Moved, not copied: the client is written the route's own bytes.
+        // Moved, not copied: the client is written the reply's own bytes.
         let Step::WriteHead(Head::Provider { first: written, .. }) = &steps[0] else {
             unreachable!()
         };
@@ -748,7 +748,7 @@ mod tests {
         let mut tf = frame(pb::TunnelFrameKind::Usage, RUN);
         tf.usage = Some(Box::new(usage(5, 9)));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Tunnel(tf)),
+            feed(&mut relay, ReplyEvent::Tunnel(tf)),
             [Step::Usage(usage(5, 9)), Step::Credit(F)]
         );
         assert_eq!(feed(&mut relay, end()), [Step::Finish]);
@@ -768,7 +768,7 @@ mod tests {
         assert_eq!(feed(&mut relay, end()), [Step::AwaitVerdict]);
         // No retry came: the provider's answer as it is, never released.
         assert_eq!(
-            feed_for(&mut relay, Some(RouteEvent::Lost), RUN),
+            feed_for(&mut relay, Some(ReplyEvent::Lost), RUN),
             [
                 Step::WriteHead(Head::Provider {
                     head: head_of(503, JSON, RUN),
@@ -829,9 +829,9 @@ mod tests {
         // Queued behind the failure: the failed attempt's, credited only
         // (its own frames and notices alike).
         assert_eq!(feed(&mut relay, body(b"late")), [Step::Credit(F + 4)]);
-        assert_eq!(feed(&mut relay, RouteEvent::Overflow), []);
+        assert_eq!(feed(&mut relay, ReplyEvent::Overflow), []);
         assert_eq!(
-            feed(&mut relay, RouteEvent::Retry(dispatch("run-2"))),
+            feed(&mut relay, ReplyEvent::Retry(dispatch("run-2"))),
             [Step::Retry(dispatch("run-2"))]
         );
         // The next attempt's relay follows run-2: run-1's stale frames are
@@ -843,7 +843,7 @@ mod tests {
             [Step::Credit(F + 3)]
         );
         assert_eq!(
-            next(&mut relay, RouteEvent::Tunnel(head_of(200, JSON, "run-2"))),
+            next(&mut relay, ReplyEvent::Tunnel(head_of(200, JSON, "run-2"))),
             []
         );
         assert_eq!(
@@ -894,7 +894,7 @@ mod tests {
         feed(&mut relay, body(b"data: {}\n\n"));
         assert!(relay.is_started());
         // Control never retries a committed attempt; a stray one is ignored.
-        assert_eq!(feed(&mut relay, RouteEvent::Retry(dispatch("run-2"))), []);
+        assert_eq!(feed(&mut relay, ReplyEvent::Retry(dispatch("run-2"))), []);
         assert_eq!(
             feed(&mut relay, error("response_stalled")),
             [fail(
@@ -922,7 +922,7 @@ mod tests {
         let mut relay = Relay::tunnel();
         feed(&mut relay, head(200, SSE));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Overflow),
+            feed(&mut relay, ReplyEvent::Overflow),
             [fail(
                 GatewayError::client_too_slow(),
                 FailAs::Response,
@@ -933,7 +933,7 @@ mod tests {
         feed(&mut relay, head(200, SSE));
         feed(&mut relay, body(b"data: {}\n\n"));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Overflow),
+            feed(&mut relay, ReplyEvent::Overflow),
             [fail(
                 GatewayError::client_too_slow(),
                 FailAs::SseEvent,
@@ -947,10 +947,10 @@ mod tests {
         let mut relay = Relay::tunnel();
         feed(&mut relay, head(200, JSON));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Lost),
+            feed(&mut relay, ReplyEvent::Lost),
             [fail(GatewayError::node_lost(), FailAs::Response, false)]
         );
-        // The route's end is a loss too.
+        // The reply's end is a loss too.
         let mut relay = Relay::stream(id(), false);
         assert_eq!(
             feed_for(&mut relay, None, RUN),
@@ -960,13 +960,13 @@ mod tests {
         feed(&mut relay, head(200, JSON));
         feed(&mut relay, body(b"{"));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Lost),
+            feed(&mut relay, ReplyEvent::Lost),
             [fail(GatewayError::node_lost(), FailAs::BreakOff, false)]
         );
         let mut relay = Relay::stream(id(), false);
         feed(&mut relay, run(pb::RunEventType::Delta, "Hi"));
         assert_eq!(
-            feed(&mut relay, RouteEvent::Lost),
+            feed(&mut relay, ReplyEvent::Lost),
             [fail(GatewayError::node_lost(), FailAs::SseEvent, false)]
         );
     }
@@ -977,7 +977,7 @@ mod tests {
         assert_eq!(
             feed(
                 &mut relay,
-                RouteEvent::Aborted(AbortReason::ResponseWaitTimeout)
+                ReplyEvent::Aborted(AbortReason::ResponseWaitTimeout)
             ),
             [fail(
                 GatewayError::response_wait_timeout(),
@@ -1055,7 +1055,7 @@ mod tests {
             [Step::Credit(F + 4)]
         );
         assert_eq!(
-            feed(&mut relay, RouteEvent::Retry(dispatch("run-2"))),
+            feed(&mut relay, ReplyEvent::Retry(dispatch("run-2"))),
             [Step::Retry(dispatch("run-2"))]
         );
         // After the first delta an error is the stream's own SSE error.
@@ -1106,7 +1106,7 @@ mod tests {
             [Step::AwaitVerdict]
         );
         assert_eq!(
-            feed(&mut relay, RouteEvent::Lost),
+            feed(&mut relay, ReplyEvent::Lost),
             [fail(
                 GatewayError::provider_failure("capacity_exhausted", "upstream said no", true),
                 FailAs::Response,

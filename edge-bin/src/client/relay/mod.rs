@@ -3,14 +3,14 @@
 //! completion — with the commit point, the held head and the retry.
 //!
 //! The decisions are the sans-IO [`core::Relay`]'s (its docs: what it
-//! decides, the step protocol); the shells here feed it the route's events
+//! decides, the step protocol); the shells here feed it the reply's events
 //! and perform its steps — the writes, the node's credit, the request's
 //! release at the commit.
 //!
 //! ```text
-//!  route ──event──► Relay::handle ──► Relay::poll ──steps──► client writes
+//!  reply ──event──► Relay::handle ──► Relay::poll ──steps──► client writes
 //!    ▲                                                     │
-//!    └───────────────── credit (RouteRx::drained) ◄────────┘
+//!    └───────────────── credit (ReplyRx::drained) ◄────────┘
 //! ```
 
 mod core;
@@ -31,10 +31,10 @@ use crate::api::openai;
 use crate::api::translate::ResponseId;
 use crate::control::{CancelReason, Dispatch};
 use crate::link::edge::Edge;
-use crate::link::routes::RouteRx;
+use crate::link::replies::ReplyRx;
 
 /// Called once by a relay when its response commits (its first bytes go
-/// to the client): the route drops what it kept of the request for
+/// to the client): the reply drops what it kept of the request for
 /// another attempt (pre-commit failover only), so a stream holds none of
 /// it while it lasts.
 pub(super) type Release<'a> = &'a mut dyn FnMut();
@@ -50,7 +50,7 @@ pub(super) enum Relayed {
 }
 
 /// A run cut off because its client drained slower than its node sent
-/// ([`crate::link::routes::RouteEvent::Overflow`]).
+/// ([`crate::link::replies::ReplyEvent::Overflow`]).
 #[derive(Debug, thiserror::Error)]
 #[error("the run was cut off: the client drained slower than its node sent")]
 pub(super) struct CutOff;
@@ -80,7 +80,7 @@ pub(super) fn cancel_reason(e: &HttpError) -> CancelReason {
 pub(super) async fn relay_completion<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
-    frames: &mut RouteRx,
+    frames: &mut ReplyRx,
     id: ResponseId,
 ) -> Result<Relayed, HttpError>
 where
@@ -105,7 +105,7 @@ where
 pub(super) async fn relay_run<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
-    frames: &mut RouteRx,
+    frames: &mut ReplyRx,
     id: ResponseId,
     include_usage: bool,
     release: Release<'_>,
@@ -125,7 +125,7 @@ pub(super) async fn relay<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     surface: Surface,
-    frames: &mut RouteRx,
+    frames: &mut ReplyRx,
     release: Release<'_>,
 ) -> Result<Relayed, HttpError>
 where
@@ -134,14 +134,14 @@ where
     drive(edge, server, surface, frames, Relay::tunnel(), release).await
 }
 
-/// Feeds the route's events to `core` and performs its steps
+/// Feeds the reply's events to `core` and performs its steps
 /// ([`core`]): the writes, the node's credit as the client's socket takes
 /// each event (or the core held it), the request's release at the commit.
 async fn drive<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     surface: Surface,
-    frames: &mut RouteRx,
+    frames: &mut ReplyRx,
     mut core: Relay,
     release: Release<'_>,
 ) -> Result<Relayed, HttpError>
@@ -196,7 +196,7 @@ where
                     }
                 }
                 Step::Credit(charge) => frames.drained(edge, charge),
-                // Control's verdict comes on the route, like the events.
+                // Control's verdict comes on the reply, like the events.
                 Step::AwaitVerdict => {}
                 Step::Retry(next) => return Ok(Relayed::Retry(*next)),
                 Step::Answer(body) => {

@@ -1,7 +1,7 @@
-//! The per-request routes between a node connection and a waiting client
-//! request: what travels on them ([`RouteEvent`]), the client's receiving
-//! end ([`RouteRx`]), the shard's table entries on either side
-//! ([`ClientRoute`], [`NodeRoute`]), and what became of a node's frame
+//! The per-request replies between a node connection and a waiting client
+//! request: what travels on them ([`ReplyEvent`]), the client's receiving
+//! end ([`ReplyRx`]), the shard's table entries on either side
+//! ([`ClientReply`], [`NodeReply`]), and what became of a node's frame
 //! ([`Delivery`]).
 
 use std::cell::Cell;
@@ -18,7 +18,7 @@ use crate::control::{AbortReason, AttemptEnd, ConnId, Dispatch};
 // Frames move through the queue by value; boxing them would allocate per frame.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-pub enum RouteEvent {
+pub enum ReplyEvent {
     /// A tunnel frame from the connection that owns the lease (H1).
     Tunnel(Box<pb::ProviderTunnelFrame>),
     /// A normalized run event from the connection that owns the lease (H1).
@@ -39,13 +39,13 @@ pub enum RouteEvent {
     Retry(Box<Dispatch>),
 }
 
-/// The receiving end of a client request's route: frames arrive here from
+/// The receiving end of a client request's reply: frames arrive here from
 /// whichever shard reads the node connection, at most a flow-control
-/// window of them (`iop_wire::flow`); [`RouteRx::drained`] grants the node
+/// window of them (`iop_wire::flow`); [`ReplyRx::drained`] grants the node
 /// more as the client's socket takes them.
 #[derive(Debug)]
-pub struct RouteRx {
-    pub(super) rx: Mailbox<RouteEvent>,
+pub struct ReplyRx {
+    pub(super) rx: Mailbox<ReplyEvent>,
     /// Set when `Control` released the lease without a terminal.
     pub(super) lost: Rc<Cell<bool>>,
     /// When to credit the node, from what the client took.
@@ -57,28 +57,28 @@ pub struct RouteRx {
     pub(super) run_id: String,
 }
 
-impl RouteRx {
+impl ReplyRx {
     /// The next event. Once the lease is known lost (F1, R2) that is all
     /// the client gets: frames still queued behind the decision — read from
     /// the fenced connection before its shard closed it — are never
     /// relayed.
-    pub async fn recv(&mut self) -> Option<RouteEvent> {
+    pub async fn recv(&mut self) -> Option<ReplyEvent> {
         if self.lost.get() {
-            return Some(RouteEvent::Lost);
+            return Some(ReplyEvent::Lost);
         }
         let event = self.rx.recv().await;
         if self.lost.get() {
-            return Some(RouteEvent::Lost);
+            return Some(ReplyEvent::Lost);
         }
         event
     }
 
-    /// The run id of the attempt whose frames this route relays now.
+    /// The run id of the attempt whose frames this reply relays now.
     pub fn run_id(&self) -> &str {
         &self.run_id
     }
 
-    /// Follows the request's next attempt ([`RouteEvent::Retry`]): credit
+    /// Follows the request's next attempt ([`ReplyEvent::Retry`]): credit
     /// goes to its connection and run, under a fresh window.
     pub fn retarget(&mut self, dispatch: &Dispatch) {
         self.conn = dispatch.lease.conn;
@@ -87,47 +87,47 @@ impl RouteRx {
     }
 }
 
-impl RouteEvent {
+impl ReplyEvent {
     /// The run a node's frame belongs to; `None` for the Edge's own notices.
     pub fn run_id(&self) -> Option<&str> {
         match self {
-            RouteEvent::Tunnel(tf) => Some(&tf.run_id),
-            RouteEvent::Run(ev) => Some(&ev.run_id),
-            RouteEvent::Lost
-            | RouteEvent::Overflow
-            | RouteEvent::Aborted(_)
-            | RouteEvent::Retry(_) => None,
+            ReplyEvent::Tunnel(tf) => Some(&tf.run_id),
+            ReplyEvent::Run(ev) => Some(&ev.run_id),
+            ReplyEvent::Lost
+            | ReplyEvent::Overflow
+            | ReplyEvent::Aborted(_)
+            | ReplyEvent::Retry(_) => None,
         }
     }
 
     /// Its flow-control charge (`iop_wire::flow`).
     pub fn charge(&self) -> u64 {
         match self {
-            RouteEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
-            RouteEvent::Run(ev) => flow::charge_of_run_event(ev),
-            RouteEvent::Lost
-            | RouteEvent::Overflow
-            | RouteEvent::Aborted(_)
-            | RouteEvent::Retry(_) => 0,
+            ReplyEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
+            ReplyEvent::Run(ev) => flow::charge_of_run_event(ev),
+            ReplyEvent::Lost
+            | ReplyEvent::Overflow
+            | ReplyEvent::Aborted(_)
+            | ReplyEvent::Retry(_) => 0,
         }
     }
 }
 
-/// This shard's handle on a dispatched client request's route.
-pub(super) struct ClientRoute {
-    pub(super) tx: MailboxSender<RouteEvent>,
+/// This shard's handle on a dispatched client request's reply.
+pub(super) struct ClientReply {
+    pub(super) tx: MailboxSender<ReplyEvent>,
     pub(super) lost: Rc<Cell<bool>>,
 }
 
 /// A dispatched run on a node connection of this shard: where its frames
 /// go.
-pub(super) struct NodeRoute {
+pub(super) struct NodeReply {
     /// The connection the run was dispatched to; frames from any other
-    /// connection are not for this route (H1).
+    /// connection are not for this reply (H1).
     pub(super) conn: ConnId,
     /// The client request's mailbox (on any shard). Never awaited: the
     /// window bounds what it holds, so a push always fits.
-    pub(super) tx: MailboxSender<RouteEvent>,
+    pub(super) tx: MailboxSender<ReplyEvent>,
     /// What the node may still send: charged bytes received against the
     /// credit granted so far.
     pub(super) window: RecvWindow,
@@ -154,37 +154,37 @@ pub enum Delivery {
         /// `None` otherwise.
         run_id: Option<String>,
     },
-    /// No live route on this connection (late, stale, or never dispatched
+    /// No live reply on this connection (late, stale, or never dispatched
     /// here: H1, F2).
-    NoRoute,
+    NoReply,
     /// The run went beyond its window on a node without flow control: the
-    /// run was cut off (its client gets [`RouteEvent::Overflow`]).
+    /// run was cut off (its client gets [`ReplyEvent::Overflow`]).
     CutOff,
     /// A node that speaks flow control sent beyond its credit: a protocol
     /// error; close the connection.
     Overrun(Overrun),
 }
 
-/// A frame about to wait in a route behind others (its client is behind):
+/// A frame about to wait in a reply behind others (its client is behind):
 /// its body is copied out of the connection's read buffer, so a stuck
 /// client holds its window's bytes and no more. Decoded bodies are slices
 /// of the read buffer they arrived in (64 KiB chunks shared by every run of
 /// the connection); left as they are, a few frames of a client that does
 /// not read would pin whole chunks full of other runs' bytes. A frame its
-/// client takes at once (an empty route) keeps the zero-copy slice.
-pub(super) fn compacted(event: RouteEvent, route: &MailboxSender<RouteEvent>) -> RouteEvent {
+/// client takes at once (an empty reply) keeps the zero-copy slice.
+pub(super) fn compacted(event: ReplyEvent, reply: &MailboxSender<ReplyEvent>) -> ReplyEvent {
     match event {
-        RouteEvent::Tunnel(mut tf) if !tf.body.is_empty() && !route.is_empty() => {
+        ReplyEvent::Tunnel(mut tf) if !tf.body.is_empty() && !reply.is_empty() => {
             tf.body = bytes::Bytes::copy_from_slice(&tf.body);
-            RouteEvent::Tunnel(tf)
+            ReplyEvent::Tunnel(tf)
         }
         other => other,
     }
 }
 
-/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a route even when the
-/// route is full: then it waits behind the queued frames.
-pub(super) fn push_notice(tx: MailboxSender<RouteEvent>, notice: RouteEvent) {
+/// Puts a notice (`Lost`, `Overflow`, `Aborted`) on a reply even when the
+/// reply is full: then it waits behind the queued frames.
+pub(super) fn push_notice(tx: MailboxSender<ReplyEvent>, notice: ReplyEvent) {
     if let Err(mailbox::TrySendError::Full(notice)) = tx.try_send(notice) {
         monoio::spawn(async move {
             let _ = tx.send(notice).await;

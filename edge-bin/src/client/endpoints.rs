@@ -1,38 +1,38 @@
-//! The inference routes: each one's path, operation and error shape (the
-//! operation descriptor the pipeline is driven by).
+//! The inference endpoints: each one's path, operation and error shape
+//! (the operation descriptor the pipeline is driven by).
 
 use crate::api::error::Surface;
 use crate::control::Operation;
 
-/// A passthrough route: which profile operation it is (U3) and which client
-/// API it speaks.
+/// An inference endpoint: which profile operation it is (U3) and which
+/// client API it speaks.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct PassRoute {
+pub(super) struct Endpoint {
     pub(super) operation: &'static str,
     pub(super) op: Operation,
     pub(super) path: &'static str,
     pub(super) surface: Surface,
 }
 
-pub(super) const CHAT_COMPLETIONS: PassRoute = PassRoute {
+pub(super) const CHAT_COMPLETIONS: Endpoint = Endpoint {
     operation: "chat_completions",
     op: Operation::ChatCompletions,
     path: "/v1/chat/completions",
     surface: Surface::OpenAi,
 };
-pub(super) const RESPONSES: PassRoute = PassRoute {
+pub(super) const RESPONSES: Endpoint = Endpoint {
     operation: "responses",
     op: Operation::Responses,
     path: "/v1/responses",
     surface: Surface::OpenAi,
 };
-pub(super) const MESSAGES: PassRoute = PassRoute {
+pub(super) const MESSAGES: Endpoint = Endpoint {
     operation: "messages",
     op: Operation::Messages,
     path: "/v1/messages",
     surface: Surface::Anthropic,
 };
-pub(super) const COUNT_TOKENS: PassRoute = PassRoute {
+pub(super) const COUNT_TOKENS: Endpoint = Endpoint {
     operation: "count_tokens",
     op: Operation::CountTokens,
     path: "/v1/messages/count_tokens",
