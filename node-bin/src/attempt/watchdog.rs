@@ -46,6 +46,10 @@
 //!   the provider is not idle, our client is: the idle clock stops, so that
 //!   time counts toward no stall and produces no probe or health evidence.
 //!   The hard deadline and stop causes still apply.
+//!
+//! In debug builds every queued action is checked against these rules
+//! (one terminal per attempt, nothing after [`Action::Release`]); a break
+//! panics naming the rule.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -378,6 +382,10 @@ pub struct Watchdog {
     hard_deadline: Option<Instant>,
     phase: Phase,
     actions: VecDeque<Action>,
+    /// A terminal went out: forwarded from the provider, or emitted here.
+    terminal_out: bool,
+    /// [`Action::Release`] was queued.
+    released: bool,
 }
 
 impl Watchdog {
@@ -391,6 +399,8 @@ impl Watchdog {
             hard_deadline,
             phase: Phase::Running,
             actions: VecDeque::new(),
+            terminal_out: false,
+            released: false,
         }
     }
 
@@ -460,6 +470,8 @@ impl Watchdog {
             Activity::Progress => self.last_progress_at = now,
             Activity::Neutral => {}
             Activity::Terminal => {
+                debug_assert!(!self.terminal_out, "U1: a second terminal forwarded");
+                self.terminal_out = true;
                 self.phase = Phase::Terminated {
                     provider_returned: false,
                 };
@@ -532,7 +544,7 @@ impl Watchdog {
                 self.phase = Phase::Terminated {
                     provider_returned: true,
                 };
-                self.actions.push_back(Action::Release);
+                self.queue(Action::Release);
             }
             Phase::Joining {
                 fence,
@@ -548,7 +560,7 @@ impl Watchdog {
             Phase::Terminated { provider_returned } => {
                 if !*provider_returned {
                     *provider_returned = true;
-                    self.actions.push_back(Action::Release);
+                    self.queue(Action::Release);
                 }
             }
         }
@@ -567,6 +579,22 @@ impl Watchdog {
         }
     }
 
+    /// Queues `action`, checking in debug builds what the module docs
+    /// promise: one terminal per attempt (forwarded or emitted, U1, W9),
+    /// and [`Action::Release`] exactly once and last (W10).
+    fn queue(&mut self, action: Action) {
+        debug_assert!(!self.released, "W10: {action:?} queued after the release");
+        match action {
+            Action::EmitStall(_) | Action::EmitStopped(_) => {
+                debug_assert!(!self.terminal_out, "U1, W9: a second terminal ({action:?})");
+                self.terminal_out = true;
+            }
+            Action::Release => self.released = true,
+            Action::CancelProvider | Action::StartProbe => {}
+        }
+        self.actions.push_back(action);
+    }
+
     fn stall_deadline(&self) -> Option<Instant> {
         if self.flow_blocked_since.is_some() {
             return None;
@@ -578,8 +606,8 @@ impl Watchdog {
         self.phase = Phase::Terminated {
             provider_returned: false,
         };
-        self.actions.push_back(Action::CancelProvider);
-        self.actions.push_back(Action::EmitStopped(cause));
+        self.queue(Action::CancelProvider);
+        self.queue(Action::EmitStopped(cause));
     }
 
     /// Applies the deadlines that are due at `now`.
@@ -604,8 +632,8 @@ impl Watchdog {
                     probe: None,
                     provider_returned: false,
                 };
-                self.actions.push_back(Action::CancelProvider);
-                self.actions.push_back(Action::StartProbe);
+                self.queue(Action::CancelProvider);
+                self.queue(Action::StartProbe);
             }
         }
         if let Phase::Joining {
@@ -640,14 +668,14 @@ impl Watchdog {
         else {
             return;
         };
-        self.actions.push_back(Action::EmitStall(StallReport {
+        self.queue(Action::EmitStall(StallReport {
             idle,
             fence,
             health,
         }));
         self.phase = Phase::Terminated { provider_returned };
         if provider_returned {
-            self.actions.push_back(Action::Release);
+            self.queue(Action::Release);
         }
     }
 }

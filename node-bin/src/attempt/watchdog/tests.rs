@@ -1050,3 +1050,25 @@ fn blocking_after_the_stall_deadline_does_not_save_the_attempt() {
     );
     assert!(!wd.is_flow_blocked());
 }
+
+// The watchdog's own checks (debug builds) can fail: a second terminal or
+// an action after the release panics, naming the rule.
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "U1, W9: a second terminal")]
+fn a_second_emitted_terminal_is_caught() {
+    let mut wd = Watchdog::new(config(1_000, 100, 100), t0(), None);
+    assert_eq!(wd.on_output(t0(), Activity::Terminal), Verdict::Forward);
+    wd.queue(Action::EmitStopped(StopCause::Cancelled));
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "W10: CancelProvider queued after the release")]
+fn an_action_after_the_release_is_caught() {
+    let mut wd = Watchdog::new(config(1_000, 100, 100), t0(), None);
+    wd.handle_provider_returned(t0());
+    assert_eq!(drain(&mut wd), vec![Action::Release]);
+    wd.queue(Action::CancelProvider);
+}
