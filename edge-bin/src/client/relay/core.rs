@@ -51,6 +51,9 @@
 //! one of `AwaitVerdict`, `Retry`, `Answer`, `Fail`, `Finish`.
 //!
 //! `Retry`, `Answer`, `Fail` and `Finish` end the relay: nothing more is fed.
+//! The hot path may first call [`Relay::take_body`]: for a started
+//! tunnel's body frame (`WriteChunk`, `Relayed`, `Credit` and nothing else)
+//! it hands the three at once.
 //! Bytes are moved, never copied: a tunnel body goes from the reply's frame
 //! to [`Step::WriteChunk`] as the same [`Bytes`], with no allocation per
 //! frame.
@@ -293,6 +296,33 @@ impl Relay {
                 Some(ReplyEvent::Lost) | None => self.fail(GatewayError::node_lost(), false),
             },
         }
+    }
+
+    /// The relay's hot path: when the last event left exactly
+    /// `WriteChunk(body)`, `Relayed { body_bytes }` and (unless zero)
+    /// `Credit(charge)` — a body frame of a started tunnel — takes them in
+    /// one call as `(body, body_bytes, charge)`, leaving nothing to poll.
+    /// Otherwise `None`, and [`Relay::poll`] gives the steps.
+    pub(crate) fn take_body(&mut self) -> Option<(Bytes, u64, u64)> {
+        let out = &mut self.out;
+        let plain = !out.body.is_empty()
+            && out.relayed.is_some()
+            && out.usage.is_none()
+            && out.head.is_none()
+            && !out.release
+            && out.earlier.is_empty()
+            && !out.chunk_written
+            && out.chunks.len() == 0
+            && out.last.is_none();
+        if !plain {
+            return None;
+        }
+        let body_bytes = out.relayed.take()?;
+        Some((
+            std::mem::take(&mut out.body),
+            body_bytes,
+            std::mem::take(&mut out.credit),
+        ))
     }
 
     /// The next step of the last event handled; `None` once they are all
@@ -702,6 +732,44 @@ mod tests {
 
     const JSON: &str = "application/json";
     const SSE: &str = "text/event-stream; charset=utf-8";
+
+    #[test]
+    fn take_body_gives_what_poll_would_for_a_plain_body_frame_and_nothing_else() {
+        let (mut polled, mut taken) = (Relay::tunnel(), Relay::tunnel());
+        // The committing frame writes the head: not a plain body.
+        for relay in [&mut polled, &mut taken] {
+            relay.handle(Some(head(200, SSE)), RUN);
+            assert_eq!(relay.take_body(), None);
+            relay.handle(Some(body(b"data: 1\n\n")), RUN);
+        }
+        assert_eq!(taken.take_body(), None);
+        assert_eq!(
+            std::iter::from_fn(|| taken.poll()).count(),
+            std::iter::from_fn(|| polled.poll()).count()
+        );
+        // A body frame of the started tunnel: one call, the same three steps.
+        let next = Bytes::from_static(b"data: 2\n\n");
+        assert_eq!(
+            feed(&mut polled, body_of(next.clone(), RUN)),
+            [
+                Step::WriteChunk(next.clone()),
+                Step::Relayed { body_bytes: 9 },
+                Step::Credit(F + 9),
+            ]
+        );
+        taken.handle(Some(body_of(next.clone(), RUN)), RUN);
+        let (bytes, body_bytes, credit) = taken.take_body().expect("a plain body");
+        assert_eq!((&bytes, body_bytes, credit), (&next, 9, F + 9));
+        assert_eq!(bytes.as_ptr(), next.as_ptr());
+        assert_eq!(taken.poll(), None);
+        // Usage and the end are not bodies.
+        taken.handle(
+            Some(ReplyEvent::Tunnel(frame(pb::TunnelFrameKind::End, RUN))),
+            RUN,
+        );
+        assert_eq!(taken.take_body(), None);
+        assert_eq!(taken.poll(), Some(Step::Finish));
+    }
 
     #[test]
     fn a_tunnel_commits_at_its_first_body_byte_head_and_first_in_one_step() {

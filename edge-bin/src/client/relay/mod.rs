@@ -166,6 +166,16 @@ where
         // `next` moves whole into the core: a borrowed local keeps its room
         // in this future across every later await.
         core.handle(next, frames.run_id());
+        // Most events are a started tunnel's body: its three steps at once.
+        if let Some((body, body_bytes, charge)) = core.take_body() {
+            server.write_chunk(body).await?;
+            server.chunk_written(taken_at);
+            engine_metrics::add(Count::EdgeRelayBodyBytes, body_bytes);
+            if charge > 0 {
+                frames.drained(edge, charge);
+            }
+            continue;
+        }
         while let Some(step) = core.poll() {
             match step {
                 Step::Usage(usage) => server
