@@ -265,6 +265,7 @@ impl Relay {
 
     /// Takes the reply's next event (`None`: the reply ended); `run_id` is
     /// the run the reply follows now. Then [`Relay::poll`] until `None`.
+    #[inline]
     pub(crate) fn handle(&mut self, next: Option<ReplyEvent>, run_id: &str) {
         debug_assert!(
             self.out.is_empty(),
