@@ -17,7 +17,7 @@ impl Control {
     /// Whether provider `p` is a live candidate with a free slot: enabled,
     /// its node's ready generation, no unavailable overlay of that
     /// generation (X6, H4), not ejected, a lease free.
-    pub(super) fn has_free_slot(&self, p: usize) -> bool {
+    fn has_free_slot(&self, p: usize) -> bool {
         let state = &self.providers[p];
         state.spec.enabled
             && state.outlier.ejection().is_none()
@@ -27,17 +27,24 @@ impl Control {
                 .is_some_and(|owner| state.overlay != Some(owner.generation))
     }
 
-    /// Files provider `p` in (or takes it out of) the candidate indexes of
-    /// its models after anything that decides candidacy changed: its
-    /// occupancy, its overlay, its node's owner.
-    pub(super) fn refresh(&mut self, p: usize) {
-        let want = self.has_free_slot(p).then(|| {
+    /// How provider `p` belongs in its lanes' candidate indexes now: under
+    /// its load, and whether it has a free long slot; `None` while it is no
+    /// candidate with a free slot.
+    pub(super) fn wanted_index(&self, p: usize) -> Option<Indexed> {
+        self.has_free_slot(p).then(|| {
             let state = &self.providers[p];
             Indexed {
                 in_flight: state.in_flight,
                 long: state.long_in_flight < state.spec.long_context_capacity,
             }
-        });
+        })
+    }
+
+    /// Files provider `p` in (or takes it out of) the candidate indexes of
+    /// its models after anything that decides candidacy changed: its
+    /// occupancy, its overlay, its node's owner.
+    pub(super) fn refresh(&mut self, p: usize) {
+        let want = self.wanted_index(p);
         let state = &mut self.providers[p];
         let had = state.indexed;
         if had == want {

@@ -35,7 +35,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::time::Instant;
 
-use super::tables::{Candidate, Indexed, Load, RequestState};
+use super::tables::{Candidate, Load, RequestState};
 use super::{Action, Control, RequestId};
 
 /// What a step's check needs from before the step ([`Control::begin_step`]).
@@ -312,10 +312,7 @@ impl Control {
     fn check_candidates(&self) {
         let mut filed = 0;
         for (p, state) in self.providers.iter().enumerate() {
-            let want = self.has_free_slot(p).then_some(Indexed {
-                in_flight: state.in_flight,
-                long: state.long_in_flight < state.spec.long_context_capacity,
-            });
+            let want = self.wanted_index(p);
             assert_eq!(
                 state.indexed, want,
                 "X6, H4: {} is filed as a candidate under a stale state",
