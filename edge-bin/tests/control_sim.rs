@@ -1997,6 +1997,14 @@ impl<'w> Sim<'w> {
     fn predict(&mut self, input: &Input) -> Result<Expect, String> {
         let mut ex = Expect::default();
         match input {
+            Input::OwnershipGranted { .. }
+            | Input::OwnershipFailed { .. }
+            | Input::OwnerObserved { .. }
+            | Input::ClusterSession { .. } => {
+                return Err(format!(
+                    "the single-Edge simulation feeds no cluster input: {input:?}"
+                ));
+            }
             Input::Register {
                 conn,
                 tls_name,
@@ -2415,6 +2423,9 @@ impl<'w> Sim<'w> {
         let mut dispatched: Vec<(RequestId, usize, bool)> = Vec::new();
         for a in actions {
             match a {
+                Action::ClaimOwnership { .. } | Action::ReleaseOwnership { .. } => {
+                    return Err(self.fail(format!("a single Edge asked etcd: {a:?}")));
+                }
                 Action::RegisterResponse { conn, response } => {
                     if response.accepted != response.reason.is_empty() {
                         return Err(

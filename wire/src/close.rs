@@ -73,6 +73,10 @@ pub enum CloseReason {
     Superseded,
     /// `flow_control_overrun`: the Node sent beyond its flow control credit.
     FlowControlOverrun,
+    /// `ownership_lost`: in a cluster, this Edge can no longer prove it owns
+    /// the node id (its etcd lease may have expired, or the owner key was
+    /// deleted): it fences the generation and lets the Node move.
+    OwnershipLost,
 
     // ---- the Node ----------------------------------------------------------
     /// `config_invalid`: the config the Edge sent cannot be applied.
@@ -105,6 +109,7 @@ impl CloseReason {
             CloseReason::RegisterTimeout => Cow::Borrowed("register_timeout"),
             CloseReason::Superseded => Cow::Borrowed("superseded"),
             CloseReason::FlowControlOverrun => Cow::Borrowed("flow_control_overrun"),
+            CloseReason::OwnershipLost => Cow::Borrowed("ownership_lost"),
             CloseReason::ConfigInvalid => Cow::Borrowed("config_invalid"),
             CloseReason::Shutdown => Cow::Borrowed("shutdown"),
         }
@@ -151,6 +156,7 @@ mod tests {
             (CloseReason::FlowControlOverrun, "flow_control_overrun"),
             (CloseReason::ConfigInvalid, "config_invalid"),
             (CloseReason::Shutdown, "shutdown"),
+            (CloseReason::OwnershipLost, "ownership_lost"),
         ]
     }
 
@@ -178,13 +184,14 @@ mod tests {
             CloseReason::FlowControlOverrun => 17,
             CloseReason::ConfigInvalid => 18,
             CloseReason::Shutdown => 19,
+            CloseReason::OwnershipLost => 20,
         }
     }
 
     #[test]
     fn every_variant_has_its_established_text() {
         let rows = every_reason();
-        assert_eq!(rows.len(), 20);
+        assert_eq!(rows.len(), 21);
         for (i, (reason, text)) in rows.iter().enumerate() {
             assert_eq!(row_of(reason), i, "{reason:?} is listed out of place");
             assert_eq!(reason.as_str(), *text);

@@ -10,7 +10,10 @@
 //!
 //! - Registry (R1, R2, R5): a node's owner is bound to that node, under a
 //!   generation no other owner has, and is never a connection ordered
-//!   closed.
+//!   closed. In a cluster: an owner's generation is exactly the highest
+//!   revision of its owner key seen here (nothing newer superseded it); a
+//!   connection is bound or claiming, never both; an Edge without its etcd
+//!   lease owns nothing and claims nothing.
 //! - Leases (F1, H2, R4, X6): every live lease is filed under its
 //!   connection, belongs to the current ready owner of its provider's node
 //!   (a fenced, superseded or pending generation holds none), and serves a
@@ -36,7 +39,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::time::Instant;
 
 use super::tables::{Candidate, Load, RequestState};
-use super::{Action, Control, RequestId};
+use super::{Action, Control, Ownership, RequestId};
 
 /// What a step's check needs from before the step ([`Control::begin_step`]).
 #[derive(Debug)]
@@ -129,10 +132,38 @@ impl Control {
                 "R3: node `{id}` is owned by {:?}, a connection ordered closed",
                 owner.conn
             );
+            let minted = match self.ownership {
+                Ownership::Local => owner.generation.0 <= self.next_generation,
+                Ownership::Cluster => owner.generation.0 > 0,
+            };
             assert!(
-                owner.generation.0 <= self.next_generation && generations.insert(owner.generation),
+                minted && generations.insert(owner.generation),
                 "R2: node `{id}` owned under {:?}, not a generation of its own",
                 owner.generation
+            );
+            if self.ownership == Ownership::Cluster {
+                assert_eq!(
+                    owner.generation.0, node.observed_revision,
+                    "F1: node `{id}` owned under {:?}, but revision {} of its owner key was seen",
+                    owner.generation, node.observed_revision
+                );
+                assert!(
+                    self.cluster_up,
+                    "F1: node `{id}` owned under {:?} without a cluster lease",
+                    owner.generation
+                );
+            }
+        }
+        for (conn, &n) in &self.claims {
+            assert!(
+                self.cluster_up && self.ownership == Ownership::Cluster,
+                "F1: {conn:?} claims node `{}` without a cluster lease",
+                self.nodes[n].spec.id
+            );
+            assert!(
+                !self.bindings.contains_key(conn),
+                "R1: {conn:?} claims node `{}` and is bound too",
+                self.nodes[n].spec.id
             );
         }
     }

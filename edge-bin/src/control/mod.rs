@@ -63,6 +63,7 @@ mod admission;
 mod health;
 mod ids;
 mod invariants;
+mod ownership;
 mod registry;
 mod spec;
 mod tables;
@@ -252,6 +253,45 @@ pub enum Input {
         conn: ConnId,
         /// The response.
         response: pb::NodeCommandResponse,
+    },
+    /// In a cluster: the claim of [`Action::ClaimOwnership`] for `conn`
+    /// committed in etcd at `revision` (the owner key's new
+    /// `mod_revision`).
+    OwnershipGranted {
+        /// The claiming connection.
+        conn: ConnId,
+        /// The node id claimed.
+        node_id: String,
+        /// The claim's revision: the generation, if it is still the newest.
+        revision: u64,
+    },
+    /// In a cluster: the claim for `conn` did not commit (etcd unreachable
+    /// or the call failed); the registration is refused and the Node
+    /// retries, possibly at another Edge.
+    OwnershipFailed {
+        /// The claiming connection.
+        conn: ConnId,
+    },
+    /// In a cluster: the watch saw `node_id`'s owner key written (a claim,
+    /// by any Edge, this one included) or deleted (a release, or the
+    /// expiry of its holder's etcd lease) at `revision`. Any owner here
+    /// under an older generation is fenced (F1 across Edges). Events may
+    /// arrive before or after the grant of the same claim.
+    OwnerObserved {
+        /// The node id.
+        node_id: String,
+        /// The event's revision.
+        revision: u64,
+        /// The key was deleted (not written).
+        deleted: bool,
+    },
+    /// In a cluster: whether this Edge can prove it holds its etcd lease.
+    /// `up: false` (lost etcd, or the local deadline before the lease can
+    /// expire on the server passed) fences every owned generation, refuses
+    /// claims in flight and new registrations until `up: true` again.
+    ClusterSession {
+        /// The lease is held.
+        up: bool,
     },
 }
 
@@ -449,6 +489,24 @@ pub enum Action {
     },
     /// An observation event.
     Event(Event),
+    /// In a cluster: write `node_id`'s owner key for `conn` on this Edge's
+    /// etcd lease and report the revision ([`Input::OwnershipGranted`]) or
+    /// the failure ([`Input::OwnershipFailed`]).
+    ClaimOwnership {
+        /// The registering connection.
+        conn: ConnId,
+        /// The node id.
+        node_id: String,
+    },
+    /// In a cluster: delete `node_id`'s owner key if its `mod_revision` is
+    /// still `revision` (this Edge's owner went away; a newer owner's key
+    /// is never touched).
+    ReleaseOwnership {
+        /// The node id.
+        node_id: String,
+        /// The generation that ended.
+        revision: u64,
+    },
 }
 
 /// O1 counters, cumulative.
@@ -558,6 +616,28 @@ pub struct Control {
     next_generation: u64,
     next_command: u64,
     counters: Counters,
+    /// Who grants ownership of a node id: this process, or etcd.
+    ownership: Ownership,
+    /// In a cluster: connections whose ownership claim is in flight, with
+    /// their node (index). Not bound yet: they own nothing until granted.
+    claims: HashMap<ConnId, usize>,
+    /// In a cluster: this Edge holds a live etcd lease (it may claim and
+    /// keep ownership). Starts false: nothing registers before the first
+    /// lease.
+    cluster_up: bool,
+}
+
+/// Who grants ownership of a node id ([`Control::clustered`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ownership {
+    /// This process alone: a registration is accepted at once, under the
+    /// next value of a local counter (the single-Edge mode).
+    Local,
+    /// etcd: a registration becomes an [`Action::ClaimOwnership`]; it is
+    /// accepted when the claim's revision comes back
+    /// ([`Input::OwnershipGranted`]), and that revision is its generation,
+    /// comparable across Edges.
+    Cluster,
 }
 
 impl Control {
@@ -599,6 +679,7 @@ impl Control {
                 providers: first..providers.len(),
                 version: String::new(),
                 offline_since: None,
+                observed_revision: 0,
             });
         }
         let node_index = nodes
@@ -690,7 +771,26 @@ impl Control {
             next_generation: 0,
             next_command: 0,
             counters: Counters::default(),
+            ownership: Ownership::Local,
+            claims: HashMap::new(),
+            cluster_up: false,
         }
+    }
+
+    /// A control state for `spec` in a cluster: ownership of a node id is
+    /// claimed in etcd ([`Action::ClaimOwnership`]), generations are the
+    /// claims' revisions, and nothing registers until
+    /// [`Input::ClusterSession`] says this Edge holds an etcd lease.
+    pub fn clustered(spec: ControlSpec) -> Self {
+        Self {
+            ownership: Ownership::Cluster,
+            ..Self::new(spec)
+        }
+    }
+
+    /// Who grants ownership of node ids here.
+    pub fn ownership(&self) -> Ownership {
+        self.ownership
     }
 
     /// Feeds one input at `now`; appends what the shell must do to `out`.
@@ -730,6 +830,18 @@ impl Control {
             Input::Responded { conn, run_id } => self.on_responded(conn, &run_id),
             Input::Committed { conn, run_id } => self.on_committed(conn, &run_id),
             Input::CommandResult { conn, response } => self.on_command_result(conn, &response, out),
+            Input::OwnershipGranted {
+                conn,
+                node_id,
+                revision,
+            } => self.on_ownership_granted(conn, &node_id, revision, out),
+            Input::OwnershipFailed { conn } => self.on_ownership_failed(conn, out),
+            Input::OwnerObserved {
+                node_id,
+                revision,
+                deleted,
+            } => self.on_owner_observed(&node_id, revision, deleted, out),
+            Input::ClusterSession { up } => self.on_cluster_session(up, out),
         }
         if let Some(step) = step {
             self.end_step(step, out, None);

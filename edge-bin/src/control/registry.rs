@@ -5,7 +5,9 @@
 use iop_wire::{pb, CloseReason};
 
 use super::tables::{NodeEntry, Owner, OwnerState};
-use super::{Action, ConnId, Control, Event, Generation, Outcome, NODE_VERSION_CHARS_MAX};
+use super::{
+    Action, ConnId, Control, Event, Generation, Outcome, Ownership, NODE_VERSION_CHARS_MAX,
+};
 
 impl Control {
     // ---- registration, readiness, closes, fencing ----------------------------
@@ -13,7 +15,7 @@ impl Control {
     /// Orders `conn` closed and treats it as closed from this step on: a
     /// connection Control has let go of never becomes or stays an owner,
     /// even if more of its frames arrive before the shell reports the close.
-    fn close_conn(&mut self, conn: ConnId, reason: CloseReason, out: &mut Vec<Action>) {
+    pub(super) fn close_conn(&mut self, conn: ConnId, reason: CloseReason, out: &mut Vec<Action>) {
         out.push(Action::Close { conn, reason });
         if self.generation_of(conn).is_some() {
             // The current owner: released now, fenced if it was ready.
@@ -41,7 +43,7 @@ impl Control {
                 },
             });
         };
-        if let Some(&bound) = self.bindings.get(&conn) {
+        if let Some(&bound) = self.bindings.get(&conn).or(self.claims.get(&conn)) {
             // R1: one node id per connection; the first binding stays as is.
             let bound = &self.nodes[bound].spec.id;
             return reject(
@@ -73,8 +75,25 @@ impl Control {
             );
             return self.close_conn(conn, CloseReason::RegistrationRejected, out);
         };
-        self.next_generation += 1;
-        let generation = Generation(self.next_generation);
+        match self.ownership {
+            Ownership::Local => {
+                self.next_generation += 1;
+                self.accept(conn, n, Generation(self.next_generation), out);
+            }
+            Ownership::Cluster => self.claim(conn, n, out),
+        }
+    }
+
+    /// Makes `conn` the pending owner of node `n` under `generation` and
+    /// answers its registration; a previous owner is fenced and closed
+    /// (R2).
+    pub(super) fn accept(
+        &mut self,
+        conn: ConnId,
+        n: usize,
+        generation: Generation,
+        out: &mut Vec<Action>,
+    ) {
         let node = &mut self.nodes[n];
         let previous = node.owner.replace(Owner {
             conn,
@@ -179,17 +198,33 @@ impl Control {
 
     pub(super) fn on_closed(&mut self, conn: ConnId, out: &mut Vec<Action>) {
         self.closing.remove(&conn);
+        // A claim in flight: its grant, when it comes, releases the key.
+        self.claims.remove(&conn);
         let Some(n) = self.bindings.remove(&conn) else {
             return;
         };
-        let owner = match self.nodes[n].owner {
-            Some(owner) if owner.conn == conn => owner,
-            // A stale connection: nothing changes (F2).
-            _ => return,
+        if self.nodes[n].owner.is_some_and(|o| o.conn == conn) {
+            self.end_ownership(n, true, out);
+        }
+        // Otherwise a stale connection: nothing changes (F2).
+    }
+
+    /// Node `n` has no owner from now on: its owner's generation is fenced
+    /// if it was ready. In a cluster, `release` also deletes the owner key
+    /// if it is still this generation's (not when a newer claim already
+    /// replaced it).
+    pub(super) fn end_ownership(&mut self, n: usize, release: bool, out: &mut Vec<Action>) {
+        let Some(owner) = self.nodes[n].owner.take() else {
+            return;
         };
-        self.nodes[n].owner = None;
         self.nodes[n].offline_since = self.now;
         self.nodes[n].version.clear();
+        if release && self.ownership == Ownership::Cluster {
+            out.push(Action::ReleaseOwnership {
+                node_id: self.nodes[n].spec.id.clone(),
+                revision: owner.generation.0,
+            });
+        }
         if owner.state == OwnerState::Ready {
             self.fence(n, owner, out);
         }

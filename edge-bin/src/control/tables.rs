@@ -44,6 +44,10 @@ pub(super) struct NodeEntry {
     pub(super) version: String,
     /// When its last owner's connection closed, while it has none.
     pub(super) offline_since: Option<Instant>,
+    /// In a cluster: the highest etcd revision seen for its owner key (a
+    /// claim granted, a put or a delete observed). An owner whose
+    /// generation is below it has been superseded or lost (F1, F2).
+    pub(super) observed_revision: u64,
 }
 
 impl NodeEntry {

@@ -36,6 +36,7 @@ use crate::control::{
 };
 use crate::link::node_metrics_cache::NodeMetricsCache;
 use crate::link::observers::{Observer, ObserverMsg, Observers};
+use crate::link::ownership::{OwnershipOp, OwnershipQueue};
 use crate::link::replies::{
     compacted, push_notice, ClientReply, Delivery, NodeReply, ReplyEvent, ReplyRx,
 };
@@ -144,6 +145,9 @@ pub struct Edge {
     pub deadlines: Rc<Deadlines>,
     /// The last pull of this shard's nodes' `/metrics` series.
     pub node_metrics: NodeMetricsCache,
+    /// On the control shard of a cluster member: ownership claims and
+    /// releases for the cluster shell to carry out in etcd.
+    pub ownership_ops: Rc<OwnershipQueue>,
 }
 
 impl std::fmt::Debug for Edge {
@@ -241,6 +245,7 @@ impl Edge {
             request_ids: RequestIds::default(),
             deadlines: Deadlines::new(),
             node_metrics: NodeMetricsCache::default(),
+            ownership_ops: Rc::default(),
         }
     }
 
@@ -493,7 +498,10 @@ impl Edge {
             Action::Done { request, .. } | Action::Abort { request, .. } => {
                 shards::shard_of(request.0)
             }
-            Action::StallHandoff { .. } | Action::Event(_) => CONTROL_SHARD,
+            Action::StallHandoff { .. }
+            | Action::Event(_)
+            | Action::ClaimOwnership { .. }
+            | Action::ReleaseOwnership { .. } => CONTROL_SHARD,
         }
     }
 
@@ -561,6 +569,14 @@ impl Edge {
             Action::Abort { request, reason } => self.abort(request, reason),
             Action::Done { request, outcome } => self.finish(request, outcome),
             Action::Event(event) => self.notify_observers(&event),
+            Action::ClaimOwnership { conn, node_id } => {
+                self.ownership_ops
+                    .push(OwnershipOp::Claim { conn, node_id });
+            }
+            Action::ReleaseOwnership { node_id, revision } => {
+                self.ownership_ops
+                    .push(OwnershipOp::Release { node_id, revision });
+            }
         }
     }
 
