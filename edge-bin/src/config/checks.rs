@@ -132,3 +132,23 @@ pub(super) fn parse_socket_addr(text: &str) -> Result<SocketAddr, String> {
     text.parse()
         .map_err(|_| format!("{text:?} is not an IP:port socket address (e.g. 127.0.0.1:8080)"))
 }
+
+/// A `host:port` endpoint: a non-empty host name or IP (IPv6 in brackets)
+/// and a port from 1 to 65535. Resolved when used, not here.
+pub(super) fn check_host_port(text: &str) -> Result<(), String> {
+    let bad = || format!("{text:?} is not host:port (e.g. 127.0.0.1:2379 or etcd-1:2379)");
+    let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let host_ok = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'_'));
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && host_ok => Ok(()),
+        _ => Err(bad()),
+    }
+}

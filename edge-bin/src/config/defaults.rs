@@ -149,3 +149,17 @@ pub const DEFAULT_SLOT_HEADER: &str = "Authorization";
 pub const DEFAULT_SLOT_FORMAT: &str = "Bearer {secret}";
 /// Longest accepted environment variable name (`secret_env`).
 pub const MAX_ENV_NAME_BYTES: usize = 128;
+
+/// `[cluster] name`: the cluster's keys live under `/iop/<name>/`.
+pub const DEFAULT_CLUSTER_NAME: &str = "default";
+
+/// `[cluster] lease_ttl_sec`: the TTL of an Edge's etcd lease.
+pub const DEFAULT_LEASE_TTL_SEC: u64 = 10;
+
+/// `[cluster] keepalive_interval_sec`: how often the lease is kept alive
+/// (the Edge self-fences `TTL − interval` after its last acknowledged
+/// keep-alive: 7 s with the defaults).
+pub const DEFAULT_KEEPALIVE_INTERVAL_SEC: u64 = 3;
+
+/// `[cluster] etcd_timeout_ms`: timeout of one etcd call.
+pub const DEFAULT_ETCD_TIMEOUT_MS: u64 = 2_000;

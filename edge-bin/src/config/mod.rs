@@ -99,6 +99,26 @@ pub struct EdgeConfig {
     pub client_keys: Vec<ClientKeySpec>,
     /// Passive health (`[outlier_detection]`).
     pub outlier_detection: OutlierDetection,
+    /// `[cluster]`: this Edge is one of several sharing the fleet through
+    /// etcd (`docs/multi-edge.md`); `None`: a single Edge.
+    pub cluster: Option<ClusterSpec>,
+}
+
+/// The `[cluster]` table: where etcd is and how this Edge keeps its lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// The cluster's name: its keys live under `/iop/<name>/`.
+    pub name: String,
+    /// etcd client endpoints, `host:port` (plain HTTP, the v3 JSON API).
+    pub etcd_endpoints: Vec<String>,
+    /// The TTL of this Edge's etcd lease.
+    pub lease_ttl_sec: u64,
+    /// How often the lease is kept alive; the Edge fences what it owns
+    /// `lease_ttl_sec − keepalive_interval_sec` after the last
+    /// acknowledged keep-alive.
+    pub keepalive_interval_sec: u64,
+    /// Timeout of one etcd call.
+    pub etcd_timeout_ms: u64,
 }
 
 /// The `[outlier_detection]` table: providers that fail in a row are taken

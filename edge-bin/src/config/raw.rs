@@ -22,6 +22,17 @@ pub(super) struct RawEdgeFile {
     #[serde(default)]
     pub(super) models: Vec<RawModel>,
     pub(super) outlier_detection: Option<RawOutlierDetection>,
+    pub(super) cluster: Option<RawCluster>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCluster {
+    pub(super) name: Option<String>,
+    pub(super) etcd_endpoints: Vec<String>,
+    pub(super) lease_ttl_sec: Option<i64>,
+    pub(super) keepalive_interval_sec: Option<i64>,
+    pub(super) etcd_timeout_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -101,6 +101,7 @@ impl Validator<'_> {
             ));
         }
         let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
+        let cluster = raw.cluster.map(|c| self.cluster(c)).transpose()?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
@@ -113,6 +114,53 @@ impl Validator<'_> {
             credentials,
             client_keys,
             outlier_detection,
+            cluster,
+        })
+    }
+
+    fn cluster(&self, raw: RawCluster) -> Result<ClusterSpec, ConfigError> {
+        let name = raw.name.unwrap_or_else(|| DEFAULT_CLUSTER_NAME.to_string());
+        check_name(&name).map_err(|why| self.err("cluster.name", why))?;
+        if raw.etcd_endpoints.is_empty() {
+            return Err(self.err(
+                "cluster.etcd_endpoints",
+                "list at least one etcd client endpoint (\"host:port\")",
+            ));
+        }
+        for (i, endpoint) in raw.etcd_endpoints.iter().enumerate() {
+            check_host_port(endpoint)
+                .map_err(|why| self.err(format!("cluster.etcd_endpoints[{i}]"), why))?;
+        }
+        let seconds = |v: Option<i64>, key: &str, default: u64| match v {
+            None => Ok(default),
+            Some(v) => in_range(v, 1, 3600).map_err(|why| self.err(format!("cluster.{key}"), why)),
+        };
+        let lease_ttl_sec = seconds(raw.lease_ttl_sec, "lease_ttl_sec", DEFAULT_LEASE_TTL_SEC)?;
+        let keepalive_interval_sec = seconds(
+            raw.keepalive_interval_sec,
+            "keepalive_interval_sec",
+            DEFAULT_KEEPALIVE_INTERVAL_SEC.min(lease_ttl_sec.saturating_sub(1).max(1)),
+        )?;
+        if keepalive_interval_sec * 2 > lease_ttl_sec {
+            return Err(self.err(
+                "cluster.keepalive_interval_sec",
+                format!(
+                    "must be at most half of lease_ttl_sec ({lease_ttl_sec}): the edge fences what it \
+                     owns lease_ttl_sec - keepalive_interval_sec after the last acknowledged keep-alive"
+                ),
+            ));
+        }
+        let etcd_timeout_ms = match raw.etcd_timeout_ms {
+            None => DEFAULT_ETCD_TIMEOUT_MS,
+            Some(v) => in_range(v, 10, 60_000)
+                .map_err(|why| self.err("cluster.etcd_timeout_ms", why))?,
+        };
+        Ok(ClusterSpec {
+            name,
+            etcd_endpoints: raw.etcd_endpoints,
+            lease_ttl_sec,
+            keepalive_interval_sec,
+            etcd_timeout_ms,
         })
     }
 

@@ -101,6 +101,9 @@ pub fn reload(
     if running.credentials != next.credentials {
         report.restart_required.push("[credentials]");
     }
+    if running.cluster != next.cluster {
+        report.restart_required.push("[cluster]");
+    }
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
     // Rotation: the usage file is reopened by its path.
     edge.settings.usage_log.reopen();

@@ -109,6 +109,7 @@ fn example_file_parses_into_the_documented_values() {
         ],
         credentials: None,
         outlier_detection: OutlierDetection::default(),
+        cluster: None,
         client_keys: vec![],
     };
     assert_eq!(config, expected);
@@ -196,7 +197,8 @@ fn unknown_keys_are_rejected_with_their_path() {
     assert_eq!(
         error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
         "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
-         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection` (line 44, column 2)"
+         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection`, `cluster` (line 44, \
+         column 2)"
     );
 }
 
@@ -474,6 +476,69 @@ fn outlier_detection_and_max_attempts_default_parse_and_are_in_range() {
         error_of(model, &format!("{model}\nmax_attempts = 6")),
         "conf/edge.toml: models[0].max_attempts: must be between 1 and 5 (got 6)"
     );
+}
+
+#[test]
+fn cluster_table_defaults_parse_and_refuse_bad_values() {
+    assert_eq!(parse(BASE).unwrap().cluster, None);
+    let with = |table: &str| format!("{BASE}\n[cluster]\n{table}\n");
+    let config = parse(&with("etcd_endpoints = [\"127.0.0.1:2379\", \"etcd-2:2379\"]")).unwrap();
+    assert_eq!(
+        config.cluster,
+        Some(ClusterSpec {
+            name: "default".into(),
+            etcd_endpoints: vec!["127.0.0.1:2379".into(), "etcd-2:2379".into()],
+            lease_ttl_sec: 10,
+            keepalive_interval_sec: 3,
+            etcd_timeout_ms: 2_000,
+        })
+    );
+    let config = parse(&with(
+        "name = \"prod\"\netcd_endpoints = [\"[::1]:2379\"]\nlease_ttl_sec = 4\n\
+         keepalive_interval_sec = 2\netcd_timeout_ms = 500",
+    ))
+    .unwrap();
+    assert_eq!(
+        config.cluster,
+        Some(ClusterSpec {
+            name: "prod".into(),
+            etcd_endpoints: vec!["[::1]:2379".into()],
+            lease_ttl_sec: 4,
+            keepalive_interval_sec: 2,
+            etcd_timeout_ms: 500,
+        })
+    );
+    for (table, why) in [
+        (
+            "etcd_endpoints = []",
+            "cluster.etcd_endpoints: list at least one etcd client endpoint (\"host:port\")",
+        ),
+        (
+            "etcd_endpoints = [\"127.0.0.1\"]",
+            "cluster.etcd_endpoints[0]: \"127.0.0.1\" is not host:port (e.g. 127.0.0.1:2379 or \
+             etcd-1:2379)",
+        ),
+        (
+            "etcd_endpoints = [\"a:2379\"]\nlease_ttl_sec = 4\nkeepalive_interval_sec = 3",
+            "cluster.keepalive_interval_sec: must be at most half of lease_ttl_sec (4): the edge \
+             fences what it owns lease_ttl_sec - keepalive_interval_sec after the last \
+             acknowledged keep-alive",
+        ),
+        (
+            "etcd_endpoints = [\"a:2379\"]\nlease_ttl_sec = 0",
+            "cluster.lease_ttl_sec: must be between 1 and 3600 (got 0)",
+        ),
+        (
+            "etcd_endpoints = [\"a:2379\"]\nname = \"a/b\"",
+            "cluster.name: ",
+        ),
+    ] {
+        let got = error(&with(table));
+        assert!(
+            got.starts_with(&format!("conf/edge.toml: {why}")),
+            "{table}: {got}"
+        );
+    }
 }
 
 #[test]
