@@ -33,6 +33,7 @@
 
 pub mod api;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod link;

@@ -142,9 +142,10 @@ struct CertsArgs {
     /// SPIFFE trust domain (default iop.local)
     #[argh(option, default = "String::from(\"iop.local\")")]
     trust_domain: String,
-    /// the Edge's identity name (default edge-1)
-    #[argh(option, default = "String::from(\"edge-1\")")]
-    edge_name: String,
+    /// the Edge's identity name (default edge-1); repeat it for the Edges
+    /// of a cluster: each gets edge-<name>.pem (the first is also edge.pem)
+    #[argh(option)]
+    edge_name: Vec<String>,
     /// a node id to mint a certificate for (repeatable; default node-a)
     #[argh(option)]
     node: Vec<String>,
@@ -302,10 +303,15 @@ fn certs(args: CertsArgs) -> ExitCode {
         args.node
     };
     let https_hosts: Vec<&str> = args.https_host.iter().map(String::as_str).collect();
-    match iop_engine::certs::write_dev_certs_with_https(
+    let edge_names: Vec<&str> = if args.edge_name.is_empty() {
+        vec!["edge-1"]
+    } else {
+        args.edge_name.iter().map(String::as_str).collect()
+    };
+    match iop_engine::certs::write_cluster_dev_certs(
         &args.out,
         &args.trust_domain,
-        &args.edge_name,
+        &edge_names,
         &nodes,
         &https_hosts,
     ) {
@@ -316,6 +322,13 @@ fn certs(args: CertsArgs) -> ExitCode {
                 files.edge.cert.display(),
                 files.edge.key.display()
             );
+            for (name, paths) in &files.edges {
+                println!(
+                    "edge {name}: {} {}",
+                    paths.cert.display(),
+                    paths.key.display()
+                );
+            }
             for (name, paths) in &files.nodes {
                 println!(
                     "node {name}: {} {}",

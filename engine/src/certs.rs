@@ -288,6 +288,10 @@ pub struct DevCertFiles {
     pub ca_cert: PathBuf,
     /// `edge.pem` and `edge-key.pem`.
     pub edge: CertKeyPaths,
+    /// With several Edge names ([`write_cluster_dev_certs`]):
+    /// `edge-<name>.pem` and `edge-<name>-key.pem` per name (the first
+    /// name's pair is also `edge.pem`); empty otherwise.
+    pub edges: BTreeMap<String, CertKeyPaths>,
     /// `node-<name>.pem` and `node-<name>-key.pem` per node name.
     pub nodes: BTreeMap<String, CertKeyPaths>,
     /// `https.pem` and `https-key.pem`, when HTTPS hosts were asked for.
@@ -348,6 +352,29 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<str>,
 {
+    write_cluster_dev_certs(dir, trust_domain, &[edge_name], node_names, https_hosts)
+}
+
+/// [`write_dev_certs_with_https`] for several Edges of one cluster, all
+/// from one CA: the first name's certificate is `edge.pem`; with more than
+/// one name, each also gets `edge-<name>.pem` and `edge-<name>-key.pem`.
+pub fn write_cluster_dev_certs<I, S>(
+    dir: &Path,
+    trust_domain: &str,
+    edge_names: &[&str],
+    node_names: I,
+    https_hosts: &[&str],
+) -> io::Result<DevCertFiles>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<str>,
+{
+    let Some(&edge_name) = edge_names.first() else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "at least one edge name",
+        ));
+    };
     let node_names: Vec<String> = node_names
         .into_iter()
         .map(|name| name.as_ref().to_owned())
@@ -355,6 +382,12 @@ where
     let validity = Validity::days_from_now(DEV_LEAF_VALIDITY_DAYS);
     let ca = DevCa::new(trust_domain)?;
     let edge = ca.issue(Role::Edge, edge_name, validity)?;
+    let mut more_edges = Vec::new();
+    if edge_names.len() > 1 {
+        for name in edge_names {
+            more_edges.push((name.to_string(), ca.issue(Role::Edge, name, validity)?));
+        }
+    }
     let mut nodes = Vec::with_capacity(node_names.len());
     for name in &node_names {
         nodes.push((name, ca.issue(Role::Node, name, validity)?));
@@ -368,6 +401,11 @@ where
     let ca_cert = dir.join("ca.pem");
     fs::write(&ca_cert, ca.cert_pem())?;
     let edge = write_pair(dir, "edge", &edge)?;
+    let mut edges = BTreeMap::new();
+    for (name, issued) in more_edges {
+        let paths = write_pair(dir, &format!("edge-{name}"), &issued)?;
+        edges.insert(name, paths);
+    }
     let mut node_paths = BTreeMap::new();
     for (name, issued) in nodes {
         let paths = write_pair(dir, &format!("node-{name}"), &issued)?;
@@ -380,6 +418,7 @@ where
     Ok(DevCertFiles {
         ca_cert,
         edge,
+        edges,
         nodes: node_paths,
         https,
     })

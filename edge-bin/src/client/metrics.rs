@@ -24,6 +24,7 @@ use iop_wire::pb;
 
 use crate::control::{Counters, FailureReason};
 use crate::link::edge::Edge;
+use crate::plane::cluster::ClusterView;
 
 /// Largest node exposition taken into a scrape, in lines (a node's text is
 /// also bounded by the frame size limit).
@@ -54,6 +55,9 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
     text.push_str(&crate::plane::access::render_prometheus());
     text.push_str(&crate::plane::usage::render_prometheus());
     text.push_str(&requests.render(&depths));
+    if let Some(cluster) = &edge.settings.cluster {
+        text.push_str(&render_cluster(cluster));
+    }
     process::render_build_and_process(&mut text);
     let mut families = Families::default();
     families.add(&text, None);
@@ -220,6 +224,87 @@ fn by_reason(values: &[u64; 5]) -> Vec<(String, u64)> {
 
 fn owned(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
     samples.iter().map(|(l, v)| (l.as_str(), *v)).collect()
+}
+
+/// The cluster member's series: etcd health, ownership claims, and the
+/// cluster's nodes per owning Edge (as this Edge's watch sees them).
+pub fn render_cluster(cluster: &ClusterView) -> String {
+    let c = &cluster.counters;
+    let load = |v: &std::sync::atomic::AtomicU64| v.load(std::sync::atomic::Ordering::Relaxed);
+    let mut out = String::new();
+    gauge(
+        &mut out,
+        "iop_edge_cluster_up",
+        "1 while this Edge holds its etcd lease (it may own nodes and dispatch), else 0.",
+        u64::from(cluster.is_up()),
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_etcd_errors_total",
+        "etcd calls that failed on every endpoint or were answered with an error.",
+        &[("", load(&c.etcd_errors))],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_claims_total",
+        "Ownership claims of node ids in etcd, by outcome.",
+        &[
+            ("outcome=\"granted\"", load(&c.claims_granted)),
+            ("outcome=\"failed\"", load(&c.claims_failed)),
+        ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_releases_total",
+        "Owner keys this Edge deleted when its owner connection went away.",
+        &[("", load(&c.releases))],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_leases_granted_total",
+        "etcd leases this Edge was granted (the first and one after each loss).",
+        &[("", load(&c.leases_granted))],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_self_fences_total",
+        "Times this Edge fenced every node it owned because it could no longer prove its lease.",
+        &[("", load(&c.self_fences))],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_watch_restarts_total",
+        "Times the watch of the cluster's keys broke and was established again.",
+        &[("", load(&c.watch_restarts))],
+    );
+    let per_edge: Vec<(String, u64)> = cluster
+        .nodes_per_edge()
+        .into_iter()
+        .map(|(edge, n)| {
+            (
+                format!(
+                    "edge=\"{}\"",
+                    iop_engine::metrics::buckets::escape_label_value(&edge)
+                ),
+                n,
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "# HELP iop_edge_cluster_nodes Nodes of the cluster owned by each Edge."
+    );
+    let _ = writeln!(out, "# TYPE iop_edge_cluster_nodes gauge");
+    for (labels, n) in per_edge {
+        let _ = writeln!(out, "iop_edge_cluster_nodes{{{labels}}} {n}");
+    }
+    gauge(
+        &mut out,
+        "iop_edge_cluster_edges",
+        "Edges of the cluster announced in etcd (this one included).",
+        cluster.edges().len() as u64,
+    );
+    out
 }
 
 /// Renders the Edge's metrics; `ejected`: providers ejected now.

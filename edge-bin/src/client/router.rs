@@ -312,9 +312,18 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                                 let mut keep = visible.iter().copied();
                                 outliers.retain(|_| keep.next().unwrap_or(false));
                             }
-                            let body =
-                                Bytes::from(status::status_json(&snapshots, &outliers).to_string());
-                            write_json(&mut server, 200, body).await
+                            let mut doc = status::status_json(&snapshots, &outliers);
+                            // Who owns which node is the fleet's shape:
+                            // for keys that see everything.
+                            if let Some(cluster) = edge
+                                .settings
+                                .cluster
+                                .as_ref()
+                                .filter(|_| caller.authority.sees_everything())
+                            {
+                                doc["cluster"] = status::cluster_json(cluster);
+                            }
+                            write_json(&mut server, 200, Bytes::from(doc.to_string())).await
                         }
                         None => write_api_error(&mut server, &GatewayError::shutting_down()).await,
                     }
@@ -367,6 +376,19 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                             503,
                             [("content-type", "text/plain")],
                             Bytes::from_static(b"draining\n"),
+                        )
+                        .await
+                }
+                ("GET", "/readyz")
+                    if edge.settings.cluster.as_ref().is_some_and(|c| !c.is_up()) =>
+                {
+                    // A cluster member without its etcd lease owns no
+                    // node and dispatches nothing: send clients elsewhere.
+                    server
+                        .write_response(
+                            503,
+                            [("content-type", "text/plain")],
+                            Bytes::from_static(b"cluster store unreachable\n"),
                         )
                         .await
                 }

@@ -110,6 +110,24 @@ pub fn status_json(snapshots: &[pb::ProviderSnapshot], outliers: &[OutlierView])
     })
 }
 
+/// The `cluster` member of `/status`: this Edge, whether it holds its etcd
+/// lease, the Edges announced, and every owned node of the cluster with
+/// its owning Edge (as this Edge's watch sees them; never a generation,
+/// R5).
+pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView) -> Value {
+    json!({
+        "name": cluster.name,
+        "edge": cluster.edge_name,
+        "up": cluster.is_up(),
+        "edges": cluster.edges().into_keys().collect::<Vec<_>>(),
+        "nodes": cluster
+            .owners()
+            .into_iter()
+            .map(|(node, owner)| json!({ "node_id": node, "edge": owner.edge }))
+            .collect::<Vec<_>>(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -152,8 +152,9 @@ impl Validator<'_> {
         }
         let etcd_timeout_ms = match raw.etcd_timeout_ms {
             None => DEFAULT_ETCD_TIMEOUT_MS,
-            Some(v) => in_range(v, 10, 60_000)
-                .map_err(|why| self.err("cluster.etcd_timeout_ms", why))?,
+            Some(v) => {
+                in_range(v, 10, 60_000).map_err(|why| self.err("cluster.etcd_timeout_ms", why))?
+            }
         };
         Ok(ClusterSpec {
             name,

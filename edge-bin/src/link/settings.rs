@@ -56,6 +56,9 @@ pub struct Settings {
     pub usage_log: crate::plane::usage::UsageLog,
     /// The per-request series of `/metrics`, shared by every shard.
     pub request_metrics: Arc<crate::plane::request_metrics::RequestMetrics>,
+    /// This Edge's place in its cluster, shared by every shard; `None`: a
+    /// single Edge.
+    pub cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
 }
 
 /// The usage file `cfg` names, started (its writer thread runs until
@@ -114,6 +117,12 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         access_log: AccessLog::off(),
         usage_log: UsageLog::off(),
         request_metrics: request_metrics(cfg, 1),
+        cluster: cfg.cluster.as_ref().map(|c| {
+            Arc::new(crate::plane::cluster::ClusterView::new(
+                &c.name,
+                &cfg.edge.name,
+            ))
+        }),
     }
 }
 

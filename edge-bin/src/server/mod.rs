@@ -225,6 +225,8 @@ pub struct ShardedEdge {
     request_metrics: Arc<RequestMetrics>,
     /// Per-peer caps of both listeners, one table for every shard.
     peer_limits: crate::plane::limits::PeerLimits,
+    /// This Edge's place in its cluster, one view for every shard.
+    cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
     parts: Mutex<Vec<Option<ShardPart>>>,
@@ -313,6 +315,12 @@ impl ShardedEdge {
             access_log: access_log(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
             peer_limits: crate::plane::limits::PeerLimits::new(&cfg.edge.limits),
+            cluster: cfg.cluster.as_ref().map(|c| {
+                Arc::new(crate::plane::cluster::ClusterView::new(
+                    &c.name,
+                    &cfg.edge.name,
+                ))
+            }),
             cfg,
             credentials: credentials.map(Arc::new),
             acceptor,
@@ -380,7 +388,13 @@ impl ShardedEdge {
             .and_then(Option::take)
             .ok_or_else(|| std::io::Error::other(format!("shard {index} taken twice")))?;
         let count = part.port.peers.len();
-        let control = (index == CONTROL_SHARD).then(|| Control::new(control_spec(&self.cfg)));
+        let control = (index == CONTROL_SHARD).then(|| {
+            let spec = control_spec(&self.cfg);
+            match self.cfg.cluster {
+                Some(_) => Control::clustered(spec),
+                None => Control::new(spec),
+            }
+        });
         let outbox = (count > 1).then(|| Outbox::new(part.port.peers));
         let mut settings = settings(&self.cfg, self.credentials.clone());
         settings.client_tls = self.client_tls.clone();
@@ -389,6 +403,7 @@ impl ShardedEdge {
         settings.access_log = self.access_log.clone();
         settings.request_metrics = self.request_metrics.clone();
         settings.peer_limits = self.peer_limits.clone();
+        settings.cluster = self.cluster.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let listeners = Listeners {
@@ -430,6 +445,18 @@ impl ShardedEdge {
     {
         let drain_grace = stop.drain_grace;
         if edge.is_control_shard() {
+            // A cluster member claims its nodes in etcd and follows the
+            // cluster from here (`crate::cluster::member`).
+            if let (Some(spec), Some(view)) = (&self.cfg.cluster, &self.cluster) {
+                crate::cluster::member::Member::start(
+                    edge.clone(),
+                    spec,
+                    view.clone(),
+                    self.client_addr,
+                    self.node_addr,
+                )
+                .map_err(std::io::Error::other)?;
+            }
             // The process signals become lifecycle steps of every shard,
             // this one included, for as long as the runtime runs (a second
             // signal must still cut the drain short while this shard waits

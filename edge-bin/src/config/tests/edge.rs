@@ -482,7 +482,10 @@ fn outlier_detection_and_max_attempts_default_parse_and_are_in_range() {
 fn cluster_table_defaults_parse_and_refuse_bad_values() {
     assert_eq!(parse(BASE).unwrap().cluster, None);
     let with = |table: &str| format!("{BASE}\n[cluster]\n{table}\n");
-    let config = parse(&with("etcd_endpoints = [\"127.0.0.1:2379\", \"etcd-2:2379\"]")).unwrap();
+    let config = parse(&with(
+        "etcd_endpoints = [\"127.0.0.1:2379\", \"etcd-2:2379\"]",
+    ))
+    .unwrap();
     assert_eq!(
         config.cluster,
         Some(ClusterSpec {

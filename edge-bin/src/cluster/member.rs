@@ -1,0 +1,494 @@
+//! The cluster shell: this Edge as a member of its cluster, on the control
+//! shard. Three tasks carry `Control`'s ownership decisions to etcd and
+//! etcd's news back to `Control`:
+//!
+//! ```text
+//! lease task   grant ──► announce /edges/<name> ──► ClusterSession{up: true}
+//!              keep-alive every interval; at the fence deadline (TTL − interval
+//!              after the last acknowledged keep-alive) or "lease gone":
+//!              ClusterSession{up: false} (Control fences all it owns), grant again
+//! ops task     Action::ClaimOwnership  ──► put owner key on the lease ──► OwnershipGranted{revision} / OwnershipFailed
+//!              Action::ReleaseOwnership ──► delete owner key if mod_revision == revision
+//! watch task   range /iop/<cluster>/ at revision R, then watch from R + 1:
+//!              owner key put / delete ──► OwnerObserved{node, revision, deleted}
+//!              edge key put / delete  ──► the member list of the view
+//! ```
+//!
+//! The keyspace (`docs/multi-edge.md`):
+//!
+//! ```text
+//! /iop/<cluster>/edges/<edge name>      {"client_addr", "node_addr", "incarnation"}   this Edge's lease
+//! /iop/<cluster>/nodes/<node id>/owner  {"edge", "incarnation", "conn"}               the owner Edge's lease
+//! ```
+//!
+//! Every decision stays in `Control` (sans-IO, `control::ownership`) and in
+//! [`LeaseSession`] (when the lease can no longer be proven); this file
+//! only moves their inputs and outputs.
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use iop_engine::clock;
+
+use crate::cluster::etcd::{EtcdClient, EtcdConfig, EventKind, LeaseId, WatchMessage};
+use crate::cluster::session::{LeaseSession, LostReason, Status};
+use crate::config::ClusterSpec;
+use crate::control::Input;
+use crate::link::edge::Edge;
+use crate::link::ownership::OwnershipOp;
+use crate::plane::cluster::ClusterView;
+
+/// Pause before trying etcd again after a failed grant or a broken watch.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// Where this Edge's keys live.
+#[derive(Debug, Clone)]
+struct Keys {
+    /// `/iop/<cluster>/`.
+    root: String,
+}
+
+impl Keys {
+    fn edge(&self, name: &str) -> String {
+        format!("{}edges/{name}", self.root)
+    }
+
+    fn owner(&self, node_id: &str) -> String {
+        format!("{}nodes/{node_id}/owner", self.root)
+    }
+}
+
+/// What a key under the cluster's root names.
+#[derive(Debug, PartialEq, Eq)]
+enum KeyOf<'a> {
+    Edge(&'a str),
+    Owner(&'a str),
+    Other,
+}
+
+impl Keys {
+    fn parse<'a>(&self, key: &'a [u8]) -> KeyOf<'a> {
+        let Some(rest) = std::str::from_utf8(key)
+            .ok()
+            .and_then(|k| k.strip_prefix(self.root.as_str()))
+        else {
+            return KeyOf::Other;
+        };
+        if let Some(name) = rest.strip_prefix("edges/") {
+            return KeyOf::Edge(name);
+        }
+        match rest
+            .strip_prefix("nodes/")
+            .and_then(|r| r.strip_suffix("/owner"))
+        {
+            Some(node) if !node.is_empty() && !node.contains('/') => KeyOf::Owner(node),
+            _ => KeyOf::Other,
+        }
+    }
+}
+
+/// The value of an owner key: which Edge (and which run of it) owns the
+/// node, on which connection.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct OwnerValue {
+    edge: String,
+    incarnation: String,
+    conn: u64,
+}
+
+/// This Edge as a member of its cluster (see the module docs).
+#[derive(Debug)]
+pub struct Member {
+    edge: Rc<Edge>,
+    client: EtcdClient,
+    view: Arc<ClusterView>,
+    session: RefCell<LeaseSession>,
+    keys: Keys,
+    /// Random per process start: tells this run's keys from an earlier
+    /// run's under the same Edge name.
+    incarnation: String,
+    /// What this Edge announces under its edge key.
+    announce: String,
+}
+
+impl Member {
+    /// Starts the member's tasks on the calling (control) shard. Errors
+    /// name what in `[cluster]` cannot be used.
+    pub fn start(
+        edge: Rc<Edge>,
+        spec: &ClusterSpec,
+        view: Arc<ClusterView>,
+        client_addr: SocketAddr,
+        node_addr: SocketAddr,
+    ) -> Result<Rc<Self>, String> {
+        let client = EtcdClient::new(EtcdConfig {
+            call_timeout: Duration::from_millis(spec.etcd_timeout_ms),
+            ..EtcdConfig::new(spec.etcd_endpoints.clone())
+        })
+        .map_err(|e| format!("cluster.etcd_endpoints: {e}"))?;
+        let session = LeaseSession::new(
+            Duration::from_secs(spec.lease_ttl_sec),
+            Duration::from_secs(spec.keepalive_interval_sec),
+        )
+        .map_err(|e| format!("cluster: {e}"))?;
+        let incarnation = format!("{:016x}", iop_engine::rng::SplitMix64::from_os().next_u64());
+        let announce = serde_json::json!({
+            "client_addr": client_addr.to_string(),
+            "node_addr": node_addr.to_string(),
+            "incarnation": incarnation,
+        })
+        .to_string();
+        let member = Rc::new(Self {
+            edge,
+            client,
+            view,
+            session: RefCell::new(session),
+            keys: Keys {
+                root: format!("/iop/{}/", spec.name),
+            },
+            incarnation,
+            announce,
+        });
+        monoio::spawn(member.clone().run_lease());
+        monoio::spawn(member.clone().run_ops());
+        monoio::spawn(member.clone().run_watch());
+        Ok(member)
+    }
+
+    fn status(&self) -> Status {
+        self.session.borrow_mut().poll(clock::now())
+    }
+
+    fn set_up(&self, up: bool) {
+        self.view.set_up(up);
+        self.edge.apply(Input::ClusterSession { up });
+    }
+
+    fn etcd_error(&self, what: &str, error: &dyn std::fmt::Display) {
+        self.view
+            .counters
+            .etcd_errors
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(cluster = %self.view.name, %error, "etcd: {what} failed");
+    }
+
+    /// Holds this Edge's lease for as long as the process runs.
+    async fn run_lease(self: Rc<Self>) {
+        loop {
+            let Some(lease) = self.grant().await else {
+                monoio::time::sleep(RETRY).await;
+                continue;
+            };
+            self.view
+                .counters
+                .leases_granted
+                .fetch_add(1, Ordering::Relaxed);
+            let key = self.keys.edge(&self.view.edge_name);
+            if let Err(e) = self
+                .client
+                .put_with_lease(key.as_bytes(), self.announce.as_bytes(), lease)
+                .await
+            {
+                self.etcd_error("announcing this edge", &e);
+            }
+            tracing::info!(
+                cluster = %self.view.name,
+                edge = %self.view.edge_name,
+                lease = lease.0,
+                "cluster: lease granted, claiming nodes"
+            );
+            self.set_up(true);
+            let reason = self.keep_alive().await;
+            self.view
+                .counters
+                .self_fences
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                cluster = %self.view.name,
+                reason = ?reason,
+                "cluster: the etcd lease can no longer be proven; fencing every node this edge owns"
+            );
+            self.set_up(false);
+            // Best effort: if etcd is reachable after all, its keys go now
+            // rather than at expiry.
+            let _ = self.client.lease_revoke(lease).await;
+            monoio::time::sleep(RETRY).await;
+        }
+    }
+
+    async fn grant(&self) -> Option<LeaseId> {
+        let (token, ttl_sec) = {
+            let mut session = self.session.borrow_mut();
+            (session.grant_sent(clock::now()), session.ttl_sec())
+        };
+        match self.client.lease_grant(ttl_sec).await {
+            Ok(grant) => {
+                let ttl = Duration::from_secs(u64::try_from(grant.ttl_sec).unwrap_or(0));
+                match self
+                    .session
+                    .borrow_mut()
+                    .grant_answered(token, grant.lease, ttl)
+                {
+                    Ok(()) => Some(grant.lease),
+                    Err(e) => {
+                        self.etcd_error("granting a lease", &e);
+                        None
+                    }
+                }
+            }
+            Err(e) => {
+                self.etcd_error("granting a lease", &e);
+                None
+            }
+        }
+    }
+
+    /// Keeps the lease alive until it can no longer be proven; returns why.
+    async fn keep_alive(&self) -> LostReason {
+        loop {
+            let (deadline, due) = match self.status() {
+                Status::Up { deadline, .. } => {
+                    let due = self.session.borrow().next_keepalive_at();
+                    (deadline, due.unwrap_or(deadline))
+                }
+                Status::Lost { reason, .. } => return reason,
+                Status::NotGranted => return LostReason::Released,
+            };
+            sleep_until(due.min(deadline)).await;
+            let Some(token) = self.session.borrow_mut().keepalive_sent(clock::now()) else {
+                continue;
+            };
+            // The deadline does not wait for a slow answer.
+            let answer = monoio::select! {
+                answer = self.client.lease_keepalive(token.lease()) => Some(answer),
+                _ = sleep_until(deadline) => None,
+            };
+            let now = clock::now();
+            let mut session = self.session.borrow_mut();
+            match answer {
+                Some(Ok(Some(ttl))) => session.keepalive_acked(
+                    token,
+                    Duration::from_secs(u64::try_from(ttl).unwrap_or(0)),
+                    now,
+                ),
+                Some(Ok(None)) => session.keepalive_lease_gone(token, now),
+                Some(Err(e)) => {
+                    drop(session);
+                    self.etcd_error("keeping the lease alive", &e);
+                    self.session.borrow_mut().keepalive_failed(token, now);
+                }
+                None => session.keepalive_failed(token, now),
+            }
+        }
+    }
+
+    /// Carries out Control's claims and releases, each as its own task:
+    /// their order does not matter (revisions decide).
+    async fn run_ops(self: Rc<Self>) {
+        loop {
+            let ops = self.edge.ownership_ops.take();
+            if ops.is_empty() {
+                self.edge.ownership_ops.changed().await;
+                continue;
+            }
+            for op in ops {
+                monoio::spawn(self.clone().run_op(op));
+            }
+        }
+    }
+
+    async fn run_op(self: Rc<Self>, op: OwnershipOp) {
+        match op {
+            OwnershipOp::Claim { conn, node_id } => {
+                let Status::Up { lease, .. } = self.status() else {
+                    self.view
+                        .counters
+                        .claims_failed
+                        .fetch_add(1, Ordering::Relaxed);
+                    return self.edge.apply(Input::OwnershipFailed { conn });
+                };
+                let value = serde_json::to_vec(&OwnerValue {
+                    edge: self.view.edge_name.clone(),
+                    incarnation: self.incarnation.clone(),
+                    conn: conn.0,
+                })
+                .unwrap_or_default();
+                let key = self.keys.owner(&node_id);
+                match self
+                    .client
+                    .put_with_lease(key.as_bytes(), &value, lease)
+                    .await
+                {
+                    Ok(revision) => {
+                        self.view
+                            .counters
+                            .claims_granted
+                            .fetch_add(1, Ordering::Relaxed);
+                        self.view
+                            .owner_put(&node_id, &self.view.edge_name, revision as u64);
+                        self.edge.apply(Input::OwnershipGranted {
+                            conn,
+                            node_id,
+                            revision: u64::try_from(revision).unwrap_or(0),
+                        });
+                    }
+                    Err(e) => {
+                        self.view
+                            .counters
+                            .claims_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                        self.etcd_error("claiming a node", &e);
+                        self.edge.apply(Input::OwnershipFailed { conn });
+                    }
+                }
+            }
+            OwnershipOp::Release { node_id, revision } => {
+                let key = self.keys.owner(&node_id);
+                let revision = i64::try_from(revision).unwrap_or(i64::MAX);
+                match self
+                    .client
+                    .delete_if_mod_revision(key.as_bytes(), revision)
+                    .await
+                {
+                    Ok(true) => {
+                        self.view.counters.releases.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // A newer owner's key: not ours to delete.
+                    Ok(false) => {}
+                    Err(e) => self.etcd_error("releasing a node", &e),
+                }
+            }
+        }
+    }
+
+    /// Follows every change under the cluster's root, from a consistent
+    /// read on, for as long as the process runs.
+    async fn run_watch(self: Rc<Self>) {
+        let root = self.keys.root.clone();
+        let mut next: Option<i64> = None;
+        loop {
+            let start = match next {
+                Some(start) => start,
+                None => match self.client.range_prefix(root.as_bytes()).await {
+                    Ok(answer) => {
+                        for kv in &answer.kvs {
+                            self.seen(EventKind::Put, &kv.key, &kv.value, kv.mod_revision);
+                        }
+                        answer.revision + 1
+                    }
+                    Err(e) => {
+                        self.etcd_error("reading the cluster", &e);
+                        monoio::time::sleep(RETRY).await;
+                        continue;
+                    }
+                },
+            };
+            next = Some(start);
+            let mut watch = match self.client.watch_prefix(root.as_bytes(), start).await {
+                Ok(watch) => watch,
+                Err(e) => {
+                    self.etcd_error("watching the cluster", &e);
+                    monoio::time::sleep(RETRY).await;
+                    continue;
+                }
+            };
+            loop {
+                match watch.next().await {
+                    Ok(WatchMessage::Events { events, .. }) => {
+                        for event in events {
+                            self.seen(event.kind, &event.key, &event.value, event.mod_revision);
+                            next = Some(event.mod_revision + 1);
+                        }
+                    }
+                    Ok(WatchMessage::Created { .. } | WatchMessage::Progress { .. }) => {}
+                    Ok(WatchMessage::Canceled {
+                        compact_revision,
+                        reason,
+                    }) => {
+                        tracing::warn!(compact_revision, %reason, "etcd: the watch was cancelled");
+                        if compact_revision > 0 {
+                            // Missed history: read the whole state again.
+                            next = None;
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        self.etcd_error("following the watch", &e);
+                        break;
+                    }
+                }
+            }
+            self.view
+                .counters
+                .watch_restarts
+                .fetch_add(1, Ordering::Relaxed);
+            monoio::time::sleep(RETRY).await;
+        }
+    }
+
+    /// One change of a key under the root, in revision order.
+    fn seen(&self, kind: EventKind, key: &[u8], value: &[u8], revision: i64) {
+        let revision = u64::try_from(revision).unwrap_or(0);
+        match self.keys.parse(key) {
+            KeyOf::Owner(node_id) => {
+                let deleted = kind == EventKind::Delete;
+                if deleted {
+                    self.view.owner_deleted(node_id, revision);
+                } else {
+                    let edge = serde_json::from_slice::<OwnerValue>(value)
+                        .map(|v| v.edge)
+                        .unwrap_or_else(|_| "?".to_string());
+                    self.view.owner_put(node_id, &edge, revision);
+                }
+                self.edge.apply(Input::OwnerObserved {
+                    node_id: node_id.to_string(),
+                    revision,
+                    deleted,
+                });
+            }
+            KeyOf::Edge(name) => {
+                let value =
+                    (kind == EventKind::Put).then(|| String::from_utf8_lossy(value).into_owned());
+                self.view.edge_seen(name, value);
+            }
+            KeyOf::Other => {}
+        }
+    }
+}
+
+async fn sleep_until(at: Instant) {
+    monoio::time::sleep(at.saturating_duration_since(clock::now())).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_name_edges_and_owners_under_the_cluster_root_only() {
+        let keys = Keys {
+            root: "/iop/c1/".into(),
+        };
+        assert_eq!(keys.owner("gpu-1"), "/iop/c1/nodes/gpu-1/owner");
+        assert_eq!(keys.edge("edge-a"), "/iop/c1/edges/edge-a");
+        assert_eq!(
+            keys.parse(b"/iop/c1/nodes/gpu-1/owner"),
+            KeyOf::Owner("gpu-1")
+        );
+        assert_eq!(keys.parse(b"/iop/c1/edges/edge-a"), KeyOf::Edge("edge-a"));
+        for other in [
+            &b"/iop/c2/nodes/gpu-1/owner"[..],
+            b"/iop/c1/nodes//owner",
+            b"/iop/c1/nodes/a/b/owner",
+            b"/iop/c1/nodes/gpu-1",
+            b"/iop/c1/config/revision",
+            b"\xff\xfe",
+        ] {
+            assert_eq!(keys.parse(other), KeyOf::Other, "{other:?}");
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! What every shard may read of this Edge's place in a cluster: whether it
+//! holds its etcd lease (`/readyz`), which Edge owns which node (from the
+//! watch; `/status`), the other Edges, and the counters of `/metrics`.
+//! Written by the cluster shell on the control shard (`crate::cluster`),
+//! read anywhere; `None` in [`crate::link::settings::Settings`] for a
+//! single Edge.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Who owns a node, as the watch last saw its owner key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeOwner {
+    /// The owning Edge's name.
+    pub edge: String,
+    /// The key's revision (the owner's generation; never shown to clients,
+    /// R5).
+    pub revision: u64,
+}
+
+/// Counters of the cluster shell, cumulative.
+#[derive(Debug, Default)]
+pub struct ClusterCounters {
+    /// etcd calls that failed (every endpoint, or an error answer).
+    pub etcd_errors: AtomicU64,
+    /// Ownership claims that committed.
+    pub claims_granted: AtomicU64,
+    /// Ownership claims that did not commit.
+    pub claims_failed: AtomicU64,
+    /// Owner keys deleted on a clean release.
+    pub releases: AtomicU64,
+    /// Times this Edge fenced everything it owned because it could no
+    /// longer prove its etcd lease.
+    pub self_fences: AtomicU64,
+    /// Leases granted (the first, and one after each loss).
+    pub leases_granted: AtomicU64,
+    /// Times the watch was established again after it broke.
+    pub watch_restarts: AtomicU64,
+}
+
+/// One Edge's view of its cluster.
+#[derive(Debug)]
+pub struct ClusterView {
+    /// The cluster's name (`[cluster] name`).
+    pub name: String,
+    /// This Edge's name (`[edge] name`).
+    pub edge_name: String,
+    up: AtomicBool,
+    owners: Mutex<BTreeMap<String, NodeOwner>>,
+    edges: Mutex<BTreeMap<String, String>>,
+    /// The shell's counters.
+    pub counters: ClusterCounters,
+}
+
+impl ClusterView {
+    /// The view of a member that holds no lease yet.
+    pub fn new(name: &str, edge_name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            edge_name: edge_name.to_string(),
+            up: AtomicBool::new(false),
+            owners: Mutex::new(BTreeMap::new()),
+            edges: Mutex::new(BTreeMap::new()),
+            counters: ClusterCounters::default(),
+        }
+    }
+
+    /// Whether this Edge holds its etcd lease (it may own nodes and
+    /// dispatch).
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Records whether the lease is held.
+    pub fn set_up(&self, up: bool) {
+        self.up.store(up, Ordering::Release);
+    }
+
+    /// The watch saw `node`'s owner key written by `edge` at `revision`.
+    pub fn owner_put(&self, node: &str, edge: &str, revision: u64) {
+        let mut owners = lock(&self.owners);
+        if owners.get(node).is_none_or(|o| o.revision < revision) {
+            owners.insert(
+                node.to_string(),
+                NodeOwner {
+                    edge: edge.to_string(),
+                    revision,
+                },
+            );
+        }
+    }
+
+    /// The watch saw `node`'s owner key deleted at `revision`.
+    pub fn owner_deleted(&self, node: &str, revision: u64) {
+        let mut owners = lock(&self.owners);
+        if owners.get(node).is_some_and(|o| o.revision < revision) {
+            owners.remove(node);
+        }
+    }
+
+    /// Every owned node with its owner, in node order.
+    pub fn owners(&self) -> BTreeMap<String, NodeOwner> {
+        lock(&self.owners).clone()
+    }
+
+    /// The watch saw Edge `name` announce itself (`value`: its announced
+    /// addresses, as JSON text), or leave (`None`).
+    pub fn edge_seen(&self, name: &str, value: Option<String>) {
+        let mut edges = lock(&self.edges);
+        match value {
+            Some(value) => edges.insert(name.to_string(), value),
+            None => edges.remove(name),
+        };
+    }
+
+    /// The live Edges (this one included once announced), by name, with
+    /// what each announced.
+    pub fn edges(&self) -> BTreeMap<String, String> {
+        lock(&self.edges).clone()
+    }
+
+    /// Nodes owned per Edge name, for `/metrics`.
+    pub fn nodes_per_edge(&self) -> BTreeMap<String, u64> {
+        let mut counts = BTreeMap::new();
+        for owner in lock(&self.owners).values() {
+            *counts.entry(owner.edge.clone()).or_insert(0) += 1;
+        }
+        counts
+    }
+}
+
+/// The map behind `mutex`, also after a panic elsewhere poisoned it (the
+/// maps are replaced entry by entry and stay consistent).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_older_event_never_replaces_a_newer_owner() {
+        let view = ClusterView::new("c", "e1");
+        view.owner_put("n1", "e1", 5);
+        view.owner_put("n1", "e2", 9);
+        view.owner_put("n1", "e1", 7);
+        view.owner_deleted("n1", 8);
+        assert_eq!(
+            view.owners().get("n1"),
+            Some(&NodeOwner {
+                edge: "e2".into(),
+                revision: 9
+            })
+        );
+        view.owner_deleted("n1", 10);
+        assert_eq!(view.owners().get("n1"), None);
+        view.owner_put("n2", "e1", 11);
+        view.owner_put("n3", "e1", 12);
+        assert_eq!(
+            view.nodes_per_edge(),
+            BTreeMap::from([("e1".to_string(), 2)])
+        );
+    }
+}
