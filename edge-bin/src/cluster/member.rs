@@ -113,6 +113,8 @@ pub struct Member {
     incarnation: String,
     /// What this Edge announces under its edge key.
     announce: String,
+    /// Set by [`Member::leave`]: no lease is taken again.
+    left: std::cell::Cell<bool>,
 }
 
 impl Member {
@@ -152,11 +154,28 @@ impl Member {
             },
             incarnation,
             announce,
+            left: std::cell::Cell::new(false),
         });
         monoio::spawn(member.clone().run_lease());
         monoio::spawn(member.clone().run_ops());
         monoio::spawn(member.clone().run_watch());
         Ok(member)
+    }
+
+    /// Leaves the cluster at the end of a drain: revokes the lease (every
+    /// key of this Edge goes at once) and stops claiming. Bounded by one
+    /// etcd call timeout per endpoint; a failure leaves the keys to expire.
+    pub async fn leave(&self) {
+        let Status::Up { lease, .. } = self.status() else {
+            return;
+        };
+        self.left.set(true);
+        self.session.borrow_mut().release();
+        self.set_up(false);
+        match self.client.lease_revoke(lease).await {
+            Ok(_) => tracing::info!(cluster = %self.view.name, "cluster: left (lease revoked)"),
+            Err(e) => self.etcd_error("revoking the lease at exit", &e),
+        }
     }
 
     fn status(&self) -> Status {
@@ -178,7 +197,7 @@ impl Member {
 
     /// Holds this Edge's lease for as long as the process runs.
     async fn run_lease(self: Rc<Self>) {
-        loop {
+        while !self.left.get() {
             let Some(lease) = self.grant().await else {
                 monoio::time::sleep(RETRY).await;
                 continue;
@@ -203,6 +222,9 @@ impl Member {
             );
             self.set_up(true);
             let reason = self.keep_alive().await;
+            if self.left.get() {
+                return;
+            }
             self.view
                 .counters
                 .self_fences
@@ -454,6 +476,9 @@ impl Member {
                 let value =
                     (kind == EventKind::Put).then(|| String::from_utf8_lossy(value).into_owned());
                 self.view.edge_seen(name, value);
+                // Every key's limits are shared by the live Edges.
+                let edges = u32::try_from(self.view.edges().len()).unwrap_or(u32::MAX);
+                self.edge.settings.client_keys.set_cluster_share(edges);
             }
             KeyOf::Other => {}
         }

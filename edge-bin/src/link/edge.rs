@@ -1033,6 +1033,7 @@ mod tests {
                 Vec::new(),
                 1,
             ),
+            cluster: None,
         };
         Edge::new(Control::new(spec), settings)
     }

@@ -226,6 +226,15 @@ impl ClientKeys {
             .admit(principal, estimated_tokens, now)
     }
 
+    /// In a cluster: `edges` live Edges share every key's limits; see
+    /// [`Limiter::set_share`].
+    pub fn set_cluster_share(&self, edges: u32) {
+        self.limiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set_share(edges);
+    }
+
     /// Ends an admitted request; see [`Limiter::finish`].
     pub fn finish(&self, ticket: Ticket, observed_tokens: Option<u64>, now: Instant) {
         self.limiter

@@ -300,6 +300,24 @@ pub struct Limiter {
     /// Bumped by [`Limiter::configure`]: a ticket settles tokens only into
     /// buckets at least as old as itself.
     epoch: u64,
+    /// The limits as configured (for the whole cluster), in config order.
+    configured: Vec<(Arc<str>, LimitSpec)>,
+    /// Live Edges sharing the limits ([`Limiter::set_share`]); 0 and 1
+    /// mean this Edge alone.
+    edges: u32,
+}
+
+/// `limits` as one of `edges` Edges enforces them: each limit divided by
+/// the number of Edges, rounded up (so no limit becomes 0 and the cluster
+/// admits at most `edges − 1` more than the limit in a window).
+pub fn share_of(limits: LimitSpec, edges: u32) -> LimitSpec {
+    let edges = edges.max(1);
+    let part = |v: Option<u32>| v.map(|v| v.div_ceil(edges).max(1));
+    LimitSpec {
+        max_concurrent: part(limits.max_concurrent),
+        requests_per_minute: part(limits.requests_per_minute),
+        tokens_per_minute: part(limits.tokens_per_minute),
+    }
 }
 
 impl Limiter {
@@ -315,10 +333,32 @@ impl Limiter {
     /// in-flight count and starts with full buckets; one no longer listed is
     /// forgotten (its in-flight requests finish without effect).
     pub fn configure<'a>(&mut self, specs: impl IntoIterator<Item = (&'a str, LimitSpec)>) {
+        self.configured = specs
+            .into_iter()
+            .map(|(name, spec)| (Arc::<str>::from(name), spec))
+            .collect();
+        self.apply();
+    }
+
+    /// In a cluster: the limits are shared by `edges` live Edges, and this
+    /// one enforces its [`share_of`] them. A change is applied like a
+    /// reload ([`Limiter::configure`]): in-flight counts stay, buckets of a
+    /// changed share start full.
+    pub fn set_share(&mut self, edges: u32) {
+        if edges.max(1) != self.edges.max(1) {
+            self.edges = edges;
+            self.apply();
+        }
+    }
+
+    /// Applies [`Limiter::configure`]'s limits under the current share.
+    fn apply(&mut self) {
         self.epoch += 1;
         let mut index = HashMap::new();
         let mut states = Vec::new();
-        for (name, spec) in specs {
+        let configured = std::mem::take(&mut self.configured);
+        for (name, spec) in &configured {
+            let (name, spec) = (&**name, share_of(*spec, self.edges));
             if spec.is_unlimited() || index.contains_key(name) {
                 continue;
             }
@@ -343,6 +383,7 @@ impl Limiter {
         }
         self.index = index;
         self.states = states;
+        self.configured = configured;
     }
 
     /// Admits a request of `principal` whose prompt is estimated at
@@ -545,6 +586,38 @@ mod tests {
             l.headers("team-a", clock.now()).requests,
             window(3, 3, Duration::ZERO)
         );
+    }
+
+    #[test]
+    fn a_cluster_member_enforces_its_share_rounded_up_and_keeps_its_in_flight_on_a_change() {
+        assert_eq!(
+            share_of(spec(Some(5), Some(60), Some(1000)), 3),
+            spec(Some(2), Some(20), Some(334))
+        );
+        assert_eq!(share_of(spec(Some(1), None, None), 3), spec(Some(1), None, None));
+        assert_eq!(share_of(spec(Some(4), None, None), 0), spec(Some(4), None, None));
+        let clock = ManualClock::new(0);
+        let mut l = Limiter::new([("team-a", spec(Some(4), None, None))]);
+        l.set_share(2);
+        let (a, _) = granted(l.admit("team-a", 1, clock.now()));
+        let (b, _) = granted(l.admit("team-a", 1, clock.now()));
+        let r = refused(l.admit("team-a", 1, clock.now()));
+        assert_eq!((r.kind, r.limit), (LimitKind::Concurrent, 2));
+        // An Edge left: this one's share grows; the two in flight still count.
+        l.set_share(1);
+        assert_eq!(l.in_flight("team-a"), 2);
+        let (c, _) = granted(l.admit("team-a", 1, clock.now()));
+        let (d, _) = granted(l.admit("team-a", 1, clock.now()));
+        assert_eq!(refused(l.admit("team-a", 1, clock.now())).limit, 4);
+        // A reload keeps the share.
+        l.configure([("team-a", spec(Some(6), None, None))]);
+        for t in [a, b, c, d] {
+            l.finish(t, None, clock.now());
+        }
+        l.set_share(3);
+        let (_, _) = granted(l.admit("team-a", 1, clock.now()));
+        let (_, _) = granted(l.admit("team-a", 1, clock.now()));
+        assert_eq!(refused(l.admit("team-a", 1, clock.now())).limit, 2);
     }
 
     #[test]

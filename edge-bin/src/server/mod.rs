@@ -447,16 +447,19 @@ impl ShardedEdge {
         if edge.is_control_shard() {
             // A cluster member claims its nodes in etcd and follows the
             // cluster from here (`crate::cluster::member`).
-            if let (Some(spec), Some(view)) = (&self.cfg.cluster, &self.cluster) {
-                crate::cluster::member::Member::start(
-                    edge.clone(),
-                    spec,
-                    view.clone(),
-                    self.client_addr,
-                    self.node_addr,
-                )
-                .map_err(std::io::Error::other)?;
-            }
+            let member = match (&self.cfg.cluster, &self.cluster) {
+                (Some(spec), Some(view)) => Some(
+                    crate::cluster::member::Member::start(
+                        edge.clone(),
+                        spec,
+                        view.clone(),
+                        self.client_addr,
+                        self.node_addr,
+                    )
+                    .map_err(std::io::Error::other)?,
+                ),
+                _ => None,
+            };
             // The process signals become lifecycle steps of every shard,
             // this one included, for as long as the runtime runs (a second
             // signal must still cut the drain short while this shard waits
@@ -488,6 +491,10 @@ impl ShardedEdge {
                 cut_off = edge.workers_drained() => cut_off,
                 _ = edge.run_timers() => 0,
             };
+            // Drained: this Edge's keys go now, not at its lease's expiry.
+            if let Some(member) = member {
+                member.leave().await;
+            }
             edge.broadcast(Lifecycle::Exit);
             // The workers wait for this message; this runtime (and its
             // flusher) ends when we return.
