@@ -28,11 +28,14 @@
 //! - [`api`]: the client-facing shapes — OpenAI/Anthropic errors and
 //!   requests, request bodies as the client's bytes, run translation.
 //! - [`config`]: `edge.toml`, parsed and validated.
+//! - [`cluster`]: etcd for more than one Edge — a client on monoio and the
+//!   lease session with its fence deadline (not wired in yet).
 
 #![forbid(unsafe_code)]
 
 pub mod api;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod link;
