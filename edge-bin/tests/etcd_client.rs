@@ -540,3 +540,43 @@ fn bad_configuration_is_refused_with_its_reason() {
         r#"etcd endpoint "127.0.0.1": missing :port"#
     );
 }
+
+/// Without `Grpc-Metadata-Hasleader` a leaderless member keeps a watch
+/// open and silent, and answers a read only after its own 7 s request
+/// timeout; with it, both are refused with "no leader".
+#[test]
+fn a_member_without_a_leader_refuses_and_ends_its_watch() {
+    let mut cluster = EtcdCluster::start(3);
+    let endpoint = cluster.endpoint(0);
+    let etcd = client(vec![endpoint.clone()], Duration::from_secs(5));
+    let no_leader = |call: &'static str| {
+        format!("etcd {endpoint} {call}: etcd error (code 14): etcdserver: no leader")
+    };
+    run(async {
+        let mut watch = etcd.watch_prefix(PREFIX, 1).await.expect("watch");
+        cluster.stop(1);
+        cluster.stop(2);
+        // etcd ends the watch once it has had no leader for a few
+        // election timeouts (about 4 s here).
+        let ended = monoio::time::timeout(Duration::from_secs(40), watch.next())
+            .await
+            .expect("the watch ends on its own");
+        let error = ended.expect_err("no leader");
+        assert!(
+            matches!(error.server_error(), Some(e) if e.is_unavailable()),
+            "{error:?}"
+        );
+        assert_eq!(error.to_string(), no_leader("/v3/watch"));
+        // Refused, not waited out: within the 5 s call timeout.
+        let error = etcd.range_prefix(PREFIX).await.expect_err("no leader");
+        assert_eq!(
+            error.to_string(),
+            format!("no etcd endpoint answered: {}", no_leader("/v3/kv/range"))
+        );
+        let error = etcd.watch_prefix(PREFIX, 1).await.expect_err("no leader");
+        assert_eq!(
+            error.to_string(),
+            format!("no etcd endpoint answered: {}", no_leader("/v3/watch"))
+        );
+    });
+}
