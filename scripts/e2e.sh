@@ -30,6 +30,18 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 
+# Multi-Edge runs need a real etcd (Debian's etcd-server, /usr/bin/etcd);
+# install it where we may.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "e2e: installing etcd-server for the multi-Edge tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        etcd-server >/dev/null; } || echo "e2e: warning: could not install etcd-server" >&2
+  else
+    echo "e2e: warning: etcd missing and not root with apt: multi-Edge tests will fail" >&2
+  fi
+fi
+
 cargo build --workspace --bins --quiet
 export IOP_BIN_DIR="${IOP_BIN_DIR:-$PWD/target/debug}"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e "$@"

@@ -61,6 +61,18 @@ if ! command -v openssl >/dev/null 2>&1; then
   fi
 fi
 
+# edge-bin/tests/etcd_client.rs runs a real etcd (/usr/bin/etcd, Debian's
+# etcd-server) and fails without it; install it where we may.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test: installing etcd-server for the etcd client tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        etcd-server >/dev/null; } || echo "test: warning: could not install etcd-server" >&2
+  else
+    echo "test: etcd missing and not root with apt: the etcd client tests will fail" >&2
+  fi
+fi
+
 stage "build binaries (integration tests run them)"
 cargo build --workspace --bins
 

@@ -17,6 +17,9 @@
 //!   loops and their caps ([`server::front_door`]), SIGHUP reloads.
 //! - [`client`]: the client HTTP shell — the request loop, routes, the
 //!   relays, `/admin`, `/status`, `/metrics`, the `/ui` page.
+//! - [`cluster`]: this Edge as one of several sharing a fleet through etcd
+//!   (`[cluster]`) — its lease and fence deadline, ownership claims and the
+//!   watch ([`cluster::member`]), the etcd client ([`cluster::etcd`]).
 //! - [`link`]: the node side and the shards — node connections, the
 //!   per-shard [`link::edge::Edge`] that carries out Control's actions, the
 //!   per-request replies, mailboxes between shards, pending node commands.

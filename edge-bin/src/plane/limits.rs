@@ -594,8 +594,14 @@ mod tests {
             share_of(spec(Some(5), Some(60), Some(1000)), 3),
             spec(Some(2), Some(20), Some(334))
         );
-        assert_eq!(share_of(spec(Some(1), None, None), 3), spec(Some(1), None, None));
-        assert_eq!(share_of(spec(Some(4), None, None), 0), spec(Some(4), None, None));
+        assert_eq!(
+            share_of(spec(Some(1), None, None), 3),
+            spec(Some(1), None, None)
+        );
+        assert_eq!(
+            share_of(spec(Some(4), None, None), 0),
+            spec(Some(4), None, None)
+        );
         let clock = ManualClock::new(0);
         let mut l = Limiter::new([("team-a", spec(Some(4), None, None))]);
         l.set_share(2);

@@ -10,6 +10,8 @@
 // Each test binary uses a different subset of the harness.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

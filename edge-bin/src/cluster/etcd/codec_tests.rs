@@ -310,7 +310,9 @@ fn oversized_bodies_are_refused_before_parsing() {
 
 #[test]
 fn hostile_bodies_are_errors_not_panics() {
-    let parsers: [(&str, fn(&[u8]) -> bool); 7] = [
+    /// A parser's name and whether it refuses a body.
+    type Refuses = (&'static str, fn(&[u8]) -> bool);
+    let parsers: [Refuses; 7] = [
         ("grant", |b| parse_lease_grant(b).is_err()),
         ("keepalive", |b| parse_lease_keepalive(b).is_err()),
         ("revoke", |b| parse_lease_revoke(b).is_err()),

@@ -342,7 +342,7 @@ impl EtcdClient {
             let endpoint = &self.endpoints[index];
             let open = async {
                 let mut conn = self.connect(index, request.path).await?;
-                let status = self.send(&mut conn, index, &request).await?;
+                let status = self.send(&mut conn, index, request).await?;
                 let mut watch = Watch {
                     endpoint: endpoint.text.clone(),
                     conn,
