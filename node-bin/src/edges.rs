@@ -109,7 +109,8 @@ pub enum CandidateFailure {
 }
 
 impl CandidateFailure {
-    fn message(&self) -> &str {
+    /// What went wrong, for the log.
+    pub fn message(&self) -> &str {
         match self {
             CandidateFailure::Dial(m) | CandidateFailure::Tls(m) | CandidateFailure::Session(m) => {
                 m

@@ -164,12 +164,24 @@ async fn attempt(
 ) -> Attempt {
     let mut failures = AttemptFailures::default();
     let resolved = edges::resolve_candidates(&cfg.edge_addr, &mut failures).await;
-    for candidate in edges::dial_order(resolved, order) {
-        match attempt_at(cfg, core, tls, &candidate).await {
+    let candidates = edges::dial_order(resolved, order);
+    let last = candidates.len().saturating_sub(1);
+    for (i, candidate) in candidates.iter().enumerate() {
+        let failure = match attempt_at(cfg, core, tls, candidate).await {
             Ok(reason) => return Attempt::WasReady(reason),
+            Err(failure) => failure,
+        };
+        if i < last {
+            tracing::info!(
+                edge_addr = %candidate,
+                reason = %failure.message(),
+                "edge address failed; trying the next"
+            );
+        }
+        match failure {
             // A dial failure's message names the address already.
-            Err(failure @ CandidateFailure::Dial(_)) => failures.push(None, failure),
-            Err(failure) => failures.push(Some(candidate.to_string()), failure),
+            CandidateFailure::Dial(_) => failures.push(None, failure),
+            _ => failures.push(Some(candidate.to_string()), failure),
         }
     }
     Attempt::Failed(failures.reason())
