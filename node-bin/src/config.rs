@@ -2,17 +2,25 @@
 //!
 //! ```text
 //! node.toml ──read──► text ──toml + serde (unknown keys rejected, key path kept)──► RawNodeFile
-//!     RawNodeFile ──validate (names, edge address, S2 reconnect policy)──► NodeConfig
+//!     RawNodeFile ──validate (names, edge addresses, S2 reconnect policy)──► NodeConfig
 //!     NodeConfig::validate_files ──► the TLS files exist and are readable (S3)
 //! ```
 //!
 //! The Node's adapters are not configured here: the Edge sends them in
 //! `RegisterResponse.config` (R2, U4). This file only says who we are, where
-//! the Edge is, who it must be (T2), how to reconnect (S2) and, optionally,
-//! the credential plane (`[credentials]`, C2): our recipient key file, the
-//! Edge issuer's public key, the allowed clock skew and, per credential
-//! slot, the provider origins its secret may reach. With it the Node is
-//! *managed*: every tunnel must carry a valid credential lease (C3).
+//! the Edges are (`edge_addr`: one or several, each dial picks one, see
+//! [`crate::edges`]), who they may be (`edge_name`: one or several accepted
+//! identities, T2), how to reconnect (S2) and, optionally, the credential
+//! plane (`[credentials]`, C2): our recipient key file, the public keys of
+//! the lease issuers we trust (one per Edge of a fleet), the allowed clock
+//! skew and, per credential slot, the provider origins its secret may
+//! reach. With it the Node is *managed*: every tunnel must carry a valid
+//! credential lease (C3).
+//!
+//! `edge_addr`, `edge_name` and `credentials.issuer_public_keys` take a
+//! string or an array of strings; each list is bounded
+//! ([`MAX_EDGE_ADDRS`], [`MAX_EDGE_NAMES`], [`MAX_ISSUER_KEYS`]) and an empty
+//! one is an error.
 //!
 //! [`NodeConfig::parse`] is pure (no file system access); [`NodeConfig::load`]
 //! reads the file, parses it and checks the TLS files. Every error is a
@@ -35,6 +43,7 @@ use iop_engine::config::{
 use iop_engine::http::Url;
 use iop_engine::keys::decode_issuer_public_key;
 use iop_wire::checks::ReconnectPolicy;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::jitter::Jitter;
@@ -54,6 +63,13 @@ pub const MAX_CLOCK_SKEW_MS: u32 = 60_000;
 pub const DEFAULT_DRAIN_GRACE_MS: u64 = 30_000;
 /// Largest accepted `drain_grace_ms` (one hour).
 pub const MAX_DRAIN_GRACE_MS: u64 = 3_600_000;
+/// Most `edge_addr` entries.
+pub const MAX_EDGE_ADDRS: usize = 16;
+/// Most `edge_name` entries.
+pub const MAX_EDGE_NAMES: usize = 16;
+/// Most trusted lease issuer keys (`credentials.issuer_public_key` and
+/// `credentials.issuer_public_keys` together).
+pub const MAX_ISSUER_KEYS: usize = 16;
 
 // ---------------------------------------------------------------------------
 // The validated configuration
@@ -68,10 +84,12 @@ pub struct NodeConfig {
     pub node_id: String,
     /// SPIFFE trust domain shared with the Edge (T2).
     pub trust_domain: String,
-    /// Where the Edge's Node listener is.
-    pub edge_addr: EdgeAddr,
-    /// The Edge identity name we require: `spiffe://<trust_domain>/edge/<edge_name>` (T2).
-    pub edge_name: String,
+    /// Where the Edges' Node listeners are: one or several `host:port`
+    /// entries; each dial tries their addresses in a fresh random order.
+    pub edge_addr: EdgeAddrs,
+    /// The Edge identity names we accept: the Edge's certificate must name
+    /// `spiffe://<trust_domain>/edge/<name>` for one of them (T2).
+    pub edge_name: EdgeNames,
     /// Dev flag: dial the Edge over plain TCP, credential plane disabled (T5).
     pub insecure_plaintext: bool,
     /// The TLS files, resolved against the config file's directory; `None`
@@ -123,8 +141,10 @@ pub struct CredentialsSpec {
     /// Our X25519 recipient key file, resolved against the config file's
     /// directory (`node-bin keys recipient --out …` writes one).
     pub recipient_key: PathBuf,
-    /// The Edge issuer's Ed25519 public key (`ed25519:<hex>`).
-    pub issuer_public_key: VerifyingKey,
+    /// The Ed25519 public keys of the lease issuers we trust (one per Edge
+    /// of a fleet): `issuer_public_key`, then `issuer_public_keys`, without
+    /// duplicates; never empty, at most [`MAX_ISSUER_KEYS`].
+    pub issuer_public_keys: Vec<VerifyingKey>,
     /// Clock difference to the Edge tolerated at both edges of a lease's
     /// validity window.
     pub clock_skew_ms: u32,
@@ -188,6 +208,103 @@ impl ToSocketAddrs for EdgeAddr {
     }
 }
 
+/// `edge_addr`: the Edges this Node may dial, one or more [`EdgeAddr`]s in
+/// the order written (duplicates allowed: the dial order drops repeated
+/// addresses). Never empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeAddrs(Vec<EdgeAddr>);
+
+impl EdgeAddrs {
+    /// The list; `None` when `entries` is empty.
+    pub fn new(entries: Vec<EdgeAddr>) -> Option<Self> {
+        (!entries.is_empty()).then_some(Self(entries))
+    }
+
+    /// The entries, as written.
+    pub fn entries(&self) -> &[EdgeAddr] {
+        &self.0
+    }
+}
+
+impl From<EdgeAddr> for EdgeAddrs {
+    /// One Edge.
+    fn from(addr: EdgeAddr) -> Self {
+        Self(vec![addr])
+    }
+}
+
+impl fmt::Display for EdgeAddrs {
+    /// The entries, comma separated (one entry: just it).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, addr) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{addr}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `edge_name`: the Edge identity names this Node accepts (T2), in the
+/// order written, without duplicates. Never empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeNames(Vec<String>);
+
+impl EdgeNames {
+    /// The names, each checked as an identity name, duplicates dropped.
+    /// The error is the reason, for a [`ConfigError`].
+    pub fn parse<S: AsRef<str>>(names: &[S]) -> Result<Self, String> {
+        if names.is_empty() {
+            return Err("list at least one Edge identity name".to_owned());
+        }
+        if names.len() > MAX_EDGE_NAMES {
+            return Err(format!(
+                "at most {MAX_EDGE_NAMES} names (got {})",
+                names.len()
+            ));
+        }
+        let mut out: Vec<String> = Vec::with_capacity(names.len());
+        for name in names {
+            let name = name.as_ref();
+            check_name(name)?;
+            if !out.iter().any(|n| n == name) {
+                out.push(name.to_owned());
+            }
+        }
+        Ok(Self(out))
+    }
+
+    /// The names, in the order written.
+    pub fn names(&self) -> &[String] {
+        &self.0
+    }
+
+    /// The first name.
+    pub fn first(&self) -> &str {
+        &self.0[0]
+    }
+
+    /// Whether `name` is one of them.
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.iter().any(|n| n == name)
+    }
+}
+
+impl From<&str> for EdgeNames {
+    /// One name, not checked here (the TLS connector checks it when built).
+    fn from(name: &str) -> Self {
+        Self(vec![name.to_owned()])
+    }
+}
+
+impl fmt::Display for EdgeNames {
+    /// The names, comma separated (one name: just it).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join(", "))
+    }
+}
+
 impl NodeConfig {
     /// Reads `path`, parses and validates it ([`NodeConfig::parse`]), then
     /// checks the TLS files ([`NodeConfig::validate_files`]).
@@ -228,14 +345,14 @@ impl NodeConfig {
 struct RawNodeFile {
     node_id: String,
     trust_domain: String,
-    edge_addr: String,
-    edge_name: String,
+    edge_addr: OneOrMany,
+    edge_name: OneOrMany,
     #[serde(default)]
     insecure_plaintext: bool,
     tls: Option<RawTls>,
     #[serde(default)]
     reconnect: RawReconnect,
-    credentials: Option<RawCredentials>,
+    credentials: Option<WithIssuer>,
     drain_grace_ms: Option<i64>,
     #[serde(default)]
     metrics: RawMetrics,
@@ -252,10 +369,62 @@ struct RawMetrics {
 #[serde(deny_unknown_fields)]
 struct RawCredentials {
     recipient_key: String,
-    issuer_public_key: String,
+    issuer_public_key: Option<String>,
+    issuer_public_keys: Option<OneOrMany>,
     clock_skew_ms: Option<i64>,
     #[serde(default)]
     allowed_origins: BTreeMap<String, Vec<String>>,
+}
+
+/// `[credentials]` with at least one of `issuer_public_key` and
+/// `issuer_public_keys`: neither is serde's missing-key error for
+/// `issuer_public_key`, located like any other (as when the key was the
+/// only form).
+#[derive(Debug, Deserialize)]
+#[serde(try_from = "RawCredentials")]
+struct WithIssuer(RawCredentials);
+
+impl TryFrom<RawCredentials> for WithIssuer {
+    type Error = String;
+
+    fn try_from(raw: RawCredentials) -> Result<Self, String> {
+        if raw.issuer_public_key.is_none() && raw.issuer_public_keys.is_none() {
+            return Err("missing field `issuer_public_key`".to_owned());
+        }
+        Ok(Self(raw))
+    }
+}
+
+/// A key that takes one string or an array of strings.
+#[derive(Debug)]
+struct OneOrMany(Vec<String>);
+
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Strings;
+
+        impl<'de> Visitor<'de> for Strings {
+            type Value = OneOrMany;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of strings")
+            }
+
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany(vec![value.to_owned()]))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<OneOrMany, A::Error> {
+                let mut out = Vec::new();
+                while let Some(value) = seq.next_element::<String>()? {
+                    out.push(value);
+                }
+                Ok(OneOrMany(out))
+            }
+        }
+
+        deserializer.deserialize_any(Strings)
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -274,8 +443,8 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
     let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
     check_name(&raw.node_id).map_err(|why| err("node_id", why))?;
     check_trust_domain(&raw.trust_domain).map_err(|why| err("trust_domain", why))?;
-    let edge_addr = EdgeAddr::parse(&raw.edge_addr).map_err(|why| err("edge_addr", why))?;
-    check_name(&raw.edge_name).map_err(|why| err("edge_name", why))?;
+    let edge_addr = edge_addrs(&raw.edge_addr.0).map_err(|why| err("edge_addr", why))?;
+    let edge_name = EdgeNames::parse(&raw.edge_name.0).map_err(|why| err("edge_name", why))?;
     let tls = match (raw.insecure_plaintext, raw.tls) {
         (true, _) => None,
         (false, Some(tls)) => Some(tls.resolve(file)?),
@@ -316,7 +485,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
                     .to_owned(),
             ));
         }
-        Some(raw) => Some(credentials(raw, file)?),
+        Some(WithIssuer(raw)) => Some(credentials(raw, file)?),
     };
     let drain_grace_ms = match raw.drain_grace_ms {
         None => DEFAULT_DRAIN_GRACE_MS,
@@ -335,7 +504,7 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         node_id: raw.node_id,
         trust_domain: raw.trust_domain,
         edge_addr,
-        edge_name: raw.edge_name,
+        edge_name,
         insecure_plaintext: raw.insecure_plaintext,
         tls,
         reconnect,
@@ -344,6 +513,21 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         drain_grace_ms,
         metrics: metrics(raw.metrics, file)?,
     })
+}
+
+/// The `edge_addr` entries, each `host:port`; the error is the reason.
+fn edge_addrs(entries: &[String]) -> Result<EdgeAddrs, String> {
+    if entries.len() > MAX_EDGE_ADDRS {
+        return Err(format!(
+            "at most {MAX_EDGE_ADDRS} addresses (got {})",
+            entries.len()
+        ));
+    }
+    let parsed = entries
+        .iter()
+        .map(|entry| EdgeAddr::parse(entry))
+        .collect::<Result<Vec<_>, _>>()?;
+    EdgeAddrs::new(parsed).ok_or_else(|| "list at least one Edge address (host:port)".to_owned())
 }
 
 fn metrics(raw: RawMetrics, file: &Path) -> Result<MetricsSpec, ConfigError> {
@@ -373,8 +557,7 @@ fn metrics(raw: RawMetrics, file: &Path) -> Result<MetricsSpec, ConfigError> {
 fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, ConfigError> {
     let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
     let recipient_key = resolve_path(file, "credentials.recipient_key", &raw.recipient_key)?;
-    let issuer_public_key = decode_issuer_public_key(&raw.issuer_public_key)
-        .map_err(|e| err("credentials.issuer_public_key", e.to_string()))?;
+    let issuer_public_keys = issuer_keys(&raw, file)?;
     let clock_skew_ms = match raw.clock_skew_ms {
         None => DEFAULT_CLOCK_SKEW_MS,
         Some(v) => match u32::try_from(v) {
@@ -406,10 +589,48 @@ fn credentials(raw: RawCredentials, file: &Path) -> Result<CredentialsSpec, Conf
     }
     Ok(CredentialsSpec {
         recipient_key,
-        issuer_public_key,
+        issuer_public_keys,
         clock_skew_ms,
         allowed_origins,
     })
+}
+
+/// `issuer_public_key` then `issuer_public_keys` (at least one is present),
+/// duplicates dropped, at most [`MAX_ISSUER_KEYS`].
+fn issuer_keys(raw: &RawCredentials, file: &Path) -> Result<Vec<VerifyingKey>, ConfigError> {
+    let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
+    const LIST: &str = "credentials.issuer_public_keys";
+    let mut keys: Vec<VerifyingKey> = Vec::new();
+    if let Some(text) = &raw.issuer_public_key {
+        let key = decode_issuer_public_key(text)
+            .map_err(|e| err("credentials.issuer_public_key", e.to_string()))?;
+        keys.push(key);
+    }
+    if let Some(OneOrMany(list)) = &raw.issuer_public_keys {
+        if list.is_empty() {
+            return Err(err(
+                LIST,
+                "list at least one key (ed25519:<64 hex digits>), or remove the key".to_owned(),
+            ));
+        }
+        for text in list {
+            let key =
+                decode_issuer_public_key(text).map_err(|e| err(LIST, format!("{text:?}: {e}")))?;
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+            if keys.len() > MAX_ISSUER_KEYS {
+                return Err(err(
+                    LIST,
+                    format!(
+                        "at most {MAX_ISSUER_KEYS} issuer keys in all (issuer_public_key \
+                         counts too)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(keys)
 }
 
 /// An `allowed_origins` entry: `http://host[:port]` or `https://host[:port]`
@@ -497,7 +718,7 @@ key = "certs/node-a-key.pem"
             source: path.clone(),
             node_id: "node-a".into(),
             trust_domain: "iop.local".into(),
-            edge_addr: edge_addr("127.0.0.1:7443"),
+            edge_addr: edge_addr("127.0.0.1:7443").into(),
             edge_name: "edge-1".into(),
             insecure_plaintext: false,
             tls: Some(TlsFiles {
@@ -568,7 +789,7 @@ key = "certs/node-a-key.pem"
             config.credentials,
             Some(CredentialsSpec {
                 recipient_key: PathBuf::from("conf/keys/node-a.key"),
-                issuer_public_key: decode_issuer_public_key(&issuer).unwrap(),
+                issuer_public_keys: vec![decode_issuer_public_key(&issuer).unwrap()],
                 clock_skew_ms: 5_000,
                 allowed_origins: BTreeMap::new(),
             })
@@ -644,8 +865,8 @@ key = "certs/node-a-key.pem"
         assert_eq!(
             error(&with_credentials(&format!("{key}\nsecret = \"x\""))),
             "conf/node.toml: credentials.secret: unknown field `secret`, expected one of \
-             `recipient_key`, `issuer_public_key`, `clock_skew_ms`, `allowed_origins` (line 14, \
-             column 1)"
+             `recipient_key`, `issuer_public_key`, `issuer_public_keys`, `clock_skew_ms`, \
+             `allowed_origins` (line 14, column 1)"
         );
         assert_eq!(
             error(&with_credentials("issuer_public_key = \"x\"")),
@@ -853,6 +1074,225 @@ key = "certs/node-a-key.pem"
         assert_eq!((name.host(), name.port()), ("edge-1.iop.example", 7443));
         assert_eq!(name.to_string(), "edge-1.iop.example:7443");
         assert_eq!(name.socket_addr(), None);
+    }
+
+    /// `BASE` with `edge_addr` set to `value` (TOML).
+    fn with_edge_addr(value: &str) -> String {
+        variant(
+            "edge_addr = \"127.0.0.1:7443\"",
+            &format!("edge_addr = {value}"),
+        )
+    }
+
+    /// `BASE` with `edge_name` set to `value` (TOML).
+    fn with_edge_name(value: &str) -> String {
+        variant("edge_name = \"edge-1\"", &format!("edge_name = {value}"))
+    }
+
+    #[test]
+    fn edge_addr_takes_a_list_of_host_ports() {
+        let config = parse(&with_edge_addr(
+            "[\"127.0.0.1:7443\", \"edge-2.iop.example:7443\", \"[::1]:7444\", \"127.0.0.1:7443\"]",
+        ))
+        .unwrap();
+        let entries: Vec<String> = config
+            .edge_addr
+            .entries()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        // As written, the repeated entry too (the dial order drops it).
+        assert_eq!(
+            entries,
+            [
+                "127.0.0.1:7443",
+                "edge-2.iop.example:7443",
+                "[::1]:7444",
+                "127.0.0.1:7443"
+            ]
+        );
+        assert_eq!(
+            config.edge_addr.to_string(),
+            "127.0.0.1:7443, edge-2.iop.example:7443, [::1]:7444, 127.0.0.1:7443"
+        );
+        // A one-entry array is the string form.
+        assert_eq!(
+            parse(&with_edge_addr("[\"127.0.0.1:7443\"]")).unwrap(),
+            parse(BASE).unwrap()
+        );
+        assert_eq!(parse(BASE).unwrap().edge_addr.to_string(), "127.0.0.1:7443");
+    }
+
+    #[test]
+    fn edge_addr_lists_are_checked() {
+        let form = "expected host:port, e.g. 127.0.0.1:7443 or edge.example:7443";
+        assert_eq!(
+            error(&with_edge_addr("[]")),
+            "conf/node.toml: edge_addr: list at least one Edge address (host:port)"
+        );
+        assert_eq!(
+            error(&with_edge_addr("[\"127.0.0.1:7443\", \"edge-2\"]")),
+            format!("conf/node.toml: edge_addr: \"edge-2\": missing :port; {form}")
+        );
+        let seventeen: Vec<String> = (1..=17).map(|i| format!("\"10.0.0.{i}:7443\"")).collect();
+        assert_eq!(
+            error(&with_edge_addr(&format!("[{}]", seventeen.join(", ")))),
+            "conf/node.toml: edge_addr: at most 16 addresses (got 17)"
+        );
+        let sixteen = &seventeen[..16];
+        let config = parse(&with_edge_addr(&format!("[{}]", sixteen.join(", ")))).unwrap();
+        assert_eq!(config.edge_addr.entries().len(), MAX_EDGE_ADDRS);
+        assert_eq!(
+            error(&with_edge_addr("7443")),
+            "conf/node.toml: edge_addr: invalid type: integer `7443`, expected a string or an \
+             array of strings (line 3, column 13)"
+        );
+        assert_eq!(
+            error(&with_edge_addr("[\"127.0.0.1:7443\", 7443]")),
+            "conf/node.toml: edge_addr[1]: invalid type: integer `7443`, expected a string \
+             (line 3, column 32)"
+        );
+    }
+
+    // CONTRACT: T2 — the accepted Edge identity names: one or a list.
+    #[test]
+    fn edge_name_takes_a_list_of_names() {
+        let config = parse(&with_edge_name("[\"edge-1\", \"edge-2\", \"edge-1\"]")).unwrap();
+        assert_eq!(config.edge_name.names(), ["edge-1", "edge-2"]);
+        assert_eq!(config.edge_name.first(), "edge-1");
+        assert!(config.edge_name.contains("edge-2") && !config.edge_name.contains("edge-3"));
+        assert_eq!(config.edge_name.to_string(), "edge-1, edge-2");
+        assert_eq!(parse(BASE).unwrap().edge_name, EdgeNames::from("edge-1"));
+        assert_eq!(
+            parse(&with_edge_name("[\"edge-1\"]")).unwrap(),
+            parse(BASE).unwrap()
+        );
+        let rule = "must be 1 to 128 characters of A-Z a-z 0-9 . _ -";
+        assert_eq!(
+            error(&with_edge_name("[]")),
+            "conf/node.toml: edge_name: list at least one Edge identity name"
+        );
+        assert_eq!(
+            error(&with_edge_name("[\"edge-1\", \"edge 2\"]")),
+            format!("conf/node.toml: edge_name: \"edge 2\" {rule}")
+        );
+        let seventeen: Vec<String> = (1..=17).map(|i| format!("\"edge-{i}\"")).collect();
+        assert_eq!(
+            error(&with_edge_name(&format!("[{}]", seventeen.join(", ")))),
+            "conf/node.toml: edge_name: at most 16 names (got 17)"
+        );
+        assert_eq!(
+            error(&with_edge_name("{ name = \"edge-1\" }")),
+            "conf/node.toml: edge_name: invalid type: map, expected a string or an array of \
+             strings (line 4, column 13)"
+        );
+    }
+
+    /// Issuer public keys in config form, from seeds.
+    fn issuer_keys_text(seeds: &[u8]) -> Vec<String> {
+        seeds
+            .iter()
+            .map(|&seed| {
+                let key = ed25519_dalek::SigningKey::from_bytes(&[seed; 32]).verifying_key();
+                iop_engine::keys::encode_issuer_public_key(&key)
+            })
+            .collect()
+    }
+
+    fn quoted_list(items: &[String]) -> String {
+        let quoted: Vec<String> = items.iter().map(|i| format!("\"{i}\"")).collect();
+        format!("[{}]", quoted.join(", "))
+    }
+
+    // CONTRACT: C2 — a managed Node trusts the lease issuers of several
+    // Edges: issuer_public_key and issuer_public_keys together, in that
+    // order, without repeats.
+    #[test]
+    fn credentials_trust_several_issuer_keys() {
+        let keys = issuer_keys_text(&[5, 6, 7]);
+        let decoded: Vec<VerifyingKey> = keys
+            .iter()
+            .map(|k| decode_issuer_public_key(k).unwrap())
+            .collect();
+        let issuers = |lines: &str| {
+            parse(&with_credentials(&format!(
+                "recipient_key = \"k\"\n{lines}"
+            )))
+            .unwrap()
+            .credentials
+            .unwrap()
+            .issuer_public_keys
+        };
+        assert_eq!(
+            issuers(&format!("issuer_public_keys = {}", quoted_list(&keys[1..]))),
+            decoded[1..]
+        );
+        assert_eq!(
+            issuers(&format!(
+                "issuer_public_key = \"{}\"\nissuer_public_keys = {}",
+                keys[0],
+                quoted_list(&[keys[1].clone(), keys[0].clone(), keys[2].clone()])
+            )),
+            decoded
+        );
+        assert_eq!(
+            issuers(&format!("issuer_public_keys = \"{}\"", keys[2])),
+            decoded[2..]
+        );
+    }
+
+    #[test]
+    fn issuer_key_lists_are_checked() {
+        let keys = issuer_keys_text(&[40, 41]);
+        let with = |lines: &str| {
+            error(&with_credentials(&format!(
+                "recipient_key = \"k\"\n{lines}"
+            )))
+        };
+        // Neither key: the error of the one-key form, unchanged.
+        assert_eq!(
+            with("clock_skew_ms = 0"),
+            "conf/node.toml: credentials.issuer_public_key: required key is missing (line 11, \
+             column 1)"
+        );
+        assert_eq!(
+            with("issuer_public_keys = []"),
+            "conf/node.toml: credentials.issuer_public_keys: list at least one key \
+             (ed25519:<64 hex digits>), or remove the key"
+        );
+        assert_eq!(
+            with(&format!(
+                "issuer_public_keys = [\"{}\", \"ed25519:00\"]",
+                keys[0]
+            )),
+            "conf/node.toml: credentials.issuer_public_keys: \"ed25519:00\": invalid public \
+             key: expected ed25519:<64 hex digits>"
+        );
+        let seventeen = issuer_keys_text(&(1..=17).collect::<Vec<u8>>());
+        assert_eq!(
+            with(&format!("issuer_public_keys = {}", quoted_list(&seventeen))),
+            "conf/node.toml: credentials.issuer_public_keys: at most 16 issuer keys in all \
+             (issuer_public_key counts too)"
+        );
+        let sixteen = &seventeen[..16];
+        assert_eq!(
+            with(&format!(
+                "issuer_public_key = \"{}\"\nissuer_public_keys = {}",
+                keys[1],
+                quoted_list(sixteen)
+            )),
+            "conf/node.toml: credentials.issuer_public_keys: at most 16 issuer keys in all \
+             (issuer_public_key counts too)"
+        );
+        let config = parse(&with_credentials(&format!(
+            "recipient_key = \"k\"\nissuer_public_keys = {}",
+            quoted_list(sixteen)
+        )))
+        .unwrap();
+        assert_eq!(
+            config.credentials.map(|c| c.issuer_public_keys.len()),
+            Some(MAX_ISSUER_KEYS)
+        );
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! The Node half of the credential plane (C2, C3, C5): the recipient key,
-//! the Edge issuer's public key, the origin pins, the replay window, and
-//! the per-tunnel lease decision.
+//! the trusted lease issuers' public keys (one per Edge of a fleet), the
+//! origin pins, the replay window, and the per-tunnel lease decision.
 //!
 //! ```text
 //!  tunnel request ─► W1, adapter, path, capacity gate (P4) ─► LeaseGate::open
 //!        managed (own [credentials] or payload.credential_leases_required)?
 //!          no, and no lease ─────────────────────────────► provider call without credential
 //!          lease, but no recipient key here ─────────────► ERROR lease_invalid
-//!          otherwise iop_wire::lease::open with what this Node will actually do:
+//!          otherwise iop_wire::lease::open under the trusted issuer key the
+//!          lease's issuer_key_id names (none named: the first key, which
+//!          the lease then fails as an unknown issuer), with what this Node
+//!          will actually do:
 //!          node, upstream target, profile, the adapter's origin and provider
 //!          TLS trust, run id, digest of method + path + headers + body;
 //!          revoked revisions (payload) and origin pins (node.toml);
@@ -43,7 +46,7 @@ use crate::config::{ConfigError, CredentialsSpec, NodeConfig};
 /// The loaded credential plane of a managed Node.
 pub struct NodeCredentials {
     recipient: RecipientKey,
-    issuer: VerifyingKey,
+    issuers: TrustedIssuers,
     clock_skew_ms: u32,
     origin_pins: OriginPins,
     replay: RefCell<ReplayGuard>,
@@ -56,7 +59,7 @@ impl fmt::Debug for NodeCredentials {
         f.debug_struct("NodeCredentials")
             .field("recipient_key_id", &self.recipient.key_id())
             .field("recipient_key", &"<redacted>")
-            .field("issuer_key_id", &lease::issuer_key_id(&self.issuer))
+            .field("issuer_key_ids", &self.issuers.key_ids())
             .field("clock_skew_ms", &self.clock_skew_ms)
             .field("origin_pins", &self.origin_pins)
             .field("replay_windows", &replay.windows())
@@ -86,20 +89,47 @@ impl NodeCredentials {
                 pins.allow(slot.clone(), origin.clone());
             }
         }
-        Ok(Self::new(recipient, spec.issuer_public_key, spec.clock_skew_ms).with_origin_pins(pins))
+        let mut keys = spec.issuer_public_keys.iter();
+        let first = keys.next().ok_or_else(|| {
+            ConfigError::new(
+                &cfg.source,
+                "credentials.issuer_public_key",
+                "required key is missing",
+            )
+        })?;
+        let credentials = keys.fold(
+            Self::new(recipient, *first, spec.clock_skew_ms),
+            |credentials, key| credentials.also_trusting(*key),
+        );
+        Ok(credentials.with_origin_pins(pins))
     }
 
-    /// A credential plane from its parts: no origin pins, and a replay
-    /// guard with the default bounds that starts now (the process's start).
+    /// A credential plane from its parts: leases of `issuer` trusted, no
+    /// origin pins, and a replay guard with the default bounds that starts
+    /// now (the process's start).
     pub fn new(recipient: RecipientKey, issuer: VerifyingKey, clock_skew_ms: u32) -> Self {
         Self {
             recipient,
-            issuer,
+            issuers: TrustedIssuers::one(issuer),
             clock_skew_ms,
             origin_pins: OriginPins::new(),
             replay: RefCell::new(ReplayGuard::new(iop_engine::clock::unix_ms())),
             warned_near_full: Cell::new(false),
         }
+    }
+
+    /// Also trusting leases signed by `issuer` (another Edge of the fleet).
+    /// The configuration bounds how many ([`crate::config::MAX_ISSUER_KEYS`]);
+    /// a key already trusted changes nothing.
+    pub fn also_trusting(mut self, issuer: VerifyingKey) -> Self {
+        self.issuers.add(issuer);
+        self
+    }
+
+    /// The key ids (`CredentialLease.issuer_key_id`) of the trusted
+    /// issuers, in the order configured.
+    pub fn issuer_key_ids(&self) -> Vec<&str> {
+        self.issuers.key_ids()
     }
 
     /// With `pins`: slots whose secrets may reach only the listed origins.
@@ -142,6 +172,36 @@ impl NodeCredentials {
         } else if replay.windows() * 2 < replay.max_windows() {
             self.warned_near_full.set(false);
         }
+    }
+}
+
+/// The lease issuers a Node trusts, each with its key id as a lease names
+/// it ([`lease::issuer_key_id`]: BLAKE3 of the public key). Never empty.
+struct TrustedIssuers(Vec<(String, VerifyingKey)>);
+
+impl TrustedIssuers {
+    fn one(issuer: VerifyingKey) -> Self {
+        Self(vec![(lease::issuer_key_id(&issuer), issuer)])
+    }
+
+    fn add(&mut self, issuer: VerifyingKey) {
+        if !self.0.iter().any(|(_, key)| *key == issuer) {
+            self.0.push((lease::issuer_key_id(&issuer), issuer));
+        }
+    }
+
+    fn key_ids(&self) -> Vec<&str> {
+        self.0.iter().map(|(id, _)| id.as_str()).collect()
+    }
+
+    /// The key to verify a lease naming `key_id` with: the trusted key of
+    /// that id, or, when none has it (or there is no lease), the first
+    /// trusted key, under which `lease::open` refuses the lease exactly as
+    /// before there were several (`WrongIssuer` after the structure
+    /// checks, or `LeaseMissing`).
+    fn for_key_id(&self, key_id: Option<&str>) -> &VerifyingKey {
+        let named = key_id.and_then(|id| self.0.iter().find(|(trusted, _)| trusted == id));
+        &named.unwrap_or(&self.0[0]).1
     }
 }
 
@@ -256,7 +316,11 @@ impl LeaseGate {
         });
         let ctx = OpenContext {
             recipient: &credentials.recipient,
-            issuer: &credentials.issuer,
+            issuer: credentials.issuers.for_key_id(
+                req.credential_lease
+                    .as_ref()
+                    .map(|lease| lease.issuer_key_id.as_str()),
+            ),
             // C5: a lease for another node, target, profile, origin, provider
             // trust, run or request never opens here; the other fields are
             // the Edge's and covered by the signature.
@@ -378,6 +442,17 @@ mod tests {
         node: &str,
         edit: impl FnOnce(&mut CredentialLeaseBinding),
     ) -> pb::ProviderTunnelRequest {
+        request_signed(sequence, recipient_seed, node, &issuer(), edit)
+    }
+
+    /// [`request_with`], its lease signed by `signer`.
+    fn request_signed(
+        sequence: u64,
+        recipient_seed: u8,
+        node: &str,
+        signer: &SigningKey,
+        edit: impl FnOnce(&mut CredentialLeaseBinding),
+    ) -> pb::ProviderTunnelRequest {
         let to = recipient(recipient_seed);
         let mut req = unsealed(&format!("run-{sequence}"));
         let mut binding = binding(to.key_id(), node, &req);
@@ -393,7 +468,7 @@ mod tests {
                 not_before_unix_ms: NOW_MS,
                 expires_at_unix_ms: NOW_MS + 30_000,
             },
-            &issuer(),
+            signer,
             &to.public_key(),
             LeaseEntropy::from_seed([3; 32]),
         )
@@ -615,6 +690,101 @@ mod tests {
         assert_eq!(
             code(gate.open(&request(1, 9, "node-a"), &target(), NOW_MS + 6_000)),
             "lease_replayed"
+        );
+    }
+
+    // CONTRACT: C2, C3 — a Node trusting the issuers of two Edges opens a
+    // lease signed by the second (the key its issuer_key_id names); a lease
+    // of an issuer it does not trust is refused as before, as an unknown
+    // issuer (lease_invalid), and one naming a trusted key id but signed by
+    // another key fails its signature.
+    #[test]
+    fn leases_of_any_trusted_issuer_open() {
+        let second = SigningKey::from_bytes(&[6; 32]);
+        let stranger = SigningKey::from_bytes(&[8; 32]);
+        let two = Rc::new(
+            NodeCredentials::new(recipient(9), issuer().verifying_key(), 5_000)
+                .also_trusting(second.verifying_key())
+                .also_trusting(issuer().verifying_key())
+                .with_replay_guard(ReplayGuard::new(NOW_MS - 60_000)),
+        );
+        assert_eq!(
+            two.issuer_key_ids(),
+            [
+                lease::issuer_key_id(&issuer().verifying_key()),
+                lease::issuer_key_id(&second.verifying_key())
+            ]
+        );
+        let gate = LeaseGate::new(Some(two), true, "node-a");
+        let by_second = request_signed(1, 9, "node-a", &second, |_| {});
+        let opened = gate
+            .open(&by_second, &target(), NOW_MS)
+            .expect("opens")
+            .expect("a lease");
+        assert_eq!(
+            opened.declared_header_value().as_str(),
+            "Bearer sk-unit-test-secret"
+        );
+        assert!(gate
+            .open(&request(2, 9, "node-a"), &target(), NOW_MS)
+            .expect("the first issuer's lease opens")
+            .is_some());
+
+        let by_stranger = request_signed(3, 9, "node-a", &stranger, |_| {});
+        let err = gate
+            .open(&by_stranger, &target(), NOW_MS)
+            .expect_err("unknown");
+        assert_eq!(err, NodeLeaseError::Lease(LeaseError::WrongIssuer));
+        assert_eq!(err.failure_code(), "lease_invalid");
+        assert_eq!(err.to_string(), "credential lease from an unknown issuer");
+        // The same reason as a one-issuer Node gives it.
+        let one = LeaseGate::new(Some(credentials(9)), true, "node-a");
+        assert_eq!(
+            one.open(&by_stranger, &target(), NOW_MS)
+                .expect_err("unknown"),
+            err
+        );
+
+        let mut forged = request_signed(4, 9, "node-a", &stranger, |_| {});
+        if let Some(lease) = forged.credential_lease.as_mut() {
+            lease.issuer_key_id = lease::issuer_key_id(&second.verifying_key());
+        }
+        assert_eq!(
+            gate.open(&forged, &target(), NOW_MS).expect_err("forged"),
+            NodeLeaseError::Lease(LeaseError::BadSignature)
+        );
+    }
+
+    // CONTRACT: C2 — node.toml's issuer_public_key and issuer_public_keys
+    // reach the loaded credential plane: every listed issuer is trusted.
+    #[test]
+    fn the_loaded_plane_trusts_every_configured_issuer() {
+        let dir = std::env::temp_dir().join(format!("iop-node-issuers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("node-a.key");
+        keys::generate_recipient_key(&key).unwrap();
+        let text = |k: &SigningKey| keys::encode_issuer_public_key(&k.verifying_key());
+        let (first, second) = (issuer(), SigningKey::from_bytes(&[6; 32]));
+        let toml = format!(
+            "node_id = \"node-a\"\ntrust_domain = \"iop.local\"\nedge_addr = \"127.0.0.1:7443\"\n\
+             edge_name = \"edge-1\"\n[tls]\nca = \"ca.pem\"\ncert = \"n.pem\"\nkey = \"n-key.pem\"\n\
+             [credentials]\nrecipient_key = \"{}\"\nissuer_public_key = \"{}\"\n\
+             issuer_public_keys = [\"{}\", \"{}\"]\n",
+            key.display(),
+            text(&first),
+            text(&second),
+            text(&first),
+        );
+        let cfg = NodeConfig::parse(&toml, dir.join("node.toml")).unwrap();
+        let loaded = NodeCredentials::load(&cfg).unwrap().expect("managed");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            loaded.issuer_key_ids(),
+            [
+                lease::issuer_key_id(&first.verifying_key()),
+                lease::issuer_key_id(&second.verifying_key())
+            ]
         );
     }
 }

@@ -24,6 +24,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`supervisor`] | dialling and redialling the Edge (S1–S3), the shutdown drain |
+//! | [`edges`] | which Edge an attempt reaches: the shuffled addresses of `edge_addr`, the accepted `edge_name`s (T2) |
 //! | [`session`] | one Edge session: register → apply config → ready (R2, R3); the run table (K1, F5, W10); tunnel and run admission (W1, P4, C2); commands (K2, H6); refresh (K3) |
 //! | [`attempt`] | one watched attempt: the [`attempt::watchdog`] core (W3–W10), the [`attempt::emit`] cores (U1, E1), the session's observation sequence (W7), and the `drive` shell |
 //! | [`calls`] | provider IO: the tunnel exchange, the normalized-run exchanges (Ollama NDJSON; OpenAI SSE with E4/E5), the per-core keep-alive pool, the worker cores |
@@ -61,6 +62,7 @@ pub mod calls;
 pub mod codes;
 pub mod config;
 pub mod credentials;
+pub mod edges;
 pub mod jitter;
 pub mod metrics;
 pub mod session;

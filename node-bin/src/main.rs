@@ -29,11 +29,12 @@ use std::time::Duration;
 use argh::FromArgs;
 use iop_engine::build::{version_line, IoUring};
 use iop_engine::rt::{self, notify, CoreList, LogFormat, Signal, SignalPipe};
-use iop_engine::tls::{NodeTlsConnector, TlsFiles, TlsMaterial};
+use iop_engine::tls::{TlsFiles, TlsMaterial};
 
 use node_bin::calls::workers;
 use node_bin::config::NodeConfig;
 use node_bin::credentials::NodeCredentials;
+use node_bin::edges::EdgeTls;
 use node_bin::supervisor::{self, Exit};
 
 /// IOP Node: dials the Edge and serves its requests against local
@@ -61,6 +62,15 @@ use node_bin::supervisor::{self, Exit};
             \u{00A0}                   most drain_grace_ms, exit 0; a second signal\n\
             \u{00A0}                   stops at once\n\
             \u{00A0} SIGUSR1           dump the latency histograms to stderr\n\
+            \n\
+            Several Edges (node.toml, examples/node.toml documents every key):\n\
+            \u{00A0} edge_addr         \"host:port\" or a list of them; each dial resolves\n\
+            \u{00A0}                   them all and tries the addresses in a fresh random\n\
+            \u{00A0}                   order until one Edge registers the Node\n\
+            \u{00A0} edge_name         the accepted Edge identity name, or a list of them\n\
+            \u{00A0} [credentials] issuer_public_keys\n\
+            \u{00A0}                   the lease issuer keys of every Edge (with or instead\n\
+            \u{00A0}                   of issuer_public_key)\n\
             \n\
             Docs: README.md, docs/deployment.md (systemd units, ports, TLS, keys,\n\
             upgrades) and examples/node.toml."
@@ -168,7 +178,7 @@ fn main() -> ExitCode {
 struct Loaded {
     cfg: NodeConfig,
     credentials: Option<NodeCredentials>,
-    connector: Option<NodeTlsConnector>,
+    connector: Option<EdgeTls>,
 }
 
 /// `check-config FILE`: [`load`] and report; nothing dials.
@@ -215,7 +225,7 @@ fn load(path: &str) -> Result<Loaded, String> {
         Some(files) => {
             let material = TlsMaterial::from_files(&TlsFiles::from(files))
                 .map_err(|e| format!("{source}: tls: {e}"))?;
-            let c = NodeTlsConnector::new(&material, &cfg.trust_domain, &cfg.edge_name)
+            let c = EdgeTls::new(&material, &cfg.trust_domain, &cfg.edge_name)
                 .map_err(|e| format!("{source}: tls: {e}"))?;
             // T3: we register under the name our certificate proves.
             if c.local_identity().name() != cfg.node_id {
@@ -253,7 +263,7 @@ fn load(path: &str) -> Result<Loaded, String> {
 fn spawn_certificate_reloader(
     mut hup: SignalPipe,
     files: Option<iop_engine::config::TlsFiles>,
-    connector: Option<NodeTlsConnector>,
+    connector: Option<EdgeTls>,
     source: std::path::PathBuf,
 ) {
     monoio::spawn(async move {
@@ -267,7 +277,7 @@ fn spawn_certificate_reloader(
 
 fn reload_certificate(
     files: Option<&iop_engine::config::TlsFiles>,
-    connector: Option<&NodeTlsConnector>,
+    connector: Option<&EdgeTls>,
     source: &std::path::Path,
 ) {
     let (Some(files), Some(connector)) = (files, connector) else {
@@ -329,6 +339,7 @@ fn serve(config_path: &str, cores_arg: &str) -> ExitCode {
     tracing::info!(
         node_id = %cfg.node_id,
         edge = %cfg.edge_addr,
+        edge_name = %cfg.edge_name,
         driver = %rt::detect_driver(),
         cores = %cores,
         control_core = cores.control(),

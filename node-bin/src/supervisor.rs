@@ -22,6 +22,12 @@
 //! reason `shutdown`). A second signal ends the drain at once. Before a
 //! session is ready there is nothing to drain: the attempt is dropped.
 //!
+//! One attempt may try several Edges: every address of `edge_addr`, in a
+//! fresh random order, until one gives a ready session ([`crate::edges`]);
+//! the attempt fails, and the wait above applies, only when all failed. A
+//! session that was ready and ended starts the next attempt with a fresh
+//! order, so a Node whose Edge died lands on another.
+//!
 //! The policy decision is the pure [`Supervisor`] (and [`next_step`]);
 //! [`run`] is the shell. Local configuration and credential errors never
 //! reach the supervisor: the binary exits 1 before it starts (S3).
@@ -32,16 +38,17 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use iop_engine::conn::{spawn_conn, ConnConfig, SocketShutdown};
-use iop_engine::http;
 use iop_engine::rng::SplitMix64;
 use iop_engine::tls::NodeTlsConnector;
 use iop_wire::checks::ReconnectPolicy;
 use iop_wire::CloseReason;
 use monoio::io::Splitable;
+use tracing::Instrument;
 
 use crate::calls::workers::Workers;
 use crate::config::NodeConfig;
 use crate::credentials::NodeCredentials;
+use crate::edges::{self, AttemptFailures, Candidate, CandidateFailure, EdgeTls};
 use crate::session::{self, NodeCore, SessionEnd};
 
 /// The spread of every reconnect wait; [`Supervisor::new`] takes one.
@@ -146,39 +153,81 @@ enum Attempt {
     Failed(String),
 }
 
+/// One attempt (S1, S2): the Edges' addresses resolved and shuffled
+/// ([`edges::dial_order`]), then tried in that order until one gives a
+/// ready session; the attempt fails only when every one failed.
 async fn attempt(
     cfg: &NodeConfig,
     core: &Rc<NodeCore>,
-    connector: Option<&NodeTlsConnector>,
+    tls: Option<&EdgeTls>,
+    order: &mut SplitMix64,
 ) -> Attempt {
-    let tcp = match http::connect_host(cfg.edge_addr.host(), cfg.edge_addr.port()).await {
-        Ok(tcp) => tcp,
-        Err(e) => return Attempt::Failed(format!("dial {}: {e}", cfg.edge_addr)),
-    };
-    let shutdown = SocketShutdown::for_socket(&tcp);
+    let mut failures = AttemptFailures::default();
+    let resolved = edges::resolve_candidates(&cfg.edge_addr, &mut failures).await;
+    let candidates = edges::dial_order(resolved, order);
+    let last = candidates.len().saturating_sub(1);
+    for (i, candidate) in candidates.iter().enumerate() {
+        let failure = match attempt_at(cfg, core, tls, candidate).await {
+            Ok(reason) => return Attempt::WasReady(reason),
+            Err(failure) => failure,
+        };
+        if i < last {
+            tracing::info!(
+                edge_addr = %candidate,
+                reason = %failure.message(),
+                "edge address failed; trying the next"
+            );
+        }
+        match failure {
+            // A dial failure's message names the address already.
+            CandidateFailure::Dial(_) => failures.push(None, failure),
+            _ => failures.push(Some(candidate.to_string()), failure),
+        }
+    }
+    Attempt::Failed(failures.reason())
+}
+
+/// A session with the Edge at `candidate`: `Ok` with the reason it ended
+/// once it was ready, `Err` when it never was.
+async fn attempt_at(
+    cfg: &NodeConfig,
+    core: &Rc<NodeCore>,
+    tls: Option<&EdgeTls>,
+    candidate: &Candidate,
+) -> Result<CloseReason, CandidateFailure> {
+    let tcp = edges::connect(candidate).await?;
     let conn_config = ConnConfig::from_env_override();
-    let (conn, events) = match connector {
-        Some(connector) => match connector.connect_verified(tcp).await {
-            Ok((tls, edge)) => {
-                // Which certificate the Edge presented (a rotation shows).
-                tracing::info!(
-                    peer = %edge.id.uri(),
-                    cert_serial = %edge.serial_hex,
-                    "edge TLS identity verified"
-                );
-                let (r, w) = tls.into_split();
-                spawn_conn(r, w, shutdown, conn_config)
-            }
-            Err(e) => return Attempt::Failed(format!("tls handshake with the edge: {e}")),
-        },
+    let (edge_name, (conn, events)) = match tls {
+        Some(tls) => {
+            let link = tls.handshake(candidate, tcp).await?;
+            // Which Edge, and which of its certificates (a rotation shows).
+            tracing::info!(
+                peer = %link.edge.id.uri(),
+                cert_serial = %link.edge.serial_hex,
+                edge_addr = %candidate,
+                "edge TLS identity verified"
+            );
+            let name = link.edge.id.name().to_owned();
+            let (r, w) = link.tls.into_split();
+            (name, spawn_conn(r, w, link.shutdown, conn_config))
+        }
         None => {
+            let shutdown = SocketShutdown::for_socket(&tcp);
             let (r, w) = tcp.into_split();
-            spawn_conn(r, w, shutdown, conn_config)
+            (
+                "unverified (insecure_plaintext)".to_owned(),
+                spawn_conn(r, w, shutdown, conn_config),
+            )
         }
     };
-    match session::run(&cfg.node_id, core, conn, events).await {
-        SessionEnd::NotReady(reason) => Attempt::Failed(reason),
-        SessionEnd::Ended(reason) => Attempt::WasReady(reason),
+    // The session's lines (its "session ready" first) say which Edge.
+    let span = tracing::info_span!("edge", edge_addr = %candidate, %edge_name);
+    match session::run(&cfg.node_id, core, conn, events)
+        .instrument(span)
+        .await
+    {
+        SessionEnd::NotReady(reason) => Err(CandidateFailure::Session(reason)),
+        SessionEnd::Ended(reason) => Ok(reason),
     }
 }
 
@@ -261,21 +310,26 @@ pub async fn run_with_credentials(
 }
 
 /// Dials and redials until `stop.shutdown` or exhaustion (S1–S3), then
-/// drains (see the module docs) and returns [`Exit::Shutdown`].
+/// drains (see the module docs) and returns [`Exit::Shutdown`]. `connector`
+/// accepts the one Edge name it was built with (the first of
+/// `cfg.edge_name`); [`run_sharded`] takes an [`EdgeTls`] that accepts
+/// every listed name.
 pub async fn run_until(
     cfg: NodeConfig,
     connector: Option<NodeTlsConnector>,
     credentials: Option<NodeCredentials>,
     stop: Stop,
 ) -> Exit {
-    run_sharded(cfg, connector, credentials, stop, None).await
+    let tls = connector.map(|c| EdgeTls::single(cfg.edge_name.first(), c));
+    run_sharded(cfg, tls, credentials, stop, None).await
 }
 
 /// [`run_until`] on the control shard of a multi-core node: provider
-/// calls go to `workers` (`None`: they run on this core).
+/// calls go to `workers` (`None`: they run on this core); `tls` (`None`:
+/// plain TCP, T5) accepts the Edge names it was built with.
 pub async fn run_sharded(
     cfg: NodeConfig,
-    connector: Option<NodeTlsConnector>,
+    tls: Option<EdgeTls>,
     credentials: Option<NodeCredentials>,
     stop: Stop,
     workers: Option<Workers>,
@@ -292,8 +346,11 @@ pub async fn run_sharded(
     }
     let mut supervisor =
         Supervisor::new(cfg.reconnect, cfg.reconnect_jitter, SplitMix64::from_os());
+    // Each attempt's order of the Edges' addresses: seeded from the OS, so
+    // the Nodes of a fleet spread over the Edges.
+    let mut dial_order = SplitMix64::from_os();
     loop {
-        let mut current = std::pin::pin!(attempt(&cfg, &core, connector.as_ref()));
+        let mut current = std::pin::pin!(attempt(&cfg, &core, tls.as_ref(), &mut dial_order));
         let outcome = monoio::select! {
             a = &mut current => a,
             _ = &mut shutdown => {

@@ -25,7 +25,9 @@ fn plain_config(edge: std::net::SocketAddr) -> NodeConfig {
         source: PathBuf::from("node.toml"),
         node_id: NODE_ID.into(),
         trust_domain: "iop.local".into(),
-        edge_addr: EdgeAddr::parse(&edge.to_string()).expect("edge address"),
+        edge_addr: EdgeAddr::parse(&edge.to_string())
+            .expect("edge address")
+            .into(),
         edge_name: "edge-1".into(),
         insecure_plaintext: true,
         tls: None,
