@@ -153,6 +153,12 @@ enum Attempt {
     Failed(String),
 }
 
+/// The longest one Edge address may take to give a TLS session (TCP
+/// connect and handshake): an Edge machine that went away silently (its
+/// packets dropped, not refused) costs this, not the kernel's minutes of
+/// SYN retries, before the next address of the list is tried.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One attempt (S1, S2): the Edges' addresses resolved and shuffled
 /// ([`edges::dial_order`]), then tried in that order until one gives a
 /// ready session; the attempt fails only when every one failed.
@@ -195,11 +201,23 @@ async fn attempt_at(
     tls: Option<&EdgeTls>,
     candidate: &Candidate,
 ) -> Result<CloseReason, CandidateFailure> {
-    let tcp = edges::connect(candidate).await?;
+    let timed_out = || {
+        CandidateFailure::Dial(format!(
+            "dial {candidate}: no TLS session within {} s",
+            DIAL_TIMEOUT.as_secs()
+        ))
+    };
+    let deadline = iop_engine::clock::now() + DIAL_TIMEOUT;
+    let tcp = monoio::time::timeout(DIAL_TIMEOUT, edges::connect(candidate))
+        .await
+        .map_err(|_| timed_out())??;
     let conn_config = ConnConfig::from_env_override();
     let (edge_name, (conn, events)) = match tls {
         Some(tls) => {
-            let link = tls.handshake(candidate, tcp).await?;
+            let left = deadline.saturating_duration_since(iop_engine::clock::now());
+            let link = monoio::time::timeout(left, tls.handshake(candidate, tcp))
+                .await
+                .map_err(|_| timed_out())??;
             // Which Edge, and which of its certificates (a rotation shows).
             tracing::info!(
                 peer = %link.edge.id.uri(),

@@ -420,3 +420,29 @@ async fn edges_of_two_listed_names_are_both_reached() {
     assert_eq!(at_two.handshakes_failed.get(), 1, "{at_two:?}");
     no_errors(&[&at_one, &at_two]);
 }
+
+// CONTRACT: S2 — an Edge address that takes the TCP connection but never
+// answers the TLS handshake (a stopped Edge: the kernel accepts into its
+// backlog) costs `DIAL_TIMEOUT`, not forever: the attempt fails and this
+// Node, with one attempt, gives up.
+#[monoio::test(timer_enabled = true)]
+async fn an_edge_that_never_answers_the_handshake_is_given_up_on_after_the_dial_timeout() {
+    let pki = Pki::new();
+    // Listening, never accepting: connections complete in the kernel and
+    // then hear nothing.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    let cfg = config(&[addr], &["edge-1"], true);
+    let tls = pki.node(&cfg);
+    let started = std::time::Instant::now();
+    assert!(matches!(
+        ended(start_node(cfg, Some(tls))).await,
+        Exit::GaveUp
+    ));
+    assert!(
+        started.elapsed() >= supervisor::DIAL_TIMEOUT,
+        "gave up after {:?}, before the dial timeout",
+        started.elapsed()
+    );
+    drop(silent);
+}
