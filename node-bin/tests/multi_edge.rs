@@ -434,7 +434,7 @@ async fn an_edge_that_never_answers_the_handshake_is_given_up_on_after_the_dial_
     let addr = silent.local_addr().expect("addr");
     let cfg = config(&[addr], &["edge-1"], true);
     let tls = pki.node(&cfg);
-    let started = std::time::Instant::now();
+    let started = iop_engine::clock::now();
     assert!(matches!(
         ended(start_node(cfg, Some(tls))).await,
         Exit::GaveUp
