@@ -29,6 +29,7 @@
 //! loopback peers only ([`crate::client::admin::authorize_route`]).
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::rc::Rc;
 
@@ -184,6 +185,9 @@ pub struct Snapshot {
     pub queue_wait: Percentiles,
     /// Inference request read to response finished.
     pub end_to_end: Percentiles,
+    /// In a cluster: the owning Edge of every owned node, as this Edge's
+    /// watch sees it; `None` for a single Edge.
+    pub owners: Option<BTreeMap<String, String>>,
 }
 
 fn age_ms(now: Instant, at: Option<Instant>) -> Option<u64> {
@@ -225,7 +229,13 @@ pub fn event_json(snapshot: &Snapshot, previous: Option<&Sample>) -> Value {
     let sample = &snapshot.sample;
     let rates = rates(previous, sample);
     json!({
-        "nodes": snapshot.nodes.iter().map(|n| node_json(now, n)).collect::<Vec<_>>(),
+        "nodes": snapshot.nodes.iter().map(|n| {
+            let mut node = node_json(now, n);
+            if let Some(owners) = &snapshot.owners {
+                node["edge"] = owners.get(&n.node_id).map_or(Value::Null, |e| json!(e));
+            }
+            node
+        }).collect::<Vec<_>>(),
         "providers": status::status_json(&snapshot.providers, &snapshot.outliers)["providers"],
         "models": snapshot.models.iter().map(model_json).collect::<Vec<_>>(),
         "traffic": {
@@ -348,6 +358,12 @@ async fn snapshot(edge: &Edge) -> Option<Snapshot> {
         chunk_latency: of(Latency::EdgeRelayChunkLatency),
         queue_wait: of(Latency::EdgeQueueWait),
         end_to_end: of(Latency::EdgeEndToEnd),
+        owners: edge.settings.cluster.as_ref().map(|c| {
+            c.owners()
+                .into_iter()
+                .map(|(node, owner)| (node, owner.edge))
+                .collect()
+        }),
     })
 }
 
@@ -529,6 +545,7 @@ mod tests {
             chunk_latency: Percentiles::default(),
             queue_wait: Percentiles::default(),
             end_to_end: Percentiles::default(),
+            owners: None,
         };
         let previous = sample(t0 + Duration::from_secs(99), 16, 3, 1);
         // CONTRACT: X5 — the exact document: no node entry carries a
@@ -572,6 +589,21 @@ mod tests {
                 },
             })
         );
+        // In a cluster each node names its owning Edge (null: unowned).
+        let clustered = Snapshot {
+            owners: Some(BTreeMap::from([(
+                "node-a".to_string(),
+                "edge-2".to_string(),
+            )])),
+            ..snapshot
+        };
+        let doc = event_json(&clustered, Some(&previous));
+        assert_eq!(doc["nodes"][0]["edge"], json!("edge-2"));
+        assert_eq!(doc["nodes"][1]["edge"], Value::Null);
+        let snapshot = Snapshot {
+            owners: None,
+            ..clustered
+        };
         // A viewer's first event has no rates yet.
         let first = event_json(&snapshot, None);
         assert_eq!(
