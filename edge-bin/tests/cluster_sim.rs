@@ -14,7 +14,9 @@
 //!   still equals the release's revision. An expired lease deletes every key
 //!   still attached to it, in one revision. Every write is appended to one
 //!   event log; each Edge's watch delivers it in revision order, at random
-//!   steps, so watch events and claim answers interleave arbitrarily.
+//!   steps, so watch events and claim answers interleave arbitrarily; a
+//!   watch resumed after a partition delivers the events of the last
+//!   revision it had delivered once more.
 //! - **Edge sessions**: a keep-alive every [`KEEPALIVE_MS`]; it renews the
 //!   lease on the server and is acknowledged unless the Edge is partitioned
 //!   (then it is lost, or it reaches the server and only its answer is
@@ -372,6 +374,7 @@ struct Stats {
     grants_lost: u64,
     claims_failed: u64,
     watch_before_grant: u64,
+    watch_redelivered: u64,
     stale_accepts: u64,
     self_fences: u64,
     new_leases: u64,
@@ -409,6 +412,7 @@ impl Stats {
             grants_lost,
             claims_failed,
             watch_before_grant,
+            watch_redelivered,
             stale_accepts,
             self_fences,
             new_leases,
@@ -1199,11 +1203,27 @@ impl Sim {
                     }
                 }
             }
-            Timed::Heal(e) => {
-                if self.verbose {
-                    println!("      t={}ms edge {e} reaches etcd again", self.now_ms);
-                }
-                self.edges[e].partitioned_until_ms = None;
+            Timed::Heal(e) => self.heal(e),
+        }
+    }
+
+    /// Edge `e` reaches etcd again. Its watch resumes from the revision
+    /// of the last event it delivered, inclusive: the events of that
+    /// revision come again (old news to `Control`).
+    fn heal(&mut self, e: usize) {
+        if self.verbose {
+            println!("      t={}ms edge {e} reaches etcd again", self.now_ms);
+        }
+        let edge = &mut self.edges[e];
+        edge.partitioned_until_ms = None;
+        if let Some(last) = edge
+            .watch_cursor
+            .checked_sub(1)
+            .map(|i| self.etcd.log[i].revision)
+        {
+            while edge.watch_cursor > 0 && self.etcd.log[edge.watch_cursor - 1].revision == last {
+                edge.watch_cursor -= 1;
+                self.stats.watch_redelivered += 1;
             }
         }
     }
@@ -1372,7 +1392,9 @@ impl Sim {
     /// then checks (4) and (5).
     fn quiesce(&mut self) {
         for e in 0..self.edges.len() {
-            self.edges[e].partitioned_until_ms = None;
+            if self.edges[e].partitioned() {
+                self.heal(e);
+            }
         }
         const QUIESCE_STEPS_MAX: u64 = 2_000;
         for _ in 0..QUIESCE_STEPS_MAX {
@@ -1678,6 +1700,7 @@ fn simulation() {
         ("grants_lost", stats.grants_lost),
         ("claims_failed", stats.claims_failed),
         ("watch_before_grant", stats.watch_before_grant),
+        ("watch_redelivered", stats.watch_redelivered),
         ("stale_accepts", stats.stale_accepts),
         ("self_fences", stats.self_fences),
         ("new_leases", stats.new_leases),
@@ -1844,7 +1867,7 @@ fn a_grant_that_arrives_after_the_edge_fenced_itself_releases_the_key_it_wrote()
     assert_eq!(s.nodes[0].live, None);
     // The answer gets through after all: the claim is nobody's, so the key
     // it wrote is released at its own revision, and nothing is owned.
-    s.edges[0].partitioned_until_ms = None;
+    s.heal(0);
     s.reply(0, a);
     assert_eq!(s.stats.grants_after_self_fence, 1);
     assert_eq!(s.generation(0, a), None);
@@ -1920,7 +1943,7 @@ fn an_expired_lease_deletes_only_the_keys_still_attached_to_it_after_its_edge_fe
     assert_eq!(s.edges[1].control.ready_conn("n1"), Some(b1));
     assert_eq!(s.generation(1, b1), Some(3));
     // Edge 0's releases finally reach etcd: they match no key any more.
-    s.edges[0].partitioned_until_ms = None;
+    s.heal(0);
     s.commit_release(0, 1);
     s.commit_release(1, 2);
     assert_eq!(s.key(0), Some((3, 1, b1)));
@@ -1932,5 +1955,27 @@ fn an_expired_lease_deletes_only_the_keys_still_attached_to_it_after_its_edge_fe
     assert_ne!(s.edges[0].lease, Some(lease));
     let (_, g5) = s.own(1, 0);
     assert_eq!(g5, 5);
+    s.quiesce();
+}
+
+#[test]
+fn a_watch_resumed_after_a_short_partition_repeats_old_news_and_changes_nothing() {
+    let mut s = Sim::scripted(2);
+    let (a, g) = s.own(0, 0);
+    s.watch_all(0);
+    s.watch_all(1);
+    let actions_before = s.closes.len();
+    // Cut off for less than the self-fencing margin: no fence.
+    s.partition(0, s.now_ms + 1_000);
+    s.advance_to(s.now_ms + 1_000);
+    assert!(s.edges[0].up);
+    // The watch comes back from revision 1, inclusive: delivered again.
+    assert_eq!(s.stats.watch_redelivered, 1);
+    assert!(s.watch_pending(0));
+    s.watch_all(0);
+    assert_eq!(s.edges[0].control.ready_conn("n1"), Some(a));
+    assert_eq!(s.generation(0, a), Some(g));
+    assert_eq!(s.closes.len(), actions_before);
+    assert!(s.etcd.ops.is_empty());
     s.quiesce();
 }
