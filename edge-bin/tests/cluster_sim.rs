@@ -68,13 +68,21 @@
 //!    no longer owns, so its compare can only ever delete this Edge's own
 //!    write, never a newer claim's.
 //!
-//! What the literal "every accepted generation exceeds every earlier one,
-//! cluster-wide" does not hold, and is not asserted: a claim from a
+//! The literal "every accepted generation exceeds every earlier one,
+//! cluster-wide" does not hold and is not asserted: a claim from a
 //! connection its node already left may commit late and be accepted by its
 //! Edge (which has not yet seen the close) at a revision below one another
 //! Edge accepted meanwhile, or above the live connection's. Such a dead
-//! connection never becomes ready; the live one is fenced at most once more
-//! and redials. The simulation counts these (`stale_accepts`).
+//! connection never becomes ready, but its put supersedes the node's live
+//! connection if that one claimed earlier (on any Edge, its own included:
+//! the put was in flight when its connection closed), which is then fenced
+//! and redials. The simulation counts both (`stale_accepts`,
+//! `live_superseded_by_stale_claim`).
+//!
+//! The hand-written schedules at the end pin the interleavings this is
+//! for: the watch before the grant, a grant after the self-fence, a
+//! release racing a newer claim, a lease expiring after its Edge fenced
+//! itself, a watch resumed after a partition.
 //!
 //! A failure prints its seed and step; `IOP_SIM_SEED=<seed>` replays that
 //! schedule with a step log. Schedules derive from a base seed, fixed by
@@ -376,6 +384,7 @@ struct Stats {
     watch_before_grant: u64,
     watch_redelivered: u64,
     stale_accepts: u64,
+    live_superseded_by_stale_claim: u64,
     self_fences: u64,
     new_leases: u64,
     expiries_deleting_keys: u64,
@@ -414,6 +423,7 @@ impl Stats {
             watch_before_grant,
             watch_redelivered,
             stale_accepts,
+            live_superseded_by_stale_claim,
             self_fences,
             new_leases,
             expiries_deleting_keys,
@@ -609,6 +619,7 @@ impl Sim {
                 }
                 Action::Close { conn, reason } => {
                     self.closes.push((e, conn, reason.clone()));
+                    self.count_stale_supersede(e, conn, &reason);
                     match reason {
                         CloseReason::Superseded => self.stats.closed_superseded += 1,
                         CloseReason::OwnershipLost => self.stats.closed_ownership_lost += 1,
@@ -743,6 +754,22 @@ impl Sim {
                     node_id: NODES[n].into(),
                 });
             }
+        }
+    }
+
+    /// Counts a node's live connection superseded by a claim whose own
+    /// connection its node had already left (a put that was in flight
+    /// when that connection closed).
+    fn count_stale_supersede(&mut self, e: usize, conn: ConnId, reason: &CloseReason) {
+        let Some(c) = self.conns.get(&conn).filter(|c| c.node_open) else {
+            return;
+        };
+        let newest = self.etcd.puts.get(&self.edges[e].learned[c.node]);
+        let stale = newest.is_some_and(|p| {
+            p.conn != conn && !self.conns.get(&p.conn).is_some_and(|c| c.node_open)
+        });
+        if *reason == CloseReason::Superseded && stale {
+            self.stats.live_superseded_by_stale_claim += 1;
         }
     }
 
@@ -1702,6 +1729,10 @@ fn simulation() {
         ("watch_before_grant", stats.watch_before_grant),
         ("watch_redelivered", stats.watch_redelivered),
         ("stale_accepts", stats.stale_accepts),
+        (
+            "live_superseded_by_stale_claim",
+            stats.live_superseded_by_stale_claim,
+        ),
         ("self_fences", stats.self_fences),
         ("new_leases", stats.new_leases),
         ("expiries_deleting_keys", stats.expiries_deleting_keys),
