@@ -477,8 +477,11 @@ impl Member {
                     (kind == EventKind::Put).then(|| String::from_utf8_lossy(value).into_owned());
                 self.view.edge_seen(name, value);
                 // Every key's limits are shared by the live Edges.
-                let edges = u32::try_from(self.view.edges().len()).unwrap_or(u32::MAX);
-                self.edge.settings.client_keys.set_cluster_share(edges);
+                let (edges, rank) = self.view.share();
+                self.edge
+                    .settings
+                    .client_keys
+                    .set_cluster_share(edges, rank);
             }
             KeyOf::Other => {}
         }

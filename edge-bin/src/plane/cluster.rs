@@ -120,6 +120,22 @@ impl ClusterView {
         lock(&self.edges).clone()
     }
 
+    /// How many live Edges share the cluster's limits, and this Edge's
+    /// rank among them in name order (this Edge counted even before its
+    /// own announcement is seen).
+    pub fn share(&self) -> (u32, u32) {
+        let edges = lock(&self.edges);
+        let others_before = edges
+            .keys()
+            .filter(|name| name.as_str() < self.edge_name.as_str())
+            .count();
+        let total = edges.len() + usize::from(!edges.contains_key(&self.edge_name));
+        (
+            u32::try_from(total).unwrap_or(u32::MAX),
+            u32::try_from(others_before).unwrap_or(u32::MAX),
+        )
+    }
+
     /// Nodes owned per Edge name, for `/metrics`.
     pub fn nodes_per_edge(&self) -> BTreeMap<String, u64> {
         let mut counts = BTreeMap::new();
@@ -164,5 +180,18 @@ mod tests {
             view.nodes_per_edge(),
             BTreeMap::from([("e1".to_string(), 2)])
         );
+    }
+
+    #[test]
+    fn the_share_counts_this_edge_and_ranks_it_by_name() {
+        let view = ClusterView::new("c", "e2");
+        assert_eq!(view.share(), (1, 0));
+        view.edge_seen("e3", Some("{}".into()));
+        view.edge_seen("e1", Some("{}".into()));
+        assert_eq!(view.share(), (3, 1));
+        view.edge_seen("e2", Some("{}".into()));
+        assert_eq!(view.share(), (3, 1));
+        view.edge_seen("e1", None);
+        assert_eq!(view.share(), (2, 0));
     }
 }
