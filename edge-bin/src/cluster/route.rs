@@ -72,7 +72,7 @@ pub fn decide<'a>(
         .collect();
     // Most nodes first; the map gave name order, which a stable sort keeps
     // among equals.
-    ranked.sort_by(|a, b| b.0.cmp(&a.0));
+    ranked.sort_by_key(|(nodes, _)| std::cmp::Reverse(*nodes));
     let mut ranked = ranked.into_iter().map(|(_, peer)| peer);
     match ranked.next() {
         Some(target) => Route::Forward {
