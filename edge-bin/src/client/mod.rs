@@ -8,6 +8,7 @@
 pub mod admin;
 mod conn;
 mod endpoints;
+mod forward;
 pub mod metrics;
 mod pipeline;
 mod relay;

@@ -34,16 +34,21 @@ pub(super) fn frame(body: Body) -> pb::Frame {
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider's answer — again from the next provider `Control` picks when an
 /// attempt failed before anything reached the client (pre-commit
-/// failover).
+/// failover). In a cluster, a model served only by other Edges is
+/// forwarded to them instead ([`super::forward`]).
 pub(super) async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     principal: &str,
+    headers: Vec<iop_engine::http::Header>,
     body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
 {
+    // The client's bytes, should the request be forwarded (a reference,
+    // not a copy).
+    let received = body.clone();
     let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
         // Boxed, as every once-per-request await in the streaming routes:
@@ -52,6 +57,21 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
+    if let Some(targets) = super::forward::targets_of(edge, server, &chat.model) {
+        let model = chat.model.clone();
+        drop(chat);
+        return Box::pin(super::forward::forward(
+            edge,
+            server,
+            CHAT_COMPLETIONS,
+            &model,
+            targets,
+            headers,
+            received,
+        ))
+        .await;
+    }
+    drop((headers, received));
     let long = edge
         .settings
         .long_context_threshold_tokens
@@ -253,7 +273,9 @@ pub(super) enum CallerRefusal {
 
 /// The key's checks, before the request takes a place in the queue: model
 /// access, then the principal's limits (on admission the request holds a
-/// [`Ticket`] until its access line is written).
+/// [`Ticket`] until its access line is written). A request forwarded by
+/// a peer Edge is not charged again: the Edge that took it from its
+/// client holds its claim.
 pub(super) fn check_caller<S>(
     edge: &Edge,
     server: &mut Client<S>,
@@ -262,6 +284,9 @@ pub(super) fn check_caller<S>(
     let caller = server.caller.as_ref()?;
     if !caller.may_use(model) {
         return Some(CallerRefusal::Model(GatewayError::model_not_allowed(model)));
+    }
+    if server.rec.peer.is_some() {
+        return None;
     }
     let keys = &edge.settings.client_keys;
     let estimate = limits::estimate_prompt_tokens(server.rec.bytes_in as usize);
@@ -353,10 +378,21 @@ pub(super) async fn passthrough<S>(
 where
     S: ClientStream,
 {
+    let received = body.clone();
     let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
+    if let Some(targets) = super::forward::targets_of(edge, server, &req.model) {
+        server.set_model(&req.model);
+        let model = req.model.clone();
+        drop(req);
+        return Box::pin(super::forward::forward(
+            edge, server, endpoint, &model, targets, headers, received,
+        ))
+        .await;
+    }
+    drop(received);
     // What the provider gets of the client's headers; the rest go now.
     let forwarded = tunnel_headers(endpoint, req.stream, &headers);
     drop(headers);

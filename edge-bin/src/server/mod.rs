@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
+use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeTlsConnector, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
@@ -229,15 +229,22 @@ pub struct ShardedEdge {
     cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
+    /// How this Edge dials other Edges' peer listeners (`[cluster]` with
+    /// `[tls]`).
+    peer_tls: Option<NodeTlsConnector>,
     parts: Mutex<Vec<Option<ShardPart>>>,
     client_addr: SocketAddr,
     node_addr: SocketAddr,
+    /// The bound peer listener (`[cluster] peer_listen`).
+    peer_addr: Option<SocketAddr>,
 }
 
 /// One shard's listeners and mailboxes.
 struct ShardPart {
     client: std::net::TcpListener,
     nodes: std::net::TcpListener,
+    /// The peer listener of a cluster member with `peer_listen`.
+    peer: Option<std::net::TcpListener>,
     port: MeshPort,
 }
 
@@ -274,12 +281,27 @@ impl ShardedEdge {
         )?;
         let nodes =
             crate::link::shards::bind_reuseport(cfg.edge.node_listen, shards, "edge.node_listen")?;
-        Self::from_listeners(
+        let peer_listen = cfg.cluster.as_ref().and_then(|c| c.peer_listen);
+        let mut edge = Self::from_listeners(
             cfg,
             credentials,
             acceptor,
             clients.into_iter().zip(nodes).collect(),
-        )
+        )?;
+        if let Some(addr) = peer_listen {
+            let peers = crate::link::shards::bind_reuseport(addr, shards, "cluster.peer_listen")?;
+            edge.peer_addr = peers.first().map(|l| l.local_addr()).transpose()?;
+            let mut parts = edge
+                .parts
+                .lock()
+                .map_err(|_| std::io::Error::other("shard setup lock poisoned"))?;
+            for (part, peer) in parts.iter_mut().zip(peers) {
+                if let Some(part) = part {
+                    part.peer = Some(peer);
+                }
+            }
+        }
+        Ok(edge)
     }
 
     /// One shard per `(client, node)` listener pair, in shard order; the
@@ -305,10 +327,29 @@ impl ShardedEdge {
                 Some(ShardPart {
                     client,
                     nodes,
+                    peer: None,
                     port,
                 })
             })
             .collect();
+        let peer_tls = match (&cfg.cluster, &cfg.tls) {
+            (Some(_), Some(files)) => {
+                let connector = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
+                    .and_then(|material| {
+                        // Which peer it accepts is chosen per dial.
+                        NodeTlsConnector::edge_to_edge(
+                            &material,
+                            &cfg.edge.trust_domain,
+                            &cfg.edge.name,
+                        )
+                    })
+                    .map_err(|e| {
+                        std::io::Error::other(format!("{}: tls: {e}", cfg.source.display()))
+                    })?;
+                Some(connector)
+            }
+            _ => None,
+        };
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
             usage_log: usage_log(&cfg),
@@ -325,9 +366,11 @@ impl ShardedEdge {
             credentials: credentials.map(Arc::new),
             acceptor,
             client_tls: None,
+            peer_tls,
             parts: Mutex::new(parts),
             client_addr,
             node_addr,
+            peer_addr: None,
         })
     }
 
@@ -369,9 +412,15 @@ impl ShardedEdge {
         self.node_addr
     }
 
-    /// Prints the `IOP_READY` line scripts and tests wait for.
+    /// The bound peer listener (`[cluster] peer_listen`), if any.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+
+    /// Prints the `IOP_READY` line scripts and tests wait for (with
+    /// `peer=<addr>` when the Edge has a peer listener).
     pub fn announce(&self) -> std::io::Result<()> {
-        announce(self.client_addr, self.node_addr)
+        announce(self.client_addr, self.node_addr, self.peer_addr)
     }
 
     /// Builds shard `index`'s state and listeners on the calling shard's
@@ -404,11 +453,20 @@ impl ShardedEdge {
         settings.request_metrics = self.request_metrics.clone();
         settings.peer_limits = self.peer_limits.clone();
         settings.cluster = self.cluster.clone();
+        settings.peer_tls = self.peer_tls.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
+        let peer = match (part.peer, &self.acceptor) {
+            (Some(listener), Some(acceptor)) => Some(PeerListener {
+                listener: TcpListener::from_std(listener)?,
+                acceptor: Rc::new(acceptor.for_peer_edges()),
+            }),
+            _ => None,
+        };
         let listeners = Listeners {
             client: TcpListener::from_std(part.client)?,
             nodes: TcpListener::from_std(part.nodes)?,
+            peer,
         };
         Ok((edge, listeners, self.acceptor.clone().map(Rc::new)))
     }
@@ -455,6 +513,7 @@ impl ShardedEdge {
                         view.clone(),
                         self.client_addr,
                         self.node_addr,
+                        self.peer_addr,
                     )
                     .map_err(std::io::Error::other)?,
                 ),
@@ -531,10 +590,25 @@ impl ShardedEdge {
     }
 }
 
-fn announce(client: SocketAddr, nodes: SocketAddr) -> std::io::Result<()> {
-    tracing::info!(%client, %nodes, "listening");
+fn announce(
+    client: SocketAddr,
+    nodes: SocketAddr,
+    peer: Option<SocketAddr>,
+) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+    match peer {
+        Some(peer) => {
+            tracing::info!(%client, %nodes, %peer, "listening");
+            writeln!(
+                out,
+                "IOP_READY edge client={client} nodes={nodes} peer={peer}"
+            )?;
+        }
+        None => {
+            tracing::info!(%client, %nodes, "listening");
+            writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+        }
+    }
     out.flush()
 }
 
@@ -545,6 +619,19 @@ pub struct Listeners {
     pub client: TcpListener,
     /// The node listener.
     pub nodes: TcpListener,
+    /// The peer listener of a cluster member (`[cluster] peer_listen`).
+    pub peer: Option<PeerListener>,
+}
+
+/// A cluster member's peer listener: other Edges forward requests to it
+/// over mTLS (see [`crate::client::router::serve_peer`]).
+#[derive(Debug)]
+pub struct PeerListener {
+    /// The bound socket.
+    pub listener: TcpListener,
+    /// Takes Edges of the trust domain, presenting this Edge's `[tls]`
+    /// identity (shared with the node link: a reload reaches both).
+    pub acceptor: Rc<EdgeTlsAcceptor>,
 }
 
 impl Listeners {
@@ -557,6 +644,7 @@ impl Listeners {
         Ok(Self {
             client: bind(cfg.edge.client_listen, "edge.client_listen")?,
             nodes: bind(cfg.edge.node_listen, "edge.node_listen")?,
+            peer: None,
         })
     }
 
@@ -572,7 +660,12 @@ impl Listeners {
 
     /// Prints the `IOP_READY` line scripts and tests wait for.
     pub fn announce(&self) -> std::io::Result<()> {
-        announce(self.client_addr()?, self.node_addr()?)
+        let peer = self
+            .peer
+            .as_ref()
+            .map(|p| p.listener.local_addr())
+            .transpose()?;
+        announce(self.client_addr()?, self.node_addr()?, peer)
     }
 }
 
@@ -640,9 +733,21 @@ where
     let Listeners {
         client: client_listener,
         nodes: node_listener,
+        peer: peer_listener,
     } = listeners;
     let node_loop = crate::server::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
     let client_loop = crate::server::front_door::serve_clients(edge.clone(), client_listener);
+    let peer_loop = {
+        let edge = edge.clone();
+        async move {
+            match peer_listener {
+                Some(peer) => {
+                    crate::server::front_door::serve_peers(edge, peer.listener, peer.acceptor).await
+                }
+                None => std::future::pending().await,
+            }
+        }
+    };
     if edge.is_control_shard() {
         monoio::spawn(crate::server::front_door::trim_heaps());
     }
@@ -657,6 +762,7 @@ where
         _ = &mut timers => {},
         _ = node_loop => {},
         _ = client_loop => {},
+        _ = peer_loop => {},
         _ = stop.shutdown => {},
     }
     edge.begin_drain();
