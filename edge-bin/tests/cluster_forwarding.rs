@@ -429,7 +429,7 @@ impl Cluster {
                  client_listen = \"127.0.0.1:0\"\nnode_listen = \"127.0.0.1:0\"\n\n\
                  [tls]\nca = \"{ca}\"\ncert = \"{cert}\"\nkey = \"{key}\"\n\n\
                  [[client_keys]]\nprincipal = \"team\"\nkey_hash = \"{key_hash}\"\n\
-                 requests_per_minute = 4\n\n\
+                 requests_per_minute = 8\n\n\
                  [[client_keys]]\nprincipal = \"ops\"\nkey_hash = \"{ops_hash}\"\n\
                  scopes = [\"admin\"]\n\n\
                  [cluster]\nname = \"{label}\"\netcd_endpoints = [\"{etcd_addr}\"]\n\
@@ -690,7 +690,9 @@ fn a_forwarded_request_is_answered_byte_exact_and_never_forwarded_twice() {
     );
     assert_eq!(cluster.metric(b, "iop_edge_cluster_peer_requests_total"), 2);
 
-    // Four requests a minute per key: A charged its two, B only its own.
+    // Eight requests a minute per key, split between the two Edges (four
+    // each): A charged the two it forwarded, B only its own two; its third
+    // and fourth (below) are admitted, a fifth is not.
     let third_at_b = cluster.chat(b, "model-a", false);
     assert_eq!(third_at_b.status, 200, "{}", third_at_b.text());
 
@@ -742,6 +744,15 @@ fn a_forwarded_request_is_answered_byte_exact_and_never_forwarded_twice() {
     cluster.log_line(b, |l| {
         l.contains("model=model-b") && l.contains("forwarded_to=edge-1")
     });
+    // B's fifth request of its own is over its share of the key's limit
+    // (the peer's request above was not charged at B).
+    let fifth_at_b = cluster.chat(b, "model-a", false);
+    assert_eq!(fifth_at_b.status, 429, "{}", fifth_at_b.text());
+    assert!(
+        fifth_at_b.text().contains("4 requests per minute"),
+        "{}",
+        fifth_at_b.text()
+    );
 }
 
 // (d) B's peer listener takes Edges only: a client without a certificate
