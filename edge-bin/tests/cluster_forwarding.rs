@@ -15,10 +15,9 @@
 //! - a client leaving a forwarded stream at A makes B cancel the run;
 //! - with B gone, A answers 503 `peer_unavailable`.
 //!
-//! etcd comes from `/usr/bin/etcd` or `PATH` (the shared harness of
-//! `edge-bin/tests/common/etcd.rs` is not on this branch yet: the smallest
-//! helper is below). Build the binaries first: `cargo build -p edge-bin -p
-//! node-bin -p bench --bins`.
+//! etcd is the shared test harness (`common/etcd.rs`: `/usr/bin/etcd` or
+//! `PATH`). Build the binaries first: `cargo build -p edge-bin -p node-bin
+//! -p bench --bins`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -30,6 +29,11 @@ use std::time::Duration;
 
 use iop_engine::clock;
 use serde_json::{json, Value};
+
+#[path = "common/etcd.rs"]
+#[allow(dead_code)]
+mod etcd;
+use etcd::EtcdCluster;
 
 const TRUST_DOMAIN: &str = "iop.local";
 const CLIENT_KEY: &str = "sk-cluster-test-key";
@@ -118,63 +122,6 @@ fn ready_field(line: &str, key: &str) -> String {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
         .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
         .to_string()
-}
-
-/// A free loopback port (released at once; etcd binds it next).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("address")
-        .port()
-}
-
-/// One etcd member on loopback, its data in `dir`; returns once it
-/// answers `/health`.
-fn start_etcd(dir: &Scratch) -> (Running, SocketAddr) {
-    let etcd = ["/usr/bin/etcd"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| p.is_file())
-        .or_else(|| {
-            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-                .map(|d| d.join("etcd"))
-                .find(|p| p.is_file())
-        })
-        .expect(
-            "etcd is not installed (no /usr/bin/etcd, none on PATH): apt-get install etcd-server",
-        );
-    let (client, peer) = (free_port(), free_port());
-    let client_url = format!("http://127.0.0.1:{client}");
-    let peer_url = format!("http://127.0.0.1:{peer}");
-    let log = std::fs::File::create(dir.path("etcd.log")).expect("etcd log");
-    let child = Command::new(etcd)
-        .args(["--name", "m0", "--data-dir", &dir.path("etcd-data")])
-        .args(["--listen-client-urls", &client_url])
-        .args(["--advertise-client-urls", &client_url])
-        .args(["--listen-peer-urls", &peer_url])
-        .args(["--initial-advertise-peer-urls", &peer_url])
-        .args(["--initial-cluster", &format!("m0={peer_url}")])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn etcd");
-    let running = Running(child);
-    let addr: SocketAddr = ([127, 0, 0, 1], client).into();
-    let started = clock::now();
-    loop {
-        let healthy = request(addr, "GET", "/health", &[], "").ok();
-        if healthy.is_some_and(|r| r.text().contains(r#""health":"true""#)) {
-            return (running, addr);
-        }
-        assert!(
-            started.elapsed() < GENEROUS,
-            "etcd did not become healthy; see {}",
-            dir.path("etcd.log")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A whole HTTP/1.1 response read to EOF.
@@ -397,6 +344,8 @@ struct Cluster {
     b: EdgeProc,
     mock: SocketAddr,
     _procs: Vec<Running>,
+    /// Dropped last (fields drop in order): the Edges go before etcd.
+    _etcd: EtcdCluster,
 }
 
 impl Cluster {
@@ -414,8 +363,8 @@ impl Cluster {
             .expect("edge-bin certs");
         assert!(certs.status.success(), "{certs:?}");
         let mut procs = Vec::new();
-        let (etcd, etcd_addr) = start_etcd(&dir);
-        procs.push(etcd);
+        let etcd = EtcdCluster::start(1);
+        let etcd_addr = etcd.endpoint(0);
         let mut mock = Command::new(bin("bench"));
         mock.args(["mock-provider", "--port", "0"]).args(mock_args);
         let (proc, line) = start_ready(mock, &dir.path("mock.log"));
@@ -485,6 +434,7 @@ impl Cluster {
             b,
             mock,
             _procs: procs,
+            _etcd: etcd,
         };
         let owned = json!([
             {"node_id": "node-a", "edge": "edge-2"},
