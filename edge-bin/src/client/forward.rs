@@ -39,9 +39,9 @@ use iop_engine::clock;
 use iop_engine::http::{BodyFraming, ClientConn, Header, HttpError, Limits, Watched};
 use iop_engine::tls::{MaybeTls, NodeTlsConnector, UpstreamStream};
 
+use super::caller::{check_caller, write_caller_refusal};
 use super::conn::*;
 use super::endpoints::Endpoint;
-use super::pipeline::{check_caller, write_caller_refusal};
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
 use crate::cluster::route::{self, PeerEdge, Route};
