@@ -157,6 +157,10 @@ pub struct TlsReloadReport {
     /// The client-listener certificate now presented (`[edge.client_tls]`),
     /// or why the running one was kept.
     pub client_listener: Option<Result<iop_engine::tls::HttpsIdentity, String>>,
+    /// In a cluster: the identity this Edge now presents when it forwards
+    /// to a peer (the `[tls]` certificate too), or why the running one was
+    /// kept.
+    pub peer_client: Option<Result<iop_engine::tls::LocalIdentity, String>>,
 }
 
 /// Re-reads the certificate files `cfg` names (SIGHUP) and swaps them into
@@ -169,8 +173,24 @@ pub fn reload_tls(
     cfg: &EdgeConfig,
     node_link: Option<&EdgeTlsAcceptor>,
     client_listener: Option<&HttpsAcceptor>,
+    peer_client: Option<&NodeTlsConnector>,
 ) -> TlsReloadReport {
     let mut report = TlsReloadReport::default();
+    if let (Some(files), Some(connector)) = (&cfg.tls, peer_client) {
+        // The same certificate as the node link: presented to peer Edges
+        // when forwarding (clones share it, so every shard's forwards get
+        // it).
+        let outcome = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
+            .and_then(|material| connector.reload(&material))
+            .map_err(|e| format!("{}: tls: {e}", cfg.source.display()));
+        if let Err(e) = &outcome {
+            tracing::error!(
+                error = %e,
+                "peer-client certificate not reloaded; keeping the running one"
+            );
+        }
+        report.peer_client = Some(outcome);
+    }
     if let (Some(files), Some(acceptor)) = (&cfg.tls, node_link) {
         let outcome = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
             .and_then(|material| acceptor.reload(&material))
@@ -836,6 +856,43 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    // SIGHUP re-reads `[tls]` into the connector an Edge of a cluster
+    // forwards with: its forwards present the new certificate.
+    #[test]
+    fn a_reload_gives_forwards_to_peers_the_new_certificate() {
+        let dir = temp_dir("peer-reload");
+        let mint = || {
+            iop_engine::certs::write_cluster_dev_certs(
+                &dir,
+                "iop.test",
+                &["edge-1"],
+                ["node-a"],
+                &[],
+            )
+            .unwrap()
+        };
+        let first = mint();
+        let material = TlsMaterial::from_files(&first.edge_tls_files()).unwrap();
+        let connector = NodeTlsConnector::edge_to_edge(&material, "iop.test", "edge-1").unwrap();
+        // A forward picks its peer per dial from a clone: clones share it.
+        let per_dial = connector.to_edge("edge-2").unwrap();
+        let before = per_dial.local_certificate().serial_hex;
+        let path = dir.join("edge.toml");
+        let text = config_text_with("http://127.0.0.1:9000", "", "").replace(
+            "insecure_plaintext_nodes = true\n",
+            "allow_anonymous = true\n",
+        ) + "[tls]\nca = \"ca.pem\"\ncert = \"edge.pem\"\nkey = \"edge-key.pem\"\n";
+        std::fs::write(&path, text).unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        // The same identity, a new certificate (and CA).
+        mint();
+        let report = reload_tls(&cfg, None, None, Some(&connector));
+        let reloaded = report.peer_client.expect("reloaded").expect("accepted");
+        assert_ne!(reloaded.serial_hex, before);
+        assert_eq!(per_dial.local_certificate().serial_hex, reloaded.serial_hex);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     // A reload that would remove the last client key (and so open the
