@@ -1,0 +1,128 @@
+"""Several Edges of one cluster on a real etcd (`[cluster]`,
+docs/multi-edge.md): real edge-bin, node-bin, bench mock-provider and etcd
+processes on loopback (cluster_harness.py).
+
+Requests go to Edges that own a node of the model (`/status` →
+`cluster.nodes`): an Edge that owns none does not forward yet. Each test
+names where it does so ("owning Edges only").
+
+Timing: the Edges hold etcd leases of 4 s kept alive every 1 s (an Edge
+that cannot prove its lease fences what it owns 3 s after its last
+acknowledged keep-alive); the Nodes redial every 1 s ± 50 %.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+from cluster_harness import (CLUSTER_NAME, FENCE_LINE, MODEL, EdgeCluster, StreamLoad, http_json, ids_out,
+                             send_stream, wait_until)
+from iop_harness import post_raw
+
+TTL_S = 4
+KEEPALIVE_S = 1
+# The mock streams up to 100 tokens 30 ms apart (3 s); the load asks for
+# 20 (0.6 s), a drain-holding stream for all 100.
+MOCK = ["--tokens", "100", "--inter-token-ms", "30"]
+LOAD_TOKENS = 20
+MESSAGES = [{"role": "user", "content": "count"}]
+LOAD_BODY = {"model": MODEL, "stream": True, "max_tokens": LOAD_TOKENS, "messages": MESSAGES,
+             "stream_options": {"include_usage": True}}
+LONG_BODY = {"model": MODEL, "stream": True, "messages": MESSAGES, "stream_options": {"include_usage": True}}
+# Generous bounds a loaded 2-core machine keeps: the property is that
+# Nodes re-home within a few reconnect intervals.
+REHOME_BOUND_S = 20.0
+# An Edge's log line when its drain begins (after SIGTERM).
+DRAIN_LINE = "draining: listeners closed"
+
+
+def log_timing(what: str, seconds: float):
+    print(f"TIMING {what}: {seconds:.2f} s")
+
+
+def ok_count(load: StreamLoad, edges: set[int], since: float = 0.0) -> dict[int, int]:
+    counts = {e: 0 for e in edges}
+    for o in load.snapshot():
+        if o.edge in counts and o.kind == "ok" and o.sent_at >= since:
+            counts[o.edge] += 1
+    return counts
+
+
+def describe(outcomes) -> str:
+    return "\n".join(f"edge={o.edge} sent={o.sent_at:.2f} headers={o.headers_at} ended={o.ended_at:.2f} "
+                     f"status={o.status} kind={o.kind} {o.detail}" for o in outcomes)
+
+
+class OpenStream:
+    """A streaming completion whose headers and first event were read; the
+    rest is read by `finish`."""
+
+    def __init__(self, cluster: EdgeCluster, edge: int, body: dict):
+        self.conn = http.client.HTTPConnection(cluster.edges[edge].client_addr, timeout=30)
+        self.conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                          headers={"content-type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        self.head = self.resp.read1(1)
+        assert self.head, "no first byte"
+
+    def finish(self) -> tuple[bytes, BaseException | None]:
+        """The whole body read so far and the error that ended it, if any."""
+        data = self.head
+        try:
+            data += self.resp.read()
+            return data, None
+        except (OSError, http.client.HTTPException) as e:
+            return data, e
+        finally:
+            self.conn.close()
+
+
+# ---------------------------------------------------------------------------
+# (own) one owner per node, the same view everywhere, byte-exact answers
+# ---------------------------------------------------------------------------
+
+def test_every_node_has_one_owner_and_owning_edges_answer_byte_exact():
+    keys = {"ops": {"key": "sk-ops", "scopes": ["admin"]},
+            "app": {"key": "sk-app", "max_concurrent": 6}}
+    with EdgeCluster(mock_args=MOCK, client_keys=keys, admin_principal="ops") as c:
+        owners = c.wait_settled()
+        names = [s.name for s in c.edges]
+        assert set(owners) == {"node-a", "node-b"} and set(owners.values()) <= set(names), owners
+        for i, slot in enumerate(c.edges):
+            doc = c.status(i)
+            assert doc["cluster"] == {
+                "name": CLUSTER_NAME, "edge": slot.name, "up": True, "edges": names,
+                "nodes": [{"node_id": n, "edge": owners[n]} for n in sorted(owners)],
+            }
+            # One owner: a node's provider is connected on its owner only.
+            for p in doc["providers"]:
+                assert p["connected"] == (owners[p["node_id"]] == slot.name), (slot.name, p)
+            assert c.readyz(i) == (200, "ok\n")
+            metrics = c.metrics(i)
+            assert "iop_edge_cluster_up 1\n" in metrics
+            assert f"iop_edge_cluster_edges {len(names)}\n" in metrics
+            for edge in set(owners.values()):
+                count = sum(1 for e in owners.values() if e == edge)
+                assert f'iop_edge_cluster_nodes{{edge="{edge}"}} {count}\n' in metrics, metrics
+            # A key that may not see the whole fleet gets no cluster object.
+            app_view = http_json(slot.base_url + "/status", headers={"authorization": "Bearer sk-app"})
+            assert "cluster" not in app_view
+
+        # Owning Edges only: the mock's bytes, streamed and not.
+        app = {"authorization": "Bearer sk-app"}
+        for edge in sorted(set(owners.values())):
+            url = c.edges[c.index_of(edge)].base_url + "/v1/chat/completions"
+            for stream in (False, True):
+                body = {"model": MODEL, "messages": MESSAGES, "max_tokens": LOAD_TOKENS}
+                if stream:
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                status, headers, relayed = post_raw(url, body, headers=app)
+                assert status == 200, (edge, relayed)
+                assert ids_out(relayed) == ids_out(c.direct(body)), (edge, stream, relayed)
+                if stream:
+                    assert {k.lower(): v for k, v in headers.items()}["content-type"] == "text/event-stream"
+
