@@ -126,3 +126,79 @@ def test_every_node_has_one_owner_and_owning_edges_answer_byte_exact():
                 if stream:
                     assert {k.lower(): v for k, v in headers.items()}["content-type"] == "text/event-stream"
 
+
+# ---------------------------------------------------------------------------
+# (b) an Edge killed under load
+# ---------------------------------------------------------------------------
+
+def test_killed_edge_nodes_rehome_and_only_its_streams_fail():
+    with EdgeCluster(mock_args=MOCK) as c:
+        owners = c.spread_nodes()
+        victim_name = owners["node-a"]
+        victim = c.index_of(victim_name)
+        survivors = [i for i in c.live() if i != victim]
+        orphans = sorted(n for n, e in owners.items() if e == victim_name)
+        owning_survivors = {c.index_of(e) for e in owners.values() if e != victim_name}
+        assert owning_survivors, owners
+        expected = c.direct(LOAD_BODY)
+        long_expected = ids_out(c.direct(LONG_BODY))
+
+        # Owning Edges only (the load's router).
+        with StreamLoad(c, LOAD_BODY, expected, threads=4) as load:
+            wait_until(lambda: min(ok_count(load, owning_survivors | {victim}).values()) >= 2, timeout_s=30,
+                       what="load flowing through every owning Edge")
+            # A stream certainly in flight through the victim when it dies.
+            doomed = OpenStream(c, victim, LONG_BODY)
+            killed_at = c.kill_edge(victim)
+            doomed_body, doomed_error = doomed.finish()
+            wait_until(lambda: c.rehomed(orphans, survivors) is not None, timeout_s=REHOME_BOUND_S,
+                       interval_s=0.05, what="the victim's nodes owned by survivors and ready")
+            rehomed_at = time.monotonic()
+            log_timing("kill -9 -> its nodes owned by survivors and ready", rehomed_at - killed_at)
+            assert rehomed_at - killed_at <= REHOME_BOUND_S
+            # Every survivor agrees, and the victim leaves the member list
+            # when its lease expires.
+            new_owners = c.wait_settled(timeout_s=REHOME_BOUND_S, live=survivors)
+            log_timing("kill -9 -> every survivor's view settled (victim's lease expired)",
+                       time.monotonic() - killed_at)
+            for n in orphans:
+                assert new_owners[n] != victim_name, new_owners
+            # Survivors' nodes stay where they were.
+            for n, e in owners.items():
+                if e != victim_name:
+                    assert new_owners[n] == e, (owners, new_owners)
+            new_owning = {c.index_of(e) for e in new_owners.values()}
+            wait_until(lambda: min(ok_count(load, new_owning, since=rehomed_at).values()) >= 2, timeout_s=30,
+                       what="load flowing through the new owners")
+        outcomes = load.snapshot()
+        print(f"LOAD {len(outcomes)} requests: {sum(o.kind == 'ok' for o in outcomes)} ok, failed through the "
+              f"victim: {sum(o.kind != 'ok' for o in outcomes)} "
+              f"({', '.join(sorted({o.kind for o in outcomes if o.kind != 'ok'}))})")
+
+        # The stream through the victim broke off short of the mock's bytes.
+        assert ids_out(doomed_body) != long_expected
+        assert doomed_error is not None or not doomed_body.endswith(b"data: [DONE]\n\n"), doomed_body[-200:]
+        # Every request through a surviving Edge got the mock's bytes; the
+        # victim's requests that ended before the kill too.
+        through_survivors = [o for o in outcomes if o.edge != victim]
+        assert through_survivors and all(o.kind == "ok" for o in through_survivors), \
+            describe([o for o in through_survivors if o.kind != "ok"])
+        before = [o for o in outcomes if o.edge == victim and o.ended_at < killed_at]
+        assert before and all(o.kind == "ok" for o in before), describe(before)
+        # What failed went through the victim, after it died.
+        failed = [o for o in outcomes if o.kind != "ok"]
+        assert all(o.edge == victim and o.ended_at >= killed_at for o in failed), describe(failed)
+
+        # Nothing leaked: every surviving Edge's providers are idle, and
+        # the mock streams nothing for the runs that died with the victim.
+        def idle():
+            for i in survivors:
+                for p in c.status(i)["providers"]:
+                    if p["in_flight"] != 0 or p["queued"] != 0:
+                        return False
+            return c.mock_stats()["active_streams"] == 0
+
+        wait_until(idle, timeout_s=15, what="providers idle on every survivor")
+        for i in survivors:
+            assert "iop_edge_cluster_self_fences_total 0\n" in c.metrics(i)
+
