@@ -202,3 +202,87 @@ def test_killed_edge_nodes_rehome_and_only_its_streams_fail():
         for i in survivors:
             assert "iop_edge_cluster_self_fences_total 0\n" in c.metrics(i)
 
+
+# ---------------------------------------------------------------------------
+# (c) an Edge that loses its etcd member fences itself before its lease ends
+# ---------------------------------------------------------------------------
+
+def test_edge_cut_from_etcd_fences_before_its_lease_expires():
+    with EdgeCluster(etcd_size=3, etcd_of="own", mock_args=MOCK,
+                     lease_ttl_sec=TTL_S, keepalive_interval_sec=KEEPALIVE_S) as c:
+        owners = c.spread_nodes()
+        victim_name = owners["node-a"]
+        victim = c.index_of(victim_name)
+        member = c.edges[victim].etcd_members[0]
+        others = [i for i in c.live() if i != victim]
+        watcher = next(m for m in range(3) if m != member)
+        # Losing the Raft leader would stall every Edge's keep-alives for
+        # an election; this test is about the one Edge cut off.
+        if c.etcd.leader() == member:
+            c.etcd.move_leader(watcher)
+        edge_key = f"/iop/{CLUSTER_NAME}/edges/{victim_name}"
+        assert c.etcd.get(edge_key, member=watcher) is not None
+
+        # When the victim's lease ends on the server: its edge key goes.
+        gone = {}
+
+        def watch_key():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if c.etcd.get(edge_key, member=watcher) is None:
+                        gone["at"] = time.monotonic()
+                        return
+                except OSError:
+                    pass
+                time.sleep(0.02)
+
+        stopped_at = time.monotonic()
+        c.etcd.stop_member(member)
+        key_watch = threading.Thread(target=watch_key, daemon=True)
+        key_watch.start()
+
+        wait_until(lambda: c.readyz(victim) == (503, "cluster store unreachable\n"), timeout_s=15,
+                   interval_s=0.02, what="the cut-off Edge's /readyz at 503")
+        unready_at = time.monotonic()
+        proc = c.edges[victim].proc
+        wait_until(lambda: proc.first_line(FENCE_LINE, since=stopped_at) is not None, timeout_s=15,
+                   what="the fence line")
+        fenced_at, _ = proc.first_line(FENCE_LINE, since=stopped_at)
+        key_watch.join(timeout=30)
+        assert "at" in gone, "the victim's edge key never expired"
+        log_timing("member stop -> fence line", fenced_at - stopped_at)
+        log_timing("member stop -> /readyz 503 seen", unready_at - stopped_at)
+        log_timing("member stop -> lease expired on the server (edge key gone)", gone["at"] - stopped_at)
+        # The last acknowledged keep-alive came before the stop, so a fence
+        # at TTL - interval after it is within TTL of the stop, and before
+        # the server lets the lease (and the keys on it) go.
+        assert fenced_at - stopped_at <= TTL_S
+        assert fenced_at < gone["at"]
+
+        # The victim closed its node connections as ownership_lost, at the
+        # fence; the node saw that reason.
+        closed = proc.first_line("reason=ownership_lost", since=stopped_at)
+        assert closed is not None and "node connection closed" in closed[1], proc.log()
+        assert fenced_at <= closed[0] < gone["at"]
+        node_saw = c.nodes["node-a"].first_line("reason=peer:ownership_lost", since=stopped_at)
+        assert node_saw is not None, c.nodes["node-a"].log()
+        # The fenced nodes move to Edges that hold their leases.
+        orphans = sorted(n for n, e in owners.items() if e == victim_name)
+        wait_until(lambda: c.rehomed(orphans, others) is not None, timeout_s=REHOME_BOUND_S, interval_s=0.05,
+                   what="the fenced nodes owned elsewhere and ready")
+        log_timing("member stop -> fenced nodes owned elsewhere and ready", time.monotonic() - stopped_at)
+        new_owners = c.wait_settled(timeout_s=REHOME_BOUND_S, live=others)
+        assert new_owners["node-a"] != victim_name
+        assert "iop_edge_cluster_up 0\n" in c.metrics(victim)
+        assert "iop_edge_cluster_self_fences_total 1\n" in c.metrics(victim)
+        for i in others:
+            assert "iop_edge_cluster_self_fences_total 0\n" in c.metrics(i)
+        # Nothing of the victim's node connections is left on it.
+        assert not any(p["connected"] for p in c.status(victim)["providers"])
+
+        # The member comes back: the Edge takes a lease again and is ready.
+        c.etcd.start_member(member)
+        wait_until(lambda: c.readyz(victim) == (200, "ok\n"), timeout_s=20, what="/readyz 200 again")
+        c.wait_settled()
+
