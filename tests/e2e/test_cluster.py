@@ -372,3 +372,37 @@ def test_rolling_restart_cuts_no_stream():
         wait_until(lambda: all(p["in_flight"] == 0 and p["queued"] == 0
                                for i in c.live() for p in c.status(i)["providers"]),
                    timeout_s=15, what="providers idle on every Edge")
+
+
+# ---------------------------------------------------------------------------
+# etcd down: every Edge fences; etcd back: every Edge ready, nodes owned
+# ---------------------------------------------------------------------------
+
+def test_etcd_down_fences_every_edge_until_it_returns():
+    with EdgeCluster(mock_args=MOCK) as c:
+        owners = c.wait_settled()
+        stopped_at = time.monotonic()
+        c.etcd.stop_member(0)
+        for i in range(len(c.edges)):
+            wait_until(lambda: c.readyz(i) == (503, "cluster store unreachable\n"), timeout_s=15,
+                       what=f"{c.edges[i].name}'s /readyz at 503")
+        for i, slot in enumerate(c.edges):
+            fence = slot.proc.first_line(FENCE_LINE, since=stopped_at)
+            assert fence is not None, slot.proc.log()
+            log_timing(f"etcd stop -> {slot.name} fenced", fence[0] - stopped_at)
+            assert fence[0] - stopped_at <= TTL_S
+            # No Edge holds a node: nothing is dispatched anywhere.
+            assert not any(p["connected"] for p in c.status(i)["providers"]), c.describe()
+            assert c.status(i)["cluster"]["up"] is False
+        for node_id in owners:
+            assert c.nodes[node_id].first_line("reason=peer:ownership_lost", since=stopped_at) is not None
+
+        restarted_at = time.monotonic()
+        c.etcd.start_member(0)
+        for i in range(len(c.edges)):
+            wait_until(lambda: c.readyz(i) == (200, "ok\n"), timeout_s=20, what=f"{c.edges[i].name} ready")
+        c.wait_settled(timeout_s=REHOME_BOUND_S)
+        log_timing("etcd back -> every Edge ready, every node owned and ready", time.monotonic() - restarted_at)
+        for edge in set(c.owners().values()):
+            status, _, relayed = post_raw(c.edges[c.index_of(edge)].base_url + "/v1/chat/completions", LOAD_BODY)
+            assert status == 200 and ids_out(relayed) == ids_out(c.direct(LOAD_BODY)), relayed
