@@ -57,7 +57,7 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
-    if let Some(targets) = super::forward::targets_of(edge, server, &chat.model) {
+    if let Some(targets) = super::forward::targets_of(edge, server, CHAT_COMPLETIONS, &chat.model) {
         let model = chat.model.clone();
         drop(chat);
         return Box::pin(super::forward::forward(
@@ -313,7 +313,7 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
-    if let Some(targets) = super::forward::targets_of(edge, server, &req.model) {
+    if let Some(targets) = super::forward::targets_of(edge, server, endpoint, &req.model) {
         server.set_model(&req.model);
         let model = req.model.clone();
         drop(req);
