@@ -34,8 +34,9 @@ pub(super) fn frame(body: Body) -> pb::Frame {
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider's answer — again from the next provider `Control` picks when an
 /// attempt failed before anything reached the client (pre-commit
-/// failover). In a cluster, a model served only by other Edges is
-/// forwarded to them instead ([`super::forward`]).
+/// failover). In a cluster, a request this Edge has no free slot for is
+/// forwarded to a peer that has one, or to the Edge owning the model's
+/// nodes when this one owns none ([`super::forward`]).
 pub(super) async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
