@@ -1,11 +1,13 @@
-//! Forwarding in a cluster (v1): a request for a model whose nodes are all
-//! owned by other Edges goes, before it is submitted to `Control`, to the
-//! peer listener of the Edge owning the most of them
-//! ([`crate::cluster::route`]), and that Edge's answer goes back to the
-//! client as it is.
+//! Forwarding in a cluster: a request for a model that this Edge has no
+//! free slot for goes, before it is submitted to `Control`, to the peer
+//! listener of the peer with the most free slots for it, or, when no peer
+//! has one and this Edge owns none of the model's nodes, of the Edge
+//! owning the most of them ([`crate::cluster::route`], from the capacity
+//! summaries of [`crate::cluster::summaries`]); that Edge's answer goes
+//! back to the client as it is.
 //!
 //! ```text
-//! client ─► Edge A: key, model access, limits charged ─► route: Forward{B, fallbacks}
+//! client ─► Edge A: key, model access, limits charged ─► route: Forward{B, fallbacks, reason}
 //!             │ one mTLS connection per request in flight (pooled when idle),
 //!             │ A's [tls] identity as the client certificate
 //!             ▼
@@ -44,7 +46,8 @@ use super::conn::*;
 use super::endpoints::Endpoint;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
-use crate::cluster::route::{self, PeerEdge, Route};
+use crate::cluster::route::{self, ForwardReason, PeerEdge, Route};
+use crate::cluster::summaries;
 use crate::link::edge::Edge;
 use crate::plane::access::REQUEST_ID_HEADER;
 use crate::plane::cluster::Forwarded;
@@ -126,11 +129,25 @@ fn pool_put(key: PoolKey, conn: Upstream) {
     });
 }
 
-/// The Edges to forward a request for `model` to, the target first; `None`
+/// The Edges a request is forwarded to, and why.
+#[derive(Debug)]
+pub(super) struct Targets {
+    /// The target first, then the fallbacks in order.
+    peers: Vec<PeerEdge>,
+    reason: ForwardReason,
+}
+
+/// The Edges to forward a request to `endpoint` for `model` to; `None`
 /// when it is served here: a single Edge, a request that came from a peer
 /// (never forwarded again), an Edge that cannot dial peers, or a
-/// [`Route::Local`] decision.
-pub(super) fn targets_of<S>(edge: &Edge, server: &Client<S>, model: &str) -> Option<Vec<PeerEdge>> {
+/// [`Route::Local`] decision (from the owners of the model's nodes and the
+/// free slots for the endpoint's operation, here and at the peers).
+pub(super) fn targets_of<S>(
+    edge: &Edge,
+    server: &Client<S>,
+    endpoint: Endpoint,
+    model: &str,
+) -> Option<Targets> {
     if server.rec.peer.is_some() {
         return None;
     }
@@ -138,18 +155,24 @@ pub(super) fn targets_of<S>(edge: &Edge, server: &Client<S>, model: &str) -> Opt
     edge.settings.peer_tls.as_ref()?;
     let nodes = edge.settings.model_nodes.get(model)?;
     let owners = cluster.owners_of(nodes);
+    let free = cluster.free_slots(model, endpoint.op, clock::now(), summaries::MAX_AGE);
     match route::decide(
         &cluster.edge_name,
         owners.iter().map(Option::as_deref),
         &cluster.peer_addrs(),
+        &free,
     ) {
         Route::Local => None,
         Route::Forward {
             target,
             mut fallbacks,
+            reason,
         } => {
             fallbacks.insert(0, target);
-            Some(fallbacks)
+            Some(Targets {
+                peers: fallbacks,
+                reason,
+            })
         }
     }
 }
@@ -163,7 +186,7 @@ pub(super) async fn forward<S>(
     server: &mut Client<S>,
     endpoint: Endpoint,
     model: &str,
-    targets: Vec<PeerEdge>,
+    targets: Targets,
     headers: Vec<Header>,
     body: Bytes,
 ) -> Result<(), HttpError>
@@ -182,6 +205,16 @@ where
         )
         .await;
     };
+    let Targets {
+        peers: targets,
+        reason,
+    } = targets;
+    let reasons = &cluster.counters;
+    match reason {
+        ForwardReason::NoLocalNode => &reasons.forwarded_no_local_node,
+        ForwardReason::LocalFull => &reasons.forwarded_local_full,
+    }
+    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let request_headers = peer_request_headers(&headers, &server.rec.request_id);
     drop(headers);
     let mut written = None;

@@ -328,6 +328,24 @@ pub fn render_cluster(cluster: &ClusterView) -> String {
     );
     counter(
         &mut out,
+        "iop_edge_cluster_forward_reasons_total",
+        "Requests forwarded to another Edge, by why they were not served here \
+         (no_local_node: this Edge owns no node of the model; local_full: its own \
+         had no free slot and a peer's had).",
+        &[
+            ("reason=\"no_local_node\"", load(&c.forwarded_no_local_node)),
+            ("reason=\"local_full\"", load(&c.forwarded_local_full)),
+        ],
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_summary_poll_failures_total",
+        "Polls of a peer Edge's capacity summary that failed (no answer in time, \
+         an error status, or a summary that does not parse).",
+        &[("", load(&c.summary_poll_failures))],
+    );
+    counter(
+        &mut out,
         "iop_edge_cluster_peer_requests_total",
         "Inference requests other Edges forwarded to this one (its peer listener).",
         &[("", load(&c.peer_requests))],

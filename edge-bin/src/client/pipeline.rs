@@ -34,8 +34,9 @@ pub(super) fn frame(body: Body) -> pb::Frame {
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider's answer — again from the next provider `Control` picks when an
 /// attempt failed before anything reached the client (pre-commit
-/// failover). In a cluster, a model served only by other Edges is
-/// forwarded to them instead ([`super::forward`]).
+/// failover). In a cluster, a request this Edge has no free slot for is
+/// forwarded to a peer that has one, or to the Edge owning the model's
+/// nodes when this one owns none ([`super::forward`]).
 pub(super) async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
@@ -57,7 +58,7 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
-    if let Some(targets) = super::forward::targets_of(edge, server, &chat.model) {
+    if let Some(targets) = super::forward::targets_of(edge, server, CHAT_COMPLETIONS, &chat.model) {
         let model = chat.model.clone();
         drop(chat);
         return Box::pin(super::forward::forward(
@@ -313,7 +314,7 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
-    if let Some(targets) = super::forward::targets_of(edge, server, &req.model) {
+    if let Some(targets) = super::forward::targets_of(edge, server, endpoint, &req.model) {
         server.set_model(&req.model);
         let model = req.model.clone();
         drop(req);

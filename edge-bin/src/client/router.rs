@@ -25,6 +25,7 @@ use super::relay::*;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
 use crate::client::{metrics, status};
+use crate::cluster::summaries;
 use crate::config::MetricsAccess;
 use crate::link::edge::Edge;
 use crate::plane::access::AccessRecord;
@@ -222,6 +223,31 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                 .unwrap_or_default()
                 .to_string();
             let method = head.method.as_str();
+            if from_peer.is_some() && path == summaries::SUMMARY_PATH {
+                // Every peer polls this several times a second: answered
+                // from the view, without a client key (the handshake
+                // proved the caller is an Edge of the trust domain) and
+                // without an access-log line.
+                let answered = match (method, &edge.settings.cluster) {
+                    ("GET", Some(cluster)) => match server.read_body(&head).await {
+                        Ok(_) => {
+                            let summary =
+                                summaries::encode(&cluster.edge_name, &cluster.local_capacity());
+                            write_json(&mut server, 200, Bytes::from(summary)).await
+                        }
+                        Err(e) => Err(e),
+                    },
+                    _ => {
+                        server.skip_body(&head);
+                        let e = GatewayError::method_not_allowed(method, &path);
+                        write_api_error(&mut server, &e).await
+                    }
+                };
+                if answered.is_err() || !server.keep_alive() {
+                    return;
+                }
+                continue;
+            }
             // metrics: end to end starts when the request is read.
             let read_at = clock::now();
             server.begin(&edge, &head, &path, 0, read_at);
@@ -378,7 +404,7 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                                 .as_ref()
                                 .filter(|_| caller.authority.sees_everything())
                             {
-                                doc["cluster"] = status::cluster_json(cluster);
+                                doc["cluster"] = status::cluster_json(cluster, clock::now());
                             }
                             write_json(&mut server, 200, Bytes::from(doc.to_string())).await
                         }

@@ -113,8 +113,35 @@ pub fn status_json(snapshots: &[pb::ProviderSnapshot], outliers: &[OutlierView])
 /// The `cluster` member of `/status`: this Edge, whether it holds its etcd
 /// lease, the Edges announced, and every owned node of the cluster with
 /// its owning Edge (as this Edge's watch sees them; never a generation,
-/// R5).
-pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView) -> Value {
+/// R5), and the capacity summaries: this Edge's and its peers' with their
+/// age at `now`.
+pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView, now: Instant) -> Value {
+    let models = |summary: &crate::plane::cluster::CapacitySummary| {
+        summary
+            .iter()
+            .map(|(model, c)| {
+                let free: serde_json::Map<String, Value> = crate::control::Operation::ALL
+                    .iter()
+                    .map(|&op| (operation_name(op).to_string(), json!(c.free_for(op))))
+                    .collect();
+                (
+                    model.clone(),
+                    json!({ "free_slots": free, "queued": c.queued }),
+                )
+            })
+            .collect::<serde_json::Map<String, Value>>()
+    };
+    let peers: serde_json::Map<String, Value> = cluster
+        .peer_capacities(now)
+        .into_iter()
+        .map(|(edge, (age, summary))| {
+            let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+            (
+                edge,
+                json!({ "age_ms": age_ms, "models": models(&summary) }),
+            )
+        })
+        .collect();
     json!({
         "name": cluster.name,
         "edge": cluster.edge_name,
@@ -125,7 +152,25 @@ pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView) -> Value {
             .into_iter()
             .map(|(node, owner)| json!({ "node_id": node, "edge": owner.edge }))
             .collect::<Vec<_>>(),
+        // What each Edge has free per model: this one's own summary, and
+        // each peer's as last polled (`age_ms` ago; older than the
+        // summaries' limit counts as nothing free).
+        "capacity": {
+            "here": models(&cluster.local_capacity()),
+            "peers": peers,
+        },
     })
+}
+
+/// An operation's name in `/status`.
+fn operation_name(op: crate::control::Operation) -> &'static str {
+    use crate::control::Operation;
+    match op {
+        Operation::ChatCompletions => "chat_completions",
+        Operation::Responses => "responses",
+        Operation::Messages => "messages",
+        Operation::CountTokens => "count_tokens",
+    }
 }
 
 #[cfg(test)]

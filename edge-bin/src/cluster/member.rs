@@ -12,6 +12,7 @@
 //! watch task   range /iop/<cluster>/ at revision R, then watch from R + 1:
 //!              owner key put / delete ──► OwnerObserved{node, revision, deleted}
 //!              edge key put / delete  ──► the member list of the view
+//! summaries    this Edge's capacity summary, and its peers' (`crate::cluster::summaries`)
 //! ```
 //!
 //! The keyspace (`docs/multi-edge.md`):
@@ -165,6 +166,7 @@ impl Member {
         monoio::spawn(member.clone().run_lease());
         monoio::spawn(member.clone().run_ops());
         monoio::spawn(member.clone().run_watch());
+        crate::cluster::summaries::start(member.edge.clone(), member.view.clone());
         Ok(member)
     }
 

@@ -7,7 +7,10 @@
 //! - [`etcd`]: a small etcd v3 client over the JSON gateway on monoio, and
 //!   its sans-IO codec ([`etcd::codec`]).
 //! - [`route`]: where a request for a model is served — here, or
-//!   forwarded to the Edge that owns its nodes (sans-IO).
+//!   forwarded to a peer with a free slot, or to the Edge that owns its
+//!   nodes (sans-IO).
+//! - [`summaries`]: what each Edge has free per model — this Edge's own
+//!   summary from Control, its peers' polled over the peer listener.
 //! - [`session`]: the Edge's one etcd lease as a sans-IO state machine —
 //!   when to keep it alive, and the fence deadline after which the Edge
 //!   must stop acting as the owner of anything attached to it.
@@ -16,3 +19,4 @@ pub mod etcd;
 pub mod member;
 pub mod route;
 pub mod session;
+pub mod summaries;

@@ -77,6 +77,7 @@ pub use spec::{
 };
 pub use tables::ProviderLease;
 pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
+pub use views::ModelCapacity;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;

@@ -9,7 +9,27 @@ use iop_wire::pb;
 
 use super::outlier::OutlierState;
 use super::tables::{OwnerState, ProviderLease, RequestState};
-use super::{Control, Counters, ModelView, NodePhase, NodeView, ProviderKey, RequestId};
+use super::{Control, Counters, ModelView, NodePhase, NodeView, Operation, ProviderKey, RequestId};
+
+/// What one model has free on this Edge now: the figures a cluster's
+/// Edges exchange to decide where a request goes
+/// ([`Control::model_capacities`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelCapacity {
+    /// Free lease slots of the live candidates (ready, available, not
+    /// ejected) of the lane serving each operation, in [`Operation::ALL`]
+    /// order; 0 for an operation no provider of the pool serves.
+    pub free_slots: [u32; Operation::ALL.len()],
+    /// Requests waiting for a slot in any lane of the model.
+    pub queued: u32,
+}
+
+impl ModelCapacity {
+    /// The free slots for requests of `op`.
+    pub fn free_for(&self, op: Operation) -> u32 {
+        self.free_slots[op as usize]
+    }
+}
 
 impl Control {
     /// Whether `model` is configured.
@@ -173,6 +193,31 @@ impl Control {
                 registered_at: n.owner.and_then(|o| o.registered_at),
                 ready_at: n.owner.and_then(|o| o.ready_at),
                 offline_since: n.offline_since,
+            })
+            .collect()
+    }
+
+    /// Every configured model by name, with its free slots per operation
+    /// and its queue length now (for the capacity summary a cluster member
+    /// shows its peers).
+    pub fn model_capacities(&self) -> Vec<(String, ModelCapacity)> {
+        self.models
+            .iter()
+            .enumerate()
+            .map(|(m, model)| {
+                let mut free_slots = [0u32; Operation::ALL.len()];
+                for (slots, lane) in free_slots.iter_mut().zip(model.lane_of) {
+                    if let Some(lane) = lane {
+                        *slots = self.lanes[lane].free.iter().fold(0u32, |sum, c| {
+                            sum.saturating_add(c.load.capacity.saturating_sub(c.load.in_flight))
+                        });
+                    }
+                }
+                let queued = u32::try_from(self.queued_count(m)).unwrap_or(u32::MAX);
+                (
+                    model.spec.name.clone(),
+                    ModelCapacity { free_slots, queued },
+                )
             })
             .collect()
     }

@@ -1,6 +1,8 @@
 //! What every shard may read of this Edge's place in a cluster: whether it
 //! holds its etcd lease (`/readyz`), which Edge owns which node (from the
-//! watch; `/status`), the other Edges, and the counters of `/metrics`.
+//! watch; `/status`), the other Edges, the capacity summaries (this Edge's
+//! own and its peers', for the forwarding decision), and the counters of
+//! `/metrics`.
 //! Written by the cluster shell on the control shard (`crate::cluster`),
 //! read anywhere; `None` in [`crate::link::settings::Settings`] for a
 //! single Edge.
@@ -8,7 +10,31 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::control::{ModelCapacity, Operation};
+
+/// One Edge's capacity summary: what each of its models has free, by
+/// model name.
+pub type CapacitySummary = BTreeMap<String, ModelCapacity>;
+
+/// A peer's summary as last received.
+#[derive(Debug)]
+struct PeerSummary {
+    received_at: Instant,
+    summary: Arc<CapacitySummary>,
+}
+
+/// Free slots for one model and operation, here and at the peers whose
+/// summary is fresh ([`ClusterView::free_slots`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FreeSlots {
+    /// This Edge's, from its own latest summary.
+    pub here: u32,
+    /// Each peer's with at least one, by name.
+    pub peers: BTreeMap<String, u32>,
+}
 
 /// Who owns a node, as the watch last saw its owner key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,6 +68,14 @@ pub struct ClusterCounters {
     pub peer_requests: AtomicU64,
     /// Requests forwarded to peers, by target Edge and outcome.
     forwarded: Mutex<BTreeMap<(String, Forwarded), u64>>,
+    /// Requests forwarded because this Edge owns no node of their model.
+    pub forwarded_no_local_node: AtomicU64,
+    /// Requests forwarded because this Edge's own nodes of their model had
+    /// no free slot and a peer's had.
+    pub forwarded_local_full: AtomicU64,
+    /// Polls of a peer's capacity summary that failed (no answer in time,
+    /// an error status, or a summary that does not parse).
+    pub summary_poll_failures: AtomicU64,
 }
 
 /// How a request forwarded to a peer Edge went, for `/metrics`.
@@ -98,6 +132,10 @@ pub struct ClusterView {
     /// The peer listener each Edge announced (`peer_addr`), for those that
     /// have one.
     peers: Mutex<BTreeMap<String, SocketAddr>>,
+    /// This Edge's capacity summary, as last computed from Control.
+    local_capacity: Mutex<Arc<CapacitySummary>>,
+    /// The peers' summaries, by Edge name.
+    peer_capacity: Mutex<BTreeMap<String, PeerSummary>>,
     /// The shell's counters.
     pub counters: ClusterCounters,
 }
@@ -112,6 +150,8 @@ impl ClusterView {
             owners: Mutex::new(BTreeMap::new()),
             edges: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(BTreeMap::new()),
+            local_capacity: Mutex::new(Arc::new(CapacitySummary::new())),
+            peer_capacity: Mutex::new(BTreeMap::new()),
             counters: ClusterCounters::default(),
         }
     }
@@ -175,11 +215,96 @@ impl ClusterView {
                 None => peers.remove(name),
             };
         }
+        if value.is_none() {
+            self.peer_capacity_lost(name);
+        }
         let mut edges = lock(&self.edges);
         match value {
             Some(value) => edges.insert(name.to_string(), value),
             None => edges.remove(name),
         };
+    }
+
+    /// Replaces this Edge's capacity summary; whether it changed.
+    pub fn set_local_capacity(&self, summary: CapacitySummary) -> bool {
+        let mut local = lock(&self.local_capacity);
+        if **local == summary {
+            return false;
+        }
+        *local = Arc::new(summary);
+        true
+    }
+
+    /// This Edge's capacity summary, as last computed (what its peers
+    /// are shown).
+    pub fn local_capacity(&self) -> Arc<CapacitySummary> {
+        lock(&self.local_capacity).clone()
+    }
+
+    /// Peer `edge`'s summary arrived at `now` (none is kept under this
+    /// Edge's own name).
+    pub fn peer_capacity_seen(&self, edge: &str, summary: CapacitySummary, now: Instant) {
+        if edge == self.edge_name {
+            return;
+        }
+        lock(&self.peer_capacity).insert(
+            edge.to_string(),
+            PeerSummary {
+                received_at: now,
+                summary: Arc::new(summary),
+            },
+        );
+    }
+
+    /// Peer `edge`'s summary could not be had (or it left): it counts as
+    /// having nothing free until the next one arrives.
+    pub fn peer_capacity_lost(&self, edge: &str) {
+        lock(&self.peer_capacity).remove(edge);
+    }
+
+    /// The free slots for requests of `op` to `model`: this Edge's, and
+    /// those of every peer whose summary arrived within `max_age` before
+    /// `now` and shows at least one (older summaries count as nothing
+    /// free).
+    pub fn free_slots(
+        &self,
+        model: &str,
+        op: Operation,
+        now: Instant,
+        max_age: Duration,
+    ) -> FreeSlots {
+        let here = lock(&self.local_capacity)
+            .get(model)
+            .map_or(0, |m| m.free_for(op));
+        let peers = lock(&self.peer_capacity)
+            .iter()
+            .filter(|(_, peer)| now.saturating_duration_since(peer.received_at) <= max_age)
+            .filter_map(|(name, peer)| {
+                let free = peer.summary.get(model)?.free_for(op);
+                (free > 0).then(|| (name.clone(), free))
+            })
+            .collect();
+        FreeSlots { here, peers }
+    }
+
+    /// Each peer's last summary: how long ago it arrived at `now`, and the
+    /// summary (for `/status`).
+    pub fn peer_capacities(
+        &self,
+        now: Instant,
+    ) -> BTreeMap<String, (Duration, Arc<CapacitySummary>)> {
+        lock(&self.peer_capacity)
+            .iter()
+            .map(|(name, peer)| {
+                (
+                    name.clone(),
+                    (
+                        now.saturating_duration_since(peer.received_at),
+                        peer.summary.clone(),
+                    ),
+                )
+            })
+            .collect()
     }
 
     /// The Edges that announced a peer listener, by name.
@@ -292,6 +417,98 @@ mod tests {
         view.edge_seen("e2", None);
         assert_eq!(view.peer_addrs(), BTreeMap::new());
         assert_eq!(view.edges().len(), 3);
+    }
+
+    fn capacity(free_slots: [u32; 4], queued: u32) -> ModelCapacity {
+        ModelCapacity { free_slots, queued }
+    }
+
+    #[test]
+    fn free_slots_come_from_this_edges_summary_and_the_fresh_ones_of_peers() {
+        let view = ClusterView::new("c", "e1");
+        let t0 = iop_engine::clock::now();
+        let max_age = Duration::from_millis(1000);
+        // Nothing known yet: nothing free anywhere.
+        assert_eq!(
+            view.free_slots("m", Operation::ChatCompletions, t0, max_age),
+            FreeSlots::default()
+        );
+        assert!(view.set_local_capacity(BTreeMap::from([(
+            "m".to_string(),
+            capacity([2, 0, 0, 0], 0)
+        )])));
+        // The same summary again is no change.
+        assert!(!view.set_local_capacity(BTreeMap::from([(
+            "m".to_string(),
+            capacity([2, 0, 0, 0], 0)
+        )])));
+        view.peer_capacity_seen(
+            "e2",
+            BTreeMap::from([("m".to_string(), capacity([1, 1, 1, 1], 0))]),
+            t0,
+        );
+        view.peer_capacity_seen(
+            "e3",
+            BTreeMap::from([
+                ("m".to_string(), capacity([0, 3, 3, 3], 4)),
+                ("other".to_string(), capacity([5, 5, 5, 5], 0)),
+            ]),
+            t0 + Duration::from_millis(600),
+        );
+        // No summary is kept for this Edge as a peer.
+        view.peer_capacity_seen(
+            "e1",
+            BTreeMap::from([("m".to_string(), capacity([9, 9, 9, 9], 0))]),
+            t0,
+        );
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(
+            view.free_slots("m", Operation::ChatCompletions, at(1000), max_age),
+            FreeSlots {
+                here: 2,
+                peers: BTreeMap::from([("e2".to_string(), 1)]),
+            }
+        );
+        assert_eq!(
+            view.free_slots("m", Operation::Responses, at(1000), max_age),
+            FreeSlots {
+                here: 0,
+                peers: BTreeMap::from([("e2".to_string(), 1), ("e3".to_string(), 3)]),
+            }
+        );
+        // e2's summary is now older than the limit: nothing free there.
+        assert_eq!(
+            view.free_slots("m", Operation::Responses, at(1001), max_age),
+            FreeSlots {
+                here: 0,
+                peers: BTreeMap::from([("e3".to_string(), 3)]),
+            }
+        );
+        // A model a peer does not list has nothing free there.
+        assert_eq!(
+            view.free_slots("absent", Operation::Responses, at(1000), max_age),
+            FreeSlots::default()
+        );
+        let ages: Vec<(String, Duration)> = view
+            .peer_capacities(at(1000))
+            .into_iter()
+            .map(|(name, (age, _))| (name, age))
+            .collect();
+        assert_eq!(
+            ages,
+            [
+                ("e2".to_string(), Duration::from_millis(1000)),
+                ("e3".to_string(), Duration::from_millis(400)),
+            ]
+        );
+        // A lost poll, or the peer leaving the cluster, drops its summary.
+        view.peer_capacity_lost("e3");
+        view.edge_seen("e2", Some("{}".into()));
+        view.edge_seen("e2", None);
+        assert_eq!(
+            view.free_slots("m", Operation::Responses, at(0), max_age),
+            FreeSlots::default()
+        );
     }
 
     #[test]
