@@ -7,7 +7,9 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::client::ProbeOutcome;
+use super::node::ReadyTimes;
 use super::selection::SelectionFigures;
+use super::topology::ClusterTable;
 use super::SwarmOptions;
 use crate::procstat::{MachineInfo, NofileLimit};
 use crate::stats::{LatencyHistogram, LatencySummary};
@@ -36,8 +38,11 @@ pub struct SwarmReport {
     pub load_average: [Option<[f64; 3]>; 2],
     /// One entry per fleet size (empty with `--selection-only`).
     pub steps: Vec<StepReport>,
-    /// Control's decision costs per fleet size.
+    /// Control's decision costs per fleet size (none in a cluster run).
     pub selection: Vec<SelectionFigures>,
+    /// The `--cluster` run: the fleet over N Edges, one killed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterReport>,
 }
 
 /// Spread of instants relative to a phase's origin, in milliseconds.
@@ -188,6 +193,268 @@ pub struct StepReport {
     pub probe_errors: Vec<String>,
 }
 
+/// A `--cluster` run: N Edges of one cluster over one etcd, the whole
+/// fleet spread over them, then one Edge killed with SIGKILL.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClusterReport {
+    /// Nodes in the fleet (every Edge is configured with all of them).
+    pub nodes: usize,
+    /// The `[cluster]` table every Edge had.
+    pub table: ClusterTable,
+    /// Every Edge, in the order the nodes' lists name them.
+    pub edges: Vec<EdgeFigures>,
+    /// Every node dialling at once (a fresh shuffle of the Edges each)
+    /// until all are ready; origin: the dials (every Edge held its etcd
+    /// lease by then). CPU is that of all Edges together.
+    pub cold: PhaseFigures,
+    /// The Edge killed (the first).
+    pub killed: String,
+    /// Its nodes finding the other Edges.
+    pub rehome: RehomeFigures,
+    /// Kill → etcd no longer holding the killed Edge's edge key: its lease
+    /// expired (polled every 50 ms); `None` if that was not seen.
+    pub lease_expired_ms: Option<f64>,
+    /// Of the killed Edge's nodes, those ready on a surviving Edge only
+    /// after its lease expired (until then their owner keys still named
+    /// the dead Edge; the expiry deleted them).
+    pub rehomed_after_expiry: Option<usize>,
+    /// Each surviving Edge's `/status` after the re-homing and the lease
+    /// expiry: who owns which node.
+    pub ownership: Vec<OwnershipCheck>,
+    /// Requests to the pinned models of re-homed nodes, each sent to the
+    /// Edge the node is on now: each must be served by its node.
+    pub served_after: Vec<ProbeOutcome>,
+}
+
+/// One Edge of a cluster run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EdgeFigures {
+    /// Its name (and certificate).
+    pub name: String,
+    /// Nodes ready on it once the whole fleet was.
+    pub nodes_before: usize,
+    /// Nodes ready on it once the killed Edge's nodes were re-homed.
+    pub nodes_after: usize,
+    /// RSS with its share of the fleet ready.
+    pub rss_ready_kib: u64,
+    /// CPU from the kill to the last node re-homed (`None` for the
+    /// killed one).
+    pub rehome_cpu_ms: Option<f64>,
+}
+
+/// How the killed Edge's nodes came back, from the kill (SIGKILL).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RehomeFigures {
+    /// Nodes that were on the killed Edge (they had to move).
+    pub moved: usize,
+    /// Of those, ready again on a surviving Edge.
+    pub rehomed: usize,
+    /// Kill → the last of them ready on a surviving Edge (0 if none had
+    /// to move): every node of the fleet ready again.
+    pub all_ready_ms: f64,
+    /// Per re-homed node, kill → ready on a surviving Edge: the earliest,
+    /// median (nearest rank), 99th percentile and latest.
+    pub min_ms: f64,
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Latest (= `all_ready_ms` once all re-homed).
+    pub max_ms: f64,
+    /// Nodes of the surviving Edges that had a new session after the kill
+    /// (an Edge that dies should cost its own nodes only: 0).
+    pub disturbed: usize,
+    /// Dials in the re-homing (one per Edge address tried).
+    pub dials: u64,
+    /// Of those, dials that gave no ready session (the dead Edge's address
+    /// refuses).
+    pub failed_dials: u64,
+}
+
+/// One node around the kill: the Edge it was ready on before, and its
+/// last ready session now (if it has one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeAcrossKill {
+    /// Its Edge before the kill.
+    pub edge_before: usize,
+    /// Whether it has a ready session now.
+    pub ready: bool,
+    /// Its last ready session.
+    pub last: Option<ReadyTimes>,
+}
+
+/// The value at nearest rank `percent` of sorted `values` (0 if empty).
+pub fn nearest_rank(sorted: &[u64], percent: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (percent / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+impl RehomeFigures {
+    /// The figures of the fleet `nodes` after Edge `killed` was killed at
+    /// `killed_ns`: a node of the killed Edge counts as re-homed when it
+    /// is ready on another Edge in a session that began after the kill.
+    pub fn of(killed_ns: u64, killed: usize, nodes: &[NodeAcrossKill]) -> Self {
+        let mut times: Vec<u64> = Vec::new();
+        let mut moved = 0;
+        let mut disturbed = 0;
+        for node in nodes {
+            let after_kill = node
+                .last
+                .filter(|t| node.ready && t.ready_ns > killed_ns && t.edge != killed);
+            if node.edge_before == killed {
+                moved += 1;
+                if let Some(t) = after_kill {
+                    times.push(t.ready_ns - killed_ns);
+                }
+            } else if node.last.is_some_and(|t| t.ready_ns > killed_ns) {
+                disturbed += 1;
+            }
+        }
+        times.sort_unstable();
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let max_ms = ms(times.last().copied().unwrap_or(0));
+        RehomeFigures {
+            moved,
+            rehomed: times.len(),
+            all_ready_ms: max_ms,
+            min_ms: ms(times.first().copied().unwrap_or(0)),
+            p50_ms: ms(nearest_rank(&times, 50.0)),
+            p99_ms: ms(nearest_rank(&times, 99.0)),
+            max_ms,
+            disturbed,
+            dials: 0,
+            failed_dials: 0,
+        }
+    }
+}
+
+/// One surviving Edge's `/status` `cluster` object against the fleet.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct OwnershipCheck {
+    /// The Edge whose `/status` it is.
+    pub edge: String,
+    /// The cluster's Edges it lists (holding their etcd lease).
+    pub live_edges: Vec<String>,
+    /// Whether the killed Edge is among them.
+    pub lists_killed: bool,
+    /// Fleet nodes it shows an owner for.
+    pub owned: usize,
+    /// Of those, owned by the killed Edge.
+    pub by_killed: usize,
+    /// Owned by an Edge it does not list as live.
+    pub by_unlisted: usize,
+    /// Owned by another Edge than the one the node's ready session is on.
+    pub mismatched: usize,
+    /// Fleet nodes with no owner shown.
+    pub unowned: usize,
+}
+
+impl OwnershipCheck {
+    /// Reads the `cluster` object of `status` (a `/status` document of
+    /// Edge `edge`) against `expected` (each fleet node's id and the name
+    /// of the Edge its ready session is on), `killed` naming the dead Edge.
+    pub fn of(
+        edge: &str,
+        status: &serde_json::Value,
+        killed: &str,
+        expected: &[(String, String)],
+    ) -> Result<Self, String> {
+        let cluster = status
+            .get("cluster")
+            .ok_or_else(|| format!("{edge}: /status has no cluster object"))?;
+        let live_edges: Vec<String> = cluster["edges"]
+            .as_array()
+            .ok_or_else(|| format!("{edge}: /status cluster.edges is not a list"))?
+            .iter()
+            .filter_map(|e| e.as_str().map(str::to_string))
+            .collect();
+        let owners: std::collections::HashMap<&str, &str> = cluster["nodes"]
+            .as_array()
+            .ok_or_else(|| format!("{edge}: /status cluster.nodes is not a list"))?
+            .iter()
+            .filter_map(|n| Some((n["node_id"].as_str()?, n["edge"].as_str()?)))
+            .collect();
+        let mut check = OwnershipCheck {
+            edge: edge.to_string(),
+            lists_killed: live_edges.iter().any(|e| e == killed),
+            ..Default::default()
+        };
+        for (node, on) in expected {
+            let Some(&owner) = owners.get(node.as_str()) else {
+                check.unowned += 1;
+                continue;
+            };
+            check.owned += 1;
+            if owner == killed {
+                check.by_killed += 1;
+            }
+            if !live_edges.iter().any(|e| e == owner) {
+                check.by_unlisted += 1;
+            }
+            if owner != on {
+                check.mismatched += 1;
+            }
+        }
+        check.live_edges = live_edges;
+        Ok(check)
+    }
+
+    /// Whether every fleet node is owned by a live Edge, the one it is on,
+    /// and the killed Edge is gone from the list.
+    pub fn is_clean(&self) -> bool {
+        !self.lists_killed
+            && self.unowned == 0
+            && self.by_killed == 0
+            && self.by_unlisted == 0
+            && self.mismatched == 0
+    }
+}
+
+impl ClusterReport {
+    /// What makes a cluster run a failure.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let r = &self.rehome;
+        if r.rehomed != r.moved {
+            problems.push(format!(
+                "cluster: {} of the {} nodes of {} re-homed",
+                r.rehomed, r.moved, self.killed
+            ));
+        }
+        if r.disturbed > 0 {
+            problems.push(format!(
+                "cluster: {} nodes of the surviving Edges lost their session when {} died",
+                r.disturbed, self.killed
+            ));
+        }
+        if self.lease_expired_ms.is_none() {
+            problems.push(format!(
+                "cluster: the etcd lease of {} was not seen to expire",
+                self.killed
+            ));
+        }
+        for c in self.ownership.iter().filter(|c| !c.is_clean()) {
+            problems.push(format!(
+                "cluster: /status of {} after the re-homing: {c:?}",
+                c.edge
+            ));
+        }
+        for p in self.served_after.iter().filter(|p| !p.is_ok()) {
+            problems.push(format!(
+                "cluster: the request to {} was not served by {}: served by {:?}, error {:?}",
+                p.model,
+                p.expect_node.as_deref().unwrap_or("?"),
+                p.served_by,
+                p.error
+            ));
+        }
+        problems
+    }
+}
+
 impl SwarmReport {
     /// What makes the run a failure: a probe not served (by the node it
     /// was meant for), or `/status` not showing every provider connected.
@@ -219,6 +486,9 @@ impl SwarmReport {
                 ));
             }
         }
+        if let Some(cluster) = &self.cluster {
+            problems.extend(cluster.problems());
+        }
         problems
     }
 }
@@ -249,6 +519,81 @@ fn ns(v: f64) -> String {
     } else {
         format!("{v:.0} ns")
     }
+}
+
+fn render_cluster(t: &mut String, c: &ClusterReport) {
+    let _ = writeln!(
+        t,
+        "\ncluster \"{}\": {} Edges, {} nodes, etcd lease {} s (keep-alive {} s)",
+        c.table.name,
+        c.edges.len(),
+        c.nodes,
+        c.table.lease_ttl_sec,
+        c.table.keepalive_interval_sec
+    );
+    let _ = writeln!(
+        t,
+        "{:>8}  {:>12}  {:>12}  {:>10}  {:>13}",
+        "edge", "nodes before", "nodes after", "RSS", "re-home CPU"
+    );
+    for e in &c.edges {
+        let _ = writeln!(
+            t,
+            "{:>8}  {:>12}  {:>12}  {:>10}  {:>13}",
+            e.name,
+            e.nodes_before,
+            e.nodes_after,
+            format!("{:.1} MiB", e.rss_ready_kib as f64 / 1024.0),
+            e.rehome_cpu_ms.map_or("killed".to_string(), ms)
+        );
+    }
+    let _ = writeln!(
+        t,
+        "cold: all {} ready {} after the dials (dial→ready p50 {}, p99 {})",
+        c.nodes,
+        ms(c.cold.all_ready_ms),
+        us(c.cold.connect_to_ready.p50_us),
+        us(c.cold.connect_to_ready.p99_us)
+    );
+    let r = &c.rehome;
+    let _ = writeln!(
+        t,
+        "{} killed: {} of its {} nodes re-homed; every node ready again {} after the kill; \
+         per node p50 {}, p99 {}, max {} (first {}); {} nodes of other Edges disturbed; \
+         {} dials, {} failed",
+        c.killed,
+        r.rehomed,
+        r.moved,
+        ms(r.all_ready_ms),
+        ms(r.p50_ms),
+        ms(r.p99_ms),
+        ms(r.max_ms),
+        ms(r.min_ms),
+        r.disturbed,
+        r.dials,
+        r.failed_dials
+    );
+    let _ = writeln!(
+        t,
+        "its etcd lease expired {} after the kill ({} of its nodes re-homed after that)",
+        c.lease_expired_ms.map_or("(not seen)".to_string(), ms),
+        c.rehomed_after_expiry
+            .map_or("?".to_string(), |n| n.to_string())
+    );
+    for o in &c.ownership {
+        let _ = writeln!(
+            t,
+            "/status of {}: Edges {:?}; {} nodes owned ({} by {}, {} by an unlisted Edge, {} not where \
+             their session is, {} unowned)",
+            o.edge, o.live_edges, o.owned, o.by_killed, c.killed, o.by_unlisted, o.mismatched, o.unowned
+        );
+    }
+    let served = c.served_after.iter().filter(|p| p.is_ok()).count();
+    let _ = writeln!(
+        t,
+        "{served} of {} requests to re-homed nodes served by their node through its new Edge",
+        c.served_after.len()
+    );
 }
 
 /// The tables printed on stdout.
@@ -339,6 +684,9 @@ pub fn render(report: &SwarmReport) -> String {
             );
         }
     }
+    if let Some(c) = &report.cluster {
+        render_cluster(&mut t, c);
+    }
     if !report.selection.is_empty() {
         let _ = writeln!(
             t,
@@ -397,6 +745,226 @@ mod tests {
         assert_eq!(Spread::of(&[]), Spread::default());
     }
 
+    fn on(edge: usize, ready_ns: u64) -> Option<ReadyTimes> {
+        Some(ReadyTimes {
+            dialled_ns: ready_ns.saturating_sub(1),
+            ready_ns,
+            edge,
+        })
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(nearest_rank(&v, 50.0), 50);
+        assert_eq!(nearest_rank(&v, 99.0), 99);
+        assert_eq!(nearest_rank(&v, 100.0), 100);
+        assert_eq!(nearest_rank(&v, 0.0), 1);
+        assert_eq!(nearest_rank(&[7], 99.0), 7);
+        assert_eq!(nearest_rank(&[1, 2, 3], 50.0), 2);
+        assert_eq!(nearest_rank(&[], 50.0), 0);
+    }
+
+    #[test]
+    fn rehoming_counts_the_killed_edges_nodes_from_the_kill() {
+        const KILL: u64 = 1_000_000_000;
+        let node = |edge_before, ready, last| NodeAcrossKill {
+            edge_before,
+            ready,
+            last,
+        };
+        let nodes = [
+            // On the killed Edge 0, back on 1 and 2 after 2, 4 and 6 s.
+            node(0, true, on(1, KILL + 2_000_000_000)),
+            node(0, true, on(2, KILL + 6_000_000_000)),
+            node(0, true, on(2, KILL + 4_000_000_000)),
+            // Still shown on Edge 0 by a session from before the kill.
+            node(0, true, on(0, KILL - 5)),
+            // Ready on Edge 1 after the kill but down again: not re-homed.
+            node(0, false, on(1, KILL + 1_000_000_000)),
+            // Untouched nodes of the survivors.
+            node(1, true, on(1, KILL - 10)),
+            node(2, true, on(2, KILL - 20)),
+            // A survivor's node that had to reconnect.
+            node(2, true, on(2, KILL + 3_000_000_000)),
+        ];
+        let r = RehomeFigures::of(KILL, 0, &nodes);
+        assert_eq!(
+            r,
+            RehomeFigures {
+                moved: 5,
+                rehomed: 3,
+                all_ready_ms: 6_000.0,
+                min_ms: 2_000.0,
+                p50_ms: 4_000.0,
+                p99_ms: 6_000.0,
+                max_ms: 6_000.0,
+                disturbed: 1,
+                dials: 0,
+                failed_dials: 0,
+            }
+        );
+        assert_eq!(
+            RehomeFigures::of(KILL, 0, &nodes[5..7]),
+            RehomeFigures::default()
+        );
+    }
+
+    fn cluster_status(edges: &[&str], owners: &[(&str, &str)]) -> serde_json::Value {
+        serde_json::json!({
+            "providers": [],
+            "cluster": {
+                "name": "swarm",
+                "edge": "edge-b",
+                "up": true,
+                "edges": edges,
+                "nodes": owners
+                    .iter()
+                    .map(|(n, e)| serde_json::json!({"node_id": n, "edge": e}))
+                    .collect::<Vec<_>>(),
+            }
+        })
+    }
+
+    #[test]
+    fn ownership_is_checked_against_the_live_edges_and_the_swarm() {
+        let expected: Vec<(String, String)> = [
+            ("n00000", "edge-b"),
+            ("n00001", "edge-c"),
+            ("n00002", "edge-b"),
+            ("n00003", "edge-c"),
+        ]
+        .iter()
+        .map(|(n, e)| (n.to_string(), e.to_string()))
+        .collect();
+        let clean = cluster_status(
+            &["edge-b", "edge-c"],
+            &[
+                ("n00000", "edge-b"),
+                ("n00001", "edge-c"),
+                ("n00002", "edge-b"),
+                ("n00003", "edge-c"),
+                // Not a fleet node: not counted.
+                ("x", "edge-a"),
+            ],
+        );
+        let check = OwnershipCheck::of("edge-b", &clean, "edge-a", &expected).unwrap();
+        assert_eq!(
+            check,
+            OwnershipCheck {
+                edge: "edge-b".into(),
+                live_edges: vec!["edge-b".into(), "edge-c".into()],
+                lists_killed: false,
+                owned: 4,
+                by_killed: 0,
+                by_unlisted: 0,
+                mismatched: 0,
+                unowned: 0,
+            }
+        );
+        assert!(check.is_clean());
+
+        // The killed Edge still listed and owning a node, another node
+        // shown on the wrong Edge, one with no owner.
+        let stale = cluster_status(
+            &["edge-a", "edge-b", "edge-c"],
+            &[
+                ("n00000", "edge-a"),
+                ("n00001", "edge-b"),
+                ("n00002", "edge-b"),
+            ],
+        );
+        let check = OwnershipCheck::of("edge-c", &stale, "edge-a", &expected).unwrap();
+        assert_eq!(
+            (
+                check.lists_killed,
+                check.owned,
+                check.by_killed,
+                check.by_unlisted,
+                check.mismatched,
+                check.unowned
+            ),
+            (true, 3, 1, 0, 2, 1)
+        );
+        assert!(!check.is_clean());
+        // Owned by an Edge the list no longer has.
+        let gone = cluster_status(&["edge-b", "edge-c"], &[("n00000", "edge-a")]);
+        let check = OwnershipCheck::of("edge-b", &gone, "edge-a", &expected[..1]).unwrap();
+        assert_eq!(
+            (check.by_killed, check.by_unlisted, check.mismatched),
+            (1, 1, 1)
+        );
+        // Before any kill (no killed name), a clean fleet is clean.
+        let check = OwnershipCheck::of("edge-b", &clean, "", &expected).unwrap();
+        assert!(check.is_clean(), "{check:?}");
+
+        assert_eq!(
+            OwnershipCheck::of(
+                "edge-b",
+                &serde_json::json!({"providers": []}),
+                "edge-a",
+                &expected
+            ),
+            Err("edge-b: /status has no cluster object".to_string())
+        );
+    }
+
+    #[test]
+    fn a_cluster_run_fails_on_unhomed_disturbed_or_misowned_nodes() {
+        let mut report = ClusterReport {
+            nodes: 3,
+            table: ClusterTable {
+                name: "swarm".into(),
+                etcd_endpoints: vec!["127.0.0.1:2379".into()],
+                lease_ttl_sec: 4,
+                keepalive_interval_sec: 1,
+            },
+            edges: Vec::new(),
+            cold: PhaseFigures::default(),
+            killed: "edge-a".into(),
+            rehome: RehomeFigures {
+                moved: 2,
+                rehomed: 2,
+                ..Default::default()
+            },
+            lease_expired_ms: Some(3_500.0),
+            rehomed_after_expiry: Some(0),
+            ownership: vec![OwnershipCheck {
+                edge: "edge-b".into(),
+                owned: 3,
+                ..Default::default()
+            }],
+            served_after: Vec::new(),
+        };
+        assert_eq!(report.problems(), Vec::<String>::new());
+        report.rehome.rehomed = 1;
+        report.rehome.disturbed = 4;
+        report.lease_expired_ms = None;
+        report.ownership[0].by_killed = 1;
+        let problems = report.problems();
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        assert_eq!(problems[0], "cluster: 1 of the 2 nodes of edge-a re-homed");
+        assert_eq!(
+            problems[1],
+            "cluster: 4 nodes of the surviving Edges lost their session when edge-a died"
+        );
+        assert_eq!(
+            problems[2],
+            "cluster: the etcd lease of edge-a was not seen to expire"
+        );
+        assert!(problems[3].starts_with("cluster: /status of edge-b after the re-homing: "));
+        let text = {
+            let mut t = String::new();
+            render_cluster(&mut t, &report);
+            t
+        };
+        assert!(
+            text.contains("edge-a killed: 1 of its 2 nodes re-homed"),
+            "{text}"
+        );
+        assert!(text.contains("its etcd lease expired (not seen)"), "{text}");
+    }
+
     #[test]
     fn problems_name_the_step_and_what_failed() {
         let pinned = |served: &str| ProbeOutcome {
@@ -422,7 +990,7 @@ mod tests {
             commit: None,
             machine: crate::procstat::machine_info(),
             options: crate::swarm::cli::SwarmArgs {
-                nodes: 10,
+                nodes: Some(10),
                 providers_per_node: 4,
                 capacity: 4,
                 edge_cores: "0".into(),
@@ -435,6 +1003,7 @@ mod tests {
             load_average: [Some([1.0, 1.0, 1.0]), None],
             steps: vec![step.clone()],
             selection: Vec::new(),
+            cluster: None,
         };
         assert!(report.problems().is_empty());
         report.steps[0].pinned.push(pinned("n00005"));
