@@ -38,6 +38,13 @@ pub const EDGE_NAME: &str = "edge-swarm";
 pub const CLUSTER_NAME: &str = "swarm";
 /// Most Edges of a `--cluster` run (named `edge-a` to `edge-h`).
 pub const MAX_CLUSTER_EDGES: usize = 8;
+/// `edge.max_node_handshakes_per_peer` of a cluster member: every swarm
+/// node dials from 127.0.0.1, where real Nodes each have an address of
+/// their own; at the Edge's default (8) all but 8 of a burst would be
+/// closed at accept. Raised to the default process-wide cap
+/// (`max_node_handshakes`, 64), so that only that cap paces a burst (the
+/// rest wait in the accept backlog), as it would for a fleet of hosts.
+pub const MEMBER_HANDSHAKES_PER_PEER: u64 = 64;
 /// The adapter instance on every node.
 pub const ADAPTER: &str = "mock";
 /// The provider target (the model name a provider server would know).
@@ -130,15 +137,19 @@ impl Topology {
         max_queue: u32,
     ) -> String {
         let mut t = String::with_capacity(512 + self.nodes * (200 + 120 * self.providers_per_node));
-        let (name, cert, key) = match role {
+        let (name, cert, key, per_peer) = match role {
             EdgeRole::Single => (
                 EDGE_NAME,
                 "edge.pem".to_string(),
                 "edge-key.pem".to_string(),
+                String::new(),
             ),
-            EdgeRole::Member { name, .. } => {
-                (name, format!("{name}.pem"), format!("{name}-key.pem"))
-            }
+            EdgeRole::Member { name, .. } => (
+                name,
+                format!("{name}.pem"),
+                format!("{name}-key.pem"),
+                format!("max_node_handshakes_per_peer = {MEMBER_HANDSHAKES_PER_PEER}\n"),
+            ),
         };
         let _ = write!(
             t,
@@ -149,7 +160,7 @@ client_listen = "{client_listen}"
 node_listen = "{node_listen}"
 allow_anonymous = true
 max_client_connections_per_peer = 1000000
-
+{per_peer}
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/{cert}"
@@ -268,6 +279,7 @@ client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:0"
 allow_anonymous = true
 max_client_connections_per_peer = 1000000
+max_node_handshakes_per_peer = 64
 
 [tls]
 ca = "certs/ca.pem"
