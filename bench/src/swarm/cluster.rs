@@ -553,5 +553,6 @@ pub fn run(
         rehomed_after_expiry,
         ownership,
         served_after,
+        notes: state.notes(),
     })
 }

@@ -224,6 +224,8 @@ pub struct ClusterReport {
     /// Requests to the pinned models of re-homed nodes, each sent to the
     /// Edge the node is on now: each must be served by its node.
     pub served_after: Vec<ProbeOutcome>,
+    /// Problems the nodes noted (refusals, failed handshakes), first few.
+    pub notes: Vec<String>,
 }
 
 /// One Edge of a cluster run.
@@ -261,6 +263,13 @@ pub struct RehomeFigures {
     pub p99_ms: f64,
     /// Latest (= `all_ready_ms` once all re-homed).
     pub max_ms: f64,
+    /// Per re-homed node, its successful dial → ready on the surviving
+    /// Edge (TCP connect, TLS, register with its etcd claim, ready):
+    /// median and 99th percentile (nearest rank). The rest of the re-home
+    /// time is the reconnect wait and a refused dial to the dead Edge.
+    pub dial_to_ready_p50_ms: f64,
+    /// 99th percentile.
+    pub dial_to_ready_p99_ms: f64,
     /// Nodes of the surviving Edges that had a new session after the kill
     /// (an Edge that dies should cost its own nodes only: 0).
     pub disturbed: usize,
@@ -298,6 +307,7 @@ impl RehomeFigures {
     /// is ready on another Edge in a session that began after the kill.
     pub fn of(killed_ns: u64, killed: usize, nodes: &[NodeAcrossKill]) -> Self {
         let mut times: Vec<u64> = Vec::new();
+        let mut dial_to_ready: Vec<u64> = Vec::new();
         let mut moved = 0;
         let mut disturbed = 0;
         for node in nodes {
@@ -308,12 +318,14 @@ impl RehomeFigures {
                 moved += 1;
                 if let Some(t) = after_kill {
                     times.push(t.ready_ns - killed_ns);
+                    dial_to_ready.push(t.ready_ns.saturating_sub(t.dialled_ns));
                 }
             } else if node.last.is_some_and(|t| t.ready_ns > killed_ns) {
                 disturbed += 1;
             }
         }
         times.sort_unstable();
+        dial_to_ready.sort_unstable();
         let ms = |ns: u64| ns as f64 / 1e6;
         let max_ms = ms(times.last().copied().unwrap_or(0));
         RehomeFigures {
@@ -324,6 +336,8 @@ impl RehomeFigures {
             p50_ms: ms(nearest_rank(&times, 50.0)),
             p99_ms: ms(nearest_rank(&times, 99.0)),
             max_ms,
+            dial_to_ready_p50_ms: ms(nearest_rank(&dial_to_ready, 50.0)),
+            dial_to_ready_p99_ms: ms(nearest_rank(&dial_to_ready, 99.0)),
             disturbed,
             dials: 0,
             failed_dials: 0,
@@ -559,8 +573,8 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
     let _ = writeln!(
         t,
         "{} killed: {} of its {} nodes re-homed; every node ready again {} after the kill; \
-         per node p50 {}, p99 {}, max {} (first {}); {} nodes of other Edges disturbed; \
-         {} dials, {} failed",
+         per node p50 {}, p99 {}, max {} (first {}; dial→ready p50 {}, p99 {}); \
+         {} nodes of other Edges disturbed; {} dials, {} failed",
         c.killed,
         r.rehomed,
         r.moved,
@@ -569,6 +583,8 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
         ms(r.p99_ms),
         ms(r.max_ms),
         ms(r.min_ms),
+        ms(r.dial_to_ready_p50_ms),
+        ms(r.dial_to_ready_p99_ms),
         r.disturbed,
         r.dials,
         r.failed_dials
@@ -594,6 +610,9 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
         "{served} of {} requests to re-homed nodes served by their node through its new Edge",
         c.served_after.len()
     );
+    for note in &c.notes {
+        let _ = writeln!(t, "note: {note}");
+    }
 }
 
 /// The tables printed on stdout.
@@ -745,9 +764,14 @@ mod tests {
         assert_eq!(Spread::of(&[]), Spread::default());
     }
 
+    /// A session on `edge`, ready at `ready_ns`, its dial 5 ms before.
     fn on(edge: usize, ready_ns: u64) -> Option<ReadyTimes> {
+        dialled(edge, ready_ns, 5_000_000)
+    }
+
+    fn dialled(edge: usize, ready_ns: u64, dial_to_ready_ns: u64) -> Option<ReadyTimes> {
         Some(ReadyTimes {
-            dialled_ns: ready_ns.saturating_sub(1),
+            dialled_ns: ready_ns - dial_to_ready_ns,
             ready_ns,
             edge,
         })
@@ -775,9 +799,9 @@ mod tests {
         };
         let nodes = [
             // On the killed Edge 0, back on 1 and 2 after 2, 4 and 6 s.
-            node(0, true, on(1, KILL + 2_000_000_000)),
-            node(0, true, on(2, KILL + 6_000_000_000)),
-            node(0, true, on(2, KILL + 4_000_000_000)),
+            node(0, true, dialled(1, KILL + 2_000_000_000, 30_000_000)),
+            node(0, true, dialled(2, KILL + 6_000_000_000, 10_000_000)),
+            node(0, true, dialled(2, KILL + 4_000_000_000, 20_000_000)),
             // Still shown on Edge 0 by a session from before the kill.
             node(0, true, on(0, KILL - 5)),
             // Ready on Edge 1 after the kill but down again: not re-homed.
@@ -799,6 +823,8 @@ mod tests {
                 p50_ms: 4_000.0,
                 p99_ms: 6_000.0,
                 max_ms: 6_000.0,
+                dial_to_ready_p50_ms: 20.0,
+                dial_to_ready_p99_ms: 30.0,
                 disturbed: 1,
                 dials: 0,
                 failed_dials: 0,
@@ -935,6 +961,7 @@ mod tests {
                 ..Default::default()
             }],
             served_after: Vec::new(),
+            notes: Vec::new(),
         };
         assert_eq!(report.problems(), Vec::<String>::new());
         report.rehome.rehomed = 1;
