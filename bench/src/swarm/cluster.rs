@@ -55,6 +55,9 @@ const EDGES_UP_MS: u64 = 60_000;
 /// How long the Edges' `/status` may take to agree with the swarm on who
 /// owns which node (their watches trail the claims).
 const OWNERSHIP_SETTLE_MS: u64 = 30_000;
+/// The Edge killed: the first (`edge-a`); the nodes' shuffles make it no
+/// different from the others.
+const KILLED: usize = 0;
 /// Poll period of the swarm's state.
 const POLL_MS: u64 = 10;
 /// Poll period of etcd for the killed Edge's key.
@@ -413,20 +416,19 @@ pub fn run(
     }
 
     // The kill.
-    let killed = 0;
+    let killed = KILLED;
     let killed_name = names[killed].clone();
+    let is_survivor = |i: usize| i != killed;
     let edge_before: Vec<usize> = (0..n)
         .map(|i| state.ready_times(i).map_or(usize::MAX, |t| t.edge))
         .collect();
     let moved = edge_before.iter().filter(|&&e| e == killed).count();
     eprintln!("swarm cluster: SIGKILL {killed_name} ({moved} nodes)");
     state.take_counters();
-    let survivors: Vec<&ClusterEdge> = edges.iter().skip(1).collect();
-    let mut survivor_cpu_before = Vec::with_capacity(survivors.len());
-    for e in &survivors {
-        survivor_cpu_before.push(procstat::read_cpu_ns(e.proc.pid())?);
+    let mut survivor_cpu_before = vec![0u64; count];
+    for (i, e) in edges.iter().enumerate().filter(|(i, _)| is_survivor(*i)) {
+        survivor_cpu_before[i] = procstat::read_cpu_ns(e.proc.pid())?;
     }
-    drop(survivors);
     let killed_ns = monotonic_raw_ns();
     edges[killed].proc.kill();
 
@@ -445,15 +447,19 @@ pub fn run(
     let limit_ms = 120_000 + n as u64 * 50 + opts.reconnect_interval_ms * 3;
     while rehomed_ns.is_none() || lease_expired_ns.is_none() {
         interrupted(stop)?;
-        for e in edges.iter_mut().skip(1) {
+        for (_, e) in edges
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| is_survivor(*i))
+        {
             e.proc.check_running()?;
         }
         let now = monotonic_raw_ns();
         if rehomed_ns.is_none() && rehomed(&state) {
             rehomed_ns = Some(now);
-            for (i, e) in edges.iter().enumerate().skip(1) {
+            for (i, e) in edges.iter().enumerate().filter(|(i, _)| is_survivor(*i)) {
                 survivor_cpu[i] =
-                    procstat::read_cpu_ns(e.proc.pid())?.saturating_sub(survivor_cpu_before[i - 1]);
+                    procstat::read_cpu_ns(e.proc.pid())?.saturating_sub(survivor_cpu_before[i]);
             }
             eprintln!(
                 "swarm cluster: {moved} nodes re-homed {} ms after the kill",
@@ -502,7 +508,12 @@ pub fn run(
     });
 
     eprintln!("swarm cluster: checking /status of the surviving Edges");
-    let survivors: Vec<&ClusterEdge> = edges.iter().skip(1).collect();
+    let survivors: Vec<&ClusterEdge> = edges
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| is_survivor(*i))
+        .map(|(_, e)| e)
+        .collect();
     let ownership = settle_ownership(&survivors, &state, n, &names, &killed_name, stop)?;
     let after = per_edge(&state);
 
@@ -526,7 +537,11 @@ pub fn run(
     }
 
     drop(swarm);
-    for e in edges.iter_mut().skip(1) {
+    for (_, e) in edges
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| is_survivor(*i))
+    {
         e.proc.stop();
     }
     etcd.proc.stop();
@@ -538,7 +553,7 @@ pub fn run(
             nodes_before: before[i],
             nodes_after: after[i],
             rss_ready_kib: rss[i],
-            rehome_cpu_ms: (i != killed).then(|| survivor_cpu[i] as f64 / 1e6),
+            rehome_cpu_ms: is_survivor(i).then(|| survivor_cpu[i] as f64 / 1e6),
         })
         .collect();
     let ms = |ns: u64| ns.saturating_sub(killed_ns) as f64 / 1e6;
