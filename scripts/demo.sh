@@ -9,12 +9,37 @@
 #   IOP_DEMO_DIR=/tmp/demo scripts/demo.sh   # configs, certificates and logs there
 #   IOP_DEMO_PROFILE=dev scripts/demo.sh     # debug binaries (faster to build)
 #
+#   scripts/demo.sh --cluster       # three Edges of one cluster on one etcd
+#                                   # (client API on 127.0.0.1:8080, 8081, 8082)
+#
 # The binaries are built into cargo's target directory (CARGO_TARGET_DIR or
 # build.target-dir are honoured). The configs, certificates and the three
 # logs (mock.log, edge.log, node.log) stay in the demo directory after exit;
 # its path is printed at the start and at the end.
+#
+# --cluster: an etcd (the `etcd` binary: Debian's etcd-server package), three
+# Edges sharing the fleet through it ([cluster] in edge-<n>.toml, one
+# certificate per Edge from one CA) and two Nodes that list all three Edges
+# (edge_addr and edge_name lists) and dial one of them at random. Logs:
+# etcd.log, mock.log, edge-1.log … edge-3.log, node-a.log, node-b.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+cluster=0
+case ${1:-} in
+  "") ;;
+  --cluster) cluster=1 ;;
+  *) echo "usage: scripts/demo.sh [--cluster]" >&2; exit 2 ;;
+esac
+if [ "$cluster" = 1 ]; then
+  etcd_bin=$(command -v etcd || true)
+  if [ -z "$etcd_bin" ]; then
+    echo "demo.sh --cluster needs etcd, which is not installed (no etcd on PATH)." >&2
+    echo "Install it: apt-get install etcd-server (Debian, Ubuntu), or put the etcd binary of a release" >&2
+    echo "from https://github.com/etcd-io/etcd/releases on PATH." >&2
+    exit 2
+  fi
+fi
 
 port=${IOP_DEMO_PORT:-8080}
 cores=${IOP_DEMO_CORES:-0}
@@ -43,7 +68,13 @@ cleanup() {
   trap - EXIT INT TERM
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  echo "==> stopped; logs kept in $work (mock.log, edge.log, node.log)"
+  if [ "$cluster" = 1 ]; then
+    # etcd's data (tens of MB of preallocated log) is not worth keeping.
+    rm -rf "$work/etcd"
+    echo "==> stopped; logs kept in $work (etcd.log, mock.log, edge-1.log … edge-3.log, node-a.log, node-b.log)"
+  else
+    echo "==> stopped; logs kept in $work (mock.log, edge.log, node.log)"
+  fi
 }
 trap cleanup EXIT
 trap 'exit 0' INT TERM
@@ -61,6 +92,191 @@ ready_value() {
   done
   echo "timed out waiting for $log" >&2; return 1
 }
+
+# Prints the streamed completion of $1 (a client address) as text.
+stream_hello() {
+  curl -sN "http://$1/v1/chat/completions" \
+    -H 'content-type: application/json' \
+    -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"Hello, IOP!"}]}' \
+  | sed -un 's/^data: //p' | while IFS= read -r event; do
+      [ "$event" = "[DONE]" ] && break
+      printf '%s' "$(python3 -c 'import json,sys; e=json.loads(sys.argv[1]); c=e.get("choices") or [{}]; print(c[0].get("delta",{}).get("content") or "", end="")' "$event")"
+    done
+}
+
+cluster_demo() {
+  local edges=(edge-1 edge-2 edge-3) nodes=(node-a node-b)
+  echo "==> minting dev certificates in $work/certs (one CA; a certificate per Edge and per Node)"
+  "$bin/edge-bin" certs --out "$work/certs" --trust-domain iop.local \
+    --edge-name edge-1 --edge-name edge-2 --edge-name edge-3 --node node-a --node node-b >/dev/null
+
+  local etcd_ports etcd_client etcd_peer
+  etcd_ports=$(python3 -c 'import socket
+s=[socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1",0)) for x in s]
+print(" ".join(str(x.getsockname()[1]) for x in s))')
+  read -r etcd_client etcd_peer <<<"$etcd_ports"
+  echo "==> starting etcd ($etcd_bin) on 127.0.0.1:$etcd_client, data in $work/etcd"
+  "$etcd_bin" --name demo --data-dir "$work/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_client" --advertise-client-urls "http://127.0.0.1:$etcd_client" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-cluster "demo=http://127.0.0.1:$etcd_peer" >"$work/etcd.log" 2>&1 &
+  pids+=($!)
+  local etcd_pid=$!
+  for _ in $(seq 1 300); do
+    curl -fsS "http://127.0.0.1:$etcd_client/health" 2>/dev/null | grep -q '"health":"true"' && break
+    kill -0 "$etcd_pid" 2>/dev/null || { echo "etcd exited early:" >&2; cat "$work/etcd.log" >&2; return 1; }
+    sleep 0.1
+  done
+
+  echo "==> starting the mock provider"
+  "$bin/bench" mock-provider --port 0 --ttft-ms 100 --inter-token-ms 40 --tokens 24 >"$work/mock.log" 2>&1 &
+  pids+=($!)
+  local mock
+  mock=$(ready_value "$work/mock.log" addr $!)
+
+  local i name client_port clients=() node_addrs=() edge_pids=()
+  for i in 0 1 2; do
+    name=${edges[$i]}
+    if [ "$port" = 0 ]; then client_port=0; else client_port=$((port + i)); fi
+    cat >"$work/$name.toml" <<TOML
+[edge]
+name = "$name"
+trust_domain = "iop.local"
+client_listen = "127.0.0.1:$client_port"
+node_listen = "127.0.0.1:0"
+# A loopback demo without client keys: say so.
+allow_anonymous = true
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge-$name.pem"
+key = "certs/edge-$name-key.pem"
+# This Edge is one of several sharing the fleet through etcd.
+[cluster]
+name = "demo"
+etcd_endpoints = ["127.0.0.1:$etcd_client"]
+TOML
+    for node in "${nodes[@]}"; do
+      cat >>"$work/$name.toml" <<TOML
+[[nodes]]
+id = "$node"
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+profile = "openai"
+base_url = "http://$mock"
+capacity = 64
+[[nodes.providers]]
+id = "mock-1"
+adapter = "mock"
+target = "mock-model"
+capacity = 64
+TOML
+    done
+    cat >>"$work/$name.toml" <<TOML
+[[models]]
+name = "demo-model"
+providers = ["node-a/mock-1", "node-b/mock-1"]
+TOML
+    echo "==> starting edge-bin $name"
+    "$bin/edge-bin" --config "$work/$name.toml" --cores "$cores" >"$work/$name.log" 2>&1 &
+    pids+=($!)
+    edge_pids+=($!)
+    clients+=("$(ready_value "$work/$name.log" client $!)")
+    node_addrs+=("$(ready_value "$work/$name.log" nodes "${pids[-1]}")")
+  done
+
+  local addr_list name_list
+  addr_list=$(printf '"%s", ' "${node_addrs[@]}"); addr_list="[${addr_list%, }]"
+  name_list=$(printf '"%s", ' "${edges[@]}"); name_list="[${name_list%, }]"
+  for node in "${nodes[@]}"; do
+    cat >"$work/$node.toml" <<TOML
+node_id = "$node"
+trust_domain = "iop.local"
+# Every Edge of the cluster; each dial picks one at random.
+edge_addr = $addr_list
+edge_name = $name_list
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-$node.pem"
+key = "certs/node-$node-key.pem"
+[reconnect]
+interval_sec = 1
+max_attempts = 0
+TOML
+    echo "==> starting node-bin $node"
+    "$bin/node-bin" --config "$work/$node.toml" --cores "$cores" >"$work/$node.log" 2>&1 &
+    pids+=($!)
+  done
+
+  # Who owns which node, as edge-1's /status says (cluster.nodes), once
+  # both nodes are owned and connected to their owners.
+  local owners=""
+  for _ in $(seq 1 300); do
+    owners=$(python3 - "${clients[@]}" <<'PY' 2>/dev/null || true
+import json, sys, urllib.request
+def status(addr):
+    return json.load(urllib.request.urlopen(f"http://{addr}/status", timeout=2))
+names = ["edge-1", "edge-2", "edge-3"]
+owners = {n["node_id"]: n["edge"] for n in status(sys.argv[1])["cluster"]["nodes"]}
+assert set(owners) == {"node-a", "node-b"}
+for node, edge in owners.items():
+    doc = status(sys.argv[1 + names.index(edge)])
+    assert any(p["node_id"] == node and p["connected"] for p in doc["providers"])
+print(" ".join(f"{node}={edge}" for node, edge in sorted(owners.items())))
+PY
+)
+    [ -n "$owners" ] && break
+    sleep 0.1
+  done
+  [ -n "$owners" ] || { echo "the nodes did not register in time; see $work/*.log" >&2; return 1; }
+
+  local owning=() entry edge
+  for entry in $owners; do
+    edge=${entry#*=}
+    [[ " ${owning[*]} " == *" $edge "* ]] || owning+=("$edge")
+  done
+  local first=${owning[0]}
+  local first_client=${clients[$(( ${first#edge-} - 1 ))]}
+  echo "==> nodes owned: $owners"
+  echo "==> streaming a chat completion through $first ($first_client) → mTLS → node → provider"
+  echo
+  stream_hello "$first_client"
+  echo; echo
+
+  echo "==> IOP is running as a cluster of three Edges (logs in $work/*.log):"
+  echo
+  for i in 0 1 2; do
+    local owned=()
+    for entry in $owners; do
+      if [ "${entry#*=}" = "${edges[$i]}" ]; then owned+=("${entry%%=*}"); fi
+    done
+    echo "  ${edges[$i]}  client API http://${clients[$i]}/v1   (owns: ${owned[*]:-no node}; pid ${edge_pids[$i]})"
+  done
+  cat <<TXT
+
+Point a client at an Edge that owns a node of the model (/status → cluster.nodes
+says which); an Edge that owns none does not forward requests to the owner yet.
+With several owning Edges, put them behind one load balancer that checks /readyz.
+
+  curl -sN http://$first_client/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+
+  curl -s http://$first_client/status     # providers and the cluster view (cluster.nodes)
+
+Kill an Edge that owns a node (kill -9 <its pid>) and its node registers with
+another Edge within a few seconds (curl -s http://<another edge>/status); the
+dead Edge leaves cluster.edges when its etcd lease expires (10 s).
+
+Press Ctrl-C to stop.
+TXT
+  wait
+}
+
+if [ "$cluster" = 1 ]; then
+  cluster_demo
+  exit 0
+fi
 
 echo "==> minting dev certificates in $work/certs"
 "$bin/edge-bin" certs --out "$work/certs" --trust-domain iop.local --edge-name edge-1 --node node-a >/dev/null

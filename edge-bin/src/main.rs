@@ -429,7 +429,12 @@ fn spawn_reloader(
                 Ok((next, _)) => next,
                 Err(_) => &loaded,
             };
-            server::reload_tls(certificates, tls.0.as_ref(), tls.1.as_ref());
+            server::reload_tls(
+                certificates,
+                tls.0.as_ref(),
+                tls.1.as_ref(),
+                edge.settings.peer_tls.as_ref(),
+            );
             match reloaded {
                 Ok((next, report)) => {
                     tracing::info!(

@@ -127,6 +127,24 @@ impl GatewayError {
         }
     }
 
+    /// 503: the model's nodes are owned by other Edges of the cluster and
+    /// none of them could be reached to forward the request to.
+    pub fn peer_unavailable(model: &str) -> Self {
+        Self {
+            code: Some("peer_unavailable".into()),
+            retry_after_sec: Some(1),
+            ..Self::new(
+                Origin::Upstream,
+                503,
+                "service_unavailable_error",
+                format!(
+                    "The providers of model `{model}` are served by another gateway of this \
+                     cluster, which cannot be reached right now; retry shortly."
+                ),
+            )
+        }
+    }
+
     /// 429: the model's queue is full.
     pub fn queue_full(model: &str) -> Self {
         Self {

@@ -304,6 +304,34 @@ pub fn render_cluster(cluster: &ClusterView) -> String {
         "Edges of the cluster announced in etcd (this one included).",
         cluster.edges().len() as u64,
     );
+    let forwarded: Vec<(String, u64)> = c
+        .forwarded_totals()
+        .into_iter()
+        .map(|(edge, outcome, n)| {
+            (
+                format!(
+                    "edge=\"{}\",outcome=\"{}\"",
+                    iop_engine::metrics::buckets::escape_label_value(&edge),
+                    outcome.as_str()
+                ),
+                n,
+            )
+        })
+        .collect();
+    counter(
+        &mut out,
+        "iop_edge_cluster_forwarded_total",
+        "Requests forwarded to another Edge's peer listener, by target and outcome \
+         (ok: it answered; unavailable: not reached before the request was written; \
+         failed: its answer broke off).",
+        &owned(&forwarded),
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_peer_requests_total",
+        "Inference requests other Edges forwarded to this one (its peer listener).",
+        &[("", load(&c.peer_requests))],
+    );
     out
 }
 

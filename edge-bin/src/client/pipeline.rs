@@ -14,6 +14,7 @@ use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use super::caller::*;
 use super::conn::*;
 use super::endpoints::*;
 use super::relay::*;
@@ -25,7 +26,6 @@ use crate::link::edge::{Admission, Edge};
 use crate::link::replies::ReplyRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
-use crate::plane::limits::{self};
 
 pub(super) fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
@@ -34,16 +34,21 @@ pub(super) fn frame(body: Body) -> pb::Frame {
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider's answer — again from the next provider `Control` picks when an
 /// attempt failed before anything reached the client (pre-commit
-/// failover).
+/// failover). In a cluster, a model served only by other Edges is
+/// forwarded to them instead ([`super::forward`]).
 pub(super) async fn chat<S>(
     edge: &Rc<Edge>,
     server: &mut Client<S>,
     principal: &str,
+    headers: Vec<iop_engine::http::Header>,
     body: Bytes,
 ) -> Result<(), HttpError>
 where
     S: ClientStream,
 {
+    // The client's bytes, should the request be forwarded (a reference,
+    // not a copy).
+    let received = body.clone();
     let chat = match ChatRequest::parse(body, &json_limits(edge)) {
         Ok(c) => c,
         // Boxed, as every once-per-request await in the streaming routes:
@@ -52,6 +57,21 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
+    if let Some(targets) = super::forward::targets_of(edge, server, &chat.model) {
+        let model = chat.model.clone();
+        drop(chat);
+        return Box::pin(super::forward::forward(
+            edge,
+            server,
+            CHAT_COMPLETIONS,
+            &model,
+            targets,
+            headers,
+            received,
+        ))
+        .await;
+    }
+    drop((headers, received));
     let long = edge
         .settings
         .long_context_threshold_tokens
@@ -244,71 +264,6 @@ where
     Ok(None)
 }
 
-/// Why the caller may not send this request: the key may not use the
-/// model (403), or the principal is over a limit (429).
-pub(super) enum CallerRefusal {
-    Model(GatewayError),
-    Limit(limits::Refusal),
-}
-
-/// The key's checks, before the request takes a place in the queue: model
-/// access, then the principal's limits (on admission the request holds a
-/// [`Ticket`] until its access line is written).
-pub(super) fn check_caller<S>(
-    edge: &Edge,
-    server: &mut Client<S>,
-    model: &str,
-) -> Option<CallerRefusal> {
-    let caller = server.caller.as_ref()?;
-    if !caller.may_use(model) {
-        return Some(CallerRefusal::Model(GatewayError::model_not_allowed(model)));
-    }
-    let keys = &edge.settings.client_keys;
-    let estimate = limits::estimate_prompt_tokens(server.rec.bytes_in as usize);
-    match keys.admit(&caller.principal, estimate, clock::now()) {
-        limits::Admission::Granted(ticket, _) => {
-            server.release_limits();
-            server.ticket = Some(Box::new((keys.clone(), ticket)));
-            None
-        }
-        limits::Admission::Refused(refusal) => Some(CallerRefusal::Limit(refusal)),
-    }
-}
-
-/// Answers a [`CallerRefusal`]: a 429 carries `retry-after` (seconds, and
-/// `retry-after-ms`, which the official SDKs prefer) and OpenAI's
-/// `x-ratelimit-*` headers.
-pub(super) async fn write_caller_refusal<S>(
-    server: &mut Client<S>,
-    surface: Surface,
-    refusal: &CallerRefusal,
-) -> Result<(), HttpError>
-where
-    S: ClientStream,
-{
-    let r = match refusal {
-        CallerRefusal::Model(e) => return write_error(server, surface, e).await,
-        CallerRefusal::Limit(r) => r,
-    };
-    let e = GatewayError::rate_limited(r.kind.as_str(), r.message(), r.retry_after_secs());
-    let retry_after = r.retry_after_secs().to_string();
-    let retry_after_ms = r.retry_after.as_millis().max(1).to_string();
-    let mut rate = String::new();
-    r.headers.write_openai(&mut rate);
-    let mut headers: Vec<(&str, &str)> = vec![
-        ("content-type", "application/json"),
-        ("retry-after", &retry_after),
-        ("retry-after-ms", &retry_after_ms),
-    ];
-    headers.extend(
-        rate.split_terminator("\r\n")
-            .filter_map(|line| line.split_once(": ")),
-    );
-    server.rec.end(e.outcome());
-    let body = e.body_for_request(surface, &server.rec.request_id);
-    server.write_response(e.status, headers, body).await
-}
-
 /// 400: no provider of `model` serves `endpoint`'s operation.
 pub(super) fn unsupported(model: &str, endpoint: Endpoint) -> GatewayError {
     GatewayError::invalid_request(
@@ -353,10 +308,21 @@ pub(super) async fn passthrough<S>(
 where
     S: ClientStream,
 {
+    let received = body.clone();
     let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
+    if let Some(targets) = super::forward::targets_of(edge, server, &req.model) {
+        server.set_model(&req.model);
+        let model = req.model.clone();
+        drop(req);
+        return Box::pin(super::forward::forward(
+            edge, server, endpoint, &model, targets, headers, received,
+        ))
+        .await;
+    }
+    drop(received);
     // What the provider gets of the client's headers; the rest go now.
     let forwarded = tunnel_headers(endpoint, req.stream, &headers);
     drop(headers);

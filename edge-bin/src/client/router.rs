@@ -15,7 +15,7 @@ use iop_engine::http::{HttpError, Limits, ServerConn};
 use iop_engine::metrics::{self as engine_metrics, Count, Latency};
 use iop_engine::net::{Deadline, Wait};
 use iop_engine::sync::Either;
-use iop_engine::tls::{ListenerStream, MaybeTls};
+use iop_engine::tls::{EdgeTlsAcceptor, ListenerStream, MaybeTls};
 use monoio::net::TcpStream;
 
 use super::conn::*;
@@ -54,15 +54,60 @@ pub fn serve<G: 'static>(
     // peers only.
     let peer = tcp.peer_addr().ok().map(|a| a.ip());
     if edge.settings.client_tls.is_none() {
-        return Either::left(serve_requests(edge, tcp, deadline, peer, open));
+        return Either::left(serve_requests(edge, tcp, deadline, peer, open, None));
     }
     Either::right(Box::pin(async move {
         // Boxed: the handshake's state is most of a kilobyte and only
         // needed until it is done.
         if let Some(stream) = Box::pin(handshake(&edge, tcp, &deadline, peer)).await {
-            serve_requests(edge, stream, deadline, peer, open).await;
+            serve_requests(edge, stream, deadline, peer, open, None).await;
         }
     }))
+}
+
+/// Serves one connection on the peer listener of a cluster member
+/// (`crate::server::front_door::serve_peers`): after an mTLS handshake in
+/// which the peer proves it is an Edge of the trust domain (within
+/// `edge.client_head_timeout_ms`), the same request loop as a client's,
+/// every request marked as that Edge's (`peer=<name>` in the access log):
+/// never forwarded again, and its caller's rate and concurrency limits
+/// not charged again (the Edge that took it from its client did). The
+/// client key is still checked: every Edge of a cluster has the same
+/// `[[client_keys]]`.
+pub async fn serve_peer<G: 'static>(
+    edge: Rc<Edge>,
+    tcp: TcpStream,
+    deadline: Deadline,
+    acceptor: Rc<EdgeTlsAcceptor>,
+    open: G,
+) {
+    let _ = tcp.set_nodelay(true);
+    let peer = tcp.peer_addr().ok().map(|a| a.ip());
+    deadline.arm(
+        Wait::Handshake,
+        Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+    );
+    let accepted = Box::pin(acceptor.accept(tcp)).await;
+    deadline.disarm();
+    let (stream, id) = match accepted {
+        Ok(accepted) => accepted,
+        Err(e) => {
+            // Debug only, as on the client listener: anyone who can reach
+            // the port can cause these.
+            tracing::debug!(?peer, error = %e, "peer edge TLS handshake failed");
+            return;
+        }
+    };
+    let from_peer: Rc<str> = Rc::from(id.name());
+    serve_requests(
+        edge,
+        ListenerStream::from(stream),
+        deadline,
+        peer,
+        open,
+        Some(from_peer),
+    )
+    .await;
 }
 
 /// The answer to a connection over its peer's cap
@@ -125,6 +170,7 @@ pub(super) async fn handshake(
 /// until it closes. Every read has a deadline: the requests'
 /// `edge.client_*_timeout_ms`; a request refused before its body was read
 /// is answered and the connection closed with a lingering close.
+/// `from_peer`: the Edge whose connection this is (the peer listener).
 #[allow(clippy::manual_async_fn)]
 pub(super) fn serve_requests<S: ClientStream, G: 'static>(
     edge: Rc<Edge>,
@@ -132,6 +178,7 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
     deadline: Deadline,
     peer: Option<std::net::IpAddr>,
     open: G,
+    from_peer: Option<Rc<str>>,
 ) -> impl std::future::Future<Output = ()> {
     // Built before the loop's future: the future captures the connection
     // once, not the stream and deadline beside the connection made of them.
@@ -178,6 +225,17 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
             // metrics: end to end starts when the request is read.
             let read_at = clock::now();
             server.begin(&edge, &head, &path, 0, read_at);
+            if let Some(from) = &from_peer {
+                server.rec.peer = Some(from.to_string());
+                if method == "POST" && is_inference_route(&path) {
+                    if let Some(cluster) = &edge.settings.cluster {
+                        cluster
+                            .counters
+                            .peer_requests
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
             // The shutdown drain waits for this response to finish.
             let in_flight = edge.track_request();
             if edge.is_draining() && !matches!(path.as_str(), "/livez" | "/readyz") {
@@ -246,8 +304,7 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     write_json(&mut server, 200, body).await
                 }
                 ("POST", "/v1/chat/completions") => {
-                    drop(headers);
-                    chat(&edge, &mut server, principal, body).await
+                    chat(&edge, &mut server, principal, headers, body).await
                 }
                 // Boxed: the passthrough's future is the largest, and a
                 // connection's task is as large as its largest route; the chat

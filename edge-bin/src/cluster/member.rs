@@ -17,7 +17,7 @@
 //! The keyspace (`docs/multi-edge.md`):
 //!
 //! ```text
-//! /iop/<cluster>/edges/<edge name>      {"client_addr", "node_addr", "incarnation"}   this Edge's lease
+//! /iop/<cluster>/edges/<edge name>      {"client_addr", "node_addr", ["peer_addr"], "incarnation"}   this Edge's lease
 //! /iop/<cluster>/nodes/<node id>/owner  {"edge", "incarnation", "conn"}               the owner Edge's lease
 //! ```
 //!
@@ -126,6 +126,7 @@ impl Member {
         view: Arc<ClusterView>,
         client_addr: SocketAddr,
         node_addr: SocketAddr,
+        peer_addr: Option<SocketAddr>,
     ) -> Result<Rc<Self>, String> {
         let client = EtcdClient::new(EtcdConfig {
             call_timeout: Duration::from_millis(spec.etcd_timeout_ms),
@@ -138,12 +139,17 @@ impl Member {
         )
         .map_err(|e| format!("cluster: {e}"))?;
         let incarnation = format!("{:016x}", iop_engine::rng::SplitMix64::from_os().next_u64());
-        let announce = serde_json::json!({
+        let mut announce = serde_json::json!({
             "client_addr": client_addr.to_string(),
             "node_addr": node_addr.to_string(),
             "incarnation": incarnation,
-        })
-        .to_string();
+        });
+        // Other Edges forward requests for our nodes here (`[cluster]
+        // peer_listen`); without it they never choose this Edge.
+        if let Some(peer_addr) = peer_addr {
+            announce["peer_addr"] = peer_addr.to_string().into();
+        }
+        let announce = announce.to_string();
         let member = Rc::new(Self {
             edge,
             client,
@@ -477,8 +483,11 @@ impl Member {
                     (kind == EventKind::Put).then(|| String::from_utf8_lossy(value).into_owned());
                 self.view.edge_seen(name, value);
                 // Every key's limits are shared by the live Edges.
-                let edges = u32::try_from(self.view.edges().len()).unwrap_or(u32::MAX);
-                self.edge.settings.client_keys.set_cluster_share(edges);
+                let (edges, rank) = self.view.share();
+                self.edge
+                    .settings
+                    .client_keys
+                    .set_cluster_share(edges, rank);
             }
             KeyOf::Other => {}
         }

@@ -6,10 +6,13 @@
 //!   the watch of the cluster's keys fed back to Control.
 //! - [`etcd`]: a small etcd v3 client over the JSON gateway on monoio, and
 //!   its sans-IO codec ([`etcd::codec`]).
+//! - [`route`]: where a request for a model is served — here, or
+//!   forwarded to the Edge that owns its nodes (sans-IO).
 //! - [`session`]: the Edge's one etcd lease as a sans-IO state machine —
 //!   when to keep it alive, and the fence deadline after which the Edge
 //!   must stop acting as the owner of anything attached to it.
 
 pub mod etcd;
 pub mod member;
+pub mod route;
 pub mod session;

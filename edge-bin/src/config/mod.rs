@@ -119,6 +119,11 @@ pub struct ClusterSpec {
     pub keepalive_interval_sec: u64,
     /// Timeout of one etcd call.
     pub etcd_timeout_ms: u64,
+    /// The peer listener (`peer_listen`): other Edges forward requests for
+    /// the nodes this Edge owns to it, over mTLS with the `[tls]` identity.
+    /// `None`: this Edge takes no forwarded request, so none is forwarded
+    /// to it (it still forwards its own requests to Edges that have one).
+    pub peer_listen: Option<SocketAddr>,
 }
 
 /// The `[outlier_detection]` table: providers that fail in a row are taken

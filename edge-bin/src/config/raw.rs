@@ -33,6 +33,7 @@ pub(super) struct RawCluster {
     pub(super) lease_ttl_sec: Option<i64>,
     pub(super) keepalive_interval_sec: Option<i64>,
     pub(super) etcd_timeout_ms: Option<i64>,
+    pub(super) peer_listen: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -101,7 +101,10 @@ impl Validator<'_> {
             ));
         }
         let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
-        let cluster = raw.cluster.map(|c| self.cluster(c)).transpose()?;
+        let cluster = raw
+            .cluster
+            .map(|c| self.cluster(c, tls.is_some()))
+            .transpose()?;
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
@@ -118,7 +121,9 @@ impl Validator<'_> {
         })
     }
 
-    fn cluster(&self, raw: RawCluster) -> Result<ClusterSpec, ConfigError> {
+    /// `[cluster]`; `tls`: whether `[tls]` is set (the peer listener
+    /// needs its identity).
+    fn cluster(&self, raw: RawCluster, tls: bool) -> Result<ClusterSpec, ConfigError> {
         let name = raw.name.unwrap_or_else(|| DEFAULT_CLUSTER_NAME.to_string());
         check_name(&name).map_err(|why| self.err("cluster.name", why))?;
         if raw.etcd_endpoints.is_empty() {
@@ -156,12 +161,25 @@ impl Validator<'_> {
                 in_range(v, 10, 60_000).map_err(|why| self.err("cluster.etcd_timeout_ms", why))?
             }
         };
+        let peer_listen = match raw.peer_listen.as_deref() {
+            None => None,
+            Some(_) if !tls => {
+                return Err(self.err(
+                    "cluster.peer_listen",
+                    "needs [tls]: other Edges are served over mTLS with this Edge's identity",
+                ))
+            }
+            Some(text) => {
+                Some(parse_socket_addr(text).map_err(|why| self.err("cluster.peer_listen", why))?)
+            }
+        };
         Ok(ClusterSpec {
             name,
             etcd_endpoints: raw.etcd_endpoints,
             lease_ttl_sec,
             keepalive_interval_sec,
             etcd_timeout_ms,
+            peer_listen,
         })
     }
 

@@ -1016,6 +1016,7 @@ mod tests {
             client_write_stall_timeout: Duration::from_secs(30),
             models: Vec::new(),
             long_context_threshold_tokens: HashMap::new(),
+            model_nodes: HashMap::new(),
             started_unix_sec: 0,
             client_tls: None,
             client_keys: ClientKeys::default(),
@@ -1034,6 +1035,7 @@ mod tests {
                 1,
             ),
             cluster: None,
+            peer_tls: None,
         };
         Edge::new(Control::new(spec), settings)
     }

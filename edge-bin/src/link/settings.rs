@@ -30,6 +30,9 @@ pub struct Settings {
     pub models: Vec<ModelEntry>,
     /// Long-context threshold per model, in estimated prompt tokens.
     pub long_context_threshold_tokens: HashMap<String, u64>,
+    /// The node ids of each model's providers (each once, in config
+    /// order): where a cluster member looks for the model's owners.
+    pub model_nodes: HashMap<String, Vec<String>>,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
     /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
@@ -59,6 +62,10 @@ pub struct Settings {
     /// This Edge's place in its cluster, shared by every shard; `None`: a
     /// single Edge.
     pub cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
+    /// How this Edge dials the peer listeners of other Edges (its `[tls]`
+    /// identity, presented as a client certificate); `None`: it forwards
+    /// nothing (no `[cluster]`, or no `[tls]`).
+    pub peer_tls: Option<iop_engine::tls::NodeTlsConnector>,
 }
 
 /// The usage file `cfg` names, started (its writer thread runs until
@@ -106,6 +113,19 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
             .iter()
             .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
             .collect(),
+        model_nodes: cfg
+            .models
+            .iter()
+            .map(|m| {
+                let mut nodes: Vec<String> = Vec::new();
+                for provider in &m.providers {
+                    if !nodes.contains(&provider.node_id) {
+                        nodes.push(provider.node_id.clone());
+                    }
+                }
+                (m.name.clone(), nodes)
+            })
+            .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
         client_tls: None,
         client_keys: ClientKeys::from_config(&cfg.client_keys),
@@ -123,6 +143,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
                 &cfg.edge.name,
             ))
         }),
+        peer_tls: None,
     }
 }
 

@@ -137,6 +137,11 @@ pub struct AccessRecord {
     pub prompt_tokens: Option<u64>,
     /// Completion tokens, when the provider reported usage.
     pub completion_tokens: Option<u64>,
+    /// The Edge this request came from, when it arrived on the peer
+    /// listener (a cluster member forwarded it): `peer=<edge name>`.
+    pub peer: Option<String>,
+    /// The Edge this request was forwarded to: `forwarded_to=<edge name>`.
+    pub forwarded_to: Option<String>,
 }
 
 impl AccessRecord {
@@ -263,8 +268,9 @@ impl AccessRecord {
         let duration = ended_at.saturating_duration_since(read_at);
         let outcome = self.outcome_of(stats);
         let usage = self.completeness(outcome);
-        let fields: [(&str, Value<'_>); 18] = [
-            ("ts", Value::Str(&rfc3339_ms(unix_ms))),
+        let ts = rfc3339_ms(unix_ms);
+        let mut fields: Vec<(&str, Value<'_>)> = vec![
+            ("ts", Value::Str(&ts)),
             ("request_id", Value::Str(&self.request_id)),
             ("principal", Value::Str(&self.principal)),
             ("method", Value::Str(&self.method)),
@@ -292,6 +298,13 @@ impl AccessRecord {
             ),
             ("usage", Value::Str(usage.as_str())),
         ];
+        // Only on the lines of a cluster's forwarded requests.
+        if let Some(peer) = &self.peer {
+            fields.push(("peer", Value::Str(peer)));
+        }
+        if let Some(edge) = &self.forwarded_to {
+            fields.push(("forwarded_to", Value::Str(edge)));
+        }
         match format {
             Format::Text => text_line(&fields),
             Format::Json => json_line(&fields),

@@ -226,13 +226,13 @@ impl ClientKeys {
             .admit(principal, estimated_tokens, now)
     }
 
-    /// In a cluster: `edges` live Edges share every key's limits; see
-    /// [`Limiter::set_share`].
-    pub fn set_cluster_share(&self, edges: u32) {
+    /// In a cluster: `edges` live Edges share every key's limits, this one
+    /// `rank` in name order; see [`Limiter::set_share`].
+    pub fn set_cluster_share(&self, edges: u32, rank: u32) {
         self.limiter
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .set_share(edges);
+            .set_share(edges, rank);
     }
 
     /// Ends an admitted request; see [`Limiter::finish`].

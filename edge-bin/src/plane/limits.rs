@@ -139,6 +139,9 @@ pub struct Refusal {
     pub retry_after: Duration,
     /// The rate headers at refusal.
     pub headers: RateHeaders,
+    /// In a cluster: the live Edges the key's limits are shared by (1:
+    /// this Edge alone). With a limit of 0 here, this Edge's share is 0.
+    pub shared_by: u32,
 }
 
 impl Refusal {
@@ -149,6 +152,14 @@ impl Refusal {
 
     /// The error message for the client.
     pub fn message(&self) -> String {
+        if self.limit == 0 && self.shared_by > 1 {
+            return format!(
+                "rate limit reached: this key's {} limit is shared by the cluster's {} edges and \
+                 this edge's share is 0; send this key's requests to another edge",
+                self.kind.as_str(),
+                self.shared_by
+            );
+        }
         match self.kind {
             LimitKind::Concurrent => format!(
                 "rate limit reached: at most {} requests in flight for this key",
@@ -305,14 +316,19 @@ pub struct Limiter {
     /// Live Edges sharing the limits ([`Limiter::set_share`]); 0 and 1
     /// mean this Edge alone.
     edges: u32,
+    /// This Edge's rank among them.
+    rank: u32,
 }
 
-/// `limits` as one of `edges` Edges enforces them: each limit divided by
-/// the number of Edges, rounded up (so no limit becomes 0 and the cluster
-/// admits at most `edges − 1` more than the limit in a window).
-pub fn share_of(limits: LimitSpec, edges: u32) -> LimitSpec {
+/// The part of `limits` that the Edge of rank `rank` (0-based, in the
+/// order of the live Edges' names) of `edges` live Edges enforces: each
+/// limit split so the parts add up to it exactly — every Edge gets
+/// `limit / edges`, and the first `limit % edges` one more. With a limit
+/// below the number of Edges some Edges' part is 0: they refuse the key
+/// (the cluster as a whole still admits up to the limit).
+pub fn share_of(limits: LimitSpec, edges: u32, rank: u32) -> LimitSpec {
     let edges = edges.max(1);
-    let part = |v: Option<u32>| v.map(|v| v.div_ceil(edges).max(1));
+    let part = |v: Option<u32>| v.map(|v| v / edges + u32::from(rank < v % edges));
     LimitSpec {
         max_concurrent: part(limits.max_concurrent),
         requests_per_minute: part(limits.requests_per_minute),
@@ -340,13 +356,17 @@ impl Limiter {
         self.apply();
     }
 
-    /// In a cluster: the limits are shared by `edges` live Edges, and this
-    /// one enforces its [`share_of`] them. A change is applied like a
-    /// reload ([`Limiter::configure`]): in-flight counts stay, buckets of a
+    /// In a cluster: the limits are shared by `edges` live Edges, of which
+    /// this one is `rank` in name order, and this one enforces its
+    /// [`share_of`] them. A change is applied like a reload
+    /// ([`Limiter::configure`]): in-flight counts stay, buckets of a
     /// changed share start full.
-    pub fn set_share(&mut self, edges: u32) {
-        if edges.max(1) != self.edges.max(1) {
+    pub fn set_share(&mut self, edges: u32, rank: u32) {
+        let edges = edges.max(1);
+        let rank = rank.min(edges - 1);
+        if (edges, rank) != (self.edges.max(1), self.rank) {
             self.edges = edges;
+            self.rank = rank;
             self.apply();
         }
     }
@@ -358,7 +378,7 @@ impl Limiter {
         let mut states = Vec::new();
         let configured = std::mem::take(&mut self.configured);
         for (name, spec) in &configured {
-            let (name, spec) = (&**name, share_of(*spec, self.edges));
+            let (name, spec) = (&**name, share_of(*spec, self.edges, self.rank));
             if spec.is_unlimited() || index.contains_key(name) {
                 continue;
             }
@@ -400,7 +420,28 @@ impl Limiter {
                 RateHeaders::default(),
             );
         };
+        let shared_by = self.edges.max(1);
         let st = &mut self.states[i];
+        // A share of 0 (a cluster limit below the number of Edges).
+        for (kind, value, retry_after) in [
+            (
+                LimitKind::Concurrent,
+                st.spec.max_concurrent,
+                CONCURRENCY_RETRY_AFTER,
+            ),
+            (LimitKind::Requests, st.spec.requests_per_minute, WINDOW),
+            (LimitKind::Tokens, st.spec.tokens_per_minute, WINDOW),
+        ] {
+            if value == Some(0) {
+                return Admission::Refused(Refusal {
+                    kind,
+                    limit: 0,
+                    retry_after,
+                    headers: st.headers(now),
+                    shared_by,
+                });
+            }
+        }
         if let Some(max) = st.spec.max_concurrent {
             if st.in_flight >= max {
                 return Admission::Refused(Refusal {
@@ -408,6 +449,7 @@ impl Limiter {
                     limit: max,
                     retry_after: CONCURRENCY_RETRY_AFTER,
                     headers: st.headers(now),
+                    shared_by,
                 });
             }
         }
@@ -420,6 +462,7 @@ impl Limiter {
                     limit: b.limit,
                     retry_after: wait,
                     headers: st.headers(now),
+                    shared_by,
                 });
             }
         }
@@ -433,6 +476,7 @@ impl Limiter {
                     limit: b.limit,
                     retry_after: wait,
                     headers: st.headers(now),
+                    shared_by,
                 });
             }
         }
@@ -589,41 +633,66 @@ mod tests {
     }
 
     #[test]
-    fn a_cluster_member_enforces_its_share_rounded_up_and_keeps_its_in_flight_on_a_change() {
+    fn a_cluster_member_enforces_its_exact_share_and_keeps_its_in_flight_on_a_change() {
+        // The parts add up to the limit: 5 = 2 + 2 + 1, 60 = 20 × 3,
+        // 1000 = 334 + 333 + 333.
+        let parts = |edges: u32| -> Vec<LimitSpec> {
+            (0..edges)
+                .map(|rank| share_of(spec(Some(5), Some(60), Some(1000)), edges, rank))
+                .collect()
+        };
         assert_eq!(
-            share_of(spec(Some(5), Some(60), Some(1000)), 3),
-            spec(Some(2), Some(20), Some(334))
+            parts(3),
+            vec![
+                spec(Some(2), Some(20), Some(334)),
+                spec(Some(2), Some(20), Some(333)),
+                spec(Some(1), Some(20), Some(333)),
+            ]
         );
+        assert_eq!(parts(1), vec![spec(Some(5), Some(60), Some(1000))]);
         assert_eq!(
-            share_of(spec(Some(1), None, None), 3),
-            spec(Some(1), None, None)
-        );
-        assert_eq!(
-            share_of(spec(Some(4), None, None), 0),
+            share_of(spec(Some(4), None, None), 0, 0),
             spec(Some(4), None, None)
         );
         let clock = ManualClock::new(0);
         let mut l = Limiter::new([("team-a", spec(Some(4), None, None))]);
-        l.set_share(2);
+        l.set_share(2, 1);
         let (a, _) = granted(l.admit("team-a", 1, clock.now()));
         let (b, _) = granted(l.admit("team-a", 1, clock.now()));
         let r = refused(l.admit("team-a", 1, clock.now()));
-        assert_eq!((r.kind, r.limit), (LimitKind::Concurrent, 2));
+        assert_eq!(
+            (r.kind, r.limit, r.shared_by),
+            (LimitKind::Concurrent, 2, 2)
+        );
         // An Edge left: this one's share grows; the two in flight still count.
-        l.set_share(1);
+        l.set_share(1, 0);
         assert_eq!(l.in_flight("team-a"), 2);
         let (c, _) = granted(l.admit("team-a", 1, clock.now()));
         let (d, _) = granted(l.admit("team-a", 1, clock.now()));
         assert_eq!(refused(l.admit("team-a", 1, clock.now())).limit, 4);
         // A reload keeps the share.
-        l.configure([("team-a", spec(Some(6), None, None))]);
+        l.configure([("team-a", spec(Some(2), Some(2), None))]);
         for t in [a, b, c, d] {
             l.finish(t, None, clock.now());
         }
-        l.set_share(3);
-        let (_, _) = granted(l.admit("team-a", 1, clock.now()));
-        let (_, _) = granted(l.admit("team-a", 1, clock.now()));
-        assert_eq!(refused(l.admit("team-a", 1, clock.now())).limit, 2);
+        // Two of three Edges get the key's 2 slots; the third refuses it,
+        // saying why.
+        l.set_share(3, 1);
+        let (e, _) = granted(l.admit("team-a", 1, clock.now()));
+        assert_eq!(refused(l.admit("team-a", 1, clock.now())).limit, 1);
+        l.finish(e, None, clock.now());
+        l.set_share(3, 2);
+        let r = refused(l.admit("team-a", 1, clock.now()));
+        assert_eq!(
+            (r.kind, r.limit, r.shared_by),
+            (LimitKind::Concurrent, 0, 3)
+        );
+        assert_eq!(
+            r.message(),
+            "rate limit reached: this key's concurrency limit is shared by the cluster's 3 \
+             edges and this edge's share is 0; send this key's requests to another edge"
+        );
+        assert_eq!(r.retry_after_secs(), 1);
     }
 
     #[test]

@@ -41,6 +41,13 @@
 //!
 //! The caps are process-wide numbers split evenly over the cores (each
 //! core's accept loop has its own gate: no cross-core traffic per accept).
+//!
+//! The peer listener of a cluster member (`[cluster] peer_listen`) takes
+//! other Edges' forwarded requests, one connection per request in flight:
+//! it shares the client connection cap's size (its own gate) but has no
+//! per-peer cap (a handful of Edge addresses carry every forwarded
+//! request), and every connection must complete an mTLS handshake as an
+//! Edge of the trust domain within `edge.client_head_timeout_ms`.
 
 use std::cell::RefCell;
 use std::net::IpAddr;
@@ -334,6 +341,27 @@ pub async fn serve_nodes(
     };
     let paused = Count::EdgeNodeAcceptPaused;
     gated_accept_loop(listener, gate, paused, "node handshake", None, serve).await;
+}
+
+/// Accepts other Edges' connections on the peer listener forever, at
+/// most this core's share of `edge.max_client_connections` open at once
+/// (see the module docs); each is served by
+/// [`router::serve_peer`] after its mTLS handshake.
+pub async fn serve_peers(edge: Rc<Edge>, listener: TcpListener, acceptor: Rc<EdgeTlsAcceptor>) {
+    let limits = edge.settings.limits;
+    let gate = Gate::new(per_core(limits.max_client_connections, edge.shard_count()));
+    let serve = |tcp: TcpStream, _peer: Option<IpAddr>, permit: Permit| {
+        let deadline = edge.deadlines.watch(&tcp);
+        monoio::spawn(router::serve_peer(
+            edge.clone(),
+            tcp,
+            deadline,
+            acceptor.clone(),
+            permit,
+        ));
+    };
+    let paused = Count::EdgeClientAcceptPaused;
+    gated_accept_loop(listener, gate, paused, "peer connection", None, serve).await;
 }
 
 #[cfg(test)]

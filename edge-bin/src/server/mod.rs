@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, TlsMaterial};
+use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeTlsConnector, TlsMaterial};
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
@@ -157,6 +157,10 @@ pub struct TlsReloadReport {
     /// The client-listener certificate now presented (`[edge.client_tls]`),
     /// or why the running one was kept.
     pub client_listener: Option<Result<iop_engine::tls::HttpsIdentity, String>>,
+    /// In a cluster: the identity this Edge now presents when it forwards
+    /// to a peer (the `[tls]` certificate too), or why the running one was
+    /// kept.
+    pub peer_client: Option<Result<iop_engine::tls::LocalIdentity, String>>,
 }
 
 /// Re-reads the certificate files `cfg` names (SIGHUP) and swaps them into
@@ -169,8 +173,24 @@ pub fn reload_tls(
     cfg: &EdgeConfig,
     node_link: Option<&EdgeTlsAcceptor>,
     client_listener: Option<&HttpsAcceptor>,
+    peer_client: Option<&NodeTlsConnector>,
 ) -> TlsReloadReport {
     let mut report = TlsReloadReport::default();
+    if let (Some(files), Some(connector)) = (&cfg.tls, peer_client) {
+        // The same certificate as the node link: presented to peer Edges
+        // when forwarding (clones share it, so every shard's forwards get
+        // it).
+        let outcome = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
+            .and_then(|material| connector.reload(&material))
+            .map_err(|e| format!("{}: tls: {e}", cfg.source.display()));
+        if let Err(e) = &outcome {
+            tracing::error!(
+                error = %e,
+                "peer-client certificate not reloaded; keeping the running one"
+            );
+        }
+        report.peer_client = Some(outcome);
+    }
     if let (Some(files), Some(acceptor)) = (&cfg.tls, node_link) {
         let outcome = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
             .and_then(|material| acceptor.reload(&material))
@@ -229,15 +249,22 @@ pub struct ShardedEdge {
     cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
     acceptor: Option<EdgeTlsAcceptor>,
     client_tls: Option<HttpsAcceptor>,
+    /// How this Edge dials other Edges' peer listeners (`[cluster]` with
+    /// `[tls]`).
+    peer_tls: Option<NodeTlsConnector>,
     parts: Mutex<Vec<Option<ShardPart>>>,
     client_addr: SocketAddr,
     node_addr: SocketAddr,
+    /// The bound peer listener (`[cluster] peer_listen`).
+    peer_addr: Option<SocketAddr>,
 }
 
 /// One shard's listeners and mailboxes.
 struct ShardPart {
     client: std::net::TcpListener,
     nodes: std::net::TcpListener,
+    /// The peer listener of a cluster member with `peer_listen`.
+    peer: Option<std::net::TcpListener>,
     port: MeshPort,
 }
 
@@ -274,12 +301,27 @@ impl ShardedEdge {
         )?;
         let nodes =
             crate::link::shards::bind_reuseport(cfg.edge.node_listen, shards, "edge.node_listen")?;
-        Self::from_listeners(
+        let peer_listen = cfg.cluster.as_ref().and_then(|c| c.peer_listen);
+        let mut edge = Self::from_listeners(
             cfg,
             credentials,
             acceptor,
             clients.into_iter().zip(nodes).collect(),
-        )
+        )?;
+        if let Some(addr) = peer_listen {
+            let peers = crate::link::shards::bind_reuseport(addr, shards, "cluster.peer_listen")?;
+            edge.peer_addr = peers.first().map(|l| l.local_addr()).transpose()?;
+            let mut parts = edge
+                .parts
+                .lock()
+                .map_err(|_| std::io::Error::other("shard setup lock poisoned"))?;
+            for (part, peer) in parts.iter_mut().zip(peers) {
+                if let Some(part) = part {
+                    part.peer = Some(peer);
+                }
+            }
+        }
+        Ok(edge)
     }
 
     /// One shard per `(client, node)` listener pair, in shard order; the
@@ -305,10 +347,29 @@ impl ShardedEdge {
                 Some(ShardPart {
                     client,
                     nodes,
+                    peer: None,
                     port,
                 })
             })
             .collect();
+        let peer_tls = match (&cfg.cluster, &cfg.tls) {
+            (Some(_), Some(files)) => {
+                let connector = TlsMaterial::from_files(&iop_engine::tls::TlsFiles::from(files))
+                    .and_then(|material| {
+                        // Which peer it accepts is chosen per dial.
+                        NodeTlsConnector::edge_to_edge(
+                            &material,
+                            &cfg.edge.trust_domain,
+                            &cfg.edge.name,
+                        )
+                    })
+                    .map_err(|e| {
+                        std::io::Error::other(format!("{}: tls: {e}", cfg.source.display()))
+                    })?;
+                Some(connector)
+            }
+            _ => None,
+        };
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
             usage_log: usage_log(&cfg),
@@ -325,9 +386,11 @@ impl ShardedEdge {
             credentials: credentials.map(Arc::new),
             acceptor,
             client_tls: None,
+            peer_tls,
             parts: Mutex::new(parts),
             client_addr,
             node_addr,
+            peer_addr: None,
         })
     }
 
@@ -369,9 +432,15 @@ impl ShardedEdge {
         self.node_addr
     }
 
-    /// Prints the `IOP_READY` line scripts and tests wait for.
+    /// The bound peer listener (`[cluster] peer_listen`), if any.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+
+    /// Prints the `IOP_READY` line scripts and tests wait for (with
+    /// `peer=<addr>` when the Edge has a peer listener).
     pub fn announce(&self) -> std::io::Result<()> {
-        announce(self.client_addr, self.node_addr)
+        announce(self.client_addr, self.node_addr, self.peer_addr)
     }
 
     /// Builds shard `index`'s state and listeners on the calling shard's
@@ -404,11 +473,20 @@ impl ShardedEdge {
         settings.request_metrics = self.request_metrics.clone();
         settings.peer_limits = self.peer_limits.clone();
         settings.cluster = self.cluster.clone();
+        settings.peer_tls = self.peer_tls.clone();
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
+        let peer = match (part.peer, &self.acceptor) {
+            (Some(listener), Some(acceptor)) => Some(PeerListener {
+                listener: TcpListener::from_std(listener)?,
+                acceptor: Rc::new(acceptor.for_peer_edges()),
+            }),
+            _ => None,
+        };
         let listeners = Listeners {
             client: TcpListener::from_std(part.client)?,
             nodes: TcpListener::from_std(part.nodes)?,
+            peer,
         };
         Ok((edge, listeners, self.acceptor.clone().map(Rc::new)))
     }
@@ -455,6 +533,7 @@ impl ShardedEdge {
                         view.clone(),
                         self.client_addr,
                         self.node_addr,
+                        self.peer_addr,
                     )
                     .map_err(std::io::Error::other)?,
                 ),
@@ -531,10 +610,25 @@ impl ShardedEdge {
     }
 }
 
-fn announce(client: SocketAddr, nodes: SocketAddr) -> std::io::Result<()> {
-    tracing::info!(%client, %nodes, "listening");
+fn announce(
+    client: SocketAddr,
+    nodes: SocketAddr,
+    peer: Option<SocketAddr>,
+) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+    match peer {
+        Some(peer) => {
+            tracing::info!(%client, %nodes, %peer, "listening");
+            writeln!(
+                out,
+                "IOP_READY edge client={client} nodes={nodes} peer={peer}"
+            )?;
+        }
+        None => {
+            tracing::info!(%client, %nodes, "listening");
+            writeln!(out, "IOP_READY edge client={client} nodes={nodes}")?;
+        }
+    }
     out.flush()
 }
 
@@ -545,6 +639,19 @@ pub struct Listeners {
     pub client: TcpListener,
     /// The node listener.
     pub nodes: TcpListener,
+    /// The peer listener of a cluster member (`[cluster] peer_listen`).
+    pub peer: Option<PeerListener>,
+}
+
+/// A cluster member's peer listener: other Edges forward requests to it
+/// over mTLS (see [`crate::client::router::serve_peer`]).
+#[derive(Debug)]
+pub struct PeerListener {
+    /// The bound socket.
+    pub listener: TcpListener,
+    /// Takes Edges of the trust domain, presenting this Edge's `[tls]`
+    /// identity (shared with the node link: a reload reaches both).
+    pub acceptor: Rc<EdgeTlsAcceptor>,
 }
 
 impl Listeners {
@@ -557,6 +664,7 @@ impl Listeners {
         Ok(Self {
             client: bind(cfg.edge.client_listen, "edge.client_listen")?,
             nodes: bind(cfg.edge.node_listen, "edge.node_listen")?,
+            peer: None,
         })
     }
 
@@ -572,7 +680,12 @@ impl Listeners {
 
     /// Prints the `IOP_READY` line scripts and tests wait for.
     pub fn announce(&self) -> std::io::Result<()> {
-        announce(self.client_addr()?, self.node_addr()?)
+        let peer = self
+            .peer
+            .as_ref()
+            .map(|p| p.listener.local_addr())
+            .transpose()?;
+        announce(self.client_addr()?, self.node_addr()?, peer)
     }
 }
 
@@ -640,9 +753,21 @@ where
     let Listeners {
         client: client_listener,
         nodes: node_listener,
+        peer: peer_listener,
     } = listeners;
     let node_loop = crate::server::front_door::serve_nodes(edge.clone(), node_listener, acceptor);
     let client_loop = crate::server::front_door::serve_clients(edge.clone(), client_listener);
+    let peer_loop = {
+        let edge = edge.clone();
+        async move {
+            match peer_listener {
+                Some(peer) => {
+                    crate::server::front_door::serve_peers(edge, peer.listener, peer.acceptor).await
+                }
+                None => std::future::pending().await,
+            }
+        }
+    };
     if edge.is_control_shard() {
         monoio::spawn(crate::server::front_door::trim_heaps());
     }
@@ -657,6 +782,7 @@ where
         _ = &mut timers => {},
         _ = node_loop => {},
         _ = client_loop => {},
+        _ = peer_loop => {},
         _ = stop.shutdown => {},
     }
     edge.begin_drain();
@@ -730,6 +856,43 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    // SIGHUP re-reads `[tls]` into the connector an Edge of a cluster
+    // forwards with: its forwards present the new certificate.
+    #[test]
+    fn a_reload_gives_forwards_to_peers_the_new_certificate() {
+        let dir = temp_dir("peer-reload");
+        let mint = || {
+            iop_engine::certs::write_cluster_dev_certs(
+                &dir,
+                "iop.test",
+                &["edge-1"],
+                ["node-a"],
+                &[],
+            )
+            .unwrap()
+        };
+        let first = mint();
+        let material = TlsMaterial::from_files(&first.edge_tls_files()).unwrap();
+        let connector = NodeTlsConnector::edge_to_edge(&material, "iop.test", "edge-1").unwrap();
+        // A forward picks its peer per dial from a clone: clones share it.
+        let per_dial = connector.to_edge("edge-2").unwrap();
+        let before = per_dial.local_certificate().serial_hex;
+        let path = dir.join("edge.toml");
+        let text = config_text_with("http://127.0.0.1:9000", "", "").replace(
+            "insecure_plaintext_nodes = true\n",
+            "allow_anonymous = true\n",
+        ) + "[tls]\nca = \"ca.pem\"\ncert = \"edge.pem\"\nkey = \"edge-key.pem\"\n";
+        std::fs::write(&path, text).unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        // The same identity, a new certificate (and CA).
+        mint();
+        let report = reload_tls(&cfg, None, None, Some(&connector));
+        let reloaded = report.peer_client.expect("reloaded").expect("accepted");
+        assert_ne!(reloaded.serial_hex, before);
+        assert_eq!(per_dial.local_certificate().serial_hex, reloaded.serial_hex);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     // A reload that would remove the last client key (and so open the

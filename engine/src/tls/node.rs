@@ -50,6 +50,9 @@ pub struct NodeTlsConnector {
     provider: Arc<CryptoProvider>,
     trust_domain: Arc<str>,
     edge_name: Arc<str>,
+    /// The role of the certificate presented: a Node's, or an Edge's when
+    /// one Edge dials another ([`NodeTlsConnector::edge_to_edge`]).
+    local_role: Role,
     identity: Swap<NodeIdentity>,
 }
 
@@ -76,20 +79,62 @@ impl NodeTlsConnector {
             setting: "edge_name",
             error,
         })?;
-        let identity = Self::identity(material, &trust_domain)?;
+        let identity = Self::identity(material, &trust_domain, Role::Node)?;
         Ok(NodeTlsConnector {
             provider: provider(),
             trust_domain,
             edge_name: Arc::from(edge_name),
+            local_role: Role::Node,
             identity: Swap::new(identity),
         })
     }
 
-    fn identity(material: &TlsMaterial, trust_domain: &str) -> Result<NodeIdentity, TlsError> {
+    /// A connector for one Edge dialling another (a cluster's peer
+    /// listener): presents `material`, which must be an Edge identity in
+    /// `trust_domain`, and accepts only the Edge named `edge_name`
+    /// ([`NodeTlsConnector::to_edge`] for another one).
+    pub fn edge_to_edge(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        edge_name: &str,
+    ) -> Result<Self, TlsError> {
+        let trust_domain = checked_trust_domain(trust_domain)?;
+        WorkloadId::validate_name(edge_name).map_err(|error| TlsError::BadSetting {
+            setting: "edge_name",
+            error,
+        })?;
+        let identity = Self::identity(material, &trust_domain, Role::Edge)?;
+        Ok(NodeTlsConnector {
+            provider: provider(),
+            trust_domain,
+            edge_name: Arc::from(edge_name),
+            local_role: Role::Edge,
+            identity: Swap::new(identity),
+        })
+    }
+
+    /// This connector (the same identity) accepting the Edge named
+    /// `edge_name` instead.
+    pub fn to_edge(&self, edge_name: &str) -> Result<Self, TlsError> {
+        WorkloadId::validate_name(edge_name).map_err(|error| TlsError::BadSetting {
+            setting: "edge_name",
+            error,
+        })?;
+        Ok(NodeTlsConnector {
+            edge_name: Arc::from(edge_name),
+            ..self.clone()
+        })
+    }
+
+    fn identity(
+        material: &TlsMaterial,
+        trust_domain: &str,
+        role: Role,
+    ) -> Result<NodeIdentity, TlsError> {
         Ok(NodeIdentity {
             roots: material.roots.clone(),
             client_cert: Arc::new(SingleCertAndKey::from(material.certified_key.clone())),
-            local: LocalIdentity::of(material, trust_domain, Role::Node)?,
+            local: LocalIdentity::of(material, trust_domain, role)?,
         })
     }
 
@@ -110,7 +155,7 @@ impl NodeTlsConnector {
     /// own. `material` must name the same Node identity, or it is refused
     /// and the current identity stays.
     pub fn reload(&self, material: &TlsMaterial) -> Result<LocalIdentity, TlsError> {
-        let next = Self::identity(material, &self.trust_domain)?;
+        let next = Self::identity(material, &self.trust_domain, self.local_role)?;
         let current = self.identity.load();
         same_identity(material, &current.local, &next.local)?;
         let local = next.local.clone();

@@ -494,11 +494,12 @@ fn cluster_table_defaults_parse_and_refuse_bad_values() {
             lease_ttl_sec: 10,
             keepalive_interval_sec: 3,
             etcd_timeout_ms: 2_000,
+            peer_listen: None,
         })
     );
     let config = parse(&with(
         "name = \"prod\"\netcd_endpoints = [\"[::1]:2379\"]\nlease_ttl_sec = 4\n\
-         keepalive_interval_sec = 2\netcd_timeout_ms = 500",
+         keepalive_interval_sec = 2\netcd_timeout_ms = 500\npeer_listen = \"127.0.0.1:7444\"",
     ))
     .unwrap();
     assert_eq!(
@@ -509,6 +510,7 @@ fn cluster_table_defaults_parse_and_refuse_bad_values() {
             lease_ttl_sec: 4,
             keepalive_interval_sec: 2,
             etcd_timeout_ms: 500,
+            peer_listen: Some("127.0.0.1:7444".parse().unwrap()),
         })
     );
     for (table, why) in [
@@ -535,6 +537,10 @@ fn cluster_table_defaults_parse_and_refuse_bad_values() {
             "etcd_endpoints = [\"a:2379\"]\nname = \"a/b\"",
             "cluster.name: ",
         ),
+        (
+            "etcd_endpoints = [\"a:2379\"]\npeer_listen = \"peer:7444\"",
+            "cluster.peer_listen: \"peer:7444\" is not an IP:port socket address",
+        ),
     ] {
         let got = error(&with(table));
         assert!(
@@ -542,6 +548,33 @@ fn cluster_table_defaults_parse_and_refuse_bad_values() {
             "{table}: {got}"
         );
     }
+    // The peer listener serves other Edges with the [tls] identity.
+    let insecure = BASE
+        .replace(
+            "[tls]\nca = \"certs/ca.pem\"\ncert = \"certs/edge.pem\"\nkey = \"certs/edge-key.pem\"\n",
+            "",
+        )
+        .replace(
+            "node_listen = \"127.0.0.1:7443\"\n",
+            "node_listen = \"127.0.0.1:7443\"\ninsecure_plaintext_nodes = true\n",
+        );
+    let insecure_peer = format!(
+        "{insecure}\n[cluster]\netcd_endpoints = [\"a:2379\"]\npeer_listen = \"127.0.0.1:7444\"\n"
+    );
+    assert_eq!(
+        error(&insecure_peer),
+        "conf/edge.toml: cluster.peer_listen: needs [tls]: other Edges are served over mTLS \
+         with this Edge's identity"
+    );
+    let insecure_no_peer = format!("{insecure}\n[cluster]\netcd_endpoints = [\"a:2379\"]\n");
+    assert_eq!(
+        parse(&insecure_no_peer)
+            .unwrap()
+            .cluster
+            .unwrap()
+            .peer_listen,
+        None
+    );
 }
 
 #[test]
