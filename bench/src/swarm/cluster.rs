@@ -10,15 +10,14 @@
 //!
 //! all Edges hold their lease ─ every node dials at once ─ all ready ─ /status of each
 //!   agrees with the swarm on who owns which node
+//! pairs of requests to a random node's pinned model: to the Edge owning it, then to
+//!   another Edge, which forwards it over its peer listener (dispatch latency of both)
 //! SIGKILL edge-a ─ its nodes redial (interval ± jitter), the dead address refuses,
 //!   the next one takes them ─ all ready again on edge-b / edge-c
 //!   meanwhile: etcd drops edge-a's edge key when its lease expires (polled)
 //! /status of each survivor: every node owned by a live Edge, the one it is on
 //! one request to the pinned model of re-homed nodes, through their new Edge
 //! ```
-//!
-//! Requests forwarded between Edges are not measured: the Edges do not
-//! forward yet (no peer links).
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -33,7 +32,9 @@ use node_bin::supervisor::Jitter;
 
 use super::client::Probe;
 use super::node::{DialPolicy, SwarmState};
-use super::report::{ClusterReport, EdgeFigures, NodeAcrossKill, OwnershipCheck, RehomeFigures};
+use super::report::{
+    ClusterReport, EdgeFigures, ForwardedFigures, NodeAcrossKill, OwnershipCheck, RehomeFigures,
+};
 use super::run::{mint_fleet, parse_addr, phase_figures, Command, Cpu, SwarmThread};
 use super::topology::{ClusterTable, EdgeRole, Topology, CLUSTER_NAME};
 use super::SwarmOptions;
@@ -258,6 +259,88 @@ fn settle_ownership(
     }
 }
 
+/// The value of the unlabelled counter `name` in a `/metrics` text.
+fn counter_value(metrics: &str, name: &str) -> Option<u64> {
+    metrics.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok()).flatten()
+    })
+}
+
+/// Forwarded requests the Edges took from their peers, summed.
+fn peer_requests(edges: &[ClusterEdge]) -> Result<u64, CompareError> {
+    const NAME: &str = "iop_edge_cluster_peer_requests_total";
+    let mut sum = 0;
+    for e in edges {
+        let target = Target::parse(&format!("http://{}", e.client))?;
+        let (code, body) = load::get_blocking(&target, "/metrics")?;
+        let value = std::str::from_utf8(&body)
+            .ok()
+            .filter(|_| code == 200)
+            .and_then(|text| counter_value(text, NAME))
+            .ok_or_else(|| {
+                CompareError::Swarm(format!("{}: /metrics (HTTP {code}) has no {NAME}", e.name))
+            })?;
+        sum += value;
+    }
+    Ok(sum)
+}
+
+/// Sends `pairs` pairs of requests for the pinned model of a random node:
+/// to the Edge that owns it, then to a random other Edge (which forwards
+/// it). One unmeasured request per (entry, owner) pair of Edges first, so
+/// that the peer connections are open.
+fn measure_forwarding(
+    swarm: &SwarmThread,
+    edges: &[ClusterEdge],
+    state: &SwarmState,
+    n: usize,
+    pairs: usize,
+    rng: &mut SplitMix64,
+) -> Result<ForwardedFigures, CompareError> {
+    let count = edges.len();
+    let owner = |i: usize| state.ready_times(i).map(|t| t.edge);
+    let mut seq = 2_000_000;
+    let mut probe = |i: usize| {
+        seq += 1;
+        Probe {
+            seq,
+            model: Topology::pinned_model(i),
+            expect_node: Some(Topology::node_id(i)),
+        }
+    };
+    let mut warm_up = Vec::new();
+    for o in 0..count {
+        let Some(i) = (0..n).find(|&i| owner(i) == Some(o)) else {
+            continue;
+        };
+        for e in (0..count).filter(|&e| e != o) {
+            warm_up.push((edges[e].client, probe(i)));
+        }
+    }
+    swarm.probe_each(warm_up)?;
+    let before = peer_requests(edges)?;
+    let mut list = Vec::with_capacity(2 * pairs);
+    for _ in 0..pairs {
+        let i = rng.below(n as u64) as usize;
+        let o = owner(i).unwrap_or(0).min(count - 1);
+        let k = rng.below(count as u64 - 1) as usize;
+        let other = if k >= o { k + 1 } else { k };
+        list.push((edges[o].client, probe(i)));
+        list.push((edges[other].client, probe(i)));
+    }
+    let outcomes = swarm.probe_each(list)?;
+    let after = peer_requests(edges)?;
+    let pairs: Vec<_> = outcomes
+        .chunks(2)
+        .filter_map(|pair| match pair {
+            [direct, forwarded] => Some((direct.clone(), forwarded.clone())),
+            _ => None,
+        })
+        .collect();
+    Ok(ForwardedFigures::of(&pairs, after.saturating_sub(before)))
+}
+
 /// Runs the cluster measurement with `count` Edges in `dir`.
 pub fn run(
     opts: &SwarmOptions,
@@ -285,6 +368,7 @@ pub fn run(
         etcd_endpoints: vec![etcd.endpoint.clone()],
         lease_ttl_sec: LEASE_TTL_SEC,
         keepalive_interval_sec: KEEPALIVE_INTERVAL_SEC,
+        peer_listen: Some("127.0.0.1:0".into()),
     };
 
     eprintln!("swarm cluster: minting {n} node certificates and {count} Edge certificates");
@@ -414,6 +498,9 @@ pub fn run(
     for e in &edges {
         rss.push(procstat::read_rss_kib(e.proc.pid())?);
     }
+    let pairs = (opts.probes / 2).max(1) as usize;
+    eprintln!("swarm cluster: {pairs} direct/forwarded request pairs");
+    let forwarded = measure_forwarding(&swarm, &edges, &state, n, pairs, &mut rng)?;
 
     // The kill.
     let killed = KILLED;
@@ -566,8 +653,32 @@ pub fn run(
         rehome,
         lease_expired_ms: lease_expired_ns.map(ms),
         rehomed_after_expiry,
+        forwarded,
         ownership,
         served_after,
         notes: state.notes(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unlabelled_counter_is_read_from_metrics_text() {
+        let text = "# HELP iop_edge_cluster_peer_requests_total Inference requests.\n\
+                    # TYPE iop_edge_cluster_peer_requests_total counter\n\
+                    iop_edge_cluster_peer_requests_total_other 9\n\
+                    iop_edge_cluster_forwarded_total{edge=\"edge-b\",outcome=\"ok\"} 4\n\
+                    iop_edge_cluster_peer_requests_total 17\n";
+        assert_eq!(
+            counter_value(text, "iop_edge_cluster_peer_requests_total"),
+            Some(17)
+        );
+        assert_eq!(
+            counter_value(text, "iop_edge_cluster_forwarded_total"),
+            None
+        );
+        assert_eq!(counter_value("", "x"), None);
+    }
 }

@@ -332,6 +332,24 @@ pub fn tunnel_reply(request: &pb::ProviderTunnelRequest, node_id: &str) -> Tunne
     }
 }
 
+/// The answer to a node command: `METRICS` (which the Edge sends every
+/// node when its `/metrics` is scraped) gets an empty series — a
+/// simulated node has none — so a scrape neither waits nor counts an
+/// error; every other command is refused, naming why.
+pub fn command_reply(request: &pb::NodeCommandRequest) -> pb::NodeCommandResponse {
+    let metrics = request.r#type == pb::CommandType::Metrics as i32;
+    pb::NodeCommandResponse {
+        command_id: request.command_id.clone(),
+        ok: metrics,
+        error: if metrics {
+            String::new()
+        } else {
+            "a bench swarm node runs no commands but METRICS".into()
+        },
+        ..Default::default()
+    }
+}
+
 fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
 }
@@ -434,6 +452,10 @@ async fn session(
             Some(Body::ProviderTunnelRequest(request)) => {
                 state.saw_tunnel(&request);
                 monoio::spawn(answer(conn.clone(), *request, node_id.clone()));
+            }
+            Some(Body::NodeCommandRequest(request)) => {
+                let reply = command_reply(&request);
+                let _ = conn.send_control(frame(Body::NodeCommandResponse(Box::new(reply))));
             }
             // Every tunnel is answered at once; a cancel finds it done.
             Some(Body::CancelRequest(_)) | None => {}
@@ -543,6 +565,37 @@ mod tests {
         assert_eq!(
             found.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
             ["127.0.0.1:7001", "127.0.0.1:7002", "[::1]:7003"]
+        );
+    }
+
+    #[test]
+    fn metrics_commands_get_an_empty_series_and_others_a_refusal() {
+        let metrics = pb::NodeCommandRequest {
+            command_id: "c-1".into(),
+            r#type: pb::CommandType::Metrics as i32,
+            ..Default::default()
+        };
+        assert_eq!(
+            command_reply(&metrics),
+            pb::NodeCommandResponse {
+                command_id: "c-1".into(),
+                ok: true,
+                ..Default::default()
+            }
+        );
+        let capabilities = pb::NodeCommandRequest {
+            command_id: "c-2".into(),
+            r#type: pb::CommandType::Capabilities as i32,
+            ..Default::default()
+        };
+        assert_eq!(
+            command_reply(&capabilities),
+            pb::NodeCommandResponse {
+                command_id: "c-2".into(),
+                ok: false,
+                error: "a bench swarm node runs no commands but METRICS".into(),
+                ..Default::default()
+            }
         );
     }
 

@@ -218,6 +218,9 @@ pub struct ClusterReport {
     /// after its lease expired (until then their owner keys still named
     /// the dead Edge; the expiry deleted them).
     pub rehomed_after_expiry: Option<usize>,
+    /// With all Edges up: requests sent to the Edge owning their node
+    /// against requests sent to another Edge, which forwards them.
+    pub forwarded: ForwardedFigures,
     /// Each surviving Edge's `/status` after the re-homing and the lease
     /// expiry: who owns which node.
     pub ownership: Vec<OwnershipCheck>,
@@ -226,6 +229,127 @@ pub struct ClusterReport {
     pub served_after: Vec<ProbeOutcome>,
     /// Problems the nodes noted (refusals, failed handshakes), first few.
     pub notes: Vec<String>,
+}
+
+/// Latencies of one path, in microseconds (nearest rank).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Samples.
+    pub count: usize,
+    /// Median.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// Largest.
+    pub max_us: f64,
+}
+
+impl Percentiles {
+    /// The percentiles of `ns` (sorted here).
+    pub fn of(mut ns: Vec<u64>) -> Self {
+        ns.sort_unstable();
+        let us = |v: u64| v as f64 / 1e3;
+        Percentiles {
+            count: ns.len(),
+            p50_us: us(nearest_rank(&ns, 50.0)),
+            p99_us: us(nearest_rank(&ns, 99.0)),
+            max_us: us(ns.last().copied().unwrap_or(0)),
+        }
+    }
+}
+
+/// Requests for the pinned model of a random node, in pairs: one sent to
+/// the Edge that owns the node (direct), then one to another Edge, which
+/// forwards it over its peer link to the owner (forwarded). Each must be
+/// answered by that node.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ForwardedFigures {
+    /// Pairs sent (after one unmeasured warm-up request per pair of Edges,
+    /// which opens the peer connections).
+    pub pairs: usize,
+    /// Pairs in which both requests were answered by their node (the
+    /// figures below are theirs).
+    pub pairs_ok: usize,
+    /// Dispatch latency (client request written → tunnel request read by
+    /// the node), direct.
+    pub direct_dispatch: Percentiles,
+    /// The same, forwarded.
+    pub forwarded_dispatch: Percentiles,
+    /// Round trip (request written → answer read), direct.
+    pub direct_round_trip: Percentiles,
+    /// The same, forwarded.
+    pub forwarded_round_trip: Percentiles,
+    /// What forwarding adds to the dispatch latency: forwarded − direct,
+    /// at the median, µs.
+    pub added_dispatch_p50_us: f64,
+    /// At the 99th percentile.
+    pub added_dispatch_p99_us: f64,
+    /// What it adds to the round trip, at the median.
+    pub added_round_trip_p50_us: f64,
+    /// At the 99th percentile.
+    pub added_round_trip_p99_us: f64,
+    /// The first failed requests.
+    pub errors: Vec<String>,
+    /// Forwarded requests the owning Edges counted from their peers while
+    /// the pairs ran (`iop_edge_cluster_peer_requests_total`, summed over
+    /// the Edges): `pairs` when every forwarded request took the peer path.
+    pub peer_requests: u64,
+}
+
+/// Failed requests kept in [`ForwardedFigures::errors`].
+const MAX_FORWARD_ERRORS: usize = 5;
+
+impl ForwardedFigures {
+    /// The figures of `pairs` (direct, forwarded), with `peer_requests`
+    /// counted by the owning Edges meanwhile.
+    pub fn of(pairs: &[(ProbeOutcome, ProbeOutcome)], peer_requests: u64) -> Self {
+        let mut dispatch = (Vec::new(), Vec::new());
+        let mut round_trip = (Vec::new(), Vec::new());
+        let mut errors = Vec::new();
+        for (direct, forwarded) in pairs {
+            let bad: Vec<&ProbeOutcome> = [direct, forwarded]
+                .into_iter()
+                .filter(|p| !p.is_ok() || p.dispatch_ns.is_none())
+                .collect();
+            if !bad.is_empty() {
+                for p in bad {
+                    if errors.len() < MAX_FORWARD_ERRORS {
+                        errors.push(format!(
+                            "{} (for {}): served by {:?}, error {:?}",
+                            p.model,
+                            p.expect_node.as_deref().unwrap_or("?"),
+                            p.served_by,
+                            p.error
+                        ));
+                    }
+                }
+                continue;
+            }
+            dispatch.0.push(direct.dispatch_ns.unwrap_or(0));
+            dispatch.1.push(forwarded.dispatch_ns.unwrap_or(0));
+            round_trip.0.push(direct.round_trip_ns);
+            round_trip.1.push(forwarded.round_trip_ns);
+        }
+        let pairs_ok = dispatch.0.len();
+        let (direct_dispatch, forwarded_dispatch) =
+            (Percentiles::of(dispatch.0), Percentiles::of(dispatch.1));
+        let (direct_round_trip, forwarded_round_trip) =
+            (Percentiles::of(round_trip.0), Percentiles::of(round_trip.1));
+        ForwardedFigures {
+            pairs: pairs.len(),
+            pairs_ok,
+            added_dispatch_p50_us: forwarded_dispatch.p50_us - direct_dispatch.p50_us,
+            added_dispatch_p99_us: forwarded_dispatch.p99_us - direct_dispatch.p99_us,
+            added_round_trip_p50_us: forwarded_round_trip.p50_us - direct_round_trip.p50_us,
+            added_round_trip_p99_us: forwarded_round_trip.p99_us - direct_round_trip.p99_us,
+            direct_dispatch,
+            forwarded_dispatch,
+            direct_round_trip,
+            forwarded_round_trip,
+            errors,
+            peer_requests,
+        }
+    }
 }
 
 /// One Edge of a cluster run.
@@ -431,6 +555,22 @@ impl ClusterReport {
     /// What makes a cluster run a failure.
     pub fn problems(&self) -> Vec<String> {
         let mut problems = Vec::new();
+        let f = &self.forwarded;
+        if f.pairs_ok != f.pairs {
+            problems.push(format!(
+                "cluster: {} of {} direct/forwarded request pairs failed: {:?}",
+                f.pairs - f.pairs_ok,
+                f.pairs,
+                f.errors
+            ));
+        }
+        if f.peer_requests != f.pairs as u64 {
+            problems.push(format!(
+                "cluster: {} requests were sent to an Edge not owning their node, and the owning \
+                 Edges counted {} from their peers",
+                f.pairs, f.peer_requests
+            ));
+        }
         let r = &self.rehome;
         if r.rehomed != r.moved {
             problems.push(format!(
@@ -568,6 +708,28 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
         ms(c.cold.all_ready_ms),
         us(c.cold.connect_to_ready.p50_us),
         us(c.cold.connect_to_ready.p99_us)
+    );
+    let f = &c.forwarded;
+    let _ = writeln!(
+        t,
+        "forwarded: {} of {} pairs ok ({} counted by the owning Edges); dispatch direct p50 {} \
+         p99 {}, forwarded p50 {} p99 {}: +{} at p50, +{} at p99; round trip direct p50 {} p99 {}, \
+         forwarded p50 {} p99 {}: +{} at p50, +{} at p99",
+        f.pairs_ok,
+        f.pairs,
+        f.peer_requests,
+        us(f.direct_dispatch.p50_us),
+        us(f.direct_dispatch.p99_us),
+        us(f.forwarded_dispatch.p50_us),
+        us(f.forwarded_dispatch.p99_us),
+        us(f.added_dispatch_p50_us),
+        us(f.added_dispatch_p99_us),
+        us(f.direct_round_trip.p50_us),
+        us(f.direct_round_trip.p99_us),
+        us(f.forwarded_round_trip.p50_us),
+        us(f.forwarded_round_trip.p99_us),
+        us(f.added_round_trip_p50_us),
+        us(f.added_round_trip_p99_us),
     );
     let r = &c.rehome;
     let _ = writeln!(
@@ -836,6 +998,62 @@ mod tests {
         );
     }
 
+    #[test]
+    fn forwarding_adds_the_difference_of_percentiles_of_matched_ok_pairs() {
+        let probe =
+            |node: &str, served: Option<&str>, dispatch_us: u64, round_trip_us: u64| ProbeOutcome {
+                seq: 0,
+                model: format!("swarm-{node}"),
+                expect_node: Some(node.into()),
+                served_by: served.map(str::to_string),
+                dispatch_ns: Some(dispatch_us * 1_000),
+                round_trip_ns: round_trip_us * 1_000,
+                error: None,
+            };
+        let ok = |d: u64, f: u64| {
+            (
+                probe("n00001", Some("n00001"), d, 2 * d),
+                probe("n00001", Some("n00001"), f, 3 * f),
+            )
+        };
+        let mut pairs = vec![ok(100, 250), ok(300, 400), ok(200, 500)];
+        // A forwarded request answered by another node: the pair is left
+        // out of both sides.
+        pairs.push((
+            probe("n00002", Some("n00002"), 1, 1),
+            probe("n00002", Some("n00009"), 9_999, 9_999),
+        ));
+        let f = ForwardedFigures::of(&pairs, 4);
+        assert_eq!((f.pairs, f.pairs_ok, f.peer_requests), (4, 3, 4));
+        assert_eq!(
+            f.direct_dispatch,
+            Percentiles {
+                count: 3,
+                p50_us: 200.0,
+                p99_us: 300.0,
+                max_us: 300.0
+            }
+        );
+        assert_eq!(
+            (f.forwarded_dispatch.p50_us, f.forwarded_dispatch.p99_us),
+            (400.0, 500.0)
+        );
+        assert_eq!(
+            (f.added_dispatch_p50_us, f.added_dispatch_p99_us),
+            (200.0, 200.0)
+        );
+        // Round trips: direct 200/400/600, forwarded 750/1200/1500.
+        assert_eq!(
+            (f.added_round_trip_p50_us, f.added_round_trip_p99_us),
+            (800.0, 900.0)
+        );
+        assert_eq!(
+            f.errors,
+            ["swarm-n00002 (for n00002): served by Some(\"n00009\"), error None".to_string()]
+        );
+        assert_eq!(ForwardedFigures::of(&[], 0), ForwardedFigures::default());
+    }
+
     fn cluster_status(edges: &[&str], owners: &[(&str, &str)]) -> serde_json::Value {
         serde_json::json!({
             "providers": [],
@@ -944,6 +1162,7 @@ mod tests {
                 etcd_endpoints: vec!["127.0.0.1:2379".into()],
                 lease_ttl_sec: 4,
                 keepalive_interval_sec: 1,
+                peer_listen: None,
             },
             edges: Vec::new(),
             cold: PhaseFigures::default(),
@@ -955,6 +1174,7 @@ mod tests {
             },
             lease_expired_ms: Some(3_500.0),
             rehomed_after_expiry: Some(0),
+            forwarded: ForwardedFigures::default(),
             ownership: vec![OwnershipCheck {
                 edge: "edge-b".into(),
                 owned: 3,
@@ -964,6 +1184,18 @@ mod tests {
             notes: Vec::new(),
         };
         assert_eq!(report.problems(), Vec::<String>::new());
+        report.forwarded.pairs = 2;
+        report.forwarded.pairs_ok = 2;
+        report.forwarded.peer_requests = 1;
+        assert_eq!(
+            report.problems(),
+            [
+                "cluster: 2 requests were sent to an Edge not owning their node, and the owning \
+              Edges counted 1 from their peers"
+                    .to_string()
+            ]
+        );
+        report.forwarded.peer_requests = 2;
         report.rehome.rehomed = 1;
         report.rehome.disturbed = 4;
         report.lease_expired_ms = None;

@@ -61,11 +61,10 @@ const PROBE_WAIT_MS: u64 = 500;
 pub(super) enum Command {
     /// Start every node (each dials at once).
     Dial,
-    /// Send these probes to the Edge whose client listener is `edge`, one
-    /// at a time, and answer.
+    /// Send these probes, each to the Edge client listener paired with
+    /// it, one at a time, and answer.
     Probe {
-        edge: SocketAddr,
-        probes: Vec<Probe>,
+        probes: Vec<(SocketAddr, Probe)>,
         reply: mpsc::Sender<Vec<ProbeOutcome>>,
     },
     /// End the thread (its runtime and every connection with it).
@@ -104,12 +103,8 @@ impl SwarmThread {
                                     monoio::spawn(run_node(node, edges, state, seed));
                                 }
                             }
-                            Command::Probe {
-                                edge,
-                                probes,
-                                reply,
-                            } => {
-                                let _ = reply.send(run_probes(edge, probes, &state).await);
+                            Command::Probe { probes, reply } => {
+                                let _ = reply.send(run_probes(probes, &state).await);
                             }
                             Command::Stop => break,
                         }
@@ -141,13 +136,18 @@ impl SwarmThread {
         edge: SocketAddr,
         probes: Vec<Probe>,
     ) -> Result<Vec<ProbeOutcome>, CompareError> {
+        self.probe_each(probes.into_iter().map(|p| (edge, p)).collect())
+    }
+
+    /// Sends each probe to the Edge client listener paired with it, in
+    /// order; the outcomes are in the same order.
+    pub(super) fn probe_each(
+        &self,
+        probes: Vec<(SocketAddr, Probe)>,
+    ) -> Result<Vec<ProbeOutcome>, CompareError> {
         let count = probes.len() as u64;
         let (reply, answer) = mpsc::channel();
-        self.send(Command::Probe {
-            edge,
-            probes,
-            reply,
-        })?;
+        self.send(Command::Probe { probes, reply })?;
         answer
             .recv_timeout(Duration::from_millis(30_000 + count * PROBE_WAIT_MS))
             .map_err(|_| CompareError::Swarm("the probes did not finish".into()))

@@ -61,6 +61,10 @@ pub struct ClusterTable {
     pub lease_ttl_sec: u64,
     /// `keepalive_interval_sec`.
     pub keepalive_interval_sec: u64,
+    /// `peer_listen` (`127.0.0.1:0` picks a port): where other Edges
+    /// forward requests for the nodes this Edge owns; `None`: no peer
+    /// listener (the Edge forwards, but takes no forwarded request).
+    pub peer_listen: Option<String>,
 }
 
 /// Which Edge a configuration is for.
@@ -180,6 +184,9 @@ key = "certs/{key}"
                  keepalive_interval_sec = {}\n",
                 cluster.name, cluster.lease_ttl_sec, cluster.keepalive_interval_sec
             );
+            if let Some(peer_listen) = &cluster.peer_listen {
+                let _ = writeln!(t, "peer_listen = \"{peer_listen}\"");
+            }
         }
         for i in 0..self.nodes {
             let node = Self::node_id(i);
@@ -262,6 +269,7 @@ mod tests {
             etcd_endpoints: vec!["127.0.0.1:2379".into(), "127.0.0.1:2381".into()],
             lease_ttl_sec: 4,
             keepalive_interval_sec: 1,
+            peer_listen: Some("127.0.0.1:0".into()),
         };
         let toml = t.edge_toml_as(
             EdgeRole::Member {
@@ -291,6 +299,7 @@ name = "swarm"
 etcd_endpoints = ["127.0.0.1:2379", "127.0.0.1:2381"]
 lease_ttl_sec = 4
 keepalive_interval_sec = 1
+peer_listen = "127.0.0.1:0"
 
 [[nodes]]
 id = "n00000"
