@@ -293,7 +293,11 @@ pub struct ForwardedFigures {
     /// Forwarded requests the owning Edges counted from their peers while
     /// the pairs ran (`iop_edge_cluster_peer_requests_total`, summed over
     /// the Edges): `pairs` when every forwarded request took the peer path.
-    pub peer_requests: u64,
+    /// `None` when an Edge's `/metrics` did not show the counter (edge-bin
+    /// cuts its exposition at 20,000 lines). A forwarded request answered
+    /// by its node is proof enough on its own: the entry Edge has no
+    /// session with that node.
+    pub peer_requests: Option<u64>,
 }
 
 /// Failed requests kept in [`ForwardedFigures::errors`].
@@ -302,7 +306,7 @@ const MAX_FORWARD_ERRORS: usize = 5;
 impl ForwardedFigures {
     /// The figures of `pairs` (direct, forwarded), with `peer_requests`
     /// counted by the owning Edges meanwhile.
-    pub fn of(pairs: &[(ProbeOutcome, ProbeOutcome)], peer_requests: u64) -> Self {
+    pub fn of(pairs: &[(ProbeOutcome, ProbeOutcome)], peer_requests: Option<u64>) -> Self {
         let mut dispatch = (Vec::new(), Vec::new());
         let mut round_trip = (Vec::new(), Vec::new());
         let mut errors = Vec::new();
@@ -564,11 +568,11 @@ impl ClusterReport {
                 f.errors
             ));
         }
-        if f.peer_requests != f.pairs as u64 {
+        if let Some(counted) = f.peer_requests.filter(|&c| c != f.pairs as u64) {
             problems.push(format!(
                 "cluster: {} requests were sent to an Edge not owning their node, and the owning \
-                 Edges counted {} from their peers",
-                f.pairs, f.peer_requests
+                 Edges counted {counted} from their peers",
+                f.pairs
             ));
         }
         let r = &self.rehome;
@@ -665,6 +669,12 @@ fn us(v: f64) -> String {
     }
 }
 
+/// A difference in µs, with its sign (`+148 µs`, `−126 µs`).
+fn signed_us(v: f64) -> String {
+    let sign = if v < 0.0 { "−" } else { "+" };
+    format!("{sign}{}", us(v.abs()))
+}
+
 fn ns(v: f64) -> String {
     if v >= 1e6 {
         format!("{:.2} ms", v / 1e6)
@@ -713,23 +723,24 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
     let _ = writeln!(
         t,
         "forwarded: {} of {} pairs ok ({} counted by the owning Edges); dispatch direct p50 {} \
-         p99 {}, forwarded p50 {} p99 {}: +{} at p50, +{} at p99; round trip direct p50 {} p99 {}, \
-         forwarded p50 {} p99 {}: +{} at p50, +{} at p99",
+         p99 {}, forwarded p50 {} p99 {}: {} at p50, {} at p99; round trip direct p50 {} p99 {}, \
+         forwarded p50 {} p99 {}: {} at p50, {} at p99",
         f.pairs_ok,
         f.pairs,
-        f.peer_requests,
+        f.peer_requests
+            .map_or("not readable in /metrics".to_string(), |n| n.to_string()),
         us(f.direct_dispatch.p50_us),
         us(f.direct_dispatch.p99_us),
         us(f.forwarded_dispatch.p50_us),
         us(f.forwarded_dispatch.p99_us),
-        us(f.added_dispatch_p50_us),
-        us(f.added_dispatch_p99_us),
+        signed_us(f.added_dispatch_p50_us),
+        signed_us(f.added_dispatch_p99_us),
         us(f.direct_round_trip.p50_us),
         us(f.direct_round_trip.p99_us),
         us(f.forwarded_round_trip.p50_us),
         us(f.forwarded_round_trip.p99_us),
-        us(f.added_round_trip_p50_us),
-        us(f.added_round_trip_p99_us),
+        signed_us(f.added_round_trip_p50_us),
+        signed_us(f.added_round_trip_p99_us),
     );
     let r = &c.rehome;
     let _ = writeln!(
@@ -1023,8 +1034,8 @@ mod tests {
             probe("n00002", Some("n00002"), 1, 1),
             probe("n00002", Some("n00009"), 9_999, 9_999),
         ));
-        let f = ForwardedFigures::of(&pairs, 4);
-        assert_eq!((f.pairs, f.pairs_ok, f.peer_requests), (4, 3, 4));
+        let f = ForwardedFigures::of(&pairs, Some(4));
+        assert_eq!((f.pairs, f.pairs_ok, f.peer_requests), (4, 3, Some(4)));
         assert_eq!(
             f.direct_dispatch,
             Percentiles {
@@ -1051,7 +1062,11 @@ mod tests {
             f.errors,
             ["swarm-n00002 (for n00002): served by Some(\"n00009\"), error None".to_string()]
         );
-        assert_eq!(ForwardedFigures::of(&[], 0), ForwardedFigures::default());
+        assert_eq!(ForwardedFigures::of(&[], None), ForwardedFigures::default());
+        assert_eq!(
+            (signed_us(-126.4), signed_us(148.0)),
+            ("−126 µs".to_string(), "+148 µs".to_string())
+        );
     }
 
     fn cluster_status(edges: &[&str], owners: &[(&str, &str)]) -> serde_json::Value {
@@ -1186,7 +1201,7 @@ mod tests {
         assert_eq!(report.problems(), Vec::<String>::new());
         report.forwarded.pairs = 2;
         report.forwarded.pairs_ok = 2;
-        report.forwarded.peer_requests = 1;
+        report.forwarded.peer_requests = Some(1);
         assert_eq!(
             report.problems(),
             [
@@ -1195,7 +1210,10 @@ mod tests {
                     .to_string()
             ]
         );
-        report.forwarded.peer_requests = 2;
+        // Not readable: no problem of its own (the answers prove the path).
+        report.forwarded.peer_requests = None;
+        assert_eq!(report.problems(), Vec::<String>::new());
+        report.forwarded.peer_requests = Some(2);
         report.rehome.rehomed = 1;
         report.rehome.disturbed = 4;
         report.lease_expired_ms = None;
