@@ -722,13 +722,13 @@ fn render_cluster(t: &mut String, c: &ClusterReport) {
     let f = &c.forwarded;
     let _ = writeln!(
         t,
-        "forwarded: {} of {} pairs ok ({} counted by the owning Edges); dispatch direct p50 {} \
+        "forwarded: {} of {} pairs ok (owning Edges' peer-request count: {}); dispatch direct p50 {} \
          p99 {}, forwarded p50 {} p99 {}: {} at p50, {} at p99; round trip direct p50 {} p99 {}, \
          forwarded p50 {} p99 {}: {} at p50, {} at p99",
         f.pairs_ok,
         f.pairs,
         f.peer_requests
-            .map_or("not readable in /metrics".to_string(), |n| n.to_string()),
+            .map_or("not in /metrics".to_string(), |n| n.to_string()),
         us(f.direct_dispatch.p50_us),
         us(f.direct_dispatch.p99_us),
         us(f.forwarded_dispatch.p50_us),
