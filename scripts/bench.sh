@@ -34,9 +34,19 @@
 #                                    and off), dispatch latency, heartbeat CPU, Control's
 #                                    decision costs; writes bench/results/swarm-<unix-ts>.json
 #                                    (about 3 minutes; --quick: about 40 s)
+#   scripts/bench.sh --swarm-cluster instead of the comparison, run `bench swarm --cluster 3`:
+#                                    one etcd, three Edges of one cluster (each --cores 0, its
+#                                    own name and certificate, etcd lease 4 s) and 1,000
+#                                    simulated Nodes dialling all three in a fresh shuffled
+#                                    order; one Edge is SIGKILLed and the re-homing of its
+#                                    nodes is measured (time until all ready again, per-node
+#                                    p50/p99/max, lease expiry, /status ownership); writes
+#                                    bench/results/swarm-cluster-<unix-ts>.json (needs the etcd
+#                                    binary: apt-get install etcd-server; about a minute;
+#                                    --quick: 200 nodes, 1 s reconnect)
 #   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
-#                                    --cores-scaling, `bench swarm` with --swarm; see
-#                                    `bench compare --help`)
+#                                    --cores-scaling, `bench swarm` with --swarm or
+#                                    --swarm-cluster; see `bench compare --help`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +54,7 @@ quick=0
 peer_nginx=0
 cores_scaling=0
 swarm=0
+swarm_cluster=0
 extra=()
 bin_dir=""
 while [ $# -gt 0 ]; do
@@ -54,6 +65,7 @@ while [ $# -gt 0 ]; do
     --peer-nginx-chain) peer_nginx=chain ;;
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
+    --swarm-cluster) swarm_cluster=1 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -69,15 +81,16 @@ else
   bin=$PWD/target/release
 fi
 
-if [ "$swarm" = 1 ]; then
-  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ]; then
-    echo "--swarm runs on its own: drop --peer-nginx and --cores-scaling" >&2
+if [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
+  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm$swarm_cluster" = 11 ]; then
+    echo "--swarm and --swarm-cluster run on their own: use one, without --peer-nginx and --cores-scaling" >&2
     exit 2
   fi
   # One socket per node in the harness and in the Edge: raise the soft
   # open-file limit to the hard one (bench swarm does too, and says so).
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
   args=(swarm --bin-dir "$bin" --out bench/results)
+  if [ "$swarm_cluster" = 1 ]; then args+=(--cluster 3); fi
   if [ "$quick" = 1 ]; then args+=(--quick); fi
   echo "==> $bin/bench ${args[*]} ${extra[*]}"
   exec "$bin/bench" "${args[@]}" "${extra[@]}"

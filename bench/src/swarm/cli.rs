@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use argh::FromArgs;
 
-use super::topology::MAX_NODES;
+use super::topology::{MAX_CLUSTER_EDGES, MAX_NODES};
 use super::SwarmOptions;
 use crate::compare::install_stop_handlers;
 use crate::load::cli::seconds_to_ms;
@@ -17,6 +17,10 @@ use crate::load::cli::seconds_to_ms;
 pub const DEFAULT_LADDER: [usize; 3] = [10, 100, 1_000];
 /// Largest `--providers-per-node`.
 pub const MAX_PROVIDERS_PER_NODE: usize = 64;
+/// `--nodes` without it.
+pub const DEFAULT_NODES: usize = 1_000;
+/// `--nodes` without it in a quick `--cluster` run.
+pub const QUICK_CLUSTER_NODES: usize = 200;
 
 /// One Edge, up to thousands of Nodes: for each fleet size, N simulated
 /// nodes in this process (each its own mTLS connection and certificate)
@@ -25,13 +29,22 @@ pub const MAX_PROVIDERS_PER_NODE: usize = 64;
 /// and off), dispatch latency, the Edge's heartbeat CPU, and Control's
 /// decision costs; writes a JSON report. Exits 1 if a fleet did not
 /// become ready or a request was not served by the node it was meant for.
+/// With --cluster N: N Edges of one cluster over a real etcd, the fleet
+/// spread over them; one Edge is killed and the time for its nodes to
+/// re-home on the others is measured (swarm-cluster-<ts>.json).
 #[derive(FromArgs, Debug, Clone, PartialEq, Default)]
 #[argh(subcommand, name = "swarm")]
 pub struct SwarmArgs {
     /// largest fleet: nodes the Edge expects and the swarm connects
-    /// (default 1000)
-    #[argh(option, default = "1_000")]
-    pub nodes: usize,
+    /// (default 1000; quick --cluster 200)
+    #[argh(option)]
+    pub nodes: Option<usize>,
+    /// run N Edges (2 to 8) as one cluster over a real etcd instead of one
+    /// Edge: the whole fleet comes up spread over them, one Edge is killed
+    /// (SIGKILL) and the re-homing of its nodes is measured; needs the etcd
+    /// binary (`apt-get install etcd-server`)
+    #[argh(option)]
+    pub cluster: Option<usize>,
     /// fleet sizes to measure, comma-separated, each at most --nodes
     /// (default: 10,100,1000 below --nodes, then --nodes)
     #[argh(option)]
@@ -105,17 +118,35 @@ impl SwarmArgs {
     /// `clock_seed` the seed used without `--seed`.
     pub fn resolve(&self, exe: &Path, clock_seed: u64) -> Result<SwarmOptions, String> {
         let quick = self.quick;
-        if self.nodes == 0 || self.nodes > MAX_NODES {
+        let nodes = self.nodes.unwrap_or(match self.cluster {
+            Some(_) if quick => QUICK_CLUSTER_NODES,
+            _ => DEFAULT_NODES,
+        });
+        if nodes == 0 || nodes > MAX_NODES {
             return Err(format!("--nodes must be between 1 and {MAX_NODES}"));
         }
+        if let Some(edges) = self.cluster {
+            if !(2..=MAX_CLUSTER_EDGES).contains(&edges) {
+                return Err(format!(
+                    "--cluster must be between 2 and {MAX_CLUSTER_EDGES} Edges"
+                ));
+            }
+            if self.ladder.is_some() || self.selection_only {
+                return Err("--cluster measures one fleet (--nodes): drop --ladder and \
+                            --selection-only"
+                    .into());
+            }
+        }
         let ladder = match &self.ladder {
+            // A cluster run measures the whole fleet only.
+            None if self.cluster.is_some() => vec![nodes],
             None => {
                 let mut ladder: Vec<usize> = DEFAULT_LADDER
                     .iter()
                     .copied()
-                    .filter(|&n| n < self.nodes)
+                    .filter(|&n| n < nodes)
                     .collect();
-                ladder.push(self.nodes);
+                ladder.push(nodes);
                 ladder
             }
             Some(text) => {
@@ -125,8 +156,8 @@ impl SwarmArgs {
                         Ok(n) if n > 0 => n,
                         _ => return Err(format!("--ladder: `{item}` is not a node count")),
                     };
-                    if n > self.nodes {
-                        return Err(format!("--ladder: {n} is more than --nodes {}", self.nodes));
+                    if n > nodes {
+                        return Err(format!("--ladder: {n} is more than --nodes {nodes}"));
                     }
                     ladder.push(n);
                 }
@@ -157,10 +188,10 @@ impl SwarmArgs {
         if node_bin::supervisor::Jitter::new(jitter_percent).is_none() {
             return Err("--jitter-percent must be between 0 and 100".into());
         }
-        if let Some(&bad) = self.pin_node.iter().find(|&&i| i >= self.nodes) {
+        if let Some(&bad) = self.pin_node.iter().find(|&&i| i >= nodes) {
             return Err(format!(
                 "--pin-node {bad}: nodes are numbered 0 to {}",
-                self.nodes - 1
+                nodes - 1
             ));
         }
         let heartbeat_window_ms = seconds_to_ms(
@@ -186,6 +217,7 @@ impl SwarmArgs {
         let exe_dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
         Ok(SwarmOptions {
             ladder,
+            cluster_edges: self.cluster,
             providers_per_node: self.providers_per_node,
             capacity: self.capacity,
             edge_cores: self.edge_cores.clone(),
@@ -237,9 +269,14 @@ pub fn main(args: SwarmArgs) -> ExitCode {
         }
     };
     print!("{}", super::report::render(&report));
+    let kind = if options.cluster_edges.is_some() {
+        "swarm-cluster"
+    } else {
+        "swarm"
+    };
     let path = options
         .out_dir
-        .join(format!("swarm-{}.json", report.created_unix_ms / 1000));
+        .join(format!("{kind}-{}.json", report.created_unix_ms / 1000));
     let written = std::fs::create_dir_all(&options.out_dir).and_then(|()| {
         let text = serde_json::to_string_pretty(&report).map_err(std::io::Error::other)?;
         std::fs::write(&path, text + "\n")
@@ -265,7 +302,6 @@ mod tests {
 
     fn base() -> SwarmArgs {
         SwarmArgs {
-            nodes: 1_000,
             providers_per_node: 4,
             capacity: 4,
             edge_cores: "0".into(),
@@ -296,9 +332,10 @@ mod tests {
         assert_eq!(o.reconnect_interval_ms, 10_000);
         assert_eq!(o.seed, 7);
         assert_eq!(o.bin_dir, PathBuf::from("/t/release"));
+        assert_eq!(o.cluster_edges, None);
         let o = resolve(SwarmArgs {
             quick: true,
-            nodes: 100,
+            nodes: Some(100),
             seed: Some(3),
             ..base()
         })
@@ -310,13 +347,13 @@ mod tests {
         );
         assert_eq!(o.seed, 3);
         let o = resolve(SwarmArgs {
-            nodes: 5_000,
+            nodes: Some(5_000),
             ..base()
         })
         .unwrap();
         assert_eq!(o.ladder, vec![10, 100, 1_000, 5_000]);
         let o = resolve(SwarmArgs {
-            nodes: 100,
+            nodes: Some(100),
             ladder: Some("100, 7,100".into()),
             ..base()
         })
@@ -325,15 +362,62 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_run_measures_one_fleet_of_1000_or_200_quick() {
+        let o = resolve(SwarmArgs {
+            cluster: Some(3),
+            ..base()
+        })
+        .unwrap();
+        assert_eq!((o.cluster_edges, o.ladder.clone()), (Some(3), vec![1_000]));
+        assert_eq!(o.reconnect_interval_ms, 10_000);
+        let o = resolve(SwarmArgs {
+            cluster: Some(2),
+            quick: true,
+            ..base()
+        })
+        .unwrap();
+        assert_eq!((o.cluster_edges, o.ladder.clone()), (Some(2), vec![200]));
+        assert_eq!(o.reconnect_interval_ms, 1_000);
+        let o = resolve(SwarmArgs {
+            cluster: Some(8),
+            quick: true,
+            nodes: Some(50),
+            ..base()
+        })
+        .unwrap();
+        assert_eq!((o.cluster_edges, o.ladder), (Some(8), vec![50]));
+    }
+
+    #[test]
     fn bad_options_are_refused() {
         let refuse = |a: SwarmArgs| resolve(a).unwrap_err();
         assert_eq!(
-            refuse(SwarmArgs { nodes: 0, ..base() }),
+            refuse(SwarmArgs {
+                nodes: Some(0),
+                ..base()
+            }),
             "--nodes must be between 1 and 99999"
+        );
+        for edges in [0, 1, 9] {
+            assert_eq!(
+                refuse(SwarmArgs {
+                    cluster: Some(edges),
+                    ..base()
+                }),
+                "--cluster must be between 2 and 8 Edges"
+            );
+        }
+        assert_eq!(
+            refuse(SwarmArgs {
+                cluster: Some(3),
+                ladder: Some("10".into()),
+                ..base()
+            }),
+            "--cluster measures one fleet (--nodes): drop --ladder and --selection-only"
         );
         assert_eq!(
             refuse(SwarmArgs {
-                nodes: 10,
+                nodes: Some(10),
                 ladder: Some("5,20".into()),
                 ..base()
             }),
@@ -355,7 +439,7 @@ mod tests {
         );
         assert_eq!(
             refuse(SwarmArgs {
-                nodes: 10,
+                nodes: Some(10),
                 pin_node: vec![3, 10],
                 ..base()
             }),

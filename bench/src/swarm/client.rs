@@ -1,5 +1,5 @@
 //! The swarm's probe client: chat completions sent one at a time over one
-//! keep-alive connection to the Edge's client listener, each carrying its
+//! keep-alive connection per Edge client listener, each carrying its
 //! sequence number in the user message. The node that receives the
 //! tunnel request stamps the instant it read it ([`SwarmState`]), so the
 //! dispatch latency — request written → tunnel request read by the node —
@@ -103,19 +103,25 @@ async fn exchange(
     Ok((head.status, body))
 }
 
-/// Sends every probe in order; a failed exchange drops the connection
-/// and the next probe opens a new one.
-pub async fn run_probes(
-    edge: SocketAddr,
-    probes: Vec<Probe>,
-    state: &SwarmState,
-) -> Vec<ProbeOutcome> {
-    let mut conn: Option<ClientConn<TcpStream>> = None;
+/// Sends every probe in order, each to the Edge client listener it is
+/// paired with, over one keep-alive connection per listener (opened by its
+/// first probe); a failed exchange drops that connection and the next
+/// probe to that listener opens a new one.
+pub async fn run_probes(probes: Vec<(SocketAddr, Probe)>, state: &SwarmState) -> Vec<ProbeOutcome> {
+    let mut conns: Vec<(SocketAddr, Option<ClientConn<TcpStream>>)> = Vec::new();
     let mut outcomes = Vec::with_capacity(probes.len());
-    for probe in probes {
+    for (edge, probe) in probes {
+        let at = match conns.iter().position(|(addr, _)| *addr == edge) {
+            Some(at) => at,
+            None => {
+                conns.push((edge, None));
+                conns.len() - 1
+            }
+        };
+        let conn = &mut conns[at].1;
         let body = probe_body(&probe.model, probe.seq);
         let sent_ns = monotonic_raw_ns();
-        let result = exchange(&mut conn, edge, body).await;
+        let result = exchange(conn, edge, body).await;
         let done_ns = monotonic_raw_ns();
         let dispatch_ns = state
             .take_probe(probe.seq)
@@ -136,12 +142,12 @@ pub async fn run_probes(
                 Some(format!("HTTP {status}: {}", String::from_utf8_lossy(&body))),
             ),
             Err(e) => {
-                conn = None;
+                *conn = None;
                 (None, Some(e))
             }
         };
         if conn.as_ref().is_some_and(|c| !c.is_reusable()) {
-            conn = None;
+            *conn = None;
         }
         outcomes.push(ProbeOutcome {
             seq: probe.seq,

@@ -32,9 +32,18 @@
 //! - the Edge's CPU for heartbeats at N idle nodes;
 //! - Control's own decision costs at that size, in process
 //!   ([`selection`]).
+//!
+//! With `--cluster N` the run is instead N Edges of one cluster over a
+//! real etcd (`cluster`): the fleet (`--nodes`) dials all N, each node in
+//! a fresh shuffled order per attempt as node-bin does; once all are
+//! ready one Edge is killed (SIGKILL) and the run measures how its nodes
+//! re-home on the others (time until all ready again, per-node re-home
+//! times), when etcd dropped the dead Edge's lease, and checks on the
+//! survivors' `/status` that every node is owned by a live Edge.
 
 pub mod cli;
 pub mod client;
+mod cluster;
 pub mod node;
 pub mod report;
 mod run;
@@ -52,6 +61,10 @@ pub use run::run;
 pub struct SwarmOptions {
     /// Fleet sizes measured, ascending; the last is `--nodes`.
     pub ladder: Vec<usize>,
+    /// `--cluster N`: N Edges in one cluster, the fleet (`--nodes`) spread
+    /// over them, one killed; `None`: the single Edge.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_edges: Option<usize>,
     /// Providers per node (= pooled models).
     pub providers_per_node: usize,
     /// Lease capacity of every provider.

@@ -6,16 +6,26 @@
 //! node-bin's reconnect policy, jitter included.
 //!
 //! ```text
-//! dial ─► TLS ─► Register ─► RegisterResponse ─► NodeReadyRequest ─► ready
-//!   ▲                                                                   │
-//!   │      ProviderTunnelRequest ─► RESPONSE_START, BODY, END           │
-//!   └── Supervisor::on_attempt_end (interval ± jitter) ◄── closed ◄─────┘
+//! attempt: the Edges' addresses in a fresh shuffled order (node-bin's dial_order)
+//!   for each: dial ─► TLS ─► Register ─► RegisterResponse ─► NodeReadyRequest ─► ready
+//!             failed before ready ─► the next address                           │
+//!   ▲                                                                             │
+//!   │      ProviderTunnelRequest ─► RESPONSE_START, BODY, END                     │
+//!   └── Supervisor::on_attempt_end (interval ± jitter) ◄── closed ◄───────────────┘
 //! ```
 //!
+//! With one Edge (the default) an attempt is one dial. With a cluster
+//! (`--cluster N`) every node knows every Edge's node address, as a
+//! node-bin with an `edge_addr` list does: each attempt shuffles them
+//! anew ([`node_bin::edges::dial_order`]) and tries each until one gives a
+//! ready session. A node holds one connector per Edge, each verifying that
+//! Edge's name — what node-bin's `EdgeTls` settles on once it has seen
+//! the name at each address.
+//!
 //! What the orchestrator reads lives in [`SwarmState`] (atomics, shared
-//! across threads): which nodes are ready, when each became ready and when
-//! the attempt that got there dialled, the attempt counters, and when each
-//! probe's tunnel request reached its node.
+//! across threads): which nodes are ready and on which Edge, when each
+//! became ready and when the dial that got there started, the dial
+//! counters, and when each probe's tunnel request reached its node.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -35,6 +45,8 @@ use iop_wire::codec::body_name;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 use iop_wire::CloseReason;
+use node_bin::config::EdgeAddr;
+use node_bin::edges::{dial_order, Candidate};
 use node_bin::supervisor::{AttemptOutcome, Jitter, Step, Supervisor};
 
 /// The content of every answer starts with this, then the node id.
@@ -43,17 +55,20 @@ pub const SERVED_BY: &str = "served by ";
 pub const PROBE_MARKER: &str = "swarm-probe-";
 /// Problems kept for the report (the rest are only counted).
 const MAX_NOTES: usize = 20;
+/// Mixed into a node's seed for the generator of its dial orders.
+const DIAL_ORDER_SALT: u64 = 0x6469_616c_6f72_6472;
 
-/// One simulated node: its index in the fleet, its id and its connector
-/// (its own certificate).
+/// One simulated node: its index in the fleet, its id and its connectors
+/// (its own certificate, one per Edge).
 #[derive(Debug, Clone)]
 pub struct NodeIdentity {
     /// Index in the fleet (`Topology::node_id(index)` is `id`).
     pub index: usize,
     /// The node id (its certificate's name).
     pub id: String,
-    /// Dials with this node's certificate.
-    pub connector: NodeTlsConnector,
+    /// Dial with this node's certificate; connector `i` verifies the name
+    /// of Edge `i` (one entry with a single Edge).
+    pub connectors: Vec<NodeTlsConnector>,
 }
 
 /// How the nodes redial and which heartbeat timers their next
@@ -73,28 +88,33 @@ pub struct DialPolicy {
 #[derive(Debug, Default)]
 struct NodeSlot {
     ready: AtomicBool,
-    /// When the attempt that last became ready started dialling.
+    /// When the dial that last became ready started.
     dialled_ns: AtomicU64,
-    /// When that attempt got `ready: true`.
+    /// When that session got `ready: true`.
     ready_ns: AtomicU64,
+    /// The Edge (index in the dial list) of that session.
+    edge: AtomicUsize,
 }
 
-/// One node's last ready session: when its attempt dialled and when it
-/// got `ready: true` (`monotonic_raw_ns`).
+/// One node's last ready session: when its dial started, when it got
+/// `ready: true` (`monotonic_raw_ns`), and on which Edge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadyTimes {
-    /// The attempt started (TCP connect).
+    /// The dial started (TCP connect).
     pub dialled_ns: u64,
     /// `NodeReadyResponse{ready: true}` arrived.
     pub ready_ns: u64,
+    /// The Edge of the session: its index in the list the node dials.
+    pub edge: usize,
 }
 
-/// Attempt counters since the last [`SwarmState::take_counters`].
+/// Dial counters since the last [`SwarmState::take_counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
-    /// Attempts started.
+    /// Dials started (one per Edge address tried; with one Edge, one per
+    /// attempt).
     pub attempts: u64,
-    /// Attempts that ended before ready (refused dial, TLS, registration).
+    /// Dials that ended before ready (refused, TLS, registration).
     pub failed: u64,
     /// Tunnel requests answered.
     pub tunnels: u64,
@@ -151,6 +171,13 @@ impl SwarmState {
         *p = (p.0 + 1, policy);
     }
 
+    /// Whether node `index` has a ready session now.
+    pub fn is_ready(&self, index: usize) -> bool {
+        self.slots
+            .get(index)
+            .is_some_and(|slot| slot.ready.load(Ordering::Acquire))
+    }
+
     /// Node `index`'s last ready session, if it ever had one.
     pub fn ready_times(&self, index: usize) -> Option<ReadyTimes> {
         let slot = self.slots.get(index)?;
@@ -158,6 +185,7 @@ impl SwarmState {
         (ready_ns > 0).then(|| ReadyTimes {
             dialled_ns: slot.dialled_ns.load(Ordering::Acquire),
             ready_ns,
+            edge: slot.edge.load(Ordering::Acquire),
         })
     }
 
@@ -194,10 +222,11 @@ impl SwarmState {
         }
     }
 
-    fn mark_ready(&self, index: usize, dialled_ns: u64) {
+    fn mark_ready(&self, index: usize, dialled_ns: u64, edge: usize) {
         let Some(slot) = self.slots.get(index) else {
             return;
         };
+        slot.edge.store(edge, Ordering::Release);
         slot.dialled_ns.store(dialled_ns, Ordering::Release);
         slot.ready_ns.store(monotonic_raw_ns(), Ordering::Release);
         if !slot.ready.swap(true, Ordering::AcqRel) {
@@ -303,6 +332,24 @@ pub fn tunnel_reply(request: &pb::ProviderTunnelRequest, node_id: &str) -> Tunne
     }
 }
 
+/// The answer to a node command: `METRICS` (which the Edge sends every
+/// node when its `/metrics` is scraped) gets an empty series — a
+/// simulated node has none — so a scrape neither waits nor counts an
+/// error; every other command is refused, naming why.
+pub fn command_reply(request: &pb::NodeCommandRequest) -> pb::NodeCommandResponse {
+    let metrics = request.r#type == pb::CommandType::Metrics as i32;
+    pb::NodeCommandResponse {
+        command_id: request.command_id.clone(),
+        ok: metrics,
+        error: if metrics {
+            String::new()
+        } else {
+            "a bench swarm node runs no commands but METRICS".into()
+        },
+        ..Default::default()
+    }
+}
+
 fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
 }
@@ -329,25 +376,31 @@ async fn answer(conn: ConnHandle, request: pb::ProviderTunnelRequest, node_id: R
         .await;
 }
 
-/// One connection attempt, to its end.
-async fn attempt(
+/// One session with the Edge at `edges[edge]`, to its end: whether it
+/// was ready.
+async fn session(
     node: &NodeIdentity,
     node_id: &Rc<str>,
-    edge: SocketAddr,
+    edge: usize,
+    addr: SocketAddr,
     state: &SwarmState,
-) -> AttemptOutcome {
+) -> bool {
     let dialled_ns = monotonic_raw_ns();
     state.attempts.fetch_add(1, Ordering::Relaxed);
     let failed = || {
         state.failed.fetch_add(1, Ordering::Relaxed);
-        AttemptOutcome::Failed
+        false
     };
-    let Ok(tcp) = http::connect(edge).await else {
-        // Refused: the Edge is not (yet) listening.
+    let Some(connector) = node.connectors.get(edge) else {
+        state.note(format!("{}: no connector for Edge {edge}", node.id));
+        return failed();
+    };
+    let Ok(tcp) = http::connect(addr).await else {
+        // Refused: the Edge is not (yet, or any more) listening.
         return failed();
     };
     let shutdown = SocketShutdown::for_socket(&tcp);
-    let tls = match node.connector.connect(tcp).await {
+    let tls = match connector.connect(tcp).await {
         Ok(tls) => tls,
         Err(e) => {
             state.note(format!("{}: TLS handshake failed: {e:?}", node.id));
@@ -390,7 +443,7 @@ async fn attempt(
             }
             Some(Body::NodeReadyResponse(r)) if r.ready => {
                 ready = true;
-                state.mark_ready(node.index, dialled_ns);
+                state.mark_ready(node.index, dialled_ns, edge);
             }
             Some(Body::NodeReadyResponse(r)) => {
                 state.note(format!("{}: ready refused: {}", node.id, r.reason));
@@ -399,6 +452,10 @@ async fn attempt(
             Some(Body::ProviderTunnelRequest(request)) => {
                 state.saw_tunnel(&request);
                 monoio::spawn(answer(conn.clone(), *request, node_id.clone()));
+            }
+            Some(Body::NodeCommandRequest(request)) => {
+                let reply = command_reply(&request);
+                let _ = conn.send_control(frame(Body::NodeCommandResponse(Box::new(reply))));
             }
             // Every tunnel is answered at once; a cancel finds it done.
             Some(Body::CancelRequest(_)) | None => {}
@@ -413,21 +470,63 @@ async fn attempt(
     }
     if ready {
         state.mark_down(node.index);
-        AttemptOutcome::WasReady
+        true
     } else {
         failed()
     }
 }
 
-/// Runs node `node` forever: the first dial at once (S1), then a redial
+/// The Edges a node dials: each Edge's node address as a dial candidate,
+/// in Edge order.
+pub fn candidates(edges: &[SocketAddr]) -> Vec<Candidate> {
+    edges
+        .iter()
+        .filter_map(|&addr| {
+            let entry = EdgeAddr::parse(&addr.to_string()).ok()?;
+            Some(Candidate { addr, entry })
+        })
+        .collect()
+}
+
+/// One attempt (node-bin's S1/S2 with several Edges): every Edge in a
+/// fresh shuffled order, each tried until one gives a ready session.
+async fn attempt(
+    node: &NodeIdentity,
+    node_id: &Rc<str>,
+    edges: &[Candidate],
+    order: &mut SplitMix64,
+    state: &SwarmState,
+) -> AttemptOutcome {
+    for candidate in dial_order(edges.to_vec(), order) {
+        let Some(edge) = edges.iter().position(|c| c.addr == candidate.addr) else {
+            continue;
+        };
+        if session(node, node_id, edge, candidate.addr, state).await {
+            return AttemptOutcome::WasReady;
+        }
+    }
+    AttemptOutcome::Failed
+}
+
+/// Runs node `node` forever: the first attempt at once (S1), then another
 /// after every attempt under the state's [`DialPolicy`], its jitter drawn
-/// from a generator seeded with `seed`.
-pub async fn run_node(node: NodeIdentity, edge: SocketAddr, state: Arc<SwarmState>, seed: u64) {
+/// from a generator seeded with `seed`, the dial order of each attempt
+/// from another.
+pub async fn run_node(
+    node: NodeIdentity,
+    edges: Arc<[SocketAddr]>,
+    state: Arc<SwarmState>,
+    seed: u64,
+) {
     let node_id: Rc<str> = Rc::from(node.id.as_str());
+    let edges = candidates(&edges);
     let mut rng = SplitMix64::new(seed);
+    // Its own stream, so the jitter draws are those of a single Edge run
+    // with the same seed.
+    let mut order = SplitMix64::new(seed ^ DIAL_ORDER_SALT);
     let mut current: Option<(u64, Supervisor)> = None;
     loop {
-        let outcome = attempt(&node, &node_id, edge, &state).await;
+        let outcome = attempt(&node, &node_id, &edges, &mut order, &state).await;
         let (epoch, policy) = state.policy();
         let supervisor = match &mut current {
             Some((e, s)) if *e == epoch => s,
@@ -450,6 +549,55 @@ pub async fn run_node(node: NodeIdentity, edge: SocketAddr, state: Arc<SwarmStat
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_edge_is_a_candidate_in_edge_order() {
+        let edges: Vec<SocketAddr> = ["127.0.0.1:7001", "127.0.0.1:7002", "[::1]:7003"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        let found = candidates(&edges);
+        assert_eq!(
+            found.iter().map(|c| c.addr).collect::<Vec<_>>(),
+            edges,
+            "{found:?}"
+        );
+        assert_eq!(
+            found.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+            ["127.0.0.1:7001", "127.0.0.1:7002", "[::1]:7003"]
+        );
+    }
+
+    #[test]
+    fn metrics_commands_get_an_empty_series_and_others_a_refusal() {
+        let metrics = pb::NodeCommandRequest {
+            command_id: "c-1".into(),
+            r#type: pb::CommandType::Metrics as i32,
+            ..Default::default()
+        };
+        assert_eq!(
+            command_reply(&metrics),
+            pb::NodeCommandResponse {
+                command_id: "c-1".into(),
+                ok: true,
+                ..Default::default()
+            }
+        );
+        let capabilities = pb::NodeCommandRequest {
+            command_id: "c-2".into(),
+            r#type: pb::CommandType::Capabilities as i32,
+            ..Default::default()
+        };
+        assert_eq!(
+            command_reply(&capabilities),
+            pb::NodeCommandResponse {
+                command_id: "c-2".into(),
+                ok: false,
+                error: "a bench swarm node runs no commands but METRICS".into(),
+                ..Default::default()
+            }
+        );
+    }
 
     #[test]
     fn probe_numbers_are_found_in_any_body() {
@@ -514,13 +662,16 @@ mod tests {
         let state = SwarmState::new(2, policy);
         assert_eq!(state.ready_count(), 0);
         assert_eq!(state.ready_times(0), None);
-        state.mark_ready(0, 5);
-        state.mark_ready(0, 6);
+        state.mark_ready(0, 5, 0);
+        state.mark_ready(0, 6, 2);
         assert_eq!(state.ready_count(), 1);
-        assert_eq!(state.ready_times(0).map(|t| t.dialled_ns), Some(6));
+        assert!(state.is_ready(0) && !state.is_ready(1) && !state.is_ready(9));
+        let times = state.ready_times(0).unwrap();
+        assert_eq!((times.dialled_ns, times.edge), (6, 2));
         state.mark_down(0);
         state.mark_down(0);
         assert_eq!(state.ready_count(), 0);
+        assert!(!state.is_ready(0));
         assert_eq!(state.policy(), (0, policy));
         let changed = DialPolicy {
             jitter: Jitter::NONE,

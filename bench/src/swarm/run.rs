@@ -58,12 +58,13 @@ const HEARTBEAT_PHASE_RECONNECT: Duration = Duration::from_secs(1);
 const PROBE_WAIT_MS: u64 = 500;
 
 /// Commands for the swarm thread.
-enum Command {
+pub(super) enum Command {
     /// Start every node (each dials at once).
     Dial,
-    /// Send these probes, one at a time, and answer.
+    /// Send these probes, each to the Edge client listener paired with
+    /// it, one at a time, and answer.
     Probe {
-        probes: Vec<Probe>,
+        probes: Vec<(SocketAddr, Probe)>,
         reply: mpsc::Sender<Vec<ProbeOutcome>>,
     },
     /// End the thread (its runtime and every connection with it).
@@ -71,16 +72,17 @@ enum Command {
 }
 
 /// The thread running every simulated node and the probe client.
-struct SwarmThread {
+pub(super) struct SwarmThread {
     commands: MailboxSender<Command>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl SwarmThread {
-    fn start(
+    /// Starts the thread for `nodes`, which dial the node listeners
+    /// `edge_nodes` (one per Edge, in Edge order) once told to.
+    pub(super) fn start(
         nodes: Vec<NodeIdentity>,
-        edge_nodes: SocketAddr,
-        edge_client: SocketAddr,
+        edge_nodes: Arc<[SocketAddr]>,
         state: Arc<SwarmState>,
         seed: u64,
     ) -> Result<Self, CompareError> {
@@ -97,11 +99,12 @@ impl SwarmThread {
                                 for node in nodes.take().into_iter().flatten() {
                                     let state = state.clone();
                                     let seed = seeds.next_u64();
-                                    monoio::spawn(run_node(node, edge_nodes, state, seed));
+                                    let edges = edge_nodes.clone();
+                                    monoio::spawn(run_node(node, edges, state, seed));
                                 }
                             }
                             Command::Probe { probes, reply } => {
-                                let _ = reply.send(run_probes(edge_client, probes, &state).await);
+                                let _ = reply.send(run_probes(probes, &state).await);
                             }
                             Command::Stop => break,
                         }
@@ -121,13 +124,27 @@ impl SwarmThread {
         })
     }
 
-    fn send(&self, command: Command) -> Result<(), CompareError> {
+    pub(super) fn send(&self, command: Command) -> Result<(), CompareError> {
         self.commands
             .try_send(command)
             .map_err(|_| CompareError::Swarm("the swarm thread is gone".into()))
     }
 
-    fn probe(&self, probes: Vec<Probe>) -> Result<Vec<ProbeOutcome>, CompareError> {
+    /// Sends `probes` to the Edge whose client listener is `edge`.
+    pub(super) fn probe(
+        &self,
+        edge: SocketAddr,
+        probes: Vec<Probe>,
+    ) -> Result<Vec<ProbeOutcome>, CompareError> {
+        self.probe_each(probes.into_iter().map(|p| (edge, p)).collect())
+    }
+
+    /// Sends each probe to the Edge client listener paired with it, in
+    /// order; the outcomes are in the same order.
+    pub(super) fn probe_each(
+        &self,
+        probes: Vec<(SocketAddr, Probe)>,
+    ) -> Result<Vec<ProbeOutcome>, CompareError> {
         let count = probes.len() as u64;
         let (reply, answer) = mpsc::channel();
         self.send(Command::Probe { probes, reply })?;
@@ -146,15 +163,17 @@ impl Drop for SwarmThread {
     }
 }
 
-/// Mints the CA, the Edge's certificate (written under `dir/certs/`) and
-/// one certificate per node (kept in memory, one connector each).
-fn mint_fleet(dir: &Path, nodes: usize) -> Result<Vec<NodeIdentity>, CompareError> {
+/// Mints the CA, one certificate per Edge (written under `dir/certs/`
+/// as `<file>.pem` and `<file>-key.pem`, `edges` giving (name, file)) and
+/// one certificate per node (kept in memory, one connector per Edge).
+pub(super) fn mint_fleet(
+    dir: &Path,
+    nodes: usize,
+    edges: &[(String, String)],
+) -> Result<Vec<NodeIdentity>, CompareError> {
     let fail = |what: &str, e: &dyn std::fmt::Display| CompareError::Swarm(format!("{what}: {e}"));
     let validity = Validity::days_from_now(DEV_LEAF_VALIDITY_DAYS);
     let ca = DevCa::new(TRUST_DOMAIN).map_err(|e| fail("mint the CA", &e))?;
-    let edge = ca
-        .issue(Role::Edge, EDGE_NAME, validity)
-        .map_err(|e| fail("mint the Edge certificate", &e))?;
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs).map_err(|source| CompareError::Io {
         what: format!("create {}", certs.display()),
@@ -162,8 +181,13 @@ fn mint_fleet(dir: &Path, nodes: usize) -> Result<Vec<NodeIdentity>, CompareErro
     })?;
     let ca_pem = ca.cert_pem();
     write_file(&certs.join("ca.pem"), &ca_pem)?;
-    write_file(&certs.join("edge.pem"), &edge.cert_pem)?;
-    write_file(&certs.join("edge-key.pem"), &edge.key_pem)?;
+    for (name, file) in edges {
+        let edge = ca
+            .issue(Role::Edge, name, validity)
+            .map_err(|e| fail("mint an Edge certificate", &e))?;
+        write_file(&certs.join(format!("{file}.pem")), &edge.cert_pem)?;
+        write_file(&certs.join(format!("{file}-key.pem")), &edge.key_pem)?;
+    }
     (0..nodes)
         .map(|index| {
             let id = Topology::node_id(index);
@@ -176,12 +200,17 @@ fn mint_fleet(dir: &Path, nodes: usize) -> Result<Vec<NodeIdentity>, CompareErro
                 issued.key_pem.as_bytes(),
             )
             .map_err(|e| fail("load a node certificate", &e))?;
-            let connector = NodeTlsConnector::new(&material, TRUST_DOMAIN, EDGE_NAME)
-                .map_err(|e| fail("build a node connector", &e))?;
+            let connectors = edges
+                .iter()
+                .map(|(name, _)| {
+                    NodeTlsConnector::new(&material, TRUST_DOMAIN, name)
+                        .map_err(|e| fail("build a node connector", &e))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             Ok(NodeIdentity {
                 index,
                 id,
-                connector,
+                connectors,
             })
         })
         .collect()
@@ -194,7 +223,8 @@ struct Edge {
     nodes: SocketAddr,
 }
 
-fn parse_addr(proc: &ChildProc, key: &str) -> Result<SocketAddr, CompareError> {
+/// The address edge-bin announced as `key` in its `IOP_READY` line.
+pub(super) fn parse_addr(proc: &ChildProc, key: &str) -> Result<SocketAddr, CompareError> {
     let text = proc.ready_value(key)?;
     text.parse().map_err(|_| {
         CompareError::Swarm(format!("edge-bin announced {key}={text}, not an address"))
@@ -286,8 +316,6 @@ impl Step<'_> {
         }
     }
 
-    /// The figures of a phase that began at `origin_ns` with the Edge
-    /// listening at `listening_ns`, using `cpu` on the nodes' arrival.
     fn phase(
         &self,
         state: &SwarmState,
@@ -295,29 +323,7 @@ impl Step<'_> {
         listening_ns: u64,
         cpu: Cpu,
     ) -> PhaseFigures {
-        let times: Vec<_> = (0..self.topology.nodes)
-            .filter_map(|i| state.ready_times(i))
-            .collect();
-        let mut connect = LatencyHistogram::new();
-        let mut dials = Vec::with_capacity(times.len());
-        let mut last_ready_ns = origin_ns;
-        for t in &times {
-            connect.record_ns(t.ready_ns.saturating_sub(t.dialled_ns));
-            dials.push(t.dialled_ns.saturating_sub(origin_ns));
-            last_ready_ns = last_ready_ns.max(t.ready_ns);
-        }
-        let counters = state.take_counters();
-        PhaseFigures {
-            all_ready_ms: ms_between(origin_ns, last_ready_ns),
-            edge_listening_ms: ms_between(origin_ns, listening_ns),
-            ready_dials: Spread::of(&dials),
-            connect_to_ready: connect.summary(),
-            edge_cpu_ms: cpu.edge_ns as f64 / 1e6,
-            edge_cpu_per_node_us: cpu.edge_ns as f64 / 1e3 / self.topology.nodes.max(1) as f64,
-            harness_cpu_ms: cpu.harness_ns as f64 / 1e6,
-            attempts: counters.attempts,
-            failed_attempts: counters.failed,
-        }
+        phase_figures(self.topology.nodes, state, origin_ns, listening_ns, cpu)
     }
 
     /// SIGKILLs the Edge and starts it again on the same ports
@@ -349,15 +355,47 @@ impl Step<'_> {
     }
 }
 
-/// CPU used in a phase by the Edge and by this process (the swarm, the
-/// orchestrator).
-#[derive(Debug, Clone, Copy)]
-struct Cpu {
-    edge_ns: u64,
-    harness_ns: u64,
+/// The figures of a phase that began at `origin_ns` with the Edge
+/// listening at `listening_ns`, using `cpu` on the arrival of the `nodes`.
+pub(super) fn phase_figures(
+    nodes: usize,
+    state: &SwarmState,
+    origin_ns: u64,
+    listening_ns: u64,
+    cpu: Cpu,
+) -> PhaseFigures {
+    let times: Vec<_> = (0..nodes).filter_map(|i| state.ready_times(i)).collect();
+    let mut connect = LatencyHistogram::new();
+    let mut dials = Vec::with_capacity(times.len());
+    let mut last_ready_ns = origin_ns;
+    for t in &times {
+        connect.record_ns(t.ready_ns.saturating_sub(t.dialled_ns));
+        dials.push(t.dialled_ns.saturating_sub(origin_ns));
+        last_ready_ns = last_ready_ns.max(t.ready_ns);
+    }
+    let counters = state.take_counters();
+    PhaseFigures {
+        all_ready_ms: ms_between(origin_ns, last_ready_ns),
+        edge_listening_ms: ms_between(origin_ns, listening_ns),
+        ready_dials: Spread::of(&dials),
+        connect_to_ready: connect.summary(),
+        edge_cpu_ms: cpu.edge_ns as f64 / 1e6,
+        edge_cpu_per_node_us: cpu.edge_ns as f64 / 1e3 / nodes.max(1) as f64,
+        harness_cpu_ms: cpu.harness_ns as f64 / 1e6,
+        attempts: counters.attempts,
+        failed_attempts: counters.failed,
+    }
 }
 
-fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
+/// CPU used in a phase by the Edge (all Edges of a cluster) and by this
+/// process (the swarm, the orchestrator).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cpu {
+    pub(super) edge_ns: u64,
+    pub(super) harness_ns: u64,
+}
+
+pub(super) fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
     to_ns.saturating_sub(from_ns) as f64 / 1e6
 }
 
@@ -461,8 +499,7 @@ fn run_step(
         procstat::read_cpu_ns(pid)?.saturating_sub(idle_before) as f64 / IDLE_WINDOW_MS as f64;
     let swarm = SwarmThread::start(
         identities[..n].to_vec(),
-        edge.nodes,
-        edge.client,
+        Arc::from([edge.nodes]),
         state.clone(),
         rng.next_u64(),
     )?;
@@ -486,7 +523,7 @@ fn run_step(
     let edge_rss_ready_kib = procstat::read_rss_kib(pid)?;
 
     eprintln!("swarm {n}: probes");
-    let outcomes = swarm.probe(plan_probes(opts, topology, &mut rng))?;
+    let outcomes = swarm.probe(edge.client, plan_probes(opts, topology, &mut rng))?;
     let (pinned, pooled): (Vec<_>, Vec<_>) =
         outcomes.into_iter().partition(|p| p.expect_node.is_some());
     let mut dispatch = LatencyHistogram::new();
@@ -594,7 +631,14 @@ pub fn run(opts: &SwarmOptions, stop: &Arc<AtomicBool>) -> Result<SwarmReport, C
     let largest = opts.ladder.iter().copied().max().unwrap_or(0);
     let load_at_start = procstat::read_loadavg();
     let mut selection = Vec::with_capacity(opts.ladder.len());
-    for &n in &opts.ladder {
+    // A cluster run measures re-homing only; Control's costs are the
+    // single-Edge run's.
+    let measured = if opts.cluster_edges.is_some() {
+        &[][..]
+    } else {
+        &opts.ladder[..]
+    };
+    for &n in measured {
         interrupted(stop)?;
         eprintln!("swarm {n}: Control decisions in process");
         let spec = SelectionSpec {
@@ -618,6 +662,7 @@ pub fn run(opts: &SwarmOptions, stop: &Arc<AtomicBool>) -> Result<SwarmReport, C
         load_average: [load_at_start, None],
         steps: Vec::new(),
         selection,
+        cluster: None,
     };
     if !opts.selection_only {
         // One socket per node here and in the Edge (which inherits the
@@ -638,8 +683,15 @@ pub fn run(opts: &SwarmOptions, stop: &Arc<AtomicBool>) -> Result<SwarmReport, C
         if opts.keep_temp {
             eprintln!("swarm: working directory {}", tmp.path().display());
         }
+        if let Some(edges) = opts.cluster_edges {
+            report.cluster = Some(super::cluster::run(opts, edges, tmp.path(), stop)?);
+            report.load_average[1] = procstat::read_loadavg();
+            report.created_unix_ms = unix_ms();
+            return Ok(report);
+        }
         eprintln!("swarm: minting {largest} node certificates");
-        let identities = mint_fleet(tmp.path(), largest)?;
+        let single = [(EDGE_NAME.to_string(), "edge".to_string())];
+        let identities = mint_fleet(tmp.path(), largest, &single)?;
         for &n in &opts.ladder {
             interrupted(stop)?;
             report
