@@ -103,14 +103,21 @@ impl Families {
     }
 
     /// Adds the families of exposition `text`; with `node`, every sample
-    /// gets the label `node="<node>"` first. Lines out of shape (and any
-    /// past [`MAX_NODE_LINES`]) are skipped, never passed on.
+    /// gets the label `node="<node>"` first. Lines out of shape (and, of a
+    /// node's text, any past [`MAX_NODE_LINES`]) are skipped, never passed
+    /// on. The Edge's own text is taken whole: its size follows its own
+    /// configuration (models, providers), not a peer's answer.
     pub fn add(&mut self, text: &str, node: Option<&str>) {
         let node_label = node.map(|n| format!("node=\"{}\"", escape_label_value(n)));
+        let cap = if node.is_some() {
+            MAX_NODE_LINES
+        } else {
+            usize::MAX
+        };
         // The family of the samples that follow (a histogram's `_bucket`,
         // `_sum` and `_count` lines belong to the family of its TYPE).
         let mut current: Option<String> = None;
-        for line in text.lines().take(MAX_NODE_LINES) {
+        for line in text.lines().take(cap) {
             let line = line.trim_end();
             if line.is_empty() {
                 continue;
@@ -579,6 +586,20 @@ mod tests {
              empty{node=\"node-a\"} 1\n\
              empty{node=\"node-\\\"b\"} 1\n"
         );
+    }
+
+    // The line cap is for a node's answer; the Edge's own series (one per
+    // model and provider, so many in a large fleet) are all kept.
+    #[test]
+    fn only_a_nodes_exposition_is_cut_at_the_line_cap() {
+        let lines = MAX_NODE_LINES + 5;
+        let text: String = (0..lines).map(|i| format!("m{{i=\"{i}\"}} 1\n")).collect();
+        let mut edge = Families::default();
+        edge.add(&text, None);
+        assert_eq!(edge.render().lines().count(), lines);
+        let mut node = Families::default();
+        node.add(&text, Some("n"));
+        assert_eq!(node.render().lines().count(), MAX_NODE_LINES);
     }
 
     // CONTRACT: O1 — the four contract counters are exposed with bounded
