@@ -38,8 +38,8 @@ pub const EDGE_NAME: &str = "edge-swarm";
 pub const CLUSTER_NAME: &str = "swarm";
 /// Most Edges of a `--cluster` run (named `edge-a` to `edge-h`).
 pub const MAX_CLUSTER_EDGES: usize = 8;
-/// `edge.max_node_handshakes_per_peer` of a cluster member: every swarm
-/// node dials from 127.0.0.1, where real Nodes each have an address of
+/// `edge.max_node_handshakes_per_peer` of the swarm's Edge (single or a
+/// cluster member): every swarm node dials from 127.0.0.1, where real Nodes each have an address of
 /// their own; at the Edge's default (8) all but 8 of a burst would be
 /// closed at accept. Raised to the default process-wide cap
 /// (`max_node_handshakes`, 64), so that only that cap paces a burst (the
@@ -146,7 +146,7 @@ impl Topology {
                 EDGE_NAME,
                 "edge.pem".to_string(),
                 "edge-key.pem".to_string(),
-                String::new(),
+                format!("max_node_handshakes_per_peer = {MEMBER_HANDSHAKES_PER_PEER}\n"),
             ),
             EdgeRole::Member { name, .. } => (
                 name,
@@ -344,6 +344,7 @@ client_listen = "127.0.0.1:0"
 node_listen = "127.0.0.1:7000"
 allow_anonymous = true
 max_client_connections_per_peer = 1000000
+max_node_handshakes_per_peer = 64
 
 [tls]
 ca = "certs/ca.pem"
