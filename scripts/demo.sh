@@ -19,9 +19,11 @@
 #
 # --cluster: an etcd (the `etcd` binary: Debian's etcd-server package), three
 # Edges sharing the fleet through it ([cluster] in edge-<n>.toml, one
-# certificate per Edge from one CA) and two Nodes that list all three Edges
-# (edge_addr and edge_name lists) and dial one of them at random. Logs:
-# etcd.log, mock.log, edge-1.log … edge-3.log, node-a.log, node-b.log.
+# certificate per Edge from one CA, a peer listener each) and two Nodes that
+# list all three Edges (edge_addr and edge_name lists) and dial one of them at
+# random. A completion is streamed through every Edge: one that owns no node
+# of the model forwards it to the Edge that owns them. Logs: etcd.log,
+# mock.log, edge-1.log … edge-3.log, node-a.log, node-b.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -155,6 +157,9 @@ key = "certs/edge-$name-key.pem"
 [cluster]
 name = "demo"
 etcd_endpoints = ["127.0.0.1:$etcd_client"]
+# Requests for a model whose nodes other Edges own are forwarded to them
+# over mTLS; this is where the others forward theirs (announced in etcd).
+peer_listen = "127.0.0.1:0"
 TOML
     for node in "${nodes[@]}"; do
       cat >>"$work/$name.toml" <<TOML
@@ -210,7 +215,8 @@ TOML
   done
 
   # Who owns which node, as edge-1's /status says (cluster.nodes), once
-  # both nodes are owned and connected to their owners.
+  # both nodes are owned and connected to their owners and every Edge sees
+  # the same owners.
   local owners=""
   for _ in $(seq 1 300); do
     owners=$(python3 - "${clients[@]}" <<'PY' 2>/dev/null || true
@@ -223,6 +229,8 @@ assert set(owners) == {"node-a", "node-b"}
 for node, edge in owners.items():
     doc = status(sys.argv[1 + names.index(edge)])
     assert any(p["node_id"] == node and p["connected"] for p in doc["providers"])
+for addr in sys.argv[1:]:
+    assert {n["node_id"]: n["edge"] for n in status(addr)["cluster"]["nodes"]} == owners
 print(" ".join(f"{node}={edge}" for node, edge in sorted(owners.items())))
 PY
 )
@@ -231,18 +239,38 @@ PY
   done
   [ -n "$owners" ] || { echo "the nodes did not register in time; see $work/*.log" >&2; return 1; }
 
-  local owning=() entry edge
-  for entry in $owners; do
-    edge=${entry#*=}
-    [[ " ${owning[*]} " == *" $edge "* ]] || owning+=("$edge")
-  done
-  local first=${owning[0]}
-  local first_client=${clients[$(( ${first#edge-} - 1 ))]}
+  # How many of the model's nodes Edge $1 owns.
+  owned_by() {
+    local entry n=0
+    for entry in $owners; do [ "${entry#*=}" = "$1" ] && n=$((n + 1)); done
+    echo "$n"
+  }
+  # Where a request entering at Edge $1 is served: there if it owns a node
+  # of the model, else the Edge owning the most of them (ties: name order).
+  served_at() {
+    local e best="" most=0 n
+    if [ "$(owned_by "$1")" -gt 0 ]; then echo "$1"; return; fi
+    for e in "${edges[@]}"; do
+      n=$(owned_by "$e")
+      if [ "$n" -gt "$most" ]; then best=$e; most=$n; fi
+    done
+    echo "$best"
+  }
+
   echo "==> nodes owned: $owners"
-  echo "==> streaming a chat completion through $first ($first_client) → mTLS → node → provider"
-  echo
-  stream_hello "$first_client"
-  echo; echo
+  local i at
+  for i in 0 1 2; do
+    at=$(served_at "${edges[$i]}")
+    if [ "$at" = "${edges[$i]}" ]; then
+      echo "==> streaming a chat completion through ${edges[$i]} (${clients[$i]}) → mTLS → node → provider"
+    else
+      echo "==> streaming a chat completion through ${edges[$i]} (${clients[$i]}), forwarded to $at → mTLS → node → provider"
+    fi
+    echo
+    stream_hello "${clients[$i]}"
+    echo; echo
+  done
+  local first_client=${clients[0]}
 
   echo "==> IOP is running as a cluster of three Edges (logs in $work/*.log):"
   echo
@@ -255,9 +283,9 @@ PY
   done
   cat <<TXT
 
-Point a client at an Edge that owns a node of the model (/status → cluster.nodes
-says which); an Edge that owns none does not forward requests to the owner yet.
-With several owning Edges, put them behind one load balancer that checks /readyz.
+Point a client at any Edge: one that owns none of the model's nodes (/status →
+cluster.nodes says who owns what) forwards the request to the Edge that owns
+them, one hop more. Put the Edges behind one load balancer that checks /readyz.
 
   curl -sN http://$first_client/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
@@ -266,7 +294,8 @@ With several owning Edges, put them behind one load balancer that checks /readyz
 
 Kill an Edge that owns a node (kill -9 <its pid>) and its node registers with
 another Edge within a few seconds (curl -s http://<another edge>/status); the
-dead Edge leaves cluster.edges when its etcd lease expires (10 s).
+other Edges keep answering, and the dead Edge leaves cluster.edges when its
+etcd lease expires (10 s).
 
 Press Ctrl-C to stop.
 TXT

@@ -15,10 +15,17 @@ stopped by its PID; every line a process prints is kept with the monotonic
 time it arrived (`Process.lines_since`, `Process.first_line`), which is how
 the tests time log events such as a self-fence.
 
+Every Edge has a peer listener (`[cluster] peer_listen = "127.0.0.1:0"`,
+its bound address announced in etcd): a request reaching an Edge that owns
+none of its model's nodes is forwarded to the Edge owning the most of them
+(`forward_target` says which, as `cluster::route` decides). Besides
+`MODEL` (served by every Node) each Node has a model of its own,
+`node_model(node_id)`, so a test can make any Edge forward.
+
 `StreamLoad` is a steady client load: threads that send streaming
-completions in a loop to the Edges that own a node of the model (from
-`/status` → `cluster.nodes`; a request reaching an Edge that owns none of
-the model's nodes is not forwarded yet) and record each outcome.
+completions in a loop to every Edge whose `/readyz` answers 200 (as a load
+balancer checking it would), each with its own `x-request-id`, and record
+each outcome.
 """
 
 from __future__ import annotations
@@ -52,6 +59,23 @@ TARGET = "mock-model"
 FENCE_LINE = "fencing every node this edge owns"
 # How long a load thread waits after a request that did not succeed.
 REFUSED_BACKOFF_S = 0.1
+
+
+def node_model(node_id: str) -> str:
+    """The model served by `node_id` alone."""
+    return f"{MODEL}-{node_id}"
+
+
+def forward_target(entry: str, model_nodes: list[str], owners: dict[str, str]) -> str | None:
+    """Where Edge `entry` sends a request for a model of `model_nodes`,
+    given node → owner (`cluster::route::decide`, every Edge having a peer
+    listener): None (served at `entry`) when `entry` owns one of the nodes
+    or nobody owns any; else the Edge owning the most of them, ties by
+    name."""
+    owning = [owners[n] for n in model_nodes if n in owners]
+    if entry in owning or not owning:
+        return None
+    return min(set(owning), key=lambda e: (-owning.count(e), e))
 
 
 def etcd_binary() -> str:
@@ -316,6 +340,14 @@ class EdgeSlot:
     etcd_members: list[int]
     proc: Process | None = None
     starts: int = 0
+    # The peer listener's address of the running process (port 0 in the
+    # config: a new one on every start).
+    peer_addr: str | None = None
+    # The processes of earlier starts (their logs stay readable).
+    past: list = None
+
+    def __post_init__(self):
+        self.past = []
 
     @property
     def client_addr(self) -> str:
@@ -463,6 +495,7 @@ class EdgeCluster:
             f"lease_ttl_sec = {self.lease_ttl_sec}",
             f"keepalive_interval_sec = {self.keepalive_interval_sec}",
             f"etcd_timeout_ms = {self.etcd_timeout_ms}",
+            'peer_listen = "127.0.0.1:0"',
         ]
         for node_id in self.node_ids:
             out += [
@@ -485,6 +518,8 @@ class EdgeCluster:
             f'name = "{MODEL}"',
             "providers = [" + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
         ]
+        for node_id in self.node_ids:
+            out += ["[[models]]", f'name = "{node_model(node_id)}"', f'providers = ["{node_id}/mock-1"]']
         out += self._key_lines
         return "\n".join(out) + "\n"
 
@@ -530,7 +565,11 @@ class EdgeCluster:
                     raise
                 time.sleep(0.25)
         assert proc.ready["client"] == slot.client_addr and proc.ready["nodes"] == slot.node_addr, proc.ready
+        assert proc.ready.get("peer", "").startswith("127.0.0.1:"), proc.ready
+        if slot.proc is not None:
+            slot.past.append(slot.proc)
         slot.proc = proc
+        slot.peer_addr = proc.ready["peer"]
         return proc
 
     def kill_edge(self, i: int) -> float:
@@ -597,6 +636,32 @@ class EdgeCluster:
         req = urllib.request.Request(self.edges[i].base_url + "/metrics", headers=self.auth_headers())
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.read().decode()
+
+    def metric(self, i: int, series: str) -> int | None:
+        """The value of `series` (name and labels exactly as exposed) in
+        Edge `i`'s /metrics, None when absent."""
+        for line in self.metrics(i).splitlines():
+            if line.startswith(series + " "):
+                return int(float(line.split(" ")[-1]))
+        return None
+
+    def access_line(self, i: int, request_id: str, timeout_s: float = 10.0) -> dict:
+        """Edge `i`'s access log line (logfmt) of `request_id`, parsed,
+        from any of its processes; waits for it (a line is written when its
+        request ends)."""
+        found = {}
+        slot = self.edges[i]
+
+        def present():
+            lines = [line for proc in slot.past + [slot.proc] for _, line in proc.timed_lines()]
+            line = next((line for line in lines
+                         if line.startswith("ts=") and f" request_id={request_id} " in line), None)
+            if line is not None:
+                found.update(parse_logfmt(line))
+            return line is not None
+
+        wait_until(present, timeout_s=timeout_s, what=f"{self.edges[i].name}'s access log line of {request_id}")
+        return found
 
     def owners(self, i: int | None = None) -> dict[str, str]:
         """node id → owning Edge name, from Edge `i`'s /status (the first
@@ -713,6 +778,14 @@ class EdgeCluster:
             return resp.read()
 
 
+def parse_logfmt(line: str) -> dict:
+    fields = {}
+    for m in re.finditer(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', line):
+        key, value = m.group(1), m.group(2)
+        fields[key] = json.loads(value) if value.startswith('"') else value
+    return fields
+
+
 def ids_out(raw: bytes) -> bytes:
     """The mock numbers its completions (chatcmpl-mock-<seq>) and stamps
     each object with its send time (iop_mock_sent_ns); everything else of
@@ -736,6 +809,7 @@ class Outcome:
     """
     edge: int
     sent_at: float
+    request_id: str = ""
     headers_at: float | None = None
     ended_at: float = 0.0
     status: int | None = None
@@ -745,14 +819,18 @@ class Outcome:
 
 
 class StreamLoad:
-    """Threads sending the same streaming completion in a loop to the Edges
-    that own a node of the model, each request on a new connection; the
-    target Edges are re-read from /status every `refresh_s`.
+    """Threads sending the same streaming completion in a loop to every
+    Edge whose /readyz answers 200 (re-checked every `refresh_s`), in
+    turn, each request on a new connection with its own `x-request-id`
+    (`<prefix>-<n>`: the access log lines of both Edges of a forwarded
+    request carry it).
     """
 
     def __init__(self, cluster: EdgeCluster, body: dict, expected: bytes, threads: int = 4,
-                 refresh_s: float = 0.1, request_timeout_s: float = 30.0):
+                 refresh_s: float = 0.1, request_timeout_s: float = 30.0, prefix: str = "load"):
         self.cluster = cluster
+        self.prefix = prefix
+        self._sent = 0
         self.body = json.dumps(body).encode()
         self.expected = ids_out(expected)
         self.threads = threads
@@ -767,7 +845,7 @@ class StreamLoad:
 
     def __enter__(self):
         self._refresh()
-        assert self._targets, "no Edge owns a node"
+        assert self._targets, "no Edge is ready"
         self._workers = [threading.Thread(target=self._route_loop, daemon=True)]
         self._workers += [threading.Thread(target=self._send_loop, daemon=True) for _ in range(self.threads)]
         for w in self._workers:
@@ -783,11 +861,13 @@ class StreamLoad:
             w.join(timeout=self.request_timeout_s + 5)
 
     def _refresh(self):
-        try:
-            owners = self.cluster.owners()
-        except (RuntimeError, OSError, KeyError):
-            return
-        targets = sorted({self.cluster.index_of(e) for e in owners.values()})
+        targets = []
+        for slot in self.cluster.edges:
+            try:
+                if self.cluster.readyz(slot.index, timeout_s=1.0)[0] == 200:
+                    targets.append(slot.index)
+            except OSError:
+                pass
         with self._lock:
             self._targets = targets
 
@@ -795,20 +875,23 @@ class StreamLoad:
         while not self._stop.wait(self.refresh_s):
             self._refresh()
 
-    def _pick(self) -> int | None:
+    def _pick(self) -> tuple[int, str] | None:
         with self._lock:
             if not self._targets:
                 return None
             self._next += 1
-            return self._targets[self._next % len(self._targets)]
+            self._sent += 1
+            return self._targets[self._next % len(self._targets)], f"{self.prefix}-{self._sent}"
 
     def _send_loop(self):
         while not self._stop.is_set():
-            edge = self._pick()
-            if edge is None:
+            picked = self._pick()
+            if picked is None:
                 time.sleep(0.05)
                 continue
-            outcome = send_stream(self.cluster.edges[edge], edge, self.body, self.expected, self.request_timeout_s)
+            edge, request_id = picked
+            outcome = send_stream(self.cluster.edges[edge], edge, self.body, self.expected, self.request_timeout_s,
+                                  request_id=request_id)
             with self._lock:
                 self.outcomes.append(outcome)
             if outcome.kind != "ok":
@@ -821,15 +904,17 @@ class StreamLoad:
 
 
 def send_stream(slot: EdgeSlot, edge: int, body: bytes, expected: bytes, timeout_s: float,
-                headers: dict | None = None) -> Outcome:
-    """One POST of `body` to Edge `slot` on a new connection, classified
-    against the `expected` bytes (ids normalized)."""
-    out = Outcome(edge=edge, sent_at=time.monotonic())
+                headers: dict | None = None, request_id: str = "") -> Outcome:
+    """One POST of `body` to Edge `slot` on a new connection (with
+    `x-request-id: request_id` if given), classified against the
+    `expected` bytes (ids normalized)."""
+    out = Outcome(edge=edge, sent_at=time.monotonic(), request_id=request_id)
     conn = http.client.HTTPConnection(slot.client_addr, timeout=timeout_s)
+    extra = {"x-request-id": request_id} if request_id else {}
     try:
         try:
             conn.request("POST", "/v1/chat/completions", body=body,
-                         headers={"content-type": "application/json", **(headers or {})})
+                         headers={"content-type": "application/json", **extra, **(headers or {})})
             resp = conn.getresponse()
         except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected,
                 BrokenPipeError) as e:

@@ -1,7 +1,8 @@
 """`scripts/demo.sh` runs the whole system, uses the binaries of cargo's
 target directory (CARGO_TARGET_DIR honoured) and keeps its logs after it
 stops, saying where they are. `scripts/demo.sh --cluster` does the same with
-three Edges of one cluster on an etcd and two Nodes that list every Edge.
+three Edges of one cluster on an etcd and two Nodes that list every Edge,
+streaming through every Edge (one that owns no node forwards to the owner).
 """
 
 import os
@@ -92,10 +93,21 @@ def test_cluster_demo_runs_three_edges_on_etcd():
     # Both nodes owned, each by one of the three Edges.
     owned = re.search(r"==> nodes owned: node-a=(edge-[123]) node-b=(edge-[123])\n", running)
     assert owned, running
-    # The completion streamed through an owning Edge.
-    through = re.search(r"==> streaming a chat completion through (edge-[123]) \((127\.0\.0\.1:\d+)\)", running)
-    assert through and through.group(1) in owned.groups(), running
-    assert "tok0 tok1 tok2" in running and "tok23" in running, running
+    # A completion streamed through every Edge: the whole of the mock's
+    # 24 tokens each time; an Edge owning no node forwarded it to the one
+    # owning the most (ties: name order).
+    streams = re.findall(r"==> streaming a chat completion through (edge-[123]) \((127\.0\.0\.1:\d+)\)"
+                         r"(?:, forwarded to (edge-[123]))? → mTLS → node → provider\n\n(.*)\n", running)
+    assert [s[0] for s in streams] == ["edge-1", "edge-2", "edge-3"], running
+    whole = "".join(f"tok{i} " for i in range(24))
+    for name, _, forwarded_to, text in streams:
+        assert text == whole, (name, text)
+        if name in owned.groups():
+            assert forwarded_to == "", (name, forwarded_to)
+        else:
+            counts = {e: owned.groups().count(e) for e in set(owned.groups())}
+            assert forwarded_to == min(counts, key=lambda e: (-counts[e], e)), (name, forwarded_to, owned.groups())
+    assert any(forwarded_to for _, _, forwarded_to, _ in streams), streams
     # Every Edge's client address, and what it owns.
     clients = {}
     for name in ("edge-1", "edge-2", "edge-3"):
@@ -106,7 +118,7 @@ def test_cluster_demo_runs_three_edges_on_etcd():
         mine = [n for n, e in zip(("node-a", "node-b"), owned.groups()) if e == name]
         assert line.group(2) == (" ".join(mine) or "no node"), running
     assert len(set(clients.values())) == 3
-    assert clients[through.group(1)] == through.group(2)
+    assert {name: addr for name, addr, _, _ in streams} == clients
     assert code == 0, out
     assert out.endswith(f"==> stopped; logs kept in {work} (etcd.log, mock.log, edge-1.log … edge-3.log, "
                         "node-a.log, node-b.log)\n"), out
@@ -116,6 +128,13 @@ def test_cluster_demo_runs_three_edges_on_etcd():
     for name in ("edge-1", "edge-2", "edge-3"):
         log = (work / f"{name}.log").read_text()
         assert "IOP_READY edge" in log and "cluster: lease granted" in log, log
+        assert re.search(r"IOP_READY edge client=\S+ nodes=\S+ peer=127\.0\.0\.1:\d+\n", log), log
+    # The forwarded stream is in the access logs of both Edges.
+    for name, _, forwarded_to, _ in streams:
+        if forwarded_to:
+            entry = (work / f"{name}.log").read_text()
+            assert f" forwarded_to={forwarded_to}" in entry, entry
+            assert f" peer={name}" in (work / f"{forwarded_to}.log").read_text()
 
 
 def test_cluster_demo_without_etcd_says_how_to_install_it(tmp_path):
