@@ -115,7 +115,7 @@ CASES = [
     ("edge-bin", _edge_toml(key="not-a-key.pem"),
      "edge.toml: tls: not-a-key.pem: no private key found"),
     ("node-bin", _node_toml(edge_addr="5"),
-     "node.toml: edge_addr: invalid type: integer `5`, expected a string (line 3, column 13)"),
+     "node.toml: edge_addr: invalid type: integer `5`, expected a string or an array of strings (line 3, column 13)"),
     ("node-bin", _node_toml(ca="certs/missing-ca.pem"),
      "node.toml: tls.ca: cannot read certs/missing-ca.pem: No such file or directory (os error 2)"),
     ("node-bin", _node_toml(key="not-a-key.pem"),

@@ -398,6 +398,11 @@ where
     server.write_response(e.status, headers, body).await
 }
 
+/// Marks an answer to a request forwarded by a peer Edge that this Edge
+/// did not admit (it is draining): the peer may send the request to
+/// another Edge, nothing of it ran here.
+pub(super) const NOT_ADMITTED_HEADER: &str = "x-iop-not-admitted";
+
 /// Answers [`GatewayError::shutting_down`] (in the route's error shape: Anthropic on
 /// `/v1/messages*`) with `connection: close`; the caller then drops the
 /// connection.
@@ -415,11 +420,16 @@ where
     };
     let e = GatewayError::shutting_down();
     let retry_after = e.retry_after_sec.unwrap_or(1).to_string();
-    let headers = [
+    let mut headers = vec![
         ("content-type", "application/json"),
         ("retry-after", retry_after.as_str()),
         ("connection", "close"),
     ];
+    if server.rec.peer.is_some() {
+        // A peer Edge forwarded it: tell it nothing was admitted here, so
+        // it may try another Edge.
+        headers.push((NOT_ADMITTED_HEADER, "draining"));
+    }
     server.rec.end(e.outcome());
     let body = e.body_for_request(surface, &server.rec.request_id);
     server.write_response(e.status, headers, body).await

@@ -137,17 +137,79 @@ pub(super) struct Targets {
     reason: ForwardReason,
 }
 
-/// The Edges to forward a request to `endpoint` for `model` to; `None`
-/// when it is served here: a single Edge, a request that came from a peer
-/// (never forwarded again), an Edge that cannot dial peers, or a
-/// [`Route::Local`] decision (from the owners of the model's nodes and the
-/// free slots for the endpoint's operation, here and at the peers).
-pub(super) fn targets_of<S>(
+/// Where a request is served in a cluster ([`place`]).
+pub(super) enum Placement {
+    /// Here, through this Edge's Control (and always for a single Edge).
+    Here,
+    /// At the first of these peers that takes it.
+    Forward(Targets),
+    /// Nowhere: no Edge owned a node of the model for as long as the
+    /// model's queue timeout; answer as a queue timeout would.
+    Nowhere,
+    /// The client left while it waited for an owner.
+    ClientGone,
+}
+
+/// How often [`place`] looks again while no Edge owns a node of the model.
+const UNOWNED_RECHECK: Duration = Duration::from_millis(100);
+
+/// Where to serve a request to `endpoint` for `model`: here for a single
+/// Edge, a request that came from a peer (never forwarded again), an Edge
+/// that cannot dial peers, or a [`Route::Local`] decision (from the owners
+/// of the model's nodes and the free slots for the endpoint's operation,
+/// here and at the peers); else at the peers the decision names. While no
+/// Edge owns any node of the model (they are moving between Edges, as in a
+/// rolling restart) it looks again every [`UNOWNED_RECHECK`], up to the
+/// model's queue timeout: queueing here would wait for a node that may
+/// register elsewhere.
+pub(super) async fn place<S>(
     edge: &Edge,
-    server: &Client<S>,
+    server: &mut Client<S>,
     endpoint: Endpoint,
     model: &str,
-) -> Option<Targets> {
+) -> Placement
+where
+    S: ClientStream,
+{
+    let deadline = edge
+        .settings
+        .model_queue_timeouts
+        .get(model)
+        .map(|&wait| clock::now() + wait);
+    loop {
+        match route_of(edge, server, endpoint, model) {
+            None | Some(Route::Local) => return Placement::Here,
+            Some(Route::Forward {
+                target,
+                mut fallbacks,
+                reason,
+            }) => {
+                fallbacks.insert(0, target);
+                return Placement::Forward(Targets {
+                    peers: fallbacks,
+                    reason,
+                });
+            }
+            Some(Route::Unowned) => {
+                let Some(deadline) = deadline else {
+                    return Placement::Here;
+                };
+                let left = deadline.saturating_duration_since(clock::now());
+                if left.is_zero() {
+                    return Placement::Nowhere;
+                }
+                let pause = monoio::time::sleep(left.min(UNOWNED_RECHECK));
+                if let Watched::PeerClosed = server.watch_peer(pause).await {
+                    return Placement::ClientGone;
+                }
+            }
+        }
+    }
+}
+
+/// The route decision for `model`, `None` when the request is served here
+/// whatever the cluster looks like (see [`place`]).
+fn route_of<S>(edge: &Edge, server: &Client<S>, endpoint: Endpoint, model: &str) -> Option<Route> {
     if server.rec.peer.is_some() {
         return None;
     }
@@ -156,25 +218,12 @@ pub(super) fn targets_of<S>(
     let nodes = edge.settings.model_nodes.get(model)?;
     let owners = cluster.owners_of(nodes);
     let free = cluster.free_slots(model, endpoint.op, clock::now(), summaries::MAX_AGE);
-    match route::decide(
+    Some(route::decide(
         &cluster.edge_name,
         owners.iter().map(Option::as_deref),
         &cluster.peer_addrs(),
         &free,
-    ) {
-        Route::Local => None,
-        Route::Forward {
-            target,
-            mut fallbacks,
-            reason,
-        } => {
-            fallbacks.insert(0, target);
-            Some(Targets {
-                peers: fallbacks,
-                reason,
-            })
-        }
-    }
+    ))
 }
 
 /// Forwards the request (its `endpoint`, the client's `headers` and `body`
@@ -217,63 +266,72 @@ where
     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let request_headers = peer_request_headers(&headers, &server.rec.request_id);
     drop(headers);
-    let mut written = None;
     for peer in targets {
         let key = PoolKey {
             from: cluster.edge_name.clone(),
             to: peer.name.clone(),
             addr: peer.addr,
         };
-        match write_request(&key, tls, &peer, endpoint.path, &request_headers, &body).await {
-            Ok(sent) => {
-                written = Some((peer, key, sent));
-                break;
-            }
-            Err(why) => {
-                cluster
-                    .counters
-                    .forwarded(&peer.name, Forwarded::Unavailable);
-                tracing::warn!(
-                    request_id = %server.rec.request_id,
-                    peer = %peer.name,
-                    addr = %peer.addr,
-                    error = %why,
-                    "cannot forward to the peer edge"
-                );
-            }
-        }
-    }
-    let Some((peer, key, sent)) = written else {
-        return write_error(
+        let sent =
+            match write_request(&key, tls, &peer, endpoint.path, &request_headers, &body).await {
+                Ok(sent) => sent,
+                Err(why) => {
+                    cluster
+                        .counters
+                        .forwarded(&peer.name, Forwarded::Unavailable);
+                    tracing::warn!(
+                        request_id = %server.rec.request_id,
+                        peer = %peer.name,
+                        addr = %peer.addr,
+                        error = %why,
+                        "cannot forward to the peer edge"
+                    );
+                    continue;
+                }
+            };
+        server.rec.forwarded_to = Some(peer.name.clone());
+        server.stream_started();
+        let Some((outcome, result)) = Box::pin(relay(
             server,
             endpoint.surface,
-            &GatewayError::peer_unavailable(model),
-        )
-        .await;
-    };
-    server.rec.forwarded_to = Some(peer.name.clone());
-    server.stream_started();
-    let (outcome, result) = Box::pin(relay(
+            sent,
+            &key,
+            tls,
+            &peer,
+            endpoint.path,
+            &request_headers,
+            &body,
+        ))
+        .await
+        else {
+            // The peer is draining and admitted nothing: the next one may.
+            cluster
+                .counters
+                .forwarded(&peer.name, Forwarded::Unavailable);
+            tracing::info!(
+                request_id = %server.rec.request_id,
+                peer = %peer.name,
+                "the peer edge is draining; trying the next"
+            );
+            server.rec.forwarded_to = None;
+            continue;
+        };
+        cluster.counters.forwarded(&peer.name, outcome);
+        if outcome == Forwarded::Failed {
+            tracing::warn!(
+                request_id = %server.rec.request_id,
+                peer = %peer.name,
+                "the peer edge's answer broke off"
+            );
+        }
+        return result;
+    }
+    write_error(
         server,
         endpoint.surface,
-        sent,
-        &key,
-        tls,
-        &peer,
-        endpoint.path,
-        &request_headers,
-        &body,
-    ))
-    .await;
-    cluster.counters.forwarded(&peer.name, outcome);
-    if outcome == Forwarded::Failed {
-        tracing::warn!(
-            request_id = %server.rec.request_id,
-            peer = %peer.name,
-            "the peer edge's answer broke off"
-        );
-    }
-    result
+        &GatewayError::peer_unavailable(model),
+    )
+    .await
 }
 
 /// The client's headers as the peer gets them: without hop-by-hop and
@@ -361,7 +419,9 @@ async fn connect(tls: &NodeTlsConnector, peer: &PeerEdge) -> Result<Upstream, St
 /// Relays the peer's answer to the request written on `sent`: waits for
 /// its head while watching the client, then writes status, headers and
 /// body as they arrive. Returns how the forward went (for `/metrics`) and
-/// the client connection's result.
+/// the client connection's result; `None` when the peer answered that it
+/// admitted nothing (it is draining: [`NOT_ADMITTED_HEADER`]), before
+/// anything was written to the client.
 #[allow(clippy::too_many_arguments)]
 async fn relay<S>(
     server: &mut Client<S>,
@@ -373,7 +433,7 @@ async fn relay<S>(
     path: &str,
     headers: &[(String, Bytes)],
     body: &Bytes,
-) -> (Forwarded, Result<(), HttpError>)
+) -> Option<(Forwarded, Result<(), HttpError>)>
 where
     S: ClientStream,
 {
@@ -385,7 +445,7 @@ where
         match server.watch_peer(conn.read_response_head()).await {
             // The client left first: dropping the connection tells the
             // peer, which cancels the run.
-            Watched::PeerClosed => return (Forwarded::Ok, Err(HttpError::UnexpectedEof)),
+            Watched::PeerClosed => return Some((Forwarded::Ok, Err(HttpError::UnexpectedEof))),
             Watched::Done(Ok(head)) => break head,
             // A pooled connection the peer had closed before the request
             // came: it read none of it.
@@ -406,17 +466,25 @@ where
                         tracing::warn!(peer = %peer.name, error = %why, "cannot forward to the peer edge");
                         let written =
                             write_error(server, surface, &GatewayError::node_lost()).await;
-                        return (Forwarded::Failed, written);
+                        return Some((Forwarded::Failed, written));
                     }
                 }
             }
             Watched::Done(Err(e)) => {
                 tracing::warn!(peer = %peer.name, error = %e, "no answer from the peer edge");
                 let written = write_error(server, surface, &GatewayError::node_lost()).await;
-                return (Forwarded::Failed, written);
+                return Some((Forwarded::Failed, written));
             }
         }
     };
+    if head.status == 503
+        && head
+            .headers
+            .iter()
+            .any(|h| h.name.eq_ignore_ascii_case(NOT_ADMITTED_HEADER))
+    {
+        return None;
+    }
     let event_stream = head
         .headers
         .iter()
@@ -438,7 +506,7 @@ where
                 .write_response(head.status, relayed, Bytes::new())
                 .await;
             pool_put(key.clone(), conn);
-            (Forwarded::Ok, written)
+            Some((Forwarded::Ok, written))
         }
         BodyFraming::ContentLength { len_bytes } if len_bytes <= MAX_SIZED_BODY_BYTES => {
             let answer = match conn.read_body_to_end(len_bytes as usize).await {
@@ -446,32 +514,32 @@ where
                 Err(e) => {
                     tracing::warn!(peer = %peer.name, error = %e, "the peer edge's answer broke off");
                     let written = write_error(server, surface, &GatewayError::node_lost()).await;
-                    return (Forwarded::Failed, written);
+                    return Some((Forwarded::Failed, written));
                 }
             };
             observe_usage(server, head.status, &answer);
             let written = server.write_response(head.status, relayed, answer).await;
             pool_put(key.clone(), conn);
-            (Forwarded::Ok, written)
+            Some((Forwarded::Ok, written))
         }
         _ => {
             if let Err(e) = server.start_chunked(head.status, relayed).await {
-                return (Forwarded::Ok, Err(e));
+                return Some((Forwarded::Ok, Err(e)));
             }
             loop {
                 match conn.read_body_chunk().await {
                     Ok(Some(piece)) => {
                         if let Err(e) = server.write_chunk(piece).await {
-                            return (Forwarded::Ok, Err(e));
+                            return Some((Forwarded::Ok, Err(e)));
                         }
                         if let Err(e) = server.check_cut_off() {
-                            return (Forwarded::Ok, Err(e));
+                            return Some((Forwarded::Ok, Err(e)));
                         }
                     }
                     Ok(None) => {
                         let finished = server.finish().await;
                         pool_put(key.clone(), conn);
-                        return (Forwarded::Ok, finished);
+                        return Some((Forwarded::Ok, finished));
                     }
                     Err(e) => {
                         tracing::debug!(peer = %peer.name, error = %e, "the peer edge's answer broke off");
@@ -488,7 +556,7 @@ where
                                 Err(e) => Err(e),
                             }
                         };
-                        return (Forwarded::Failed, ended);
+                        return Some((Forwarded::Failed, ended));
                     }
                 }
             }

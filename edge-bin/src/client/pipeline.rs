@@ -17,6 +17,7 @@ use iop_wire::pb::frame::Body;
 use super::caller::*;
 use super::conn::*;
 use super::endpoints::*;
+use super::forward::{place, Placement};
 use super::relay::*;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai::{ChatRequest, PassthroughRequest};
@@ -58,19 +59,26 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
-    if let Some(targets) = super::forward::targets_of(edge, server, CHAT_COMPLETIONS, &chat.model) {
-        let model = chat.model.clone();
-        drop(chat);
-        return Box::pin(super::forward::forward(
-            edge,
-            server,
-            CHAT_COMPLETIONS,
-            &model,
-            targets,
-            headers,
-            received,
-        ))
-        .await;
+    match Box::pin(place(edge, server, CHAT_COMPLETIONS, &chat.model)).await {
+        Placement::Here => {}
+        Placement::Forward(targets) => {
+            let model = chat.model.clone();
+            drop(chat);
+            return Box::pin(super::forward::forward(
+                edge,
+                server,
+                CHAT_COMPLETIONS,
+                &model,
+                targets,
+                headers,
+                received,
+            ))
+            .await;
+        }
+        Placement::Nowhere => {
+            return Box::pin(refuse_unplaced(edge, server, CHAT_COMPLETIONS, &chat.model)).await
+        }
+        Placement::ClientGone => return Ok(()),
     }
     drop((headers, received));
     let long = edge
@@ -265,6 +273,25 @@ where
     Ok(None)
 }
 
+/// Answers a request no Edge of the cluster could take for as long as its
+/// model's queue timeout ([`Placement::Nowhere`]): as a queue timeout
+/// here would, after the caller's own checks (a key that may not use the
+/// model still hears 403).
+async fn refuse_unplaced<S>(
+    edge: &Edge,
+    server: &mut Client<S>,
+    endpoint: Endpoint,
+    model: &str,
+) -> Result<(), HttpError>
+where
+    S: ClientStream,
+{
+    if let Some(refusal) = check_caller(edge, server, model) {
+        return write_caller_refusal(server, endpoint.surface, &refusal).await;
+    }
+    write_error(server, endpoint.surface, &GatewayError::no_provider(model)).await
+}
+
 /// 400: no provider of `model` serves `endpoint`'s operation.
 pub(super) fn unsupported(model: &str, endpoint: Endpoint) -> GatewayError {
     GatewayError::invalid_request(
@@ -314,14 +341,19 @@ where
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
-    if let Some(targets) = super::forward::targets_of(edge, server, endpoint, &req.model) {
-        server.set_model(&req.model);
-        let model = req.model.clone();
-        drop(req);
-        return Box::pin(super::forward::forward(
-            edge, server, endpoint, &model, targets, headers, received,
-        ))
-        .await;
+    server.set_model(&req.model);
+    match Box::pin(place(edge, server, endpoint, &req.model)).await {
+        Placement::Here => {}
+        Placement::Forward(targets) => {
+            let model = req.model.clone();
+            drop(req);
+            return Box::pin(super::forward::forward(
+                edge, server, endpoint, &model, targets, headers, received,
+            ))
+            .await;
+        }
+        Placement::Nowhere => return refuse_unplaced(edge, server, endpoint, &req.model).await,
+        Placement::ClientGone => return Ok(()),
     }
     drop(received);
     // What the provider gets of the client's headers; the rest go now.

@@ -62,6 +62,10 @@ impl ForwardReason {
 pub enum Route {
     /// Admitted through this Edge's Control.
     Local,
+    /// No Edge owns any node of the model now (its nodes are moving
+    /// between Edges, or offline): neither queueing here nor forwarding
+    /// can place it yet; ask again shortly.
+    Unowned,
     /// Forwarded to `target`; when `target` cannot be reached before the
     /// request is written, to each of `fallbacks` in order.
     Forward {
@@ -121,6 +125,7 @@ pub fn decide<'a>(
             .map(|(name, &slots)| (name.as_str(), u64::from(slots)))
             .collect(),
     );
+    let owned_elsewhere = !owned.is_empty();
     let owners_ranked = ranked(owned.into_iter().collect());
     let (mut order, reason) = if !with_free.is_empty() {
         let reason = if owned_here {
@@ -141,7 +146,13 @@ pub fn decide<'a>(
         (owners_ranked, ForwardReason::NoLocalNode)
     };
     if order.is_empty() {
-        return Route::Local;
+        // Owned only by Edges that announced no peer address: queue here,
+        // as a single Edge would.
+        return if owned_elsewhere {
+            Route::Local
+        } else {
+            Route::Unowned
+        };
     }
     let target = order.remove(0);
     Route::Forward {
@@ -229,17 +240,20 @@ mod tests {
     }
 
     #[test]
-    fn with_nobody_free_a_node_owned_here_or_no_owner_at_all_keeps_the_request_local() {
+    fn with_nobody_free_a_node_owned_here_keeps_the_request_local_and_no_owner_at_all_is_unowned() {
         let all = peers(&["a", "b", "c"]);
         // One node of three here: queued here, however many are elsewhere.
         assert_eq!(
             decide("a", [Some("b"), Some("a"), Some("b")], &all, &full()),
             Route::Local
         );
-        // Nobody owns a node yet: they may register here.
-        assert_eq!(decide("a", [None, None], &all, &full()), Route::Local);
+        // Nobody owns a node now (they are moving, or offline): ask again.
+        assert_eq!(decide("a", [None, None], &all, &full()), Route::Unowned);
         // A model without nodes (none configured).
-        assert_eq!(decide("a", [], &all, &full()), Route::Local);
+        assert_eq!(decide("a", [], &all, &full()), Route::Unowned);
+        // Owned only by an Edge without a peer listener: queued here, as a
+        // single Edge would.
+        assert_eq!(decide("a", [Some("x"), None], &all, &full()), Route::Local);
     }
 
     #[test]

@@ -1017,6 +1017,7 @@ mod tests {
             models: Vec::new(),
             long_context_threshold_tokens: HashMap::new(),
             model_nodes: HashMap::new(),
+            model_queue_timeouts: HashMap::new(),
             started_unix_sec: 0,
             client_tls: None,
             client_keys: ClientKeys::default(),

@@ -33,6 +33,9 @@ pub struct Settings {
     /// The node ids of each model's providers (each once, in config
     /// order): where a cluster member looks for the model's owners.
     pub model_nodes: HashMap<String, Vec<String>>,
+    /// Each model's queue timeout: in a cluster, also the longest a
+    /// request waits for an Edge to own one of its nodes.
+    pub model_queue_timeouts: HashMap<String, Duration>,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
     /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
@@ -125,6 +128,11 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
                 }
                 (m.name.clone(), nodes)
             })
+            .collect(),
+        model_queue_timeouts: cfg
+            .models
+            .iter()
+            .map(|m| (m.name.clone(), Duration::from_millis(m.queue_timeout_ms)))
             .collect(),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
         client_tls: None,
