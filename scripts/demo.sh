@@ -247,28 +247,21 @@ PY
   }
   # Where a request entering at Edge $1 is served: there if it owns a node
   # of the model, else the Edge owning the most of them (ties: name order).
-  served_at() {
-    local e best="" most=0 n
-    if [ "$(owned_by "$1")" -gt 0 ]; then echo "$1"; return; fi
-    for e in "${edges[@]}"; do
-      n=$(owned_by "$e")
-      if [ "$n" -gt "$most" ]; then best=$e; most=$n; fi
-    done
-    echo "$best"
-  }
 
   echo "==> nodes owned: $owners"
   local i at
   for i in 0 1 2; do
-    at=$(served_at "${edges[$i]}")
-    if [ "$at" = "${edges[$i]}" ]; then
-      echo "==> streaming a chat completion through ${edges[$i]} (${clients[$i]}) → mTLS → node → provider"
-    else
-      echo "==> streaming a chat completion through ${edges[$i]} (${clients[$i]}), forwarded to $at → mTLS → node → provider"
-    fi
+    echo "==> streaming a chat completion through ${edges[$i]} (${clients[$i]}) → mTLS → node → provider"
     echo
     stream_hello "${clients[$i]}"
-    echo; echo
+    echo
+    # Where it went: the entry Edge's access line names the peer it
+    # forwarded to (the owner with the most free slots), if any.
+    at=$( { grep -o 'forwarded_to=edge-[0-9]*' "$work/${edges[$i]}.log" 2>/dev/null || true; } | tail -1 | cut -d= -f2)
+    if [ -n "$at" ]; then
+      echo "    (${edges[$i]} owns no node of the model: forwarded to $at over the peer link)"
+    fi
+    echo
   done
   local first_client=${clients[0]}
 

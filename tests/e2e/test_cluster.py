@@ -63,8 +63,28 @@ def model_nodes(c: EdgeCluster, model: str) -> list[str]:
 
 
 def served_at(c: EdgeCluster, entry: int, model: str, owners: dict[str, str]) -> int:
-    """The Edge that serves a request for `model` entering at `entry`."""
+    """The Edge that serves a request for `model` entering at `entry`, by
+    node ownership alone (`forward_target`). With free slots at several
+    owners of the model, capacity summaries may pick another of them: see
+    `may_serve` and `routed_to`."""
     target = forward_target(c.edges[entry].name, model_nodes(c, model), owners)
+    return entry if target is None else c.index_of(target)
+
+
+def may_serve(c: EdgeCluster, entry: int, model: str, owners: dict[str, str]) -> set[int]:
+    """The Edges that may serve a request for `model` entering at an idle
+    `entry`: the entry itself when it owns a node of the model (it has a
+    free slot), else any Edge owning one of its nodes (the peer with the
+    most free slots in its summary, which in-flight requests move)."""
+    if served_at(c, entry, model, owners) == entry:
+        return {entry}
+    return {c.index_of(owners[n]) for n in model_nodes(c, model) if n in owners}
+
+
+def routed_to(c: EdgeCluster, entry: int, request_id: str) -> int:
+    """Where the entry Edge sent request `request_id`, from its access log
+    line: the Edge it was forwarded to, or the entry itself."""
+    target = c.access_line(entry, request_id, timeout_s=5).get("forwarded_to")
     return entry if target is None else c.index_of(target)
 
 
@@ -130,7 +150,13 @@ def test_every_edge_answers_byte_exact_forwarding_to_the_owner():
         assert len(set(owners.values())) == 2, owners
         for i, slot in enumerate(c.edges):
             doc = c.status(i)
-            assert doc["cluster"] == {
+            cluster = dict(doc["cluster"])
+            # What each Edge has free: this Edge's own summary, and one per
+            # peer as last polled (ages vary; the peers are the others).
+            capacity = cluster.pop("capacity")
+            assert set(capacity) == {"here", "peers"}, capacity
+            assert set(capacity["peers"]) == set(names) - {slot.name}, capacity
+            assert cluster == {
                 "name": CLUSTER_NAME, "edge": slot.name, "up": True, "edges": names,
                 "nodes": [{"node_id": n, "edge": owners[n]} for n in sorted(owners)],
             }
@@ -166,7 +192,7 @@ def test_every_edge_answers_byte_exact_forwarding_to_the_owner():
         for i, slot in enumerate(c.edges):
             url = slot.base_url + "/v1/chat/completions"
             for model in (MODEL, node_model("node-a"), node_model("node-b")):
-                at = served_at(c, i, model, owners)
+                possible = may_serve(c, i, model, owners)
                 for stream in (False, True):
                     body, expected = direct[stream]
                     request_id = f"a-{slot.name}-{model}-{'stream' if stream else 'whole'}"
@@ -179,6 +205,8 @@ def test_every_edge_answers_byte_exact_forwarding_to_the_owner():
                     assert headers["x-request-id"] == request_id
                     if stream:
                         assert headers["content-type"] == "text/event-stream"
+                    at = routed_to(c, i, request_id)
+                    assert at in possible, (slot.name, model, names[at], possible)
                     if at != i:
                         forwarded[(i, at)] = forwarded.get((i, at), 0) + 1
                         peer_requests[at] += 1
@@ -249,9 +277,15 @@ def test_killed_edge_nodes_rehome_and_only_streams_through_it_fail():
                 for model in (MODEL, node_model("node-a"), node_model("node-b")):
                     request_id = f"held-{names[i]}-{model}"
                     stream = OpenStream(c, i, dict(LONG_BODY, model=model), headers={"x-request-id": request_id})
-                    held.append((i, served_at(c, i, model, owners), request_id, stream))
+                    held.append((i, request_id, stream))
             killed_at = c.kill_edge(victim)
-            held_ends = [(i, at, request_id, *stream.finish()) for i, at, request_id, stream in held]
+            held_ends = []
+            for i, request_id, stream in held:
+                body, error = stream.finish()
+                # Where it went, from the entry's access line (the victim
+                # logs nothing more: its own are cut there).
+                at = victim if i == victim else routed_to(c, i, request_id)
+                held_ends.append((i, at, request_id, body, error))
             wait_until(lambda: c.rehomed(orphans, survivors) is not None, timeout_s=REHOME_BOUND_S,
                        interval_s=0.05, what="the victim's nodes owned by survivors and ready")
             rehomed_at = time.monotonic()

@@ -97,7 +97,10 @@ def test_cluster_demo_runs_three_edges_on_etcd():
     # 24 tokens each time; an Edge owning no node forwarded it to the one
     # owning the most (ties: name order).
     streams = re.findall(r"==> streaming a chat completion through (edge-[123]) \((127\.0\.0\.1:\d+)\)"
-                         r"(?:, forwarded to (edge-[123]))? → mTLS → node → provider\n\n(.*)\n", running)
+                         r" → mTLS → node → provider\n\n(.*)\n"
+                         r"(?:    \(edge-[123] owns no node of the model: forwarded to (edge-[123]) over the peer link\)\n)?",
+                         running)
+    streams = [(name, addr, forwarded_to, text) for name, addr, text, forwarded_to in streams]
     assert [s[0] for s in streams] == ["edge-1", "edge-2", "edge-3"], running
     whole = "".join(f"tok{i} " for i in range(24))
     for name, _, forwarded_to, text in streams:
@@ -105,8 +108,9 @@ def test_cluster_demo_runs_three_edges_on_etcd():
         if name in owned.groups():
             assert forwarded_to == "", (name, forwarded_to)
         else:
-            counts = {e: owned.groups().count(e) for e in set(owned.groups())}
-            assert forwarded_to == min(counts, key=lambda e: (-counts[e], e)), (name, forwarded_to, owned.groups())
+            # To an Edge owning a node of the model (the one with the most
+            # free slots in its summary).
+            assert forwarded_to in owned.groups(), (name, forwarded_to, owned.groups())
     assert any(forwarded_to for _, _, forwarded_to, _ in streams), streams
     # Every Edge's client address, and what it owns.
     clients = {}
