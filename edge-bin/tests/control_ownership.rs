@@ -382,3 +382,53 @@ fn a_single_edge_never_asks_etcd() {
     assert_eq!(d.control.generation_of(ConnId(1)).map(|g| g.0), Some(1));
     assert_eq!(d.step(Input::Closed { conn: ConnId(1) }), vec![]);
 }
+
+// A draining cluster member lets go of each node as soon as nothing runs
+// on it, so the node registers with another Edge during the drain instead
+// of after it.
+#[test]
+fn a_draining_member_lets_go_of_idle_nodes_at_once_and_of_busy_ones_when_their_runs_end() {
+    let mut d = up();
+    d.own(1, 10);
+    let run = d.dispatch(1);
+    // Busy: kept.
+    assert_eq!(d.step(Input::Drain), vec![]);
+    assert_eq!(d.control.ready_conn(NODE), Some(ConnId(1)));
+    // Its run ends (here: never delivered): let go of.
+    let out = d.step(Input::Undeliverable {
+        request: run.request,
+    });
+    assert!(
+        matches!(&out[0], Action::Done { request, .. } if *request == run.request),
+        "{out:?}"
+    );
+    assert_eq!(
+        out[1..],
+        [release(10), disconnected(), close(1, CloseReason::Shutdown)]
+    );
+    assert_eq!(d.control.ready_conn(NODE), None);
+
+    // An idle node: let go of at the drain's first step.
+    let mut d = up();
+    d.own(2, 20);
+    assert_eq!(
+        d.step(Input::Drain),
+        vec![release(20), disconnected(), close(2, CloseReason::Shutdown)]
+    );
+}
+
+#[test]
+fn a_single_edge_keeps_its_nodes_through_its_drain() {
+    let mut d = Driver::new();
+    d.control = Control::new(ControlSpec {
+        nodes: vec![ControlNode {
+            id: NODE.into(),
+            config: pb::NodeConfigPayload::default(),
+            providers: vec![],
+        }],
+        ..ControlSpec::default()
+    });
+    assert_eq!(d.register(1), vec![accepted(1)]);
+    assert_eq!(d.step(Input::Drain), vec![]);
+    assert_eq!(d.control.generation_of(ConnId(1)).map(|g| g.0), Some(1));
+}

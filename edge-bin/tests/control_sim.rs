@@ -2000,7 +2000,8 @@ impl<'w> Sim<'w> {
             Input::OwnershipGranted { .. }
             | Input::OwnershipFailed { .. }
             | Input::OwnerObserved { .. }
-            | Input::ClusterSession { .. } => {
+            | Input::ClusterSession { .. }
+            | Input::Drain => {
                 return Err(format!(
                     "the single-Edge simulation feeds no cluster input: {input:?}"
                 ));

@@ -40,6 +40,12 @@ REHOME_BOUND_S = 20.0
 DRAIN_LINE = "draining: listeners closed"
 
 
+
+# Attempts at the retry of a request a draining Edge refused (each after
+# the answer's retry-after, 1 s): the draining Edge's idle nodes re-home
+# within about one reconnect interval (1 s ± 50 % here).
+RETRIES_AFTER_DRAIN = 5
+
 def log_timing(what: str, seconds: float):
     print(f"TIMING {what}: {seconds:.2f} s")
 
@@ -586,10 +592,19 @@ def test_rolling_restart_cuts_no_stream():
                 assert refused.status == 503, refused_body
                 assert refused.getheader("retry-after") == "1"
                 assert refused_body["error"]["code"] == "shutting_down", refused_body
-                # Retried on another Edge (the next one), it succeeds.
+                # Retried on another Edge (the next one), it succeeds — as a
+                # client retries, honouring retry-after: while the draining
+                # Edge still owns every node of the model, the other Edge
+                # answers 503 peer_unavailable with retry-after until one of
+                # them re-homes (the draining Edge lets go of a node as soon
+                # as nothing runs on it).
                 other = (i + 1) % len(c.edges)
-                retried = send_stream(c.edges[other], other, json.dumps(LOAD_BODY).encode(), ids_out(expected), 30,
-                                      request_id=f"retry-{slot.name}")
+                for attempt in range(RETRIES_AFTER_DRAIN):
+                    retried = send_stream(c.edges[other], other, json.dumps(LOAD_BODY).encode(), ids_out(expected),
+                                          30, request_id=f"retry-{slot.name}-{attempt}")
+                    if retried.kind != "refused" or retried.retry_after is None:
+                        break
+                    time.sleep(float(retried.retry_after))
                 if retried.kind != "ok":
                     entry_line = c.access_line(other, retried.request_id, timeout_s=5)
                     target = entry_line.get("forwarded_to")

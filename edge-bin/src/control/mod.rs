@@ -294,6 +294,12 @@ pub enum Input {
         /// The lease is held.
         up: bool,
     },
+    /// This Edge began its shutdown drain (no new client request comes).
+    /// In a cluster, from now on every node whose owner has nothing in
+    /// flight, once no request waits in a queue, is let go of (closed with
+    /// `shutdown`) so it registers with another Edge now instead of when
+    /// this one exits. A single Edge keeps its nodes to the end.
+    Drain,
 }
 
 /// Why a request was refused.
@@ -626,6 +632,8 @@ pub struct Control {
     /// keep ownership). Starts false: nothing registers before the first
     /// lease.
     cluster_up: bool,
+    /// The shutdown drain began ([`Input::Drain`]).
+    draining: bool,
 }
 
 /// Who grants ownership of a node id ([`Control::clustered`]).
@@ -775,6 +783,7 @@ impl Control {
             ownership: Ownership::Local,
             claims: HashMap::new(),
             cluster_up: false,
+            draining: false,
         }
     }
 
@@ -843,7 +852,9 @@ impl Control {
                 deleted,
             } => self.on_owner_observed(&node_id, revision, deleted, out),
             Input::ClusterSession { up } => self.on_cluster_session(up, out),
+            Input::Drain => self.draining = true,
         }
+        self.let_go_of_idle_nodes(out);
         if let Some(step) = step {
             self.end_step(step, out, None);
         }
@@ -939,6 +950,7 @@ impl Control {
         if released {
             self.pump(out);
         }
+        self.let_go_of_idle_nodes(out);
         if let Some(step) = step {
             self.end_step(step, out, Some(now));
         }

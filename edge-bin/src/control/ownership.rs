@@ -137,6 +137,29 @@ impl Control {
         }
     }
 
+    /// In a cluster's drain ([`super::Input::Drain`]): once no request
+    /// waits in a queue, closes every owner with nothing in flight, so its
+    /// node moves to another Edge while this one finishes its streams.
+    pub(super) fn let_go_of_idle_nodes(&mut self, out: &mut Vec<Action>) {
+        if !self.draining || self.ownership != super::Ownership::Cluster || !self.heads.is_empty() {
+            return;
+        }
+        for n in 0..self.nodes.len() {
+            let Some(owner) = self.nodes[n].owner else {
+                continue;
+            };
+            if self
+                .leases_of
+                .get(&owner.conn)
+                .is_some_and(|l| !l.is_empty())
+            {
+                continue;
+            }
+            self.end_ownership(n, true, out);
+            self.close_conn(owner.conn, CloseReason::Shutdown, out);
+        }
+    }
+
     /// Records that node `n`'s owner key reached `revision`; an owner under
     /// an older generation is fenced and closed with `reason`. Returns
     /// false for old news (a revision below one already seen).

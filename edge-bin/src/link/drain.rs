@@ -26,6 +26,10 @@ impl Edge {
     /// requests on open connections are refused. Never undone.
     pub fn begin_drain(&self) {
         self.draining.set(true);
+        // In a cluster, Control lets go of idle nodes from now on.
+        if self.control.is_some() {
+            self.apply(crate::control::Input::Drain);
+        }
     }
 
     /// Whether the shutdown drain has begun.
