@@ -31,11 +31,11 @@ use iop_engine::rng::SplitMix64;
 use node_bin::supervisor::Jitter;
 
 use super::client::Probe;
+use super::fleet::{mint_fleet, parse_addr, phase_figures, Command, Cpu, SwarmThread};
 use super::node::{DialPolicy, SwarmState};
 use super::report::{
     ClusterReport, EdgeFigures, ForwardedFigures, NodeAcrossKill, OwnershipCheck, RehomeFigures,
 };
-use super::run::{mint_fleet, parse_addr, phase_figures, Command, Cpu, SwarmThread};
 use super::topology::{ClusterTable, EdgeRole, Topology, CLUSTER_NAME};
 use super::SwarmOptions;
 use crate::compare::procs::ChildProc;

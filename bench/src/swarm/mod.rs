@@ -44,6 +44,7 @@
 pub mod cli;
 pub mod client;
 mod cluster;
+mod fleet;
 pub mod node;
 pub mod report;
 mod run;
