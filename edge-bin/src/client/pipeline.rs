@@ -59,7 +59,12 @@ where
         Err(e) => return Box::pin(refuse_body(server, Surface::OpenAi, &e)).await,
     };
     server.set_model(&chat.model);
-    match Box::pin(place(edge, server, CHAT_COMPLETIONS, &chat.model)).await {
+    // A single Edge serves everything here (and boxes no future for it).
+    let placement = match edge.settings.cluster {
+        None => Placement::Here,
+        Some(_) => Box::pin(place(edge, server, CHAT_COMPLETIONS, &chat.model)).await,
+    };
+    match placement {
         Placement::Here => {}
         Placement::Forward(targets) => {
             let model = chat.model.clone();
@@ -342,7 +347,11 @@ where
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
     server.set_model(&req.model);
-    match Box::pin(place(edge, server, endpoint, &req.model)).await {
+    let placement = match edge.settings.cluster {
+        None => Placement::Here,
+        Some(_) => Box::pin(place(edge, server, endpoint, &req.model)).await,
+    };
+    match placement {
         Placement::Here => {}
         Placement::Forward(targets) => {
             let model = req.model.clone();
