@@ -23,8 +23,11 @@ use std::time::Duration;
 use iop_engine::clock;
 use serde_json::{json, Value};
 
+#[path = "any_server_cert.rs"]
+mod any_server_cert;
 #[path = "etcd.rs"]
 pub mod etcd;
+use any_server_cert::AnyServerCert;
 use etcd::EtcdCluster;
 
 pub const TRUST_DOMAIN: &str = "iop.local";
@@ -281,44 +284,6 @@ pub fn peer_request(
         Err(e) => return Err(e),
     }
     Ok(Response::parse(&raw))
-}
-
-#[derive(Debug)]
-pub struct AnyServerCert(rustls::crypto::WebPkiSupportedAlgorithms);
-
-impl rustls::client::danger::ServerCertVerifier for AnyServerCert {
-    fn verify_server_cert(
-        &self,
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &[rustls::pki_types::CertificateDer<'_>],
-        _: &rustls::pki_types::ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_schemes()
-    }
 }
 
 /// What a [`Cluster`] runs.

@@ -10,7 +10,9 @@
 // Each test binary uses a different subset of the harness.
 #![allow(dead_code)]
 
+pub mod any_server_cert;
 pub mod etcd;
+pub use any_server_cert::AnyServerCert;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -812,47 +814,6 @@ pub async fn first_read_error<S: AsyncReadRent>(stream: &mut S) -> Option<rustls
     match res {
         Ok(_) => None,
         Err(e) => rustls_cause(&e).cloned(),
-    }
-}
-
-/// A test-only TLS client verifier that accepts any server certificate (so
-/// only the Edge's judgement of the client is tested), still checking
-/// handshake signatures.
-#[derive(Debug)]
-pub struct AnyServerCert(pub rustls::crypto::WebPkiSupportedAlgorithms);
-
-impl rustls::client::danger::ServerCertVerifier for AnyServerCert {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &rustls::pki_types::CertificateDer<'_>,
-        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
-        _server_name: &rustls::pki_types::ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_schemes()
     }
 }
 
