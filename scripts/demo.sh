@@ -81,6 +81,26 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 0' INT TERM
 
+# Prints the [[nodes]] table of node $1 for edge.toml: the mock (at $mock)
+# as its one provider, mock-1.
+node_table() {
+  cat <<TOML
+[[nodes]]
+id = "$1"
+[[nodes.adapters]]
+name = "mock"
+kind = "openai_compat"
+profile = "openai"
+base_url = "http://$mock"
+capacity = 64
+[[nodes.providers]]
+id = "mock-1"
+adapter = "mock"
+target = "mock-model"
+capacity = 64
+TOML
+}
+
 # Waits for `IOP_READY` in a log file and prints the value of key $2.
 ready_value() {
   local log=$1 key=$2 pid=$3
@@ -162,21 +182,7 @@ etcd_endpoints = ["127.0.0.1:$etcd_client"]
 peer_listen = "127.0.0.1:0"
 TOML
     for node in "${nodes[@]}"; do
-      cat >>"$work/$name.toml" <<TOML
-[[nodes]]
-id = "$node"
-[[nodes.adapters]]
-name = "mock"
-kind = "openai_compat"
-profile = "openai"
-base_url = "http://$mock"
-capacity = 64
-[[nodes.providers]]
-id = "mock-1"
-adapter = "mock"
-target = "mock-model"
-capacity = 64
-TOML
+      node_table "$node" >>"$work/$name.toml"
     done
     cat >>"$work/$name.toml" <<TOML
 [[models]]
@@ -320,19 +326,9 @@ allow_anonymous = true
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"
 key = "certs/edge-key.pem"
-[[nodes]]
-id = "node-a"
-[[nodes.adapters]]
-name = "mock"
-kind = "openai_compat"
-profile = "openai"
-base_url = "http://$mock"
-capacity = 64
-[[nodes.providers]]
-id = "mock-1"
-adapter = "mock"
-target = "mock-model"
-capacity = 64
+TOML
+node_table node-a >>"$work/edge.toml"
+cat >>"$work/edge.toml" <<TOML
 [[models]]
 name = "demo-model"
 providers = ["node-a/mock-1"]
