@@ -112,6 +112,7 @@ fn spec() -> ControlSpec {
                 max_ejection_time: Duration::from_millis(600),
                 max_ejection_percent: 50,
             }),
+            retire_grace: Duration::from_secs(30),
         },
     }
 }

@@ -2006,6 +2006,11 @@ impl<'w> Sim<'w> {
                     "the single-Edge simulation feeds no cluster input: {input:?}"
                 ));
             }
+            Input::NodeDraining { .. } | Input::SetDrain { .. } | Input::Reconfigure(_) => {
+                return Err(format!(
+                    "this simulation feeds no fleet change yet: {input:?}"
+                ));
+            }
             Input::Register {
                 conn,
                 tls_name,
@@ -2815,6 +2820,11 @@ impl<'w> Sim<'w> {
             Outcome::Rejected(Rejection::UnsupportedOperation) => {
                 return Err(self.fail(format!(
                     "{request:?} refused as unsupported: every pool here serves chat"
+                )))
+            }
+            Outcome::Rejected(Rejection::ModelRemoved) => {
+                return Err(self.fail(format!(
+                    "{request:?} refused as removed: no schedule here reloads"
                 )))
             }
         }

@@ -77,6 +77,9 @@ pub enum CloseReason {
     /// the node id (its etcd lease may have expired, or the owner key was
     /// deleted): it fences the generation and lets the Node move.
     OwnershipLost,
+    /// `node_removed`: a reload took the node id out of the Edge's
+    /// configuration; what it was running has ended (or its grace passed).
+    NodeRemoved,
 
     // ---- the Node ----------------------------------------------------------
     /// `config_invalid`: the config the Edge sent cannot be applied.
@@ -110,6 +113,7 @@ impl CloseReason {
             CloseReason::Superseded => Cow::Borrowed("superseded"),
             CloseReason::FlowControlOverrun => Cow::Borrowed("flow_control_overrun"),
             CloseReason::OwnershipLost => Cow::Borrowed("ownership_lost"),
+            CloseReason::NodeRemoved => Cow::Borrowed("node_removed"),
             CloseReason::ConfigInvalid => Cow::Borrowed("config_invalid"),
             CloseReason::Shutdown => Cow::Borrowed("shutdown"),
         }
@@ -157,6 +161,7 @@ mod tests {
             (CloseReason::ConfigInvalid, "config_invalid"),
             (CloseReason::Shutdown, "shutdown"),
             (CloseReason::OwnershipLost, "ownership_lost"),
+            (CloseReason::NodeRemoved, "node_removed"),
         ]
     }
 
@@ -185,13 +190,14 @@ mod tests {
             CloseReason::ConfigInvalid => 18,
             CloseReason::Shutdown => 19,
             CloseReason::OwnershipLost => 20,
+            CloseReason::NodeRemoved => 21,
         }
     }
 
     #[test]
     fn every_variant_has_its_established_text() {
         let rows = every_reason();
-        assert_eq!(rows.len(), 21);
+        assert_eq!(rows.len(), 22);
         for (i, (reason, text)) in rows.iter().enumerate() {
             assert_eq!(row_of(reason), i, "{reason:?} is listed out of place");
             assert_eq!(reason.as_str(), *text);

@@ -159,6 +159,25 @@ impl GatewayError {
         }
     }
 
+    /// 503: a configuration reload removed `model` (or its last provider
+    /// serving the request's operation) while the request waited for a
+    /// provider.
+    pub fn model_removed(model: &str) -> Self {
+        Self {
+            code: Some("model_removed".into()),
+            param: Some("model"),
+            ..Self::new(
+                Origin::Internal,
+                503,
+                "service_unavailable_error",
+                format!(
+                    "The model `{model}` was removed from this gateway's configuration \
+                     while the request waited for a provider."
+                ),
+            )
+        }
+    }
+
     /// 403: the client key may not use `model` (`[[client_keys]] models`).
     pub fn model_not_allowed(model: &str) -> Self {
         Self {

@@ -270,6 +270,7 @@ where
         Ok(Admission::Rejected(Rejection::UnknownModel)) => GatewayError::model_not_found(model),
         Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, endpoint),
         Ok(Admission::Rejected(Rejection::QueueFull)) => GatewayError::queue_full(model),
+        Ok(Admission::Rejected(Rejection::ModelRemoved)) => GatewayError::model_removed(model),
         Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
             GatewayError::no_provider(model)
         }

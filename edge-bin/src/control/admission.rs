@@ -19,12 +19,25 @@ impl Control {
     /// generation (X6, H4), not ejected, a lease free.
     fn has_free_slot(&self, p: usize) -> bool {
         let state = &self.providers[p];
-        state.spec.enabled
+        state.in_flight < state.spec.capacity
+            && self.takes_new_work(p)
             && state.outlier.ejection().is_none()
-            && state.in_flight < state.spec.capacity
-            && self.nodes[state.node]
+    }
+
+    /// Whether provider `p` may be given new work at all: enabled, neither
+    /// it nor its node drained or removed, its node's owner ready and not
+    /// draining, no unavailable overlay of that generation (X6, H4).
+    pub(super) fn takes_new_work(&self, p: usize) -> bool {
+        let state = &self.providers[p];
+        let node = &self.nodes[state.node];
+        state.spec.enabled
+            && !state.drained
+            && !state.removed
+            && !node.drained
+            && !node.removed
+            && node
                 .ready_owner()
-                .is_some_and(|owner| state.overlay != Some(owner.generation))
+                .is_some_and(|owner| !owner.draining && state.overlay != Some(owner.generation))
     }
 
     /// How provider `p` belongs in its lanes' candidate indexes now: under
@@ -104,7 +117,7 @@ impl Control {
     }
 
     /// Puts `request` at the end of its lane's queue.
-    fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
+    pub(super) fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
         let queue = self.lanes[model].queue(long);
         let old_head = queue.first().copied();
         queue.insert(request);
@@ -150,7 +163,7 @@ impl Control {
             // it dispatched.
             let state = RequestState::Queued { deadline: now };
             self.pending
-                .insert(request, Pending::new(m, lane, long, state));
+                .insert(request, Pending::new(m, operation, lane, long, state));
             self.start_attempt(request, &dispatch);
             return out.push(Action::Dispatch(dispatch));
         }
@@ -167,7 +180,7 @@ impl Control {
         self.enqueue(request, lane, long);
         self.pending.insert(
             request,
-            Pending::new(m, lane, long, RequestState::Queued { deadline }),
+            Pending::new(m, operation, lane, long, RequestState::Queued { deadline }),
         );
     }
 
@@ -186,7 +199,9 @@ impl Control {
                 let (lane, long) = (p.lane, p.long);
                 self.queue_deadlines.remove(&(deadline, request));
                 self.pending.remove(&request);
-                self.unqueue(request, lane, long);
+                if let Some(lane) = lane {
+                    self.unqueue(request, lane, long);
+                }
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Cancelled,
@@ -496,7 +511,9 @@ impl Control {
             return false;
         };
         let spec = &self.models[p.model].spec;
-        let (lane, long, model) = (p.lane, p.long, p.model);
+        let (Some(lane), long, model) = (p.lane, p.long, p.model) else {
+            return false;
+        };
         if self.queued_count(model) >= spec.max_queue as usize {
             return false;
         }
@@ -578,7 +595,13 @@ impl Control {
             self.counters.failover_deadline += 1;
             return false;
         }
-        let (lane, long, attempt, tried) = (p.lane, p.long, p.attempts + 1, p.tried.clone());
+        let Some(lane) = p.lane else {
+            // A reload removed its model or the operation from the model:
+            // it is not dispatched again.
+            self.counters.failover_no_candidate += 1;
+            return false;
+        };
+        let (long, attempt, tried) = (p.long, p.attempts + 1, p.tried.clone());
         let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
             if fenced.is_some() && tried.is_empty() && self.requeue(request) {
                 return true;
@@ -641,7 +664,9 @@ impl Control {
                 }
                 RequestState::Queued { deadline } => {
                     self.queue_deadlines.remove(&(deadline, request));
-                    self.unqueue(request, p.lane, p.long);
+                    if let Some(lane) = p.lane {
+                        self.unqueue(request, lane, p.long);
+                    }
                 }
                 RequestState::Dispatched { response_by, .. } => {
                     if let Some(at) = response_by {

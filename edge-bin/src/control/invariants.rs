@@ -83,14 +83,41 @@ impl Control {
                         "{request:?} ended ({outcome:?}) but is still pending"
                     );
                 }
-                Action::Dispatch(d) => assert!(
-                    self.leases
-                        .get(&d.lease.run_id)
-                        .is_some_and(|e| e.lease == d.lease),
-                    "dispatch of {:?} holds no live lease: {:?}",
-                    d.request,
-                    d.lease
-                ),
+                Action::Dispatch(d) => {
+                    let entry = self.leases.get(&d.lease.run_id);
+                    assert!(
+                        entry.is_some_and(|e| e.lease == d.lease),
+                        "dispatch of {:?} holds no live lease: {:?}",
+                        d.request,
+                        d.lease
+                    );
+                    let Some(entry) = entry else { continue };
+                    let state = &self.providers[entry.provider];
+                    let node = &self.nodes[state.node];
+                    assert!(
+                        !state.removed
+                            && !state.drained
+                            && !node.removed
+                            && !node.drained
+                            && node.ready_owner().is_some_and(|o| !o.draining),
+                        "dispatch of {:?} to {}, which takes no new work \
+                         (removed or drained, or its node is)",
+                        d.request,
+                        state.key
+                    );
+                    // Admission takes a free slot only: a capacity lowered
+                    // by a reload below what runs admits nothing.
+                    assert!(
+                        state.in_flight <= state.spec.capacity
+                            && state.long_in_flight <= state.spec.long_context_capacity,
+                        "{} admitted over capacity: {}/{} in flight, {}/{} long",
+                        state.key,
+                        state.in_flight,
+                        state.spec.capacity,
+                        state.long_in_flight,
+                        state.spec.long_context_capacity
+                    );
+                }
                 _ => {}
             }
         }
@@ -117,6 +144,15 @@ impl Control {
     fn check_registry(&self) {
         let mut generations = HashSet::new();
         for (n, node) in self.nodes.iter().enumerate() {
+            if node.removed && node.owner.is_some() {
+                assert!(
+                    self.retire_deadlines
+                        .iter()
+                        .any(|(_, id)| *id == node.spec.id),
+                    "node `{}` was removed but its owner has no retire deadline",
+                    node.spec.id
+                );
+            }
             let Some(owner) = node.owner else {
                 continue;
             };
@@ -226,15 +262,23 @@ impl Control {
                 in_flight[p],
                 long_in_flight[p]
             );
+            // Over capacity only after a reload lowered it (never by an
+            // admission: `end_step`), and then no candidate.
             assert!(
-                state.in_flight <= state.spec.capacity
-                    && state.long_in_flight <= state.spec.long_context_capacity,
-                "{} over capacity: {}/{} in flight, {}/{} long",
+                (state.in_flight <= state.spec.capacity
+                    && state.long_in_flight <= state.spec.long_context_capacity)
+                    || state.indexed.is_none(),
+                "{} over capacity and a candidate: {}/{} in flight, {}/{} long",
                 state.key,
                 state.in_flight,
                 state.spec.capacity,
                 state.long_in_flight,
                 state.spec.long_context_capacity
+            );
+            assert!(
+                !state.removed || state.pools.is_empty(),
+                "{} was removed but is still in a pool",
+                state.key
             );
         }
     }
@@ -243,11 +287,23 @@ impl Control {
         let (mut queued, mut settling, mut awaiting_response) = (0, 0, 0);
         for (request, p) in &self.pending {
             let model = &self.models[p.model];
-            assert!(
-                model.lanes.contains(&p.lane),
-                "{request:?} waits in lane {} of another model",
-                p.lane
-            );
+            match p.lane {
+                Some(lane) => {
+                    assert!(
+                        model.lanes.contains(&lane),
+                        "{request:?} waits in lane {lane} of another model"
+                    );
+                    assert!(
+                        model.lane_of[p.operation as usize] == Some(lane),
+                        "{request:?} waits in lane {lane}, not its operation's"
+                    );
+                }
+                // A reload took its lane away: it runs to its end.
+                None => assert!(
+                    model.removed || model.lane_of[p.operation as usize].is_none(),
+                    "{request:?} has no lane, but its model serves its operation"
+                ),
+            }
             assert!(
                 p.attempts <= model.spec.max_attempts.max(1)
                     && p.tried.len() <= p.attempts as usize,
@@ -256,12 +312,14 @@ impl Control {
                 model.spec.max_attempts,
                 p.tried.len()
             );
-            let lane = &self.lanes[p.lane];
-            let in_queue = if p.long {
-                lane.queued_long.contains(request)
-            } else {
-                lane.queued.contains(request)
-            };
+            let in_queue = p.lane.is_some_and(|lane| {
+                let lane = &self.lanes[lane];
+                if p.long {
+                    lane.queued_long.contains(request)
+                } else {
+                    lane.queued.contains(request)
+                }
+            });
             match &p.state {
                 RequestState::Queued { deadline } => {
                     queued += 1;
@@ -328,8 +386,15 @@ impl Control {
             "{in_queues} requests in queues, {queued} queued; {heads} heads, {} filed",
             self.heads.len()
         );
-        for m in 0..self.models.len() {
-            let spec = &self.models[m].spec;
+        for (m, model) in self.models.iter().enumerate() {
+            assert!(
+                !model.removed
+                    || (model.spec.providers.is_empty()
+                        && !self.model_index.contains_key(&model.spec.name)),
+                "model `{}` was removed but still serves",
+                model.spec.name
+            );
+            let spec = &model.spec;
             assert!(
                 self.queued_count(m) <= spec.max_queue as usize,
                 "model `{}` queues {} requests, max_queue {}",

@@ -60,6 +60,7 @@ pub mod attempt;
 pub mod outlier;
 
 mod admission;
+mod fleet;
 mod health;
 mod ids;
 mod invariants;
@@ -76,6 +77,7 @@ pub use spec::{
     DispatchKind, Operation, Operations, Tunables,
 };
 pub use tables::ProviderLease;
+
 pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
 pub use views::ModelCapacity;
 
@@ -300,6 +302,41 @@ pub enum Input {
     /// `shutdown`) so it registers with another Edge now instead of when
     /// this one exits. A single Edge keeps its nodes to the end.
     Drain,
+    /// The owner on `conn` said it is draining (`NodeDraining` on its
+    /// link): nothing new is dispatched to it under this generation; what
+    /// runs there finishes and nothing is queued again. A new registration
+    /// of the node starts undrained.
+    NodeDraining {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// An operator drained (`drained: true`) or undrained a node or one
+    /// provider (the admin API): a drained one takes no new dispatch,
+    /// what runs there finishes. Kept across the node's reconnects and
+    /// reloads. An unknown target changes nothing.
+    SetDrain {
+        /// What.
+        target: DrainTarget,
+        /// Drained or not.
+        drained: bool,
+    },
+    /// A configuration reload: from now on Control serves `spec`'s nodes,
+    /// providers, models and tunables, keeping every runtime state of what
+    /// stays (owners, leases, health, queues, drains). See `fleet.rs`:
+    /// removed providers and nodes take no new work and are let go of when
+    /// what runs there ends; queued requests of a removed model end
+    /// ([`Rejection::ModelRemoved`]); a capacity lowered below what is in
+    /// flight cuts nothing and admits nothing until it is below again.
+    Reconfigure(Box<ControlSpec>),
+}
+
+/// What [`Input::SetDrain`] drains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DrainTarget {
+    /// Every provider of a node.
+    Node(String),
+    /// One provider.
+    Provider(ProviderKey),
 }
 
 /// Why a request was refused.
@@ -313,6 +350,9 @@ pub enum Rejection {
     QueueFull,
     /// No lease within the queue timeout (503 with retry-after).
     QueueTimeout,
+    /// A reload removed its model (or its operation from the model) while
+    /// it waited (503: the fleet changed under it).
+    ModelRemoved,
 }
 
 /// How a request ended.
@@ -634,6 +674,10 @@ pub struct Control {
     cluster_up: bool,
     /// The shutdown drain began ([`Input::Drain`]).
     draining: bool,
+    /// Nodes removed by a reload whose owner still runs something, by the
+    /// end of their grace (`Tunables::retire_grace`): then they are closed
+    /// whatever runs.
+    retire_deadlines: BTreeSet<(Instant, String)>,
 }
 
 /// Who grants ownership of a node id ([`Control::clustered`]).
@@ -680,6 +724,8 @@ impl Control {
                     outlier: OutlierState::default(),
                     pools: Vec::new(),
                     indexed: None,
+                    drained: false,
+                    removed: false,
                 });
             }
             nodes.push(NodeEntry {
@@ -689,6 +735,8 @@ impl Control {
                 version: String::new(),
                 offline_since: None,
                 observed_revision: 0,
+                drained: false,
+                removed: false,
             });
         }
         let node_index = nodes
@@ -753,6 +801,7 @@ impl Control {
                 spec: m,
                 lanes: model_lanes.into_iter().map(|(_, lane)| lane).collect(),
                 lane_of,
+                removed: false,
             });
         }
         Self {
@@ -784,6 +833,7 @@ impl Control {
             claims: HashMap::new(),
             cluster_up: false,
             draining: false,
+            retire_deadlines: BTreeSet::new(),
         }
     }
 
@@ -853,7 +903,11 @@ impl Control {
             } => self.on_owner_observed(&node_id, revision, deleted, out),
             Input::ClusterSession { up } => self.on_cluster_session(up, out),
             Input::Drain => self.draining = true,
+            Input::NodeDraining { conn } => self.on_node_draining(conn),
+            Input::SetDrain { target, drained } => self.on_set_drain(&target, drained, out),
+            Input::Reconfigure(spec) => self.on_reconfigure(*spec, out),
         }
+        self.let_go_of_removed_nodes(out);
         self.let_go_of_idle_nodes(out);
         if let Some(step) = step {
             self.end_step(step, out, None);
@@ -869,7 +923,8 @@ impl Control {
         let response = self.response_deadlines.first().map(|(t, _)| *t);
         let probe = self.probe_deadlines.first().map(|(t, _)| *t);
         let ejection = self.ejection_deadlines.first().map(|(t, _)| *t);
-        [queue, settle, response, probe, ejection]
+        let retire = self.retire_deadlines.first().map(|(t, _)| *t);
+        [queue, settle, response, probe, ejection, retire]
             .into_iter()
             .flatten()
             .min()
@@ -886,7 +941,9 @@ impl Control {
             }
             self.queue_deadlines.remove(&(at, request));
             if let Some(p) = self.pending.remove(&request) {
-                self.unqueue(request, p.lane, p.long);
+                if let Some(lane) = p.lane {
+                    self.unqueue(request, lane, p.long);
+                }
                 out.push(Action::Done {
                     request,
                     outcome: Outcome::Rejected(Rejection::QueueTimeout),
@@ -950,6 +1007,7 @@ impl Control {
         if released {
             self.pump(out);
         }
+        self.retire_due_nodes(now, out);
         self.let_go_of_idle_nodes(out);
         if let Some(step) = step {
             self.end_step(step, out, Some(now));

@@ -49,8 +49,15 @@ impl Control {
         revision: u64,
         out: &mut Vec<Action>,
     ) {
-        let Some(&n) = self.node_index.get(node_id) else {
-            return;
+        let Some(&n) = self
+            .node_index
+            .get(node_id)
+            .filter(|&&n| !self.nodes[n].removed)
+        else {
+            // A reload removed the node while the claim was in flight (the
+            // claim was refused then): the key it wrote is nobody's.
+            self.claims.remove(&conn);
+            return release(node_id, revision, out);
         };
         let claimed = self.claims.remove(&conn);
         let newest = self.observe_revision(n, revision, CloseReason::Superseded, out);
@@ -184,7 +191,7 @@ impl Control {
     }
 }
 
-fn refuse(conn: ConnId, why: &str, out: &mut Vec<Action>) {
+pub(super) fn refuse(conn: ConnId, why: &str, out: &mut Vec<Action>) {
     out.push(Action::RegisterResponse {
         conn,
         response: pb::RegisterResponse {

@@ -68,7 +68,11 @@ impl Control {
             );
             return self.close_conn(conn, CloseReason::RegistrationRejected, out);
         }
-        let Some(&n) = self.node_index.get(node_id) else {
+        let Some(&n) = self
+            .node_index
+            .get(node_id)
+            .filter(|&&n| !self.nodes[n].removed)
+        else {
             reject(
                 format!("node `{node_id}` is not configured at this edge"),
                 out,
@@ -102,6 +106,7 @@ impl Control {
             registered_at: self.now,
             ready_at: None,
             strips_usage_chunk: false,
+            draining: false,
         });
         node.version.clear();
         node.offline_since = None;

@@ -82,7 +82,7 @@ impl Operations {
 }
 
 /// Static description of one provider resource.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ControlProvider {
     /// Provider id, unique per node.
     pub id: String,
@@ -107,7 +107,7 @@ pub struct ControlProvider {
 }
 
 /// Static description of one expected node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ControlNode {
     /// Node id (equals its TLS identity name, T3).
     pub id: String,
@@ -118,7 +118,7 @@ pub struct ControlNode {
 }
 
 /// Static description of one external model and its provider pool.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ControlModel {
     /// External model name (E2).
     pub name: String,
@@ -133,7 +133,7 @@ pub struct ControlModel {
 }
 
 /// Tunables of the state machine.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tunables {
     /// After a cancel of a dispatched request, how long to wait for its
     /// terminal before the lease is released anyway (cancel settlement).
@@ -147,6 +147,9 @@ pub struct Tunables {
     pub response_wait_timeout: Option<Duration>,
     /// Passive health (outlier detection); `None`: off.
     pub outlier: Option<OutlierPolicy>,
+    /// How long a node removed by a reload may go on running what it was
+    /// given before its connection is closed anyway.
+    pub retire_grace: Duration,
 }
 
 impl Default for Tunables {
@@ -157,12 +160,13 @@ impl Default for Tunables {
             recovery_probe_interval: Duration::from_secs(5),
             response_wait_timeout: None,
             outlier: None,
+            retire_grace: Duration::from_secs(30),
         }
     }
 }
 
 /// Everything `Control` is configured with.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ControlSpec {
     /// Expected nodes.
     pub nodes: Vec<ControlNode>,
@@ -237,6 +241,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
         tunables: Tunables {
             response_wait_timeout: Some(Duration::from_millis(cfg.edge.response_wait_timeout_ms)),
             outlier: outlier_policy(&cfg.outlier_detection),
+            retire_grace: Duration::from_millis(cfg.edge.drain_grace_ms),
             ..Tunables::default()
         },
     }

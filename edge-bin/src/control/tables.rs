@@ -31,6 +31,9 @@ pub(super) struct Owner {
     pub(super) ready_at: Option<Instant>,
     /// It strips a usage chunk the Edge asked for (`Input::NodeVersion`).
     pub(super) strips_usage_chunk: bool,
+    /// It said it is draining (`Input::NodeDraining`): no new dispatch to
+    /// it under this generation; what runs there finishes.
+    pub(super) draining: bool,
 }
 
 #[derive(Debug)]
@@ -48,6 +51,13 @@ pub(super) struct NodeEntry {
     /// claim granted, a put or a delete observed). An owner whose
     /// generation is below it has been superseded or lost (F1, F2).
     pub(super) observed_revision: u64,
+    /// Drained by an operator (`Input::SetDrain`): no new dispatch to any
+    /// of its providers until undrained; kept across reconnects and
+    /// reloads.
+    pub(super) drained: bool,
+    /// No longer in the configuration (`Input::Reconfigure`): kept only
+    /// while its owner runs what it was given, then let go of.
+    pub(super) removed: bool,
 }
 
 impl NodeEntry {
@@ -130,6 +140,11 @@ pub(super) struct ProviderState {
     /// Its entry in those pools' candidate indexes, while it is a
     /// candidate with a free slot.
     pub(super) indexed: Option<Indexed>,
+    /// Drained by an operator (`Input::SetDrain`); kept across reloads.
+    pub(super) drained: bool,
+    /// No longer in the configuration (`Input::Reconfigure`): kept only
+    /// while its leases run out, in no pool.
+    pub(super) removed: bool,
 }
 
 impl ProviderState {
@@ -196,8 +211,12 @@ pub(super) enum RequestState {
 pub(super) struct Pending {
     /// Index into `Control::models`.
     pub(super) model: usize,
-    /// Index into `Control::lanes`: where it queues.
-    pub(super) lane: usize,
+    /// What it asks for (its lane follows from it after a reload).
+    pub(super) operation: Operation,
+    /// Index into `Control::lanes`: where it queues. `None` only for a
+    /// dispatched request whose model was removed, or no longer serves its
+    /// operation, by a reload: it runs to its end, never queued again.
+    pub(super) lane: Option<usize>,
     pub(super) long: bool,
     pub(super) state: RequestState,
     /// Attempts dispatched so far (0 while queued).
@@ -210,10 +229,17 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    pub(super) fn new(model: usize, lane: usize, long: bool, state: RequestState) -> Self {
+    pub(super) fn new(
+        model: usize,
+        operation: Operation,
+        lane: usize,
+        long: bool,
+        state: RequestState,
+    ) -> Self {
         Self {
             model,
-            lane,
+            operation,
+            lane: Some(lane),
             long,
             state,
             attempts: 0,
@@ -232,6 +258,9 @@ pub(super) struct ModelState {
     /// The lane of each operation ([`Operation::ALL`] order); `None` when
     /// no provider of the pool serves it.
     pub(super) lane_of: [Option<usize>; Operation::ALL.len()],
+    /// No longer in the configuration (`Input::Reconfigure`): kept, with
+    /// an empty pool, only while requests it admitted run out.
+    pub(super) removed: bool,
 }
 
 /// The candidates and queues of the operations of one model that share
