@@ -400,8 +400,9 @@ fn control_setup(
     Ok((shutdown, force, hup))
 }
 
-/// SIGHUP reloads the configuration: client keys apply at once, refreshes
-/// go to ready nodes (K3), and the node-link and client-listener
+/// SIGHUP reloads the configuration: the fleet (nodes, providers, models),
+/// the per-request limits and client keys apply at once, refreshes go to
+/// ready nodes (K3), and the node-link and client-listener
 /// certificates are re-read; an invalid file keeps the running
 /// configuration (and a bad certificate the running certificate).
 ///
@@ -421,9 +422,9 @@ fn spawn_reloader(
         let mut revision = 1u64;
         let mut loaded = started.clone();
         while hup.recv().await.is_ok() {
-            revision += 1;
             notify::notify(notify::State::reloading_now());
-            let reloaded = server::reload(&edge, &started, &path, revision);
+            // A refused file keeps the running revision.
+            let reloaded = server::reload(&edge, &started, &path, revision + 1);
             // Certificates rotate even when the rest of the file is refused.
             let certificates = match &reloaded {
                 Ok((next, _)) => next,
@@ -437,8 +438,13 @@ fn spawn_reloader(
             );
             match reloaded {
                 Ok((next, report)) => {
+                    revision = report.revision;
                     tracing::info!(
                         revision,
+                        nodes_added = ?report.nodes_added,
+                        nodes_removed = ?report.nodes_removed,
+                        models_added = ?report.models_added,
+                        models_removed = ?report.models_removed,
                         refreshed = ?report.refreshed,
                         deferred = ?report.deferred,
                         client_keys = report.client_keys.keys,

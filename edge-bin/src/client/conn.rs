@@ -283,7 +283,7 @@ where
         Some(head) if head.target.starts_with(MESSAGES.path) => Surface::Anthropic,
         _ => Surface::OpenAi,
     };
-    let api = http_error(e, edge.settings.max_request_body_bytes);
+    let api = http_error(e, edge.settings.running.get().max_request_body_bytes);
     if server.read_at.is_none() {
         // The head itself failed: a record of what of it was read.
         server.begin_unread(edge, clock::now());

@@ -173,6 +173,8 @@ where
 {
     let deadline = edge
         .settings
+        .running
+        .get()
         .model_queue_timeouts
         .get(model)
         .map(|&wait| clock::now() + wait);
@@ -215,7 +217,8 @@ fn route_of<S>(edge: &Edge, server: &Client<S>, endpoint: Endpoint, model: &str)
     }
     let cluster = edge.settings.cluster.as_ref()?;
     edge.settings.peer_tls.as_ref()?;
-    let nodes = edge.settings.model_nodes.get(model)?;
+    let running = edge.settings.running.get();
+    let nodes = running.model_nodes.get(model)?;
     let owners = cluster.owners_of(nodes);
     let free = cluster.free_slots(model, endpoint.op, clock::now(), summaries::MAX_AGE);
     Some(route::decide(

@@ -88,6 +88,8 @@ where
     drop((headers, received));
     let long = edge
         .settings
+        .running
+        .get()
         .long_context_threshold_tokens
         .get(&chat.model)
         .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);

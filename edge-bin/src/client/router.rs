@@ -183,14 +183,13 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
 ) -> impl std::future::Future<Output = ()> {
     // Built before the loop's future: the future captures the connection
     // once, not the stream and deadline beside the connection made of them.
+    let running = edge.settings.running.get();
     let limits = Limits {
-        max_body_bytes: edge.settings.max_request_body_bytes,
+        max_body_bytes: running.max_request_body_bytes,
         ..Limits::default()
     };
-    let timeouts = client_timeouts(
-        &edge.settings.limits,
-        edge.settings.client_write_stall_timeout,
-    );
+    let timeouts = client_timeouts(&edge.settings.limits, running.client_write_stall_timeout);
+    drop(running);
     let mut server = Client {
         conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
         rec: AccessRecord::default(),
@@ -321,6 +320,8 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                 ("GET", "/v1/models") => {
                     let visible: Vec<_> = edge
                         .settings
+                        .running
+                        .get()
                         .models
                         .iter()
                         .filter(|m| caller.may_use(&m.id))
@@ -537,7 +538,12 @@ pub(super) fn write_stalled(edge: &Edge, method: &str, path: &str) {
         tracing::warn!(
             method,
             path,
-            stall_timeout_ms = edge.settings.client_write_stall_timeout.as_millis() as u64,
+            stall_timeout_ms = edge
+                .settings
+                .running
+                .get()
+                .client_write_stall_timeout
+                .as_millis() as u64,
             suppressed,
             "client took no bytes of its response within the write-stall timeout: connection reset"
         );

@@ -596,7 +596,7 @@ impl Edge {
                 return push_notice(tx, ReplyEvent::Retry(Box::new(dispatch)));
             }
         }
-        let window = self.settings.flow_window_bytes;
+        let window = self.settings.running.get().flow_window_bytes;
         // The window bounds the frames too (each flow-controlled frame is
         // charged `FRAME_CHARGE_BYTES` at least), plus the few uncharged
         // ones (response start, terminal, a lost notice).
@@ -715,7 +715,7 @@ impl Edge {
         };
         // A node that speaks flow control is granted the window with the
         // run; one that does not is still held to it here.
-        let window = self.settings.flow_window_bytes;
+        let window = self.settings.running.get().flow_window_bytes;
         let granted = if self.speaks_flow_control(conn) {
             window
         } else {
@@ -967,7 +967,6 @@ fn log_event(event: &Event) {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
     use std::time::Duration;
 
     use super::*;
@@ -1011,13 +1010,9 @@ mod tests {
             tunables: Tunables::default(),
         };
         let settings = Settings {
-            max_request_body_bytes: 1024,
-            flow_window_bytes: 64 * 1024,
-            client_write_stall_timeout: Duration::from_secs(30),
-            models: Vec::new(),
-            long_context_threshold_tokens: HashMap::new(),
-            model_nodes: HashMap::new(),
-            model_queue_timeouts: HashMap::new(),
+            running: crate::plane::running::RunningConfig::new(
+                crate::plane::running::Running::bare(1024, 64 * 1024, Duration::from_secs(30)),
+            ),
             started_unix_sec: 0,
             client_tls: None,
             client_keys: ClientKeys::default(),

@@ -1,41 +1,26 @@
 //! The static settings every shard's shells read ([`Settings`]), built
 //! from the validated `edge.toml`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::tls::HttpsAcceptor;
 
-use crate::api::openai::ModelEntry;
 use crate::config::{EdgeConfig, ListenerLimits};
 use crate::plane::access::AccessLog;
 use crate::plane::client_keys::ClientKeys;
 use crate::plane::credentials::CredentialPlane;
 use crate::plane::request_metrics::RequestMetrics;
+use crate::plane::running::{Running, RunningConfig};
 use crate::plane::usage::UsageLog;
 
 /// Static settings the shells need.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Largest client request body (413 above).
-    pub max_request_body_bytes: usize,
-    /// Each run's flow-control window on its node connection (charged
-    /// bytes).
-    pub flow_window_bytes: u64,
-    /// A client socket that takes no bytes of a response for this long is
-    /// cut off.
-    pub client_write_stall_timeout: Duration,
-    /// Models for `GET /v1/models`, in config order.
-    pub models: Vec<ModelEntry>,
-    /// Long-context threshold per model, in estimated prompt tokens.
-    pub long_context_threshold_tokens: HashMap<String, u64>,
-    /// The node ids of each model's providers (each once, in config
-    /// order): where a cluster member looks for the model's owners.
-    pub model_nodes: HashMap<String, Vec<String>>,
-    /// Each model's queue timeout: in a cluster, also the longest a
-    /// request waits for an Edge to own one of its nodes.
-    pub model_queue_timeouts: HashMap<String, Duration>,
+    /// The running configuration the shards read per request: the served
+    /// models and the `[edge]` limits a reload may change (see
+    /// [`RunningConfig`]); a reload replaces it on every shard.
+    pub running: RunningConfig,
     /// Process start, Unix seconds (the `created` of listed models).
     pub started_unix_sec: i64,
     /// The HTTPS certificate of the client listener (`[edge.client_tls]`),
@@ -98,42 +83,7 @@ pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
 /// log off: each is one per process, see [`usage_log`] and [`access_log`]).
 pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
     Settings {
-        max_request_body_bytes: cfg.edge.max_request_body_bytes,
-        flow_window_bytes: cfg.edge.flow_window_bytes,
-        client_write_stall_timeout: std::time::Duration::from_millis(
-            cfg.edge.client_write_stall_timeout_ms,
-        ),
-        models: cfg
-            .models
-            .iter()
-            .map(|m| ModelEntry {
-                id: m.name.clone(),
-                owned_by: m.owned_by.clone(),
-            })
-            .collect(),
-        long_context_threshold_tokens: cfg
-            .models
-            .iter()
-            .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
-            .collect(),
-        model_nodes: cfg
-            .models
-            .iter()
-            .map(|m| {
-                let mut nodes: Vec<String> = Vec::new();
-                for provider in &m.providers {
-                    if !nodes.contains(&provider.node_id) {
-                        nodes.push(provider.node_id.clone());
-                    }
-                }
-                (m.name.clone(), nodes)
-            })
-            .collect(),
-        model_queue_timeouts: cfg
-            .models
-            .iter()
-            .map(|m| (m.name.clone(), Duration::from_millis(m.queue_timeout_ms)))
-            .collect(),
+        running: RunningConfig::new(Running::of(cfg, 1, String::new())),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,
         client_tls: None,
         client_keys: ClientKeys::from_config(&cfg.client_keys),

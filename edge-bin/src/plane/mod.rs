@@ -2,7 +2,8 @@
 //! and what it may do ([`client_keys`]), the credential leases it takes
 //! ([`credentials`], C1–C5), how much it may use ([`limits`]), what was done (the access log,
 //! [`access`]; the usage file, [`usage`]; the request series of `/metrics`,
-//! [`request_metrics`]), and this Edge's place in a cluster ([`cluster`]).
+//! [`request_metrics`]), this Edge's place in a cluster ([`cluster`]), and
+//! the running configuration the shards read per request ([`running`]).
 
 pub mod access;
 pub mod client_keys;
@@ -10,4 +11,5 @@ pub mod cluster;
 pub mod credentials;
 pub mod limits;
 pub mod request_metrics;
+pub mod running;
 pub mod usage;

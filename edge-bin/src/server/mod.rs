@@ -15,7 +15,7 @@ use iop_wire::pb;
 use monoio::net::TcpListener;
 
 use crate::config::EdgeConfig;
-use crate::control::{control_spec, Control};
+use crate::control::{control_spec, Control, Input};
 use crate::link::edge::{Edge, CONTROL_SHARD};
 use crate::link::settings::{access_log, request_metrics, settings, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
@@ -23,11 +23,14 @@ use crate::plane::access::AccessLog;
 use crate::plane::client_keys::{ClientKeys, KeysChange};
 use crate::plane::credentials::CredentialPlane;
 use crate::plane::request_metrics::RequestMetrics;
+use crate::plane::running::{digest_of, Running, RunningConfig};
 use crate::plane::usage::UsageLog;
 
 /// What a configuration reload did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct ReloadReport {
+    /// The revision now in force.
+    pub revision: u64,
     /// Nodes whose new config was pushed as a refresh to their ready owner.
     pub refreshed: Vec<String>,
     /// Nodes whose config changed but that are not dispatch-ready: they get
@@ -38,72 +41,91 @@ pub struct ReloadReport {
     /// connection was gone by then. Not refreshed; they get the new config
     /// at their next registration.
     pub unsent: Vec<String>,
+    /// Nodes added to the fleet (they may register at once).
+    pub nodes_added: Vec<String>,
+    /// Nodes removed from the fleet (closed when what they run ends).
+    pub nodes_removed: Vec<String>,
+    /// Models added, and removed.
+    pub models_added: Vec<String>,
+    /// Models removed (their queued requests end with 503).
+    pub models_removed: Vec<String>,
     /// Sections whose changes need a restart and were not applied.
     pub restart_required: Vec<&'static str>,
     /// What the new `[[client_keys]]` changed (applied at once).
     pub client_keys: KeysChange,
 }
 
-/// Reloads the configuration file (SIGHUP). An invalid file changes nothing
-/// and returns its error. Otherwise:
+/// Reloads the configuration file (SIGHUP) at `revision`. An invalid file
+/// changes nothing and returns its error. Otherwise:
 ///
+/// - The fleet (nodes, providers, models) and the passive-health and
+///   response-wait settings go to `Control` as one `Input::Reconfigure`
+///   (see `control/fleet.rs`): added nodes may register at once; removed
+///   providers and nodes take no new work and are let go of when what
+///   runs there ends; a removed model's waiting requests end with 503.
+/// - The served models (`/v1/models`, long-context thresholds, queue
+///   timeouts) and the `[edge]` limits read per request
+///   (`max_request_body_bytes`, `flow_window_bytes`,
+///   `client_write_stall_timeout_ms`) change on every shard at once
+///   ([`RunningConfig`]).
 /// - `[[client_keys]]` replace the running keys on every shard: a removed
 ///   key gets 401 from its next request on (requests already let in under
 ///   it run to their end), an added key works at once, scopes follow.
 /// - Each node's new adapter config replaces the one pushed at
 ///   registration, and nodes whose config changed get a
 ///   `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
-/// - Changes to the listeners (`[edge]`), TLS added or removed, nodes,
-///   providers, models or `[credentials]` are reported as needing a
-///   restart and are not applied.
-///
-/// `running` is the configuration the process started with: those
-/// sections are never applied by a reload, so it is what runs for them,
-/// and every reload whose file still differs from it reports them again.
-/// (Certificates are [`reload_tls`]'s.)
+/// - The listeners and identity (`[edge]` addresses, name, trust domain),
+///   TLS added or removed, `[credentials]` and `[cluster]` are reported as
+///   needing a restart and are not applied (compared with `started`, what
+///   the process started with, so the warning repeats while the file
+///   differs). Certificates are [`reload_tls`]'s.
 pub fn reload(
     edge: &Edge,
-    running: &EdgeConfig,
+    started: &EdgeConfig,
     path: &std::path::Path,
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
     let next = EdgeConfig::load(path)?;
     // Removing the last key must not open the Edge to everyone.
     next.check_open_access()?;
-    let mut report = ReloadReport::default();
-    let topology = |c: &EdgeConfig| {
-        let spec = control_spec(c);
-        let nodes: Vec<_> = spec
-            .nodes
+    let digest = std::fs::read(path)
+        .map(|bytes| digest_of(&bytes))
+        .unwrap_or_default();
+    let mut report = ReloadReport {
+        revision,
+        restart_required: restart_required(started, &next),
+        ..ReloadReport::default()
+    };
+    let before = edge.settings.running.get();
+    if let Some(previous) = &before.config {
+        let names =
+            |c: &EdgeConfig| -> Vec<String> { c.nodes.iter().map(|n| n.id.clone()).collect() };
+        let models =
+            |c: &EdgeConfig| -> Vec<String> { c.models.iter().map(|m| m.name.clone()).collect() };
+        let (old_nodes, new_nodes) = (names(previous), names(&next));
+        let (old_models, new_models) = (models(previous), models(&next));
+        report.nodes_added = new_nodes
             .iter()
-            .map(|n| (n.id.clone(), format!("{:?}", n.providers)))
+            .filter(|n| !old_nodes.contains(n))
+            .cloned()
             .collect();
-        format!("{nodes:?} {:?}", spec.models)
-    };
-    if topology(running) != topology(&next) {
-        report.restart_required.push("nodes, providers or models");
+        report.nodes_removed = old_nodes
+            .iter()
+            .filter(|n| !new_nodes.contains(n))
+            .cloned()
+            .collect();
+        report.models_added = new_models
+            .iter()
+            .filter(|m| !old_models.contains(m))
+            .cloned()
+            .collect();
+        report.models_removed = old_models
+            .iter()
+            .filter(|m| !new_models.contains(m))
+            .cloned()
+            .collect();
     }
-    // Certificates are reloaded by `reload_tls` (from the new paths too);
-    // turning TLS on or off on a listener needs a restart.
-    // `allow_anonymous` is applied by the check above, with the keys.
-    let edge_settings = |c: &EdgeConfig| crate::config::EdgeSettings {
-        allow_anonymous: false,
-        ..c.edge.clone()
-    };
-    if edge_settings(running) != edge_settings(&next)
-        || running.tls.is_some() != next.tls.is_some()
-        || running.client_tls.is_some() != next.client_tls.is_some()
-    {
-        report
-            .restart_required
-            .push("[edge], or [tls] / [edge.client_tls] added or removed");
-    }
-    if running.credentials != next.credentials {
-        report.restart_required.push("[credentials]");
-    }
-    if running.cluster != next.cluster {
-        report.restart_required.push("[cluster]");
-    }
+    drop(before);
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
     // Rotation: the usage file is reopened by its path.
     edge.settings.usage_log.reopen();
@@ -111,8 +133,19 @@ pub fn reload(
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
     }
+    // The fleet: Control first (a request let in under the new model list
+    // finds its model there), then what the shards read.
+    edge.apply(Input::Reconfigure(Box::new(control_spec(&next))));
+    edge.settings
+        .running
+        .replace(Running::of(&next, revision, digest));
     for node in &next.nodes {
         let payload = next.node_config_payload(node, revision);
+        if report.nodes_added.contains(&node.id) {
+            // Not registered yet: it gets this at its registration.
+            edge.set_node_config(&node.id, payload);
+            continue;
+        }
         let changed = {
             let control = edge.control();
             let Some(old) = control.node_config(&node.id) else {
@@ -146,6 +179,40 @@ pub fn reload(
         }
     }
     Ok((next, report))
+}
+
+/// The sections of `next` that differ from `started` and that only a
+/// restart applies.
+fn restart_required(started: &EdgeConfig, next: &EdgeConfig) -> Vec<&'static str> {
+    let mut sections = Vec::new();
+    // What a reload applies is taken out of the comparison: `allow_anonymous`
+    // (with the keys), the limits read per request (RunningConfig) and the
+    // timeouts Control reads (Reconfigure).
+    let fixed = |c: &EdgeConfig| crate::config::EdgeSettings {
+        allow_anonymous: false,
+        max_request_body_bytes: 0,
+        flow_window_bytes: 0,
+        client_write_stall_timeout_ms: 0,
+        response_wait_timeout_ms: 0,
+        ..c.edge.clone()
+    };
+    // Certificates are reloaded by `reload_tls` (from the new paths too);
+    // turning TLS on or off on a listener needs a restart.
+    if fixed(started) != fixed(next)
+        || started.tls.is_some() != next.tls.is_some()
+        || started.client_tls.is_some() != next.client_tls.is_some()
+    {
+        sections.push(
+            "[edge] listeners, identity or front-door limits, or [tls] / [edge.client_tls] added or removed",
+        );
+    }
+    if started.credentials != next.credentials {
+        sections.push("[credentials]");
+    }
+    if started.cluster != next.cluster {
+        sections.push("[cluster]");
+    }
+    sections
 }
 
 /// The certificates one SIGHUP reloaded, or why one was kept.
@@ -236,6 +303,9 @@ pub struct ShardedEdge {
     credentials: Option<Arc<CredentialPlane>>,
     /// One table for every shard, so a reload reaches them all.
     client_keys: ClientKeys,
+    /// One running configuration for every shard, so a reload reaches
+    /// them all.
+    running: RunningConfig,
     /// One usage file for every shard.
     usage_log: UsageLog,
     /// One access log writer for every shard.
@@ -372,6 +442,13 @@ impl ShardedEdge {
         };
         Ok(Self {
             client_keys: ClientKeys::from_config(&cfg.client_keys),
+            running: RunningConfig::new(Running::of(
+                &cfg,
+                1,
+                std::fs::read(&cfg.source)
+                    .map(|bytes| digest_of(&bytes))
+                    .unwrap_or_default(),
+            )),
             usage_log: usage_log(&cfg),
             access_log: access_log(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
@@ -468,6 +545,7 @@ impl ShardedEdge {
         let mut settings = settings(&self.cfg, self.credentials.clone());
         settings.client_tls = self.client_tls.clone();
         settings.client_keys = self.client_keys.clone();
+        settings.running = self.running.clone();
         settings.usage_log = self.usage_log.clone();
         settings.access_log = self.access_log.clone();
         settings.request_metrics = self.request_metrics.clone();
@@ -974,11 +1052,10 @@ mod tests {
         assert_eq!(
             report,
             ReloadReport {
-                refreshed: vec![],
+                revision: 2,
                 deferred: vec!["node-a".into()],
                 unsent: vec!["node-b".into()],
-                restart_required: vec![],
-                client_keys: KeysChange::default(),
+                ..ReloadReport::default()
             }
         );
         std::fs::remove_dir_all(&dir).unwrap();
