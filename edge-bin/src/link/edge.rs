@@ -1032,6 +1032,7 @@ mod tests {
             ),
             cluster: None,
             peer_tls: None,
+            node_allow_list: None,
         };
         Edge::new(Control::new(spec), settings)
     }

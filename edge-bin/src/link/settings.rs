@@ -50,6 +50,10 @@ pub struct Settings {
     /// This Edge's place in its cluster, shared by every shard; `None`: a
     /// single Edge.
     pub cluster: Option<Arc<crate::plane::cluster::ClusterView>>,
+    /// The node names the node listener accepts (its TLS acceptor's list,
+    /// shared): a reload replaces it with the configured nodes. `None` in
+    /// insecure mode.
+    pub node_allow_list: Option<iop_engine::tls::NodeAllowList>,
     /// How this Edge dials the peer listeners of other Edges (its `[tls]`
     /// identity, presented as a client certificate); `None`: it forwards
     /// nothing (no `[cluster]`, or no `[tls]`).
@@ -102,6 +106,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
             ))
         }),
         peer_tls: None,
+        node_allow_list: None,
     }
 }
 

@@ -133,8 +133,12 @@ pub fn reload(
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
     }
-    // The fleet: Control first (a request let in under the new model list
-    // finds its model there), then what the shards read.
+    // The fleet: who may connect, Control (a request let in under the new
+    // model list finds its model there), then what the shards read. A
+    // removed node's open connection is Control's to let go of.
+    if let Some(allowed) = &edge.settings.node_allow_list {
+        allowed.replace(next.nodes.iter().map(|n| n.id.clone()));
+    }
     edge.apply(Input::Reconfigure(Box::new(control_spec(&next))));
     edge.settings
         .running
@@ -552,6 +556,7 @@ impl ShardedEdge {
         settings.peer_limits = self.peer_limits.clone();
         settings.cluster = self.cluster.clone();
         settings.peer_tls = self.peer_tls.clone();
+        settings.node_allow_list = self.acceptor.as_ref().map(|a| a.allowed_nodes().clone());
         let edge = Rc::new(Edge::shard(index, control, outbox, settings));
         monoio::spawn(edge.clone().run_mesh(part.port.inbox));
         let peer = match (part.peer, &self.acceptor) {

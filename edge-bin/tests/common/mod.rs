@@ -369,6 +369,7 @@ impl TestEdge {
         let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
             .expect("edge acceptor");
         let mut settings = settings::settings(&cfg, None);
+        settings.node_allow_list = Some(acceptor.allowed_nodes().clone());
         settings.client_tls = cfg
             .client_tls
             .as_ref()
