@@ -91,6 +91,19 @@ pub fn reload(
     let digest = std::fs::read(path)
         .map(|bytes| digest_of(&bytes))
         .unwrap_or_default();
+    Ok(apply(edge, started, next, digest, revision))
+}
+
+/// Applies `next`, a validated configuration whose source has `digest`, at
+/// `revision`: what [`reload`] does once the file is loaded (a cluster
+/// applies a fleet published by another Edge the same way).
+pub fn apply(
+    edge: &Edge,
+    started: &EdgeConfig,
+    next: EdgeConfig,
+    digest: String,
+    revision: u64,
+) -> (EdgeConfig, ReloadReport) {
     let mut report = ReloadReport {
         revision,
         restart_required: restart_required(started, &next),
@@ -182,7 +195,7 @@ pub fn reload(
             None => report.deferred.push(node.id.clone()),
         }
     }
-    Ok((next, report))
+    (next, report)
 }
 
 /// The sections of `next` that differ from `started` and that only a
