@@ -2822,6 +2822,11 @@ impl<'w> Sim<'w> {
                     "{request:?} refused as unsupported: every pool here serves chat"
                 )))
             }
+            Outcome::Rejected(Rejection::NoProviders) => {
+                return Err(self.fail(format!(
+                    "{request:?} refused for want of providers: every pool here has some"
+                )))
+            }
             Outcome::Rejected(Rejection::ModelRemoved) => {
                 return Err(self.fail(format!(
                     "{request:?} refused as removed: no schedule here reloads"

@@ -46,9 +46,14 @@ fn fleet_toml(pki: &Pki, nodes: &[&str], models: &[(&str, &[&str])]) -> String {
     let models: String = models
         .iter()
         .map(|(name, pool)| {
+            let explicit = if pool.is_empty() {
+                "allow_no_providers = true\n"
+            } else {
+                ""
+            };
             let pool: Vec<String> = pool.iter().map(|p| format!("\"{p}\"")).collect();
             format!(
-                "\n[[models]]\nname = \"{name}\"\nproviders = [{}]\nqueue_timeout_ms = 30000\n",
+                "\n[[models]]\nname = \"{name}\"\nproviders = [{}]\nqueue_timeout_ms = 30000\n{explicit}",
                 pool.join(", ")
             )
         })
@@ -270,6 +275,38 @@ async fn a_removed_node_is_let_go_of_when_its_stream_ends_and_may_not_register_a
             again.closed_reason().await,
             CloseReason::TlsAlert("access_denied".into())
         );
+        edge.stop().await;
+    })
+    .await;
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_model_left_without_providers_ends_its_waiters_and_answers_503() {
+    guarded(async {
+        let pki = Pki::mint("fleet-empty");
+        let path = pki.dir.join("edge.toml");
+        let text = fleet_toml(&pki, &["node-a"], &[("m", &["node-a/node-a-p"])]);
+        std::fs::write(&path, &text).unwrap();
+        let edge = TestEdge::start(&pki, &text);
+        let started = EdgeConfig::load(&path).unwrap();
+
+        // node-a is not connected: the request waits in m's queue.
+        let waiting = monoio::spawn(http_exchange(edge.client_addr, chat("m", false)));
+        while edge.edge.control().pending_requests().count() == 0 {
+            monoio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+
+        // The file says explicitly that m has no provider now.
+        let next = fleet_toml(&pki, &["node-a"], &[("m", &[])]);
+        reload(&edge, &started, &path, &next, 2);
+        let ended = waiting.await;
+        assert_eq!(ended.status, 503);
+        assert_eq!(ended.json()["error"]["code"], "model_removed");
+
+        // Still listed, and answered at once: no provider.
+        let refused = http_exchange(edge.client_addr, chat("m", false)).await;
+        assert_eq!(refused.status, 503);
+        assert_eq!(refused.json()["error"]["code"], "no_provider_available");
         edge.stop().await;
     })
     .await;

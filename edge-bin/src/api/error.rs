@@ -171,8 +171,8 @@ impl GatewayError {
                 503,
                 "service_unavailable_error",
                 format!(
-                    "The model `{model}` was removed from this gateway's configuration \
-                     while the request waited for a provider."
+                    "A configuration reload removed the model `{model}`, or every provider \
+                     of it serving this request, while the request waited."
                 ),
             )
         }

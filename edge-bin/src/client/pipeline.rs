@@ -273,9 +273,11 @@ where
         Ok(Admission::Rejected(Rejection::UnsupportedOperation)) => unsupported(model, endpoint),
         Ok(Admission::Rejected(Rejection::QueueFull)) => GatewayError::queue_full(model),
         Ok(Admission::Rejected(Rejection::ModelRemoved)) => GatewayError::model_removed(model),
-        Ok(Admission::Rejected(Rejection::QueueTimeout) | Admission::Ended) | Err(_) => {
-            GatewayError::no_provider(model)
-        }
+        Ok(
+            Admission::Rejected(Rejection::QueueTimeout | Rejection::NoProviders)
+            | Admission::Ended,
+        )
+        | Err(_) => GatewayError::no_provider(model),
     };
     write_error(server, endpoint.surface, &e).await?;
     Ok(None)

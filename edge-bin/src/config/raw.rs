@@ -195,4 +195,5 @@ pub(super) struct RawModel {
     pub(super) queue_timeout_ms: Option<i64>,
     pub(super) max_attempts: Option<i64>,
     pub(super) owned_by: Option<String>,
+    pub(super) allow_no_providers: Option<bool>,
 }

@@ -1010,10 +1010,11 @@ impl Validator<'_> {
     fn model(&self, i: usize, raw: RawModel, nodes: &[NodeSpec]) -> Result<ModelSpec, ConfigError> {
         let key = format!("models[{i}]");
         check_text(&raw.name).map_err(|why| self.err(format!("{key}.name"), why))?;
-        if raw.providers.is_empty() {
+        if raw.providers.is_empty() && raw.allow_no_providers != Some(true) {
             return Err(self.err(
                 format!("{key}.providers"),
-                "must list at least one provider",
+                "must list at least one provider (allow_no_providers = true serves the \
+                 model with none: every request gets 503 no_provider_available)",
             ));
         }
         let mut providers: Vec<ProviderRef> = Vec::with_capacity(raw.providers.len());

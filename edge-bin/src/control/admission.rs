@@ -153,9 +153,14 @@ impl Control {
             });
         };
         let Some(lane) = self.models[m].lane_of[operation as usize] else {
+            let why = if self.models[m].spec.providers.is_empty() {
+                Rejection::NoProviders
+            } else {
+                Rejection::UnsupportedOperation
+            };
             return out.push(Action::Done {
                 request,
-                outcome: Outcome::Rejected(Rejection::UnsupportedOperation),
+                outcome: Outcome::Rejected(why),
             });
         };
         if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[]) {

@@ -353,6 +353,9 @@ pub enum Rejection {
     /// A reload removed its model (or its operation from the model) while
     /// it waited (503: the fleet changed under it).
     ModelRemoved,
+    /// The model is configured without providers (`allow_no_providers`):
+    /// 503 at once.
+    NoProviders,
 }
 
 /// How a request ended.

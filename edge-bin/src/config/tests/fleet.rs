@@ -191,8 +191,15 @@ fn model_references_resolve() {
     let key = "conf/edge.toml: models[0].providers";
     assert_eq!(
         error_of(refs, "providers = []"),
-        format!("{key}: must list at least one provider")
+        format!(
+            "{key}: must list at least one provider (allow_no_providers = true serves the \
+             model with none: every request gets 503 no_provider_available)"
+        )
     );
+    // Said explicitly: a model without providers (e.g. while its last node
+    // is replaced by a reload).
+    let empty = parse(&variant(refs, "providers = []\nallow_no_providers = true")).unwrap();
+    assert!(empty.models[0].providers.is_empty());
     assert_eq!(
         error_of(refs, "providers = [\"a-llama\"]"),
         format!("{key}[0]: \"a-llama\": expected \"<node id>/<provider id>\"")
