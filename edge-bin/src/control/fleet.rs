@@ -259,12 +259,16 @@ impl Control {
             state.long_in_flight = was.long_in_flight;
             state.last_seq = was.last_seq;
             state.overlay = was.overlay;
-            state.outlier = was.outlier.clone();
+            // Passive health turned off: nothing stays ejected.
+            if self.tunables.outlier.is_some() {
+                state.outlier = was.outlier.clone();
+            }
             state.drained = was.drained;
             if let Some(ejection) = state.outlier.ejection() {
                 self.ejection_deadlines.insert((ejection.until, p));
             }
-            if let Some(at) = was.next_probe {
+            let needs_probe = state.overlay.is_some() || state.outlier.ejection().is_some();
+            if let (Some(at), true) = (was.next_probe, needs_probe) {
                 self.set_next_probe(p, Some(at));
             }
         }
