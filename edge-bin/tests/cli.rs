@@ -203,7 +203,7 @@ fn check_config_failures_exit_1_with_file_key_and_reason_as_startup_does() {
     );
     let expected = format!(
         "edge-bin: error: {path}: edge.max_request_body_bytes: invalid type: string \"lots\", \
-         expected i64 (line 22, column 26)\n"
+         expected i64 (line 30, column 26)\n"
     );
     let out = run(&["check-config", &path], &[]);
     assert_eq!(out.status.code(), Some(1));
