@@ -2,7 +2,8 @@
 //! library crate (`edge_bin`) for the gateway itself.
 //!
 //! Subcommands: `check-config FILE` (loads and validates a configuration the
-//! way startup does, without opening sockets), `certs` (development PKI),
+//! way startup does, without opening sockets; with `--diff RUNNING` also
+//! prints what changes from RUNNING to FILE), `certs` (development PKI),
 //! `keys issuer --out PATH` (a new Ed25519 issuer key as PKCS#8 PEM; prints
 //! its public `ed25519:` form for node.toml) and `keys hash-client-key`
 //! (reads a client API key on stdin, prints the `key_hash` for
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use argh::FromArgs;
-use edge_bin::config::EdgeConfig;
+use edge_bin::config::{ConfigDiff, EdgeConfig};
 use edge_bin::link::shards::Lifecycle;
 use edge_bin::plane::client_keys::client_key_hash_hex;
 use edge_bin::plane::credentials::CredentialPlane;
@@ -34,6 +35,7 @@ use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, TlsFiles, T
 #[argh(
     example = "{command_name} --config /etc/iop/edge.toml --cores 0-3\n\
                {command_name} check-config /etc/iop/edge.toml\n\
+               {command_name} check-config --diff /etc/iop/edge.toml /etc/iop/edge.toml.new\n\
                {command_name} keys issuer --out /etc/iop/keys/issuer.key",
     note = "Environment:\n\
             \u{00A0} RUST_LOG          log filter, default info (e.g. info,edge_bin=debug)\n\
@@ -86,12 +88,22 @@ enum Command {
 /// Load and validate a configuration as startup does (every key, the TLS
 /// certificates and keys, the issuer key and credential secrets, the access
 /// log file) without opening sockets; exit 0 if it would start, 1 with the
-/// file, key and reason if not.
+/// file, key and reason if not. With --diff RUNNING, both files are checked
+/// and what changes from RUNNING to FILE is printed, one line per change,
+/// each setting marked live (a SIGHUP applies it) or needs a restart.
 #[derive(FromArgs, Debug)]
-#[argh(subcommand, name = "check-config")]
+#[argh(
+    subcommand,
+    name = "check-config",
+    example = "{command_name} /etc/iop/edge.toml\n\
+               {command_name} --diff /etc/iop/edge.toml /etc/iop/edge.toml.new"
+)]
 struct CheckConfigArgs {
+    /// the configuration that runs: print what changes from it to FILE
+    #[argh(option, arg_name = "RUNNING")]
+    diff: Option<String>,
     /// the edge.toml to check
-    #[argh(positional)]
+    #[argh(positional, arg_name = "FILE")]
     file: String,
 }
 
@@ -168,7 +180,10 @@ fn main() -> ExitCode {
     }
     iop_engine::rt::init_logging_as(args.log_format);
     match args.command {
-        Some(Command::CheckConfig(c)) => check_config(&c.file),
+        Some(Command::CheckConfig(c)) => match &c.diff {
+            None => check_config(&c.file),
+            Some(running) => check_config_diff(running, &c.file),
+        },
         Some(Command::Certs(c)) => certs(c),
         Some(Command::Keys(k)) => keys(k),
         None => match args.config {
@@ -217,6 +232,22 @@ fn check_config(path: &str) -> ExitCode {
         }
         Err(e) => fail(e),
     }
+}
+
+/// `check-config --diff RUNNING FILE`: [`load`]s both (RUNNING first; the
+/// first error is reported and exits 1), then prints what changes from
+/// RUNNING to FILE ([`ConfigDiff`]), or `no changes`; exits 0 either way.
+fn check_config_diff(running: &str, next: &str) -> ExitCode {
+    let running = match load(running) {
+        Ok(loaded) => loaded.cfg,
+        Err(e) => return fail(e),
+    };
+    let next = match load(next) {
+        Ok(loaded) => loaded.cfg,
+        Err(e) => return fail(e),
+    };
+    println!("{}", ConfigDiff::between(&running, &next));
+    ExitCode::SUCCESS
 }
 
 /// Reads and validates everything startup needs from the configuration

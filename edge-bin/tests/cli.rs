@@ -1,5 +1,5 @@
 //! The `edge-bin` command line, run as a real process: `--version`,
-//! `check-config`, `--log-format json` and `--help`.
+//! `check-config` (and `--diff`), `--log-format json` and `--help`.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -203,7 +203,7 @@ fn check_config_failures_exit_1_with_file_key_and_reason_as_startup_does() {
     );
     let expected = format!(
         "edge-bin: error: {path}: edge.max_request_body_bytes: invalid type: string \"lots\", \
-         expected i64 (line 22, column 26)\n"
+         expected i64 (line 30, column 26)\n"
     );
     let out = run(&["check-config", &path], &[]);
     assert_eq!(out.status.code(), Some(1));
@@ -278,6 +278,73 @@ fn check_config_failures_exit_1_with_file_key_and_reason_as_startup_does() {
         stderr.starts_with(&format!("edge-bin: error: {missing}: ")),
         "{stderr}"
     );
+}
+
+#[test]
+fn check_config_diff_prints_what_changes_from_the_running_file() {
+    let dir = ScratchDir::new("diff");
+    examples_with_certs(&dir);
+    let running = dir.join("edge.toml");
+    let next = dir.join("edge-next.toml");
+    if let Err(e) = std::fs::copy(&running, &next) {
+        panic!("copy: {e}");
+    }
+    for (from, to) in [
+        ("long_context_capacity = 2", "long_context_capacity = 1"),
+        (
+            "providers = [\"node-a/a-llama\"]",
+            "providers = [\"node-a/a-llama\", \"node-a/a-qwen\"]",
+        ),
+        (
+            "client_listen = \"127.0.0.1:8080\"",
+            "client_listen = \"127.0.0.1:8081\"",
+        ),
+        ("drain_grace_ms = 30000", "drain_grace_ms = 5000"),
+        (
+            "client_head_timeout_ms = 10000",
+            "client_head_timeout_ms = 5000",
+        ),
+    ] {
+        edit(&next, from, to);
+    }
+    let (running, next) = (running.display().to_string(), next.display().to_string());
+    // Log lines go to stderr; at `error` there are none, so stderr is
+    // exactly what the command says.
+    let quiet = [("RUST_LOG", "error")];
+
+    let out = run(&["check-config", "--diff", &running, &next], &quiet);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "~ provider node-a/a-llama: long_context_capacity 2 -> 1\n\
+         ~ model llama-3.1-8b: pool [node-a/a-llama] -> [node-a/a-llama, node-a/a-qwen]\n\
+         ~ edge.client_listen: 127.0.0.1:8080 -> 127.0.0.1:8081 (needs a restart)\n\
+         ~ edge.drain_grace_ms: 30000 -> 5000 (needs a restart)\n\
+         ~ edge.client_head_timeout_ms: 10000 -> 5000 (live)\n"
+    );
+    assert_eq!(text(&out.stderr), "");
+
+    let out = run(&["check-config", "--diff", &running, &running], &quiet);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "no changes\n");
+
+    // An invalid file, new or running: its file, key and reason, exit 1,
+    // no diff.
+    edit(
+        Path::new(&next),
+        "max_request_body_bytes = 8388608",
+        "max_request_body_bytes = -1",
+    );
+    let expected = format!(
+        "edge-bin: error: {next}: edge.max_request_body_bytes: must be between 1 and \
+         16711680 (got -1)\n"
+    );
+    for args in [[&running, &next], [&next, &running]] {
+        let out = run(&["check-config", "--diff", args[0], args[1]], &quiet);
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(text(&out.stdout), "");
+        assert_eq!(text(&out.stderr), expected);
+    }
 }
 
 /// Kills the child on drop (a failed assertion must not leave it running).

@@ -5,6 +5,7 @@
 //!     Raw* ──validate (names, ranges, references, URLs)──► EdgeConfig
 //!     EdgeConfig::validate_files ──► the TLS files exist and are readable
 //!     NodeSpec::config_payload ──► pb::NodeConfigPayload for RegisterResponse (R2, U4)
+//! running, next ──ConfigDiff::between──► what a reload changes ([`diff`])
 //! ```
 //!
 //! Parse, don't validate: the `Raw*` structs mirror the file and stay private;
@@ -51,12 +52,14 @@ pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DO
 /// Default `edge.max_request_body_bytes`: 8 MiB; a larger client body gets 413.
 mod checks;
 mod defaults;
+pub mod diff;
 mod raw;
 #[cfg(test)]
 mod tests;
 mod validate;
 
 pub use defaults::*;
+pub use diff::{Apply, ConfigDiff};
 
 use checks::*;
 use raw::*;

@@ -2,17 +2,18 @@
 
 use super::*;
 
-fn recipient_text(seed: u8) -> String {
+pub(super) fn recipient_text(seed: u8) -> String {
     let public = PublicKey::from(&StaticSecret::from([seed; 32]));
     iop_engine::keys::encode_recipient_public_key(&public)
 }
 
-const CLIENT_KEY_HASH: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+pub(super) const CLIENT_KEY_HASH: &str =
+    "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
 /// `BASE` with a recipient key on node-a, an issuer, one slot serving
 /// node-a/a-llama (the only tunnel provider) and one client key;
 /// `slot_extra` is added to the slot.
-fn managed(slot_extra: &str) -> String {
+pub(super) fn managed(slot_extra: &str) -> String {
     format!(
         "{}\n[credentials]\nissuer_key = \"keys/issuer.key\"\n\n[[credentials.slots]]\n\
          name = \"openai-main\"\nsecret_file = \"secrets/openai\"\n\

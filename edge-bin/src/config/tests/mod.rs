@@ -1,6 +1,7 @@
 //! The config tests: shared fixtures here, the tables in the submodules.
 
 mod credentials;
+mod diff;
 mod edge;
 mod fleet;
 
