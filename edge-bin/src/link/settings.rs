@@ -78,7 +78,7 @@ pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
         return UsageLog::off();
     };
     UsageLog::start(path).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
+        // `EdgeConfig::check_operational_paths` checked the file at startup.
         tracing::error!(path = %path.display(), error = %e, "usage log cannot be started");
         UsageLog::off()
     })
@@ -88,7 +88,7 @@ pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
 /// [`AccessLog::close`]), or off.
 pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
     AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
+        // `EdgeConfig::check_operational_paths` checked the file at startup.
         tracing::error!(error = %e, "access log cannot be started; no access log");
         AccessLog::off()
     })

@@ -42,10 +42,18 @@ pub struct ReloadReport {
     pub restart_required: Vec<&'static str>,
     /// What the new `[[client_keys]]` changed (applied at once).
     pub client_keys: KeysChange,
+    /// The Edge's own files (the access log file, the usage file) whose
+    /// new path could not be opened: each keeps writing where it did, the
+    /// rest of the file was applied. One line each, `<file>: <key>:
+    /// <reason>; keeping the running …`.
+    pub kept_operational: Vec<String>,
 }
 
 /// Reloads the configuration file (SIGHUP). An invalid file changes nothing
-/// and returns its error. Otherwise:
+/// and returns its error — except for the files the Edge writes: an access
+/// log file or usage file that cannot be opened keeps the running one and
+/// is reported in [`ReloadReport::kept_operational`], and the rest of the
+/// file applies. Otherwise:
 ///
 /// - `[[client_keys]]` replace the running keys on every shard: a removed
 ///   key gets 401 from its next request on (requests already let in under
@@ -53,6 +61,10 @@ pub struct ReloadReport {
 /// - Each node's new adapter config replaces the one pushed at
 ///   registration, and nodes whose config changed get a
 ///   `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
+/// - The access log file and the usage file are opened again by the paths
+///   the file names now (rotation: rename, then SIGHUP; or a new path).
+///   Turning either on or off, or another access log `format`, needs a
+///   restart.
 /// - Changes to the listeners (`[edge]`), TLS added or removed, nodes,
 ///   providers, models or `[credentials]` are reported as needing a
 ///   restart and are not applied.
@@ -67,7 +79,9 @@ pub fn reload(
     path: &std::path::Path,
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
-    let next = EdgeConfig::load(path)?;
+    // The operational paths are not checked here: each log opens its own
+    // (below), and one that does not open keeps the running writer.
+    let next = EdgeConfig::load_structure(path)?;
     // Removing the last key must not open the Edge to everyone.
     next.check_open_access()?;
     let mut report = ReloadReport::default();
@@ -105,8 +119,18 @@ pub fn reload(
         report.restart_required.push("[cluster]");
     }
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
-    // Rotation: the usage file is reopened by its path.
-    edge.settings.usage_log.reopen();
+    // Rotation or a new path: each log opens what the file names now.
+    for outcome in [
+        edge.settings
+            .access_log
+            .apply_reload(&next.source, &next.access_log),
+        edge.settings
+            .usage_log
+            .apply_reload(&next.source, next.usage_log.as_deref()),
+    ] {
+        report.kept_operational.extend(outcome.kept);
+        report.restart_required.extend(outcome.restart_required);
+    }
     // Leases issued from here on are bound to the new origins and paths.
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
@@ -979,6 +1003,7 @@ mod tests {
                 unsent: vec!["node-b".into()],
                 restart_required: vec![],
                 client_keys: KeysChange::default(),
+                kept_operational: vec![],
             }
         );
         std::fs::remove_dir_all(&dir).unwrap();
