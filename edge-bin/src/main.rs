@@ -433,9 +433,11 @@ fn control_setup(
 
 /// SIGHUP reloads the configuration: the fleet (nodes, providers, models),
 /// the per-request limits and client keys apply at once, refreshes go to
-/// ready nodes (K3), and the node-link and client-listener
-/// certificates are re-read; an invalid file keeps the running
-/// configuration (and a bad certificate the running certificate).
+/// ready nodes (K3), the access log file and the usage file are reopened,
+/// and the node-link and client-listener certificates are re-read; an
+/// invalid file keeps the running configuration (a bad certificate the
+/// running certificate, and a log path that cannot be opened the running
+/// log, the rest of the file applied).
 ///
 /// `started` is what the process started with: the sections a reload does
 /// not apply are compared against it on every reload, so the "needs a
@@ -489,6 +491,13 @@ fn spawn_reloader(
                             nodes = ?report.unsent,
                             "config refresh not sent: the node's connection closed; \
                              it gets the new config when it registers again"
+                        );
+                    }
+                    for kept in &report.kept_operational {
+                        tracing::warn!(
+                            error = %kept,
+                            "a log path of the reloaded file cannot be opened; \
+                             the rest of the file is applied"
                         );
                     }
                     if !report.restart_required.is_empty() {

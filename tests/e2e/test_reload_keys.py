@@ -6,12 +6,15 @@ on a new connection and on the keep-alive connection whose stream was let in
 under it — while that stream, already in flight, runs to its end. An added
 key works at once. The "needs a restart" warning is logged on every reload
 whose file still differs from what runs, and stops once the file matches.
+A usage file path that cannot be opened does not hold a revocation back:
+the rest of the file applies and the usage file goes on in its open file.
 """
 
 import http.client
 import json
 import signal
 import socket
+import urllib.request
 
 import pytest
 
@@ -226,3 +229,44 @@ def test_removing_the_last_key_is_refused_until_the_file_says_it_runs_open():
                                   {"model": "iop-test-model", "max_tokens": 1,
                                    "messages": [{"role": "user", "content": "x"}]})
         assert status == 200, raw
+
+
+def _metric(cluster, name: str) -> float:
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_usage_path_that_cannot_be_opened_does_not_hold_back_a_revocation(tmp_path):
+    """The usage file was rotated and a directory took its path: the SIGHUP
+    that revokes team-a applies anyway; usage records go on to the file
+    already open, and the journal, /metrics and /status say why."""
+    usage, rotated = tmp_path / "usage.jsonl", tmp_path / "usage.jsonl.1"
+    with Cluster(client_keys=_keys(**{"team-a": KEY_A}),
+                 edge_extra=["[edge.usage_log]", f'path = "{usage}"']) as cluster:
+        assert _chat_once(cluster, KEY_A)[0] == 200
+        wait_until(lambda: len(_lines(usage)) == 1, timeout_s=10, what="the first usage record")
+        usage.rename(rotated)
+        usage.mkdir()
+        cluster.client_keys = _keys()
+        _reload(cluster)
+        why = f"cannot open {usage} for appending: Is a directory (os error 21)"
+        assert (f"edge.usage_log.path: {why}; keeping the running usage log (opened as {usage})"
+                in cluster.edge.log())
+        assert _chat_once(cluster, KEY_A) == (401, INVALID_KEY)
+        assert _chat_once(cluster, OPS_KEY)[0] == 200
+        assert _metric(cluster, "iop_edge_usage_log_failing") == 1
+        assert _metric(cluster, "iop_edge_usage_log_open_errors_total") == 1
+        assert cluster.status()["logs"]["usage_log"] == {
+            "path": str(usage), "failing": True, "open_error": why, "write_error": None,
+            "open_errors_total": 1, "write_errors_total": 0, "dropped_records_total": 0,
+        }
+        wait_until(lambda: len(_lines(rotated)) == 2, timeout_s=10, what="the second usage record")
+        assert [(r["principal"], r["status"]) for r in _lines(rotated)] == [("team-a", 200), ("ops", 200)]
+        assert usage.is_dir()

@@ -1,7 +1,8 @@
 """The `/status` contract of a running Edge, pinned field by field (X5, P3).
 
-CONTRACT: X5 — `/status` carries exactly the provider projection: every
-field is listed here with its value, and nothing that names a Node's
+CONTRACT: X5 — `/status` carries exactly the provider projection (and the
+state of the Edge's own log files): every field is listed here with its
+value, and nothing that names a Node's
 address, a token or a transport internal (connection ids, generations,
 certificates, the Edge's or the provider's socket addresses) appears in it.
 """
@@ -39,7 +40,16 @@ def test_status_is_the_projection_and_nothing_else():
                 "in_flight": 0, "long_in_flight": 0, "queued": 0, "long_queued": 0,
                 "connected": False, "outlier": OUTLIER_CLEAR,
             },
-        ]}
+        ], "logs": {
+            # The Edge's own files (for callers that see everything; this
+            # Edge runs open): the access log on stderr, no usage file.
+            "access_log": {
+                "destination": "stderr", "failing": False, "open_error": None,
+                "write_error": None, "open_errors_total": 0, "write_errors_total": 0,
+                "dropped_lines_total": 0,
+            },
+            "usage_log": None,
+        }}
         # Nothing of the transport, whatever its key would be called.
         _, mock_port = c.mock.ready["addr"].rsplit(":", 1)
         edge_node_port = c.edge.ready["nodes"].rsplit(":", 1)[1]

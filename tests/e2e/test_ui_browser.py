@@ -103,6 +103,9 @@ def test_the_status_page_in_headless_chromium(browser):
         provider = _text(browser, 'tr[data-provider="node-a/mock-1"]')
         assert "mock-1" in provider and "mock-model" in provider and "available" in provider, provider
         assert "0 / 64" in provider, provider
+        # The Edge's own logs: the access log on stderr, writing fine.
+        access_log = _text(browser, 'tr[data-log="access log"]')
+        assert "stderr" in access_log and "ok" in access_log, access_log
         # The configured node that never connects.
         assert _node_phase(browser, "node-offline") == "offline"
         assert "never connected" in _text(browser, 'tr[data-node="node-offline"]')

@@ -308,7 +308,7 @@ pub(super) async fn linger<S>(edge: &Edge, server: &mut Client<S>)
 where
     S: ClientStream,
 {
-    let Some(linger) = client_linger(&edge.settings.limits) else {
+    let Some(linger) = client_linger(&edge.settings.running.get().limits) else {
         let _ = server.close().await;
         return;
     };
@@ -326,10 +326,11 @@ where
 /// The bounds on request JSON (`edge.max_json_depth`, `edge.max_json_elements`,
 /// `edge.max_json_members`).
 pub(super) fn json_limits(edge: &Edge) -> JsonLimits {
+    let limits = edge.settings.running.get().limits;
     JsonLimits {
-        max_depth: edge.settings.limits.max_json_depth,
-        max_elements: edge.settings.limits.max_json_elements,
-        max_members: edge.settings.limits.max_json_members,
+        max_depth: limits.max_json_depth,
+        max_elements: limits.max_json_elements,
+        max_members: limits.max_json_members,
     }
 }
 

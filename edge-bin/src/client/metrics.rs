@@ -6,7 +6,8 @@
 //! ```text
 //! scrape ─┬─ Control: counters, snapshots, queue depths, ready nodes
 //!         ├─ engine registries (histograms, relay counters), front door
-//!         ├─ request series (crate::plane::request_metrics), access log
+//!         ├─ request series (crate::plane::request_metrics), access log,
+//!         │  usage file (their write and open errors, whether failing)
 //!         ├─ iop_build_info, process_*
 //!         └─ the nodes' series (crate::link::node_metrics: pulled over their
 //!            links at most once per node_metrics_max_age_ms) ─► their lines
@@ -52,8 +53,8 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
     let latency = engine_metrics::merged();
     text.push_str(&engine_metrics::render_prometheus(&latency, Side::Edge));
     text.push_str(&render_front_door(&latency));
-    text.push_str(&crate::plane::access::render_prometheus());
-    text.push_str(&crate::plane::usage::render_prometheus());
+    text.push_str(&edge.settings.access_log.render_prometheus());
+    text.push_str(&edge.settings.usage_log.render_prometheus());
     text.push_str(&requests.render(&depths));
     if let Some(cluster) = &edge.settings.cluster {
         text.push_str(&render_cluster(cluster));

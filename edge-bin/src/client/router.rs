@@ -86,7 +86,7 @@ pub async fn serve_peer<G: 'static>(
     let peer = tcp.peer_addr().ok().map(|a| a.ip());
     deadline.arm(
         Wait::Handshake,
-        Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+        Duration::from_millis(edge.settings.running.get().limits.client_head_timeout_ms),
     );
     let accepted = Box::pin(acceptor.accept(tcp)).await;
     deadline.disarm();
@@ -146,7 +146,7 @@ pub(super) async fn handshake(
     // handshake fails on its own (a TLS read is never cancelled).
     deadline.arm(
         Wait::Handshake,
-        Duration::from_millis(edge.settings.limits.client_head_timeout_ms),
+        Duration::from_millis(edge.settings.running.get().limits.client_head_timeout_ms),
     );
     let handshake = tls.accept(tcp).await;
     deadline.disarm();
@@ -188,7 +188,7 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
         max_body_bytes: running.max_request_body_bytes,
         ..Limits::default()
     };
-    let timeouts = client_timeouts(&edge.settings.limits, running.client_write_stall_timeout);
+    let timeouts = client_timeouts(&running.limits, running.client_write_stall_timeout);
     drop(running);
     let mut server = Client {
         conn: ServerConn::new(stream, limits).with_deadline(deadline, timeouts),
@@ -407,13 +407,20 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                             {
                                 doc["cluster"] = status::cluster_json(cluster, clock::now());
                             }
+                            // The Edge's own files: the operator's business.
+                            if caller.authority.sees_everything() {
+                                doc["logs"] = status::logs_json(
+                                    &edge.settings.access_log.status(),
+                                    edge.settings.usage_log.status().as_ref(),
+                                );
+                            }
                             write_json(&mut server, 200, Bytes::from(doc.to_string())).await
                         }
                         None => write_api_error(&mut server, &GatewayError::shutting_down()).await,
                     }
                 }
                 ("GET", "/metrics")
-                    if edge.settings.metrics_access == MetricsAccess::Key
+                    if edge.settings.running.get().metrics_access == MetricsAccess::Key
                         && !caller.authority.sees_everything() =>
                 {
                     write_api_error(&mut server, &GatewayError::metrics_scope_required()).await
@@ -563,7 +570,7 @@ pub(super) fn authenticate(
     headers: &[iop_engine::http::Header],
 ) -> Result<Caller, (Surface, GatewayError)> {
     // `/ui` is the status page: it holds no data and asks for a key.
-    let open_metrics = edge.settings.metrics_access == MetricsAccess::Open;
+    let open_metrics = edge.settings.running.get().metrics_access == MetricsAccess::Open;
     if matches!(path, "/livez" | "/readyz" | "/ui") || (path == "/metrics" && open_metrics) {
         return Ok(edge.settings.client_keys.anonymous());
     }

@@ -1,6 +1,6 @@
 //! JSON projections for `GET /status` (P1–P3), with each provider's
-//! passive-health state. Addresses, tokens and transport internals are
-//! never included (X5).
+//! passive-health state, and the state of the Edge's own log files. Node
+//! addresses, tokens and transport internals are never included (X5).
 
 use std::time::Instant;
 
@@ -8,6 +8,8 @@ use iop_wire::pb;
 use serde_json::{json, Value};
 
 use crate::control::outlier::OutlierState;
+use crate::plane::access::{destination_name, AccessStatus};
+use crate::plane::usage::UsageStatus;
 
 /// A provider's passive-health state as `/status` shows it (`outlier`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -162,6 +164,34 @@ pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView, now: Instant) 
     })
 }
 
+/// The `logs` member of `/status` (for keys that see everything) and of
+/// the status page's events: where the access log and the usage file
+/// write, whether they fail and why (`usage_log` is null without a usage
+/// file). `failing` is what `iop_edge_access_log_failing` and
+/// `iop_edge_usage_log_failing` say.
+pub fn logs_json(access: &AccessStatus, usage: Option<&UsageStatus>) -> Value {
+    json!({
+        "access_log": {
+            "destination": destination_name(&access.destination),
+            "failing": access.is_failing(),
+            "open_error": access.open_error,
+            "write_error": access.write_error,
+            "open_errors_total": access.open_errors,
+            "write_errors_total": access.write_errors,
+            "dropped_lines_total": access.dropped_lines,
+        },
+        "usage_log": usage.map(|u| json!({
+            "path": u.path.display().to_string(),
+            "failing": u.is_failing(),
+            "open_error": u.open_error,
+            "write_error": u.write_error,
+            "open_errors_total": u.open_errors,
+            "write_errors_total": u.write_errors,
+            "dropped_records_total": u.dropped_records,
+        })),
+    })
+}
+
 /// An operation's name in `/status`.
 fn operation_name(op: crate::control::Operation) -> &'static str {
     use crate::control::Operation;
@@ -176,6 +206,63 @@ fn operation_name(op: crate::control::Operation) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renders_the_logs() {
+        let access = AccessStatus {
+            destination: crate::config::Destination::File("/var/log/iop/access.log".into()),
+            open_error: None,
+            write_error: Some("No space left on device (os error 28)".into()),
+            write_errors: 3,
+            open_errors: 0,
+            dropped_lines: 7,
+        };
+        let usage = UsageStatus {
+            path: "/var/log/iop/usage.jsonl".into(),
+            open_error: Some(
+                "cannot open /var/log/iop/usage.jsonl for appending: Is a directory (os error 21)"
+                    .into(),
+            ),
+            write_error: None,
+            write_errors: 0,
+            open_errors: 1,
+            dropped_records: 0,
+        };
+        assert_eq!(
+            logs_json(&access, Some(&usage)),
+            json!({
+                "access_log": {
+                    "destination": "/var/log/iop/access.log", "failing": true,
+                    "open_error": null,
+                    "write_error": "No space left on device (os error 28)",
+                    "open_errors_total": 0, "write_errors_total": 3, "dropped_lines_total": 7,
+                },
+                "usage_log": {
+                    "path": "/var/log/iop/usage.jsonl", "failing": true,
+                    "open_error": "cannot open /var/log/iop/usage.jsonl for appending: \
+                                   Is a directory (os error 21)",
+                    "write_error": null,
+                    "open_errors_total": 1, "write_errors_total": 0, "dropped_records_total": 0,
+                },
+            })
+        );
+        let healthy = AccessStatus {
+            destination: crate::config::Destination::Stderr,
+            write_error: None,
+            ..access
+        };
+        assert_eq!(
+            logs_json(&healthy, None),
+            json!({
+                "access_log": {
+                    "destination": "stderr", "failing": false, "open_error": null,
+                    "write_error": null, "open_errors_total": 0, "write_errors_total": 3,
+                    "dropped_lines_total": 7,
+                },
+                "usage_log": null,
+            })
+        );
+    }
 
     // CONTRACT: P3 — an offline provider projects unavailable/offline with
     // zeroed figures; names are readable strings.

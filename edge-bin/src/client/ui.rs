@@ -4,8 +4,8 @@
 //! binary) opens `/ui/events` with `fetch` and reads it as server-sent
 //! events: one `data: <json>\n\n` per [`EVENT_INTERVAL`], built by the
 //! sans-IO [`event_json`] from a [`Snapshot`] of `Control` (nodes,
-//! providers, models) and the merged metrics, with rates from the previous
-//! event's [`Sample`].
+//! providers, models), the merged metrics and the state of the access log
+//! and usage file, with rates from the previous event's [`Sample`].
 //!
 //! ```text
 //!  viewer ─GET /ui/events─► slot (this core's share of VIEWERS_MAX, else 503)
@@ -48,8 +48,10 @@ use crate::client::admin::Requester;
 use crate::client::status::{self, OutlierView};
 use crate::control::{ModelView, NodePhase, NodeView};
 use crate::link::edge::Edge;
+use crate::plane::access::AccessStatus;
 use crate::plane::client_keys::Authority;
 use crate::plane::request_metrics::Sample;
+use crate::plane::usage::UsageStatus;
 
 /// The page, served as is.
 pub const PAGE_HTML: &str = include_str!("ui/page.html");
@@ -188,6 +190,10 @@ pub struct Snapshot {
     /// In a cluster: the owning Edge of every owned node, as this Edge's
     /// watch sees it; `None` for a single Edge.
     pub owners: Option<BTreeMap<String, String>>,
+    /// The access log: where it writes, whether it fails.
+    pub access_log: AccessStatus,
+    /// The usage file, if any: where it writes, whether it fails.
+    pub usage_log: Option<UsageStatus>,
 }
 
 fn age_ms(now: Instant, at: Option<Instant>) -> Option<u64> {
@@ -253,6 +259,7 @@ pub fn event_json(snapshot: &Snapshot, previous: Option<&Sample>) -> Value {
             "queue_wait": snapshot.queue_wait.json(),
             "end_to_end": snapshot.end_to_end.json(),
         },
+        "logs": status::logs_json(&snapshot.access_log, snapshot.usage_log.as_ref()),
     })
 }
 
@@ -364,6 +371,8 @@ async fn snapshot(edge: &Edge) -> Option<Snapshot> {
                 .map(|(node, owner)| (node, owner.edge))
                 .collect()
         }),
+        access_log: edge.settings.access_log.status(),
+        usage_log: edge.settings.usage_log.status(),
     })
 }
 
@@ -546,6 +555,22 @@ mod tests {
             queue_wait: Percentiles::default(),
             end_to_end: Percentiles::default(),
             owners: None,
+            access_log: AccessStatus {
+                destination: crate::config::Destination::Stderr,
+                open_error: None,
+                write_error: None,
+                write_errors: 0,
+                open_errors: 0,
+                dropped_lines: 0,
+            },
+            usage_log: Some(UsageStatus {
+                path: "/var/log/iop/usage.jsonl".into(),
+                open_error: Some("cannot open /var/log/iop/usage.jsonl for appending".into()),
+                write_error: None,
+                write_errors: 0,
+                open_errors: 2,
+                dropped_records: 0,
+            }),
         };
         let previous = sample(t0 + Duration::from_secs(99), 16, 3, 1);
         // CONTRACT: X5 — the exact document: no node entry carries a
@@ -586,6 +611,16 @@ mod tests {
                     "chunk_latency": zero,
                     "queue_wait": zero,
                     "end_to_end": zero,
+                },
+                "logs": {
+                    "access_log": {"destination": "stderr", "failing": false,
+                                   "open_error": null, "write_error": null,
+                                   "open_errors_total": 0, "write_errors_total": 0,
+                                   "dropped_lines_total": 0},
+                    "usage_log": {"path": "/var/log/iop/usage.jsonl", "failing": true,
+                                  "open_error": "cannot open /var/log/iop/usage.jsonl for appending",
+                                  "write_error": null, "open_errors_total": 2,
+                                  "write_errors_total": 0, "dropped_records_total": 0},
                 },
             })
         );

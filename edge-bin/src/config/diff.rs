@@ -116,8 +116,9 @@ fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
 ///   `max_node_handshakes` (per-core accept gates built when the accept
 ///   loop starts); the `_per_peer` caps (one per-peer table built at
 ///   bind); `node_handshake_timeout_ms`, `node_first_byte_timeout_ms`
-///   (read once by the node accept loop); `access_log`, `usage_log` (one
-///   writer started at startup; SIGHUP reopens the same usage path);
+///   (read once by the node accept loop); the access log and the usage
+///   file turned on or off, or the access log between stderr and a file
+///   (`edge.access_log`, `edge.usage_log`: one writer started at startup);
 ///   `[cluster]` (the etcd lease and membership).
 /// - Live: the client limits and timeouts (read from the settings for each
 ///   new connection or request), `flow_window_bytes` (per run),
@@ -126,7 +127,8 @@ fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
 ///   `response_wait_timeout_ms` and `[outlier_detection]` (Control's
 ///   tunables, read per dispatch and per failure); the certificate paths of
 ///   `[tls]` and `[edge.client_tls]` (SIGHUP re-reads them from the new
-///   file).
+///   file); the access log file and the usage file paths (SIGHUP opens the
+///   new path, keeping the running file when it cannot).
 pub const SETTINGS: &[Setting] = &[
     setting("edge.name", Restart, |c| text(&c.edge.name)),
     setting("edge.trust_domain", Restart, |c| text(&c.edge.trust_domain)),
@@ -218,12 +220,18 @@ pub const SETTINGS: &[Setting] = &[
     setting("edge.max_json_members", Live, |c| {
         text(c.edge.limits.max_json_members)
     }),
-    setting("edge.access_log.destination", Restart, |c| {
+    setting("edge.access_log", Restart, |c| {
         text(match &c.access_log.destination {
-            Destination::Off => "off".to_owned(),
-            Destination::Stderr => "stderr".to_owned(),
-            Destination::File(file) => path(file),
+            Destination::Off => "off",
+            Destination::Stderr => "stderr",
+            Destination::File(_) => "a file",
         })
+    }),
+    setting("edge.access_log.destination", Live, |c| {
+        match &c.access_log.destination {
+            Destination::File(file) => text(path(file)),
+            Destination::Off | Destination::Stderr => None,
+        }
     }),
     setting("edge.access_log.format", Restart, |c| {
         let format = match c.access_log.format {
@@ -236,8 +244,9 @@ pub const SETTINGS: &[Setting] = &[
             "from --log-format"
         })
     }),
-    setting("edge.usage_log.path", Restart, |c| {
-        Some(or_none(c.usage_log.as_deref().map(path)))
+    setting("edge.usage_log", Restart, |c| on_off(c.usage_log.is_some())),
+    setting("edge.usage_log.path", Live, |c| {
+        c.usage_log.as_deref().map(path)
     }),
     setting("edge.client_tls", Restart, |c| {
         on_off(c.client_tls.is_some())

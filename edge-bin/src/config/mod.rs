@@ -4,6 +4,9 @@
 //! edge.toml ──read──► text ──toml + serde (unknown keys rejected, key path kept)──► Raw*
 //!     Raw* ──validate (names, ranges, references, URLs)──► EdgeConfig
 //!     EdgeConfig::validate_files ──► the TLS files exist and are readable
+//!     EdgeConfig::check_operational_paths ──► the access log file and the usage
+//!         file can be opened for appending (fatal at startup; on reload a bad
+//!         one keeps the running writer)
 //!     NodeSpec::config_payload ──► pb::NodeConfigPayload for RegisterResponse (R2, U4)
 //! running, next ──ConfigDiff::between──► what a reload changes ([`diff`])
 //! ```
@@ -13,7 +16,8 @@
 //! URLs, resolved references, numbers in range). [`EdgeConfig::parse`] is pure
 //! (no file system access), so tests and tools can check a file without its
 //! certificates; [`EdgeConfig::load`] reads the file, parses it and checks the
-//! TLS files.
+//! TLS files and the files the Edge writes; [`EdgeConfig::load_structure`]
+//! does all but the last, for a reload.
 //!
 //! Every error is a [`ConfigError`] that displays as `<file>: <key>: <reason>`,
 //! with `key` the dotted path of the offending key (`nodes[0].providers[1].capacity`)
@@ -874,16 +878,57 @@ impl EdgeConfig {
         Ok(())
     }
 
+    /// Reads `path` and checks all of it: [`EdgeConfig::load_structure`],
+    /// then [`EdgeConfig::check_operational_paths`], the first bad path
+    /// being the error. What the Edge starts with (there is no running
+    /// writer to keep at startup) and what `check-config` checks.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let config = Self::load_structure(path)?;
+        match config.check_operational_paths().into_iter().next() {
+            Some(broken) => Err(broken.error),
+            None => Ok(config),
+        }
+    }
+
     /// Reads `path`, parses and validates it ([`EdgeConfig::parse`]), then
     /// checks the TLS files ([`EdgeConfig::validate_files`]) and reads the
-    /// adapters' provider CA files ([`EdgeConfig::load_provider_cas`]).
-    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+    /// adapters' provider CA files ([`EdgeConfig::load_provider_cas`]):
+    /// everything but the files the Edge writes while it runs. A reload
+    /// refuses the whole file when this fails; the operational paths are
+    /// the access log's and usage file's own business (a path they cannot
+    /// open keeps the running one, `crate::plane::usage::LogReload`).
+    pub fn load_structure(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let text = read_config_file(path)?;
         let mut config = Self::parse(&text, path)?;
         config.validate_files()?;
         config.load_provider_cas()?;
         Ok(config)
+    }
+
+    /// The files the Edge appends to while it runs (the access log's file
+    /// destination, the usage file) that cannot be opened for appending
+    /// (each is created if missing), in that order, each with its key and
+    /// reason.
+    pub fn check_operational_paths(&self) -> Vec<BrokenPath> {
+        let mut broken = Vec::new();
+        if let Destination::File(path) = &self.access_log.destination {
+            if let Err(why) = check_writable(path) {
+                broken.push(BrokenPath {
+                    part: OperationalPath::AccessLog,
+                    error: ConfigError::new(&self.source, OperationalPath::AccessLog.key(), why),
+                });
+            }
+        }
+        if let Some(path) = &self.usage_log {
+            if let Err(why) = check_writable(path) {
+                broken.push(BrokenPath {
+                    part: OperationalPath::UsageLog,
+                    error: ConfigError::new(&self.source, OperationalPath::UsageLog.key(), why),
+                });
+            }
+        }
+        broken
     }
 
     /// Reads every adapter's `ca_file` into its [`ProviderTlsSpec::ca_pem`]
@@ -920,7 +965,8 @@ impl EdgeConfig {
 
     /// Checks that every TLS file exists, is a regular file and can be opened
     /// for reading (nothing to check in insecure mode). The error names the
-    /// key (`tls.cert`) and the resolved path.
+    /// key (`tls.cert`) and the resolved path. The files the Edge writes are
+    /// [`EdgeConfig::check_operational_paths`]'.
     pub fn validate_files(&self) -> Result<(), ConfigError> {
         if let Some(tls) = &self.tls {
             tls.validate_files(&self.source)?;
@@ -937,15 +983,6 @@ impl EdgeConfig {
                         .map_err(|why| ConfigError::new(&self.source, key, why))?;
                 }
             }
-        }
-        if let Destination::File(path) = &self.access_log.destination {
-            check_writable(path).map_err(|why| {
-                ConfigError::new(&self.source, "edge.access_log.destination", why)
-            })?;
-        }
-        if let Some(path) = &self.usage_log {
-            check_writable(path)
-                .map_err(|why| ConfigError::new(&self.source, "edge.usage_log.path", why))?;
         }
         Ok(())
     }
@@ -1063,15 +1100,59 @@ impl LimitSpec {
     }
 }
 
-/// Whether the access log file `path` can be opened for appending (it is
-/// created if missing): the reason, naming the path, when not.
+/// Whether `path` (the access log file, the usage file) can be opened for
+/// appending (it is created if missing, mode 0640): the reason, naming the
+/// path, when not ([`cannot_append`]).
 pub fn check_writable(path: &Path) -> Result<(), String> {
+    open_appending(path)
+        .map(drop)
+        .map_err(|e| cannot_append(path, &e))
+}
+
+/// Opens `path` for appending, creating it (mode 0640) if missing: how the
+/// access log and the usage file open their files, at startup and reload.
+pub fn open_appending(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .mode(0o640)
         .open(path)
-        .map(drop)
-        .map_err(|e| format!("cannot open {} for appending: {e}", path.display()))
+}
+
+/// The reason `path` could not be opened for appending, as every message
+/// about an operational path says it.
+pub fn cannot_append(path: &Path, e: &std::io::Error) -> String {
+    format!("cannot open {} for appending: {e}", path.display())
+}
+
+/// A file the Edge writes while it runs, named by its key: at startup one
+/// that cannot be opened stops the Edge; on reload it keeps the running
+/// writer and the rest of the file applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperationalPath {
+    /// `[edge.access_log] destination` (a file).
+    AccessLog,
+    /// `[edge.usage_log] path`.
+    UsageLog,
+}
+
+impl OperationalPath {
+    /// The key errors name.
+    pub fn key(self) -> &'static str {
+        match self {
+            OperationalPath::AccessLog => "edge.access_log.destination",
+            OperationalPath::UsageLog => "edge.usage_log.path",
+        }
+    }
+}
+
+/// An operational path that cannot be opened
+/// ([`EdgeConfig::check_operational_paths`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokenPath {
+    /// Which file.
+    pub part: OperationalPath,
+    /// `<file>: <key>: cannot open <path> for appending: <reason>`.
+    pub error: ConfigError,
 }

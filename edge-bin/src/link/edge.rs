@@ -1018,10 +1018,6 @@ mod tests {
             client_keys: ClientKeys::default(),
             credentials: None,
             limits: ListenerLimits::default(),
-            metrics_access: crate::config::MetricsAccess::Open,
-            node_metrics_max_age: Duration::from_millis(
-                crate::config::DEFAULT_NODE_METRICS_MAX_AGE_MS,
-            ),
             peer_limits: crate::plane::limits::PeerLimits::new(&ListenerLimits::default()),
             access_log: AccessLog::off(),
             usage_log: crate::plane::usage::UsageLog::off(),

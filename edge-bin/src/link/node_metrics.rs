@@ -70,7 +70,7 @@ async fn pull_nodes(edge: &Rc<Edge>, nodes: Vec<(String, ConnId)>) -> Vec<(Strin
 /// new pull of `nodes` (ready nodes and their connections).
 pub async fn node_series(edge: &Rc<Edge>, nodes: Vec<(String, ConnId)>) -> NodeSeries {
     edge.node_metrics
-        .series(edge.settings.node_metrics_max_age, || {
+        .series(edge.settings.running.get().node_metrics_max_age, || {
             pull_nodes(edge, nodes)
         })
         .await

@@ -2,7 +2,6 @@
 //! from the validated `edge.toml`.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use iop_engine::tls::HttpsAcceptor;
 
@@ -31,13 +30,11 @@ pub struct Settings {
     /// The loaded credential plane, shared by every shard; `None` =
     /// disabled (tunnels carry no lease).
     pub credentials: Option<Arc<CredentialPlane>>,
-    /// The front door's deadlines, caps and bounds (`[edge]`).
+    /// The front door's deadlines, caps and bounds (`[edge]`) as the
+    /// process started: the accept loops' caps and the node handshake
+    /// deadlines are read from here once; the client ones follow reloads
+    /// ([`RunningConfig`]'s `limits`).
     pub limits: ListenerLimits,
-    /// Who may read `/metrics` (`edge.metrics_access`).
-    pub metrics_access: crate::config::MetricsAccess,
-    /// How long one pull of the nodes' `/metrics` series serves later
-    /// scrapes (`edge.node_metrics_max_age_ms`).
-    pub node_metrics_max_age: Duration,
     /// What one peer address holds of each listener, shared by every
     /// shard.
     pub peer_limits: crate::plane::limits::PeerLimits,
@@ -67,7 +64,7 @@ pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
         return UsageLog::off();
     };
     UsageLog::start(path).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
+        // `EdgeConfig::check_operational_paths` checked the file at startup.
         tracing::error!(path = %path.display(), error = %e, "usage log cannot be started");
         UsageLog::off()
     })
@@ -77,7 +74,7 @@ pub fn usage_log(cfg: &EdgeConfig) -> UsageLog {
 /// [`AccessLog::close`]), or off.
 pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
     AccessLog::start(&cfg.access_log).unwrap_or_else(|e| {
-        // `EdgeConfig::validate_files` checked the file at startup.
+        // `EdgeConfig::check_operational_paths` checked the file at startup.
         tracing::error!(error = %e, "access log cannot be started; no access log");
         AccessLog::off()
     })
@@ -93,8 +90,6 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> 
         client_keys: ClientKeys::from_config(&cfg.client_keys),
         credentials,
         limits: cfg.edge.limits,
-        metrics_access: cfg.edge.metrics_access,
-        node_metrics_max_age: std::time::Duration::from_millis(cfg.edge.node_metrics_max_age_ms),
         peer_limits: crate::plane::limits::PeerLimits::new(&cfg.edge.limits),
         access_log: AccessLog::off(),
         usage_log: UsageLog::off(),

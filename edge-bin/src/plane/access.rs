@@ -20,9 +20,15 @@
 //! line finds no waiting writer to wake: lines reach the destination in
 //! batches at most that long after they are queued, and a request costs no
 //! thread wake-up and no system call of the shard's. [`AccessLog::close`]
-//! writes what is queued at shutdown. Lines never hold a body, a header value
-//! other than the request id, or a key: the principal is the configured
-//! name of the client key, never the key.
+//! writes what is queued at shutdown. A reload opens the file destination
+//! again, by the path the file names now ([`AccessLog::apply_reload`]:
+//! rotation by rename, or a new destination); one that cannot be opened
+//! keeps the running destination, and that, like failing writes, shows in
+//! `iop_edge_access_log_failing` and `/status` ([`AccessStatus`]).
+//!
+//! Lines never hold a body, a header value other than the request id, or a
+//! key: the principal is the configured name of the client key, never the
+//! key.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -33,10 +39,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use iop_engine::clock;
+use iop_engine::config::ConfigError;
 use iop_engine::http::ExchangeStats;
 use iop_engine::rng::SplitMix64;
 
-use crate::config::{AccessLogSpec, Destination, Format};
+use crate::config::{
+    cannot_append, open_appending, AccessLogSpec, Destination, Format, OperationalPath,
+};
+use crate::plane::usage::LogReload;
 
 /// The request id header, read from the client and set on every response.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -417,14 +427,30 @@ pub fn dropped_lines() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
-/// The access log's series for `/metrics`.
-pub fn render_prometheus() -> String {
-    format!(
-        "# HELP iop_edge_access_log_dropped_lines_total Access log lines dropped because the writer's queue was full.\n\
-         # TYPE iop_edge_access_log_dropped_lines_total counter\n\
-         iop_edge_access_log_dropped_lines_total {}\n",
-        dropped_lines()
-    )
+/// The access log as `/status` and the status page show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessStatus {
+    /// Where lines go (from the writer's next batch on).
+    pub destination: Destination,
+    /// Why the file the last reload named could not be opened (lines
+    /// still go to `destination`); cleared by a reload that opens it.
+    pub open_error: Option<String>,
+    /// Why the last batch could not be written, while writes fail.
+    pub write_error: Option<String>,
+    /// Batches that could not be written so far.
+    pub write_errors: u64,
+    /// Reloads whose file could not be opened so far.
+    pub open_errors: u64,
+    /// Lines dropped because the writer's queue was full (process-wide).
+    pub dropped_lines: u64,
+}
+
+impl AccessStatus {
+    /// Lines do not reach the configured destination: the last batch
+    /// failed, or the last reload could not open the file.
+    pub fn is_failing(&self) -> bool {
+        self.open_error.is_some() || self.write_error.is_some()
+    }
 }
 
 /// The access log: lines go to one writer thread, shared by every shard
@@ -434,6 +460,7 @@ pub struct AccessLog {
     tx: Option<mpsc::SyncSender<Queued>>,
     writer: Option<Arc<Mutex<Option<JoinHandle<()>>>>>,
     format: Format,
+    shared: Option<Arc<Shared>>,
 }
 
 /// What the writer's queue holds.
@@ -444,6 +471,42 @@ enum Queued {
     Close,
 }
 
+type BoxedSink = Box<dyn std::io::Write + Send>;
+
+/// What the writer and the reloads share.
+struct Shared {
+    /// The format edge.toml set (`None`: it follows `--log-format`).
+    requested_format: Option<Format>,
+    /// A destination a reload opened, taken by the writer before its next
+    /// batch.
+    next_sink: Mutex<Option<BoxedSink>>,
+    state: Mutex<State>,
+    write_errors: AtomicU64,
+    open_errors: AtomicU64,
+}
+
+#[derive(Debug)]
+struct State {
+    destination: Destination,
+    open_error: Option<String>,
+    write_error: Option<String>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("requested_format", &self.requested_format)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 impl AccessLog {
     /// No access log.
     pub fn off() -> Self {
@@ -451,39 +514,48 @@ impl AccessLog {
             tx: None,
             writer: None,
             format: Format::Text,
+            shared: None,
         }
     }
 
     /// Starts a writer thread for `spec` (none when it is off). A file is
     /// opened here, so an unwritable path is an error at startup.
     pub fn start(spec: &AccessLogSpec) -> std::io::Result<Self> {
-        let sink: Box<dyn std::io::Write + Send> = match &spec.destination {
+        let sink: BoxedSink = match &spec.destination {
             Destination::Off => return Ok(Self::off()),
             Destination::Stderr => Box::new(std::io::stderr()),
-            Destination::File(path) => Box::new(open_append(path)?),
+            Destination::File(path) => Box::new(open_appending(path)?),
         };
-        Self::with_sink(
-            sink,
-            spec.format,
-            ACCESS_LOG_BACKLOG,
-            ACCESS_LOG_FLUSH_INTERVAL,
-        )
+        Self::with_sink(sink, spec, ACCESS_LOG_BACKLOG, ACCESS_LOG_FLUSH_INTERVAL)
     }
 
     fn with_sink(
-        sink: Box<dyn std::io::Write + Send>,
-        format: Format,
+        sink: BoxedSink,
+        spec: &AccessLogSpec,
         backlog: usize,
         interval: Duration,
     ) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            requested_format: spec.format_explicit.then_some(spec.format),
+            next_sink: Mutex::new(None),
+            state: Mutex::new(State {
+                destination: spec.destination.clone(),
+                open_error: None,
+                write_error: None,
+            }),
+            write_errors: AtomicU64::new(0),
+            open_errors: AtomicU64::new(0),
+        });
         let (tx, rx) = mpsc::sync_channel::<Queued>(backlog);
+        let for_thread = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name("iop-access-log".into())
-            .spawn(move || write_lines(rx, sink, interval))?;
+            .spawn(move || write_lines(rx, sink, interval, &for_thread))?;
         Ok(Self {
             tx: Some(tx),
             writer: Some(Arc::new(Mutex::new(Some(handle)))),
-            format,
+            format: spec.format,
+            shared: Some(shared),
         })
     }
 
@@ -504,6 +576,124 @@ impl AccessLog {
                 DROPPED.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Follows a reload's `[edge.access_log]` (`next`, from the file
+    /// `source`). A file destination — the same path (rotation: rename
+    /// it, then reload) or another — is opened here and lines go to it
+    /// from the writer's next batch on, as they do when the destination
+    /// becomes stderr or a file instead of stderr. A file that cannot be
+    /// opened keeps the running destination (lines go on to it) and is
+    /// reported in [`LogReload::kept`], counted
+    /// (`iop_edge_access_log_open_errors_total`) and shown as the log's
+    /// `open_error` until a reload opens its file. Turning the access log
+    /// on or off, and another `format`, need a restart.
+    pub fn apply_reload(&self, source: &Path, next: &AccessLogSpec) -> LogReload {
+        let Some(shared) = &self.shared else {
+            let turned_on = next.destination != Destination::Off;
+            return LogReload {
+                kept: None,
+                restart_required: turned_on.then_some("[edge.access_log] turned on"),
+            };
+        };
+        if next.destination == Destination::Off {
+            return LogReload {
+                kept: None,
+                restart_required: Some("[edge.access_log] turned off"),
+            };
+        }
+        let requested = next.format_explicit.then_some(next.format);
+        let restart_required =
+            (requested != shared.requested_format).then_some("[edge.access_log] format");
+        let sink: BoxedSink = match &next.destination {
+            Destination::Stderr if shared.state().destination == Destination::Stderr => {
+                return LogReload {
+                    kept: None,
+                    restart_required,
+                };
+            }
+            Destination::Off | Destination::Stderr => Box::new(std::io::stderr()),
+            Destination::File(path) => match open_appending(path) {
+                Ok(file) => Box::new(file),
+                Err(e) => {
+                    let why = cannot_append(path, &e);
+                    shared.open_errors.fetch_add(1, Ordering::Relaxed);
+                    let mut state = shared.state();
+                    tracing::error!(
+                        path = %path.display(),
+                        error = %e,
+                        "access log file cannot be opened; writing where it did"
+                    );
+                    state.open_error = Some(why.clone());
+                    let error = ConfigError::new(source, OperationalPath::AccessLog.key(), why);
+                    return LogReload {
+                        kept: Some(format!(
+                            "{error}; keeping the running access log ({})",
+                            destination_name(&state.destination)
+                        )),
+                        restart_required,
+                    };
+                }
+            },
+        };
+        *shared
+            .next_sink
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(sink);
+        let mut state = shared.state();
+        state.destination = next.destination.clone();
+        state.open_error = None;
+        LogReload {
+            kept: None,
+            restart_required,
+        }
+    }
+
+    /// Where lines go and what went wrong (destination `off` when off).
+    pub fn status(&self) -> AccessStatus {
+        let dropped_lines = dropped_lines();
+        let Some(shared) = &self.shared else {
+            return AccessStatus {
+                destination: Destination::Off,
+                open_error: None,
+                write_error: None,
+                write_errors: 0,
+                open_errors: 0,
+                dropped_lines,
+            };
+        };
+        let state = shared.state();
+        AccessStatus {
+            destination: state.destination.clone(),
+            open_error: state.open_error.clone(),
+            write_error: state.write_error.clone(),
+            write_errors: shared.write_errors.load(Ordering::Relaxed),
+            open_errors: shared.open_errors.load(Ordering::Relaxed),
+            dropped_lines,
+        }
+    }
+
+    /// The access log's series for `/metrics`.
+    pub fn render_prometheus(&self) -> String {
+        let status = self.status();
+        format!(
+            "# HELP iop_edge_access_log_dropped_lines_total Access log lines dropped because the writer's queue was full.\n\
+             # TYPE iop_edge_access_log_dropped_lines_total counter\n\
+             iop_edge_access_log_dropped_lines_total {}\n\
+             # HELP iop_edge_access_log_write_errors_total Access log batches that could not be written.\n\
+             # TYPE iop_edge_access_log_write_errors_total counter\n\
+             iop_edge_access_log_write_errors_total {}\n\
+             # HELP iop_edge_access_log_open_errors_total Reloads whose access log file could not be opened (lines went on to the running destination).\n\
+             # TYPE iop_edge_access_log_open_errors_total counter\n\
+             iop_edge_access_log_open_errors_total {}\n\
+             # HELP iop_edge_access_log_failing 1 while lines do not reach the configured destination: its last batch failed, or the last reload could not open its file.\n\
+             # TYPE iop_edge_access_log_failing gauge\n\
+             iop_edge_access_log_failing {}\n",
+            status.dropped_lines,
+            status.write_errors,
+            status.open_errors,
+            u8::from(status.is_failing()),
+        )
     }
 
     /// Writes every line queued so far and stops the writer (at shutdown,
@@ -540,40 +730,66 @@ impl AccessLog {
     }
 }
 
-pub(crate) fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o640)
-        .open(path)
+/// A destination as messages and `/status` name it.
+pub fn destination_name(destination: &Destination) -> String {
+    match destination {
+        Destination::Off => "off".to_owned(),
+        Destination::Stderr => "stderr".to_owned(),
+        Destination::File(path) => path.display().to_string(),
+    }
 }
 
 /// The writer thread: waits for a line when idle; then writes what has
 /// queued (whole lines, flushed as one batch: appends of whole lines do not
 /// interleave with another writer's), parks `interval` while more queues,
-/// and goes on while there is more. Ends at [`Queued::Close`] or when every
-/// sender is gone, having written what was queued.
-fn write_lines(
-    rx: mpsc::Receiver<Queued>,
-    sink: Box<dyn std::io::Write + Send>,
-    interval: Duration,
-) {
-    let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
+/// and goes on while there is more. Before each batch it takes the
+/// destination a reload opened, if any (what the old one was given is
+/// flushed to it first). Ends at [`Queued::Close`] or when every sender
+/// is gone, having written what was queued.
+fn write_lines(rx: mpsc::Receiver<Queued>, sink: BoxedSink, interval: Duration, shared: &Shared) {
+    const BUFFER_BYTES: usize = 64 * 1024;
+    let mut out = std::io::BufWriter::with_capacity(BUFFER_BYTES, sink);
+    let mut failing = false;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(head) = next.take() {
-            let (mut ok, mut closing) = (true, false);
+            let reopened = shared
+                .next_sink
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(sink) = reopened {
+                // Dropping the old writer flushes what it still holds.
+                out = std::io::BufWriter::with_capacity(BUFFER_BYTES, sink);
+            }
+            let mut failed: Option<std::io::Error> = None;
+            let mut closing = false;
             for queued in std::iter::once(head).chain(rx.try_iter()) {
                 match queued {
-                    Queued::Line(line) => ok &= out.write_all(line.as_bytes()).is_ok(),
+                    Queued::Line(line) => {
+                        if let Err(e) = out.write_all(line.as_bytes()) {
+                            failed.get_or_insert(e);
+                        }
+                    }
                     Queued::Close => closing = true,
                 }
             }
-            ok &= out.flush().is_ok();
-            if !ok {
-                // Nowhere to say it but the process log; once per batch.
-                tracing::warn!("access log write failed");
+            if let Err(e) = out.flush() {
+                failed.get_or_insert(e);
+            }
+            match failed {
+                Some(e) => {
+                    // Nowhere to say it but the process log; once per batch.
+                    tracing::warn!(error = %e, "access log write failed");
+                    shared.state().write_error = Some(e.to_string());
+                    shared.write_errors.fetch_add(1, Ordering::Relaxed);
+                    failing = true;
+                }
+                None if failing => {
+                    shared.state().write_error = None;
+                    failing = false;
+                }
+                None => {}
             }
             if closing {
                 return;
@@ -792,6 +1008,209 @@ mod tests {
         assert!(model.len() <= MAX_LOGGED_MODEL_BYTES && model.chars().all(|c| c == 'é'));
     }
 
+    /// The spec of a log whose sink a test gives.
+    fn memory() -> AccessLogSpec {
+        AccessLogSpec {
+            destination: Destination::File("(memory)".into()),
+            format: Format::Text,
+            format_explicit: true,
+        }
+    }
+
+    fn file_spec(path: &Path) -> AccessLogSpec {
+        AccessLogSpec {
+            destination: Destination::File(path.to_owned()),
+            format: Format::Json,
+            format_explicit: true,
+        }
+    }
+
+    /// Polls `done` every 10 ms, at most a minute (an outcome, not a
+    /// timing bound: the writer works when lines arrive).
+    fn wait_for(what: &str, done: impl Fn() -> bool) {
+        for _ in 0..6_000 {
+            if done() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("{what} did not happen within a minute");
+    }
+
+    fn temp(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("iop-access-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    // A reload whose access log file cannot be opened keeps the running
+    // file (lines go on to it), says why and shows it until a reload opens
+    // a file, which takes the lines from then on.
+    #[test]
+    fn a_file_that_cannot_be_opened_keeps_the_running_destination() {
+        let dir = temp("kept");
+        let (first, second) = (dir.join("a.log"), dir.join("b.log"));
+        let broken = dir.join("sub");
+        std::fs::create_dir(&broken).unwrap();
+        let source = dir.join("edge.toml");
+        let log = AccessLog::start(&file_spec(&first)).unwrap();
+        log.write("1\n".into());
+        wait_for("the first line", || {
+            std::fs::read_to_string(&first).unwrap() == "1\n"
+        });
+        let why = format!(
+            "cannot open {} for appending: Is a directory (os error 21)",
+            broken.display()
+        );
+        assert_eq!(
+            log.apply_reload(&source, &file_spec(&broken)),
+            LogReload {
+                kept: Some(format!(
+                    "{}: edge.access_log.destination: {why}; keeping the running access log ({})",
+                    source.display(),
+                    first.display()
+                )),
+                restart_required: None,
+            }
+        );
+        let status = log.status();
+        assert_eq!(
+            (
+                &status.destination,
+                status.open_error.as_deref(),
+                status.write_error.as_deref(),
+                status.open_errors,
+                status.write_errors,
+            ),
+            (
+                &Destination::File(first.clone()),
+                Some(why.as_str()),
+                None,
+                1,
+                0
+            )
+        );
+        let text = log.render_prometheus();
+        assert!(text.contains("\niop_edge_access_log_failing 1\n"), "{text}");
+        assert!(
+            text.contains("\niop_edge_access_log_open_errors_total 1\n"),
+            "{text}"
+        );
+        log.write("2\n".into());
+        wait_for("the second line", || {
+            std::fs::read_to_string(&first).unwrap() == "1\n2\n"
+        });
+        // Another file that opens: the next lines go there.
+        assert_eq!(
+            log.apply_reload(&source, &file_spec(&second)),
+            LogReload::default()
+        );
+        assert!(!log.status().is_failing());
+        log.write("3\n".into());
+        log.close();
+        assert_eq!(std::fs::read_to_string(&first).unwrap(), "1\n2\n");
+        assert_eq!(std::fs::read_to_string(&second).unwrap(), "3\n");
+        assert!(log
+            .render_prometheus()
+            .contains("\niop_edge_access_log_failing 0\n"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // What the writer cannot take while running is reported as needing a
+    // restart, not applied: turning it on or off, another format.
+    #[test]
+    fn on_off_and_format_changes_need_a_restart() {
+        let source = Path::new("edge.toml");
+        let restart = |what| LogReload {
+            kept: None,
+            restart_required: Some(what),
+        };
+        let off = AccessLog::off();
+        assert_eq!(
+            off.apply_reload(source, &AccessLogSpec::default()),
+            restart("[edge.access_log] turned on")
+        );
+        let spec_off = AccessLogSpec {
+            destination: Destination::Off,
+            ..AccessLogSpec::default()
+        };
+        assert_eq!(off.apply_reload(source, &spec_off), LogReload::default());
+        let log = AccessLog::with_sink(
+            Box::new(Recorded::default()),
+            &AccessLogSpec::default(),
+            4,
+            Duration::ZERO,
+        )
+        .unwrap();
+        assert_eq!(
+            log.apply_reload(source, &spec_off),
+            restart("[edge.access_log] turned off")
+        );
+        // Stderr with the format left to --log-format: nothing changed.
+        assert_eq!(
+            log.apply_reload(source, &AccessLogSpec::default()),
+            LogReload::default()
+        );
+        let json = AccessLogSpec {
+            format: Format::Json,
+            format_explicit: true,
+            ..AccessLogSpec::default()
+        };
+        assert_eq!(
+            log.apply_reload(source, &json),
+            restart("[edge.access_log] format")
+        );
+        assert_eq!(log.status().destination, Destination::Stderr);
+        log.close();
+    }
+
+    /// A sink every write of which fails.
+    struct Full;
+
+    impl std::io::Write for Full {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::other("no space left on device"))
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    // A batch that cannot be written is counted and shown while writes
+    // fail; a working destination clears it with its first batch.
+    #[test]
+    fn failed_writes_are_counted_and_shown_until_a_batch_succeeds() {
+        let dir = temp("full");
+        let good = dir.join("good.log");
+        let log = AccessLog::with_sink(Box::new(Full), &memory(), 16, Duration::ZERO).unwrap();
+        log.write("lost\n".into());
+        wait_for("a failed batch", || log.status().write_errors >= 1);
+        let status = log.status();
+        assert_eq!(
+            status.write_error.as_deref(),
+            Some("no space left on device")
+        );
+        assert!(status.is_failing());
+        assert!(log
+            .render_prometheus()
+            .contains("\niop_edge_access_log_failing 1\n"));
+        let next = AccessLogSpec {
+            format: Format::Text,
+            ..file_spec(&good)
+        };
+        assert_eq!(
+            log.apply_reload(&dir.join("edge.toml"), &next),
+            LogReload::default()
+        );
+        log.write("kept\n".into());
+        log.close();
+        assert_eq!(std::fs::read_to_string(&good).unwrap(), "kept\n");
+        assert_eq!(log.status().write_error, None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A sink whose first write reports itself and then blocks until
     /// released.
     struct Stuck {
@@ -819,7 +1238,7 @@ mod tests {
             entered,
             release: released,
         };
-        let log = AccessLog::with_sink(Box::new(sink), Format::Text, 4, Duration::ZERO).unwrap();
+        let log = AccessLog::with_sink(Box::new(sink), &memory(), 4, Duration::ZERO).unwrap();
         let before = dropped_lines();
         log.write("first\n".into());
         // The buffered writer passes a line to the sink only when flushing.
@@ -864,7 +1283,7 @@ mod tests {
         // An interval no test outlasts: only `close` ends the wait.
         let log = AccessLog::with_sink(
             Box::new(sink.clone()),
-            Format::Text,
+            &memory(),
             16,
             Duration::from_secs(3600),
         )

@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::api::openai::ModelEntry;
-use crate::config::EdgeConfig;
+use crate::config::{EdgeConfig, ListenerLimits, MetricsAccess};
 
 /// One configuration as the shards read it.
 #[derive(Debug, Clone)]
@@ -45,6 +45,15 @@ pub struct Running {
     /// A client socket that takes no bytes of a response for this long is
     /// cut off; read when a client connection opens.
     pub client_write_stall_timeout: Duration,
+    /// The client connections' deadlines, lingering close and JSON bounds,
+    /// read per connection and request (the accept loops' caps and the
+    /// node handshake deadlines are read once at startup: `Settings`).
+    pub limits: ListenerLimits,
+    /// Who may read `/metrics` (`edge.metrics_access`), per request.
+    pub metrics_access: MetricsAccess,
+    /// How long one pull of the nodes' `/metrics` series serves later
+    /// scrapes (`edge.node_metrics_max_age_ms`), per scrape.
+    pub node_metrics_max_age: Duration,
 }
 
 impl Running {
@@ -66,6 +75,11 @@ impl Running {
             max_request_body_bytes,
             flow_window_bytes,
             client_write_stall_timeout,
+            limits: ListenerLimits::default(),
+            metrics_access: MetricsAccess::Open,
+            node_metrics_max_age: Duration::from_millis(
+                crate::config::DEFAULT_NODE_METRICS_MAX_AGE_MS,
+            ),
         }
     }
 
@@ -112,6 +126,9 @@ impl Running {
             client_write_stall_timeout: Duration::from_millis(
                 cfg.edge.client_write_stall_timeout_ms,
             ),
+            limits: cfg.edge.limits,
+            metrics_access: cfg.edge.metrics_access,
+            node_metrics_max_age: Duration::from_millis(cfg.edge.node_metrics_max_age_ms),
         }
     }
 }

@@ -6,8 +6,21 @@
 //! line to one process-wide buffer (a lock held for a `memcpy`), and a
 //! writer thread takes the whole buffer every [`FLUSH_INTERVAL`] (sooner
 //! past [`FLUSH_BYTES`]), appends it and `fdatasync`s the file. SIGHUP
-//! reopens the file (for rotation: rename it, then signal), and shutdown
-//! writes what is left after the drain.
+//! reopens the file by the path the reloaded `edge.toml` names (rotation:
+//! rename it, then signal; or a new path), and shutdown writes what is left
+//! after the drain.
+//!
+//! # Reopening
+//!
+//! The reload opens the new file itself, on the reloading thread (an
+//! `open(2)`, as the startup check does), and hands it to the writer, so
+//! it knows at once whether the path works. One that cannot
+//! be opened (a directory, a missing directory, no permission) changes
+//! nothing for the writer — records go on to the file already open — and
+//! does not refuse the rest of the reload ([`UsageLog::apply_reload`]): it
+//! is reported, counted in `iop_edge_usage_log_open_errors_total`, and
+//! `iop_edge_usage_log_failing` and the usage file's `/status` entry show
+//! it ([`UsageStatus`]) until a reload opens the configured file.
 //!
 //! # When writes fail
 //!
@@ -34,10 +47,12 @@
 //! the gap at one known point (the access log still has those requests).
 //! Every failed write or sync counts in
 //! `iop_edge_usage_log_write_errors_total` (logged at its first failure,
-//! then at most once a minute, and when writes resume). A record a failed
-//! write cut in two is finished in the file it began in; when the file is
-//! rotated before that succeeds, its rest is dropped (and counted). At
-//! shutdown, records the file still refuses are dropped and counted.
+//! then at most once a minute, and when writes resume), and
+//! `iop_edge_usage_log_failing` is 1 until a write succeeds again. A
+//! record a failed write cut in two is finished in the file it began in;
+//! when the file is rotated before that succeeds, its rest is dropped (and
+//! counted). At shutdown, records the file still refuses are dropped and
+//! counted.
 //!
 //! A record says what the provider reported and how complete it is
 //! (`usage`): `reported` (the request completed and usage was observed),
@@ -45,6 +60,7 @@
 //! reached a provider; nothing is guessed), `partial` (it ended early: the
 //! tokens are what was observed up to then, or null).
 
+use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +69,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use iop_engine::clock;
+use iop_engine::config::ConfigError;
+
+use crate::config::{cannot_append, open_appending, OperationalPath};
 
 /// How often buffered records are written.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
@@ -66,25 +85,42 @@ pub const MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 /// records.
 const LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// Failed writes and syncs of every usage file of the process
-/// (`iop_edge_usage_log_write_errors_total`).
-static WRITE_ERRORS: AtomicU64 = AtomicU64::new(0);
-/// Records dropped by every usage file of the process
-/// (`iop_edge_usage_log_dropped_records_total`).
-static DROPPED_RECORDS: AtomicU64 = AtomicU64::new(0);
+/// What a reload did to one of the Edge's own files (the usage file, the
+/// access log): both empty when the new file's settings were applied.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogReload {
+    /// The new path could not be opened: the running writer goes on
+    /// writing where it did, and this says why (`<file>: <key>: <reason>;
+    /// keeping the running …`).
+    pub kept: Option<String>,
+    /// A change this writer cannot take while running (not applied).
+    pub restart_required: Option<&'static str>,
+}
 
-/// The usage file's series for `/metrics`.
-pub fn render_prometheus() -> String {
-    format!(
-        "# HELP iop_edge_usage_log_write_errors_total Usage file writes or syncs that failed (the records not written are kept and retried).\n\
-         # TYPE iop_edge_usage_log_write_errors_total counter\n\
-         iop_edge_usage_log_write_errors_total {}\n\
-         # HELP iop_edge_usage_log_dropped_records_total Usage records dropped: the newest, while the file took no writes and the records waiting for it reached their memory bound; or left unwritten at shutdown.\n\
-         # TYPE iop_edge_usage_log_dropped_records_total counter\n\
-         iop_edge_usage_log_dropped_records_total {}\n",
-        WRITE_ERRORS.load(Ordering::Relaxed),
-        DROPPED_RECORDS.load(Ordering::Relaxed),
-    )
+/// The usage file as `/status` and the status page show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageStatus {
+    /// The file records go to, as it was named when it was opened.
+    pub path: PathBuf,
+    /// Why the file the last reload named could not be opened (records
+    /// still go to `path`); cleared by a reload that opens it.
+    pub open_error: Option<String>,
+    /// Why the last write or sync failed, while writes fail.
+    pub write_error: Option<String>,
+    /// Failed writes and syncs so far.
+    pub write_errors: u64,
+    /// Reloads whose file could not be opened so far.
+    pub open_errors: u64,
+    /// Records dropped so far.
+    pub dropped_records: u64,
+}
+
+impl UsageStatus {
+    /// Records do not reach the file the configuration names: its last
+    /// write failed, or the last reload could not open it.
+    pub fn is_failing(&self) -> bool {
+        self.open_error.is_some() || self.write_error.is_some()
+    }
 }
 
 /// How complete a record's usage is.
@@ -141,8 +177,35 @@ impl Sink for std::fs::File {
     }
 }
 
+impl Sink for Box<dyn Sink> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (**self).write(buf)
+    }
+
+    fn sync(&mut self) -> io::Result<()> {
+        (**self).sync()
+    }
+}
+
 /// Opens the sink for a path (at start and on every reopen).
 pub type Opener<S> = Box<dyn FnMut(&Path) -> io::Result<S> + Send>;
+
+/// An [`Opener`] of any sink.
+type AnyOpener = Opener<Box<dyn Sink>>;
+
+/// A file a reload opened, for the writer to take at its next turn.
+struct NextFile {
+    path: PathBuf,
+    sink: Box<dyn Sink>,
+}
+
+impl fmt::Debug for NextFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NextFile")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
 
 #[derive(Debug, Default)]
 struct Pending {
@@ -151,29 +214,64 @@ struct Pending {
     backlog_bytes: usize,
     /// Records dropped and not logged yet.
     dropped_unlogged: u64,
-    reopen: bool,
+    /// The file to write from the next turn on (a reload opened it).
+    reopen: Option<NextFile>,
     closing: bool,
 }
 
+/// Which file records go to, and what went wrong lately.
 #[derive(Debug)]
-struct Shared {
+struct FileState {
+    /// The file records go to (from the writer's next turn on).
     path: PathBuf,
+    /// Why the last reload's file could not be opened.
+    open_error: Option<String>,
+    /// Why the last write failed, while writes fail.
+    write_error: Option<String>,
+}
+
+struct Shared {
     max_buffered_bytes: usize,
     pending: Mutex<Pending>,
     wake: Condvar,
+    /// Opens the file for a reload (on the reloading thread, so the reload
+    /// knows at once whether the new file opens).
+    open: Mutex<AnyOpener>,
+    state: Mutex<FileState>,
     write_errors: AtomicU64,
+    open_errors: AtomicU64,
     dropped_records: AtomicU64,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("state", &self.state)
+            .field("write_errors", &self.write_errors)
+            .field("open_errors", &self.open_errors)
+            .field("dropped_records", &self.dropped_records)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Shared {
     fn dropped(&self, records: u64) {
         self.dropped_records.fetch_add(records, Ordering::Relaxed);
-        DROPPED_RECORDS.fetch_add(records, Ordering::Relaxed);
     }
 
-    fn write_failed(&self) {
+    fn state(&self) -> std::sync::MutexGuard<'_, FileState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records `e` as the current write failure, then counts it (a
+    /// reader that sees the count sees the reason).
+    fn write_failed(&self, e: &io::Error) {
+        self.state().write_error = Some(e.to_string());
         self.write_errors.fetch_add(1, Ordering::Relaxed);
-        WRITE_ERRORS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn write_resumed(&self) {
+        self.state().write_error = None;
     }
 }
 
@@ -194,30 +292,38 @@ impl UsageLog {
     /// Opens (creates, mode 0640) `path` for appending and starts its
     /// writer thread.
     pub fn start(path: &Path) -> io::Result<Self> {
-        Self::start_with(path, Box::new(open_append), MAX_BUFFERED_BYTES)
+        Self::start_with(path, Box::new(open_appending), MAX_BUFFERED_BYTES)
     }
 
     /// [`UsageLog::start`] with the sink `open` gives for `path` (at start
-    /// and on every [`UsageLog::reopen`]), holding at most
+    /// and on every [`UsageLog::reopen_at`]), holding at most
     /// `max_buffered_bytes` of records while it takes no writes.
     pub fn start_with<S: Sink>(
         path: &Path,
         mut open: Opener<S>,
         max_buffered_bytes: usize,
     ) -> io::Result<Self> {
-        let sink = open(path)?;
+        let sink: Box<dyn Sink> = Box::new(open(path)?);
+        let open: AnyOpener = Box::new(move |path| Ok(Box::new(open(path)?) as Box<dyn Sink>));
         let shared = Arc::new(Shared {
-            path: path.to_owned(),
             max_buffered_bytes,
             pending: Mutex::new(Pending::default()),
             wake: Condvar::new(),
+            open: Mutex::new(open),
+            state: Mutex::new(FileState {
+                path: path.to_owned(),
+                open_error: None,
+                write_error: None,
+            }),
             write_errors: AtomicU64::new(0),
+            open_errors: AtomicU64::new(0),
             dropped_records: AtomicU64::new(0),
         });
         let for_thread = Arc::clone(&shared);
+        let path = path.to_owned();
         let handle = std::thread::Builder::new()
             .name("iop-usage-log".into())
-            .spawn(move || write_batches(&for_thread, sink, open))?;
+            .spawn(move || write_batches(&for_thread, sink, path))?;
         Ok(Self {
             inner: Some(shared),
             writer: Some(Arc::new(Mutex::new(Some(handle)))),
@@ -250,15 +356,94 @@ impl UsageLog {
         }
     }
 
-    /// Reopens the file by its path before the next write (SIGHUP).
-    pub fn reopen(&self) {
-        if let Some(shared) = &self.inner {
-            shared
-                .pending
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .reopen = true;
-            shared.wake.notify_one();
+    /// Reopens the file by the path it was opened with (rotation: rename
+    /// it, then reopen): [`UsageLog::reopen_at`] that path.
+    pub fn reopen(&self) -> Result<(), String> {
+        let Some(shared) = &self.inner else {
+            return Ok(());
+        };
+        let path = shared.state().path.clone();
+        self.reopen_at(&path)
+    }
+
+    /// Opens `path` (created if missing) on the calling thread; records
+    /// written from the writer's next turn on go to it (a record a failed
+    /// write cut in two is finished in the old file first). When `path`
+    /// cannot be opened, the running file stays (records go on to it), the
+    /// failure is counted (`iop_edge_usage_log_open_errors_total`) and kept
+    /// as the log's `open_error` until a later call opens its file; the
+    /// reason, naming the path, is returned. Nothing to do when off.
+    pub fn reopen_at(&self, path: &Path) -> Result<(), String> {
+        let Some(shared) = &self.inner else {
+            return Ok(());
+        };
+        let opened = {
+            let mut open = shared.open.lock().unwrap_or_else(PoisonError::into_inner);
+            open(path)
+        };
+        match opened {
+            Ok(sink) => {
+                shared
+                    .pending
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .reopen = Some(NextFile {
+                    path: path.to_owned(),
+                    sink,
+                });
+                shared.wake.notify_one();
+                let mut state = shared.state();
+                state.path = path.to_owned();
+                state.open_error = None;
+                Ok(())
+            }
+            Err(e) => {
+                let why = cannot_append(path, &e);
+                shared.open_errors.fetch_add(1, Ordering::Relaxed);
+                let mut state = shared.state();
+                tracing::error!(
+                    path = %path.display(),
+                    running = %state.path.display(),
+                    error = %e,
+                    "usage log cannot be opened; writing to the file already open"
+                );
+                state.open_error = Some(why.clone());
+                Err(why)
+            }
+        }
+    }
+
+    /// Follows a reload's `[edge.usage_log] path` (`next`, from the file
+    /// `source`): a path — the same (rotation) or a new one — is opened
+    /// ([`UsageLog::reopen_at`]); one that cannot be opened keeps the
+    /// running file and is reported in [`LogReload::kept`]. Adding or
+    /// removing the usage file needs a restart.
+    pub fn apply_reload(&self, source: &Path, next: Option<&Path>) -> LogReload {
+        let Some(shared) = &self.inner else {
+            return LogReload {
+                kept: None,
+                restart_required: next.map(|_| "[edge.usage_log] added"),
+            };
+        };
+        let Some(path) = next else {
+            return LogReload {
+                kept: None,
+                restart_required: Some("[edge.usage_log] removed"),
+            };
+        };
+        match self.reopen_at(path) {
+            Ok(()) => LogReload::default(),
+            Err(why) => {
+                let error = ConfigError::new(source, OperationalPath::UsageLog.key(), why);
+                let running = shared.state().path.clone();
+                LogReload {
+                    kept: Some(format!(
+                        "{error}; keeping the running usage log (opened as {})",
+                        running.display()
+                    )),
+                    restart_required: None,
+                }
+            }
         }
     }
 
@@ -293,15 +478,44 @@ impl UsageLog {
             .as_ref()
             .map_or(0, |s| s.dropped_records.load(Ordering::Relaxed))
     }
-}
 
-fn open_append(path: &Path) -> io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o640)
-        .open(path)
+    /// Where records go and what went wrong; `None` when off.
+    pub fn status(&self) -> Option<UsageStatus> {
+        let shared = self.inner.as_ref()?;
+        let state = shared.state();
+        Some(UsageStatus {
+            path: state.path.clone(),
+            open_error: state.open_error.clone(),
+            write_error: state.write_error.clone(),
+            write_errors: shared.write_errors.load(Ordering::Relaxed),
+            open_errors: shared.open_errors.load(Ordering::Relaxed),
+            dropped_records: shared.dropped_records.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The usage file's series for `/metrics` (zero when off).
+    pub fn render_prometheus(&self) -> String {
+        let status = self.status();
+        let count = |f: fn(&UsageStatus) -> u64| status.as_ref().map_or(0, f);
+        format!(
+            "# HELP iop_edge_usage_log_write_errors_total Usage file writes or syncs that failed (the records not written are kept and retried).\n\
+             # TYPE iop_edge_usage_log_write_errors_total counter\n\
+             iop_edge_usage_log_write_errors_total {}\n\
+             # HELP iop_edge_usage_log_open_errors_total Reloads whose usage file could not be opened (records went on to the file already open).\n\
+             # TYPE iop_edge_usage_log_open_errors_total counter\n\
+             iop_edge_usage_log_open_errors_total {}\n\
+             # HELP iop_edge_usage_log_dropped_records_total Usage records dropped: the newest, while the file took no writes and the records waiting for it reached their memory bound; or left unwritten at shutdown.\n\
+             # TYPE iop_edge_usage_log_dropped_records_total counter\n\
+             iop_edge_usage_log_dropped_records_total {}\n\
+             # HELP iop_edge_usage_log_failing 1 while records do not reach the configured usage file: its last write failed, or the last reload could not open it.\n\
+             # TYPE iop_edge_usage_log_failing gauge\n\
+             iop_edge_usage_log_failing {}\n",
+            count(|s| s.write_errors),
+            count(|s| s.open_errors),
+            count(|s| s.dropped_records),
+            u8::from(status.as_ref().is_some_and(UsageStatus::is_failing)),
+        )
+    }
 }
 
 /// The bytes the writer took and the file has not: whole records, except
@@ -443,9 +657,10 @@ impl Reports {
 }
 
 /// The writer thread: every interval (or when woken) takes the whole
-/// buffer into its backlog and appends it; what the file did not take
-/// stays for the next turn.
-fn write_batches<S: Sink>(shared: &Shared, mut sink: S, mut open: Opener<S>) {
+/// buffer into its backlog and appends it to `sink` (opened as `path`);
+/// what the file did not take stays for the next turn. A file a reload
+/// opened replaces `sink` at the start of the next turn.
+fn write_batches(shared: &Shared, mut sink: Box<dyn Sink>, mut path: PathBuf) {
     let mut backlog = Backlog::default();
     let mut reports = Reports::default();
     let mut dropped_unlogged = 0u64;
@@ -455,7 +670,7 @@ fn write_batches<S: Sink>(shared: &Shared, mut sink: S, mut open: Opener<S>) {
                 .pending
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if !pending.closing && !pending.reopen && pending.lines.len() < FLUSH_BYTES {
+            if !pending.closing && pending.reopen.is_none() && pending.lines.len() < FLUSH_BYTES {
                 pending = shared
                     .wake
                     .wait_timeout(pending, FLUSH_INTERVAL)
@@ -469,42 +684,39 @@ fn write_batches<S: Sink>(shared: &Shared, mut sink: S, mut open: Opener<S>) {
             }
             pending.backlog_bytes = backlog.bytes.len();
             dropped_unlogged += std::mem::take(&mut pending.dropped_unlogged);
-            (std::mem::take(&mut pending.reopen), pending.closing)
+            (pending.reopen.take(), pending.closing)
         };
-        if reopen {
+        if let Some(next) = reopen {
             // A record cut by a failed write ends in the file it began in.
             if let Err(e) = backlog.finish_torn(&mut sink) {
-                shared.write_failed();
-                reports.write_failed(&shared.path, &e, &backlog);
+                shared.write_failed(&e);
+                reports.write_failed(&path, &e, &backlog);
             }
-            match open(&shared.path) {
-                Ok(s) => {
-                    sink = s;
-                    if backlog.drop_torn() {
-                        shared.dropped(1);
-                        dropped_unlogged += 1;
-                    }
-                }
-                Err(e) => tracing::error!(
-                    path = %shared.path.display(),
-                    error = %e,
-                    "usage log cannot be reopened; writing to the file already open"
-                ),
+            sink = next.sink;
+            path = next.path;
+            if backlog.drop_torn() {
+                shared.dropped(1);
+                dropped_unlogged += 1;
             }
         }
         if !backlog.bytes.is_empty() {
             match backlog.write_all(&mut sink) {
-                Ok(()) => reports.write_succeeded(&shared.path),
+                Ok(()) => {
+                    if reports.failing {
+                        shared.write_resumed();
+                    }
+                    reports.write_succeeded(&path);
+                }
                 Err(e) => {
-                    shared.write_failed();
-                    reports.write_failed(&shared.path, &e, &backlog);
+                    shared.write_failed(&e);
+                    reports.write_failed(&path, &e, &backlog);
                     if !closing {
                         std::thread::sleep(FLUSH_INTERVAL);
                     }
                 }
             }
         }
-        if reports.dropped(&shared.path, dropped_unlogged, shared.max_buffered_bytes) {
+        if reports.dropped(&path, dropped_unlogged, shared.max_buffered_bytes) {
             dropped_unlogged = 0;
         }
         // What the file took makes room for new records at once.
@@ -528,7 +740,7 @@ fn write_batches<S: Sink>(shared: &Shared, mut sink: S, mut open: Opener<S>) {
                 drop(pending);
                 shared.dropped(lost);
                 tracing::error!(
-                    path = %shared.path.display(),
+                    path = %path.display(),
                     dropped_records = lost,
                     "usage log: records left unwritten at shutdown"
                 );
@@ -591,11 +803,117 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         std::fs::rename(&path, &rotated).unwrap();
-        log.reopen();
+        assert_eq!(log.reopen(), Ok(()));
         log.record("{\"n\":2}\n");
         log.close();
         assert_eq!(std::fs::read_to_string(&rotated).unwrap(), "{\"n\":1}\n");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"n\":2}\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // A reload whose usage path cannot be opened (it became a directory
+    // after a rotation) keeps the running file: records go on to it,
+    // exactly; the failure is reported, counted and shown until a reload
+    // opens the configured path, from which on records go there.
+    #[test]
+    fn a_path_that_cannot_be_opened_keeps_the_running_file() {
+        let dir = temp("kept");
+        let path = dir.join("usage.jsonl");
+        let rotated = dir.join("usage.jsonl.1");
+        let source = dir.join("edge.toml");
+        let log = UsageLog::start(&path).unwrap();
+        log.record("{\"n\":1}\n");
+        std::fs::rename(&path, &rotated).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let why = format!(
+            "cannot open {} for appending: Is a directory (os error 21)",
+            path.display()
+        );
+        assert_eq!(
+            log.apply_reload(&source, Some(&path)),
+            LogReload {
+                kept: Some(format!(
+                    "{}: edge.usage_log.path: {why}; keeping the running usage log \
+                     (opened as {})",
+                    source.display(),
+                    path.display()
+                )),
+                restart_required: None,
+            }
+        );
+        assert_eq!(
+            log.status(),
+            Some(UsageStatus {
+                path: path.clone(),
+                open_error: Some(why.clone()),
+                write_error: None,
+                write_errors: 0,
+                open_errors: 1,
+                dropped_records: 0,
+            })
+        );
+        let text = log.render_prometheus();
+        assert!(text.contains("\niop_edge_usage_log_failing 1\n"), "{text}");
+        assert!(
+            text.contains("\niop_edge_usage_log_open_errors_total 1\n"),
+            "{text}"
+        );
+        // Records go on to the file already open.
+        log.record("{\"n\":2}\n");
+        wait_for("the second record", || {
+            std::fs::read_to_string(&rotated).unwrap() == "{\"n\":1}\n{\"n\":2}\n"
+        });
+        // The path is fixed: the next reload opens it, and it is written.
+        std::fs::remove_dir(&path).unwrap();
+        assert_eq!(log.apply_reload(&source, Some(&path)), LogReload::default());
+        let status = log.status().unwrap();
+        assert!(!status.is_failing(), "{status:?}");
+        assert_eq!((status.open_errors, status.write_errors), (1, 0));
+        log.record("{\"n\":3}\n");
+        log.close();
+        assert_eq!(
+            std::fs::read_to_string(&rotated).unwrap(),
+            "{\"n\":1}\n{\"n\":2}\n"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"n\":3}\n");
+        assert!(log
+            .render_prometheus()
+            .contains("\niop_edge_usage_log_failing 0\n"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // A reload naming another path moves the records there; one that
+    // removes the usage file needs a restart and changes nothing.
+    #[test]
+    fn a_new_path_takes_the_records_from_the_reload_on() {
+        let dir = temp("moved");
+        let (first, second) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+        let source = dir.join("edge.toml");
+        let log = UsageLog::start(&first).unwrap();
+        log.record("{\"n\":1}\n");
+        wait_for("the first record", || {
+            std::fs::read_to_string(&first).unwrap() == "{\"n\":1}\n"
+        });
+        assert_eq!(
+            log.apply_reload(&source, Some(&second)),
+            LogReload::default()
+        );
+        assert_eq!(log.status().unwrap().path, second);
+        log.record("{\"n\":2}\n");
+        assert_eq!(
+            log.apply_reload(&source, None),
+            LogReload {
+                kept: None,
+                restart_required: Some("[edge.usage_log] removed"),
+            }
+        );
+        log.record("{\"n\":3}\n");
+        log.close();
+        assert_eq!(std::fs::read_to_string(&first).unwrap(), "{\"n\":1}\n");
+        assert_eq!(
+            std::fs::read_to_string(&second).unwrap(),
+            "{\"n\":2}\n{\"n\":3}\n"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -809,6 +1127,15 @@ mod tests {
         }
         assert_eq!(log.dropped_records(), 15);
         wait_for("a failed write", || log.write_errors() >= 1);
+        let status = log.status().unwrap();
+        assert_eq!(
+            status.write_error.as_deref(),
+            Some("no space left on device")
+        );
+        assert!(status.is_failing() && status.open_error.is_none());
+        assert!(log
+            .render_prometheus()
+            .contains("\niop_edge_usage_log_failing 1\n"));
         // Still full while the file refuses: one more is dropped.
         log.record("{\"n\":\"more\"}\n");
         assert_eq!(log.dropped_records(), 16);
@@ -821,14 +1148,23 @@ mod tests {
         log.close();
         assert_eq!(disk.file(0), all[..10].concat() + &all[24]);
         assert_eq!(log.dropped_records(), 16);
-        let text = render_prometheus();
-        let dropped = text
-            .lines()
-            .find_map(|l| l.strip_prefix("iop_edge_usage_log_dropped_records_total "))
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap();
-        assert!(dropped >= 16, "{text}");
+        let text = log.render_prometheus();
+        let sample = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+        };
+        assert_eq!(sample("iop_edge_usage_log_dropped_records_total"), 16);
+        assert_eq!(
+            sample("iop_edge_usage_log_write_errors_total"),
+            log.write_errors()
+        );
+        assert!(log.write_errors() >= 1);
+        // Writes resumed before the close: not failing.
+        assert_eq!(sample("iop_edge_usage_log_failing"), 0);
         assert!(text.contains("# TYPE iop_edge_usage_log_write_errors_total counter\n"));
+        assert!(text.contains("# TYPE iop_edge_usage_log_failing gauge\n"));
     }
 
     // At shutdown, records the file still refuses are dropped and counted.
@@ -851,7 +1187,23 @@ mod tests {
         let log = UsageLog::off();
         assert!(!log.is_on());
         log.record("x\n");
-        log.reopen();
+        assert_eq!(log.reopen(), Ok(()));
+        assert_eq!(log.status(), None);
+        assert_eq!(
+            log.apply_reload(Path::new("edge.toml"), None),
+            LogReload::default()
+        );
+        // Turning the usage file on takes a restart.
+        assert_eq!(
+            log.apply_reload(Path::new("edge.toml"), Some(Path::new("usage.jsonl"))),
+            LogReload {
+                kept: None,
+                restart_required: Some("[edge.usage_log] added"),
+            }
+        );
+        assert!(log
+            .render_prometheus()
+            .contains("\niop_edge_usage_log_failing 0\n"));
         log.close();
     }
 }

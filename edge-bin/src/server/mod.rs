@@ -14,7 +14,7 @@ use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeTlsConnector, TlsMater
 use iop_wire::pb;
 use monoio::net::TcpListener;
 
-use crate::config::EdgeConfig;
+use crate::config::{ConfigDiff, EdgeConfig};
 use crate::control::{control_spec, Control, Input};
 use crate::link::edge::{Edge, CONTROL_SHARD};
 use crate::link::settings::{access_log, request_metrics, settings, usage_log};
@@ -53,10 +53,18 @@ pub struct ReloadReport {
     pub restart_required: Vec<&'static str>,
     /// What the new `[[client_keys]]` changed (applied at once).
     pub client_keys: KeysChange,
+    /// The Edge's own files (the access log file, the usage file) whose
+    /// new path could not be opened: each keeps writing where it did, the
+    /// rest of the file was applied. One line each, `<file>: <key>:
+    /// <reason>; keeping the running …`.
+    pub kept_operational: Vec<String>,
 }
 
 /// Reloads the configuration file (SIGHUP) at `revision`. An invalid file
-/// changes nothing and returns its error. Otherwise:
+/// changes nothing and returns its error — except for the files the Edge
+/// writes: an access log file or usage file that cannot be opened keeps
+/// the running one and is reported in [`ReloadReport::kept_operational`],
+/// and the rest of the file applies. Otherwise:
 ///
 /// - The fleet (nodes, providers, models) and the passive-health and
 ///   response-wait settings go to `Control` as one `Input::Reconfigure`
@@ -79,13 +87,19 @@ pub struct ReloadReport {
 ///   needing a restart and are not applied (compared with `started`, what
 ///   the process started with, so the warning repeats while the file
 ///   differs). Certificates are [`reload_tls`]'s.
+/// - The access log file and the usage file are opened again by the paths
+///   the file names now (rotation: rename, then SIGHUP; or a new path).
+///   Turning either on or off, or another access log `format`, needs a
+///   restart.
 pub fn reload(
     edge: &Edge,
     started: &EdgeConfig,
     path: &std::path::Path,
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
-    let next = EdgeConfig::load(path)?;
+    // The operational paths are not checked here: each log opens its own
+    // (below), and one that does not open keeps the running writer.
+    let next = EdgeConfig::load_structure(path)?;
     // Removing the last key must not open the Edge to everyone.
     next.check_open_access()?;
     let digest = std::fs::read(path)
@@ -140,8 +154,18 @@ pub fn apply(
     }
     drop(before);
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
-    // Rotation: the usage file is reopened by its path.
-    edge.settings.usage_log.reopen();
+    // Rotation or a new path: each log opens what the file names now.
+    for outcome in [
+        edge.settings
+            .access_log
+            .apply_reload(&next.source, &next.access_log),
+        edge.settings
+            .usage_log
+            .apply_reload(&next.source, next.usage_log.as_deref()),
+    ] {
+        report.kept_operational.extend(outcome.kept);
+        report.restart_required.extend(outcome.restart_required);
+    }
     // Leases issued from here on are bound to the new origins and paths.
     if let Some(plane) = &edge.settings.credentials {
         plane.apply_config(&next);
@@ -198,38 +222,25 @@ pub fn apply(
     (next, report)
 }
 
-/// The sections of `next` that differ from `started` and that only a
-/// restart applies.
+/// The settings of `next` that differ from `started` and that only a
+/// restart applies ([`ConfigDiff::restart_keys`]), and `[credentials]`
+/// when it changed. The access log and the usage file say themselves what
+/// of theirs needs a restart (their `apply_reload`).
 fn restart_required(started: &EdgeConfig, next: &EdgeConfig) -> Vec<&'static str> {
-    let mut sections = Vec::new();
-    // What a reload applies is taken out of the comparison: `allow_anonymous`
-    // (with the keys), the limits read per request (RunningConfig) and the
-    // timeouts Control reads (Reconfigure).
-    let fixed = |c: &EdgeConfig| crate::config::EdgeSettings {
-        allow_anonymous: false,
-        max_request_body_bytes: 0,
-        flow_window_bytes: 0,
-        client_write_stall_timeout_ms: 0,
-        response_wait_timeout_ms: 0,
-        ..c.edge.clone()
-    };
-    // Certificates are reloaded by `reload_tls` (from the new paths too);
-    // turning TLS on or off on a listener needs a restart.
-    if fixed(started) != fixed(next)
-        || started.tls.is_some() != next.tls.is_some()
-        || started.client_tls.is_some() != next.client_tls.is_some()
-    {
-        sections.push(
-            "[edge] listeners, identity or front-door limits, or [tls] / [edge.client_tls] added or removed",
-        );
-    }
+    let mut keys: Vec<&'static str> = ConfigDiff::between(started, next)
+        .restart_keys()
+        .into_iter()
+        .filter(|key| {
+            !matches!(
+                *key,
+                "edge.access_log" | "edge.access_log.format" | "edge.usage_log"
+            )
+        })
+        .collect();
     if started.credentials != next.credentials {
-        sections.push("[credentials]");
+        keys.push("[credentials]");
     }
-    if started.cluster != next.cluster {
-        sections.push("[cluster]");
-    }
-    sections
+    keys
 }
 
 /// The certificates one SIGHUP reloaded, or why one was kept.

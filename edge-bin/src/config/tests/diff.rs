@@ -387,9 +387,9 @@ fn edge_settings_say_whether_a_reload_applies_them() {
             "~ edge.drain_grace_ms: 30000 -> 5000 (needs a restart)",
             "~ edge.client_head_timeout_ms: 10000 -> 5000 (live)",
             "~ edge.max_client_connections: 4096 -> 100 (needs a restart)",
-            "~ edge.access_log.destination: stderr -> off (needs a restart)",
+            "~ edge.access_log: stderr -> off (needs a restart)",
             "~ edge.access_log.format: from --log-format -> json (needs a restart)",
-            "~ edge.usage_log.path: none -> conf/usage.jsonl (needs a restart)",
+            "~ edge.usage_log: off -> on (needs a restart)",
             "~ outlier_detection.consecutive_failures: 5 -> 3 (live)",
         ]
     );
@@ -399,9 +399,9 @@ fn edge_settings_say_whether_a_reload_applies_them() {
             "edge.client_listen",
             "edge.drain_grace_ms",
             "edge.max_client_connections",
-            "edge.access_log.destination",
+            "edge.access_log",
             "edge.access_log.format",
-            "edge.usage_log.path",
+            "edge.usage_log",
         ]
     );
 }
@@ -505,10 +505,12 @@ max_json_members = 1";
                   keepalive_interval_sec = 4\netcd_timeout_ms = 100\npeer_listen = \"127.0.0.1:7445\"")
         .replace("usage.jsonl", "usage-2.jsonl");
     let next = format!(
-        "{next}\n[edge.access_log]\ndestination = \"off\"\nformat = \"json\"\n\n\
+        "{next}\n[edge.access_log]\ndestination = \"access.log\"\nformat = \"json\"\n\n\
          [outlier_detection]\nenabled = false\nconsecutive_failures = 3\n\
          base_ejection_time_ms = 1\nmax_ejection_time_ms = 2\nmax_ejection_percent = 1\n"
     );
+    // Another access log file (the path is a setting of its own).
+    let moved = next.replace("access.log", "access-2.log");
     let insecure = edited(&[
         ("[tls]\nca = \"certs/ca.pem\"\ncert = \"certs/edge.pem\"\nkey = \"certs/edge-key.pem\"\n", ""),
         ("node_listen = \"127.0.0.1:7443\"", "node_listen = \"127.0.0.1:7443\"\ninsecure_plaintext_nodes = true"),
@@ -517,6 +519,7 @@ max_json_members = 1";
         .settings
         .iter()
         .chain(&diff(&running, &insecure).settings)
+        .chain(&diff(&next, &moved).settings)
         .map(|s| s.key)
         .collect();
     changed.sort_unstable();

@@ -759,3 +759,103 @@ fn load_reads_parses_and_checks_files() {
     assert_eq!(config.source, fixture("edge.toml"));
     assert_eq!(config.models[0].name, "qwen2.5-7b");
 }
+
+/// A directory of its own under the system's temporary directory.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iop-config-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The fixture file (its TLS files by absolute path) with these lines
+/// added, written as `dir/edge.toml`.
+fn fixture_with(dir: &Path, extra: &str) -> PathBuf {
+    let text = std::fs::read_to_string(fixture("edge.toml"))
+        .unwrap()
+        .replace("\"certs/", &format!("\"{}/", fixture("certs").display()));
+    let path = dir.join("edge.toml");
+    std::fs::write(&path, format!("{text}\n{extra}")).unwrap();
+    path
+}
+
+// The files the Edge writes are checked apart from the rest: a file whose
+// only faults are those paths passes `load_structure` (what a reload
+// applies), while `load` (startup, check-config) fails on the first one.
+#[test]
+fn operational_paths_are_checked_apart_from_the_structure() {
+    let dir = temp_dir("operational");
+    let (missing, usage) = (dir.join("missing/access.log"), dir.join("usage-dir"));
+    std::fs::create_dir(&usage).unwrap();
+    let path = fixture_with(
+        &dir,
+        &format!(
+            "[edge.access_log]\ndestination = \"{}\"\n\n[edge.usage_log]\npath = \"{}\"\n",
+            missing.display(),
+            usage.display()
+        ),
+    );
+    let config = EdgeConfig::load_structure(&path).unwrap();
+    assert_eq!(config.usage_log.as_deref(), Some(usage.as_path()));
+    let broken = vec![
+        BrokenPath {
+            part: OperationalPath::AccessLog,
+            error: ConfigError::new(
+                &path,
+                "edge.access_log.destination",
+                format!(
+                    "cannot open {} for appending: No such file or directory (os error 2)",
+                    missing.display()
+                ),
+            ),
+        },
+        BrokenPath {
+            part: OperationalPath::UsageLog,
+            error: ConfigError::new(
+                &path,
+                "edge.usage_log.path",
+                format!(
+                    "cannot open {} for appending: Is a directory (os error 21)",
+                    usage.display()
+                ),
+            ),
+        },
+    ];
+    assert_eq!(config.check_operational_paths(), broken);
+    assert_eq!(EdgeConfig::load(&path), Err(broken[0].error.clone()));
+    // Fixed paths: nothing is broken, and load gives what load_structure
+    // gives (the files now exist, created by the check).
+    std::fs::create_dir(missing.parent().unwrap()).unwrap();
+    std::fs::remove_dir(&usage).unwrap();
+    assert_eq!(config.check_operational_paths(), Vec::new());
+    assert_eq!(EdgeConfig::load(&path), Ok(config));
+    assert!(missing.is_file() && usage.is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// Any other fault still refuses the file in `load_structure`, whatever the
+// operational paths are: a reload of it changes nothing.
+#[test]
+fn a_structural_fault_fails_the_structure_too() {
+    let dir = temp_dir("structural");
+    let usage = dir.join("usage-dir");
+    std::fs::create_dir(&usage).unwrap();
+    let path = fixture_with(
+        &dir,
+        &format!("[edge.usage_log]\npath = \"{}\"\n", usage.display()),
+    );
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("capacity = 1", "capacity = 0");
+    std::fs::write(&path, text).unwrap();
+    let error = EdgeConfig::load_structure(&path).unwrap_err();
+    assert_eq!(error, EdgeConfig::load(&path).unwrap_err());
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "{}: nodes[0].providers[0].capacity: must be between 1 and 65536 (got 0)",
+            path.display()
+        )
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
