@@ -311,3 +311,37 @@ async fn a_model_left_without_providers_ends_its_waiters_and_answers_503() {
     })
     .await;
 }
+
+#[monoio::test_all(timer_enabled = true)]
+async fn the_per_request_limits_follow_a_reload() {
+    guarded(async {
+        let pki = Pki::mint("fleet-limits");
+        let path = pki.dir.join("edge.toml");
+        let text = fleet_toml(&pki, &["node-a"], &[("m", &["node-a/node-a-p"])]);
+        std::fs::write(&path, &text).unwrap();
+        let edge = TestEdge::start(&pki, &text);
+        let started = EdgeConfig::load(&path).unwrap();
+        let mut a = ready_node(&edge, &pki, "node-a").await;
+
+        let next = text.replace(
+            "allow_anonymous = true",
+            "allow_anonymous = true\nmax_request_body_bytes = 64",
+        );
+        let report = reload(&edge, &started, &path, &next, 2);
+        assert_eq!(report.restart_required, Vec::<&str>::new());
+
+        // A chat body of more than 64 bytes: 413 before any dispatch.
+        let refused = http_exchange(edge.client_addr, chat("m", false)).await;
+        assert_eq!(refused.status, 413);
+        assert_eq!(edge.edge.control().leases().count(), 0);
+
+        // Back: the same request is served.
+        let report = reload(&edge, &started, &path, &text, 3);
+        assert_eq!(report.revision, 3);
+        let served = monoio::spawn(http_exchange(edge.client_addr, chat("m", false)));
+        answer_next(&mut a, b"{\"ok\":2}").await;
+        assert_eq!(served.await.status, 200);
+        edge.stop().await;
+    })
+    .await;
+}
