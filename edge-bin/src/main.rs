@@ -500,6 +500,13 @@ fn spawn_reloader(
                              the rest of the file is applied"
                         );
                     }
+                    if !report.unmetered.is_empty() {
+                        tracing::warn!(
+                            names = ?report.unmetered,
+                            "no room left for these models' and nodes' own /metrics series; \
+                             counted as model \"other\" until a restart"
+                        );
+                    }
                     if !report.restart_required.is_empty() {
                         tracing::warn!(
                             sections = ?report.restart_required,

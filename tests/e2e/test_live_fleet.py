@@ -187,6 +187,11 @@ def test_the_fleet_changes_under_load_without_a_failed_request(cluster):
                                    "messages": [{"role": "user", "content": "x"}]})
         assert status == 200, raw
         assert json.loads(raw)["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+        # Its own series in /metrics, not `other`.
+        with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert f'iop_edge_requests_total{{route="chat_completions",model="{LIVE_MODEL}",code="200"}} 1\n' \
+            in metrics
 
         # 3. node-b's provider leaves MODEL's pool while it runs streams.
         wait_until(lambda: _providers(cluster)[("node-b", "mock-1")]["in_flight"] > 0, timeout_s=30,

@@ -22,7 +22,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use iop_engine::metrics::buckets::{
@@ -295,15 +295,23 @@ impl Cells {
     }
 }
 
+/// Named slots kept free at startup for the models and nodes a reload
+/// adds (each name keeps its slot for the life of the process, so its
+/// counters never go back; past these, a new model counts as `other` and a
+/// new node's scrape errors are not counted until a restart).
+pub const RELOAD_HEADROOM: usize = 32;
+
 /// The per-request series of one Edge, shared by its shards.
 pub struct RequestMetrics {
-    /// Configured model names; slot `models.len()` is `other`, the next
-    /// `none`.
-    models: Vec<String>,
+    /// Model names, in slot order: the configured ones, then those added
+    /// by reloads. Slot `named` is `other`, the next `none`.
+    models: RwLock<Vec<String>>,
+    /// Named model slots the cells have room for.
+    named: usize,
     shards: Box<[Cells]>,
-    /// Configured node ids, and per node the METRICS pulls that got no
-    /// answer.
-    nodes: Vec<String>,
+    /// Node ids in slot order (configured, then added by reloads), and per
+    /// slot the METRICS pulls that got no answer.
+    nodes: RwLock<Vec<String>>,
     node_scrape_errors: Box<[AtomicU64]>,
 }
 
@@ -321,45 +329,71 @@ impl RequestMetrics {
     /// Cells for `shards` shards (at least one), the configured `models`
     /// and `nodes`.
     pub fn new(models: Vec<String>, nodes: Vec<String>, shards: usize) -> Arc<Self> {
-        let slots = models.len() + 2;
+        let named = models.len() + RELOAD_HEADROOM;
+        let node_slots = nodes.len() + RELOAD_HEADROOM;
         Arc::new(Self {
-            models,
-            shards: (0..shards.max(1)).map(|_| Cells::new(slots)).collect(),
-            node_scrape_errors: nodes.iter().map(|_| AtomicU64::new(0)).collect(),
-            nodes,
+            models: RwLock::new(models),
+            named,
+            shards: (0..shards.max(1)).map(|_| Cells::new(named + 2)).collect(),
+            node_scrape_errors: (0..node_slots).map(|_| AtomicU64::new(0)).collect(),
+            nodes: RwLock::new(nodes),
         })
+    }
+
+    /// Gives every model and node of a reloaded configuration a slot of
+    /// its own, while there is room ([`RELOAD_HEADROOM`]); names already
+    /// known keep theirs (a removed model's series stay). Returns the
+    /// names left without one.
+    pub fn add_names(&self, models: &[String], nodes: &[String]) -> Vec<String> {
+        let mut left = Vec::new();
+        let mut add = |table: &RwLock<Vec<String>>, room: usize, names: &[String]| {
+            let mut known = table.write().unwrap_or_else(PoisonError::into_inner);
+            for name in names {
+                if known.contains(name) {
+                    continue;
+                }
+                if known.len() < room {
+                    known.push(name.clone());
+                } else {
+                    left.push(name.clone());
+                }
+            }
+        };
+        add(&self.models, self.named, models);
+        add(&self.nodes, self.node_scrape_errors.len(), nodes);
+        left
     }
 
     /// Counts a METRICS pull from `node` that got no usable answer.
     pub fn node_scrape_failed(&self, node: &str) {
-        if let Some(i) = self.nodes.iter().position(|n| n == node) {
+        let nodes = self.nodes.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = nodes.iter().position(|n| n == node) {
             self.node_scrape_errors[i].fetch_add(1, Ordering::Relaxed);
         }
     }
 
     fn slots(&self) -> usize {
-        self.models.len() + 2
+        self.named + 2
+    }
+
+    /// The slot of the `other` model (a name with no slot).
+    pub fn other_model(&self) -> usize {
+        self.named
     }
 
     /// The slot of the `none` model (no model named).
     pub fn no_model(&self) -> usize {
-        self.models.len() + 1
+        self.named + 1
     }
 
-    /// The slot of a model name: its configured index, or `other`.
+    /// The slot of a model name: its own, or `other`.
     pub fn model_slot(&self, model: &str) -> usize {
         self.models
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .position(|m| m == model)
-            .unwrap_or(self.models.len())
-    }
-
-    fn model_name(&self, slot: usize) -> &str {
-        match self.models.get(slot) {
-            Some(name) => name,
-            None if slot == self.models.len() => "other",
-            None => "none",
-        }
+            .unwrap_or(self.named)
     }
 
     fn cells(&self, shard: usize) -> &Cells {
@@ -426,7 +460,19 @@ impl RequestMetrics {
         let sum = |f: &dyn Fn(&Cells) -> u64| -> u64 {
             self.shards.iter().fold(0u64, |a, c| a.saturating_add(f(c)))
         };
-        let label = |slot: usize| escape_label_value(self.model_name(slot));
+        let models = self
+            .models
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let named = models.len();
+        let label = |slot: usize| {
+            escape_label_value(match models.get(slot) {
+                Some(name) => name,
+                None if slot == self.named => "other",
+                None => "none",
+            })
+        };
 
         let name = "iop_edge_requests_total";
         write_family(
@@ -476,7 +522,7 @@ impl RequestMetrics {
             for (k, kind) in KINDS.iter().enumerate() {
                 let n = sum(&|c| c.tokens[model * 2 + k].load(Ordering::Relaxed));
                 // Configured models always; `other`/`none` once seen.
-                if model < self.models.len() || n > 0 {
+                if model < named || n > 0 {
                     let labels = format!("model=\"{}\",kind=\"{kind}\"", label(model));
                     write_sample(&mut out, name, &labels, n);
                 }
@@ -490,7 +536,7 @@ impl RequestMetrics {
             "gauge",
             "Requests waiting for a provider slot now, by model.",
         );
-        for (slot, model) in self.models.iter().enumerate() {
+        for (slot, model) in models.iter().enumerate() {
             let depth = queue_depths
                 .iter()
                 .find(|(m, _)| m == model)
@@ -511,7 +557,7 @@ impl RequestMetrics {
                 .iter()
                 .map(|c| c.active_streams[model].load(Ordering::Relaxed))
                 .sum();
-            if model < self.models.len() || n != 0 {
+            if model < named || n != 0 {
                 write_sample(
                     &mut out,
                     name,
@@ -528,7 +574,12 @@ impl RequestMetrics {
             "counter",
             "Pulls of a node's metrics that got no answer in time (its series are left out of that scrape).",
         );
-        for (node, errors) in self.nodes.iter().zip(self.node_scrape_errors.iter()) {
+        let nodes = self
+            .nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for (node, errors) in nodes.iter().zip(self.node_scrape_errors.iter()) {
             let labels = format!("node=\"{}\"", escape_label_value(node));
             write_sample(&mut out, name, &labels, errors.load(Ordering::Relaxed));
         }
@@ -734,12 +785,48 @@ mod tests {
     }
 
     #[test]
+    fn a_model_added_by_a_reload_gets_its_own_series_while_there_is_room() {
+        let m = RequestMetrics::new(vec!["m1".into()], vec!["node-a".into()], 1);
+        assert_eq!(m.model_slot("m2"), m.other_model());
+        let extra: Vec<String> = (0..RELOAD_HEADROOM).map(|i| format!("x{i}")).collect();
+        let mut models = vec!["m1".to_string(), "m2".to_string()];
+        models.extend(extra);
+        // m1 keeps its slot; m2 and the first 31 others get one; one is left.
+        let left = m.add_names(&models, &["node-b".into()]);
+        assert_eq!(left, vec![format!("x{}", RELOAD_HEADROOM - 1)]);
+        assert_eq!(m.model_slot("m1"), 0);
+        assert_eq!(m.model_slot("m2"), 1);
+        assert_eq!(
+            m.model_slot(&format!("x{}", RELOAD_HEADROOM - 1)),
+            m.other_model()
+        );
+        m.finish(
+            0,
+            &done(Route::ChatCompletions, m.model_slot("m2"), Some(200)),
+        );
+        m.node_scrape_failed("node-b");
+        let text = m.render(&[]);
+        for line in [
+            "iop_edge_requests_total{route=\"chat_completions\",model=\"m2\",code=\"200\"} 1",
+            "iop_edge_node_scrape_errors_total{node=\"node-b\"} 1",
+            "iop_edge_queue_depth{model=\"x0\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in {text}");
+        }
+        // Known names are not added twice.
+        assert_eq!(
+            m.add_names(&["m2".into()], &["node-b".into()]),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
     fn render_is_exact_for_a_known_set_of_requests() {
         let m = RequestMetrics::new(vec!["m1".into(), "m\"2".into()], vec!["node-a".into()], 2);
         m.node_scrape_failed("node-a");
         m.node_scrape_failed("unknown");
         let m1 = m.model_slot("m1");
-        assert_eq!(m.model_slot("nope"), 2);
+        assert_eq!(m.model_slot("nope"), m.other_model());
         m.finish(
             0,
             &Finished {

@@ -51,6 +51,10 @@ pub struct ReloadReport {
     pub models_removed: Vec<String>,
     /// Sections whose changes need a restart and were not applied.
     pub restart_required: Vec<&'static str>,
+    /// Models and nodes added by reloads past the metrics' room for them
+    /// (`RELOAD_HEADROOM`): counted as model `other`, and without scrape
+    /// error series, until a restart.
+    pub unmetered: Vec<String>,
     /// What the new `[[client_keys]]` changed (applied at once).
     pub client_keys: KeysChange,
     /// The Edge's own files (the access log file, the usage file) whose
@@ -180,6 +184,9 @@ pub fn apply(
     edge.settings
         .running
         .replace(Running::of(&next, revision, digest));
+    let models: Vec<String> = next.models.iter().map(|m| m.name.clone()).collect();
+    let nodes: Vec<String> = next.nodes.iter().map(|n| n.id.clone()).collect();
+    report.unmetered = edge.settings.request_metrics.add_names(&models, &nodes);
     for node in &next.nodes {
         let payload = next.node_config_payload(node, revision);
         if report.nodes_added.contains(&node.id) {
