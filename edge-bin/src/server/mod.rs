@@ -21,7 +21,7 @@ use crate::link::settings::{access_log, request_metrics, settings, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
 use crate::plane::access::AccessLog;
 use crate::plane::client_keys::{ClientKeys, KeysChange};
-use crate::plane::credentials::CredentialPlane;
+use crate::plane::credentials::{CredentialPlane, CredentialsChange, RunningPlane};
 use crate::plane::request_metrics::RequestMetrics;
 use crate::plane::running::{digest_of, Running, RunningConfig};
 use crate::plane::usage::UsageLog;
@@ -53,6 +53,8 @@ pub struct ReloadReport {
     pub restart_required: Vec<&'static str>,
     /// What the new `[[client_keys]]` changed (applied at once).
     pub client_keys: KeysChange,
+    /// What the new `[credentials]` slots changed (applied at once).
+    pub credentials: CredentialsChange,
 }
 
 /// Reloads the configuration file (SIGHUP) at `revision`. An invalid file
@@ -71,21 +73,28 @@ pub struct ReloadReport {
 /// - `[[client_keys]]` replace the running keys on every shard: a removed
 ///   key gets 401 from its next request on (requests already let in under
 ///   it run to their end), an added key works at once, scopes follow.
+/// - `[credentials]` slots (added, removed, enabled, their revisions and
+///   revoked revisions, their providers) and `lease_ttl_ms` apply from the
+///   next lease issued on any shard: the next credential plane is built
+///   first, reading the secrets of new slots and revisions, and a secret
+///   that cannot be read refuses the whole reload
+///   ([`crate::plane::credentials::RunningPlane::prepare`]).
 /// - Each node's new adapter config replaces the one pushed at
 ///   registration, and nodes whose config changed get a
 ///   `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
 /// - The listeners and identity (`[edge]` addresses, name, trust domain),
-///   TLS added or removed, `[credentials]` and `[cluster]` are reported as
-///   needing a restart and are not applied (compared with `started`, what
-///   the process started with, so the warning repeats while the file
-///   differs). Certificates are [`reload_tls`]'s.
+///   TLS added or removed, `[credentials]` added or removed, another
+///   issuer key and `[cluster]` are reported as needing a restart and are
+///   not applied (compared with what the process started with, so the
+///   warning repeats while the file differs). Certificates are
+///   [`reload_tls`]'s.
 pub fn reload(
     edge: &Edge,
     started: &EdgeConfig,
     path: &std::path::Path,
     revision: u64,
 ) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
-    let next = EdgeConfig::load(path)?;
+    let mut next = EdgeConfig::load(path)?;
     // Removing the last key must not open the Edge to everyone.
     next.check_open_access()?;
     let digest = std::fs::read(path)
@@ -96,6 +105,16 @@ pub fn reload(
         restart_required: restart_required(started, &next),
         ..ReloadReport::default()
     };
+    // Before anything applies: the next credential plane, with the secrets
+    // of new slots and revisions read (an unreadable one refuses it all).
+    let credentials =
+        crate::plane::credentials::prepare_reload(edge.settings.credentials.as_ref(), &mut next)?;
+    if credentials.as_ref().is_some_and(|c| c.issuer_differs()) {
+        report.restart_required.push(
+            "[credentials] issuer_key (nodes trust the running issuer's public key; it keeps \
+             signing until a restart)",
+        );
+    }
     let before = edge.settings.running.get();
     if let Some(previous) = &before.config {
         let names =
@@ -129,9 +148,10 @@ pub fn reload(
     report.client_keys = edge.settings.client_keys.replace(&next.client_keys);
     // Rotation: the usage file is reopened by its path.
     edge.settings.usage_log.reopen();
-    // Leases issued from here on are bound to the new origins and paths.
-    if let Some(plane) = &edge.settings.credentials {
-        plane.apply_config(&next);
+    // Leases issued from here on, on every shard, come from the new plane:
+    // its slots, revocations, secrets, origins and paths.
+    if let (Some(running), Some(plane)) = (&edge.settings.credentials, credentials) {
+        report.credentials = running.commit(plane);
     }
     // The fleet: Control first (a request let in under the new model list
     // finds its model there), then what the shards read.
@@ -206,8 +226,19 @@ fn restart_required(started: &EdgeConfig, next: &EdgeConfig) -> Vec<&'static str
             "[edge] listeners, identity or front-door limits, or [tls] / [edge.client_tls] added or removed",
         );
     }
-    if started.credentials != next.credentials {
-        sections.push("[credentials]");
+    // Slots, revisions, revocations and the lease TTL apply (see
+    // `reload`); the plane turns on or off only at start (another issuer
+    // key is found by reading it, in `reload`).
+    match (&started.credentials, &next.credentials) {
+        (None, Some(_)) => sections.push(
+            "[credentials] added (the credential plane turns on only at start; no lease is issued \
+             until a restart)",
+        ),
+        (Some(_), None) => sections.push(
+            "[credentials] removed (the credential plane turns off only at start; its running \
+             slots stay in force)",
+        ),
+        _ => {}
     }
     if started.cluster != next.cluster {
         sections.push("[cluster]");
@@ -300,7 +331,8 @@ pub fn reload_tls(
 /// main thread: each shard takes its part with [`ShardedEdge::take`].
 pub struct ShardedEdge {
     cfg: EdgeConfig,
-    credentials: Option<Arc<CredentialPlane>>,
+    /// One credential plane for every shard, so a reload reaches them all.
+    credentials: Option<RunningPlane>,
     /// One table for every shard, so a reload reaches them all.
     client_keys: ClientKeys,
     /// One running configuration for every shard, so a reload reaches
@@ -460,7 +492,7 @@ impl ShardedEdge {
                 ))
             }),
             cfg,
-            credentials: credentials.map(Arc::new),
+            credentials: credentials.map(RunningPlane::new),
             acceptor,
             client_tls: None,
             peer_tls,
