@@ -432,7 +432,8 @@ fn control_setup(
 }
 
 /// SIGHUP reloads the configuration: the fleet (nodes, providers, models),
-/// the per-request limits and client keys apply at once, refreshes go to
+/// the per-request limits, client keys and credential slots apply at once
+/// (a credential secret it cannot read refuses the file), refreshes go to
 /// ready nodes (K3), the access log file and the usage file are reopened,
 /// and the node-link and client-listener certificates are re-read; an
 /// invalid file keeps the running configuration (a bad certificate the
@@ -484,6 +485,7 @@ fn spawn_reloader(
                         client_keys_added = report.client_keys.added,
                         client_keys_revoked = report.client_keys.revoked,
                         client_keys_changed = report.client_keys.changed,
+                        credentials = ?report.credentials,
                         "configuration reloaded"
                     );
                     if !report.unsent.is_empty() {

@@ -292,8 +292,9 @@ fn check_config_diff_prints_what_changes_from_the_running_file() {
     for (from, to) in [
         ("long_context_capacity = 2", "long_context_capacity = 1"),
         (
-            "providers = [\"node-a/a-llama\"]",
-            "providers = [\"node-a/a-llama\", \"node-a/a-qwen\"]",
+            // The model's pool (not the commented credential slot's list).
+            "\nproviders = [\"node-a/a-llama\"]",
+            "\nproviders = [\"node-a/a-llama\", \"node-a/a-qwen\"]",
         ),
         (
             "client_listen = \"127.0.0.1:8080\"",

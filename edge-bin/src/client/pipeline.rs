@@ -487,7 +487,10 @@ pub(super) fn with_lease(
     mut tunnel: pb::ProviderTunnelRequest,
     body: BodyParts,
 ) -> Result<NodeRequest, CredentialError> {
-    if let Some(plane) = &edge.settings.credentials {
+    if let Some(running) = &edge.settings.credentials {
+        // The plane in force now: a reload's revocation or new secret
+        // applies from the next lease issued.
+        let plane = running.get();
         let lease = &dispatch.lease;
         let issued = plane.issue_now(&LeaseRequest {
             principal,
@@ -697,7 +700,7 @@ mod tests {
         });
         assert_eq!(&binding.request_digest[..], &digest[..]);
         assert_eq!(sent.body, Bytes::from_static(b"{}"));
-        let Some(plane) = &edge.settings.credentials else {
+        let Some(plane) = edge.settings.credentials.as_ref().map(|r| r.get()) else {
             panic!("the plane")
         };
         assert!(plane.is_projection_of(binding.projection_generation, "node-a", 2));

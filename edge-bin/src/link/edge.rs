@@ -15,7 +15,6 @@
 use std::cell::{Cell, Ref, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
 use iop_engine::clock;
@@ -177,7 +176,10 @@ pub fn edge_state(cfg: &EdgeConfig) -> Rc<Edge> {
 /// The shard state for `cfg` with its loaded credential plane
 /// ([`CredentialPlane::load`]).
 pub fn edge_state_with(cfg: &EdgeConfig, credentials: Option<CredentialPlane>) -> Rc<Edge> {
-    let mut settings = crate::link::settings::settings(cfg, credentials.map(Arc::new));
+    let mut settings = crate::link::settings::settings(
+        cfg,
+        credentials.map(crate::plane::credentials::RunningPlane::new),
+    );
     settings.usage_log = usage_log(cfg);
     settings.access_log = access_log(cfg);
     Rc::new(Edge::new(Control::new(control_spec(cfg)), settings))

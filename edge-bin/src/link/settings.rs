@@ -8,7 +8,7 @@ use iop_engine::tls::HttpsAcceptor;
 use crate::config::{EdgeConfig, ListenerLimits};
 use crate::plane::access::AccessLog;
 use crate::plane::client_keys::ClientKeys;
-use crate::plane::credentials::CredentialPlane;
+use crate::plane::credentials::RunningPlane;
 use crate::plane::request_metrics::RequestMetrics;
 use crate::plane::running::{Running, RunningConfig};
 use crate::plane::usage::UsageLog;
@@ -27,9 +27,10 @@ pub struct Settings {
     pub client_tls: Option<HttpsAcceptor>,
     /// Client API keys (401 without one when configured).
     pub client_keys: ClientKeys,
-    /// The loaded credential plane, shared by every shard; `None` =
-    /// disabled (tunnels carry no lease).
-    pub credentials: Option<Arc<CredentialPlane>>,
+    /// The credential plane in force, shared by every shard and replaced
+    /// for all of them by a reload; `None` = disabled (tunnels carry no
+    /// lease; only a restart turns it on).
+    pub credentials: Option<RunningPlane>,
     /// The front door's deadlines, caps and bounds (`[edge]`) as the
     /// process started: the accept loops' caps and the node handshake
     /// deadlines are read from here once; the client ones follow reloads
@@ -82,7 +83,7 @@ pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
 
 /// The shells' static settings for `cfg` (the usage file and the access
 /// log off: each is one per process, see [`usage_log`] and [`access_log`]).
-pub fn settings(cfg: &EdgeConfig, credentials: Option<Arc<CredentialPlane>>) -> Settings {
+pub fn settings(cfg: &EdgeConfig, credentials: Option<RunningPlane>) -> Settings {
     Settings {
         running: RunningConfig::new(Running::of(cfg, 1, String::new())),
         started_unix_sec: iop_engine::clock::unix_ms() / 1000,

@@ -21,7 +21,7 @@ use crate::link::settings::{access_log, request_metrics, settings, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
 use crate::plane::access::AccessLog;
 use crate::plane::client_keys::{ClientKeys, KeysChange};
-use crate::plane::credentials::CredentialPlane;
+use crate::plane::credentials::{CredentialPlane, CredentialsChange, RunningPlane};
 use crate::plane::request_metrics::RequestMetrics;
 use crate::plane::running::{digest_of, Running, RunningConfig};
 use crate::plane::usage::UsageLog;
@@ -62,6 +62,8 @@ pub struct ReloadReport {
     /// rest of the file was applied. One line each, `<file>: <key>:
     /// <reason>; keeping the running …`.
     pub kept_operational: Vec<String>,
+    /// What the new `[credentials]` slots changed (applied at once).
+    pub credentials: CredentialsChange,
 }
 
 /// Reloads the configuration file (SIGHUP) at `revision`. An invalid file
@@ -83,14 +85,21 @@ pub struct ReloadReport {
 /// - `[[client_keys]]` replace the running keys on every shard: a removed
 ///   key gets 401 from its next request on (requests already let in under
 ///   it run to their end), an added key works at once, scopes follow.
+/// - `[credentials]` slots (added, removed, enabled, their revisions and
+///   revoked revisions, their providers) and `lease_ttl_ms` apply from the
+///   next lease issued on any shard: the next credential plane is built
+///   first, reading the secrets of new slots and revisions, and a secret
+///   that cannot be read refuses the whole reload
+///   ([`crate::plane::credentials::RunningPlane::prepare`]).
 /// - Each node's new adapter config replaces the one pushed at
 ///   registration, and nodes whose config changed get a
 ///   `NodeConfigRefreshRequest` — only dispatch-ready owners (K3, X6).
 /// - The listeners and identity (`[edge]` addresses, name, trust domain),
-///   TLS added or removed, `[credentials]` and `[cluster]` are reported as
-///   needing a restart and are not applied (compared with `started`, what
-///   the process started with, so the warning repeats while the file
-///   differs). Certificates are [`reload_tls`]'s.
+///   TLS added or removed, `[credentials]` added or removed, another
+///   issuer key and `[cluster]` are reported as needing a restart and are
+///   not applied (compared with `started`, what the process started with,
+///   so the warning repeats while the file differs). Certificates are
+///   [`reload_tls`]'s.
 /// - The access log file and the usage file are opened again by the paths
 ///   the file names now (rotation: rename, then SIGHUP; or a new path).
 ///   Turning either on or off, or another access log `format`, needs a
@@ -109,24 +118,36 @@ pub fn reload(
     let digest = std::fs::read(path)
         .map(|bytes| digest_of(&bytes))
         .unwrap_or_default();
-    Ok(apply(edge, started, next, digest, revision))
+    apply(edge, started, next, digest, revision)
 }
 
 /// Applies `next`, a validated configuration whose source has `digest`, at
 /// `revision`: what [`reload`] does once the file is loaded (a cluster
-/// applies a fleet published by another Edge the same way).
+/// applies a fleet published by another Edge the same way). Refused, with
+/// nothing applied, when a credential secret or issuer key it must read
+/// cannot be read.
 pub fn apply(
     edge: &Edge,
     started: &EdgeConfig,
-    next: EdgeConfig,
+    mut next: EdgeConfig,
     digest: String,
     revision: u64,
-) -> (EdgeConfig, ReloadReport) {
+) -> Result<(EdgeConfig, ReloadReport), crate::config::ConfigError> {
     let mut report = ReloadReport {
         revision,
         restart_required: restart_required(started, &next),
         ..ReloadReport::default()
     };
+    // Before anything applies: the next credential plane, with the secrets
+    // of new slots and revisions read (an unreadable one refuses it all).
+    let credentials =
+        crate::plane::credentials::prepare_reload(edge.settings.credentials.as_ref(), &mut next)?;
+    if credentials.as_ref().is_some_and(|c| c.issuer_differs()) {
+        report.restart_required.push(
+            "[credentials] issuer_key (nodes trust the running issuer's public key; it keeps \
+             signing until a restart)",
+        );
+    }
     let before = edge.settings.running.get();
     if let Some(previous) = &before.config {
         let names =
@@ -170,9 +191,10 @@ pub fn apply(
         report.kept_operational.extend(outcome.kept);
         report.restart_required.extend(outcome.restart_required);
     }
-    // Leases issued from here on are bound to the new origins and paths.
-    if let Some(plane) = &edge.settings.credentials {
-        plane.apply_config(&next);
+    // Leases issued from here on, on every shard, come from the new plane:
+    // its slots, revocations, secrets, origins and paths.
+    if let (Some(running), Some(plane)) = (&edge.settings.credentials, credentials) {
+        report.credentials = running.commit(plane);
     }
     // The fleet: who may connect, Control (a request let in under the new
     // model list finds its model there), then what the shards read. A
@@ -226,7 +248,7 @@ pub fn apply(
             None => report.deferred.push(node.id.clone()),
         }
     }
-    (next, report)
+    Ok((next, report))
 }
 
 /// The settings of `next` that differ from `started` and that only a
@@ -244,8 +266,19 @@ fn restart_required(started: &EdgeConfig, next: &EdgeConfig) -> Vec<&'static str
             )
         })
         .collect();
-    if started.credentials != next.credentials {
-        keys.push("[credentials]");
+    // Slots, revisions, revocations and the lease TTL apply (see
+    // `apply`); the plane turns on or off only at start (another issuer
+    // key is found by reading it, in `apply`).
+    match (&started.credentials, &next.credentials) {
+        (None, Some(_)) => keys.push(
+            "[credentials] added (the credential plane turns on only at start; no lease is issued \
+             until a restart)",
+        ),
+        (Some(_), None) => keys.push(
+            "[credentials] removed (the credential plane turns off only at start; its running \
+             slots stay in force)",
+        ),
+        _ => {}
     }
     keys
 }
@@ -335,7 +368,8 @@ pub fn reload_tls(
 /// main thread: each shard takes its part with [`ShardedEdge::take`].
 pub struct ShardedEdge {
     cfg: EdgeConfig,
-    credentials: Option<Arc<CredentialPlane>>,
+    /// One credential plane for every shard, so a reload reaches them all.
+    credentials: Option<RunningPlane>,
     /// One table for every shard, so a reload reaches them all.
     client_keys: ClientKeys,
     /// One running configuration for every shard, so a reload reaches
@@ -495,7 +529,7 @@ impl ShardedEdge {
                 ))
             }),
             cfg,
-            credentials: credentials.map(Arc::new),
+            credentials: credentials.map(RunningPlane::new),
             acceptor,
             client_tls: None,
             peer_tls,

@@ -27,6 +27,7 @@ use edge_bin::config::EdgeConfig;
 use edge_bin::control::Control;
 use edge_bin::link::edge::Edge;
 use edge_bin::link::settings;
+use edge_bin::plane::credentials::{CredentialPlane, RunningPlane};
 use edge_bin::server::{self, Listeners};
 use iop_engine::certs::{write_dev_certs_with_https, DevCertFiles};
 use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SocketShutdown};
@@ -356,6 +357,17 @@ pub struct TestEdge {
 impl TestEdge {
     /// Parses `toml` and starts serving it.
     pub fn start(pki: &Pki, toml: &str) -> Self {
+        Self::start_with(pki, toml, false)
+    }
+
+    /// [`TestEdge::start`] with the credential plane of `toml`'s
+    /// `[credentials]` loaded as the binary loads it (no environment
+    /// variables: slot secrets come from files).
+    pub fn start_with_credentials(pki: &Pki, toml: &str) -> Self {
+        Self::start_with(pki, toml, true)
+    }
+
+    fn start_with(pki: &Pki, toml: &str, credentials: bool) -> Self {
         let cfg = EdgeConfig::parse(toml, pki.dir.join("edge.toml")).expect("edge config");
         cfg.validate_files().expect("edge TLS files");
         let tls = cfg.tls.as_ref().expect("the test config has [tls]");
@@ -368,7 +380,14 @@ impl TestEdge {
         let allowed = NodeAllowList::new(cfg.nodes.iter().map(|n| n.id.clone()));
         let acceptor = EdgeTlsAcceptor::new(&material, &cfg.edge.trust_domain, allowed)
             .expect("edge acceptor");
-        let mut settings = settings::settings(&cfg, None);
+        let plane = credentials
+            .then(|| {
+                CredentialPlane::load(&cfg, &|_| None)
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .map(RunningPlane::new)
+            })
+            .flatten();
+        let mut settings = settings::settings(&cfg, plane);
         settings.node_allow_list = Some(acceptor.allowed_nodes().clone());
         settings.client_tls = cfg
             .client_tls

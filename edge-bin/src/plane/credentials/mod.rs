@@ -18,9 +18,37 @@
 //! The decisions are pure: [`CredentialPlane::issue`] takes `now`, the lease
 //! id and the randomness as inputs; [`CredentialPlane::issue_now`] is the
 //! shell that reads the clock and the OS random source. Loading
-//! ([`CredentialPlane::load`]) reads the issuer key and every slot secret once
-//! at startup; [`CredentialPlane::apply_config`] follows a reload's new
-//! adapter origins, provider CAs and profiles.
+//! ([`CredentialPlane::load`]) reads the issuer key and every slot secret at
+//! startup.
+//!
+//! # Reloads
+//!
+//! A plane is never changed in place: a SIGHUP reload builds the next one
+//! from the new file ([`RunningPlane::prepare`], nothing applied yet) and
+//! swaps it in for every shard at once ([`RunningPlane::commit`]). The next
+//! lease any shard issues comes from the new plane; a lease already issued
+//! stays what it is.
+//!
+//! ```text
+//!  SIGHUP ─► RunningPlane::prepare(next)
+//!              ├─ slots added, removed, enabled, disabled, their revoked
+//!              │  revisions, headers and providers, lease_ttl_ms ── from the file
+//!              ├─ a slot's secret ── kept while its name, source and revision stay;
+//!              │                     read again (secret_file) when one changes;
+//!              │                     unreadable ─► the whole reload is refused
+//!              ├─ issuer key ── kept (nodes trust its public key from their own
+//!              │                config): a new one is reported as needing a restart
+//!              ├─ projection key ── kept (projections stay stable, R5)
+//!              └─ lease sequence counters ── shared, never restarted (C2 replay)
+//!          RunningPlane::commit ─► every shard issues from the new plane
+//! ```
+//!
+//! The environment of a running process does not change (and startup wipes
+//! `secret_env` variables from it, C4), so a slot whose secret comes from
+//! `secret_env` keeps the value read at startup: a reload that adds such a
+//! slot or gives it a new revision is refused; `secret_file` secrets rotate
+//! by reload. Turning the plane on or off needs a restart too: the reload
+//! keeps the running state (see [`prepare_reload`]).
 //!
 //! # Never leaked (C4)
 //!
@@ -33,12 +61,12 @@
 //! # Revisions and generations
 //!
 //! `credential_revision` is the slot's configured `revision`.
-//! `route_revision` is [`ROUTE_REVISION`]: routes are static config, so their
-//! revision changes only with a restart and is fixed at 1 (a future config
-//! refresh would bump it). `projection_generation` is
-//! [`CredentialPlane::projection`] of the connection generation of the
-//! selected node's lease in `Control`: a keyed hash, never the generation
-//! itself (R5).
+//! `route_revision` is [`ROUTE_REVISION`], fixed at 1: reloads do not number
+//! routes (a lease binds its route by name, origin and request instead).
+//! `projection_generation` is [`CredentialPlane::projection`] of the
+//! connection generation of the selected node's lease in `Control`: a keyed
+//! hash, never the generation itself (R5), under a key drawn at startup and
+//! kept across reloads.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -48,7 +76,7 @@ use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
 use ed25519_dalek::SigningKey;
@@ -65,7 +93,9 @@ use x25519_dalek::PublicKey;
 use zeroize::Zeroizing;
 
 use crate::api::error::GatewayError;
-use crate::config::{AdapterKind, AdapterSpec, ConfigError, EdgeConfig, SecretSource};
+use crate::config::{
+    AdapterKind, AdapterSpec, ConfigError, CredentialsSpec, EdgeConfig, SecretSource, SlotSpec,
+};
 
 /// `CredentialLeaseBinding.route_revision` of every lease (see the module
 /// docs).
@@ -174,10 +204,11 @@ impl fmt::Debug for IssuedLease {
     }
 }
 
-/// A slot with its secret loaded.
+/// A slot with its secret loaded (shared with the planes that follow it
+/// while its name, source and revision stay: a reload makes no copy).
 struct Slot {
     name: String,
-    secret: Zeroizing<Vec<u8>>,
+    secret: Arc<Zeroizing<Vec<u8>>>,
     header_name: String,
     header_format: String,
     revision: u64,
@@ -187,8 +218,7 @@ struct Slot {
 
 /// Where a slot-served provider's requests go, as the Node resolves it from
 /// the config the Edge pushes (U4): its adapter's profile, origin and
-/// provider TLS trust. It follows SIGHUP reloads
-/// ([`CredentialPlane::apply_config`]).
+/// provider TLS trust. A reload builds it again from the new file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Destination {
     profile: &'static str,
@@ -266,12 +296,12 @@ fn provider_trust(node_id: &str, adapter: &AdapterSpec) -> Option<[u8; PROVIDER_
     }
 }
 
-/// How a slot-served provider is bound: its slot (fixed at startup) and
-/// where its requests go (follows reloads).
+/// How a slot-served provider is bound: its slot and where its requests go
+/// (`None`: nowhere a lease may be bound to, so none is issued).
 #[derive(Debug)]
 struct ProviderRoute {
     slot: usize,
-    destination: RwLock<Option<Destination>>,
+    destination: Option<Destination>,
 }
 
 /// The exact binding of a lease about to be issued, with the slot it draws
@@ -282,24 +312,36 @@ struct Plan<'a> {
     recipient: &'a Recipient,
 }
 
-/// A node's recipient key, its key id and the next lease sequence number.
+/// A node's recipient key, its key id and its lease sequence counter.
 #[derive(Debug)]
 struct Recipient {
     key: PublicKey,
     key_id: String,
-    next_sequence: AtomicU64,
+    /// The node's next lease sequence number, shared with every plane of
+    /// this process ([`CredentialPlane::sequences`]).
+    next_sequence: Arc<AtomicU64>,
 }
 
 /// The loaded credential plane: issuer key, slots with their secrets, which
 /// provider each slot serves and where it goes, the nodes' recipient keys,
-/// and the key of the generation projection.
+/// and the key of the generation projection. Immutable: a reload builds the
+/// next one ([`CredentialPlane::successor`]).
 pub struct CredentialPlane {
-    issuer: SigningKey,
-    projection_key: Zeroizing<[u8; 32]>,
+    /// The `[credentials]` table it was built from (places, never secrets):
+    /// the next reload compares its slots with it.
+    spec: CredentialsSpec,
+    issuer: Arc<SigningKey>,
+    projection_key: Arc<Zeroizing<[u8; 32]>>,
     lease_ttl_ms: u64,
     slots: Vec<Slot>,
     routes: HashMap<String, HashMap<String, ProviderRoute>>,
     recipients: HashMap<String, Recipient>,
+    /// The lease sequence counter of every node that had a recipient key
+    /// in this process, shared by the planes that follow this one: a
+    /// node's numbers keep increasing across reloads, also when it is
+    /// removed and added again (the Node refuses a number it has seen,
+    /// C2). At most one entry per node id ever configured.
+    sequences: HashMap<String, Arc<AtomicU64>>,
 }
 
 impl fmt::Debug for CredentialPlane {
@@ -337,27 +379,10 @@ impl CredentialPlane {
         let Some(credentials) = &cfg.credentials else {
             return Ok(None);
         };
-        let issuer = keys::load_issuer_key(&credentials.issuer_key)
-            .map_err(|e| ConfigError::new(&cfg.source, "credentials.issuer_key", e.to_string()))?;
+        let issuer = load_issuer(cfg, credentials)?;
         let mut secrets = Vec::with_capacity(credentials.slots.len());
         for (i, slot) in credentials.slots.iter().enumerate() {
-            let secret = match &slot.secret {
-                SecretSource::File(path) => read_secret_file(path).map_err(|why| {
-                    ConfigError::new(
-                        &cfg.source,
-                        format!("credentials.slots[{i}].secret_file"),
-                        why,
-                    )
-                })?,
-                SecretSource::Env(name) => read_secret_env(name, env).map_err(|why| {
-                    ConfigError::new(
-                        &cfg.source,
-                        format!("credentials.slots[{i}].secret_env"),
-                        why,
-                    )
-                })?,
-            };
-            secrets.push(secret);
+            secrets.push(read_slot_secret(cfg, i, slot, Some(env))?);
         }
         let projection_key = keys::random_key().map_err(|e| {
             ConfigError::new(&cfg.source, "credentials", format!("projection key: {e}"))
@@ -375,34 +400,54 @@ impl CredentialPlane {
         secrets: Vec<Zeroizing<Vec<u8>>>,
         projection_key: Zeroizing<[u8; 32]>,
     ) -> Self {
-        let specs = cfg.credentials.as_ref();
-        let slot_specs = specs.map(|c| c.slots.as_slice()).unwrap_or_default();
-        let slots: Vec<Slot> = slot_specs
+        let spec = cfg.credentials.clone().unwrap_or_else(|| CredentialsSpec {
+            issuer_key: Default::default(),
+            lease_ttl_ms: crate::config::DEFAULT_LEASE_TTL_MS,
+            slots: Vec::new(),
+        });
+        Self::build(
+            cfg,
+            spec,
+            Arc::new(issuer),
+            secrets.into_iter().map(Arc::new).collect(),
+            Arc::new(projection_key),
+            HashMap::new(),
+        )
+    }
+
+    /// The plane of `spec` (whose secrets are `secrets`, in slot order) over
+    /// the fleet of `cfg`, with these keys and sequence counters (a node
+    /// without one starts at 1).
+    fn build(
+        cfg: &EdgeConfig,
+        spec: CredentialsSpec,
+        issuer: Arc<SigningKey>,
+        secrets: Vec<Arc<Zeroizing<Vec<u8>>>>,
+        projection_key: Arc<Zeroizing<[u8; 32]>>,
+        mut sequences: HashMap<String, Arc<AtomicU64>>,
+    ) -> Self {
+        let slots: Vec<Slot> = spec
+            .slots
             .iter()
             .zip(secrets)
-            .map(|(spec, secret)| Slot {
-                name: spec.name.clone(),
+            .map(|(slot, secret)| Slot {
+                name: slot.name.clone(),
                 secret,
-                header_name: spec.header_name.clone(),
-                header_format: spec.header_format.clone(),
-                revision: spec.revision,
-                enabled: spec.enabled,
-                revoked: spec.revoked_revisions.contains(&spec.revision),
+                header_name: slot.header_name.clone(),
+                header_format: slot.header_format.clone(),
+                revision: slot.revision,
+                enabled: slot.enabled,
+                revoked: slot.revoked_revisions.contains(&slot.revision),
             })
             .collect();
         let mut routes: HashMap<String, HashMap<String, ProviderRoute>> = HashMap::new();
-        for (index, spec) in slot_specs.iter().enumerate().take(slots.len()) {
-            for provider in &spec.providers {
-                let Some(destination) =
-                    Destination::of(cfg, &provider.node_id, &provider.provider_id)
-                else {
-                    continue;
-                };
+        for (index, slot) in spec.slots.iter().enumerate().take(slots.len()) {
+            for provider in &slot.providers {
                 routes.entry(provider.node_id.clone()).or_default().insert(
                     provider.provider_id.clone(),
                     ProviderRoute {
                         slot: index,
-                        destination: RwLock::new(Some(destination)),
+                        destination: Destination::of(cfg, &provider.node_id, &provider.provider_id),
                     },
                 );
             }
@@ -412,47 +457,98 @@ impl CredentialPlane {
             .iter()
             .filter_map(|n| {
                 n.recipient_key.map(|key| {
-                    let key_id = lease::recipient_key_id(&key);
+                    let next_sequence = sequences
+                        .entry(n.id.clone())
+                        .or_insert_with(|| Arc::new(AtomicU64::new(1)))
+                        .clone();
                     let recipient = Recipient {
                         key,
-                        key_id,
-                        next_sequence: AtomicU64::new(1),
+                        key_id: lease::recipient_key_id(&key),
+                        next_sequence,
                     };
                     (n.id.clone(), recipient)
                 })
             })
             .collect();
         Self {
+            lease_ttl_ms: spec.lease_ttl_ms,
+            spec,
             issuer,
             projection_key,
-            lease_ttl_ms: specs.map_or(crate::config::DEFAULT_LEASE_TTL_MS, |c| c.lease_ttl_ms),
             slots,
             routes,
             recipients,
+            sequences,
         }
     }
 
-    /// Follows a reloaded configuration (SIGHUP): every slot-served
-    /// provider's destination (its adapter's origin, provider CA and profile
-    /// paths) is read from `cfg`, so leases issued from now on are bound to
-    /// what the refreshed Node will send and whom it will trust. Slots, the providers they serve and keys
-    /// change only with a restart. Returns how many destinations changed.
-    pub fn apply_config(&self, cfg: &EdgeConfig) -> usize {
-        let mut changed = 0;
-        for (node_id, providers) in &self.routes {
-            for (provider_id, route) in providers {
-                let next = Destination::of(cfg, node_id, provider_id);
-                let mut current = route
-                    .destination
-                    .write()
-                    .unwrap_or_else(PoisonError::into_inner);
-                if *current != next {
-                    *current = next;
-                    changed += 1;
+    /// The plane `cfg` describes, following this one (a SIGHUP reload; see
+    /// the module docs): its slots, their revisions, revocations, headers
+    /// and providers, the lease TTL, the nodes' recipient keys and the
+    /// providers' destinations come from `cfg`, while the issuer key, the
+    /// projection key and the nodes' sequence counters are this plane's. A
+    /// slot keeps its secret while its name, source and revision stay; a
+    /// slot that is new or has a new revision or source has its secret
+    /// read — from its `secret_file` (a `secret_env` cannot be read again:
+    /// refused). A `cfg` without `[credentials]` keeps this plane's slots.
+    /// Errors name the file, the key and the reason, never a secret;
+    /// nothing changes until the caller puts the result in force.
+    pub fn successor(&self, cfg: &EdgeConfig) -> Result<(Self, CredentialsChange), ConfigError> {
+        let spec = cfg.credentials.as_ref().unwrap_or(&self.spec);
+        let mut change = CredentialsChange {
+            slots: spec.slots.len(),
+            ..CredentialsChange::default()
+        };
+        let mut secrets = Vec::with_capacity(spec.slots.len());
+        for (i, slot) in spec.slots.iter().enumerate() {
+            let running = self.spec.slots.iter().position(|s| s.name == slot.name);
+            let kept = running.and_then(|r| {
+                let old = &self.spec.slots[r];
+                (old.secret == slot.secret && old.revision == slot.revision)
+                    .then(|| self.slots.get(r).map(|s| s.secret.clone()))
+                    .flatten()
+            });
+            match (running, &kept) {
+                (None, _) => change.added.push(slot.name.clone()),
+                (Some(_), None) => change.rotated.push(slot.name.clone()),
+                (Some(r), Some(_)) if self.spec.slots[r] != *slot => {
+                    change.changed.push(slot.name.clone());
                 }
+                (Some(_), Some(_)) => {}
             }
+            let secret = match kept {
+                Some(secret) => secret,
+                None => Arc::new(read_slot_secret(cfg, i, slot, None)?),
+            };
+            secrets.push(secret);
         }
-        changed
+        change.removed = self
+            .spec
+            .slots
+            .iter()
+            .filter(|old| !spec.slots.iter().any(|s| s.name == old.name))
+            .map(|old| old.name.clone())
+            .collect();
+        let next = Self::build(
+            cfg,
+            spec.clone(),
+            self.issuer.clone(),
+            secrets,
+            self.projection_key.clone(),
+            self.sequences.clone(),
+        );
+        Ok((next, change))
+    }
+
+    /// True when the issuer key `cfg` names is not this plane's: reads it
+    /// (errors name the file, the key and the reason). `false` for a `cfg`
+    /// without `[credentials]`.
+    pub fn issuer_differs(&self, cfg: &EdgeConfig) -> Result<bool, ConfigError> {
+        let Some(credentials) = &cfg.credentials else {
+            return Ok(false);
+        };
+        let named = load_issuer(cfg, credentials)?;
+        Ok(named.verifying_key() != self.issuer.verifying_key())
     }
 
     /// The issuer's key id (lowercase hex blake3 of its public key).
@@ -531,11 +627,7 @@ impl CredentialPlane {
         };
         let tunnel = req.tunnel;
         let (profile, origin, provider_trust, path) = {
-            let destination = route
-                .destination
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            let destination = destination.as_ref().ok_or_else(no_destination)?;
+            let destination = route.destination.as_ref().ok_or_else(no_destination)?;
             let path = destination
                 .request_path(tunnel)
                 .ok_or_else(no_destination)?;
@@ -648,6 +740,178 @@ impl CredentialPlane {
         };
         let lease = lease::issue(&params, &self.issuer, &recipient.key, entropy)?;
         Ok(IssuedLease { lease, binding })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Reloads
+
+/// What a reload changed in the credential slots (names only, never a
+/// secret).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CredentialsChange {
+    /// Slots now configured.
+    pub slots: usize,
+    /// Slots added (their secrets read).
+    pub added: Vec<String>,
+    /// Slots removed: their providers get no lease from now on.
+    pub removed: Vec<String>,
+    /// Slots with a new revision or secret source: their secrets were read
+    /// again.
+    pub rotated: Vec<String>,
+    /// Slots that kept their secret but changed otherwise: enabled,
+    /// revoked revisions, header, format or providers.
+    pub changed: Vec<String>,
+}
+
+/// A plane built for a reload, not yet in force ([`RunningPlane::commit`]).
+pub struct NextPlane {
+    plane: CredentialPlane,
+    change: CredentialsChange,
+    issuer_differs: bool,
+}
+
+impl NextPlane {
+    /// True when the file names another issuer key than the running one:
+    /// the running key keeps signing (the nodes trust its public key from
+    /// their own config) until a restart.
+    pub fn issuer_differs(&self) -> bool {
+        self.issuer_differs
+    }
+}
+
+impl fmt::Debug for NextPlane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NextPlane")
+            .field("plane", &self.plane)
+            .field("change", &self.change)
+            .field("issuer_differs", &self.issuer_differs)
+            .finish()
+    }
+}
+
+/// The credential plane in force, shared by every shard (clones share it).
+/// A reload builds the next plane ([`RunningPlane::prepare`]) and swaps it
+/// in for every shard at once ([`RunningPlane::commit`]); a request takes
+/// the plane in force when it issues its lease ([`RunningPlane::get`]).
+#[derive(Clone)]
+pub struct RunningPlane {
+    current: Arc<RwLock<Arc<CredentialPlane>>>,
+}
+
+impl fmt::Debug for RunningPlane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RunningPlane").field(&*self.get()).finish()
+    }
+}
+
+impl RunningPlane {
+    /// Starts at `plane`.
+    pub fn new(plane: CredentialPlane) -> Self {
+        Self {
+            current: Arc::new(RwLock::new(Arc::new(plane))),
+        }
+    }
+
+    /// The plane in force now.
+    pub fn get(&self) -> Arc<CredentialPlane> {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Builds the plane `next` describes, following the one in force
+    /// ([`CredentialPlane::successor`]), and reads `next`'s issuer key to
+    /// compare it with the running one. A file without `[credentials]`
+    /// keeps the running slots (the plane turns off only with a restart):
+    /// `next` is given the running `[credentials]`, so what the rest of the
+    /// reload derives from it (the nodes' config payloads) matches what
+    /// runs. Changes nothing in force.
+    pub fn prepare(&self, next: &mut EdgeConfig) -> Result<NextPlane, ConfigError> {
+        let running = self.get();
+        let issuer_differs = running.issuer_differs(next)?;
+        if next.credentials.is_none() {
+            next.credentials = Some(running.spec.clone());
+        }
+        let (plane, change) = running.successor(next)?;
+        Ok(NextPlane {
+            plane,
+            change,
+            issuer_differs,
+        })
+    }
+
+    /// Puts `next` in force on every shard: the next lease any of them
+    /// issues comes from it. Returns what it changed.
+    pub fn commit(&self, next: NextPlane) -> CredentialsChange {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next.plane);
+        next.change
+    }
+}
+
+/// The credential side of a reload to `next`, prepared before anything
+/// applies: with a plane running, the next one ([`RunningPlane::prepare`];
+/// an error refuses the whole reload); without one, `next`'s
+/// `[credentials]` is dropped (the plane turns on only at start, so nodes
+/// are not told to require leases nobody issues) and `None`.
+pub fn prepare_reload(
+    running: Option<&RunningPlane>,
+    next: &mut EdgeConfig,
+) -> Result<Option<NextPlane>, ConfigError> {
+    match running {
+        Some(running) => running.prepare(next).map(Some),
+        None => {
+            next.credentials = None;
+            Ok(None)
+        }
+    }
+}
+
+/// Reads the issuer key `credentials` names.
+fn load_issuer(cfg: &EdgeConfig, credentials: &CredentialsSpec) -> Result<SigningKey, ConfigError> {
+    keys::load_issuer_key(&credentials.issuer_key)
+        .map_err(|e| ConfigError::new(&cfg.source, "credentials.issuer_key", e.to_string()))
+}
+
+/// Looks up an environment variable (`std::env::var_os` in the binary).
+type EnvLookup<'a> = dyn Fn(&str) -> Option<OsString> + 'a;
+
+/// Reads the secret of `slot`, `credentials.slots[index]` of `cfg`: from
+/// its file, or from the environment through `env` (`None` on a reload: the
+/// environment was read, and wiped of the secret, at startup).
+fn read_slot_secret(
+    cfg: &EdgeConfig,
+    index: usize,
+    slot: &SlotSpec,
+    env: Option<&EnvLookup<'_>>,
+) -> Result<Zeroizing<Vec<u8>>, ConfigError> {
+    match &slot.secret {
+        SecretSource::File(path) => read_secret_file(path).map_err(|why| {
+            ConfigError::new(
+                &cfg.source,
+                format!("credentials.slots[{index}].secret_file"),
+                why,
+            )
+        }),
+        SecretSource::Env(name) => {
+            let read = match env {
+                Some(env) => read_secret_env(name, env),
+                None => Err(format!(
+                    "environment variable {name} is read only at startup (the environment of a \
+                     running Edge does not change): a slot that is added, or gets a new revision \
+                     or source, with secret_env needs a restart; use secret_file to rotate by \
+                     reload"
+                )),
+            };
+            read.map_err(|why| {
+                ConfigError::new(
+                    &cfg.source,
+                    format!("credentials.slots[{index}].secret_env"),
+                    why,
+                )
+            })
+        }
     }
 }
 

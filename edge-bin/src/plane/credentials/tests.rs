@@ -184,6 +184,11 @@ fn issued(plane: &CredentialPlane, req: &LeaseRequest<'_>) -> IssuedLease {
     }
 }
 
+/// `plane`'s successor for `cfg` (a reload), which must build.
+fn successor(plane: &CredentialPlane, cfg: &EdgeConfig) -> (CredentialPlane, CredentialsChange) {
+    plane.successor(cfg).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// The provider trust of node-a's `openai` adapter (plain HTTP).
 static PLAIN_HTTP: LazyLock<[u8; 32]> =
     LazyLock::new(|| lease::provider_trust_digest(&ProviderTrust::PlainHttp));
@@ -363,15 +368,28 @@ fn leases_are_numbered_per_node_and_need_a_destination() {
 #[test]
 fn reloaded_destinations_are_bound_from_then_on() {
     let plane = plane("");
-    assert_eq!(plane.apply_config(&config("")), 0);
+    let (same, change) = successor(&plane, &config(""));
+    assert_eq!(
+        change,
+        CredentialsChange {
+            slots: 1,
+            ..CredentialsChange::default()
+        }
+    );
+    assert_eq!(
+        issued(&same, &request("node-a", "gpt"))
+            .binding
+            .upstream_origin,
+        "http://127.0.0.1:9"
+    );
     let text = "base_url = \"http://127.0.0.1:9\"";
     let moved = EdgeConfig::parse(
         &config_text("").replace(text, "base_url = \"http://10.1.1.1:8001/gw\""),
         "conf/edge.toml",
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(plane.apply_config(&moved), 1);
-    let issued = issued(&plane, &request("node-a", "gpt"));
+    let (moved, _) = successor(&plane, &moved);
+    let issued = issued(&moved, &request("node-a", "gpt"));
     assert_eq!(issued.binding.upstream_origin, "http://10.1.1.1:8001");
     assert_eq!(
         &issued.binding.request_digest[..],
@@ -431,30 +449,27 @@ fn leases_are_bound_to_the_provider_trust_and_follow_reloads() {
     assert_eq!(bound_a, trust_of_client(Some(ca_a.clone())));
     assert_ne!(bound_a, *PLAIN_HTTP);
     // The CA file rotated: a SIGHUP reload re-reads it.
-    assert_eq!(plane.apply_config(&https_config(Some(ca_b.clone()))), 1);
-    let bound_b = trust(&plane);
+    let reloaded = |ca_pem: Option<String>| successor(&plane, &https_config(ca_pem)).0;
+    let bound_b = trust(&reloaded(Some(ca_b.clone())));
     assert_eq!(bound_b, trust_of_client(Some(ca_b.clone())));
     assert_ne!(bound_b, bound_a);
     // A bundle of both, in either order and with text around the
     // blocks, is one set of anchors.
     let both = format!("{ca_a}\n{ca_b}");
-    assert_eq!(plane.apply_config(&https_config(Some(both.clone()))), 1);
-    let bound_both = trust(&plane);
+    let bound_both = trust(&reloaded(Some(both.clone())));
     let reordered = format!("# provider CAs\n\n{ca_b}\n\n{ca_a}\n");
-    assert_eq!(plane.apply_config(&https_config(Some(reordered))), 0);
-    assert_eq!(trust(&plane), bound_both);
+    assert_eq!(trust(&reloaded(Some(reordered))), bound_both);
     assert_eq!(bound_both, trust_of_client(Some(both)));
+    assert_ne!(bound_both, bound_b);
     // Without a private CA: the Node's default roots.
-    assert_eq!(plane.apply_config(&https_config(None)), 1);
     assert_eq!(
-        trust(&plane),
+        trust(&reloaded(None)),
         lease::provider_trust_digest(&ProviderTrust::DefaultRoots)
     );
     // A bundle that does not parse (only a config never loaded has one)
     // gives no destination: nothing is issued.
-    assert_eq!(plane.apply_config(&https_config(Some("no PEM".into()))), 1);
     assert_eq!(
-        plane
+        reloaded(Some("no PEM".into()))
             .issue(&request("node-a", "gpt"), NOW_MS, "l", entropy())
             .map(|_| ()),
         Err(CredentialError::NoDestination {
@@ -718,4 +733,502 @@ fn load_reads_the_issuer_key_and_secrets() {
         "credentials.issuer_key"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------------------
+// Reloads: the next plane swapped in
+
+/// A directory with an issuer key and slot secret files, and configs that
+/// read them: what a reload re-reads.
+struct Rotation {
+    dir: std::path::PathBuf,
+}
+
+impl Rotation {
+    fn new(tag: &str) -> Self {
+        let dir = temp_dir(tag);
+        keys::generate_issuer_key(&dir.join("issuer.key")).expect("issuer key");
+        Self { dir }
+    }
+
+    /// Writes the secret file `name` (mode 0600).
+    fn write_secret(&self, name: &str, bytes: &[u8]) {
+        write_mode(&self.dir.join(name), bytes, 0o600);
+    }
+
+    /// [`config_text`] with `slot_extra`, the issuer key file `issuer`, and
+    /// the slot reading the secret file `secret` at `revision`.
+    fn config_with(
+        &self,
+        issuer: &str,
+        secret: &str,
+        revision: u64,
+        slot_extra: &str,
+    ) -> EdgeConfig {
+        let text = config_text(slot_extra)
+            .replace(
+                "issuer_key = \"issuer.key\"",
+                &format!("issuer_key = \"{}\"", self.dir.join(issuer).display()),
+            )
+            .replace(
+                "secret_env = \"OPENAI_KEY\"",
+                &format!("secret_file = \"{}\"", self.dir.join(secret).display()),
+            )
+            .replace("revision = 3", &format!("revision = {revision}"));
+        EdgeConfig::parse(&text, self.dir.join("edge.toml")).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn config(&self, secret: &str, revision: u64, slot_extra: &str) -> EdgeConfig {
+        self.config_with("issuer.key", secret, revision, slot_extra)
+    }
+
+    /// The plane `cfg` loads, running.
+    fn running(&self, cfg: &EdgeConfig) -> RunningPlane {
+        let plane = CredentialPlane::load(cfg, &|_| None)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("enabled");
+        RunningPlane::new(plane)
+    }
+
+    fn issuer(&self) -> ed25519_dalek::VerifyingKey {
+        keys::load_issuer_key(&self.dir.join("issuer.key"))
+            .expect("issuer")
+            .verifying_key()
+    }
+}
+
+impl Drop for Rotation {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What node-a does with `issued` ([`request`] on node-a), trusting
+/// `issuer`, with `revoked` from its config and its replay state: the
+/// secret it would inject, or why it refuses the lease.
+fn node_a_opens(
+    issued: &IssuedLease,
+    issuer: &ed25519_dalek::VerifyingKey,
+    revoked: &[pb::RevokedCredential],
+    replay: &mut ReplayGuard,
+) -> Result<Vec<u8>, lease::LeaseError> {
+    let recipient = recipient();
+    let digest = tunnel_digest("/v1/chat/completions");
+    let ctx = OpenContext {
+        recipient: &recipient,
+        issuer,
+        scope: node_scope(&digest),
+        revoked,
+        origin_pins: &OriginPins::new(),
+        now_unix_ms: NOW_MS + 1,
+        clock_skew_ms: 0,
+    };
+    open(Some(&issued.lease), Some(&issued.binding), &ctx, replay)
+        .map(|opened| opened.secret_bytes().to_vec())
+}
+
+fn issued_as(plane: &CredentialPlane, req: &LeaseRequest<'_>, lease_id: &str) -> IssuedLease {
+    match plane.issue(req, NOW_MS, lease_id, entropy()) {
+        Ok(Some(issued)) => issued,
+        other => panic!("expected a lease, got {other:?}"),
+    }
+}
+
+// CONTRACT: C1 — a reload swaps the plane for every holder of the
+// running one at once: a new revision's secret (read again from its
+// file) is sealed into the next lease, which node-a opens to exactly
+// those bytes; the issuer key and the projection stay; the node's
+// sequence numbers go on increasing (a request that took the old plane
+// before the swap draws from the same counter), so node-a's replay
+// window accepts every one of them once.
+#[test]
+fn a_reload_seals_the_new_revision_and_carries_sequences_and_projection() {
+    let r = Rotation::new("swap");
+    r.write_secret("secret-3", b"sk-rev-3\n");
+    let running = r.running(&r.config("secret-3", 3, ""));
+    let shard = running.clone();
+    let held = running.get();
+    let issuer = r.issuer();
+    let mut replay = ReplayGuard::new(NOW_MS);
+    let first = issued_as(&shard.get(), &request("node-a", "gpt"), "lease-1");
+    assert_eq!(
+        (first.lease.sequence, first.binding.credential_revision),
+        (1, 3)
+    );
+    assert_eq!(
+        node_a_opens(&first, &issuer, &[], &mut replay).as_deref(),
+        Ok(&b"sk-rev-3"[..])
+    );
+
+    r.write_secret("secret-4", b"sk-rev-4-rotated");
+    let mut next = r.config("secret-4", 4, "revoked_revisions = [3]");
+    let prepared = running.prepare(&mut next).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!prepared.issuer_differs());
+    // Prepared is not in force.
+    let before = issued_as(&shard.get(), &request("node-a", "gpt"), "lease-2");
+    assert_eq!(
+        (before.lease.sequence, before.binding.credential_revision),
+        (2, 3)
+    );
+    let change = running.commit(prepared);
+    assert_eq!(
+        change,
+        CredentialsChange {
+            slots: 1,
+            rotated: vec!["openai-main".into()],
+            ..CredentialsChange::default()
+        }
+    );
+    let after = issued_as(&shard.get(), &request("node-a", "gpt"), "lease-3");
+    assert_eq!(
+        (after.lease.sequence, after.binding.credential_revision),
+        (3, 4)
+    );
+    assert_eq!(
+        after.binding.projection_generation,
+        held.projection("node-a", 6)
+    );
+    assert_eq!(after.lease.issuer_key_id, first.lease.issuer_key_id);
+    let revoked = [pb::RevokedCredential {
+        slot: "openai-main".into(),
+        revisions: vec![3],
+    }];
+    assert_eq!(
+        node_a_opens(&after, &issuer, &revoked, &mut replay).as_deref(),
+        Ok(&b"sk-rev-4-rotated"[..])
+    );
+    // The plane a request took before the swap shares the counter: no
+    // number is issued twice; its revision is revoked on node-a by now.
+    let late = issued_as(&held, &request("node-a", "gpt"), "lease-4");
+    assert_eq!(
+        (late.lease.sequence, late.binding.credential_revision),
+        (4, 3)
+    );
+    assert_eq!(
+        node_a_opens(&late, &issuer, &revoked, &mut replay),
+        Err(lease::LeaseError::Revoked { revision: 3 })
+    );
+    assert_eq!(
+        issued_as(&shard.get(), &request("node-a", "gpt"), "lease-5")
+            .lease
+            .sequence,
+        5
+    );
+}
+
+// CONTRACT: C3, C5 — a reload that revokes the current revision, or
+// disables the slot, refuses the next lease (503, no provider call);
+// undoing it issues again with the secret kept from before: an
+// unchanged revision is not read again (its file may be gone).
+#[test]
+fn a_reload_revokes_and_disables_from_the_next_lease() {
+    let r = Rotation::new("revoke");
+    r.write_secret("secret-3", b"sk-rev-3");
+    let running = r.running(&r.config("secret-3", 3, ""));
+    let issuer = r.issuer();
+    let mut replay = ReplayGuard::new(NOW_MS);
+    let first = issued_as(&running.get(), &request("node-a", "gpt"), "lease-1");
+    assert_eq!(
+        node_a_opens(&first, &issuer, &[], &mut replay).as_deref(),
+        Ok(&b"sk-rev-3"[..])
+    );
+    let reload = |slot_extra: &str| {
+        let mut next = r.config("secret-3", 3, slot_extra);
+        let prepared = running.prepare(&mut next).unwrap_or_else(|e| panic!("{e}"));
+        running.commit(prepared)
+    };
+    let changed = CredentialsChange {
+        slots: 1,
+        changed: vec!["openai-main".into()],
+        ..CredentialsChange::default()
+    };
+    assert_eq!(reload("revoked_revisions = [1, 3]"), changed);
+    let refused = running
+        .get()
+        .issue(&request("node-a", "gpt"), NOW_MS, "l", entropy())
+        .map(|_| ());
+    assert_eq!(
+        refused,
+        Err(CredentialError::RevisionRevoked {
+            slot: "openai-main".into(),
+            revision: 3
+        })
+    );
+    let api = refused.expect_err("refused").api_error();
+    assert_eq!(
+        (api.status, api.body_json()["error"]["code"].clone()),
+        (503, serde_json::json!("credential_unavailable"))
+    );
+    assert_eq!(reload("enabled = false"), changed);
+    assert_eq!(
+        running
+            .get()
+            .issue(&request("node-a", "gpt"), NOW_MS, "l", entropy())
+            .map(|_| ()),
+        Err(CredentialError::SlotDisabled {
+            slot: "openai-main".into()
+        })
+    );
+    // Back as it was, with the secret file gone: the secret read at start
+    // is still the revision's.
+    std::fs::remove_file(r.dir.join("secret-3")).expect("remove");
+    assert_eq!(reload(""), changed);
+    let again = issued_as(&running.get(), &request("node-a", "gpt"), "lease-2");
+    assert_eq!(again.lease.sequence, 2);
+    assert_eq!(
+        node_a_opens(&again, &issuer, &[], &mut replay).as_deref(),
+        Ok(&b"sk-rev-3"[..])
+    );
+}
+
+// CONTRACT: C4 — a reload whose new secret cannot be read is refused
+// whole, naming the file, the key and the reason (never a secret), and
+// the running plane stays; a secret_env secret cannot be read again (the
+// environment was read and wiped at start), so a new revision of one is
+// refused while other changes to its slot apply.
+#[test]
+fn a_secret_that_cannot_be_read_refuses_the_reload() {
+    let r = Rotation::new("refused");
+    r.write_secret("secret-3", b"sk-rev-3");
+    let running = r.running(&r.config("secret-3", 3, ""));
+    write_mode(&r.dir.join("secret-4"), b"sk-rev-4", 0o644);
+    let mut next = r.config("secret-4", 4, "");
+    let err = running.prepare(&mut next).expect_err("group-readable");
+    assert_eq!(err.key(), "credentials.slots[0].secret_file");
+    assert_eq!(
+        err.reason(),
+        format!(
+            "{} has mode 0644; a secret file must not be accessible to group or others \
+             (chmod 600)",
+            r.dir.join("secret-4").display()
+        )
+    );
+    assert!(!err.to_string().contains("sk-rev-4"), "{err}");
+    let mut next = r.config("secret-5", 5, "");
+    let err = running.prepare(&mut next).expect_err("missing");
+    assert_eq!(err.key(), "credentials.slots[0].secret_file");
+    let mut next = r.config_with("missing.key", "secret-3", 3, "");
+    assert_eq!(
+        running.prepare(&mut next).expect_err("no issuer").key(),
+        "credentials.issuer_key"
+    );
+    // The running plane is untouched.
+    let still = issued_as(&running.get(), &request("node-a", "gpt"), "lease-1");
+    assert_eq!(
+        (still.lease.sequence, still.binding.credential_revision),
+        (1, 3)
+    );
+
+    // A secret from the environment: kept while its revision stays.
+    let env_config = |revision: u64, slot_extra: &str| {
+        let mut cfg = r.config("secret-3", revision, slot_extra);
+        if let Some(c) = cfg.credentials.as_mut() {
+            c.slots[0].secret = SecretSource::Env("OPENAI_KEY".into());
+        }
+        cfg
+    };
+    let env = |name: &str| (name == "OPENAI_KEY").then(|| OsString::from("sk-from-env"));
+    let running = RunningPlane::new(
+        CredentialPlane::load(&env_config(3, ""), &env)
+            .expect("loads")
+            .expect("enabled"),
+    );
+    let mut next = env_config(4, "");
+    let err = running.prepare(&mut next).expect_err("env revision");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: credentials.slots[0].secret_env: environment variable OPENAI_KEY is read only at \
+             startup (the environment of a running Edge does not change): a slot that is added, \
+             or gets a new revision or source, with secret_env needs a restart; use secret_file \
+             to rotate by reload",
+            r.dir.join("edge.toml").display()
+        )
+    );
+    let mut next = env_config(3, "revoked_revisions = [2]");
+    let prepared = running.prepare(&mut next).unwrap_or_else(|e| panic!("{e}"));
+    running.commit(prepared);
+    let issued = issued_as(&running.get(), &request("node-a", "gpt"), "lease-2");
+    assert_eq!(
+        node_a_opens(&issued, &r.issuer(), &[], &mut ReplayGuard::new(NOW_MS)).as_deref(),
+        Ok(&b"sk-from-env"[..])
+    );
+}
+
+// CONTRACT: C1 — slots added and removed by a reload, and a provider
+// moved to another slot: each provider's next lease is bound to the
+// slot serving it now, with that slot's secret; a provider no slot
+// serves any more gets none; a node's sequence continues across it all.
+#[test]
+fn slots_added_removed_and_moved_by_reload() {
+    let r = Rotation::new("slots");
+    r.write_secret("secret-3", b"sk-main");
+    r.write_secret("secret-b", b"sk-second");
+    let running = r.running(&r.config("secret-3", 3, ""));
+    let node_b_key = format!(
+        "id = \"node-b\"\nrecipient_key = \"{}\"\n",
+        keys::encode_recipient_public_key(&recipient().public_key())
+    );
+    let second_slot = format!(
+        "\n[[credentials.slots]]\nname = \"openai-b\"\nsecret_file = \"{}\"\n\
+         providers = [\"node-b/gpt\"]\n",
+        r.dir.join("secret-b").display()
+    );
+    let reload = |text: String| {
+        let mut next =
+            EdgeConfig::parse(&text, r.dir.join("edge.toml")).unwrap_or_else(|e| panic!("{e}"));
+        let prepared = running.prepare(&mut next).unwrap_or_else(|e| panic!("{e}"));
+        running.commit(prepared)
+    };
+    let text = |slot_extra: &str, managed_b: bool| {
+        let text = config_text(slot_extra)
+            .replace(
+                "issuer_key = \"issuer.key\"",
+                &format!("issuer_key = \"{}\"", r.dir.join("issuer.key").display()),
+            )
+            .replace(
+                "secret_env = \"OPENAI_KEY\"",
+                &format!("secret_file = \"{}\"", r.dir.join("secret-3").display()),
+            );
+        if managed_b {
+            text.replace("id = \"node-b\"\n", &node_b_key)
+        } else {
+            text
+        }
+    };
+    let node_b = |plane: &CredentialPlane| {
+        let digest = tunnel_digest("/v1/chat/completions");
+        let issued = plane
+            .issue(&request("node-b", "gpt"), NOW_MS, "lease-b", entropy())
+            .unwrap_or_else(|e| panic!("{e}"))?;
+        let recipient = recipient();
+        let ctx = OpenContext {
+            recipient: &recipient,
+            issuer: &r.issuer(),
+            scope: ExpectedScope::computed_by_node(
+                "node-b",
+                "openai/gpt-4o",
+                "http://127.0.0.1:11",
+                &PLAIN_HTTP,
+                "run-7",
+                &digest,
+                None,
+            ),
+            revoked: &[],
+            origin_pins: &OriginPins::new(),
+            now_unix_ms: NOW_MS + 1,
+            clock_skew_ms: 0,
+        };
+        let opened = open(
+            Some(&issued.lease),
+            Some(&issued.binding),
+            &ctx,
+            &mut ReplayGuard::new(NOW_MS),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        Some((
+            issued.binding.slot.clone(),
+            issued.lease.sequence,
+            opened.secret_bytes().to_vec(),
+        ))
+    };
+    assert_eq!(node_b(&running.get()), None);
+
+    assert_eq!(
+        reload(text(&second_slot, true)),
+        CredentialsChange {
+            slots: 2,
+            added: vec!["openai-b".into()],
+            ..CredentialsChange::default()
+        }
+    );
+    assert_eq!(
+        node_b(&running.get()),
+        Some(("openai-b".into(), 1, b"sk-second".to_vec()))
+    );
+
+    // node-b/gpt moves to openai-main; openai-b goes.
+    let both = text("", true).replace(
+        "providers = [\"node-a/gpt\"]",
+        "providers = [\"node-a/gpt\", \"node-b/gpt\"]",
+    );
+    assert_eq!(
+        reload(both),
+        CredentialsChange {
+            slots: 1,
+            removed: vec!["openai-b".into()],
+            changed: vec!["openai-main".into()],
+            ..CredentialsChange::default()
+        }
+    );
+    assert_eq!(
+        node_b(&running.get()),
+        Some(("openai-main".into(), 2, b"sk-main".to_vec()))
+    );
+
+    // No slot serves node-b any more: its tunnels carry no lease.
+    reload(text("", false));
+    assert_eq!(node_b(&running.get()), None);
+    assert!(!running.get().is_managed("node-b", "gpt"));
+    // Managed again later: its numbers go on from where they were.
+    reload(text(&second_slot, true));
+    assert_eq!(
+        node_b(&running.get()),
+        Some(("openai-b".into(), 3, b"sk-second".to_vec()))
+    );
+}
+
+// A file that names another issuer key: reported (the nodes trust the
+// running issuer's public key), the running key keeps signing, and the
+// rest of the reload applies. The same key under another path is no
+// change. Without [credentials] in the file the running slots stay; an
+// Edge started without a plane stays without one.
+#[test]
+fn the_issuer_key_and_the_plane_itself_stay_until_a_restart() {
+    let r = Rotation::new("issuer");
+    r.write_secret("secret-3", b"sk-rev-3");
+    let running = r.running(&r.config("secret-3", 3, ""));
+    let signing = running.get().issuer_key_id();
+    keys::generate_issuer_key(&r.dir.join("issuer-2.key")).expect("issuer key");
+    let mut next = r.config_with("issuer-2.key", "secret-3", 3, "revoked_revisions = [3]");
+    let prepared = running.prepare(&mut next).unwrap_or_else(|e| panic!("{e}"));
+    assert!(prepared.issuer_differs());
+    running.commit(prepared);
+    assert_eq!(running.get().issuer_key_id(), signing);
+    assert!(matches!(
+        running
+            .get()
+            .issue(&request("node-a", "gpt"), NOW_MS, "l", entropy()),
+        Err(CredentialError::RevisionRevoked { revision: 3, .. })
+    ));
+    std::fs::copy(r.dir.join("issuer.key"), r.dir.join("issuer-copy.key")).expect("copy");
+    let mut next = r.config_with("issuer-copy.key", "secret-3", 3, "");
+    assert!(!running
+        .prepare(&mut next)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .issuer_differs());
+
+    // [credentials] removed from the file: the running slots stay, and the
+    // config the rest of the reload uses says so.
+    let spec = running.get().spec.clone();
+    let mut off = r.config("secret-3", 3, "");
+    off.credentials = None;
+    let prepared = prepare_reload(Some(&running), &mut off)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("a plane");
+    assert!(!prepared.issuer_differs());
+    running.commit(prepared);
+    assert_eq!(off.credentials.as_ref(), Some(&spec));
+    assert!(running.get().is_managed("node-a", "gpt"));
+    // No plane running: a file with [credentials] turns none on, and its
+    // nodes are not told to require leases.
+    let mut on = r.config("secret-3", 3, "");
+    assert!(prepare_reload(None, &mut on)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_none());
+    assert_eq!(on.credentials, None);
+    assert!(
+        !on.node_config_payload(on.node("node-a").expect("node-a"), 2)
+            .credential_leases_required
+    );
 }
