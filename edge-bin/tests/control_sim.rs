@@ -3554,6 +3554,7 @@ fn register_rejected(conn: ConnId, reason: &str) -> Action {
             accepted: false,
             reason: reason.to_string(),
             config: None,
+            accepts_node_draining: false,
         },
     }
 }
@@ -3664,6 +3665,7 @@ impl Fixture {
                 accepted: true,
                 reason: String::new(),
                 config: Some(self.world.nodes[n].config.clone()),
+                accepts_node_draining: true,
             },
         }
     }
@@ -4038,6 +4040,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         accepted: _,
         reason: _,
         config: _,
+        accepts_node_draining: _,
     } = pb::RegisterResponse::default();
     let pb::NodeReadyResponse {
         ready: _,

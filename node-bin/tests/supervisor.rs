@@ -89,6 +89,7 @@ impl Accepted {
             accepted: true,
             reason: String::new(),
             config: Some(node_config(Vec::new(), false)),
+            accepts_node_draining: false,
         })));
         match self.recv().await {
             Body::NodeReadyRequest(r) => assert_eq!(r.node_id, NODE_ID),
