@@ -137,6 +137,7 @@ fn accepted(conn: u64) -> Action {
             accepted: true,
             reason: String::new(),
             config: Some(pb::NodeConfigPayload::default()),
+            accepts_node_draining: true,
         },
     }
 }
@@ -148,6 +149,7 @@ fn refused(conn: u64, reason: &str) -> Action {
             accepted: false,
             reason: reason.into(),
             config: None,
+            accepts_node_draining: false,
         },
     }
 }

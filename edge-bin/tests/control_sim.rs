@@ -3559,6 +3559,7 @@ fn register_rejected(conn: ConnId, reason: &str) -> Action {
             accepted: false,
             reason: reason.to_string(),
             config: None,
+            accepts_node_draining: false,
         },
     }
 }
@@ -3669,6 +3670,7 @@ impl Fixture {
                 accepted: true,
                 reason: String::new(),
                 config: Some(self.world.nodes[n].config.clone()),
+                accepts_node_draining: true,
             },
         }
     }
@@ -4043,6 +4045,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         accepted: _,
         reason: _,
         config: _,
+        accepts_node_draining: _,
     } = pb::RegisterResponse::default();
     let pb::NodeReadyResponse {
         ready: _,

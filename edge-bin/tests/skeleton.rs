@@ -306,6 +306,7 @@ async fn register_with_a_name_other_than_the_certificate_is_rejected() {
                 accepted: false,
                 reason: "node id `node-b` does not match the TLS identity name `node-a`".into(),
                 config: None,
+                accepts_node_draining: false,
             }
         );
         assert_eq!(
@@ -335,6 +336,7 @@ async fn second_node_id_on_one_connection_is_rejected() {
                     "connection already registered as node `node-a`; one node id per connection"
                         .into(),
                 config: None,
+                accepts_node_draining: false,
             }
         );
         // The first binding stands: same connection, still the pending

@@ -58,9 +58,12 @@ use node_bin::supervisor::{self, Exit};
             \u{00A0} SIGHUP            reload the [tls] certificate, key and CA bundle\n\
             \u{00A0}                   for the next dial (the open connection keeps its\n\
             \u{00A0}                   own); a bad file keeps the running identity\n\
-            \u{00A0} SIGTERM, SIGINT   drain: take no new runs, let runs finish for at\n\
-            \u{00A0}                   most drain_grace_ms, exit 0; a second signal\n\
-            \u{00A0}                   stops at once\n\
+            \u{00A0} SIGTERM, SIGINT   drain: tell the Edge (NodeDraining), which sends\n\
+            \u{00A0}                   no new runs and sends new requests elsewhere;\n\
+            \u{00A0}                   let runs finish for at most drain_grace_ms,\n\
+            \u{00A0}                   exit 0; a second signal stops at once. An Edge\n\
+            \u{00A0}                   of an earlier release is not told and may send\n\
+            \u{00A0}                   new runs until the connection closes\n\
             \u{00A0} SIGUSR1           dump the latency histograms to stderr\n\
             \n\
             Several Edges (node.toml, examples/node.toml documents every key):\n\

@@ -16,11 +16,13 @@
 //! draws come from a generator seeded from the OS in the binary and
 //! injected in tests ([`iop_engine::rng::SplitMix64`]).
 //!
-//! Shutdown drains ([`run_until`]): no more redials; a ready session keeps
-//! serving until its active runs and tunnels are released or
-//! `drain_grace_ms` elapses, then its connection is closed (`Close` with
-//! reason `shutdown`). A second signal ends the drain at once. Before a
-//! session is ready there is nothing to drain: the attempt is dropped.
+//! Shutdown drains ([`run_until`]): no more redials; the ready session's
+//! Edge is told `NodeDraining` (when it accepts it: [`NodeCore::begin_drain`])
+//! and sends no new work; the session keeps serving until its active runs
+//! and tunnels are released or `drain_grace_ms` elapses, then its
+//! connection is closed (`Close` with reason `shutdown`). A second signal
+//! ends the drain at once. Before a session is ready there is nothing to
+//! drain: the attempt is dropped.
 //!
 //! One attempt may try several Edges: every address of `edge_addr`, in a
 //! fresh random order, until one gives a ready session ([`crate::edges`]);
@@ -417,14 +419,17 @@ pub async fn run_sharded(
     }
 }
 
-/// The shutdown drain of `attempt` (not finished): wait for the active
-/// runs, the grace, a second signal or the session's end; then close a
-/// ready session and give it [`CLOSE_WAIT`] to end.
+/// The shutdown drain of `attempt` (not finished): tell the Edge, then wait
+/// for the active runs, the grace, a second signal or the session's end;
+/// then close a ready session and give it [`CLOSE_WAIT`] to end.
 async fn drain<A>(core: &NodeCore, mut attempt: Pin<&mut A>, mut force: Shutdown, grace: Duration)
 where
     A: Future<Output = Attempt>,
 {
+    // First, so that no new run is sent while the runs are waited for.
+    let notice = core.begin_drain();
     tracing::info!(
+        ?notice,
         active_runs = core.active_runs(),
         drain_grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
         "draining: no more redials; waiting for active runs"

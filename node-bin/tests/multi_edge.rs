@@ -133,6 +133,7 @@ async fn register_then_close(conn: &ConnHandle, mut events: ConnEvents) -> Resul
         accepted: true,
         reason: String::new(),
         config: Some(node_config(Vec::new(), false)),
+        accepts_node_draining: true,
     })))
     .map_err(|e| e.to_string())?;
     match next_body(&mut events).await {

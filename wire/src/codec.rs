@@ -264,6 +264,7 @@ pub fn body_name(body: &frame::Body) -> &'static str {
         Body::NodeConfigRefreshResponse(_) => "NodeConfigRefreshResponse",
         Body::Close(_) => "Close",
         Body::FlowCredit(_) => "FlowCredit",
+        Body::NodeDraining(_) => "NodeDraining",
     }
 }
 

@@ -414,6 +414,7 @@ fn all_frames() -> Vec<pb::Frame> {
             accepted: true,
             reason: "pending ready".into(),
             config: Some(config_payload()),
+            accepts_node_draining: true,
         })),
         Body::NodeReadyRequest(pb::NodeReadyRequest {
             node_id: "gpu-01".into(),
@@ -553,6 +554,10 @@ fn all_frames() -> Vec<pb::Frame> {
                 },
             ],
         }),
+        Body::NodeDraining(pb::NodeDraining {
+            node_id: "gpu-01".into(),
+            reason: "shutdown".into(),
+        }),
     ];
     bodies.into_iter().map(codec::frame).collect()
 }
@@ -636,6 +641,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
                 audit.check("RunCredit", credit);
             }
         }
+        Body::NodeDraining(m) => audit.check("NodeDraining", m),
     }
 }
 
@@ -722,9 +728,9 @@ fn every_frame_body_round_trips_with_every_field_set() {
         let decoded = codec_roundtrip(frame);
         assert_eq!(&decoded, frame);
     }
-    // All 17 oneof variants, each exactly once.
-    assert_eq!(frames.len(), 17);
-    assert_eq!(frame_tags, (1..=17).collect::<BTreeSet<u32>>());
+    // All 18 oneof variants, each exactly once.
+    assert_eq!(frames.len(), 18);
+    assert_eq!(frame_tags, (1..=18).collect::<BTreeSet<u32>>());
     assert_eq!(audit.schema["Frame"].oneofs[0], frame_tags);
 
     // `ProviderSnapshot` is not a frame body; it still round-trips as a
@@ -869,6 +875,55 @@ fn tunnel_request_credential_fields_are_14_and_15() {
     assert_eq!(
         request.credential_binding.map(|b| b.selected_node),
         Some("gpu-01".to_owned())
+    );
+}
+
+#[test]
+fn node_draining_is_frame_field_18() {
+    // `Frame.node_draining` = 18: key (18 << 3) | 2 = 146, a two-byte
+    // varint 0x92 0x01; `node_id` = 1, `reason` = 2.
+    let notice = [ld_field(1, b"gpu-01"), ld_field(2, b"shutdown")].concat();
+    let mut frame_bytes = vec![0x92, 0x01, notice.len() as u8];
+    frame_bytes.extend_from_slice(&notice);
+    let frame = decode_raw_frame(&frame_bytes);
+    let expected = codec::frame(Body::NodeDraining(pb::NodeDraining {
+        node_id: "gpu-01".into(),
+        reason: "shutdown".into(),
+    }));
+    assert_eq!(frame, expected);
+    assert_eq!(expected.encode_to_vec(), frame_bytes);
+    assert_eq!(
+        codec::body_name(&Body::NodeDraining(Default::default())),
+        "NodeDraining"
+    );
+}
+
+#[test]
+fn register_response_accepts_node_draining_is_field_4_and_absent_means_false() {
+    // `RegisterResponse.accepts_node_draining` = 4, a varint: key 0x20.
+    let accepted = [0x08, 0x01];
+    let said = [&accepted[..], &[0x20, 0x01]].concat();
+    let decode = |bytes: &[u8]| {
+        let frame = decode_raw_frame(&ld_field(2, bytes)); // Frame.register_response = 2
+        let Some(Body::RegisterResponse(response)) = frame.body else {
+            panic!("not a register response: {frame:?}");
+        };
+        *response
+    };
+    let from_this_edge = decode(&said);
+    assert!(from_this_edge.accepted && from_this_edge.accepts_node_draining);
+    // An older Edge never writes field 4: the Node reads false and does
+    // not send `NodeDraining`.
+    let from_an_older_edge = decode(&accepted);
+    assert!(from_an_older_edge.accepted && !from_an_older_edge.accepts_node_draining);
+    assert_eq!(
+        pb::RegisterResponse {
+            accepted: true,
+            accepts_node_draining: true,
+            ..Default::default()
+        }
+        .encode_to_vec(),
+        said
     );
 }
 

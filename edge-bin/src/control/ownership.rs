@@ -198,6 +198,7 @@ pub(super) fn refuse(conn: ConnId, why: &str, out: &mut Vec<Action>) {
             accepted: false,
             reason: why.to_string(),
             config: None,
+            accepts_node_draining: false,
         },
     });
 }

@@ -40,6 +40,7 @@ impl Control {
                     accepted: false,
                     reason,
                     config: None,
+                    accepts_node_draining: false,
                 },
             });
         };
@@ -118,6 +119,9 @@ impl Control {
                 accepted: true,
                 reason: String::new(),
                 config: Some(config),
+                // The link turns the owner's `NodeDraining` into
+                // `Input::NodeDraining`: the node may send it.
+                accepts_node_draining: true,
             },
         });
         if let Some(old) = previous {

@@ -1,7 +1,7 @@
 //! The node-connection shell: accept mTLS (T2), run the frame connection, and
-//! feed registration, readiness, terminals, command results and closes to
-//! [`Control`] through [`Edge::apply`] (R1–R4, F1, F2, H1). It builds no HTTP
-//! response (X4).
+//! feed registration, readiness, terminals, command results, drain notices
+//! (`NodeDraining`) and closes to [`Control`] through [`Edge::apply`] (R1–R4,
+//! F1, F2, H1). It builds no HTTP response (X4).
 //!
 //! [`Control`]: crate::control::Control
 
@@ -136,16 +136,16 @@ pub async fn serve(
     edge.apply(Input::Closed { conn: conn_id });
 }
 
-/// Longest part of a claimed node id a log line shows.
-const CLAIMED_ID_LOG_CHARS: usize = 128;
+/// Longest part of a peer's text (a claimed node id, a reason) a log line
+/// shows.
+const PEER_TEXT_LOG_CHARS: usize = 128;
 
-/// A node id the peer claimed, for a log line: at most
-/// [`CLAIMED_ID_LOG_CHARS`] characters (logged with `Debug`, which escapes
-/// control characters).
-fn claimed_id_for_log(claimed: &str) -> &str {
-    match claimed.char_indices().nth(CLAIMED_ID_LOG_CHARS) {
-        Some((end, _)) => &claimed[..end],
-        None => claimed,
+/// Text the peer sent, for a log line: at most [`PEER_TEXT_LOG_CHARS`]
+/// characters (logged with `Debug`, which escapes control characters).
+fn peer_text_for_log(text: &str) -> &str {
+    match text.char_indices().nth(PEER_TEXT_LOG_CHARS) {
+        Some((end, _)) => &text[..end],
+        None => text,
     }
 }
 
@@ -174,7 +174,7 @@ fn handle_frame(
             } else {
                 tracing::warn!(
                     identity = %tls_name,
-                    claimed_node_id = ?claimed_id_for_log(&req.node_id),
+                    claimed_node_id = ?peer_text_for_log(&req.node_id),
                     conn = conn_id.0,
                     "register request names another node than its TLS identity; refused"
                 );
@@ -195,6 +195,28 @@ fn handle_frame(
             conn: conn_id,
             node_id: req.node_id,
         }),
+        Body::NodeDraining(notice) => {
+            // The connection names the node, not the frame: Control applies
+            // the notice to this connection's generation if it owns its
+            // node id, and ignores it otherwise (before registration, or a
+            // stale connection: F2), never a protocol error.
+            let reason = peer_text_for_log(&notice.reason);
+            match tls_name {
+                Some(identity) => tracing::info!(
+                    node_id = %identity,
+                    conn = conn_id.0,
+                    ?reason,
+                    "node draining: no new runs or tunnels go to it; what runs there finishes"
+                ),
+                None => tracing::info!(
+                    claimed_node_id = ?peer_text_for_log(&notice.node_id),
+                    conn = conn_id.0,
+                    ?reason,
+                    "node draining: no new runs or tunnels go to it; what runs there finishes"
+                ),
+            }
+            edge.apply(Input::NodeDraining { conn: conn_id });
+        }
         Body::ProviderTunnelFrame(tf) => {
             let terminal = matches!(
                 tf.kind(),

@@ -16,6 +16,11 @@
 //! per-core [`NodeCore`] outlives sessions: the timer wheel and the adapter
 //! set whose capacity gates the next session keeps (P4), so attempts still
 //! finishing from an old session count against the same gates.
+//!
+//! The shutdown drain ([`NodeCore::begin_drain`]) tells the ready session's
+//! Edge `NodeDraining` on the control lane, when that Edge said at
+//! registration that it understands it (`accepts_node_draining`); the Edge
+//! then sends no new run or tunnel. An older Edge is not told.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -80,8 +85,67 @@ pub struct NodeCore {
     active_runs: Cell<usize>,
     /// Woken when a run or tunnel is released.
     run_released: Notify,
-    /// The ready session's connection (closed at the end of the drain).
-    ready_conn: RefCell<Option<ConnHandle>>,
+    /// The ready session (told of the drain, closed at its end).
+    ready: RefCell<Option<ReadySession>>,
+    /// The shutdown drain began: a session that becomes ready tells its
+    /// Edge at once.
+    draining: Cell<bool>,
+}
+
+/// What the shutdown drain told the Edge ([`NodeCore::begin_drain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainNotice {
+    /// `NodeDraining` went out on the ready session's control lane: the
+    /// Edge sends no new run or tunnel.
+    Sent,
+    /// The ready session's Edge did not set
+    /// `RegisterResponse.accepts_node_draining` (an older Edge, which would
+    /// take the frame for a protocol error): it is not told, and may send
+    /// new runs until the connection closes.
+    EdgeNotTold,
+    /// No session is ready (none yet, or its connection closed); one that
+    /// becomes ready during the drain tells its Edge then.
+    NoSession,
+}
+
+/// The ready session, as the drain sees it.
+#[derive(Debug, Clone)]
+struct ReadySession {
+    conn: ConnHandle,
+    node_id: String,
+    /// Its Edge set `RegisterResponse.accepts_node_draining`.
+    edge_accepts_draining: bool,
+}
+
+impl ReadySession {
+    /// Tells the Edge this Node drains, if it understands it, and logs
+    /// what happened.
+    fn tell_draining(&self) -> DrainNotice {
+        if !self.edge_accepts_draining {
+            tracing::warn!(
+                "draining: the edge does not understand NodeDraining (an older Edge); \
+                 it is not told and may send new runs until the connection closes"
+            );
+            return DrainNotice::EdgeNotTold;
+        }
+        let notice = frame(Body::NodeDraining(pb::NodeDraining {
+            node_id: self.node_id.clone(),
+            reason: CloseReason::Shutdown.to_string(),
+        }));
+        match self.conn.send_control(notice) {
+            Ok(()) => {
+                tracing::info!(
+                    node_id = %self.node_id,
+                    "draining: told the edge (NodeDraining); it sends no new runs or tunnels"
+                );
+                DrainNotice::Sent
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "NodeDraining not sent: the connection is closed");
+                DrainNotice::NoSession
+            }
+        }
+    }
 }
 
 impl NodeCore {
@@ -122,7 +186,8 @@ impl NodeCore {
             credentials: credentials.map(Rc::new),
             active_runs: Cell::new(0),
             run_released: Notify::default(),
-            ready_conn: RefCell::new(None),
+            ready: RefCell::new(None),
+            draining: Cell::new(false),
         })
     }
 
@@ -140,11 +205,21 @@ impl NodeCore {
         }
     }
 
+    /// The shutdown drain begins: tells the ready session's Edge
+    /// `NodeDraining` if that Edge accepts it (see [`DrainNotice`]), before
+    /// anything waits for the runs. A session that becomes ready from now
+    /// on tells its Edge at once.
+    pub fn begin_drain(&self) -> DrainNotice {
+        self.draining.set(true);
+        let ready = self.ready.borrow().clone();
+        ready.map_or(DrainNotice::NoSession, |session| session.tell_draining())
+    }
+
     /// Closes the ready session's connection with `reason` (queued frames
     /// go out first, then `Close`); its session then ends. False when no
     /// session is ready.
     pub fn close_ready_session(&self, reason: CloseReason) -> bool {
-        let conn = self.ready_conn.borrow().clone();
+        let conn = self.ready.borrow().as_ref().map(|s| s.conn.clone());
         match conn {
             Some(conn) => {
                 conn.close(reason);
@@ -160,11 +235,14 @@ impl NodeCore {
         ActiveRun { core: self.clone() }
     }
 
-    /// A session became ready on `conn`: remember it for the drain.
-    /// (systemd heard `READY=1` when the supervisor started dialling; see
-    /// docs/deployment.md.)
-    fn session_ready(&self, conn: &ConnHandle) {
-        *self.ready_conn.borrow_mut() = Some(conn.clone());
+    /// A session became ready: remember it for the drain, and tell its
+    /// Edge now if the drain already began. (systemd heard `READY=1` when
+    /// the supervisor started dialling; see docs/deployment.md.)
+    fn session_ready(&self, session: ReadySession) {
+        if self.draining.get() {
+            session.tell_draining();
+        }
+        *self.ready.borrow_mut() = Some(session);
     }
 }
 
@@ -234,7 +312,7 @@ pub async fn run(
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));
     }
-    let config = match next_frame(&mut events).await {
+    let (config, edge_accepts_draining) = match next_frame(&mut events).await {
         Ok(pb::Frame {
             body: Some(Body::RegisterResponse(resp)),
         }) => {
@@ -242,7 +320,7 @@ pub async fn run(
                 conn.close(CloseReason::RegistrationRejected);
                 return SessionEnd::NotReady(format!("registration rejected: {}", resp.reason));
             }
-            resp.config.unwrap_or_default()
+            (resp.config.unwrap_or_default(), resp.accepts_node_draining)
         }
         Ok(other) => {
             conn.close(CloseReason::ProtocolError);
@@ -292,8 +370,12 @@ pub async fn run(
         }
         Err(reason) => return SessionEnd::NotReady(format!("closed before ready: {reason}")),
     }
-    tracing::info!(node_id, "session ready");
-    core.session_ready(&conn);
+    tracing::info!(node_id, edge_accepts_draining, "session ready");
+    core.session_ready(ReadySession {
+        conn: conn.clone(),
+        node_id: node_id.to_string(),
+        edge_accepts_draining,
+    });
 
     let session = Rc::new(Session {
         node_id: node_id.to_string(),
@@ -322,7 +404,7 @@ pub async fn run(
         .borrow_mut()
         .cancel_all(StopCause::SessionEnded);
     *core.last_adapters.borrow_mut() = Some(session.applied.borrow().adapters.clone());
-    core.ready_conn.borrow_mut().take();
+    core.ready.borrow_mut().take();
     tracing::info!(reason = %end, cancelled, "session ended");
     SessionEnd::Ended(end)
 }

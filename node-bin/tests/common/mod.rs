@@ -425,6 +425,7 @@ impl Edge {
             accepted: true,
             reason: String::new(),
             config: Some(config),
+            accepts_node_draining: true,
         })));
         match edge.recv().await.body {
             Some(Body::NodeReadyRequest(_)) => {}
