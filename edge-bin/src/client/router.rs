@@ -429,7 +429,15 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     ))
                     .await
                 }
-                ("POST", p) if p.starts_with(crate::client::admin::COMMANDS_PREFIX) => {
+                ("GET", crate::client::admin::CONFIG_PATH) => {
+                    let (status, body) =
+                        match crate::client::admin::authorize(caller.authority, from) {
+                            Ok(()) => crate::client::admin::config(&edge),
+                            Err(refused) => refused,
+                        };
+                    write_json(&mut server, status, body).await
+                }
+                ("POST", p) if p.starts_with(crate::client::admin::ADMIN_PREFIX) => {
                     let content_type = headers
                         .iter()
                         .find(|h| h.name.eq_ignore_ascii_case("content-type"))
