@@ -1,14 +1,16 @@
 //! What `Control` tells the status page, driven with a manual clock: each
 //! node's phase, reported version and the instants it registered, became
 //! ready and went away (never its generation: R5, X5); each model's pool,
-//! free candidates and queue.
+//! free candidates and queue; which nodes and providers are drained (by an
+//! operator), draining (as their owner said) or removed (by a reload),
+//! and that a removed model is in no model view.
 
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind, Input,
-    ModelView, NodePhase, NodeView, Operation, Operations, ProviderKey, RequestId, Tunables,
-    NODE_VERSION_CHARS_MAX,
+    ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind,
+    DrainTarget, Input, ModelCapacity, ModelView, NodePhase, NodeView, Operation, Operations,
+    ProviderKey, ProviderView, RequestId, Tunables, NODE_VERSION_CHARS_MAX,
 };
 use iop_wire::pb;
 
@@ -27,27 +29,64 @@ fn provider(id: &str, capacity: u32) -> ControlProvider {
     }
 }
 
-fn control() -> Control {
-    let node = |id: &str, p: &str| ControlNode {
+fn key(node: &str, p: &str) -> ProviderKey {
+    ProviderKey {
+        node_id: node.into(),
+        provider_id: p.into(),
+    }
+}
+
+fn node(id: &str, p: &str) -> ControlNode {
+    ControlNode {
         id: id.into(),
         config: pb::NodeConfigPayload::default(),
         providers: vec![provider(p, 1)],
-    };
-    let key = |node: &str, p: &str| ProviderKey {
-        node_id: node.into(),
-        provider_id: p.into(),
-    };
-    Control::new(ControlSpec {
+    }
+}
+
+fn model(name: &str, providers: Vec<ProviderKey>) -> ControlModel {
+    ControlModel {
+        name: name.into(),
+        providers,
+        max_queue: 8,
+        queue_timeout: Duration::from_secs(60),
+        max_attempts: 1,
+    }
+}
+
+/// Nodes `a` (provider `pa`) and `b` (`pb`), model `m` over both.
+fn spec() -> ControlSpec {
+    ControlSpec {
         nodes: vec![node("a", "pa"), node("b", "pb")],
-        models: vec![ControlModel {
-            name: "m".into(),
-            providers: vec![key("a", "pa"), key("b", "pb")],
-            max_queue: 8,
-            queue_timeout: Duration::from_secs(60),
-            max_attempts: 1,
-        }],
+        models: vec![model("m", vec![key("a", "pa"), key("b", "pb")])],
         tunables: Tunables::default(),
-    })
+    }
+}
+
+fn control() -> Control {
+    Control::new(spec())
+}
+
+/// Registers and readies `node` on `conn`.
+fn ready(c: &mut Control, now: Instant, conn: ConnId, node: &str) {
+    let mut out = Vec::new();
+    c.handle(
+        now,
+        Input::Register {
+            conn,
+            tls_name: node.into(),
+            node_id: node.into(),
+        },
+        &mut out,
+    );
+    c.handle(
+        now,
+        Input::Ready {
+            conn,
+            node_id: node.into(),
+        },
+        &mut out,
+    );
 }
 
 fn view(control: &Control, node_id: &str) -> NodeView {
@@ -71,6 +110,9 @@ fn node_views_follow_registration_readiness_and_close() {
         registered_at: None,
         ready_at: None,
         offline_since: None,
+        drained: false,
+        draining: false,
+        removed: false,
     };
     assert_eq!(view(&c, "a"), never);
 
@@ -226,4 +268,205 @@ fn model_views_count_free_candidates_and_the_queue() {
     assert_eq!(c.model_views(), vec![model(2, 0, 1)]);
     c.handle(now, Input::Closed { conn: ConnId(2) }, &mut out);
     assert_eq!(c.model_views()[0].candidates, 0);
+}
+
+/// `(node_id, provider_id, drained, node_drained, draining, removed)` of
+/// every provider view.
+fn provider_flags(c: &Control) -> Vec<(String, String, bool, bool, bool, bool)> {
+    c.provider_views()
+        .into_iter()
+        .map(|p: ProviderView| {
+            (
+                p.node_id,
+                p.provider_id,
+                p.drained,
+                p.node_drained,
+                p.draining,
+                p.removed,
+            )
+        })
+        .collect()
+}
+
+/// `(drained, draining, removed)` of `node_id`'s view.
+fn node_flags(c: &Control, node_id: &str) -> (bool, bool, bool) {
+    let n = view(c, node_id);
+    (n.drained, n.draining, n.removed)
+}
+
+#[test]
+fn drains_show_in_the_node_and_provider_views() {
+    let mut c = control();
+    let mut out = Vec::new();
+    let now = iop_engine::clock::now();
+    ready(&mut c, now, ConnId(1), "a");
+    ready(&mut c, now, ConnId(2), "b");
+    let flags = |n: &str, p: &str, drained, node_drained, draining| {
+        (
+            n.to_string(),
+            p.to_string(),
+            drained,
+            node_drained,
+            draining,
+            false,
+        )
+    };
+    assert_eq!(
+        provider_flags(&c),
+        [
+            flags("a", "pa", false, false, false),
+            flags("b", "pb", false, false, false)
+        ]
+    );
+    let pa = DrainTarget::Provider(key("a", "pa"));
+    assert_eq!(c.drained(&pa), Some(false));
+
+    // The operator drains provider a/pa: it alone, not its node.
+    c.handle(
+        now,
+        Input::SetDrain {
+            target: pa.clone(),
+            drained: true,
+        },
+        &mut out,
+    );
+    assert_eq!(c.drained(&pa), Some(true));
+    assert_eq!(node_flags(&c, "a"), (false, false, false));
+    assert_eq!(
+        provider_flags(&c),
+        [
+            flags("a", "pa", true, false, false),
+            flags("b", "pb", false, false, false)
+        ]
+    );
+    assert_eq!(c.model_views()[0].candidates, 1, "a/pa is no candidate");
+
+    // Node b drained: its provider shows its node's drain.
+    let b = DrainTarget::Node("b".into());
+    c.handle(
+        now,
+        Input::SetDrain {
+            target: b.clone(),
+            drained: true,
+        },
+        &mut out,
+    );
+    assert_eq!(c.drained(&b), Some(true));
+    assert_eq!(node_flags(&c, "b"), (true, false, false));
+    assert_eq!(provider_flags(&c)[1], flags("b", "pb", false, true, false));
+    assert_eq!(c.model_views()[0].candidates, 0);
+
+    // Node a's owner says it drains: node and provider show it.
+    c.handle(now, Input::NodeDraining { conn: ConnId(1) }, &mut out);
+    assert_eq!(node_flags(&c, "a"), (false, true, false));
+    assert_eq!(provider_flags(&c)[0], flags("a", "pa", true, false, true));
+
+    // Undrained: back as before; a's owner still drains (its own word,
+    // for its generation).
+    for target in [pa.clone(), b.clone()] {
+        c.handle(
+            now,
+            Input::SetDrain {
+                target,
+                drained: false,
+            },
+            &mut out,
+        );
+    }
+    assert_eq!((c.drained(&pa), c.drained(&b)), (Some(false), Some(false)));
+    assert_eq!(
+        provider_flags(&c),
+        [
+            flags("a", "pa", false, false, true),
+            flags("b", "pb", false, false, false)
+        ]
+    );
+    assert_eq!(c.model_views()[0].candidates, 1, "b/pb only");
+    // A new registration of a starts undraining.
+    c.handle(now, Input::Closed { conn: ConnId(1) }, &mut out);
+    ready(&mut c, now, ConnId(3), "a");
+    assert_eq!(node_flags(&c, "a"), (false, false, false));
+    assert_eq!(c.model_views()[0].candidates, 2);
+
+    // Unknown targets read as nothing.
+    assert_eq!(c.drained(&DrainTarget::Node("zz".into())), None);
+    assert_eq!(c.drained(&DrainTarget::Provider(key("a", "pb"))), None);
+}
+
+#[test]
+fn removed_nodes_and_providers_show_and_removed_models_do_not() {
+    let mut c = control();
+    let mut out = Vec::new();
+    let now = iop_engine::clock::now();
+    ready(&mut c, now, ConnId(1), "a");
+    ready(&mut c, now, ConnId(2), "b");
+    // Request 1 runs on a/pa (equal load: the first of the pool).
+    c.handle(
+        now,
+        Input::Submit {
+            request: RequestId(1),
+            model: "m".into(),
+            operation: Operation::ChatCompletions,
+            long: false,
+        },
+        &mut out,
+    );
+    assert_eq!(
+        c.leases().map(|l| l.provider.clone()).collect::<Vec<_>>(),
+        [key("a", "pa")]
+    );
+    // A reload keeps only node b, under a new model m2: node a and its
+    // provider stay while request 1 runs, removed; model m, kept for
+    // request 1, is in no model view.
+    c.handle(
+        now,
+        Input::Reconfigure(Box::new(ControlSpec {
+            nodes: vec![node("b", "pb")],
+            models: vec![model("m2", vec![key("b", "pb")])],
+            tunables: Tunables::default(),
+        })),
+        &mut out,
+    );
+    assert_eq!(node_flags(&c, "a"), (false, false, true));
+    assert_eq!(node_flags(&c, "b"), (false, false, false));
+    assert_eq!(
+        provider_flags(&c),
+        [
+            ("a".into(), "pa".into(), false, false, false, true),
+            ("b".into(), "pb".into(), false, false, false, false)
+        ]
+    );
+    assert_eq!(
+        c.model_views(),
+        vec![ModelView {
+            model: "m2".into(),
+            providers: 1,
+            candidates: 1,
+            queued: 0,
+            max_queue: 8,
+        }]
+    );
+    assert_eq!(c.queue_depths(), vec![("m2".to_string(), 0)]);
+    let capacities = c.model_capacities();
+    assert_eq!(
+        capacities
+            .iter()
+            .map(|(m, _)| m.as_str())
+            .collect::<Vec<_>>(),
+        ["m2"]
+    );
+    assert_eq!(
+        capacities[0].1,
+        ModelCapacity {
+            free_slots: [1, 1, 1, 1],
+            queued: 0
+        }
+    );
+    assert!(!c.has_model("m"));
+    // Only m2's provider serves a model now, whatever a key may use.
+    assert_eq!(c.serves_any(|_| true), [false, true]);
+    // A removed node or provider is no drain target.
+    assert_eq!(c.drained(&DrainTarget::Node("a".into())), None);
+    assert_eq!(c.drained(&DrainTarget::Provider(key("a", "pa"))), None);
+    assert_eq!(c.drained(&DrainTarget::Node("b".into())), Some(false));
 }

@@ -510,10 +510,11 @@ async fn check_metrics(addr: std::net::SocketAddr, run_ids: &[String]) -> String
             "O1: /metrics carries {needle:?}:\n{text}"
         );
     }
-    // Fixed lists, or names from the configuration (model, node, adapter).
+    // Fixed lists, or names from the configuration (model, node,
+    // provider, adapter).
     let bounded: BTreeSet<&str> = [
         "result", "to", "source", "eligible", "reason", "via", "le", "route", "model", "code",
-        "kind", "node", "adapter", "version", "commit",
+        "kind", "node", "provider", "adapter", "version", "commit",
     ]
     .into();
     for line in text.lines().filter(|l| !l.starts_with('#')) {

@@ -186,12 +186,14 @@ fn the_page_and_its_events_show_the_nodes() {
             a,
             &serde_json::json!({"node_id": "node-a", "connected": true, "phase": "ready",
                    "since_ms": since_ms, "version": "test",
-                   "registration_age_ms": registration_age_ms})
+                   "registration_age_ms": registration_age_ms,
+                   "drained": false, "draining": false, "removed": false})
         );
         assert_eq!(
             node(&first, "node-b"),
             &serde_json::json!({"node_id": "node-b", "connected": false, "phase": "offline",
-                   "since_ms": null, "version": "", "registration_age_ms": null}),
+                   "since_ms": null, "version": "", "registration_age_ms": null,
+                   "drained": false, "draining": false, "removed": false}),
             "never connected"
         );
         assert_eq!(viewer.last_text().matches("generation").count(), 0);

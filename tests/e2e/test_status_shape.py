@@ -1,8 +1,8 @@
 """The `/status` contract of a running Edge, pinned field by field (X5, P3).
 
-CONTRACT: X5 — `/status` carries exactly the provider projection (and the
-state of the Edge's own log files): every field is listed here with its
-value, and nothing that names a Node's
+CONTRACT: X5 — `/status` carries exactly the provider projection, each
+node's phase and drains (and the state of the Edge's own log files): every
+field is listed here with its value, and nothing that names a Node's
 address, a token or a transport internal (connection ids, generations,
 certificates, the Edge's or the provider's socket addresses) appears in it.
 """
@@ -14,6 +14,10 @@ from iop_harness import Cluster
 
 OUTLIER_CLEAR = {"ejected": False, "reason": None, "consecutive_failures": 0,
                  "ejections": 0, "readmit_in_ms": None}
+# Taking new work: no operator drain of it or its node, its node does not
+# say it drains, no reload removed it.
+IN_SERVICE = {"drained": False, "node_drained": False, "draining": False, "removed": False}
+NODE_IN_SERVICE = {"drained": False, "draining": False, "removed": False}
 
 
 def test_status_is_the_projection_and_nothing_else():
@@ -29,7 +33,7 @@ def test_status_is_the_projection_and_nothing_else():
                 "status": "available", "health": "available",
                 "capacity": 64, "long_context_capacity": 0,
                 "in_flight": 0, "long_in_flight": 0, "queued": 0, "long_queued": 0,
-                "connected": True, "outlier": OUTLIER_CLEAR,
+                "connected": True, "outlier": OUTLIER_CLEAR, **IN_SERVICE,
             },
             {
                 # Configured, never connected: P3's offline projection.
@@ -38,8 +42,11 @@ def test_status_is_the_projection_and_nothing_else():
                 "status": "unavailable", "health": "offline",
                 "capacity": 0, "long_context_capacity": 0,
                 "in_flight": 0, "long_in_flight": 0, "queued": 0, "long_queued": 0,
-                "connected": False, "outlier": OUTLIER_CLEAR,
+                "connected": False, "outlier": OUTLIER_CLEAR, **IN_SERVICE,
             },
+        ], "nodes": [
+            {"node_id": "node-a", "phase": "ready", **NODE_IN_SERVICE},
+            {"node_id": "node-offline", "phase": "offline", **NODE_IN_SERVICE},
         ], "logs": {
             # The Edge's own files (for callers that see everything; this
             # Edge runs open): the access log on stderr, no usage file.

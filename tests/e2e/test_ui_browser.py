@@ -3,7 +3,8 @@ and `chromium-driver`, driven by Selenium) opens `GET /ui` on a running Edge.
 
 The page loads with no console errors, shows the node and its provider,
 follows the node going away (its process stopped) and coming back (started
-again) within a few seconds, and shows a request count that grows while
+again) within a few seconds, shows an operator drain of its provider as a
+badge until it is undrained, and shows a request count that grows while
 requests run. A screenshot is saved to target/e2e-artifacts/ui.png. With
 client keys the page asks for a key, shows why a key without the admin
 scope is refused, and keeps an admin key in the tab's sessionStorage.
@@ -14,6 +15,7 @@ without the browser, this test skips and says why (CI=true: it fails).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -118,6 +120,18 @@ def test_the_status_page_in_headless_chromium(browser):
         c.start_node("node-a")
         wait_until(lambda: _node_phase(browser, "node-a") == "ready", timeout_s=SEEN_WITHIN_S,
                    what="node-a shown connected again")
+
+        # An operator drain shows as a badge on the provider's row, and goes
+        # with the undrain.
+        row = 'tr[data-provider="node-a/mock-1"]'
+        status, _, answer = post_raw(c.base_url + "/admin/providers/node-a/mock-1/drain", {})
+        assert (status, json.loads(answer)) == (200, {"provider": "node-a/mock-1", "drained": True})
+        wait_until(lambda: "drained" in _text(browser, row).split(), timeout_s=SEEN_WITHIN_S,
+                   what="the drained badge shown")
+        status, _, answer = post_raw(c.base_url + "/admin/providers/node-a/mock-1/undrain", {})
+        assert (status, json.loads(answer)) == (200, {"provider": "node-a/mock-1", "drained": False})
+        wait_until(lambda: "drained" not in _text(browser, row).split(), timeout_s=SEEN_WITHIN_S,
+                   what="the drained badge gone")
 
         # Requests run: the count on the page grows.
         before = _requests_total(browser)

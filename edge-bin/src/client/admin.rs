@@ -1,26 +1,46 @@
-//! Operator commands to a Node (K2): `POST /admin/nodes/{node_id}/commands`
-//! with `{"type":"capabilities"|"transport_status"|"provider_status"|
-//! "ollama_query","adapter":"...","path":"..."}` sends a `NodeCommandRequest`
-//! to the node's dispatch-ready connection and answers with its
-//! `NodeCommandResponse` as JSON.
+//! The admin routes: operator commands to a Node, operator drains, and the
+//! running configuration.
+//!
+//! - `POST /admin/nodes/{node_id}/commands` (K2) with
+//!   `{"type":"capabilities"|"transport_status"|"provider_status"|
+//!   "ollama_query","adapter":"...","path":"..."}` sends a
+//!   `NodeCommandRequest` to the node's dispatch-ready connection and
+//!   answers with its `NodeCommandResponse` as JSON.
+//! - `POST /admin/nodes/{node_id}/drain` and `/undrain`,
+//!   `POST /admin/providers/{node_id}/{provider_id}/drain` and `/undrain`:
+//!   an operator drain (`Input::SetDrain`): a drained node or provider takes
+//!   no new dispatch, what runs there finishes; kept across the node's
+//!   reconnects and reloads, not across a restart; undraining lets the
+//!   queue in at once. 404 for a node or provider the configuration does
+//!   not name (a reload may have removed it). Idempotent.
+//! - `GET /admin/config`: the running configuration's reload revision,
+//!   the BLAKE3 digest of its file and the configuration as JSON
+//!   ([`config_json`]), written field by field from the validated
+//!   configuration so that no secret can be in it: no client key hash,
+//!   no credential secret nor where it is read from (file or environment
+//!   variable name), no key material (TLS and issuer key *paths* are
+//!   shown; what is in them is never read here).
 //!
 //! ```text
-//! POST ─► parse ─► ready owner of node_id? ─no─► 404
+//! POST .../commands ─► parse ─► ready owner of node_id? ─no─► 404
 //!            │ yes: pending[command_id] = (conn, reply)
 //!            ▼
 //!   NodeCommandRequest ──► node ──► NodeCommandResponse ──► nodes.rs ─► on_response ─► reply
 //!            ├── the connection closed before the command went out ─► 502
 //!            └── no answer within COMMAND_WAIT ─► 504
+//!
+//! POST .../drain ─► Input::SetDrain ──► Control (any shard: in order with the read below)
+//!                └─► read: Control::drained(target) ─► 200 {"drained": ...} | 404
 //! ```
 //!
-//! Who may send them ([`authorize`]): with `[[client_keys]]` configured, a
+//! Who may use them ([`authorize`]): with `[[client_keys]]` configured, a
 //! key with `scopes = ["admin"]` (another key: 403 `admin_scope_required`;
 //! none or an unknown one: 401 as on every route); without client keys,
 //! only a peer on a loopback address (another: 403 `admin_loopback_only`),
 //! whatever address the client listener is bound to, that names the Edge
 //! by a loopback `Host` (another: 403 `admin_host_not_loopback`, so a web
-//! page whose name was rebound to 127.0.0.1 gets nothing). A command's
-//! body must be declared `application/json` (else 415), which a cross-site
+//! page whose name was rebound to 127.0.0.1 gets nothing). A POST's body
+//! must be declared `application/json` (else 415), which a cross-site
 //! form cannot do.
 //!
 //! Only dispatch-ready owners receive commands (X6). The command waits for
@@ -35,14 +55,24 @@ use iop_wire::pb;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::config::{AdapterKind, Destination, EdgeConfig, Format, MetricsAccess, SecretSource};
+use crate::control::{DrainTarget, Input, ProviderKey};
 use crate::link::commands::{send, CommandFailed, COMMAND_WAIT};
 use crate::link::edge::Edge;
 use crate::plane::client_keys::Authority;
+use crate::plane::running::Running;
 
-/// Path prefix of the route.
+/// Path prefix of every admin route.
+pub const ADMIN_PREFIX: &str = "/admin/";
+/// The running configuration (`GET`).
+pub const CONFIG_PATH: &str = "/admin/config";
+/// Path prefix of the node routes.
 pub const COMMANDS_PREFIX: &str = "/admin/nodes/";
-/// Path suffix of the route.
+/// Path suffix of the command route.
 pub const COMMANDS_SUFFIX: &str = "/commands";
+/// Path prefix of the provider routes.
+pub const PROVIDERS_PREFIX: &str = "/admin/providers/";
+
 /// The node id of a command path, if `path` is one.
 pub fn command_node(path: &str) -> Option<&str> {
     let id = path
@@ -50,6 +80,56 @@ pub fn command_node(path: &str) -> Option<&str> {
         .strip_suffix(COMMANDS_SUFFIX)?;
     (!id.is_empty() && !id.contains('/')).then_some(id)
 }
+
+/// What an admin `POST` path names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminPost<'p> {
+    /// `/admin/nodes/{node_id}/commands`.
+    Command {
+        /// The node id.
+        node_id: &'p str,
+    },
+    /// `/admin/nodes/{node_id}/drain|undrain`,
+    /// `/admin/providers/{node_id}/{provider_id}/drain|undrain`.
+    Drain {
+        /// The node or provider.
+        target: DrainTarget,
+        /// `drain` or `undrain`.
+        drained: bool,
+    },
+}
+
+/// The admin `POST` route of `path`, if it is one.
+pub fn admin_post(path: &str) -> Option<AdminPost<'_>> {
+    if let Some(node_id) = command_node(path) {
+        return Some(AdminPost::Command { node_id });
+    }
+    let (rest, drained) = if let Some(rest) = path.strip_suffix("/drain") {
+        (rest, true)
+    } else {
+        (path.strip_suffix("/undrain")?, false)
+    };
+    let segment = |s: &str| !s.is_empty() && !s.contains('/');
+    if let Some(node_id) = rest.strip_prefix(COMMANDS_PREFIX) {
+        return segment(node_id).then(|| AdminPost::Drain {
+            target: DrainTarget::Node(node_id.to_owned()),
+            drained,
+        });
+    }
+    let (node_id, provider_id) = rest.strip_prefix(PROVIDERS_PREFIX)?.split_once('/')?;
+    (segment(node_id) && segment(provider_id)).then(|| AdminPost::Drain {
+        target: DrainTarget::Provider(ProviderKey {
+            node_id: node_id.into(),
+            provider_id: provider_id.into(),
+        }),
+        drained,
+    })
+}
+
+/// A drain's body: nothing, or an empty JSON object.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -193,11 +273,81 @@ pub fn authorize_route(
     }
 }
 
-/// Handles `POST {path}` with `body`; returns the status and JSON body.
+/// Handles an admin `POST {path}` with `body` (the caller is authorized and
+/// the body declared JSON); returns the status and JSON body.
 pub async fn handle(edge: &Rc<Edge>, path: &str, body: &[u8]) -> (u16, Bytes) {
-    let Some(node_id) = command_node(path) else {
-        return error(404, "not_found", "expected /admin/nodes/{node_id}/commands");
+    match admin_post(path) {
+        Some(AdminPost::Command { node_id }) => command(edge, node_id, body).await,
+        Some(AdminPost::Drain { target, drained }) => {
+            if !body.trim_ascii().is_empty() {
+                if let Err(e) = serde_json::from_slice::<DrainBody>(body) {
+                    return error(
+                        400,
+                        "invalid_request",
+                        &format!("a drain takes no body, or {{}}: {e}"),
+                    );
+                }
+            }
+            drain(edge, target, drained).await
+        }
+        None if path == CONFIG_PATH => {
+            error(405, "method_not_allowed", "/admin/config answers GET only")
+        }
+        None => error(
+            404,
+            "not_found",
+            "expected /admin/nodes/{node_id}/commands, /admin/nodes/{node_id}/drain|undrain \
+             or /admin/providers/{node_id}/{provider_id}/drain|undrain",
+        ),
+    }
+}
+
+/// Drains (`drained`) or undrains `target`, then reads back what holds
+/// now. The read follows the input on the way to the control shard (one
+/// mailbox, in order), so it sees the drain applied; an unknown or removed
+/// target changes nothing and reads as `None`: 404.
+async fn drain(edge: &Rc<Edge>, target: DrainTarget, drained: bool) -> (u16, Bytes) {
+    edge.apply(Input::SetDrain {
+        target: target.clone(),
+        drained,
+    });
+    let now = {
+        let target = target.clone();
+        edge.with_control(move |control| control.drained(&target))
+            .await
     };
+    match (now, &target) {
+        (Some(Some(drained)), DrainTarget::Node(id)) => (
+            200,
+            Bytes::from(json!({"node": id, "drained": drained}).to_string()),
+        ),
+        (Some(Some(drained)), DrainTarget::Provider(key)) => (
+            200,
+            Bytes::from(json!({"provider": key.to_string(), "drained": drained}).to_string()),
+        ),
+        (Some(None), DrainTarget::Node(id)) => error(
+            404,
+            "unknown_node",
+            &format!("no node `{id}` in the running configuration"),
+        ),
+        (Some(None), DrainTarget::Provider(key)) => error(
+            404,
+            "unknown_provider",
+            &format!("no provider `{key}` in the running configuration"),
+        ),
+        (None, _) => error(503, "shutting_down", "the Edge is shutting down"),
+    }
+}
+
+/// `GET /admin/config` (the caller is authorized): the running
+/// configuration, its revision and digest.
+pub fn config(edge: &Edge) -> (u16, Bytes) {
+    let running = edge.settings.running.get();
+    (200, Bytes::from(config_json(&running).to_string()))
+}
+
+/// Sends one operator command to `node_id`'s ready owner.
+async fn command(edge: &Rc<Edge>, node_id: &str, body: &[u8]) -> (u16, Bytes) {
     let request: CommandBody = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => {
@@ -313,6 +463,207 @@ pub fn response_json(resp: &pb::NodeCommandResponse) -> Value {
         "providers": providers,
         "query_status": resp.query_status,
         "query_body": query_body,
+    })
+}
+
+/// The `GET /admin/config` document: `{"revision", "digest", "config"}`
+/// (`config` is `null` for an Edge built without a file).
+pub fn config_json(running: &Running) -> Value {
+    json!({
+        "revision": running.revision,
+        "digest": running.digest,
+        "config": running.config.as_deref().map(edge_config_json),
+    })
+}
+
+fn path(p: &std::path::Path) -> Value {
+    Value::String(p.display().to_string())
+}
+
+/// `cfg` as JSON, in the file's tables and key names, every field named
+/// here (a field added to the configuration shows nowhere until it is
+/// added here). Secrets are left
+/// out by construction: a client key shows its principal, scopes, limits
+/// and models, never its hash; a credential slot shows whether its secret
+/// comes from a file or the environment, never the file's path, the
+/// variable's name or the secret; the TLS and issuer keys show their
+/// paths; a provider CA shows its file, not its PEM.
+pub fn edge_config_json(cfg: &EdgeConfig) -> Value {
+    let e = &cfg.edge;
+    let l = &e.limits;
+    let edge = json!({
+        "name": e.name,
+        "trust_domain": e.trust_domain,
+        "client_listen": e.client_listen.to_string(),
+        "node_listen": e.node_listen.to_string(),
+        "max_request_body_bytes": e.max_request_body_bytes,
+        "max_frame_bytes": e.max_frame_bytes,
+        "insecure_plaintext_nodes": e.insecure_plaintext_nodes,
+        "allow_anonymous": e.allow_anonymous,
+        "metrics_access": match e.metrics_access {
+            MetricsAccess::Open => "open",
+            MetricsAccess::Key => "key",
+        },
+        "node_metrics_max_age_ms": e.node_metrics_max_age_ms,
+        "drain_grace_ms": e.drain_grace_ms,
+        "flow_window_bytes": e.flow_window_bytes,
+        "client_write_stall_timeout_ms": e.client_write_stall_timeout_ms,
+        "response_wait_timeout_ms": e.response_wait_timeout_ms,
+        "client_head_timeout_ms": l.client_head_timeout_ms,
+        "client_body_idle_timeout_ms": l.client_body_idle_timeout_ms,
+        "client_body_grace_ms": l.client_body_grace_ms,
+        "client_body_min_rate_bytes_per_sec": l.client_body_min_rate_bytes_per_sec,
+        "client_keep_alive_timeout_ms": l.client_keep_alive_timeout_ms,
+        "max_client_connections": l.max_client_connections,
+        "max_client_connections_per_peer": l.max_client_connections_per_peer,
+        "client_linger_time_ms": l.client_linger_time_ms,
+        "client_linger_idle_timeout_ms": l.client_linger_idle_timeout_ms,
+        "client_linger_max_bytes": l.client_linger_max_bytes,
+        "node_handshake_timeout_ms": l.node_handshake_timeout_ms,
+        "max_node_handshakes": l.max_node_handshakes,
+        "max_node_handshakes_per_peer": l.max_node_handshakes_per_peer,
+        "node_first_byte_timeout_ms": l.node_first_byte_timeout_ms,
+        "max_json_depth": l.max_json_depth,
+        "max_json_elements": l.max_json_elements,
+        "max_json_members": l.max_json_members,
+        "access_log": {
+            "destination": match &cfg.access_log.destination {
+                Destination::Off => json!("off"),
+                Destination::Stderr => json!("stderr"),
+                Destination::File(p) => path(p),
+            },
+            "format": match cfg.access_log.format {
+                Format::Text => "text",
+                Format::Json => "json",
+            },
+        },
+        "usage_log": cfg.usage_log.as_deref().map(|p| json!({"path": path(p)})),
+        "client_tls": cfg.client_tls.as_ref().map(|t| json!({
+            "cert": path(&t.cert),
+            "key": path(&t.key),
+            "client_ca": t.client_ca.as_deref().map(path),
+        })),
+    });
+    let nodes: Vec<Value> = cfg
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "id": n.id,
+                "recipient_key": n
+                    .recipient_key
+                    .as_ref()
+                    .map(iop_engine::keys::encode_recipient_public_key),
+                "adapters": n.adapters.iter().map(|a| json!({
+                    "name": a.name,
+                    "kind": a.kind.as_str(),
+                    "profile": match a.kind {
+                        AdapterKind::OpenAiCompat { profile } => Some(profile.as_str()),
+                        AdapterKind::Ollama => None,
+                    },
+                    "base_url": a.base_url.to_string(),
+                    "ca_file": a.tls.ca_file.as_deref().map(path),
+                    "tls_insecure_skip_verify": a.tls.insecure_skip_verify,
+                    "capacity": a.capacity,
+                    "health_path": a.health_path,
+                })).collect::<Vec<_>>(),
+                "providers": n.providers.iter().map(|p| json!({
+                    "id": p.id,
+                    "adapter": p.adapter,
+                    "target": p.target,
+                    "capacity": p.capacity,
+                    "long_context_capacity": p.long_context_capacity,
+                    "response_stall_timeout_ms": p.response_stall_timeout_ms,
+                    "category": p.category.as_str(),
+                    "enabled": p.enabled,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let models: Vec<Value> = cfg
+        .models
+        .iter()
+        .map(|m| {
+            json!({
+                "name": m.name,
+                "providers": m.providers.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "long_context_threshold_tokens": m.long_context_threshold_tokens,
+                "max_queue": m.max_queue,
+                "queue_timeout_ms": m.queue_timeout_ms,
+                "max_attempts": m.max_attempts,
+                "owned_by": m.owned_by,
+            })
+        })
+        .collect();
+    let credentials = cfg.credentials.as_ref().map(|c| {
+        json!({
+            "issuer_key": path(&c.issuer_key),
+            "lease_ttl_ms": c.lease_ttl_ms,
+            "slots": c.slots.iter().map(|s| json!({
+                "name": s.name,
+                // Where the secret is read from is not shown either.
+                "secret_from": match s.secret {
+                    SecretSource::File(_) => "file",
+                    SecretSource::Env(_) => "env",
+                },
+                "header": s.header_name,
+                "format": s.header_format,
+                "revision": s.revision,
+                "revoked_revisions": s.revoked_revisions,
+                "enabled": s.enabled,
+                "providers": s.providers.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        })
+    });
+    let client_keys: Vec<Value> = cfg
+        .client_keys
+        .iter()
+        .map(|k| {
+            let scopes: Vec<&str> = [
+                (k.admin, crate::config::ADMIN_SCOPE),
+                (k.metrics, crate::config::METRICS_SCOPE),
+            ]
+            .into_iter()
+            .filter_map(|(on, scope)| on.then_some(scope))
+            .collect();
+            json!({
+                "principal": k.principal,
+                "scopes": scopes,
+                "max_concurrent": k.limits.max_concurrent,
+                "requests_per_minute": k.limits.requests_per_minute,
+                "tokens_per_minute": k.limits.tokens_per_minute,
+                "models": k.models,
+            })
+        })
+        .collect();
+    let o = &cfg.outlier_detection;
+    json!({
+        "source": path(&cfg.source),
+        "edge": edge,
+        "tls": cfg.tls.as_ref().map(|t| json!({
+            "ca": path(&t.ca),
+            "cert": path(&t.cert),
+            "key": path(&t.key),
+        })),
+        "nodes": nodes,
+        "models": models,
+        "credentials": credentials,
+        "client_keys": client_keys,
+        "outlier_detection": {
+            "enabled": o.enabled,
+            "consecutive_failures": o.consecutive_failures,
+            "base_ejection_time_ms": o.base_ejection_time_ms,
+            "max_ejection_time_ms": o.max_ejection_time_ms,
+            "max_ejection_percent": o.max_ejection_percent,
+        },
+        "cluster": cfg.cluster.as_ref().map(|c| json!({
+            "name": c.name,
+            "etcd_endpoints": c.etcd_endpoints,
+            "lease_ttl_sec": c.lease_ttl_sec,
+            "keepalive_interval_sec": c.keepalive_interval_sec,
+            "etcd_timeout_ms": c.etcd_timeout_ms,
+            "peer_listen": c.peer_listen.map(|a| a.to_string()),
+        })),
     })
 }
 
@@ -439,6 +790,219 @@ mod tests {
             Some(pb::CommandType::Capabilities)
         );
         assert_eq!(command_type("run"), None);
+    }
+
+    #[test]
+    fn drain_paths() {
+        let node = |id: &str, drained| {
+            Some(AdminPost::Drain {
+                target: DrainTarget::Node(id.into()),
+                drained,
+            })
+        };
+        let provider = |n: &str, p: &str, drained| {
+            Some(AdminPost::Drain {
+                target: DrainTarget::Provider(ProviderKey {
+                    node_id: n.into(),
+                    provider_id: p.into(),
+                }),
+                drained,
+            })
+        };
+        assert_eq!(
+            admin_post("/admin/nodes/node-a/drain"),
+            node("node-a", true)
+        );
+        assert_eq!(
+            admin_post("/admin/nodes/node-a/undrain"),
+            node("node-a", false)
+        );
+        assert_eq!(
+            admin_post("/admin/providers/node-a/a-mock/drain"),
+            provider("node-a", "a-mock", true)
+        );
+        assert_eq!(
+            admin_post("/admin/providers/node-a/a-mock/undrain"),
+            provider("node-a", "a-mock", false)
+        );
+        assert_eq!(
+            admin_post("/admin/nodes/node-a/commands"),
+            Some(AdminPost::Command { node_id: "node-a" })
+        );
+        for not_a_route in [
+            "/admin/nodes//drain",
+            "/admin/nodes/a/b/drain",
+            "/admin/nodes/a/drained",
+            "/admin/providers/node-a/drain",
+            "/admin/providers//a-mock/drain",
+            "/admin/providers/node-a//drain",
+            "/admin/providers/node-a/a/b/drain",
+            "/admin/providers/node-a/a-mock",
+            "/admin/config",
+            "/admin/drain",
+        ] {
+            assert_eq!(admin_post(not_a_route), None, "{not_a_route}");
+        }
+    }
+
+    const KEY_HASH: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    /// A configuration with every kind of secret reference: client keys,
+    /// a slot read from a file and one from the environment.
+    fn secretive_config() -> EdgeConfig {
+        let recipient = iop_engine::keys::encode_recipient_public_key(
+            &x25519_dalek::PublicKey::from(&x25519_dalek::StaticSecret::from([9u8; 32])),
+        );
+        let text = format!(
+            r#"
+[edge]
+name = "edge-1"
+trust_domain = "iop.local"
+client_listen = "127.0.0.1:8080"
+node_listen = "127.0.0.1:7443"
+
+[edge.access_log]
+destination = "off"
+
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge-key.pem"
+
+[[nodes]]
+id = "node-a"
+recipient_key = "{recipient}"
+
+[[nodes.adapters]]
+name = "vllm-main"
+kind = "openai_compat"
+profile = "vllm"
+base_url = "http://127.0.0.1:8000/prefix"
+capacity = 8
+
+[[nodes.providers]]
+id = "a-llama"
+adapter = "vllm-main"
+target = "meta-llama/Llama-3.1-8B-Instruct"
+capacity = 8
+long_context_capacity = 2
+
+[[nodes.providers]]
+id = "a-other"
+adapter = "vllm-main"
+target = "other"
+capacity = 1
+
+[[models]]
+name = "llama-3.1-8b"
+providers = ["node-a/a-llama", "node-a/a-other"]
+
+[credentials]
+issuer_key = "keys/issuer.key"
+
+[[credentials.slots]]
+name = "openai-main"
+secret_file = "secrets/openai-file-sk"
+providers = ["node-a/a-llama"]
+
+[[credentials.slots]]
+name = "openai-other"
+secret_env = "OPENAI_ENV_SECRET_NAME"
+header = "x-api-key"
+format = "{{secret}}"
+providers = ["node-a/a-other"]
+
+[[client_keys]]
+principal = "ops"
+key_hash = "{KEY_HASH}"
+scopes = ["admin"]
+
+[[client_keys]]
+principal = "team-a"
+key_hash = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100"
+models = ["llama-3.1-8b"]
+max_concurrent = 3
+"#
+        );
+        EdgeConfig::parse(&text, "conf/edge.toml").expect("the test config parses")
+    }
+
+    #[test]
+    fn the_config_document_holds_no_secret() {
+        let cfg = secretive_config();
+        let doc = config_json(&Running::of(&cfg, 7, "ab12".into()));
+        let text = doc.to_string();
+        for secret in [
+            KEY_HASH,
+            "ffeeddccbbaa99887766554433221100",
+            "openai-file-sk",
+            "OPENAI_ENV_SECRET_NAME",
+        ] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        // Neither the hash's bytes in another spelling.
+        assert!(!text.to_ascii_lowercase().contains("00112233"), "{text}");
+        assert_eq!(
+            (&doc["revision"], &doc["digest"]),
+            (&json!(7), &json!("ab12"))
+        );
+        let config = &doc["config"];
+        assert_eq!(
+            config["client_keys"],
+            json!([
+                {"principal": "ops", "scopes": ["admin"], "max_concurrent": null,
+                 "requests_per_minute": null, "tokens_per_minute": null, "models": null},
+                {"principal": "team-a", "scopes": [], "max_concurrent": 3,
+                 "requests_per_minute": null, "tokens_per_minute": null,
+                 "models": ["llama-3.1-8b"]},
+            ])
+        );
+        let slots = &config["credentials"]["slots"];
+        assert_eq!(
+            slots[0],
+            json!({"name": "openai-main", "secret_from": "file",
+                   "header": "Authorization", "format": "Bearer {secret}",
+                   "revision": 1, "revoked_revisions": [], "enabled": true,
+                   "providers": ["node-a/a-llama"]})
+        );
+        assert_eq!(slots[1]["secret_from"], "env");
+        assert_eq!(slots[1]["format"], "{secret}");
+        // Paths of key files are shown (their contents are never read here).
+        assert_eq!(config["tls"]["key"], "conf/certs/edge-key.pem");
+        assert_eq!(config["credentials"]["issuer_key"], "conf/keys/issuer.key");
+        // The fleet, as the file says it.
+        assert_eq!(
+            config["nodes"][0]["adapters"][0],
+            json!({"name": "vllm-main", "kind": "openai_compat", "profile": "vllm",
+                   "base_url": "http://127.0.0.1:8000/prefix", "ca_file": null,
+                   "tls_insecure_skip_verify": false, "capacity": 8, "health_path": null})
+        );
+        assert_eq!(
+            config["nodes"][0]["providers"][0],
+            json!({"id": "a-llama", "adapter": "vllm-main",
+                   "target": "meta-llama/Llama-3.1-8B-Instruct", "capacity": 8,
+                   "long_context_capacity": 2, "response_stall_timeout_ms": 0,
+                   "category": "local_inference", "enabled": true})
+        );
+        assert_eq!(
+            config["nodes"][0]["recipient_key"],
+            json!(iop_engine::keys::encode_recipient_public_key(
+                cfg.nodes[0].recipient_key.as_ref().unwrap()
+            ))
+        );
+        assert_eq!(
+            config["models"][0]["providers"],
+            json!(["node-a/a-llama", "node-a/a-other"])
+        );
+        assert_eq!(config["edge"]["access_log"]["destination"], "off");
+        assert_eq!(config["edge"]["client_listen"], "127.0.0.1:8080");
+        assert_eq!(config["cluster"], Value::Null);
+        // An Edge without a file shows no configuration.
+        let bare = Running::bare(1, 1, std::time::Duration::from_secs(1));
+        assert_eq!(
+            config_json(&bare),
+            json!({"revision": 1, "digest": "", "config": null})
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! in `docs/metrics.md`.
 //!
 //! ```text
-//! scrape ─┬─ Control: counters, snapshots, queue depths, ready nodes
+//! scrape ─┬─ Control: counters, snapshots, drains, queue depths, ready nodes
 //!         ├─ engine registries (histograms, relay counters), front door
 //!         ├─ request series (crate::plane::request_metrics), access log,
 //!         │  usage file (their write and open errors, whether failing)
@@ -23,7 +23,7 @@ use iop_engine::metrics::buckets::escape_label_value;
 use iop_engine::metrics::{self as engine_metrics, process, Count, Registry, Side};
 use iop_wire::pb;
 
-use crate::control::{Counters, FailureReason};
+use crate::control::{Counters, FailureReason, NodeView, ProviderView};
 use crate::link::edge::Edge;
 use crate::plane::cluster::ClusterView;
 
@@ -35,15 +35,16 @@ pub const MAX_NODE_LINES: usize = 20_000;
 pub async fn scrape(edge: &Rc<Edge>) -> String {
     let (mut text, depths, nodes) = edge
         .with_control(|control| {
-            (
-                render(
-                    control.counters(),
-                    &control.snapshots(),
-                    control.ejected_count(),
-                ),
-                control.queue_depths(),
-                control.ready_nodes(),
-            )
+            let mut text = render(
+                control.counters(),
+                &control.snapshots(),
+                control.ejected_count(),
+            );
+            text.push_str(&render_drains(
+                &control.node_views(),
+                &control.provider_views(),
+            ));
+            (text, control.queue_depths(), control.ready_nodes())
         })
         .await
         .unwrap_or_default();
@@ -512,6 +513,80 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot], ejected: 
     out
 }
 
+/// One 0/1 gauge family with a sample per item (`labels` of each).
+fn flags<T>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    items: &[T],
+    labels: impl Fn(&T) -> String,
+    on: impl Fn(&T) -> bool,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    for item in items {
+        let _ = writeln!(out, "{name}{{{}}} {}", labels(item), u8::from(on(item)));
+    }
+}
+
+/// Which nodes and providers take no new work, and why: one sample per
+/// node and provider of the configuration (and per one a reload removed,
+/// while what it runs finishes), so the label sets are bounded by it.
+pub fn render_drains(nodes: &[NodeView], providers: &[ProviderView]) -> String {
+    let mut out = String::new();
+    let node = |n: &NodeView| format!("node=\"{}\"", escape_label_value(&n.node_id));
+    let provider = |p: &ProviderView| {
+        format!(
+            "node=\"{}\",provider=\"{}\"",
+            escape_label_value(&p.node_id),
+            escape_label_value(&p.provider_id)
+        )
+    };
+    flags(
+        &mut out,
+        "iop_edge_node_drained",
+        "1 while an operator drains the node (POST /admin/nodes/{node}/drain): none of its \
+         providers takes new work.",
+        nodes,
+        node,
+        |n| n.drained,
+    );
+    flags(
+        &mut out,
+        "iop_edge_node_draining",
+        "1 while the node's connection says the node drains: it takes no new work.",
+        nodes,
+        node,
+        |n| n.draining,
+    );
+    flags(
+        &mut out,
+        "iop_edge_node_removed",
+        "1 while a node a reload removed still finishes what it was given.",
+        nodes,
+        node,
+        |n| n.removed,
+    );
+    flags(
+        &mut out,
+        "iop_edge_provider_drained",
+        "1 while an operator drains the provider itself \
+         (POST /admin/providers/{node}/{provider}/drain): it takes no new work.",
+        providers,
+        provider,
+        |p| p.drained,
+    );
+    flags(
+        &mut out,
+        "iop_edge_provider_removed",
+        "1 while a provider a reload removed still finishes its leases.",
+        providers,
+        provider,
+        |p| p.removed,
+    );
+    out
+}
+
 /// The front door's gauges, from the merged per-core counters (every core's
 /// accepts and closes): open client connections and node TLS handshakes in
 /// progress.
@@ -601,6 +676,57 @@ mod tests {
         let mut node = Families::default();
         node.add(&text, Some("n"));
         assert_eq!(node.render().lines().count(), MAX_NODE_LINES);
+    }
+
+    #[test]
+    fn drains_are_one_sample_per_node_and_provider() {
+        let node = |id: &str, drained, draining, removed| NodeView {
+            node_id: id.into(),
+            phase: crate::control::NodePhase::Ready,
+            version: String::new(),
+            registered_at: None,
+            ready_at: None,
+            offline_since: None,
+            drained,
+            draining,
+            removed,
+        };
+        let provider = |n: &str, p: &str, drained, removed| ProviderView {
+            node_id: n.into(),
+            provider_id: p.into(),
+            drained,
+            node_drained: false,
+            draining: false,
+            removed,
+        };
+        let text = render_drains(
+            &[
+                node("a", true, false, false),
+                node("b\"", false, true, true),
+            ],
+            &[
+                provider("a", "p1", false, false),
+                provider("b\"", "p2", true, true),
+            ],
+        );
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            samples,
+            [
+                "iop_edge_node_drained{node=\"a\"} 1",
+                "iop_edge_node_drained{node=\"b\\\"\"} 0",
+                "iop_edge_node_draining{node=\"a\"} 0",
+                "iop_edge_node_draining{node=\"b\\\"\"} 1",
+                "iop_edge_node_removed{node=\"a\"} 0",
+                "iop_edge_node_removed{node=\"b\\\"\"} 1",
+                "iop_edge_provider_drained{node=\"a\",provider=\"p1\"} 0",
+                "iop_edge_provider_drained{node=\"b\\\"\",provider=\"p2\"} 1",
+                "iop_edge_provider_removed{node=\"a\",provider=\"p1\"} 0",
+                "iop_edge_provider_removed{node=\"b\\\"\",provider=\"p2\"} 1",
+            ]
+        );
+        assert!(text.contains("# TYPE iop_edge_provider_drained gauge\n"));
+        assert_eq!(text.matches("# HELP ").count(), 5);
     }
 
     // CONTRACT: O1 — the four contract counters are exposed with bounded

@@ -375,28 +375,16 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     let viewer = (!caller.authority.sees_everything()).then(|| caller.clone());
                     match edge
                         .with_control(move |control| {
-                            let now = clock::now();
-                            let outliers: Vec<status::OutlierView> = control
-                                .outliers()
-                                .into_iter()
-                                .map(|o| status::OutlierView::of(o, now))
-                                .collect();
-                            let visible = match viewer {
-                                Some(viewer) => control.serves_any(|m| viewer.may_use(m)),
-                                None => Vec::new(),
-                            };
-                            (control.snapshots(), outliers, visible)
+                            let mut fleet = status::Fleet::read(control, clock::now());
+                            if let Some(viewer) = viewer {
+                                fleet.retain(&control.serves_any(|m| viewer.may_use(m)));
+                            }
+                            fleet
                         })
                         .await
                     {
-                        Some((mut snapshots, mut outliers, visible)) => {
-                            if !visible.is_empty() {
-                                let mut keep = visible.iter().copied();
-                                snapshots.retain(|_| keep.next().unwrap_or(false));
-                                let mut keep = visible.iter().copied();
-                                outliers.retain(|_| keep.next().unwrap_or(false));
-                            }
-                            let mut doc = status::status_json(&snapshots, &outliers);
+                        Some(fleet) => {
+                            let mut doc = fleet.json();
                             // Who owns which node is the fleet's shape:
                             // for keys that see everything.
                             if let Some(cluster) = edge
@@ -448,7 +436,15 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     ))
                     .await
                 }
-                ("POST", p) if p.starts_with(crate::client::admin::COMMANDS_PREFIX) => {
+                ("GET", crate::client::admin::CONFIG_PATH) => {
+                    let (status, body) =
+                        match crate::client::admin::authorize(caller.authority, from) {
+                            Ok(()) => crate::client::admin::config(&edge),
+                            Err(refused) => refused,
+                        };
+                    write_json(&mut server, status, body).await
+                }
+                ("POST", p) if p.starts_with(crate::client::admin::ADMIN_PREFIX) => {
                     let content_type = headers
                         .iter()
                         .find(|h| h.name.eq_ignore_ascii_case("content-type"))

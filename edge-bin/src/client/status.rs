@@ -1,13 +1,17 @@
 //! JSON projections for `GET /status` (P1–P3), with each provider's
-//! passive-health state, and the state of the Edge's own log files. Node
-//! addresses, tokens and transport internals are never included (X5).
+//! passive-health state and whether it takes new work (operator drains,
+//! an owner that drains, removal by a reload), each node's, and the state
+//! of the Edge's own log files. Addresses, tokens and transport internals
+//! are never included (X5).
 
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use iop_wire::pb;
 use serde_json::{json, Value};
 
 use crate::control::outlier::OutlierState;
+use crate::control::{Control, NodePhase, NodeView, ProviderView};
 use crate::plane::access::{destination_name, AccessStatus};
 use crate::plane::usage::UsageStatus;
 
@@ -80,8 +84,88 @@ fn category_name(category: i32) -> &'static str {
     }
 }
 
-/// One provider snapshot as JSON, with its passive-health state.
-pub fn snapshot_json(s: &pb::ProviderSnapshot, outlier: &OutlierView) -> Value {
+/// What `/status` shows, read from `Control` at one instant: every
+/// provider (snapshot, passive health, drains; by position, in
+/// [`Control::snapshots`] order) and every node.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    /// The provider snapshots.
+    pub snapshots: Vec<pb::ProviderSnapshot>,
+    /// Their passive-health state.
+    pub outliers: Vec<OutlierView>,
+    /// Their drains and removal.
+    pub providers: Vec<ProviderView>,
+    /// Every node.
+    pub nodes: Vec<NodeView>,
+}
+
+impl Fleet {
+    /// Reads it from `control` at `now`.
+    pub fn read(control: &Control, now: Instant) -> Self {
+        Self {
+            snapshots: control.snapshots(),
+            outliers: control
+                .outliers()
+                .into_iter()
+                .map(|o| OutlierView::of(o, now))
+                .collect(),
+            providers: control.provider_views(),
+            nodes: control.node_views(),
+        }
+    }
+
+    /// Keeps the providers whose `visible` is true (by position, as
+    /// [`Control::serves_any`] answers) and the nodes of those.
+    pub fn retain(&mut self, visible: &[bool]) {
+        fn keep<T>(items: &mut Vec<T>, visible: &[bool]) {
+            let mut flags = visible.iter().copied();
+            items.retain(|_| flags.next().unwrap_or(false));
+        }
+        keep(&mut self.snapshots, visible);
+        keep(&mut self.outliers, visible);
+        keep(&mut self.providers, visible);
+        let nodes: BTreeSet<&str> = self.providers.iter().map(|p| p.node_id.as_str()).collect();
+        self.nodes.retain(|n| nodes.contains(n.node_id.as_str()));
+    }
+
+    /// The `/status` document.
+    pub fn json(&self) -> Value {
+        let mut doc = status_json(&self.snapshots, &self.outliers, &self.providers);
+        doc["nodes"] = self.nodes.iter().map(node_json).collect();
+        doc
+    }
+}
+
+/// A node's `/status` entry: its phase and whether it takes new work.
+pub fn node_json(n: &NodeView) -> Value {
+    json!({
+        "node_id": n.node_id,
+        "phase": phase_name(n.phase),
+        "drained": n.drained,
+        "draining": n.draining,
+        "removed": n.removed,
+    })
+}
+
+/// A node phase's name in `/status` and the status page.
+pub fn phase_name(phase: NodePhase) -> &'static str {
+    match phase {
+        NodePhase::Offline => "offline",
+        NodePhase::Registered => "registered",
+        NodePhase::Ready => "ready",
+    }
+}
+
+/// One provider snapshot as JSON, with its passive-health state and its
+/// drains (`drained`: the provider itself by an operator; `node_drained`:
+/// its node by an operator; `draining`: its node's owner said it drains;
+/// `removed`: a reload removed it, its leases run out).
+pub fn snapshot_json(
+    s: &pb::ProviderSnapshot,
+    outlier: &OutlierView,
+    drains: Option<&ProviderView>,
+) -> Value {
+    let flag = |f: fn(&ProviderView) -> bool| drains.is_some_and(f);
     json!({
         "node_id": s.node_id,
         "provider_id": s.provider_id,
@@ -98,16 +182,29 @@ pub fn snapshot_json(s: &pb::ProviderSnapshot, outlier: &OutlierView) -> Value {
         "long_queued": s.long_queued,
         "connected": s.connected,
         "outlier": outlier.json(),
+        "drained": flag(|p| p.drained),
+        "node_drained": flag(|p| p.node_drained),
+        "draining": flag(|p| p.draining),
+        "removed": flag(|p| p.removed),
     })
 }
 
-/// The `/status` document: `outliers` pairs with `snapshots` by position.
-pub fn status_json(snapshots: &[pb::ProviderSnapshot], outliers: &[OutlierView]) -> Value {
+/// The providers of `/status`: `outliers` and `drains` pair with
+/// `snapshots` by position.
+pub fn status_json(
+    snapshots: &[pb::ProviderSnapshot],
+    outliers: &[OutlierView],
+    drains: &[ProviderView],
+) -> Value {
     json!({
         "providers": snapshots
             .iter()
-            .zip(outliers.iter().copied().chain(std::iter::repeat(OutlierView::default())))
-            .map(|(s, o)| snapshot_json(s, &o))
+            .enumerate()
+            .map(|(i, s)| snapshot_json(
+                s,
+                &outliers.get(i).copied().unwrap_or_default(),
+                drains.get(i),
+            ))
             .collect::<Vec<_>>(),
     })
 }
@@ -280,14 +377,15 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            snapshot_json(&s, &OutlierView::default()),
+            snapshot_json(&s, &OutlierView::default(), None),
             json!({
                 "node_id": "n", "provider_id": "p", "adapter": "a", "target": "t",
                 "category": "local_inference", "status": "unavailable", "health": "offline",
                 "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
                 "queued": 0, "long_queued": 0, "connected": false,
                 "outlier": {"ejected": false, "reason": null, "consecutive_failures": 0,
-                            "ejections": 0, "readmit_in_ms": null}
+                            "ejections": 0, "readmit_in_ms": null},
+                "drained": false, "node_drained": false, "draining": false, "removed": false
             })
         );
         let ejected = OutlierView {
@@ -297,10 +395,85 @@ mod tests {
             ejections: 2,
             readmit_in_ms: Some(1500),
         };
+        let drains = ProviderView {
+            node_id: "n".into(),
+            provider_id: "p".into(),
+            drained: true,
+            node_drained: false,
+            draining: true,
+            removed: false,
+        };
+        let doc = status_json(&[s], &[ejected], &[drains]);
         assert_eq!(
-            status_json(&[s], &[ejected])["providers"][0]["outlier"],
+            doc["providers"][0]["outlier"],
             json!({"ejected": true, "reason": "connect_failure", "consecutive_failures": 5,
                    "ejections": 2, "readmit_in_ms": 1500})
         );
+        assert_eq!(
+            [
+                &doc["providers"][0]["drained"],
+                &doc["providers"][0]["node_drained"],
+                &doc["providers"][0]["draining"],
+                &doc["providers"][0]["removed"],
+            ],
+            [&json!(true), &json!(false), &json!(true), &json!(false)]
+        );
+    }
+
+    fn node(id: &str, drained: bool) -> NodeView {
+        NodeView {
+            node_id: id.into(),
+            phase: NodePhase::Ready,
+            version: "0.1.0".into(),
+            registered_at: None,
+            ready_at: None,
+            offline_since: None,
+            drained,
+            draining: false,
+            removed: !drained,
+        }
+    }
+
+    fn provider(node_id: &str, provider_id: &str) -> ProviderView {
+        ProviderView {
+            node_id: node_id.into(),
+            provider_id: provider_id.into(),
+            drained: false,
+            node_drained: false,
+            draining: false,
+            removed: false,
+        }
+    }
+
+    // A key that sees some providers sees their nodes only; the node
+    // entries carry no generation, version or time (X5).
+    #[test]
+    fn a_limited_view_keeps_the_visible_providers_and_their_nodes() {
+        let snapshot = |n: &str, p: &str| pb::ProviderSnapshot {
+            node_id: n.into(),
+            provider_id: p.into(),
+            ..Default::default()
+        };
+        let mut fleet = Fleet {
+            snapshots: vec![snapshot("a", "1"), snapshot("a", "2"), snapshot("b", "1")],
+            outliers: vec![OutlierView::default(); 3],
+            providers: vec![provider("a", "1"), provider("a", "2"), provider("b", "1")],
+            nodes: vec![node("a", true), node("b", false)],
+        };
+        fleet.retain(&[false, true, false]);
+        let doc = fleet.json();
+        let ids: Vec<(&Value, &Value)> = doc["providers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (&p["node_id"], &p["provider_id"]))
+            .collect();
+        assert_eq!(ids, [(&json!("a"), &json!("2"))]);
+        assert_eq!(
+            doc["nodes"],
+            json!([{"node_id": "a", "phase": "ready", "drained": true, "draining": false,
+                    "removed": false}])
+        );
+        assert_eq!(fleet.outliers.len(), 1);
     }
 }

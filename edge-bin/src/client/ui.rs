@@ -46,7 +46,7 @@ use serde_json::{json, Value};
 
 use crate::client::admin::Requester;
 use crate::client::status::{self, OutlierView};
-use crate::control::{ModelView, NodePhase, NodeView};
+use crate::control::{ModelView, NodePhase, NodeView, ProviderView};
 use crate::link::edge::Edge;
 use crate::plane::access::AccessStatus;
 use crate::plane::client_keys::Authority;
@@ -175,6 +175,8 @@ pub struct Snapshot {
     pub providers: Vec<pb::ProviderSnapshot>,
     /// Their passive-health state, by position.
     pub outliers: Vec<OutlierView>,
+    /// Their drains and removal, by position.
+    pub drains: Vec<ProviderView>,
     /// Every configured model.
     pub models: Vec<ModelView>,
     /// The response counters.
@@ -200,21 +202,26 @@ fn age_ms(now: Instant, at: Option<Instant>) -> Option<u64> {
     at.map(|at| u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A node's entry: its phase and ages, never its connection generation,
-/// which stays inside the Edge (R5, X5).
+/// A node's entry: its phase and ages and whether it takes new work
+/// (`drained` by an operator, `draining` as its owner said, `removed` by a
+/// reload), never its connection generation, which stays inside the Edge
+/// (R5, X5).
 fn node_json(now: Instant, n: &NodeView) -> Value {
-    let (phase, since) = match n.phase {
-        NodePhase::Offline => ("offline", n.offline_since),
-        NodePhase::Registered => ("registered", n.registered_at),
-        NodePhase::Ready => ("ready", n.ready_at),
+    let since = match n.phase {
+        NodePhase::Offline => n.offline_since,
+        NodePhase::Registered => n.registered_at,
+        NodePhase::Ready => n.ready_at,
     };
     json!({
         "node_id": n.node_id,
         "connected": n.phase == NodePhase::Ready,
-        "phase": phase,
+        "phase": status::phase_name(n.phase),
         "since_ms": age_ms(now, since),
         "version": n.version,
         "registration_age_ms": age_ms(now, n.registered_at),
+        "drained": n.drained,
+        "draining": n.draining,
+        "removed": n.removed,
     })
 }
 
@@ -242,7 +249,11 @@ pub fn event_json(snapshot: &Snapshot, previous: Option<&Sample>) -> Value {
             }
             node
         }).collect::<Vec<_>>(),
-        "providers": status::status_json(&snapshot.providers, &snapshot.outliers)["providers"],
+        "providers": status::status_json(
+            &snapshot.providers,
+            &snapshot.outliers,
+            &snapshot.drains,
+        )["providers"],
         "models": snapshot.models.iter().map(model_json).collect::<Vec<_>>(),
         "traffic": {
             "requests_total": sample.requests(),
@@ -333,19 +344,12 @@ pub(crate) async fn page<S: ClientStream>(
 /// Reads what one event shows; `None` when `Control` cannot be reached
 /// (the Edge is shutting down).
 async fn snapshot(edge: &Edge) -> Option<Snapshot> {
-    let (now, nodes, providers, outliers, models) = edge
+    let (now, fleet, models) = edge
         .with_control(|control| {
             let now = clock::now();
-            let outliers: Vec<OutlierView> = control
-                .outliers()
-                .into_iter()
-                .map(|o| OutlierView::of(o, now))
-                .collect();
             (
                 now,
-                control.node_views(),
-                control.snapshots(),
-                outliers,
+                status::Fleet::read(control, now),
                 control.model_views(),
             )
         })
@@ -354,9 +358,10 @@ async fn snapshot(edge: &Edge) -> Option<Snapshot> {
     let of = |key| Percentiles::of(merged.histogram(key));
     Some(Snapshot {
         now,
-        nodes,
-        providers,
-        outliers,
+        nodes: fleet.nodes,
+        providers: fleet.snapshots,
+        outliers: fleet.outliers,
+        drains: fleet.providers,
         models,
         sample: Sample::read(now),
         time_to_first_byte: Percentiles::of_buckets(
@@ -509,6 +514,9 @@ mod tests {
                     registered_at: Some(t0 + Duration::from_secs(40)),
                     ready_at: Some(t0 + Duration::from_millis(40_250)),
                     offline_since: None,
+                    drained: true,
+                    draining: false,
+                    removed: false,
                 },
                 NodeView {
                     node_id: "node-b".into(),
@@ -517,6 +525,9 @@ mod tests {
                     registered_at: None,
                     ready_at: None,
                     offline_since: Some(t0 + Duration::from_secs(95)),
+                    drained: false,
+                    draining: false,
+                    removed: true,
                 },
             ],
             providers: vec![pb::ProviderSnapshot {
@@ -536,6 +547,14 @@ mod tests {
                 connected: true,
             }],
             outliers: vec![OutlierView::default()],
+            drains: vec![ProviderView {
+                node_id: "node-a".into(),
+                provider_id: "local".into(),
+                drained: false,
+                node_drained: true,
+                draining: true,
+                removed: false,
+            }],
             models: vec![ModelView {
                 model: "llama".into(),
                 providers: 2,
@@ -582,10 +601,12 @@ mod tests {
                 "nodes": [
                     {"node_id": "node-a", "connected": true, "phase": "ready",
                      "since_ms": 59_750, "version": "0.1.0",
-                     "registration_age_ms": 60_000},
+                     "registration_age_ms": 60_000,
+                     "drained": true, "draining": false, "removed": false},
                     {"node_id": "node-b", "connected": false, "phase": "offline",
                      "since_ms": 5000, "version": "",
-                     "registration_age_ms": null},
+                     "registration_age_ms": null,
+                     "drained": false, "draining": false, "removed": true},
                 ],
                 "providers": [
                     {"node_id": "node-a", "provider_id": "local", "adapter": "openai",
@@ -594,7 +615,9 @@ mod tests {
                      "in_flight": 2, "long_in_flight": 1, "queued": 3, "long_queued": 0,
                      "connected": true,
                      "outlier": {"ejected": false, "reason": null, "consecutive_failures": 0,
-                                 "ejections": 0, "readmit_in_ms": null}},
+                                 "ejections": 0, "readmit_in_ms": null},
+                     "drained": false, "node_drained": true, "draining": true,
+                     "removed": false},
                 ],
                 "models": [
                     {"model": "llama", "providers": 2, "candidates": 1, "queued": 3,

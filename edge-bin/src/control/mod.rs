@@ -79,7 +79,7 @@ pub use spec::{
 pub use tables::ProviderLease;
 
 pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
-pub use views::ModelCapacity;
+pub use views::{ModelCapacity, ProviderView};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;
@@ -122,6 +122,16 @@ pub struct NodeView {
     pub ready_at: Option<Instant>,
     /// When its last owner went away, while offline (`None`: never seen).
     pub offline_since: Option<Instant>,
+    /// Drained by an operator ([`Input::SetDrain`]): none of its providers
+    /// takes new work; what runs there finishes. Kept across reconnects
+    /// and reloads.
+    pub drained: bool,
+    /// Its owner said it drains ([`Input::NodeDraining`]): no new work
+    /// under that owner's generation.
+    pub draining: bool,
+    /// No longer in the configuration: kept only while its owner finishes
+    /// what it was given.
+    pub removed: bool,
 }
 
 /// One model's pool as the status page shows it ([`Control::model_views`]).

@@ -1,6 +1,8 @@
 //! What Control shows: the provider snapshots (P1–P3, H5), the status
-//! page's node and model views, counters, queue depths, and reads of its
-//! leases and waiting requests.
+//! page's node, provider and model views (drains and removals included),
+//! counters, queue depths, and reads of its leases and waiting requests.
+//! A model a reload removed (kept only while its dispatched requests run
+//! out) is in none of the model views.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -9,7 +11,10 @@ use iop_wire::pb;
 
 use super::outlier::OutlierState;
 use super::tables::{OwnerState, ProviderLease, RequestState};
-use super::{Control, Counters, ModelView, NodePhase, NodeView, Operation, ProviderKey, RequestId};
+use super::{
+    Control, Counters, DrainTarget, ModelView, NodePhase, NodeView, Operation, ProviderKey,
+    RequestId,
+};
 
 /// What one model has free on this Edge now: the figures a cluster's
 /// Edges exchange to decide where a request goes
@@ -22,6 +27,26 @@ pub struct ModelCapacity {
     pub free_slots: [u32; Operation::ALL.len()],
     /// Requests waiting for a slot in any lane of the model.
     pub queued: u32,
+}
+
+/// Whether one provider takes new work, as the status views show it
+/// ([`Control::provider_views`], in [`Control::snapshots`] order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderView {
+    /// Its node id.
+    pub node_id: String,
+    /// Its provider id on that node.
+    pub provider_id: String,
+    /// Drained by an operator, itself ([`super::Input::SetDrain`] with
+    /// [`DrainTarget::Provider`]).
+    pub drained: bool,
+    /// Its node drained by an operator ([`DrainTarget::Node`]).
+    pub node_drained: bool,
+    /// Its node's owner said it drains ([`super::Input::NodeDraining`]).
+    pub draining: bool,
+    /// No longer in the configuration (nor in any pool): kept only while
+    /// its leases run out.
+    pub removed: bool,
 }
 
 impl ModelCapacity {
@@ -37,11 +62,30 @@ impl Control {
         self.model_index.contains_key(model)
     }
 
-    /// Requests waiting for a slot now, per model (`iop_edge_queue_depth`).
+    /// Requests waiting for a slot now, per configured model
+    /// (`iop_edge_queue_depth`).
     pub fn queue_depths(&self) -> Vec<(String, usize)> {
         (0..self.models.len())
+            .filter(|&m| !self.models[m].removed)
             .map(|m| (self.models[m].spec.name.clone(), self.queued_count(m)))
             .collect()
+    }
+
+    /// Whether `target` is drained by an operator; `None` when it names no
+    /// node or provider of the configuration (unknown, or removed by a
+    /// reload): what the admin API answers after an
+    /// [`super::Input::SetDrain`].
+    pub fn drained(&self, target: &DrainTarget) -> Option<bool> {
+        if !self.has_drain_target(target) {
+            return None;
+        }
+        match target {
+            DrainTarget::Node(id) => self.node_index.get(id).map(|&n| self.nodes[n].drained),
+            DrainTarget::Provider(key) => self
+                .provider_index
+                .get(key)
+                .map(|&p| self.providers[p].drained),
+        }
     }
 
     /// The live lease of `run_id`.
@@ -169,7 +213,7 @@ impl Control {
         let allowed: BTreeSet<&ProviderKey> = self
             .models
             .iter()
-            .filter(|m| may_use(&m.spec.name))
+            .filter(|m| !m.removed && may_use(&m.spec.name))
             .flat_map(|m| m.spec.providers.iter())
             .collect();
         self.providers
@@ -193,6 +237,28 @@ impl Control {
                 registered_at: n.owner.and_then(|o| o.registered_at),
                 ready_at: n.owner.and_then(|o| o.ready_at),
                 offline_since: n.offline_since,
+                drained: n.drained,
+                draining: n.owner.is_some_and(|o| o.draining),
+                removed: n.removed,
+            })
+            .collect()
+    }
+
+    /// Every provider's drains and removal, in [`Control::snapshots`]
+    /// order, for `/status`, `/metrics` and the status page.
+    pub fn provider_views(&self) -> Vec<ProviderView> {
+        self.providers
+            .iter()
+            .map(|state| {
+                let node = &self.nodes[state.node];
+                ProviderView {
+                    node_id: state.key.node_id.to_string(),
+                    provider_id: state.key.provider_id.to_string(),
+                    drained: state.drained,
+                    node_drained: node.drained,
+                    draining: node.owner.is_some_and(|o| o.draining),
+                    removed: state.removed,
+                }
             })
             .collect()
     }
@@ -204,6 +270,7 @@ impl Control {
         self.models
             .iter()
             .enumerate()
+            .filter(|(_, model)| !model.removed)
             .map(|(m, model)| {
                 let mut free_slots = [0u32; Operation::ALL.len()];
                 for (slots, lane) in free_slots.iter_mut().zip(model.lane_of) {
@@ -227,6 +294,7 @@ impl Control {
         self.models
             .iter()
             .enumerate()
+            .filter(|(_, model)| !model.removed)
             .map(|(m, model)| {
                 let candidates: BTreeSet<usize> = model
                     .lanes

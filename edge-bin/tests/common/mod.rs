@@ -691,7 +691,8 @@ pub fn offline_entry(node_id: &str, provider_id: &str) -> Value {
         "node_id": node_id, "provider_id": provider_id, "adapter": ADAPTER,
         "target": TARGET, "category": "api", "status": "unavailable", "health": "offline",
         "capacity": 0, "long_context_capacity": 0, "in_flight": 0, "long_in_flight": 0,
-        "queued": 0, "long_queued": 0, "connected": false, "outlier": in_rotation()
+        "queued": 0, "long_queued": 0, "connected": false, "outlier": in_rotation(),
+        "drained": false, "node_drained": false, "draining": false, "removed": false
     })
 }
 
@@ -711,7 +712,8 @@ pub fn ready_entry(node_id: &str, provider_id: &str, in_flight: u32) -> Value {
         "target": TARGET, "category": "api", "status": "available", "health": "available",
         "capacity": 2, "long_context_capacity": 0, "in_flight": in_flight,
         "long_in_flight": 0, "queued": 0, "long_queued": 0, "connected": true,
-        "outlier": in_rotation()
+        "outlier": in_rotation(),
+        "drained": false, "node_drained": false, "draining": false, "removed": false
     })
 }
 
