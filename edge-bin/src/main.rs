@@ -445,20 +445,31 @@ fn control_setup(
 /// restart" warning repeats for as long as the file differs from what
 /// runs. `loaded` follows the last valid file (the applied sections and
 /// the certificate paths).
+///
+/// In a cluster (`member`), a changed fleet is published for every Edge
+/// to apply from etcd instead, and the rest of the file applies here
+/// (`edge_bin::cluster::member::Member::reload`).
 fn spawn_reloader(
     edge: Rc<edge_bin::link::edge::Edge>,
+    member: Option<Rc<edge_bin::cluster::member::Member>>,
     tls: (Option<EdgeTlsAcceptor>, Option<HttpsAcceptor>),
     started: EdgeConfig,
     path: std::path::PathBuf,
     mut hup: SignalPipe,
 ) {
     monoio::spawn(async move {
-        let mut revision = 1u64;
         let mut loaded = started.clone();
         while hup.recv().await.is_ok() {
             notify::notify(notify::State::reloading_now());
-            // A refused file keeps the running revision.
-            let reloaded = server::reload(&edge, &started, &path, revision + 1);
+            // A refused file keeps the running revision; a cluster's fleet
+            // applied from etcd takes the next one too.
+            let revision = edge.settings.running.get().revision + 1;
+            let reloaded = match &member {
+                // The member logs what it applied.
+                Some(member) => member.reload(&path).await.map(|next| (next, None)),
+                None => server::reload(&edge, &started, &path, revision)
+                    .map(|(next, report)| (next, Some(report))),
+            };
             // Certificates rotate even when the rest of the file is refused.
             let certificates = match &reloaded {
                 Ok((next, _)) => next,
@@ -472,48 +483,8 @@ fn spawn_reloader(
             );
             match reloaded {
                 Ok((next, report)) => {
-                    revision = report.revision;
-                    tracing::info!(
-                        revision,
-                        nodes_added = ?report.nodes_added,
-                        nodes_removed = ?report.nodes_removed,
-                        models_added = ?report.models_added,
-                        models_removed = ?report.models_removed,
-                        refreshed = ?report.refreshed,
-                        deferred = ?report.deferred,
-                        client_keys = report.client_keys.keys,
-                        client_keys_added = report.client_keys.added,
-                        client_keys_revoked = report.client_keys.revoked,
-                        client_keys_changed = report.client_keys.changed,
-                        credentials = ?report.credentials,
-                        "configuration reloaded"
-                    );
-                    if !report.unsent.is_empty() {
-                        tracing::warn!(
-                            nodes = ?report.unsent,
-                            "config refresh not sent: the node's connection closed; \
-                             it gets the new config when it registers again"
-                        );
-                    }
-                    for kept in &report.kept_operational {
-                        tracing::warn!(
-                            error = %kept,
-                            "a log path of the reloaded file cannot be opened; \
-                             the rest of the file is applied"
-                        );
-                    }
-                    if !report.unmetered.is_empty() {
-                        tracing::warn!(
-                            names = ?report.unmetered,
-                            "no room left for these models' and nodes' own /metrics series; \
-                             counted as model \"other\" until a restart"
-                        );
-                    }
-                    if !report.restart_required.is_empty() {
-                        tracing::warn!(
-                            sections = ?report.restart_required,
-                            "these changes need a restart and were not applied"
-                        );
+                    if let Some(report) = report {
+                        server::log_report(&report, "configuration reloaded");
                     }
                     loaded = next;
                 }
@@ -614,14 +585,16 @@ fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
                     return Err(e);
                 }
             };
+            let member = edge.start_member(&state)?;
             let tls = (edge.node_acceptor().cloned(), edge.client_tls().cloned());
-            spawn_reloader(state.clone(), tls, cfg, config_path, hup);
+            spawn_reloader(state.clone(), member.clone(), tls, cfg, config_path, hup);
             let stop = server::Stop {
                 shutdown,
                 force,
                 drain_grace,
             };
-            edge.serve_taken(state, listeners, acceptor, stop).await
+            edge.serve_taken(state, member, listeners, acceptor, stop)
+                .await
         }
     });
     // Every shard has drained: what the usage file and the access log have

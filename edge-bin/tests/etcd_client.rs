@@ -162,6 +162,50 @@ fn puts_with_a_lease_return_increasing_revisions_and_range_reads_them() {
     });
 }
 
+// The fleet key's put: created only where absent (revision 0), then
+// replaced only by a writer that saw its newest revision; it is on no
+// lease, so revoking a writer's lease leaves it.
+#[test]
+fn put_if_mod_revision_creates_once_and_replaces_only_the_revision_seen() {
+    let cluster = EtcdCluster::start(1);
+    let etcd = client(cluster.endpoints(), Duration::from_secs(5));
+    run(async {
+        let fleet = key("fleet");
+        let first = etcd
+            .put_if_mod_revision(&fleet, b"1", 0)
+            .await
+            .expect("put")
+            .expect("created: the key was absent");
+        assert_eq!(
+            etcd.put_if_mod_revision(&fleet, b"x", 0)
+                .await
+                .expect("put"),
+            None,
+            "a second create finds the key"
+        );
+        let second = etcd
+            .put_if_mod_revision(&fleet, b"2", first)
+            .await
+            .expect("put")
+            .expect("replaced: the revision seen is the newest");
+        assert!(second > first);
+        assert_eq!(
+            etcd.put_if_mod_revision(&fleet, b"y", first)
+                .await
+                .expect("put"),
+            None,
+            "a writer that did not see the second put"
+        );
+        let lease = etcd.lease_grant(30).await.expect("grant").lease;
+        etcd.lease_revoke(lease).await.expect("revoke");
+        let range = etcd.range_prefix(PREFIX).await.expect("range");
+        assert_eq!(range.kvs.len(), 1);
+        assert_eq!(range.kvs[0].value, b"2");
+        assert_eq!(range.kvs[0].mod_revision, second);
+        assert_eq!(range.kvs[0].lease, None);
+    });
+}
+
 #[test]
 fn delete_if_mod_revision_refuses_a_stale_revision() {
     let cluster = EtcdCluster::start(1);

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 import time
 
@@ -162,6 +163,14 @@ def test_every_edge_answers_byte_exact_forwarding_to_the_owner():
             capacity = cluster.pop("capacity")
             assert set(capacity) == {"here", "peers"}, capacity
             assert set(capacity["peers"]) == set(names) - {slot.name}, capacity
+            # One fleet: published at start by the first Edge, adopted by
+            # the others (their files say the same fleet).
+            fleet = cluster.pop("fleet")
+            first = c.status(0)["cluster"]["fleet"]
+            assert fleet == first and fleet["source"] in names and fleet["revision"] > 0, fleet
+            assert len(fleet["digest"]) == 64 and fleet["latest_revision"] == fleet["revision"], fleet
+            assert (fleet["file_differs"], fleet["refused"]) == (False, None), fleet
+            assert f"iop_edge_cluster_fleet_revision {fleet['revision']}\n" in c.metrics(i)
             assert cluster == {
                 "name": CLUSTER_NAME, "edge": slot.name, "up": True, "edges": names,
                 "nodes": [{"node_id": n, "edge": owners[n]} for n in sorted(owners)],
@@ -699,3 +708,53 @@ def test_etcd_down_fences_every_edge_until_it_returns():
         for slot in c.edges:
             status, _, relayed = post_raw(slot.base_url + "/v1/chat/completions", LOAD_BODY)
             assert status == 200 and ids_out(relayed) == expected, (slot.name, relayed)
+
+
+def test_a_fleet_reloaded_at_one_edge_reaches_every_edge_and_a_restarted_one():
+    """SIGHUP at e1 with a model added to its file: e1 publishes the fleet
+    to etcd (`/iop/<cluster>/fleet`, docs/multi-edge.md); e2 and e3 list
+    and serve the model without a reload of their own, all three at the
+    put's fleet revision; e3 restarted with its original file applies the
+    published fleet."""
+    with EdgeCluster(mock_args=MOCK) as c:
+        c.wait_settled()
+
+        def fleet(i: int) -> dict:
+            return c.status(i)["cluster"]["fleet"]
+
+        def models(i: int) -> list[str]:
+            listed = http_json(c.edges[i].base_url + "/v1/models", headers=c.auth_headers())
+            return [m["id"] for m in listed["data"]]
+
+        wait_until(lambda: len({fleet(i)["revision"] for i in range(3)}) == 1 and fleet(0)["revision"] > 0,
+                   timeout_s=20, what="every Edge at the fleet published at start")
+        before = fleet(0)["revision"]
+        original = models(0)
+        assert "fleet-added" not in original
+
+        path = c.dir / "edge-e1.toml"
+        path.write_text(path.read_text() + '[[models]]\nname = "fleet-added"\nproviders = ["node-a/mock-1"]\n')
+        c.edges[0].proc.send(signal.SIGHUP)
+        for i in range(3):
+            wait_until(lambda: models(i) == original + ["fleet-added"], timeout_s=20,
+                       what=f"{c.edges[i].name} lists the model added at e1")
+        wait_until(lambda: len({fleet(i)["revision"] for i in range(3)}) == 1, timeout_s=20,
+                   what="every Edge at one fleet revision")
+        published = fleet(1)
+        assert published["revision"] > before and published["source"] == "e1", published
+        key = c.etcd.get(f"/iop/{CLUSTER_NAME}/fleet")
+        assert key["mod_revision"] == published["revision"] and key["lease"] is None, key
+        document = json.loads(key["value"])
+        assert document["source"] == "e1" and document["digest"] == published["digest"], document
+        assert [fleet(i)["file_differs"] for i in range(3)] == [False, True, True]
+        for slot in c.edges:
+            status, _, body = post_raw(slot.base_url + "/v1/chat/completions", dict(LOAD_BODY, model="fleet-added"))
+            assert status == 200, (slot.name, body)
+
+        # e3 restarted: its file (rewritten as it started) lacks the model.
+        c.restart_edge(2)
+        wait_until(lambda: models(2) == original + ["fleet-added"], timeout_s=20,
+                   what="the restarted e3 applies the published fleet")
+        assert fleet(2)["revision"] == published["revision"] and fleet(2)["file_differs"] is True
+        assert c.edges[2].proc.first_line("this Edge's file says another fleet than the cluster's") is not None
+        assert fleet(0)["revision"] == published["revision"]

@@ -353,6 +353,20 @@ pub fn render_cluster(cluster: &ClusterView) -> String {
          an error status, or a summary that does not parse).",
         &[("", load(&c.summary_poll_failures))],
     );
+    gauge(
+        &mut out,
+        "iop_edge_cluster_fleet_revision",
+        "The fleet revision in force (the etcd revision of the cluster's fleet key; \
+         0 while this Edge runs its own file's fleet, not seen in etcd).",
+        cluster.fleet().revision,
+    );
+    counter(
+        &mut out,
+        "iop_edge_cluster_fleet_refused_total",
+        "Fleets published in the cluster that this Edge refused (they do not validate \
+         with its own file); its running fleet stayed.",
+        &[("", load(&c.fleet_refused))],
+    );
     counter(
         &mut out,
         "iop_edge_cluster_peer_requests_total",

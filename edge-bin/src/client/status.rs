@@ -210,7 +210,7 @@ pub fn status_json(
 }
 
 /// The `cluster` member of `/status`: this Edge, whether it holds its etcd
-/// lease, the Edges announced, and every owned node of the cluster with
+/// lease, the fleet revision in force, the Edges announced, and every owned node of the cluster with
 /// its owning Edge (as this Edge's watch sees them; never a generation,
 /// R5), and the capacity summaries: this Edge's and its peers' with their
 /// age at `now`.
@@ -241,10 +241,23 @@ pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView, now: Instant) 
             )
         })
         .collect();
+    let fleet = cluster.fleet();
     json!({
         "name": cluster.name,
         "edge": cluster.edge_name,
         "up": cluster.is_up(),
+        // The cluster's fleet as this Edge runs it: the fleet revision in
+        // force (0: its own file's, not seen in etcd yet), the newest seen,
+        // and the newest it refused while that is newer than the one in
+        // force.
+        "fleet": {
+            "revision": fleet.revision,
+            "digest": fleet.digest,
+            "source": fleet.source,
+            "latest_revision": fleet.latest_revision,
+            "file_differs": fleet.file_differs,
+            "refused": fleet.refused.map(|r| json!({ "revision": r.revision, "reason": r.reason })),
+        },
         "edges": cluster.edges().into_keys().collect::<Vec<_>>(),
         "nodes": cluster
             .owners()

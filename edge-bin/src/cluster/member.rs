@@ -12,6 +12,11 @@
 //! watch task   range /iop/<cluster>/ at revision R, then watch from R + 1:
 //!              owner key put / delete ──► OwnerObserved{node, revision, deleted}
 //!              edge key put / delete  ──► the member list of the view
+//!              fleet key put          ──► adopt, or compose with this Edge's file and
+//!                                         apply (`server::apply`) or refuse
+//!              no fleet key (range) / fleet key deleted ──► publish the fleet in force
+//! reload       (SIGHUP) a changed fleet in the file ──► put the fleet key if its
+//!              mod_revision is the newest seen; the rest of the file applies here
 //! summaries    this Edge's capacity summary, and its peers' (`crate::cluster::summaries`)
 //! ```
 //!
@@ -20,11 +25,13 @@
 //! ```text
 //! /iop/<cluster>/edges/<edge name>      {"client_addr", "node_addr", ["peer_addr"], "incarnation"}   this Edge's lease
 //! /iop/<cluster>/nodes/<node id>/owner  {"edge", "incarnation", "conn"}               the owner Edge's lease
+//! /iop/<cluster>/fleet                  {"source", "digest", "fleet"}                 no lease; mod_revision = fleet revision
 //! ```
 //!
-//! Every decision stays in `Control` (sans-IO, `control::ownership`) and in
-//! [`LeaseSession`] (when the lease can no longer be proven); this file
-//! only moves their inputs and outputs.
+//! Every decision stays in `Control` (sans-IO, `control::ownership`), in
+//! [`LeaseSession`] (when the lease can no longer be proven) and in
+//! [`FleetSync`] (which fleet runs, when to publish); this file only moves
+//! their inputs and outputs.
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -35,13 +42,23 @@ use std::time::{Duration, Instant};
 
 use iop_engine::clock;
 
-use crate::cluster::etcd::{EtcdClient, EtcdConfig, EventKind, LeaseId, WatchMessage};
+use crate::cluster::etcd::{EtcdClient, EtcdConfig, EtcdError, EventKind, LeaseId, WatchMessage};
+use crate::cluster::fleet::{
+    self, Document, Fleet, FleetError, FleetSync, Published, Reloaded, Seen,
+};
 use crate::cluster::session::{LeaseSession, LostReason, Status};
-use crate::config::ClusterSpec;
+use crate::config::{ClusterSpec, ConfigError, EdgeConfig};
 use crate::control::Input;
 use crate::link::edge::Edge;
 use crate::link::ownership::OwnershipOp;
 use crate::plane::cluster::ClusterView;
+use crate::plane::running::digest_of;
+
+/// Puts a configuration in force on this Edge and logs what changed
+/// (`server::apply` at the next revision; the server room gives it, from
+/// above). Called with the configuration, its digest, and what it is, for
+/// the log.
+pub type ApplyConfig = Box<dyn Fn(EdgeConfig, String, &str)>;
 
 /// Pause before trying etcd again after a failed grant or a broken watch.
 const RETRY: Duration = Duration::from_millis(500);
@@ -61,6 +78,10 @@ impl Keys {
     fn owner(&self, node_id: &str) -> String {
         format!("{}nodes/{node_id}/owner", self.root)
     }
+
+    fn fleet(&self) -> String {
+        format!("{}fleet", self.root)
+    }
 }
 
 /// What a key under the cluster's root names.
@@ -68,6 +89,7 @@ impl Keys {
 enum KeyOf<'a> {
     Edge(&'a str),
     Owner(&'a str),
+    Fleet,
     Other,
 }
 
@@ -81,6 +103,9 @@ impl Keys {
         };
         if let Some(name) = rest.strip_prefix("edges/") {
             return KeyOf::Edge(name);
+        }
+        if rest == "fleet" {
+            return KeyOf::Fleet;
         }
         match rest
             .strip_prefix("nodes/")
@@ -101,8 +126,18 @@ struct OwnerValue {
     conn: u64,
 }
 
-/// This Edge as a member of its cluster (see the module docs).
+/// The fleet decisions and this Edge's own part of its file.
 #[derive(Debug)]
+struct FleetShell {
+    sync: FleetSync,
+    /// This Edge's file without the fleet sections, as last read valid.
+    local: toml::Table,
+    /// The digest of that file's bytes: the running configuration's
+    /// digest while its own fleet runs (as on a single Edge).
+    file_digest: String,
+}
+
+/// This Edge as a member of its cluster (see the module docs).
 pub struct Member {
     edge: Rc<Edge>,
     client: EtcdClient,
@@ -116,19 +151,58 @@ pub struct Member {
     announce: String,
     /// Set by [`Member::leave`]: no lease is taken again.
     left: std::cell::Cell<bool>,
+    /// What the process started with (its file's path; the sections only
+    /// a restart applies are compared with it).
+    started: EdgeConfig,
+    fleet: RefCell<FleetShell>,
+    apply: ApplyConfig,
+}
+
+impl std::fmt::Debug for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Member")
+            .field("keys", &self.keys)
+            .field("incarnation", &self.incarnation)
+            .field("fleet", &self.fleet)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where this Edge is in its cluster, for [`Member::start`].
+#[derive(Debug, Clone, Copy)]
+pub struct Addresses {
+    /// The client listener.
+    pub client: SocketAddr,
+    /// The node listener.
+    pub node: SocketAddr,
+    /// The peer listener, if any.
+    pub peer: Option<SocketAddr>,
 }
 
 impl Member {
-    /// Starts the member's tasks on the calling (control) shard. Errors
-    /// name what in `[cluster]` cannot be used.
+    /// Starts the member's tasks on the calling (control) shard. `started`
+    /// is the configuration the process started with (its file is read
+    /// again for this Edge's own part); `apply` puts a configuration in
+    /// force. Errors name what in `[cluster]` cannot be used, or the file.
     pub fn start(
         edge: Rc<Edge>,
-        spec: &ClusterSpec,
+        started: &EdgeConfig,
         view: Arc<ClusterView>,
-        client_addr: SocketAddr,
-        node_addr: SocketAddr,
-        peer_addr: Option<SocketAddr>,
+        addresses: Addresses,
+        apply: ApplyConfig,
     ) -> Result<Rc<Self>, String> {
+        let Addresses {
+            client: client_addr,
+            node: node_addr,
+            peer: peer_addr,
+        } = addresses;
+        let spec: &ClusterSpec = started
+            .cluster
+            .as_ref()
+            .ok_or("cluster: no [cluster] table")?;
+        let text =
+            iop_engine::config::read_config_file(&started.source).map_err(|e| e.to_string())?;
+        let file = fleet::split(&text).map_err(|e| format!("{}: {e}", started.source.display()))?;
         let client = EtcdClient::new(EtcdConfig {
             call_timeout: Duration::from_millis(spec.etcd_timeout_ms),
             ..EtcdConfig::new(spec.etcd_endpoints.clone())
@@ -151,6 +225,8 @@ impl Member {
             announce["peer_addr"] = peer_addr.to_string().into();
         }
         let announce = announce.to_string();
+        let sync = FleetSync::new(file.fleet);
+        view.set_fleet(sync.status());
         let member = Rc::new(Self {
             edge,
             client,
@@ -162,6 +238,13 @@ impl Member {
             incarnation,
             announce,
             left: std::cell::Cell::new(false),
+            started: started.clone(),
+            fleet: RefCell::new(FleetShell {
+                sync,
+                local: file.local,
+                file_digest: digest_of(text.as_bytes()),
+            }),
+            apply,
         });
         monoio::spawn(member.clone().run_lease());
         monoio::spawn(member.clone().run_ops());
@@ -408,6 +491,14 @@ impl Member {
                         for kv in &answer.kvs {
                             self.seen(EventKind::Put, &kv.key, &kv.value, kv.mod_revision);
                         }
+                        if !answer
+                            .kvs
+                            .iter()
+                            .any(|kv| self.keys.parse(&kv.key) == KeyOf::Fleet)
+                        {
+                            let step = self.fleet.borrow_mut().sync.on_absent();
+                            self.fleet_step(step);
+                        }
                         answer.revision + 1
                     }
                     Err(e) => {
@@ -461,7 +552,7 @@ impl Member {
     }
 
     /// One change of a key under the root, in revision order.
-    fn seen(&self, kind: EventKind, key: &[u8], value: &[u8], revision: i64) {
+    fn seen(self: &Rc<Self>, kind: EventKind, key: &[u8], value: &[u8], revision: i64) {
         let revision = u64::try_from(revision).unwrap_or(0);
         match self.keys.parse(key) {
             KeyOf::Owner(node_id) => {
@@ -491,9 +582,323 @@ impl Member {
                     .client_keys
                     .set_cluster_share(edges, rank);
             }
+            KeyOf::Fleet => self.fleet_seen(kind, value, revision),
             KeyOf::Other => {}
         }
     }
+
+    /// The fleet key changed (see `crate::cluster::fleet`).
+    fn fleet_seen(self: &Rc<Self>, kind: EventKind, value: &[u8], revision: u64) {
+        let step = if kind == EventKind::Delete {
+            tracing::warn!(
+                cluster = %self.view.name,
+                revision,
+                "cluster: the fleet key was deleted; the running fleet stays and is published again"
+            );
+            self.fleet.borrow_mut().sync.on_deleted()
+        } else {
+            match Document::decode(value) {
+                Ok((source, fleet)) => self.fleet.borrow_mut().sync.on_put(Published {
+                    revision,
+                    source,
+                    fleet,
+                }),
+                Err(e) => {
+                    let news = self
+                        .fleet
+                        .borrow_mut()
+                        .sync
+                        .on_malformed(revision, e.to_string());
+                    if news {
+                        self.fleet_refused(revision, "?", &e);
+                    }
+                    return;
+                }
+            }
+        };
+        self.fleet_step(step);
+    }
+
+    /// Carries out what [`FleetSync`] decided.
+    fn fleet_step(self: &Rc<Self>, step: Seen) {
+        match step {
+            Seen::Nothing => {}
+            Seen::Adopted => {
+                let in_force = self.fleet.borrow().sync.in_force().clone();
+                tracing::info!(
+                    cluster = %self.view.name,
+                    fleet_revision = in_force.revision,
+                    source = %in_force.source,
+                    "cluster: fleet revision in force (the fleet this Edge runs already)"
+                );
+                self.fleet_changed();
+            }
+            Seen::Apply(published) => self.apply_published(published),
+            Seen::Publish { fleet } => {
+                let member = self.clone();
+                monoio::spawn(async move {
+                    match member.publish(&fleet, 0).await {
+                        Ok(Some(revision)) => tracing::info!(
+                            cluster = %member.view.name,
+                            fleet_revision = revision,
+                            "cluster: the cluster had no fleet; published the one this Edge runs"
+                        ),
+                        // Another Edge published first: the watch brings it.
+                        Ok(None) => {}
+                        Err(e) => member.etcd_error("publishing the fleet", &e),
+                    }
+                });
+            }
+        }
+    }
+
+    /// Applies a published fleet with this Edge's own part of its file, or
+    /// refuses it (the running fleet stays).
+    fn apply_published(&self, published: Published) {
+        let composed = {
+            let shell = self.fleet.borrow();
+            fleet::compose(&shell.local, &published.fleet, &self.started.source)
+        };
+        let checked = composed.and_then(|(mut config, composed_text)| {
+            config.load_provider_cas().map_err(FleetError::Invalid)?;
+            config.check_open_access().map_err(FleetError::Invalid)?;
+            Ok((config, composed_text))
+        });
+        match checked {
+            Ok((config, composed_text)) => {
+                let (file_differs, digest) = {
+                    let mut shell = self.fleet.borrow_mut();
+                    shell.sync.applied(published.clone());
+                    let file_differs = shell.sync.file() != &published.fleet;
+                    // Its own file's fleet: the file itself runs.
+                    let digest = if file_differs {
+                        digest_of(composed_text.as_bytes())
+                    } else {
+                        shell.file_digest.clone()
+                    };
+                    (file_differs, digest)
+                };
+                (self.apply)(
+                    config,
+                    digest,
+                    &format!(
+                        "cluster: fleet revision {} (published by {}) applied",
+                        published.revision, published.source
+                    ),
+                );
+                if file_differs {
+                    tracing::warn!(
+                        cluster = %self.view.name,
+                        fleet_revision = published.revision,
+                        file = %self.started.source.display(),
+                        "cluster: this Edge's file says another fleet than the cluster's; the \
+                         cluster's is in force (edit the file's fleet sections and reload to publish one)"
+                    );
+                }
+                self.fleet_changed();
+            }
+            Err(e) => {
+                let news = {
+                    let mut shell = self.fleet.borrow_mut();
+                    let news = shell
+                        .sync
+                        .status()
+                        .refused
+                        .is_none_or(|r| r.revision != published.revision);
+                    shell.sync.refused(published.revision, e.to_string());
+                    news
+                };
+                if news {
+                    self.fleet_refused(published.revision, &published.source, &e);
+                } else {
+                    self.fleet_changed();
+                }
+            }
+        }
+    }
+
+    fn fleet_refused(&self, revision: u64, source: &str, error: &FleetError) {
+        self.view
+            .counters
+            .fleet_refused
+            .fetch_add(1, Ordering::Relaxed);
+        let in_force = self.fleet.borrow().sync.in_force().revision;
+        tracing::error!(
+            cluster = %self.view.name,
+            fleet_revision = revision,
+            source,
+            running_fleet_revision = in_force,
+            error = %error,
+            "cluster: fleet revision {revision} refused; the running fleet stays"
+        );
+        self.fleet_changed();
+    }
+
+    fn fleet_changed(&self) {
+        self.view.set_fleet(self.fleet.borrow().sync.status());
+    }
+
+    /// Puts `fleet` as the cluster's if the key's `mod_revision` is still
+    /// `expected`: its revision, or `None` if another Edge published since.
+    async fn publish(&self, fleet: &Fleet, expected: u64) -> Result<Option<u64>, PublishError> {
+        let value = Document::of(fleet, &self.view.edge_name)
+            .encode()
+            .map_err(PublishError::Fleet)?;
+        let expected = i64::try_from(expected).unwrap_or(i64::MAX);
+        let put = self
+            .client
+            .put_if_mod_revision(self.keys.fleet().as_bytes(), &value, expected)
+            .await
+            .map_err(PublishError::Etcd)?;
+        Ok(put.map(|revision| u64::try_from(revision).unwrap_or(0)))
+    }
+
+    /// SIGHUP in a cluster: reads the file at `path` and validates it as a
+    /// single Edge does (an invalid file changes nothing and returns its
+    /// error). If its fleet changed, it is published for every Edge, this
+    /// one included, to apply from the watch; the rest of the file applies
+    /// here at once, with the fleet in force. Returns the file as loaded
+    /// (its certificate paths).
+    pub async fn reload(
+        self: &Rc<Self>,
+        path: &std::path::Path,
+    ) -> Result<EdgeConfig, ConfigError> {
+        let text = iop_engine::config::read_config_file(path)?;
+        // As on a single Edge: a log path that cannot be opened keeps its
+        // log (`server::apply`), the rest applies.
+        let next = EdgeConfig::load_structure(path)?;
+        next.check_open_access()?;
+        let file = fleet::split(&text).map_err(|e| ConfigError::new(path, "-", e.to_string()))?;
+        let step = self.fleet.borrow().sync.on_reload(&file.fleet);
+        // This Edge's own part from now on: a fleet the watch applies while
+        // the put below is under way composes with it.
+        let previous_local = {
+            let mut shell = self.fleet.borrow_mut();
+            let digest = digest_of(text.as_bytes());
+            (
+                std::mem::replace(&mut shell.local, file.local.clone()),
+                std::mem::replace(&mut shell.file_digest, digest),
+            )
+        };
+        let mut published = None;
+        match step {
+            Reloaded::Unchanged => self.fleet.borrow_mut().sync.file_read(file.fleet.clone()),
+            Reloaded::Stale { in_force } => {
+                self.fleet.borrow_mut().sync.file_read(file.fleet.clone());
+                tracing::warn!(
+                    cluster = %self.view.name,
+                    fleet_revision = in_force,
+                    "cluster: the file's fleet differs from the cluster's fleet in force; not \
+                     published, as its fleet sections did not change since this Edge last read \
+                     them (edit them to publish a fleet)"
+                );
+            }
+            Reloaded::Publish { expected } => {
+                // Read already when the watch brings the fleet back (it
+                // may before the put's answer); taken back if not put.
+                let previous_file = self.fleet.borrow().sync.file().clone();
+                self.fleet.borrow_mut().sync.file_read(file.fleet.clone());
+                let outcome = self.publish(&file.fleet, expected).await;
+                if !matches!(outcome, Ok(Some(_))) {
+                    self.fleet.borrow_mut().sync.file_read(previous_file);
+                    self.fleet_changed();
+                }
+                match outcome {
+                    Ok(Some(revision)) => {
+                        published = Some(revision);
+                        tracing::info!(
+                            cluster = %self.view.name,
+                            fleet_revision = revision,
+                            digest = %file.fleet.digest(),
+                            "cluster: the file's fleet published; every Edge applies it from etcd"
+                        );
+                    }
+                    Ok(None) => tracing::warn!(
+                        cluster = %self.view.name,
+                        expected_fleet_revision = expected,
+                        "cluster: the file's fleet not published: another Edge published a fleet \
+                         since this Edge's newest (it applies from the watch); check the file \
+                         against it and reload again"
+                    ),
+                    Err(e) => {
+                        if let PublishError::Etcd(e) = &e {
+                            self.etcd_error("publishing the fleet", e);
+                        }
+                        tracing::error!(
+                            cluster = %self.view.name,
+                            error = %e,
+                            "cluster: the file's fleet not published; reload again to retry"
+                        );
+                    }
+                }
+            }
+        }
+        self.fleet_changed();
+        // The rest of the file, with the fleet in force now.
+        let (composed, file_fleet_in_force, in_force) = {
+            let shell = self.fleet.borrow();
+            let in_force = shell.sync.in_force();
+            (
+                fleet::compose(&shell.local, &in_force.fleet, path),
+                in_force.fleet == file.fleet,
+                in_force.revision,
+            )
+        };
+        let checked = composed.and_then(|(mut config, text)| {
+            config.load_provider_cas().map_err(FleetError::Invalid)?;
+            Ok((config, text))
+        });
+        match checked {
+            Ok((config, composed_text)) => {
+                // The file itself runs: its digest, as on a single Edge.
+                let digest = if file_fleet_in_force {
+                    self.fleet.borrow().file_digest.clone()
+                } else {
+                    digest_of(composed_text.as_bytes())
+                };
+                (self.apply)(config, digest, "configuration reloaded");
+            }
+            Err(e) if published.is_some() => tracing::info!(
+                cluster = %self.view.name,
+                reason = %e,
+                "cluster: the rest of the file applies with the fleet just published"
+            ),
+            Err(e) => {
+                let mut shell = self.fleet.borrow_mut();
+                (shell.local, shell.file_digest) = previous_local;
+                drop(shell);
+                let reason = format!("with the cluster's fleet revision {in_force}: {e}");
+                return Err(match e {
+                    FleetError::Invalid(inner) => ConfigError::new(
+                        path,
+                        inner.key(),
+                        format!(
+                            "{} (with the cluster's fleet revision {in_force})",
+                            inner.reason()
+                        ),
+                    ),
+                    _ => ConfigError::new(path, "-", reason),
+                });
+            }
+        }
+        // A published fleet refused here may fit the file now.
+        let pending = self.fleet.borrow().sync.pending();
+        if let Some(published) = pending {
+            self.apply_published(published);
+        }
+        Ok(next)
+    }
+}
+
+/// Why a fleet was not published.
+#[derive(Debug, thiserror::Error)]
+enum PublishError {
+    /// It cannot be encoded (too large).
+    #[error("{0}")]
+    Fleet(FleetError),
+    /// etcd did not take it.
+    #[error("{0}")]
+    Etcd(EtcdError),
 }
 
 async fn sleep_until(at: Instant) {
@@ -516,12 +921,16 @@ mod tests {
             KeyOf::Owner("gpu-1")
         );
         assert_eq!(keys.parse(b"/iop/c1/edges/edge-a"), KeyOf::Edge("edge-a"));
+        assert_eq!(keys.fleet(), "/iop/c1/fleet");
+        assert_eq!(keys.parse(b"/iop/c1/fleet"), KeyOf::Fleet);
         for other in [
             &b"/iop/c2/nodes/gpu-1/owner"[..],
             b"/iop/c1/nodes//owner",
             b"/iop/c1/nodes/a/b/owner",
             b"/iop/c1/nodes/gpu-1",
             b"/iop/c1/config/revision",
+            b"/iop/c1/fleet/x",
+            b"/iop/c2/fleet",
             b"\xff\xfe",
         ] {
             assert_eq!(keys.parse(other), KeyOf::Other, "{other:?}");

@@ -4,6 +4,9 @@
 //! - [`member`]: the cluster shell on the control shard — this Edge's
 //!   lease, Control's ownership claims and releases carried to etcd, and
 //!   the watch of the cluster's keys fed back to Control.
+//! - [`fleet`]: the cluster's fleet in etcd (sans-IO) — which fleet an
+//!   Edge runs, when it publishes its file's, and whether a published one
+//!   fits its own file.
 //! - [`etcd`]: a small etcd v3 client over the JSON gateway on monoio, and
 //!   its sans-IO codec ([`etcd::codec`]).
 //! - [`route`]: where a request for a model is served — here, or
@@ -16,6 +19,7 @@
 //!   must stop acting as the owner of anything attached to it.
 
 pub mod etcd;
+pub mod fleet;
 pub mod member;
 pub mod route;
 pub mod session;

@@ -1,8 +1,8 @@
 //! What every shard may read of this Edge's place in a cluster: whether it
 //! holds its etcd lease (`/readyz`), which Edge owns which node (from the
 //! watch; `/status`), the other Edges, the capacity summaries (this Edge's
-//! own and its peers', for the forwarding decision), and the counters of
-//! `/metrics`.
+//! own and its peers', for the forwarding decision), the fleet revision in
+//! force, and the counters of `/metrics`.
 //! Written by the cluster shell on the control shard (`crate::cluster`),
 //! read anywhere; `None` in [`crate::link::settings::Settings`] for a
 //! single Edge.
@@ -46,6 +46,35 @@ pub struct NodeOwner {
     pub revision: u64,
 }
 
+/// The cluster's fleet as this Edge runs it (`crate::cluster::fleet`), for
+/// `/status` and `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FleetView {
+    /// The fleet revision in force (0: this Edge's file's, not seen in
+    /// etcd yet).
+    pub revision: u64,
+    /// The digest of the fleet in force.
+    pub digest: String,
+    /// The Edge that published the fleet in force (empty for revision 0).
+    pub source: String,
+    /// The newest fleet revision seen in etcd (0: none).
+    pub latest_revision: u64,
+    /// Whether this Edge's file says another fleet than the one in force.
+    pub file_differs: bool,
+    /// The newest published fleet this Edge refused, while it is newer
+    /// than the one in force.
+    pub refused: Option<FleetRefusal>,
+}
+
+/// A published fleet this Edge refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetRefusal {
+    /// Its fleet revision.
+    pub revision: u64,
+    /// Why.
+    pub reason: String,
+}
+
 /// Counters of the cluster shell, cumulative.
 #[derive(Debug, Default)]
 pub struct ClusterCounters {
@@ -76,6 +105,9 @@ pub struct ClusterCounters {
     /// Polls of a peer's capacity summary that failed (no answer in time,
     /// an error status, or a summary that does not parse).
     pub summary_poll_failures: AtomicU64,
+    /// Published fleets this Edge refused (they did not validate with its
+    /// own file, or did not decode).
+    pub fleet_refused: AtomicU64,
 }
 
 /// How a request forwarded to a peer Edge went, for `/metrics`.
@@ -136,6 +168,8 @@ pub struct ClusterView {
     local_capacity: Mutex<Arc<CapacitySummary>>,
     /// The peers' summaries, by Edge name.
     peer_capacity: Mutex<BTreeMap<String, PeerSummary>>,
+    /// The fleet in force.
+    fleet: Mutex<FleetView>,
     /// The shell's counters.
     pub counters: ClusterCounters,
 }
@@ -152,6 +186,7 @@ impl ClusterView {
             peers: Mutex::new(BTreeMap::new()),
             local_capacity: Mutex::new(Arc::new(CapacitySummary::new())),
             peer_capacity: Mutex::new(BTreeMap::new()),
+            fleet: Mutex::new(FleetView::default()),
             counters: ClusterCounters::default(),
         }
     }
@@ -332,6 +367,16 @@ impl ClusterView {
             u32::try_from(total).unwrap_or(u32::MAX),
             u32::try_from(others_before).unwrap_or(u32::MAX),
         )
+    }
+
+    /// Records where this Edge stands with the cluster's fleet.
+    pub fn set_fleet(&self, fleet: FleetView) {
+        *lock(&self.fleet) = fleet;
+    }
+
+    /// The fleet in force, as last recorded.
+    pub fn fleet(&self) -> FleetView {
+        lock(&self.fleet).clone()
     }
 
     /// Nodes owned per Edge name, for `/metrics`.

@@ -251,6 +251,54 @@ pub fn apply(
     Ok((next, report))
 }
 
+/// Logs what a reload (or a cluster's fleet) applied, as `what`: one info
+/// line, and warnings for refreshes not sent, log paths kept, names past
+/// the metrics' room and changes that need a restart.
+pub fn log_report(report: &ReloadReport, what: &str) {
+    tracing::info!(
+        revision = report.revision,
+        nodes_added = ?report.nodes_added,
+        nodes_removed = ?report.nodes_removed,
+        models_added = ?report.models_added,
+        models_removed = ?report.models_removed,
+        refreshed = ?report.refreshed,
+        deferred = ?report.deferred,
+        client_keys = report.client_keys.keys,
+        client_keys_added = report.client_keys.added,
+        client_keys_revoked = report.client_keys.revoked,
+        client_keys_changed = report.client_keys.changed,
+        credentials = ?report.credentials,
+        "{what}"
+    );
+    if !report.unsent.is_empty() {
+        tracing::warn!(
+            nodes = ?report.unsent,
+            "config refresh not sent: the node's connection closed; \
+             it gets the new config when it registers again"
+        );
+    }
+    for kept in &report.kept_operational {
+        tracing::warn!(
+            error = %kept,
+            "a log path of the reloaded file cannot be opened; \
+             the rest of the file is applied"
+        );
+    }
+    if !report.unmetered.is_empty() {
+        tracing::warn!(
+            names = ?report.unmetered,
+            "no room left for these models' and nodes' own /metrics series; \
+             counted as model \"other\" until a restart"
+        );
+    }
+    if !report.restart_required.is_empty() {
+        tracing::warn!(
+            sections = ?report.restart_required,
+            "these changes need a restart and were not applied"
+        );
+    }
+}
+
 /// The settings of `next` that differ from `started` and that only a
 /// restart applies ([`ConfigDiff::restart_keys`]), and `[credentials]`
 /// when it changed. The access log and the usage file say themselves what
@@ -653,14 +701,59 @@ impl ShardedEdge {
         F: Future<Output = ()> + 'static,
     {
         let (edge, listeners, acceptor) = self.take(index)?;
-        self.serve_taken(edge, listeners, acceptor, stop).await
+        let member = self.start_member(&edge)?;
+        self.serve_taken(edge, member, listeners, acceptor, stop)
+            .await
+    }
+
+    /// On the control shard of a cluster member (`[cluster]`): starts the
+    /// cluster shell ([`crate::cluster::member`]), which claims its nodes
+    /// in etcd, follows the cluster, and applies the cluster's fleet with
+    /// [`apply`]. `None` for a single Edge and on other shards.
+    pub fn start_member(
+        &self,
+        edge: &Rc<Edge>,
+    ) -> std::io::Result<Option<Rc<crate::cluster::member::Member>>> {
+        let (Some(view), true) = (&self.cluster, edge.is_control_shard()) else {
+            return Ok(None);
+        };
+        let started = self.cfg.clone();
+        let applied_to = edge.clone();
+        let apply_config: crate::cluster::member::ApplyConfig =
+            Box::new(move |next, digest, what| {
+                let revision = applied_to.settings.running.get().revision + 1;
+                match apply(&applied_to, &started, next, digest, revision) {
+                    Ok((_, report)) => log_report(&report, what),
+                    // A credential secret of the composed file could not be
+                    // read: nothing of it applied.
+                    Err(e) => tracing::error!(
+                        error = %e,
+                        "{what}: not applied; keeping the running configuration"
+                    ),
+                }
+            });
+        crate::cluster::member::Member::start(
+            edge.clone(),
+            &self.cfg,
+            view.clone(),
+            crate::cluster::member::Addresses {
+                client: self.client_addr,
+                node: self.node_addr,
+                peer: self.peer_addr,
+            },
+            apply_config,
+        )
+        .map(Some)
+        .map_err(std::io::Error::other)
     }
 
     /// [`ShardedEdge::serve_shard`] for a shard already taken (the control
-    /// shard's caller may hook into its state first, e.g. SIGHUP reload).
+    /// shard's caller may hook into its state first, e.g. SIGHUP reload),
+    /// with its cluster member if any ([`ShardedEdge::start_member`]).
     pub async fn serve_taken<S, F>(
         &self,
         edge: Rc<Edge>,
+        member: Option<Rc<crate::cluster::member::Member>>,
         listeners: Listeners,
         acceptor: Option<Rc<EdgeTlsAcceptor>>,
         stop: Stop<S, F>,
@@ -671,22 +764,6 @@ impl ShardedEdge {
     {
         let drain_grace = stop.drain_grace;
         if edge.is_control_shard() {
-            // A cluster member claims its nodes in etcd and follows the
-            // cluster from here (`crate::cluster::member`).
-            let member = match (&self.cfg.cluster, &self.cluster) {
-                (Some(spec), Some(view)) => Some(
-                    crate::cluster::member::Member::start(
-                        edge.clone(),
-                        spec,
-                        view.clone(),
-                        self.client_addr,
-                        self.node_addr,
-                        self.peer_addr,
-                    )
-                    .map_err(std::io::Error::other)?,
-                ),
-                _ => None,
-            };
             // The process signals become lifecycle steps of every shard,
             // this one included, for as long as the runtime runs (a second
             // signal must still cut the drain short while this shard waits

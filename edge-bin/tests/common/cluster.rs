@@ -78,6 +78,14 @@ impl Drop for Scratch {
 /// A child process, killed (by its pid) on drop.
 pub struct Running(Child);
 
+impl Running {
+    /// Sends `signal` to the process (by its pid).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.0.id()).expect("pid"));
+        nix::sys::signal::kill(pid, signal).expect("signal the process");
+    }
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -442,6 +450,48 @@ impl Cluster {
             }
         }
         cluster
+    }
+
+    /// `edge`'s configuration file.
+    pub fn config_path(&self, edge: &EdgeProc) -> String {
+        self.dir.path(&format!("{}.toml", edge.name))
+    }
+
+    /// Rewrites `edge`'s configuration file with `change` and sends it
+    /// SIGHUP.
+    pub fn edit_and_reload(&self, edge: &EdgeProc, change: impl FnOnce(String) -> String) {
+        let path = self.config_path(edge);
+        let text = std::fs::read_to_string(&path).expect("edge.toml");
+        let changed = change(text.clone());
+        assert_ne!(changed, text, "the edit changed nothing");
+        std::fs::write(&path, changed).expect("edge.toml");
+        edge.proc
+            .as_ref()
+            .expect("running")
+            .signal(nix::sys::signal::Signal::SIGHUP);
+    }
+
+    /// Kills Edge B (SIGKILL) and starts it again with its configuration
+    /// file as it is now; returns once it holds its lease again. Its nodes
+    /// (if any) do not find it again: its listeners have new ports.
+    pub fn restart_b(&mut self) {
+        drop(self.b.proc.take());
+        let mut command = Command::new(bin("edge-bin"));
+        command
+            .args(["--config", &self.config_path(&self.b)])
+            .env("RUST_LOG", "info");
+        let (proc, line) = start_ready(command, &self.dir.path("edge-2.log"));
+        self.b.client = ready_field(&line, "client").parse().expect("client");
+        self.b.peer = ready_field(&line, "peer").parse().expect("peer");
+        self.b.proc = Some(proc);
+        let started = clock::now();
+        while self.status(&self.b)["cluster"]["up"] != json!(true) {
+            assert!(
+                started.elapsed() < GENEROUS,
+                "edge-2 did not take its lease"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     pub fn status(&self, edge: &EdgeProc) -> Value {

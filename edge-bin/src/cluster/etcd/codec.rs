@@ -225,6 +225,24 @@ pub fn put_with_lease(key: &[u8], value: &[u8], lease: LeaseId) -> EtcdRequest {
     )
 }
 
+/// `POST /v3/kv/txn` that puts `key = value` (on no lease: it outlives
+/// every Edge) only if the key's `mod_revision` is still `mod_revision`
+/// (0: only if the key does not exist).
+pub fn put_if_mod_revision(key: &[u8], value: &[u8], mod_revision: i64) -> EtcdRequest {
+    request(
+        "/v3/kv/txn",
+        json!({
+            "compare": [{
+                "key": b64(key),
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": mod_revision.to_string(),
+            }],
+            "success": [{ "request_put": { "key": b64(key), "value": b64(value) } }],
+        }),
+    )
+}
+
 /// `POST /v3/kv/txn` that deletes `key` only if its `mod_revision` is
 /// still `mod_revision` (never a newer owner's key).
 pub fn delete_if_mod_revision(key: &[u8], mod_revision: i64) -> EtcdRequest {
@@ -336,6 +354,17 @@ pub fn parse_put(body: &[u8]) -> Result<i64, CodecError> {
         return Err(malformed("put without a revision"));
     }
     Ok(revision)
+}
+
+/// Parses the answer to [`put_if_mod_revision`]: the put's revision if
+/// the compare held, `None` if it did not (nothing was written).
+pub fn parse_put_if(body: &[u8]) -> Result<Option<i64>, CodecError> {
+    let answer = object(body)?;
+    header_revision(&answer)?;
+    if !boolean(&answer, "succeeded")? {
+        return Ok(None);
+    }
+    parse_put(body).map(Some)
 }
 
 /// Parses the answer to [`delete_if_mod_revision`]: whether the compare

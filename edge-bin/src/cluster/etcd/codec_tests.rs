@@ -149,6 +149,25 @@ fn put_answer_gives_the_put_revision() {
 }
 
 #[test]
+fn put_if_is_a_txn_comparing_the_mod_revision_on_no_lease() {
+    let put = put_if_mod_revision(b"/iop/c/fleet", b"v", 0);
+    assert_eq!(put.path, "/v3/kv/txn");
+    assert_eq!(
+        json(&put.body),
+        serde_json::json!({
+            "compare": [{"key": "L2lvcC9jL2ZsZWV0", "target": "MOD", "result": "EQUAL", "mod_revision": "0"}],
+            "success": [{"request_put": {"key": "L2lvcC9jL2ZsZWV0", "value": "dg=="}}],
+        })
+    );
+    let done = r#"{"header":{"revision":"5"},"succeeded":true,"responses":[{"response_put":{"header":{"revision":"5"}}}]}"#;
+    assert_eq!(parse_put_if(done.as_bytes()), Ok(Some(5)));
+    // A failed compare leaves "succeeded" out (proto3 default).
+    let refused = format!("{{{HEADER}}}");
+    assert_eq!(parse_put_if(refused.as_bytes()), Ok(None));
+    assert!(parse_put_if(br#"{"succeeded":true}"#).is_err());
+}
+
+#[test]
 fn delete_if_answer_says_whether_the_compare_held() {
     let deleted = r#"{"header":{"revision":"3"},"succeeded":true,"responses":[{"response_delete_range":{"header":{"revision":"3"},"deleted":"1"}}]}"#;
     assert_eq!(parse_delete_if(deleted.as_bytes()), Ok(true));

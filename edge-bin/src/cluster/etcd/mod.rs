@@ -308,6 +308,24 @@ impl EtcdClient {
             .await
     }
 
+    /// Puts `key = value` on no lease if the key's `mod_revision` is still
+    /// `mod_revision` (0: if it does not exist): the put's revision, or
+    /// `None` when the compare failed and nothing was written. A retry on
+    /// another endpoint after a lost answer may find its own first put and
+    /// answer `None`.
+    pub async fn put_if_mod_revision(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        mod_revision: i64,
+    ) -> Result<Option<i64>, EtcdError> {
+        self.call(
+            codec::put_if_mod_revision(key, value, mod_revision),
+            codec::parse_put_if,
+        )
+        .await
+    }
+
     /// Deletes `key` if its `mod_revision` is still `mod_revision`:
     /// whether it did.
     pub async fn delete_if_mod_revision(
