@@ -12,7 +12,9 @@ for `iop-test-model` in flight the whole time. Every SIGHUP below edits
    whole and no new request of that model goes to it;
 4. node-a's capacity drops below what it runs: nothing is cut, new
    admissions wait until it is below again;
-5. an invalid file changes nothing.
+5. an invalid file changes nothing;
+6. node-b's provider drained by the admin API takes no new request while
+   its streams finish, and serves again once undrained.
 
 Throughout, every request of the loader succeeds with its whole answer: no
 failed request on the providers a step leaves alone.
@@ -233,6 +235,22 @@ def test_the_fleet_changes_under_load_without_a_failed_request(cluster):
         assert _models(cluster) == before
         mark = load.count()
         wait_until(lambda: load.count() >= mark + 6, timeout_s=30, what="load goes on")
+
+        # 6. Drain node-b's provider by the admin API: no new request goes
+        # there, its streams finish; undrain: it serves again.
+        status, _, raw = post_raw(f"{cluster.base_url}/admin/providers/node-b/mock-1/drain", {})
+        assert (status, json.loads(raw)) == (200, {"provider": "node-b/mock-1", "drained": True})
+        assert _providers(cluster)[("node-b", "mock-1")]["drained"] is True
+        wait_until(lambda: _providers(cluster)[("node-b", "mock-1")]["in_flight"] == 0, timeout_s=30,
+                   what="node-b's streams ended")
+        time.sleep(0.1)
+        mark = load.count()
+        wait_until(lambda: load.count() >= mark + 6, timeout_s=30, what="load goes on")
+        assert set(load.served_by(mark).values()) == {"node-a"}
+        status, _, raw = post_raw(f"{cluster.base_url}/admin/providers/node-b/mock-1/undrain", {})
+        assert (status, json.loads(raw)) == (200, {"provider": "node-b/mock-1", "drained": False})
+        wait_until(lambda: _providers(cluster)[("node-b", "mock-1")]["in_flight"] > 0, timeout_s=30,
+                   what="node-b serves again")
 
     assert load.failures() == []
     assert load.count() >= 30

@@ -50,11 +50,13 @@ def _restart_warnings(cluster) -> int:
     return cluster.edge.log().count("these changes need a restart and were not applied")
 
 
-def _reload(cluster, extra_toml: str = ""):
+def _reload(cluster, extra_toml: str = "", edit=lambda text: text):
     """Writes the harness's config for the current `client_keys` (plus
-    `extra_toml`) and sends SIGHUP; returns once the reload is logged."""
+    `extra_toml`, then `edit`ed) and sends SIGHUP; returns once the reload
+    is logged."""
     before = _reloads(cluster)
-    (cluster.dir / "edge.toml").write_text(cluster.edge_config(cluster.mock.ready["addr"]) + extra_toml)
+    text = edit(cluster.edge_config(cluster.mock.ready["addr"]) + extra_toml)
+    (cluster.dir / "edge.toml").write_text(text)
     cluster.edge.popen.send_signal(signal.SIGHUP)
     wait_until(lambda: _reloads(cluster) == before + 1, timeout_s=10, what="reload logged")
 
@@ -66,8 +68,8 @@ def _connect(cluster) -> http.client.HTTPConnection:
     return conn
 
 
-def _chat(conn, key: str, stream: bool) -> http.client.HTTPResponse:
-    body = {"model": "iop-test-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+def _chat(conn, key: str, stream: bool, model: str = "iop-test-model") -> http.client.HTTPResponse:
+    body = {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
     if not stream:
         body["max_tokens"] = 1
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
@@ -75,10 +77,10 @@ def _chat(conn, key: str, stream: bool) -> http.client.HTTPResponse:
     return conn.getresponse()
 
 
-def _chat_once(cluster, key: str) -> tuple[int, dict]:
+def _chat_once(cluster, key: str, model: str = "iop-test-model") -> tuple[int, dict]:
     conn = _connect(cluster)
     try:
-        resp = _chat(conn, key, stream=False)
+        resp = _chat(conn, key, stream=False, model=model)
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
@@ -141,15 +143,21 @@ def test_a_revoked_key_gets_401_next_while_its_stream_finishes(cluster):
 
 
 def test_the_restart_warning_repeats_until_the_file_matches(cluster):
-    # A new model needs a restart; the key change in the same file applies.
+    # Another drain grace needs a restart; the key change and the model
+    # added in the same file apply.
     added_model = '[[models]]\nname = "added-model"\nproviders = ["node-a/mock-1"]\n'
+
+    def slower(text: str) -> str:
+        return text.replace('node_listen = "127.0.0.1:0"', 'node_listen = "127.0.0.1:0"\ndrain_grace_ms = 5000')
+
     cluster.client_keys = _keys(**{"team-a": KEY_A, "team-b": KEY_B})
-    _reload(cluster, added_model)
+    _reload(cluster, added_model, slower)
     assert _restart_warnings(cluster) == 1
-    assert 'sections=["nodes, providers or models"]' in cluster.edge.log()
+    assert 'sections=["edge.drain_grace_ms"]' in cluster.edge.log()
     assert _chat_once(cluster, KEY_B)[0] == 200
+    assert _chat_once(cluster, KEY_B, model="added-model")[0] == 200
     # The file still differs from what runs: warned again.
-    _reload(cluster, added_model)
+    _reload(cluster, added_model, slower)
     assert _restart_warnings(cluster) == 2
     # Back to what runs (the keys are the applied part): no warning.
     _reload(cluster)
