@@ -7,9 +7,9 @@
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
-    Action, AttemptEnd, ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec,
-    Dispatch, DispatchKind, DrainTarget, Event, Input, Operation, Operations, Outcome, ProviderKey,
-    ProviderLease, Rejection, RequestId, Terminal, Tunables,
+    Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode, ControlProvider,
+    ControlSpec, Dispatch, DispatchKind, DrainTarget, Event, Input, Operation, Operations, Outcome,
+    ProviderKey, ProviderLease, Rejection, RequestId, Terminal, Tunables,
 };
 use iop_wire::{pb, CloseReason};
 
@@ -693,6 +693,36 @@ fn a_removed_node_whose_grace_ends_first_is_closed_and_its_runs_lost() {
     };
     assert_eq!(f.handle(Input::Terminal(late)), []);
     assert_eq!(f.terminal(1), [completed(1)]);
+}
+
+// The last run of a removed node settled by a timer (a cancel whose
+// terminal never came) lets the node go in that timer's step, not at the
+// end of its grace.
+#[test]
+fn a_removed_node_whose_last_run_settles_by_timer_is_let_go_of_then() {
+    let mut f = two_busy_nodes(1, 1);
+    assert_eq!(f.reload(without_n2(1, 1)), []);
+    assert_eq!(
+        f.handle(Input::Cancel {
+            request: RequestId(2),
+            reason: CancelReason::ClientDisconnect,
+        }),
+        [Action::SendCancel {
+            conn: C2,
+            run_id: RequestId(2).run_id(),
+            reason: CancelReason::ClientDisconnect,
+        }]
+    );
+    assert_eq!(
+        f.at(SETTLE_MS),
+        [
+            done(2, Outcome::Cancelled),
+            disconnected("n2"),
+            close(C2, CloseReason::NodeRemoved)
+        ]
+    );
+    assert_eq!(f.control.poll_timeout(), None);
+    assert_eq!(f.at(GRACE_MS), []);
 }
 
 // A node removed and added back before its run ends keeps its owner: no
