@@ -695,6 +695,29 @@ fn a_removed_node_whose_grace_ends_first_is_closed_and_its_runs_lost() {
     assert_eq!(f.terminal(1), [completed(1)]);
 }
 
+// With failover, a run cut off by the end of its node's grace before its
+// first byte goes on to a provider that stays.
+#[test]
+fn a_run_cut_off_by_the_end_of_the_grace_fails_over_to_a_provider_that_stays() {
+    let mut f = two_busy_nodes(2, 2);
+    assert_eq!(f.reload(without_n2(2, 2)), []);
+    assert_eq!(
+        f.at(GRACE_MS),
+        [
+            Action::Event(Event::Failover {
+                request: RequestId(2),
+                from: key("n2/q1"),
+                to: key("n1/p1"),
+                attempt: 2,
+            }),
+            f.dispatch_attempt(2, 2, C1, "n1/p1"),
+            disconnected("n2"),
+            close(C2, CloseReason::NodeRemoved),
+        ]
+    );
+    assert_eq!(f.terminal(2), [completed(2)]);
+}
+
 // The last run of a removed node settled by a timer (a cancel whose
 // terminal never came) lets the node go in that timer's step, not at the
 // end of its grace.
