@@ -147,11 +147,15 @@ impl Fixture {
     }
 
     fn submit(&mut self, id: u64, model: &str) -> Vec<Action> {
+        self.submit_as(id, model, false)
+    }
+
+    fn submit_as(&mut self, id: u64, model: &str, long: bool) -> Vec<Action> {
         self.handle(Input::Submit {
             request: RequestId(id),
             model: model.into(),
             operation: Operation::ChatCompletions,
-            long: false,
+            long,
         })
     }
 
@@ -182,6 +186,15 @@ impl Fixture {
     /// on `conn`, as configured now.
     fn dispatch(&self, id: u64, conn: ConnId, path: &str) -> Action {
         self.dispatch_attempt(id, 1, conn, path)
+    }
+
+    /// [`Fixture::dispatch`] of a long-context request.
+    fn dispatch_long(&self, id: u64, conn: ConnId, path: &str) -> Action {
+        let mut action = self.dispatch(id, conn, path);
+        if let Action::Dispatch(d) = &mut action {
+            d.lease.long = true;
+        }
+        action
     }
 
     fn dispatch_attempt(&self, id: u64, attempt: u32, conn: ConnId, path: &str) -> Action {
@@ -450,6 +463,36 @@ fn a_capacity_lowered_below_what_runs_cuts_nothing_and_admits_only_below_it() {
     assert_eq!(f.terminal(2), [completed(2)], "1 in flight: not below 1");
     assert_eq!(f.terminal(3), [completed(3), f.dispatch(4, C1, "n1/p1")]);
     assert_eq!(f.occupancy("n1/p1"), Some((1, 1, 0)));
+}
+
+// A long-context capacity lowered below the long runs cuts nothing and
+// admits no long request until below it, while the provider's free slots
+// go on taking short ones.
+#[test]
+fn a_long_context_capacity_lowered_below_its_long_runs_still_admits_short_requests() {
+    let with_long = |long| {
+        let mut p1 = provider("p1", 4);
+        p1.long_context_capacity = long;
+        spec(
+            vec![ControlNode {
+                providers: vec![p1],
+                ..node("n1", &[])
+            }],
+            vec![model("m", &["n1/p1"], 4)],
+        )
+    };
+    let mut f = Fixture::new(with_long(2));
+    f.connect(C1, "n1");
+    assert_eq!(f.submit_as(1, "m", true), [f.dispatch_long(1, C1, "n1/p1")]);
+    assert_eq!(f.submit_as(2, "m", true), [f.dispatch_long(2, C1, "n1/p1")]);
+    assert_eq!(f.reload(with_long(1)), []);
+    assert_eq!(f.submit_as(3, "m", true), []);
+    assert_eq!(f.submit(4, "m"), [f.dispatch(4, C1, "n1/p1")]);
+    assert_eq!(f.terminal(1), [completed(1)], "1 long run: not below 1");
+    assert_eq!(
+        f.terminal(2),
+        [completed(2), f.dispatch_long(3, C1, "n1/p1")]
+    );
 }
 
 // A capacity raised admits the waiters it now has room for in the reload
