@@ -40,6 +40,13 @@
 //!   forwarding between Edges yet: a request waits in its Edge's queue for
 //!   that node to be ready there, or times out), completed by the node,
 //!   cancelled by their clients.
+//! - **Operators**: at random points an Edge reloads its configuration
+//!   (drops a node with its model, takes it back, changes its provider's
+//!   capacity) or drains or undrains a node. A dropped node's claim in
+//!   flight is refused; its owner there is closed (`node_removed`, its key
+//!   released) once nothing runs there or at the end of its grace, and its
+//!   node dials again; requests for its model end. Before settling, every
+//!   Edge is taken back to the full configuration, undrained.
 //!
 //! # What is checked
 //!
@@ -66,7 +73,9 @@
 //!    is held, every provider's `in_flight` is 0;
 //! 6. a release names a revision this Edge itself claimed for that node and
 //!    no longer owns, so its compare can only ever delete this Edge's own
-//!    write, never a newer claim's.
+//!    write, never a newer claim's;
+//! 7. an Edge dispatches nothing to a node its configuration dropped or an
+//!    operator drained there.
 //!
 //! The literal "every accepted generation exceeds every earlier one,
 //! cluster-wide" does not hold and is not asserted: a claim from a
@@ -95,8 +104,8 @@ use std::time::{Duration, Instant};
 
 use edge_bin::control::{
     Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode, ControlProvider,
-    ControlSpec, DispatchKind, Event, Input, Operation, Operations, Outcome, ProviderKey,
-    Rejection, RequestId, Terminal, Tunables,
+    ControlSpec, DispatchKind, DrainTarget, Event, Input, Operation, Operations, Outcome,
+    ProviderKey, Rejection, RequestId, Terminal, Tunables,
 };
 use iop_wire::{pb, CloseReason};
 
@@ -121,6 +130,8 @@ const CANCEL_SETTLE_MS: u64 = 2_000;
 const CAPACITY: u32 = 2;
 /// Queue bound of every model.
 const MAX_QUEUE: u32 = 3;
+/// How long a node a reload removed may go on running what it has.
+const RETIRE_GRACE_MS: u64 = 5_000;
 
 fn model_of(n: usize) -> String {
     format!("m-{}", NODES[n])
@@ -133,18 +144,40 @@ fn node_index(node_id: &str) -> usize {
         .unwrap_or_else(|| panic!("unknown node id {node_id}"))
 }
 
+/// What one Edge is configured with: which nodes (each with its model),
+/// their providers' capacities. Reloads change it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EdgeConfig {
+    nodes: [bool; 3],
+    capacity: [u32; 3],
+}
+
+impl EdgeConfig {
+    /// Every node, every provider at [`CAPACITY`].
+    const FULL: EdgeConfig = EdgeConfig {
+        nodes: [true; 3],
+        capacity: [CAPACITY; 3],
+    };
+}
+
 fn spec() -> ControlSpec {
+    spec_of(EdgeConfig::FULL)
+}
+
+/// The spec of `cfg`: each configured node with its provider and model.
+fn spec_of(cfg: EdgeConfig) -> ControlSpec {
+    let on: Vec<usize> = (0..NODES.len()).filter(|&n| cfg.nodes[n]).collect();
     ControlSpec {
-        nodes: NODES
+        nodes: on
             .iter()
-            .map(|id| ControlNode {
-                id: (*id).into(),
+            .map(|&n| ControlNode {
+                id: NODES[n].into(),
                 config: pb::NodeConfigPayload::default(),
                 providers: vec![ControlProvider {
                     id: "p".into(),
                     adapter: "vllm".into(),
                     target: "target".into(),
-                    capacity: CAPACITY,
+                    capacity: cfg.capacity[n],
                     long_context_capacity: 0,
                     response_stall_timeout_ms: 0,
                     category: pb::ProviderCategory::LocalInference,
@@ -154,8 +187,9 @@ fn spec() -> ControlSpec {
                 }],
             })
             .collect(),
-        models: (0..NODES.len())
-            .map(|n| ControlModel {
+        models: on
+            .iter()
+            .map(|&n| ControlModel {
                 name: model_of(n),
                 providers: vec![ProviderKey {
                     node_id: NODES[n].into(),
@@ -168,6 +202,7 @@ fn spec() -> ControlSpec {
             .collect(),
         tunables: Tunables {
             cancel_settle: Duration::from_millis(CANCEL_SETTLE_MS),
+            retire_grace: Duration::from_millis(RETIRE_GRACE_MS),
             ..Tunables::default()
         },
     }
@@ -321,6 +356,13 @@ struct EdgeSim {
     learned: [u64; 3],
     /// Per node: the highest generation this Edge accepted.
     accepted: [u64; 3],
+    /// What this Edge is configured with now (its reloads).
+    config: EdgeConfig,
+    /// Per node: drained here by an operator, as far as the sim can be
+    /// sure (not after the node left the configuration: Control keeps the
+    /// drain of a node kept while owned and added back, not of one gone
+    /// meanwhile).
+    drained: [bool; 3],
 }
 
 impl EdgeSim {
@@ -404,6 +446,19 @@ struct Stats {
     queue_full: u64,
     undeliverable: u64,
     quiesce_steps: u64,
+    /// Reloads and operator drains fed at random points (not counting
+    /// the ones that restore every Edge before it settles).
+    reloads: u64,
+    drains: u64,
+    /// Owners closed because a reload removed their node (after their
+    /// last run, or at the end of their grace).
+    closed_node_removed: u64,
+    /// Registrations refused: of a node the Edge does not serve, or whose
+    /// claim was in flight when a reload removed it.
+    closed_registration_rejected: u64,
+    /// Requests for a model a reload removed: refused, or ended waiting.
+    unknown_model: u64,
+    model_removed: u64,
 }
 
 impl Stats {
@@ -442,7 +497,13 @@ impl Stats {
             queue_timeouts,
             queue_full,
             undeliverable,
-            quiesce_steps
+            quiesce_steps,
+            reloads,
+            drains,
+            closed_node_removed,
+            closed_registration_rejected,
+            unknown_model,
+            model_removed
         );
     }
 }
@@ -523,6 +584,8 @@ impl Sim {
                 undeliverable: Vec::new(),
                 learned: [0; 3],
                 accepted: [0; 3],
+                config: EdgeConfig::FULL,
+                drained: [false; 3],
             });
             sim.set_up(e, true);
         }
@@ -623,12 +686,24 @@ impl Sim {
                     match reason {
                         CloseReason::Superseded => self.stats.closed_superseded += 1,
                         CloseReason::OwnershipLost => self.stats.closed_ownership_lost += 1,
+                        CloseReason::NodeRemoved => self.stats.closed_node_removed += 1,
+                        CloseReason::RegistrationRejected => {
+                            self.stats.closed_registration_rejected += 1
+                        }
                         _ => {}
                     }
                     self.close_from_edge(conn);
                 }
                 Action::Dispatch(d) => {
                     self.stats.dispatches += 1;
+                    let n = node_index(&d.lease.provider.node_id);
+                    let edge = &self.edges[e];
+                    assert!(
+                        edge.config.nodes[n] && !edge.drained[n],
+                        "edge {e} dispatched {:?} to {}, which it no longer serves or drained",
+                        d.request,
+                        NODES[n]
+                    );
                     let conn = d.lease.conn;
                     let delivered = self
                         .conns
@@ -664,6 +739,8 @@ impl Sim {
                             self.stats.queue_timeouts += 1
                         }
                         Outcome::Rejected(Rejection::QueueFull) => self.stats.queue_full += 1,
+                        Outcome::Rejected(Rejection::UnknownModel) => self.stats.unknown_model += 1,
+                        Outcome::Rejected(Rejection::ModelRemoved) => self.stats.model_removed += 1,
                         Outcome::Rejected(other) => panic!("{request:?} rejected: {other:?}"),
                     }
                 }
@@ -1309,6 +1386,8 @@ impl Sim {
             choices.push((2, Choice::Partition));
         }
         choices.push((7, Choice::Advance));
+        choices.push((1, Choice::Reload));
+        choices.push((1, Choice::Drain));
         let total: u64 = choices.iter().map(|(w, _)| w).sum();
         let mut pick = self.rng.below(total);
         let choice = choices
@@ -1385,6 +1464,29 @@ impl Sim {
                 };
                 self.partition(e, self.now_ms + span);
             }
+            Choice::Reload => {
+                // An Edge drops a node (with its model), takes it back, or
+                // changes its provider's capacity.
+                let e = self.rng.below(edges as u64) as usize;
+                let n = self.rng.below(NODES.len() as u64) as usize;
+                let mut cfg = self.edges[e].config;
+                if !cfg.nodes[n] {
+                    cfg.nodes[n] = true;
+                } else if self.rng.chance(60) {
+                    cfg.nodes[n] = false;
+                } else {
+                    cfg.capacity[n] = self.rng.range(1, 3) as u32;
+                }
+                self.stats.reloads += 1;
+                self.reload(e, cfg);
+            }
+            Choice::Drain => {
+                let e = self.rng.below(edges as u64) as usize;
+                let n = self.rng.below(NODES.len() as u64) as usize;
+                let drained = !self.edges[e].drained[n];
+                self.stats.drains += 1;
+                self.drain(e, n, drained);
+            }
             Choice::Advance => {
                 let by = if self.rng.chance(80) {
                     self.rng.range(50, 1_500)
@@ -1414,13 +1516,49 @@ impl Sim {
                 .all(|n| n.phase == NodePhase::Ready && n.runs.is_empty())
     }
 
-    /// Heals every partition and runs only the steps that settle what is in
-    /// flight (no new requests, drops or partitions) until quiescence;
-    /// then checks (4) and (5).
+    /// Edge `e` reloads to `cfg`.
+    fn reload(&mut self, e: usize, cfg: EdgeConfig) {
+        self.edges[e].config = cfg;
+        for n in 0..NODES.len() {
+            // A node that leaves the configuration may keep its drain (kept
+            // while owned, then added back) or lose it (gone, then added
+            // back): the sim only counts on drains of nodes configured
+            // all along since.
+            if !cfg.nodes[n] {
+                self.edges[e].drained[n] = false;
+            }
+        }
+        self.feed(e, Input::Reconfigure(Box::new(spec_of(cfg))));
+    }
+
+    /// An operator drains (or undrains) node `n` at Edge `e`.
+    fn drain(&mut self, e: usize, n: usize, drained: bool) {
+        if self.edges[e].config.nodes[n] {
+            self.edges[e].drained[n] = drained;
+        }
+        self.feed(
+            e,
+            Input::SetDrain {
+                target: DrainTarget::Node(NODES[n].into()),
+                drained,
+            },
+        );
+    }
+
+    /// Heals every partition, takes every Edge back to the full
+    /// configuration undrained, and runs only the steps that settle what
+    /// is in flight (no new requests, drops or partitions) until
+    /// quiescence; then checks (4) and (5).
     fn quiesce(&mut self) {
         for e in 0..self.edges.len() {
             if self.edges[e].partitioned() {
                 self.heal(e);
+            }
+            if self.edges[e].config != EdgeConfig::FULL {
+                self.reload(e, EdgeConfig::FULL);
+            }
+            for n in 0..NODES.len() {
+                self.drain(e, n, false);
             }
         }
         const QUIESCE_STEPS_MAX: u64 = 2_000;
@@ -1580,6 +1718,8 @@ enum Choice {
     Cancel,
     Partition,
     Advance,
+    Reload,
+    Drain,
 }
 
 // ---------------------------------------------------------------------------
@@ -1753,6 +1893,15 @@ fn simulation() {
         ("queue_timeouts", stats.queue_timeouts),
         ("queue_full", stats.queue_full),
         ("undeliverable", stats.undeliverable),
+        ("reloads", stats.reloads),
+        ("drains", stats.drains),
+        ("closed_node_removed", stats.closed_node_removed),
+        (
+            "closed_registration_rejected",
+            stats.closed_registration_rejected,
+        ),
+        ("unknown_model", stats.unknown_model),
+        ("model_removed", stats.model_removed),
     ] {
         assert!(n > 0, "the simulation never reached `{name}`: {stats:?}");
     }

@@ -14,13 +14,33 @@
 //! evidence, random stall evidence including malformed pairs and random
 //! sequences), undeliverable dispatches, command results (answers to the
 //! recovery probes `Control` sent, late answers to answered or retired
-//! probes, and bogus ones) and clock advances. Time is a fixed base
-//! `Instant` plus offsets; the shell's timer is modelled both faithfully
-//! (every due deadline fires at its instant) and late (one `handle_timeout`
-//! after a jump). Two shorter runs apply the same checks with the schedule
+//! probes, and bogus ones), clock advances, and the fleet changing
+//! (below). Time is a fixed base `Instant` plus offsets; the shell's timer
+//! is modelled both faithfully (every due deadline fires at its instant)
+//! and late (one `handle_timeout` after a jump). Two shorter runs apply the same checks with the schedule
 //! weighted towards one guarantee each:
 //! [`simulation_connections_ordered_closed_never_own_or_receive_work`] and
 //! [`simulation_fresh_available_answers_keep_older_unavailable_stalls_out`].
+//!
+//! The fleet changes at random points, interleaved with everything else:
+//! configuration reloads (`Reconfigure`: capacities up and down, below
+//! what runs included, providers disabled and enabled; providers, nodes
+//! and models removed and added
+//! back; a model moved to another pool; queue bounds and timeouts
+//! changed; the same configuration again), operator drains and undrains
+//! of nodes and providers (`SetDrain`, unknown targets included), and
+//! owners, current or stale, saying they drain (`NodeDraining`). The
+//! shadow tracks what `Control` keeps (a provider removed while leased, a
+//! node removed while owned, each until it is idle or its grace ends;
+//! drains across reconnects and reloads) and predicts every fleet step
+//! exactly: the waiters of a removed model end `ModelRemoved`, a queue
+//! over its new bound loses its newest waiters, a removed node is closed
+//! `node_removed` in the step its last run ends (fenced if ready) or at
+//! the end of its grace (its runs lost), a reload of the same
+//! configuration and a drain change nothing a query shows. Which waiters
+//! a reload or an undrain dispatches is checked as every pump is (least
+//! loaded, arrival order, nothing left that fits), and no dispatch ever
+//! goes to a removed, drained or draining provider, node or owner.
 //!
 //! A heartbeat timeout (T4) is its own operation, modelled on the shell:
 //! the engine connection notices the missing answer itself and shuts the
@@ -74,9 +94,9 @@ use std::time::{Duration, Instant};
 
 use edge_bin::control::{
     Action, AttemptEnd, CancelReason, ConnId, Control, ControlModel, ControlNode, ControlProvider,
-    ControlSpec, Counters, Dispatch, DispatchKind, Event, Generation, Handoff, Input, Operation,
-    Operations, Outcome, ProviderKey, ProviderLease, Rejection, RequestId, StallEvidence, Terminal,
-    Tunables,
+    ControlSpec, Counters, Dispatch, DispatchKind, DrainTarget, Event, Generation, Handoff, Input,
+    Operation, Operations, Outcome, ProviderKey, ProviderLease, Rejection, RequestId,
+    StallEvidence, Terminal, Tunables,
 };
 use iop_wire::{pb, CloseReason};
 
@@ -245,6 +265,7 @@ impl WorldParams {
             tunables: Tunables {
                 cancel_settle: Duration::from_millis(rng.range(10, 150)),
                 recovery_probe_interval: Duration::from_millis(rng.range(20, 200)),
+                retire_grace: Duration::from_millis(rng.range(20, 1_500)),
                 ..Tunables::default()
             },
         }
@@ -376,6 +397,151 @@ impl World {
     }
 }
 
+/// The figures of one provider a reload may change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PSpec {
+    capacity: u32,
+    long: u32,
+    enabled: bool,
+}
+
+/// One model's pool (indices into [`PROVIDERS`], in pool order) and queue.
+#[derive(Debug, Clone, PartialEq)]
+struct MSpec {
+    pool: Vec<usize>,
+    max_queue: u32,
+    timeout: Duration,
+}
+
+/// What the Edge is configured with now: a subset of the world's nodes,
+/// providers and models, with their figures. A reload
+/// (`Input::Reconfigure`) replaces it. Identities (adapter, target, kind,
+/// stall timeout), node payloads and tunables stay the world's.
+#[derive(Debug, Clone, PartialEq)]
+struct Config {
+    nodes: Vec<bool>,
+    /// A provider is configured only with its node.
+    provs: Vec<Option<PSpec>>,
+    /// A configured model's pool is non-empty and names configured
+    /// providers only (as config validation demands).
+    models: Vec<Option<MSpec>>,
+}
+
+impl Config {
+    /// The world's configuration: everything, with the world's figures.
+    fn of(world: &World) -> Self {
+        Self {
+            nodes: vec![true; world.nodes.len()],
+            provs: world.provs.iter().map(|p| Some(Self::base(p))).collect(),
+            models: world
+                .models
+                .iter()
+                .map(|m| {
+                    Some(MSpec {
+                        pool: m.provs.clone(),
+                        max_queue: m.max_queue,
+                        timeout: m.timeout,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// A provider's figures as the world configures it.
+    fn base(p: &ProvInfo) -> PSpec {
+        PSpec {
+            capacity: p.spec.capacity,
+            long: p.spec.long_context_capacity,
+            enabled: p.spec.enabled,
+        }
+    }
+
+    fn spec(&self, world: &World) -> ControlSpec {
+        ControlSpec {
+            nodes: (0..world.nodes.len())
+                .filter(|&n| self.nodes[n])
+                .map(|n| ControlNode {
+                    id: world.nodes[n].id.clone(),
+                    config: world.nodes[n].config.clone(),
+                    providers: world.nodes[n]
+                        .provs
+                        .iter()
+                        .filter_map(|&p| {
+                            let s = self.provs[p]?;
+                            Some(ControlProvider {
+                                capacity: s.capacity,
+                                long_context_capacity: s.long,
+                                enabled: s.enabled,
+                                ..world.provs[p].spec.clone()
+                            })
+                        })
+                        .collect(),
+                })
+                .collect(),
+            models: (0..world.models.len())
+                .filter_map(|m| {
+                    let s = self.models[m].as_ref()?;
+                    Some(ControlModel {
+                        name: world.models[m].name.clone(),
+                        providers: s.pool.iter().map(|&p| world.provs[p].key.clone()).collect(),
+                        max_queue: s.max_queue,
+                        queue_timeout: s.timeout,
+                        max_attempts: 1,
+                    })
+                })
+                .collect(),
+            tunables: world.tunables,
+        }
+    }
+
+    /// The configuration `spec` describes, in the world's terms.
+    fn from_spec(world: &World, spec: &ControlSpec) -> Result<Self, String> {
+        let mut cfg = Self {
+            nodes: vec![false; world.nodes.len()],
+            provs: vec![None; world.provs.len()],
+            models: vec![None; world.models.len()],
+        };
+        for node in &spec.nodes {
+            let n = world
+                .node_index(&node.id)
+                .ok_or_else(|| format!("a reload names node {} of no world", node.id))?;
+            cfg.nodes[n] = true;
+            for provider in &node.providers {
+                let key = ProviderKey {
+                    node_id: node.id.as_str().into(),
+                    provider_id: provider.id.as_str().into(),
+                };
+                let p = world
+                    .prov_index(&key)
+                    .ok_or_else(|| format!("a reload names provider {key} of no world"))?;
+                cfg.provs[p] = Some(PSpec {
+                    capacity: provider.capacity,
+                    long: provider.long_context_capacity,
+                    enabled: provider.enabled,
+                });
+            }
+        }
+        for model in &spec.models {
+            let m = world
+                .model_index(&model.name)
+                .ok_or_else(|| format!("a reload names model {} of no world", model.name))?;
+            let pool = model
+                .providers
+                .iter()
+                .map(|key| world.prov_index(key).filter(|&p| cfg.provs[p].is_some()))
+                .collect::<Option<Vec<usize>>>()
+                .filter(|pool| !pool.is_empty())
+                .ok_or_else(|| format!("model {} has an invalid pool", model.name))?;
+            cfg.models[m] = Some(MSpec {
+                pool,
+                max_queue: model.max_queue,
+                timeout: model.queue_timeout,
+            });
+        }
+        Ok(cfg)
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The shadow model
 // ---------------------------------------------------------------------------
@@ -408,6 +574,9 @@ struct SOwner {
     conn: ConnId,
     generation: Generation,
     ready: bool,
+    /// It said it drains (`Input::NodeDraining`): no new work under this
+    /// generation.
+    draining: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -479,6 +648,29 @@ struct Shadow {
     superseded_probes: std::collections::HashSet<String>,
     counters: Counters,
     max_generation: u64,
+    /// What the Edge is configured with now.
+    cfg: Config,
+    /// Per provider: `Control` has it (configured, or removed by a reload
+    /// while leased). Its snapshots list exactly these, in this order.
+    present: Vec<bool>,
+    /// Per provider: removed by a reload, kept while its leases run out.
+    prov_removed: Vec<bool>,
+    /// Per provider: the figures `Control` holds for it (its last
+    /// configured ones).
+    pspec: Vec<PSpec>,
+    /// Per provider: leases (all, long) over its capacity the last reload
+    /// left running.
+    over: Vec<(u32, u32)>,
+    /// Per node: `Control` has it (configured, or removed by a reload
+    /// while owned).
+    node_present: Vec<bool>,
+    /// Per node: removed by a reload, kept while its owner runs something.
+    node_removed: Vec<bool>,
+    /// Operator drains (`Input::SetDrain`), per provider and per node.
+    prov_drained: Vec<bool>,
+    node_drained: Vec<bool>,
+    /// Per node: the end of a removed node's grace, while it is owned.
+    retire: Vec<Option<Instant>>,
 }
 
 impl Shadow {
@@ -505,6 +697,16 @@ impl Shadow {
             superseded_probes: std::collections::HashSet::new(),
             counters: Counters::default(),
             max_generation: 0,
+            cfg: Config::of(world),
+            present: vec![true; n],
+            prov_removed: vec![false; n],
+            pspec: world.provs.iter().map(Config::base).collect(),
+            over: vec![(0, 0); n],
+            node_present: vec![true; world.nodes.len()],
+            node_removed: vec![false; world.nodes.len()],
+            prov_drained: vec![false; n],
+            node_drained: vec![false; world.nodes.len()],
+            retire: vec![None; world.nodes.len()],
         }
     }
 
@@ -520,20 +722,40 @@ impl Shadow {
         self.owners[node].filter(|o| o.ready)
     }
 
-    /// X6, H4: a provider is a live candidate when enabled, its node has a
+    /// X6, H4: a provider is live (its snapshot shows it available, with
+    /// its figures) when `Control` has it, it is enabled, its node has a
     /// ready owner, and it carries no overlay of that generation.
     fn live(&self, world: &World, p: usize) -> bool {
-        world.provs[p].spec.enabled
+        self.present[p]
+            && self.pspec[p].enabled
             && self
                 .ready_owner(world.provs[p].node)
                 .is_some_and(|o| self.overlay[p] != Some(o.generation))
     }
 
-    fn fits(&self, world: &World, p: usize, long: bool) -> bool {
-        let spec = &world.provs[p].spec;
+    /// A live provider takes new work unless a reload removed it or its
+    /// node, an operator drained it or its node, or its node's owner
+    /// drains.
+    fn takes_new_work(&self, world: &World, p: usize) -> bool {
+        let n = world.provs[p].node;
         self.live(world, p)
+            && !self.prov_removed[p]
+            && !self.prov_drained[p]
+            && !self.node_removed[n]
+            && !self.node_drained[n]
+            && self.ready_owner(n).is_some_and(|o| !o.draining)
+    }
+
+    fn fits(&self, world: &World, p: usize, long: bool) -> bool {
+        let spec = self.pspec[p];
+        self.takes_new_work(world, p)
             && self.in_flight[p] < spec.capacity
-            && (!long || self.long_in_flight[p] < spec.long_context_capacity)
+            && (!long || self.long_in_flight[p] < spec.long)
+    }
+
+    /// Model `m`'s pool as configured now (empty: not configured).
+    fn pool(&self, m: usize) -> &[usize] {
+        self.cfg.models[m].as_ref().map_or(&[], |s| &s.pool)
     }
 
     fn queued_of_model(&self, model: usize) -> usize {
@@ -632,6 +854,13 @@ struct Expect {
     pump: bool,
     /// An accepted register: (conn, node) becomes the pending owner.
     accepted: Option<(ConnId, usize)>,
+    /// The step changes nothing observable, though it is not stale (a
+    /// drain, a draining owner, a reload of the same configuration).
+    quiet: bool,
+    /// Owners of removed nodes this step lets go of, (node, conn): they
+    /// own nothing after its actions (not before: a timeout step may
+    /// probe them first).
+    let_go: Vec<(usize, ConnId)>,
 }
 
 /// Everything `Control` shows through its queries, read once per step:
@@ -742,9 +971,41 @@ struct Stats {
     /// Of those, reported undeliverable before the `Closed` (cancelled);
     /// the rest end `Lost` at the fence and their report is stale.
     heartbeat_undeliverable_first: u64,
+    /// Reloads fed (`Input::Reconfigure`).
+    reconfigures: u64,
+    /// Of those, of the configuration `Control` ran with, nothing left
+    /// over from earlier ones: nothing observable may change.
+    reloads_unchanged: u64,
+    /// Operator drains and undrains fed (`Input::SetDrain`).
+    set_drains: u64,
+    /// Owners saying they drain, current or stale (`Input::NodeDraining`).
+    node_drainings: u64,
+    /// Providers a reload removed while leased (kept until idle).
+    providers_retired: u64,
+    /// Nodes a reload removed while owned.
+    nodes_retired: u64,
+    /// Removed nodes closed (`node_removed`) once nothing ran there.
+    nodes_let_go: u64,
+    /// Removed nodes closed at the end of their grace, runs lost.
+    grace_ends: u64,
+    /// Waiters ended by the reload that removed their model.
+    model_removed: u64,
+    /// Waiters over a queue bound a reload lowered (`QueueFull`).
+    trimmed: u64,
+    /// Reloads that left a provider with more leases than capacity.
+    capacity_below_in_flight: u64,
+    /// Dispatches in a reload step (room or pools a reload made).
+    reload_dispatches: u64,
+    /// Dispatches in an undrain step.
+    undrain_dispatches: u64,
 }
 
 impl Stats {
+    /// Fleet changes fed: reloads, operator drains, owners draining.
+    fn fleet_inputs(&self) -> u64 {
+        self.reconfigures + self.set_drains + self.node_drainings
+    }
+
     fn add(&mut self, o: &Stats) {
         self.schedules += o.schedules;
         self.steps += o.steps;
@@ -779,6 +1040,19 @@ impl Stats {
         self.heartbeat_readies_lost += o.heartbeat_readies_lost;
         self.heartbeat_undeliverable += o.heartbeat_undeliverable;
         self.heartbeat_undeliverable_first += o.heartbeat_undeliverable_first;
+        self.reconfigures += o.reconfigures;
+        self.reloads_unchanged += o.reloads_unchanged;
+        self.set_drains += o.set_drains;
+        self.node_drainings += o.node_drainings;
+        self.providers_retired += o.providers_retired;
+        self.nodes_retired += o.nodes_retired;
+        self.nodes_let_go += o.nodes_let_go;
+        self.grace_ends += o.grace_ends;
+        self.model_removed += o.model_removed;
+        self.trimmed += o.trimmed;
+        self.capacity_below_in_flight += o.capacity_below_in_flight;
+        self.reload_dispatches += o.reload_dispatches;
+        self.undrain_dispatches += o.undrain_dispatches;
     }
 }
 
@@ -795,8 +1069,8 @@ const MAX_LIVE_CONNS: usize = 7;
 struct Profile {
     /// Relative weights of: register, ready, close, heartbeat timeout,
     /// submit, cancel, terminal, undeliverable, command result, clock
-    /// advance.
-    ops: [u64; 10],
+    /// advance, reload, operator drain, owner draining.
+    ops: [u64; 13],
     /// Percent of registers and readies aimed at the closing paths: a
     /// current owner naming another node id, and late frames of a
     /// connection `Control` ordered closed.
@@ -810,21 +1084,21 @@ struct Profile {
 
 /// The main run: every path, evenly.
 const MAIN: Profile = Profile {
-    ops: [10, 10, 7, 3, 19, 6, 18, 3, 10, 17],
+    ops: [10, 10, 7, 3, 19, 6, 18, 3, 10, 17, 3, 2, 1],
     closing_pct: 10,
     recent_seq_pct: 5,
 };
 
 /// Owners ordered closed while work waits, and their late frames.
 const CLOSING: Profile = Profile {
-    ops: [16, 22, 6, 2, 18, 3, 14, 2, 6, 13],
+    ops: [16, 22, 6, 2, 18, 3, 14, 2, 6, 13, 2, 1, 1],
     closing_pct: 45,
     recent_seq_pct: 5,
 };
 
 /// Stall evidence interleaved with recovery-probe answers.
 const FRESHNESS: Profile = Profile {
-    ops: [6, 6, 3, 1, 18, 3, 28, 1, 22, 13],
+    ops: [6, 6, 3, 1, 18, 3, 28, 1, 22, 13, 2, 1, 1],
     closing_pct: 5,
     recent_seq_pct: 35,
 };
@@ -977,7 +1251,10 @@ impl<'w> Sim<'w> {
             6 => self.gen_terminal(),
             7 => self.gen_undeliverable(),
             8 => self.gen_command_result(),
-            _ => self.gen_advance(),
+            9 => self.gen_advance(),
+            10 => self.gen_reconfigure(),
+            11 => self.gen_set_drain(),
+            _ => self.gen_node_draining(),
         }
     }
 
@@ -1176,9 +1453,21 @@ impl<'w> Sim<'w> {
             .copied()
             .filter(|&c| !self.sh.is_owner(c))
             .collect();
+        // A node that said it drains goes away soon after, as a rule.
+        let draining: Vec<ConnId> = (0..NODES.len())
+            .filter_map(|n| {
+                self.sh
+                    .ready_owner(n)
+                    .filter(|o| o.draining)
+                    .map(|o| o.conn)
+            })
+            .collect();
         let chosen = match self.rng.below(100) {
             0..=39 => self.rng.pick(&closing),
-            40..=59 => self.rng.pick(&ready),
+            40..=59 => match self.rng.pick(&draining) {
+                Some(c) if self.rng.chance(60) => Some(c),
+                _ => self.rng.pick(&ready),
+            },
             60..=74 => self.rng.pick(&pending),
             _ => self.rng.pick(&stale),
         };
@@ -1807,6 +2096,239 @@ impl<'w> Sim<'w> {
         self.advance(Duration::from_millis(d_ms), faithful)
     }
 
+    /// A configuration reload: the current configuration (sometimes the
+    /// world's again, an operator reverting) with one or two changes
+    /// (capacities up or down, below what runs included, a provider
+    /// disabled or enabled; a provider, a node or a model removed or added
+    /// back; a model moved to another pool; a queue bound or timeout
+    /// changed), or none.
+    fn gen_reconfigure(&mut self) -> Result<(), String> {
+        let mut cfg = if self.rng.chance(30) {
+            Config::of(self.world)
+        } else {
+            self.sh.cfg.clone()
+        };
+        if !self.rng.chance(8) {
+            for _ in 0..self.rng.range(1, 2) {
+                self.mutate(&mut cfg);
+            }
+        }
+        self.stats.reconfigures += 1;
+        self.apply(Input::Reconfigure(Box::new(cfg.spec(self.world))))
+    }
+
+    /// One change to `cfg`, keeping it valid: a model's pool is non-empty
+    /// and names configured providers only (a model whose pool empties
+    /// goes with it), a provider is configured only with its node.
+    fn mutate(&mut self, cfg: &mut Config) {
+        let world = self.world;
+        let configured: Vec<usize> = (0..world.provs.len())
+            .filter(|&p| cfg.provs[p].is_some())
+            .collect();
+        let leased: Vec<usize> = configured
+            .iter()
+            .copied()
+            .filter(|&p| self.sh.in_flight[p] > 0)
+            .collect();
+        let models_on: Vec<usize> = (0..world.models.len())
+            .filter(|&m| cfg.models[m].is_some())
+            .collect();
+        let leave_pools = |cfg: &mut Config, p: usize| {
+            for model in &mut cfg.models {
+                if let Some(spec) = model {
+                    spec.pool.retain(|&q| q != p);
+                    if spec.pool.is_empty() {
+                        *model = None;
+                    }
+                }
+            }
+        };
+        // Back into the pools the world puts it in.
+        let join_pools = |cfg: &mut Config, p: usize| {
+            for (m, model) in cfg.models.iter_mut().enumerate() {
+                if let Some(spec) = model {
+                    if world.models[m].provs.contains(&p) && !spec.pool.contains(&p) {
+                        spec.pool.push(p);
+                    }
+                }
+            }
+        };
+        match self.rng.below(100) {
+            0..=24 => {
+                let Some(p) = self.rng.pick(&configured) else {
+                    return;
+                };
+                let in_flight = u64::from(self.sh.in_flight[p]);
+                let capacity = if in_flight > 0 && self.rng.chance(50) {
+                    self.rng.below(in_flight)
+                } else {
+                    self.rng.range(0, 4)
+                };
+                let long = self.rng.range(0, 2) as u32;
+                let toggle = self.rng.chance(10);
+                if let Some(spec) = &mut cfg.provs[p] {
+                    spec.capacity = capacity as u32;
+                    if self.rng.chance(40) {
+                        spec.long = long;
+                    }
+                    spec.enabled ^= toggle;
+                }
+            }
+            25..=36 => {
+                let pick = match self.rng.pick(&leased) {
+                    Some(p) if self.rng.chance(60) => Some(p),
+                    _ => self.rng.pick(&configured),
+                };
+                if let Some(p) = pick {
+                    cfg.provs[p] = None;
+                    leave_pools(cfg, p);
+                }
+            }
+            37..=46 => {
+                let absent: Vec<usize> = (0..world.provs.len())
+                    .filter(|&p| cfg.provs[p].is_none() && cfg.nodes[world.provs[p].node])
+                    .collect();
+                if let Some(p) = self.rng.pick(&absent) {
+                    cfg.provs[p] = Some(Config::base(&world.provs[p]));
+                    join_pools(cfg, p);
+                }
+            }
+            47..=60 => {
+                let Some(m) = self.rng.pick(&models_on) else {
+                    return;
+                };
+                let mut pool = configured.clone();
+                for i in (1..pool.len()).rev() {
+                    let j = self.rng.below(i as u64 + 1) as usize;
+                    pool.swap(i, j);
+                }
+                pool.truncate(self.rng.range(1, pool.len().max(1) as u64) as usize);
+                if let (Some(spec), false) = (&mut cfg.models[m], pool.is_empty()) {
+                    spec.pool = pool;
+                }
+            }
+            61..=66 => {
+                if let Some(m) = self.rng.pick(&models_on) {
+                    cfg.models[m] = None;
+                }
+            }
+            67..=78 => {
+                let absent: Vec<usize> = (0..world.models.len())
+                    .filter(|&m| cfg.models[m].is_none())
+                    .collect();
+                let Some(m) = self.rng.pick(&absent) else {
+                    return;
+                };
+                let mut pool: Vec<usize> = world.models[m]
+                    .provs
+                    .iter()
+                    .copied()
+                    .filter(|&p| cfg.provs[p].is_some())
+                    .collect();
+                if pool.is_empty() {
+                    pool.extend(self.rng.pick(&configured));
+                }
+                if !pool.is_empty() {
+                    cfg.models[m] = Some(MSpec {
+                        pool,
+                        max_queue: world.models[m].max_queue,
+                        timeout: world.models[m].timeout,
+                    });
+                }
+            }
+            79..=88 => {
+                // Favour a node with runs (its grace, its last terminal).
+                let on: Vec<usize> = (0..NODES.len()).filter(|&n| cfg.nodes[n]).collect();
+                let busy: Vec<usize> = on
+                    .iter()
+                    .copied()
+                    .filter(|&n| {
+                        world.nodes[n]
+                            .provs
+                            .iter()
+                            .any(|&p| self.sh.in_flight[p] > 0)
+                    })
+                    .collect();
+                let pick = match self.rng.pick(&busy) {
+                    Some(n) if self.rng.chance(60) => Some(n),
+                    _ => self.rng.pick(&on),
+                };
+                if let Some(n) = pick {
+                    cfg.nodes[n] = false;
+                    for &p in &world.nodes[n].provs {
+                        cfg.provs[p] = None;
+                        leave_pools(cfg, p);
+                    }
+                }
+            }
+            89..=94 => {
+                let off: Vec<usize> = (0..NODES.len()).filter(|&n| !cfg.nodes[n]).collect();
+                if let Some(n) = self.rng.pick(&off) {
+                    cfg.nodes[n] = true;
+                    for &p in &world.nodes[n].provs {
+                        cfg.provs[p] = Some(Config::base(&world.provs[p]));
+                        join_pools(cfg, p);
+                    }
+                }
+            }
+            _ => {
+                let Some(m) = self.rng.pick(&models_on) else {
+                    return;
+                };
+                let max_queue = self.rng.range(1, 3) as u32;
+                let timeout = Duration::from_millis(self.rng.range(30, 300));
+                let new_timeout = self.rng.chance(30);
+                if let Some(spec) = &mut cfg.models[m] {
+                    spec.max_queue = max_queue;
+                    if new_timeout {
+                        spec.timeout = timeout;
+                    }
+                }
+            }
+        }
+    }
+
+    /// An operator drains or undrains a node or a provider (mostly
+    /// flipping it; sometimes repeating its state, or naming something
+    /// not configured).
+    fn gen_set_drain(&mut self) -> Result<(), String> {
+        let (target, current) = if self.rng.chance(50) {
+            let n = self.rng.below(NODES.len() as u64 + 1) as usize;
+            let id = NODES.get(n).copied().unwrap_or(UNKNOWN_NODE);
+            let current = n < NODES.len() && self.sh.node_drained[n];
+            (DrainTarget::Node(id.to_string()), current)
+        } else {
+            let p = self.rng.below(PROVIDERS.len() as u64 + 1) as usize;
+            match self.world.provs.get(p) {
+                Some(info) => (
+                    DrainTarget::Provider(info.key.clone()),
+                    self.sh.prov_drained[p],
+                ),
+                None => (DrainTarget::Provider(key(NODES[0], "p9")), false),
+            }
+        };
+        // Undrains come more often: a drain stays a while, not for good.
+        let flip = self.rng.chance(if current { 85 } else { 30 });
+        let drained = current != flip;
+        self.stats.set_drains += 1;
+        self.apply(Input::SetDrain { target, drained })
+    }
+
+    /// An owner (pending or ready) says it drains; sometimes a connection
+    /// that owns nothing (superseded, closing, never registered) does.
+    fn gen_node_draining(&mut self) -> Result<(), String> {
+        let owners: Vec<ConnId> = self.sh.owners.iter().flatten().map(|o| o.conn).collect();
+        let conn = match self.rng.pick(&owners) {
+            Some(c) if self.rng.chance(60) => c,
+            _ => match self.rng.pick(&self.sh.live_conns()) {
+                Some(c) => c,
+                None => return self.gen_register(),
+            },
+        };
+        self.stats.node_drainings += 1;
+        self.apply(Input::NodeDraining { conn })
+    }
+
     /// Moves the clock by `d`. A faithful shell fires every deadline at its
     /// instant; a late one wakes once at the end.
     fn advance(&mut self, d: Duration, faithful: bool) -> Result<(), String> {
@@ -1851,6 +2373,11 @@ impl<'w> Sim<'w> {
         if ex.unchanged {
             self.stats.stale_inputs += 1;
         }
+        let fleet_pump = match &input {
+            Input::Reconfigure(_) => Some(false),
+            Input::SetDrain { drained: false, .. } => Some(true),
+            _ => None,
+        };
         let mut out = std::mem::take(&mut self.out);
         out.clear();
         self.control.handle(self.now, input, &mut out);
@@ -1863,9 +2390,30 @@ impl<'w> Sim<'w> {
             }
         }
         let result = self.process(&mut ex, &out);
+        let dispatches = out
+            .iter()
+            .filter(|a| matches!(a, Action::Dispatch(_)))
+            .count() as u64;
+        match fleet_pump {
+            Some(false) => self.stats.reload_dispatches += dispatches,
+            Some(true) => self.stats.undrain_dispatches += dispatches,
+            None => {}
+        }
         self.out = out;
         result?;
-        self.check_all(ex.unchanged.then_some(ex.unchanged_skip))
+        self.release_let_go(&ex);
+        self.check_all((ex.unchanged || ex.quiet).then_some(ex.unchanged_skip))
+    }
+
+    /// The owners this step let go of own nothing from now on; their
+    /// probes are forgotten with them (F1).
+    fn release_let_go(&mut self, ex: &Expect) {
+        for &(n, conn) in &ex.let_go {
+            if self.sh.owners[n].is_some_and(|o| o.conn == conn) {
+                self.sh.owners[n] = None;
+            }
+            self.sh.commands.retain(|_, c| c.conn != conn);
+        }
     }
 
     fn timeout(&mut self) -> Result<(), String> {
@@ -1886,6 +2434,7 @@ impl<'w> Sim<'w> {
         let result = self.process(&mut ex, &out);
         self.out = out;
         result?;
+        self.release_let_go(&ex);
         self.check_all(None)
     }
 
@@ -2006,10 +2555,25 @@ impl<'w> Sim<'w> {
                     "the single-Edge simulation feeds no cluster input: {input:?}"
                 ));
             }
-            Input::NodeDraining { .. } | Input::SetDrain { .. } | Input::Reconfigure(_) => {
-                return Err(format!(
-                    "this simulation feeds no fleet change yet: {input:?}"
-                ));
+            Input::Reconfigure(spec) => self.predict_reconfigure(spec, &mut ex)?,
+            Input::SetDrain { target, drained } => {
+                self.predict_set_drain(target, *drained, &mut ex)
+            }
+            Input::NodeDraining { conn } => {
+                // Nothing a snapshot shows changes: only where new work
+                // may go (F2 for a connection that owns nothing).
+                ex.quiet = true;
+                let owner = self.sh.conn(*conn).bound.and_then(|n| {
+                    self.sh.owners[n]
+                        .filter(|o| o.conn == *conn)
+                        .map(|o| (n, o))
+                });
+                if let Some((n, o)) = owner {
+                    self.sh.owners[n] = Some(SOwner {
+                        draining: true,
+                        ..o
+                    });
+                }
             }
             Input::Register {
                 conn,
@@ -2040,7 +2604,11 @@ impl<'w> Sim<'w> {
                     });
                     return Ok(ex);
                 }
-                let node = self.world.node_index(node_id);
+                // Only a node the configuration names now registers.
+                let node = self
+                    .world
+                    .node_index(node_id)
+                    .filter(|&n| self.sh.cfg.nodes[n]);
                 let Some(node) = node.filter(|_| node_id == tls_name) else {
                     // T3 / unknown node: rejected and closed.
                     ex.unchanged = true;
@@ -2079,6 +2647,7 @@ impl<'w> Sim<'w> {
                     conn,
                     generation: Generation(u64::MAX),
                     ready: false,
+                    draining: false,
                 });
                 ex.accepted = Some((conn, node));
             }
@@ -2173,7 +2742,11 @@ impl<'w> Sim<'w> {
                 }
                 self.sh.next_request += 1;
                 self.sh.ended.push(false);
-                match self.world.model_index(model) {
+                match self
+                    .world
+                    .model_index(model)
+                    .filter(|&m| self.sh.cfg.models[m].is_some())
+                {
                     None => {
                         ex.done
                             .push((id, Outcome::Rejected(Rejection::UnknownModel)));
@@ -2187,11 +2760,14 @@ impl<'w> Sim<'w> {
                         );
                     }
                     Some(m) => {
-                        let info = &self.world.models[m];
-                        let fits = info
-                            .provs
+                        let fits = self
+                            .sh
+                            .pool(m)
                             .iter()
                             .any(|&p| self.sh.fits(self.world, p, *long));
+                        let Some(info) = &self.sh.cfg.models[m] else {
+                            return Err(self.fail("shadow: a configured model without a spec"));
+                        };
                         if !fits && self.sh.queued_of_model(m) >= info.max_queue as usize {
                             ex.done.push((id, Outcome::Rejected(Rejection::QueueFull)));
                         }
@@ -2299,7 +2875,192 @@ impl<'w> Sim<'w> {
                 self.predict_command(&record, response, &mut ex);
             }
         }
+        self.predict_let_go(&mut ex);
         Ok(ex)
+    }
+
+    /// A reload to `spec` (see `fleet.rs`): what it names is served from
+    /// now on, with every runtime state of what stays; a provider that
+    /// leaves while leased stays (removed, in no pool) until a reload finds
+    /// it idle; a node that leaves while owned stays (removed) until its
+    /// owner has nothing in flight or its grace ends; a removed model's
+    /// waiters end (`ModelRemoved`), its running requests run on; a queue
+    /// over its new bound loses its newest waiters (`QueueFull`). The pump
+    /// that follows may dispatch anywhere the new configuration made room
+    /// (checked like every pump: least loaded, arrival order, nothing left
+    /// that fits).
+    fn predict_reconfigure(&mut self, spec: &ControlSpec, ex: &mut Expect) -> Result<(), String> {
+        let world = self.world;
+        let cfg = Config::from_spec(world, spec).map_err(|e| self.fail(e))?;
+        let leftovers =
+            self.sh.prov_removed.iter().any(|&r| r) || self.sh.node_removed.iter().any(|&r| r);
+        ex.quiet = cfg == self.sh.cfg && !leftovers;
+        if ex.quiet {
+            self.stats.reloads_unchanged += 1;
+        }
+        ex.pump = true;
+        for p in 0..world.provs.len() {
+            let was = self.sh.present[p];
+            match cfg.provs[p] {
+                Some(spec) => {
+                    self.sh.present[p] = true;
+                    self.sh.prov_removed[p] = false;
+                    self.sh.pspec[p] = spec;
+                }
+                None if was && self.sh.in_flight[p] > 0 => {
+                    if !self.sh.prov_removed[p] {
+                        self.stats.providers_retired += 1;
+                    }
+                    self.sh.prov_removed[p] = true;
+                }
+                None => {
+                    // Gone: added back later, it starts afresh.
+                    self.sh.present[p] = false;
+                    self.sh.prov_removed[p] = false;
+                    self.sh.overlay[p] = None;
+                    self.sh.next_probe[p] = None;
+                    self.sh.last_seq.retain(|&(q, _), _| q != p);
+                    self.sh.answer_seq.retain(|&(q, _), _| q != p);
+                }
+            }
+            if !was || !self.sh.present[p] {
+                self.sh.prov_drained[p] = false;
+            }
+            let spec = self.sh.pspec[p];
+            let (all, long) = (self.sh.in_flight[p], self.sh.long_in_flight[p]);
+            self.sh.over[p] = (
+                if all > spec.capacity { all } else { 0 },
+                if long > spec.long { long } else { 0 },
+            );
+            if self.sh.present[p] && (all > spec.capacity || long > spec.long) {
+                self.stats.capacity_below_in_flight += 1;
+            }
+        }
+        for n in 0..NODES.len() {
+            let was = self.sh.node_present[n];
+            if cfg.nodes[n] {
+                self.sh.node_present[n] = true;
+                self.sh.node_removed[n] = false;
+                self.sh.retire[n] = None;
+            } else if self.sh.owners[n].is_some() {
+                if !self.sh.node_removed[n] {
+                    self.stats.nodes_retired += 1;
+                    self.sh.retire[n] = Some(self.now + world.tunables.retire_grace);
+                }
+                self.sh.node_removed[n] = true;
+            } else {
+                self.sh.node_present[n] = false;
+                self.sh.node_removed[n] = false;
+                self.sh.retire[n] = None;
+                // Bindings to a node Control no longer has go with it.
+                for c in &mut self.sh.conns {
+                    if c.bound == Some(n) {
+                        c.bound = None;
+                    }
+                }
+            }
+            if !was || !self.sh.node_present[n] {
+                self.sh.node_drained[n] = false;
+            }
+        }
+        let mut queued: Vec<Vec<RequestId>> = vec![Vec::new(); world.models.len()];
+        for (&id, r) in &self.sh.active {
+            if let (SState::Queued { .. }, Some(m)) = (&r.state, r.model) {
+                if cfg.models[m].is_none() {
+                    ex.done
+                        .push((id, Outcome::Rejected(Rejection::ModelRemoved)));
+                } else {
+                    queued[m].push(id);
+                }
+            }
+        }
+        for (m, waiting) in queued.iter().enumerate() {
+            let max = cfg.models[m].as_ref().map_or(0, |s| s.max_queue as usize);
+            for &id in waiting.iter().skip(max) {
+                ex.done.push((id, Outcome::Rejected(Rejection::QueueFull)));
+                self.stats.trimmed += 1;
+            }
+        }
+        self.sh.cfg = cfg;
+        Ok(())
+    }
+
+    /// An operator drain: a drained node or provider takes no new work, an
+    /// undrained one takes it again at once (the pump). Nothing a snapshot
+    /// shows changes; an unknown, removed or unchanged target changes
+    /// nothing at all.
+    fn predict_set_drain(&mut self, target: &DrainTarget, drained: bool, ex: &mut Expect) {
+        let flag = match target {
+            DrainTarget::Node(id) => self
+                .world
+                .node_index(id)
+                .filter(|&n| self.sh.node_present[n] && !self.sh.node_removed[n])
+                .map(|n| &mut self.sh.node_drained[n]),
+            DrainTarget::Provider(key) => self
+                .world
+                .prov_index(key)
+                .filter(|&p| self.sh.present[p] && !self.sh.prov_removed[p])
+                .map(|p| &mut self.sh.prov_drained[p]),
+        };
+        match flag {
+            Some(flag) if *flag != drained => {
+                *flag = drained;
+                ex.pump = !drained;
+                ex.quiet = drained;
+            }
+            _ => ex.quiet = true,
+        }
+    }
+
+    /// After any step: a removed node whose owner has nothing left in
+    /// flight once this step's ends (`ex.done`) are in is let go of, in
+    /// the order of its grace's end: fenced if ready (nothing is lost:
+    /// nothing runs there), closed `node_removed`.
+    fn predict_let_go(&mut self, ex: &mut Expect) {
+        let mut retiring: Vec<(Instant, usize)> = (0..NODES.len())
+            .filter_map(|n| self.sh.retire[n].map(|t| (t, n)))
+            .collect();
+        retiring.sort_unstable();
+        for (_, n) in retiring {
+            let Some(owner) = self.sh.owners[n] else {
+                // Its owner went away in this step.
+                self.sh.retire[n] = None;
+                continue;
+            };
+            let runs = self
+                .sh
+                .leases
+                .values()
+                .any(|l| l.conn == owner.conn && !ex.done.iter().any(|(r, _)| *r == l.request));
+            if runs {
+                continue;
+            }
+            self.sh.retire[n] = None;
+            self.predict_release(n, owner, ex);
+            self.stats.nodes_let_go += 1;
+        }
+    }
+
+    /// Removed node `n`'s `owner` is let go of in this step: fenced if
+    /// ready (its remaining leases are already in `ex.done`), closed
+    /// `node_removed`; it owns nothing after the step's actions.
+    fn predict_release(&mut self, n: usize, owner: SOwner, ex: &mut Expect) {
+        if owner.ready {
+            ex.events.push(Event::NodeDisconnected {
+                node_id: NODES[n].to_string(),
+            });
+            for &p in &self.world.nodes[n].provs {
+                self.sh.overlay[p] = None;
+                self.sh.next_probe[p] = None;
+            }
+            ex.pump = true;
+            self.stats.fences += 1;
+        }
+        ex.registry.push(RegAct::Close {
+            conn: owner.conn,
+            reason: CloseReason::NodeRemoved,
+        });
+        ex.let_go.push((n, owner.conn));
     }
 
     /// H6: clear only on a fresh `available` answer naming exactly one
@@ -2320,10 +3081,13 @@ impl<'w> Sim<'w> {
                 let Some(seq) = cap.health_observation_seq else {
                     continue;
                 };
+                // Among the providers Control has for the node now (a
+                // reload may have dropped or added some since the probe).
                 let matching: Vec<usize> = self.world.nodes[record.node]
                     .provs
                     .iter()
                     .copied()
+                    .filter(|&p| self.sh.present[p])
                     .filter(|&p| {
                         let s = &self.world.provs[p].spec;
                         *s.adapter == *cap.adapter_key && *s.target == *cap.target
@@ -2400,6 +3164,30 @@ impl<'w> Sim<'w> {
                 _ => self.sh.next_probe[p] = None,
             }
         }
+        // Removed nodes whose grace ended, in that order: closed whatever
+        // still runs there (lost: F1 releases each lease once).
+        let mut due: Vec<(Instant, usize)> = (0..NODES.len())
+            .filter_map(|n| self.sh.retire[n].filter(|&t| t <= self.now).map(|t| (t, n)))
+            .collect();
+        due.sort_unstable();
+        for (_, n) in due {
+            self.sh.retire[n] = None;
+            let Some(owner) = self.sh.owners[n] else {
+                continue;
+            };
+            let lost: Vec<RequestId> = self
+                .sh
+                .leases
+                .values()
+                .filter(|l| l.conn == owner.conn && !ex.done.iter().any(|(r, _)| *r == l.request))
+                .map(|l| l.request)
+                .collect();
+            ex.done.extend(lost.into_iter().map(|r| (r, Outcome::Lost)));
+            self.predict_release(n, owner, &mut ex);
+            self.stats.grace_ends += 1;
+        }
+        // Then those whose last run this step ended (a cancel settled).
+        self.predict_let_go(&mut ex);
         ex
     }
 
@@ -2578,6 +3366,7 @@ impl<'w> Sim<'w> {
                 conn,
                 generation: g,
                 ready: false,
+                draining: false,
             });
         }
         // Arrival order: no earlier request that fits the provider a later
@@ -2588,7 +3377,7 @@ impl<'w> Sim<'w> {
                     continue;
                 };
                 let Some(m) = sq.model else { continue };
-                if self.world.models[m].provs.contains(&p) && (!sq.long || long) {
+                if self.sh.pool(m).contains(&p) && (!sq.long || long) {
                     return Err(self.fail(format!(
                         "{r:?} was dispatched to {} while earlier {q:?} that fits it still waits",
                         self.world.provs[p].key
@@ -2625,7 +3414,8 @@ impl<'w> Sim<'w> {
             .prov_index(&d.lease.provider)
             .ok_or_else(|| self.fail(format!("dispatch to an unknown provider: {d:?}")))?;
         let info = &world.provs[p];
-        if !world.models[model].provs.contains(&p) {
+        let spec = self.sh.pspec[p];
+        if !self.sh.pool(model).contains(&p) {
             return Err(self.fail(format!("dispatch outside the model's pool (P1): {d:?}")));
         }
         // R4, X6, F2: only to the current ready owner of this generation.
@@ -2646,32 +3436,35 @@ impl<'w> Sim<'w> {
         if life != Life::Open {
             return Err(self.fail(format!("dispatch to a {life:?} connection: {d:?}")));
         }
-        if !info.spec.enabled || self.sh.overlay[p] == Some(owner.generation) {
+        if !spec.enabled || self.sh.overlay[p] == Some(owner.generation) {
             return Err(self.fail(format!(
                 "dispatch to a disabled or overlaid provider (H4): {d:?}"
             )));
         }
-        // Invariant 3: within capacity and long capacity.
-        if self.sh.in_flight[p] >= info.spec.capacity
-            || (long && self.sh.long_in_flight[p] >= info.spec.long_context_capacity)
+        if !self.sh.takes_new_work(world, p) {
+            return Err(self.fail(format!(
+                "dispatch to a provider that takes no new work (removed or drained, \
+                 or its node is, or its owner drains): {d:?}"
+            )));
+        }
+        // Invariant 3: within capacity and long capacity (a capacity a
+        // reload lowered below what runs admits nothing until below it).
+        if self.sh.in_flight[p] >= spec.capacity || (long && self.sh.long_in_flight[p] >= spec.long)
         {
             return Err(self.fail(format!(
                 "dispatch over capacity: in_flight {} / {}, long {} / {}: {d:?}",
-                self.sh.in_flight[p],
-                info.spec.capacity,
-                self.sh.long_in_flight[p],
-                info.spec.long_context_capacity
+                self.sh.in_flight[p], spec.capacity, self.sh.long_in_flight[p], spec.long
             )));
         }
         // The least-loaded candidate with a free (long) slot wins, ties to
         // pool order: the reference scan over the pool.
         let mut best: Option<(usize, u64, u64)> = None;
-        for &q in &world.models[model].provs {
+        for &q in self.sh.pool(model) {
             if !self.sh.fits(world, q, long) {
                 continue;
             }
             let num = u64::from(self.sh.in_flight[q]);
-            let den = u64::from(world.provs[q].spec.capacity);
+            let den = u64::from(self.sh.pspec[q].capacity);
             if best.is_none_or(|(_, bnum, bden)| num * bden < bnum * den) {
                 best = Some((q, num, den));
             }
@@ -2827,11 +3620,7 @@ impl<'w> Sim<'w> {
                     "{request:?} refused for want of providers: every pool here has some"
                 )))
             }
-            Outcome::Rejected(Rejection::ModelRemoved) => {
-                return Err(self.fail(format!(
-                    "{request:?} refused as removed: no schedule here reloads"
-                )))
-            }
+            Outcome::Rejected(Rejection::ModelRemoved) => self.stats.model_removed += 1,
         }
         Ok(())
     }
@@ -2866,6 +3655,12 @@ impl<'w> Sim<'w> {
             }
         }
         for t in self.sh.next_probe.iter().flatten() {
+            note(*t);
+        }
+        for t in self.sh.retire.iter().flatten() {
+            if *t <= self.now {
+                return Err(self.fail("a removed node outlived its grace"));
+            }
             note(*t);
         }
         if poll != earliest {
@@ -2944,14 +3739,16 @@ impl<'w> Sim<'w> {
             )));
         }
         for (p, &(all, long)) in count.iter().enumerate() {
-            let spec = &world.provs[p].spec;
+            let spec = self.sh.pspec[p];
             if all != self.sh.in_flight[p] || long != self.sh.long_in_flight[p] {
                 return Err(self.fail("shadow occupancy drifted"));
             }
-            if all > spec.capacity || long > spec.long_context_capacity {
+            // Over capacity only by what a reload lowered it below.
+            let (over, long_over) = self.sh.over[p];
+            if all > spec.capacity.max(over) || long > spec.long.max(long_over) {
                 return Err(self.fail(format!(
                     "{}: {all} leases / capacity {}, {long} long / {} (invariant 3)",
-                    world.provs[p].key, spec.capacity, spec.long_context_capacity
+                    world.provs[p].key, spec.capacity, spec.long
                 )));
             }
         }
@@ -2981,7 +3778,7 @@ impl<'w> Sim<'w> {
             let (SState::Queued { .. }, Some(m)) = (&r.state, r.model) else {
                 continue;
             };
-            for &p in &world.models[m].provs {
+            for &p in self.sh.pool(m) {
                 if self.sh.live(world, p) {
                     queued[p].0 += 1;
                     if r.long {
@@ -2990,12 +3787,30 @@ impl<'w> Sim<'w> {
                 }
             }
         }
+        // Control lists exactly the providers it has, in `ProviderKey`
+        // order (the world's).
         let snaps = &obs.snapshots;
-        if snaps.len() != world.provs.len() {
-            return Err(self.fail("snapshot count"));
+        let listed: Vec<usize> = (0..world.provs.len())
+            .filter(|&p| self.sh.present[p])
+            .collect();
+        if snaps.len() != listed.len() {
+            return Err(self.fail(format!(
+                "{} snapshots, Control has {} providers",
+                snaps.len(),
+                listed.len()
+            )));
         }
-        for (p, s) in snaps.iter().enumerate() {
+        for p in 0..world.provs.len() {
+            // H4, H5.
+            let owner = self.sh.owners[world.provs[p].node];
+            let overlaid = owner.is_some_and(|o| self.sh.overlay[p] == Some(o.generation));
+            if obs.overlaid[p] != overlaid {
+                return Err(self.fail(format!("is_overlaid({}) != {overlaid}", world.provs[p].key)));
+            }
+        }
+        for (&p, s) in listed.iter().zip(snaps) {
             let info = &world.provs[p];
+            let spec = self.sh.pspec[p];
             let owner = self.sh.owners[info.node];
             let connected = owner.is_some_and(|o| o.ready);
             let overlaid = owner.is_some_and(|o| self.sh.overlay[p] == Some(o.generation));
@@ -3005,7 +3820,7 @@ impl<'w> Sim<'w> {
                 (false, S::Unavailable, H::Offline, [0; 6])
             } else if overlaid {
                 (true, S::Unavailable, H::Unavailable, [0; 6])
-            } else if !info.spec.enabled {
+            } else if !spec.enabled {
                 (true, S::Disabled, H::Available, [0; 6])
             } else {
                 (
@@ -3013,8 +3828,8 @@ impl<'w> Sim<'w> {
                     S::Available,
                     H::Available,
                     [
-                        info.spec.capacity,
-                        info.spec.long_context_capacity,
+                        spec.capacity,
+                        spec.long,
                         count[p].0,
                         count[p].1,
                         queued[p].0,
@@ -3046,18 +3861,15 @@ impl<'w> Sim<'w> {
                     info.key
                 )));
             }
-            // H4, H5.
-            if obs.overlaid[p] != overlaid {
-                return Err(self.fail(format!("is_overlaid({}) != {overlaid}", info.key)));
-            }
         }
         // Work conservation: no waiting request fits a live candidate.
         for (id, r) in &self.sh.active {
             let (SState::Queued { .. }, Some(m)) = (&r.state, r.model) else {
                 continue;
             };
-            if let Some(&p) = world.models[m]
-                .provs
+            if let Some(&p) = self
+                .sh
+                .pool(m)
                 .iter()
                 .find(|&&p| self.sh.fits(world, p, r.long))
             {
@@ -3262,6 +4074,13 @@ fn run_from(
         "control_sim: {} schedules, {} steps (base seed {base_seed:#x})",
         total.schedules, total.steps
     );
+    println!(
+        "control_sim: {} fleet inputs ({} reloads, {} drains, {} owners draining)",
+        total.fleet_inputs(),
+        total.reconfigures,
+        total.set_drains,
+        total.node_drainings
+    );
     println!("control_sim: coverage {total:?}");
     total
 }
@@ -3328,6 +4147,19 @@ fn simulation() {
                     "heartbeat_undeliverable_first",
                     stats.heartbeat_undeliverable_first,
                 ),
+                ("reconfigures", stats.reconfigures),
+                ("reloads_unchanged", stats.reloads_unchanged),
+                ("set_drains", stats.set_drains),
+                ("node_drainings", stats.node_drainings),
+                ("providers_retired", stats.providers_retired),
+                ("nodes_retired", stats.nodes_retired),
+                ("nodes_let_go", stats.nodes_let_go),
+                ("grace_ends", stats.grace_ends),
+                ("model_removed", stats.model_removed),
+                ("trimmed", stats.trimmed),
+                ("capacity_below_in_flight", stats.capacity_below_in_flight),
+                ("reload_dispatches", stats.reload_dispatches),
+                ("undrain_dispatches", stats.undrain_dispatches),
             ],
         );
     }

@@ -615,9 +615,11 @@ impl Control {
             return false;
         };
         self.counters.failover_retried += 1;
-        let from = tried
-            .last()
-            .map(|&q| self.providers[q].key.clone())
+        // The provider the attempt was on: a fenced one is no longer in
+        // `tried`.
+        let from = fenced
+            .or(tried.last().copied())
+            .map(|q| self.providers[q].key.clone())
             .unwrap_or_else(|| dispatch.lease.provider.clone());
         self.start_attempt(request, &dispatch);
         out.push(Action::Event(Event::Failover {

@@ -105,11 +105,13 @@ impl Control {
                         d.request,
                         state.key
                     );
-                    // Admission takes a free slot only: a capacity lowered
-                    // by a reload below what runs admits nothing.
+                    // Admission takes a free slot only (a free long slot
+                    // for a long request): a capacity lowered by a reload
+                    // below what runs admits nothing.
                     assert!(
                         state.in_flight <= state.spec.capacity
-                            && state.long_in_flight <= state.spec.long_context_capacity,
+                            && (!d.lease.long
+                                || state.long_in_flight <= state.spec.long_context_capacity),
                         "{} admitted over capacity: {}/{} in flight, {}/{} long",
                         state.key,
                         state.in_flight,
@@ -275,11 +277,13 @@ impl Control {
                 long_in_flight[p]
             );
             // Over capacity only after a reload lowered it (never by an
-            // admission: `end_step`), and then no candidate.
+            // admission: `end_step`), and then no candidate; over its long
+            // capacity, no candidate for long requests (its free slots
+            // still take short ones).
             assert!(
-                (state.in_flight <= state.spec.capacity
-                    && state.long_in_flight <= state.spec.long_context_capacity)
-                    || state.indexed.is_none(),
+                (state.in_flight <= state.spec.capacity || state.indexed.is_none())
+                    && (state.long_in_flight <= state.spec.long_context_capacity
+                        || state.indexed.is_none_or(|i| !i.long)),
                 "{} over capacity and a candidate: {}/{} in flight, {}/{} long",
                 state.key,
                 state.in_flight,

@@ -1021,6 +1021,8 @@ impl Control {
             self.pump(out);
         }
         self.retire_due_nodes(now, out);
+        // A settled cancel may have ended a removed node's last run.
+        self.let_go_of_removed_nodes(out);
         self.let_go_of_idle_nodes(out);
         if let Some(step) = step {
             self.end_step(step, out, Some(now));
