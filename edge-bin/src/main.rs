@@ -46,9 +46,11 @@ use iop_engine::tls::{EdgeTlsAcceptor, HttpsAcceptor, NodeAllowList, TlsFiles, T
             \u{00A0}                   reload, STOPPING=1 at the first stop signal\n\
             \n\
             Signals:\n\
-            \u{00A0} SIGHUP            reload edge.toml (client keys, admin key, adapter\n\
-            \u{00A0}                   settings) and the TLS certificates; a bad file\n\
-            \u{00A0}                   keeps the running configuration\n\
+            \u{00A0} SIGHUP            reload edge.toml: nodes, providers, models, client\n\
+            \u{00A0}                   keys, credential slots, limits, adapter settings,\n\
+            \u{00A0}                   log paths and the TLS certificates (in a cluster\n\
+            \u{00A0}                   the fleet is published to every Edge); a bad\n\
+            \u{00A0}                   file keeps the running configuration\n\
             \u{00A0} SIGTERM, SIGINT   drain: stop accepting, let requests finish for at\n\
             \u{00A0}                   most edge.drain_grace_ms, exit 0; a second signal\n\
             \u{00A0}                   exits at once\n\

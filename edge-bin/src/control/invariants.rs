@@ -19,7 +19,10 @@
 //!   (a fenced, superseded or pending generation holds none), and serves a
 //!   request that is dispatched under its run id or settling a cancel; a
 //!   provider's `in_flight` and `long_in_flight` count exactly its live
-//!   leases and never exceed its capacities.
+//!   leases; a dispatch never takes them past its capacities, and a
+//!   provider above them (a reload lowered them) is no candidate. No
+//!   dispatch goes to a removed or drained provider or node, or a draining
+//!   owner.
 //! - Requests: each waits in exactly the queue, deadline set and lane its
 //!   state says, every queue within its model's `max_queue`, no attempt
 //!   past `max_attempts`; a step ends a request at most once, and only one

@@ -48,8 +48,12 @@
 //!   X6).
 //! - Every lease is released exactly once: on its terminal from the owning
 //!   connection, on fencing of its generation, or on cancel settlement (F1).
-//!   `in_flight` of a provider equals its live leases and never exceeds its
-//!   capacity; likewise for long-context leases.
+//!   `in_flight` of a provider equals its live leases, and no admission
+//!   takes it past its capacity (only a reload that lowers the capacity
+//!   leaves it above, admitting nothing until it is below); likewise for
+//!   long-context leases.
+//! - No dispatch goes to a provider or node removed by a reload, drained by
+//!   an operator, or whose owner drains (`fleet.rs`).
 //! - Every submitted request ends exactly once ([`Action::Done`]) and no
 //!   request waits past its deadline.
 //! - Stale inputs (from a connection that no longer owns its node id, or for
