@@ -62,6 +62,7 @@
 
 pub mod attempt;
 pub mod outlier;
+pub mod prefix;
 
 mod admission;
 mod fleet;
