@@ -23,6 +23,10 @@
 //!   (body-heavy streams for throughput runs).
 //!   `--tls-cert PEM --tls-key PEM`: serve HTTPS (ALPN http/1.1) instead of
 //!   plain HTTP; the ready line is the same.
+//!   `--prefix-cache-tokens N --prefill-us-per-token U`: model a prefix (KV)
+//!   cache of N prompt words, LRU; the first token waits `--ttft-ms` plus U
+//!   µs per prompt word not covered by the longest cached prefix;
+//!   `/admin/stats` counts `prompt_tokens_seen` and `cached_tokens_hit`.
 //! - `bench tls-fixtures --out DIR`: the certificates of the TLS tests (see
 //!   `bench::fixtures`), with a manifest of their serials.
 //! - `bench isolation [--quick] [--never-readers K] ...`: what clients that
@@ -185,6 +189,14 @@ struct MockProviderArgs {
     /// dots, a space) for body-heavy streams (default 0: unpadded)
     #[argh(option, default = "0")]
     token_bytes: u32,
+    /// model an inference server's prefix (KV) cache of this many prompt
+    /// tokens (whitespace-separated words), LRU (default 0: off)
+    #[argh(option, default = "0")]
+    prefix_cache_tokens: usize,
+    /// prefill time per prompt token not covered by the cached prefix, in
+    /// microseconds, added before the first token (default 0)
+    #[argh(option, default = "0")]
+    prefill_us_per_token: u64,
     /// serve HTTPS with this PEM certificate chain (needs --tls-key)
     #[argh(option)]
     tls_cert: Option<PathBuf>,
@@ -267,7 +279,8 @@ fn mock_provider(args: MockProviderArgs) -> ExitCode {
     }
     let mut provider = mock::MockProvider::with_faults(config, faults)
         .with_modes(modes)
-        .with_token_bytes(args.token_bytes);
+        .with_token_bytes(args.token_bytes)
+        .with_prefix_cache(args.prefix_cache_tokens, args.prefill_us_per_token);
     if let Some(key) = args.require_api_key {
         provider = provider.with_required_api_key(mock::auth::ApiKey::new(key));
     }

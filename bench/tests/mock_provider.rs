@@ -545,3 +545,85 @@ fn close_after_requests_closes_a_keep_alive_connection_without_notice() {
         "bench mock-provider: --close-after-requests: must be at least 1"
     );
 }
+
+/// The chat request of a two-message conversation, streamed.
+fn conversation(system: &str, user: &str) -> Vec<u8> {
+    post(
+        "/v1/chat/completions",
+        &json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+        .to_string(),
+    )
+}
+
+/// `(prompt_tokens_seen, cached_tokens_hit)` of `/admin/stats`.
+fn prefix_counters(client: &mut Client) -> (u64, u64) {
+    let stats = client.request(&get("/admin/stats")).json();
+    (
+        stats["prompt_tokens_seen"]
+            .as_u64()
+            .expect("prompt_tokens_seen"),
+        stats["cached_tokens_hit"]
+            .as_u64()
+            .expect("cached_tokens_hit"),
+    )
+}
+
+/// The `usage.prompt_tokens` of a streamed reply with `include_usage`.
+fn streamed_prompt_tokens(response: &Response) -> u64 {
+    assert_eq!(response.status, 200);
+    let chunks = stream_chunks(&sse_payloads(response));
+    let usage = chunks.last().expect("a usage chunk")["usage"].clone();
+    usage["prompt_tokens"].as_u64().expect("prompt_tokens")
+}
+
+#[test]
+fn prefix_cache_counts_the_shared_prefix_of_a_second_request() {
+    let mut mock = MockProcess::spawn(&[
+        "--tokens",
+        "2",
+        "--prefix-cache-tokens",
+        "1000",
+        "--prefill-us-per-token",
+        "100",
+    ]);
+    let mut client = mock.connect();
+    let system: String = (0..200).map(|i| format!("sys{i} ")).collect();
+    assert_eq!(prefix_counters(&mut client), (0, 0));
+
+    let first = client.request(&conversation(&system, "alpha beta"));
+    assert_eq!(streamed_prompt_tokens(&first), 202);
+    assert_eq!(prefix_counters(&mut client), (202, 0));
+
+    // Only "gamma delta epsilon" is prefilled: the 200 system words hit.
+    let second = client.request(&conversation(&system, "gamma delta epsilon"));
+    assert_eq!(streamed_prompt_tokens(&second), 203);
+    assert_eq!(prefix_counters(&mut client), (202 + 203, 200));
+
+    // The same conversation again on a new connection: all of it is cached.
+    let mut other = mock.connect();
+    let third = other.request(&conversation(&system, "gamma delta epsilon"));
+    assert_eq!(streamed_prompt_tokens(&third), 203);
+    assert_eq!(prefix_counters(&mut other), (202 + 203 + 203, 200 + 203));
+
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
+
+#[test]
+fn without_prefix_cache_options_the_counters_stay_zero() {
+    let mut mock = MockProcess::spawn(&["--tokens", "2"]);
+    let mut client = mock.connect();
+    let system: String = (0..200).map(|i| format!("sys{i} ")).collect();
+    for (user, words) in [
+        ("alpha beta", 202),
+        ("gamma delta epsilon", 203),
+        ("gamma delta epsilon", 203),
+    ] {
+        let response = client.request(&conversation(&system, user));
+        assert_eq!(streamed_prompt_tokens(&response), words);
+    }
+    assert_eq!(prefix_counters(&mut client), (0, 0));
+    let status = mock.stop_with(Signal::SIGTERM);
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}

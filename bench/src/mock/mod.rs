@@ -17,7 +17,10 @@
 //! | `GET /health`, `POST /admin/health`, `GET /admin/stats` | [`openai`] |
 //!
 //! [`auth`] (`--require-api-key`) refuses provider requests without the
-//! configured key before any route runs.
+//! configured key before any route runs. [`prefix_cache`]
+//! (`--prefix-cache-tokens`, `--prefill-us-per-token`) models an inference
+//! server's KV cache of recent prompts: the first token waits for the
+//! prefill of the uncached part of the prompt.
 //!
 //! Every generation route produces the same text for the same token count
 //! (`tok0 tok1 …`), so a relayed answer can be compared byte for byte with
@@ -27,6 +30,7 @@ pub mod anthropic;
 pub mod auth;
 pub mod ollama;
 pub mod openai;
+pub mod prefix_cache;
 pub mod responses;
 pub mod script;
 pub mod server;

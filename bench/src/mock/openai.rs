@@ -62,8 +62,20 @@
 //! `POST /admin/health {"state":"healthy"|"unhealthy"|"hanging"|"missing"}`
 //! flips it.
 //! `GET /admin/stats` returns the counters in [`MockStats`] as JSON.
+//!
+//! # Prefix cache
+//!
+//! With [`MockProvider::with_prefix_cache`] (`--prefix-cache-tokens N`,
+//! `--prefill-us-per-token U`) every generation request first goes through
+//! a [`PrefixCache`](super::prefix_cache::PrefixCache) of `N` tokens: its
+//! first token waits `ttft_ms` + `U` µs per prompt token not covered by the
+//! cached prefix (a non-streaming reply waits as much longer), and
+//! `prompt_tokens_seen` / `cached_tokens_hit` in [`MockStats`] count the
+//! prompt tokens and their cached part. See [`super::prefix_cache`].
 
 use serde::{Deserialize, Serialize};
+
+use super::prefix_cache::PromptShape;
 
 /// The `created` timestamp (Unix seconds) of every object the mock returns,
 /// fixed so outputs are reproducible.
@@ -183,6 +195,12 @@ pub struct MockStats {
     /// TLS handshakes that failed (an HTTPS mock whose certificate a client
     /// refused).
     pub tls_handshake_failures: u64,
+    /// Prompt tokens of the generation requests that went through the prefix
+    /// cache model (0 while it is off).
+    pub prompt_tokens_seen: u64,
+    /// Of those, the tokens covered by a cached prefix: the hit rate is
+    /// `cached_tokens_hit / prompt_tokens_seen`.
+    pub cached_tokens_hit: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -811,6 +829,14 @@ pub struct MockProvider {
     close_after_requests: Option<u32>,
     token_bytes: u32,
     tls: Option<iop_engine::tls::HttpsAcceptor>,
+    prefix_cache: Option<PrefixModel>,
+}
+
+/// The prefix cache model of [`MockProvider::with_prefix_cache`].
+#[derive(Debug, Clone)]
+struct PrefixModel {
+    cache: super::prefix_cache::PrefixCache,
+    prefill_us_per_token: u64,
 }
 
 impl MockProvider {
@@ -834,6 +860,7 @@ impl MockProvider {
             close_after_requests: None,
             token_bytes: 0,
             tls: None,
+            prefix_cache: None,
         }
     }
 
@@ -843,6 +870,24 @@ impl MockProvider {
     pub fn with_token_bytes(mut self, token_bytes: u32) -> Self {
         self.token_bytes = token_bytes;
         self
+    }
+
+    /// The same handler modelling an inference server's prefix cache of
+    /// `capacity_tokens` tokens, with `prefill_us_per_token` µs of prefill
+    /// per uncached prompt token before the first token (see the module
+    /// docs). Both 0 is the default: no model, no delay, counters at 0.
+    pub fn with_prefix_cache(mut self, capacity_tokens: usize, prefill_us_per_token: u64) -> Self {
+        self.prefix_cache =
+            (capacity_tokens > 0 || prefill_us_per_token > 0).then(|| PrefixModel {
+                cache: super::prefix_cache::PrefixCache::new(capacity_tokens),
+                prefill_us_per_token,
+            });
+        self
+    }
+
+    /// The prefix cache, when modelled.
+    pub fn prefix_cache(&self) -> Option<&super::prefix_cache::PrefixCache> {
+        self.prefix_cache.as_ref().map(|model| &model.cache)
     }
 
     /// The padding of chat completion tokens (0: none).
@@ -966,10 +1011,15 @@ impl MockProvider {
                 status: 200,
                 body: self.models_body.clone(),
             },
-            ("POST", "/v1/chat/completions") => self.chat(body),
+            ("POST", "/v1/chat/completions") => {
+                let ttft_ms = self.prefill(PromptShape::Messages, body);
+                self.chat(body, ttft_ms)
+            }
             ("POST", "/api/chat") => {
                 self.stats.ollama_chat_requests += 1;
-                let script = super::ollama::chat(body, &self.config, &self.faults, self.modes);
+                let ttft_ms = self.prefill(PromptShape::Messages, body);
+                let config = self.config_with_ttft(ttft_ms);
+                let script = super::ollama::chat(body, &config, &self.faults, self.modes);
                 Reply::Scripted(script)
             }
             ("GET", "/api/tags") => Reply::Json {
@@ -983,9 +1033,10 @@ impl MockProvider {
             ("POST", "/v1/messages") => {
                 self.stats.messages_requests += 1;
                 let seq = self.next_seq();
+                let ttft_ms = self.prefill(PromptShape::SystemAndMessages, body);
                 Reply::Scripted(super::anthropic::messages(
                     body,
-                    &self.config,
+                    &self.config_with_ttft(ttft_ms),
                     &self.faults,
                     seq,
                 ))
@@ -996,9 +1047,10 @@ impl MockProvider {
             ("POST", "/v1/responses") => {
                 self.stats.responses_requests += 1;
                 let seq = self.next_seq();
+                let ttft_ms = self.prefill(PromptShape::InstructionsAndInput, body);
                 Reply::Scripted(super::responses::create(
                     body,
-                    &self.config,
+                    &self.config_with_ttft(ttft_ms),
                     &self.faults,
                     seq,
                 ))
@@ -1052,13 +1104,54 @@ impl MockProvider {
         }
     }
 
+    /// The delay before the first token of a generation request with
+    /// `body`: `ttft_ms`, plus the prefill of its uncached prompt tokens when
+    /// the prefix cache is modelled (which then counts and caches the
+    /// prompt). A body that is not JSON, or a request answered by an
+    /// injected failure status, is not prefilled.
+    fn prefill(&mut self, shape: PromptShape, body: &[u8]) -> u64 {
+        let ttft_ms = self.config.ttft_ms;
+        let Some(model) = self.prefix_cache.as_mut() else {
+            return ttft_ms;
+        };
+        if self.faults.fail_status.is_some() {
+            return ttft_ms;
+        }
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return ttft_ms;
+        };
+        let tokens = super::prefix_cache::prompt_sequence(shape, &value);
+        let cached = model.cache.serve(&tokens) as u64;
+        let prompt = tokens.len() as u64;
+        self.stats.prompt_tokens_seen += prompt;
+        self.stats.cached_tokens_hit += cached;
+        super::prefix_cache::first_token_delay_ms(
+            ttft_ms,
+            model.prefill_us_per_token,
+            prompt,
+            cached,
+        )
+    }
+
+    /// The configuration with the first token after `ttft_ms`.
+    fn config_with_ttft(&self, ttft_ms: u64) -> std::borrow::Cow<'_, MockConfig> {
+        if ttft_ms == self.config.ttft_ms {
+            std::borrow::Cow::Borrowed(&self.config)
+        } else {
+            std::borrow::Cow::Owned(MockConfig {
+                ttft_ms,
+                ..self.config.clone()
+            })
+        }
+    }
+
     fn next_seq(&mut self) -> u64 {
         self.completions_started = self.completions_started.saturating_add(1);
         self.completions_started
     }
 
     /// The tool modes' reply to a chat request, if they take it.
-    fn tool_reply(&mut self, request: &ChatRequest, body: &[u8]) -> Option<Reply> {
+    fn tool_reply(&mut self, request: &ChatRequest, body: &[u8], ttft_ms: u64) -> Option<Reply> {
         use super::tools::{self, ToolDecision};
         if self.modes == tools::MockModes::default() {
             return None;
@@ -1082,12 +1175,17 @@ impl MockProvider {
                     body: tools::rejection_body(),
                 }
             }
-            ToolDecision::Call(call) => Reply::Scripted(ctx.tool_call_reply(&call, &self.config)),
-            ToolDecision::Text(text) => Reply::Scripted(ctx.text_reply(&text, &self.config)),
+            ToolDecision::Call(call) => {
+                Reply::Scripted(ctx.tool_call_reply(&call, &self.config_with_ttft(ttft_ms)))
+            }
+            ToolDecision::Text(text) => {
+                Reply::Scripted(ctx.text_reply(&text, &self.config_with_ttft(ttft_ms)))
+            }
         })
     }
 
-    fn chat(&mut self, body: &[u8]) -> Reply {
+    /// A chat completion whose first token comes after `ttft_ms`.
+    fn chat(&mut self, body: &[u8], ttft_ms: u64) -> Reply {
         self.stats.chat_requests += 1;
         if let Some(status) = self.faults.fail_status {
             return Reply::Json {
@@ -1105,7 +1203,7 @@ impl MockProvider {
             }
         };
         self.completions_started = self.completions_started.saturating_add(1);
-        if let Some(reply) = self.tool_reply(&request, body) {
+        if let Some(reply) = self.tool_reply(&request, body, ttft_ms) {
             return reply;
         }
         let completion = Completion::plan(&request, self.config.tokens, self.completions_started)
@@ -1124,17 +1222,14 @@ impl MockProvider {
         .filter(|f| f.after_tokens() < completion.tokens);
         if request.stream {
             Reply::Stream(
-                StreamPlan::new(completion, self.config.ttft_ms, self.config.inter_token_ms)
-                    .with_fault(fault),
+                StreamPlan::new(completion, ttft_ms, self.config.inter_token_ms).with_fault(fault),
             )
         } else {
             let gaps = u64::from(completion.tokens.saturating_sub(1));
             let delay_ms = if completion.tokens == 0 {
                 0
             } else {
-                self.config
-                    .ttft_ms
-                    .saturating_add(gaps.saturating_mul(self.config.inter_token_ms))
+                ttft_ms.saturating_add(gaps.saturating_mul(self.config.inter_token_ms))
             };
             match fault {
                 Some(StreamFault::Drop { .. }) => Reply::Drop,
@@ -1698,9 +1793,131 @@ mod tests {
         assert_eq!(status, 200);
         assert_eq!(
             body,
-            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15,"tls_handshake_failures":0}"#
+            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15,"tls_handshake_failures":0,"prompt_tokens_seen":0,"cached_tokens_hit":0}"#
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);
+    }
+
+    fn chat_body(stream: bool, system: &str, user: &str) -> Vec<u8> {
+        serde_json::json!({"model": "m", "stream": stream, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user}
+        ]})
+        .to_string()
+        .into_bytes()
+    }
+
+    fn first_sleep(reply: Reply) -> Option<u64> {
+        let mut plan = plan_of(reply);
+        stream_events(&mut plan)
+            .into_iter()
+            .find_map(|step| match step {
+                StreamStep::Sleep { duration_ms } => Some(duration_ms),
+                _ => None,
+            })
+    }
+
+    #[test]
+    fn prefix_cache_delays_the_first_token_by_the_uncached_prefill() {
+        let system = "w ".repeat(100);
+        let mut p = MockProvider::new(MockConfig {
+            ttft_ms: 7,
+            inter_token_ms: 0,
+            tokens: 2,
+            models: vec!["m".into()],
+        })
+        .with_prefix_cache(1000, 250);
+        // 102 uncached words × 250 µs = 25.5 ms, rounded up.
+        let cold = p.handle(
+            "POST",
+            "/v1/chat/completions",
+            &chat_body(true, &system, "a b"),
+        );
+        assert_eq!(first_sleep(cold), Some(7 + 26));
+        // 100 system words + "a" are cached; "c d e" are not: 750 µs.
+        let warm = p.handle(
+            "POST",
+            "/v1/chat/completions",
+            &chat_body(true, &system, "a c d e"),
+        );
+        assert_eq!(first_sleep(warm), Some(7 + 1));
+        // A non-streaming reply of the same prompt: all cached, so ttft and
+        // one inter-token gap of 0.
+        let Reply::Completion { delay_ms, .. } = p.handle(
+            "POST",
+            "/v1/chat/completions",
+            &chat_body(false, &system, "a c d e"),
+        ) else {
+            panic!("expected a completion");
+        };
+        assert_eq!(delay_ms, 7);
+        let stats = p.stats();
+        assert_eq!(stats.prompt_tokens_seen, 102 + 104 + 104);
+        assert_eq!(stats.cached_tokens_hit, 101 + 104);
+        let cache = p.prefix_cache().expect("modelled");
+        assert_eq!(cache.total_tokens(), 102 + 104);
+    }
+
+    #[test]
+    fn prefix_cache_covers_the_other_protocols_and_skips_injected_failures() {
+        let config = MockConfig {
+            ttft_ms: 0,
+            inter_token_ms: 0,
+            tokens: 1,
+            models: vec!["m".into()],
+        };
+        let mut p = MockProvider::new(config.clone()).with_prefix_cache(1000, 1000);
+        p.handle(
+            "POST",
+            "/v1/chat/completions",
+            &chat_body(true, "s1 s2 s3", "u1"),
+        );
+        let anthropic =
+            br#"{"model":"m","system":"s1 s2 s3","messages":[{"role":"user","content":"u1 u2"}]}"#;
+        p.handle("POST", "/v1/messages", anthropic);
+        let responses = br#"{"model":"m","instructions":"s1 s2","input":"x"}"#;
+        p.handle("POST", "/v1/responses", responses);
+        let ollama = br#"{"model":"m","messages":[{"role":"user","content":"s1 s2 s3 u1 u2 u3"}]}"#;
+        p.handle("POST", "/api/chat", ollama);
+        let stats = p.stats();
+        assert_eq!(stats.prompt_tokens_seen, 4 + 5 + 3 + 6);
+        assert_eq!(stats.cached_tokens_hit, 4 + 2 + 5);
+
+        let mut failing = MockProvider::with_faults(
+            config,
+            MockFaults {
+                fail_status: Some(500),
+                ..MockFaults::default()
+            },
+        )
+        .with_prefix_cache(1000, 1000);
+        failing.handle("POST", "/v1/chat/completions", &chat_body(true, "s1", "u1"));
+        failing.handle("POST", "/v1/chat/completions", b"not json");
+        assert_eq!(failing.stats().prompt_tokens_seen, 0);
+        assert_eq!(failing.prefix_cache().map(|c| c.total_tokens()), Some(0));
+    }
+
+    #[test]
+    fn without_a_prefix_cache_nothing_is_counted_or_delayed() {
+        let mut p = MockProvider::new(MockConfig {
+            ttft_ms: 3,
+            inter_token_ms: 0,
+            tokens: 1,
+            models: vec!["m".into()],
+        })
+        .with_prefix_cache(0, 0);
+        let system = "w ".repeat(50);
+        for _ in 0..2 {
+            let reply = p.handle(
+                "POST",
+                "/v1/chat/completions",
+                &chat_body(true, &system, "a"),
+            );
+            assert_eq!(first_sleep(reply), Some(3));
+        }
+        assert!(p.prefix_cache().is_none());
+        assert_eq!(p.stats().prompt_tokens_seen, 0);
+        assert_eq!(p.stats().cached_tokens_hit, 0);
     }
 }
