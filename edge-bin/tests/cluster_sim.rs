@@ -864,7 +864,10 @@ impl Sim {
         // Frames not read yet are dropped; the shell reports the close.
         let c = self.conns.get_mut(&conn).expect("present");
         c.frames.clear();
-        c.frames.push_back(Input::Closed { conn });
+        c.frames.push_back(Input::Closed {
+            conn,
+            drained: false,
+        });
     }
 
     /// Node `n` no longer uses `conn`.
@@ -1022,7 +1025,10 @@ impl Sim {
         self.leave(n, conn);
         let c = self.conns.get_mut(&conn).expect("present");
         c.node_open = false;
-        c.frames.push_back(Input::Closed { conn });
+        c.frames.push_back(Input::Closed {
+            conn,
+            drained: false,
+        });
         if self.verbose {
             println!("      t={}ms {} drops {conn:?}", self.now_ms, NODES[n]);
         }

@@ -773,7 +773,10 @@ fn a_fenced_attempt_before_the_first_byte_goes_to_another_node() {
         conn: CONN,
         run_id: RequestId(3).run_id(),
     });
-    let out = f.handle(Input::Closed { conn: CONN });
+    let out = f.handle(Input::Closed {
+        conn: CONN,
+        drained: false,
+    });
     assert_eq!(retried(&out), Some(("run-1.2".into(), "q1".into())));
     assert!(out.contains(&Action::Done {
         request: RequestId(3),
@@ -781,6 +784,104 @@ fn a_fenced_attempt_before_the_first_byte_goes_to_another_node() {
     }));
     assert_eq!(f.control.leases().count(), 2);
     assert_eq!(f.lease_of(1).unwrap(), ("run-1.2".into(), "q1".into()));
+}
+
+/// `n1` closes with `Close(drained)` (or not) while `two`'s request 1
+/// (on n1/p1, no frame of its response yet), request 3 (on n1/p1, its
+/// response started) and `m`'s request 4 (on n1) are dispatched; request 2
+/// is on n2/q1. `two` and `m` allow one attempt.
+fn close_n1_with_runs_in_flight(drained: bool) -> (Fixture, Vec<Action>) {
+    let mut f = Fixture::new(Tunables::default());
+    for (id, model) in [(1, "two"), (2, "two"), (3, "two"), (4, "m")] {
+        f.submit_to(id, model, Operation::ChatCompletions);
+    }
+    let on = |f: &Fixture, id| f.lease_of(id).map(|(_, p)| p);
+    assert_eq!(
+        [1, 2, 3, 4].map(|id| on(&f, id)),
+        [Some("p1"), Some("q1"), Some("p1"), Some("p2")].map(|p| p.map(String::from))
+    );
+    f.handle(Input::Responded {
+        conn: CONN,
+        run_id: RequestId(3).run_id(),
+    });
+    let out = f.handle(Input::Closed {
+        conn: CONN,
+        drained,
+    });
+    (f, out)
+}
+
+// A Node that drained closes with `Close(drained)`: every run it started
+// ended before, so a request whose response never started was never
+// started there. It is sent again, not as an attempt (here with
+// `max_attempts = 1`, where a lost attempt ends its request): to a free
+// provider of another node, or back to its queue until the node's next
+// process. A request whose response had started is lost as before.
+#[test]
+fn a_drained_close_sends_again_what_the_node_never_started() {
+    let (mut f, out) = close_n1_with_runs_in_flight(true);
+    assert_eq!(retried(&out), Some(("run-1.2".into(), "q1".into())));
+    assert_eq!(
+        out.iter()
+            .filter(|a| matches!(a, Action::Done { .. }))
+            .collect::<Vec<_>>(),
+        [&Action::Done {
+            request: RequestId(3),
+            outcome: Outcome::Lost,
+        }]
+    );
+    // Request 4 has no candidate but n1: it waits in `m`'s queue.
+    assert!(f.control.queue_deadline(RequestId(4)).is_some());
+    assert_eq!(f.control.counters().drain_redispatched, 2);
+    assert_eq!(f.control.counters().failover_requeued, 0);
+    assert_eq!(f.control.counters().failover_retried, 0);
+    // n1's next process serves request 4, under a run id of its own.
+    let conn = ConnId(7);
+    f.handle(Input::Register {
+        conn,
+        tls_name: NODE.into(),
+        node_id: NODE.into(),
+    });
+    let out = f.handle(Input::Ready {
+        conn,
+        node_id: NODE.into(),
+    });
+    assert_eq!(retried(&out), Some(("run-4.2".into(), "p1".into())));
+    // Each answers: completed, and neither counts as recovered by a
+    // failover (nothing failed).
+    for run_id in ["run-1.2", "run-4.2"] {
+        let id = if run_id == "run-1.2" { 1 } else { 4 };
+        assert_eq!(
+            f.end(run_id, AttemptEnd::Answered, true),
+            [Action::Done {
+                request: RequestId(id),
+                outcome: Outcome::Completed,
+            }]
+        );
+    }
+    assert_eq!(f.control.counters().failover_recovered, 0);
+    assert_eq!(f.control.pending_requests().count(), 1, "request 2 on q1");
+}
+
+// Without the node's promise (any other close), the same requests are
+// lost attempts: with one attempt allowed each ends.
+#[test]
+fn any_other_close_loses_every_attempt_in_flight() {
+    let (f, out) = close_n1_with_runs_in_flight(false);
+    assert_eq!(retried(&out), None);
+    let mut ended: Vec<_> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Done { request, outcome } => Some((request.0, outcome.clone())),
+            _ => None,
+        })
+        .collect();
+    ended.sort_unstable_by_key(|(id, _)| *id);
+    assert_eq!(
+        ended,
+        [(1, Outcome::Lost), (3, Outcome::Lost), (4, Outcome::Lost)]
+    );
+    assert_eq!(f.control.counters().drain_redispatched, 0);
 }
 
 // A heartbeat timeout shuts the node's socket before the shell reports
@@ -795,7 +896,10 @@ fn an_undeliverable_report_after_the_fence_ends_the_requeued_request() {
     f.submit(1);
     assert_eq!(f.lease_of(1).unwrap().1, "p1");
     // The fence comes first: no other candidate, queued again.
-    let out = f.handle(Input::Closed { conn: CONN });
+    let out = f.handle(Input::Closed {
+        conn: CONN,
+        drained: false,
+    });
     assert!(
         out.iter()
             .all(|a| !matches!(a, Action::Done { .. } | Action::Dispatch(_))),
@@ -837,7 +941,10 @@ fn an_undeliverable_report_after_the_fence_ends_the_requeued_request() {
     assert_eq!(f.control.leases().count(), 0);
     // A request never dispatched is not settled by such a report: only
     // its client's cancel removes it.
-    f.handle(Input::Closed { conn });
+    f.handle(Input::Closed {
+        conn,
+        drained: false,
+    });
     f.submit(2);
     assert_eq!(
         f.handle(Input::Undeliverable {
@@ -909,7 +1016,10 @@ fn a_fenced_request_with_no_other_candidate_waits_for_the_reconnect() {
     f.submit(2);
     assert_eq!(f.lease_of(1).unwrap().1, "p1");
     assert_eq!(f.lease_of(2).unwrap().1, "p2");
-    let out = f.handle(Input::Closed { conn: CONN });
+    let out = f.handle(Input::Closed {
+        conn: CONN,
+        drained: false,
+    });
     assert!(
         out.iter()
             .all(|a| !matches!(a, Action::Done { .. } | Action::Dispatch(_))),
@@ -948,7 +1058,10 @@ fn a_fenced_request_with_no_other_candidate_waits_for_the_reconnect() {
         ]
     );
     // A second fence: both attempts used (max 2), so they are lost.
-    let out = f.handle(Input::Closed { conn });
+    let out = f.handle(Input::Closed {
+        conn,
+        drained: false,
+    });
     let lost = |id| Action::Done {
         request: RequestId(id),
         outcome: Outcome::Lost,
@@ -966,7 +1079,10 @@ fn a_fenced_request_with_no_other_candidate_waits_for_the_reconnect() {
     });
     f.submit(4);
     assert_eq!(f.lease_of(4).unwrap().0, RequestId(4).run_id());
-    f.handle(Input::Closed { conn: ConnId(9) });
+    f.handle(Input::Closed {
+        conn: ConnId(9),
+        drained: false,
+    });
     assert_eq!(
         f.control.queue_deadline(RequestId(4)),
         Some(f.base + Duration::from_millis(WAIT_MS))

@@ -10,8 +10,11 @@
 //! one, reports responses starting and commits, cancels, marks dispatches
 //! undeliverable, answers recovery probes (available or not, fresh
 //! sequences) and moves the clock (queue, response-wait, settle and
-//! ejection deadlines, probes). At the end every node is closed and the
-//! clock run out.
+//! ejection deadlines, probes). A close is sometimes a node's
+//! `Close(drained)`: the node first ends every run it started (whose
+//! response started), so what it was sent and never started is dispatched
+//! again without counting as an attempt. At the end every node is closed
+//! and the clock run out.
 //!
 //! Invariants checked after every step:
 //! 1. at most one live attempt (lease) per request;
@@ -27,7 +30,12 @@
 //!    submitted request is done and no lease is left;
 //! 5. no provider holds more leases than its capacity, and an ejected
 //!    provider is never given a new attempt;
-//! 6. no timer is left in the past after `handle_timeout`.
+//! 6. no timer is left in the past after `handle_timeout`;
+//! 7. a request a drained node never started is not ended by that close
+//!    (dispatched again or queued) unless its model's queue was full or
+//!    another provider had failed it (only a request no provider failed
+//!    waits in the queue, whose pump does not avoid tried providers) or
+//!    it was cancelled.
 //!
 //! A failure prints its seed; `IOP_SIM_SEED=<seed>` replays that schedule
 //! with a step log. Schedules derive from a printed base seed
@@ -122,8 +130,13 @@ fn spec() -> ControlSpec {
 struct Req {
     model: usize,
     done: bool,
+    /// Dispatches that counted as attempts (not those a drained node
+    /// never started).
     attempts: u32,
     tried: HashSet<ProviderKey>,
+    /// Cancelled by its client or its response-wait deadline: it ends at
+    /// its lease's end, never dispatched again.
+    cancelled: bool,
 }
 
 /// Paths a run reached, summed over schedules (each must be reached).
@@ -137,6 +150,8 @@ struct Stats {
     failed_terminals: u64,
     aborted: u64,
     requeues: u64,
+    drained_closes: u64,
+    drain_redispatches: u64,
 }
 
 impl Stats {
@@ -149,6 +164,8 @@ impl Stats {
         self.failed_terminals += o.failed_terminals;
         self.aborted += o.aborted;
         self.requeues += o.requeues;
+        self.drained_closes += o.drained_closes;
+        self.drain_redispatches += o.drain_redispatches;
     }
 }
 
@@ -166,6 +183,8 @@ struct Sim {
     requests: BTreeMap<RequestId, Req>,
     /// Every run id dispatched, and whether its lease was released.
     runs: HashMap<String, bool>,
+    /// Live runs whose response started (`Responded` or `Committed`).
+    responded: HashSet<String>,
     /// Outstanding recovery probes: (conn, command id, adapter).
     probes: Vec<(ConnId, String, String)>,
     /// A `Closed` is being handled (its retries are fence failovers).
@@ -188,6 +207,7 @@ impl Sim {
             next_seq: 0,
             requests: BTreeMap::new(),
             runs: HashMap::new(),
+            responded: HashSet::new(),
             probes: Vec::new(),
             fencing: false,
             stats: Stats::default(),
@@ -307,7 +327,12 @@ impl Sim {
                     self.probes
                         .push((conn, command.command_id, command.adapter));
                 }
-                Action::Abort { .. } => self.stats.aborted += 1,
+                Action::Abort { request, .. } => {
+                    self.stats.aborted += 1;
+                    if let Some(r) = self.requests.get_mut(&request) {
+                        r.cancelled = true;
+                    }
+                }
                 Action::Event(edge_bin::control::Event::Ejected { .. }) => {
                     self.stats.ejections += 1
                 }
@@ -355,6 +380,7 @@ impl Sim {
         for (run, released) in self.runs.iter_mut() {
             if !*released && !live.contains(run) {
                 *released = true;
+                self.responded.remove(run);
             }
         }
         Ok(())
@@ -428,10 +454,16 @@ impl Sim {
             }
             8..=11 => {
                 let n = self.rng.below(3) as usize;
+                if self.conns[n].is_some() && self.rng.chance(40) {
+                    return self.close_drained(n);
+                }
                 if let Some((conn, _)) = self.conns[n].take() {
                     self.forget_fenced_providers(conn);
                     self.fencing = true;
-                    let result = self.apply(Input::Closed { conn });
+                    let result = self.apply(Input::Closed {
+                        conn,
+                        drained: false,
+                    });
                     self.fencing = false;
                     result?;
                 }
@@ -483,6 +515,7 @@ impl Sim {
                 let Some((run_id, conn, ..)) = self.rng.pick(&self.live_leases()) else {
                     return Ok(());
                 };
+                self.responded.insert(run_id.clone());
                 if self.rng.chance(50) {
                     self.apply(Input::Responded { conn, run_id })?;
                 } else {
@@ -491,6 +524,9 @@ impl Sim {
             }
             75..=78 => {
                 if let Some(request) = self.rng.pick(&self.pending()) {
+                    if let Some(r) = self.requests.get_mut(&request) {
+                        r.cancelled = true;
+                    }
                     self.apply(Input::Cancel {
                         request,
                         reason: CancelReason::ClientDisconnect,
@@ -539,6 +575,73 @@ impl Sim {
         Ok(())
     }
 
+    /// Node `n` drains honestly and closes with `Close(drained)`: each run
+    /// it started (its response started) ends first with a random end;
+    /// then the close. Its other leases were never started: their requests
+    /// are dispatched again or queued (7), and that dispatch is no attempt.
+    fn close_drained(&mut self, n: usize) -> Result<(), String> {
+        let Some((conn, _)) = self.conns[n] else {
+            return Ok(());
+        };
+        let started: Vec<_> = self
+            .live_leases()
+            .into_iter()
+            .filter(|(run_id, c, ..)| *c == conn && self.responded.contains(run_id))
+            .collect();
+        for (run_id, conn, adapter, target) in started {
+            let end = self.gen_end();
+            let committed = self.rng.chance(50);
+            self.apply(Input::Terminal(Terminal {
+                conn,
+                run_id,
+                adapter,
+                target,
+                stall: None,
+                end,
+                committed,
+            }))?;
+        }
+        self.conns[n] = None;
+        let unstarted: Vec<(RequestId, ProviderKey)> = self
+            .control
+            .leases()
+            .filter(|l| l.conn == conn)
+            .map(|l| (l.request, l.provider.clone()))
+            .collect();
+        for (request, provider) in &unstarted {
+            if let Some(r) = self.requests.get_mut(request) {
+                r.tried.remove(provider);
+                r.attempts -= 1;
+            }
+        }
+        let before = self.control.counters().drain_redispatched;
+        self.apply(Input::Closed {
+            conn,
+            drained: true,
+        })?;
+        self.stats.drained_closes += 1;
+        self.stats.drain_redispatches += self.control.counters().drain_redispatched - before;
+        // Queue room per model after the close (7): the requests sent
+        // again fill it in arrival order.
+        let mut queued = [0u32; 3];
+        for (id, r) in &self.requests {
+            if !r.done && self.control.queue_deadline(*id).is_some() {
+                queued[r.model] += 1;
+            }
+        }
+        let max_queue = spec().models[0].max_queue;
+        for (request, _) in unstarted {
+            let r = &self.requests[&request];
+            if r.done && queued[r.model] < max_queue && r.tried.is_empty() && !r.cancelled {
+                return Err(format!(
+                    "{request:?}, never started by its drained node, ended at the close \
+                     with room in its queue (queued {queued:?}) (7)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// A fence of `conn` is about to happen: its leases' providers did not
     /// fail their requests, which may go back to them after a reconnect.
     fn forget_fenced_providers(&mut self, conn: ConnId) {
@@ -559,7 +662,10 @@ impl Sim {
     fn drain(&mut self) -> Result<(), String> {
         for n in 0..3 {
             if let Some((conn, _)) = self.conns[n].take() {
-                self.apply(Input::Closed { conn })?;
+                self.apply(Input::Closed {
+                    conn,
+                    drained: false,
+                })?;
             }
         }
         for _ in 0..10 {
@@ -668,6 +774,11 @@ fn simulation_with_failing_attempts() {
         ("response-wait aborts", total.aborted),
         ("failed terminals", total.failed_terminals),
         ("fenced requests queued again", total.requeues),
+        ("drained closes", total.drained_closes),
+        (
+            "requests a drained node never started, sent again",
+            total.drain_redispatches,
+        ),
     ] {
         assert!(n >= 1_000, "{what}: only {n}");
     }

@@ -330,7 +330,13 @@ fn a_reload_adds_a_node_and_a_model_that_serve_once_the_node_is_ready() {
     let mut f = Fixture::new(before);
     f.connect(C1, "n1");
     assert_eq!(f.register(C2, "n2"), not_configured(C2, "n2"));
-    assert_eq!(f.handle(Input::Closed { conn: C2 }), []);
+    assert_eq!(
+        f.handle(Input::Closed {
+            conn: C2,
+            drained: false
+        }),
+        []
+    );
     assert_eq!(
         f.submit(1, "m2"),
         [done(1, Outcome::Rejected(Rejection::UnknownModel))]
@@ -660,8 +666,20 @@ fn a_removed_node_is_let_go_of_when_its_last_run_ends() {
         f.control.queue_deadline(RequestId(3)),
         "no grace left to end"
     );
-    assert_eq!(f.handle(Input::Closed { conn: C2 }), []);
-    assert_eq!(f.handle(Input::Closed { conn: C3 }), []);
+    assert_eq!(
+        f.handle(Input::Closed {
+            conn: C2,
+            drained: false
+        }),
+        []
+    );
+    assert_eq!(
+        f.handle(Input::Closed {
+            conn: C3,
+            drained: false
+        }),
+        []
+    );
     assert_eq!(f.register(C4, "n2"), not_configured(C4, "n2"));
     assert_eq!(f.terminal(1), [completed(1), f.dispatch(3, C1, "n1/p1")]);
 }
@@ -851,7 +869,13 @@ fn a_drained_node_stays_drained_across_its_reconnect_and_a_reload() {
     assert_eq!(f.set_drain(node_target("n1"), true), []);
     assert_eq!(f.submit(3, "m"), []);
     assert_eq!(f.terminal(1), [completed(1)], "n1 is drained");
-    assert_eq!(f.handle(Input::Closed { conn: C1 }), [disconnected("n1")]);
+    assert_eq!(
+        f.handle(Input::Closed {
+            conn: C1,
+            drained: false
+        }),
+        [disconnected("n1")]
+    );
     assert_eq!(f.register(C3, "n1"), [registered(C3, "n1")]);
     assert_eq!(f.ready(C3, "n1"), [ready_true(C3), connected("n1")]);
     let roomier = spec(

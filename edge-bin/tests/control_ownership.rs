@@ -297,7 +297,10 @@ fn an_owner_that_goes_away_releases_its_key_at_its_own_revision() {
     d.own(1, 10);
     let _ = d.dispatch(1);
     assert_eq!(
-        d.step(Input::Closed { conn: ConnId(1) }),
+        d.step(Input::Closed {
+            conn: ConnId(1),
+            drained: false
+        }),
         vec![release(10), lost(1), disconnected()]
     );
 }
@@ -306,7 +309,13 @@ fn an_owner_that_goes_away_releases_its_key_at_its_own_revision() {
 fn a_connection_gone_while_its_claim_was_in_flight_releases_the_key_when_granted() {
     let mut d = up();
     assert_eq!(d.register(1), vec![claim(1)]);
-    assert_eq!(d.step(Input::Closed { conn: ConnId(1) }), vec![]);
+    assert_eq!(
+        d.step(Input::Closed {
+            conn: ConnId(1),
+            drained: false
+        }),
+        vec![]
+    );
     assert_eq!(d.granted(1, 7), vec![release(7)]);
     assert_eq!(d.control.ready_conn(NODE), None);
 }
@@ -382,7 +391,13 @@ fn a_single_edge_never_asks_etcd() {
     // Accepted at once under a local generation; closing releases nothing.
     assert_eq!(d.register(1), vec![accepted(1)]);
     assert_eq!(d.control.generation_of(ConnId(1)).map(|g| g.0), Some(1));
-    assert_eq!(d.step(Input::Closed { conn: ConnId(1) }), vec![]);
+    assert_eq!(
+        d.step(Input::Closed {
+            conn: ConnId(1),
+            drained: false
+        }),
+        vec![]
+    );
 }
 
 // A draining cluster member lets go of each node as soon as nothing runs

@@ -1472,7 +1472,10 @@ impl<'w> Sim<'w> {
             _ => self.rng.pick(&stale),
         };
         match chosen.or_else(|| self.rng.pick(&live)) {
-            Some(conn) => self.apply(Input::Closed { conn }),
+            Some(conn) => self.apply(Input::Closed {
+                conn,
+                drained: false,
+            }),
             None => self.gen_submit(),
         }
     }
@@ -1620,7 +1623,10 @@ impl<'w> Sim<'w> {
                 _ => {}
             }
         }
-        self.apply(Input::Closed { conn })?;
+        self.apply(Input::Closed {
+            conn,
+            drained: false,
+        })?;
         // Reported after the `Closed`: their requests ended Lost at the
         // fence; the reports are stale.
         self.report_undeliverable(&mut drained, true)?;
@@ -2366,7 +2372,7 @@ impl<'w> Sim<'w> {
         self.stats.steps += 1;
         self.current = Some(input.clone());
         self.just_closed = match input {
-            Input::Closed { conn } => Some(conn),
+            Input::Closed { conn, .. } => Some(conn),
             _ => None,
         };
         let mut ex = self.predict(&input)?;
@@ -2710,7 +2716,7 @@ impl<'w> Sim<'w> {
                 // Diagnostic only: no dispatch state changes, no action.
                 ex.unchanged = true;
             }
-            Input::Closed { conn } => {
+            Input::Closed { conn, .. } => {
                 let conn = *conn;
                 self.sh.live.retain(|&c| c != conn);
                 let c = self.sh.conn_mut(conn);
@@ -4515,7 +4521,10 @@ impl Fixture {
     }
 
     fn close(&mut self, conn: ConnId) -> Vec<Action> {
-        self.handle(Input::Closed { conn })
+        self.handle(Input::Closed {
+            conn,
+            drained: false,
+        })
     }
 
     fn submit(&mut self, id: u64, model: &str, long: bool) -> Vec<Action> {
@@ -5167,7 +5176,13 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
     assert_eq!(f.control.lease("run-2"), None);
     // The fence: every lease released and the request ended in the call.
     assert_eq!(
-        handle(&mut f, Input::Closed { conn: C1 }),
+        handle(
+            &mut f,
+            Input::Closed {
+                conn: C1,
+                drained: false
+            }
+        ),
         vec![done(1, Outcome::Lost), done(3, Outcome::Lost)]
     );
     assert_eq!(f.lease_ids(), Vec::<String>::new());

@@ -187,7 +187,14 @@ fn node_views_follow_registration_readiness_and_close() {
     );
     assert_eq!(view(&c, "a").version, "v".repeat(NODE_VERSION_CHARS_MAX));
 
-    c.handle(at(40), Input::Closed { conn }, &mut out);
+    c.handle(
+        at(40),
+        Input::Closed {
+            conn,
+            drained: false,
+        },
+        &mut out,
+    );
     assert_eq!(
         view(&c, "a"),
         NodeView {
@@ -266,7 +273,14 @@ fn model_views_count_free_candidates_and_the_queue() {
     submit(&mut c, &mut out, 2);
     submit(&mut c, &mut out, 3);
     assert_eq!(c.model_views(), vec![model(2, 0, 1)]);
-    c.handle(now, Input::Closed { conn: ConnId(2) }, &mut out);
+    c.handle(
+        now,
+        Input::Closed {
+            conn: ConnId(2),
+            drained: false,
+        },
+        &mut out,
+    );
     assert_eq!(c.model_views()[0].candidates, 0);
 }
 
@@ -383,7 +397,14 @@ fn drains_show_in_the_node_and_provider_views() {
     );
     assert_eq!(c.model_views()[0].candidates, 1, "b/pb only");
     // A new registration of a starts undraining.
-    c.handle(now, Input::Closed { conn: ConnId(1) }, &mut out);
+    c.handle(
+        now,
+        Input::Closed {
+            conn: ConnId(1),
+            drained: false,
+        },
+        &mut out,
+    );
     ready(&mut c, now, ConnId(3), "a");
     assert_eq!(node_flags(&c, "a"), (false, false, false));
     assert_eq!(c.model_views()[0].candidates, 2);

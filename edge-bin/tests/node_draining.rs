@@ -8,7 +8,10 @@
 //!   for node-b although node-a has a free slot — while node-a's stream in
 //!   flight completes byte for byte; node-a is sent nothing new;
 //! - the node's next registration starts undrained;
-//! - a `NodeDraining` before registration is ignored, not a protocol error.
+//! - a `NodeDraining` before registration is ignored, not a protocol error;
+//! - a run that reached the node after its drain ended (`Close(drained)`:
+//!   it started nothing more) waits for the node's next process, even with
+//!   one attempt allowed; after any other close it is lost (502).
 
 mod common;
 
@@ -35,9 +38,24 @@ fn both_nodes() -> EdgeOptions {
     }
 }
 
+/// A model served by node-a alone, one attempt per request.
+const A_ONLY: &str = "a-only";
+
+fn both_and_a_only() -> EdgeOptions {
+    let mut options = both_nodes();
+    options.extra_toml += &format!(
+        "[[models]]\nname = \"{A_ONLY}\"\nproviders = [\"node-a/a-mock\"]\nmax_attempts = 1\n"
+    );
+    options
+}
+
 fn chat(stream: bool) -> Vec<u8> {
+    chat_for(BOTH, stream)
+}
+
+fn chat_for(model: &str, stream: bool) -> Vec<u8> {
     let body = format!(
-        r#"{{"model":"{BOTH}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        r#"{{"model":"{model}","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
     );
     request_bytes("POST", "/v1/chat/completions", body.as_bytes())
 }
@@ -51,10 +69,16 @@ fn node_draining(node_id: &str) -> pb::Frame {
 
 /// A non-streamed request for [`BOTH`], answered on its own task.
 fn spawn_request(edge: &TestEdge) -> monoio::task::JoinHandle<HttpResponse> {
+    spawn_request_for(edge, BOTH)
+}
+
+/// A non-streamed request for `model`, answered on its own task.
+fn spawn_request_for(edge: &TestEdge, model: &str) -> monoio::task::JoinHandle<HttpResponse> {
     let client_addr = edge.client_addr;
+    let request = chat_for(model, false);
     monoio::spawn(async move {
         let mut client = TcpStream::connect(client_addr).await.expect("connect");
-        let (res, _) = client.write_all(chat(false)).await;
+        let (res, _) = client.write_all(request).await;
         res.expect("send the request");
         let mut raw = Vec::new();
         loop {
@@ -231,6 +255,89 @@ async fn node_draining_before_registration_is_ignored() {
             (response.status, response.body.as_slice()),
             (200, &b"{\"n\":\"a\"}"[..])
         );
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// node-a takes a request for [`A_ONLY`] and, before answering anything,
+/// says it drains and closes with `reason`. Returns the client's request,
+/// the run id node-a was sent, and the edge.
+async fn close_with_a_run_unanswered(
+    pki: &Pki,
+    reason: CloseReason,
+) -> (TestEdge, monoio::task::JoinHandle<HttpResponse>, String) {
+    let edge = TestEdge::start(pki, &edge_toml(pki, &both_and_a_only()));
+    let mut a = ready_node(&edge, pki, "node-a").await;
+    let request = spawn_request_for(&edge, A_ONLY);
+    let run = next_tunnel(&mut a).await.run_id;
+    a.conn
+        .send_control(node_draining("node-a"))
+        .expect("send NodeDraining");
+    a.conn.close(reason);
+    // The Edge has the close once node-a is offline.
+    let offline = |edge: &TestEdge| {
+        edge.edge
+            .control()
+            .node_views()
+            .iter()
+            .any(|n| n.node_id == "node-a" && n.offline_since.is_some())
+    };
+    while !offline(&edge) {
+        monoio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (edge, request, run)
+}
+
+// The race a Node's drain has with its Edge: a run sent just before the
+// Edge had the `NodeDraining` reaches the Node after its last run ended.
+// The Node starts nothing more and says so (`Close(drained)`): the run
+// never reached a provider, so the Edge sends it again — here to the
+// node's next process, from the queue, although the model allows one
+// attempt — and the client gets the answer whole.
+#[monoio::test_all(timer_enabled = true)]
+async fn a_run_the_drained_node_never_started_waits_for_its_next_process() {
+    let pki = Pki::mint("node-drained-close");
+    guarded(async {
+        let (edge, request, run) = close_with_a_run_unanswered(&pki, CloseReason::Drained).await;
+        let view = |edge: &TestEdge| {
+            let v = edge
+                .edge
+                .control()
+                .model_views()
+                .into_iter()
+                .find(|m| m.model == A_ONLY)
+                .expect("the model's view");
+            (v.candidates, v.queued)
+        };
+        assert_eq!(view(&edge), (0, 1), "the request waits in the queue");
+        assert_eq!(edge.edge.control().counters().drain_redispatched, 1);
+        let mut again = ready_node(&edge, &pki, "node-a").await;
+        let retried = next_tunnel(&mut again).await.run_id;
+        assert_ne!(retried, run, "a run id of its own");
+        answer_json(&again, &retried, b"{\"n\":\"again\"}").await;
+        let response = request.await;
+        assert_eq!(
+            (response.status, response.body.as_slice()),
+            (200, &b"{\"n\":\"again\"}"[..])
+        );
+        assert_eq!(edge.edge.control().counters().failover_retried, 0);
+        edge.stop().await;
+    })
+    .await;
+}
+
+// Without that promise (the drain's grace ran out: `Close(shutdown)`) the
+// node may have called the provider: with one attempt allowed, the
+// request ends 502.
+#[monoio::test_all(timer_enabled = true)]
+async fn after_any_other_close_the_unanswered_run_is_lost() {
+    let pki = Pki::mint("node-shutdown-close");
+    guarded(async {
+        let (edge, request, _) = close_with_a_run_unanswered(&pki, CloseReason::Shutdown).await;
+        let response = request.await;
+        assert_eq!(response.status, 502, "{response:?}");
+        assert_eq!(edge.edge.control().counters().drain_redispatched, 0);
         edge.stop().await;
     })
     .await;

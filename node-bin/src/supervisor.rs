@@ -434,22 +434,31 @@ where
         drain_grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
         "draining: no more redials; waiting for active runs"
     );
-    monoio::select! {
-        _ = core.runs_released() => tracing::info!("drained: every run and tunnel released"),
+    // `Drained` promises the Edge that every run started here has ended
+    // (its terminal is queued before the `Close`): the Edge then sends
+    // again, elsewhere or to our next process, any run still on its way.
+    let reason = monoio::select! {
+        _ = core.runs_released() => {
+            tracing::info!("drained: every run and tunnel released");
+            CloseReason::Drained
+        }
         _ = attempt.as_mut() => {
             tracing::info!("the edge connection ended during the drain");
             return;
         }
-        _ = monoio::time::sleep(grace) => tracing::warn!(
-            active_runs = core.active_runs(),
-            "drain_grace_ms elapsed; closing with runs active"
-        ),
+        _ = monoio::time::sleep(grace) => {
+            tracing::warn!(
+                active_runs = core.active_runs(),
+                "drain_grace_ms elapsed; closing with runs active"
+            );
+            CloseReason::Shutdown
+        }
         _ = &mut force => {
             tracing::warn!(active_runs = core.active_runs(), "second signal; stopping at once");
             return;
         }
-    }
-    if core.close_ready_session(CloseReason::Shutdown) {
+    };
+    if core.close_ready_session(reason) {
         monoio::select! {
             _ = attempt.as_mut() => {},
             _ = monoio::time::sleep(CLOSE_WAIT) => {},

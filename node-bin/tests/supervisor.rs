@@ -182,8 +182,9 @@ async fn a_refused_ready_closes_the_connection_and_the_node_redials() {
         Body::NodeDraining(notice) => assert_eq!(notice.node_id, NODE_ID),
         other => panic!("expected NodeDraining, got {other:?}"),
     }
+    // Nothing ran: the drain is complete at once, and says so.
     match session.next().await {
-        ConnEvent::Closed { reason } => assert_eq!(reason, CloseReason::Peer("shutdown".into())),
+        ConnEvent::Closed { reason } => assert_eq!(reason, CloseReason::Peer("drained".into())),
         other => panic!("expected the close, got {other:?}"),
     }
 }
@@ -266,7 +267,7 @@ async fn node_with_a_run_in_flight(
 // At the start of its shutdown drain a Node whose Edge accepted
 // `NodeDraining` sends it on the control lane, before its runs end: the
 // run in flight ends only when the Edge cancels it, after the notice; then
-// the drain ends (every run released) with `Close(shutdown)`.
+// the drain ends (every run released) with `Close(drained)`.
 #[monoio::test(timer_enabled = true)]
 async fn the_drain_tells_an_edge_that_accepts_node_draining() {
     let (mut edge, stop_tx, node) = node_with_a_run_in_flight(true, SAFETY).await;
@@ -295,8 +296,9 @@ async fn the_drain_tells_an_edge_that_accepts_node_draining() {
         }
         other => panic!("expected the run's terminal, got {other:?}"),
     }
+    // Every run ended, its terminal first: `Close(drained)` says so.
     match edge.next().await {
-        ConnEvent::Closed { reason } => assert_eq!(reason, CloseReason::Peer("shutdown".into())),
+        ConnEvent::Closed { reason } => assert_eq!(reason, CloseReason::Peer("drained".into())),
         other => panic!("expected the close, got {other:?}"),
     }
     let exit = monoio::select! {

@@ -202,7 +202,11 @@ def test_with_one_node_a_request_after_the_signal_waits_for_its_next_process():
 
         in_flight = threading.Thread(target=send, args=("in-flight",))
         in_flight.start()
-        wait_until(lambda: cluster.provider("node-a", "mock-1")["in_flight"] == 1, what="a stream in flight")
+        # In flight at the provider, not only leased by the Edge: a run the
+        # Node has not started yet when its drain ends is sent again after
+        # its `Close(drained)` (to its next process, which this test starts
+        # only later).
+        wait_until(lambda: cluster.mock_stats()["active_streams"] == 1, what="a stream in flight")
         old = cluster.nodes["node-a"]
         old.popen.send_signal(signal.SIGTERM)
         wait_until(lambda: _notice_seen(cluster.edge, "node-a"), timeout_s=10, interval_s=0.01,

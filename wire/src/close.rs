@@ -84,8 +84,15 @@ pub enum CloseReason {
     // ---- the Node ----------------------------------------------------------
     /// `config_invalid`: the config the Edge sent cannot be applied.
     ConfigInvalid,
-    /// `shutdown`: the Node is draining to exit.
+    /// `shutdown`: the process is closing to exit (a Node: with runs still
+    /// active, its drain grace passed).
     Shutdown,
+    /// `drained`: the Node drained to exit and every run or tunnel it
+    /// started on this connection has ended, its terminal sent before this
+    /// `Close`; it starts nothing it receives after it. So a run the Edge
+    /// sent that got no answer at all never reached a provider: the Edge
+    /// dispatches it again (never counted as an attempt).
+    Drained,
 }
 
 impl CloseReason {
@@ -116,6 +123,7 @@ impl CloseReason {
             CloseReason::NodeRemoved => Cow::Borrowed("node_removed"),
             CloseReason::ConfigInvalid => Cow::Borrowed("config_invalid"),
             CloseReason::Shutdown => Cow::Borrowed("shutdown"),
+            CloseReason::Drained => Cow::Borrowed("drained"),
         }
     }
 }
@@ -162,6 +170,7 @@ mod tests {
             (CloseReason::Shutdown, "shutdown"),
             (CloseReason::OwnershipLost, "ownership_lost"),
             (CloseReason::NodeRemoved, "node_removed"),
+            (CloseReason::Drained, "drained"),
         ]
     }
 
@@ -191,13 +200,14 @@ mod tests {
             CloseReason::Shutdown => 19,
             CloseReason::OwnershipLost => 20,
             CloseReason::NodeRemoved => 21,
+            CloseReason::Drained => 22,
         }
     }
 
     #[test]
     fn every_variant_has_its_established_text() {
         let rows = every_reason();
-        assert_eq!(rows.len(), 22);
+        assert_eq!(rows.len(), 23);
         for (i, (reason, text)) in rows.iter().enumerate() {
             assert_eq!(row_of(reason), i, "{reason:?} is listed out of place");
             assert_eq!(reason.as_str(), *text);

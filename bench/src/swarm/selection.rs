@@ -263,6 +263,7 @@ pub fn measure(spec: SelectionSpec) -> Result<SelectionFigures, SelectionError> 
             t0,
             Input::Closed {
                 conn: ConnId(i as u64 + 1),
+                drained: false,
             },
             &mut out,
         );

@@ -466,6 +466,13 @@ pub fn render(counters: &Counters, snapshots: &[pb::ProviderSnapshot], ejected: 
     );
     counter(
         &mut out,
+        "iop_edge_node_drain_redispatched_total",
+        "Requests sent to a node that closed its drain (Close drained) before it started \
+         them, dispatched again: not attempts, never seen by a provider.",
+        &[("", counters.drain_redispatched)],
+    );
+    counter(
+        &mut out,
         "iop_edge_provider_attempt_failures_total",
         "Attempts held against their provider's health, by failure.",
         &owned(&by_reason(&counters.attempt_failures)),

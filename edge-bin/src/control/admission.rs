@@ -405,6 +405,7 @@ impl Control {
             run_id: dispatch.lease.run_id.clone(),
             response_by,
             committed: false,
+            responded: false,
         };
     }
 
@@ -442,10 +443,16 @@ impl Control {
             return;
         };
         if let Some(Pending {
-            state: RequestState::Dispatched { response_by, .. },
+            state:
+                RequestState::Dispatched {
+                    response_by,
+                    responded,
+                    ..
+                },
             ..
         }) = self.pending.get_mut(&request)
         {
+            *responded = true;
             if let Some(at) = response_by.take() {
                 self.response_deadlines.remove(&(at, request));
             }
@@ -542,7 +549,6 @@ impl Control {
         }
         self.queue_deadlines.insert((deadline, request));
         self.enqueue(request, lane, long);
-        self.counters.failover_requeued += 1;
         true
     }
 
@@ -589,7 +595,7 @@ impl Control {
             return false;
         }
         self.counters.failover_eligible += 1;
-        if p.attempts >= max_attempts {
+        if p.counted_attempts() >= max_attempts {
             self.counters.failover_exhausted += 1;
             return false;
         }
@@ -609,6 +615,7 @@ impl Control {
         let (long, attempt, tried) = (p.long, p.attempts + 1, p.tried.clone());
         let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
             if fenced.is_some() && tried.is_empty() && self.requeue(request) {
+                self.counters.failover_requeued += 1;
                 return true;
             }
             self.counters.failover_no_candidate += 1;
@@ -630,6 +637,62 @@ impl Control {
         }));
         out.push(Action::Dispatch(dispatch));
         true
+    }
+
+    /// `request`'s lease on `provider` (already released) was on a node
+    /// that closed with `Close(drained)`, before any frame of its response:
+    /// the node never started it, so it is not an attempt. It goes to a
+    /// free candidate now (the fenced provider is none) or back to its
+    /// queue, whatever `max_attempts`. False when it had started (it goes
+    /// the way of any lost attempt) or cannot go on now: no free candidate
+    /// it has not failed on, and it cannot wait in its queue (full, or a
+    /// provider already failed it). Then it goes the way of a fenced
+    /// attempt ([`Self::try_failover`]), with this dispatch not counted.
+    pub(super) fn redispatch_unstarted(
+        &mut self,
+        request: RequestId,
+        provider: Option<usize>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let Some(p) = self.pending.get_mut(&request) else {
+            return false;
+        };
+        let RequestState::Dispatched {
+            responded: false,
+            committed: false,
+            ..
+        } = p.state
+        else {
+            return false;
+        };
+        let Some(lane) = p.lane else {
+            return false;
+        };
+        // Not an attempt: neither counted nor held against the provider
+        // (its next dispatch still gets a run id of its own).
+        p.unstarted += 1;
+        if let Some(q) = provider {
+            if let Some(at) = p.tried.iter().rposition(|&t| t == q) {
+                p.tried.remove(at);
+            }
+        }
+        let (long, attempt, tried) = (p.long, p.attempts + 1, p.tried.clone());
+        let sent = match self.try_admit(request, lane, long, attempt, &tried) {
+            Some(dispatch) => {
+                self.start_attempt(request, &dispatch);
+                out.push(Action::Dispatch(dispatch));
+                true
+            }
+            // The queue's pump does not avoid providers that failed the
+            // request: only one that none failed waits there (as after a
+            // fence).
+            None if tried.is_empty() => self.requeue(request),
+            None => false,
+        };
+        if sent {
+            self.counters.drain_redispatched += 1;
+        }
+        sent
     }
 
     // ---- ends of leases and requests -----------------------------------------
@@ -734,7 +797,10 @@ impl Control {
             return;
         }
         if t.end == AttemptEnd::Answered
-            && self.pending.get(&request).is_some_and(|p| p.attempts > 1)
+            && self
+                .pending
+                .get(&request)
+                .is_some_and(|p| p.counted_attempts() > 1)
         {
             self.counters.failover_recovered += 1;
         }

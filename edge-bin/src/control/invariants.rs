@@ -324,10 +324,11 @@ impl Control {
                 ),
             }
             assert!(
-                p.attempts <= model.spec.max_attempts.max(1)
-                    && p.tried.len() <= p.attempts as usize,
+                p.counted_attempts() <= model.spec.max_attempts.max(1)
+                    && p.unstarted <= p.attempts
+                    && p.tried.len() <= p.counted_attempts() as usize,
                 "{request:?}: attempt {} of at most {} ({} providers tried)",
-                p.attempts,
+                p.counted_attempts(),
                 model.spec.max_attempts,
                 p.tried.len()
             );

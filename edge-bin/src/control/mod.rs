@@ -219,6 +219,12 @@ pub enum Input {
     Closed {
         /// The connection.
         conn: ConnId,
+        /// Its node closed it with `Close(drained)`: every run it started
+        /// there has ended and its terminal came first, so a lease on it
+        /// whose response never started is a run the node never started.
+        /// Such a request is dispatched again, as if it had never left its
+        /// queue (not an attempt, whatever `max_attempts`).
+        drained: bool,
     },
     /// A client request for `model`.
     Submit {
@@ -628,6 +634,9 @@ pub struct Counters {
     /// Eligible failures not retried: the request's response-wait deadline
     /// had passed.
     pub failover_deadline: u64,
+    /// Requests sent to a node that closed with `Close(drained)` before it
+    /// started them, dispatched again (not attempts).
+    pub drain_redispatched: u64,
 }
 
 /// The Edge control state machine.
@@ -890,7 +899,7 @@ impl Control {
                 node_id,
             } => self.on_register(conn, &tls_name, &node_id, out),
             Input::Ready { conn, node_id } => self.on_ready(conn, &node_id, out),
-            Input::Closed { conn } => self.on_closed(conn, out),
+            Input::Closed { conn, drained } => self.on_closed(conn, drained, out),
             Input::NodeVersion {
                 conn,
                 version,

@@ -19,7 +19,7 @@ impl Control {
         out.push(Action::Close { conn, reason });
         if self.generation_of(conn).is_some() {
             // The current owner: released now, fenced if it was ready.
-            self.on_closed(conn, out);
+            self.on_closed(conn, false, out);
         }
         // Otherwise it already owns nothing (rejected or superseded); its
         // binding stays so late frames get an accurate reason.
@@ -108,6 +108,7 @@ impl Control {
             ready_at: None,
             strips_usage_chunk: false,
             draining: false,
+            drained: false,
         });
         node.version.clear();
         node.offline_since = None;
@@ -205,14 +206,15 @@ impl Control {
         }
     }
 
-    pub(super) fn on_closed(&mut self, conn: ConnId, out: &mut Vec<Action>) {
+    pub(super) fn on_closed(&mut self, conn: ConnId, drained: bool, out: &mut Vec<Action>) {
         self.closing.remove(&conn);
         // A claim in flight: its grant, when it comes, releases the key.
         self.claims.remove(&conn);
         let Some(n) = self.bindings.remove(&conn) else {
             return;
         };
-        if self.nodes[n].owner.is_some_and(|o| o.conn == conn) {
+        if let Some(owner) = self.nodes[n].owner.as_mut().filter(|o| o.conn == conn) {
+            owner.drained = drained;
             self.end_ownership(n, true, out);
         }
         // Otherwise a stale connection: nothing changes (F2).
@@ -243,6 +245,8 @@ impl Control {
     /// once, take its resources offline, and re-evaluate the queue.
     /// Requests whose attempt was lost before anything reached their
     /// client go on to another provider instead (pre-commit failover).
+    /// After `Close(drained)`, a request whose response never started was
+    /// never started by the node: it is dispatched again, not an attempt.
     fn fence(&mut self, n: usize, owner: Owner, out: &mut Vec<Action>) {
         let mut lost = Vec::new();
         for run_id in self.leases_of.remove(&owner.conn).unwrap_or_default() {
@@ -259,6 +263,9 @@ impl Control {
         // candidates.
         lost.sort_unstable();
         for (request, provider) in lost {
+            if owner.drained && self.redispatch_unstarted(request, provider, out) {
+                continue;
+            }
             if !self.try_failover(request, false, provider, out) {
                 self.forget_request(request);
                 out.push(Action::Done {

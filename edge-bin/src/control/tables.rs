@@ -34,6 +34,10 @@ pub(super) struct Owner {
     /// It said it is draining (`Input::NodeDraining`): no new dispatch to
     /// it under this generation; what runs there finishes.
     pub(super) draining: bool,
+    /// Its connection closed with `Close(drained)` (`Input::Closed`): when
+    /// it is fenced, its leases without a response are runs it never
+    /// started.
+    pub(super) drained: bool,
 }
 
 #[derive(Debug)]
@@ -200,6 +204,8 @@ pub(super) enum RequestState {
         response_by: Option<Instant>,
         /// A byte of the response reached the client: never retried.
         committed: bool,
+        /// A frame of the response arrived (`Input::Responded`).
+        responded: bool,
     },
     CancelPending {
         run_id: String,
@@ -219,8 +225,11 @@ pub(super) struct Pending {
     pub(super) lane: Option<usize>,
     pub(super) long: bool,
     pub(super) state: RequestState,
-    /// Attempts dispatched so far (0 while queued).
+    /// Dispatches so far (0 while queued); each has its own run id.
     pub(super) attempts: u32,
+    /// Of them, dispatches a draining node never started (`Close(drained)`
+    /// before any frame of their response): not attempts.
+    pub(super) unstarted: u32,
     /// The providers they went to (indexes into `Control::providers`).
     pub(super) tried: Vec<usize>,
     /// Its response-wait deadline, set at its first dispatch: every
@@ -243,9 +252,16 @@ impl Pending {
             long,
             state,
             attempts: 0,
+            unstarted: 0,
             tried: Vec::new(),
             response_deadline: None,
         }
+    }
+
+    /// Attempts that counted: dispatches a provider may have seen
+    /// (`max_attempts` bounds them).
+    pub(super) fn counted_attempts(&self) -> u32 {
+        self.attempts - self.unstarted
     }
 }
 

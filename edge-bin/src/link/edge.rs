@@ -1106,7 +1106,10 @@ mod tests {
             assert!(edge.control().pending_requests().next().is_none());
             assert!(edge.client_replies.borrow().is_empty());
             // Then the node goes away: fenced.
-            edge.apply(Input::Closed { conn });
+            edge.apply(Input::Closed {
+                conn,
+                drained: false,
+            });
             assert!(!edge.control().is_ready_owner(conn));
         }
         // Two events per round; the blocked thread holds at most the
@@ -1146,7 +1149,10 @@ mod tests {
         assert!(matches!(frames.recv().await, Some(ReplyEvent::Tunnel(f)) if f.seq == 1));
         // Frame 2 is queued, then the connection is fenced.
         assert!(tx.try_send(frame(2)).is_ok());
-        edge.apply(Input::Closed { conn });
+        edge.apply(Input::Closed {
+            conn,
+            drained: false,
+        });
         assert!(matches!(frames.recv().await, Some(ReplyEvent::Lost)));
         assert!(matches!(frames.recv().await, Some(ReplyEvent::Lost)));
         assert!(edge.client_replies.borrow().is_empty());

@@ -133,7 +133,12 @@ pub async fn serve(
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
     edge.remove_node_conn(conn_id);
     edge.drop_replies_of(conn_id);
-    edge.apply(Input::Closed { conn: conn_id });
+    // The node's promise that it started nothing more (see `Input::Closed`).
+    let drained = reason == CloseReason::Peer(CloseReason::Drained.as_str().into_owned());
+    edge.apply(Input::Closed {
+        conn: conn_id,
+        drained,
+    });
 }
 
 /// Longest part of a peer's text (a claimed node id, a reason) a log line

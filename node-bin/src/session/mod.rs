@@ -443,6 +443,15 @@ fn apply(core: &NodeCore, payload: pb::NodeConfigPayload) -> Result<Applied, Str
 impl Session {
     fn handle(self: &Rc<Self>, f: pb::Frame) {
         match f.body {
+            // Received before the drain closed the connection but handled
+            // after it: `Close(drained)` promised the Edge that nothing
+            // more starts here, and the Edge sends it again.
+            Some(Body::ProviderTunnelRequest(req)) if self.env.conn.is_closed() => {
+                tracing::info!(run_id = %req.run_id, "tunnel request after the close; not started");
+            }
+            Some(Body::RunRequest(req)) if self.env.conn.is_closed() => {
+                tracing::info!(run_id = %req.run_id, "run request after the close; not started");
+            }
             Some(Body::ProviderTunnelRequest(req)) => self.start_tunnel(req),
             Some(Body::RunRequest(req)) => self.start_run(req),
             Some(Body::CancelRequest(req)) => {
