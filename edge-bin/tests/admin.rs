@@ -43,7 +43,7 @@ fn edge_toml_text(pki: &Pki) -> String {
     };
     let options = EdgeOptions {
         extra_toml: format!(
-            "[[models]]\nname = \"{BOTH}\"\nproviders = [\"node-a/a-mock\", \"node-b/b-mock\"]\n\n{}{}",
+            "[[models]]\nname = \"{BOTH}\"\nproviders = [\"node-a/a-mock\", \"node-b/b-mock\"]\nrouting = \"least_loaded\"\n\n{}{}",
             key("ops", ADMIN_KEY, "\"admin\""),
             key("app", USER_KEY, ""),
         ),

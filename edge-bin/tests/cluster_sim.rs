@@ -107,6 +107,7 @@ use edge_bin::control::{
     ControlSpec, DispatchKind, DrainTarget, Event, Input, Operation, Operations, Outcome,
     ProviderKey, Rejection, RequestId, Terminal, Tunables,
 };
+use edge_bin::control::{RouteHint, RoutingSpec};
 use iop_wire::{pb, CloseReason};
 
 mod sim_rng;
@@ -198,6 +199,7 @@ fn spec_of(cfg: EdgeConfig) -> ControlSpec {
                 max_queue: MAX_QUEUE,
                 queue_timeout: Duration::from_millis(QUEUE_TIMEOUT_MS),
                 max_attempts: 1,
+                routing: RoutingSpec::default(),
             })
             .collect(),
         tunables: Tunables {
@@ -1061,6 +1063,7 @@ impl Sim {
                 model: model_of(n),
                 operation: Operation::ChatCompletions,
                 long: false,
+                hint: RouteHint::default(),
             },
         );
     }

@@ -3,6 +3,7 @@
 //! candidates by operation, passive health (outlier ejection) and
 //! pre-commit failover.
 
+use edge_bin::control::{RouteHint, RoutingSpec};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::outlier::{OutlierPolicy, Readmission};
@@ -58,6 +59,7 @@ fn model(name: &str, providers: &[&str], max_attempts: u32) -> ControlModel {
         max_queue: 4,
         queue_timeout: Duration::from_secs(10),
         max_attempts,
+        routing: RoutingSpec::default(),
     }
 }
 
@@ -155,6 +157,7 @@ impl Fixture {
             model: model.into(),
             operation,
             long: false,
+            hint: RouteHint::default(),
         })
     }
 
@@ -763,6 +766,7 @@ fn a_fenced_attempt_before_the_first_byte_goes_to_another_node() {
             model: "two".into(),
             operation: Operation::ChatCompletions,
             long: false,
+            hint: RouteHint::default(),
         });
     }
     // Least loaded: 1 on n1/p1, 2 on n2/q1.

@@ -35,12 +35,20 @@
 //!    (dispatched again or queued) unless its model's queue was full or
 //!    another provider had failed it (only a request no provider failed
 //!    waits in the queue, whose pump does not avoid tried providers) or
-//!    it was cancelled.
+//!    it was cancelled;
+//! 8. routing: each model's requests are counted once per dispatch under
+//!    its policy's routes only (`least_loaded` by load, `session` by session
+//!    or load, `prefix` by match or load), and a prefix tree never holds
+//!    more than its budget.
 //!
 //! A failure prints its seed; `IOP_SIM_SEED=<seed>` replays that schedule
 //! with a step log. Schedules derive from a printed base seed
 //! (`IOP_SIM_BASE_SEED` overrides it).
 
+use bytes::Bytes;
+use edge_bin::control::prefix::PrefixTreeSpec;
+use edge_bin::control::routing::session_hash;
+use edge_bin::control::{RouteHint, RoutingPolicy, RoutingSpec};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
@@ -67,6 +75,21 @@ const MODELS: [(&str, &[Member], u32); 3] = [
     ("once", &[(2, 1), (0, 0)], 1),
 ];
 const CAPACITY: u32 = 2;
+/// The routing policy of each model of [`MODELS`].
+const POLICIES: [RoutingPolicy; 3] = [
+    RoutingPolicy::Prefix,
+    RoutingPolicy::Session,
+    RoutingPolicy::LeastLoaded,
+];
+/// The prefix trees' budget: a few dozen nodes.
+const TREE_BYTES: usize = 4096;
+/// The conversations requests' prompts extend, and the sessions they name.
+const CONVERSATIONS: [&str; 4] = [
+    "system: be brief. user: hello",
+    "system: be brief. user: goodbye",
+    "system: you are a pirate. user: ahoy",
+    "a prompt sharing nothing",
+];
 const RESPONSE_WAIT_MS: u64 = 300;
 
 fn key(node: usize, provider: usize) -> ProviderKey {
@@ -102,12 +125,24 @@ fn spec() -> ControlSpec {
             .collect(),
         models: MODELS
             .iter()
-            .map(|(name, pool, max_attempts)| ControlModel {
+            .enumerate()
+            .map(|(i, (name, pool, max_attempts))| ControlModel {
                 name: (*name).into(),
                 providers: pool.iter().map(|&(n, p)| key(n, p)).collect(),
                 max_queue: 3,
                 queue_timeout: Duration::from_millis(250),
                 max_attempts: *max_attempts,
+                routing: RoutingSpec {
+                    policy: POLICIES[i],
+                    // A small tree: eviction runs all the time.
+                    tree: PrefixTreeSpec {
+                        budget_bytes: TREE_BYTES,
+                        prefix_bytes_max: 64,
+                    },
+                    match_threshold_pct: 50,
+                    balance_abs_threshold: 0,
+                    balance_rel_threshold_pct: 150,
+                },
             })
             .collect(),
         tunables: Tunables {
@@ -152,6 +187,9 @@ struct Stats {
     requeues: u64,
     drained_closes: u64,
     drain_redispatches: u64,
+    by_match: u64,
+    by_session: u64,
+    imbalance_fallbacks: u64,
 }
 
 impl Stats {
@@ -166,6 +204,9 @@ impl Stats {
         self.requeues += o.requeues;
         self.drained_closes += o.drained_closes;
         self.drain_redispatches += o.drain_redispatches;
+        self.by_match += o.by_match;
+        self.by_session += o.by_session;
+        self.imbalance_fallbacks += o.imbalance_fallbacks;
     }
 }
 
@@ -185,6 +226,8 @@ struct Sim {
     runs: HashMap<String, bool>,
     /// Live runs whose response started (`Responded` or `Committed`).
     responded: HashSet<String>,
+    /// Dispatches per model.
+    dispatches: [u64; 3],
     /// Outstanding recovery probes: (conn, command id, adapter).
     probes: Vec<(ConnId, String, String)>,
     /// A `Closed` is being handled (its retries are fence failovers).
@@ -208,6 +251,7 @@ impl Sim {
             requests: BTreeMap::new(),
             runs: HashMap::new(),
             responded: HashSet::new(),
+            dispatches: [0; 3],
             probes: Vec::new(),
             fencing: false,
             stats: Stats::default(),
@@ -267,6 +311,7 @@ impl Sim {
                         return Err(format!("{request:?} holds {live} leases (1)"));
                     }
                     r.attempts += 1;
+                    self.dispatches[r.model] += 1;
                     let max = MODELS[r.model].2;
                     if r.attempts > max {
                         return Err(format!(
@@ -383,6 +428,30 @@ impl Sim {
                 self.responded.remove(run);
             }
         }
+        for view in self.control.model_views() {
+            let m = MODELS
+                .iter()
+                .position(|(name, ..)| *name == view.model)
+                .ok_or("a view of an unknown model")?;
+            let s = &view.routing_stats;
+            if s.by_load + s.by_match + s.by_session != self.dispatches[m] {
+                return Err(format!(
+                    "{}: {} dispatches counted as {s:?} (8)",
+                    view.model, self.dispatches[m]
+                ));
+            }
+            let foreign = match POLICIES[m] {
+                RoutingPolicy::LeastLoaded => s.by_match + s.by_session,
+                RoutingPolicy::Session => s.by_match,
+                RoutingPolicy::Prefix => s.by_session,
+            };
+            if foreign != 0 || view.tree_bytes > TREE_BYTES {
+                return Err(format!(
+                    "{} ({:?}): {s:?}, tree {} bytes (8)",
+                    view.model, POLICIES[m], view.tree_bytes
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -406,6 +475,23 @@ impl Sim {
             .filter(|(_, r)| !r.done)
             .map(|(id, _)| *id)
             .collect()
+    }
+
+    /// A hint for any policy: one of the conversations, extended by a few
+    /// turns (or not), and its session; sometimes nothing.
+    fn gen_hint(&mut self) -> RouteHint {
+        if self.rng.chance(10) {
+            return RouteHint::default();
+        }
+        let c = self.rng.below(CONVERSATIONS.len() as u64) as usize;
+        let mut text = CONVERSATIONS[c].to_string();
+        for turn in 0..self.rng.below(4) {
+            text.push_str(&format!(" turn {turn}: more words"));
+        }
+        RouteHint {
+            session: Some(session_hash(CONVERSATIONS[c].as_bytes())),
+            prompt: Some(Bytes::from(text)),
+        }
     }
 
     fn gen_end(&mut self) -> AttemptEnd {
@@ -479,11 +565,13 @@ impl Sim {
                         ..Req::default()
                     },
                 );
+                let hint = self.gen_hint();
                 self.apply(Input::Submit {
                     request,
                     model: MODELS[model].0.into(),
                     operation: Operation::ChatCompletions,
                     long: false,
+                    hint,
                 })?;
             }
             37..=66 => {
@@ -693,6 +781,11 @@ fn run_schedule(seed: u64, verbose: bool) -> Result<Stats, String> {
         }
         sim.drain()?;
         sim.stats.requeues = sim.control.counters().failover_requeued;
+        for view in sim.control.model_views() {
+            sim.stats.by_match += view.routing_stats.by_match;
+            sim.stats.by_session += view.routing_stats.by_session;
+            sim.stats.imbalance_fallbacks += view.routing_stats.imbalance_fallbacks;
+        }
         Ok(sim.stats)
     }));
     match result {
@@ -778,6 +871,12 @@ fn simulation_with_failing_attempts() {
         (
             "requests a drained node never started, sent again",
             total.drain_redispatches,
+        ),
+        ("dispatches by prefix match", total.by_match),
+        ("dispatches by session", total.by_session),
+        (
+            "preferred providers passed over as too busy",
+            total.imbalance_fallbacks,
         ),
     ] {
         assert!(n >= 1_000, "{what}: only {n}");

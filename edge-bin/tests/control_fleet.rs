@@ -4,6 +4,7 @@
 //! ([`Input::SetDrain`]); owners that say they drain
 //! ([`Input::NodeDraining`]). Every step's actions are asserted exactly.
 
+use edge_bin::control::{RouteHint, RoutingSpec};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
@@ -71,6 +72,7 @@ fn model(name: &str, pool: &[&str], max_queue: u32) -> ControlModel {
         max_queue,
         queue_timeout: Duration::from_secs(60),
         max_attempts: 1,
+        routing: RoutingSpec::default(),
     }
 }
 
@@ -156,6 +158,7 @@ impl Fixture {
             model: model.into(),
             operation: Operation::ChatCompletions,
             long,
+            hint: RouteHint::default(),
         })
     }
 
@@ -617,6 +620,7 @@ fn two_busy_nodes(max_attempts: u32, p1_capacity: u32) -> Fixture {
     let nodes = vec![node("n1", &[("p1", p1_capacity)]), node("n2", &[("q1", 1)])];
     let m = ControlModel {
         max_attempts,
+        routing: RoutingSpec::default(),
         ..model("m", &["n1/p1", "n2/q1"], 4)
     };
     let mut f = Fixture::new(spec(nodes, vec![m]));
@@ -631,6 +635,7 @@ fn two_busy_nodes(max_attempts: u32, p1_capacity: u32) -> Fixture {
 fn without_n2(max_attempts: u32, p1_capacity: u32) -> ControlSpec {
     let m = ControlModel {
         max_attempts,
+        routing: RoutingSpec::default(),
         ..model("m", &["n1/p1"], 4)
     };
     spec(vec![node("n1", &[("p1", p1_capacity)])], vec![m])

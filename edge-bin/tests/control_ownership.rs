@@ -5,6 +5,7 @@
 //! the older generation (F1, F2 across Edges); an Edge without its etcd
 //! lease owns nothing. Each test asserts the exact actions of each step.
 
+use edge_bin::control::{RouteHint, RoutingSpec};
 use std::time::{Duration, Instant};
 
 use edge_bin::control::{
@@ -44,6 +45,7 @@ fn control() -> Control {
             max_queue: 8,
             queue_timeout: Duration::from_secs(60),
             max_attempts: 1,
+            routing: RoutingSpec::default(),
         }],
         tunables: Tunables::default(),
     })
@@ -115,6 +117,7 @@ impl Driver {
             model: "m".into(),
             operation: Operation::ChatCompletions,
             long: false,
+            hint: RouteHint::default(),
         });
         match out.as_slice() {
             [Action::Dispatch(d)] => d.clone(),

@@ -87,6 +87,7 @@
 //! schedule with a step log. The schedules derive from a printed base seed,
 //! fixed by default and overridable with `IOP_SIM_BASE_SEED`.
 
+use edge_bin::control::{RouteHint, RoutingSpec};
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -378,6 +379,7 @@ impl World {
                     max_queue: m.max_queue,
                     queue_timeout: m.timeout,
                     max_attempts: 1,
+                    routing: RoutingSpec::default(),
                 })
                 .collect(),
             tunables: self.tunables,
@@ -487,6 +489,7 @@ impl Config {
                         max_queue: s.max_queue,
                         queue_timeout: s.timeout,
                         max_attempts: 1,
+                        routing: RoutingSpec::default(),
                     })
                 })
                 .collect(),
@@ -1740,6 +1743,7 @@ impl<'w> Sim<'w> {
             model,
             operation: Operation::ChatCompletions,
             long,
+            hint: RouteHint::default(),
         })
     }
 
@@ -4533,6 +4537,7 @@ impl Fixture {
             model: model.to_string(),
             operation: Operation::ChatCompletions,
             long,
+            hint: RouteHint::default(),
         })
     }
 
@@ -5140,6 +5145,7 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
                 model: "m-a".to_string(),
                 operation: Operation::ChatCompletions,
                 long: false,
+                hint: RouteHint::default(),
             },
         );
         assert_eq!(out, vec![f.dispatch(id, node, "p1", conn, false)]);

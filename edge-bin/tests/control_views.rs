@@ -7,11 +7,22 @@
 
 use std::time::{Duration, Instant};
 
+/// The model views without their routing counters (routing has tests of
+/// its own).
+fn views(c: &Control) -> Vec<ModelView> {
+    let mut views = c.model_views();
+    for view in &mut views {
+        view.routing_stats = RoutingStats::default();
+    }
+    views
+}
+
 use edge_bin::control::{
     ConnId, Control, ControlModel, ControlNode, ControlProvider, ControlSpec, DispatchKind,
     DrainTarget, Input, ModelCapacity, ModelView, NodePhase, NodeView, Operation, Operations,
     ProviderKey, ProviderView, RequestId, Tunables, NODE_VERSION_CHARS_MAX,
 };
+use edge_bin::control::{RouteHint, RoutingPolicy, RoutingSpec, RoutingStats};
 use iop_wire::pb;
 
 fn provider(id: &str, capacity: u32) -> ControlProvider {
@@ -51,6 +62,7 @@ fn model(name: &str, providers: Vec<ProviderKey>) -> ControlModel {
         max_queue: 8,
         queue_timeout: Duration::from_secs(60),
         max_attempts: 1,
+        routing: RoutingSpec::default(),
     }
 }
 
@@ -233,8 +245,12 @@ fn model_views_count_free_candidates_and_the_queue() {
         candidates,
         queued,
         max_queue: 8,
+        routing: RoutingPolicy::LeastLoaded,
+        routing_stats: RoutingStats::default(),
+        tree_bytes: 0,
+        tree_budget_bytes: 0,
     };
-    assert_eq!(c.model_views(), vec![model(2, 0, 0)], "no node connected");
+    assert_eq!(views(&c), vec![model(2, 0, 0)], "no node connected");
     for (conn, node) in [(ConnId(1), "a"), (ConnId(2), "b")] {
         c.handle(
             now,
@@ -254,7 +270,7 @@ fn model_views_count_free_candidates_and_the_queue() {
             &mut out,
         );
     }
-    assert_eq!(c.model_views(), vec![model(2, 2, 0)]);
+    assert_eq!(views(&c), vec![model(2, 2, 0)]);
     let submit = |c: &mut Control, out: &mut Vec<_>, id| {
         c.handle(
             now,
@@ -263,16 +279,17 @@ fn model_views_count_free_candidates_and_the_queue() {
                 model: "m".into(),
                 operation: Operation::ChatCompletions,
                 long: false,
+                hint: RouteHint::default(),
             },
             out,
         );
     };
     // Capacity 1 each: the first two take the slots, the third waits.
     submit(&mut c, &mut out, 1);
-    assert_eq!(c.model_views(), vec![model(2, 1, 0)]);
+    assert_eq!(views(&c), vec![model(2, 1, 0)]);
     submit(&mut c, &mut out, 2);
     submit(&mut c, &mut out, 3);
-    assert_eq!(c.model_views(), vec![model(2, 0, 1)]);
+    assert_eq!(views(&c), vec![model(2, 0, 1)]);
     c.handle(
         now,
         Input::Closed {
@@ -281,7 +298,7 @@ fn model_views_count_free_candidates_and_the_queue() {
         },
         &mut out,
     );
-    assert_eq!(c.model_views()[0].candidates, 0);
+    assert_eq!(views(&c)[0].candidates, 0);
 }
 
 /// `(node_id, provider_id, drained, node_drained, draining, removed)` of
@@ -353,7 +370,7 @@ fn drains_show_in_the_node_and_provider_views() {
             flags("b", "pb", false, false, false)
         ]
     );
-    assert_eq!(c.model_views()[0].candidates, 1, "a/pa is no candidate");
+    assert_eq!(views(&c)[0].candidates, 1, "a/pa is no candidate");
 
     // Node b drained: its provider shows its node's drain.
     let b = DrainTarget::Node("b".into());
@@ -368,7 +385,7 @@ fn drains_show_in_the_node_and_provider_views() {
     assert_eq!(c.drained(&b), Some(true));
     assert_eq!(node_flags(&c, "b"), (true, false, false));
     assert_eq!(provider_flags(&c)[1], flags("b", "pb", false, true, false));
-    assert_eq!(c.model_views()[0].candidates, 0);
+    assert_eq!(views(&c)[0].candidates, 0);
 
     // Node a's owner says it drains: node and provider show it.
     c.handle(now, Input::NodeDraining { conn: ConnId(1) }, &mut out);
@@ -395,7 +412,7 @@ fn drains_show_in_the_node_and_provider_views() {
             flags("b", "pb", false, false, false)
         ]
     );
-    assert_eq!(c.model_views()[0].candidates, 1, "b/pb only");
+    assert_eq!(views(&c)[0].candidates, 1, "b/pb only");
     // A new registration of a starts undraining.
     c.handle(
         now,
@@ -407,7 +424,7 @@ fn drains_show_in_the_node_and_provider_views() {
     );
     ready(&mut c, now, ConnId(3), "a");
     assert_eq!(node_flags(&c, "a"), (false, false, false));
-    assert_eq!(c.model_views()[0].candidates, 2);
+    assert_eq!(views(&c)[0].candidates, 2);
 
     // Unknown targets read as nothing.
     assert_eq!(c.drained(&DrainTarget::Node("zz".into())), None);
@@ -429,6 +446,7 @@ fn removed_nodes_and_providers_show_and_removed_models_do_not() {
             model: "m".into(),
             operation: Operation::ChatCompletions,
             long: false,
+            hint: RouteHint::default(),
         },
         &mut out,
     );
@@ -458,13 +476,17 @@ fn removed_nodes_and_providers_show_and_removed_models_do_not() {
         ]
     );
     assert_eq!(
-        c.model_views(),
+        views(&c),
         vec![ModelView {
             model: "m2".into(),
             providers: 1,
             candidates: 1,
             queued: 0,
             max_queue: 8,
+            routing: RoutingPolicy::LeastLoaded,
+            routing_stats: RoutingStats::default(),
+            tree_bytes: 0,
+            tree_budget_bytes: 0,
         }]
     );
     assert_eq!(c.queue_depths(), vec![("m2".to_string(), 0)]);

@@ -32,7 +32,7 @@ const BOTH: &str = "both-nodes";
 fn both_nodes() -> EdgeOptions {
     EdgeOptions {
         extra_toml: format!(
-            "[[models]]\nname = \"{BOTH}\"\nproviders = [\"node-a/a-mock\", \"node-b/b-mock\"]\n"
+            "[[models]]\nname = \"{BOTH}\"\nproviders = [\"node-a/a-mock\", \"node-b/b-mock\"]\nrouting = \"least_loaded\"\n"
         ),
         ..EdgeOptions::without_provider()
     }

@@ -514,7 +514,7 @@ async fn check_metrics(addr: std::net::SocketAddr, run_ids: &[String]) -> String
     // provider, adapter).
     let bounded: BTreeSet<&str> = [
         "result", "to", "source", "eligible", "reason", "via", "le", "route", "model", "code",
-        "kind", "node", "provider", "adapter", "version", "commit",
+        "kind", "node", "provider", "adapter", "version", "commit", "policy",
     ]
     .into();
     for line in text.lines().filter(|l| !l.starts_with('#')) {

@@ -14,6 +14,7 @@
 //! - snapshot: one `/status` projection of every provider;
 //! - fence: `Closed` of a ready node.
 
+use edge_bin::control::RouteHint;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -144,6 +145,7 @@ fn submit(
             model,
             operation: Operation::ChatCompletions,
             long: false,
+            hint: RouteHint::default(),
         },
         out,
     );

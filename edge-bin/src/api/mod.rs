@@ -8,4 +8,5 @@
 pub mod body_json;
 pub mod error;
 pub mod openai;
+pub mod route_hint;
 pub mod translate;

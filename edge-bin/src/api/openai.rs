@@ -31,6 +31,17 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
+    /// What the routing policy of its model reads of it
+    /// ([`crate::api::route_hint`]).
+    pub fn route_hint(
+        &self,
+        session_header: Option<&[u8]>,
+        policy: crate::control::RoutingPolicy,
+        prefix_bytes_max: usize,
+    ) -> crate::control::RouteHint {
+        crate::api::route_hint::route_hint(&self.body, session_header, policy, prefix_bytes_max)
+    }
+
     /// Parses a `/v1/chat/completions` body within `limits`. Only what the
     /// Edge needs is checked; every other member passes through unchanged.
     pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, GatewayError> {
@@ -309,6 +320,17 @@ pub struct PassthroughRequest {
 }
 
 impl PassthroughRequest {
+    /// What the routing policy of its model reads of it
+    /// ([`crate::api::route_hint`]).
+    pub fn route_hint(
+        &self,
+        session_header: Option<&[u8]>,
+        policy: crate::control::RoutingPolicy,
+        prefix_bytes_max: usize,
+    ) -> crate::control::RouteHint {
+        crate::api::route_hint::route_hint(&self.body, session_header, policy, prefix_bytes_max)
+    }
+
     /// Parses a JSON object with a string `model`, within `limits`.
     pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, GatewayError> {
         let body = Members::parse(body, limits).map_err(GatewayError::from_body)?;

@@ -23,7 +23,7 @@ use iop_engine::metrics::buckets::escape_label_value;
 use iop_engine::metrics::{self as engine_metrics, process, Count, Registry, Side};
 use iop_wire::pb;
 
-use crate::control::{Counters, FailureReason, NodeView, ProviderView};
+use crate::control::{Counters, FailureReason, ModelView, NodeView, ProviderView, RoutingPolicy};
 use crate::link::edge::Edge;
 use crate::plane::cluster::ClusterView;
 
@@ -44,6 +44,7 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
                 &control.node_views(),
                 &control.provider_views(),
             ));
+            text.push_str(&render_routing(&control.model_views()));
             (text, control.queue_depths(), control.ready_nodes())
         })
         .await
@@ -553,6 +554,107 @@ fn flags<T>(
 /// Which nodes and providers take no new work, and why: one sample per
 /// node and provider of the configuration (and per one a reload removed,
 /// while what it runs finishes), so the label sets are bounded by it.
+/// The routing series of every model: dispatches by policy and route, the
+/// imbalance fallbacks, the matched prefix lengths (a histogram) and the
+/// prefix trees' size.
+pub fn render_routing(models: &[ModelView]) -> String {
+    use crate::control::routing::MATCHED_BYTES_BUCKETS;
+    let mut out = String::new();
+    let label = |m: &ModelView| format!("model=\"{}\"", escape_label_value(&m.model));
+    let _ = writeln!(
+        out,
+        "# HELP iop_edge_routing_decisions_total Dispatches by the model's routing policy and how \
+         the provider was chosen: by load (least loaded, or a policy's fallback), by prefix match, \
+         or by session."
+    );
+    let _ = writeln!(out, "# TYPE iop_edge_routing_decisions_total counter");
+    for m in models {
+        let s = &m.routing_stats;
+        for (route, n) in [
+            ("load", s.by_load),
+            ("match", s.by_match),
+            ("session", s.by_session),
+        ] {
+            let _ = writeln!(
+                out,
+                "iop_edge_routing_decisions_total{{{},policy=\"{}\",route=\"{route}\"}} {n}",
+                label(m),
+                m.routing.as_str()
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP iop_edge_routing_imbalance_fallbacks_total Dispatches to the least loaded provider \
+         because the preferred one was too busy beside it (routing.balance_*)."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE iop_edge_routing_imbalance_fallbacks_total counter"
+    );
+    for m in models {
+        let _ = writeln!(
+            out,
+            "iop_edge_routing_imbalance_fallbacks_total{{{}}} {}",
+            label(m),
+            m.routing_stats.imbalance_fallbacks
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP iop_edge_routing_matched_prefix_bytes How many bytes of each prefix-routed \
+         request's prompt the model's tree matched."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE iop_edge_routing_matched_prefix_bytes histogram"
+    );
+    for m in models.iter().filter(|m| m.routing == RoutingPolicy::Prefix) {
+        let s = &m.routing_stats;
+        let mut cumulative = 0;
+        for (i, upper) in MATCHED_BYTES_BUCKETS.iter().enumerate() {
+            cumulative += s.matched_bytes[i];
+            let _ = writeln!(
+                out,
+                "iop_edge_routing_matched_prefix_bytes_bucket{{{},le=\"{upper}\"}} {cumulative}",
+                label(m)
+            );
+        }
+        let count: u64 = s.matched_bytes.iter().sum();
+        let _ = writeln!(
+            out,
+            "iop_edge_routing_matched_prefix_bytes_bucket{{{},le=\"+Inf\"}} {count}",
+            label(m)
+        );
+        let _ = writeln!(
+            out,
+            "iop_edge_routing_matched_prefix_bytes_sum{{{}}} {}",
+            label(m),
+            s.matched_bytes_sum
+        );
+        let _ = writeln!(
+            out,
+            "iop_edge_routing_matched_prefix_bytes_count{{{}}} {count}",
+            label(m)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP iop_edge_routing_tree_bytes The bytes a prefix model's tree holds (at most \
+         routing.prefix_tree_bytes)."
+    );
+    let _ = writeln!(out, "# TYPE iop_edge_routing_tree_bytes gauge");
+    for m in models.iter().filter(|m| m.routing == RoutingPolicy::Prefix) {
+        let _ = writeln!(
+            out,
+            "iop_edge_routing_tree_bytes{{{}}} {}",
+            label(m),
+            m.tree_bytes
+        );
+    }
+    out
+}
+
 pub fn render_drains(nodes: &[NodeView], providers: &[ProviderView]) -> String {
     let mut out = String::new();
     let node = |n: &NodeView| format!("node=\"{}\"", escape_label_value(&n.node_id));
@@ -748,6 +850,69 @@ mod tests {
         );
         assert!(text.contains("# TYPE iop_edge_provider_drained gauge\n"));
         assert_eq!(text.matches("# HELP ").count(), 5);
+    }
+
+    #[test]
+    fn routing_is_counted_per_model_and_route_with_a_histogram_of_matches() {
+        let model = |name: &str, routing, stats| ModelView {
+            model: name.into(),
+            providers: 2,
+            candidates: 2,
+            queued: 0,
+            max_queue: 8,
+            routing,
+            routing_stats: stats,
+            tree_bytes: 4096,
+            tree_budget_bytes: 65536,
+        };
+        let mut matched = [0; 7];
+        matched[0] = 2; // 0 bytes
+        matched[2] = 3; // 257..=1024
+        matched[6] = 1; // above 65536
+        let text = render_routing(&[
+            model(
+                "p",
+                RoutingPolicy::Prefix,
+                crate::control::RoutingStats {
+                    by_load: 3,
+                    by_match: 3,
+                    imbalance_fallbacks: 1,
+                    matched_bytes: matched,
+                    matched_bytes_sum: 70_000,
+                    ..Default::default()
+                },
+            ),
+            model(
+                "s",
+                RoutingPolicy::Session,
+                crate::control::RoutingStats::default(),
+            ),
+        ]);
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            samples,
+            [
+                "iop_edge_routing_decisions_total{model=\"p\",policy=\"prefix\",route=\"load\"} 3",
+                "iop_edge_routing_decisions_total{model=\"p\",policy=\"prefix\",route=\"match\"} 3",
+                "iop_edge_routing_decisions_total{model=\"p\",policy=\"prefix\",route=\"session\"} 0",
+                "iop_edge_routing_decisions_total{model=\"s\",policy=\"session\",route=\"load\"} 0",
+                "iop_edge_routing_decisions_total{model=\"s\",policy=\"session\",route=\"match\"} 0",
+                "iop_edge_routing_decisions_total{model=\"s\",policy=\"session\",route=\"session\"} 0",
+                "iop_edge_routing_imbalance_fallbacks_total{model=\"p\"} 1",
+                "iop_edge_routing_imbalance_fallbacks_total{model=\"s\"} 0",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"0\"} 2",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"256\"} 2",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"1024\"} 5",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"4096\"} 5",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"16384\"} 5",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"65536\"} 5",
+                "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"+Inf\"} 6",
+                "iop_edge_routing_matched_prefix_bytes_sum{model=\"p\"} 70000",
+                "iop_edge_routing_matched_prefix_bytes_count{model=\"p\"} 6",
+                "iop_edge_routing_tree_bytes{model=\"p\"} 4096",
+            ]
+        );
+        assert_eq!(text.matches("# TYPE ").count(), 4);
     }
 
     // CONTRACT: O1 — the four contract counters are exposed with bounded

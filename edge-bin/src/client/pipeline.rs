@@ -21,12 +21,16 @@ use super::forward::{place, Placement};
 use super::relay::*;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai::{ChatRequest, PassthroughRequest};
+use crate::api::route_hint::SESSION_HEADER;
 use crate::api::translate::ResponseId;
-use crate::control::{CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId};
+use crate::control::{
+    CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId, RouteHint, RoutingPolicy,
+};
 use crate::link::edge::{Admission, Edge};
 use crate::link::replies::ReplyRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
+use crate::plane::running::Running;
 
 pub(super) fn frame(body: Body) -> pb::Frame {
     pb::Frame { body: Some(body) }
@@ -85,20 +89,29 @@ where
         }
         Placement::ClientGone => return Ok(()),
     }
+    let running = edge.settings.running.get();
+    let hint = route_hint(&running, &headers, &chat.model, |header, policy, max| {
+        chat.route_hint(header, policy, max)
+    });
     drop((headers, received));
-    let long = edge
-        .settings
-        .running
-        .get()
+    let long = running
         .long_context_threshold_tokens
         .get(&chat.model)
         .is_some_and(|&threshold| chat.estimated_prompt_tokens() >= threshold);
+    drop(running);
     // E2: the external model selects a pool; the inner identifiers come from
     // the winning provider.
     // Boxed: waiting for admission (and answering a refusal) is held only
     // until the request is dispatched.
-    let Some((request, mut dispatch, mut frames)) =
-        Box::pin(admit(edge, server, CHAT_COMPLETIONS, &chat.model, long)).await?
+    let Some((request, mut dispatch, mut frames)) = Box::pin(admit(
+        edge,
+        server,
+        CHAT_COMPLETIONS,
+        &chat.model,
+        long,
+        hint,
+    ))
+    .await?
     else {
         return Ok(());
     };
@@ -229,6 +242,30 @@ pub(super) fn retry_without_request(edge: &Edge, request: RequestId) -> Result<(
     Ok(())
 }
 
+/// The routing hint of a request for `model`: what `read` (the parsed
+/// request's own reader) takes of it under the model's policy, with the
+/// session header if the client sent one.
+fn route_hint(
+    running: &Running,
+    headers: &[iop_engine::http::Header],
+    model: &str,
+    read: impl FnOnce(Option<&[u8]>, RoutingPolicy, usize) -> RouteHint,
+) -> RouteHint {
+    let policy = running
+        .model_routing
+        .get(model)
+        .copied()
+        .unwrap_or_default();
+    if policy == RoutingPolicy::LeastLoaded {
+        return RouteHint::default();
+    }
+    let header = headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case(SESSION_HEADER))
+        .map(|h| &h.value[..]);
+    read(header, policy, running.prefix_bytes_max)
+}
+
 /// Waits for `Control`'s answer to a submitted request.
 pub(super) async fn admit<S>(
     edge: &Rc<Edge>,
@@ -236,6 +273,7 @@ pub(super) async fn admit<S>(
     endpoint: Endpoint,
     model: &str,
     long: bool,
+    hint: RouteHint,
 ) -> Result<Option<(RequestId, Dispatch, ReplyRx)>, HttpError>
 where
     S: ClientStream,
@@ -245,7 +283,7 @@ where
         return Ok(None);
     }
     let submitted_at = clock::now(); // metrics: queue wait
-    let (request, mut admission) = edge.submit(model, endpoint.op, long);
+    let (request, mut admission) = edge.submit(model, endpoint.op, long, hint);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
@@ -370,12 +408,18 @@ where
         Placement::ClientGone => return Ok(()),
     }
     drop(received);
+    let hint = route_hint(
+        &edge.settings.running.get(),
+        &headers,
+        &req.model,
+        |header, policy, max| req.route_hint(header, policy, max),
+    );
     // What the provider gets of the client's headers; the rest go now.
     let forwarded = tunnel_headers(endpoint, req.stream, &headers);
     drop(headers);
     server.set_model(&req.model);
     let Some((request, mut dispatch, mut frames)) =
-        admit(edge, server, endpoint, &req.model, false).await?
+        admit(edge, server, endpoint, &req.model, false, hint).await?
     else {
         return Ok(());
     };

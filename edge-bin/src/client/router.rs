@@ -377,7 +377,8 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                         .with_control(move |control| {
                             let mut fleet = status::Fleet::read(control, clock::now());
                             if let Some(viewer) = viewer {
-                                fleet.retain(&control.serves_any(|m| viewer.may_use(m)));
+                                let visible = control.serves_any(|m| viewer.may_use(m));
+                                fleet.retain(&visible, |m| viewer.may_use(m));
                             }
                             fleet
                         })

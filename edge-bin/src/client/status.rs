@@ -11,7 +11,7 @@ use iop_wire::pb;
 use serde_json::{json, Value};
 
 use crate::control::outlier::OutlierState;
-use crate::control::{Control, NodePhase, NodeView, ProviderView};
+use crate::control::{Control, ModelView, NodePhase, NodeView, ProviderView};
 use crate::plane::access::{destination_name, AccessStatus};
 use crate::plane::usage::UsageStatus;
 
@@ -97,6 +97,8 @@ pub struct Fleet {
     pub providers: Vec<ProviderView>,
     /// Every node.
     pub nodes: Vec<NodeView>,
+    /// Every model: its routing policy and what the policy did.
+    pub models: Vec<ModelView>,
 }
 
 impl Fleet {
@@ -111,12 +113,15 @@ impl Fleet {
                 .collect(),
             providers: control.provider_views(),
             nodes: control.node_views(),
+            models: control.model_views(),
         }
     }
 
     /// Keeps the providers whose `visible` is true (by position, as
-    /// [`Control::serves_any`] answers) and the nodes of those.
-    pub fn retain(&mut self, visible: &[bool]) {
+    /// [`Control::serves_any`] answers), the nodes of those, and the models
+    /// `may_use` allows.
+    pub fn retain(&mut self, visible: &[bool], may_use: impl Fn(&str) -> bool) {
+        self.models.retain(|m| may_use(&m.model));
         fn keep<T>(items: &mut Vec<T>, visible: &[bool]) {
             let mut flags = visible.iter().copied();
             items.retain(|_| flags.next().unwrap_or(false));
@@ -132,8 +137,29 @@ impl Fleet {
     pub fn json(&self) -> Value {
         let mut doc = status_json(&self.snapshots, &self.outliers, &self.providers);
         doc["nodes"] = self.nodes.iter().map(node_json).collect();
+        doc["models"] = self.models.iter().map(model_json).collect();
         doc
     }
+}
+
+/// A model's `/status` entry: its queue, and its routing policy with what
+/// it decided (dispatches by route) and its prefix tree's size.
+pub fn model_json(m: &ModelView) -> Value {
+    let s = &m.routing_stats;
+    json!({
+        "model": m.model,
+        "queued": m.queued,
+        "max_queue": m.max_queue,
+        "routing": {
+            "policy": m.routing.as_str(),
+            "routed_by_load": s.by_load,
+            "routed_by_match": s.by_match,
+            "routed_by_session": s.by_session,
+            "imbalance_fallbacks": s.imbalance_fallbacks,
+            "tree_bytes": m.tree_bytes,
+            "tree_budget_bytes": m.tree_budget_bytes,
+        },
+    })
 }
 
 /// A node's `/status` entry: its phase and whether it takes new work.
@@ -472,8 +498,9 @@ mod tests {
             outliers: vec![OutlierView::default(); 3],
             providers: vec![provider("a", "1"), provider("a", "2"), provider("b", "1")],
             nodes: vec![node("a", true), node("b", false)],
+            models: ["seen", "hidden"].map(model).to_vec(),
         };
-        fleet.retain(&[false, true, false]);
+        fleet.retain(&[false, true, false], |m| m == "seen");
         let doc = fleet.json();
         let ids: Vec<(&Value, &Value)> = doc["providers"]
             .as_array()
@@ -488,5 +515,32 @@ mod tests {
                     "removed": false}])
         );
         assert_eq!(fleet.outliers.len(), 1);
+        // The models it may use, with their routing.
+        assert_eq!(
+            doc["models"],
+            json!([{"model": "seen", "queued": 1, "max_queue": 8, "routing": {
+                "policy": "prefix", "routed_by_load": 3, "routed_by_match": 5,
+                "routed_by_session": 0, "imbalance_fallbacks": 1,
+                "tree_bytes": 2048, "tree_budget_bytes": 65536}}])
+        );
+    }
+
+    fn model(name: &str) -> ModelView {
+        ModelView {
+            model: name.into(),
+            providers: 2,
+            candidates: 1,
+            queued: 1,
+            max_queue: 8,
+            routing: crate::control::RoutingPolicy::Prefix,
+            routing_stats: crate::control::RoutingStats {
+                by_load: 3,
+                by_match: 5,
+                imbalance_fallbacks: 1,
+                ..Default::default()
+            },
+            tree_bytes: 2048,
+            tree_budget_bytes: 65536,
+        }
     }
 }

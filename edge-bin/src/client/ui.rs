@@ -431,6 +431,7 @@ pub(crate) async fn events<S: ClientStream>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::{RoutingPolicy, RoutingStats};
 
     fn sample(at: Instant, ok: u64, rejected: u64, failed: u64) -> Sample {
         Sample {
@@ -561,6 +562,14 @@ mod tests {
                 candidates: 1,
                 queued: 3,
                 max_queue: 64,
+                routing: RoutingPolicy::Prefix,
+                routing_stats: RoutingStats {
+                    by_load: 5,
+                    by_match: 12,
+                    ..RoutingStats::default()
+                },
+                tree_bytes: 4096,
+                tree_budget_bytes: 1 << 20,
             }],
             sample: sample(now, 20, 3, 1),
             time_to_first_byte: Percentiles {

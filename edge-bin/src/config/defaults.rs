@@ -163,3 +163,25 @@ pub const DEFAULT_KEEPALIVE_INTERVAL_SEC: u64 = 3;
 
 /// `[cluster] etcd_timeout_ms`: timeout of one etcd call.
 pub const DEFAULT_ETCD_TIMEOUT_MS: u64 = 2_000;
+
+/// Default `routing.prefix_tree_bytes`: each `prefix` model's tree.
+pub const DEFAULT_PREFIX_TREE_BYTES: u64 = 32 * 1024 * 1024;
+/// Smallest accepted `routing.prefix_tree_bytes` (a few thousand nodes).
+pub const MIN_PREFIX_TREE_BYTES: u64 = 64 * 1024;
+/// Largest accepted `routing.prefix_tree_bytes` (4 GiB).
+pub const MAX_PREFIX_TREE_BYTES: u64 = 4 * 1024 * 1024 * 1024;
+/// Default `routing.prefix_bytes_max`: the part of a prompt the tree
+/// considers.
+pub const DEFAULT_PREFIX_BYTES_MAX: u64 = 16 * 1024;
+/// Largest accepted `routing.prefix_bytes_max` (1 MiB).
+pub const MAX_PREFIX_BYTES_MAX: u64 = 1024 * 1024;
+/// Default `routing.match_threshold_percent`.
+pub const DEFAULT_MATCH_THRESHOLD_PERCENT: u32 = 50;
+/// Default `routing.balance_abs_threshold`.
+pub const DEFAULT_BALANCE_ABS_THRESHOLD: u32 = 4;
+/// Largest accepted `routing.balance_abs_threshold`.
+pub const MAX_BALANCE_ABS_THRESHOLD: u32 = 65_536;
+/// Default `routing.balance_rel_threshold_percent` (1.5 times).
+pub const DEFAULT_BALANCE_REL_THRESHOLD_PERCENT: u32 = 150;
+/// Largest accepted `routing.balance_rel_threshold_percent` (100 times).
+pub const MAX_BALANCE_REL_THRESHOLD_PERCENT: u32 = 10_000;

@@ -281,6 +281,21 @@ pub const SETTINGS: &[Setting] = &[
     setting("outlier_detection.max_ejection_percent", Live, |c| {
         text(c.outlier_detection.max_ejection_percent)
     }),
+    setting("routing.prefix_tree_bytes", Live, |c| {
+        text(c.routing.prefix_tree_bytes)
+    }),
+    setting("routing.prefix_bytes_max", Live, |c| {
+        text(c.routing.prefix_bytes_max)
+    }),
+    setting("routing.match_threshold_percent", Live, |c| {
+        text(c.routing.match_threshold_percent)
+    }),
+    setting("routing.balance_abs_threshold", Live, |c| {
+        text(c.routing.balance_abs_threshold)
+    }),
+    setting("routing.balance_rel_threshold_percent", Live, |c| {
+        text(c.routing.balance_rel_threshold_percent)
+    }),
     setting("cluster", Restart, |c| on_off(c.cluster.is_some())),
     setting("cluster.name", Restart, |c| {
         c.cluster.as_ref().map(|k| k.name.clone())
@@ -563,6 +578,7 @@ impl ConfigDiff {
             credentials: _,
             client_keys: _,
             outlier_detection: _,
+            routing: _,
             cluster: _,
         } = next;
         ConfigDiff {
@@ -869,6 +885,7 @@ fn model_change(
     fields.compare("queue_timeout_ms", a.queue_timeout_ms, b.queue_timeout_ms);
     fields.compare("max_attempts", a.max_attempts, b.max_attempts);
     fields.compare("owned_by", &a.owned_by, &b.owned_by);
+    fields.compare("routing", a.routing.as_str(), b.routing.as_str());
     let no_enabled_provider = has_enabled_provider(running, a) && !has_enabled_provider(next, b);
     (pool.is_some() || !fields.0.is_empty() || no_enabled_provider).then(|| ModelChange {
         model: name.to_owned(),

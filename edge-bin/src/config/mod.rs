@@ -106,6 +106,8 @@ pub struct EdgeConfig {
     pub client_keys: Vec<ClientKeySpec>,
     /// Passive health (`[outlier_detection]`).
     pub outlier_detection: OutlierDetection,
+    /// The routing policies' settings (`[routing]`).
+    pub routing: RoutingSettings,
     /// `[cluster]`: this Edge is one of several sharing the fleet through
     /// etcd (`docs/multi-edge.md`); `None`: a single Edge.
     pub cluster: Option<ClusterSpec>,
@@ -131,6 +133,36 @@ pub struct ClusterSpec {
     /// `None`: this Edge takes no forwarded request, so none is forwarded
     /// to it (it still forwards its own requests to Edges that have one).
     pub peer_listen: Option<SocketAddr>,
+}
+
+/// The `[routing]` table: the settings of the models' routing policies
+/// (`crate::control::routing`), shared by every model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutingSettings {
+    /// The most bytes a `prefix` model's tree holds (LRU beyond).
+    pub prefix_tree_bytes: u64,
+    /// How much of a prompt the tree considers: its first this many bytes.
+    pub prefix_bytes_max: u64,
+    /// The smallest share of a prompt, in percent, a match must cover to
+    /// route by it.
+    pub match_threshold_percent: u32,
+    /// A preferred provider with more than this many more requests in
+    /// flight than the least loaded one…
+    pub balance_abs_threshold: u32,
+    /// …and more than this percentage of its load is passed over.
+    pub balance_rel_threshold_percent: u32,
+}
+
+impl Default for RoutingSettings {
+    fn default() -> Self {
+        Self {
+            prefix_tree_bytes: DEFAULT_PREFIX_TREE_BYTES,
+            prefix_bytes_max: DEFAULT_PREFIX_BYTES_MAX,
+            match_threshold_percent: DEFAULT_MATCH_THRESHOLD_PERCENT,
+            balance_abs_threshold: DEFAULT_BALANCE_ABS_THRESHOLD,
+            balance_rel_threshold_percent: DEFAULT_BALANCE_REL_THRESHOLD_PERCENT,
+        }
+    }
 }
 
 /// The `[outlier_detection]` table: providers that fail in a row are taken
@@ -587,6 +619,10 @@ pub struct ModelSpec {
     pub max_attempts: u32,
     /// `owned_by` shown in `/v1/models`.
     pub owned_by: String,
+    /// How a request chooses among the free providers of the pool
+    /// (`routing`): by default `prefix` for a pool of two or more
+    /// OpenAI-compatible providers, else `least_loaded`.
+    pub routing: crate::control::RoutingPolicy,
 }
 
 /// A reference `"<node id>/<provider id>"` to a provider resource.

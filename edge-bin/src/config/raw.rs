@@ -22,7 +22,18 @@ pub(super) struct RawEdgeFile {
     #[serde(default)]
     pub(super) models: Vec<RawModel>,
     pub(super) outlier_detection: Option<RawOutlierDetection>,
+    pub(super) routing: Option<RawRouting>,
     pub(super) cluster: Option<RawCluster>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouting {
+    pub(super) prefix_tree_bytes: Option<i64>,
+    pub(super) prefix_bytes_max: Option<i64>,
+    pub(super) match_threshold_percent: Option<i64>,
+    pub(super) balance_abs_threshold: Option<i64>,
+    pub(super) balance_rel_threshold_percent: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -196,4 +207,5 @@ pub(super) struct RawModel {
     pub(super) max_attempts: Option<i64>,
     pub(super) owned_by: Option<String>,
     pub(super) allow_no_providers: Option<bool>,
+    pub(super) routing: Option<String>,
 }

@@ -101,6 +101,7 @@ impl Validator<'_> {
             ));
         }
         let outlier_detection = self.outlier_detection(raw.outlier_detection)?;
+        let routing = self.routing(raw.routing)?;
         let cluster = raw
             .cluster
             .map(|c| self.cluster(c, tls.is_some()))
@@ -117,6 +118,7 @@ impl Validator<'_> {
             credentials,
             client_keys,
             outlier_detection,
+            routing,
             cluster,
         })
     }
@@ -216,6 +218,54 @@ impl Validator<'_> {
             destination,
             format,
             format_explicit: raw.format.is_some(),
+        })
+    }
+
+    fn routing(&self, raw: Option<RawRouting>) -> Result<RoutingSettings, ConfigError> {
+        let defaults = RoutingSettings::default();
+        let Some(raw) = raw else {
+            return Ok(defaults);
+        };
+        let value = |v: Option<i64>, key: &str, default: u64, min: u64, max: u64| match v {
+            None => Ok(default),
+            Some(v) => in_range(v, min, max).map_err(|why| self.err(format!("routing.{key}"), why)),
+        };
+        Ok(RoutingSettings {
+            prefix_tree_bytes: value(
+                raw.prefix_tree_bytes,
+                "prefix_tree_bytes",
+                defaults.prefix_tree_bytes,
+                MIN_PREFIX_TREE_BYTES,
+                MAX_PREFIX_TREE_BYTES,
+            )?,
+            prefix_bytes_max: value(
+                raw.prefix_bytes_max,
+                "prefix_bytes_max",
+                defaults.prefix_bytes_max,
+                1,
+                MAX_PREFIX_BYTES_MAX,
+            )?,
+            match_threshold_percent: value(
+                raw.match_threshold_percent,
+                "match_threshold_percent",
+                u64::from(defaults.match_threshold_percent),
+                0,
+                100,
+            )? as u32,
+            balance_abs_threshold: value(
+                raw.balance_abs_threshold,
+                "balance_abs_threshold",
+                u64::from(defaults.balance_abs_threshold),
+                0,
+                u64::from(MAX_BALANCE_ABS_THRESHOLD),
+            )? as u32,
+            balance_rel_threshold_percent: value(
+                raw.balance_rel_threshold_percent,
+                "balance_rel_threshold_percent",
+                u64::from(defaults.balance_rel_threshold_percent),
+                100,
+                u64::from(MAX_BALANCE_REL_THRESHOLD_PERCENT),
+            )? as u32,
         })
     }
 
@@ -1060,6 +1110,34 @@ impl Validator<'_> {
                 owned_by
             }
         };
+        let routing = match raw.routing.as_deref() {
+            // Clients send no hint: a pool of OpenAI-compatible servers
+            // (whose engines keep prefix caches) routes by prompt prefix.
+            None => {
+                let compatible = providers
+                    .iter()
+                    .filter(|r| {
+                        nodes.iter().any(|n| {
+                            n.id == r.node_id
+                                && n.provider(&r.provider_id)
+                                    .and_then(|p| n.adapter(&p.adapter))
+                                    .is_some_and(|a| a.kind != AdapterKind::Ollama)
+                        })
+                    })
+                    .count();
+                if compatible >= 2 {
+                    crate::control::RoutingPolicy::Prefix
+                } else {
+                    crate::control::RoutingPolicy::LeastLoaded
+                }
+            }
+            Some(text) => crate::control::RoutingPolicy::parse(text).ok_or_else(|| {
+                self.err(
+                    format!("{key}.routing"),
+                    format!("{text:?}: expected \"least_loaded\", \"session\" or \"prefix\""),
+                )
+            })?,
+        };
         Ok(ModelSpec {
             name: raw.name,
             providers,
@@ -1068,6 +1146,7 @@ impl Validator<'_> {
             queue_timeout_ms,
             max_attempts,
             owned_by,
+            routing,
         })
     }
 }

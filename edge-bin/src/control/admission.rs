@@ -5,10 +5,11 @@
 
 use std::time::Instant;
 
+use super::routing::RouteHint;
 use super::tables::{Candidate, Indexed, LeaseEntry, Load, Pending, ProviderLease, RequestState};
 use super::{
     AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, Dispatch, Event, FailureReason,
-    Handoff, Operation, Outcome, Rejection, RequestId, Terminal,
+    Handoff, Input, Outcome, Rejection, RequestId, Terminal,
 };
 
 impl Control {
@@ -134,15 +135,19 @@ impl Control {
 
     // ---- submit, cancel, undeliverable ---------------------------------------
 
-    pub(super) fn on_submit(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        model: &str,
-        operation: Operation,
-        long: bool,
-        out: &mut Vec<Action>,
-    ) {
+    /// `Input::Submit`: dispatched at once, queued, or refused.
+    pub(super) fn on_submit(&mut self, now: Instant, input: Input, out: &mut Vec<Action>) {
+        let Input::Submit {
+            request,
+            model,
+            operation,
+            long,
+            hint,
+        } = input
+        else {
+            return;
+        };
+        let model = model.as_str();
         if self.pending.contains_key(&request) {
             return;
         }
@@ -163,12 +168,12 @@ impl Control {
                 outcome: Outcome::Rejected(why),
             });
         };
-        if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[]) {
+        if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[], &hint) {
             // Filed as queued for an instant: starting the attempt makes
             // it dispatched.
             let state = RequestState::Queued { deadline: now };
             self.pending
-                .insert(request, Pending::new(m, operation, lane, long, state));
+                .insert(request, Pending::new(m, operation, lane, long, state, hint));
             self.start_attempt(request, &dispatch);
             return out.push(Action::Dispatch(dispatch));
         }
@@ -185,7 +190,14 @@ impl Control {
         self.enqueue(request, lane, long);
         self.pending.insert(
             request,
-            Pending::new(m, operation, lane, long, RequestState::Queued { deadline }),
+            Pending::new(
+                m,
+                operation,
+                lane,
+                long,
+                RequestState::Queued { deadline },
+                hint,
+            ),
         );
     }
 
@@ -289,12 +301,10 @@ impl Control {
         long: bool,
         attempt: u32,
         exclude: &[usize],
+        hint: &RouteHint,
     ) -> Option<Dispatch> {
-        let p = self.lanes[lane]
-            .candidates(long)
-            .iter()
-            .find(|c| !exclude.contains(&c.provider))?
-            .provider;
+        let pick = self.pick(lane, long, exclude, hint)?;
+        let p = pick.provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
         debug_assert!(
             !self.closing.contains(&owner.conn),
@@ -331,6 +341,7 @@ impl Control {
             strips_usage_chunk: owner.strips_usage_chunk,
         };
         self.refresh(p);
+        self.routed(lane, pick, hint);
         self.leases_of
             .entry(owner.conn)
             .or_default()
@@ -359,7 +370,8 @@ impl Control {
                 return;
             };
             let attempt = self.pending.get(&request).map_or(1, |p| p.attempts + 1);
-            let Some(dispatch) = self.try_admit(request, m, long, attempt, &[]) else {
+            let hint = self.hint_of(request);
+            let Some(dispatch) = self.try_admit(request, m, long, attempt, &[], &hint) else {
                 return;
             };
             self.unqueue(request, m, long);
@@ -429,10 +441,13 @@ impl Control {
         };
         if let Some(Pending {
             state: RequestState::Dispatched { committed, .. },
+            hint,
             ..
         }) = self.pending.get_mut(&request)
         {
             *committed = true;
+            // Never dispatched again: a stream holds no copy of its prompt.
+            *hint = RouteHint::default();
         }
     }
 
@@ -612,8 +627,9 @@ impl Control {
             self.counters.failover_no_candidate += 1;
             return false;
         };
-        let (long, attempt, tried) = (p.long, p.attempts + 1, p.tried.clone());
-        let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried) else {
+        let (long, attempt, tried, hint) =
+            (p.long, p.attempts + 1, p.tried.clone(), p.hint.clone());
+        let Some(dispatch) = self.try_admit(request, lane, long, attempt, &tried, &hint) else {
             if fenced.is_some() && tried.is_empty() && self.requeue(request) {
                 self.counters.failover_requeued += 1;
                 return true;
@@ -676,8 +692,9 @@ impl Control {
                 p.tried.remove(at);
             }
         }
-        let (long, attempt, tried) = (p.long, p.attempts + 1, p.tried.clone());
-        let sent = match self.try_admit(request, lane, long, attempt, &tried) {
+        let (long, attempt, tried, hint) =
+            (p.long, p.attempts + 1, p.tried.clone(), p.hint.clone());
+        let sent = match self.try_admit(request, lane, long, attempt, &tried, &hint) {
             Some(dispatch) => {
                 self.start_attempt(request, &dispatch);
                 out.push(Action::Dispatch(dispatch));

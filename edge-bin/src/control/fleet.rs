@@ -34,6 +34,7 @@ use std::time::Instant;
 
 use iop_wire::CloseReason;
 
+use super::prefix::ProviderId;
 use super::tables::RequestState;
 use super::{
     Action, ConnId, Control, ControlModel, ControlSpec, DrainTarget, Outcome, ProviderKey,
@@ -185,6 +186,7 @@ impl Control {
             }
         }
         next.carry_requests(self, out);
+        next.carry_routing(self);
         for p in 0..next.providers.len() {
             next.refresh(p);
         }
@@ -277,6 +279,38 @@ impl Control {
             entry.provider = self.provider_index[&entry.lease.provider];
         }
         self.leases = leases;
+    }
+
+    /// Each kept model's routing counters, and its prefix tree when its
+    /// policy and tree bounds are unchanged, the providers renumbered (those
+    /// no longer in the pool forgotten).
+    fn carry_routing(&mut self, old: &mut Control) {
+        for m in 0..self.models.len() {
+            let name = &self.models[m].spec.name;
+            let Some(&o) = old.model_index.get(name) else {
+                continue;
+            };
+            let was = &mut old.models[o].router;
+            let router = &mut self.models[m].router;
+            router.stats = std::mem::take(&mut was.stats);
+            if router.spec.policy != was.spec.policy || router.spec.tree != was.spec.tree {
+                continue;
+            }
+            let (Some(mut tree), Some(_)) = (was.tree.take(), router.tree.as_ref()) else {
+                continue;
+            };
+            let pool: HashSet<usize> = self.models[m]
+                .spec
+                .providers
+                .iter()
+                .filter_map(|key| self.provider_index.get(key).copied())
+                .collect();
+            tree.remap_providers(|ProviderId(q)| {
+                let p = *self.provider_index.get(&old.providers[q as usize].key)?;
+                pool.contains(&p).then_some(ProviderId(p as u32))
+            });
+            self.models[m].router.tree = Some(tree);
+        }
     }
 
     /// Every pending request, in arrival order, with its model, lane,

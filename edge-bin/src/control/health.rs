@@ -69,6 +69,8 @@ impl Control {
             self.set_next_probe(p, Some(now + self.tunables.recovery_probe_interval));
         }
         self.refresh(p);
+        // An engine that fails may have lost its cache: its prefixes go.
+        self.forget_routes(p);
         out.push(Action::Event(Event::Ejected {
             provider,
             ejection,

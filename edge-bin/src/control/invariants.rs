@@ -557,6 +557,7 @@ mod tests {
     //! The checks can fail: each test breaks one table the way a bug would
     //! and expects the check to name the invariant.
 
+    use super::super::RouteHint;
     use std::time::Duration;
 
     use iop_wire::pb;
@@ -598,6 +599,7 @@ mod tests {
                 max_queue: 4,
                 queue_timeout: Duration::from_secs(10),
                 max_attempts: 1,
+                routing: super::super::RoutingSpec::default(),
             }],
             tunables: Tunables::default(),
         });
@@ -618,6 +620,7 @@ mod tests {
                 model: "m".into(),
                 operation: Operation::ChatCompletions,
                 long: false,
+                hint: RouteHint::default(),
             },
         ] {
             control.handle(now, input, &mut out);

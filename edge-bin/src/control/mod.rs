@@ -63,6 +63,7 @@
 pub mod attempt;
 pub mod outlier;
 pub mod prefix;
+pub mod routing;
 
 mod admission;
 mod fleet;
@@ -77,6 +78,7 @@ mod terminal;
 mod views;
 
 pub use ids::{ConnId, Generation, ProviderKey, RequestId};
+pub use routing::{RouteHint, RoutingPolicy, RoutingSpec, RoutingStats};
 pub use spec::{
     control_spec, outlier_policy, ControlModel, ControlNode, ControlProvider, ControlSpec,
     DispatchKind, Operation, Operations, Tunables,
@@ -152,6 +154,14 @@ pub struct ModelView {
     pub queued: usize,
     /// Its `max_queue`.
     pub max_queue: u32,
+    /// Its routing policy.
+    pub routing: RoutingPolicy,
+    /// Its routing counters.
+    pub routing_stats: RoutingStats,
+    /// The bytes its prefix tree holds (0 unless `prefix`).
+    pub tree_bytes: usize,
+    /// Its prefix tree's budget (0 unless `prefix`).
+    pub tree_budget_bytes: usize,
 }
 
 /// Why a dispatched or queued request is cancelled (U6); dispatched ones
@@ -236,6 +246,8 @@ pub enum Input {
         operation: Operation,
         /// Whether it needs a long-context slot.
         long: bool,
+        /// What its model's routing policy may use.
+        hint: RouteHint,
     },
     /// The client of `request` went away or was cut off (U6).
     Cancel {
@@ -737,6 +749,7 @@ impl Control {
             let first = providers.len();
             for p in specs {
                 providers.push(ProviderState {
+                    key_hash: routing::provider_hash(&node.id, &p.id),
                     key: ProviderKey {
                         node_id: node.id.as_str().into(),
                         provider_id: p.id.as_str().into(),
@@ -825,6 +838,7 @@ impl Control {
             }
             model_index.insert(m.name.clone(), index);
             models.push(ModelState {
+                router: routing::Router::new(m.routing),
                 spec: m,
                 lanes: model_lanes.into_iter().map(|(_, lane)| lane).collect(),
                 lane_of,
@@ -905,12 +919,7 @@ impl Control {
                 version,
                 strips_usage_chunk,
             } => self.on_node_version(conn, version, strips_usage_chunk),
-            Input::Submit {
-                request,
-                model,
-                operation,
-                long,
-            } => self.on_submit(now, request, &model, operation, long, out),
+            submit @ Input::Submit { .. } => self.on_submit(now, submit, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),
             Input::Terminal(t) => self.on_terminal(now, t, out),

@@ -269,6 +269,44 @@ impl PrefixTree {
         }
     }
 
+    /// Renames every provider through `map` (a reload renumbers them), and
+    /// drops the stamps of those it maps to `None`, with the nodes no other
+    /// provider holds. `map` must be one-to-one on what it keeps. Work is
+    /// linear in the size of the tree.
+    pub fn remap_providers(&mut self, map: impl Fn(ProviderId) -> Option<ProviderId>) {
+        let mut stack = vec![ROOT];
+        while let Some(at) = stack.pop() {
+            let children = self.node(at).children.clone();
+            let mut kept = Vec::with_capacity(children.len());
+            for (first, child) in children {
+                let node = self.node_mut(child);
+                let mut providers: Vec<Stamp> = node
+                    .providers
+                    .iter()
+                    .filter_map(|&(p, when)| map(p).map(|q| (q, when)))
+                    .collect();
+                providers.sort_unstable_by_key(|&(p, _)| p);
+                providers.shrink_to_fit();
+                node.providers = providers;
+                self.recost(child);
+                self.relink_lru(child);
+                if self.node(child).providers.is_empty() {
+                    self.free_subtree(child);
+                } else {
+                    kept.push((first, child));
+                    stack.push(child);
+                }
+            }
+            let node = self.node_mut(at);
+            if kept.len() != node.children.len() {
+                kept.shrink_to_fit();
+                node.children = kept;
+                self.recost(at);
+                self.relink_lru(at);
+            }
+        }
+    }
+
     fn capped<'t>(&self, text: &'t [u8]) -> &'t [u8] {
         &text[..text.len().min(self.spec.prefix_bytes_max)]
     }

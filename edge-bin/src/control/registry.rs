@@ -258,6 +258,8 @@ impl Control {
         for p in self.nodes[n].providers.clone() {
             self.reset_health(p);
             self.refresh(p);
+            // Its engines may restart with it: what they cached is unknown.
+            self.forget_routes(p);
         }
         // In arrival order, now that the fenced providers are no
         // candidates.

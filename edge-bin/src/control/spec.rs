@@ -10,6 +10,8 @@ use iop_wire::pb;
 
 use super::ids::ProviderKey;
 use super::outlier::OutlierPolicy;
+use super::prefix::PrefixTreeSpec;
+use super::routing::{RoutingPolicy, RoutingSpec};
 use crate::config::{self, EdgeConfig};
 
 /// How a provider is driven (U7).
@@ -130,6 +132,8 @@ pub struct ControlModel {
     pub queue_timeout: Duration,
     /// Most attempts of one request (pre-commit failover): 1 never retries.
     pub max_attempts: u32,
+    /// How a request chooses among the free providers of the pool.
+    pub routing: RoutingSpec,
 }
 
 /// Tunables of the state machine.
@@ -225,6 +229,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
             max_queue: m.max_queue,
             queue_timeout: Duration::from_millis(m.queue_timeout_ms),
             max_attempts: m.max_attempts,
+            routing: routing_spec(m.routing, &cfg.routing),
             providers: m
                 .providers
                 .iter()
@@ -244,6 +249,20 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
             retire_grace: Duration::from_millis(cfg.edge.drain_grace_ms),
             ..Tunables::default()
         },
+    }
+}
+
+/// A model's routing spec: its policy with the `[routing]` settings.
+pub fn routing_spec(policy: RoutingPolicy, settings: &config::RoutingSettings) -> RoutingSpec {
+    RoutingSpec {
+        policy,
+        tree: PrefixTreeSpec {
+            budget_bytes: usize::try_from(settings.prefix_tree_bytes).unwrap_or(usize::MAX),
+            prefix_bytes_max: usize::try_from(settings.prefix_bytes_max).unwrap_or(usize::MAX),
+        },
+        match_threshold_pct: settings.match_threshold_percent,
+        balance_abs_threshold: settings.balance_abs_threshold,
+        balance_rel_threshold_pct: settings.balance_rel_threshold_percent,
     }
 }
 

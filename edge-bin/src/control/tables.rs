@@ -123,6 +123,8 @@ pub(super) struct Indexed {
 #[derive(Debug)]
 pub(super) struct ProviderState {
     pub(super) key: ProviderKey,
+    /// Its key hashed, for `session` routing's rendezvous scores.
+    pub(super) key_hash: u64,
     /// Its node (index into `Control::nodes`).
     pub(super) node: usize,
     pub(super) spec: ControlProvider,
@@ -235,6 +237,8 @@ pub(super) struct Pending {
     /// Its response-wait deadline, set at its first dispatch: every
     /// attempt must start its response before it (U6).
     pub(super) response_deadline: Option<Instant>,
+    /// What its model's routing policy may use.
+    pub(super) hint: super::routing::RouteHint,
 }
 
 impl Pending {
@@ -244,6 +248,7 @@ impl Pending {
         lane: usize,
         long: bool,
         state: RequestState,
+        hint: super::routing::RouteHint,
     ) -> Self {
         Self {
             model,
@@ -255,6 +260,7 @@ impl Pending {
             unstarted: 0,
             tried: Vec::new(),
             response_deadline: None,
+            hint,
         }
     }
 
@@ -277,6 +283,8 @@ pub(super) struct ModelState {
     /// No longer in the configuration (`Input::Reconfigure`): kept, with
     /// an empty pool, only while requests it admitted run out.
     pub(super) removed: bool,
+    /// Its routing policy's state.
+    pub(super) router: super::routing::Router,
 }
 
 /// The candidates and queues of the operations of one model that share

@@ -307,6 +307,14 @@ impl Control {
                     candidates: candidates.len(),
                     queued: self.queued_count(m),
                     max_queue: model.spec.max_queue,
+                    routing: model.router.spec.policy,
+                    routing_stats: model.router.stats.clone(),
+                    tree_bytes: model.router.tree.as_ref().map_or(0, |t| t.bytes()),
+                    tree_budget_bytes: model
+                        .router
+                        .tree
+                        .as_ref()
+                        .map_or(0, |_| model.router.spec.tree.budget_bytes),
                 }
             })
             .collect()

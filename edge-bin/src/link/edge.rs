@@ -31,7 +31,7 @@ use crate::config::EdgeConfig;
 use crate::control::attempt::AttemptTracker;
 use crate::control::{
     control_spec, AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
-    Rejection, RequestId,
+    Rejection, RequestId, RouteHint,
 };
 use crate::link::node_metrics_cache::NodeMetricsCache;
 use crate::link::observers::{Observer, ObserverMsg, Observers};
@@ -375,6 +375,7 @@ impl Edge {
         model: &str,
         operation: Operation,
         long: bool,
+        hint: RouteHint,
     ) -> (RequestId, oneshot::Receiver<Admission>) {
         let seq = self.next_request.get() + 1;
         self.next_request.set(seq);
@@ -386,6 +387,7 @@ impl Edge {
             model: model.to_string(),
             operation,
             long,
+            hint,
         });
         (request, rx)
     }
@@ -1008,6 +1010,7 @@ mod tests {
                 max_queue: 4,
                 queue_timeout: Duration::from_secs(30),
                 max_attempts: 1,
+                routing: crate::control::RoutingSpec::default(),
             }],
             tunables: Tunables::default(),
         };
@@ -1075,7 +1078,8 @@ mod tests {
                 conn,
                 node_id: "n".into(),
             });
-            let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
+            let (request, mut rx) =
+                edge.submit("m", Operation::ChatCompletions, false, RouteHint::default());
             let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
                 panic!("round {round}: request not dispatched")
             };
@@ -1133,7 +1137,8 @@ mod tests {
             conn,
             node_id: "n".into(),
         });
-        let (request, mut rx) = edge.submit("m", Operation::ChatCompletions, false);
+        let (request, mut rx) =
+            edge.submit("m", Operation::ChatCompletions, false, RouteHint::default());
         let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };

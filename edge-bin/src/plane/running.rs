@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crate::api::openai::ModelEntry;
 use crate::config::{EdgeConfig, ListenerLimits, MetricsAccess};
+use crate::control::RoutingPolicy;
 
 /// One configuration as the shards read it.
 #[derive(Debug, Clone)]
@@ -30,6 +31,12 @@ pub struct Running {
     pub models: Vec<ModelEntry>,
     /// Long-context threshold per model, in estimated prompt tokens.
     pub long_context_threshold_tokens: HashMap<String, u64>,
+    /// Each model's routing policy (a request reads the hint its policy
+    /// uses; none for `least_loaded`).
+    pub model_routing: HashMap<String, RoutingPolicy>,
+    /// `routing.prefix_bytes_max`: how much of a prompt a `prefix` model's
+    /// request carries to Control.
+    pub prefix_bytes_max: usize,
     /// The node ids of each model's providers (each once, in config
     /// order): where a cluster member looks for the model's owners.
     pub model_nodes: HashMap<String, Vec<String>>,
@@ -70,6 +77,8 @@ impl Running {
             config: None,
             models: Vec::new(),
             long_context_threshold_tokens: HashMap::new(),
+            model_routing: HashMap::new(),
+            prefix_bytes_max: 0,
             model_nodes: HashMap::new(),
             model_queue_timeouts: HashMap::new(),
             max_request_body_bytes,
@@ -103,6 +112,12 @@ impl Running {
                 .iter()
                 .filter_map(|m| m.long_context_threshold_tokens.map(|t| (m.name.clone(), t)))
                 .collect(),
+            model_routing: cfg
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), m.routing))
+                .collect(),
+            prefix_bytes_max: usize::try_from(cfg.routing.prefix_bytes_max).unwrap_or(usize::MAX),
             model_nodes: cfg
                 .models
                 .iter()

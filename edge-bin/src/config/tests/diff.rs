@@ -507,7 +507,9 @@ max_json_members = 1";
     let next = format!(
         "{next}\n[edge.access_log]\ndestination = \"access.log\"\nformat = \"json\"\n\n\
          [outlier_detection]\nenabled = false\nconsecutive_failures = 3\n\
-         base_ejection_time_ms = 1\nmax_ejection_time_ms = 2\nmax_ejection_percent = 1\n"
+         base_ejection_time_ms = 1\nmax_ejection_time_ms = 2\nmax_ejection_percent = 1\n\n\
+         [routing]\nprefix_tree_bytes = 65536\nprefix_bytes_max = 1\nmatch_threshold_percent = 1\n\
+         balance_abs_threshold = 1\nbalance_rel_threshold_percent = 101\n"
     );
     // Another access log file (the path is a setting of its own).
     let moved = next.replace("access.log", "access-2.log");
@@ -633,6 +635,7 @@ fn example_settings_keys() -> Vec<ExampleKey> {
         "edge.client_tls",
         "tls",
         "outlier_detection",
+        "routing",
         "cluster",
     ];
     let is_key = |line: &str| -> Option<String> {

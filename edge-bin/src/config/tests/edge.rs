@@ -93,6 +93,7 @@ fn example_file_parses_into_the_documented_values() {
                 queue_timeout_ms: 30_000,
                 max_attempts: 2,
                 owned_by: "iop".into(),
+                routing: RoutingPolicy::LeastLoaded,
             },
             ModelSpec {
                 name: "qwen2.5-7b".into(),
@@ -105,10 +106,12 @@ fn example_file_parses_into_the_documented_values() {
                 queue_timeout_ms: 30_000,
                 max_attempts: 2,
                 owned_by: "iop".into(),
+                routing: RoutingPolicy::LeastLoaded,
             },
         ],
         credentials: None,
         outlier_detection: OutlierDetection::default(),
+        routing: RoutingSettings::default(),
         cluster: None,
         client_keys: vec![],
     };
@@ -197,7 +200,7 @@ fn unknown_keys_are_rejected_with_their_path() {
     assert_eq!(
         error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
         "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
-         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection`, `cluster` (line 44, \
+         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection`, `routing`, `cluster` (line 44, \
          column 2)"
     );
 }
@@ -858,4 +861,75 @@ fn a_structural_fault_fails_the_structure_too() {
         )
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn routing_defaults_to_prefix_for_two_openai_compatible_providers_and_is_checked() {
+    let base = parse(BASE).unwrap();
+    assert_eq!(base.routing, RoutingSettings::default());
+    assert_eq!(
+        base.models[0].routing,
+        RoutingPolicy::LeastLoaded,
+        "one provider"
+    );
+    let second = "[[nodes.providers]]\nid = \"a-llama-2\"\nadapter = \"vllm-main\"\n\
+                  target = \"meta-llama/Llama-3.1-8B-Instruct\"\ncapacity = 8\n\n[[models]]";
+    let pool =
+        |providers: &str| variant("[[models]]", second).replace("[\"node-a/a-llama\"]", providers);
+    let two = parse(&pool("[\"node-a/a-llama\", \"node-a/a-llama-2\"]")).unwrap();
+    assert_eq!(two.models[0].routing, RoutingPolicy::Prefix);
+    // An Ollama provider keeps no cache the tree can know of.
+    let mixed = parse(&pool("[\"node-a/a-llama\", \"node-a/a-qwen\"]")).unwrap();
+    assert_eq!(mixed.models[0].routing, RoutingPolicy::LeastLoaded);
+    for (text, policy) in [
+        ("least_loaded", RoutingPolicy::LeastLoaded),
+        ("session", RoutingPolicy::Session),
+        ("prefix", RoutingPolicy::Prefix),
+    ] {
+        let model = "providers = [\"node-a/a-llama\"]";
+        let config = parse(&variant(model, &format!("{model}\nrouting = \"{text}\""))).unwrap();
+        assert_eq!(config.models[0].routing, policy);
+    }
+    let model = "providers = [\"node-a/a-llama\"]";
+    assert_eq!(
+        error(&variant(model, &format!("{model}\nrouting = \"random\""))),
+        "conf/edge.toml: models[0].routing: \"random\": expected \"least_loaded\", \"session\" \
+         or \"prefix\""
+    );
+    let with = |table: &str| format!("{BASE}\n[routing]\n{table}\n");
+    assert_eq!(
+        parse(&with(
+            "prefix_tree_bytes = 65536\nprefix_bytes_max = 1\nmatch_threshold_percent = 0\n\
+             balance_abs_threshold = 0\nbalance_rel_threshold_percent = 100"
+        ))
+        .unwrap()
+        .routing,
+        RoutingSettings {
+            prefix_tree_bytes: 65_536,
+            prefix_bytes_max: 1,
+            match_threshold_percent: 0,
+            balance_abs_threshold: 0,
+            balance_rel_threshold_percent: 100,
+        }
+    );
+    for (table, why) in [
+        (
+            "prefix_tree_bytes = 1024",
+            "routing.prefix_tree_bytes: must be between 65536 and 4294967296 (got 1024)",
+        ),
+        (
+            "prefix_bytes_max = 0",
+            "routing.prefix_bytes_max: must be between 1 and 1048576 (got 0)",
+        ),
+        (
+            "match_threshold_percent = 101",
+            "routing.match_threshold_percent: must be between 0 and 100 (got 101)",
+        ),
+        (
+            "balance_rel_threshold_percent = 99",
+            "routing.balance_rel_threshold_percent: must be between 100 and 10000 (got 99)",
+        ),
+    ] {
+        assert_eq!(error(&with(table)), format!("conf/edge.toml: {why}"));
+    }
 }
