@@ -136,7 +136,7 @@ class Cluster:
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
                  credentials=None, client_keys=None, cores="0", edge_extra=(),
                  provider_tls=None, client_tls=False, tls_fixtures=False, client_listen="127.0.0.1:0",
-                 node_extra=()):
+                 node_extra=(), routing="least_loaded"):
         # provider_tls: serve the mock over HTTPS with this `bench
         # tls-fixtures` certificate ("https", "wrong-host", "expired",
         # "unknown-ca"); every adapter then uses https://localhost:<port> with
@@ -196,6 +196,11 @@ class Cluster:
         # (e.g. a `[metrics]` table).
         self.node_extra = list(node_extra)
         self.provider_capacity = provider_capacity
+        # routing: the `routing` of the model every node serves: least_loaded,
+        # so that the suite's spread over nodes does not follow its identical
+        # prompts; None leaves the key out (the default: prefix with two or
+        # more nodes).
+        self.routing = routing
         self.procs: list[Proc] = []
         self.nodes: dict[str, Proc] = {}
 
@@ -418,6 +423,7 @@ class Cluster:
             "[[models]]",
             'name = "iop-test-model"',
             "providers = [" + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
+        ] + ([f'routing = "{self.routing}"'] if self.routing else []) + [
             "[[models]]",
             'name = "offline-model"',
             'providers = ["node-offline/mock-1"]',

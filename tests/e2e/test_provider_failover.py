@@ -54,6 +54,7 @@ class TwoProviders(Cluster):
         ] + adapter("mock-a", mock_addr) + adapter("mock-b", self.mock_b.ready["addr"])
           + provider("a", "mock-a", self.provider_a_extra) + provider("b", "mock-b", ()) + [
             "[[models]]", f'name = "{MODEL}"', 'providers = ["node-a/a", "node-a/b"]', "max_attempts = 2",
+            'routing = "least_loaded"',
         ]) + "\n"
 
     def all_nodes_connected(self) -> bool:

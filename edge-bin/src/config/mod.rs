@@ -135,6 +135,42 @@ pub struct ClusterSpec {
     pub peer_listen: Option<SocketAddr>,
 }
 
+/// How a model chooses among its free providers (`[[models]] routing`;
+/// `crate::control::routing` decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RoutingPolicy {
+    /// The least loaded free candidate; ties go to configured order.
+    #[default]
+    LeastLoaded,
+    /// Affinity by session key, consistent-hashed over the pool.
+    Session,
+    /// The provider that served the longest prefix of the prompt.
+    Prefix,
+}
+
+impl RoutingPolicy {
+    /// Every policy, in this order.
+    pub const ALL: [RoutingPolicy; 3] = [
+        RoutingPolicy::LeastLoaded,
+        RoutingPolicy::Session,
+        RoutingPolicy::Prefix,
+    ];
+
+    /// The config, metrics and `/status` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPolicy::LeastLoaded => "least_loaded",
+            RoutingPolicy::Session => "session",
+            RoutingPolicy::Prefix => "prefix",
+        }
+    }
+
+    /// The policy spelled `text`.
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == text)
+    }
+}
+
 /// The `[routing]` table: the settings of the models' routing policies
 /// (`crate::control::routing`), shared by every model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -622,7 +658,7 @@ pub struct ModelSpec {
     /// How a request chooses among the free providers of the pool
     /// (`routing`): by default `prefix` for a pool of two or more
     /// OpenAI-compatible providers, else `least_loaded`.
-    pub routing: crate::control::RoutingPolicy,
+    pub routing: RoutingPolicy,
 }
 
 /// A reference `"<node id>/<provider id>"` to a provider resource.

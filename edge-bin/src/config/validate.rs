@@ -1126,12 +1126,12 @@ impl Validator<'_> {
                     })
                     .count();
                 if compatible >= 2 {
-                    crate::control::RoutingPolicy::Prefix
+                    RoutingPolicy::Prefix
                 } else {
-                    crate::control::RoutingPolicy::LeastLoaded
+                    RoutingPolicy::LeastLoaded
                 }
             }
-            Some(text) => crate::control::RoutingPolicy::parse(text).ok_or_else(|| {
+            Some(text) => RoutingPolicy::parse(text).ok_or_else(|| {
                 self.err(
                     format!("{key}.routing"),
                     format!("{text:?}: expected \"least_loaded\", \"session\" or \"prefix\""),

@@ -29,43 +29,9 @@
 use bytes::Bytes;
 
 use super::prefix::{PrefixTree, PrefixTreeSpec, ProviderId};
-use super::tables::Candidate;
 use super::{Control, RequestId};
 
-/// How a model chooses among its free candidates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum RoutingPolicy {
-    /// The least loaded free candidate; ties go to configured order.
-    #[default]
-    LeastLoaded,
-    /// Affinity by session key, consistent-hashed over the pool.
-    Session,
-    /// The provider that served the longest prefix of the prompt.
-    Prefix,
-}
-
-impl RoutingPolicy {
-    /// Every policy, in this order.
-    pub const ALL: [RoutingPolicy; 3] = [
-        RoutingPolicy::LeastLoaded,
-        RoutingPolicy::Session,
-        RoutingPolicy::Prefix,
-    ];
-
-    /// The config, metrics and `/status` spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RoutingPolicy::LeastLoaded => "least_loaded",
-            RoutingPolicy::Session => "session",
-            RoutingPolicy::Prefix => "prefix",
-        }
-    }
-
-    /// The policy spelled `text`.
-    pub fn parse(text: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|p| p.as_str() == text)
-    }
-}
+pub use crate::config::RoutingPolicy;
 
 /// A model's routing configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,13 +228,12 @@ impl Control {
                 let covers = considered > 0
                     && m.matched_len as u64 * 100
                         >= u64::from(router.spec.match_threshold_pct) * considered as u64;
-                let holds = |c: &Candidate| {
-                    m.providers
-                        .binary_search_by_key(&ProviderId(c.provider as u32), |&(p, _)| p)
-                        .is_ok()
-                };
                 let holder = if covers {
-                    std::iter::once(least).chain(free.copied()).find(holds)
+                    std::iter::once(least).chain(free.copied()).find(|c| {
+                        m.providers
+                            .binary_search_by_key(&ProviderId(c.provider as u32), |&(p, _)| p)
+                            .is_ok()
+                    })
                 } else {
                     None
                 };
@@ -278,7 +243,9 @@ impl Control {
                 }
             }
         };
-        if preferred.provider != least.provider && self.too_busy(&preferred, &least, &router.spec) {
+        if preferred.provider != least.provider
+            && self.too_busy(preferred.provider, least.provider, &router.spec)
+        {
             return Some(Pick {
                 fell_back: true,
                 ..by_load(matched)
@@ -295,9 +262,9 @@ impl Control {
     /// The imbalance rule: `preferred` has more than the absolute threshold
     /// more requests in flight than `least`, and more than the relative
     /// threshold times as many.
-    fn too_busy(&self, preferred: &Candidate, least: &Candidate, spec: &RoutingSpec) -> bool {
-        let busy = u64::from(self.providers[preferred.provider].in_flight);
-        let idle = u64::from(self.providers[least.provider].in_flight);
+    fn too_busy(&self, preferred: usize, least: usize, spec: &RoutingSpec) -> bool {
+        let busy = u64::from(self.providers[preferred].in_flight);
+        let idle = u64::from(self.providers[least].in_flight);
         busy > idle + u64::from(spec.balance_abs_threshold)
             && busy * 100 > idle * u64::from(spec.balance_rel_threshold_pct)
     }

@@ -6,7 +6,6 @@ mod edge;
 mod fleet;
 
 use super::*;
-use crate::control::RoutingPolicy;
 
 /// A valid file that exercises every table; variants are made by
 /// replacing one snippet.
