@@ -41,6 +41,11 @@
 //!    or load, `prefix` by match or load), and a prefix tree never holds
 //!    more than its budget.
 //!
+//! Requests of the `prefix` and `session` models wait up to
+//! `AFFINITY_WAIT_MS` for their preferred provider when it is full; the
+//! machine's own invariants (checked after every step in debug builds)
+//! hold the waits' indexes together.
+//!
 //! A failure prints its seed; `IOP_SIM_SEED=<seed>` replays that schedule
 //! with a step log. Schedules derive from a printed base seed
 //! (`IOP_SIM_BASE_SEED` overrides it).
@@ -81,6 +86,8 @@ const POLICIES: [RoutingPolicy; 3] = [
     RoutingPolicy::Session,
     RoutingPolicy::LeastLoaded,
 ];
+/// How long a request waits for its preferred provider.
+const AFFINITY_WAIT_MS: u64 = 40;
 /// The prefix trees' budget: a few dozen nodes.
 const TREE_BYTES: usize = 4096;
 /// The conversations requests' prompts extend, and the sessions they name.
@@ -142,6 +149,7 @@ fn spec() -> ControlSpec {
                     match_threshold_pct: 50,
                     balance_abs_threshold: 0,
                     balance_rel_threshold_pct: 150,
+                    affinity_wait: Duration::from_millis(AFFINITY_WAIT_MS),
                 },
             })
             .collect(),
@@ -190,6 +198,8 @@ struct Stats {
     by_match: u64,
     by_session: u64,
     imbalance_fallbacks: u64,
+    affinity_waits: u64,
+    affinity_waits_expired: u64,
 }
 
 impl Stats {
@@ -207,6 +217,8 @@ impl Stats {
         self.by_match += o.by_match;
         self.by_session += o.by_session;
         self.imbalance_fallbacks += o.imbalance_fallbacks;
+        self.affinity_waits += o.affinity_waits;
+        self.affinity_waits_expired += o.affinity_waits_expired;
     }
 }
 
@@ -785,6 +797,8 @@ fn run_schedule(seed: u64, verbose: bool) -> Result<Stats, String> {
             sim.stats.by_match += view.routing_stats.by_match;
             sim.stats.by_session += view.routing_stats.by_session;
             sim.stats.imbalance_fallbacks += view.routing_stats.imbalance_fallbacks;
+            sim.stats.affinity_waits += view.routing_stats.affinity_waits;
+            sim.stats.affinity_waits_expired += view.routing_stats.affinity_waits_expired;
         }
         Ok(sim.stats)
     }));
@@ -878,6 +892,11 @@ fn simulation_with_failing_attempts() {
             "preferred providers passed over as too busy",
             total.imbalance_fallbacks,
         ),
+        (
+            "requests waiting for their preferred provider",
+            total.affinity_waits,
+        ),
+        ("affinity waits that ran out", total.affinity_waits_expired),
     ] {
         assert!(n >= 1_000, "{what}: only {n}");
     }

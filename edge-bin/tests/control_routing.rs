@@ -19,6 +19,7 @@ use edge_bin::control::{
 use iop_wire::pb;
 
 const CAPACITY: u32 = 8;
+const WAIT_MS: u64 = 100;
 const N1: ConnId = ConnId(1);
 const N2: ConnId = ConnId(2);
 
@@ -47,6 +48,7 @@ fn routing(policy: RoutingPolicy) -> RoutingSpec {
         match_threshold_pct: 50,
         balance_abs_threshold: 2,
         balance_rel_threshold_pct: 150,
+        affinity_wait: Duration::ZERO,
     }
 }
 
@@ -125,13 +127,32 @@ impl Fixture {
 
     /// No imbalance rule: only a full provider is passed over.
     fn without_imbalance_rule() -> Self {
+        Self::configured(|_| {})
+    }
+
+    /// No imbalance rule, and a request waits up to [`WAIT_MS`] for its
+    /// preferred provider.
+    fn with_affinity_wait() -> Self {
+        Self::configured(|routing| routing.affinity_wait = Duration::from_millis(WAIT_MS))
+    }
+
+    fn configured(change: impl Fn(&mut RoutingSpec)) -> Self {
         let mut f = Self::new();
         let mut spec = spec(&POOL);
         for m in &mut spec.models {
             m.routing.balance_abs_threshold = CAPACITY;
+            change(&mut m.routing);
         }
         f.handle(Input::Reconfigure(Box::new(spec)));
         f
+    }
+
+    /// Moves the clock `ms` on and runs the timers due.
+    fn advance(&mut self, ms: u64) -> Vec<Action> {
+        self.now += Duration::from_millis(ms);
+        let mut out = Vec::new();
+        self.control.handle_timeout(self.now, &mut out);
+        out
     }
 
     fn connect(&mut self, conn: ConnId, node: &str) {
@@ -471,4 +492,89 @@ fn queued_requests_are_admitted_in_arrival_order_whatever_they_prefer() {
     let out = f.finish(p1_request, AttemptEnd::Answered);
     assert_eq!(dispatched(&out, waiting[1]).as_deref(), Some("p1"));
     assert_eq!(f.view("pre").queued, 1);
+}
+
+/// Fills p1 with `CAPACITY` requests of `text` (all by match once the
+/// first is there); their ids.
+fn fill_p1(f: &mut Fixture, model: &str, hint: &RouteHint) -> Vec<RequestId> {
+    (0..CAPACITY)
+        .map(|_| {
+            let (r, to) = f.send(model, hint.clone());
+            assert_eq!(to.as_deref(), Some("p1"));
+            r
+        })
+        .collect()
+}
+
+#[test]
+fn a_request_waits_a_while_for_its_full_provider_and_others_go_on() {
+    let mut f = Fixture::with_affinity_wait();
+    let a = prompt("{\"conversation A\":\"whose prefix p1 holds, and p1 is full\"}");
+    let held = fill_p1(&mut f, "pre", &a);
+    // p2 and p3 are free, yet the next turn of A waits for p1...
+    let (waiting, to) = f.send("pre", a.clone());
+    assert_eq!(to, None);
+    assert_eq!(f.view("pre").queued, 1);
+    // ...and does not hold up a request that prefers nothing.
+    let (_, to) = f.send(
+        "pre",
+        prompt("{\"conversation B\":\"new, held by nobody at all\"}"),
+    );
+    assert_eq!(to.as_deref(), Some("p2"));
+    // A slot of p1 frees within the wait: it is the waiting request's.
+    let out = f.finish(held[3], AttemptEnd::Answered);
+    assert_eq!(dispatched(&out, waiting).as_deref(), Some("p1"));
+    let stats = f.view("pre").routing_stats;
+    assert_eq!((stats.affinity_waits, stats.affinity_waits_expired), (1, 0));
+    assert_eq!(stats.by_match, CAPACITY as u64 - 1 + 1);
+    assert_eq!(f.view("pre").queued, 0);
+}
+
+#[test]
+fn an_affinity_wait_is_bounded_then_any_free_provider_takes_it() {
+    let mut f = Fixture::with_affinity_wait();
+    let a = prompt("{\"conversation A\":\"whose prefix p1 holds, and p1 is full\"}");
+    fill_p1(&mut f, "pre", &a);
+    let (waiting, to) = f.send("pre", a.clone());
+    assert_eq!(to, None);
+    assert_eq!(dispatched(&f.advance(WAIT_MS - 2), waiting), None);
+    // At the bound: the least loaded free provider.
+    let out = f.advance(2);
+    assert_eq!(dispatched(&out, waiting).as_deref(), Some("p2"));
+    let stats = f.view("pre").routing_stats;
+    assert_eq!((stats.affinity_waits, stats.affinity_waits_expired), (1, 1));
+}
+
+#[test]
+fn a_session_waits_for_its_provider_and_a_cancel_ends_the_wait() {
+    let mut f = Fixture::with_affinity_wait();
+    let key = session("a-busy-session");
+    let home = f.once("ses", key.clone());
+    let held: Vec<RequestId> = (0..CAPACITY)
+        .map(|_| {
+            let (r, to) = f.send("ses", key.clone());
+            assert_eq!(to.as_deref(), Some(home.as_str()));
+            r
+        })
+        .collect();
+    let (first, to) = f.send("ses", key.clone());
+    assert_eq!(to, None);
+    let (second, to) = f.send("ses", key.clone());
+    assert_eq!(to, None);
+    assert_eq!(f.view("ses").queued, 2);
+    // The first leaves while it waits: the second gets the freed slot.
+    let out = f.handle(Input::Cancel {
+        request: first,
+        reason: edge_bin::control::CancelReason::ClientDisconnect,
+    });
+    assert!(out.contains(&Action::Done {
+        request: first,
+        outcome: edge_bin::control::Outcome::Cancelled,
+    }));
+    assert_eq!(f.view("ses").queued, 1);
+    let out = f.finish(held[0], AttemptEnd::Answered);
+    assert_eq!(dispatched(&out, second).as_deref(), Some(home.as_str()));
+    assert_eq!(f.view("ses").routing_stats.affinity_waits, 2);
+    // Nothing left to time out.
+    assert_eq!(f.advance(WAIT_MS * 10), []);
 }

@@ -158,4 +158,5 @@ def test_requests_of_one_session_stay_on_one_provider():
         routing = model_routing(cluster, SESSION_MODEL)
         assert routing == {"policy": "session", "routed_by_load": 0, "routed_by_match": 0,
                            "routed_by_session": 24, "imbalance_fallbacks": 0,
+                           "affinity_waits": 0, "affinity_waits_expired": 0,
                            "tree_bytes": 0, "tree_budget_bytes": 0}

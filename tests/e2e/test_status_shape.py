@@ -51,11 +51,13 @@ def test_status_is_the_projection_and_nothing_else():
             # Each model's queue and routing (one provider: least_loaded).
             {"model": "iop-test-model", "queued": 0, "max_queue": 256, "routing": {
                 "policy": "least_loaded", "routed_by_load": 0, "routed_by_match": 0,
-                "routed_by_session": 0, "imbalance_fallbacks": 0, "tree_bytes": 0,
+                "routed_by_session": 0, "imbalance_fallbacks": 0, "affinity_waits": 0,
+                "affinity_waits_expired": 0, "tree_bytes": 0,
                 "tree_budget_bytes": 0}},
             {"model": "offline-model", "queued": 0, "max_queue": 256, "routing": {
                 "policy": "least_loaded", "routed_by_load": 0, "routed_by_match": 0,
-                "routed_by_session": 0, "imbalance_fallbacks": 0, "tree_bytes": 0,
+                "routed_by_session": 0, "imbalance_fallbacks": 0, "affinity_waits": 0,
+                "affinity_waits_expired": 0, "tree_bytes": 0,
                 "tree_budget_bytes": 0}},
         ], "logs": {
             # The Edge's own files (for callers that see everything; this

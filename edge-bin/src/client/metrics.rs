@@ -602,6 +602,27 @@ pub fn render_routing(models: &[ModelView]) -> String {
     }
     let _ = writeln!(
         out,
+        "# HELP iop_edge_routing_affinity_waits_total Requests that waited for their preferred \
+         provider, full at their arrival (routing.affinity_wait_ms), by how the wait ended: \
+         served (it freed in time) or expired (then any provider)."
+    );
+    let _ = writeln!(out, "# TYPE iop_edge_routing_affinity_waits_total counter");
+    for m in models {
+        let s = &m.routing_stats;
+        let expired = s.affinity_waits_expired;
+        for (result, n) in [
+            ("served", s.affinity_waits.saturating_sub(expired)),
+            ("expired", expired),
+        ] {
+            let _ = writeln!(
+                out,
+                "iop_edge_routing_affinity_waits_total{{{},result=\"{result}\"}} {n}",
+                label(m)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
         "# HELP iop_edge_routing_matched_prefix_bytes How many bytes of each prefix-routed \
          request's prompt the model's tree matched."
     );
@@ -879,6 +900,8 @@ mod tests {
                     imbalance_fallbacks: 1,
                     matched_bytes: matched,
                     matched_bytes_sum: 70_000,
+                    affinity_waits: 4,
+                    affinity_waits_expired: 1,
                     ..Default::default()
                 },
             ),
@@ -900,6 +923,10 @@ mod tests {
                 "iop_edge_routing_decisions_total{model=\"s\",policy=\"session\",route=\"session\"} 0",
                 "iop_edge_routing_imbalance_fallbacks_total{model=\"p\"} 1",
                 "iop_edge_routing_imbalance_fallbacks_total{model=\"s\"} 0",
+                "iop_edge_routing_affinity_waits_total{model=\"p\",result=\"served\"} 3",
+                "iop_edge_routing_affinity_waits_total{model=\"p\",result=\"expired\"} 1",
+                "iop_edge_routing_affinity_waits_total{model=\"s\",result=\"served\"} 0",
+                "iop_edge_routing_affinity_waits_total{model=\"s\",result=\"expired\"} 0",
                 "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"0\"} 2",
                 "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"256\"} 2",
                 "iop_edge_routing_matched_prefix_bytes_bucket{model=\"p\",le=\"1024\"} 5",
@@ -912,7 +939,7 @@ mod tests {
                 "iop_edge_routing_tree_bytes{model=\"p\"} 4096",
             ]
         );
-        assert_eq!(text.matches("# TYPE ").count(), 4);
+        assert_eq!(text.matches("# TYPE ").count(), 5);
     }
 
     // CONTRACT: O1 — the four contract counters are exposed with bounded

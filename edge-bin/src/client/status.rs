@@ -156,6 +156,8 @@ pub fn model_json(m: &ModelView) -> Value {
             "routed_by_match": s.by_match,
             "routed_by_session": s.by_session,
             "imbalance_fallbacks": s.imbalance_fallbacks,
+            "affinity_waits": s.affinity_waits,
+            "affinity_waits_expired": s.affinity_waits_expired,
             "tree_bytes": m.tree_bytes,
             "tree_budget_bytes": m.tree_budget_bytes,
         },
@@ -520,8 +522,8 @@ mod tests {
             doc["models"],
             json!([{"model": "seen", "queued": 1, "max_queue": 8, "routing": {
                 "policy": "prefix", "routed_by_load": 3, "routed_by_match": 5,
-                "routed_by_session": 0, "imbalance_fallbacks": 1,
-                "tree_bytes": 2048, "tree_budget_bytes": 65536}}])
+                "routed_by_session": 0, "imbalance_fallbacks": 1, "affinity_waits": 0,
+                "affinity_waits_expired": 0, "tree_bytes": 2048, "tree_budget_bytes": 65536}}])
         );
     }
 

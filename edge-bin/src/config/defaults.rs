@@ -185,3 +185,9 @@ pub const MAX_BALANCE_ABS_THRESHOLD: u32 = 65_536;
 pub const DEFAULT_BALANCE_REL_THRESHOLD_PERCENT: u32 = 150;
 /// Largest accepted `routing.balance_rel_threshold_percent` (100 times).
 pub const MAX_BALANCE_REL_THRESHOLD_PERCENT: u32 = 10_000;
+/// Default `routing.affinity_wait_ms`: how long a request waits for its
+/// preferred provider (holder of its prefix, its session's) when that one
+/// is full, before it takes any.
+pub const DEFAULT_AFFINITY_WAIT_MS: u64 = 200;
+/// Largest accepted `routing.affinity_wait_ms` (one minute).
+pub const MAX_AFFINITY_WAIT_MS: u64 = 60_000;

@@ -296,6 +296,9 @@ pub const SETTINGS: &[Setting] = &[
     setting("routing.balance_rel_threshold_percent", Live, |c| {
         text(c.routing.balance_rel_threshold_percent)
     }),
+    setting("routing.affinity_wait_ms", Live, |c| {
+        text(c.routing.affinity_wait_ms)
+    }),
     setting("cluster", Restart, |c| on_off(c.cluster.is_some())),
     setting("cluster.name", Restart, |c| {
         c.cluster.as_ref().map(|k| k.name.clone())

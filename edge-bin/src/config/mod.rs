@@ -187,6 +187,9 @@ pub struct RoutingSettings {
     pub balance_abs_threshold: u32,
     /// …and more than this percentage of its load is passed over.
     pub balance_rel_threshold_percent: u32,
+    /// The longest a request waits for its preferred provider when that
+    /// one is full (0: never).
+    pub affinity_wait_ms: u64,
 }
 
 impl Default for RoutingSettings {
@@ -197,6 +200,7 @@ impl Default for RoutingSettings {
             match_threshold_percent: DEFAULT_MATCH_THRESHOLD_PERCENT,
             balance_abs_threshold: DEFAULT_BALANCE_ABS_THRESHOLD,
             balance_rel_threshold_percent: DEFAULT_BALANCE_REL_THRESHOLD_PERCENT,
+            affinity_wait_ms: DEFAULT_AFFINITY_WAIT_MS,
         }
     }
 }

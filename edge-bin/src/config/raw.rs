@@ -34,6 +34,7 @@ pub(super) struct RawRouting {
     pub(super) match_threshold_percent: Option<i64>,
     pub(super) balance_abs_threshold: Option<i64>,
     pub(super) balance_rel_threshold_percent: Option<i64>,
+    pub(super) affinity_wait_ms: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -266,6 +266,13 @@ impl Validator<'_> {
                 100,
                 u64::from(MAX_BALANCE_REL_THRESHOLD_PERCENT),
             )? as u32,
+            affinity_wait_ms: value(
+                raw.affinity_wait_ms,
+                "affinity_wait_ms",
+                defaults.affinity_wait_ms,
+                0,
+                MAX_AFFINITY_WAIT_MS,
+            )?,
         })
     }
 

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::routing::RouteHint;
+use super::routing::{Pick, RouteHint};
 use super::tables::{Candidate, Indexed, LeaseEntry, Load, Pending, ProviderLease, RequestState};
 use super::{
     AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, Dispatch, Event, FailureReason,
@@ -103,8 +103,12 @@ impl Control {
         }
     }
 
-    /// Takes `request` out of its lane's queue.
+    /// Takes `request` out of its lane's queue (or out of its affinity
+    /// wait).
     pub(super) fn unqueue(&mut self, request: RequestId, model: usize, long: bool) {
+        if self.stop_waiting(request) {
+            return;
+        }
         let queue = self.lanes[model].queue(long);
         let was_head = queue.first() == Some(&request);
         if !queue.remove(&request) || !was_head {
@@ -168,7 +172,12 @@ impl Control {
                 outcome: Outcome::Rejected(why),
             });
         };
-        if let Some(dispatch) = self.try_admit(request, lane, long, 1, &[], &hint) {
+        let wait_for = self.preferred_busy(lane, long, &hint);
+        let dispatch = match wait_for {
+            Some(_) => None,
+            None => self.try_admit(request, lane, long, 1, &[], &hint),
+        };
+        if let Some(dispatch) = dispatch {
             // Filed as queued for an instant: starting the attempt makes
             // it dispatched.
             let state = RequestState::Queued { deadline: now };
@@ -187,7 +196,6 @@ impl Control {
         }
         let deadline = now + queue_timeout;
         self.queue_deadlines.insert((deadline, request));
-        self.enqueue(request, lane, long);
         self.pending.insert(
             request,
             Pending::new(
@@ -199,6 +207,11 @@ impl Control {
                 hint,
             ),
         );
+        match wait_for {
+            // Its preferred provider is busy: it waits for it, for a while.
+            Some(p) => self.wait_for(now, request, m, p),
+            None => self.enqueue(request, lane, long),
+        }
     }
 
     pub(super) fn on_cancel(
@@ -277,13 +290,14 @@ impl Control {
         }
     }
 
-    /// Requests waiting in any lane of model `m`.
+    /// Requests waiting in any lane of model `m`, or for a provider of it.
     pub(super) fn queued_count(&self, m: usize) -> usize {
         self.models[m]
             .lanes
             .iter()
             .map(|&lane| self.lanes[lane].queued_count())
-            .sum()
+            .sum::<usize>()
+            + self.models[m].router.waiting
     }
 
     // ---- leases and the pump -------------------------------------------------
@@ -304,6 +318,19 @@ impl Control {
         hint: &RouteHint,
     ) -> Option<Dispatch> {
         let pick = self.pick(lane, long, exclude, hint)?;
+        self.take_lease(request, lane, long, attempt, pick, hint)
+    }
+
+    /// Takes the lease `pick` chose for `request`'s `attempt`-th attempt.
+    pub(super) fn take_lease(
+        &mut self,
+        request: RequestId,
+        lane: usize,
+        long: bool,
+        attempt: u32,
+        pick: Pick,
+        hint: &RouteHint,
+    ) -> Option<Dispatch> {
         let p = pick.provider;
         let owner = self.nodes[self.providers[p].node].ready_owner()?;
         debug_assert!(
@@ -360,6 +387,8 @@ impl Control {
     /// after its node was fenced has no provider to avoid: it fits like
     /// any other.)
     pub(super) fn pump(&mut self, out: &mut Vec<Action>) {
+        // Requests waiting for their provider go first, wherever it is free.
+        self.admit_waiters(out);
         loop {
             let head = self
                 .heads
@@ -383,7 +412,7 @@ impl Control {
     /// `request` (pending, queued or between attempts) got `dispatch`:
     /// it is dispatched under the new attempt, with the request's
     /// response-wait deadline (set at its first dispatch) filed (U6).
-    fn start_attempt(&mut self, request: RequestId, dispatch: &Dispatch) {
+    pub(super) fn start_attempt(&mut self, request: RequestId, dispatch: &Dispatch) {
         let provider = self.leases.get(&dispatch.lease.run_id).map(|e| e.provider);
         let first_deadline = match (self.now, self.tunables.response_wait_timeout) {
             (Some(now), Some(timeout)) => Some(now + timeout),

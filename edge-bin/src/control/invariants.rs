@@ -340,11 +340,27 @@ impl Control {
                     lane.queued.contains(request)
                 }
             });
+            let waits = self.waiting.get(request);
             match &p.state {
                 RequestState::Queued { deadline } => {
                     queued += 1;
+                    // In its lane's queue, or waiting for its provider:
+                    // one of the two, with its deadlines filed.
+                    let filed = match waits {
+                        None => in_queue,
+                        Some(w) => {
+                            !in_queue
+                                && Some(w.lane) == p.lane
+                                && w.long == p.long
+                                && self.affinity_deadlines.contains(&(w.until, *request))
+                                && self
+                                    .waiters
+                                    .get(&w.provider)
+                                    .is_some_and(|set| set.contains(request))
+                        }
+                    };
                     assert!(
-                        in_queue && self.queue_deadlines.contains(&(*deadline, *request)),
+                        filed && self.queue_deadlines.contains(&(*deadline, *request)),
                         "{request:?} is queued outside its lane's queue or deadlines"
                     );
                 }
@@ -401,10 +417,25 @@ impl Control {
                 }
             }
         }
+        let waiting = self.waiting.len();
         assert!(
-            in_queues == queued && heads == self.heads.len(),
-            "{in_queues} requests in queues, {queued} queued; {heads} heads, {} filed",
+            in_queues + waiting == queued && heads == self.heads.len(),
+            "{in_queues} requests in queues and {waiting} waiting for a provider, {queued} \
+             queued; {heads} heads, {} filed",
             self.heads.len()
+        );
+        // The affinity waits' three indexes agree, and each model counts its
+        // own.
+        let by_provider: usize = self.waiters.values().map(|set| set.len()).sum();
+        let by_model: usize = self.models.iter().map(|m| m.router.waiting).sum();
+        assert!(
+            by_provider == waiting
+                && self.affinity_deadlines.len() == waiting
+                && by_model == waiting
+                && self.waiters.values().all(|set| !set.is_empty()),
+            "affinity waits: {waiting} requests, {by_provider} by provider, {} deadlines, \
+             {by_model} by model",
+            self.affinity_deadlines.len()
         );
         for (m, model) in self.models.iter().enumerate() {
             assert!(

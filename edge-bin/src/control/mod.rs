@@ -687,6 +687,13 @@ pub struct Control {
     heads: BTreeSet<(RequestId, usize, bool)>,
     /// Queued requests by deadline, for timeouts.
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
+    /// Queued requests waiting for their preferred provider (affinity
+    /// wait), not in their lane's queue until `until`.
+    waiting: HashMap<RequestId, routing::Waiting>,
+    /// The same, by provider, in arrival order.
+    waiters: BTreeMap<usize, BTreeSet<RequestId>>,
+    /// Ends of affinity waits.
+    affinity_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Cancel settlements by deadline.
     settle_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Response-wait deadlines of dispatched requests (U6).
@@ -832,6 +839,10 @@ impl Control {
                     free_long: BTreeSet::new(),
                     queued: BTreeSet::new(),
                     queued_long: BTreeSet::new(),
+                    members: members
+                        .iter()
+                        .filter_map(|&position| provider_index.get(&m.providers[position]).copied())
+                        .collect(),
                 });
                 lane_of[o] = Some(lane);
                 model_lanes.push((members, lane));
@@ -861,6 +872,9 @@ impl Control {
             pending: BTreeMap::new(),
             heads: BTreeSet::new(),
             queue_deadlines: BTreeSet::new(),
+            waiting: HashMap::new(),
+            waiters: BTreeMap::new(),
+            affinity_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
             response_deadlines: BTreeSet::new(),
             ejection_deadlines: BTreeSet::new(),
@@ -960,7 +974,8 @@ impl Control {
         let probe = self.probe_deadlines.first().map(|(t, _)| *t);
         let ejection = self.ejection_deadlines.first().map(|(t, _)| *t);
         let retire = self.retire_deadlines.first().map(|(t, _)| *t);
-        [queue, settle, response, probe, ejection, retire]
+        let affinity = self.affinity_deadlines.first().map(|(t, _)| *t);
+        [queue, settle, response, probe, ejection, retire, affinity]
             .into_iter()
             .flatten()
             .min()
@@ -993,7 +1008,7 @@ impl Control {
             self.response_deadlines.remove(&(at, request));
             self.on_response_wait_timeout(now, request, out);
         }
-        let mut released = false;
+        let mut released = self.end_affinity_waits(now);
         while let Some(&(at, request)) = self.settle_deadlines.first() {
             if at > now {
                 break;

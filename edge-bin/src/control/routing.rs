@@ -15,9 +15,16 @@
 //!   times, the least loaded (the SGLang router's imbalance rule)
 //! ```
 //!
-//! - A request never waits for its preferred provider while another has a
-//!   free slot: only free candidates are ever chosen (the bound on that
-//!   wait is zero).
+//! - **Affinity wait.** At its arrival, a request whose preferred provider
+//!   (the most recent holder of its matched prefix, or its session's best
+//!   live provider) is full waits for it at most `affinity_wait`, out of
+//!   its lane's queue ([`Control::wait_for`]), so the requests behind it go
+//!   on. A slot of that provider that frees goes to its oldest waiter first
+//!   ([`Control::admit_waiters`], run by the pump); at the end of the wait
+//!   the request joins its lane's queue at its place of arrival and takes
+//!   any provider ([`Control::end_affinity_waits`]). Zero never waits; a
+//!   provider too busy beside the least loaded one (the imbalance rule) is
+//!   never waited for. Otherwise only free candidates are chosen.
 //! - `session`: rendezvous (highest random weight) hashing. Each provider's
 //!   score for a key is a hash of the key and the provider's name, so adding
 //!   or removing a provider moves only the sessions whose best it is or
@@ -26,10 +33,12 @@
 //!   provider ([`super::prefix`]). Every dispatch of a request with a prompt
 //!   is recorded; a provider that is fenced or ejected is forgotten.
 
+use std::time::{Duration, Instant};
+
 use bytes::Bytes;
 
 use super::prefix::{PrefixTree, PrefixTreeSpec, ProviderId};
-use super::{Control, RequestId};
+use super::{Action, Control, RequestId};
 
 pub use crate::config::RoutingPolicy;
 
@@ -48,6 +57,10 @@ pub struct RoutingSpec {
     pub balance_abs_threshold: u32,
     /// …and more than this many hundredths times as busy is passed over.
     pub balance_rel_threshold_pct: u32,
+    /// The longest a request waits for its preferred provider (the holder
+    /// of its prefix, its session's provider) when that one is full; then
+    /// it takes any. Zero: it never waits.
+    pub affinity_wait: Duration,
 }
 
 impl Default for RoutingSpec {
@@ -62,6 +75,7 @@ impl Default for RoutingSpec {
             match_threshold_pct: 50,
             balance_abs_threshold: 4,
             balance_rel_threshold_pct: 150,
+            affinity_wait: Duration::ZERO,
         }
     }
 }
@@ -123,6 +137,12 @@ pub struct RoutingStats {
     pub matched_bytes: [u64; MATCHED_BYTES_BUCKETS.len() + 1],
     /// The sum of those lengths.
     pub matched_bytes_sum: u64,
+    /// Requests that waited for their preferred provider, full at their
+    /// arrival.
+    pub affinity_waits: u64,
+    /// Of those, the ones whose wait ended before it freed (they went to
+    /// any provider).
+    pub affinity_waits_expired: u64,
 }
 
 /// A model's routing state.
@@ -132,6 +152,17 @@ pub(super) struct Router {
     /// `Some` for `prefix`.
     pub(super) tree: Option<PrefixTree>,
     pub(super) stats: RoutingStats,
+    /// Its requests in an affinity wait now.
+    pub(super) waiting: usize,
+}
+
+/// A queued request waiting for its preferred provider.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Waiting {
+    pub(super) provider: usize,
+    pub(super) until: Instant,
+    pub(super) lane: usize,
+    pub(super) long: bool,
 }
 
 impl Router {
@@ -145,6 +176,7 @@ impl Router {
             spec,
             tree,
             stats: RoutingStats::default(),
+            waiting: 0,
         }
     }
 }
@@ -300,6 +332,176 @@ impl Control {
         if let (Some(tree), Some(prompt), Some(now)) = (&mut router.tree, &hint.prompt, now) {
             tree.insert(prompt, ProviderId(provider as u32), now);
         }
+    }
+
+    /// The provider a request with `hint` should wait for: its preferred
+    /// one (the most recent holder of a match covering the threshold, or
+    /// the session's best of the live providers), when the model waits at
+    /// all, that provider is live but full, and it is not too busy beside
+    /// the least loaded live provider (then the request goes anywhere).
+    pub(super) fn preferred_busy(
+        &self,
+        lane: usize,
+        long: bool,
+        hint: &RouteHint,
+    ) -> Option<usize> {
+        let router = &self.models[self.lanes[lane].model].router;
+        if router.spec.affinity_wait.is_zero() {
+            return None;
+        }
+        let live = |p: usize| {
+            self.takes_new_work(p)
+                && self.providers[p].outlier.ejection().is_none()
+                && (!long || self.providers[p].spec.long_context_capacity > 0)
+        };
+        let members = &self.lanes[lane].members;
+        let preferred = match router.spec.policy {
+            RoutingPolicy::LeastLoaded => None,
+            RoutingPolicy::Session => {
+                let session = hint.session?;
+                members
+                    .iter()
+                    .copied()
+                    .filter(|&p| live(p))
+                    .max_by_key(|&p| score(session, self.providers[p].key_hash))
+            }
+            RoutingPolicy::Prefix => {
+                let (tree, prompt) = (router.tree.as_ref()?, hint.prompt.as_ref()?);
+                let considered = prompt.len().min(router.spec.tree.prefix_bytes_max);
+                let m = tree.longest_match(prompt);
+                let covers = considered > 0
+                    && m.matched_len as u64 * 100
+                        >= u64::from(router.spec.match_threshold_pct) * considered as u64;
+                if !covers {
+                    return None;
+                }
+                m.providers
+                    .iter()
+                    .filter(|&&(ProviderId(p), _)| {
+                        members.contains(&(p as usize)) && live(p as usize)
+                    })
+                    .max_by_key(|&&(_, at)| at)
+                    .map(|&(ProviderId(p), _)| p as usize)
+            }
+        }?;
+        if self.lanes[lane]
+            .candidates(long)
+            .iter()
+            .any(|c| c.provider == preferred)
+        {
+            return None; // Free: `pick` takes it.
+        }
+        let least = members
+            .iter()
+            .copied()
+            .filter(|&p| live(p))
+            .min_by_key(|&p| self.providers[p].in_flight)?;
+        (!self.too_busy(preferred, least, &router.spec)).then_some(preferred)
+    }
+
+    /// Queued `request` of model `m` waits for provider `p`, out of its
+    /// lane's queue, until the model's affinity wait is over.
+    pub(super) fn wait_for(&mut self, now: Instant, request: RequestId, m: usize, p: usize) {
+        let Some(pending) = self.pending.get(&request) else {
+            return;
+        };
+        let (lane, long) = (pending.lane, pending.long);
+        let Some(lane) = lane else {
+            return;
+        };
+        let router = &mut self.models[m].router;
+        let until = now + router.spec.affinity_wait;
+        router.waiting += 1;
+        router.stats.affinity_waits += 1;
+        self.waiting.insert(
+            request,
+            Waiting {
+                provider: p,
+                until,
+                lane,
+                long,
+            },
+        );
+        self.waiters.entry(p).or_default().insert(request);
+        self.affinity_deadlines.insert((until, request));
+    }
+
+    /// Ends `request`'s affinity wait, if it waits; true if it did.
+    pub(super) fn stop_waiting(&mut self, request: RequestId) -> bool {
+        let Some(w) = self.waiting.remove(&request) else {
+            return false;
+        };
+        if let Some(set) = self.waiters.get_mut(&w.provider) {
+            set.remove(&request);
+            if set.is_empty() {
+                self.waiters.remove(&w.provider);
+            }
+        }
+        self.affinity_deadlines.remove(&(w.until, request));
+        let model = self.lanes[w.lane].model;
+        self.models[model].router.waiting -= 1;
+        true
+    }
+
+    /// Dispatches the requests waiting for a provider that has a free slot
+    /// now, the oldest first, to that provider.
+    pub(super) fn admit_waiters(&mut self, out: &mut Vec<Action>) {
+        loop {
+            let next = self.waiters.iter().find_map(|(&p, requests)| {
+                requests.iter().copied().find(|r| {
+                    let w = &self.waiting[r];
+                    self.lanes[w.lane]
+                        .candidates(w.long)
+                        .iter()
+                        .any(|c| c.provider == p)
+                })
+            });
+            let Some(request) = next else {
+                return;
+            };
+            let w = self.waiting[&request];
+            self.stop_waiting(request);
+            let policy = self.models[self.lanes[w.lane].model].router.spec.policy;
+            let route = match policy {
+                RoutingPolicy::Session => Route::Session,
+                _ => Route::Match,
+            };
+            let attempt = self.pending.get(&request).map_or(1, |p| p.attempts + 1);
+            let hint = self.hint_of(request);
+            let pick = Pick {
+                provider: w.provider,
+                route,
+                matched: None,
+                fell_back: false,
+            };
+            match self.take_lease(request, w.lane, w.long, attempt, pick, &hint) {
+                Some(dispatch) => {
+                    self.start_attempt(request, &dispatch);
+                    out.push(Action::Dispatch(dispatch));
+                }
+                // Not reachable (a free candidate has a ready owner): it
+                // waits in its lane's queue like any other.
+                None => self.enqueue(request, w.lane, w.long),
+            }
+        }
+    }
+
+    /// Affinity waits over at `now`: those requests join their lane's
+    /// queue at their place of arrival. True if any did (the pump runs).
+    pub(super) fn end_affinity_waits(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        while let Some(&(at, request)) = self.affinity_deadlines.first() {
+            if at > now {
+                break;
+            }
+            let w = self.waiting[&request];
+            self.stop_waiting(request);
+            let model = self.lanes[w.lane].model;
+            self.models[model].router.stats.affinity_waits_expired += 1;
+            self.enqueue(request, w.lane, w.long);
+            any = true;
+        }
+        any
     }
 
     /// Provider `p` no longer holds what it was sent (its node was fenced,

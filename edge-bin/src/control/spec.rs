@@ -263,6 +263,7 @@ pub fn routing_spec(policy: RoutingPolicy, settings: &config::RoutingSettings) -
         match_threshold_pct: settings.match_threshold_percent,
         balance_abs_threshold: settings.balance_abs_threshold,
         balance_rel_threshold_pct: settings.balance_rel_threshold_percent,
+        affinity_wait: Duration::from_millis(settings.affinity_wait_ms),
     }
 }
 

@@ -305,6 +305,9 @@ pub(super) struct LaneState {
     pub(super) queued: BTreeSet<RequestId>,
     /// Long-context requests waiting for a long slot, by arrival.
     pub(super) queued_long: BTreeSet<RequestId>,
+    /// Every provider of the lane (indexes into `Control::providers`), in
+    /// pool order.
+    pub(super) members: Vec<usize>,
 }
 
 impl LaneState {

@@ -509,7 +509,7 @@ max_json_members = 1";
          [outlier_detection]\nenabled = false\nconsecutive_failures = 3\n\
          base_ejection_time_ms = 1\nmax_ejection_time_ms = 2\nmax_ejection_percent = 1\n\n\
          [routing]\nprefix_tree_bytes = 65536\nprefix_bytes_max = 1\nmatch_threshold_percent = 1\n\
-         balance_abs_threshold = 1\nbalance_rel_threshold_percent = 101\n"
+         balance_abs_threshold = 1\nbalance_rel_threshold_percent = 101\naffinity_wait_ms = 1\n"
     );
     // Another access log file (the path is a setting of its own).
     let moved = next.replace("access.log", "access-2.log");

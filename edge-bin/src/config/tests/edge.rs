@@ -900,7 +900,7 @@ fn routing_defaults_to_prefix_for_two_openai_compatible_providers_and_is_checked
     assert_eq!(
         parse(&with(
             "prefix_tree_bytes = 65536\nprefix_bytes_max = 1\nmatch_threshold_percent = 0\n\
-             balance_abs_threshold = 0\nbalance_rel_threshold_percent = 100"
+             balance_abs_threshold = 0\nbalance_rel_threshold_percent = 100\naffinity_wait_ms = 0"
         ))
         .unwrap()
         .routing,
@@ -910,6 +910,7 @@ fn routing_defaults_to_prefix_for_two_openai_compatible_providers_and_is_checked
             match_threshold_percent: 0,
             balance_abs_threshold: 0,
             balance_rel_threshold_percent: 100,
+            affinity_wait_ms: 0,
         }
     );
     for (table, why) in [
@@ -924,6 +925,10 @@ fn routing_defaults_to_prefix_for_two_openai_compatible_providers_and_is_checked
         (
             "match_threshold_percent = 101",
             "routing.match_threshold_percent: must be between 0 and 100 (got 101)",
+        ),
+        (
+            "affinity_wait_ms = 60001",
+            "routing.affinity_wait_ms: must be between 0 and 60000 (got 60001)",
         ),
         (
             "balance_rel_threshold_percent = 99",
