@@ -6,8 +6,10 @@
 //! ABBA order, every request sent and answered, the mocks' prompt words
 //! exactly those of the window's requests, the hits within what the
 //! workload allows (and all of it for the pinned conversations, whose
-//! caches hold them), each arm's figures recomputed from its windows, the
-//! goals' ratios from the reported figures — and never judges the speed.
+//! caches hold them), every request routed once by its arm's policy (the
+//! Edge's `/status` counters), each arm's figures recomputed from its
+//! windows, the goals' ratios from the reported figures — and never judges
+//! the speed.
 
 mod common;
 
@@ -200,6 +202,20 @@ fn check_workload(o: &Value, p: u64, conversations: u64, workload: &Value) {
         if name == "no_shared_prefix" {
             assert_eq!(hits, 0, "{what}");
         }
+        // The Edge routed every request once, by the arm's policy: the
+        // session arm's requests all carry a key, the others none.
+        let routed = &w["edge_routing"];
+        let (load, matched, session) = (
+            u64_at(routed, "routed_by_load"),
+            u64_at(routed, "routed_by_match"),
+            u64_at(routed, "routed_by_session"),
+        );
+        assert_eq!(load + matched + session, planned, "{what}");
+        match w["policy"].as_str().unwrap() {
+            "session" => assert_eq!(session, planned, "{what}"),
+            "prefix" => assert_eq!(session, 0, "{what}"),
+            _ => assert_eq!(load, planned, "{what}"),
+        }
     }
 
     // Each arm's figures from its windows.
@@ -242,6 +258,15 @@ fn check_workload(o: &Value, p: u64, conversations: u64, workload: &Value) {
         assert!(close(f64_at(arm, "cache_hit_rate"), hit_rate), "{what}");
         let rps = sum("requests_ok") as f64 * 1e6 / sum("wall_us") as f64;
         assert!(close(f64_at(arm, "requests_per_s"), rps), "{what}");
+        for key in [
+            "routed_by_load",
+            "routed_by_match",
+            "routed_by_session",
+            "imbalance_fallbacks",
+        ] {
+            let total: u64 = mine.iter().map(|w| u64_at(&w["edge_routing"], key)).sum();
+            assert_eq!(u64_at(&arm["edge_routing"], key), total, "{what} {key}");
+        }
     }
 }
 

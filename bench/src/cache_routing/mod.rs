@@ -23,9 +23,10 @@
 //!   the whole history and appends the streamed reply. The session arm
 //!   sends `prompt_cache_key` = the conversation's id; the pinned arm sends
 //!   conversation i to `pinned-(i mod P)`.
-//! - **shared system prompt**: independent requests, each one of K long
-//!   system prompts and a short unique question (session key: the system
-//!   prompt's id; pinned: prompt k to `pinned-(k mod P)`).
+//! - **shared system prompt**: independent requests at half the pool's
+//!   capacity, each one of K long system prompts and a short unique
+//!   question (session key: the system prompt's id; pinned: prompt k to
+//!   `pinned-(k mod P)`).
 //! - **no shared prefix**: unique prompts at a concurrency above the pool's
 //!   capacity: what affinity costs when there is nothing to gain.
 //!
@@ -33,7 +34,8 @@
 //! finds the cache warmed by another. Per window the harness records each
 //! request's TTFT (first content chunk), the wall time, and the change of
 //! every mock's `prompt_tokens_seen` / `cached_tokens_hit`
-//! (`GET /admin/stats`). The report ([`report::CacheRoutingReport`]) gives
+//! (`GET /admin/stats`) and of the Edge's routing counters of the arm's
+//! model(s) (`/status`: dispatches by load, by match, by session). The report ([`report::CacheRoutingReport`]) gives
 //! per pool, workload and arm the TTFT p50/p99 (multi-turn: turns after the
 //! first), the cache hit rate, requests/s, and the ratios the routing work
 //! aims at: prefix and session multi-turn TTFT p50 ÷ pinned (goal ≤ 1.2),

@@ -30,6 +30,47 @@ pub const TTFT_RATIO_GOAL_MAX: f64 = 1.2;
 /// share of least_loaded's.
 pub const THROUGHPUT_RATIO_GOAL_MIN: f64 = 0.95;
 
+/// The Edge's routing decisions for an arm's model(s) (`/status`
+/// `models[].routing`): dispatches by route, and of those by load, the
+/// ones where the imbalance rule passed over a preferred provider.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EdgeRouting {
+    /// To the least loaded free provider.
+    pub routed_by_load: u64,
+    /// To the holder of the longest matched prefix.
+    pub routed_by_match: u64,
+    /// To the session's provider.
+    pub routed_by_session: u64,
+    /// Of `routed_by_load`, passed over as too busy.
+    pub imbalance_fallbacks: u64,
+}
+
+impl EdgeRouting {
+    /// The counters of `after` less those of `self`.
+    pub fn until(self, after: EdgeRouting) -> EdgeRouting {
+        EdgeRouting {
+            routed_by_load: after.routed_by_load.saturating_sub(self.routed_by_load),
+            routed_by_match: after.routed_by_match.saturating_sub(self.routed_by_match),
+            routed_by_session: after
+                .routed_by_session
+                .saturating_sub(self.routed_by_session),
+            imbalance_fallbacks: after
+                .imbalance_fallbacks
+                .saturating_sub(self.imbalance_fallbacks),
+        }
+    }
+
+    /// The sum of both.
+    pub fn plus(self, other: EdgeRouting) -> EdgeRouting {
+        EdgeRouting {
+            routed_by_load: self.routed_by_load + other.routed_by_load,
+            routed_by_match: self.routed_by_match + other.routed_by_match,
+            routed_by_session: self.routed_by_session + other.routed_by_session,
+            imbalance_fallbacks: self.imbalance_fallbacks + other.imbalance_fallbacks,
+        }
+    }
+}
+
 /// One arm's window as measured.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WindowRecord {
@@ -56,6 +97,8 @@ pub struct WindowRecord {
     pub prompt_tokens_seen: u64,
     /// Δ `cached_tokens_hit`, summed over the mocks.
     pub cached_tokens_hit: u64,
+    /// Δ of the Edge's routing counters of the arm's model(s).
+    pub edge_routing: EdgeRouting,
     /// The TTFT samples, µs, in request order: multi-turn turns after the
     /// first; every successful request otherwise.
     pub ttft_us: Vec<u64>,
@@ -88,6 +131,8 @@ pub struct ArmSummary {
     pub cache_hit_rate: Option<f64>,
     /// Σ ok ÷ Σ wall time.
     pub requests_per_s: Option<f64>,
+    /// Σ of the windows' Edge routing counters.
+    pub edge_routing: EdgeRouting,
 }
 
 /// One workload on one pool.
@@ -242,6 +287,9 @@ pub fn summarize_arm(policy: Policy, windows: &[WindowRecord]) -> ArmSummary {
         first_turn_ttft_p50_us: percentile(&first, 0.5),
         cache_hit_rate: (seen > 0).then(|| hit as f64 / seen as f64),
         requests_per_s: (wall_us > 0).then(|| ok as f64 * 1e6 / wall_us as f64),
+        edge_routing: mine
+            .iter()
+            .fold(EdgeRouting::default(), |sum, w| sum.plus(w.edge_routing)),
     }
 }
 
@@ -325,14 +373,14 @@ pub fn render_table(report: &CacheRoutingReport) -> String {
         );
         let _ = writeln!(
             out,
-            "| workload | policy | ok / sent | TTFT p50 | TTFT p99 | cache hit | req/s |"
+            "| workload | policy | ok / sent | TTFT p50 | TTFT p99 | cache hit | req/s | routed load / match / session |"
         );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
         for workload in &pool.workloads {
             for arm in &workload.arms {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} / {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} / {} | {} | {} | {} | {} | {} / {} / {} |",
                     workload.workload.label(),
                     arm.policy.name(),
                     arm.requests_ok,
@@ -342,6 +390,9 @@ pub fn render_table(report: &CacheRoutingReport) -> String {
                     percent_text(arm.cache_hit_rate),
                     arm.requests_per_s
                         .map_or_else(|| "-".into(), |r| format!("{r:.1}")),
+                    arm.edge_routing.routed_by_load,
+                    arm.edge_routing.routed_by_match,
+                    arm.edge_routing.routed_by_session,
                 );
             }
         }
@@ -406,6 +457,12 @@ mod tests {
             wall_us: 500_000,
             prompt_tokens_seen: 1000,
             cached_tokens_hit: 250,
+            edge_routing: EdgeRouting {
+                routed_by_load: 1,
+                routed_by_match: 3,
+                routed_by_session: 0,
+                imbalance_fallbacks: 1,
+            },
             ttft_us,
             first_turn_ttft_us: vec![9, 7],
         }
@@ -442,6 +499,15 @@ mod tests {
         assert_eq!(arm.first_turn_ttft_p50_us, Some(7));
         assert_eq!(arm.cache_hit_rate, Some(0.25));
         assert_eq!(arm.requests_per_s, Some(8.0));
+        assert_eq!(
+            arm.edge_routing,
+            EdgeRouting {
+                routed_by_load: 2,
+                routed_by_match: 6,
+                routed_by_session: 0,
+                imbalance_fallbacks: 2,
+            }
+        );
         let none = summarize_arm(Policy::Session, &windows);
         assert_eq!(none.windows, 0);
         assert_eq!(
@@ -468,6 +534,7 @@ mod tests {
                     first_turn_ttft_p50_us: None,
                     cache_hit_rate: None,
                     requests_per_s: Some(rps),
+                    edge_routing: EdgeRouting::default(),
                 })
                 .collect()
         };

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use super::client::{self, Batch};
 use super::report::{
-    check_goals, summarize_arm, CacheRoutingReport, PoolReport, WindowRecord, WorkloadReport,
-    SCHEMA,
+    check_goals, summarize_arm, CacheRoutingReport, EdgeRouting, PoolReport, WindowRecord,
+    WorkloadReport, SCHEMA,
 };
 use super::workload::{
     pinned_model, shared_prompt_requests, unique_prompt_requests, Conversation, ConversationShape,
@@ -98,6 +98,42 @@ impl CacheCounters {
                 .saturating_sub(before.cached_tokens_hit),
         }
     }
+}
+
+/// The Edge's routing counters of `policy`'s model(s), summed (the pinned
+/// arm: every `pinned-i`), from a `/status` document.
+fn edge_routing_of(status: &serde_json::Value, policy: Policy) -> EdgeRouting {
+    let mine = |name: &str| match policy {
+        Policy::Pinned => name.starts_with("pinned-"),
+        pooled => name == pooled.name(),
+    };
+    let count = |routing: &serde_json::Value, key: &str| routing[key].as_u64().unwrap_or(0);
+    status["models"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["model"].as_str().is_some_and(mine))
+        .map(|m| &m["routing"])
+        .fold(EdgeRouting::default(), |sum, r| {
+            sum.plus(EdgeRouting {
+                routed_by_load: count(r, "routed_by_load"),
+                routed_by_match: count(r, "routed_by_match"),
+                routed_by_session: count(r, "routed_by_session"),
+                imbalance_fallbacks: count(r, "imbalance_fallbacks"),
+            })
+        })
+}
+
+/// Reads the Edge's `/status` routing counters of `policy`'s model(s).
+fn read_edge_routing(edge: &Target, policy: Policy) -> Result<EdgeRouting, CompareError> {
+    let (status, body) = load::get_blocking(edge, "/status")?;
+    let doc: serde_json::Value = serde_json::from_slice(&body)
+        .ok()
+        .filter(|_| status == 200)
+        .ok_or_else(|| {
+            CompareError::Options(format!("GET {}/status answered {status}", edge.url))
+        })?;
+    Ok(edge_routing_of(&doc, policy))
 }
 
 /// Starts mock `i` of a pool; returns it and its base URL.
@@ -396,6 +432,7 @@ fn window_record(
         wall_us: batch.wall_us,
         prompt_tokens_seen: cache.prompt_tokens_seen,
         cached_tokens_hit: cache.cached_tokens_hit,
+        edge_routing: EdgeRouting::default(),
         ttft_us: batch
             .records
             .iter()
@@ -467,6 +504,7 @@ fn run_pool(
                 interrupted(stop)?;
                 pool.check_running()?;
                 let before = CacheCounters::read(&mocks)?;
+                let routing_before = read_edge_routing(&edge, policy)?;
                 let batch = run_window(opts, &edge, workload, providers, policy, round, stop)
                     .map_err(|source| CompareError::Io {
                         what: "start a client runtime".into(),
@@ -474,8 +512,10 @@ fn run_pool(
                     })?;
                 interrupted(stop)?;
                 let cache = CacheCounters::read(&mocks)?.since(before);
-                let record =
+                let routing = routing_before.until(read_edge_routing(&edge, policy)?);
+                let mut record =
                     window_record(workload, round, position, policy, planned, &batch, cache);
+                record.edge_routing = routing;
                 eprintln!(
                     "p{providers} {} round {}/{} {:<12} {}",
                     workload.name(),
@@ -626,6 +666,45 @@ max_queue = 1000000
         );
         assert_eq!(text.matches("capacity = 2\n").count(), 2);
         assert!(text.contains("base_url = \"http://127.0.0.1:2\""));
+    }
+
+    #[test]
+    fn routing_counters_are_summed_per_arm() {
+        let status = serde_json::json!({"models": [
+            {"model": "prefix", "routing": {"policy": "prefix", "routed_by_load": 3,
+                "routed_by_match": 5, "routed_by_session": 0, "imbalance_fallbacks": 1}},
+            {"model": "pinned-0", "routing": {"routed_by_load": 2}},
+            {"model": "pinned-1", "routing": {"routed_by_load": 4, "routed_by_match": 0}},
+            {"model": "session", "routing": {"routed_by_session": 7}},
+        ]});
+        assert_eq!(
+            edge_routing_of(&status, Policy::Prefix),
+            EdgeRouting {
+                routed_by_load: 3,
+                routed_by_match: 5,
+                routed_by_session: 0,
+                imbalance_fallbacks: 1
+            }
+        );
+        assert_eq!(edge_routing_of(&status, Policy::Pinned).routed_by_load, 6);
+        assert_eq!(
+            edge_routing_of(&status, Policy::Session).routed_by_session,
+            7
+        );
+        assert_eq!(
+            edge_routing_of(&status, Policy::LeastLoaded),
+            EdgeRouting::default()
+        );
+        let before = EdgeRouting {
+            routed_by_load: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            before
+                .until(edge_routing_of(&status, Policy::Prefix))
+                .routed_by_load,
+            2
+        );
     }
 
     #[test]
