@@ -25,6 +25,15 @@
 #                                    rounds; prints the ratio and writes
 #                                    bench/results/cores-<unix-ts>.json (about 2 minutes;
 #                                    --quick: about 30 s)
+#   scripts/bench.sh --cache-routing instead of the comparison, run `bench cache-routing`: the
+#                                    Edge's routing policies (least_loaded, session, prefix,
+#                                    and pinned models as the yardstick) over 2 and 4 mock
+#                                    providers that model a prefix cache, on multi-turn,
+#                                    shared-system-prompt and no-shared-prefix workloads;
+#                                    TTFT, cache hit rate, req/s and the goal ratios as a
+#                                    markdown table; writes
+#                                    bench/results/cache-routing-<unix-ts>.json
+#                                    (docs/bench-cache-routing.md; --quick: under a minute)
 #   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
 #                                    instead of building target/release
 #   scripts/bench.sh --swarm         instead of the comparison, run `bench swarm`: one Edge and
@@ -46,7 +55,8 @@
 #                                    --quick: 200 nodes, 1 s reconnect)
 #   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
 #                                    --cores-scaling, `bench swarm` with --swarm or
-#                                    --swarm-cluster; see `bench compare --help`)
+#                                    --swarm-cluster, `bench cache-routing` with
+#                                    --cache-routing; see `bench compare --help`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,6 +65,7 @@ peer_nginx=0
 cores_scaling=0
 swarm=0
 swarm_cluster=0
+cache_routing=0
 extra=()
 bin_dir=""
 while [ $# -gt 0 ]; do
@@ -66,6 +77,7 @@ while [ $# -gt 0 ]; do
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --swarm-cluster) swarm_cluster=1 ;;
+    --cache-routing) cache_routing=1 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -79,6 +91,18 @@ else
   echo "==> building release binaries"
   cargo build --release --workspace --bins --quiet
   bin=$PWD/target/release
+fi
+
+if [ "$cache_routing" = 1 ]; then
+  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
+    echo "--cache-routing runs on its own: without --peer-nginx, --cores-scaling and --swarm" >&2
+    exit 2
+  fi
+  mkdir -p bench/results
+  args=(cache-routing --bin-dir "$bin" --json "bench/results/cache-routing-$(date +%s).json")
+  if [ "$quick" = 1 ]; then args+=(--quick); fi
+  echo "==> $bin/bench ${args[*]} ${extra[*]}"
+  exec "$bin/bench" "${args[@]}" "${extra[@]}"
 fi
 
 if [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then

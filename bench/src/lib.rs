@@ -16,6 +16,10 @@
 //! - [`cores`]: `bench cores`, bulk relay throughput (body bytes/s) per
 //!   `--cores` layout of edge-bin and node-bin against a direct baseline,
 //!   with the ratios between layouts, and a JSON report.
+//! - [`cache_routing`]: `bench cache-routing`, the Edge's per-model routing
+//!   policies (least_loaded, session, prefix, against pinned models) on
+//!   workloads whose speed depends on a mock's prefix cache: TTFT, cache
+//!   hit rate, throughput and the goal ratios.
 //! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
 //!   (SPIFFE identities and their rotations, HTTPS server certificates that
 //!   are good, for the wrong host, expired, or from an unknown CA).
@@ -39,6 +43,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bodies;
+pub mod cache_routing;
 pub mod compare;
 pub mod cores;
 pub mod fixtures;

@@ -53,6 +53,13 @@
 //!   heartbeat CPU, and Control's decision costs; a table and
 //!   `bench/results/swarm-*.json`.
 //!
+//! - `bench cache-routing [--quick] [--providers 2,4] [--json PATH]`: the
+//!   Edge's routing policies (models `least_loaded`, `session`, `prefix`
+//!   and `pinned-i`) over P mock providers with a prefix cache each, on
+//!   multi-turn, shared-system-prompt and no-shared-prefix workloads; a
+//!   markdown table (TTFT p50/p99, cache hit rate, requests/s, the goal
+//!   ratios) and, with `--json`, the numbers.
+//!
 //! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
 //!   memory (RSS before, peak, after) under bursts of N concurrent chat
 //!   requests of M tiny messages each; a table and
@@ -90,6 +97,7 @@ enum Command {
     Isolation(bench::isolation::cli::IsolationArgs),
     Swarm(bench::swarm::cli::SwarmArgs),
     Bodies(bench::bodies::BodiesArgs),
+    CacheRouting(bench::cache_routing::cli::CacheRoutingArgs),
     TlsFixtures(TlsFixturesArgs),
 }
 
@@ -235,6 +243,7 @@ fn main() -> ExitCode {
         Command::Isolation(args) => bench::isolation::cli::main(args),
         Command::Swarm(args) => bench::swarm::cli::main(args),
         Command::Bodies(args) => bench::bodies::main(args),
+        Command::CacheRouting(args) => bench::cache_routing::cli::main(args),
         Command::TlsFixtures(args) => tls_fixtures(args),
     }
 }

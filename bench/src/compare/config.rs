@@ -81,6 +81,64 @@ pub fn edge_toml_with(names: &ClusterNames, mock_base_url: &str, edge_keys: &str
 /// `edge.toml` for one node serving every route (an adapter, a provider and
 /// a model each), with `edge_extra` lines (`key = value`) in `[edge]`.
 pub fn edge_toml_for(names: &ClusterNames, routes: &[MockRoute], edge_extra: &[String]) -> String {
+    let providers: Vec<PoolProvider> = routes
+        .iter()
+        .map(|route| PoolProvider {
+            adapter: route.name.clone(),
+            provider_id: format!("{}-1", route.name),
+            base_url: route.base_url.clone(),
+            target: route.target.clone(),
+            capacity: PROVIDER_CAPACITY,
+        })
+        .collect();
+    let models: Vec<PoolModel> = routes
+        .iter()
+        .zip(&providers)
+        .map(|(route, provider)| PoolModel {
+            name: route.model.clone(),
+            providers: vec![provider.provider_id.clone()],
+            extra: Vec::new(),
+        })
+        .collect();
+    edge_toml_pool(names, &providers, &models, edge_extra)
+}
+
+/// One adapter of the one node and the provider on it: a mock at
+/// `base_url` serving `target`, at most `capacity` requests at a time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolProvider {
+    /// The adapter's name.
+    pub adapter: String,
+    /// The provider's id on the node.
+    pub provider_id: String,
+    /// The mock's base URL.
+    pub base_url: String,
+    /// The model name the mock serves (the provider target).
+    pub target: String,
+    /// The provider's capacity (concurrent requests).
+    pub capacity: u32,
+}
+
+/// One model the Edge serves over some of the node's providers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolModel {
+    /// The external model clients ask the Edge for.
+    pub name: String,
+    /// Its providers' ids on the node, in pool order.
+    pub providers: Vec<String>,
+    /// More `key = value` lines of its `[[models]]` table.
+    pub extra: Vec<String>,
+}
+
+/// `edge.toml` for one node (`names.node_id`) with `providers` (an adapter
+/// each) and `models` over them, with `edge_extra` lines (`key = value`)
+/// in `[edge]`; certificate paths relative to the file (`certs/`).
+pub fn edge_toml_pool(
+    names: &ClusterNames,
+    providers: &[PoolProvider],
+    models: &[PoolModel],
+    edge_extra: &[String],
+) -> String {
     let s = toml_str;
     let mut text = format!(
         r#"[edge]
@@ -110,7 +168,7 @@ id = {node}
 "#,
         node = s(&names.node_id),
     ));
-    for route in routes {
+    for provider in providers {
         text.push_str(&format!(
             r#"
 [[nodes.adapters]]
@@ -120,35 +178,45 @@ profile = "openai"
 base_url = {base}
 capacity = 0
 "#,
-            adapter = s(&route.name),
-            base = s(&route.base_url),
+            adapter = s(&provider.adapter),
+            base = s(&provider.base_url),
         ));
     }
-    for route in routes {
+    for provider in providers {
         text.push_str(&format!(
             r#"
 [[nodes.providers]]
-id = {provider}
+id = {id}
 adapter = {adapter}
 target = {target}
-capacity = {PROVIDER_CAPACITY}
+capacity = {capacity}
 "#,
-            provider = s(&format!("{}-1", route.name)),
-            adapter = s(&route.name),
-            target = s(&route.target),
+            id = s(&provider.provider_id),
+            adapter = s(&provider.adapter),
+            target = s(&provider.target),
+            capacity = provider.capacity,
         ));
     }
-    for route in routes {
+    for model in models {
+        let pool: Vec<String> = model
+            .providers
+            .iter()
+            .map(|id| s(&format!("{}/{id}", names.node_id)))
+            .collect();
         text.push_str(&format!(
             r#"
 [[models]]
 name = {model}
-providers = [{provider}]
+providers = [{pool}]
 max_queue = {MAX_QUEUE}
 "#,
-            model = s(&route.model),
-            provider = s(&format!("{}/{}-1", names.node_id, route.name)),
+            model = s(&model.name),
+            pool = pool.join(", "),
         ));
+        for line in &model.extra {
+            text.push_str(line);
+            text.push('\n');
+        }
     }
     text
 }
@@ -251,6 +319,63 @@ providers = ["node-bench/mock-1"]
 max_queue = 1000000
 "#
         );
+    }
+
+    #[test]
+    fn pool_config_shares_providers_between_models() {
+        let names = ClusterNames::bench("unused", "mock-model");
+        let provider = |i: usize| PoolProvider {
+            adapter: format!("a{i}"),
+            provider_id: format!("p{i}"),
+            base_url: format!("http://127.0.0.1:400{i}"),
+            target: "mock-model".into(),
+            capacity: 2,
+        };
+        let models = [
+            PoolModel {
+                name: "both".into(),
+                providers: vec!["p0".into(), "p1".into()],
+                extra: vec![r#"routing = "prefix""#.into()],
+            },
+            PoolModel {
+                name: "one".into(),
+                providers: vec!["p1".into()],
+                extra: Vec::new(),
+            },
+        ];
+        let text = edge_toml_pool(&names, &[provider(0), provider(1)], &models, &[]);
+        let tail = text
+            .split_once("[[nodes.providers]]")
+            .map(|(_, tail)| tail)
+            .unwrap();
+        assert_eq!(
+            tail,
+            r#"
+id = "p0"
+adapter = "a0"
+target = "mock-model"
+capacity = 2
+
+[[nodes.providers]]
+id = "p1"
+adapter = "a1"
+target = "mock-model"
+capacity = 2
+
+[[models]]
+name = "both"
+providers = ["node-bench/p0", "node-bench/p1"]
+max_queue = 1000000
+routing = "prefix"
+
+[[models]]
+name = "one"
+providers = ["node-bench/p1"]
+max_queue = 1000000
+"#
+        );
+        assert_eq!(text.matches("[[nodes.adapters]]").count(), 2);
+        assert!(text.contains("name = \"a1\"\nkind = \"openai_compat\"\nprofile = \"openai\"\nbase_url = \"http://127.0.0.1:4001\"\ncapacity = 0\n"));
     }
 
     #[test]
