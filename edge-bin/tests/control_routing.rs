@@ -404,26 +404,44 @@ fn a_session_stays_on_its_provider_and_a_removed_provider_moves_only_its_session
 }
 
 #[test]
-fn a_busy_sessions_provider_hands_it_to_the_next_best() {
+fn a_busy_sessions_provider_hands_it_on_and_the_session_follows() {
     let mut f = Fixture::without_imbalance_rule();
     let key = "a-busy-session";
     let home = f.once("ses", session(key));
-    // Fill its provider: the session goes to another, always the same one.
+    // Fill its provider: the session stays there while it has a slot.
     let mut held = Vec::new();
     while f.view("ses").candidates == 3 {
         let (r, to) = f.send("ses", session(key));
         held.push(r);
         assert_eq!(to.as_deref(), Some(home.as_str()));
     }
+    // Full (and no affinity wait): the next in the session's order takes it,
+    // and is its home from then on (it served the session last: its cache
+    // holds the session's latest prefix), also once the first has room.
     let (r, next) = f.send("ses", session(key));
     let next = next.expect("a free provider");
     assert_ne!(next, home);
     f.finish(r, AttemptEnd::Answered);
-    assert_eq!(f.once("ses", session(key)), next);
     for r in held {
         f.finish(r, AttemptEnd::Answered);
     }
-    assert_eq!(f.once("ses", session(key)), home);
+    assert_eq!(f.once("ses", session(key)), next);
+}
+
+// Consistent hashing with bounded loads: whatever the keys' hashes, no
+// provider takes more than 125 % of the average of the new sessions.
+#[test]
+fn new_sessions_are_spread_within_the_load_bound() {
+    let mut f = Fixture::new();
+    let mut per_provider = std::collections::HashMap::<String, usize>::new();
+    for i in 0..12 {
+        *per_provider
+            .entry(f.once("ses", session(&format!("conversation-{i}"))))
+            .or_default() += 1;
+    }
+    // 12 sessions over 3: at most ceil(1.25 × 12 / 3) = 5 each.
+    assert!(per_provider.values().all(|&n| n <= 5), "{per_provider:?}");
+    assert_eq!(per_provider.values().sum::<usize>(), 12);
 }
 
 #[test]

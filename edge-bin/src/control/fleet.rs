@@ -293,21 +293,32 @@ impl Control {
             let was = &mut old.models[o].router;
             let router = &mut self.models[m].router;
             router.stats = std::mem::take(&mut was.stats);
-            if router.spec.policy != was.spec.policy || router.spec.tree != was.spec.tree {
+            if router.spec.policy != was.spec.policy {
                 continue;
             }
-            let (Some(mut tree), Some(_)) = (was.tree.take(), router.tree.as_ref()) else {
-                continue;
-            };
             let pool: HashSet<usize> = self.models[m]
                 .spec
                 .providers
                 .iter()
                 .filter_map(|key| self.provider_index.get(key).copied())
                 .collect();
+            let renumber = |q: usize| {
+                let p = *self.provider_index.get(&old.providers[q].key)?;
+                pool.contains(&p).then_some(p)
+            };
+            let mut sessions = std::mem::take(&mut old.models[o].router.sessions);
+            sessions.remap(renumber);
+            self.models[m].router.sessions = sessions;
+            let was = &mut old.models[o].router;
+            if self.models[m].router.spec.tree != was.spec.tree {
+                continue;
+            }
+            let (Some(mut tree), Some(_)) = (was.tree.take(), self.models[m].router.tree.as_ref())
+            else {
+                continue;
+            };
             tree.remap_providers(|ProviderId(q)| {
-                let p = *self.provider_index.get(&old.providers[q as usize].key)?;
-                pool.contains(&p).then_some(ProviderId(p as u32))
+                renumber(q as usize).map(|p| ProviderId(p as u32))
             });
             self.models[m].router.tree = Some(tree);
         }

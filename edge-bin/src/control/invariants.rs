@@ -424,6 +424,16 @@ impl Control {
              queued; {heads} heads, {} filed",
             self.heads.len()
         );
+        // Each session table's counts add up to its sessions.
+        for model in &self.models {
+            let sessions = &model.router.sessions;
+            assert_eq!(
+                sessions.counted(),
+                sessions.len(),
+                "model `{}`: its providers' session counts",
+                model.spec.name
+            );
+        }
         // The affinity waits' three indexes agree, and each model counts its
         // own.
         let by_provider: usize = self.waiters.values().map(|set| set.len()).sum();

@@ -25,14 +25,20 @@
 //!   any provider ([`Control::end_affinity_waits`]). Zero never waits; a
 //!   provider too busy beside the least loaded one (the imbalance rule) is
 //!   never waited for. Otherwise only free candidates are chosen.
-//! - `session`: rendezvous (highest random weight) hashing. Each provider's
-//!   score for a key is a hash of the key and the provider's name, so adding
-//!   or removing a provider moves only the sessions whose best it is or
-//!   becomes; when the best is busy, the next best takes the session.
+//! - `session`: each session has a home, the provider it went to last
+//!   ([`Sessions`]: bounded, idle sessions forgotten). A new session (or one
+//!   whose home left) goes by rendezvous (highest random weight) hashing:
+//!   each provider scores the key by a hash of the key and its name, and the
+//!   free provider scoring highest takes it, among those holding fewer than
+//!   [`SESSION_LOAD_BOUND_PCT`] of the average sessions (consistent hashing
+//!   with bounded loads: hashing alone put five of twelve conversations on
+//!   one of four providers, whose cache held four). Adding a provider moves
+//!   no session; removing one moves only its own.
 //! - `prefix`: a [`PrefixTree`] per model of what prompt text went to which
 //!   provider ([`super::prefix`]). Every dispatch of a request with a prompt
 //!   is recorded; a provider that is fenced or ejected is forgotten.
 
+use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -154,6 +160,124 @@ pub(super) struct Router {
     pub(super) stats: RoutingStats,
     /// Its requests in an affinity wait now.
     pub(super) waiting: usize,
+    /// For `session`: where each recent session went.
+    pub(super) sessions: Sessions,
+}
+
+/// A session left alone this long is forgotten (its provider's cache has
+/// moved on).
+pub const SESSION_IDLE: Duration = Duration::from_secs(600);
+/// Most sessions a model remembers (the least recently used go first):
+/// about 64 bytes each.
+pub const SESSIONS_MAX: usize = 65_536;
+/// A new session's provider holds at most this many hundredths of the
+/// average of the live providers' sessions (consistent hashing with
+/// bounded loads): a provider whose share of the hash would overfill its
+/// cache passes the session to the next in the session's order.
+pub const SESSION_LOAD_BOUND_PCT: usize = 125;
+
+/// The recent sessions of a `session` model: each one's home (the provider
+/// it went to last, which holds its cache), and how many each provider
+/// holds. Bounded by [`SESSIONS_MAX`] and [`SESSION_IDLE`].
+#[derive(Debug, Default)]
+pub(super) struct Sessions {
+    home: HashMap<u64, (usize, Instant)>,
+    by_use: BTreeSet<(Instant, u64)>,
+    per_provider: HashMap<usize, usize>,
+}
+
+impl Sessions {
+    /// Where `session` went last, if it is remembered.
+    pub(super) fn home(&self, session: u64) -> Option<usize> {
+        self.home.get(&session).map(|&(p, _)| p)
+    }
+
+    /// The sessions provider `p` holds.
+    pub(super) fn count(&self, p: usize) -> usize {
+        self.per_provider.get(&p).copied().unwrap_or(0)
+    }
+
+    /// The most sessions a provider may hold and still take a new one,
+    /// with `live` providers: [`SESSION_LOAD_BOUND_PCT`] of the average
+    /// with the new one, rounded up.
+    pub(super) fn bound(&self, live: usize) -> usize {
+        let total = self.home.len() + 1;
+        (total * SESSION_LOAD_BOUND_PCT).div_ceil(100 * live.max(1))
+    }
+
+    /// `session` went to `p` at `now`: its home from now on. Forgets the
+    /// sessions idle past [`SESSION_IDLE`] and the least recently used
+    /// beyond [`SESSIONS_MAX`].
+    pub(super) fn record(&mut self, session: u64, p: usize, now: Instant) {
+        if let Some((was, at)) = self.home.insert(session, (p, now)) {
+            self.by_use.remove(&(at, session));
+            self.release(was);
+        }
+        self.by_use.insert((now, session));
+        *self.per_provider.entry(p).or_default() += 1;
+        while let Some(&(at, oldest)) = self.by_use.first() {
+            let idle = now.saturating_duration_since(at) > SESSION_IDLE;
+            if !idle && self.home.len() <= SESSIONS_MAX {
+                break;
+            }
+            self.by_use.remove(&(at, oldest));
+            if let Some((was, _)) = self.home.remove(&oldest) {
+                self.release(was);
+            }
+        }
+    }
+
+    /// Forgets every session of provider `p`.
+    pub(super) fn forget_provider(&mut self, p: usize) {
+        if self.per_provider.remove(&p).is_none() {
+            return;
+        }
+        let gone: Vec<(u64, Instant)> = self
+            .home
+            .iter()
+            .filter(|(_, &(q, _))| q == p)
+            .map(|(&s, &(_, at))| (s, at))
+            .collect();
+        for (session, at) in gone {
+            self.home.remove(&session);
+            self.by_use.remove(&(at, session));
+        }
+    }
+
+    fn release(&mut self, p: usize) {
+        if let Some(n) = self.per_provider.get_mut(&p) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_provider.remove(&p);
+            }
+        }
+    }
+
+    /// Renumbers the providers through `map` (a reload), dropping the
+    /// sessions of those it maps to `None`.
+    pub(super) fn remap(&mut self, map: impl Fn(usize) -> Option<usize>) {
+        let old = std::mem::take(&mut self.home);
+        self.by_use.clear();
+        self.per_provider.clear();
+        for (session, (p, at)) in old {
+            if let Some(q) = map(p) {
+                self.home.insert(session, (q, at));
+                self.by_use.insert((at, session));
+                *self.per_provider.entry(q).or_default() += 1;
+            }
+        }
+    }
+
+    /// How many sessions it remembers.
+    pub(super) fn len(&self) -> usize {
+        self.home.len()
+    }
+
+    /// The sum of the providers' counts (equal to [`Self::len`]).
+    pub(super) fn counted(&self) -> usize {
+        debug_assert_eq!(self.by_use.len(), self.home.len());
+        self.per_provider.values().sum()
+    }
 }
 
 /// A queued request waiting for its preferred provider.
@@ -177,6 +301,7 @@ impl Router {
             tree,
             stats: RoutingStats::default(),
             waiting: 0,
+            sessions: Sessions::default(),
         }
     }
 }
@@ -239,16 +364,27 @@ impl Control {
                 let Some(session) = hint.session else {
                     return Some(by_load(None));
                 };
-                let best = std::iter::once(least)
-                    .chain(free.copied())
-                    .max_by_key(|c| {
-                        // Ties (never in practice) go to configured order.
-                        (
-                            score(session, self.providers[c.provider].key_hash),
-                            std::cmp::Reverse(c.position),
-                        )
-                    })
-                    .unwrap_or(least);
+                let mut free: Vec<_> = std::iter::once(least).chain(free.copied()).collect();
+                // Its home, if free; else the free provider scoring highest
+                // for it among those under the session bound (ties, never
+                // in practice, go to configured order).
+                let home = router.sessions.home(session);
+                let best = match free.iter().find(|c| Some(c.provider) == home) {
+                    Some(c) => *c,
+                    None => {
+                        free.sort_by_key(|c| {
+                            std::cmp::Reverse((
+                                score(session, self.providers[c.provider].key_hash),
+                                std::cmp::Reverse(c.position),
+                            ))
+                        });
+                        let bound = router.sessions.bound(self.live_members(lane, long).count());
+                        free.iter()
+                            .find(|c| router.sessions.count(c.provider) < bound)
+                            .copied()
+                            .unwrap_or(free[0])
+                    }
+                };
                 (best, Route::Session, None)
             }
             RoutingPolicy::Prefix => {
@@ -332,6 +468,11 @@ impl Control {
         if let (Some(tree), Some(prompt), Some(now)) = (&mut router.tree, &hint.prompt, now) {
             tree.insert(prompt, ProviderId(provider as u32), now);
         }
+        if let (RoutingPolicy::Session, Some(session), Some(now)) =
+            (router.spec.policy, hint.session, now)
+        {
+            router.sessions.record(session, provider, now);
+        }
     }
 
     /// The provider a request with `hint` should wait for: its preferred
@@ -357,14 +498,10 @@ impl Control {
         let members = &self.lanes[lane].members;
         let preferred = match router.spec.policy {
             RoutingPolicy::LeastLoaded => None,
-            RoutingPolicy::Session => {
-                let session = hint.session?;
-                members
-                    .iter()
-                    .copied()
-                    .filter(|&p| live(p))
-                    .max_by_key(|&p| score(session, self.providers[p].key_hash))
-            }
+            RoutingPolicy::Session => router
+                .sessions
+                .home(hint.session?)
+                .filter(|&p| members.contains(&p) && live(p)),
             RoutingPolicy::Prefix => {
                 let (tree, prompt) = (router.tree.as_ref()?, hint.prompt.as_ref()?);
                 let considered = prompt.len().min(router.spec.tree.prefix_bytes_max);
@@ -505,13 +642,23 @@ impl Control {
     }
 
     /// Provider `p` no longer holds what it was sent (its node was fenced,
-    /// or it was ejected): every tree forgets it.
+    /// or it was ejected): every tree and session table forgets it.
     pub(super) fn forget_routes(&mut self, p: usize) {
         for model in &mut self.models {
             if let Some(tree) = &mut model.router.tree {
                 tree.remove_provider(ProviderId(p as u32));
             }
+            model.router.sessions.forget_provider(p);
         }
+    }
+
+    /// The providers of `lane` that may take new work (ejected or not).
+    fn live_members(&self, lane: usize, long: bool) -> impl Iterator<Item = usize> + '_ {
+        self.lanes[lane].members.iter().copied().filter(move |&p| {
+            self.takes_new_work(p)
+                && self.providers[p].outlier.ejection().is_none()
+                && (!long || self.providers[p].spec.long_context_capacity > 0)
+        })
     }
 
     /// The routing hint of pending `request` (empty when it has none).
