@@ -19,15 +19,13 @@ use super::workload::{
 use super::CacheRoutingOptions;
 use crate::compare::config::{edge_toml_pool, ClusterNames, PoolModel, PoolProvider};
 use crate::compare::procs::{ChildProc, TempDir};
-use crate::compare::run::{check_binary, commit, interrupted, spawn_relay, RelaySpec};
+use crate::compare::run::{
+    check_binary, commit, interrupted, spawn_relay, wait_for_status, RelaySpec,
+};
 use crate::compare::CompareError;
 use crate::load::{self, Target};
 use crate::procstat;
 
-/// How long the harness waits for every provider to show up connected.
-const CONNECT_TIMEOUT_MS: u64 = 20_000;
-/// `/status` poll period while waiting.
-const STATUS_POLL_MS: u64 = 50;
 /// Pause between windows so every request of one has left every process
 /// before the next starts.
 const SETTLE_MS: u64 = 100;
@@ -209,45 +207,6 @@ pub(crate) fn pool_edge_toml(names: &ClusterNames, mock_urls: &[String], capacit
     edge_toml_pool(names, &providers, &models, &[])
 }
 
-/// Polls the Edge's `/status` until `providers` providers are connected.
-fn wait_all_connected(
-    edge: &Target,
-    providers: usize,
-    pool: &mut Pool,
-    stop: &AtomicBool,
-) -> Result<(), CompareError> {
-    let mut waited_ms = 0;
-    let mut last_status = String::from("none yet");
-    while waited_ms < CONNECT_TIMEOUT_MS {
-        interrupted(stop)?;
-        pool.check_running()?;
-        match load::get_blocking(edge, "/status") {
-            Ok((200, body)) => match serde_json::from_slice::<serde_json::Value>(&body) {
-                Ok(status) => {
-                    let connected = status["providers"].as_array().map_or(0, |ps| {
-                        ps.iter()
-                            .filter(|p| p["connected"] == serde_json::Value::Bool(true))
-                            .count()
-                    });
-                    if connected >= providers {
-                        return Ok(());
-                    }
-                    last_status = status.to_string();
-                }
-                Err(e) => last_status = format!("not JSON: {e}"),
-            },
-            Ok((code, _)) => last_status = format!("HTTP {code}"),
-            Err(e) => last_status = e.to_string(),
-        }
-        std::thread::sleep(Duration::from_millis(STATUS_POLL_MS));
-        waited_ms += STATUS_POLL_MS;
-    }
-    Err(CompareError::NodeNotConnected {
-        waited_ms,
-        last_status,
-    })
-}
-
 /// Starts a pool of `providers` mocks, the Edge and the Node in `dir`.
 fn start_pool(
     opts: &CacheRoutingOptions,
@@ -283,7 +242,15 @@ fn start_pool(
         edge: pair.edge,
         mocks,
     };
-    wait_all_connected(&edge, providers as usize, &mut pool, stop)?;
+    // Every provider of the pool connected.
+    let all_connected = |status: &serde_json::Value| {
+        status["providers"].as_array().map_or(0, |ps| {
+            ps.iter()
+                .filter(|p| p["connected"] == serde_json::Value::Bool(true))
+                .count()
+        }) >= providers as usize
+    };
+    wait_for_status(&edge, stop, &mut || pool.check_running(), &all_connected)?;
     let mock_targets = urls
         .iter()
         .map(|u| Target::parse(u))

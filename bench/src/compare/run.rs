@@ -352,20 +352,26 @@ pub(crate) fn spawn_relay(
         stop,
     )?;
     let url = format!("http://{client}");
-    wait_connected(&Target::parse(&url)?, stop, &mut || {
-        others()?;
-        edge.check_running()?;
-        node.check_running()
-    })?;
+    wait_for_status(
+        &Target::parse(&url)?,
+        stop,
+        &mut || {
+            others()?;
+            edge.check_running()?;
+            node.check_running()
+        },
+        &status_has_connected_provider,
+    )?;
     Ok(RelayPair { edge, node, url })
 }
 
-/// Polls the Edge's `/status` until a provider is connected, calling
-/// `check_running` between polls.
-fn wait_connected(
+/// Polls the Edge's `/status` until `ready` says so (a provider connected,
+/// every provider…), calling `check_running` between polls.
+pub(crate) fn wait_for_status(
     edge: &Target,
     stop: &AtomicBool,
     check_running: &mut dyn FnMut() -> Result<(), CompareError>,
+    ready: &dyn Fn(&serde_json::Value) -> bool,
 ) -> Result<(), CompareError> {
     let mut waited_ms = 0;
     let mut last_status = String::from("none yet");
@@ -374,7 +380,7 @@ fn wait_connected(
         check_running()?;
         match load::get_blocking(edge, "/status") {
             Ok((200, body)) => match serde_json::from_slice::<serde_json::Value>(&body) {
-                Ok(status) if status_has_connected_provider(&status) => return Ok(()),
+                Ok(status) if ready(&status) => return Ok(()),
                 Ok(status) => last_status = status.to_string(),
                 Err(e) => last_status = format!("not JSON: {e}"),
             },

@@ -245,28 +245,7 @@ impl PrefixTree {
     /// Drops every stamp of `provider`, and the nodes no other provider
     /// holds. Work is linear in the size of the tree.
     pub fn remove_provider(&mut self, provider: ProviderId) {
-        let mut stack = vec![ROOT];
-        while let Some(at) = stack.pop() {
-            let children = self.node(at).children.clone();
-            let mut kept = Vec::with_capacity(children.len());
-            for (first, child) in children {
-                self.unstamp(child, provider);
-                if self.node(child).providers.is_empty() {
-                    // Its subtree held a subset of its providers: all empty.
-                    self.free_subtree(child);
-                } else {
-                    kept.push((first, child));
-                    stack.push(child);
-                }
-            }
-            let node = self.node_mut(at);
-            if kept.len() != node.children.len() {
-                kept.shrink_to_fit();
-                node.children = kept;
-                self.recost(at);
-                self.relink_lru(at);
-            }
-        }
+        self.remap_providers(|p| (p != provider).then_some(p));
     }
 
     /// Renames every provider through `map` (a reload renumbers them), and
@@ -429,15 +408,6 @@ impl PrefixTree {
         }
         self.recost(ix);
         self.relink_lru(ix);
-    }
-
-    fn unstamp(&mut self, ix: NodeIx, provider: ProviderId) {
-        let providers = &mut self.node_mut(ix).providers;
-        if let Ok(i) = providers.binary_search_by_key(&provider, |&(p, _)| p) {
-            providers.remove(i);
-            self.recost(ix);
-            self.relink_lru(ix);
-        }
     }
 
     /// Frees `ix` and everything below it (the caller unlinks `ix` from its
