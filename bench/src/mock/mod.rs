@@ -28,6 +28,8 @@
 
 pub mod anthropic;
 pub mod auth;
+pub mod digest;
+pub mod multipart;
 pub mod ollama;
 pub mod openai;
 pub mod prefix_cache;
