@@ -627,3 +627,423 @@ fn without_prefix_cache_options_the_counters_stay_zero() {
     let status = mock.stop_with(Signal::SIGTERM);
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
 }
+
+/// `GET /admin/stats` as JSON.
+fn stats(client: &mut Client) -> Value {
+    let response = client.request(&get("/admin/stats"));
+    assert_eq!(response.status, 200);
+    response.json()
+}
+
+fn text(response: &Response) -> &str {
+    std::str::from_utf8(&response.body).expect("utf-8 body")
+}
+
+#[test]
+fn text_completions_echo_the_model_and_mark_the_suffix_plain_and_streamed() {
+    let mock = MockProcess::spawn(&["--tokens", "3"]);
+    let mut client = mock.connect();
+
+    let plain = client.request(&post(
+        "/v1/completions",
+        r#"{"model":"target-a","prompt":["one two","three"],"suffix":"}\n","max_tokens":2}"#,
+    ));
+    assert_eq!(plain.status, 200);
+    assert_eq!(plain.header("content-type"), Some("application/json"));
+    assert_eq!(
+        text(&plain),
+        concat!(
+            r#"{"id":"cmpl-mock-1","object":"text_completion","created":1700000000,"model":"target-a","#,
+            r#""choices":[{"index":0,"text":"tok0 tok1 [suffix:2]","finish_reason":"length","logprobs":null}],"#,
+            r#""usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+        )
+    );
+
+    let stream = client.request(&post(
+        "/v1/completions",
+        r#"{"model":"target-b","prompt":"hi","stream":true,"stream_options":{"include_usage":true}}"#,
+    ));
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.header("content-type"), Some("text/event-stream"));
+    let head = r#"{"id":"cmpl-mock-2","object":"text_completion","created":1700000000,"model":"target-b","choices":"#;
+    let token = |t: &str| {
+        format!(
+            r#"{head}[{{"index":0,"text":"{t}","finish_reason":null,"logprobs":null}}],"usage":null}}"#
+        )
+    };
+    assert_eq!(
+        sse_payloads(&stream),
+        vec![
+            token("tok0 "),
+            token("tok1 "),
+            token("tok2 "),
+            format!(
+                r#"{head}[{{"index":0,"text":"","finish_reason":"stop","logprobs":null}}],"usage":null}}"#
+            ),
+            format!(
+                r#"{head}[],"usage":{{"prompt_tokens":1,"completion_tokens":3,"total_tokens":4}}}}"#
+            ),
+            "[DONE]".to_string(),
+        ]
+    );
+
+    let bad = client.request(&post("/v1/completions", r#"{"model":"m","prompt":[1]}"#));
+    assert_eq!(bad.status, 400);
+    assert_eq!(
+        text(&bad),
+        r#"{"error":{"message":"prompt must be a string or an array of strings","type":"invalid_request_error","param":null,"code":null}}"#
+    );
+    assert_eq!(stats(&mut client)["completions_requests"], 3);
+}
+
+#[test]
+fn embeddings_are_deterministic_in_float_base64_and_ollama_shapes() {
+    use bench::mock::embeddings::{base64_vector, EmbedInput};
+
+    let mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+    let a = EmbedInput::Text("alpha beta".into()).vector(3);
+    let b = EmbedInput::Text("gamma".into()).vector(3);
+
+    // Vectors are written as `f32`s in their shortest form.
+    let list = |v: &[f32]| serde_json::to_string(v).expect("f32 list");
+    let float = client.request(&post(
+        "/v1/embeddings",
+        r#"{"model":"embed-x","input":["alpha beta","gamma"],"dimensions":3}"#,
+    ));
+    assert_eq!(float.status, 200);
+    assert_eq!(
+        text(&float),
+        format!(
+            concat!(
+                r#"{{"object":"list","data":[{{"object":"embedding","index":0,"embedding":{}}},"#,
+                r#"{{"object":"embedding","index":1,"embedding":{}}}],"model":"embed-x","#,
+                r#""usage":{{"prompt_tokens":3,"total_tokens":3}}}}"#
+            ),
+            list(&a),
+            list(&b)
+        )
+    );
+    // The same request gives the same bytes; every component is in [-1, 1).
+    let again = client.request(&post(
+        "/v1/embeddings",
+        r#"{"model":"embed-x","input":["alpha beta","gamma"],"dimensions":3}"#,
+    ));
+    assert_eq!(again.body, float.body);
+    assert!(a.iter().chain(&b).all(|x| (-1.0..1.0).contains(x)));
+    assert_ne!(a, b);
+
+    let encoded = client.request(&post(
+        "/v1/embeddings",
+        r#"{"model":"embed-x","input":"alpha beta","dimensions":3,"encoding_format":"base64"}"#,
+    ));
+    assert_eq!(encoded.status, 200);
+    let data = &encoded.json()["data"][0]["embedding"];
+    assert_eq!(data, &json!(base64_vector(&a)));
+    // 3 little-endian f32s = 12 bytes = 16 base64 characters.
+    assert_eq!(data.as_str().map(str::len), Some(16));
+
+    let ids = client.request(&post(
+        "/v1/embeddings",
+        r#"{"model":"e","input":[[7,8,9],[10]]}"#,
+    ));
+    assert_eq!(ids.status, 200);
+    let ids = ids.json();
+    assert_eq!(ids["usage"], json!({"prompt_tokens": 4, "total_tokens": 4}));
+    assert_eq!(
+        ids["data"][1]["embedding"].to_string(),
+        list(&EmbedInput::Ids(vec![10]).vector(8))
+    );
+
+    let ollama = client.request(&post(
+        "/api/embed",
+        r#"{"model":"embed-x","input":["alpha beta","gamma"],"dimensions":3}"#,
+    ));
+    assert_eq!(ollama.status, 200);
+    assert_eq!(
+        text(&ollama),
+        format!(
+            r#"{{"model":"embed-x","embeddings":[{},{}],"prompt_eval_count":3}}"#,
+            list(&a),
+            list(&b)
+        )
+    );
+
+    let bad = client.request(&post("/v1/embeddings", r#"{"model":"e","input":[]}"#));
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.json()["error"]["message"], "input must not be empty");
+
+    let counters = stats(&mut client);
+    assert_eq!(counters["embeddings_requests"], 5);
+    assert_eq!(counters["ollama_embed_requests"], 1);
+}
+
+#[test]
+fn rerank_and_score_are_word_overlap_exact() {
+    let mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+    let body = r#"{"model":"rr","query":"red apple","documents":["green pear","red apple pie","apple"],"top_n":2,"return_documents":true}"#;
+    for (seq, path) in [(1, "/v1/rerank"), (2, "/v2/rerank")] {
+        let rerank = client.request(&post(path, body));
+        assert_eq!(rerank.status, 200, "{path}");
+        // "red apple" vs "red apple pie": 2 shared of 3; vs "apple": 1 of 2.
+        assert_eq!(
+            text(&rerank),
+            format!(
+                concat!(
+                    r#"{{"id":"rerank-mock-{}","model":"rr","results":["#,
+                    r#"{{"index":1,"relevance_score":0.6666666666666666,"document":{{"text":"red apple pie"}}}},"#,
+                    r#"{{"index":2,"relevance_score":0.5,"document":{{"text":"apple"}}}}],"#,
+                    r#""usage":{{"total_tokens":8}}}}"#
+                ),
+                seq
+            )
+        );
+    }
+
+    let score = client.request(&post(
+        "/v1/score",
+        r#"{"model":"sc","text_1":"a b","text_2":["a b","b c","d"]}"#,
+    ));
+    assert_eq!(score.status, 200);
+    assert_eq!(
+        text(&score),
+        concat!(
+            r#"{"id":"score-mock-3","object":"list","created":1700000000,"model":"sc","data":["#,
+            r#"{"index":0,"object":"score","score":1.0},"#,
+            r#"{"index":1,"object":"score","score":0.3333333333333333},"#,
+            r#"{"index":2,"object":"score","score":0.0}],"#,
+            r#""usage":{"prompt_tokens":11,"total_tokens":11,"completion_tokens":0}}"#
+        )
+    );
+    let bad = client.request(&post(
+        "/v1/score",
+        r#"{"model":"sc","text_1":["a","b"],"text_2":["a","b","c"]}"#,
+    ));
+    assert_eq!(bad.status, 400);
+    assert_eq!(
+        bad.json()["error"]["message"],
+        "text_1 has 2 texts and text_2 3: they must be as many, or text_1 one"
+    );
+
+    let counters = stats(&mut client);
+    assert_eq!(counters["rerank_requests"], 2);
+    assert_eq!(counters["score_requests"], 2);
+}
+
+#[test]
+fn tokenize_then_detokenize_round_trips_through_the_process_vocabulary() {
+    use bench::mock::tokenize::token_id;
+
+    let mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+    let ids = [token_id("the"), token_id("quick"), token_id("fox")];
+
+    let tokens = client.request(&post(
+        "/tokenize",
+        r#"{"model":"tk","prompt":"the quick  fox"}"#,
+    ));
+    assert_eq!(tokens.status, 200);
+    assert_eq!(
+        tokens.json(),
+        json!({"count": 3, "max_model_len": 32768, "tokens": ids})
+    );
+
+    let words = client.request(&post(
+        "/detokenize",
+        &format!(
+            r#"{{"model":"tk","tokens":[{},{},50000,{}]}}"#,
+            ids[2], ids[0], ids[1]
+        ),
+    ));
+    assert_eq!(words.status, 200);
+    assert_eq!(text(&words), r#"{"prompt":"fox the <unk:50000> quick"}"#);
+
+    let counters = stats(&mut client);
+    assert_eq!(counters["tokenize_requests"], 1);
+    assert_eq!(counters["detokenize_requests"], 1);
+}
+
+/// A `multipart/form-data` request with boundary `mockb`.
+fn multipart(path: &str, parts: &[(&str, Option<&str>, &[u8])]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (name, filename, value) in parts {
+        body.extend_from_slice(
+            format!("--mockb\r\nContent-Disposition: form-data; name=\"{name}\"").as_bytes(),
+        );
+        if let Some(filename) = filename {
+            body.extend_from_slice(
+                format!("; filename=\"{filename}\"\r\nContent-Type: audio/wav").as_bytes(),
+            );
+        }
+        body.extend_from_slice(b"\r\n\r\n");
+        body.extend_from_slice(value);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(b"--mockb--\r\n");
+    let mut raw = format!(
+        "POST {path} HTTP/1.1\r\nHost: mock\r\nContent-Type: multipart/form-data; boundary=mockb\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    raw.extend_from_slice(&body);
+    raw
+}
+
+#[test]
+fn audio_uploads_are_parsed_counted_and_answered_per_format() {
+    use bench::mock::digest::fnv1a;
+
+    let mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+    // Binary audio with CR, LF and boundary-like runs (a delimiter needs
+    // CRLF right before `--mockb`).
+    let audio: Vec<u8> = (0..=255u8).chain(*b"\r\n--mock\r\nx--mockb--").collect();
+    let hash = format!("{:016x}", fnv1a(&audio));
+
+    let json_reply = client.request(&multipart(
+        "/v1/audio/transcriptions",
+        &[
+            ("file", Some("clip.wav"), &audio),
+            ("model", None, b"whisper-1"),
+            ("language", None, b"en"),
+        ],
+    ));
+    assert_eq!(json_reply.status, 200);
+    assert_eq!(json_reply.header("content-type"), Some("application/json"));
+    assert_eq!(
+        text(&json_reply),
+        format!(
+            r#"{{"text":"transcript of {} bytes {}"}}"#,
+            audio.len(),
+            &hash[..8]
+        )
+    );
+
+    let text_reply = client.request(&multipart(
+        "/v1/audio/translations",
+        &[
+            ("model", None, b"whisper-2"),
+            ("response_format", None, b"text"),
+            ("file", Some("b.wav"), b"abc"),
+        ],
+    ));
+    assert_eq!(text_reply.status, 200);
+    assert_eq!(
+        text_reply.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(
+        text(&text_reply),
+        format!(
+            "translation of 3 bytes {}",
+            &format!("{:016x}", fnv1a(b"abc"))[..8]
+        )
+    );
+
+    let counters = stats(&mut client);
+    assert_eq!(counters["transcription_requests"], 1);
+    assert_eq!(counters["translation_requests"], 1);
+    assert_eq!(counters["audio_file_bytes"], audio.len() + 3);
+    assert_eq!(
+        counters["last_audio"],
+        json!({
+            "model": "whisper-2",
+            "filename": "b.wav",
+            "file_bytes": 3,
+            "file_hash": format!("{:016x}", fnv1a(b"abc")),
+            "response_format": "text",
+            "language": null,
+        })
+    );
+
+    // No boundary, and a body cut before its closing delimiter: 400s that
+    // say why, and the connection goes on.
+    let no_boundary = client.request(
+        b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: mock\r\nContent-Type: multipart/form-data\r\nContent-Length: 2\r\n\r\n--",
+    );
+    assert_eq!(no_boundary.status, 400);
+    assert_eq!(
+        text(&no_boundary),
+        r#"{"error":{"message":"multipart content-type has no boundary parameter","type":"invalid_request_error","param":null,"code":null}}"#
+    );
+    let mut cut = multipart(
+        "/v1/audio/transcriptions",
+        &[("file", Some("c.wav"), b"xyz"), ("model", None, b"w")],
+    );
+    cut.truncate(cut.len() - "--mockb--\r\n".len());
+    let cut_len = cut.len();
+    // Fix the Content-Length to the shortened body.
+    let raw = String::from_utf8(cut).expect("ascii request");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("head");
+    let old_length = format!("Content-Length: {}", body.len() + "--mockb--\r\n".len());
+    let head = head.replace(&old_length, &format!("Content-Length: {}", body.len()));
+    assert!(cut_len > head.len());
+    let truncated = client.request(format!("{head}\r\n\r\n{body}").as_bytes());
+    assert_eq!(truncated.status, 400);
+    assert_eq!(
+        truncated.json()["error"]["message"],
+        "multipart body truncated: no closing boundary delimiter"
+    );
+    let counters = stats(&mut client);
+    assert_eq!(counters["transcription_requests"], 3);
+    assert_eq!(counters["audio_file_bytes"], audio.len() + 3);
+}
+
+#[test]
+fn speech_is_binary_deterministic_and_typed_by_format() {
+    use bench::mock::audio::speech_bytes;
+
+    let mock = MockProcess::spawn(&[]);
+    let mut client = mock.connect();
+    let mp3 = client.request(&post(
+        "/v1/audio/speech",
+        r#"{"model":"tts-1","input":"hello there","voice":"alloy"}"#,
+    ));
+    assert_eq!(mp3.status, 200);
+    assert_eq!(mp3.header("content-type"), Some("audio/mpeg"));
+    let expected = speech_bytes("mp3", "hello there");
+    assert_eq!(&expected[..12], b"IOPMOCK mp3\n");
+    assert_eq!(expected.len(), 12 + 11 * 32);
+    assert_eq!(mp3.header("content-length"), Some("364"));
+    assert_eq!(mp3.body, expected);
+
+    let wav = client.request(&post(
+        "/v1/audio/speech",
+        r#"{"model":"tts-1","input":"hello there","voice":"alloy","response_format":"wav"}"#,
+    ));
+    assert_eq!(wav.header("content-type"), Some("audio/wav"));
+    assert_eq!(&wav.body[..12], b"IOPMOCK wav\n");
+    // Same input, same audio after the header.
+    assert_eq!(wav.body[12..], mp3.body[12..]);
+
+    let bad = client.request(&post(
+        "/v1/audio/speech",
+        r#"{"model":"tts-1","input":"x"}"#,
+    ));
+    assert_eq!(bad.status, 400);
+    assert_eq!(
+        bad.json()["error"]["message"],
+        "voice is required (a string)"
+    );
+    assert_eq!(stats(&mut client)["speech_requests"], 3);
+}
+
+#[test]
+fn a_model_is_found_by_id_only_when_listed() {
+    let mock = MockProcess::spawn(&["--model-list", "alpha,beta"]);
+    let mut client = mock.connect();
+    let found = client.request(&get("/v1/models/beta"));
+    assert_eq!(found.status, 200);
+    assert_eq!(
+        text(&found),
+        r#"{"id":"beta","object":"model","created":1700000000,"owned_by":"mock"}"#
+    );
+    let missing = client.request(&get("/v1/models/gamma"));
+    assert_eq!(missing.status, 404);
+    assert_eq!(
+        text(&missing),
+        r#"{"error":{"message":"The model 'gamma' does not exist","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#
+    );
+    assert_eq!(stats(&mut client)["model_requests"], 2);
+}

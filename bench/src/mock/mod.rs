@@ -14,6 +14,12 @@
 //! | `POST /api/chat`, `GET /api/tags`, `GET /api/version` | [`ollama`] |
 //! | `POST /v1/messages`, `POST /v1/messages/count_tokens` | [`anthropic`] |
 //! | `POST /v1/responses` | [`responses`] |
+//! | `POST /v1/completions` | [`completions`] |
+//! | `POST /v1/embeddings`, `POST /api/embed` | [`embeddings`] |
+//! | `POST /v1/rerank`, `POST /v2/rerank`, `POST /v1/score` | [`rerank`] |
+//! | `POST /tokenize`, `POST /detokenize` | [`tokenize`] |
+//! | `GET /v1/models/{id}` | [`openai`] |
+//! | `POST /v1/audio/transcriptions`, `/translations`, `/speech` | [`audio`] (+ [`multipart`]) |
 //! | `GET /health`, `POST /admin/health`, `GET /admin/stats` | [`openai`] |
 //!
 //! [`auth`] (`--require-api-key`) refuses provider requests without the
@@ -27,13 +33,20 @@
 //! what the mock sent, whatever protocol carried it.
 
 pub mod anthropic;
+pub mod audio;
 pub mod auth;
+pub mod completions;
+pub mod digest;
+pub mod embeddings;
+pub mod multipart;
 pub mod ollama;
 pub mod openai;
 pub mod prefix_cache;
+pub mod rerank;
 pub mod responses;
 pub mod script;
 pub mod server;
+pub mod tokenize;
 pub mod tools;
 
 pub use openai::{HealthState, MockConfig, MockFaults, MockProvider, MockStats};

@@ -61,7 +61,9 @@
 //! `missing` → 404 like a server without a health route (llama-cpp-python's).
 //! `POST /admin/health {"state":"healthy"|"unhealthy"|"hanging"|"missing"}`
 //! flips it.
-//! `GET /admin/stats` returns the counters in [`MockStats`] as JSON.
+//! `GET /admin/stats` returns the counters in [`MockStats`] as JSON, then
+//! `last_audio`: the model, file name, size and hash of the last audio
+//! upload (or `null`).
 //!
 //! # Prefix cache
 //!
@@ -201,6 +203,30 @@ pub struct MockStats {
     /// Of those, the tokens covered by a cached prefix: the hit rate is
     /// `cached_tokens_hit / prompt_tokens_seen`.
     pub cached_tokens_hit: u64,
+    /// `POST /v1/completions` requests received so far.
+    pub completions_requests: u64,
+    /// `POST /v1/embeddings` requests received so far.
+    pub embeddings_requests: u64,
+    /// Ollama `POST /api/embed` requests received so far.
+    pub ollama_embed_requests: u64,
+    /// `POST /v1/rerank` and `/v2/rerank` requests received so far.
+    pub rerank_requests: u64,
+    /// `POST /v1/score` requests received so far.
+    pub score_requests: u64,
+    /// `POST /tokenize` requests received so far.
+    pub tokenize_requests: u64,
+    /// `POST /detokenize` requests received so far.
+    pub detokenize_requests: u64,
+    /// `GET /v1/models/{id}` requests received so far.
+    pub model_requests: u64,
+    /// `POST /v1/audio/transcriptions` requests received so far.
+    pub transcription_requests: u64,
+    /// `POST /v1/audio/translations` requests received so far.
+    pub translation_requests: u64,
+    /// `POST /v1/audio/speech` requests received so far.
+    pub speech_requests: u64,
+    /// Bytes of the `file` parts of the audio uploads parsed so far.
+    pub audio_file_bytes: u64,
 }
 
 /// Why a chat request body was rejected.
@@ -757,6 +783,15 @@ pub enum Reply {
     Hang,
     /// Close the connection without answering (injected drop).
     Drop,
+    /// A complete response of any content type (plain text, audio bytes).
+    Body {
+        /// HTTP status code.
+        status: u16,
+        /// `content-type`.
+        content_type: &'static str,
+        /// The body.
+        body: Vec<u8>,
+    },
     /// A reply scripted in full (the other protocols and the tool modes).
     Scripted(super::script::Script),
 }
@@ -814,6 +849,41 @@ pub fn models_body(models: &[String]) -> String {
     })
 }
 
+/// `GET /v1/models/{id}`: `(200, the model object)` for a listed `id`,
+/// `(404, an OpenAI error)` otherwise. `id` is matched as sent (no
+/// percent-decoding).
+pub fn model_body(models: &[String], id: &str) -> (u16, String) {
+    if models.iter().any(|m| m == id) {
+        let body = serde_json::json!({
+            "id": id,
+            "object": "model",
+            "created": CREATED_UNIX_S,
+            "owned_by": OWNED_BY,
+        });
+        return (200, body.to_string());
+    }
+    let body = serde_json::json!({"error": {
+        "message": format!("The model '{id}' does not exist"),
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }});
+    (404, body.to_string())
+}
+
+/// The `GET /admin/stats` body: the counters, then `last_audio` (what the
+/// last parsed audio upload carried, or `null`).
+#[derive(Serialize)]
+struct StatsView<'a> {
+    #[serde(flatten)]
+    stats: &'a MockStats,
+    last_audio: Option<&'a super::audio::AudioSeen>,
+}
+
+fn json_reply((status, body): (u16, String)) -> Reply {
+    Reply::Json { status, body }
+}
+
 /// The mock's request handler: configuration, the precomputed models body
 /// and the completion counter. One per server thread.
 #[derive(Debug)]
@@ -830,6 +900,8 @@ pub struct MockProvider {
     token_bytes: u32,
     tls: Option<iop_engine::tls::HttpsAcceptor>,
     prefix_cache: Option<PrefixModel>,
+    vocabulary: super::tokenize::Vocabulary,
+    last_audio: Option<super::audio::AudioSeen>,
 }
 
 /// The prefix cache model of [`MockProvider::with_prefix_cache`].
@@ -861,6 +933,8 @@ impl MockProvider {
             token_bytes: 0,
             tls: None,
             prefix_cache: None,
+            vocabulary: super::tokenize::Vocabulary::default(),
+            last_audio: None,
         }
     }
 
@@ -1005,6 +1079,18 @@ impl MockProvider {
     /// Decides the reply to one request. `path` may carry a query string,
     /// which is ignored. Completion ids count up from `chatcmpl-mock-1`.
     pub fn handle(&mut self, method: &str, path: &str, body: &[u8]) -> Reply {
+        self.handle_typed(method, path, None, body)
+    }
+
+    /// [`handle`](Self::handle) with the request's `content-type`, which
+    /// the multipart routes (audio uploads) need.
+    pub fn handle_typed(
+        &mut self,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: &[u8],
+    ) -> Reply {
         let route = path.split_once('?').map_or(path, |(route, _query)| route);
         match (method, route) {
             ("GET", "/v1/models") => Reply::Json {
@@ -1055,6 +1141,65 @@ impl MockProvider {
                     seq,
                 ))
             }
+            ("POST", "/v1/completions") => {
+                self.stats.completions_requests += 1;
+                let seq = self.next_seq();
+                let ttft_ms = self.prefill(PromptShape::Prompt, body);
+                Reply::Scripted(super::completions::create(
+                    body,
+                    &self.config_with_ttft(ttft_ms),
+                    &self.faults,
+                    seq,
+                ))
+            }
+            ("POST", "/v1/embeddings") => {
+                self.stats.embeddings_requests += 1;
+                json_reply(super::embeddings::openai(body))
+            }
+            ("POST", "/api/embed") => {
+                self.stats.ollama_embed_requests += 1;
+                json_reply(super::embeddings::ollama(body))
+            }
+            ("POST", "/v1/rerank" | "/v2/rerank") => {
+                self.stats.rerank_requests += 1;
+                let seq = self.next_seq();
+                json_reply(super::rerank::rerank(body, seq))
+            }
+            ("POST", "/v1/score") => {
+                self.stats.score_requests += 1;
+                let seq = self.next_seq();
+                json_reply(super::rerank::score_pairs(body, seq))
+            }
+            ("POST", "/tokenize") => {
+                self.stats.tokenize_requests += 1;
+                json_reply(self.vocabulary.tokenize(body))
+            }
+            ("POST", "/detokenize") => {
+                self.stats.detokenize_requests += 1;
+                json_reply(self.vocabulary.detokenize(body))
+            }
+            ("POST", "/v1/audio/transcriptions") => {
+                self.stats.transcription_requests += 1;
+                self.audio_upload(super::audio::Task::Transcription, content_type, body)
+            }
+            ("POST", "/v1/audio/translations") => {
+                self.stats.translation_requests += 1;
+                self.audio_upload(super::audio::Task::Translation, content_type, body)
+            }
+            ("POST", "/v1/audio/speech") => {
+                self.stats.speech_requests += 1;
+                let reply = super::audio::speech(body);
+                Reply::Body {
+                    status: reply.status,
+                    content_type: reply.content_type,
+                    body: reply.body,
+                }
+            }
+            ("GET", model) if model.starts_with("/v1/models/") => {
+                self.stats.model_requests += 1;
+                let id = &model["/v1/models/".len()..];
+                json_reply(model_body(&self.config.models, id))
+            }
             ("GET", "/health") => match self.health {
                 HealthState::Healthy => Reply::Json {
                     status: 200,
@@ -1073,13 +1218,39 @@ impl MockProvider {
             ("POST", "/admin/health") => self.set_health(body),
             ("GET", "/admin/stats") => Reply::Json {
                 status: 200,
-                body: to_json(&self.stats),
+                body: to_json(&StatsView {
+                    stats: &self.stats,
+                    last_audio: self.last_audio.as_ref(),
+                }),
             },
             _ => Reply::Json {
                 status: 404,
                 body: error_body(&format!("Invalid URL ({method} {route})")),
             },
         }
+    }
+
+    fn audio_upload(
+        &mut self,
+        task: super::audio::Task,
+        content_type: Option<&str>,
+        body: &[u8],
+    ) -> Reply {
+        let (reply, seen) = super::audio::upload(task, content_type, body);
+        if let Some(seen) = seen {
+            self.stats.audio_file_bytes += seen.file_bytes;
+            self.last_audio = Some(seen);
+        }
+        Reply::Body {
+            status: reply.status,
+            content_type: reply.content_type,
+            body: reply.body,
+        }
+    }
+
+    /// What the last audio upload carried (model, file size and hash).
+    pub fn last_audio(&self) -> Option<&super::audio::AudioSeen> {
+        self.last_audio.as_ref()
     }
 
     fn set_health(&mut self, body: &[u8]) -> Reply {
@@ -1793,7 +1964,13 @@ mod tests {
         assert_eq!(status, 200);
         assert_eq!(
             body,
-            r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15,"tls_handshake_failures":0,"prompt_tokens_seen":0,"cached_tokens_hit":0}"#
+            concat!(
+                r#"{"connections_accepted":2,"connections_open":1,"chat_requests":1,"active_streams":1,"streams_aborted":0,"tools_rejected":0,"ollama_chat_requests":0,"messages_requests":0,"responses_requests":0,"stream_bytes_written":15,"tls_handshake_failures":0,"prompt_tokens_seen":0,"cached_tokens_hit":0,"#,
+                r#""completions_requests":0,"embeddings_requests":0,"ollama_embed_requests":0,"rerank_requests":0,"#,
+                r#""score_requests":0,"tokenize_requests":0,"detokenize_requests":0,"model_requests":0,"#,
+                r#""transcription_requests":0,"translation_requests":0,"speech_requests":0,"audio_file_bytes":0,"#,
+                r#""last_audio":null}"#
+            )
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);

@@ -148,6 +148,8 @@ pub enum PromptShape {
     SystemAndMessages,
     /// `instructions`, then `input` (Responses).
     InstructionsAndInput,
+    /// `prompt`: a string or an array of strings (text completions).
+    Prompt,
 }
 
 /// The token sequence of a request body of `shape` (see the module docs).
@@ -168,6 +170,12 @@ pub fn prompt_sequence(shape: PromptShape, body: &Value) -> Vec<String> {
                 input => content_words(input, &mut tokens),
             }
         }
+        PromptShape::Prompt => match body.get("prompt") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .for_each(|item| content_words(Some(item), &mut tokens)),
+            prompt => content_words(prompt, &mut tokens),
+        },
     }
     tokens
 }
@@ -309,6 +317,11 @@ mod tests {
         assert_eq!(
             prompt_sequence(PromptShape::InstructionsAndInput, &responses),
             words("ins a b c")
+        );
+        let completion = json!({"model": "m", "prompt": ["a  b", "c"]});
+        assert_eq!(
+            prompt_sequence(PromptShape::Prompt, &completion),
+            words("a b c")
         );
         let plain = json!({"model": "m", "input": "just this"});
         assert_eq!(

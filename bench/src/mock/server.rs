@@ -292,13 +292,27 @@ async fn serve_requests(
             }
             continue;
         }
-        let reply =
-            provider
-                .borrow_mut()
-                .handle(&request.head.method, &request.head.target, &request.body);
+        let content_type = request
+            .head
+            .header("content-type")
+            .and_then(|v| std::str::from_utf8(v).ok());
+        let reply = provider.borrow_mut().handle_typed(
+            &request.head.method,
+            &request.head.target,
+            content_type,
+            &request.body,
+        );
         match reply {
             Reply::Json { status, body } => {
                 conn.write_response(status, JSON_HEADERS, Bytes::from(body))
+                    .await?;
+            }
+            Reply::Body {
+                status,
+                content_type,
+                body,
+            } => {
+                conn.write_response(status, [("content-type", content_type)], Bytes::from(body))
                     .await?;
             }
             Reply::Completion {
