@@ -308,8 +308,10 @@ fn model_name(raw: &str) -> Result<String, GatewayError> {
 }
 
 /// A request for a passthrough route (`/v1/responses`, `/v1/messages`,
-/// `/v1/messages/count_tokens`): only `model` and `stream` are read; the body
-/// is forwarded with `model` rewritten to the served target (U5).
+/// `/v1/messages/count_tokens`, `/v1/completions`, `/v1/embeddings`,
+/// `/v1/rerank`, `/v2/rerank`, `/v1/score`, `/tokenize`, `/detokenize`): only
+/// `model` and `stream` are read; the body is forwarded with `model`
+/// rewritten to the served target (U5).
 #[derive(Debug, Clone)]
 pub struct PassthroughRequest {
     /// The external model (E2).
@@ -367,20 +369,28 @@ pub struct ModelEntry {
     pub owned_by: String,
 }
 
+/// One model object, as `GET /v1/models` lists it.
+fn model_object(m: &ModelEntry, created_unix_sec: i64) -> Value {
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": created_unix_sec,
+        "owned_by": m.owned_by,
+    })
+}
+
 /// `GET /v1/models` body, in config order.
 pub fn models_list(models: &[ModelEntry], created_unix_sec: i64) -> Bytes {
     let data: Vec<Value> = models
         .iter()
-        .map(|m| {
-            json!({
-                "id": m.id,
-                "object": "model",
-                "created": created_unix_sec,
-                "owned_by": m.owned_by,
-            })
-        })
+        .map(|m| model_object(m, created_unix_sec))
         .collect();
     Bytes::from(json!({"object": "list", "data": data}).to_string())
+}
+
+/// `GET /v1/models/{id}` body: the model object of `model`.
+pub fn model_retrieved(model: &ModelEntry, created_unix_sec: i64) -> Bytes {
+    Bytes::from(model_object(model, created_unix_sec).to_string())
 }
 
 /// Response headers from a provider that are not relayed as they are: the
