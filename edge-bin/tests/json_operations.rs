@@ -5,6 +5,10 @@
 //!   reach the node as a tunnel naming the operation, carrying the
 //!   client's bytes with `model` replaced by the provider's target and
 //!   nothing else changed; the client gets the node's bytes unchanged.
+//! - A streamed completion whose client did not ask for usage has the
+//!   provider asked for it (`stream_options.include_usage` spliced in, the
+//!   node told to strip the usage chunk) when the node can strip it; not
+//!   when the client asked, nor from a node that cannot.
 //! - `GET /v1/models/{id}` is answered by the Edge from its model list:
 //!   the model object, or a 404 `model_not_found` for a model it does not
 //!   serve or the key may not use.
@@ -317,6 +321,103 @@ async fn a_model_is_retrieved_from_the_edges_own_list() {
         let response = get_model(&edge, MODEL_B, LIMITED_KEY).await;
         assert_eq!(response.status, 404, "{response:?}");
         assert_eq!(response.json(), not_found(MODEL_B));
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// A node registered as one that strips usage chunks, then ready.
+async fn stripping_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
+    let mut node = RawNode::connect(edge.node_addr, &pki.connector(node_id)).await;
+    node.conn
+        .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
+            node_id: node_id.to_string(),
+            node_version: "test".to_string(),
+            flow_control: 0,
+            strips_usage_chunk: true,
+        })))
+        .expect("send register");
+    match node.next_frame().await {
+        Body::RegisterResponse(r) => assert!(r.accepted),
+        other => panic!("expected RegisterResponse, got {other:?}"),
+    }
+    assert_eq!(node.ready(node_id).await, ready_accepted());
+    node
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_streamed_completion_asks_for_usage_as_chat_does() {
+    let pki = Pki::mint("json-ops-usage");
+    guarded(async {
+        let edge = TestEdge::without_provider(&pki);
+        const EVENTS: [&[u8]; 2] = [b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n", b"data: [DONE]\n\n"];
+
+        // A node that strips the usage chunk: the provider is asked for it.
+        let mut node = stripping_node(&edge, &pki, "node-a").await;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            br#"{"model":"chat-model","prompt":"hi","stream":true}"#,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert_eq!(
+            (tunnel.operation.as_str(), tunnel.strip_usage_chunk),
+            ("completions", true)
+        );
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"model":"mock-target-7b","stream_options":{"include_usage":true},"prompt":"hi","stream":true}"#
+        );
+        assert_eq!(response.body, EVENTS.concat());
+
+        // The client asked: its bytes, nothing to strip.
+        const ASKED: &[u8] = br#"{"model":"chat-model","prompt":"hi","stream":true,"stream_options":{"include_usage":true}}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            ASKED,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(&tunnel.body[..], &for_target(ASKED)[..]);
+
+        // Embeddings are never asked for a usage chunk.
+        const EMBED: &[u8] = br#"{"model":"chat-model","input":"hi","stream":true}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/embeddings",
+            EMBED,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(&tunnel.body[..], &for_target(EMBED)[..]);
+
+        // A node that cannot strip it: the client's bytes as they are.
+        let mut old = ready_node(&edge, &pki, "node-b").await;
+        const FOR_B: &[u8] = br#"{"model":"chat-model-b","prompt":"hi","stream":true}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut old,
+            "/v1/completions",
+            FOR_B,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"model":"mock-target-7b","prompt":"hi","stream":true}"#
+        );
         edge.stop().await;
     })
     .await;

@@ -91,16 +91,7 @@ impl ChatRequest {
 
     /// Whether the client asked for a usage chunk (`stream_options.include_usage`).
     pub fn include_usage(&self) -> bool {
-        self.body
-            .raw("stream_options")
-            .and_then(body_json::object_members)
-            .and_then(|options| {
-                options
-                    .into_iter()
-                    .find(|(name, _)| name == "include_usage")
-                    .map(|(_, v)| v.get() == "true")
-            })
-            .unwrap_or(false)
+        include_usage(&self.body)
     }
 
     /// The messages, each as its (leniently read) members; a message that
@@ -199,48 +190,64 @@ impl ChatRequest {
     /// the client's; the bytes between `model` and `stream_options` are
     /// copied once (a second edit, see [`Members::splice_spans`]).
     pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
-        if !self.stream || self.include_usage() {
-            return None;
-        }
-        const ASK: &[u8] = br#"{"include_usage":true}"#;
-        let model = self.body.span("model")?;
-        let mut edits = vec![(model.clone(), Bytes::from(body_json::json_string(target)))];
-        match (
-            self.body.span("stream_options"),
-            self.body.raw("stream_options"),
-        ) {
-            (Some(span), Some("null")) => edits.push((span, Bytes::from_static(ASK))),
-            (Some(span), Some(raw)) => {
-                let members = body_json::member_spans(raw)?;
-                let named: Vec<_> = members
-                    .iter()
-                    .filter(|(name, _)| name == "include_usage")
-                    .collect();
-                if named.is_empty() {
-                    let at = span.start + 1;
-                    let member: &'static [u8] = if members.is_empty() {
-                        br#""include_usage":true"#
-                    } else {
-                        br#""include_usage":true,"#
-                    };
-                    edits.push((at..at, Bytes::from_static(member)));
-                }
-                for (_, value) in named {
-                    if &raw[value.clone()] != "true" {
-                        let value = span.start + value.start..span.start + value.end;
-                        edits.push((value, Bytes::from_static(b"true")));
-                    }
-                }
-            }
-            _ => {
-                let mut member = br#","stream_options":"#.to_vec();
-                member.extend_from_slice(ASK);
-                edits.push((model.end..model.end, Bytes::from(member)));
-            }
-        }
-        edits.sort_by_key(|(span, _)| (span.start, span.end));
-        self.body.splice_spans(&edits)
+        body_asking_usage(&self.body, self.stream, target)
     }
+}
+
+/// Whether `body` asks for a usage chunk (`stream_options.include_usage`).
+fn include_usage(body: &Members) -> bool {
+    body.raw("stream_options")
+        .and_then(body_json::object_members)
+        .and_then(|options| {
+            options
+                .into_iter()
+                .find(|(name, _)| name == "include_usage")
+                .map(|(_, v)| v.get() == "true")
+        })
+        .unwrap_or(false)
+}
+
+/// [`ChatRequest::body_asking_usage`] of `body`: `None` unless `stream`
+/// and the body does not ask for usage already.
+fn body_asking_usage(body: &Members, stream: bool, target: &str) -> Option<BodyParts> {
+    if !stream || include_usage(body) {
+        return None;
+    }
+    const ASK: &[u8] = br#"{"include_usage":true}"#;
+    let model = body.span("model")?;
+    let mut edits = vec![(model.clone(), Bytes::from(body_json::json_string(target)))];
+    match (body.span("stream_options"), body.raw("stream_options")) {
+        (Some(span), Some("null")) => edits.push((span, Bytes::from_static(ASK))),
+        (Some(span), Some(raw)) => {
+            let members = body_json::member_spans(raw)?;
+            let named: Vec<_> = members
+                .iter()
+                .filter(|(name, _)| name == "include_usage")
+                .collect();
+            if named.is_empty() {
+                let at = span.start + 1;
+                let member: &'static [u8] = if members.is_empty() {
+                    br#""include_usage":true"#
+                } else {
+                    br#""include_usage":true,"#
+                };
+                edits.push((at..at, Bytes::from_static(member)));
+            }
+            for (_, value) in named {
+                if &raw[value.clone()] != "true" {
+                    let value = span.start + value.start..span.start + value.end;
+                    edits.push((value, Bytes::from_static(b"true")));
+                }
+            }
+        }
+        _ => {
+            let mut member = br#","stream_options":"#.to_vec();
+            member.extend_from_slice(ASK);
+            edits.push((model.end..model.end, Bytes::from(member)));
+        }
+    }
+    edits.sort_by_key(|(span, _)| (span.start, span.end));
+    body.splice_spans(&edits)
 }
 
 /// The value of member `name` among `members`.
@@ -349,6 +356,13 @@ impl PassthroughRequest {
     /// in pieces that share the client's memory.
     pub fn body_for_target(&self, target: &str) -> BodyParts {
         with_model(&self.body, target)
+    }
+
+    /// A streamed text completion's body that also asks the provider for
+    /// its usage chunk, as [`ChatRequest::body_asking_usage`] (the same
+    /// `stream_options` member); `None` when not streamed or already asked.
+    pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
+        body_asking_usage(&self.body, self.stream, target)
     }
 }
 
