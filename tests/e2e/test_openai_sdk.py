@@ -37,6 +37,26 @@ def test_models_list(client):
     assert [m.id for m in client.models.list().data] == [MODEL, "offline-model"]
 
 
+def test_a_model_is_retrieved_from_the_edges_list(client):
+    listed = {m.id: m for m in client.models.list().data}
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by, model.created) == (
+        MODEL,
+        "model",
+        listed[MODEL].owned_by,
+        listed[MODEL].created,
+    )
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("no-such-model")
+    assert refused.value.status_code == 404
+    assert refused.value.body == {
+        "message": "The model `no-such-model` does not exist or you do not have access to it.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
 def test_non_streaming_text_equals_the_provider_text(client, direct):
     # CONTRACT: E2, U5
     relayed = client.chat.completions.create(model=MODEL, messages=MESSAGES)

@@ -5,12 +5,18 @@
 use crate::pb::ProtocolProfile;
 
 /// The profile operations a tunnel may name (U3).
-pub const OPERATIONS: [&str; 5] = [
+pub const OPERATIONS: [&str; 11] = [
     "models",
     "chat_completions",
     "messages",
     "count_tokens",
     "responses",
+    "completions",
+    "embeddings",
+    "rerank",
+    "score",
+    "tokenize",
+    "detokenize",
 ];
 
 impl ProtocolProfile {
@@ -23,6 +29,12 @@ impl ProtocolProfile {
             "messages" => &self.messages_path,
             "count_tokens" => &self.count_tokens_path,
             "responses" => &self.responses_path,
+            "completions" => &self.completions_path,
+            "embeddings" => &self.embeddings_path,
+            "rerank" => &self.rerank_path,
+            "score" => &self.score_path,
+            "tokenize" => &self.tokenize_path,
+            "detokenize" => &self.detokenize_path,
             _ => return None,
         };
         Some(path)
@@ -41,6 +53,12 @@ mod tests {
             messages_path: "/ms".into(),
             count_tokens_path: "/ct".into(),
             responses_path: "/r".into(),
+            completions_path: "/co".into(),
+            embeddings_path: "/e".into(),
+            rerank_path: "/rr".into(),
+            score_path: "/s".into(),
+            tokenize_path: "/t".into(),
+            detokenize_path: "/d".into(),
             ..Default::default()
         };
         let paths: Vec<_> = OPERATIONS
@@ -49,9 +67,22 @@ mod tests {
             .collect();
         assert_eq!(
             paths,
-            [Some("/m"), Some("/c"), Some("/ms"), Some("/ct"), Some("/r")]
+            [
+                Some("/m"),
+                Some("/c"),
+                Some("/ms"),
+                Some("/ct"),
+                Some("/r"),
+                Some("/co"),
+                Some("/e"),
+                Some("/rr"),
+                Some("/s"),
+                Some("/t"),
+                Some("/d")
+            ]
         );
-        assert_eq!(profile.operation_path("embeddings"), None);
+        assert_eq!(profile.operation_path("images"), None);
+        assert_eq!(profile.operation_path("v2_rerank"), None);
         assert_eq!(
             ProtocolProfile::default().operation_path("models"),
             Some("")

@@ -91,16 +91,7 @@ impl ChatRequest {
 
     /// Whether the client asked for a usage chunk (`stream_options.include_usage`).
     pub fn include_usage(&self) -> bool {
-        self.body
-            .raw("stream_options")
-            .and_then(body_json::object_members)
-            .and_then(|options| {
-                options
-                    .into_iter()
-                    .find(|(name, _)| name == "include_usage")
-                    .map(|(_, v)| v.get() == "true")
-            })
-            .unwrap_or(false)
+        include_usage(&self.body)
     }
 
     /// The messages, each as its (leniently read) members; a message that
@@ -199,48 +190,64 @@ impl ChatRequest {
     /// the client's; the bytes between `model` and `stream_options` are
     /// copied once (a second edit, see [`Members::splice_spans`]).
     pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
-        if !self.stream || self.include_usage() {
-            return None;
-        }
-        const ASK: &[u8] = br#"{"include_usage":true}"#;
-        let model = self.body.span("model")?;
-        let mut edits = vec![(model.clone(), Bytes::from(body_json::json_string(target)))];
-        match (
-            self.body.span("stream_options"),
-            self.body.raw("stream_options"),
-        ) {
-            (Some(span), Some("null")) => edits.push((span, Bytes::from_static(ASK))),
-            (Some(span), Some(raw)) => {
-                let members = body_json::member_spans(raw)?;
-                let named: Vec<_> = members
-                    .iter()
-                    .filter(|(name, _)| name == "include_usage")
-                    .collect();
-                if named.is_empty() {
-                    let at = span.start + 1;
-                    let member: &'static [u8] = if members.is_empty() {
-                        br#""include_usage":true"#
-                    } else {
-                        br#""include_usage":true,"#
-                    };
-                    edits.push((at..at, Bytes::from_static(member)));
-                }
-                for (_, value) in named {
-                    if &raw[value.clone()] != "true" {
-                        let value = span.start + value.start..span.start + value.end;
-                        edits.push((value, Bytes::from_static(b"true")));
-                    }
-                }
-            }
-            _ => {
-                let mut member = br#","stream_options":"#.to_vec();
-                member.extend_from_slice(ASK);
-                edits.push((model.end..model.end, Bytes::from(member)));
-            }
-        }
-        edits.sort_by_key(|(span, _)| (span.start, span.end));
-        self.body.splice_spans(&edits)
+        body_asking_usage(&self.body, self.stream, target)
     }
+}
+
+/// Whether `body` asks for a usage chunk (`stream_options.include_usage`).
+fn include_usage(body: &Members) -> bool {
+    body.raw("stream_options")
+        .and_then(body_json::object_members)
+        .and_then(|options| {
+            options
+                .into_iter()
+                .find(|(name, _)| name == "include_usage")
+                .map(|(_, v)| v.get() == "true")
+        })
+        .unwrap_or(false)
+}
+
+/// [`ChatRequest::body_asking_usage`] of `body`: `None` unless `stream`
+/// and the body does not ask for usage already.
+fn body_asking_usage(body: &Members, stream: bool, target: &str) -> Option<BodyParts> {
+    if !stream || include_usage(body) {
+        return None;
+    }
+    const ASK: &[u8] = br#"{"include_usage":true}"#;
+    let model = body.span("model")?;
+    let mut edits = vec![(model.clone(), Bytes::from(body_json::json_string(target)))];
+    match (body.span("stream_options"), body.raw("stream_options")) {
+        (Some(span), Some("null")) => edits.push((span, Bytes::from_static(ASK))),
+        (Some(span), Some(raw)) => {
+            let members = body_json::member_spans(raw)?;
+            let named: Vec<_> = members
+                .iter()
+                .filter(|(name, _)| name == "include_usage")
+                .collect();
+            if named.is_empty() {
+                let at = span.start + 1;
+                let member: &'static [u8] = if members.is_empty() {
+                    br#""include_usage":true"#
+                } else {
+                    br#""include_usage":true,"#
+                };
+                edits.push((at..at, Bytes::from_static(member)));
+            }
+            for (_, value) in named {
+                if &raw[value.clone()] != "true" {
+                    let value = span.start + value.start..span.start + value.end;
+                    edits.push((value, Bytes::from_static(b"true")));
+                }
+            }
+        }
+        _ => {
+            let mut member = br#","stream_options":"#.to_vec();
+            member.extend_from_slice(ASK);
+            edits.push((model.end..model.end, Bytes::from(member)));
+        }
+    }
+    edits.sort_by_key(|(span, _)| (span.start, span.end));
+    body.splice_spans(&edits)
 }
 
 /// The value of member `name` among `members`.
@@ -308,8 +315,10 @@ fn model_name(raw: &str) -> Result<String, GatewayError> {
 }
 
 /// A request for a passthrough route (`/v1/responses`, `/v1/messages`,
-/// `/v1/messages/count_tokens`): only `model` and `stream` are read; the body
-/// is forwarded with `model` rewritten to the served target (U5).
+/// `/v1/messages/count_tokens`, `/v1/completions`, `/v1/embeddings`,
+/// `/v1/rerank`, `/v2/rerank`, `/v1/score`, `/tokenize`, `/detokenize`): only
+/// `model` and `stream` are read; the body is forwarded with `model`
+/// rewritten to the served target (U5).
 #[derive(Debug, Clone)]
 pub struct PassthroughRequest {
     /// The external model (E2).
@@ -348,6 +357,13 @@ impl PassthroughRequest {
     pub fn body_for_target(&self, target: &str) -> BodyParts {
         with_model(&self.body, target)
     }
+
+    /// A streamed text completion's body that also asks the provider for
+    /// its usage chunk, as [`ChatRequest::body_asking_usage`] (the same
+    /// `stream_options` member); `None` when not streamed or already asked.
+    pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
+        body_asking_usage(&self.body, self.stream, target)
+    }
 }
 
 /// The client's body with `model` set to `target` (U5): the old value's
@@ -367,20 +383,28 @@ pub struct ModelEntry {
     pub owned_by: String,
 }
 
+/// One model object, as `GET /v1/models` lists it.
+fn model_object(m: &ModelEntry, created_unix_sec: i64) -> Value {
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": created_unix_sec,
+        "owned_by": m.owned_by,
+    })
+}
+
 /// `GET /v1/models` body, in config order.
 pub fn models_list(models: &[ModelEntry], created_unix_sec: i64) -> Bytes {
     let data: Vec<Value> = models
         .iter()
-        .map(|m| {
-            json!({
-                "id": m.id,
-                "object": "model",
-                "created": created_unix_sec,
-                "owned_by": m.owned_by,
-            })
-        })
+        .map(|m| model_object(m, created_unix_sec))
         .collect();
     Bytes::from(json!({"object": "list", "data": data}).to_string())
+}
+
+/// `GET /v1/models/{id}` body: the model object of `model`.
+pub fn model_retrieved(model: &ModelEntry, created_unix_sec: i64) -> Bytes {
+    Bytes::from(model_object(model, created_unix_sec).to_string())
 }
 
 /// Response headers from a provider that are not relayed as they are: the

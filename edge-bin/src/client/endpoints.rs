@@ -39,9 +39,97 @@ pub(super) const COUNT_TOKENS: Endpoint = Endpoint {
     surface: Surface::Anthropic,
 };
 
+pub(super) const COMPLETIONS: Endpoint = Endpoint {
+    operation: "completions",
+    op: Operation::Completions,
+    path: "/v1/completions",
+    surface: Surface::OpenAi,
+};
+pub(super) const EMBEDDINGS: Endpoint = Endpoint {
+    operation: "embeddings",
+    op: Operation::Embeddings,
+    path: "/v1/embeddings",
+    surface: Surface::OpenAi,
+};
+pub(super) const RERANK: Endpoint = Endpoint {
+    operation: "rerank",
+    op: Operation::Rerank,
+    path: "/v1/rerank",
+    surface: Surface::OpenAi,
+};
+/// The same operation as [`RERANK`] (vLLM serves both paths alike).
+pub(super) const RERANK_V2: Endpoint = Endpoint {
+    operation: "rerank",
+    op: Operation::Rerank,
+    path: "/v2/rerank",
+    surface: Surface::OpenAi,
+};
+pub(super) const SCORE: Endpoint = Endpoint {
+    operation: "score",
+    op: Operation::Score,
+    path: "/v1/score",
+    surface: Surface::OpenAi,
+};
+pub(super) const TOKENIZE: Endpoint = Endpoint {
+    operation: "tokenize",
+    op: Operation::Tokenize,
+    path: "/tokenize",
+    surface: Surface::OpenAi,
+};
+pub(super) const DETOKENIZE: Endpoint = Endpoint {
+    operation: "detokenize",
+    op: Operation::Detokenize,
+    path: "/detokenize",
+    surface: Surface::OpenAi,
+};
+
+/// Every inference endpoint.
+pub(super) const ALL: [Endpoint; 11] = [
+    CHAT_COMPLETIONS,
+    RESPONSES,
+    MESSAGES,
+    COUNT_TOKENS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    RERANK,
+    RERANK_V2,
+    SCORE,
+    TOKENIZE,
+    DETOKENIZE,
+];
+
+/// The OpenAI-shaped endpoints tunneled as they are, through
+/// [`super::pipeline::passthrough`] (the chat family has routes of its own).
+pub(super) const TUNNELED: [Endpoint; 7] = [
+    COMPLETIONS,
+    EMBEDDINGS,
+    RERANK,
+    RERANK_V2,
+    SCORE,
+    TOKENIZE,
+    DETOKENIZE,
+];
+
+/// The tunneled endpoint at `path`, if any.
+pub(super) fn tunneled(path: &str) -> Option<Endpoint> {
+    TUNNELED.into_iter().find(|e| e.path == path)
+}
+
 /// The routes that go through admission and a node (metrics: end to end).
 pub(super) fn is_inference_route(path: &str) -> bool {
-    [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS]
-        .iter()
-        .any(|route| route.path == path)
+    ALL.iter().any(|route| route.path == path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_endpoint_names_its_operation() {
+        for e in ALL {
+            assert_eq!(e.operation, e.op.name(), "{}", e.path);
+        }
+        assert_eq!(tunneled("/v2/rerank").map(|e| e.operation), Some("rerank"));
+        assert_eq!(tunneled("/v1/chat/completions").map(|e| e.path), None);
+    }
 }

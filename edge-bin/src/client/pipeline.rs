@@ -24,7 +24,8 @@ use crate::api::openai::{ChatRequest, PassthroughRequest};
 use crate::api::route_hint::SESSION_HEADER;
 use crate::api::translate::ResponseId;
 use crate::control::{
-    CancelReason, Dispatch, DispatchKind, Input, Rejection, RequestId, RouteHint, RoutingPolicy,
+    CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId, RouteHint,
+    RoutingPolicy,
 };
 use crate::link::edge::{Admission, Edge};
 use crate::link::replies::ReplyRx;
@@ -440,14 +441,20 @@ where
         server
             .rec
             .attempt(&lease.provider.node_id, &lease.provider.provider_id);
-        let tunnel = tunnel_request(
+        let mut tunnel = tunnel_request(
             endpoint,
             &dispatch,
             forwarded.clone(),
             req.stream,
             &server.rec.request_id,
         );
-        let body = req.body_for_target(&dispatch.lease.target);
+        // A streamed text completion's usage is observed as chat's is: a
+        // node that can strip the usage chunk has the provider asked for it.
+        let asking = (endpoint.op == Operation::Completions && dispatch.strips_usage_chunk)
+            .then(|| req.body_asking_usage(&dispatch.lease.target))
+            .flatten();
+        tunnel.strip_usage_chunk = asking.is_some();
+        let body = asking.unwrap_or_else(|| req.body_for_target(&dispatch.lease.target));
         let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
             Ok(frame) => frame,
             Err(e) => return refuse(edge, server, endpoint.surface, request, &dispatch, &e).await,

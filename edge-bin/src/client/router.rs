@@ -316,203 +316,249 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
             // them; for every other route they are freed here, not held
             // while its response streams.
             let headers = std::mem::take(&mut head.headers);
-            let result = match (method, path.as_str()) {
-                ("GET", "/v1/models") => {
-                    let visible: Vec<_> = edge
-                        .settings
-                        .running
-                        .get()
-                        .models
-                        .iter()
-                        .filter(|m| caller.may_use(&m.id))
-                        .cloned()
-                        .collect();
-                    let body = openai::models_list(&visible, edge.settings.started_unix_sec);
-                    write_json(&mut server, 200, body).await
-                }
-                ("POST", "/v1/chat/completions") => {
-                    chat(&edge, &mut server, principal, headers, body).await
-                }
-                // Boxed: the passthrough's future is the largest, and a
-                // connection's task is as large as its largest route; the chat
-                // relay, the one that streams, stays inline.
-                ("POST", "/v1/responses") => {
-                    Box::pin(passthrough(
-                        &edge,
-                        &mut server,
-                        principal,
-                        RESPONSES,
-                        headers,
-                        body,
-                    ))
-                    .await
-                }
-                ("POST", "/v1/messages") => {
-                    Box::pin(passthrough(
-                        &edge,
-                        &mut server,
-                        principal,
-                        MESSAGES,
-                        headers,
-                        body,
-                    ))
-                    .await
-                }
-                ("POST", "/v1/messages/count_tokens") => {
-                    Box::pin(passthrough(
-                        &edge,
-                        &mut server,
-                        principal,
-                        COUNT_TOKENS,
-                        headers,
-                        body,
-                    ))
-                    .await
-                }
-                ("GET", "/status") => {
-                    // A key limited to some models sees their providers
-                    // only; the rest of the fleet is not its business.
-                    let viewer = (!caller.authority.sees_everything()).then(|| caller.clone());
-                    match edge
-                        .with_control(move |control| {
-                            let mut fleet = status::Fleet::read(control, clock::now());
-                            if let Some(viewer) = viewer {
-                                let visible = control.serves_any(|m| viewer.may_use(m));
-                                fleet.retain(&visible, |m| viewer.may_use(m));
-                            }
-                            fleet
-                        })
-                        .await
-                    {
-                        Some(fleet) => {
-                            let mut doc = fleet.json();
-                            // Who owns which node is the fleet's shape:
-                            // for keys that see everything.
-                            if let Some(cluster) = edge
-                                .settings
-                                .cluster
-                                .as_ref()
-                                .filter(|_| caller.authority.sees_everything())
-                            {
-                                doc["cluster"] = status::cluster_json(cluster, clock::now());
-                            }
-                            // The Edge's own files: the operator's business.
-                            if caller.authority.sees_everything() {
-                                doc["logs"] = status::logs_json(
-                                    &edge.settings.access_log.status(),
-                                    edge.settings.usage_log.status().as_ref(),
-                                );
-                            }
-                            write_json(&mut server, 200, Bytes::from(doc.to_string())).await
-                        }
-                        None => write_api_error(&mut server, &GatewayError::shutting_down()).await,
+            // The OpenAI-shaped operations tunneled as they are.
+            let tunnel = tunneled(&path).filter(|_| method == "POST");
+            let result = if let Some(endpoint) = tunnel {
+                Box::pin(passthrough(
+                    &edge,
+                    &mut server,
+                    principal,
+                    endpoint,
+                    headers,
+                    body,
+                ))
+                .await
+            } else {
+                match (method, path.as_str()) {
+                    ("GET", "/v1/models") => {
+                        let visible: Vec<_> = edge
+                            .settings
+                            .running
+                            .get()
+                            .models
+                            .iter()
+                            .filter(|m| caller.may_use(&m.id))
+                            .cloned()
+                            .collect();
+                        let body = openai::models_list(&visible, edge.settings.started_unix_sec);
+                        write_json(&mut server, 200, body).await
                     }
-                }
-                ("GET", "/metrics")
-                    if edge.settings.running.get().metrics_access == MetricsAccess::Key
-                        && !caller.authority.sees_everything() =>
-                {
-                    write_api_error(&mut server, &GatewayError::metrics_scope_required()).await
-                }
-                ("GET", "/metrics") => {
-                    let text = metrics::scrape(&edge).await;
-                    server
-                        .write_response(
-                            200,
-                            [("content-type", metrics::CONTENT_TYPE)],
-                            Bytes::from(text),
-                        )
+                    ("GET", p) if p.starts_with("/v1/models/") => {
+                        // Answered from the Edge's own model list: a model the
+                        // key may not use is as unknown as one not served.
+                        let id = &p["/v1/models/".len()..];
+                        let running = edge.settings.running.get();
+                        match running
+                            .models
+                            .iter()
+                            .find(|m| m.id == id && caller.may_use(&m.id))
+                        {
+                            Some(model) => {
+                                let body =
+                                    openai::model_retrieved(model, edge.settings.started_unix_sec);
+                                write_json(&mut server, 200, body).await
+                            }
+                            None => {
+                                write_api_error(&mut server, &GatewayError::model_not_found(id))
+                                    .await
+                            }
+                        }
+                    }
+                    ("POST", "/v1/chat/completions") => {
+                        chat(&edge, &mut server, principal, headers, body).await
+                    }
+
+                    // Boxed: the passthrough's future is the largest, and a
+                    // connection's task is as large as its largest route; the chat
+                    // relay, the one that streams, stays inline.
+                    ("POST", "/v1/responses") => {
+                        Box::pin(passthrough(
+                            &edge,
+                            &mut server,
+                            principal,
+                            RESPONSES,
+                            headers,
+                            body,
+                        ))
                         .await
-                }
-                // The status page (crate::client::ui).
-                ("GET", "/ui") => crate::client::ui::page(&edge, &mut server, from).await,
-                // Boxed like the passthrough (their timers are cache-line
-                // aligned, which would align every connection's task).
-                ("GET", "/ui/events") => {
-                    Box::pin(crate::client::ui::events(
-                        &edge,
-                        &mut server,
-                        caller.authority,
-                        from,
-                    ))
-                    .await
-                }
-                ("GET", crate::client::admin::CONFIG_PATH) => {
-                    let (status, body) =
-                        match crate::client::admin::authorize(caller.authority, from) {
-                            Ok(()) => crate::client::admin::config(&edge),
+                    }
+                    ("POST", "/v1/messages") => {
+                        Box::pin(passthrough(
+                            &edge,
+                            &mut server,
+                            principal,
+                            MESSAGES,
+                            headers,
+                            body,
+                        ))
+                        .await
+                    }
+                    ("POST", "/v1/messages/count_tokens") => {
+                        Box::pin(passthrough(
+                            &edge,
+                            &mut server,
+                            principal,
+                            COUNT_TOKENS,
+                            headers,
+                            body,
+                        ))
+                        .await
+                    }
+                    ("GET", "/status") => {
+                        // A key limited to some models sees their providers
+                        // only; the rest of the fleet is not its business.
+                        let viewer = (!caller.authority.sees_everything()).then(|| caller.clone());
+                        match edge
+                            .with_control(move |control| {
+                                let mut fleet = status::Fleet::read(control, clock::now());
+                                if let Some(viewer) = viewer {
+                                    let visible = control.serves_any(|m| viewer.may_use(m));
+                                    fleet.retain(&visible, |m| viewer.may_use(m));
+                                }
+                                fleet
+                            })
+                            .await
+                        {
+                            Some(fleet) => {
+                                let mut doc = fleet.json();
+                                // Who owns which node is the fleet's shape:
+                                // for keys that see everything.
+                                if let Some(cluster) = edge
+                                    .settings
+                                    .cluster
+                                    .as_ref()
+                                    .filter(|_| caller.authority.sees_everything())
+                                {
+                                    doc["cluster"] = status::cluster_json(cluster, clock::now());
+                                }
+                                // The Edge's own files: the operator's business.
+                                if caller.authority.sees_everything() {
+                                    doc["logs"] = status::logs_json(
+                                        &edge.settings.access_log.status(),
+                                        edge.settings.usage_log.status().as_ref(),
+                                    );
+                                }
+                                write_json(&mut server, 200, Bytes::from(doc.to_string())).await
+                            }
+                            None => {
+                                write_api_error(&mut server, &GatewayError::shutting_down()).await
+                            }
+                        }
+                    }
+                    ("GET", "/metrics")
+                        if edge.settings.running.get().metrics_access == MetricsAccess::Key
+                            && !caller.authority.sees_everything() =>
+                    {
+                        write_api_error(&mut server, &GatewayError::metrics_scope_required()).await
+                    }
+                    ("GET", "/metrics") => {
+                        let text = metrics::scrape(&edge).await;
+                        server
+                            .write_response(
+                                200,
+                                [("content-type", metrics::CONTENT_TYPE)],
+                                Bytes::from(text),
+                            )
+                            .await
+                    }
+                    // The status page (crate::client::ui).
+                    ("GET", "/ui") => crate::client::ui::page(&edge, &mut server, from).await,
+                    // Boxed like the passthrough (their timers are cache-line
+                    // aligned, which would align every connection's task).
+                    ("GET", "/ui/events") => {
+                        Box::pin(crate::client::ui::events(
+                            &edge,
+                            &mut server,
+                            caller.authority,
+                            from,
+                        ))
+                        .await
+                    }
+                    ("GET", crate::client::admin::CONFIG_PATH) => {
+                        let (status, body) =
+                            match crate::client::admin::authorize(caller.authority, from) {
+                                Ok(()) => crate::client::admin::config(&edge),
+                                Err(refused) => refused,
+                            };
+                        write_json(&mut server, status, body).await
+                    }
+                    ("POST", p) if p.starts_with(crate::client::admin::ADMIN_PREFIX) => {
+                        let content_type = headers
+                            .iter()
+                            .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+                            .map(|h| &h.value[..]);
+                        let allowed = crate::client::admin::authorize(caller.authority, from)
+                            .and_then(|()| crate::client::admin::check_content_type(content_type));
+                        let (status, body) = match allowed {
+                            Ok(()) => Box::pin(crate::client::admin::handle(&edge, p, &body)).await,
                             Err(refused) => refused,
                         };
-                    write_json(&mut server, status, body).await
-                }
-                ("POST", p) if p.starts_with(crate::client::admin::ADMIN_PREFIX) => {
-                    let content_type = headers
-                        .iter()
-                        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
-                        .map(|h| &h.value[..]);
-                    let allowed = crate::client::admin::authorize(caller.authority, from)
-                        .and_then(|()| crate::client::admin::check_content_type(content_type));
-                    let (status, body) = match allowed {
-                        Ok(()) => Box::pin(crate::client::admin::handle(&edge, p, &body)).await,
-                        Err(refused) => refused,
-                    };
-                    write_json(&mut server, status, body).await
-                }
-                ("GET", "/readyz") if edge.is_draining() => {
-                    server
-                        .write_response(
-                            503,
-                            [("content-type", "text/plain")],
-                            Bytes::from_static(b"draining\n"),
+                        write_json(&mut server, status, body).await
+                    }
+                    ("GET", "/readyz") if edge.is_draining() => {
+                        server
+                            .write_response(
+                                503,
+                                [("content-type", "text/plain")],
+                                Bytes::from_static(b"draining\n"),
+                            )
+                            .await
+                    }
+                    ("GET", "/readyz")
+                        if edge.settings.cluster.as_ref().is_some_and(|c| !c.is_up()) =>
+                    {
+                        // A cluster member without its etcd lease owns no
+                        // node and dispatches nothing: send clients elsewhere.
+                        server
+                            .write_response(
+                                503,
+                                [("content-type", "text/plain")],
+                                Bytes::from_static(b"cluster store unreachable\n"),
+                            )
+                            .await
+                    }
+                    ("GET", "/livez") | ("GET", "/readyz") => {
+                        server
+                            .write_response(
+                                200,
+                                [("content-type", "text/plain")],
+                                Bytes::from_static(b"ok\n"),
+                            )
+                            .await
+                    }
+                    (
+                        _,
+                        "/v1/models"
+                        | "/v1/chat/completions"
+                        | "/v1/responses"
+                        | "/v1/completions"
+                        | "/v1/embeddings"
+                        | "/v1/rerank"
+                        | "/v2/rerank"
+                        | "/v1/score"
+                        | "/tokenize"
+                        | "/detokenize"
+                        | "/status"
+                        | "/metrics"
+                        | "/livez"
+                        | "/readyz"
+                        | "/ui"
+                        | "/ui/events",
+                    ) => {
+                        write_api_error(
+                            &mut server,
+                            &GatewayError::method_not_allowed(method, &path),
                         )
                         .await
-                }
-                ("GET", "/readyz")
-                    if edge.settings.cluster.as_ref().is_some_and(|c| !c.is_up()) =>
-                {
-                    // A cluster member without its etcd lease owns no
-                    // node and dispatches nothing: send clients elsewhere.
-                    server
-                        .write_response(
-                            503,
-                            [("content-type", "text/plain")],
-                            Bytes::from_static(b"cluster store unreachable\n"),
-                        )
-                        .await
-                }
-                ("GET", "/livez") | ("GET", "/readyz") => {
-                    server
-                        .write_response(
-                            200,
-                            [("content-type", "text/plain")],
-                            Bytes::from_static(b"ok\n"),
-                        )
-                        .await
-                }
-                (
-                    _,
-                    "/v1/models"
-                    | "/v1/chat/completions"
-                    | "/v1/responses"
-                    | "/status"
-                    | "/metrics"
-                    | "/livez"
-                    | "/readyz"
-                    | "/ui"
-                    | "/ui/events",
-                ) => {
-                    write_api_error(
-                        &mut server,
-                        &GatewayError::method_not_allowed(method, &path),
-                    )
-                    .await
-                }
-                (_, "/v1/messages" | "/v1/messages/count_tokens") => {
-                    let e = GatewayError::method_not_allowed(method, &path);
-                    write_error(&mut server, Surface::Anthropic, &e).await
-                }
-                _ => {
-                    write_api_error(&mut server, &GatewayError::unknown_route(method, &path)).await
+                    }
+                    (_, "/v1/messages" | "/v1/messages/count_tokens") => {
+                        let e = GatewayError::method_not_allowed(method, &path);
+                        write_error(&mut server, Surface::Anthropic, &e).await
+                    }
+                    _ => {
+                        write_api_error(&mut server, &GatewayError::unknown_route(method, &path))
+                            .await
+                    }
                 }
             };
             if method == "POST" && is_inference_route(&path) {

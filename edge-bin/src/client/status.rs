@@ -249,7 +249,7 @@ pub fn cluster_json(cluster: &crate::plane::cluster::ClusterView, now: Instant) 
             .map(|(model, c)| {
                 let free: serde_json::Map<String, Value> = crate::control::Operation::ALL
                     .iter()
-                    .map(|&op| (operation_name(op).to_string(), json!(c.free_for(op))))
+                    .map(|&op| (op.name().to_string(), json!(c.free_for(op))))
                     .collect();
                 (
                     model.clone(),
@@ -328,17 +328,6 @@ pub fn logs_json(access: &AccessStatus, usage: Option<&UsageStatus>) -> Value {
             "dropped_records_total": u.dropped_records,
         })),
     })
-}
-
-/// An operation's name in `/status`.
-fn operation_name(op: crate::control::Operation) -> &'static str {
-    use crate::control::Operation;
-    match op {
-        Operation::ChatCompletions => "chat_completions",
-        Operation::Responses => "responses",
-        Operation::Messages => "messages",
-        Operation::CountTokens => "count_tokens",
-    }
 }
 
 #[cfg(test)]

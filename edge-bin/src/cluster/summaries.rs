@@ -97,11 +97,17 @@ pub enum SummaryError {
     },
 }
 
+/// How many operations a summary carries: the first ones of
+/// `Operation::ALL` (the chat family). Peers share no capacity for the
+/// others; requests for those go by ownership.
+const WIRE_OPERATIONS: usize = 4;
+
 /// One model as it goes on the wire.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct WireModel {
-    /// Free slots per operation, in `Operation::ALL` order.
-    free_slots: [u32; 4],
+    /// Free slots per operation, the first [`WIRE_OPERATIONS`] of
+    /// `Operation::ALL` in order.
+    free_slots: [u32; WIRE_OPERATIONS],
     queued: u32,
 }
 
@@ -133,8 +139,10 @@ pub fn encode(edge: &str, summary: &CapacitySummary) -> Vec<u8> {
         if name.len() > MAX_MODEL_NAME_BYTES {
             continue;
         }
+        let mut free_slots = [0; WIRE_OPERATIONS];
+        free_slots.copy_from_slice(&capacity.free_slots[..WIRE_OPERATIONS]);
         let figures = WireModel {
-            free_slots: capacity.free_slots,
+            free_slots,
             queued: capacity.queued,
         };
         let entry = format!(
@@ -190,10 +198,12 @@ pub fn parse(asked: &str, bytes: &[u8]) -> Result<CapacitySummary, SummaryError>
         .models
         .into_iter()
         .map(|(name, m)| {
+            let mut free_slots = [0; crate::control::Operation::ALL.len()];
+            free_slots[..WIRE_OPERATIONS].copy_from_slice(&m.free_slots);
             (
                 name,
                 ModelCapacity {
-                    free_slots: m.free_slots,
+                    free_slots,
                     queued: m.queued,
                 },
             )
@@ -356,7 +366,10 @@ async fn connect(tls: &NodeTlsConnector, name: &str, addr: SocketAddr) -> Result
 mod tests {
     use super::*;
 
-    fn capacity(free_slots: [u32; 4], queued: u32) -> ModelCapacity {
+    /// The first four operations' free slots (the others have none).
+    fn capacity(first: [u32; 4], queued: u32) -> ModelCapacity {
+        let mut free_slots = [0; crate::control::Operation::ALL.len()];
+        free_slots[..4].copy_from_slice(&first);
         ModelCapacity { free_slots, queued }
     }
 

@@ -818,6 +818,19 @@ pub struct ProtocolProfileSpec {
     pub count_tokens_path: String,
     /// Path of operation `responses`.
     pub responses_path: String,
+    /// Path of operation `completions`; this and the paths below are empty
+    /// when the profile does not serve the operation.
+    pub completions_path: String,
+    /// Path of operation `embeddings`.
+    pub embeddings_path: String,
+    /// Path of operation `rerank`.
+    pub rerank_path: String,
+    /// Path of operation `score`.
+    pub score_path: String,
+    /// Path of operation `tokenize`.
+    pub tokenize_path: String,
+    /// Path of operation `detokenize`.
+    pub detokenize_path: String,
     /// Path probed for health (W4, H6).
     pub health_path: String,
     /// Auth header name; the secret arrives only in a credential lease (C4).
@@ -837,6 +850,12 @@ impl ProtocolProfileSpec {
             messages_path: self.messages_path.clone(),
             count_tokens_path: self.count_tokens_path.clone(),
             responses_path: self.responses_path.clone(),
+            completions_path: self.completions_path.clone(),
+            embeddings_path: self.embeddings_path.clone(),
+            rerank_path: self.rerank_path.clone(),
+            score_path: self.score_path.clone(),
+            tokenize_path: self.tokenize_path.clone(),
+            detokenize_path: self.detokenize_path.clone(),
             health_path: self.health_path.clone(),
             auth_header_name: self.auth_header_name.clone(),
             auth_header_format: self.auth_header_format.clone(),
@@ -845,15 +864,35 @@ impl ProtocolProfileSpec {
 }
 
 /// Resolves `profile` at `base_url` (U4). Every profile serves the same
-/// operation paths (`/v1/models`, `/v1/chat/completions`, `/v1/messages`,
+/// chat-family paths (`/v1/models`, `/v1/chat/completions`, `/v1/messages`,
 /// `/v1/messages/count_tokens`, `/v1/responses`) and authenticates with
-/// `Authorization: Bearer {secret}`; they differ in the health path:
-/// `/v1/models` for `openai`, `/health` for `vllm`, `llama_cpp` and `sglang`.
+/// `Authorization: Bearer {secret}`; they differ in the health path
+/// (`/v1/models` for `openai`, `/health` for `vllm`, `llama_cpp` and
+/// `sglang`) and in which of the other operations they serve (an empty path:
+/// not served, and such a provider is no candidate for it):
+///
+/// | operation     | path              | openai | vllm | llama_cpp | sglang |
+/// |---------------|-------------------|--------|------|-----------|--------|
+/// | `completions` | `/v1/completions` | yes    | yes  | yes       | yes    |
+/// | `embeddings`  | `/v1/embeddings`  | yes    | yes  | yes       | yes    |
+/// | `rerank`      | `/v1/rerank`      |        | yes  | yes       | yes    |
+/// | `score`       | `/v1/score`       |        | yes  |           | yes    |
+/// | `tokenize`    | `/tokenize`       |        | yes  | yes       | yes    |
+/// | `detokenize`  | `/detokenize`     |        | yes  | yes       | yes    |
 pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolProfileSpec {
     let health_path = match profile {
         ProfileName::OpenAi => "/v1/models",
         ProfileName::Vllm | ProfileName::LlamaCpp | ProfileName::Sglang => "/health",
     };
+    let served = |path: &str, by: bool| {
+        if by {
+            base_url.join(path)
+        } else {
+            String::new()
+        }
+    };
+    let openai = profile == ProfileName::OpenAi;
+    let scores = matches!(profile, ProfileName::Vllm | ProfileName::Sglang);
     ProtocolProfileSpec {
         name: profile,
         base_url: base_url.origin(),
@@ -862,6 +901,12 @@ pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolPro
         messages_path: base_url.join("/v1/messages"),
         count_tokens_path: base_url.join("/v1/messages/count_tokens"),
         responses_path: base_url.join("/v1/responses"),
+        completions_path: base_url.join("/v1/completions"),
+        embeddings_path: base_url.join("/v1/embeddings"),
+        rerank_path: served("/v1/rerank", !openai),
+        score_path: served("/v1/score", scores),
+        tokenize_path: served("/tokenize", !openai),
+        detokenize_path: served("/detokenize", !openai),
         health_path: base_url.join(health_path),
         auth_header_name: "Authorization".to_owned(),
         auth_header_format: "Bearer {secret}".to_owned(),

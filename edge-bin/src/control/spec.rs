@@ -35,30 +35,65 @@ pub enum Operation {
     Messages,
     /// `POST /v1/messages/count_tokens`.
     CountTokens,
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /v1/rerank`, `POST /v2/rerank`.
+    Rerank,
+    /// `POST /v1/score`.
+    Score,
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /detokenize`.
+    Detokenize,
 }
 
 impl Operation {
     /// Every operation, in this order (the bit order of [`Operations`]).
-    pub const ALL: [Operation; 4] = [
+    pub const ALL: [Operation; 10] = [
         Operation::ChatCompletions,
         Operation::Responses,
         Operation::Messages,
         Operation::CountTokens,
+        Operation::Completions,
+        Operation::Embeddings,
+        Operation::Rerank,
+        Operation::Score,
+        Operation::Tokenize,
+        Operation::Detokenize,
     ];
 
-    fn bit(self) -> u8 {
-        1 << (self as u8)
+    /// The profile operation's name (U3): what a tunnel carries, what
+    /// `/status` and the metrics call it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Operation::ChatCompletions => "chat_completions",
+            Operation::Responses => "responses",
+            Operation::Messages => "messages",
+            Operation::CountTokens => "count_tokens",
+            Operation::Completions => "completions",
+            Operation::Embeddings => "embeddings",
+            Operation::Rerank => "rerank",
+            Operation::Score => "score",
+            Operation::Tokenize => "tokenize",
+            Operation::Detokenize => "detokenize",
+        }
+    }
+
+    fn bit(self) -> u16 {
+        1 << (self as u16)
     }
 }
 
 /// The set of operations a provider serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Operations(u8);
+pub struct Operations(u16);
 
 impl Operations {
     /// Every operation: an OpenAI-compatible server whose profile defines
-    /// them all.
-    pub const ALL: Operations = Operations(0b1111);
+    /// them all (vLLM's).
+    pub const ALL: Operations = Operations((1 << Operation::ALL.len()) - 1);
     /// Chat completions only: an Ollama-native adapter (normalized runs).
     pub const CHAT: Operations = Operations(1);
 
@@ -67,14 +102,28 @@ impl Operations {
         Operations(ops.iter().fold(0, |bits, op| bits | op.bit()))
     }
 
-    /// What a provider driven as `kind` serves: a normalized run speaks
-    /// chat only; a tunnel whatever its profile defines (every profile
-    /// defines all four today).
+    /// What a provider driven as `kind` serves when its profile defines
+    /// every operation: a normalized run speaks chat only; a tunnel all.
+    /// A real tunnel's set is its profile's ([`Operations::of_profile`]).
     pub fn for_kind(kind: DispatchKind) -> Self {
         match kind {
             DispatchKind::Normalized => Operations::CHAT,
             DispatchKind::Tunnel => Operations::ALL,
         }
+    }
+
+    /// What a tunnel to a server of `profile` serves: the operations its
+    /// profile has a path for.
+    pub fn of_profile(profile: &pb::ProtocolProfile) -> Self {
+        let served: Vec<Operation> = Operation::ALL
+            .into_iter()
+            .filter(|op| {
+                profile
+                    .operation_path(op.name())
+                    .is_some_and(|p| !p.is_empty())
+            })
+            .collect();
+        Operations::of(&served)
     }
 
     /// Whether `op` is in the set.
@@ -196,9 +245,14 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                 .providers
                 .iter()
                 .map(|p| {
-                    let kind = match n.adapter(&p.adapter).map(|a| &a.kind) {
+                    let adapter = n.adapter(&p.adapter);
+                    let kind = match adapter.map(|a| &a.kind) {
                         Some(config::AdapterKind::Ollama) => DispatchKind::Normalized,
                         _ => DispatchKind::Tunnel,
+                    };
+                    let operations = match adapter.and_then(|a| a.protocol_profile()) {
+                        Some(profile) => Operations::of_profile(&profile.to_pb()),
+                        None => Operations::for_kind(kind),
                     };
                     ControlProvider {
                         id: p.id.clone(),
@@ -214,7 +268,7 @@ pub fn control_spec(cfg: &EdgeConfig) -> ControlSpec {
                             }
                         },
                         kind,
-                        operations: Operations::for_kind(kind),
+                        operations,
                         enabled: p.enabled,
                     }
                 })
@@ -275,4 +329,40 @@ pub fn outlier_policy(od: &config::OutlierDetection) -> Option<OutlierPolicy> {
         max_ejection_time: Duration::from_millis(od.max_ejection_time_ms),
         max_ejection_percent: od.max_ejection_percent,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{protocol_profile, BaseUrl, ProfileName};
+
+    /// The operations of a tunnel to each profile: those its profile has a
+    /// path for, and no other.
+    #[test]
+    fn a_tunnel_serves_what_its_profile_has_a_path_for() {
+        use Operation::*;
+        let url = BaseUrl::parse("http://127.0.0.1:8000/p").expect("a base URL");
+        let chat_family = [ChatCompletions, Responses, Messages, CountTokens];
+        let of = |profile| Operations::of_profile(&protocol_profile(profile, &url).to_pb());
+        let with = |more: &[Operation]| Operations::of(&[&chat_family[..], more].concat());
+        assert_eq!(of(ProfileName::Vllm), Operations::ALL);
+        assert_eq!(
+            of(ProfileName::Sglang),
+            with(&[Completions, Embeddings, Rerank, Score, Tokenize, Detokenize])
+        );
+        assert_eq!(
+            of(ProfileName::LlamaCpp),
+            with(&[Completions, Embeddings, Rerank, Tokenize, Detokenize])
+        );
+        assert_eq!(of(ProfileName::OpenAi), with(&[Completions, Embeddings]));
+        assert!(!of(ProfileName::OpenAi).contains(Score));
+        assert!(Operations::for_kind(DispatchKind::Normalized).contains(ChatCompletions));
+        assert!(!Operations::for_kind(DispatchKind::Normalized).contains(Embeddings));
+        // Every operation is a profile operation (all but `models`).
+        let mut names: Vec<&str> = Operation::ALL.iter().map(|op| op.name()).collect();
+        names.sort_unstable();
+        let mut profile_ops = iop_wire::profile::OPERATIONS[1..].to_vec();
+        profile_ops.sort_unstable();
+        assert_eq!(names, profile_ops);
+    }
 }

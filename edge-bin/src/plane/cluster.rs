@@ -464,7 +464,10 @@ mod tests {
         assert_eq!(view.edges().len(), 3);
     }
 
-    fn capacity(free_slots: [u32; 4], queued: u32) -> ModelCapacity {
+    /// The first four operations' free slots (the others have none).
+    fn capacity(first: [u32; 4], queued: u32) -> ModelCapacity {
+        let mut free_slots = [0; crate::control::Operation::ALL.len()];
+        free_slots[..4].copy_from_slice(&first);
         ModelCapacity { free_slots, queued }
     }
 

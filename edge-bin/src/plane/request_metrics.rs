@@ -40,7 +40,19 @@ pub enum Route {
     Messages,
     /// `/v1/messages/count_tokens`.
     CountTokens,
-    /// `/v1/models`.
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`.
+    Embeddings,
+    /// `/v1/rerank` and `/v2/rerank`.
+    Rerank,
+    /// `/v1/score`.
+    Score,
+    /// `/tokenize`.
+    Tokenize,
+    /// `/detokenize`.
+    Detokenize,
+    /// `/v1/models` and `/v1/models/{id}`.
     Models,
     /// `/status`.
     Status,
@@ -56,11 +68,17 @@ pub enum Route {
 
 impl Route {
     /// Every route, in rendering order.
-    pub const ALL: [Route; 10] = [
+    pub const ALL: [Route; 16] = [
         Route::ChatCompletions,
         Route::Responses,
         Route::Messages,
         Route::CountTokens,
+        Route::Completions,
+        Route::Embeddings,
+        Route::Rerank,
+        Route::Score,
+        Route::Tokenize,
+        Route::Detokenize,
         Route::Models,
         Route::Status,
         Route::Metrics,
@@ -76,7 +94,14 @@ impl Route {
             "/v1/responses" => Route::Responses,
             "/v1/messages" => Route::Messages,
             "/v1/messages/count_tokens" => Route::CountTokens,
+            "/v1/completions" => Route::Completions,
+            "/v1/embeddings" => Route::Embeddings,
+            "/v1/rerank" | "/v2/rerank" => Route::Rerank,
+            "/v1/score" => Route::Score,
+            "/tokenize" => Route::Tokenize,
+            "/detokenize" => Route::Detokenize,
             "/v1/models" => Route::Models,
+            p if p.starts_with("/v1/models/") => Route::Models,
             "/status" => Route::Status,
             "/metrics" => Route::Metrics,
             "/livez" | "/readyz" => Route::Probe,
@@ -92,6 +117,12 @@ impl Route {
             Route::Responses => "responses",
             Route::Messages => "messages",
             Route::CountTokens => "count_tokens",
+            Route::Completions => "completions",
+            Route::Embeddings => "embeddings",
+            Route::Rerank => "rerank",
+            Route::Score => "score",
+            Route::Tokenize => "tokenize",
+            Route::Detokenize => "detokenize",
             Route::Models => "models",
             Route::Status => "status",
             Route::Metrics => "metrics",
@@ -106,7 +137,16 @@ impl Route {
     pub fn is_inference(self) -> bool {
         matches!(
             self,
-            Route::ChatCompletions | Route::Responses | Route::Messages | Route::CountTokens
+            Route::ChatCompletions
+                | Route::Responses
+                | Route::Messages
+                | Route::CountTokens
+                | Route::Completions
+                | Route::Embeddings
+                | Route::Rerank
+                | Route::Score
+                | Route::Tokenize
+                | Route::Detokenize
         )
     }
 
@@ -733,6 +773,12 @@ mod tests {
         assert_eq!(Route::of("/v1/chat/completions"), Route::ChatCompletions);
         assert_eq!(Route::of("/admin/nodes/a/commands"), Route::Admin);
         assert_eq!(Route::of("/readyz"), Route::Probe);
+        assert_eq!(Route::of("/v1/completions"), Route::Completions);
+        assert_eq!(Route::of("/v2/rerank"), Route::Rerank);
+        assert_eq!(Route::of("/v1/rerank"), Route::Rerank);
+        assert_eq!(Route::of("/detokenize"), Route::Detokenize);
+        assert_eq!(Route::of("/v1/models/m"), Route::Models);
+        assert_eq!(Route::Embeddings.name(), "embeddings");
         assert_eq!(Route::of("/etc/passwd"), Route::Other);
         for (i, r) in Route::ALL.iter().enumerate() {
             assert_eq!(r.index(), i);

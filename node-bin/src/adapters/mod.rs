@@ -393,6 +393,7 @@ mod tests {
             health_path: "/health".into(),
             auth_header_name: "Authorization".into(),
             auth_header_format: "Bearer {secret}".into(),
+            ..Default::default()
         }
     }
 
@@ -472,8 +473,13 @@ mod tests {
             "/prefix/v1/custom"
         );
         assert_eq!(
+            a.tunnel_path("images", ""),
+            Err(PathError::UnknownOperation("images".into()))
+        );
+        // A profile operation this profile has no path for.
+        assert_eq!(
             a.tunnel_path("embeddings", ""),
-            Err(PathError::UnknownOperation("embeddings".into()))
+            Err(PathError::NoPath("embeddings".into()))
         );
         assert_eq!(a.tunnel_path("", ""), Err(PathError::Empty));
     }

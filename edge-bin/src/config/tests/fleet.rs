@@ -270,6 +270,19 @@ fn profile_table() {
         } else {
             "/health"
         };
+        // The operations beyond the chat family each profile serves.
+        let served = |path: &str, by: &[ProfileName]| {
+            if by.contains(&profile) {
+                path.to_owned()
+            } else {
+                String::new()
+            }
+        };
+        let not_openai = [
+            ProfileName::Vllm,
+            ProfileName::LlamaCpp,
+            ProfileName::Sglang,
+        ];
         assert_eq!(
             spec,
             ProtocolProfileSpec {
@@ -280,6 +293,12 @@ fn profile_table() {
                 messages_path: "/v1/messages".into(),
                 count_tokens_path: "/v1/messages/count_tokens".into(),
                 responses_path: "/v1/responses".into(),
+                completions_path: "/v1/completions".into(),
+                embeddings_path: "/v1/embeddings".into(),
+                rerank_path: served("/v1/rerank", &not_openai),
+                score_path: served("/v1/score", &[ProfileName::Vllm, ProfileName::Sglang]),
+                tokenize_path: served("/tokenize", &not_openai),
+                detokenize_path: served("/detokenize", &not_openai),
                 health_path: health.into(),
                 auth_header_name: "Authorization".into(),
                 auth_header_format: "Bearer {secret}".into(),
@@ -357,6 +376,12 @@ fn profile_paths_sit_under_the_base_url_prefix() {
     assert_eq!(spec.messages_path, "/sglang/a/v1/messages");
     assert_eq!(spec.count_tokens_path, "/sglang/a/v1/messages/count_tokens");
     assert_eq!(spec.responses_path, "/sglang/a/v1/responses");
+    assert_eq!(spec.completions_path, "/sglang/a/v1/completions");
+    assert_eq!(spec.embeddings_path, "/sglang/a/v1/embeddings");
+    assert_eq!(spec.rerank_path, "/sglang/a/v1/rerank");
+    assert_eq!(spec.score_path, "/sglang/a/v1/score");
+    assert_eq!(spec.tokenize_path, "/sglang/a/tokenize");
+    assert_eq!(spec.detokenize_path, "/sglang/a/detokenize");
     assert_eq!(spec.health_path, "/sglang/a/health");
 }
 
@@ -390,6 +415,12 @@ fn node_config_payload_carries_adapters_targets_and_profiles() {
                             messages_path: "/v1/messages".into(),
                             count_tokens_path: "/v1/messages/count_tokens".into(),
                             responses_path: "/v1/responses".into(),
+                            completions_path: "/v1/completions".into(),
+                            embeddings_path: "/v1/embeddings".into(),
+                            rerank_path: "/v1/rerank".into(),
+                            score_path: "/v1/score".into(),
+                            tokenize_path: "/tokenize".into(),
+                            detokenize_path: "/detokenize".into(),
                             health_path: "/health".into(),
                             auth_header_name: "Authorization".into(),
                             auth_header_format: "Bearer {secret}".into(),

@@ -324,7 +324,7 @@ fn leases_are_numbered_per_node_and_need_a_destination() {
         .collect();
     assert_eq!(sequences, [1, 2, 3]);
     let unknown = pb::ProviderTunnelRequest {
-        operation: "embeddings".into(),
+        operation: "images".into(),
         ..TUNNEL.clone()
     };
     assert_eq!(

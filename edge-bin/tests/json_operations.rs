@@ -1,0 +1,424 @@
+//! The OpenAI-shaped operations beyond chat, proven over real client
+//! sockets and real mTLS with hand-driven nodes:
+//!
+//! - `POST /v1/completions` (streamed and not) and `POST /v1/embeddings`
+//!   reach the node as a tunnel naming the operation, carrying the
+//!   client's bytes with `model` replaced by the provider's target and
+//!   nothing else changed; the client gets the node's bytes unchanged.
+//! - A streamed completion whose client did not ask for usage has the
+//!   provider asked for it (`stream_options.include_usage` spliced in, the
+//!   node told to strip the usage chunk) when the node can strip it; not
+//!   when the client asked, nor from a node that cannot.
+//! - `GET /v1/models/{id}` is answered by the Edge from its model list:
+//!   the model object, or a 404 `model_not_found` for a model it does not
+//!   serve or the key may not use.
+//! - A model whose providers cannot serve an operation answers 400 naming
+//!   it: an Ollama-only model for embeddings (a normalized run speaks chat
+//!   only), an `openai`-profile model for `/v1/score` (its profile has no
+//!   path for it).
+
+mod common;
+
+use bytes::Bytes;
+use common::*;
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
+use serde_json::Value;
+
+/// A model served by an Ollama adapter only (node-c, never connected).
+const OLLAMA_MODEL: &str = "ollama-only";
+const KEY: &str = "sk-json-ops-full-key";
+const LIMITED_KEY: &str = "sk-json-ops-limited-key";
+
+/// node-c with one Ollama adapter and provider, and the model it serves.
+fn ollama_toml() -> String {
+    format!(
+        r#"
+[[models]]
+name = "{OLLAMA_MODEL}"
+providers = ["node-c/c-ollama"]
+
+[[nodes]]
+id = "node-c"
+
+[[nodes.adapters]]
+name = "ollama"
+kind = "ollama"
+base_url = "http://127.0.0.1:9"
+capacity = 2
+
+[[nodes.providers]]
+id = "c-ollama"
+adapter = "ollama"
+target = "llama3:8b"
+capacity = 2
+"#
+    )
+}
+
+/// One tunnel frame of `run_id` with `headers` and `body`.
+fn answer(
+    run_id: &str,
+    seq: u64,
+    kind: pb::TunnelFrameKind,
+    headers: &[(&str, &'static [u8])],
+    body: &'static [u8],
+) -> pb::Frame {
+    frame(Body::ProviderTunnelFrame(Box::new(
+        pb::ProviderTunnelFrame {
+            status: if kind == pb::TunnelFrameKind::ResponseStart {
+                200
+            } else {
+                0
+            },
+            headers: headers
+                .iter()
+                .map(|(name, value)| pb::Header {
+                    name: (*name).into(),
+                    value: Bytes::from_static(value),
+                })
+                .collect(),
+            body: Bytes::from_static(body),
+            ..tunnel_frame(run_id, seq, kind)
+        },
+    )))
+}
+
+/// Sends `path` with `body` to the Edge; the node gets the tunnel, which
+/// is returned with the node's answer of `content_type` in `pieces`
+/// delivered and the client's response.
+async fn tunneled(
+    edge: &TestEdge,
+    node: &mut RawNode,
+    path: &'static str,
+    body: &'static [u8],
+    content_type: &'static [u8],
+    pieces: &[&'static [u8]],
+) -> (pb::ProviderTunnelRequest, HttpResponse) {
+    let addr = edge.client_addr;
+    let mut client = monoio::spawn(async move { http_request(addr, "POST", path, body).await });
+    let tunnel = monoio::select! {
+        tunnel = next_tunnel(node) => tunnel,
+        response = &mut client => panic!("answered without a tunnel: {response:?}"),
+    };
+    let mut seq = 1;
+    let head = answer(
+        &tunnel.run_id,
+        seq,
+        pb::TunnelFrameKind::ResponseStart,
+        &[("content-type", content_type)],
+        b"",
+    );
+    node.conn.send_bulk(head).await.expect("send the head");
+    for piece in pieces {
+        seq += 1;
+        let f = answer(&tunnel.run_id, seq, pb::TunnelFrameKind::Body, &[], piece);
+        node.conn.send_bulk(f).await.expect("send a piece");
+    }
+    let end = answer(&tunnel.run_id, seq + 1, pb::TunnelFrameKind::End, &[], b"");
+    node.conn.send_bulk(end).await.expect("send the end");
+    (tunnel, client.await)
+}
+
+/// The body the node got: the client's with `model` naming [`TARGET`].
+fn for_target(client_body: &[u8]) -> Vec<u8> {
+    let text = std::str::from_utf8(client_body).expect("utf-8");
+    text.replacen(
+        &format!("\"model\":\"{MODEL}\""),
+        &format!("\"model\":\"{TARGET}\""),
+        1,
+    )
+    .into_bytes()
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn completions_and_embeddings_are_tunneled_byte_for_byte() {
+    let pki = Pki::mint("json-ops-tunnels");
+    guarded(async {
+        let edge = TestEdge::without_provider(&pki);
+        let mut node = ready_node(&edge, &pki, "node-a").await;
+
+        // Completions, not streamed: `suffix` and the spacing are the
+        // client's, untouched.
+        const COMPLETION: &[u8] = br#"{ "prompt": "def f(", "model":"chat-model", "suffix":"\n  return 1", "max_tokens": 7 }"#;
+        const COMPLETION_ANSWER: &[u8] = br#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"x):","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            COMPLETION,
+            b"application/json",
+            &[&COMPLETION_ANSWER[..40], &COMPLETION_ANSWER[40..]],
+        )
+        .await;
+        assert_eq!(
+            (tunnel.operation.as_str(), tunnel.stream, tunnel.target.as_str()),
+            ("completions", false, TARGET)
+        );
+        // CONTRACT: U5 — the body is the client's, the served target's name
+        // written into `model` at the Edge, every other byte unchanged.
+        assert_eq!(&tunnel.body[..], &for_target(COMPLETION)[..]);
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{ "prompt": "def f(", "model":"mock-target-7b", "suffix":"\n  return 1", "max_tokens": 7 }"#
+        );
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.header("content-type"), Some("application/json"));
+        assert_eq!(response.body, COMPLETION_ANSWER);
+
+        // Completions, streamed: the events come as the node sent them.
+        const STREAMED: &[u8] = br#"{"model":"chat-model","prompt":"hi","stream":true}"#;
+        const EVENTS: [&[u8]; 3] = [
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            b"data: {\"choices\":[{\"text\":\"b\"}]}\n\n",
+            b"data: [DONE]\n\n",
+        ];
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            STREAMED,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert_eq!(
+            (tunnel.operation.as_str(), tunnel.stream),
+            ("completions", true)
+        );
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"model":"mock-target-7b","prompt":"hi","stream":true}"#
+        );
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.header("content-type"), Some("text/event-stream"));
+        assert_eq!(response.body, EVENTS.concat());
+
+        // Embeddings.
+        const EMBED: &[u8] =
+            br#"{"input":["a","b"],"model":"chat-model","encoding_format":"float"}"#;
+        const EMBEDDED: &[u8] = br#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5,-1.0]},{"object":"embedding","index":1,"embedding":[0.25,2e-3]}],"model":"mock-target-7b","usage":{"prompt_tokens":2,"total_tokens":2}}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/embeddings",
+            EMBED,
+            b"application/json",
+            &[EMBEDDED],
+        )
+        .await;
+        assert_eq!(
+            (tunnel.operation.as_str(), tunnel.stream),
+            ("embeddings", false)
+        );
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"input":["a","b"],"model":"mock-target-7b","encoding_format":"float"}"#
+        );
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.body, EMBEDDED);
+        assert_eq!(edge.edge.control().leases().count(), 0);
+        edge.stop().await;
+    })
+    .await;
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn an_operation_no_provider_serves_is_a_400_naming_it() {
+    let pki = Pki::mint("json-ops-unsupported");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: ollama_toml(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let embed = format!(r#"{{"model":"{OLLAMA_MODEL}","input":"hi"}}"#);
+        let response =
+            http_request(edge.client_addr, "POST", "/v1/embeddings", embed.as_bytes()).await;
+        assert_eq!(response.status, 400, "{response:?}");
+        assert_eq!(
+            response.json(),
+            api_error(
+                "No provider serving `ollama-only` supports /v1/embeddings.",
+                "invalid_request_error",
+                None,
+                None
+            )
+        );
+        // The `openai` profile has no path for `score`: its providers are
+        // no candidates for it.
+        let score = format!(r#"{{"model":"{MODEL}","text_1":"a","text_2":"b"}}"#);
+        let response = http_request(edge.client_addr, "POST", "/v1/score", score.as_bytes()).await;
+        assert_eq!(response.status, 400, "{response:?}");
+        assert_eq!(
+            response.json(),
+            api_error(
+                "No provider serving `chat-model` supports /v1/score.",
+                "invalid_request_error",
+                None,
+                None
+            )
+        );
+        // A GET on a tunneled operation is the wrong method.
+        let response = http_request(edge.client_addr, "GET", "/v1/embeddings", b"").await;
+        assert_eq!(response.status, 405, "{response:?}");
+        edge.stop().await;
+    })
+    .await;
+}
+
+async fn get_model(edge: &TestEdge, id: &str, key: &str) -> HttpResponse {
+    let request = format!(
+        "GET /v1/models/{id} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
+         authorization: Bearer {key}\r\n\r\n"
+    );
+    http_exchange(edge.client_addr, request.into_bytes()).await
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_model_is_retrieved_from_the_edges_own_list() {
+    let pki = Pki::mint("json-ops-models");
+    guarded(async {
+        let key = |principal: &str, key: &str, extra: &str| {
+            format!(
+                "[[client_keys]]\nprincipal = \"{principal}\"\nkey_hash = \"{}\"\n{extra}\n\n",
+                blake3::hash(key.as_bytes()).to_hex()
+            )
+        };
+        let options = EdgeOptions {
+            extra_toml: key("full", KEY, "")
+                + &key("limited", LIMITED_KEY, &format!("models = [\"{MODEL}\"]")),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let created = edge.edge.settings.started_unix_sec;
+
+        let response = get_model(&edge, MODEL_B, KEY).await;
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.header("content-type"), Some("application/json"));
+        assert_eq!(
+            String::from_utf8(response.body).unwrap(),
+            format!(
+                r#"{{"id":"chat-model-b","object":"model","created":{created},"owned_by":"iop"}}"#
+            )
+        );
+        let response = get_model(&edge, MODEL, LIMITED_KEY).await;
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.json()["id"], Value::from(MODEL));
+
+        // Not served, and served but not for this key: the same 404.
+        let not_found = |id: &str| {
+            api_error(
+                &format!("The model `{id}` does not exist or you do not have access to it."),
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_found"),
+            )
+        };
+        let response = get_model(&edge, "gpt-unknown", KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found("gpt-unknown"));
+        let response = get_model(&edge, MODEL_B, LIMITED_KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found(MODEL_B));
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// A node registered as one that strips usage chunks, then ready.
+async fn stripping_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
+    let mut node = RawNode::connect(edge.node_addr, &pki.connector(node_id)).await;
+    node.conn
+        .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
+            node_id: node_id.to_string(),
+            node_version: "test".to_string(),
+            flow_control: 0,
+            strips_usage_chunk: true,
+        })))
+        .expect("send register");
+    match node.next_frame().await {
+        Body::RegisterResponse(r) => assert!(r.accepted),
+        other => panic!("expected RegisterResponse, got {other:?}"),
+    }
+    assert_eq!(node.ready(node_id).await, ready_accepted());
+    node
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn a_streamed_completion_asks_for_usage_as_chat_does() {
+    let pki = Pki::mint("json-ops-usage");
+    guarded(async {
+        let edge = TestEdge::without_provider(&pki);
+        const EVENTS: [&[u8]; 2] = [b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n", b"data: [DONE]\n\n"];
+
+        // A node that strips the usage chunk: the provider is asked for it.
+        let mut node = stripping_node(&edge, &pki, "node-a").await;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            br#"{"model":"chat-model","prompt":"hi","stream":true}"#,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert_eq!(
+            (tunnel.operation.as_str(), tunnel.strip_usage_chunk),
+            ("completions", true)
+        );
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"model":"mock-target-7b","stream_options":{"include_usage":true},"prompt":"hi","stream":true}"#
+        );
+        assert_eq!(response.body, EVENTS.concat());
+
+        // The client asked: its bytes, nothing to strip.
+        const ASKED: &[u8] = br#"{"model":"chat-model","prompt":"hi","stream":true,"stream_options":{"include_usage":true}}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            ASKED,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(&tunnel.body[..], &for_target(ASKED)[..]);
+
+        // Embeddings are never asked for a usage chunk.
+        const EMBED: &[u8] = br#"{"model":"chat-model","input":"hi","stream":true}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/embeddings",
+            EMBED,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(&tunnel.body[..], &for_target(EMBED)[..]);
+
+        // A node that cannot strip it: the client's bytes as they are.
+        let mut old = ready_node(&edge, &pki, "node-b").await;
+        const FOR_B: &[u8] = br#"{"model":"chat-model-b","prompt":"hi","stream":true}"#;
+        let (tunnel, _) = tunneled(
+            &edge,
+            &mut old,
+            "/v1/completions",
+            FOR_B,
+            b"text/event-stream",
+            &EVENTS,
+        )
+        .await;
+        assert!(!tunnel.strip_usage_chunk);
+        assert_eq!(
+            &tunnel.body[..],
+            br#"{"model":"mock-target-7b","prompt":"hi","stream":true}"#
+        );
+        edge.stop().await;
+    })
+    .await;
+}
