@@ -501,7 +501,7 @@ fn removed_nodes_and_providers_show_and_removed_models_do_not() {
     assert_eq!(
         capacities[0].1,
         ModelCapacity {
-            free_slots: [1; 10],
+            free_slots: [1; 13],
             queued: 0
         }
     );

@@ -19,7 +19,6 @@
 
 mod common;
 
-use bytes::Bytes;
 use common::*;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
@@ -54,70 +53,6 @@ target = "llama3:8b"
 capacity = 2
 "#
     )
-}
-
-/// One tunnel frame of `run_id` with `headers` and `body`.
-fn answer(
-    run_id: &str,
-    seq: u64,
-    kind: pb::TunnelFrameKind,
-    headers: &[(&str, &'static [u8])],
-    body: &'static [u8],
-) -> pb::Frame {
-    frame(Body::ProviderTunnelFrame(Box::new(
-        pb::ProviderTunnelFrame {
-            status: if kind == pb::TunnelFrameKind::ResponseStart {
-                200
-            } else {
-                0
-            },
-            headers: headers
-                .iter()
-                .map(|(name, value)| pb::Header {
-                    name: (*name).into(),
-                    value: Bytes::from_static(value),
-                })
-                .collect(),
-            body: Bytes::from_static(body),
-            ..tunnel_frame(run_id, seq, kind)
-        },
-    )))
-}
-
-/// Sends `path` with `body` to the Edge; the node gets the tunnel, which
-/// is returned with the node's answer of `content_type` in `pieces`
-/// delivered and the client's response.
-async fn tunneled(
-    edge: &TestEdge,
-    node: &mut RawNode,
-    path: &'static str,
-    body: &'static [u8],
-    content_type: &'static [u8],
-    pieces: &[&'static [u8]],
-) -> (pb::ProviderTunnelRequest, HttpResponse) {
-    let addr = edge.client_addr;
-    let mut client = monoio::spawn(async move { http_request(addr, "POST", path, body).await });
-    let tunnel = monoio::select! {
-        tunnel = next_tunnel(node) => tunnel,
-        response = &mut client => panic!("answered without a tunnel: {response:?}"),
-    };
-    let mut seq = 1;
-    let head = answer(
-        &tunnel.run_id,
-        seq,
-        pb::TunnelFrameKind::ResponseStart,
-        &[("content-type", content_type)],
-        b"",
-    );
-    node.conn.send_bulk(head).await.expect("send the head");
-    for piece in pieces {
-        seq += 1;
-        let f = answer(&tunnel.run_id, seq, pb::TunnelFrameKind::Body, &[], piece);
-        node.conn.send_bulk(f).await.expect("send a piece");
-    }
-    let end = answer(&tunnel.run_id, seq + 1, pb::TunnelFrameKind::End, &[], b"");
-    node.conn.send_bulk(end).await.expect("send the end");
-    (tunnel, client.await)
 }
 
 /// The body the node got: the client's with `model` naming [`TARGET`].

@@ -5,7 +5,7 @@
 use crate::pb::ProtocolProfile;
 
 /// The profile operations a tunnel may name (U3).
-pub const OPERATIONS: [&str; 11] = [
+pub const OPERATIONS: [&str; 14] = [
     "models",
     "chat_completions",
     "messages",
@@ -17,6 +17,9 @@ pub const OPERATIONS: [&str; 11] = [
     "score",
     "tokenize",
     "detokenize",
+    "transcriptions",
+    "translations",
+    "speech",
 ];
 
 impl ProtocolProfile {
@@ -35,6 +38,9 @@ impl ProtocolProfile {
             "score" => &self.score_path,
             "tokenize" => &self.tokenize_path,
             "detokenize" => &self.detokenize_path,
+            "transcriptions" => &self.transcriptions_path,
+            "translations" => &self.translations_path,
+            "speech" => &self.speech_path,
             _ => return None,
         };
         Some(path)
@@ -59,6 +65,9 @@ mod tests {
             score_path: "/s".into(),
             tokenize_path: "/t".into(),
             detokenize_path: "/d".into(),
+            transcriptions_path: "/at".into(),
+            translations_path: "/al".into(),
+            speech_path: "/as".into(),
             ..Default::default()
         };
         let paths: Vec<_> = OPERATIONS
@@ -78,7 +87,10 @@ mod tests {
                 Some("/rr"),
                 Some("/s"),
                 Some("/t"),
-                Some("/d")
+                Some("/d"),
+                Some("/at"),
+                Some("/al"),
+                Some("/as")
             ]
         );
         assert_eq!(profile.operation_path("images"), None);

@@ -7,6 +7,7 @@
 
 pub mod body_json;
 pub mod error;
+pub mod multipart;
 pub mod openai;
 pub mod route_hint;
 pub mod translate;

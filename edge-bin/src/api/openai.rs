@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use crate::api::body_json::{self, JsonLimits, Members};
 use crate::api::error::GatewayError;
+use crate::api::multipart::FormRequest;
 
 /// A parsed chat completion request, ready to be rebuilt for a provider.
 ///
@@ -325,7 +326,17 @@ pub struct PassthroughRequest {
     pub model: String,
     /// Whether the client asked for a stream.
     pub stream: bool,
-    body: Members,
+    body: PassthroughBody,
+}
+
+/// What a passthrough body is.
+#[derive(Debug, Clone)]
+enum PassthroughBody {
+    /// A JSON object (every route but the audio uploads).
+    Json(Members),
+    /// A `multipart/form-data` form (`/v1/audio/transcriptions`,
+    /// `/v1/audio/translations`).
+    Form(FormRequest),
 }
 
 impl PassthroughRequest {
@@ -337,7 +348,14 @@ impl PassthroughRequest {
         policy: crate::control::RoutingPolicy,
         prefix_bytes_max: usize,
     ) -> crate::control::RouteHint {
-        crate::api::route_hint::route_hint(&self.body, session_header, policy, prefix_bytes_max)
+        match &self.body {
+            PassthroughBody::Json(body) => {
+                crate::api::route_hint::route_hint(body, session_header, policy, prefix_bytes_max)
+            }
+            // An upload holds no prompt text; its model's least loaded
+            // provider serves it.
+            PassthroughBody::Form(_) => crate::control::RouteHint::default(),
+        }
     }
 
     /// Parses a JSON object with a string `model`, within `limits`.
@@ -348,21 +366,38 @@ impl PassthroughRequest {
         Ok(Self {
             model,
             stream,
-            body,
+            body: PassthroughBody::Json(body),
+        })
+    }
+
+    /// Parses a `multipart/form-data` body with a `model` field
+    /// ([`FormRequest::parse`]); `content_type` is the request's header.
+    pub fn parse_form(body: Bytes, content_type: &[u8]) -> Result<Self, GatewayError> {
+        let form = FormRequest::parse(body, content_type)?;
+        Ok(Self {
+            model: form.model.clone(),
+            stream: form.stream,
+            body: PassthroughBody::Form(form),
         })
     }
 
     /// The body for the selected provider, `model` naming its target (U5),
     /// in pieces that share the client's memory.
     pub fn body_for_target(&self, target: &str) -> BodyParts {
-        with_model(&self.body, target)
+        match &self.body {
+            PassthroughBody::Json(body) => with_model(body, target),
+            PassthroughBody::Form(form) => form.body_for_target(target),
+        }
     }
 
     /// A streamed text completion's body that also asks the provider for
     /// its usage chunk, as [`ChatRequest::body_asking_usage`] (the same
     /// `stream_options` member); `None` when not streamed or already asked.
     pub fn body_asking_usage(&self, target: &str) -> Option<BodyParts> {
-        body_asking_usage(&self.body, self.stream, target)
+        match &self.body {
+            PassthroughBody::Json(body) => body_asking_usage(body, self.stream, target),
+            PassthroughBody::Form(_) => None,
+        }
     }
 }
 

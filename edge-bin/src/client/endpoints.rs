@@ -83,8 +83,33 @@ pub(super) const DETOKENIZE: Endpoint = Endpoint {
     surface: Surface::OpenAi,
 };
 
+pub(super) const TRANSCRIPTIONS: Endpoint = Endpoint {
+    operation: "transcriptions",
+    op: Operation::Transcriptions,
+    path: "/v1/audio/transcriptions",
+    surface: Surface::OpenAi,
+};
+pub(super) const TRANSLATIONS: Endpoint = Endpoint {
+    operation: "translations",
+    op: Operation::Translations,
+    path: "/v1/audio/translations",
+    surface: Surface::OpenAi,
+};
+pub(super) const SPEECH: Endpoint = Endpoint {
+    operation: "speech",
+    op: Operation::Speech,
+    path: "/v1/audio/speech",
+    surface: Surface::OpenAi,
+};
+
+/// Whether `op`'s body is a `multipart/form-data` upload (its `model`
+/// field is replaced; everything else passes as sent).
+pub(super) fn is_upload(op: Operation) -> bool {
+    matches!(op, Operation::Transcriptions | Operation::Translations)
+}
+
 /// Every inference endpoint.
-pub(super) const ALL: [Endpoint; 11] = [
+pub(super) const ALL: [Endpoint; 14] = [
     CHAT_COMPLETIONS,
     RESPONSES,
     MESSAGES,
@@ -96,11 +121,14 @@ pub(super) const ALL: [Endpoint; 11] = [
     SCORE,
     TOKENIZE,
     DETOKENIZE,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
+    SPEECH,
 ];
 
 /// The OpenAI-shaped endpoints tunneled as they are, through
 /// [`super::pipeline::passthrough`] (the chat family has routes of its own).
-pub(super) const TUNNELED: [Endpoint; 7] = [
+pub(super) const TUNNELED: [Endpoint; 10] = [
     COMPLETIONS,
     EMBEDDINGS,
     RERANK,
@@ -108,6 +136,9 @@ pub(super) const TUNNELED: [Endpoint; 7] = [
     SCORE,
     TOKENIZE,
     DETOKENIZE,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
+    SPEECH,
 ];
 
 /// The tunneled endpoint at `path`, if any.

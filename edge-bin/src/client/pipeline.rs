@@ -386,7 +386,17 @@ where
     S: ClientStream,
 {
     let received = body.clone();
-    let req = match PassthroughRequest::parse(body, &json_limits(edge)) {
+    let parsed = if is_upload(endpoint.op) {
+        let content_type = headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+            .map(|h| h.value.clone())
+            .unwrap_or_default();
+        PassthroughRequest::parse_form(body, &content_type)
+    } else {
+        PassthroughRequest::parse(body, &json_limits(edge))
+    };
+    let req = match parsed {
         Ok(r) => r,
         Err(e) => return refuse_body(server, endpoint.surface, &e).await,
     };
@@ -501,22 +511,28 @@ pub(super) fn tunnel_headers(
         name: name.to_string(),
         value,
     };
-    let accept: &'static [u8] = if stream {
-        b"text/event-stream"
-    } else {
-        b"application/json"
+    let find = |name: &str| {
+        client
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value.clone())
     };
+    let accept: &'static [u8] = match endpoint.op {
+        _ if stream => b"text/event-stream",
+        // Audio, or a transcript as text, SRT or VTT.
+        Operation::Speech | Operation::Transcriptions | Operation::Translations => b"*/*",
+        _ => b"application/json",
+    };
+    // An upload's type carries its form's boundary.
+    let content_type = is_upload(endpoint.op)
+        .then(|| find("content-type"))
+        .flatten()
+        .unwrap_or_else(|| Bytes::from_static(b"application/json"));
     let mut headers = vec![
-        header("content-type", Bytes::from_static(b"application/json")),
+        header("content-type", content_type),
         header("accept", Bytes::from_static(accept)),
     ];
     if endpoint.surface == Surface::Anthropic {
-        let find = |name: &str| {
-            client
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case(name))
-                .map(|h| h.value.clone())
-        };
         let version = find("anthropic-version")
             .unwrap_or_else(|| Bytes::from_static(DEFAULT_ANTHROPIC_VERSION.as_bytes()));
         headers.push(header("anthropic-version", version));

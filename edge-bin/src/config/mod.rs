@@ -831,6 +831,12 @@ pub struct ProtocolProfileSpec {
     pub tokenize_path: String,
     /// Path of operation `detokenize`.
     pub detokenize_path: String,
+    /// Path of operation `transcriptions`.
+    pub transcriptions_path: String,
+    /// Path of operation `translations`.
+    pub translations_path: String,
+    /// Path of operation `speech`.
+    pub speech_path: String,
     /// Path probed for health (W4, H6).
     pub health_path: String,
     /// Auth header name; the secret arrives only in a credential lease (C4).
@@ -856,6 +862,9 @@ impl ProtocolProfileSpec {
             score_path: self.score_path.clone(),
             tokenize_path: self.tokenize_path.clone(),
             detokenize_path: self.detokenize_path.clone(),
+            transcriptions_path: self.transcriptions_path.clone(),
+            translations_path: self.translations_path.clone(),
+            speech_path: self.speech_path.clone(),
             health_path: self.health_path.clone(),
             auth_header_name: self.auth_header_name.clone(),
             auth_header_format: self.auth_header_format.clone(),
@@ -879,6 +888,9 @@ impl ProtocolProfileSpec {
 /// | `score`       | `/v1/score`       |        | yes  |           | yes    |
 /// | `tokenize`    | `/tokenize`       |        | yes  | yes       | yes    |
 /// | `detokenize`  | `/detokenize`     |        | yes  | yes       | yes    |
+/// | `transcriptions` | `/v1/audio/transcriptions` | yes | yes |        |        |
+/// | `translations`   | `/v1/audio/translations`   | yes | yes |        |        |
+/// | `speech`         | `/v1/audio/speech`         | yes |     |        |        |
 pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolProfileSpec {
     let health_path = match profile {
         ProfileName::OpenAi => "/v1/models",
@@ -893,6 +905,9 @@ pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolPro
     };
     let openai = profile == ProfileName::OpenAi;
     let scores = matches!(profile, ProfileName::Vllm | ProfileName::Sglang);
+    // vLLM serves Whisper-class models; speech is OpenAI's (and its
+    // compatible servers', configured as profile `openai`).
+    let hears = matches!(profile, ProfileName::OpenAi | ProfileName::Vllm);
     ProtocolProfileSpec {
         name: profile,
         base_url: base_url.origin(),
@@ -907,6 +922,9 @@ pub fn protocol_profile(profile: ProfileName, base_url: &BaseUrl) -> ProtocolPro
         score_path: served("/v1/score", scores),
         tokenize_path: served("/tokenize", !openai),
         detokenize_path: served("/detokenize", !openai),
+        transcriptions_path: served("/v1/audio/transcriptions", hears),
+        translations_path: served("/v1/audio/translations", hears),
+        speech_path: served("/v1/audio/speech", openai),
         health_path: base_url.join(health_path),
         auth_header_name: "Authorization".to_owned(),
         auth_header_format: "Bearer {secret}".to_owned(),

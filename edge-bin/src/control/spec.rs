@@ -47,11 +47,17 @@ pub enum Operation {
     Tokenize,
     /// `POST /detokenize`.
     Detokenize,
+    /// `POST /v1/audio/transcriptions`.
+    Transcriptions,
+    /// `POST /v1/audio/translations`.
+    Translations,
+    /// `POST /v1/audio/speech`.
+    Speech,
 }
 
 impl Operation {
     /// Every operation, in this order (the bit order of [`Operations`]).
-    pub const ALL: [Operation; 10] = [
+    pub const ALL: [Operation; 13] = [
         Operation::ChatCompletions,
         Operation::Responses,
         Operation::Messages,
@@ -62,6 +68,9 @@ impl Operation {
         Operation::Score,
         Operation::Tokenize,
         Operation::Detokenize,
+        Operation::Transcriptions,
+        Operation::Translations,
+        Operation::Speech,
     ];
 
     /// The profile operation's name (U3): what a tunnel carries, what
@@ -78,6 +87,9 @@ impl Operation {
             Operation::Score => "score",
             Operation::Tokenize => "tokenize",
             Operation::Detokenize => "detokenize",
+            Operation::Transcriptions => "transcriptions",
+            Operation::Translations => "translations",
+            Operation::Speech => "speech",
         }
     }
 
@@ -345,7 +357,11 @@ mod tests {
         let chat_family = [ChatCompletions, Responses, Messages, CountTokens];
         let of = |profile| Operations::of_profile(&protocol_profile(profile, &url).to_pb());
         let with = |more: &[Operation]| Operations::of(&[&chat_family[..], more].concat());
-        assert_eq!(of(ProfileName::Vllm), Operations::ALL);
+        let every_but_speech: Vec<Operation> = Operation::ALL
+            .into_iter()
+            .filter(|op| *op != Speech)
+            .collect();
+        assert_eq!(of(ProfileName::Vllm), Operations::of(&every_but_speech));
         assert_eq!(
             of(ProfileName::Sglang),
             with(&[Completions, Embeddings, Rerank, Score, Tokenize, Detokenize])
@@ -354,7 +370,16 @@ mod tests {
             of(ProfileName::LlamaCpp),
             with(&[Completions, Embeddings, Rerank, Tokenize, Detokenize])
         );
-        assert_eq!(of(ProfileName::OpenAi), with(&[Completions, Embeddings]));
+        assert_eq!(
+            of(ProfileName::OpenAi),
+            with(&[
+                Completions,
+                Embeddings,
+                Transcriptions,
+                Translations,
+                Speech
+            ])
+        );
         assert!(!of(ProfileName::OpenAi).contains(Score));
         assert!(Operations::for_kind(DispatchKind::Normalized).contains(ChatCompletions));
         assert!(!Operations::for_kind(DispatchKind::Normalized).contains(Embeddings));

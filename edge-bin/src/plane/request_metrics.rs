@@ -52,6 +52,12 @@ pub enum Route {
     Tokenize,
     /// `/detokenize`.
     Detokenize,
+    /// `/v1/audio/transcriptions`.
+    Transcriptions,
+    /// `/v1/audio/translations`.
+    Translations,
+    /// `/v1/audio/speech`.
+    Speech,
     /// `/v1/models` and `/v1/models/{id}`.
     Models,
     /// `/status`.
@@ -68,7 +74,7 @@ pub enum Route {
 
 impl Route {
     /// Every route, in rendering order.
-    pub const ALL: [Route; 16] = [
+    pub const ALL: [Route; 19] = [
         Route::ChatCompletions,
         Route::Responses,
         Route::Messages,
@@ -79,6 +85,9 @@ impl Route {
         Route::Score,
         Route::Tokenize,
         Route::Detokenize,
+        Route::Transcriptions,
+        Route::Translations,
+        Route::Speech,
         Route::Models,
         Route::Status,
         Route::Metrics,
@@ -100,6 +109,9 @@ impl Route {
             "/v1/score" => Route::Score,
             "/tokenize" => Route::Tokenize,
             "/detokenize" => Route::Detokenize,
+            "/v1/audio/transcriptions" => Route::Transcriptions,
+            "/v1/audio/translations" => Route::Translations,
+            "/v1/audio/speech" => Route::Speech,
             "/v1/models" => Route::Models,
             p if p.starts_with("/v1/models/") => Route::Models,
             "/status" => Route::Status,
@@ -123,6 +135,9 @@ impl Route {
             Route::Score => "score",
             Route::Tokenize => "tokenize",
             Route::Detokenize => "detokenize",
+            Route::Transcriptions => "transcriptions",
+            Route::Translations => "translations",
+            Route::Speech => "speech",
             Route::Models => "models",
             Route::Status => "status",
             Route::Metrics => "metrics",
@@ -147,6 +162,9 @@ impl Route {
                 | Route::Score
                 | Route::Tokenize
                 | Route::Detokenize
+                | Route::Transcriptions
+                | Route::Translations
+                | Route::Speech
         )
     }
 
