@@ -265,6 +265,7 @@ pub fn body_name(body: &frame::Body) -> &'static str {
         Body::Close(_) => "Close",
         Body::FlowCredit(_) => "FlowCredit",
         Body::NodeDraining(_) => "NodeDraining",
+        Body::ProviderTunnelBody(_) => "ProviderTunnelBody",
     }
 }
 

@@ -51,6 +51,17 @@ pub const FLOW_CONTROL_V1: u32 = 1;
 /// ([`FRAME_CHARGE_BYTES`] + 4).
 pub const MIN_WINDOW_BYTES: u64 = 4 * FRAME_CHARGE_BYTES;
 
+/// The window of a tunnel's streamed request body
+/// (`ProviderTunnelRequest.body_follows_bytes`): the charged bytes of
+/// `ProviderTunnelBody` frames the Edge may send before the Node's first
+/// credit for them. Both sides know it; it travels in no frame.
+pub const TUNNEL_BODY_WINDOW: u64 = 256 * 1024;
+
+/// The charge of a `ProviderTunnelBody` frame with `data_len` bytes.
+pub fn tunnel_body_charge(data_len: usize) -> u64 {
+    FRAME_CHARGE_BYTES + data_len as u64
+}
+
 /// The charge of a tunnel frame of `kind` with `body_len` body bytes.
 pub fn tunnel_frame_charge(kind: pb::TunnelFrameKind, body_len: usize) -> u64 {
     match kind {

@@ -418,6 +418,7 @@ fn all_frames() -> Vec<pb::Frame> {
             node_version: "0.1.0".into(),
             flow_control: 1,
             strips_usage_chunk: true,
+            accepts_tunnel_body: true,
         }),
         Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
@@ -480,6 +481,7 @@ fn all_frames() -> Vec<pb::Frame> {
             flow_window_bytes: u64::MAX,
             correlation_id: "client-id-7".into(),
             strip_usage_chunk: true,
+            body_follows_bytes: 25 << 20,
         })),
         Body::ProviderTunnelFrame(Box::new(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),
@@ -567,6 +569,10 @@ fn all_frames() -> Vec<pb::Frame> {
             node_id: "gpu-01".into(),
             reason: "shutdown".into(),
         }),
+        Body::ProviderTunnelBody(pb::ProviderTunnelBody {
+            run_id: "tun-1".into(),
+            data: Bytes::from_static(b"RIFF\r\n--\x00\xff"),
+        }),
     ];
     bodies.into_iter().map(codec::frame).collect()
 }
@@ -651,6 +657,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
             }
         }
         Body::NodeDraining(m) => audit.check("NodeDraining", m),
+        Body::ProviderTunnelBody(m) => audit.check("ProviderTunnelBody", m),
     }
 }
 
@@ -737,9 +744,9 @@ fn every_frame_body_round_trips_with_every_field_set() {
         let decoded = codec_roundtrip(frame);
         assert_eq!(&decoded, frame);
     }
-    // All 18 oneof variants, each exactly once.
-    assert_eq!(frames.len(), 18);
-    assert_eq!(frame_tags, (1..=18).collect::<BTreeSet<u32>>());
+    // All 19 oneof variants, each exactly once.
+    assert_eq!(frames.len(), 19);
+    assert_eq!(frame_tags, (1..=19).collect::<BTreeSet<u32>>());
     assert_eq!(audit.schema["Frame"].oneofs[0], frame_tags);
 
     // `ProviderSnapshot` is not a frame body; it still round-trips as a

@@ -85,6 +85,13 @@ pub fn provider_read_pool_stats() -> PoolStats {
 enum ClientState {
     /// Ready for a request.
     Idle,
+    /// A request head went out with `left` bytes of its body still to
+    /// come ([`ClientConn::send_body`]); then its response head is next.
+    SendingBody {
+        left: u64,
+        head_request: bool,
+        request_close: bool,
+    },
     /// A request went out; its response head is next.
     AwaitingHead {
         head_request: bool,
@@ -194,6 +201,34 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
         K: AsRef<str>,
         V: AsRef<[u8]>,
     {
+        let len_bytes = body.len() as u64;
+        self.send_request_start(method, target, headers, len_bytes, body)
+            .await
+    }
+
+    /// Sends a request head announcing a body of `len_bytes` and `first`,
+    /// the body's first bytes; the rest follows through
+    /// [`ClientConn::send_body`] (an upload streamed as it arrives). The
+    /// response head can be read once all `len_bytes` went out. A body
+    /// longer than announced is refused, never sent.
+    pub async fn send_request_start<I, K, V>(
+        &mut self,
+        method: &str,
+        target: &str,
+        headers: I,
+        len_bytes: u64,
+        first: Bytes,
+    ) -> Result<(), HttpError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<[u8]>,
+    {
+        if first.len() as u64 > len_bytes {
+            return Err(HttpError::NotReady {
+                reason: "the body's first piece is longer than the body",
+            });
+        }
         if !matches!(self.state, ClientState::Idle) {
             return Err(HttpError::NotReady {
                 reason:
@@ -213,12 +248,10 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
                     .any(|t| super::head::trim_ows(t).eq_ignore_ascii_case(b"close"));
             }
         }
-        let framing = if body.is_empty() && !matches!(method, "POST" | "PUT" | "PATCH") {
+        let framing = if len_bytes == 0 && !matches!(method, "POST" | "PUT" | "PATCH") {
             BodyFraming::None
         } else {
-            BodyFraming::ContentLength {
-                len_bytes: body.len() as u64,
-            }
+            BodyFraming::ContentLength { len_bytes }
         };
         let host = self.host.as_deref().filter(|_| !has_host);
         let fields = || {
@@ -229,15 +262,73 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
         let head = zeroizing_head(|sink| {
             write_request_head(sink, method, target, fields(), framing, false)
         })?;
-        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, body]), || {}).await {
+        let left = len_bytes - first.len() as u64;
+        if let Err(e) = write_parts(&mut self.stream, IoParts::new([head, first]), || {}).await {
             self.mark_closed();
             return Err(e.into());
         }
-        self.state = ClientState::AwaitingHead {
-            head_request: method == "HEAD",
-            request_close,
+        let (head_request, request_close) = (method == "HEAD", request_close);
+        self.state = if left == 0 {
+            ClientState::AwaitingHead {
+                head_request,
+                request_close,
+            }
+        } else {
+            ClientState::SendingBody {
+                left,
+                head_request,
+                request_close,
+            }
         };
         Ok(())
+    }
+
+    /// Sends the next `piece` of the body whose head
+    /// [`ClientConn::send_request_start`] sent. More than the announced
+    /// length is refused and nothing of it is sent.
+    pub async fn send_body(&mut self, piece: Bytes) -> Result<(), HttpError> {
+        let ClientState::SendingBody {
+            left,
+            head_request,
+            request_close,
+        } = self.state
+        else {
+            return Err(HttpError::NotReady {
+                reason: "no request body is being sent",
+            });
+        };
+        let Some(left) = left.checked_sub(piece.len() as u64) else {
+            return Err(HttpError::NotReady {
+                reason: "a body piece goes beyond the announced length",
+            });
+        };
+        if let Err(e) =
+            write_parts(&mut self.stream, IoParts::new([piece, Bytes::new()]), || {}).await
+        {
+            self.mark_closed();
+            return Err(e.into());
+        }
+        self.state = if left == 0 {
+            ClientState::AwaitingHead {
+                head_request,
+                request_close,
+            }
+        } else {
+            ClientState::SendingBody {
+                left,
+                head_request,
+                request_close,
+            }
+        };
+        Ok(())
+    }
+
+    /// Bytes of the request body still to send ([`ClientConn::send_body`]).
+    pub fn body_left(&self) -> u64 {
+        match self.state {
+            ClientState::SendingBody { left, .. } => left,
+            _ => 0,
+        }
     }
 
     /// Reads the final response head (interim `1xx` heads are skipped).

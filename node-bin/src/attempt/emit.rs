@@ -364,6 +364,7 @@ impl Emitter for TunnelEmitter {
             TunnelOutput::Start { .. } => (pb::TunnelFrameKind::ResponseStart, 0),
             TunnelOutput::Body(b) => (pb::TunnelFrameKind::Body, b.len()),
             TunnelOutput::Usage(_) => (pb::TunnelFrameKind::Usage, 0),
+            TunnelOutput::UploadCredit(_) => return Activity::Progress,
             TunnelOutput::End => (pb::TunnelFrameKind::End, 0),
             TunnelOutput::Failed { .. } => (pb::TunnelFrameKind::Error, 0),
         };
@@ -401,6 +402,16 @@ impl Emitter for TunnelEmitter {
                 .body(body)
                 .map(|(frame, body)| Outbound::Body { frame, body }),
             TunnelOutput::Usage(usage) => self.usage(usage).map(Outbound::tunnel),
+            TunnelOutput::UploadCredit(max_offset) => (!self.is_terminated()).then(|| {
+                Outbound::Frame(pb::Frame {
+                    body: Some(pb::frame::Body::FlowCredit(pb::FlowCredit {
+                        credits: vec![pb::RunCredit {
+                            run_id: self.run_id.clone(),
+                            max_offset,
+                        }],
+                    })),
+                })
+            }),
             TunnelOutput::End => match self.end() {
                 Some(f) => Some(Outbound::tunnel(f)),
                 // END before RESPONSE_START cannot be relayed: still one terminal.

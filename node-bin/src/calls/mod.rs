@@ -23,6 +23,7 @@ pub mod run;
 #[cfg(test)]
 pub(crate) mod scripted;
 pub mod tunnel;
+pub mod upload;
 pub mod usage;
 pub mod workers;
 

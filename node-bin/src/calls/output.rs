@@ -21,6 +21,11 @@ pub enum TunnelOutput {
     Body(Bytes),
     /// Observation-only usage (U1).
     Usage(pb::Usage),
+    /// The provider took enough of a streamed request body
+    /// ([`crate::calls::upload`]) for the Edge to send up to this many
+    /// charged bytes of it in total: a `FlowCredit` to the Edge, and
+    /// progress (W3: an upload under way is no stall).
+    UploadCredit(u64),
     /// The response ended normally.
     End,
     /// The provider call failed (W6).

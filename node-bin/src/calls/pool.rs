@@ -563,6 +563,37 @@ impl ProviderPool<ProviderConn> {
     }
 }
 
+impl ProviderPool {
+    /// Starts `request` to `target` with a body of `len_bytes` of which
+    /// `request.body` is the first piece, on a fresh connection (a streamed
+    /// body cannot be sent again, so no reused connection is risked on it);
+    /// `secret` (C2) is zeroized once the head is written. Send the rest
+    /// with `send_body` on the connection, then read the response head.
+    pub async fn send_upload<'a>(
+        self: &Rc<Self>,
+        target: impl Into<Target<'a>>,
+        request: &ProviderRequest<'_>,
+        len_bytes: u64,
+        secret: Option<SecretHeader>,
+    ) -> Result<PooledConn, SendError> {
+        let mut conn = self.connect(target.into()).await?;
+        let injected = secret
+            .as_ref()
+            .map(|s| (s.name.as_str(), s.value.as_bytes()));
+        conn.send_request_start(
+            request.method,
+            request.target,
+            request.headers.iter().copied().chain(injected),
+            len_bytes,
+            request.body.clone(),
+        )
+        .await
+        .map_err(SendError::Http)?;
+        drop(secret);
+        Ok(conn)
+    }
+}
+
 /// A request for [`ProviderPool::send`]: everything but the credential
 /// header.
 #[derive(Debug, Clone)]

@@ -19,6 +19,7 @@ use iop_wire::pb;
 use super::channel::{OutputTx, ProviderCall};
 use super::output::TunnelOutput;
 use super::pool::{ProviderPool, ProviderRequest, SecretHeader};
+use super::upload::UploadSource;
 use super::usage::{UsageChunkStrip, UsageWatcher};
 use crate::adapters::Endpoint;
 use crate::codes;
@@ -36,8 +37,11 @@ pub struct TunnelCall {
     pub path: String,
     /// Forwarded request headers (hop-by-hop and `Host` are dropped).
     pub headers: Vec<pb::Header>,
-    /// The request body, as built by the Edge (U5).
+    /// The request body, as built by the Edge (U5); its first piece when
+    /// the rest streams in through `upload`.
     pub body: Bytes,
+    /// The rest of a streamed request body ([`crate::calls::upload`]).
+    pub upload: Option<UploadSource>,
     /// The opened credential (C2); taken when the request head is written.
     pub credential: Option<OpenedSecret>,
     /// The Edge asked the provider for a usage chunk the client did not
@@ -94,6 +98,7 @@ impl TunnelCall {
                 path,
                 headers: forwarded,
                 body,
+                upload,
                 credential,
                 strip_usage_chunk,
             }) = slot.take()
@@ -128,9 +133,14 @@ impl TunnelCall {
             // Boxed: checkout, connect (TLS included), the request write and the
             // response head are the largest state of this call, and an inline
             // future would keep their room through the whole body stream.
-            let response = Box::pin(pool.send(endpoint.target(), &request, secret))
-                .await
-                .map_err(|e| e.into_failure())?;
+            let response = match upload {
+                None => Box::pin(pool.send(endpoint.target(), &request, secret))
+                    .await
+                    .map_err(|e| e.into_failure())?,
+                Some(upload) => {
+                    Box::pin(send_upload(pool, &endpoint, &request, secret, upload, out)).await?
+                }
+            };
             let (conn, head) = (response.conn, response.head);
             // ----------------------------------------------------------------------
             // U1: usage is observed in the body, which goes on untouched
@@ -223,6 +233,43 @@ impl TunnelCall {
         out.send(TunnelOutput::End).await;
         Ok(())
     }
+}
+
+/// Sends a request whose body streams in through `upload`: the head and
+/// the first piece, then each piece as it arrives, with the Edge credited
+/// as the provider takes them; then the response head.
+async fn send_upload(
+    pool: &Rc<ProviderPool>,
+    endpoint: &Endpoint,
+    request: &ProviderRequest<'_>,
+    secret: Option<SecretHeader>,
+    mut upload: UploadSource,
+    out: &OutputTx<TunnelOutput>,
+) -> Result<super::pool::ProviderResponse, (&'static str, String)> {
+    let len_bytes = request.body.len() as u64 + upload.left();
+    let mut conn = pool
+        .send_upload(endpoint.target(), request, len_bytes, secret)
+        .await
+        .map_err(|e| e.into_failure())?;
+    while let Some(piece) = upload.next().await {
+        let len = piece.len();
+        conn.send_body(piece).await.map_err(provider_failure)?;
+        if let Some(credit) = upload.written(len) {
+            if !out.send(TunnelOutput::UploadCredit(credit)).await {
+                return Err((codes::PROVIDER_ERROR, "the tunnel ended".to_string()));
+            }
+        }
+    }
+    if upload.left() > 0 {
+        // The run ended (cancelled, the connection gone) before the whole
+        // body came: the provider never gets a complete request.
+        return Err((
+            codes::PROVIDER_ERROR,
+            format!("the request body broke off {} bytes short", upload.left()),
+        ));
+    }
+    let head = conn.read_response_head().await.map_err(provider_failure)?;
+    Ok(super::pool::ProviderResponse { conn, head })
 }
 
 /// Counts what `strip` did with the last piece.

@@ -50,6 +50,7 @@ use crate::attempt::observation::ObservationSeq;
 use crate::attempt::watchdog::{RuntimeSettings, StopCause};
 use crate::attempt::AttemptEnv;
 use crate::calls::pool::{self, PoolConfig, ProviderPool};
+use crate::calls::upload::UploadError;
 use crate::calls::workers::Workers;
 use crate::calls::CallSite;
 use crate::credentials::{LeaseGate, NodeCredentials};
@@ -308,6 +309,7 @@ pub async fn run(
         node_version: env!("CARGO_PKG_VERSION").to_string(),
         flow_control: iop_wire::flow::FLOW_CONTROL_V1,
         strips_usage_chunk: true,
+        accepts_tunnel_body: true,
     }));
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));
@@ -462,6 +464,19 @@ impl Session {
                     .cancel(&req.run_id, StopCause::Cancelled);
                 tracing::debug!(run_id = %req.run_id, reason = %req.reason, found, "cancel request");
             }
+            Some(Body::ProviderTunnelBody(piece)) => {
+                let taken = self
+                    .runs
+                    .borrow_mut()
+                    .upload_piece(&piece.run_id, piece.data);
+                if let Err(e) = taken {
+                    tracing::warn!(run_id = %piece.run_id, error = %e, "closing the edge connection");
+                    self.env.conn.close(match e {
+                        UploadError::Overrun { .. } => CloseReason::FlowControlOverrun,
+                        UploadError::TooLong { .. } => CloseReason::ProtocolError,
+                    });
+                }
+            }
             Some(Body::FlowCredit(credit)) => {
                 let runs = self.runs.borrow();
                 for c in &credit.credits {
@@ -490,7 +505,12 @@ impl Session {
             .borrow_mut()
             .register(run_id, kind, flow.as_ref().ok().cloned());
         match registered {
-            Ok((ticket, stop)) => Some(RunStart { ticket, stop, flow }),
+            Ok((ticket, stop)) => Some(RunStart {
+                ticket,
+                stop,
+                flow,
+                upload: None,
+            }),
             Err(e) => {
                 tracing::warn!(error = %e, ?kind, "duplicate request dropped");
                 None
@@ -499,9 +519,16 @@ impl Session {
     }
 
     fn start_tunnel(self: &Rc<Self>, req: Box<pb::ProviderTunnelRequest>) {
-        let Some(run) = self.register(&req.run_id, RunKind::Tunnel, req.flow_window_bytes) else {
+        let Some(mut run) = self.register(&req.run_id, RunKind::Tunnel, req.flow_window_bytes)
+        else {
             return;
         };
+        if req.body_follows_bytes > 0 {
+            // The rest of the body arrives in `ProviderTunnelBody` frames.
+            let (sink, source) = crate::calls::upload::upload(req.body_follows_bytes);
+            self.runs.borrow_mut().attach_upload(&req.run_id, sink);
+            run.upload = Some(source);
+        }
         let (adapters, settings, leases_required, revoked) = {
             let applied = self.applied.borrow();
             (

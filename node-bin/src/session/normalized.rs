@@ -56,7 +56,9 @@ fn start(
     adapters: &Adapters,
     settings: RuntimeSettings,
 ) -> Result<Attempt<RunEmitter>, Option<Outbound>> {
-    let RunStart { ticket, stop, flow } = run;
+    let RunStart {
+        ticket, stop, flow, ..
+    } = run;
     let mut emit = RunEmitter::new(&req.run_id, &req.adapter, &req.target, &req.session_id);
     let Admitted {
         adapter,

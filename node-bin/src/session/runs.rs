@@ -22,6 +22,7 @@ use iop_engine::sync::oneshot;
 
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
 use crate::attempt::watchdog::StopCause;
+use crate::calls::upload::{UploadError, UploadSink, UploadSource};
 
 /// The kind of an active run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +71,8 @@ struct Entry {
     /// The run's flow-control window, credited by the Edge (`None` when
     /// its request granted an unusable window and it is being refused).
     flow: Option<Rc<FlowGate>>,
+    /// A tunnel's request body still arriving (`body_follows_bytes`).
+    upload: Option<UploadSink>,
 }
 
 /// What a registered run takes to its attempt: its ticket, its stop
@@ -83,6 +86,8 @@ pub struct RunStart {
     pub stop: oneshot::Receiver<StopCause>,
     /// The run's window.
     pub flow: Result<Rc<FlowGate>, WindowTooSmall>,
+    /// A tunnel's request body still to arrive, when it streams.
+    pub upload: Option<UploadSource>,
 }
 
 /// Cancels of runs not (yet) active that a session remembers.
@@ -137,6 +142,7 @@ impl RunTable {
                 serial: self.last_serial,
                 stop,
                 flow,
+                upload: None,
             },
         );
         Ok((
@@ -156,6 +162,23 @@ impl RunTable {
             .get(run_id)
             .and_then(|entry| entry.flow.as_ref())
             .is_some_and(|flow| flow.on_credit(max_offset))
+    }
+
+    /// Gives run `run_id` the sink of its streamed request body.
+    pub fn attach_upload(&mut self, run_id: &str, sink: UploadSink) {
+        if let Some(entry) = self.entries.get_mut(run_id) {
+            entry.upload = Some(sink);
+        }
+    }
+
+    /// The next piece of run `run_id`'s request body. `Ok` when the run is
+    /// unknown (finished: a late piece is dropped) or takes no body; an
+    /// error when the Edge broke the upload's rules (a protocol error).
+    pub fn upload_piece(&mut self, run_id: &str, data: bytes::Bytes) -> Result<(), UploadError> {
+        match self.entries.get_mut(run_id).and_then(|e| e.upload.as_mut()) {
+            Some(sink) => sink.on_piece(data),
+            None => Ok(()),
+        }
     }
 
     /// Stops that run only (K1). False when unknown or already stopped; an

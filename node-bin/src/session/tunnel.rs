@@ -73,7 +73,12 @@ fn start(
     settings: RuntimeSettings,
     leases: LeaseGate,
 ) -> Result<Attempt<TunnelEmitter>, Option<Outbound>> {
-    let RunStart { ticket, stop, flow } = run;
+    let RunStart {
+        ticket,
+        stop,
+        flow,
+        upload,
+    } = run;
     let mut emit = TunnelEmitter::new(&req.run_id, &req.adapter, &req.target);
     let admitted = match admit(&req, adapters, settings, flow) {
         Ok(a) => a,
@@ -141,6 +146,7 @@ fn start(
         path,
         headers,
         body,
+        upload,
         credential,
         strip_usage_chunk,
     };
