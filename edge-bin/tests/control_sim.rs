@@ -4908,6 +4908,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         response_stall_timeout_ms: _,
         flow_window_bytes: _,
         correlation_id: _,
+        operation: _,
     } = pb::RunRequest::default();
     let pb::ProviderTunnelRequest {
         run_id: _,

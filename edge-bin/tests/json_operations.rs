@@ -335,6 +335,7 @@ async fn stripping_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
             node_version: "test".to_string(),
             flow_control: 0,
             strips_usage_chunk: true,
+            runs_embeddings: false,
         })))
         .expect("send register");
     match node.next_frame().await {

@@ -405,6 +405,8 @@ fn run_input() -> pb::RunInput {
         top_p: Some(0.875),
         stop: vec!["\n\n".into(), "END".into()],
         seed: Some(-99),
+        embed_input: vec!["embed me".into(), "".into()],
+        dimensions: Some(768),
     }
 }
 
@@ -415,6 +417,7 @@ fn all_frames() -> Vec<pb::Frame> {
             node_version: "0.1.0".into(),
             flow_control: 1,
             strips_usage_chunk: true,
+            runs_embeddings: true,
         }),
         Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
@@ -442,6 +445,7 @@ fn all_frames() -> Vec<pb::Frame> {
             response_stall_timeout_ms: -5,
             flow_window_bytes: 256 * 1024,
             correlation_id: "req_0123456789abcdef".into(),
+            operation: "embeddings".into(),
         })),
         Body::RunEvent(Box::new(pb::RunEvent {
             run_id: "run-1".into(),
@@ -457,6 +461,8 @@ fn all_frames() -> Vec<pb::Frame> {
             adapter: "ollama-a".into(),
             target: "llama3:8b".into(),
             failure: Some(Box::new(execution_failure())),
+            embeddings: Bytes::from_static(&[0, 0, 0x80, 0x3f, 0, 0, 0, 0xbf]),
+            embedding_dimensions: 2,
         })),
         Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
             run_id: "tun-1".into(),

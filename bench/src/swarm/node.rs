@@ -421,6 +421,8 @@ async fn session(
         flow_control: iop_wire::flow::FLOW_CONTROL_V1,
         // It answers tunnels with its own scripted bodies.
         strips_usage_chunk: false,
+        // It runs no embeddings.
+        runs_embeddings: false,
     };
     if conn
         .send_control(frame(Body::RegisterRequest(register)))

@@ -164,6 +164,7 @@ impl ChatRequest {
             top_p: number("top_p"),
             stop,
             seed: integer("seed"),
+            ..Default::default()
         }
     }
 

@@ -805,8 +805,10 @@ impl RawNode {
                 node_id: node_id.to_string(),
                 node_version: "test".to_string(),
                 flow_control,
-                // A node of before usage-chunk stripping.
+                // A node of before usage-chunk stripping and embeddings
+                // runs.
                 strips_usage_chunk: false,
+                runs_embeddings: false,
             })))
             .expect("send register");
         match self.next_frame().await {
