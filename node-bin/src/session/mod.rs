@@ -308,8 +308,7 @@ pub async fn run(
         node_version: env!("CARGO_PKG_VERSION").to_string(),
         flow_control: iop_wire::flow::FLOW_CONTROL_V1,
         strips_usage_chunk: true,
-        // Embeddings runs are not served yet.
-        runs_embeddings: false,
+        runs_embeddings: true,
     }));
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));
