@@ -353,6 +353,12 @@ impl PassthroughRequest {
         })
     }
 
+    /// The raw JSON text of the body's member `name`, if present (a
+    /// translated operation reads what it needs of the body this way).
+    pub fn member(&self, name: &str) -> Option<&str> {
+        self.body.raw(name)
+    }
+
     /// The body for the selected provider, `model` naming its target (U5),
     /// in pieces that share the client's memory.
     pub fn body_for_target(&self, target: &str) -> BodyParts {
