@@ -6,7 +6,8 @@ The mock provider computes the same vectors and token counts on both of its
 routes (`/v1/embeddings`, `/api/embed`), so what the Edge answers from an
 Ollama provider is compared, byte for byte, with what the mock itself
 answers in the OpenAI shape: only `model` differs (the client's name on the
-translated answer, the provider's target on the tunneled one).
+translated answer, the provider's target on the tunneled one). Usage records
+and a key's tokens_per_minute count their prompt tokens either way.
 """
 
 import base64
@@ -129,3 +130,32 @@ def test_a_mixed_pool_routes_embeddings_both_ways(cluster, client):
         want = json.loads(mock_answer(cluster, {"input": TEXTS[:1], "encoding_format": "base64"}))
         assert [d.embedding for d in got.data] == [want["data"][0]["embedding"]]
         assert got.usage.prompt_tokens == 4
+
+
+def test_embeddings_usage_is_recorded_and_counts_against_the_token_limit(tmp_path):
+    # The usage file has the prompt tokens of a run and of a tunnel; a key's
+    # tokens_per_minute is spent by them: with 10 a minute, a 9-token
+    # request leaves too little for the next.
+    usage = tmp_path / "usage.jsonl"
+    keys = {"run": "sk-embed-run-5b0e7f", "tunnel": "sk-embed-tunnel-91c3d2"}
+    with Cluster(ollama=True,
+                 client_keys={name: {"key": key, "tokens_per_minute": 10} for name, key in keys.items()},
+                 edge_extra=["[edge.usage_log]", f'path = "{usage}"']) as c:
+        seen = []
+        for name, model in (("run", OLLAMA_MODEL), ("tunnel", MIXED_MODEL)):
+            client = openai.OpenAI(base_url=c.base_url + "/v1", api_key=keys[name], max_retries=0, timeout=20)
+            # 9 tokens: 4 + 2 + 3 words.
+            r = client.embeddings.with_raw_response.create(model=model, input=TEXTS, encoding_format="float")
+            assert r.parse().usage.prompt_tokens == 9
+            seen.append((r.headers["x-request-id"], model))
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.embeddings.create(model=model, input=TEXTS, encoding_format="float")
+            assert refused.value.code == "rate_limit_tokens", name
+        stats = c.mock_stats()
+        assert (stats["ollama_embed_requests"], stats["embeddings_requests"]) == (1, 1)
+        c.edge.stop()
+    records = {r["request_id"]: r for r in map(json.loads, usage.read_text().splitlines())}
+    for request_id, model in seen:
+        r = records[request_id]
+        assert (r["model"], r["outcome"], r["usage"]) == (model, "completed", "reported"), r
+        assert (r["prompt_tokens"], r["completion_tokens"]) == (9, 0), r
