@@ -427,6 +427,54 @@ fn a_model_without_a_provider_for_the_operation_refuses_it() {
     );
 }
 
+// Embeddings go to an Ollama-native provider only while its node's
+// connection said it runs them (`RegisterRequest.runs_embeddings`): an older
+// node would run a chat instead. Until then the OpenAI-compatible provider
+// of a mixed pool takes them (though the native one is first by pool order),
+// a native-only pool queues them, and chat on the native provider goes on;
+// once the node says so, the queued request is dispatched to it and the
+// mixed pool's ties go to it again by pool order.
+#[test]
+fn embeddings_go_to_a_native_provider_only_on_a_node_that_runs_them() {
+    let mut f = Fixture::new(Tunables::default());
+    assert_eq!(
+        dispatched_to(&f.submit_to(1, "mixed", Operation::Embeddings)),
+        ["p1"]
+    );
+    f.terminal(1);
+    assert_eq!(f.submit_to(2, "native", Operation::Embeddings), []);
+    assert_eq!(f.queued("o1"), 1);
+    assert_eq!(
+        dispatched_to(&f.submit_to(3, "mixed", Operation::ChatCompletions)),
+        ["o1"]
+    );
+    f.terminal(3);
+    let out = f.handle(Input::NodeVersion {
+        conn: CONN,
+        version: "v".into(),
+        strips_usage_chunk: true,
+        runs_embeddings: true,
+    });
+    assert_eq!(dispatched_to(&out), ["o1"]);
+    assert!(matches!(&out[0], Action::Dispatch(d) if d.request == RequestId(2)));
+    f.terminal(2);
+    assert_eq!(
+        dispatched_to(&f.submit_to(4, "mixed", Operation::Embeddings)),
+        ["o1"]
+    );
+    f.terminal(4);
+    // Saying it again changes nothing.
+    assert_eq!(
+        f.handle(Input::NodeVersion {
+            conn: CONN,
+            version: "v".into(),
+            strips_usage_chunk: true,
+            runs_embeddings: true,
+        }),
+        []
+    );
+}
+
 // ---- passive health (outlier ejection) ---------------------------------------
 
 const BASE_EJECTION_MS: u64 = 1_000;

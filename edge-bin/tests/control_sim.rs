@@ -4908,6 +4908,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         response_stall_timeout_ms: _,
         flow_window_bytes: _,
         correlation_id: _,
+        operation: _,
     } = pb::RunRequest::default();
     let pb::ProviderTunnelRequest {
         run_id: _,
@@ -4928,6 +4929,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         flow_window_bytes: _,
         correlation_id: _,
         strip_usage_chunk: _,
+        body_follows_bytes: _,
     } = pb::ProviderTunnelRequest::default();
     let pb::FlowCredit { credits: _ } = pb::FlowCredit::default();
     let pb::RunCredit {

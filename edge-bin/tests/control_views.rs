@@ -144,6 +144,7 @@ fn node_views_follow_registration_readiness_and_close() {
             conn,
             version: "0.3.1".into(),
             strips_usage_chunk: false,
+            runs_embeddings: false,
         },
         &mut out,
     );
@@ -184,6 +185,7 @@ fn node_views_follow_registration_readiness_and_close() {
             conn: ConnId(99),
             version: "stale".into(),
             strips_usage_chunk: false,
+            runs_embeddings: false,
         },
         &mut out,
     );
@@ -194,6 +196,7 @@ fn node_views_follow_registration_readiness_and_close() {
             conn,
             version: "v".repeat(500),
             strips_usage_chunk: false,
+            runs_embeddings: false,
         },
         &mut out,
     );

@@ -13,9 +13,15 @@
 //!   the model object, or a 404 `model_not_found` for a model it does not
 //!   serve or the key may not use.
 //! - A model whose providers cannot serve an operation answers 400 naming
-//!   it: an Ollama-only model for embeddings (a normalized run speaks chat
-//!   only), an `openai`-profile model for `/v1/score` (its profile has no
-//!   path for it).
+//!   it: an Ollama-only model for `/v1/completions` (a normalized run
+//!   speaks chat and embeddings only), an `openai`-profile model for
+//!   `/v1/score` (its profile has no path for it).
+//! - Embeddings on an Ollama provider are a normalized run
+//!   (`operation: "embeddings"`, the texts and `dimensions` in its input)
+//!   whose `complete` the client gets as OpenAI's list, exact to the byte;
+//!   only on a node that registered `runs_embeddings` (an older one would
+//!   run a chat): an older node's Ollama provider is no candidate for
+//!   embeddings, and still one for chat.
 
 mod common;
 
@@ -36,6 +42,7 @@ fn ollama_toml() -> String {
 [[models]]
 name = "{OLLAMA_MODEL}"
 providers = ["node-c/c-ollama"]
+queue_timeout_ms = 500
 
 [[nodes]]
 id = "node-c"
@@ -167,14 +174,19 @@ async fn an_operation_no_provider_serves_is_a_400_naming_it() {
             ..EdgeOptions::without_provider()
         };
         let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
-        let embed = format!(r#"{{"model":"{OLLAMA_MODEL}","input":"hi"}}"#);
-        let response =
-            http_request(edge.client_addr, "POST", "/v1/embeddings", embed.as_bytes()).await;
+        let complete = format!(r#"{{"model":"{OLLAMA_MODEL}","prompt":"hi"}}"#);
+        let response = http_request(
+            edge.client_addr,
+            "POST",
+            "/v1/completions",
+            complete.as_bytes(),
+        )
+        .await;
         assert_eq!(response.status, 400, "{response:?}");
         assert_eq!(
             response.json(),
             api_error(
-                "No provider serving `ollama-only` supports /v1/embeddings.",
+                "No provider serving `ollama-only` supports /v1/completions.",
                 "invalid_request_error",
                 None,
                 None
@@ -270,6 +282,8 @@ async fn stripping_node(edge: &TestEdge, pki: &Pki, node_id: &str) -> RawNode {
             node_version: "test".to_string(),
             flow_control: 0,
             strips_usage_chunk: true,
+            runs_embeddings: false,
+            accepts_tunnel_body: false,
         })))
         .expect("send register");
     match node.next_frame().await {
@@ -353,6 +367,188 @@ async fn a_streamed_completion_asks_for_usage_as_chat_does() {
             &tunnel.body[..],
             br#"{"model":"mock-target-7b","prompt":"hi","stream":true}"#
         );
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// node-c registered (saying whether it runs embeddings), then ready.
+async fn ollama_node(edge: &TestEdge, pki: &Pki, runs_embeddings: bool) -> RawNode {
+    let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-c")).await;
+    node.conn
+        .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
+            node_id: "node-c".into(),
+            node_version: "test".into(),
+            flow_control: 0,
+            strips_usage_chunk: true,
+            runs_embeddings,
+            accepts_tunnel_body: false,
+        })))
+        .expect("send register");
+    match node.next_frame().await {
+        Body::RegisterResponse(r) => assert!(r.accepted),
+        other => panic!("expected RegisterResponse, got {other:?}"),
+    }
+    assert_eq!(node.ready("node-c").await, ready_accepted());
+    node
+}
+
+/// The next run request `node` gets, skipping credit frames.
+async fn next_run(node: &mut RawNode) -> pb::RunRequest {
+    loop {
+        match node.next_frame().await {
+            Body::RunRequest(r) => return *r,
+            Body::FlowCredit(_) => {}
+            other => panic!("expected RunRequest, got {other:?}"),
+        }
+    }
+}
+
+/// A run event of `run_id` from node-c's Ollama provider.
+fn run_event(run_id: &str, seq: u64, kind: pb::RunEventType) -> pb::RunEvent {
+    pb::RunEvent {
+        run_id: run_id.into(),
+        seq,
+        r#type: kind as i32,
+        adapter: "ollama".into(),
+        target: "llama3:8b".into(),
+        ..Default::default()
+    }
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn embeddings_on_an_ollama_provider_are_a_normalized_run() {
+    let pki = Pki::mint("json-ops-embed-run");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: ollama_toml(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let mut node = ollama_node(&edge, &pki, true).await;
+        let addr = edge.client_addr;
+        let body = format!(
+            r#"{{"model":"{OLLAMA_MODEL}","input":["a b","c"],"encoding_format":"base64","dimensions":2}}"#
+        );
+        let mut client = monoio::spawn(async move {
+            http_request(addr, "POST", "/v1/embeddings", body.as_bytes()).await
+        });
+        let run = monoio::select! {
+            run = next_run(&mut node) => run,
+            response = &mut client => panic!("answered without a run: {response:?}"),
+        };
+        assert_eq!(
+            (run.operation.as_str(), run.adapter.as_str(), run.target.as_str()),
+            ("embeddings", "ollama", "llama3:8b")
+        );
+        assert_eq!(
+            run.input,
+            Some(pb::RunInput {
+                embed_input: vec!["a b".into(), "c".into()],
+                dimensions: Some(2),
+                ..Default::default()
+            })
+        );
+        node.conn
+            .send_bulk(frame(Body::RunEvent(Box::new(run_event(
+                &run.run_id,
+                1,
+                pb::RunEventType::Start,
+            )))))
+            .await
+            .expect("send start");
+        let complete = pb::RunEvent {
+            embeddings: iop_wire::embedding::pack([&[1.0f32, -0.5][..], &[0.25, 2.0][..]]),
+            embedding_dimensions: 2,
+            usage: Some(Box::new(pb::Usage {
+                prompt_tokens: 3,
+                completion_tokens: 0,
+                total_tokens: 3,
+            })),
+            finish_reason: "stop".into(),
+            ..run_event(&run.run_id, 2, pb::RunEventType::Complete)
+        };
+        node.conn
+            .send_bulk(frame(Body::RunEvent(Box::new(complete))))
+            .await
+            .expect("send complete");
+        let response = client.await;
+        assert_eq!(response.status, 200, "{response:?}");
+        // 1.0, -0.5 and 0.25, 2.0 as little-endian f32 bytes, in base64.
+        assert_eq!(
+            std::str::from_utf8(&response.body).expect("utf-8"),
+            concat!(
+                r#"{"object":"list","data":["#,
+                r#"{"object":"embedding","index":0,"embedding":"AACAPwAAAL8="},"#,
+                r#"{"object":"embedding","index":1,"embedding":"AACAPgAAAEA="}],"#,
+                r#""model":"ollama-only","usage":{"prompt_tokens":3,"total_tokens":3}}"#
+            )
+        );
+
+        // Token ids have no Ollama form: a 400 naming `input`, and no run.
+        let ids = format!(r#"{{"model":"{OLLAMA_MODEL}","input":[[1,2]]}}"#);
+        let response = http_request(addr, "POST", "/v1/embeddings", ids.as_bytes()).await;
+        assert_eq!(response.status, 400, "{response:?}");
+        assert_eq!(
+            response.json(),
+            api_error(
+                "Token-id `input` cannot be embedded by an Ollama provider; send text.",
+                "invalid_request_error",
+                Some("input"),
+                None
+            )
+        );
+        edge.stop().await;
+    })
+    .await;
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn an_older_nodes_ollama_provider_gets_no_embeddings() {
+    let pki = Pki::mint("json-ops-embed-older");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: ollama_toml(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let mut node = ollama_node(&edge, &pki, false).await;
+        let addr = edge.client_addr;
+        // The provider is free, but no candidate: the request waits out
+        // the model's queue timeout; the node gets nothing.
+        let embed = format!(r#"{{"model":"{OLLAMA_MODEL}","input":"hi"}}"#);
+        let response = http_request(addr, "POST", "/v1/embeddings", embed.as_bytes()).await;
+        assert_eq!(response.status, 503, "{response:?}");
+        assert_eq!(
+            response.json()["error"]["code"],
+            Value::from("no_provider_available")
+        );
+        // Chat still reaches it: the first frame it gets is that run.
+        let chat = format!(
+            r#"{{"model":"{OLLAMA_MODEL}","messages":[{{"role":"user","content":"hi"}}]}}"#
+        );
+        let client = monoio::spawn(async move {
+            http_request(addr, "POST", "/v1/chat/completions", chat.as_bytes()).await
+        });
+        let run = next_run(&mut node).await;
+        assert_eq!(run.operation, "");
+        assert_eq!(run.input.as_ref().map(|i| i.messages.len()), Some(1));
+        for (seq, kind) in [
+            (1, pb::RunEventType::Start),
+            (2, pb::RunEventType::Complete),
+        ] {
+            node.conn
+                .send_bulk(frame(Body::RunEvent(Box::new(run_event(
+                    &run.run_id,
+                    seq,
+                    kind,
+                )))))
+                .await
+                .expect("send an event");
+        }
+        let response = client.await;
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.json()["object"], Value::from("chat.completion"));
         edge.stop().await;
     })
     .await;

@@ -477,6 +477,8 @@ async fn an_older_node_is_not_asked_to_strip_and_its_provider_is_not_asked_for_u
                 node_version: "test".into(),
                 flow_control: 0,
                 strips_usage_chunk: true,
+                runs_embeddings: false,
+                accepts_tunnel_body: false,
             })))
             .expect("register");
         assert!(matches!(newer.next_frame().await, Body::RegisterResponse(r) if r.accepted));

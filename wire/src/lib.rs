@@ -22,6 +22,8 @@
 //! - [`lease`]: managed credential leases (C1–C5): canonical binding digest,
 //!   sealing/signing at the Edge, verifying/opening at the Node, replay window;
 //!   time and randomness are inputs.
+//! - [`embedding`]: an embeddings run's vectors on `RunEvent.embeddings`
+//!   (packed little-endian `f32`).
 //! - [`flow`]: per-run flow control windows (charged bytes, absolute credit).
 //! - [`limits`]: transport constants (T4 heartbeat timers, frame size cap).
 //! - [`profile`]: protocol profile lookups both sides share (U3).
@@ -34,6 +36,7 @@
 pub mod checks;
 pub mod close;
 pub mod codec;
+pub mod embedding;
 pub mod flow;
 pub mod lease;
 pub mod limits;

@@ -408,6 +408,8 @@ fn run_input() -> pb::RunInput {
         top_p: Some(0.875),
         stop: vec!["\n\n".into(), "END".into()],
         seed: Some(-99),
+        embed_input: vec!["embed me".into(), "".into()],
+        dimensions: Some(768),
     }
 }
 
@@ -419,6 +421,7 @@ fn all_frames() -> Vec<pb::Frame> {
             flow_control: 1,
             strips_usage_chunk: true,
             accepts_tunnel_body: true,
+            runs_embeddings: true,
         }),
         Body::RegisterResponse(Box::new(pb::RegisterResponse {
             accepted: true,
@@ -446,6 +449,7 @@ fn all_frames() -> Vec<pb::Frame> {
             response_stall_timeout_ms: -5,
             flow_window_bytes: 256 * 1024,
             correlation_id: "req_0123456789abcdef".into(),
+            operation: "embeddings".into(),
         })),
         Body::RunEvent(Box::new(pb::RunEvent {
             run_id: "run-1".into(),
@@ -461,6 +465,8 @@ fn all_frames() -> Vec<pb::Frame> {
             adapter: "ollama-a".into(),
             target: "llama3:8b".into(),
             failure: Some(Box::new(execution_failure())),
+            embeddings: Bytes::from_static(&[0, 0, 0x80, 0x3f, 0, 0, 0, 0xbf]),
+            embedding_dimensions: 2,
         })),
         Body::ProviderTunnelRequest(Box::new(pb::ProviderTunnelRequest {
             run_id: "tun-1".into(),

@@ -423,6 +423,8 @@ async fn session(
         strips_usage_chunk: false,
         // It reads no streamed request body.
         accepts_tunnel_body: false,
+        // It runs no embeddings.
+        runs_embeddings: false,
     };
     if conn
         .send_control(frame(Body::RegisterRequest(register)))

@@ -165,6 +165,7 @@ impl ChatRequest {
             top_p: number("top_p"),
             stop,
             seed: integer("seed"),
+            ..Default::default()
         }
     }
 
@@ -379,6 +380,16 @@ impl PassthroughRequest {
             stream: form.stream,
             body: PassthroughBody::Form(form),
         })
+    }
+
+    /// The raw JSON text of the body's member `name`, if present (a
+    /// translated operation reads what it needs of the body this way).
+    /// A form has no JSON members.
+    pub fn member(&self, name: &str) -> Option<&str> {
+        match &self.body {
+            PassthroughBody::Json(body) => body.raw(name),
+            PassthroughBody::Form(_) => None,
+        }
     }
 
     /// The body for the selected provider, `model` naming its target (U5),

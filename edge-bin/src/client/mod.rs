@@ -1,5 +1,6 @@
 //! The client HTTP shell: the request loop and routes ([`router`]), one
 //! inference request from body to relay (`pipeline`), the relays (`relay`),
+//! embeddings on an Ollama provider (`embeddings`),
 //! the caller's key and limit checks (`caller`), forwarding to the Edge
 //! that owns a model's nodes in a cluster (`forward`), the connection and
 //! its early answers (`conn`), the inference endpoints
@@ -10,6 +11,7 @@
 pub mod admin;
 mod caller;
 mod conn;
+mod embeddings;
 mod endpoints;
 mod forward;
 pub mod metrics;

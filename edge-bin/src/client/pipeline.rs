@@ -441,11 +441,29 @@ where
             return retry_without_request(edge, request);
         };
         if dispatch.kind != DispatchKind::Tunnel {
-            // Control files native (Ollama) providers, which speak only the
-            // normalized chat path, in no lane of these operations: this is
-            // a wiring bug, answered as if no provider served it.
-            edge.abandon(request);
-            return write_error(server, endpoint.surface, &unsupported(&req.model, endpoint)).await;
+            // A native (Ollama) provider: embeddings as a normalized run.
+            let result = match Box::pin(super::embeddings::attempt(
+                edge,
+                server,
+                endpoint,
+                request,
+                &dispatch,
+                &mut frames,
+                req,
+            ))
+            .await
+            {
+                super::embeddings::RunAttempt::Relayed(result) => result,
+                super::embeddings::RunAttempt::Answered(answered) => return answered,
+            };
+            match settle(edge, request, result)? {
+                Some(next) => {
+                    frames.retarget(&next);
+                    dispatch = next;
+                    continue;
+                }
+                None => return Ok(()),
+            }
         }
         let lease = &dispatch.lease;
         server

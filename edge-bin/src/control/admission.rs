@@ -8,8 +8,8 @@ use std::time::Instant;
 use super::routing::{Pick, RouteHint};
 use super::tables::{Candidate, Indexed, LeaseEntry, Load, Pending, ProviderLease, RequestState};
 use super::{
-    AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, Dispatch, Event, FailureReason,
-    Handoff, Input, Outcome, Rejection, RequestId, Terminal,
+    AbortReason, Action, AttemptEnd, CancelReason, ConnId, Control, Dispatch, DispatchKind, Event,
+    FailureReason, Handoff, Input, Outcome, Rejection, RequestId, Terminal,
 };
 
 impl Control {
@@ -59,11 +59,13 @@ impl Control {
     /// occupancy, its overlay, its node's owner.
     pub(super) fn refresh(&mut self, p: usize) {
         let want = self.wanted_index(p);
-        let state = &mut self.providers[p];
+        let state = &self.providers[p];
         let had = state.indexed;
         if had == want {
             return;
         }
+        let lacks_embedding_runs = self.lacks_embedding_runs(p);
+        let state = &mut self.providers[p];
         state.indexed = want;
         let capacity = state.spec.capacity;
         let load = |in_flight| Load {
@@ -83,7 +85,9 @@ impl Control {
                     model.free_long.remove(&entry);
                 }
             }
-            if let Some(new) = want {
+            if let Some(new) =
+                want.filter(|_| !(lacks_embedding_runs && model.needs_embedding_runs))
+            {
                 let entry = Candidate {
                     load: load(new.in_flight),
                     position,
@@ -94,6 +98,43 @@ impl Control {
                     model.free_long.insert(entry);
                 }
             }
+        }
+    }
+
+    /// Whether provider `p` is a normalized-run one on a Node that did not
+    /// say it runs embeddings: then it is no candidate of a lane that
+    /// needs them ([`super::tables::LaneState::needs_embedding_runs`]),
+    /// and stays one of its other lanes.
+    pub(super) fn lacks_embedding_runs(&self, p: usize) -> bool {
+        let state = &self.providers[p];
+        state.spec.kind == DispatchKind::Normalized
+            && !self.nodes[state.node]
+                .owner
+                .is_some_and(|owner| owner.runs_embeddings)
+    }
+
+    /// Files every provider of `node` again from scratch: after something
+    /// that decides candidacy changed without changing its index (its
+    /// owner's `runs_embeddings`).
+    pub(super) fn refile_node(&mut self, node: usize) {
+        for p in self.nodes[node].providers.clone() {
+            let Some(old) = self.providers[p].indexed.take() else {
+                continue;
+            };
+            let state = &self.providers[p];
+            for &(lane, position) in &state.pools {
+                let entry = Candidate {
+                    load: Load {
+                        in_flight: old.in_flight,
+                        capacity: state.spec.capacity,
+                    },
+                    position,
+                    provider: p,
+                };
+                self.lanes[lane].free.remove(&entry);
+                self.lanes[lane].free_long.remove(&entry);
+            }
+            self.refresh(p);
         }
     }
 

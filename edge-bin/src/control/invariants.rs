@@ -482,6 +482,7 @@ impl Control {
                 in_flight: indexed.in_flight,
                 capacity: state.spec.capacity,
             };
+            let lacks_embedding_runs = self.lacks_embedding_runs(p);
             for &(lane, position) in &state.pools {
                 let lane = &self.lanes[lane];
                 let entry = Candidate {
@@ -489,6 +490,14 @@ impl Control {
                     position,
                     provider: p,
                 };
+                if lacks_embedding_runs && lane.needs_embedding_runs {
+                    assert!(
+                        !lane.free.contains(&entry) && !lane.free_long.contains(&entry),
+                        "{} is filed for embeddings on a node that does not run them",
+                        state.key
+                    );
+                    continue;
+                }
                 assert!(
                     lane.free.contains(&entry) && lane.free_long.contains(&entry) == indexed.long,
                     "{} is missing from a candidate index of its lanes",

@@ -214,9 +214,11 @@ pub enum Input {
         node_id: String,
     },
     /// The software version `conn` reported in its `RegisterRequest`
-    /// (diagnostic only; after its `Register`), and whether it strips a
+    /// (diagnostic only; after its `Register`), whether it strips a
     /// usage chunk the Edge asked for (`RegisterRequest.strips_usage_chunk`,
-    /// copied into its dispatches).
+    /// copied into its dispatches), and whether it runs embeddings on its
+    /// Ollama adapters (`RegisterRequest.runs_embeddings`: only then are
+    /// they candidates for embeddings).
     NodeVersion {
         /// The connection.
         conn: ConnId,
@@ -224,6 +226,8 @@ pub enum Input {
         version: String,
         /// `RegisterRequest.strips_usage_chunk`.
         strips_usage_chunk: bool,
+        /// `RegisterRequest.runs_embeddings`.
+        runs_embeddings: bool,
     },
     /// `conn` closed, failed, or timed out its heartbeat (F1, F2).
     Closed {
@@ -805,8 +809,10 @@ impl Control {
             }
             let index = models.len();
             // One lane per distinct set of pool positions serving an
-            // operation.
-            let mut model_lanes: Vec<(Vec<usize>, usize)> = Vec::new();
+            // operation, apart for an operation whose normalized-run members
+            // serve it only on Nodes that run it (their candidacy there
+            // follows their Node, not the other lanes').
+            let mut model_lanes: Vec<((Vec<usize>, bool), usize)> = Vec::new();
             let mut lane_of = [None; Operation::ALL.len()];
             for (o, &op) in Operation::ALL.iter().enumerate() {
                 let members: Vec<usize> = m
@@ -823,12 +829,19 @@ impl Control {
                 if members.is_empty() {
                     continue;
                 }
+                let needs_embedding_runs = op.needs_embedding_runs()
+                    && members.iter().any(|&position| {
+                        provider_index
+                            .get(&m.providers[position])
+                            .is_some_and(|&p| providers[p].spec.kind == DispatchKind::Normalized)
+                    });
+                let members = (members, needs_embedding_runs);
                 if let Some((_, lane)) = model_lanes.iter().find(|(set, _)| *set == members) {
                     lane_of[o] = Some(*lane);
                     continue;
                 }
                 let lane = lanes.len();
-                for &position in &members {
+                for &position in &members.0 {
                     if let Some(&p) = provider_index.get(&m.providers[position]) {
                         providers[p].pools.push((lane, position));
                     }
@@ -839,7 +852,9 @@ impl Control {
                     free_long: BTreeSet::new(),
                     queued: BTreeSet::new(),
                     queued_long: BTreeSet::new(),
+                    needs_embedding_runs,
                     members: members
+                        .0
                         .iter()
                         .filter_map(|&position| provider_index.get(&m.providers[position]).copied())
                         .collect(),
@@ -932,7 +947,8 @@ impl Control {
                 conn,
                 version,
                 strips_usage_chunk,
-            } => self.on_node_version(conn, version, strips_usage_chunk),
+                runs_embeddings,
+            } => self.on_node_version(conn, version, strips_usage_chunk, runs_embeddings, out),
             submit @ Input::Submit { .. } => self.on_submit(now, submit, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),

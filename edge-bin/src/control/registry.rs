@@ -107,6 +107,7 @@ impl Control {
             registered_at: self.now,
             ready_at: None,
             strips_usage_chunk: false,
+            runs_embeddings: false,
             draining: false,
             drained: false,
         });
@@ -194,6 +195,8 @@ impl Control {
         conn: ConnId,
         version: String,
         strips_usage_chunk: bool,
+        runs_embeddings: bool,
+        out: &mut Vec<Action>,
     ) {
         let Some(&n) = self.bindings.get(&conn) else {
             return;
@@ -201,8 +204,17 @@ impl Control {
         let node = &mut self.nodes[n];
         if let Some(owner) = node.owner.as_mut().filter(|o| o.conn == conn) {
             owner.strips_usage_chunk = strips_usage_chunk;
+            let changed = owner.runs_embeddings != runs_embeddings;
+            owner.runs_embeddings = runs_embeddings;
             // Bounded: a diagnostic string, not a payload.
             node.version = version.chars().take(NODE_VERSION_CHARS_MAX).collect();
+            if changed {
+                // Its providers' candidacy in embeddings lanes follows (a
+                // Node says it right after registering, before it is ready:
+                // then there is no candidate to move yet).
+                self.refile_node(n);
+                self.pump(out);
+            }
         }
     }
 

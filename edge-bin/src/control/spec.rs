@@ -93,6 +93,15 @@ impl Operation {
         }
     }
 
+    /// Whether a normalized-run provider serves `self` only on a Node that
+    /// registered `runs_embeddings` (an older Node ignores
+    /// `RunRequest.operation` and would run a chat): such a provider is a
+    /// candidate of the operation's lane only while its Node's owner says
+    /// so.
+    pub fn needs_embedding_runs(self) -> bool {
+        self == Operation::Embeddings
+    }
+
     fn bit(self) -> u16 {
         1 << (self as u16)
     }
@@ -106,8 +115,11 @@ impl Operations {
     /// Every operation: an OpenAI-compatible server whose profile defines
     /// them all (vLLM's).
     pub const ALL: Operations = Operations((1 << Operation::ALL.len()) - 1);
-    /// Chat completions only: an Ollama-native adapter (normalized runs).
-    pub const CHAT: Operations = Operations(1);
+    /// What an Ollama-native adapter serves (normalized runs): chat
+    /// completions, and embeddings over `/api/embed` — the latter only on
+    /// Nodes that run them (`RegisterRequest.runs_embeddings`, see
+    /// [`Operation::needs_embedding_runs`]).
+    pub const RUNS: Operations = Operations(1 | 1 << Operation::Embeddings as u16);
 
     /// The set of `ops`.
     pub fn of(ops: &[Operation]) -> Self {
@@ -115,11 +127,11 @@ impl Operations {
     }
 
     /// What a provider driven as `kind` serves when its profile defines
-    /// every operation: a normalized run speaks chat only; a tunnel all.
+    /// every operation: a normalized run chat and embeddings; a tunnel all.
     /// A real tunnel's set is its profile's ([`Operations::of_profile`]).
     pub fn for_kind(kind: DispatchKind) -> Self {
         match kind {
-            DispatchKind::Normalized => Operations::CHAT,
+            DispatchKind::Normalized => Operations::RUNS,
             DispatchKind::Tunnel => Operations::ALL,
         }
     }
@@ -381,8 +393,13 @@ mod tests {
             ])
         );
         assert!(!of(ProfileName::OpenAi).contains(Score));
-        assert!(Operations::for_kind(DispatchKind::Normalized).contains(ChatCompletions));
-        assert!(!Operations::for_kind(DispatchKind::Normalized).contains(Embeddings));
+        // A normalized run serves chat and embeddings, and nothing else.
+        let runs = Operations::for_kind(DispatchKind::Normalized);
+        let served: Vec<Operation> = Operation::ALL
+            .into_iter()
+            .filter(|op| runs.contains(*op))
+            .collect();
+        assert_eq!(served, [ChatCompletions, Embeddings]);
         // Every operation is a profile operation (all but `models`).
         let mut names: Vec<&str> = Operation::ALL.iter().map(|op| op.name()).collect();
         names.sort_unstable();

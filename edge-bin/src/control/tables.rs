@@ -31,6 +31,8 @@ pub(super) struct Owner {
     pub(super) ready_at: Option<Instant>,
     /// It strips a usage chunk the Edge asked for (`Input::NodeVersion`).
     pub(super) strips_usage_chunk: bool,
+    /// It runs embeddings on its Ollama adapters (`Input::NodeVersion`).
+    pub(super) runs_embeddings: bool,
     /// It said it is draining (`Input::NodeDraining`): no new dispatch to
     /// it under this generation; what runs there finishes.
     pub(super) draining: bool,
@@ -308,6 +310,10 @@ pub(super) struct LaneState {
     /// Every provider of the lane (indexes into `Control::providers`), in
     /// pool order.
     pub(super) members: Vec<usize>,
+    /// Its operation is embeddings and some members are normalized-run
+    /// providers: those are candidates only while their Node's owner runs
+    /// embeddings ([`super::Operation::needs_embedding_runs`]).
+    pub(super) needs_embedding_runs: bool,
 }
 
 impl LaneState {

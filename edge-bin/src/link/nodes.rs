@@ -194,6 +194,7 @@ fn handle_frame(
                 conn: conn_id,
                 version: req.node_version,
                 strips_usage_chunk: req.strips_usage_chunk,
+                runs_embeddings: req.runs_embeddings,
             });
         }
         Body::NodeReadyRequest(req) => edge.apply(Input::Ready {

@@ -805,8 +805,11 @@ impl RawNode {
                 node_id: node_id.to_string(),
                 node_version: "test".to_string(),
                 flow_control,
-                // A node of before usage-chunk stripping.
+                // A node of before usage-chunk stripping and embeddings
+                // runs.
                 strips_usage_chunk: false,
+                runs_embeddings: false,
+                accepts_tunnel_body: false,
             })))
             .expect("send register");
         match self.next_frame().await {

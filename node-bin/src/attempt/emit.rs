@@ -276,6 +276,20 @@ impl RunEmitter {
         Some(e)
     }
 
+    /// The `complete` terminal of an embeddings run, carrying its vectors;
+    /// `None` after a terminal.
+    pub fn embedded(
+        &mut self,
+        embeddings: Bytes,
+        dimensions: u32,
+        usage: pb::Usage,
+    ) -> Option<pb::RunEvent> {
+        let mut e = self.complete("stop", Some(usage), HashMap::new())?;
+        e.embeddings = embeddings;
+        e.embedding_dimensions = dimensions;
+        Some(e)
+    }
+
     /// The `cancelled` terminal (K1); `None` after a terminal.
     pub fn cancelled(&mut self, message: &str) -> Option<pb::RunEvent> {
         if self.state == EmitState::Terminated {
@@ -459,6 +473,9 @@ impl Emitter for RunEmitter {
             RunOutput::Complete { usage, .. } => {
                 watchdog::run_event_activity(pb::RunEventType::Complete, 0, usage.is_some())
             }
+            RunOutput::Embedded { .. } => {
+                watchdog::run_event_activity(pb::RunEventType::Complete, 0, true)
+            }
             RunOutput::Failed { .. } => {
                 watchdog::run_event_activity(pb::RunEventType::Error, 0, false)
             }
@@ -506,6 +523,11 @@ impl Emitter for RunEmitter {
                 usage,
                 metadata,
             } => self.complete(&finish_reason, usage, metadata),
+            RunOutput::Embedded {
+                embeddings,
+                dimensions,
+                usage,
+            } => self.embedded(embeddings, dimensions, usage),
             RunOutput::Failed { code, message } => self.error(code, &message, None),
         };
         event.map(Outbound::run)

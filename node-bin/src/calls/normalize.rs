@@ -48,6 +48,9 @@ pub enum InputError {
     /// `tools_json` is not a JSON array.
     #[error("`tools_json` must be a JSON array")]
     ToolsNotArray,
+    /// An embeddings run with no text to embed.
+    #[error("an embeddings run needs at least one input")]
+    NoEmbedInput,
     /// An assistant `tool_calls_json` entry is not an OpenAI tool call.
     #[error("message {index}: tool call {call} has no function name")]
     BadToolCall {

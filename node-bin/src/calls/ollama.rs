@@ -25,6 +25,16 @@
 //! (E4). `finish_reason` is `tool_calls` when there are calls, `length`
 //! for `done_reason` `length`, else `stop`; the raw `done_reason` is kept in
 //! `metadata["done_reason"]`.
+//!
+//! An embeddings run (`RunRequest.operation = "embeddings"`) is one
+//! `POST /api/embed`, answered as one JSON document:
+//!
+//! ```text
+//! RunInput ──embed_body──► {"model","input":[…],"dimensions"?}
+//! 200 {"embeddings":[[…],…],"prompt_eval_count":P}
+//!        ─► start, complete {embeddings packed f32 LE, dimensions, usage P/0/P}
+//! non-2xx, malformed, ragged, or not one vector per input ─► error (provider_error)
+//! ```
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -37,7 +47,7 @@ use serde_json::{json, Map, Value};
 use super::channel::OutputTx;
 use super::normalize::{
     self, CallFailure, Framing, InputError, ItemParser, MAX_ERROR_BODY_BYTES, MAX_EVENT_BYTES,
-    META_DONE_REASON,
+    MAX_JSON_BODY_BYTES, META_DONE_REASON,
 };
 use super::output::RunOutput;
 use super::pool::ProviderPool;
@@ -121,6 +131,117 @@ pub fn chat_body(target: &str, input: &pb::RunInput) -> Result<Bytes, InputError
         body.insert("options".into(), Value::Object(options));
     }
     Ok(Bytes::from(Value::Object(body).to_string()))
+}
+
+/// The embed path under the adapter's base URL.
+pub const EMBED_PATH: &str = "/api/embed";
+
+/// Most bytes of packed vectors one embeddings run may carry back (they
+/// travel in one frame, below the frame cap).
+pub const MAX_EMBEDDING_BYTES: usize = 8 * 1024 * 1024;
+
+/// The `/api/embed` request body for `target`: the input texts, always as
+/// an array, and `dimensions` when asked for.
+pub fn embed_body(target: &str, input: &pb::RunInput) -> Result<Bytes, InputError> {
+    if input.embed_input.is_empty() {
+        return Err(InputError::NoEmbedInput);
+    }
+    let mut body = Map::new();
+    body.insert("model".into(), json!(target));
+    body.insert("input".into(), json!(input.embed_input));
+    if let Some(d) = input.dimensions {
+        body.insert("dimensions".into(), json!(d));
+    }
+    Ok(Bytes::from(Value::Object(body).to_string()))
+}
+
+/// The terminal of an `/api/embed` answer to `inputs` texts: the vectors
+/// packed ([`iop_wire::embedding`]) with usage `prompt_eval_count`, or the
+/// failure (the answer is no such document, its vectors differ in length,
+/// or it has not one vector per input).
+pub fn embed_answer(body: &[u8], inputs: usize) -> RunOutput {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        embeddings: Vec<Vec<f32>>,
+        #[serde(default)]
+        prompt_eval_count: u64,
+    }
+    let failed = |message: String| RunOutput::Failed {
+        code: codes::PROVIDER_ERROR,
+        message,
+    };
+    let answer: Answer = match serde_json::from_slice(body) {
+        Ok(a) => a,
+        Err(e) => return failed(format!("ollama: malformed embed answer: {e}")),
+    };
+    if answer.embeddings.len() != inputs {
+        return failed(format!(
+            "ollama: {} embeddings for {inputs} inputs",
+            answer.embeddings.len()
+        ));
+    }
+    let width = answer.embeddings.first().map_or(0, Vec::len);
+    if width == 0 || answer.embeddings.iter().any(|v| v.len() != width) {
+        return failed("ollama: embeddings of unequal or zero length".into());
+    }
+    if inputs.saturating_mul(width).saturating_mul(4) > MAX_EMBEDDING_BYTES {
+        return failed(format!(
+            "ollama: {inputs} embeddings of {width} values exceed {MAX_EMBEDDING_BYTES} bytes"
+        ));
+    }
+    let Ok(dimensions) = u32::try_from(width) else {
+        return failed("ollama: embeddings too long".into());
+    };
+    RunOutput::Embedded {
+        embeddings: iop_wire::embedding::pack(answer.embeddings.iter().map(Vec::as_slice)),
+        dimensions,
+        usage: normalize::usage(answer.prompt_eval_count, 0, 0),
+    }
+}
+
+/// Runs one embeddings request against the adapter's Ollama server on a
+/// connection of `pool`: `start` at its 2xx head, then the terminal of its
+/// whole answer. `Err` is the failure terminal. The connection goes back to
+/// the pool once the answer was read to its end.
+pub async fn embed(
+    pool: &Rc<ProviderPool>,
+    adapter: &Endpoint,
+    target: &str,
+    input: &pb::RunInput,
+    out: &OutputTx<RunOutput>,
+) -> Result<(), CallFailure> {
+    let body = embed_body(target, input)
+        .map_err(|e| (codes::INVALID_INPUT, format!("ollama request: {e}")))?;
+    let path = adapter.base_url.join(EMBED_PATH);
+    let mut exchange =
+        normalize::post_json(pool, adapter, &path, "application/json", &[], body).await?;
+    let status = exchange.head.status;
+    if !(200..300).contains(&status) {
+        let body = exchange
+            .body(MAX_ERROR_BODY_BYTES)
+            .await
+            .unwrap_or_default();
+        // provider pool: the error body was read to its end.
+        exchange.client.release();
+        return Err((
+            codes::PROVIDER_ERROR,
+            normalize::status_message("ollama", status, &body),
+        ));
+    }
+    if !out
+        .send(RunOutput::Start {
+            metadata: HashMap::new(),
+        })
+        .await
+    {
+        return Ok(());
+    }
+    let answer = exchange.body(MAX_JSON_BODY_BYTES).await?;
+    // provider pool: the answer was read to its end.
+    exchange.client.release();
+    out.send(embed_answer(&answer, input.embed_input.len()))
+        .await;
+    Ok(())
 }
 
 /// The NDJSON answer's parser: one line in, the outputs it means out.
@@ -513,6 +634,91 @@ mod tests {
                 message: "ollama: the stream ended before its done line".into()
             }]
         );
+    }
+
+    // The embeddings run's request: the texts always as an array, the
+    // target as `model`, `dimensions` only when asked for.
+    #[test]
+    fn embed_request_mapping_is_exact() {
+        let input = pb::RunInput {
+            embed_input: vec!["one".into(), "two words".into()],
+            dimensions: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            &embed_body("nomic-embed-text", &input).unwrap()[..],
+            br#"{"model":"nomic-embed-text","input":["one","two words"],"dimensions":3}"#
+        );
+        let one = pb::RunInput {
+            embed_input: vec!["x".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            &embed_body("m", &one).unwrap()[..],
+            br#"{"model":"m","input":["x"]}"#
+        );
+        assert_eq!(
+            embed_body("m", &pb::RunInput::default()),
+            Err(InputError::NoEmbedInput)
+        );
+    }
+
+    // The answer: the vectors packed as little-endian f32s, exactly the
+    // values Ollama wrote, usage prompt_eval_count.
+    #[test]
+    fn embed_answer_packs_the_vectors() {
+        let out = embed_answer(
+            br#"{"model":"m","embeddings":[[1.0,-0.5],[0.25,-0.9406856]],"prompt_eval_count":5}"#,
+            2,
+        );
+        let RunOutput::Embedded {
+            embeddings,
+            dimensions,
+            usage,
+        } = out
+        else {
+            panic!("expected embedded, got {out:?}");
+        };
+        assert_eq!(dimensions, 2);
+        assert_eq!(
+            iop_wire::embedding::unpack(&embeddings, 2),
+            Ok(vec![vec![1.0, -0.5], vec![0.25, -0.9406856]])
+        );
+        assert_eq!(&embeddings[..8], &[0, 0, 0x80, 0x3f, 0, 0, 0, 0xbf]);
+        assert_eq!(
+            usage,
+            pb::Usage {
+                prompt_tokens: 5,
+                completion_tokens: 0,
+                total_tokens: 5
+            }
+        );
+    }
+
+    #[test]
+    fn a_bad_embed_answer_is_a_provider_error() {
+        let failed = |body: &[u8], inputs| match embed_answer(body, inputs) {
+            RunOutput::Failed { code, message } => (code, message),
+            other => panic!("expected failed, got {other:?}"),
+        };
+        assert_eq!(
+            failed(br#"{"embeddings":[[1.0]]}"#, 2),
+            (
+                codes::PROVIDER_ERROR,
+                "ollama: 1 embeddings for 2 inputs".into()
+            )
+        );
+        assert_eq!(
+            failed(br#"{"embeddings":[[1.0],[1.0,2.0]]}"#, 2).1,
+            "ollama: embeddings of unequal or zero length"
+        );
+        assert_eq!(
+            failed(br#"{"embeddings":[[]]}"#, 1).1,
+            "ollama: embeddings of unequal or zero length"
+        );
+        assert!(failed(br#"{"error":"model not found"}"#, 1)
+            .1
+            .starts_with("ollama: malformed embed answer"));
     }
 
     #[test]

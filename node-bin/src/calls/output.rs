@@ -66,6 +66,16 @@ pub enum RunOutput {
         /// Event metadata (E4, E5).
         metadata: HashMap<String, String>,
     },
+    /// Success of an embeddings run: every vector at once (the terminal).
+    Embedded {
+        /// The vectors, packed as `RunEvent.embeddings`
+        /// ([`iop_wire::embedding`]).
+        embeddings: Bytes,
+        /// The length of each.
+        dimensions: u32,
+        /// Prompt tokens (`total` the same).
+        usage: pb::Usage,
+    },
     /// The provider call failed (W6).
     Failed {
         /// Failure code.

@@ -1,6 +1,7 @@
 //! The provider call of a normalized run: by the adapter's protocol, an
 //! Ollama NDJSON exchange ([`super::ollama`]) or an OpenAI-compatible SSE
-//! exchange with the E5 retry ([`super::openai`]).
+//! exchange with the E5 retry ([`super::openai`]); for an embeddings run
+//! ([`RunOperation::Embeddings`]) Ollama's `/api/embed`.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -32,6 +33,30 @@ pub struct RunCall {
     pub target: String,
     /// The normalized input (E3).
     pub input: pb::RunInput,
+    /// What the run does.
+    pub operation: RunOperation,
+}
+
+/// What a normalized run does (`RunRequest.operation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunOperation {
+    /// A chat over `RunInput.messages` (`""` or `"chat_completions"`).
+    Chat,
+    /// The vectors of `RunInput.embed_input` (`"embeddings"`; Ollama
+    /// adapters only).
+    Embeddings,
+}
+
+impl RunOperation {
+    /// The operation `RunRequest.operation` names on an adapter of `kind`;
+    /// `None` when this Node does not run it there.
+    pub fn of(operation: &str, kind: AdapterKind) -> Option<Self> {
+        match (operation, kind) {
+            ("" | "chat_completions", _) => Some(RunOperation::Chat),
+            ("embeddings", AdapterKind::Ollama) => Some(RunOperation::Embeddings),
+            _ => None,
+        }
+    }
 }
 
 impl ProviderCall for RunCall {
@@ -42,10 +67,20 @@ impl ProviderCall for RunCall {
             endpoint,
             target,
             input,
+            operation,
         } = self;
-        let result = match endpoint.kind {
-            AdapterKind::Ollama => ollama::call(&pool, &endpoint, &target, &input, &out).await,
-            AdapterKind::OpenAiCompat => {
+        let result = match (endpoint.kind, operation) {
+            (AdapterKind::Ollama, RunOperation::Embeddings) => {
+                ollama::embed(&pool, &endpoint, &target, &input, &out).await
+            }
+            (_, RunOperation::Embeddings) => Err((
+                codes::BAD_OPERATION,
+                "embeddings runs are served by Ollama adapters only".to_string(),
+            )),
+            (AdapterKind::Ollama, RunOperation::Chat) => {
+                ollama::call(&pool, &endpoint, &target, &input, &out).await
+            }
+            (AdapterKind::OpenAiCompat, RunOperation::Chat) => {
                 // C2 hook: a credential lease opened after admission would
                 // add the profile's auth header here
                 // (`openai::auth_header`).

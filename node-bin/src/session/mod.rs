@@ -310,6 +310,7 @@ pub async fn run(
         flow_control: iop_wire::flow::FLOW_CONTROL_V1,
         strips_usage_chunk: true,
         accepts_tunnel_body: true,
+        runs_embeddings: true,
     }));
     if let Err(e) = conn.send_control(register) {
         return SessionEnd::NotReady(format!("send register: {e}"));

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Every rejection before the provider call (bad stall timeout, unknown
-//! adapter, full gate) is one `error` terminal and opens no provider
+//! adapter, an operation the adapter does not run, full gate) is one `error` terminal and opens no provider
 //! connection (W1, W6).
 
 use std::future::Future;
@@ -25,7 +25,7 @@ use crate::attempt::flow::{FlowGate, WindowTooSmall};
 use crate::attempt::watchdog::{RuntimeSettings, WatchdogConfig};
 use crate::attempt::{self, Attempt, AttemptEnv, Ended};
 use crate::calls::normalize::CallFailure;
-use crate::calls::run::RunCall;
+use crate::calls::run::{RunCall, RunOperation};
 use crate::codes;
 
 /// Serves one run to its release: the terminal is sent and the provider
@@ -65,6 +65,7 @@ fn start(
         config,
         permit,
         flow,
+        operation,
     } = match admit(&req, adapters, settings, flow) {
         Ok(a) => a,
         Err((code, message)) => {
@@ -80,6 +81,7 @@ fn start(
         endpoint: adapter.endpoint.clone(),
         target,
         input: input.unwrap_or_default(),
+        operation,
     };
     let provider = env.calls.spawn(Some(permit), call);
     Ok(Attempt {
@@ -97,6 +99,7 @@ struct Admitted {
     config: WatchdogConfig,
     permit: Permit,
     flow: Rc<FlowGate>,
+    operation: RunOperation,
 }
 
 /// Every check before the provider call (W1 first, then the adapter, then
@@ -117,6 +120,19 @@ fn admit(
             format!("no adapter instance named `{}` on this node", req.adapter),
         )
     })?;
+    // An operation this Node does not run on this adapter is refused, never
+    // run as a chat.
+    let operation = RunOperation::of(&req.operation, adapter.endpoint.kind).ok_or_else(|| {
+        (
+            codes::BAD_OPERATION,
+            format!(
+                "adapter `{}` does not run operation `{}`",
+                req.adapter,
+                // Bounded: the name is the peer's text.
+                req.operation.chars().take(64).collect::<String>()
+            ),
+        )
+    })?;
     // P4: the same gate as the adapter's tunnels, held until the call ends.
     let permit = adapter.gate.try_acquire().ok_or_else(|| {
         (
@@ -129,6 +145,7 @@ fn admit(
         config,
         permit,
         flow,
+        operation,
     })
 }
 
@@ -215,6 +232,38 @@ mod tests {
             code(admit(&req("ol", 0), &adapters, settings, unlimited())),
             "admitted"
         );
+    }
+
+    // An operation this node does not run is refused before the gate,
+    // never run as a chat; embeddings run on an Ollama adapter.
+    #[test]
+    fn an_unknown_operation_is_refused_not_run_as_chat() {
+        let adapters = adapters(1);
+        let settings = RuntimeSettings::default();
+        let with = |operation: &str| pb::RunRequest {
+            operation: operation.into(),
+            ..req("ol", 0)
+        };
+        let Err((c, message)) = admit(&with("rerank"), &adapters, settings, unlimited()) else {
+            panic!("admitted")
+        };
+        assert_eq!(
+            (c, message.as_str()),
+            (
+                codes::BAD_OPERATION,
+                "adapter `ol` does not run operation `rerank`"
+            )
+        );
+        assert_eq!(adapters.get("ol").unwrap().gate.in_flight(), 0);
+        for (operation, expected) in [
+            ("", RunOperation::Chat),
+            ("chat_completions", RunOperation::Chat),
+            ("embeddings", RunOperation::Embeddings),
+        ] {
+            let admitted = admit(&with(operation), &adapters, settings, unlimited())
+                .unwrap_or_else(|(c, m)| panic!("{operation}: {c} {m}"));
+            assert_eq!(admitted.operation, expected);
+        }
     }
 
     // A window too small to work is refused after W1, before the adapter

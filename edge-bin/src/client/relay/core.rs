@@ -63,6 +63,7 @@ use std::collections::VecDeque;
 use bytes::Bytes;
 use iop_wire::pb;
 
+use crate::api::embeddings::{Embedded, EmbeddingsAnswer};
 use crate::api::error::GatewayError;
 use crate::api::translate::{ChunkStream, Completion, CompletionBuilder, ResponseId};
 use crate::control::attempt::AttemptTracker;
@@ -173,6 +174,8 @@ enum Form {
     },
     /// A normalized run, answered as one `chat.completion`.
     Buffered { builder: CompletionBuilder },
+    /// An embeddings run, answered as one OpenAI embeddings list.
+    Embeddings { answer: EmbeddingsAnswer },
 }
 
 #[derive(Debug)]
@@ -241,6 +244,16 @@ impl Relay {
             Form::Buffered {
                 builder: CompletionBuilder::new(id),
             },
+            AttemptTracker::buffered(),
+            false,
+        )
+    }
+
+    /// The relay of an embeddings run (answered at its end, as a buffered
+    /// run).
+    pub(crate) fn embeddings(answer: EmbeddingsAnswer) -> Self {
+        Self::new(
+            Form::Embeddings { answer },
             AttemptTracker::buffered(),
             false,
         )
@@ -438,6 +451,20 @@ impl Relay {
                 match done {
                     Some(Completion::Done(v)) => self.end(Step::Answer(Bytes::from(v.to_string()))),
                     Some(Completion::Failed { code, message }) => {
+                        let retryable = self.tracker.end_of_run(&ev).is_retryable();
+                        self.fail_or_await(GatewayError::provider_failure(
+                            &code, &message, retryable,
+                        ));
+                    }
+                    None => {}
+                }
+            }
+            Form::Embeddings { answer } => {
+                let done = answer.on_event(&ev);
+                self.out.credit = charge;
+                match done {
+                    Some(Embedded::Done(body)) => self.end(Step::Answer(body)),
+                    Some(Embedded::Failed { code, message }) => {
                         let retryable = self.tracker.end_of_run(&ev).is_retryable();
                         self.fail_or_await(GatewayError::provider_failure(
                             &code, &message, retryable,

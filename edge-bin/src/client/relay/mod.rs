@@ -1,6 +1,6 @@
 //! The relays: a dispatched attempt's frames to the client — the tunnel's
-//! bytes unchanged (U1, U2), a normalized run as OpenAI chunks or one
-//! completion — with the commit point, the held head and the retry.
+//! bytes unchanged (U1, U2), a normalized run as OpenAI chunks, one
+//! completion or one embeddings list — with the commit point, the held head and the retry.
 //!
 //! The decisions are the sans-IO [`core::Relay`]'s (its docs: what it
 //! decides, the step protocol); the shells here feed it the reply's events
@@ -26,6 +26,7 @@ use iop_wire::pb;
 
 use self::core::{FailAs, Head, Relay, Step};
 use super::conn::*;
+use crate::api::embeddings::EmbeddingsAnswer;
 use crate::api::error::{GatewayError, Surface};
 use crate::api::openai;
 use crate::api::translate::ResponseId;
@@ -97,6 +98,22 @@ where
         &mut || {},
     )
     .await
+}
+
+/// Relays an embeddings run as one OpenAI embeddings list, written at its
+/// `complete` (nothing before: an attempt that fails may be retried
+/// elsewhere, [`Relayed::Retry`]).
+pub(super) async fn relay_embeddings<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    frames: &mut ReplyRx,
+    answer: EmbeddingsAnswer,
+) -> Result<Relayed, HttpError>
+where
+    S: ClientStream,
+{
+    let core = Relay::embeddings(answer);
+    drive(edge, server, Surface::OpenAi, frames, core, &mut || {}).await
 }
 
 /// Relays a normalized run as OpenAI chat completion chunks (E1, E4). The
