@@ -259,6 +259,43 @@ async fn an_operation_no_provider_serves_is_a_400_naming_it() {
                 None
             )
         );
+        // `/tokenize` and `/detokenize` need a model as every route does
+        // (vLLM defaults it; the Edge routes by it): without one, the
+        // OpenAI error naming the parameter; an empty one, the same 400.
+        for (path, body) in [
+            ("/tokenize", &br#"{"prompt":"a b"}"#[..]),
+            ("/detokenize", br#"{"tokens":[1,2]}"#),
+        ] {
+            let response = http_request(edge.client_addr, "POST", path, body).await;
+            assert_eq!(response.status, 400, "{path}: {response:?}");
+            assert_eq!(
+                response.json(),
+                api_error(
+                    "You must provide a `model` parameter.",
+                    "invalid_request_error",
+                    Some("model"),
+                    None
+                ),
+                "{path}"
+            );
+        }
+        let response = http_request(
+            edge.client_addr,
+            "POST",
+            "/tokenize",
+            br#"{"model":"","prompt":"a"}"#,
+        )
+        .await;
+        assert_eq!(response.status, 400, "{response:?}");
+        assert_eq!(
+            response.json(),
+            api_error(
+                "`model` must be a non-empty string.",
+                "invalid_request_error",
+                Some("model"),
+                None
+            )
+        );
         // A GET on a tunneled operation is the wrong method.
         let response = http_request(edge.client_addr, "GET", "/v1/embeddings", b"").await;
         assert_eq!(response.status, 405, "{response:?}");
