@@ -324,7 +324,8 @@ async fn a_model_is_retrieved_from_the_edges_own_list() {
         };
         let options = EdgeOptions {
             extra_toml: key("full", KEY, "")
-                + &key("limited", LIMITED_KEY, &format!("models = [\"{MODEL}\"]")),
+                + &key("limited", LIMITED_KEY, &format!("models = [\"{MODEL}\"]"))
+                + "[[models]]\nname = \"org/chat model\"\nproviders = [\"node-a/a-mock\"]\n",
             ..EdgeOptions::without_provider()
         };
         let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
@@ -358,6 +359,26 @@ async fn a_model_is_retrieved_from_the_edges_own_list() {
         let response = get_model(&edge, MODEL_B, LIMITED_KEY).await;
         assert_eq!(response.status, 404, "{response:?}");
         assert_eq!(response.json(), not_found(MODEL_B));
+
+        // The SDKs percent-encode the id: it is decoded (either case of
+        // hex digit), and the raw slash form names the same model.
+        for path_id in [
+            "org%2Fchat%20model",
+            "org%2fchat%20model",
+            "org/chat%20model",
+        ] {
+            let response = get_model(&edge, path_id, KEY).await;
+            assert_eq!(response.status, 200, "{path_id}: {response:?}");
+            assert_eq!(response.json()["id"], Value::from("org/chat model"));
+        }
+        // Decoded, a model the key may not use is still unknown; an id that
+        // does not decode names no model (and the 404 quotes it as sent).
+        let response = get_model(&edge, "org%2Fchat%20model", LIMITED_KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found("org/chat model"));
+        let response = get_model(&edge, "org%2Gchat", KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found("org%2Gchat"));
         edge.stop().await;
     })
     .await;
