@@ -9,9 +9,14 @@
 //!   provider asked for it (`stream_options.include_usage` spliced in, the
 //!   node told to strip the usage chunk) when the node can strip it; not
 //!   when the client asked, nor from a node that cannot.
-//! - `GET /v1/models/{id}` is answered by the Edge from its model list:
-//!   the model object, or a 404 `model_not_found` for a model it does not
-//!   serve or the key may not use.
+//! - `GET /v1/models/{id}` is answered by the Edge from its model list,
+//!   the id percent-decoded as the SDKs encode it: the model object, or a
+//!   404 `model_not_found` for a model it does not serve or the key may
+//!   not use.
+//! - A `prefix` model's tree learns the prompts of generating operations,
+//!   nothing of an embeddings request.
+//! - `/tokenize` and `/detokenize` without a `model` answer 400 naming the
+//!   parameter.
 //! - A model whose providers cannot serve an operation answers 400 naming
 //!   it: an Ollama-only model for embeddings (a normalized run speaks chat
 //!   only), an `openai`-profile model for `/v1/score` (its profile has no
@@ -476,6 +481,68 @@ async fn a_streamed_completion_asks_for_usage_as_chat_does() {
             &tunnel.body[..],
             br#"{"model":"mock-target-7b","prompt":"hi","stream":true}"#
         );
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// The bytes `model`'s prefix tree holds.
+fn tree_bytes(edge: &TestEdge, model: &str) -> usize {
+    edge.edge
+        .control()
+        .model_views()
+        .into_iter()
+        .find(|m| m.model == model)
+        .map(|m| m.tree_bytes)
+        .expect("the model's view")
+}
+
+// A `prefix` model files the prompts of the operations that generate
+// (here a text completion) in its tree, and nothing of an embeddings
+// request: its input is text to embed, not a prompt a KV cache reuses
+// (`api::route_hint::reads_prompt`).
+#[monoio::test_all(timer_enabled = true)]
+async fn only_prompts_feed_a_prefix_models_tree() {
+    let pki = Pki::mint("json-ops-prefix");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: "[[models]]\nname = \"prefix-model\"\nproviders = [\"node-a/a-mock\"]\n\
+                         routing = \"prefix\"\n"
+                .into(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let mut node = ready_node(&edge, &pki, "node-a").await;
+        let empty = tree_bytes(&edge, "prefix-model");
+
+        const EMBED: &[u8] = br#"{"model":"prefix-model","input":"a long shared document text"}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/embeddings",
+            EMBED,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert_eq!(tunnel.operation, "embeddings");
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(tree_bytes(&edge, "prefix-model"), empty);
+
+        const COMPLETE: &[u8] =
+            br#"{"model":"prefix-model","prompt":"a long shared document text"}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            COMPLETE,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert_eq!(tunnel.operation, "completions");
+        assert_eq!(response.status, 200, "{response:?}");
+        assert!(tree_bytes(&edge, "prefix-model") > empty);
         edge.stop().await;
     })
     .await;
