@@ -7,7 +7,8 @@
 //!
 //! - with A's only slot busy (a slow stream through A), a second request
 //!   to A is forwarded to B, where a slot is free, and answered with the
-//!   bytes B gives its own client for the same request;
+//!   bytes B gives its own client for the same request; so is an
+//!   embeddings request (the summaries carry every operation);
 //! - with both slots busy, a third request to A waits in A's queue (it is
 //!   not forwarded) and is served by A's node when A's stream ends;
 //! - B's peer listener answers `GET /cluster/summary` to an Edge only, with
@@ -181,12 +182,32 @@ fn a_full_edge_forwards_to_a_free_peer_and_queues_when_every_slot_is_busy() {
         0
     );
 
+    // The summaries carry every operation: an embeddings request to A,
+    // which has no free slot for it, is placed at B's free one (not queued
+    // at A behind the slow stream), and gets B's bytes.
+    wait_for_a_to_see(&cluster, 0, 1);
+    const EMBED: &str = r#"{"model":"model-x","input":["a b","c"]}"#;
+    let embedded = request(a.client, "POST", "/v1/embeddings", &[AUTH], EMBED).expect("embeddings");
+    assert_eq!(embedded.status, 200, "{}", embedded.text());
+    let id = embedded.header("x-request-id").expect("a request id");
+    let line = cluster.log_line(a, |l| l.contains(&format!("request_id={id} ")));
+    assert!(line.contains("forwarded_to=edge-2"), "{line}");
+    let line = cluster.log_line(b, |l| l.contains(&format!("request_id={id} ")));
+    assert!(
+        line.contains("peer=edge-1") && line.contains("node=node-b"),
+        "{line}"
+    );
+    let at_b = request(b.client, "POST", "/v1/embeddings", &[AUTH], EMBED).expect("at B");
+    assert_eq!(at_b.status, 200, "{}", at_b.text());
+    assert_eq!(embedded.body, at_b.body);
+    assert_eq!(cluster.mock_stats()["embeddings_requests"], 2);
+
     // B's slot too: a slow stream sent to A, forwarded to B.
     wait_for_a_to_see(&cluster, 0, 1);
     let second_stream = open_stream(a);
     assert_eq!(cluster.in_flight(b, "node-b"), 1);
     assert_eq!(cluster.mock_stats()["active_streams"], 2);
-    assert_eq!(cluster.metric(b, "iop_edge_cluster_peer_requests_total"), 2);
+    assert_eq!(cluster.metric(b, "iop_edge_cluster_peer_requests_total"), 3);
     wait_for_a_to_see(&cluster, 0, 0);
 
     // Nothing free anywhere: a third request to A waits in A's queue.
@@ -218,7 +239,7 @@ fn a_full_edge_forwards_to_a_free_peer_and_queues_when_every_slot_is_busy() {
             a,
             "iop_edge_cluster_forward_reasons_total{reason=\"local_full\"}"
         ),
-        2
+        3
     );
     assert_eq!(
         cluster.metric(
@@ -239,7 +260,7 @@ fn a_full_edge_forwards_to_a_free_peer_and_queues_when_every_slot_is_busy() {
         line.contains("node=node-a") && !line.contains("forwarded_to="),
         "{line}"
     );
-    assert_eq!(cluster.metric(b, "iop_edge_cluster_peer_requests_total"), 2);
+    assert_eq!(cluster.metric(b, "iop_edge_cluster_peer_requests_total"), 3);
     assert_eq!(cluster.in_flight(b, "node-b"), 1);
     drop(second_stream);
 }
@@ -279,7 +300,13 @@ fn the_summary_route_answers_peers_only() {
     };
     assert_eq!(
         summary,
-        json!({"edge": "edge-2", "models": {"model-x": {"free_slots": [1, 1, 1, 1], "queued": 0}}})
+        json!({"edge": "edge-2", "models": {"model-x": {
+            "free_slots": [1, 1, 1, 1],
+            // completions and embeddings; the `openai` profile serves no
+            // rerank, score, tokenize or detokenize.
+            "more_free_slots": [1, 1, 0, 0, 0, 0],
+            "queued": 0
+        }}})
     );
     let on_client_listener =
         request(b.client, "GET", "/cluster/summary", &[OPS], "").expect("client listener");

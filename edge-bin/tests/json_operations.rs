@@ -9,9 +9,14 @@
 //!   provider asked for it (`stream_options.include_usage` spliced in, the
 //!   node told to strip the usage chunk) when the node can strip it; not
 //!   when the client asked, nor from a node that cannot.
-//! - `GET /v1/models/{id}` is answered by the Edge from its model list:
-//!   the model object, or a 404 `model_not_found` for a model it does not
-//!   serve or the key may not use.
+//! - `GET /v1/models/{id}` is answered by the Edge from its model list,
+//!   the id percent-decoded as the SDKs encode it: the model object, or a
+//!   404 `model_not_found` for a model it does not serve or the key may
+//!   not use.
+//! - A `prefix` model's tree learns the prompts of generating operations,
+//!   nothing of an embeddings request.
+//! - `/tokenize` and `/detokenize` without a `model` answer 400 naming the
+//!   parameter.
 //! - A model whose providers cannot serve an operation answers 400 naming
 //!   it: an Ollama-only model for `/v1/completions` (a normalized run
 //!   speaks chat and embeddings only), an `openai`-profile model for
@@ -206,6 +211,43 @@ async fn an_operation_no_provider_serves_is_a_400_naming_it() {
                 None
             )
         );
+        // `/tokenize` and `/detokenize` need a model as every route does
+        // (vLLM defaults it; the Edge routes by it): without one, the
+        // OpenAI error naming the parameter; an empty one, the same 400.
+        for (path, body) in [
+            ("/tokenize", &br#"{"prompt":"a b"}"#[..]),
+            ("/detokenize", br#"{"tokens":[1,2]}"#),
+        ] {
+            let response = http_request(edge.client_addr, "POST", path, body).await;
+            assert_eq!(response.status, 400, "{path}: {response:?}");
+            assert_eq!(
+                response.json(),
+                api_error(
+                    "You must provide a `model` parameter.",
+                    "invalid_request_error",
+                    Some("model"),
+                    None
+                ),
+                "{path}"
+            );
+        }
+        let response = http_request(
+            edge.client_addr,
+            "POST",
+            "/tokenize",
+            br#"{"model":"","prompt":"a"}"#,
+        )
+        .await;
+        assert_eq!(response.status, 400, "{response:?}");
+        assert_eq!(
+            response.json(),
+            api_error(
+                "`model` must be a non-empty string.",
+                "invalid_request_error",
+                Some("model"),
+                None
+            )
+        );
         // A GET on a tunneled operation is the wrong method.
         let response = http_request(edge.client_addr, "GET", "/v1/embeddings", b"").await;
         assert_eq!(response.status, 405, "{response:?}");
@@ -234,7 +276,8 @@ async fn a_model_is_retrieved_from_the_edges_own_list() {
         };
         let options = EdgeOptions {
             extra_toml: key("full", KEY, "")
-                + &key("limited", LIMITED_KEY, &format!("models = [\"{MODEL}\"]")),
+                + &key("limited", LIMITED_KEY, &format!("models = [\"{MODEL}\"]"))
+                + "[[models]]\nname = \"org/chat model\"\nproviders = [\"node-a/a-mock\"]\n",
             ..EdgeOptions::without_provider()
         };
         let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
@@ -268,6 +311,26 @@ async fn a_model_is_retrieved_from_the_edges_own_list() {
         let response = get_model(&edge, MODEL_B, LIMITED_KEY).await;
         assert_eq!(response.status, 404, "{response:?}");
         assert_eq!(response.json(), not_found(MODEL_B));
+
+        // The SDKs percent-encode the id: it is decoded (either case of
+        // hex digit), and the raw slash form names the same model.
+        for path_id in [
+            "org%2Fchat%20model",
+            "org%2fchat%20model",
+            "org/chat%20model",
+        ] {
+            let response = get_model(&edge, path_id, KEY).await;
+            assert_eq!(response.status, 200, "{path_id}: {response:?}");
+            assert_eq!(response.json()["id"], Value::from("org/chat model"));
+        }
+        // Decoded, a model the key may not use is still unknown; an id that
+        // does not decode names no model (and the 404 quotes it as sent).
+        let response = get_model(&edge, "org%2Fchat%20model", LIMITED_KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found("org/chat model"));
+        let response = get_model(&edge, "org%2Gchat", KEY).await;
+        assert_eq!(response.status, 404, "{response:?}");
+        assert_eq!(response.json(), not_found("org%2Gchat"));
         edge.stop().await;
     })
     .await;
@@ -549,6 +612,68 @@ async fn an_older_nodes_ollama_provider_gets_no_embeddings() {
         let response = client.await;
         assert_eq!(response.status, 200, "{response:?}");
         assert_eq!(response.json()["object"], Value::from("chat.completion"));
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// The bytes `model`'s prefix tree holds.
+fn tree_bytes(edge: &TestEdge, model: &str) -> usize {
+    edge.edge
+        .control()
+        .model_views()
+        .into_iter()
+        .find(|m| m.model == model)
+        .map(|m| m.tree_bytes)
+        .expect("the model's view")
+}
+
+// A `prefix` model files the prompts of the operations that generate
+// (here a text completion) in its tree, and nothing of an embeddings
+// request: its input is text to embed, not a prompt a KV cache reuses
+// (`api::route_hint::reads_prompt`).
+#[monoio::test_all(timer_enabled = true)]
+async fn only_prompts_feed_a_prefix_models_tree() {
+    let pki = Pki::mint("json-ops-prefix");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: "[[models]]\nname = \"prefix-model\"\nproviders = [\"node-a/a-mock\"]\n\
+                         routing = \"prefix\"\n"
+                .into(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let mut node = ready_node(&edge, &pki, "node-a").await;
+        let empty = tree_bytes(&edge, "prefix-model");
+
+        const EMBED: &[u8] = br#"{"model":"prefix-model","input":"a long shared document text"}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/embeddings",
+            EMBED,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert_eq!(tunnel.operation, "embeddings");
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(tree_bytes(&edge, "prefix-model"), empty);
+
+        const COMPLETE: &[u8] =
+            br#"{"model":"prefix-model","prompt":"a long shared document text"}"#;
+        let (tunnel, response) = tunneled(
+            &edge,
+            &mut node,
+            "/v1/completions",
+            COMPLETE,
+            b"application/json",
+            &[b"{}"],
+        )
+        .await;
+        assert_eq!(tunnel.operation, "completions");
+        assert_eq!(response.status, 200, "{response:?}");
+        assert!(tree_bytes(&edge, "prefix-model") > empty);
         edge.stop().await;
     })
     .await;

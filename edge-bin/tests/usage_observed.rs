@@ -10,7 +10,8 @@
 //! every byte the provider sent; a request that does not stream goes to
 //! the provider as the client wrote it. A node of before stripping is
 //! asked nothing. The normalized (Ollama) path reports usage from its
-//! run's `complete` event already.
+//! run's `complete` event already. Embeddings and text completions are
+//! charged and recorded the same way.
 
 mod common;
 
@@ -29,6 +30,8 @@ use serde_json::{json, Value};
 
 const KEY_LIMITED: &str = "sk-usage-limited-4f0c2a9e7d1b";
 const KEY_FREE: &str = "sk-usage-free-9a3e6b1c0d57";
+/// A second key with the token budget, for embeddings.
+const KEY_EMBED: &str = "sk-usage-embed-71d0e4b2c8a3";
 /// Tokens the mock streams per completion.
 const TOKENS: u32 = 1500;
 /// The limited key's budget: far below one completion, far above the
@@ -157,6 +160,10 @@ fn config(pki: &Pki, provider: SocketAddr, ollama: SocketAddr, usage_path: &str)
             &format!("tokens_per_minute = {TOKENS_PER_MINUTE}")
         ),
         key("team-free", KEY_FREE, ""),
+    ) + &key(
+        "team-embed",
+        KEY_EMBED,
+        &format!("tokens_per_minute = {TOKENS_PER_MINUTE}"),
     );
     edge_toml(
         pki,
@@ -203,8 +210,13 @@ async fn start_node(
 }
 
 fn chat_request(key: &str, body: &str) -> Vec<u8> {
+    post_request("/v1/chat/completions", key, body)
+}
+
+/// A `POST path` with `key` and the JSON `body`.
+fn post_request(path: &str, key: &str, body: &str) -> Vec<u8> {
     let mut request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+        "POST {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
          authorization: Bearer {key}\r\ncontent-type: application/json\r\n\
          content-length: {}\r\n\r\n",
         body.len()
@@ -241,9 +253,28 @@ fn usage_records(path: &std::path::Path) -> Vec<Value> {
 }
 
 fn record(id: &str, principal: &str, model: &str, provider: &str, tokens: (u64, u64)) -> Value {
+    record_of(
+        "/v1/chat/completions",
+        id,
+        principal,
+        model,
+        provider,
+        tokens,
+    )
+}
+
+/// The usage record of a completed request to `path`.
+fn record_of(
+    path: &str,
+    id: &str,
+    principal: &str,
+    model: &str,
+    provider: &str,
+    tokens: (u64, u64),
+) -> Value {
     let node = provider.split('/').next().unwrap_or_default();
     json!({
-        "request_id": id, "principal": principal, "path": "/v1/chat/completions",
+        "request_id": id, "principal": principal, "path": path,
         "model": model, "provider": provider, "node": node, "status": 200,
         "outcome": "completed", "attempts": 1, "usage": "reported",
         "prompt_tokens": tokens.0, "completion_tokens": tokens.1,
@@ -434,6 +465,145 @@ async fn a_client_that_asked_for_usage_and_one_that_does_not_stream_get_the_prov
                 record("plain", "team-free", MODEL, "node-a/a-mock", (3, 5)),
                 record("ollama", "team-free", OLLAMA_MODEL, "node-c/c-ollama", (3, 5)),
             ]
+        );
+        recorder.stop().await;
+        mock.stop().await;
+    })
+    .await;
+}
+
+// Text completions and embeddings are charged to their key's token budget
+// and recorded with the provider's counts, as chat is: an embeddings
+// request its prompt tokens (its usage has no completion), a text
+// completion, streamed or not, its prompt and completion tokens. Past the budget, the next request of the
+// same key is refused. Each usage record names its operation's path.
+#[monoio::test_all(timer_enabled = true)]
+async fn embeddings_and_text_completions_are_charged_and_recorded() {
+    let pki = Pki::mint("usage-operations");
+    guarded(async {
+        let mock = Mock::start(TOKENS);
+        let recorder = Recorder::start(mock.addr);
+        let usage_path = pki.dir.join("usage.jsonl");
+        let _ = std::fs::remove_file(&usage_path);
+        let edge = TestEdge::start(
+            &pki,
+            &config(
+                &pki,
+                recorder.addr,
+                mock.addr,
+                &usage_path.display().to_string(),
+            ),
+        );
+        let (stop_node, node) = start_node(&pki, &edge, "node-a").await;
+
+        // Embeddings: 120 one-letter words, estimated below the budget
+        // (the body's bytes / 4), charged the provider's 120 prompt tokens.
+        let words = vec!["a"; 120].join(" ");
+        let embed = format!(r#"{{"model":"{MODEL}","input":"{words}"}}"#);
+        assert!((embed.len() as u32).div_ceil(4) < TOKENS_PER_MINUTE);
+        let relayed = http_exchange(
+            edge.client_addr,
+            with_id(post_request("/v1/embeddings", KEY_EMBED, &embed), "embed-1"),
+        )
+        .await;
+        assert_eq!(relayed.status, 200, "{relayed:?}");
+        assert_eq!(recorder.take_request_body(), embed.replace(MODEL, TARGET).into_bytes());
+        let provided = recorder.take_response();
+        assert_eq!(relayed.body, provided.body);
+        assert_eq!(
+            relayed.json()["usage"],
+            json!({"prompt_tokens": 120, "total_tokens": 120})
+        );
+        let refused = http_exchange(
+            edge.client_addr,
+            with_id(post_request("/v1/embeddings", KEY_EMBED, &embed), "embed-2"),
+        )
+        .await;
+        assert_eq!(refused.status, 429, "{refused:?}");
+        assert_eq!(refused.json()["error"]["code"], "rate_limit_tokens");
+
+        // A streamed text completion that asked for usage: the client gets
+        // every byte the provider sent, the key is charged 3 + 1500 tokens.
+        // (One that did not ask has the provider asked, as chat does: the
+        // splice is json_operations', the charge the e2e suite's. Here it
+        // would strip a usage event, and the test above counts those in a
+        // counter of the whole process.)
+        let streamed = format!(
+            r#"{{"model":"{MODEL}","prompt":"{PROMPT}","stream":true,"stream_options":{{"include_usage":true}}}}"#
+        );
+        let relayed = http_exchange(
+            edge.client_addr,
+            with_id(
+                post_request("/v1/completions", KEY_LIMITED, &streamed),
+                "cmpl-1",
+            ),
+        )
+        .await;
+        assert_eq!(relayed.status, 200, "{relayed:?}");
+        assert_eq!(
+            recorder.take_request_body(),
+            streamed.replace(MODEL, TARGET).into_bytes()
+        );
+        let provided = recorder.take_response();
+        assert_eq!(relayed.body, provided.body);
+        assert!(
+            usage_event(&relayed.body).contains(&format!(
+                r#""usage":{{"prompt_tokens":3,"completion_tokens":{TOKENS},"total_tokens":{}}}"#,
+                TOKENS + 3
+            )),
+            "{relayed:?}"
+        );
+        let refused = http_exchange(
+            edge.client_addr,
+            with_id(post_request("/v1/completions", KEY_LIMITED, &streamed), "cmpl-2"),
+        )
+        .await;
+        assert_eq!(refused.status, 429, "{refused:?}");
+        assert_eq!(refused.json()["error"]["code"], "rate_limit_tokens");
+
+        // Not streamed, on the key without a budget: recorded all the same.
+        let plain = format!(r#"{{"model":"{MODEL}","prompt":"{PROMPT}","max_tokens":4}}"#);
+        let relayed = http_exchange(
+            edge.client_addr,
+            with_id(post_request("/v1/completions", KEY_FREE, &plain), "cmpl-plain"),
+        )
+        .await;
+        assert_eq!(relayed.status, 200, "{relayed:?}");
+        assert_eq!(recorder.take_request_body(), plain.replace(MODEL, TARGET).into_bytes());
+        assert_eq!(relayed.body, recorder.take_response().body);
+
+        let _ = stop_node.send(());
+        assert_eq!(node.await, Exit::Shutdown);
+        edge.stop().await;
+        let records = usage_records(&usage_path);
+        let provider = "node-a/a-mock";
+        assert_eq!(records.len(), 5, "{records:#?}");
+        assert_eq!(
+            records[0],
+            record_of("/v1/embeddings", "embed-1", "team-embed", MODEL, provider, (120, 0))
+        );
+        assert_eq!(
+            (&records[1]["request_id"], &records[1]["path"], &records[1]["status"], &records[1]["usage"]),
+            (&json!("embed-2"), &json!("/v1/embeddings"), &json!(429), &json!("none"))
+        );
+        assert_eq!(
+            records[2],
+            record_of(
+                "/v1/completions",
+                "cmpl-1",
+                "team-limited",
+                MODEL,
+                provider,
+                (3, u64::from(TOKENS))
+            )
+        );
+        assert_eq!(
+            (&records[3]["request_id"], &records[3]["path"], &records[3]["status"], &records[3]["usage"]),
+            (&json!("cmpl-2"), &json!("/v1/completions"), &json!(429), &json!("none"))
+        );
+        assert_eq!(
+            records[4],
+            record_of("/v1/completions", "cmpl-plain", "team-free", MODEL, provider, (3, 4))
         );
         recorder.stop().await;
         mock.stop().await;

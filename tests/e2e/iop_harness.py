@@ -136,7 +136,7 @@ class Cluster:
                  provider_extra=(), reconnect=(1, 0), provider_capacity=64, ollama=False,
                  credentials=None, client_keys=None, cores="0", edge_extra=(),
                  provider_tls=None, client_tls=False, tls_fixtures=False, client_listen="127.0.0.1:0",
-                 node_extra=(), routing="least_loaded"):
+                 node_extra=(), routing="least_loaded", profile="openai", extra_toml=()):
         # provider_tls: serve the mock over HTTPS with this `bench
         # tls-fixtures` certificate ("https", "wrong-host", "expired",
         # "unknown-ca"); every adapter then uses https://localhost:<port> with
@@ -201,6 +201,12 @@ class Cluster:
         # prompts; None leaves the key out (the default: prefix with two or
         # more nodes).
         self.routing = routing
+        # profile: the protocol profile of every node's OpenAI-compatible
+        # adapter ("openai", "vllm", "llama_cpp", "sglang": which operations
+        # its providers serve). extra_toml: more lines at the end of the
+        # Edge's config (e.g. more [[models]] of the same providers).
+        self.profile = profile
+        self.extra_toml = list(extra_toml)
         self.procs: list[Proc] = []
         self.nodes: dict[str, Proc] = {}
 
@@ -381,7 +387,7 @@ class Cluster:
                 "[[nodes.adapters]]",
                 'name = "mock"',
                 'kind = "openai_compat"',
-                'profile = "openai"',
+                f'profile = "{self.profile}"',
                 f'base_url = "{provider_base}"',
             ] + provider_tls + [
                 "capacity = 64",
@@ -443,6 +449,7 @@ class Cluster:
                 + ", " + ", ".join(f'"{n}/mock-1"' for n in self.node_ids) + "]",
             ]
         out += self.credentials_config()
+        out += self.extra_toml
         return "\n".join(out) + "\n"
 
     def node_config(self, node_id: str) -> str:

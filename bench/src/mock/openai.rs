@@ -63,7 +63,11 @@
 //! flips it.
 //! `GET /admin/stats` returns the counters in [`MockStats`] as JSON, then
 //! `last_audio`: the model, file name, size and hash of the last audio
-//! upload (or `null`).
+//! upload (or `null`), then `last_model`: the `model` member of the last
+//! JSON request to `/v1/completions`, `/v1/embeddings`, `/v1/rerank`,
+//! `/v2/rerank`, `/v1/score`, `/tokenize` or `/detokenize` (or `null`: none
+//! yet, or it had no string `model`), so a test through a gateway sees the
+//! name the provider was asked for.
 //!
 //! # Prefix cache
 //!
@@ -872,12 +876,22 @@ pub fn model_body(models: &[String], id: &str) -> (u16, String) {
 }
 
 /// The `GET /admin/stats` body: the counters, then `last_audio` (what the
-/// last parsed audio upload carried, or `null`).
+/// last parsed audio upload carried, or `null`) and `last_model`.
 #[derive(Serialize)]
 struct StatsView<'a> {
     #[serde(flatten)]
     stats: &'a MockStats,
     last_audio: Option<&'a super::audio::AudioSeen>,
+    last_model: Option<&'a str>,
+}
+
+/// The string `model` member of a JSON request body, if any.
+fn model_member(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Model {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<Model>(body).ok()?.model
 }
 
 fn json_reply((status, body): (u16, String)) -> Reply {
@@ -902,6 +916,7 @@ pub struct MockProvider {
     prefix_cache: Option<PrefixModel>,
     vocabulary: super::tokenize::Vocabulary,
     last_audio: Option<super::audio::AudioSeen>,
+    last_model: Option<String>,
 }
 
 /// The prefix cache model of [`MockProvider::with_prefix_cache`].
@@ -935,6 +950,7 @@ impl MockProvider {
             prefix_cache: None,
             vocabulary: super::tokenize::Vocabulary::default(),
             last_audio: None,
+            last_model: None,
         }
     }
 
@@ -1092,6 +1108,20 @@ impl MockProvider {
         body: &[u8],
     ) -> Reply {
         let route = path.split_once('?').map_or(path, |(route, _query)| route);
+        if method == "POST"
+            && matches!(
+                route,
+                "/v1/completions"
+                    | "/v1/embeddings"
+                    | "/v1/rerank"
+                    | "/v2/rerank"
+                    | "/v1/score"
+                    | "/tokenize"
+                    | "/detokenize"
+            )
+        {
+            self.last_model = model_member(body);
+        }
         match (method, route) {
             ("GET", "/v1/models") => Reply::Json {
                 status: 200,
@@ -1221,6 +1251,7 @@ impl MockProvider {
                 body: to_json(&StatsView {
                     stats: &self.stats,
                     last_audio: self.last_audio.as_ref(),
+                    last_model: self.last_model.as_deref(),
                 }),
             },
             _ => Reply::Json {
@@ -1969,11 +2000,40 @@ mod tests {
                 r#""completions_requests":0,"embeddings_requests":0,"ollama_embed_requests":0,"rerank_requests":0,"#,
                 r#""score_requests":0,"tokenize_requests":0,"detokenize_requests":0,"model_requests":0,"#,
                 r#""transcription_requests":0,"translation_requests":0,"speech_requests":0,"audio_file_bytes":0,"#,
-                r#""last_audio":null}"#
+                r#""last_audio":null,"last_model":null}"#
             )
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);
+    }
+
+    #[test]
+    fn stats_name_the_model_of_the_last_surface_request() {
+        let mut p = provider(1);
+        let last_model = |p: &mut MockProvider| {
+            let Reply::Json { body, .. } = p.handle("GET", "/admin/stats", b"") else {
+                panic!("expected JSON");
+            };
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["last_model"].clone()
+        };
+        assert_eq!(last_model(&mut p), serde_json::Value::Null);
+        p.handle(
+            "POST",
+            "/tokenize",
+            br#"{"model":"target-a","prompt":"x y"}"#,
+        );
+        assert_eq!(last_model(&mut p), "target-a");
+        p.handle(
+            "POST",
+            "/v2/rerank",
+            br#"{"model":"target-b","query":"q","documents":["d"]}"#,
+        );
+        assert_eq!(last_model(&mut p), "target-b");
+        // Chat is not one of these routes; a body without a model clears it.
+        p.handle("POST", "/v1/chat/completions", PLAIN);
+        assert_eq!(last_model(&mut p), "target-b");
+        p.handle("POST", "/detokenize", br#"{"tokens":[1]}"#);
+        assert_eq!(last_model(&mut p), serde_json::Value::Null);
     }
 
     fn chat_body(stream: bool, system: &str, user: &str) -> Vec<u8> {

@@ -362,7 +362,17 @@ impl PassthroughRequest {
     /// Parses a JSON object with a string `model`, within `limits`.
     pub fn parse(body: Bytes, limits: &JsonLimits) -> Result<Self, GatewayError> {
         let body = Members::parse(body, limits).map_err(GatewayError::from_body)?;
-        let model = model_name(body.raw("model").unwrap_or_default())?;
+        // Required on every route, `/tokenize` and `/detokenize` too (vLLM
+        // defaults it; the Edge routes by it and picks no model itself).
+        let model = match body.raw("model") {
+            Some(raw) => model_name(raw)?,
+            None => {
+                return Err(GatewayError::invalid_request(
+                    "You must provide a `model` parameter.",
+                    Some("model"),
+                ))
+            }
+        };
         let stream = body.raw("stream") == Some("true");
         Ok(Self {
             model,

@@ -13,6 +13,15 @@
 //! - **Session** (`session`): the `prompt_cache_key` member (the OpenAI
 //!   field), else an `x-session-id` header, else the `user` member; a JSON
 //!   string's text, hashed.
+//!
+//! Only the operations that generate from a prompt offer it
+//! ([`reads_prompt`]): chat completions, Responses, Messages (and its token
+//! count, which counts the same prompt) and text completions. Embeddings,
+//! rerank, score, tokenize and detokenize offer none — their `input`,
+//! `query`, `documents` or `prompt` is text to embed, score or split, not a
+//! prefix a server's KV cache reuses, and filing it would only crowd the
+//! model's tree out of the prompts that are. A `prefix` model routes them by
+//! load; a `session` model still keeps a session's requests together.
 
 use std::borrow::Cow;
 
@@ -20,7 +29,27 @@ use bytes::{Bytes, BytesMut};
 
 use crate::api::body_json::Members;
 use crate::control::routing::session_hash;
-use crate::control::{RouteHint, RoutingPolicy};
+use crate::control::{Operation, RouteHint, RoutingPolicy};
+
+/// Whether requests of `operation` offer their prompt to the `prefix`
+/// policy (see the module docs).
+pub fn reads_prompt(operation: Operation) -> bool {
+    match operation {
+        Operation::ChatCompletions
+        | Operation::Responses
+        | Operation::Messages
+        | Operation::CountTokens
+        | Operation::Completions => true,
+        Operation::Embeddings
+        | Operation::Rerank
+        | Operation::Score
+        | Operation::Tokenize
+        | Operation::Detokenize
+        | Operation::Transcriptions
+        | Operation::Translations
+        | Operation::Speech => false,
+    }
+}
 
 /// The members whose text makes a prompt, in prompt order.
 pub const PROMPT_MEMBERS: [&str; 5] = ["system", "instructions", "messages", "input", "prompt"];
@@ -160,6 +189,25 @@ mod tests {
         assert_eq!(session_key(&escaped, None).as_deref(), Some(&b"ab"[..]));
         let odd = members(r#"{"prompt_cache_key":7,"user":""}"#);
         assert_eq!(session_key(&odd, Some(b"")), None);
+    }
+
+    #[test]
+    fn only_the_generating_operations_offer_a_prompt() {
+        let reading: Vec<&str> = Operation::ALL
+            .into_iter()
+            .filter(|&op| reads_prompt(op))
+            .map(Operation::name)
+            .collect();
+        assert_eq!(
+            reading,
+            [
+                "chat_completions",
+                "responses",
+                "messages",
+                "count_tokens",
+                "completions"
+            ]
+        );
     }
 
     #[test]

@@ -419,11 +419,14 @@ where
         Placement::ClientGone => return Ok(()),
     }
     drop(received);
+    // An operation whose body is no prompt offers none (`max` 0: nothing
+    // copied); its session key still counts.
+    let reads_prompt = crate::api::route_hint::reads_prompt(endpoint.op);
     let hint = route_hint(
         &edge.settings.running.get(),
         &headers,
         &req.model,
-        |header, policy, max| req.route_hint(header, policy, max),
+        |header, policy, max| req.route_hint(header, policy, if reads_prompt { max } else { 0 }),
     );
     // What the provider gets of the client's headers; the rest go now.
     let forwarded = tunnel_headers(endpoint, req.stream, &headers);

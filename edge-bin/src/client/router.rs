@@ -346,12 +346,16 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     ("GET", p) if p.starts_with("/v1/models/") => {
                         // Answered from the Edge's own model list: a model the
                         // key may not use is as unknown as one not served.
-                        let id = &p["/v1/models/".len()..];
+                        // The SDKs percent-encode the id (`org%2Fmodel`); one
+                        // that does not decode names no model.
+                        let raw = &p["/v1/models/".len()..];
+                        let decoded = percent_decoded(raw);
+                        let id = decoded.as_deref().unwrap_or(raw);
                         let running = edge.settings.running.get();
                         match running
                             .models
                             .iter()
-                            .find(|m| m.id == id && caller.may_use(&m.id))
+                            .find(|m| decoded.is_some() && m.id == id && caller.may_use(&m.id))
                         {
                             Some(model) => {
                                 let body =
@@ -580,6 +584,33 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
     }
 }
 
+/// `segment` of a request path with its `%XX` escapes decoded (RFC 3986:
+/// `+` stays `+`); `None` when an escape is not two hex digits or the
+/// bytes are not UTF-8.
+pub(super) fn percent_decoded(segment: &str) -> Option<std::borrow::Cow<'_, str>> {
+    if !segment.contains('%') {
+        return Some(std::borrow::Cow::Borrowed(segment));
+    }
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if bytes[at] != b'%' {
+            out.push(bytes[at]);
+            at += 1;
+            continue;
+        }
+        let hex = bytes.get(at + 1..at + 3)?;
+        if !hex.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        let digit = |b: u8| (b as char).to_digit(16).unwrap_or(0) as u8;
+        out.push((digit(hex[0]) << 4) | digit(hex[1]));
+        at += 3;
+    }
+    String::from_utf8(out).ok().map(std::borrow::Cow::Owned)
+}
+
 /// Counts and logs a client cut off for taking no bytes of its response
 /// for `edge.client_write_stall_timeout_ms` (its connection was reset).
 pub(super) fn write_stalled(edge: &Edge, method: &str, path: &str) {
@@ -694,6 +725,19 @@ mod tests {
                 .push(iop_engine::http::ClientConn::new(tcp, Limits::default()).with_host("edge"));
         }
         (clients, server)
+    }
+
+    #[test]
+    fn a_path_segment_is_percent_decoded() {
+        assert_eq!(percent_decoded("org%2Fmodel").as_deref(), Some("org/model"));
+        assert_eq!(percent_decoded("org%2fmodel").as_deref(), Some("org/model"));
+        assert_eq!(percent_decoded("plain-id").as_deref(), Some("plain-id"));
+        assert_eq!(percent_decoded("a+b%20c").as_deref(), Some("a+b c"));
+        assert_eq!(percent_decoded("caf%C3%A9").as_deref(), Some("café"));
+        // Not two hex digits, cut short, or not UTF-8: no name.
+        for bad in ["%zz", "%+1", "a%2", "%", "%C3", "%FF"] {
+            assert_eq!(percent_decoded(bad), None, "{bad}");
+        }
     }
 
     // The shutdown drain as an open keep-alive connection sees it: /readyz

@@ -97,9 +97,8 @@ pub enum SummaryError {
     },
 }
 
-/// How many operations a summary carries: the first ones of
-/// `Operation::ALL` (the chat family). Peers share no capacity for the
-/// others; requests for those go by ownership.
+/// How many operations `free_slots` carries: the first ones of
+/// `Operation::ALL` (the chat family), as every Edge version sends them.
 const WIRE_OPERATIONS: usize = 4;
 
 /// One model as it goes on the wire.
@@ -108,12 +107,21 @@ struct WireModel {
     /// Free slots per operation, the first [`WIRE_OPERATIONS`] of
     /// `Operation::ALL` in order.
     free_slots: [u32; WIRE_OPERATIONS],
+    /// Free slots of the operations after those, in `Operation::ALL`
+    /// order. A member of its own, so that an Edge that knows only the
+    /// chat family reads the summary as before (serde skips a member it
+    /// does not know), and a summary from such an Edge (without it) reads
+    /// as nothing free for them. Entries past the operations this Edge
+    /// knows are ignored (a later version's).
+    #[serde(default)]
+    more_free_slots: Vec<u32>,
     queued: u32,
 }
 
 /// A summary as it goes on the wire:
 /// `{"edge":"<name>","models":{"<model>":{"free_slots":[chat, responses,
-/// messages, count_tokens],"queued":n}}}`.
+/// messages, count_tokens],"more_free_slots":[completions, embeddings,
+/// rerank, score, tokenize, detokenize],"queued":n}}}`.
 #[derive(Debug, serde::Deserialize)]
 struct WireSummary {
     edge: String,
@@ -143,6 +151,7 @@ pub fn encode(edge: &str, summary: &CapacitySummary) -> Vec<u8> {
         free_slots.copy_from_slice(&capacity.free_slots[..WIRE_OPERATIONS]);
         let figures = WireModel {
             free_slots,
+            more_free_slots: capacity.free_slots[WIRE_OPERATIONS..].to_vec(),
             queued: capacity.queued,
         };
         let entry = format!(
@@ -200,6 +209,12 @@ pub fn parse(asked: &str, bytes: &[u8]) -> Result<CapacitySummary, SummaryError>
         .map(|(name, m)| {
             let mut free_slots = [0; crate::control::Operation::ALL.len()];
             free_slots[..WIRE_OPERATIONS].copy_from_slice(&m.free_slots);
+            for (slot, free) in free_slots[WIRE_OPERATIONS..]
+                .iter_mut()
+                .zip(&m.more_free_slots)
+            {
+                *slot = *free;
+            }
             (
                 name,
                 ModelCapacity {
@@ -373,6 +388,62 @@ mod tests {
         ModelCapacity { free_slots, queued }
     }
 
+    // Every operation's free slots cross to the peer: a forwarded
+    // embeddings (or rerank, tokenize …) request is placed by them as a
+    // chat request is.
+    #[test]
+    fn every_operation_goes_and_comes_back() {
+        let every = ModelCapacity {
+            free_slots: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+            queued: 2,
+        };
+        let summary = CapacitySummary::from([("m".to_string(), every)]);
+        let bytes = encode("e", &summary);
+        assert_eq!(
+            std::str::from_utf8(&bytes).unwrap(),
+            r#"{"edge":"e","models":{"m":{"free_slots":[1,2,3,4],"more_free_slots":[5,6,7,8,9,10,11,12,13],"queued":2}}}"#
+        );
+        let parsed = parse("e", &bytes).expect("a summary");
+        assert_eq!(parsed, summary);
+        assert_eq!(
+            parsed["m"].free_for(crate::control::Operation::Embeddings),
+            6
+        );
+        assert_eq!(
+            parsed["m"].free_for(crate::control::Operation::Detokenize),
+            10
+        );
+        assert_eq!(parsed["m"].free_for(crate::control::Operation::Speech), 13);
+    }
+
+    // An Edge that knows only the chat family sends no `more_free_slots`:
+    // nothing is free there for the other operations (requests for them go
+    // by ownership). One that knows more operations sends longer lists:
+    // the operations this Edge knows are read, the rest ignored.
+    #[test]
+    fn summaries_of_older_and_newer_edges_are_read() {
+        let older = br#"{"edge":"e","models":{"m":{"free_slots":[1,0,2,3],"queued":0}}}"#;
+        assert_eq!(
+            parse("e", older),
+            Ok(CapacitySummary::from([(
+                "m".to_string(),
+                capacity([1, 0, 2, 3], 0)
+            )]))
+        );
+        let newer = br#"{"edge":"e","models":{"m":{"free_slots":[1,1,1,1],"more_free_slots":[2,2,2,2,2,2,3,3,3,9,9],"queued":0}}}"#;
+        let parsed = parse("e", newer).expect("a summary");
+        assert_eq!(
+            parsed["m"].free_slots,
+            [1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3]
+        );
+        let shorter = br#"{"edge":"e","models":{"m":{"free_slots":[1,1,1,1],"more_free_slots":[4],"queued":0}}}"#;
+        let parsed = parse("e", shorter).expect("a summary");
+        assert_eq!(
+            parsed["m"].free_slots,
+            [1, 1, 1, 1, 4, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
     #[test]
     fn a_summary_goes_and_comes_back_as_it_was() {
         let summary = CapacitySummary::from([
@@ -382,7 +453,7 @@ mod tests {
         let bytes = encode("edge-2", &summary);
         assert_eq!(
             std::str::from_utf8(&bytes).unwrap(),
-            r#"{"edge":"edge-2","models":{"mod\"el/ü":{"free_slots":[0,0,0,0],"queued":7},"model-a":{"free_slots":[1,0,2,3],"queued":0}}}"#
+            r#"{"edge":"edge-2","models":{"mod\"el/ü":{"free_slots":[0,0,0,0],"more_free_slots":[0,0,0,0,0,0],"queued":7},"model-a":{"free_slots":[1,0,2,3],"more_free_slots":[0,0,0,0,0,0],"queued":0}}}"#
         );
         assert_eq!(parse("edge-2", &bytes), Ok(summary));
         assert_eq!(
@@ -478,9 +549,9 @@ mod tests {
         let bytes = encode("e", &summary);
         assert!(bytes.len() <= MAX_SUMMARY_BYTES, "{}", bytes.len());
         let parsed = parse("e", &bytes).expect("within the bounds");
-        // 22 bytes of head, 294 per entry (a quoted 256-byte name, a colon,
-        // 35 bytes of figures) and a comma between, 2 to close: 444 fit in
-        // 128 KiB (22 + 444 * 294 + 443 + 2 = 131_003; one more is 131_298).
-        assert_eq!(parsed.len(), 444);
+        // 22 bytes of head, 326 per entry (a quoted 256-byte name, a colon,
+        // 67 bytes of figures) and a comma between, 2 to close: 400 fit in
+        // 128 KiB (22 + 400 * 326 + 399 + 2 = 130_823; one more is 131_150).
+        assert_eq!(parsed.len(), 400);
     }
 }

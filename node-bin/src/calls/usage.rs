@@ -14,7 +14,9 @@
 //! `total_tokens`, the last chunk with `stream_options.include_usage`),
 //! Responses (`input_tokens`, `output_tokens` in `response.completed`) and
 //! Anthropic Messages (`input_tokens` in `message_start`, the final
-//! `output_tokens` in `message_delta`). A `"usage"` inside a string value
+//! `output_tokens` in `message_delta`), embeddings and score
+//! (`prompt_tokens`, `total_tokens`) and rerank (`total_tokens` alone,
+//! counted as prompt tokens). A `"usage"` inside a string value
 //! has its quotes escaped, so it never matches `"usage"` followed by `:`.
 //!
 //! # The usage chunk the client did not ask for
@@ -133,10 +135,16 @@ impl UsageWatcher {
         }
     }
 
-    /// What was observed, if anything.
+    /// What was observed, if anything. A usage object with a total alone
+    /// (rerank's, as vLLM and the Jina/Cohere shape report it: the tokens
+    /// of the query and documents read) counts the total as prompt tokens.
     pub fn finish(self) -> Option<pb::Usage> {
         if self.prompt_tokens.is_none() && self.completion_tokens.is_none() {
-            return None;
+            return self.total_tokens.map(|total| pb::Usage {
+                prompt_tokens: total,
+                completion_tokens: 0,
+                total_tokens: total,
+            });
         }
         let prompt_tokens = self.prompt_tokens.unwrap_or(0);
         let completion_tokens = self.completion_tokens.unwrap_or(0);
@@ -622,6 +630,14 @@ mod tests {
         assert_eq!(observed("application/json", chat), usage(3, 4, 7));
         let responses = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":8,\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":2,\"total_tokens\":10}}}\n\n";
         assert_eq!(observed("text/event-stream", responses), usage(8, 2, 10));
+    }
+
+    #[test]
+    fn embeddings_and_rerank_report_what_they_read() {
+        let embeddings = r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}],"model":"m","usage":{"prompt_tokens":6,"total_tokens":6}}"#;
+        assert_eq!(observed("application/json", embeddings), usage(6, 0, 6));
+        let rerank = r#"{"id":"rerank-1","model":"m","results":[{"index":0,"relevance_score":0.5}],"usage":{"total_tokens":9}}"#;
+        assert_eq!(observed("application/json", rerank), usage(9, 0, 9));
     }
 
     #[test]
