@@ -302,9 +302,10 @@ fn the_summary_route_answers_peers_only() {
         summary,
         json!({"edge": "edge-2", "models": {"model-x": {
             "free_slots": [1, 1, 1, 1],
-            // completions and embeddings; the `openai` profile serves no
-            // rerank, score, tokenize or detokenize.
-            "more_free_slots": [1, 1, 0, 0, 0, 0],
+            // completions, embeddings and the three audio operations; the
+            // `openai` profile serves no rerank, score, tokenize or
+            // detokenize.
+            "more_free_slots": [1, 1, 0, 0, 0, 0, 1, 1, 1],
             "queued": 0
         }}})
     );

@@ -453,7 +453,7 @@ mod tests {
         let bytes = encode("edge-2", &summary);
         assert_eq!(
             std::str::from_utf8(&bytes).unwrap(),
-            r#"{"edge":"edge-2","models":{"mod\"el/ü":{"free_slots":[0,0,0,0],"more_free_slots":[0,0,0,0,0,0],"queued":7},"model-a":{"free_slots":[1,0,2,3],"more_free_slots":[0,0,0,0,0,0],"queued":0}}}"#
+            r#"{"edge":"edge-2","models":{"mod\"el/ü":{"free_slots":[0,0,0,0],"more_free_slots":[0,0,0,0,0,0,0,0,0],"queued":7},"model-a":{"free_slots":[1,0,2,3],"more_free_slots":[0,0,0,0,0,0,0,0,0],"queued":0}}}"#
         );
         assert_eq!(parse("edge-2", &bytes), Ok(summary));
         assert_eq!(
@@ -549,9 +549,9 @@ mod tests {
         let bytes = encode("e", &summary);
         assert!(bytes.len() <= MAX_SUMMARY_BYTES, "{}", bytes.len());
         let parsed = parse("e", &bytes).expect("within the bounds");
-        // 22 bytes of head, 326 per entry (a quoted 256-byte name, a colon,
-        // 67 bytes of figures) and a comma between, 2 to close: 400 fit in
-        // 128 KiB (22 + 400 * 326 + 399 + 2 = 130_823; one more is 131_150).
-        assert_eq!(parsed.len(), 400);
+        // 22 bytes of head, 332 per entry (a quoted 256-byte name, a colon,
+        // 73 bytes of figures) and a comma between, 2 to close: 393 fit in
+        // 128 KiB (22 + 393 * 332 + 392 + 2 = 130_892; one more is 131_225).
+        assert_eq!(parsed.len(), 393);
     }
 }
