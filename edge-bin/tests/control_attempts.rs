@@ -454,6 +454,7 @@ fn embeddings_go_to_a_native_provider_only_on_a_node_that_runs_them() {
         version: "v".into(),
         strips_usage_chunk: true,
         runs_embeddings: true,
+        accepts_tunnel_body: false,
     });
     assert_eq!(dispatched_to(&out), ["o1"]);
     assert!(matches!(&out[0], Action::Dispatch(d) if d.request == RequestId(2)));
@@ -470,6 +471,7 @@ fn embeddings_go_to_a_native_provider_only_on_a_node_that_runs_them() {
             version: "v".into(),
             strips_usage_chunk: true,
             runs_embeddings: true,
+            accepts_tunnel_body: false,
         }),
         []
     );

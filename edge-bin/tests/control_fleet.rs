@@ -225,6 +225,7 @@ impl Fixture {
             kind: spec.kind,
             response_stall_timeout_ms: spec.response_stall_timeout_ms,
             strips_usage_chunk: false,
+            accepts_tunnel_body: false,
         })
     }
 

@@ -4595,6 +4595,7 @@ impl Fixture {
             response_stall_timeout_ms: info.spec.response_stall_timeout_ms,
             // No node here says it strips a usage chunk.
             strips_usage_chunk: false,
+            accepts_tunnel_body: false,
         })
     }
 

@@ -145,6 +145,7 @@ fn node_views_follow_registration_readiness_and_close() {
             version: "0.3.1".into(),
             strips_usage_chunk: false,
             runs_embeddings: false,
+            accepts_tunnel_body: false,
         },
         &mut out,
     );
@@ -186,6 +187,7 @@ fn node_views_follow_registration_readiness_and_close() {
             version: "stale".into(),
             strips_usage_chunk: false,
             runs_embeddings: false,
+            accepts_tunnel_body: false,
         },
         &mut out,
     );
@@ -197,6 +199,7 @@ fn node_views_follow_registration_readiness_and_close() {
             version: "v".repeat(500),
             strips_usage_chunk: false,
             runs_embeddings: false,
+            accepts_tunnel_body: false,
         },
         &mut out,
     );

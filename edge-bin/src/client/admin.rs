@@ -497,6 +497,7 @@ pub fn edge_config_json(cfg: &EdgeConfig) -> Value {
         "client_listen": e.client_listen.to_string(),
         "node_listen": e.node_listen.to_string(),
         "max_request_body_bytes": e.max_request_body_bytes,
+        "max_upload_body_bytes": e.max_upload_body_bytes,
         "max_frame_bytes": e.max_frame_bytes,
         "insecure_plaintext_nodes": e.insecure_plaintext_nodes,
         "allow_anonymous": e.allow_anonymous,

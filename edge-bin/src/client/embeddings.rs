@@ -133,6 +133,7 @@ mod tests {
             kind: DispatchKind::Normalized,
             response_stall_timeout_ms: 1500,
             strips_usage_chunk: false,
+            accepts_tunnel_body: false,
         };
         let run = EmbeddingsRun {
             inputs: vec!["a".into(), "b".into()],

@@ -706,6 +706,7 @@ mod tests {
             kind: DispatchKind::Tunnel,
             response_stall_timeout_ms: 0,
             strips_usage_chunk: true,
+            accepts_tunnel_body: false,
         }
     }
 

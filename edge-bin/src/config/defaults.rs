@@ -3,6 +3,12 @@
 use iop_wire::lease::MAX_LEASE_LIFETIME_MS;
 
 pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Default `edge.max_upload_body_bytes`: 25 MiB, OpenAI's limit on an
+/// audio file (and vLLM's default).
+pub const DEFAULT_MAX_UPLOAD_BODY_BYTES: u64 = 25 * 1024 * 1024;
+/// Largest accepted `edge.max_upload_body_bytes` (4 GiB): an upload streams,
+/// so memory does not bound it; the provider's own limit does.
+pub const MAX_UPLOAD_BODY_BYTES_LIMIT: u64 = 4 * 1024 * 1024 * 1024;
 /// Smallest accepted `edge.max_frame_bytes`.
 pub const MIN_FRAME_BYTES: usize = 2 * FRAME_HEADROOM_BYTES;
 /// Largest accepted `edge.max_frame_bytes` (1 GiB).

@@ -139,6 +139,9 @@ pub const SETTINGS: &[Setting] = &[
     setting("edge.max_request_body_bytes", Live, |c| {
         text(c.edge.max_request_body_bytes)
     }),
+    setting("edge.max_upload_body_bytes", Live, |c| {
+        text(c.edge.max_upload_body_bytes)
+    }),
     setting("edge.max_frame_bytes", Restart, |c| {
         text(c.edge.max_frame_bytes)
     }),

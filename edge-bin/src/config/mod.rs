@@ -343,6 +343,10 @@ pub struct EdgeSettings {
     pub node_listen: SocketAddr,
     /// Largest accepted client request body; larger gets 413.
     pub max_request_body_bytes: usize,
+    /// Largest accepted upload (`/v1/audio/transcriptions`,
+    /// `/v1/audio/translations`) with a `Content-Length`: streamed to the
+    /// provider as it arrives, never held whole; larger gets 413.
+    pub max_upload_body_bytes: u64,
     /// Largest accepted frame on a Node connection (T1).
     pub max_frame_bytes: usize,
     /// Dev flag: Nodes connect over plain TCP and the credential plane is

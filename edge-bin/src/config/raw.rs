@@ -66,6 +66,7 @@ pub(super) struct RawEdge {
     pub(super) client_listen: String,
     pub(super) node_listen: String,
     pub(super) max_request_body_bytes: Option<i64>,
+    pub(super) max_upload_body_bytes: Option<i64>,
     pub(super) max_frame_bytes: Option<i64>,
     #[serde(default)]
     pub(super) insecure_plaintext_nodes: bool,

@@ -677,6 +677,11 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let max_upload_body_bytes = match raw.max_upload_body_bytes {
+            None => DEFAULT_MAX_UPLOAD_BODY_BYTES,
+            Some(v) => in_range(v, 1, MAX_UPLOAD_BODY_BYTES_LIMIT)
+                .map_err(|why| self.err("edge.max_upload_body_bytes", why))?,
+        };
         let drain_grace_ms = match raw.drain_grace_ms {
             None => DEFAULT_DRAIN_GRACE_MS,
             Some(v) => in_range(v, 0, MAX_DRAIN_GRACE_MS)
@@ -852,6 +857,7 @@ impl Validator<'_> {
             client_listen,
             node_listen,
             max_request_body_bytes,
+            max_upload_body_bytes,
             max_frame_bytes,
             insecure_plaintext_nodes: raw.insecure_plaintext_nodes,
             allow_anonymous: raw.allow_anonymous,

@@ -407,6 +407,7 @@ impl Control {
             kind: state.spec.kind,
             response_stall_timeout_ms: state.spec.response_stall_timeout_ms,
             strips_usage_chunk: owner.strips_usage_chunk,
+            accepts_tunnel_body: owner.accepts_tunnel_body,
         };
         self.refresh(p);
         self.routed(lane, pick, hint);

@@ -228,6 +228,8 @@ pub enum Input {
         strips_usage_chunk: bool,
         /// `RegisterRequest.runs_embeddings`.
         runs_embeddings: bool,
+        /// `RegisterRequest.accepts_tunnel_body`.
+        accepts_tunnel_body: bool,
     },
     /// `conn` closed, failed, or timed out its heartbeat (F1, F2).
     Closed {
@@ -505,6 +507,10 @@ pub struct Dispatch {
     /// only then does a tunnel ask its provider for usage the client did
     /// not ask for.
     pub strips_usage_chunk: bool,
+    /// The node's connection takes a tunnel's request body in pieces
+    /// (`RegisterRequest.accepts_tunnel_body`): only then may an upload
+    /// stream to it rather than go whole.
+    pub accepts_tunnel_body: bool,
 }
 
 /// What the shell must do, in order.
@@ -948,7 +954,15 @@ impl Control {
                 version,
                 strips_usage_chunk,
                 runs_embeddings,
-            } => self.on_node_version(conn, version, strips_usage_chunk, runs_embeddings, out),
+                accepts_tunnel_body,
+            } => self.on_node_version(
+                conn,
+                version,
+                strips_usage_chunk,
+                runs_embeddings,
+                accepts_tunnel_body,
+                out,
+            ),
             submit @ Input::Submit { .. } => self.on_submit(now, submit, out),
             Input::Cancel { request, reason } => self.on_cancel(now, request, reason, out),
             Input::Undeliverable { request } => self.on_undeliverable(request, out),

@@ -108,6 +108,7 @@ impl Control {
             ready_at: None,
             strips_usage_chunk: false,
             runs_embeddings: false,
+            accepts_tunnel_body: false,
             draining: false,
             drained: false,
         });
@@ -196,6 +197,7 @@ impl Control {
         version: String,
         strips_usage_chunk: bool,
         runs_embeddings: bool,
+        accepts_tunnel_body: bool,
         out: &mut Vec<Action>,
     ) {
         let Some(&n) = self.bindings.get(&conn) else {
@@ -204,6 +206,7 @@ impl Control {
         let node = &mut self.nodes[n];
         if let Some(owner) = node.owner.as_mut().filter(|o| o.conn == conn) {
             owner.strips_usage_chunk = strips_usage_chunk;
+            owner.accepts_tunnel_body = accepts_tunnel_body;
             let changed = owner.runs_embeddings != runs_embeddings;
             owner.runs_embeddings = runs_embeddings;
             // Bounded: a diagnostic string, not a payload.

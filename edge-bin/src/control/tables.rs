@@ -33,6 +33,8 @@ pub(super) struct Owner {
     pub(super) strips_usage_chunk: bool,
     /// It runs embeddings on its Ollama adapters (`Input::NodeVersion`).
     pub(super) runs_embeddings: bool,
+    /// It takes streamed tunnel bodies (`Input::NodeVersion`).
+    pub(super) accepts_tunnel_body: bool,
     /// It said it is draining (`Input::NodeDraining`): no new dispatch to
     /// it under this generation; what runs there finishes.
     pub(super) draining: bool,

@@ -17,9 +17,10 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
-use iop_engine::mailbox;
+use iop_engine::mailbox::{self, Mailbox};
 use iop_engine::net::{Deadlines, LogThrottle};
 use iop_engine::sync::oneshot;
 use iop_engine::sync::{Notify, WakeList};
@@ -614,6 +615,7 @@ impl Edge {
             window,
             conn: dispatch.lease.conn,
             run_id: dispatch.lease.run_id.clone(),
+            put_back: None,
         };
         let delivered = match waiter {
             Some(w) => w.send(Admission::Dispatched { dispatch, frames }).is_ok(),
@@ -677,6 +679,36 @@ impl Edge {
         run: NodeRequest,
         buffered: bool,
     ) -> bool {
+        self.start_attempt_with(request, dispatch, run, buffered, None)
+            .await
+    }
+
+    /// [`Edge::start_attempt`] for a tunnel whose request body streams
+    /// (`body_follows_bytes`): the pieces put into `upload`'s sending end
+    /// go to the node in order, right behind the tunnel request, each
+    /// `ProviderTunnelBody` frame waiting for room on the connection's bulk
+    /// lane. The node's credit for them comes back on the reply
+    /// ([`ReplyEvent::UploadCredit`]); dropping the sender ends the
+    /// forwarding.
+    pub async fn start_upload(
+        &self,
+        request: RequestId,
+        dispatch: &Dispatch,
+        run: NodeRequest,
+        upload: Mailbox<Bytes>,
+    ) -> bool {
+        self.start_attempt_with(request, dispatch, run, false, Some(upload))
+            .await
+    }
+
+    async fn start_attempt_with(
+        &self,
+        request: RequestId,
+        dispatch: &Dispatch,
+        run: NodeRequest,
+        buffered: bool,
+        upload: Option<Mailbox<Bytes>>,
+    ) -> bool {
         let lease = &dispatch.lease;
         let Some(reply) = self
             .client_replies
@@ -694,6 +726,7 @@ impl Edge {
             run,
             reply,
             buffered,
+            upload,
         };
         let to = shards::shard_of(lease.conn.0);
         match &self.outbox {
@@ -713,6 +746,7 @@ impl Edge {
             run: NodeRequest { mut frame, body },
             reply,
             buffered,
+            upload,
         } = start;
         let Some(handle) = self.conn(conn) else {
             return false;
@@ -751,6 +785,11 @@ impl Edge {
             body => handle.send_bulk(pb::Frame { body }).await,
         };
         if sent.is_ok() {
+            if let Some(pieces) = upload {
+                // Spawned once the request is on the bulk lane: every
+                // piece goes behind it.
+                monoio::spawn(forward_upload(handle, run_id, pieces));
+            }
             return true;
         }
         self.node_replies.borrow_mut().remove(&run_id);
@@ -901,6 +940,19 @@ impl Edge {
         }
     }
 
+    /// Credit from a node for the streamed request bodies of its runs on
+    /// `conn`: each goes to its run's reply (a run of another connection,
+    /// or ended, gets nothing). Never waits: a reply full of frames has a
+    /// response under way, and the upload it would credit has stopped.
+    pub fn upload_credit(&self, conn: ConnId, credit: &pb::FlowCredit) {
+        let replies = self.node_replies.borrow();
+        for c in &credit.credits {
+            if let Some(reply) = replies.get(&c.run_id).filter(|r| r.conn == conn) {
+                let _ = reply.tx.try_send(ReplyEvent::UploadCredit(c.max_offset));
+            }
+        }
+    }
+
     /// Forgets every reply of node connection `conn` (it closed): their
     /// clients learn of the loss from `Control` (F1).
     pub fn drop_replies_of(&self, conn: ConnId) {
@@ -919,6 +971,21 @@ impl Edge {
             _ => self
                 .conn(conn)
                 .is_some_and(|c| c.send_control(frame).is_ok()),
+        }
+    }
+}
+
+/// Sends the pieces of run `run_id`'s streamed request body on `handle`,
+/// in order, until the sender is dropped or the connection is gone (then
+/// `Control` learns of the loss from the connection's close).
+async fn forward_upload(handle: ConnHandle, run_id: String, mut pieces: Mailbox<Bytes>) {
+    while let Some(data) = pieces.recv().await {
+        let piece = frame(Body::ProviderTunnelBody(pb::ProviderTunnelBody {
+            run_id: run_id.clone(),
+            data,
+        }));
+        if handle.send_bulk(piece).await.is_err() {
+            return;
         }
     }
 }

@@ -195,6 +195,7 @@ fn handle_frame(
                 version: req.node_version,
                 strips_usage_chunk: req.strips_usage_chunk,
                 runs_embeddings: req.runs_embeddings,
+                accepts_tunnel_body: req.accepts_tunnel_body,
             });
         }
         Body::NodeReadyRequest(req) => edge.apply(Input::Ready {
@@ -276,6 +277,8 @@ fn handle_frame(
             conn: conn_id,
             response: *response,
         }),
+        // Credit for streamed request bodies (`body_follows_bytes`).
+        Body::FlowCredit(credit) => edge.upload_credit(conn_id, &credit),
         Body::NodeConfigRefreshResponse(resp) => {
             // K3: the outcome is the node's; the Edge reports it.
             let status = pb::RefreshStatus::try_from(resp.status)

@@ -37,6 +37,10 @@ pub enum ReplyEvent {
     /// dispatched the request again (pre-commit failover): the relay sends
     /// this dispatch's run and relays its frames instead.
     Retry(Box<Dispatch>),
+    /// The node took enough of a streamed request body for the Edge to
+    /// send up to this many charged bytes of it in total (a `FlowCredit`
+    /// from the node; `iop_wire::flow::TUNNEL_BODY_WINDOW`).
+    UploadCredit(u64),
 }
 
 /// The receiving end of a client request's reply: frames arrive here from
@@ -55,6 +59,8 @@ pub struct ReplyRx {
     /// The node connection and run the credit is for.
     pub(super) conn: ConnId,
     pub(super) run_id: String,
+    /// An event taken and given back ([`ReplyRx::put_back`]): the next one.
+    pub(super) put_back: Option<ReplyEvent>,
 }
 
 impl ReplyRx {
@@ -66,11 +72,26 @@ impl ReplyRx {
         if self.lost.get() {
             return Some(ReplyEvent::Lost);
         }
+        if let Some(event) = self.put_back.take() {
+            return Some(event);
+        }
         let event = self.rx.recv().await;
         if self.lost.get() {
             return Some(ReplyEvent::Lost);
         }
         event
+    }
+
+    /// Gives `event` back: [`ReplyRx::recv`] returns it next (an upload
+    /// that met its response's first frame hands it to the relay).
+    pub fn put_back(&mut self, event: ReplyEvent) {
+        debug_assert!(self.put_back.is_none(), "one event given back at a time");
+        self.put_back = Some(event);
+    }
+
+    /// The node connection the reply's run is on.
+    pub fn conn(&self) -> ConnId {
+        self.conn
     }
 
     /// The run id of the attempt whose frames this reply relays now.
@@ -96,7 +117,8 @@ impl ReplyEvent {
             ReplyEvent::Lost
             | ReplyEvent::Overflow
             | ReplyEvent::Aborted(_)
-            | ReplyEvent::Retry(_) => None,
+            | ReplyEvent::Retry(_)
+            | ReplyEvent::UploadCredit(_) => None,
         }
     }
 
@@ -108,7 +130,8 @@ impl ReplyEvent {
             ReplyEvent::Lost
             | ReplyEvent::Overflow
             | ReplyEvent::Aborted(_)
-            | ReplyEvent::Retry(_) => 0,
+            | ReplyEvent::Retry(_)
+            | ReplyEvent::UploadCredit(_) => 0,
         }
     }
 }

@@ -24,6 +24,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 
+use bytes::Bytes;
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_engine::sync::Notify;
 use iop_wire::codec::BodyParts;
@@ -104,6 +105,9 @@ pub struct StartAttempt {
     /// Its relay writes only at the end (a non-streaming chat completion
     /// over a normalized run): the commit point (`crate::control::attempt`).
     pub buffered: bool,
+    /// The rest of a streamed request body (`body_follows_bytes`): its
+    /// pieces go to the node, in order, after the tunnel request.
+    pub upload: Option<Mailbox<Bytes>>,
 }
 
 impl std::fmt::Debug for StartAttempt {

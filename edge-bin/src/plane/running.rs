@@ -46,6 +46,8 @@ pub struct Running {
     /// Largest client request body (413 above); read when a client
     /// connection opens.
     pub max_request_body_bytes: usize,
+    /// Largest upload (413 above); read per request.
+    pub max_upload_body_bytes: u64,
     /// Each run's flow-control window on its node connection (charged
     /// bytes); read at each dispatch.
     pub flow_window_bytes: u64,
@@ -82,6 +84,7 @@ impl Running {
             model_nodes: HashMap::new(),
             model_queue_timeouts: HashMap::new(),
             max_request_body_bytes,
+            max_upload_body_bytes: crate::config::DEFAULT_MAX_UPLOAD_BODY_BYTES,
             flow_window_bytes,
             client_write_stall_timeout,
             limits: ListenerLimits::default(),
@@ -137,6 +140,7 @@ impl Running {
                 .map(|m| (m.name.clone(), Duration::from_millis(m.queue_timeout_ms)))
                 .collect(),
             max_request_body_bytes: cfg.edge.max_request_body_bytes,
+            max_upload_body_bytes: cfg.edge.max_upload_body_bytes,
             flow_window_bytes: cfg.edge.flow_window_bytes,
             client_write_stall_timeout: Duration::from_millis(
                 cfg.edge.client_write_stall_timeout_ms,

@@ -51,7 +51,8 @@ pub use io::{
 };
 pub use ndjson::NdjsonSplitter;
 pub use server::{
-    BodyRate, ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts, Watched,
+    BodyPieces, BodyRate, ExchangeStats, Linger, LingerEnd, Request, ServerConn, ServerTimeouts,
+    Watched,
 };
 pub use sse::{parse_event, SseEvent, SseSplitter};
 pub use url::{Scheme, Url, UrlError};

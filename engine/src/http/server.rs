@@ -186,6 +186,22 @@ enum ResponseState {
     HeadOnly,
 }
 
+/// A request body being read in pieces ([`ServerConn::body_pieces`]).
+#[derive(Debug, Clone)]
+pub struct BodyPieces {
+    left: u64,
+    started: Instant,
+    received: usize,
+    continued: bool,
+}
+
+impl BodyPieces {
+    /// Bytes of the body not read yet.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+}
+
 /// HTTP/1.1 server connection over stream `S`.
 ///
 /// Reads are never cancelled here; do not wrap these futures in a timeout
@@ -440,6 +456,77 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
             self.unfinished_head = Some(Box::new(head.clone()));
         }
         body
+    }
+
+    /// Starts reading `head`'s body in pieces ([`ServerConn::read_body_piece`]):
+    /// a body with a `Content-Length` only (a chunked one is read whole,
+    /// with [`ServerConn::read_body`]); `None` for any other.
+    pub fn body_pieces(&self, head: &RequestHead) -> Option<BodyPieces> {
+        match head.framing {
+            BodyFraming::ContentLength { len_bytes } => Some(BodyPieces {
+                left: len_bytes,
+                started: clock::now(),
+                received: 0,
+                continued: false,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The next piece of the body [`ServerConn::body_pieces`] started, at
+    /// most `max_bytes` (at least 1); `None` once it was read to its end.
+    /// Each read has the body deadlines, as [`ServerConn::read_body`]'s;
+    /// `100 Continue` goes out before the first read when the client asked
+    /// for it. A body left unread ends the connection after its answer:
+    /// call [`ServerConn::skip_body`]. On an error the head is kept for
+    /// [`ServerConn::unfinished_head`] and the connection is not kept
+    /// alive.
+    pub async fn read_body_piece(
+        &mut self,
+        head: &RequestHead,
+        pieces: &mut BodyPieces,
+        max_bytes: usize,
+    ) -> Result<Option<Bytes>, HttpError> {
+        if pieces.left == 0 {
+            return Ok(None);
+        }
+        let piece = self.read_body_piece_inner(head, pieces, max_bytes).await;
+        self.disarm();
+        if piece.is_err() {
+            self.keep_alive = false;
+            self.unfinished_head = Some(Box::new(head.clone()));
+        }
+        piece.map(Some)
+    }
+
+    async fn read_body_piece_inner(
+        &mut self,
+        head: &RequestHead,
+        pieces: &mut BodyPieces,
+        max_bytes: usize,
+    ) -> Result<Bytes, HttpError> {
+        if head.expect_continue && !pieces.continued && self.read_buf.is_empty() {
+            // An interim response: not counted in the response's bytes.
+            self.write_counting([Bytes::from_static(CONTINUE_100)], 0)
+                .await?;
+        }
+        pieces.continued = true;
+        while self.read_buf.is_empty() {
+            self.arm_body(pieces.started, pieces.received);
+            let read = fill(&mut self.stream, &mut self.read_buf, READ_CHUNK_BYTES).await;
+            if self.check_deadline(read)? == 0 {
+                return Err(HttpError::UnexpectedEof);
+            }
+        }
+        let left = usize::try_from(pieces.left).unwrap_or(usize::MAX);
+        let len = self.read_buf.len().min(max_bytes.max(1)).min(left);
+        // A copy: the read buffer is reused for the next piece, not pinned
+        // by this one while it travels.
+        let piece = Bytes::copy_from_slice(&self.read_buf[..len]);
+        self.read_buf.advance(len);
+        pieces.left -= len as u64;
+        pieces.received += len;
+        Ok(piece)
     }
 
     /// The body of the request last read will not be read: the answer to

@@ -305,6 +305,8 @@ impl Relay {
                 // Control never retries a committed attempt.
                 Some(ReplyEvent::Retry(next)) if !self.started => self.end(Step::Retry(next)),
                 Some(ReplyEvent::Retry(_)) => {}
+                // A streamed upload's late credit: the upload is over.
+                Some(ReplyEvent::UploadCredit(_)) => {}
                 Some(ReplyEvent::Aborted(reason)) => self.fail(aborted(reason), false),
                 Some(ReplyEvent::Overflow) => self.fail(GatewayError::client_too_slow(), true),
                 Some(ReplyEvent::Lost) | None => self.fail(GatewayError::node_lost(), false),
@@ -733,6 +735,7 @@ mod tests {
             kind: DispatchKind::Tunnel,
             response_stall_timeout_ms: 0,
             strips_usage_chunk: false,
+            accepts_tunnel_body: false,
         })
     }
 

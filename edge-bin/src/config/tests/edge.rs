@@ -16,6 +16,7 @@ fn example_file_parses_into_the_documented_values() {
             client_listen: "127.0.0.1:8080".parse().unwrap(),
             node_listen: "127.0.0.1:7443".parse().unwrap(),
             max_request_body_bytes: 8 * 1024 * 1024,
+            max_upload_body_bytes: 25 * 1024 * 1024,
             max_frame_bytes: 16 * 1024 * 1024,
             insecure_plaintext_nodes: false,
             allow_anonymous: true,
