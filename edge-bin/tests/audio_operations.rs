@@ -13,10 +13,20 @@
 //! - A form without `model`, or a body that is not a form, is the client's
 //!   400 in the OpenAI shape, and no node hears of it; a form over the body
 //!   limit is a 413.
+//! - To a node that takes streamed bodies (`accepts_tunnel_body`), an
+//!   upload larger than `edge.max_request_body_bytes` streams: the tunnel
+//!   carries the form's start with the model replaced and announces the
+//!   rest (`body_follows_bytes`), which arrives in `ProviderTunnelBody`
+//!   frames in order, never more than `TUNNEL_BODY_WINDOW` charged bytes
+//!   beyond the credit the node granted; the node's answer reaches the
+//!   client byte for byte. Over `edge.max_upload_body_bytes` it is a 413.
 
 mod common;
 
 use common::*;
+use iop_wire::flow::{tunnel_body_charge, TUNNEL_BODY_WINDOW};
+use iop_wire::pb;
+use iop_wire::pb::frame::Body;
 
 /// The form's boundary.
 const BOUNDARY: &str = "----iop-test-7MA4YWxkTrZu0gW";
@@ -269,6 +279,157 @@ async fn a_bad_form_is_the_clients_400_and_no_node_hears_of_it() {
         )
         .await;
         assert_eq!((tunnel.operation.as_str(), response.status), ("speech", 200));
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// node-a registered as a node that takes streamed tunnel bodies, then
+/// ready.
+async fn streaming_node(edge: &TestEdge, pki: &Pki) -> RawNode {
+    let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-a")).await;
+    node.conn
+        .send_control(frame(Body::RegisterRequest(pb::RegisterRequest {
+            node_id: "node-a".into(),
+            node_version: "test".into(),
+            flow_control: 1,
+            strips_usage_chunk: true,
+            runs_embeddings: true,
+            accepts_tunnel_body: true,
+        })))
+        .expect("send register");
+    match node.next_frame().await {
+        Body::RegisterResponse(r) => assert!(r.accepted),
+        other => panic!("expected RegisterResponse, got {other:?}"),
+    }
+    assert_eq!(node.ready("node-a").await, ready_accepted());
+    node
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn an_upload_larger_than_a_whole_body_streams_under_the_nodes_credit() {
+    let pki = Pki::mint("audio-streamed");
+    guarded(async {
+        let options = EdgeOptions {
+            max_request_body_bytes: Some(64 * 1024),
+            extra_toml: String::new(),
+            ..EdgeOptions::without_provider()
+        };
+        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let mut node = streaming_node(&edge, &pki).await;
+        // 1 MB of audio: sixteen times the whole-body limit.
+        let audio: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let sent = form(&[
+            ("model", None, MODEL.as_bytes()),
+            ("file", Some("big.wav"), &audio),
+        ]);
+        let expected = form(&[
+            ("model", None, TARGET.as_bytes()),
+            ("file", Some("big.wav"), &audio),
+        ]);
+        let addr = edge.client_addr;
+        let request = post("/v1/audio/transcriptions", &form_type(), &sent);
+        let client = monoio::spawn(async move { http_exchange(addr, request).await });
+        let tunnel = next_tunnel(&mut node).await;
+        assert_eq!(tunnel.operation, "transcriptions");
+        assert!(
+            tunnel.body.len() <= 64 * 1024,
+            "the first piece is at most a whole body: {}",
+            tunnel.body.len()
+        );
+        assert_eq!(
+            tunnel.body.len() as u64 + tunnel.body_follows_bytes,
+            expected.len() as u64
+        );
+        let mut got = tunnel.body.to_vec();
+        let (mut charged, mut granted) = (0u64, TUNNEL_BODY_WINDOW);
+        let mut credits = 0;
+        while got.len() < expected.len() {
+            match node.next_frame().await {
+                Body::ProviderTunnelBody(piece) => {
+                    assert_eq!(piece.run_id, tunnel.run_id);
+                    charged += tunnel_body_charge(piece.data.len());
+                    assert!(charged <= granted, "{charged} charged, {granted} granted");
+                    got.extend_from_slice(&piece.data);
+                }
+                Body::FlowCredit(_) => continue,
+                other => panic!("unexpected frame {other:?}"),
+            }
+            // Credit as a provider would take the bytes: half a window at
+            // a time, once half of it was used.
+            if granted - charged < TUNNEL_BODY_WINDOW / 2 {
+                granted = charged + TUNNEL_BODY_WINDOW;
+                credits += 1;
+                node.conn
+                    .send_control(frame(Body::FlowCredit(pb::FlowCredit {
+                        credits: vec![pb::RunCredit {
+                            run_id: tunnel.run_id.clone(),
+                            max_offset: granted,
+                        }],
+                    })))
+                    .expect("send credit");
+            }
+        }
+        assert!(credits >= 3, "{credits} credits");
+        assert!(
+            got == expected,
+            "the node got the client's form, model replaced"
+        );
+        tunnel_answer(&mut node, &tunnel.run_id, b"{\"text\":\"ok\"}").await;
+        let response = client.await;
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.body, b"{\"text\":\"ok\"}");
+        edge.stop().await;
+    })
+    .await;
+}
+
+/// The node answers `run_id` with a 200 JSON `body` and its end.
+async fn tunnel_answer(node: &mut RawNode, run_id: &str, body: &'static [u8]) {
+    let frames = [
+        answer(
+            run_id,
+            1,
+            pb::TunnelFrameKind::ResponseStart,
+            &[("content-type", b"application/json")],
+            b"",
+        ),
+        answer(run_id, 2, pb::TunnelFrameKind::Body, &[], body),
+        answer(run_id, 3, pb::TunnelFrameKind::End, &[], b""),
+    ];
+    for f in frames {
+        node.conn.send_bulk(f).await.expect("send an answer frame");
+    }
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn an_upload_over_its_limit_is_a_413_before_it_is_read() {
+    let pki = Pki::mint("audio-upload-limit");
+    guarded(async {
+        let options = EdgeOptions {
+            extra_toml: String::new(),
+            ..EdgeOptions::without_provider()
+        };
+        let toml = edge_toml(&pki, &options).replacen(
+            "[edge]\n",
+            "[edge]\nmax_upload_body_bytes = 100000\n",
+            1,
+        );
+        assert!(toml.contains("max_upload_body_bytes = 100000"));
+        let edge = TestEdge::start(&pki, &toml);
+        let _node = streaming_node(&edge, &pki).await;
+        let sent = form(&[
+            ("model", None, MODEL.as_bytes()),
+            ("file", Some("big.wav"), &[1u8; 100_001]),
+        ]);
+        let response = http_exchange(
+            edge.client_addr,
+            post("/v1/audio/transcriptions", &form_type(), &sent),
+        )
+        .await;
+        assert_eq!(response.status, 413, "{response:?}");
+        assert_eq!(response.json()["error"]["code"], "request_too_large");
+        assert_eq!(edge.edge.control().leases().count(), 0);
         edge.stop().await;
     })
     .await;

@@ -70,16 +70,7 @@ impl FormRequest {
                 Some("model"),
             ));
         };
-        let name = std::str::from_utf8(&body[value.clone()])
-            .ok()
-            .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_BYTES)
-            .ok_or_else(|| {
-                GatewayError::invalid_request(
-                    "`model` must be a non-empty UTF-8 string of at most 256 bytes.",
-                    Some("model"),
-                )
-            })?
-            .to_owned();
+        let name = model_name(&body[value.clone()])?;
         Ok(Self {
             model: name,
             stream,
@@ -133,91 +124,244 @@ pub fn boundary(content_type: &[u8]) -> Result<&[u8], GatewayError> {
     Err(bad("it has no boundary parameter"))
 }
 
-/// One part: its field name and where its value lies in the body.
+/// One part: its field name, whether it is a file, and where its value
+/// lies in the body.
 #[derive(Debug)]
 struct Part {
     name: String,
+    file: bool,
     value: Range<usize>,
 }
 
-/// The parts of `body`, in order; an error ends the iteration.
+/// The delimiters of a form with `boundary`.
+struct Delimiters {
+    /// `--B`, which may open the body.
+    opening: Vec<u8>,
+    /// `\r\n--B`, which ends every part.
+    finder: memmem::Finder<'static>,
+}
+
+impl Delimiters {
+    fn new(boundary: &[u8]) -> Self {
+        let mut opening = Vec::with_capacity(boundary.len() + 2);
+        opening.extend_from_slice(b"--");
+        opening.extend_from_slice(boundary);
+        let mut delimiter = Vec::with_capacity(boundary.len() + 4);
+        delimiter.extend_from_slice(b"\r\n");
+        delimiter.extend_from_slice(&opening);
+        Self {
+            opening,
+            finder: memmem::Finder::new(&delimiter).into_owned(),
+        }
+    }
+}
+
+/// One step through a form: the next part, the close delimiter, or the
+/// point where the bytes so far end (with what is missing).
+enum Step {
+    Part { part: Part, next: usize },
+    Close,
+    Incomplete(&'static str),
+}
+
+fn malformed(why: &str) -> GatewayError {
+    GatewayError::invalid_request(format!("The multipart body is malformed: {why}."), None)
+}
+
+/// Where the first part's boundary line ends in `body` (the first
+/// delimiter may open the body, with no CRLF before it; a preamble is
+/// skipped).
+fn first_part(body: &[u8], d: &Delimiters) -> Result<usize, &'static str> {
+    if body.starts_with(&d.opening) {
+        return Ok(d.opening.len());
+    }
+    d.finder
+        .find(body)
+        .map(|at| at + d.finder.needle().len())
+        .ok_or("no boundary line")
+}
+
+/// The part after the boundary that ends at `at`. Linear in the bytes it
+/// looks at: one search for the header block's end (within 8 KiB), one for
+/// the delimiter.
+fn step(body: &[u8], at: usize, d: &Delimiters) -> Result<Step, GatewayError> {
+    let rest = &body[at..];
+    if rest.len() < 2 {
+        return Ok(Step::Incomplete("the body ends in a boundary line"));
+    }
+    if rest.starts_with(b"--") {
+        // The close delimiter: the epilogue is ignored.
+        return Ok(Step::Close);
+    }
+    // Transport padding, then the line's CRLF.
+    let padding = rest
+        .iter()
+        .take_while(|&&b| b == b' ' || b == b'\t')
+        .count();
+    match &rest[padding..] {
+        [] | [b'\r'] => return Ok(Step::Incomplete("the body ends in a boundary line")),
+        [b'\r', b'\n', ..] => {}
+        _ => return Err(malformed("a boundary line does not end in CRLF")),
+    }
+    let head_start = at + padding + 2;
+    let head_window = &body[head_start..body.len().min(head_start + MAX_PART_HEAD_BYTES)];
+    let head_len = match memmem::find(head_window, b"\r\n\r\n") {
+        Some(n) => n + 4,
+        None if head_window.starts_with(b"\r\n") => 2,
+        None if head_window.len() < MAX_PART_HEAD_BYTES => {
+            return Ok(Step::Incomplete("the body ends in a part's headers"))
+        }
+        None => return Err(malformed("a part's headers exceed 8 KiB")),
+    };
+    let value_start = head_start + head_len;
+    let head = &body[head_start..value_start];
+    let name = field_name(head)
+        .ok_or_else(|| malformed("a part has no Content-Disposition: form-data name"))?;
+    let file = has_filename(head);
+    let Some(value_len) = d.finder.find(&body[value_start..]) else {
+        return Ok(Step::Incomplete("the body ends inside a part"));
+    };
+    let value_end = value_start + value_len;
+    Ok(Step::Part {
+        part: Part {
+            name,
+            file,
+            value: value_start..value_end,
+        },
+        next: value_end + d.finder.needle().len(),
+    })
+}
+
+/// The parts of the whole form `body`, in order; an error ends the
+/// iteration.
 fn parts<'a>(
     body: &'a [u8],
-    boundary: &'a [u8],
+    boundary: &[u8],
 ) -> Result<impl Iterator<Item = Result<Part, GatewayError>> + 'a, GatewayError> {
-    let malformed = |why: &str| {
-        GatewayError::invalid_request(format!("The multipart body is malformed: {why}."), None)
-    };
-    // The first delimiter may open the body (no CRLF before it); every
-    // later one follows a CRLF, which belongs to it, not to the value.
-    let mut opening = Vec::with_capacity(boundary.len() + 2);
-    opening.extend_from_slice(b"--");
-    opening.extend_from_slice(boundary);
-    let mut delimiter = Vec::with_capacity(boundary.len() + 4);
-    delimiter.extend_from_slice(b"\r\n--");
-    delimiter.extend_from_slice(boundary);
-    let start = if body.starts_with(&opening) {
-        opening.len()
-    } else {
-        memmem::find(body, &delimiter)
-            .map(|at| at + delimiter.len())
-            .ok_or_else(|| malformed("no boundary line"))?
-    };
-    let finder = memmem::Finder::new(&delimiter).into_owned();
+    let d = Delimiters::new(boundary);
+    let start = first_part(body, &d).map_err(malformed)?;
     let mut at = Some(start);
     Ok(std::iter::from_fn(move || {
-        let after_delimiter = at.take()?;
-        let rest = &body[after_delimiter..];
-        if rest.starts_with(b"--") {
-            // The close delimiter: the epilogue is ignored.
-            return None;
-        }
-        // Transport padding, then the line's CRLF.
-        let padding = rest
-            .iter()
-            .take_while(|&&b| b == b' ' || b == b'\t')
-            .count();
-        if !rest[padding..].starts_with(b"\r\n") {
-            return Some(Err(malformed("a boundary line does not end in CRLF")));
-        }
-        let head_start = after_delimiter + padding + 2;
-        let head_window = &body[head_start..body.len().min(head_start + MAX_PART_HEAD_BYTES)];
-        let Some(head_len) = memmem::find(head_window, b"\r\n\r\n")
-            .map(|n| n + 4)
-            .or_else(|| head_window.starts_with(b"\r\n").then_some(2))
-        else {
-            return Some(Err(malformed(
-                "a part's headers do not end (or exceed 8 KiB)",
-            )));
-        };
-        let value_start = head_start + head_len;
-        let Some(value_len) = finder.find(&body[value_start..]) else {
-            return Some(Err(malformed("the body ends inside a part")));
-        };
-        let value_end = value_start + value_len;
-        at = Some(value_end + finder.needle().len());
-        let name = match field_name(&body[head_start..value_start]) {
-            Some(name) => name,
-            None => {
-                return Some(Err(malformed(
-                    "a part has no Content-Disposition: form-data name",
-                )))
+        let here = at.take()?;
+        match step(body, here, &d) {
+            Ok(Step::Part { part, next }) => {
+                at = Some(next);
+                Some(Ok(part))
             }
-        };
-        Some(Ok(Part {
-            name,
-            value: value_start..value_end,
-        }))
+            Ok(Step::Close) => None,
+            Ok(Step::Incomplete(why)) => Some(Err(malformed(why))),
+            Err(e) => Some(Err(e)),
+        }
     }))
+}
+
+/// What the start of a form, as far as it has arrived, says of its
+/// `model` field ([`scan_prefix`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prefix {
+    /// The `model` field came whole: its value, and whether a `stream`
+    /// field before it said `true`.
+    Model {
+        /// The model's name.
+        model: String,
+        /// Where its value lies.
+        value: Range<usize>,
+        /// A `stream=true` field came before it.
+        stream: bool,
+    },
+    /// A file part starts before any `model` field: the model is known only
+    /// once the file was read.
+    FileFirst,
+    /// The form ended without a `model` field.
+    NoModel,
+    /// More bytes are needed.
+    More,
+}
+
+/// Reads the start of a form, `prefix` (the first bytes of a body with
+/// `Content-Type` `content_type`), up to its `model` field. A caller
+/// scanning a growing prefix again starts over: the fields before a model
+/// are small, and the caller bounds the prefix.
+pub fn scan_prefix(prefix: &[u8], content_type: &[u8]) -> Result<Prefix, GatewayError> {
+    let d = Delimiters::new(boundary(content_type)?);
+    let mut at = match first_part(prefix, &d) {
+        Ok(at) => at,
+        Err(_) => return Ok(Prefix::More),
+    };
+    let mut stream = false;
+    loop {
+        match step(prefix, at, &d)? {
+            Step::Part { part, next } => {
+                if part.name == "model" {
+                    let model = model_name(&prefix[part.value.clone()])?;
+                    return Ok(Prefix::Model {
+                        model,
+                        value: part.value,
+                        stream,
+                    });
+                }
+                if part.file {
+                    return Ok(Prefix::FileFirst);
+                }
+                if part.name == "stream" {
+                    stream = prefix[part.value].eq_ignore_ascii_case(b"true");
+                }
+                at = next;
+            }
+            Step::Close => return Ok(Prefix::NoModel),
+            // A file part whose headers came: a file, wherever its value
+            // ends.
+            Step::Incomplete(_) if file_head_arrived(prefix, at) => return Ok(Prefix::FileFirst),
+            Step::Incomplete(_) => return Ok(Prefix::More),
+        }
+    }
+}
+
+/// Whether the part after the boundary ending at `at` is a file whose
+/// header block arrived whole.
+fn file_head_arrived(prefix: &[u8], at: usize) -> bool {
+    let rest = &prefix[at..];
+    let window = &rest[..rest.len().min(MAX_PART_HEAD_BYTES)];
+    memmem::find(window, b"\r\n\r\n").is_some_and(|end| has_filename(&window[..end + 2]))
+}
+
+/// A `model` field's value as a name: non-empty UTF-8 of at most 256 bytes.
+fn model_name(value: &[u8]) -> Result<String, GatewayError> {
+    std::str::from_utf8(value)
+        .ok()
+        .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_BYTES)
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            GatewayError::invalid_request(
+                "`model` must be a non-empty UTF-8 string of at most 256 bytes.",
+                Some("model"),
+            )
+        })
+}
+
+/// Whether a part's header block has a `filename` parameter in its
+/// `Content-Disposition` (a file, not a field).
+fn has_filename(head: &[u8]) -> bool {
+    disposition(head).is_some_and(|line| {
+        line.split(|&b| b == b';').skip(1).any(|param| {
+            let param = param.trim_ascii();
+            param.len() >= 8 && param[..8].eq_ignore_ascii_case(b"filename")
+        })
+    })
+}
+
+/// The `Content-Disposition` line of a part's header block, after the
+/// colon.
+fn disposition(head: &[u8]) -> Option<&[u8]> {
+    head.split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .find(|l| l.len() > 20 && l[..20].eq_ignore_ascii_case(b"content-disposition:"))
+        .map(|l| &l[20..])
 }
 
 /// The `name` parameter of a part's `Content-Disposition: form-data`.
 fn field_name(head: &[u8]) -> Option<String> {
-    let line = head
-        .split(|&b| b == b'\n')
-        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
-        .find(|l| l.len() > 20 && l[..20].eq_ignore_ascii_case(b"content-disposition:"))?;
-    let mut params = line[20..].split(|&b| b == b';');
+    let mut params = disposition(head)?.split(|&b| b == b';');
     if !params
         .next()?
         .trim_ascii()
@@ -331,6 +475,55 @@ mod tests {
         body.extend_from_slice(b"Content-Disposition: form-data; name=model\r\n\r\nm2\r\n--XyZ--");
         let req = FormRequest::parse(Bytes::from(body), CT).unwrap();
         assert_eq!(req.model, "m2");
+    }
+
+    #[test]
+    fn a_prefix_says_where_the_model_is_once_it_came_whole() {
+        let body = form(&[
+            ("stream", None, b"true"),
+            ("model", None, b"whisper-1"),
+            ("file", Some("a.wav"), b"RIFF...."),
+        ]);
+        // Every cut before the model's value ends needs more bytes.
+        let model_end = memmem::find(&body, b"whisper-1").unwrap() + 9;
+        for cut in 0..model_end + 2 {
+            assert_eq!(
+                scan_prefix(&body[..cut], CT).unwrap(),
+                Prefix::More,
+                "cut {cut}"
+            );
+        }
+        // Once the delimiter after it came, the model is known.
+        let after = model_end + 2 + 2 + 3;
+        let found = scan_prefix(&body[..after], CT).unwrap();
+        assert_eq!(
+            found,
+            Prefix::Model {
+                model: "whisper-1".into(),
+                value: model_end - 9..model_end,
+                stream: true
+            }
+        );
+        assert_eq!(scan_prefix(&body, CT).unwrap(), found);
+    }
+
+    #[test]
+    fn a_file_before_the_model_is_said_as_soon_as_its_headers_came() {
+        let body = form(&[("file", Some("a.wav"), &[0u8; 1000]), ("model", None, b"m")]);
+        let head_end = memmem::find(&body, b"audio/wav\r\n\r\n").unwrap() + 13;
+        assert_eq!(
+            scan_prefix(&body[..head_end - 1], CT).unwrap(),
+            Prefix::More
+        );
+        assert_eq!(
+            scan_prefix(&body[..head_end], CT).unwrap(),
+            Prefix::FileFirst
+        );
+        assert_eq!(scan_prefix(&body, CT).unwrap(), Prefix::FileFirst);
+        let no_model = form(&[("language", None, b"en")]);
+        assert_eq!(scan_prefix(&no_model, CT).unwrap(), Prefix::NoModel);
+        let bad = b"--XyZ\r\nno colon here\r\n\r\nx\r\n--XyZ--".to_vec();
+        assert!(scan_prefix(&bad, CT).is_err());
     }
 
     proptest::proptest! {

@@ -20,3 +20,4 @@ mod relay;
 pub mod router;
 pub mod status;
 pub mod ui;
+mod upload;

@@ -296,14 +296,21 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                     continue;
                 }
             };
+            // An upload with a length streams: its route reads the body.
+            let upload = tunneled(&path)
+                .filter(|e| method == "POST" && is_upload(e.op))
+                .and_then(|e| server.body_pieces(&head).map(|pieces| (e, pieces)));
             // The body moves into the route that reads it (it is freed as soon
             // as the route is done with it, not when the response ends).
-            let body = match server.read_body(&head).await {
-                Ok(body) => body,
-                Err(e) => {
-                    drop(in_flight);
-                    return refuse_request(&edge, &mut server, &e).await;
-                }
+            let body = match &upload {
+                Some(_) => Bytes::new(),
+                None => match server.read_body(&head).await {
+                    Ok(body) => body,
+                    Err(e) => {
+                        drop(in_flight);
+                        return refuse_request(&edge, &mut server, &e).await;
+                    }
+                },
             };
             server.rec.bytes_in = body.len() as u64;
             let principal = &*caller.principal;
@@ -318,7 +325,18 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
             let headers = std::mem::take(&mut head.headers);
             // The OpenAI-shaped operations tunneled as they are.
             let tunnel = tunneled(&path).filter(|_| method == "POST");
-            let result = if let Some(endpoint) = tunnel {
+            let result = if let Some((endpoint, pieces)) = upload {
+                Box::pin(super::upload::upload(
+                    &edge,
+                    &mut server,
+                    principal,
+                    endpoint,
+                    &head,
+                    pieces,
+                    headers,
+                ))
+                .await
+            } else if let Some(endpoint) = tunnel {
                 Box::pin(passthrough(
                     &edge,
                     &mut server,

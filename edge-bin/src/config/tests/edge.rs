@@ -180,7 +180,7 @@ fn unknown_keys_are_rejected_with_their_path() {
     assert_eq!(
         error_of("[tls]", "colour = \"blue\"\n[tls]"),
         "conf/edge.toml: edge.colour: unknown field `colour`, expected one of `name`, `trust_domain`, \
-         `client_listen`, `node_listen`, `max_request_body_bytes`, `max_frame_bytes`, \
+         `client_listen`, `node_listen`, `max_request_body_bytes`, `max_upload_body_bytes`, `max_frame_bytes`, \
          `insecure_plaintext_nodes`, `allow_anonymous`, `metrics_access`, \
          `node_metrics_max_age_ms`, `drain_grace_ms`, `flow_window_bytes`, \
          `client_write_stall_timeout_ms`, `response_wait_timeout_ms`, \
