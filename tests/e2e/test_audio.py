@@ -173,3 +173,31 @@ def test_a_form_without_a_model_is_a_400_in_the_openai_shape(cluster):
             "code": None,
         }
     }
+
+
+@pytest.mark.parametrize("cores", ["0", "0-1"])
+def test_an_upload_larger_than_a_whole_body_streams_through(cores):
+    """An Edge that holds at most 64 KiB of a body takes a 2 MB recording:
+    the upload streams to the Node and on to the provider as it arrives
+    (held whole, it would be a 413). With two cores the Edge's client
+    shard and node shard differ, and the Node's provider call runs on its
+    worker core."""
+    long_wav = a_wav(seconds=64.0)
+    assert len(long_wav) > 2_000_000
+    with Cluster(edge_extra=["max_request_body_bytes = 65536"], cores=cores) as c:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.audio.transcriptions.create(model=MODEL, file=("long.wav", long_wav, "audio/wav"))
+        assert got.text == f"transcript of {len(long_wav)} bytes {fnv1a_hex(long_wav)[:8]}"
+        seen = c.mock_stats()["last_audio"]
+        assert (seen["model"], seen["file_bytes"], seen["file_hash"]) == (
+            TARGET,
+            len(long_wav),
+            fnv1a_hex(long_wav),
+        )
+        # A JSON body over the same limit is still refused whole.
+        status, _, body = post(
+            c.base_url + "/v1/audio/speech",
+            json.dumps({"model": MODEL, "voice": "v", "input": "x" * 70_000}).encode(),
+            "application/json",
+        )
+        assert status == 413, body
