@@ -11,10 +11,8 @@
 
 mod common;
 
-use bytes::Bytes;
 use common::*;
 use iop_wire::pb;
-use iop_wire::pb::frame::Body;
 
 /// A model served by node-a alone whose requests wait long enough for a
 /// node to connect on a loaded machine (well inside [`TEST_TIMEOUT`]).
@@ -23,34 +21,6 @@ const WAITING_QUEUE_TIMEOUT_MS: u64 = 30_000;
 
 fn chat(model: &str) -> String {
     format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#)
-}
-
-/// A tunnel frame of `run_id` with `headers` and `body`.
-fn answer(
-    run_id: &str,
-    seq: u64,
-    kind: pb::TunnelFrameKind,
-    headers: &[(&str, &'static [u8])],
-    body: &'static [u8],
-) -> pb::Frame {
-    frame(Body::ProviderTunnelFrame(Box::new(
-        pb::ProviderTunnelFrame {
-            status: if kind == pb::TunnelFrameKind::ResponseStart {
-                200
-            } else {
-                0
-            },
-            headers: headers
-                .iter()
-                .map(|(name, value)| pb::Header {
-                    name: (*name).into(),
-                    value: Bytes::from_static(value),
-                })
-                .collect(),
-            body: Bytes::from_static(body),
-            ..tunnel_frame(run_id, seq, kind)
-        },
-    )))
 }
 
 /// The three frames of a complete JSON answer to `run_id` whose head says

@@ -707,60 +707,21 @@ pub mod pkcs8 {
         der
     }
 
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-    /// Standard base64 with padding (RFC 4648), into a zeroizing string.
+    /// Standard base64 with padding (RFC 4648), into a zeroizing string
+    /// sized up front (it never reallocates, so no copy is left behind).
     pub fn base64_encode(bytes: &[u8]) -> Zeroizing<String> {
-        let mut out = Zeroizing::new(String::with_capacity(bytes.len().div_ceil(3) * 4));
-        for chunk in bytes.chunks(3) {
-            let b = [
-                chunk[0],
-                chunk.get(1).copied().unwrap_or(0),
-                chunk.get(2).copied().unwrap_or(0),
-            ];
-            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-            for i in 0..4 {
-                if i <= chunk.len() {
-                    out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 0x3f) as usize]));
-                } else {
-                    out.push('=');
-                }
-            }
-        }
+        let mut out = Zeroizing::new(String::with_capacity(crate::base64::encoded_len(
+            bytes.len(),
+        )));
+        crate::base64::encode_into(bytes, &mut out);
         out
     }
 
     /// Decodes standard base64 (padding required, as PEM writes it) into a
-    /// zeroizing buffer; `None` for anything else.
+    /// zeroizing buffer sized up front; `None` for anything else.
     pub fn base64_decode(text: &str) -> Option<Zeroizing<Vec<u8>>> {
-        let text = text.as_bytes();
-        if text.is_empty() || text.len() % 4 != 0 {
-            return None;
-        }
         let mut out = Zeroizing::new(Vec::with_capacity(text.len() / 4 * 3));
-        let last = text.len() / 4 - 1;
-        for (index, quad) in text.chunks(4).enumerate() {
-            let pad = quad.iter().rev().take_while(|&&c| c == b'=').count();
-            if pad > 2 || (pad > 0 && index != last) {
-                return None;
-            }
-            let mut n = 0u32;
-            for &c in &quad[..4 - pad] {
-                let value = match c {
-                    b'A'..=b'Z' => c - b'A',
-                    b'a'..=b'z' => c - b'a' + 26,
-                    b'0'..=b'9' => c - b'0' + 52,
-                    b'+' => 62,
-                    b'/' => 63,
-                    _ => return None,
-                };
-                n = (n << 6) | u32::from(value);
-            }
-            n <<= 6 * pad as u32;
-            let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-            out.extend_from_slice(&bytes[..3 - pad]);
-        }
-        Some(out)
+        crate::base64::decode_into(text, &mut out).then_some(out)
     }
 
     #[cfg(test)]

@@ -32,6 +32,7 @@
 //! Unsafe code is confined to the buffer/IO modules (and the two allocator
 //! calls in [`memory`]), each block with a `// SAFETY:` note.
 
+pub mod base64;
 pub mod build;
 pub mod certs;
 pub mod clock;

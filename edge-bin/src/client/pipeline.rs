@@ -372,6 +372,43 @@ where
     Ok(sent)
 }
 
+/// Issues the lease of `dispatch` into `tunnel` (with `body`) and sends
+/// it to the node: false when the request was answered instead (the
+/// credential plane refused, or the node's connection is gone).
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn lease_and_send<S>(
+    edge: &Rc<Edge>,
+    server: &mut Client<S>,
+    principal: &str,
+    model: &str,
+    endpoint: Endpoint,
+    request: RequestId,
+    dispatch: &Dispatch,
+    tunnel: pb::ProviderTunnelRequest,
+    body: BodyParts,
+) -> Result<bool, HttpError>
+where
+    S: ClientStream,
+{
+    let run = match with_lease(edge, principal, model, dispatch, tunnel, body) {
+        Ok(run) => run,
+        Err(e) => {
+            refuse(edge, server, endpoint.surface, request, dispatch, &e).await?;
+            return Ok(false);
+        }
+    };
+    send_attempt(
+        edge,
+        server,
+        endpoint.surface,
+        request,
+        dispatch,
+        run,
+        false,
+    )
+    .await
+}
+
 /// `POST /v1/responses`, `/v1/messages`, `/v1/messages/count_tokens`: raw
 /// passthrough over a provider tunnel (U1–U5), with pre-commit failover.
 pub(super) async fn passthrough<S>(
@@ -486,21 +523,10 @@ where
             .flatten();
         tunnel.strip_usage_chunk = asking.is_some();
         let body = asking.unwrap_or_else(|| req.body_for_target(&dispatch.lease.target));
-        let run = match with_lease(edge, principal, &req.model, &dispatch, tunnel, body) {
-            Ok(frame) => frame,
-            Err(e) => return refuse(edge, server, endpoint.surface, request, &dispatch, &e).await,
-        };
-        if !Box::pin(send_attempt(
-            edge,
-            server,
-            endpoint.surface,
-            request,
-            &dispatch,
-            run,
-            false,
-        ))
-        .await?
-        {
+        let sent = lease_and_send(
+            edge, server, principal, &req.model, endpoint, request, &dispatch, tunnel, body,
+        );
+        if !Box::pin(sent).await? {
             return Ok(());
         }
         let result = relay(edge, server, endpoint.surface, &mut frames, &mut || {

@@ -208,28 +208,11 @@ where
         };
         let mut whole = BytesMut::from(&first.to_bytes()[..]);
         whole.extend_from_slice(&rest);
-        let run = match with_lease(
-            edge,
-            principal,
-            &model,
-            &dispatch,
-            tunnel,
-            BodyParts::whole(whole.freeze()),
-        ) {
-            Ok(run) => run,
-            Err(e) => return refuse(edge, server, endpoint.surface, request, &dispatch, &e).await,
-        };
-        if !Box::pin(send_attempt(
-            edge,
-            server,
-            endpoint.surface,
-            request,
-            &dispatch,
-            run,
-            false,
-        ))
-        .await?
-        {
+        let whole = BodyParts::whole(whole.freeze());
+        let sent = lease_and_send(
+            edge, server, principal, &model, endpoint, request, &dispatch, tunnel, whole,
+        );
+        if !Box::pin(sent).await? {
             return Ok(());
         }
     } else {

@@ -107,6 +107,24 @@ enum ClientState {
     Closed,
 }
 
+impl ClientState {
+    /// A request went out with `left` bytes of its body still to send.
+    fn sent(left: u64, head_request: bool, request_close: bool) -> Self {
+        if left == 0 {
+            ClientState::AwaitingHead {
+                head_request,
+                request_close,
+            }
+        } else {
+            ClientState::SendingBody {
+                left,
+                head_request,
+                request_close,
+            }
+        }
+    }
+}
+
 /// HTTP/1.1 client connection over stream `S`.
 ///
 /// Reads are never cancelled here; do not wrap these futures in a timeout
@@ -267,19 +285,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
             self.mark_closed();
             return Err(e.into());
         }
-        let (head_request, request_close) = (method == "HEAD", request_close);
-        self.state = if left == 0 {
-            ClientState::AwaitingHead {
-                head_request,
-                request_close,
-            }
-        } else {
-            ClientState::SendingBody {
-                left,
-                head_request,
-                request_close,
-            }
-        };
+        self.state = ClientState::sent(left, method == "HEAD", request_close);
         Ok(())
     }
 
@@ -308,18 +314,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ClientConn<S> {
             self.mark_closed();
             return Err(e.into());
         }
-        self.state = if left == 0 {
-            ClientState::AwaitingHead {
-                head_request,
-                request_close,
-            }
-        } else {
-            ClientState::SendingBody {
-                left,
-                head_request,
-                request_close,
-            }
-        };
+        self.state = ClientState::sent(left, head_request, request_close);
         Ok(())
     }
 

@@ -199,22 +199,19 @@ pub fn embed_answer(body: &[u8], inputs: usize) -> RunOutput {
     }
 }
 
-/// Runs one embeddings request against the adapter's Ollama server on a
-/// connection of `pool`: `start` at its 2xx head, then the terminal of its
-/// whole answer. `Err` is the failure terminal. The connection goes back to
-/// the pool once the answer was read to its end.
-pub async fn embed(
+/// Posts `body` to `path` of the adapter's Ollama server and sends `start`
+/// at a 2xx head: the exchange, positioned at the answer's body; `None`
+/// when the attempt is gone. A non-2xx answer is the failure terminal (its
+/// body read, bounded, into the message).
+async fn post(
     pool: &Rc<ProviderPool>,
     adapter: &Endpoint,
-    target: &str,
-    input: &pb::RunInput,
+    path: &str,
+    accept: &str,
+    body: Bytes,
     out: &OutputTx<RunOutput>,
-) -> Result<(), CallFailure> {
-    let body = embed_body(target, input)
-        .map_err(|e| (codes::INVALID_INPUT, format!("ollama request: {e}")))?;
-    let path = adapter.base_url.join(EMBED_PATH);
-    let mut exchange =
-        normalize::post_json(pool, adapter, &path, "application/json", &[], body).await?;
+) -> Result<Option<normalize::Exchange>, CallFailure> {
+    let mut exchange = normalize::post_json(pool, adapter, path, accept, &[], body).await?;
     let status = exchange.head.status;
     if !(200..300).contains(&status) {
         let body = exchange
@@ -234,8 +231,29 @@ pub async fn embed(
         })
         .await
     {
-        return Ok(());
+        return Ok(None);
     }
+    Ok(Some(exchange))
+}
+
+/// Runs one embeddings request against the adapter's Ollama server on a
+/// connection of `pool`: `start` at its 2xx head, then the terminal of its
+/// whole answer. `Err` is the failure terminal. The connection goes back to
+/// the pool once the answer was read to its end.
+pub async fn embed(
+    pool: &Rc<ProviderPool>,
+    adapter: &Endpoint,
+    target: &str,
+    input: &pb::RunInput,
+    out: &OutputTx<RunOutput>,
+) -> Result<(), CallFailure> {
+    let body = embed_body(target, input)
+        .map_err(|e| (codes::INVALID_INPUT, format!("ollama request: {e}")))?;
+    let path = adapter.base_url.join(EMBED_PATH);
+    let Some(mut exchange) = post(pool, adapter, &path, "application/json", body, out).await?
+    else {
+        return Ok(());
+    };
     let answer = exchange.body(MAX_JSON_BODY_BYTES).await?;
     // provider pool: the answer was read to its end.
     exchange.client.release();
@@ -366,29 +384,10 @@ pub async fn call(
     let body = chat_body(target, input)
         .map_err(|e| (codes::INVALID_INPUT, format!("ollama request: {e}")))?;
     let path = adapter.base_url.join(CHAT_PATH);
-    let mut exchange =
-        normalize::post_json(pool, adapter, &path, "application/x-ndjson", &[], body).await?;
-    let status = exchange.head.status;
-    if !(200..300).contains(&status) {
-        let body = exchange
-            .body(MAX_ERROR_BODY_BYTES)
-            .await
-            .unwrap_or_default();
-        // provider pool: the error body was read to its end.
-        exchange.client.release();
-        return Err((
-            codes::PROVIDER_ERROR,
-            normalize::status_message("ollama", status, &body),
-        ));
-    }
-    if !out
-        .send(RunOutput::Start {
-            metadata: HashMap::new(),
-        })
-        .await
-    {
+    let Some(exchange) = post(pool, adapter, &path, "application/x-ndjson", body, out).await?
+    else {
         return Ok(());
-    }
+    };
     let mut stream = ChatStream::new();
     exchange
         .relay_items(

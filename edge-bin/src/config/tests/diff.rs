@@ -463,6 +463,7 @@ fn every_setting_shows_a_change_of_its_value() {
 name = \"edge-2\"
 trust_domain = \"iop.example\"
 max_request_body_bytes = 1000
+max_upload_body_bytes = 1000
 max_frame_bytes = 200000
 allow_anonymous = true
 metrics_access = \"key\"
