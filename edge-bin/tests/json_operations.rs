@@ -174,11 +174,7 @@ async fn completions_and_embeddings_are_tunneled_byte_for_byte() {
 async fn an_operation_no_provider_serves_is_a_400_naming_it() {
     let pki = Pki::mint("json-ops-unsupported");
     guarded(async {
-        let options = EdgeOptions {
-            extra_toml: ollama_toml(),
-            ..EdgeOptions::without_provider()
-        };
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let edge = ollama_edge(&pki);
         let complete = format!(r#"{{"model":"{OLLAMA_MODEL}","prompt":"hi"}}"#);
         let response = http_request(
             edge.client_addr,
@@ -435,6 +431,15 @@ async fn a_streamed_completion_asks_for_usage_as_chat_does() {
     .await;
 }
 
+/// An Edge of node-a's models and [`ollama_toml`]'s.
+fn ollama_edge(pki: &Pki) -> TestEdge {
+    let options = EdgeOptions {
+        extra_toml: ollama_toml(),
+        ..EdgeOptions::without_provider()
+    };
+    TestEdge::start(pki, &edge_toml(pki, &options))
+}
+
 /// node-c registered (saying whether it runs embeddings), then ready.
 async fn ollama_node(edge: &TestEdge, pki: &Pki, runs_embeddings: bool) -> RawNode {
     let mut node = RawNode::connect(edge.node_addr, &pki.connector("node-c")).await;
@@ -483,11 +488,7 @@ fn run_event(run_id: &str, seq: u64, kind: pb::RunEventType) -> pb::RunEvent {
 async fn embeddings_on_an_ollama_provider_are_a_normalized_run() {
     let pki = Pki::mint("json-ops-embed-run");
     guarded(async {
-        let options = EdgeOptions {
-            extra_toml: ollama_toml(),
-            ..EdgeOptions::without_provider()
-        };
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let edge = ollama_edge(&pki);
         let mut node = ollama_node(&edge, &pki, true).await;
         let addr = edge.client_addr;
         let body = format!(
@@ -570,11 +571,7 @@ async fn embeddings_on_an_ollama_provider_are_a_normalized_run() {
 async fn an_older_nodes_ollama_provider_gets_no_embeddings() {
     let pki = Pki::mint("json-ops-embed-older");
     guarded(async {
-        let options = EdgeOptions {
-            extra_toml: ollama_toml(),
-            ..EdgeOptions::without_provider()
-        };
-        let edge = TestEdge::start(&pki, &edge_toml(&pki, &options));
+        let edge = ollama_edge(&pki);
         let mut node = ollama_node(&edge, &pki, false).await;
         let addr = edge.client_addr;
         // The provider is free, but no candidate: the request waits out

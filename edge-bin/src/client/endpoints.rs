@@ -108,23 +108,8 @@ pub(super) fn is_upload(op: Operation) -> bool {
     matches!(op, Operation::Transcriptions | Operation::Translations)
 }
 
-/// Every inference endpoint.
-pub(super) const ALL: [Endpoint; 14] = [
-    CHAT_COMPLETIONS,
-    RESPONSES,
-    MESSAGES,
-    COUNT_TOKENS,
-    COMPLETIONS,
-    EMBEDDINGS,
-    RERANK,
-    RERANK_V2,
-    SCORE,
-    TOKENIZE,
-    DETOKENIZE,
-    TRANSCRIPTIONS,
-    TRANSLATIONS,
-    SPEECH,
-];
+/// The chat family: routes of their own in [`super::pipeline`].
+pub(super) const CHAT_FAMILY: [Endpoint; 4] = [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS];
 
 /// The OpenAI-shaped endpoints tunneled as they are, through
 /// [`super::pipeline::passthrough`] (the chat family has routes of its own).
@@ -146,9 +131,14 @@ pub(super) fn tunneled(path: &str) -> Option<Endpoint> {
     TUNNELED.into_iter().find(|e| e.path == path)
 }
 
+/// Every inference endpoint.
+pub(super) fn all() -> impl Iterator<Item = Endpoint> {
+    CHAT_FAMILY.into_iter().chain(TUNNELED)
+}
+
 /// The routes that go through admission and a node (metrics: end to end).
 pub(super) fn is_inference_route(path: &str) -> bool {
-    ALL.iter().any(|route| route.path == path)
+    all().any(|route| route.path == path)
 }
 
 #[cfg(test)]
@@ -157,7 +147,8 @@ mod tests {
 
     #[test]
     fn each_endpoint_names_its_operation() {
-        for e in ALL {
+        assert_eq!(all().count(), 14);
+        for e in all() {
             assert_eq!(e.operation, e.op.name(), "{}", e.path);
         }
         assert_eq!(tunneled("/v2/rerank").map(|e| e.operation), Some("rerank"));
