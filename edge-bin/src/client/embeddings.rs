@@ -16,9 +16,10 @@ use iop_engine::http::HttpError;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use super::attempt::{frame, send_attempt};
 use super::conn::*;
+use super::endpoints::unsupported;
 use super::endpoints::Endpoint;
-use super::pipeline::{frame, send_attempt, unsupported};
 use super::relay::{relay_embeddings, Relayed};
 use crate::api::embeddings::{EmbeddingsAnswer, EmbeddingsRun};
 use crate::api::openai::PassthroughRequest;

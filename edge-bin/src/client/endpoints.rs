@@ -1,7 +1,7 @@
 //! The inference endpoints: each one's path, operation and error shape
 //! (the operation descriptor the pipeline is driven by).
 
-use crate::api::error::Surface;
+use crate::api::error::{GatewayError, Surface};
 use crate::control::Operation;
 
 /// An inference endpoint: which profile operation it is (U3) and which
@@ -101,6 +101,14 @@ pub(super) const SPEECH: Endpoint = Endpoint {
     path: "/v1/audio/speech",
     surface: Surface::OpenAi,
 };
+
+/// 400: no provider of `model` serves `endpoint`'s operation.
+pub(super) fn unsupported(model: &str, endpoint: Endpoint) -> GatewayError {
+    GatewayError::invalid_request(
+        format!("No provider serving `{model}` supports {}.", endpoint.path),
+        None,
+    )
+}
 
 /// Whether `op`'s body is a `multipart/form-data` upload (its `model`
 /// field is replaced; everything else passes as sent).

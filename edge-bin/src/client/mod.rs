@@ -9,6 +9,7 @@
 //! ([`metrics`]) and the `/ui` status page ([`ui`]).
 
 pub mod admin;
+mod attempt;
 mod caller;
 mod conn;
 mod embeddings;

@@ -14,6 +14,7 @@ use iop_wire::codec::BodyParts;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
 
+use super::attempt::*;
 use super::caller::*;
 use super::conn::*;
 use super::endpoints::*;
@@ -32,10 +33,6 @@ use crate::link::replies::ReplyRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
 use crate::plane::running::Running;
-
-pub(super) fn frame(body: Body) -> pb::Frame {
-    pb::Frame { body: Some(body) }
-}
 
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
 /// provider's answer — again from the next provider `Control` picks when an
@@ -339,37 +336,6 @@ where
         return write_caller_refusal(server, endpoint.surface, &refusal).await;
     }
     write_error(server, endpoint.surface, &GatewayError::no_provider(model)).await
-}
-
-/// 400: no provider of `model` serves `endpoint`'s operation.
-pub(super) fn unsupported(model: &str, endpoint: Endpoint) -> GatewayError {
-    GatewayError::invalid_request(
-        format!("No provider serving `{model}` supports {}.", endpoint.path),
-        None,
-    )
-}
-
-/// Sends a run to the lease's node; on failure settles the request and
-/// answers the client. Returns whether it was sent. `buffered`: its relay
-/// writes only at the end (the commit point, [`crate::control::attempt`]).
-pub(super) async fn send_attempt<S>(
-    edge: &Rc<Edge>,
-    server: &mut Client<S>,
-    surface: Surface,
-    request: RequestId,
-    dispatch: &Dispatch,
-    run: NodeRequest,
-    buffered: bool,
-) -> Result<bool, HttpError>
-where
-    S: ClientStream,
-{
-    let sent = edge.start_attempt(request, dispatch, run, buffered).await;
-    if !sent {
-        edge.abandon(request);
-        write_error(server, surface, &GatewayError::node_unavailable()).await?;
-    }
-    Ok(sent)
 }
 
 /// Issues the lease of `dispatch` into `tunnel` (with `body`) and sends
