@@ -596,3 +596,38 @@ fn a_session_waits_for_its_provider_and_a_cancel_ends_the_wait() {
     // Nothing left to time out.
     assert_eq!(f.advance(WAIT_MS * 10), []);
 }
+
+/// A request waiting for a provider that forgets what it was sent (its
+/// node fenced, or itself ejected) does not wait out the rest of its
+/// bound: it goes to a free provider at once. The simulation checks that
+/// no request ever waits for such a provider.
+#[test]
+fn a_wait_for_a_provider_that_leaves_ends_at_once() {
+    // Ejected: a failure of one of p1's requests.
+    let mut f = Fixture::with_affinity_wait();
+    let a = prompt("{\"conversation A\":\"whose prefix p1 holds, and p1 is full\"}");
+    let held = fill_p1(&mut f, "pre", &a);
+    let (waiting, to) = f.send("pre", a.clone());
+    assert_eq!(to, None);
+    let out = f.finish(held[0], AttemptEnd::Failed(FailureReason::ConnectFailure));
+    assert!(
+        out.iter()
+            .any(|a| matches!(a, Action::Event(edge_bin::control::Event::Ejected { .. }))),
+        "{out:?}"
+    );
+    assert_eq!(dispatched(&out, waiting).as_deref(), Some("p2"));
+    let stats = f.view("pre").routing_stats;
+    assert_eq!((stats.affinity_waits, stats.affinity_waits_expired), (1, 0));
+
+    // Fenced: p1's node closes; the request waiting for p1 goes to q1.
+    let mut f = Fixture::with_affinity_wait();
+    let held = fill_p1(&mut f, "two", &a);
+    let (waiting, to) = f.send("two", a.clone());
+    assert_eq!(to, None);
+    let out = f.handle(Input::Closed {
+        conn: N1,
+        drained: false,
+    });
+    assert_eq!(dispatched(&out, waiting).as_deref(), Some("q1"));
+    assert!(held.iter().all(|&r| dispatched(&out, r).is_none()));
+}

@@ -70,12 +70,15 @@ impl Control {
         }
         self.refresh(p);
         // An engine that fails may have lost its cache: its prefixes go.
-        self.forget_routes(p);
+        let requeued = self.forget_routes(p);
         out.push(Action::Event(Event::Ejected {
             provider,
             ejection,
             consecutive_failures,
         }));
+        if requeued {
+            self.pump(out);
+        }
     }
 
     /// Whether ejecting provider `p` keeps every model it serves within

@@ -349,7 +349,12 @@ impl Control {
                     let filed = match waits {
                         None => in_queue,
                         Some(w) => {
-                            !in_queue
+                            // Never for a provider that forgot what it
+                            // was sent (fenced or ejected: `forget_routes`).
+                            let provider = &self.providers[w.provider];
+                            let live = provider.outlier.ejection().is_none()
+                                && self.nodes[provider.node].ready_owner().is_some();
+                            live && !in_queue
                                 && Some(w.lane) == p.lane
                                 && w.long == p.long
                                 && self.affinity_deadlines.contains(&(w.until, *request))

@@ -274,6 +274,7 @@ impl Control {
             self.reset_health(p);
             self.refresh(p);
             // Its engines may restart with it: what they cached is unknown.
+            // Requests waiting for it rejoin their queues (pumped below).
             self.forget_routes(p);
         }
         // In arrival order, now that the fenced providers are no

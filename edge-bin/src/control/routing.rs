@@ -642,14 +642,27 @@ impl Control {
     }
 
     /// Provider `p` no longer holds what it was sent (its node was fenced,
-    /// or it was ejected): every tree and session table forgets it.
-    pub(super) fn forget_routes(&mut self, p: usize) {
+    /// or it was ejected): every tree and session table forgets it, and the
+    /// requests waiting for it join their lanes' queues now rather than at
+    /// the end of their wait. True if any did (the caller pumps).
+    pub(super) fn forget_routes(&mut self, p: usize) -> bool {
         for model in &mut self.models {
             if let Some(tree) = &mut model.router.tree {
                 tree.remove_provider(ProviderId(p as u32));
             }
             model.router.sessions.forget_provider(p);
         }
+        let waiting: Vec<RequestId> = self
+            .waiters
+            .get(&p)
+            .map(|set| set.iter().copied().collect())
+            .unwrap_or_default();
+        for &request in &waiting {
+            let w = self.waiting[&request];
+            self.stop_waiting(request);
+            self.enqueue(request, w.lane, w.long);
+        }
+        !waiting.is_empty()
     }
 
     /// The providers of `lane` that may take new work (ejected or not).
