@@ -108,6 +108,9 @@ def test_the_status_page_in_headless_chromium(browser):
         # The Edge's own logs: the access log on stderr, writing fine.
         access_log = _text(browser, 'tr[data-log="access log"]')
         assert "stderr" in access_log and "ok" in access_log, access_log
+        # The model's routing policy (the harness routes by load).
+        model = _text(browser, f'tr[data-model="{MODEL}"]')
+        assert "least_loaded · 0 by load" in model, model
         # The configured node that never connects.
         assert _node_phase(browser, "node-offline") == "offline"
         assert "never connected" in _text(browser, 'tr[data-node="node-offline"]')

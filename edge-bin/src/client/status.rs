@@ -145,22 +145,27 @@ impl Fleet {
 /// A model's `/status` entry: its queue, and its routing policy with what
 /// it decided (dispatches by route) and its prefix tree's size.
 pub fn model_json(m: &ModelView) -> Value {
-    let s = &m.routing_stats;
     json!({
         "model": m.model,
         "queued": m.queued,
         "max_queue": m.max_queue,
-        "routing": {
-            "policy": m.routing.as_str(),
-            "routed_by_load": s.by_load,
-            "routed_by_match": s.by_match,
-            "routed_by_session": s.by_session,
-            "imbalance_fallbacks": s.imbalance_fallbacks,
-            "affinity_waits": s.affinity_waits,
-            "affinity_waits_expired": s.affinity_waits_expired,
-            "tree_bytes": m.tree_bytes,
-            "tree_budget_bytes": m.tree_budget_bytes,
-        },
+        "routing": routing_json(m),
+    })
+}
+
+/// A model's routing policy and what it decided (`/status`, `/ui`).
+pub fn routing_json(m: &ModelView) -> Value {
+    let s = &m.routing_stats;
+    json!({
+        "policy": m.routing.as_str(),
+        "routed_by_load": s.by_load,
+        "routed_by_match": s.by_match,
+        "routed_by_session": s.by_session,
+        "imbalance_fallbacks": s.imbalance_fallbacks,
+        "affinity_waits": s.affinity_waits,
+        "affinity_waits_expired": s.affinity_waits_expired,
+        "tree_bytes": m.tree_bytes,
+        "tree_budget_bytes": m.tree_budget_bytes,
     })
 }
 

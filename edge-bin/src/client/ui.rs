@@ -232,6 +232,7 @@ fn model_json(m: &ModelView) -> Value {
         "candidates": m.candidates,
         "queued": m.queued,
         "max_queue": m.max_queue,
+        "routing": status::routing_json(m),
     })
 }
 
@@ -630,7 +631,11 @@ mod tests {
                 ],
                 "models": [
                     {"model": "llama", "providers": 2, "candidates": 1, "queued": 3,
-                     "max_queue": 64},
+                     "max_queue": 64, "routing": {
+                         "policy": "prefix", "routed_by_load": 5, "routed_by_match": 12,
+                         "routed_by_session": 0, "imbalance_fallbacks": 0,
+                         "affinity_waits": 0, "affinity_waits_expired": 0,
+                         "tree_bytes": 4096, "tree_budget_bytes": 1048576}},
                 ],
                 "traffic": {
                     "requests_total": 24, "ok_total": 20, "rejected_total": 3,
