@@ -61,6 +61,7 @@
 //! - The overlay changes only as H4 (set) and H6 (clear) allow.
 
 pub mod attempt;
+pub mod fair;
 pub mod outlier;
 pub mod prefix;
 pub mod routing;
