@@ -1064,6 +1064,7 @@ impl Sim {
                 operation: Operation::ChatCompletions,
                 long: false,
                 hint: RouteHint::default(),
+                share: edge_bin::control::fair::Share::default(),
             },
         );
     }

@@ -158,6 +158,7 @@ impl Fixture {
             operation,
             long: false,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         })
     }
 
@@ -817,6 +818,7 @@ fn a_fenced_attempt_before_the_first_byte_goes_to_another_node() {
             operation: Operation::ChatCompletions,
             long: false,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         });
     }
     // Least loaded: 1 on n1/p1, 2 on n2/q1.

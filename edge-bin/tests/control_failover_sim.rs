@@ -578,12 +578,21 @@ impl Sim {
                     },
                 );
                 let hint = self.gen_hint();
+                // Three keys, three classes, weights and costs at random:
+                // the queue discipline is part of every schedule.
+                let share = edge_bin::control::fair::Share {
+                    principal: self.rng.below(3),
+                    class: [10, 50, 90][self.rng.below(3) as usize],
+                    weight: 1 + self.rng.below(3) as u32,
+                    cost: 1 + self.rng.below(2_000),
+                };
                 self.apply(Input::Submit {
                     request,
                     model: MODELS[model].0.into(),
                     operation: Operation::ChatCompletions,
                     long: false,
                     hint,
+                    share,
                 })?;
             }
             37..=66 => {

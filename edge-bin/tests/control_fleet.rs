@@ -159,6 +159,7 @@ impl Fixture {
             operation: Operation::ChatCompletions,
             long,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         })
     }
 

@@ -118,6 +118,7 @@ impl Driver {
             operation: Operation::ChatCompletions,
             long: false,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         });
         match out.as_slice() {
             [Action::Dispatch(d)] => d.clone(),

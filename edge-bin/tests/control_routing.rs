@@ -3,11 +3,13 @@
 //! rule, a busy match never waited for, forgetting a fenced or ejected
 //! provider, the tree kept across a reload), `session` (affinity, and a
 //! removed provider moving only its own sessions), `least_loaded`, and the
-//! queue's order under every policy.
+//! queue's order under every policy: between keys (weighted fair queueing)
+//! and priority classes ([`edge_bin::control::fair`]).
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use edge_bin::control::fair::{Share, MIN_SHARE_EVERY};
 use edge_bin::control::outlier::OutlierPolicy;
 use edge_bin::control::prefix::{PrefixTree, PrefixTreeSpec};
 use edge_bin::control::routing::session_hash;
@@ -147,6 +149,33 @@ impl Fixture {
         f
     }
 
+    /// Model queues of `max_queue` (the floods below fit).
+    fn with_queue(max_queue: u32) -> Self {
+        let mut f = Self::new();
+        let mut spec = spec(&POOL);
+        for m in &mut spec.models {
+            m.max_queue = max_queue;
+            m.queue_timeout = Duration::from_secs(3600);
+        }
+        f.handle(Input::Reconfigure(Box::new(spec)));
+        f
+    }
+
+    /// Submits a `ll` request charged `share`: its id and where it went.
+    fn submit(&mut self, share: Share) -> (RequestId, Option<String>) {
+        self.next += 1;
+        let request = RequestId(self.next);
+        let out = self.handle(Input::Submit {
+            request,
+            model: "ll".into(),
+            operation: Operation::ChatCompletions,
+            long: false,
+            hint: RouteHint::default(),
+            share,
+        });
+        (request, dispatched(&out, request))
+    }
+
     /// Moves the clock `ms` on and runs the timers due.
     fn advance(&mut self, ms: u64) -> Vec<Action> {
         self.now += Duration::from_millis(ms);
@@ -185,6 +214,7 @@ impl Fixture {
             operation: Operation::ChatCompletions,
             long: false,
             hint,
+            share: edge_bin::control::fair::Share::default(),
         });
         (request, dispatched(&out, request))
     }
@@ -630,4 +660,94 @@ fn a_wait_for_a_provider_that_leaves_ends_at_once() {
     });
     assert_eq!(dispatched(&out, waiting).as_deref(), Some("q1"));
     assert!(held.iter().all(|&r| dispatched(&out, r).is_none()));
+}
+
+fn key(principal: u64, class: u8, weight: u32) -> Share {
+    Share {
+        principal,
+        class,
+        weight,
+        cost: 100,
+    }
+}
+
+/// Fills the model `ll` (three providers of [`CAPACITY`]) with `filler`'s
+/// requests, queues `queued` after it, then frees one slot at a time
+/// `admissions` times: who got each freed slot, in order.
+fn admissions(f: &mut Fixture, queued: &[Share], admissions: usize) -> Vec<Share> {
+    let mut running: Vec<(RequestId, Share)> = (0..3 * CAPACITY)
+        .map(|_| {
+            let filler = key(99, 50, 1);
+            let (r, to) = f.submit(filler);
+            assert!(to.is_some());
+            (r, filler)
+        })
+        .collect();
+    let mut waiting = std::collections::HashMap::new();
+    for &share in queued {
+        let (r, to) = f.submit(share);
+        assert_eq!(to, None, "the model is full");
+        waiting.insert(r, share);
+    }
+    let mut got = Vec::new();
+    for _ in 0..admissions {
+        let (oldest, _) = running.remove(0);
+        let out = f.finish(oldest, AttemptEnd::Answered);
+        let admitted: Vec<RequestId> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Dispatch(d) => Some(d.request),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(admitted.len(), 1, "one slot, one admission: {out:?}");
+        let share = waiting.remove(&admitted[0]).expect("a queued request");
+        running.push((admitted[0], share));
+        got.push(share);
+    }
+    got
+}
+
+/// A key that floods a saturated model gets its share and no more: with
+/// weights 1:1 each backlogged key's admissions stay within 10 % of half,
+/// in every window of 20; with weights 1:3, a quarter and three quarters.
+#[test]
+fn backlogged_keys_share_a_full_model_by_their_weights() {
+    let mut f = Fixture::with_queue(1_000);
+    // A queued 300 before B's 300 arrived: FIFO would give A all of the
+    // first 300 admissions.
+    let (a, b) = (key(1, 50, 1), key(2, 50, 1));
+    let queued: Vec<Share> = [a; 300].into_iter().chain([b; 300]).collect();
+    let got = admissions(&mut f, &queued, 200);
+    for window in got.chunks(20) {
+        let of_a = window.iter().filter(|s| s.principal == 1).count();
+        assert!((9..=11).contains(&of_a), "A got {of_a} of 20: {window:?}");
+    }
+    let mut f = Fixture::with_queue(1_000);
+    let (a, b) = (key(1, 50, 1), key(2, 50, 3));
+    let queued: Vec<Share> = [a; 300].into_iter().chain([b; 300]).collect();
+    let got = admissions(&mut f, &queued, 200);
+    let of_b = got.iter().filter(|s| s.principal == 2).count();
+    assert!(
+        (145..=155).contains(&of_b),
+        "B got {of_b} of 200 at weight 3 to 1"
+    );
+}
+
+/// A higher class is admitted first; a lower class waiting behind it still
+/// gets one admission in [`MIN_SHARE_EVERY`]; alone, all of them.
+#[test]
+fn a_higher_class_goes_first_and_a_lower_one_is_not_starved() {
+    let mut f = Fixture::with_queue(1_000);
+    let (batch, interactive) = (key(1, 10, 1), key(2, 90, 1));
+    let queued: Vec<Share> = [batch; 100].into_iter().chain([interactive; 50]).collect();
+    let got = admissions(&mut f, &queued, 120);
+    let first_batch = got.iter().position(|s| s.class == 10).unwrap();
+    assert_eq!(first_batch as u32, MIN_SHARE_EVERY - 1, "{got:?}");
+    // While the interactive key waits: one batch admission in ten.
+    let while_both = &got[..50];
+    let batch_share = while_both.iter().filter(|s| s.class == 10).count();
+    assert_eq!(batch_share, 5, "{while_both:?}");
+    // Then the batch key alone gets every slot.
+    assert!(got[60..].iter().all(|s| s.class == 10));
 }

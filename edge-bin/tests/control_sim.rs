@@ -594,6 +594,9 @@ struct SReq {
     model: Option<usize>,
     long: bool,
     state: SState,
+    /// Whom it is charged to in its queue: one key's requests of one
+    /// class run in arrival order.
+    share: (u64, u8),
 }
 
 #[derive(Debug, Clone)]
@@ -1738,12 +1741,21 @@ impl<'w> Sim<'w> {
         };
         let long = self.rng.chance(30);
         let request = RequestId(self.sh.next_request);
+        // Three keys, three classes, weights and costs at random: the
+        // queue discipline is part of every schedule.
+        let share = edge_bin::control::fair::Share {
+            principal: self.rng.below(3),
+            class: [10, 50, 90][self.rng.below(3) as usize],
+            weight: 1 + self.rng.below(3) as u32,
+            cost: 1 + self.rng.below(2_000),
+        };
         self.apply(Input::Submit {
             request,
             model,
             operation: Operation::ChatCompletions,
             long,
             hint: RouteHint::default(),
+            share,
         })
     }
 
@@ -2744,9 +2756,11 @@ impl<'w> Sim<'w> {
                 request,
                 model,
                 long,
+                share,
                 ..
             } => {
                 let id = *request;
+                let share = (share.principal, share.class);
                 if id.0 != self.sh.next_request {
                     return Err(self.fail("generator submitted out of order"));
                 }
@@ -2766,6 +2780,7 @@ impl<'w> Sim<'w> {
                                 model: None,
                                 long: *long,
                                 state: SState::Queued { deadline: self.now },
+                                share,
                             },
                         );
                     }
@@ -2789,6 +2804,7 @@ impl<'w> Sim<'w> {
                                 state: SState::Queued {
                                     deadline: self.now + info.timeout,
                                 },
+                                share,
                             },
                         );
                         ex.submit = Some(id);
@@ -3379,13 +3395,23 @@ impl<'w> Sim<'w> {
                 draining: false,
             });
         }
-        // Arrival order: no earlier request that fits the provider a later
-        // one got is left waiting.
+        // Arrival order within a queue, key and class (the queue's
+        // discipline, `control::fair`, orders the rest, and the earliest
+        // head goes first among queues): no earlier request of the same
+        // key and class in the same queue is left waiting while a later one
+        // gets a provider.
         for &(r, p, long) in &dispatched {
+            let Some((share, model)) = self.sh.active.get(&r).map(|sr| (sr.share, sr.model)) else {
+                continue;
+            };
             for (q, sq) in self.sh.active.range(..r) {
                 let SState::Queued { .. } = sq.state else {
                     continue;
                 };
+                // One queue: one model, one context length.
+                if sq.share != share || sq.model != model || sq.long != long {
+                    continue;
+                }
                 let Some(m) = sq.model else { continue };
                 if self.sh.pool(m).contains(&p) && (!sq.long || long) {
                     return Err(self.fail(format!(
@@ -4538,6 +4564,7 @@ impl Fixture {
             operation: Operation::ChatCompletions,
             long,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         })
     }
 
@@ -5149,6 +5176,7 @@ fn f4_correctness_transitions_happen_in_the_handle_call_without_events() {
                 operation: Operation::ChatCompletions,
                 long: false,
                 hint: RouteHint::default(),
+                share: edge_bin::control::fair::Share::default(),
             },
         );
         assert_eq!(out, vec![f.dispatch(id, node, "p1", conn, false)]);

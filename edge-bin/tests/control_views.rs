@@ -286,6 +286,7 @@ fn model_views_count_free_candidates_and_the_queue() {
                 operation: Operation::ChatCompletions,
                 long: false,
                 hint: RouteHint::default(),
+                share: edge_bin::control::fair::Share::default(),
             },
             out,
         );
@@ -453,6 +454,7 @@ fn removed_nodes_and_providers_show_and_removed_models_do_not() {
             operation: Operation::ChatCompletions,
             long: false,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         },
         &mut out,
     );

@@ -146,6 +146,7 @@ fn submit(
             operation: Operation::ChatCompletions,
             long: false,
             hint: RouteHint::default(),
+            share: edge_bin::control::fair::Share::default(),
         },
         out,
     );

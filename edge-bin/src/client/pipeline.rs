@@ -24,6 +24,7 @@ use crate::api::error::{GatewayError, Surface};
 use crate::api::openai::{ChatRequest, PassthroughRequest};
 use crate::api::route_hint::SESSION_HEADER;
 use crate::api::translate::ResponseId;
+use crate::control::fair::Share;
 use crate::control::{
     CancelReason, Dispatch, DispatchKind, Input, Operation, Rejection, RequestId, RouteHint,
     RoutingPolicy,
@@ -32,6 +33,7 @@ use crate::link::edge::{Admission, Edge};
 use crate::link::replies::ReplyRx;
 use crate::link::shards::NodeRequest;
 use crate::plane::credentials::{CredentialError, LeaseRequest};
+use crate::plane::limits::estimate_prompt_tokens;
 use crate::plane::running::Running;
 
 /// `POST /v1/chat/completions`: admit through `Control`, then relay the
@@ -281,7 +283,8 @@ where
         return Ok(None);
     }
     let submitted_at = clock::now(); // metrics: queue wait
-    let (request, mut admission) = edge.submit(model, endpoint.op, long, hint);
+    let share = queue_share(server);
+    let (request, mut admission) = edge.submit(model, endpoint.op, long, hint, share);
     // U6: a client that leaves while queued is removed from the queue; one
     // that leaves just as its lease was won settles the lease at once.
     let answer = match server.watch_peer(&mut admission).await {
@@ -317,6 +320,27 @@ where
     };
     write_error(server, endpoint.surface, &e).await?;
     Ok(None)
+}
+
+/// Who a request is charged to while it queues: its caller's principal,
+/// class and weight, and its estimated tokens (the body's, as the per-key
+/// token limit estimates them).
+fn queue_share<S>(server: &Client<S>) -> Share {
+    let cost = estimate_prompt_tokens(usize::try_from(server.rec.bytes_in).unwrap_or(usize::MAX));
+    match &server.caller {
+        Some(caller) => Share {
+            principal: caller.principal_id,
+            class: caller.priority,
+            weight: caller.weight,
+            cost,
+        },
+        None => Share {
+            principal: 0,
+            class: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
+            cost,
+        },
+    }
 }
 
 /// Answers a request no Edge of the cluster could take for as long as its

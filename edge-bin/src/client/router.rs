@@ -278,10 +278,17 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
             // and the metrics scrape needs one (401 in the route's shape),
             // answered before the body is read; a request with a body then
             // ends its connection with a lingering close.
-            let caller = match authenticate(&edge, &path, &head.headers) {
+            let checked = match authenticate(&edge, &path, &head.headers) {
+                Ok(caller) => lowered_priority(caller, &path, &head.headers),
+                Err(refused) => Err(refused),
+            };
+            let caller = match checked {
                 Ok(caller) => caller,
                 Err((surface, e)) => {
-                    engine_metrics::add(Count::EdgeClientAuthRefusals, 1);
+                    // A 400 is a bad priority header, not a refused key.
+                    if e.status != 400 {
+                        engine_metrics::add(Count::EdgeClientAuthRefusals, 1);
+                    }
                     server.skip_body(&head);
                     let result = write_error(&mut server, surface, &e).await;
                     server.log_access();
@@ -602,6 +609,50 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
     }
 }
 
+/// The header with which a request lowers its own priority class (never
+/// raises it above its key's).
+pub const PRIORITY_HEADER: &str = "x-iop-priority";
+
+/// `caller` with the class its request asks for in [`PRIORITY_HEADER`], if
+/// lower than its key's; a value that names no class is the client's 400.
+// The refusal is built once per refused request, as `authenticate`'s is.
+#[allow(clippy::result_large_err)]
+fn lowered_priority(
+    mut caller: Caller,
+    path: &str,
+    headers: &[iop_engine::http::Header],
+) -> Result<Caller, (Surface, GatewayError)> {
+    let Some(header) = headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case(PRIORITY_HEADER))
+    else {
+        return Ok(caller);
+    };
+    let asked = std::str::from_utf8(&header.value)
+        .ok()
+        .and_then(|v| crate::config::priority_class(v.trim()));
+    let Some(asked) = asked else {
+        let surface = if path.starts_with(MESSAGES.path) {
+            Surface::Anthropic
+        } else {
+            Surface::OpenAi
+        };
+        return Err((
+            surface,
+            GatewayError::invalid_request(
+                format!(
+                    "{PRIORITY_HEADER} must be interactive, standard, batch or a number \
+                     from 0 to {}.",
+                    crate::config::MAX_PRIORITY
+                ),
+                None,
+            ),
+        ));
+    };
+    caller.priority = caller.priority.min(asked);
+    Ok(caller)
+}
+
 /// `segment` of a request path with its `%XX` escapes decoded (RFC 3986:
 /// `+` stays `+`); `None` when an escape is not two hex digits or the
 /// bytes are not UTF-8.
@@ -682,6 +733,39 @@ pub(super) fn authenticate(
 mod tests {
     use super::*;
     use crate::config::EdgeConfig;
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn a_request_may_lower_its_class_never_raise_it() {
+        let header = |value: &'static [u8]| {
+            vec![iop_engine::http::Header {
+                name: "X-IOP-Priority".into(),
+                value: Bytes::from_static(value),
+            }]
+        };
+        let keys = crate::plane::client_keys::ClientKeys::default();
+        let mut caller = keys.anonymous();
+        caller.priority = 90;
+        let class = |caller: &Caller, value| {
+            lowered_priority(caller.clone(), "/v1/chat/completions", &header(value))
+                .map(|c| c.priority)
+        };
+        assert_eq!(class(&caller, b"batch"), Ok(10));
+        assert_eq!(class(&caller, b" 60 "), Ok(60));
+        caller.priority = 10;
+        assert_eq!(class(&caller, b"interactive"), Ok(10));
+        let Err((surface, e)) = class(&caller, b"urgent") else {
+            panic!("a value that is no class is refused");
+        };
+        assert_eq!((surface, e.status), (Surface::OpenAi, 400));
+        assert_eq!(
+            e.body_json()["error"]["message"],
+            "x-iop-priority must be interactive, standard, batch or a number from 0 to 100."
+        );
+        // Without the header, the key's class.
+        let plain = lowered_priority(caller, "/v1/messages", &[]).map(|c| c.priority);
+        assert_eq!(plain, Ok(10));
+    }
 
     async fn exchange(
         client: &mut iop_engine::http::ClientConn<TcpStream>,

@@ -312,6 +312,32 @@ pub struct ClientKeySpec {
     /// `models = [...]`: the only models the key may use; `None` = every
     /// model.
     pub models: Option<Vec<String>>,
+    /// `priority`: its requests' class in a model's queue (higher first;
+    /// README "Sharing a model between keys").
+    pub priority: u8,
+    /// `weight`: its share against the other principals of its class.
+    pub weight: u32,
+}
+
+/// The named priority classes (`priority = "…"` in `[[client_keys]]` and
+/// the `x-iop-priority` request header), and their numbers.
+pub const PRIORITY_CLASSES: [(&str, u8); 3] =
+    [("interactive", 90), ("standard", 50), ("batch", 10)];
+/// The class of a key that names none.
+pub const DEFAULT_PRIORITY: u8 = 50;
+/// The highest priority number.
+pub const MAX_PRIORITY: u8 = 100;
+/// The largest `weight`.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// A priority class by name or number (`"batch"`, `"10"`); `None` for
+/// anything else.
+pub fn priority_class(text: &str) -> Option<u8> {
+    PRIORITY_CLASSES
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case(text))
+        .map(|&(_, n)| n)
+        .or_else(|| text.parse::<u8>().ok().filter(|&n| n <= MAX_PRIORITY))
 }
 
 /// The scope of a client key that may use the `/admin` routes.

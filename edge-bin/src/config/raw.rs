@@ -170,6 +170,16 @@ pub(super) struct RawClientKey {
     pub(super) requests_per_minute: Option<u32>,
     pub(super) tokens_per_minute: Option<u32>,
     pub(super) models: Option<Vec<String>>,
+    pub(super) priority: Option<RawPriority>,
+    pub(super) weight: Option<i64>,
+}
+
+/// `priority = "interactive"` or `priority = 70`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawPriority {
+    Name(String),
+    Number(i64),
 }
 
 #[derive(Debug, Deserialize)]

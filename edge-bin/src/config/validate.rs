@@ -601,6 +601,30 @@ impl Validator<'_> {
                     }
                 }
             }
+            let priority = match &raw_key.priority {
+                None => DEFAULT_PRIORITY,
+                Some(RawPriority::Name(name)) => priority_class(name)
+                    .filter(|_| name.parse::<u8>().is_err())
+                    .ok_or_else(|| {
+                        self.err(
+                            format!("{key}.priority"),
+                            format!(
+                                "unknown class {name:?}; the classes are \"interactive\" (90), \
+                                 \"standard\" (50) and \"batch\" (10), or a number from 0 to \
+                                 {MAX_PRIORITY}"
+                            ),
+                        )
+                    })?,
+                Some(RawPriority::Number(n)) => in_range(*n, 0, u64::from(MAX_PRIORITY))
+                    .map(|n| n as u8)
+                    .map_err(|why| self.err(format!("{key}.priority"), why))?,
+            };
+            let weight = match raw_key.weight {
+                None => 1,
+                Some(w) => in_range(w, 1, u64::from(MAX_WEIGHT))
+                    .map(|w| w as u32)
+                    .map_err(|why| self.err(format!("{key}.weight"), why))?,
+            };
             keys.push(ClientKeySpec {
                 principal: raw_key.principal,
                 key_hash,
@@ -608,6 +632,8 @@ impl Validator<'_> {
                 metrics,
                 limits,
                 models: raw_key.models,
+                priority,
+                weight,
             });
         }
         Ok(keys)

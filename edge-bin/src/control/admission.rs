@@ -151,29 +151,50 @@ impl Control {
             return;
         }
         let queue = self.lanes[model].queue(long);
-        let was_head = queue.first() == Some(&request);
-        if !queue.remove(&request) || !was_head {
+        let old_head = queue.first();
+        if !queue.remove(request) {
             return;
         }
-        let next = queue.first().copied();
-        self.heads.remove(&(request, model, long));
-        if let Some(next) = next {
-            self.heads.insert((next, model, long));
-        }
+        let head = queue.first();
+        self.refile_head(model, long, old_head, head);
     }
 
-    /// Puts `request` at the end of its lane's queue.
+    /// Puts `request` in its lane's queue: a new arrival charged its
+    /// share, or one queued before at its old place.
     pub(super) fn enqueue(&mut self, request: RequestId, model: usize, long: bool) {
-        let queue = self.lanes[model].queue(long);
-        let old_head = queue.first().copied();
-        queue.insert(request);
-        let head = queue.first().copied();
-        if head != old_head {
-            if let Some(old) = old_head {
-                self.heads.remove(&(old, model, long));
+        let Some(p) = self.pending.get_mut(&request) else {
+            return;
+        };
+        let queue = match long {
+            true => &mut self.lanes[model].queued_long,
+            false => &mut self.lanes[model].queued,
+        };
+        let old_head = queue.first();
+        match p.place {
+            Some((class, tag)) => queue.push_again(request, class, tag),
+            None => {
+                let tag = queue.push(request, p.share);
+                p.place = Some((p.share.class, tag));
             }
-            if let Some(new) = head {
-                self.heads.insert((new, model, long));
+        }
+        let head = queue.first();
+        self.refile_head(model, long, old_head, head);
+    }
+
+    /// The head of a lane's queue changed from `old` to `new`.
+    fn refile_head(
+        &mut self,
+        lane: usize,
+        long: bool,
+        old: Option<RequestId>,
+        new: Option<RequestId>,
+    ) {
+        if old != new {
+            if let Some(old) = old {
+                self.heads.remove(&(old, lane, long));
+            }
+            if let Some(new) = new {
+                self.heads.insert((new, lane, long));
             }
         }
     }
@@ -188,6 +209,7 @@ impl Control {
             operation,
             long,
             hint,
+            share,
         } = input
         else {
             return;
@@ -222,8 +244,10 @@ impl Control {
             // Filed as queued for an instant: starting the attempt makes
             // it dispatched.
             let state = RequestState::Queued { deadline: now };
-            self.pending
-                .insert(request, Pending::new(m, operation, lane, long, state, hint));
+            self.pending.insert(
+                request,
+                Pending::new(m, operation, lane, long, state, hint, share),
+            );
             self.start_attempt(request, &dispatch);
             return out.push(Action::Dispatch(dispatch));
         }
@@ -246,6 +270,7 @@ impl Control {
                 long,
                 RequestState::Queued { deadline },
                 hint,
+                share,
             ),
         );
         match wait_for {

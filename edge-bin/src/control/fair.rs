@@ -272,7 +272,10 @@ mod tests {
         // Tokens served follow the weights 1:3, within one request's cost.
         let total = (a + b) as f64;
         let share_a = a as f64 / total;
-        assert!((share_a - 0.25).abs() < 0.02, "A got {share_a:.3} of the tokens");
+        assert!(
+            (share_a - 0.25).abs() < 0.02,
+            "A got {share_a:.3} of the tokens"
+        );
     }
 
     #[test]

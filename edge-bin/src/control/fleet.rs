@@ -355,8 +355,12 @@ impl Control {
                 (RequestState::Queued { deadline }, Some(m), Some(lane)) => {
                     p.model = m;
                     self.queue_deadlines.insert((*deadline, request));
-                    self.enqueue(request, lane, p.long);
+                    // A new queue: tags of the old one mean nothing there,
+                    // so each is charged anew, in arrival order.
+                    p.place = None;
+                    let long = p.long;
                     self.pending.insert(request, p);
+                    self.enqueue(request, lane, long);
                 }
                 (RequestState::Queued { .. }, ..) => out.push(Action::Done {
                     request,
@@ -384,12 +388,11 @@ impl Control {
                     .flat_map(|&lane| {
                         let lane = &self.lanes[lane];
                         lane.queued
-                            .last()
+                            .newest()
                             .into_iter()
-                            .chain(lane.queued_long.last())
+                            .chain(lane.queued_long.newest())
                     })
-                    .max()
-                    .copied();
+                    .max();
                 let Some(request) = newest else {
                     break;
                 };
@@ -452,7 +455,6 @@ impl Control {
             .lanes
             .iter()
             .flat_map(|lane| lane.queued.iter().chain(lane.queued_long.iter()))
-            .copied()
             .collect();
         queued.sort_unstable();
         queued

@@ -335,9 +335,9 @@ impl Control {
             let in_queue = p.lane.is_some_and(|lane| {
                 let lane = &self.lanes[lane];
                 if p.long {
-                    lane.queued_long.contains(request)
+                    lane.queued_long.contains(*request)
                 } else {
-                    lane.queued.contains(request)
+                    lane.queued.contains(*request)
                 }
             });
             let waits = self.waiting.get(request);
@@ -413,7 +413,7 @@ impl Control {
         for (l, lane) in self.lanes.iter().enumerate() {
             for (long, queue) in [(false, &lane.queued), (true, &lane.queued_long)] {
                 in_queues += queue.len();
-                if let Some(&head) = queue.first() {
+                if let Some(head) = queue.first() {
                     heads += 1;
                     assert!(
                         self.heads.contains(&(head, l, long)),
@@ -676,6 +676,7 @@ mod tests {
                 operation: Operation::ChatCompletions,
                 long: false,
                 hint: RouteHint::default(),
+                share: crate::control::fair::Share::default(),
             },
         ] {
             control.handle(now, input, &mut out);

@@ -255,6 +255,8 @@ pub enum Input {
         long: bool,
         /// What its model's routing policy may use.
         hint: RouteHint,
+        /// Who it is charged to while it queues ([`fair`]).
+        share: fair::Share,
     },
     /// The client of `request` went away or was cut off (U6).
     Cancel {
@@ -857,8 +859,8 @@ impl Control {
                     model: index,
                     free: BTreeSet::new(),
                     free_long: BTreeSet::new(),
-                    queued: BTreeSet::new(),
-                    queued_long: BTreeSet::new(),
+                    queued: fair::FairQueue::new(),
+                    queued_long: fair::FairQueue::new(),
                     needs_embedding_runs,
                     members: members
                         .0

@@ -10,6 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::fair::{FairQueue, Share, Tag};
 use super::ids::{ConnId, Generation, ProviderKey, RequestId};
 use super::outlier::OutlierState;
 use super::spec::{ControlModel, ControlNode, ControlProvider, Operation};
@@ -243,6 +244,11 @@ pub(super) struct Pending {
     pub(super) response_deadline: Option<Instant>,
     /// What its model's routing policy may use.
     pub(super) hint: super::routing::RouteHint,
+    /// Who it is charged to in its lane's queue.
+    pub(super) share: Share,
+    /// Its class and tag once queued: queued again (after a failed
+    /// attempt, or a fenced node), it keeps its place.
+    pub(super) place: Option<(u8, Tag)>,
 }
 
 impl Pending {
@@ -253,6 +259,7 @@ impl Pending {
         long: bool,
         state: RequestState,
         hint: super::routing::RouteHint,
+        share: Share,
     ) -> Self {
         Self {
             model,
@@ -265,6 +272,8 @@ impl Pending {
             tried: Vec::new(),
             response_deadline: None,
             hint,
+            share,
+            place: None,
         }
     }
 
@@ -305,10 +314,11 @@ pub(super) struct LaneState {
     pub(super) free: BTreeSet<Candidate>,
     /// Those of them with a free long-context slot too.
     pub(super) free_long: BTreeSet<Candidate>,
-    /// Requests waiting for a slot, by arrival.
-    pub(super) queued: BTreeSet<RequestId>,
-    /// Long-context requests waiting for a long slot, by arrival.
-    pub(super) queued_long: BTreeSet<RequestId>,
+    /// Requests waiting for a slot, in the order they run
+    /// ([`super::fair`]).
+    pub(super) queued: FairQueue,
+    /// Long-context requests waiting for a long slot.
+    pub(super) queued_long: FairQueue,
     /// Every provider of the lane (indexes into `Control::providers`), in
     /// pool order.
     pub(super) members: Vec<usize>,
@@ -327,7 +337,7 @@ impl LaneState {
         }
     }
 
-    pub(super) fn queue(&mut self, long: bool) -> &mut BTreeSet<RequestId> {
+    pub(super) fn queue(&mut self, long: bool) -> &mut FairQueue {
         if long {
             &mut self.queued_long
         } else {

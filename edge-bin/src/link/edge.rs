@@ -30,6 +30,7 @@ use iop_wire::pb::frame::Body;
 
 use crate::config::EdgeConfig;
 use crate::control::attempt::AttemptTracker;
+use crate::control::fair::Share;
 use crate::control::{
     control_spec, AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
     Rejection, RequestId, RouteHint,
@@ -377,6 +378,7 @@ impl Edge {
         operation: Operation,
         long: bool,
         hint: RouteHint,
+        share: Share,
     ) -> (RequestId, oneshot::Receiver<Admission>) {
         let seq = self.next_request.get() + 1;
         self.next_request.set(seq);
@@ -389,6 +391,7 @@ impl Edge {
             operation,
             long,
             hint,
+            share,
         });
         (request, rx)
     }
@@ -1145,8 +1148,13 @@ mod tests {
                 conn,
                 node_id: "n".into(),
             });
-            let (request, mut rx) =
-                edge.submit("m", Operation::ChatCompletions, false, RouteHint::default());
+            let (request, mut rx) = edge.submit(
+                "m",
+                Operation::ChatCompletions,
+                false,
+                RouteHint::default(),
+                Share::default(),
+            );
             let Ok(Admission::Dispatched { dispatch, .. }) = rx.try_recv() else {
                 panic!("round {round}: request not dispatched")
             };
@@ -1204,8 +1212,13 @@ mod tests {
             conn,
             node_id: "n".into(),
         });
-        let (request, mut rx) =
-            edge.submit("m", Operation::ChatCompletions, false, RouteHint::default());
+        let (request, mut rx) = edge.submit(
+            "m",
+            Operation::ChatCompletions,
+            false,
+            RouteHint::default(),
+            Share::default(),
+        );
         let Ok(Admission::Dispatched { mut frames, .. }) = rx.try_recv() else {
             panic!("request not dispatched")
         };

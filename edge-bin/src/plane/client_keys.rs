@@ -59,6 +59,9 @@ impl Default for ClientKeys {
                 principal: Arc::from(ANONYMOUS_PRINCIPAL),
                 authority: Authority::Anonymous,
                 models: None,
+                priority: crate::config::DEFAULT_PRIORITY,
+                weight: 1,
+                principal_id: principal_id(ANONYMOUS_PRINCIPAL),
             },
         }
     }
@@ -72,6 +75,15 @@ impl fmt::Debug for ClientKeys {
     }
 }
 
+/// The number a principal's queued requests are charged to: the first 8
+/// bytes of the blake3 of its name.
+pub fn principal_id(principal: &str) -> u64 {
+    let hash = blake3::hash(principal.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash.as_bytes()[..8]);
+    u64::from_le_bytes(first)
+}
+
 /// Who sent a request: the principal of its client key and what the key
 /// may do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +94,14 @@ pub struct Caller {
     pub authority: Authority,
     /// The only models the key may use (`models = [...]`); `None` = all.
     pub models: Option<Arc<[String]>>,
+    /// Its requests' priority class (`priority`), possibly lowered for
+    /// one request by the `x-iop-priority` header.
+    pub priority: u8,
+    /// Its weight among the principals of its class (`weight`).
+    pub weight: u32,
+    /// A stable number for the principal: whom its queued requests are
+    /// charged to.
+    pub principal_id: u64,
 }
 
 impl Caller {
@@ -187,6 +207,9 @@ impl ClientKeys {
                         metrics: k.metrics,
                     },
                     models: k.models.as_deref().map(Arc::from),
+                    priority: k.priority,
+                    weight: k.weight,
+                    principal_id: principal_id(&k.principal),
                 };
                 (k.key_hash, caller)
             })
@@ -331,6 +354,9 @@ mod tests {
             principal: ANONYMOUS_PRINCIPAL.into(),
             authority: Authority::Anonymous,
             models: None,
+            priority: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
+            principal_id: principal_id(ANONYMOUS_PRINCIPAL),
         };
         assert_eq!(open.authenticate(&[], false), Ok(anonymous));
         let spec = |principal: &str, key: &[u8], admin: bool| ClientKeySpec {
@@ -340,6 +366,8 @@ mod tests {
             metrics: false,
             limits: Default::default(),
             models: None,
+            priority: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
         };
         let caller = |principal: &str, admin: bool| {
             Ok(Caller {
@@ -349,6 +377,9 @@ mod tests {
                     metrics: false,
                 },
                 models: None,
+                priority: crate::config::DEFAULT_PRIORITY,
+                weight: 1,
+                principal_id: principal_id(principal),
             })
         };
         let keys = ClientKeys::from_config(&[
@@ -402,6 +433,8 @@ mod tests {
             metrics: false,
             limits: Default::default(),
             models: None,
+            priority: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
         };
         let keys = ClientKeys::from_config(&[
             spec("team-a", b"key-a", false),

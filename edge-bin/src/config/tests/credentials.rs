@@ -247,6 +247,8 @@ fn credentials_parse_with_defaults() {
             metrics: false,
             limits: Default::default(),
             models: None,
+            priority: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
         }]
     );
     // Without [credentials] a recipient key is inert: no lease required.
@@ -622,6 +624,55 @@ fn client_key_limits_and_models_are_checked() {
         error(&second),
         "conf/edge.toml: client_keys[1]: principal \"team-a\" already has limits from \
          client_keys[0]; set them on one of its keys"
+    );
+}
+
+#[test]
+fn client_key_priorities_and_weights_are_checked() {
+    let key = "conf/edge.toml: client_keys[0]";
+    let with = |extra: &str| {
+        managed("").replacen(
+            "principal = \"team-a\"",
+            &format!("principal = \"team-a\"\n{extra}"),
+            1,
+        )
+    };
+    let plain = parse(&managed("")).unwrap();
+    assert_eq!(
+        (plain.client_keys[0].priority, plain.client_keys[0].weight),
+        (50, 1)
+    );
+    for (text, class) in [
+        ("\"interactive\"", 90),
+        ("\"Batch\"", 10),
+        ("0", 0),
+        ("100", 100),
+    ] {
+        let cfg = parse(&with(&format!("priority = {text}\nweight = 7"))).unwrap();
+        assert_eq!(
+            (cfg.client_keys[0].priority, cfg.client_keys[0].weight),
+            (class, 7),
+            "{text}"
+        );
+    }
+    let classes = "the classes are \"interactive\" (90), \"standard\" (50) and \"batch\" (10), \
+                   or a number from 0 to 100";
+    assert_eq!(
+        error(&with("priority = \"urgent\"")),
+        format!("{key}.priority: unknown class \"urgent\"; {classes}")
+    );
+    // A number goes unquoted.
+    assert_eq!(
+        error(&with("priority = \"60\"")),
+        format!("{key}.priority: unknown class \"60\"; {classes}")
+    );
+    assert_eq!(
+        error(&with("priority = 101")),
+        format!("{key}.priority: must be between 0 and 100 (got 101)")
+    );
+    assert_eq!(
+        error(&with("weight = 0")),
+        format!("{key}.weight: must be between 1 and 1000 (got 0)")
     );
 }
 

@@ -606,6 +606,8 @@ fn debug_never_shows_secrets() {
         metrics: false,
         limits: Default::default(),
         models: None,
+        priority: crate::config::DEFAULT_PRIORITY,
+        weight: 1,
     }]);
     assert_eq!(format!("{keys:?}"), "ClientKeys { keys: 1 }");
 }
