@@ -339,6 +339,7 @@ mod tests {
             admin,
             metrics: false,
             limits: Default::default(),
+            budgets: Default::default(),
             models: None,
         };
         let caller = |principal: &str, admin: bool| {
@@ -401,6 +402,7 @@ mod tests {
             admin,
             metrics: false,
             limits: Default::default(),
+            budgets: Default::default(),
             models: None,
         };
         let keys = ClientKeys::from_config(&[
