@@ -396,9 +396,12 @@ impl Budgets {
     /// [`share_of`] them.
     pub fn set_share(&mut self, edges: u32, rank: u32) {
         let edges = edges.max(1);
-        self.edges = edges;
-        self.rank = rank.min(edges - 1);
-        self.apply();
+        let rank = rank.min(edges - 1);
+        if (edges, rank) != (self.edges.max(1), self.rank) {
+            self.edges = edges;
+            self.rank = rank;
+            self.apply();
+        }
     }
 
     fn apply(&mut self) {
