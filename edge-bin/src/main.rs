@@ -599,9 +599,10 @@ fn serve(path: &str, cores: &str, log_format: LogFormat) -> ExitCode {
                 .await
         }
     });
-    // Every shard has drained: what the usage file and the access log have
-    // left is written.
+    // Every shard has drained: what the usage file, the budget file and
+    // the access log have left is written.
     edge.usage_log().close();
+    edge.client_keys().close_budget_file();
     edge.access_log().close();
     let mut results = results.into_iter();
     let result = match results.next() {

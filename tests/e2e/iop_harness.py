@@ -176,7 +176,7 @@ class Cluster:
         # the extra lines "slot_extra_of"[node id]. client_keys: {principal:
         # key} or {principal: {"key": key, "scopes": [...], and optionally
         # "max_concurrent", "requests_per_minute", "tokens_per_minute",
-        # "models"}}; requests then
+        # "tokens_per_day", "tokens_per_month", "models"}}; requests then
         # need `Authorization: Bearer <key>` (the harness's own /status calls
         # send the first key). client_listen: the Edge's edge.client_listen.
         self.credentials = credentials
@@ -341,7 +341,8 @@ class Cluster:
             if isinstance(key, dict) and key.get("scopes"):
                 out.append("scopes = [" + ", ".join(f'"{s}"' for s in key["scopes"]) + "]")
             if isinstance(key, dict):
-                for limit in ("max_concurrent", "requests_per_minute", "tokens_per_minute"):
+                for limit in ("max_concurrent", "requests_per_minute", "tokens_per_minute",
+                              "tokens_per_day", "tokens_per_month"):
                     if limit in key:
                         out.append(f"{limit} = {key[limit]}")
                 if "models" in key:
@@ -519,14 +520,22 @@ class Cluster:
         wait_until(self.all_nodes_connected, what=f"{node_id} reconnected")
         return proc
 
-    def restart_edge(self) -> Proc:
-        """Stops the Edge and starts a new one on the same node port (the
-        client port changes; `base_url` follows it)."""
+    def restart_edge(self, sig: int = signal.SIGTERM, edge_env: dict | None = None,
+                     keep_client_port: bool = False) -> Proc:
+        """Stops the Edge with `sig` (SIGKILL: killed, nothing flushed) and
+        starts a new one on the same node port, with `edge_env` as its
+        environment when given. The client port changes (`base_url`
+        follows it) unless `keep_client_port`."""
         nodes_addr = self.edge.ready["nodes"]
-        self.edge.stop()
+        client_addr = self.edge.ready["client"]
+        self.edge.stop(sig)
         self.procs.remove(self.edge)
+        if edge_env is not None:
+            self.edge_env = dict(edge_env)
         text = self.edge_config(self.mock.ready["addr"]).replace(
             'node_listen = "127.0.0.1:0"', f'node_listen = "{nodes_addr}"')
+        if keep_client_port:
+            text = text.replace(f'client_listen = "{self.client_listen}"', f'client_listen = "{client_addr}"')
         edge_toml = self.dir / "edge.toml"
         edge_toml.write_text(text)
         self.edge = start("edge", [str(BIN_DIR / "edge-bin"), "--config", str(edge_toml), "--cores", self.cores],

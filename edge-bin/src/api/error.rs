@@ -202,6 +202,17 @@ impl GatewayError {
         }
     }
 
+    /// 429: a token budget of the key's principal (`tokens_per_day`,
+    /// `tokens_per_month`) is spent until its period ends; the message
+    /// names the budget, its size and when it resets.
+    pub fn budget_exhausted(message: String, retry_after_sec: u64) -> Self {
+        Self {
+            code: Some("budget_exhausted".into()),
+            retry_after_sec: Some(u32::try_from(retry_after_sec).unwrap_or(u32::MAX)),
+            ..Self::new(Origin::Client, 429, "rate_limit_error", message)
+        }
+    }
+
     /// 503: the status page's event stream already has `limit` viewers on
     /// this core.
     pub fn too_many_viewers(limit: usize) -> Self {

@@ -23,8 +23,7 @@ use crate::api::error::{GatewayError, Surface};
 use crate::config::ListenerLimits;
 use crate::link::edge::Edge;
 use crate::plane::access::{AccessRecord, REQUEST_ID_HEADER};
-use crate::plane::client_keys::{Caller, ClientKeys};
-use crate::plane::limits::Ticket;
+use crate::plane::client_keys::{Caller, Claim, ClientKeys};
 use crate::plane::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
 
 /// What a client connection's stream can do: plain TCP and TLS both
@@ -51,7 +50,7 @@ pub(super) struct Client<S> {
     pub(super) caller: Option<Caller>,
     /// The current request's claim on its principal's limits, given back
     /// when its line is written (or the connection ends).
-    pub(super) ticket: Option<Box<(ClientKeys, Ticket)>>,
+    pub(super) ticket: Option<Box<(ClientKeys, Claim)>>,
     /// The Edge's per-request series and this shard's index in them.
     pub(super) metrics: Arc<RequestMetrics>,
     pub(super) shard: usize,
@@ -80,8 +79,8 @@ impl<S> Client<S> {
     /// Gives the current request's limits claim back, settling its tokens
     /// against the usage observed (once; later calls do nothing).
     pub(super) fn release_limits(&mut self) {
-        if let Some((keys, ticket)) = self.ticket.take().map(|claim| *claim) {
-            keys.finish(ticket, self.rec.total_tokens(), clock::now());
+        if let Some((keys, claim)) = self.ticket.take().map(|claim| *claim) {
+            keys.finish(claim, self.rec.total_tokens(), clock::now());
         }
     }
 

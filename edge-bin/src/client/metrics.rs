@@ -58,6 +58,9 @@ pub async fn scrape(edge: &Rc<Edge>) -> String {
     text.push_str(&edge.settings.access_log.render_prometheus());
     text.push_str(&edge.settings.usage_log.render_prometheus());
     text.push_str(&requests.render(&depths));
+    if let Some(budgets) = edge.settings.client_keys.budgets_status() {
+        text.push_str(&render_budgets(&budgets));
+    }
     if let Some(cluster) = &edge.settings.cluster {
         text.push_str(&render_cluster(cluster));
     }
@@ -234,6 +237,42 @@ fn by_reason(values: &[u64; 5]) -> Vec<(String, u64)> {
 
 fn owned(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
     samples.iter().map(|(l, v)| (l.as_str(), *v)).collect()
+}
+
+/// The token budgets' series: per principal with a budget and period
+/// (`day`, `month`), the tokens used in the current period and this
+/// Edge's budget (its share in a cluster).
+pub fn render_budgets(budgets: &crate::plane::client_keys::BudgetsStatus) -> String {
+    let mut out = String::new();
+    for (name, help, value) in [
+        (
+            "iop_edge_key_budget_used_tokens",
+            "Tokens a principal used in the current UTC day or month (tokens_per_day, \
+             tokens_per_month).",
+            (|p: &crate::plane::budgets::PeriodView| p.used) as fn(&_) -> u64,
+        ),
+        (
+            "iop_edge_key_budget_limit_tokens",
+            "A principal's token budget for the UTC day or month (this Edge's share).",
+            |p| p.limit,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for b in &budgets.principals {
+            for (period, view) in [("day", &b.day), ("month", &b.month)] {
+                if let Some(view) = view {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{principal=\"{}\",period=\"{period}\"}} {}",
+                        escape_label_value(&b.principal),
+                        value(view)
+                    );
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The cluster member's series: etcd health, ownership claims, and the
@@ -820,6 +859,47 @@ mod tests {
         let mut node = Families::default();
         node.add(&text, Some("n"));
         assert_eq!(node.render().lines().count(), MAX_NODE_LINES);
+    }
+
+    #[test]
+    fn budgets_are_one_sample_per_principal_and_period() {
+        use crate::plane::budgets::{BudgetView, PeriodView};
+        let view = |used, limit| PeriodView {
+            used,
+            limit,
+            resets_at_unix_ms: 0,
+        };
+        let text = render_budgets(&crate::plane::client_keys::BudgetsStatus {
+            now_unix_ms: 0,
+            principals: vec![
+                BudgetView {
+                    principal: "team-a".into(),
+                    day: Some(view(1034, 1000)),
+                    month: Some(view(5000, 90000)),
+                },
+                BudgetView {
+                    principal: "b\"q".into(),
+                    day: None,
+                    month: Some(view(0, 7)),
+                },
+            ],
+            file: None,
+        });
+        assert_eq!(
+            text,
+            "# HELP iop_edge_key_budget_used_tokens Tokens a principal used in the current UTC \
+             day or month (tokens_per_day, tokens_per_month).\n\
+             # TYPE iop_edge_key_budget_used_tokens gauge\n\
+             iop_edge_key_budget_used_tokens{principal=\"team-a\",period=\"day\"} 1034\n\
+             iop_edge_key_budget_used_tokens{principal=\"team-a\",period=\"month\"} 5000\n\
+             iop_edge_key_budget_used_tokens{principal=\"b\\\"q\",period=\"month\"} 0\n\
+             # HELP iop_edge_key_budget_limit_tokens A principal's token budget for the UTC day \
+             or month (this Edge's share).\n\
+             # TYPE iop_edge_key_budget_limit_tokens gauge\n\
+             iop_edge_key_budget_limit_tokens{principal=\"team-a\",period=\"day\"} 1000\n\
+             iop_edge_key_budget_limit_tokens{principal=\"team-a\",period=\"month\"} 90000\n\
+             iop_edge_key_budget_limit_tokens{principal=\"b\\\"q\",period=\"month\"} 7\n"
+        );
     }
 
     #[test]

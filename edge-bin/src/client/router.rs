@@ -466,6 +466,9 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
                                         &edge.settings.access_log.status(),
                                         edge.settings.usage_log.status().as_ref(),
                                     );
+                                    if let Some(b) = edge.settings.client_keys.budgets_status() {
+                                        doc["budgets"] = status::budgets_json(&b);
+                                    }
                                 }
                                 write_json(&mut server, 200, Bytes::from(doc.to_string())).await
                             }

@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 use crate::control::outlier::OutlierState;
 use crate::control::{Control, ModelView, NodePhase, NodeView, ProviderView};
 use crate::plane::access::{destination_name, AccessStatus};
+use crate::plane::budgets::{rfc3339_utc, PeriodView};
+use crate::plane::client_keys::BudgetsStatus;
 use crate::plane::usage::UsageStatus;
 
 /// A provider's passive-health state as `/status` shows it (`outlier`).
@@ -335,9 +337,85 @@ pub fn logs_json(access: &AccessStatus, usage: Option<&UsageStatus>) -> Value {
     })
 }
 
+/// The `budgets` member of `/status` (for keys that see everything):
+/// per principal with a budget, each period's `used`, `limit` (this
+/// Edge's share in a cluster) and `resets_at` (RFC 3339 UTC, and as Unix
+/// ms); and the budget file's `appended` and `durable` record counts
+/// (usage shown is on disk once they are equal).
+pub fn budgets_json(budgets: &BudgetsStatus) -> Value {
+    let period = |p: &Option<PeriodView>| {
+        p.map(|p| {
+            json!({
+                "used": p.used,
+                "limit": p.limit,
+                "resets_at": rfc3339_utc(p.resets_at_unix_ms),
+                "resets_at_unix_ms": p.resets_at_unix_ms,
+            })
+        })
+    };
+    let keys: serde_json::Map<String, Value> = budgets
+        .principals
+        .iter()
+        .map(|b| {
+            (
+                b.principal.to_string(),
+                json!({ "day": period(&b.day), "month": period(&b.month) }),
+            )
+        })
+        .collect();
+    json!({
+        "now_unix_ms": budgets.now_unix_ms,
+        "keys": keys,
+        "file": budgets.file.as_ref().map(|f| json!({
+            "path": f.path.display().to_string(),
+            "appended": f.appended,
+            "durable": f.durable,
+            "dropped_records_total": f.dropped,
+            "write_errors_total": f.write_errors,
+        })),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renders_the_budgets() {
+        let status = BudgetsStatus {
+            now_unix_ms: 1_796_644_800_000,
+            principals: vec![crate::plane::budgets::BudgetView {
+                principal: "team-a".into(),
+                day: Some(PeriodView {
+                    used: 1034,
+                    limit: 1000,
+                    resets_at_unix_ms: 1_796_688_000_000,
+                }),
+                month: None,
+            }],
+            file: Some(crate::plane::budget_file::BudgetFileStatus {
+                path: "/var/lib/iop/budgets.log".into(),
+                appended: 3,
+                durable: 2,
+                dropped: 0,
+                write_errors: 0,
+            }),
+        };
+        assert_eq!(
+            budgets_json(&status),
+            json!({
+                "now_unix_ms": 1_796_644_800_000_i64,
+                "keys": {"team-a": {
+                    "day": {"used": 1034, "limit": 1000,
+                            "resets_at": "2026-12-08T00:00:00Z",
+                            "resets_at_unix_ms": 1_796_688_000_000_i64},
+                    "month": null,
+                }},
+                "file": {"path": "/var/lib/iop/budgets.log", "appended": 3, "durable": 2,
+                         "dropped_records_total": 0, "write_errors_total": 0},
+            })
+        );
+    }
 
     #[test]
     fn renders_the_logs() {

@@ -119,7 +119,8 @@ fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
 ///   (read once by the node accept loop); the access log and the usage
 ///   file turned on or off, or the access log between stderr and a file
 ///   (`edge.access_log`, `edge.usage_log`: one writer started at startup);
-///   `[cluster]` (the etcd lease and membership).
+///   `edge.budget_file` (replayed and opened once at startup); `[cluster]`
+///   (the etcd lease and membership).
 /// - Live: the client limits and timeouts (read from the settings for each
 ///   new connection or request), `flow_window_bytes` (per run),
 ///   `metrics_access` (per request), `node_metrics_max_age_ms` (per
@@ -250,6 +251,13 @@ pub const SETTINGS: &[Setting] = &[
     setting("edge.usage_log", Restart, |c| on_off(c.usage_log.is_some())),
     setting("edge.usage_log.path", Live, |c| {
         c.usage_log.as_deref().map(path)
+    }),
+    setting("edge.budget_file", Restart, |c| {
+        Some(
+            c.budget_file
+                .as_deref()
+                .map_or_else(|| "none".to_owned(), path),
+        )
     }),
     setting("edge.client_tls", Restart, |c| {
         on_off(c.client_tls.is_some())
@@ -527,7 +535,8 @@ pub struct ClientKeyChange {
     /// The key as shown: `<principal> (client_keys[<index in next>])`.
     pub key: String,
     /// What changed: `principal`, `scopes`, `max_concurrent`,
-    /// `requests_per_minute`, `tokens_per_minute`, `models`.
+    /// `requests_per_minute`, `tokens_per_minute`, `tokens_per_day`,
+    /// `tokens_per_month`, `models`.
     pub fields: Vec<FieldChange>,
 }
 
@@ -579,6 +588,7 @@ impl ConfigDiff {
             client_tls: _,
             access_log: _,
             usage_log: _,
+            budget_file: _,
             nodes: _,
             models: _,
             credentials: _,
@@ -1008,6 +1018,16 @@ fn client_key_fields(a: &ClientKeySpec, b: &ClientKeySpec) -> Vec<FieldChange> {
         "tokens_per_minute",
         or_none(a.limits.tokens_per_minute),
         or_none(b.limits.tokens_per_minute),
+    );
+    fields.compare(
+        "tokens_per_day",
+        or_none(a.budgets.tokens_per_day),
+        or_none(b.budgets.tokens_per_day),
+    );
+    fields.compare(
+        "tokens_per_month",
+        or_none(a.budgets.tokens_per_month),
+        or_none(b.budgets.tokens_per_month),
     );
     fields.compare("models", models(a), models(b));
     fields.0

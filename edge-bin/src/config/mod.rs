@@ -93,6 +93,10 @@ pub struct EdgeConfig {
     /// `[edge.usage_log] path`: the usage file (JSON lines, one per
     /// inference request; `crate::plane::usage`); `None` = none.
     pub usage_log: Option<PathBuf>,
+    /// `[edge] budget_file`: where the Edge keeps the token budgets' usage
+    /// across restarts (`crate::plane::budget_file`); required when a
+    /// client key has `tokens_per_day` or `tokens_per_month`.
+    pub budget_file: Option<PathBuf>,
     /// The configured nodes, in file order; ids are unique.
     pub nodes: Vec<NodeSpec>,
     /// The external models, in file order; names are unique.
@@ -309,6 +313,9 @@ pub struct ClientKeySpec {
     /// principal's limits (one key of a principal sets them; the principal's
     /// other keys share them).
     pub limits: LimitSpec,
+    /// `tokens_per_day`, `tokens_per_month`: the principal's token budgets
+    /// (set, like the limits, on one key of the principal).
+    pub budgets: BudgetSpec,
     /// `models = [...]`: the only models the key may use; `None` = every
     /// model.
     pub models: Option<Vec<String>>,
@@ -1260,6 +1267,24 @@ pub struct LimitSpec {
     pub requests_per_minute: Option<u32>,
     /// Prompt + completion tokens per minute.
     pub tokens_per_minute: Option<u32>,
+}
+
+/// A principal's token budgets per UTC calendar period (`[[client_keys]]`
+/// `tokens_per_day`, `tokens_per_month`; `crate::plane::budgets`); `None`
+/// = no budget for that period.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BudgetSpec {
+    /// Prompt + completion tokens per UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Prompt + completion tokens per UTC calendar month.
+    pub tokens_per_month: Option<u64>,
+}
+
+impl BudgetSpec {
+    /// No budget at all.
+    pub fn is_unlimited(&self) -> bool {
+        *self == BudgetSpec::default()
+    }
 }
 
 impl LimitSpec {

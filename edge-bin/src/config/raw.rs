@@ -98,6 +98,7 @@ pub(super) struct RawEdge {
     pub(super) client_tls: Option<RawClientTls>,
     pub(super) access_log: Option<RawAccessLog>,
     pub(super) usage_log: Option<RawUsageLog>,
+    pub(super) budget_file: Option<String>,
 }
 
 /// `[edge.usage_log]` as written.
@@ -169,6 +170,8 @@ pub(super) struct RawClientKey {
     pub(super) max_concurrent: Option<u32>,
     pub(super) requests_per_minute: Option<u32>,
     pub(super) tokens_per_minute: Option<u32>,
+    pub(super) tokens_per_day: Option<u64>,
+    pub(super) tokens_per_month: Option<u64>,
     pub(super) models: Option<Vec<String>>,
     pub(super) priority: Option<RawPriority>,
     pub(super) weight: Option<i64>,

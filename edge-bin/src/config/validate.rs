@@ -38,6 +38,13 @@ impl Validator<'_> {
                 Some(resolve_path(self.file, "edge.usage_log.path", &path)?)
             }
         };
+        let budget_file = match raw.edge.budget_file.take() {
+            None => None,
+            Some(path) if path.is_empty() => {
+                return Err(self.err("edge.budget_file", "must be a file path"))
+            }
+            Some(path) => Some(resolve_path(self.file, "edge.budget_file", &path)?),
+        };
         let edge = self.edge(raw.edge)?;
         let tls = match (edge.insecure_plaintext_nodes, raw.tls) {
             (true, _) => None,
@@ -91,6 +98,24 @@ impl Validator<'_> {
             self.check_managed_nodes(credentials, &nodes)?;
         }
         let client_keys = self.client_keys(raw.client_keys, &models)?;
+        if budget_file.is_none() {
+            if let Some((i, k)) = client_keys
+                .iter()
+                .enumerate()
+                .find(|(_, k)| !k.budgets.is_unlimited())
+            {
+                let field = if k.budgets.tokens_per_day.is_some() {
+                    "tokens_per_day"
+                } else {
+                    "tokens_per_month"
+                };
+                return Err(self.err(
+                    format!("client_keys[{i}].{field}"),
+                    "a token budget needs edge.budget_file (where the Edge keeps what was used \
+                     across restarts)",
+                ));
+            }
+        }
         if edge.metrics_access == MetricsAccess::Key
             && !client_keys.iter().any(|k| k.admin || k.metrics)
         {
@@ -113,6 +138,7 @@ impl Validator<'_> {
             client_tls,
             access_log,
             usage_log,
+            budget_file,
             nodes,
             models,
             credentials,
@@ -576,11 +602,22 @@ impl Validator<'_> {
                 requests_per_minute: positive("requests_per_minute", raw_key.requests_per_minute)?,
                 tokens_per_minute: positive("tokens_per_minute", raw_key.tokens_per_minute)?,
             };
-            if !limits.is_unlimited() {
-                if let Some(first) = keys
-                    .iter()
-                    .position(|k| k.principal == raw_key.principal && !k.limits.is_unlimited())
-                {
+            let positive_u64 = |field: &str, v: Option<u64>| match v {
+                Some(0) => Err(self.err(
+                    format!("{key}.{field}"),
+                    "must be at least 1 (leave it out for no budget)",
+                )),
+                _ => Ok(v),
+            };
+            let budgets = BudgetSpec {
+                tokens_per_day: positive_u64("tokens_per_day", raw_key.tokens_per_day)?,
+                tokens_per_month: positive_u64("tokens_per_month", raw_key.tokens_per_month)?,
+            };
+            if !limits.is_unlimited() || !budgets.is_unlimited() {
+                if let Some(first) = keys.iter().position(|k| {
+                    k.principal == raw_key.principal
+                        && !(k.limits.is_unlimited() && k.budgets.is_unlimited())
+                }) {
                     return Err(self.err(
                         key.clone(),
                         format!(
@@ -631,6 +668,7 @@ impl Validator<'_> {
                 admin,
                 metrics,
                 limits,
+                budgets,
                 models: raw_key.models,
                 priority,
                 weight,

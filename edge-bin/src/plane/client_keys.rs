@@ -5,15 +5,19 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Instant;
 
+use iop_engine::clock;
 use iop_engine::http::Header;
 use iop_wire::lease;
 
 use crate::api::error::GatewayError;
 use crate::config::ClientKeySpec;
-use crate::plane::limits::{self, Limiter, Ticket};
+use crate::plane::budget_file::{BudgetFile, BudgetFileStatus, Replay};
+use crate::plane::budgets::{BudgetView, Budgets, Exhausted};
+use crate::plane::limits::{self, Limiter, RateHeaders, Ticket};
 
 /// The principal of requests when no client keys are configured.
 pub const ANONYMOUS_PRINCIPAL: &str = "anonymous";
@@ -40,14 +44,66 @@ pub fn client_key_hash_hex(key: &[u8]) -> String {
 /// has been read; a request already authenticated runs on under a key
 /// revoked after that.
 ///
-/// The clones also share the principals' [`Limiter`]: a principal's limits
-/// hold across shards. Its lock is taken once when a request is admitted
-/// and once when it ends.
+/// The clones also share the principals' [`Limiter`] and [`Budgets`]: a
+/// principal's limits hold across shards. Their one lock is taken once
+/// when a request is admitted and once when it ends.
 #[derive(Clone)]
 pub struct ClientKeys {
     table: Arc<RwLock<HashMap<[u8; 32], Caller>>>,
-    limiter: Arc<Mutex<Limiter>>,
+    limiter: Arc<Mutex<Policy>>,
     anonymous: Caller,
+}
+
+/// The principals' limits and token budgets, behind one lock.
+#[derive(Debug, Default)]
+struct Policy {
+    limiter: Limiter,
+    budgets: Budgets,
+    /// Where budget usage is kept across restarts (`edge.budget_file`).
+    file: Option<BudgetFile>,
+    /// The budget clock's offset from the wall clock
+    /// ([`crate::plane::budgets::CLOCK_OFFSET_ENV`], test-only; else 0).
+    clock_offset_ms: i64,
+}
+
+impl Policy {
+    fn budget_now_ms(&self) -> i64 {
+        clock::unix_ms().saturating_add(self.clock_offset_ms)
+    }
+}
+
+/// An admitted request's claim on its principal's limits and budgets; give
+/// it back with [`ClientKeys::finish`] exactly once.
+#[derive(Debug)]
+#[must_use = "a claim holds a concurrency slot until ClientKeys::finish"]
+pub struct Claim {
+    ticket: Ticket,
+    /// For a principal with budgets: its name and the request's estimate
+    /// (recorded when no usage is observed).
+    budget: Option<(Arc<str>, u64)>,
+}
+
+/// [`ClientKeys::admit`]'s outcome.
+#[derive(Debug)]
+pub enum Admission {
+    /// Admitted; the headers are the rates after this request's charge.
+    Granted(Claim, RateHeaders),
+    /// Over a limit (`max_concurrent`, a rate).
+    Limited(limits::Refusal),
+    /// A token budget is spent.
+    OverBudget(Exhausted),
+}
+
+/// The token budgets as `/status` and `/metrics` show them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetsStatus {
+    /// The budget clock (Unix ms) the views were taken at.
+    pub now_unix_ms: i64,
+    /// Each principal with a budget, in config order.
+    pub principals: Vec<BudgetView>,
+    /// The budget file, when one is open: every record counted in
+    /// `principals` is on disk once its `durable` reaches `appended`.
+    pub file: Option<BudgetFileStatus>,
 }
 
 impl Default for ClientKeys {
@@ -233,37 +289,105 @@ impl ClientKeys {
         };
         *table = next;
         drop(table);
-        self.limiter
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        let mut policy = self.policy();
+        policy
+            .limiter
             .configure(specs.iter().map(|k| (k.principal.as_str(), k.limits)));
+        policy
+            .budgets
+            .configure(specs.iter().map(|k| (k.principal.as_str(), k.budgets)));
         change
     }
 
-    /// Admits a request of `principal` against its limits (before it takes
-    /// a lease); see [`Limiter::admit`].
-    pub fn admit(&self, principal: &str, estimated_tokens: u64, now: Instant) -> limits::Admission {
-        self.limiter
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .admit(principal, estimated_tokens, now)
+    fn policy(&self) -> std::sync::MutexGuard<'_, Policy> {
+        self.limiter.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// In a cluster: `edges` live Edges share every key's limits, this one
-    /// `rank` in name order; see [`Limiter::set_share`].
+    /// Opens the budget file (`edge.budget_file`, at startup): replays it
+    /// into the budgets' usage, compacts it, and from now on appends every
+    /// usage record of a principal with a budget. `clock_offset_ms` moves
+    /// the budget clock (test-only; 0 in production). The error names the
+    /// file.
+    pub fn open_budget_file(&self, path: &Path, clock_offset_ms: i64) -> Result<Replay, String> {
+        let mut policy = self.policy();
+        policy.clock_offset_ms = clock_offset_ms;
+        let (file, ledger, replay) = BudgetFile::open(path, policy.budget_now_ms())?;
+        policy.budgets.load(ledger);
+        if let Some(old) = policy.file.replace(file) {
+            old.close();
+        }
+        Ok(replay)
+    }
+
+    /// Writes what waits for the budget file and stops its writer (after
+    /// the drain).
+    pub fn close_budget_file(&self) {
+        let file = self.policy().file.take();
+        if let Some(file) = file {
+            file.close();
+        }
+    }
+
+    /// Admits a request of `principal` against its budgets, then its
+    /// limits (before it takes a lease); see [`Budgets::admit`] and
+    /// [`Limiter::admit`]. The budget clock is read only when some
+    /// principal has a budget.
+    pub fn admit(&self, principal: &str, estimated_tokens: u64, now: Instant) -> Admission {
+        let mut policy = self.policy();
+        let budget = if policy.budgets.is_empty() {
+            None
+        } else {
+            let now_unix_ms = policy.budget_now_ms();
+            match policy.budgets.admit(principal, now_unix_ms) {
+                Ok(name) => name.map(|name| (name, estimated_tokens)),
+                Err(exhausted) => return Admission::OverBudget(exhausted),
+            }
+        };
+        match policy.limiter.admit(principal, estimated_tokens, now) {
+            limits::Admission::Granted(ticket, headers) => {
+                Admission::Granted(Claim { ticket, budget }, headers)
+            }
+            limits::Admission::Refused(refusal) => Admission::Limited(refusal),
+        }
+    }
+
+    /// In a cluster: `edges` live Edges share every key's limits and
+    /// budgets, this one `rank` in name order; see [`Limiter::set_share`].
     pub fn set_cluster_share(&self, edges: u32, rank: u32) {
-        self.limiter
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .set_share(edges, rank);
+        let mut policy = self.policy();
+        policy.limiter.set_share(edges, rank);
+        policy.budgets.set_share(edges, rank);
     }
 
-    /// Ends an admitted request; see [`Limiter::finish`].
-    pub fn finish(&self, ticket: Ticket, observed_tokens: Option<u64>, now: Instant) {
-        self.limiter
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .finish(ticket, observed_tokens, now);
+    /// Ends an admitted request; see [`Limiter::finish`]. A principal with
+    /// budgets is charged `observed_tokens` (its estimate when `None`),
+    /// and the record goes to the budget file.
+    pub fn finish(&self, claim: Claim, observed_tokens: Option<u64>, now: Instant) {
+        let mut policy = self.policy();
+        policy.limiter.finish(claim.ticket, observed_tokens, now);
+        if let Some((name, estimate)) = claim.budget {
+            let now_unix_ms = policy.budget_now_ms();
+            let tokens = observed_tokens.unwrap_or(estimate);
+            if let Some(record) = policy.budgets.record(&name, tokens, now_unix_ms) {
+                if let Some(file) = &policy.file {
+                    file.append(&record);
+                }
+            }
+        }
+    }
+
+    /// The token budgets now; `None` when no principal has one.
+    pub fn budgets_status(&self) -> Option<BudgetsStatus> {
+        let policy = self.policy();
+        if policy.budgets.is_empty() {
+            return None;
+        }
+        let now_unix_ms = policy.budget_now_ms();
+        Some(BudgetsStatus {
+            now_unix_ms,
+            principals: policy.budgets.views(now_unix_ms),
+            file: policy.file.as_ref().map(BudgetFile::status),
+        })
     }
 
     fn len(&self) -> usize {
@@ -365,6 +489,7 @@ mod tests {
             admin,
             metrics: false,
             limits: Default::default(),
+            budgets: Default::default(),
             models: None,
             priority: crate::config::DEFAULT_PRIORITY,
             weight: 1,
@@ -432,6 +557,7 @@ mod tests {
             admin,
             metrics: false,
             limits: Default::default(),
+            budgets: Default::default(),
             models: None,
             priority: crate::config::DEFAULT_PRIORITY,
             weight: 1,
@@ -483,6 +609,72 @@ mod tests {
                 .map(|c| c.authority),
             Ok(Authority::Anonymous)
         );
+    }
+
+    // A budgeted principal is charged what the provider reported, or its
+    // estimate when nothing was observed; once spent it is refused, and a
+    // principal without a budget is not affected. Without a budget file
+    // the budgets still hold in memory.
+    #[test]
+    fn budgets_charge_observed_usage_or_the_estimate_and_refuse_once_spent() {
+        let spec = |principal: &str, key: &[u8], day: Option<u64>| ClientKeySpec {
+            principal: principal.into(),
+            key_hash: hash_client_key(key),
+            admin: false,
+            metrics: false,
+            limits: Default::default(),
+            budgets: crate::config::BudgetSpec {
+                tokens_per_day: day,
+                tokens_per_month: None,
+            },
+            models: None,
+            priority: crate::config::DEFAULT_PRIORITY,
+            weight: 1,
+        };
+        let keys = ClientKeys::from_config(&[
+            spec("team-a", b"key-a", Some(100)),
+            spec("team-b", b"key-b", None),
+        ]);
+        let now = clock::now();
+        let granted = |principal: &str, estimate: u64| match keys.admit(principal, estimate, now) {
+            Admission::Granted(claim, _) => claim,
+            other => panic!("{principal}: {other:?}"),
+        };
+        let claim = granted("team-a", 10);
+        keys.finish(claim, Some(60), now);
+        let claim = granted("team-a", 45);
+        keys.finish(claim, None, now);
+        let status = keys.budgets_status().expect("budgets");
+        assert_eq!(status.file, None);
+        assert_eq!(status.principals.len(), 1);
+        assert_eq!(
+            status.principals[0].day.map(|d| (d.used, d.limit)),
+            Some((105, 100))
+        );
+        match keys.admit("team-a", 1, now) {
+            Admission::OverBudget(e) => {
+                use crate::plane::budgets::{rfc3339_utc, Period};
+                assert_eq!((e.limit, e.used), (100, 105));
+                // The wall clock's next midnight UTC.
+                assert_eq!(e.resets_at_unix_ms, Period::Day.end_ms(e.now_unix_ms));
+                assert_eq!(
+                    e.message(),
+                    format!(
+                        "token budget exhausted: this key's tokens_per_day budget of 100 tokens \
+                         is spent (105 used); it resets at {}",
+                        rfc3339_utc(e.resets_at_unix_ms)
+                    )
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let claim = granted("team-b", 1_000_000);
+        keys.finish(claim, None, now);
+        // A reload that removes the budget lets the key in again.
+        keys.replace(&[spec("team-a", b"key-a", None)]);
+        assert_eq!(keys.budgets_status(), None);
+        let claim = granted("team-a", 1);
+        keys.finish(claim, None, now);
     }
 
     // CONTRACT: C1 — no principal, no lease: 401 in the route's shape.

@@ -1,11 +1,14 @@
 //! Per-request policy and records, shared by every shard: who a caller is
 //! and what it may do ([`client_keys`]), the credential leases it takes
-//! ([`credentials`], C1–C5), how much it may use ([`limits`]), what was done (the access log,
-//! [`access`]; the usage file, [`usage`]; the request series of `/metrics`,
-//! [`request_metrics`]), this Edge's place in a cluster ([`cluster`]), and
+//! ([`credentials`], C1–C5), how much it may use ([`limits`]; its token
+//! budgets, [`budgets`], kept on disk by [`budget_file`]), what was done
+//! (the access log, [`access`]; the usage file, [`usage`]; the request
+//! series of `/metrics`, [`request_metrics`]), this Edge's place in a cluster ([`cluster`]), and
 //! the running configuration the shards read per request ([`running`]).
 
 pub mod access;
+pub mod budget_file;
+pub mod budgets;
 pub mod client_keys;
 pub mod cluster;
 pub mod credentials;

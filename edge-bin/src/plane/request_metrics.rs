@@ -277,9 +277,13 @@ impl Reason {
             (403, "admin_scope_required" | "admin_loopback_only" | "model_not_allowed") => {
                 Some(Reason::Forbidden)
             }
-            (429, "rate_limit_concurrency" | "rate_limit_requests" | "rate_limit_tokens") => {
-                Some(Reason::RateLimited)
-            }
+            (
+                429,
+                "rate_limit_concurrency"
+                | "rate_limit_requests"
+                | "rate_limit_tokens"
+                | "budget_exhausted",
+            ) => Some(Reason::RateLimited),
             (413 | 431, _) => Some(Reason::TooLarge),
             (408, _) => Some(Reason::RequestTimeout),
             (404, "model_not_found") => Some(Reason::UnknownModel),
@@ -817,6 +821,7 @@ mod tests {
         assert_eq!(of(403, "admin_scope_required"), Some(Reason::Forbidden));
         assert_eq!(of(403, "model_not_allowed"), Some(Reason::Forbidden));
         assert_eq!(of(429, "rate_limit_tokens"), Some(Reason::RateLimited));
+        assert_eq!(of(429, "budget_exhausted"), Some(Reason::RateLimited));
         assert_eq!(of(502, "node_unavailable"), None);
         // A provider's own 429 relayed as it is is not the Edge's refusal.
         assert_eq!(Reason::of(Some(429), None), None);

@@ -20,6 +20,7 @@ use crate::link::edge::{Edge, CONTROL_SHARD};
 use crate::link::settings::{access_log, request_metrics, settings, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
 use crate::plane::access::AccessLog;
+use crate::plane::budgets;
 use crate::plane::client_keys::{ClientKeys, KeysChange};
 use crate::plane::credentials::{CredentialPlane, CredentialsChange, RunningPlane};
 use crate::plane::request_metrics::RequestMetrics;
@@ -412,6 +413,42 @@ pub fn reload_tls(
     report
 }
 
+/// Opens `edge.budget_file` for `keys` (replay, compaction, the writer
+/// thread), with the budget clock moved by the test-only
+/// [`budgets::CLOCK_OFFSET_ENV`] when it is set (warned about). The error
+/// names the file.
+fn open_budget_file(keys: &ClientKeys, path: &std::path::Path) -> std::io::Result<()> {
+    let offset_ms = match std::env::var(budgets::CLOCK_OFFSET_ENV) {
+        Err(_) => 0,
+        Ok(value) => {
+            let offset_ms: i64 = value.trim().parse().map_err(|_| {
+                std::io::Error::other(format!(
+                    "{}: expected a signed number of milliseconds, got {value:?}",
+                    budgets::CLOCK_OFFSET_ENV
+                ))
+            })?;
+            tracing::warn!(
+                env = budgets::CLOCK_OFFSET_ENV,
+                offset_ms,
+                "TEST ONLY: the token budgets' clock is moved; budgets reset at the wrong \
+                 time. Never set this in production"
+            );
+            offset_ms
+        }
+    };
+    let replay = keys
+        .open_budget_file(path, offset_ms)
+        .map_err(std::io::Error::other)?;
+    tracing::info!(
+        file = %path.display(),
+        records = replay.records,
+        skipped_lines = replay.skipped_lines,
+        compacted_records = replay.compacted_records,
+        "budget file replayed and compacted"
+    );
+    Ok(())
+}
+
 /// Everything an Edge running on several cores needs, prepared on the
 /// main thread: each shard takes its part with [`ShardedEdge::take`].
 pub struct ShardedEdge {
@@ -557,8 +594,12 @@ impl ShardedEdge {
             }
             _ => None,
         };
+        let client_keys = ClientKeys::from_config(&cfg.client_keys);
+        if let Some(path) = &cfg.budget_file {
+            open_budget_file(&client_keys, path)?;
+        }
         Ok(Self {
-            client_keys: ClientKeys::from_config(&cfg.client_keys),
+            client_keys,
             running: RunningConfig::new(Running::of(
                 &cfg,
                 1,
@@ -586,6 +627,12 @@ impl ShardedEdge {
             node_addr,
             peer_addr: None,
         })
+    }
+
+    /// The client keys every shard shares (with the principals' limits and
+    /// budgets): [`ClientKeys::close_budget_file`] after the drain.
+    pub fn client_keys(&self) -> &ClientKeys {
+        &self.client_keys
     }
 
     /// The process's usage file: [`UsageLog::close`] it after the drain.

@@ -246,6 +246,7 @@ fn credentials_parse_with_defaults() {
             admin: false,
             metrics: false,
             limits: Default::default(),
+            budgets: Default::default(),
             models: None,
             priority: crate::config::DEFAULT_PRIORITY,
             weight: 1,
@@ -618,6 +619,76 @@ fn client_key_limits_and_models_are_checked() {
     let second = format!(
         "{}\n[[client_keys]]\nprincipal = \"team-a\"\nkey_hash = \"{}\"\nmax_concurrent = 2\n",
         with("max_concurrent = 4"),
+        "ab".repeat(32)
+    );
+    assert_eq!(
+        error(&second),
+        "conf/edge.toml: client_keys[1]: principal \"team-a\" already has limits from \
+         client_keys[0]; set them on one of its keys"
+    );
+}
+
+// Token budgets on client keys need the budget file.
+#[test]
+fn client_key_budgets_are_checked_and_need_the_budget_file() {
+    let key = "conf/edge.toml: client_keys[0]";
+    let with = |extra: &str, budget_file: bool| {
+        let text = managed("").replacen(
+            "principal = \"team-a\"",
+            &format!("principal = \"team-a\"\n{extra}"),
+            1,
+        );
+        if budget_file {
+            text.replacen(
+                "client_listen = ",
+                "budget_file = \"state/budgets.log\"\nclient_listen = ",
+                1,
+            )
+        } else {
+            text
+        }
+    };
+    let ok = parse(&with(
+        "tokens_per_day = 5000000000\ntokens_per_month = 90000000000",
+        true,
+    ))
+    .unwrap();
+    assert_eq!(
+        ok.client_keys[0].budgets,
+        BudgetSpec {
+            tokens_per_day: Some(5_000_000_000),
+            tokens_per_month: Some(90_000_000_000),
+        }
+    );
+    assert!(ok.client_keys[0].limits.is_unlimited());
+    assert_eq!(
+        ok.budget_file.as_deref(),
+        Some(std::path::Path::new("conf/state/budgets.log"))
+    );
+    assert_eq!(parse(&managed("")).unwrap().budget_file, None);
+    assert_eq!(
+        error(&with("tokens_per_month = 10", false)),
+        format!(
+            "{key}.tokens_per_month: a token budget needs edge.budget_file (where the Edge keeps \
+             what was used across restarts)"
+        )
+    );
+    assert_eq!(
+        error(&with("tokens_per_day = 0", true)),
+        format!("{key}.tokens_per_day: must be at least 1 (leave it out for no budget)")
+    );
+    assert_eq!(
+        error(&with("", true).replacen(
+            "budget_file = \"state/budgets.log\"",
+            "budget_file = \"\"",
+            1
+        )),
+        "conf/edge.toml: edge.budget_file: must be a file path"
+    );
+    // A principal's limits and budgets are set on one of its keys.
+    let second = format!(
+        "{}\n[[client_keys]]\nprincipal = \"team-a\"\nkey_hash = \"{}\"\ntokens_per_day = 2\n",
+        with("max_concurrent = 4", true),
         "ab".repeat(32)
     );
     assert_eq!(

@@ -330,9 +330,18 @@ fn client_keys_are_matched_by_hash_and_shown_by_principal_and_position() {
             'b',
             "scopes = [\"metrics\"]\nrequests_per_minute = 60\nmodels = [\"llama-3.1-8b\"]\n"
         ),
-        key("batch", 'c', "max_concurrent = 4\n"),
+        key("batch", 'c', "max_concurrent = 4\ntokens_per_day = 100\n"),
         key("team-b", 'd', ""),
     );
+    // Budgets need a budget file (the same in both).
+    let with_file = |text: &str| {
+        text.replacen(
+            "client_listen = ",
+            "budget_file = \"b.log\"\nclient_listen = ",
+            1,
+        )
+    };
+    let (running, next) = (with_file(&running), with_file(&next));
     let printed = lines(&running, &next);
     assert_eq!(
         printed,
@@ -341,6 +350,7 @@ fn client_keys_are_matched_by_hash_and_shown_by_principal_and_position() {
             "- client_key team-a (client_keys[0])",
             "~ client_key ops (client_keys[0]): scopes [admin] -> [metrics], \
              requests_per_minute none -> 60, models all -> [llama-3.1-8b]",
+            "~ client_key batch (client_keys[1]): tokens_per_day none -> 100",
         ]
     );
     // A key renamed to another principal is the same key (same hash).
@@ -488,7 +498,8 @@ max_node_handshakes_per_peer = 1
 node_first_byte_timeout_ms = 1
 max_json_depth = 1
 max_json_elements = 1
-max_json_members = 1";
+max_json_members = 1
+budget_file = \"budgets.log\"";
     let next = running
         .replace("name = \"edge-1\"\n", "")
         .replace("trust_domain = \"iop.local\"\n", "")

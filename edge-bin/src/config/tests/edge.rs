@@ -36,6 +36,7 @@ fn example_file_parses_into_the_documented_values() {
         client_tls: None,
         access_log: AccessLogSpec::default(),
         usage_log: None,
+        budget_file: None,
         nodes: vec![NodeSpec {
             id: "node-a".into(),
             adapters: vec![
@@ -190,7 +191,7 @@ fn unknown_keys_are_rejected_with_their_path() {
          `client_linger_idle_timeout_ms`, `client_linger_max_bytes`, `node_handshake_timeout_ms`, \
          `max_node_handshakes`, `max_node_handshakes_per_peer`, `node_first_byte_timeout_ms`, \
          `max_json_depth`, `max_json_elements`, `max_json_members`, `client_tls`, `access_log`, \
-         `usage_log` (line 8, column 1)"
+         `usage_log`, `budget_file` (line 8, column 1)"
     );
     assert_eq!(
         error_of("target = \"qwen2.5:7b\"", "target = \"qwen2.5:7b\"\nmodel = \"x\""),

@@ -605,6 +605,7 @@ fn debug_never_shows_secrets() {
         admin: false,
         metrics: false,
         limits: Default::default(),
+        budgets: Default::default(),
         models: None,
         priority: crate::config::DEFAULT_PRIORITY,
         weight: 1,
