@@ -4,11 +4,11 @@
 //!
 //! - **Priority classes.** A request of a higher class is admitted before
 //!   any of a lower one, with one exception that keeps a lower class from
-//!   starving: while a lower class waits, at most [`MIN_SHARE_EVERY`] − 1
-//!   admissions in a row go to the classes above it; the next goes to the
-//!   highest class below that waits. So the lower classes together get at
-//!   least one admission in [`MIN_SHARE_EVERY`] while they wait, and a class
-//!   alone gets all of them.
+//!   starving: once [`MIN_SHARE_EVERY`] − 1 admissions in a row went to
+//!   classes above a waiting class, the next goes to it (to the one passed
+//!   over longest when several are due). So each waiting class gets one
+//!   admission in [`MIN_SHARE_EVERY`] (plus one more for each other class
+//!   due at the same time), and a class alone gets all of them.
 //! - **Weighted fair queueing between principals**, within a class:
 //!   start-time fair queueing (Goyal et al., SFQ) over each request's
 //!   estimated tokens. A request of principal `p` with weight `w` and cost
@@ -69,8 +69,9 @@ pub struct FairQueue {
     /// The classes with their orders, highest first when iterated in
     /// reverse.
     classes: BTreeMap<u8, Class>,
-    /// Admissions in a row from above the highest waiting class below them.
-    streak: u32,
+    /// Per waiting class: admissions in a row that went to classes above
+    /// it.
+    passed_over: BTreeMap<u8, u32>,
 }
 
 impl FairQueue {
@@ -115,19 +116,23 @@ impl FairQueue {
         self.classes[&class].order.first().map(|&(_, r)| r)
     }
 
-    /// The class the next admission comes from.
+    /// The class the next admission comes from: the highest that waits,
+    /// unless a class was passed over its due (then the one passed over
+    /// longest, the lowest on a tie).
     fn next_class(&self) -> Option<u8> {
-        let mut waiting = self
+        let top = self
             .classes
             .iter()
             .rev()
-            .filter(|(_, c)| !c.order.is_empty())
-            .map(|(&k, _)| k);
-        let top = waiting.next()?;
-        match waiting.next() {
-            Some(lower) if self.streak + 1 >= MIN_SHARE_EVERY => Some(lower),
-            _ => Some(top),
-        }
+            .find(|(_, c)| !c.order.is_empty())
+            .map(|(&k, _)| k)?;
+        let due = self
+            .passed_over
+            .iter()
+            .filter(|&(_, &n)| n + 1 >= MIN_SHARE_EVERY)
+            .max_by_key(|&(&class, &n)| (n, std::cmp::Reverse(class)))
+            .map(|(&class, _)| class);
+        Some(due.unwrap_or(top))
     }
 
     /// Takes `request` out, as admitted now if it is the one [`first`]
@@ -138,12 +143,6 @@ impl FairQueue {
     /// [`first`]: FairQueue::first
     pub fn remove(&mut self, request: RequestId) -> bool {
         let admitted = self.first() == Some(request);
-        let top = self
-            .classes
-            .iter()
-            .rev()
-            .find(|(_, c)| !c.order.is_empty())
-            .map(|(&k, _)| k);
         let Some((class, tag)) = self.entries.remove(&request) else {
             return false;
         };
@@ -154,15 +153,17 @@ impl FairQueue {
             }
         }
         if admitted {
-            let lower_waits = self
-                .classes
-                .range(..class)
-                .any(|(_, c)| !c.order.is_empty());
-            self.streak = if Some(class) == top && lower_waits {
-                self.streak + 1
-            } else {
-                0
-            };
+            self.passed_over.remove(&class);
+            // Every class below it that still waits was passed over once
+            // more.
+            for (&lower, c) in self.classes.range(..class) {
+                if !c.order.is_empty() {
+                    *self.passed_over.entry(lower).or_insert(0) += 1;
+                }
+            }
+        }
+        if self.classes.get(&class).is_some_and(|c| c.order.is_empty()) {
+            self.passed_over.remove(&class);
         }
         true
     }
