@@ -326,11 +326,17 @@ pub fn covered(intervals: &[(f64, f64)], start: f64, end: f64) -> bool {
 }
 
 /// Splits one arm's share phase (`lines`) into windows of `window_ms` from
-/// its first request read to its last, and counts each key's admissions
-/// per window. A key is backlogged through a window when at every moment
+/// its first request read to its last, but no further than `span_ms` from
+/// the first (the phase's sending time: a loaded Edge may read requests
+/// late), and counts each key's admissions per window. A key is backlogged through a window when at every moment
 /// of it one of its requests was queued: read, and not yet admitted (nor
 /// cut off).
-pub fn share_windows(lines: &[&RequestLine], window_ms: u64, mock_ttft_ms: f64) -> Vec<Window> {
+pub fn share_windows(
+    lines: &[&RequestLine],
+    window_ms: u64,
+    span_ms: u64,
+    mock_ttft_ms: f64,
+) -> Vec<Window> {
     let Some(first) = lines.iter().map(|l| l.read_ms).min_by(f64::total_cmp) else {
         return Vec::new();
     };
@@ -340,7 +346,7 @@ pub fn share_windows(lines: &[&RequestLine], window_ms: u64, mock_ttft_ms: f64) 
         .max_by(f64::total_cmp)
         .unwrap_or(first);
     let width = window_ms.max(1) as f64;
-    let count = ((last - first) / width).floor() as u64;
+    let count = ((last - first).min(span_ms as f64) / width).floor() as u64;
     (0..count)
         .map(|k| {
             let start = first + k as f64 * width;
@@ -484,7 +490,7 @@ pub fn arm_report(
             .filter(|l| l.arm == arm && l.phase == phase)
             .collect()
     };
-    let windows = share_windows(&of(Phase::Share), opts.window_ms, mock_ttft);
+    let windows = share_windows(&of(Phase::Share), opts.window_ms, opts.share_ms, mock_ttft);
     let share = share_summary(&windows);
     ArmReport {
         arm,
@@ -813,7 +819,9 @@ mod tests {
             line(Key::A, 0.0, None, 400.0),
         ];
         let refs: Vec<&RequestLine> = lines.iter().collect();
-        let windows = share_windows(&refs, 100, 10.0);
+        let windows = share_windows(&refs, 100, 1000, 10.0);
+        // The span cuts the windows off: reads after it do not count.
+        assert_eq!(share_windows(&refs, 100, 250, 10.0), windows[..2]);
         assert_eq!(
             windows,
             vec![
@@ -852,7 +860,7 @@ mod tests {
             }
         );
         assert_eq!(fair_share_goal(&s), Some(false));
-        assert!(share_windows(&[], 100, 10.0).is_empty());
+        assert!(share_windows(&[], 100, 1000, 10.0).is_empty());
     }
 
     #[test]
