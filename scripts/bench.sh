@@ -34,6 +34,17 @@
 #                                    markdown table; writes
 #                                    bench/results/cache-routing-<unix-ts>.json
 #                                    (docs/bench-cache-routing.md; --quick: under a minute)
+#   scripts/bench.sh --fairness      instead of the comparison, run `bench fairness`: one
+#                                    model of capacity 4 shared by key A (a flood at 10x
+#                                    capacity) and key B (a low rate, then 1.5x capacity),
+#                                    with the queue in arrival order (both keys one
+#                                    principal), weighted fair queueing 1:1 and B
+#                                    interactive against A batch; B's queue wait p50/p99,
+#                                    each key's share of the admissions per window while
+#                                    both are backlogged and the 1:1 goal, as a markdown
+#                                    table; writes bench/results/fairness-<unix-ts>.json
+#                                    (docs/bench-fairness.md; about 3 minutes; --quick:
+#                                    about 1½)
 #   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
 #                                    instead of building target/release
 #   scripts/bench.sh --swarm         instead of the comparison, run `bench swarm`: one Edge and
@@ -56,7 +67,8 @@
 #   scripts/bench.sh -- ARGS...      pass ARGS on to `bench compare` (or `bench cores` with
 #                                    --cores-scaling, `bench swarm` with --swarm or
 #                                    --swarm-cluster, `bench cache-routing` with
-#                                    --cache-routing; see `bench compare --help`)
+#                                    --cache-routing, `bench fairness` with --fairness;
+#                                    see `bench compare --help`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +78,7 @@ cores_scaling=0
 swarm=0
 swarm_cluster=0
 cache_routing=0
+fairness=0
 extra=()
 bin_dir=""
 while [ $# -gt 0 ]; do
@@ -78,6 +91,7 @@ while [ $# -gt 0 ]; do
     --swarm) swarm=1 ;;
     --swarm-cluster) swarm_cluster=1 ;;
     --cache-routing) cache_routing=1 ;;
+    --fairness) fairness=1 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -91,6 +105,22 @@ else
   echo "==> building release binaries"
   cargo build --release --workspace --bins --quiet
   bin=$PWD/target/release
+fi
+
+if [ "$fairness" = 1 ]; then
+  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ] \
+    || [ "$cache_routing" = 1 ]; then
+    echo "--fairness runs on its own: without --peer-nginx, --cores-scaling, --swarm and --cache-routing" >&2
+    exit 2
+  fi
+  # One open socket per queued request of the flood: raise the soft
+  # open-file limit to the hard one (bench fairness does too).
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+  mkdir -p bench/results
+  args=(fairness --bin-dir "$bin" --json "bench/results/fairness-$(date +%s).json")
+  if [ "$quick" = 1 ]; then args+=(--quick); fi
+  echo "==> $bin/bench ${args[*]} ${extra[*]}"
+  exec "$bin/bench" "${args[@]}" "${extra[@]}"
 fi
 
 if [ "$cache_routing" = 1 ]; then

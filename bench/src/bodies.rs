@@ -233,6 +233,7 @@ pub fn run(args: &BodiesArgs, stop: &Arc<AtomicBool>) -> Result<BodiesReport, Co
         names: &names,
         edge_config: &edge_config,
         cores: ("0", "0"),
+        status_key: None,
     };
     let relay = spawn_relay(
         &bin_dir,

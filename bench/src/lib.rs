@@ -20,6 +20,10 @@
 //!   policies (least_loaded, session, prefix, against pinned models) on
 //!   workloads whose speed depends on a mock's prefix cache: TTFT, cache
 //!   hit rate, throughput and the goal ratios.
+//! - [`fairness`]: `bench fairness`, one saturated model shared by a
+//!   flooding key and a light one, with the queue in arrival order, by
+//!   weighted fair queueing and by priority class: the light key's queue
+//!   wait and each key's share of the admissions over time.
 //! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
 //!   (SPIFFE identities and their rotations, HTTPS server certificates that
 //!   are good, for the wrong host, expired, or from an unknown CA).
@@ -46,6 +50,7 @@ pub mod bodies;
 pub mod cache_routing;
 pub mod compare;
 pub mod cores;
+pub mod fairness;
 pub mod fixtures;
 pub mod isolation;
 pub mod load;

@@ -59,6 +59,13 @@
 //!   multi-turn, shared-system-prompt and no-shared-prefix workloads; a
 //!   markdown table (TTFT p50/p99, cache hit rate, requests/s, the goal
 //!   ratios) and, with `--json`, the numbers.
+//! - `bench fairness [--quick] [--capacity 4] [--json PATH]`: one
+//!   saturated model shared by key A (a flood, 10× capacity) and key B
+//!   (a low rate, then capacity) with the queue in arrival order (one
+//!   principal), by weighted fair queueing (1:1) and by priority class
+//!   (B interactive, A batch): B's queue wait p50/p99 and each key's share
+//!   of the admissions per window from the Edge's access log, and the 1:1
+//!   goal (docs/bench-fairness.md).
 //!
 //! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
 //!   memory (RSS before, peak, after) under bursts of N concurrent chat
@@ -98,6 +105,7 @@ enum Command {
     Swarm(bench::swarm::cli::SwarmArgs),
     Bodies(bench::bodies::BodiesArgs),
     CacheRouting(bench::cache_routing::cli::CacheRoutingArgs),
+    Fairness(bench::fairness::cli::FairnessArgs),
     TlsFixtures(TlsFixturesArgs),
 }
 
@@ -244,6 +252,7 @@ fn main() -> ExitCode {
         Command::Swarm(args) => bench::swarm::cli::main(args),
         Command::Bodies(args) => bench::bodies::main(args),
         Command::CacheRouting(args) => bench::cache_routing::cli::main(args),
+        Command::Fairness(args) => bench::fairness::cli::main(args),
         Command::TlsFixtures(args) => tls_fixtures(args),
     }
 }

@@ -176,7 +176,8 @@ class Cluster:
         # the extra lines "slot_extra_of"[node id]. client_keys: {principal:
         # key} or {principal: {"key": key, "scopes": [...], and optionally
         # "max_concurrent", "requests_per_minute", "tokens_per_minute",
-        # "tokens_per_day", "tokens_per_month", "models"}}; requests then
+        # "tokens_per_day", "tokens_per_month", "models", "priority" (a class
+        # name or a number), "weight"}}; requests then
         # need `Authorization: Bearer <key>` (the harness's own /status calls
         # send the first key). client_listen: the Edge's edge.client_listen.
         self.credentials = credentials
@@ -347,6 +348,11 @@ class Cluster:
                         out.append(f"{limit} = {key[limit]}")
                 if "models" in key:
                     out.append("models = [" + ", ".join(f'"{m}"' for m in key["models"]) + "]")
+                if "priority" in key:
+                    p = key["priority"]
+                    out.append(f'priority = "{p}"' if isinstance(p, str) else f"priority = {p}")
+                if "weight" in key:
+                    out.append(f"weight = {key['weight']}")
         return out
 
     def edge_config(self, mock_addr: str) -> str:

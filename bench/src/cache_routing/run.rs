@@ -232,6 +232,7 @@ fn start_pool(
         names: &names,
         edge_config: &edge_config,
         cores: (&opts.edge_cores, &opts.node_cores),
+        status_key: None,
     };
     let pair = spawn_relay(&opts.bin_dir, dir, &spec, stop, &mut || {
         mocks.iter_mut().try_for_each(ChildProc::check_running)

@@ -247,6 +247,7 @@ fn start_relay(
         names: &names,
         edge_config: &edge_config,
         cores: (&opts.edge_cores, &opts.node_cores),
+        status_key: None,
     };
     let pair = spawn_relay(&opts.bin_dir, &dir, &spec, stop, &mut || {
         mock.as_mut().map_or(Ok(()), ChildProc::check_running)
@@ -278,6 +279,8 @@ pub(crate) struct RelaySpec<'a> {
     pub(crate) edge_config: &'a str,
     /// The `--cores` of edge-bin and node-bin.
     pub(crate) cores: (&'a str, &'a str),
+    /// The key `/status` is read with (an Edge with `[[client_keys]]`).
+    pub(crate) status_key: Option<&'a load::ApiKey>,
 }
 
 /// Mints development certificates into `dir`, writes `edge.toml` and
@@ -295,6 +298,7 @@ pub(crate) fn spawn_relay(
         names,
         edge_config,
         cores,
+        status_key,
     } = *spec;
     let edge_bin = bin_dir.join("edge-bin");
     let node_bin = bin_dir.join("node-bin");
@@ -352,8 +356,9 @@ pub(crate) fn spawn_relay(
         stop,
     )?;
     let url = format!("http://{client}");
-    wait_for_status(
+    wait_for_status_as(
         &Target::parse(&url)?,
+        status_key,
         stop,
         &mut || {
             others()?;
@@ -373,12 +378,23 @@ pub(crate) fn wait_for_status(
     check_running: &mut dyn FnMut() -> Result<(), CompareError>,
     ready: &dyn Fn(&serde_json::Value) -> bool,
 ) -> Result<(), CompareError> {
+    wait_for_status_as(edge, None, stop, check_running, ready)
+}
+
+/// [`wait_for_status`], reading `/status` with `key` when one is given.
+pub(crate) fn wait_for_status_as(
+    edge: &Target,
+    key: Option<&load::ApiKey>,
+    stop: &AtomicBool,
+    check_running: &mut dyn FnMut() -> Result<(), CompareError>,
+    ready: &dyn Fn(&serde_json::Value) -> bool,
+) -> Result<(), CompareError> {
     let mut waited_ms = 0;
     let mut last_status = String::from("none yet");
     while waited_ms < CONNECT_TIMEOUT_MS {
         interrupted(stop)?;
         check_running()?;
-        match load::get_blocking(edge, "/status") {
+        match load::get_blocking_as(edge, "/status", key) {
             Ok((200, body)) => match serde_json::from_slice::<serde_json::Value>(&body) {
                 Ok(status) if ready(&status) => return Ok(()),
                 Ok(status) => last_status = status.to_string(),
@@ -420,6 +436,7 @@ fn window_spec(
             .map_err(CompareError::Options)?,
         max_in_flight: streams,
         api_key: None,
+        request_id_prefix: None,
         progress: false,
         stop: Arc::clone(stop),
     })
@@ -840,6 +857,7 @@ fn run_ladder(
                 cores: cores.clone(),
                 max_in_flight: streams,
                 api_key: None,
+                request_id_prefix: None,
                 progress: false,
                 stop: Arc::clone(stop),
             };

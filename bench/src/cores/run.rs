@@ -140,6 +140,7 @@ fn start_relay(
         names: &names,
         edge_config: &edge_config,
         cores: (cores, cores),
+        status_key: None,
     };
     let pair = spawn_relay(&opts.bin_dir, dir, &spec, stop, &mut || {
         children.check_running()
@@ -175,6 +176,7 @@ fn window_spec(
             .map_err(CompareError::Options)?,
         max_in_flight: opts.concurrency,
         api_key: None,
+        request_id_prefix: None,
         progress: false,
         stop: Arc::clone(stop),
     })

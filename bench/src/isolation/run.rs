@@ -107,6 +107,7 @@ fn window(
         cores: vec![None],
         max_in_flight: opts.normal_streams,
         api_key: None,
+        request_id_prefix: None,
         progress: false,
         stop: Arc::clone(stop),
     };
@@ -226,6 +227,7 @@ pub fn run(
         names: &names,
         edge_config: &edge_config,
         cores: (&opts.cores.0, &opts.cores.1),
+        status_key: None,
     };
     let pair = spawn_relay(&opts.bin_dir, &dir, &spec, stop, &mut || Ok(()))?;
     children.edge = Some(pair.edge);

@@ -133,6 +133,7 @@ impl LoadArgs {
                 .or_else(|| std::env::var("IOP_API_KEY").ok())
                 .filter(|k| !k.is_empty())
                 .map(|k| super::ApiKey::new(&k)),
+            request_id_prefix: None,
         })
     }
 }

@@ -24,7 +24,7 @@ use super::chunk::{classify, Observation, StreamEnd, StreamTracker};
 use super::progress::Live;
 use super::recorder::{Failure, Recorder};
 use super::schedule::{stagger_ns, ArrivalSchedule};
-use super::{LoadSpec, Mode};
+use super::{ApiKey, LoadSpec, Mode};
 
 /// Largest SSE event accepted from a server.
 const MAX_EVENT_BYTES: usize = 1024 * 1024;
@@ -75,6 +75,8 @@ struct Ctx {
     in_flight: Cell<u64>,
     last_end_ns: Cell<u64>,
     hard_deadline_ns: u64,
+    /// The next request's number (`x-request-id`).
+    next_request: Cell<u64>,
 }
 
 /// Counts a request in flight from creation to drop, here and in [`Live`].
@@ -137,6 +139,7 @@ pub(crate) async fn run_thread(
         in_flight: Cell::new(0),
         last_end_ns: Cell::new(plan.start_ns),
         hard_deadline_ns: plan.hard_deadline_ns,
+        next_request: Cell::new(0),
     });
     match ctx.spec.mode {
         Mode::Concurrency { .. } | Mode::OneShot { .. } => {
@@ -304,13 +307,19 @@ async fn exchange(
         .api_key
         .as_ref()
         .map(|key| ("authorization", key.authorization()));
+    let request_id = ctx.spec.request_id_prefix.as_ref().map(|prefix| {
+        let n = ctx.next_request.get();
+        ctx.next_request.set(n + 1);
+        format!("{prefix}-{n}")
+    });
     let head = loop {
         let headers = [
             ("content-type", "application/json"),
             ("accept", "text/event-stream"),
         ]
         .into_iter()
-        .chain(auth);
+        .chain(auth)
+        .chain(request_id.as_deref().map(|id| ("x-request-id", id)));
         let sent = client
             .send_request("POST", &ctx.spec.target.path, headers, ctx.body.clone())
             .await;
@@ -444,12 +453,18 @@ async fn read_json(
 
 /// `GET path` on a fresh connection to `target`; the status and the body
 /// (at most 16 MiB).
-pub(crate) async fn get(target: &super::Target, path: &str) -> Result<(u16, Bytes), HttpError> {
+pub(crate) async fn get(
+    target: &super::Target,
+    path: &str,
+    key: Option<&ApiKey>,
+) -> Result<(u16, Bytes), HttpError> {
     let stream = iop_engine::http::connect(target.addr).await?;
     let mut client = ClientConn::new(stream, Limits::default()).with_host(target.authority.clone());
-    let no_headers: [(&str, &str); 1] = [("connection", "close")];
+    let headers = [("connection", "close")]
+        .into_iter()
+        .chain(key.map(|key| ("authorization", key.authorization())));
     client
-        .send_request("GET", path, no_headers, Bytes::new())
+        .send_request("GET", path, headers, Bytes::new())
         .await?;
     let head = client.read_response_head().await?;
     let body = client.read_body_to_end(MAX_BODY_BYTES).await?;

@@ -210,6 +210,10 @@ pub struct LoadSpec {
     /// Sent as `Authorization: Bearer <key>` with every request (an Edge
     /// with `[[client_keys]]`).
     pub api_key: Option<ApiKey>,
+    /// When set, every request carries `x-request-id: <prefix>-<n>` (n
+    /// counting from 0 per load thread), so the Edge's access log tells
+    /// this run's requests apart from others'.
+    pub request_id_prefix: Option<String>,
 }
 
 /// A client API key; its `Debug` does not show it.
@@ -334,8 +338,18 @@ fn show_progress<T>(handles: &[std::thread::ScopedJoinHandle<'_, T>], live: &Liv
 /// `GET path` on `target`'s server (a fresh connection, `Connection:
 /// close`), on a runtime of its own; the status and body.
 pub fn get_blocking(target: &Target, path: &str) -> Result<(u16, Bytes), LoadError> {
+    get_blocking_as(target, path, None)
+}
+
+/// [`get_blocking`] with `Authorization: Bearer <key>` when `key` is given
+/// (an Edge with `[[client_keys]]` answers `/status` only to a key).
+pub fn get_blocking_as(
+    target: &Target,
+    path: &str,
+    key: Option<&ApiKey>,
+) -> Result<(u16, Bytes), LoadError> {
     let full = target.path_of(path);
-    iop_engine::rt::block_on(client::get(target, &full))
+    iop_engine::rt::block_on(client::get(target, &full, key))
         .map_err(LoadError::Runtime)?
         .map_err(|source| LoadError::Get { path: full, source })
 }
