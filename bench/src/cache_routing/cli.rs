@@ -4,8 +4,6 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use argh::FromArgs;
 
@@ -170,37 +168,22 @@ impl CacheRoutingArgs {
 /// Runs `bench cache-routing`: exit 0 after a complete run, 1 when it could
 /// not run or a request failed.
 pub fn main(args: CacheRoutingArgs) -> ExitCode {
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("bench cache-routing: {e}");
-        ExitCode::from(1)
-    };
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => return fail(&format!("cannot find this executable: {e}")),
-    };
-    let allowed = iop_engine::rt::allowed_cpus().unwrap_or_else(|_| BTreeSet::from([0]));
-    let options = match args.resolve(&allowed, &exe) {
-        Ok(options) => options,
-        Err(e) => return fail(&e),
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    crate::compare::install_stop_handlers(&stop);
-    let report = match run(&options, &stop) {
+    let report = match crate::compare::run_subcommand(
+        "cache-routing",
+        |allowed, exe| args.resolve(allowed, exe),
+        |options, stop| run(options, stop).map_err(|e| e.to_string()),
+        render_table,
+        |options| options.json.clone(),
+    ) {
         Ok(report) => report,
-        Err(e) => return fail(&e),
+        Err(code) => return code,
     };
-    print!("{}", render_table(&report));
-    if let Some(path) = &options.json {
-        let written = serde_json::to_string_pretty(&report)
-            .map_err(std::io::Error::other)
-            .and_then(|text| std::fs::write(path, text + "\n"));
-        if let Err(e) = written {
-            return fail(&format!("cannot write {}: {e}", path.display()));
-        }
-        println!("JSON report: {}", path.display());
-    }
     if report.failed_requests > 0 {
-        return fail(&format!("{} requests failed", report.failed_requests));
+        eprintln!(
+            "bench cache-routing: {} requests failed",
+            report.failed_requests
+        );
+        return ExitCode::from(1);
     }
     ExitCode::SUCCESS
 }

@@ -247,6 +247,43 @@ where
     Some(report)
 }
 
+/// The shell of a measuring subcommand (`bench cache-routing`, `bench
+/// fairness`): resolves its options against the CPUs this process may use
+/// and its own executable, runs it with SIGINT/SIGTERM stopping it, prints
+/// its table and writes its JSON report where `json` says. The report, or
+/// the exit code of a run that could not complete (its reason printed).
+pub fn run_subcommand<O, R: serde::Serialize>(
+    name: &str,
+    resolve: impl FnOnce(&std::collections::BTreeSet<usize>, &std::path::Path) -> Result<O, String>,
+    run: impl FnOnce(&O, &Arc<AtomicBool>) -> Result<R, String>,
+    render: impl FnOnce(&R) -> String,
+    json: impl FnOnce(&O) -> Option<std::path::PathBuf>,
+) -> Result<R, std::process::ExitCode> {
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("bench {name}: {e}");
+        std::process::ExitCode::from(1)
+    };
+    let exe =
+        std::env::current_exe().map_err(|e| fail(&format!("cannot find this executable: {e}")))?;
+    let allowed =
+        iop_engine::rt::allowed_cpus().unwrap_or_else(|_| std::collections::BTreeSet::from([0]));
+    let options = resolve(&allowed, &exe).map_err(|e| fail(&e))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    install_stop_handlers(&stop);
+    let report = run(&options, &stop).map_err(|e| fail(&e))?;
+    print!("{}", render(&report));
+    if let Some(path) = json(&options) {
+        let written = serde_json::to_string_pretty(&report)
+            .map_err(std::io::Error::other)
+            .and_then(|text| std::fs::write(&path, text + "\n"));
+        if let Err(e) = written {
+            return Err(fail(&format!("cannot write {}: {e}", path.display())));
+        }
+        println!("JSON report: {}", path.display());
+    }
+    Ok(report)
+}
+
 pub fn install_stop_handlers(stop: &Arc<AtomicBool>) {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(stop));

@@ -4,8 +4,6 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use argh::FromArgs;
 
@@ -126,36 +124,16 @@ impl FairnessArgs {
 /// Runs `bench fairness`: exit 0 after a complete run, 1 when it could not
 /// run.
 pub fn main(args: FairnessArgs) -> ExitCode {
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("bench fairness: {e}");
-        ExitCode::from(1)
-    };
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => return fail(&format!("cannot find this executable: {e}")),
-    };
-    let allowed = iop_engine::rt::allowed_cpus().unwrap_or_else(|_| BTreeSet::from([0]));
-    let options = match args.resolve(&allowed, &exe) {
-        Ok(options) => options,
-        Err(e) => return fail(&e),
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    crate::compare::install_stop_handlers(&stop);
-    let report = match run(&options, &stop) {
-        Ok(report) => report,
-        Err(e) => return fail(&e),
-    };
-    print!("{}", render_table(&report));
-    if let Some(path) = &options.json {
-        let written = serde_json::to_string_pretty(&report)
-            .map_err(std::io::Error::other)
-            .and_then(|text| std::fs::write(path, text + "\n"));
-        if let Err(e) = written {
-            return fail(&format!("cannot write {}: {e}", path.display()));
-        }
-        println!("JSON report: {}", path.display());
+    match crate::compare::run_subcommand(
+        "fairness",
+        |allowed, exe| args.resolve(allowed, exe),
+        |options, stop| run(options, stop).map_err(|e| e.to_string()),
+        render_table,
+        |options| options.json.clone(),
+    ) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(code) => code,
     }
-    ExitCode::SUCCESS
 }
 
 #[cfg(test)]
