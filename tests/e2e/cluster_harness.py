@@ -34,6 +34,7 @@ import base64
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -89,12 +90,20 @@ def etcd_binary() -> str:
 
 def free_ports(count: int) -> list[int]:
     """`count` distinct loopback ports, free when this returns (each bound
-    to port 0 at once, then all released)."""
+    at once, then all released). They are drawn below the kernel's
+    ephemeral range (32768 and up by default), so the outgoing connections
+    the processes of a test open meanwhile never take one of them before
+    its Edge binds it (a port of the ephemeral range could be)."""
+    rng = random.Random()
     socks = []
     try:
-        for _ in range(count):
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randrange(20000, 32000)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -97,7 +97,10 @@ def test_a_conversation_stays_with_its_cache_and_moves_when_its_provider_is_ejec
         holder = threading.Thread(target=lambda: held.update(result=chat(
             cluster, {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]})))
         holder.start()
-        wait_until(lambda: cluster.provider("node-a", "mock-1")["in_flight"] == 1,
+        # The provider has it (its counters moved), not only the Edge's
+        # lease: the turns below compare the mocks' counters.
+        wait_until(lambda: cluster.provider("node-a", "mock-1")["in_flight"] == 1
+                   and cluster.stats()["node-a"]["chat_requests"] == 1,
                    what="node-a holding the long prompt")
         messages = [{"role": "system", "content": SYSTEM}]
         assert turn(cluster, messages, "What is a prefix cache?") == "node-b"

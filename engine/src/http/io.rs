@@ -110,7 +110,13 @@ pub(crate) async fn read_pooled<S: AsyncReadRent + ReadReadiness>(
 ) -> io::Result<(Bytes, usize)> {
     if carry.is_empty() {
         loop {
-            stream.read_ready().await?;
+            match stream.read_ready().await {
+                Ok(()) => {}
+                // A signal (the Node's SIGTERM drain) interrupted the wait:
+                // wait again, as every read here does.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
             match stream.read_packed_now(pool) {
                 None => break,
                 Some(Ok(read)) => {

@@ -575,6 +575,10 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
                 // socket): a burst of new requests does not take a full
                 // read chunk each.
                 let ready = self.stream.read_ready().await;
+                if matches!(&ready, Err(e) if e.kind() == std::io::ErrorKind::Interrupted) {
+                    // A signal interrupted the wait: wait again.
+                    continue;
+                }
                 self.check_deadline(ready.map(|()| 1))?;
                 read = self.stream.read_now(&mut self.read_buf, READ_CHUNK_BYTES);
                 if let Some(Err(e)) = &read {
