@@ -24,6 +24,9 @@
 //!   flooding key and a light one, with the queue in arrival order, by
 //!   weighted fair queueing and by priority class: the light key's queue
 //!   wait and each key's share of the admissions over time.
+//! - [`instructions`]: `bench instructions`, user-space instructions per
+//!   relayed token of the Edge and the Node (and of a peer proxy) counted
+//!   by callgrind.
 //! - [`fixtures`]: `bench tls-fixtures`, the certificates of the TLS tests
 //!   (SPIFFE identities and their rotations, HTTPS server certificates that
 //!   are good, for the wrong host, expired, or from an unknown CA).
@@ -52,6 +55,7 @@ pub mod compare;
 pub mod cores;
 pub mod fairness;
 pub mod fixtures;
+pub mod instructions;
 pub mod isolation;
 pub mod load;
 pub mod mock;

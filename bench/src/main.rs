@@ -66,6 +66,10 @@
 //!   (B interactive, A batch): B's queue wait p50/p99 and each key's share
 //!   of the admissions per window from the Edge's access log, and the 1:1
 //!   goal (docs/bench-fairness.md).
+//! - `bench instructions [--streams 200] [--tokens 64] [--peer URL
+//!   --peer-pid PID]`: user-space instructions per relayed token of the
+//!   Edge and the Node under callgrind (and of a peer proxy running under
+//!   callgrind), against the ≤ 6,000 goal.
 //!
 //! - `bench bodies [--requests N] [--messages M] [--bursts B]`: the Edge's
 //!   memory (RSS before, peak, after) under bursts of N concurrent chat
@@ -106,6 +110,7 @@ enum Command {
     Bodies(bench::bodies::BodiesArgs),
     CacheRouting(bench::cache_routing::cli::CacheRoutingArgs),
     Fairness(bench::fairness::cli::FairnessArgs),
+    Instructions(bench::instructions::cli::InstructionsArgs),
     TlsFixtures(TlsFixturesArgs),
 }
 
@@ -253,6 +258,7 @@ fn main() -> ExitCode {
         Command::Bodies(args) => bench::bodies::main(args),
         Command::CacheRouting(args) => bench::cache_routing::cli::main(args),
         Command::Fairness(args) => bench::fairness::cli::main(args),
+        Command::Instructions(args) => bench::instructions::cli::main(args),
         Command::TlsFixtures(args) => tls_fixtures(args),
     }
 }
