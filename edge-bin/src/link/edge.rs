@@ -106,7 +106,9 @@ pub struct Edge {
     /// Live node connections of this shard, by id.
     conns: RefCell<HashMap<ConnId, NodeLink>>,
     /// Dispatched runs on this shard's node connections, by run id.
-    node_replies: RefCell<HashMap<String, NodeReply>>,
+    /// Keyed by run ids this Edge made, looked up once per relayed frame:
+    /// hashed with foldhash, not SipHash (no key comes from a client).
+    node_replies: RefCell<HashMap<String, NodeReply, foldhash::fast::RandomState>>,
     /// This shard's dispatched client requests: a sender into each one's
     /// reply, for `Lost`.
     client_replies: RefCell<HashMap<RequestId, ClientReply>>,
@@ -229,7 +231,7 @@ impl Edge {
             control: control.map(RefCell::new),
             outbox,
             conns: RefCell::new(HashMap::new()),
-            node_replies: RefCell::new(HashMap::new()),
+            node_replies: RefCell::new(HashMap::default()),
             client_replies: RefCell::new(HashMap::new()),
             waiters: RefCell::new(HashMap::new()),
             settings,
