@@ -1229,6 +1229,28 @@ fn body_frame_head_is_byte_identical_when_body_is_the_last_field() {
     }
 }
 
+proptest::proptest! {
+    /// A chunk's frame (only `run_id`, `seq`, `kind` and the body set) has
+    /// its head written by hand: byte for byte what prost writes, for any
+    /// values, empty and negative ones included.
+    #[test]
+    fn a_plain_body_frame_head_is_byte_identical_to_prost(
+        run_id in "\\PC{0,40}",
+        seq in proptest::prop_oneof![proptest::strategy::Just(0u64), proptest::num::u64::ANY],
+        kind in proptest::prop_oneof![proptest::strategy::Just(0i32), -3i32..6, proptest::num::i32::ANY],
+        body_len in proptest::prop_oneof![0usize..300, 16_370usize..16_400],
+    ) {
+        let template = pb::ProviderTunnelFrame { run_id, seq, kind, ..Default::default() };
+        let body = vec![0x5au8; body_len];
+        let full_frame = codec::frame(Body::ProviderTunnelFrame(Box::new(
+            pb::ProviderTunnelFrame { body: Bytes::from(body.clone()), ..template.clone() },
+        )));
+        let mut encoded = BytesMut::new();
+        proptest::prop_assert_eq!(codec::encode(&full_frame, &mut encoded), Ok(()));
+        proptest::prop_assert_eq!(head_plus_body(&template, &body), encoded);
+    }
+}
+
 #[test]
 fn body_frame_head_ignores_a_body_already_in_the_template() {
     // CONTRACT: T1
