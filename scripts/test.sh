@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every check CI runs: formatting, lints, unit/integration/simulation
-# tests, and the end-to-end suite with real processes and the official SDKs.
+# Runs every check CI runs: the manual's links and error codes, formatting,
+# lints, unit/integration/simulation tests, and the end-to-end suite with real
+# processes and the official SDKs.
 #
 #   scripts/test.sh            everything
 #   scripts/test.sh --no-e2e   skip the Python SDK end-to-end suite
@@ -39,6 +40,12 @@ if [ "$free_kib" -lt $((4 * 1024 * 1024)) ]; then
   echo "warning: under 4 GiB free; a clean build may run out of space" >&2
 fi
 report_disk() { echo "disk: $(du -sh "$target_dir" | cut -f1) in $target_dir, $(($(df -Pk "$target_dir" | awk 'NR == 2 { print $4 }') / 1024)) MiB free"; }
+
+# The manual first: it takes a second and needs no build.
+stage "docs: links and anchors of README.md and docs/ (scripts/check-links.py)"
+python3 scripts/check-links.py
+stage "docs: the manual against the code (tests/docs)"
+python3 -m unittest discover -s tests/docs
 
 stage "cargo fmt --check"
 cargo fmt --all -- --check

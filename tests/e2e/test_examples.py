@@ -1,6 +1,7 @@
 """The documented Ollama + vLLM example config runs as written.
 
-`examples/edge-ollama-vllm.toml` (quoted in the README) is started unchanged
+`examples/edge-ollama-vllm.toml` (quoted in docs/providers.md, which the
+first test checks) is started unchanged
 except for its listen ports and the two provider addresses, which point at
 one mock that speaks both Ollama's and the OpenAI-compatible API; two Nodes
 with the example's ids connect, and the official SDK is served through both.
@@ -9,8 +10,10 @@ CONTRACT: U7 — the example's mixed model is served by an Ollama and a vLLM
 provider with one client surface.
 """
 
+import re
 import subprocess
 import tempfile
+import tomllib
 from pathlib import Path
 
 import openai
@@ -19,6 +22,7 @@ import pytest
 from iop_harness import BIN_DIR, start, wait_until, http_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "edge-ollama-vllm.toml"
+PROVIDERS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "providers.md"
 NODES = ("gpu-ollama", "gpu-vllm")
 TEXT = "tok0 tok1 tok2 "
 
@@ -37,6 +41,42 @@ def _node_config(node_id: str, edge_nodes_addr: str) -> str:
         "interval_sec = 1",
         "max_attempts = 0",
     ]) + "\n"
+
+
+def _entry(entries: list[dict], key: str, value: str) -> dict:
+    found = [e for e in entries if e.get(key) == value]
+    assert len(found) == 1, f"{key} = {value!r}: {len(found)} entries in {EXAMPLE.name}"
+    return found[0]
+
+
+def _quoted(part: dict, whole: dict, where: str) -> None:
+    """Every key of the page's table has the example's value."""
+    for key, value in part.items():
+        assert whole.get(key) == value, f"{where}.{key}: page {value!r}, example {whole.get(key)!r}"
+
+
+def test_the_providers_page_quotes_the_example():
+    """Each TOML block of docs/providers.md is an excerpt of the example:
+    every node, adapter, provider and model it shows is the example's,
+    key for key, and the page links to the file."""
+    page = PROVIDERS_PAGE.read_text()
+    assert "](../examples/edge-ollama-vllm.toml)" in page
+    example = tomllib.loads(EXAMPLE.read_text())
+    blocks = [tomllib.loads(b) for b in re.findall(r"```toml\n(.*?)```", page, re.DOTALL)]
+    shown = []
+    for block in blocks:
+        assert set(block) <= {"nodes", "models"}, sorted(block)
+        for node in block.get("nodes", []):
+            whole = _entry(example["nodes"], "id", node["id"])
+            for adapter in node.get("adapters", []):
+                _quoted(adapter, _entry(whole["adapters"], "name", adapter["name"]), f"{node['id']}.adapters")
+            for provider in node.get("providers", []):
+                _quoted(provider, _entry(whole["providers"], "id", provider["id"]), f"{node['id']}.providers")
+            shown.append(node["id"])
+        for model in block.get("models", []):
+            _quoted(model, _entry(example["models"], "name", model["name"]), "models")
+            shown.append(model["name"])
+    assert shown == ["gpu-ollama", "gpu-vllm", "llama-3.1-8b"], shown
 
 
 def test_ollama_vllm_example_serves_both_paths():
