@@ -340,6 +340,14 @@ impl NodeConfig {
 // The file as written
 // ---------------------------------------------------------------------------
 
+/// Runs the serde mirror of `node.toml` on `deserializer` and drops what it
+/// built. Not an API: the configuration reference's test walks the file
+/// format with it (every key `docs/configuration.md` must document).
+#[doc(hidden)]
+pub fn deserialize_file_format<'de, D: Deserializer<'de>>(deserializer: D) -> Result<(), D::Error> {
+    RawNodeFile::deserialize(deserializer).map(drop)
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawNodeFile {

@@ -64,6 +64,8 @@ mod validate;
 
 pub use defaults::*;
 pub use diff::{Apply, ConfigDiff};
+#[doc(hidden)]
+pub use raw::deserialize_file_format;
 
 use checks::*;
 use raw::*;

@@ -3,7 +3,15 @@
 //! [`super::validate`].
 
 use iop_engine::config::RawTls;
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
+
+/// Runs the serde mirror of `edge.toml` on `deserializer` and drops what it
+/// built. Not an API: the configuration reference's test walks the file
+/// format with it (every key `docs/configuration.md` must document).
+#[doc(hidden)]
+pub fn deserialize_file_format<'de, D: Deserializer<'de>>(deserializer: D) -> Result<(), D::Error> {
+    RawEdgeFile::deserialize(deserializer).map(drop)
+}
 
 // ---------------------------------------------------------------------------
 // The file as written
