@@ -45,6 +45,13 @@
 #                                    table; writes bench/results/fairness-<unix-ts>.json
 #                                    (docs/bench-fairness.md; about 3 minutes; --quick:
 #                                    about 1½)
+#   After the comparison (standard, --quick, --peer-nginx, --peer-nginx-chain), `bench
+#   instructions` counts the user-space instructions per relayed token of the Edge and the
+#   Node under callgrind (valgrind, installed when missing and run as root with apt), and of
+#   the nginx peer, started again under callgrind as one process (two for the chain), over
+#   the same load; prints them next to the ratios with the <= 6,000 goal and writes
+#   bench/results/instructions-<unix-ts>.json (about 1½ minutes; --quick: 1 round).
+#   scripts/bench.sh --no-instructions   the comparison without the instruction counts
 #   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
 #                                    instead of building target/release
 #   scripts/bench.sh --swarm         instead of the comparison, run `bench swarm`: one Edge and
@@ -79,6 +86,7 @@ swarm=0
 swarm_cluster=0
 cache_routing=0
 fairness=0
+instructions=1
 extra=()
 bin_dir=""
 while [ $# -gt 0 ]; do
@@ -92,6 +100,7 @@ while [ $# -gt 0 ]; do
     --swarm-cluster) swarm_cluster=1 ;;
     --cache-routing) cache_routing=1 ;;
     --fairness) fairness=1 ;;
+    --no-instructions) instructions=0 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -223,9 +232,10 @@ allowed_cpus() {
 # to its location (TLS settings), one directive per line.
 nginx_conf() {
   local dir=$1 listen=$2 upstream_port=$3 scheme=$4 server_extra=${5:-} location_extra=${6:-}
+  local master=${NGINX_MASTER:-on}
   cat >"$dir/nginx.conf" <<NGINX
 daemon off;
-master_process on;
+master_process $master;
 worker_processes 1;
 pid $dir/nginx.pid;
 error_log $dir/error.log warn;
@@ -357,3 +367,62 @@ fi
 
 echo "==> $bin/bench ${args[*]} ${extra[*]}"
 "$bin/bench" "${args[@]}" "${extra[@]}"
+
+[ "$instructions" = 1 ] || exit 0
+
+# The instruction counts: callgrind's, which noise does not move.
+if ! command -v callgrind_control >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing valgrind for the instruction counts"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        valgrind >/dev/null; } || echo "==> could not install valgrind" >&2
+  fi
+fi
+if ! command -v callgrind_control >/dev/null 2>&1; then
+  echo "==> valgrind is not installed: no instruction counts (apt-get install valgrind)"
+  exit 0
+fi
+
+# nginx as one process (no master) under callgrind, listening on $2.
+start_nginx_callgrind() {
+  local dir=$1 port=$2 pid
+  valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.%p" --dump-instr=no \
+    nginx -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" 2>"$dir/valgrind.log" &
+  pid=$!
+  nginx_pids+=("$pid")
+  for _ in $(seq 1 600); do
+    listening "$port" && break
+    kill -0 "$pid" 2>/dev/null || { echo "nginx under callgrind exited:" >&2; cat "$dir/error.log" "$dir/valgrind.log" >&2; exit 1; }
+    sleep 0.05
+  done
+  cg_pids+=("$pid")
+}
+
+iargs=(instructions --bin-dir "$bin" --json "bench/results/instructions-$(date +%s).json")
+if [ "$quick" = 1 ]; then iargs+=(--rounds 1); fi
+cg_pids=()
+if [ -n "$work" ] && [ -n "${peer_name:-}" ]; then
+  cg_port=$(free_port "$nginx_port")
+  export NGINX_MASTER=off
+  if [ "$peer_name" = nginx ]; then
+    mkdir "$work/cg-one"
+    nginx_conf "$work/cg-one" "127.0.0.1:$cg_port" "$mock_port" http
+    echo "==> starting nginx under callgrind on 127.0.0.1:$cg_port"
+    start_nginx_callgrind "$work/cg-one" "$cg_port"
+  else
+    cg_back=$(free_port "$cg_port")
+    mkdir "$work/cg-front" "$work/cg-back"
+    sed -e "s|$work/back|$work/cg-back|g" -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
+      -e "s|master_process on|master_process off|" "$work/back/nginx.conf" >"$work/cg-back/nginx.conf"
+    sed -e "s|$work/front|$work/cg-front|g" -e "s|127.0.0.1:$nginx_port|127.0.0.1:$cg_port|" \
+      -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
+      -e "s|master_process on|master_process off|" "$work/front/nginx.conf" >"$work/cg-front/nginx.conf"
+    echo "==> starting the nginx chain under callgrind: 127.0.0.1:$cg_port → mTLS → 127.0.0.1:$cg_back"
+    start_nginx_callgrind "$work/cg-back" "$cg_back"
+    start_nginx_callgrind "$work/cg-front" "$cg_port"
+  fi
+  iargs+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$cg_port" --peer-name "$peer_name")
+  for pid in "${cg_pids[@]}"; do iargs+=(--peer-pid "$pid"); done
+fi
+echo "==> $bin/bench ${iargs[*]}"
+"$bin/bench" "${iargs[@]}"
