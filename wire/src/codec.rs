@@ -592,7 +592,7 @@ impl TrailingBody {
         fields_len: usize,
         dst: &mut BytesMut,
         max_frame_bytes: usize,
-        write_fields: impl FnOnce(&mut BytesMut),
+        write_fields: impl FnOnce(&mut &mut [u8]),
     ) -> Result<(), EncodeError> {
         let max_frame_bytes = prefix_bounded_max(max_frame_bytes);
         let body_len = self.body_len;
@@ -613,23 +613,40 @@ impl TrailingBody {
                 max: max_frame_bytes,
             });
         }
-        dst.reserve(LENGTH_PREFIX_BYTES + frame_len - body_len);
-        dst.put_u32(frame_len as u32);
-        prost::encoding::encode_key(
-            self.frame_field,
-            prost::encoding::WireType::LengthDelimited,
-            dst,
-        );
-        prost::encoding::encode_varint(inner_len as u64, dst);
-        write_fields(dst);
-        if body_len > 0 {
+        // The head is written into a buffer on the stack (a chunk's is some
+        // 30 bytes), then appended at once: byte by byte into `dst`, every
+        // write checked its capacity.
+        let head_len = LENGTH_PREFIX_BYTES + frame_len - body_len;
+        let mut stack = [0u8; 128];
+        let mut heap = Vec::new();
+        let head: &mut [u8] = if head_len <= stack.len() {
+            &mut stack[..head_len]
+        } else {
+            heap.resize(head_len, 0);
+            &mut heap
+        };
+        {
+            let mut w: &mut [u8] = &mut *head;
+            w.put_u32(frame_len as u32);
             prost::encoding::encode_key(
-                self.body_field,
+                self.frame_field,
                 prost::encoding::WireType::LengthDelimited,
-                dst,
+                &mut w,
             );
-            prost::encoding::encode_varint(body_len as u64, dst);
+            prost::encoding::encode_varint(inner_len as u64, &mut w);
+            write_fields(&mut w);
+            if body_len > 0 {
+                prost::encoding::encode_key(
+                    self.body_field,
+                    prost::encoding::WireType::LengthDelimited,
+                    &mut w,
+                );
+                prost::encoding::encode_varint(body_len as u64, &mut w);
+            }
+            // The lengths above are exact: nothing of the head is left.
+            debug_assert!(w.is_empty());
         }
+        dst.extend_from_slice(head);
         Ok(())
     }
 }
