@@ -359,6 +359,12 @@ impl IoParts {
 
     /// Drops the first `written_bytes` bytes (after a partial write).
     fn advance(&mut self, mut written_bytes: usize) {
+        // Most writes take everything: drop it all at once rather than part
+        // by part from the front.
+        if written_bytes >= self.parts.iter().map(Bytes::len).sum::<usize>() {
+            self.clear();
+            return;
+        }
         while written_bytes > 0 {
             let Some(first) = self.parts.first_mut() else {
                 break;
