@@ -501,7 +501,7 @@ fn all_frames() -> Vec<pb::Frame> {
             failure_code: "response_stalled".into(),
             adapter: "vllm-b".into(),
             target: "meta/llama-3-70b".into(),
-            metadata: map(&[("obs", "1"), ("obs2", "")]),
+            metadata: map(&[("obs", "1"), ("obs2", "")]).into_iter().collect(),
             failure: Some(Box::new(execution_failure())),
         })),
         Body::CancelRequest(pb::CancelRequest {
@@ -1129,7 +1129,7 @@ fn full_tunnel_frame() -> pb::ProviderTunnelFrame {
         failure_code: "fc".into(),
         adapter: "vllm-b".into(),
         target: "meta/llama-3-70b".into(),
-        metadata: map(&[("obs", "1")]),
+        metadata: map(&[("obs", "1")]).into_iter().collect(),
         failure: Some(Box::new(execution_failure())),
     }
 }
