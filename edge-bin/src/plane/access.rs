@@ -152,6 +152,9 @@ pub struct AccessRecord {
     pub peer: Option<String>,
     /// The Edge this request was forwarded to: `forwarded_to=<edge name>`.
     pub forwarded_to: Option<String>,
+    /// The request's trace (`[tracing]`): `trace_id=<32 hex>`, on the
+    /// lines of traced requests only.
+    pub trace_id: Option<iop_engine::trace::TraceId>,
 }
 
 impl AccessRecord {
@@ -210,7 +213,7 @@ impl AccessRecord {
 
     /// How the request ended: the outcome noted, else what the response
     /// status says.
-    fn outcome_of(&self, stats: &ExchangeStats) -> &str {
+    pub fn outcome_of(&self, stats: &ExchangeStats) -> &str {
         self.outcome.as_deref().unwrap_or(match stats.status {
             Some(200..=399) => "completed",
             Some(_) => "error",
@@ -314,6 +317,10 @@ impl AccessRecord {
         }
         if let Some(edge) = &self.forwarded_to {
             fields.push(("forwarded_to", Value::Str(edge)));
+        }
+        let trace_id = self.trace_id.map(|id| id.to_string());
+        if let Some(id) = &trace_id {
+            fields.push(("trace_id", Value::Str(id)));
         }
         match format {
             Format::Text => text_line(&fields),
