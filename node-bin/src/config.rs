@@ -108,7 +108,14 @@ pub struct NodeConfig {
     pub drain_grace_ms: u64,
     /// `[metrics]`: the optional node_exporter textfile.
     pub metrics: MetricsSpec,
+    /// `[tracing]`: provider-call spans exported over OTLP
+    /// (`docs/tracing.md`); `None`: tracing is off (no `otlp_endpoint`).
+    pub tracing: Option<iop_engine::trace::TracingSpec>,
 }
+
+/// The `service.name` of the Node's spans unless `[tracing] service_name`
+/// says otherwise.
+pub const DEFAULT_TRACING_SERVICE_NAME: &str = "iop-node";
 
 /// The `[metrics]` table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -356,6 +363,16 @@ struct RawNodeFile {
     drain_grace_ms: Option<i64>,
     #[serde(default)]
     metrics: RawMetrics,
+    tracing: Option<RawTracing>,
+}
+
+/// `[tracing]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTracing {
+    otlp_endpoint: Option<String>,
+    sample_ratio: Option<f64>,
+    service_name: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -512,6 +529,16 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         credentials,
         drain_grace_ms,
         metrics: metrics(raw.metrics, file)?,
+        tracing: match raw.tracing {
+            None => None,
+            Some(t) => iop_engine::trace::TracingSpec::from_raw(
+                t.otlp_endpoint.as_deref(),
+                t.sample_ratio,
+                t.service_name.as_deref(),
+                DEFAULT_TRACING_SERVICE_NAME,
+            )
+            .map_err(|(key, why)| err(&format!("tracing.{key}"), why))?,
+        },
     })
 }
 
@@ -734,6 +761,7 @@ key = "certs/node-a-key.pem"
             credentials: None,
             drain_grace_ms: 30_000,
             metrics: MetricsSpec::default(),
+            tracing: None,
         };
         assert_eq!(config, expected);
     }
