@@ -218,8 +218,12 @@ def test_with_tracing_off_no_span_is_built_and_nothing_is_propagated():
                             node="node-a") == 0
         # The provider got no traceparent, and the access line names no trace.
         assert cluster.mock_stats()["last_traceparent"] is None
-        lines = [l for l in cluster.edge.log().splitlines() if l.startswith("ts=") and "path=/v1/chat" in l]
-        assert len(lines) == 3 and not any("trace_id=" in l for l in lines)
+        def access_lines():
+            return [l for l in cluster.edge.log().splitlines() if l.startswith("ts=") and "path=/v1/chat" in l]
+
+        # The access log's writer thread writes in batches.
+        wait_until(lambda: len(access_lines()) == 3, what="three access lines")
+        assert not any("trace_id=" in l for l in access_lines())
 
 
 def access_trace_id(cluster, request_id: str) -> str:
