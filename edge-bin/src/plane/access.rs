@@ -932,6 +932,31 @@ mod tests {
     }
 
     #[test]
+    fn a_traced_request_names_its_trace_and_others_do_not() {
+        let read_at = iop_engine::clock::now();
+        let stats = ExchangeStats {
+            status: Some(200),
+            bytes_out: 1,
+            first_body_byte_at: None,
+        };
+        let mut traced = AccessRecord::new("req-t".into(), "POST", "/v1/chat/completions", 2);
+        traced.trace_id = Some(iop_engine::trace::TraceId([0xab; 16]));
+        let line = traced.line(Format::Json, 0, &stats, read_at, read_at);
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["trace_id"], "abababababababababababababababab");
+        let text = traced.line(Format::Text, 0, &stats, read_at, read_at);
+        assert!(
+            text.trim_end()
+                .ends_with(" trace_id=abababababababababababababababab"),
+            "{text}"
+        );
+        traced.trace_id = None;
+        let v: serde_json::Value =
+            serde_json::from_str(&traced.line(Format::Json, 0, &stats, read_at, read_at)).unwrap();
+        assert_eq!(v.get("trace_id"), None);
+    }
+
+    #[test]
     fn a_usage_line_says_how_complete_its_tokens_are() {
         let read_at = iop_engine::clock::now();
         let end = read_at + Duration::from_millis(250);
