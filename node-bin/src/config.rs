@@ -1003,6 +1003,31 @@ key = "certs/node-a-key.pem"
     }
 
     #[test]
+    fn the_tracing_table_is_off_by_default_and_its_values_are_checked() {
+        assert_eq!(parse(BASE).unwrap().tracing, None);
+        let on = parse(&format!(
+            "{BASE}\n[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\nsample_ratio = 0.25\n"
+        ))
+        .unwrap()
+        .tracing
+        .expect("on");
+        assert_eq!(on.otlp_endpoint.traces_path(), "/v1/traces");
+        assert_eq!(on.sample_ratio, 0.25);
+        assert_eq!(on.service_name, DEFAULT_TRACING_SERVICE_NAME);
+        assert_eq!(
+            error(&format!(
+                "{BASE}\n[tracing]\notlp_endpoint = \"http://c:1\"\nsample_ratio = -1\n"
+            )),
+            "conf/node.toml: tracing.sample_ratio: -1 is not from 0.0 to 1.0"
+        );
+        assert_eq!(
+            error(&format!("{BASE}\n[tracing]\notlp_endpoint = \"c:1\"\n")),
+            "conf/node.toml: tracing.otlp_endpoint: \"c:1\" is not an http:// URL \
+             (e.g. http://127.0.0.1:4318)"
+        );
+    }
+
+    #[test]
     fn unknown_keys_are_rejected_with_their_path() {
         assert_eq!(
             error(&with_reconnect("backoff = 2")),
@@ -1013,7 +1038,7 @@ key = "certs/node-a-key.pem"
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
              `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials`, \
-             `drain_grace_ms`, `metrics` (line 5, column 1)"
+             `drain_grace_ms`, `metrics`, `tracing` (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),
