@@ -256,19 +256,25 @@ impl RequestTrace {
                 end: Some(now),
             },
         );
-        request.attributes.push(Attr::str("http.request.method", end.method));
+        request
+            .attributes
+            .push(Attr::str("http.request.method", end.method));
         request.attributes.push(Attr::str("url.path", end.path));
         if let Some(status) = end.status {
             request
                 .attributes
                 .push(Attr::int("http.response.status_code", status.into()));
         }
-        request.attributes.push(Attr::str("iop.outcome", end.outcome));
+        request
+            .attributes
+            .push(Attr::str("iop.outcome", end.outcome));
         request
             .attributes
             .push(Attr::str("iop.request_id", end.request_id));
         if let Some(model) = end.model {
-            request.attributes.push(Attr::str("gen_ai.request.model", model));
+            request
+                .attributes
+                .push(Attr::str("gen_ai.request.model", model));
         }
         if error {
             request.error = Some(end.outcome.to_owned());
@@ -294,7 +300,8 @@ impl RequestTrace {
             span.attributes.push(Attr::str("iop.node", d.node.as_str()));
             span.attributes
                 .push(Attr::str("iop.provider", d.provider.as_str()));
-            span.attributes.push(Attr::str("iop.run_id", d.run_id.as_str()));
+            span.attributes
+                .push(Attr::str("iop.run_id", d.run_id.as_str()));
             if !d.sent {
                 span.error = Some("node_unavailable".into());
             }
@@ -364,7 +371,10 @@ mod tests {
             t0,
             clock.unix_ms(),
         );
-        assert!(trace.sampled(), "the client's sampled flag wins over ratio 0");
+        assert!(
+            trace.sampled(),
+            "the client's sampled flag wins over ratio 0"
+        );
         clock.advance(Duration::from_millis(2));
         let submitted = clock.now();
         clock.advance(Duration::from_millis(5));
@@ -376,9 +386,12 @@ mod tests {
         clock.advance(Duration::from_millis(1));
         trace.dispatched(clock.now(), true);
         clock.advance(Duration::from_millis(40));
-        let spans = trace.finish(clock.now(), &end(Some(200), "completed")).unwrap();
+        let spans = trace
+            .finish(clock.now(), &end(Some(200), "completed"))
+            .unwrap();
 
-        let trace_id = TraceId(*b"\x4b\xf9\x2f\x35\x77\xb3\x4d\xa6\xa3\xce\x92\x9d\x0e\x0e\x47\x36");
+        let trace_id =
+            TraceId(*b"\x4b\xf9\x2f\x35\x77\xb3\x4d\xa6\xa3\xce\x92\x9d\x0e\x0e\x47\x36");
         let client_span = SpanId(*b"\x00\xf0\x67\xaa\x0b\xa9\x02\xb7");
         assert_eq!(spans.len(), 3);
         let (request, queue, dispatch) = (&spans[0], &spans[1], &spans[2]);
@@ -393,9 +406,15 @@ mod tests {
         // Times: request 0–49 ms, queue 2–7 ms, dispatch 7–9 ms (it starts
         // at the admission answer, the lease included).
         let at = |ms: u64| 1_700_000_000_000_000_000 + ms * 1_000_000;
-        assert_eq!((request.start_unix_ns, request.end_unix_ns), (at(0), at(49)));
+        assert_eq!(
+            (request.start_unix_ns, request.end_unix_ns),
+            (at(0), at(49))
+        );
         assert_eq!((queue.start_unix_ns, queue.end_unix_ns), (at(2), at(7)));
-        assert_eq!((dispatch.start_unix_ns, dispatch.end_unix_ns), (at(7), at(9)));
+        assert_eq!(
+            (dispatch.start_unix_ns, dispatch.end_unix_ns),
+            (at(7), at(9))
+        );
         assert_eq!(request.tracestate.as_deref(), Some("rojo=1"));
         assert_eq!(request.error, None);
         assert!(dispatch

@@ -721,7 +721,9 @@ impl ShardedEdge {
             .tracing
             .as_ref()
             .zip(self.trace_export.as_ref())
-            .map(|(spec, export)| Rc::new(iop_engine::trace::Tracer::for_spec(spec, export.clone())));
+            .map(|(spec, export)| {
+                Rc::new(iop_engine::trace::Tracer::for_spec(spec, export.clone()))
+            });
         settings.request_metrics = self.request_metrics.clone();
         settings.peer_limits = self.peer_limits.clone();
         settings.cluster = self.cluster.clone();

@@ -371,9 +371,7 @@ impl Count {
             Count::NodeTunnelUsageMissing => "tunnel_usage_missing",
             Count::NodeTunnelEventsUnchecked => "tunnel_events_unchecked",
             Count::EdgeTraceSpansStarted | Count::NodeTraceSpansStarted => "trace_spans_started",
-            Count::EdgeTraceSpansExported | Count::NodeTraceSpansExported => {
-                "trace_spans_exported"
-            }
+            Count::EdgeTraceSpansExported | Count::NodeTraceSpansExported => "trace_spans_exported",
             Count::EdgeTraceSpansDropped | Count::NodeTraceSpansDropped => "trace_spans_dropped",
             Count::EdgeTraceExportFailures | Count::NodeTraceExportFailures => {
                 "trace_export_failures"

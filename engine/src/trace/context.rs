@@ -148,7 +148,11 @@ impl TraceParent {
 
 impl fmt::Display for TraceParent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "00-{}-{}-{:02x}", self.trace_id, self.parent_id, self.flags)
+        write!(
+            f,
+            "00-{}-{}-{:02x}",
+            self.trace_id, self.parent_id, self.flags
+        )
     }
 }
 
@@ -289,8 +293,8 @@ mod tests {
     #[test]
     fn a_later_version_is_read_as_version_00() {
         // Exactly 55 characters, or more after a `-`.
-        let v1 = TraceParent::parse(b"cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
-            .unwrap();
+        let v1 =
+            TraceParent::parse(b"cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
         assert_eq!(v1.to_header(), SPEC);
         let longer = TraceParent::parse(
             b"cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-holds",

@@ -493,8 +493,14 @@ mod tests {
         let body = otlp::encode("svc", &[span(7)]);
         assert_eq!(post(&endpoint, &body), PostOutcome::Status(200));
         let (head, received) = server.join().unwrap();
-        assert!(head.starts_with("POST /base/v1/traces HTTP/1.1\r\n"), "{head}");
-        assert!(head.contains("content-type: application/x-protobuf"), "{head}");
+        assert!(
+            head.starts_with("POST /base/v1/traces HTTP/1.1\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains("content-type: application/x-protobuf"),
+            "{head}"
+        );
         assert_eq!(received, body);
     }
 

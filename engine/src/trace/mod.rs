@@ -167,7 +167,10 @@ mod tests {
 
     #[test]
     fn the_table_is_off_without_an_endpoint_and_checked_with_one() {
-        assert_eq!(TracingSpec::from_raw(None, None, None, "iop-edge"), Ok(None));
+        assert_eq!(
+            TracingSpec::from_raw(None, None, None, "iop-edge"),
+            Ok(None)
+        );
         let spec = TracingSpec::from_raw(Some("http://127.0.0.1:4318"), None, None, "iop-edge")
             .unwrap()
             .unwrap();
@@ -181,7 +184,10 @@ mod tests {
         )
         .unwrap()
         .unwrap();
-        assert_eq!((spec.sample_ratio, spec.service_name.as_str()), (0.25, "gw"));
+        assert_eq!(
+            (spec.sample_ratio, spec.service_name.as_str()),
+            (0.25, "gw")
+        );
         let err = |e: Option<&str>, r: Option<f64>, n: Option<&str>| {
             TracingSpec::from_raw(e, r, n, "iop-edge").unwrap_err().0
         };

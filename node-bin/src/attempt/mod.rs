@@ -45,8 +45,8 @@ use self::watchdog::{
 };
 use crate::adapters::probe::{self, ProbeTarget};
 use crate::calls::{CallSite, ProviderSide, Stamped};
-use crate::trace::ProviderSpan;
 use crate::timers::Timers;
+use crate::trace::ProviderSpan;
 
 /// What an attempt needs from its session.
 #[derive(Debug, Clone)]
