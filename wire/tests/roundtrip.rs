@@ -454,7 +454,7 @@ fn all_frames() -> Vec<pb::Frame> {
                 trace_id: Bytes::from_static(&[0x4b; 16]),
                 parent_span_id: Bytes::from_static(&[0x0e; 8]),
                 flags: 1,
-                tracestate: String::new(),
+                tracestate: "rojo=1".into(),
             }),
         })),
         Body::RunEvent(Box::new(pb::RunEvent {
@@ -497,7 +497,7 @@ fn all_frames() -> Vec<pb::Frame> {
             trace: Some(pb::TraceContext {
                 trace_id: Bytes::from_static(&[0xa1; 16]),
                 parent_span_id: Bytes::from_static(&[0xb2; 8]),
-                flags: 0,
+                flags: 0x03,
                 tracestate: "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE".into(),
             }),
         })),
@@ -618,6 +618,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
             for message in &input.messages {
                 audit.check("ChatMessage", message);
             }
+            audit.check("TraceContext", m.trace.as_ref().expect("a trace context"));
         }
         Body::RunEvent(m) => {
             audit.check("RunEvent", m);
@@ -625,6 +626,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
         }
         Body::ProviderTunnelRequest(m) => {
             audit.check("ProviderTunnelRequest", m);
+            audit.check("TraceContext", m.trace.as_ref().expect("a trace context"));
             for header in &m.headers {
                 audit.check("Header", header);
             }
