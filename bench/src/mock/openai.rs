@@ -2013,8 +2013,19 @@ mod tests {
                 r#""completions_requests":0,"embeddings_requests":0,"ollama_embed_requests":0,"rerank_requests":0,"#,
                 r#""score_requests":0,"tokenize_requests":0,"detokenize_requests":0,"model_requests":0,"#,
                 r#""transcription_requests":0,"translation_requests":0,"speech_requests":0,"audio_file_bytes":0,"#,
-                r#""last_audio":null,"last_model":null}"#
+                r#""last_audio":null,"last_model":null,"last_traceparent":null}"#
             )
+        );
+        // The last traceparent seen is served as it came.
+        p.saw_traceparent(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let Reply::Json { body, .. } = p.handle("GET", "/admin/stats", b"") else {
+            panic!("expected JSON");
+        };
+        assert!(
+            body.ends_with(
+                r#""last_traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#
+            ),
+            "{body}"
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);
