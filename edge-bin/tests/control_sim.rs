@@ -4937,6 +4937,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         flow_window_bytes: _,
         correlation_id: _,
         operation: _,
+        trace: _,
     } = pb::RunRequest::default();
     let pb::ProviderTunnelRequest {
         run_id: _,
@@ -4958,6 +4959,7 @@ fn r5_the_generation_is_never_a_wire_field() {
         correlation_id: _,
         strip_usage_chunk: _,
         body_follows_bytes: _,
+        trace: _,
     } = pb::ProviderTunnelRequest::default();
     let pb::FlowCredit { credits: _ } = pb::FlowCredit::default();
     let pb::RunCredit {

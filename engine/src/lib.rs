@@ -22,6 +22,7 @@
 //! | [`resolve`] | name cache policy (fresh, stale-while-revalidate, negative) | resolver threads: host names never block a core |
 //! | [`rng`] | seeded SplitMix64 (reconnect jitter, harnesses; not for secrets) | OS seed |
 //! | [`rt`] | `--cores` list parsing | monoio bootstrap, driver detection |
+//! | [`trace`] | W3C `traceparent`, sampling, spans, OTLP encoding | the OTLP/HTTP exporter thread (bounded queue) |
 //! | [`wheel`] | hierarchical timing wheel (O(1) insert/cancel, generation-checked handles) | per-core tick task |
 //!
 //! ```text
@@ -50,4 +51,5 @@ pub mod rng;
 pub mod rt;
 pub mod sync;
 pub mod tls;
+pub mod trace;
 pub mod wheel;

@@ -307,6 +307,10 @@ fn metrics_wrk2_dump_shows_only_its_side() {
             ("tunnel_usage_chunks_stripped_total".to_string(), 0),
             ("tunnel_usage_missing_total".to_string(), 0),
             ("tunnel_events_unchecked_total".to_string(), 0),
+            ("trace_spans_started_total".to_string(), 0),
+            ("trace_spans_exported_total".to_string(), 0),
+            ("trace_spans_dropped_total".to_string(), 0),
+            ("trace_export_failures_total".to_string(), 0),
         ]
     );
 }
@@ -404,6 +408,18 @@ iop_node_tunnel_usage_missing_total 0
 # HELP iop_node_tunnel_events_unchecked_total Stream events relayed without the usage-chunk check (past the hold cap).
 # TYPE iop_node_tunnel_events_unchecked_total counter
 iop_node_tunnel_events_unchecked_total 0
+# HELP iop_node_trace_spans_started_total Spans started by request tracing ([tracing]); 0 while tracing is off.
+# TYPE iop_node_trace_spans_started_total counter
+iop_node_trace_spans_started_total 0
+# HELP iop_node_trace_spans_exported_total Spans the OTLP collector accepted.
+# TYPE iop_node_trace_spans_exported_total counter
+iop_node_trace_spans_exported_total 0
+# HELP iop_node_trace_spans_dropped_total Finished spans lost: export queue full, or their batch failed after its retries.
+# TYPE iop_node_trace_spans_dropped_total counter
+iop_node_trace_spans_dropped_total 0
+# HELP iop_node_trace_export_failures_total OTLP export requests that failed after their retries.
+# TYPE iop_node_trace_export_failures_total counter
+iop_node_trace_export_failures_total 0
 ";
     assert_eq!(render_prometheus(&r, Side::Node), expected);
 }

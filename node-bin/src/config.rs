@@ -108,7 +108,14 @@ pub struct NodeConfig {
     pub drain_grace_ms: u64,
     /// `[metrics]`: the optional node_exporter textfile.
     pub metrics: MetricsSpec,
+    /// `[tracing]`: provider-call spans exported over OTLP
+    /// (`docs/tracing.md`); `None`: tracing is off (no `otlp_endpoint`).
+    pub tracing: Option<iop_engine::trace::TracingSpec>,
 }
+
+/// The `service.name` of the Node's spans unless `[tracing] service_name`
+/// says otherwise.
+pub const DEFAULT_TRACING_SERVICE_NAME: &str = "iop-node";
 
 /// The `[metrics]` table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -364,6 +371,16 @@ struct RawNodeFile {
     drain_grace_ms: Option<i64>,
     #[serde(default)]
     metrics: RawMetrics,
+    tracing: Option<RawTracing>,
+}
+
+/// `[tracing]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTracing {
+    otlp_endpoint: Option<String>,
+    sample_ratio: Option<f64>,
+    service_name: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -520,6 +537,16 @@ fn validate(raw: RawNodeFile, file: &Path) -> Result<NodeConfig, ConfigError> {
         credentials,
         drain_grace_ms,
         metrics: metrics(raw.metrics, file)?,
+        tracing: match raw.tracing {
+            None => None,
+            Some(t) => iop_engine::trace::TracingSpec::from_raw(
+                t.otlp_endpoint.as_deref(),
+                t.sample_ratio,
+                t.service_name.as_deref(),
+                DEFAULT_TRACING_SERVICE_NAME,
+            )
+            .map_err(|(key, why)| err(&format!("tracing.{key}"), why))?,
+        },
     })
 }
 
@@ -742,6 +769,7 @@ key = "certs/node-a-key.pem"
             credentials: None,
             drain_grace_ms: 30_000,
             metrics: MetricsSpec::default(),
+            tracing: None,
         };
         assert_eq!(config, expected);
     }
@@ -983,6 +1011,31 @@ key = "certs/node-a-key.pem"
     }
 
     #[test]
+    fn the_tracing_table_is_off_by_default_and_its_values_are_checked() {
+        assert_eq!(parse(BASE).unwrap().tracing, None);
+        let on = parse(&format!(
+            "{BASE}\n[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\nsample_ratio = 0.25\n"
+        ))
+        .unwrap()
+        .tracing
+        .expect("on");
+        assert_eq!(on.otlp_endpoint.traces_path(), "/v1/traces");
+        assert_eq!(on.sample_ratio, 0.25);
+        assert_eq!(on.service_name, DEFAULT_TRACING_SERVICE_NAME);
+        assert_eq!(
+            error(&format!(
+                "{BASE}\n[tracing]\notlp_endpoint = \"http://c:1\"\nsample_ratio = -1\n"
+            )),
+            "conf/node.toml: tracing.sample_ratio: -1 is not from 0.0 to 1.0"
+        );
+        assert_eq!(
+            error(&format!("{BASE}\n[tracing]\notlp_endpoint = \"c:1\"\n")),
+            "conf/node.toml: tracing.otlp_endpoint: \"c:1\" is not an http:// URL \
+             (e.g. http://127.0.0.1:4318)"
+        );
+    }
+
+    #[test]
     fn unknown_keys_are_rejected_with_their_path() {
         assert_eq!(
             error(&with_reconnect("backoff = 2")),
@@ -993,7 +1046,7 @@ key = "certs/node-a-key.pem"
             error_of("edge_name = \"edge-1\"", "edge_name = \"edge-1\"\ncores = \"0-3\""),
             "conf/node.toml: cores: unknown field `cores`, expected one of `node_id`, `trust_domain`, \
              `edge_addr`, `edge_name`, `insecure_plaintext`, `tls`, `reconnect`, `credentials`, \
-             `drain_grace_ms`, `metrics` (line 5, column 1)"
+             `drain_grace_ms`, `metrics`, `tracing` (line 5, column 1)"
         );
         assert_eq!(
             error_of("key = \"certs/node-a-key.pem\"", "key = \"certs/node-a-key.pem\"\npassword = \"x\""),

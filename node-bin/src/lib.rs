@@ -33,6 +33,7 @@
 //! | [`metrics`] | the Node's Prometheus text: the METRICS answer and the optional textfile |
 //! | [`config`] | the configuration file (`--config node.toml`) |
 //! | [`jitter`] | the spread of each reconnect wait (`reconnect.jitter_percent`) |
+//! | [`trace`] | the provider call's span and the `traceparent` the provider gets (`[tracing]`) |
 //! | [`timers`] | the per-core timer wheel behind every watchdog deadline |
 //! | [`codes`] | failure codes of `ERROR` terminals that are not stalls (W6) |
 //!
@@ -68,3 +69,4 @@ pub mod metrics;
 pub mod session;
 pub mod supervisor;
 pub mod timers;
+pub mod trace;

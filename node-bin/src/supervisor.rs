@@ -360,6 +360,20 @@ pub async fn run_sharded(
         drain_grace,
     } = stop;
     let core = NodeCore::start_with_workers(credentials, workers);
+    // `[tracing]`: provider-call spans, exported from a thread of their own.
+    if let Some(spec) = &cfg.tracing {
+        match iop_engine::trace::start_export(spec, iop_engine::metrics::Side::Node) {
+            Ok(export) => {
+                tracing::info!(
+                    otlp_endpoint = spec.otlp_endpoint.as_str(),
+                    sample_ratio = spec.sample_ratio,
+                    "tracing on"
+                );
+                core.trace_with(iop_engine::trace::Tracer::for_spec(spec, export));
+            }
+            Err(e) => tracing::error!(error = %e, "the OTLP exporter cannot start; tracing is off"),
+        }
+    }
     // `[metrics] textfile`: rewritten every interval for node_exporter.
     if let Err(e) = crate::metrics::spawn_textfile_writer(&cfg.metrics) {
         tracing::error!(error = %e, "metrics textfile writer not started");

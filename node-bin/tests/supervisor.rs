@@ -40,6 +40,7 @@ fn plain_config(edge: std::net::SocketAddr) -> NodeConfig {
         credentials: None,
         drain_grace_ms: 0,
         metrics: Default::default(),
+        tracing: None,
     }
 }
 

@@ -450,6 +450,12 @@ fn all_frames() -> Vec<pb::Frame> {
             flow_window_bytes: 256 * 1024,
             correlation_id: "req_0123456789abcdef".into(),
             operation: "embeddings".into(),
+            trace: Some(pb::TraceContext {
+                trace_id: Bytes::from_static(&[0x4b; 16]),
+                parent_span_id: Bytes::from_static(&[0x0e; 8]),
+                flags: 1,
+                tracestate: "rojo=1".into(),
+            }),
         })),
         Body::RunEvent(Box::new(pb::RunEvent {
             run_id: "run-1".into(),
@@ -488,6 +494,12 @@ fn all_frames() -> Vec<pb::Frame> {
             correlation_id: "client-id-7".into(),
             strip_usage_chunk: true,
             body_follows_bytes: 25 << 20,
+            trace: Some(pb::TraceContext {
+                trace_id: Bytes::from_static(&[0xa1; 16]),
+                parent_span_id: Bytes::from_static(&[0xb2; 8]),
+                flags: 0x03,
+                tracestate: "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE".into(),
+            }),
         })),
         Body::ProviderTunnelFrame(Box::new(pb::ProviderTunnelFrame {
             run_id: "tun-1".into(),
@@ -606,6 +618,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
             for message in &input.messages {
                 audit.check("ChatMessage", message);
             }
+            audit.check("TraceContext", m.trace.as_ref().expect("a trace context"));
         }
         Body::RunEvent(m) => {
             audit.check("RunEvent", m);
@@ -613,6 +626,7 @@ fn audit_frame(audit: &mut FieldAudit, frame: &pb::Frame) {
         }
         Body::ProviderTunnelRequest(m) => {
             audit.check("ProviderTunnelRequest", m);
+            audit.check("TraceContext", m.trace.as_ref().expect("a trace context"));
             for header in &m.headers {
                 audit.check("Header", header);
             }

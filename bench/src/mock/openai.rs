@@ -67,7 +67,9 @@
 //! JSON request to `/v1/completions`, `/v1/embeddings`, `/v1/rerank`,
 //! `/v2/rerank`, `/v1/score`, `/tokenize` or `/detokenize` (or `null`: none
 //! yet, or it had no string `model`), so a test through a gateway sees the
-//! name the provider was asked for.
+//! name the provider was asked for; then `last_traceparent`: the
+//! `traceparent` header of the last request that carried one (or `null`),
+//! so a tracing test sees the span id the provider was given.
 //!
 //! # Prefix cache
 //!
@@ -876,13 +878,15 @@ pub fn model_body(models: &[String], id: &str) -> (u16, String) {
 }
 
 /// The `GET /admin/stats` body: the counters, then `last_audio` (what the
-/// last parsed audio upload carried, or `null`) and `last_model`.
+/// last parsed audio upload carried, or `null`), `last_model` and
+/// `last_traceparent`.
 #[derive(Serialize)]
 struct StatsView<'a> {
     #[serde(flatten)]
     stats: &'a MockStats,
     last_audio: Option<&'a super::audio::AudioSeen>,
     last_model: Option<&'a str>,
+    last_traceparent: Option<&'a str>,
 }
 
 /// The string `model` member of a JSON request body, if any.
@@ -917,6 +921,7 @@ pub struct MockProvider {
     vocabulary: super::tokenize::Vocabulary,
     last_audio: Option<super::audio::AudioSeen>,
     last_model: Option<String>,
+    last_traceparent: Option<String>,
 }
 
 /// The prefix cache model of [`MockProvider::with_prefix_cache`].
@@ -951,6 +956,7 @@ impl MockProvider {
             vocabulary: super::tokenize::Vocabulary::default(),
             last_audio: None,
             last_model: None,
+            last_traceparent: None,
         }
     }
 
@@ -1090,6 +1096,12 @@ impl MockProvider {
     /// The configuration served.
     pub fn config(&self) -> &MockConfig {
         &self.config
+    }
+
+    /// Notes the `traceparent` header of a request (served as
+    /// `last_traceparent` by `GET /admin/stats`).
+    pub fn saw_traceparent(&mut self, value: &[u8]) {
+        self.last_traceparent = Some(String::from_utf8_lossy(value).into_owned());
     }
 
     /// Decides the reply to one request. `path` may carry a query string,
@@ -1252,6 +1264,7 @@ impl MockProvider {
                     stats: &self.stats,
                     last_audio: self.last_audio.as_ref(),
                     last_model: self.last_model.as_deref(),
+                    last_traceparent: self.last_traceparent.as_deref(),
                 }),
             },
             _ => Reply::Json {
@@ -2000,8 +2013,19 @@ mod tests {
                 r#""completions_requests":0,"embeddings_requests":0,"ollama_embed_requests":0,"rerank_requests":0,"#,
                 r#""score_requests":0,"tokenize_requests":0,"detokenize_requests":0,"model_requests":0,"#,
                 r#""transcription_requests":0,"translation_requests":0,"speech_requests":0,"audio_file_bytes":0,"#,
-                r#""last_audio":null,"last_model":null}"#
+                r#""last_audio":null,"last_model":null,"last_traceparent":null}"#
             )
+        );
+        // The last traceparent seen is served as it came.
+        p.saw_traceparent(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let Reply::Json { body, .. } = p.handle("GET", "/admin/stats", b"") else {
+            panic!("expected JSON");
+        };
+        assert!(
+            body.ends_with(
+                r#""last_traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#
+            ),
+            "{body}"
         );
         p.stream_ended();
         assert_eq!(p.stats().active_streams, 0);

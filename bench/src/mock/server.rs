@@ -292,6 +292,9 @@ async fn serve_requests(
             }
             continue;
         }
+        if let Some(traceparent) = request.head.header("traceparent") {
+            provider.borrow_mut().saw_traceparent(traceparent);
+        }
         let content_type = request
             .head
             .header("content-type")

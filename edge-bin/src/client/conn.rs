@@ -25,6 +25,7 @@ use crate::link::edge::Edge;
 use crate::plane::access::{AccessRecord, REQUEST_ID_HEADER};
 use crate::plane::client_keys::{Caller, Claim, ClientKeys};
 use crate::plane::request_metrics::{ActiveStream, Finished, RequestMetrics, Route};
+use crate::plane::tracing::{RequestEnd, RequestTrace};
 
 /// What a client connection's stream can do: plain TCP and TLS both
 /// (`AsRawFd`: the TCP socket underneath, for socket options).
@@ -62,6 +63,9 @@ pub(super) struct Client<S> {
     /// Counts the current request in `iop_edge_active_streams` once
     /// admitted.
     pub(super) active: Option<ActiveStream>,
+    /// The current inference request's trace (`[tracing]`); always `None`
+    /// while tracing is off.
+    pub(super) trace: Option<Box<RequestTrace>>,
 }
 
 impl<S> Drop for Client<S> {
@@ -146,6 +150,19 @@ impl<S> Client<S> {
                 tokens: self.rec.prompt_tokens.zip(self.rec.completion_tokens),
             },
         );
+        if let (Some(trace), Some(tracer)) = (self.trace.take(), &edge.settings.tracer) {
+            let end = RequestEnd {
+                method: &self.rec.method,
+                path: &self.rec.path,
+                status: stats.status,
+                outcome: self.rec.outcome_of(&stats),
+                model: self.rec.model.as_deref(),
+                request_id: &self.rec.request_id,
+            };
+            if let Some(spans) = trace.finish(ended_at, &end) {
+                tracer.submit(spans);
+            }
+        }
         let log = &edge.settings.access_log;
         if log.is_on() {
             log.write(
@@ -188,6 +205,15 @@ impl<S: ClientStream> Client<S> {
     ) {
         let id = edge.request_id(head.header(REQUEST_ID_HEADER).map(|v| &v[..]));
         self.start_record(id, &head.method, path, body_len as u64, at);
+        // Inference requests only: probes, scrapes and admin calls are no
+        // part of a request's path to a provider.
+        if let Some(tracer) = edge.settings.tracer.as_ref() {
+            if is_inference_route(path) {
+                let trace = RequestTrace::begin(tracer, &head.headers, at, clock::unix_ms());
+                self.rec.trace_id = Some(trace.trace_id());
+                self.trace = Some(trace);
+            }
+        }
     }
 
     /// Starts the record of a request that failed to read (answered with
@@ -222,6 +248,15 @@ impl<S: ClientStream> Client<S> {
         self.model = self.metrics.no_model();
         self.last_chunk_at = None;
         self.active = None;
+        self.trace = None;
+    }
+
+    /// The request waited for admission from `submitted_at` until now
+    /// (its `queue_wait` span, when traced).
+    pub(super) fn trace_queue_wait(&mut self, submitted_at: Instant) {
+        if let (Some(trace), Some(tracer)) = (self.trace.as_mut(), &self.edge.settings.tracer) {
+            trace.queue_wait(tracer, submitted_at, clock::now());
+        }
     }
 
     /// Notes the model the client named (access log and metric labels).

@@ -290,9 +290,11 @@ where
     let answer = match server.watch_peer(&mut admission).await {
         Watched::Done(answer) => {
             engine_metrics::record_since(Latency::EdgeQueueWait, submitted_at);
+            server.trace_queue_wait(submitted_at);
             answer
         }
         Watched::PeerClosed => {
+            server.trace_queue_wait(submitted_at);
             match admission.try_recv() {
                 Ok(Admission::Dispatched { .. }) => edge.abandon(request),
                 _ => edge.apply(Input::Cancel {

@@ -202,6 +202,7 @@ pub(super) fn serve_requests<S: ClientStream, G: 'static>(
         model: 0,
         last_chunk_at: None,
         active: None,
+        trace: None,
         edge,
     };
     async move {

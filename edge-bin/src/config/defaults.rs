@@ -159,6 +159,10 @@ pub const MAX_ENV_NAME_BYTES: usize = 128;
 /// `[cluster] name`: the cluster's keys live under `/iop/<name>/`.
 pub const DEFAULT_CLUSTER_NAME: &str = "default";
 
+/// The `service.name` of the Edge's spans unless `[tracing] service_name`
+/// says otherwise.
+pub const DEFAULT_TRACING_SERVICE_NAME: &str = "iop-edge";
+
 /// `[cluster] lease_ttl_sec`: the TTL of an Edge's etcd lease.
 pub const DEFAULT_LEASE_TTL_SEC: u64 = 10;
 

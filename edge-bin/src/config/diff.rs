@@ -7,7 +7,7 @@
 //!                              ├─ nodes (adapters, recipient key), providers, models
 //!                              ├─ [credentials] (table, issuer, slots), [[client_keys]]
 //!                              └─ settings: every key of [edge], [tls],
-//!                                 [outlier_detection], [cluster] that changed,
+//!                                 [outlier_detection], [cluster], [tracing] that changed,
 //!                                 each Live or Restart (the table SETTINGS)
 //! ConfigDiff ──lines / Display──► one line per change: `+` added, `-` removed, `~` changed
 //! ```
@@ -120,7 +120,8 @@ fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
 ///   file turned on or off, or the access log between stderr and a file
 ///   (`edge.access_log`, `edge.usage_log`: one writer started at startup);
 ///   `edge.budget_file` (replayed and opened once at startup); `[cluster]`
-///   (the etcd lease and membership).
+///   (the etcd lease and membership); `[tracing]` (the exporter thread
+///   and each shard's sampler are built at startup).
 /// - Live: the client limits and timeouts (read from the settings for each
 ///   new connection or request), `flow_window_bytes` (per run),
 ///   `metrics_access` (per request), `node_metrics_max_age_ms` (per
@@ -330,6 +331,18 @@ pub const SETTINGS: &[Setting] = &[
     }),
     setting("cluster.peer_listen", Restart, |c| {
         c.cluster.as_ref().map(|k| or_none(k.peer_listen))
+    }),
+    setting("tracing", Restart, |c| on_off(c.tracing.is_some())),
+    setting("tracing.otlp_endpoint", Restart, |c| {
+        c.tracing
+            .as_ref()
+            .map(|t| t.otlp_endpoint.as_str().to_owned())
+    }),
+    setting("tracing.sample_ratio", Restart, |c| {
+        c.tracing.as_ref().map(|t| t.sample_ratio.to_string())
+    }),
+    setting("tracing.service_name", Restart, |c| {
+        c.tracing.as_ref().map(|t| t.service_name.clone())
     }),
 ];
 
@@ -596,6 +609,7 @@ impl ConfigDiff {
             outlier_detection: _,
             routing: _,
             cluster: _,
+            tracing: _,
         } = next;
         ConfigDiff {
             nodes: Section::keyed(&nodes(running), &nodes(next), |id, a, b| {

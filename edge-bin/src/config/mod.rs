@@ -52,6 +52,7 @@ use x25519_dalek::{PublicKey, StaticSecret};
 // The config error (`<file>: <key>: <reason>`), the TLS file set and the
 // limits on identity names and the trust domain are shared with the Node.
 pub use iop_engine::config::{ConfigError, TlsFiles, MAX_NAME_BYTES, MAX_TRUST_DOMAIN_BYTES};
+pub use iop_engine::trace::TracingSpec;
 
 /// Default `edge.max_request_body_bytes`: 8 MiB; a larger client body gets 413.
 mod checks;
@@ -117,6 +118,9 @@ pub struct EdgeConfig {
     /// `[cluster]`: this Edge is one of several sharing the fleet through
     /// etcd (`docs/multi-edge.md`); `None`: a single Edge.
     pub cluster: Option<ClusterSpec>,
+    /// `[tracing]`: spans exported over OTLP (`docs/tracing.md`); `None`:
+    /// tracing is off (no `otlp_endpoint`).
+    pub tracing: Option<TracingSpec>,
 }
 
 /// The `[cluster]` table: where etcd is and how this Edge keeps its lease.

@@ -32,6 +32,16 @@ pub(super) struct RawEdgeFile {
     pub(super) outlier_detection: Option<RawOutlierDetection>,
     pub(super) routing: Option<RawRouting>,
     pub(super) cluster: Option<RawCluster>,
+    pub(super) tracing: Option<RawTracing>,
+}
+
+/// `[tracing]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    pub(super) otlp_endpoint: Option<String>,
+    pub(super) sample_ratio: Option<f64>,
+    pub(super) service_name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -131,6 +131,16 @@ impl Validator<'_> {
             .cluster
             .map(|c| self.cluster(c, tls.is_some()))
             .transpose()?;
+        let tracing = match raw.tracing {
+            None => None,
+            Some(t) => TracingSpec::from_raw(
+                t.otlp_endpoint.as_deref(),
+                t.sample_ratio,
+                t.service_name.as_deref(),
+                DEFAULT_TRACING_SERVICE_NAME,
+            )
+            .map_err(|(key, why)| self.err(format!("tracing.{key}"), why))?,
+        };
         Ok(EdgeConfig {
             source: self.file.to_path_buf(),
             edge,
@@ -146,6 +156,7 @@ impl Validator<'_> {
             outlier_detection,
             routing,
             cluster,
+            tracing,
         })
     }
 

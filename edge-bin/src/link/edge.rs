@@ -1106,6 +1106,7 @@ mod tests {
             cluster: None,
             peer_tls: None,
             node_allow_list: None,
+            tracer: None,
         };
         Edge::new(Control::new(spec), settings)
     }

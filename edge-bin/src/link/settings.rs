@@ -1,6 +1,7 @@
 //! The static settings every shard's shells read ([`Settings`]), built
 //! from the validated `edge.toml`.
 
+use std::rc::Rc;
 use std::sync::Arc;
 
 use iop_engine::tls::HttpsAcceptor;
@@ -56,6 +57,10 @@ pub struct Settings {
     /// identity, presented as a client certificate); `None`: it forwards
     /// nothing (no `[cluster]`, or no `[tls]`).
     pub peer_tls: Option<iop_engine::tls::NodeTlsConnector>,
+    /// This shard's tracer (`[tracing]`): its sampler, ids and the
+    /// process's exporter; `None` while tracing is off (no request builds
+    /// a span).
+    pub tracer: Option<Rc<iop_engine::trace::Tracer>>,
 }
 
 /// The usage file `cfg` names, started (its writer thread runs until
@@ -81,6 +86,27 @@ pub fn access_log(cfg: &EdgeConfig) -> AccessLog {
     })
 }
 
+/// The OTLP exporter `cfg`'s `[tracing]` names, its thread started; `None`
+/// when tracing is off (or the thread cannot start: then it is off, and
+/// the error logged).
+pub fn trace_export(cfg: &EdgeConfig) -> Option<iop_engine::trace::ExportHandle> {
+    let spec = cfg.tracing.as_ref()?;
+    match iop_engine::trace::start_export(spec, iop_engine::metrics::Side::Edge) {
+        Ok(handle) => {
+            tracing::info!(
+                otlp_endpoint = spec.otlp_endpoint.as_str(),
+                sample_ratio = spec.sample_ratio,
+                "tracing on"
+            );
+            Some(handle)
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the OTLP exporter cannot start; tracing is off");
+            None
+        }
+    }
+}
+
 /// The shells' static settings for `cfg` (the usage file and the access
 /// log off: each is one per process, see [`usage_log`] and [`access_log`]).
 pub fn settings(cfg: &EdgeConfig, credentials: Option<RunningPlane>) -> Settings {
@@ -103,6 +129,7 @@ pub fn settings(cfg: &EdgeConfig, credentials: Option<RunningPlane>) -> Settings
         }),
         peer_tls: None,
         node_allow_list: None,
+        tracer: None,
     }
 }
 

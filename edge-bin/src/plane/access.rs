@@ -152,6 +152,9 @@ pub struct AccessRecord {
     pub peer: Option<String>,
     /// The Edge this request was forwarded to: `forwarded_to=<edge name>`.
     pub forwarded_to: Option<String>,
+    /// The request's trace (`[tracing]`): `trace_id=<32 hex>`, on the
+    /// lines of traced requests only.
+    pub trace_id: Option<iop_engine::trace::TraceId>,
 }
 
 impl AccessRecord {
@@ -210,7 +213,7 @@ impl AccessRecord {
 
     /// How the request ended: the outcome noted, else what the response
     /// status says.
-    fn outcome_of(&self, stats: &ExchangeStats) -> &str {
+    pub fn outcome_of(&self, stats: &ExchangeStats) -> &str {
         self.outcome.as_deref().unwrap_or(match stats.status {
             Some(200..=399) => "completed",
             Some(_) => "error",
@@ -314,6 +317,10 @@ impl AccessRecord {
         }
         if let Some(edge) = &self.forwarded_to {
             fields.push(("forwarded_to", Value::Str(edge)));
+        }
+        let trace_id = self.trace_id.map(|id| id.to_string());
+        if let Some(id) = &trace_id {
+            fields.push(("trace_id", Value::Str(id)));
         }
         match format {
             Format::Text => text_line(&fields),
@@ -922,6 +929,31 @@ mod tests {
                 "completion_tokens": null, "usage": "none"
             })
         );
+    }
+
+    #[test]
+    fn a_traced_request_names_its_trace_and_others_do_not() {
+        let read_at = iop_engine::clock::now();
+        let stats = ExchangeStats {
+            status: Some(200),
+            bytes_out: 1,
+            first_body_byte_at: None,
+        };
+        let mut traced = AccessRecord::new("req-t".into(), "POST", "/v1/chat/completions", 2);
+        traced.trace_id = Some(iop_engine::trace::TraceId([0xab; 16]));
+        let line = traced.line(Format::Json, 0, &stats, read_at, read_at);
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["trace_id"], "abababababababababababababababab");
+        let text = traced.line(Format::Text, 0, &stats, read_at, read_at);
+        assert!(
+            text.trim_end()
+                .ends_with(" trace_id=abababababababababababababababab"),
+            "{text}"
+        );
+        traced.trace_id = None;
+        let v: serde_json::Value =
+            serde_json::from_str(&traced.line(Format::Json, 0, &stats, read_at, read_at)).unwrap();
+        assert_eq!(v.get("trace_id"), None);
     }
 
     #[test]

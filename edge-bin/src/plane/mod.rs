@@ -4,7 +4,8 @@
 //! budgets, [`budgets`], kept on disk by [`budget_file`]), what was done
 //! (the access log, [`access`]; the usage file, [`usage`]; the request
 //! series of `/metrics`, [`request_metrics`]), this Edge's place in a cluster ([`cluster`]), and
-//! the running configuration the shards read per request ([`running`]).
+//! the running configuration the shards read per request ([`running`]),
+//! and the trace of a request (`[tracing]`, [`tracing`]).
 
 pub mod access;
 pub mod budget_file;
@@ -15,4 +16,5 @@ pub mod credentials;
 pub mod limits;
 pub mod request_metrics;
 pub mod running;
+pub mod tracing;
 pub mod usage;

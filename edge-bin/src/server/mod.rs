@@ -17,7 +17,7 @@ use monoio::net::TcpListener;
 use crate::config::{ConfigDiff, EdgeConfig};
 use crate::control::{control_spec, Control, Input};
 use crate::link::edge::{Edge, CONTROL_SHARD};
-use crate::link::settings::{access_log, request_metrics, settings, usage_log};
+use crate::link::settings::{access_log, request_metrics, settings, trace_export, usage_log};
 use crate::link::shards::{Lifecycle, MeshPort, Outbox};
 use crate::plane::access::AccessLog;
 use crate::plane::budgets;
@@ -464,6 +464,9 @@ pub struct ShardedEdge {
     usage_log: UsageLog,
     /// One access log writer for every shard.
     access_log: AccessLog,
+    /// One OTLP exporter thread for every shard (`[tracing]`); `None`:
+    /// tracing is off.
+    trace_export: Option<iop_engine::trace::ExportHandle>,
     /// One set of request series for every shard (each writes its own
     /// cells).
     request_metrics: Arc<RequestMetrics>,
@@ -609,6 +612,7 @@ impl ShardedEdge {
             )),
             usage_log: usage_log(&cfg),
             access_log: access_log(&cfg),
+            trace_export: trace_export(&cfg),
             request_metrics: request_metrics(&cfg, ports_len),
             peer_limits: crate::plane::limits::PeerLimits::new(&cfg.edge.limits),
             cluster: cfg.cluster.as_ref().map(|c| {
@@ -712,6 +716,14 @@ impl ShardedEdge {
         settings.running = self.running.clone();
         settings.usage_log = self.usage_log.clone();
         settings.access_log = self.access_log.clone();
+        settings.tracer = self
+            .cfg
+            .tracing
+            .as_ref()
+            .zip(self.trace_export.as_ref())
+            .map(|(spec, export)| {
+                Rc::new(iop_engine::trace::Tracer::for_spec(spec, export.clone()))
+            });
         settings.request_metrics = self.request_metrics.clone();
         settings.peer_limits = self.peer_limits.clone();
         settings.cluster = self.cluster.clone();

@@ -261,11 +261,30 @@ pub enum Count {
     /// Node: events of such streams relayed without the usage-chunk check,
     /// still undecided past the hold cap.
     NodeTunnelEventsUnchecked,
+    /// Edge: spans started by request tracing (`[tracing]`); stays 0 while
+    /// tracing is off.
+    EdgeTraceSpansStarted,
+    /// Edge: spans the OTLP collector accepted.
+    EdgeTraceSpansExported,
+    /// Edge: finished spans lost: the export queue was full, or their batch
+    /// failed after its retries.
+    EdgeTraceSpansDropped,
+    /// Edge: OTLP export requests that failed after their retries.
+    EdgeTraceExportFailures,
+    /// Node: spans started by provider-call tracing (`[tracing]`); stays 0
+    /// while tracing is off.
+    NodeTraceSpansStarted,
+    /// Node: spans the OTLP collector accepted.
+    NodeTraceSpansExported,
+    /// Node: finished spans lost (queue full, or failed export).
+    NodeTraceSpansDropped,
+    /// Node: OTLP export requests that failed after their retries.
+    NodeTraceExportFailures,
 }
 
 impl Count {
     /// Every counter, in rendering order.
-    pub const ALL: [Count; 28] = [
+    pub const ALL: [Count; 36] = [
         Count::EdgeRelayBodyBytes,
         Count::EdgeClientConnectionsAccepted,
         Count::EdgeClientConnectionsClosed,
@@ -294,6 +313,14 @@ impl Count {
         Count::NodeTunnelUsageChunksStripped,
         Count::NodeTunnelUsageMissing,
         Count::NodeTunnelEventsUnchecked,
+        Count::EdgeTraceSpansStarted,
+        Count::EdgeTraceSpansExported,
+        Count::EdgeTraceSpansDropped,
+        Count::EdgeTraceExportFailures,
+        Count::NodeTraceSpansStarted,
+        Count::NodeTraceSpansExported,
+        Count::NodeTraceSpansDropped,
+        Count::NodeTraceExportFailures,
     ];
 
     /// The binary that counts it.
@@ -302,7 +329,11 @@ impl Count {
             Count::NodeProviderCallsAborted
             | Count::NodeTunnelUsageChunksStripped
             | Count::NodeTunnelUsageMissing
-            | Count::NodeTunnelEventsUnchecked => Side::Node,
+            | Count::NodeTunnelEventsUnchecked
+            | Count::NodeTraceSpansStarted
+            | Count::NodeTraceSpansExported
+            | Count::NodeTraceSpansDropped
+            | Count::NodeTraceExportFailures => Side::Node,
             _ => Side::Edge,
         }
     }
@@ -339,6 +370,12 @@ impl Count {
             Count::NodeTunnelUsageChunksStripped => "tunnel_usage_chunks_stripped",
             Count::NodeTunnelUsageMissing => "tunnel_usage_missing",
             Count::NodeTunnelEventsUnchecked => "tunnel_events_unchecked",
+            Count::EdgeTraceSpansStarted | Count::NodeTraceSpansStarted => "trace_spans_started",
+            Count::EdgeTraceSpansExported | Count::NodeTraceSpansExported => "trace_spans_exported",
+            Count::EdgeTraceSpansDropped | Count::NodeTraceSpansDropped => "trace_spans_dropped",
+            Count::EdgeTraceExportFailures | Count::NodeTraceExportFailures => {
+                "trace_export_failures"
+            }
         }
     }
 
@@ -410,6 +447,18 @@ impl Count {
             }
             Count::NodeTunnelEventsUnchecked => {
                 "Stream events relayed without the usage-chunk check (past the hold cap)."
+            }
+            Count::EdgeTraceSpansStarted | Count::NodeTraceSpansStarted => {
+                "Spans started by request tracing ([tracing]); 0 while tracing is off."
+            }
+            Count::EdgeTraceSpansExported | Count::NodeTraceSpansExported => {
+                "Spans the OTLP collector accepted."
+            }
+            Count::EdgeTraceSpansDropped | Count::NodeTraceSpansDropped => {
+                "Finished spans lost: export queue full, or their batch failed after its retries."
+            }
+            Count::EdgeTraceExportFailures | Count::NodeTraceExportFailures => {
+                "OTLP export requests that failed after their retries."
             }
         }
     }

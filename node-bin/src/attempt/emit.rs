@@ -368,6 +368,26 @@ pub trait Emitter {
 
     /// A non-stall failure terminal (W6).
     fn failed(&mut self, code: &str, message: &str) -> Option<Outbound>;
+
+    /// What a traced call's span notes of the output (read only while
+    /// tracing is on).
+    fn trace_note(output: &Self::Output) -> TraceNote;
+}
+
+/// What an output means to the provider call's span
+/// ([`crate::trace::ProviderSpan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceNote {
+    /// Bytes from the provider: its first byte, when it is the first; a
+    /// response head carries its HTTP status.
+    Provider {
+        /// The response status, on a tunnel's response head.
+        status: Option<u16>,
+    },
+    /// The call failed with this code (W6).
+    Failed(&'static str),
+    /// Nothing the provider sent (an upload's credit).
+    Local,
 }
 
 impl Emitter for TunnelEmitter {
@@ -455,6 +475,19 @@ impl Emitter for TunnelEmitter {
 
     fn failed(&mut self, code: &str, message: &str) -> Option<Outbound> {
         self.error(code, message, None).map(Outbound::tunnel)
+    }
+
+    fn trace_note(output: &TunnelOutput) -> TraceNote {
+        match output {
+            TunnelOutput::Start { status, .. } => TraceNote::Provider {
+                status: Some(*status),
+            },
+            TunnelOutput::Body(_) | TunnelOutput::Usage(_) | TunnelOutput::End => {
+                TraceNote::Provider { status: None }
+            }
+            TunnelOutput::Failed { code, .. } => TraceNote::Failed(code),
+            TunnelOutput::UploadCredit(_) => TraceNote::Local,
+        }
     }
 }
 
@@ -550,6 +583,13 @@ impl Emitter for RunEmitter {
 
     fn failed(&mut self, code: &str, message: &str) -> Option<Outbound> {
         self.error(code, message, None).map(Outbound::run)
+    }
+
+    fn trace_note(output: &RunOutput) -> TraceNote {
+        match output {
+            RunOutput::Failed { code, .. } => TraceNote::Failed(code),
+            _ => TraceNote::Provider { status: None },
+        }
     }
 }
 

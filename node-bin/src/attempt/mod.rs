@@ -35,8 +35,9 @@ use iop_engine::clock;
 use iop_engine::conn::ConnHandle;
 use iop_engine::metrics::{self, Latency};
 use iop_engine::sync::{oneshot, Either};
+use iop_engine::trace::Tracer;
 
-use self::emit::{Emitter, Outbound};
+use self::emit::{Emitter, Outbound, TraceNote};
 use self::flow::FlowGate;
 use self::observation::ObservationSeq;
 use self::watchdog::{
@@ -45,6 +46,7 @@ use self::watchdog::{
 use crate::adapters::probe::{self, ProbeTarget};
 use crate::calls::{CallSite, ProviderSide, Stamped};
 use crate::timers::Timers;
+use crate::trace::ProviderSpan;
 
 /// What an attempt needs from its session.
 #[derive(Debug, Clone)]
@@ -57,6 +59,8 @@ pub struct AttemptEnv {
     pub observations: Rc<ObservationSeq>,
     /// Where provider calls run (this core, or the worker cores).
     pub calls: CallSite,
+    /// The tracer (`[tracing]`); `None` while tracing is off.
+    pub tracer: Option<Rc<Tracer>>,
 }
 
 /// How an attempt ended.
@@ -93,6 +97,9 @@ pub struct Attempt<E: Emitter> {
     pub flow: Rc<FlowGate>,
     /// Fires on cancel or session end.
     pub stop: oneshot::Receiver<StopCause>,
+    /// The provider call's span (`[tracing]`); `None` while tracing is
+    /// off.
+    pub trace: Option<Box<ProviderSpan>>,
 }
 
 impl<E: Emitter> std::fmt::Debug for Attempt<E> {
@@ -117,7 +124,7 @@ pub fn attempt<'a, E: Emitter + 'a>(
 ) -> impl std::future::Future<Output = Ended> + 'a {
     match started {
         Ok(a) => Either::left(drive(
-            env, a.emitter, a.watchdog, a.evidence, a.provider, a.flow, a.stop,
+            env, a.emitter, a.watchdog, a.evidence, a.provider, a.flow, a.stop, a.trace,
         )),
         Err(refusal) => {
             let sent = send(&env.conn, refusal);
@@ -147,7 +154,11 @@ enum Event<O> {
 /// them into, for its whole life; the block uses what it captured in
 /// place (the watchdog and the stall evidence are most of a kilobyte,
 /// held for every stream).
-#[allow(clippy::manual_async_fn)]
+///
+/// A traced call's span (`trace`) notes the first output, the failure
+/// that ended it, and is finished and handed to the exporter at the
+/// release.
+#[allow(clippy::manual_async_fn, clippy::too_many_arguments)]
 pub fn drive<'a, E: Emitter + 'a>(
     env: &'a AttemptEnv,
     mut emitter: E,
@@ -156,6 +167,7 @@ pub fn drive<'a, E: Emitter + 'a>(
     mut provider: ProviderSide<E::Output>,
     flow: Rc<FlowGate>,
     mut stop: oneshot::Receiver<StopCause>,
+    mut trace: Option<Box<ProviderSpan>>,
 ) -> impl std::future::Future<Output = Ended> + 'a {
     async move {
         let mut timer = env.timers.timer();
@@ -193,6 +205,15 @@ pub fn drive<'a, E: Emitter + 'a>(
                             provider.started_at(),
                             stamped.read_at,
                         );
+                    }
+                    if let Some(span) = trace.as_mut() {
+                        match E::trace_note(&stamped.output) {
+                            TraceNote::Provider { status } => {
+                                span.first_output(stamped.read_at, status)
+                            }
+                            TraceNote::Failed(code) => span.failed(code),
+                            TraceNote::Local => {}
+                        }
                     }
                     let activity = E::activity(&stamped.output);
                     if watchdog.on_output(now, activity) == Verdict::Forward {
@@ -250,10 +271,16 @@ pub fn drive<'a, E: Emitter + 'a>(
                             "node_stall: response stalled"
                         );
                         ended = Ended::Stalled(report);
+                        if let Some(span) = trace.as_mut() {
+                            span.failed(watchdog::FAILURE_RESPONSE_STALLED);
+                        }
                         send(&env.conn, emitter.stall(&report.message(), failure)).await;
                     }
                     Action::EmitStopped(cause) => {
                         ended = Ended::Stopped(cause);
+                        if let Some(span) = trace.as_mut() {
+                            span.failed(cause.failure_code());
+                        }
                         send(&env.conn, emitter.stopped(cause)).await;
                     }
                     Action::Release => {}
@@ -266,6 +293,11 @@ pub fn drive<'a, E: Emitter + 'a>(
                 held = None;
             }
             if watchdog.is_released() {
+                if let (Some(span), Some(tracer)) = (trace.take(), &env.tracer) {
+                    if let Some(record) = span.finish(clock::now()) {
+                        tracer.submit(vec![record]);
+                    }
+                }
                 return ended;
             }
         }

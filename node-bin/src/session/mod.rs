@@ -91,6 +91,9 @@ pub struct NodeCore {
     /// The shutdown drain began: a session that becomes ready tells its
     /// Edge at once.
     draining: Cell<bool>,
+    /// The tracer every session's attempts use (`[tracing]`); `None`
+    /// while tracing is off.
+    tracer: RefCell<Option<Rc<iop_engine::trace::Tracer>>>,
 }
 
 /// What the shutdown drain told the Edge ([`NodeCore::begin_drain`]).
@@ -189,7 +192,14 @@ impl NodeCore {
             run_released: Notify::default(),
             ready: RefCell::new(None),
             draining: Cell::new(false),
+            tracer: RefCell::new(None),
         })
+    }
+
+    /// Traces the provider calls of the sessions that start from now on
+    /// with `tracer` (`[tracing]`).
+    pub fn trace_with(&self, tracer: iop_engine::trace::Tracer) {
+        *self.tracer.borrow_mut() = Some(Rc::new(tracer));
     }
 
     /// Runs and tunnels not yet released, over every session (a cancelled
@@ -388,6 +398,7 @@ pub async fn run(
             // W7: bound to this connection, starting at 1.
             observations: Rc::new(ObservationSeq::bound()),
             calls: core.calls.clone(),
+            tracer: core.tracer.borrow().clone(),
         },
         runs: RefCell::new(RunTable::new()),
         applied: RefCell::new(applied),
@@ -549,7 +560,12 @@ impl Session {
         .with_revoked(revoked);
         let session = self.clone();
         let active = self.core.run_started();
-        let span = run_span(RunKind::Tunnel, &req.run_id, &req.correlation_id);
+        let span = run_span(
+            RunKind::Tunnel,
+            &req.run_id,
+            &req.correlation_id,
+            req.trace.as_ref(),
+        );
         // The request stays boxed (as it was decoded): until `serve` frees
         // it, this task holds a pointer, not most of a kilobyte.
         monoio::spawn(
@@ -576,7 +592,12 @@ impl Session {
         };
         let session = self.clone();
         let active = self.core.run_started();
-        let span = run_span(RunKind::Normalized, &req.run_id, &req.correlation_id);
+        let span = run_span(
+            RunKind::Normalized,
+            &req.run_id,
+            &req.correlation_id,
+            req.trace.as_ref(),
+        );
         monoio::spawn(
             async move {
                 let ticket = run.ticket.clone();
@@ -704,17 +725,28 @@ const MAX_CORRELATION_ID_BYTES: usize = 128;
 
 /// The span of one run or tunnel: every log line about it carries its run
 /// id and the client request's id (`correlation_id`, opaque, from the
-/// Edge's `x-request-id`), so the Node's lines join the Edge's access log.
-fn run_span(kind: RunKind, run_id: &str, correlation_id: &str) -> tracing::Span {
+/// Edge's `x-request-id`), so the Node's lines join the Edge's access log;
+/// and, when the Edge sent a valid trace context, its `trace_id`.
+fn run_span(
+    kind: RunKind,
+    run_id: &str,
+    correlation_id: &str,
+    trace: Option<&pb::TraceContext>,
+) -> tracing::Span {
     let mut end = correlation_id.len().min(MAX_CORRELATION_ID_BYTES);
     while !correlation_id.is_char_boundary(end) {
         end -= 1;
     }
     let request_id = &correlation_id[..end];
-    match kind {
-        RunKind::Tunnel => tracing::info_span!("tunnel", %run_id, %request_id),
-        RunKind::Normalized => tracing::info_span!("run", %run_id, %request_id),
+    let trace_id = tracing::field::Empty;
+    let span = match kind {
+        RunKind::Tunnel => tracing::info_span!("tunnel", %run_id, %request_id, trace_id),
+        RunKind::Normalized => tracing::info_span!("run", %run_id, %request_id, trace_id),
+    };
+    if let Some((parent, _)) = crate::trace::edge_context(trace) {
+        span.record("trace_id", tracing::field::display(parent.trace_id));
     }
+    span
 }
 
 #[cfg(test)]

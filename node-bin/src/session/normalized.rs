@@ -27,6 +27,7 @@ use crate::attempt::{self, Attempt, AttemptEnv, Ended};
 use crate::calls::normalize::CallFailure;
 use crate::calls::run::{RunCall, RunOperation};
 use crate::codes;
+use crate::trace::{self, CallLabels, ProviderSpan};
 
 /// Serves one run to its release: the terminal is sent and the provider
 /// call has returned (W10). `stop` fires on `CancelRequest` (K1) or session
@@ -75,6 +76,23 @@ fn start(
     };
     let (watchdog, evidence) =
         super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
+    // The provider call's span (a normalized run's provider gets no
+    // `traceparent`: its requests are built by the adapter's protocol).
+    let span = env.tracer.as_ref().map(|tracer| {
+        let labels = CallLabels {
+            kind: "run",
+            run_id: &req.run_id,
+            adapter: &req.adapter,
+            target: &req.target,
+        };
+        ProviderSpan::begin(
+            tracer,
+            trace::edge_context(req.trace.as_ref()),
+            &labels,
+            iop_engine::clock::now(),
+            iop_engine::clock::unix_ms(),
+        )
+    });
     // The request is freed here: what the call needs moves out of it.
     let pb::RunRequest { target, input, .. } = *req;
     let call = RunCall {
@@ -91,6 +109,7 @@ fn start(
         provider,
         flow,
         stop,
+        trace: span,
     })
 }
 

@@ -42,6 +42,7 @@ use crate::attempt::{self, Attempt, AttemptEnv, Ended};
 use crate::calls::tunnel::TunnelCall;
 use crate::codes;
 use crate::credentials::{LeaseGate, TunnelTarget};
+use crate::trace::{self, CallLabels, ProviderSpan};
 
 /// Serves one tunnel to its release: the terminal is sent and the provider
 /// call has returned. `stop` fires on `CancelRequest` or session end;
@@ -133,13 +134,43 @@ fn start(
     // ----------------------------------------------------------------------
     let (watchdog, evidence) =
         super::watch_attempt(config, req.timeout_sec, &ticket, &adapter, &req.target);
+    // The trace: the provider call's span under the Edge's dispatch span,
+    // and the provider's `traceparent` (see `crate::trace`).
+    let edge_trace = trace::edge_context(req.trace.as_ref());
+    let span = env.tracer.as_ref().map(|tracer| {
+        let labels = CallLabels {
+            kind: "tunnel",
+            run_id: &req.run_id,
+            adapter: &req.adapter,
+            target: &req.target,
+        };
+        ProviderSpan::begin(
+            tracer,
+            edge_trace.clone(),
+            &labels,
+            clock::now(),
+            clock::unix_ms(),
+        )
+    });
+    let trace_headers = match (&span, edge_trace) {
+        (Some(span), _) => span.provider_headers(),
+        (None, Some((parent, state))) => trace::provider_headers(&parent, state.as_deref()),
+        (None, None) => Vec::new(),
+    };
     // The request is freed here: what the call needs moves out of it.
     let pb::ProviderTunnelRequest {
-        headers,
+        mut headers,
         body,
         strip_usage_chunk,
         ..
     } = *req;
+    if !trace_headers.is_empty() {
+        headers.retain(|h| {
+            !h.name.eq_ignore_ascii_case(trace::TRACEPARENT_HEADER)
+                && !h.name.eq_ignore_ascii_case(trace::TRACESTATE_HEADER)
+        });
+        headers.extend(trace_headers);
+    }
     let call = TunnelCall {
         endpoint: adapter.endpoint.clone(),
         method,
@@ -158,6 +189,7 @@ fn start(
         provider,
         flow,
         stop,
+        trace: span,
     })
 }
 

@@ -467,7 +467,8 @@ fn tables_added_or_removed_need_a_restart_and_their_files_are_live() {
 #[test]
 fn every_setting_shows_a_change_of_its_value() {
     let running = format!(
-        "{BASE}{SCRAPER_KEY}{CLIENT_TLS}{CLUSTER}\n[edge.usage_log]\npath = \"usage.jsonl\"\n"
+        "{BASE}{SCRAPER_KEY}{CLIENT_TLS}{CLUSTER}\n[edge.usage_log]\npath = \"usage.jsonl\"\n\n\
+         [tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n"
     );
     let edge_keys = "node_listen = \"127.0.0.1:7444\"
 name = \"edge-2\"
@@ -515,7 +516,11 @@ budget_file = \"budgets.log\"";
         .replace("certs/edge-key.pem", "certs/edge-key-2.pem")
         .replace("10.0.0.5:2379\"]", "10.0.0.6:2379\"]\nname = \"prod\"\nlease_ttl_sec = 20\n\
                   keepalive_interval_sec = 4\netcd_timeout_ms = 100\npeer_listen = \"127.0.0.1:7445\"")
-        .replace("usage.jsonl", "usage-2.jsonl");
+        .replace("usage.jsonl", "usage-2.jsonl")
+        .replace(
+            "otlp_endpoint = \"http://127.0.0.1:4318\"",
+            "otlp_endpoint = \"http://127.0.0.1:4319\"\nsample_ratio = 0.5\nservice_name = \"gw\"",
+        );
     let next = format!(
         "{next}\n[edge.access_log]\ndestination = \"access.log\"\nformat = \"json\"\n\n\
          [outlier_detection]\nenabled = false\nconsecutive_failures = 3\n\
@@ -649,6 +654,7 @@ fn example_settings_keys() -> Vec<ExampleKey> {
         "outlier_detection",
         "routing",
         "cluster",
+        "tracing",
     ];
     let is_key = |line: &str| -> Option<String> {
         let (name, _) = line.split_once(" = ")?;

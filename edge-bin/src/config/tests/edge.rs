@@ -115,6 +115,7 @@ fn example_file_parses_into_the_documented_values() {
         outlier_detection: OutlierDetection::default(),
         routing: RoutingSettings::default(),
         cluster: None,
+        tracing: None,
         client_keys: vec![],
     };
     assert_eq!(config, expected);
@@ -202,7 +203,7 @@ fn unknown_keys_are_rejected_with_their_path() {
     assert_eq!(
         error(&format!("{BASE}\n[metrics]\nlisten = \"x\"\n")),
         "conf/edge.toml: metrics: unknown field `metrics`, expected one of `edge`, `tls`, \
-         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection`, `routing`, `cluster` (line 44, \
+         `credentials`, `client_keys`, `nodes`, `models`, `outlier_detection`, `routing`, `cluster`, `tracing` (line 44, \
          column 2)"
     );
 }
@@ -938,5 +939,43 @@ fn routing_defaults_to_prefix_for_two_openai_compatible_providers_and_is_checked
         ),
     ] {
         assert_eq!(error(&with(table)), format!("conf/edge.toml: {why}"));
+    }
+}
+
+#[test]
+fn the_tracing_table_is_off_by_default_and_its_values_are_checked() {
+    assert_eq!(parse(BASE).unwrap().tracing, None);
+    let on = parse(&format!(
+        "{BASE}\n[tracing]\notlp_endpoint = \"http://127.0.0.1:4318/otel\"\nsample_ratio = 0\n"
+    ))
+    .unwrap()
+    .tracing
+    .expect("on");
+    assert_eq!(on.otlp_endpoint.traces_path(), "/otel/v1/traces");
+    assert_eq!(on.sample_ratio, 0.0);
+    assert_eq!(on.service_name, DEFAULT_TRACING_SERVICE_NAME);
+    let cases = [
+        (
+            "otlp_endpoint = \"http://c:4318\"\nsample_ratio = 1.5",
+            "conf/edge.toml: tracing.sample_ratio: 1.5 is not from 0.0 to 1.0",
+        ),
+        (
+            "otlp_endpoint = \"https://c:4318\"",
+            "conf/edge.toml: tracing.otlp_endpoint: https is not supported: give the http:// \
+             address of a collector or agent on a trusted network (e.g. http://127.0.0.1:4318)",
+        ),
+        (
+            "sample_ratio = 0.5",
+            "conf/edge.toml: tracing.otlp_endpoint: sample_ratio and service_name need \
+             otlp_endpoint (tracing is off without it)",
+        ),
+        (
+            "otlp_endpoint = \"http://c:4318\"\nservice_name = \"\"",
+            "conf/edge.toml: tracing.service_name: must be 1 to 128 bytes without control \
+             characters",
+        ),
+    ];
+    for (table, message) in cases {
+        assert_eq!(error(&format!("{BASE}\n[tracing]\n{table}\n")), message);
     }
 }
