@@ -81,7 +81,7 @@ impl InstructionsArgs {
         if !(1..=100).contains(&self.rounds) {
             return Err("--rounds must be in 1..=100".into());
         }
-        if self.peer.is_some() != !self.peer_pid.is_empty() {
+        if self.peer.is_some() == self.peer_pid.is_empty() {
             return Err("--peer and --peer-pid go together".into());
         }
         let mut cpus = allowed_cpus.iter().copied();
