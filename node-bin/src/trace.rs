@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use iop_engine::trace::context::{tracestate, FLAG_SAMPLED};
 use iop_engine::trace::{
-    should_export, Attr, SpanEvent, SpanId, SpanKind, SpanRecord, Timeline, TraceId, TraceParent,
-    Tracer,
+    should_export, Attr, SpanEvent, SpanId, SpanKind, SpanRecord, SpanStart, Timeline, TraceId,
+    TraceParent, Tracer,
 };
 use iop_wire::pb;
 
@@ -100,13 +100,11 @@ impl ProviderSpan {
         unix_ms: i64,
     ) -> Box<Self> {
         let parent = edge.as_ref().map(|(p, _)| *p);
-        let sampled = tracer.sample(parent.as_ref());
-        let (trace_id, span_id) = {
-            let mut ids = tracer.ids();
-            let trace_id = parent.map_or_else(|| ids.trace_id(), |p| p.trace_id);
-            (trace_id, ids.span_id())
-        };
-        tracer.started(1);
+        let SpanStart {
+            trace_id,
+            span_id,
+            sampled,
+        } = tracer.begin(parent.as_ref());
         Box::new(Self {
             trace_id,
             span_id,

@@ -24,7 +24,8 @@ use bytes::Bytes;
 use iop_engine::http::Header;
 use iop_engine::trace::context::{tracestate, FLAG_SAMPLED};
 use iop_engine::trace::{
-    should_export, Attr, SpanId, SpanKind, SpanRecord, Timeline, TraceId, TraceParent, Tracer,
+    should_export, Attr, SpanId, SpanKind, SpanRecord, SpanStart, Timeline, TraceId, TraceParent,
+    Tracer,
 };
 use iop_wire::pb;
 
@@ -125,13 +126,11 @@ impl RequestTrace {
                     .map(|h| &h.value[..]),
             )
         });
-        let sampled = tracer.sample(parent.as_ref());
-        let (trace_id, span_id) = {
-            let mut ids = tracer.ids();
-            let trace_id = parent.map_or_else(|| ids.trace_id(), |p| p.trace_id);
-            (trace_id, ids.span_id())
-        };
-        tracer.started(1);
+        let SpanStart {
+            trace_id,
+            span_id,
+            sampled,
+        } = tracer.begin(parent.as_ref());
         Box::new(Self {
             trace_id,
             span_id,

@@ -104,6 +104,17 @@ impl TracingSpec {
     }
 }
 
+/// What [`Tracer::begin`] decided for a process's first span of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpanStart {
+    /// The request's trace.
+    pub trace_id: TraceId,
+    /// The span's own id.
+    pub span_id: SpanId,
+    /// Whether it is exported whatever its outcome.
+    pub sampled: bool,
+}
+
 /// One thread's tracer: the sampler, the ids it mints and where its
 /// finished spans go. Exists only while tracing is on.
 #[derive(Debug)]
@@ -143,6 +154,23 @@ impl Tracer {
     pub fn sample(&self, parent: Option<&TraceParent>) -> bool {
         let draw = self.ids().draw();
         self.sampler.decide(parent, draw)
+    }
+
+    /// The first span of a process's part of a request: its trace (the
+    /// caller's, or a new one), its own id and the head decision, counted
+    /// as started.
+    pub fn begin(&self, parent: Option<&TraceParent>) -> SpanStart {
+        let sampled = self.sample(parent);
+        let mut ids = self.ids();
+        let trace_id = parent.map_or_else(|| ids.trace_id(), |p| p.trace_id);
+        let span_id = ids.span_id();
+        drop(ids);
+        self.started(1);
+        SpanStart {
+            trace_id,
+            span_id,
+            sampled,
+        }
     }
 
     /// Counts `n` spans started.
