@@ -284,6 +284,20 @@ pub fn run_subcommand<O, R: serde::Serialize>(
     Ok(report)
 }
 
+/// [`run_subcommand`] for a command whose complete run is a success
+/// (`bench fairness`, `bench instructions`): exit 0 after it, 1 when it
+/// could not run.
+pub fn run_subcommand_exit<O, R: serde::Serialize>(
+    name: &str,
+    resolve: impl FnOnce(&std::collections::BTreeSet<usize>, &std::path::Path) -> Result<O, String>,
+    run: impl FnOnce(&O, &Arc<AtomicBool>) -> Result<R, String>,
+    render: impl FnOnce(&R) -> String,
+    json: impl FnOnce(&O) -> Option<std::path::PathBuf>,
+) -> std::process::ExitCode {
+    run_subcommand(name, resolve, run, render, json)
+        .map_or_else(|code| code, |_| std::process::ExitCode::SUCCESS)
+}
+
 pub fn install_stop_handlers(stop: &Arc<AtomicBool>) {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(stop));

@@ -124,16 +124,13 @@ impl FairnessArgs {
 /// Runs `bench fairness`: exit 0 after a complete run, 1 when it could not
 /// run.
 pub fn main(args: FairnessArgs) -> ExitCode {
-    match crate::compare::run_subcommand(
+    crate::compare::run_subcommand_exit(
         "fairness",
         |allowed, exe| args.resolve(allowed, exe),
         |options, stop| run(options, stop).map_err(|e| e.to_string()),
         render_table,
         |options| options.json.clone(),
-    ) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
-    }
+    )
 }
 
 #[cfg(test)]

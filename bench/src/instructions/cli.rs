@@ -115,16 +115,13 @@ impl InstructionsArgs {
 /// Runs `bench instructions`: exit 0 after a complete run, 1 when it could
 /// not run.
 pub fn main(args: InstructionsArgs) -> ExitCode {
-    match crate::compare::run_subcommand(
+    crate::compare::run_subcommand_exit(
         "instructions",
         |allowed, exe| args.resolve(allowed, exe),
         |options, stop| run(options, stop).map_err(|e| e.to_string()),
         render,
         |options| options.json.clone(),
-    ) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(code) => code,
-    }
+    )
 }
 
 #[cfg(test)]
