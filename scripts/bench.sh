@@ -412,9 +412,9 @@ if [ -n "$work" ] && [ -n "${peer_name:-}" ]; then
   else
     cg_back=$(free_port "$cg_port")
     mkdir "$work/cg-front" "$work/cg-back"
-    sed -e "s|$work/back|$work/cg-back|g" -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
+    sed -e "s|$work/back/|$work/cg-back/|g" -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
       -e "s|master_process on|master_process off|" "$work/back/nginx.conf" >"$work/cg-back/nginx.conf"
-    sed -e "s|$work/front|$work/cg-front|g" -e "s|127.0.0.1:$nginx_port|127.0.0.1:$cg_port|" \
+    sed -e "s|$work/front/|$work/cg-front/|g" -e "s|127.0.0.1:$nginx_port|127.0.0.1:$cg_port|" \
       -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
       -e "s|master_process on|master_process off|" "$work/front/nginx.conf" >"$work/cg-front/nginx.conf"
     echo "==> starting the nginx chain under callgrind: 127.0.0.1:$cg_port → mTLS → 127.0.0.1:$cg_back"
