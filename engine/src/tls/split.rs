@@ -37,7 +37,6 @@
 use std::cell::RefCell;
 use std::io::{self, Read, Write};
 use std::ops::{Deref, DerefMut};
-use std::os::fd::RawFd;
 use std::rc::Rc;
 
 use monoio::buf::{IoBuf, IoBufMut, IoVecBuf, IoVecBufMut, RawBuf};
@@ -62,10 +61,6 @@ pub struct TlsReadHalf<R, C> {
 /// The write half of a split [`super::TlsStream`]: encrypts and sends.
 pub struct TlsWriteHalf<W, C> {
     io: W,
-    /// The socket's descriptor: records the socket takes at once are sent
-    /// with one non-blocking `send`, without a round trip through the
-    /// driver (the rest, and any error, go through `io`).
-    fd: RawFd,
     conn: Rc<RefCell<C>>,
     /// Ciphertext on its way to the socket (same rule as the read scratch).
     scratch: Vec<u8>,
@@ -89,7 +84,6 @@ impl<W, C> std::fmt::Debug for TlsWriteHalf<W, C> {
 pub(super) fn split<R, W, C>(
     read_io: R,
     write_io: W,
-    fd: RawFd,
     conn: C,
     pending: Vec<u8>,
     consumed: usize,
@@ -104,7 +98,6 @@ pub(super) fn split<R, W, C>(
         },
         TlsWriteHalf {
             io: write_io,
-            fd,
             conn,
             scratch: Vec::new(),
         },
@@ -239,13 +232,6 @@ where
                 }
                 // `Vec`'s vectored write takes every queued chunk at once.
                 conn.write_tls(&mut out)?;
-            }
-            if let Ok(sent) = crate::http::send_now(self.fd, &out) {
-                if sent == out.len() {
-                    self.scratch = out;
-                    continue;
-                }
-                out.drain(..sent);
             }
             let (res, out) = self.io.write_all(out).await;
             self.scratch = out;

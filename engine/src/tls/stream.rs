@@ -97,7 +97,7 @@ impl<IO, C> TlsStream<IO, C> {
     }
 }
 
-impl<IO: Splitable + std::os::fd::AsRawFd, C> TlsStream<IO, C> {
+impl<IO: Splitable, C> TlsStream<IO, C> {
     /// Splits the stream into a read half and a write half for two tasks
     /// that run at once (the frame connection's reader and writer). Unlike
     /// monoio-rustls' split, the read half never writes (see the `split`
@@ -109,11 +109,10 @@ impl<IO: Splitable + std::os::fd::AsRawFd, C> TlsStream<IO, C> {
         TlsReadHalf<IO::OwnedRead, C>,
         TlsWriteHalf<IO::OwnedWrite, C>,
     ) {
-        let fd = self.io.as_raw_fd();
         let (read_io, write_io) = self.io.into_split();
         let pending = self.read_scratch.unwrap_or_default();
         let consumed = self.read_consumed.min(pending.len());
-        split::split(read_io, write_io, fd, self.conn, pending, consumed)
+        split::split(read_io, write_io, self.conn, pending, consumed)
     }
 }
 
