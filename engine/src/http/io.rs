@@ -197,16 +197,6 @@ pub trait ReadReadiness {
         let _ = (buf, max_bytes);
         None
     }
-
-    /// Writes what the socket takes now of `parts`, without waiting: the
-    /// bytes written, `WouldBlock` when it takes none. A relayed chunk the
-    /// socket takes whole then needs no round trip through the driver and
-    /// no second poll of its task. `None`: this stream cannot write that
-    /// way (TLS), and every write goes through the driver.
-    fn write_now(&mut self, parts: &IoParts) -> Option<io::Result<usize>> {
-        let _ = parts;
-        None
-    }
 }
 
 /// Room [`ReadReadiness::read_now`] first gives a read: a whole API
@@ -227,52 +217,6 @@ impl ReadReadiness for TcpStream {
 
     fn read_now(&mut self, buf: &mut BytesMut, max_bytes: usize) -> Option<io::Result<usize>> {
         Some(recv_growing(self.as_raw_fd(), buf, max_bytes))
-    }
-
-    fn write_now(&mut self, parts: &IoParts) -> Option<io::Result<usize>> {
-        Some(send_parts_now(self.as_raw_fd(), parts))
-    }
-}
-
-/// One non-blocking `sendmsg` of `parts` on `fd` (no `SIGPIPE` for a closed
-/// peer: its error comes back), again when a signal interrupts it.
-fn send_parts_now(fd: RawFd, parts: &IoParts) -> io::Result<usize> {
-    send_iovecs_now(fd, &parts.iovecs)
-}
-
-/// One non-blocking `send` of `bytes` on `fd`, as [`send_parts_now`]: the
-/// bytes the socket took, `WouldBlock` when it took none.
-pub(crate) fn send_now(fd: RawFd, bytes: &[u8]) -> io::Result<usize> {
-    let iovec = libc::iovec {
-        iov_base: bytes.as_ptr().cast_mut().cast(),
-        iov_len: bytes.len(),
-    };
-    send_iovecs_now(fd, std::slice::from_ref(&iovec))
-}
-
-/// `sendmsg(fd, iovecs, MSG_DONTWAIT | MSG_NOSIGNAL)`, again when a signal
-/// interrupts it. Each iovec describes bytes borrowed by the caller for the
-/// call.
-fn send_iovecs_now(fd: RawFd, iovecs: &[libc::iovec]) -> io::Result<usize> {
-    // SAFETY: an all-zero `msghdr` is valid: no address, no control data,
-    // no iovecs, no flags.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iovecs.as_ptr().cast_mut();
-    msg.msg_iovlen = iovecs.len() as _;
-    loop {
-        // SAFETY: `msg` points at `iovecs`, each describing live bytes the
-        // caller lends for the whole call (a slice, or one of `IoParts`'s
-        // parts); `sendmsg` only reads them.
-        let sent = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        match usize::try_from(sent) {
-            Ok(sent) => return Ok(sent),
-            Err(_) => {
-                let error = io::Error::last_os_error();
-                if error.kind() != io::ErrorKind::Interrupted {
-                    return Err(error);
-                }
-            }
-        }
     }
 }
 
@@ -370,13 +314,6 @@ impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
             crate::tls::MaybeTls::Tls(_) => None,
         }
     }
-
-    fn write_now(&mut self, parts: &IoParts) -> Option<io::Result<usize>> {
-        match self {
-            crate::tls::MaybeTls::Plain(tcp) => tcp.write_now(parts),
-            crate::tls::MaybeTls::Tls(_) => None,
-        }
-    }
 }
 
 /// `Bytes` parts written together with `writev`. Owns both the parts and
@@ -387,18 +324,9 @@ impl<C> ReadReadiness for crate::tls::MaybeTls<C> {
 /// ([`IoParts::refill`]): its two vectors are then allocated once, not per
 /// write (a streamed response writes one per chunk).
 #[derive(Default)]
-pub struct IoParts {
+pub(crate) struct IoParts {
     parts: Vec<Bytes>,
     iovecs: Vec<libc::iovec>,
-}
-
-impl std::fmt::Debug for IoParts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IoParts")
-            .field("parts", &self.parts.len())
-            .field("bytes", &self.parts.iter().map(Bytes::len).sum::<usize>())
-            .finish()
-    }
 }
 
 impl IoParts {
@@ -425,12 +353,12 @@ impl IoParts {
         self.iovecs.clear();
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    fn is_empty(&self) -> bool {
         self.parts.is_empty()
     }
 
     /// Drops the first `written_bytes` bytes (after a partial write).
-    pub(crate) fn advance(&mut self, mut written_bytes: usize) {
+    fn advance(&mut self, mut written_bytes: usize) {
         // Most writes take everything: drop it all at once rather than part
         // by part from the front.
         if written_bytes >= self.parts.iter().map(Bytes::len).sum::<usize>() {

@@ -46,9 +46,8 @@ pub use head::{
     parse_request_head, parse_response_head, BodyFraming, Header, RequestHead, ResponseHead,
     Version,
 };
-pub(crate) use io::send_now;
 pub use io::{
-    accept, connect, connect_addrs, connect_host, connect_url, set_nodelay, IoParts, ReadReadiness,
+    accept, connect, connect_addrs, connect_host, connect_url, set_nodelay, ReadReadiness,
 };
 pub use ndjson::NdjsonSplitter;
 pub use server::{

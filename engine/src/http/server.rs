@@ -1028,20 +1028,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
     ) -> impl Future<Output = Result<(), HttpError>> + '_ {
         let mut io = self.spare_parts.take().unwrap_or_default();
         io.refill(parts);
-        // What the socket takes at once goes now (a relayed chunk, mostly
-        // whole); the rest, and any error, through the driver as before.
-        let mut written_now = false;
-        if let Some(Ok(sent)) = self.stream.write_now(&io) {
-            io.advance(sent);
-            // A plain socket: nothing to flush.
-            written_now = io.is_empty();
-        }
         async move {
-            if written_now {
-                self.spare_parts = Some(io);
-                self.exchange.bytes_out += counted;
-                return Ok(());
-            }
             let stall = self
                 .deadline
                 .as_ref()
