@@ -178,11 +178,16 @@ def test_node_dump_counts_every_provider_call_and_keeps_serving(cluster):
     assert hist["relay_chunk_latency"]["count"] >= calls
     # Every streamed request asked for no usage: the Edge asked for it, and
     # the Node left each usage chunk out.
+    # Tracing is off: no span was started, none exported or dropped.
     assert counters == {
         "provider_calls_aborted_total": 0,
         "tunnel_usage_chunks_stripped_total": STREAM_REQUESTS,
         "tunnel_usage_missing_total": 0,
         "tunnel_events_unchecked_total": 0,
+        "trace_spans_started_total": 0,
+        "trace_spans_exported_total": 0,
+        "trace_spans_dropped_total": 0,
+        "trace_export_failures_total": 0,
     }
     assert node.popen.poll() is None, node.log()
     chat(cluster, stream=True)
