@@ -93,22 +93,33 @@ def free_ports(count: int) -> list[int]:
     at once, then all released). They are drawn below the kernel's
     ephemeral range (32768 and up by default), so the outgoing connections
     the processes of a test open meanwhile never take one of them before
-    its Edge binds it (a port of the ephemeral range could be)."""
+    its Edge binds it (a port of the ephemeral range could be). A port is
+    never handed out twice in one run: a cluster's Edges take theirs before
+    its etcd members take their own, and both are released until bound."""
     rng = random.Random()
     socks = []
     try:
         while len(socks) < count:
+            port = rng.randrange(20000, 32000)
+            if port in _ISSUED_PORTS:
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind(("127.0.0.1", rng.randrange(20000, 32000)))
+                s.bind(("127.0.0.1", port))
             except OSError:
                 s.close()
                 continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _ISSUED_PORTS.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()
+
+
+# Every port free_ports handed out in this run.
+_ISSUED_PORTS: set[int] = set()
 
 
 class Process:
