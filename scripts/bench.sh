@@ -9,15 +9,18 @@
 #   scripts/bench.sh                 the standard suite (about 3½ minutes on 2 cores)
 #   scripts/bench.sh --quick         a short run (about a minute after the build)
 #   scripts/bench.sh --peer-nginx    also measure a plain nginx reverse proxy in front
-#                                    of the mock (arm C), when nginx is installed: its
-#                                    latency, the CPU and memory of its master and worker
-#                                    processes, and IOP ÷ nginx against the relay's goals
+#                                    of the mock (arm C): its latency, the CPU and memory
+#                                    of its master and worker processes, and IOP ÷ nginx
+#                                    against the relay's goals
 #   scripts/bench.sh --peer-nginx-chain
 #                                    arm C is instead the relay's own shape built of nginx:
 #                                    two nginx in series with mutual TLS (TLS 1.3, ECDSA
 #                                    certificates minted by openssl) between them, the front
 #                                    one pinned on the Edge's CPU and the back one on the
 #                                    Node's; the peer is named nginx-chain
+#   The --peer-* options are one per run. What a peer needs is installed when missing:
+#   nginx and openssl as root with apt-get (no service started); where that cannot be
+#   done the run stops with an error rather than go on without arm C.
 #   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
 #                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
 #                                    32 concurrent) with edge-bin and node-bin on --cores 0
@@ -45,11 +48,11 @@
 #                                    table; writes bench/results/fairness-<unix-ts>.json
 #                                    (docs/bench-fairness.md; about 3 minutes; --quick:
 #                                    about 1½)
-#   After the comparison (standard, --quick, --peer-nginx, --peer-nginx-chain), `bench
+#   After the comparison (standard, --quick, with or without a --peer-* option), `bench
 #   instructions` counts the user-space instructions per relayed token of the Edge and the
 #   Node under callgrind (valgrind, installed when missing and run as root with apt), and of
-#   the nginx peer, started again under callgrind as one process (two for the chain), over
-#   the same load; prints them next to the ratios with the <= 6,000 goal and writes
+#   the peer, started again under callgrind (nginx as one process, two for the chain),
+#   over the same load; prints them next to the ratios with the <= 6,000 goal and writes
 #   bench/results/instructions-<unix-ts>.json (about 1½ minutes; --quick: 1 round).
 #   scripts/bench.sh --no-instructions   the comparison without the instruction counts
 #   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
@@ -80,7 +83,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
-peer_nginx=0
+peer="" # arm C: nginx or nginx-chain
 cores_scaling=0
 swarm=0
 swarm_cluster=0
@@ -89,12 +92,20 @@ fairness=0
 instructions=1
 extra=()
 bin_dir=""
+# One peer per run: a second --peer-* option is an error, not a choice.
+set_peer() {
+  if [ -n "$peer" ] && [ "$peer" != "$1" ]; then
+    echo "--peer-$peer and --peer-$1 together: arm C is one peer per run" >&2
+    exit 2
+  fi
+  peer=$1
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin-dir) shift; bin_dir=$(cd "${1:?--bin-dir needs a directory}" && pwd) ;;
     --quick) quick=1 ;;
-    --peer-nginx) peer_nginx=1 ;;
-    --peer-nginx-chain) peer_nginx=chain ;;
+    --peer-nginx) set_peer nginx ;;
+    --peer-nginx-chain) set_peer nginx-chain ;;
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --swarm-cluster) swarm_cluster=1 ;;
@@ -117,9 +128,9 @@ else
 fi
 
 if [ "$fairness" = 1 ]; then
-  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ] \
+  if [ -n "$peer" ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ] \
     || [ "$cache_routing" = 1 ]; then
-    echo "--fairness runs on its own: without --peer-nginx, --cores-scaling, --swarm and --cache-routing" >&2
+    echo "--fairness runs on its own: without a --peer-* option, --cores-scaling, --swarm and --cache-routing" >&2
     exit 2
   fi
   # One open socket per queued request of the flood: raise the soft
@@ -133,8 +144,8 @@ if [ "$fairness" = 1 ]; then
 fi
 
 if [ "$cache_routing" = 1 ]; then
-  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
-    echo "--cache-routing runs on its own: without --peer-nginx, --cores-scaling and --swarm" >&2
+  if [ -n "$peer" ] || [ "$cores_scaling" = 1 ] || [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
+    echo "--cache-routing runs on its own: without a --peer-* option, --cores-scaling and --swarm" >&2
     exit 2
   fi
   mkdir -p bench/results
@@ -145,8 +156,8 @@ if [ "$cache_routing" = 1 ]; then
 fi
 
 if [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
-  if [ "$peer_nginx" != 0 ] || [ "$cores_scaling" = 1 ] || [ "$swarm$swarm_cluster" = 11 ]; then
-    echo "--swarm and --swarm-cluster run on their own: use one, without --peer-nginx and --cores-scaling" >&2
+  if [ -n "$peer" ] || [ "$cores_scaling" = 1 ] || [ "$swarm$swarm_cluster" = 11 ]; then
+    echo "--swarm and --swarm-cluster run on their own: use one, without a --peer-* option and --cores-scaling" >&2
     exit 2
   fi
   # One socket per node in the harness and in the Edge: raise the soft
@@ -160,8 +171,8 @@ if [ "$swarm" = 1 ] || [ "$swarm_cluster" = 1 ]; then
 fi
 
 if [ "$cores_scaling" = 1 ]; then
-  if [ "$peer_nginx" != 0 ]; then
-    echo "--peer-nginx applies to the comparison, not to --cores-scaling" >&2
+  if [ -n "$peer" ]; then
+    echo "--peer-$peer applies to the comparison, not to --cores-scaling" >&2
     exit 2
   fi
   args=(cores --bin-dir "$bin" --out bench/results)
@@ -174,18 +185,69 @@ args=(compare --bin-dir "$bin" --out bench/results)
 if [ "$quick" = 1 ]; then args+=(--quick); fi
 
 work=""
-nginx_pids=()
+started_pids=() # the peers this script started, ended at exit
+policy_rc_d=""  # a policy-rc.d written for an install, removed after it
 cleanup() {
   trap - EXIT
   local pid
-  for pid in "${nginx_pids[@]}"; do
+  for pid in "${started_pids[@]}"; do
     kill -TERM "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
   if [ -n "$work" ]; then rm -rf "$work"; fi
+  if [ -n "$policy_rc_d" ]; then rm -f "$policy_rc_d"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# Installs the Debian packages $@ quietly, without recommends, as root with
+# apt-get; fails when that cannot be done. No service a package ships is
+# started meanwhile: nginx's would serve port 80 and run beside every
+# benchmark after, and where port 80 is taken its start, and so the install,
+# would fail. So, unless the machine has its own /usr/sbin/policy-rc.d (its
+# owner's word, kept), one that answers 101 ("action forbidden") stands for
+# the install, and on a host run by systemd the installed service is not
+# enabled either (the script runs nginx itself, on its own ports).
+apt_updated=0
+apt_install() {
+  local status=0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    return 1
+  fi
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    policy_rc_d=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' >"$policy_rc_d"
+    chmod 755 "$policy_rc_d"
+  fi
+  if [ "$apt_updated" = 0 ]; then
+    if apt-get update -qq; then apt_updated=1; else status=1; fi
+  fi
+  if [ "$status" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null \
+      || status=1
+  fi
+  if [ -n "$policy_rc_d" ]; then
+    rm -f "$policy_rc_d"
+    policy_rc_d=""
+  fi
+  return "$status"
+}
+
+# Command $1 on PATH, from Debian package $2 when missing; exits when it
+# cannot be had: the run was asked for what needs it ($3).
+require_command() {
+  local cmd=$1 package=$2 what=$3
+  command -v "$cmd" >/dev/null 2>&1 && return 0
+  echo "==> $cmd is not installed: installing the $package package for $what"
+  if ! apt_install "$package" || ! command -v "$cmd" >/dev/null 2>&1; then
+    echo "$cmd is needed for $what and could not be installed: run as root on a machine" \
+      "with apt-get, or install $package yourself" >&2
+    exit 1
+  fi
+  if [ "$package" = nginx ] && [ -d /run/systemd/system ]; then
+    systemctl disable --now --quiet nginx 2>/dev/null || true
+  fi
+}
 
 # Whether something accepts connections on 127.0.0.1:$1.
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -280,7 +342,7 @@ start_nginx() {
     nginx -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" &
   fi
   pid=$!
-  nginx_pids+=("$pid")
+  started_pids+=("$pid")
   for _ in $(seq 1 100); do
     listening "$port" && break
     kill -0 "$pid" 2>/dev/null || { echo "nginx exited:" >&2; cat "$dir/error.log" >&2; exit 1; }
@@ -317,25 +379,27 @@ mint_chain_certs() {
 }
 
 peer_pids=()
-nginx_pids=()
-if [ "$peer_nginx" != 0 ]; then
-  if ! command -v nginx >/dev/null 2>&1; then
-    echo "==> nginx is not installed (not on PATH): running without the nginx peer (arm C)"
-  elif [ "$peer_nginx" = chain ] && ! command -v openssl >/dev/null 2>&1; then
-    echo "==> openssl is not installed: running without the nginx chain (arm C)"
-  else
-    work=$(mktemp -d -t iop-bench-nginx.XXXXXX)
-    chmod 755 "$work"
-    mock_port=$(free_port)
-    nginx_port=$(free_port "$mock_port")
-    if [ "$peer_nginx" = 1 ]; then
+if [ -n "$peer" ]; then
+  case "$peer" in
+    nginx) require_command nginx nginx "--peer-nginx" ;;
+    nginx-chain)
+      require_command nginx nginx "--peer-nginx-chain"
+      require_command openssl openssl "--peer-nginx-chain's certificates"
+      ;;
+  esac
+  work=$(mktemp -d -t iop-bench-peer.XXXXXX)
+  chmod 755 "$work"
+  mock_port=$(free_port)
+  peer_port=$(free_port "$mock_port")
+  case "$peer" in
+    nginx)
       mkdir "$work/one"
-      nginx_conf "$work/one" "127.0.0.1:$nginx_port" "$mock_port" http
-      echo "==> starting nginx on 127.0.0.1:$nginx_port in front of the mock at 127.0.0.1:$mock_port"
-      start_nginx "$work/one" "" "$nginx_port"
-      peer_name=nginx
-    else
-      back_port=$(free_port "$nginx_port")
+      nginx_conf "$work/one" "127.0.0.1:$peer_port" "$mock_port" http
+      echo "==> starting nginx on 127.0.0.1:$peer_port in front of the mock at 127.0.0.1:$mock_port"
+      start_nginx "$work/one" "" "$peer_port"
+      ;;
+    nginx-chain)
+      back_port=$(free_port "$peer_port")
       mapfile -t cpus < <(allowed_cpus)
       front_cpu=${cpus[0]:-}
       back_cpu=${cpus[1]:-$front_cpu}
@@ -347,7 +411,7 @@ if [ "$peer_nginx" != 0 ]; then
     ssl_certificate_key $work/back.key;
     ssl_client_certificate $work/ca.crt;
     ssl_verify_client on;"
-      nginx_conf "$work/front" "127.0.0.1:$nginx_port" "$back_port" https "" "\
+      nginx_conf "$work/front" "127.0.0.1:$peer_port" "$back_port" https "" "\
       proxy_ssl_protocols TLSv1.3;
       proxy_ssl_certificate $work/front.crt;
       proxy_ssl_certificate_key $work/front.key;
@@ -355,14 +419,13 @@ if [ "$peer_nginx" != 0 ]; then
       proxy_ssl_verify on;
       proxy_ssl_name iop-bench-back;
       proxy_ssl_session_reuse on;"
-      echo "==> starting an nginx chain: 127.0.0.1:$nginx_port (CPU ${front_cpu:-any}) → mTLS → 127.0.0.1:$back_port (CPU ${back_cpu:-any}) → the mock at 127.0.0.1:$mock_port"
+      echo "==> starting an nginx chain: 127.0.0.1:$peer_port (CPU ${front_cpu:-any}) → mTLS → 127.0.0.1:$back_port (CPU ${back_cpu:-any}) → the mock at 127.0.0.1:$mock_port"
       start_nginx "$work/back" "$back_cpu" "$back_port"
-      start_nginx "$work/front" "$front_cpu" "$nginx_port"
-      peer_name=nginx-chain
-    fi
-    args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$nginx_port" --peer-name "$peer_name")
-    for pid in "${peer_pids[@]}"; do args+=(--peer-pid "$pid"); done
-  fi
+      start_nginx "$work/front" "$front_cpu" "$peer_port"
+      ;;
+  esac
+  args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$peer_port" --peer-name "$peer")
+  for pid in "${peer_pids[@]}"; do args+=(--peer-pid "$pid"); done
 fi
 
 echo "==> $bin/bench ${args[*]} ${extra[*]}"
@@ -372,11 +435,8 @@ echo "==> $bin/bench ${args[*]} ${extra[*]}"
 
 # The instruction counts: callgrind's, which noise does not move.
 if ! command -v callgrind_control >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "==> installing valgrind for the instruction counts"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        valgrind >/dev/null; } || echo "==> could not install valgrind" >&2
-  fi
+  echo "==> installing valgrind for the instruction counts"
+  apt_install valgrind || echo "==> could not install valgrind" >&2
 fi
 if ! command -v callgrind_control >/dev/null 2>&1; then
   echo "==> valgrind is not installed: no instruction counts (apt-get install valgrind)"
@@ -389,7 +449,7 @@ start_nginx_callgrind() {
   valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.%p" --dump-instr=no \
     nginx -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" 2>"$dir/valgrind.log" &
   pid=$!
-  nginx_pids+=("$pid")
+  started_pids+=("$pid")
   for _ in $(seq 1 600); do
     listening "$port" && break
     kill -0 "$pid" 2>/dev/null || { echo "nginx under callgrind exited:" >&2; cat "$dir/error.log" "$dir/valgrind.log" >&2; exit 1; }
@@ -401,28 +461,33 @@ start_nginx_callgrind() {
 iargs=(instructions --bin-dir "$bin" --json "bench/results/instructions-$(date +%s).json")
 if [ "$quick" = 1 ]; then iargs+=(--rounds 1); fi
 cg_pids=()
-if [ -n "$work" ] && [ -n "${peer_name:-}" ]; then
-  cg_port=$(free_port "$nginx_port")
+if [ -n "$peer" ]; then
+  cg_port=$(free_port "$peer_port")
   export NGINX_MASTER=off
-  if [ "$peer_name" = nginx ]; then
-    mkdir "$work/cg-one"
-    nginx_conf "$work/cg-one" "127.0.0.1:$cg_port" "$mock_port" http
-    echo "==> starting nginx under callgrind on 127.0.0.1:$cg_port"
-    start_nginx_callgrind "$work/cg-one" "$cg_port"
-  else
-    cg_back=$(free_port "$cg_port")
-    mkdir "$work/cg-front" "$work/cg-back"
-    sed -e "s|$work/back/|$work/cg-back/|g" -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
-      -e "s|master_process on|master_process off|" "$work/back/nginx.conf" >"$work/cg-back/nginx.conf"
-    sed -e "s|$work/front/|$work/cg-front/|g" -e "s|127.0.0.1:$nginx_port|127.0.0.1:$cg_port|" \
-      -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
-      -e "s|master_process on|master_process off|" "$work/front/nginx.conf" >"$work/cg-front/nginx.conf"
-    echo "==> starting the nginx chain under callgrind: 127.0.0.1:$cg_port → mTLS → 127.0.0.1:$cg_back"
-    start_nginx_callgrind "$work/cg-back" "$cg_back"
-    start_nginx_callgrind "$work/cg-front" "$cg_port"
+  case "$peer" in
+    nginx)
+      mkdir "$work/cg-one"
+      nginx_conf "$work/cg-one" "127.0.0.1:$cg_port" "$mock_port" http
+      echo "==> starting nginx under callgrind on 127.0.0.1:$cg_port"
+      start_nginx_callgrind "$work/cg-one" "$cg_port"
+      ;;
+    nginx-chain)
+      cg_back=$(free_port "$cg_port")
+      mkdir "$work/cg-front" "$work/cg-back"
+      sed -e "s|$work/back/|$work/cg-back/|g" -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
+        -e "s|master_process on|master_process off|" "$work/back/nginx.conf" >"$work/cg-back/nginx.conf"
+      sed -e "s|$work/front/|$work/cg-front/|g" -e "s|127.0.0.1:$peer_port|127.0.0.1:$cg_port|" \
+        -e "s|127.0.0.1:$back_port|127.0.0.1:$cg_back|" \
+        -e "s|master_process on|master_process off|" "$work/front/nginx.conf" >"$work/cg-front/nginx.conf"
+      echo "==> starting the nginx chain under callgrind: 127.0.0.1:$cg_port → mTLS → 127.0.0.1:$cg_back"
+      start_nginx_callgrind "$work/cg-back" "$cg_back"
+      start_nginx_callgrind "$work/cg-front" "$cg_port"
+      ;;
+  esac
+  if [ "${#cg_pids[@]}" -gt 0 ]; then
+    iargs+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$cg_port" --peer-name "$peer")
+    for pid in "${cg_pids[@]}"; do iargs+=(--peer-pid "$pid"); done
   fi
-  iargs+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$cg_port" --peer-name "$peer_name")
-  for pid in "${cg_pids[@]}"; do iargs+=(--peer-pid "$pid"); done
 fi
 echo "==> $bin/bench ${iargs[*]}"
 "$bin/bench" "${iargs[@]}"
