@@ -18,9 +18,14 @@
 #                                    certificates minted by openssl) between them, the front
 #                                    one pinned on the Edge's CPU and the back one on the
 #                                    Node's; the peer is named nginx-chain
+#   scripts/bench.sh --peer-vllm-router
+#                                    arm C is instead vllm-router 0.1.17, the vLLM project's
+#                                    router (Rust, from PyPI, installed with pip into
+#                                    bench/.venv-peers on first use): one process, one tokio
+#                                    worker thread, round robin over one worker, the mock
 #   The --peer-* options are one per run. What a peer needs is installed when missing:
-#   nginx and openssl as root with apt-get (no service started); where that cannot be
-#   done the run stops with an error rather than go on without arm C.
+#   nginx and openssl as root with apt-get (no service started), vllm-router with pip;
+#   where that cannot be done the run stops with an error rather than go on without arm C.
 #   scripts/bench.sh --cores-scaling instead of the comparison, run `bench cores`: bulk relay
 #                                    throughput (body bytes/s of 256 x 4 KiB-token streams,
 #                                    32 concurrent) with edge-bin and node-bin on --cores 0
@@ -51,9 +56,11 @@
 #   After the comparison (standard, --quick, with or without a --peer-* option), `bench
 #   instructions` counts the user-space instructions per relayed token of the Edge and the
 #   Node under callgrind (valgrind, installed when missing and run as root with apt), and of
-#   the peer, started again under callgrind (nginx as one process, two for the chain),
-#   over the same load; prints them next to the ratios with the <= 6,000 goal and writes
-#   bench/results/instructions-<unix-ts>.json (about 1½ minutes; --quick: 1 round).
+#   the peer, started again under callgrind (nginx as one process, two for the chain;
+#   vllm-router as before, with one worker thread), over the same load; prints them next
+#   to the ratios with the <= 6,000 goal and writes
+#   bench/results/instructions-<unix-ts>.json (about 1½ minutes; --quick: 1 round; with
+#   vllm-router half a minute more for its start under callgrind).
 #   scripts/bench.sh --no-instructions   the comparison without the instruction counts
 #   scripts/bench.sh --bin-dir DIR   measure the binaries in DIR (an older build, say)
 #                                    instead of building target/release
@@ -83,7 +90,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
-peer="" # arm C: nginx or nginx-chain
+peer="" # arm C: nginx, nginx-chain or vllm-router
 cores_scaling=0
 swarm=0
 swarm_cluster=0
@@ -106,6 +113,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --peer-nginx) set_peer nginx ;;
     --peer-nginx-chain) set_peer nginx-chain ;;
+    --peer-vllm-router) set_peer vllm-router ;;
     --cores-scaling) cores_scaling=1 ;;
     --swarm) swarm=1 ;;
     --swarm-cluster) swarm_cluster=1 ;;
@@ -185,7 +193,7 @@ args=(compare --bin-dir "$bin" --out bench/results)
 if [ "$quick" = 1 ]; then args+=(--quick); fi
 
 work=""
-started_pids=() # the peers this script started, ended at exit
+started_pids=() # the peers (and stand-in mocks) this script started, ended at exit
 policy_rc_d=""  # a policy-rc.d written for an install, removed after it
 cleanup() {
   trap - EXIT
@@ -199,6 +207,17 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# Ends process $1, which this script started, and waits for it.
+stop_pid() {
+  local pid kept=()
+  kill -TERM "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+  for pid in "${started_pids[@]}"; do
+    if [ "$pid" != "$1" ]; then kept+=("$pid"); fi
+  done
+  started_pids=("${kept[@]}")
+}
 
 # Installs the Debian packages $@ quietly, without recommends, as root with
 # apt-get; fails when that cannot be done. No service a package ships is
@@ -378,6 +397,102 @@ mint_chain_certs() {
   done
 }
 
+# vllm-router, the vLLM project's router (Rust, published on PyPI), for
+# --peer-vllm-router: this version, in a virtual environment of its own
+# (bench/.venv-peers, git-ignored), made on first use and kept.
+vllm_router_version=0.1.17
+peers_venv=$PWD/bench/.venv-peers
+
+# Makes sure vllm-router $vllm_router_version is in $peers_venv; exits when
+# it cannot be installed.
+install_vllm_router() {
+  local have=""
+  if [ -x "$peers_venv/bin/python" ]; then
+    have=$("$peers_venv/bin/python" -c \
+      'import importlib.metadata as m; print(m.version("vllm-router"))' 2>/dev/null || true)
+  fi
+  [ "$have" = "$vllm_router_version" ] && return 0
+  if [ ! -x "$peers_venv/bin/python" ]; then
+    require_command python3 python3 "vllm-router's virtual environment"
+    if ! python3 -m venv "$peers_venv" >/dev/null 2>&1; then
+      # Debian's python3 makes virtual environments only with python3-venv.
+      rm -rf "$peers_venv"
+      echo "==> installing python3-venv for vllm-router's virtual environment"
+      apt_install python3-venv || true
+      if ! python3 -m venv "$peers_venv"; then
+        rm -rf "$peers_venv"
+        echo "could not make a Python virtual environment in $peers_venv for vllm-router" \
+          "(python3 -m venv; on Debian: apt-get install python3-venv)" >&2
+        exit 1
+      fi
+    fi
+  fi
+  echo "==> installing vllm-router $vllm_router_version into bench/.venv-peers"
+  if ! "$peers_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "vllm-router==$vllm_router_version"; then
+    echo "could not install vllm-router $vllm_router_version into $peers_venv (pip install failed)" >&2
+    exit 1
+  fi
+}
+
+# Starts vllm-router on 127.0.0.1:$2, its one worker the mock at
+# 127.0.0.1:$mock_port, its log (and with $3 = callgrind, callgrind's
+# dumps) in $1; waits until it listens and appends its PID to
+# vllm_router_pid. Fails, saying why, when it exits or does not listen in
+# time.
+#
+# It is one process with one tokio worker thread (TOKIO_WORKER_THREADS, as
+# nginx has one worker process), round robin over its one worker (a plain
+# hop: no prefix tree to keep, as the default cache_aware policy would).
+# It answers nothing until its worker answers GET /health, and bench
+# compare (or instructions) starts the mock only after the peer runs: so a
+# stand-in mock serves the port while the router starts (polling every
+# second, not the default 30) and is stopped once the router listens; the
+# bench's own mock binds the port after it. Its metrics listener takes a
+# port of its own (the default 29000 may be taken).
+start_vllm_router() {
+  local dir=$1 port=$2 under=${3:-} pid standin metrics_port tries=600 wrap=()
+  vllm_router_pid=""
+  metrics_port=$(free_port "$port")
+  "$bin/bench" mock-provider --port "$mock_port" >"$dir/stand-in-mock.log" 2>&1 &
+  standin=$!
+  started_pids+=("$standin")
+  for _ in $(seq 1 100); do
+    listening "$mock_port" && break
+    kill -0 "$standin" 2>/dev/null || break
+    sleep 0.05
+  done
+  if ! listening "$mock_port"; then
+    echo "the stand-in mock for vllm-router's start did not listen on 127.0.0.1:$mock_port:" >&2
+    cat "$dir/stand-in-mock.log" >&2
+    return 1
+  fi
+  if [ "$under" = callgrind ]; then
+    # Python's start under callgrind takes some 25 s on 2 vCPU.
+    wrap=(valgrind --tool=callgrind "--callgrind-out-file=$dir/callgrind.%p" --dump-instr=no)
+    tries=6000
+  fi
+  TOKIO_WORKER_THREADS=1 "${wrap[@]}" "$peers_venv/bin/vllm-router" --host 127.0.0.1 --port "$port" \
+    --worker-urls "http://127.0.0.1:$mock_port" --policy round_robin \
+    --worker-startup-check-interval 1 --prometheus-host 127.0.0.1 --prometheus-port "$metrics_port" \
+    >"$dir/vllm-router.log" 2>&1 &
+  pid=$!
+  started_pids+=("$pid")
+  for _ in $(seq 1 "$tries"); do
+    listening "$port" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  stop_pid "$standin"
+  if ! listening "$port"; then
+    echo "vllm-router${under:+ under $under} did not listen on 127.0.0.1:$port:" >&2
+    tail -n 20 "$dir/vllm-router.log" >&2
+    stop_pid "$pid"
+    return 1
+  fi
+  vllm_router_pid=$pid
+}
+
 peer_pids=()
 if [ -n "$peer" ]; then
   case "$peer" in
@@ -386,6 +501,7 @@ if [ -n "$peer" ]; then
       require_command nginx nginx "--peer-nginx-chain"
       require_command openssl openssl "--peer-nginx-chain's certificates"
       ;;
+    vllm-router) install_vllm_router ;;
   esac
   work=$(mktemp -d -t iop-bench-peer.XXXXXX)
   chmod 755 "$work"
@@ -422,6 +538,12 @@ if [ -n "$peer" ]; then
       echo "==> starting an nginx chain: 127.0.0.1:$peer_port (CPU ${front_cpu:-any}) → mTLS → 127.0.0.1:$back_port (CPU ${back_cpu:-any}) → the mock at 127.0.0.1:$mock_port"
       start_nginx "$work/back" "$back_cpu" "$back_port"
       start_nginx "$work/front" "$front_cpu" "$peer_port"
+      ;;
+    vllm-router)
+      mkdir "$work/vllm-router"
+      echo "==> starting vllm-router $vllm_router_version on 127.0.0.1:$peer_port in front of the mock at 127.0.0.1:$mock_port"
+      start_vllm_router "$work/vllm-router" "$peer_port" || exit 1
+      peer_pids+=("$vllm_router_pid")
       ;;
   esac
   args+=(--mock-port "$mock_port" --peer "http://127.0.0.1:$peer_port" --peer-name "$peer")
@@ -482,6 +604,17 @@ if [ -n "$peer" ]; then
       echo "==> starting the nginx chain under callgrind: 127.0.0.1:$cg_port → mTLS → 127.0.0.1:$cg_back"
       start_nginx_callgrind "$work/cg-back" "$cg_back"
       start_nginx_callgrind "$work/cg-front" "$cg_port"
+      ;;
+    vllm-router)
+      # The comparison's router has done its part: one router at a time.
+      stop_pid "${peer_pids[0]}"
+      mkdir "$work/cg-vllm-router"
+      echo "==> starting vllm-router under callgrind on 127.0.0.1:$cg_port (its Python start takes a while)"
+      if start_vllm_router "$work/cg-vllm-router" "$cg_port" callgrind; then
+        cg_pids+=("$vllm_router_pid")
+      else
+        echo "==> vllm-router did not run under callgrind: its instructions are not counted"
+      fi
       ;;
   esac
   if [ "${#cg_pids[@]}" -gt 0 ]; then
