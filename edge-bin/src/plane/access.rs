@@ -101,7 +101,11 @@ impl RequestIds {
     /// A new id.
     pub fn mint(&self) -> String {
         let mut rng = self.rng.borrow_mut();
-        format!("req_{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+        let mut id = String::with_capacity(36);
+        id.push_str("req_");
+        push_hex16(&mut id, rng.next_u64());
+        push_hex16(&mut id, rng.next_u64());
+        id
     }
 
     /// The id of a request: the client's `x-request-id` when it is valid
@@ -241,7 +245,7 @@ impl AccessRecord {
         let total = self.total_tokens();
         let tokens = |n: Option<u64>| n.map_or(Value::Null, Value::U64);
         let fields: [(&str, Value<'_>); 15] = [
-            ("ts", Value::Str(&rfc3339_ms(unix_ms))),
+            ("ts", Value::Ts(Timestamp(unix_ms))),
             ("request_id", Value::Str(&self.request_id)),
             ("principal", Value::Str(&self.principal)),
             ("path", Value::Str(&self.path)),
@@ -281,9 +285,12 @@ impl AccessRecord {
         let duration = ended_at.saturating_duration_since(read_at);
         let outcome = self.outcome_of(stats);
         let usage = self.completeness(outcome);
-        let ts = rfc3339_ms(unix_ms);
-        let mut fields: Vec<(&str, Value<'_>)> = vec![
-            ("ts", Value::Str(&ts)),
+        let ts = Timestamp(unix_ms);
+        let trace_id = self.trace_id.map(|id| id.to_string());
+        // Room for every field, the optional ones included: no regrowth.
+        let mut fields: Vec<(&str, Value<'_>)> = Vec::with_capacity(21);
+        fields.extend([
+            ("ts", Value::Ts(ts)),
             ("request_id", Value::Str(&self.request_id)),
             ("principal", Value::Str(&self.principal)),
             ("method", Value::Str(&self.method)),
@@ -310,7 +317,7 @@ impl AccessRecord {
                 self.completion_tokens.map_or(Value::Null, Value::U64),
             ),
             ("usage", Value::Str(usage.as_str())),
-        ];
+        ]);
         // Only on the lines of a cluster's forwarded requests.
         if let Some(peer) = &self.peer {
             fields.push(("peer", Value::Str(peer)));
@@ -318,7 +325,6 @@ impl AccessRecord {
         if let Some(edge) = &self.forwarded_to {
             fields.push(("forwarded_to", Value::Str(edge)));
         }
-        let trace_id = self.trace_id.map(|id| id.to_string());
         if let Some(id) = &trace_id {
             fields.push(("trace_id", Value::Str(id)));
         }
@@ -332,10 +338,87 @@ impl AccessRecord {
 /// A field value of a line.
 enum Value<'a> {
     Str(&'a str),
+    /// A wall-clock time, written as [`rfc3339_ms`] writes it.
+    Ts(Timestamp),
     U64(u64),
     /// A duration, written in milliseconds with microsecond precision.
     Ms(Duration),
     Null,
+}
+
+/// Milliseconds since the Unix epoch, written as `YYYY-MM-DDTHH:MM:SS.mmmZ`
+/// (UTC) by [`Timestamp::write_to`].
+#[derive(Clone, Copy)]
+struct Timestamp(i64);
+
+impl Timestamp {
+    /// Appends the time to `out`: the digits written one by one, as the
+    /// line is written once per request and `format!` costs several
+    /// times as much.
+    fn write_to(self, out: &mut String) {
+        let secs = self.0.div_euclid(1000);
+        let ms = self.0.rem_euclid(1000);
+        let days = secs.div_euclid(86_400);
+        let rem = secs.rem_euclid(86_400);
+        let (year, month, day) = civil_from_days(days);
+        if (0..=9999).contains(&year) {
+            push_digits(out, year.unsigned_abs(), 4);
+        } else {
+            // Outside four digits: what `{:04}` writes (a sign, no padding
+            // past four digits).
+            let _ = write!(out, "{year:04}");
+        }
+        out.push('-');
+        push_digits(out, month.into(), 2);
+        out.push('-');
+        push_digits(out, day.into(), 2);
+        out.push('T');
+        push_digits(out, rem.unsigned_abs() / 3600, 2);
+        out.push(':');
+        push_digits(out, rem.unsigned_abs() % 3600 / 60, 2);
+        out.push(':');
+        push_digits(out, rem.unsigned_abs() % 60, 2);
+        out.push('.');
+        push_digits(out, ms.unsigned_abs(), 3);
+        out.push('Z');
+    }
+}
+
+/// Appends the last `width` decimal digits of `n`, zero-padded.
+fn push_digits(out: &mut String, n: u64, width: u32) {
+    let mut rest = n;
+    let mut digits = [b'0'; 20];
+    let width = width.min(20) as usize;
+    for slot in digits[..width].iter_mut().rev() {
+        // `rest % 10` is a single digit: the cast cannot truncate.
+        *slot = b'0' + (rest % 10) as u8;
+        rest /= 10;
+    }
+    // Every byte is an ASCII digit.
+    out.push_str(std::str::from_utf8(&digits[..width]).unwrap_or_default());
+}
+
+/// Appends `n` as 16 lowercase hex digits (`{:016x}`).
+fn push_hex16(out: &mut String, n: u64) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for shift in (0..16).rev() {
+        out.push(char::from(HEX[((n >> (shift * 4)) & 0xf) as usize]));
+    }
+}
+
+/// Appends `n` in decimal.
+fn push_u64(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
+}
+
+/// Appends `d` in milliseconds with three decimals (microseconds, rounded
+/// to the nearest), as `{:.3}` of the milliseconds would.
+fn push_ms(out: &mut String, d: Duration) {
+    let micros = (d.as_nanos() + 500) / 1000;
+    let micros = u64::try_from(micros).unwrap_or(u64::MAX);
+    push_u64(out, micros / 1000);
+    out.push('.');
+    push_digits(out, micros % 1000, 3);
 }
 
 fn opt_str(value: Option<&str>) -> Value<'_> {
@@ -343,7 +426,7 @@ fn opt_str(value: Option<&str>) -> Value<'_> {
 }
 
 fn text_line(fields: &[(&str, Value<'_>)]) -> String {
-    let mut line = String::with_capacity(256);
+    let mut line = String::with_capacity(512);
     for (i, (key, value)) in fields.iter().enumerate() {
         if i > 0 {
             line.push(' ');
@@ -356,12 +439,9 @@ fn text_line(fields: &[(&str, Value<'_>)]) -> String {
                 line.push_str(&serde_json::Value::from(*s).to_string());
             }
             Value::Str(s) => line.push_str(s),
-            Value::U64(n) => {
-                let _ = write!(line, "{n}");
-            }
-            Value::Ms(d) => {
-                let _ = write!(line, "{:.3}", d.as_secs_f64() * 1000.0);
-            }
+            Value::Ts(ts) => ts.write_to(&mut line),
+            Value::U64(n) => push_u64(&mut line, *n),
+            Value::Ms(d) => push_ms(&mut line, *d),
             Value::Null => line.push('-'),
         }
     }
@@ -381,6 +461,11 @@ fn json_line(fields: &[(&str, Value<'_>)]) -> String {
     for (key, value) in fields {
         let value = match value {
             Value::Str(s) => serde_json::Value::from(*s),
+            Value::Ts(ts) => {
+                let mut text = String::with_capacity(24);
+                ts.write_to(&mut text);
+                serde_json::Value::from(text)
+            }
             Value::U64(n) => serde_json::Value::from(*n),
             Value::Ms(d) => {
                 // Microsecond precision, as in the text form.
@@ -398,17 +483,9 @@ fn json_line(fields: &[(&str, Value<'_>)]) -> String {
 
 /// `unix_ms` as `YYYY-MM-DDTHH:MM:SS.mmmZ` (UTC).
 pub fn rfc3339_ms(unix_ms: i64) -> String {
-    let secs = unix_ms.div_euclid(1000);
-    let ms = unix_ms.rem_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let mut text = String::with_capacity(24);
+    Timestamp(unix_ms).write_to(&mut text);
+    text
 }
 
 /// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's
@@ -860,6 +937,67 @@ mod tests {
         assert_eq!(rfc3339_ms(951_782_400_123), "2000-02-29T00:00:00.123Z");
         assert_eq!(rfc3339_ms(1_796_197_014_999), "2026-12-02T07:36:54.999Z");
         assert_eq!(rfc3339_ms(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    /// The digits written by hand are what `format!` wrote before, over a
+    /// seeded sweep of times (from before 1970 to past 9999) and of
+    /// durations (whole, half and odd microseconds).
+    #[test]
+    fn hand_written_numbers_match_format() {
+        fn by_format(unix_ms: i64) -> String {
+            let secs = unix_ms.div_euclid(1000);
+            let ms = unix_ms.rem_euclid(1000);
+            let rem = secs.rem_euclid(86_400);
+            let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
+            format!(
+                "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+                rem / 3600,
+                rem % 3600 / 60,
+                rem % 60
+            )
+        }
+        let seed = 0x005e_ed0f_71e5_u64;
+        println!("seed {seed:#x}");
+        let mut rng = iop_engine::rng::SplitMix64::new(seed);
+        let far = 400_000_000_000_000_i64; // about the year 14,700
+        for _ in 0..20_000 {
+            let t = (rng.next_u64() % (2 * far as u64)) as i64 - far;
+            assert_eq!(rfc3339_ms(t), by_format(t), "unix_ms {t}");
+        }
+        for t in [
+            i64::MIN / 2,
+            -62_167_219_200_001,
+            -62_167_219_200_000,
+            253_402_300_799_999,
+            253_402_300_800_000,
+        ] {
+            assert_eq!(rfc3339_ms(t), by_format(t), "unix_ms {t}");
+        }
+        for _ in 0..20_000 {
+            let nanos = rng.next_u64() % 10_000_000_000_000;
+            // Away from a tie, where f64 rounding and ours may differ.
+            if (nanos % 1000).abs_diff(500) < 2 {
+                continue;
+            }
+            let d = Duration::from_nanos(nanos);
+            let mut ours = String::new();
+            push_ms(&mut ours, d);
+            assert_eq!(
+                ours,
+                format!("{:.3}", d.as_secs_f64() * 1000.0),
+                "{nanos} ns"
+            );
+        }
+        for n in [0, 1, 9, 10, 99, 1234567, u64::MAX] {
+            let mut ours = String::new();
+            push_u64(&mut ours, n);
+            assert_eq!(ours, n.to_string());
+        }
+        for n in [0, 1, 0xa, 0xdead_beef, u64::MAX, rng.next_u64()] {
+            let mut ours = String::new();
+            push_hex16(&mut ours, n);
+            assert_eq!(ours, format!("{n:016x}"));
+        }
     }
 
     fn record() -> AccessRecord {
