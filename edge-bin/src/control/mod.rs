@@ -90,6 +90,14 @@ pub use terminal::{AttemptEnd, FailureReason, StallEvidence, Terminal};
 pub use views::{ModelCapacity, ProviderView};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+/// A map looked up on every request (by connection, request or run id, or
+/// a configured name): hashed with foldhash, several times cheaper than
+/// SipHash on these short keys. Seeded per map at random, like the
+/// standard one; no client makes its keys grow.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// A set hashed as [`FastMap`] is.
+pub(crate) type FastSet<K> = HashSet<K, foldhash::fast::RandomState>;
 use std::time::Instant;
 
 use iop_wire::{pb, CloseReason};
@@ -675,23 +683,23 @@ pub struct Counters {
 pub struct Control {
     /// Nodes in id order.
     nodes: Vec<NodeEntry>,
-    node_index: HashMap<String, usize>,
+    node_index: FastMap<String, usize>,
     /// Providers in `ProviderKey` order (each node's a contiguous run).
     providers: Vec<ProviderState>,
-    provider_index: HashMap<ProviderKey, usize>,
+    provider_index: FastMap<ProviderKey, usize>,
     models: Vec<ModelState>,
-    model_index: HashMap<String, usize>,
+    model_index: FastMap<String, usize>,
     tunables: Tunables,
     /// Which node (index) each live connection registered (R1).
-    bindings: HashMap<ConnId, usize>,
+    bindings: FastMap<ConnId, usize>,
     /// Connections ordered closed whose close the shell has not reported
     /// yet: a late register on one is refused (R3: it must reconnect).
-    closing: HashSet<ConnId>,
+    closing: FastSet<ConnId>,
     /// Live leases by run id.
     leases: BTreeMap<String, LeaseEntry>,
     /// Run ids of the live leases, by the connection they were dispatched
     /// to (one connection owns one generation: R1, R2).
-    leases_of: HashMap<ConnId, BTreeSet<String>>,
+    leases_of: FastMap<ConnId, BTreeSet<String>>,
     /// Requests not yet done, by id (arrival order).
     pending: BTreeMap<RequestId, Pending>,
     /// Candidate sets and queues, by operation, of every model.
@@ -702,7 +710,7 @@ pub struct Control {
     queue_deadlines: BTreeSet<(Instant, RequestId)>,
     /// Queued requests waiting for their preferred provider (affinity
     /// wait), not in their lane's queue until `until`.
-    waiting: HashMap<RequestId, routing::Waiting>,
+    waiting: FastMap<RequestId, routing::Waiting>,
     /// The same, by provider, in arrival order.
     waiters: BTreeMap<usize, BTreeSet<RequestId>>,
     /// Ends of affinity waits.
@@ -718,7 +726,7 @@ pub struct Control {
     /// Recovery probes by due time: (instant, provider index).
     probe_deadlines: BTreeSet<(Instant, usize)>,
     /// Outstanding recovery probes.
-    commands: HashMap<String, CommandRecord>,
+    commands: FastMap<String, CommandRecord>,
     next_generation: u64,
     next_command: u64,
     counters: Counters,
@@ -726,7 +734,7 @@ pub struct Control {
     ownership: Ownership,
     /// In a cluster: connections whose ownership claim is in flight, with
     /// their node (index). Not bound yet: they own nothing until granted.
-    claims: HashMap<ConnId, usize>,
+    claims: FastMap<ConnId, usize>,
     /// In a cluster: this Edge holds a live etcd lease (it may claim and
     /// keep ownership). Starts false: nothing registers before the first
     /// lease.
@@ -804,13 +812,13 @@ impl Control {
             .enumerate()
             .map(|(i, n)| (n.spec.id.clone(), i))
             .collect();
-        let provider_index: HashMap<ProviderKey, usize> = providers
+        let provider_index: FastMap<ProviderKey, usize> = providers
             .iter()
             .enumerate()
             .map(|(i, p)| (p.key.clone(), i))
             .collect();
         let mut models = Vec::with_capacity(spec.models.len());
-        let mut model_index = HashMap::new();
+        let mut model_index = FastMap::default();
         let mut lanes = Vec::new();
         for m in spec.models {
             if model_index.contains_key(&m.name) {
@@ -889,14 +897,14 @@ impl Control {
             model_index,
             lanes,
             tunables: spec.tunables,
-            bindings: HashMap::new(),
-            closing: HashSet::new(),
+            bindings: FastMap::default(),
+            closing: FastSet::default(),
             leases: BTreeMap::new(),
-            leases_of: HashMap::new(),
+            leases_of: FastMap::default(),
             pending: BTreeMap::new(),
             heads: BTreeSet::new(),
             queue_deadlines: BTreeSet::new(),
-            waiting: HashMap::new(),
+            waiting: FastMap::default(),
             waiters: BTreeMap::new(),
             affinity_deadlines: BTreeSet::new(),
             settle_deadlines: BTreeSet::new(),
@@ -904,12 +912,12 @@ impl Control {
             ejection_deadlines: BTreeSet::new(),
             now: None,
             probe_deadlines: BTreeSet::new(),
-            commands: HashMap::new(),
+            commands: FastMap::default(),
             next_generation: 0,
             next_command: 0,
             counters: Counters::default(),
             ownership: Ownership::Local,
-            claims: HashMap::new(),
+            claims: FastMap::default(),
             cluster_up: false,
             draining: false,
             retire_deadlines: BTreeSet::new(),

@@ -31,6 +31,7 @@ use iop_wire::pb::frame::Body;
 use crate::config::EdgeConfig;
 use crate::control::attempt::AttemptTracker;
 use crate::control::fair::Share;
+use crate::control::FastMap;
 use crate::control::{
     control_spec, AbortReason, Action, ConnId, Control, Dispatch, Event, Input, Operation, Outcome,
     Rejection, RequestId, RouteHint,
@@ -104,16 +105,16 @@ pub struct Edge {
     /// Messages to the other shards (`None` with one shard).
     pub(super) outbox: Option<Outbox>,
     /// Live node connections of this shard, by id.
-    conns: RefCell<HashMap<ConnId, NodeLink>>,
+    conns: RefCell<FastMap<ConnId, NodeLink>>,
     /// Dispatched runs on this shard's node connections, by run id.
     /// Keyed by run ids this Edge made, looked up once per relayed frame:
     /// hashed with foldhash, not SipHash (no key comes from a client).
     node_replies: RefCell<HashMap<String, NodeReply, foldhash::fast::RandomState>>,
     /// This shard's dispatched client requests: a sender into each one's
     /// reply, for `Lost`.
-    client_replies: RefCell<HashMap<RequestId, ClientReply>>,
+    client_replies: RefCell<FastMap<RequestId, ClientReply>>,
     /// Submitted requests waiting for admission.
-    waiters: RefCell<HashMap<RequestId, oneshot::Sender<Admission>>>,
+    waiters: RefCell<FastMap<RequestId, oneshot::Sender<Admission>>>,
     /// Static settings.
     pub settings: Settings,
     timer_wake: Notify,
@@ -230,10 +231,10 @@ impl Edge {
             shard: index,
             control: control.map(RefCell::new),
             outbox,
-            conns: RefCell::new(HashMap::new()),
+            conns: RefCell::new(FastMap::default()),
             node_replies: RefCell::new(HashMap::default()),
-            client_replies: RefCell::new(HashMap::new()),
-            waiters: RefCell::new(HashMap::new()),
+            client_replies: RefCell::new(FastMap::default()),
+            waiters: RefCell::new(FastMap::default()),
             settings,
             timer_wake: Notify::default(),
             observers: RefCell::new(None),

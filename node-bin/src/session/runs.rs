@@ -96,7 +96,8 @@ pub const EARLY_CANCELS: usize = 1024;
 /// Active runs of one session.
 #[derive(Debug, Default)]
 pub struct RunTable {
-    entries: HashMap<String, Entry>,
+    /// By run id (ids the Edge made): hashed with foldhash, not SipHash.
+    entries: HashMap<String, Entry, foldhash::fast::RandomState>,
     last_serial: u64,
     /// Cancels that named no active run, oldest first.
     early_cancels: VecDeque<(String, StopCause)>,
