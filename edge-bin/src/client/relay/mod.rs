@@ -15,6 +15,7 @@
 
 mod core;
 
+use std::future::Future;
 use std::rc::Rc;
 
 use bytes::Bytes;
@@ -154,92 +155,100 @@ where
 /// Feeds the reply's events to `core` and performs its steps
 /// ([`core`]): the writes, the node's credit as the client's socket takes
 /// each event (or the core held it), the request's release at the commit.
-async fn drive<S>(
-    edge: &Rc<Edge>,
-    server: &mut Client<S>,
+///
+/// A function returning an `async move` block, not an `async fn`: an
+/// `async fn` keeps its arguments twice in its state (as they came and as
+/// the body's locals), and this future lives as long as the stream — the
+/// relay core alone is some 400 bytes.
+#[allow(clippy::manual_async_fn)]
+fn drive<'a, S>(
+    edge: &'a Rc<Edge>,
+    server: &'a mut Client<S>,
     surface: Surface,
-    frames: &mut ReplyRx,
+    frames: &'a mut ReplyRx,
     mut core: Relay,
-    release: Release<'_>,
-) -> Result<Relayed, HttpError>
+    release: Release<'a>,
+) -> impl Future<Output = Result<Relayed, HttpError>> + 'a
 where
-    S: ClientStream,
+    S: ClientStream + 'a,
 {
-    loop {
-        let next = if core.is_started() {
-            let next = frames.recv().await;
-            server.check_cut_off()?;
-            next
-        } else {
-            // Before the first byte goes out, a client that leaves is seen
-            // at once (U6), not at the first write. The watch is boxed: it
-            // is this future's largest state, and only needed until then.
-            match Box::pin(server.watch_peer(frames.recv())).await {
-                Watched::Done(next) => next,
-                Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+    async move {
+        loop {
+            let next = if core.is_started() {
+                let next = frames.recv().await;
+                server.check_cut_off()?;
+                next
+            } else {
+                // Before the first byte goes out, a client that leaves is seen
+                // at once (U6), not at the first write. The watch is boxed: it
+                // is this future's largest state, and only needed until then.
+                match Box::pin(server.watch_peer(frames.recv())).await {
+                    Watched::Done(next) => next,
+                    Watched::PeerClosed => return Err(HttpError::UnexpectedEof),
+                }
+            };
+            let taken_at = clock::now();
+            // `next` moves whole into the core: a borrowed local keeps its room
+            // in this future across every later await.
+            core.handle(next, frames.run_id());
+            // Most events are a started tunnel's body: its three steps at once.
+            if let Some((body, body_bytes, charge)) = core.take_body() {
+                server.write_chunk(body).await?;
+                server.chunk_written(taken_at);
+                engine_metrics::add(Count::EdgeRelayBodyBytes, body_bytes);
+                if charge > 0 {
+                    frames.drained(edge, charge);
+                }
+                continue;
             }
-        };
-        let taken_at = clock::now();
-        // `next` moves whole into the core: a borrowed local keeps its room
-        // in this future across every later await.
-        core.handle(next, frames.run_id());
-        // Most events are a started tunnel's body: its three steps at once.
-        if let Some((body, body_bytes, charge)) = core.take_body() {
-            server.write_chunk(body).await?;
-            server.chunk_written(taken_at);
-            engine_metrics::add(Count::EdgeRelayBodyBytes, body_bytes);
-            if charge > 0 {
-                frames.drained(edge, charge);
-            }
-            continue;
-        }
-        while let Some(step) = core.poll() {
-            match step {
-                Step::Usage(usage) => server
-                    .rec
-                    .usage(usage.prompt_tokens, usage.completion_tokens),
-                // Boxed, like everything this future awaits only once: the
-                // future is sized by its largest await, for the life of the
-                // stream.
-                Step::WriteHead(Head::Provider { head, first }) => {
-                    Box::pin(start_response(server, &head, first)).await?
-                }
-                Step::WriteHead(Head::EventStream) => {
-                    Box::pin(server.start_chunked(
-                        200,
-                        [
-                            ("content-type", "text/event-stream"),
-                            ("cache-control", "no-cache"),
-                        ],
-                    ))
-                    .await?
-                }
-                Step::Release => release(),
-                Step::WriteChunk(bytes) => server.write_chunk(bytes).await?,
-                Step::Relayed { body_bytes } => {
-                    server.chunk_written(taken_at);
-                    if body_bytes > 0 {
-                        engine_metrics::add(Count::EdgeRelayBodyBytes, body_bytes);
+            while let Some(step) = core.poll() {
+                match step {
+                    Step::Usage(usage) => server
+                        .rec
+                        .usage(usage.prompt_tokens, usage.completion_tokens),
+                    // Boxed, like everything this future awaits only once: the
+                    // future is sized by its largest await, for the life of the
+                    // stream.
+                    Step::WriteHead(Head::Provider { head, first }) => {
+                        Box::pin(start_response(server, &head, first)).await?
                     }
-                }
-                Step::Credit(charge) => frames.drained(edge, charge),
-                // Control's verdict comes on the reply, like the events.
-                Step::AwaitVerdict => {}
-                Step::Retry(next) => return Ok(Relayed::Retry(*next)),
-                Step::Answer(body) => {
-                    Box::pin(write_json(server, 200, body)).await?;
-                    server.chunk_written(taken_at);
-                    return Ok(Relayed::Done);
-                }
-                Step::Fail(failure) => {
-                    let written =
-                        Box::pin(fail(server, surface, failure.shape, &failure.error)).await;
-                    if failure.cuts_off {
-                        return Err(cut_off());
+                    Step::WriteHead(Head::EventStream) => {
+                        Box::pin(server.start_chunked(
+                            200,
+                            [
+                                ("content-type", "text/event-stream"),
+                                ("cache-control", "no-cache"),
+                            ],
+                        ))
+                        .await?
                     }
-                    return written.map(|()| Relayed::Done);
+                    Step::Release => release(),
+                    Step::WriteChunk(bytes) => server.write_chunk(bytes).await?,
+                    Step::Relayed { body_bytes } => {
+                        server.chunk_written(taken_at);
+                        if body_bytes > 0 {
+                            engine_metrics::add(Count::EdgeRelayBodyBytes, body_bytes);
+                        }
+                    }
+                    Step::Credit(charge) => frames.drained(edge, charge),
+                    // Control's verdict comes on the reply, like the events.
+                    Step::AwaitVerdict => {}
+                    Step::Retry(next) => return Ok(Relayed::Retry(*next)),
+                    Step::Answer(body) => {
+                        Box::pin(write_json(server, 200, body)).await?;
+                        server.chunk_written(taken_at);
+                        return Ok(Relayed::Done);
+                    }
+                    Step::Fail(failure) => {
+                        let written =
+                            Box::pin(fail(server, surface, failure.shape, &failure.error)).await;
+                        if failure.cuts_off {
+                            return Err(cut_off());
+                        }
+                        return written.map(|()| Relayed::Done);
+                    }
+                    Step::Finish => return server.finish().await.map(|()| Relayed::Done),
                 }
-                Step::Finish => return server.finish().await.map(|()| Relayed::Done),
             }
         }
     }
