@@ -1032,8 +1032,12 @@ fn render_goals(out: &mut String, peer_name: &str, level: &LevelReport) {
         return;
     }
     let ratio_head = format!("IOP ÷ {peer_name}");
+    // A long peer name (`vllm-router`, `nginx-chain`) widens its columns
+    // rather than running into the next heading.
+    let peer_width = 12.max(peer_name.chars().count() + 2);
+    let ratio_width = 14.max(ratio_head.chars().count() + 2);
     out.push_str(&format!(
-        "\n{:<26}{:>12}{:>12}{:>14}{:>11}  met\n",
+        "\n{:<26}{:>12}{:>peer_width$}{:>ratio_width$}{:>11}  met\n",
         format!("goals at {}", streams_text(level.streams)),
         "IOP",
         peer_name,
@@ -1058,7 +1062,7 @@ fn render_goals(out: &mut String, peer_name: &str, level: &LevelReport) {
             None => "n/a",
         };
         out.push_str(&format!(
-            "{:<26}{:>12}{:>12}{:>14}{:>11}  {met}\n",
+            "{:<26}{:>12}{:>peer_width$}{:>ratio_width$}{:>11}  {met}\n",
             g.goal.label(),
             goal_value(&g.unit, g.iop),
             goal_value(&g.unit, g.peer),
@@ -1709,6 +1713,28 @@ mod tests {
                 "  (no peer: ratios not computed)",
                 "(IOP = Edge + Node; latency: added over direct, medians of per-round differences; \
                  CPU per token and RSS per stream are judged at the highest level only)",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_long_peer_name_widens_its_columns() {
+        let low = level_of(
+            1,
+            (A, B, Some(C)),
+            relay_costs(),
+            Some(peer_window(Some(200_000))),
+            "vllm-router",
+            false,
+        );
+        let mut out = String::new();
+        render_goals(&mut out, "vllm-router", &low);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines[1..3],
+            [
+                "goals at 1 stream                  IOP  vllm-router  IOP ÷ vllm-router       goal  met",
+                "added TTFT p50               +300.0 µs    +200.0 µs              1.50x    ≤ 1.50x  yes",
             ]
         );
     }
