@@ -454,7 +454,15 @@ start_vllm_router() {
   local dir=$1 port=$2 under=${3:-} pid standin metrics_port tries=600 wrap=()
   vllm_router_pid=""
   metrics_port=$(free_port "$port")
-  "$bin/bench" mock-provider --port "$mock_port" >"$dir/stand-in-mock.log" 2>&1 &
+  # Python's http.server, not a second bench mock: it answers HTTP/1.0 and
+  # closes each connection itself, so no connection of the router's pool
+  # is left half-closed on the port (a FIN_WAIT2 socket there, which
+  # SO_REUSEADDR does not let the bench's mock bind past, is what a
+  # keep-alive stand-in left behind). GET /health is the file `health`.
+  mkdir -p "$dir/stand-in"
+  echo ok >"$dir/stand-in/health"
+  python3 -m http.server --bind 127.0.0.1 --directory "$dir/stand-in" "$mock_port" \
+    >"$dir/stand-in-mock.log" 2>&1 &
   standin=$!
   started_pids+=("$standin")
   for _ in $(seq 1 100); do
