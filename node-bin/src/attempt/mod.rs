@@ -44,7 +44,9 @@ use self::watchdog::{
     Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
 };
 use crate::adapters::probe::{self, ProbeTarget};
+use crate::adapters::AdapterInstance;
 use crate::calls::{CallSite, ProviderSide, Stamped};
+use crate::session::runs::NodeRunIds;
 use crate::timers::Timers;
 use crate::trace::ProviderSpan;
 
@@ -74,13 +76,40 @@ pub enum Ended {
     Stopped(StopCause),
 }
 
-/// The stall-terminal inputs of an attempt.
+/// The stall-terminal inputs of an attempt: what its identity and its
+/// probe are made of, made into them only when a stall needs them (most
+/// attempts never stall, and the ids and the probe's URLs are strings).
 #[derive(Debug, Clone)]
 pub struct StallSubject {
+    ids: NodeRunIds,
+    adapter: Rc<AdapterInstance>,
+    target: String,
+}
+
+impl StallSubject {
+    /// The subject of the attempt `ids` of `target` on `adapter`.
+    pub fn new(ids: NodeRunIds, adapter: Rc<AdapterInstance>, target: &str) -> Self {
+        Self {
+            ids,
+            adapter,
+            target: target.to_owned(),
+        }
+    }
+
     /// Node-owned identity (W5).
-    pub identity: AttemptIdentity,
-    /// What the probe asks (W4).
-    pub probe: ProbeTarget,
+    pub fn identity(&self) -> AttemptIdentity {
+        AttemptIdentity {
+            node_run_id: self.ids.node_run_id(),
+            attempt_id: self.ids.attempt_id(),
+            adapter: self.adapter.name.clone(),
+            target: self.target.clone(),
+        }
+    }
+
+    /// What the probe asks (W4): the attempt's exact target.
+    pub fn probe(&self) -> ProbeTarget {
+        ProbeTarget::of(&self.adapter, &self.target)
+    }
 }
 
 /// An attempt whose provider call is under way: what [`drive`] takes.
@@ -105,7 +134,7 @@ pub struct Attempt<E: Emitter> {
 impl<E: Emitter> std::fmt::Debug for Attempt<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Attempt")
-            .field("identity", &self.evidence.identity)
+            .field("identity", &self.evidence.identity())
             .finish_non_exhaustive()
     }
 }
@@ -253,17 +282,18 @@ pub fn drive<'a, E: Emitter + 'a>(
                     Action::CancelProvider => provider.abort(),
                     Action::StartProbe => {
                         probe_rx = Some(probe::spawn_probe(
-                            evidence.probe.clone(),
+                            evidence.probe(),
                             watchdog.config().probe_timeout,
                         ));
                     }
                     Action::EmitStall(report) => {
                         let seq = env.observations.next();
-                        let failure = report.execution_failure(&evidence.identity, seq);
+                        let identity = evidence.identity();
+                        let failure = report.execution_failure(&identity, seq);
                         tracing::warn!(
-                            node_run_id = %evidence.identity.node_run_id,
-                            adapter = %evidence.identity.adapter,
-                            target = %evidence.identity.target,
+                            node_run_id = %identity.node_run_id,
+                            adapter = %identity.adapter,
+                            target = %identity.target,
                             idle_ms = report.idle.as_millis() as u64,
                             fence = ?report.fence,
                             health = ?report.health,

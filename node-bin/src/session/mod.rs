@@ -694,7 +694,7 @@ fn watch_attempt(
     config: crate::attempt::watchdog::WatchdogConfig,
     timeout_sec: i64,
     ticket: &runs::RunTicket,
-    adapter: &crate::adapters::AdapterInstance,
+    adapter: &Rc<crate::adapters::AdapterInstance>,
     target: &str,
 ) -> (
     crate::attempt::watchdog::Watchdog,
@@ -705,15 +705,7 @@ fn watch_attempt(
         .ok()
         .filter(|&s| s > 0)
         .and_then(|s| now.checked_add(std::time::Duration::from_secs(s)));
-    let evidence = crate::attempt::StallSubject {
-        identity: crate::attempt::watchdog::AttemptIdentity {
-            node_run_id: ticket.node_run_id(),
-            attempt_id: ticket.attempt_id(),
-            adapter: adapter.name.clone(),
-            target: target.to_string(),
-        },
-        probe: crate::adapters::probe::ProbeTarget::of(adapter, target),
-    };
+    let evidence = crate::attempt::StallSubject::new(ticket.node_ids(), Rc::clone(adapter), target);
     (
         crate::attempt::watchdog::Watchdog::new(config, now, hard_deadline),
         evidence,

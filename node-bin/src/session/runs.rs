@@ -51,15 +51,36 @@ impl RunTicket {
         &self.run_id
     }
 
+    /// The Node-owned ids of this run, made into strings when asked.
+    pub fn node_ids(&self) -> NodeRunIds {
+        NodeRunIds(self.serial)
+    }
+
     /// The Node-owned run id (W5): `nrun-<serial>`, unique per session.
     pub fn node_run_id(&self) -> String {
-        format!("nrun-{}", self.serial)
+        self.node_ids().node_run_id()
     }
 
     /// The Node-owned id of the (only) provider attempt of this run; the
     /// Node never retries (W8).
     pub fn attempt_id(&self) -> String {
-        format!("nrun-{}-a1", self.serial)
+        self.node_ids().attempt_id()
+    }
+}
+
+/// The Node-owned ids of a run (W5): its serial in the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRunIds(u64);
+
+impl NodeRunIds {
+    /// `nrun-<serial>`, unique per session.
+    pub fn node_run_id(self) -> String {
+        format!("nrun-{}", self.0)
+    }
+
+    /// `nrun-<serial>-a1`: the run's only provider attempt (W8).
+    pub fn attempt_id(self) -> String {
+        format!("nrun-{}-a1", self.0)
     }
 }
 
