@@ -41,12 +41,12 @@ use self::emit::{Emitter, Outbound, TraceNote};
 use self::flow::FlowGate;
 use self::observation::ObservationSeq;
 use self::watchdog::{
-    Action, Activity, AttemptIdentity, ProbeOutcome, StallReport, StopCause, Verdict, Watchdog,
+    Action, Activity, AttemptIdentity, NodeRunIds, ProbeOutcome, StallReport, StopCause, Verdict,
+    Watchdog,
 };
 use crate::adapters::probe::{self, ProbeTarget};
 use crate::adapters::AdapterInstance;
 use crate::calls::{CallSite, ProviderSide, Stamped};
-use crate::session::runs::NodeRunIds;
 use crate::timers::Timers;
 use crate::trace::ProviderSpan;
 

@@ -262,6 +262,28 @@ impl FenceState {
     }
 }
 
+/// The Node-owned ids of a run (W5), from its serial in the session; made
+/// into strings when asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRunIds(u64);
+
+impl NodeRunIds {
+    /// The ids of the run registered `serial`-th in its session.
+    pub fn of_serial(serial: u64) -> Self {
+        Self(serial)
+    }
+
+    /// `nrun-<serial>`, unique per session.
+    pub fn node_run_id(self) -> String {
+        format!("nrun-{}", self.0)
+    }
+
+    /// `nrun-<serial>-a1`: the run's only provider attempt (W8).
+    pub fn attempt_id(self) -> String {
+        format!("nrun-{}-a1", self.0)
+    }
+}
+
 /// Node-owned identity of an attempt and its typed evidence (W5): nothing
 /// the caller controls.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use std::rc::Rc;
 use iop_engine::sync::oneshot;
 
 use crate::attempt::flow::{FlowGate, WindowTooSmall};
-use crate::attempt::watchdog::StopCause;
+use crate::attempt::watchdog::{NodeRunIds, StopCause};
 use crate::calls::upload::{UploadError, UploadSink, UploadSource};
 
 /// The kind of an active run.
@@ -53,7 +53,7 @@ impl RunTicket {
 
     /// The Node-owned ids of this run, made into strings when asked.
     pub fn node_ids(&self) -> NodeRunIds {
-        NodeRunIds(self.serial)
+        NodeRunIds::of_serial(self.serial)
     }
 
     /// The Node-owned run id (W5): `nrun-<serial>`, unique per session.
@@ -65,22 +65,6 @@ impl RunTicket {
     /// Node never retries (W8).
     pub fn attempt_id(&self) -> String {
         self.node_ids().attempt_id()
-    }
-}
-
-/// The Node-owned ids of a run (W5): its serial in the session.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeRunIds(u64);
-
-impl NodeRunIds {
-    /// `nrun-<serial>`, unique per session.
-    pub fn node_run_id(self) -> String {
-        format!("nrun-{}", self.0)
-    }
-
-    /// `nrun-<serial>-a1`: the run's only provider attempt (W8).
-    pub fn attempt_id(self) -> String {
-        format!("nrun-{}-a1", self.0)
     }
 }
 
