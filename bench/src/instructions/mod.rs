@@ -7,9 +7,13 @@
 //! their counters are then zeroed (`callgrind_control --zero`), `rounds`
 //! rounds of `streams` one-shot streams of `tokens` tokens run, and the
 //! counters are dumped (`callgrind_control --dump`). Instructions ÷ tokens
-//! the client received is the figure. A peer proxy already running under
-//! callgrind (`scripts/bench.sh` starts nginx so) is counted the same way
-//! over the same load, against the same mock.
+//! the client received is the figure. Then the counters are zeroed again
+//! and one round of `streams` one-token requests runs: instructions ÷
+//! requests is what a request costs once (its head and body, admission,
+//! the dispatch, the provider's response head, the access line), which
+//! the per-token figure spreads over `tokens`. A peer proxy already running
+//! under callgrind (`scripts/bench.sh` starts nginx so) is counted the same
+//! way over the same load, against the same mock.
 //!
 //! Callgrind slows a process some fifty times, so the default pacing (a
 //! token every 100 ms per stream) keeps the Edge and the Node below
@@ -76,6 +80,8 @@ pub struct ProcessCount {
     pub pid: u32,
     pub instructions: u64,
     pub per_token: f64,
+    /// Over the round of one-token requests, per request.
+    pub per_request: f64,
 }
 
 /// One arm (the relay, or the peer).
@@ -86,6 +92,10 @@ pub struct ArmCount {
     pub processes: Vec<ProcessCount>,
     /// All its processes together, per token.
     pub per_token: f64,
+    /// One-token requests of the request round.
+    pub requests: u64,
+    /// All its processes together, per one-token request.
+    pub per_request: f64,
     /// Per-chunk latency p99 under callgrind (µs): shows the pacing held.
     pub chunk_p99_us: f64,
 }
@@ -105,7 +115,7 @@ pub struct InstructionsReport {
     pub goal_met: bool,
 }
 
-pub const SCHEMA: &str = "iop-bench-instructions/1";
+pub const SCHEMA: &str = "iop-bench-instructions/2";
 
 /// Why a run could not complete.
 #[derive(Debug)]
@@ -257,9 +267,17 @@ fn count_arm(
         api_key: None,
         request_id_prefix: None,
     };
-    let round = |what: &str| -> Result<load::LoadSummary, InstructionsError> {
-        let summary = load::run(&spec, &Live::new())?;
-        let want = opts.streams * u64::from(opts.tokens);
+    // The request round: the same streams, one token each.
+    let one_token = LoadSpec {
+        tokens: 1,
+        duration_ms: opts.inter_token_ms,
+        ramp_ms: stream_ms.min(2_000),
+        drain_ms: 60_000 + 4 * opts.inter_token_ms,
+        ..spec.clone()
+    };
+    let run_round = |spec: &LoadSpec, what: &str| -> Result<load::LoadSummary, InstructionsError> {
+        let summary = load::run(spec, &Live::new())?;
+        let want = opts.streams * u64::from(spec.tokens);
         if summary.requests_ok != opts.streams || summary.content_chunks != want {
             return Err(InstructionsError(format!(
                 "{arm} {what}: {} of {} streams ok, {} of {want} tokens ({} errors; first: {})",
@@ -272,6 +290,7 @@ fn count_arm(
         }
         Ok(summary)
     };
+    let round = |what: &str| run_round(&spec, what);
     eprintln!("bench instructions: {arm}: warm-up round");
     round("warm-up")?;
     for (_, pid) in processes {
@@ -290,30 +309,59 @@ fn count_arm(
         tokens += summary.content_chunks;
         chunk_p99_us = chunk_p99_us.max(summary.chunk_latency.p99_us);
     }
-    let mut counts = Vec::new();
+    let mut per_token = Vec::new();
     for (name, pid) in processes {
-        control(opts, "--dump", *pid)?;
-        let dump = newest_dump(*pid)?;
-        let instructions = parse_total(&dump).ok_or_else(|| {
-            InstructionsError(format!(
-                "{name} (PID {pid}): no total in its callgrind dump"
-            ))
-        })?;
+        per_token.push(dump_total(opts, name, *pid)?);
+    }
+    for (_, pid) in processes {
+        control(opts, "--zero", *pid)?;
+    }
+    let requests = run_round(&one_token, "request round")?.requests_ok;
+    eprintln!("bench instructions: {arm}: a round of {requests} one-token requests");
+    let mut counts = Vec::new();
+    for ((name, pid), instructions) in processes.iter().zip(per_token) {
+        let in_requests = dump_total(opts, name, *pid)?;
         counts.push(ProcessCount {
             name: name.clone(),
             pid: *pid,
             instructions,
             per_token: instructions as f64 / tokens as f64,
+            per_request: in_requests as f64 / requests as f64,
         });
     }
-    let total: u64 = counts.iter().map(|c| c.instructions).sum();
-    Ok(ArmCount {
+    Ok(arm_count(arm, tokens, requests, counts, chunk_p99_us))
+}
+
+/// Dumps `pid`'s counters and reads their total.
+fn dump_total(opts: &InstructionsOptions, name: &str, pid: u32) -> Result<u64, InstructionsError> {
+    control(opts, "--dump", pid)?;
+    let dump = newest_dump(pid)?;
+    parse_total(&dump).ok_or_else(|| {
+        InstructionsError(format!(
+            "{name} (PID {pid}): no total in its callgrind dump"
+        ))
+    })
+}
+
+/// An arm's figures from its processes' counts.
+fn arm_count(
+    arm: &str,
+    tokens: u64,
+    requests: u64,
+    processes: Vec<ProcessCount>,
+    chunk_p99_us: f64,
+) -> ArmCount {
+    let total: u64 = processes.iter().map(|c| c.instructions).sum();
+    let per_request = processes.iter().map(|c| c.per_request).sum();
+    ArmCount {
         arm: arm.to_string(),
         tokens,
-        processes: counts,
+        processes,
         per_token: total as f64 / tokens as f64,
+        requests,
+        per_request,
         chunk_p99_us,
-    })
+    }
 }
 
 /// Runs the relay arm (and the peer's, when given) and assembles the report.
@@ -419,22 +467,24 @@ pub const EDGE_MODEL: &str = "bench-model";
 pub fn render(report: &InstructionsReport) -> String {
     let mut out = format!(
         "\nUser-space instructions per token (callgrind), {} streams × {} tokens × {} rounds, \
-         a token every {} ms:\n\n| arm | process | instructions | per token |\n|---|---|---|---|\n",
-        report.streams, report.tokens, report.rounds, report.inter_token_ms
+         a token every {} ms; per request: a round of {} one-token requests:\n\n\
+         | arm | process | instructions | per token | per request |\n|---|---|---|---|---|\n",
+        report.streams, report.tokens, report.rounds, report.inter_token_ms, report.streams
     );
     for arm in &report.arms {
         for p in &arm.processes {
             out += &format!(
-                "| {} | {} | {} | {:.0} |\n",
-                arm.arm, p.name, p.instructions, p.per_token
+                "| {} | {} | {} | {:.0} | {:.0} |\n",
+                arm.arm, p.name, p.instructions, p.per_token, p.per_request
             );
         }
         out += &format!(
-            "| {} | **together** (chunk p99 {}) | {} | **{:.0}** |\n",
+            "| {} | **together** (chunk p99 {}) | {} | **{:.0}** | **{:.0}** |\n",
             arm.arm,
             format_us(arm.chunk_p99_us),
             arm.processes.iter().map(|p| p.instructions).sum::<u64>(),
-            arm.per_token
+            arm.per_token,
+            arm.per_request
         );
     }
     let relay = &report.arms[0];
@@ -446,9 +496,10 @@ pub fn render(report: &InstructionsReport) -> String {
     );
     for peer in &report.arms[1..] {
         out += &format!(
-            "relay ÷ {}: {:.2}×\n",
+            "relay ÷ {}: {:.2}× per token, {:.2}× per request\n",
             peer.arm,
-            relay.per_token / peer.per_token
+            relay.per_token / peer.per_token,
+            relay.per_request / peer.per_request
         );
     }
     out
@@ -466,6 +517,60 @@ mod tests {
         assert_eq!(parse_total("events: Ir\ntotals: 42\n"), Some(42));
         assert_eq!(parse_total("events: Ir\n"), None);
         assert_eq!(parse_total("summary: lots\n"), None);
+    }
+
+    #[test]
+    fn the_table_gives_each_process_per_token_and_per_request() {
+        let process = |name: &str, pid, instructions, per_request| ProcessCount {
+            name: name.into(),
+            pid,
+            instructions,
+            per_token: instructions as f64 / 1_000.0,
+            per_request,
+        };
+        let iop = arm_count(
+            "iop",
+            1_000,
+            10,
+            vec![
+                process("edge", 1, 9_000_000, 120_000.4),
+                process("node", 2, 11_000_000, 100_000.0),
+            ],
+            2_500.0,
+        );
+        let nginx = arm_count(
+            "nginx",
+            1_000,
+            10,
+            vec![process("nginx 3", 3, 3_000_000, 30_000.0)],
+            900.0,
+        );
+        assert_eq!((iop.per_token, iop.per_request), (20_000.0, 220_000.4));
+        let report = InstructionsReport {
+            schema: SCHEMA,
+            created_unix_ms: 0,
+            commit: None,
+            streams: 10,
+            tokens: 100,
+            inter_token_ms: 100,
+            rounds: 1,
+            arms: vec![iop, nginx],
+            goal_relay_per_token: GOAL_RELAY_PER_TOKEN,
+            goal_met: false,
+        };
+        assert_eq!(
+            render(&report),
+            "\nUser-space instructions per token (callgrind), 10 streams × 100 tokens × 1 rounds, \
+             a token every 100 ms; per request: a round of 10 one-token requests:\n\n\
+             | arm | process | instructions | per token | per request |\n|---|---|---|---|---|\n\
+             | iop | edge | 9000000 | 9000 | 120000 |\n\
+             | iop | node | 11000000 | 11000 | 100000 |\n\
+             | iop | **together** (chunk p99 2.50 ms) | 20000000 | **20000** | **220000** |\n\
+             | nginx | nginx 3 | 3000000 | 3000 | 30000 |\n\
+             | nginx | **together** (chunk p99 900.0 µs) | 3000000 | **3000** | **30000** |\n\
+             \ngoal: relay (Edge + Node) ≤ 6000 instructions per token: 20000, NOT met\n\
+             relay ÷ nginx: 6.67× per token, 7.33× per request\n"
+        );
     }
 
     #[test]
