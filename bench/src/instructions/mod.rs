@@ -271,7 +271,6 @@ fn count_arm(
     let one_token = LoadSpec {
         tokens: 1,
         duration_ms: opts.inter_token_ms,
-        ramp_ms: stream_ms.min(2_000),
         drain_ms: 60_000 + 4 * opts.inter_token_ms,
         ..spec.clone()
     };

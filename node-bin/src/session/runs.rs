@@ -51,20 +51,9 @@ impl RunTicket {
         &self.run_id
     }
 
-    /// The Node-owned ids of this run, made into strings when asked.
+    /// The Node-owned ids of this run (W5), made into strings when asked.
     pub fn node_ids(&self) -> NodeRunIds {
         NodeRunIds::of_serial(self.serial)
-    }
-
-    /// The Node-owned run id (W5): `nrun-<serial>`, unique per session.
-    pub fn node_run_id(&self) -> String {
-        self.node_ids().node_run_id()
-    }
-
-    /// The Node-owned id of the (only) provider attempt of this run; the
-    /// Node never retries (W8).
-    pub fn attempt_id(&self) -> String {
-        self.node_ids().attempt_id()
     }
 }
 
@@ -267,8 +256,8 @@ mod tests {
         );
         t.finish(&a);
         assert!(!t.contains("a"));
-        assert_eq!(a.node_run_id(), "nrun-1");
-        assert_eq!(a.attempt_id(), "nrun-1-a1");
+        assert_eq!(a.node_ids().node_run_id(), "nrun-1");
+        assert_eq!(a.node_ids().attempt_id(), "nrun-1-a1");
     }
 
     // CONTRACT: F5 — the session's end stops every active run.
