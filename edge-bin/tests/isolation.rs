@@ -95,7 +95,7 @@ fn serve_node(
             let body = match raw.events.recv().await {
                 Some(ConnEvent::Frame(pb::Frame { body: Some(body) })) => body,
                 Some(ConnEvent::Closed { reason }) => return reason,
-                Some(ConnEvent::Frame(_)) => continue,
+                Some(ConnEvent::Frame(_) | ConnEvent::Chunk(_)) => continue,
                 None => return CloseReason::ConnectionEnded,
             };
             match body {

@@ -220,6 +220,70 @@ async fn conn_body_frame_arrives_byte_exact() {
 }
 
 #[monoio::test_all(timer_enabled = true)]
+async fn conn_with_chunks_hands_over_plain_body_frames_as_chunks() {
+    // CONTRACT: T1, U2 — a receiver that asks for chunks gets each plain
+    // BODY frame as a chunk with its run id, seq and body bytes exactly as
+    // sent; a tunnel frame with any other field set, and every other
+    // frame, still come as frames.
+    guarded(async {
+        let (client, server) = tcp_pair().await;
+        let (node, _node_events) = start(client, ConnConfig::default());
+        let mut config = ConnConfig::default();
+        config.chunks = true;
+        let (_edge, mut edge_events) = start(server, config);
+
+        let large: Bytes = (0..200_000u32)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect::<Vec<u8>>()
+            .into();
+        let small =
+            Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n");
+        let sent = [
+            ("tunnel-7", 1, large),
+            ("tunnel-8", 1, small.clone()),
+            ("tunnel-7", 2, small.clone()),
+        ];
+        for (run_id, seq, body) in &sent {
+            let encoded = node.encode_chunk(run_id, *seq, body.clone());
+            node.push_bulk(encoded).await.unwrap();
+        }
+        let usage = pb::ProviderTunnelFrame {
+            run_id: "tunnel-7".to_owned(),
+            seq: 3,
+            kind: pb::TunnelFrameKind::Usage as i32,
+            usage: Some(Box::new(pb::Usage {
+                prompt_tokens: 1,
+                completion_tokens: 2,
+                total_tokens: 3,
+            })),
+            ..Default::default()
+        };
+        node.send_bulk(codec::frame(Body::ProviderTunnelFrame(Box::new(
+            usage.clone(),
+        ))))
+        .await
+        .unwrap();
+        node.send_bulk(run_event(4)).await.unwrap();
+
+        for (run_id, seq, body) in sent {
+            match edge_events.recv().await {
+                Some(ConnEvent::Chunk(chunk)) => {
+                    assert_eq!((chunk.run_id(), chunk.seq()), (run_id, seq));
+                    assert!(chunk.body == body, "the body arrives byte for byte");
+                }
+                other => panic!("expected a chunk, got {other:?}"),
+            }
+        }
+        assert_tunnel_frame(edge_events.recv().await, usage);
+        assert_eq!(
+            edge_events.recv().await,
+            Some(ConnEvent::Frame(run_event(4)))
+        );
+    })
+    .await;
+}
+
+#[monoio::test_all(timer_enabled = true)]
 async fn conn_oversized_length_prefix_sends_close_frame_too_large() {
     // CONTRACT: T1
     guarded(async {

@@ -157,7 +157,7 @@ async fn closed(edge: &mut Edge) -> CloseReason {
             _ = monoio::time::sleep(SAFETY) => panic!("the node did not close within {SAFETY:?}"),
         };
         match event {
-            Some(ConnEvent::Frame(_)) => continue,
+            Some(ConnEvent::Frame(_) | ConnEvent::Chunk(_)) => continue,
             Some(ConnEvent::Closed { reason }) => return reason,
             None => panic!("events ended without a close"),
         }

@@ -14,6 +14,9 @@
 //! ([`FrameDecoder::buffer_mut`]). A complete frame is split off and frozen,
 //! and prost decodes it with every `bytes` field as a `Bytes` slice of that
 //! buffer — tunnel bodies are never copied by the decoder.
+//! [`FrameDecoder::decode_inbound`] goes one step further for a relayed
+//! chunk's frame: a [`TunnelChunk`] whose run id and body are slices of the
+//! buffer, with no message built or boxed.
 //!
 //! On the sending side [`BodyFrameHead`] encodes everything of a tunnel `BODY`
 //! frame except the body itself, so the writer can send the head and then the
@@ -22,6 +25,7 @@
 use std::borrow::Cow;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytestring::ByteString;
 use prost::Message;
 
 use crate::close::CloseReason;
@@ -157,6 +161,14 @@ impl FrameDecoder {
     /// or a typed error. After an error the decoder returns
     /// [`DecodeError::Failed`] forever; close the connection.
     pub fn decode(&mut self) -> Result<Option<Frame>, DecodeError> {
+        Ok(self.decode_inbound()?.map(Inbound::into_frame))
+    }
+
+    /// [`Self::decode`], with a relayed chunk's frame (a tunnel `BODY`
+    /// frame with no field but `run_id`, `seq`, `kind` and `body`) handed
+    /// over as a [`TunnelChunk`]: no frame built, boxed or dropped and no
+    /// run id copied, per token. Every other frame comes as a [`Frame`].
+    pub fn decode_inbound(&mut self) -> Result<Option<Inbound>, DecodeError> {
         if self.failed {
             return Err(DecodeError::Failed);
         }
@@ -168,7 +180,7 @@ impl FrameDecoder {
         result
     }
 
-    fn decode_inner(&mut self) -> Result<Option<Frame>, DecodeError> {
+    fn decode_inner(&mut self) -> Result<Option<Inbound>, DecodeError> {
         let len = match self.pending_len {
             Some(len) => len,
             None => {
@@ -193,15 +205,83 @@ impl FrameDecoder {
         }
         self.pending_len = None;
         let frame_bytes: Bytes = self.buf.split_to(len).freeze();
-        if let Some(frame) = decode_plain_body(&frame_bytes) {
-            return Ok(Some(frame));
+        if let Some(plain) = decode_plain_body(&frame_bytes) {
+            return Ok(Some(plain));
         }
         let frame =
             Frame::decode(frame_bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
         if frame.body.is_none() {
             return Err(DecodeError::Empty);
         }
-        Ok(Some(frame))
+        Ok(Some(Inbound::Frame(frame)))
+    }
+}
+
+/// What [`FrameDecoder::decode_inbound`] hands over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inbound {
+    /// A frame, decoded as prost decodes it.
+    Frame(Frame),
+    /// A relayed chunk's frame, kept as the slices it arrived in.
+    Chunk(TunnelChunk),
+}
+
+impl Inbound {
+    /// The frame this is: a chunk as the `ProviderTunnelFrame` prost
+    /// decodes from the same bytes.
+    pub fn into_frame(self) -> Frame {
+        match self {
+            Inbound::Frame(frame) => frame,
+            Inbound::Chunk(chunk) => Frame {
+                body: Some(frame::Body::ProviderTunnelFrame(Box::new(
+                    chunk.into_tunnel_frame(),
+                ))),
+            },
+        }
+    }
+}
+
+/// A tunnel `BODY` frame that carries nothing but its run id, its sequence
+/// number and its body: every token a provider streams. Its run id and
+/// body are slices of the bytes it arrived in (no copy, no allocation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelChunk {
+    run_id: ByteString,
+    seq: u64,
+    /// The provider's bytes, as they are.
+    pub body: Bytes,
+}
+
+impl TunnelChunk {
+    /// A chunk of run `run_id` (copied), for senders and tests; the
+    /// decoder makes its chunks from the bytes it received.
+    pub fn new(run_id: &str, seq: u64, body: Bytes) -> Self {
+        Self {
+            run_id: ByteString::from(run_id),
+            seq,
+            body,
+        }
+    }
+
+    /// The tunnel's run id.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// The frame's sequence number (U1).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The `ProviderTunnelFrame` prost decodes from the same bytes.
+    pub fn into_tunnel_frame(self) -> pb::ProviderTunnelFrame {
+        pb::ProviderTunnelFrame {
+            run_id: self.run_id().to_owned(),
+            seq: self.seq,
+            kind: pb::TunnelFrameKind::Body as i32,
+            body: self.body,
+            ..Default::default()
+        }
     }
 }
 
@@ -211,7 +291,7 @@ impl FrameDecoder {
 /// decode, at a fraction of its generic merge's cost. `None` for anything
 /// else (another message, another field, a repeated one, bad UTF-8, a
 /// malformed varint), which prost then decodes or refuses as usual.
-fn decode_plain_body(frame: &Bytes) -> Option<Frame> {
+fn decode_plain_body(frame: &Bytes) -> Option<Inbound> {
     let mut at = 0;
     if key_at(frame, &mut at)? != (FRAME_FIELD_TUNNEL_FRAME, WIRE_LEN) {
         return None;
@@ -227,8 +307,8 @@ fn decode_plain_body(frame: &Bytes) -> Option<Frame> {
     while at < frame.len() {
         match key_at(frame, &mut at)? {
             (TUNNEL_FIELD_RUN_ID, WIRE_LEN) if run_id.is_none() => {
-                let text = len_delimited_at(frame, &mut at)?;
-                run_id = Some(std::str::from_utf8(text).ok()?.to_owned());
+                let len = len_delimited_at(frame, &mut at)?.len();
+                run_id = Some(at - len..at);
             }
             (TUNNEL_FIELD_SEQ, WIRE_VARINT) if seq.is_none() => {
                 seq = Some(varint_at(frame, &mut at)?);
@@ -244,17 +324,28 @@ fn decode_plain_body(frame: &Bytes) -> Option<Frame> {
             _ => return None,
         }
     }
-    Some(Frame {
+    let run_id = match run_id {
+        Some(range) => ByteString::try_from(frame.slice(range)).ok()?,
+        None => ByteString::new(),
+    };
+    let seq = seq.unwrap_or_default();
+    let body = body.unwrap_or_default();
+    let kind = kind.unwrap_or_default();
+    if kind == pb::TunnelFrameKind::Body as i32 {
+        return Some(Inbound::Chunk(TunnelChunk { run_id, seq, body }));
+    }
+    let run_id = String::from(&*run_id);
+    Some(Inbound::Frame(Frame {
         body: Some(frame::Body::ProviderTunnelFrame(Box::new(
             pb::ProviderTunnelFrame {
-                run_id: run_id.unwrap_or_default(),
-                seq: seq.unwrap_or_default(),
-                kind: kind.unwrap_or_default(),
-                body: body.unwrap_or_default(),
+                run_id,
+                seq,
+                kind,
+                body,
                 ..Default::default()
             },
         ))),
-    })
+    }))
 }
 
 const WIRE_VARINT: u8 = 0;
@@ -442,48 +533,21 @@ impl BodyFrameHead {
         dst: &mut BytesMut,
         max_frame_bytes: usize,
     ) -> Result<(), EncodeError> {
+        if is_plain_body(tunnel_frame) {
+            return encode_plain_head(
+                &tunnel_frame.run_id,
+                tunnel_frame.seq,
+                tunnel_frame.kind,
+                body_len,
+                dst,
+                max_frame_bytes,
+            );
+        }
         let trailing = TrailingBody {
             frame_field: FRAME_FIELD_TUNNEL_FRAME,
             body_field: TUNNEL_FIELD_BODY,
             body_len,
         };
-        if is_plain_body(tunnel_frame) {
-            // Every relayed chunk: its three small fields written by hand,
-            // the same bytes prost writes, at a fraction of the cost of its
-            // generic length pass and encoder.
-            let run_id = tunnel_frame.run_id.as_bytes();
-            let seq = tunnel_frame.seq;
-            let kind = i64::from(tunnel_frame.kind) as u64;
-            let varint_field = |value: u64| {
-                if value == 0 {
-                    0
-                } else {
-                    1 + prost::encoding::encoded_len_varint(value)
-                }
-            };
-            let run_id_len = if run_id.is_empty() {
-                0
-            } else {
-                1 + prost::encoding::encoded_len_varint(run_id.len() as u64) + run_id.len()
-            };
-            let fields_len = run_id_len + varint_field(seq) + varint_field(kind);
-            return trailing.encode_head_with(fields_len, dst, max_frame_bytes, |dst| {
-                use prost::encoding::{encode_key, encode_varint, WireType};
-                if !run_id.is_empty() {
-                    encode_key(TUNNEL_FIELD_RUN_ID, WireType::LengthDelimited, dst);
-                    encode_varint(run_id.len() as u64, dst);
-                    dst.put_slice(run_id);
-                }
-                if seq != 0 {
-                    encode_key(TUNNEL_FIELD_SEQ, WireType::Varint, dst);
-                    encode_varint(seq, dst);
-                }
-                if kind != 0 {
-                    encode_key(TUNNEL_FIELD_KIND, WireType::Varint, dst);
-                    encode_varint(kind, dst);
-                }
-            });
-        }
         let fields = if tunnel_frame.body.is_empty() {
             Cow::Borrowed(tunnel_frame)
         } else {
@@ -496,6 +560,76 @@ impl BodyFrameHead {
         };
         trailing.encode_head(&*fields, dst, max_frame_bytes)
     }
+
+    /// Appends the head of a relayed chunk's `BODY` frame — run `run_id`,
+    /// number `seq`, a body of `body_len` bytes — to `dst`: the bytes
+    /// [`Self::encode`] writes for that frame, with no frame to build.
+    pub fn encode_chunk(
+        run_id: &str,
+        seq: u64,
+        body_len: usize,
+        dst: &mut BytesMut,
+        max_frame_bytes: usize,
+    ) -> Result<(), EncodeError> {
+        encode_plain_head(
+            run_id,
+            seq,
+            pb::TunnelFrameKind::Body as i32,
+            body_len,
+            dst,
+            max_frame_bytes,
+        )
+    }
+}
+
+/// The head of a tunnel frame with no field but `run_id`, `seq`, `kind`
+/// and a body of `body_len` bytes: its three small fields written by hand,
+/// the same bytes prost writes, at a fraction of the cost of its generic
+/// length pass and encoder.
+fn encode_plain_head(
+    run_id: &str,
+    seq: u64,
+    kind: i32,
+    body_len: usize,
+    dst: &mut BytesMut,
+    max_frame_bytes: usize,
+) -> Result<(), EncodeError> {
+    let trailing = TrailingBody {
+        frame_field: FRAME_FIELD_TUNNEL_FRAME,
+        body_field: TUNNEL_FIELD_BODY,
+        body_len,
+    };
+    let run_id = run_id.as_bytes();
+    let kind = i64::from(kind) as u64;
+    let varint_field = |value: u64| {
+        if value == 0 {
+            0
+        } else {
+            1 + prost::encoding::encoded_len_varint(value)
+        }
+    };
+    let run_id_len = if run_id.is_empty() {
+        0
+    } else {
+        1 + prost::encoding::encoded_len_varint(run_id.len() as u64) + run_id.len()
+    };
+    let fields_len = run_id_len + varint_field(seq) + varint_field(kind);
+    trailing.encode_head_with(fields_len, dst, max_frame_bytes, |dst| {
+        use prost::encoding::{encode_key, encode_varint, WireType};
+        if !run_id.is_empty() {
+            encode_key(TUNNEL_FIELD_RUN_ID, WireType::LengthDelimited, dst);
+            encode_varint(run_id.len() as u64, dst);
+            dst.put_slice(run_id);
+        }
+        if seq != 0 {
+            encode_key(TUNNEL_FIELD_SEQ, WireType::Varint, dst);
+            encode_varint(seq, dst);
+        }
+        if kind != 0 {
+            encode_key(TUNNEL_FIELD_KIND, WireType::Varint, dst);
+            encode_varint(kind, dst);
+        }
+    })
 }
 
 /// Whether `frame` has no field set but `run_id`, `seq`, `kind` and its

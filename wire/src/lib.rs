@@ -49,4 +49,4 @@ pub mod pb {
 }
 
 pub use close::CloseReason;
-pub use codec::{encode, DecodeError, EncodeError, FrameDecoder};
+pub use codec::{encode, DecodeError, EncodeError, FrameDecoder, Inbound, TunnelChunk};

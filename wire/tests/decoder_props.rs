@@ -3,7 +3,7 @@
 //! garbage input give the documented outcome, never a panic.
 
 use bytes::{Bytes, BytesMut};
-use iop_wire::codec::{self, encode_with_max, DecodeError, EncodeError, FrameDecoder};
+use iop_wire::codec::{self, encode_with_max, DecodeError, EncodeError, FrameDecoder, Inbound};
 use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES};
 use iop_wire::pb::{self, frame::Body};
 use proptest::prelude::*;
@@ -514,8 +514,30 @@ proptest! {
         wire.extend(&message);
         let mut decoder = FrameDecoder::new();
         decoder.feed(&wire);
-        match (decoder.decode(), expected) {
+        match (decoder.decode(), expected.clone()) {
             (Ok(Some(got)), Ok(want)) => prop_assert_eq!(got, want),
+            (Err(DecodeError::Malformed(_)), Err(_)) => {}
+            (Err(DecodeError::Empty), Ok(want)) => prop_assert!(want.body.is_none()),
+            (got, want) => prop_assert!(false, "decoder {:?}, prost {:?}", got, want),
+        }
+        // Asked for chunks, the decoder hands over a chunk only where prost
+        // decodes a `BODY` frame, and the chunk is that frame.
+        let mut decoder = FrameDecoder::new();
+        decoder.feed(&wire);
+        match (decoder.decode_inbound(), expected) {
+            (Ok(Some(Inbound::Chunk(chunk))), Ok(want)) => {
+                let Some(Body::ProviderTunnelFrame(tf)) = &want.body else {
+                    return Err(TestCaseError::fail(format!("a chunk where prost decodes {want:?}")));
+                };
+                prop_assert_eq!(tf.kind(), pb::TunnelFrameKind::Body);
+                prop_assert_eq!(chunk.run_id(), tf.run_id.as_str());
+                prop_assert_eq!(chunk.seq(), tf.seq);
+                prop_assert_eq!(&chunk.body, &tf.body);
+                prop_assert_eq!(Inbound::Chunk(chunk).into_frame(), want);
+            }
+            // A repeated field, say, falls back to prost: a frame, as prost
+            // decodes it.
+            (Ok(Some(Inbound::Frame(got))), Ok(want)) => prop_assert_eq!(got, want),
             (Err(DecodeError::Malformed(_)), Err(_)) => {}
             (Err(DecodeError::Empty), Ok(want)) => prop_assert!(want.body.is_none()),
             (got, want) => prop_assert!(false, "decoder {:?}, prost {:?}", got, want),

@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::{
-    self, BodyFrameHead, BodyParts, EncodeError, FrameDecoder, RequestFrameHead,
+    self, BodyFrameHead, BodyParts, EncodeError, FrameDecoder, Inbound, RequestFrameHead,
+    TunnelChunk,
 };
 use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, LENGTH_PREFIX_BYTES};
 use iop_wire::pb::{self, frame::Body};
@@ -1262,6 +1263,46 @@ proptest::proptest! {
         let mut encoded = BytesMut::new();
         proptest::prop_assert_eq!(codec::encode(&full_frame, &mut encoded), Ok(()));
         proptest::prop_assert_eq!(head_plus_body(&template, &body), encoded);
+    }
+}
+
+proptest::proptest! {
+    /// A chunk's head, written from its run id and seq alone, is the head
+    /// of the frame they make; it decodes back to a chunk with the same
+    /// run id, seq and body.
+    #[test]
+    fn a_chunk_head_is_the_plain_body_frame_head(
+        run_id in "\\PC{0,40}",
+        seq in proptest::num::u64::ANY,
+        body_len in 0usize..300,
+    ) {
+        let template = pb::ProviderTunnelFrame {
+            run_id: run_id.clone(),
+            seq,
+            kind: pb::TunnelFrameKind::Body as i32,
+            ..Default::default()
+        };
+        let body = Bytes::from(vec![0xa5u8; body_len]);
+        let mut chunk_head = BytesMut::new();
+        proptest::prop_assert_eq!(
+            BodyFrameHead::encode_chunk(&run_id, seq, body_len, &mut chunk_head, DEFAULT_MAX_FRAME_BYTES),
+            Ok(())
+        );
+        let mut frame_head = BytesMut::new();
+        proptest::prop_assert_eq!(
+            BodyFrameHead::encode(&template, body_len, &mut frame_head, DEFAULT_MAX_FRAME_BYTES),
+            Ok(())
+        );
+        proptest::prop_assert_eq!(&chunk_head, &frame_head);
+
+        let mut decoder = FrameDecoder::new();
+        decoder.feed(&chunk_head);
+        decoder.feed(&body);
+        let decoded = decoder.decode_inbound();
+        proptest::prop_assert_eq!(
+            decoded,
+            Ok(Some(Inbound::Chunk(TunnelChunk::new(&run_id, seq, body))))
+        );
     }
 }
 

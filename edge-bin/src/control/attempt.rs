@@ -105,16 +105,25 @@ impl AttemptTracker {
                 self.head_status = Some(tf.status);
                 false
             }
-            pb::TunnelFrameKind::Body if !tf.body.is_empty() => match self.head_status {
-                Some(status) if status < 500 => self.commit(),
-                Some(_) => {
-                    self.held_bytes = self.held_bytes.saturating_add(tf.body.len());
-                    self.held_bytes > HOLD_MAX_BYTES && self.commit()
-                }
-                // A body before any head is never relayed.
-                None => false,
-            },
+            pb::TunnelFrameKind::Body => self.on_tunnel_body(tf.body.len()),
             _ => false,
+        }
+    }
+
+    /// Feeds a tunnel `BODY` frame's body length (a chunk: the frame not
+    /// built); true when this body commits the attempt.
+    pub fn on_tunnel_body(&mut self, body_len: usize) -> bool {
+        if self.committed || body_len == 0 {
+            return false;
+        }
+        match self.head_status {
+            Some(status) if status < 500 => self.commit(),
+            Some(_) => {
+                self.held_bytes = self.held_bytes.saturating_add(body_len);
+                self.held_bytes > HOLD_MAX_BYTES && self.commit()
+            }
+            // A body before any head is never relayed.
+            None => false,
         }
     }
 

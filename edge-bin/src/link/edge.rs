@@ -828,6 +828,8 @@ impl Edge {
                 let commits = reply.tracker.on_tunnel_frame(tf);
                 (commits, terminal.then(|| reply.tracker.end_of_tunnel(tf)))
             }
+            // A body chunk is never a terminal.
+            ReplyEvent::Chunk(chunk) => (reply.tracker.on_tunnel_body(chunk.body.len()), None),
             ReplyEvent::Run(ev) => {
                 let commits = reply.tracker.on_run_event(ev);
                 (commits, terminal.then(|| reply.tracker.end_of_run(ev)))

@@ -42,7 +42,9 @@ pub async fn serve(
     let peer = tcp.peer_addr().ok();
     let _ = tcp.set_nodelay(true);
     let shutdown = SocketShutdown::for_socket(&tcp);
-    let config = ConnConfig::from_env_override();
+    // A tunnel's tokens come as chunks: no frame built or boxed per token.
+    let mut config = ConnConfig::from_env_override();
+    config.chunks = true;
     // T2: identity is verified in the handshake, before any frame.
     let (conn, events, tls_name) = match acceptor {
         Some(acceptor) => {
@@ -125,6 +127,18 @@ pub async fn serve(
         match events.recv().await {
             Some(ConnEvent::Frame(f)) => {
                 handle_frame(&edge, conn_id, &conn, tls_name.as_deref(), f);
+            }
+            // A tunnel's token: never a terminal, so no evidence for Control.
+            Some(ConnEvent::Chunk(chunk)) => {
+                let charge = flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, chunk.body.len());
+                deliver(
+                    &edge,
+                    conn_id,
+                    &conn,
+                    charge,
+                    None,
+                    ReplyEvent::Chunk(chunk),
+                );
             }
             Some(ConnEvent::Closed { reason }) => break reason,
             None => break CloseReason::ConnectionEnded,

@@ -9,7 +9,7 @@ use std::rc::Rc;
 
 use iop_engine::mailbox::{self, Mailbox, MailboxSender};
 use iop_wire::flow::{self, DrainWindow, Overrun, RecvWindow};
-use iop_wire::pb;
+use iop_wire::{pb, TunnelChunk};
 
 use crate::control::attempt::AttemptTracker;
 use crate::control::{AbortReason, AttemptEnd, ConnId, Dispatch};
@@ -21,6 +21,10 @@ use crate::control::{AbortReason, AttemptEnd, ConnId, Dispatch};
 pub enum ReplyEvent {
     /// A tunnel frame from the connection that owns the lease (H1).
     Tunnel(Box<pb::ProviderTunnelFrame>),
+    /// A tunnel's body chunk (a `BODY` frame with nothing but its body) from
+    /// the connection that owns the lease (H1): every token of a tunnel,
+    /// moved as the slices it arrived in, nothing allocated for it.
+    Chunk(TunnelChunk),
     /// A normalized run event from the connection that owns the lease (H1).
     Run(Box<pb::RunEvent>),
     /// The lease was released without a terminal: the node's connection was
@@ -113,6 +117,7 @@ impl ReplyEvent {
     pub fn run_id(&self) -> Option<&str> {
         match self {
             ReplyEvent::Tunnel(tf) => Some(&tf.run_id),
+            ReplyEvent::Chunk(chunk) => Some(chunk.run_id()),
             ReplyEvent::Run(ev) => Some(&ev.run_id),
             ReplyEvent::Lost
             | ReplyEvent::Overflow
@@ -126,6 +131,9 @@ impl ReplyEvent {
     pub fn charge(&self) -> u64 {
         match self {
             ReplyEvent::Tunnel(tf) => flow::charge_of_tunnel_frame(tf),
+            ReplyEvent::Chunk(chunk) => {
+                flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, chunk.body.len())
+            }
             ReplyEvent::Run(ev) => flow::charge_of_run_event(ev),
             ReplyEvent::Lost
             | ReplyEvent::Overflow
@@ -200,6 +208,10 @@ pub(super) fn compacted(event: ReplyEvent, reply: &MailboxSender<ReplyEvent>) ->
         ReplyEvent::Tunnel(mut tf) if !tf.body.is_empty() && !reply.is_empty() => {
             tf.body = bytes::Bytes::copy_from_slice(&tf.body);
             ReplyEvent::Tunnel(tf)
+        }
+        ReplyEvent::Chunk(mut chunk) if !reply.is_empty() => {
+            chunk.body = bytes::Bytes::copy_from_slice(&chunk.body);
+            ReplyEvent::Chunk(chunk)
         }
         other => other,
     }

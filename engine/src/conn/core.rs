@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::{self, BodyFrameHead, BodyParts, RequestFrameHead};
 use iop_wire::pb::{self, frame::Body};
-use iop_wire::{CloseReason, DecodeError};
+use iop_wire::{CloseReason, DecodeError, TunnelChunk};
 
 use super::{ConnConfig, SendError};
 
@@ -264,6 +264,32 @@ impl ConnCore {
         })
     }
 
+    /// Encodes a relayed chunk's tunnel `BODY` frame — run `run_id`, number
+    /// `seq`, `body` kept as it is — with no frame built
+    /// ([`BodyFrameHead::encode_chunk`]).
+    pub fn encode_chunk(
+        &mut self,
+        run_id: &str,
+        seq: u64,
+        body: Bytes,
+    ) -> Result<OutFrame, SendError> {
+        if !self.is_open() {
+            return Err(SendError::Closed);
+        }
+        BodyFrameHead::encode_chunk(
+            run_id,
+            seq,
+            body.len(),
+            &mut self.encode_arena,
+            self.config.max_frame_bytes,
+        )?;
+        let head = self.encode_arena.split().freeze();
+        Ok(OutFrame {
+            head,
+            body: BodyParts::whole(body),
+        })
+    }
+
     /// Encodes a `ProviderTunnelRequest` frame: `request` without its body
     /// (any body in it is ignored) followed by the pieces of `body`, which
     /// are kept as they are, not copied or joined.
@@ -359,6 +385,14 @@ impl ConnCore {
             }
             (State::Open, _) => Some(frame),
         }
+    }
+
+    /// Takes a relayed chunk received from the peer: returned for the
+    /// application while the connection is open, dropped once it is
+    /// closing, as [`Self::handle_frame`] does with any data frame.
+    pub fn handle_chunk(&mut self, chunk: TunnelChunk) -> Option<TunnelChunk> {
+        self.stats.frames_received += 1;
+        matches!(self.state, State::Open).then_some(chunk)
     }
 
     /// The byte stream from the peer failed to decode (T1): the connection

@@ -9,6 +9,7 @@
 //!                 │ heartbeats: send every interval, answer at    behind tunnel bodies, T4)    │   bodies as-is (writev)
 //!                 │ once, close on `heartbeat_timeout`                                         │
 //!  ConnEvents ◄───│ handle_frame: heartbeats/acks/Close consumed, the rest delivered           │◄─ reader task
+//!   Frame | Chunk │ (`ConnConfig::chunks`: plain BODY frames as `TunnelChunk`s, no message)    │
 //!                 └────────────────────────────────────────────────────────────────────────────┘   (one, never cancelled)
 //! ```
 //!
@@ -151,6 +152,11 @@ pub struct ConnConfig {
     /// copy. Copying a few hundred bytes costs less than the extra TLS record
     /// and write a separate segment costs.
     pub body_copy_max_bytes: usize,
+    /// Hand relayed chunks' frames (tunnel `BODY` frames with nothing but
+    /// a body) to the application as [`ConnEvent::Chunk`], slices of the
+    /// read buffer with no frame built (the Edge's node links, where every
+    /// token is one); off, they come as the [`ConnEvent::Frame`]s they are.
+    pub chunks: bool,
 }
 
 impl Default for ConnConfig {
@@ -166,6 +172,7 @@ impl Default for ConnConfig {
             close_linger: Duration::from_secs(1),
             write_batch_max_bytes: 64 * 1024,
             body_copy_max_bytes: 512,
+            chunks: false,
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::sync::channel;
 use bytes::{Bytes, BytesMut};
 use iop_wire::codec::BodyParts;
-use iop_wire::{pb, CloseReason, FrameDecoder};
+use iop_wire::{pb, CloseReason, FrameDecoder, Inbound, TunnelChunk};
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
@@ -92,6 +92,10 @@ pub enum ConnEvent {
     /// A frame from the peer (heartbeats, acks and `Close` are consumed by
     /// the connection). `bytes` fields are slices of the read buffer.
     Frame(pb::Frame),
+    /// A relayed chunk's tunnel `BODY` frame, as slices of the read buffer
+    /// ([`iop_wire::Inbound::Chunk`]); [`TunnelChunk::into_tunnel_frame`]
+    /// is the frame it is.
+    Chunk(TunnelChunk),
     /// The connection closed; delivered exactly once, after every frame, and
     /// followed by nothing.
     Closed {
@@ -211,6 +215,7 @@ where
 {
     let (tx, rx) = channel::channel(config.event_queue_max_frames.max(1));
     let max_frame_bytes = config.max_frame_bytes;
+    let chunks = config.chunks;
     let write_batch_max_bytes = config.write_batch_max_bytes;
     let body_copy_max_bytes = config.body_copy_max_bytes;
     let shared = Rc::new(Shared {
@@ -231,7 +236,13 @@ where
         half: write_half,
         shared: shared.clone(),
     };
-    monoio::spawn(reader_task(shared.clone(), reader, tx, max_frame_bytes));
+    monoio::spawn(reader_task(
+        shared.clone(),
+        reader,
+        tx,
+        max_frame_bytes,
+        chunks,
+    ));
     monoio::spawn(writer_task(
         shared.clone(),
         writer,
@@ -403,6 +414,17 @@ impl ConnHandle {
         self.shared.core.borrow_mut().encode_frame(frame)
     }
 
+    /// A relayed chunk's `BODY` frame (run `run_id`, number `seq`) encoded
+    /// for the bulk lane, to hand to [`push_bulk`](Self::push_bulk): the
+    /// bytes [`encode_body_frame`](Self::encode_body_frame) makes of that
+    /// frame, with no frame built. `body` is kept as it is, not copied.
+    pub fn encode_chunk(&self, run_id: &str, seq: u64, body: Bytes) -> Result<OutFrame, SendError> {
+        self.shared
+            .core
+            .borrow_mut()
+            .encode_chunk(run_id, seq, body)
+    }
+
     /// [`send_body_frame`](Self::send_body_frame)'s first half.
     pub fn encode_body_frame(
         &self,
@@ -449,7 +471,7 @@ impl ConnHandle {
 /// The frames received on a connection, then its close.
 pub struct ConnEvents {
     shared: Rc<Shared>,
-    rx: channel::Receiver<pb::Frame>,
+    rx: channel::Receiver<Inbound>,
     closed_delivered: bool,
 }
 
@@ -471,7 +493,8 @@ impl ConnEvents {
             return None;
         }
         match self.rx.recv().await {
-            Some(frame) => Some(ConnEvent::Frame(frame)),
+            Some(Inbound::Frame(frame)) => Some(ConnEvent::Frame(frame)),
+            Some(Inbound::Chunk(chunk)) => Some(ConnEvent::Chunk(chunk)),
             None => {
                 // The reader is done: every received frame was delivered.
                 self.closed_delivered = true;
@@ -489,21 +512,39 @@ impl ConnEvents {
 async fn reader_task<R: AsyncReadRent>(
     shared: Rc<Shared>,
     mut reader: HalfGuard<R>,
-    tx: channel::Sender<pb::Frame>,
+    tx: channel::Sender<Inbound>,
     max_frame_bytes: usize,
+    chunks: bool,
 ) {
     let mut decoder = FrameDecoder::with_max_frame_bytes(max_frame_bytes);
     let mut decoding = true;
     loop {
         while decoding {
-            match decoder.decode() {
-                Ok(Some(frame)) => {
-                    let deliver = shared.core.borrow_mut().handle_frame(frame, clock::now());
+            match decoder.decode_inbound() {
+                Ok(Some(inbound)) => {
+                    let inbound = match inbound {
+                        Inbound::Chunk(chunk) if !chunks => {
+                            Inbound::Frame(Inbound::Chunk(chunk).into_frame())
+                        }
+                        inbound => inbound,
+                    };
+                    let deliver = match inbound {
+                        Inbound::Frame(frame) => shared
+                            .core
+                            .borrow_mut()
+                            .handle_frame(frame, clock::now())
+                            .map(Inbound::Frame),
+                        Inbound::Chunk(chunk) => shared
+                            .core
+                            .borrow_mut()
+                            .handle_chunk(chunk)
+                            .map(Inbound::Chunk),
+                    };
                     shared.after_change();
-                    if let Some(frame) = deliver {
+                    if let Some(inbound) = deliver {
                         // An error means the application dropped its
                         // `ConnEvents`: the frame is discarded.
-                        let _ = tx.send(frame).await;
+                        let _ = tx.send(inbound).await;
                     }
                 }
                 Ok(None) => break,

@@ -17,6 +17,7 @@
 //! provider output and watchdog decisions into outbound frames.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use bytes::Bytes;
 use iop_wire::{flow, pb};
@@ -38,7 +39,9 @@ pub enum EmitState {
 /// Builds the ordered frames of one tunnel.
 #[derive(Debug)]
 pub struct TunnelEmitter {
-    run_id: String,
+    /// Shared with every chunk on its way out: a reference count per
+    /// token, not a copy.
+    run_id: Rc<str>,
     adapter: String,
     target: String,
     next_seq: u64,
@@ -50,7 +53,7 @@ impl TunnelEmitter {
     /// evidence the Edge checks, H2).
     pub fn new(run_id: &str, adapter: &str, target: &str) -> Self {
         Self {
-            run_id: run_id.to_string(),
+            run_id: Rc::from(run_id),
             adapter: adapter.to_string(),
             target: target.to_string(),
             next_seq: 1,
@@ -73,8 +76,7 @@ impl TunnelEmitter {
     /// reads it from; `BODY` and `USAGE` frames, the bulk of a stream, carry
     /// only the run id, the sequence number and their payload.
     fn frame(&mut self, kind: pb::TunnelFrameKind) -> pb::ProviderTunnelFrame {
-        let seq = self.next_seq;
-        self.next_seq += 1;
+        let seq = self.take_seq();
         let evidence = !matches!(kind, pb::TunnelFrameKind::Body | pb::TunnelFrameKind::Usage);
         let (adapter, target) = if evidence {
             (self.adapter.clone(), self.target.clone())
@@ -82,7 +84,7 @@ impl TunnelEmitter {
             (String::new(), String::new())
         };
         pb::ProviderTunnelFrame {
-            run_id: self.run_id.clone(),
+            run_id: self.run_id.to_string(),
             seq,
             kind: kind as i32,
             adapter,
@@ -108,14 +110,26 @@ impl TunnelEmitter {
         Some(f)
     }
 
-    /// A `BODY` frame carrying `body` as-is (U2); `None` before the start or
-    /// after the terminal. The body is returned separately from the frame so
-    /// the writer can send it without copying it into the frame buffer.
-    pub fn body(&mut self, body: Bytes) -> Option<(pb::ProviderTunnelFrame, Bytes)> {
+    /// The next frame's sequence number.
+    fn take_seq(&mut self) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        seq
+    }
+
+    /// A `BODY` frame carrying `body` as-is (U2), as an
+    /// [`Outbound::Chunk`]: no frame is built for it, and the body travels
+    /// apart from the head so the writer sends it without copying it into
+    /// the frame buffer. `None` before the start or after the terminal.
+    pub fn body(&mut self, body: Bytes) -> Option<Outbound> {
         if self.state != EmitState::Started || body.is_empty() {
             return None;
         }
-        Some((self.frame(pb::TunnelFrameKind::Body), body))
+        Some(Outbound::Chunk {
+            run_id: Rc::clone(&self.run_id),
+            seq: self.take_seq(),
+            body,
+        })
     }
 
     /// An observation-only `USAGE` frame (U1); `None` before the start or
@@ -311,11 +325,15 @@ impl RunEmitter {
 pub enum Outbound {
     /// A whole frame (bulk lane).
     Frame(pb::Frame),
-    /// A tunnel `BODY` frame whose body travels without a copy.
-    Body {
-        /// The frame without its body.
-        frame: pb::ProviderTunnelFrame,
-        /// The body bytes.
+    /// A tunnel `BODY` frame with no field but these (every token a
+    /// provider streams), encoded with no frame built; the body travels
+    /// without a copy.
+    Chunk {
+        /// The tunnel's run id.
+        run_id: Rc<str>,
+        /// The frame's sequence number (U1).
+        seq: u64,
+        /// The provider's bytes.
         body: Bytes,
     },
 }
@@ -333,6 +351,18 @@ impl Outbound {
         Outbound::Frame(pb::Frame {
             body: Some(pb::frame::Body::RunEvent(Box::new(e))),
         })
+    }
+
+    /// The frame this sends.
+    pub fn into_frame(self) -> pb::Frame {
+        match self {
+            Outbound::Frame(frame) => frame,
+            Outbound::Chunk { run_id, seq, body } => pb::Frame {
+                body: Some(pb::frame::Body::ProviderTunnelFrame(Box::new(
+                    iop_wire::TunnelChunk::new(&run_id, seq, body).into_tunnel_frame(),
+                ))),
+            },
+        }
     }
 }
 
@@ -432,15 +462,13 @@ impl Emitter for TunnelEmitter {
             TunnelOutput::Start { status, headers } => {
                 self.response_start(status, headers).map(Outbound::tunnel)
             }
-            TunnelOutput::Body(body) => self
-                .body(body)
-                .map(|(frame, body)| Outbound::Body { frame, body }),
+            TunnelOutput::Body(body) => self.body(body),
             TunnelOutput::Usage(usage) => self.usage(usage).map(Outbound::tunnel),
             TunnelOutput::UploadCredit(max_offset) => (!self.is_terminated()).then(|| {
                 Outbound::Frame(pb::Frame {
                     body: Some(pb::frame::Body::FlowCredit(pb::FlowCredit {
                         credits: vec![pb::RunCredit {
-                            run_id: self.run_id.clone(),
+                            run_id: self.run_id.to_string(),
                             max_offset,
                         }],
                     })),
@@ -612,9 +640,19 @@ mod tests {
         assert!(e.end().is_none());
         out.push(e.response_start(200, vec![]).unwrap());
         assert!(e.response_start(200, vec![]).is_none());
-        let (f, body) = e.body(Bytes::from_static(b"data: 1\n\n")).unwrap();
-        assert_eq!(&body[..], b"data: 1\n\n");
-        out.push(f);
+        let Some(pb::frame::Body::ProviderTunnelFrame(f)) = e
+            .body(Bytes::from_static(b"data: 1\n\n"))
+            .unwrap()
+            .into_frame()
+            .body
+        else {
+            panic!("a body is a tunnel frame");
+        };
+        assert_eq!(&f.body[..], b"data: 1\n\n");
+        out.push(pb::ProviderTunnelFrame {
+            body: Bytes::new(),
+            ..*f
+        });
         out.push(
             e.usage(pb::Usage {
                 prompt_tokens: 1,

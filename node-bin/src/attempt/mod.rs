@@ -400,7 +400,7 @@ pub fn send(
 ) -> impl std::future::Future<Output = bool> + '_ {
     let encoded = frame.into().map(|frame| match frame {
         Outbound::Frame(f) => conn.encode_bulk(&f),
-        Outbound::Body { frame, body } => conn.encode_body_frame(&frame, body),
+        Outbound::Chunk { run_id, seq, body } => conn.encode_chunk(&run_id, seq, body),
     });
     async move {
         let Some(encoded) = encoded else {

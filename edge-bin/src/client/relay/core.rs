@@ -289,6 +289,11 @@ impl Relay {
             Phase::Ended => debug_assert!(false, "an event after the relay ended"),
             Phase::AwaitingVerdict(_) => self.on_verdict_event(next, charge),
             Phase::Relaying => match next {
+                Some(ReplyEvent::Chunk(chunk))
+                    if chunk.run_id() == run_id && matches!(self.form, Form::Tunnel { .. }) =>
+                {
+                    self.on_tunnel_body(chunk.body, charge)
+                }
                 Some(ReplyEvent::Tunnel(tf))
                     if tf.run_id == run_id && matches!(self.form, Form::Tunnel { .. }) =>
                 {
@@ -301,7 +306,9 @@ impl Relay {
                 }
                 // Another attempt's, or not this relay's kind: nothing for
                 // this one.
-                Some(ReplyEvent::Tunnel(_) | ReplyEvent::Run(_)) => self.out.credit = charge,
+                Some(ReplyEvent::Tunnel(_) | ReplyEvent::Chunk(_) | ReplyEvent::Run(_)) => {
+                    self.out.credit = charge
+                }
                 // Control never retries a committed attempt.
                 Some(ReplyEvent::Retry(next)) if !self.started => self.end(Step::Retry(next)),
                 Some(ReplyEvent::Retry(_)) => {}
@@ -381,8 +388,13 @@ impl Relay {
     }
 
     fn on_tunnel_frame(&mut self, mut tf: Box<pb::ProviderTunnelFrame>, charge: u64) {
-        let commits = self.tracker.on_tunnel_frame(&tf);
-        let Form::Tunnel { head, held } = &mut self.form else {
+        if tf.kind() == pb::TunnelFrameKind::Body {
+            return self.on_tunnel_body(std::mem::take(&mut tf.body), charge);
+        }
+        // A head or a terminal never commits the attempt; the tracker
+        // learns the head's status from it.
+        self.tracker.on_tunnel_frame(&tf);
+        let Form::Tunnel { head, .. } = &mut self.form else {
             return;
         };
         match tf.kind() {
@@ -392,30 +404,8 @@ impl Relay {
                     *head = Some(tf);
                 }
             }
-            pb::TunnelFrameKind::Body => {
-                let mut body = std::mem::take(&mut tf.body);
-                let body_bytes = body.len() as u64;
-                if commits {
-                    if let Some(head) = head.take() {
-                        // The head goes out with the first body bytes, in
-                        // one write (one wake-up of the client, not two).
-                        let first = held
-                            .pop_front()
-                            .unwrap_or_else(|| std::mem::take(&mut body));
-                        self.out.head = Some(Head::Provider { head, first });
-                    }
-                    self.started = true;
-                    self.out.release = true;
-                    self.out.earlier = std::mem::take(held);
-                }
-                if self.started {
-                    self.out.body = body;
-                    self.out.relayed = Some(body_bytes);
-                } else if head.is_some() && !body.is_empty() {
-                    held.push_back(body);
-                }
-                self.out.credit = charge;
-            }
+            // Taken by `on_tunnel_body` above.
+            pb::TunnelFrameKind::Body => {}
             pb::TunnelFrameKind::Usage | pb::TunnelFrameKind::Unspecified => {
                 self.out.usage = tf.usage.as_deref().copied();
                 self.out.credit = charge;
@@ -439,6 +429,35 @@ impl Relay {
                 self.fail_or_await(e);
             }
         }
+    }
+
+    /// A tunnel `BODY` frame's body (a chunk, or a frame's).
+    fn on_tunnel_body(&mut self, mut body: Bytes, charge: u64) {
+        let commits = self.tracker.on_tunnel_body(body.len());
+        let Form::Tunnel { head, held } = &mut self.form else {
+            return;
+        };
+        let body_bytes = body.len() as u64;
+        if commits {
+            if let Some(head) = head.take() {
+                // The head goes out with the first body bytes, in one write
+                // (one wake-up of the client, not two).
+                let first = held
+                    .pop_front()
+                    .unwrap_or_else(|| std::mem::take(&mut body));
+                self.out.head = Some(Head::Provider { head, first });
+            }
+            self.started = true;
+            self.out.release = true;
+            self.out.earlier = std::mem::take(held);
+        }
+        if self.started {
+            self.out.body = body;
+            self.out.relayed = Some(body_bytes);
+        } else if head.is_some() && !body.is_empty() {
+            held.push_back(body);
+        }
+        self.out.credit = charge;
     }
 
     fn on_run_event(&mut self, ev: Box<pb::RunEvent>, charge: u64) {

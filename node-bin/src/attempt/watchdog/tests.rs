@@ -705,11 +705,10 @@ fn observation_seq_is_shared_and_strictly_increasing() {
 }
 
 fn tunnel_frame(out: Option<Outbound>) -> pb::ProviderTunnelFrame {
-    match out {
-        Some(Outbound::Frame(pb::Frame {
+    match out.map(Outbound::into_frame) {
+        Some(pb::Frame {
             body: Some(pb::frame::Body::ProviderTunnelFrame(f)),
-        })) => *f,
-        Some(Outbound::Body { frame, .. }) => frame,
+        }) => *f,
         other => panic!("expected a tunnel frame, got {other:?}"),
     }
 }
