@@ -189,16 +189,17 @@ impl TunnelCall {
                     return Err(provider_failure(e));
                 }
             };
-            if let Some(usage) = usage.as_mut() {
-                usage.feed(&piece);
-            }
+            let key_free_from = match usage.as_mut() {
+                Some(usage) => usage.feed(&piece),
+                None => piece.len(),
+            };
             let Some(strip) = strip.as_mut() else {
                 if !out.send(TunnelOutput::Body(piece)).await {
                     return Ok(());
                 }
                 continue;
             };
-            strip.feed(&piece, &mut relayed);
+            strip.feed(&piece, key_free_from, &mut relayed);
             // Not kept across the sends (the slices hold the buffer).
             drop(piece);
             count(strip);

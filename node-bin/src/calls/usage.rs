@@ -28,7 +28,9 @@
 //!
 //! ```text
 //! piece ─► memchr2 CR/LF: event ends (blank line), bytes in between skipped
-//!       ─► each event: does it start `data:` with `"choices":[]`?
+//!       ─► an event within the piece where the watcher found no usage object:
+//!            relayed, not looked at (one scan of each token's bytes)
+//!       ─► each other event: does it start `data:` with `"choices":[]`?
 //!            no  ─► relayed (slices of the piece, no copy, no wait)
 //!            yes ─► complete: parsed; `choices` empty and `usage` an
 //!                   object ─► dropped, else relayed
@@ -91,14 +93,22 @@ impl UsageWatcher {
         watched.then(Self::default)
     }
 
-    /// Looks at the next body piece.
-    pub fn feed(&mut self, piece: &[u8]) {
+    /// Looks at the next body piece. Returns where, in it, the search for
+    /// keys ran to its end and found none with an object value: no usage
+    /// object starts at or after that offset (the piece's length when it
+    /// ends inside a value). The
+    /// usage-chunk filter takes it ([`UsageChunkStrip::feed`]), so that one
+    /// scan of the bytes serves both.
+    pub fn feed(&mut self, piece: &[u8]) -> usize {
         let mut at = 0;
         // Finish what the previous piece started.
         if self.object.is_some() || self.after_key {
             at = self.continue_value(piece, 0);
-        } else if !self.carry.is_empty() {
+        } else if self.carry.contains(&b'"') {
             // A key split between the pieces: carry ++ head of this piece.
+            // Only a carry with a quote can hold a key's start (the key
+            // begins with one): most pieces end an event, `}` and a blank
+            // line, and skip this search.
             // On the stack, no allocation per piece: `carry` keeps fewer
             // than `KEY.len()` bytes.
             let head = &piece[..piece.len().min(KEY.len())];
@@ -116,6 +126,8 @@ impl UsageWatcher {
                 }
             }
         }
+        // Every key at or after this is found below.
+        let mut key_free_from = at;
         while at < piece.len() && self.object.is_none() && !self.after_key {
             let Some(pos) = KEY_FINDER.find(&piece[at..]) else {
                 break;
@@ -125,8 +137,22 @@ impl UsageWatcher {
             if escaped(&piece[..key_at]) {
                 continue;
             }
+            // A key whose value is not an object (`"usage":null` in every
+            // chunk of a stream that asked for usage) makes no event the
+            // usage chunk: the piece stays free past it.
+            let object = piece[at..]
+                .iter()
+                .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n' | b':'))
+                .is_none_or(|&b| b == b'{');
             self.after_key = true;
             at = self.continue_value(piece, at);
+            if object {
+                key_free_from = at;
+            }
+        }
+        if self.object.is_some() || self.after_key {
+            // Inside a value at the piece's end: nothing after it searched.
+            key_free_from = piece.len();
         }
         if self.object.is_none() && !self.after_key {
             // The last bytes seen (of this piece and, when it is short, of
@@ -143,6 +169,7 @@ impl UsageWatcher {
         } else {
             self.carry.clear();
         }
+        key_free_from
     }
 
     /// What was observed, if anything. A usage object with a total alone
@@ -289,6 +316,9 @@ pub struct UsageChunkStrip {
     held: Vec<u8>,
     /// The event just dropped ended with a CR: the LF of its CRLF goes too.
     lf_of_dropped: bool,
+    /// From here to the end of the piece being fed there is no usage
+    /// object (what [`UsageWatcher::feed`] found).
+    key_free_from: usize,
     counts: StripCounts,
 }
 
@@ -335,14 +365,20 @@ impl UsageChunkStrip {
             after_cr: false,
             held: Vec::new(),
             lf_of_dropped: false,
+            key_free_from: 0,
             counts: StripCounts::default(),
         }
     }
 
     /// Takes the next body piece; pushes what is relayed of it (and of
     /// what was held) to `out`, in order: slices of `piece`, or the held
-    /// bytes once their event is decided.
-    pub fn feed(&mut self, piece: &Bytes, out: &mut Vec<Bytes>) {
+    /// bytes once their event is decided. `key_free_from` is what
+    /// [`UsageWatcher::feed`] returned for the piece (`piece.len()` when
+    /// nothing is known): an event that begins and ends in the piece at or
+    /// after it has no usage object, so it is relayed without a look at its
+    /// `choices` (every token of a stream, in practice).
+    pub fn feed(&mut self, piece: &Bytes, key_free_from: usize, out: &mut Vec<Bytes>) {
+        self.key_free_from = key_free_from;
         let bytes = &piece[..];
         let mut pos = 0;
         // `piece[pass_from..]` is neither relayed nor dropped yet.
@@ -422,7 +458,9 @@ impl UsageChunkStrip {
     ) {
         let part = &piece[event_from..end];
         let drop = if self.held.is_empty() {
-            self.judge(part, true)
+            // Begun in this piece; with no usage object in it, not the
+            // usage chunk.
+            event_from < self.key_free_from && self.judge(part, true)
         } else {
             // Begun in an earlier piece: nothing of this one went out yet.
             let took = self.extend_held(part);
@@ -640,6 +678,36 @@ mod tests {
     }
 
     #[test]
+    fn the_watcher_says_where_a_piece_holds_no_more_usage_keys() {
+        const CONTENT: &str =
+            "data: {\"choices\":[{\"delta\":{\"content\":\"say \\\"usage\\\"\"}}]}\n\n";
+        const USAGE: &str =
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\n\n";
+        let mut w = UsageWatcher::default();
+        // No key (the one in the content is escaped): all of it is free.
+        assert_eq!(w.feed(CONTENT.as_bytes()), 0);
+        // Nor is a key with a null value.
+        let null = "data: {\"choices\":[{\"delta\":{}}],\"usage\" : null}\n\n";
+        assert_eq!(w.feed(null.as_bytes()), 0);
+        // A usage object: free after its closing brace.
+        let piece = format!("{CONTENT}{USAGE}{CONTENT}");
+        let object_end = CONTENT.len() + USAGE.rfind('}').unwrap();
+        assert_eq!(w.feed(piece.as_bytes()), object_end);
+        // A piece that ends inside the object: nothing of it is free; the
+        // next is free after the object's end.
+        let cut = CONTENT.len() + USAGE.find("prompt").unwrap();
+        assert_eq!(w.feed(&piece.as_bytes()[..cut]), cut);
+        assert_eq!(w.feed(&piece.as_bytes()[cut..]), object_end - cut);
+        // A key split between pieces: the first holds no whole key (no
+        // event that ends in it can hold one), the second is free after
+        // the key's value.
+        let cut = CONTENT.len() + USAGE.find("sage").unwrap();
+        assert_eq!(w.feed(&piece.as_bytes()[..cut]), 0);
+        assert_eq!(w.feed(&piece.as_bytes()[cut..]), object_end - cut);
+        assert_eq!(w.finish(), usage(1, 2, 3));
+    }
+
+    #[test]
     fn a_streamed_chat_completion_reports_its_last_usage_chunk() {
         let body = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
                     data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}\n\n\
@@ -732,14 +800,29 @@ mod strip_tests {
         text.replace('\n', "\r\n")
     }
 
-    /// Feeds `pieces` in order; what was relayed after each, and the counts.
+    /// Feeds `pieces` in order; what was relayed after each, and the
+    /// counts. Run twice, with what a watcher found of each piece and with
+    /// nothing known: the same bytes go out, and the same counts.
     fn run(pieces: &[&[u8]]) -> (Vec<Vec<u8>>, StripCounts) {
+        let with_watcher = run_strip(pieces, true);
+        let alone = run_strip(pieces, false);
+        assert_eq!(with_watcher, alone, "the watcher's hint changed the result");
+        with_watcher
+    }
+
+    fn run_strip(pieces: &[&[u8]], watched: bool) -> (Vec<Vec<u8>>, StripCounts) {
+        let mut watcher = UsageWatcher::default();
         let mut strip = UsageChunkStrip::new();
         let mut after_each = Vec::new();
         let mut out = Vec::new();
         let mut counts = StripCounts::default();
         for piece in pieces {
-            strip.feed(&Bytes::copy_from_slice(piece), &mut out);
+            let key_free_from = if watched {
+                watcher.feed(piece)
+            } else {
+                piece.len()
+            };
+            strip.feed(&Bytes::copy_from_slice(piece), key_free_from, &mut out);
             assert!(strip.held.len() <= HOLD_MAX_BYTES, "held past the cap");
             let relayed: Vec<u8> = out.drain(..).flat_map(|b| b.to_vec()).collect();
             after_each.push(relayed);
