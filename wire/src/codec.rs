@@ -352,8 +352,21 @@ const WIRE_VARINT: u8 = 0;
 const WIRE_LEN: u8 = 2;
 
 /// A varint at `buf[*at..]` (at most ten bytes, the tenth at most 1, as
-/// prost accepts), advancing `at`.
+/// prost accepts), advancing `at`. Inlined with a one-byte fast path: a
+/// chunk's frame holds ten varints, keys and short lengths of one byte.
+#[inline]
 fn varint_at(buf: &[u8], at: &mut usize) -> Option<u64> {
+    let first = *buf.get(*at)?;
+    if first < 0x80 {
+        *at += 1;
+        return Some(u64::from(first));
+    }
+    varint_at_long(buf, at)
+}
+
+/// [`varint_at`] for a varint of two bytes or more (a chunk's seq past
+/// 127, its lengths past 127 bytes).
+fn varint_at_long(buf: &[u8], at: &mut usize) -> Option<u64> {
     let mut value = 0u64;
     for i in 0..10 {
         let byte = *buf.get(*at + i)?;
