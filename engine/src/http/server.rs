@@ -61,6 +61,11 @@ const BODY_READ_CHUNK_BYTES: usize = 64 * 1024;
 /// requests (and detached from a body split off it).
 const KEPT_READ_BUFFER_BYTES: usize = 4 * READ_CHUNK_BYTES;
 
+/// Room a response head is written into at first: a relayed provider's
+/// head with the exchange headers fits, so it is one allocation, not one
+/// per doubling from empty (five per streamed response before).
+const RESPONSE_HEAD_ROOM_BYTES: usize = 512;
+
 /// What the response of the current exchange (the request last read, or
 /// the answer to a request that failed to read) did so far: for access logs
 /// and time-to-first-byte metrics. Reset when the next request is read.
@@ -785,7 +790,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         };
         // The head's buffer is the head's alone, freed once it is written:
         // a connection keeps none between responses.
-        let mut head = BytesMut::new();
+        let mut head = BytesMut::with_capacity(RESPONSE_HEAD_ROOM_BYTES);
         write_response_head(
             &mut head,
             status,
@@ -862,7 +867,7 @@ impl<S: AsyncReadRent + AsyncWriteRent + ReadReadiness> ServerConn<S> {
         } else {
             (BodyFraming::Chunked, ResponseState::Chunked)
         };
-        let mut head = BytesMut::new();
+        let mut head = BytesMut::with_capacity(RESPONSE_HEAD_ROOM_BYTES);
         write_response_head(
             &mut head,
             status,
