@@ -209,7 +209,7 @@ pub(super) fn compacted(event: ReplyEvent, reply: &MailboxSender<ReplyEvent>) ->
             tf.body = bytes::Bytes::copy_from_slice(&tf.body);
             ReplyEvent::Tunnel(tf)
         }
-        ReplyEvent::Chunk(mut chunk) if !reply.is_empty() => {
+        ReplyEvent::Chunk(mut chunk) if !chunk.body.is_empty() && !reply.is_empty() => {
             chunk.body = bytes::Bytes::copy_from_slice(&chunk.body);
             ReplyEvent::Chunk(chunk)
         }

@@ -520,14 +520,13 @@ async fn reader_task<R: AsyncReadRent>(
     let mut decoding = true;
     loop {
         while decoding {
-            match decoder.decode_inbound() {
+            let decoded = if chunks {
+                decoder.decode_inbound()
+            } else {
+                decoder.decode().map(|frame| frame.map(Inbound::Frame))
+            };
+            match decoded {
                 Ok(Some(inbound)) => {
-                    let inbound = match inbound {
-                        Inbound::Chunk(chunk) if !chunks => {
-                            Inbound::Frame(Inbound::Chunk(chunk).into_frame())
-                        }
-                        inbound => inbound,
-                    };
                     let deliver = match inbound {
                         Inbound::Frame(frame) => shared
                             .core

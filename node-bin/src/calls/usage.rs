@@ -96,9 +96,9 @@ impl UsageWatcher {
     /// Looks at the next body piece. Returns where, in it, the search for
     /// keys ran to its end and found none with an object value: no usage
     /// object starts at or after that offset (the piece's length when it
-    /// ends inside a value). The
-    /// usage-chunk filter takes it ([`UsageChunkStrip::feed`]), so that one
-    /// scan of the bytes serves both.
+    /// ends inside a value). The usage-chunk filter takes it
+    /// ([`UsageChunkStrip::feed`]), so that one scan of the bytes serves
+    /// both.
     pub fn feed(&mut self, piece: &[u8]) -> usize {
         let mut at = 0;
         // Finish what the previous piece started.

@@ -301,8 +301,8 @@ fn frame(body: Body) -> pb::Frame {
 async fn next_frame(events: &mut ConnEvents) -> Result<pb::Frame, CloseReason> {
     match events.recv().await {
         Some(ConnEvent::Frame(f)) => Ok(f),
-        // The Edge sends no tunnel bodies; one that came is the frame it
-        // is, ignored like any other unexpected frame.
+        // Not asked for (`ConnConfig::chunks` is off here), so never
+        // handed over; were it, it is the frame it is.
         Some(ConnEvent::Chunk(chunk)) => Ok(frame(Body::ProviderTunnelFrame(Box::new(
             chunk.into_tunnel_frame(),
         )))),
