@@ -248,19 +248,9 @@ impl ConnCore {
         frame: &pb::ProviderTunnelFrame,
         body: Bytes,
     ) -> Result<OutFrame, SendError> {
-        if !self.is_open() {
-            return Err(SendError::Closed);
-        }
-        BodyFrameHead::encode(
-            frame,
-            body.len(),
-            &mut self.encode_arena,
-            self.config.max_frame_bytes,
-        )?;
-        let head = self.encode_arena.split().freeze();
-        Ok(OutFrame {
-            head,
-            body: BodyParts::whole(body),
+        let body_len = body.len();
+        self.encode_with_body(BodyParts::whole(body), |arena, max_frame_bytes| {
+            BodyFrameHead::encode(frame, body_len, arena, max_frame_bytes)
         })
     }
 
@@ -273,20 +263,9 @@ impl ConnCore {
         seq: u64,
         body: Bytes,
     ) -> Result<OutFrame, SendError> {
-        if !self.is_open() {
-            return Err(SendError::Closed);
-        }
-        BodyFrameHead::encode_chunk(
-            run_id,
-            seq,
-            body.len(),
-            &mut self.encode_arena,
-            self.config.max_frame_bytes,
-        )?;
-        let head = self.encode_arena.split().freeze();
-        Ok(OutFrame {
-            head,
-            body: BodyParts::whole(body),
+        let body_len = body.len();
+        self.encode_with_body(BodyParts::whole(body), |arena, max_frame_bytes| {
+            BodyFrameHead::encode_chunk(run_id, seq, body_len, arena, max_frame_bytes)
         })
     }
 
@@ -298,15 +277,23 @@ impl ConnCore {
         request: &pb::ProviderTunnelRequest,
         body: BodyParts,
     ) -> Result<OutFrame, SendError> {
+        let body_len = body.len();
+        self.encode_with_body(body, |arena, max_frame_bytes| {
+            RequestFrameHead::encode(request, body_len, arena, max_frame_bytes)
+        })
+    }
+
+    /// A frame whose head `write_head` appends to the arena (under the
+    /// frame size cap it is given), followed by `body` as it is.
+    fn encode_with_body(
+        &mut self,
+        body: BodyParts,
+        write_head: impl FnOnce(&mut BytesMut, usize) -> Result<(), codec::EncodeError>,
+    ) -> Result<OutFrame, SendError> {
         if !self.is_open() {
             return Err(SendError::Closed);
         }
-        RequestFrameHead::encode(
-            request,
-            body.len(),
-            &mut self.encode_arena,
-            self.config.max_frame_bytes,
-        )?;
+        write_head(&mut self.encode_arena, self.config.max_frame_bytes)?;
         let head = self.encode_arena.split().freeze();
         Ok(OutFrame { head, body })
     }
