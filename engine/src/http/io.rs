@@ -428,7 +428,8 @@ unsafe impl IoVecBuf for IoParts {
 
 /// Writes every part, looping over short writes (a TLS stream's `writev`
 /// takes only the first part per call), then flushes. `progress` runs after
-/// each write that moved bytes (a stall deadline is pushed on there).
+/// each write that moved bytes and left some to write (a stall deadline is
+/// pushed on there).
 pub(crate) async fn write_parts<S: AsyncWriteRent>(
     stream: &mut S,
     parts: IoParts,
@@ -459,7 +460,11 @@ pub(crate) fn write_parts_back<'a, S: AsyncWriteRent>(
                 }
                 Ok(n) => {
                     parts.advance(n);
-                    progress();
+                    // Only a write that left bytes pushes a stall deadline
+                    // on: the caller puts it back once all are written.
+                    if !parts.is_empty() {
+                        progress();
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -835,13 +840,16 @@ mod tests {
         let writer = monoio::spawn(async move {
             let mut stream = connect(addr).await.unwrap();
             let data = Bytes::from(b"chunk-one".to_vec());
+            let mut progress_calls = 0;
             let (res, mut parts) = write_parts_back(
                 &mut stream,
                 IoParts::new([Bytes::from_static(b"9\r\n"), data.clone()]),
-                || {},
+                || progress_calls += 1,
             )
             .await;
             res.unwrap();
+            // Taken in one write: nothing was left to push a deadline on for.
+            assert_eq!(progress_calls, 0);
             // Nothing of the written data is held any more.
             assert!(parts.parts.is_empty());
             assert!(data.is_unique());
