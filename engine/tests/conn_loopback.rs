@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use iop_engine::conn::{
-    spawn_conn, ConnConfig, ConnEvent, ConnEvents, ConnHandle, SendError, SocketShutdown,
+    spawn_conn, spawn_conn_handled, ConnConfig, ConnEvent, ConnEvents, ConnHandle, ConnRef,
+    SendError, SocketShutdown,
 };
 use iop_wire::codec;
 use iop_wire::pb::{self, frame::Body};
@@ -278,6 +279,108 @@ async fn conn_with_chunks_hands_over_plain_body_frames_as_chunks() {
         assert_eq!(
             edge_events.recv().await,
             Some(ConnEvent::Frame(run_event(4)))
+        );
+    })
+    .await;
+}
+
+/// Starts `stream` with its frames handed to `handler`.
+fn start_handled(
+    stream: TcpStream,
+    config: ConnConfig,
+    handler: impl FnMut(ConnRef<'_>, ConnEvent) + 'static,
+) -> (ConnHandle, ConnEvents) {
+    let shutdown = SocketShutdown::for_socket(&stream);
+    let (read_half, write_half) = stream.into_split();
+    spawn_conn_handled(read_half, write_half, shutdown, config, handler)
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn conn_handled_hands_every_frame_to_the_handler_in_order_then_closes() {
+    // CONTRACT: T1 — a connection read by a handler gets every frame and
+    // chunk there, in the order sent and byte for byte; its events bring
+    // only the close, after the handler had the last frame.
+    guarded(async {
+        let (client, server) = tcp_pair().await;
+        let (node, _node_events) = start(client, ConnConfig::default());
+        let mut config = ConnConfig::default();
+        config.chunks = true;
+        let handled = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let (_edge, mut edge_events) = start_handled(server, config, {
+            let handled = handled.clone();
+            move |conn: ConnRef<'_>, event| {
+                assert!(!conn.is_closed());
+                handled.borrow_mut().push(event);
+            }
+        });
+
+        let body =
+            Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n");
+        node.send_bulk(run_event(1)).await.unwrap();
+        for seq in 1..=3 {
+            let encoded = node.encode_chunk("tunnel-7", seq, body.clone());
+            node.push_bulk(encoded).await.unwrap();
+        }
+        node.send_bulk(run_event(2)).await.unwrap();
+        node.close(CloseReason::Shutdown);
+
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::Peer("shutdown".into())).unwrap()]
+        );
+        let handled = handled.borrow();
+        assert_eq!(handled.len(), 5, "{handled:?}");
+        assert_eq!(handled[0], ConnEvent::Frame(run_event(1)));
+        for (seq, event) in (1..=3).zip(&handled[1..4]) {
+            match event {
+                ConnEvent::Chunk(chunk) => {
+                    assert_eq!((chunk.run_id(), chunk.seq()), ("tunnel-7", seq));
+                    assert!(chunk.body == body, "the body arrives byte for byte");
+                }
+                other => panic!("expected a chunk, got {other:?}"),
+            }
+        }
+        assert_eq!(handled[4], ConnEvent::Frame(run_event(2)));
+    })
+    .await;
+}
+
+#[monoio::test_all(timer_enabled = true)]
+async fn conn_handled_closes_from_the_handler_and_is_not_kept_open_by_it() {
+    // CONTRACT: T1 — the handler closes the connection with its reason; and
+    // the reader's view of the connection does not count as a handle, so
+    // dropping the application's last one still closes it.
+    guarded(async {
+        let (client, server) = tcp_pair().await;
+        let (node, mut node_events) = start(client, ConnConfig::default());
+        let (_edge, mut edge_events) =
+            start_handled(server, ConnConfig::default(), |conn: ConnRef<'_>, event| {
+                if event == ConnEvent::Frame(run_event(1)) {
+                    conn.close(CloseReason::ProtocolError);
+                    assert!(conn.is_closed());
+                }
+            });
+        node.send_bulk(run_event(1)).await.unwrap();
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::ProtocolError).unwrap()]
+        );
+        assert_eq!(
+            drain(&mut node_events).await,
+            vec![closed(CloseReason::Peer("protocol_error".into())).unwrap()]
+        );
+
+        let (client, server) = tcp_pair().await;
+        let mut peer = RawPeer::new(client);
+        let (edge, mut edge_events) = start_handled(server, ConnConfig::default(), |_, _| {});
+        drop(edge);
+        assert_eq!(
+            peer.read_frame().await,
+            Some(close_frame("handle_dropped", ""))
+        );
+        assert_eq!(
+            drain(&mut edge_events).await,
+            vec![closed(CloseReason::HandleDropped).unwrap()]
         );
     })
     .await;

@@ -23,6 +23,12 @@
 //!   halves are [`crate::tls::TlsStream::into_split`]'s, whose reader never
 //!   writes (monoio-rustls' split panics when a peer's alert arrives during
 //!   a write).
+//! - [`spawn_conn_handled`] is the same shell with the reader handing each
+//!   frame to the application's handler as it decodes it, instead of
+//!   queueing it for [`ConnEvents`] (which then brings only the close): no
+//!   queue and no second task per frame. The Edge's node links use it; the
+//!   handler gets a [`ConnRef`], which can close the connection and does
+//!   not keep it open.
 //!
 //! ## Close state machine
 //!
@@ -59,7 +65,10 @@ use iop_wire::limits::{DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL, HEARTBEAT_TI
 use iop_wire::CloseReason;
 
 pub use self::core::{ConnCore, ConnStats, OutFrame, TrySendError};
-pub use self::shell::{spawn_conn, ConnEvent, ConnEvents, ConnHandle, PushBulk, SocketShutdown};
+pub use self::shell::{
+    spawn_conn, spawn_conn_handled, ConnEvent, ConnEvents, ConnHandle, ConnRef, PushBulk,
+    SocketShutdown,
+};
 
 /// The close reason for a failed socket read or write: a TLS failure is
 /// named ([`CloseReason::TlsAlert`], [`CloseReason::TlsError`]), anything
@@ -140,7 +149,8 @@ pub struct ConnConfig {
     /// always admitted into an empty lane, whatever its size).
     pub bulk_lane_max_bytes: usize,
     /// Received frames buffered for the application before the reader stops
-    /// reading (backpressure to the peer through TCP).
+    /// reading (backpressure to the peer through TCP). Unused when a handler
+    /// takes the frames ([`spawn_conn_handled`]).
     pub event_queue_max_frames: usize,
     /// How long a closing connection may take to write its queued frames and
     /// its `Close` frame before the socket is shut down regardless.

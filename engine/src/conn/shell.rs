@@ -198,7 +198,7 @@ impl<H> Drop for HalfGuard<H> {
 /// Starts a frame connection over a split stream (a plain `TcpStream` via
 /// `monoio::io::Splitable::into_split`, or a [`crate::tls::TlsStream`] via
 /// its own `into_split`) on the current monoio runtime, which must have its
-/// timer enabled.
+/// timer enabled. Frames are queued for [`ConnEvents`].
 ///
 /// Spawns exactly one reader task (never cancelled), one writer task and
 /// one heartbeat timer task. `shutdown` must make a pending read on
@@ -213,7 +213,56 @@ where
     R: AsyncReadRent + 'static,
     W: AsyncWriteRent + 'static,
 {
-    let (tx, rx) = channel::channel(config.event_queue_max_frames.max(1));
+    spawn_with(read_half, write_half, shutdown, config, None)
+}
+
+/// [`spawn_conn`], with every frame (and chunk) handed to `handler` by the
+/// reader task as it is decoded, in the order received, instead of queued
+/// for [`ConnEvents`]: no queue, and no second task woken per frame. The
+/// handler cannot wait (it is not async), so nothing it does holds up the
+/// reader for long; it gets a [`ConnRef`] to close the connection with.
+/// It never gets [`ConnEvent::Closed`]: [`ConnEvents`] delivers that,
+/// after the handler has had the last frame, and nothing else.
+pub fn spawn_conn_handled<R, W, H>(
+    read_half: R,
+    write_half: W,
+    shutdown: SocketShutdown,
+    config: ConnConfig,
+    handler: H,
+) -> (ConnHandle, ConnEvents)
+where
+    R: AsyncReadRent + 'static,
+    W: AsyncWriteRent + 'static,
+    H: FnMut(ConnRef<'_>, ConnEvent) + 'static,
+{
+    spawn_with(
+        read_half,
+        write_half,
+        shutdown,
+        config,
+        Some(Box::new(handler)),
+    )
+}
+
+fn spawn_with<R, W>(
+    read_half: R,
+    write_half: W,
+    shutdown: SocketShutdown,
+    config: ConnConfig,
+    handler: Option<Box<FrameHandler>>,
+) -> (ConnHandle, ConnEvents)
+where
+    R: AsyncReadRent + 'static,
+    W: AsyncWriteRent + 'static,
+{
+    // With a handler the queue carries nothing: its sender, dropped when the
+    // reader ends, only tells `ConnEvents` to deliver the close.
+    let queue_frames = if handler.is_some() {
+        1
+    } else {
+        config.event_queue_max_frames.max(1)
+    };
+    let (tx, rx) = channel::channel(queue_frames);
     let max_frame_bytes = config.max_frame_bytes;
     let chunks = config.chunks;
     let write_batch_max_bytes = config.write_batch_max_bytes;
@@ -236,10 +285,14 @@ where
         half: write_half,
         shared: shared.clone(),
     };
+    let sink = match handler {
+        Some(handler) => Sink::Handler { handler, _done: tx },
+        None => Sink::Queue(tx),
+    };
     monoio::spawn(reader_task(
         shared.clone(),
         reader,
-        tx,
+        sink,
         max_frame_bytes,
         chunks,
     ));
@@ -256,6 +309,50 @@ where
         closed_delivered: false,
     };
     (ConnHandle { shared }, events)
+}
+
+/// A connection as the handler of its frames sees it
+/// ([`spawn_conn_handled`]): it can close the connection, and unlike a
+/// [`ConnHandle`] it does not keep it open.
+#[derive(Clone, Copy)]
+pub struct ConnRef<'a> {
+    shared: &'a Shared,
+}
+
+impl std::fmt::Debug for ConnRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnRef")
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl ConnRef<'_> {
+    /// Closes the connection, as [`ConnHandle::close`] does.
+    pub fn close(&self, reason: CloseReason) {
+        self.shared.close(reason);
+    }
+
+    /// True from the moment the connection starts closing.
+    pub fn is_closed(&self) -> bool {
+        !self.shared.core.borrow().is_open()
+    }
+}
+
+/// What [`spawn_conn_handled`] calls with each frame.
+type FrameHandler = dyn FnMut(ConnRef<'_>, ConnEvent);
+
+/// Where the reader puts what it decoded.
+enum Sink {
+    /// Queued for [`ConnEvents`].
+    Queue(channel::Sender<Inbound>),
+    /// Handed to the application's handler at once.
+    Handler {
+        handler: Box<FrameHandler>,
+        /// Never sent on: dropped with the reader, so that [`ConnEvents`]
+        /// delivers the close.
+        _done: channel::Sender<Inbound>,
+    },
 }
 
 /// Sends frames on a connection and closes it. Cheap to clone; dropping the
@@ -487,7 +584,9 @@ impl ConnEvents {
     /// The next event: frames in the order received, then exactly one
     /// [`ConnEvent::Closed`], then `None` forever. Consume events promptly:
     /// while `ConnConfig::event_queue_max_frames` frames wait here the reader
-    /// stops reading, and heartbeats from the peer wait with them.
+    /// stops reading, and heartbeats from the peer wait with them. For a
+    /// connection whose frames go to a handler ([`spawn_conn_handled`]),
+    /// only the close.
     pub async fn recv(&mut self) -> Option<ConnEvent> {
         if self.closed_delivered {
             return None;
@@ -512,7 +611,7 @@ impl ConnEvents {
 async fn reader_task<R: AsyncReadRent>(
     shared: Rc<Shared>,
     mut reader: HalfGuard<R>,
-    tx: channel::Sender<Inbound>,
+    mut sink: Sink,
     max_frame_bytes: usize,
     chunks: bool,
 ) {
@@ -540,10 +639,20 @@ async fn reader_task<R: AsyncReadRent>(
                             .map(Inbound::Chunk),
                     };
                     shared.after_change();
-                    if let Some(inbound) = deliver {
+                    match (deliver, &mut sink) {
+                        (None, _) => {}
                         // An error means the application dropped its
                         // `ConnEvents`: the frame is discarded.
-                        let _ = tx.send(inbound).await;
+                        (Some(inbound), Sink::Queue(tx)) => {
+                            let _ = tx.send(inbound).await;
+                        }
+                        (Some(inbound), Sink::Handler { handler, .. }) => {
+                            let event = match inbound {
+                                Inbound::Frame(frame) => ConnEvent::Frame(frame),
+                                Inbound::Chunk(chunk) => ConnEvent::Chunk(chunk),
+                            };
+                            handler(ConnRef { shared: &shared }, event);
+                        }
                     }
                 }
                 Ok(None) => break,
@@ -585,7 +694,7 @@ async fn reader_task<R: AsyncReadRent>(
             }
         }
     }
-    // Dropping `tx` lets `ConnEvents` deliver `Closed`.
+    // Dropping the sink's sender lets `ConnEvents` deliver `Closed`.
 }
 
 /// Makes room in `buf` for the next read. The rest of a frame the decoder
