@@ -8,7 +8,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use iop_engine::conn::{spawn_conn, ConnConfig, ConnEvent, ConnHandle, SocketShutdown};
+use iop_engine::conn::{spawn_conn_handled, ConnConfig, ConnEvent, ConnRef, SocketShutdown};
 use iop_engine::metrics::{self as engine_metrics, Count};
 use iop_engine::net::Wait;
 use iop_engine::tls::EdgeTlsAcceptor;
@@ -46,7 +46,9 @@ pub async fn serve(
     let mut config = ConnConfig::from_env_override();
     config.chunks = true;
     // T2: identity is verified in the handshake, before any frame.
-    let (conn, events, tls_name) = match acceptor {
+    // The connection's id is given only once the handshake passed: a
+    // rejected peer never reaches the frame layer.
+    let (conn_id, conn, events, tls_name) = match acceptor {
         Some(acceptor) => {
             engine_metrics::add(Count::EdgeNodeHandshakesStarted, 1);
             let deadline = edge.deadlines.watch(&tcp);
@@ -76,9 +78,12 @@ pub async fn serve(
             match accepted {
                 Ok((tls, identity)) => {
                     handshake.finish(peer.map(|p| p.ip()), None);
+                    let conn_id = edge.next_conn_id();
+                    let tls_name = identity.name().to_string();
+                    let handler = frame_handler(&edge, conn_id, Some(tls_name.clone()));
                     let (r, w) = tls.into_split();
-                    let (conn, events) = spawn_conn(r, w, shutdown, config);
-                    (conn, events, Some(identity.name().to_string()))
+                    let (conn, events) = spawn_conn_handled(r, w, shutdown, config, handler);
+                    (conn_id, conn, events, Some(tls_name))
                 }
                 Err(e) => {
                     let failure = if timed_out {
@@ -93,12 +98,15 @@ pub async fn serve(
         }
         None => {
             handshake.release();
+            let conn_id = edge.next_conn_id();
+            let handler = frame_handler(&edge, conn_id, None);
             let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn(r, w, shutdown, config);
-            (conn, events, None)
+            let (conn, events) = spawn_conn_handled(r, w, shutdown, config, handler);
+            (conn_id, conn, events, None)
         }
     };
-    let conn_id = edge.next_conn_id();
+    // Before the reader's first poll (it runs once this task yields): the
+    // handler's first frame finds the connection known.
     edge.add_node_conn(conn_id, conn.clone());
     tracing::debug!(conn = conn_id.0, ?tls_name, "node connection open");
 
@@ -119,28 +127,12 @@ pub async fn serve(
         });
     }
 
-    // The reader never waits on a client: each run's frames go to its own
-    // reply, which its flow-control window bounds, so heartbeats and every
-    // other run keep flowing whatever one client does (T4).
+    // The frames went to the handler; the events bring only the close.
     let mut events = events;
     let reason = loop {
         match events.recv().await {
-            Some(ConnEvent::Frame(f)) => {
-                handle_frame(&edge, conn_id, &conn, tls_name.as_deref(), f);
-            }
-            // A tunnel's token: never a terminal, so no evidence for Control.
-            Some(ConnEvent::Chunk(chunk)) => {
-                let charge = flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, chunk.body.len());
-                deliver(
-                    &edge,
-                    conn_id,
-                    &conn,
-                    charge,
-                    None,
-                    ReplyEvent::Chunk(chunk),
-                );
-            }
             Some(ConnEvent::Closed { reason }) => break reason,
+            Some(ConnEvent::Frame(_) | ConnEvent::Chunk(_)) => {}
             None => break CloseReason::ConnectionEnded,
         }
     };
@@ -153,6 +145,28 @@ pub async fn serve(
         conn: conn_id,
         drained,
     });
+}
+
+/// What the connection's reader does with each frame, as it decodes it
+/// (no queue, no second task per frame). It never waits on a client: each
+/// run's frames go to its own reply, which its flow-control window bounds,
+/// so heartbeats and every other run keep flowing whatever one client does
+/// (T4).
+fn frame_handler(
+    edge: &Rc<Edge>,
+    conn_id: ConnId,
+    tls_name: Option<String>,
+) -> impl FnMut(ConnRef<'_>, ConnEvent) + 'static {
+    let edge = edge.clone();
+    move |conn, event| match event {
+        ConnEvent::Frame(f) => handle_frame(&edge, conn_id, conn, tls_name.as_deref(), f),
+        // A tunnel's token: never a terminal, so no evidence for Control.
+        ConnEvent::Chunk(chunk) => {
+            let charge = flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, chunk.body.len());
+            deliver(&edge, conn_id, conn, charge, None, ReplyEvent::Chunk(chunk));
+        }
+        ConnEvent::Closed { .. } => {}
+    }
 }
 
 /// Longest part of a peer's text (a claimed node id, a reason) a log line
@@ -171,7 +185,7 @@ fn peer_text_for_log(text: &str) -> &str {
 fn handle_frame(
     edge: &Rc<Edge>,
     conn_id: ConnId,
-    conn: &ConnHandle,
+    conn: ConnRef<'_>,
     tls_name: Option<&str>,
     f: pb::Frame,
 ) {
@@ -323,7 +337,7 @@ fn handle_frame(
 fn deliver(
     edge: &Edge,
     conn_id: ConnId,
-    conn: &ConnHandle,
+    conn: ConnRef<'_>,
     charge: u64,
     evidence: Option<Terminal>,
     event: ReplyEvent,
