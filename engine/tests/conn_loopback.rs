@@ -4,13 +4,13 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use iop_engine::conn::{
-    spawn_conn, spawn_conn_handled, ConnConfig, ConnEvent, ConnEvents, ConnHandle, ConnRef,
-    SendError, SocketShutdown,
+    spawn_conn, spawn_conn_handled, ConnClosed, ConnConfig, ConnEvent, ConnEvents, ConnHandle,
+    ConnRef, SendError, SocketShutdown,
 };
 use iop_wire::codec;
 use iop_wire::pb::{self, frame::Body};
-use iop_wire::CloseReason;
 use iop_wire::FrameDecoder;
+use iop_wire::{CloseReason, Inbound};
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt, Splitable};
 use monoio::net::{TcpListener, TcpStream};
 
@@ -288,8 +288,8 @@ async fn conn_with_chunks_hands_over_plain_body_frames_as_chunks() {
 fn start_handled(
     stream: TcpStream,
     config: ConnConfig,
-    handler: impl FnMut(ConnRef<'_>, ConnEvent) + 'static,
-) -> (ConnHandle, ConnEvents) {
+    handler: impl FnMut(ConnRef<'_>, Inbound) + 'static,
+) -> (ConnHandle, ConnClosed) {
     let shutdown = SocketShutdown::for_socket(&stream);
     let (read_half, write_half) = stream.into_split();
     spawn_conn_handled(read_half, write_half, shutdown, config, handler)
@@ -298,19 +298,19 @@ fn start_handled(
 #[monoio::test_all(timer_enabled = true)]
 async fn conn_handled_hands_every_frame_to_the_handler_in_order_then_closes() {
     // CONTRACT: T1 — a connection read by a handler gets every frame and
-    // chunk there, in the order sent and byte for byte; its events bring
-    // only the close, after the handler had the last frame.
+    // chunk there, in the order sent and byte for byte; the close comes
+    // after the handler had the last frame.
     guarded(async {
         let (client, server) = tcp_pair().await;
         let (node, _node_events) = start(client, ConnConfig::default());
         let mut config = ConnConfig::default();
         config.chunks = true;
         let handled = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
-        let (_edge, mut edge_events) = start_handled(server, config, {
+        let (_edge, edge_closed) = start_handled(server, config, {
             let handled = handled.clone();
-            move |conn: ConnRef<'_>, event| {
+            move |conn: ConnRef<'_>, inbound| {
                 assert!(!conn.is_closed());
-                handled.borrow_mut().push(event);
+                handled.borrow_mut().push(inbound);
             }
         });
 
@@ -325,22 +325,22 @@ async fn conn_handled_hands_every_frame_to_the_handler_in_order_then_closes() {
         node.close(CloseReason::Shutdown);
 
         assert_eq!(
-            drain(&mut edge_events).await,
-            vec![closed(CloseReason::Peer("shutdown".into())).unwrap()]
+            edge_closed.wait().await,
+            CloseReason::Peer("shutdown".into())
         );
         let handled = handled.borrow();
         assert_eq!(handled.len(), 5, "{handled:?}");
-        assert_eq!(handled[0], ConnEvent::Frame(run_event(1)));
+        assert_eq!(handled[0], Inbound::Frame(run_event(1)));
         for (seq, event) in (1..=3).zip(&handled[1..4]) {
             match event {
-                ConnEvent::Chunk(chunk) => {
+                Inbound::Chunk(chunk) => {
                     assert_eq!((chunk.run_id(), chunk.seq()), ("tunnel-7", seq));
                     assert!(chunk.body == body, "the body arrives byte for byte");
                 }
                 other => panic!("expected a chunk, got {other:?}"),
             }
         }
-        assert_eq!(handled[4], ConnEvent::Frame(run_event(2)));
+        assert_eq!(handled[4], Inbound::Frame(run_event(2)));
     })
     .await;
 }
@@ -353,18 +353,18 @@ async fn conn_handled_closes_from_the_handler_and_is_not_kept_open_by_it() {
     guarded(async {
         let (client, server) = tcp_pair().await;
         let (node, mut node_events) = start(client, ConnConfig::default());
-        let (_edge, mut edge_events) =
-            start_handled(server, ConnConfig::default(), |conn: ConnRef<'_>, event| {
-                if event == ConnEvent::Frame(run_event(1)) {
+        let (_edge, edge_closed) = start_handled(
+            server,
+            ConnConfig::default(),
+            |conn: ConnRef<'_>, inbound| {
+                if inbound == Inbound::Frame(run_event(1)) {
                     conn.close(CloseReason::ProtocolError);
                     assert!(conn.is_closed());
                 }
-            });
-        node.send_bulk(run_event(1)).await.unwrap();
-        assert_eq!(
-            drain(&mut edge_events).await,
-            vec![closed(CloseReason::ProtocolError).unwrap()]
+            },
         );
+        node.send_bulk(run_event(1)).await.unwrap();
+        assert_eq!(edge_closed.wait().await, CloseReason::ProtocolError);
         assert_eq!(
             drain(&mut node_events).await,
             vec![closed(CloseReason::Peer("protocol_error".into())).unwrap()]
@@ -372,16 +372,13 @@ async fn conn_handled_closes_from_the_handler_and_is_not_kept_open_by_it() {
 
         let (client, server) = tcp_pair().await;
         let mut peer = RawPeer::new(client);
-        let (edge, mut edge_events) = start_handled(server, ConnConfig::default(), |_, _| {});
+        let (edge, edge_closed) = start_handled(server, ConnConfig::default(), |_, _| {});
         drop(edge);
         assert_eq!(
             peer.read_frame().await,
             Some(close_frame("handle_dropped", ""))
         );
-        assert_eq!(
-            drain(&mut edge_events).await,
-            vec![closed(CloseReason::HandleDropped).unwrap()]
-        );
+        assert_eq!(edge_closed.wait().await, CloseReason::HandleDropped);
     })
     .await;
 }

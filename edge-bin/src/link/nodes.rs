@@ -8,7 +8,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use iop_engine::conn::{spawn_conn_handled, ConnConfig, ConnEvent, ConnRef, SocketShutdown};
+use iop_engine::conn::{spawn_conn_handled, ConnConfig, ConnRef, SocketShutdown};
 use iop_engine::metrics::{self as engine_metrics, Count};
 use iop_engine::net::Wait;
 use iop_engine::tls::EdgeTlsAcceptor;
@@ -16,7 +16,7 @@ use iop_wire::codec::body_name;
 use iop_wire::flow;
 use iop_wire::pb;
 use iop_wire::pb::frame::Body;
-use iop_wire::CloseReason;
+use iop_wire::{CloseReason, Inbound};
 use monoio::io::Splitable;
 use monoio::net::TcpStream;
 
@@ -48,7 +48,7 @@ pub async fn serve(
     // T2: identity is verified in the handshake, before any frame.
     // The connection's id is given only once the handshake passed: a
     // rejected peer never reaches the frame layer.
-    let (conn_id, conn, events, tls_name) = match acceptor {
+    let (conn_id, conn, closed, tls_name) = match acceptor {
         Some(acceptor) => {
             engine_metrics::add(Count::EdgeNodeHandshakesStarted, 1);
             let deadline = edge.deadlines.watch(&tcp);
@@ -82,8 +82,8 @@ pub async fn serve(
                     let tls_name = identity.name().to_string();
                     let handler = frame_handler(&edge, conn_id, Some(tls_name.clone()));
                     let (r, w) = tls.into_split();
-                    let (conn, events) = spawn_conn_handled(r, w, shutdown, config, handler);
-                    (conn_id, conn, events, Some(tls_name))
+                    let (conn, closed) = spawn_conn_handled(r, w, shutdown, config, handler);
+                    (conn_id, conn, closed, Some(tls_name))
                 }
                 Err(e) => {
                     let failure = if timed_out {
@@ -101,8 +101,8 @@ pub async fn serve(
             let conn_id = edge.next_conn_id();
             let handler = frame_handler(&edge, conn_id, None);
             let (r, w) = tcp.into_split();
-            let (conn, events) = spawn_conn_handled(r, w, shutdown, config, handler);
-            (conn_id, conn, events, None)
+            let (conn, closed) = spawn_conn_handled(r, w, shutdown, config, handler);
+            (conn_id, conn, closed, None)
         }
     };
     // Before the reader's first poll (it runs once this task yields): the
@@ -127,15 +127,8 @@ pub async fn serve(
         });
     }
 
-    // The frames went to the handler; the events bring only the close.
-    let mut events = events;
-    let reason = loop {
-        match events.recv().await {
-            Some(ConnEvent::Closed { reason }) => break reason,
-            Some(ConnEvent::Frame(_) | ConnEvent::Chunk(_)) => {}
-            None => break CloseReason::ConnectionEnded,
-        }
-    };
+    // The frames go to the handler; this task waits for the close.
+    let reason = closed.wait().await;
     tracing::info!(conn = conn_id.0, %reason, "node connection closed");
     edge.remove_node_conn(conn_id);
     edge.drop_replies_of(conn_id);
@@ -156,16 +149,15 @@ fn frame_handler(
     edge: &Rc<Edge>,
     conn_id: ConnId,
     tls_name: Option<String>,
-) -> impl FnMut(ConnRef<'_>, ConnEvent) + 'static {
+) -> impl FnMut(ConnRef<'_>, Inbound) + 'static {
     let edge = edge.clone();
-    move |conn, event| match event {
-        ConnEvent::Frame(f) => handle_frame(&edge, conn_id, conn, tls_name.as_deref(), f),
+    move |conn, inbound| match inbound {
+        Inbound::Frame(f) => handle_frame(&edge, conn_id, conn, tls_name.as_deref(), f),
         // A tunnel's token: never a terminal, so no evidence for Control.
-        ConnEvent::Chunk(chunk) => {
+        Inbound::Chunk(chunk) => {
             let charge = flow::tunnel_frame_charge(pb::TunnelFrameKind::Body, chunk.body.len());
             deliver(&edge, conn_id, conn, charge, None, ReplyEvent::Chunk(chunk));
         }
-        ConnEvent::Closed { .. } => {}
     }
 }
 

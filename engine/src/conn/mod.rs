@@ -25,7 +25,7 @@
 //!   a write).
 //! - [`spawn_conn_handled`] is the same shell with the reader handing each
 //!   frame to the application's handler as it decodes it, instead of
-//!   queueing it for [`ConnEvents`] (which then brings only the close): no
+//!   queueing it for [`ConnEvents`]; [`ConnClosed`] brings the close. No
 //!   queue and no second task per frame. The Edge's node links use it; the
 //!   handler gets a [`ConnRef`], which can close the connection and does
 //!   not keep it open.
@@ -66,8 +66,8 @@ use iop_wire::CloseReason;
 
 pub use self::core::{ConnCore, ConnStats, OutFrame, TrySendError};
 pub use self::shell::{
-    spawn_conn, spawn_conn_handled, ConnEvent, ConnEvents, ConnHandle, ConnRef, PushBulk,
-    SocketShutdown,
+    spawn_conn, spawn_conn_handled, ConnClosed, ConnEvent, ConnEvents, ConnHandle, ConnRef,
+    PushBulk, SocketShutdown,
 };
 
 /// The close reason for a failed socket read or write: a TLS failure is

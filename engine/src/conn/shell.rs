@@ -213,35 +213,41 @@ where
     R: AsyncReadRent + 'static,
     W: AsyncWriteRent + 'static,
 {
-    spawn_with(read_half, write_half, shutdown, config, None)
+    let (handle, rx) = spawn_with(read_half, write_half, shutdown, config, None);
+    let events = ConnEvents {
+        shared: handle.shared.clone(),
+        rx,
+        closed_delivered: false,
+    };
+    (handle, events)
 }
 
-/// [`spawn_conn`], with every frame (and chunk) handed to `handler` by the
-/// reader task as it is decoded, in the order received, instead of queued
-/// for [`ConnEvents`]: no queue, and no second task woken per frame. The
-/// handler cannot wait (it is not async), so nothing it does holds up the
-/// reader for long; it gets a [`ConnRef`] to close the connection with.
-/// It never gets [`ConnEvent::Closed`]: [`ConnEvents`] delivers that,
-/// after the handler has had the last frame, and nothing else.
+/// [`spawn_conn`], with every frame (and, with `ConnConfig::chunks`, every
+/// chunk) handed to `handler` by the reader task as it is decoded, in the
+/// order received, instead of queued for [`ConnEvents`]: no queue, and no
+/// second task woken per frame. The handler cannot wait (it is not async),
+/// so nothing it does holds up the reader for long; it gets a [`ConnRef`]
+/// to close the connection with. [`ConnClosed`] brings the close, after
+/// the handler has had the last frame.
 pub fn spawn_conn_handled<R, W, H>(
     read_half: R,
     write_half: W,
     shutdown: SocketShutdown,
     config: ConnConfig,
     handler: H,
-) -> (ConnHandle, ConnEvents)
+) -> (ConnHandle, ConnClosed)
 where
     R: AsyncReadRent + 'static,
     W: AsyncWriteRent + 'static,
-    H: FnMut(ConnRef<'_>, ConnEvent) + 'static,
+    H: FnMut(ConnRef<'_>, Inbound) + 'static,
 {
-    spawn_with(
-        read_half,
-        write_half,
-        shutdown,
-        config,
-        Some(Box::new(handler)),
-    )
+    let handler: Box<FrameHandler> = Box::new(handler);
+    let (handle, rx) = spawn_with(read_half, write_half, shutdown, config, Some(handler));
+    let closed = ConnClosed {
+        shared: handle.shared.clone(),
+        rx,
+    };
+    (handle, closed)
 }
 
 fn spawn_with<R, W>(
@@ -250,13 +256,13 @@ fn spawn_with<R, W>(
     shutdown: SocketShutdown,
     config: ConnConfig,
     handler: Option<Box<FrameHandler>>,
-) -> (ConnHandle, ConnEvents)
+) -> (ConnHandle, channel::Receiver<Inbound>)
 where
     R: AsyncReadRent + 'static,
     W: AsyncWriteRent + 'static,
 {
     // With a handler the queue carries nothing: its sender, dropped when the
-    // reader ends, only tells `ConnEvents` to deliver the close.
+    // reader ends, only tells `ConnClosed` the connection closed.
     let queue_frames = if handler.is_some() {
         1
     } else {
@@ -303,12 +309,7 @@ where
         body_copy_max_bytes,
     ));
     monoio::spawn(timer_task(shared.clone()));
-    let events = ConnEvents {
-        shared: shared.clone(),
-        rx,
-        closed_delivered: false,
-    };
-    (ConnHandle { shared }, events)
+    (ConnHandle { shared }, rx)
 }
 
 /// A connection as the handler of its frames sees it
@@ -340,7 +341,7 @@ impl ConnRef<'_> {
 }
 
 /// What [`spawn_conn_handled`] calls with each frame.
-type FrameHandler = dyn FnMut(ConnRef<'_>, ConnEvent);
+type FrameHandler = dyn FnMut(ConnRef<'_>, Inbound);
 
 /// Where the reader puts what it decoded.
 enum Sink {
@@ -349,8 +350,8 @@ enum Sink {
     /// Handed to the application's handler at once.
     Handler {
         handler: Box<FrameHandler>,
-        /// Never sent on: dropped with the reader, so that [`ConnEvents`]
-        /// delivers the close.
+        /// Never sent on: dropped with the reader, so that [`ConnClosed`]
+        /// sees the close.
         _done: channel::Sender<Inbound>,
     },
 }
@@ -584,9 +585,7 @@ impl ConnEvents {
     /// The next event: frames in the order received, then exactly one
     /// [`ConnEvent::Closed`], then `None` forever. Consume events promptly:
     /// while `ConnConfig::event_queue_max_frames` frames wait here the reader
-    /// stops reading, and heartbeats from the peer wait with them. For a
-    /// connection whose frames go to a handler ([`spawn_conn_handled`]),
-    /// only the close.
+    /// stops reading, and heartbeats from the peer wait with them.
     pub async fn recv(&mut self) -> Option<ConnEvent> {
         if self.closed_delivered {
             return None;
@@ -603,6 +602,31 @@ impl ConnEvents {
                 })
             }
         }
+    }
+}
+
+/// The close of a connection whose frames go to a handler
+/// ([`spawn_conn_handled`]).
+pub struct ConnClosed {
+    shared: Rc<Shared>,
+    rx: channel::Receiver<Inbound>,
+}
+
+impl std::fmt::Debug for ConnClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnClosed").finish_non_exhaustive()
+    }
+}
+
+impl ConnClosed {
+    /// Waits until the reader is done (the handler has had every frame)
+    /// and returns why the connection closed, one of the reasons
+    /// [`ConnEvent::Closed`] carries.
+    pub async fn wait(mut self) -> CloseReason {
+        // Nothing is ever sent: `None` is the reader dropping its sender.
+        while self.rx.recv().await.is_some() {}
+        let reason = self.shared.core.borrow().close_reason().cloned();
+        reason.unwrap_or(CloseReason::Aborted)
     }
 }
 
@@ -647,11 +671,7 @@ async fn reader_task<R: AsyncReadRent>(
                             let _ = tx.send(inbound).await;
                         }
                         (Some(inbound), Sink::Handler { handler, .. }) => {
-                            let event = match inbound {
-                                Inbound::Frame(frame) => ConnEvent::Frame(frame),
-                                Inbound::Chunk(chunk) => ConnEvent::Chunk(chunk),
-                            };
-                            handler(ConnRef { shared: &shared }, event);
+                            handler(ConnRef { shared: &shared }, inbound);
                         }
                     }
                 }
@@ -694,7 +714,8 @@ async fn reader_task<R: AsyncReadRent>(
             }
         }
     }
-    // Dropping the sink's sender lets `ConnEvents` deliver `Closed`.
+    // Dropping the sink's sender lets `ConnEvents` deliver `Closed` (or
+    // `ConnClosed` return).
 }
 
 /// Makes room in `buf` for the next read. The rest of a frame the decoder
