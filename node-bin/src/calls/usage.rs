@@ -378,6 +378,11 @@ impl UsageChunkStrip {
     /// after it has no usage object, so it is relayed without a look at its
     /// `choices` (every token of a stream, in practice).
     pub fn feed(&mut self, piece: &Bytes, key_free_from: usize, out: &mut Vec<Bytes>) {
+        if self.takes_whole(piece, key_free_from) {
+            // Every event of it goes on: no line of it is looked at.
+            out.push(piece.clone());
+            return;
+        }
         self.key_free_from = key_free_from;
         let bytes = &piece[..];
         let mut pos = 0;
@@ -432,6 +437,20 @@ impl UsageChunkStrip {
             self.hold_or_pass(piece, event_from, &mut pass_from, out);
         }
         relay(piece, pass_from, bytes.len(), out);
+    }
+
+    /// Whether `piece` goes on whole, as every token of a stream does: it
+    /// starts between events (nothing held, no dropped event's LF to take)
+    /// and holds no usage object (`key_free_from` 0), so none of its events
+    /// is the usage chunk; and it ends with a blank line (`\n\n` or
+    /// `\r\n\r\n`), so it leaves the filter between events again, with no
+    /// CR pending. Anything else is scanned line by line.
+    fn takes_whole(&self, piece: &[u8], key_free_from: usize) -> bool {
+        key_free_from == 0
+            && self.event == EventState::Between
+            && self.held.is_empty()
+            && !self.lf_of_dropped
+            && (piece.ends_with(b"\n\n") || piece.ends_with(b"\r\n\r\n"))
     }
 
     /// The bytes still held at the end of the body (an event it ended
@@ -1034,6 +1053,32 @@ mod strip_tests {
             proptest::prop_assert_eq!(joined(&after), expected.as_bytes());
             proptest::prop_assert_eq!(counts, StripCounts { stripped: usage_events, unchecked: 0 });
         }
+    }
+
+    #[test]
+    fn a_tokens_piece_goes_on_whole_and_the_usage_event_after_it_is_still_dropped() {
+        let token = Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\r\n\r\n",
+        );
+        let usage = Bytes::from_static(USAGE.as_bytes());
+        let mut watcher = UsageWatcher::default();
+        let mut strip = UsageChunkStrip::new();
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            strip.feed(&token, watcher.feed(&token), &mut out);
+            assert_eq!(out.len(), 1);
+            assert_eq!(out[0], token);
+            assert_eq!(
+                out[0].as_ptr(),
+                token.as_ptr(),
+                "the piece itself, not a copy"
+            );
+            out.clear();
+        }
+        strip.feed(&usage, watcher.feed(&usage), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(strip.take_counts().stripped, 1);
+        assert_eq!(watcher.finish().map(|u| u.total_tokens), Some(15));
     }
 
     #[test]
