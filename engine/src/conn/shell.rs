@@ -128,6 +128,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Why the connection closed, once its reader is done (`aborted` if
+    /// the core recorded no reason).
+    fn final_close_reason(&self) -> CloseReason {
+        let reason = self.core.borrow().close_reason().cloned();
+        reason.unwrap_or(CloseReason::Aborted)
+    }
+
     /// Run after every input to the core: wakes the tasks that have work and
     /// shuts the socket down once the core reports the close.
     fn after_change(&self) {
@@ -596,9 +603,8 @@ impl ConnEvents {
             None => {
                 // The reader is done: every received frame was delivered.
                 self.closed_delivered = true;
-                let reason = self.shared.core.borrow().close_reason().cloned();
                 Some(ConnEvent::Closed {
-                    reason: reason.unwrap_or(CloseReason::Aborted),
+                    reason: self.shared.final_close_reason(),
                 })
             }
         }
@@ -625,8 +631,7 @@ impl ConnClosed {
     pub async fn wait(mut self) -> CloseReason {
         // Nothing is ever sent: `None` is the reader dropping its sender.
         while self.rx.recv().await.is_some() {}
-        let reason = self.shared.core.borrow().close_reason().cloned();
-        reason.unwrap_or(CloseReason::Aborted)
+        self.shared.final_close_reason()
     }
 }
 

@@ -379,7 +379,10 @@ impl UsageChunkStrip {
     /// `choices` (every token of a stream, in practice).
     pub fn feed(&mut self, piece: &Bytes, key_free_from: usize, out: &mut Vec<Bytes>) {
         if self.takes_whole(piece, key_free_from) {
-            // Every event of it goes on: no line of it is looked at.
+            // Every event of it goes on: no line of it is looked at. It
+            // ended at a blank line, so no CR is pending, as the scan
+            // would leave it.
+            self.after_cr = false;
             out.push(piece.clone());
             return;
         }
